@@ -1,0 +1,55 @@
+/* The device abstraction: where a buffer lives and which stream runs work on
+ * it. The CPU device always exists; CUDA devices exist when moonrl was built
+ * with CUDA and a GPU is present at run time. */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include "status.h"
+#include "mem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mrl_device_kind {
+    MRL_DEVICE_CPU = 0,
+    MRL_DEVICE_CUDA = 1
+} mrl_device_kind;
+
+typedef struct mrl_device {
+    mrl_device_kind kind;
+    int index; /* GPU ordinal; 0 for the CPU */
+} mrl_device;
+
+typedef struct mrl_buffer {
+    void *data;
+    size_t bytes;
+    mrl_device device;
+    mrl_mem_category category;
+} mrl_buffer;
+
+typedef struct mrl_stream mrl_stream; /* opaque; NULL is the CPU / default stream */
+
+/* 1 when the CUDA backend was compiled in. */
+int mrl_device_cuda_built(void);
+/* Number of usable CUDA devices now (0 when not built or no GPU). */
+int mrl_device_cuda_count(void);
+/* Parse "cpu", "cuda", "cuda:1". */
+mrl_status mrl_device_parse(const char *text, mrl_device *out);
+/* Describe a device into buf ("cpu", "cuda:0 (NVIDIA H200, 139 GiB)"). */
+mrl_status mrl_device_describe(mrl_device device, char *buf, size_t buf_size);
+
+mrl_status mrl_buffer_alloc(mrl_device device, size_t bytes, mrl_mem_category category, mrl_buffer *out);
+void mrl_buffer_free(mrl_buffer *buffer);
+/* Copy between any two buffers (host<->device, device<->device) on a stream. */
+mrl_status mrl_buffer_copy(mrl_buffer *dst, size_t dst_offset, const mrl_buffer *src, size_t src_offset,
+                           size_t bytes, mrl_stream *stream);
+mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream);
+
+mrl_status mrl_stream_create(mrl_device device, mrl_stream **out);
+mrl_status mrl_stream_sync(mrl_stream *stream);
+void mrl_stream_destroy(mrl_stream *stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,28 @@
+/* Logging with levels. Messages go to stderr with a level tag; the level
+ * comes from mrl_log_set_level() or the MOONRL_LOG environment variable
+ * (error, warn, info, debug, trace). */
+#pragma once
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mrl_log_level {
+    MRL_LOG_ERROR = 0,
+    MRL_LOG_WARN = 1,
+    MRL_LOG_INFO = 2,
+    MRL_LOG_DEBUG = 3,
+    MRL_LOG_TRACE = 4
+} mrl_log_level;
+
+void mrl_log_set_level(mrl_log_level level);
+mrl_log_level mrl_log_get_level(void);
+/* Parse "error" .. "trace"; returns -1 for an unknown name. */
+int mrl_log_level_parse(const char *name);
+/* Log one message (no format: Lua passes a formatted string). */
+void mrl_log_write(mrl_log_level level, const char *message);
+void mrl_logf(mrl_log_level level, const char *fmt, ...);
+
+#ifdef __cplusplus
+}
+#endif

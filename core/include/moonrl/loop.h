@@ -1,0 +1,81 @@
+/* The process's event loop (libuv), run on a background thread so that it
+ * keeps serving signals, timers and subprocesses while the main thread is
+ * busy in Lua or in a long C call. The main thread talks to it through the
+ * calls below; none of them ever calls back into Lua. */
+#pragma once
+#include <stddef.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Start / stop the loop thread (mrl_init starts it). */
+mrl_status mrl_loop_start(void);
+void mrl_loop_stop(void);
+
+/* Seconds from an arbitrary fixed point, monotonic, nanosecond resolution. */
+double mrl_time_now(void);
+/* Sleep; returns MRL_ERR_STOPPED early if a stop is requested meanwhile. */
+mrl_status mrl_sleep(double seconds);
+
+/* --- Stopping cleanly -------------------------------------------------- */
+/* Install SIGINT/SIGTERM handlers on the loop: the first signal requests a
+ * stop (the run ends at its next safe point); a second one exits at once. */
+mrl_status mrl_signals_install(void);
+/* 0 when no stop was requested, else the signal number, or -1 for a
+ * deadline, or -2 for a stop requested by the program itself. */
+int mrl_stop_requested(void);
+/* Why the stop was requested ("SIGINT", "deadline of 30 s passed", ...). */
+const char *mrl_stop_reason(void);
+void mrl_request_stop(int code, const char *reason);
+void mrl_clear_stop(void);
+/* After `seconds`, request a stop (code -1). 0 cancels the deadline. */
+mrl_status mrl_deadline_set(double seconds);
+
+/* --- Subprocesses with timeouts ---------------------------------------- */
+typedef struct mrl_proc mrl_proc;
+
+typedef struct mrl_proc_result {
+    int exited;        /* 1 when the child exited by itself */
+    int exit_status;   /* its exit status when exited */
+    int term_signal;   /* the signal that ended it, else 0 */
+    int timed_out;     /* 1 when it was killed for running past its timeout */
+    double seconds;    /* wall time from spawn to exit */
+} mrl_proc_result;
+
+/* Start argv[0] (looked up in PATH) with argv; stdin_data (may be NULL) is
+ * written to its standard input, stdout and stderr are captured (up to
+ * max_output bytes each; 0 means 16 MiB). After timeout_s seconds (0: none)
+ * the child is sent SIGKILL. */
+mrl_status mrl_proc_spawn(const char *const *argv, const char *stdin_data, size_t stdin_len,
+                          double timeout_s, size_t max_output, mrl_proc **out);
+/* 1 when the child has ended and its output is complete. */
+int mrl_proc_done(mrl_proc *proc);
+/* Block until the child has ended. */
+mrl_status mrl_proc_wait(mrl_proc *proc, mrl_proc_result *result);
+/* Captured output; valid until mrl_proc_free. */
+const char *mrl_proc_stdout(mrl_proc *proc, size_t *len);
+const char *mrl_proc_stderr(mrl_proc *proc, size_t *len);
+/* Free (kills the child first if it still runs). */
+void mrl_proc_free(mrl_proc *proc);
+
+/* --- Background work on the loop's thread pool ------------------------- */
+typedef struct mrl_job mrl_job;
+/* A C function run on a pool thread; it returns a status (and sets the
+ * error message on its own thread, which the job carries back). */
+typedef mrl_status (*mrl_job_fn)(void *arg);
+
+mrl_status mrl_job_submit(mrl_job_fn fn, void *arg, mrl_job **out);
+/* Write `bytes` of data (copied at submit) to path atomically: to a
+ * temporary file, fsync, then rename over path. */
+mrl_status mrl_job_write_file(const char *path, const void *data, size_t bytes, mrl_job **out);
+int mrl_job_done(mrl_job *job);
+/* Block until the job ends; returns its status (its message in mrl_last_error). */
+mrl_status mrl_job_wait(mrl_job *job);
+/* Free a job (waits for it first if it still runs). */
+void mrl_job_free(mrl_job *job);
+
+#ifdef __cplusplus
+}
+#endif

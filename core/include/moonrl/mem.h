@@ -1,0 +1,41 @@
+/* The memory layer: every large allocation in moonrl goes through it and is
+ * accounted to a category, so that a run can report where its bytes went
+ * and its peak. Counters are per device kind (host, CUDA). */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mrl_mem_category {
+    MRL_MEM_PARAMS = 0,
+    MRL_MEM_GRADS = 1,
+    MRL_MEM_OPTIM = 2,
+    MRL_MEM_ACTIVATIONS = 3,
+    MRL_MEM_KV_CACHE = 4,
+    MRL_MEM_OTHER = 5,
+    MRL_MEM_NUM_CATEGORIES = 6
+} mrl_mem_category;
+
+typedef struct mrl_mem_stats {
+    int64_t current[6]; /* bytes live now, per category */
+    int64_t peak[6];    /* highest `current` seen, per category */
+    int64_t total;      /* bytes live now, all categories */
+    int64_t total_peak; /* highest `total` seen */
+} mrl_mem_stats;
+
+/* Host allocation, 64-byte aligned, zero-filled. NULL (and an error) on failure. */
+void *mrl_mem_alloc(size_t bytes, mrl_mem_category category);
+void mrl_mem_free(void *ptr);
+/* Record bytes allocated elsewhere (a device, a mapping) under a category. */
+void mrl_mem_account(mrl_mem_category category, int64_t delta_bytes);
+void mrl_mem_get_stats(mrl_mem_stats *out);
+/* Reset the peaks to the current values (to measure one phase). */
+void mrl_mem_reset_peak(void);
+const char *mrl_mem_category_name(mrl_mem_category category);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,23 @@
+/* Parallel-for for CPU kernels. Built on OpenMP: see bench/RESULTS.md
+ * ("parallel-for") for the measurement behind that choice. */
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Body of a parallel loop: process the half-open range [begin, end). */
+typedef void (*mrl_range_fn)(void *ctx, int64_t begin, int64_t end);
+
+/* Split [0, n) into contiguous chunks of at least `grain` items and run
+ * fn on them across the worker threads; returns when all are done. Runs
+ * inline when n <= grain or only one thread is configured. */
+void mrl_parallel_for(int64_t n, int64_t grain, mrl_range_fn fn, void *ctx);
+/* Number of worker threads (MOONRL_THREADS, else the number of cores). */
+int mrl_parallel_threads(void);
+void mrl_parallel_set_threads(int threads);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,25 @@
+/* Process-wide runtime: version, build features, initialisation. */
+#pragma once
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* "0.1.0" */
+const char *mrl_version(void);
+/* Git revision the library was built from ("unknown" outside git). */
+const char *mrl_git_revision(void);
+/* Space-separated backends built in: "cpu cuda". */
+const char *mrl_backends(void);
+/* CPU features detected at run time: "avx2 fma avx512f ..." */
+const char *mrl_cpu_features(void);
+/* 1 when the running CPU has the named feature ("avx2", "avx512f", ...). */
+int mrl_cpu_has(const char *feature);
+/* Initialise the runtime (idempotent): logging level, threads, the event loop. */
+mrl_status mrl_init(void);
+void mrl_shutdown(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,184 @@
+/* The device abstraction: CPU buffers through the memory layer, CUDA
+ * buffers through kernels/cuda when it is built in. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "moonrl/device.h"
+#ifdef MRL_HAVE_CUDA
+#include "cuda_backend.h"
+#endif
+
+/* A stream handle: NULL-equivalent on the CPU; a cudaStream_t on a GPU. */
+struct mrl_stream {
+    mrl_device device;
+    void *native;
+};
+
+int mrl_device_cuda_built(void) {
+#ifdef MRL_HAVE_CUDA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int mrl_device_cuda_count(void) {
+#ifdef MRL_HAVE_CUDA
+    return mrl_cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
+static mrl_status need_cuda(mrl_device device) {
+    if (!mrl_device_cuda_built())
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "device cuda:%d: moonrl was built without CUDA", device.index);
+    int count = mrl_device_cuda_count();
+    if (device.index < 0 || device.index >= count)
+        return mrl_set_error(MRL_ERR_INVALID, "device cuda:%d: %d CUDA device(s) present", device.index, count);
+    return MRL_OK;
+}
+
+mrl_status mrl_device_parse(const char *text, mrl_device *out) {
+    if (!text) return mrl_set_error(MRL_ERR_INVALID, "device: no name given");
+    if (!strcmp(text, "cpu")) {
+        *out = (mrl_device){MRL_DEVICE_CPU, 0};
+        return MRL_OK;
+    }
+    if (!strncmp(text, "cuda", 4)) {
+        int index = 0;
+        if (text[4] == ':') {
+            char *end;
+            long v = strtol(text + 5, &end, 10);
+            if (end == text + 5 || *end || v < 0 || v > 1024)
+                return mrl_set_error(MRL_ERR_INVALID, "device '%s': expected cuda:N", text);
+            index = (int)v;
+        } else if (text[4]) {
+            return mrl_set_error(MRL_ERR_INVALID, "device '%s': expected cpu, cuda or cuda:N", text);
+        }
+        *out = (mrl_device){MRL_DEVICE_CUDA, index};
+        return MRL_OK;
+    }
+    return mrl_set_error(MRL_ERR_INVALID, "device '%s': expected cpu, cuda or cuda:N", text);
+}
+
+mrl_status mrl_device_describe(mrl_device device, char *buf, size_t buf_size) {
+    if (device.kind == MRL_DEVICE_CPU) {
+        snprintf(buf, buf_size, "cpu");
+        return MRL_OK;
+    }
+    mrl_status st = need_cuda(device);
+    if (st != MRL_OK) return st;
+#ifdef MRL_HAVE_CUDA
+    return mrl_cuda_describe(device.index, buf, buf_size);
+#else
+    return MRL_ERR_UNSUPPORTED;
+#endif
+}
+
+mrl_status mrl_buffer_alloc(mrl_device device, size_t bytes, mrl_mem_category category, mrl_buffer *out) {
+    memset(out, 0, sizeof *out);
+    if (device.kind == MRL_DEVICE_CPU) {
+        out->data = mrl_mem_alloc(bytes, category);
+        if (!out->data) return MRL_ERR_NOMEM;
+    } else {
+        mrl_status st = need_cuda(device);
+        if (st != MRL_OK) return st;
+#ifdef MRL_HAVE_CUDA
+        st = mrl_cuda_malloc(device.index, bytes, &out->data);
+        if (st != MRL_OK) return st;
+        st = mrl_cuda_memset_zero(out->data, bytes, NULL);
+        if (st != MRL_OK) return st;
+        mrl_mem_account(category, (int64_t)bytes);
+#endif
+    }
+    out->bytes = bytes;
+    out->device = device;
+    out->category = category;
+    return MRL_OK;
+}
+
+void mrl_buffer_free(mrl_buffer *buffer) {
+    if (!buffer || !buffer->data) return;
+    if (buffer->device.kind == MRL_DEVICE_CPU) {
+        mrl_mem_free(buffer->data);
+    } else {
+#ifdef MRL_HAVE_CUDA
+        mrl_cuda_free(buffer->data);
+        mrl_mem_account(buffer->category, -(int64_t)buffer->bytes);
+#endif
+    }
+    buffer->data = NULL;
+    buffer->bytes = 0;
+}
+
+mrl_status mrl_buffer_copy(mrl_buffer *dst, size_t dst_offset, const mrl_buffer *src, size_t src_offset,
+                           size_t bytes, mrl_stream *stream) {
+    if (dst_offset > dst->bytes || bytes > dst->bytes - dst_offset || src_offset > src->bytes ||
+        bytes > src->bytes - src_offset)
+        return mrl_set_error(MRL_ERR_INVALID, "buffer copy of %zu bytes out of bounds (dst %zu+%zu, src %zu+%zu)",
+                             bytes, dst->bytes, dst_offset, src->bytes, src_offset);
+    char *d = (char *)dst->data + dst_offset;
+    const char *s = (const char *)src->data + src_offset;
+    if (dst->device.kind == MRL_DEVICE_CPU && src->device.kind == MRL_DEVICE_CPU) {
+        memmove(d, s, bytes);
+        return MRL_OK;
+    }
+#ifdef MRL_HAVE_CUDA
+    int kind = src->device.kind == MRL_DEVICE_CPU ? 0 : dst->device.kind == MRL_DEVICE_CPU ? 1 : 2;
+    return mrl_cuda_memcpy(d, s, bytes, kind, stream ? stream->native : NULL);
+#else
+    (void)stream;
+    return mrl_set_error(MRL_ERR_UNSUPPORTED, "buffer copy to or from a CUDA device: built without CUDA");
+#endif
+}
+
+mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream) {
+    if (buffer->device.kind == MRL_DEVICE_CPU) {
+        memset(buffer->data, 0, buffer->bytes);
+        return MRL_OK;
+    }
+#ifdef MRL_HAVE_CUDA
+    return mrl_cuda_memset_zero(buffer->data, buffer->bytes, stream ? stream->native : NULL);
+#else
+    (void)stream;
+    return mrl_set_error(MRL_ERR_UNSUPPORTED, "built without CUDA");
+#endif
+}
+
+
+mrl_status mrl_stream_create(mrl_device device, mrl_stream **out) {
+    *out = NULL;
+    mrl_stream *s = calloc(1, sizeof *s);
+    if (!s) return mrl_set_error(MRL_ERR_NOMEM, "out of memory creating a stream");
+    s->device = device;
+    if (device.kind == MRL_DEVICE_CUDA) {
+        mrl_status st = need_cuda(device);
+#ifdef MRL_HAVE_CUDA
+        if (st == MRL_OK) st = mrl_cuda_stream_create(device.index, &s->native);
+#endif
+        if (st != MRL_OK) {
+            free(s);
+            return st;
+        }
+    }
+    *out = s;
+    return MRL_OK;
+}
+
+mrl_status mrl_stream_sync(mrl_stream *stream) {
+    if (!stream || stream->device.kind == MRL_DEVICE_CPU) return MRL_OK;
+#ifdef MRL_HAVE_CUDA
+    return mrl_cuda_stream_sync(stream->native);
+#else
+    return MRL_OK;
+#endif
+}
+
+void mrl_stream_destroy(mrl_stream *stream) {
+    if (!stream) return;
+#ifdef MRL_HAVE_CUDA
+    if (stream->device.kind == MRL_DEVICE_CUDA) mrl_cuda_stream_destroy(stream->native);
+#endif
+    free(stream);
+}

@@ -1,0 +1,34 @@
+/* Per-thread last-error message. */
+#include <stdarg.h>
+#include <stdio.h>
+#include "moonrl/status.h"
+
+static _Thread_local char last_error[1024];
+
+const char *mrl_last_error(void) { return last_error; }
+
+void mrl_clear_error(void) { last_error[0] = 0; }
+
+mrl_status mrl_set_error(mrl_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *mrl_status_name(mrl_status status) {
+    switch (status) {
+    case MRL_OK: return "MRL_OK";
+    case MRL_ERR_INVALID: return "MRL_ERR_INVALID";
+    case MRL_ERR_NOMEM: return "MRL_ERR_NOMEM";
+    case MRL_ERR_IO: return "MRL_ERR_IO";
+    case MRL_ERR_FORMAT: return "MRL_ERR_FORMAT";
+    case MRL_ERR_UNSUPPORTED: return "MRL_ERR_UNSUPPORTED";
+    case MRL_ERR_DEVICE: return "MRL_ERR_DEVICE";
+    case MRL_ERR_STOPPED: return "MRL_ERR_STOPPED";
+    case MRL_ERR_TIMEOUT: return "MRL_ERR_TIMEOUT";
+    case MRL_ERR_INTERNAL: return "MRL_ERR_INTERNAL";
+    }
+    return "MRL_ERR_UNKNOWN";
+}

@@ -1,0 +1,87 @@
+/* Host allocations with per-category accounting. Each block carries a small
+ * header (its size and category) in front of the 64-byte-aligned payload so
+ * that mrl_mem_free can undo the accounting. */
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include "moonrl/mem.h"
+#include "moonrl/status.h"
+
+#define MEM_ALIGN 64
+
+typedef struct block_header {
+    size_t bytes;
+    int category;
+    unsigned magic;
+} block_header;
+#define BLOCK_MAGIC 0x6d726c4du
+
+static _Atomic int64_t current[MRL_MEM_NUM_CATEGORIES];
+static _Atomic int64_t peak[MRL_MEM_NUM_CATEGORIES];
+static _Atomic int64_t total, total_peak;
+
+static void raise_peak(_Atomic int64_t *peak_slot, int64_t value) {
+    int64_t seen = atomic_load(peak_slot);
+    while (value > seen && !atomic_compare_exchange_weak(peak_slot, &seen, value)) {}
+}
+
+void mrl_mem_account(mrl_mem_category category, int64_t delta) {
+    if ((int)category < 0 || category >= MRL_MEM_NUM_CATEGORIES) category = MRL_MEM_OTHER;
+    int64_t now = atomic_fetch_add(&current[category], delta) + delta;
+    int64_t all = atomic_fetch_add(&total, delta) + delta;
+    if (delta > 0) {
+        raise_peak(&peak[category], now);
+        raise_peak(&total_peak, all);
+    }
+}
+
+void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
+    if (bytes > ((size_t)1 << 46)) {
+        mrl_set_error(MRL_ERR_NOMEM, "allocation of %zu bytes refused (too large)", bytes);
+        return NULL;
+    }
+    size_t padded = (bytes + MEM_ALIGN - 1) / MEM_ALIGN * MEM_ALIGN;
+    char *raw = aligned_alloc(MEM_ALIGN, padded + MEM_ALIGN);
+    if (!raw) {
+        mrl_set_error(MRL_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
+                      mrl_mem_category_name(category));
+        return NULL;
+    }
+    memset(raw + MEM_ALIGN, 0, padded);
+    block_header *h = (block_header *)raw;
+    h->bytes = bytes;
+    h->category = category;
+    h->magic = BLOCK_MAGIC;
+    mrl_mem_account(category, (int64_t)bytes);
+    return raw + MEM_ALIGN;
+}
+
+void mrl_mem_free(void *ptr) {
+    if (!ptr) return;
+    char *raw = (char *)ptr - MEM_ALIGN;
+    block_header *h = (block_header *)raw;
+    if (h->magic != BLOCK_MAGIC) abort(); /* freeing memory not from mrl_mem_alloc: a bug */
+    h->magic = 0;
+    mrl_mem_account((mrl_mem_category)h->category, -(int64_t)h->bytes);
+    free(raw);
+}
+
+void mrl_mem_get_stats(mrl_mem_stats *out) {
+    for (int i = 0; i < MRL_MEM_NUM_CATEGORIES; i++) {
+        out->current[i] = atomic_load(&current[i]);
+        out->peak[i] = atomic_load(&peak[i]);
+    }
+    out->total = atomic_load(&total);
+    out->total_peak = atomic_load(&total_peak);
+}
+
+void mrl_mem_reset_peak(void) {
+    for (int i = 0; i < MRL_MEM_NUM_CATEGORIES; i++) atomic_store(&peak[i], atomic_load(&current[i]));
+    atomic_store(&total_peak, atomic_load(&total));
+}
+
+const char *mrl_mem_category_name(mrl_mem_category category) {
+    static const char *names[] = {"params", "grads", "optim", "activations", "kv_cache", "other"};
+    if ((int)category < 0 || category >= MRL_MEM_NUM_CATEGORIES) return "unknown";
+    return names[category];
+}

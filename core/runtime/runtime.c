@@ -1,0 +1,75 @@
+/* Version, build features, CPU feature detection, process initialisation. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "moonrl/runtime.h"
+#include "moonrl/log.h"
+#include "moonrl/loop.h"
+#include "moonrl/parallel.h"
+#include "moonrl/device.h"
+#include "build_info.h"
+
+const char *mrl_version(void) { return MRL_VERSION; }
+
+
+const char *mrl_backends(void) { return mrl_device_cuda_built() ? "cpu cuda" : "cpu"; }
+
+
+static int has_feature(const char *name) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (!strcmp(name, "sse4.2")) return __builtin_cpu_supports("sse4.2");
+    if (!strcmp(name, "avx")) return __builtin_cpu_supports("avx");
+    if (!strcmp(name, "avx2")) return __builtin_cpu_supports("avx2");
+    if (!strcmp(name, "fma")) return __builtin_cpu_supports("fma");
+    if (!strcmp(name, "f16c")) return __builtin_cpu_supports("f16c");
+    if (!strcmp(name, "avx512f")) return __builtin_cpu_supports("avx512f");
+    if (!strcmp(name, "avx512bw")) return __builtin_cpu_supports("avx512bw");
+    if (!strcmp(name, "avx512dq")) return __builtin_cpu_supports("avx512dq");
+    if (!strcmp(name, "avx512vl")) return __builtin_cpu_supports("avx512vl");
+    if (!strcmp(name, "avx512vnni")) return __builtin_cpu_supports("avx512vnni");
+    if (!strcmp(name, "avx512bf16")) return __builtin_cpu_supports("avx512bf16");
+#else
+    (void)name;
+#endif
+    return 0;
+}
+
+int mrl_cpu_has(const char *feature) { return feature ? has_feature(feature) : 0; }
+
+const char *mrl_cpu_features(void) {
+    static char text[256];
+    if (!text[0]) {
+        static const char *names[] = {"sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                      "avx512dq", "avx512vl", "avx512vnni", "avx512bf16"};
+        size_t used = 0;
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (has_feature(names[i]))
+                used += (size_t)snprintf(text + used, sizeof text - used, "%s%s", used ? " " : "", names[i]);
+        if (!used) snprintf(text, sizeof text, "none");
+    }
+    return text;
+}
+
+static int initialised = 0;
+
+mrl_status mrl_init(void) {
+    if (initialised) return MRL_OK;
+    const char *level = getenv("MOONRL_LOG");
+    if (level) {
+        int parsed = mrl_log_level_parse(level);
+        if (parsed < 0) return mrl_set_error(MRL_ERR_INVALID, "MOONRL_LOG=%s: expected error, warn, info, debug or trace", level);
+        mrl_log_set_level((mrl_log_level)parsed);
+    }
+    mrl_parallel_threads();
+    mrl_status st = mrl_loop_start();
+    if (st != MRL_OK) return st;
+    initialised = 1;
+    return MRL_OK;
+}
+
+void mrl_shutdown(void) {
+    if (!initialised) return;
+    mrl_loop_stop();
+    initialised = 0;
+}

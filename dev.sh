@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One entry point that sets up a fresh machine and then builds and runs moonrl.
+#
+#   ./dev.sh run [ARGS...]   install what is missing, build, run `moonrl ARGS` (no ARGS: the default example)
+#   ./dev.sh test            install what is missing, build, run every test (also the C tests under
+#                            AddressSanitizer + UndefinedBehaviorSanitizer); prints "N passed, N failed" last
+#   ./dev.sh deps            only install the build and test dependencies
+#   ./dev.sh build           only build (build/)
+set -uo pipefail
+cd "$(dirname "$0")"
+
+# Debian packages the build and the tests need.
+DEB_PACKAGES="meson ninja-build pkg-config gcc g++ git libluajit2-5.1-dev luajit2 libuv1-dev libopenblas-dev
+ libpcre2-dev python3 python3-torch python3-numpy python3-jinja2"
+# Python packages for the reference tests (installed for /usr/bin/python3).
+PIP_PACKAGES=""
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+deps() {
+  local missing=""
+  for p in $DEB_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+  done
+  if [ -n "$missing" ]; then
+    echo "dev.sh: installing Debian packages:$missing"
+    as_root apt-get update -qq || return 1
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends $missing || return 1
+  fi
+  for p in $PIP_PACKAGES; do
+    /usr/bin/python3 -c "import ${p%%=*}" 2>/dev/null && continue
+    echo "dev.sh: installing Python package $p"
+    as_root /usr/bin/python3 -m pip install -q --break-system-packages "$p" || return 1
+  done
+}
+
+# nvcc is found on PATH; the toolkit lives in /usr/local/cuda where it is installed.
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+
+build() {
+  if [ ! -f build/build.ninja ]; then
+    meson setup build || return 1
+  fi
+  ninja -C build
+}
+
+# Run one meson test setup; add its counts to the totals.
+passed=0; failed=0; skipped=0
+run_suite() {
+  local dir=$1; shift
+  meson test -C "$dir" --print-errorlogs "$@"
+  local status=$? log="$dir/meson-logs/testlog.json"
+  if [ -f "$log" ]; then
+    local counts
+    counts=$(/usr/bin/python3 - "$log" <<'PY'
+import json, sys
+ok = fail = skip = 0
+for line in open(sys.argv[1]):
+    r = json.loads(line).get("result")
+    if r in ("OK", "EXPECTEDFAIL"): ok += 1
+    elif r == "SKIP": skip += 1
+    else: fail += 1
+print(ok, fail, skip)
+PY
+)
+    read -r o f s <<< "$counts"
+    passed=$((passed + o)); failed=$((failed + f)); skipped=$((skipped + s))
+  else
+    failed=$((failed + 1))
+  fi
+  return $status
+}
+
+tests() {
+  build || { echo "0 passed, 1 failed"; return 1; }
+  run_suite build
+  # the C unit tests again, under AddressSanitizer and UndefinedBehaviorSanitizer
+  if [ ! -f build-sanitize/build.ninja ]; then
+    meson setup build-sanitize -Dbuildtype=debug -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled \
+      || { echo "$passed passed, $((failed + 1)) failed"; return 1; }
+  fi
+  if ninja -C build-sanitize; then
+    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 run_suite build-sanitize --suite c
+  else
+    failed=$((failed + 1))
+  fi
+  if [ "$skipped" -gt 0 ]; then
+    echo "$passed passed, $failed failed, $skipped skipped"
+  else
+    echo "$passed passed, $failed failed"
+  fi
+  [ "$failed" -eq 0 ]
+}
+
+cmd=${1:-run}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  deps) deps ;;
+  build) deps && build ;;
+  run) deps && build && exec build/moonrl "$@" ;;
+  test) deps || { echo "0 passed, 1 failed"; exit 1; }; tests ;;
+  *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build" >&2; exit 2 ;;
+esac

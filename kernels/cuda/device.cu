@@ -1,0 +1,70 @@
+// CUDA device, memory and stream layer. Plain cudaMalloc (no managed
+// memory); every call's error is turned into an mrl_status with the CUDA
+// error string.
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include "cuda_backend.h"
+
+static mrl_status check(cudaError_t err, const char *what) {
+    if (err == cudaSuccess) return MRL_OK;
+    return mrl_set_error(MRL_ERR_DEVICE, "CUDA %s failed: %s", what, cudaGetErrorString(err));
+}
+
+extern "C" int mrl_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();  // no driver or no GPU: report zero, clear the sticky error
+        return 0;
+    }
+    return n;
+}
+
+extern "C" mrl_status mrl_cuda_describe(int device, char *buf, size_t buf_size) {
+    cudaDeviceProp prop;
+    mrl_status st = check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    if (st != MRL_OK) return st;
+    snprintf(buf, buf_size, "cuda:%d (%s, %.0f GiB, sm_%d%d)", device, prop.name,
+             prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor);
+    return MRL_OK;
+}
+
+extern "C" mrl_status mrl_cuda_malloc(int device, size_t bytes, void **out) {
+    mrl_status st = check(cudaSetDevice(device), "cudaSetDevice");
+    if (st != MRL_OK) return st;
+    return check(cudaMalloc(out, bytes ? bytes : 1), "cudaMalloc");
+}
+
+extern "C" void mrl_cuda_free(void *ptr) {
+    if (ptr) cudaFree(ptr);
+}
+
+extern "C" mrl_status mrl_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream) {
+    cudaMemcpyKind k = kind == 0 ? cudaMemcpyHostToDevice : kind == 1 ? cudaMemcpyDeviceToHost
+                                                                        : cudaMemcpyDeviceToDevice;
+    mrl_status st = check(cudaMemcpyAsync(dst, src, bytes, k, (cudaStream_t)stream), "cudaMemcpyAsync");
+    if (st != MRL_OK) return st;
+    // a copy to the host must be complete when the call returns
+    if (kind == 1) return check(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize");
+    return MRL_OK;
+}
+
+extern "C" mrl_status mrl_cuda_memset_zero(void *ptr, size_t bytes, void *stream) {
+    return check(cudaMemsetAsync(ptr, 0, bytes, (cudaStream_t)stream), "cudaMemsetAsync");
+}
+
+extern "C" mrl_status mrl_cuda_stream_create(int device, void **out) {
+    mrl_status st = check(cudaSetDevice(device), "cudaSetDevice");
+    if (st != MRL_OK) return st;
+    cudaStream_t s;
+    st = check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (st == MRL_OK) *out = (void *)s;
+    return st;
+}
+
+extern "C" mrl_status mrl_cuda_stream_sync(void *stream) {
+    return check(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize");
+}
+
+extern "C" void mrl_cuda_stream_destroy(void *stream) {
+    if (stream) cudaStreamDestroy((cudaStream_t)stream);
+}

@@ -1,0 +1,161 @@
+-- The `moonrl` command line, called by core/cli/main.c with argv[1..].
+-- Returns the process exit status: 0 success, 1 a failure in the recipe,
+-- 2 a usage error (missing file, bad config), 128+signal when stopped by a
+-- signal, 124 when stopped by the run's deadline.
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+
+local M = {}
+
+local HELP = [[
+moonrl - reinforcement-learning post-training of LLMs: a C core, recipes in Lua
+
+usage:
+  moonrl                            run the embedded default example
+  moonrl run RECIPE [key=value ...] run a recipe (a .lua file, or a name in recipes/)
+  moonrl run RECIPE --show-config   list the recipe's config keys and defaults
+  moonrl version                    version, git revision, backends, CPU features
+  moonrl help                       this text
+  moonrl COMMAND ...                another command from lua/moonrl/cmd/ (%s)
+
+Config keys are dotted paths into the recipe's config table (model.dir=...,
+run.seed=3); each value is parsed with the type of its default. Every recipe
+also has run.seed, run.dir, run.max_seconds, run.threads and run.log_level.
+
+environment: MOONRL_HOME (where lua/, recipes/, plugins/ live), MOONRL_THREADS,
+MOONRL_LOG (error, warn, info, debug, trace)
+]]
+
+local function eprint(msg) io.stderr:write('moonrl: ', msg, '\n') end
+
+local function file_exists(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() return true end
+  return false
+end
+
+local function extra_commands()
+  local names = {}
+  local p = io.popen('ls "' .. moonrl.home .. '/lua/moonrl/cmd" 2>/dev/null')
+  if p then
+    for line in p:lines() do
+      local n = line:match('^(.-)%.lua$')
+      if n then names[#names + 1] = n end
+    end
+    p:close()
+  end
+  table.sort(names)
+  return names
+end
+
+local function print_version()
+  local v = moonrl.version()
+  print(string.format('moonrl %s (git %s)', v.version, v.git))
+  print('backends: ' .. v.backends .. (v.backends:find('cuda') and string.format(' (%d CUDA device(s) visible)', v.cuda_devices) or ''))
+  print('cpu features: ' .. v.cpu_features)
+  print('threads: ' .. v.threads)
+  print('luajit: ' .. (jit and jit.version or '?'))
+  print('home: ' .. moonrl.home)
+end
+
+-- Find a recipe: a path as given, else recipes/NAME(.lua) under the home.
+local function find_recipe(name)
+  if file_exists(name) then return name end
+  for _, cand in ipairs({ moonrl.home .. '/recipes/' .. name, moonrl.home .. '/recipes/' .. name .. '.lua' }) do
+    if file_exists(cand) then return cand end
+  end
+  return nil
+end
+
+-- Run a loaded chunk as the recipe, mapping every way it can end to an exit
+-- status and one clear message.
+local function run_chunk(chunk, label, overrides, show_config)
+  local config = require('moonrl.config')
+  config.overrides = overrides
+  config.consumed = false
+  config.show_only = show_config
+  moonrl.C.mrl_signals_install()
+  local traceback
+  local ok, err = xpcall(chunk, function(e)
+    if type(e) == 'table' then return e end
+    traceback = debug.traceback(tostring(e), 2)
+    return e
+  end)
+  if ok then
+    if not config.consumed and (#overrides > 0 or show_config) then
+      eprint(string.format("error: %s declares no config (moonrl.config{...}), so '%s' cannot be set",
+        label, overrides[1] and overrides[1].key or '--show-config'))
+      return 2
+    end
+    return 0
+  end
+  if type(err) == 'table' and err.show_config then return 0 end
+  if moonrl.is_usage_error(err) then
+    eprint('error: ' .. err.message)
+    return 2
+  end
+  if moonrl.is_stop_request(err) then
+    eprint(string.format('stopped (%s) at a safe point', err.reason))
+    if err.code > 0 then return 128 + err.code end
+    return 124
+  end
+  io.stderr:write('moonrl: error in ', label, ': ', traceback or tostring(err), '\n')
+  return 1
+end
+
+local function cmd_run(args)
+  local name = args[1]
+  if not name or name == '-h' or name == '--help' then
+    eprint('usage: moonrl run RECIPE [key=value ...] [--show-config]')
+    return 2
+  end
+  local words, show_config = {}, false
+  for i = 2, #args do
+    if args[i] == '--show-config' then show_config = true else words[#words + 1] = args[i] end
+  end
+  local path = find_recipe(name)
+  if not path then
+    eprint(string.format("error: recipe '%s' not found (no such file, and no recipes/%s.lua)", name, name))
+    return 2
+  end
+  local chunk, err = loadfile(path)
+  if not chunk then
+    eprint('error: ' .. tostring(err))
+    return 2
+  end
+  local ok, overrides = pcall(require('moonrl.config').parse_overrides, words)
+  if not ok then
+    eprint('error: ' .. tostring(overrides))
+    return 2
+  end
+  arg = { [0] = path }
+  return run_chunk(chunk, path, overrides, show_config)
+end
+
+function M.main(args)
+  local cmd = args[1]
+  if cmd == nil then
+    local chunk = package.preload['moonrl.default_example']
+    return run_chunk(chunk, 'examples/default.lua', {}, false)
+  end
+  if cmd == 'help' or cmd == '--help' or cmd == '-h' then
+    io.stdout:write(string.format(HELP, table.concat(extra_commands(), ', ')))
+    return 0
+  end
+  if cmd == 'version' or cmd == '--version' then
+    print_version()
+    return 0
+  end
+  local rest = {}
+  for i = 2, #args do rest[#rest + 1] = args[i] end
+  if cmd == 'run' then return cmd_run(rest) end
+  if cmd:match('%.lua$') then return cmd_run(args) end
+  if cmd:match('^[%w_]+$') and file_exists(moonrl.home .. '/lua/moonrl/cmd/' .. cmd .. '.lua') then
+    local mod = require('moonrl.cmd.' .. cmd)
+    return run_chunk(function() return mod.main(rest) end, 'moonrl ' .. cmd, {}, false)
+  end
+  eprint(string.format("error: unknown command '%s' (try 'moonrl help')", cmd))
+  return 2
+end
+
+return M

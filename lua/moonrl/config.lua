@@ -1,0 +1,275 @@
+-- Recipe configuration. A recipe declares its config table with defaults:
+--
+--   local cfg = moonrl.config {
+--     lr = 1e-6, steps = 100,
+--     model = { dir = moonrl.config.required('string') },
+--   }
+--
+-- and `moonrl run recipe.lua lr=3e-6 model.dir=/m` overrides it. Each value
+-- given on the command line is parsed with the type of its default; a key
+-- the recipe did not declare is an error naming the closest declared keys.
+-- Every config also has a `run` section that moonrl itself reads.
+local M = {}
+
+-- Overrides from the command line: a list of { key = 'a.b', value = 'text' }.
+M.overrides = {}
+M.consumed = false      -- set once a recipe declared its config
+M.show_only = false     -- `moonrl run R --show-config`: print and stop
+
+local function usage_error(msg) require('moonrl').usage_error(msg) end
+
+-- A declared key with no default: `required(type)` must be given on the
+-- command line, `optional(type)` may be (and is nil otherwise).
+local Slot = {}
+Slot.__index = Slot
+local valid_types = { string = true, number = true, boolean = true, integer = true }
+local function slot(kind, typ, doc)
+  if not valid_types[typ] then error("config." .. kind .. ": type must be string, number, integer or boolean", 3) end
+  return setmetatable({ kind = kind, type = typ, doc = doc }, Slot)
+end
+function M.required(typ, doc) return slot('required', typ, doc) end
+function M.optional(typ, doc) return slot('optional', typ, doc) end
+-- A number that must be whole (steps, sizes): `integer(100)`.
+function M.integer(default) return setmetatable({ kind = 'default', type = 'integer', value = default }, Slot) end
+
+-- The section every recipe gets.
+local function run_section()
+  return {
+    seed = M.integer(1),
+    dir = M.optional('string', 'run directory (default runs/<recipe>-<time>)'),
+    max_seconds = 0,        -- stop cleanly after this long (0: no limit)
+    threads = M.integer(0), -- CPU threads for kernels (0: all cores)
+    log_level = 'info',
+  }
+end
+
+local function is_slot(v) return getmetatable(v) == Slot end
+local function is_list(t)
+  if type(t) ~= 'table' or is_slot(t) then return false end
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  return n > 0 and n == #t
+end
+
+local function type_of(v)
+  if is_slot(v) then return v.type end
+  return type(v)
+end
+
+-- Flatten the declared tree into { ['a.b'] = leaf } (lists are leaves).
+local function flatten(tree, prefix, out)
+  for k, v in pairs(tree) do
+    if type(k) ~= 'string' then error('config keys must be strings, got ' .. tostring(k), 4) end
+    local key = prefix and (prefix .. '.' .. k) or k
+    if type(v) == 'table' and not is_slot(v) and not is_list(v) and next(v) ~= nil then
+      flatten(v, key, out)
+    else
+      out[key] = v
+    end
+  end
+  return out
+end
+
+-- Edit distance, to suggest the key the user meant.
+local function distance(a, b)
+  local prev, cur = {}, {}
+  for j = 0, #b do prev[j] = j end
+  for i = 1, #a do
+    cur[0] = i
+    for j = 1, #b do
+      local cost = a:sub(i, i) == b:sub(j, j) and 0 or 1
+      cur[j] = math.min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+    end
+    prev, cur = cur, prev
+  end
+  return prev[#b]
+end
+
+function M.closest(key, known, limit)
+  local scored = {}
+  for _, k in ipairs(known) do
+    local d = distance(key, k)
+    local last = k:match('([^.]+)$')
+    d = math.min(d, distance(key:match('([^.]+)$'), last) + 1)
+    if k:find(key, 1, true) or key:find(k, 1, true) then d = math.min(d, 1) end
+    scored[#scored + 1] = { k = k, d = d }
+  end
+  table.sort(scored, function(x, y) if x.d ~= y.d then return x.d < y.d end return x.k < y.k end)
+  local out = {}
+  for i = 1, math.min(limit or 3, #scored) do
+    if scored[i].d <= math.max(2, math.floor(#key / 3)) then out[#out + 1] = scored[i].k end
+  end
+  return out
+end
+
+local booleans = { ['true'] = true, ['1'] = true, yes = true, on = true,
+                   ['false'] = false, ['0'] = false, no = false, off = false }
+
+local function parse_scalar(key, typ, text)
+  if typ == 'string' then return text end
+  if typ == 'number' or typ == 'integer' then
+    local n = tonumber(text)
+    if n == nil or n ~= n then
+      usage_error(string.format("config key '%s' expects a%s %s, got '%s'", key,
+        typ == 'integer' and 'n' or '', typ, text))
+    end
+    if typ == 'integer' and n ~= math.floor(n) then
+      usage_error(string.format("config key '%s' expects an integer, got '%s'", key, text))
+    end
+    return n
+  end
+  if typ == 'boolean' then
+    local b = booleans[text:lower()]
+    if b == nil then
+      usage_error(string.format("config key '%s' expects a boolean (true/false), got '%s'", key, text))
+    end
+    return b
+  end
+  error('unreachable type ' .. tostring(typ))
+end
+
+local function parse_value(key, declared, text)
+  if is_list(declared) then
+    local elem = type_of(declared[1])
+    local out = {}
+    if text ~= '' then
+      for piece in (text .. ','):gmatch('([^,]*),') do out[#out + 1] = parse_scalar(key, elem, piece) end
+    end
+    return out
+  end
+  return parse_scalar(key, type_of(declared), text)
+end
+
+-- Deep copy of the declared tree, with slots resolved to their values.
+local function resolve(tree)
+  local out = {}
+  for k, v in pairs(tree) do
+    if is_slot(v) then
+      out[k] = v.value -- nil for required/optional
+    elseif type(v) == 'table' then
+      out[k] = resolve(v)
+    else
+      out[k] = v
+    end
+  end
+  return out
+end
+
+local function set_path(tree, key, value)
+  local node = tree
+  local parts = {}
+  for p in key:gmatch('[^.]+') do parts[#parts + 1] = p end
+  for i = 1, #parts - 1 do
+    node[parts[i]] = node[parts[i]] or {}
+    node = node[parts[i]]
+  end
+  node[parts[#parts]] = value
+end
+
+local function sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys)
+  return keys
+end
+
+local function describe(v)
+  if is_slot(v) then
+    if v.kind == 'default' then return tostring(v.value) .. '  (integer)' end
+    return '<' .. v.kind .. ' ' .. v.type .. '>' .. (v.doc and ('  -- ' .. v.doc) or '')
+  end
+  if is_list(v) then
+    local parts = {}
+    for i, x in ipairs(v) do parts[i] = tostring(x) end
+    return table.concat(parts, ',')
+  end
+  if type(v) == 'string' then return string.format('%q', v) end
+  return tostring(v)
+end
+
+-- Merge `overrides` (list of {key, value}) into `declared`; returns the
+-- resolved config table. Errors are usage errors naming the key.
+function M.merge(declared, overrides)
+  if type(declared) ~= 'table' then error('moonrl.config expects a table of defaults', 3) end
+  local tree = {}
+  for k, v in pairs(declared) do tree[k] = v end
+  if tree.run == nil then tree.run = run_section() end
+  local flat = flatten(tree, nil, {})
+  local known = sorted_keys(flat)
+  local cfg = resolve(tree)
+  local given = {}
+  for _, o in ipairs(overrides) do
+    local leaf = flat[o.key]
+    if leaf == nil then
+      -- a table given whole, or an unknown key
+      local prefix = o.key .. '.'
+      local children = {}
+      for _, k in ipairs(known) do if k:sub(1, #prefix) == prefix then children[#children + 1] = k end end
+      if #children > 0 then
+        usage_error(string.format("config key '%s' is a section; set one of its keys: %s", o.key,
+          table.concat(children, ', ', 1, math.min(#children, 6))))
+      end
+      local near = M.closest(o.key, known)
+      usage_error(string.format("unknown config key '%s'%s", o.key,
+        #near > 0 and (' (did you mean ' .. table.concat(near, ', ') .. '?)') or ''))
+    end
+    set_path(cfg, o.key, parse_value(o.key, leaf, o.value))
+    given[o.key] = true
+  end
+  for _, k in ipairs(known) do
+    local leaf = flat[k]
+    if is_slot(leaf) and leaf.kind == 'required' and not given[k] then
+      usage_error(string.format("config key '%s' (%s) is required: pass %s=...", k, leaf.type, k))
+    end
+  end
+  return cfg, flat
+end
+
+-- Text listing of every key, its default and type.
+function M.format(declared)
+  local tree = {}
+  for k, v in pairs(declared) do tree[k] = v end
+  if tree.run == nil then tree.run = run_section() end
+  local flat = flatten(tree, nil, {})
+  local lines = {}
+  for _, k in ipairs(sorted_keys(flat)) do lines[#lines + 1] = string.format('%-28s %s', k, describe(flat[k])) end
+  return table.concat(lines, '\n')
+end
+
+-- Parse `key=value` command-line words into the override list.
+function M.parse_overrides(words)
+  local out = {}
+  for _, w in ipairs(words) do
+    local key, value = w:match('^([%w_%.%-]+)=(.*)$')
+    if not key or key:find('%.%.') or key:sub(1, 1) == '.' or key:sub(-1) == '.' then
+      usage_error(string.format("expected key=value, got '%s'", w))
+    end
+    out[#out + 1] = { key = key, value = value }
+  end
+  return out
+end
+
+-- moonrl.config { ... }: declare the recipe's config and get it back merged.
+setmetatable(M, {
+  __call = function(_, declared)
+    local cfg = M.merge(declared, M.overrides)
+    M.consumed = true
+    if M.show_only then
+      io.stdout:write(M.format(declared), '\n')
+      error(setmetatable({ show_config = true }, { __tostring = function() return 'config shown' end }), 0)
+    end
+    M.current = cfg
+    M.apply_run(cfg.run)
+    return cfg
+  end,
+})
+
+-- Apply the `run` section: threads, logging, deadline.
+function M.apply_run(run)
+  local moonrl = require('moonrl')
+  if run.threads and run.threads > 0 then moonrl.C.mrl_parallel_set_threads(run.threads) end
+  if run.log_level then moonrl.set_log_level(run.log_level) end
+  if run.max_seconds and run.max_seconds > 0 then moonrl.check(moonrl.C.mrl_deadline_set(run.max_seconds)) end
+end
+
+return M

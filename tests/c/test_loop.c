@@ -1,0 +1,139 @@
+/* The libuv event loop: subprocesses with timeouts, background jobs,
+ * deadlines and stop requests. */
+#include <stdlib.h>
+#include <unistd.h>
+#include "moonrl/loop.h"
+#include "moonrl/runtime.h"
+#include "check.h"
+
+static void test_proc_output(void) {
+    const char *argv[] = {"sh", "-c", "read line; echo got:$line; echo oops >&2; exit 3", NULL};
+    mrl_proc *p;
+    CHECK_OK(mrl_proc_spawn(argv, "hello\n", 6, 10, 0, &p));
+    mrl_proc_result r;
+    CHECK_OK(mrl_proc_wait(p, &r));
+    CHECK(mrl_proc_done(p));
+    CHECK(r.exited && r.exit_status == 3 && !r.timed_out && r.term_signal == 0);
+    size_t n;
+    CHECK(strcmp(mrl_proc_stdout(p, &n), "got:hello\n") == 0 && n == 10);
+    CHECK(strcmp(mrl_proc_stderr(p, &n), "oops\n") == 0);
+    mrl_proc_free(p);
+}
+
+static void test_proc_timeout(void) {
+    /* the child starts a grandchild that holds the pipes: both must die */
+    const char *argv[] = {"sh", "-c", "sleep 30 & sleep 30", NULL};
+    mrl_proc *p;
+    double t0 = mrl_time_now();
+    CHECK_OK(mrl_proc_spawn(argv, NULL, 0, 0.3, 0, &p));
+    mrl_proc_result r;
+    CHECK_OK(mrl_proc_wait(p, &r));
+    double took = mrl_time_now() - t0;
+    CHECK(r.timed_out && !r.exited && r.term_signal == 9);
+    CHECK(took < 5.0);
+    mrl_proc_free(p);
+}
+
+static void test_proc_many_and_missing(void) {
+    mrl_proc *ps[8];
+    for (int i = 0; i < 8; i++) {
+        char code[32];
+        snprintf(code, sizeof code, "exit %d", i);
+        const char *argv[] = {"sh", "-c", code, NULL};
+        CHECK_OK(mrl_proc_spawn(argv, NULL, 0, 10, 0, &ps[i]));
+    }
+    for (int i = 0; i < 8; i++) {
+        mrl_proc_result r;
+        CHECK_OK(mrl_proc_wait(ps[i], &r));
+        CHECK(r.exit_status == i);
+        mrl_proc_free(ps[i]);
+    }
+    const char *argv[] = {"/no/such/program-moonrl", NULL};
+    mrl_proc *p;
+    CHECK_OK(mrl_proc_spawn(argv, NULL, 0, 1, 0, &p));
+    CHECK(mrl_proc_wait(p, NULL) == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), "cannot start '/no/such/program-moonrl'");
+    mrl_proc_free(p);
+    const char *empty[] = {NULL};
+    CHECK(mrl_proc_spawn(empty, NULL, 0, 1, 0, &p) == MRL_ERR_INVALID);
+    /* freeing a running child kills it rather than hanging */
+    const char *slow[] = {"sleep", "30", NULL};
+    CHECK_OK(mrl_proc_spawn(slow, NULL, 0, 0, 0, &p));
+    double t0 = mrl_time_now();
+    mrl_proc_free(p);
+    CHECK(mrl_time_now() - t0 < 5.0);
+}
+
+static void test_output_cap(void) {
+    const char *argv[] = {"sh", "-c", "head -c 100000 /dev/zero | tr '\\0' x", NULL};
+    mrl_proc *p;
+    CHECK_OK(mrl_proc_spawn(argv, NULL, 0, 10, 1000, &p));
+    CHECK_OK(mrl_proc_wait(p, NULL));
+    size_t n;
+    mrl_proc_stdout(p, &n);
+    CHECK(n == 1000);
+    mrl_proc_free(p);
+}
+
+static mrl_status failing_job(void *arg) {
+    return mrl_set_error(MRL_ERR_FORMAT, "job %d went wrong", *(int *)arg);
+}
+
+static void test_jobs(void) {
+    char path[] = "/tmp/moonrl_test_job_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    close(fd);
+    const char text[] = "checkpoint bytes";
+    mrl_job *job;
+    CHECK_OK(mrl_job_write_file(path, text, sizeof text - 1, &job));
+    CHECK_OK(mrl_job_wait(job));
+    CHECK(mrl_job_done(job));
+    mrl_job_free(job);
+    FILE *f = fopen(path, "rb");
+    char buf[64] = {0};
+    CHECK(f && fread(buf, 1, sizeof buf, f) == sizeof text - 1);
+    if (f) fclose(f);
+    CHECK(strcmp(buf, text) == 0);
+    remove(path);
+
+    CHECK_OK(mrl_job_write_file("/no/such/dir/file", text, 3, &job));
+    CHECK(mrl_job_wait(job) == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), "/no/such/dir/file");
+    mrl_job_free(job);
+
+    int arg = 42;
+    CHECK_OK(mrl_job_submit(failing_job, &arg, &job));
+    CHECK(mrl_job_wait(job) == MRL_ERR_FORMAT);
+    CHECK_STR_CONTAINS(mrl_last_error(), "job 42 went wrong");
+    mrl_job_free(job);
+}
+
+static void test_stop_and_deadline(void) {
+    CHECK(mrl_stop_requested() == 0);
+    CHECK_OK(mrl_deadline_set(0.2));
+    double t0 = mrl_time_now();
+    CHECK(mrl_sleep(10) == MRL_ERR_STOPPED); /* the deadline cuts the sleep short */
+    CHECK(mrl_time_now() - t0 < 5.0);
+    CHECK(mrl_stop_requested() == -1);
+    CHECK_STR_CONTAINS(mrl_stop_reason(), "deadline");
+    mrl_clear_stop();
+    CHECK(mrl_stop_requested() == 0);
+    CHECK_OK(mrl_sleep(0.01));
+    CHECK(mrl_deadline_set(-1) == MRL_ERR_INVALID);
+    mrl_request_stop(0, "test");
+    CHECK(mrl_stop_requested() == -2);
+    mrl_clear_stop();
+}
+
+int main(void) {
+    CHECK_OK(mrl_init());
+    test_proc_output();
+    test_proc_timeout();
+    test_proc_many_and_missing();
+    test_output_cap();
+    test_jobs();
+    test_stop_and_deadline();
+    mrl_shutdown();
+    CHECK_DONE();
+}

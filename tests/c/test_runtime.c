@@ -1,0 +1,144 @@
+/* Status codes, logging, the memory layer, devices, parallel-for. */
+#include <stdlib.h>
+#include "moonrl/device.h"
+#include "moonrl/log.h"
+#include "moonrl/mem.h"
+#include "moonrl/ops.h"
+#include "moonrl/parallel.h"
+#include "moonrl/runtime.h"
+#include "check.h"
+
+static void test_errors(void) {
+    mrl_clear_error();
+    CHECK(strcmp(mrl_last_error(), "") == 0);
+    CHECK(mrl_set_error(MRL_ERR_IO, "file %s: %d", "x.bin", 7) == MRL_ERR_IO);
+    CHECK(strcmp(mrl_last_error(), "file x.bin: 7") == 0);
+    CHECK(strcmp(mrl_status_name(MRL_ERR_FORMAT), "MRL_ERR_FORMAT") == 0);
+    CHECK(strcmp(mrl_status_name((mrl_status)99), "MRL_ERR_UNKNOWN") == 0);
+}
+
+static void test_log(void) {
+    CHECK(mrl_log_level_parse("debug") == MRL_LOG_DEBUG);
+    CHECK(mrl_log_level_parse("loud") == -1);
+    CHECK(mrl_log_level_parse(NULL) == -1);
+}
+
+static void test_mem(void) {
+    mrl_mem_stats before, during, after;
+    mrl_mem_get_stats(&before);
+    float *a = mrl_mem_alloc(1000 * sizeof(float), MRL_MEM_PARAMS);
+    char *b = mrl_mem_alloc(333, MRL_MEM_KV_CACHE);
+    CHECK(a && b);
+    CHECK(((uintptr_t)a % 64) == 0 && ((uintptr_t)b % 64) == 0);
+    CHECK(a[999] == 0.0f && b[332] == 0); /* zero-filled */
+    mrl_mem_get_stats(&during);
+    CHECK(during.current[MRL_MEM_PARAMS] - before.current[MRL_MEM_PARAMS] == 4000);
+    CHECK(during.current[MRL_MEM_KV_CACHE] - before.current[MRL_MEM_KV_CACHE] == 333);
+    CHECK(during.total - before.total == 4333);
+    mrl_mem_free(a);
+    mrl_mem_free(b);
+    mrl_mem_get_stats(&after);
+    CHECK(after.total == before.total);
+    CHECK(after.peak[MRL_MEM_PARAMS] >= before.current[MRL_MEM_PARAMS] + 4000);
+    mrl_mem_reset_peak();
+    mrl_mem_get_stats(&after);
+    CHECK(after.total_peak == after.total);
+    /* an absurd request fails with a message, not a crash */
+    CHECK(mrl_mem_alloc((size_t)1 << 60, MRL_MEM_OTHER) == NULL);
+    CHECK_STR_CONTAINS(mrl_last_error(), "too large");
+    CHECK(strcmp(mrl_mem_category_name(MRL_MEM_OPTIM), "optim") == 0);
+}
+
+static void test_device(void) {
+    mrl_device d;
+    CHECK_OK(mrl_device_parse("cpu", &d));
+    CHECK(d.kind == MRL_DEVICE_CPU);
+    CHECK_OK(mrl_device_parse("cuda:3", &d));
+    CHECK(d.kind == MRL_DEVICE_CUDA && d.index == 3);
+    CHECK(mrl_device_parse("cuda:x", &d) == MRL_ERR_INVALID);
+    CHECK(mrl_device_parse("tpu", &d) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "tpu");
+
+    mrl_device cpu = {MRL_DEVICE_CPU, 0};
+    mrl_buffer a, b;
+    CHECK_OK(mrl_buffer_alloc(cpu, 64, MRL_MEM_OTHER, &a));
+    CHECK_OK(mrl_buffer_alloc(cpu, 64, MRL_MEM_OTHER, &b));
+    memset(a.data, 7, 64);
+    CHECK_OK(mrl_buffer_copy(&b, 8, &a, 0, 32, NULL));
+    CHECK(((char *)b.data)[8] == 7 && ((char *)b.data)[39] == 7 && ((char *)b.data)[40] == 0);
+    CHECK(mrl_buffer_copy(&b, 40, &a, 0, 32, NULL) == MRL_ERR_INVALID); /* out of bounds */
+    CHECK_OK(mrl_buffer_fill_zero(&a, NULL));
+    CHECK(((char *)a.data)[5] == 0);
+    mrl_buffer_free(&a);
+    mrl_buffer_free(&b);
+
+    /* a CUDA device that is not there is an error, never a crash */
+    mrl_device gpu = {MRL_DEVICE_CUDA, mrl_device_cuda_count()};
+    CHECK(mrl_buffer_alloc(gpu, 64, MRL_MEM_OTHER, &a) != MRL_OK);
+    char desc[128];
+    CHECK_OK(mrl_device_describe(cpu, desc, sizeof desc));
+    CHECK(strcmp(desc, "cpu") == 0);
+    mrl_stream *s;
+    CHECK_OK(mrl_stream_create(cpu, &s));
+    CHECK_OK(mrl_stream_sync(s));
+    mrl_stream_destroy(s);
+}
+
+typedef struct { int *hits; } mark_ctx;
+static void mark_range(void *vctx, int64_t begin, int64_t end) {
+    mark_ctx *ctx = vctx;
+    for (int64_t i = begin; i < end; i++) ctx->hits[i]++;
+}
+
+static void test_parallel(void) {
+    enum { N = 100003 };
+    int *hits = calloc(N, sizeof(int));
+    mark_ctx ctx = {hits};
+    mrl_parallel_for(N, 1, mark_range, &ctx);
+    int all_once = 1;
+    for (int i = 0; i < N; i++) all_once &= hits[i] == 1;
+    CHECK(all_once); /* every index exactly once */
+    mrl_parallel_for(0, 1, mark_range, &ctx);
+    mrl_parallel_for(-5, 1, mark_range, &ctx);
+    CHECK(hits[0] == 1);
+    free(hits);
+
+    /* the sum is the same on 1 thread and on all of them, bit for bit */
+    enum { M = 1000000 };
+    float *x = malloc(M * sizeof(float));
+    double exact = 0;
+    for (int i = 0; i < M; i++) {
+        x[i] = (float)((i % 97) - 48) * 0.125f;
+        exact += x[i];
+    }
+    double s_all, s_one;
+    CHECK_OK(mrl_ops_sum_f32(x, M, &s_all));
+    int threads = mrl_parallel_threads();
+    mrl_parallel_set_threads(1);
+    CHECK_OK(mrl_ops_sum_f32(x, M, &s_one));
+    mrl_parallel_set_threads(threads);
+    CHECK(s_all == s_one);
+    CHECK_NEAR(s_all, exact, 1e-6);
+    CHECK(mrl_ops_sum_f32(NULL, 5, &s_one) == MRL_ERR_INVALID);
+    free(x);
+}
+
+static void test_runtime_info(void) {
+    CHECK(strlen(mrl_version()) > 0);
+    CHECK(strlen(mrl_git_revision()) > 0);
+    CHECK_STR_CONTAINS(mrl_backends(), "cpu");
+    CHECK(mrl_cpu_has("no-such-feature") == 0);
+    CHECK(strlen(mrl_cpu_features()) > 0);
+}
+
+int main(void) {
+    CHECK_OK(mrl_init());
+    test_errors();
+    test_log();
+    test_mem();
+    test_device();
+    test_parallel();
+    test_runtime_info();
+    mrl_shutdown();
+    CHECK_DONE();
+}

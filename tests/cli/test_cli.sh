@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The moonrl command end to end: exit statuses and the messages users see.
+# usage: test_cli.sh PATH/TO/moonrl
+set -u
+MOONRL=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+
+# expect NAME WANT_STATUS WANT_TEXT -- command...: runs it, checks its exit
+# status and that its stderr+stdout contain WANT_TEXT.
+expect() {
+  local name=$1 want_status=$2 want_text=$3
+  shift 4
+  local out status
+  out=$("$@" 2>&1)
+  status=$?
+  if [ "$status" -eq "$want_status" ] && [[ "$out" == *"$want_text"* ]]; then
+    passed=$((passed + 1)); echo "ok   $name"
+  else
+    failed=$((failed + 1)); echo "FAIL $name: status $status (want $want_status), output:"; echo "$out" | head -20
+  fi
+}
+
+cat > "$tmp/recipe.lua" <<'LUA'
+local moonrl = require('moonrl')
+local cfg = moonrl.config { lr = 0.5, steps = moonrl.config.integer(3), model = { name = 'tiny' } }
+print(string.format('lr=%g steps=%d model=%s', cfg.lr, cfg.steps, cfg.model.name))
+LUA
+cat > "$tmp/broken.lua" <<'LUA'
+local moonrl = require('moonrl')
+local cfg = moonrl.config { n = 1 }
+local function helper() local x = nil; return x.field end
+helper()
+LUA
+cat > "$tmp/syntax.lua" <<'LUA'
+local x = = 1
+LUA
+cat > "$tmp/loop.lua" <<'LUA'
+local moonrl = require('moonrl')
+local cfg = moonrl.config { steps = 1000 }
+for step = 1, cfg.steps do
+  moonrl.sleep(0.05)
+  moonrl.check_stop()
+end
+LUA
+cat > "$tmp/noconfig.lua" <<'LUA'
+print('no config here')
+LUA
+
+expect "help" 0 "moonrl run RECIPE" -- "$MOONRL" --help
+expect "version" 0 "backends: cpu" -- "$MOONRL" version
+expect "version names features" 0 "cpu features:" -- "$MOONRL" version
+expect "recipe runs" 0 "lr=0.5 steps=3 model=tiny" -- "$MOONRL" run "$tmp/recipe.lua"
+expect "overrides" 0 "lr=0.25 steps=7 model=big" -- "$MOONRL" run "$tmp/recipe.lua" lr=0.25 steps=7 model.name=big
+expect "missing recipe" 2 "moonrl: error: recipe '$tmp/nope.lua' not found" -- "$MOONRL" run "$tmp/nope.lua"
+expect "unknown key" 2 "moonrl: error: unknown config key 'stpes' (did you mean steps?)" -- "$MOONRL" run "$tmp/recipe.lua" stpes=3
+expect "wrong type" 2 "moonrl: error: config key 'lr' expects a number, got 'high'" -- "$MOONRL" run "$tmp/recipe.lua" lr=high
+expect "not an integer" 2 "expects an integer, got '2.5'" -- "$MOONRL" run "$tmp/recipe.lua" steps=2.5
+expect "bad word" 2 "expected key=value, got 'lr'" -- "$MOONRL" run "$tmp/recipe.lua" lr
+expect "lua error has file and line" 1 "broken.lua:3: attempt to index local 'x'" -- "$MOONRL" run "$tmp/broken.lua"
+expect "syntax error has file and line" 2 "syntax.lua:1:" -- "$MOONRL" run "$tmp/syntax.lua"
+expect "no config declared" 2 "declares no config" -- "$MOONRL" run "$tmp/noconfig.lua" a=1
+expect "show config" 0 "model.name" -- "$MOONRL" run "$tmp/recipe.lua" --show-config
+expect "unknown command" 2 "unknown command 'frobnicate'" -- "$MOONRL" frobnicate
+expect "deadline stops cleanly" 124 "stopped (deadline of 0.3 s passed) at a safe point" -- "$MOONRL" run "$tmp/loop.lua" run.max_seconds=0.3
+expect "default example" 0 "computed in C" -- "$MOONRL"
+
+# exactly one line of error output for usage errors
+lines=$("$MOONRL" run "$tmp/recipe.lua" stpes=3 2>&1 | wc -l)
+if [ "$lines" -eq 1 ]; then passed=$((passed + 1)); echo "ok   one error line"; else failed=$((failed + 1)); echo "FAIL one error line: $lines lines"; fi
+
+# SIGTERM and SIGINT: stop at the next safe point, message, non-zero status
+for sig in TERM INT; do
+  "$MOONRL" run "$tmp/loop.lua" > "$tmp/out_$sig" 2>&1 &
+  pid=$!
+  sleep 1
+  kill -$sig $pid
+  wait $pid
+  status=$?
+  want=$([ $sig = TERM ] && echo 143 || echo 130)
+  if [ $status -eq $want ] && grep -q "received SIG$sig, stopping at the next safe point" "$tmp/out_$sig" \
+     && grep -q "stopped (SIG$sig) at a safe point" "$tmp/out_$sig"; then
+    passed=$((passed + 1)); echo "ok   SIG$sig stops cleanly"
+  else
+    failed=$((failed + 1)); echo "FAIL SIG$sig: status $status (want $want)"; cat "$tmp/out_$sig"
+  fi
+done
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
