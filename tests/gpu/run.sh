@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU check, in one go on a machine with an NVIDIA GPU: build with CUDA,
+# run every CUDA op against the CPU reference (meson test --suite gpu), then
+# the GPU benchmarks. Writes logs to $OUT (or ./gpu-out) when set.
+#
+# The machine may lack LuaJIT, libuv and OpenBLAS development packages: if a
+# folder .debs/ holds their .deb files (apt-get download libluajit2-5.1-dev
+# libluajit2-5.1-2 libuv1-dev libuv1 libopenblas-dev libopenblas0-pthread
+# libopenblas0 ...), they are unpacked into a private root (never into /) and
+# used from there through pkg-config's sysroot.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+exec > >(tee "$out/gpu_run.log") 2>&1
+
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+
+if [ -d .debs ] && ls .debs/*.deb >/dev/null 2>&1; then
+  root=/tmp/moonrl-debroot
+  mkdir -p "$root"
+  for f in .debs/*.deb; do dpkg -x "$f" "$root"; done
+  export PKG_CONFIG_SYSROOT_DIR="$root"
+  export PKG_CONFIG_PATH="$root/usr/lib/x86_64-linux-gnu/pkgconfig:$root/usr/share/pkgconfig"
+  export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu/openblas-pthread:${LD_LIBRARY_PATH:-}"
+  export LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu/openblas-pthread:${LIBRARY_PATH:-}"
+fi
+
+rm -rf build-gpu
+meson setup build-gpu -Dcuda=enabled -Dbuildtype=release >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
+ninja -C build-gpu > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+meson test -C build-gpu --suite gpu --print-errorlogs -v
+status=$?
+cp build-gpu/meson-logs/testlog.txt "$out/gpu_testlog.txt" 2>/dev/null || true
+if [ -x build-gpu/bench/bench_cuda_ops ]; then build-gpu/bench/bench_cuda_ops | tee "$out/bench_cuda_ops.txt"; fi
+exit $status
