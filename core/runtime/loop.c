@@ -4,7 +4,6 @@
  * (spawn a process, start a job, set a deadline, ...) under a mutex and wakes
  * the loop with uv_async_send; the loop thread carries it out. Completion is
  * signalled back through a mutex/condition pair per object. */
-#include <errno.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -15,6 +14,7 @@
 #include <uv.h>
 #include "moonrl/loop.h"
 #include "moonrl/log.h"
+#include "io/file.h"
 
 typedef enum { CMD_SPAWN, CMD_KILL, CMD_JOB, CMD_DEADLINE, CMD_SIGNALS, CMD_QUIT } command_kind;
 
@@ -501,31 +501,9 @@ mrl_status mrl_job_submit(mrl_job_fn fn, void *arg, mrl_job **out) {
     return MRL_OK;
 }
 
-static mrl_status write_file_atomic(void *varg) {
+static mrl_status write_file_job(void *varg) {
     write_file_arg *a = varg;
-    size_t n = strlen(a->path);
-    char *tmp = malloc(n + 32);
-    if (!tmp) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
-    snprintf(tmp, n + 32, "%s.tmp.%d", a->path, (int)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        mrl_status st = mrl_set_error(MRL_ERR_IO, "%s: cannot open for writing: %s", tmp, strerror(errno));
-        free(tmp);
-        return st;
-    }
-    int ok = fwrite(a->data, 1, a->bytes, f) == a->bytes;
-    ok = fflush(f) == 0 && ok;
-    ok = fsync(fileno(f)) == 0 && ok;
-    int saved_errno = errno;
-    ok = fclose(f) == 0 && ok;
-    if (!ok || rename(tmp, a->path) != 0) {
-        if (ok) saved_errno = errno;
-        remove(tmp);
-        free(tmp);
-        return mrl_set_error(MRL_ERR_IO, "%s: write failed: %s", a->path, strerror(saved_errno));
-    }
-    free(tmp);
-    return MRL_OK;
+    return mrl_file_write_atomic(a->path, a->data, a->bytes);
 }
 
 mrl_status mrl_job_write_file(const char *path, const void *data, size_t bytes, mrl_job **out) {
@@ -543,7 +521,7 @@ mrl_status mrl_job_write_file(const char *path, const void *data, size_t bytes, 
     }
     memcpy(a->data, data, bytes);
     a->bytes = bytes;
-    mrl_status st = mrl_job_submit(write_file_atomic, a, out);
+    mrl_status st = mrl_job_submit(write_file_job, a, out);
     if (st != MRL_OK) {
         free(a->path);
         free(a->data);

@@ -1,0 +1,47 @@
+/* Diagnostics that a run writes next to its metrics:
+ *  - a timeline of phases in Chrome trace-event JSON (opens in Perfetto and
+ *    chrome://tracing), one track per (rank, thread);
+ *  - TensorBoard event files with scalar summaries. */
+#pragma once
+#include <stdint.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* --- Timeline ------------------------------------------------------------- */
+/* Start recording (clears what was recorded); `rank` names the process track. */
+void mrl_trace_enable(int rank);
+void mrl_trace_disable(void);
+int mrl_trace_enabled(void);
+/* A phase on the calling thread's track: begin/end pairs nest. Names are
+ * copied. Cheap no-ops when recording is off. */
+void mrl_trace_begin(const char *name);
+void mrl_trace_end(const char *name);
+/* A counter value at this instant (a separate counter track per name). */
+void mrl_trace_counter(const char *name, double value);
+/* Name the calling thread's track ("trainer", "engine", ...). */
+void mrl_trace_thread_name(const char *name);
+/* Events recorded so far. */
+int64_t mrl_trace_event_count(void);
+/* Write everything recorded as Chrome trace-event JSON, atomically. */
+mrl_status mrl_trace_write(const char *path);
+
+/* --- TensorBoard ----------------------------------------------------------- */
+typedef struct mrl_tb_writer mrl_tb_writer;
+
+/* Create `dir` if needed and open a new event file in it
+ * (events.out.tfevents.<time>.<host>.<pid>.<seq>). */
+mrl_status mrl_tb_open(const char *dir, mrl_tb_writer **out);
+/* Append a scalar summary (tag, value) at a step. */
+mrl_status mrl_tb_scalar(mrl_tb_writer *w, const char *tag, double value, int64_t step);
+/* Push buffered events to the file (each event is written whole). */
+mrl_status mrl_tb_flush(mrl_tb_writer *w);
+/* The path of the event file. */
+const char *mrl_tb_path(mrl_tb_writer *w);
+void mrl_tb_close(mrl_tb_writer *w);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,197 @@
+/* The timeline: phases recorded in memory (a few per training step, so one
+ * mutex is cheap enough) and written as Chrome trace-event JSON. */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "moonrl/loop.h"
+#include "moonrl/trace.h"
+#include "io/file.h"
+
+typedef struct trace_event {
+    char phase;     /* 'B' begin, 'E' end, 'C' counter */
+    int tid;
+    double ts_us;
+    double value;
+    char *name;
+} trace_event;
+
+typedef struct thread_name {
+    int tid;
+    char *name;
+} thread_name;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int enabled;
+static int trace_rank;
+static double t0;
+static trace_event *events;
+static int64_t count, cap;
+static thread_name *names;
+static int name_count;
+static _Atomic int next_tid = 1;
+static _Thread_local int my_tid;
+
+static int current_tid(void) {
+    if (!my_tid) my_tid = atomic_fetch_add(&next_tid, 1);
+    return my_tid;
+}
+
+static void clear_locked(void) {
+    for (int64_t i = 0; i < count; i++) free(events[i].name);
+    free(events);
+    events = NULL;
+    count = cap = 0;
+}
+
+void mrl_trace_enable(int rank) {
+    pthread_mutex_lock(&lock);
+    clear_locked();
+    trace_rank = rank;
+    t0 = mrl_time_now();
+    atomic_store(&enabled, 1);
+    pthread_mutex_unlock(&lock);
+}
+
+void mrl_trace_disable(void) { atomic_store(&enabled, 0); }
+int mrl_trace_enabled(void) { return atomic_load(&enabled); }
+
+static void record(char phase, const char *name, double value) {
+    if (!atomic_load(&enabled) || !name) return;
+    double ts = (mrl_time_now() - t0) * 1e6;
+    int tid = current_tid();
+    char *copy = strdup(name);
+    if (!copy) return; /* out of memory: drop the event rather than fail the run */
+    pthread_mutex_lock(&lock);
+    if (count == cap) {
+        int64_t grown_cap = cap ? cap * 2 : 1024;
+        trace_event *grown = realloc(events, (size_t)grown_cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&lock);
+            free(copy);
+            return;
+        }
+        events = grown;
+        cap = grown_cap;
+    }
+    events[count++] = (trace_event){phase, tid, ts, value, copy};
+    pthread_mutex_unlock(&lock);
+}
+
+void mrl_trace_begin(const char *name) { record('B', name, 0); }
+void mrl_trace_end(const char *name) { record('E', name, 0); }
+void mrl_trace_counter(const char *name, double value) { record('C', name, value); }
+
+void mrl_trace_thread_name(const char *name) {
+    if (!name) return;
+    int tid = current_tid();
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < name_count; i++)
+        if (names[i].tid == tid) {
+            free(names[i].name);
+            names[i].name = strdup(name);
+            pthread_mutex_unlock(&lock);
+            return;
+        }
+    thread_name *grown = realloc(names, (size_t)(name_count + 1) * sizeof *grown);
+    if (grown) {
+        names = grown;
+        names[name_count++] = (thread_name){tid, strdup(name)};
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+int64_t mrl_trace_event_count(void) {
+    pthread_mutex_lock(&lock);
+    int64_t n = count;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+/* A growable text buffer for the JSON. */
+typedef struct text {
+    char *data;
+    size_t len, cap;
+    int failed;
+} text;
+
+static void put(text *t, const char *s, size_t n) {
+    if (t->failed) return;
+    if (t->len + n + 1 > t->cap) {
+        size_t c = t->cap ? t->cap * 2 : 65536;
+        while (c < t->len + n + 1) c *= 2;
+        char *grown = realloc(t->data, c);
+        if (!grown) {
+            t->failed = 1;
+            return;
+        }
+        t->data = grown;
+        t->cap = c;
+    }
+    memcpy(t->data + t->len, s, n);
+    t->len += n;
+    t->data[t->len] = 0;
+}
+
+static void putf(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void putf(text *t, const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n > 0) put(t, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
+}
+
+static void put_json_string(text *t, const char *s) {
+    put(t, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') {
+            char esc[2] = {'\\', (char)c};
+            put(t, esc, 2);
+        } else if (c < 0x20) {
+            putf(t, "\\u%04x", c);
+        } else {
+            put(t, (const char *)&c, 1);
+        }
+    }
+    put(t, "\"", 1);
+}
+
+mrl_status mrl_trace_write(const char *path) {
+    text t = {0};
+    pthread_mutex_lock(&lock);
+    put(&t, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", 40);
+    putf(&t, "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":%d,\"tid\":0,\"args\":{\"name\":\"rank %d\"}}", trace_rank,
+         trace_rank);
+    for (int i = 0; i < name_count; i++) {
+        putf(&t, ",\n{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":", trace_rank,
+             names[i].tid);
+        put_json_string(&t, names[i].name ? names[i].name : "");
+        put(&t, "}}", 2);
+    }
+    for (int64_t i = 0; i < count; i++) {
+        trace_event *e = &events[i];
+        put(&t, ",\n{\"name\":", 10);
+        put_json_string(&t, e->name);
+        putf(&t, ",\"ph\":\"%c\",\"ts\":%.3f,\"pid\":%d,\"tid\":%d", e->phase, e->ts_us, trace_rank, e->tid);
+        if (e->phase == 'C') {
+            put(&t, ",\"args\":{", 9);
+            put_json_string(&t, e->name);
+            putf(&t, ":%.17g}", e->value);
+        }
+        put(&t, "}", 1);
+    }
+    pthread_mutex_unlock(&lock);
+    put(&t, "\n]}\n", 4);
+    if (t.failed) {
+        free(t.data);
+        return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory writing the trace", path);
+    }
+    mrl_status st = mrl_file_write_atomic(path, t.data, t.len);
+    free(t.data);
+    return st;
+}
