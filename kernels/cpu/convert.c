@@ -52,7 +52,8 @@ float mrl_f16_to_f32(uint16_t h) {
         float v = (float)mant * 0x1p-24f;
         return bits_f32(sign | f32_bits(v));
     }
-    if (exp == 31) return bits_f32(sign | 0x7f800000u | (mant << 13));
+    if (exp == 31) /* inf, or NaN made quiet as the hardware does */
+        return bits_f32(sign | 0x7f800000u | ((mant ? mant | 0x200u : 0) << 13));
     return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
