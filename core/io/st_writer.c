@@ -46,14 +46,15 @@ void mrl_st_writer_free(mrl_st_writer *w) {
     free(w);
 }
 
+/* from_f32: data holds fp32 values to convert; else bytes already in dtype. */
 static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
-                      const float *src, const void *raw, int64_t raw_bytes) {
+                      int from_f32, const void *data, int64_t raw_bytes) {
     if (!w || !name) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: writer and name must not be NULL");
     if (!name[0] || strcmp(name, "__metadata__") == 0)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: invalid tensor name '%s'", name);
     if ((unsigned)dtype >= MRL_DTYPE_COUNT)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': unknown dtype %d", name, (int)dtype);
-    if (src && dtype != MRL_DTYPE_F32 && dtype != MRL_DTYPE_BF16 && dtype != MRL_DTYPE_F16)
+    if (from_f32 && dtype != MRL_DTYPE_F32 && dtype != MRL_DTYPE_BF16 && dtype != MRL_DTYPE_F16)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': fp32 data can be stored as F32, BF16 or F16, not %s",
                              name, mrl_dtype_name(dtype));
     if (ndim < 0 || ndim > MRL_ST_MAX_DIMS || (ndim > 0 && !shape))
@@ -69,12 +70,13 @@ static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int n
     }
     if (__builtin_mul_overflow(t.numel, (int64_t)mrl_dtype_size(dtype), &t.bytes))
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': too large", name);
-    if (raw && raw_bytes != t.bytes)
+    if (!from_f32 && raw_bytes != t.bytes)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add_raw: tensor '%s': %lld bytes given, the %s shape needs %lld",
                              name, (long long)raw_bytes, mrl_dtype_name(dtype), (long long)t.bytes);
-    if (t.numel > 0 && !src && !raw) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': data is NULL", name);
-    t.src = src;
-    t.raw = raw;
+    if (t.numel > 0 && !data) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': data is NULL", name);
+    if (!data) data = ""; /* an empty tensor: never read */
+    if (from_f32) t.src = data;
+    else t.raw = data;
     if (w->n == w->cap) {
         int64_t cap = w->cap ? 2 * w->cap : 64;
         wtensor *nt = realloc(w->t, (size_t)cap * sizeof *nt);
@@ -89,12 +91,12 @@ static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int n
 
 mrl_status mrl_st_writer_add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
                              const float *src) {
-    return add(w, name, dtype, ndim, shape, src ? src : (const float *)"", NULL, 0);
+    return add(w, name, dtype, ndim, shape, 1, src, 0);
 }
 
 mrl_status mrl_st_writer_add_raw(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
                                  const void *data, int64_t bytes) {
-    return add(w, name, dtype, ndim, shape, NULL, data ? data : "", bytes);
+    return add(w, name, dtype, ndim, shape, 0, data, bytes);
 }
 
 mrl_status mrl_st_writer_set_metadata(mrl_st_writer *w, const char *key, const char *value) {

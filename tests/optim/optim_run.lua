@@ -4,23 +4,16 @@
 -- state m and v, the pre-clip norms and the lrs of several schedules.
 local moonrl = require('moonrl')
 local ffi = require('ffi')
-local C = moonrl.C
 local optim = moonrl.optim
 
-local st = ffi.new('mrl_st *[1]')
-moonrl.check(C.mrl_st_open(os.getenv('OPT_IN'), st))
-st = ffi.gc(st[0], C.mrl_st_close)
-local function meta(key) return ffi.string(C.mrl_st_metadata(st, key)) end
-local function read(name, n)
-  local buf = ffi.new('float[?]', n)
-  moonrl.check(C.mrl_st_read_f32(st, name, buf, n))
-  return buf
-end
+local st = moonrl.safetensors.open(os.getenv('OPT_IN'))
+local function meta(key) return st:metadata(key) end
+local function read(name) return st:read_f32(name) end
 
 local n, steps = tonumber(meta('n')), tonumber(meta('steps'))
 local no_decay = {}
 for off, cnt in meta('no_decay'):gmatch('(%d+),(%d+)') do no_decay[#no_decay + 1] = { tonumber(off), tonumber(cnt) } end
-local params, grads = read('p0', n), ffi.new('float[?]', n)
+local params, grads = read('p0'), ffi.new('float[?]', n)
 local opt = optim.adamw{ params = params, grads = grads, n = n, lr = tonumber(meta('lr')),
   betas = { tonumber(meta('beta1')), tonumber(meta('beta2')) }, eps = tonumber(meta('eps')),
   weight_decay = tonumber(meta('weight_decay')), no_decay = no_decay }
@@ -30,7 +23,7 @@ local max_norm = tonumber(meta('max_norm'))
 
 local norms = ffi.new('double[?]', steps)
 for s = 0, steps - 1 do
-  ffi.copy(grads, read('g' .. s, n), 4 * n)
+  ffi.copy(grads, read('g' .. s), 4 * n)
   norms[s] = opt:clip_grad_norm(max_norm)
   opt:step(sched(s + 1))
 end
@@ -49,15 +42,12 @@ for k, o in ipairs(kinds) do
   for s = 0, nl - 1 do lrs[(k - 1) * nl + s] = f(s) end
 end
 
-local w = ffi.new('mrl_st_writer *[1]')
-moonrl.check(C.mrl_st_writer_create(w))
-w = ffi.gc(w[0], C.mrl_st_writer_free)
-local shape = ffi.new('int64_t[2]', n, 0)
+local w = moonrl.safetensors.writer()
 local state = opt:state()
-moonrl.check(C.mrl_st_writer_add(w, 'p', C.MRL_DTYPE_F32, 1, shape, params))
-moonrl.check(C.mrl_st_writer_add(w, 'm', C.MRL_DTYPE_F32, 1, shape, state.m))
-moonrl.check(C.mrl_st_writer_add(w, 'v', C.MRL_DTYPE_F32, 1, shape, state.v))
-moonrl.check(C.mrl_st_writer_add_raw(w, 'norms', C.MRL_DTYPE_F64, 1, ffi.new('int64_t[1]', steps), norms, 8 * steps))
-moonrl.check(C.mrl_st_writer_add_raw(w, 'lrs', C.MRL_DTYPE_F64, 2, ffi.new('int64_t[2]', #kinds, nl), lrs, 8 * #kinds * nl))
-moonrl.check(C.mrl_st_writer_set_metadata(w, 'step', tostring(state.step)))
-moonrl.check(C.mrl_st_writer_write(w, os.getenv('OPT_OUT')))
+w:add('p', 'F32', { n }, params)
+w:add('m', 'F32', { n }, state.m)
+w:add('v', 'F32', { n }, state.v)
+w:add_raw('norms', 'F64', { steps }, norms, 8 * steps)
+w:add_raw('lrs', 'F64', { #kinds, nl }, lrs, 8 * #kinds * nl)
+w:metadata('step', state.step)
+w:write(os.getenv('OPT_OUT'))

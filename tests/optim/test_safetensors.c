@@ -63,6 +63,10 @@ static void test_roundtrip(void) {
     CHECK_OK(mrl_st_writer_set_metadata(w, "format", "moonrl"));
     CHECK(mrl_st_writer_add(w, "bad", MRL_DTYPE_I32, 1, sb, b) == MRL_ERR_INVALID);
     CHECK(mrl_st_writer_add_raw(w, "bad", MRL_DTYPE_I64, 1, sb, ids, 8) == MRL_ERR_INVALID);
+    CHECK(mrl_st_writer_add(w, "bad", MRL_DTYPE_F32, 1, sb, NULL) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "NULL");
+    int64_t zero[2] = {0, 5};
+    CHECK_OK(mrl_st_writer_add(w, "empty", MRL_DTYPE_BF16, 2, zero, NULL));
     CHECK_OK(mrl_st_writer_write(w, path_in("one.safetensors")));
     CHECK_OK(mrl_st_writer_write_dir(w, path_in("sharded"), 20));
     mrl_st_writer_free(w);
@@ -72,11 +76,11 @@ static void test_roundtrip(void) {
         mrl_st *st;
         CHECK_OK(mrl_st_open(paths[k], &st));
         if (!st) continue;
-        CHECK(mrl_st_count(st) == 4);
+        CHECK(mrl_st_count(st) == 5);
         CHECK(strcmp(mrl_st_metadata(st, "format"), "moonrl") == 0);
         CHECK(mrl_st_metadata(st, "nope") == NULL);
         mrl_st_tensor t;
-        CHECK_OK(mrl_st_info(st, 0, &t));
+        CHECK_OK(mrl_st_info(st, 1, &t)); /* sorted by name: empty, ids, ... */
         CHECK(strcmp(t.name, "ids") == 0 && t.dtype == MRL_DTYPE_I64 && t.bytes == 24);
         CHECK(memcmp(t.data, ids, 24) == 0);
         float out[6];
@@ -94,7 +98,9 @@ static void test_roundtrip(void) {
         CHECK(mrl_st_find(st, "missing", &t) == MRL_ERR_INVALID);
         CHECK_STR_CONTAINS(mrl_last_error(), "missing");
         CHECK(mrl_st_has(st, "layer.b") == 1 && mrl_st_has(st, "x") == 0);
-        CHECK(mrl_st_info(st, 4, &t) == MRL_ERR_INVALID);
+        CHECK(mrl_st_info(st, 5, &t) == MRL_ERR_INVALID);
+        CHECK_OK(mrl_st_find(st, "empty", &t));
+        CHECK(t.numel == 0 && t.bytes == 0 && t.ndim == 2 && t.shape[1] == 5);
         mrl_st_close(st);
     }
     CHECK(access(path_in("sharded/model.safetensors.index.json"), F_OK) == 0);
