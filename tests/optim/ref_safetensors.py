@@ -60,6 +60,13 @@ def run_c(src, out):
     return r.returncode == 0
 
 
+def compare_raw(src, out, what):
+    """The raw copy of a single Python-written file is byte-identical to it."""
+    a = open(src, "rb").read()
+    b = open(os.path.join(out, "c_raw.safetensors"), "rb").read()
+    check(a == b, what + ": C raw copy differs from the Python file's bytes")
+
+
 def compare_outputs(ref, out, what):
     as_f32 = {k: v.float() for k, v in ref.items()}
     c32 = load_file(os.path.join(out, "c_F32.safetensors"))
@@ -101,6 +108,24 @@ def main():
             os.mkdir(out)
             if run_c(src, out):
                 compare_outputs(ref, out, "python %s file" % name)
+                compare_raw(src, out, "python %s file" % name)
+        # every dtype in one file: layout (dtype order, names, padding) as the library's
+        g = torch.Generator().manual_seed(5)
+        mixed = {"f64": torch.randn(3, generator=g, dtype=torch.float64), "i64": torch.arange(-3, 4),
+                 "i32": torch.arange(5, dtype=torch.int32), "i16": torch.arange(3, dtype=torch.int16),
+                 "i8": torch.arange(-2, 5, dtype=torch.int8), "u8": torch.arange(9, dtype=torch.uint8),
+                 "mask": torch.tensor([True, False, True]), "bf": torch.randn(7, generator=g).bfloat16(),
+                 "h": torch.randn(2, 3, generator=g).half(), "f": torch.randn(5, generator=g),
+                 "a.f": torch.randn(1, generator=g)}
+        src = os.path.join(tmp, "py_mixed.safetensors")
+        save_file(mixed, src, metadata={"format": "pt"})
+        out = os.path.join(tmp, "out_mixed")
+        os.mkdir(out)
+        if run_c(src, out):
+            compare_raw(src, out, "python mixed-dtype file")
+            back = load_file(os.path.join(out, "c_raw.safetensors"))
+            for k, v in mixed.items():
+                check(torch.equal(back[k], v), "mixed: %s loads back equal" % k)
         # a sharded directory written by Python (as transformers does)
         ref = tensors(torch.bfloat16)
         sd = os.path.join(tmp, "py_sharded")

@@ -164,11 +164,71 @@ static void test_corrupt(void) {
     expect_error(dir, MRL_ERR_IO, "no model.safetensors");
 }
 
+/* Open (and read every tensor of) the file if it opens; never crash. */
+static int open_and_read(const char *path) {
+    mrl_st *st;
+    if (mrl_st_open(path, &st) != MRL_OK) {
+        CHECK(strstr(mrl_last_error(), path) != NULL);
+        return 0;
+    }
+    float buf[64];
+    for (int64_t i = 0; i < mrl_st_count(st); i++) {
+        mrl_st_tensor t;
+        CHECK_OK(mrl_st_info(st, i, &t));
+        if (t.numel <= 64) mrl_st_read_f32(st, t.name, buf, t.numel);
+    }
+    mrl_st_close(st);
+    return 1;
+}
+
+/* Every truncation and random header mutations of a valid file. */
+static void test_mutations(void) {
+    float x[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    int64_t s1[2] = {3, 4}, s2[1] = {5};
+    mrl_st_writer *w;
+    CHECK_OK(mrl_st_writer_create(&w));
+    CHECK_OK(mrl_st_writer_add(w, "a", MRL_DTYPE_F32, 2, s1, x));
+    CHECK_OK(mrl_st_writer_add(w, "b", MRL_DTYPE_BF16, 1, s2, x));
+    CHECK_OK(mrl_st_writer_add(w, "c", MRL_DTYPE_F16, 1, s2, x));
+    CHECK_OK(mrl_st_writer_set_metadata(w, "format", "pt"));
+    const char *path = path_in("m.safetensors");
+    CHECK_OK(mrl_st_writer_write(w, path));
+    mrl_st_writer_free(w);
+    FILE *f = fopen(path, "rb");
+    unsigned char orig[1024];
+    size_t size = fread(orig, 1, sizeof orig, f);
+    fclose(f);
+    size_t hlen = orig[0] | (size_t)orig[1] << 8;
+    const char *mpath = path_in("mut.safetensors");
+    int opened = 0;
+    for (size_t len = 0; len < size; len++) {
+        write_bytes(mpath, orig, len);
+        opened += open_and_read(mpath);
+    }
+    CHECK(opened == 0); /* every truncation cuts into a tensor */
+    static const char alphabet[] = "0123456789-\"{}[],:.eE \\x";
+    uint32_t r = 2024;
+    unsigned char buf[1024];
+    for (int iter = 0; iter < 3000; iter++) {
+        memcpy(buf, orig, size);
+        int edits = 1 + iter % 3;
+        for (int e = 0; e < edits; e++) {
+            r = r * 1103515245u + 12345u;
+            size_t at = 8 + (r >> 8) % hlen;
+            r = r * 1103515245u + 12345u;
+            buf[at] = (r >> 16) % 4 == 0 ? (unsigned char)(r >> 8) : (unsigned char)alphabet[(r >> 8) % (sizeof alphabet - 1)];
+        }
+        write_bytes(mpath, buf, size);
+        open_and_read(mpath);
+    }
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "/tmp/mrl_st_test_XXXXXX");
     if (!mkdtemp(dir)) return 1;
     test_roundtrip();
     test_corrupt();
+    test_mutations();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;

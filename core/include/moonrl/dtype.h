@@ -32,7 +32,8 @@ const char *mrl_dtype_name(mrl_dtype dtype);
 int mrl_dtype_parse(const char *name);
 
 /* Scalar conversions. bf16/f16 -> f32 are exact (f16 subnormals, inf and
- * NaN included). f32 -> bf16 / f16 round to nearest, ties to even, as
+ * NaN included; a signalling f16 NaN comes back quiet, as F16C does).
+ * f32 -> bf16 / f16 round to nearest, ties to even, as
  * PyTorch's .to(torch.bfloat16) / .to(torch.float16) do; overflow goes to
  * inf; NaN stays NaN (bf16 0x7FC0 / f16 0x7E00 with the sign kept). */
 float mrl_bf16_to_f32(uint16_t x);
