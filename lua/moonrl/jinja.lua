@@ -936,6 +936,17 @@ Compiler.__index = Compiler
 
 function Compiler:expr(P) return self:ifexpr(P) end
 
+-- Expressions used as conditions compile to plain Lua booleans where they
+-- can (and/or/not, comparisons, tests), so that an 'if' needs no closures.
+function Compiler:truth(code) return self.conds[code] or ('R.T(' .. code .. ')') end
+function Compiler:boolean(code) self.conds[code] = code; return code end
+
+-- code that is safe to evaluate eagerly (no error, no side effect)
+local function simple_value(code)
+  return code == 'true' or code == 'false' or code == 'R.none' or code:match('^"[^"]*"$') ~= nil
+    or tonumber(code) ~= nil or code:match('^R%.var%(S%["[%w_]+"%], "[%w_]+"%)$') ~= nil
+end
+
 function Compiler:ifexpr(P)
   local a = self:orexpr(P)
   while P.name_is('if') do
@@ -943,7 +954,11 @@ function Compiler:ifexpr(P)
     local cond = self:orexpr(P)
     local b = 'R.undef("else")'
     if P.accept('name', 'else') then b = self:ifexpr(P) end
-    a = format('R.ifx(R.T(%s), function() return %s end, function() return %s end)', cond, a, b)
+    if simple_value(a) and simple_value(b) then
+      a = format('R.pick(%s, %s, %s)', self:truth(cond), a, b)
+    else
+      a = format('R.ifx(%s, function() return %s end, function() return %s end)', self:truth(cond), a, b)
+    end
   end
   return a
 end
@@ -954,7 +969,10 @@ local function logic(word, helper, operand)
   return function(self, P)
     local a = self[operand](self, P)
     while P.accept('name', word) do
-      a = format('R.%s(%s, function() return %s end)', helper, a, self[operand](self, P))
+      local b = self[operand](self, P)
+      local value = format('R.%s(%s, function() return %s end)', helper, a, b)
+      self.conds[value] = format('(%s %s %s)', self:truth(a), word, self:truth(b))
+      a = value
     end
     return a
   end
@@ -965,7 +983,7 @@ Compiler.andexpr = logic('and', 'AND', 'notexpr')
 function Compiler:notexpr(P)
   if P.name_is('not') then
     P.next()
-    return format('(not R.T(%s))', self:notexpr(P))
+    return self:boolean(format('(not %s)', self:truth(self:notexpr(P))))
   end
   return self:compare(P)
 end
@@ -999,7 +1017,7 @@ function Compiler:compare(P)
     conds[#conds + 1] = c
     left = right
   end
-  return '(' .. concat(conds, ' and ') .. ')'
+  return self:boolean('(' .. concat(conds, ' and ') .. ')')
 end
 
 function Compiler:math1(P)
@@ -1203,6 +1221,7 @@ function Compiler:filter_expr(P, node)
       local a = #args > 0 and (', ' .. concat(args, ', ')) or ''
       node = format('%sR.tests[%q](%s%s)', negate and 'not ' or '', name, node, a)
       if negate then node = '(' .. node .. ')' end
+      self:boolean(node)
     elseif P.is('op', '(') then
       local pos, kw = self:call_args(P)
       node = format('R.call(%s, {%s}, {%s})', node, concat(pos, ', '), concat(kw, ', '))
@@ -1305,12 +1324,12 @@ function Compiler:statement(kw, P)
   self:emit(format('LN = %d', self.line))
   if kw == 'if' then
     local c = self:expr(P); P.expect('eof')
-    self:emit(format('if R.T(%s) then', c))
+    self:emit(format('if %s then', self:truth(c)))
     while true do
       local k, P2 = self:block(end_tags['if'])
       if k == 'elif' then
         local c2 = self:expr(P2); P2.expect('eof')
-        self:emit(format('elseif R.T(%s) then', c2))
+        self:emit(format('elseif %s then', self:truth(c2)))
       elseif k == 'else' then
         P2.expect('eof')
         self:emit('else')
@@ -1346,7 +1365,7 @@ function Compiler:statement(kw, P)
       self:emit(format('for %s = 1, #%s do', k, src))
       self:emit(format('  local S = setmetatable({}, {__index = %s})', parent))
       self:depth_assign(targets, format('%s[%s]', src, k))
-      self:emit(format('  if R.T(%s) then %s[#%s + 1] = %s[%s] end', filter_code, items, items, src, k))
+      self:emit(format('  if %s then %s[#%s + 1] = %s[%s] end', self:truth(filter_code), items, items, src, k))
       self:emit('end')
     end
     self:emit(format('local %s = #%s', nitems, items))
@@ -1355,7 +1374,11 @@ function Compiler:statement(kw, P)
     self:emit(format('for %s = 1, %s do', it, nitems))
     self.depth = self.depth + 1
     self:emit(format('local S = setmetatable({}, %s)', mt))
+    -- the loop object is made only when the body mentions 'loop'
+    local loop_line = #self.code + 1
     self:emit(format('rawset(S, "loop", R.loop(%s, %s, %s))', items, it, nitems))
+    local saved_uses = self.uses_loop
+    self.uses_loop = false
     self:assign(targets, format('%s[%s]', items, it))
     self.loop_depth = (self.loop_depth or 0) + 1
     local saved_label = self.loop_label
@@ -1364,6 +1387,8 @@ function Compiler:statement(kw, P)
     local k, P2 = self:block(end_tags['for'])
     self:emit('end')
     self:emit('::' .. label .. '::')
+    if not self.uses_loop then self.code[loop_line] = '' end
+    self.uses_loop = saved_uses or self.uses_loop
     self.loop_label = saved_label
     self.loop_depth = self.loop_depth - 1
     self.depth = self.depth - 1
@@ -1452,7 +1477,7 @@ end
 
 local function generate(src, name)
   local pieces = lex(src, name)
-  local c = setmetatable({ pieces = pieces, pi = 1, code = {}, depth = 1, ntmp = 0, name = name }, Compiler)
+  local c = setmetatable({ pieces = pieces, pi = 1, code = {}, depth = 1, ntmp = 0, name = name, conds = {} }, Compiler)
   c:emit('local o, n = {}, 0')
   c:body(nil)
   c:emit('return table.concat(o, "", 1, n)')
@@ -1474,6 +1499,7 @@ function R.list(t) return setmetatable(t, ArrayMT) end
 function R.tuple(t) return setmetatable(t, TupleMT) end
 function R.object(kv) return json.object(kv) end
 function R.ifx(c, a, b) if c then return a() end return b() end
+function R.pick(c, a, b) if c then return a end return b end
 function R.OR(a, b) if truthy(a) then return a end return b() end
 function R.AND(a, b) if not truthy(a) then return a end return b() end
 function R.setattr(ns, k, v)
@@ -1487,9 +1513,12 @@ function R.unpack_n(v, n)
 end
 function R.loop(items, i, n)
   return setmetatable({ index = i, index0 = i - 1, first = i == 1, last = i == n, length = n,
-    revindex = n - i + 1, revindex0 = n - i,
-    previtem = i > 1 and items[i - 1] or undef('previtem'), nextitem = i < n and items[i + 1] or undef('nextitem') },
-    LoopMT)
+    revindex = n - i + 1, revindex0 = n - i, [LoopMT] = items }, LoopMT)
+end
+LoopMT.__index = function(l, k)
+  local items, i = rawget(l, LoopMT), rawget(l, 'index')
+  if k == 'previtem' then if i > 1 then return items[i - 1] end return undef('previtem') end
+  if k == 'nextitem' then if i < #items then return items[i + 1] end return undef('nextitem') end
 end
 function R.macro(name, params, defaults, defscope, body)
   return setmetatable({ name = name, fn = function(args, kw)
@@ -1510,14 +1539,13 @@ end
 
 function M.source(src, name) return generate(src, name or 'template') end
 
-local cache = setmetatable({}, { __mode = 'v' })
+local cache = setmetatable({}, { __mode = 'k' })   -- source -> name -> render
 
 -- Compile a template; returns render(vars, opts) -> string.
 function M.compile(src, name)
   name = name or 'template'
-  local key = name .. '\0' .. src
-  local hit = cache[key]
-  if hit then return hit end
+  local by_name = cache[src]
+  if by_name and by_name[name] then return by_name[name] end
   local ok, code = pcall(generate, src, name)
   if not ok then
     if getmetatable(code) == CompileError then error(code.message, 0) end
@@ -1526,17 +1554,18 @@ function M.compile(src, name)
   local chunk, err = load(code, '=' .. name)
   if not chunk then error('internal error compiling ' .. name .. ': ' .. err, 2) end
   local fn, line = chunk(R)
+  local now   -- the clock strftime_now reads during one render (nil: the system clock)
+  local g = {}
+  for k, v in pairs(globals) do g[k] = v end
+  g.strftime_now = builtin(function(args)
+    local fmt = pystr(args[1])
+    if now then return os.date('!' .. fmt, floor(now)) end   -- a fixed clock reads as UTC
+    return os.date(fmt)
+  end)
+  local gmt = { __index = g }
   local function render(vars, opts)
-    opts = opts or {}
-    local g = {}
-    for k, v in pairs(globals) do g[k] = v end
-    local now = opts.now
-    g.strftime_now = builtin(function(args)
-      local fmt = pystr(args[1])
-      if now then return os.date('!' .. fmt, floor(now)) end   -- a fixed clock reads as UTC
-      return os.date(fmt)
-    end)
-    local ctx = setmetatable({}, { __index = g })
+    now = opts and opts.now
+    local ctx = setmetatable({}, gmt)
     for k, v in pairs(vars or {}) do ctx[k] = v end
     local S = setmetatable({}, { __index = ctx })
     local ok2, out = pcall(fn, S)
@@ -1546,7 +1575,8 @@ function M.compile(src, name)
     end
     return out
   end
-  cache[key] = render
+  cache[src] = cache[src] or {}
+  cache[src][name] = render
   return render
 end
 

@@ -259,10 +259,10 @@ M.number = number
 
 local str_escape = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t',
   ['\b'] = '\\b', ['\f'] = '\\f' }
+for c = 0, 31 do str_escape[char(c)] = str_escape[char(c)] or format('\\u%04x', c) end
 local function quote(s)
-  return '"' .. s:gsub('[%c"\\]', function(c)
-    return str_escape[c] or (byte(c) == 127 and c) or format('\\u%04x', byte(c))
-  end) .. '"'
+  if not find(s, '[%z\1-\31"\\]') then return '"' .. s .. '"' end
+  return '"' .. s:gsub('[%z\1-\31"\\]', str_escape) .. '"'
 end
 M.quote = quote
 
