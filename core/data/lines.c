@@ -65,19 +65,30 @@ mrl_status mrl_line_index_build(const char *path, mrl_line_index **out) {
     int blank = 1, last_cr = 0;
     size_t got;
     while (st == MRL_OK && (got = fread(buf, 1, READ_CHUNK, f)) > 0) {
-        for (size_t i = 0; i < got; i++) {
-            char c = buf[i];
-            if (c == '\n') {
-                if (!blank) st = add_line(ix, path, line_start, pos + (int64_t)i, line_number, last_cr);
-                if (st) break;
-                line_start = pos + (int64_t)i + 1;
-                line_number++;
-                blank = 1;
-                last_cr = 0;
-            } else {
+        size_t i = 0;
+        while (i < got) {
+            /* until the line shows a non-blank byte, look at each byte */
+            while (blank && i < got && buf[i] != '\n') {
+                char c = buf[i++];
                 last_cr = c == '\r';
                 if (c != ' ' && c != '\t' && c != '\r') blank = 0;
             }
+            if (i == got) break;
+            /* then jump to the line end */
+            const char *nl = buf[i] == '\n' ? buf + i : memchr(buf + i, '\n', got - i);
+            if (!nl) {
+                last_cr = buf[got - 1] == '\r';
+                break;
+            }
+            size_t at = (size_t)(nl - buf);
+            if (at > i) last_cr = buf[at - 1] == '\r';
+            if (!blank) st = add_line(ix, path, line_start, pos + (int64_t)at, line_number, last_cr);
+            if (st) break;
+            line_start = pos + (int64_t)at + 1;
+            line_number++;
+            blank = 1;
+            last_cr = 0;
+            i = at + 1;
         }
         pos += (int64_t)got;
     }

@@ -29,6 +29,44 @@ int main(void) {
     CHECK(mrl_line_index_file_size(ix) == 30);
     mrl_line_index_free(ix);
 
+    /* lines across the 1 MiB read chunks, CRLF and blank lines anywhere:
+     * compare with a plain scan of the same bytes */
+    {
+        size_t cap = 3u << 20, n = 0;
+        char *text = malloc(cap + 1);
+        unsigned seed = 7;
+        while (n + 300 < cap) {
+            seed = seed * 1103515245u + 12345u;
+            int len = (int)(seed >> 16) % 200, kind = (int)(seed >> 8) % 7;
+            if (kind == 0) len = 0;
+            for (int k = 0; k < len; k++) text[n++] = (char)('a' + k % 26);
+            if (kind == 1) text[n++] = ' ';
+            if (kind == 2 || kind == 0) text[n++] = '\r';
+            text[n++] = '\n';
+        }
+        text[n] = 0;
+        ix = index_of(text);
+        int64_t want = 0, bad = 0, line = 1, start = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (text[i] != '\n') continue;
+            int64_t end = (int64_t)i;
+            if (end > start && text[end - 1] == '\r') end--;
+            int blank = 1;
+            for (int64_t k = start; k < end; k++) if (text[k] != ' ' && text[k] != '\t' && text[k] != '\r') blank = 0;
+            if (!blank) {
+                if (want >= mrl_line_index_count(ix) || mrl_line_index_offsets(ix)[want] != start ||
+                    mrl_line_index_lengths(ix)[want] != end - start || mrl_line_index_numbers(ix)[want] != line) bad++;
+                want++;
+            }
+            start = (int64_t)i + 1;
+            line++;
+        }
+        CHECK(mrl_line_index_count(ix) == want);
+        CHECK(bad == 0);
+        mrl_line_index_free(ix);
+        free(text);
+    }
+
     ix = index_of("");
     CHECK(mrl_line_index_count(ix) == 0);
     mrl_line_index_free(ix);
