@@ -110,8 +110,13 @@ local function decode(text, source)
     col = at - last + 1
     error(format('%s:%d:%d: %s', source or 'json', line, col, msg), 0)
   end
+  -- byte loops rather than patterns: LuaJIT compiles these
   local function skip()
-    pos = find(text, '[^ \t\r\n]', pos) or #text + 1
+    local c = byte(text, pos)
+    while c == 32 or c == 10 or c == 13 or c == 9 do
+      pos = pos + 1
+      c = byte(text, pos)
+    end
   end
   local value
   local function str()
@@ -119,9 +124,13 @@ local function decode(text, source)
     local parts, np = nil, 0
     local i = start
     while true do
-      local j = find(text, '["\\%c]', i)
-      if not j then fail('unterminated string', start - 1) end
+      local j = i
       local c = byte(text, j)
+      while c and c ~= 34 and c ~= 92 and c >= 32 do
+        j = j + 1
+        c = byte(text, j)
+      end
+      if not c then fail('unterminated string', start - 1) end
       if c == 34 then   -- "
         pos = j + 1
         if not parts then return sub(text, start, j - 1) end
@@ -200,14 +209,18 @@ local function decode(text, source)
     elseif c == 73 and sub(text, pos, pos + 7) == 'Infinity' then pos = pos + 8; return huge
     elseif c == 45 and sub(text, pos, pos + 8) == '-Infinity' then pos = pos + 9; return -huge
     else
-      local s, e = find(text, '^-?%d+%.?%d*[eE]?[-+]?%d*', pos)
-      if not s then
-        if not c then fail('unexpected end of input') end
-        fail(format("unexpected character '%s'", char(c)))
+      if not c then fail('unexpected end of input') end
+      if c ~= 45 and (c < 48 or c > 57) then fail(format("unexpected character '%s'", char(c))) end
+      local e = pos + 1
+      c = byte(text, e)
+      -- digits, '.', 'e', 'E', '+', '-'
+      while c and ((c >= 48 and c <= 57) or c == 46 or c == 101 or c == 69 or c == 43 or c == 45) do
+        e = e + 1
+        c = byte(text, e)
       end
-      local n = tonumber(sub(text, s, e))
+      local n = tonumber(sub(text, pos, e - 1))
       if not n then fail('bad number') end
-      pos = e + 1
+      pos = e
       return n
     end
   end

@@ -150,6 +150,13 @@ t.test('json: floats round-trip exactly; key order kept', function()
   t.eq(json.encode(o), '{"step": 3, "loss": 0.25, "tags": [], "extra": null}')
   t.eq(json.encode(json.decode('{"z": [1, {"b": 2, "a": "é\\u00e9\\n"}]}')), '{"z": [1, {"b": 2, "a": "éé\\n"}]}')
   t.raises(function() json.decode('{"a": 1,}', 'cfg.json') end, 'cfg.json:1:9:')
+  t.eq(json.decode('"\\ud83d\\ude00\\u00e9\\t"'), '\240\159\152\128\195\169\t', 'surrogate pair, escapes')
+  t.eq(json.decode(' [ -1.5e2 , 0 , true , null ] ')[1], -150)
+  t.eq(json.decode('[null]')[1], json.null)
+  for _, bad in ipairs({ '"abc', '"a\nb"', '"\\q"', '[1 2]', '{"a" 1}', '', 'tru', '-', '1.2.3', '{} x', '"\\u12"' }) do
+    local ok = pcall(json.decode, bad)
+    t.eq(ok, false, 'rejects ' .. bad)
+  end
 end)
 
 os.remove(big)
