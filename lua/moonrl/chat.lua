@@ -21,6 +21,8 @@
 -- whose key order matters (tojson writes keys in that order; plain tables
 -- are written with sorted keys). null is moonrl.json.null.
 --
+-- A chat_template.jinja file beside tokenizer_config.json takes precedence
+-- over the config's chat_template (as in newer transformers).
 -- A chat_template given as a list of {name, template} uses the one named
 -- "default" (or the first when none is), like transformers; chat.load(dir,
 -- {name = 'tool_use'}) picks another.
@@ -90,9 +92,10 @@ function M.load(dir, opts)
     end
     template = chosen or (template[1] and template[1].template)
   end
+  -- a separate chat_template.jinja (newer transformers saves it there) takes precedence
   local jinja_path = dir .. '/chat_template.jinja'
-  local separate = read(jinja_path)
-  if separate and (template == nil or template == json.null) then template, source = separate, jinja_path end
+  local separate = not opts.name and read(jinja_path)
+  if separate then template, source = separate, jinja_path end
   if type(template) ~= 'string' then
     error(string.format('%s: no chat_template (and no chat_template.jinja in %s)', cfg_path, dir), 2)
   end

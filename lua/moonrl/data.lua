@@ -5,7 +5,8 @@
 --
 --   local data = require('moonrl.data')
 --   local ds = data.jsonl(path, {
---     fields = { prompt = 'question', answer = 'answer' }, -- record field -> JSON key (from the recipe config)
+--     fields = { prompt = 'question', answer = 'answer' }, -- record field -> JSON key (from the recipe config);
+--                                                         -- 'meta.level' reaches into nested objects
 --     optional = { answer = true },   -- fields that may be missing (nil in the record)
 --     on_error = 'error',             -- or 'skip': bad lines are skipped and counted
 --   })
@@ -116,6 +117,13 @@ function Source:read(r)
   for _, name in ipairs(self.names) do
     local key = self.fields[name]
     local v = obj[key]
+    if v == nil and key:find('.', 1, true) then   -- a dotted path into nested objects
+      v = obj
+      for part in key:gmatch('[^.]+') do
+        v = type(v) == 'table' and v[part] or nil
+        if v == nil then break end
+      end
+    end
     if v == nil and not self.optional[name] then
       return nil, string.format("%s: missing field '%s' (for '%s')", where, key, name)
     end

@@ -180,7 +180,7 @@ local function iterate(v)
   local k = kind(v)
   if k == 'list' then return v end
   if k == 'dict' then return json.keys(v) end
-  if k == 'string' then return is_ascii(v) and chars(v) or chars(v) end
+  if k == 'string' then return chars(v) end
   if k == 'undefined' then return {} end
   if k == 'namespace' then fail("'Namespace' object is not iterable") end
   fail(format("'%s' object is not iterable", typename(v)))

@@ -25,6 +25,12 @@ t.test('values render as Python does', function()
   t.eq(chat.render('{{ m | tojson }}', { m = json.decode('{"z": 1, "a": "é\\n"}') }), '{"z": 1, "a": "é\\n"}')
 end)
 
+t.test('generation blocks render their body; macros; loop controls', function()
+  t.eq(chat.render('{% for m in messages %}{% generation %}[{{ m }}]{% endgeneration %}{% endfor %}', { messages = { 'a', 'b' } }), '[a][b]')
+  t.eq(chat.render('{% macro f(x, y=2) %}{{ x }}-{{ y }}{% endmacro %}{{ f(1) }} {{ f(1, y=3) }}', {}), '1-2 1-3')
+  t.eq(chat.render('{% for i in range(9) %}{% if i is odd %}{% continue %}{% endif %}{% if i > 5 %}{% break %}{% endif %}{{ i }}{% endfor %}', {}), '024')
+end)
+
 t.test('compiled once, cached by source', function()
   local a = jinja.compile('{{ x }}', 'n')
   t.eq(a, jinja.compile('{{ x }}', 'n'), 'same function')
