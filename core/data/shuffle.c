@@ -1,0 +1,51 @@
+/* Deterministic permutations: splitmix64 seeds xoshiro256** (Blackman and
+ * Vigna), Fisher-Yates draws from it. The exact sequence is part of the
+ * data-position contract (a saved run resumes on the same order), so the
+ * algorithm must not change. */
+#include "moonrl/data.h"
+
+uint64_t mrl_splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t xoshiro_next(uint64_t s[4]) {
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+/* uniform in [0, bound] by rejection (no modulo bias) */
+static uint64_t below_inclusive(uint64_t s[4], uint64_t bound) {
+    if (bound == UINT64_MAX) return xoshiro_next(s);
+    uint64_t range = bound + 1;
+    uint64_t limit = UINT64_MAX - (UINT64_MAX % range);
+    uint64_t r;
+    do r = xoshiro_next(s); while (r >= limit);
+    return r % range;
+}
+
+mrl_status mrl_data_permutation(uint64_t seed, int64_t n, int64_t *out) {
+    if (n < 0) return mrl_set_error(MRL_ERR_INVALID, "mrl_data_permutation: negative length %lld", (long long)n);
+    if (n > 0 && !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_data_permutation: NULL output");
+    uint64_t sm = seed, s[4];
+    for (int i = 0; i < 4; i++) s[i] = mrl_splitmix64(&sm);
+    for (int64_t i = 0; i < n; i++) out[i] = i;
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t j = (int64_t)below_inclusive(s, (uint64_t)i);
+        int64_t tmp = out[i];
+        out[i] = out[j];
+        out[j] = tmp;
+    }
+    return MRL_OK;
+}
