@@ -77,6 +77,12 @@ function M.check_batch(args, fn, need_mask)
   return nseq, ntok
 end
 
+-- The checks run once per call, in the interpreter: reading a ctype's name (tostring) is not
+-- compiled by LuaJIT, and keeping them out of traces keeps the data loops' traces clean.
+jit.off(cdata_len)
+jit.off(M.check_array)
+jit.off(M.check_batch)
+
 function M.check_mode(mode, fn)
   if not M.MODES[mode] then
     local names = {}
@@ -178,15 +184,18 @@ function M.seq_weights(args, mode, out)
 end
 
 -- The common frame of a per-token loss: checks the batch and args.grad, weighs each sequence by
--- the aggregation mode (args.agg, else default_mode), calls token_fn(t, m) -> L_t, dL_t/dx_t for every
--- token with m ≠ 0, and ADDS coef · w_i · m_t · dL_t/dx_t into args.grad when given.
+-- the aggregation mode (args.agg, else default_mode), calls token_fn(state, t, m) -> L_t, dL_t/dx_t
+-- for every token with m ≠ 0, and ADDS coef · w_i · m_t · dL_t/dx_t into args.grad when given.
 -- Returns coef · agg(L), agg(L). This is the helper a new Lua objective builds on.
-function M.token_loss(args, fn, default_mode, token_fn)
-  local nseq, ntok = M.check_batch(args, fn)
-  local grad = M.check_array(args, 'grad', ntok, fn, true)
-  local coef = args.coef or 1
-  local w = M.seq_weights(args, args.agg or default_mode)
-  local cu, mask = args.cu_seqlens, args.mask
+-- Define token_fn once (at module level) and pass what it reads in `state` rather than creating a
+-- closure per call: a closure over the caller's locals ends the caller with a UCLO bytecode, which
+-- LuaJIT does not compile (NYI) when a trace runs into it.
+--
+-- Each token_fn gets its own copy of the loop (the same source compiled again), so that every loss
+-- has its own monomorphic trace instead of one loop whose trace must branch on the callee.
+local TOKEN_LOOP = [[
+local token_fn = ...
+return function(nseq, cu, mask, w, grad, coef, state)
   local total = 0
   for i = 0, nseq - 1 do
     local wi = w[i]
@@ -194,13 +203,32 @@ function M.token_loss(args, fn, default_mode, token_fn)
     for t = cu[i], cu[i + 1] - 1 do
       local m = mask[t]
       if m ~= 0 then
-        local L, dL = token_fn(t, m)
+        local L, dL = token_fn(state, t, m)
         s = s + m * L
         if grad ~= nil then grad[t] = grad[t] + coef * wi * m * dL end
       end
     end
     total = total + wi * s
   end
+  return total
+end
+]]
+local loops = setmetatable({}, { __mode = 'k' })
+local function token_loop(token_fn)
+  local loop = loops[token_fn]
+  if not loop then
+    loop = assert(loadstring(TOKEN_LOOP, '@lua/moonrl/algo/agg.lua (token loop)'))(token_fn)
+    loops[token_fn] = loop
+  end
+  return loop
+end
+
+function M.token_loss(args, fn, default_mode, token_fn, state)
+  local nseq, ntok = M.check_batch(args, fn)
+  local grad = M.check_array(args, 'grad', ntok, fn, true)
+  local coef = args.coef or 1
+  local w = M.seq_weights(args, args.agg or default_mode)
+  local total = token_loop(token_fn)(nseq, args.cu_seqlens, args.mask, w, grad, coef, state)
   return coef * total, total
 end
 
@@ -219,7 +247,7 @@ function M.aggregate(L, args, mode)
 end
 
 -- Σ m·x and Σ m over the whole batch.
-local function masked_sums(x, mask, ntok)
+function M.masked_sums(x, mask, ntok)
   local s, n = 0, 0
   for t = 0, ntok - 1 do
     local m = mask[t]
@@ -231,7 +259,7 @@ end
 
 -- Masked mean of a per-token array over the whole batch (metrics; no gradient).
 function M.masked_mean(x, mask, ntok)
-  local s, n = masked_sums(x, mask, ntok)
+  local s, n = M.masked_sums(x, mask, ntok)
   return n > 0 and s / n or 0
 end
 
@@ -240,7 +268,7 @@ end
 -- With a single unmasked token the variance is taken as 0.
 function M.masked_whiten(x, mask, ntok, eps)
   eps = eps or 1e-8
-  local s, n = masked_sums(x, mask, ntok)
+  local s, n = M.masked_sums(x, mask, ntok)
   if n == 0 then
     for t = 0, ntok - 1 do x[t] = 0 end
     return 0, 0

@@ -21,12 +21,16 @@ local function estimator_id(name, fn)
   return id
 end
 
--- One token: returns k, dk/dlogπ. lp = log πθ, ref = log π_ref; clamp: boolean.
+-- One token: returns k, dk/dlogπ. lp = log πθ, ref = log π_ref; clamp: boolean (k3 only).
+-- One function per estimator, so that each call site and trace sees one callee.
 local exp = math.exp
-local function kl_token(id, lp, ref, clamp)
+local function kl_k1(lp, ref) return lp - ref, 1 end
+local function kl_k2(lp, ref)
   local x = ref - lp
-  if id == 1 then return -x, 1 end
-  if id == 2 then return 0.5 * x * x, -x end
+  return 0.5 * x * x, -x
+end
+local function kl_k3(lp, ref, clamp)
+  local x = ref - lp
   local g = 1
   if clamp then
     if x > 20 then x = 20; g = 0 elseif x < -20 then x = -20; g = 0 end
@@ -36,7 +40,15 @@ local function kl_token(id, lp, ref, clamp)
   if clamp and k > 10 then return 10, 0 end -- k3 >= 0, so only the upper clamp can bite
   return k, g * (1 - e)
 end
-M.kl_token = kl_token
+local KL_TOKEN = { kl_k1, kl_k2, kl_k3 }
+function M.kl_token(id, lp, ref, clamp) return KL_TOKEN[id](lp, ref, clamp) end
+
+-- One loop per estimator (each its own trace; see agg.token_loss).
+local kl_loss_tokens = {
+  function(s, t) return kl_k1(s.lp[t], s.ref[t]) end,
+  function(s, t) return kl_k2(s.lp[t], s.ref[t]) end,
+  function(s, t) return kl_k3(s.lp[t], s.ref[t], s.clamp) end,
+}
 
 -- KL as a loss term: loss = coef · agg(k).
 --   args.logprob [ntok] log πθ; args.ref_logprob [ntok] log π_ref; cu_seqlens, nseq, mask
@@ -52,9 +64,7 @@ function M.loss(args)
   local id = estimator_id(args.estimator, fn)
   local clamp = args.clamp ~= false
   local a = setmetatable({ coef = args.coef or 0.001 }, { __index = args })
-  local loss, kl = agg.token_loss(a, fn, 'token-mean', function(t)
-    return kl_token(id, lp[t], ref[t], clamp)
-  end)
+  local loss, kl = agg.token_loss(a, fn, 'token-mean', kl_loss_tokens[id], { lp = lp, ref = ref, clamp = clamp })
   return loss, { kl = kl }
 end
 
@@ -74,10 +84,11 @@ function M.penalty(args)
   local clamp = args.clamp ~= false
   local mask = args.mask
   local s, n = 0, 0
+  local kl_token = KL_TOKEN[id]
   for t = 0, ntok - 1 do
     local m = mask[t]
     if m ~= 0 then
-      local k = kl_token(id, lp[t], ref[t], clamp)
+      local k = kl_token(lp[t], ref[t], clamp)
       out[t] = out[t] - coef * k
       s = s + m * k
       n = n + m
@@ -85,6 +96,8 @@ function M.penalty(args)
   end
   return out, n > 0 and s / n or 0
 end
+
+local function entropy_token(h, t) return h[t], 1 end
 
 -- Entropy bonus: loss = −coef · agg(H), so minimising it raises the entropy.
 --   args.entropy [ntok] per-token entropy from the core; cu_seqlens, nseq, mask; args.coef (0.001);
@@ -96,7 +109,7 @@ function M.entropy_bonus(args)
   local _, ntok = agg.check_batch(args, fn)
   local h = agg.check_array(args, 'entropy', ntok, fn)
   local a = setmetatable({ coef = -(args.coef or 0.001) }, { __index = args })
-  local loss, total = agg.token_loss(a, fn, 'token-mean', function(t) return h[t], 1 end)
+  local loss, total = agg.token_loss(a, fn, 'token-mean', entropy_token, h)
   return loss, { entropy = total }
 end
 

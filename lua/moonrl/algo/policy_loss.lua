@@ -139,6 +139,8 @@ function M.ppo(args) return clip_loss(args, false, 'policy_loss.ppo') end
 -- gradient flows through its own log-prob only: dL_t/dlogπ_t = dL_t/ds · s_i. log s_i is clamped
 -- from above at args.log_ratio_clamp (default 10, veRL). Defaults: clip_low 3e-4, clip_high 4e-4
 -- (GSPO paper), agg 'seq-mean-token-mean'. No dual-clip. Other args and metrics as ppo.
+-- With a sequence-level advantage (constant over the sequence's tokens) and seq-mean-token-mean this
+-- is the exact gradient of the loss; with per-token advantages it is veRL's stop-gradient form.
 function M.gspo(args) return clip_loss(args, true, 'policy_loss.gspo') end
 
 return M

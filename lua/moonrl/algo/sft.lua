@@ -11,16 +11,15 @@ local agg = require('moonrl.algo.agg')
 
 local M = {}
 
+local function nll_token(lp, t) return -lp[t], -1 end
+
 function M.loss(args)
   local fn = 'sft.loss'
   local _, ntok = agg.check_batch(args, fn)
   local lp = agg.check_array(args, 'logprob', ntok, fn)
-  local sum, n = 0, 0
-  local loss, nll = agg.token_loss(args, fn, 'token-mean', function(t, m)
-    sum, n = sum - m * lp[t], n + m
-    return -lp[t], -1
-  end)
-  local mean = n > 0 and sum / n or 0
+  local loss, nll = agg.token_loss(args, fn, 'token-mean', nll_token, lp)
+  local sum, n = agg.masked_sums(lp, args.mask, ntok)
+  local mean = n > 0 and -sum / n or 0
   return loss, { nll = nll, ppl = math.exp(math.min(mean, 700)), tokens = n }
 end
 
