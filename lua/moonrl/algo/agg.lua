@@ -114,7 +114,8 @@ function M.cu_from_lengths(lengths)
   return cu, #lengths, cu[#lengths]
 end
 
--- Scratch arrays reused across calls, keyed by purpose (never returned to callers).
+-- Scratch double arrays reused across calls, keyed by purpose: valid until the next call that uses
+-- the same key. Not thread-shared state to keep: copy what must outlive the call.
 local scratch = {}
 function M.scratch(key, n)
   local s = scratch[key]
@@ -149,7 +150,8 @@ end
 
 -- Per-sequence weights w[0..nseq-1] (see the top of this file). args: cu_seqlens, nseq, mask,
 -- and optionally global_tokens, global_seqs, norm. mode defaults to args.agg or 'token-mean'.
--- out: a double array [nseq] (scratch when nil). Returns out.
+-- out: a double array [nseq] (when nil, a scratch array valid until the next seq_weights call).
+-- Returns out.
 function M.seq_weights(args, mode, out)
   local fn = 'agg.seq_weights'
   mode = mode or args.agg or 'token-mean'
