@@ -15,7 +15,9 @@
 --   'seq-mean-token-sum'      w_i = 1 / D_seq             D_seq = number of sequences with Σ m > 0
 --   'seq-mean-token-mean'     w_i = 1 / (D_seq · Σ_{t∈i} m_t)
 --   'seq-mean-token-sum-norm' w_i = 1 / norm              norm: a constant, e.g. the max response length
--- Fully masked sequences get w_i = 0 and are not counted in D_seq. The denominators default to this
+-- Fully masked sequences get w_i = 0 and are not counted in D_seq (veRL's agg_loss counts them in
+-- seq-mean-token-sum and gets 0/0 for them in seq-mean-token-mean). veRL's sum-norm constant is the
+-- padded response width; pass it (or any fixed budget) as args.norm. The denominators default to this
 -- micro-batch's counts; under gradient accumulation (or data parallelism) pass the GLOBAL ones:
 --   args.global_tokens (D_tok), args.global_seqs (D_seq), args.norm (the constant)
 -- so that the micro-batch losses (and gradients) sum to those of the whole batch. agg.counts() gives a

@@ -97,9 +97,15 @@ local function clip_loss(args, gspo, fn)
         s = s + m * L
         if grad ~= nil then grad[t] = grad[t] + coef * wi * m * dL end
         -- metrics: old vs new policy, per token
-        local x = min(max(-d, -cap), cap)
+        local x, ex
+        if gspo then
+          x = min(max(-d, -cap), cap)
+          ex = exp(x)
+        else
+          x, ex = -logr, 1 / r   -- the same clamp; exp(−logr) = 1/r saves an exp per token
+        end
         kl1 = kl1 + m * x
-        kl3 = kl3 + m * (exp(x) - x - 1)
+        kl3 = kl3 + m * (ex - x - 1)
         rsum = rsum + m * r
         rmax = max(rmax, r)
         n = n + m
