@@ -125,8 +125,17 @@ function M.clean(s)
   s = s:gsub('\\mathrm%s*(%b{})', function(b) return b:sub(2, -2) end)
   s = s:gsub('\\mbox%s*(%b{})', function(b) return b:sub(2, -2) end)
   s = trim(s)
-  -- {5} -> 5 (whole-string braces only)
-  while s:sub(1, 1) == '{' and brace_matches(s)[1] == #s do s = trim(s:sub(2, -2)) end
+  -- {5} -> 5, { {5} } -> 5 (braces around the whole string only; one pass over s)
+  if s:sub(1, 1) == '{' then
+    local match = brace_matches(s)
+    local i, j = 1, #s
+    while s:byte(i) == 123 and match[i] == j do
+      i, j = i + 1, j - 1
+      while i <= j and s:sub(i, i):match('%s') do i = i + 1 end
+      while j >= i and s:sub(j, j):match('%s') do j = j - 1 end
+    end
+    s = s:sub(i, j)
+  end
   return s
 end
 
@@ -154,11 +163,14 @@ local function parse_decimal(s)
   return sign == '-' and -v or v
 end
 
+-- Longer text is not a number (and the patterns below stay linear in practice).
+local MAX_NUMBER_CHARS = 400
+
 -- Value of a cleaned string: decimal, fraction, \frac, mixed number, percent, trailing units.
 -- Returns value, is_percent; or nil.
 function M.parse_number(s, no_clean)
   if type(s) == 'number' then return s, false end
-  if type(s) ~= 'string' then return nil end
+  if type(s) ~= 'string' or #s > MAX_NUMBER_CHARS then return nil end
   if not no_clean then s = M.clean(s) end
   s = s:gsub('%s+', ' ')
   local percent = false
