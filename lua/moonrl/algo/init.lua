@@ -1,0 +1,41 @@
+-- moonrl.algo: the algorithm math over packed per-token arrays. Every loss returns
+-- (loss, metrics) and ADDS its gradient with respect to the core's per-token outputs (log-probs,
+-- entropy, values) into args.grad, so several terms combine into one gradient.
+--
+--   local algo = require('moonrl.algo')
+--   local adv = algo.advantages.grpo{scores = s, nseq = n, group = 8}
+--   local tok_adv = algo.advantages.to_tokens{values = adv, cu_seqlens = cu, nseq = n, mask = m}
+--   local loss, metrics = algo.policy_loss.ppo{logprob = lp, old_logprob = old, advantages = tok_adv,
+--     cu_seqlens = cu, nseq = n, mask = m, clip_high = 0.28, grad = g}
+--
+-- Modules: advantages, policy_loss, kl, value_loss, dpo, sft, agg (see each file's top for the
+-- arrays it reads). The common entry points are also here under short names.
+local M = {
+  advantages = require('moonrl.algo.advantages'),
+  policy_loss = require('moonrl.algo.policy_loss'),
+  kl = require('moonrl.algo.kl'),
+  value_loss = require('moonrl.algo.value_loss'),
+  dpo = require('moonrl.algo.dpo'),
+  sft = require('moonrl.algo.sft'),
+  agg = require('moonrl.algo.agg'),
+}
+
+M.grpo_advantages = M.advantages.grpo
+M.rloo_advantages = M.advantages.rloo
+M.reinforce_pp_advantages = M.advantages.reinforce_pp
+M.gae = M.advantages.gae
+M.to_tokens = M.advantages.to_tokens
+M.token_rewards = M.advantages.token_rewards
+M.ppo_loss = M.policy_loss.ppo
+M.gspo_loss = M.policy_loss.gspo
+M.kl_loss = M.kl.loss
+M.kl_penalty = M.kl.penalty
+M.entropy_bonus = M.kl.entropy_bonus
+M.critic_loss = M.value_loss.clipped
+M.dpo_loss = M.dpo.loss
+M.sft_loss = M.sft.loss
+M.seq_weights = M.agg.seq_weights
+M.aggregate = M.agg.aggregate
+M.counts = M.agg.counts
+
+return M

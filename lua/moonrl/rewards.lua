@@ -1,0 +1,126 @@
+-- The reward registry: named reward functions, reward(sample) -> number, where
+--   sample = { prompt = string, response = string, answer = string|number|nil, meta = table|nil }
+--
+--   local rewards = require('moonrl.rewards')
+--   rewards.register('my_reward', function(sample) return #sample.response < 100 and 1 or 0 end)
+--   local fn = rewards.get('math')                 -- a built-in, loaded from plugins/rewards/
+--   local scores, mean = rewards.score_batch('math', samples)   -- double array [#samples]
+--   local both = rewards.combine({ { reward = 'math', weight = 1 }, { reward = 'format', weight = 0.1 } })
+--
+-- Built-ins (plugins/rewards/*.lua, loaded on first use): math (\boxed{} or GSM8K "####" answers
+-- compared by value), gsm8k (the same), format (<think>...</think><answer>...</answer>), countdown
+-- (arithmetic expression over given numbers). Each plugin module also has new{...} for configured
+-- variants; register those under a name of your own.
+local ffi = require('ffi')
+
+local M = {}
+
+local registry = {}
+local BUILTIN = {
+  math = function() return require('rewards.math').reward end,
+  gsm8k = function() return require('rewards.math').reward end,
+  format = function() return require('rewards.format').reward end,
+  countdown = function() return require('rewards.countdown').reward end,
+}
+
+local function callable(fn)
+  if type(fn) == 'function' then return true end
+  local mt = getmetatable(fn)
+  return type(mt) == 'table' and type(mt.__call) == 'function'
+end
+
+-- Register fn under name. An existing name is an error unless opts.replace is true.
+function M.register(name, fn, opts)
+  if type(name) ~= 'string' or name == '' then
+    error('rewards.register: name must be a non-empty string, got ' .. tostring(name), 2)
+  end
+  if not callable(fn) then
+    error(string.format("rewards.register: reward '%s' must be a function, got %s", name, type(fn)), 2)
+  end
+  if (registry[name] or BUILTIN[name]) and not (opts and opts.replace) then
+    error(string.format("rewards.register: reward '%s' is already registered (pass {replace = true})", name), 2)
+  end
+  registry[name] = fn
+end
+
+-- Sorted names of all rewards, registered and built in.
+function M.names()
+  local seen, out = {}, {}
+  for k in pairs(registry) do seen[k] = true end
+  for k in pairs(BUILTIN) do seen[k] = true end
+  for k in pairs(seen) do out[#out + 1] = k end
+  table.sort(out)
+  return out
+end
+
+-- The reward function registered as name; an unknown name is an error listing the known ones.
+function M.get(name)
+  local fn = registry[name]
+  if fn then return fn end
+  local load = BUILTIN[name]
+  if load then
+    fn = load()
+    registry[name] = fn
+    return fn
+  end
+  error(string.format("unknown reward '%s' (known: %s)", tostring(name), table.concat(M.names(), ', ')), 2)
+end
+
+local function resolve(r, level)
+  if type(r) == 'string' then return M.get(r), r end
+  if callable(r) then return r, 'function' end
+  error('a reward must be a name or a function, got ' .. type(r), level + 1)
+end
+
+-- Score a list of samples: returns a double array [n] (or fills out) and the mean. A reward that
+-- returns something other than a finite number is an error naming the reward and the sample.
+function M.score_batch(reward, samples, out)
+  local fn, name = resolve(reward, 2)
+  local n = #samples
+  out = out or ffi.new('double[?]', math.max(n, 1))
+  local sum = 0
+  for i = 1, n do
+    local ok, v = pcall(fn, samples[i])
+    if not ok then error(string.format("reward '%s' failed on sample %d: %s", name, i, tostring(v)), 2) end
+    if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge then
+      error(string.format("reward '%s' returned %s for sample %d (expected a finite number)", name, tostring(v), i), 2)
+    end
+    out[i - 1] = v
+    sum = sum + v
+  end
+  return out, n > 0 and sum / n or 0
+end
+
+-- A weighted sum of rewards: spec = { {reward = name|fn, weight = w}, ... } (weight 1 when absent).
+-- The returned function gives the total and, second, a table of each part's unweighted value by
+-- name (or position, for functions).
+function M.combine(spec)
+  if type(spec) ~= 'table' or #spec == 0 then error('rewards.combine: expected a non-empty list of {reward=, weight=}', 2) end
+  local parts = {}
+  for i, p in ipairs(spec) do
+    if type(p) ~= 'table' then error(string.format('rewards.combine: entry %d must be a table {reward=, weight=}', i), 2) end
+    local fn, name = resolve(p.reward or p[1], 2)
+    local w = p.weight or p[2] or 1
+    if type(w) ~= 'number' or w ~= w then error(string.format('rewards.combine: entry %d: weight must be a number', i), 2) end
+    parts[i] = { fn = fn, w = w, key = name == 'function' and i or name }
+  end
+  return function(sample)
+    local total, detail = 0, {}
+    for _, p in ipairs(parts) do
+      local v = p.fn(sample)
+      detail[p.key] = v
+      total = total + p.w * v
+    end
+    return total, detail
+  end
+end
+
+-- Read sample.response (and check the sample is a table); for reward plugins.
+function M.response_of(sample, who)
+  if type(sample) ~= 'table' then error(who .. ': sample must be a table {prompt=, response=, answer=, meta=}', 3) end
+  local r = sample.response
+  if type(r) ~= 'string' then error(who .. ': sample.response must be a string, got ' .. type(r), 3) end
+  return r
+end
+
+return M
