@@ -20,12 +20,55 @@ static char *dup_n(const char *s, size_t n) {
     return d;
 }
 
+static int is_category(const char *name, size_t n) {
+    static const char *const cats[] = { "L", "Lu", "Ll", "Lt", "Lm", "Lo", "L&", "Lc", "M", "Mn", "Mc", "Me", "N", "Nd",
+                                        "Nl", "No", "P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk",
+                                        "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any" };
+    for (size_t i = 0; i < sizeof cats / sizeof *cats; i++)
+        if (strlen(cats[i]) == n && !memcmp(cats[i], name, n)) return 1;
+    return memchr(name, ':', n) || memchr(name, '=', n);
+}
+
+/* The patterns are written for Oniguruma, whose \p{Script} means the Script
+ * property; PCRE2's \p{Script} also takes Script_Extensions (U+3002 is Han
+ * there). Rewrite \p{Name} of a script to \p{sc:Name}. Returns a malloc'd
+ * pattern, or NULL on OOM. */
+static char *onig_scripts(const char *pat, size_t len, size_t *out_len) {
+    char *d = malloc(len * 2 + 1), *o = d;
+    if (!d) return NULL;
+    for (size_t i = 0; i < len;) {
+        if (pat[i] == '\\' && i + 1 < len && (pat[i + 1] == 'p' || pat[i + 1] == 'P') && i + 2 < len && pat[i + 2] == '{') {
+            const char *name = pat + i + 3, *end = memchr(name, '}', len - (i + 3));
+            int neg = end && end > name && name[0] == '^';
+            if (end && !is_category(name + neg, (size_t)(end - name - neg))) {
+                memcpy(o, pat + i, 3), o += 3;
+                if (neg) *o++ = '^';
+                memcpy(o, "sc:", 3), o += 3;
+                i = (size_t)(name + neg - pat);
+                continue;
+            }
+            memcpy(o, pat + i, 2), o += 2, i += 2;
+            continue;
+        }
+        if (pat[i] == '\\' && i + 1 < len) *o++ = pat[i++];
+        *o++ = pat[i++];
+    }
+    *out_len = (size_t)(o - d);
+    return d;
+}
+
 static mrl_status compile_re(const mrl_tok *t, const char *where, const char *pat, size_t len, int literal,
                              pcre2_code **out) {
     int err;
     PCRE2_SIZE off;
+    char *rewritten = NULL;
+    if (!literal) {
+        if (!(rewritten = onig_scripts(pat, len, &len))) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+        pat = rewritten;
+    }
     uint32_t opts = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, opts, &err, &off, NULL);
+    free(rewritten);
     if (!re) {
         char msg[256];
         pcre2_get_error_message(err, (PCRE2_UCHAR *)msg, sizeof msg);

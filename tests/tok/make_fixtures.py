@@ -5,7 +5,10 @@ rerun this only to regenerate them:
 
     /usr/bin/python3 tests/tok/make_fixtures.py tests/tok/fixtures
 
-Training is deterministic (fixed corpus, single pass) and takes a second."""
+Training takes a second. It is not bit-reproducible for the two tokenizers
+trained with limit_alphabet (the package breaks ties in the alphabet in hash
+order), which is why the generated files are committed: they are the fixtures,
+this script is how they were made."""
 import json
 import os
 import sys
@@ -118,8 +121,47 @@ def metaspace(out):
     save(tok, out, "metaspace_digits", {"bos_token": "<s>", "eos_token": "</s>"})
 
 
+def variants(out):
+    """Options the trained tokenizers do not use, on copies of them: ByteLevel
+    add_prefix_space, Split behaviours and invert, Digits in runs, the other
+    Metaspace prepend schemes, a Replace normalizer over a ByteLevel model."""
+    def edit(src, name, fn, config=None):
+        with open(os.path.join(out, src, "tokenizer.json")) as f:
+            spec = json.load(f)
+        fn(spec)
+        save(Tokenizer.from_str(json.dumps(spec)), out, name, config)
+
+    def prefix_space(spec):
+        spec["pre_tokenizer"]["add_prefix_space"] = True
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Replace", "pattern": {"String": "\t"}, "content": "    "}]}
+    edit("gpt2_bytelevel", "var_prefix_space", prefix_space)
+
+    def splits(spec):
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"String": ","}, "behavior": "Removed", "invert": False},
+            {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "MergedWithNext", "invert": False},
+            {"type": "Split", "pattern": {"Regex": "[.!?]"}, "behavior": "MergedWithPrevious", "invert": False},
+            {"type": "Split", "pattern": {"Regex": "\\p{Han}"}, "behavior": "Contiguous", "invert": False},
+            {"type": "Split", "pattern": {"Regex": "[a-z]+"}, "behavior": "Isolated", "invert": True},
+            {"type": "Digits", "individual_digits": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    edit("llama3_split", "var_splits", splits)
+
+    def metaspace_always(spec):
+        spec["pre_tokenizer"]["pretokenizers"][0]["prepend_scheme"] = "always"
+        spec["pre_tokenizer"]["pretokenizers"][0]["split"] = False
+        spec["decoder"]["prepend_scheme"] = "always"
+    edit("metaspace_digits", "var_metaspace_always", metaspace_always)
+
+    def metaspace_never(spec):
+        spec["pre_tokenizer"]["pretokenizers"][0]["prepend_scheme"] = "never"
+        spec["decoder"]["prepend_scheme"] = "never"
+    edit("metaspace_digits", "var_metaspace_never", metaspace_never)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-    for fn in (gpt2, llama3, qwen2, sentencepiece, metaspace):
+    for fn in (gpt2, llama3, qwen2, sentencepiece, metaspace, variants):
         fn(out)
     print("fixtures written to", out)
