@@ -281,9 +281,18 @@ mrl_status mrl_tok_stream_step(mrl_tok_stream *s, int32_t id, const char **text,
     }
     ok = ok && tok_ids_push(&s->ids, id) && decode_window(s, 0, &s->text);
     if (!ok) return mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_stream_step: out of memory");
+    if (s->text.len > s->prefix.len && !ends_with_replacement(&s->text) &&
+        memcmp(s->text.data, s->prefix.data ? s->prefix.data : "", s->prefix.len) != 0) {
+        /* The new id changed text already emitted (a byte token after
+         * complete text, with ByteFallback). tokenizers' DecodeStream fails
+         * from here on; restart the window at this id instead. */
+        s->ids.data[0] = id;
+        s->ids.len = 1;
+        s->prefix.len = 0;
+        s->prefix_index = 0;
+        if (!decode_window(s, 0, &s->text)) return mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_stream_step: out of memory");
+    }
     if (s->text.len > s->prefix.len && !ends_with_replacement(&s->text)) {
-        if (memcmp(s->text.data, s->prefix.data ? s->prefix.data : "", s->prefix.len) != 0)
-            return mrl_set_error(MRL_ERR_INTERNAL, "mrl_tok_stream_step: the decoded text no longer extends what was emitted");
         s->out.len = 0;
         ok = tok_buf_put(&s->out, s->text.data + s->prefix.len, s->text.len - s->prefix.len);
         /* keep only the ids after the old prefix as context */

@@ -8,6 +8,10 @@
 #include <sys/stat.h>
 #include "tok_internal.h"
 
+/* Word characters, for single_word tokens: as Unicode \w in the Rust regex
+ * crate (alphabetic, marks, decimal digits, connector punctuation, joiners). */
+static const char WORD_CHAR[] = "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]";
+
 static const tok_added *g_sort_added;
 
 static int cmp_added(const void *x, const void *y) {
@@ -70,6 +74,10 @@ mrl_status mrl_tok_load(const char *path, mrl_tok **out) {
     mrl_status st = tok_load_json(t, t->path);
     if (!st) st = index_added(t);
     if (!st && !(t->md = pcre2_match_data_create(1, NULL))) st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+    int err;
+    PCRE2_SIZE off;
+    if (!st && !(t->word_re = pcre2_compile((PCRE2_SPTR)WORD_CHAR, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off, NULL)))
+        st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     if (st) {
         mrl_tok_free(t);
         return st;
@@ -84,6 +92,7 @@ void mrl_tok_free(mrl_tok *t) {
     free(t->added_sorted);
     tok_cache_free(&t->cache);
     if (t->md) pcre2_match_data_free(t->md);
+    if (t->word_re) pcre2_code_free(t->word_re);
     pthread_mutex_destroy(&t->lock);
     free(t);
 }
@@ -112,10 +121,10 @@ static int segs_push(segs *v, size_t start, size_t end, int32_t id) {
     return 1;
 }
 
-/* Characters that make a word for single_word tokens: letters, digits, '_'. */
-static int word_char(uint32_t cp) {
-    if (cp < 0x80) return (cp >= '0' && cp <= '9') || (cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z') || cp == '_';
-    return !tok_is_whitespace(cp);
+/* Is the character at s[at] a word character (WORD_CHAR)? */
+
+static int word_char_at(const mrl_tok *t, const char *s, size_t len, size_t at) {
+    return pcre2_match(t->word_re, (PCRE2_SPTR)s, len, at, PCRE2_ANCHORED | PCRE2_NO_UTF_CHECK, t->md, NULL) >= 0;
 }
 
 static uint32_t cp_before(const char *s, size_t at) {
@@ -155,9 +164,10 @@ static int split_added(const mrl_tok *t, const char *s, size_t len, int want_nor
         size_t ms = i, me = i + hit->pattern_len;
         i = me;
         if (hit->single_word) {
-            uint32_t cp;
-            if (ms > 0 && word_char(cp_before(s, ms))) continue;
-            if (me < len && (tok_utf8_decode(s + me, &cp), word_char(cp))) continue;
+            size_t before = ms ? ms - 1 : 0; /* the start of the character before the match */
+            while (before > 0 && ((unsigned char)s[before] & 0xC0) == 0x80) before--;
+            if (ms > 0 && word_char_at(t, s, len, before)) continue;
+            if (me < len && word_char_at(t, s, len, me)) continue;
         }
         if (hit->lstrip)
             while (ms > last) {
@@ -264,6 +274,11 @@ int32_t mrl_tok_token_to_id(const mrl_tok *t, const char *token, size_t len) {
 const char *mrl_tok_id_to_token(const mrl_tok *t, int32_t id, size_t *len) {
     if (len) *len = 0;
     if (!t || id < 0 || id >= t->n_ids || !t->id_str[id]) return NULL;
+    int32_t k = t->added_of_id[id];
+    if (k >= 0) { /* as tokenizers: an added token in the form it is matched in (normalized when `normalized`) */
+        if (len) *len = t->added[k].pattern_len;
+        return t->added[k].pattern;
+    }
     if (len) *len = t->id_len[id];
     return t->id_str[id];
 }

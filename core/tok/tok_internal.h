@@ -143,6 +143,7 @@ struct mrl_tok {
     pthread_mutex_t lock;
     tok_cache cache;
     pcre2_match_data *md;
+    pcre2_code *word_re; /* \w: what single_word tokens may not touch */
 };
 
 /* byte-level: the printable code point that stands for each byte */

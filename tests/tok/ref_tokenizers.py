@@ -109,12 +109,17 @@ def main():
         added = [t.content for t in hf.get_added_tokens_decoder().values() if not t.special]
         cases = corpus.cases(specials + added)
         cases += [("added%d" % k, "x %s y%s.%s" % (a, a, a)) for k, a in enumerate(added[:6])]
+        # neighbours that make or do not make a word (single_word), whitespace (lstrip / rstrip)
+        around = ["é%s", "%s\u0301", "½%s²", "_%s_", "%s😀", "1%s", "\u3000%s\u3000 \n", "%s%s", "  %s  x"]
+        cases += [("around%d_%d" % (k, j), f.replace("%s", a)) for k, a in enumerate((added + specials)[:8])
+                  for j, f in enumerate(around)]
         before = failures
         # vocabulary and lookups
         checks += 1
         if lib.mrl_tok_vocab_size(ct.h) != hf.get_vocab_size():
             fail("%s: vocab size %d, tokenizers %d" % (name, lib.mrl_tok_vocab_size(ct.h), hf.get_vocab_size()))
-        for tokstr, tid in list(hf.get_vocab().items())[:2000]:
+        vocab = sorted(hf.get_vocab().items(), key=lambda kv: kv[1])
+        for tokstr, tid in vocab[:2000] + vocab[-300:]:
             b = tokstr.encode()
             checks += 1
             if lib.mrl_tok_token_to_id(ct.h, b, len(b)) != tid:

@@ -158,12 +158,78 @@ static void test_stream(void) {
     mrl_tok_free(t);
 }
 
+static int valid_utf8(const unsigned char *s, size_t n) {
+    for (size_t i = 0; i < n;) {
+        unsigned c = s[i];
+        size_t k = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (!k || i + k > n) return 0;
+        for (size_t j = 1; j < k; j++)
+            if ((s[i + j] & 0xC0) != 0x80) return 0;
+        i += k;
+    }
+    return 1;
+}
+
+static uint64_t next_rand(uint64_t *rng) {
+    *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+    return *rng >> 11;
+}
+
+/* Random bytes in, random ids out, on several fixtures: no error, no crash
+ * (this runs under AddressSanitizer too), and decoded text is valid UTF-8. */
+static void test_random(void) {
+    static const char *names[] = { "gpt2_bytelevel", "llama3_split", "qwen2_split", "sentencepiece_bytefallback",
+                                   "metaspace_digits", "var_splits", "var_prefix_space" };
+    static const char *bits[] = { "<|endoftext|>", "<|eot_id|>", "<s>", "\xe2\x96\x81", " ", "\n", "\xf0\x9f\x98\x80",
+                                  "\xff", "\xc3", "123", "ab", "\xd0\xbc\xd0\xb8", "<tool>", "[[L]]", "{R}", "\t" };
+    uint64_t rng = 12345;
+    for (size_t f = 0; f < sizeof names / sizeof *names; f++) {
+        char path[512];
+        snprintf(path, sizeof path, FIX "%s", names[f]);
+        mrl_tok *t = NULL;
+        CHECK_OK(mrl_tok_load(path, &t));
+        if (!t) continue;
+        mrl_tok_stream *st = NULL;
+        CHECK_OK(mrl_tok_stream_new(t, 0, &st));
+        static char text[1024], out[16384];
+        static int32_t ids[2048];
+        int32_t vs = mrl_tok_vocab_size(t);
+        for (int round = 0; round < 60; round++) {
+            size_t len = 0;
+            int parts = (int)(next_rand(&rng) % 40);
+            for (int p = 0; p < parts; p++) {
+                uint64_t r = next_rand(&rng);
+                const char *b = bits[r % (sizeof bits / sizeof *bits)];
+                size_t bl = strlen(b);
+                if ((r >> 8) % 4 == 0) text[len++] = (char)(r >> 16); /* a random byte */
+                else memcpy(text + len, b, bl), len += bl;
+            }
+            size_t n = 0, out_len = 0;
+            CHECK_OK(mrl_tok_encode(t, text, len, round % 4, ids, 2048, &n));
+            CHECK_OK(mrl_tok_decode(t, ids, n, round % 2 ? MRL_TOK_SKIP_SPECIAL : 0, out, sizeof out, &out_len));
+            CHECK(valid_utf8((const unsigned char *)out, out_len));
+            for (size_t i = 0; i < 40; i++) ids[i] = (int32_t)(next_rand(&rng) % (uint64_t)(vs + 10)) - 5; /* some out of range */
+            CHECK_OK(mrl_tok_decode(t, ids, 40, 0, out, sizeof out, &out_len));
+            CHECK(valid_utf8((const unsigned char *)out, out_len));
+            for (size_t i = 0; i < 40; i++) {
+                const char *piece;
+                size_t pl;
+                CHECK_OK(mrl_tok_stream_step(st, ids[i], &piece, &pl));
+                CHECK(valid_utf8((const unsigned char *)piece, pl));
+            }
+        }
+        mrl_tok_stream_free(st);
+        mrl_tok_free(t);
+    }
+}
+
 int main(void) {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/moonrl_test_tok_XXXXXX");
     if (!mkdtemp(tmpdir)) return 1;
     test_errors();
     test_edges();
     test_stream();
+    test_random();
     char path[512];
     snprintf(path, sizeof path, "%s/tokenizer.json", tmpdir);
     unlink(path);

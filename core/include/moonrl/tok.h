@@ -56,7 +56,9 @@ mrl_status mrl_tok_decode(mrl_tok *tok, const int32_t *ids, size_t n, int flags,
 int32_t mrl_tok_vocab_size(const mrl_tok *tok);
 /* The id of a token string (vocabulary or added), or -1. */
 int32_t mrl_tok_token_to_id(const mrl_tok *tok, const char *token, size_t len);
-/* The string of an id (pointer valid while tok lives), or NULL with *len 0. */
+/* The string of an id (pointer valid while tok lives), or NULL with *len 0.
+ * As in tokenizers, an added token with normalized=true comes back in its
+ * normalized form (Llama 2's "<s>" comes back as U+2581 then "<s>"). */
 const char *mrl_tok_id_to_token(const mrl_tok *tok, int32_t id, size_t *len);
 /* 1 when id is an added token marked special. */
 int mrl_tok_is_special(const mrl_tok *tok, int32_t id);
@@ -67,7 +69,10 @@ int32_t mrl_tok_eos_id(const mrl_tok *tok);
 
 /* Streaming decoder: feed one id at a time and get back only complete
  * UTF-8 text (bytes of an incomplete character are held back), the same
- * text as `tokenizers`' DecodeStream. flags: MRL_TOK_SKIP_SPECIAL. */
+ * text as `tokenizers`' DecodeStream. Where DecodeStream fails for good (an
+ * id that turns text already emitted into something else, e.g. a byte token
+ * <0xE4> right after <0x41> under ByteFallback), the stream restarts its
+ * context at that id and carries on. flags: MRL_TOK_SKIP_SPECIAL. */
 mrl_status mrl_tok_stream_new(mrl_tok *tok, int flags, mrl_tok_stream **out);
 void mrl_tok_stream_free(mrl_tok_stream *s);
 /* Feed one id. *text points at the new text (valid until the next call on s)
