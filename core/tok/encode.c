@@ -43,6 +43,14 @@ static mrl_status index_added(mrl_tok *t) {
         if (!p) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
         a->pattern = p, a->pattern_len = n;
     }
+    /* skip_special leaves out an id when the string it decodes from is the
+     * content of a special token: as tokenizers does, which misses special
+     * tokens that the normalizer changes (Llama 2's "<s>" stays). */
+    for (int i = 0; i < t->n_added; i++) {
+        tok_added *a = &t->added[i];
+        int32_t k = tok_strmap_get(&t->added_index, a->pattern, a->pattern_len);
+        if (a->special && k >= 0 && t->added[k].special) t->skip_special[a->id] = 1;
+    }
     t->added_sorted = malloc((t->n_added + 1) * sizeof *t->added_sorted);
     if (!t->added_sorted) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     for (int i = 0; i < t->n_added; i++) t->added_sorted[i] = i;

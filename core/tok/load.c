@@ -539,7 +539,6 @@ static mrl_status build_id_tables(mrl_tok *t) {
         if ((st = set_id_string(t, a->id, a->content, a->len))) return st;
         t->added_of_id[a->id] = i;
         if (a->special) t->is_special[a->id] = 1;
-        if (a->special && !a->normalized) t->skip_special[a->id] = 1;
     }
     for (size_t e = 0; e < t->vocab.count; e++)
         if ((st = set_id_string(t, t->vocab.values[e], t->vocab.keys[e], t->vocab.key_lens[e]))) return st;

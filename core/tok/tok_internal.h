@@ -134,7 +134,7 @@ struct mrl_tok {
     int32_t *added_sorted;      /* indices into added[], by first byte, longest first */
     int32_t added_bucket[257];  /* added_sorted[added_bucket[b] .. added_bucket[b+1]) start with byte b */
     uint8_t *is_special;    /* per id: an added token marked special */
-    uint8_t *skip_special;  /* per id: left out by skip_special (special and not normalized, as tokenizers 0.23 does) */
+    uint8_t *skip_special;  /* per id: left out by MRL_TOK_SKIP_SPECIAL (see index_added) */
     int32_t *added_of_id;   /* per id: index in added[] or -1 */
     int32_t post_prefix[8], post_suffix[8];
     int n_post_prefix, n_post_suffix;

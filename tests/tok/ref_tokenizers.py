@@ -104,6 +104,8 @@ def main():
     for name in sorted(os.listdir(root)):
         d = os.path.join(root, name)
         hf = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+        hf.no_truncation()  # moonrl leaves truncation and padding to the caller
+        hf.no_padding()
         ct = CTok(lib, d)
         specials = [t.content for t in hf.get_added_tokens_decoder().values() if t.special]
         added = [t.content for t in hf.get_added_tokens_decoder().values() if not t.special]
@@ -136,7 +138,9 @@ def main():
                 got = ct.encode(data, flags)
                 checks += 1
                 if got != want:
-                    fail("%s/%s flags=%d: ids differ\n  text %r\n  got  %s\n  want %s" % (name, cname, flags, text[:80], got[:40], want[:40]))
+                    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    fail("%s/%s flags=%d: ids differ from index %d\n  text %r\n  got  %s\n  want %s" % (
+                        name, cname, flags, k, text[:80], got[max(0, k - 5):k + 15], want[max(0, k - 5):k + 15]))
                     continue
                 for skip in (False, True):
                     dwant = hf.decode(want, skip_special_tokens=skip).encode()

@@ -16,6 +16,9 @@
  * gives for that replaced str. NFC is applied as the identity: text that is
  * already in NFC (nearly all text) encodes identically.
  *
+ * The file's truncation and padding settings are ignored (the caller cuts
+ * and packs sequences).
+ *
  * A handle may be used from several threads; calls on one handle serialize
  * (use one handle per thread to encode in parallel). */
 #pragma once
