@@ -167,7 +167,7 @@ static mrl_status load_normalizer(mrl_tok *t, const mrl_json *o, const char *whe
         n.a = dup_n(p, n.alen);
         n.b = dup_n(c, n.blen);
     } else if (!strcmp(type, "NFC")) {
-        n.kind = NORM_IDENTITY; /* see tok.h: text is taken to be in NFC already */
+        n.kind = NORM_NFC;
     } else {
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: normalizer type \"%s\" is not supported", t->path, where, type);
     }

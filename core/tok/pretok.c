@@ -47,6 +47,8 @@ int tok_normalize(const mrl_tok *t, const char *s, size_t len, tok_arena *a, con
             len += n->alen;
         } else if (n->kind == NORM_REPLACE) {
             if (!replace_all(s, len, n->a, n->alen, n->b, n->blen, a, &s, &len)) return 0;
+        } else if (n->kind == NORM_NFC) {
+            if (!tok_nfc(s, len, a, &s, &len)) return 0;
         }
     }
     *out = s, *out_len = len;

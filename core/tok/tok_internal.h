@@ -55,7 +55,7 @@ int tok_utf8_encode(uint32_t cp, char *out);
 int tok_is_whitespace(uint32_t cp);
 
 /* ---- pipeline stages ---- */
-enum { NORM_PREPEND, NORM_REPLACE, NORM_IDENTITY };
+enum { NORM_PREPEND, NORM_REPLACE, NORM_NFC };
 typedef struct tok_norm {
     int kind;
     char *a, *b; /* PREPEND: a; REPLACE: pattern a -> content b */
@@ -178,6 +178,8 @@ typedef struct tok_arena {
 char *tok_arena_alloc(tok_arena *a, size_t n);
 void tok_arena_free(tok_arena *a);
 
+/* Unicode NFC of s (s itself when already NFC, else an arena string). */
+int tok_nfc(const char *s, size_t len, tok_arena *a, const char **out, size_t *out_len);
 /* Normalize s into a fresh arena string. */
 int tok_normalize(const mrl_tok *t, const char *s, size_t len, tok_arena *a, const char **out, size_t *out_len);
 /* Pre-tokenize one segment: append the final pieces to out. */

@@ -1,5 +1,6 @@
 """The texts the tokenizer reference test encodes (tests/tok/ref_tokenizers.py)
 and the fixture tokenizers are trained on (tests/tok/make_fixtures.py)."""
+import unicodedata
 
 ENGLISH = (
     "The quick brown fox jumps over the lazy dog. It's a well-known pangram; we'll use it, "
@@ -48,6 +49,9 @@ def cases(specials):
         ("long_digits", "7" * 500),
         ("long_word", "abc" * 400),
         ("apostrophes", "I'M YOU'RE he's they'LL we'VE 'd 's"),
+        # decomposed text and stacked marks (the NFC normalizer composes and reorders them)
+        ("nfd", unicodedata.normalize("NFD", "Tiếng Việt có dấu, naïve café, Ωμέγα, 한국어 텍스트, Å Ǆ")),
+        ("marks", "q\u0323\u0307 s\u0307\u0323 e\u0301\u0301 \u0301x \u212b \u1100\u1161\u11a8 \u0f73 \u304b\u3099"),
     ]
     for k, s in enumerate(specials[:4]):
         out += [
