@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "io/json.h"
+#include "moonrl/mem.h"
 #include "tok_internal.h"
 
 #define MAX_ID (1 << 24)
@@ -23,7 +24,10 @@ static char *dup_n(const char *s, size_t n) {
 static int is_category(const char *name, size_t n) {
     static const char *const cats[] = { "L", "Lu", "Ll", "Lt", "Lm", "Lo", "L&", "Lc", "M", "Mn", "Mc", "Me", "N", "Nd",
                                         "Nl", "No", "P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk",
-                                        "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any" };
+                                        "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any",
+                                        /* binary properties, not scripts */
+                                        "Alphabetic", "Alpha", "White_Space", "Uppercase", "Lowercase",
+                                        "Emoji", "Emoji_Presentation", "Extended_Pictographic" };
     for (size_t i = 0; i < sizeof cats / sizeof *cats; i++)
         if (strlen(cats[i]) == n && !memcmp(cats[i], name, n)) return 1;
     return memchr(name, ':', n) || memchr(name, '=', n);
@@ -231,6 +235,19 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         p.behavior = SPLIT_ISOLATED;
         int individual = bool_member(o, "individual_digits", 0);
         const char *pat = individual ? "\\p{N}" : "\\p{N}+";
+        if ((st = compile_re(t, where, pat, strlen(pat), 0, &p.re))) return st;
+    } else if (!strcmp(type, "Punctuation") || !strcmp(type, "Whitespace") || !strcmp(type, "WhitespaceSplit")) {
+        /* as splits by a regex: Unicode or ASCII punctuation; runs of word
+         * characters (Unicode \w) or of other non-space characters;
+         * runs of White_Space, removed */
+        const char *pat = type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
+                          : type[10] ? "[\\t\\n\\v\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+"
+                                     : "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]+"
+                                       "|[^\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}\\s]+";
+        p.kind = PT_SPLIT;
+        p.behavior = type[0] == 'P' ? behavior_of(str_member(o, "behavior", NULL)) : SPLIT_REMOVED;
+        p.invert = type[0] == 'W' && !type[10]; /* Whitespace keeps the matches */
+        if (p.behavior < 0) return mrl_set_error(MRL_ERR_FORMAT, "%s: %s.behavior: unknown value", t->path, where);
         if ((st = compile_re(t, where, pat, strlen(pat), 0, &p.re))) return st;
     } else if (!strcmp(type, "Metaspace")) {
         p.kind = PT_METASPACE;
@@ -449,9 +466,9 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
     size_t n_merges = merges ? merges->length : 0, slots = 16;
     while (slots < n_merges * 2 + 2) slots *= 2;
     t->merge_mask = slots - 1;
-    t->merge_keys = malloc(slots * sizeof *t->merge_keys);
-    t->merge_rank = malloc(slots * sizeof *t->merge_rank);
-    t->merge_new = malloc(slots * sizeof *t->merge_new);
+    t->merge_keys = mrl_mem_alloc(slots * sizeof *t->merge_keys, MRL_MEM_OTHER);
+    t->merge_rank = mrl_mem_alloc(slots * sizeof *t->merge_rank, MRL_MEM_OTHER);
+    t->merge_new = mrl_mem_alloc(slots * sizeof *t->merge_new, MRL_MEM_OTHER);
     if (!t->merge_keys || !t->merge_rank || !t->merge_new) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     memset(t->merge_keys, 0xFF, slots * sizeof *t->merge_keys);
     char *scratch = NULL;
@@ -612,9 +629,9 @@ void tok_free_tables(mrl_tok *t) {
     free(t->added_of_id);
     tok_strmap_free(&t->vocab);
     tok_strmap_free(&t->added_index);
-    free(t->merge_keys);
-    free(t->merge_rank);
-    free(t->merge_new);
+    mrl_mem_free(t->merge_keys);
+    mrl_mem_free(t->merge_rank);
+    mrl_mem_free(t->merge_new);
     for (int i = 0; i < t->n_norms; i++) free(t->norms[i].a), free(t->norms[i].b);
     free(t->norms);
     for (int i = 0; i < t->n_pretoks; i++)

@@ -159,6 +159,12 @@ def variants(out):
         spec["decoder"]["prepend_scheme"] = "never"
     edit("metaspace_digits", "var_metaspace_never", metaspace_never)
 
+    def punctuation(spec):
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "WhitespaceSplit"}, {"type": "Punctuation", "behavior": "Contiguous"}, {"type": "Whitespace"},
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": False}]}
+    edit("gpt2_bytelevel", "var_punctuation", punctuation)
+
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

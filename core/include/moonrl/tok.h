@@ -5,7 +5,8 @@
  * SentencePiece-style with byte_fallback as in Llama 2 / Mistral), merges as
  * "a b" strings or [a, b] pairs, ignore_merges; normalizers Prepend, Replace,
  * NFC, Sequence; pre-tokenizers ByteLevel, Split (string or
- * regex, all behaviours, invert), Digits, Metaspace, Sequence; added tokens
+ * regex, all behaviours, invert), Digits, Metaspace, Punctuation, Whitespace,
+ * WhitespaceSplit, Sequence; added tokens
  * with single_word / lstrip / rstrip / normalized; post-processors
  * TemplateProcessing, ByteLevel, Sequence; decoders ByteLevel, Replace,
  * ByteFallback, Fuse, Strip, Metaspace, Sequence.
