@@ -63,8 +63,8 @@ static void test_errors(void) {
     expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\","
                  " \"pattern\": {\"Regex\": \"(unclosed\"}, \"behavior\": \"Isolated\"}}",
                  MRL_ERR_FORMAT, "pre_tokenizer: bad regex");
-    expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Punctuation\"}}",
-                 MRL_ERR_UNSUPPORTED, "Punctuation");
+    expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"BertPreTokenizer\"}}",
+                 MRL_ERR_UNSUPPORTED, "BertPreTokenizer");
     expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"content\": \"x\"}]}",
                  MRL_ERR_FORMAT, "added_tokens[0]");
     expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\","
