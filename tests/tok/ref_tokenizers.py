@@ -64,6 +64,8 @@ def setup(lib):
     lib.mrl_tok_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(vp)]
     lib.mrl_tok_free.argtypes = [vp]
     lib.mrl_tok_encode.argtypes = [vp, ctypes.c_char_p, sz, ctypes.c_int, ctypes.POINTER(i32), sz, ctypes.POINTER(sz)]
+    lib.mrl_tok_encode_batch.argtypes = [vp, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(sz), sz, ctypes.c_int,
+                                         ctypes.POINTER(i32), sz, ctypes.POINTER(sz)]
     lib.mrl_tok_decode.argtypes = [vp, ctypes.POINTER(i32), sz, ctypes.c_int, ctypes.c_char_p, sz, ctypes.POINTER(sz)]
     lib.mrl_tok_vocab_size.argtypes = [vp]
     lib.mrl_tok_token_to_id.argtypes = [vp, ctypes.c_char_p, sz]
@@ -157,7 +159,19 @@ def main():
                         checks += 1
                         if sgot != swant:
                             fail("%s/%s: stream(skip=%s) differs\n  got  %r\n  want %r" % (name, cname, skip, sgot[:20], swant[:20]))
+        # the whole corpus as one parallel batch gives the same ids
         hf.encode_special_tokens = False
+        texts = [c[1].encode() for c in cases]
+        arr = (ctypes.c_char_p * len(texts))(*texts)
+        lens = (ctypes.c_size_t * len(texts))(*[len(x) for x in texts])
+        offs = (ctypes.c_size_t * (len(texts) + 1))()
+        assert lib.mrl_tok_encode_batch(ct.h, arr, lens, len(texts), ADD_SPECIAL | PARSE_SPECIAL, None, 0, offs) == 0
+        buf = (ctypes.c_int32 * max(1, offs[len(texts)]))()
+        assert lib.mrl_tok_encode_batch(ct.h, arr, lens, len(texts), ADD_SPECIAL | PARSE_SPECIAL, buf, offs[len(texts)], offs) == 0
+        want = [e.ids for e in hf.encode_batch([c[1] for c in cases], add_special_tokens=True)]
+        checks += 1
+        if [list(buf[offs[i]:offs[i + 1]]) for i in range(len(texts))] != want:
+            fail("%s: encode_batch differs from tokenizers' encode_batch" % name)
         for k, raw in enumerate(corpus.invalid_utf8()):
             want = hf.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False).ids
             got = ct.encode(raw, PARSE_SPECIAL)
