@@ -10,7 +10,11 @@ import ctypes
 import os
 import sys
 
-from tokenizers import Tokenizer
+try:
+    from tokenizers import Tokenizer
+except ImportError:  # meson reads 77 as "skipped"
+    print("the Python package `tokenizers` is not installed (./dev.sh deps installs it)")
+    sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus  # noqa: E402
@@ -105,6 +109,8 @@ def main():
 
     for name in sorted(os.listdir(root)):
         d = os.path.join(root, name)
+        if not os.path.isdir(d):
+            continue
         hf = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
         hf.no_truncation()  # moonrl leaves truncation and padding to the caller
         hf.no_padding()
