@@ -87,7 +87,8 @@ mrl_status mrl_tok_load(const char *path, mrl_tok **out) {
     if (!st && !tok_work_init(&t->work)) st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     int err;
     PCRE2_SIZE off;
-    if (!st && !(t->word_re = pcre2_compile((PCRE2_SPTR)WORD_CHAR, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off, NULL)))
+    if (!st && !(t->word_re = pcre2_compile((PCRE2_SPTR)WORD_CHAR, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err,
+                                            &off, NULL)))
         st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     if (st) {
         mrl_tok_free(t);
@@ -201,8 +202,8 @@ static int split_added(const mrl_tok *t, tok_work *w, const char *s, size_t len,
 
 /* ---- encoding ---- */
 
-static int encode_text(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, int parse_special, tok_arena *a,
-                       tok_pieces *pieces, tok_ids *ids) {
+static int encode_text(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, int parse_special,
+                       tok_arena *a, tok_pieces *pieces, tok_ids *ids) {
     const char *ns;
     size_t nlen;
     segs inner = { 0 };
@@ -262,7 +263,8 @@ mrl_status mrl_tok_encode(mrl_tok *t, const char *text, size_t len, int flags, i
         if (ids == NULL && cap == 0) {
             /* a size query */
         } else if (out.len > cap || !ids) {
-            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode: the buffer holds %zu ids, the text needs %zu", cap, out.len);
+            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode: the buffer holds %zu ids, the text needs %zu", cap,
+                               out.len);
         } else if (out.len) {
             memcpy(ids, out.data, out.len * sizeof *ids);
         }
@@ -339,7 +341,8 @@ mrl_status mrl_tok_encode_batch(mrl_tok *t, const char *const *texts, const size
     size_t total = offsets[n];
     if (!st && !(ids == NULL && cap == 0)) {
         if (total > cap || !ids)
-            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode_batch: the buffer holds %zu ids, the texts need %zu", cap, total);
+            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode_batch: the buffer holds %zu ids, the texts need %zu",
+                               cap, total);
         else
             for (size_t i = 0; i < n; i++)
                 if (b.out[i].len) memcpy(ids + offsets[i], b.out[i].data, b.out[i].len * sizeof *ids);

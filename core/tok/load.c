@@ -22,12 +22,12 @@ static char *dup_n(const char *s, size_t n) {
 }
 
 static int is_category(const char *name, size_t n) {
-    static const char *const cats[] = { "L", "Lu", "Ll", "Lt", "Lm", "Lo", "L&", "Lc", "M", "Mn", "Mc", "Me", "N", "Nd",
-                                        "Nl", "No", "P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk",
-                                        "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any",
-                                        /* binary properties, not scripts */
-                                        "Alphabetic", "Alpha", "White_Space", "Uppercase", "Lowercase",
-                                        "Emoji", "Emoji_Presentation", "Extended_Pictographic" };
+    static const char *const cats[] = {"L", "Lu", "Ll", "Lt", "Lm", "Lo", "L&", "Lc", "M", "Mn", "Mc", "Me", "N", "Nd",
+                                       "Nl", "No", "P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk",
+                                       "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any",
+                                       /* binary properties, not scripts */
+                                       "Alphabetic", "Alpha", "White_Space", "Uppercase", "Lowercase", "Emoji",
+                                       "Emoji_Presentation", "Extended_Pictographic"};
     for (size_t i = 0; i < sizeof cats / sizeof *cats; i++)
         if (strlen(cats[i]) == n && !memcmp(cats[i], name, n)) return 1;
     return memchr(name, ':', n) || memchr(name, '=', n);
@@ -41,7 +41,8 @@ static char *onig_scripts(const char *pat, size_t len, size_t *out_len) {
     char *d = malloc(len * 2 + 1), *o = d;
     if (!d) return NULL;
     for (size_t i = 0; i < len;) {
-        if (pat[i] == '\\' && i + 1 < len && (pat[i + 1] == 'p' || pat[i + 1] == 'P') && i + 2 < len && pat[i + 2] == '{') {
+        if (pat[i] == '\\' && i + 1 < len && (pat[i + 1] == 'p' || pat[i + 1] == 'P') && i + 2 < len &&
+            pat[i + 2] == '{') {
             const char *name = pat + i + 3, *end = memchr(name, '}', len - (i + 3));
             int neg = end && end > name && name[0] == '^';
             if (end && !is_category(name + neg, (size_t)(end - name - neg))) {
@@ -67,7 +68,8 @@ static mrl_status compile_re(const mrl_tok *t, const char *where, const char *pa
     PCRE2_SIZE off;
     char *rewritten = NULL;
     if (!literal) {
-        if (!(rewritten = onig_scripts(pat, len, &len))) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+        if (!(rewritten = onig_scripts(pat, len, &len)))
+            return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
         pat = rewritten;
     }
     uint32_t opts = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP);
@@ -107,7 +109,8 @@ static mrl_status pattern_of(const mrl_tok *t, const char *where, const mrl_json
         *is_regex = 1;
         return MRL_OK;
     }
-    return mrl_set_error(MRL_ERR_FORMAT, "%s: %s.pattern: expected {\"String\": ...} or {\"Regex\": ...}", t->path, where);
+    return mrl_set_error(MRL_ERR_FORMAT, "%s: %s.pattern: expected {\"String\": ...} or {\"Regex\": ...}", t->path,
+                         where);
 }
 
 static int prepend_scheme_of(const mrl_json *o) {
@@ -163,7 +166,9 @@ static mrl_status load_normalizer(mrl_tok *t, const mrl_json *o, const char *whe
         int is_regex;
         mrl_status st = pattern_of(t, where, o, &p, &n.alen, &is_regex);
         if (st) return st;
-        if (is_regex) return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path, where);
+        if (is_regex)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path,
+                                 where);
         if (!(c = str_member(o, "content", &n.blen)))
             return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace without \"content\"", t->path, where);
         if (n.alen == 0) return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace with an empty pattern", t->path, where);
@@ -173,7 +178,8 @@ static mrl_status load_normalizer(mrl_tok *t, const mrl_json *o, const char *whe
     } else if (!strcmp(type, "NFC")) {
         n.kind = NORM_NFC;
     } else {
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: normalizer type \"%s\" is not supported", t->path, where, type);
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: normalizer type \"%s\" is not supported", t->path, where,
+                             type);
     }
     return push_norm(t, n);
 }
@@ -240,10 +246,12 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         /* as splits by a regex: Unicode or ASCII punctuation; runs of word
          * characters (Unicode \w) or of other non-space characters;
          * runs of White_Space, removed */
-        const char *pat = type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
-                          : type[10] ? "[\\t\\n\\v\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+"
-                                     : "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]+"
-                                       "|[^\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}\\s]+";
+        const char *pat =
+            type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
+            : type[10]     ? "[\\t\\n\\v\\f\\r "
+                             "\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+"
+                           : "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]+"
+                             "|[^\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}\\s]+";
         p.kind = PT_SPLIT;
         p.behavior = type[0] == 'P' ? behavior_of(str_member(o, "behavior", NULL)) : SPLIT_REMOVED;
         p.invert = type[0] == 'W' && !type[10]; /* Whitespace keeps the matches */
@@ -256,7 +264,8 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         p.split = bool_member(o, "split", 1);
         if ((st = compile_re(t, where, p.repl, (size_t)p.repl_len, 1, &p.re))) return st;
     } else {
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: pre-tokenizer type \"%s\" is not supported", t->path, where, type);
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: pre-tokenizer type \"%s\" is not supported", t->path, where,
+                             type);
     }
     return push_pretok(t, p);
 }
@@ -295,7 +304,9 @@ static mrl_status load_decoder(mrl_tok *t, const mrl_json *o, const char *where)
         const char *p, *c;
         int is_regex;
         if ((st = pattern_of(t, where, o, &p, &d.alen, &is_regex))) return st;
-        if (is_regex) return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path, where);
+        if (is_regex)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path,
+                                 where);
         if (!(c = str_member(o, "content", &d.blen)))
             return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace without \"content\"", t->path, where);
         if (d.alen == 0) return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace with an empty pattern", t->path, where);
@@ -308,7 +319,8 @@ static mrl_status load_decoder(mrl_tok *t, const mrl_json *o, const char *where)
         mrl_json_get_int(o, "start", &start);
         mrl_json_get_int(o, "stop", &stop);
         if (!c || start < 0 || stop < 0 || start > 1 << 20 || stop > 1 << 20)
-            return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Strip needs \"content\" and non-negative start/stop", t->path, where);
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Strip needs \"content\" and non-negative start/stop", t->path,
+                                 where);
         d.kind = DEC_STRIP;
         d.a = dup_n(c, d.alen);
         d.start = (int)start;
@@ -380,7 +392,9 @@ static mrl_status load_post(mrl_tok *t, const mrl_json *o) {
         mrl_json *sp = mrl_json_get(item, "SpecialToken");
         if (sp) {
             const char *name = str_member(sp, "id", NULL);
-            if (!name) return mrl_set_error(MRL_ERR_FORMAT, "%s: post_processor.single[%zu]: SpecialToken without id", t->path, i);
+            if (!name)
+                return mrl_set_error(MRL_ERR_FORMAT, "%s: post_processor.single[%zu]: SpecialToken without id", t->path,
+                                     i);
             mrl_status st = seen_a ? special_ids(t, specials, name, t->post_suffix, &t->n_post_suffix, 8)
                                    : special_ids(t, specials, name, t->post_prefix, &t->n_post_prefix, 8);
             if (st) return st;
@@ -430,9 +444,11 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
     const char *type = str_member(m, "type", NULL);
     if (type && strcmp(type, "BPE"))
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model.type \"%s\" is not supported (only BPE)", t->path, type);
-    const char *pfx = str_member(m, "continuing_subword_prefix", NULL), *sfx = str_member(m, "end_of_word_suffix", NULL);
+    const char *pfx = str_member(m, "continuing_subword_prefix", NULL),
+               *sfx = str_member(m, "end_of_word_suffix", NULL);
     if ((pfx && *pfx) || (sfx && *sfx))
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model: continuing_subword_prefix / end_of_word_suffix are not supported", t->path);
+        return mrl_set_error(MRL_ERR_UNSUPPORTED,
+                             "%s: model: continuing_subword_prefix / end_of_word_suffix are not supported", t->path);
     mrl_json *dropout = mrl_json_get(m, "dropout");
     if (dropout && dropout->type == MRL_JSON_NUMBER && dropout->number > 0)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model.dropout: BPE dropout is not supported", t->path);
@@ -469,7 +485,8 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
     t->merge_keys = mrl_mem_alloc(slots * sizeof *t->merge_keys, MRL_MEM_OTHER);
     t->merge_rank = mrl_mem_alloc(slots * sizeof *t->merge_rank, MRL_MEM_OTHER);
     t->merge_new = mrl_mem_alloc(slots * sizeof *t->merge_new, MRL_MEM_OTHER);
-    if (!t->merge_keys || !t->merge_rank || !t->merge_new) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+    if (!t->merge_keys || !t->merge_rank || !t->merge_new)
+        return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     memset(t->merge_keys, 0xFF, slots * sizeof *t->merge_keys);
     char *scratch = NULL;
     size_t scratch_cap = 0;
@@ -481,7 +498,8 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
         if (e->type == MRL_JSON_STRING) {
             const char *sp = memchr(e->string, ' ', e->length);
             if (!sp) {
-                st = mrl_set_error(MRL_ERR_FORMAT, "%s: model.merges[%zu]: \"%s\" is not \"a b\"", t->path, r, e->string);
+                st = mrl_set_error(MRL_ERR_FORMAT, "%s: model.merges[%zu]: \"%s\" is not \"a b\"", t->path, r,
+                                   e->string);
                 break;
             }
             a = e->string, alen = (size_t)(sp - e->string), b = sp + 1, blen = e->length - alen - 1;
@@ -509,7 +527,8 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
 
 static mrl_status load_added(mrl_tok *t, const mrl_json *list) {
     if (!list || list->type == MRL_JSON_NULL) return MRL_OK;
-    if (list->type != MRL_JSON_ARRAY) return mrl_set_error(MRL_ERR_FORMAT, "%s: added_tokens: expected an array", t->path);
+    if (list->type != MRL_JSON_ARRAY)
+        return mrl_set_error(MRL_ERR_FORMAT, "%s: added_tokens: expected an array", t->path);
     t->added = calloc(list->length + 1, sizeof *t->added);
     if (!t->added || !tok_strmap_init(&t->added_index, list->length))
         return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
@@ -519,8 +538,9 @@ static mrl_status load_added(mrl_tok *t, const mrl_json *list) {
         size_t len;
         const char *content = str_member(e, "content", &len);
         if (!content || !mrl_json_get_int(e, "id", &id) || id < 0 || id >= MAX_ID)
-            return mrl_set_error(MRL_ERR_FORMAT, "%s: added_tokens[%zu]: needs \"content\" and an integer \"id\" in [0, %d)",
-                                 t->path, i, MAX_ID);
+            return mrl_set_error(MRL_ERR_FORMAT,
+                                 "%s: added_tokens[%zu]: needs \"content\" and an integer \"id\" in [0, %d)", t->path,
+                                 i, MAX_ID);
         if (len == 0) continue;
         tok_added *a = &t->added[t->n_added];
         a->content = dup_n(content, len);

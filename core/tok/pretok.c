@@ -148,8 +148,8 @@ static int split_piece(tok_work *w, const tok_pretok *p, const tok_piece *in, sp
     }
     }
     for (size_t i = 0; i < k; i++)
-        if (v[i].end > v[i].start &&
-            !tok_pieces_push(out, in->s + v[i].start, v[i].end - v[i].start, in->first && v[i].start == 0, in->bytelevel))
+        if (v[i].end > v[i].start && !tok_pieces_push(out, in->s + v[i].start, v[i].end - v[i].start,
+                                                      in->first && v[i].start == 0, in->bytelevel))
             return 0;
     return 1;
 }
@@ -179,7 +179,8 @@ static int metaspace(tok_work *w, const tok_pretok *p, tok_piece *in, tok_arena 
     return split_piece(w, &rule, &cur, sp, out);
 }
 
-int tok_pretokenize(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, tok_arena *a, tok_pieces *out) {
+int tok_pretokenize(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, tok_arena *a,
+                    tok_pieces *out) {
     tok_pieces cur = { 0 }, next = { 0 };
     spans sp = { 0 };
     int ok = 1;
@@ -213,7 +214,8 @@ int tok_pretokenize(const mrl_tok *t, tok_work *w, const char *s, size_t len, in
         cur = next;
         next = tmp;
     }
-    for (size_t j = 0; ok && j < cur.len; j++) ok = tok_pieces_push(out, cur.data[j].s, cur.data[j].len, cur.data[j].first, cur.data[j].bytelevel);
+    for (size_t j = 0; ok && j < cur.len; j++)
+        ok = tok_pieces_push(out, cur.data[j].s, cur.data[j].len, cur.data[j].first, cur.data[j].bytelevel);
     free(cur.data);
     free(next.data);
     free(sp.data);
