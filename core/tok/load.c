@@ -246,12 +246,13 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         /* as splits by a regex: Unicode or ASCII punctuation; runs of word
          * characters (Unicode \w) or of other non-space characters;
          * runs of White_Space, removed */
-        const char *pat =
-            type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
-            : type[10]     ? "[\\t\\n\\v\\f\\r "
-                             "\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+"
-                           : "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]+"
-                             "|[^\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}\\s]+";
+#define WHITE_SPACE "\\t\\n\\v\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}"
+#define WORD "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}"
+        const char *pat = type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
+                          : type[10]     ? "[" WHITE_SPACE "]+"
+                                         : "[" WORD "]+|[^" WORD WHITE_SPACE "]+";
+#undef WORD
+#undef WHITE_SPACE
         p.kind = PT_SPLIT;
         p.behavior = type[0] == 'P' ? behavior_of(str_member(o, "behavior", NULL)) : SPLIT_REMOVED;
         p.invert = type[0] == 'W' && !type[10]; /* Whitespace keeps the matches */

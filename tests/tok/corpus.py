@@ -27,7 +27,8 @@ CODE = (
     "local t = { x = 1, y = 2 } -- Lua\r\n"
 )
 EMOJI = "Emoji: 😀😃🎉 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ and ✨sparkles✨.\n"
-WHITESPACE = "spaces:      six\n\n\n\nnewlines\t\t\ttabs   \u00a0nbsp \u3000ideographic   \n   \n  trailing   "
+WHITESPACE = ("spaces:      six\n\n\n\nnewlines\t\t\ttabs   \u00a0nbsp \u3000ideographic   \n   \n  trailing   "
+              "\x0b\x0c\x1c\x1f\x85 a\u1680\u180e\u2000\u200b\u2028\u2029\u202f\u205f\ufeff b\r\n")
 DIGITS = "digits 1 12 123 1234 12345 123456789012345 3.14159 0x1F 1e-9 ١٢٣ ½ ²\n"
 MIXED = "Mixing Latin, Кириллица and 汉字 in one line: naïve café façade résumé Ægir Øresund straße İstanbul ſ K.\n"
 
