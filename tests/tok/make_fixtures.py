@@ -165,6 +165,12 @@ def variants(out):
             {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": False}]}
     edit("gpt2_bytelevel", "var_punctuation", punctuation)
 
+    def roberta(spec):
+        im_end = [t["id"] for t in spec["added_tokens"] if t["content"] == "<|im_end|>"][0]
+        spec["post_processor"] = {"type": "RobertaProcessing", "sep": ["<|im_end|>", im_end],
+                                  "cls": ["<|endoftext|>", 0], "trim_offsets": False, "add_prefix_space": False}
+    edit("gpt2_bytelevel", "var_roberta", roberta)
+
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
