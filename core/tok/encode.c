@@ -11,7 +11,7 @@
 
 /* Word characters, for single_word tokens: as Unicode \w in the Rust regex
  * crate (alphabetic, marks, decimal digits, connector punctuation, joiners). */
-static const char WORD_CHAR[] = "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]";
+static const char WORD_CHAR[] = "[" TOK_WORD_CLASS "]";
 
 static const tok_added *g_sort_added;
 

@@ -33,48 +33,74 @@ static int is_category(const char *name, size_t n) {
     return memchr(name, ':', n) || memchr(name, '=', n);
 }
 
-/* The patterns are written for Oniguruma, whose \p{Script} means the Script
- * property; PCRE2's \p{Script} also takes Script_Extensions (U+3002 is Han
- * there). Rewrite \p{Name} of a script to \p{sc:Name}. Returns a malloc'd
- * pattern, or NULL on OOM. */
-static char *onig_scripts(const char *pat, size_t len, size_t *out_len) {
-    char *d = malloc(len * 2 + 1), *o = d;
-    if (!d) return NULL;
+
+/* The patterns are written for Oniguruma; give PCRE2 the same meaning:
+ * \p{Script} is the Script property there (PCRE2 also takes
+ * Script_Extensions: U+3002 is Han to it), so write \p{sc:Script}; \s and
+ * \w are White_Space and Unicode word characters there (PCRE2's \s also has
+ * U+180E, its \w lacks marks), so spell them out. Returns 0 on OOM. */
+static int onig_compat(const char *pat, size_t len, tok_buf *out) {
+    int in_class = 0;
     for (size_t i = 0; i < len;) {
-        if (pat[i] == '\\' && i + 1 < len && (pat[i + 1] == 'p' || pat[i + 1] == 'P') && i + 2 < len &&
-            pat[i + 2] == '{') {
-            const char *name = pat + i + 3, *end = memchr(name, '}', len - (i + 3));
-            int neg = end && end > name && name[0] == '^';
-            if (end && !is_category(name + neg, (size_t)(end - name - neg))) {
-                memcpy(o, pat + i, 3), o += 3;
-                if (neg) *o++ = '^';
-                memcpy(o, "sc:", 3), o += 3;
-                i = (size_t)(name + neg - pat);
+        char c = pat[i];
+        if (c == '\\' && i + 1 < len) {
+            char e = pat[i + 1];
+            if ((e == 'p' || e == 'P') && i + 2 < len && pat[i + 2] == '{') {
+                const char *name = pat + i + 3, *end = memchr(name, '}', len - (i + 3));
+                int neg = end && end > name && name[0] == '^';
+                if (end && !is_category(name + neg, (size_t)(end - name - neg))) {
+                    if (!tok_buf_put(out, pat + i, 3) || (neg && !tok_buf_put(out, "^", 1)) ||
+                        !tok_buf_put(out, "sc:", 3))
+                        return 0;
+                    i = (size_t)(name + neg - pat);
+                    continue;
+                }
+            }
+            const char *cls = e == 's' || e == 'S' ? TOK_SPACE_CLASS : e == 'w' || e == 'W' ? TOK_WORD_CLASS : NULL;
+            int upper = e == 'S' || e == 'W';
+            if (cls && !(in_class && upper)) { /* a negated one inside a class stays as PCRE2 reads it */
+                int ok = in_class ? tok_buf_put(out, cls, strlen(cls))
+                                  : tok_buf_put(out, upper ? "[^" : "[", upper ? 2 : 1) &&
+                                        tok_buf_put(out, cls, strlen(cls)) && tok_buf_put(out, "]", 1);
+                if (!ok) return 0;
+                i += 2;
                 continue;
             }
-            memcpy(o, pat + i, 2), o += 2, i += 2;
+            if (!tok_buf_put(out, pat + i, 2)) return 0;
+            i += 2;
             continue;
         }
-        if (pat[i] == '\\' && i + 1 < len) *o++ = pat[i++];
-        *o++ = pat[i++];
+        if (c == '[' && !in_class) {
+            in_class = 1;
+            /* a ']' right after '[' or '[^' is a literal */
+            size_t k = i + 1 + (i + 1 < len && pat[i + 1] == '^');
+            size_t n = k < len && pat[k] == ']' ? k + 1 - i : k - i;
+            if (!tok_buf_put(out, pat + i, n)) return 0;
+            i += n;
+            continue;
+        }
+        if (c == ']' && in_class) in_class = 0;
+        if (!tok_buf_put(out, &c, 1)) return 0;
+        i++;
     }
-    *out_len = (size_t)(o - d);
-    return d;
+    return 1;
 }
 
 static mrl_status compile_re(const mrl_tok *t, const char *where, const char *pat, size_t len, int literal,
                              pcre2_code **out) {
     int err;
     PCRE2_SIZE off;
-    char *rewritten = NULL;
+    tok_buf rewritten = { 0 };
     if (!literal) {
-        if (!(rewritten = onig_scripts(pat, len, &len)))
+        if (!onig_compat(pat, len, &rewritten)) {
+            tok_buf_free(&rewritten);
             return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
-        pat = rewritten;
+        }
+        pat = rewritten.data ? rewritten.data : "", len = rewritten.len;
     }
     uint32_t opts = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, opts, &err, &off, NULL);
-    free(rewritten);
+    tok_buf_free(&rewritten);
     if (!re) {
         char msg[256];
         pcre2_get_error_message(err, (PCRE2_UCHAR *)msg, sizeof msg);
@@ -246,13 +272,9 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         /* as splits by a regex: Unicode or ASCII punctuation; runs of word
          * characters (Unicode \w) or of other non-space characters;
          * runs of White_Space, removed */
-#define WHITE_SPACE "\\t\\n\\v\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}"
-#define WORD "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}"
         const char *pat = type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
-                          : type[10]     ? "[" WHITE_SPACE "]+"
-                                         : "[" WORD "]+|[^" WORD WHITE_SPACE "]+";
-#undef WORD
-#undef WHITE_SPACE
+                          : type[10]     ? "[" TOK_SPACE_CLASS "]+"
+                                         : "[" TOK_WORD_CLASS "]+|[^" TOK_WORD_CLASS TOK_SPACE_CLASS "]+";
         p.kind = PT_SPLIT;
         p.behavior = type[0] == 'P' ? behavior_of(str_member(o, "behavior", NULL)) : SPLIT_REMOVED;
         p.invert = type[0] == 'W' && !type[10]; /* Whitespace keeps the matches */

@@ -54,6 +54,13 @@ int tok_utf8_decode(const char *s, uint32_t *cp);
 int tok_utf8_encode(uint32_t cp, char *out);
 int tok_is_whitespace(uint32_t cp);
 
+/* White_Space and Unicode word characters (as Oniguruma's \s and \w, and
+ * Rust's char::is_whitespace / regex \w), as the contents of a PCRE2
+ * character class. */
+#define TOK_SPACE_CLASS \
+    "\\t-\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}"
+#define TOK_WORD_CLASS "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}"
+
 /* ---- pipeline stages ---- */
 enum { NORM_PREPEND, NORM_REPLACE, NORM_NFC };
 typedef struct tok_norm {
