@@ -66,6 +66,23 @@ def cases(specials):
     return out
 
 
+# pieces that random texts are made of: every kind of character class the
+# pre-tokenizer regexes care about, marks, joiners, rare spaces, and
+# fragments of the fixtures' added tokens
+PIECES = (list("abcXYZ019 _-.,'!?\"()[]{}<>|/\\@#$%^&*+=~`;:\t\n\r") + [" "] * 8 + ["  ", "\n\n", "'s", "'LL", "'ve"]
+          + list("éßçñøåÆÄЖжщЁ汉字中文かなカナ한국ŉǅǈ١٢٣½²Ⅻⅻ")
+          + ["\u0301", "\u0308", "\u200d", "\u200b", "\ufeff", "\u00a0", "\u3000", "\u2028", "\u180e", "\u1680",
+             "\u0085", "\x0b", "\x1f", "😀", "👍🏽", "🇫🇷", "❤️", "✨", "𝔸", "𝟘"]
+          + ["<|endoftext|>", "<|im_start|>", "<s>", "</s>", "<unk>", "<tool>", "[[L]]", "{R}", "▁", "<0x41>",
+             "<|eot_id|>", "<|user|>", "fox jumps", "<|", "|>"])
+
+
+def random_texts(seed, count, max_pieces=40):
+    import random
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(0, max_pieces))) for _ in range(count)]
+
+
 def invalid_utf8():
     """Byte strings that are not valid UTF-8 (the test compares with the
     Python str that errors='replace' makes of them)."""

@@ -178,6 +178,18 @@ def main():
         checks += 1
         if [list(buf[offs[i]:offs[i + 1]]) for i in range(len(texts))] != want:
             fail("%s: encode_batch differs from tokenizers' encode_batch" % name)
+        # random texts, every flag combination in turn
+        for k, text in enumerate(corpus.random_texts(len(name), 400)):
+            flags = k % 4
+            hf.encode_special_tokens = not (flags & PARSE_SPECIAL)
+            want = hf.encode(text, add_special_tokens=bool(flags & ADD_SPECIAL)).ids
+            got = ct.encode(text.encode(), flags)
+            checks += 2
+            if got != want:
+                fail("%s/random%d flags=%d: ids differ\n  text %r\n  got  %s\n  want %s" % (name, k, flags, text, got, want))
+            elif ct.decode(want, SKIP_SPECIAL) != hf.decode(want, skip_special_tokens=True).encode():
+                fail("%s/random%d: decode differs" % (name, k))
+        hf.encode_special_tokens = False
         for k, raw in enumerate(corpus.invalid_utf8()):
             want = hf.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False).ids
             got = ct.encode(raw, PARSE_SPECIAL)
