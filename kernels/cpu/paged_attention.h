@@ -1,0 +1,45 @@
+/* Paged attention on the CPU: attention of a batch of new query tokens
+ * (prefill chunks and single-token decodes mixed) over each sequence's K/V
+ * held in the blocks of a paged cache, and the write of new K/V into their
+ * slots. Internal to the core (the engine and the model call it).
+ *
+ * Cache layout of ONE layer (see core/engine/kv_cache.h):
+ *   k_cache, v_cache: [num_blocks][Hk][block_size][hd] fp32
+ * slot s = block * block_size + offset.
+ *
+ * Batch: sequence i's queries are tokens query_start[i] .. query_start[i+1]
+ * of q/out; its context after this step holds seq_lens[i] tokens (the new
+ * ones included, their K/V already written). Query j of a chunk of n_q
+ * tokens sits at position seq_lens[i] - n_q + j and attends to context
+ * positions 0..that position (causal). GQA: query head h reads kv head
+ * h / (Hq / Hk). Scores are scaled by `scale` (1/sqrt(hd) normally). */
+#pragma once
+#include <stdint.h>
+
+typedef struct mrl_paged_attn {
+    float *out;                  /* [T, Hq, hd] */
+    const float *q;              /* [T, Hq, hd] */
+    const float *k_cache;        /* one layer: [num_blocks, Hk, block_size, hd] */
+    const float *v_cache;
+    const int32_t *block_tables; /* [n_seqs, max_blocks_per_seq] */
+    const int32_t *seq_lens;     /* [n_seqs] */
+    const int32_t *query_start;  /* [n_seqs + 1], query_start[0] = 0 */
+    int n_seqs;
+    int max_blocks_per_seq;
+    int block_size;
+    int Hq, Hk, hd;
+    float scale;
+} mrl_paged_attn;
+
+/* Plain loops, double accumulation: what the tests trust. */
+void mrl_paged_attention_ref(const mrl_paged_attn *a);
+/* AVX-512 / AVX2 chosen at run time, parallel over (sequence, kv head,
+ * query tile) with mrl_parallel_for. */
+void mrl_paged_attention(const mrl_paged_attn *a);
+/* "avx512", "avx2" or "scalar": the path mrl_paged_attention takes here. */
+const char *mrl_paged_attention_isa(void);
+
+/* Write the K/V rows of T new tokens ([T, Hk, hd] each) into their slots
+ * (slot_mapping[T]; a negative slot skips the token). */
+void mrl_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                        const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
