@@ -1,0 +1,328 @@
+/* Sampling from rows of fp32 logits: temperature, min-p, top-k, top-p, with
+ * a counter-based random stream per sample (see moonrl/engine.h).
+ *
+ * Cost per row is a few passes over the vocabulary; the pass that matters
+ * (exp of every scaled logit and their sum) has AVX-512 and AVX2 versions
+ * chosen at run time. Top-k selects with a three-way quickselect over the
+ * candidates; top-p sorts only the few most probable tokens that cover the
+ * mass (widening the set until it does), never the whole vocabulary. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#include "engine/sample.h"
+#include "moonrl/mem.h"
+#include "moonrl/parallel.h"
+
+#define GREEDY_EPS 1e-5f
+
+/* ---- random stream ---- */
+
+static uint64_t mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+uint64_t mrl_sample_stream_key(uint64_t seed, int64_t step, int64_t prompt_index, int64_t sample_index) {
+    uint64_t k = mix64(seed ^ 0x6d6f6f6e726c2121ULL);
+    k = mix64(k ^ (uint64_t)step);
+    k = mix64(k ^ (uint64_t)prompt_index);
+    return mix64(k ^ (uint64_t)sample_index);
+}
+
+double mrl_sample_uniform(uint64_t key, int64_t counter) {
+    uint64_t x = mix64(key ^ mix64((uint64_t)counter * 0xd1342543de82ef95ULL + 1));
+    return (double)(x >> 11) * 0x1.0p-53;
+}
+
+/* ---- w[i] = exp(x[i] - m), returns the sum (double) ---- */
+
+static double exp_sum_scalar(float *w, const float *x, float m, int V) {
+    double s = 0;
+    for (int i = 0; i < V; i++) s += (w[i] = expf(x[i] - m));
+    return s;
+}
+
+/* exp(t) for t <= 0: 2^n * e^r, |r| <= ln2/2, degree-6 Taylor (error ~1e-7
+ * relative); t < -87 (and -inf) gives 0. */
+__attribute__((target("avx512f"))) static inline __m512 exp512(__m512 t) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    __mmask16 ok = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm512_maskz_mov_ps(ok, y);
+}
+
+__attribute__((target("avx512f"))) static double exp_sum_avx512(float *w, const float *x, float m, int V) {
+    __m512 vm = _mm512_set1_ps(m);
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    int i = 0;
+    for (; i + 16 <= V; i += 16) {
+        __m512 y = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+        _mm512_storeu_ps(w + i, y);
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(y)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1))));
+    }
+    if (i < V) {
+        __mmask16 k = (__mmask16)((1u << (V - i)) - 1);
+        __m512 y = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm)));
+        _mm512_mask_storeu_ps(w + i, k, y);
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(y)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1))));
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 t) {
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), t);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 ok = _mm256_cmp_ps(t, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    /* clamp n so the exponent bits stay sane where the result is masked */
+    n = _mm256_max_ps(n, _mm256_set1_ps(-126.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+__attribute__((target("avx2,fma"))) static double exp_sum_avx2(float *w, const float *x, float m, int V) {
+    __m256 vm = _mm256_set1_ps(m);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int i = 0;
+    for (; i + 8 <= V; i += 8) {
+        __m256 y = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(w + i, y);
+        s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(y)));
+        s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)));
+    }
+    s0 = _mm256_add_pd(s0, s1);
+    double lanes[4];
+    _mm256_storeu_pd(lanes, s0);
+    double s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    return s + exp_sum_scalar(w + i, x + i, m, V - i);
+}
+
+static double exp_sum(float *w, const float *x, float m, int V) {
+    static int isa = -1;
+    if (isa < 0) {
+        __builtin_cpu_init();
+        isa = __builtin_cpu_supports("avx512f") ? 2 : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+    }
+    if (isa == 2) return exp_sum_avx512(w, x, m, V);
+    if (isa == 1) return exp_sum_avx2(w, x, m, V);
+    return exp_sum_scalar(w, x, m, V);
+}
+
+/* ---- selection helpers ---- */
+
+/* The k-th largest (1-based) of v[0..n), 0 < k <= n; v is reordered. */
+static float kth_largest(float *v, int n, int k) {
+    int lo = 0, hi = n, want = k - 1; /* index in descending order */
+    while (hi - lo > 1) {
+        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
+        float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        /* three-way partition, descending: [> pivot][== pivot][< pivot] */
+        int gt = lo, i = lo, lt = hi;
+        while (i < lt) {
+            if (v[i] > pivot) { float t = v[i]; v[i] = v[gt]; v[gt] = t; gt++; i++; }
+            else if (v[i] < pivot) { lt--; float t = v[i]; v[i] = v[lt]; v[lt] = t; }
+            else i++;
+        }
+        if (want < gt) hi = gt;
+        else if (want < lt) return pivot;
+        else lo = lt;
+    }
+    return v[lo];
+}
+
+typedef struct wid {
+    float w;
+    int32_t id;
+} wid;
+
+static int wid_cmp(const void *pa, const void *pb) {
+    const wid *a = pa, *b = pb;
+    if (a->w != b->w) return a->w > b->w ? -1 : 1;
+    return a->id < b->id ? -1 : a->id > b->id;
+}
+
+/* ---- one row ---- */
+
+int64_t mrl_sample_work_floats(int V) { return (int64_t)4 * (V > 0 ? V : 1) + 16; }
+
+mrl_status mrl_sampling_params_check(const mrl_sampling_params *p) {
+    if (!p) return mrl_set_error(MRL_ERR_INVALID, "sampling params: NULL");
+    if (!(p->temperature >= 0) || isinf(p->temperature))
+        return mrl_set_error(MRL_ERR_INVALID, "sampling params: temperature=%g (want >= 0, finite)", p->temperature);
+    if (!(p->top_p > 0 && p->top_p <= 1))
+        return mrl_set_error(MRL_ERR_INVALID, "sampling params: top_p=%g (want 0 < top_p <= 1)", p->top_p);
+    if (!(p->min_p >= 0 && p->min_p <= 1))
+        return mrl_set_error(MRL_ERR_INVALID, "sampling params: min_p=%g (want 0 <= min_p <= 1)", p->min_p);
+    return MRL_OK;
+}
+
+mrl_status mrl_sample_row(const float *logits, int V, const mrl_sampling_params *p, double u, float *work,
+                          int32_t *token, float *logprob, float *lp_processed) {
+    mrl_status st = mrl_sampling_params_check(p);
+    if (st) return st;
+    if (V <= 0 || !logits || !work) return mrl_set_error(MRL_ERR_INVALID, "sample: vocab=%d", V);
+    float *x = work, *w = work + V;
+    wid *cand = (wid *)(work + 2 * (int64_t)V);
+    int greedy = p->temperature < GREEDY_EPS;
+    float inv_t = greedy ? 1.0f : 1.0f / p->temperature;
+    float m = -INFINITY;
+    int arg = -1, nan = 0;
+    for (int i = 0; i < V; i++) {
+        float xi = logits[i] * inv_t;
+        nan |= xi != xi;
+        x[i] = xi;
+        if (xi > m) { m = xi; arg = i; }
+    }
+    if (nan || arg < 0 || isinf(m))
+        return mrl_set_error(MRL_ERR_INVALID, "sample: the logits row %s", nan ? "holds a NaN" : "has no finite maximum");
+    double Z = exp_sum(w, x, m, V);
+    float lse = m + (float)log(Z);
+    if (greedy) {
+        *token = arg;
+        *logprob = x[arg] - lse;
+        if (lp_processed) *lp_processed = 0;
+        return MRL_OK;
+    }
+    /* min-p and top-k: a threshold on x (ties at the threshold kept) */
+    float thr = -INFINITY;
+    if (p->min_p > 0) thr = m + logf(p->min_p);
+    if (p->top_k > 0 && p->top_k < V) {
+        float *v = (float *)cand;
+        int n = 0;
+        for (int i = 0; i < V; i++)
+            if (x[i] >= thr) v[n++] = x[i];
+        if (n > p->top_k) thr = kth_largest(v, n, p->top_k);
+    }
+    /* top-p over the kept set, ordered by (w desc, id asc): the cut is the
+     * pair (w_cut, id_cut) of the last kept token */
+    float w_cut = 0;
+    int32_t id_cut = INT32_MAX;
+    if (p->top_p < 1) {
+        double Zc = 0;
+        for (int i = 0; i < V; i++)
+            if (x[i] >= thr) Zc += w[i];
+        double target = (double)p->top_p * Zc;
+        for (float tau = 0x1.0p-8f;; tau = tau > 0x1.0p-100f ? tau * tau : 0) {
+            int n = 0;
+            double mass = 0;
+            for (int i = 0; i < V; i++)
+                if (x[i] >= thr && w[i] >= tau) {
+                    cand[n++] = (wid){w[i], i};
+                    mass += w[i];
+                }
+            if (mass < target && tau > 0) continue;
+            qsort(cand, (size_t)n, sizeof(wid), wid_cmp);
+            double cum = 0;
+            int j = 0;
+            while (j < n - 1 && cum + cand[j].w < target) cum += cand[j++].w;
+            w_cut = cand[j].w;
+            id_cut = cand[j].id;
+            break;
+        }
+    }
+    /* draw: first kept token (id order) whose cumulative mass exceeds u * Zk */
+#define KEPT(i) (x[i] >= thr && (w[i] > w_cut || (w[i] == w_cut && (i) <= id_cut)))
+    double Zk = 0;
+    for (int i = 0; i < V; i++)
+        if (KEPT(i)) Zk += w[i];
+    double target = u * Zk, cum = 0;
+    int tok = arg;
+    for (int i = 0; i < V; i++)
+        if (KEPT(i)) {
+            tok = i;
+            cum += w[i];
+            if (cum > target) break;
+        }
+#undef KEPT
+    *token = tok;
+    *logprob = x[tok] - lse;
+    if (lp_processed) *lp_processed = x[tok] - m - (float)log(Zk);
+    return MRL_OK;
+}
+
+/* ---- many rows ---- */
+
+typedef struct rows_ctx {
+    const float *logits;
+    int V;
+    const mrl_sampling_params *params;
+    const uint64_t *keys;
+    const int64_t *counters;
+    int32_t *tokens;
+    float *logprobs, *lp_processed;
+    int64_t failed_row; /* first row that failed, or -1 */
+} rows_ctx;
+
+static void sample_range(void *vctx, int64_t b, int64_t e) {
+    rows_ctx *ctx = vctx;
+    float *work = malloc((size_t)mrl_sample_work_floats(ctx->V) * sizeof(float));
+    for (int64_t r = b; r < e; r++) {
+        float lpp;
+        double u = mrl_sample_uniform(ctx->keys[r], ctx->counters[r]);
+        if (!work || mrl_sample_row(ctx->logits + r * ctx->V, ctx->V, &ctx->params[r], u, work, &ctx->tokens[r],
+                                    &ctx->logprobs[r], &lpp)) {
+            __atomic_store_n(&ctx->failed_row, r, __ATOMIC_RELAXED);
+            ctx->tokens[r] = -1;
+            continue;
+        }
+        if (ctx->lp_processed) ctx->lp_processed[r] = lpp;
+    }
+    free(work);
+}
+
+/* "sample_rows: row R: " + the message already set */
+static mrl_status prefix_error(mrl_status st, int64_t row) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", mrl_last_error());
+    return mrl_set_error(st, "sample_rows: row %lld: %s", (long long)row, msg);
+}
+
+mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const mrl_sampling_params *params,
+                           const uint64_t *keys, const int64_t *counters, int32_t *tokens, float *logprobs,
+                           float *logprobs_processed) {
+    if (rows < 0 || vocab <= 0 || (rows > 0 && (!logits || !params || !keys || !counters || !tokens || !logprobs)))
+        return mrl_set_error(MRL_ERR_INVALID, "sample_rows: bad arguments (rows=%lld vocab=%d)", (long long)rows, vocab);
+    for (int64_t r = 0; r < rows; r++) {
+        mrl_status st = mrl_sampling_params_check(&params[r]);
+        if (st) return prefix_error(st, r);
+    }
+    rows_ctx ctx = {logits, vocab, params, keys, counters, tokens, logprobs, logprobs_processed, -1};
+    mrl_parallel_for(rows, 1, sample_range, &ctx);
+    if (ctx.failed_row >= 0) {
+        int32_t t;
+        float lp;
+        float *work = malloc((size_t)mrl_sample_work_floats(vocab) * sizeof(float));
+        if (!work) return mrl_set_error(MRL_ERR_NOMEM, "sample_rows: out of memory");
+        /* redo the failing row here to get its message on this thread */
+        mrl_status st = mrl_sample_row(logits + ctx.failed_row * vocab, vocab, &params[ctx.failed_row], 0, work, &t, &lp,
+                                       NULL);
+        free(work);
+        if (!st) return mrl_set_error(MRL_ERR_INTERNAL, "sample_rows: row %lld failed", (long long)ctx.failed_row);
+        return prefix_error(st, ctx.failed_row);
+    }
+    return MRL_OK;
+}
