@@ -267,14 +267,14 @@ mrl_status mrl_sample_row(const float *logits, int V, const mrl_sampling_params 
 /* ---- many rows ---- */
 
 typedef struct rows_ctx {
-    const float *logits;
+    const float *const *rows;
     int V;
-    const mrl_sampling_params *params;
+    const mrl_sampling_params *const *params;
     const uint64_t *keys;
     const int64_t *counters;
     int32_t *tokens;
     float *logprobs, *lp_processed;
-    int64_t failed_row; /* first row that failed, or -1 */
+    int64_t failed_row; /* a row that failed, or -1 */
 } rows_ctx;
 
 static void sample_range(void *vctx, int64_t b, int64_t e) {
@@ -283,8 +283,8 @@ static void sample_range(void *vctx, int64_t b, int64_t e) {
     for (int64_t r = b; r < e; r++) {
         float lpp;
         double u = mrl_sample_uniform(ctx->keys[r], ctx->counters[r]);
-        if (!work || mrl_sample_row(ctx->logits + r * ctx->V, ctx->V, &ctx->params[r], u, work, &ctx->tokens[r],
-                                    &ctx->logprobs[r], &lpp)) {
+        if (!work || mrl_sample_row(ctx->rows[r], ctx->V, ctx->params[r], u, work, &ctx->tokens[r], &ctx->logprobs[r],
+                                    &lpp)) {
             __atomic_store_n(&ctx->failed_row, r, __ATOMIC_RELAXED);
             ctx->tokens[r] = -1;
             continue;
@@ -294,11 +294,34 @@ static void sample_range(void *vctx, int64_t b, int64_t e) {
     free(work);
 }
 
-/* "sample_rows: row R: " + the message already set */
+/* "sample: row R: " + the message already set */
 static mrl_status prefix_error(mrl_status st, int64_t row) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", mrl_last_error());
     return mrl_set_error(st, "sample_rows: row %lld: %s", (long long)row, msg);
+}
+
+mrl_status mrl_sample_gather(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                             const uint64_t *keys, const int64_t *counters, int32_t *tokens, float *logprobs,
+                             float *lp_processed) {
+    for (int64_t r = 0; r < n; r++) {
+        mrl_status st = mrl_sampling_params_check(params[r]);
+        if (st) return prefix_error(st, r);
+    }
+    rows_ctx ctx = {rows, V, params, keys, counters, tokens, logprobs, lp_processed, -1};
+    mrl_parallel_for(n, 1, sample_range, &ctx);
+    if (ctx.failed_row >= 0) {
+        int32_t t;
+        float lp;
+        float *work = malloc((size_t)mrl_sample_work_floats(V) * sizeof(float));
+        if (!work) return mrl_set_error(MRL_ERR_NOMEM, "sample_rows: out of memory");
+        /* redo the failing row on this thread to get its message here */
+        mrl_status st = mrl_sample_row(rows[ctx.failed_row], V, params[ctx.failed_row], 0, work, &t, &lp, NULL);
+        free(work);
+        if (!st) return mrl_set_error(MRL_ERR_INTERNAL, "sample_rows: row %lld failed", (long long)ctx.failed_row);
+        return prefix_error(st, ctx.failed_row);
+    }
+    return MRL_OK;
 }
 
 mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const mrl_sampling_params *params,
@@ -306,23 +329,20 @@ mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const m
                            float *logprobs_processed) {
     if (rows < 0 || vocab <= 0 || (rows > 0 && (!logits || !params || !keys || !counters || !tokens || !logprobs)))
         return mrl_set_error(MRL_ERR_INVALID, "sample_rows: bad arguments (rows=%lld vocab=%d)", (long long)rows, vocab);
-    for (int64_t r = 0; r < rows; r++) {
-        mrl_status st = mrl_sampling_params_check(&params[r]);
-        if (st) return prefix_error(st, r);
+    if (rows == 0) return MRL_OK;
+    const float **rp = malloc((size_t)rows * sizeof(*rp));
+    const mrl_sampling_params **pp = malloc((size_t)rows * sizeof(*pp));
+    mrl_status st = MRL_OK;
+    if (!rp || !pp) {
+        st = mrl_set_error(MRL_ERR_NOMEM, "sample_rows: out of memory");
+    } else {
+        for (int64_t r = 0; r < rows; r++) {
+            rp[r] = logits + r * vocab;
+            pp[r] = &params[r];
+        }
+        st = mrl_sample_gather(rp, rows, vocab, pp, keys, counters, tokens, logprobs, logprobs_processed);
     }
-    rows_ctx ctx = {logits, vocab, params, keys, counters, tokens, logprobs, logprobs_processed, -1};
-    mrl_parallel_for(rows, 1, sample_range, &ctx);
-    if (ctx.failed_row >= 0) {
-        int32_t t;
-        float lp;
-        float *work = malloc((size_t)mrl_sample_work_floats(vocab) * sizeof(float));
-        if (!work) return mrl_set_error(MRL_ERR_NOMEM, "sample_rows: out of memory");
-        /* redo the failing row here to get its message on this thread */
-        mrl_status st = mrl_sample_row(logits + ctx.failed_row * vocab, vocab, &params[ctx.failed_row], 0, work, &t, &lp,
-                                       NULL);
-        free(work);
-        if (!st) return mrl_set_error(MRL_ERR_INTERNAL, "sample_rows: row %lld failed", (long long)ctx.failed_row);
-        return prefix_error(st, ctx.failed_row);
-    }
-    return MRL_OK;
+    free(rp);
+    free(pp);
+    return st;
 }

@@ -12,3 +12,8 @@ mrl_status mrl_sample_row(const float *logits, int V, const mrl_sampling_params 
                           int32_t *token, float *logprob, float *lp_processed);
 /* Check params (a message naming the bad field on failure). */
 mrl_status mrl_sampling_params_check(const mrl_sampling_params *p);
+/* Sample n rows given by pointers (rows[r], params[r] may repeat: the
+ * samples of a group share their prompt's logits row), in parallel. */
+mrl_status mrl_sample_gather(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                             const uint64_t *keys, const int64_t *counters, int32_t *tokens, float *logprobs,
+                             float *lp_processed);
