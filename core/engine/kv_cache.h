@@ -6,9 +6,13 @@
  * Layout, per layer l (K and V separately):
  *   K of layer l: pool + (2*l)   * num_blocks * block_floats
  *   V of layer l: pool + (2*l+1) * num_blocks * block_floats
- * and inside a layer's K (or V), block b, kv head h, token slot t, dim d:
- *   [b][h][t][d]   block_floats = n_kv_heads * block_size * head_dim
- * so one block holds block_size tokens of every layer and kv head.
+ * and inside a layer, block b, kv head h, token slot t, dim d:
+ *   K: [b][h][d][t]   (transposed inside the block: the attention kernel
+ *                      scores 16 keys with one vector per d)
+ *   V: [b][h][t][d]
+ * block_floats = n_kv_heads * block_size * head_dim, so one block holds
+ * block_size tokens of every layer and kv head (kernels/cpu/paged_attention.h
+ * reads and writes it).
  * A slot number is block * block_size + offset (what the kernels take).
  *
  * Sequences are small integer ids handed out by the cache. A sequence owns

@@ -1,37 +1,72 @@
-/* Paged attention on the CPU (see paged_attention.h). The reference is plain
- * loops in double; the fast version computes, per (sequence, kv head, tile
- * of query tokens), the scores of the group's query heads against each key
- * read once through the block table, a softmax per head, then the weighted
- * sum of V rows. Dot products and AXPYs use AVX-512 or AVX2+FMA, chosen at
- * run time with __builtin_cpu_supports. */
+/* Paged attention on the CPU (see paged_attention.h).
+ *
+ * The reference is plain loops in double. The fast version works per
+ * (sequence, kv head, tile of query tokens) — GQA: the group's query heads
+ * are done together, so each K and V block is read once for all of them:
+ *   scores  K is stored transposed in a block ([hd][block_size]), so the
+ *           scores of 16 keys for one head are one vector accumulated over
+ *           d with broadcast q[d]: no horizontal sums;
+ *   softmax per head over the context (vector exp, kernels/cpu/vexp.c);
+ *   values  out[h][d-chunk] += p[h][key] * V[key][d-chunk], keys in tiles
+ *           that stay in cache while every d-chunk is accumulated.
+ * AVX-512 in intrinsics; AVX2 and scalar from the same plain C loops (their
+ * inner loops run over contiguous memory and are vectorised by the compiler
+ * under each target). The path is chosen at run time (mrl_cpu_isa_level). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 #include "cpu/paged_attention.h"
+#include "cpu/vexp.h"
 #include "moonrl/parallel.h"
+#include "moonrl/mem.h"
 
 #define QUERY_TILE 16
+#define MAX_HEAD_DIM 1024
+#define KEY_TILE 256 /* keys whose V rows are reused across the d-chunks */
 
-static inline const float *kv_row(const float *cache, const mrl_paged_attn *a, const int32_t *table, int pos,
-                                  int g) {
-    int blk = table[pos / a->block_size];
-    return cache + (((int64_t)blk * a->Hk + g) * a->block_size + pos % a->block_size) * a->hd;
+/* Block `blk`, kv head g: K as [hd][bs], V as [bs][hd] (same offset). */
+static inline int64_t block_offset(const mrl_paged_attn *a, int blk, int g) {
+    return ((int64_t)blk * a->Hk + g) * a->block_size * a->hd;
+}
+
+/* Shapes and offsets that keep every read and write inside the arrays
+ * the caller describes (block ids themselves are the caller's to get right). */
+static mrl_status check_args(const mrl_paged_attn *a, const char *fn) {
+    if (!a || !a->out || !a->q || !a->k_cache || !a->v_cache || !a->seq_lens || !a->query_start ||
+        (a->n_seqs > 0 && !a->block_tables))
+        return mrl_set_error(MRL_ERR_INVALID, "%s: NULL argument", fn);
+    if (a->n_seqs < 0 || a->Hk < 1 || a->Hq < a->Hk || a->Hq % a->Hk || a->hd < 1 || a->hd > MAX_HEAD_DIM ||
+        a->block_size < 1 || a->max_blocks_per_seq < 0 || a->query_start[0] != 0)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: bad shape (n_seqs=%d Hq=%d Hk=%d hd=%d block_size=%d)", fn,
+                             a->n_seqs, a->Hq, a->Hk, a->hd, a->block_size);
+    for (int i = 0; i < a->n_seqs; i++) {
+        int n_q = a->query_start[i + 1] - a->query_start[i];
+        if (n_q < 0 || n_q > a->seq_lens[i] || a->seq_lens[i] > (int64_t)a->max_blocks_per_seq * a->block_size)
+            return mrl_set_error(MRL_ERR_INVALID,
+                                 "%s: sequence %d has %d queries over %d tokens with %d blocks of %d", fn, i, n_q,
+                                 a->seq_lens[i], a->max_blocks_per_seq, a->block_size);
+    }
+    return MRL_OK;
 }
 
 /* ---- reference ---- */
 
-void mrl_paged_attention_ref(const mrl_paged_attn *a) {
+static double ref_score(const mrl_paged_attn *a, const int32_t *table, const float *q, int c, int g) {
+    const float *kt = a->k_cache + block_offset(a, table[c / a->block_size], g) + c % a->block_size;
+    double s = 0;
+    for (int d = 0; d < a->hd; d++) s += (double)q[d] * kt[(int64_t)d * a->block_size];
+    return s * a->scale;
+}
+
+mrl_status mrl_paged_attention_ref(const mrl_paged_attn *a) {
+    mrl_status st = check_args(a, "paged_attention_ref");
+    if (st) return st;
     int G = a->Hq / a->Hk, hd = a->hd;
-    double *p = NULL;
-    int cap = 0;
+    double acc[MAX_HEAD_DIM];
     for (int i = 0; i < a->n_seqs; i++) {
         const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
         int n_q = a->query_start[i + 1] - a->query_start[i], len = a->seq_lens[i];
-        if (len > cap) {
-            cap = len;
-            p = realloc(p, (size_t)cap * sizeof(double));
-        }
         for (int j = 0; j < n_q; j++) {
             int64_t t = a->query_start[i] + j;
             int pos = len - n_q + j;
@@ -40,189 +75,223 @@ void mrl_paged_attention_ref(const mrl_paged_attn *a) {
                 float *o = a->out + (t * a->Hq + h) * hd;
                 int g = h / G;
                 double m = -INFINITY, sum = 0;
-                for (int c = 0; c <= pos; c++) {
-                    const float *k = kv_row(a->k_cache, a, table, c, g);
-                    double s = 0;
-                    for (int d = 0; d < hd; d++) s += (double)q[d] * k[d];
-                    p[c] = s * a->scale;
-                    if (p[c] > m) m = p[c];
+                for (int c = 0; c <= pos; c++) { /* pass 1: the max score */
+                    double s = ref_score(a, table, q, c, g);
+                    if (s > m) m = s;
                 }
-                for (int c = 0; c <= pos; c++) sum += (p[c] = exp(p[c] - m));
-                for (int d = 0; d < hd; d++) {
-                    double acc = 0;
-                    for (int c = 0; c <= pos; c++) acc += p[c] * kv_row(a->v_cache, a, table, c, g)[d];
-                    o[d] = (float)(acc / sum);
+                for (int d = 0; d < hd; d++) acc[d] = 0;
+                for (int c = 0; c <= pos; c++) { /* pass 2: weights and the sum of V rows */
+                    double p = exp(ref_score(a, table, q, c, g) - m);
+                    const float *v = a->v_cache + block_offset(a, table[c / a->block_size], g) +
+                                     (int64_t)(c % a->block_size) * hd;
+                    sum += p;
+                    for (int d = 0; d < hd; d++) acc[d] += p * v[d];
                 }
+                for (int d = 0; d < hd; d++) o[d] = (float)(acc[d] / sum);
             }
         }
     }
-    free(p);
+    return MRL_OK;
 }
 
-/* ---- vector primitives ---- */
-
-typedef float (*dot_fn)(const float *a, const float *b, int n);
-typedef void (*axpy_fn)(float *y, float a, const float *x, int n);
-
-static float dot_scalar(const float *a, const float *b, int n) {
-    float s = 0;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static void axpy_scalar(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc0 = _mm256_add_ps(acc0, acc1);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float r = _mm_cvtss_f32(s);
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
-}
-
-__attribute__((target("avx2,fma"))) static void axpy_avx2(float *y, float a, const float *x, int n) {
-    __m256 va = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-__attribute__((target("avx512f"))) static float dot_avx512(const float *a, const float *b, int n) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-        acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-__attribute__((target("avx512f"))) static void axpy_avx512(float *y, float a, const float *x, int n) {
-    __m512 va = _mm512_set1_ps(a);
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i),
-                                                       _mm512_maskz_loadu_ps(m, y + i)));
-    }
-}
-
-/* ---- fast version ---- */
+/* ---- fast version: one work item ---- */
 
 typedef struct attn_item {
     int32_t seq, g, t0, t1; /* query tokens t0..t1 of the batch, kv head g */
 } attn_item;
 
-typedef struct attn_ctx {
+/* scores[r * n_ctx + c] for the group's query head r */
+typedef struct item_view {
     const mrl_paged_attn *a;
-    const attn_item *items;
-    int max_len;
-} attn_ctx;
+    const int32_t *table;
+    const float *q; /* [G, hd] of this token */
+    float *out;     /* [G, hd] */
+    float *scores;  /* [G, n_ctx] */
+    int n_ctx, g, G;
+} item_view;
 
-/* One work item; dot/axpy are constants at each call site so that the
- * compiler inlines them into the target-specific copies below. */
-static inline __attribute__((always_inline)) void attend_item(const mrl_paged_attn *a, const attn_item *it,
-                                                              float *scores, dot_fn dot, axpy_fn axpy) {
-    int G = a->Hq / a->Hk, hd = a->hd, bs = a->block_size, g = it->g;
-    const int32_t *table = a->block_tables + (int64_t)it->seq * a->max_blocks_per_seq;
-    int len = a->seq_lens[it->seq], q0 = a->query_start[it->seq];
-    int n_q = a->query_start[it->seq + 1] - q0;
-    for (int t = it->t0; t < it->t1; t++) {
-        int pos = len - n_q + (t - q0), n_ctx = pos + 1;
-        const float *q = a->q + ((int64_t)t * a->Hq + (int64_t)g * G) * hd;
-        float *out = a->out + ((int64_t)t * a->Hq + (int64_t)g * G) * hd;
-        /* scores[r * n_ctx + c] for query head g*G + r */
-        for (int c0 = 0; c0 < n_ctx; c0 += bs) {
-            const float *kb = a->k_cache + ((int64_t)table[c0 / bs] * a->Hk + g) * bs * hd;
-            int cn = n_ctx - c0 < bs ? n_ctx - c0 : bs;
-            for (int c = 0; c < cn; c++)
-                for (int r = 0; r < G; r++)
-                    scores[(int64_t)r * n_ctx + c0 + c] = dot(q + (int64_t)r * hd, kb + (int64_t)c * hd, hd) * a->scale;
-        }
-        for (int r = 0; r < G; r++) {
-            float *s = scores + (int64_t)r * n_ctx, m = -INFINITY;
-            for (int c = 0; c < n_ctx; c++) m = s[c] > m ? s[c] : m;
-            double sum = 0;
-            for (int c = 0; c < n_ctx; c++) sum += (s[c] = expf(s[c] - m));
-            float inv = (float)(1.0 / sum);
-            for (int c = 0; c < n_ctx; c++) s[c] *= inv;
-            memset(out + (int64_t)r * hd, 0, (size_t)hd * sizeof(float));
-        }
-        for (int c0 = 0; c0 < n_ctx; c0 += bs) {
-            const float *vb = a->v_cache + ((int64_t)table[c0 / bs] * a->Hk + g) * bs * hd;
-            int cn = n_ctx - c0 < bs ? n_ctx - c0 : bs;
-            for (int c = 0; c < cn; c++)
-                for (int r = 0; r < G; r++)
-                    axpy(out + (int64_t)r * hd, scores[(int64_t)r * n_ctx + c0 + c], vb + (int64_t)c * hd, hd);
+/* Plain C: the compiler vectorises the inner loops for the caller's target. */
+static inline __attribute__((always_inline)) void scores_plain(const item_view *v) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
+        const float *kt = a->k_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
+        for (int r = 0; r < v->G; r++) {
+            float *s = v->scores + (int64_t)r * v->n_ctx + c0;
+            const float *q = v->q + (int64_t)r * hd;
+            for (int c = 0; c < cn; c++) s[c] = 0;
+            for (int d = 0; d < hd; d++) {
+                float qd = q[d];
+                const float *k = kt + (int64_t)d * bs;
+#pragma omp simd
+                for (int c = 0; c < cn; c++) s[c] += qd * k[c];
+            }
+            for (int c = 0; c < cn; c++) s[c] *= a->scale;
         }
     }
 }
 
-static void items_scalar(const attn_ctx *ctx, int64_t b, int64_t e, float *scores) {
-    for (int64_t i = b; i < e; i++) attend_item(ctx->a, &ctx->items[i], scores, dot_scalar, axpy_scalar);
+static inline __attribute__((always_inline)) void values_plain(const item_view *v) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    memset(v->out, 0, (size_t)v->G * hd * sizeof(float));
+    for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
+        const float *vb = a->v_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
+        for (int r = 0; r < v->G; r++) {
+            float *o = v->out + (int64_t)r * hd;
+            const float *p = v->scores + (int64_t)r * v->n_ctx + c0;
+            for (int c = 0; c < cn; c++) {
+                float pc = p[c];
+                const float *vr = vb + (int64_t)c * hd;
+#pragma omp simd
+                for (int d = 0; d < hd; d++) o[d] += pc * vr[d];
+            }
+        }
+    }
 }
 
-__attribute__((target("avx2,fma"))) static void items_avx2(const attn_ctx *ctx, int64_t b, int64_t e,
-                                                           float *scores) {
-    for (int64_t i = b; i < e; i++) attend_item(ctx->a, &ctx->items[i], scores, dot_avx2, axpy_avx2);
+/* AVX-512: RN query heads (1, 2, 4 or 8) starting at head r0. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+scores_512(const item_view *v, int r0, const int RN) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    const float *q = v->q + (int64_t)r0 * hd;
+    __m512 scale = _mm512_set1_ps(a->scale);
+    for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
+        const float *kt = a->k_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
+        for (int j0 = 0; j0 < cn; j0 += 16) {
+            __mmask16 m = cn - j0 >= 16 ? 0xffff : (__mmask16)((1u << (cn - j0)) - 1);
+            __m512 acc[8];
+            for (int r = 0; r < RN; r++) acc[r] = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d++) {
+                __m512 k = _mm512_maskz_loadu_ps(m, kt + (int64_t)d * bs + j0);
+                for (int r = 0; r < RN; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(int64_t)r * hd + d]), k, acc[r]);
+            }
+            for (int r = 0; r < RN; r++)
+                _mm512_mask_storeu_ps(v->scores + (int64_t)(r0 + r) * v->n_ctx + c0 + j0, m,
+                                      _mm512_mul_ps(acc[r], scale));
+        }
+    }
 }
 
-__attribute__((target("avx512f"))) static void items_avx512(const attn_ctx *ctx, int64_t b, int64_t e,
-                                                            float *scores) {
-    for (int64_t i = b; i < e; i++) attend_item(ctx->a, &ctx->items[i], scores, dot_avx512, axpy_avx512);
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+values_512(const item_view *v, int r0, const int RN) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    for (int k0 = 0; k0 < v->n_ctx; k0 += KEY_TILE) {
+        int k1 = k0 + KEY_TILE < v->n_ctx ? k0 + KEY_TILE : v->n_ctx;
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            __mmask16 m = hd - d0 >= 16 ? 0xffff : (__mmask16)((1u << (hd - d0)) - 1);
+            __m512 acc[8];
+            for (int r = 0; r < RN; r++)
+                acc[r] = k0 ? _mm512_maskz_loadu_ps(m, v->out + (int64_t)(r0 + r) * hd + d0) : _mm512_setzero_ps();
+            for (int c = k0; c < k1;) { /* keys of one block at a time */
+                const float *vb = a->v_cache + block_offset(a, v->table[c / bs], v->g);
+                int cend = (c / bs + 1) * bs < k1 ? (c / bs + 1) * bs : k1;
+                for (; c < cend; c++) {
+                    __m512 x = _mm512_maskz_loadu_ps(m, vb + (int64_t)(c % bs) * hd + d0);
+                    for (int r = 0; r < RN; r++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(v->scores[(int64_t)(r0 + r) * v->n_ctx + c]), x, acc[r]);
+                }
+            }
+            for (int r = 0; r < RN; r++) _mm512_mask_storeu_ps(v->out + (int64_t)(r0 + r) * hd + d0, m, acc[r]);
+        }
+    }
 }
 
-const char *mrl_paged_attention_isa(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return "avx512";
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
-    return "scalar";
+/* Query heads in runs of 8, 4, 2, 1 (the compiler unrolls each). */
+__attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
+    int r = 0;
+    for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8);
+    if (r + 4 <= v->G) { scores_512(v, r, 4); r += 4; }
+    if (r + 2 <= v->G) { scores_512(v, r, 2); r += 2; }
+    if (r < v->G) scores_512(v, r, 1);
 }
 
+__attribute__((target("avx512f"))) static void values_avx512(const item_view *v) {
+    int r = 0;
+    for (; r + 8 <= v->G; r += 8) values_512(v, r, 8);
+    if (r + 4 <= v->G) { values_512(v, r, 4); r += 4; }
+    if (r + 2 <= v->G) { values_512(v, r, 2); r += 2; }
+    if (r < v->G) values_512(v, r, 1);
+}
+
+__attribute__((target("avx2,fma"))) static void scores_avx2(const item_view *v) { scores_plain(v); }
+__attribute__((target("avx2,fma"))) static void values_avx2(const item_view *v) { values_plain(v); }
+static void scores_scalar(const item_view *v) { scores_plain(v); }
+static void values_scalar(const item_view *v) { values_plain(v); }
+
+static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *scores, int level) {
+    int G = a->Hq / a->Hk, hd = a->hd;
+    int len = a->seq_lens[it->seq], q0 = a->query_start[it->seq];
+    int n_q = a->query_start[it->seq + 1] - q0;
+    item_view v = {a, a->block_tables + (int64_t)it->seq * a->max_blocks_per_seq, NULL, NULL, scores, 0, it->g, G};
+    for (int t = it->t0; t < it->t1; t++) {
+        v.n_ctx = len - n_q + (t - q0) + 1;
+        v.q = a->q + ((int64_t)t * a->Hq + (int64_t)it->g * G) * hd;
+        v.out = a->out + ((int64_t)t * a->Hq + (int64_t)it->g * G) * hd;
+        if (level == 2) scores_avx512(&v);
+        else if (level == 1) scores_avx2(&v);
+        else scores_scalar(&v);
+        for (int r = 0; r < G; r++) {
+            float *s = scores + (int64_t)r * v.n_ctx, m = -INFINITY;
+            for (int c = 0; c < v.n_ctx; c++) m = s[c] > m ? s[c] : m;
+            float inv = (float)(1.0 / mrl_vexp_sum(s, s, m, v.n_ctx));
+            for (int c = 0; c < v.n_ctx; c++) s[c] *= inv;
+        }
+        if (level == 2) values_avx512(&v);
+        else if (level == 1) values_avx2(&v);
+        else values_scalar(&v);
+    }
+}
+
+/* ---- fast version: the batch ---- */
+
+typedef struct attn_ctx {
+    const mrl_paged_attn *a;
+    const attn_item *items;
+    int64_t n_items, n_chunks;
+    float *scratch; /* per chunk: G * max_len scores */
+    int64_t scratch_per_chunk;
+    int level;
+} attn_ctx;
+
+/* Chunks [b, e) of the work list: chunk c has its own score rows. */
 static void attend_range(void *vctx, int64_t b, int64_t e) {
     const attn_ctx *ctx = vctx;
-    int G = ctx->a->Hq / ctx->a->Hk;
-    float *scores = malloc((size_t)G * (ctx->max_len > 0 ? ctx->max_len : 1) * sizeof(float));
-    if (!scores) return; /* cannot happen for sane sizes; output left as is */
-    const char *isa = mrl_paged_attention_isa();
-    if (isa[0] == 'a' && isa[3] == '5') items_avx512(ctx, b, e, scores);
-    else if (isa[0] == 'a') items_avx2(ctx, b, e, scores);
-    else items_scalar(ctx, b, e, scores);
-    free(scores);
+    for (int64_t c = b; c < e; c++) {
+        int64_t i0 = ctx->n_items * c / ctx->n_chunks, i1 = ctx->n_items * (c + 1) / ctx->n_chunks;
+        for (int64_t i = i0; i < i1; i++)
+            attend_item(ctx->a, &ctx->items[i], ctx->scratch + c * ctx->scratch_per_chunk, ctx->level);
+    }
 }
 
-void mrl_paged_attention(const mrl_paged_attn *a) {
+const char *mrl_paged_attention_isa(void) { return mrl_cpu_isa_name(); }
+
+mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
+    mrl_status st = check_args(a, "paged_attention");
+    if (st) return st;
     int64_t n_items = 0;
-    int max_len = 0;
+    int max_len = 1;
     for (int i = 0; i < a->n_seqs; i++) {
         int n_q = a->query_start[i + 1] - a->query_start[i];
         n_items += (int64_t)a->Hk * ((n_q + QUERY_TILE - 1) / QUERY_TILE);
         if (a->seq_lens[i] > max_len) max_len = a->seq_lens[i];
     }
-    if (n_items == 0) return;
+    if (n_items == 0) return MRL_OK;
+    /* a few chunks of consecutive items per thread (items differ in cost) */
+    int64_t n_chunks = 4 * (int64_t)mrl_parallel_threads();
+    if (n_chunks > n_items) n_chunks = n_items;
+    int64_t per_chunk = (int64_t)(a->Hq / a->Hk) * max_len;
     attn_item *items = malloc((size_t)n_items * sizeof(attn_item));
-    if (!items) {
-        mrl_paged_attention_ref(a);
-        return;
+    float *scratch = mrl_mem_alloc((size_t)(per_chunk * n_chunks) * sizeof(float), MRL_MEM_ACTIVATIONS);
+    if (!items || !scratch) {
+        free(items);
+        mrl_mem_free(scratch);
+        return mrl_set_error(MRL_ERR_NOMEM, "paged_attention: no memory for %lld work items", (long long)n_items);
     }
     int64_t k = 0;
     for (int i = 0; i < a->n_seqs; i++)
@@ -231,9 +300,11 @@ void mrl_paged_attention(const mrl_paged_attn *a) {
                 int t1 = t + QUERY_TILE < a->query_start[i + 1] ? t + QUERY_TILE : a->query_start[i + 1];
                 items[k++] = (attn_item){i, g, t, t1};
             }
-    attn_ctx ctx = {a, items, max_len};
-    mrl_parallel_for(n_items, 1, attend_range, &ctx);
+    attn_ctx ctx = {a, items, n_items, n_chunks, scratch, per_chunk, mrl_cpu_isa_level()};
+    mrl_parallel_for(n_chunks, 1, attend_range, &ctx);
     free(items);
+    mrl_mem_free(scratch);
+    return MRL_OK;
 }
 
 void mrl_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
@@ -243,9 +314,10 @@ void mrl_paged_kv_write(float *k_cache, float *v_cache, const float *k, const fl
         if (slot < 0) continue;
         int64_t blk = slot / block_size, off = slot % block_size;
         for (int h = 0; h < Hk; h++) {
-            int64_t dst = ((blk * Hk + h) * block_size + off) * hd, src = (t * Hk + h) * (int64_t)hd;
-            memcpy(k_cache + dst, k + src, (size_t)hd * sizeof(float));
-            memcpy(v_cache + dst, v + src, (size_t)hd * sizeof(float));
+            int64_t base = (blk * Hk + h) * (int64_t)block_size * hd;
+            const float *ks = k + (t * Hk + h) * (int64_t)hd;
+            for (int d = 0; d < hd; d++) k_cache[base + (int64_t)d * block_size + off] = ks[d];
+            memcpy(v_cache + base + off * hd, v + (t * Hk + h) * (int64_t)hd, (size_t)hd * sizeof(float));
         }
     }
 }

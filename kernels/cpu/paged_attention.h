@@ -3,8 +3,9 @@
  * held in the blocks of a paged cache, and the write of new K/V into their
  * slots. Internal to the core (the engine and the model call it).
  *
- * Cache layout of ONE layer (see core/engine/kv_cache.h):
- *   k_cache, v_cache: [num_blocks][Hk][block_size][hd] fp32
+ * Cache layout of ONE layer (see core/engine/kv_cache.h), fp32:
+ *   k_cache: [num_blocks][Hk][hd][block_size]  (K transposed inside a block)
+ *   v_cache: [num_blocks][Hk][block_size][hd]
  * slot s = block * block_size + offset.
  *
  * Batch: sequence i's queries are tokens query_start[i] .. query_start[i+1]
@@ -15,12 +16,13 @@
  * h / (Hq / Hk). Scores are scaled by `scale` (1/sqrt(hd) normally). */
 #pragma once
 #include <stdint.h>
+#include "moonrl/status.h"
 
 typedef struct mrl_paged_attn {
     float *out;                  /* [T, Hq, hd] */
     const float *q;              /* [T, Hq, hd] */
-    const float *k_cache;        /* one layer: [num_blocks, Hk, block_size, hd] */
-    const float *v_cache;
+    const float *k_cache;        /* one layer: [num_blocks, Hk, hd, block_size] */
+    const float *v_cache;        /* one layer: [num_blocks, Hk, block_size, hd] */
     const int32_t *block_tables; /* [n_seqs, max_blocks_per_seq] */
     const int32_t *seq_lens;     /* [n_seqs] */
     const int32_t *query_start;  /* [n_seqs + 1], query_start[0] = 0 */
@@ -32,11 +34,15 @@ typedef struct mrl_paged_attn {
 } mrl_paged_attn;
 
 /* Plain loops, double accumulation: what the tests trust. */
-void mrl_paged_attention_ref(const mrl_paged_attn *a);
+mrl_status mrl_paged_attention_ref(const mrl_paged_attn *a);
 /* AVX-512 / AVX2 chosen at run time, parallel over (sequence, kv head,
- * query tile) with mrl_parallel_for. */
-void mrl_paged_attention(const mrl_paged_attn *a);
-/* "avx512", "avx2" or "scalar": the path mrl_paged_attention takes here. */
+ * query tile) with mrl_parallel_for. Both check the shapes (Hq a multiple
+ * of Hk, hd <= 1024, each sequence's queries <= its length <= its blocks'
+ * capacity) and fail with MRL_ERR_INVALID; the fast one may fail with
+ * MRL_ERR_NOMEM (its work list and score rows). */
+mrl_status mrl_paged_attention(const mrl_paged_attn *a);
+/* "avx512", "avx2" or "scalar": the path mrl_paged_attention takes here
+ * (mrl_cpu_isa_cap in cpu/vexp.h lowers it for tests). */
 const char *mrl_paged_attention_isa(void);
 
 /* Write the K/V rows of T new tokens ([T, Hk, hd] each) into their slots

@@ -9,6 +9,7 @@
 #include "moonrl/parallel.h"
 #include "engine/kv_cache.h"
 #include "cpu/paged_attention.h"
+#include "cpu/vexp.h"
 
 static uint64_t rng = 88172645463325252ULL;
 static uint64_t next_u64(void) {
@@ -21,7 +22,7 @@ static float randf(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0
 static int randi(int n) { return (int)(next_u64() % (uint64_t)n); }
 
 #define MAXS 8
-#define MAXLEN 200
+#define MAXLEN 300 /* > KEY_TILE: V accumulated over several key tiles */
 
 typedef struct seq_data {
     int id;            /* kv cache sequence */
@@ -56,6 +57,8 @@ static void contiguous_attention(float *out, const float *q, const float *k, con
     free(p);
 }
 
+static int64_t total_cow = 0; /* copy-on-write copies seen, all cases */
+
 static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
     mrl_kv_cache_config cfg = {.n_layers = 2, .n_kv_heads = Hk, .head_dim = hd, .block_size = bs,
                                .budget_bytes = (int64_t)4 * MAXS * (MAXLEN / bs + 2) * Hk * bs * hd * 2 * 2 * 4};
@@ -68,7 +71,7 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
     int n_seqs = 0;
     float scale = 1.0f / sqrtf((float)hd);
     for (int round = 0; round < n_rounds; round++) {
-        /* grow: maybe a new sequence, maybe a fork, then each gets 1..24 new tokens */
+        /* grow: maybe a new sequence, maybe a fork, then each gets 1..48 new tokens */
         if (n_seqs < MAXS && (n_seqs < 2 || randi(3) == 0)) {
             seq_data *d = &s[n_seqs++];
             d->k = calloc((size_t)MAXLEN * Hk * hd, sizeof(float));
@@ -84,13 +87,13 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
                 CHECK_OK(mrl_kv_cache_seq_new(c, &d->id));
             }
         }
-        int32_t qs[MAXS + 1], lens[MAXS], slots[MAXS * 32];
+        int32_t qs[MAXS + 1], lens[MAXS], slots[MAXS * 48];
         int order[MAXS], n_new[MAXS];
         qs[0] = 0;
         for (int i = 0; i < n_seqs; i++) {
             order[i] = i;
             int room = MAXLEN - s[i].len;
-            n_new[i] = room <= 0 ? 0 : 1 + randi(room < 24 ? room : 24);
+            n_new[i] = room <= 0 ? 0 : 1 + randi(room < 48 ? room : 48);
             if (randi(2)) n_new[i] = room > 0; /* a decode */
         }
         for (int i = n_seqs - 1; i > 0; i--) { /* random batch order */
@@ -137,9 +140,9 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
         mrl_paged_attn a = {.out = out_ref, .q = q, .k_cache = kc, .v_cache = vc, .block_tables = tables,
                             .seq_lens = lens, .query_start = qs, .n_seqs = n_seqs, .max_blocks_per_seq = max_blocks,
                             .block_size = bs, .Hq = Hq, .Hk = Hk, .hd = hd, .scale = scale};
-        mrl_paged_attention_ref(&a);
+        CHECK_OK(mrl_paged_attention_ref(&a));
         a.out = out_fast;
-        mrl_paged_attention(&a);
+        CHECK_OK(mrl_paged_attention(&a));
         for (int b = 0; b < n_seqs; b++) {
             seq_data *d = &s[order[b]];
             int n = qs[b + 1] - qs[b];
@@ -168,7 +171,7 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
     }
     mrl_kv_cache_stats st;
     mrl_kv_cache_get_stats(c, &st);
-    CHECK(st.cow_copies > 0 || n_rounds < 4);
+    total_cow += st.cow_copies;
     for (int i = 0; i < n_seqs; i++) {
         CHECK_OK(mrl_kv_cache_seq_free(c, s[i].id));
         free(s[i].k);
@@ -179,13 +182,50 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
     mrl_kv_cache_destroy(c);
 }
 
+static void test_bad_shapes(void) {
+    float buf[64] = {0};
+    int32_t table[2] = {0, 1}, lens[1] = {4}, qs[2] = {0, 1};
+    mrl_paged_attn a = {.out = buf, .q = buf, .k_cache = buf, .v_cache = buf, .block_tables = table, .seq_lens = lens,
+                        .query_start = qs, .n_seqs = 1, .max_blocks_per_seq = 2, .block_size = 2, .Hq = 2, .Hk = 1,
+                        .hd = 4, .scale = 0.5f};
+    CHECK_OK(mrl_paged_attention(&a));
+    CHECK_OK(mrl_paged_attention_ref(&a));
+    a.Hq = 3;
+    a.Hk = 2;
+    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "Hq=3 Hk=2");
+    a.Hq = 2;
+    a.Hk = 1;
+    lens[0] = 5; /* more tokens than 2 blocks of 2 hold */
+    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+    CHECK(mrl_paged_attention_ref(&a) == MRL_ERR_INVALID);
+    lens[0] = 4;
+    qs[1] = 5; /* more queries than tokens */
+    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+    qs[1] = 1;
+    a.hd = 0;
+    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+    a.hd = 4;
+    a.q = NULL;
+    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+}
+
 int main(void) {
-    printf("paged attention isa: %s\n", mrl_paged_attention_isa());
-    run_case(4, 2, 16, 4, 8);   /* GQA 2:1, tiny blocks */
-    run_case(8, 2, 64, 16, 8);  /* GQA 4:1, vLLM's block size */
-    run_case(3, 3, 24, 5, 6);   /* MHA, odd sizes (masked tails) */
-    run_case(2, 1, 128, 7, 6);  /* one kv head, hd 128 */
+    test_bad_shapes();
+    /* every vector path this CPU has: AVX-512, AVX2, scalar */
+    for (int level = mrl_cpu_isa_level(); level >= 0; level--) {
+        mrl_cpu_isa_cap(level);
+        printf("paged attention path: %s\n", mrl_paged_attention_isa());
+        run_case(4, 2, 16, 4, 8);   /* GQA 2:1, tiny blocks */
+        run_case(8, 2, 64, 16, 8);  /* GQA 4:1, vLLM's block size */
+        run_case(14, 2, 64, 16, 4); /* GQA 7:1 (Qwen2.5-0.5B): head runs of 4 + 2 + 1 */
+        run_case(3, 3, 24, 5, 6);   /* MHA, odd sizes (masked tails) */
+        run_case(2, 1, 128, 7, 6);  /* one kv head, hd 128 */
+        run_case(16, 1, 8, 32, 4);  /* 16 heads per kv head, blocks of 32 */
+    }
+    mrl_cpu_isa_cap(2);
     mrl_parallel_set_threads(1);
     run_case(4, 1, 40, 3, 4);   /* single thread */
+    CHECK(total_cow > 0);        /* forks were appended to: shared partial blocks copied */
     CHECK_DONE();
 }
