@@ -19,7 +19,6 @@
 #include "cpu/paged_attention.h"
 #include "cpu/vexp.h"
 #include "moonrl/parallel.h"
-#include "moonrl/mem.h"
 
 #define QUERY_TILE 16
 #define MAX_HEAD_DIM 1024
@@ -152,71 +151,121 @@ static inline __attribute__((always_inline)) void values_plain(const item_view *
     }
 }
 
-/* AVX-512: RN query heads (1, 2, 4 or 8) starting at head r0. */
+/* AVX-512, scores of RN query heads (from head r0) against KC chunks of 16
+ * keys: chunk i starts at kp[i] (its rows d are block_size apart) and its
+ * scores go to column c0 + 16 i; the last chunk is masked by mlast. RN * KC
+ * accumulators stay in registers; each K vector serves RN heads. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
-scores_512(const item_view *v, int r0, const int RN) {
-    const mrl_paged_attn *a = v->a;
-    int bs = a->block_size, hd = a->hd;
+score_chunks_512(const item_view *v, int r0, const int RN, const float *const *kp, const int KC, __mmask16 mlast,
+                 int c0) {
+    int bs = v->a->block_size, hd = v->a->hd;
     const float *q = v->q + (int64_t)r0 * hd;
-    __m512 scale = _mm512_set1_ps(a->scale);
-    for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
-        const float *kt = a->k_cache + block_offset(a, v->table[c0 / bs], v->g);
-        int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
-        for (int j0 = 0; j0 < cn; j0 += 16) {
-            __mmask16 m = cn - j0 >= 16 ? 0xffff : (__mmask16)((1u << (cn - j0)) - 1);
-            __m512 acc[8];
-            for (int r = 0; r < RN; r++) acc[r] = _mm512_setzero_ps();
-            for (int d = 0; d < hd; d++) {
-                __m512 k = _mm512_maskz_loadu_ps(m, kt + (int64_t)d * bs + j0);
-                for (int r = 0; r < RN; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(int64_t)r * hd + d]), k, acc[r]);
-            }
-            for (int r = 0; r < RN; r++)
-                _mm512_mask_storeu_ps(v->scores + (int64_t)(r0 + r) * v->n_ctx + c0 + j0, m,
-                                      _mm512_mul_ps(acc[r], scale));
+    __m512 acc[16], k[4];
+    for (int i = 0; i < RN * KC; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        for (int i = 0; i < KC; i++)
+            k[i] = i == KC - 1 ? _mm512_maskz_loadu_ps(mlast, kp[i] + (int64_t)d * bs)
+                               : _mm512_loadu_ps(kp[i] + (int64_t)d * bs);
+        for (int r = 0; r < RN; r++) {
+            __m512 qb = _mm512_set1_ps(q[(int64_t)r * hd + d]);
+            for (int i = 0; i < KC; i++) acc[r * KC + i] = _mm512_fmadd_ps(qb, k[i], acc[r * KC + i]);
         }
     }
+    __m512 scale = _mm512_set1_ps(v->a->scale);
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < KC; i++)
+            _mm512_mask_storeu_ps(v->scores + (int64_t)(r0 + r) * v->n_ctx + c0 + 16 * i, i == KC - 1 ? mlast : 0xffff,
+                                  _mm512_mul_ps(acc[r * KC + i], scale));
 }
 
+/* The whole context for RN heads: chunks of 16 keys (block_size a multiple
+ * of 16, so a chunk never straddles blocks), KC at a time, then the rest. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
-values_512(const item_view *v, int r0, const int RN) {
+scores_512(const item_view *v, int r0, const int RN, const int KC) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, n_full = v->n_ctx / 16, rem = v->n_ctx % 16, c = 0;
+    const float *kp[4];
+#define CHUNK_PTR(c) (a->k_cache + block_offset(a, v->table[(c) / bs], v->g) + (c) % bs)
+    for (; c + 16 * KC <= 16 * n_full; c += 16 * KC) {
+        for (int i = 0; i < KC; i++) kp[i] = CHUNK_PTR(c + 16 * i);
+        score_chunks_512(v, r0, RN, kp, KC, 0xffff, c);
+    }
+    for (; c < 16 * n_full; c += 16) {
+        kp[0] = CHUNK_PTR(c);
+        score_chunks_512(v, r0, RN, kp, 1, 0xffff, c);
+    }
+    if (rem) {
+        kp[0] = CHUNK_PTR(c);
+        score_chunks_512(v, r0, RN, kp, 1, (__mmask16)((1u << rem) - 1), c);
+    }
+#undef CHUNK_PTR
+}
+
+/* out[r0 .. r0+RN)[d0 .. d0 + 16 DC) += sum over keys k0..k1 of p * V rows;
+ * the last d-chunk masked by mlast; RN * DC accumulators in registers. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC, __mmask16 mlast, int k0, int k1) {
     const mrl_paged_attn *a = v->a;
     int bs = a->block_size, hd = a->hd;
-    for (int k0 = 0; k0 < v->n_ctx; k0 += KEY_TILE) {
-        int k1 = k0 + KEY_TILE < v->n_ctx ? k0 + KEY_TILE : v->n_ctx;
-        for (int d0 = 0; d0 < hd; d0 += 16) {
-            __mmask16 m = hd - d0 >= 16 ? 0xffff : (__mmask16)((1u << (hd - d0)) - 1);
-            __m512 acc[8];
-            for (int r = 0; r < RN; r++)
-                acc[r] = k0 ? _mm512_maskz_loadu_ps(m, v->out + (int64_t)(r0 + r) * hd + d0) : _mm512_setzero_ps();
-            for (int c = k0; c < k1;) { /* keys of one block at a time */
-                const float *vb = a->v_cache + block_offset(a, v->table[c / bs], v->g);
-                int cend = (c / bs + 1) * bs < k1 ? (c / bs + 1) * bs : k1;
-                for (; c < cend; c++) {
-                    __m512 x = _mm512_maskz_loadu_ps(m, vb + (int64_t)(c % bs) * hd + d0);
-                    for (int r = 0; r < RN; r++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(v->scores[(int64_t)(r0 + r) * v->n_ctx + c]), x, acc[r]);
-                }
-            }
-            for (int r = 0; r < RN; r++) _mm512_mask_storeu_ps(v->out + (int64_t)(r0 + r) * hd + d0, m, acc[r]);
+    __m512 acc[16];
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < DC; i++) {
+            __mmask16 m = i == DC - 1 ? mlast : 0xffff;
+            acc[r * DC + i] = k0 ? _mm512_maskz_loadu_ps(m, v->out + (int64_t)(r0 + r) * hd + d0 + 16 * i)
+                                 : _mm512_setzero_ps();
         }
+    for (int c = k0; c < k1;) { /* keys of one block at a time */
+        const float *vb = a->v_cache + block_offset(a, v->table[c / bs], v->g) + d0;
+        int cend = (c / bs + 1) * bs < k1 ? (c / bs + 1) * bs : k1;
+        for (; c < cend; c++) {
+            __m512 x[4];
+            const float *row = vb + (int64_t)(c % bs) * hd;
+            for (int i = 0; i < DC; i++)
+                x[i] = i == DC - 1 ? _mm512_maskz_loadu_ps(mlast, row + 16 * i) : _mm512_loadu_ps(row + 16 * i);
+            for (int r = 0; r < RN; r++) {
+                __m512 p = _mm512_set1_ps(v->scores[(int64_t)(r0 + r) * v->n_ctx + c]);
+                for (int i = 0; i < DC; i++) acc[r * DC + i] = _mm512_fmadd_ps(p, x[i], acc[r * DC + i]);
+            }
+        }
+    }
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < DC; i++)
+            _mm512_mask_storeu_ps(v->out + (int64_t)(r0 + r) * hd + d0 + 16 * i, i == DC - 1 ? mlast : 0xffff,
+                                  acc[r * DC + i]);
+}
+
+/* Keys in tiles that stay in cache while every d-chunk is accumulated. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+values_512(const item_view *v, int r0, const int RN, const int DC) {
+    int hd = v->a->hd;
+    for (int k0 = 0; k0 < v->n_ctx; k0 += KEY_TILE) {
+        int k1 = k0 + KEY_TILE < v->n_ctx ? k0 + KEY_TILE : v->n_ctx, d0 = 0;
+        for (; d0 + 16 * DC <= hd; d0 += 16 * DC) value_chunks_512(v, r0, RN, d0, DC, 0xffff, k0, k1);
+        for (; d0 < hd; d0 += 16)
+            value_chunks_512(v, r0, RN, d0, 1, hd - d0 >= 16 ? 0xffff : (__mmask16)((1u << (hd - d0)) - 1), k0, k1);
     }
 }
 
-/* Query heads in runs of 8, 4, 2, 1 (the compiler unrolls each). */
+/* Query heads in runs of 8, 4, 2, 1, each with as many key (or d) chunks as
+ * keep 8-16 accumulators in registers. */
 __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
     int r = 0;
-    for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8);
-    if (r + 4 <= v->G) { scores_512(v, r, 4); r += 4; }
-    if (r + 2 <= v->G) { scores_512(v, r, 2); r += 2; }
-    if (r < v->G) scores_512(v, r, 1);
+    if (v->a->block_size % 16) { /* chunks would straddle blocks: the plain loops */
+        scores_plain(v);
+        return;
+    }
+    for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8, 2);
+    if (r + 4 <= v->G) { scores_512(v, r, 4, 4); r += 4; }
+    if (r + 2 <= v->G) { scores_512(v, r, 2, 4); r += 2; }
+    if (r < v->G) scores_512(v, r, 1, 4);
 }
 
 __attribute__((target("avx512f"))) static void values_avx512(const item_view *v) {
     int r = 0;
-    for (; r + 8 <= v->G; r += 8) values_512(v, r, 8);
-    if (r + 4 <= v->G) { values_512(v, r, 4); r += 4; }
-    if (r + 2 <= v->G) { values_512(v, r, 2); r += 2; }
-    if (r < v->G) values_512(v, r, 1);
+    for (; r + 8 <= v->G; r += 8) values_512(v, r, 8, 2);
+    if (r + 4 <= v->G) { values_512(v, r, 4, 4); r += 4; }
+    if (r + 2 <= v->G) { values_512(v, r, 2, 4); r += 2; }
+    if (r < v->G) values_512(v, r, 1, 4);
 }
 
 __attribute__((target("avx2,fma"))) static void scores_avx2(const item_view *v) { scores_plain(v); }
@@ -271,28 +320,49 @@ static void attend_range(void *vctx, int64_t b, int64_t e) {
 
 const char *mrl_paged_attention_isa(void) { return mrl_cpu_isa_name(); }
 
-mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
-    mrl_status st = check_args(a, "paged_attention");
-    if (st) return st;
-    int64_t n_items = 0;
+/* Work list and scratch sizes of a batch (shapes already checked). */
+typedef struct attn_plan {
+    int64_t n_items, n_chunks, per_chunk, bytes;
+} attn_plan;
+
+static attn_plan plan(const mrl_paged_attn *a) {
+    attn_plan p = {0, 0, 0, 0};
     int max_len = 1;
     for (int i = 0; i < a->n_seqs; i++) {
         int n_q = a->query_start[i + 1] - a->query_start[i];
-        n_items += (int64_t)a->Hk * ((n_q + QUERY_TILE - 1) / QUERY_TILE);
+        p.n_items += (int64_t)a->Hk * ((n_q + QUERY_TILE - 1) / QUERY_TILE);
         if (a->seq_lens[i] > max_len) max_len = a->seq_lens[i];
     }
-    if (n_items == 0) return MRL_OK;
     /* a few chunks of consecutive items per thread (items differ in cost) */
-    int64_t n_chunks = 4 * (int64_t)mrl_parallel_threads();
-    if (n_chunks > n_items) n_chunks = n_items;
-    int64_t per_chunk = (int64_t)(a->Hq / a->Hk) * max_len;
-    attn_item *items = malloc((size_t)n_items * sizeof(attn_item));
-    float *scratch = mrl_mem_alloc((size_t)(per_chunk * n_chunks) * sizeof(float), MRL_MEM_ACTIVATIONS);
-    if (!items || !scratch) {
-        free(items);
-        mrl_mem_free(scratch);
-        return mrl_set_error(MRL_ERR_NOMEM, "paged_attention: no memory for %lld work items", (long long)n_items);
+    p.n_chunks = 4 * (int64_t)mrl_parallel_threads();
+    if (p.n_chunks > p.n_items) p.n_chunks = p.n_items;
+    p.per_chunk = ((int64_t)(a->Hq / a->Hk) * max_len + 15) & ~(int64_t)15;
+    p.bytes = p.per_chunk * p.n_chunks * (int64_t)sizeof(float) + p.n_items * (int64_t)sizeof(attn_item);
+    return p;
+}
+
+int64_t mrl_paged_attention_workspace_bytes(const mrl_paged_attn *a) {
+    if (check_args(a, "paged_attention_workspace_bytes")) return 0;
+    return plan(a).bytes;
+}
+
+mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
+    mrl_status st = check_args(a, "paged_attention");
+    if (st) return st;
+    attn_plan p = plan(a);
+    if (p.n_items == 0) return MRL_OK;
+    void *own = NULL, *ws = a->workspace;
+    if (!ws || a->workspace_bytes < p.bytes) {
+        if (ws)
+            return mrl_set_error(MRL_ERR_INVALID, "paged_attention: workspace of %lld bytes, %lld needed",
+                                 (long long)a->workspace_bytes, (long long)p.bytes);
+        ws = own = malloc((size_t)p.bytes); /* not zero-filled: no page clearing per call */
+        if (!own)
+            return mrl_set_error(MRL_ERR_NOMEM, "paged_attention: no memory for a %lld-byte workspace",
+                                 (long long)p.bytes);
     }
+    float *scratch = ws;
+    attn_item *items = (attn_item *)(scratch + p.per_chunk * p.n_chunks);
     int64_t k = 0;
     for (int i = 0; i < a->n_seqs; i++)
         for (int g = 0; g < a->Hk; g++)
@@ -300,10 +370,9 @@ mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
                 int t1 = t + QUERY_TILE < a->query_start[i + 1] ? t + QUERY_TILE : a->query_start[i + 1];
                 items[k++] = (attn_item){i, g, t, t1};
             }
-    attn_ctx ctx = {a, items, n_items, n_chunks, scratch, per_chunk, mrl_cpu_isa_level()};
-    mrl_parallel_for(n_chunks, 1, attend_range, &ctx);
-    free(items);
-    mrl_mem_free(scratch);
+    attn_ctx ctx = {a, items, p.n_items, p.n_chunks, scratch, p.per_chunk, mrl_cpu_isa_level()};
+    mrl_parallel_for(p.n_chunks, 1, attend_range, &ctx);
+    free(own);
     return MRL_OK;
 }
 

@@ -31,6 +31,12 @@ typedef struct mrl_paged_attn {
     int block_size;
     int Hq, Hk, hd;
     float scale;
+    /* optional scratch for the fast version (the caller's activation
+     * memory, so nothing is allocated per call): at least
+     * mrl_paged_attention_workspace_bytes(this) bytes, 64-byte aligned;
+     * NULL: the kernel allocates and frees its own. */
+    void *workspace;
+    int64_t workspace_bytes;
 } mrl_paged_attn;
 
 /* Plain loops, double accumulation: what the tests trust. */
@@ -41,6 +47,10 @@ mrl_status mrl_paged_attention_ref(const mrl_paged_attn *a);
  * capacity) and fail with MRL_ERR_INVALID; the fast one may fail with
  * MRL_ERR_NOMEM (its work list and score rows). */
 mrl_status mrl_paged_attention(const mrl_paged_attn *a);
+/* Bytes of workspace mrl_paged_attention needs for this batch (0 for bad
+ * shapes); it grows with the number of sequences, Hq/Hk and the longest
+ * context. */
+int64_t mrl_paged_attention_workspace_bytes(const mrl_paged_attn *a);
 /* "avx512", "avx2" or "scalar": the path mrl_paged_attention takes here
  * (mrl_cpu_isa_cap in cpu/vexp.h lowers it for tests). */
 const char *mrl_paged_attention_isa(void);
