@@ -142,7 +142,19 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
                             .block_size = bs, .Hq = Hq, .Hk = Hk, .hd = hd, .scale = scale};
         CHECK_OK(mrl_paged_attention_ref(&a));
         a.out = out_fast;
+        void *ws = NULL;
+        if (round % 2) { /* the caller's workspace, exactly the size asked for */
+            a.workspace_bytes = mrl_paged_attention_workspace_bytes(&a);
+            CHECK(a.workspace_bytes > 0);
+            a.workspace = ws = malloc((size_t)a.workspace_bytes);
+        }
         CHECK_OK(mrl_paged_attention(&a));
+        if (ws && a.workspace_bytes > 64) {
+            a.workspace_bytes -= 64;
+            CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+            CHECK_STR_CONTAINS(mrl_last_error(), "workspace");
+        }
+        free(ws);
         for (int b = 0; b < n_seqs; b++) {
             seq_data *d = &s[order[b]];
             int n = qs[b + 1] - qs[b];

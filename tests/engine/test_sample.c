@@ -7,6 +7,7 @@
 #include "moonrl/engine.h"
 #include "moonrl/parallel.h"
 #include "engine/sample.h"
+#include "cpu/vexp.h"
 
 /* The distribution the sampler should draw from, computed plainly in double:
  * temperature, min-p, top-k (ties kept), top-p (sorted by prob, ties by id). */
@@ -247,7 +248,11 @@ static void test_batch_invariance(void) {
 int main(void) {
     test_distributions();
     test_edges();
-    test_large_vocab();
+    for (int level = mrl_cpu_isa_level(); level >= 0; level--) { /* every exp path this CPU has */
+        mrl_cpu_isa_cap(level);
+        test_large_vocab();
+    }
+    mrl_cpu_isa_cap(2);
     test_batch_invariance();
     CHECK_DONE();
 }
