@@ -201,6 +201,7 @@ void mrl_kv_cache_destroy(mrl_kv_cache *c) {
     free(c);
 }
 
+const mrl_kv_cache_config *mrl_kv_cache_get_config(const mrl_kv_cache *c) { return &c->cfg; }
 int mrl_kv_cache_block_size(const mrl_kv_cache *c) { return c->cfg.block_size; }
 int mrl_kv_cache_num_blocks(const mrl_kv_cache *c) { return c->num_blocks; }
 int64_t mrl_kv_cache_block_bytes(const mrl_kv_cache *c) {

@@ -62,6 +62,7 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
 void mrl_kv_cache_destroy(mrl_kv_cache *c);
 
 /* Geometry and the pool (per-layer K and V base pointers, layout above). */
+const mrl_kv_cache_config *mrl_kv_cache_get_config(const mrl_kv_cache *c);
 int mrl_kv_cache_block_size(const mrl_kv_cache *c);
 int mrl_kv_cache_num_blocks(const mrl_kv_cache *c);
 int64_t mrl_kv_cache_block_bytes(const mrl_kv_cache *c); /* all layers, K and V */

@@ -1,4 +1,5 @@
 /* Continuous-batching scheduler (see scheduler.h for the policy). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "engine/scheduler.h"
@@ -534,6 +535,23 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     s->planned = 0;
     s->n_step = 0;
     return st;
+}
+
+/* ---- what the model needs per layer ---- */
+
+mrl_status mrl_sched_attn_args(const mrl_sched_batch *b, mrl_kv_cache *kv, int layer, int Hq, const float *q,
+                               float *out, mrl_paged_attn *args) {
+    if (!b || !kv || !args) return mrl_set_error(MRL_ERR_INVALID, "sched_attn_args: NULL argument");
+    const mrl_kv_cache_config *c = mrl_kv_cache_get_config(kv);
+    if (layer < 0 || layer >= c->n_layers || Hq < c->n_kv_heads || Hq % c->n_kv_heads)
+        return mrl_set_error(MRL_ERR_INVALID, "sched_attn_args: layer %d of %d, Hq=%d with %d kv heads", layer,
+                             c->n_layers, Hq, c->n_kv_heads);
+    *args = (mrl_paged_attn){.out = out, .q = q, .k_cache = mrl_kv_cache_k(kv, layer),
+                             .v_cache = mrl_kv_cache_v(kv, layer), .block_tables = b->block_tables,
+                             .seq_lens = b->seq_lens, .query_start = b->query_start, .n_seqs = b->n_seqs,
+                             .max_blocks_per_seq = b->max_blocks_per_seq, .block_size = c->block_size, .Hq = Hq,
+                             .Hk = c->n_kv_heads, .hd = c->head_dim, .scale = 1.0f / sqrtf((float)c->head_dim)};
+    return MRL_OK;
 }
 
 /* ---- outputs ---- */

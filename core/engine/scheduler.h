@@ -46,6 +46,7 @@
 #include <stdint.h>
 #include "moonrl/engine.h"
 #include "engine/kv_cache.h"
+#include "cpu/paged_attention.h"
 
 typedef struct mrl_sched mrl_sched;
 
@@ -127,6 +128,14 @@ mrl_status mrl_sched_schedule(mrl_sched *s, const mrl_sched_batch **batch);
 /* logits [batch->n_logits, vocab_size] of the planned step: mark its K/V as
  * computed, sample, append, apply the stop conditions. */
 mrl_status mrl_sched_update(mrl_sched *s, const float *logits);
+
+/* The attention arguments of one layer for a step: q/out [n_tokens, Hq,
+ * head_dim] (RoPE already applied to q and to the K written with
+ * mrl_paged_kv_write), the cache's K/V of `layer`, the batch's block
+ * tables, lengths and query offsets, scale 1/sqrt(head_dim), no workspace
+ * (set args->workspace to reuse one). */
+mrl_status mrl_sched_attn_args(const mrl_sched_batch *b, mrl_kv_cache *kv, int layer, int Hq, const float *q,
+                               float *out, mrl_paged_attn *args);
 
 /* Sample j of a request so far: generated tokens, their log-probs (under
  * the temperature-scaled, untruncated distribution; logprobs_processed

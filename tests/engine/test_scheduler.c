@@ -100,6 +100,17 @@ static void fake_forward(mrl_kv_cache *kv, const mrl_sched_batch *b, float *logi
     }
     CHECK(ok);
     mrl_paged_kv_write(K, Vc, kn, vn, b->slot_mapping, b->n_tokens, 1, 1, bs);
+    /* real paged attention over the step, with q = 0 (uniform weights): the
+     * output of a token at position p is the mean of positions 0..p */
+    float *q = calloc((size_t)b->n_tokens + 1, sizeof(float)), *out = calloc((size_t)b->n_tokens + 1, sizeof(float));
+    mrl_paged_attn args;
+    CHECK_OK(mrl_sched_attn_args(b, kv, 0, 1, q, out, &args));
+    CHECK_OK(mrl_paged_attention(&args));
+    int mean_ok = 1;
+    for (int t = 0; t < b->n_tokens; t++) mean_ok &= fabsf(out[t] - b->positions[t] * 0.5f) <= 1e-4f * (1 + b->positions[t]);
+    CHECK(mean_ok);
+    free(q);
+    free(out);
     int32_t ctx[MAX_MODEL_LEN];
     for (int r = 0; r < b->n_logits; r++) {
         int t = b->logits_indices[r], i = b->seq_index[t], len = b->positions[t] + 1;
