@@ -71,6 +71,11 @@ static int wid_cmp(const void *pa, const void *pb) {
     return a->id < b->id ? -1 : a->id > b->id;
 }
 
+static int wid_cmp_id(const void *pa, const void *pb) {
+    const wid *a = pa, *b = pb;
+    return a->id < b->id ? -1 : a->id > b->id;
+}
+
 /* ---- one row ---- */
 
 int64_t mrl_sample_work_floats(int V) { return (int64_t)4 * (V > 0 ? V : 1) + 16; }
@@ -96,18 +101,21 @@ mrl_status mrl_sample_row(const float *logits, int V, const mrl_sampling_params 
     int greedy = p->temperature < GREEDY_EPS;
     float inv_t = greedy ? 1.0f : 1.0f / p->temperature;
     float m = -INFINITY;
-    int arg = -1, nan = 0;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
     for (int i = 0; i < V; i++) {
         float xi = logits[i] * inv_t;
         nan |= xi != xi;
         x[i] = xi;
-        if (xi > m) { m = xi; arg = i; }
+        m = xi > m ? xi : m;
     }
-    if (nan || arg < 0 || isinf(m))
+    if (nan || isinf(m))
         return mrl_set_error(MRL_ERR_INVALID, "sample: the logits row %s", nan ? "holds a NaN" : "has no finite maximum");
     double Z = mrl_vexp_sum(w, x, m, V);
     float lse = m + (float)log(Z);
     if (greedy) {
+        int arg = 0;
+        while (x[arg] != m) arg++; /* the first maximum */
         *token = arg;
         *logprob = x[arg] - lse;
         if (lp_processed) *lp_processed = 0;
@@ -123,47 +131,55 @@ mrl_status mrl_sample_row(const float *logits, int V, const mrl_sampling_params 
             if (x[i] >= thr) v[n++] = x[i];
         if (n > p->top_k) thr = kth_largest(v, n, p->top_k);
     }
-    /* top-p over the kept set, ordered by (w desc, id asc): the cut is the
-     * pair (w_cut, id_cut) of the last kept token */
-    float w_cut = 0;
-    int32_t id_cut = INT32_MAX;
+    int tok = -1;
+    double Zk = 0;
     if (p->top_p < 1) {
+        /* top-p over the kept set, ordered by (w desc, id asc); only the
+         * tokens above a weight tau are gathered and sorted, tau lowered
+         * until they hold the mass */
         double Zc = 0;
-        for (int i = 0; i < V; i++)
-            if (x[i] >= thr) Zc += w[i];
+        if (thr == -INFINITY) Zc = Z;
+        else
+            for (int i = 0; i < V; i++)
+                if (x[i] >= thr) Zc += w[i];
         double target = (double)p->top_p * Zc;
+        int n = 0;
         for (float tau = 0x1.0p-8f;; tau = tau > 0x1.0p-100f ? tau * tau : 0) {
-            int n = 0;
             double mass = 0;
+            n = 0;
             for (int i = 0; i < V; i++)
                 if (x[i] >= thr && w[i] >= tau) {
                     cand[n++] = (wid){w[i], i};
                     mass += w[i];
                 }
-            if (mass < target && tau > 0) continue;
-            qsort(cand, (size_t)n, sizeof(wid), wid_cmp);
-            double cum = 0;
-            int j = 0;
-            while (j < n - 1 && cum + cand[j].w < target) cum += cand[j++].w;
-            w_cut = cand[j].w;
-            id_cut = cand[j].id;
-            break;
+            if (mass >= target || tau == 0) break;
         }
+        qsort(cand, (size_t)n, sizeof(wid), wid_cmp);
+        double cum = 0;
+        int kept = 1;
+        while (kept < n && cum + cand[kept - 1].w < target) cum += cand[kept++ - 1].w;
+        /* the kept tokens back in id order: the draw below and the sum
+         * run in the same order as over the whole vocabulary */
+        qsort(cand, (size_t)kept, sizeof(wid), wid_cmp_id);
+        for (int j = 0; j < kept; j++) Zk += cand[j].w;
+        double t = u * Zk, c = 0;
+        for (int j = 0; j < kept; j++) {
+            tok = cand[j].id;
+            if ((c += cand[j].w) > t) break;
+        }
+    } else {
+        /* draw: the first kept token (id order) whose cumulative mass exceeds u * Zk */
+        if (thr == -INFINITY) Zk = Z;
+        else
+            for (int i = 0; i < V; i++)
+                if (x[i] >= thr) Zk += w[i];
+        double t = u * Zk, c = 0;
+        for (int i = 0; i < V; i++)
+            if (x[i] >= thr) {
+                tok = i;
+                if ((c += w[i]) > t) break;
+            }
     }
-    /* draw: first kept token (id order) whose cumulative mass exceeds u * Zk */
-#define KEPT(i) (x[i] >= thr && (w[i] > w_cut || (w[i] == w_cut && (i) <= id_cut)))
-    double Zk = 0;
-    for (int i = 0; i < V; i++)
-        if (KEPT(i)) Zk += w[i];
-    double target = u * Zk, cum = 0;
-    int tok = arg;
-    for (int i = 0; i < V; i++)
-        if (KEPT(i)) {
-            tok = i;
-            cum += w[i];
-            if (cum > target) break;
-        }
-#undef KEPT
     *token = tok;
     *logprob = x[tok] - lse;
     if (lp_processed) *lp_processed = x[tok] - m - (float)log(Zk);
