@@ -146,7 +146,7 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
         return mrl_set_error(MRL_ERR_INVALID,
                              "kv_cache_create: budget_bytes=%lld is below one block (%lld bytes)",
                              (long long)cfg->budget_bytes, (long long)block_bytes);
-    if (nb > (1 << 30)) nb = 1 << 30;
+    if (nb > INT32_MAX / cfg->block_size) nb = INT32_MAX / cfg->block_size; /* slot numbers are int32 */
     mrl_kv_cache *c = calloc(1, sizeof(*c));
     if (!c) return mrl_set_error(MRL_ERR_NOMEM, "kv_cache_create: out of memory");
     c->cfg = *cfg;

@@ -30,7 +30,9 @@
  * picks these blocks up with mrl_kv_cache_match_prefix. A full block whose
  * reference count drops to 0 stays cached and evictable; eviction takes the
  * least recently freed first (and, within one freed sequence, its last
- * blocks first). */
+ * blocks first).
+ *
+ * Not thread-safe: one thread (the engine's) drives a cache. */
 #pragma once
 #include <stdint.h>
 #include "moonrl/status.h"

@@ -41,7 +41,10 @@
  * Stop conditions: max_new_tokens (or max_model_len), an EOS id, a stop token
  * id (the token is kept in the output in all three cases), or the caller's
  * flag (mrl_sched_stop, e.g. when its detokenizer sees a stop string), which
- * finishes the sample at the next schedule. */
+ * finishes the sample at the next schedule.
+ *
+ * Not thread-safe: one thread drives a scheduler and its cache (the kernels
+ * it feeds run in parallel inside). */
 #pragma once
 #include <stdint.h>
 #include "moonrl/engine.h"
