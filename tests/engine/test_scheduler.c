@@ -162,8 +162,15 @@ static void run(run_cfg rc, mrl_sched_stats *stats_out) {
         if (!mrl_sched_has_unfinished(s)) break;
         const mrl_sched_batch *b;
         CHECK_OK(mrl_sched_schedule(s, &b));
-        CHECK(b->n_tokens > 0 && b->n_tokens <= rc.budget && b->n_seqs <= rc.max_seqs);
-        if (b->n_tokens == 0 || step > 100000) break; /* a stall would be a bug: stop here */
+        CHECK(b->n_tokens <= rc.budget && b->n_seqs <= rc.max_seqs);
+        if (b->n_tokens == 0) { /* only when the caller's stop finished the last unfinished sample */
+            CHECK(!mrl_sched_has_unfinished(s));
+            CHECK_OK(mrl_sched_update(s, NULL));
+            if (mrl_sched_has_unfinished(s)) break; /* a stall would be a bug: stop here */
+            step++;
+            continue;
+        }
+        if (step > 100000) break;
         fake_forward(kv, b, logits);
         CHECK_OK(mrl_sched_update(s, logits));
         if (rc.stop_req >= 0 && rc.stop_req < added) {
@@ -330,6 +337,18 @@ int main(void) {
     /* requests joining at other steps */
     for (int q = 0; q < n_reqs; q++) reqs[q].join_step = (q * 7) % 11;
     run((run_cfg){48, 8, 60, 4, 1, -1}, &st);
+    /* a random sweep: block sizes 1..16, budgets down to 1 token, 1..16
+     * sequences, caches from barely one sequence up, prefix caching on/off */
+    uint64_t r = 2026;
+    for (int k = 0; k < 24; k++) {
+        r = mix(r);
+        int bs = (int[]){1, 2, 3, 4, 5, 8, 16}[r % 7];
+        int need = (MAX_MODEL_LEN + bs - 1) / bs; /* the longest sequence alone */
+        run_cfg rc = {1 + (int)(mix(r + 1) % 64), 1 + (int)(mix(r + 2) % 16), need + (int)(mix(r + 3) % (3 * need)), bs,
+                      (int)(mix(r + 4) % 2), k % 3 == 0 ? (int)(mix(r + 5) % n_reqs) : -1};
+        for (int q = 0; q < n_reqs; q++) reqs[q].join_step = (int)(mix(r + 10 + q) % 30);
+        run(rc, &st);
+    }
     test_group_prefill_once();
     test_bad_input();
     CHECK_DONE();
