@@ -14,6 +14,7 @@ static const mrl_cpu_isa *isa;
 
 static const mrl_cpu_isa *pick_isa(void) {
     if (!isa) {
+        openblas_set_num_threads(1); /* see fast_gemm */
         __builtin_cpu_init();
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
             __builtin_cpu_supports("avx512vl"))
@@ -26,11 +27,52 @@ static const mrl_cpu_isa *pick_isa(void) {
     return isa;
 }
 
+/* OpenBLAS runs single-threaded inside our own parallel-for: its own thread
+ * pool and libgomp's spun against each other on 2 cores (half the time in
+ * sched_yield, bench/RESULTS.md). C is cut into one slice of rows (or of
+ * columns when there are few rows) per thread; each element's sum is the
+ * same as in one call, so results do not depend on the thread count. */
+typedef struct gemm_ctx {
+    int ta, tb;
+    int64_t M, N, K, lda, ldb, ldc, parts;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+    int split_rows;
+} gemm_ctx;
+
+static void gemm_call(const gemm_ctx *g, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    if (m1 <= m0 || n1 <= n0) return;
+    const float *A = g->ta ? g->A + m0 : g->A + m0 * g->lda;
+    const float *B = g->tb ? g->B + n0 * g->ldb : g->B + n0;
+    cblas_sgemm(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans, g->tb ? CblasTrans : CblasNoTrans,
+                (blasint)(m1 - m0), (blasint)(n1 - n0), (blasint)g->K, g->alpha, A, (blasint)g->lda, B,
+                (blasint)g->ldb, g->beta, g->C + m0 * g->ldc + n0, (blasint)g->ldc);
+}
+
+static void gemm_range(void *vc, int64_t p0, int64_t p1) {
+    const gemm_ctx *g = vc;
+    for (int64_t p = p0; p < p1; p++) {
+        /* slices rounded to 16 rows/columns (whole vector blocks) */
+        int64_t n = g->split_rows ? g->M : g->N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
+        int64_t lo = p * step, hi = lo + step < n ? lo + step : n;
+        if (g->split_rows)
+            gemm_call(g, lo, hi, 0, g->N);
+        else
+            gemm_call(g, 0, g->M, lo, hi);
+    }
+}
+
 static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                       int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return;
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)M,
-                (blasint)N, (blasint)K, alpha, A, (blasint)lda, B, (blasint)ldb, beta, C, (blasint)ldc);
+    gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
+    int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
+    g.parts = mrl_parallel_threads();
+    if (work < (1 << 18)) g.parts = 1; /* too small to share */
+    if (g.parts > (split + 15) / 16) g.parts = (split + 15) / 16;
+    if (g.parts < 1) g.parts = 1;
+    mrl_parallel_for(g.parts, 1, gemm_range, &g);
 }
 
 /* ---- rmsnorm ------------------------------------------------------------ */

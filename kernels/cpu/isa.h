@@ -34,9 +34,11 @@ typedef struct mrl_cpu_isa {
     void (*attn_bwd_group)(const mrl_attn_args *a, int s, int kh, float *scratch);
 } mrl_cpu_isa;
 
+#define ATT_QB 64 /* queries per attention block */
+
 static inline int64_t mrl_attn_scratch_floats(int64_t max_len, int hd) {
-    int64_t lp = (max_len + 63) / 64 * 64;
-    return 2 * (int64_t)hd * lp + 3 * lp + 4 * (int64_t)hd + 64;
+    (void)hd;
+    return 2 * ATT_QB * ((max_len + 15) / 16 * 16) + 64;
 }
 
 extern const mrl_cpu_isa mrl_cpu_isa_avx512;

@@ -4,6 +4,7 @@
  * including, define VW and ISA_TABLE (the mrl_cpu_isa to define) and
  * ISA_NAME. Sums run in VW lanes (fp32), tails in scalar code. */
 #include <math.h>
+#include <cblas.h>
 #include <string.h>
 #include "isa.h"
 
@@ -61,14 +62,6 @@ static float dot(const float *a, const float *b, int64_t n) {
     float s = hsum(acc0 + acc1);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
-}
-
-/* y += a x */
-static void axpy(float *y, float a, const float *x, int64_t n) {
-    int64_t i = 0;
-    vf va = splat(a);
-    for (; i + VW <= n; i += VW) st(y + i, ld(y + i) + va * ld(x + i));
-    for (; i < n; i++) y[i] += a * x[i];
 }
 
 static void rmsnorm_fwd_rows(float *out, float *rstd, const float *x, const float *w, int64_t t0,
@@ -175,53 +168,29 @@ static void head_bwd_row(float *z, int V, float inv_temp, int32_t target, float 
     if (target >= 0) z[target] += glp * inv_temp;
 }
 
-/* ---- attention: one sequence of L tokens at a time ---------------------- */
+/* ---- attention: one sequence of L tokens at a time, in blocks of ATT_QB queries ----
+ * The block products (scores, P V, and the five of the backward) are sgemm
+ * calls (OpenBLAS runs single-threaded inside our workers, see fast.c); a
+ * query block [i0, i0 + nb) only meets keys [0, i0 + nb), so only the
+ * diagonal tile is computed past the causal mask. */
 
-/* kt[e * lp + j] = x[(b + j) * stride + e]: a head's keys transposed, zero padded to lp. */
-static void transpose_head(float *kt, int64_t lp, const float *x, int64_t b, int64_t L, int64_t stride,
-                           int hd) {
-    for (int e = 0; e < hd; e++) {
-        float *row = kt + (int64_t)e * lp;
-        for (int64_t j = 0; j < L; j++) row[j] = x[(b + j) * stride + e];
-        for (int64_t j = L; j < lp; j++) row[j] = 0;
-    }
-}
-
-/* sc[j] = qv . key_j for j < n (keys transposed in kt); computes up to a
- * multiple of 4 VW past n (inside the zero padding). */
-static void row_scores(float *sc, const float *kt, int64_t lp, const float *qv, int hd, int64_t n) {
-    for (int64_t j = 0; j < n; j += 4 * VW) {
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        const float *col = kt + j;
-        for (int e = 0; e < hd; e++, col += lp) {
-            vf qe = splat(qv[e]);
-            a0 += qe * ld(col);
-            a1 += qe * ld(col + VW);
-            a2 += qe * ld(col + 2 * VW);
-            a3 += qe * ld(col + 3 * VW);
-        }
-        st(sc + j, a0);
-        st(sc + j + VW, a1);
-        st(sc + j + 2 * VW, a2);
-        st(sc + j + 3 * VW, a3);
-    }
-}
-
-/* p[j] = exp(scale sc[j] - shift) for j < n, 0 beyond (to a multiple of VW); returns the sum. */
-static float row_exp(float *p, const float *sc, int64_t n, float scale, float shift) {
+/* Causal softmax of one score row in place: p[j] = exp(s[j] - shift) for
+ * j <= i (shift = the row max when lse is wanted, else the saved lse),
+ * 0 for i < j < n. Returns the sum. */
+static float causal_exp_row(float *row, int64_t i, int64_t n, float shift) {
     vf acc = {0};
-    int64_t j = 0;
-    for (; j + VW <= n; j += VW) {
-        vf e = vexp(ld(sc + j) * scale - shift);
-        st(p + j, e);
+    int64_t j = 0, valid = i + 1;
+    for (; j + VW <= valid; j += VW) {
+        vf e = vexp(ld(row + j) - shift);
+        st(row + j, e);
         acc += e;
     }
     float s = hsum(acc);
-    for (; j < n; j++) {
-        p[j] = expf(sc[j] * scale - shift);
-        s += p[j];
+    for (; j < valid; j++) {
+        row[j] = expf(row[j] - shift);
+        s += row[j];
     }
-    for (; j % VW; j++) p[j] = 0;
+    for (; j < n; j++) row[j] = 0;
     return s;
 }
 
@@ -229,58 +198,64 @@ static void attn_fwd_head(const mrl_attn_args *a, int s, int h, float *scratch) 
     int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b;
     if (L <= 0) return;
     int hd = a->hd, kh = h / (a->Hq / a->Hk);
-    int64_t lp = (L + 63) / 64 * 64, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
-    float *kt = scratch, *sc = kt + (int64_t)hd * lp, *acc = sc + lp;
-    transpose_head(kt, lp, a->k + kh * hd, b, L, ks, hd);
-    for (int64_t i = 0; i < L; i++) {
-        const float *qi = a->q + (b + i) * qs + (int64_t)h * hd;
-        int64_t n = i + 1;
-        row_scores(sc, kt, lp, qi, hd, n);
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
-        m *= a->scale;
-        float sum = row_exp(sc, sc, n, a->scale, m);
-        memset(acc, 0, sizeof(float) * hd);
-        const float *vb = a->v + b * ks + (int64_t)kh * hd;
-        for (int64_t j = 0; j < n; j++) axpy(acc, sc[j], vb + j * ks, hd);
-        float *oi = a->out + (b + i) * qs + (int64_t)h * hd, inv = 1.0f / sum;
-        for (int e = 0; e < hd; e++) oi[e] = acc[e] * inv;
-        a->lse[(b + i) * a->Hq + h] = m + logf(sum);
+    int64_t lp = (L + 15) / 16 * 16, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
+    const float *kb = a->k + b * ks + (int64_t)kh * hd, *vb = a->v + b * ks + (int64_t)kh * hd;
+    float *S = scratch; /* [ATT_QB, lp] */
+    for (int64_t i0 = 0; i0 < L; i0 += ATT_QB) {
+        int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = i0 + nb;
+        const float *qb = a->q + (b + i0) * qs + (int64_t)h * hd;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, a->scale, qb,
+                    (blasint)qs, kb, (blasint)ks, 0.0f, S, (blasint)lp); /* S = scale Q K^T [nb, n] */
+        for (int64_t r = 0; r < nb; r++) {
+            float *row = S + r * lp, m = -INFINITY;
+            for (int64_t j = 0; j <= i0 + r; j++) m = row[j] > m ? row[j] : m;
+            float sum = causal_exp_row(row, i0 + r, n, m), inv = 1.0f / sum;
+            for (int64_t j = 0; j <= i0 + r; j++) row[j] *= inv;
+            a->lse[(b + i0 + r) * a->Hq + h] = m + logf(sum);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)nb, hd, (blasint)n, 1.0f, S, (blasint)lp,
+                    vb, (blasint)ks, 0.0f, a->out + (b + i0) * qs + (int64_t)h * hd, (blasint)qs); /* O = P V */
     }
 }
 
-/* All query heads sharing KV head kh, so that dk / dv of (s, kh) have one writer. */
+/* All query heads sharing KV head kh, so that dk / dv of (s, kh) have one writer.
+ * P = exp(S - lse); dP = dO V^T; dS = P (dP - rowsum(dO O)) scale;
+ * dQ = dS K; dK += dS^T Q; dV += P^T dO. */
 static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch) {
     int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b;
     if (L <= 0) return;
     int hd = a->hd, group = a->Hq / a->Hk;
-    int64_t lp = (L + 63) / 64 * 64, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
-    float *kt = scratch, *vt = kt + (int64_t)hd * lp, *p = vt + (int64_t)hd * lp, *ds = p + lp;
-    const float *kb = a->k + b * ks + (int64_t)kh * hd;
+    int64_t lp = (L + 15) / 16 * 16, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
+    const float *kb = a->k + b * ks + (int64_t)kh * hd, *vb = a->v + b * ks + (int64_t)kh * hd;
     float *dkb = a->dk + b * ks + (int64_t)kh * hd, *dvb = a->dv + b * ks + (int64_t)kh * hd;
-    transpose_head(kt, lp, a->k + kh * hd, b, L, ks, hd);
-    transpose_head(vt, lp, a->v + kh * hd, b, L, ks, hd);
+    float *P = scratch, *dS = scratch + ATT_QB * lp; /* [ATT_QB, lp] each */
     for (int64_t j = 0; j < L; j++) {
         memset(dkb + j * ks, 0, sizeof(float) * hd);
         memset(dvb + j * ks, 0, sizeof(float) * hd);
     }
     for (int h = kh * group; h < (kh + 1) * group; h++)
-        for (int64_t i = 0; i < L; i++) {
-            int64_t qo = (b + i) * qs + (int64_t)h * hd;
-            const float *qi = a->q + qo, *doi = a->dout + qo, *oi = a->o + qo;
-            float *dqi = a->dq + qo;
-            int64_t n = i + 1;
-            row_scores(p, kt, lp, qi, hd, n);
-            row_exp(p, p, n, a->scale, a->lse_in[(b + i) * a->Hq + h]);
-            row_scores(ds, vt, lp, doi, hd, n); /* dP = dO V^T */
-            float Di = dot(doi, oi, hd);
-            for (int64_t j = 0; j < n; j++) ds[j] = p[j] * (ds[j] - Di) * a->scale;
-            memset(dqi, 0, sizeof(float) * hd);
-            for (int64_t j = 0; j < n; j++) {
-                axpy(dqi, ds[j], kb + j * ks, hd);
-                axpy(dkb + j * ks, ds[j], qi, hd);
-                axpy(dvb + j * ks, p[j], doi, hd);
+        for (int64_t i0 = 0; i0 < L; i0 += ATT_QB) {
+            int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = i0 + nb, qo = (b + i0) * qs + (int64_t)h * hd;
+            const float *qb = a->q + qo, *dob = a->dout + qo, *ob = a->o + qo;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, a->scale, qb,
+                        (blasint)qs, kb, (blasint)ks, 0.0f, P, (blasint)lp);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, 1.0f, dob,
+                        (blasint)qs, vb, (blasint)ks, 0.0f, dS, (blasint)lp); /* dP */
+            for (int64_t r = 0; r < nb; r++) {
+                float *p = P + r * lp, *ds = dS + r * lp;
+                causal_exp_row(p, i0 + r, n, a->lse_in[(b + i0 + r) * a->Hq + h]);
+                float Di = dot(dob + r * qs, ob + r * qs, hd);
+                int64_t j = 0, valid = i0 + r + 1;
+                for (; j + VW <= valid; j += VW) st(ds + j, ld(p + j) * (ld(ds + j) - Di) * a->scale);
+                for (; j < valid; j++) ds[j] = p[j] * (ds[j] - Di) * a->scale;
+                for (; j < n; j++) ds[j] = 0;
             }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)nb, hd, (blasint)n, 1.0f, dS,
+                        (blasint)lp, kb, (blasint)ks, 0.0f, a->dq + qo, (blasint)qs); /* dQ */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, hd, (blasint)nb, 1.0f, dS,
+                        (blasint)lp, qb, (blasint)qs, 1.0f, dkb, (blasint)ks); /* dK */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, hd, (blasint)nb, 1.0f, P,
+                        (blasint)lp, dob, (blasint)qs, 1.0f, dvb, (blasint)ks); /* dV */
         }
 }
 
