@@ -1,0 +1,77 @@
+/* Optimizer over one contiguous fp32 parameter buffer and one gradient
+ * buffer of the same length (the model keeps all parameters in one
+ * allocation and all gradients in another).
+ *
+ * AdamW follows torch.optim.AdamW exactly:
+ *   t += 1
+ *   p  = p * (1 - lr * wd)                      (not for no-decay ranges)
+ *   m  = beta1 * m + (1 - beta1) * g
+ *   v  = beta2 * v + (1 - beta2) * g * g
+ *   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+ * The state m and v live in one MRL_MEM_OPTIM allocation of 2*n floats
+ * (m first, then v). */
+#pragma once
+#include <stdint.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mrl_adamw mrl_adamw;
+
+typedef struct mrl_adamw_config {
+    double lr;           /* default lr for mrl_adamw_step when lr < 0 is passed */
+    double beta1;        /* 0.9 */
+    double beta2;        /* 0.999 */
+    double eps;          /* 1e-8 */
+    double weight_decay; /* 0.01 */
+} mrl_adamw_config;
+
+/* params and grads hold n floats each and must outlive the optimizer.
+ * The state starts at zero, step 0. */
+mrl_status mrl_adamw_create(float *params, const float *grads, int64_t n, const mrl_adamw_config *config,
+                            mrl_adamw **out);
+void mrl_adamw_free(mrl_adamw *opt);
+/* Exclude ranges from weight decay: ranges holds count pairs
+ * (offset, length) of elements, each inside [0, n); they may touch or
+ * overlap. Replaces any earlier mask. */
+mrl_status mrl_adamw_set_no_decay(mrl_adamw *opt, const int64_t *ranges, int64_t count);
+/* One update with learning rate lr (lr < 0: the config's lr). */
+mrl_status mrl_adamw_step(mrl_adamw *opt, double lr);
+/* The same update through the plain scalar loop (reference for tests). */
+mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr);
+/* Steps taken so far. */
+int64_t mrl_adamw_steps(const mrl_adamw *opt);
+int64_t mrl_adamw_size(const mrl_adamw *opt);
+
+/* Checkpoint state: the optimizer's m and v (n floats each, owned by the
+ * optimizer; write to them to restore, or use mrl_adamw_load_state) and
+ * the step count. */
+typedef struct mrl_adamw_state {
+    float *m;
+    float *v;
+    int64_t n;
+    int64_t step;
+    int64_t bytes; /* bytes of m and v together: 2 * n * 4 */
+} mrl_adamw_state;
+
+mrl_status mrl_adamw_get_state(mrl_adamw *opt, mrl_adamw_state *out);
+/* Copy m and v (n floats each; n must match) in and set the step count. */
+mrl_status mrl_adamw_load_state(mrl_adamw *opt, const float *m, const float *v, int64_t n, int64_t step);
+
+/* --- Gradient helpers over a raw buffer ------------------------------- */
+/* *out = sqrt(sum g^2) accumulated in double; identical for any thread count. */
+mrl_status mrl_grad_norm(const float *grads, int64_t n, double *out);
+/* torch.nn.utils.clip_grad_norm_: norm as above, coef = max_norm /
+ * (norm + 1e-6) clamped to at most 1, grads *= coef (as fp32). *norm_out
+ * gets the norm before clipping (may be NULL). max_norm must be > 0. */
+mrl_status mrl_grad_clip_norm(float *grads, int64_t n, double max_norm, double *norm_out);
+/* grads *= scale (e.g. 1 / accumulation steps). */
+mrl_status mrl_grad_scale(float *grads, int64_t n, float scale);
+/* grads = 0. */
+mrl_status mrl_grad_zero(float *grads, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,80 @@
+/* Reading and writing safetensors files (the Hugging Face weight format).
+ *
+ * Reader: a single .safetensors file, or a model directory holding either
+ * model.safetensors or shards named by model.safetensors.index.json. Files
+ * are memory-mapped read-only and every header field is checked against
+ * the file size before use; errors name the file and the tensor or field.
+ *
+ * Writer: collects tensors (fp32 sources converted to F32/BF16/F16 on
+ * write), writes one file or a sharded directory atomically (temporary
+ * file, fsync, rename), laid out as the Python safetensors library does. */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include "status.h"
+#include "dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { MRL_ST_MAX_DIMS = 8 };
+
+typedef struct mrl_st mrl_st; /* an open file or model directory */
+
+typedef struct mrl_st_tensor {
+    const char *name;      /* valid until mrl_st_close */
+    mrl_dtype dtype;
+    int ndim;
+    int64_t shape[8];      /* shape[0..ndim) */
+    int64_t numel;         /* product of the shape (1 for a scalar) */
+    const void *data;      /* the mapped bytes (little-endian, may be unaligned) */
+    int64_t bytes;         /* numel * mrl_dtype_size(dtype) */
+    int shard;             /* which file of a sharded model (0 otherwise) */
+} mrl_st_tensor;
+
+/* Open a .safetensors file or a model directory (see above). */
+mrl_status mrl_st_open(const char *path, mrl_st **out);
+void mrl_st_close(mrl_st *st);
+/* Number of tensors (all shards together). */
+int64_t mrl_st_count(const mrl_st *st);
+/* Tensor by index in [0, count): tensors are listed sorted by name. */
+mrl_status mrl_st_info(const mrl_st *st, int64_t index, mrl_st_tensor *out);
+/* Tensor by name; MRL_ERR_INVALID naming the tensor and file when absent. */
+mrl_status mrl_st_find(const mrl_st *st, const char *name, mrl_st_tensor *out);
+/* 1 when the tensor exists, else 0. */
+int mrl_st_has(const mrl_st *st, const char *name);
+/* Copy a F32 / BF16 / F16 tensor into dst as fp32 (exact conversions);
+ * numel must equal the tensor's element count. */
+mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel);
+/* A value of the __metadata__ map (first shard that has the key), or NULL. */
+const char *mrl_st_metadata(const mrl_st *st, const char *key);
+/* The path given to mrl_st_open. */
+const char *mrl_st_path(const mrl_st *st);
+
+typedef struct mrl_st_writer mrl_st_writer;
+
+mrl_status mrl_st_writer_create(mrl_st_writer **out);
+void mrl_st_writer_free(mrl_st_writer *w);
+/* Add a tensor stored as dtype (F32, BF16 or F16) from fp32 values src
+ * (numel = product of shape). src is NOT copied: it must stay valid and
+ * unchanged until mrl_st_writer_write / _write_dir returns. */
+mrl_status mrl_st_writer_add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim,
+                             const int64_t *shape, const float *src);
+/* Add a tensor from bytes already in dtype (any dtype; bytes must equal
+ * numel * size). Not copied either. */
+mrl_status mrl_st_writer_add_raw(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim,
+                                 const int64_t *shape, const void *data, int64_t bytes);
+/* Set a __metadata__ entry (copied; a key set twice keeps the last value). */
+mrl_status mrl_st_writer_set_metadata(mrl_st_writer *w, const char *key, const char *value);
+/* Write one .safetensors file at path, atomically. */
+mrl_status mrl_st_writer_write(mrl_st_writer *w, const char *path);
+/* Write into directory dir (created if missing): model.safetensors when
+ * everything fits in max_shard_bytes (0: no limit), else
+ * model-0000i-of-0000N.safetensors shards plus model.safetensors.index.json
+ * (metadata.total_size and weight_map), each file atomically. */
+mrl_status mrl_st_writer_write_dir(mrl_st_writer *w, const char *dir, int64_t max_shard_bytes);
+
+#ifdef __cplusplus
+}
+#endif

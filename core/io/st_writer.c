@@ -1,0 +1,409 @@
+/* safetensors writer. Layout as the Python library writes it: tensors
+ * ordered by dtype (widest alignment first, the order of the library's
+ * Dtype enum, descending) then by name; the header is compact JSON with
+ * __metadata__ first and the tensors in data order, padded with spaces so
+ * the data region starts at a multiple of 8. Files are written to a
+ * temporary name, fsync'ed and renamed into place. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "moonrl/safetensors.h"
+#include "io/st_common.h"
+
+typedef struct wtensor {
+    char *name;
+    mrl_dtype dtype;
+    int ndim;
+    int64_t shape[MRL_ST_MAX_DIMS];
+    int64_t numel, bytes;
+    const float *src; /* fp32 source, converted on write */
+    const void *raw;  /* or bytes already in dtype */
+} wtensor;
+
+struct mrl_st_writer {
+    wtensor *t;
+    int64_t n, cap;
+    char **meta; /* key0, value0, key1, value1, ... */
+    int64_t nmeta;
+};
+
+mrl_status mrl_st_writer_create(mrl_st_writer **out) {
+    if (!out) return mrl_set_error(MRL_ERR_INVALID, "st_writer_create: out is NULL");
+    *out = calloc(1, sizeof **out);
+    return *out ? MRL_OK : mrl_set_error(MRL_ERR_NOMEM, "st_writer_create: out of memory");
+}
+
+void mrl_st_writer_free(mrl_st_writer *w) {
+    if (!w) return;
+    for (int64_t i = 0; i < w->n; i++) free(w->t[i].name);
+    for (int64_t i = 0; i < 2 * w->nmeta; i++) free(w->meta[i]);
+    free(w->t);
+    free(w->meta);
+    free(w);
+}
+
+/* from_f32: data holds fp32 values to convert; else bytes already in dtype. */
+static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
+                      int from_f32, const void *data, int64_t raw_bytes) {
+    if (!w || !name) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: writer and name must not be NULL");
+    if (!name[0] || strcmp(name, "__metadata__") == 0)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: invalid tensor name '%s'", name);
+    if ((unsigned)dtype >= MRL_DTYPE_COUNT)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': unknown dtype %d", name, (int)dtype);
+    if (from_f32 && dtype != MRL_DTYPE_F32 && dtype != MRL_DTYPE_BF16 && dtype != MRL_DTYPE_F16)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': fp32 data can be stored as F32, BF16 or F16, not %s",
+                             name, mrl_dtype_name(dtype));
+    if (ndim < 0 || ndim > MRL_ST_MAX_DIMS || (ndim > 0 && !shape))
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': ndim %d outside [0, %d]", name, ndim, MRL_ST_MAX_DIMS);
+    wtensor t = {0};
+    t.dtype = dtype;
+    t.ndim = ndim;
+    t.numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0 || __builtin_mul_overflow(t.numel, shape[d], &t.numel))
+            return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': bad shape[%d] = %lld", name, d, (long long)shape[d]);
+        t.shape[d] = shape[d];
+    }
+    if (__builtin_mul_overflow(t.numel, (int64_t)mrl_dtype_size(dtype), &t.bytes))
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': too large", name);
+    if (!from_f32 && raw_bytes != t.bytes)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add_raw: tensor '%s': %lld bytes given, the %s shape needs %lld",
+                             name, (long long)raw_bytes, mrl_dtype_name(dtype), (long long)t.bytes);
+    if (t.numel > 0 && !data) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': data is NULL", name);
+    if (!data) data = ""; /* an empty tensor: never read */
+    if (from_f32) t.src = data;
+    else t.raw = data;
+    if (w->n == w->cap) {
+        int64_t cap = w->cap ? 2 * w->cap : 64;
+        wtensor *nt = realloc(w->t, (size_t)cap * sizeof *nt);
+        if (!nt) return mrl_set_error(MRL_ERR_NOMEM, "st_writer_add: out of memory");
+        w->t = nt;
+        w->cap = cap;
+    }
+    if (!(t.name = mrl_st_strdup(name))) return mrl_set_error(MRL_ERR_NOMEM, "st_writer_add: out of memory");
+    w->t[w->n++] = t;
+    return MRL_OK;
+}
+
+mrl_status mrl_st_writer_add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
+                             const float *src) {
+    return add(w, name, dtype, ndim, shape, 1, src, 0);
+}
+
+mrl_status mrl_st_writer_add_raw(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
+                                 const void *data, int64_t bytes) {
+    return add(w, name, dtype, ndim, shape, 0, data, bytes);
+}
+
+mrl_status mrl_st_writer_set_metadata(mrl_st_writer *w, const char *key, const char *value) {
+    if (!w || !key || !value) return mrl_set_error(MRL_ERR_INVALID, "st_writer_set_metadata: arguments must not be NULL");
+    char *v = mrl_st_strdup(value);
+    if (!v) return mrl_set_error(MRL_ERR_NOMEM, "st_writer_set_metadata: out of memory");
+    for (int64_t i = 0; i < w->nmeta; i++)
+        if (strcmp(w->meta[2 * i], key) == 0) {
+            free(w->meta[2 * i + 1]);
+            w->meta[2 * i + 1] = v;
+            return MRL_OK;
+        }
+    char **m = realloc(w->meta, (size_t)(w->nmeta + 1) * 2 * sizeof *m);
+    char *k = mrl_st_strdup(key);
+    if (!m || !k) {
+        if (m) w->meta = m;
+        free(k);
+        free(v);
+        return mrl_set_error(MRL_ERR_NOMEM, "st_writer_set_metadata: out of memory");
+    }
+    w->meta = m;
+    m[2 * w->nmeta] = k;
+    m[2 * w->nmeta + 1] = v;
+    w->nmeta++;
+    return MRL_OK;
+}
+
+/* --- a growable text buffer with JSON string escaping ------------------- */
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} sbuf;
+
+static void sb_put(sbuf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n + 1) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
+
+static void sb_fmt(sbuf *b, const char *fmt, long long v) {
+    char tmp[64];
+    int n = snprintf(tmp, sizeof tmp, fmt, v);
+    sb_put(b, tmp, (size_t)n);
+}
+
+static void sb_json_string(sbuf *b, const char *s) {
+    sb_put(b, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') {
+            char e[2] = {'\\', (char)c};
+            sb_put(b, e, 2);
+        } else if (c < 0x20) {
+            char e[8];
+            snprintf(e, sizeof e, "\\u%04x", c);
+            sb_put(b, e, 6);
+        } else {
+            sb_put(b, (const char *)&c, 1);
+        }
+    }
+    sb_put(b, "\"", 1);
+}
+
+/* --- ordering ---------------------------------------------------------- */
+/* Rank of each dtype in the Python library's Dtype enum order (BOOL < U8 <
+ * I8 < I16 < F16 < BF16 < I32 < F32 < F64 < I64); files list higher first. */
+static int dtype_rank(mrl_dtype d) {
+    static const int rank[MRL_DTYPE_COUNT] = {
+        [MRL_DTYPE_BOOL] = 0, [MRL_DTYPE_U8] = 1, [MRL_DTYPE_I8] = 2,  [MRL_DTYPE_I16] = 3, [MRL_DTYPE_F16] = 4,
+        [MRL_DTYPE_BF16] = 5, [MRL_DTYPE_I32] = 6, [MRL_DTYPE_F32] = 7, [MRL_DTYPE_F64] = 8, [MRL_DTYPE_I64] = 9,
+    };
+    return rank[d];
+}
+
+static int cmp_file_order(const void *a, const void *b) {
+    const wtensor *x = *(const wtensor *const *)a, *y = *(const wtensor *const *)b;
+    int rx = dtype_rank(x->dtype), ry = dtype_rank(y->dtype);
+    if (rx != ry) return ry - rx;
+    return strcmp(x->name, y->name);
+}
+
+static int cmp_name(const void *a, const void *b) {
+    return strcmp((*(const wtensor *const *)a)->name, (*(const wtensor *const *)b)->name);
+}
+
+/* --- atomic file writing ----------------------------------------------- */
+typedef struct afile {
+    const char *path;
+    char *tmp;
+    int fd;
+} afile;
+
+static mrl_status af_open(afile *f, const char *path) {
+    f->path = path;
+    f->fd = -1;
+    size_t n = strlen(path) + 32;
+    f->tmp = malloc(n);
+    if (!f->tmp) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    snprintf(f->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+    f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (f->fd < 0) {
+        mrl_status s = mrl_set_error(MRL_ERR_IO, "%s: cannot create %s: %s", path, f->tmp, strerror(errno));
+        free(f->tmp);
+        f->tmp = NULL;
+        return s;
+    }
+    return MRL_OK;
+}
+
+static mrl_status af_write(afile *f, const void *data, size_t n) {
+    const char *p = data;
+    while (n > 0) {
+        ssize_t k = write(f->fd, p, n > (1u << 30) ? (1u << 30) : n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return mrl_set_error(MRL_ERR_IO, "%s: write failed: %s", f->path, strerror(errno));
+        p += k;
+        n -= (size_t)k;
+    }
+    return MRL_OK;
+}
+
+/* ok: fsync, close, rename into place; else remove the temporary file. */
+static mrl_status af_finish(afile *f, mrl_status s) {
+    if (f->fd >= 0) {
+        if (!s && fsync(f->fd) != 0) s = mrl_set_error(MRL_ERR_IO, "%s: fsync failed: %s", f->path, strerror(errno));
+        if (close(f->fd) != 0 && !s) s = mrl_set_error(MRL_ERR_IO, "%s: close failed: %s", f->path, strerror(errno));
+        f->fd = -1;
+        if (!s && rename(f->tmp, f->path) != 0)
+            s = mrl_set_error(MRL_ERR_IO, "%s: rename from %s failed: %s", f->path, f->tmp, strerror(errno));
+        if (s) unlink(f->tmp);
+    }
+    free(f->tmp);
+    f->tmp = NULL;
+    return s;
+}
+
+static mrl_status write_tensor_data(afile *f, const wtensor *t) {
+    if (t->raw || t->dtype == MRL_DTYPE_F32) return af_write(f, t->raw ? t->raw : (const void *)t->src, (size_t)t->bytes);
+    enum { CHUNK = 1 << 18 };
+    uint16_t *buf = malloc(CHUNK * sizeof(uint16_t));
+    if (!buf) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    mrl_status s = MRL_OK;
+    for (int64_t i = 0; i < t->numel && !s; i += CHUNK) {
+        int64_t k = t->numel - i < CHUNK ? t->numel - i : CHUNK;
+        if (t->dtype == MRL_DTYPE_BF16) mrl_convert_f32_to_bf16(t->src + i, buf, k);
+        else mrl_convert_f32_to_f16(t->src + i, buf, k);
+        s = af_write(f, buf, (size_t)k * 2);
+    }
+    free(buf);
+    return s;
+}
+
+/* Write tensors list[0..n) (any order) to one file. */
+static mrl_status write_file(const mrl_st_writer *w, wtensor **list, int64_t n, const char *path) {
+    qsort(list, (size_t)n, sizeof *list, cmp_file_order);
+    for (int64_t i = 1; i < n; i++)
+        if (strcmp(list[i - 1]->name, list[i]->name) == 0 && list[i - 1]->dtype == list[i]->dtype)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' was added twice", path, list[i]->name);
+    sbuf h = {0};
+    sb_str(&h, "{");
+    if (w->nmeta > 0) {
+        sb_str(&h, "\"__metadata__\":{");
+        for (int64_t i = 0; i < w->nmeta; i++) {
+            if (i) sb_str(&h, ",");
+            sb_json_string(&h, w->meta[2 * i]);
+            sb_str(&h, ":");
+            sb_json_string(&h, w->meta[2 * i + 1]);
+        }
+        sb_str(&h, "}");
+    }
+    int64_t offset = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const wtensor *t = list[i];
+        if (i || w->nmeta > 0) sb_str(&h, ",");
+        sb_json_string(&h, t->name);
+        sb_str(&h, ":{\"dtype\":\"");
+        sb_str(&h, mrl_dtype_name(t->dtype));
+        sb_str(&h, "\",\"shape\":[");
+        for (int d = 0; d < t->ndim; d++) sb_fmt(&h, d ? ",%lld" : "%lld", t->shape[d]);
+        sb_fmt(&h, "],\"data_offsets\":[%lld,", offset);
+        offset += t->bytes;
+        sb_fmt(&h, "%lld]}", offset);
+    }
+    sb_str(&h, "}");
+    while ((8 + h.len) % 8) sb_str(&h, " ");
+    if (h.oom) {
+        free(h.p);
+        return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    }
+    uint8_t len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.len >> (8 * i));
+    afile f;
+    mrl_status s = af_open(&f, path);
+    if (s) {
+        free(h.p);
+        return s;
+    }
+    s = af_write(&f, len8, 8);
+    if (!s) s = af_write(&f, h.p, h.len);
+    free(h.p);
+    for (int64_t i = 0; i < n && !s; i++) s = write_tensor_data(&f, list[i]);
+    return af_finish(&f, s);
+}
+
+static wtensor **tensor_list(const mrl_st_writer *w) {
+    wtensor **list = malloc((size_t)(w->n ? w->n : 1) * sizeof *list);
+    if (list)
+        for (int64_t i = 0; i < w->n; i++) list[i] = &w->t[i];
+    return list;
+}
+
+static mrl_status check_unique(wtensor **list, int64_t n, const char *path) {
+    qsort(list, (size_t)n, sizeof *list, cmp_name);
+    for (int64_t i = 1; i < n; i++)
+        if (strcmp(list[i - 1]->name, list[i]->name) == 0)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' was added twice", path, list[i]->name);
+    return MRL_OK;
+}
+
+mrl_status mrl_st_writer_write(mrl_st_writer *w, const char *path) {
+    if (!w || !path) return mrl_set_error(MRL_ERR_INVALID, "st_writer_write: writer and path must not be NULL");
+    wtensor **list = tensor_list(w);
+    if (!list) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    mrl_status s = check_unique(list, w->n, path);
+    if (!s) s = write_file(w, list, w->n, path);
+    free(list);
+    return s;
+}
+
+mrl_status mrl_st_writer_write_dir(mrl_st_writer *w, const char *dir, int64_t max_shard_bytes) {
+    if (!w || !dir) return mrl_set_error(MRL_ERR_INVALID, "st_writer_write_dir: writer and dir must not be NULL");
+    if (max_shard_bytes < 0)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_write_dir: max_shard_bytes must be >= 0 (got %lld)",
+                             (long long)max_shard_bytes);
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return mrl_set_error(MRL_ERR_IO, "%s: cannot create directory: %s", dir, strerror(errno));
+    wtensor **list = tensor_list(w);
+    int64_t *shard_of = malloc((size_t)(w->n ? w->n : 1) * sizeof *shard_of);
+    char *index_path = mrl_st_join(dir, "model.safetensors.index.json");
+    char *single_path = mrl_st_join(dir, "model.safetensors");
+    mrl_status s = MRL_OK;
+    if (!list || !shard_of || !index_path || !single_path) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    if (!s) s = check_unique(list, w->n, dir);
+    /* greedy split in name order; a tensor larger than the limit gets a shard of its own */
+    int64_t nshards = 1, size = 0, total = 0;
+    for (int64_t i = 0; i < w->n && !s; i++) {
+        if (max_shard_bytes > 0 && size > 0 && size + list[i]->bytes > max_shard_bytes) {
+            nshards++;
+            size = 0;
+        }
+        shard_of[i] = nshards - 1;
+        size += list[i]->bytes;
+        total += list[i]->bytes;
+    }
+    if (!s && nshards == 1) {
+        s = write_file(w, list, w->n, single_path);
+        if (!s && unlink(index_path) != 0 && errno != ENOENT)
+            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old index: %s", index_path, strerror(errno));
+    } else if (!s) {
+        sbuf idx = {0};
+        sb_fmt(&idx, "{\n  \"metadata\": {\n    \"total_size\": %lld\n  },\n  \"weight_map\": {", total);
+        char name[64];
+        for (int64_t i = 0; i < w->n; i++) {
+            snprintf(name, sizeof name, "model-%05lld-of-%05lld.safetensors", (long long)shard_of[i] + 1, (long long)nshards);
+            sb_str(&idx, i ? ",\n    " : "\n    ");
+            sb_json_string(&idx, list[i]->name);
+            sb_str(&idx, ": ");
+            sb_json_string(&idx, name);
+        }
+        sb_str(&idx, "\n  }\n}\n");
+        for (int64_t i = 0, k = 0; k < nshards && !s; k++) {
+            int64_t j = i;
+            while (j < w->n && shard_of[j] == k) j++;
+            snprintf(name, sizeof name, "model-%05lld-of-%05lld.safetensors", (long long)k + 1, (long long)nshards);
+            char *p = mrl_st_join(dir, name);
+            s = p ? write_file(w, list + i, j - i, p) : mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+            free(p);
+            i = j;
+        }
+        if (!s && idx.oom) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+        if (!s) {
+            afile f;
+            s = af_open(&f, index_path);
+            if (!s) s = af_finish(&f, af_write(&f, idx.p, idx.len));
+        }
+        free(idx.p);
+        if (!s && unlink(single_path) != 0 && errno != ENOENT)
+            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old single file: %s", single_path, strerror(errno));
+    }
+    free(list);
+    free(shard_of);
+    free(index_path);
+    free(single_path);
+    return s;
+}

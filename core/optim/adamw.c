@@ -1,0 +1,185 @@
+/* AdamW over one contiguous fp32 parameter buffer (torch.optim.AdamW
+ * semantics), with a no-decay mask made of element ranges. The update is
+ * element-wise, so the parallel split cannot change any result. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "moonrl/optim.h"
+#include "moonrl/mem.h"
+#include "moonrl/parallel.h"
+#include "optim/adamw_kernel.h"
+
+struct mrl_adamw {
+    float *params;
+    const float *grads;
+    int64_t n;
+    mrl_adamw_config config;
+    float *state; /* m: state[0..n), v: state[n..2n) */
+    int64_t step;
+    int64_t *no_decay; /* merged sorted ranges: begin0, end0, begin1, end1, ... */
+    int64_t no_decay_count;
+};
+
+static int bad_double(double x) { return !isfinite(x); }
+
+mrl_status mrl_adamw_create(float *params, const float *grads, int64_t n, const mrl_adamw_config *config,
+                            mrl_adamw **out) {
+    if (!out) return mrl_set_error(MRL_ERR_INVALID, "adamw: out is NULL");
+    *out = NULL;
+    if (!params || !grads || !config || n <= 0)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw: need params, grads, a config and n > 0 (n=%lld)", (long long)n);
+    const mrl_adamw_config *c = config;
+    if (bad_double(c->lr) || c->lr < 0) return mrl_set_error(MRL_ERR_INVALID, "adamw: lr must be >= 0 (got %g)", c->lr);
+    if (bad_double(c->beta1) || c->beta1 < 0 || c->beta1 >= 1)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw: beta1 must be in [0, 1) (got %g)", c->beta1);
+    if (bad_double(c->beta2) || c->beta2 < 0 || c->beta2 >= 1)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw: beta2 must be in [0, 1) (got %g)", c->beta2);
+    if (bad_double(c->eps) || c->eps < 0) return mrl_set_error(MRL_ERR_INVALID, "adamw: eps must be >= 0 (got %g)", c->eps);
+    if (bad_double(c->weight_decay) || c->weight_decay < 0)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw: weight_decay must be >= 0 (got %g)", c->weight_decay);
+    if ((uint64_t)n > SIZE_MAX / (2 * sizeof(float)))
+        return mrl_set_error(MRL_ERR_INVALID, "adamw: n=%lld is too large", (long long)n);
+    mrl_adamw *opt = calloc(1, sizeof *opt);
+    if (!opt) return mrl_set_error(MRL_ERR_NOMEM, "adamw: out of memory");
+    opt->state = mrl_mem_alloc((size_t)n * 2 * sizeof(float), MRL_MEM_OPTIM);
+    if (!opt->state) {
+        free(opt);
+        return mrl_set_error(MRL_ERR_NOMEM, "adamw: cannot allocate optimizer state for %lld parameters", (long long)n);
+    }
+    opt->params = params;
+    opt->grads = grads;
+    opt->n = n;
+    opt->config = *c;
+    *out = opt;
+    return MRL_OK;
+}
+
+void mrl_adamw_free(mrl_adamw *opt) {
+    if (!opt) return;
+    mrl_mem_free(opt->state);
+    free(opt->no_decay);
+    free(opt);
+}
+
+static int cmp_range(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;
+    return x[0] < y[0] ? -1 : x[0] > y[0] ? 1 : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+mrl_status mrl_adamw_set_no_decay(mrl_adamw *opt, const int64_t *ranges, int64_t count) {
+    if (!opt || count < 0 || (count > 0 && !ranges))
+        return mrl_set_error(MRL_ERR_INVALID, "adamw_set_no_decay: bad arguments (count=%lld)", (long long)count);
+    int64_t *r = NULL;
+    if (count > 0) {
+        if ((uint64_t)count > SIZE_MAX / (2 * sizeof(int64_t)))
+            return mrl_set_error(MRL_ERR_INVALID, "adamw_set_no_decay: count=%lld is too large", (long long)count);
+        r = malloc((size_t)count * 2 * sizeof(int64_t));
+        if (!r) return mrl_set_error(MRL_ERR_NOMEM, "adamw_set_no_decay: out of memory");
+    }
+    for (int64_t i = 0; i < count; i++) {
+        int64_t off = ranges[2 * i], len = ranges[2 * i + 1];
+        if (off < 0 || len < 0 || off > opt->n || len > opt->n - off) {
+            free(r);
+            return mrl_set_error(MRL_ERR_INVALID,
+                                 "adamw_set_no_decay: range %lld (offset %lld, count %lld) is outside the %lld parameters",
+                                 (long long)i, (long long)off, (long long)len, (long long)opt->n);
+        }
+        r[2 * i] = off;
+        r[2 * i + 1] = off + len;
+    }
+    if (count > 1) qsort(r, (size_t)count, 2 * sizeof(int64_t), cmp_range);
+    int64_t m = 0; /* merge overlapping or touching ranges, drop empty ones */
+    for (int64_t i = 0; i < count; i++) {
+        if (r[2 * i] == r[2 * i + 1]) continue;
+        if (m > 0 && r[2 * i] <= r[2 * m - 1]) {
+            if (r[2 * i + 1] > r[2 * m - 1]) r[2 * m - 1] = r[2 * i + 1];
+        } else {
+            r[2 * m] = r[2 * i];
+            r[2 * m + 1] = r[2 * i + 1];
+            m++;
+        }
+    }
+    free(opt->no_decay);
+    opt->no_decay = r;
+    opt->no_decay_count = m;
+    return MRL_OK;
+}
+
+typedef struct step_ctx {
+    mrl_adamw *opt;
+    mrl_adamw_coeffs decay, no_decay;
+    mrl_adamw_kernel_fn kernel;
+} step_ctx;
+
+/* Run the kernel over [begin, end), split at the no-decay ranges. */
+static void step_range(void *vctx, int64_t begin, int64_t end) {
+    step_ctx *c = vctx;
+    mrl_adamw *o = c->opt;
+    float *m = o->state, *v = o->state + o->n;
+    const int64_t *r = o->no_decay;
+    int64_t lo = 0, hi = o->no_decay_count; /* first range whose end > begin */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (r[2 * mid + 1] <= begin) lo = mid + 1; else hi = mid;
+    }
+    int64_t pos = begin, k = lo;
+    while (pos < end) {
+        int64_t seg_end;
+        const mrl_adamw_coeffs *co;
+        if (k < o->no_decay_count && pos >= r[2 * k]) {
+            seg_end = r[2 * k + 1] < end ? r[2 * k + 1] : end;
+            co = &c->no_decay;
+            k++;
+        } else {
+            seg_end = k < o->no_decay_count && r[2 * k] < end ? r[2 * k] : end;
+            co = &c->decay;
+        }
+        c->kernel(o->params + pos, o->grads + pos, m + pos, v + pos, seg_end - pos, co);
+        pos = seg_end;
+    }
+}
+
+static mrl_status do_step(mrl_adamw *opt, double lr, mrl_adamw_kernel_fn kernel, const char *what) {
+    if (!opt) return mrl_set_error(MRL_ERR_INVALID, "%s: optimizer is NULL", what);
+    if (lr < 0) lr = opt->config.lr;
+    if (!isfinite(lr)) return mrl_set_error(MRL_ERR_INVALID, "%s: lr must be finite (got %g)", what, lr);
+    opt->step++;
+    step_ctx c = {opt, {0}, {0}, kernel};
+    mrl_adamw_coeffs_init(&c.decay, &opt->config, lr, opt->step, 1);
+    mrl_adamw_coeffs_init(&c.no_decay, &opt->config, lr, opt->step, 0);
+    mrl_parallel_for(opt->n, 1 << 15, step_range, &c);
+    return MRL_OK;
+}
+
+mrl_status mrl_adamw_step(mrl_adamw *opt, double lr) {
+    return do_step(opt, lr, mrl_adamw_kernel_best(), "adamw_step");
+}
+
+mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr) {
+    return do_step(opt, lr, mrl_adamw_kernel_scalar, "adamw_step_reference");
+}
+
+int64_t mrl_adamw_steps(const mrl_adamw *opt) { return opt ? opt->step : 0; }
+int64_t mrl_adamw_size(const mrl_adamw *opt) { return opt ? opt->n : 0; }
+
+mrl_status mrl_adamw_get_state(mrl_adamw *opt, mrl_adamw_state *out) {
+    if (!opt || !out) return mrl_set_error(MRL_ERR_INVALID, "adamw_get_state: bad arguments");
+    out->m = opt->state;
+    out->v = opt->state + opt->n;
+    out->n = opt->n;
+    out->step = opt->step;
+    out->bytes = opt->n * 2 * (int64_t)sizeof(float);
+    return MRL_OK;
+}
+
+mrl_status mrl_adamw_load_state(mrl_adamw *opt, const float *m, const float *v, int64_t n, int64_t step) {
+    if (!opt || !m || !v) return mrl_set_error(MRL_ERR_INVALID, "adamw_load_state: bad arguments");
+    if (n != opt->n)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw_load_state: state holds %lld parameters, the optimizer %lld",
+                             (long long)n, (long long)opt->n);
+    if (step < 0) return mrl_set_error(MRL_ERR_INVALID, "adamw_load_state: step must be >= 0 (got %lld)", (long long)step);
+    if (m != opt->state) memmove(opt->state, m, (size_t)n * sizeof(float));
+    if (v != opt->state + n) memmove(opt->state + n, v, (size_t)n * sizeof(float));
+    opt->step = step;
+    return MRL_OK;
+}

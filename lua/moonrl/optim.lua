@@ -1,0 +1,142 @@
+-- Optimizers and learning-rate schedules.
+--
+--   local opt = moonrl.optim.adamw{ params = p, grads = g, n = count, lr = 1e-5,
+--     betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0.01,
+--     no_decay = {{offset, count}, ...} }
+--   local norm = opt:clip_grad_norm(1.0)   -- pre-clip norm
+--   opt:step(lr)                           -- lr optional (default: the lr given above)
+--   local sched = moonrl.optim.schedule{ kind = 'cosine', warmup = 10, total = 100, lr = 1e-5 }
+--   sched(step) -> lr
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local C = moonrl.C
+
+local M = {}
+
+local function need_number(t, key, default, where)
+  local v = t[key]
+  if v == nil then v = default end
+  if type(v) ~= 'number' then
+    moonrl.usage_error(string.format("%s: '%s' must be a number, got %s", where, key, tostring(v)))
+  end
+  return v
+end
+
+local AdamW = {}
+AdamW.__index = AdamW
+
+function M.adamw(o)
+  if type(o) ~= 'table' then error('optim.adamw: expected a table of options', 2) end
+  local where = 'optim.adamw'
+  if o.params == nil or o.grads == nil then moonrl.usage_error(where .. ": 'params' and 'grads' (float pointers) are required") end
+  local n = need_number(o, 'n', nil, where)
+  local betas = o.betas or { 0.9, 0.999 }
+  local cfg = ffi.new('mrl_adamw_config', {
+    lr = need_number(o, 'lr', 1e-3, where),
+    beta1 = betas[1], beta2 = betas[2],
+    eps = need_number(o, 'eps', 1e-8, where),
+    weight_decay = need_number(o, 'weight_decay', 0.01, where),
+  })
+  local params = ffi.cast('float *', o.params)
+  local grads = ffi.cast('float *', o.grads)
+  local out = ffi.new('mrl_adamw *[1]')
+  moonrl.check(C.mrl_adamw_create(params, grads, n, cfg, out), 2)
+  local self = setmetatable({
+    handle = ffi.gc(out[0], C.mrl_adamw_free),
+    params = params, grads = grads, n = n, lr = cfg.lr,
+    _keep = { o.params, o.grads },
+  }, AdamW)
+  if o.no_decay and #o.no_decay > 0 then self:set_no_decay(o.no_decay) end
+  return self
+end
+
+-- ranges: {{offset, count}, ...} of elements that get no weight decay.
+function AdamW:set_no_decay(ranges)
+  local flat = ffi.new('int64_t[?]', 2 * #ranges)
+  for i, r in ipairs(ranges) do
+    flat[2 * i - 2] = r[1] or r.offset
+    flat[2 * i - 1] = r[2] or r.count
+  end
+  moonrl.check(C.mrl_adamw_set_no_decay(self.handle, flat, #ranges), 2)
+end
+
+function AdamW:step(lr)
+  moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
+end
+
+local norm_out = ffi.new('double[1]')
+function AdamW:clip_grad_norm(max_norm)
+  moonrl.check(C.mrl_grad_clip_norm(self.grads, self.n, max_norm, norm_out), 2)
+  return norm_out[0]
+end
+
+function AdamW:grad_norm()
+  moonrl.check(C.mrl_grad_norm(self.grads, self.n, norm_out), 2)
+  return norm_out[0]
+end
+
+function AdamW:zero_grad() moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2) end
+function AdamW:scale_grad(s) moonrl.check(C.mrl_grad_scale(self.grads, self.n, s), 2) end
+function AdamW:steps() return tonumber(C.mrl_adamw_steps(self.handle)) end
+
+-- {m = float*, v = float*, n = count, step = t, bytes = size of m and v}:
+-- the optimizer's own buffers (save them for a checkpoint).
+function AdamW:state()
+  local s = ffi.new('mrl_adamw_state')
+  moonrl.check(C.mrl_adamw_get_state(self.handle, s), 2)
+  return { m = s.m, v = s.v, n = tonumber(s.n), step = tonumber(s.step), bytes = tonumber(s.bytes) }
+end
+
+-- Restore from a table like state()'s (m, v: float pointers holding n floats each).
+function AdamW:load_state(s)
+  moonrl.check(C.mrl_adamw_load_state(self.handle, ffi.cast('const float *', s.m), ffi.cast('const float *', s.v),
+    s.n or self.n, s.step), 2)
+end
+
+-- Learning-rate schedules, the formulas of transformers'
+-- get_{constant,linear,cosine}_schedule_with_warmup (cosine also with
+-- min_lr_ratio as get_cosine_with_min_lr_schedule_with_warmup).
+local function warmup_factor(step, warmup)
+  return step / math.max(1, warmup)
+end
+
+local factors = {
+  constant = function(step, o)
+    if step < o.warmup then return warmup_factor(step, o.warmup) end
+    return 1.0
+  end,
+  linear = function(step, o)
+    if step < o.warmup then return warmup_factor(step, o.warmup) end
+    return math.max(0.0, (o.total - step) / math.max(1, o.total - o.warmup))
+  end,
+  cosine = function(step, o)
+    if step < o.warmup then return warmup_factor(step, o.warmup) end
+    local progress = (step - o.warmup) / math.max(1, o.total - o.warmup)
+    local f = 0.5 * (1.0 + math.cos(math.pi * o.num_cycles * 2.0 * progress))
+    if o.min_lr_ratio then f = f * (1.0 - o.min_lr_ratio) + o.min_lr_ratio end
+    return math.max(0.0, f)
+  end,
+}
+
+function M.schedule(o)
+  if type(o) ~= 'table' then error('optim.schedule: expected a table of options', 2) end
+  local where = 'optim.schedule'
+  local kind = o.kind or 'constant'
+  local factor = factors[kind]
+  if not factor then moonrl.usage_error(where .. ": kind must be 'constant', 'linear' or 'cosine', got '" .. tostring(kind) .. "'") end
+  local s = {
+    warmup = need_number(o, 'warmup', 0, where),
+    total = need_number(o, 'total', 0, where),
+    num_cycles = need_number(o, 'num_cycles', 0.5, where),
+    min_lr_ratio = o.min_lr_ratio,
+  }
+  local lr = need_number(o, 'lr', nil, where)
+  if s.warmup < 0 then moonrl.usage_error(where .. ': warmup must be >= 0') end
+  if kind ~= 'constant' and s.total <= 0 then moonrl.usage_error(where .. ": 'total' (steps) must be > 0 for " .. kind) end
+  if s.min_lr_ratio ~= nil and (type(s.min_lr_ratio) ~= 'number' or kind ~= 'cosine') then
+    moonrl.usage_error(where .. ': min_lr_ratio must be a number and is only for cosine')
+  end
+  return function(step) return lr * factor(step, s) end
+end
+
+return M

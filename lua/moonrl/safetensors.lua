@@ -1,0 +1,107 @@
+-- safetensors files from Lua (the C reader / writer in core/io).
+--
+--   local st = moonrl.safetensors.open('model_dir')   -- file or HF model directory
+--   for _, name in ipairs(st:names()) do print(name, st:info(name).dtype) end
+--   local w = st:read_f32('lm_head.weight')          -- new float[numel] (or pass a dst pointer)
+--   local wr = moonrl.safetensors.writer()
+--   wr:add('x', 'BF16', {2, 3}, float_ptr)           -- converted from fp32 on write
+--   wr:metadata('format', 'pt'); wr:write('out.safetensors')  -- or wr:write_dir(dir, max_shard_bytes)
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local C = moonrl.C
+
+local M = {}
+
+local function dtype_of(name, level)
+  local d = C.mrl_dtype_parse(tostring(name))
+  if d < 0 then error("safetensors: unknown dtype '" .. tostring(name) .. "'", level + 1) end
+  return d
+end
+
+local Reader = {}
+Reader.__index = Reader
+
+function M.open(path)
+  local out = ffi.new('mrl_st *[1]')
+  moonrl.check(C.mrl_st_open(path, out), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.mrl_st_close) }, Reader)
+end
+
+function Reader:count() return tonumber(C.mrl_st_count(self.handle)) end
+function Reader:has(name) return C.mrl_st_has(self.handle, name) ~= 0 end
+
+local function info_table(t)
+  local shape = {}
+  for d = 0, t.ndim - 1 do shape[d + 1] = tonumber(t.shape[d]) end
+  return { name = ffi.string(t.name), dtype = ffi.string(C.mrl_dtype_name(t.dtype)), shape = shape,
+           numel = tonumber(t.numel), bytes = tonumber(t.bytes), data = t.data, shard = t.shard }
+end
+
+-- Names of all tensors, sorted.
+function Reader:names()
+  local t, out = ffi.new('mrl_st_tensor'), {}
+  for i = 0, self:count() - 1 do
+    moonrl.check(C.mrl_st_info(self.handle, i, t), 2)
+    out[#out + 1] = ffi.string(t.name)
+  end
+  return out
+end
+
+-- {name, dtype = 'BF16', shape = {...}, numel, bytes, data (mapped pointer), shard}
+function Reader:info(name)
+  local t = ffi.new('mrl_st_tensor')
+  moonrl.check(C.mrl_st_find(self.handle, name, t), 2)
+  return info_table(t)
+end
+
+-- The tensor as fp32 into dst (a float pointer of numel) or a new float array.
+function Reader:read_f32(name, dst)
+  local t = ffi.new('mrl_st_tensor')
+  moonrl.check(C.mrl_st_find(self.handle, name, t), 2)
+  dst = dst or ffi.new('float[?]', math.max(1, tonumber(t.numel)))
+  moonrl.check(C.mrl_st_read_f32(self.handle, name, dst, t.numel), 2)
+  return dst
+end
+
+function Reader:metadata(key)
+  local v = C.mrl_st_metadata(self.handle, key)
+  return v ~= nil and ffi.string(v) or nil
+end
+
+local Writer = {}
+Writer.__index = Writer
+
+function M.writer()
+  local out = ffi.new('mrl_st_writer *[1]')
+  moonrl.check(C.mrl_st_writer_create(out), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.mrl_st_writer_free), keep = {} }, Writer)
+end
+
+local function shape_array(shape)
+  local a = ffi.new('int64_t[8]')
+  for i, v in ipairs(shape) do if i <= 8 then a[i - 1] = v end end
+  return a, #shape
+end
+
+-- fp32 values at src (kept referenced here until the writer is gone), stored as dtype.
+function Writer:add(name, dtype, shape, src)
+  local a, nd = shape_array(shape)
+  moonrl.check(C.mrl_st_writer_add(self.handle, name, dtype_of(dtype, 2), nd, a, src), 2)
+  self.keep[#self.keep + 1] = src
+end
+
+-- bytes already in dtype.
+function Writer:add_raw(name, dtype, shape, data, bytes)
+  local a, nd = shape_array(shape)
+  moonrl.check(C.mrl_st_writer_add_raw(self.handle, name, dtype_of(dtype, 2), nd, a, data, bytes), 2)
+  self.keep[#self.keep + 1] = data
+end
+
+function Writer:metadata(key, value)
+  moonrl.check(C.mrl_st_writer_set_metadata(self.handle, key, tostring(value)), 2)
+end
+
+function Writer:write(path) moonrl.check(C.mrl_st_writer_write(self.handle, path), 2) end
+function Writer:write_dir(dir, max_shard_bytes) moonrl.check(C.mrl_st_writer_write_dir(self.handle, dir, max_shard_bytes or 0), 2) end
+
+return M

@@ -1,0 +1,192 @@
+/* AdamW: the vectorised kernel against the scalar reference (bit-exact),
+ * results independent of the thread count, the no-decay mask, state save /
+ * resume, gradient norm and clipping, and bad arguments. */
+#include <stdlib.h>
+#include <string.h>
+#include "moonrl/optim.h"
+#include "moonrl/parallel.h"
+#include "moonrl/status.h"
+#include "optim/adamw_kernel.h"
+#include "check.h"
+
+static uint64_t rng = 88172645463325252ull;
+static float frand(void) { /* uniform in [-1, 1) */
+    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+    return (float)((double)(rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+enum { N = 300007 }; /* odd size: exercises the vector tails and block edges */
+
+static float *randv(int64_t n, float scale) {
+    float *x = malloc((size_t)n * sizeof *x);
+    for (int64_t i = 0; i < n; i++) x[i] = frand() * scale;
+    return x;
+}
+
+static const mrl_adamw_config cfg = {1e-3, 0.9, 0.999, 1e-8, 0.1};
+static const int64_t mask[] = {10, 100, 5000, 3, 4999, 2, 299000, 1007};
+
+/* Run `steps` steps on a copy of p0 with per-step grads; returns params. */
+static float *run(const float *p0, float *const *g, int steps, int threads, int reference) {
+    mrl_parallel_set_threads(threads);
+    float *p = malloc(N * sizeof *p), *grad = malloc(N * sizeof *grad);
+    memcpy(p, p0, N * sizeof *p);
+    mrl_adamw *opt;
+    CHECK_OK(mrl_adamw_create(p, grad, N, &cfg, &opt));
+    CHECK_OK(mrl_adamw_set_no_decay(opt, mask, 4));
+    for (int s = 0; s < steps; s++) {
+        memcpy(grad, g[s], N * sizeof *grad);
+        double norm;
+        CHECK_OK(mrl_grad_clip_norm(grad, N, 50.0, &norm));
+        CHECK_OK(reference ? mrl_adamw_step_reference(opt, 1e-3 * (s + 1)) : mrl_adamw_step(opt, 1e-3 * (s + 1)));
+    }
+    CHECK(mrl_adamw_steps(opt) == steps);
+    mrl_adamw_free(opt);
+    free(grad);
+    mrl_parallel_set_threads(0);
+    return p;
+}
+
+static void test_fast_vs_reference(void) {
+    float *p0 = randv(N, 1.0f), *g[4];
+    for (int s = 0; s < 4; s++) g[s] = randv(N, 0.1f);
+    float *ref = run(p0, g, 4, 1, 1);
+    int threads[] = {1, 2, 3, 7};
+    for (int k = 0; k < 4; k++) {
+        float *fast = run(p0, g, 4, threads[k], 0);
+        CHECK(memcmp(fast, ref, N * sizeof(float)) == 0);
+        free(fast);
+    }
+    /* each kernel this CPU has, directly, on an unaligned odd length */
+    mrl_adamw_coeffs c;
+    mrl_adamw_coeffs_init(&c, &cfg, 1e-3, 3, 1);
+    mrl_adamw_kernel_fn kernels[] = {mrl_adamw_kernel_avx2, mrl_adamw_kernel_avx512};
+    int have[] = {__builtin_cpu_supports("avx2"), __builtin_cpu_supports("avx512f")};
+    for (int k = 0; k < 2; k++) {
+        if (!have[k]) continue;
+        float *p1 = randv(1001, 1), *m1 = randv(1001, 0.01f), *v1 = randv(1001, 0.001f), *gg = randv(1001, 1);
+        for (int i = 0; i < 1001; i++) v1[i] = v1[i] * v1[i];
+        float *p2 = malloc(1001 * 4), *m2 = malloc(1001 * 4), *v2 = malloc(1001 * 4);
+        memcpy(p2, p1, 1001 * 4); memcpy(m2, m1, 1001 * 4); memcpy(v2, v1, 1001 * 4);
+        mrl_adamw_kernel_scalar(p1 + 1, gg + 1, m1 + 1, v1 + 1, 1000, &c);
+        kernels[k](p2 + 1, gg + 1, m2 + 1, v2 + 1, 1000, &c);
+        CHECK(memcmp(p1, p2, 1001 * 4) == 0 && memcmp(m1, m2, 1001 * 4) == 0 && memcmp(v1, v2, 1001 * 4) == 0);
+        free(p1); free(m1); free(v1); free(gg); free(p2); free(m2); free(v2);
+    }
+    free(ref); free(p0);
+    for (int s = 0; s < 4; s++) free(g[s]);
+}
+
+/* One step by hand in double: decay applies outside the mask only. */
+static void test_semantics(void) {
+    float p[8] = {1, -2, 3, -4, 0.5f, 6, -7, 8}, g[8] = {0.1f, 0.2f, -0.3f, 0.4f, 0, -0.6f, 0.7f, 1e-3f};
+    float p0[8];
+    memcpy(p0, p, sizeof p);
+    mrl_adamw *opt;
+    mrl_adamw_config c = {0.01, 0.8, 0.9, 1e-6, 0.5};
+    CHECK_OK(mrl_adamw_create(p, g, 8, &c, &opt));
+    int64_t nd[] = {2, 3};
+    CHECK_OK(mrl_adamw_set_no_decay(opt, nd, 1));
+    CHECK_OK(mrl_adamw_step(opt, -1));
+    for (int i = 0; i < 8; i++) {
+        int decay = i < 2 || i >= 5;
+        double m = 0.2 * g[i], v = 0.1 * (double)g[i] * g[i];
+        double want = p0[i] * (decay ? 1 - 0.01 * 0.5 : 1) - 0.01 / 0.2 * m / (sqrt(v) / sqrt(0.1) + 1e-6);
+        CHECK_NEAR(p[i], want, 1e-6 * fabs(want) + 1e-7);
+    }
+    mrl_adamw_free(opt);
+}
+
+static void test_state_resume(void) {
+    int64_t n = 1000;
+    float *p0 = randv(n, 1), *ga = randv(n, 1), *pa = malloc(n * 4), *pb = malloc(n * 4);
+    memcpy(pa, p0, n * 4);
+    memcpy(pb, p0, n * 4);
+    mrl_adamw *a, *b;
+    CHECK_OK(mrl_adamw_create(pa, ga, n, &cfg, &a));
+    CHECK_OK(mrl_adamw_create(pb, ga, n, &cfg, &b));
+    for (int s = 0; s < 3; s++) CHECK_OK(mrl_adamw_step(a, -1));
+    mrl_adamw_state st;
+    CHECK_OK(mrl_adamw_get_state(a, &st));
+    CHECK(st.n == n && st.step == 3 && st.bytes == n * 8);
+    memcpy(pb, pa, n * 4);
+    CHECK_OK(mrl_adamw_load_state(b, st.m, st.v, st.n, st.step));
+    for (int s = 0; s < 2; s++) {
+        CHECK_OK(mrl_adamw_step(a, -1));
+        CHECK_OK(mrl_adamw_step(b, -1));
+    }
+    CHECK(memcmp(pa, pb, n * 4) == 0);
+    CHECK(mrl_adamw_load_state(b, st.m, st.v, n - 1, 1) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "999");
+    mrl_adamw_free(a);
+    mrl_adamw_free(b);
+    free(p0); free(ga); free(pa); free(pb);
+}
+
+static void test_grad_helpers(void) {
+    float *g = randv(N, 1);
+    double want = 0;
+    for (int i = 0; i < N; i++) want += (double)g[i] * g[i];
+    want = sqrt(want);
+    double norm[3];
+    int threads[] = {1, 2, 5};
+    for (int k = 0; k < 3; k++) {
+        mrl_parallel_set_threads(threads[k]);
+        CHECK_OK(mrl_grad_norm(g, N, &norm[k]));
+    }
+    mrl_parallel_set_threads(0);
+    CHECK(norm[0] == norm[1] && norm[1] == norm[2]);
+    CHECK_NEAR(norm[0], want, 1e-12 * want);
+    float g0 = g[5];
+    double pre;
+    CHECK_OK(mrl_grad_clip_norm(g, N, 1.0, &pre));
+    CHECK(pre == norm[0]);
+    float coef = 1.0f / ((float)pre + 1e-6f);
+    CHECK(g[5] == g0 * coef);
+    double post;
+    CHECK_OK(mrl_grad_norm(g, N, &post));
+    CHECK_NEAR(post, 1.0, 1e-5);
+    CHECK_OK(mrl_grad_clip_norm(g, N, 10.0, &pre)); /* under the limit: unchanged */
+    CHECK(g[5] == g0 * coef);
+    CHECK_OK(mrl_grad_scale(g, N, 0.5f));
+    CHECK(g[5] == g0 * coef * 0.5f);
+    CHECK_OK(mrl_grad_zero(g, N));
+    CHECK(g[0] == 0 && g[N - 1] == 0);
+    free(g);
+}
+
+static void test_bad_arguments(void) {
+    float p[4] = {0}, g[4] = {0};
+    mrl_adamw *opt = (mrl_adamw *)1;
+    CHECK(mrl_adamw_create(NULL, g, 4, &cfg, &opt) == MRL_ERR_INVALID && opt == NULL);
+    CHECK(mrl_adamw_create(p, g, 0, &cfg, &opt) == MRL_ERR_INVALID);
+    mrl_adamw_config bad = cfg;
+    bad.beta1 = 1.0;
+    CHECK(mrl_adamw_create(p, g, 4, &bad, &opt) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "beta1");
+    bad = cfg;
+    bad.eps = NAN;
+    CHECK(mrl_adamw_create(p, g, 4, &bad, &opt) == MRL_ERR_INVALID);
+    CHECK_OK(mrl_adamw_create(p, g, 4, &cfg, &opt));
+    int64_t r1[] = {2, 3};
+    CHECK(mrl_adamw_set_no_decay(opt, r1, 1) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "offset 2, count 3");
+    int64_t r2[] = {-1, 1};
+    CHECK(mrl_adamw_set_no_decay(opt, r2, 1) == MRL_ERR_INVALID);
+    CHECK(mrl_adamw_step(opt, INFINITY) == MRL_ERR_INVALID);
+    CHECK(mrl_adamw_steps(opt) == 0);
+    CHECK(mrl_adamw_step(NULL, 1) == MRL_ERR_INVALID);
+    CHECK(mrl_grad_clip_norm(g, 4, 0.0, NULL) == MRL_ERR_INVALID);
+    CHECK(mrl_grad_norm(NULL, 4, NULL) == MRL_ERR_INVALID);
+    CHECK(mrl_grad_scale(NULL, 4, 1) == MRL_ERR_INVALID);
+    mrl_adamw_free(opt);
+}
+
+int main(void) {
+    test_fast_vs_reference();
+    test_semantics();
+    test_state_resume();
+    test_grad_helpers();
+    test_bad_arguments();
+    CHECK_DONE();
+}

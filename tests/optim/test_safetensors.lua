@@ -1,0 +1,33 @@
+-- moonrl.safetensors from Lua: write, read back, errors name the file.
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local sf = moonrl.safetensors
+
+t.test('write and read back', function()
+  local path = os.tmpname()
+  local x = ffi.new('float[6]', { 1, 2, 3, 4, 5, 6.5 })
+  local w = sf.writer()
+  w:add('b.x', 'BF16', { 2, 3 }, x)
+  w:add('a.x', 'F32', { 6 }, x)
+  w:metadata('format', 'pt')
+  w:write(path)
+  local st = sf.open(path)
+  t.eq(st:count(), 2)
+  t.eq(table.concat(st:names(), ','), 'a.x,b.x')
+  local info = st:info('b.x')
+  t.eq(info.dtype, 'BF16'); t.eq(info.shape[2], 3); t.eq(info.bytes, 12)
+  local y = st:read_f32('b.x')
+  t.eq(y[5], 6.5)
+  t.eq(st:metadata('format'), 'pt'); t.eq(st:metadata('none'), nil)
+  t.truthy(st:has('a.x') and not st:has('c'))
+  t.raises(function() st:info('c') end, "no tensor named 'c'")
+  t.raises(function() w:add('c', 'Q8', { 1 }, x) end, "unknown dtype 'Q8'")
+  os.remove(path)
+end)
+
+t.test('errors name the file', function()
+  t.raises(function() sf.open('/nonexistent/m.safetensors') end, '/nonexistent/m.safetensors')
+end)
+
+t.done()
