@@ -91,22 +91,27 @@ static double next_normal(uint64_t *s) {
     return sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
 }
 
-/* Views in order: 2-D weights ~ normal(0, initializer_range), norm weights 1, biases 0. */
-static void init_params(mrl_model *m, uint64_t seed) {
-    uint64_t s = seed;
-    for (int i = 0; i < m->n_views; i++) {
-        const mrl_param_view *v = &m->views[i];
-        float *p = m->params + v->offset;
-        if (v->ndim == 2)
-            for (int64_t j = 0; j < v->numel; j++) p[j] = (float)(next_normal(&s) * m->cfg.initializer_range);
-        else {
-            float val = strstr(v->name, "norm") ? 1.0f : 0.0f;
-            for (int64_t j = 0; j < v->numel; j++) p[j] = val;
-        }
+/* 2-D weights ~ normal(0, initializer_range), norm weights 1, biases 0;
+ * draws continue from the generator state *s. */
+void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s) {
+    float *p = m->params + v->offset;
+    if (v->ndim == 2)
+        for (int64_t j = 0; j < v->numel; j++) p[j] = (float)(next_normal(s) * m->cfg.initializer_range);
+    else {
+        float val = strstr(v->name, "norm") ? 1.0f : 0.0f;
+        for (int64_t j = 0; j < v->numel; j++) p[j] = val;
     }
 }
 
 mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_model **out) {
+    mrl_status st = mrl_model_alloc(cfg, out);
+    if (st) return st;
+    uint64_t s = seed; /* views in order, one generator */
+    for (int i = 0; i < (*out)->n_views; i++) mrl_model_init_view(*out, &(*out)->views[i], &s);
+    return MRL_OK;
+}
+
+mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_create: NULL out");
     *out = NULL;
     mrl_status st = mrl_model_config_validate(cfg);
@@ -139,7 +144,6 @@ mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_mode
     m->g_final_norm = grad_of(m, m->final_norm);
     m->g_lm_head = grad_of(m, m->lm_head);
     m->g_score = grad_of(m, m->score);
-    init_params(m, seed);
     *out = m;
     return MRL_OK;
 }

@@ -73,6 +73,9 @@ struct mrl_model {
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
 
+/* model.c: a model with zeroed parameters; the documented init of one view */
+mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out);
+void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
 /* layer.c */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);
 void mrl_layer_backward(mrl_model *m, int l, int64_t T);

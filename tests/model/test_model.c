@@ -1,6 +1,7 @@
 /* The model API without PyTorch: config parsing and its errors, the views,
  * init determinism, bad batches, memory accounting, recomputation. The
  * numbers themselves are checked against PyTorch in model_ref.py. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
@@ -128,8 +129,54 @@ static void test_model(void) {
     CHECK(s1.current[MRL_MEM_PARAMS] == 0 && s1.current[MRL_MEM_ACTIVATIONS] == 0 && s1.current[MRL_MEM_GRADS] == 0);
 }
 
+/* save_dir -> load_dir gives the same parameters and the same forward */
+static void test_save_load(void) {
+    mrl_model_config c;
+    CHECK_OK(parse("{\"model_type\": \"qwen3\", " BASE ", \"head_dim\": 16, \"tie_word_embeddings\": true}", &c));
+    mrl_model *m = NULL, *m2 = NULL;
+    CHECK_OK(mrl_model_create(&c, 3, &m));
+    if (!m) return;
+    char dir[] = "/tmp/moonrl_model_test_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char sub[256];
+    snprintf(sub, sizeof sub, "%s/saved", dir);
+    CHECK_OK(mrl_model_save_dir(m, sub));
+    CHECK_OK(mrl_model_load_dir(sub, &m2));
+    if (m2) {
+        CHECK(mrl_model_num_params(m2) == mrl_model_num_params(m));
+        CHECK(memcmp(mrl_model_params(m), mrl_model_params(m2), sizeof(float) * mrl_model_num_params(m)) == 0);
+        CHECK(memcmp(mrl_model_get_config(m), mrl_model_get_config(m2), sizeof c) == 0);
+        int32_t tokens[5] = {1, 2, 3, 4, 5}, targets[5] = {2, 3, 4, 5, -1}, cu[2] = {0, 5};
+        mrl_batch b = {tokens, targets, cu, 5, 1};
+        float lp1[5], lp2[5];
+        CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp1, NULL, NULL));
+        CHECK_OK(mrl_model_forward(m2, &b, 1.0f, lp2, NULL, NULL));
+        CHECK(memcmp(lp1, lp2, sizeof lp1) == 0);
+        mrl_model_free(m2);
+        m2 = NULL;
+    }
+    /* a config that does not match the weights */
+    char path[300];
+    snprintf(path, sizeof path, "%s/config.json", sub);
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fprintf(f, "{\"model_type\": \"qwen3\", \"vocab_size\": 50, \"hidden_size\": 32, \"intermediate_size\": 40, "
+                   "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 16, "
+                   "\"tie_word_embeddings\": true}");
+        fclose(f);
+    }
+    CHECK(mrl_model_load_dir(sub, &m2) == MRL_ERR_FORMAT);
+    CHECK_STR_CONTAINS(mrl_last_error(), "mlp.gate_proj.weight");
+    CHECK(m2 == NULL);
+    CHECK(mrl_model_load_dir("/nonexistent/model", &m2) != MRL_OK);
+    snprintf(path, sizeof path, "rm -rf '%s'", dir);
+    CHECK(system(path) == 0);
+    mrl_model_free(m);
+}
+
 int main(void) {
     test_config();
     test_model();
+    test_save_load();
     CHECK_DONE();
 }
