@@ -4,10 +4,12 @@ implementation of the same Llama-style model (same weights, same batch,
 fp32, the same number of threads), plus the machine's measured sgemm peak.
 
 One training step = forward to per-token log-probs and entropy, a loss
-sum(a * logprob + b * entropy) with fixed random per-token a, b, and the
-backward into the gradients (the AdamW step is left out on both sides until
-moonrl's optimizer is merged). Each side runs in its own child process so
-that its peak memory (max RSS) is its own.
+sum(a * logprob + b * entropy) with fixed random per-token a, b, the
+backward into the gradients and an AdamW step (moonrl: mrl_adamw_*;
+PyTorch: torch.optim.AdamW; weight decay 0.01 on matrices only). The two
+sides start from the same weights (moonrl's init, handed over in a raw f32
+file) so their losses agree. Each side runs in its own child process, one
+after the other, so that its peak memory (max RSS) is its own.
 
 usage: /usr/bin/python3 bench/train_bench.py [--model small|100m] [--threads 2] [--steps 5]
                                              [--lib build/libmoonrl.so] [--recompute]
@@ -21,6 +23,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,29 +57,50 @@ def init_weights(views, params, np):
         params[off:off + size] = 1.0 if "norm" in n else 0.02 * rng.standard_normal(size)
 
 
+def rss_now():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class AdamWConfig(ctypes.Structure):
+    _fields_ = [(k, ctypes.c_double) for k in ("lr", "beta1", "beta2", "eps", "weight_decay")]
+
+
 def run_moonrl(args, spec):
     import numpy as np
     import moonrl_ctypes
     lib = moonrl_ctypes.load(args.lib)
     lib.mrl_parallel_set_threads(args.threads)
-    m = moonrl_ctypes.Moonrl(spec["cfg"])
+    rss0 = rss_now()
+    m = moonrl_ctypes.Moonrl(spec["cfg"], seed=1)
     lib.mrl_model_set_recompute(m.h, int(args.recompute))
-    init_weights(m.views, m.params, np)
+    m.params.tofile(args.weights)  # the torch side starts from these
+    with open(args.weights + ".json", "w") as f:
+        json.dump([(n, off, shape) for n, off, shape, _ in m.views], f)
+    opt = ctypes.c_void_p()
+    cfg = AdamWConfig(1e-4, 0.9, 0.999, 1e-8, 0.01)
+    moonrl_ctypes.check(lib.mrl_adamw_create(moonrl_ctypes.ptr(m.params), moonrl_ctypes.ptr(m.grads),
+                                             ctypes.c_int64(m.params.size), ctypes.byref(cfg), ctypes.byref(opt)))
+    nd = [x for n, off, shape, decay in m.views if not decay for x in (off, int(np.prod(shape)))]
+    nd = (ctypes.c_int64 * len(nd))(*nd)
+    moonrl_ctypes.check(lib.mrl_adamw_set_no_decay(opt, nd, ctypes.c_int64(len(nd) // 2)))
+    lib.mrl_adamw_step.argtypes = [ctypes.c_void_p, ctypes.c_double]
     B, L = spec["batch"], spec["seq"]
     tokens, targets, a, b = batch_arrays(spec["cfg"], B, L, np)
     tokens, targets, a, b = tokens.ravel(), targets.ravel(), a.ravel(), b.ravel()
     cu = (np.arange(B + 1) * L).astype(np.int32)
-    times = []
+    times, losses = [], []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         lp, ent, _ = m.forward(tokens, targets, cu)
         lib.mrl_model_zero_grad(m.h)
         m.backward(a, b, None)
+        moonrl_ctypes.check(lib.mrl_adamw_step(opt, -1.0))
         times.append(time.perf_counter() - t0)
+        losses.append(float((a * lp).sum() + (b * ent).sum()))
     stats = (ctypes.c_int64 * 14)()
     lib.mrl_mem_get_stats(stats)
-    loss = float((a * lp).sum() + (b * ent).sum())
-    return dict(step_s=min(times[1:]), loss=loss, n_params=int(m.params.size),
+    return dict(step_s=min(times[1:]), losses=losses, n_params=int(m.params.size), rss0=rss0,
                 activations_peak=int(stats[6 + 3]), total_peak=int(stats[13]))
 
 
@@ -89,6 +113,8 @@ def run_torch(args, spec):
     D, H, Hk, V = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
     hd, eps = D // H, cfg["rms_norm_eps"]
 
+    rss0 = rss_now()
+
     class Norm(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -97,39 +123,56 @@ def run_torch(args, spec):
         def forward(self, x):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.weight
 
-    class Layer(torch.nn.Module):
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False)
+
+    class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln1, self.ln2 = Norm(), Norm()
-            self.q = torch.nn.Linear(D, H * hd, bias=False)
-            self.k = torch.nn.Linear(D, Hk * hd, bias=False)
-            self.v = torch.nn.Linear(D, Hk * hd, bias=False)
-            self.o = torch.nn.Linear(H * hd, D, bias=False)
-            self.g = torch.nn.Linear(D, cfg["intermediate_size"], bias=False)
-            self.u = torch.nn.Linear(D, cfg["intermediate_size"], bias=False)
-            self.d = torch.nn.Linear(cfg["intermediate_size"], D, bias=False)
+            self.q_proj, self.k_proj, self.v_proj = lin(D, H * hd), lin(D, Hk * hd), lin(D, Hk * hd)
+            self.o_proj = lin(H * hd, D)
 
-        def forward(self, x, cos, sin, mask):
-            B, L, _ = x.shape
-            h = self.ln1(x)
-            q = self.q(h).view(B, L, H, hd).transpose(1, 2)
-            k = self.k(h).view(B, L, Hk, hd).transpose(1, 2)
-            v = self.v(h).view(B, L, Hk, hd).transpose(1, 2)
+        def forward(self, h, cos, sin, mask):
+            B, L, _ = h.shape
+            q = self.q_proj(h).view(B, L, H, hd).transpose(1, 2)
+            k = self.k_proj(h).view(B, L, Hk, hd).transpose(1, 2)
+            v = self.v_proj(h).view(B, L, Hk, hd).transpose(1, 2)
             rot = lambda t: torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1)
             q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
             k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
             att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, -1) @ v
-            x = x + self.o(att.transpose(1, 2).reshape(B, L, D))
-            h = self.ln2(x)
-            return x + self.d(F.silu(self.g(h)) * self.u(h))
+            return self.o_proj(att.transpose(1, 2).reshape(B, L, H * hd))
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            F_ = cfg["intermediate_size"]
+            self.gate_proj, self.up_proj, self.down_proj = lin(D, F_), lin(D, F_), lin(F_, D)
+
+        def forward(self, h):
+            return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm, self.post_attention_layernorm = Norm(), Norm()
+            self.self_attn, self.mlp = Attention(), MLP()
+
+        def forward(self, x, cos, sin, mask):
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(V, D)
+            self.layers = torch.nn.ModuleList([Layer() for _ in range(cfg["num_hidden_layers"])])
+            self.norm = Norm()
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = torch.nn.Embedding(V, D)
-            self.layers = torch.nn.ModuleList([Layer() for _ in range(cfg["num_hidden_layers"])])
-            self.norm = Norm()
-            self.lm_head = torch.nn.Linear(D, V, bias=False)
+            self.model = Inner()
+            self.lm_head = lin(D, V)
 
         def forward(self, tokens):
             L = tokens.shape[1]
@@ -138,49 +181,62 @@ def run_torch(args, spec):
             emb = torch.cat([ang, ang], -1)
             cos, sin = emb.cos(), emb.sin()
             mask = torch.full((L, L), float("-inf")).triu(1)
-            x = self.embed(tokens)
-            for layer in self.layers:
+            x = self.model.embed_tokens(tokens)
+            for layer in self.model.layers:
                 x = layer(x, cos, sin, mask)
-            return self.lm_head(self.norm(x))
+            return self.lm_head(self.model.norm(x))
 
     model = Model()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
+    flat = np.fromfile(args.weights, np.float32)
+    with open(args.weights + ".json") as f:
+        views = json.load(f)
+    state = {n: torch.from_numpy(flat[off:off + int(np.prod(shape))].reshape(shape).copy()) for n, off, shape in views}
+    model.load_state_dict(state)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.01), dict(params=no_decay, weight_decay=0.0)],
+                            lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
     B, L = spec["batch"], spec["seq"]
     tokens, targets, a, b = batch_arrays(cfg, B, L, np)
     tokens, targets = torch.tensor(tokens.astype(np.int64)), torch.tensor(targets.astype(np.int64))
     a, b = torch.tensor(a), torch.tensor(b)
-    times = []
+    times, losses = [], []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         logp = torch.log_softmax(model(tokens), -1)
         lp = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * (targets >= 0)
         ent = -(logp.exp() * logp).sum(-1)
         loss = (a * lp).sum() + (b * ent).sum()
-        model.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=False)
         loss.backward()
+        opt.step()
         times.append(time.perf_counter() - t0)
-    return dict(step_s=min(times[1:]), loss=float(loss), n_params=sum(p.numel() for p in model.parameters()))
+        losses.append(float(loss))
+    return dict(step_s=min(times[1:]), losses=losses, n_params=sum(p.numel() for p in model.parameters()), rss0=rss0,
+                version=torch.__version__)
 
 
 def sgemm_peak(threads):
-    """GFLOP/s of OpenBLAS sgemm (the library moonrl links) on 2048^3, best of 3."""
+    """GFLOP/s of OpenBLAS sgemm (the library moonrl links) on 2048^3, best of 5:
+    with OpenBLAS's own threads, and one thread times `threads` (how moonrl runs
+    it: one slice per thread); the larger is the peak."""
     import numpy as np
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     blas = ctypes.CDLL(ctypes.util.find_library("openblas"))
-    blas.openblas_set_num_threads(threads)
     n = 2048
     A = np.random.rand(n, n).astype(np.float32)
     Bm, Cm = A.copy(), np.zeros_like(A)
     p = lambda x: x.ctypes.data_as(ctypes.c_void_p)
-    best = 1e9
-    for _ in range(4):
-        t0 = time.perf_counter()
-        blas.cblas_sgemm(101, 111, 111, n, n, n, ctypes.c_float(1), p(A), n, p(Bm), n, ctypes.c_float(0), p(Cm), n)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best / 1e9
+
+    def best(nthreads):
+        blas.openblas_set_num_threads(nthreads)
+        t = 1e9
+        for _ in range(5):
+            t0 = time.perf_counter()
+            blas.cblas_sgemm(101, 111, 111, n, n, n, ctypes.c_float(1), p(A), n, p(Bm), n, ctypes.c_float(0), p(Cm), n)
+            t = min(t, time.perf_counter() - t0)
+        return 2.0 * n ** 3 / t / 1e9
+
+    return max(best(threads), threads * best(1))
 
 
 def train_flops(spec, n_params):
@@ -201,6 +257,7 @@ def main():
     ap.add_argument("--lib", default=os.path.join(ROOT, "build", "libmoonrl.so"))
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--side", choices=["moonrl", "torch"])
+    ap.add_argument("--weights", help=argparse.SUPPRESS)
     args = ap.parse_args()
     spec = MODELS[args.model]
     if args.side:
@@ -211,26 +268,33 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads),
                MOONRL_THREADS=str(args.threads))
     res = {}
-    for side in ("torch", "moonrl"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--side", side] + sys.argv[1:]
-        res[side] = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in ("moonrl", "torch"):  # moonrl first: it writes the weights
+            cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--weights",
+                   os.path.join(tmp, "weights.f32")] + sys.argv[1:]
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit("%s side failed:\n%s" % (side, run.stderr))
+            res[side] = json.loads(run.stdout)
     peak = sgemm_peak(args.threads)
     tokens = spec["batch"] * spec["seq"]
     flops = train_flops(spec, res["moonrl"]["n_params"])
     mt, tt = tokens / res["moonrl"]["step_s"], tokens / res["torch"]["step_s"]
-    print("model %s: %.1fM parameters, batch %d x %d, %d threads%s" % (
+    mib = lambda x: x / 2 ** 20
+    print("model %s: %.1fM parameters, batch %d x %d, %d threads%s, fp32, step = forward + backward + AdamW" % (
         args.model, res["moonrl"]["n_params"] / 1e6, spec["batch"], spec["seq"], args.threads,
         ", recompute" if args.recompute else ""))
-    print("  pytorch %s: %8.0f tokens/s  (step %.3f s, max RSS %.0f MiB)" % (
-        "1.13", tt, res["torch"]["step_s"], res["torch"]["max_rss"] / 2 ** 20))
-    print("  moonrl     : %8.0f tokens/s  (step %.3f s, max RSS %.0f MiB, activations peak %.0f MiB)" % (
-        mt, res["moonrl"]["step_s"], res["moonrl"]["max_rss"] / 2 ** 20, res["moonrl"]["activations_peak"] / 2 ** 20))
+    for side, label in (("torch", "pytorch %s" % res["torch"].get("version", "")), ("moonrl", "moonrl")):
+        r = res[side]
+        print("  %-14s %8.0f tokens/s  (step %.3f s; max RSS %5.0f MiB, %5.0f MiB above the process at start)" % (
+            label, tokens / r["step_s"], r["step_s"], mib(r["max_rss"]), mib(r["max_rss"] - r["rss0"])))
+    print("  moonrl memory accounted: %.0f MiB peak, of which activations %.0f MiB" % (
+        mib(res["moonrl"]["total_peak"]), mib(res["moonrl"]["activations_peak"])))
     print("  ratio moonrl / pytorch: %.2fx" % (mt / tt))
-    print("  moonrl: %.1f GFLOP/s = %.0f%% of measured sgemm peak %.1f GFLOP/s (2048^3, %d threads)" % (
+    print("  moonrl: %.1f GFLOP/s = %.0f%% of measured sgemm peak %.1f GFLOP/s (OpenBLAS, 2048^3, %d threads)" % (
         flops / res["moonrl"]["step_s"] / 1e9, 100 * flops / res["moonrl"]["step_s"] / 1e9 / peak, peak, args.threads))
-    print("  loss check: moonrl %.6f, pytorch %.6f (different random weights: same scale only)" % (
-        res["moonrl"]["loss"], res["torch"]["loss"]))
-
+    dl = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(res["moonrl"]["losses"], res["torch"]["losses"]))
+    print("  same weights and batch: losses over %d steps agree to %.1e (relative)" % (len(res["torch"]["losses"]), dl))
 
 if __name__ == "__main__":
     main()

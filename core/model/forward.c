@@ -64,8 +64,10 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(m->rstdf, float, T);
     TAKE(m->head_lse, float, T);
     TAKE(m->head_ent, float, T);
-    int64_t chunk = m->head_chunk_setting > 0 ? m->head_chunk_setting : ((int64_t)1 << 21) / V; /* ~8 MiB of logits */
-    if (chunk < 1) chunk = 1;
+    /* default: 32 MiB of logits, but at least 128 tokens (a matrix product
+     * with fewer rows is slow and rereads the whole lm_head gradient) */
+    int64_t chunk = m->head_chunk_setting > 0 ? m->head_chunk_setting : ((int64_t)1 << 23) / V;
+    if (m->head_chunk_setting <= 0 && chunk < 128) chunk = 128;
     if (chunk > T) chunk = T;
     if (base) m->head_chunk = chunk;
     TAKE(m->logits, float, chunk * V);

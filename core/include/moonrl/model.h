@@ -130,8 +130,8 @@ mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_v
  * the layer in the backward (less activation memory, ~1/3 more compute). */
 void mrl_model_set_recompute(mrl_model *m, int on);
 mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
-/* Tokens whose full-vocabulary logits the head holds at a time (0: about
- * 8 MiB worth, the default). */
+/* Tokens whose full-vocabulary logits the head holds at a time (0, the
+ * default: 32 MiB worth, at least 128 tokens). */
 void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens);
 /* Bytes of activations for a batch of n_tokens (with the current settings). */
 int64_t mrl_model_activation_bytes(const mrl_model *m, int64_t n_tokens);
