@@ -255,6 +255,7 @@ mrl_status mrl_sched_stop(mrl_sched *s, int req_id, int sample) {
 }
 
 int mrl_sched_has_unfinished(const mrl_sched *s) { return s && s->n_unfinished > 0; }
+int mrl_sched_num_unfinished(const mrl_sched *s) { return s ? s->n_unfinished : 0; }
 
 /* ---- state changes ---- */
 

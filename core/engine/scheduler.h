@@ -60,14 +60,6 @@ typedef struct mrl_sched_config {
     int vocab_size;
 } mrl_sched_config;
 
-typedef enum mrl_finish_reason {
-    MRL_FINISH_NONE = 0,   /* not finished */
-    MRL_FINISH_LENGTH = 1, /* max_new_tokens or max_model_len */
-    MRL_FINISH_EOS = 2,    /* an EOS id */
-    MRL_FINISH_STOP = 3,   /* a stop token id */
-    MRL_FINISH_CALLER = 4  /* mrl_sched_stop (stop string, abort) */
-} mrl_finish_reason;
-
 typedef struct mrl_sched_request {
     const int32_t *prompt;      /* copied */
     int prompt_len;             /* >= 1 */
@@ -124,6 +116,8 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id);
 /* Ask sample j of a request to finish (MRL_FINISH_CALLER) at the next step. */
 mrl_status mrl_sched_stop(mrl_sched *s, int req_id, int sample);
 int mrl_sched_has_unfinished(const mrl_sched *s);
+/* Samples not finished yet (waiting, running or not yet forked). */
+int mrl_sched_num_unfinished(const mrl_sched *s);
 
 /* Plan the next step. An empty batch (n_tokens 0) only when nothing is
  * unfinished. Must be followed by mrl_sched_update before the next call. */
