@@ -223,7 +223,8 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
     mrl_sched_request q = {.prompt = r->prompt, .prompt_len = r->prompt_len, .n = r->n,
                            .max_new_tokens = r->max_new_tokens, .eos_ids = r->eos_ids, .n_eos = r->n_eos,
                            .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,
-                           .step = r->step, .prompt_index = r->prompt_index};
+                           .step = r->step, .prompt_index = r->prompt_index,
+                           .first_sample = r->first_sample};
     return mrl_sched_add(e->sched, &q, req_id);
 }
 

@@ -214,7 +214,7 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
         x->n_prompt = r->prompt_len;
         x->group_n = leader ? (r->n - j < s->cfg.max_num_seqs ? r->n - j : s->cfg.max_num_seqs) : 1;
         x->pending = x->group_n - 1;
-        x->key = mrl_sample_stream_key(r->seed, r->step, r->prompt_index, j);
+        x->key = mrl_sample_stream_key(r->seed, r->step, r->prompt_index, r->first_sample + j);
         x->tokens = malloc((size_t)(r->prompt_len + max_new) * sizeof(int32_t));
         x->lp = malloc((size_t)max_new * sizeof(float));
         x->lpp = malloc((size_t)max_new * sizeof(float));

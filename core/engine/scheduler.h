@@ -70,9 +70,10 @@ typedef struct mrl_sched_request {
     const int32_t *stop_ids;    /* copied */
     int n_stop;
     mrl_sampling_params params;
-    uint64_t seed;              /* stream key: (seed, step, prompt_index, sample) */
+    uint64_t seed;              /* stream key: (seed, step, prompt_index, first_sample + j) */
     int64_t step;
     int64_t prompt_index;
+    int64_t first_sample;       /* sample j's stream index is first_sample + j */
 } mrl_sched_request;
 
 /* One step's flat batch; the arrays belong to the scheduler and stay valid

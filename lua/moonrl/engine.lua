@@ -117,6 +117,7 @@ local function watch_step(w, toks, n, stops, max_stop)
 end
 
 -- requests: list of { prompt_ids = {...} | prompt = 'text', n = samples (1), prompt_index = i - 1,
+-- first_sample = 0 (the stream index of the first sample),
 -- max_tokens = opts.max_tokens }. See the top of the file for opts and results.
 function Engine:generate(requests, opts)
   opts = opts or {}
@@ -158,6 +159,7 @@ function Engine:generate(requests, opts)
     r.n = q.n or 1
     r.max_new_tokens = q.max_tokens or max_tokens
     r.prompt_index = q.prompt_index or (i - 1)
+    r.first_sample = q.first_sample or 0
     local st = C.mrl_engine_add_request(self.handle, r, id_out)
     if st ~= 0 then
       local msg = moonrl.last_error()

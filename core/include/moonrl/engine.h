@@ -106,9 +106,10 @@ typedef struct mrl_engine_request {
     int n_eos;
     const int32_t *stop_ids; /* [n_stop], copied; may be NULL */
     int n_stop;
-    uint64_t seed;           /* sample j's stream: mrl_sample_stream_key(seed, step, prompt_index, j) */
+    uint64_t seed;           /* sample j's stream: mrl_sample_stream_key(seed, step, prompt_index, first_sample + j) */
     int64_t step;
     int64_t prompt_index;
+    int64_t first_sample;    /* 0 normally; k when a group's samples k.. come as their own request */
 } mrl_engine_request;
 
 typedef struct mrl_engine_stats {
