@@ -10,6 +10,9 @@
 --   results[i][j] = { ids = {...}, logprobs = {...}, finish_reason = 'stop' | 'length', text = '...' }
 --   engine:stats()  -- steps, prefill/decode tokens, preemptions, prefix hits, KV blocks
 --
+-- opts.on_text = function(i, j, piece) (with a tokenizer) is called between steps with each new
+-- piece of sample j of request i's text, as the streaming decoder completes it (stop strings cut).
+--
 -- Sample j of request i draws from the random stream (seed, step, prompt_index = i - 1 unless the
 -- request gives prompt_index, j - 1): the same samples whatever the batch or the cache size.
 -- logprobs are under softmax(logits / temperature) over the whole vocabulary (temperature 1 when
@@ -88,20 +91,18 @@ end
 -- Per sample of the stop-string pass: its stream decoder, the text so far,
 -- how many of its tokens were fed, whether a stop string ended it.
 local function new_watch(tok)
-  return { stream = tok:stream({ skip_special = true }), parts = {}, text = '', fed = 0 }
+  return { stream = tok:stream({ skip_special = true }), text = '', fed = 0, sent = 0 }
 end
 
 -- Feed sample w its new tokens; returns true when a stop string appeared
 -- (w.text is then cut before it).
 local function watch_step(w, toks, n, stops, max_stop)
-  local grew = false
   while w.fed < n do
     local piece = w.stream:step(toks[w.fed])
     w.fed = w.fed + 1
     if piece ~= '' then
       local from = math.max(1, #w.text - max_stop + 2)
       w.text = w.text .. piece
-      grew = true
       local cut
       for _, s in ipairs(stops) do
         local at = w.text:find(s, from, true)
@@ -113,7 +114,7 @@ local function watch_step(w, toks, n, stops, max_stop)
       end
     end
   end
-  return false, grew
+  return false
 end
 
 -- requests: list of { prompt_ids = {...} | prompt = 'text', n = samples (1), prompt_index = i - 1,
@@ -131,6 +132,8 @@ function Engine:generate(requests, opts)
     max_stop = math.max(max_stop, #s)
   end
   if #stops > 0 and not tok then error('engine:generate: stop strings need opts.tokenizer', 2) end
+  local on_text = opts.on_text
+  if on_text and not tok then error('engine:generate: on_text needs opts.tokenizer', 2) end
   local eos = opts.eos_ids
   if eos == nil then
     local id = self.model.config.eos_token_id
@@ -169,7 +172,7 @@ function Engine:generate(requests, opts)
     reqs[i] = { id = id_out[0], n = r.n }
   end
   local watches
-  if #stops > 0 then
+  if #stops > 0 or on_text then
     watches = {}
     local unf = ffi.new('int[1]')
     for i, q in ipairs(reqs) do
@@ -190,6 +193,13 @@ function Engine:generate(requests, opts)
               moonrl.check(C.mrl_engine_stop_sample(self.handle, q.id, j - 1), 2)
             elseif reason ~= 0 then
               w.done = true
+            end
+            if on_text then -- hold back what could still become a stop string
+              local upto = w.done and #w.text or #w.text - math.max(max_stop - 1, 0)
+              if upto > w.sent then
+                on_text(i, j, w.text:sub(w.sent + 1, upto))
+                w.sent = upto
+              end
             end
           end
         end
