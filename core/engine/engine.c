@@ -102,12 +102,13 @@ static void rebase(mrl_engine *e, const float *base) {
     e->base = base;
 }
 
-static mrl_status new_cache_and_sched(mrl_engine *e) {
+/* A new scheduler over the cache (created on first use, else cleared). */
+static mrl_status new_sched(mrl_engine *e) {
     const mrl_model_config *c = &e->m->cfg;
     mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
                               .head_dim = c->head_dim, .block_size = e->cfg.block_size,
                               .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching};
-    mrl_status st = mrl_kv_cache_create(&kc, &e->kv);
+    mrl_status st = e->kv ? mrl_kv_cache_clear(e->kv) : mrl_kv_cache_create(&kc, &e->kv);
     if (st) return st;
     mrl_sched_config sc = {.max_num_seqs = e->cfg.max_num_seqs,
                            .max_num_batched_tokens = e->cfg.max_num_batched_tokens,
@@ -115,7 +116,7 @@ static mrl_status new_cache_and_sched(mrl_engine *e) {
     return mrl_sched_create(&sc, e->kv, &e->sched);
 }
 
-static void drop_cache_and_sched(mrl_engine *e) {
+static void drop_sched(mrl_engine *e) {
     if (e->sched) {
         mrl_sched_stats s;
         mrl_sched_get_stats(e->sched, &s);
@@ -128,14 +129,13 @@ static void drop_cache_and_sched(mrl_engine *e) {
         e->done.generated_tokens += s.generated_tokens;
     }
     mrl_sched_destroy(e->sched);
-    mrl_kv_cache_destroy(e->kv);
     e->sched = NULL;
-    e->kv = NULL;
 }
 
 void mrl_engine_free(mrl_engine *e) {
     if (!e) return;
-    drop_cache_and_sched(e);
+    drop_sched(e);
+    mrl_kv_cache_destroy(e->kv);
     mrl_mem_free(e->act_buf);
     mrl_mem_free(e->attn_ws);
     mrl_mem_free(e->lp);
@@ -175,7 +175,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
         rebase(e, model->params);
         st = mrl_model_rope_prepare(model, c.max_model_len);
     }
-    if (!st) st = new_cache_and_sched(e);
+    if (!st) st = new_sched(e);
     if (st) {
         mrl_engine_free(e);
         return st;
@@ -194,8 +194,8 @@ mrl_status mrl_engine_reset(mrl_engine *e) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine reset: NULL engine");
     mrl_status st = check_idle(e, "reset");
     if (st) return st;
-    drop_cache_and_sched(e);
-    return new_cache_and_sched(e);
+    drop_sched(e);
+    return new_sched(e);
 }
 
 mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params) {

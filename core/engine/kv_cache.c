@@ -131,6 +131,22 @@ static void block_copy(mrl_kv_cache *c, int dst, int src) {
 
 /* ---- create / destroy ---- */
 
+/* Every block free and uncached (the pool's contents are left as they are). */
+static void init_blocks(mrl_kv_cache *c) {
+    int nb = c->num_blocks;
+    for (int i = 0; i < nb; i++) { /* the stack pops block 0 first */
+        c->free_stack[i] = nb - 1 - i;
+        c->lru_prev[i] = c->lru_next[i] = c->bucket_next[i] = -1;
+        c->ref[i] = 0;
+        c->hashed[i] = 0;
+    }
+    c->free_top = nb;
+    for (uint64_t i = 0; i <= c->bucket_mask; i++) c->buckets[i] = -1;
+    c->lru_head = c->lru_tail = -1;
+    c->lru_count = 0;
+    c->st.cached_blocks = 0;
+}
+
 mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **out) {
     if (!cfg || !out) return mrl_set_error(MRL_ERR_INVALID, "kv_cache_create: NULL argument");
     *out = NULL;
@@ -172,15 +188,16 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
         return mrl_set_error(MRL_ERR_NOMEM, "kv_cache_create: cannot allocate %lld blocks (%lld bytes)",
                              (long long)nb, (long long)(nb * block_bytes));
     }
-    /* the stack pops block 0 first */
-    for (int64_t i = 0; i < nb; i++) {
-        c->free_stack[i] = (int32_t)(nb - 1 - i);
-        c->lru_prev[i] = c->lru_next[i] = c->bucket_next[i] = -1;
-    }
-    c->free_top = (int)nb;
-    for (uint64_t i = 0; i < nbuckets; i++) c->buckets[i] = -1;
-    c->lru_head = c->lru_tail = -1;
+    init_blocks(c);
     *out = c;
+    return MRL_OK;
+}
+
+mrl_status mrl_kv_cache_clear(mrl_kv_cache *c) {
+    if (!c) return mrl_set_error(MRL_ERR_INVALID, "kv_cache_clear: NULL cache");
+    if (c->n_live > 0)
+        return mrl_set_error(MRL_ERR_INVALID, "kv_cache_clear: %d sequences are still live", c->n_live);
+    init_blocks(c);
     return MRL_OK;
 }
 

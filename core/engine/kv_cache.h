@@ -62,6 +62,9 @@ typedef struct mrl_kv_cache_stats {
 
 mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **out);
 void mrl_kv_cache_destroy(mrl_kv_cache *c);
+/* Forget every cached prefix: all blocks free again (their contents stay,
+ * nothing is reallocated). Fails while a sequence is live. */
+mrl_status mrl_kv_cache_clear(mrl_kv_cache *c);
 
 /* Geometry and the pool (per-layer K and V base pointers, layout above). */
 const mrl_kv_cache_config *mrl_kv_cache_get_config(const mrl_kv_cache *c);
