@@ -89,9 +89,28 @@ static void gemm_part(void *vc, int64_t p) {
         gemm_call(g, 0, g->M, lo, hi);
 }
 
+/* Few rows times a transposed matrix (a decode step's x W^T, 2..16 rows):
+ * our own kernel streams W once; OpenBLAS would first copy (pack) all of W
+ * (one row: OpenBLAS's small-matrix kernel is as fast). */
+#define FEW_ROWS 16
+
+static void gemm_few_part(void *vc, int64_t p) {
+    const gemm_ctx *g = vc;
+    int64_t step = ((g->N + g->parts - 1) / g->parts + 15) / 16 * 16;
+    int64_t lo = p * step, hi = lo + step < g->N ? lo + step : g->N;
+    if (lo < hi) isa->gemm_nt_rows(g->M, lo, hi, g->K, g->alpha, g->A, g->lda, g->B, g->ldb, g->beta, g->C, g->ldc);
+}
+
 static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                       int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return;
+    if (!ta && tb && M >= 2 && M <= FEW_ROWS && K > 0) {
+        gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, 0};
+        if (M * N * K >= (1 << 18)) g.parts = 4 * (int64_t)mrl_parallel_threads();
+        if (g.parts > (N + 63) / 64) g.parts = (N + 63) / 64;
+        dyn_for(g.parts, gemm_few_part, &g);
+        return;
+    }
     gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
     int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
     g.parts = 4 * (int64_t)mrl_parallel_threads(); /* a few slices per thread, taken dynamically */

@@ -32,6 +32,9 @@ typedef struct mrl_cpu_isa {
     /* scratch: mrl_attn_scratch_floats(max_len, hd) floats */
     void (*attn_fwd_head)(const mrl_attn_args *a, int s, int h, float *scratch);
     void (*attn_bwd_group)(const mrl_attn_args *a, int s, int kh, float *scratch);
+    /* C[m, n0..n1) = alpha * A[m] . B[n] (+ beta C) for m < M: few rows, B [N,K] streamed once */
+    void (*gemm_nt_rows)(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
 } mrl_cpu_isa;
 
 #define ATT_QB 64 /* queries per attention block */
