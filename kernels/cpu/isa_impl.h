@@ -1,8 +1,8 @@
 /* The fast inner loops, written once with GCC vector types of VW floats and
  * compiled once per instruction set: isa_avx512.c (VW 16), isa_avx2.c (VW 8),
  * isa_sse.c (VW 4), each under its own `#pragma GCC target`. Before
- * including, define VW and ISA_TABLE (the mrl_cpu_isa to define) and
- * ISA_NAME. Sums run in VW lanes (fp32), tails in scalar code. */
+ * including, define VW and ISA_TABLE (the mrl_cpu_isa to define),
+ * ISA_NAME and ISA_LEVEL. Sums run in VW lanes (fp32), tails in scalar code. */
 #include <math.h>
 #include <cblas.h>
 #include <string.h>
@@ -259,6 +259,26 @@ static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch
         }
 }
 
+/* w[i] = exp(x[i] - m) (0 below -87), their sum in double lanes. */
+static double exp_sum(float *w, const float *x, float m, int64_t n) {
+    typedef double vd __attribute__((vector_size(VW * 8)));
+    vd acc = {0};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf t = ld(x + i) - m;
+        vf y = vsel(t >= splat(-87.0f), vexp(t), splat(0));
+        st(w + i, y);
+        acc += __builtin_convertvector(y, vd);
+    }
+    double s = 0;
+    for (int k = 0; k < VW; k++) s += acc[k];
+    for (; i < n; i++) {
+        float t = x[i] - m;
+        s += (w[i] = t >= -87.0f ? expf(t) : 0.0f);
+    }
+    return s;
+}
+
 /* The sum of v's lanes by halving (log2(VW) vector adds). */
 static inline float hsum_tree(vf v) {
     typedef float v4 __attribute__((vector_size(16)));
@@ -312,6 +332,8 @@ static void gemm_nt_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, float alp
 
 const mrl_cpu_isa ISA_TABLE = {
     .name = ISA_NAME,
+    .level = ISA_LEVEL,
+    .exp_sum = exp_sum,
     .rmsnorm_fwd_rows = rmsnorm_fwd_rows,
     .rmsnorm_bwd_rows = rmsnorm_bwd_rows,
     .swiglu_fwd = swiglu_fwd,

@@ -6,7 +6,7 @@
  *   scores  K is stored transposed in a block ([hd][block_size]), so the
  *           scores of 16 keys for one head are one vector accumulated over
  *           d with broadcast q[d]: no horizontal sums;
- *   softmax per head over the context (vector exp, kernels/cpu/vexp.c);
+ *   softmax per head over the context (vector exp, mrl_vexp_sum in kernels/cpu/isa.h);
  *   values  out[h][d-chunk] += p[h][key] * V[key][d-chunk], keys in tiles
  *           that stay in cache while every d-chunk is accumulated.
  * AVX-512 in intrinsics; AVX2 and scalar from the same plain C loops (their
@@ -17,7 +17,7 @@
 #include <string.h>
 #include <immintrin.h>
 #include "cpu/paged_attention.h"
-#include "cpu/vexp.h"
+#include "cpu/isa.h"
 #include "moonrl/parallel.h"
 
 #define QUERY_TILE 16
