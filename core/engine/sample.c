@@ -231,7 +231,7 @@ mrl_status mrl_sample_gather(const float *const *rows, int64_t n, int V, const m
         if (st) return prefix_error(st, r);
     }
     rows_ctx ctx = {rows, V, params, keys, counters, tokens, logprobs, lp_processed, -1};
-    mrl_parallel_for(n, 1, sample_range, &ctx);
+    mrl_parallel_for(n, V >= (1 << 17) ? 1 : (1 << 17) / V, sample_range, &ctx); /* >= 128K logits a thread */
     if (ctx.failed_row >= 0) {
         int32_t t;
         float lp;

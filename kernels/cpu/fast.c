@@ -75,6 +75,12 @@ static void gemm_part(void *vc, int64_t p) {
         gemm_call(g, 0, g->M, lo, hi);
 }
 
+/* Products below this many multiply-adds run on one thread: a parallel
+ * region costs more than it saves for them, and far more on a loaded
+ * machine, where it waits for every thread to be scheduled (decode steps
+ * issue dozens of such products). */
+#define PARALLEL_MACS ((int64_t)1 << 22)
+
 /* Few rows times a transposed matrix (a decode step's x W^T, 2..16 rows):
  * our own kernel streams W once; OpenBLAS would first copy (pack) all of W
  * (one row: OpenBLAS's small-matrix kernel is as fast). */
@@ -92,7 +98,7 @@ static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
     if (M <= 0 || N <= 0) return;
     if (!ta && tb && M >= 2 && M <= FEW_ROWS && K > 0) {
         gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, 0};
-        if (M * N * K >= (1 << 18)) g.parts = 4 * (int64_t)mrl_parallel_threads();
+        if (M * N * K >= PARALLEL_MACS) g.parts = 4 * (int64_t)mrl_parallel_threads();
         if (g.parts > (N + 63) / 64) g.parts = (N + 63) / 64;
         dyn_for(g.parts, gemm_few_part, &g);
         return;
@@ -100,7 +106,7 @@ static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
     gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
     int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
     g.parts = 4 * (int64_t)mrl_parallel_threads(); /* a few slices per thread, taken dynamically */
-    if (work < (1 << 18)) g.parts = 1;            /* too small to share */
+    if (work < PARALLEL_MACS) g.parts = 1;        /* too small to share */
     if (g.parts > (split + 63) / 64) g.parts = (split + 63) / 64; /* slices of at least 64 */
     if (g.parts < 1) g.parts = 1;
     dyn_for(g.parts, gemm_part, &g);
@@ -207,7 +213,7 @@ static void swiglu_bwd_range(void *vc, int64_t i0, int64_t i1) {
 
 static void fast_swiglu_fwd(float *out, const float *gate, const float *up, int64_t n) {
     swiglu_ctx c = {.out = out, .gate = gate, .up = up};
-    mrl_parallel_for(n, 4096, swiglu_fwd_range, &c);
+    mrl_parallel_for(n, 32768, swiglu_fwd_range, &c);
 }
 
 static void fast_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
