@@ -33,6 +33,9 @@ local function on_trace(what, tr, func, pc, otr, oex)
     --                                 end); it is recorded again on its next run
     --   'loop unroll limit reached'   a trace leaving one loop ran into the next loop; that loop gets
     --                                 its own root trace instead
+    --   'inner loop in root trace'    a root trace that started in an outer loop met an inner loop; the
+    --                                 inner loop gets its own root trace (which run becomes hot first
+    --                                 varies from process to process)
     --   'JIT compilation disabled for function', 'blacklisted'  a loop's exit trace ran on into the
     --                                 argument checks of the next call, interpreted by design
     --                                 (jit.off in agg.lua)
@@ -40,6 +43,7 @@ local function on_trace(what, tr, func, pc, otr, oex)
     -- checked separately (completed loop traces).
     local err = vmdef.traceerr[otr]
     local benign = err == 'leaving loop in root trace' or err == 'loop unroll limit reached'
+      or err == 'inner loop in root trace'
       or ((err == 'JIT compilation disabled for function' or err == 'blacklisted')
         and loc:find('algo/agg.lua', 1, true))
     if in_algo(start) and not benign then
