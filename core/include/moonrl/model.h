@@ -1,0 +1,156 @@
+/* The transformer (Llama / Qwen2 / Qwen3 dense) trained on the CPU: forward
+ * to per-token log-probs, entropy and values for a packed batch; backward
+ * from their gradients into one gradient buffer.
+ *
+ * Memory: all parameters live in one fp32 allocation (MRL_MEM_PARAMS), the
+ * gradients in a second one with the same layout (MRL_MEM_GRADS), the
+ * activations in a third (MRL_MEM_ACTIVATIONS) sized for the largest batch
+ * seen. Each parameter is a named view (offset, shape) into them, named as
+ * in Hugging Face checkpoints ("model.layers.0.self_attn.q_proj.weight").
+ *
+ * Batch layout (packed, no padding): tokens[n_tokens] holds the sequences
+ * one after the other; sequence s is tokens[cu_seqlens[s] .. cu_seqlens[s+1])
+ * with cu_seqlens[0] = 0 and cu_seqlens[n_seqs] = n_tokens. Positions restart
+ * at 0 in each sequence and attention never crosses sequences.
+ * targets[i] is the token whose log-prob output i holds (normally the next
+ * token of the same sequence, tokens[i+1]); -1 means "no target" (the last
+ * token of each sequence): its log-prob is 0 and its gradient is ignored.
+ * Entropy and value are computed for every token. */
+#pragma once
+#include <stdint.h>
+#include <stddef.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mrl_model_arch {
+    MRL_ARCH_LLAMA = 0, /* LlamaForCausalLM */
+    MRL_ARCH_QWEN2 = 1, /* Qwen2ForCausalLM: q/k/v biases */
+    MRL_ARCH_QWEN3 = 2  /* Qwen3ForCausalLM: q_norm / k_norm per head */
+} mrl_model_arch;
+
+typedef enum mrl_rope_scaling {
+    MRL_ROPE_NONE = 0,
+    MRL_ROPE_LLAMA3 = 1 /* rope_scaling {"rope_type": "llama3", ...} */
+} mrl_rope_scaling;
+
+typedef enum mrl_kernel_backend {
+    MRL_KERNELS_CPU_FAST = 0,     /* OpenBLAS + AVX2/AVX-512 kernels (default) */
+    MRL_KERNELS_CPU_REFERENCE = 1 /* plain loops, trusted by the tests */
+} mrl_kernel_backend;
+
+/* The architecture, with the keys of a Hugging Face config.json. */
+typedef struct mrl_model_config {
+    int arch;                    /* mrl_model_arch */
+    int vocab_size;
+    int hidden_size;
+    int intermediate_size;
+    int num_hidden_layers;
+    int num_attention_heads;
+    int num_key_value_heads;
+    int head_dim;                /* default hidden_size / num_attention_heads */
+    int max_position_embeddings;
+    int tie_word_embeddings;
+    int attention_bias;          /* q/k/v biases (always on for Qwen2) */
+    int value_head;              /* a scalar head score.weight [1, hidden] */
+    int rope_scaling;            /* mrl_rope_scaling */
+    int rope_original_max_position_embeddings;
+    int bos_token_id;            /* -1 if absent */
+    int eos_token_id;            /* -1 if absent (first one if a list) */
+    double rms_norm_eps;
+    double rope_theta;
+    double rope_factor;
+    double rope_low_freq_factor;
+    double rope_high_freq_factor;
+    double initializer_range;
+} mrl_model_config;
+
+/* One parameter: a view into the parameter (and gradient) buffer. */
+typedef struct mrl_param_view {
+    const char *name;  /* Hugging Face tensor name */
+    int64_t offset;    /* in floats from the start of the buffer */
+    int64_t numel;
+    int ndim;          /* 1 or 2 */
+    int64_t shape[2];
+    int weight_decay;  /* 0 for biases and norm weights (HF convention) */
+} mrl_param_view;
+
+typedef struct mrl_model mrl_model;
+
+/* A packed batch (see the layout above). The arrays are borrowed: they must
+ * stay alive and unchanged until the backward of this forward. */
+typedef struct mrl_batch {
+    const int32_t *tokens;     /* [n_tokens] */
+    const int32_t *targets;    /* [n_tokens], -1 = no target; NULL: all -1 */
+    const int32_t *cu_seqlens; /* [n_seqs + 1] */
+    int64_t n_tokens;
+    int32_t n_seqs;
+} mrl_batch;
+
+/* Defaults for every field (a tiny Llama); then set what you need. */
+void mrl_model_config_default(mrl_model_config *cfg);
+/* Parse the text of a config.json. `source` names it in error messages.
+ * Unsupported options (model_type, rope_scaling type, sliding window in use,
+ * attention/mlp bias for Llama, ...) are MRL_ERR_UNSUPPORTED naming them. */
+mrl_status mrl_model_config_parse(const char *json, size_t len, const char *source, mrl_model_config *cfg);
+mrl_status mrl_model_config_load(const char *path, mrl_model_config *cfg);
+/* Check a config (sizes, divisibility); called by mrl_model_create. */
+mrl_status mrl_model_config_validate(const mrl_model_config *cfg);
+/* The config as config.json text (Transformers-loadable): written into
+ * buf[0..cap) NUL-terminated; *len gets the length. */
+mrl_status mrl_model_config_to_json(const mrl_model_config *cfg, char *buf, size_t cap, size_t *len);
+
+/* A model with random weights: every matrix and the embedding drawn from
+ * normal(0, initializer_range), biases 0, norm weights 1, in view order
+ * from one deterministic generator seeded by `seed`. */
+mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_model **out);
+/* config.json + *.safetensors (sharded or not) from a Hugging Face directory. */
+mrl_status mrl_model_load_dir(const char *dir, mrl_model **out);
+/* config.json + model.safetensors (f32). */
+mrl_status mrl_model_save_dir(mrl_model *m, const char *dir);
+/* Replace every parameter with the floats of a raw little-endian f32 file
+ * holding the views one after the other in view order (the buffer image). */
+mrl_status mrl_model_load_raw(mrl_model *m, const char *path);
+mrl_status mrl_model_save_raw(mrl_model *m, const char *path);
+void mrl_model_free(mrl_model *m);
+
+const mrl_model_config *mrl_model_get_config(const mrl_model *m);
+int64_t mrl_model_num_params(const mrl_model *m);
+float *mrl_model_params(mrl_model *m);
+float *mrl_model_grads(mrl_model *m);
+int mrl_model_num_views(const mrl_model *m);
+/* View i (0 <= i < num_views); MRL_ERR_INVALID when out of range. */
+mrl_status mrl_model_view(const mrl_model *m, int i, mrl_param_view *out);
+/* The view with this name; MRL_ERR_INVALID naming it when absent. */
+mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_view *out);
+
+/* Keep only each layer's input in the forward and recompute the rest of
+ * the layer in the backward (less activation memory, ~1/3 more compute). */
+void mrl_model_set_recompute(mrl_model *m, int on);
+mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
+/* Tokens whose full-vocabulary logits the head holds at a time (0, the
+ * default: 32 MiB worth, at least 128 tokens). */
+void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens);
+/* Bytes of activations for a batch of n_tokens (with the current settings). */
+int64_t mrl_model_activation_bytes(const mrl_model *m, int64_t n_tokens);
+/* Free the activation buffer (it is reallocated by the next forward). */
+void mrl_model_release_activations(mrl_model *m);
+
+/* Forward a packed batch. Outputs, each [n_tokens], may be NULL when not
+ * wanted: logprobs (log p(target), 0 where target = -1), entropy of the
+ * predicted distribution, values (needs value_head). Logits are divided by
+ * `temperature` (> 0; 1 for none) before the softmax. The full
+ * [n_tokens, vocab] logits are never stored: the head works in token chunks. */
+mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *batch, float temperature,
+                             float *logprobs, float *entropy, float *values);
+/* Backward of the last forward, from dL/dlogprob, dL/dentropy, dL/dvalue per
+ * token (each may be NULL: zero). Gradients are ADDED to the gradient buffer. */
+mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy,
+                              const float *dvalues);
+void mrl_model_zero_grad(mrl_model *m);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,290 @@
+/* The model config: defaults, config.json parsing (with clear errors for
+ * what moonrl does not support), validation, and writing it back as a
+ * config.json that Transformers loads. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include "io/json.h"
+#include "moonrl/model.h"
+
+void mrl_model_config_default(mrl_model_config *c) {
+    memset(c, 0, sizeof *c);
+    c->arch = MRL_ARCH_LLAMA;
+    c->vocab_size = 256;
+    c->hidden_size = 64;
+    c->intermediate_size = 128;
+    c->num_hidden_layers = 2;
+    c->num_attention_heads = 4;
+    c->num_key_value_heads = 4;
+    c->head_dim = 0; /* hidden_size / num_attention_heads */
+    c->max_position_embeddings = 2048;
+    c->bos_token_id = -1;
+    c->eos_token_id = -1;
+    c->rms_norm_eps = 1e-6;
+    c->rope_theta = 10000.0;
+    c->rope_factor = 8.0;
+    c->rope_low_freq_factor = 1.0;
+    c->rope_high_freq_factor = 4.0;
+    c->rope_original_max_position_embeddings = 8192;
+    c->initializer_range = 0.02;
+}
+
+static const char *arch_names[] = {"llama", "qwen2", "qwen3"};
+static const char *arch_classes[] = {"Llama", "Qwen2", "Qwen3"};
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+/* An integer member: 1 found, 0 absent or null, -1 present with another type. */
+static int get_int(const mrl_json *o, const char *key, int *out) {
+    mrl_json *v = mrl_json_get(o, key);
+    if (!v || v->type == MRL_JSON_NULL) return 0;
+    if (v->type != MRL_JSON_NUMBER || !v->is_integer || v->integer < -2147483647LL || v->integer > 2147483647LL)
+        return -1;
+    *out = (int)v->integer;
+    return 1;
+}
+
+static int get_num(const mrl_json *o, const char *key, double *out) {
+    mrl_json *v = mrl_json_get(o, key);
+    if (!v || v->type == MRL_JSON_NULL) return 0;
+    if (v->type != MRL_JSON_NUMBER) return -1;
+    *out = v->number;
+    return 1;
+}
+
+static int get_bool(const mrl_json *o, const char *key, int *out) {
+    mrl_json *v = mrl_json_get(o, key);
+    if (!v || v->type == MRL_JSON_NULL) return 0;
+    if (v->type != MRL_JSON_BOOL) return -1;
+    *out = v->number != 0;
+    return 1;
+}
+
+#define WANT(kind, key, ptr, required)                                                                      \
+    do {                                                                                                    \
+        int r_ = get_##kind(root, key, ptr);                                                                \
+        if (r_ < 0) {                                                                                       \
+            st = mrl_set_error(MRL_ERR_FORMAT, "%s: \"%s\" must be a%s", source, key,                       \
+                               #kind[0] == 'i' ? "n integer" : #kind[0] == 'n' ? " number" : " boolean");   \
+            goto done;                                                                                      \
+        }                                                                                                   \
+        if (r_ == 0 && (required)) {                                                                        \
+            st = mrl_set_error(MRL_ERR_FORMAT, "%s: missing \"%s\"", source, key);                          \
+            goto done;                                                                                      \
+        }                                                                                                   \
+    } while (0)
+
+static mrl_status parse_rope_scaling(const mrl_json *rs, const char *source, mrl_model_config *c) {
+    if (!rs || rs->type == MRL_JSON_NULL) return MRL_OK;
+    if (rs->type != MRL_JSON_OBJECT) return mrl_set_error(MRL_ERR_FORMAT, "%s: \"rope_scaling\" must be an object", source);
+    const char *type = mrl_json_get_string(rs, "rope_type");
+    if (!type) type = mrl_json_get_string(rs, "type");
+    if (!type) return mrl_set_error(MRL_ERR_FORMAT, "%s: rope_scaling has no \"rope_type\"", source);
+    if (strcmp(type, "default") == 0) return MRL_OK;
+    if (strcmp(type, "llama3") != 0)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: rope_scaling type '%s' is not supported (only 'llama3')", source, type);
+    c->rope_scaling = MRL_ROPE_LLAMA3;
+    const mrl_json *root = rs;
+    mrl_status st = MRL_OK;
+    WANT(num, "factor", &c->rope_factor, 1);
+    WANT(num, "low_freq_factor", &c->rope_low_freq_factor, 1);
+    WANT(num, "high_freq_factor", &c->rope_high_freq_factor, 1);
+    WANT(int, "original_max_position_embeddings", &c->rope_original_max_position_embeddings, 1);
+    if (!(c->rope_factor > 0) || !(c->rope_low_freq_factor > 0) || !(c->rope_high_freq_factor > c->rope_low_freq_factor) ||
+        c->rope_original_max_position_embeddings <= 0)
+        st = mrl_set_error(MRL_ERR_INVALID, "%s: rope_scaling llama3 needs factor > 0, high_freq_factor > low_freq_factor > 0, "
+                           "original_max_position_embeddings > 0", source);
+done:
+    return st;
+}
+
+mrl_status mrl_model_config_parse(const char *json, size_t len, const char *source, mrl_model_config *c) {
+    if (!json || !c) return mrl_set_error(MRL_ERR_INVALID, "model config: NULL argument");
+    if (!source) source = "config";
+    mrl_json_doc *doc = NULL;
+    mrl_status st = mrl_json_parse(json, len, source, &doc);
+    if (st) return st;
+    const mrl_json *root = mrl_json_root(doc);
+    mrl_model_config_default(c);
+    if (root->type != MRL_JSON_OBJECT) {
+        st = mrl_set_error(MRL_ERR_FORMAT, "%s: not a JSON object", source);
+        goto done;
+    }
+    const char *mt = mrl_json_get_string(root, "model_type");
+    const mrl_json *archs = mrl_json_get(root, "architectures");
+    const char *arch0 = archs && archs->type == MRL_JSON_ARRAY && archs->length > 0 && archs->items[0]->type == MRL_JSON_STRING
+                            ? archs->items[0]->string : NULL;
+    if (!mt) {
+        if (arch0 && strncmp(arch0, "Llama", 5) == 0) mt = "llama";
+        else if (arch0 && strncmp(arch0, "Qwen2", 5) == 0) mt = "qwen2";
+        else if (arch0 && strncmp(arch0, "Qwen3", 5) == 0) mt = "qwen3";
+        else {
+            st = mrl_set_error(MRL_ERR_FORMAT, "%s: no \"model_type\"", source);
+            goto done;
+        }
+    }
+    int found = 0;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(mt, arch_names[i]) == 0) c->arch = i, found = 1;
+    if (!found) {
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, qwen2, qwen3)", source, mt);
+        goto done;
+    }
+    if (arch0) {
+        if (ends_with(arch0, "ForSequenceClassification")) c->value_head = 1;
+        else if (!ends_with(arch0, "ForCausalLM")) {
+            st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: architecture '%s' is not supported", source, arch0);
+            goto done;
+        }
+    }
+    WANT(int, "vocab_size", &c->vocab_size, 1);
+    WANT(int, "hidden_size", &c->hidden_size, 1);
+    WANT(int, "intermediate_size", &c->intermediate_size, 1);
+    WANT(int, "num_hidden_layers", &c->num_hidden_layers, 1);
+    WANT(int, "num_attention_heads", &c->num_attention_heads, 1);
+    c->num_key_value_heads = c->num_attention_heads;
+    WANT(int, "num_key_value_heads", &c->num_key_value_heads, 0);
+    WANT(int, "head_dim", &c->head_dim, 0);
+    WANT(int, "max_position_embeddings", &c->max_position_embeddings, 0);
+    WANT(num, "rms_norm_eps", &c->rms_norm_eps, 0);
+    WANT(num, "rope_theta", &c->rope_theta, 0);
+    WANT(num, "initializer_range", &c->initializer_range, 0);
+    WANT(bool, "tie_word_embeddings", &c->tie_word_embeddings, 0);
+    WANT(bool, "moonrl_value_head", &c->value_head, 0);
+    WANT(int, "bos_token_id", &c->bos_token_id, 0);
+    const mrl_json *eos = mrl_json_get(root, "eos_token_id");
+    if (eos && eos->type == MRL_JSON_ARRAY && eos->length > 0 && eos->items[0]->type == MRL_JSON_NUMBER)
+        c->eos_token_id = (int)eos->items[0]->integer;
+    else
+        WANT(int, "eos_token_id", &c->eos_token_id, 0);
+    int num_labels = 1;
+    WANT(int, "num_labels", &num_labels, 0);
+    if (c->value_head && num_labels != 1) {
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: num_labels %d: only a scalar value head (num_labels 1) is supported", source, num_labels);
+        goto done;
+    }
+    const char *act = mrl_json_get_string(root, "hidden_act");
+    if (act && strcmp(act, "silu") != 0) {
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported (only 'silu')", source, act);
+        goto done;
+    }
+    int flag = 0;
+    WANT(bool, "attention_bias", &flag, 0);
+    if (flag && c->arch != MRL_ARCH_QWEN2) {
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: attention_bias true is not supported for %s", source, mt);
+        goto done;
+    }
+    c->attention_bias = c->arch == MRL_ARCH_QWEN2;
+    flag = 0;
+    WANT(bool, "mlp_bias", &flag, 0);
+    if (flag) {
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: mlp_bias true is not supported", source);
+        goto done;
+    }
+    flag = 0;
+    WANT(bool, "use_sliding_window", &flag, 0);
+    if (flag) {
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: use_sliding_window true (sliding-window attention) is not supported", source);
+        goto done;
+    }
+    st = parse_rope_scaling(mrl_json_get(root, "rope_scaling"), source, c);
+    if (st) goto done;
+    if (c->head_dim == 0 && c->num_attention_heads > 0) c->head_dim = c->hidden_size / c->num_attention_heads;
+    st = mrl_model_config_validate(c);
+done:
+    mrl_json_free(doc);
+    return st;
+}
+
+mrl_status mrl_model_config_load(const char *path, mrl_model_config *c) {
+    if (!path) return mrl_set_error(MRL_ERR_INVALID, "model config: NULL path");
+    FILE *f = fopen(path, "rb");
+    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open", path);
+    char buf[1 << 16];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    int big = !feof(f);
+    fclose(f);
+    if (big) return mrl_set_error(MRL_ERR_FORMAT, "%s: larger than 64 KiB, not a config.json", path);
+    return mrl_model_config_parse(buf, n, path, c);
+}
+
+mrl_status mrl_model_config_validate(const mrl_model_config *c) {
+    if (!c) return mrl_set_error(MRL_ERR_INVALID, "model config: NULL");
+#define POS(field, max)                                                                                         \
+    if (c->field <= 0 || c->field > (max))                                                                       \
+        return mrl_set_error(MRL_ERR_INVALID, "model config: " #field " = %d (must be in 1..%d)", c->field, (max));
+    POS(vocab_size, 1 << 24)
+    POS(hidden_size, 1 << 16)
+    POS(intermediate_size, 1 << 18)
+    POS(num_hidden_layers, 1024)
+    POS(num_attention_heads, 1024)
+    POS(num_key_value_heads, 1024)
+    POS(head_dim, 1024)
+#undef POS
+    if (c->arch < MRL_ARCH_LLAMA || c->arch > MRL_ARCH_QWEN3)
+        return mrl_set_error(MRL_ERR_INVALID, "model config: arch = %d (0 llama, 1 qwen2, 2 qwen3)", c->arch);
+    if (c->num_attention_heads % c->num_key_value_heads)
+        return mrl_set_error(MRL_ERR_INVALID, "model config: num_attention_heads %d is not a multiple of num_key_value_heads %d",
+                             c->num_attention_heads, c->num_key_value_heads);
+    if (c->head_dim % 2) return mrl_set_error(MRL_ERR_INVALID, "model config: head_dim %d must be even (RoPE)", c->head_dim);
+    if (c->attention_bias && c->arch != MRL_ARCH_QWEN2)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model config: attention_bias is supported for qwen2 only");
+    if (!(c->rms_norm_eps > 0) || !(c->rope_theta > 0) || !(c->initializer_range >= 0))
+        return mrl_set_error(MRL_ERR_INVALID, "model config: rms_norm_eps, rope_theta must be > 0 and initializer_range >= 0");
+    if (c->rope_scaling != MRL_ROPE_NONE && c->rope_scaling != MRL_ROPE_LLAMA3)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model config: rope_scaling = %d", c->rope_scaling);
+    return MRL_OK;
+}
+
+typedef struct out_buf {
+    char *buf;
+    size_t cap, len;
+} out_buf;
+
+static void put(out_buf *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(out_buf *o, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    size_t room = o->len < o->cap ? o->cap - o->len : 0;
+    int n = vsnprintf(room ? o->buf + o->len : NULL, room, fmt, ap);
+    va_end(ap);
+    if (n > 0) o->len += (size_t)n;
+}
+
+mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t cap, size_t *len) {
+    mrl_status st = mrl_model_config_validate(c);
+    if (st) return st;
+    out_buf o = {buf, cap, 0};
+    const char *mt = arch_names[c->arch];
+    put(&o, "{\n  \"architectures\": [\"%s%s\"],\n  \"model_type\": \"%s\",\n", arch_classes[c->arch],
+        c->value_head ? "ForSequenceClassification" : "ForCausalLM", mt);
+    put(&o, "  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n", c->vocab_size,
+        c->hidden_size, c->intermediate_size);
+    put(&o, "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n",
+        c->num_hidden_layers, c->num_attention_heads, c->num_key_value_heads);
+    put(&o, "  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n", c->head_dim, c->max_position_embeddings);
+    put(&o, "  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": %.17g,\n  \"rope_theta\": %.17g,\n", c->rms_norm_eps,
+        c->rope_theta);
+    if (c->rope_scaling == MRL_ROPE_LLAMA3)
+        put(&o, "  \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": %.17g, \"low_freq_factor\": %.17g, "
+                "\"high_freq_factor\": %.17g, \"original_max_position_embeddings\": %d},\n",
+            c->rope_factor, c->rope_low_freq_factor, c->rope_high_freq_factor, c->rope_original_max_position_embeddings);
+    else
+        put(&o, "  \"rope_scaling\": null,\n");
+    put(&o, "  \"initializer_range\": %.17g,\n  \"tie_word_embeddings\": %s,\n", c->initializer_range,
+        c->tie_word_embeddings ? "true" : "false");
+    if (c->arch == MRL_ARCH_LLAMA) put(&o, "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
+    if (c->arch == MRL_ARCH_QWEN3) put(&o, "  \"attention_bias\": false,\n");
+    if (c->arch != MRL_ARCH_LLAMA) put(&o, "  \"use_sliding_window\": false,\n  \"max_window_layers\": %d,\n", c->num_hidden_layers);
+    if (c->value_head) put(&o, "  \"num_labels\": 1,\n  \"id2label\": {\"0\": \"LABEL_0\"},\n  \"label2id\": {\"LABEL_0\": 0},\n");
+    if (c->bos_token_id >= 0) put(&o, "  \"bos_token_id\": %d,\n", c->bos_token_id);
+    if (c->eos_token_id >= 0) put(&o, "  \"eos_token_id\": %d,\n", c->eos_token_id);
+    put(&o, "  \"attention_dropout\": 0.0,\n  \"use_cache\": true,\n  \"torch_dtype\": \"float32\"\n}\n");
+    if (len) *len = o.len;
+    if (o.len + 1 > cap) return mrl_set_error(MRL_ERR_INVALID, "model config: %zu bytes needed for the JSON, buffer holds %zu", o.len + 1, cap);
+    return MRL_OK;
+}

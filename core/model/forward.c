@@ -1,0 +1,223 @@
+/* The whole model's forward and backward over a packed batch, and the
+ * activation buffer they use.
+ *
+ *   x0 = embed[tokens]; x_{l+1} = layer_l(x_l); lnf = rmsnorm(x_L)
+ *   per token chunk: logits = lnf W_lm^T / temperature -> logprob, entropy, lse
+ *   values = lnf score^T
+ * The backward recomputes each chunk's logits (they are never kept). */
+#include <string.h>
+#include "moonrl/mem.h"
+#include "model_internal.h"
+
+/* Carve the activation buffer (base NULL: only count). Returns bytes. */
+static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
+    const mrl_model_config *c = &m->cfg;
+    int64_t D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
+            Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd, V = c->vocab_size;
+    int L = c->num_hidden_layers, qwen3 = c->arch == MRL_ARCH_QWEN3;
+    int64_t off = 0;
+#define TAKE(ptr, type, count)                                                          \
+    do {                                                                                \
+        if (base) ptr = (type *)(base + off);                                           \
+        off += ((int64_t)sizeof(type) * (count) + 63) / 64 * 64;                        \
+    } while (0)
+    for (int l = 0; l <= L; l++) TAKE(m->xs[l], float, T * D);
+    for (int l = 0; l < L; l++) {
+        layer_acts *a = &m->la[l];
+        if (m->recompute && l > 0) {
+            if (base) *a = m->la[0];
+            continue;
+        }
+        TAKE(a->ln1, float, T * D);
+        TAKE(a->rstd1, float, T);
+        if (qwen3) {
+            TAKE(a->qraw, float, T * Q);
+            TAKE(a->kraw, float, T * K);
+            TAKE(a->rstdq, float, T * Hq);
+            TAKE(a->rstdk, float, T * Hk);
+        } else if (base) {
+            a->qraw = a->kraw = a->rstdq = a->rstdk = NULL;
+        }
+        TAKE(a->q, float, T * Q);
+        TAKE(a->k, float, T * K);
+        TAKE(a->v, float, T * K);
+        TAKE(a->att, float, T * Q);
+        TAKE(a->lse, float, T * Hq);
+        TAKE(a->h, float, T * D);
+        TAKE(a->ln2, float, T * D);
+        TAKE(a->rstd2, float, T);
+        TAKE(a->gate, float, T * F);
+        TAKE(a->up, float, T * F);
+        TAKE(a->act, float, T * F);
+    }
+    grad_scratch *g = &m->gs;
+    TAKE(g->dx, float, T * D);
+    TAKE(g->dln, float, T * D);
+    TAKE(g->df1, float, T * F);
+    TAKE(g->df2, float, T * F);
+    TAKE(g->datt, float, T * Q);
+    TAKE(g->dq, float, T * Q);
+    TAKE(g->dk, float, T * K);
+    TAKE(g->dv, float, T * K);
+    if (qwen3) TAKE(g->dk2, float, T * K);
+    TAKE(m->lnf, float, T * D);
+    TAKE(m->rstdf, float, T);
+    TAKE(m->head_lse, float, T);
+    TAKE(m->head_ent, float, T);
+    /* default: 32 MiB of logits, but at least 128 tokens (a matrix product
+     * with fewer rows is slow and rereads the whole lm_head gradient) */
+    int64_t chunk = m->head_chunk_setting > 0 ? m->head_chunk_setting : ((int64_t)1 << 23) / V;
+    if (m->head_chunk_setting <= 0 && chunk < 128) chunk = 128;
+    if (chunk > T) chunk = T;
+    if (base) m->head_chunk = chunk;
+    TAKE(m->logits, float, chunk * V);
+    TAKE(m->pos, int32_t, T);
+    TAKE(m->targets, int32_t, T);
+#undef TAKE
+    return off;
+}
+
+int64_t mrl_model_activation_bytes(const mrl_model *m, int64_t n_tokens) {
+    if (!m || n_tokens <= 0) return 0;
+    mrl_model tmp = *m; /* layout_acts writes head_chunk only with a base */
+    return layout_acts(&tmp, n_tokens, NULL);
+}
+
+void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens) {
+    if (!m) return;
+    mrl_model_release_activations(m);
+    m->head_chunk_setting = tokens > 0 ? tokens : 0;
+}
+
+void mrl_model_release_activations(mrl_model *m) {
+    if (!m) return;
+    mrl_mem_free(m->act_buf);
+    mrl_mem_free(m->xs);
+    mrl_mem_free(m->la);
+    m->act_buf = NULL;
+    m->xs = NULL;
+    m->la = NULL;
+    m->act_tokens = 0;
+    m->have_forward = 0;
+}
+
+static mrl_status ensure_acts(mrl_model *m, int64_t T) {
+    if (m->act_buf && m->act_tokens >= T) return MRL_OK;
+    mrl_model_release_activations(m);
+    int L = m->cfg.num_hidden_layers;
+    m->xs = mrl_mem_alloc(sizeof(float *) * (L + 1), MRL_MEM_OTHER);
+    m->la = mrl_mem_alloc(sizeof(layer_acts) * L, MRL_MEM_OTHER);
+    int64_t bytes = layout_acts(m, T, NULL);
+    m->act_buf = m->xs && m->la ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
+    if (!m->act_buf) {
+        mrl_model_release_activations(m);
+        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the activations of %lld tokens (%lld bytes)",
+                             (long long)T, (long long)bytes);
+    }
+    layout_acts(m, T, m->act_buf);
+    m->act_tokens = T;
+    return MRL_OK;
+}
+
+static mrl_status check_batch(const mrl_model *m, const mrl_batch *b, int64_t *max_len) {
+    if (!b || !b->tokens || !b->cu_seqlens)
+        return mrl_set_error(MRL_ERR_INVALID, "model forward: batch, tokens and cu_seqlens must not be NULL");
+    if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->n_tokens > ((int64_t)1 << 31) - 1)
+        return mrl_set_error(MRL_ERR_INVALID, "model forward: n_tokens = %lld, n_seqs = %d (both must be > 0)",
+                             (long long)b->n_tokens, b->n_seqs);
+    if (b->cu_seqlens[0] != 0 || b->cu_seqlens[b->n_seqs] != b->n_tokens)
+        return mrl_set_error(MRL_ERR_INVALID, "model forward: cu_seqlens must start at 0 and end at n_tokens = %lld (got %d .. %d)",
+                             (long long)b->n_tokens, b->cu_seqlens[0], b->cu_seqlens[b->n_seqs]);
+    *max_len = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        int64_t len = (int64_t)b->cu_seqlens[s + 1] - b->cu_seqlens[s];
+        if (len < 0)
+            return mrl_set_error(MRL_ERR_INVALID, "model forward: cu_seqlens decreases at sequence %d", s);
+        if (len > *max_len) *max_len = len;
+    }
+    int V = m->cfg.vocab_size;
+    for (int64_t i = 0; i < b->n_tokens; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= V)
+            return mrl_set_error(MRL_ERR_INVALID, "model forward: token %d at position %lld is outside the vocabulary (0..%d)",
+                                 b->tokens[i], (long long)i, V - 1);
+        if (b->targets && (b->targets[i] < -1 || b->targets[i] >= V))
+            return mrl_set_error(MRL_ERR_INVALID, "model forward: target %d at position %lld is outside -1..%d",
+                                 b->targets[i], (long long)i, V - 1);
+    }
+    return MRL_OK;
+}
+
+mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature, float *logprobs,
+                             float *entropy, float *values) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "model forward: NULL model");
+    if (!(temperature > 0)) return mrl_set_error(MRL_ERR_INVALID, "model forward: temperature %g must be > 0", temperature);
+    if (values && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model forward: values asked of a model without value head");
+    int64_t max_len = 0;
+    mrl_status st = check_batch(m, b, &max_len);
+    if (!st) st = ensure_acts(m, b->n_tokens);
+    if (!st) st = mrl_model_rope_prepare(m, max_len);
+    if (st) return st;
+    const mrl_model_config *c = &m->cfg;
+    const mrl_kernels *k = m->k;
+    int64_t T = b->n_tokens, D = c->hidden_size, V = c->vocab_size;
+    m->batch = *b;
+    m->inv_temp = 1.0f / temperature;
+    for (int s = 0; s < b->n_seqs; s++)
+        for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) m->pos[i] = i - b->cu_seqlens[s];
+    for (int64_t i = 0; i < T; i++) {
+        m->targets[i] = b->targets ? b->targets[i] : -1;
+        memcpy(m->xs[0] + i * D, m->embed + (int64_t)b->tokens[i] * D, sizeof(float) * D); /* [T,D] */
+    }
+    for (int l = 0; l < c->num_hidden_layers; l++) mrl_layer_forward(m, l, T);
+    k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
+    float *lp_out = logprobs, *ent_out = entropy;
+    for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
+        int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
+        k->gemm(0, 1, n, V, D, 1.0f, m->lnf + t0 * D, D, m->lm_head, D, 0.0f, m->logits, V); /* [n,V] */
+        /* logprob goes to a scratch row when not wanted: dx is free during the forward */
+        float *lp = lp_out ? lp_out + t0 : m->gs.dx;
+        k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0, lp);
+        if (ent_out) memcpy(ent_out + t0, m->head_ent + t0, sizeof(float) * n);
+    }
+    if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, values, 1); /* [T,1] */
+    m->have_forward = 1;
+    return MRL_OK;
+}
+
+mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy, const float *dvalues) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "model backward: NULL model");
+    if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model backward: no forward to go back through");
+    if (dvalues && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model backward: dvalues given to a model without value head");
+    const mrl_model_config *c = &m->cfg;
+    const mrl_kernels *k = m->k;
+    int64_t T = m->batch.n_tokens, D = c->hidden_size, V = c->vocab_size;
+    int L = c->num_hidden_layers;
+    float *dlnf = m->gs.dln; /* [T,D] */
+    memset(dlnf, 0, sizeof(float) * T * D);
+    if (dlogprobs || dentropy)
+        for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
+            int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
+            const float *x = m->lnf + t0 * D;
+            k->gemm(0, 1, n, V, D, 1.0f, x, D, m->lm_head, D, 0.0f, m->logits, V);
+            k->head_bwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0,
+                        dlogprobs ? dlogprobs + t0 : NULL, dentropy ? dentropy + t0 : NULL); /* dlogits [n,V] */
+            k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */
+            k->gemm(0, 0, n, D, V, 1.0f, m->logits, V, m->lm_head, D, 1.0f, dlnf + t0 * D, D); /* dlnf [n,D] */
+        }
+    if (dvalues) {
+        k->gemm(1, 0, 1, D, T, 1.0f, dvalues, 1, m->lnf, D, 1.0f, m->g_score, D); /* dscore [1,D] */
+        k->gemm(0, 0, T, D, 1, 1.0f, dvalues, 1, m->score, D, 1.0f, dlnf, D);     /* dlnf += dv score */
+    }
+    memset(m->gs.dx, 0, sizeof(float) * T * D);
+    k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
+    for (int l = L - 1; l >= 0; l--) {
+        if (m->recompute) mrl_layer_forward(m, l, T);
+        mrl_layer_backward(m, l, T);
+    }
+    for (int64_t t = 0; t < T; t++) { /* embedding rows, in token order */
+        float *ge = m->g_embed + (int64_t)m->batch.tokens[t] * D;
+        const float *d = m->gs.dx + t * D;
+        for (int64_t i = 0; i < D; i++) ge[i] += d[i];
+    }
+    return MRL_OK;
+}

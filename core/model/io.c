@@ -1,0 +1,124 @@
+/* Loading and saving Hugging Face model directories: config.json plus
+ * safetensors (one file or shards, through moonrl/safetensors.h).
+ *
+ * Load: every parameter view is read by its Hugging Face name (F32, BF16 or
+ * F16 converted to fp32) and its shape checked. Tolerated: a stored
+ * lm_head.weight in a tied model (ignored), *.rotary_emb.inv_freq buffers
+ * (ignored); for a value-head model without score.weight (a policy
+ * checkpoint turned critic) the score gets the documented init (seed 0),
+ * and a ...ForSequenceClassification checkpoint without lm_head.weight gets
+ * a copy of the embedding. Any other missing or extra tensor is an error.
+ * Save: config.json and model.safetensors in f32 (metadata format "pt",
+ * as Transformers expects), each written atomically. */
+#include <stdio.h>
+#include <string.h>
+#include "moonrl/safetensors.h"
+#include "model_internal.h"
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+static mrl_status read_weights(mrl_model *m, mrl_st *st, const char *dir) {
+    for (int i = 0; i < m->n_views; i++) {
+        const mrl_param_view *v = &m->views[i];
+        if (!mrl_st_has(st, v->name)) {
+            if (strcmp(v->name, "score.weight") == 0) {
+                uint64_t seed = 0;
+                mrl_model_init_view(m, v, &seed);
+                continue;
+            }
+            if (strcmp(v->name, "lm_head.weight") == 0 && m->cfg.value_head) {
+                memcpy(m->params + v->offset, m->embed, sizeof(float) * v->numel);
+                continue;
+            }
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' is missing", dir, v->name);
+        }
+        mrl_st_tensor t;
+        mrl_status s = mrl_st_find(st, v->name, &t);
+        if (s) return s;
+        int same = t.ndim == v->ndim && t.shape[0] == v->shape[0] && (v->ndim == 1 || t.shape[1] == v->shape[1]);
+        if (!same)
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' has shape [%lld%s%lld], the config implies [%lld, %lld]",
+                                 dir, v->name, (long long)t.shape[0], t.ndim > 1 ? ", " : "",
+                                 (long long)(t.ndim > 1 ? t.shape[1] : 0), (long long)v->shape[0], (long long)v->shape[1]);
+        s = mrl_st_read_f32(st, v->name, m->params + v->offset, v->numel);
+        if (s) return s;
+    }
+    /* anything else in the checkpoint is a part this model does not have */
+    for (int64_t i = 0; i < mrl_st_count(st); i++) {
+        mrl_st_tensor t;
+        mrl_status s = mrl_st_info(st, i, &t);
+        if (s) return s;
+        if (ends_with(t.name, "rotary_emb.inv_freq")) continue;
+        if (strcmp(t.name, "lm_head.weight") == 0 && m->cfg.tie_word_embeddings) continue;
+        mrl_param_view v;
+        if (mrl_model_find_view(m, t.name, &v) != MRL_OK)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' has no place in a %s model with this config",
+                                 dir, t.name, m->cfg.arch == MRL_ARCH_LLAMA ? "llama" : m->cfg.arch == MRL_ARCH_QWEN2 ? "qwen2" : "qwen3");
+    }
+    mrl_clear_error();
+    return MRL_OK;
+}
+
+mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
+    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
+    *out = NULL;
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
+        return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
+    mrl_model_config cfg;
+    mrl_status s = mrl_model_config_load(path, &cfg);
+    if (s) return s;
+    mrl_st *st = NULL;
+    s = mrl_st_open(dir, &st);
+    if (s) return s;
+    mrl_model *m = NULL;
+    s = mrl_model_alloc(&cfg, &m);
+    if (!s) s = read_weights(m, st, dir);
+    mrl_st_close(st);
+    if (s) {
+        mrl_model_free(m);
+        return s;
+    }
+    *out = m;
+    return MRL_OK;
+}
+
+static mrl_status write_config(mrl_model *m, const char *dir) {
+    char json[8192], path[4096], tmp[4200];
+    size_t len = 0;
+    mrl_status s = mrl_model_config_to_json(&m->cfg, json, sizeof json, &len);
+    if (s) return s;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot create", tmp);
+    size_t n = fwrite(json, 1, len, f);
+    if (fclose(f) != 0 || n != len) {
+        remove(tmp);
+        return mrl_set_error(MRL_ERR_IO, "%s: write failed", tmp);
+    }
+    if (rename(tmp, path) != 0) {
+        remove(tmp);
+        return mrl_set_error(MRL_ERR_IO, "%s: cannot rename into place", path);
+    }
+    return MRL_OK;
+}
+
+mrl_status mrl_model_save_dir(mrl_model *m, const char *dir) {
+    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir: NULL argument");
+    if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
+    mrl_st_writer *w = NULL;
+    mrl_status s = mrl_st_writer_create(&w);
+    if (!s) s = mrl_st_writer_set_metadata(w, "format", "pt");
+    for (int i = 0; !s && i < m->n_views; i++) {
+        const mrl_param_view *v = &m->views[i];
+        s = mrl_st_writer_add(w, v->name, MRL_DTYPE_F32, v->ndim, v->shape, m->params + v->offset);
+    }
+    if (!s) s = mrl_st_writer_write_dir(w, dir, 0);
+    mrl_st_writer_free(w);
+    if (!s) s = write_config(m, dir);
+    return s;
+}

@@ -1,0 +1,110 @@
+/* One transformer layer, forward and backward side by side.
+ * T tokens, D hidden, Hq/Hk heads of hd, Q = Hq*hd, K = Hk*hd, F intermediate.
+ *
+ *   ln1 = rmsnorm(x) ; q,k,v = ln1 Wq^T (+bq), ...  ; [qwen3: q,k = rmsnorm per head]
+ *   q,k = rope(q,k) ; att = attention(q,k,v) ; h = x + att Wo^T
+ *   ln2 = rmsnorm(h) ; act = silu(ln2 Wg^T) * (ln2 Wu^T) ; x' = h + act Wd^T */
+#include <math.h>
+#include <string.h>
+#include "model_internal.h"
+
+static void add_bias(float *y, const float *b, int64_t T, int N) {
+    if (!b) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < N; i++) y[t * N + i] += b[i];
+}
+
+/* db[N] += sum_t dy[t] */
+static void bias_grad(float *db, const float *dy, int64_t T, int N) {
+    if (!db) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < N; i++) db[i] += dy[t * N + i];
+}
+
+/* y[T,N] = x[T,K] W[N,K]^T (+ beta y) */
+static void linear_fwd(const mrl_kernels *k, float *y, const float *x, const float *W, int64_t T, int N, int K,
+                       float beta) {
+    k->gemm(0, 1, T, N, K, 1.0f, x, K, W, K, beta, y, N);
+}
+
+/* dW[N,K] += dy[T,N]^T x[T,K];  dx[T,K] (beta: 0 set, 1 add) = dy W */
+static void linear_bwd(const mrl_kernels *k, float *dx, float *dW, const float *dy, const float *x,
+                       const float *W, int64_t T, int N, int K, float beta) {
+    k->gemm(1, 0, N, K, T, 1.0f, dy, N, x, K, 1.0f, dW, K);
+    k->gemm(0, 0, T, K, N, 1.0f, dy, N, W, K, beta, dx, K);
+}
+
+void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    const layer_params *p = &m->lp[l];
+    layer_acts *a = &m->la[l];
+    int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
+        Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd;
+    float eps = (float)c->rms_norm_eps;
+    const float *x = m->xs[l];
+    k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, T, D, eps);              /* [T,D] */
+    float *q = a->qraw ? a->qraw : a->q, *kk = a->kraw ? a->kraw : a->k;
+    linear_fwd(k, q, a->ln1, p->wq, T, Q, D, 0);                         /* [T,Q] */
+    linear_fwd(k, kk, a->ln1, p->wk, T, K, D, 0);                        /* [T,K] */
+    linear_fwd(k, a->v, a->ln1, p->wv, T, K, D, 0);                      /* [T,K] */
+    add_bias(q, p->bq, T, Q);
+    add_bias(kk, p->bk, T, K);
+    add_bias(a->v, p->bv, T, K);
+    if (a->qraw) {                                                       /* per head [T*H, hd] */
+        k->rmsnorm_fwd(a->q, a->rstdq, a->qraw, p->q_norm, T * Hq, hd, eps);
+        k->rmsnorm_fwd(a->k, a->rstdk, a->kraw, p->k_norm, T * Hk, hd, eps);
+    }
+    k->rope(a->q, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 0);
+    k->rope(a->k, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 0);
+    k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.n_seqs, Hq, Hk, hd,
+                1.0f / sqrtf((float)hd));                                /* [T,Q] [T,Hq] */
+    memcpy(a->h, x, sizeof(float) * T * D);
+    linear_fwd(k, a->h, a->att, p->wo, T, D, Q, 1.0f);                   /* h = x + att Wo^T */
+    k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, eps);
+    linear_fwd(k, a->gate, a->ln2, p->wg, T, F, D, 0);                   /* [T,F] */
+    linear_fwd(k, a->up, a->ln2, p->wu, T, F, D, 0);                     /* [T,F] */
+    k->swiglu_fwd(a->act, a->gate, a->up, T * F);
+    float *out = m->xs[l + 1];
+    memcpy(out, a->h, sizeof(float) * T * D);
+    linear_fwd(k, out, a->act, p->wd, T, D, F, 1.0f);                    /* x' = h + act Wd^T */
+}
+
+/* In: gs.dx = dL/dx' [T,D]. Out: gs.dx = dL/dx; parameter gradients added. */
+void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    const layer_params *p = &m->lp[l], *g = &m->lg[l];
+    const layer_acts *a = &m->la[l];
+    const grad_scratch *s = &m->gs;
+    int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
+        Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd;
+    /* MLP: x' = h + act Wd^T */
+    linear_bwd(k, s->df1, g->wd, s->dx, a->act, p->wd, T, D, F, 0);      /* dact [T,F] */
+    k->swiglu_bwd(s->df1, s->df2, s->df1, a->gate, a->up, T * F);        /* dgate, dup [T,F] */
+    linear_bwd(k, s->dln, g->wg, s->df1, a->ln2, p->wg, T, F, D, 0);     /* dln2 [T,D] */
+    linear_bwd(k, s->dln, g->wu, s->df2, a->ln2, p->wu, T, F, D, 1.0f);
+    k->rmsnorm_bwd(s->dx, g->ln2, s->dln, a->h, p->ln2, a->rstd2, T, D); /* dx = dL/dh */
+    /* attention: h = x + att Wo^T */
+    linear_bwd(k, s->datt, g->wo, s->dx, a->att, p->wo, T, D, Q, 0);     /* datt [T,Q] */
+    k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens,
+                m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+    k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
+    k->rope(s->dk, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 1);
+    float *dq = s->dq, *dk = s->dk;
+    if (a->qraw) { /* back through the per-head norms: datt, dk2 are free now */
+        memset(s->datt, 0, sizeof(float) * T * Q);
+        memset(s->dk2, 0, sizeof(float) * T * K);
+        k->rmsnorm_bwd(s->datt, g->q_norm, s->dq, a->qraw, p->q_norm, a->rstdq, T * Hq, hd);
+        k->rmsnorm_bwd(s->dk2, g->k_norm, s->dk, a->kraw, p->k_norm, a->rstdk, T * Hk, hd);
+        dq = s->datt;
+        dk = s->dk2;
+    }
+    bias_grad(g->bq, dq, T, Q);
+    bias_grad(g->bk, dk, T, K);
+    bias_grad(g->bv, s->dv, T, K);
+    linear_bwd(k, s->dln, g->wq, dq, a->ln1, p->wq, T, Q, D, 0);         /* dln1 [T,D] */
+    linear_bwd(k, s->dln, g->wk, dk, a->ln1, p->wk, T, K, D, 1.0f);
+    linear_bwd(k, s->dln, g->wv, s->dv, a->ln1, p->wv, T, K, D, 1.0f);
+    k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
+}

@@ -1,0 +1,227 @@
+/* The model object: the parameter and gradient buffers with their named
+ * views (Hugging Face names, view order = buffer order), random init, raw
+ * f32 load/save, getters. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include "moonrl/mem.h"
+#include "model_internal.h"
+
+typedef struct layout {
+    mrl_model *m;
+    int64_t offset;
+    int n;
+    char *names;
+    size_t names_len;
+} layout;
+
+/* Add a view (when m->views is allocated) and return where it lives. */
+static float *add_view(layout *lo, int decay, int64_t d0, int64_t d1, const char *fmt, int layer) {
+    mrl_model *m = lo->m;
+    char name[128];
+    snprintf(name, sizeof name, fmt, layer);
+    size_t nlen = strlen(name) + 1;
+    int64_t numel = d0 * (d1 ? d1 : 1);
+    float *p = NULL;
+    if (m->views) {
+        mrl_param_view *v = &m->views[lo->n];
+        memcpy(lo->names + lo->names_len, name, nlen);
+        v->name = lo->names + lo->names_len;
+        v->offset = lo->offset;
+        v->numel = numel;
+        v->ndim = d1 ? 2 : 1;
+        v->shape[0] = d0;
+        v->shape[1] = d1;
+        v->weight_decay = decay;
+        p = m->params + lo->offset;
+    }
+    lo->names_len += nlen;
+    lo->offset += numel;
+    lo->n++;
+    return p;
+}
+
+/* The one place that defines the parameter layout. Run once to count, once to fill. */
+static void build_layout(layout *lo) {
+    mrl_model *m = lo->m;
+    const mrl_model_config *c = &m->cfg;
+    int64_t V = c->vocab_size, D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim;
+    int64_t Q = c->num_attention_heads * hd, K = c->num_key_value_heads * hd;
+    m->embed = add_view(lo, 1, V, D, "model.embed_tokens.weight", 0);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        layer_params p = {0};
+        const char *pre = "model.layers.%d.";
+        char f[96];
+#define NAME(s) (snprintf(f, sizeof f, "%s%s", pre, s), f)
+        p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), l);
+        p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), l);
+        if (c->attention_bias) p.bq = add_view(lo, 0, Q, 0, NAME("self_attn.q_proj.bias"), l);
+        p.wk = add_view(lo, 1, K, D, NAME("self_attn.k_proj.weight"), l);
+        if (c->attention_bias) p.bk = add_view(lo, 0, K, 0, NAME("self_attn.k_proj.bias"), l);
+        p.wv = add_view(lo, 1, K, D, NAME("self_attn.v_proj.weight"), l);
+        if (c->attention_bias) p.bv = add_view(lo, 0, K, 0, NAME("self_attn.v_proj.bias"), l);
+        p.wo = add_view(lo, 1, D, Q, NAME("self_attn.o_proj.weight"), l);
+        if (c->arch == MRL_ARCH_QWEN3) {
+            p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), l);
+            p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), l);
+        }
+        p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), l);
+        p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), l);
+        p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), l);
+        p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), l);
+#undef NAME
+        if (m->lp) m->lp[l] = p;
+    }
+    m->final_norm = add_view(lo, 0, D, 0, "model.norm.weight", 0);
+    m->lm_head = c->tie_word_embeddings ? m->embed : add_view(lo, 1, V, D, "lm_head.weight", 0);
+    m->score = c->value_head ? add_view(lo, 1, 1, D, "score.weight", 0) : NULL;
+}
+
+/* splitmix64: the generator of the documented init */
+static uint64_t next_u64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* Box-Muller on two 53-bit uniforms in (0, 1]: one normal per call. */
+static double next_normal(uint64_t *s) {
+    double u1 = ((next_u64(s) >> 11) + 1) * 0x1.0p-53, u2 = (next_u64(s) >> 11) * 0x1.0p-53;
+    return sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
+}
+
+/* 2-D weights ~ normal(0, initializer_range), norm weights 1, biases 0;
+ * draws continue from the generator state *s. */
+void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s) {
+    float *p = m->params + v->offset;
+    if (v->ndim == 2)
+        for (int64_t j = 0; j < v->numel; j++) p[j] = (float)(next_normal(s) * m->cfg.initializer_range);
+    else {
+        float val = strstr(v->name, "norm") ? 1.0f : 0.0f;
+        for (int64_t j = 0; j < v->numel; j++) p[j] = val;
+    }
+}
+
+mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_model **out) {
+    mrl_status st = mrl_model_alloc(cfg, out);
+    if (st) return st;
+    uint64_t s = seed; /* views in order, one generator */
+    for (int i = 0; i < (*out)->n_views; i++) mrl_model_init_view(*out, &(*out)->views[i], &s);
+    return MRL_OK;
+}
+
+mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
+    if (!out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_create: NULL out");
+    *out = NULL;
+    mrl_status st = mrl_model_config_validate(cfg);
+    if (st) return st;
+    mrl_model *m = mrl_mem_alloc(sizeof *m, MRL_MEM_OTHER);
+    if (!m) return MRL_ERR_NOMEM;
+    m->cfg = *cfg;
+    m->k = mrl_kernels_cpu_fast();
+    layout lo = {.m = m};
+    build_layout(&lo); /* count */
+    m->n_params = lo.offset;
+    m->n_views = lo.n;
+    m->params = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_PARAMS);
+    m->grads = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_GRADS);
+    m->views = mrl_mem_alloc(sizeof(mrl_param_view) * m->n_views, MRL_MEM_OTHER);
+    m->names = mrl_mem_alloc(lo.names_len, MRL_MEM_OTHER);
+    m->lp = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
+    m->lg = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
+    if (!m->params || !m->grads || !m->views || !m->names || !m->lp || !m->lg) {
+        mrl_model_free(m);
+        return MRL_ERR_NOMEM;
+    }
+    lo = (layout){.m = m, .names = m->names};
+    build_layout(&lo); /* fill */
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        float **p = (float **)&m->lp[l], **g = (float **)&m->lg[l];
+        for (size_t i = 0; i < sizeof(layer_params) / sizeof(float *); i++) g[i] = grad_of(m, p[i]);
+    }
+    m->g_embed = grad_of(m, m->embed);
+    m->g_final_norm = grad_of(m, m->final_norm);
+    m->g_lm_head = grad_of(m, m->lm_head);
+    m->g_score = grad_of(m, m->score);
+    *out = m;
+    return MRL_OK;
+}
+
+void mrl_model_free(mrl_model *m) {
+    if (!m) return;
+    mrl_model_release_activations(m);
+    mrl_mem_free(m->params);
+    mrl_mem_free(m->grads);
+    mrl_mem_free(m->views);
+    mrl_mem_free(m->names);
+    mrl_mem_free(m->lp);
+    mrl_mem_free(m->lg);
+    mrl_mem_free(m->inv_freq);
+    mrl_mem_free(m->rope_cos);
+    mrl_mem_free(m->rope_sin);
+    mrl_mem_free(m);
+}
+
+const mrl_model_config *mrl_model_get_config(const mrl_model *m) { return m ? &m->cfg : NULL; }
+int64_t mrl_model_num_params(const mrl_model *m) { return m ? m->n_params : 0; }
+float *mrl_model_params(mrl_model *m) { return m ? m->params : NULL; }
+float *mrl_model_grads(mrl_model *m) { return m ? m->grads : NULL; }
+int mrl_model_num_views(const mrl_model *m) { return m ? m->n_views : 0; }
+
+mrl_status mrl_model_view(const mrl_model *m, int i, mrl_param_view *out) {
+    if (!m || !out || i < 0 || i >= m->n_views)
+        return mrl_set_error(MRL_ERR_INVALID, "model view %d out of range (0..%d)", i, m ? m->n_views - 1 : -1);
+    *out = m->views[i];
+    return MRL_OK;
+}
+
+mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_view *out) {
+    if (!m || !name || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_find_view: NULL argument");
+    for (int i = 0; i < m->n_views; i++)
+        if (strcmp(m->views[i].name, name) == 0) {
+            *out = m->views[i];
+            return MRL_OK;
+        }
+    return mrl_set_error(MRL_ERR_INVALID, "model has no parameter named '%s'", name);
+}
+
+void mrl_model_zero_grad(mrl_model *m) {
+    if (m) memset(m->grads, 0, sizeof(float) * m->n_params);
+}
+
+void mrl_model_set_recompute(mrl_model *m, int on) {
+    if (!m || m->recompute == (on != 0)) return;
+    mrl_model_release_activations(m); /* the layout changes */
+    m->recompute = on != 0;
+}
+
+mrl_status mrl_model_set_kernels(mrl_model *m, int backend) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_kernels: NULL model");
+    if (backend == MRL_KERNELS_CPU_FAST) m->k = mrl_kernels_cpu_fast();
+    else if (backend == MRL_KERNELS_CPU_REFERENCE) m->k = mrl_kernels_cpu_reference();
+    else return mrl_set_error(MRL_ERR_INVALID, "unknown kernel backend %d (0 cpu fast, 1 cpu reference)", backend);
+    return MRL_OK;
+}
+
+mrl_status mrl_model_load_raw(mrl_model *m, const char *path) {
+    if (!m || !path) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_raw: NULL argument");
+    FILE *f = fopen(path, "rb");
+    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open", path);
+    size_t n = fread(m->params, sizeof(float), (size_t)m->n_params, f);
+    int extra = fgetc(f) != EOF;
+    fclose(f);
+    if (n != (size_t)m->n_params || extra)
+        return mrl_set_error(MRL_ERR_FORMAT, "%s: expected exactly %lld floats (%lld bytes) for this model",
+                             path, (long long)m->n_params, (long long)m->n_params * 4);
+    return MRL_OK;
+}
+
+mrl_status mrl_model_save_raw(mrl_model *m, const char *path) {
+    if (!m || !path) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_raw: NULL argument");
+    FILE *f = fopen(path, "wb");
+    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot create", path);
+    size_t n = fwrite(m->params, sizeof(float), (size_t)m->n_params, f);
+    if (fclose(f) != 0 || n != (size_t)m->n_params) return mrl_set_error(MRL_ERR_IO, "%s: write failed", path);
+    return MRL_OK;
+}

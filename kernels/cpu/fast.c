@@ -1,0 +1,314 @@
+/* The fast CPU ops: matrix products through OpenBLAS sgemm (measured faster
+ * than our own kernels, bench/RESULTS.md), the other ops from the AVX-512,
+ * AVX2 or SSE inner loops (isa_*.c) chosen once at run time, spread over
+ * the cores with mrl_parallel_for. Results do not depend on the thread
+ * count: every reduction has a fixed blocking and order. */
+#include <cblas.h>
+#include <string.h>
+#include "kernels.h"
+#include "isa.h"
+#include "moonrl/mem.h"
+#include "moonrl/parallel.h"
+
+static const mrl_cpu_isa *isa;
+
+static const mrl_cpu_isa *pick_isa(void) {
+    if (!isa) {
+        openblas_set_num_threads(1); /* see fast_gemm */
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512vl"))
+            isa = &mrl_cpu_isa_avx512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+            isa = &mrl_cpu_isa_avx2;
+        else
+            isa = &mrl_cpu_isa_sse;
+    }
+    return isa;
+}
+
+/* OpenBLAS runs single-threaded inside our own parallel-for: its own thread
+ * pool and libgomp's spun against each other on 2 cores (half the time in
+ * sched_yield, bench/RESULTS.md). C is cut into one slice of rows (or of
+ * columns when there are few rows) per thread; each element's sum is the
+ * same as in one call, so results do not depend on the thread count. */
+typedef struct gemm_ctx {
+    int ta, tb;
+    int64_t M, N, K, lda, ldb, ldc, parts;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+    int split_rows;
+} gemm_ctx;
+
+static void gemm_call(const gemm_ctx *g, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    if (m1 <= m0 || n1 <= n0) return;
+    const float *A = g->ta ? g->A + m0 : g->A + m0 * g->lda;
+    const float *B = g->tb ? g->B + n0 * g->ldb : g->B + n0;
+    cblas_sgemm(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans, g->tb ? CblasTrans : CblasNoTrans,
+                (blasint)(m1 - m0), (blasint)(n1 - n0), (blasint)g->K, g->alpha, A, (blasint)g->lda, B,
+                (blasint)g->ldb, g->beta, g->C + m0 * g->ldc + n0, (blasint)g->ldc);
+}
+
+static void gemm_range(void *vc, int64_t p0, int64_t p1) {
+    const gemm_ctx *g = vc;
+    for (int64_t p = p0; p < p1; p++) {
+        /* slices rounded to 16 rows/columns (whole vector blocks) */
+        int64_t n = g->split_rows ? g->M : g->N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
+        int64_t lo = p * step, hi = lo + step < n ? lo + step : n;
+        if (g->split_rows)
+            gemm_call(g, lo, hi, 0, g->N);
+        else
+            gemm_call(g, 0, g->M, lo, hi);
+    }
+}
+
+static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                      int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
+    int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
+    g.parts = mrl_parallel_threads();
+    if (work < (1 << 18)) g.parts = 1; /* too small to share */
+    if (g.parts > (split + 15) / 16) g.parts = (split + 15) / 16;
+    if (g.parts < 1) g.parts = 1;
+    mrl_parallel_for(g.parts, 1, gemm_range, &g);
+}
+
+/* ---- rmsnorm ------------------------------------------------------------ */
+
+typedef struct norm_ctx {
+    float *out, *rstd, *dx, *dw_part;
+    const float *x, *w, *dout, *rstd_in;
+    int D;
+    float eps;
+    int64_t T;
+} norm_ctx;
+
+static void norm_fwd_range(void *vc, int64_t t0, int64_t t1) {
+    norm_ctx *c = vc;
+    isa->rmsnorm_fwd_rows(c->out, c->rstd, c->x, c->w, t0, t1, c->D, c->eps);
+}
+
+static void fast_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
+                             float eps) {
+    norm_ctx c = {.out = out, .rstd = rstd, .x = x, .w = w, .D = D, .eps = eps};
+    mrl_parallel_for(T, 16, norm_fwd_range, &c);
+}
+
+#define NORM_BLOCK 64 /* tokens per dw partial sum: fixed, so results do not depend on threads */
+
+static void norm_bwd_range(void *vc, int64_t b0, int64_t b1) {
+    norm_ctx *c = vc;
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t t0 = b * NORM_BLOCK, t1 = t0 + NORM_BLOCK < c->T ? t0 + NORM_BLOCK : c->T;
+        isa->rmsnorm_bwd_rows(c->dx, c->dw_part + b * c->D, c->dout, c->x, c->w, c->rstd_in, t0, t1, c->D);
+    }
+}
+
+static void fast_rmsnorm_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                             const float *rstd, int64_t T, int D) {
+    int64_t blocks = (T + NORM_BLOCK - 1) / NORM_BLOCK;
+    float *part = mrl_mem_alloc((size_t)blocks * D * sizeof(float), MRL_MEM_ACTIVATIONS);
+    norm_ctx c = {.dx = dx, .dw_part = part, .dout = dout, .x = x, .w = w, .rstd_in = rstd, .D = D, .T = T};
+    if (!part) { /* no memory for the partial sums: one serial pass straight into dw */
+        c.dw_part = dw;
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t t0 = b * NORM_BLOCK, t1 = t0 + NORM_BLOCK < T ? t0 + NORM_BLOCK : T;
+            isa->rmsnorm_bwd_rows(dx, dw, dout, x, w, rstd, t0, t1, D);
+        }
+        return;
+    }
+    mrl_parallel_for(blocks, 1, norm_bwd_range, &c);
+    for (int64_t b = 0; b < blocks; b++)
+        for (int i = 0; i < D; i++) dw[i] += part[b * D + i];
+    mrl_mem_free(part);
+}
+
+/* ---- rope ------------------------------------------------------------------ */
+
+typedef struct rope_ctx {
+    float *x;
+    const int32_t *pos;
+    const float *cos_t, *sin_t;
+    int H, hd, inverse;
+} rope_ctx;
+
+static void rope_range(void *vc, int64_t t0, int64_t t1) {
+    rope_ctx *c = vc;
+    int half = c->hd / 2;
+    float sign = c->inverse ? -1.0f : 1.0f;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *cs = c->cos_t + (int64_t)c->pos[t] * half, *sn = c->sin_t + (int64_t)c->pos[t] * half;
+        for (int h = 0; h < c->H; h++) {
+            float *v = c->x + (t * c->H + h) * c->hd;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half], s = sign * sn[i];
+                v[i] = a * cs[i] - b * s;
+                v[i + half] = b * cs[i] + a * s;
+            }
+        }
+    }
+}
+
+static void fast_rope(float *x, const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H,
+                      int hd, int inverse) {
+    rope_ctx c = {x, pos, cos_t, sin_t, H, hd, inverse};
+    mrl_parallel_for(T, 32, rope_range, &c);
+}
+
+/* ---- swiglu ---------------------------------------------------------------- */
+
+typedef struct swiglu_ctx {
+    float *out, *dup;
+    const float *gate, *up, *dout;
+} swiglu_ctx;
+
+static void swiglu_fwd_range(void *vc, int64_t i0, int64_t i1) {
+    swiglu_ctx *c = vc;
+    isa->swiglu_fwd(c->out + i0, c->gate + i0, c->up + i0, i1 - i0);
+}
+
+static void swiglu_bwd_range(void *vc, int64_t i0, int64_t i1) {
+    swiglu_ctx *c = vc;
+    isa->swiglu_bwd(c->out + i0, c->dup + i0, c->dout + i0, c->gate + i0, c->up + i0, i1 - i0);
+}
+
+static void fast_swiglu_fwd(float *out, const float *gate, const float *up, int64_t n) {
+    swiglu_ctx c = {.out = out, .gate = gate, .up = up};
+    mrl_parallel_for(n, 4096, swiglu_fwd_range, &c);
+}
+
+static void fast_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                            int64_t n) {
+    swiglu_ctx c = {.out = dgate, .dup = dup, .gate = gate, .up = up, .dout = dout};
+    mrl_parallel_for(n, 4096, swiglu_bwd_range, &c);
+}
+
+/* ---- attention --------------------------------------------------------------- */
+
+typedef struct attn_ctx {
+    mrl_attn_args a;
+    int heads; /* tasks per sequence: Hq (forward) or Hk (backward) */
+    int64_t scratch_floats;
+    int backward;
+} attn_ctx;
+
+static void attn_range(void *vc, int64_t w0, int64_t w1) {
+    attn_ctx *c = vc;
+    float *scratch = mrl_mem_alloc((size_t)c->scratch_floats * sizeof(float), MRL_MEM_ACTIVATIONS);
+    if (!scratch) return; /* cannot happen for sane sizes; the outputs stay as they were */
+    for (int64_t w = w0; w < w1; w++) {
+        int s = (int)(w / c->heads), h = (int)(w % c->heads);
+        if (c->backward)
+            isa->attn_bwd_group(&c->a, s, h, scratch);
+        else
+            isa->attn_fwd_head(&c->a, s, h, scratch);
+    }
+    mrl_mem_free(scratch);
+}
+
+static int64_t max_seqlen(const int32_t *cu, int n) {
+    int64_t m = 1;
+    for (int s = 0; s < n; s++)
+        if (cu[s + 1] - cu[s] > m) m = cu[s + 1] - cu[s];
+    return m;
+}
+
+static void fast_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
+                          const int32_t *cu, int n_seqs, int Hq, int Hk, int hd, float scale) {
+    attn_ctx c = {.a = {.out = out, .lse = lse, .q = q, .k = k, .v = v, .cu_seqlens = cu, .n_seqs = n_seqs,
+                        .Hq = Hq, .Hk = Hk, .hd = hd, .scale = scale},
+                  .heads = Hq,
+                  .scratch_floats = mrl_attn_scratch_floats(max_seqlen(cu, n_seqs), hd)};
+    mrl_parallel_for((int64_t)n_seqs * Hq, 1, attn_range, &c);
+}
+
+static void fast_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                          const float *lse, const float *q, const float *k, const float *v, const int32_t *cu,
+                          int n_seqs, int Hq, int Hk, int hd, float scale) {
+    attn_ctx c = {.a = {.dq = dq, .dk = dk, .dv = dv, .dout = dout, .o = out, .lse_in = lse, .q = q, .k = k,
+                        .v = v, .cu_seqlens = cu, .n_seqs = n_seqs, .Hq = Hq, .Hk = Hk, .hd = hd,
+                        .scale = scale},
+                  .heads = Hk,
+                  .scratch_floats = mrl_attn_scratch_floats(max_seqlen(cu, n_seqs), hd),
+                  .backward = 1};
+    mrl_parallel_for((int64_t)n_seqs * Hk, 1, attn_range, &c);
+}
+
+/* ---- head -------------------------------------------------------------------- */
+
+typedef struct head_ctx {
+    float *logits;
+    int V;
+    float inv_temp;
+    const int32_t *targets;
+    float *lse, *entropy, *logprob;
+    const float *lse_in, *ent_in, *dlogprob, *dentropy;
+} head_ctx;
+
+static void head_fwd_range(void *vc, int64_t r0, int64_t r1) {
+    head_ctx *c = vc;
+    for (int64_t r = r0; r < r1; r++)
+        isa->head_fwd_row(c->logits + r * c->V, c->V, c->inv_temp, c->targets[r], c->lse + r, c->entropy + r,
+                          c->logprob + r);
+}
+
+static void head_bwd_range(void *vc, int64_t r0, int64_t r1) {
+    head_ctx *c = vc;
+    for (int64_t r = r0; r < r1; r++) {
+        float glp = c->dlogprob && c->targets[r] >= 0 ? c->dlogprob[r] : 0.0f;
+        float gh = c->dentropy ? c->dentropy[r] : 0.0f;
+        isa->head_bwd_row(c->logits + r * c->V, c->V, c->inv_temp, c->targets[r], c->lse_in[r], c->ent_in[r],
+                          glp, gh);
+    }
+}
+
+static void fast_head_fwd(const float *logits, int64_t rows, int V, float inv_temp, const int32_t *targets,
+                          float *lse, float *entropy, float *logprob) {
+    head_ctx c = {.logits = (float *)logits, .V = V, .inv_temp = inv_temp, .targets = targets, .lse = lse,
+                  .entropy = entropy, .logprob = logprob};
+    mrl_parallel_for(rows, 1, head_fwd_range, &c);
+}
+
+static void fast_head_bwd(float *logits, int64_t rows, int V, float inv_temp, const int32_t *targets,
+                          const float *lse, const float *entropy, const float *dlogprob, const float *dentropy) {
+    head_ctx c = {.logits = logits, .V = V, .inv_temp = inv_temp, .targets = targets, .lse_in = lse,
+                  .ent_in = entropy, .dlogprob = dlogprob, .dentropy = dentropy};
+    mrl_parallel_for(rows, 1, head_bwd_range, &c);
+}
+
+static const mrl_kernels fast_table = {
+    .name = "cpu-fast",
+    .gemm = fast_gemm,
+    .rmsnorm_fwd = fast_rmsnorm_fwd,
+    .rmsnorm_bwd = fast_rmsnorm_bwd,
+    .rope = fast_rope,
+    .swiglu_fwd = fast_swiglu_fwd,
+    .swiglu_bwd = fast_swiglu_bwd,
+    .attn_fwd = fast_attn_fwd,
+    .attn_bwd = fast_attn_bwd,
+    .head_fwd = fast_head_fwd,
+    .head_bwd = fast_head_bwd,
+};
+
+const mrl_kernels *mrl_kernels_cpu_fast(void) {
+    pick_isa();
+    return &fast_table;
+}
+
+const char *mrl_kernels_cpu_fast_isa(void) { return pick_isa()->name; }
+
+int mrl_kernels_cpu_fast_set_isa(const char *name) {
+    __builtin_cpu_init();
+    if (name && strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        isa = &mrl_cpu_isa_avx512;
+    else if (name && strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        isa = &mrl_cpu_isa_avx2;
+    else if (name && strcmp(name, "sse") == 0)
+        isa = &mrl_cpu_isa_sse;
+    else
+        return -1;
+    return 0;
+}

@@ -1,0 +1,6 @@
+/* The fast inner loops for AVX2 + FMA (8 floats a vector). */
+#pragma GCC target("avx2,fma")
+#define VW 8
+#define ISA_TABLE mrl_cpu_isa_avx2
+#define ISA_NAME "avx2"
+#include "isa_impl.h"

@@ -1,0 +1,6 @@
+/* The fast inner loops for AVX-512 (16 floats a vector). */
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx2,fma")
+#define VW 16
+#define ISA_TABLE mrl_cpu_isa_avx512
+#define ISA_NAME "avx512"
+#include "isa_impl.h"

@@ -1,0 +1,272 @@
+/* The fast inner loops, written once with GCC vector types of VW floats and
+ * compiled once per instruction set: isa_avx512.c (VW 16), isa_avx2.c (VW 8),
+ * isa_sse.c (VW 4), each under its own `#pragma GCC target`. Before
+ * including, define VW and ISA_TABLE (the mrl_cpu_isa to define) and
+ * ISA_NAME. Sums run in VW lanes (fp32), tails in scalar code. */
+#include <math.h>
+#include <cblas.h>
+#include <string.h>
+#include "isa.h"
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+static inline vf ld(const float *p) { return *(const vfu *)p; }
+static inline void st(float *p, vf v) { *(vfu *)p = v; }
+static inline vf splat(float x) {
+    vf v = {0};
+    return v + x;
+}
+static inline float hsum(vf v) {
+    float s = 0;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+static inline float hmax(vf v) {
+    float m = v[0];
+    for (int i = 1; i < VW; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+static inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+
+/* exp(x): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-7 Taylor
+ * polynomial (error below 1e-8 relative), 2^n put into the exponent bits.
+ * x is clamped to [-87.3, 88.3] (normal results only). */
+static inline vf vexp(vf x) {
+    x = vmax(x, splat(-87.3f));
+    x = vsel(x < splat(88.3f), x, splat(88.3f));
+    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    vf r = x - n * 0.693145751953125f - n * 1.428606765330187e-6f;
+    vf p = splat(1.0f / 5040);
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    vf acc0 = {0}, acc1 = {0};
+    int64_t i = 0;
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        acc0 += ld(a + i) * ld(b + i);
+        acc1 += ld(a + i + VW) * ld(b + i + VW);
+    }
+    for (; i + VW <= n; i += VW) acc0 += ld(a + i) * ld(b + i);
+    float s = hsum(acc0 + acc1);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void rmsnorm_fwd_rows(float *out, float *rstd, const float *x, const float *w, int64_t t0,
+                             int64_t t1, int D, float eps) {
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xr = x + t * D;
+        float *o = out + t * D;
+        float r = 1.0f / sqrtf(dot(xr, xr, D) / D + eps);
+        rstd[t] = r;
+        int i = 0;
+        for (; i + VW <= D; i += VW) st(o + i, ld(xr + i) * r * ld(w + i));
+        for (; i < D; i++) o[i] = xr[i] * r * w[i];
+    }
+}
+
+static void rmsnorm_bwd_rows(float *dx, float *dw_part, const float *dout, const float *x,
+                             const float *w, const float *rstd, int64_t t0, int64_t t1, int D) {
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xr = x + t * D, *dy = dout + t * D;
+        float *d = dx + t * D;
+        float r = rstd[t];
+        vf acc = {0};
+        int i = 0;
+        for (; i + VW <= D; i += VW) acc += ld(dy + i) * ld(w + i) * ld(xr + i);
+        float s = hsum(acc);
+        for (; i < D; i++) s += dy[i] * w[i] * xr[i];
+        float c = s * r * r * r / D;
+        for (i = 0; i + VW <= D; i += VW) {
+            vf xv = ld(xr + i), dyv = ld(dy + i);
+            st(d + i, ld(d + i) + r * ld(w + i) * dyv - c * xv);
+            st(dw_part + i, ld(dw_part + i) + dyv * xv * r);
+        }
+        for (; i < D; i++) {
+            d[i] += r * w[i] * dy[i] - c * xr[i];
+            dw_part[i] += dy[i] * xr[i] * r;
+        }
+    }
+}
+
+static void swiglu_fwd(float *out, const float *gate, const float *up, int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf g = ld(gate + i);
+        st(out + i, g / (1.0f + vexp(-g)) * ld(up + i));
+    }
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static void swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                       int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf g = ld(gate + i), d = ld(dout + i), s = 1.0f / (1.0f + vexp(-g));
+        st(dgate + i, d * ld(up + i) * s * (1.0f + g * (1.0f - s)));
+        st(dup + i, d * g * s);
+    }
+    for (; i < n; i++) {
+        float g = gate[i], s = 1.0f / (1.0f + expf(-g)), d = dout[i];
+        dgate[i] = d * up[i] * s * (1.0f + g * (1.0f - s));
+        dup[i] = d * g * s;
+    }
+}
+
+static void head_fwd_row(const float *z, int V, float inv_temp, int32_t target, float *lse,
+                         float *entropy, float *logprob) {
+    vf mv = splat(-INFINITY);
+    int j = 0;
+    for (; j + VW <= V; j += VW) mv = vmax(mv, ld(z + j));
+    float m = hmax(mv);
+    for (; j < V; j++) m = z[j] > m ? z[j] : m;
+    m *= inv_temp;
+    vf s0 = {0}, s1 = {0}, sz0 = {0}, sz1 = {0};
+    for (j = 0; j + 2 * VW <= V; j += 2 * VW) {
+        vf a = ld(z + j) * inv_temp, b = ld(z + j + VW) * inv_temp;
+        vf ea = vexp(a - m), eb = vexp(b - m);
+        s0 += ea;
+        s1 += eb;
+        sz0 += ea * a;
+        sz1 += eb * b;
+    }
+    float s = hsum(s0 + s1), sz = hsum(sz0 + sz1);
+    for (; j < V; j++) {
+        float a = z[j] * inv_temp, e = expf(a - m);
+        s += e;
+        sz += e * a;
+    }
+    float l = m + logf(s);
+    *lse = l;
+    *entropy = l - sz / s;
+    *logprob = target >= 0 ? z[target] * inv_temp - l : 0.0f;
+}
+
+static void head_bwd_row(float *z, int V, float inv_temp, int32_t target, float lse, float ent,
+                         float glp, float gh) {
+    int j = 0;
+    for (; j + VW <= V; j += VW) {
+        vf lp = ld(z + j) * inv_temp - lse, p = vexp(lp);
+        st(z + j, (-glp * p - gh * p * (lp + ent)) * inv_temp);
+    }
+    for (; j < V; j++) {
+        float lp = z[j] * inv_temp - lse, p = expf(lp);
+        z[j] = (-glp * p - gh * p * (lp + ent)) * inv_temp;
+    }
+    if (target >= 0) z[target] += glp * inv_temp;
+}
+
+/* ---- attention: one sequence of L tokens at a time, in blocks of ATT_QB queries ----
+ * The block products (scores, P V, and the five of the backward) are sgemm
+ * calls (OpenBLAS runs single-threaded inside our workers, see fast.c); a
+ * query block [i0, i0 + nb) only meets keys [0, i0 + nb), so only the
+ * diagonal tile is computed past the causal mask. */
+
+/* Causal softmax of one score row in place: p[j] = exp(s[j] - shift) for
+ * j <= i (shift = the row max when lse is wanted, else the saved lse),
+ * 0 for i < j < n. Returns the sum. */
+static float causal_exp_row(float *row, int64_t i, int64_t n, float shift) {
+    vf acc = {0};
+    int64_t j = 0, valid = i + 1;
+    for (; j + VW <= valid; j += VW) {
+        vf e = vexp(ld(row + j) - shift);
+        st(row + j, e);
+        acc += e;
+    }
+    float s = hsum(acc);
+    for (; j < valid; j++) {
+        row[j] = expf(row[j] - shift);
+        s += row[j];
+    }
+    for (; j < n; j++) row[j] = 0;
+    return s;
+}
+
+static void attn_fwd_head(const mrl_attn_args *a, int s, int h, float *scratch) {
+    int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b;
+    if (L <= 0) return;
+    int hd = a->hd, kh = h / (a->Hq / a->Hk);
+    int64_t lp = (L + 15) / 16 * 16, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
+    const float *kb = a->k + b * ks + (int64_t)kh * hd, *vb = a->v + b * ks + (int64_t)kh * hd;
+    float *S = scratch; /* [ATT_QB, lp] */
+    for (int64_t i0 = 0; i0 < L; i0 += ATT_QB) {
+        int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = i0 + nb;
+        const float *qb = a->q + (b + i0) * qs + (int64_t)h * hd;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, a->scale, qb,
+                    (blasint)qs, kb, (blasint)ks, 0.0f, S, (blasint)lp); /* S = scale Q K^T [nb, n] */
+        for (int64_t r = 0; r < nb; r++) {
+            float *row = S + r * lp, m = -INFINITY;
+            for (int64_t j = 0; j <= i0 + r; j++) m = row[j] > m ? row[j] : m;
+            float sum = causal_exp_row(row, i0 + r, n, m), inv = 1.0f / sum;
+            for (int64_t j = 0; j <= i0 + r; j++) row[j] *= inv;
+            a->lse[(b + i0 + r) * a->Hq + h] = m + logf(sum);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)nb, hd, (blasint)n, 1.0f, S, (blasint)lp,
+                    vb, (blasint)ks, 0.0f, a->out + (b + i0) * qs + (int64_t)h * hd, (blasint)qs); /* O = P V */
+    }
+}
+
+/* All query heads sharing KV head kh, so that dk / dv of (s, kh) have one writer.
+ * P = exp(S - lse); dP = dO V^T; dS = P (dP - rowsum(dO O)) scale;
+ * dQ = dS K; dK += dS^T Q; dV += P^T dO. */
+static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch) {
+    int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b;
+    if (L <= 0) return;
+    int hd = a->hd, group = a->Hq / a->Hk;
+    int64_t lp = (L + 15) / 16 * 16, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
+    const float *kb = a->k + b * ks + (int64_t)kh * hd, *vb = a->v + b * ks + (int64_t)kh * hd;
+    float *dkb = a->dk + b * ks + (int64_t)kh * hd, *dvb = a->dv + b * ks + (int64_t)kh * hd;
+    float *P = scratch, *dS = scratch + ATT_QB * lp; /* [ATT_QB, lp] each */
+    for (int64_t j = 0; j < L; j++) {
+        memset(dkb + j * ks, 0, sizeof(float) * hd);
+        memset(dvb + j * ks, 0, sizeof(float) * hd);
+    }
+    for (int h = kh * group; h < (kh + 1) * group; h++)
+        for (int64_t i0 = 0; i0 < L; i0 += ATT_QB) {
+            int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = i0 + nb, qo = (b + i0) * qs + (int64_t)h * hd;
+            const float *qb = a->q + qo, *dob = a->dout + qo, *ob = a->o + qo;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, a->scale, qb,
+                        (blasint)qs, kb, (blasint)ks, 0.0f, P, (blasint)lp);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, 1.0f, dob,
+                        (blasint)qs, vb, (blasint)ks, 0.0f, dS, (blasint)lp); /* dP */
+            for (int64_t r = 0; r < nb; r++) {
+                float *p = P + r * lp, *ds = dS + r * lp;
+                causal_exp_row(p, i0 + r, n, a->lse_in[(b + i0 + r) * a->Hq + h]);
+                float Di = dot(dob + r * qs, ob + r * qs, hd);
+                int64_t j = 0, valid = i0 + r + 1;
+                for (; j + VW <= valid; j += VW) st(ds + j, ld(p + j) * (ld(ds + j) - Di) * a->scale);
+                for (; j < valid; j++) ds[j] = p[j] * (ds[j] - Di) * a->scale;
+                for (; j < n; j++) ds[j] = 0;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)nb, hd, (blasint)n, 1.0f, dS,
+                        (blasint)lp, kb, (blasint)ks, 0.0f, a->dq + qo, (blasint)qs); /* dQ */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, hd, (blasint)nb, 1.0f, dS,
+                        (blasint)lp, qb, (blasint)qs, 1.0f, dkb, (blasint)ks); /* dK */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, hd, (blasint)nb, 1.0f, P,
+                        (blasint)lp, dob, (blasint)qs, 1.0f, dvb, (blasint)ks); /* dV */
+        }
+}
+
+const mrl_cpu_isa ISA_TABLE = {
+    .name = ISA_NAME,
+    .rmsnorm_fwd_rows = rmsnorm_fwd_rows,
+    .rmsnorm_bwd_rows = rmsnorm_bwd_rows,
+    .swiglu_fwd = swiglu_fwd,
+    .swiglu_bwd = swiglu_bwd,
+    .head_fwd_row = head_fwd_row,
+    .head_bwd_row = head_bwd_row,
+    .attn_fwd_head = attn_fwd_head,
+    .attn_bwd_group = attn_bwd_group,
+};

@@ -1,0 +1,5 @@
+/* The fast inner loops for baseline x86-64 (SSE2, 4 floats a vector). */
+#define VW 4
+#define ISA_TABLE mrl_cpu_isa_sse
+#define ISA_NAME "sse"
+#include "isa_impl.h"

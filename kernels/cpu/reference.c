@@ -1,0 +1,194 @@
+/* The CPU reference ops: plain loops, one thread, sums in double. Tests
+ * trust these; the fast table (fast.c) is compared against them. */
+#include <math.h>
+#include <stddef.h>
+#include "kernels.h"
+
+static void ref_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                     int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double acc = 0;
+            for (int64_t p = 0; p < K; p++) {
+                float a = ta ? A[p * lda + i] : A[i * lda + p];
+                float b = tb ? B[j * ldb + p] : B[p * ldb + j];
+                acc += (double)a * b;
+            }
+            float c = beta == 0 ? 0.0f : beta * C[i * ldc + j];
+            C[i * ldc + j] = (float)(alpha * acc) + c;
+        }
+}
+
+static void ref_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
+                            float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * D;
+        double ss = 0;
+        for (int i = 0; i < D; i++) ss += (double)xr[i] * xr[i];
+        float r = (float)(1.0 / sqrt(ss / D + eps));
+        rstd[t] = r;
+        for (int i = 0; i < D; i++) out[t * D + i] = xr[i] * r * w[i];
+    }
+}
+
+/* y = x r w, r = (mean x^2 + eps)^-1/2:
+ * dx = r (w dy) - x r^3 / D * sum(w dy x);  dw = sum_t dy x r */
+static void ref_rmsnorm_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                            const float *rstd, int64_t T, int D) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * D, *dy = dout + t * D;
+        double r = rstd[t], dot = 0;
+        for (int i = 0; i < D; i++) dot += (double)dy[i] * w[i] * xr[i];
+        double c = dot * r * r * r / D;
+        for (int i = 0; i < D; i++) dx[t * D + i] += (float)(r * w[i] * dy[i] - c * xr[i]);
+        if (dw)
+            for (int i = 0; i < D; i++) dw[i] += (float)(dy[i] * xr[i] * r);
+    }
+}
+
+static void ref_rope(float *x, const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T,
+                     int H, int hd, int inverse) {
+    int half = hd / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            float *v = x + (t * H + h) * hd;
+            const float *c = cos_t + (int64_t)pos[t] * half, *s = sin_t + (int64_t)pos[t] * half;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half], sn = inverse ? -s[i] : s[i];
+                v[i] = a * c[i] - b * sn;
+                v[i + half] = b * c[i] + a * sn;
+            }
+        }
+}
+
+static void ref_swiglu_fwd(float *out, const float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        double g = gate[i];
+        out[i] = (float)(g / (1 + exp(-g)) * up[i]);
+    }
+}
+
+/* silu(g) = g s, s = sigmoid(g); silu'(g) = s (1 + g (1 - s)) */
+static void ref_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate,
+                           const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        double g = gate[i], s = 1 / (1 + exp(-g)), d = dout[i];
+        dgate[i] = (float)(d * up[i] * s * (1 + g * (1 - s)));
+        dup[i] = (float)(d * g * s);
+    }
+}
+
+static void ref_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
+                         const int32_t *cu, int n_seqs, int Hq, int Hk, int hd, float scale) {
+    int group = Hq / Hk;
+    for (int s = 0; s < n_seqs; s++)
+        for (int h = 0; h < Hq; h++)
+            for (int64_t i = cu[s]; i < cu[s + 1]; i++) {
+                const float *qi = q + (i * Hq + h) * hd;
+                double m = -INFINITY, sum = 0;
+                for (int64_t j = cu[s]; j <= i; j++) {
+                    const float *kj = k + (j * Hk + h / group) * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++) d += (double)qi[e] * kj[e];
+                    if (d * scale > m) m = d * scale;
+                }
+                double acc[hd];
+                for (int e = 0; e < hd; e++) acc[e] = 0;
+                for (int64_t j = cu[s]; j <= i; j++) {
+                    const float *kj = k + (j * Hk + h / group) * hd, *vj = v + (j * Hk + h / group) * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++) d += (double)qi[e] * kj[e];
+                    double p = exp(d * scale - m);
+                    sum += p;
+                    for (int e = 0; e < hd; e++) acc[e] += p * vj[e];
+                }
+                for (int e = 0; e < hd; e++) out[(i * Hq + h) * hd + e] = (float)(acc[e] / sum);
+                lse[i * Hq + h] = (float)(m + log(sum));
+            }
+}
+
+/* P = softmax(S), S = scale q k^T (causal). dV = P^T dO; dP = dO V^T;
+ * dS = P (dP - rowsum(dO * O)); dQ = scale dS K; dK = scale dS^T Q. */
+static void ref_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                         const float *lse, const float *q, const float *k, const float *v,
+                         const int32_t *cu, int n_seqs, int Hq, int Hk, int hd, float scale) {
+    int group = Hq / Hk;
+    int64_t T = cu[n_seqs];
+    for (int64_t i = 0; i < T * Hq * hd; i++) dq[i] = 0;
+    for (int64_t i = 0; i < T * Hk * hd; i++) dk[i] = dv[i] = 0;
+    for (int s = 0; s < n_seqs; s++)
+        for (int h = 0; h < Hq; h++) {
+            int kh = h / group;
+            for (int64_t i = cu[s]; i < cu[s + 1]; i++) {
+                const float *qi = q + (i * Hq + h) * hd, *doi = dout + (i * Hq + h) * hd;
+                const float *oi = out + (i * Hq + h) * hd;
+                double Di = 0;
+                for (int e = 0; e < hd; e++) Di += (double)doi[e] * oi[e];
+                for (int64_t j = cu[s]; j <= i; j++) {
+                    const float *kj = k + (j * Hk + kh) * hd, *vj = v + (j * Hk + kh) * hd;
+                    double d = 0, dp = 0;
+                    for (int e = 0; e < hd; e++) d += (double)qi[e] * kj[e];
+                    for (int e = 0; e < hd; e++) dp += (double)doi[e] * vj[e];
+                    double p = exp(d * scale - lse[i * Hq + h]);
+                    double ds = p * (dp - Di) * scale;
+                    for (int e = 0; e < hd; e++) {
+                        dv[(j * Hk + kh) * hd + e] += (float)(p * doi[e]);
+                        dq[(i * Hq + h) * hd + e] += (float)(ds * kj[e]);
+                        dk[(j * Hk + kh) * hd + e] += (float)(ds * qi[e]);
+                    }
+                }
+            }
+        }
+}
+
+static void ref_head_fwd(const float *logits, int64_t rows, int V, float inv_temp, const int32_t *targets,
+                         float *lse, float *entropy, float *logprob) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *z = logits + r * V;
+        double m = -INFINITY, s = 0, sz = 0;
+        for (int j = 0; j < V; j++)
+            if ((double)z[j] * inv_temp > m) m = (double)z[j] * inv_temp;
+        for (int j = 0; j < V; j++) {
+            double zj = (double)z[j] * inv_temp, e = exp(zj - m);
+            s += e;
+            sz += e * zj;
+        }
+        double l = m + log(s);
+        lse[r] = (float)l;
+        entropy[r] = (float)(l - sz / s);
+        logprob[r] = targets[r] >= 0 ? (float)((double)z[targets[r]] * inv_temp - l) : 0.0f;
+    }
+}
+
+/* logp_j = z_j - lse, p_j = exp(logp_j), H = -sum p logp.
+ * d logp_t / dz_j = [j = t] - p_j;  dH/dz_j = -p_j (logp_j + H); raw logits = z * temp. */
+static void ref_head_bwd(float *logits, int64_t rows, int V, float inv_temp, const int32_t *targets,
+                         const float *lse, const float *entropy, const float *dlogprob,
+                         const float *dentropy) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *z = logits + r * V;
+        double glp = dlogprob && targets[r] >= 0 ? dlogprob[r] : 0, gh = dentropy ? dentropy[r] : 0;
+        for (int j = 0; j < V; j++) {
+            double lp = (double)z[j] * inv_temp - lse[r], p = exp(lp);
+            double g = -glp * p - gh * p * (lp + entropy[r]);
+            if (j == targets[r]) g += glp;
+            z[j] = (float)(g * inv_temp);
+        }
+    }
+}
+
+static const mrl_kernels reference_table = {
+    .name = "cpu-reference",
+    .gemm = ref_gemm,
+    .rmsnorm_fwd = ref_rmsnorm_fwd,
+    .rmsnorm_bwd = ref_rmsnorm_bwd,
+    .rope = ref_rope,
+    .swiglu_fwd = ref_swiglu_fwd,
+    .swiglu_bwd = ref_swiglu_bwd,
+    .attn_fwd = ref_attn_fwd,
+    .attn_bwd = ref_attn_bwd,
+    .head_fwd = ref_head_fwd,
+    .head_bwd = ref_head_bwd,
+};
+
+const mrl_kernels *mrl_kernels_cpu_reference(void) { return &reference_table; }

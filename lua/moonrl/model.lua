@@ -1,0 +1,203 @@
+-- The transformer (Llama / Qwen2 / Qwen3) on the CPU: per-token log-probs,
+-- entropy and values for a packed batch, and the backward into one gradient
+-- buffer (see core/include/moonrl/model.h).
+--
+--   local model = moonrl.model.load('/models/Qwen3-0.6B')            -- config.json + safetensors
+--   local m = moonrl.model.new({ model_type = 'llama', vocab_size = 256, hidden_size = 64,
+--     intermediate_size = 128, num_hidden_layers = 2, num_attention_heads = 4 }, { seed = 1 })
+--   local b = moonrl.model.batch({ {1, 5, 9, 2}, {1, 7, 2} })       -- packed, targets = next token
+--   local logprobs, entropy = m:forward(b, { temperature = 1.0 })  -- float[b.n_tokens] each
+--   m:zero_grad(); m:backward(dlogprobs, dentropy)                  -- float arrays (or nil)
+--   local p, n = m:params()                                         -- the one parameter buffer
+--   m:save('/tmp/out')
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local C = moonrl.C
+
+local M = {}
+
+-- ---- JSON text of a config table (config.json keys) --------------------------
+
+local function json_encode(v, out)
+  local t = type(v)
+  if t == 'table' then
+    if #v > 0 then
+      out[#out + 1] = '['
+      for i, x in ipairs(v) do
+        if i > 1 then out[#out + 1] = ',' end
+        json_encode(x, out)
+      end
+      out[#out + 1] = ']'
+    else
+      out[#out + 1] = '{'
+      local first = true
+      for k, x in pairs(v) do
+        if not first then out[#out + 1] = ',' end
+        first = false
+        out[#out + 1] = string.format('%q:', tostring(k))
+        json_encode(x, out)
+      end
+      out[#out + 1] = '}'
+    end
+  elseif t == 'string' then
+    out[#out + 1] = '"' .. v:gsub('[%c"\\]', function(c) return string.format('\\u%04x', c:byte()) end) .. '"'
+  elseif t == 'number' then
+    if v == math.floor(v) and math.abs(v) < 2^53 then out[#out + 1] = string.format('%d', v)
+    else out[#out + 1] = string.format('%.17g', v) end
+  elseif t == 'boolean' then
+    out[#out + 1] = tostring(v)
+  elseif v == nil then
+    out[#out + 1] = 'null'
+  else
+    error('model config: cannot encode a ' .. t, 3)
+  end
+end
+
+local arch_names = { [0] = 'llama', 'qwen2', 'qwen3' }
+
+-- The C config as a Lua table with the config.json names.
+local function config_table(c)
+  local t = {}
+  for _, k in ipairs({ 'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+    'num_attention_heads', 'num_key_value_heads', 'head_dim', 'max_position_embeddings',
+    'bos_token_id', 'eos_token_id', 'rms_norm_eps', 'rope_theta', 'initializer_range' }) do
+    t[k] = tonumber(c[k])
+  end
+  t.model_type = arch_names[tonumber(c.arch)]
+  t.tie_word_embeddings = c.tie_word_embeddings ~= 0
+  t.attention_bias = c.attention_bias ~= 0
+  t.value_head = c.value_head ~= 0
+  if c.rope_scaling == C.MRL_ROPE_LLAMA3 then
+    t.rope_scaling = { rope_type = 'llama3', factor = tonumber(c.rope_factor),
+      low_freq_factor = tonumber(c.rope_low_freq_factor), high_freq_factor = tonumber(c.rope_high_freq_factor),
+      original_max_position_embeddings = tonumber(c.rope_original_max_position_embeddings) }
+  end
+  return t
+end
+
+-- ---- batches -----------------------------------------------------------------------
+
+local Batch = {}
+Batch.__index = Batch
+
+-- seqs: a list of token lists. opts.targets: a list of target lists (same
+-- lengths, -1 = none); by default each token's target is the next token of
+-- its sequence and the last token of each sequence has none (-1).
+function M.batch(seqs, opts)
+  opts = opts or {}
+  if type(seqs) ~= 'table' or #seqs == 0 then error('model.batch: expected a non-empty list of token lists', 2) end
+  local n = 0
+  for i, s in ipairs(seqs) do
+    if type(s) ~= 'table' then error('model.batch: sequence ' .. i .. ' is not a list', 2) end
+    n = n + #s
+  end
+  if n == 0 then error('model.batch: all sequences are empty', 2) end
+  local tokens, targets = ffi.new('int32_t[?]', n), ffi.new('int32_t[?]', n)
+  local cu = ffi.new('int32_t[?]', #seqs + 1)
+  local pos = 0
+  for i, s in ipairs(seqs) do
+    cu[i - 1] = pos
+    local tg = opts.targets and opts.targets[i]
+    if tg and #tg ~= #s then error('model.batch: targets ' .. i .. ' has ' .. #tg .. ' entries for ' .. #s .. ' tokens', 2) end
+    for j = 1, #s do
+      tokens[pos] = s[j]
+      targets[pos] = tg and tg[j] or (j < #s and s[j + 1] or -1)
+      pos = pos + 1
+    end
+  end
+  cu[#seqs] = n
+  local c = ffi.new('mrl_batch')
+  c.tokens, c.targets, c.cu_seqlens, c.n_tokens, c.n_seqs = tokens, targets, cu, n, #seqs
+  return setmetatable({ tokens = tokens, targets = targets, cu_seqlens = cu, n_tokens = n, n_seqs = #seqs, c = c }, Batch)
+end
+
+-- First and one-past-last flat index of sequence i (1-based).
+function Batch:range(i) return self.cu_seqlens[i - 1], self.cu_seqlens[i] end
+
+-- ---- the model ---------------------------------------------------------------------
+
+local Model = {}
+Model.__index = Model
+
+local function wrap(handle)
+  local m = setmetatable({ handle = ffi.gc(handle, C.mrl_model_free) }, Model)
+  m.config = config_table(C.mrl_model_get_config(handle))
+  m.n_params = tonumber(C.mrl_model_num_params(handle))
+  return m
+end
+
+-- cfg: a table with the keys of a config.json (model_type, vocab_size, ...).
+-- opts.seed (default 0): the random init; opts.value_head: add score.weight.
+function M.new(cfg, opts)
+  opts = opts or {}
+  if type(cfg) ~= 'table' then error('model.new: expected a config table', 2) end
+  local t = {}
+  for k, v in pairs(cfg) do t[k] = v end
+  if opts.value_head then t.moonrl_value_head = true end
+  local out = {}
+  json_encode(t, out)
+  local text = table.concat(out)
+  local c = ffi.new('mrl_model_config')
+  moonrl.check(C.mrl_model_config_parse(text, #text, 'model config table', c), 2)
+  local h = ffi.new('mrl_model *[1]')
+  moonrl.check(C.mrl_model_create(c, opts.seed or 0, h), 2)
+  return wrap(h[0])
+end
+
+function M.load(dir)
+  local h = ffi.new('mrl_model *[1]')
+  moonrl.check(C.mrl_model_load_dir(dir, h), 2)
+  return wrap(h[0])
+end
+
+-- Returns logprobs, entropy (float[n_tokens] cdata) and, with opts.values
+-- on a value-head model, values. opts.temperature divides the logits.
+function Model:forward(batch, opts)
+  opts = opts or {}
+  local n = batch.n_tokens
+  local lp, ent = ffi.new('float[?]', n), ffi.new('float[?]', n)
+  local val = opts.values and ffi.new('float[?]', n) or nil
+  moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, lp, ent, val), 2)
+  self._batch = batch -- the C side borrows the batch arrays until the backward
+  return lp, ent, val
+end
+
+-- Gradients of the loss with respect to each output (float arrays or nil);
+-- added to the gradient buffer.
+function Model:backward(dlogprobs, dentropy, dvalues)
+  moonrl.check(C.mrl_model_backward(self.handle, dlogprobs, dentropy, dvalues), 2)
+end
+
+function Model:zero_grad() C.mrl_model_zero_grad(self.handle) end
+function Model:params() return C.mrl_model_params(self.handle), self.n_params end
+function Model:grads() return C.mrl_model_grads(self.handle), self.n_params end
+function Model:set_recompute(on) C.mrl_model_set_recompute(self.handle, on and 1 or 0) end
+function Model:activation_bytes(n_tokens) return tonumber(C.mrl_model_activation_bytes(self.handle, n_tokens)) end
+function Model:save(dir) moonrl.check(C.mrl_model_save_dir(self.handle, dir), 2) end
+
+-- { {name=, offset=, numel=, shape={...}, weight_decay=bool}, ... } in buffer order.
+function Model:views()
+  if not self._views then
+    local v, list = ffi.new('mrl_param_view'), {}
+    for i = 0, C.mrl_model_num_views(self.handle) - 1 do
+      moonrl.check(C.mrl_model_view(self.handle, i, v))
+      local shape = {}
+      for d = 0, v.ndim - 1 do shape[d + 1] = tonumber(v.shape[d]) end
+      list[#list + 1] = { name = ffi.string(v.name), offset = tonumber(v.offset), numel = tonumber(v.numel),
+        shape = shape, weight_decay = v.weight_decay ~= 0 }
+    end
+    self._views = list
+  end
+  return self._views
+end
+
+-- {{offset, count}, ...} of the parameters without weight decay (for moonrl.optim.adamw).
+function Model:no_decay_ranges()
+  local r = {}
+  for _, v in ipairs(self:views()) do
+    if not v.weight_decay then r[#r + 1] = { v.offset, v.numel } end
+  end
+  return r
+end
+
+return M

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""moonrl's model against a small PyTorch implementation of the same
+architectures (written here; no transformers needed), float64 on the torch
+side. Identical weights (random, written into moonrl's parameter buffer),
+a packed batch of several sequences; compares log-probs, entropy, values
+and the gradient of every parameter for the loss
+    L = sum_t a_t logprob_t + b_t entropy_t + c_t value_t
+with random per-token a, b, c. Relative error = max|moonrl - torch| / max|torch|.
+
+usage: model_ref.py path/to/libmoonrl.so
+"""
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+torch.set_default_dtype(torch.float64)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moonrl_ctypes  # noqa: E402
+from moonrl_ctypes import Moonrl, rel  # noqa: E402
+
+lib = moonrl_ctypes.load(sys.argv[1])
+
+
+# ---- the PyTorch reference -------------------------------------------------------
+
+def inv_freq_of(cfg, hd):
+    """float32, as Transformers computes it (with 'llama3' rescaling)."""
+    inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.get("rope_scaling")
+    if rs and rs.get("rope_type") == "llama3":
+        old, lo, hi, f = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"], rs["factor"]
+        wl = 2 * math.pi / inv
+        out = torch.where(wl > old / lo, inv / f, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / f + smooth * out
+        medium = ~(wl < old / hi) * ~(wl > old / lo)
+        inv = torch.where(medium, smoothed, out)
+    return inv.float()
+
+
+def rmsnorm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, inv_freq, L):  # x [L, H, hd], rotate_half convention
+    ang = (torch.arange(L, dtype=torch.int64).float()[:, None] * inv_freq[None, :]).double()
+    emb = torch.cat([ang, ang], -1)[:, None, :]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * emb.cos() + rot * emb.sin()
+
+
+def reference(cfg, P, tokens, targets, cu, temperature, value_head):
+    D, Hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    Hk = cfg.get("num_key_value_heads", Hq)
+    hd = cfg.get("head_dim") or D // Hq
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    inv = inv_freq_of(cfg, hd)
+    lm = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else P["lm_head.weight"]
+    lps, ents, vals = [], [], []
+    for s in range(len(cu) - 1):
+        tok = torch.tensor(tokens[cu[s]:cu[s + 1]].astype(np.int64))
+        L = len(tok)
+        x = P["model.embed_tokens.weight"][tok]
+        for l in range(cfg["num_hidden_layers"]):
+            p = lambda n: P["model.layers.%d.%s" % (l, n)]
+            h = rmsnorm(x, p("input_layernorm.weight"), eps)
+            q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
+            if qwen2:
+                q, k, v = q + p("self_attn.q_proj.bias"), k + p("self_attn.k_proj.bias"), v + p("self_attn.v_proj.bias")
+            q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
+            if qwen3:
+                q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
+            q, k = rope(q, inv, L), rope(k, inv, L)
+            k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
+            sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
+            sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+            att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
+            x = x + att @ p("self_attn.o_proj.weight").T
+            h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
+            x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        h = rmsnorm(x, P["model.norm.weight"], eps)
+        logp = torch.log_softmax(h @ lm.T / temperature, -1)
+        tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
+        lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(L)))
+        ents.append(-(logp.exp() * logp).sum(-1))
+        if value_head:
+            vals.append((h @ P["score.weight"].T)[:, 0])
+    return torch.cat(lps), torch.cat(ents), torch.cat(vals) if value_head else None
+
+
+failures = []
+
+
+def run_case(name, cfg, lens, temperature=1.0, value_head=False, kernels=0, recompute=False, head_chunk=0, seed=0):
+    rng = np.random.default_rng(seed)
+    if value_head:
+        cfg = dict(cfg, moonrl_value_head=True)
+    m = Moonrl(cfg)
+    lib.mrl_model_set_kernels(m.h, kernels)
+    lib.mrl_model_set_recompute(m.h, int(recompute))
+    lib.mrl_model_set_head_chunk(m.h, head_chunk)
+    # random weights (norms near 1, biases nonzero) written into moonrl's buffer
+    for n, off, shape, _ in m.views:
+        size = int(np.prod(shape))
+        if "norm" in n:
+            m.params[off:off + size] = 1 + 0.2 * rng.standard_normal(size)
+        else:
+            m.params[off:off + size] = (0.1 if n.endswith("bias") else 0.08) * rng.standard_normal(size)
+    P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64), requires_grad=True) for n, _, _, _ in m.views}
+    V = cfg["vocab_size"]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    tokens = rng.integers(0, V, cu[-1]).astype(np.int32)
+    targets = np.full(cu[-1], -1, np.int32)
+    for s in range(len(lens)):
+        targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
+    lp, ent, val = m.forward(tokens, targets, cu, temperature, value_head)
+    rlp, rent, rval = reference(cfg, P, tokens, targets, cu, temperature, value_head)
+    errs = {"logprob": rel(lp, rlp.detach()), "entropy": rel(ent, rent.detach())}
+    if value_head:
+        errs["value"] = rel(val, rval.detach())
+    T = cu[-1]
+    a, b = rng.standard_normal(T).astype(np.float32), rng.standard_normal(T).astype(np.float32)
+    c = rng.standard_normal(T).astype(np.float32) if value_head else None
+    lib.mrl_model_zero_grad(m.h)
+    m.backward(a, b, c)
+    loss = (torch.tensor(a, dtype=torch.float64) * rlp).sum() + (torch.tensor(b, dtype=torch.float64) * rent).sum()
+    if value_head:
+        loss = loss + (torch.tensor(c, dtype=torch.float64) * rval).sum()
+    loss.backward()
+    worst_grad, worst_name = 0.0, ""
+    for n, _, _, _ in m.views:
+        e = rel(m.tensor(m.grads, n), P[n].grad.numpy())
+        if e > worst_grad:
+            worst_grad, worst_name = e, n
+    errs["grad"] = worst_grad
+    ok = errs["logprob"] < 1e-5 and errs["entropy"] < 1e-5 and errs.get("value", 0) < 1e-5 and worst_grad <= 1e-4
+    print("%-40s T=%3d  logprob %.1e  entropy %.1e  value %.1e  grad %.1e (%s)  %s" % (
+        name, T, errs["logprob"], errs["entropy"], errs.get("value", 0), worst_grad, worst_name, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    # a second backward accumulates: gradients double
+    g1 = m.grads.copy()
+    m.backward(a, b, c)
+    if rel(m.grads, 2 * g1) > 1e-6:
+        failures.append(name + " (accumulation)")
+        print("  gradient accumulation wrong")
+    lib.mrl_model_free(m.h)
+    return lp, ent, g1
+
+
+llama = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64,
+             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+lens = [7, 1, 12, 20]
+run_case("llama GQA untied + value head", llama, lens, value_head=True)
+run_case("llama tied, temperature 0.7", dict(llama, tie_word_embeddings=True, num_key_value_heads=4), lens, temperature=0.7)
+run_case("llama3 rope scaling, theta 5e5", dict(llama, rope_theta=500000.0, rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)),
+    [30, 9], seed=3)
+run_case("qwen2 biases, GQA 6/2", dict(llama, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=48,
+                                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True), lens,
+         value_head=True)
+q3 = dict(llama, model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=48, head_dim=16,
+          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
+run_case("qwen3 q/k norm, head_dim 16 != 48/4", q3, lens)
+run_case("qwen3 reference kernels", q3, [5, 9], kernels=1)
+# recomputation changes nothing (bit-identical); head chunking only the order of sums
+base = run_case("llama recompute=off", llama, lens, seed=5)
+other = run_case("llama recompute=on", llama, lens, seed=5, recompute=True)
+if not all(np.array_equal(x, y) for x, y in zip(base, other)):
+    failures.append("recompute not bit-identical")
+    print("  recompute: results differ from the plain run")
+other = run_case("llama head chunk 5 tokens", llama, lens, seed=5, head_chunk=5)
+if max(rel(x, y) for x, y in zip(base, other)) > 1e-6:
+    failures.append("head chunking changes results")
+
+if failures:
+    print("FAILED:", ", ".join(failures))
+    sys.exit(1)
+print("all model reference checks passed")

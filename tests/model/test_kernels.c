@@ -1,0 +1,305 @@
+/* The op table: (1) each backward of the reference kernels against finite
+ * differences of its forward (fp32, small sizes, central differences);
+ * (2) the fast table against the reference on fresh random inputs, with
+ * sizes that leave vector tails. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "check.h"
+#include "kernels.h"
+#include "moonrl/status.h"
+
+static uint64_t rng_state = 12345;
+static double urand(void) {
+    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return ((rng_state >> 11) + 0.5) * 0x1.0p-53;
+}
+static float nrand(void) { return (float)(sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand())); }
+static float *rnd(int64_t n, float scale) {
+    float *x = malloc(sizeof(float) * (n ? n : 1));
+    for (int64_t i = 0; i < n; i++) x[i] = scale * nrand();
+    return x;
+}
+static float *zeros(int64_t n) { return calloc(n ? n : 1, sizeof(float)); }
+
+/* max |a-b| / max |b| */
+static double rel_err(const float *a, const float *b, int64_t n) {
+    double d = 0, s = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (fabs((double)a[i] - b[i]) > d) d = fabs((double)a[i] - b[i]);
+        if (fabs(b[i]) > s) s = fabs(b[i]);
+    }
+    return s > 0 ? d / s : d;
+}
+
+static const mrl_kernels *R, *Fk;
+
+/* ---- finite differences: loss = sum_i r_i out_i, in double ------------------------ */
+
+typedef double (*loss_fn)(void *ctx);
+
+/* Compare grad[0..n) with central differences of f over x[0..n). */
+static double fd_check(loss_fn f, void *ctx, float *x, const float *grad, int64_t n, float h) {
+    float *num = zeros(n);
+    for (int64_t i = 0; i < n; i++) {
+        float keep = x[i];
+        x[i] = keep + h;
+        double up = f(ctx);
+        x[i] = keep - h;
+        double down = f(ctx);
+        x[i] = keep;
+        num[i] = (float)((up - down) / (2.0 * h));
+    }
+    double e = rel_err(grad, num, n);
+    free(num);
+    return e;
+}
+
+static double weighted(const float *out, const float *r, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += (double)r[i] * out[i];
+    return s;
+}
+
+typedef struct norm_case {
+    float *x, *w, *out, *rstd, *r;
+    int64_t T;
+    int D;
+} norm_case;
+
+static double norm_loss(void *vc) {
+    norm_case *c = vc;
+    R->rmsnorm_fwd(c->out, c->rstd, c->x, c->w, c->T, c->D, 1e-5f);
+    return weighted(c->out, c->r, c->T * c->D);
+}
+
+static void fd_rmsnorm(void) {
+    norm_case c = {.T = 3, .D = 7};
+    c.x = rnd(21, 1), c.w = rnd(7, 1), c.out = zeros(21), c.rstd = zeros(3), c.r = rnd(21, 1);
+    float *dx = zeros(21), *dw = zeros(7);
+    norm_loss(&c);
+    R->rmsnorm_bwd(dx, dw, c.r, c.x, c.w, c.rstd, c.T, c.D);
+    double ex = fd_check(norm_loss, &c, c.x, dx, 21, 1e-3f), ew = fd_check(norm_loss, &c, c.w, dw, 7, 1e-3f);
+    printf("fd rmsnorm: dx %.1e dw %.1e\n", ex, ew);
+    CHECK(ex < 3e-3);
+    CHECK(ew < 3e-3);
+    free(c.x), free(c.w), free(c.out), free(c.rstd), free(c.r), free(dx), free(dw);
+}
+
+typedef struct swiglu_case {
+    float *g, *u, *out, *r;
+    int64_t n;
+} swiglu_case;
+
+static double swiglu_loss(void *vc) {
+    swiglu_case *c = vc;
+    R->swiglu_fwd(c->out, c->g, c->u, c->n);
+    return weighted(c->out, c->r, c->n);
+}
+
+static void fd_swiglu(void) {
+    swiglu_case c = {.n = 19};
+    c.g = rnd(19, 2), c.u = rnd(19, 1), c.out = zeros(19), c.r = rnd(19, 1);
+    float *dg = zeros(19), *du = zeros(19);
+    R->swiglu_bwd(dg, du, c.r, c.g, c.u, c.n);
+    double eg = fd_check(swiglu_loss, &c, c.g, dg, 19, 1e-3f), eu = fd_check(swiglu_loss, &c, c.u, du, 19, 1e-3f);
+    printf("fd swiglu: dgate %.1e dup %.1e\n", eg, eu);
+    CHECK(eg < 3e-3);
+    CHECK(eu < 3e-3);
+    free(c.g), free(c.u), free(c.out), free(c.r), free(dg), free(du);
+}
+
+/* RoPE is linear: its backward (inverse = 1) must be its transpose, <R x, y> = <x, R^T y>. */
+static void check_rope_transpose(void) {
+    int T = 5, H = 2, hd = 6, half = 3;
+    int32_t pos[5] = {0, 1, 2, 0, 3};
+    float *cs = zeros(4 * half), *sn = zeros(4 * half);
+    for (int p = 0; p < 4; p++)
+        for (int i = 0; i < half; i++) cs[p * half + i] = cosf(p * (i + 1) * 0.7f), sn[p * half + i] = sinf(p * (i + 1) * 0.7f);
+    float *x = rnd(T * H * hd, 1), *y = rnd(T * H * hd, 1), *rx = zeros(T * H * hd), *ry = zeros(T * H * hd);
+    memcpy(rx, x, sizeof(float) * T * H * hd);
+    memcpy(ry, y, sizeof(float) * T * H * hd);
+    R->rope(rx, pos, cs, sn, T, H, hd, 0);
+    R->rope(ry, pos, cs, sn, T, H, hd, 1);
+    double a = weighted(rx, y, T * H * hd), b = weighted(x, ry, T * H * hd);
+    printf("rope transpose: %.3e vs %.3e\n", a, b);
+    CHECK_NEAR(a, b, 1e-5 * (1 + fabs(b)));
+    free(cs), free(sn), free(x), free(y), free(rx), free(ry);
+}
+
+typedef struct attn_case {
+    float *q, *k, *v, *out, *lse, *r;
+    int32_t cu[4];
+    int n_seqs, Hq, Hk, hd;
+    int64_t T;
+} attn_case;
+
+static double attn_loss(void *vc) {
+    attn_case *c = vc;
+    R->attn_fwd(c->out, c->lse, c->q, c->k, c->v, c->cu, c->n_seqs, c->Hq, c->Hk, c->hd, 0.4f);
+    return weighted(c->out, c->r, c->T * c->Hq * c->hd);
+}
+
+static void fd_attention(void) {
+    attn_case c = {.cu = {0, 4, 5, 9}, .n_seqs = 3, .Hq = 4, .Hk = 2, .hd = 3, .T = 9};
+    int64_t nq = c.T * c.Hq * c.hd, nk = c.T * c.Hk * c.hd;
+    c.q = rnd(nq, 1), c.k = rnd(nk, 1), c.v = rnd(nk, 1), c.out = zeros(nq), c.lse = zeros(c.T * c.Hq), c.r = rnd(nq, 1);
+    float *dq = zeros(nq), *dk = zeros(nk), *dv = zeros(nk);
+    attn_loss(&c);
+    R->attn_bwd(dq, dk, dv, c.r, c.out, c.lse, c.q, c.k, c.v, c.cu, c.n_seqs, c.Hq, c.Hk, c.hd, 0.4f);
+    double eq = fd_check(attn_loss, &c, c.q, dq, nq, 1e-3f), ek = fd_check(attn_loss, &c, c.k, dk, nk, 1e-3f),
+           ev = fd_check(attn_loss, &c, c.v, dv, nk, 1e-3f);
+    printf("fd attention: dq %.1e dk %.1e dv %.1e\n", eq, ek, ev);
+    CHECK(eq < 3e-3);
+    CHECK(ek < 3e-3);
+    CHECK(ev < 3e-3);
+    free(c.q), free(c.k), free(c.v), free(c.out), free(c.lse), free(c.r), free(dq), free(dk), free(dv);
+}
+
+typedef struct head_case {
+    float *z, *lse, *ent, *lp, *a, *b;
+    int32_t targets[3];
+    int64_t rows;
+    int V;
+    float inv_temp;
+} head_case;
+
+static double head_loss(void *vc) {
+    head_case *c = vc;
+    R->head_fwd(c->z, c->rows, c->V, c->inv_temp, c->targets, c->lse, c->ent, c->lp);
+    return weighted(c->lp, c->a, c->rows) + weighted(c->ent, c->b, c->rows);
+}
+
+static void fd_head(void) {
+    head_case c = {.targets = {3, -1, 10}, .rows = 3, .V = 11, .inv_temp = 1.0f / 0.8f};
+    c.z = rnd(33, 1.5f), c.lse = zeros(3), c.ent = zeros(3), c.lp = zeros(3), c.a = rnd(3, 1), c.b = rnd(3, 1);
+    head_loss(&c);
+    float *g = zeros(33);
+    memcpy(g, c.z, sizeof(float) * 33);
+    R->head_bwd(g, c.rows, c.V, c.inv_temp, c.targets, c.lse, c.ent, c.a, c.b);
+    double e = fd_check(head_loss, &c, c.z, g, 33, 1e-3f);
+    printf("fd head (logprob + entropy, temperature 0.8): %.1e\n", e);
+    CHECK(e < 3e-3);
+    free(c.z), free(c.lse), free(c.ent), free(c.lp), free(c.a), free(c.b), free(g);
+}
+
+/* ---- fast against reference --------------------------------------------------------- */
+
+static void cmp(const char *what, const float *fast, const float *ref, int64_t n, double tol) {
+    double e = rel_err(fast, ref, n);
+    printf("fast vs reference %-16s %.1e\n", what, e);
+    if (!(e <= tol)) fprintf(stderr, "%s: error %.3g above %.3g\n", what, e, tol);
+    CHECK(e <= tol);
+}
+
+static void fast_vs_reference(void) {
+    /* gemm, all transposes */
+    int64_t M = 37, N = 29, K = 45;
+    float *A = rnd(M * K, 1), *B = rnd(K * N, 1), *C1 = rnd(M * N, 1), *C2 = zeros(M * N);
+    memcpy(C2, C1, sizeof(float) * M * N);
+    for (int t = 0; t < 4; t++) {
+        int ta = t & 1, tb = t >> 1;
+        R->gemm(ta, tb, M, N, K, 0.5f, A, ta ? M : K, B, tb ? K : N, 1.0f, C1, N);
+        Fk->gemm(ta, tb, M, N, K, 0.5f, A, ta ? M : K, B, tb ? K : N, 1.0f, C2, N);
+    }
+    cmp("gemm", C2, C1, M * N, 1e-5);
+    free(A), free(B), free(C1), free(C2);
+
+    int64_t T = 150;
+    int D = 67;
+    float *x = rnd(T * D, 1), *w = rnd(D, 1), *o1 = zeros(T * D), *o2 = zeros(T * D), *r1 = zeros(T), *r2 = zeros(T);
+    R->rmsnorm_fwd(o1, r1, x, w, T, D, 1e-6f);
+    Fk->rmsnorm_fwd(o2, r2, x, w, T, D, 1e-6f);
+    cmp("rmsnorm", o2, o1, T * D, 1e-6);
+    float *dy = rnd(T * D, 1), *dx1 = rnd(T * D, 1), *dx2 = zeros(T * D), *dw1 = zeros(D), *dw2 = zeros(D);
+    memcpy(dx2, dx1, sizeof(float) * T * D);
+    R->rmsnorm_bwd(dx1, dw1, dy, x, w, r1, T, D);
+    Fk->rmsnorm_bwd(dx2, dw2, dy, x, w, r1, T, D);
+    cmp("rmsnorm dx", dx2, dx1, T * D, 1e-6);
+    cmp("rmsnorm dw", dw2, dw1, D, 1e-5);
+    free(x), free(w), free(o1), free(o2), free(r1), free(r2), free(dy), free(dx1), free(dx2), free(dw1), free(dw2);
+
+    int64_t n = 1003;
+    float *g = rnd(n, 3), *u = rnd(n, 1), *s1 = zeros(n), *s2 = zeros(n), *d = rnd(n, 1), *a1 = zeros(n), *a2 = zeros(n),
+          *b1 = zeros(n), *b2 = zeros(n);
+    R->swiglu_fwd(s1, g, u, n);
+    Fk->swiglu_fwd(s2, g, u, n);
+    cmp("swiglu", s2, s1, n, 1e-6);
+    R->swiglu_bwd(a1, b1, d, g, u, n);
+    Fk->swiglu_bwd(a2, b2, d, g, u, n);
+    cmp("swiglu dgate", a2, a1, n, 1e-6);
+    cmp("swiglu dup", b2, b1, n, 1e-6);
+    free(g), free(u), free(s1), free(s2), free(d), free(a1), free(a2), free(b1), free(b2);
+
+    /* rope */
+    int H = 3, hd = 10, half = 5;
+    int32_t *pos = malloc(sizeof(int32_t) * T);
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 40);
+    float *cs = rnd(40 * half, 1), *sn = rnd(40 * half, 1), *v1 = rnd(T * H * hd, 1), *v2 = zeros(T * H * hd);
+    memcpy(v2, v1, sizeof(float) * T * H * hd);
+    for (int inv = 0; inv < 2; inv++) {
+        R->rope(v1, pos, cs, sn, T, H, hd, inv);
+        Fk->rope(v2, pos, cs, sn, T, H, hd, inv);
+    }
+    cmp("rope", v2, v1, T * H * hd, 1e-6);
+    free(pos), free(cs), free(sn), free(v1), free(v2);
+
+    /* attention: 4 sequences (one of length 1, one longer than 64), GQA 6/2, hd 20 */
+    int32_t cu[5] = {0, 1, 71, 100, 150};
+    int Hq = 6, Hk = 2;
+    hd = 20;
+    int64_t nq = T * Hq * hd, nk = T * Hk * hd;
+    float *q = rnd(nq, 1), *k = rnd(nk, 1), *v = rnd(nk, 1), *out1 = zeros(nq), *out2 = zeros(nq), *l1 = zeros(T * Hq),
+          *l2 = zeros(T * Hq);
+    R->attn_fwd(out1, l1, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
+    Fk->attn_fwd(out2, l2, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
+    cmp("attention", out2, out1, nq, 1e-5);
+    cmp("attention lse", l2, l1, T * Hq, 1e-6);
+    float *dout = rnd(nq, 1), *dq1 = zeros(nq), *dq2 = zeros(nq), *dk1 = zeros(nk), *dk2 = rnd(nk, 1), *dv1 = zeros(nk),
+          *dv2 = rnd(nk, 1);
+    R->attn_bwd(dq1, dk1, dv1, dout, out1, l1, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
+    Fk->attn_bwd(dq2, dk2, dv2, dout, out1, l1, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
+    cmp("attention dq", dq2, dq1, nq, 1e-5);
+    cmp("attention dk", dk2, dk1, nk, 1e-5);
+    cmp("attention dv", dv2, dv1, nk, 1e-5);
+    free(q), free(k), free(v), free(out1), free(out2), free(l1), free(l2), free(dout), free(dq1), free(dq2), free(dk1),
+        free(dk2), free(dv1), free(dv2);
+
+    /* head: V with a tail, temperature 0.7, some rows without target */
+    int64_t rows = 13;
+    int V = 1003;
+    float *z = rnd(rows * V, 3), *z2 = zeros(rows * V), *hl1 = zeros(rows), *hl2 = zeros(rows), *he1 = zeros(rows),
+          *he2 = zeros(rows), *hp1 = zeros(rows), *hp2 = zeros(rows), *ga = rnd(rows, 1), *gb = rnd(rows, 1);
+    int32_t tg[13];
+    for (int i = 0; i < 13; i++) tg[i] = i % 4 == 3 ? -1 : (i * 97) % V;
+    R->head_fwd(z, rows, V, 1 / 0.7f, tg, hl1, he1, hp1);
+    Fk->head_fwd(z, rows, V, 1 / 0.7f, tg, hl2, he2, hp2);
+    cmp("head lse", hl2, hl1, rows, 1e-6);
+    cmp("head entropy", he2, he1, rows, 1e-5);
+    cmp("head logprob", hp2, hp1, rows, 1e-5);
+    memcpy(z2, z, sizeof(float) * rows * V);
+    R->head_bwd(z, rows, V, 1 / 0.7f, tg, hl1, he1, ga, gb);
+    Fk->head_bwd(z2, rows, V, 1 / 0.7f, tg, hl1, he1, ga, gb);
+    cmp("head backward", z2, z, rows * V, 1e-5);
+    free(z), free(z2), free(hl1), free(hl2), free(he1), free(he2), free(hp1), free(hp2), free(ga), free(gb);
+}
+
+int main(void) {
+    R = mrl_kernels_cpu_reference();
+    Fk = mrl_kernels_cpu_fast();
+    fd_rmsnorm();
+    fd_swiglu();
+    check_rope_transpose();
+    fd_attention();
+    fd_head();
+    const char *isas[] = {"avx512", "avx2", "sse"};
+    for (int i = 0; i < 3; i++) {
+        if (mrl_kernels_cpu_fast_set_isa(isas[i]) != 0) {
+            printf("(%s not available here)\n", isas[i]);
+            continue;
+        }
+        printf("-- fast kernels with %s\n", mrl_kernels_cpu_fast_isa());
+        fast_vs_reference();
+    }
+    CHECK_DONE();
+}
