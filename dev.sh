@@ -13,7 +13,7 @@ cd "$(dirname "$0")"
 DEB_PACKAGES="meson ninja-build pkg-config gcc g++ git libluajit2-5.1-dev luajit2 libuv1-dev libopenblas-dev
  libpcre2-dev python3 python3-torch python3-numpy python3-jinja2"
 # Python packages for the reference tests (installed for /usr/bin/python3).
-PIP_PACKAGES="safetensors"
+PIP_PACKAGES="safetensors tokenizers"
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
