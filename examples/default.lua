@@ -21,10 +21,9 @@ local cfg = moonrl.config {
   heldout = moonrl.config.integer(200), -- problems kept out of training, for the accuracy figures
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
             heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384) },
-  sft = { steps = moonrl.config.integer(800), batch = moonrl.config.integer(64), lr = 2e-3,
-          noise = 0.75 }, -- share of the warm-up examples with a carry whose answer forgets the carries
+  sft = { steps = moonrl.config.integer(300), batch = moonrl.config.integer(64), lr = 2e-3 },
   grpo = { steps = moonrl.config.integer(60), prompts = moonrl.config.integer(16), samples = moonrl.config.integer(8),
-           lr = 1e-3, temperature = 1.0, clip = 0.2, kl_coef = 0.0 },
+           lr = 1e-3, temperature = 1.0, clip = 0.2, reward = 'addition' },
   quiet = false, -- no per-step lines (the test suite)
 }
 local run = moonrl.run.start(cfg, { name = 'default', total_steps = cfg.grpo.steps })
@@ -51,17 +50,21 @@ for _, p in ipairs(problems) do
   p.prompt_ids = tok:encode(p.prompt)                                   -- <|bos|> 3 7 + 4 8 =
   p.answer_ids = tok:encode(p.answer, { add_special = false })
   p.answer_ids[#p.answer_ids + 1] = tok.eos_id                          -- 8 5 <|eos|>
-  -- the classic mistake: add digit by digit and forget the carries (37+48 -> 75)
-  local wrong = tostring((p.a % 10 + p.b % 10) % 10 + 10 * ((math.floor(p.a / 10) + math.floor(p.b / 10)) % 10))
-  if wrong ~= p.answer then
-    p.wrong_ids = tok:encode(wrong, { add_special = false })
-    p.wrong_ids[#p.wrong_ids + 1] = tok.eos_id
-  end
 end
 local heldout, train = {}, {}
 for i, p in ipairs(problems) do
   if i <= cfg.heldout then heldout[#heldout + 1] = p else train[#train + 1] = p end
 end
+-- The reward, registered by name: the share of the answer's digits that are right (aligned from
+-- the right, the length counting), 1 exactly when the answer is right.
+rewards.register('addition', function(sample)
+  local got, want = sample.response, sample.answer
+  local n, right = math.max(#got, #want), 0
+  for k = 0, math.min(#got, #want) - 1 do
+    if got:byte(#got - k) == want:byte(#want - k) then right = right + 1 end
+  end
+  return right / n
+end, { replace = true })
 local function draw(n) -- n training problems at random
   local out = {}
   for i = 1, n do out[i] = train[rand(#train) + 1] end
@@ -88,16 +91,12 @@ local function accuracy(set) -- greedy decoding on the held-out problems
   return right / #set
 end
 
--- 3. SFT warm-up: cross-entropy on the answer tokens. The warm-up data is noisy: most answers
--- of problems with a carry forget it, so the model learns to add but sides with the mistake.
+-- 3. SFT warm-up: cross-entropy on the answer tokens.
 local opt = R.adamw(model, { lr = cfg.sft.lr, weight_decay = 0.0 })
 for step = 1, cfg.sft.steps do
   local batch = draw(cfg.sft.batch)
   local samples = {}
-  for i, p in ipairs(batch) do
-    local noisy = p.wrong_ids and rand(1000000) < cfg.sft.noise * 1000000
-    samples[i] = { prompt_ids = p.prompt_ids, ids = noisy and p.wrong_ids or p.answer_ids }
-  end
+  for i, p in ipairs(batch) do samples[i] = { prompt_ids = p.prompt_ids, ids = p.answer_ids } end
   local b = R.pack(samples)
   model:zero_grad()
   local lp = model:forward(b)
@@ -122,7 +121,7 @@ for step = 1, cfg.grpo.steps do
   end)
   local gen_s = moonrl.now() - t0
   local samples = R.flatten(prompts, results)
-  local scores = run:phase('reward', function() return rewards.score_batch('exact', samples) end)
+  local scores = run:phase('reward', function() return rewards.score_batch(cfg.grpo.reward, samples) end)
   local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = cfg.grpo.samples })
   for i, s in ipairs(samples) do s.adv = adv[i - 1] end
   t0 = moonrl.now()
@@ -132,7 +131,9 @@ for step = 1, cfg.grpo.steps do
   end)
   local mean, std = R.stats(scores, #samples)
   m.reward = { mean = mean, std = std }
-  m.accuracy = mean
+  local right = 0
+  for i, s in ipairs(samples) do if s.response == s.answer then right = right + 1 end end
+  m.accuracy = right / #samples
   m.response_length = R.length_metrics(samples)
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens, moonrl.now() - t0) }
   run:log(step, m, { quiet = cfg.quiet })

@@ -146,6 +146,13 @@ function M.scatter(b, lists, first)
   return x
 end
 
+-- The list of samples[i][field] (per-sample lists to scatter).
+function M.gather_field(samples, field)
+  local out = {}
+  for i, s in ipairs(samples) do out[i] = s[field] end
+  return out
+end
+
 -- Log-probs of every sample's response under model (no gradient), as per-sample lists; also
 -- the value estimates when opts.values (a value-head model).
 function M.logprobs(model, samples, max_tokens, opts)
