@@ -46,7 +46,7 @@ def documents(mb):
     return docs, total
 
 
-def best_of(fn, repeats=3):
+def best_of(fn, repeats=5):
     best = 1e30
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def main():
     mb = float(sys.argv[2]) if len(sys.argv) > 2 else 4
     docs, total = documents(mb)
     data = [d.encode() for d in docs]
-    print("%d documents, %.1f MB of text; best of 3 runs each" % (len(docs), total / 1e6))
+    print("%d documents, %.1f MB of text; best of 5 runs each" % (len(docs), total / 1e6))
     print("%-28s %12s %12s %8s" % ("tokenizer", "moonrl MB/s", "HF MB/s", "ratio"))
     for name in ("gpt2", "openllama", "bora", "gpt2_bytelevel", "llama3_split", "qwen2_split"):
         path = os.path.join(FIXTURES, name)

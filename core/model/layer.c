@@ -34,15 +34,16 @@ static void linear_bwd(const mrl_kernels *k, float *dx, float *dW, const float *
     k->gemm(0, 0, T, K, N, 1.0f, dy, N, W, K, beta, dx, K);
 }
 
-void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
+/* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v
+ * (+ biases, qwen3 per-head norms), RoPE on q and k. Fills a's ln1, rstd1,
+ * (qraw, kraw, rstdq, rstdk,) q, k, v. Shared with the engine. */
+void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, const int32_t *pos,
+                   int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
-    const layer_params *p = &m->lp[l];
-    layer_acts *a = &m->la[l];
-    int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
-        Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd;
+    int D = c->hidden_size, hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads,
+        Q = Hq * hd, K = Hk * hd;
     float eps = (float)c->rms_norm_eps;
-    const float *x = m->xs[l];
     k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, T, D, eps);              /* [T,D] */
     float *q = a->qraw ? a->qraw : a->q, *kk = a->kraw ? a->kraw : a->k;
     linear_fwd(k, q, a->ln1, p->wq, T, Q, D, 0);                         /* [T,Q] */
@@ -55,19 +56,36 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
         k->rmsnorm_fwd(a->q, a->rstdq, a->qraw, p->q_norm, T * Hq, hd, eps);
         k->rmsnorm_fwd(a->k, a->rstdk, a->kraw, p->k_norm, T * Hk, hd, eps);
     }
-    k->rope(a->q, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 0);
-    k->rope(a->k, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 0);
-    k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.n_seqs, Hq, Hk, hd,
-                1.0f / sqrtf((float)hd));                                /* [T,Q] [T,Hq] */
+    k->rope(a->q, pos, m->rope_cos, m->rope_sin, T, Hq, hd, 0);
+    k->rope(a->k, pos, m->rope_cos, m->rope_sin, T, Hk, hd, 0);
+}
+
+/* The rest of the layer once a->att holds the attention output:
+ * h = x + att Wo^T, ln2 = rmsnorm(h), act = silu(ln2 Wg^T) * (ln2 Wu^T),
+ * out = h + act Wd^T (out may be x). Shared with the engine. */
+void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out,
+                   int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     memcpy(a->h, x, sizeof(float) * T * D);
     linear_fwd(k, a->h, a->att, p->wo, T, D, Q, 1.0f);                   /* h = x + att Wo^T */
-    k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, eps);
+    k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     linear_fwd(k, a->gate, a->ln2, p->wg, T, F, D, 0);                   /* [T,F] */
     linear_fwd(k, a->up, a->ln2, p->wu, T, F, D, 0);                     /* [T,F] */
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
-    float *out = m->xs[l + 1];
     memcpy(out, a->h, sizeof(float) * T * D);
-    linear_fwd(k, out, a->act, p->wd, T, D, F, 1.0f);                    /* x' = h + act Wd^T */
+    linear_fwd(k, out, a->act, p->wd, T, D, F, 1.0f);                    /* out = h + act Wd^T */
+}
+
+void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
+    const mrl_model_config *c = &m->cfg;
+    layer_acts *a = &m->la[l];
+    mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
+    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.n_seqs,
+                   c->num_attention_heads, c->num_key_value_heads, c->head_dim,
+                   1.0f / sqrtf((float)c->head_dim));                   /* [T,Q] [T,Hq] */
+    mrl_layer_out(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
 }
 
 /* In: gs.dx = dL/dx' [T,D]. Out: gs.dx = dL/dx; parameter gradients added. */

@@ -79,5 +79,11 @@ void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
 /* layer.c */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);
 void mrl_layer_backward(mrl_model *m, int l, int64_t T);
+/* the two halves of a layer's forward around attention (the engine runs
+ * paged attention between them); see layer.c */
+void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, const int32_t *pos,
+                   int64_t T);
+void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out,
+                   int64_t T);
 /* rope.c */
 mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len);

@@ -186,6 +186,17 @@ static int cache_store(tok_cache *c, const char *key, size_t len, const int32_t 
     return 1;
 }
 
+int tok_work_init(tok_work *w) {
+    memset(w, 0, sizeof *w);
+    return (w->md = pcre2_match_data_create(1, NULL)) != NULL;
+}
+
+void tok_work_free(tok_work *w) {
+    if (w->md) pcre2_match_data_free(w->md);
+    tok_cache_free(&w->cache);
+    memset(w, 0, sizeof *w);
+}
+
 void tok_cache_free(tok_cache *c) {
     tok_strmap_free(&c->index);
     free(c->off);
@@ -194,14 +205,15 @@ void tok_cache_free(tok_cache *c) {
     memset(c, 0, sizeof *c);
 }
 
-int tok_bpe_word(mrl_tok *t, const char *s, size_t len, int bytelevel, tok_ids *out) {
+int tok_bpe_word(const mrl_tok *t, tok_work *wk, const char *s, size_t len, int bytelevel, tok_ids *out) {
     if (len == 0) return 1;
     int cacheable = len <= CACHE_MAX_WORD;
-    if (cacheable && t->cache.entries) {
-        int32_t e = tok_strmap_get(&t->cache.index, s, len);
+    tok_cache *cache = &wk->cache;
+    if (cacheable && cache->entries) {
+        int32_t e = tok_strmap_get(&cache->index, s, len);
         if (e >= 0) {
-            const int32_t *ids = t->cache.pool.data + t->cache.off[e];
-            for (uint32_t i = 0; i < t->cache.n[e]; i++)
+            const int32_t *ids = cache->pool.data + cache->off[e];
+            for (uint32_t i = 0; i < cache->n[e]; i++)
                 if (!tok_ids_push(out, ids[i])) return 0;
             return 1;
         }
@@ -234,7 +246,7 @@ int tok_bpe_word(mrl_tok *t, const char *s, size_t len, int bytelevel, tok_ids *
         ok = ok && merge_all(t, &w);
         for (int32_t i = w.n ? 0 : -1; ok && i >= 0; i = w.s[i].next) ok = tok_ids_push(out, w.s[i].id);
     }
-    if (ok && cacheable) ok = cache_store(&t->cache, s, len, out->data + start, out->len - start);
+    if (ok && cacheable) ok = cache_store(cache, s, len, out->data + start, out->len - start);
     free(w.s);
     if (mapped && mapped != small) free(mapped);
     return ok;

@@ -62,7 +62,8 @@ static int byte_level(const strs *in, strs *out) {
             ok = tok_buf_put(&raw, &c, 1);
         }
     }
-    ok = ok && tok_utf8_lossy(raw.data ? raw.data : "", raw.len, &fixed) && strs_push(out, fixed.data ? fixed.data : "", fixed.len);
+    ok = ok && tok_utf8_lossy(raw.data ? raw.data : "", raw.len, &fixed) &&
+         strs_push(out, fixed.data ? fixed.data : "", fixed.len);
     tok_buf_free(&raw);
     tok_buf_free(&fixed);
     return ok;
@@ -107,7 +108,8 @@ static int byte_fallback(const strs *in, strs *out) {
     return ok;
 }
 
-static int replace_in(const char *s, size_t len, const char *pat, size_t plen, const char *rep, size_t rlen, strs *out) {
+static int replace_in(const char *s, size_t len, const char *pat, size_t plen, const char *rep, size_t rlen,
+                      strs *out) {
     if (!strs_push(out, "", 0)) return 0;
     size_t i = 0, run = 0;
     while (i < len) {
@@ -212,8 +214,9 @@ mrl_status mrl_tok_decode(mrl_tok *t, const int32_t *ids, size_t n, int flags, c
     if (len) *len = 0;
     if (!t || !len || (!ids && n)) return mrl_set_error(MRL_ERR_INVALID, "mrl_tok_decode: NULL argument");
     tok_buf text = { 0 };
-    mrl_status st = tok_decode_ids(t, ids, n, flags, &text) ? copy_out(&text, "mrl_tok_decode", buf, cap, len)
-                                                           : mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_decode: out of memory");
+    mrl_status st = tok_decode_ids(t, ids, n, flags, &text)
+                        ? copy_out(&text, "mrl_tok_decode", buf, cap, len)
+                        : mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_decode: out of memory");
     tok_buf_free(&text);
     return st;
 }

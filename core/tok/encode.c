@@ -6,11 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include "moonrl/parallel.h"
 #include "tok_internal.h"
 
 /* Word characters, for single_word tokens: as Unicode \w in the Rust regex
  * crate (alphabetic, marks, decimal digits, connector punctuation, joiners). */
-static const char WORD_CHAR[] = "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]";
+static const char WORD_CHAR[] = "[" TOK_WORD_CLASS "]";
 
 static const tok_added *g_sort_added;
 
@@ -70,6 +71,8 @@ static mrl_status index_added(mrl_tok *t) {
 mrl_status mrl_tok_load(const char *path, mrl_tok **out) {
     *out = NULL;
     if (!path) return mrl_set_error(MRL_ERR_INVALID, "mrl_tok_load: path is NULL");
+    if (strlen(path) + sizeof "/tokenizer.json" > sizeof ((mrl_tok *)0)->path)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_tok_load: path too long (%zu bytes): %.80s...", strlen(path), path);
     mrl_tok *t = calloc(1, sizeof *t);
     if (!t) return mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_load: out of memory");
     struct stat st_buf;
@@ -81,10 +84,11 @@ mrl_status mrl_tok_load(const char *path, mrl_tok **out) {
     pthread_mutex_init(&t->lock, NULL);
     mrl_status st = tok_load_json(t, t->path);
     if (!st) st = index_added(t);
-    if (!st && !(t->md = pcre2_match_data_create(1, NULL))) st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+    if (!st && !tok_work_init(&t->work)) st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     int err;
     PCRE2_SIZE off;
-    if (!st && !(t->word_re = pcre2_compile((PCRE2_SPTR)WORD_CHAR, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off, NULL)))
+    if (!st && !(t->word_re = pcre2_compile((PCRE2_SPTR)WORD_CHAR, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err,
+                                            &off, NULL)))
         st = mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     if (st) {
         mrl_tok_free(t);
@@ -98,8 +102,7 @@ void mrl_tok_free(mrl_tok *t) {
     if (!t) return;
     tok_free_tables(t);
     free(t->added_sorted);
-    tok_cache_free(&t->cache);
-    if (t->md) pcre2_match_data_free(t->md);
+    tok_work_free(&t->work);
     if (t->word_re) pcre2_code_free(t->word_re);
     pthread_mutex_destroy(&t->lock);
     free(t);
@@ -131,8 +134,8 @@ static int segs_push(segs *v, size_t start, size_t end, int32_t id) {
 
 /* Is the character at s[at] a word character (WORD_CHAR)? */
 
-static int word_char_at(const mrl_tok *t, const char *s, size_t len, size_t at) {
-    return pcre2_match(t->word_re, (PCRE2_SPTR)s, len, at, PCRE2_ANCHORED | PCRE2_NO_UTF_CHECK, t->md, NULL) >= 0;
+static int word_char_at(const mrl_tok *t, tok_work *w, const char *s, size_t len, size_t at) {
+    return pcre2_match(t->word_re, (PCRE2_SPTR)s, len, at, PCRE2_ANCHORED | PCRE2_NO_UTF_CHECK, w->md, NULL) >= 0;
 }
 
 static uint32_t cp_before(const char *s, size_t at) {
@@ -149,7 +152,8 @@ static int match_ok(const tok_added *a, int want_normalized, int parse_special) 
 }
 
 /* Split s into text and the added tokens found in it. */
-static int split_added(const mrl_tok *t, const char *s, size_t len, int want_normalized, int parse_special, segs *out) {
+static int split_added(const mrl_tok *t, tok_work *w, const char *s, size_t len, int want_normalized, int parse_special,
+                       segs *out) {
     size_t last = 0, i = 0;
     out->len = 0;
     if (t->n_added == 0) return segs_push(out, 0, len, -1);
@@ -174,8 +178,8 @@ static int split_added(const mrl_tok *t, const char *s, size_t len, int want_nor
         if (hit->single_word) {
             size_t before = ms ? ms - 1 : 0; /* the start of the character before the match */
             while (before > 0 && ((unsigned char)s[before] & 0xC0) == 0x80) before--;
-            if (ms > 0 && word_char_at(t, s, len, before)) continue;
-            if (me < len && word_char_at(t, s, len, me)) continue;
+            if (ms > 0 && word_char_at(t, w, s, len, before)) continue;
+            if (me < len && word_char_at(t, w, s, len, me)) continue;
         }
         if (hit->lstrip)
             while (ms > last) {
@@ -198,12 +202,12 @@ static int split_added(const mrl_tok *t, const char *s, size_t len, int want_nor
 
 /* ---- encoding ---- */
 
-static int encode_text(mrl_tok *t, const char *s, size_t len, int first, int parse_special, tok_arena *a,
-                       tok_pieces *pieces, tok_ids *ids) {
+static int encode_text(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, int parse_special,
+                       tok_arena *a, tok_pieces *pieces, tok_ids *ids) {
     const char *ns;
     size_t nlen;
     segs inner = { 0 };
-    int ok = tok_normalize(t, s, len, a, &ns, &nlen) && split_added(t, ns, nlen, 1, parse_special, &inner);
+    int ok = tok_normalize(t, s, len, a, &ns, &nlen) && split_added(t, w, ns, nlen, 1, parse_special, &inner);
     for (size_t k = 0; ok && k < inner.len; k++) {
         seg g = inner.data[k];
         if (g.id >= 0) {
@@ -211,15 +215,15 @@ static int encode_text(mrl_tok *t, const char *s, size_t len, int first, int par
             continue;
         }
         pieces->len = 0;
-        ok = tok_pretokenize(t, ns + g.start, g.end - g.start, first && g.start == 0, a, pieces);
+        ok = tok_pretokenize(t, w, ns + g.start, g.end - g.start, first && g.start == 0, a, pieces);
         for (size_t p = 0; ok && p < pieces->len; p++)
-            ok = tok_bpe_word(t, pieces->data[p].s, pieces->data[p].len, pieces->data[p].bytelevel, ids);
+            ok = tok_bpe_word(t, w, pieces->data[p].s, pieces->data[p].len, pieces->data[p].bytelevel, ids);
     }
     free(inner.data);
     return ok;
 }
 
-static mrl_status encode_locked(mrl_tok *t, const char *text, size_t len, int flags, tok_ids *ids) {
+static mrl_status encode_one(const mrl_tok *t, tok_work *w, const char *text, size_t len, int flags, tok_ids *ids) {
     tok_buf fixed = { 0 };
     if (!tok_utf8_is_valid(text, len)) {
         if (!tok_utf8_lossy(text, len, &fixed)) return mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_encode: out of memory");
@@ -232,11 +236,11 @@ static mrl_status encode_locked(mrl_tok *t, const char *text, size_t len, int fl
     int ok = 1;
     if (flags & MRL_TOK_ADD_SPECIAL)
         for (int i = 0; ok && i < t->n_post_prefix; i++) ok = tok_ids_push(ids, t->post_prefix[i]);
-    ok = ok && split_added(t, text, len, 0, parse_special, &outer);
+    ok = ok && split_added(t, w, text, len, 0, parse_special, &outer);
     for (size_t k = 0; ok && k < outer.len; k++) {
         seg g = outer.data[k];
         if (g.id >= 0) ok = tok_ids_push(ids, g.id);
-        else ok = encode_text(t, text + g.start, g.end - g.start, g.start == 0, parse_special, &arena, &pieces, ids);
+        else ok = encode_text(t, w, text + g.start, g.end - g.start, g.start == 0, parse_special, &arena, &pieces, ids);
     }
     if (flags & MRL_TOK_ADD_SPECIAL)
         for (int i = 0; ok && i < t->n_post_suffix; i++) ok = tok_ids_push(ids, t->post_suffix[i]);
@@ -252,14 +256,15 @@ mrl_status mrl_tok_encode(mrl_tok *t, const char *text, size_t len, int flags, i
     if (!t || !n || (!text && len)) return mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode: NULL argument");
     tok_ids out = { 0 };
     pthread_mutex_lock(&t->lock);
-    mrl_status st = encode_locked(t, text ? text : "", len, flags, &out);
+    mrl_status st = encode_one(t, &t->work, text ? text : "", len, flags, &out);
     pthread_mutex_unlock(&t->lock);
     if (!st) {
         *n = out.len;
         if (ids == NULL && cap == 0) {
             /* a size query */
         } else if (out.len > cap || !ids) {
-            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode: the buffer holds %zu ids, the text needs %zu", cap, out.len);
+            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode: the buffer holds %zu ids, the text needs %zu", cap,
+                               out.len);
         } else if (out.len) {
             memcpy(ids, out.data, out.len * sizeof *ids);
         }
@@ -294,3 +299,55 @@ const char *mrl_tok_id_to_token(const mrl_tok *t, int32_t id, size_t *len) {
 int mrl_tok_is_special(const mrl_tok *t, int32_t id) { return t && id >= 0 && id < t->n_ids && t->is_special[id]; }
 int32_t mrl_tok_bos_id(const mrl_tok *t) { return t ? t->bos_id : -1; }
 int32_t mrl_tok_eos_id(const mrl_tok *t) { return t ? t->eos_id : -1; }
+
+/* ---- batches, encoded in parallel ---- */
+
+typedef struct batch {
+    const mrl_tok *t;
+    const char *const *texts;
+    const size_t *lens;
+    int flags;
+    tok_ids *out; /* one list per text */
+    int failed;   /* set by any worker that ran out of memory */
+} batch;
+
+static void encode_range(void *ctx, int64_t begin, int64_t end) {
+    batch *b = ctx;
+    tok_work w;
+    if (!tok_work_init(&w)) {
+        __atomic_store_n(&b->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t i = begin; i < end; i++) {
+        const char *text = b->texts[i] ? b->texts[i] : "";
+        size_t len = b->texts[i] ? b->lens[i] : 0;
+        if (encode_one(b->t, &w, text, len, b->flags, &b->out[i])) __atomic_store_n(&b->failed, 1, __ATOMIC_RELAXED);
+    }
+    tok_work_free(&w);
+}
+
+mrl_status mrl_tok_encode_batch(mrl_tok *t, const char *const *texts, const size_t *lens, size_t n, int flags,
+                                int32_t *ids, size_t cap, size_t *offsets) {
+    if (!t || !offsets || (n && (!texts || !lens)))
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode_batch: NULL argument");
+    offsets[0] = 0;
+    if (n == 0) return MRL_OK;
+    batch b = { t, texts, lens, flags, calloc(n, sizeof(tok_ids)), 0 };
+    if (!b.out) return mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_encode_batch: out of memory");
+    mrl_parallel_for((int64_t)n, 1, encode_range, &b);
+    mrl_status st = MRL_OK;
+    if (b.failed) st = mrl_set_error(MRL_ERR_NOMEM, "mrl_tok_encode_batch: out of memory");
+    for (size_t i = 0; i < n; i++) offsets[i + 1] = offsets[i] + b.out[i].len;
+    size_t total = offsets[n];
+    if (!st && !(ids == NULL && cap == 0)) {
+        if (total > cap || !ids)
+            st = mrl_set_error(MRL_ERR_INVALID, "mrl_tok_encode_batch: the buffer holds %zu ids, the texts need %zu",
+                               cap, total);
+        else
+            for (size_t i = 0; i < n; i++)
+                if (b.out[i].len) memcpy(ids + offsets[i], b.out[i].data, b.out[i].len * sizeof *ids);
+    }
+    for (size_t i = 0; i < n; i++) tok_ids_free(&b.out[i]);
+    free(b.out);
+    return st;
+}

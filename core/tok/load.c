@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "io/json.h"
+#include "moonrl/mem.h"
 #include "tok_internal.h"
 
 #define MAX_ID (1 << 24)
@@ -21,54 +22,85 @@ static char *dup_n(const char *s, size_t n) {
 }
 
 static int is_category(const char *name, size_t n) {
-    static const char *const cats[] = { "L", "Lu", "Ll", "Lt", "Lm", "Lo", "L&", "Lc", "M", "Mn", "Mc", "Me", "N", "Nd",
-                                        "Nl", "No", "P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk",
-                                        "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any" };
+    static const char *const cats[] = {"L", "Lu", "Ll", "Lt", "Lm", "Lo", "L&", "Lc", "M", "Mn", "Mc", "Me", "N", "Nd",
+                                       "Nl", "No", "P", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "S", "Sm", "Sc", "Sk",
+                                       "So", "Z", "Zs", "Zl", "Zp", "C", "Cc", "Cf", "Cs", "Co", "Cn", "Any",
+                                       /* binary properties, not scripts */
+                                       "Alphabetic", "Alpha", "White_Space", "Uppercase", "Lowercase", "Emoji",
+                                       "Emoji_Presentation", "Extended_Pictographic"};
     for (size_t i = 0; i < sizeof cats / sizeof *cats; i++)
         if (strlen(cats[i]) == n && !memcmp(cats[i], name, n)) return 1;
     return memchr(name, ':', n) || memchr(name, '=', n);
 }
 
-/* The patterns are written for Oniguruma, whose \p{Script} means the Script
- * property; PCRE2's \p{Script} also takes Script_Extensions (U+3002 is Han
- * there). Rewrite \p{Name} of a script to \p{sc:Name}. Returns a malloc'd
- * pattern, or NULL on OOM. */
-static char *onig_scripts(const char *pat, size_t len, size_t *out_len) {
-    char *d = malloc(len * 2 + 1), *o = d;
-    if (!d) return NULL;
+
+/* The patterns are written for Oniguruma; give PCRE2 the same meaning:
+ * \p{Script} is the Script property there (PCRE2 also takes
+ * Script_Extensions: U+3002 is Han to it), so write \p{sc:Script}; \s and
+ * \w are White_Space and Unicode word characters there (PCRE2's \s also has
+ * U+180E, its \w lacks marks), so spell them out. Returns 0 on OOM. */
+static int onig_compat(const char *pat, size_t len, tok_buf *out) {
+    int in_class = 0;
     for (size_t i = 0; i < len;) {
-        if (pat[i] == '\\' && i + 1 < len && (pat[i + 1] == 'p' || pat[i + 1] == 'P') && i + 2 < len && pat[i + 2] == '{') {
-            const char *name = pat + i + 3, *end = memchr(name, '}', len - (i + 3));
-            int neg = end && end > name && name[0] == '^';
-            if (end && !is_category(name + neg, (size_t)(end - name - neg))) {
-                memcpy(o, pat + i, 3), o += 3;
-                if (neg) *o++ = '^';
-                memcpy(o, "sc:", 3), o += 3;
-                i = (size_t)(name + neg - pat);
+        char c = pat[i];
+        if (c == '\\' && i + 1 < len) {
+            char e = pat[i + 1];
+            if ((e == 'p' || e == 'P') && i + 2 < len && pat[i + 2] == '{') {
+                const char *name = pat + i + 3, *end = memchr(name, '}', len - (i + 3));
+                int neg = end && end > name && name[0] == '^';
+                if (end && !is_category(name + neg, (size_t)(end - name - neg))) {
+                    if (!tok_buf_put(out, pat + i, 3) || (neg && !tok_buf_put(out, "^", 1)) ||
+                        !tok_buf_put(out, "sc:", 3))
+                        return 0;
+                    i = (size_t)(name + neg - pat);
+                    continue;
+                }
+            }
+            const char *cls = e == 's' || e == 'S' ? TOK_SPACE_CLASS : e == 'w' || e == 'W' ? TOK_WORD_CLASS : NULL;
+            int upper = e == 'S' || e == 'W';
+            if (cls && !(in_class && upper)) { /* a negated one inside a class stays as PCRE2 reads it */
+                int ok = in_class ? tok_buf_put(out, cls, strlen(cls))
+                                  : tok_buf_put(out, upper ? "[^" : "[", upper ? 2 : 1) &&
+                                        tok_buf_put(out, cls, strlen(cls)) && tok_buf_put(out, "]", 1);
+                if (!ok) return 0;
+                i += 2;
                 continue;
             }
-            memcpy(o, pat + i, 2), o += 2, i += 2;
+            if (!tok_buf_put(out, pat + i, 2)) return 0;
+            i += 2;
             continue;
         }
-        if (pat[i] == '\\' && i + 1 < len) *o++ = pat[i++];
-        *o++ = pat[i++];
+        if (c == '[' && !in_class) {
+            in_class = 1;
+            /* a ']' right after '[' or '[^' is a literal */
+            size_t k = i + 1 + (i + 1 < len && pat[i + 1] == '^');
+            size_t n = k < len && pat[k] == ']' ? k + 1 - i : k - i;
+            if (!tok_buf_put(out, pat + i, n)) return 0;
+            i += n;
+            continue;
+        }
+        if (c == ']' && in_class) in_class = 0;
+        if (!tok_buf_put(out, &c, 1)) return 0;
+        i++;
     }
-    *out_len = (size_t)(o - d);
-    return d;
+    return 1;
 }
 
 static mrl_status compile_re(const mrl_tok *t, const char *where, const char *pat, size_t len, int literal,
                              pcre2_code **out) {
     int err;
     PCRE2_SIZE off;
-    char *rewritten = NULL;
+    tok_buf rewritten = { 0 };
     if (!literal) {
-        if (!(rewritten = onig_scripts(pat, len, &len))) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
-        pat = rewritten;
+        if (!onig_compat(pat, len, &rewritten)) {
+            tok_buf_free(&rewritten);
+            return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+        }
+        pat = rewritten.data ? rewritten.data : "", len = rewritten.len;
     }
     uint32_t opts = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, opts, &err, &off, NULL);
-    free(rewritten);
+    tok_buf_free(&rewritten);
     if (!re) {
         char msg[256];
         pcre2_get_error_message(err, (PCRE2_UCHAR *)msg, sizeof msg);
@@ -103,7 +135,8 @@ static mrl_status pattern_of(const mrl_tok *t, const char *where, const mrl_json
         *is_regex = 1;
         return MRL_OK;
     }
-    return mrl_set_error(MRL_ERR_FORMAT, "%s: %s.pattern: expected {\"String\": ...} or {\"Regex\": ...}", t->path, where);
+    return mrl_set_error(MRL_ERR_FORMAT, "%s: %s.pattern: expected {\"String\": ...} or {\"Regex\": ...}", t->path,
+                         where);
 }
 
 static int prepend_scheme_of(const mrl_json *o) {
@@ -159,7 +192,9 @@ static mrl_status load_normalizer(mrl_tok *t, const mrl_json *o, const char *whe
         int is_regex;
         mrl_status st = pattern_of(t, where, o, &p, &n.alen, &is_regex);
         if (st) return st;
-        if (is_regex) return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path, where);
+        if (is_regex)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path,
+                                 where);
         if (!(c = str_member(o, "content", &n.blen)))
             return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace without \"content\"", t->path, where);
         if (n.alen == 0) return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace with an empty pattern", t->path, where);
@@ -169,7 +204,8 @@ static mrl_status load_normalizer(mrl_tok *t, const mrl_json *o, const char *whe
     } else if (!strcmp(type, "NFC")) {
         n.kind = NORM_NFC;
     } else {
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: normalizer type \"%s\" is not supported", t->path, where, type);
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: normalizer type \"%s\" is not supported", t->path, where,
+                             type);
     }
     return push_norm(t, n);
 }
@@ -232,6 +268,18 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         int individual = bool_member(o, "individual_digits", 0);
         const char *pat = individual ? "\\p{N}" : "\\p{N}+";
         if ((st = compile_re(t, where, pat, strlen(pat), 0, &p.re))) return st;
+    } else if (!strcmp(type, "Punctuation") || !strcmp(type, "Whitespace") || !strcmp(type, "WhitespaceSplit")) {
+        /* as splits by a regex: Unicode or ASCII punctuation; runs of word
+         * characters (Unicode \w) or of other non-space characters;
+         * runs of White_Space, removed */
+        const char *pat = type[0] == 'P' ? "[\\p{P}!-/:-@\\[-`{-~]"
+                          : type[10]     ? "[" TOK_SPACE_CLASS "]+"
+                                         : "[" TOK_WORD_CLASS "]+|[^" TOK_WORD_CLASS TOK_SPACE_CLASS "]+";
+        p.kind = PT_SPLIT;
+        p.behavior = type[0] == 'P' ? behavior_of(str_member(o, "behavior", NULL)) : SPLIT_REMOVED;
+        p.invert = type[0] == 'W' && !type[10]; /* Whitespace keeps the matches */
+        if (p.behavior < 0) return mrl_set_error(MRL_ERR_FORMAT, "%s: %s.behavior: unknown value", t->path, where);
+        if ((st = compile_re(t, where, pat, strlen(pat), 0, &p.re))) return st;
     } else if (!strcmp(type, "Metaspace")) {
         p.kind = PT_METASPACE;
         if ((st = replacement_of(t, where, o, p.repl, &p.repl_len))) return st;
@@ -239,7 +287,8 @@ static mrl_status load_pretok(mrl_tok *t, const mrl_json *o, const char *where) 
         p.split = bool_member(o, "split", 1);
         if ((st = compile_re(t, where, p.repl, (size_t)p.repl_len, 1, &p.re))) return st;
     } else {
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: pre-tokenizer type \"%s\" is not supported", t->path, where, type);
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: pre-tokenizer type \"%s\" is not supported", t->path, where,
+                             type);
     }
     return push_pretok(t, p);
 }
@@ -278,7 +327,9 @@ static mrl_status load_decoder(mrl_tok *t, const mrl_json *o, const char *where)
         const char *p, *c;
         int is_regex;
         if ((st = pattern_of(t, where, o, &p, &d.alen, &is_regex))) return st;
-        if (is_regex) return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path, where);
+        if (is_regex)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s: Replace with a Regex pattern is not supported", t->path,
+                                 where);
         if (!(c = str_member(o, "content", &d.blen)))
             return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace without \"content\"", t->path, where);
         if (d.alen == 0) return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Replace with an empty pattern", t->path, where);
@@ -291,7 +342,8 @@ static mrl_status load_decoder(mrl_tok *t, const mrl_json *o, const char *where)
         mrl_json_get_int(o, "start", &start);
         mrl_json_get_int(o, "stop", &stop);
         if (!c || start < 0 || stop < 0 || start > 1 << 20 || stop > 1 << 20)
-            return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Strip needs \"content\" and non-negative start/stop", t->path, where);
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: %s: Strip needs \"content\" and non-negative start/stop", t->path,
+                                 where);
         d.kind = DEC_STRIP;
         d.a = dup_n(c, d.alen);
         d.start = (int)start;
@@ -363,7 +415,9 @@ static mrl_status load_post(mrl_tok *t, const mrl_json *o) {
         mrl_json *sp = mrl_json_get(item, "SpecialToken");
         if (sp) {
             const char *name = str_member(sp, "id", NULL);
-            if (!name) return mrl_set_error(MRL_ERR_FORMAT, "%s: post_processor.single[%zu]: SpecialToken without id", t->path, i);
+            if (!name)
+                return mrl_set_error(MRL_ERR_FORMAT, "%s: post_processor.single[%zu]: SpecialToken without id", t->path,
+                                     i);
             mrl_status st = seen_a ? special_ids(t, specials, name, t->post_suffix, &t->n_post_suffix, 8)
                                    : special_ids(t, specials, name, t->post_prefix, &t->n_post_prefix, 8);
             if (st) return st;
@@ -413,9 +467,11 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
     const char *type = str_member(m, "type", NULL);
     if (type && strcmp(type, "BPE"))
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model.type \"%s\" is not supported (only BPE)", t->path, type);
-    const char *pfx = str_member(m, "continuing_subword_prefix", NULL), *sfx = str_member(m, "end_of_word_suffix", NULL);
+    const char *pfx = str_member(m, "continuing_subword_prefix", NULL),
+               *sfx = str_member(m, "end_of_word_suffix", NULL);
     if ((pfx && *pfx) || (sfx && *sfx))
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model: continuing_subword_prefix / end_of_word_suffix are not supported", t->path);
+        return mrl_set_error(MRL_ERR_UNSUPPORTED,
+                             "%s: model: continuing_subword_prefix / end_of_word_suffix are not supported", t->path);
     mrl_json *dropout = mrl_json_get(m, "dropout");
     if (dropout && dropout->type == MRL_JSON_NUMBER && dropout->number > 0)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model.dropout: BPE dropout is not supported", t->path);
@@ -449,10 +505,11 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
     size_t n_merges = merges ? merges->length : 0, slots = 16;
     while (slots < n_merges * 2 + 2) slots *= 2;
     t->merge_mask = slots - 1;
-    t->merge_keys = malloc(slots * sizeof *t->merge_keys);
-    t->merge_rank = malloc(slots * sizeof *t->merge_rank);
-    t->merge_new = malloc(slots * sizeof *t->merge_new);
-    if (!t->merge_keys || !t->merge_rank || !t->merge_new) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+    t->merge_keys = mrl_mem_alloc(slots * sizeof *t->merge_keys, MRL_MEM_OTHER);
+    t->merge_rank = mrl_mem_alloc(slots * sizeof *t->merge_rank, MRL_MEM_OTHER);
+    t->merge_new = mrl_mem_alloc(slots * sizeof *t->merge_new, MRL_MEM_OTHER);
+    if (!t->merge_keys || !t->merge_rank || !t->merge_new)
+        return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
     memset(t->merge_keys, 0xFF, slots * sizeof *t->merge_keys);
     char *scratch = NULL;
     size_t scratch_cap = 0;
@@ -464,7 +521,8 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
         if (e->type == MRL_JSON_STRING) {
             const char *sp = memchr(e->string, ' ', e->length);
             if (!sp) {
-                st = mrl_set_error(MRL_ERR_FORMAT, "%s: model.merges[%zu]: \"%s\" is not \"a b\"", t->path, r, e->string);
+                st = mrl_set_error(MRL_ERR_FORMAT, "%s: model.merges[%zu]: \"%s\" is not \"a b\"", t->path, r,
+                                   e->string);
                 break;
             }
             a = e->string, alen = (size_t)(sp - e->string), b = sp + 1, blen = e->length - alen - 1;
@@ -492,7 +550,8 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
 
 static mrl_status load_added(mrl_tok *t, const mrl_json *list) {
     if (!list || list->type == MRL_JSON_NULL) return MRL_OK;
-    if (list->type != MRL_JSON_ARRAY) return mrl_set_error(MRL_ERR_FORMAT, "%s: added_tokens: expected an array", t->path);
+    if (list->type != MRL_JSON_ARRAY)
+        return mrl_set_error(MRL_ERR_FORMAT, "%s: added_tokens: expected an array", t->path);
     t->added = calloc(list->length + 1, sizeof *t->added);
     if (!t->added || !tok_strmap_init(&t->added_index, list->length))
         return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
@@ -502,8 +561,9 @@ static mrl_status load_added(mrl_tok *t, const mrl_json *list) {
         size_t len;
         const char *content = str_member(e, "content", &len);
         if (!content || !mrl_json_get_int(e, "id", &id) || id < 0 || id >= MAX_ID)
-            return mrl_set_error(MRL_ERR_FORMAT, "%s: added_tokens[%zu]: needs \"content\" and an integer \"id\" in [0, %d)",
-                                 t->path, i, MAX_ID);
+            return mrl_set_error(MRL_ERR_FORMAT,
+                                 "%s: added_tokens[%zu]: needs \"content\" and an integer \"id\" in [0, %d)", t->path,
+                                 i, MAX_ID);
         if (len == 0) continue;
         tok_added *a = &t->added[t->n_added];
         a->content = dup_n(content, len);
@@ -612,9 +672,9 @@ void tok_free_tables(mrl_tok *t) {
     free(t->added_of_id);
     tok_strmap_free(&t->vocab);
     tok_strmap_free(&t->added_index);
-    free(t->merge_keys);
-    free(t->merge_rank);
-    free(t->merge_new);
+    mrl_mem_free(t->merge_keys);
+    mrl_mem_free(t->merge_rank);
+    mrl_mem_free(t->merge_new);
     for (int i = 0; i < t->n_norms; i++) free(t->norms[i].a), free(t->norms[i].b);
     free(t->norms);
     for (int i = 0; i < t->n_pretoks; i++)

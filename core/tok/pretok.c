@@ -79,13 +79,13 @@ static int spans_push(spans *v, size_t start, size_t end, int match) {
 }
 
 /* The pieces of s: the matches of re and the text between them, in order. */
-static int find_matches(mrl_tok *t, pcre2_code *re, const char *s, size_t len, int invert, spans *out) {
+static int find_matches(tok_work *w, pcre2_code *re, const char *s, size_t len, int invert, spans *out) {
     size_t pos = 0, prev = 0;
     out->len = 0;
     while (pos <= len) {
-        int rc = pcre2_match(re, (PCRE2_SPTR)s, len, pos, PCRE2_NO_UTF_CHECK, t->md, NULL);
+        int rc = pcre2_match(re, (PCRE2_SPTR)s, len, pos, PCRE2_NO_UTF_CHECK, w->md, NULL);
         if (rc < 0) break;
-        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(t->md);
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
         size_t ms = ov[0], me = ov[1];
         if (ms > prev && !spans_push(out, prev, ms, invert)) return 0;
         if (!spans_push(out, ms, me, !invert)) return 0;
@@ -103,8 +103,8 @@ static int find_matches(mrl_tok *t, pcre2_code *re, const char *s, size_t len, i
     return 1;
 }
 
-static int split_piece(mrl_tok *t, const tok_pretok *p, const tok_piece *in, spans *sp, tok_pieces *out) {
-    if (!find_matches(t, p->re, in->s, in->len, p->invert, sp)) return 0;
+static int split_piece(tok_work *w, const tok_pretok *p, const tok_piece *in, spans *sp, tok_pieces *out) {
+    if (!find_matches(w, p->re, in->s, in->len, p->invert, sp)) return 0;
     span *v = sp->data;
     size_t n = sp->len, k = 0;
     /* rewrite the spans in place into the output ranges of the behaviour */
@@ -148,8 +148,8 @@ static int split_piece(mrl_tok *t, const tok_pretok *p, const tok_piece *in, spa
     }
     }
     for (size_t i = 0; i < k; i++)
-        if (v[i].end > v[i].start &&
-            !tok_pieces_push(out, in->s + v[i].start, v[i].end - v[i].start, in->first && v[i].start == 0, in->bytelevel))
+        if (v[i].end > v[i].start && !tok_pieces_push(out, in->s + v[i].start, v[i].end - v[i].start,
+                                                      in->first && v[i].start == 0, in->bytelevel))
             return 0;
     return 1;
 }
@@ -164,7 +164,7 @@ static int materialize(tok_piece *p, tok_arena *a) {
     return 1;
 }
 
-static int metaspace(mrl_tok *t, const tok_pretok *p, tok_piece *in, tok_arena *a, spans *sp, tok_pieces *out) {
+static int metaspace(tok_work *w, const tok_pretok *p, tok_piece *in, tok_arena *a, spans *sp, tok_pieces *out) {
     const char *s;
     size_t len;
     if (!replace_all(in->s, in->len, " ", 1, p->repl, (size_t)p->repl_len, a, &s, &len)) return 0;
@@ -176,10 +176,11 @@ static int metaspace(mrl_tok *t, const tok_pretok *p, tok_piece *in, tok_arena *
     tok_piece cur = { s, len, in->first, 0 };
     if (!p->split) return len ? tok_pieces_push(out, s, len, in->first, 0) : 1;
     tok_pretok rule = { .re = p->re, .behavior = SPLIT_MERGED_NEXT };
-    return split_piece(t, &rule, &cur, sp, out);
+    return split_piece(w, &rule, &cur, sp, out);
 }
 
-int tok_pretokenize(mrl_tok *t, const char *s, size_t len, int first, tok_arena *a, tok_pieces *out) {
+int tok_pretokenize(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, tok_arena *a,
+                    tok_pieces *out) {
     tok_pieces cur = { 0 }, next = { 0 };
     spans sp = { 0 };
     int ok = 1;
@@ -200,20 +201,21 @@ int tok_pretokenize(mrl_tok *t, const char *s, size_t len, int first, tok_arena 
                 in.bytelevel = 1;
                 if (p->re) {
                     tok_pretok rule = { .re = p->re, .behavior = SPLIT_ISOLATED };
-                    ok = split_piece(t, &rule, &in, &sp, &next);
+                    ok = split_piece(w, &rule, &in, &sp, &next);
                 } else {
                     ok = tok_pieces_push(&next, in.s, in.len, in.first, 1);
                 }
                 break;
-            case PT_SPLIT: ok = split_piece(t, p, &in, &sp, &next); break;
-            case PT_METASPACE: ok = metaspace(t, p, &in, a, &sp, &next); break;
+            case PT_SPLIT: ok = split_piece(w, p, &in, &sp, &next); break;
+            case PT_METASPACE: ok = metaspace(w, p, &in, a, &sp, &next); break;
             }
         }
         tok_pieces tmp = cur;
         cur = next;
         next = tmp;
     }
-    for (size_t j = 0; ok && j < cur.len; j++) ok = tok_pieces_push(out, cur.data[j].s, cur.data[j].len, cur.data[j].first, cur.data[j].bytelevel);
+    for (size_t j = 0; ok && j < cur.len; j++)
+        ok = tok_pieces_push(out, cur.data[j].s, cur.data[j].len, cur.data[j].first, cur.data[j].bytelevel);
     free(cur.data);
     free(next.data);
     free(sp.data);

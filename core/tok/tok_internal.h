@@ -54,6 +54,13 @@ int tok_utf8_decode(const char *s, uint32_t *cp);
 int tok_utf8_encode(uint32_t cp, char *out);
 int tok_is_whitespace(uint32_t cp);
 
+/* White_Space and Unicode word characters (as Oniguruma's \s and \w, and
+ * Rust's char::is_whitespace / regex \w), as the contents of a PCRE2
+ * character class. */
+#define TOK_SPACE_CLASS \
+    "\\t-\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}"
+#define TOK_WORD_CLASS "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}"
+
 /* ---- pipeline stages ---- */
 enum { NORM_PREPEND, NORM_REPLACE, NORM_NFC };
 typedef struct tok_norm {
@@ -101,6 +108,14 @@ typedef struct tok_cache {
     size_t entries;
 } tok_cache;
 
+/* What one encoding thread writes: regex match data and the word cache. */
+typedef struct tok_work {
+    pcre2_match_data *md;
+    tok_cache cache;
+} tok_work;
+int tok_work_init(tok_work *w);
+void tok_work_free(tok_work *w);
+
 struct mrl_tok {
     char path[512];
     /* id -> token string (model vocabulary and added tokens) */
@@ -140,9 +155,8 @@ struct mrl_tok {
     int n_post_prefix, n_post_suffix;
     int32_t bos_id, eos_id;
 
-    pthread_mutex_t lock;
-    tok_cache cache;
-    pcre2_match_data *md;
+    pthread_mutex_t lock; /* guards work */
+    tok_work work;        /* for mrl_tok_encode; batches make their own */
     pcre2_code *word_re; /* \w: what single_word tokens may not touch */
 };
 
@@ -183,9 +197,9 @@ int tok_nfc(const char *s, size_t len, tok_arena *a, const char **out, size_t *o
 /* Normalize s into a fresh arena string. */
 int tok_normalize(const mrl_tok *t, const char *s, size_t len, tok_arena *a, const char **out, size_t *out_len);
 /* Pre-tokenize one segment: append the final pieces to out. */
-int tok_pretokenize(mrl_tok *t, const char *s, size_t len, int first, tok_arena *a, tok_pieces *out);
+int tok_pretokenize(const mrl_tok *t, tok_work *w, const char *s, size_t len, int first, tok_arena *a, tok_pieces *out);
 /* BPE-encode one pre-tokenized piece, appending ids. */
-int tok_bpe_word(mrl_tok *t, const char *s, size_t len, int bytelevel, tok_ids *out);
+int tok_bpe_word(const mrl_tok *t, tok_work *w, const char *s, size_t len, int bytelevel, tok_ids *out);
 void tok_cache_free(tok_cache *c);
 /* Decode tokens to text (the decoder chain plus lossy UTF-8). */
 int tok_decode_ids(const mrl_tok *t, const int32_t *ids, size_t n, int flags, tok_buf *out);

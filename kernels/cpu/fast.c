@@ -4,6 +4,7 @@
  * the cores with mrl_parallel_for. Results do not depend on the thread
  * count: every reduction has a fixed blocking and order. */
 #include <cblas.h>
+#include <stdatomic.h>
 #include <string.h>
 #include "kernels.h"
 #include "isa.h"
@@ -11,6 +12,33 @@
 #include "moonrl/parallel.h"
 
 static const mrl_cpu_isa *isa;
+
+/* Dynamic scheduling on top of mrl_parallel_for: one range per thread, and
+ * each thread takes the next item until none is left, so that a thread the
+ * OS delays (the machine is shared) does not hold the others back. Items
+ * are independent, so the results do not depend on who takes which. */
+typedef struct dyn_ctx {
+    _Atomic int64_t next;
+    int64_t n;
+    void (*item)(void *ctx, int64_t i);
+    void *ctx;
+} dyn_ctx;
+
+static void dyn_range(void *vc, int64_t t0, int64_t t1) {
+    (void)t0, (void)t1;
+    dyn_ctx *d = vc;
+    for (int64_t i; (i = atomic_fetch_add(&d->next, 1)) < d->n;) d->item(d->ctx, i);
+}
+
+static void dyn_for(int64_t n, void (*item)(void *ctx, int64_t i), void *ctx) {
+    dyn_ctx d = {0, n, item, ctx};
+    int64_t threads = mrl_parallel_threads();
+    if (n <= 1 || threads <= 1) {
+        for (int64_t i = 0; i < n; i++) item(ctx, i);
+        return;
+    }
+    mrl_parallel_for(threads < n ? threads : n, 1, dyn_range, &d);
+}
 
 static const mrl_cpu_isa *pick_isa(void) {
     if (!isa) {
@@ -50,17 +78,15 @@ static void gemm_call(const gemm_ctx *g, int64_t m0, int64_t m1, int64_t n0, int
                 (blasint)g->ldb, g->beta, g->C + m0 * g->ldc + n0, (blasint)g->ldc);
 }
 
-static void gemm_range(void *vc, int64_t p0, int64_t p1) {
+static void gemm_part(void *vc, int64_t p) {
     const gemm_ctx *g = vc;
-    for (int64_t p = p0; p < p1; p++) {
-        /* slices rounded to 16 rows/columns (whole vector blocks) */
-        int64_t n = g->split_rows ? g->M : g->N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
-        int64_t lo = p * step, hi = lo + step < n ? lo + step : n;
-        if (g->split_rows)
-            gemm_call(g, lo, hi, 0, g->N);
-        else
-            gemm_call(g, 0, g->M, lo, hi);
-    }
+    /* slices rounded to 16 rows/columns (whole vector blocks) */
+    int64_t n = g->split_rows ? g->M : g->N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
+    int64_t lo = p * step, hi = lo + step < n ? lo + step : n;
+    if (g->split_rows)
+        gemm_call(g, lo, hi, 0, g->N);
+    else
+        gemm_call(g, 0, g->M, lo, hi);
 }
 
 static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
@@ -68,11 +94,11 @@ static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
     if (M <= 0 || N <= 0) return;
     gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
     int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
-    g.parts = mrl_parallel_threads();
-    if (work < (1 << 18)) g.parts = 1; /* too small to share */
-    if (g.parts > (split + 15) / 16) g.parts = (split + 15) / 16;
+    g.parts = 4 * (int64_t)mrl_parallel_threads(); /* a few slices per thread, taken dynamically */
+    if (work < (1 << 18)) g.parts = 1;            /* too small to share */
+    if (g.parts > (split + 63) / 64) g.parts = (split + 63) / 64; /* slices of at least 64 */
     if (g.parts < 1) g.parts = 1;
-    mrl_parallel_for(g.parts, 1, gemm_range, &g);
+    dyn_for(g.parts, gemm_part, &g);
 }
 
 /* ---- rmsnorm ------------------------------------------------------------ */
@@ -192,13 +218,17 @@ typedef struct attn_ctx {
     int heads; /* tasks per sequence: Hq (forward) or Hk (backward) */
     int64_t scratch_floats;
     int backward;
+    _Atomic int64_t next;
+    int64_t items;
 } attn_ctx;
 
-static void attn_range(void *vc, int64_t w0, int64_t w1) {
+/* one thread's share: its own scratch, then (sequence, head) items taken dynamically */
+static void attn_range(void *vc, int64_t t0, int64_t t1) {
+    (void)t0, (void)t1;
     attn_ctx *c = vc;
     float *scratch = mrl_mem_alloc((size_t)c->scratch_floats * sizeof(float), MRL_MEM_ACTIVATIONS);
     if (!scratch) return; /* cannot happen for sane sizes; the outputs stay as they were */
-    for (int64_t w = w0; w < w1; w++) {
+    for (int64_t w; (w = atomic_fetch_add(&c->next, 1)) < c->items;) {
         int s = (int)(w / c->heads), h = (int)(w % c->heads);
         if (c->backward)
             isa->attn_bwd_group(&c->a, s, h, scratch);
@@ -206,6 +236,12 @@ static void attn_range(void *vc, int64_t w0, int64_t w1) {
             isa->attn_fwd_head(&c->a, s, h, scratch);
     }
     mrl_mem_free(scratch);
+}
+
+static void attn_run(attn_ctx *c, int64_t items) {
+    c->items = items;
+    int64_t threads = mrl_parallel_threads();
+    mrl_parallel_for(threads < items ? threads : items, 1, attn_range, c);
 }
 
 static int64_t max_seqlen(const int32_t *cu, int n) {
@@ -221,7 +257,7 @@ static void fast_attn_fwd(float *out, float *lse, const float *q, const float *k
                         .Hq = Hq, .Hk = Hk, .hd = hd, .scale = scale},
                   .heads = Hq,
                   .scratch_floats = mrl_attn_scratch_floats(max_seqlen(cu, n_seqs), hd)};
-    mrl_parallel_for((int64_t)n_seqs * Hq, 1, attn_range, &c);
+    attn_run(&c, (int64_t)n_seqs * Hq);
 }
 
 static void fast_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
@@ -233,7 +269,7 @@ static void fast_attn_bwd(float *dq, float *dk, float *dv, const float *dout, co
                   .heads = Hk,
                   .scratch_floats = mrl_attn_scratch_floats(max_seqlen(cu, n_seqs), hd),
                   .backward = 1};
-    mrl_parallel_for((int64_t)n_seqs * Hk, 1, attn_range, &c);
+    attn_run(&c, (int64_t)n_seqs * Hk);
 }
 
 /* ---- head -------------------------------------------------------------------- */

@@ -4,6 +4,7 @@
 --   local tokenizer = require('moonrl.tokenizer')
 --   local tok = tokenizer.load('models/qwen3')          -- a directory or a tokenizer.json
 --   local ids = tok:encode('Hello', { add_special = false })  -- Lua table of ids
+--   local lists = tok:encode_batch({ 'a', 'b' })              -- in parallel, one C call
 --   local arr, n = tok:encode('Hello', { cdata = true })      -- int32_t[n] cdata
 --   print(tok:decode(ids, { skip_special = true }))
 --   local s = tok:stream()  -- s:step(id) returns the newly complete text ('' if none)
@@ -65,6 +66,41 @@ function Tokenizer:encode(text, opts)
   if opts and opts.cdata then return ids, n end
   local out = {}
   for i = 0, n - 1 do out[i + 1] = ids[i] end
+  return out
+end
+
+-- Encode a list of strings in one C call, on the worker threads. Returns a
+-- list of id tables, or with opts.cdata (int32_t ids cdata, size_t offsets
+-- cdata, n): text i's ids are ids[offsets[i-1] .. offsets[i]-1] (0-based cdata).
+function Tokenizer:encode_batch(texts, opts)
+  if type(texts) ~= 'table' then error('tokenizer:encode_batch: expected a list of strings', 2) end
+  local n = #texts
+  local ptrs = ffi.new('const char *[?]', math.max(n, 1))
+  local lens = ffi.new('size_t[?]', math.max(n, 1))
+  local guess = 16
+  for i = 1, n do
+    local s = texts[i]
+    if type(s) ~= 'string' then error(string.format('tokenizer:encode_batch: texts[%d] is not a string', i), 2) end
+    ptrs[i - 1], lens[i - 1] = s, #s
+    guess = guess + #s + 16
+  end
+  local flags = encode_flags(opts)
+  local offsets = ffi.new('size_t[?]', n + 1)
+  local ids = ffi.new('int32_t[?]', guess)
+  local st = C.mrl_tok_encode_batch(self.handle, ptrs, lens, n, flags, ids, guess, offsets)
+  if st == C.MRL_ERR_INVALID and offsets[n] > guess then
+    guess = tonumber(offsets[n])
+    ids = ffi.new('int32_t[?]', guess)
+    st = C.mrl_tok_encode_batch(self.handle, ptrs, lens, n, flags, ids, guess, offsets)
+  end
+  moonrl.check(st, 2)
+  if opts and opts.cdata then return ids, offsets, n end
+  local out = {}
+  for i = 1, n do
+    local list = {}
+    for k = tonumber(offsets[i - 1]), tonumber(offsets[i]) - 1 do list[#list + 1] = ids[k] end
+    out[i] = list
+  end
   return out
 end
 

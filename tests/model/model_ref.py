@@ -169,12 +169,21 @@ q3 = dict(llama, model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_
           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
 run_case("qwen3 q/k norm, head_dim 16 != 48/4", q3, lens)
 run_case("qwen3 reference kernels", q3, [5, 9], kernels=1)
-# recomputation changes nothing (bit-identical); head chunking only the order of sums
+# recomputation and the thread count change nothing (bit-identical); head chunking only the order of sums
 base = run_case("llama recompute=off", llama, lens, seed=5)
 other = run_case("llama recompute=on", llama, lens, seed=5, recompute=True)
 if not all(np.array_equal(x, y) for x, y in zip(base, other)):
     failures.append("recompute not bit-identical")
     print("  recompute: results differ from the plain run")
+long_lens = [150, 90, 60]  # large enough that the matrix products are split over threads
+lib.mrl_parallel_set_threads(2)
+two = run_case("llama 300 tokens, 2 threads", llama, long_lens, seed=6)
+lib.mrl_parallel_set_threads(1)
+one = run_case("llama 300 tokens, 1 thread", llama, long_lens, seed=6)
+lib.mrl_parallel_set_threads(0)
+if not all(np.array_equal(x, y) for x, y in zip(two, one)):
+    failures.append("thread count changes results")
+    print("  one thread: results differ from the default thread count")
 other = run_case("llama head chunk 5 tokens", llama, lens, seed=5, head_chunk=5)
 if max(rel(x, y) for x, y in zip(base, other)) > 1e-6:
     failures.append("head chunking changes results")

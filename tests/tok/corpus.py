@@ -27,7 +27,8 @@ CODE = (
     "local t = { x = 1, y = 2 } -- Lua\r\n"
 )
 EMOJI = "Emoji: 😀😃🎉 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ and ✨sparkles✨.\n"
-WHITESPACE = "spaces:      six\n\n\n\nnewlines\t\t\ttabs   \u00a0nbsp \u3000ideographic   \n   \n  trailing   "
+WHITESPACE = ("spaces:      six\n\n\n\nnewlines\t\t\ttabs   \u00a0nbsp \u3000ideographic   \n   \n  trailing   "
+              "\x0b\x0c\x1c\x1f\x85 a\u1680\u180e\u2000\u200b\u2028\u2029\u202f\u205f\ufeff b\r\n")
 DIGITS = "digits 1 12 123 1234 12345 123456789012345 3.14159 0x1F 1e-9 ١٢٣ ½ ²\n"
 MIXED = "Mixing Latin, Кириллица and 汉字 in one line: naïve café façade résumé Ægir Øresund straße İstanbul ſ K.\n"
 
@@ -63,6 +64,23 @@ def cases(specials):
     if specials:
         out.append(("specials_only", "".join(specials[:4])))
     return out
+
+
+# pieces that random texts are made of: every kind of character class the
+# pre-tokenizer regexes care about, marks, joiners, rare spaces, and
+# fragments of the fixtures' added tokens
+PIECES = (list("abcXYZ019 _-.,'!?\"()[]{}<>|/\\@#$%^&*+=~`;:\t\n\r") + [" "] * 8 + ["  ", "\n\n", "'s", "'LL", "'ve"]
+          + list("éßçñøåÆÄЖжщЁ汉字中文かなカナ한국ŉǅǈ١٢٣½²Ⅻⅻ")
+          + ["\u0301", "\u0308", "\u200d", "\u200b", "\ufeff", "\u00a0", "\u3000", "\u2028", "\u180e", "\u1680",
+             "\u0085", "\x0b", "\x1f", "😀", "👍🏽", "🇫🇷", "❤️", "✨", "𝔸", "𝟘"]
+          + ["<|endoftext|>", "<|im_start|>", "<s>", "</s>", "<unk>", "<tool>", "[[L]]", "{R}", "▁", "<0x41>",
+             "<|eot_id|>", "<|user|>", "fox jumps", "<|", "|>"])
+
+
+def random_texts(seed, count, max_pieces=40):
+    import random
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(0, max_pieces))) for _ in range(count)]
 
 
 def invalid_utf8():

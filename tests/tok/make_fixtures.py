@@ -159,6 +159,30 @@ def variants(out):
         spec["decoder"]["prepend_scheme"] = "never"
     edit("metaspace_digits", "var_metaspace_never", metaspace_never)
 
+    def punctuation(spec):
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "WhitespaceSplit"}, {"type": "Punctuation", "behavior": "Contiguous"}, {"type": "Whitespace"},
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": False}]}
+    edit("gpt2_bytelevel", "var_punctuation", punctuation)
+
+    def roberta(spec):
+        im_end = [t["id"] for t in spec["added_tokens"] if t["content"] == "<|im_end|>"][0]
+        spec["post_processor"] = {"type": "RobertaProcessing", "sep": ["<|im_end|>", im_end],
+                                  "cls": ["<|endoftext|>", 0], "trim_offsets": False, "add_prefix_space": False}
+    edit("gpt2_bytelevel", "var_roberta", roberta)
+
+    def ignore_merges(spec):
+        # whole words that the merges split: with ignore_merges they become one id
+        tok = Tokenizer.from_str(json.dumps(spec))
+        vocab = spec["model"]["vocab"]
+        n, added = max(vocab.values()) + 1, 0
+        for text in corpus.CORPUS:
+            for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text):
+                if added < 12 and piece not in vocab and len(tok.model.tokenize(piece)) > 1:
+                    vocab[piece] = n
+                    n, added = n + 1, added + 1
+    edit("llama3_split", "var_ignore_merges", ignore_merges)
+
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

@@ -63,8 +63,8 @@ static void test_errors(void) {
     expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\","
                  " \"pattern\": {\"Regex\": \"(unclosed\"}, \"behavior\": \"Isolated\"}}",
                  MRL_ERR_FORMAT, "pre_tokenizer: bad regex");
-    expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Punctuation\"}}",
-                 MRL_ERR_UNSUPPORTED, "Punctuation");
+    expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"BertPreTokenizer\"}}",
+                 MRL_ERR_UNSUPPORTED, "BertPreTokenizer");
     expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"content\": \"x\"}]}",
                  MRL_ERR_FORMAT, "added_tokens[0]");
     expect_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\","
@@ -223,6 +223,38 @@ static void test_random(void) {
     }
 }
 
+/* A batch gives what the texts give one by one. */
+static void test_batch(void) {
+    mrl_tok *t = NULL;
+    CHECK_OK(mrl_tok_load(FIX "llama3_split", &t));
+    if (!t) return;
+    enum { N = 37 };
+    static char storage[N][64];
+    const char *texts[N];
+    size_t lens[N], offsets[N + 1], total = 0;
+    for (int i = 0; i < N; i++) {
+        snprintf(storage[i], sizeof storage[i], "text %d: %s <|eot_id|> \xd0\xbc\xd0\xb8\xd1\x80 %d", i,
+                 i % 3 ? "hello" : "", i * 7919);
+        texts[i] = storage[i];
+        lens[i] = strlen(storage[i]);
+    }
+    lens[5] = 0; /* an empty text */
+    CHECK_OK(mrl_tok_encode_batch(t, texts, lens, N, BOTH, NULL, 0, offsets));
+    total = offsets[N];
+    int32_t *ids = malloc(total * sizeof *ids), one[128];
+    CHECK(mrl_tok_encode_batch(t, texts, lens, N, BOTH, ids, total - 1, offsets) == MRL_ERR_INVALID);
+    CHECK_OK(mrl_tok_encode_batch(t, texts, lens, N, BOTH, ids, total, offsets));
+    for (int i = 0; i < N; i++) {
+        size_t n = 0;
+        CHECK_OK(mrl_tok_encode(t, texts[i], lens[i], BOTH, one, 128, &n));
+        CHECK(offsets[i + 1] - offsets[i] == n && memcmp(ids + offsets[i], one, n * sizeof *one) == 0);
+    }
+    CHECK_OK(mrl_tok_encode_batch(t, NULL, NULL, 0, BOTH, NULL, 0, offsets));
+    CHECK(offsets[0] == 0);
+    free(ids);
+    mrl_tok_free(t);
+}
+
 int main(void) {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/moonrl_test_tok_XXXXXX");
     if (!mkdtemp(tmpdir)) return 1;
@@ -230,6 +262,7 @@ int main(void) {
     test_edges();
     test_stream();
     test_random();
+    test_batch();
     char path[512];
     snprintf(path, sizeof path, "%s/tokenizer.json", tmpdir);
     unlink(path);

@@ -38,6 +38,22 @@ t.test('encode options and decode round trip', function()
   t.eq(#tok:encode('', { add_special = false }), 0)
 end)
 
+t.test('encode_batch gives what encode gives', function()
+  local texts = { 'one', '', 'Hello <|eot_id|> мир', string.rep('x ', 300) }
+  local lists = tok:encode_batch(texts, { add_special = false })
+  t.eq(#lists, #texts)
+  for i, s in ipairs(texts) do
+    local one = tok:encode(s, { add_special = false })
+    t.eq(#lists[i], #one, 'length of text ' .. i)
+    for k = 1, #one do t.eq(lists[i][k], one[k]) end
+  end
+  local ids, offsets, n = tok:encode_batch(texts, { cdata = true })
+  t.eq(n, 4)
+  t.eq(ids[tonumber(offsets[0])], tok.bos_id)
+  t.eq(tonumber(offsets[2] - offsets[1]), 1, 'an empty text is only BOS')
+  t.eq(#tok:encode_batch({}), 0)
+end)
+
 t.test('a long text needs more ids than the first guess', function()
   local sp = tokenizer.load(FIX .. 'sentencepiece_bytefallback')
   local text = string.rep('<s>', 500)

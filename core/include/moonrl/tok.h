@@ -5,7 +5,8 @@
  * SentencePiece-style with byte_fallback as in Llama 2 / Mistral), merges as
  * "a b" strings or [a, b] pairs, ignore_merges; normalizers Prepend, Replace,
  * NFC, Sequence; pre-tokenizers ByteLevel, Split (string or
- * regex, all behaviours, invert), Digits, Metaspace, Sequence; added tokens
+ * regex, all behaviours, invert), Digits, Metaspace, Punctuation, Whitespace,
+ * WhitespaceSplit, Sequence; added tokens
  * with single_word / lstrip / rstrip / normalized; post-processors
  * TemplateProcessing, ByteLevel, Sequence; decoders ByteLevel, Replace,
  * ByteFallback, Fuse, Strip, Metaspace, Sequence.
@@ -19,8 +20,8 @@
  * The file's truncation and padding settings are ignored (the caller cuts
  * and packs sequences).
  *
- * A handle may be used from several threads; calls on one handle serialize
- * (use one handle per thread to encode in parallel). */
+ * A handle may be used from several threads; mrl_tok_encode calls on one
+ * handle serialize, mrl_tok_encode_batch encodes in parallel. */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -49,6 +50,12 @@ void mrl_tok_free(mrl_tok *tok);
  * size query (ids == NULL, cap == 0), which returns MRL_OK. */
 mrl_status mrl_tok_encode(mrl_tok *tok, const char *text, size_t len, int flags,
                           int32_t *ids, size_t cap, size_t *n);
+/* Encode n texts on the worker threads (mrl_parallel_for). The ids of text
+ * i are ids[offsets[i] .. offsets[i + 1]); offsets has n + 1 entries and is
+ * always filled. Same size rules as mrl_tok_encode, on the total offsets[n]
+ * (a size query encodes the batch once; the real call encodes it again). */
+mrl_status mrl_tok_encode_batch(mrl_tok *tok, const char *const *texts, const size_t *lens, size_t n, int flags,
+                                int32_t *ids, size_t cap, size_t *offsets);
 /* Decode ids[0..n) to UTF-8. Writes up to cap bytes (no NUL added) and
  * stores the full byte count in *len; same size rules as mrl_tok_encode. */
 mrl_status mrl_tok_decode(mrl_tok *tok, const int32_t *ids, size_t n, int flags,

@@ -1,0 +1,50 @@
+-- The moonrl side of bench/generate_bench.py (run through `moonrl run`):
+--   BENCH_MODE=save BENCH_DIR=D BENCH_CONFIG=json   create a random model, save it in Hugging Face format
+--   BENCH_MODE=run  BENCH_DIR=D BENCH_CASE=json     generate with moonrl.engine, print one JSON line
+-- A case: { prompts = P, n = samples per prompt, prompt_len = L, new = N, temperature = T }; prompt i
+-- (0-based) token k is (k * 31 + i * 7 + 1) % vocab, as on the PyTorch side.
+local moonrl = require('moonrl')
+local json = moonrl.json
+local mode, dir = os.getenv('BENCH_MODE'), os.getenv('BENCH_DIR')
+assert(mode and dir, 'BENCH_MODE and BENCH_DIR must be set')
+if mode == 'save' then
+  local cfg = json.decode(os.getenv('BENCH_CONFIG'), 'BENCH_CONFIG')
+  moonrl.model.new(cfg, { seed = 1 }):save(dir)
+  return
+end
+local case = json.decode(os.getenv('BENCH_CASE'), 'BENCH_CASE')
+local model = moonrl.model.load(dir)
+local V = model.config.vocab_size
+local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 30, max_batch_tokens = 2048, max_seqs = 256,
+  prefix_caching = false })
+local function requests(P, n, L)
+  local reqs = {}
+  for i = 0, P - 1 do
+    local p = {}
+    for k = 0, L - 1 do p[k + 1] = (k * 31 + i * 7 + 1) % V end
+    reqs[i + 1] = { prompt_ids = p, n = n }
+  end
+  return reqs
+end
+local opts = { temperature = case.temperature, max_tokens = case.new, eos_ids = {} }
+engine:generate(requests(2, 1, 16), { temperature = 0, max_tokens = 4, eos_ids = {} }) -- warm up
+local reqs = requests(case.prompts, case.n, case.prompt_len)
+local best, st = math.huge, nil
+for _ = 1, case.repeats or 1 do
+  local before = engine:stats()
+  local t0 = moonrl.now()
+  local res = engine:generate(reqs, opts)
+  local dt = moonrl.now() - t0
+  local after = engine:stats()
+  local gen = 0
+  for _, l in ipairs(res) do for _, s in ipairs(l) do gen = gen + #s.ids end end
+  if dt < best then
+    best = dt
+    st = { generated = gen, steps = after.steps - before.steps, prefill_tokens = after.prefill_tokens - before.prefill_tokens,
+      decode_tokens = after.decode_tokens - before.decode_tokens, preemptions = after.preemptions - before.preemptions }
+  end
+end
+st.seconds = best
+st.threads = moonrl.version().threads
+st.n_params = model.n_params
+print(json.encode(st))

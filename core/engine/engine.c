@@ -1,0 +1,333 @@
+/* The generation engine: the model's inference path over a paged KV cache,
+ * driven by the continuous-batching scheduler (scheduler.h).
+ *
+ * One step, for the T tokens the scheduler picked (prefill chunks and
+ * decodes mixed), D hidden, Q = Hq*hd, K = Hk*hd, F intermediate:
+ *   x = embed[tokens]                                          [T,D]
+ *   per layer: ln1, q/k/v (+biases, qwen3 norms), RoPE at the tokens'
+ *     positions (mrl_layer_qkv, the trainer's code)             [T,Q] [T,K] [T,K]
+ *     K/V -> their cache slots; paged attention over each
+ *     sequence's blocks                                         att [T,Q]
+ *     x = layer output (mrl_layer_out: o-proj, residual, ln2, SwiGLU MLP)
+ *   rows = x[logits_indices]; rmsnorm; logits = rows W_lm^T    [n_logits,V]
+ *   sample (mrl_sched_update).
+ * The weights are read in place from a parameter buffer with the model's
+ * layout: the model's own by default (zero copy). */
+#include <string.h>
+#include "engine/scheduler.h"
+#include "model/model_internal.h"
+#include "moonrl/loop.h"
+#include "moonrl/mem.h"
+
+struct mrl_engine {
+    mrl_model *m;
+    mrl_engine_config cfg;
+    const float *base;       /* the parameter buffer read */
+    layer_params *lp;        /* [L] rebased onto base */
+    const float *embed, *final_norm, *lm_head;
+    mrl_kv_cache *kv;
+    mrl_sched *sched;
+    mrl_sched_stats done;    /* totals of the schedulers dropped by reset */
+    /* activations of one step, for max_num_batched_tokens tokens */
+    void *act_buf;
+    layer_acts a;
+    float *x;                /* [T,D] residual stream */
+    float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
+    float *logits;           /* [S,V] */
+    int64_t logit_rows;      /* S */
+    void *attn_ws;
+    int64_t attn_ws_bytes;
+};
+
+void mrl_engine_config_default(mrl_engine_config *cfg) {
+    if (!cfg) return;
+    *cfg = (mrl_engine_config){.kv_cache_bytes = (int64_t)256 << 20, .block_size = 16, .max_num_seqs = 256,
+                               .max_num_batched_tokens = 2048, .max_model_len = 0, .prefix_caching = 1};
+}
+
+/* Carve the step's activations (base NULL: only count). Returns bytes. */
+static int64_t layout(mrl_engine *e, char *base) {
+    const mrl_model_config *c = &e->m->cfg;
+    int64_t T = e->cfg.max_num_batched_tokens, S = e->logit_rows, D = c->hidden_size, F = c->intermediate_size,
+            hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd,
+            V = c->vocab_size;
+    int64_t off = 0;
+    layer_acts *a = &e->a;
+#define TAKE(ptr, count)                                              \
+    do {                                                              \
+        if (base) ptr = (float *)(base + off);                        \
+        off += ((int64_t)sizeof(float) * (count) + 63) / 64 * 64;     \
+    } while (0)
+    TAKE(e->x, T * D);
+    TAKE(a->ln1, T * D);
+    TAKE(a->rstd1, T);
+    if (c->arch == MRL_ARCH_QWEN3) {
+        TAKE(a->qraw, T * Q);
+        TAKE(a->kraw, T * K);
+        TAKE(a->rstdq, T * Hq);
+        TAKE(a->rstdk, T * Hk);
+    }
+    TAKE(a->q, T * Q);
+    TAKE(a->k, T * K);
+    TAKE(a->v, T * K);
+    TAKE(a->att, T * Q);
+    TAKE(a->h, T * D);
+    TAKE(a->ln2, T * D);
+    TAKE(a->rstd2, T);
+    TAKE(a->gate, T * F);
+    TAKE(a->up, T * F);
+    TAKE(a->act, T * F);
+    TAKE(e->rows, S * D);
+    TAKE(e->rows_n, S * D);
+    TAKE(e->rstd_n, S);
+    TAKE(e->logits, S * V);
+#undef TAKE
+    return off;
+}
+
+/* Point the layer / embedding / head pointers at `base` (model layout). */
+static void rebase(mrl_engine *e, const float *base) {
+    mrl_model *m = e->m;
+#define RB(p) ((p) ? (float *)(base + ((p) - m->params)) : NULL)
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const layer_params *s = &m->lp[l];
+        e->lp[l] = (layer_params){RB(s->ln1), RB(s->wq), RB(s->bq), RB(s->wk), RB(s->bk), RB(s->wv), RB(s->bv),
+                                  RB(s->wo),  RB(s->q_norm), RB(s->k_norm), RB(s->ln2), RB(s->wg), RB(s->wu),
+                                  RB(s->wd)};
+    }
+    e->embed = RB(m->embed);
+    e->final_norm = RB(m->final_norm);
+    e->lm_head = RB(m->lm_head);
+#undef RB
+    e->base = base;
+}
+
+/* A new scheduler over the cache (created on first use, else cleared). */
+static mrl_status new_sched(mrl_engine *e) {
+    const mrl_model_config *c = &e->m->cfg;
+    mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
+                              .head_dim = c->head_dim, .block_size = e->cfg.block_size,
+                              .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching};
+    mrl_status st = e->kv ? mrl_kv_cache_clear(e->kv) : mrl_kv_cache_create(&kc, &e->kv);
+    if (st) return st;
+    mrl_sched_config sc = {.max_num_seqs = e->cfg.max_num_seqs,
+                           .max_num_batched_tokens = e->cfg.max_num_batched_tokens,
+                           .max_model_len = e->cfg.max_model_len, .vocab_size = c->vocab_size};
+    return mrl_sched_create(&sc, e->kv, &e->sched);
+}
+
+static void drop_sched(mrl_engine *e) {
+    if (e->sched) {
+        mrl_sched_stats s;
+        mrl_sched_get_stats(e->sched, &s);
+        e->done.steps += s.steps;
+        e->done.prefill_tokens += s.prefill_tokens;
+        e->done.decode_tokens += s.decode_tokens;
+        e->done.prefix_hit_tokens += s.prefix_hit_tokens;
+        e->done.preemptions += s.preemptions;
+        e->done.forks += s.forks;
+        e->done.generated_tokens += s.generated_tokens;
+    }
+    mrl_sched_destroy(e->sched);
+    e->sched = NULL;
+}
+
+void mrl_engine_free(mrl_engine *e) {
+    if (!e) return;
+    drop_sched(e);
+    mrl_kv_cache_destroy(e->kv);
+    mrl_mem_free(e->act_buf);
+    mrl_mem_free(e->attn_ws);
+    mrl_mem_free(e->lp);
+    mrl_mem_free(e);
+}
+
+mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl_engine **out) {
+    if (!out) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL out");
+    *out = NULL;
+    if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
+    mrl_engine_config c = *cfg;
+    if (c.max_model_len <= 0) c.max_model_len = model->cfg.max_position_embeddings;
+    if (c.block_size < 1 || c.block_size > 4096 || c.max_num_seqs < 1 || c.max_num_batched_tokens < 1 ||
+        c.max_model_len < 2 || c.kv_cache_bytes <= 0 || c.max_num_batched_tokens > (1 << 24) ||
+        c.max_num_seqs > (1 << 20))
+        return mrl_set_error(MRL_ERR_INVALID,
+                             "engine create: bad config (kv_cache_bytes=%lld block_size=%d max_num_seqs=%d "
+                             "max_num_batched_tokens=%d max_model_len=%d)",
+                             (long long)c.kv_cache_bytes, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                             c.max_model_len);
+    mrl_engine *e = mrl_mem_alloc(sizeof(*e), MRL_MEM_OTHER);
+    if (!e) return mrl_set_error(MRL_ERR_NOMEM, "engine create: out of memory");
+    memset(e, 0, sizeof(*e));
+    e->m = model;
+    e->cfg = c;
+    /* rows needing logits in one step: at most one per running sequence */
+    e->logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
+    e->lp = mrl_mem_alloc(sizeof(layer_params) * model->cfg.num_hidden_layers, MRL_MEM_OTHER);
+    int64_t bytes = layout(e, NULL);
+    e->act_buf = e->lp ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
+    mrl_status st = MRL_OK;
+    if (!e->act_buf)
+        st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the activations of %d tokens (%lld bytes)",
+                           c.max_num_batched_tokens, (long long)bytes);
+    if (!st) {
+        layout(e, e->act_buf);
+        rebase(e, model->params);
+        st = mrl_model_rope_prepare(model, c.max_model_len);
+    }
+    if (!st) st = new_sched(e);
+    if (st) {
+        mrl_engine_free(e);
+        return st;
+    }
+    *out = e;
+    return MRL_OK;
+}
+
+static mrl_status check_idle(const mrl_engine *e, const char *what) {
+    if (mrl_sched_has_unfinished(e->sched))
+        return mrl_set_error(MRL_ERR_INVALID, "engine %s: requests are still unfinished", what);
+    return MRL_OK;
+}
+
+mrl_status mrl_engine_reset(mrl_engine *e) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine reset: NULL engine");
+    mrl_status st = check_idle(e, "reset");
+    if (st) return st;
+    drop_sched(e);
+    return new_sched(e);
+}
+
+mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine attach_params: NULL engine");
+    if (params && n_params != e->m->n_params)
+        return mrl_set_error(MRL_ERR_INVALID, "engine attach_params: buffer of %lld floats, the model has %lld",
+                             (long long)n_params, (long long)e->m->n_params);
+    mrl_status st = check_idle(e, "attach_params");
+    if (st) return st;
+    rebase(e, params ? params : e->m->params);
+    return mrl_engine_reset(e);
+}
+
+mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, int *req_id) {
+    if (!e || !r || !req_id) return mrl_set_error(MRL_ERR_INVALID, "engine add_request: NULL argument");
+    int V = e->m->cfg.vocab_size;
+    for (int i = 0; i < r->n_eos; i++)
+        if (r->eos_ids && (r->eos_ids[i] < 0 || r->eos_ids[i] >= V))
+            return mrl_set_error(MRL_ERR_INVALID, "engine add_request: eos id %d is outside the vocabulary (%d)",
+                                 r->eos_ids[i], V);
+    for (int i = 0; i < r->n_stop; i++)
+        if (r->stop_ids && (r->stop_ids[i] < 0 || r->stop_ids[i] >= V))
+            return mrl_set_error(MRL_ERR_INVALID, "engine add_request: stop id %d is outside the vocabulary (%d)",
+                                 r->stop_ids[i], V);
+    mrl_sched_request q = {.prompt = r->prompt, .prompt_len = r->prompt_len, .n = r->n,
+                           .max_new_tokens = r->max_new_tokens, .eos_ids = r->eos_ids, .n_eos = r->n_eos,
+                           .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,
+                           .step = r->step, .prompt_index = r->prompt_index,
+                           .first_sample = r->first_sample};
+    return mrl_sched_add(e->sched, &q, req_id);
+}
+
+/* The model over one scheduled batch: logits of its logits_indices rows. */
+static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
+    const mrl_model *m = e->m;
+    const mrl_model_config *c = &m->cfg;
+    const mrl_kernels *k = m->k;
+    int64_t T = b->n_tokens, D = c->hidden_size, V = c->vocab_size, S = b->n_logits;
+    int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
+    if (T > e->cfg.max_num_batched_tokens || S > e->logit_rows)
+        return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %lld tokens / %lld logit rows over the buffers",
+                             (long long)T, (long long)S);
+    for (int64_t i = 0; i < T; i++) /* [T,D] */
+        memcpy(e->x + i * D, e->embed + (int64_t)b->token_ids[i] * D, sizeof(float) * D);
+    mrl_status st = MRL_OK;
+    for (int l = 0; l < c->num_hidden_layers && !st; l++) {
+        const layer_params *p = &e->lp[l];
+        mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
+        mrl_paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T,
+                           Hk, hd, e->cfg.block_size);
+        mrl_paged_attn args;
+        st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
+        if (st) break;
+        int64_t need = mrl_paged_attention_workspace_bytes(&args);
+        if (need > e->attn_ws_bytes) {
+            mrl_mem_free(e->attn_ws);
+            int64_t cap = need + need / 2;
+            e->attn_ws = mrl_mem_alloc((size_t)cap, MRL_MEM_ACTIVATIONS);
+            e->attn_ws_bytes = e->attn_ws ? cap : 0;
+        }
+        if (e->attn_ws) {
+            args.workspace = e->attn_ws;
+            args.workspace_bytes = e->attn_ws_bytes;
+        }
+        st = mrl_paged_attention(&args);
+        if (st) break;
+        mrl_layer_out(m, p, &e->a, e->x, e->x, T);
+    }
+    if (st || S == 0) return st;
+    for (int64_t r = 0; r < S; r++) /* [S,D] */
+        memcpy(e->rows + r * D, e->x + (int64_t)b->logits_indices[r] * D, sizeof(float) * D);
+    k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->final_norm, S, (int)D, (float)c->rms_norm_eps);
+    k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->lm_head, D, 0.0f, e->logits, V); /* [S,V] */
+    return MRL_OK;
+}
+
+mrl_status mrl_engine_step(mrl_engine *e, int *n_unfinished) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine step: NULL engine");
+    const mrl_sched_batch *b;
+    mrl_status st = mrl_sched_schedule(e->sched, &b);
+    if (!st && b->n_tokens > 0) st = forward_step(e, b);
+    if (!st) st = mrl_sched_update(e->sched, e->logits);
+    if (n_unfinished) *n_unfinished = mrl_engine_num_unfinished(e);
+    return st;
+}
+
+mrl_status mrl_engine_run(mrl_engine *e) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine run: NULL engine");
+    while (mrl_sched_has_unfinished(e->sched)) {
+        if (mrl_stop_requested())
+            return mrl_set_error(MRL_ERR_STOPPED, "engine run: stop requested (%s)", mrl_stop_reason());
+        mrl_status st = mrl_engine_step(e, NULL);
+        if (st) return st;
+    }
+    return MRL_OK;
+}
+
+mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,
+                                 const float **logprobs, int *n_tokens, int *finish_reason) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine get_output: NULL engine");
+    return mrl_sched_output(e->sched, req_id, sample, tokens, logprobs, NULL, n_tokens, finish_reason);
+}
+
+mrl_status mrl_engine_stop_sample(mrl_engine *e, int req_id, int sample) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine stop_sample: NULL engine");
+    return mrl_sched_stop(e->sched, req_id, sample);
+}
+
+int mrl_engine_num_unfinished(const mrl_engine *e) {
+    return e ? mrl_sched_num_unfinished(e->sched) : 0;
+}
+
+void mrl_engine_get_stats(const mrl_engine *e, mrl_engine_stats *out) {
+    if (!out) return;
+    memset(out, 0, sizeof(*out));
+    if (!e) return;
+    mrl_sched_stats s;
+    mrl_sched_get_stats(e->sched, &s);
+    mrl_kv_cache_stats k;
+    mrl_kv_cache_get_stats(e->kv, &k);
+    out->steps = e->done.steps + s.steps;
+    out->prefill_tokens = e->done.prefill_tokens + s.prefill_tokens;
+    out->decode_tokens = e->done.decode_tokens + s.decode_tokens;
+    out->generated_tokens = e->done.generated_tokens + s.generated_tokens;
+    out->prefix_hit_tokens = e->done.prefix_hit_tokens + s.prefix_hit_tokens;
+    out->preemptions = e->done.preemptions + s.preemptions;
+    out->forks = e->done.forks + s.forks;
+    out->kv_blocks_total = k.num_blocks;
+    out->kv_blocks_used = k.used_blocks;
+    out->kv_blocks_free = k.free_blocks;
+    out->kv_block_size = e->cfg.block_size;
+    out->running = s.running;
+    out->waiting = s.waiting;
+    out->finished = s.finished;
+}

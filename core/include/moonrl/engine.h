@@ -1,0 +1,174 @@
+/* The generation engine: what Lua calls. A model's inference path (the
+ * same layers and kernels as the trainer's forward, with paged attention over
+ * a paged KV cache) driven by a continuous-batching scheduler (chunked
+ * prefill, GRPO groups prefilled once and forked, pre-emption and
+ * recomputation when the cache is short: never an out-of-memory failure).
+ *
+ *     mrl_engine_config cfg; mrl_engine_config_default(&cfg);
+ *     mrl_engine_create(model, &cfg, &e);      reads the model's own parameter
+ *                                              buffer: no copy, an optimizer
+ *                                              step is seen by the next step
+ *     mrl_engine_add_request(e, &req, &id);    any number
+ *     mrl_engine_run(e);                       (or mrl_engine_step in a loop)
+ *     mrl_engine_get_output(e, id, j, ...);    tokens, log-probs, finish reason
+ *     mrl_engine_reset(e);                     forget requests and cached prefixes
+ *
+ *
+ * Sampling of one row of fp32 logits, in this order (vLLM v1's sampler):
+ *   1. temperature: x = logits / temperature; temperature < 1e-5 is greedy
+ *      (argmax, the lowest token id among ties; the other knobs are ignored);
+ *   2. min-p: keep tokens with p >= min_p * p_max (p = softmax(x));
+ *   3. top-k: keep tokens whose x is >= the k-th largest x among those kept
+ *      (ties with the k-th value are all kept, as in vLLM and HF);
+ *   4. top-p: among those kept, renormalised, keep the smallest set of the
+ *      most probable tokens whose mass reaches top_p (sorted by probability,
+ *      ties by lower token id first; the token that crosses top_p is kept);
+ *   5. draw from the kept tokens with one uniform u from the counter-based
+ *      stream: the first token, in token-id order, whose cumulative mass
+ *      exceeds u times the kept mass.
+ * (HF's generate applies top-k, top-p, then min-p after temperature; the
+ * orders differ only when min-p is combined with top-k or top-p.)
+ *
+ * Two log-probabilities come back for the sampled token:
+ *   logprob            under softmax(logits / temperature) over the WHOLE
+ *                      vocabulary, no truncation: what the trainer computes
+ *                      for the same token at the same temperature, so the
+ *                      one RL uses (importance ratios, KL);
+ *   logprob_processed  under the distribution actually sampled from (after
+ *                      min-p / top-k / top-p, renormalised), vLLM's
+ *                      "processed_logprobs".
+ * For greedy rows logprob is the log-softmax at temperature 1 and
+ * logprob_processed is 0.
+ *
+ * Randomness: sample j of prompt i at training step s of a run seeded with
+ * `seed` has the stream key mrl_sample_stream_key(seed, s, i, j); its n-th
+ * generated token uses counter n. The uniform is a hash of (key, counter)
+ * (splitmix64 finaliser), so a token never depends on which other requests
+ * share the batch, on the batch order or on the thread count. */
+#pragma once
+#include <stdint.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mrl_sampling_params {
+    float temperature; /* < 1e-5 (e.g. 0): greedy */
+    int top_k;         /* <= 0: off */
+    float top_p;       /* in (0, 1]; 1: off */
+    float min_p;       /* in [0, 1]; 0: off */
+} mrl_sampling_params;
+
+/* The key of one sample's random stream. */
+uint64_t mrl_sample_stream_key(uint64_t seed, int64_t step, int64_t prompt_index, int64_t sample_index);
+/* The uniform in [0, 1) that stream `key` gives at `counter`. */
+double mrl_sample_uniform(uint64_t key, int64_t counter);
+
+/* Sample one token from each of `rows` rows of logits [rows, vocab];
+ * params[r], keys[r], counters[r] per row. Outputs per row: tokens,
+ * logprobs (temperature-scaled, untruncated) and logprobs_processed (may be
+ * NULL). Rows run in parallel. Fails on bad params or a row that is all
+ * -inf or holds a NaN. */
+mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const mrl_sampling_params *params,
+                           const uint64_t *keys, const int64_t *counters, int32_t *tokens, float *logprobs,
+                           float *logprobs_processed);
+
+/* ---- the engine ---------------------------------------------------------- */
+
+typedef struct mrl_engine mrl_engine;
+typedef struct mrl_model mrl_model;
+
+typedef struct mrl_engine_config {
+    int64_t kv_cache_bytes;     /* KV cache pool (all layers, K and V, fp32) */
+    int block_size;             /* tokens per KV block */
+    int max_num_seqs;           /* running sequences at most */
+    int max_num_batched_tokens; /* tokens per step */
+    int max_model_len;          /* prompt + generated tokens at most; 0: the model's max_position_embeddings */
+    int prefix_caching;         /* 1: reuse the K/V of prompt prefixes seen before (until mrl_engine_reset) */
+} mrl_engine_config;
+
+typedef enum mrl_finish_reason {
+    MRL_FINISH_NONE = 0,   /* not finished */
+    MRL_FINISH_LENGTH = 1, /* max_new_tokens or max_model_len */
+    MRL_FINISH_EOS = 2,    /* an EOS id (kept in the output) */
+    MRL_FINISH_STOP = 3,   /* a stop token id (kept in the output) */
+    MRL_FINISH_CALLER = 4  /* mrl_engine_stop_sample (a stop string, an abort) */
+} mrl_finish_reason;
+
+typedef struct mrl_engine_request {
+    const int32_t *prompt;   /* [prompt_len] token ids, copied */
+    int prompt_len;          /* >= 1 */
+    int n;                   /* samples of this prompt (>= 1): prefilled once */
+    int max_new_tokens;      /* >= 1 */
+    mrl_sampling_params params;
+    const int32_t *eos_ids;  /* [n_eos], copied; may be NULL */
+    int n_eos;
+    const int32_t *stop_ids; /* [n_stop], copied; may be NULL */
+    int n_stop;
+    uint64_t seed;           /* sample j's stream: mrl_sample_stream_key(seed, step, prompt_index, first_sample + j) */
+    int64_t step;
+    int64_t prompt_index;
+    int64_t first_sample;    /* 0 normally; k when a group's samples k.. come as their own request */
+} mrl_engine_request;
+
+typedef struct mrl_engine_stats {
+    int64_t steps;
+    int64_t prefill_tokens;    /* prompt and recomputed tokens run through the model */
+    int64_t decode_tokens;
+    int64_t generated_tokens;
+    int64_t prefix_hit_tokens; /* prompt tokens the prefix cache supplied */
+    int64_t preemptions;
+    int64_t forks;             /* group samples forked from a shared prompt */
+    int kv_blocks_total;
+    int kv_blocks_used;
+    int kv_blocks_free;
+    int kv_block_size;
+    int running, waiting, finished;
+} mrl_engine_stats;
+
+/* Defaults: 256 MiB of KV cache, blocks of 16, 256 sequences, 2048 tokens a
+ * step, the model's max_position_embeddings, prefix caching on. */
+void mrl_engine_config_default(mrl_engine_config *cfg);
+/* An engine over `model` (borrowed: it must outlive the engine), reading the
+ * model's parameter buffer (mrl_model_params) in place. */
+mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl_engine **out);
+void mrl_engine_free(mrl_engine *e);
+/* Read the weights from another buffer with the model's layout (n_params
+ * floats, view offsets as in mrl_model_view): e.g. one that receives a
+ * trainer's weights by broadcast in a separate engine process. NULL goes
+ * back to the model's own buffer. Drops cached prefixes (their K/V came from
+ * other weights); fails while requests are unfinished. */
+mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params);
+/* Forget every request and every cached prefix (call it when the weights
+ * have changed, e.g. after an optimizer step, if prefix caching is on);
+ * fails while requests are unfinished. Request ids restart at 0. */
+mrl_status mrl_engine_reset(mrl_engine *e);
+
+/* Queue a request; *req_id identifies it. Bad input (ids outside the
+ * vocabulary, bad sampling params, a prompt + max_new_tokens longer than
+ * max_model_len or than the whole cache) fails and queues nothing. */
+mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *req, int *req_id);
+/* One step: schedule, run the model over the step's tokens, sample.
+ * *n_unfinished (may be NULL) gets the samples not finished yet. */
+mrl_status mrl_engine_step(mrl_engine *e, int *n_unfinished);
+/* Steps until every request is finished; checks mrl_stop_requested()
+ * between steps and returns MRL_ERR_STOPPED (the requests stay queued). */
+mrl_status mrl_engine_run(mrl_engine *e);
+/* Sample j of a request so far: pointers to its generated tokens and their
+ * log-probs (under softmax(logits / temperature) over the whole vocabulary:
+ * what the trainer's forward gives for the same tokens), valid until the
+ * next step or reset; count and finish reason (mrl_finish_reason). Any
+ * pointer may be NULL. */
+mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,
+                                 const float **logprobs, int *n_tokens, int *finish_reason);
+/* Finish sample j of a request at the next step (MRL_FINISH_CALLER), e.g.
+ * when the caller's detokenizer sees a stop string. */
+mrl_status mrl_engine_stop_sample(mrl_engine *e, int req_id, int sample);
+/* Samples not finished yet. */
+int mrl_engine_num_unfinished(const mrl_engine *e);
+void mrl_engine_get_stats(const mrl_engine *e, mrl_engine_stats *out);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,392 @@
+/* Paged attention on the CPU (see paged_attention.h).
+ *
+ * The reference is plain loops in double. The fast version works per
+ * (sequence, kv head, tile of query tokens) — GQA: the group's query heads
+ * are done together, so each K and V block is read once for all of them:
+ *   scores  K is stored transposed in a block ([hd][block_size]), so the
+ *           scores of 16 keys for one head are one vector accumulated over
+ *           d with broadcast q[d]: no horizontal sums;
+ *   softmax per head over the context (vector exp, kernels/cpu/vexp.c);
+ *   values  out[h][d-chunk] += p[h][key] * V[key][d-chunk], keys in tiles
+ *           that stay in cache while every d-chunk is accumulated.
+ * AVX-512 in intrinsics; AVX2 and scalar from the same plain C loops (their
+ * inner loops run over contiguous memory and are vectorised by the compiler
+ * under each target). The path is chosen at run time (mrl_cpu_isa_level). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#include "cpu/paged_attention.h"
+#include "cpu/vexp.h"
+#include "moonrl/parallel.h"
+
+#define QUERY_TILE 16
+#define MAX_HEAD_DIM 1024
+#define KEY_TILE 256 /* keys whose V rows are reused across the d-chunks */
+
+/* Block `blk`, kv head g: K as [hd][bs], V as [bs][hd] (same offset). */
+static inline int64_t block_offset(const mrl_paged_attn *a, int blk, int g) {
+    return ((int64_t)blk * a->Hk + g) * a->block_size * a->hd;
+}
+
+/* Shapes and offsets that keep every read and write inside the arrays
+ * the caller describes (block ids themselves are the caller's to get right). */
+static mrl_status check_args(const mrl_paged_attn *a, const char *fn) {
+    if (!a || !a->out || !a->q || !a->k_cache || !a->v_cache || !a->seq_lens || !a->query_start ||
+        (a->n_seqs > 0 && !a->block_tables))
+        return mrl_set_error(MRL_ERR_INVALID, "%s: NULL argument", fn);
+    if (a->n_seqs < 0 || a->Hk < 1 || a->Hq < a->Hk || a->Hq % a->Hk || a->hd < 1 || a->hd > MAX_HEAD_DIM ||
+        a->block_size < 1 || a->max_blocks_per_seq < 0 || a->query_start[0] != 0)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: bad shape (n_seqs=%d Hq=%d Hk=%d hd=%d block_size=%d)", fn,
+                             a->n_seqs, a->Hq, a->Hk, a->hd, a->block_size);
+    for (int i = 0; i < a->n_seqs; i++) {
+        int n_q = a->query_start[i + 1] - a->query_start[i];
+        if (n_q < 0 || n_q > a->seq_lens[i] || a->seq_lens[i] > (int64_t)a->max_blocks_per_seq * a->block_size)
+            return mrl_set_error(MRL_ERR_INVALID,
+                                 "%s: sequence %d has %d queries over %d tokens with %d blocks of %d", fn, i, n_q,
+                                 a->seq_lens[i], a->max_blocks_per_seq, a->block_size);
+    }
+    return MRL_OK;
+}
+
+/* ---- reference ---- */
+
+static double ref_score(const mrl_paged_attn *a, const int32_t *table, const float *q, int c, int g) {
+    const float *kt = a->k_cache + block_offset(a, table[c / a->block_size], g) + c % a->block_size;
+    double s = 0;
+    for (int d = 0; d < a->hd; d++) s += (double)q[d] * kt[(int64_t)d * a->block_size];
+    return s * a->scale;
+}
+
+mrl_status mrl_paged_attention_ref(const mrl_paged_attn *a) {
+    mrl_status st = check_args(a, "paged_attention_ref");
+    if (st) return st;
+    int G = a->Hq / a->Hk, hd = a->hd;
+    double acc[MAX_HEAD_DIM];
+    for (int i = 0; i < a->n_seqs; i++) {
+        const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
+        int n_q = a->query_start[i + 1] - a->query_start[i], len = a->seq_lens[i];
+        for (int j = 0; j < n_q; j++) {
+            int64_t t = a->query_start[i] + j;
+            int pos = len - n_q + j;
+            for (int h = 0; h < a->Hq; h++) {
+                const float *q = a->q + (t * a->Hq + h) * hd;
+                float *o = a->out + (t * a->Hq + h) * hd;
+                int g = h / G;
+                double m = -INFINITY, sum = 0;
+                for (int c = 0; c <= pos; c++) { /* pass 1: the max score */
+                    double s = ref_score(a, table, q, c, g);
+                    if (s > m) m = s;
+                }
+                for (int d = 0; d < hd; d++) acc[d] = 0;
+                for (int c = 0; c <= pos; c++) { /* pass 2: weights and the sum of V rows */
+                    double p = exp(ref_score(a, table, q, c, g) - m);
+                    const float *v = a->v_cache + block_offset(a, table[c / a->block_size], g) +
+                                     (int64_t)(c % a->block_size) * hd;
+                    sum += p;
+                    for (int d = 0; d < hd; d++) acc[d] += p * v[d];
+                }
+                for (int d = 0; d < hd; d++) o[d] = (float)(acc[d] / sum);
+            }
+        }
+    }
+    return MRL_OK;
+}
+
+/* ---- fast version: one work item ---- */
+
+typedef struct attn_item {
+    int32_t seq, g, t0, t1; /* query tokens t0..t1 of the batch, kv head g */
+} attn_item;
+
+/* scores[r * n_ctx + c] for the group's query head r */
+typedef struct item_view {
+    const mrl_paged_attn *a;
+    const int32_t *table;
+    const float *q; /* [G, hd] of this token */
+    float *out;     /* [G, hd] */
+    float *scores;  /* [G, n_ctx] */
+    int n_ctx, g, G;
+} item_view;
+
+/* Plain C: the compiler vectorises the inner loops for the caller's target. */
+static inline __attribute__((always_inline)) void scores_plain(const item_view *v) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
+        const float *kt = a->k_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
+        for (int r = 0; r < v->G; r++) {
+            float *s = v->scores + (int64_t)r * v->n_ctx + c0;
+            const float *q = v->q + (int64_t)r * hd;
+            for (int c = 0; c < cn; c++) s[c] = 0;
+            for (int d = 0; d < hd; d++) {
+                float qd = q[d];
+                const float *k = kt + (int64_t)d * bs;
+#pragma omp simd
+                for (int c = 0; c < cn; c++) s[c] += qd * k[c];
+            }
+            for (int c = 0; c < cn; c++) s[c] *= a->scale;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_plain(const item_view *v) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    memset(v->out, 0, (size_t)v->G * hd * sizeof(float));
+    for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
+        const float *vb = a->v_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
+        for (int r = 0; r < v->G; r++) {
+            float *o = v->out + (int64_t)r * hd;
+            const float *p = v->scores + (int64_t)r * v->n_ctx + c0;
+            for (int c = 0; c < cn; c++) {
+                float pc = p[c];
+                const float *vr = vb + (int64_t)c * hd;
+#pragma omp simd
+                for (int d = 0; d < hd; d++) o[d] += pc * vr[d];
+            }
+        }
+    }
+}
+
+/* AVX-512, scores of RN query heads (from head r0) against KC chunks of 16
+ * keys: chunk i starts at kp[i] (its rows d are block_size apart) and its
+ * scores go to column c0 + 16 i; the last chunk is masked by mlast. RN * KC
+ * accumulators stay in registers; each K vector serves RN heads. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+score_chunks_512(const item_view *v, int r0, const int RN, const float *const *kp, const int KC, __mmask16 mlast,
+                 int c0) {
+    int bs = v->a->block_size, hd = v->a->hd;
+    const float *q = v->q + (int64_t)r0 * hd;
+    __m512 acc[16], k[4];
+    for (int i = 0; i < RN * KC; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        for (int i = 0; i < KC; i++)
+            k[i] = i == KC - 1 ? _mm512_maskz_loadu_ps(mlast, kp[i] + (int64_t)d * bs)
+                               : _mm512_loadu_ps(kp[i] + (int64_t)d * bs);
+        for (int r = 0; r < RN; r++) {
+            __m512 qb = _mm512_set1_ps(q[(int64_t)r * hd + d]);
+            for (int i = 0; i < KC; i++) acc[r * KC + i] = _mm512_fmadd_ps(qb, k[i], acc[r * KC + i]);
+        }
+    }
+    __m512 scale = _mm512_set1_ps(v->a->scale);
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < KC; i++)
+            _mm512_mask_storeu_ps(v->scores + (int64_t)(r0 + r) * v->n_ctx + c0 + 16 * i, i == KC - 1 ? mlast : 0xffff,
+                                  _mm512_mul_ps(acc[r * KC + i], scale));
+}
+
+/* The whole context for RN heads: chunks of 16 keys (block_size a multiple
+ * of 16, so a chunk never straddles blocks), KC at a time, then the rest. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+scores_512(const item_view *v, int r0, const int RN, const int KC) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, n_full = v->n_ctx / 16, rem = v->n_ctx % 16, c = 0;
+    const float *kp[4];
+#define CHUNK_PTR(c) (a->k_cache + block_offset(a, v->table[(c) / bs], v->g) + (c) % bs)
+    for (; c + 16 * KC <= 16 * n_full; c += 16 * KC) {
+        for (int i = 0; i < KC; i++) kp[i] = CHUNK_PTR(c + 16 * i);
+        score_chunks_512(v, r0, RN, kp, KC, 0xffff, c);
+    }
+    for (; c < 16 * n_full; c += 16) {
+        kp[0] = CHUNK_PTR(c);
+        score_chunks_512(v, r0, RN, kp, 1, 0xffff, c);
+    }
+    if (rem) {
+        kp[0] = CHUNK_PTR(c);
+        score_chunks_512(v, r0, RN, kp, 1, (__mmask16)((1u << rem) - 1), c);
+    }
+#undef CHUNK_PTR
+}
+
+/* out[r0 .. r0+RN)[d0 .. d0 + 16 DC) += sum over keys k0..k1 of p * V rows;
+ * the last d-chunk masked by mlast; RN * DC accumulators in registers. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC, __mmask16 mlast, int k0, int k1) {
+    const mrl_paged_attn *a = v->a;
+    int bs = a->block_size, hd = a->hd;
+    __m512 acc[16];
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < DC; i++) {
+            __mmask16 m = i == DC - 1 ? mlast : 0xffff;
+            acc[r * DC + i] = k0 ? _mm512_maskz_loadu_ps(m, v->out + (int64_t)(r0 + r) * hd + d0 + 16 * i)
+                                 : _mm512_setzero_ps();
+        }
+    for (int c = k0; c < k1;) { /* keys of one block at a time */
+        const float *vb = a->v_cache + block_offset(a, v->table[c / bs], v->g) + d0;
+        int cend = (c / bs + 1) * bs < k1 ? (c / bs + 1) * bs : k1;
+        for (; c < cend; c++) {
+            __m512 x[4];
+            const float *row = vb + (int64_t)(c % bs) * hd;
+            for (int i = 0; i < DC; i++)
+                x[i] = i == DC - 1 ? _mm512_maskz_loadu_ps(mlast, row + 16 * i) : _mm512_loadu_ps(row + 16 * i);
+            for (int r = 0; r < RN; r++) {
+                __m512 p = _mm512_set1_ps(v->scores[(int64_t)(r0 + r) * v->n_ctx + c]);
+                for (int i = 0; i < DC; i++) acc[r * DC + i] = _mm512_fmadd_ps(p, x[i], acc[r * DC + i]);
+            }
+        }
+    }
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < DC; i++)
+            _mm512_mask_storeu_ps(v->out + (int64_t)(r0 + r) * hd + d0 + 16 * i, i == DC - 1 ? mlast : 0xffff,
+                                  acc[r * DC + i]);
+}
+
+/* Keys in tiles that stay in cache while every d-chunk is accumulated. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+values_512(const item_view *v, int r0, const int RN, const int DC) {
+    int hd = v->a->hd;
+    for (int k0 = 0; k0 < v->n_ctx; k0 += KEY_TILE) {
+        int k1 = k0 + KEY_TILE < v->n_ctx ? k0 + KEY_TILE : v->n_ctx, d0 = 0;
+        for (; d0 + 16 * DC <= hd; d0 += 16 * DC) value_chunks_512(v, r0, RN, d0, DC, 0xffff, k0, k1);
+        for (; d0 < hd; d0 += 16)
+            value_chunks_512(v, r0, RN, d0, 1, hd - d0 >= 16 ? 0xffff : (__mmask16)((1u << (hd - d0)) - 1), k0, k1);
+    }
+}
+
+/* Query heads in runs of 8, 4, 2, 1, each with as many key (or d) chunks as
+ * keep 8-16 accumulators in registers. */
+__attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
+    int r = 0;
+    if (v->a->block_size % 16) { /* chunks would straddle blocks: the plain loops */
+        scores_plain(v);
+        return;
+    }
+    for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8, 2);
+    if (r + 4 <= v->G) { scores_512(v, r, 4, 4); r += 4; }
+    if (r + 2 <= v->G) { scores_512(v, r, 2, 4); r += 2; }
+    if (r < v->G) scores_512(v, r, 1, 4);
+}
+
+__attribute__((target("avx512f"))) static void values_avx512(const item_view *v) {
+    int r = 0;
+    for (; r + 8 <= v->G; r += 8) values_512(v, r, 8, 2);
+    if (r + 4 <= v->G) { values_512(v, r, 4, 4); r += 4; }
+    if (r + 2 <= v->G) { values_512(v, r, 2, 4); r += 2; }
+    if (r < v->G) values_512(v, r, 1, 4);
+}
+
+__attribute__((target("avx2,fma"))) static void scores_avx2(const item_view *v) { scores_plain(v); }
+__attribute__((target("avx2,fma"))) static void values_avx2(const item_view *v) { values_plain(v); }
+static void scores_scalar(const item_view *v) { scores_plain(v); }
+static void values_scalar(const item_view *v) { values_plain(v); }
+
+static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *scores, int level) {
+    int G = a->Hq / a->Hk, hd = a->hd;
+    int len = a->seq_lens[it->seq], q0 = a->query_start[it->seq];
+    int n_q = a->query_start[it->seq + 1] - q0;
+    item_view v = {a, a->block_tables + (int64_t)it->seq * a->max_blocks_per_seq, NULL, NULL, scores, 0, it->g, G};
+    for (int t = it->t0; t < it->t1; t++) {
+        v.n_ctx = len - n_q + (t - q0) + 1;
+        v.q = a->q + ((int64_t)t * a->Hq + (int64_t)it->g * G) * hd;
+        v.out = a->out + ((int64_t)t * a->Hq + (int64_t)it->g * G) * hd;
+        if (level == 2) scores_avx512(&v);
+        else if (level == 1) scores_avx2(&v);
+        else scores_scalar(&v);
+        for (int r = 0; r < G; r++) {
+            float *s = scores + (int64_t)r * v.n_ctx, m = -INFINITY;
+            for (int c = 0; c < v.n_ctx; c++) m = s[c] > m ? s[c] : m;
+            float inv = (float)(1.0 / mrl_vexp_sum(s, s, m, v.n_ctx));
+            for (int c = 0; c < v.n_ctx; c++) s[c] *= inv;
+        }
+        if (level == 2) values_avx512(&v);
+        else if (level == 1) values_avx2(&v);
+        else values_scalar(&v);
+    }
+}
+
+/* ---- fast version: the batch ---- */
+
+typedef struct attn_ctx {
+    const mrl_paged_attn *a;
+    const attn_item *items;
+    int64_t n_items, n_chunks;
+    float *scratch; /* per chunk: G * max_len scores */
+    int64_t scratch_per_chunk;
+    int level;
+} attn_ctx;
+
+/* Chunks [b, e) of the work list: chunk c has its own score rows. */
+static void attend_range(void *vctx, int64_t b, int64_t e) {
+    const attn_ctx *ctx = vctx;
+    for (int64_t c = b; c < e; c++) {
+        int64_t i0 = ctx->n_items * c / ctx->n_chunks, i1 = ctx->n_items * (c + 1) / ctx->n_chunks;
+        for (int64_t i = i0; i < i1; i++)
+            attend_item(ctx->a, &ctx->items[i], ctx->scratch + c * ctx->scratch_per_chunk, ctx->level);
+    }
+}
+
+const char *mrl_paged_attention_isa(void) { return mrl_cpu_isa_name(); }
+
+/* Work list and scratch sizes of a batch (shapes already checked). */
+typedef struct attn_plan {
+    int64_t n_items, n_chunks, per_chunk, bytes;
+} attn_plan;
+
+static attn_plan plan(const mrl_paged_attn *a) {
+    attn_plan p = {0, 0, 0, 0};
+    int max_len = 1;
+    for (int i = 0; i < a->n_seqs; i++) {
+        int n_q = a->query_start[i + 1] - a->query_start[i];
+        p.n_items += (int64_t)a->Hk * ((n_q + QUERY_TILE - 1) / QUERY_TILE);
+        if (a->seq_lens[i] > max_len) max_len = a->seq_lens[i];
+    }
+    /* a few chunks of consecutive items per thread (items differ in cost) */
+    p.n_chunks = 4 * (int64_t)mrl_parallel_threads();
+    if (p.n_chunks > p.n_items) p.n_chunks = p.n_items;
+    p.per_chunk = ((int64_t)(a->Hq / a->Hk) * max_len + 15) & ~(int64_t)15;
+    p.bytes = p.per_chunk * p.n_chunks * (int64_t)sizeof(float) + p.n_items * (int64_t)sizeof(attn_item);
+    return p;
+}
+
+int64_t mrl_paged_attention_workspace_bytes(const mrl_paged_attn *a) {
+    if (check_args(a, "paged_attention_workspace_bytes")) return 0;
+    return plan(a).bytes;
+}
+
+mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
+    mrl_status st = check_args(a, "paged_attention");
+    if (st) return st;
+    attn_plan p = plan(a);
+    if (p.n_items == 0) return MRL_OK;
+    void *own = NULL, *ws = a->workspace;
+    if (!ws || a->workspace_bytes < p.bytes) {
+        if (ws)
+            return mrl_set_error(MRL_ERR_INVALID, "paged_attention: workspace of %lld bytes, %lld needed",
+                                 (long long)a->workspace_bytes, (long long)p.bytes);
+        ws = own = malloc((size_t)p.bytes); /* not zero-filled: no page clearing per call */
+        if (!own)
+            return mrl_set_error(MRL_ERR_NOMEM, "paged_attention: no memory for a %lld-byte workspace",
+                                 (long long)p.bytes);
+    }
+    float *scratch = ws;
+    attn_item *items = (attn_item *)(scratch + p.per_chunk * p.n_chunks);
+    int64_t k = 0;
+    for (int i = 0; i < a->n_seqs; i++)
+        for (int g = 0; g < a->Hk; g++)
+            for (int t = a->query_start[i]; t < a->query_start[i + 1]; t += QUERY_TILE) {
+                int t1 = t + QUERY_TILE < a->query_start[i + 1] ? t + QUERY_TILE : a->query_start[i + 1];
+                items[k++] = (attn_item){i, g, t, t1};
+            }
+    attn_ctx ctx = {a, items, p.n_items, p.n_chunks, scratch, p.per_chunk, mrl_cpu_isa_level()};
+    mrl_parallel_for(p.n_chunks, 1, attend_range, &ctx);
+    free(own);
+    return MRL_OK;
+}
+
+void mrl_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                        const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    for (int64_t t = 0; t < T; t++) {
+        int32_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        int64_t blk = slot / block_size, off = slot % block_size;
+        for (int h = 0; h < Hk; h++) {
+            int64_t base = (blk * Hk + h) * (int64_t)block_size * hd;
+            const float *ks = k + (t * Hk + h) * (int64_t)hd;
+            for (int d = 0; d < hd; d++) k_cache[base + (int64_t)d * block_size + off] = ks[d];
+            memcpy(v_cache + base + off * hd, v + (t * Hk + h) * (int64_t)hd, (size_t)hd * sizeof(float));
+        }
+    }
+}

@@ -1,0 +1,145 @@
+-- moonrl generate: sample text from a Hugging Face model directory with the
+-- generation engine, streaming the text to the terminal as it comes.
+local moonrl = require('moonrl')
+
+local M = {}
+
+local USAGE = [[
+usage: moonrl generate --model DIR --prompt TEXT [options]
+  --model DIR          a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)
+  --prompt TEXT        the prompt
+  --chat               wrap the prompt as a user message with the model's chat template
+  -n N                 samples of the prompt (default 1; the first is streamed, the others follow)
+  --temperature T      default 1.0; 0 is greedy
+  --top-p P            default 1.0 (off)
+  --top-k K            default 0 (off)
+  --min-p P            default 0 (off)
+  --max-tokens M       new tokens at most (default 128)
+  --seed S             default 0
+  --stop TEXT          stop at this string (may be repeated)
+  --tokenizer PATH     tokenizer.json or its directory (default: the model directory)
+  --kv-cache-mb MB     KV cache size (default 256)]]
+
+local NUMBERS = {
+  ['-n'] = { 'n', true, 1 }, ['--temperature'] = { 'temperature', false, 0 }, ['--top-p'] = { 'top_p', false, 0 },
+  ['--top-k'] = { 'top_k', true, 0 }, ['--min-p'] = { 'min_p', false, 0 }, ['--max-tokens'] = { 'max_tokens', true, 1 },
+  ['--seed'] = { 'seed', true, 0 }, ['--kv-cache-mb'] = { 'kv_cache_mb', false, 0 },
+}
+local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer' }
+
+local function parse(args)
+  local o = { n = 1, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0, max_tokens = 128, seed = 0, stop = {},
+    kv_cache_mb = 256 }
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    local flag, inline = a:match('^(%-%-[%w-]+)=(.*)$')
+    flag = flag or a
+    local function value()
+      if inline then return inline end
+      i = i + 1
+      local v = args[i]
+      if v == nil then moonrl.usage_error(string.format('generate: %s needs a value\n%s', flag, USAGE)) end
+      return v
+    end
+    if NUMBERS[flag] then
+      local key, integer, lo = NUMBERS[flag][1], NUMBERS[flag][2], NUMBERS[flag][3]
+      local s = value()
+      local v = tonumber(s)
+      if not v or (integer and v ~= math.floor(v)) or v < lo or v ~= v then
+        moonrl.usage_error(string.format("generate: %s '%s': expected %s >= %s", flag, s,
+          integer and 'an integer' or 'a number', lo))
+      end
+      o[key] = v
+    elseif STRINGS[flag] then o[STRINGS[flag]] = value()
+    elseif flag == '--stop' then o.stop[#o.stop + 1] = value()
+    elseif flag == '--chat' and not inline then o.chat = true
+    elseif flag == '--help' or flag == '-h' then print(USAGE) return nil
+    else moonrl.usage_error(string.format("generate: unknown option '%s'\n%s", a, USAGE)) end
+    i = i + 1
+  end
+  if not o.model then moonrl.usage_error('generate: --model is required\n' .. USAGE) end
+  if not o.prompt then moonrl.usage_error('generate: --prompt is required\n' .. USAGE) end
+  if o.top_p > 1 or o.top_p <= 0 then moonrl.usage_error('generate: --top-p must be in (0, 1]') end
+  if o.min_p > 1 then moonrl.usage_error('generate: --min-p must be in [0, 1]') end
+  return o
+end
+
+-- EOS ids: the model's config, generation_config.json (one id or a list) and the tokenizer's.
+local function eos_ids(dir, model, tok)
+  local set, list = {}, {}
+  local function add(id)
+    if type(id) == 'number' and id >= 0 and not set[id] then
+      set[id] = true
+      list[#list + 1] = id
+    end
+  end
+  add(model.config.eos_token_id)
+  local f = io.open(dir .. '/generation_config.json', 'rb')
+  if f then
+    local text = f:read('*a')
+    f:close()
+    local ok, g = pcall(moonrl.json.decode, text, dir .. '/generation_config.json')
+    if ok and type(g) == 'table' then
+      if type(g.eos_token_id) == 'table' then
+        for _, id in ipairs(g.eos_token_id) do add(id) end
+      else
+        add(g.eos_token_id)
+      end
+    end
+  end
+  add(tok.eos_id)
+  return list
+end
+
+function M.main(args)
+  local o = parse(args)
+  if not o then return 0 end
+  local ok, model = pcall(moonrl.model.load, o.model)
+  if not ok then moonrl.usage_error('generate: ' .. tostring(model)) end
+  local tok
+  ok, tok = pcall(require('moonrl.tokenizer').load, o.tokenizer or o.model)
+  if not ok then moonrl.usage_error('generate: ' .. tostring(tok)) end
+  local prompt_ids
+  if o.chat then
+    local tpl
+    ok, tpl = pcall(moonrl.chat.load, o.model)
+    if not ok then moonrl.usage_error('generate: --chat: ' .. tostring(tpl)) end
+    local text = tpl:render({ { role = 'user', content = o.prompt } }, { add_generation_prompt = true })
+    prompt_ids = tok:encode(text, { add_special = false })
+  else
+    prompt_ids = tok:encode(o.prompt)
+  end
+  if #prompt_ids == 0 then moonrl.usage_error('generate: the prompt encodes to no tokens') end
+  local max_len = model.config.max_position_embeddings
+  if #prompt_ids >= max_len then
+    moonrl.usage_error(string.format('generate: the prompt has %d tokens, the model takes %d at most', #prompt_ids, max_len))
+  end
+  local max_tokens = math.min(o.max_tokens, max_len - #prompt_ids)
+  local engine = moonrl.engine.new(model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
+    max_seqs = math.max(o.n, 1), seed = o.seed })
+  local t0 = moonrl.now()
+  local results = engine:generate({ { prompt_ids = prompt_ids, n = o.n } }, {
+    temperature = o.temperature, top_p = o.top_p, top_k = o.top_k, min_p = o.min_p, max_tokens = max_tokens,
+    eos_ids = eos_ids(o.model, model, tok), stop = #o.stop > 0 and o.stop or nil, tokenizer = tok,
+    on_text = function(_, j, piece)
+      if j == 1 then
+        io.write(piece)
+        io.flush()
+      end
+    end,
+  })
+  local dt = moonrl.now() - t0
+  io.write('\n')
+  local generated = 0
+  for j, s in ipairs(results[1]) do
+    generated = generated + #s.ids
+    if j > 1 then io.write(string.format('--- sample %d ---\n%s\n', j, s.text)) end
+  end
+  io.flush()
+  io.stderr:write(string.format('[%d tokens in %.2f s, %.1f tokens/s; finish: %s]\n', generated, dt,
+    generated / math.max(dt, 1e-9), results[1][1].finish_reason))
+  return 0
+end
+
+return M

@@ -1,0 +1,275 @@
+-- The generation engine (core/include/moonrl/engine.h): continuous batching
+-- over a paged KV cache, on the model's own parameter buffer (no copy: after
+-- an optimizer step the next generate sees the new weights).
+--
+--   local engine = moonrl.engine.new(model, { kv_cache_bytes = 64 * 2^20, block_size = 16,
+--     max_batch_tokens = 2048, max_seqs = 256, seed = 1 })
+--   local results = engine:generate({ { prompt_ids = {1, 5, 9}, n = 8 }, { prompt = 'Hi', n = 1 } },
+--     { temperature = 1.0, top_k = 0, top_p = 1.0, min_p = 0, max_tokens = 64, eos_ids = {2},
+--       stop_ids = {}, stop = {'\n\n'}, tokenizer = tok, step = step })
+--   results[i][j] = { ids = {...}, logprobs = {...}, finish_reason = 'stop' | 'length', text = '...' }
+--   engine:stats()  -- steps, prefill/decode tokens, preemptions, prefix hits, KV blocks
+--
+-- opts.on_text = function(i, j, piece) (with a tokenizer) is called between steps with each new
+-- piece of sample j of request i's text, as the streaming decoder completes it (stop strings cut).
+--
+-- Sample j of request i draws from the random stream (seed, step, prompt_index = i - 1 unless the
+-- request gives prompt_index, j - 1): the same samples whatever the batch or the cache size.
+-- logprobs are under softmax(logits / temperature) over the whole vocabulary (temperature 1 when
+-- greedy): what the trainer's forward gives for the same tokens (moonrl.engine.mismatch compares).
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local C = moonrl.C
+
+local M = {}
+
+local Engine = {}
+Engine.__index = Engine
+
+local function opt_int(opts, key, lo, where)
+  local v = opts[key]
+  if v == nil then return nil end
+  if type(v) ~= 'number' or v ~= math.floor(v) or v < lo then
+    error(string.format('%s: %s must be an integer >= %d (got %s)', where, key, lo, tostring(v)), 3)
+  end
+  return v
+end
+
+-- opts: kv_cache_bytes, block_size, max_batch_tokens, max_seqs, max_model_len, prefix_caching
+-- (default true), seed (default 0).
+function M.new(model, opts)
+  opts = opts or {}
+  if type(model) ~= 'table' or model.handle == nil then error('engine.new: expected a moonrl.model object', 2) end
+  local cfg = ffi.new('mrl_engine_config')
+  C.mrl_engine_config_default(cfg)
+  local w = 'engine.new'
+  cfg.kv_cache_bytes = opt_int(opts, 'kv_cache_bytes', 1, w) or cfg.kv_cache_bytes
+  cfg.block_size = opt_int(opts, 'block_size', 1, w) or cfg.block_size
+  cfg.max_num_batched_tokens = opt_int(opts, 'max_batch_tokens', 1, w) or cfg.max_num_batched_tokens
+  cfg.max_num_seqs = opt_int(opts, 'max_seqs', 1, w) or cfg.max_num_seqs
+  cfg.max_model_len = opt_int(opts, 'max_model_len', 2, w) or cfg.max_model_len
+  if opts.prefix_caching ~= nil then cfg.prefix_caching = opts.prefix_caching and 1 or 0 end
+  local h = ffi.new('mrl_engine *[1]')
+  moonrl.check(C.mrl_engine_create(model.handle, cfg, h), 2)
+  -- the engine borrows the model: keep it alive with the engine
+  return setmetatable({ handle = ffi.gc(h[0], C.mrl_engine_free), model = model, seed = opts.seed or 0 }, Engine)
+end
+
+local function int_array(list, what)
+  local n = list and #list or 0
+  local arr = ffi.new('int32_t[?]', math.max(n, 1))
+  for i = 1, n do
+    local v = list[i]
+    if type(v) ~= 'number' or v ~= math.floor(v) then
+      error(string.format('engine:generate: %s[%d] is not an integer (%s)', what, i, tostring(v)), 4)
+    end
+    arr[i - 1] = v
+  end
+  return arr, n
+end
+
+local function sampling_params(opts)
+  local p = ffi.new('mrl_sampling_params')
+  p.temperature = opts.temperature or 1.0
+  p.top_k = opts.top_k or 0
+  p.top_p = opts.top_p or 1.0
+  p.min_p = opts.min_p or 0
+  return p
+end
+
+local FINISH = { [C.MRL_FINISH_LENGTH] = 'length', [C.MRL_FINISH_EOS] = 'stop', [C.MRL_FINISH_STOP] = 'stop',
+  [C.MRL_FINISH_CALLER] = 'stop' }
+
+local out_tokens, out_lps = ffi.new('const int32_t *[1]'), ffi.new('const float *[1]')
+local out_n, out_reason = ffi.new('int[1]'), ffi.new('int[1]')
+
+local function output(self, req, j)
+  moonrl.check(C.mrl_engine_get_output(self.handle, req, j, out_tokens, out_lps, out_n, out_reason), 3)
+  return out_tokens[0], out_lps[0], out_n[0], out_reason[0]
+end
+
+-- Per sample of the stop-string pass: its stream decoder, the text so far,
+-- how many of its tokens were fed, whether a stop string ended it.
+local function new_watch(tok)
+  return { stream = tok:stream({ skip_special = true }), text = '', fed = 0, sent = 0 }
+end
+
+-- Feed sample w its new tokens; returns true when a stop string appeared
+-- (w.text is then cut before it).
+local function watch_step(w, toks, n, stops, max_stop)
+  while w.fed < n do
+    local piece = w.stream:step(toks[w.fed])
+    w.fed = w.fed + 1
+    if piece ~= '' then
+      local from = math.max(1, #w.text - max_stop + 2)
+      w.text = w.text .. piece
+      local cut
+      for _, s in ipairs(stops) do
+        local at = w.text:find(s, from, true)
+        if at and (not cut or at < cut) then cut = at end
+      end
+      if cut then
+        w.text = w.text:sub(1, cut - 1)
+        return true
+      end
+    end
+  end
+  return false
+end
+
+-- requests: list of { prompt_ids = {...} | prompt = 'text', n = samples (1), prompt_index = i - 1,
+-- first_sample = 0 (the stream index of the first sample),
+-- max_tokens = opts.max_tokens }. See the top of the file for opts and results.
+function Engine:generate(requests, opts)
+  opts = opts or {}
+  if type(requests) ~= 'table' then error('engine:generate: expected a list of requests', 2) end
+  local tok = opts.tokenizer
+  local stops = opts.stop or {}
+  if type(stops) == 'string' then stops = { stops } end
+  local max_stop = 0
+  for _, s in ipairs(stops) do
+    if type(s) ~= 'string' or s == '' then error('engine:generate: stop strings must be non-empty strings', 2) end
+    max_stop = math.max(max_stop, #s)
+  end
+  if #stops > 0 and not tok then error('engine:generate: stop strings need opts.tokenizer', 2) end
+  local on_text = opts.on_text
+  if on_text and not tok then error('engine:generate: on_text needs opts.tokenizer', 2) end
+  local eos = opts.eos_ids
+  if eos == nil then
+    local id = self.model.config.eos_token_id
+    eos = (id and id >= 0) and { id } or {}
+  end
+  local eos_arr, n_eos = int_array(eos, 'eos_ids')
+  local stop_arr, n_stop = int_array(opts.stop_ids or {}, 'stop_ids')
+  local params = sampling_params(opts)
+  local max_tokens = opts.max_tokens or 64
+  moonrl.check(C.mrl_engine_reset(self.handle), 2) -- the weights may have changed since the last call
+  local r = ffi.new('mrl_engine_request')
+  r.params = params
+  r.eos_ids, r.n_eos, r.stop_ids, r.n_stop = eos_arr, n_eos, stop_arr, n_stop
+  r.seed, r.step = opts.seed or self.seed, opts.step or 0
+  local id_out = ffi.new('int[1]')
+  local reqs = {}
+  for i, q in ipairs(requests) do
+    local ids = q.prompt_ids
+    if ids == nil and q.prompt ~= nil then
+      if not tok then error('engine:generate: request ' .. i .. ' has a prompt text but no opts.tokenizer', 2) end
+      ids = tok:encode(q.prompt, { add_special = false })
+    end
+    if type(ids) ~= 'table' then error('engine:generate: request ' .. i .. ' needs prompt_ids (or prompt)', 2) end
+    local arr, n = int_array(ids, 'prompt_ids')
+    r.prompt, r.prompt_len = arr, n
+    r.n = q.n or 1
+    r.max_new_tokens = q.max_tokens or max_tokens
+    r.prompt_index = q.prompt_index or (i - 1)
+    r.first_sample = q.first_sample or 0
+    local st = C.mrl_engine_add_request(self.handle, r, id_out)
+    if st ~= 0 then
+      local msg = moonrl.last_error()
+      C.mrl_engine_reset(self.handle) -- ignore: nothing ran yet (requests before this one are dropped)
+      error(string.format('engine:generate: request %d: %s', i, msg), 2)
+    end
+    reqs[i] = { id = id_out[0], n = r.n }
+  end
+  local watches
+  if #stops > 0 or on_text then
+    watches = {}
+    local unf = ffi.new('int[1]')
+    for i, q in ipairs(reqs) do
+      watches[i] = {}
+      for j = 1, q.n do watches[i][j] = new_watch(tok) end
+    end
+    repeat
+      moonrl.check_stop()
+      moonrl.check(C.mrl_engine_step(self.handle, unf), 2)
+      for i, q in ipairs(reqs) do
+        for j = 1, q.n do
+          local w = watches[i][j]
+          if not w.done then
+            local toks, _, n, reason = output(self, q.id, j - 1)
+            if watch_step(w, toks, n, stops, max_stop) then
+              w.stopped = true
+              w.done = true
+              moonrl.check(C.mrl_engine_stop_sample(self.handle, q.id, j - 1), 2)
+            elseif reason ~= 0 then
+              w.done = true
+            end
+            if on_text then -- hold back what could still become a stop string
+              local upto = w.done and #w.text or #w.text - math.max(max_stop - 1, 0)
+              if upto > w.sent then
+                on_text(i, j, w.text:sub(w.sent + 1, upto))
+                w.sent = upto
+              end
+            end
+          end
+        end
+      end
+    until unf[0] == 0
+  else
+    moonrl.check(C.mrl_engine_run(self.handle), 2)
+  end
+  local results = {}
+  for i, q in ipairs(reqs) do
+    local list = {}
+    for j = 1, q.n do
+      local toks, lps, n, reason = output(self, q.id, j - 1)
+      local ids, lp = {}, {}
+      for k = 0, n - 1 do
+        ids[k + 1] = toks[k]
+        lp[k + 1] = lps[k]
+      end
+      local s = { ids = ids, logprobs = lp, finish_reason = FINISH[reason] or 'stop' }
+      local w = watches and watches[i][j]
+      if w then
+        s.text = w.text
+        if w.stopped then s.finish_reason = 'stop' end
+      elseif tok then
+        s.text = tok:decode(ids, { skip_special = true })
+      end
+      list[j] = s
+    end
+    results[i] = list
+  end
+  return results
+end
+
+-- Use another parameter buffer with the model's layout (float cdata of
+-- model.n_params), e.g. one that receives weights by broadcast; nil: the model's own.
+function Engine:attach_params(buf, n)
+  moonrl.check(C.mrl_engine_attach_params(self.handle, buf, buf and (n or self.model.n_params) or 0), 2)
+end
+
+function Engine:stats()
+  local s = ffi.new('mrl_engine_stats')
+  C.mrl_engine_get_stats(self.handle, s)
+  local t = {}
+  for _, k in ipairs({ 'steps', 'prefill_tokens', 'decode_tokens', 'generated_tokens', 'prefix_hit_tokens',
+    'preemptions', 'forks', 'kv_blocks_total', 'kv_blocks_used', 'kv_blocks_free', 'kv_block_size', 'running',
+    'waiting', 'finished' }) do
+    t[k] = tonumber(s[k])
+  end
+  return t
+end
+
+-- Mismatch between the engine's and the trainer's log-probs of the same
+-- tokens (two lists of numbers, or float arrays with n): mean and max |d|, and
+-- NeMo-RL's token_mult_prob_error = mean exp(|d|) (1 when they agree).
+function M.mismatch(a, b, n)
+  n = n or #a
+  if type(a) == 'table' and type(b) == 'table' and #b ~= n then
+    error('engine.mismatch: lists of ' .. n .. ' and ' .. #b .. ' log-probs', 2)
+  end
+  local off = type(a) == 'table' and 1 or 0
+  local offb = type(b) == 'table' and 1 or 0
+  local sum, max, mult = 0, 0, 0
+  for i = 0, n - 1 do
+    local d = math.abs(a[i + off] - b[i + offb])
+    sum = sum + d
+    if d > max then max = d end
+    mult = mult + math.exp(d)
+  end
+  if n == 0 then return { mean_abs = 0, max_abs = 0, token_mult_prob_error = 1, n = 0 } end
+  return { mean_abs = sum / n, max_abs = max, token_mult_prob_error = mult / n, n = n }
+end
+
+return M

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Extra check against Hugging Face Transformers itself (skipped, exit 77,
+where transformers is not importable; the core reference test is
+model_ref.py). A moonrl model saved with mrl_model_save_dir must load in
+Transformers and give the same log-probs (and, for a
+...ForSequenceClassification model, the same value at the last token); a
+directory written by Transformers' save_pretrained must load in moonrl with
+the same results. Checked with transformers 4.40 (Llama, Qwen2; llama3 rope
+scaling needs 4.43 and Qwen3 4.51, with a newer torch than Debian's).
+
+usage: hf_check.py path/to/libmoonrl.so
+"""
+import ctypes as C
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    print("transformers not installed: skipped")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moonrl_ctypes  # noqa: E402
+from moonrl_ctypes import Moonrl, check, rel  # noqa: E402
+
+lib = moonrl_ctypes.load(sys.argv[1])
+lib.mrl_model_save_dir.argtypes = [C.c_void_p, C.c_char_p]
+lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
+failures = []
+
+
+def hf_logprobs(model, seqs):
+    out = []
+    for s in seqs:
+        with torch.no_grad():
+            logits = model(torch.tensor([s])).logits[0].double()
+        logp = torch.log_softmax(logits, -1)
+        out.append(np.concatenate([logp[:-1].gather(1, torch.tensor(s[1:])[:, None])[:, 0].numpy(), [0.0]]))
+    return np.concatenate(out)
+
+
+def moonrl_logprobs(m, seqs, values=False):
+    tokens = np.concatenate(seqs).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int32)
+    targets = np.full(len(tokens), -1, np.int32)
+    for i, s in enumerate(seqs):
+        targets[cu[i]:cu[i + 1] - 1] = s[1:]
+    lp, _, val = m.forward(tokens, targets, cu, 1.0, values)
+    return lp, val, cu
+
+
+def case(name, cfg, cls_name=None):
+    rng = np.random.default_rng(0)
+    m = Moonrl(cfg)
+    for n, off, shape, _ in m.views:
+        size = int(np.prod(shape))
+        m.params[off:off + size] = (1 + 0.2 * rng.standard_normal(size)) if "norm" in n else 0.05 * rng.standard_normal(size)
+    seqs = [list(rng.integers(0, cfg["vocab_size"], L)) for L in (9, 17, 4)]
+    value_head = bool(cls_name)
+    lp, val, cu = moonrl_logprobs(m, seqs, value_head)
+    with tempfile.TemporaryDirectory() as d:
+        check(lib.mrl_model_save_dir(m.h, d.encode()))
+        if value_head:
+            hf = getattr(transformers, cls_name).from_pretrained(d, torch_dtype=torch.float32)
+            errs = []
+            for i, s in enumerate(seqs):
+                with torch.no_grad():
+                    v = hf(torch.tensor([s])).logits[0, 0].item()
+                errs.append(abs(v - val[cu[i + 1] - 1]) / max(1e-3, abs(v)))
+            e = max(errs)
+        else:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+            e = rel(lp, hf_logprobs(hf, seqs))
+        # and back: a directory written by Transformers, read by moonrl
+        d2 = os.path.join(d, "hf")
+        hf.save_pretrained(d2, safe_serialization=True)
+        h = C.c_void_p()
+        check(lib.mrl_model_load_dir(d2.encode(), C.byref(h)))
+        m2 = Moonrl.__new__(Moonrl)
+        m2.h = h
+        lp2, val2, _ = moonrl_logprobs(m2, seqs, value_head)
+        e2 = rel(val2, val) if value_head else rel(lp2, lp)
+        lib.mrl_model_free(h)
+    ok = e < 1e-4 and e2 < 1e-6
+    print("%-44s moonrl vs transformers %.1e; reloaded from save_pretrained %.1e  %s" % (name, e, e2, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+base = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
+case("llama GQA untied", dict(base, model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0))
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 43):  # llama3 rope scaling came in 4.43
+    case("llama3 rope scaling", dict(base, model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0,
+         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position_embeddings=8)))
+case("qwen2 biases, tied", dict(base, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True))
+case("llama sequence classification (value head)", dict(base, model_type="llama",
+     architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification")
+if failures:
+    print("FAILED:", ", ".join(failures))
+    sys.exit(1)
+print("transformers %s agrees" % transformers.__version__)
