@@ -21,7 +21,8 @@ local cfg = moonrl.config {
   heldout = moonrl.config.integer(200), -- problems kept out of training, for the accuracy figures
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
             heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384) },
-  sft = { steps = moonrl.config.integer(300), batch = moonrl.config.integer(64), lr = 2e-3 },
+  sft = { steps = moonrl.config.integer(600), batch = moonrl.config.integer(64), lr = 2e-3,
+          backwards = 0.8 }, -- share of warm-up answers written backwards ("85" as "58")
   grpo = { steps = moonrl.config.integer(60), prompts = moonrl.config.integer(16), samples = moonrl.config.integer(8),
            lr = 1e-3, temperature = 1.0, clip = 0.2, reward = 'addition' },
   quiet = false, -- no per-step lines (the test suite)
@@ -50,6 +51,8 @@ for _, p in ipairs(problems) do
   p.prompt_ids = tok:encode(p.prompt)                                   -- <|bos|> 3 7 + 4 8 =
   p.answer_ids = tok:encode(p.answer, { add_special = false })
   p.answer_ids[#p.answer_ids + 1] = tok.eos_id                          -- 8 5 <|eos|>
+  p.backwards_ids = tok:encode(p.answer:reverse(), { add_special = false })
+  p.backwards_ids[#p.backwards_ids + 1] = tok.eos_id                    -- 5 8 <|eos|>
 end
 local heldout, train = {}, {}
 for i, p in ipairs(problems) do
@@ -96,7 +99,10 @@ local opt = R.adamw(model, { lr = cfg.sft.lr, weight_decay = 0.0 })
 for step = 1, cfg.sft.steps do
   local batch = draw(cfg.sft.batch)
   local samples = {}
-  for i, p in ipairs(batch) do samples[i] = { prompt_ids = p.prompt_ids, ids = p.answer_ids } end
+  for i, p in ipairs(batch) do
+    local back = rand(1000) < 1000 * cfg.sft.backwards
+    samples[i] = { prompt_ids = p.prompt_ids, ids = back and p.backwards_ids or p.answer_ids }
+  end
   local b = R.pack(samples)
   model:zero_grad()
   local lp = model:forward(b)
