@@ -5,7 +5,6 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
 local U = dofile('tests/recipes/util.lua')
-U.engine()
 
 local dir = U.tmpdir('examples')
 local tok = moonrl.tokenizer.load('tests/tok/fixtures/qwen2_split')

@@ -1,12 +1,10 @@
 -- GRPO, PPO and RLVR recipes end to end for a few steps on a tiny random model in Hugging Face
--- format (generation through moonrl.engine, or the test stand-in while the engine is not built),
+-- format (generation through moonrl.engine),
 -- and the reward-model plugin (a sequence-classification checkpoint read through the value head).
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
 local U = dofile('tests/recipes/util.lua')
-local _, fake = U.engine()
-if fake then print('(generation through the test stand-in tests/recipes/fake_engine.lua)') end
 
 local dir = U.tmpdir('rl')
 local model_dir = U.tiny_model(dir .. '/init')

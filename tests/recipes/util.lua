@@ -59,13 +59,4 @@ function M.run_recipe(path, words)
   return chunk()
 end
 
--- Use the real engine when it is built, else the test stand-in (tests/recipes/fake_engine.lua).
-function M.engine()
-  local ok, eng = pcall(require, 'moonrl.engine')
-  if ok and type(eng) == 'table' and eng.new then return eng, false end
-  eng = dofile('tests/recipes/fake_engine.lua')
-  package.loaded['moonrl.engine'] = eng
-  return eng, true
-end
-
 return M
