@@ -46,9 +46,10 @@ def main():
     data = Dataset.from_list([{"prompt": p} for p in prompts] * 4)
     cfg = GRPOConfig(
         output_dir="/tmp/moonrl-bench-trl-out", per_device_train_batch_size=a.prompts * a.samples,
-        num_generations=a.samples, max_completion_length=a.max_tokens, max_prompt_length=32,
+        num_generations=a.samples, max_completion_length=a.max_tokens,
         temperature=1.0, learning_rate=1e-6, beta=0.0, max_steps=2, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, bf16=False, seed=1, shuffle_dataset=False,
+        gradient_checkpointing=False,  # moonrl keeps activations too (no recompute)
         generation_kwargs={"min_new_tokens": a.max_tokens},  # no EOS: every completion runs to the end
     )
     timer = StepTimer()

@@ -26,7 +26,7 @@ local cfg = moonrl.config {
             heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384) },
   sft = { steps = moonrl.config.integer(1500), batch = moonrl.config.integer(64), lr = 2e-3,
           backwards = 0.7 }, -- share of warm-up answers written backwards ("85" as "58")
-  grpo = { steps = moonrl.config.integer(40), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
+  grpo = { steps = moonrl.config.integer(60), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
            lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact' },
   quiet = false, -- no per-step lines (the test suite)
 }
