@@ -58,7 +58,7 @@ typedef struct mrl_kernels {
 
 const mrl_kernels *mrl_kernels_cpu_reference(void);
 const mrl_kernels *mrl_kernels_cpu_fast(void);
-/* Which vector path the fast table uses here: "avx512", "avx2" or "scalar". */
+/* Which vector path the fast table uses here: "avx512", "avx2" or "sse" (kernels/cpu/isa.h). */
 const char *mrl_kernels_cpu_fast_isa(void);
 /* Make the fast table use "avx512", "avx2" or "sse" (tests); 0 on success,
  * -1 when this CPU lacks it or the name is unknown. */

@@ -3,7 +3,7 @@
  *
  * Cost per row is a few passes over the vocabulary; the pass that matters
  * (exp of every scaled logit and their sum) runs on AVX-512 or AVX2 where
- * the CPU has them (kernels/cpu/vexp.c). Top-k selects with a three-way quickselect over the
+ * the CPU has them (kernels/cpu/isa.h, mrl_vexp_sum). Top-k selects with a three-way quickselect over the
  * candidates; top-p sorts only the few most probable tokens that cover the
  * mass (widening the set until it does), never the whole vocabulary. */
 #include <math.h>
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "engine/sample.h"
-#include "cpu/vexp.h"
+#include "cpu/isa.h"
 #include "moonrl/mem.h"
 #include "moonrl/parallel.h"
 
@@ -231,7 +231,7 @@ mrl_status mrl_sample_gather(const float *const *rows, int64_t n, int V, const m
         if (st) return prefix_error(st, r);
     }
     rows_ctx ctx = {rows, V, params, keys, counters, tokens, logprobs, lp_processed, -1};
-    mrl_parallel_for(n, 1, sample_range, &ctx);
+    mrl_parallel_for(n, V >= (1 << 17) ? 1 : (1 << 17) / V, sample_range, &ctx); /* >= 128K logits a thread */
     if (ctx.failed_row >= 0) {
         int32_t t;
         float lp;

@@ -1,8 +1,9 @@
 /* The fast CPU ops: matrix products through OpenBLAS sgemm (measured faster
- * than our own kernels, bench/RESULTS.md), the other ops from the AVX-512,
- * AVX2 or SSE inner loops (isa_*.c) chosen once at run time, spread over
- * the cores with mrl_parallel_for. Results do not depend on the thread
- * count: every reduction has a fixed blocking and order. */
+ * than our own kernels, bench/RESULTS.md; few-row products excepted), the
+ * other ops from the AVX-512, AVX2 or SSE inner loops (isa_*.c, the set
+ * chosen at run time by isa.c), spread over the cores with
+ * mrl_parallel_for. Results do not depend on the thread count: every
+ * reduction has a fixed blocking and order. */
 #include <cblas.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -11,7 +12,6 @@
 #include "moonrl/mem.h"
 #include "moonrl/parallel.h"
 
-static const mrl_cpu_isa *isa;
 
 /* Dynamic scheduling on top of mrl_parallel_for: one range per thread, and
  * each thread takes the next item until none is left, so that a thread the
@@ -40,20 +40,6 @@ static void dyn_for(int64_t n, void (*item)(void *ctx, int64_t i), void *ctx) {
     mrl_parallel_for(threads < n ? threads : n, 1, dyn_range, &d);
 }
 
-static const mrl_cpu_isa *pick_isa(void) {
-    if (!isa) {
-        openblas_set_num_threads(1); /* see fast_gemm */
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-            __builtin_cpu_supports("avx512vl"))
-            isa = &mrl_cpu_isa_avx512;
-        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-            isa = &mrl_cpu_isa_avx2;
-        else
-            isa = &mrl_cpu_isa_sse;
-    }
-    return isa;
-}
 
 /* OpenBLAS runs single-threaded inside our own parallel-for: its own thread
  * pool and libgomp's spun against each other on 2 cores (half the time in
@@ -89,13 +75,38 @@ static void gemm_part(void *vc, int64_t p) {
         gemm_call(g, 0, g->M, lo, hi);
 }
 
+/* Products below this many multiply-adds run on one thread: a parallel
+ * region costs more than it saves for them, and far more on a loaded
+ * machine, where it waits for every thread to be scheduled (decode steps
+ * issue dozens of such products). */
+#define PARALLEL_MACS ((int64_t)1 << 22)
+
+/* Few rows times a transposed matrix (a decode step's x W^T, 2..16 rows):
+ * our own kernel streams W once; OpenBLAS would first copy (pack) all of W
+ * (one row: OpenBLAS's small-matrix kernel is as fast). */
+#define FEW_ROWS 16
+
+static void gemm_few_part(void *vc, int64_t p) {
+    const gemm_ctx *g = vc;
+    int64_t step = ((g->N + g->parts - 1) / g->parts + 15) / 16 * 16;
+    int64_t lo = p * step, hi = lo + step < g->N ? lo + step : g->N;
+    if (lo < hi) mrl_cpu_isa_get()->gemm_nt_rows(g->M, lo, hi, g->K, g->alpha, g->A, g->lda, g->B, g->ldb, g->beta, g->C, g->ldc);
+}
+
 static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                       int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return;
+    if (!ta && tb && M >= 2 && M <= FEW_ROWS && K > 0) {
+        gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, 0};
+        if (M * N * K >= PARALLEL_MACS) g.parts = 4 * (int64_t)mrl_parallel_threads();
+        if (g.parts > (N + 63) / 64) g.parts = (N + 63) / 64;
+        dyn_for(g.parts, gemm_few_part, &g);
+        return;
+    }
     gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
     int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
     g.parts = 4 * (int64_t)mrl_parallel_threads(); /* a few slices per thread, taken dynamically */
-    if (work < (1 << 18)) g.parts = 1;            /* too small to share */
+    if (work < PARALLEL_MACS) g.parts = 1;        /* too small to share */
     if (g.parts > (split + 63) / 64) g.parts = (split + 63) / 64; /* slices of at least 64 */
     if (g.parts < 1) g.parts = 1;
     dyn_for(g.parts, gemm_part, &g);
@@ -113,7 +124,7 @@ typedef struct norm_ctx {
 
 static void norm_fwd_range(void *vc, int64_t t0, int64_t t1) {
     norm_ctx *c = vc;
-    isa->rmsnorm_fwd_rows(c->out, c->rstd, c->x, c->w, t0, t1, c->D, c->eps);
+    mrl_cpu_isa_get()->rmsnorm_fwd_rows(c->out, c->rstd, c->x, c->w, t0, t1, c->D, c->eps);
 }
 
 static void fast_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
@@ -128,7 +139,7 @@ static void norm_bwd_range(void *vc, int64_t b0, int64_t b1) {
     norm_ctx *c = vc;
     for (int64_t b = b0; b < b1; b++) {
         int64_t t0 = b * NORM_BLOCK, t1 = t0 + NORM_BLOCK < c->T ? t0 + NORM_BLOCK : c->T;
-        isa->rmsnorm_bwd_rows(c->dx, c->dw_part + b * c->D, c->dout, c->x, c->w, c->rstd_in, t0, t1, c->D);
+        mrl_cpu_isa_get()->rmsnorm_bwd_rows(c->dx, c->dw_part + b * c->D, c->dout, c->x, c->w, c->rstd_in, t0, t1, c->D);
     }
 }
 
@@ -141,7 +152,7 @@ static void fast_rmsnorm_bwd(float *dx, float *dw, const float *dout, const floa
         c.dw_part = dw;
         for (int64_t b = 0; b < blocks; b++) {
             int64_t t0 = b * NORM_BLOCK, t1 = t0 + NORM_BLOCK < T ? t0 + NORM_BLOCK : T;
-            isa->rmsnorm_bwd_rows(dx, dw, dout, x, w, rstd, t0, t1, D);
+            mrl_cpu_isa_get()->rmsnorm_bwd_rows(dx, dw, dout, x, w, rstd, t0, t1, D);
         }
         return;
     }
@@ -192,17 +203,17 @@ typedef struct swiglu_ctx {
 
 static void swiglu_fwd_range(void *vc, int64_t i0, int64_t i1) {
     swiglu_ctx *c = vc;
-    isa->swiglu_fwd(c->out + i0, c->gate + i0, c->up + i0, i1 - i0);
+    mrl_cpu_isa_get()->swiglu_fwd(c->out + i0, c->gate + i0, c->up + i0, i1 - i0);
 }
 
 static void swiglu_bwd_range(void *vc, int64_t i0, int64_t i1) {
     swiglu_ctx *c = vc;
-    isa->swiglu_bwd(c->out + i0, c->dup + i0, c->dout + i0, c->gate + i0, c->up + i0, i1 - i0);
+    mrl_cpu_isa_get()->swiglu_bwd(c->out + i0, c->dup + i0, c->dout + i0, c->gate + i0, c->up + i0, i1 - i0);
 }
 
 static void fast_swiglu_fwd(float *out, const float *gate, const float *up, int64_t n) {
     swiglu_ctx c = {.out = out, .gate = gate, .up = up};
-    mrl_parallel_for(n, 4096, swiglu_fwd_range, &c);
+    mrl_parallel_for(n, 32768, swiglu_fwd_range, &c);
 }
 
 static void fast_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
@@ -231,9 +242,9 @@ static void attn_range(void *vc, int64_t t0, int64_t t1) {
     for (int64_t w; (w = atomic_fetch_add(&c->next, 1)) < c->items;) {
         int s = (int)(w / c->heads), h = (int)(w % c->heads);
         if (c->backward)
-            isa->attn_bwd_group(&c->a, s, h, scratch);
+            mrl_cpu_isa_get()->attn_bwd_group(&c->a, s, h, scratch);
         else
-            isa->attn_fwd_head(&c->a, s, h, scratch);
+            mrl_cpu_isa_get()->attn_fwd_head(&c->a, s, h, scratch);
     }
     mrl_mem_free(scratch);
 }
@@ -286,7 +297,7 @@ typedef struct head_ctx {
 static void head_fwd_range(void *vc, int64_t r0, int64_t r1) {
     head_ctx *c = vc;
     for (int64_t r = r0; r < r1; r++)
-        isa->head_fwd_row(c->logits + r * c->V, c->V, c->inv_temp, c->targets[r], c->lse + r, c->entropy + r,
+        mrl_cpu_isa_get()->head_fwd_row(c->logits + r * c->V, c->V, c->inv_temp, c->targets[r], c->lse + r, c->entropy + r,
                           c->logprob + r);
 }
 
@@ -295,7 +306,7 @@ static void head_bwd_range(void *vc, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
         float glp = c->dlogprob && c->targets[r] >= 0 ? c->dlogprob[r] : 0.0f;
         float gh = c->dentropy ? c->dentropy[r] : 0.0f;
-        isa->head_bwd_row(c->logits + r * c->V, c->V, c->inv_temp, c->targets[r], c->lse_in[r], c->ent_in[r],
+        mrl_cpu_isa_get()->head_bwd_row(c->logits + r * c->V, c->V, c->inv_temp, c->targets[r], c->lse_in[r], c->ent_in[r],
                           glp, gh);
     }
 }
@@ -329,22 +340,11 @@ static const mrl_kernels fast_table = {
 };
 
 const mrl_kernels *mrl_kernels_cpu_fast(void) {
-    pick_isa();
+    openblas_set_num_threads(1); /* see fast_gemm */
+    mrl_cpu_isa_get();
     return &fast_table;
 }
 
-const char *mrl_kernels_cpu_fast_isa(void) { return pick_isa()->name; }
+const char *mrl_kernels_cpu_fast_isa(void) { return mrl_cpu_isa_name(); }
 
-int mrl_kernels_cpu_fast_set_isa(const char *name) {
-    __builtin_cpu_init();
-    if (name && strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-        isa = &mrl_cpu_isa_avx512;
-    else if (name && strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        isa = &mrl_cpu_isa_avx2;
-    else if (name && strcmp(name, "sse") == 0)
-        isa = &mrl_cpu_isa_sse;
-    else
-        return -1;
-    return 0;
-}
+int mrl_kernels_cpu_fast_set_isa(const char *name) { return mrl_cpu_isa_set(name); }

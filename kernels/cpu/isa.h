@@ -1,6 +1,8 @@
 /* Inner loops of the fast CPU ops, one set per instruction set (AVX-512,
- * AVX2+FMA, baseline SSE), chosen at run time by fast.c. They work on a
- * range of rows or one (sequence, head); fast.c spreads them over threads. */
+ * AVX2+FMA, baseline SSE), and THE run-time choice among them (isa.c): the
+ * fast op table, the paged attention, the sampler and the vector exp all
+ * follow mrl_cpu_isa_get(). The loops work on a range of rows or one
+ * (sequence, head); the callers spread them over threads. */
 #pragma once
 #include <stdint.h>
 
@@ -16,7 +18,8 @@ typedef struct mrl_attn_args {
 } mrl_attn_args;
 
 typedef struct mrl_cpu_isa {
-    const char *name;
+    const char *name;  /* "avx512", "avx2", "sse" */
+    int level;         /* 2, 1, 0 (the same order) */
     void (*rmsnorm_fwd_rows)(float *out, float *rstd, const float *x, const float *w, int64_t t0,
                              int64_t t1, int D, float eps);
     /* dx += ...; dw_part += ... over the rows [t0, t1) */
@@ -32,6 +35,12 @@ typedef struct mrl_cpu_isa {
     /* scratch: mrl_attn_scratch_floats(max_len, hd) floats */
     void (*attn_fwd_head)(const mrl_attn_args *a, int s, int h, float *scratch);
     void (*attn_bwd_group)(const mrl_attn_args *a, int s, int kh, float *scratch);
+    /* C[m, n0..n1) = alpha * A[m] . B[n] (+ beta C) for m < M: few rows, B [N,K] streamed once */
+    void (*gemm_nt_rows)(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+    /* w[i] = exp(x[i] - m) for i < n (w may be x; x[i] <= m; below -87 gives 0),
+     * and their sum in double */
+    double (*exp_sum)(float *w, const float *x, float m, int64_t n);
 } mrl_cpu_isa;
 
 #define ATT_QB 64 /* queries per attention block */
@@ -44,3 +53,18 @@ static inline int64_t mrl_attn_scratch_floats(int64_t max_len, int hd) {
 extern const mrl_cpu_isa mrl_cpu_isa_avx512;
 extern const mrl_cpu_isa mrl_cpu_isa_avx2;
 extern const mrl_cpu_isa mrl_cpu_isa_sse;
+
+/* The set in use: the best this CPU has (AVX-512 F+DQ+VL, else AVX2+FMA,
+ * else SSE) unless lowered by mrl_cpu_isa_set / mrl_cpu_isa_cap. */
+const mrl_cpu_isa *mrl_cpu_isa_get(void);
+/* Use the set named "avx512", "avx2" or "sse" (tests); 0 on success, -1
+ * when this CPU lacks it or the name is unknown. Not thread-safe: call it
+ * between kernels. */
+int mrl_cpu_isa_set(const char *name);
+/* The level in use (2, 1, 0); mrl_cpu_isa_cap uses the best set at or
+ * below `level` and returns the previous level. */
+int mrl_cpu_isa_level(void);
+int mrl_cpu_isa_cap(int level);
+const char *mrl_cpu_isa_name(void);
+/* mrl_cpu_isa_get()->exp_sum: the one vector exp of the CPU kernels. */
+double mrl_vexp_sum(float *w, const float *x, float m, int64_t n);

@@ -3,4 +3,5 @@
 #define VW 8
 #define ISA_TABLE mrl_cpu_isa_avx2
 #define ISA_NAME "avx2"
+#define ISA_LEVEL 1
 #include "isa_impl.h"

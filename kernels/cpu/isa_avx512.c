@@ -3,4 +3,5 @@
 #define VW 16
 #define ISA_TABLE mrl_cpu_isa_avx512
 #define ISA_NAME "avx512"
+#define ISA_LEVEL 2
 #include "isa_impl.h"

@@ -1,8 +1,8 @@
 /* The fast inner loops, written once with GCC vector types of VW floats and
  * compiled once per instruction set: isa_avx512.c (VW 16), isa_avx2.c (VW 8),
  * isa_sse.c (VW 4), each under its own `#pragma GCC target`. Before
- * including, define VW and ISA_TABLE (the mrl_cpu_isa to define) and
- * ISA_NAME. Sums run in VW lanes (fp32), tails in scalar code. */
+ * including, define VW and ISA_TABLE (the mrl_cpu_isa to define),
+ * ISA_NAME and ISA_LEVEL. Sums run in VW lanes (fp32), tails in scalar code. */
 #include <math.h>
 #include <cblas.h>
 #include <string.h>
@@ -259,8 +259,81 @@ static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch
         }
 }
 
+/* w[i] = exp(x[i] - m) (0 below -87), their sum in double lanes. */
+static double exp_sum(float *w, const float *x, float m, int64_t n) {
+    typedef double vd __attribute__((vector_size(VW * 8)));
+    vd acc = {0};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf t = ld(x + i) - m;
+        vf y = vsel(t >= splat(-87.0f), vexp(t), splat(0));
+        st(w + i, y);
+        acc += __builtin_convertvector(y, vd);
+    }
+    double s = 0;
+    for (int k = 0; k < VW; k++) s += acc[k];
+    for (; i < n; i++) {
+        float t = x[i] - m;
+        s += (w[i] = t >= -87.0f ? expf(t) : 0.0f);
+    }
+    return s;
+}
+
+/* The sum of v's lanes by halving (log2(VW) vector adds). */
+static inline float hsum_tree(vf v) {
+    typedef float v4 __attribute__((vector_size(16)));
+#if VW == 16
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#elif VW == 8
+    v4 q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+    v4 q = v;
+#endif
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* C[m, n] = alpha * A[m,:] . B[n,:] (+ beta * C[m, n]; beta 0: C is not read) for m < M, n0 <= n < n1:
+ * the product with few rows (decode steps), streaming each row of B once for all M rows of A.
+ * Blocks of 4 rows of B x 4 rows of A in 16 vector accumulators. */
+static void gemm_nt_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    for (int64_t n = n0; n < n1; n += 4) {
+        int nn = n1 - n < 4 ? (int)(n1 - n) : 4;
+        const float *b[4];
+        for (int j = 0; j < 4; j++) b[j] = B + (n + (j < nn ? j : 0)) * ldb;
+        for (int64_t m = 0; m < M; m += 4) {
+            int mm = M - m < 4 ? (int)(M - m) : 4;
+            const float *a[4];
+            for (int i = 0; i < 4; i++) a[i] = A + (m + (i < mm ? i : 0)) * lda;
+            vf acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = splat(0);
+            int64_t k = 0;
+            for (; k + VW <= K; k += VW) {
+                vf bv[4], av[4];
+                for (int j = 0; j < 4; j++) bv[j] = ld(b[j] + k);
+                for (int i = 0; i < 4; i++) av[i] = ld(a[i] + k);
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++) acc[i][j] += av[i] * bv[j];
+            }
+            for (int i = 0; i < mm; i++)
+                for (int j = 0; j < nn; j++) {
+                    float sum = hsum_tree(acc[i][j]);
+                    for (int64_t t = k; t < K; t++) sum += a[i][t] * b[j][t];
+                    float *c = C + (m + i) * ldc + n + j;
+                    *c = beta == 0 ? alpha * sum : alpha * sum + beta * *c;
+                }
+        }
+    }
+}
+
 const mrl_cpu_isa ISA_TABLE = {
     .name = ISA_NAME,
+    .level = ISA_LEVEL,
+    .exp_sum = exp_sum,
     .rmsnorm_fwd_rows = rmsnorm_fwd_rows,
     .rmsnorm_bwd_rows = rmsnorm_bwd_rows,
     .swiglu_fwd = swiglu_fwd,
@@ -269,4 +342,5 @@ const mrl_cpu_isa ISA_TABLE = {
     .head_bwd_row = head_bwd_row,
     .attn_fwd_head = attn_fwd_head,
     .attn_bwd_group = attn_bwd_group,
+    .gemm_nt_rows = gemm_nt_rows,
 };

@@ -2,4 +2,5 @@
 #define VW 4
 #define ISA_TABLE mrl_cpu_isa_sse
 #define ISA_NAME "sse"
+#define ISA_LEVEL 0
 #include "isa_impl.h"

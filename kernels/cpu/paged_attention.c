@@ -6,7 +6,7 @@
  *   scores  K is stored transposed in a block ([hd][block_size]), so the
  *           scores of 16 keys for one head are one vector accumulated over
  *           d with broadcast q[d]: no horizontal sums;
- *   softmax per head over the context (vector exp, kernels/cpu/vexp.c);
+ *   softmax per head over the context (vector exp, mrl_vexp_sum in kernels/cpu/isa.h);
  *   values  out[h][d-chunk] += p[h][key] * V[key][d-chunk], keys in tiles
  *           that stay in cache while every d-chunk is accumulated.
  * AVX-512 in intrinsics; AVX2 and scalar from the same plain C loops (their
@@ -17,7 +17,7 @@
 #include <string.h>
 #include <immintrin.h>
 #include "cpu/paged_attention.h"
-#include "cpu/vexp.h"
+#include "cpu/isa.h"
 #include "moonrl/parallel.h"
 
 #define QUERY_TILE 16
@@ -328,13 +328,16 @@ typedef struct attn_plan {
 static attn_plan plan(const mrl_paged_attn *a) {
     attn_plan p = {0, 0, 0, 0};
     int max_len = 1;
+    int64_t work = 0; /* query x key dot products */
     for (int i = 0; i < a->n_seqs; i++) {
         int n_q = a->query_start[i + 1] - a->query_start[i];
+        work += (int64_t)n_q * a->seq_lens[i] * a->Hq;
         p.n_items += (int64_t)a->Hk * ((n_q + QUERY_TILE - 1) / QUERY_TILE);
         if (a->seq_lens[i] > max_len) max_len = a->seq_lens[i];
     }
-    /* a few chunks of consecutive items per thread (items differ in cost) */
-    p.n_chunks = 4 * (int64_t)mrl_parallel_threads();
+    /* a few chunks of consecutive items per thread (items differ in cost);
+     * one when the work is too small to pay for a parallel region */
+    p.n_chunks = work * a->hd < ((int64_t)1 << 21) ? 1 : 4 * (int64_t)mrl_parallel_threads();
     if (p.n_chunks > p.n_items) p.n_chunks = p.n_items;
     p.per_chunk = ((int64_t)(a->Hq / a->Hk) * max_len + 15) & ~(int64_t)15;
     p.bytes = p.per_chunk * p.n_chunks * (int64_t)sizeof(float) + p.n_items * (int64_t)sizeof(attn_item);

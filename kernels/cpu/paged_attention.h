@@ -51,8 +51,9 @@ mrl_status mrl_paged_attention(const mrl_paged_attn *a);
  * shapes); it grows with the number of sequences, Hq/Hk and the longest
  * context. */
 int64_t mrl_paged_attention_workspace_bytes(const mrl_paged_attn *a);
-/* "avx512", "avx2" or "scalar": the path mrl_paged_attention takes here
- * (mrl_cpu_isa_cap in cpu/vexp.h lowers it for tests). */
+/* "avx512", "avx2" or "sse" (plain C loops): the path mrl_paged_attention
+ * takes here, the CPU kernels' one choice (mrl_cpu_isa_cap in cpu/isa.h
+ * lowers it for tests). */
 const char *mrl_paged_attention_isa(void);
 
 /* Write the K/V rows of T new tokens ([T, Hk, hd] each) into their slots

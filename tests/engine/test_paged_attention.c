@@ -9,7 +9,7 @@
 #include "moonrl/parallel.h"
 #include "engine/kv_cache.h"
 #include "cpu/paged_attention.h"
-#include "cpu/vexp.h"
+#include "cpu/isa.h"
 
 static uint64_t rng = 88172645463325252ULL;
 static uint64_t next_u64(void) {

@@ -7,7 +7,7 @@
 #include "moonrl/engine.h"
 #include "moonrl/parallel.h"
 #include "engine/sample.h"
-#include "cpu/vexp.h"
+#include "cpu/isa.h"
 
 /* The distribution the sampler should draw from, computed plainly in double:
  * temperature, min-p, top-k (ties kept), top-p (sorted by prob, ties by id). */

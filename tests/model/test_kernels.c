@@ -204,6 +204,18 @@ static void fast_vs_reference(void) {
     }
     cmp("gemm", C2, C1, M * N, 1e-5);
     free(A), free(B), free(C1), free(C2);
+    /* few rows times a transposed matrix (the decode path), beta 0 and 1 */
+    for (int64_t m = 1; m <= 17; m += 8) {
+        int64_t n = 70, k = 83;
+        float *a = rnd(m * k, 1), *b = rnd(n * k, 1), *c1 = rnd(m * n, 1), *c2 = zeros(m * n);
+        memcpy(c2, c1, sizeof(float) * m * n);
+        for (int beta = 0; beta < 2; beta++) {
+            R->gemm(0, 1, m, n, k, 0.5f, a, k, b, k, (float)beta, c1, n);
+            Fk->gemm(0, 1, m, n, k, 0.5f, a, k, b, k, (float)beta, c2, n);
+        }
+        cmp("gemm few rows", c2, c1, m * n, 1e-5);
+        free(a), free(b), free(c1), free(c2);
+    }
 
     int64_t T = 150;
     int D = 67;

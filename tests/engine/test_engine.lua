@@ -1,0 +1,166 @@
+-- moonrl.engine from Lua: generate's results, agreement with the trainer's
+-- forward through moonrl.engine.mismatch, zero copy across an AdamW step,
+-- stop ids / EOS / max tokens, stop strings with a tokenizer, errors.
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+
+local fixture = 'tests/tok/fixtures/qwen2_split' -- tests run from the source root
+local tok = moonrl.tokenizer.load(fixture)
+
+local function new_model(seed)
+  return moonrl.model.new({ model_type = 'qwen2', vocab_size = tok.vocab_size, hidden_size = 64,
+    intermediate_size = 96, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
+    max_position_embeddings = 256, initializer_range = 0.1 }, { seed = seed or 1 })
+end
+
+local model = new_model()
+local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 21, block_size = 16, max_batch_tokens = 64,
+  max_seqs = 16, seed = 7 })
+
+local prompts = { { 5, 9, 14, 200, 31 }, { 7 }, { 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112,
+  113, 114, 115, 116, 117, 118, 119 } }
+
+-- the trainer's log-probs of each sample's tokens after its prompt
+local function trainer_logprobs(results, temperature)
+  local seqs, spans = {}, {}
+  for i, list in ipairs(results) do
+    for _, s in ipairs(list) do
+      local seq = {}
+      for _, x in ipairs(prompts[i]) do seq[#seq + 1] = x end
+      for _, x in ipairs(s.ids) do seq[#seq + 1] = x end
+      seqs[#seqs + 1] = seq
+      spans[#spans + 1] = { #prompts[i], #s.ids }
+    end
+  end
+  local b = moonrl.model.batch(seqs)
+  local lp = model:forward(b, { temperature = temperature })
+  local out = {}
+  for k, sp in ipairs(spans) do
+    local first = b:range(k)
+    for j = 1, sp[2] do out[#out + 1] = lp[first + sp[1] - 1 + j - 1] end
+  end
+  return out
+end
+
+local function flat_logprobs(results)
+  local out = {}
+  for _, list in ipairs(results) do
+    for _, s in ipairs(list) do for _, x in ipairs(s.logprobs) do out[#out + 1] = x end end
+  end
+  return out
+end
+
+local function requests(n)
+  local r = {}
+  for i, p in ipairs(prompts) do r[i] = { prompt_ids = p, n = n } end
+  return r
+end
+
+t.test('results and agreement with the trainer (sampled, temperature 0.8; greedy)', function()
+  for _, temp in ipairs({ 0.8, 0 }) do
+    local res = engine:generate(requests(3), { temperature = temp, top_k = 50, max_tokens = 12, eos_ids = {} })
+    t.eq(#res, 3)
+    for _, list in ipairs(res) do
+      t.eq(#list, 3)
+      for _, s in ipairs(list) do
+        t.eq(#s.ids, 12)
+        t.eq(#s.logprobs, 12)
+        t.eq(s.finish_reason, 'length')
+        t.eq(s.text, nil, 'no text without a tokenizer')
+      end
+    end
+    local m = moonrl.engine.mismatch(flat_logprobs(res), trainer_logprobs(res, temp > 0 and temp or 1))
+    t.truthy(m.max_abs < 1e-5, 'max |engine - trainer| = ' .. m.max_abs)
+    t.truthy(m.token_mult_prob_error >= 1 and m.token_mult_prob_error < 1 + 1e-5)
+    t.eq(m.n, 3 * 3 * 12)
+  end
+end)
+
+t.test('same seed and step: same samples; another step: others', function()
+  local a = engine:generate(requests(2), { temperature = 1.0, max_tokens = 8, eos_ids = {}, step = 4 })
+  local b = engine:generate(requests(2), { temperature = 1.0, max_tokens = 8, eos_ids = {}, step = 4 })
+  local c = engine:generate(requests(2), { temperature = 1.0, max_tokens = 8, eos_ids = {}, step = 5 })
+  local same, differ = true, false
+  for i = 1, 3 do
+    for j = 1, 2 do
+      same = same and table.concat(a[i][j].ids, ',') == table.concat(b[i][j].ids, ',')
+      differ = differ or table.concat(a[i][j].ids, ',') ~= table.concat(c[i][j].ids, ',')
+    end
+  end
+  t.truthy(same and differ)
+end)
+
+t.test('zero copy: an AdamW step changes the next generation, no reload', function()
+  local m2 = new_model(3)
+  local e2 = moonrl.engine.new(m2, { kv_cache_bytes = 2 ^ 21 })
+  local before = e2:generate({ { prompt_ids = prompts[1] } }, { temperature = 0, max_tokens = 10, eos_ids = {} })
+  local p, n = m2:params()
+  local g = m2:grads()
+  for i = 0, n - 1 do g[i] = math.sin(i) end
+  local opt = moonrl.optim.adamw({ params = p, grads = g, n = n, lr = 0.05 })
+  opt:step()
+  local after = e2:generate({ { prompt_ids = prompts[1] } }, { temperature = 0, max_tokens = 10, eos_ids = {} })
+  t.truthy(math.abs(before[1][1].logprobs[1] - after[1][1].logprobs[1]) > 1e-4, 'the weights changed')
+  local b = moonrl.model.batch({ (function()
+    local s = {}
+    for _, x in ipairs(prompts[1]) do s[#s + 1] = x end
+    for _, x in ipairs(after[1][1].ids) do s[#s + 1] = x end
+    return s
+  end)() })
+  local lp = m2:forward(b)
+  local tr = {}
+  for j = 1, 10 do tr[j] = lp[#prompts[1] - 1 + j - 1] end
+  t.truthy(moonrl.engine.mismatch(after[1][1].logprobs, tr).max_abs < 1e-5, 'the new weights, as the trainer sees them')
+end)
+
+t.test('stop ids, EOS, max tokens', function()
+  local full = engine:generate({ { prompt_ids = prompts[1] } }, { temperature = 0.7, max_tokens = 16, eos_ids = {} })[1][1]
+  local stop = full.ids[5]
+  local first = 1
+  while full.ids[first] ~= stop do first = first + 1 end
+  local s = engine:generate({ { prompt_ids = prompts[1] } }, { temperature = 0.7, max_tokens = 16, eos_ids = { stop } })[1][1]
+  t.eq(#s.ids, first)
+  t.eq(s.finish_reason, 'stop')
+  s = engine:generate({ { prompt_ids = prompts[1] } }, { temperature = 0.7, max_tokens = 16, eos_ids = {}, stop_ids = { stop } })[1][1]
+  t.eq(#s.ids, first)
+  t.eq(s.ids[first], stop, 'the stop token is kept')
+  s = engine:generate({ { prompt_ids = prompts[1] } }, { temperature = 0.7, max_tokens = 3, eos_ids = {} })[1][1]
+  t.eq(#s.ids, 3)
+  t.eq(s.finish_reason, 'length')
+end)
+
+t.test('text prompts, text and stop strings through the streaming decoder', function()
+  local opts = { temperature = 0, max_tokens = 24, eos_ids = {}, tokenizer = tok }
+  local full = engine:generate({ { prompt = 'Hello world' } }, opts)[1][1]
+  t.eq(full.text, tok:decode(full.ids, { skip_special = true }))
+  t.truthy(#full.text >= 6, 'some text: ' .. full.text)
+  local stop = full.text:sub(4, 5)
+  local pieces = {}
+  opts.stop = { stop }
+  opts.on_text = function(i, j, piece) pieces[#pieces + 1] = piece end
+  local s = engine:generate({ { prompt = 'Hello world' } }, opts)[1][1]
+  local cut = full.text:find(stop, 1, true)
+  t.eq(s.text, full.text:sub(1, cut - 1), 'cut before the stop string')
+  t.eq(table.concat(pieces), s.text, 'the streamed pieces make the text')
+  t.eq(s.finish_reason, 'stop')
+  t.truthy(#s.ids < #full.ids, 'the sample stopped early')
+  for k = 1, #s.ids do t.eq(s.ids[k], full.ids[k]) end
+end)
+
+t.test('stats and errors', function()
+  local st = engine:stats()
+  t.truthy(st.steps > 0 and st.generated_tokens > 0 and st.decode_tokens > 0 and st.prefill_tokens > 0)
+  t.truthy(st.forks > 0, 'groups were forked')
+  t.eq(st.kv_blocks_used, 0)
+  t.truthy(st.kv_blocks_total > 0 and st.kv_block_size == 16)
+  t.raises(function() engine:generate({ { prompt_ids = { 1, tok.vocab_size } } }) end, 'vocabulary')
+  t.raises(function() engine:generate({ { prompt_ids = { 1 } } }, { top_p = 0 }) end, 'top_p')
+  t.raises(function() engine:generate({ { prompt = 'x' } }) end, 'tokenizer')
+  t.raises(function() engine:generate({ { prompt_ids = { 1 } } }, { stop = { 'x' } }) end, 'tokenizer')
+  t.raises(function() moonrl.engine.new(model, { block_size = 0 }) end, 'block_size')
+  -- the engine still works after the errors
+  local r = engine:generate({ { prompt_ids = { 3, 4 } } }, { max_tokens = 2, eos_ids = {} })
+  t.eq(#r[1][1].ids, 2)
+end)
+
+t.done()
