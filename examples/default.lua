@@ -1,14 +1,14 @@
--- The default run (what `moonrl` does with no arguments): a tiny Llama-style model learns to
--- answer 2-digit additions ("37+48=" -> "85") the way a verifier wants, on the CPU in minutes.
+-- The default run (what `moonrl` does with no arguments): a tiny Llama-style model learns
+-- 2-digit addition ("37+48=" -> "85"), then learns from a verifier to answer exactly, on the CPU.
 --
 --   1. a synthetic, verifiable task generated from the seed: all 10,000 pairs a+b below 100, of
 --      which 200 are held out and never trained on
---   2. an SFT warm-up on imperfect data: 70% of its answers are written backwards ("85" as "58").
---      The model learns to add, and its greedy answers mostly come out backwards, so the held-out
---      accuracy ("before") is low
+--   2. an SFT warm-up on imperfect data: 70% of its answers carry a stray '=' ("85=", as if the
+--      writer kept going). The model learns to add, and its greedy answers mostly carry the '=',
+--      so the held-out accuracy of exact answers ("before") is low
 --   3. GRPO with the 'exact' reward from the reward registry (the response must be the number):
 --      8 sampled answers per problem, group-normalised advantages, PPO-clip update; one line a step.
---      Only the reward says which way round is right
+--      Only the reward says that the '=' is wrong
 --   4. held-out greedy accuracy again ("after"), and the model saved in Hugging Face format
 --
 -- The tokenizer (examples/default/tokenizer.json, one token per digit) was trained with the
@@ -25,8 +25,8 @@ local cfg = moonrl.config {
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
             heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384) },
   sft = { steps = moonrl.config.integer(1500), batch = moonrl.config.integer(64), lr = 2e-3,
-          backwards = 0.7 }, -- share of warm-up answers written backwards ("85" as "58")
-  grpo = { steps = moonrl.config.integer(60), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
+          flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
+  grpo = { steps = moonrl.config.integer(30), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
            lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact' },
   quiet = false, -- no per-step lines (the test suite)
 }
@@ -56,8 +56,8 @@ for _, p in ipairs(problems) do
   p.prompt_ids = tok:encode(p.prompt)                                   -- <|bos|> 3 7 + 4 8 =
   p.answer_ids = tok:encode(p.answer, { add_special = false })
   p.answer_ids[#p.answer_ids + 1] = tok.eos_id                          -- 8 5 <|eos|>
-  p.backwards_ids = tok:encode(p.answer:reverse(), { add_special = false })
-  p.backwards_ids[#p.backwards_ids + 1] = tok.eos_id                    -- 5 8 <|eos|>
+  p.flawed_ids = tok:encode(p.answer .. '=', { add_special = false })
+  p.flawed_ids[#p.flawed_ids + 1] = tok.eos_id                          -- 8 5 = <|eos|>
 end
 local heldout, train = {}, {}
 for i, p in ipairs(problems) do
@@ -77,7 +77,7 @@ local model = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_si
   bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = seed })
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 64 * 1024 * 1024, block_size = 16,
   max_batch_tokens = 2048, max_seqs = 256, seed = seed })
-local gen = { max_tokens = 4, eos_ids = { tok.eos_id }, tokenizer = tok }
+local gen = { max_tokens = 5, eos_ids = { tok.eos_id }, tokenizer = tok }
 
 local function accuracy(set) -- greedy decoding on the held-out problems
   local out = engine:generate(R.requests(set, 1), { temperature = 0, max_tokens = gen.max_tokens,
@@ -95,8 +95,8 @@ for step = 1, cfg.sft.steps do
   local batch = draw(cfg.sft.batch)
   local samples = {}
   for i, p in ipairs(batch) do
-    local back = rand(1000) < 1000 * cfg.sft.backwards
-    samples[i] = { prompt_ids = p.prompt_ids, ids = back and p.backwards_ids or p.answer_ids }
+    local flawed = rand(1000) < 1000 * cfg.sft.flawed
+    samples[i] = { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
   end
   local b = R.pack(samples)
   model:zero_grad()
