@@ -9,6 +9,20 @@
 #pragma once
 #include <stdint.h>
 
+/* One matrix product C = alpha op(A) op(B) + beta C (see gemm below). */
+typedef struct mrl_gemm_desc {
+    int trans_a, trans_b;
+    int64_t M, N, K;
+    float alpha;
+    const float *A;
+    int64_t lda;
+    const float *B;
+    int64_t ldb;
+    float beta;
+    float *C;
+    int64_t ldc;
+} mrl_gemm_desc;
+
 typedef struct mrl_kernels {
     const char *name;
 
@@ -17,6 +31,10 @@ typedef struct mrl_kernels {
     void (*gemm)(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                  const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                  int64_t ldc);
+
+    /* n independent products at once (one parallel region); no output may
+     * overlap another product's output or inputs. */
+    void (*gemm_group)(const mrl_gemm_desc *g, int n);
 
     /* out[t] = x[t] * rstd[t] * w, rstd[t] = 1/sqrt(mean(x[t]^2) + eps); x [T,D]. */
     void (*rmsnorm_fwd)(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,

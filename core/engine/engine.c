@@ -184,17 +184,9 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     return MRL_OK;
 }
 
-static mrl_status check_idle(const mrl_engine *e, const char *what) {
-    if (mrl_sched_has_unfinished(e->sched))
-        return mrl_set_error(MRL_ERR_INVALID, "engine %s: requests are still unfinished", what);
-    return MRL_OK;
-}
-
 mrl_status mrl_engine_reset(mrl_engine *e) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine reset: NULL engine");
-    mrl_status st = check_idle(e, "reset");
-    if (st) return st;
-    drop_sched(e);
+    drop_sched(e); /* frees the sequences of unfinished requests too */
     return new_sched(e);
 }
 
@@ -203,8 +195,6 @@ mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t 
     if (params && n_params != e->m->n_params)
         return mrl_set_error(MRL_ERR_INVALID, "engine attach_params: buffer of %lld floats, the model has %lld",
                              (long long)n_params, (long long)e->m->n_params);
-    mrl_status st = check_idle(e, "attach_params");
-    if (st) return st;
     rebase(e, params ? params : e->m->params);
     return mrl_engine_reset(e);
 }

@@ -191,7 +191,23 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
         st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: use_sliding_window true (sliding-window attention) is not supported", source);
         goto done;
     }
-    st = parse_rope_scaling(mrl_json_get(root, "rope_scaling"), source, c);
+    const mrl_json *types = mrl_json_get(root, "layer_types"); /* newer configs: one attention kind a layer */
+    if (types && types->type == MRL_JSON_ARRAY)
+        for (size_t i = 0; i < types->length; i++)
+            if (types->items[i]->type != MRL_JSON_STRING || strcmp(types->items[i]->string, "full_attention") != 0) {
+                st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: layer_types[%zu] is not \"full_attention\" (sliding-window "
+                                   "attention is not supported)", source, i);
+                goto done;
+            }
+    /* Transformers 5 keeps rope_theta and the scaling in "rope_parameters" */
+    const mrl_json *rp = mrl_json_get(root, "rope_parameters");
+    if (rp && rp->type == MRL_JSON_OBJECT) {
+        const mrl_json *outer = root;
+        root = rp;
+        WANT(num, "rope_theta", &c->rope_theta, 0);
+        root = outer;
+    }
+    st = parse_rope_scaling(rp && rp->type == MRL_JSON_OBJECT ? rp : mrl_json_get(root, "rope_scaling"), source, c);
     if (st) goto done;
     if (c->head_dim == 0 && c->num_attention_heads > 0) c->head_dim = c->hidden_size / c->num_attention_heads;
     st = mrl_model_config_validate(c);

@@ -22,17 +22,21 @@ static void bias_grad(float *db, const float *dy, int64_t T, int N) {
 }
 
 /* y[T,N] = x[T,K] W[N,K]^T (+ beta y) */
-static void linear_fwd(const mrl_kernels *k, float *y, const float *x, const float *W, int64_t T, int N, int K,
-                       float beta) {
-    k->gemm(0, 1, T, N, K, 1.0f, x, K, W, K, beta, y, N);
+static mrl_gemm_desc lin(float *y, const float *x, const float *W, int64_t T, int N, int K, float beta) {
+    return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, W, K, beta, y, N};
 }
 
-/* dW[N,K] += dy[T,N]^T x[T,K];  dx[T,K] (beta: 0 set, 1 add) = dy W */
-static void linear_bwd(const mrl_kernels *k, float *dx, float *dW, const float *dy, const float *x,
-                       const float *W, int64_t T, int N, int K, float beta) {
-    k->gemm(1, 0, N, K, T, 1.0f, dy, N, x, K, 1.0f, dW, K);
-    k->gemm(0, 0, T, K, N, 1.0f, dy, N, W, K, beta, dx, K);
+/* dW[N,K] += dy[T,N]^T x[T,K] */
+static mrl_gemm_desc lin_dw(float *dW, const float *dy, const float *x, int64_t T, int N, int K) {
+    return (mrl_gemm_desc){1, 0, N, K, T, 1.0f, dy, N, x, K, 1.0f, dW, K};
 }
+
+/* dx[T,K] = dy[T,N] W[N,K] (+ beta dx) */
+static mrl_gemm_desc lin_dx(float *dx, const float *dy, const float *W, int64_t T, int N, int K, float beta) {
+    return (mrl_gemm_desc){0, 0, T, K, N, 1.0f, dy, N, W, K, beta, dx, K};
+}
+
+static void run1(const mrl_kernels *k, mrl_gemm_desc d) { k->gemm_group(&d, 1); }
 
 /* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v
  * (+ biases, qwen3 per-head norms), RoPE on q and k. Fills a's ln1, rstd1,
@@ -46,9 +50,10 @@ void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, con
     float eps = (float)c->rms_norm_eps;
     k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, T, D, eps);              /* [T,D] */
     float *q = a->qraw ? a->qraw : a->q, *kk = a->kraw ? a->kraw : a->k;
-    linear_fwd(k, q, a->ln1, p->wq, T, Q, D, 0);                         /* [T,Q] */
-    linear_fwd(k, kk, a->ln1, p->wk, T, K, D, 0);                        /* [T,K] */
-    linear_fwd(k, a->v, a->ln1, p->wv, T, K, D, 0);                      /* [T,K] */
+    mrl_gemm_desc qkv[3] = {lin(q, a->ln1, p->wq, T, Q, D, 0),          /* [T,Q] */
+                            lin(kk, a->ln1, p->wk, T, K, D, 0),         /* [T,K] */
+                            lin(a->v, a->ln1, p->wv, T, K, D, 0)};      /* [T,K] */
+    k->gemm_group(qkv, 3);
     add_bias(q, p->bq, T, Q);
     add_bias(kk, p->bk, T, K);
     add_bias(a->v, p->bv, T, K);
@@ -69,13 +74,14 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     memcpy(a->h, x, sizeof(float) * T * D);
-    linear_fwd(k, a->h, a->att, p->wo, T, D, Q, 1.0f);                   /* h = x + att Wo^T */
+    run1(k, lin(a->h, a->att, p->wo, T, D, Q, 1.0f));                    /* h = x + att Wo^T */
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
-    linear_fwd(k, a->gate, a->ln2, p->wg, T, F, D, 0);                   /* [T,F] */
-    linear_fwd(k, a->up, a->ln2, p->wu, T, F, D, 0);                     /* [T,F] */
+    mrl_gemm_desc gu[2] = {lin(a->gate, a->ln2, p->wg, T, F, D, 0),     /* [T,F] */
+                           lin(a->up, a->ln2, p->wu, T, F, D, 0)};      /* [T,F] */
+    k->gemm_group(gu, 2);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
     memcpy(out, a->h, sizeof(float) * T * D);
-    linear_fwd(k, out, a->act, p->wd, T, D, F, 1.0f);                    /* out = h + act Wd^T */
+    run1(k, lin(out, a->act, p->wd, T, D, F, 1.0f));                     /* out = h + act Wd^T */
 }
 
 void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
@@ -98,13 +104,19 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
         Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd;
     /* MLP: x' = h + act Wd^T */
-    linear_bwd(k, s->df1, g->wd, s->dx, a->act, p->wd, T, D, F, 0);      /* dact [T,F] */
+    mrl_gemm_desc down[2] = {lin_dw(g->wd, s->dx, a->act, T, D, F),     /* dWd [D,F] */
+                             lin_dx(s->df1, s->dx, p->wd, T, D, F, 0)}; /* dact [T,F] */
+    k->gemm_group(down, 2);
     k->swiglu_bwd(s->df1, s->df2, s->df1, a->gate, a->up, T * F);        /* dgate, dup [T,F] */
-    linear_bwd(k, s->dln, g->wg, s->df1, a->ln2, p->wg, T, F, D, 0);     /* dln2 [T,D] */
-    linear_bwd(k, s->dln, g->wu, s->df2, a->ln2, p->wu, T, F, D, 1.0f);
+    mrl_gemm_desc gu[3] = {lin_dw(g->wg, s->df1, a->ln2, T, F, D), lin_dw(g->wu, s->df2, a->ln2, T, F, D),
+                           lin_dx(s->dln, s->df1, p->wg, T, F, D, 0)};  /* dln2 [T,D] = dgate Wg ... */
+    k->gemm_group(gu, 3);
+    run1(k, lin_dx(s->dln, s->df2, p->wu, T, F, D, 1.0f));               /* ... + dup Wu */
     k->rmsnorm_bwd(s->dx, g->ln2, s->dln, a->h, p->ln2, a->rstd2, T, D); /* dx = dL/dh */
     /* attention: h = x + att Wo^T */
-    linear_bwd(k, s->datt, g->wo, s->dx, a->att, p->wo, T, D, Q, 0);     /* datt [T,Q] */
+    mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
+                          lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
+    k->gemm_group(o, 2);
     k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens,
                 m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
     k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
@@ -121,8 +133,11 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     bias_grad(g->bq, dq, T, Q);
     bias_grad(g->bk, dk, T, K);
     bias_grad(g->bv, s->dv, T, K);
-    linear_bwd(k, s->dln, g->wq, dq, a->ln1, p->wq, T, Q, D, 0);         /* dln1 [T,D] */
-    linear_bwd(k, s->dln, g->wk, dk, a->ln1, p->wk, T, K, D, 1.0f);
-    linear_bwd(k, s->dln, g->wv, s->dv, a->ln1, p->wv, T, K, D, 1.0f);
+    mrl_gemm_desc qkv[4] = {lin_dw(g->wq, dq, a->ln1, T, Q, D), lin_dw(g->wk, dk, a->ln1, T, K, D),
+                            lin_dw(g->wv, s->dv, a->ln1, T, K, D),
+                            lin_dx(s->dln, dq, p->wq, T, Q, D, 0)};     /* dln1 [T,D] = dq Wq ... */
+    k->gemm_group(qkv, 4);
+    run1(k, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f));                   /* ... + dk Wk */
+    run1(k, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f));                /* ... + dv Wv */
     k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
 }

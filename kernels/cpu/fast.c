@@ -46,33 +46,45 @@ static void dyn_for(int64_t n, void (*item)(void *ctx, int64_t i), void *ctx) {
  * sched_yield, bench/RESULTS.md). C is cut into one slice of rows (or of
  * columns when there are few rows) per thread; each element's sum is the
  * same as in one call, so results do not depend on the thread count. */
-typedef struct gemm_ctx {
-    int ta, tb;
-    int64_t M, N, K, lda, ldb, ldc, parts;
-    float alpha, beta;
-    const float *A, *B;
-    float *C;
+typedef struct gemm_job {
+    mrl_gemm_desc d;
+    int64_t parts, first; /* slices, and the index of the first in the group */
     int split_rows;
-} gemm_ctx;
+    int few; /* few rows times a transposed matrix: our kernel, slices of columns */
+} gemm_job;
 
-static void gemm_call(const gemm_ctx *g, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+typedef struct gemm_group_ctx {
+    gemm_job jobs[8];
+    int n;
+} gemm_group_ctx;
+
+static void gemm_call(const mrl_gemm_desc *g, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     if (m1 <= m0 || n1 <= n0) return;
-    const float *A = g->ta ? g->A + m0 : g->A + m0 * g->lda;
-    const float *B = g->tb ? g->B + n0 * g->ldb : g->B + n0;
-    cblas_sgemm(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans, g->tb ? CblasTrans : CblasNoTrans,
+    const float *A = g->trans_a ? g->A + m0 : g->A + m0 * g->lda;
+    const float *B = g->trans_b ? g->B + n0 * g->ldb : g->B + n0;
+    cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans, g->trans_b ? CblasTrans : CblasNoTrans,
                 (blasint)(m1 - m0), (blasint)(n1 - n0), (blasint)g->K, g->alpha, A, (blasint)g->lda, B,
                 (blasint)g->ldb, g->beta, g->C + m0 * g->ldc + n0, (blasint)g->ldc);
 }
 
-static void gemm_part(void *vc, int64_t p) {
-    const gemm_ctx *g = vc;
+static void gemm_part(void *vc, int64_t item) {
+    const gemm_group_ctx *c = vc;
+    int j = 0;
+    while (j + 1 < c->n && item >= c->jobs[j + 1].first) j++;
+    const gemm_job *g = &c->jobs[j];
+    int64_t p = item - g->first;
     /* slices rounded to 16 rows/columns (whole vector blocks) */
-    int64_t n = g->split_rows ? g->M : g->N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
+    int64_t n = g->split_rows ? g->d.M : g->d.N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
     int64_t lo = p * step, hi = lo + step < n ? lo + step : n;
-    if (g->split_rows)
-        gemm_call(g, lo, hi, 0, g->N);
+    if (g->few) {
+        const mrl_gemm_desc *d = &g->d;
+        if (lo < hi)
+            mrl_cpu_isa_get()->gemm_nt_rows(d->M, lo, hi, d->K, d->alpha, d->A, d->lda, d->B, d->ldb, d->beta, d->C,
+                                            d->ldc);
+    } else if (g->split_rows)
+        gemm_call(&g->d, lo, hi, 0, g->d.N);
     else
-        gemm_call(g, 0, g->M, lo, hi);
+        gemm_call(&g->d, 0, g->d.M, lo, hi);
 }
 
 /* Products below this many multiply-adds run on one thread: a parallel
@@ -86,30 +98,41 @@ static void gemm_part(void *vc, int64_t p) {
  * (one row: OpenBLAS's small-matrix kernel is as fast). */
 #define FEW_ROWS 16
 
-static void gemm_few_part(void *vc, int64_t p) {
-    const gemm_ctx *g = vc;
-    int64_t step = ((g->N + g->parts - 1) / g->parts + 15) / 16 * 16;
-    int64_t lo = p * step, hi = lo + step < g->N ? lo + step : g->N;
-    if (lo < hi) mrl_cpu_isa_get()->gemm_nt_rows(g->M, lo, hi, g->K, g->alpha, g->A, g->lda, g->B, g->ldb, g->beta, g->C, g->ldc);
+/* Cut each product into slices of rows (or of columns when there are few
+ * rows), a few per thread, at least 64 wide; all slices of the group are
+ * taken dynamically in one parallel region. */
+static void fast_gemm_group(const mrl_gemm_desc *g, int n) {
+    gemm_group_ctx c;
+    int64_t items = 0, total = 0;
+    for (int off = 0; off < n; off += 8) { /* groups larger than 8 run 8 at a time */
+        c.n = n - off < 8 ? n - off : 8;
+        items = 0;
+        for (int i = 0; i < c.n; i++) {
+            gemm_job *j = &c.jobs[i];
+            j->d = g[off + i];
+            j->few = !j->d.trans_a && j->d.trans_b && j->d.M >= 2 && j->d.M <= FEW_ROWS && j->d.K > 0;
+            j->split_rows = !j->few && (j->d.M >= j->d.N || j->d.M >= 256);
+            int64_t work = j->d.M * j->d.N * (j->d.K > 0 ? j->d.K : 1), split = j->split_rows ? j->d.M : j->d.N;
+            j->parts = 4 * (int64_t)mrl_parallel_threads();
+            if (work < PARALLEL_MACS) j->parts = 1;                     /* too small to share */
+            if (j->parts > (split + 63) / 64) j->parts = (split + 63) / 64; /* slices of at least 64 */
+            if (j->parts < 1 || j->d.M <= 0 || j->d.N <= 0) j->parts = j->d.M > 0 && j->d.N > 0;
+            j->first = items;
+            items += j->parts;
+            total += work;
+        }
+        if (total < PARALLEL_MACS) /* the whole group is too small to share */
+            for (int64_t i = 0; i < items; i++) gemm_part(&c, i);
+        else
+            dyn_for(items, gemm_part, &c);
+        total = 0;
+    }
 }
 
 static void fast_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                       int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    if (M <= 0 || N <= 0) return;
-    if (!ta && tb && M >= 2 && M <= FEW_ROWS && K > 0) {
-        gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, 0};
-        if (M * N * K >= PARALLEL_MACS) g.parts = 4 * (int64_t)mrl_parallel_threads();
-        if (g.parts > (N + 63) / 64) g.parts = (N + 63) / 64;
-        dyn_for(g.parts, gemm_few_part, &g);
-        return;
-    }
-    gemm_ctx g = {ta, tb, M, N, K, lda, ldb, ldc, 1, alpha, beta, A, B, C, M >= N || M >= 256};
-    int64_t work = M * N * (K > 0 ? K : 1), split = g.split_rows ? M : N;
-    g.parts = 4 * (int64_t)mrl_parallel_threads(); /* a few slices per thread, taken dynamically */
-    if (work < PARALLEL_MACS) g.parts = 1;        /* too small to share */
-    if (g.parts > (split + 63) / 64) g.parts = (split + 63) / 64; /* slices of at least 64 */
-    if (g.parts < 1) g.parts = 1;
-    dyn_for(g.parts, gemm_part, &g);
+    mrl_gemm_desc d = {ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
+    fast_gemm_group(&d, 1);
 }
 
 /* ---- rmsnorm ------------------------------------------------------------ */
@@ -328,6 +351,7 @@ static void fast_head_bwd(float *logits, int64_t rows, int V, float inv_temp, co
 static const mrl_kernels fast_table = {
     .name = "cpu-fast",
     .gemm = fast_gemm,
+    .gemm_group = fast_gemm_group,
     .rmsnorm_fwd = fast_rmsnorm_fwd,
     .rmsnorm_bwd = fast_rmsnorm_bwd,
     .rope = fast_rope,

@@ -295,6 +295,23 @@ static inline float hsum_tree(vf v) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
+/* The lane sums of 4 vectors at once (shared shuffles); the same sums
+ * hsum_tree gives. */
+static inline void hsum4(const vf *v, float *out) {
+#if VW == 16
+    vf ab = __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf cd = __builtin_shufflevector(v[2], v[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[2], v[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* ab: a's 8 half sums then b's; cd likewise; now 4 quarter sums of each */
+    vf q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++) out[j] = (q[4 * j] + q[4 * j + 2]) + (q[4 * j + 1] + q[4 * j + 3]);
+#else
+    for (int j = 0; j < 4; j++) out[j] = hsum_tree(v[j]);
+#endif
+}
+
 /* C[m, n] = alpha * A[m,:] . B[n,:] (+ beta * C[m, n]; beta 0: C is not read) for m < M, n0 <= n < n1:
  * the product with few rows (decode steps), streaming each row of B once for all M rows of A.
  * Blocks of 4 rows of B x 4 rows of A in 16 vector accumulators. */
@@ -319,13 +336,16 @@ static void gemm_nt_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, float alp
                 for (int i = 0; i < 4; i++)
                     for (int j = 0; j < 4; j++) acc[i][j] += av[i] * bv[j];
             }
-            for (int i = 0; i < mm; i++)
+            for (int i = 0; i < mm; i++) {
+                float sums[4];
+                hsum4(acc[i], sums);
                 for (int j = 0; j < nn; j++) {
-                    float sum = hsum_tree(acc[i][j]);
+                    float sum = sums[j];
                     for (int64_t t = k; t < K; t++) sum += a[i][t] * b[j][t];
                     float *c = C + (m + i) * ldc + n + j;
                     *c = beta == 0 ? alpha * sum : alpha * sum + beta * *c;
                 }
+            }
         }
     }
 }

@@ -19,6 +19,12 @@ static void ref_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alph
         }
 }
 
+static void ref_gemm_group(const mrl_gemm_desc *g, int n) {
+    for (int i = 0; i < n; i++)
+        ref_gemm(g[i].trans_a, g[i].trans_b, g[i].M, g[i].N, g[i].K, g[i].alpha, g[i].A, g[i].lda, g[i].B, g[i].ldb,
+                 g[i].beta, g[i].C, g[i].ldc);
+}
+
 static void ref_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
                             float eps) {
     for (int64_t t = 0; t < T; t++) {
@@ -180,6 +186,7 @@ static void ref_head_bwd(float *logits, int64_t rows, int V, float inv_temp, con
 static const mrl_kernels reference_table = {
     .name = "cpu-reference",
     .gemm = ref_gemm,
+    .gemm_group = ref_gemm_group,
     .rmsnorm_fwd = ref_rmsnorm_fwd,
     .rmsnorm_bwd = ref_rmsnorm_bwd,
     .rope = ref_rope,

@@ -13,6 +13,9 @@
 -- opts.on_text = function(i, j, piece) (with a tokenizer) is called between steps with each new
 -- piece of sample j of request i's text, as the streaming decoder completes it (stop strings cut).
 --
+-- opts.eos_ids defaults to the model's eos_token_id ({} for none); a text prompt is encoded without
+-- special tokens added (render chat templates first); the EOS / stop token is kept in ids.
+-- Each call starts by resetting the engine (requests and cached prefixes; the weights may have changed).
 -- Sample j of request i draws from the random stream (seed, step, prompt_index = i - 1 unless the
 -- request gives prompt_index, j - 1): the same samples whatever the batch or the cache size.
 -- logprobs are under softmax(logits / temperature) over the whole vocabulary (temperature 1 when

@@ -203,6 +203,18 @@ static void fast_vs_reference(void) {
         Fk->gemm(ta, tb, M, N, K, 0.5f, A, ta ? M : K, B, tb ? K : N, 1.0f, C2, N);
     }
     cmp("gemm", C2, C1, M * N, 1e-5);
+    /* a group: three products of other shapes (one empty), outputs apart */
+    float *G1 = rnd(3 * M * N, 1), *G2 = zeros(3 * M * N);
+    memcpy(G2, G1, sizeof(float) * 3 * M * N);
+    for (int r = 0; r < 2; r++) {
+        float *G = r ? G2 : G1;
+        mrl_gemm_desc g[3] = {{0, 1, M, N, K, 1.0f, A, K, B, K, 0.0f, G, N},
+                              {1, 0, N, M, K / 2, 2.0f, B, N, A, M, 1.0f, G + M * N, M},
+                              {0, 0, 0, N, K, 1.0f, A, K, B, N, 0.0f, G + 2 * M * N, N}};
+        (r ? Fk : R)->gemm_group(g, 3);
+    }
+    cmp("gemm group", G2, G1, 3 * M * N, 1e-5);
+    free(G1), free(G2);
     free(A), free(B), free(C1), free(C2);
     /* few rows times a transposed matrix (the decode path), beta 0 and 1 */
     for (int64_t m = 1; m <= 17; m += 8) {

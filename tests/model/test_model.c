@@ -31,6 +31,12 @@ static void test_config(void) {
     CHECK_STR_CONTAINS(mrl_last_error(), "yarn");
     CHECK(parse("{\"model_type\": \"qwen2\", " BASE ", \"use_sliding_window\": true}", &c) == MRL_ERR_UNSUPPORTED);
     CHECK_STR_CONTAINS(mrl_last_error(), "sliding");
+    CHECK(parse("{\"model_type\": \"qwen3\", " BASE ", \"layer_types\": [\"full_attention\", \"sliding_attention\"]}", &c) ==
+          MRL_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(mrl_last_error(), "layer_types[1]");
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE ", \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500000.0, "
+                   "\"factor\": 32.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192}}", &c));
+    CHECK(c.rope_theta == 500000.0 && c.rope_scaling == MRL_ROPE_LLAMA3 && c.rope_factor == 32.0);
     CHECK(parse("{\"model_type\": \"llama\", " BASE ", \"attention_bias\": true}", &c) == MRL_ERR_UNSUPPORTED);
     CHECK_STR_CONTAINS(mrl_last_error(), "attention_bias");
     CHECK(parse("{\"model_type\": \"mistral\", " BASE "}", &c) == MRL_ERR_UNSUPPORTED);

@@ -137,12 +137,12 @@ void mrl_engine_free(mrl_engine *e);
 /* Read the weights from another buffer with the model's layout (n_params
  * floats, view offsets as in mrl_model_view): e.g. one that receives a
  * trainer's weights by broadcast in a separate engine process. NULL goes
- * back to the model's own buffer. Drops cached prefixes (their K/V came from
- * other weights); fails while requests are unfinished. */
+ * back to the model's own buffer. Resets the engine (mrl_engine_reset):
+ * cached prefixes came from other weights. */
 mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params);
-/* Forget every request and every cached prefix (call it when the weights
- * have changed, e.g. after an optimizer step, if prefix caching is on);
- * fails while requests are unfinished. Request ids restart at 0. */
+/* Forget every request, finished or not (an aborted run's too), and every
+ * cached prefix: call it when the weights have changed (e.g. after an
+ * optimizer step) if prefix caching is on. Request ids restart at 0. */
 mrl_status mrl_engine_reset(mrl_engine *e);
 
 /* Queue a request; *req_id identifies it. Bad input (ids outside the
