@@ -9,7 +9,7 @@
 --
 -- Built-ins (plugins/rewards/*.lua, loaded on first use): math (\boxed{} or GSM8K "####" answers
 -- compared by value), gsm8k (the same), format (<think>...</think><answer>...</answer>), countdown
--- (arithmetic expression over given numbers). Each plugin module also has new{...} for configured
+-- (arithmetic expression over given numbers), exact (the stripped response equals the answer). Each plugin module also has new{...} for configured
 -- variants; register those under a name of your own.
 local ffi = require('ffi')
 
@@ -21,6 +21,7 @@ local BUILTIN = {
   gsm8k = function() return require('rewards.math').reward end,
   format = function() return require('rewards.format').reward end,
   countdown = function() return require('rewards.countdown').reward end,
+  exact = function() return require('rewards.exact').reward end,
 }
 
 local function callable(fn)

@@ -1,0 +1,52 @@
+-- moonrl's side of bench/grpo_step.sh: one GRPO step (generate prompts x samples with the engine,
+-- score with a registered reward, group advantages, log-probs + PPO-clip update with AdamW) on the
+-- model directory MODEL, timed after one warm-up step. Prints one JSON line.
+-- env: MODEL, PROMPTS (16), SAMPLES (8), MAX_TOKENS (64), THREADS (2)
+local moonrl = require('moonrl')
+local json = require('moonrl.json')
+local algo = require('moonrl.algo')
+local rewards = require('moonrl.rewards')
+local R = require('moonrl.recipe')
+
+local P, G = tonumber(os.getenv('PROMPTS') or 16), tonumber(os.getenv('SAMPLES') or 8)
+local max_tokens = tonumber(os.getenv('MAX_TOKENS') or 64)
+moonrl.C.mrl_parallel_set_threads(tonumber(os.getenv('THREADS') or 2))
+local model, tok = R.load(os.getenv('MODEL'))
+local engine = moonrl.engine.new(model, { kv_cache_bytes = 256 * 2 ^ 20, block_size = 16,
+  max_batch_tokens = 2048, max_seqs = 256, seed = 1 })
+local opt = R.adamw(model, { lr = 1e-6, weight_decay = 0.0 })
+-- the same reward as the TRL side: the share of the characters '7' in the completion
+rewards.register('sevens', function(s)
+  local _, n = s.response:gsub('7', '')
+  return n / math.max(#s.response, 1)
+end)
+local records = {}
+for i = 1, P do
+  local prompt = string.format('%d+%d=', 10 + i, 30 + 2 * i)
+  records[i] = { prompt = prompt, prompt_ids = tok:encode(prompt) }
+end
+
+local function step(k)
+  local t = {}
+  local t0 = moonrl.now()
+  -- no EOS: every completion runs to max_tokens, as on the TRL side
+  local results = engine:generate(R.requests(records, G), { temperature = 1.0, max_tokens = max_tokens,
+    eos_ids = {}, tokenizer = tok, step = k })
+  t.generate = moonrl.now() - t0
+  local samples = R.flatten(records, results)
+  local t1 = moonrl.now()
+  local scores = rewards.score_batch('sevens', samples)
+  local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = G })
+  for i, s in ipairs(samples) do s.adv = adv[i - 1] end
+  t.reward = moonrl.now() - t1
+  t1 = moonrl.now()
+  local m = R.policy_step({ model = model, opt = opt, samples = samples, lr = 1e-6, micro_batch_tokens = 8192 })
+  t.train = moonrl.now() - t1
+  t.total = moonrl.now() - t0
+  t.tokens = m.tokens
+  return t
+end
+
+step(1)
+local t = step(2)
+print(json.encode(t))

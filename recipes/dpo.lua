@@ -1,0 +1,133 @@
+-- DPO: direct preference optimisation on prompt / chosen / rejected triples.
+--
+--   moonrl run dpo model.dir=/models/Qwen2.5-0.5B-Instruct data.path=prefs.jsonl
+--
+-- once:  log π_ref(y | x) = Σ_t log π_ref of every chosen and rejected completion, computed with the
+--        frozen initial policy (then the reference is not needed any more)
+-- for each step:
+--   batch of pairs; packed as chosen_1, rejected_1, chosen_2, rejected_2, ...
+--   for each micro-batch: forward -> log πθ per token; Δ = Σ log πθ − log π_ref per completion;
+--     loss = −log σ(β (Δ_w − Δ_l)) averaged over the pairs of the WHOLE batch; backward
+--   clip the gradient norm; AdamW step
+-- Logged: loss, reward accuracy (share of pairs with Δ_w > Δ_l), margins, chosen/rejected rewards.
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local algo = require('moonrl.algo')
+local R = require('moonrl.recipe')
+
+local cfg = moonrl.config {
+  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
+            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
+  data = { path = moonrl.config.required('string', 'JSONL with prompt / chosen / rejected'),
+           prompt = 'prompt', chosen = 'chosen', rejected = 'rejected', chat = false },
+  dpo = { beta = 0.1, loss_type = 'sigmoid', label_smoothing = 0.0 },
+  train = { steps = moonrl.config.integer(100), pairs = moonrl.config.integer(8), lr = 5e-7,
+            schedule = 'linear', warmup = moonrl.config.integer(0), weight_decay = 0.0, max_grad_norm = 1.0,
+            micro_batch_tokens = moonrl.config.integer(4096), max_length = moonrl.config.integer(1024) },
+  save = true,
+}
+local run = moonrl.run.start(cfg, { name = 'dpo', total_steps = cfg.train.steps })
+local model, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
+local opt = R.adamw(model, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
+local lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule, warmup = cfg.train.warmup,
+  total = cfg.train.steps, lr = cfg.train.lr })
+
+-- every pair as two samples (chosen, rejected) with the prompt's ids
+local ds = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, chosen = cfg.data.chosen,
+  rejected = cfg.data.rejected } })
+local pairs_list = {}
+for i = 1, ds:len() do
+  local rec = ds:get(i)
+  local p = R.prompt_ids(tok, tpl, rec.prompt)
+  local c, r = R.completion_ids(tok, rec.chosen), R.completion_ids(tok, rec.rejected)
+  local room = cfg.train.max_length - #p
+  while #c > room do table.remove(c) end
+  while #r > room do table.remove(r) end
+  pairs_list[i] = { { prompt_ids = p, ids = c }, { prompt_ids = p, ids = r } }
+end
+
+-- the reference log-probs, once, with the frozen initial policy (this same model before any step)
+run:phase('reference', function()
+  local flat = {}
+  for _, pr in ipairs(pairs_list) do flat[#flat + 1] = pr[1]; flat[#flat + 1] = pr[2] end
+  local lps = R.logprobs(model, flat, cfg.train.micro_batch_tokens)
+  for i, s in ipairs(flat) do
+    local sum = 0
+    for _, x in ipairs(lps[i]) do sum = sum + x end
+    s.ref = sum
+  end
+end)
+
+-- pair order: a new seeded shuffle every epoch
+local order, pos, seed = {}, math.huge, cfg.run.seed
+local function next_pairs(n)
+  local out = {}
+  for _ = 1, n do
+    if pos > #pairs_list then
+      for i = 1, #pairs_list do order[i] = i end
+      for i = #order, 2, -1 do -- Fisher-Yates with a Lehmer generator
+        seed = (seed * 48271 + 1) % 2147483647
+        local j = seed % i + 1
+        order[i], order[j] = order[j], order[i]
+      end
+      pos = 1
+    end
+    out[#out + 1] = pairs_list[order[pos]]
+    pos = pos + 1
+  end
+  return out
+end
+
+local first_acc, last_acc
+for step = 1, cfg.train.steps do
+  local batch = next_pairs(cfg.train.pairs)
+  local samples = {}
+  for _, pr in ipairs(batch) do samples[#samples + 1] = pr[1]; samples[#samples + 1] = pr[2] end
+  local t0 = moonrl.now()
+  local m = run:phase('train', function()
+    local sums = { loss = 0, rewards_accuracy = 0, rewards_margin = 0, rewards_chosen = 0, rewards_rejected = 0 }
+    local tokens = 0
+    model:zero_grad()
+    -- micro-batches hold whole pairs: the token budget is split on even sample counts
+    local i = 1
+    while i <= #samples do
+      local j, n = i, 0
+      while j + 1 <= #samples do
+        local k = #samples[j].prompt_ids + #samples[j].ids + #samples[j + 1].prompt_ids + #samples[j + 1].ids
+        if j > i and n + k > cfg.train.micro_batch_tokens then break end
+        n, j = n + k, j + 2
+      end
+      local b = R.pack(samples, i, j - 1)
+      local ref_seq = ffi.new('double[?]', b.n_seqs)
+      for k = i, j - 1 do ref_seq[k - i] = samples[k].ref end
+      local lp = model:forward(b)
+      local grad = ffi.new('float[?]', b.n_tokens)
+      local loss, dm = algo.dpo.loss({ logprob = lp, ref_seq = ref_seq, mask = b.mask, cu_seqlens = b.cu_seqlens,
+        nseq = b.n_seqs, grad = grad, beta = cfg.dpo.beta, loss_type = cfg.dpo.loss_type,
+        label_smoothing = cfg.dpo.label_smoothing, global_pairs = #batch })
+      model:backward(grad)
+      local share = (b.n_seqs / 2) / #batch -- metrics are means over this micro-batch's pairs
+      sums.loss = sums.loss + loss
+      for _, key in ipairs({ 'rewards_accuracy', 'rewards_margin', 'rewards_chosen', 'rewards_rejected' }) do
+        sums[key] = sums[key] + dm[key] * share
+      end
+      tokens = tokens + b.n_tokens
+      i = j
+    end
+    sums.grad_norm = opt:clip_grad_norm(cfg.train.max_grad_norm)
+    sums.lr = lr_at(step)
+    opt:step(sums.lr)
+    sums.tokens = tokens
+    return sums
+  end)
+  first_acc, last_acc = first_acc or m.rewards_accuracy, m.rewards_accuracy
+  m.accuracy = m.rewards_accuracy
+  m.tokens_per_s = { train = R.rate(m.tokens, moonrl.now() - t0) }
+  run:log(step, m)
+  if R.check_stop(cfg, run) then break end
+end
+
+local dir = cfg.save and R.save(run, model, tok_dir) or nil
+run:finish()
+print('run directory: ' .. run.dir .. (dir and ('; model saved to ' .. dir) or ''))
+return { first_accuracy = first_acc, last_accuracy = last_acc, dir = run.dir, model = model }

@@ -1,0 +1,135 @@
+-- PPO with a critic: token-level advantages from GAE over a learned value function.
+--
+--   moonrl run ppo model.dir=/models/Qwen2.5-0.5B-Instruct data.path=gsm8k.jsonl reward=math
+--
+-- critic <- the initial policy's weights plus a scalar value head (a second model)
+-- for each step:
+--   prompts; generate ppo.samples completions each; scalar reward of each completion
+--   log π_old (policy), log π_ref (frozen initial policy, when kl_coef > 0), V_old (critic)
+--   r_t    <- reward on the last response token − kl_coef · (log π_old − log π_ref) on every token
+--   A, R   <- GAE(r, V_old, γ, λ); A whitened over the batch
+--   for each of ppo.epochs: policy: PPO-clip on A; critic: clipped value loss ½ max((V − R)², ...)
+--     (micro-batches with the batch's global denominators; one AdamW step each)
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local algo = require('moonrl.algo')
+local rewards = require('moonrl.rewards')
+local R = require('moonrl.recipe')
+
+local cfg = moonrl.config {
+  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
+            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
+  data = { path = moonrl.config.required('string', 'JSONL with one prompt a line'),
+           prompt = 'prompt', answer = 'answer', chat = true, system = '' },
+  reward = 'math',
+  reward_model = { dir = moonrl.config.optional('string', 'a ...ForSequenceClassification checkpoint') },
+  ppo = { steps = moonrl.config.integer(100), prompts = moonrl.config.integer(16), samples = moonrl.config.integer(1),
+          temperature = 1.0, max_tokens = moonrl.config.integer(256), epochs = moonrl.config.integer(2),
+          clip = 0.2, value_clip = 0.5, gamma = 1.0, lam = 0.95, kl_coef = 0.01, agg = 'token-mean' },
+  train = { lr = 1e-6, critic_lr = 5e-6, weight_decay = 0.0, max_grad_norm = 1.0,
+            micro_batch_tokens = moonrl.config.integer(4096) },
+  engine = { kv_cache_mb = moonrl.config.integer(512), max_batch_tokens = moonrl.config.integer(2048),
+             max_seqs = moonrl.config.integer(256) },
+  save = true,
+}
+local run = moonrl.run.start(cfg, { name = 'ppo', total_steps = cfg.ppo.steps })
+local policy, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
+local critic = R.critic_from(policy)
+local ref = cfg.ppo.kl_coef > 0 and R.clone(policy) or nil
+if cfg.reward_model.dir then require('rewards.reward_model').register('reward_model', cfg.reward_model.dir) end
+local reward = rewards.get(cfg.reward)
+local opt = R.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
+local critic_opt = R.adamw(critic, { lr = cfg.train.critic_lr, weight_decay = cfg.train.weight_decay })
+local engine = moonrl.engine.new(policy, { kv_cache_bytes = cfg.engine.kv_cache_mb * 2 ^ 20, block_size = 16,
+  max_batch_tokens = cfg.engine.max_batch_tokens, max_seqs = cfg.engine.max_seqs, seed = cfg.run.seed })
+local sampling = { temperature = cfg.ppo.temperature, max_tokens = cfg.ppo.max_tokens,
+  eos_ids = R.eos_ids(tok, policy), tokenizer = tok }
+local _, next_batch = R.dataset(cfg.data.path, { prompt = cfg.data.prompt, answer = cfg.data.answer },
+  cfg.run.seed, { answer = true })
+local mb_tokens = cfg.train.micro_batch_tokens
+
+-- One AdamW step of the critic on the clipped value loss (global token denominator).
+local function critic_step(samples)
+  local tokens = 0
+  for _, s in ipairs(samples) do tokens = tokens + #s.ids end
+  local loss, clipfrac = 0, 0
+  critic:zero_grad()
+  for b, first in R.micro_batches(samples, mb_tokens) do
+    local _, _, v = critic:forward(b, { values = true })
+    local dv = ffi.new('float[?]', b.n_tokens)
+    local l, m = algo.value_loss.clipped({ values = v, old_values = R.scatter(b, R.gather_field(samples, 'values'), first),
+      returns = R.scatter(b, R.gather_field(samples, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
+      nseq = b.n_seqs, clip = cfg.ppo.value_clip, grad = dv, global_tokens = tokens })
+    critic:backward(nil, nil, dv)
+    local mt = 0
+    for _, n in ipairs(b.len) do mt = mt + n end
+    loss, clipfrac = loss + l, clipfrac + m.vf_clipfrac * mt / math.max(tokens, 1)
+  end
+  local gnorm = critic_opt:clip_grad_norm(cfg.train.max_grad_norm)
+  critic_opt:step()
+  return { loss = loss, clip_frac = clipfrac, grad_norm = gnorm }
+end
+
+local history = {}
+for step = 1, cfg.ppo.steps do
+  -- 1. rollouts and rewards
+  local records = next_batch(cfg.ppo.prompts)
+  for _, r in ipairs(records) do r.prompt_ids = R.prompt_ids(tok, tpl, r.prompt, cfg.data.system) end
+  local t0 = moonrl.now()
+  sampling.step = step
+  local results = run:phase('generate', function() return engine:generate(R.requests(records, cfg.ppo.samples), sampling) end)
+  local gen_s = moonrl.now() - t0
+  local samples = R.flatten(records, results)
+  local scores = run:phase('reward', function() return rewards.score_batch(reward, samples) end)
+
+  -- 2. log π_old, log π_ref, V_old on the rollouts
+  local old, refl, values = run:phase('logprobs', function()
+    local o = R.logprobs(policy, samples, mb_tokens, { temperature = cfg.ppo.temperature })
+    local r = ref and R.logprobs(ref, samples, mb_tokens, { temperature = cfg.ppo.temperature })
+    local _, v = R.logprobs(critic, samples, mb_tokens, { values = true })
+    return o, r, v
+  end)
+
+  -- 3. token rewards with the KL penalty, GAE advantages and returns (over the whole batch)
+  local b = R.pack(samples)
+  local cu, nseq, mask = b.cu_seqlens, b.n_seqs, b.mask
+  local token_r = algo.advantages.token_rewards({ scores = scores, cu_seqlens = cu, nseq = nseq, mask = mask,
+    old_logprob = R.scatter(b, old), ref_logprob = refl and R.scatter(b, refl), kl_coef = refl and cfg.ppo.kl_coef or 0 })
+  local adv, ret = algo.advantages.gae({ token_rewards = token_r, values = R.scatter(b, values), cu_seqlens = cu,
+    nseq = nseq, mask = mask, gamma = cfg.ppo.gamma, lam = cfg.ppo.lam })
+  local adv_l, ret_l = R.gather(b, adv), R.gather(b, ret)
+  local kl = 0
+  for i, s in ipairs(samples) do
+    s.old_logprobs, s.values, s.adv_tokens, s.returns = old[i], values[i], adv_l[i], ret_l[i]
+    if refl then for k = 1, #s.ids do kl = kl + old[i][k] - refl[i][k] end end
+  end
+
+  -- 4. epochs of policy and critic updates
+  t0 = moonrl.now()
+  local m, c
+  for _ = 1, cfg.ppo.epochs do
+    m = run:phase('train', R.policy_step, { model = policy, opt = opt, samples = samples, lr = cfg.train.lr,
+      temperature = cfg.ppo.temperature, clip_low = cfg.ppo.clip, agg = cfg.ppo.agg,
+      micro_batch_tokens = mb_tokens, max_grad_norm = cfg.train.max_grad_norm })
+    c = run:phase('critic', critic_step, samples)
+  end
+
+  -- 5. log
+  local mean, std = R.stats(scores, #samples)
+  local correct = 0
+  for i = 0, #samples - 1 do if scores[i] >= 1 then correct = correct + 1 end end
+  m.reward = { mean = mean, std = std }
+  m.accuracy = correct / #samples
+  m.kl = kl / math.max(m.tokens, 1)
+  m.critic = c
+  m.response_length = R.length_metrics(samples)
+  m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(2 * m.tokens * cfg.ppo.epochs, moonrl.now() - t0) }
+  history[step] = run:log(step, m)
+  if R.check_stop(cfg, run) then break end
+end
+
+local dir = cfg.save and R.save(run, policy, tok_dir) or nil
+if cfg.save then critic:save(run.dir .. '/critic') end
+run:finish()
+print('run directory: ' .. run.dir .. (dir and ('; policy saved to ' .. dir .. ', critic to ' .. run.dir .. '/critic') or ''))
+return { history = history, dir = run.dir, model = policy, critic = critic }

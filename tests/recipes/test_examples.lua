@@ -1,0 +1,57 @@
+-- The real-model examples (examples/grpo_gsm8k.lua, examples/dpo_preferences.lua) end to end for a
+-- few steps on a tiny random Qwen2 saved in Hugging Face format, with a small byte-level BPE
+-- tokenizer fixture (tests/tok/fixtures/qwen2_split) and a ChatML chat template.
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+local json = require('moonrl.json')
+local U = dofile('tests/recipes/util.lua')
+
+local dir = U.tmpdir('examples')
+local tok = moonrl.tokenizer.load('tests/tok/fixtures/qwen2_split')
+local model = moonrl.model.new({ model_type = 'qwen2', vocab_size = tok.vocab_size, hidden_size = 32,
+  intermediate_size = 64, num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2,
+  max_position_embeddings = 1024, tie_word_embeddings = true }, { seed = 4 })
+model:save(dir .. '/qwen')
+local f = assert(io.open(dir .. '/qwen/tokenizer.json', 'wb'))
+f:write(assert(io.open('tests/tok/fixtures/qwen2_split/tokenizer.json', 'rb')):read('*a'))
+f:close()
+f = assert(io.open(dir .. '/qwen/tokenizer_config.json', 'wb'))
+f:write(json.encode({ eos_token = '<|im_end|>', chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}\n" ..
+  "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}" }))
+f:close()
+
+local function lines(path)
+  local n = 0
+  for _ in io.lines(path) do n = n + 1 end
+  return n
+end
+
+t.test('examples/grpo_gsm8k.lua: GRPO with the math reward and the chat template', function()
+  local data = U.write_jsonl(dir .. '/gsm8k.jsonl', {
+    { question = 'Tom has 3 apples and buys 4 more. How many apples does he have?', answer = 'He has 3 + 4 = 7.\n#### 7' },
+    { question = 'A box holds 12 eggs. How many eggs are in 2 boxes?', answer = '12 * 2 = 24\n#### 24' },
+    { question = 'Sara had 10 dollars and spent 6. How much is left?', answer = '10 - 6 = 4\n#### 4' },
+  })
+  local out = U.run_recipe('examples/grpo_gsm8k.lua', { 'model.dir=' .. dir .. '/qwen', 'data.path=' .. data,
+    'grpo.steps=2', 'grpo.prompts=2', 'grpo.samples=4', 'grpo.max_tokens=12', 'run.dir=' .. dir .. '/grpo' })
+  t.eq(lines(out.dir .. '/metrics.jsonl'), 2)
+  local m = moonrl.model.load(out.dir .. '/model')
+  t.eq(m.config.model_type, 'qwen2')
+  t.truthy(io.open(out.dir .. '/model/tokenizer_config.json'), 'tokenizer config copied')
+end)
+
+t.test('examples/dpo_preferences.lua: DPO on prompt/chosen/rejected with the chat template', function()
+  local data = U.write_jsonl(dir .. '/prefs.jsonl', {
+    { prompt = 'Say hello.', chosen = 'Hello!', rejected = 'No.' },
+    { prompt = 'What is 2+2?', chosen = '4', rejected = '5' },
+    { prompt = 'Name a color.', chosen = 'Blue.', rejected = 'Table.' },
+    { prompt = 'Be polite.', chosen = 'Thank you.', rejected = 'Go away.' },
+  })
+  local out = U.run_recipe('examples/dpo_preferences.lua', { 'model.dir=' .. dir .. '/qwen', 'data.path=' .. data,
+    'train.steps=3', 'train.pairs=2', 'train.lr=1e-3', 'run.dir=' .. dir .. '/dpo' })
+  t.eq(lines(out.dir .. '/metrics.jsonl'), 3)
+  t.eq(moonrl.model.load(out.dir .. '/model').config.model_type, 'qwen2')
+end)
+
+os.execute('rm -rf "' .. dir .. '"')
+t.done()
