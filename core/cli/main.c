@@ -18,8 +18,8 @@
 #include "moonrl/runtime.h"
 #include "build_info.h"
 
-extern const char mrl_ffi_cdef_lua[];
-extern const size_t mrl_ffi_cdef_lua_size;
+/* the generated FFI declarations (tools/gen_ffi.py, compiled into libmoonrl) */
+const char *mrl_ffi_cdef_lua(size_t *len);
 extern const char mrl_default_example[];
 extern const size_t mrl_default_example_size;
 
@@ -98,7 +98,9 @@ int main(int argc, char **argv) {
 
     /* package.preload for what is built into the binary */
     lua_getfield(L, -1, "preload");
-    if (!load_embedded(L, mrl_ffi_cdef_lua, mrl_ffi_cdef_lua_size, "=moonrl.cdef")) return 1;
+    size_t cdef_len;
+    const char *cdef = mrl_ffi_cdef_lua(&cdef_len);
+    if (!load_embedded(L, cdef, cdef_len, "=moonrl.cdef")) return 1;
     lua_setfield(L, -2, "moonrl.cdef");
     if (!load_embedded(L, mrl_default_example, mrl_default_example_size, "@examples/default.lua")) return 1;
     lua_setfield(L, -2, "moonrl.default_example");

@@ -11,7 +11,7 @@ local HELP = [[
 moonrl - reinforcement-learning post-training of LLMs: a C core, recipes in Lua
 
 usage:
-  moonrl                            run the embedded default example
+  moonrl [key=value ...]            run the embedded default example (with config overrides)
   moonrl run RECIPE [key=value ...] run a recipe (a .lua file, or a name in recipes/)
   moonrl run RECIPE --show-config   list the recipe's config keys and defaults
   moonrl version                    version, git revision, backends, CPU features
@@ -134,9 +134,15 @@ end
 
 function M.main(args)
   local cmd = args[1]
-  if cmd == nil then
+  if cmd == nil or cmd:match('^[%w_%.%-]+=') then
+    -- the default example, with key=value overrides if any (`moonrl grpo.steps=60`)
+    local ok, overrides = pcall(require('moonrl.config').parse_overrides, args)
+    if not ok then
+      eprint('error: ' .. tostring(overrides))
+      return 2
+    end
     local chunk = package.preload['moonrl.default_example']
-    return run_chunk(chunk, 'examples/default.lua', {}, false)
+    return run_chunk(chunk, 'examples/default.lua', overrides, false)
   end
   if cmd == 'help' or cmd == '--help' or cmd == '-h' then
     io.stdout:write(string.format(HELP, table.concat(extra_commands(), ', ')))

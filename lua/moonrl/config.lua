@@ -252,12 +252,12 @@ end
 -- moonrl.config { ... }: declare the recipe's config and get it back merged.
 setmetatable(M, {
   __call = function(_, declared)
-    local cfg = M.merge(declared, M.overrides)
     M.consumed = true
-    if M.show_only then
+    if M.show_only then -- before the merge: a recipe with required keys can be shown without them
       io.stdout:write(M.format(declared), '\n')
       error(setmetatable({ show_config = true }, { __tostring = function() return 'config shown' end }), 0)
     end
+    local cfg = M.merge(declared, M.overrides)
     M.current = cfg
     M.apply_run(cfg.run)
     return cfg

@@ -65,7 +65,8 @@ expect "no config declared" 2 "declares no config" -- "$MOONRL" run "$tmp/noconf
 expect "show config" 0 "model.name" -- "$MOONRL" run "$tmp/recipe.lua" --show-config
 expect "unknown command" 2 "unknown command 'frobnicate'" -- "$MOONRL" frobnicate
 expect "deadline stops cleanly" 124 "stopped (deadline of 0.3 s passed) at a safe point" -- "$MOONRL" run "$tmp/loop.lua" run.max_seconds=0.3
-expect "default example" 0 "held-out accuracy (greedy, 200 problems)" -- "$MOONRL"
+expect "default example (shortened)" 0 "held-out accuracy (greedy, 20 problems)" -- "$MOONRL" sft.steps=20 grpo.steps=1 grpo.prompts=4 heldout=20 quiet=true run.dir="$tmp/default_run"
+expect "default example: bad override" 2 "unknown config key 'grpo.stepz'" -- "$MOONRL" grpo.stepz=1
 
 # exactly one line of error output for usage errors
 lines=$("$MOONRL" run "$tmp/recipe.lua" stpes=3 2>&1 | wc -l)
