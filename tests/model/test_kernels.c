@@ -192,7 +192,49 @@ static void cmp(const char *what, const float *fast, const float *ref, int64_t n
     CHECK(e <= tol);
 }
 
+typedef void (*gemm_fn)(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+
+/* `gemm` against the reference over shapes with edges (1, 7, 31, 33, 257;
+ * larger than a cache block: 230 rows, 530 columns, 270 deep), every
+ * transpose, alpha, beta 0 (C full of NaN: must not be read), 1 (accumulate)
+ * and 0.5, and leading dimensions wider than the matrices (the gaps must
+ * stay untouched). */
+static void gemm_shapes(const char *what, gemm_fn gemm) {
+    static const int64_t shapes[][3] = {{1, 1, 1},    {1, 33, 31},  {7, 33, 31},  {31, 33, 7},   {33, 7, 31},
+                                        {257, 33, 7}, {31, 257, 7}, {33, 7, 257}, {16, 32, 256}, {230, 530, 270},
+                                        {64, 96, 0}};
+    double worst = 0;
+    int bad = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int t = 0; t < 4; t++) {
+            int ta = t & 1, tb = t >> 1;
+            int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+            int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+            float alpha = t == 3 ? -1.5f : 0.75f, beta = (float)((s + t) % 3) * 0.5f; /* 0, 0.5, 1 */
+            float *A = rnd((ta ? K : M) * lda, 1), *B = rnd((tb ? N : K) * ldb, 1), *C1 = rnd(M * ldc, 1),
+                  *C2 = zeros(M * ldc);
+            for (int64_t i = 0; i < M * ldc; i++)
+                if (beta == 0.0f && i % ldc < N) C1[i] = NAN;
+            memcpy(C2, C1, sizeof(float) * M * ldc);
+            R->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C1, ldc);
+            gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C2, ldc);
+            double e = rel_err(C2, C1, M * ldc);
+            for (int64_t i = 0; i < M * ldc; i++)
+                if (!isfinite(C2[i])) e = INFINITY;
+            if (!(e <= 1e-5) && bad++ < 5)
+                fprintf(stderr, "%s %c%c %lldx%lldx%lld beta %g: error %.3g\n", what, ta ? 'T' : 'N', tb ? 'T' : 'N',
+                        (long long)M, (long long)N, (long long)K, beta, e);
+            worst = e > worst ? e : worst;
+            free(A), free(B), free(C1), free(C2);
+        }
+    printf("%-22s vs reference, %d shapes x 4 transposes: %.1e\n", what, (int)(sizeof shapes / sizeof shapes[0]),
+           worst);
+    CHECK(bad == 0);
+}
+
 static void fast_vs_reference(void) {
+    gemm_shapes("fast gemm", Fk->gemm);
     /* gemm, all transposes */
     int64_t M = 37, N = 29, K = 45;
     float *A = rnd(M * K, 1), *B = rnd(K * N, 1), *C1 = rnd(M * N, 1), *C2 = zeros(M * N);
