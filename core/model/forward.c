@@ -161,6 +161,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     const mrl_kernels *k = m->k;
     int64_t T = b->n_tokens, D = c->hidden_size, V = c->vocab_size;
     m->batch = *b;
+    m->logits_kept = 0;
     m->inv_temp = 1.0f / temperature;
     for (int s = 0; s < b->n_seqs; s++)
         for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) m->pos[i] = i - b->cu_seqlens[s];
@@ -180,6 +181,9 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         if (ent_out) memcpy(ent_out + t0, m->head_ent + t0, sizeof(float) * n);
     }
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, values, 1); /* [T,1] */
+    /* a batch that fits one head chunk leaves all its logits in the buffer: the
+     * backward then starts from them instead of recomputing the product */
+    m->logits_kept = T <= m->head_chunk;
     m->have_forward = 1;
     return MRL_OK;
 }
@@ -198,7 +202,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
             int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
             const float *x = m->lnf + t0 * D;
-            k->gemm(0, 1, n, V, D, 1.0f, x, D, m->lm_head, D, 0.0f, m->logits, V);
+            if (!m->logits_kept) k->gemm(0, 1, n, V, D, 1.0f, x, D, m->lm_head, D, 0.0f, m->logits, V);
+            m->logits_kept = 0; /* head_bwd turns them into dlogits in place */
             k->head_bwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0,
                         dlogprobs ? dlogprobs + t0 : NULL, dentropy ? dentropy + t0 : NULL); /* dlogits [n,V] */
             k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */

@@ -69,6 +69,7 @@ struct mrl_model {
     mrl_batch batch;
     float inv_temp;
     int have_forward;
+    int logits_kept; /* the forward's logits of the whole batch are still in `logits` (one head chunk) */
 };
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
