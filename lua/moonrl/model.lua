@@ -12,46 +12,10 @@
 --   m:save('/tmp/out')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
+local json = require('moonrl.json')
 local C = moonrl.C
 
 local M = {}
-
--- ---- JSON text of a config table (config.json keys) --------------------------
-
-local function json_encode(v, out)
-  local t = type(v)
-  if t == 'table' then
-    if #v > 0 then
-      out[#out + 1] = '['
-      for i, x in ipairs(v) do
-        if i > 1 then out[#out + 1] = ',' end
-        json_encode(x, out)
-      end
-      out[#out + 1] = ']'
-    else
-      out[#out + 1] = '{'
-      local first = true
-      for k, x in pairs(v) do
-        if not first then out[#out + 1] = ',' end
-        first = false
-        out[#out + 1] = string.format('%q:', tostring(k))
-        json_encode(x, out)
-      end
-      out[#out + 1] = '}'
-    end
-  elseif t == 'string' then
-    out[#out + 1] = '"' .. v:gsub('[%c"\\]', function(c) return string.format('\\u%04x', c:byte()) end) .. '"'
-  elseif t == 'number' then
-    if v == math.floor(v) and math.abs(v) < 2^53 then out[#out + 1] = string.format('%d', v)
-    else out[#out + 1] = string.format('%.17g', v) end
-  elseif t == 'boolean' then
-    out[#out + 1] = tostring(v)
-  elseif v == nil then
-    out[#out + 1] = 'null'
-  else
-    error('model config: cannot encode a ' .. t, 3)
-  end
-end
 
 local arch_names = { [0] = 'llama', 'qwen2', 'qwen3' }
 
@@ -134,9 +98,7 @@ function M.new(cfg, opts)
   local t = {}
   for k, v in pairs(cfg) do t[k] = v end
   if opts.value_head then t.moonrl_value_head = true end
-  local out = {}
-  json_encode(t, out)
-  local text = table.concat(out)
+  local text = json.encode(t)
   local c = ffi.new('mrl_model_config')
   moonrl.check(C.mrl_model_config_parse(text, #text, 'model config table', c), 2)
   local h = ffi.new('mrl_model *[1]')
