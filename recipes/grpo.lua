@@ -71,14 +71,17 @@ for step = 1, cfg.grpo.steps do
     for i, s in ipairs(samples) do s.old_logprobs = old[i] end
   end
   t0 = moonrl.now()
-  local m
-  for _ = 1, cfg.grpo.epochs do
+  local m, mismatch
+  for epoch = 1, cfg.grpo.epochs do
     m = run:phase('train', R.policy_step, { model = model, opt = opt, samples = samples, ref = ref,
+      measure_mismatch = epoch == 1,
       lr = lr_at(step), temperature = cfg.grpo.temperature, loss = cfg.grpo.loss, clip_low = cfg.grpo.clip_low,
       clip_high = cfg.grpo.clip_high, agg = cfg.grpo.agg, norm = cfg.grpo.max_tokens, kl_coef = cfg.grpo.kl_coef,
       kl_estimator = cfg.grpo.kl_estimator, entropy_coef = cfg.grpo.entropy_coef,
       micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = cfg.train.max_grad_norm })
+    mismatch = mismatch or m.mismatch -- engine vs trainer log-probs, before the first update
   end
+  m.mismatch = mismatch
 
   -- 4. log
   local mean, std = R.stats(scores, #samples)

@@ -106,13 +106,16 @@ for step = 1, cfg.ppo.steps do
 
   -- 4. epochs of policy and critic updates
   t0 = moonrl.now()
-  local m, c
-  for _ = 1, cfg.ppo.epochs do
+  local m, c, mismatch
+  for epoch = 1, cfg.ppo.epochs do
     m = run:phase('train', R.policy_step, { model = policy, opt = opt, samples = samples, lr = cfg.train.lr,
+      measure_mismatch = epoch == 1,
       temperature = cfg.ppo.temperature, clip_low = cfg.ppo.clip, agg = cfg.ppo.agg,
       micro_batch_tokens = mb_tokens, max_grad_norm = cfg.train.max_grad_norm })
     c = run:phase('critic', critic_step, samples)
+    mismatch = mismatch or m.mismatch -- engine vs trainer log-probs, before the first update
   end
+  m.mismatch = mismatch
 
   -- 5. log
   local mean, std = R.stats(scores, #samples)

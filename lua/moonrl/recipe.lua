@@ -291,7 +291,11 @@ end
 -- (a list; when absent the batch is on-policy and log π_old = log πθ, detached). o:
 --   model, opt; ref (a frozen reference model: adds the KL loss term, coef kl_coef, estimator
 --   kl_estimator); loss ('ppo' or 'gspo'), clip_low, clip_high, dual_clip, agg, norm;
---   entropy_coef (0); temperature (1); micro_batch_tokens (4096); max_grad_norm (1); lr.
+--   entropy_coef (0); temperature (1); micro_batch_tokens (4096); max_grad_norm (1); lr;
+--   measure_mismatch (true): when the samples carry the engine's rollout_logprobs and the weights
+--   are still those that generated them (the first update after generation), report how far the
+--   trainer's log-probs are from the engine's (metrics.mismatch: mean_abs, max_abs,
+--   token_mult_prob_error), since a gap silently turns on-policy RL off-policy.
 -- Micro-batches accumulate gradients with the GLOBAL denominators (tokens and sequences of the
 -- whole list), so the step equals one step on the whole batch. Returns metrics: loss, kl,
 -- entropy, clip_frac, approx_kl, grad_norm, lr, tokens.
@@ -305,6 +309,8 @@ function M.policy_step(o)
     if #s.ids > 0 then seqs = seqs + 1 end
   end
   local sums = { loss = 0, kl = 0, entropy = 0, clip_frac = 0, approx_kl = 0 }
+  local measure = o.measure_mismatch ~= false
+  local mm = { sum = 0, max = 0, mult = 0, n = 0 }
   model:zero_grad()
   for b, first in M.micro_batches(samples, o.micro_batch_tokens or 4096) do
     local n = b.n_tokens
@@ -317,6 +323,12 @@ function M.policy_step(o)
       for k = 1, b.len[i] do
         adv[t0 + k - 1] = s.adv_tokens and s.adv_tokens[k] or s.adv
         if s.old_logprobs then old[t0 + k - 1] = s.old_logprobs[k] end
+        local rollout = measure and s.rollout_logprobs and s.rollout_logprobs[k]
+        if rollout then
+          local d = math.abs(lp[t0 + k - 1] - rollout)
+          mm.sum, mm.mult, mm.n = mm.sum + d, mm.mult + math.exp(d), mm.n + 1
+          if d > mm.max then mm.max = d end
+        end
       end
     end
     local grad = ffi.new('float[?]', n)
@@ -351,7 +363,8 @@ function M.policy_step(o)
   local inv = tokens > 0 and 1 / tokens or 0
   return { loss = sums.loss, kl = o.ref and sums.kl or nil, entropy = sums.entropy * inv,
     clip_frac = sums.clip_frac * inv, approx_kl = sums.approx_kl * inv, grad_norm = gnorm,
-    lr = o.lr or o.opt.lr, tokens = tokens }
+    lr = o.lr or o.opt.lr, tokens = tokens,
+    mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
 end
 
 -- Throughput helper: tokens / seconds (0 when no time passed).

@@ -40,13 +40,19 @@ t.test('grpo: a few steps with a KL reference, micro-batches and two epochs', fu
   local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=3', 'grpo.prompts=4', 'grpo.samples=4',
     'grpo.max_tokens=4', 'grpo.kl_coef=0.01', 'grpo.epochs=2', 'grpo.entropy_coef=0.001', 'run.dir=' .. dir .. '/grpo' }))
   check_run(out.dir, 3, { 'reward/mean', 'reward/std', 'accuracy', 'response_length/mean', 'kl', 'entropy',
-    'clip_frac', 'grad_norm', 'lr', 'tokens_per_s/generate', 'tokens_per_s/train', 'time/generate', 'time/train' })
+    'clip_frac', 'grad_norm', 'lr', 'tokens_per_s/generate', 'tokens_per_s/train', 'time/generate', 'time/train',
+    'mismatch/mean_abs', 'mismatch/max_abs', 'mismatch/token_mult_prob_error' })
+  -- the engine generated with the weights the first epoch's forward runs on: they must agree
+  for _, r in ipairs(records(out.dir)) do
+    t.truthy(r['mismatch/max_abs'] < 1e-4, 'engine vs trainer log-probs: max |diff| ' .. r['mismatch/max_abs'])
+  end
 end)
 
 t.test('ppo: critic with a value head, GAE, policy and critic updates', function()
   local out = U.run_recipe('recipes/ppo.lua', with({ 'ppo.steps=3', 'ppo.prompts=6', 'ppo.samples=2',
     'ppo.max_tokens=4', 'run.dir=' .. dir .. '/ppo' }))
-  check_run(out.dir, 3, { 'reward/mean', 'kl', 'entropy', 'critic/loss', 'grad_norm', 'time/critic', 'time/logprobs' })
+  check_run(out.dir, 3, { 'reward/mean', 'kl', 'entropy', 'critic/loss', 'grad_norm', 'time/critic', 'time/logprobs',
+    'mismatch/max_abs' })
   t.truthy(out.critic.config.value_head, 'the critic has a value head')
   local c = moonrl.model.load(out.dir .. '/critic')
   t.truthy(c.config.value_head, 'the critic saved as a sequence-classification checkpoint')
