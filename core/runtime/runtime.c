@@ -8,6 +8,7 @@
 #include "moonrl/parallel.h"
 #include "moonrl/device.h"
 #include "build_info.h"
+#include "cpu/isa.h"
 
 const char *mrl_version(void) { return MRL_VERSION; }
 
@@ -34,6 +35,15 @@ static int has_feature(const char *name) {
 #endif
     return 0;
 }
+
+const char *mrl_kernel_isas_built(void) {
+    static char text[64];
+    if (!text[0])
+        snprintf(text, sizeof text, "%s %s %s", mrl_cpu_isa_avx512.name, mrl_cpu_isa_avx2.name, mrl_cpu_isa_sse.name);
+    return text;
+}
+
+const char *mrl_kernel_isa(void) { return mrl_cpu_isa_get()->name; }
 
 int mrl_cpu_has(const char *feature) { return feature ? has_feature(feature) : 0; }
 

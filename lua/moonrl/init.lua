@@ -71,6 +71,8 @@ function M.version()
     git = ffi.string(C.mrl_git_revision()),
     backends = ffi.string(C.mrl_backends()),
     cpu_features = ffi.string(C.mrl_cpu_features()),
+    kernels_built = ffi.string(C.mrl_kernel_isas_built()),
+    kernels = ffi.string(C.mrl_kernel_isa()),
     cuda_devices = tonumber(C.mrl_device_cuda_count()),
     threads = tonumber(C.mrl_parallel_threads()),
   }

@@ -14,6 +14,10 @@ const char *mrl_git_revision(void);
 const char *mrl_backends(void);
 /* CPU features detected at run time: "avx2 fma avx512f ..." */
 const char *mrl_cpu_features(void);
+/* Instruction sets the CPU kernels are built for ("avx512 avx2 sse"), and the
+ * one in use on this CPU ("avx512"). */
+const char *mrl_kernel_isas_built(void);
+const char *mrl_kernel_isa(void);
 /* 1 when the running CPU has the named feature ("avx2", "avx512f", ...). */
 int mrl_cpu_has(const char *feature);
 /* Initialise the runtime (idempotent): logging level, threads, the event loop. */
