@@ -84,11 +84,7 @@ for step = 1, cfg.grpo.steps do
   m.mismatch = mismatch
 
   -- 4. log
-  local mean, std = R.stats(scores, #samples)
-  local correct = 0
-  for i = 0, #samples - 1 do if scores[i] >= 1 then correct = correct + 1 end end
-  m.reward = { mean = mean, std = std }
-  m.accuracy = correct / #samples
+  m.reward, m.accuracy = R.reward_metrics(scores, #samples)
   m.response_length = R.length_metrics(samples)
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens * cfg.grpo.epochs, moonrl.now() - t0) }
   history[step] = run:log(step, m)

@@ -118,11 +118,7 @@ for step = 1, cfg.ppo.steps do
   m.mismatch = mismatch
 
   -- 5. log
-  local mean, std = R.stats(scores, #samples)
-  local correct = 0
-  for i = 0, #samples - 1 do if scores[i] >= 1 then correct = correct + 1 end end
-  m.reward = { mean = mean, std = std }
-  m.accuracy = correct / #samples
+  m.reward, m.accuracy = R.reward_metrics(scores, #samples)
   m.kl = kl / math.max(m.tokens, 1)
   m.critic = c
   m.response_length = R.length_metrics(samples)

@@ -254,6 +254,16 @@ function M.stats(x, n)
   return mean, math.sqrt(math.max(ss / n - mean * mean, 0)), mx
 end
 
+-- Reward metrics of a step: mean and std of the n scores, and accuracy = the share of scores >= 1
+-- (a verifier's full credit). Returns the two fields recipes log: reward = {mean, std}, accuracy.
+function M.reward_metrics(scores, n)
+  local mean, std = M.stats(scores, n)
+  local off = type(scores) == 'table' and 1 or 0
+  local correct = 0
+  for i = 0, n - 1 do if scores[i + off] >= 1 then correct = correct + 1 end end
+  return { mean = mean, std = std }, n > 0 and correct / n or 0
+end
+
 -- Response-length metrics of generated samples: mean, max and the share cut at max_tokens.
 function M.length_metrics(samples)
   local lens, clipped = {}, 0
