@@ -1,7 +1,10 @@
 -- moonrl's side of bench/grpo_step.sh: one GRPO step (generate prompts x samples with the engine,
 -- score with a registered reward, group advantages, log-probs + PPO-clip update with AdamW) on the
--- model directory MODEL, timed after one warm-up step. Prints one JSON line.
--- env: MODEL, PROMPTS (16), SAMPLES (8), MAX_TOKENS (64), THREADS (2)
+-- model directory MODEL. One warm-up step, then STEPS timed steps; prints one JSON line with the
+-- mean seconds per step and per phase and the mean response length.
+-- env: MODEL, PROMPTS (16), SAMPLES (8), MAX_TOKENS (64), THREADS (2), STEPS (3),
+--      LENGTHS: natural (default: a completion ends at EOS or MAX_TOKENS) or fixed (no EOS: every
+--      completion runs to MAX_TOKENS, so both sides do exactly the same arithmetic)
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
 local algo = require('moonrl.algo')
@@ -10,6 +13,9 @@ local R = require('moonrl.recipe')
 
 local P, G = tonumber(os.getenv('PROMPTS') or 16), tonumber(os.getenv('SAMPLES') or 8)
 local max_tokens = tonumber(os.getenv('MAX_TOKENS') or 64)
+local steps = tonumber(os.getenv('STEPS') or 3)
+local lengths = os.getenv('LENGTHS') or 'natural'
+assert(lengths == 'natural' or lengths == 'fixed', 'LENGTHS must be natural or fixed')
 moonrl.C.mrl_parallel_set_threads(tonumber(os.getenv('THREADS') or 2))
 local model, tok = R.load(os.getenv('MODEL'))
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 256 * 2 ^ 20, block_size = 16,
@@ -25,13 +31,13 @@ for i = 1, P do
   local prompt = string.format('%d+%d=', 10 + i, 30 + 2 * i)
   records[i] = { prompt = prompt, prompt_ids = tok:encode(prompt) }
 end
+local eos_ids = lengths == 'natural' and R.eos_ids(tok, model) or {}
 
 local function step(k)
   local t = {}
   local t0 = moonrl.now()
-  -- no EOS: every completion runs to max_tokens, as on the TRL side
   local results = engine:generate(R.requests(records, G), { temperature = 1.0, max_tokens = max_tokens,
-    eos_ids = {}, tokenizer = tok, step = k })
+    eos_ids = eos_ids, tokenizer = tok, step = k })
   t.generate = moonrl.now() - t0
   local samples = R.flatten(records, results)
   local t1 = moonrl.now()
@@ -43,10 +49,19 @@ local function step(k)
   local m = R.policy_step({ model = model, opt = opt, samples = samples, lr = 1e-6, micro_batch_tokens = 8192 })
   t.train = moonrl.now() - t1
   t.total = moonrl.now() - t0
-  t.tokens = m.tokens
+  t.response_tokens = m.tokens
   return t
 end
 
-step(1)
-local t = step(2)
-print(json.encode(t))
+step(1) -- warm-up: first-touch of the activation and cache memory
+local sum = { generate = 0, reward = 0, train = 0, total = 0, response_tokens = 0 }
+local totals = {}
+for k = 2, steps + 1 do
+  local t = step(k)
+  for key, v in pairs(t) do sum[key] = sum[key] + v end
+  totals[#totals + 1] = t.total
+end
+local out = { steps = totals, lengths = lengths }
+for key, v in pairs(sum) do out[key] = v / steps end
+out.mean_length = out.response_tokens / (P * G)
+print(json.encode(out))

@@ -55,13 +55,19 @@ typedef struct mrl_kernels {
                        const float *up, int64_t n);
 
     /* Causal attention per sequence and head; q [T,Hq,hd], k/v [T,Hk,hd],
-     * out [T,Hq,hd], lse [T,Hq] (log-sum-exp of the scaled scores). */
+     * out [T,Hq,hd], lse [T,Hq] (log-sum-exp of the scaled scores).
+     * prefix (NULL: none): [n_seqs], sequence s first attends to all rows of
+     * sequence prefix[s] (an earlier one without prefix; -1: none), then
+     * causally to its own: the layout of mrl_batch.prefix. */
     void (*attn_fwd)(float *out, float *lse, const float *q, const float *k, const float *v,
-                     const int32_t *cu_seqlens, int n_seqs, int Hq, int Hk, int hd, float scale);
-    /* dq, dk, dv (overwritten) from dout. */
+                     const int32_t *cu_seqlens, const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd,
+                     float scale);
+    /* dq, dk, dv (overwritten) from dout; a prefix's dk / dv sum over every
+     * sequence that attends to it. */
     void (*attn_bwd)(float *dq, float *dk, float *dv, const float *dout, const float *out,
                      const float *lse, const float *q, const float *k, const float *v,
-                     const int32_t *cu_seqlens, int n_seqs, int Hq, int Hk, int hd, float scale);
+                     const int32_t *cu_seqlens, const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd,
+                     float scale);
 
     /* Head statistics of logits rows [rows, V] scaled by inv_temp: per row
      * lse, entropy, and logprob of target (0 if target < 0). */

@@ -133,6 +133,16 @@ static mrl_status check_batch(const mrl_model *m, const mrl_batch *b, int64_t *m
         int64_t len = (int64_t)b->cu_seqlens[s + 1] - b->cu_seqlens[s];
         if (len < 0)
             return mrl_set_error(MRL_ERR_INVALID, "model forward: cu_seqlens decreases at sequence %d", s);
+        if (b->prefix && b->prefix[s] >= 0) {
+            int p = b->prefix[s];
+            if (p >= s || b->prefix[p] >= 0)
+                return mrl_set_error(MRL_ERR_INVALID, "model forward: prefix[%d] = %d must name an earlier sequence "
+                                     "that has no prefix itself", s, p);
+            len += (int64_t)b->cu_seqlens[p + 1] - b->cu_seqlens[p]; /* positions go on from the prefix */
+        } else if (b->prefix && b->prefix[s] != -1) {
+            return mrl_set_error(MRL_ERR_INVALID, "model forward: prefix[%d] = %d (a sequence index or -1)", s,
+                                 b->prefix[s]);
+        }
         if (len > *max_len) *max_len = len;
     }
     int V = m->cfg.vocab_size;
@@ -163,8 +173,10 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     m->batch = *b;
     m->logits_kept = 0;
     m->inv_temp = 1.0f / temperature;
-    for (int s = 0; s < b->n_seqs; s++)
-        for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) m->pos[i] = i - b->cu_seqlens[s];
+    for (int s = 0; s < b->n_seqs; s++) {
+        int32_t p = b->prefix ? b->prefix[s] : -1, start = p >= 0 ? b->cu_seqlens[p + 1] - b->cu_seqlens[p] : 0;
+        for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) m->pos[i] = start + i - b->cu_seqlens[s];
+    }
     for (int64_t i = 0; i < T; i++) {
         m->targets[i] = b->targets ? b->targets[i] : -1;
         memcpy(m->xs[0] + i * D, m->embed + (int64_t)b->tokens[i] * D, sizeof(float) * D); /* [T,D] */

@@ -88,7 +88,7 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
     const mrl_model_config *c = &m->cfg;
     layer_acts *a = &m->la[l];
     mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
-    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.n_seqs,
+    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.prefix, m->batch.n_seqs,
                    c->num_attention_heads, c->num_key_value_heads, c->head_dim,
                    1.0f / sqrtf((float)c->head_dim));                   /* [T,Q] [T,Hq] */
     mrl_layer_out(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
@@ -118,7 +118,7 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
                           lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
     k->gemm_group(o, 2);
     k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens,
-                m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+                m->batch.prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
     k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
     k->rope(s->dk, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 1);
     float *dq = s->dq, *dk = s->dk;

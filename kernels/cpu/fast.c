@@ -278,30 +278,37 @@ static void attn_run(attn_ctx *c, int64_t items) {
     mrl_parallel_for(threads < items ? threads : items, 1, attn_range, c);
 }
 
-static int64_t max_seqlen(const int32_t *cu, int n) {
+/* The most keys a query meets: a sequence's rows plus its prefix's. */
+static int64_t max_keys(const int32_t *cu, const int32_t *prefix, int n) {
     int64_t m = 1;
-    for (int s = 0; s < n; s++)
-        if (cu[s + 1] - cu[s] > m) m = cu[s + 1] - cu[s];
+    for (int s = 0; s < n; s++) {
+        int64_t keys = cu[s + 1] - cu[s];
+        if (prefix && prefix[s] >= 0) keys += cu[prefix[s] + 1] - cu[prefix[s]];
+        if (keys > m) m = keys;
+    }
     return m;
 }
 
 static void fast_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                          const int32_t *cu, int n_seqs, int Hq, int Hk, int hd, float scale) {
-    attn_ctx c = {.a = {.out = out, .lse = lse, .q = q, .k = k, .v = v, .cu_seqlens = cu, .n_seqs = n_seqs,
-                        .Hq = Hq, .Hk = Hk, .hd = hd, .scale = scale},
+                          const int32_t *cu, const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd,
+                          float scale) {
+    int64_t keys = max_keys(cu, prefix, n_seqs);
+    attn_ctx c = {.a = {.out = out, .lse = lse, .q = q, .k = k, .v = v, .cu_seqlens = cu, .prefix = prefix,
+                        .n_seqs = n_seqs, .Hq = Hq, .Hk = Hk, .hd = hd, .max_keys = keys, .scale = scale},
                   .heads = Hq,
-                  .scratch_floats = mrl_attn_scratch_floats(max_seqlen(cu, n_seqs), hd)};
+                  .scratch_floats = mrl_attn_scratch_floats(keys, hd)};
     attn_run(&c, (int64_t)n_seqs * Hq);
 }
 
 static void fast_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
                           const float *lse, const float *q, const float *k, const float *v, const int32_t *cu,
-                          int n_seqs, int Hq, int Hk, int hd, float scale) {
+                          const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd, float scale) {
+    int64_t keys = max_keys(cu, prefix, n_seqs);
     attn_ctx c = {.a = {.dq = dq, .dk = dk, .dv = dv, .dout = dout, .o = out, .lse_in = lse, .q = q, .k = k,
-                        .v = v, .cu_seqlens = cu, .n_seqs = n_seqs, .Hq = Hq, .Hk = Hk, .hd = hd,
-                        .scale = scale},
+                        .v = v, .cu_seqlens = cu, .prefix = prefix, .n_seqs = n_seqs, .Hq = Hq, .Hk = Hk,
+                        .hd = hd, .max_keys = keys, .scale = scale},
                   .heads = Hk,
-                  .scratch_floats = mrl_attn_scratch_floats(max_seqlen(cu, n_seqs), hd),
+                  .scratch_floats = mrl_attn_scratch_floats(keys, hd),
                   .backward = 1};
     attn_run(&c, (int64_t)n_seqs * Hk);
 }

@@ -13,7 +13,9 @@ typedef struct mrl_attn_args {
     const float *q, *k, *v;        /* q [T,Hq,hd], k/v [T,Hk,hd] */
     const float *o, *lse_in;       /* forward results, for the backward */
     const int32_t *cu_seqlens;
+    const int32_t *prefix;         /* [n_seqs] or NULL: see mrl_batch.prefix */
     int n_seqs, Hq, Hk, hd;
+    int64_t max_keys;              /* the most keys a query meets: max over s of prefix + own rows */
     float scale;
 } mrl_attn_args;
 
@@ -32,7 +34,7 @@ typedef struct mrl_cpu_isa {
                          float *entropy, float *logprob);
     void (*head_bwd_row)(float *z, int V, float inv_temp, int32_t target, float lse, float entropy,
                          float glp, float gh);
-    /* scratch: mrl_attn_scratch_floats(max_len, hd) floats */
+    /* scratch: mrl_attn_scratch_floats(a->max_keys, hd) floats */
     void (*attn_fwd_head)(const mrl_attn_args *a, int s, int h, float *scratch);
     void (*attn_bwd_group)(const mrl_attn_args *a, int s, int kh, float *scratch);
     /* C[m, n0..n1) = alpha * A[m] . B[n] (+ beta C) for m < M: few rows, B [N,K] streamed once */
@@ -45,9 +47,14 @@ typedef struct mrl_cpu_isa {
 
 #define ATT_QB 64 /* queries per attention block */
 
-static inline int64_t mrl_attn_scratch_floats(int64_t max_len, int hd) {
-    (void)hd;
-    return 2 * ATT_QB * ((max_len + 15) / 16 * 16) + 64;
+/* A score row's floats for up to max_keys keys (padded to 16). */
+static inline int64_t mrl_attn_row_floats(int64_t max_keys) { return (max_keys + 15) / 16 * 16; }
+
+/* Scratch of one attention worker: two [ATT_QB, row] score blocks, and
+ * (sequences with a prefix) their keys, values and the two gradients gathered
+ * into contiguous rows. */
+static inline int64_t mrl_attn_scratch_floats(int64_t max_keys, int hd) {
+    return 2 * ATT_QB * mrl_attn_row_floats(max_keys) + 4 * max_keys * (int64_t)hd + 64;
 }
 
 extern const mrl_cpu_isa mrl_cpu_isa_avx512;

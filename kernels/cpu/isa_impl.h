@@ -194,69 +194,149 @@ static float causal_exp_row(float *row, int64_t i, int64_t n, float shift) {
     return s;
 }
 
+/* The keys and values of sequence s for KV head kh. Without a prefix they are
+ * its own rows, read in place (row stride ks). A sequence that continues a
+ * prefix sequence (shared-prompt packing, see mrl_batch.prefix) meets the
+ * prefix's rows first, then its own: both are copied into contiguous scratch
+ * rows (stride hd) so that the block products stay single sgemm calls. */
+typedef struct attn_keys {
+    const float *k, *v;
+    int64_t ld;  /* row stride of k and v */
+    int64_t pre; /* prefix rows in front of the sequence's own (0: none) */
+    int64_t n;   /* pre + own rows */
+} attn_keys;
+
+static int64_t attn_prefix_rows(const mrl_attn_args *a, int s, int64_t *first_row) {
+    if (!a->prefix || a->prefix[s] < 0) return 0;
+    int p = a->prefix[s];
+    *first_row = a->cu_seqlens[p];
+    return a->cu_seqlens[p + 1] - a->cu_seqlens[p];
+}
+
+/* rows of hd floats: from stride ld to contiguous, and back */
+static void copy_rows(float *dst, const float *src, int64_t rows, int64_t ld, int hd) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * hd, src + r * ld, sizeof(float) * hd);
+}
+
+static void copy_rows_to(float *dst, const float *src, int64_t rows, int64_t ld, int hd) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * ld, src + r * hd, sizeof(float) * hd);
+}
+
+/* gather: 2 * (pre + L) * hd floats of scratch when the sequence has a prefix */
+static attn_keys attn_keys_of(const mrl_attn_args *a, int s, int kh, float *gather) {
+    int hd = a->hd;
+    int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b, ks = (int64_t)a->Hk * hd, pb = 0;
+    int64_t pre = attn_prefix_rows(a, s, &pb);
+    attn_keys r = {a->k + b * ks + (int64_t)kh * hd, a->v + b * ks + (int64_t)kh * hd, ks, pre, pre + L};
+    if (pre > 0) {
+        float *kc = gather, *vc = gather + r.n * hd;
+        copy_rows(kc, a->k + pb * ks + (int64_t)kh * hd, pre, ks, hd);
+        copy_rows(kc + pre * hd, r.k, L, ks, hd);
+        copy_rows(vc, a->v + pb * ks + (int64_t)kh * hd, pre, ks, hd);
+        copy_rows(vc + pre * hd, r.v, L, ks, hd);
+        r.k = kc, r.v = vc, r.ld = hd;
+    }
+    return r;
+}
+
 static void attn_fwd_head(const mrl_attn_args *a, int s, int h, float *scratch) {
     int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b;
     if (L <= 0) return;
     int hd = a->hd, kh = h / (a->Hq / a->Hk);
-    int64_t lp = (L + 15) / 16 * 16, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
-    const float *kb = a->k + b * ks + (int64_t)kh * hd, *vb = a->v + b * ks + (int64_t)kh * hd;
+    int64_t qs = (int64_t)a->Hq * hd, lp = mrl_attn_row_floats(a->max_keys);
     float *S = scratch; /* [ATT_QB, lp] */
+    attn_keys K = attn_keys_of(a, s, kh, scratch + ATT_QB * lp);
+    int64_t pre = K.pre;
     for (int64_t i0 = 0; i0 < L; i0 += ATT_QB) {
-        int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = i0 + nb;
+        /* query i of the block sits at key position pre + i0 + r and meets keys 0 .. that */
+        int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = pre + i0 + nb;
         const float *qb = a->q + (b + i0) * qs + (int64_t)h * hd;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, a->scale, qb,
-                    (blasint)qs, kb, (blasint)ks, 0.0f, S, (blasint)lp); /* S = scale Q K^T [nb, n] */
+                    (blasint)qs, K.k, (blasint)K.ld, 0.0f, S, (blasint)lp); /* S = scale Q K^T [nb, n] */
         for (int64_t r = 0; r < nb; r++) {
             float *row = S + r * lp, m = -INFINITY;
-            for (int64_t j = 0; j <= i0 + r; j++) m = row[j] > m ? row[j] : m;
-            float sum = causal_exp_row(row, i0 + r, n, m), inv = 1.0f / sum;
-            for (int64_t j = 0; j <= i0 + r; j++) row[j] *= inv;
+            int64_t last = pre + i0 + r;
+            for (int64_t j = 0; j <= last; j++) m = row[j] > m ? row[j] : m;
+            float sum = causal_exp_row(row, last, n, m), inv = 1.0f / sum;
+            for (int64_t j = 0; j <= last; j++) row[j] *= inv;
             a->lse[(b + i0 + r) * a->Hq + h] = m + logf(sum);
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)nb, hd, (blasint)n, 1.0f, S, (blasint)lp,
-                    vb, (blasint)ks, 0.0f, a->out + (b + i0) * qs + (int64_t)h * hd, (blasint)qs); /* O = P V */
+                    K.v, (blasint)K.ld, 0.0f, a->out + (b + i0) * qs + (int64_t)h * hd, (blasint)qs); /* O = P V */
     }
 }
 
-/* All query heads sharing KV head kh, so that dk / dv of (s, kh) have one writer.
- * P = exp(S - lse); dP = dO V^T; dS = P (dP - rowsum(dO O)) scale;
- * dQ = dS K; dK += dS^T Q; dV += P^T dO. */
-static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch) {
-    int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b;
-    if (L <= 0) return;
+/* The backward of sequence s for the query heads sharing KV head kh:
+ * dQ of its rows (overwritten), dK / dV of its K.n keys added into dk / dv
+ * (row stride K.ld, the same layout as K.k: in place, or the scratch rows
+ * of a prefixed sequence). P = exp(S - lse); dP = dO V^T;
+ * dS = P (dP - rowsum(dO O)) scale; dQ = dS K; dK += dS^T Q; dV += P^T dO. */
+static void attn_bwd_seq(const mrl_attn_args *a, int s, int kh, attn_keys K, float *dk, float *dv,
+                         float *scratch) {
+    int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b, pre = K.pre;
     int hd = a->hd, group = a->Hq / a->Hk;
-    int64_t lp = (L + 15) / 16 * 16, qs = (int64_t)a->Hq * hd, ks = (int64_t)a->Hk * hd;
-    const float *kb = a->k + b * ks + (int64_t)kh * hd, *vb = a->v + b * ks + (int64_t)kh * hd;
-    float *dkb = a->dk + b * ks + (int64_t)kh * hd, *dvb = a->dv + b * ks + (int64_t)kh * hd;
+    int64_t lp = mrl_attn_row_floats(a->max_keys), qs = (int64_t)a->Hq * hd;
     float *P = scratch, *dS = scratch + ATT_QB * lp; /* [ATT_QB, lp] each */
-    for (int64_t j = 0; j < L; j++) {
-        memset(dkb + j * ks, 0, sizeof(float) * hd);
-        memset(dvb + j * ks, 0, sizeof(float) * hd);
-    }
     for (int h = kh * group; h < (kh + 1) * group; h++)
         for (int64_t i0 = 0; i0 < L; i0 += ATT_QB) {
-            int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = i0 + nb, qo = (b + i0) * qs + (int64_t)h * hd;
+            int64_t nb = L - i0 < ATT_QB ? L - i0 : ATT_QB, n = pre + i0 + nb, qo = (b + i0) * qs + (int64_t)h * hd;
             const float *qb = a->q + qo, *dob = a->dout + qo, *ob = a->o + qo;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, a->scale, qb,
-                        (blasint)qs, kb, (blasint)ks, 0.0f, P, (blasint)lp);
+                        (blasint)qs, K.k, (blasint)K.ld, 0.0f, P, (blasint)lp);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)nb, (blasint)n, hd, 1.0f, dob,
-                        (blasint)qs, vb, (blasint)ks, 0.0f, dS, (blasint)lp); /* dP */
+                        (blasint)qs, K.v, (blasint)K.ld, 0.0f, dS, (blasint)lp); /* dP */
             for (int64_t r = 0; r < nb; r++) {
                 float *p = P + r * lp, *ds = dS + r * lp;
-                causal_exp_row(p, i0 + r, n, a->lse_in[(b + i0 + r) * a->Hq + h]);
+                int64_t last = pre + i0 + r;
+                causal_exp_row(p, last, n, a->lse_in[(b + i0 + r) * a->Hq + h]);
                 float Di = dot(dob + r * qs, ob + r * qs, hd);
-                int64_t j = 0, valid = i0 + r + 1;
+                int64_t j = 0, valid = last + 1;
                 for (; j + VW <= valid; j += VW) st(ds + j, ld(p + j) * (ld(ds + j) - Di) * a->scale);
                 for (; j < valid; j++) ds[j] = p[j] * (ds[j] - Di) * a->scale;
                 for (; j < n; j++) ds[j] = 0;
             }
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)nb, hd, (blasint)n, 1.0f, dS,
-                        (blasint)lp, kb, (blasint)ks, 0.0f, a->dq + qo, (blasint)qs); /* dQ */
+                        (blasint)lp, K.k, (blasint)K.ld, 0.0f, a->dq + qo, (blasint)qs); /* dQ */
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, hd, (blasint)nb, 1.0f, dS,
-                        (blasint)lp, qb, (blasint)qs, 1.0f, dkb, (blasint)ks); /* dK */
+                        (blasint)lp, qb, (blasint)qs, 1.0f, dk, (blasint)K.ld); /* dK */
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)n, hd, (blasint)nb, 1.0f, P,
-                        (blasint)lp, dob, (blasint)qs, 1.0f, dvb, (blasint)ks); /* dV */
+                        (blasint)lp, dob, (blasint)qs, 1.0f, dv, (blasint)K.ld); /* dV */
         }
+}
+
+/* The backward item (s, kh): all query heads sharing KV head kh, so that dk / dv
+ * of (s, kh) have one writer. A sequence that continues a prefix is done by
+ * its prefix's item (it adds into the prefix's dk / dv), in sequence order,
+ * so the sums do not depend on the thread count. */
+static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch) {
+    if (a->prefix && a->prefix[s] >= 0) return;
+    int hd = a->hd;
+    int64_t b = a->cu_seqlens[s], L = a->cu_seqlens[s + 1] - b, ks = (int64_t)a->Hk * hd;
+    int64_t lp = mrl_attn_row_floats(a->max_keys);
+    float *dkb = a->dk + b * ks + (int64_t)kh * hd, *dvb = a->dv + b * ks + (int64_t)kh * hd;
+    for (int64_t j = 0; j < L; j++) {
+        memset(dkb + j * ks, 0, sizeof(float) * hd);
+        memset(dvb + j * ks, 0, sizeof(float) * hd);
+    }
+    if (L > 0) attn_bwd_seq(a, s, kh, attn_keys_of(a, s, kh, NULL), dkb, dvb, scratch);
+    if (!a->prefix) return;
+    float *gather = scratch + 2 * ATT_QB * lp;
+    for (int c = s + 1; c < a->n_seqs; c++) {
+        if (a->prefix[c] != s) continue;
+        int64_t cb = a->cu_seqlens[c], cl = a->cu_seqlens[c + 1] - cb;
+        if (cl <= 0) continue;
+        attn_keys K = attn_keys_of(a, c, kh, gather);
+        float *dkc = gather + 2 * K.n * hd, *dvc = dkc + K.n * hd; /* [K.n, hd] each */
+        memset(dkc, 0, sizeof(float) * 2 * K.n * hd);
+        attn_bwd_seq(a, c, kh, K, dkc, dvc, scratch);
+        for (int64_t j = 0; j < K.pre; j++) /* the prefix's keys: summed over the sequences */
+            for (int e = 0; e < hd; e++) {
+                dkb[j * ks + e] += dkc[j * hd + e];
+                dvb[j * ks + e] += dvc[j * hd + e];
+            }
+        copy_rows_to(a->dk + cb * ks + (int64_t)kh * hd, dkc + K.pre * hd, cl, ks, hd);
+        copy_rows_to(a->dv + cb * ks + (int64_t)kh * hd, dvc + K.pre * hd, cl, ks, hd);
+    }
 }
 
 /* w[i] = exp(x[i] - m) (0 below -87), their sum in double lanes. */

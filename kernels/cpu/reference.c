@@ -84,23 +84,44 @@ static void ref_swiglu_bwd(float *dgate, float *dup, const float *dout, const fl
     }
 }
 
+/* The keys of query row i of sequence s: all rows of its prefix sequence
+ * (when it has one), then its own rows up to i. key(r, n) gives the n-th. */
+typedef struct ref_keys {
+    int64_t pre_first, pre, own_first, n;
+} ref_keys;
+
+static ref_keys ref_keys_of(const int32_t *cu, const int32_t *prefix, int s, int64_t i) {
+    ref_keys r = {0, 0, cu[s], i - cu[s] + 1};
+    if (prefix && prefix[s] >= 0) {
+        r.pre_first = cu[prefix[s]];
+        r.pre = cu[prefix[s] + 1] - cu[prefix[s]];
+        r.n += r.pre;
+    }
+    return r;
+}
+
+static int64_t ref_key(const ref_keys *r, int64_t n) { return n < r->pre ? r->pre_first + n : r->own_first + n - r->pre; }
+
 static void ref_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                         const int32_t *cu, int n_seqs, int Hq, int Hk, int hd, float scale) {
+                         const int32_t *cu, const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd,
+                         float scale) {
     int group = Hq / Hk;
     for (int s = 0; s < n_seqs; s++)
         for (int h = 0; h < Hq; h++)
             for (int64_t i = cu[s]; i < cu[s + 1]; i++) {
                 const float *qi = q + (i * Hq + h) * hd;
+                ref_keys keys = ref_keys_of(cu, prefix, s, i);
                 double m = -INFINITY, sum = 0;
-                for (int64_t j = cu[s]; j <= i; j++) {
-                    const float *kj = k + (j * Hk + h / group) * hd;
+                for (int64_t n = 0; n < keys.n; n++) {
+                    const float *kj = k + (ref_key(&keys, n) * Hk + h / group) * hd;
                     double d = 0;
                     for (int e = 0; e < hd; e++) d += (double)qi[e] * kj[e];
                     if (d * scale > m) m = d * scale;
                 }
                 double acc[hd];
                 for (int e = 0; e < hd; e++) acc[e] = 0;
-                for (int64_t j = cu[s]; j <= i; j++) {
+                for (int64_t n = 0; n < keys.n; n++) {
+                    int64_t j = ref_key(&keys, n);
                     const float *kj = k + (j * Hk + h / group) * hd, *vj = v + (j * Hk + h / group) * hd;
                     double d = 0;
                     for (int e = 0; e < hd; e++) d += (double)qi[e] * kj[e];
@@ -117,7 +138,8 @@ static void ref_attn_fwd(float *out, float *lse, const float *q, const float *k,
  * dS = P (dP - rowsum(dO * O)); dQ = scale dS K; dK = scale dS^T Q. */
 static void ref_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
                          const float *lse, const float *q, const float *k, const float *v,
-                         const int32_t *cu, int n_seqs, int Hq, int Hk, int hd, float scale) {
+                         const int32_t *cu, const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd,
+                         float scale) {
     int group = Hq / Hk;
     int64_t T = cu[n_seqs];
     for (int64_t i = 0; i < T * Hq * hd; i++) dq[i] = 0;
@@ -128,9 +150,11 @@ static void ref_attn_bwd(float *dq, float *dk, float *dv, const float *dout, con
             for (int64_t i = cu[s]; i < cu[s + 1]; i++) {
                 const float *qi = q + (i * Hq + h) * hd, *doi = dout + (i * Hq + h) * hd;
                 const float *oi = out + (i * Hq + h) * hd;
+                ref_keys keys = ref_keys_of(cu, prefix, s, i);
                 double Di = 0;
                 for (int e = 0; e < hd; e++) Di += (double)doi[e] * oi[e];
-                for (int64_t j = cu[s]; j <= i; j++) {
+                for (int64_t n = 0; n < keys.n; n++) {
+                    int64_t j = ref_key(&keys, n);
                     const float *kj = k + (j * Hk + kh) * hd, *vj = v + (j * Hk + kh) * hd;
                     double d = 0, dp = 0;
                     for (int e = 0; e < hd; e++) d += (double)qi[e] * kj[e];

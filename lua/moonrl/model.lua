@@ -47,6 +47,9 @@ Batch.__index = Batch
 -- seqs: a list of token lists. opts.targets: a list of target lists (same
 -- lengths, -1 = none); by default each token's target is the next token of
 -- its sequence and the last token of each sequence has none (-1).
+-- opts.prefix: a list, prefix[i] = the (1-based) index of an earlier sequence
+-- that sequence i continues (shared prompts, see mrl_batch in model.h), or
+-- false / 0 for none.
 function M.batch(seqs, opts)
   opts = opts or {}
   if type(seqs) ~= 'table' or #seqs == 0 then error('model.batch: expected a non-empty list of token lists', 2) end
@@ -72,7 +75,17 @@ function M.batch(seqs, opts)
   cu[#seqs] = n
   local c = ffi.new('mrl_batch')
   c.tokens, c.targets, c.cu_seqlens, c.n_tokens, c.n_seqs = tokens, targets, cu, n, #seqs
-  return setmetatable({ tokens = tokens, targets = targets, cu_seqlens = cu, n_tokens = n, n_seqs = #seqs, c = c }, Batch)
+  local prefix
+  if opts.prefix then
+    prefix = ffi.new('int32_t[?]', #seqs)
+    for i = 1, #seqs do
+      local p = opts.prefix[i]
+      prefix[i - 1] = (p and p ~= 0) and p - 1 or -1
+    end
+    c.prefix = prefix
+  end
+  return setmetatable({ tokens = tokens, targets = targets, cu_seqlens = cu, prefix = prefix, n_tokens = n,
+    n_seqs = #seqs, c = c }, Batch)
 end
 
 -- First and one-past-last flat index of sequence i (1-based).

@@ -79,26 +79,49 @@ end
 
 -- Packed batch of samples: b (moonrl.model batch) plus b.mask (float[n_tokens]), b.first[i] (the
 -- 0-based output index of sample i's first response log-prob) and b.len[i] (response tokens).
-function M.pack(samples, first, last)
+-- With opts.share_prompts, consecutive samples with the same prompt (the same prompt_ids table,
+-- as flatten gives the samples of a group) share it: the prompt without its last token is packed
+-- once and each sample continues it with "last prompt token + response" (mrl_batch.prefix in
+-- model.h), so the prompt is computed once per group; log-probs and gradients are those of
+-- packing every sample whole. Then b.n_seqs counts the shared prompts too (fully masked).
+function M.pack(samples, first, last, opts)
   first, last = first or 1, last or #samples
-  local seqs, starts, lens = {}, {}, {}
-  for i = first, last do
+  local share = opts and opts.share_prompts
+  local seqs, prefix, starts, lens = {}, {}, {}, {}
+  local i = first
+  while i <= last do
     local s = samples[i]
-    local seq = {}
-    for k = 1, #s.prompt_ids do seq[k] = s.prompt_ids[k] end
-    local p = #seq
-    for k = 1, #s.ids do seq[p + k] = s.ids[k] end
-    seqs[#seqs + 1] = seq
-    starts[#starts + 1] = p
-    lens[#lens + 1] = #s.ids
+    local P = #s.prompt_ids
+    local j = i -- samples i..j share the prompt
+    if share and P >= 2 then
+      while j < last and samples[j + 1].prompt_ids == s.prompt_ids do j = j + 1 end
+    end
+    local parent = false
+    if j > i then
+      local seq = {}
+      for k = 1, P - 1 do seq[k] = s.prompt_ids[k] end
+      seqs[#seqs + 1] = seq
+      parent = #seqs
+    end
+    for k = i, j do
+      local sk = samples[k]
+      local seq, keep = {}, parent and 1 or P -- prompt tokens this sequence carries
+      for t = 1, keep do seq[t] = sk.prompt_ids[P - keep + t] end
+      for t = 1, #sk.ids do seq[keep + t] = sk.ids[t] end
+      seqs[#seqs + 1] = seq
+      prefix[#seqs] = parent
+      starts[#starts + 1] = { #seqs, keep }
+      lens[#lens + 1] = #sk.ids
+    end
+    i = j + 1
   end
-  local b = model_mod.batch(seqs)
+  local b = model_mod.batch(seqs, { prefix = share and prefix or nil })
   local mask = ffi.new('float[?]', b.n_tokens)
   b.first, b.len = {}, lens
-  for i = 1, #seqs do
-    local off = b.cu_seqlens[i - 1] + starts[i] - 1
-    b.first[i] = off
-    for t = off, off + lens[i] - 1 do mask[t] = 1 end
+  for k = 1, #starts do
+    local off = b.cu_seqlens[starts[k][1] - 1] + starts[k][2] - 1
+    b.first[k] = off
+    for t = off, off + lens[k] - 1 do mask[t] = 1 end
   end
   b.mask = mask
   return b
@@ -106,8 +129,8 @@ end
 
 -- Iterate over consecutive slices of samples whose packed size stays within max_tokens (a
 -- sample longer than the budget gets a micro-batch of its own). Yields the packed batch and
--- the first and last sample index.
-function M.micro_batches(samples, max_tokens)
+-- the first and last sample index. opts: as pack's (the budget counts every sample whole).
+function M.micro_batches(samples, max_tokens, opts)
   local i = 1
   return function()
     if i > #samples then return nil end
@@ -120,7 +143,7 @@ function M.micro_batches(samples, max_tokens)
     end
     local first = i
     i = j
-    return M.pack(samples, first, j - 1), first, j - 1
+    return M.pack(samples, first, j - 1, opts), first, j - 1
   end
 end
 
@@ -154,11 +177,11 @@ function M.gather_field(samples, field)
 end
 
 -- Log-probs of every sample's response under model (no gradient), as per-sample lists; also
--- the value estimates when opts.values (a value-head model).
+-- the value estimates when opts.values (a value-head model). opts.share_prompts (true): see pack.
 function M.logprobs(model, samples, max_tokens, opts)
   opts = opts or {}
   local lps, vals = {}, opts.values and {} or nil
-  for b, first in M.micro_batches(samples, max_tokens) do
+  for b, first in M.micro_batches(samples, max_tokens, { share_prompts = opts.share_prompts ~= false }) do
     local lp, _, v = model:forward(b, { temperature = opts.temperature, values = opts.values })
     M.gather(b, lp, lps, first)
     if vals then M.gather(b, v, vals, first) end
@@ -302,6 +325,7 @@ end
 --   model, opt; ref (a frozen reference model: adds the KL loss term, coef kl_coef, estimator
 --   kl_estimator); loss ('ppo' or 'gspo'), clip_low, clip_high, dual_clip, agg, norm;
 --   entropy_coef (0); temperature (1); micro_batch_tokens (4096); max_grad_norm (1); lr;
+--   share_prompts (true): the samples of one prompt share its rows (see pack);
 --   measure_mismatch (true): when the samples carry the engine's rollout_logprobs and the weights
 --   are still those that generated them (the first update after generation), report how far the
 --   trainer's log-probs are from the engine's (metrics.mismatch: mean_abs, max_abs,
@@ -322,7 +346,8 @@ function M.policy_step(o)
   local measure = o.measure_mismatch ~= false
   local mm = { sum = 0, max = 0, mult = 0, n = 0 }
   model:zero_grad()
-  for b, first in M.micro_batches(samples, o.micro_batch_tokens or 4096) do
+  local share = { share_prompts = o.share_prompts ~= false }
+  for b, first in M.micro_batches(samples, o.micro_batch_tokens or 4096, share) do
     local n = b.n_tokens
     local ref_lp = o.ref and o.ref:forward(b, { temperature = temp })
     local lp, ent = model:forward(b, { temperature = temp })

@@ -188,6 +188,60 @@ other = run_case("llama head chunk 5 tokens", llama, lens, seed=5, head_chunk=5)
 if max(rel(x, y) for x, y in zip(base, other)) > 1e-6:
     failures.append("head chunking changes results")
 
+
+
+def run_shared_case(name, cfg, seed=7):
+    """Shared prompts (mrl_batch.prefix): moonrl on the shared layout against the float64
+    reference on every sequence packed whole (its prefix's tokens, then its own)."""
+    rng = np.random.default_rng(seed)
+    m = Moonrl(cfg)
+    for n, off, shape, _ in m.views:
+        size = int(np.prod(shape))
+        m.params[off:off + size] = (1 + 0.2 * rng.standard_normal(size)) if "norm" in n else 0.08 * rng.standard_normal(size)
+    P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64), requires_grad=True) for n, _, _, _ in m.views}
+    # prefix A (6 rows) with children of 3, 1 and 9 rows; a lone sequence of 5; prefix B (4) with a child of 2
+    lens, prefix = [6, 3, 1, 9, 5, 4, 2], np.array([-1, 0, 0, 0, -1, -1, 5], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    tokens = rng.integers(0, cfg["vocab_size"], cu[-1]).astype(np.int32)
+    targets = np.full(cu[-1], -1, np.int32)
+    for s in range(len(lens)):
+        targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
+    T = cu[-1]
+    a, b = rng.standard_normal(T).astype(np.float32), rng.standard_normal(T).astype(np.float32)
+    lp, ent, _ = m.forward(tokens, targets, cu, 1.0, False, prefix)
+    lib.mrl_model_zero_grad(m.h)
+    m.backward(a, b, None)
+    # whole: each child carries a copy of its prefix's rows (no target, weight 0)
+    rows, copy = [], []
+    for s in range(len(lens)):
+        if prefix[s] >= 0:
+            rows += range(cu[prefix[s]], cu[prefix[s] + 1])
+            copy += [True] * lens[prefix[s]]
+        rows += range(cu[s], cu[s + 1])
+        copy += [False] * lens[s]
+    wlens = [lens[s] + (lens[prefix[s]] if prefix[s] >= 0 else 0) for s in range(len(lens))]
+    wcu = np.concatenate([[0], np.cumsum(wlens)]).astype(np.int32)
+    rows, copy = np.array(rows), np.array(copy)
+    wtargets = np.where(copy, -1, targets[rows]).astype(np.int32)
+    rlp, rent, _ = reference(cfg, P, tokens[rows], wtargets, wcu, 1.0, False)
+    own = ~copy
+    wa, wb = np.where(copy, 0, a[rows]), np.where(copy, 0, b[rows])
+    loss = (torch.tensor(wa) * rlp).sum() + (torch.tensor(wb) * rent).sum()
+    loss.backward()
+    errs = {"logprob": rel(lp[rows[own]], rlp.detach().numpy()[own]), "entropy": rel(ent[rows[own]], rent.detach().numpy()[own])}
+    worst_grad = max(rel(m.tensor(m.grads, n), P[n].grad.numpy()) for n, _, _, _ in m.views)
+    ok = errs["logprob"] < 1e-5 and errs["entropy"] < 1e-5 and worst_grad <= 1e-4
+    print("%-40s T=%3d (whole %3d)  logprob %.1e  entropy %.1e  grad %.1e  %s" % (
+        name, T, wcu[-1], errs["logprob"], errs["entropy"], worst_grad, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+run_shared_case("llama shared prompts (prefix)", llama)
+run_shared_case("qwen2 shared prompts, GQA 6/2", dict(llama, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                                     hidden_size=48, num_attention_heads=6, num_key_value_heads=2), seed=8)
+
 if failures:
     print("FAILED:", ", ".join(failures))
     sys.exit(1)

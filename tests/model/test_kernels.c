@@ -6,31 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
+#include "random_arrays.h"
 #include "kernels.h"
 #include "moonrl/status.h"
 
-static uint64_t rng_state = 12345;
-static double urand(void) {
-    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
-    return ((rng_state >> 11) + 0.5) * 0x1.0p-53;
-}
-static float nrand(void) { return (float)(sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand())); }
-static float *rnd(int64_t n, float scale) {
-    float *x = malloc(sizeof(float) * (n ? n : 1));
-    for (int64_t i = 0; i < n; i++) x[i] = scale * nrand();
-    return x;
-}
-static float *zeros(int64_t n) { return calloc(n ? n : 1, sizeof(float)); }
-
-/* max |a-b| / max |b| */
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double d = 0, s = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (fabs((double)a[i] - b[i]) > d) d = fabs((double)a[i] - b[i]);
-        if (fabs(b[i]) > s) s = fabs(b[i]);
-    }
-    return s > 0 ? d / s : d;
-}
 
 static const mrl_kernels *R, *Fk;
 
@@ -136,7 +115,7 @@ typedef struct attn_case {
 
 static double attn_loss(void *vc) {
     attn_case *c = vc;
-    R->attn_fwd(c->out, c->lse, c->q, c->k, c->v, c->cu, c->n_seqs, c->Hq, c->Hk, c->hd, 0.4f);
+    R->attn_fwd(c->out, c->lse, c->q, c->k, c->v, c->cu, NULL, c->n_seqs, c->Hq, c->Hk, c->hd, 0.4f);
     return weighted(c->out, c->r, c->T * c->Hq * c->hd);
 }
 
@@ -146,7 +125,7 @@ static void fd_attention(void) {
     c.q = rnd(nq, 1), c.k = rnd(nk, 1), c.v = rnd(nk, 1), c.out = zeros(nq), c.lse = zeros(c.T * c.Hq), c.r = rnd(nq, 1);
     float *dq = zeros(nq), *dk = zeros(nk), *dv = zeros(nk);
     attn_loss(&c);
-    R->attn_bwd(dq, dk, dv, c.r, c.out, c.lse, c.q, c.k, c.v, c.cu, c.n_seqs, c.Hq, c.Hk, c.hd, 0.4f);
+    R->attn_bwd(dq, dk, dv, c.r, c.out, c.lse, c.q, c.k, c.v, c.cu, NULL, c.n_seqs, c.Hq, c.Hk, c.hd, 0.4f);
     double eq = fd_check(attn_loss, &c, c.q, dq, nq, 1e-3f), ek = fd_check(attn_loss, &c, c.k, dk, nk, 1e-3f),
            ev = fd_check(attn_loss, &c, c.v, dv, nk, 1e-3f);
     printf("fd attention: dq %.1e dk %.1e dv %.1e\n", eq, ek, ev);
@@ -317,14 +296,14 @@ static void fast_vs_reference(void) {
     int64_t nq = T * Hq * hd, nk = T * Hk * hd;
     float *q = rnd(nq, 1), *k = rnd(nk, 1), *v = rnd(nk, 1), *out1 = zeros(nq), *out2 = zeros(nq), *l1 = zeros(T * Hq),
           *l2 = zeros(T * Hq);
-    R->attn_fwd(out1, l1, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
-    Fk->attn_fwd(out2, l2, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
+    R->attn_fwd(out1, l1, q, k, v, cu, NULL, 4, Hq, Hk, hd, 0.3f);
+    Fk->attn_fwd(out2, l2, q, k, v, cu, NULL, 4, Hq, Hk, hd, 0.3f);
     cmp("attention", out2, out1, nq, 1e-5);
     cmp("attention lse", l2, l1, T * Hq, 1e-6);
     float *dout = rnd(nq, 1), *dq1 = zeros(nq), *dq2 = zeros(nq), *dk1 = zeros(nk), *dk2 = rnd(nk, 1), *dv1 = zeros(nk),
           *dv2 = rnd(nk, 1);
-    R->attn_bwd(dq1, dk1, dv1, dout, out1, l1, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
-    Fk->attn_bwd(dq2, dk2, dv2, dout, out1, l1, q, k, v, cu, 4, Hq, Hk, hd, 0.3f);
+    R->attn_bwd(dq1, dk1, dv1, dout, out1, l1, q, k, v, cu, NULL, 4, Hq, Hk, hd, 0.3f);
+    Fk->attn_bwd(dq2, dk2, dv2, dout, out1, l1, q, k, v, cu, NULL, 4, Hq, Hk, hd, 0.3f);
     cmp("attention dq", dq2, dq1, nq, 1e-5);
     cmp("attention dk", dk2, dk1, nk, 1e-5);
     cmp("attention dv", dv2, dv1, nk, 1e-5);

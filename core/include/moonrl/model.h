@@ -15,7 +15,16 @@
  * targets[i] is the token whose log-prob output i holds (normally the next
  * token of the same sequence, tokens[i+1]); -1 means "no target" (the last
  * token of each sequence): its log-prob is 0 and its gradient is ignored.
- * Entropy and value are computed for every token. */
+ * Entropy and value are computed for every token.
+ *
+ * Shared prompts (optional prefix[n_seqs]): sequence s with prefix[s] = p >= 0
+ * continues sequence p, an earlier one with no prefix of its own: its tokens
+ * attend to all of p's tokens and then causally to their own, and its
+ * positions go on from p's length. So G samples of one prompt are packed as
+ * the prompt (once) followed by G short sequences, each "last prompt token +
+ * response", and the prompt's rows are computed once instead of G times; the
+ * gradients through the prompt's keys and values sum over the G samples. The
+ * result equals packing each sample whole (tests/model/test_prefix.c). */
 #pragma once
 #include <stdint.h>
 #include <stddef.h>
@@ -87,6 +96,7 @@ typedef struct mrl_batch {
     const int32_t *cu_seqlens; /* [n_seqs + 1] */
     int64_t n_tokens;
     int32_t n_seqs;
+    const int32_t *prefix;     /* [n_seqs] or NULL: the sequence each continues, -1 none (above) */
 } mrl_batch;
 
 /* Defaults for every field (a tiny Llama); then set what you need. */
