@@ -1,8 +1,8 @@
 -- moonrl's side of bench/grpo_step.sh: one GRPO step (generate prompts x samples with the engine,
 -- score with a registered reward, group advantages, log-probs + PPO-clip update with AdamW) on the
--- model directory MODEL. One warm-up step, then STEPS timed steps; prints one JSON line with the
--- mean seconds per step and per phase and the mean response length.
--- env: MODEL, PROMPTS (16), SAMPLES (8), MAX_TOKENS (64), THREADS (2), STEPS (3),
+-- model directory MODEL. WARMUP warm-up steps, then STEPS timed steps; prints one JSON line with
+-- the mean seconds per step and per phase and the mean response length.
+-- env: MODEL, PROMPTS (16), SAMPLES (8), MAX_TOKENS (64), THREADS (2), STEPS (3), WARMUP (2),
 --      LENGTHS: natural (default: a completion ends at EOS or MAX_TOKENS) or fixed (no EOS: every
 --      completion runs to MAX_TOKENS, so both sides do exactly the same arithmetic)
 local moonrl = require('moonrl')
@@ -13,7 +13,7 @@ local R = require('moonrl.recipe')
 
 local P, G = tonumber(os.getenv('PROMPTS') or 16), tonumber(os.getenv('SAMPLES') or 8)
 local max_tokens = tonumber(os.getenv('MAX_TOKENS') or 64)
-local steps = tonumber(os.getenv('STEPS') or 3)
+local steps, warmup = tonumber(os.getenv('STEPS') or 3), tonumber(os.getenv('WARMUP') or 2)
 local lengths = os.getenv('LENGTHS') or 'natural'
 assert(lengths == 'natural' or lengths == 'fixed', 'LENGTHS must be natural or fixed')
 moonrl.C.mrl_parallel_set_threads(tonumber(os.getenv('THREADS') or 2))
@@ -53,10 +53,10 @@ local function step(k)
   return t
 end
 
-step(1) -- warm-up: first-touch of the activation and cache memory
+for k = 1, warmup do step(k) end -- first touch of the activation and cache memory, as batches grow
 local sum = { generate = 0, reward = 0, train = 0, total = 0, response_tokens = 0 }
 local totals = {}
-for k = 2, steps + 1 do
+for k = warmup + 1, warmup + steps do
   local t = step(k)
   for key, v in pairs(t) do sum[key] = sum[key] + v end
   totals[#totals + 1] = t.total

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """TRL's side of bench/grpo_step.sh: one GRPOTrainer step (generation of PROMPTS x SAMPLES
 completions, the reward, log-probs and the update) on the same model directory as moonrl's side:
-one warm-up step, then --steps timed steps (a TrainerCallback). Prints one JSON line with the mean
+--warmup warm-up steps, then --steps timed steps (a TrainerCallback). Prints one JSON line with the mean
 seconds per step and the mean completion length TRL logged.
 
 usage: python grpo_step_trl.py MODEL_DIR --prompts 16 --samples 8 --max-tokens 64 --threads 2
-                               --steps 3 --lengths natural|fixed
+                               --steps 3 --warmup 2 --lengths natural|fixed
 """
 import argparse
 import json
@@ -45,17 +45,18 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lengths", choices=["natural", "fixed"], default="natural")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
     prompts = [f"{10 + i}+{30 + 2 * i}=" for i in range(1, a.prompts + 1)]
-    data = Dataset.from_list([{"prompt": p} for p in prompts] * (a.steps + 2))
+    data = Dataset.from_list([{"prompt": p} for p in prompts] * (a.warmup + a.steps + 1))
     cfg = GRPOConfig(
         output_dir="/tmp/moonrl-bench-trl-out", per_device_train_batch_size=a.prompts * a.samples,
         num_generations=a.samples, max_completion_length=a.max_tokens,
-        temperature=1.0, learning_rate=1e-6, beta=0.0, max_steps=a.steps + 1, logging_steps=1, report_to=[],
+        temperature=1.0, learning_rate=1e-6, beta=0.0, max_steps=a.warmup + a.steps, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, bf16=False, seed=1, shuffle_dataset=False,
         gradient_checkpointing=False,  # moonrl keeps activations too (no recompute)
         # fixed: no EOS, every completion runs to the end (the same arithmetic as moonrl's side)
@@ -65,8 +66,8 @@ def main():
     trainer = GRPOTrainer(model=model, reward_funcs=[sevens], args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[timer])
     trainer.train()
-    timed = timer.times[1:]
-    lengths = timer.lengths[1:]
+    timed = timer.times[a.warmup:]
+    lengths = timer.lengths[a.warmup:]
     print(json.dumps({"total": sum(timed) / len(timed), "steps": timed, "lengths": a.lengths,
                       "mean_length": sum(lengths) / len(lengths) if lengths else None}))
 
