@@ -87,6 +87,25 @@ t.test('pack: log-probs and a policy step with shared prompts equal those of who
   t.truthy(pdiff < 0.05 * 1e-2, 'updated weights agree: max |diff| ' .. pdiff)
 end)
 
+t.test('pack: value estimates (a critic) with shared prompts equal those of whole samples', function()
+  local critic = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
+    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2 }, { seed = 5, value_head = true })
+  for _, v in ipairs(critic:views()) do -- a nonzero value head
+    if v.name == 'score.weight' then
+      for k = 0, v.numel - 1 do critic:params()[v.offset + k] = 0.05 * math.sin(k + 1) end
+    end
+  end
+  local s = samples()
+  local lw, vw = R.logprobs(critic, s, 4096, { values = true, share_prompts = false })
+  local ls, vs = R.logprobs(critic, s, 4096, { values = true })
+  local worst = 0
+  for i = 1, #s do
+    t.eq(#vs[i], #vw[i])
+    for k = 1, #vw[i] do worst = math.max(worst, math.abs(vs[i][k] - vw[i][k]), math.abs(ls[i][k] - lw[i][k])) end
+  end
+  t.truthy(worst < 2e-6, 'values and log-probs agree: max |diff| ' .. worst)
+end)
+
 t.test('pack: a bad prefix array is an error naming the sequence', function()
   local model = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 16, intermediate_size = 32,
     num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1 })
