@@ -29,7 +29,10 @@ esac
 VENV=${TRL_VENV:-$HOME/.cache/moonrl-bench-trl}
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import trl, torch" 2>/dev/null; then
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q torch trl transformers datasets accelerate
+  # the CPU-only torch wheel where its index is reachable (~200 MB), else PyPI's (with CUDA, ~6 GB)
+  "$VENV/bin/pip" install -q --index-url https://download.pytorch.org/whl/cpu torch 2>/dev/null ||
+    "$VENV/bin/pip" install -q torch
+  "$VENV/bin/pip" install -q trl transformers datasets accelerate
 fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
