@@ -97,16 +97,18 @@ for step = 1, cfg.train.steps do
         if j > i and n + k > cfg.train.micro_batch_tokens then break end
         n, j = n + k, j + 2
       end
-      local b = R.pack(samples, i, j - 1)
-      local ref_seq = ffi.new('double[?]', b.n_seqs)
+      -- chosen and rejected share their prompt's rows (R.pack); the loss sees one segment a completion
+      local b = R.pack(samples, i, j - 1, { share_prompts = true })
+      local nseq = #b.len
+      local ref_seq = ffi.new('double[?]', nseq)
       for k = i, j - 1 do ref_seq[k - i] = samples[k].ref end
       local lp = model:forward(b)
       local grad = ffi.new('float[?]', b.n_tokens)
-      local loss, dm = algo.dpo.loss({ logprob = lp, ref_seq = ref_seq, mask = b.mask, cu_seqlens = b.cu_seqlens,
-        nseq = b.n_seqs, grad = grad, beta = cfg.dpo.beta, loss_type = cfg.dpo.loss_type,
+      local loss, dm = algo.dpo.loss({ logprob = lp, ref_seq = ref_seq, mask = b.mask, cu_seqlens = b.sample_cu,
+        nseq = nseq, grad = grad, beta = cfg.dpo.beta, loss_type = cfg.dpo.loss_type,
         label_smoothing = cfg.dpo.label_smoothing, global_pairs = #batch })
       model:backward(grad)
-      local share = (b.n_seqs / 2) / #batch -- metrics are means over this micro-batch's pairs
+      local share = (nseq / 2) / #batch -- metrics are means over this micro-batch's pairs
       sums.loss = sums.loss + loss
       for _, key in ipairs({ 'rewards_accuracy', 'rewards_margin', 'rewards_chosen', 'rewards_rejected' }) do
         sums[key] = sums[key] + dm[key] * share

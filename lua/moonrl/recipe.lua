@@ -83,7 +83,10 @@ end
 -- as flatten gives the samples of a group) share it: the prompt without its last token is packed
 -- once and each sample continues it with "last prompt token + response" (mrl_batch.prefix in
 -- model.h), so the prompt is computed once per group; log-probs and gradients are those of
--- packing every sample whole. Then b.n_seqs counts the shared prompts too (fully masked).
+-- packing every sample whole. Then b.n_seqs counts the shared prompts too (fully masked), and
+-- b.sample_cu (int32[#samples + 1]) cuts the rows into one segment per sample instead (a shared
+-- prompt's rows go with its first sample; they are masked): the cu_seqlens of per-sample losses.
+-- Without sharing b.sample_cu is b.cu_seqlens.
 function M.pack(samples, first, last, opts)
   first, last = first or 1, last or #samples
   local share = opts and opts.share_prompts
@@ -118,10 +121,15 @@ function M.pack(samples, first, last, opts)
   local b = model_mod.batch(seqs, { prefix = share and prefix or nil })
   local mask = ffi.new('float[?]', b.n_tokens)
   b.first, b.len = {}, lens
+  b.sample_cu = b.cu_seqlens
+  if #starts ~= b.n_seqs then b.sample_cu = ffi.new('int32_t[?]', #starts + 1) end -- zeroed
   for k = 1, #starts do
-    local off = b.cu_seqlens[starts[k][1] - 1] + starts[k][2] - 1
+    local seq = starts[k][1]
+    local off = b.cu_seqlens[seq - 1] + starts[k][2] - 1
     b.first[k] = off
     for t = off, off + lens[k] - 1 do mask[t] = 1 end
+    -- sample k ends where its sequence ends and starts where sample k-1 ended
+    if b.sample_cu ~= b.cu_seqlens then b.sample_cu[k] = b.cu_seqlens[seq] end
   end
   b.mask = mask
   return b
@@ -368,7 +376,7 @@ function M.policy_step(o)
     end
     local grad = ffi.new('float[?]', n)
     local args = { logprob = lp, old_logprob = old, advantages = adv, ref_logprob = ref_lp,
-      mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad,
+      mask = b.mask, cu_seqlens = b.sample_cu, nseq = #b.len, grad = grad,
       agg = o.agg, norm = o.norm, global_tokens = tokens, global_seqs = seqs,
       clip_low = o.clip_low, clip_high = o.clip_high, dual_clip = o.dual_clip }
     local loss, pm = algo.policy_loss[o.loss or 'ppo'](args)
@@ -382,7 +390,7 @@ function M.policy_step(o)
     local dent
     if (o.entropy_coef or 0) ~= 0 then
       dent = ffi.new('float[?]', n)
-      local eargs = { entropy = ent, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = dent,
+      local eargs = { entropy = ent, mask = b.mask, cu_seqlens = b.sample_cu, nseq = #b.len, grad = dent,
         coef = o.entropy_coef, agg = o.agg, norm = o.norm, global_tokens = tokens, global_seqs = seqs }
       loss = loss + algo.kl.entropy_bonus(eargs)
     end

@@ -40,6 +40,10 @@ t.test('pack: the layout of shared prompts', function()
       t.eq(shared.mask[b + k], 1)
     end
   end
+  -- one segment a sample: each shared prompt goes with its group's first sample
+  local want_cu = { 0, 4 + 4, 8 + 2, 10 + 6, 16 + 2 + 3, 21 + 1, 22 + 3, 25 + 5 }
+  for k = 0, #s do t.eq(shared.sample_cu[k], want_cu[k + 1], 'sample_cu[' .. k .. ']') end
+  t.truthy(whole.sample_cu == whole.cu_seqlens, 'without shared prompts the segments are the sequences')
   local ones = 0
   for k = 0, shared.n_tokens - 1 do ones = ones + shared.mask[k] end
   t.eq(ones, 3 + 1 + 5 + 2 + 0 + 2 + 3)
@@ -104,6 +108,41 @@ t.test('pack: value estimates (a critic) with shared prompts equal those of whol
     for k = 1, #vw[i] do worst = math.max(worst, math.abs(vs[i][k] - vw[i][k]), math.abs(ls[i][k] - lw[i][k])) end
   end
   t.truthy(worst < 2e-6, 'values and log-probs agree: max |diff| ' .. worst)
+end)
+
+t.test('pack: the DPO loss over pairs sharing their prompt equals that of whole samples', function()
+  local algo = require('moonrl.algo')
+  local cfg = { model_type = 'llama', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
+    num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2 }
+  local p1, p2 = { 1, 7, 8, 9, 13 }, { 1, 3, 14 }
+  local pairs = { { prompt_ids = p1, ids = { 4, 5, 2 }, ref = -9.5 }, { prompt_ids = p1, ids = { 6, 2 }, ref = -6.25 },
+                  { prompt_ids = p2, ids = { 10, 11, 12, 2 }, ref = -11.0 }, { prompt_ids = p2, ids = { 2 }, ref = -3.0 } }
+  local out = {}
+  for _, share in ipairs({ false, true }) do
+    local model = moonrl.model.new(cfg, { seed = 9 })
+    local b = R.pack(pairs, 1, #pairs, { share_prompts = share })
+    local ref = ffi.new('double[?]', #pairs)
+    for k = 1, #pairs do ref[k - 1] = pairs[k].ref end
+    local lp = model:forward(b)
+    local grad = ffi.new('float[?]', b.n_tokens)
+    model:zero_grad()
+    local loss, dm = algo.dpo.loss({ logprob = lp, ref_seq = ref, mask = b.mask, cu_seqlens = b.sample_cu, nseq = #b.len,
+      grad = grad, beta = 0.1, global_pairs = 2 })
+    model:backward(grad)
+    local g, n = model:grads()
+    local copy = ffi.new('float[?]', n)
+    ffi.copy(copy, g, 4 * n)
+    out[share] = { loss = loss, acc = dm.rewards_accuracy, g = copy, n = n, tokens = b.n_tokens }
+  end
+  t.truthy(out[true].tokens < out[false].tokens, 'the prompts are packed once')
+  t.near(out[true].loss, out[false].loss, 1e-6, 'loss')
+  t.eq(out[true].acc, out[false].acc)
+  local gmax, gdiff = 0, 0
+  for k = 0, out[false].n - 1 do
+    gmax = math.max(gmax, math.abs(out[false].g[k]))
+    gdiff = math.max(gdiff, math.abs(out[false].g[k] - out[true].g[k]))
+  end
+  t.truthy(gmax > 0 and gdiff <= 2e-5 * gmax, 'gradients agree: max |diff| ' .. gdiff .. ' of max ' .. gmax)
 end)
 
 t.test('pack: a bad prefix array is an error naming the sequence', function()
