@@ -9,7 +9,21 @@
 #pragma once
 #include <stdint.h>
 
-/* One matrix product C = alpha op(A) op(B) + beta C (see gemm below). */
+/* Weight panels: W [N,K] (row-major, a linear layer's weight) laid out again
+ * as ceil(N/32) panels of [K][32], columns past N zero. A product of few rows
+ * with W then streams each panel once, contiguously, with nothing to pack per
+ * call (OpenBLAS packs all of W on every call, which costs as much as the
+ * arithmetic at decode batch sizes). The engine keeps its weights so. */
+#define MRL_PANEL 32
+static inline int64_t mrl_panels_floats(int64_t N, int64_t K) {
+    return (N + MRL_PANEL - 1) / MRL_PANEL * MRL_PANEL * K;
+}
+/* P[mrl_panels_floats(N, K)] from W [N,K]. */
+void mrl_panels_pack(float *P, const float *W, int64_t N, int64_t K);
+
+/* One matrix product C = alpha op(A) op(B) + beta C (see gemm below).
+ * b_panels: B is W [N,K] packed by mrl_panels_pack (op(B) = W^T; trans_a
+ * must be 0 and trans_b 1; ldb is ignored). */
 typedef struct mrl_gemm_desc {
     int trans_a, trans_b;
     int64_t M, N, K;
@@ -21,6 +35,7 @@ typedef struct mrl_gemm_desc {
     float beta;
     float *C;
     int64_t ldc;
+    int b_panels;
 } mrl_gemm_desc;
 
 typedef struct mrl_kernels {

@@ -37,12 +37,15 @@ struct mrl_engine {
     int64_t logit_rows;      /* S */
     void *attn_ws;
     int64_t attn_ws_bytes;
+    float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights) */
+    int panels_stale;        /* repack before the next step (a new round) */
 };
 
 void mrl_engine_config_default(mrl_engine_config *cfg) {
     if (!cfg) return;
     *cfg = (mrl_engine_config){.kv_cache_bytes = (int64_t)256 << 20, .block_size = 16, .max_num_seqs = 256,
-                               .max_num_batched_tokens = 2048, .max_model_len = 0, .prefix_caching = 1};
+                               .max_num_batched_tokens = 2048, .max_model_len = 0, .prefix_caching = 1,
+                               .pack_weights = 1};
 }
 
 /* Carve the step's activations (base NULL: only count). Returns bytes. */
@@ -102,6 +105,51 @@ static void rebase(mrl_engine *e, const float *base) {
     e->base = base;
 }
 
+/* The seven matrices of a layer: the weights read, where their panels go, shape [N,K]. */
+typedef struct layer_matrix {
+    const float *w;
+    const float **panels;
+    int64_t N, K;
+} layer_matrix;
+
+static void layer_matrices(const mrl_model *m, layer_params *p, layer_matrix out[7]) {
+    const mrl_model_config *c = &m->cfg;
+    int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
+            Kv = (int64_t)c->num_key_value_heads * c->head_dim;
+    out[0] = (layer_matrix){p->wq, &p->pq, Q, D};
+    out[1] = (layer_matrix){p->wk, &p->pk, Kv, D};
+    out[2] = (layer_matrix){p->wv, &p->pv, Kv, D};
+    out[3] = (layer_matrix){p->wo, &p->po, D, Q};
+    out[4] = (layer_matrix){p->wg, &p->pg, F, D};
+    out[5] = (layer_matrix){p->wu, &p->pu, F, D};
+    out[6] = (layer_matrix){p->wd, &p->pd, D, F};
+}
+
+static int64_t panel_floats(mrl_engine *e) {
+    layer_matrix mats[7];
+    int64_t total = 0;
+    for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
+        layer_matrices(e->m, &e->lp[l], mats);
+        for (int i = 0; i < 7; i++) total += mrl_panels_floats(mats[i].N, mats[i].K);
+    }
+    return total;
+}
+
+/* Copy the weights read (base) into the panels and point the layers at them. */
+static void pack_panels(mrl_engine *e) {
+    layer_matrix mats[7];
+    int64_t off = 0;
+    for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
+        layer_matrices(e->m, &e->lp[l], mats);
+        for (int i = 0; i < 7; i++) {
+            mrl_panels_pack(e->panels + off, mats[i].w, mats[i].N, mats[i].K);
+            *mats[i].panels = e->panels + off;
+            off += mrl_panels_floats(mats[i].N, mats[i].K);
+        }
+    }
+    e->panels_stale = 0;
+}
+
 /* A new scheduler over the cache (created on first use, else cleared). */
 static mrl_status new_sched(mrl_engine *e) {
     const mrl_model_config *c = &e->m->cfg;
@@ -138,6 +186,7 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_kv_cache_destroy(e->kv);
     mrl_mem_free(e->act_buf);
     mrl_mem_free(e->attn_ws);
+    mrl_mem_free(e->panels);
     mrl_mem_free(e->lp);
     mrl_mem_free(e);
 }
@@ -175,6 +224,14 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
         rebase(e, model->params);
         st = mrl_model_rope_prepare(model, c.max_model_len);
     }
+    if (!st && c.pack_weights) {
+        int64_t floats = panel_floats(e);
+        e->panels = mrl_mem_alloc((size_t)floats * sizeof(float), MRL_MEM_PARAMS);
+        if (!e->panels)
+            st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the weight panels (%lld bytes; "
+                               "pack_weights = 0 reads the weights in place)", (long long)floats * 4);
+        e->panels_stale = 1;
+    }
     if (!st) st = new_sched(e);
     if (st) {
         mrl_engine_free(e);
@@ -187,6 +244,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
 mrl_status mrl_engine_reset(mrl_engine *e) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine reset: NULL engine");
     drop_sched(e); /* frees the sequences of unfinished requests too */
+    e->panels_stale = 1;
     return new_sched(e);
 }
 
@@ -210,6 +268,7 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
         if (r->stop_ids && (r->stop_ids[i] < 0 || r->stop_ids[i] >= V))
             return mrl_set_error(MRL_ERR_INVALID, "engine add_request: stop id %d is outside the vocabulary (%d)",
                                  r->stop_ids[i], V);
+    if (mrl_sched_num_unfinished(e->sched) == 0) e->panels_stale = 1; /* a new round: the weights may have moved */
     mrl_sched_request q = {.prompt = r->prompt, .prompt_len = r->prompt_len, .n = r->n,
                            .max_new_tokens = r->max_new_tokens, .eos_ids = r->eos_ids, .n_eos = r->n_eos,
                            .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,
@@ -228,6 +287,7 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
     if (T > e->cfg.max_num_batched_tokens || S > e->logit_rows)
         return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %lld tokens / %lld logit rows over the buffers",
                              (long long)T, (long long)S);
+    if (e->panels && e->panels_stale) pack_panels(e);
     for (int64_t i = 0; i < T; i++) /* [T,D] */
         memcpy(e->x + i * D, e->embed + (int64_t)b->token_ids[i] * D, sizeof(float) * D);
     mrl_status st = MRL_OK;

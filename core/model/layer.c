@@ -21,8 +21,10 @@ static void bias_grad(float *db, const float *dy, int64_t T, int N) {
         for (int i = 0; i < N; i++) db[i] += dy[t * N + i];
 }
 
-/* y[T,N] = x[T,K] W[N,K]^T (+ beta y) */
-static mrl_gemm_desc lin(float *y, const float *x, const float *W, int64_t T, int N, int K, float beta) {
+/* y[T,N] = x[T,K] W[N,K]^T (+ beta y); Wp: W as weight panels (the engine's), or NULL */
+static mrl_gemm_desc lin_p(float *y, const float *x, const float *W, const float *Wp, int64_t T, int N, int K,
+                           float beta) {
+    if (Wp) return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, Wp, K, beta, y, N, .b_panels = 1};
     return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, W, K, beta, y, N};
 }
 
@@ -50,9 +52,9 @@ void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, con
     float eps = (float)c->rms_norm_eps;
     k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, T, D, eps);              /* [T,D] */
     float *q = a->qraw ? a->qraw : a->q, *kk = a->kraw ? a->kraw : a->k;
-    mrl_gemm_desc qkv[3] = {lin(q, a->ln1, p->wq, T, Q, D, 0),          /* [T,Q] */
-                            lin(kk, a->ln1, p->wk, T, K, D, 0),         /* [T,K] */
-                            lin(a->v, a->ln1, p->wv, T, K, D, 0)};      /* [T,K] */
+    mrl_gemm_desc qkv[3] = {lin_p(q, a->ln1, p->wq, p->pq, T, Q, D, 0),     /* [T,Q] */
+                            lin_p(kk, a->ln1, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
+                            lin_p(a->v, a->ln1, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
     k->gemm_group(qkv, 3);
     add_bias(q, p->bq, T, Q);
     add_bias(kk, p->bk, T, K);
@@ -74,14 +76,14 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     memcpy(a->h, x, sizeof(float) * T * D);
-    run1(k, lin(a->h, a->att, p->wo, T, D, Q, 1.0f));                    /* h = x + att Wo^T */
+    run1(k, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f));           /* h = x + att Wo^T */
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
-    mrl_gemm_desc gu[2] = {lin(a->gate, a->ln2, p->wg, T, F, D, 0),     /* [T,F] */
-                           lin(a->up, a->ln2, p->wu, T, F, D, 0)};      /* [T,F] */
+    mrl_gemm_desc gu[2] = {lin_p(a->gate, a->ln2, p->wg, p->pg, T, F, D, 0), /* [T,F] */
+                           lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
     k->gemm_group(gu, 2);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
     memcpy(out, a->h, sizeof(float) * T * D);
-    run1(k, lin(out, a->act, p->wd, T, D, F, 1.0f));                     /* out = h + act Wd^T */
+    run1(k, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f));            /* out = h + act Wd^T */
 }
 
 void mrl_layer_forward(mrl_model *m, int l, int64_t T) {

@@ -16,6 +16,9 @@ typedef struct layer_params {
     float *ln2;         /* [D]   post_attention_layernorm */
     float *wg, *wu;     /* [F,D] gate_proj, up_proj */
     float *wd;          /* [D,F] down_proj */
+    /* the same seven matrices as weight panels (kernels.h), or NULL: the
+     * engine's packed copies, read by the forward in place of the above */
+    const float *pq, *pk, *pv, *po, *pg, *pu, *pd;
 } layer_params;
 
 /* One layer's saved activations for T tokens. */

@@ -51,6 +51,7 @@ typedef struct gemm_job {
     int64_t parts, first; /* slices, and the index of the first in the group */
     int split_rows;
     int few; /* few rows times a transposed matrix: our kernel, slices of columns */
+    /* B given as weight panels: our kernel, slices of whole panels */
 } gemm_job;
 
 typedef struct gemm_group_ctx {
@@ -73,6 +74,15 @@ static void gemm_part(void *vc, int64_t item) {
     while (j + 1 < c->n && item >= c->jobs[j + 1].first) j++;
     const gemm_job *g = &c->jobs[j];
     int64_t p = item - g->first;
+    if (g->d.b_panels) { /* slices of whole panels */
+        const mrl_gemm_desc *d = &g->d;
+        int64_t panels = (d->N + MRL_PANEL - 1) / MRL_PANEL, step = (panels + g->parts - 1) / g->parts;
+        int64_t lo = p * step, hi = lo + step < panels ? lo + step : panels;
+        if (lo < hi)
+            mrl_cpu_isa_get()->gemm_panels(d->M, lo, hi, d->N, d->K, d->alpha, d->A, d->lda, d->B, d->beta, d->C,
+                                           d->ldc);
+        return;
+    }
     /* slices rounded to 16 rows/columns (whole vector blocks) */
     int64_t n = g->split_rows ? g->d.M : g->d.N, step = ((n + g->parts - 1) / g->parts + 15) / 16 * 16;
     int64_t lo = p * step, hi = lo + step < n ? lo + step : n;
@@ -110,8 +120,9 @@ static void fast_gemm_group(const mrl_gemm_desc *g, int n) {
         for (int i = 0; i < c.n; i++) {
             gemm_job *j = &c.jobs[i];
             j->d = g[off + i];
-            j->few = !j->d.trans_a && j->d.trans_b && j->d.M >= 2 && j->d.M <= FEW_ROWS && j->d.K > 0;
-            j->split_rows = !j->few && (j->d.M >= j->d.N || j->d.M >= 256);
+            j->few = !j->d.b_panels && !j->d.trans_a && j->d.trans_b && j->d.M >= 2 && j->d.M <= FEW_ROWS &&
+                     j->d.K > 0;
+            j->split_rows = !j->few && !j->d.b_panels && (j->d.M >= j->d.N || j->d.M >= 256);
             int64_t work = j->d.M * j->d.N * (j->d.K > 0 ? j->d.K : 1), split = j->split_rows ? j->d.M : j->d.N;
             j->parts = 4 * (int64_t)mrl_parallel_threads();
             if (work < PARALLEL_MACS) j->parts = 1;                     /* too small to share */

@@ -40,6 +40,10 @@ typedef struct mrl_cpu_isa {
     /* C[m, n0..n1) = alpha * A[m] . B[n] (+ beta C) for m < M: few rows, B [N,K] streamed once */
     void (*gemm_nt_rows)(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float *A, int64_t lda,
                          const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+    /* C[m, 32 p0 .. min(32 p1, N)) = alpha * A[m] W^T (+ beta C) for m < M, W [N,K] given as
+     * panels P (kernels.h, mrl_panels_pack) */
+    void (*gemm_panels)(int64_t M, int64_t p0, int64_t p1, int64_t N, int64_t K, float alpha, const float *A,
+                        int64_t lda, const float *P, float beta, float *C, int64_t ldc);
     /* w[i] = exp(x[i] - m) for i < n (w may be x; x[i] <= m; below -87 gives 0),
      * and their sum in double */
     double (*exp_sum)(float *w, const float *x, float m, int64_t n);

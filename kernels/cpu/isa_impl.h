@@ -7,6 +7,7 @@
 #include <cblas.h>
 #include <string.h>
 #include "isa.h"
+#include "kernels.h"
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
@@ -430,6 +431,68 @@ static void gemm_nt_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, float alp
     }
 }
 
+/* ---- few rows times weight panels (kernels.h: MRL_PANEL) ----------------------
+ * A tile of PMR rows of A and one panel (PNV vectors of columns): each A
+ * element is broadcast against the panel's row k, which lies next to row
+ * k+1, so the panel is one contiguous stream. PMR * PNV accumulators
+ * (12) stay in registers. Each output is one sum in k order: the result
+ * does not depend on how the columns are sliced over threads. */
+#define PNV (MRL_PANEL / VW)
+#define PMR (12 / PNV)
+
+static inline __attribute__((always_inline)) void panel_tile(int mr, int64_t K, float alpha, const float *A,
+                                                             int64_t lda, const float *P, float beta, float *C,
+                                                             int64_t ldc, int ncols) {
+    vf acc[PMR][PNV];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < PNV; j++) acc[i][j] = splat(0);
+    for (int64_t k = 0; k < K; k++) {
+        vf b[PNV];
+        for (int j = 0; j < PNV; j++) b[j] = ld(P + k * MRL_PANEL + j * VW);
+        for (int i = 0; i < mr; i++) {
+            vf a = splat(A[i * lda + k]);
+            for (int j = 0; j < PNV; j++) acc[i][j] += a * b[j];
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float *c = C + i * ldc;
+        if (ncols == MRL_PANEL) {
+            for (int j = 0; j < PNV; j++) {
+                vf r = acc[i][j] * alpha;
+                st(c + j * VW, beta == 0 ? r : r + ld(c + j * VW) * beta);
+            }
+        } else { /* the last panel: columns past N are not stored */
+            float row[MRL_PANEL];
+            for (int j = 0; j < PNV; j++) st(row + j * VW, acc[i][j] * alpha);
+            for (int j = 0; j < ncols; j++) c[j] = beta == 0 ? row[j] : row[j] + beta * c[j];
+        }
+    }
+}
+
+/* C[m, 32 p0 .. min(32 p1, N)) for m < M from panels p0..p1 of P */
+static void gemm_panels(int64_t M, int64_t p0, int64_t p1, int64_t N, int64_t K, float alpha, const float *A,
+                        int64_t lda, const float *P, float beta, float *C, int64_t ldc) {
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = P + p * MRL_PANEL * K;
+        int64_t n = p * MRL_PANEL;
+        int ncols = N - n < MRL_PANEL ? (int)(N - n) : MRL_PANEL;
+        int64_t m = 0;
+        for (; m + PMR <= M; m += PMR) panel_tile(PMR, K, alpha, A + m * lda, lda, panel, beta, C + m * ldc + n, ldc, ncols);
+        switch (M - m) { /* the rows left, one unrolled shape each */
+#if PMR > 5
+        case 5: panel_tile(5, K, alpha, A + m * lda, lda, panel, beta, C + m * ldc + n, ldc, ncols); break;
+        case 4: panel_tile(4, K, alpha, A + m * lda, lda, panel, beta, C + m * ldc + n, ldc, ncols); break;
+        case 3: panel_tile(3, K, alpha, A + m * lda, lda, panel, beta, C + m * ldc + n, ldc, ncols); break;
+#endif
+#if PMR > 2
+        case 2: panel_tile(2, K, alpha, A + m * lda, lda, panel, beta, C + m * ldc + n, ldc, ncols); break;
+        case 1: panel_tile(1, K, alpha, A + m * lda, lda, panel, beta, C + m * ldc + n, ldc, ncols); break;
+#endif
+        default: break;
+        }
+    }
+}
+
 const mrl_cpu_isa ISA_TABLE = {
     .name = ISA_NAME,
     .level = ISA_LEVEL,
@@ -443,4 +506,5 @@ const mrl_cpu_isa ISA_TABLE = {
     .attn_fwd_head = attn_fwd_head,
     .attn_bwd_group = attn_bwd_group,
     .gemm_nt_rows = gemm_nt_rows,
+    .gemm_panels = gemm_panels,
 };

@@ -19,10 +19,41 @@ static void ref_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alph
         }
 }
 
+/* C = alpha op(A) W^T + beta C with W given as panels (kernels.h) */
+static void ref_gemm_panels(const mrl_gemm_desc *g) {
+    for (int64_t i = 0; i < g->M; i++)
+        for (int64_t j = 0; j < g->N; j++) {
+            const float *w = g->B + j / MRL_PANEL * MRL_PANEL * g->K + j % MRL_PANEL; /* W[j, p] = w[p * 32] */
+            double acc = 0;
+            for (int64_t p = 0; p < g->K; p++) {
+                float a = g->trans_a ? g->A[p * g->lda + i] : g->A[i * g->lda + p];
+                acc += (double)a * w[p * MRL_PANEL];
+            }
+            float c = g->beta == 0 ? 0.0f : g->beta * g->C[i * g->ldc + j];
+            g->C[i * g->ldc + j] = (float)(g->alpha * acc) + c;
+        }
+}
+
 static void ref_gemm_group(const mrl_gemm_desc *g, int n) {
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        if (g[i].b_panels) {
+            ref_gemm_panels(&g[i]);
+            continue;
+        }
         ref_gemm(g[i].trans_a, g[i].trans_b, g[i].M, g[i].N, g[i].K, g[i].alpha, g[i].A, g[i].lda, g[i].B, g[i].ldb,
                  g[i].beta, g[i].C, g[i].ldc);
+    }
+}
+
+void mrl_panels_pack(float *P, const float *W, int64_t N, int64_t K) {
+    int64_t panels = (N + MRL_PANEL - 1) / MRL_PANEL;
+    for (int64_t b = 0; b < panels; b++) {
+        float *dst = P + b * MRL_PANEL * K;
+        for (int j = 0; j < MRL_PANEL; j++) { /* W's rows read in order; the panel stays in cache */
+            int64_t n = b * MRL_PANEL + j;
+            for (int64_t k = 0; k < K; k++) dst[k * MRL_PANEL + j] = n < N ? W[n * K + k] : 0.0f;
+        }
+    }
 }
 
 static void ref_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,

@@ -39,7 +39,8 @@ local function opt_int(opts, key, lo, where)
 end
 
 -- opts: kv_cache_bytes, block_size, max_batch_tokens, max_seqs, max_model_len, prefix_caching
--- (default true), seed (default 0).
+-- (default true), pack_weights (default true: the layers' matrices copied as weight panels at the
+-- start of each generate call, see engine.h; false reads them in place), seed (default 0).
 function M.new(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.handle == nil then error('engine.new: expected a moonrl.model object', 2) end
@@ -51,7 +52,13 @@ function M.new(model, opts)
   cfg.max_num_batched_tokens = opt_int(opts, 'max_batch_tokens', 1, w) or cfg.max_num_batched_tokens
   cfg.max_num_seqs = opt_int(opts, 'max_seqs', 1, w) or cfg.max_num_seqs
   cfg.max_model_len = opt_int(opts, 'max_model_len', 2, w) or cfg.max_model_len
-  if opts.prefix_caching ~= nil then cfg.prefix_caching = opts.prefix_caching and 1 or 0 end
+  for _, key in ipairs({ 'prefix_caching', 'pack_weights' }) do
+    local v = opts[key]
+    if v ~= nil and type(v) ~= 'boolean' then
+      error(string.format('%s: %s must be true or false (got %s)', w, key, tostring(v)), 2)
+    end
+    if v ~= nil then cfg[key] = v and 1 or 0 end
+  end
   local h = ffi.new('mrl_engine *[1]')
   moonrl.check(C.mrl_engine_create(model.handle, cfg, h), 2)
   -- the engine borrows the model: keep it alive with the engine

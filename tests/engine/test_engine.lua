@@ -113,6 +113,34 @@ t.test('zero copy: an AdamW step changes the next generation, no reload', functi
   t.truthy(moonrl.engine.mismatch(after[1][1].logprobs, tr).max_abs < 1e-5, 'the new weights, as the trainer sees them')
 end)
 
+t.test('weight panels (the default) give what reading the weights in place gives', function()
+  local m3 = new_model(4)
+  local packed = moonrl.engine.new(m3, { kv_cache_bytes = 2 ^ 21, max_batch_tokens = 64, max_seqs = 16, seed = 3 })
+  local inplace = moonrl.engine.new(m3, { kv_cache_bytes = 2 ^ 21, max_batch_tokens = 64, max_seqs = 16, seed = 3,
+    pack_weights = false })
+  for round = 1, 2 do
+    for _, temp in ipairs({ 0, 0.9 }) do
+      local a = packed:generate(requests(3), { temperature = temp, max_tokens = 12, eos_ids = {}, step = round })
+      local b = inplace:generate(requests(3), { temperature = temp, max_tokens = 12, eos_ids = {}, step = round })
+      local same, worst = true, 0
+      for i, list in ipairs(a) do
+        for j, s in ipairs(list) do
+          for k, id in ipairs(s.ids) do
+            if b[i][j].ids[k] ~= id then same = false end
+            worst = math.max(worst, math.abs(s.logprobs[k] - b[i][j].logprobs[k]))
+          end
+        end
+      end
+      t.truthy(same, 'the same tokens (round ' .. round .. ', temperature ' .. temp .. ')')
+      t.truthy(worst < 1e-5, 'log-probs agree: max |diff| ' .. worst)
+    end
+    -- between rounds the weights move: the next round's panels are packed from the new ones
+    local p, n = m3:params()
+    for i = 0, n - 1, 7 do p[i] = p[i] * 1.05 end
+  end
+  t.raises(function() moonrl.engine.new(m3, { pack_weights = 'yes' }) end, 'pack_weights must be true or false')
+end)
+
 t.test('stop ids, EOS, max tokens', function()
   local full = engine:generate({ { prompt_ids = prompts[1] } }, { temperature = 0.7, max_tokens = 16, eos_ids = {} })[1][1]
   local stop = full.ids[5]

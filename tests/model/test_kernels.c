@@ -8,6 +8,7 @@
 #include "check.h"
 #include "random_arrays.h"
 #include "kernels.h"
+#include "moonrl/parallel.h"
 #include "moonrl/status.h"
 
 
@@ -212,8 +213,52 @@ static void gemm_shapes(const char *what, gemm_fn gemm) {
     CHECK(bad == 0);
 }
 
+/* Products with W given as weight panels (the engine's decode products):
+ * reference and fast against the reference on W itself, over row counts
+ * around the tile heights (1..7, 13, 64, 131), widths that end inside a
+ * panel (40, 100) or on one (96), alpha, beta 0 (C NaN: not read) and 1.3,
+ * ldc wider than N (the gap untouched), on one and two threads. */
+static void panel_products(void) {
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 13, 64, 131}, cols[] = {40, 96, 100}, depth[] = {37, 64};
+    double worst = 0;
+    int bad = 0;
+    for (int threads = 1; threads <= 2; threads++) {
+        mrl_parallel_set_threads(threads);
+        for (size_t a = 0; a < sizeof rows / sizeof rows[0]; a++)
+            for (size_t b = 0; b < sizeof cols / sizeof cols[0]; b++)
+                for (size_t c = 0; c < sizeof depth / sizeof depth[0]; c++) {
+                    int64_t M = rows[a], N = cols[b], K = depth[c], ldc = N + 3;
+                    float beta = (a + b + c) % 2 ? 1.3f : 0.0f;
+                    float *A = rnd(M * K, 1), *W = rnd(N * K, 1), *P = zeros(mrl_panels_floats(N, K));
+                    float *C0 = rnd(M * ldc, 1), *C1 = zeros(M * ldc), *C2 = zeros(M * ldc);
+                    for (int64_t i = 0; i < M * ldc; i++)
+                        if (beta == 0.0f && i % ldc < N) C0[i] = NAN;
+                    memcpy(C1, C0, sizeof(float) * M * ldc);
+                    memcpy(C2, C0, sizeof(float) * M * ldc);
+                    mrl_panels_pack(P, W, N, K);
+                    R->gemm(0, 1, M, N, K, 0.7f, A, K, W, K, beta, C0, ldc);
+                    mrl_gemm_desc d = {0, 1, M, N, K, 0.7f, A, K, P, 0, beta, C1, ldc, .b_panels = 1};
+                    R->gemm_group(&d, 1);
+                    d.C = C2;
+                    Fk->gemm_group(&d, 1);
+                    double e = fmax(rel_err(C1, C0, M * ldc), rel_err(C2, C0, M * ldc));
+                    for (int64_t i = 0; i < M * ldc; i++)
+                        if (!isfinite(C1[i]) || !isfinite(C2[i])) e = INFINITY;
+                    if (!(e <= 1e-5) && bad++ < 5)
+                        fprintf(stderr, "panels %lldx%lldx%lld beta %g threads %d: error %.3g\n", (long long)M,
+                                (long long)N, (long long)K, beta, threads, e);
+                    worst = e > worst ? e : worst;
+                    free(A), free(W), free(P), free(C0), free(C1), free(C2);
+                }
+    }
+    mrl_parallel_set_threads(0);
+    printf("weight panels (reference and fast) vs reference on W: %.1e\n", worst);
+    CHECK(bad == 0);
+}
+
 static void fast_vs_reference(void) {
     gemm_shapes("fast gemm", Fk->gemm);
+    panel_products();
     /* gemm, all transposes */
     int64_t M = 37, N = 29, K = 45;
     float *A = rnd(M * K, 1), *B = rnd(K * N, 1), *C1 = rnd(M * N, 1), *C2 = zeros(M * N);

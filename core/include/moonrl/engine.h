@@ -86,6 +86,7 @@ typedef struct mrl_engine_config {
     int max_num_batched_tokens; /* tokens per step */
     int max_model_len;          /* prompt + generated tokens at most; 0: the model's max_position_embeddings */
     int prefix_caching;         /* 1: reuse the K/V of prompt prefixes seen before (until mrl_engine_reset) */
+    int pack_weights;           /* 1 (default): keep the layers' weight matrices as panels (below) */
 } mrl_engine_config;
 
 typedef enum mrl_finish_reason {
@@ -134,6 +135,17 @@ void mrl_engine_config_default(mrl_engine_config *cfg);
  * model's parameter buffer (mrl_model_params) in place. */
 mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl_engine **out);
 void mrl_engine_free(mrl_engine *e);
+/* Weight panels (pack_weights, the default). The layers' seven matrices are
+ * copied once per generation round into the layout the decode products
+ * read best (kernels.h, MRL_PANEL): a decode step multiplies a few dozen rows
+ * by each matrix, and packing the matrix on every step (what OpenBLAS does)
+ * costs as much as the arithmetic. A round starts when a request is added to
+ * an engine with none unfinished, and at mrl_engine_reset /
+ * mrl_engine_attach_params: weights changed while requests are running are
+ * not seen before the next round. The copy is one pass over the weights and
+ * as much memory again as the layers' matrices (MRL_MEM_PARAMS);
+ * pack_weights = 0 reads the weights in place on every step instead. */
+
 /* Read the weights from another buffer with the model's layout (n_params
  * floats, view offsets as in mrl_model_view): e.g. one that receives a
  * trainer's weights by broadcast in a separate engine process. NULL goes
