@@ -11,8 +11,11 @@
  *     x = layer output (mrl_layer_out: o-proj, residual, ln2, SwiGLU MLP)
  *   rows = x[logits_indices]; rmsnorm; logits = rows W_lm^T    [n_logits,V]
  *   sample (mrl_sched_update).
- * The weights are read in place from a parameter buffer with the model's
- * layout: the model's own by default (zero copy). */
+ * The weights come from a parameter buffer with the model's layout: the
+ * model's own by default (no transfer, no reload after an optimizer step).
+ * The layers' matrices are copied into weight panels at the start of each
+ * generation round (pack_weights, engine.h): one pass over the weights per
+ * round instead of OpenBLAS's packing of every matrix on every step. */
 #include <string.h>
 #include "engine/scheduler.h"
 #include "model/model_internal.h"

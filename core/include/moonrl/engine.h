@@ -129,10 +129,12 @@ typedef struct mrl_engine_stats {
 } mrl_engine_stats;
 
 /* Defaults: 256 MiB of KV cache, blocks of 16, 256 sequences, 2048 tokens a
- * step, the model's max_position_embeddings, prefix caching on. */
+ * step, the model's max_position_embeddings, prefix caching on, weight
+ * panels on. */
 void mrl_engine_config_default(mrl_engine_config *cfg);
 /* An engine over `model` (borrowed: it must outlive the engine), reading the
- * model's parameter buffer (mrl_model_params) in place. */
+ * model's parameter buffer (mrl_model_params): in place, or through weight
+ * panels packed from it at the start of each round (below). */
 mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl_engine **out);
 void mrl_engine_free(mrl_engine *e);
 /* Weight panels (pack_weights, the default). The layers' seven matrices are
