@@ -1,6 +1,7 @@
 -- The moonrl side of bench/generate_bench.py (run through `moonrl run`):
 --   BENCH_MODE=save BENCH_DIR=D BENCH_CONFIG=json   create a random model, save it in Hugging Face format
 --   BENCH_MODE=run  BENCH_DIR=D BENCH_CASE=json     generate with moonrl.engine, print one JSON line
+-- BENCH_PACK=0 reads the weights in place instead of through weight panels (engine.h).
 -- A case: { prompts = P, n = samples per prompt, prompt_len = L, new = N, temperature = T }; prompt i
 -- (0-based) token k is (k * 31 + i * 7 + 1) % vocab, as on the PyTorch side.
 local moonrl = require('moonrl')
@@ -16,7 +17,7 @@ local case = json.decode(os.getenv('BENCH_CASE'), 'BENCH_CASE')
 local model = moonrl.model.load(dir)
 local V = model.config.vocab_size
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 30, max_batch_tokens = 2048, max_seqs = 256,
-  prefix_caching = false })
+  prefix_caching = false, pack_weights = os.getenv('BENCH_PACK') ~= '0' })
 local function requests(P, n, L)
   local reqs = {}
   for i = 0, P - 1 do
