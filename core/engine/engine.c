@@ -21,6 +21,7 @@
 #include "model/model_internal.h"
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
+#include "moonrl/parallel.h"
 
 struct mrl_engine {
     mrl_model *m;
@@ -138,14 +139,29 @@ static int64_t panel_floats(mrl_engine *e) {
     return total;
 }
 
-/* Copy the weights read (base) into the panels and point the layers at them. */
-static void pack_panels(mrl_engine *e) {
+/* Copy the weights read (base) into the panels and point the layers at them;
+ * the matrices are spread over the threads. */
+static void pack_range(void *ctx, int64_t first, int64_t last) {
+    mrl_engine *e = ctx;
     layer_matrix mats[7];
     int64_t off = 0;
     for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
         layer_matrices(e->m, &e->lp[l], mats);
         for (int i = 0; i < 7; i++) {
-            mrl_panels_pack(e->panels + off, mats[i].w, mats[i].N, mats[i].K);
+            int64_t index = (int64_t)l * 7 + i;
+            if (index >= first && index < last) mrl_panels_pack(e->panels + off, mats[i].w, mats[i].N, mats[i].K);
+            off += mrl_panels_floats(mats[i].N, mats[i].K);
+        }
+    }
+}
+
+static void pack_panels(mrl_engine *e) {
+    mrl_parallel_for((int64_t)e->m->cfg.num_hidden_layers * 7, 1, pack_range, e);
+    layer_matrix mats[7];
+    int64_t off = 0;
+    for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
+        layer_matrices(e->m, &e->lp[l], mats);
+        for (int i = 0; i < 7; i++) {
             *mats[i].panels = e->panels + off;
             off += mrl_panels_floats(mats[i].N, mats[i].K);
         }
