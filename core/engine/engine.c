@@ -129,43 +129,36 @@ static void layer_matrices(const mrl_model *m, layer_params *p, layer_matrix out
     out[6] = (layer_matrix){p->wd, &p->pd, D, F};
 }
 
-static int64_t panel_floats(mrl_engine *e) {
+/* The panels' floats; with e->panels, also point each layer's matrices at
+ * their place in it (one walk gives both, so they cannot disagree). */
+static int64_t point_panels(mrl_engine *e) {
     layer_matrix mats[7];
-    int64_t total = 0;
+    int64_t off = 0;
     for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
         layer_matrices(e->m, &e->lp[l], mats);
-        for (int i = 0; i < 7; i++) total += mrl_panels_floats(mats[i].N, mats[i].K);
+        for (int i = 0; i < 7; i++) {
+            if (e->panels) *mats[i].panels = e->panels + off;
+            off += mrl_panels_floats(mats[i].N, mats[i].K);
+        }
     }
-    return total;
+    return off;
 }
 
-/* Copy the weights read (base) into the panels and point the layers at them;
- * the matrices are spread over the threads. */
+/* Matrices [first, last) of all layers' seven, each into the panels its layer points at. */
 static void pack_range(void *ctx, int64_t first, int64_t last) {
     mrl_engine *e = ctx;
     layer_matrix mats[7];
-    int64_t off = 0;
-    for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
-        layer_matrices(e->m, &e->lp[l], mats);
-        for (int i = 0; i < 7; i++) {
-            int64_t index = (int64_t)l * 7 + i;
-            if (index >= first && index < last) mrl_panels_pack(e->panels + off, mats[i].w, mats[i].N, mats[i].K);
-            off += mrl_panels_floats(mats[i].N, mats[i].K);
-        }
+    for (int64_t index = first; index < last; index++) {
+        layer_matrices(e->m, &e->lp[index / 7], mats);
+        const layer_matrix *mat = &mats[index % 7];
+        mrl_panels_pack((float *)*mat->panels, mat->w, mat->N, mat->K); /* e->panels, ours to write */
     }
 }
 
+/* Copy the weights read (base) into the panels, the matrices spread over the threads. */
 static void pack_panels(mrl_engine *e) {
+    point_panels(e); /* rebase (attach_params) leaves the layers without panel pointers */
     mrl_parallel_for((int64_t)e->m->cfg.num_hidden_layers * 7, 1, pack_range, e);
-    layer_matrix mats[7];
-    int64_t off = 0;
-    for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
-        layer_matrices(e->m, &e->lp[l], mats);
-        for (int i = 0; i < 7; i++) {
-            *mats[i].panels = e->panels + off;
-            off += mrl_panels_floats(mats[i].N, mats[i].K);
-        }
-    }
     e->panels_stale = 0;
 }
 
@@ -244,7 +237,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
         st = mrl_model_rope_prepare(model, c.max_model_len);
     }
     if (!st && c.pack_weights) {
-        int64_t floats = panel_floats(e);
+        int64_t floats = point_panels(e); /* no panels yet: only counts */
         e->panels = mrl_mem_alloc((size_t)floats * sizeof(float), MRL_MEM_PARAMS);
         if (!e->panels)
             st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the weight panels (%lld bytes; "

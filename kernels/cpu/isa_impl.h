@@ -214,13 +214,9 @@ static int64_t attn_prefix_rows(const mrl_attn_args *a, int s, int64_t *first_ro
     return a->cu_seqlens[p + 1] - a->cu_seqlens[p];
 }
 
-/* rows of hd floats: from stride ld to contiguous, and back */
-static void copy_rows(float *dst, const float *src, int64_t rows, int64_t ld, int hd) {
-    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * hd, src + r * ld, sizeof(float) * hd);
-}
-
-static void copy_rows_to(float *dst, const float *src, int64_t rows, int64_t ld, int hd) {
-    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * ld, src + r * hd, sizeof(float) * hd);
+/* rows of hd floats, dst rows dst_ld apart, src rows src_ld apart */
+static void copy_rows(float *dst, int64_t dst_ld, const float *src, int64_t src_ld, int64_t rows, int hd) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * dst_ld, src + r * src_ld, sizeof(float) * hd);
 }
 
 /* gather: 2 * (pre + L) * hd floats of scratch when the sequence has a prefix */
@@ -231,10 +227,10 @@ static attn_keys attn_keys_of(const mrl_attn_args *a, int s, int kh, float *gath
     attn_keys r = {a->k + b * ks + (int64_t)kh * hd, a->v + b * ks + (int64_t)kh * hd, ks, pre, pre + L};
     if (pre > 0) {
         float *kc = gather, *vc = gather + r.n * hd;
-        copy_rows(kc, a->k + pb * ks + (int64_t)kh * hd, pre, ks, hd);
-        copy_rows(kc + pre * hd, r.k, L, ks, hd);
-        copy_rows(vc, a->v + pb * ks + (int64_t)kh * hd, pre, ks, hd);
-        copy_rows(vc + pre * hd, r.v, L, ks, hd);
+        copy_rows(kc, hd, a->k + pb * ks + (int64_t)kh * hd, ks, pre, hd);
+        copy_rows(kc + pre * hd, hd, r.k, ks, L, hd);
+        copy_rows(vc, hd, a->v + pb * ks + (int64_t)kh * hd, ks, pre, hd);
+        copy_rows(vc + pre * hd, hd, r.v, ks, L, hd);
         r.k = kc, r.v = vc, r.ld = hd;
     }
     return r;
@@ -335,8 +331,8 @@ static void attn_bwd_group(const mrl_attn_args *a, int s, int kh, float *scratch
                 dkb[j * ks + e] += dkc[j * hd + e];
                 dvb[j * ks + e] += dvc[j * hd + e];
             }
-        copy_rows_to(a->dk + cb * ks + (int64_t)kh * hd, dkc + K.pre * hd, cl, ks, hd);
-        copy_rows_to(a->dv + cb * ks + (int64_t)kh * hd, dvc + K.pre * hd, cl, ks, hd);
+        copy_rows(a->dk + cb * ks + (int64_t)kh * hd, ks, dkc + K.pre * hd, hd, cl, hd);
+        copy_rows(a->dv + cb * ks + (int64_t)kh * hd, ks, dvc + K.pre * hd, hd, cl, hd);
     }
 }
 
