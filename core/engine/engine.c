@@ -17,6 +17,7 @@
  * generation round (pack_weights, engine.h): one pass over the weights per
  * round instead of OpenBLAS's packing of every matrix on every step. */
 #include <string.h>
+#include <unistd.h>
 #include "engine/scheduler.h"
 #include "model/model_internal.h"
 #include "moonrl/loop.h"
@@ -203,38 +204,55 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_mem_free(e);
 }
 
+/* Bytes of physical memory (sysconf), 0 when unknown. */
+static int64_t physical_memory(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+}
+
 mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl_engine **out) {
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL out");
     *out = NULL;
     if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
     mrl_engine_config c = *cfg;
     if (c.max_model_len <= 0) c.max_model_len = model->cfg.max_position_embeddings;
-    if (c.block_size < 1 || c.block_size > 4096 || c.max_num_seqs < 1 || c.max_num_batched_tokens < 1 ||
-        c.max_model_len < 2 || c.kv_cache_bytes <= 0 || c.max_num_batched_tokens > (1 << 24) ||
-        c.max_num_seqs > (1 << 20))
-        return mrl_set_error(MRL_ERR_INVALID,
-                             "engine create: bad config (kv_cache_bytes=%lld block_size=%d max_num_seqs=%d "
-                             "max_num_batched_tokens=%d max_model_len=%d)",
-                             (long long)c.kv_cache_bytes, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                             c.max_model_len);
+    /* every size is checked before anything is allocated from it */
+#define BOUND(field, lo, hi)                                                                                     \
+    if (c.field < (lo) || c.field > (hi))                                                                        \
+        return mrl_set_error(MRL_ERR_INVALID, "engine create: " #field " = %lld (must be in %lld..%lld)",       \
+                             (long long)c.field, (long long)(lo), (long long)(hi));
+    BOUND(block_size, 1, 4096)
+    BOUND(max_num_seqs, 1, 1 << 20)
+    BOUND(max_num_batched_tokens, 1, 1 << 24)
+    BOUND(max_model_len, 2, INT32_MAX)
+#undef BOUND
+    int64_t phys = physical_memory();
+    if (c.kv_cache_bytes <= 0 || (phys > 0 && c.kv_cache_bytes > phys))
+        return mrl_set_error(MRL_ERR_INVALID, "engine create: kv_cache_bytes = %lld (%.1f GiB): the KV cache must be > 0 "
+                             "and at most this machine's physical memory (%lld bytes, %.1f GiB)", (long long)c.kv_cache_bytes,
+                             c.kv_cache_bytes / 1073741824.0, (long long)phys, phys / 1073741824.0);
+    /* rows needing logits in one step: at most one per running sequence */
+    mrl_engine probe = {.m = model, .cfg = c};
+    probe.logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
+    int64_t bytes = layout(&probe, NULL);
+    if (phys > 0 && bytes > phys)
+        return mrl_set_error(MRL_ERR_INVALID, "engine create: the activations of max_num_batched_tokens = %d tokens "
+                             "with logits for %lld rows (max_num_seqs = %d) take %lld bytes (%.1f GiB), more than "
+                             "this machine's physical memory (%lld bytes)", c.max_num_batched_tokens,
+                             (long long)probe.logit_rows, c.max_num_seqs, (long long)bytes, bytes / 1073741824.0,
+                             (long long)phys);
     mrl_engine *e = mrl_mem_alloc(sizeof(*e), MRL_MEM_OTHER);
     if (!e) return mrl_set_error(MRL_ERR_NOMEM, "engine create: out of memory");
-    memset(e, 0, sizeof(*e));
-    e->m = model;
-    e->cfg = c;
-    /* rows needing logits in one step: at most one per running sequence */
-    e->logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
-    e->lp = mrl_mem_alloc(sizeof(layer_params) * model->cfg.num_hidden_layers, MRL_MEM_OTHER);
-    int64_t bytes = layout(e, NULL);
-    e->act_buf = e->lp ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
+    *e = probe;
     mrl_status st = MRL_OK;
+    e->lp = mrl_mem_alloc(sizeof(layer_params) * model->cfg.num_hidden_layers, MRL_MEM_OTHER);
+    e->act_buf = e->lp ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
     if (!e->act_buf)
         st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the activations of %d tokens (%lld bytes)",
                            c.max_num_batched_tokens, (long long)bytes);
     if (!st) {
         layout(e, e->act_buf);
         rebase(e, model->params);
-        st = mrl_model_rope_prepare(model, c.max_model_len);
     }
     if (!st && c.pack_weights) {
         int64_t floats = point_panels(e); /* no panels yet: only counts */
@@ -245,6 +263,10 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
         e->panels_stale = 1;
     }
     if (!st) st = new_sched(e);
+    if (!st) { /* RoPE for the longest sequence the engine can hold, not for max_model_len unseen */
+        int64_t cache_tokens = (int64_t)mrl_kv_cache_num_blocks(e->kv) * c.block_size;
+        st = mrl_model_rope_prepare(model, c.max_model_len < cache_tokens ? c.max_model_len : cache_tokens);
+    }
     if (st) {
         mrl_engine_free(e);
         return st;

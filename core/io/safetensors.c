@@ -1,7 +1,15 @@
 /* safetensors reader: files are memory-mapped read-only and every header
  * field is checked against the file before anything is read through it.
  * Layout: u64 little-endian header length N, N bytes of JSON, then the data
- * region; each tensor's data_offsets are relative to the data region. */
+ * region; each tensor's data_offsets are relative to the data region.
+ *
+ * mrl_st_read_f32 copies a tensor with pread from the file, not from the
+ * mapping: a file truncated after it was opened (another process rewriting
+ * a checkpoint) makes a read of the mapping past the new end raise SIGBUS,
+ * while pread just comes back short, which is an error naming the file. The
+ * copy costs the same (the kernel copies the page cache into dst either
+ * way). A SIGBUS handler could guard the mapping instead, but a handler is
+ * process-wide state shared with the host program and other threads. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -18,6 +26,7 @@ enum { MAX_HEADER_BYTES = 100 * 1000 * 1000 }; /* the Python library's bound */
 
 typedef struct st_file {
     char *path;
+    int fd;              /* open for the reads (pread) */
     void *map;
     size_t size;
     const uint8_t *data; /* data region */
@@ -54,6 +63,7 @@ char *mrl_st_join(const char *dir, const char *name) {
 
 static void file_close(st_file *f) {
     if (f->map) munmap(f->map, f->size);
+    if (f->fd >= 0) close(f->fd);
     mrl_json_free(f->doc);
     free(f->path);
     memset(f, 0, sizeof *f);
@@ -151,6 +161,7 @@ static mrl_status open_file(mrl_st *st, const char *path) {
     int fi = st->nfiles++;
     st_file *f = &files[fi];
     memset(f, 0, sizeof *f);
+    f->fd = -1;
     f->path = mrl_st_strdup(path);
     if (!f->path) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -166,8 +177,8 @@ static mrl_status open_file(mrl_st *st, const char *path) {
                              (long long)sb.st_size);
     }
     f->size = (size_t)sb.st_size;
+    f->fd = fd;
     void *map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
     if (map == MAP_FAILED) return mrl_set_error(MRL_ERR_IO, "%s: cannot map: %s", path, strerror(errno));
     f->map = map;
     const uint8_t *b = map;
@@ -343,6 +354,28 @@ mrl_status mrl_st_find(const mrl_st *st, const char *name, mrl_st_tensor *out) {
 
 int mrl_st_has(const mrl_st *st, const char *name) { return st && name && lookup(st, name) != NULL; }
 
+/* bytes of tensor t from its file, at byte `from` of the tensor, with pread (see the top) */
+static mrl_status read_bytes(const mrl_st *st, const mrl_st_tensor *t, int64_t from, void *dst, int64_t bytes) {
+    const st_file *f = &st->files[t->shard];
+    int64_t at = (const uint8_t *)t->data - (const uint8_t *)f->map + from;
+    for (int64_t done = 0; done < bytes;) {
+        ssize_t n = pread(f->fd, (char *)dst + done, (size_t)(bytes - done), (off_t)(at + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            struct stat sb;
+            long long now = fstat(f->fd, &sb) == 0 ? (long long)sb.st_size : -1;
+            if (n < 0)
+                return mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': read failed at byte %lld: %s", f->path, t->name,
+                                     (long long)(at + done), strerror(errno));
+            return mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': the file ends at byte %lld, before the tensor's "
+                                 "data [%lld, %lld) (it was %zu bytes when opened: truncated since?)", f->path,
+                                 t->name, now, (long long)(at - from), (long long)(at - from + t->bytes), f->size);
+        }
+        done += n;
+    }
+    return MRL_OK;
+}
+
 mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel) {
     mrl_st_tensor t;
     mrl_status s = mrl_st_find(st, name, &t);
@@ -351,26 +384,23 @@ mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64
     if (numel != t.numel)
         return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' has %lld elements, the destination %lld",
                              st->files[t.shard].path, name, (long long)t.numel, (long long)numel);
-    if (t.dtype == MRL_DTYPE_F32) {
-        memcpy(dst, t.data, (size_t)t.bytes);
-        return MRL_OK;
-    }
+    if (t.dtype == MRL_DTYPE_F32) return read_bytes(st, &t, 0, dst, t.bytes);
     void (*conv)(const uint16_t *, float *, int64_t);
     if (t.dtype == MRL_DTYPE_BF16) conv = mrl_convert_bf16_to_f32;
     else if (t.dtype == MRL_DTYPE_F16) conv = mrl_convert_f16_to_f32;
     else return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; only F32, BF16 and F16 convert to fp32",
                               st->files[t.shard].path, name, mrl_dtype_name(t.dtype));
-    if (((uintptr_t)t.data & 1) == 0) {
-        conv(t.data, dst, numel);
-        return MRL_OK;
+    enum { CHUNK = 1 << 20 }; /* 16-bit values per read, converted (on all threads) as they come */
+    int64_t cap = numel < CHUNK ? numel : CHUNK;
+    uint16_t *tmp = malloc((size_t)(cap > 0 ? cap : 1) * 2);
+    if (!tmp) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    for (int64_t i = 0; i < numel && !s; i += cap) {
+        int64_t k = numel - i < cap ? numel - i : cap;
+        s = read_bytes(st, &t, 2 * i, tmp, 2 * k);
+        if (!s) conv(tmp, dst + i, k);
     }
-    uint16_t tmp[4096]; /* unaligned 16-bit data: go through an aligned copy */
-    for (int64_t i = 0; i < numel; i += 4096) {
-        int64_t k = numel - i < 4096 ? numel - i : 4096;
-        memcpy(tmp, (const uint8_t *)t.data + 2 * i, (size_t)k * 2);
-        conv(tmp, dst + i, k);
-    }
-    return MRL_OK;
+    free(tmp);
+    return s;
 }
 
 const char *mrl_st_metadata(const mrl_st *st, const char *key) {

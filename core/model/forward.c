@@ -204,6 +204,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model backward: NULL model");
     if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model backward: no forward to go back through");
     if (dvalues && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model backward: dvalues given to a model without value head");
+    mrl_status st = mrl_model_ensure_grads(m);
+    if (st) return st;
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
     int64_t T = m->batch.n_tokens, D = c->hidden_size, V = c->vocab_size;

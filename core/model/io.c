@@ -1,8 +1,11 @@
 /* Loading and saving Hugging Face model directories: config.json plus
  * safetensors (one file or shards, through moonrl/safetensors.h).
  *
- * Load: every parameter view is read by its Hugging Face name (F32, BF16 or
- * F16 converted to fp32) and its shape checked. Tolerated: a stored
+ * Load: every parameter view the config implies is first checked against
+ * the file's tensor names and shapes, and only then is the parameter buffer
+ * allocated (a config.json larger than its weights is an error, not
+ * gigabytes allocated); each view is then read by its Hugging Face name
+ * (F32, BF16 or F16 converted to fp32). Tolerated: a stored
  * lm_head.weight in a tied model (ignored), *.rotary_emb.inv_freq buffers
  * (ignored); for a value-head model without score.weight (a policy
  * checkpoint turned critic) the score gets the documented init (seed 0),
@@ -20,31 +23,39 @@ static int ends_with(const char *s, const char *suffix) {
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-static mrl_status read_weights(mrl_model *m, mrl_st *st, const char *dir) {
+/* "[a, b, c]" */
+static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < ndim && n < cap; d++) n += (size_t)snprintf(buf + n, cap - n, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+    return buf;
+}
+
+/* The views are absent from the file where tolerated (see the top). */
+static int may_be_missing(const mrl_model *m, const char *name) {
+    return strcmp(name, "score.weight") == 0 || (strcmp(name, "lm_head.weight") == 0 && m->cfg.value_head);
+}
+
+/* Every view the config implies against the file's names and shapes, and
+ * every tensor of the file against the views: before any parameter memory
+ * is allocated, so that a config.json larger than its weights costs
+ * nothing (m has its views only, mrl_model_alloc_layout). */
+static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir) {
     for (int i = 0; i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
         if (!mrl_st_has(st, v->name)) {
-            if (strcmp(v->name, "score.weight") == 0) {
-                uint64_t seed = 0;
-                mrl_model_init_view(m, v, &seed);
-                continue;
-            }
-            if (strcmp(v->name, "lm_head.weight") == 0 && m->cfg.value_head) {
-                memcpy(m->params + v->offset, m->embed, sizeof(float) * v->numel);
-                continue;
-            }
+            if (may_be_missing(m, v->name)) continue;
             return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' is missing", dir, v->name);
         }
         mrl_st_tensor t;
         mrl_status s = mrl_st_find(st, v->name, &t);
         if (s) return s;
         int same = t.ndim == v->ndim && t.shape[0] == v->shape[0] && (v->ndim == 1 || t.shape[1] == v->shape[1]);
-        if (!same)
-            return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' has shape [%lld%s%lld], the config implies [%lld, %lld]",
-                                 dir, v->name, (long long)t.shape[0], t.ndim > 1 ? ", " : "",
-                                 (long long)(t.ndim > 1 ? t.shape[1] : 0), (long long)v->shape[0], (long long)v->shape[1]);
-        s = mrl_st_read_f32(st, v->name, m->params + v->offset, v->numel);
-        if (s) return s;
+        if (!same) {
+            char got[256], want[64];
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' has shape %s, the config implies %s", dir, v->name,
+                                 shape_str(got, sizeof got, t.ndim, t.shape), shape_str(want, sizeof want, v->ndim, v->shape));
+        }
     }
     /* anything else in the checkpoint is a part this model does not have */
     for (int64_t i = 0; i < mrl_st_count(st); i++) {
@@ -62,6 +73,25 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, const char *dir) {
     return MRL_OK;
 }
 
+/* Fill the parameters (shapes checked by check_tensors). */
+static mrl_status read_weights(mrl_model *m, mrl_st *st) {
+    for (int i = 0; i < m->n_views; i++) {
+        const mrl_param_view *v = &m->views[i];
+        if (!mrl_st_has(st, v->name)) { /* may_be_missing */
+            if (strcmp(v->name, "score.weight") == 0) {
+                uint64_t seed = 0;
+                mrl_model_init_view(m, v, &seed);
+            } else { /* lm_head.weight of a value-head model */
+                memcpy(m->params + v->offset, m->embed, sizeof(float) * v->numel);
+            }
+            continue;
+        }
+        mrl_status s = mrl_st_read_f32(st, v->name, m->params + v->offset, v->numel);
+        if (s) return s;
+    }
+    return MRL_OK;
+}
+
 mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
     *out = NULL;
@@ -75,8 +105,10 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     s = mrl_st_open(dir, &st);
     if (s) return s;
     mrl_model *m = NULL;
-    s = mrl_model_alloc(&cfg, &m);
-    if (!s) s = read_weights(m, st, dir);
+    s = mrl_model_alloc_layout(&cfg, &m); /* views only: the sizes are the file's to confirm */
+    if (!s) s = check_tensors(m, st, dir);
+    if (!s) s = mrl_model_alloc_params(m);
+    if (!s) s = read_weights(m, st);
     mrl_st_close(st);
     if (s) {
         mrl_model_free(m);

@@ -1,6 +1,7 @@
 /* The model object: the parameter and gradient buffers with their named
  * views (Hugging Face names, view order = buffer order), random init, raw
- * f32 load/save, getters. */
+ * f32 load/save, getters. The gradient buffer is created on first use
+ * (mrl_model_grads, the first backward): inference never pays for it. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -15,7 +16,8 @@ typedef struct layout {
     size_t names_len;
 } layout;
 
-/* Add a view (when m->views is allocated) and return where it lives. */
+/* Add a view (when m->views is allocated) and return where it lives (NULL
+ * while m->params is not allocated yet). */
 static float *add_view(layout *lo, int decay, int64_t d0, int64_t d1, const char *fmt, int layer) {
     mrl_model *m = lo->m;
     char name[128];
@@ -33,15 +35,16 @@ static float *add_view(layout *lo, int decay, int64_t d0, int64_t d1, const char
         v->shape[0] = d0;
         v->shape[1] = d1;
         v->weight_decay = decay;
-        p = m->params + lo->offset;
     }
+    if (m->params) p = m->params + lo->offset;
     lo->names_len += nlen;
     lo->offset += numel;
     lo->n++;
     return p;
 }
 
-/* The one place that defines the parameter layout. Run once to count, once to fill. */
+/* The one place that defines the parameter layout. Run once to count, once
+ * to fill the views, once more to point at the parameters. */
 static void build_layout(layout *lo) {
     mrl_model *m = lo->m;
     const mrl_model_config *c = &m->cfg;
@@ -111,7 +114,7 @@ mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_mode
     return MRL_OK;
 }
 
-mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
+mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) {
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_create: NULL out");
     *out = NULL;
     mrl_status st = mrl_model_config_validate(cfg);
@@ -124,19 +127,47 @@ mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
     build_layout(&lo); /* count */
     m->n_params = lo.offset;
     m->n_views = lo.n;
-    m->params = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_PARAMS);
-    m->grads = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_GRADS);
     m->views = mrl_mem_alloc(sizeof(mrl_param_view) * m->n_views, MRL_MEM_OTHER);
     m->names = mrl_mem_alloc(lo.names_len, MRL_MEM_OTHER);
     m->lp = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
     m->lg = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
-    if (!m->params || !m->grads || !m->views || !m->names || !m->lp || !m->lg) {
+    if (!m->views || !m->names || !m->lp || !m->lg) {
         mrl_model_free(m);
         return MRL_ERR_NOMEM;
     }
     lo = (layout){.m = m, .names = m->names};
-    build_layout(&lo); /* fill */
-    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+    build_layout(&lo); /* fill the views */
+    *out = m;
+    return MRL_OK;
+}
+
+mrl_status mrl_model_alloc_params(mrl_model *m) {
+    m->params = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_PARAMS);
+    if (!m->params)
+        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for %lld parameters (%lld bytes)",
+                             (long long)m->n_params, (long long)m->n_params * 4);
+    layout lo = {.m = m, .names = m->names};
+    build_layout(&lo); /* point at the parameters (the views come out the same) */
+    return MRL_OK;
+}
+
+mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
+    mrl_status st = mrl_model_alloc_layout(cfg, out);
+    if (!st) st = mrl_model_alloc_params(*out);
+    if (st && *out) {
+        mrl_model_free(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+mrl_status mrl_model_ensure_grads(mrl_model *m) {
+    if (m->grads) return MRL_OK;
+    m->grads = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_GRADS);
+    if (!m->grads)
+        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",
+                             (long long)m->n_params, (long long)m->n_params * 4);
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
         float **p = (float **)&m->lp[l], **g = (float **)&m->lg[l];
         for (size_t i = 0; i < sizeof(layer_params) / sizeof(float *); i++) g[i] = grad_of(m, p[i]);
     }
@@ -144,7 +175,6 @@ mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
     m->g_final_norm = grad_of(m, m->final_norm);
     m->g_lm_head = grad_of(m, m->lm_head);
     m->g_score = grad_of(m, m->score);
-    *out = m;
     return MRL_OK;
 }
 
@@ -166,7 +196,7 @@ void mrl_model_free(mrl_model *m) {
 const mrl_model_config *mrl_model_get_config(const mrl_model *m) { return m ? &m->cfg : NULL; }
 int64_t mrl_model_num_params(const mrl_model *m) { return m ? m->n_params : 0; }
 float *mrl_model_params(mrl_model *m) { return m ? m->params : NULL; }
-float *mrl_model_grads(mrl_model *m) { return m ? m->grads : NULL; }
+float *mrl_model_grads(mrl_model *m) { return m && mrl_model_ensure_grads(m) == MRL_OK ? m->grads : NULL; }
 int mrl_model_num_views(const mrl_model *m) { return m ? m->n_views : 0; }
 
 mrl_status mrl_model_view(const mrl_model *m, int i, mrl_param_view *out) {
@@ -187,7 +217,7 @@ mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_v
 }
 
 void mrl_model_zero_grad(mrl_model *m) {
-    if (m) memset(m->grads, 0, sizeof(float) * m->n_params);
+    if (m && m->grads) memset(m->grads, 0, sizeof(float) * m->n_params); /* none yet: zero when created */
 }
 
 void mrl_model_set_recompute(mrl_model *m, int on) {

@@ -45,11 +45,11 @@ typedef struct grad_scratch {
 struct mrl_model {
     mrl_model_config cfg;
     int64_t n_params;
-    float *params, *grads;
+    float *params, *grads; /* grads: NULL until first used (mrl_model_ensure_grads) */
     mrl_param_view *views;
     int n_views;
     char *names;
-    /* parameter pointers (p) and the matching gradient pointers (g) */
+    /* parameter pointers (p) and the matching gradient pointers (g, NULL until the gradients exist) */
     float *embed, *final_norm, *lm_head, *score;
     float *g_embed, *g_final_norm, *g_lm_head, *g_score;
     layer_params *lp, *lg;
@@ -77,8 +77,15 @@ struct mrl_model {
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
 
-/* model.c: a model with zeroed parameters; the documented init of one view */
+/* model.c: a model with zeroed parameters (alloc = alloc_layout, then
+ * alloc_params); the views and layer tables only, no buffer (what loading
+ * checks a file against before allocating); the parameter buffer of such a
+ * model; the gradient buffer, created zeroed on first use (MRL_MEM_GRADS);
+ * the documented init of one view */
 mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out);
+mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
+mrl_status mrl_model_alloc_params(mrl_model *m);
+mrl_status mrl_model_ensure_grads(mrl_model *m);
 void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
 /* layer.c */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);

@@ -1,26 +1,46 @@
 /* Parallel-for on OpenMP. Why OpenMP and not our own pool: measured in
  * bench/parallel_for.c (see bench/RESULTS.md), libgomp's fork/join costs
  * about as little as a spinning pthread pool and far less than a condvar
- * pool, and it needs no code of ours to keep correct. */
+ * pool, and it needs no code of ours to keep correct.
+ * Thread counts are kept in [1, MAX_THREADS]: libgomp aborts the process when
+ * it cannot create the threads asked for (run.threads=100000), so a larger
+ * request is clamped, with a warning. */
 #include <stdlib.h>
 #include <unistd.h>
 #include <omp.h>
+#include "moonrl/log.h"
 #include "moonrl/parallel.h"
 
+enum { MAX_THREADS = 1024 };
+
 static int thread_count = 0;
+
+int mrl_parallel_max_threads(void) { return MAX_THREADS; }
+
+static int clamp_threads(long n, const char *source) {
+    if (n <= MAX_THREADS) return (int)n;
+    mrl_logf(MRL_LOG_WARN, "%s%ld: over the limit of %d threads, using %d", source, n, MAX_THREADS, MAX_THREADS);
+    return MAX_THREADS;
+}
 
 int mrl_parallel_threads(void) {
     if (thread_count <= 0) {
         const char *env = getenv("MOONRL_THREADS");
-        int n = env ? atoi(env) : 0;
-        if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
-        if (n <= 0) n = 1;
-        thread_count = n;
+        char *end = NULL;
+        long n = env ? strtol(env, &end, 10) : 0; /* too large: LONG_MAX, clamped below */
+        if (env && (end == env || *end != 0 || n < 0)) { /* "" and "0": the default, silently */
+            if (*env) mrl_logf(MRL_LOG_WARN, "MOONRL_THREADS = '%s' is not a thread count in 1..%d: ignored", env, MAX_THREADS);
+            n = 0;
+        }
+        if (n > 0) n = clamp_threads(n, "MOONRL_THREADS = ");
+        else n = sysconf(_SC_NPROCESSORS_ONLN);
+        if (n > MAX_THREADS) n = MAX_THREADS; /* a machine with more cores */
+        thread_count = n > 0 ? (int)n : 1;
     }
     return thread_count;
 }
 
-void mrl_parallel_set_threads(int threads) { thread_count = threads > 0 ? threads : 0; }
+void mrl_parallel_set_threads(int threads) { thread_count = threads > 0 ? clamp_threads(threads, "thread count ") : 0; }
 
 void mrl_parallel_for(int64_t n, int64_t grain, mrl_range_fn fn, void *ctx) {
     if (n <= 0) return;

@@ -145,7 +145,13 @@ end
 
 function Model:zero_grad() C.mrl_model_zero_grad(self.handle) end
 function Model:params() return C.mrl_model_params(self.handle), self.n_params end
-function Model:grads() return C.mrl_model_grads(self.handle), self.n_params end
+-- The gradient buffer: created (zeroed) on the first call or the first backward, never for a model
+-- that only runs forwards or the engine.
+function Model:grads()
+  local g = C.mrl_model_grads(self.handle)
+  if g == nil then error(moonrl.last_error(), 2) end
+  return g, self.n_params
+end
 function Model:set_recompute(on) C.mrl_model_set_recompute(self.handle, on and 1 or 0) end
 function Model:activation_bytes(n_tokens) return tonumber(C.mrl_model_activation_bytes(self.handle, n_tokens)) end
 function Model:save(dir) moonrl.check(C.mrl_model_save_dir(self.handle, dir), 2) end

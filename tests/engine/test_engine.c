@@ -13,11 +13,16 @@
  *   - stop ids, EOS, max tokens, caller stops;
  *   - zero copy: writing the model's parameter buffer changes the next
  *     generation with no reload; attach_params reads another buffer;
- *   - errors: bad requests, a stop request; reset drops unfinished requests. */
+ *   - errors: bad requests, a stop request; reset drops unfinished requests;
+ *   - limits: a KV cache or a step's activations larger than physical
+ *     memory and out-of-range sizes are refused before allocating; a huge
+ *     max_model_len costs nothing; generating allocates no gradients. */
 #include <stdlib.h>
+#include <unistd.h>
 #include "check.h"
 #include "moonrl/engine.h"
 #include "moonrl/loop.h"
+#include "moonrl/mem.h"
 #include "moonrl/model.h"
 #include "moonrl/status.h"
 
@@ -442,6 +447,113 @@ static void test_errors(void) {
     mrl_model_free(m);
 }
 
+/* ---- limits: every size is checked before it sizes an allocation -------------------------------- */
+
+static mrl_status create_with(mrl_model *m, const mrl_engine_config *c) {
+    mrl_engine *e = (mrl_engine *)1;
+    mrl_status st = mrl_engine_create(m, c, &e);
+    CHECK(st == MRL_OK || e == NULL);
+    mrl_engine_free(st == MRL_OK ? e : NULL);
+    return st;
+}
+
+static void test_limits(void) {
+    mrl_model *m = make_model(MRL_ARCH_LLAMA, 64);
+    if (!m) return;
+    int64_t phys = (int64_t)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE);
+    mrl_engine_config c;
+    mrl_mem_stats s0, s1;
+    char want[160];
+    /* a KV cache larger than the machine: refused before allocating, naming both sizes */
+    mrl_engine_config_default(&c);
+    c.kv_cache_bytes = 2 * phys;
+    mrl_mem_reset_peak();
+    mrl_mem_get_stats(&s0);
+    CHECK(create_with(m, &c) == MRL_ERR_INVALID);
+    snprintf(want, sizeof want, "kv_cache_bytes = %lld", (long long)(2 * phys));
+    CHECK_STR_CONTAINS(mrl_last_error(), want);
+    snprintf(want, sizeof want, "physical memory (%lld bytes", (long long)phys);
+    CHECK_STR_CONTAINS(mrl_last_error(), want);
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.total_peak == s0.total);
+    c.kv_cache_bytes = 0;
+    CHECK(create_with(m, &c) == MRL_ERR_INVALID);
+    /* each field out of its range, by name */
+    struct { int *field; int value; const char *text; } bad[] = {
+        {&c.block_size, 0, "block_size = 0 (must be in 1..4096)"},
+        {&c.block_size, 8192, "block_size = 8192"},
+        {&c.max_num_seqs, 0, "max_num_seqs = 0"},
+        {&c.max_num_seqs, (1 << 20) + 1, "max_num_seqs = 1048577 (must be in 1..1048576)"},
+        {&c.max_num_batched_tokens, -5, "max_num_batched_tokens = -5"},
+        {&c.max_num_batched_tokens, (1 << 24) + 1, "max_num_batched_tokens = 16777217"},
+        {&c.max_model_len, 1, "max_model_len = 1"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        mrl_engine_config_default(&c);
+        *bad[i].field = bad[i].value;
+        CHECK(create_with(m, &c) == MRL_ERR_INVALID);
+        CHECK_STR_CONTAINS(mrl_last_error(), bad[i].text);
+    }
+    /* a max_model_len far beyond what the cache holds: RoPE tables for what it holds only */
+    mrl_engine_config_default(&c);
+    c.kv_cache_bytes = 64 * 1024;
+    c.max_model_len = 1 << 24;
+    mrl_mem_reset_peak();
+    mrl_mem_get_stats(&s0);
+    CHECK_OK(create_with(m, &c));
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.peak[MRL_MEM_OTHER] - s0.current[MRL_MEM_OTHER] < (1 << 20));
+    mrl_model_free(m);
+    /* a step's activations larger than the machine (max_num_batched_tokens rows of a wide model) */
+    mrl_model_config mc;
+    mrl_model_config_default(&mc);
+    mc.vocab_size = 16;
+    mc.hidden_size = 1 << 16;
+    mc.intermediate_size = 16;
+    mc.num_hidden_layers = 1;
+    mc.num_attention_heads = mc.num_key_value_heads = 1;
+    mc.head_dim = 2;
+    CHECK_OK(mrl_model_create(&mc, 1, &m));
+    if (!m) return;
+    mrl_engine_config_default(&c);
+    c.max_num_batched_tokens = 1 << 24; /* [T, D] floats alone: 4 TiB */
+    mrl_mem_reset_peak();
+    mrl_mem_get_stats(&s0);
+    CHECK(create_with(m, &c) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "max_num_batched_tokens = 16777216");
+    CHECK_STR_CONTAINS(mrl_last_error(), "physical memory");
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.total_peak == s0.total);
+    mrl_model_free(m);
+}
+
+/* Generation never creates the gradient buffer (nor does a forward). */
+static void test_no_grads(void) {
+    mrl_mem_stats s0, s1;
+    mrl_mem_get_stats(&s0);
+    const int V = 64;
+    mrl_model *m = make_model(MRL_ARCH_QWEN3, V);
+    mrl_engine *e = m ? make_engine(m, 256 * 1024, 64, 8, 16) : NULL;
+    if (!e) {
+        mrl_model_free(m);
+        return;
+    }
+    int32_t prompt[12];
+    fill_prompt(prompt, 12, V, 1);
+    mrl_engine_request r = request(prompt, 12, 4, 10, 1.0f, 0);
+    int id;
+    CHECK_OK(mrl_engine_add_request(e, &r, &id));
+    CHECK_OK(mrl_engine_run(e));
+    int32_t cu[2] = {0, 12};
+    mrl_batch b = {prompt, NULL, cu, 12, 1};
+    float lp[12];
+    CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp, NULL, NULL));
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.current[MRL_MEM_GRADS] == s0.current[MRL_MEM_GRADS] && s1.peak[MRL_MEM_GRADS] == s0.peak[MRL_MEM_GRADS]);
+    mrl_engine_free(e);
+    mrl_model_free(m);
+}
+
 int main(void) {
     for (int arch = 0; arch < 3; arch++) test_agreement(arch);
     for (int arch = 0; arch < 3; arch++) test_greedy_naive(arch);
@@ -449,5 +561,7 @@ int main(void) {
     test_stops();
     test_zero_copy();
     test_errors();
+    test_limits();
+    test_no_grads();
     CHECK_DONE();
 }

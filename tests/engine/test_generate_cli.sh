@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `moonrl generate` end to end on a tiny random model saved in Hugging Face
 # format with a tokenizer fixture: the streamed greedy text equals the
-# engine's, seeds repeat, -n, --chat, --stop, usage errors (exit 2).
+# engine's, seeds repeat, -n, --chat, --stop, usage errors (exit 2), a KV
+# cache larger than the machine (exit 2).
 # usage: test_generate_cli.sh PATH/TO/moonrl SOURCE_DIR
 set -u
 MOONRL=$1
@@ -41,4 +42,7 @@ check bad-number $? 2
 check unknown-flag $? 2
 out=$("$MOONRL" generate --model "$dir/no-such" --prompt x 2>&1)
 check bad-path "$? $(echo "$out" | grep -c 'no-such')" "2 1"
+# a KV cache larger than the machine: refused before allocating, a usage error
+out=$("$MOONRL" generate --model "$dir" --prompt x --kv-cache-mb 1e12 2>&1)
+check huge-kv-cache "$? $(echo "$out" | grep -c 'physical memory')" "2 1"
 [ "$failed" -eq 0 ]

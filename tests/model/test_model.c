@@ -1,5 +1,7 @@
 /* The model API without PyTorch: config parsing and its errors, the views,
- * init determinism, bad batches, memory accounting, recomputation. The
+ * init determinism, bad batches, memory accounting, recomputation, loading
+ * (shapes checked before allocating, the tolerated differences), the
+ * gradient buffer created on first use. The
  * numbers themselves are checked against PyTorch in model_ref.py. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,6 +9,7 @@
 #include "check.h"
 #include "moonrl/mem.h"
 #include "moonrl/model.h"
+#include "moonrl/safetensors.h"
 
 static mrl_status parse(const char *text, mrl_model_config *c) {
     return mrl_model_config_parse(text, strlen(text), "config.json", c);
@@ -180,9 +183,201 @@ static void test_save_load(void) {
     mrl_model_free(m);
 }
 
+static void write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fputs(text, f);
+        fclose(f);
+    }
+}
+
+/* A config.json far larger than its weights: the shapes are checked against
+ * the file before anything is allocated, so the error comes at once and
+ * the memory peak stays small (no parameter or gradient buffer). */
+static void test_load_checks_before_alloc(void) {
+    mrl_model_config c;
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE "}", &c));
+    mrl_model *m = NULL, *m2 = NULL;
+    CHECK_OK(mrl_model_create(&c, 5, &m));
+    if (!m) return;
+    char dir[] = "/tmp/moonrl_model_big_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char cfg[300];
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    CHECK_OK(mrl_model_save_dir(m, dir));
+    /* 0.5 GB of parameters (and as much of gradients) before the fix */
+    const char *big = "{\"model_type\": \"llama\", \"vocab_size\": 50, \"hidden_size\": 1024, "
+                      "\"intermediate_size\": 4096, \"num_hidden_layers\": 8, \"num_attention_heads\": 8}";
+    /* every size at its bound: petabytes */
+    const char *huge = "{\"model_type\": \"llama\", \"vocab_size\": 16777216, \"hidden_size\": 65536, "
+                       "\"intermediate_size\": 262144, \"num_hidden_layers\": 1024, \"num_attention_heads\": 64}";
+    const char *texts[2] = {big, huge}, *want[2] = {"[50, 32], the config implies [50, 1024]",
+                                                    "[50, 32], the config implies [16777216, 65536]"};
+    for (int k = 0; k < 2; k++) {
+        write_text(cfg, texts[k]);
+        mrl_mem_stats s0, s1;
+        mrl_mem_reset_peak();
+        mrl_mem_get_stats(&s0);
+        CHECK(mrl_model_load_dir(dir, &m2) == MRL_ERR_FORMAT && m2 == NULL);
+        CHECK_STR_CONTAINS(mrl_last_error(), "'model.embed_tokens.weight'");
+        CHECK_STR_CONTAINS(mrl_last_error(), want[k]);
+        mrl_mem_get_stats(&s1);
+        CHECK(s1.total_peak - s0.total < (8 << 20)); /* the views' table only */
+        CHECK(s1.peak[MRL_MEM_PARAMS] == s0.current[MRL_MEM_PARAMS] && s1.peak[MRL_MEM_GRADS] == s0.current[MRL_MEM_GRADS]);
+        CHECK(s1.total == s0.total);
+    }
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
+    mrl_model_free(m);
+}
+
+/* model.safetensors of m's views, except `skip`, plus an extra tensor
+ * `extra` of shape [d0] or [d0, d1] (d1 0; NULL: none) holding the first parameters. */
+static void write_weights(mrl_model *m, const char *dir, const char *skip, const char *extra, int64_t d0, int64_t d1) {
+    mrl_st_writer *w = NULL;
+    CHECK_OK(mrl_st_writer_create(&w));
+    if (!w) return;
+    for (int i = 0; i < mrl_model_num_views(m); i++) {
+        mrl_param_view v;
+        mrl_model_view(m, i, &v);
+        if (skip && strcmp(v.name, skip) == 0) continue;
+        CHECK_OK(mrl_st_writer_add(w, v.name, MRL_DTYPE_F32, v.ndim, v.shape, mrl_model_params(m) + v.offset));
+    }
+    int64_t shape[2] = {d0, d1};
+    if (extra) CHECK_OK(mrl_st_writer_add(w, extra, MRL_DTYPE_F32, d1 ? 2 : 1, shape, mrl_model_params(m)));
+    char path[300];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    CHECK_OK(mrl_st_writer_write(w, path));
+    mrl_st_writer_free(w);
+}
+
+static float *view_of(mrl_model *m, const char *name, int64_t *numel) {
+    mrl_param_view v = {0};
+    CHECK_OK(mrl_model_find_view(m, name, &v));
+    *numel = v.numel;
+    return mrl_model_params(m) + v.offset;
+}
+
+/* The tolerated differences between a checkpoint and the config (io.c) still load;
+ * the others are errors naming the tensor. */
+static void test_load_tolerated(void) {
+    char dir[] = "/tmp/moonrl_model_tol_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    mrl_model_config c;
+    mrl_model *m = NULL, *m2 = NULL;
+    int64_t n = 0, n2 = 0;
+    /* tied: a stored lm_head.weight and rotary inv_freq buffers are ignored */
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE ", \"tie_word_embeddings\": true}", &c));
+    CHECK_OK(mrl_model_create(&c, 11, &m));
+    if (!m) return;
+    CHECK_OK(mrl_model_save_dir(m, dir));
+    const char *ignored[2] = {"lm_head.weight", "model.layers.1.self_attn.rotary_emb.inv_freq"};
+    for (int k = 0; k < 2; k++) {
+        write_weights(m, dir, NULL, ignored[k], k ? 4 : 50, k ? 0 : 32);
+        CHECK_OK(mrl_model_load_dir(dir, &m2));
+        if (m2) CHECK(memcmp(mrl_model_params(m), mrl_model_params(m2), sizeof(float) * mrl_model_num_params(m)) == 0);
+        mrl_model_free(m2);
+        m2 = NULL;
+    }
+    write_weights(m, dir, NULL, "model.layers.0.mlp.extra.weight", 4, 0); /* anything else is an error */
+    CHECK(mrl_model_load_dir(dir, &m2) == MRL_ERR_UNSUPPORTED && m2 == NULL);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'model.layers.0.mlp.extra.weight' has no place");
+    write_weights(m, dir, "model.layers.1.mlp.up_proj.weight", NULL, 0, 0);
+    CHECK(mrl_model_load_dir(dir, &m2) == MRL_ERR_FORMAT && m2 == NULL);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'model.layers.1.mlp.up_proj.weight' is missing");
+    mrl_model_free(m);
+    m = NULL;
+    /* a value-head model (ForSequenceClassification, untied) */
+    CHECK_OK(parse("{\"model_type\": \"qwen2\", " BASE ", \"moonrl_value_head\": true}", &c));
+    CHECK_OK(mrl_model_create(&c, 12, &m));
+    if (!m) return;
+    CHECK_OK(mrl_model_save_dir(m, dir));
+    write_weights(m, dir, "score.weight", NULL, 0, 0); /* a policy turned critic: the documented init */
+    CHECK_OK(mrl_model_load_dir(dir, &m2));
+    if (m2) {
+        float *s2 = view_of(m2, "score.weight", &n2), *e = view_of(m, "model.embed_tokens.weight", &n);
+        double sq = 0;
+        for (int64_t i = 0; i < n2; i++) sq += (double)s2[i] * s2[i];
+        CHECK(sq > 0 && sq < 1);
+        CHECK(memcmp(e, view_of(m2, "model.embed_tokens.weight", &n2), sizeof(float) * n) == 0);
+        mrl_model_free(m2);
+        m2 = NULL;
+    }
+    write_weights(m, dir, "lm_head.weight", NULL, 0, 0); /* no lm_head: a copy of the embedding */
+    CHECK_OK(mrl_model_load_dir(dir, &m2));
+    if (m2) {
+        float *e = view_of(m2, "model.embed_tokens.weight", &n), *h = view_of(m2, "lm_head.weight", &n2);
+        CHECK(n == n2 && memcmp(e, h, sizeof(float) * n) == 0);
+        float *s = view_of(m, "score.weight", &n), *s2 = view_of(m2, "score.weight", &n2);
+        CHECK(memcmp(s, s2, sizeof(float) * n) == 0);
+        mrl_model_free(m2);
+    }
+    mrl_model_free(m);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
+}
+
+/* The gradient buffer exists only once asked for (mrl_model_grads) or
+ * written (backward): creating, loading and running forwards allocate none. */
+static void test_lazy_grads(void) {
+    mrl_model_config c;
+    CHECK_OK(parse("{\"model_type\": \"qwen3\", " BASE ", \"head_dim\": 16}", &c));
+    mrl_mem_stats s0, s1;
+    mrl_mem_get_stats(&s0);
+    mrl_model *m = NULL, *m2 = NULL;
+    CHECK_OK(mrl_model_create(&c, 9, &m));
+    if (!m) return;
+    char dir[] = "/tmp/moonrl_model_grads_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK_OK(mrl_model_save_dir(m, dir));
+    CHECK_OK(mrl_model_load_dir(dir, &m2));
+    int32_t tokens[5] = {1, 2, 3, 4, 5}, targets[5] = {2, 3, 4, 5, -1}, cu[2] = {0, 5};
+    mrl_batch b = {tokens, targets, cu, 5, 1};
+    float lp[5], dl[5] = {1, 1, 1, 1, 0};
+    CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp, NULL, NULL));
+    if (m2) CHECK_OK(mrl_model_forward(m2, &b, 1.0f, lp, NULL, NULL));
+    mrl_model_zero_grad(m);
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.current[MRL_MEM_GRADS] == s0.current[MRL_MEM_GRADS]); /* none yet */
+    CHECK(s1.peak[MRL_MEM_GRADS] == s0.peak[MRL_MEM_GRADS]);
+    int64_t n = mrl_model_num_params(m), bytes = (int64_t)sizeof(float) * n;
+    CHECK_OK(mrl_model_backward(m, dl, NULL, NULL)); /* creates them */
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.current[MRL_MEM_GRADS] - s0.current[MRL_MEM_GRADS] == bytes);
+    float *g = mrl_model_grads(m);
+    double sq = 0;
+    for (int64_t i = 0; g && i < n; i++) sq += (double)g[i] * g[i];
+    CHECK(g && sq > 0);
+    if (m2) {
+        float *g2 = mrl_model_grads(m2); /* asked for: created, zeroed */
+        int zero = g2 != NULL;
+        for (int64_t i = 0; g2 && i < n; i++) zero &= g2[i] == 0;
+        CHECK(zero);
+        CHECK(mrl_model_grads(m2) == g2);
+        mrl_mem_get_stats(&s1);
+        CHECK(s1.current[MRL_MEM_GRADS] - s0.current[MRL_MEM_GRADS] == 2 * bytes);
+        /* the same gradients whichever came first, the buffer or the backward */
+        CHECK_OK(mrl_model_forward(m2, &b, 1.0f, lp, NULL, NULL));
+        CHECK_OK(mrl_model_backward(m2, dl, NULL, NULL));
+        CHECK(g && g2 && memcmp(g, g2, bytes) == 0);
+    }
+    mrl_model_free(m);
+    mrl_model_free(m2);
+    mrl_mem_get_stats(&s1);
+    CHECK(s1.current[MRL_MEM_GRADS] == s0.current[MRL_MEM_GRADS]);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
+}
+
 int main(void) {
     test_config();
     test_model();
     test_save_load();
+    test_load_checks_before_alloc();
+    test_load_tolerated();
+    test_lazy_grads();
     CHECK_DONE();
 }

@@ -1,6 +1,7 @@
 /* safetensors: write with the C writer and read back (single file and
  * sharded directory), then corrupt files: each must give an error naming
- * the file and the field at fault, never a crash (run under ASan too). */
+ * the file and the field at fault, never a crash (run under ASan too);
+ * a file truncated while open: an error, not a SIGBUS. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -223,12 +224,46 @@ static void test_mutations(void) {
     }
 }
 
+/* A file truncated by someone else while it is open (and mapped): reading
+ * is an error naming the file, not a SIGBUS. F32 (read straight into dst)
+ * and BF16 (read in chunks and converted). */
+static void test_truncated_after_open(void) {
+    enum { N = 65536 }; /* 256 KiB of F32, 128 KiB of BF16: many pages past the cut */
+    float *x = malloc(sizeof(float) * N), *out = malloc(sizeof(float) * N);
+    for (int i = 0; i < N; i++) x[i] = (float)i;
+    int64_t shape[1] = {N};
+    const char *path = path_in("truncated.safetensors");
+    mrl_st_writer *w;
+    CHECK_OK(mrl_st_writer_create(&w));
+    CHECK_OK(mrl_st_writer_add(w, "a", MRL_DTYPE_F32, 1, shape, x));
+    CHECK_OK(mrl_st_writer_add(w, "b", MRL_DTYPE_BF16, 1, shape, x));
+    CHECK_OK(mrl_st_writer_write(w, path));
+    mrl_st_writer_free(w);
+    mrl_st *st = NULL;
+    CHECK_OK(mrl_st_open(path, &st));
+    if (!st) goto done;
+    CHECK_OK(mrl_st_read_f32(st, "a", out, N)); /* intact: reads as written */
+    CHECK(out[N - 1] == (float)(N - 1));
+    CHECK(truncate(path, 4096) == 0);
+    const char *names[2] = {"a", "b"};
+    for (int k = 0; k < 2; k++) {
+        CHECK(mrl_st_read_f32(st, names[k], out, N) == MRL_ERR_IO);
+        CHECK_STR_CONTAINS(mrl_last_error(), path);
+        CHECK_STR_CONTAINS(mrl_last_error(), "truncated");
+    }
+    mrl_st_close(st);
+done:
+    free(x);
+    free(out);
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "/tmp/mrl_st_test_XXXXXX");
     if (!mkdtemp(dir)) return 1;
     test_roundtrip();
     test_corrupt();
     test_mutations();
+    test_truncated_after_open();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;

@@ -1,5 +1,6 @@
 /* Status codes, logging, the memory layer, devices, parallel-for. */
 #include <stdlib.h>
+#include <string.h>
 #include "moonrl/device.h"
 #include "moonrl/log.h"
 #include "moonrl/mem.h"
@@ -123,6 +124,40 @@ static void test_parallel(void) {
     free(x);
 }
 
+/* Thread counts outside [1, mrl_parallel_max_threads()] are clamped or
+ * ignored (libgomp aborts when it cannot start the threads asked for). */
+static void test_thread_limits(void) {
+    int max = mrl_parallel_max_threads(), saved = mrl_parallel_threads();
+    CHECK(max == 1024);
+    mrl_parallel_set_threads(100000);
+    CHECK(mrl_parallel_threads() == max);
+    mrl_parallel_set_threads(max);
+    CHECK(mrl_parallel_threads() == max);
+    enum { N = 8 };
+    int hits[N] = {0};
+    mark_ctx ctx = {hits};
+    mrl_parallel_for(N, 1, mark_range, &ctx); /* a loop still runs (on N threads) */
+    CHECK(hits[0] == 1 && hits[N - 1] == 1);
+    const char *env = getenv("MOONRL_THREADS");
+    char *old = env ? strdup(env) : NULL;
+    unsetenv("MOONRL_THREADS");
+    mrl_parallel_set_threads(0);
+    int fallback = mrl_parallel_threads(); /* the cores, at most max */
+    CHECK(fallback >= 1 && fallback <= max);
+    const char *cases[][2] = {{"100000", "max"}, {"99999999999999999999", "max"}, {"7", "7"}, {"-3", "default"},
+                              {"abc", "default"}, {"4x", "default"}, {"0", "default"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        setenv("MOONRL_THREADS", cases[i][0], 1);
+        mrl_parallel_set_threads(0); /* read the environment again */
+        int want = strcmp(cases[i][1], "max") == 0 ? max : strcmp(cases[i][1], "7") == 0 ? 7 : fallback;
+        CHECK(mrl_parallel_threads() == want);
+    }
+    if (old) setenv("MOONRL_THREADS", old, 1);
+    else unsetenv("MOONRL_THREADS");
+    free(old);
+    mrl_parallel_set_threads(saved);
+}
+
 static void test_runtime_info(void) {
     CHECK(strlen(mrl_version()) > 0);
     CHECK(strlen(mrl_git_revision()) > 0);
@@ -138,6 +173,7 @@ int main(void) {
     test_mem();
     test_device();
     test_parallel();
+    test_thread_limits();
     test_runtime_info();
     mrl_shutdown();
     CHECK_DONE();

@@ -134,7 +134,12 @@ typedef struct mrl_engine_stats {
 void mrl_engine_config_default(mrl_engine_config *cfg);
 /* An engine over `model` (borrowed: it must outlive the engine), reading the
  * model's parameter buffer (mrl_model_params): in place, or through weight
- * panels packed from it at the start of each round (below). */
+ * panels packed from it at the start of each round (below). Every size is
+ * checked before anything is allocated: block_size in 1..4096, max_num_seqs
+ * in 1..2^20, max_num_batched_tokens in 1..2^24, a KV cache and a step's
+ * activations (max_num_batched_tokens, and max_num_seqs rows of logits) each
+ * at most the machine's physical memory; else MRL_ERR_INVALID naming the
+ * field and the numbers. */
 mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl_engine **out);
 void mrl_engine_free(mrl_engine *e);
 /* Weight panels (pack_weights, the default). The layers' seven matrices are

@@ -3,9 +3,10 @@
  * from their gradients into one gradient buffer.
  *
  * Memory: all parameters live in one fp32 allocation (MRL_MEM_PARAMS), the
- * gradients in a second one with the same layout (MRL_MEM_GRADS), the
- * activations in a third (MRL_MEM_ACTIVATIONS) sized for the largest batch
- * seen. Each parameter is a named view (offset, shape) into them, named as
+ * gradients in a second one with the same layout (MRL_MEM_GRADS), created
+ * on first use (mrl_model_grads or the first backward: a model that only
+ * runs forwards or the engine never has one), the activations in a third
+ * (MRL_MEM_ACTIVATIONS) sized for the largest batch seen. Each parameter is a named view (offset, shape) into them, named as
  * in Hugging Face checkpoints ("model.layers.0.self_attn.q_proj.weight").
  *
  * Batch layout (packed, no padding): tokens[n_tokens] holds the sequences
@@ -116,7 +117,9 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *cfg, char *buf, size
  * normal(0, initializer_range), biases 0, norm weights 1, in view order
  * from one deterministic generator seeded by `seed`. */
 mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_model **out);
-/* config.json + *.safetensors (sharded or not) from a Hugging Face directory. */
+/* config.json + *.safetensors (sharded or not) from a Hugging Face directory.
+ * Every tensor the config implies is checked against the file's names and
+ * shapes before the parameters are allocated. */
 mrl_status mrl_model_load_dir(const char *dir, mrl_model **out);
 /* config.json + model.safetensors (f32). */
 mrl_status mrl_model_save_dir(mrl_model *m, const char *dir);
@@ -129,6 +132,8 @@ void mrl_model_free(mrl_model *m);
 const mrl_model_config *mrl_model_get_config(const mrl_model *m);
 int64_t mrl_model_num_params(const mrl_model *m);
 float *mrl_model_params(mrl_model *m);
+/* The gradient buffer (n_params floats, the parameters' layout), allocated
+ * zeroed on the first call; NULL (and an error) when out of memory. */
 float *mrl_model_grads(mrl_model *m);
 int mrl_model_num_views(const mrl_model *m);
 /* View i (0 <= i < num_views); MRL_ERR_INVALID when out of range. */
@@ -159,6 +164,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *batch, float tempera
  * token (each may be NULL: zero). Gradients are ADDED to the gradient buffer. */
 mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy,
                               const float *dvalues);
+/* Gradients = 0 (nothing to do while the buffer does not exist yet). */
 void mrl_model_zero_grad(mrl_model *m);
 
 #ifdef __cplusplus

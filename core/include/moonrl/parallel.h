@@ -14,9 +14,15 @@ typedef void (*mrl_range_fn)(void *ctx, int64_t begin, int64_t end);
  * fn on them across the worker threads; returns when all are done. Runs
  * inline when n <= grain or only one thread is configured. */
 void mrl_parallel_for(int64_t n, int64_t grain, mrl_range_fn fn, void *ctx);
-/* Number of worker threads (MOONRL_THREADS, else the number of cores). */
+/* Number of worker threads (MOONRL_THREADS, else the number of cores),
+ * at most mrl_parallel_max_threads(). */
 int mrl_parallel_threads(void);
+/* Set the thread count; <= 0 goes back to the default. A count over
+ * mrl_parallel_max_threads() is clamped to it, with a warning in the log
+ * (as is MOONRL_THREADS; one that is not a positive integer is ignored). */
 void mrl_parallel_set_threads(int threads);
+/* The largest thread count accepted (1024). */
+int mrl_parallel_max_threads(void);
 
 #ifdef __cplusplus
 }

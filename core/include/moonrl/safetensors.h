@@ -45,7 +45,9 @@ mrl_status mrl_st_find(const mrl_st *st, const char *name, mrl_st_tensor *out);
 /* 1 when the tensor exists, else 0. */
 int mrl_st_has(const mrl_st *st, const char *name);
 /* Copy a F32 / BF16 / F16 tensor into dst as fp32 (exact conversions);
- * numel must equal the tensor's element count. */
+ * numel must equal the tensor's element count. Reads the file (pread), not
+ * the mapping: a file truncated since it was opened is MRL_ERR_IO naming it
+ * (reading `data` of such a file directly raises SIGBUS). */
 mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel);
 /* A value of the __metadata__ map (first shard that has the key), or NULL. */
 const char *mrl_st_metadata(const mrl_st *st, const char *key);

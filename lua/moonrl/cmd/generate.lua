@@ -116,8 +116,10 @@ function M.main(args)
     moonrl.usage_error(string.format('generate: the prompt has %d tokens, the model takes %d at most', #prompt_ids, max_len))
   end
   local max_tokens = math.min(o.max_tokens, max_len - #prompt_ids)
-  local engine = moonrl.engine.new(model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
+  local engine
+  ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
     max_seqs = math.max(o.n, 1), seed = o.seed })
+  if not ok then moonrl.usage_error('generate: ' .. tostring(engine)) end
   local t0 = moonrl.now()
   local results = engine:generate({ { prompt_ids = prompt_ids, n = o.n } }, {
     temperature = o.temperature, top_p = o.top_p, top_k = o.top_k, min_p = o.min_p, max_tokens = max_tokens,
