@@ -5,7 +5,12 @@
  * executable, then the source tree it was built from), make the generated
  * FFI declarations and the embedded default example loadable, and hand the
  * command line to `moonrl.cli` (lua/moonrl/cli.lua), which does the rest. */
+#define _GNU_SOURCE
+#include <execinfo.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +70,65 @@ static int find_home(char *out, size_t size) {
     return 0;
 }
 
+/* --- stacks on demand ------------------------------------------------------
+ * A supervisor that finds the run hung sends SIGUSR1 before it kills it: the
+ * main thread writes its C stack into $MOONRL_STACKS_FILE (open, write and
+ * backtrace_symbols_fd need no allocation), and asks Lua, through a count
+ * hook, for its traceback, which comes when the main thread next runs
+ * interpreted Lua code. */
+static pthread_t main_thread;
+static lua_State *main_L;
+static char stacks_file[PATH_MAX];
+
+static void write_str(int fd, const char *s) {
+    ssize_t k = write(fd, s, strlen(s));
+    (void)k;
+}
+
+static void lua_stack_hook(lua_State *L, lua_Debug *ar) {
+    (void)ar;
+    lua_sethook(L, NULL, 0, 0);
+    int fd = open(stacks_file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    luaL_traceback(L, L, "Lua stack of the main thread:", 0);
+    write_str(fd, lua_tostring(L, -1));
+    write_str(fd, "\n");
+    lua_pop(L, 1);
+    close(fd);
+}
+
+static void on_sigusr1(int signum) {
+    if (!pthread_equal(pthread_self(), main_thread)) {
+        pthread_kill(main_thread, signum); /* the main thread's stack is the one that matters */
+        return;
+    }
+    int fd = open(stacks_file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        void *frames[64];
+        int n = backtrace(frames, 64);
+        write_str(fd, "C stack of the main thread:\n");
+        backtrace_symbols_fd(frames, n, fd);
+        close(fd);
+    }
+    if (main_L) lua_sethook(main_L, lua_stack_hook, LUA_MASKCOUNT, 1);
+}
+
+static void install_stack_dump(lua_State *L) {
+    const char *path = getenv("MOONRL_STACKS_FILE");
+    if (!path || !path[0] || strlen(path) >= sizeof stacks_file) return;
+    snprintf(stacks_file, sizeof stacks_file, "%s", path);
+    main_thread = pthread_self();
+    main_L = L;
+    void *warm[1];
+    backtrace(warm, 1); /* loads libgcc now, not inside the handler */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigusr1;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR1, &sa, NULL);
+}
+
 static int load_embedded(lua_State *L, const char *code, size_t size, const char *name) {
     if (luaL_loadbuffer(L, code, size, name) != 0) {
         fprintf(stderr, "moonrl: internal error loading %s: %s\n", name, lua_tostring(L, -1));
@@ -87,6 +151,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     luaL_openlibs(L);
+    install_stack_dump(L);
 
     /* package.path: moonrl's library and plugins first, then the default */
     lua_getglobal(L, "package");
@@ -106,9 +171,16 @@ int main(int argc, char **argv) {
     lua_setfield(L, -2, "moonrl.default_example");
     lua_pop(L, 2);
 
-    /* MOONRL_HOME as the Lua side sees it */
+    /* MOONRL_HOME as the Lua side sees it, and this executable (a supervisor starts it again) */
     lua_pushstring(L, home);
     lua_setglobal(L, "MOONRL_HOME");
+    char exe[PATH_MAX];
+    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (exe_len > 0) {
+        exe[exe_len] = 0;
+        lua_pushstring(L, exe);
+        lua_setglobal(L, "MOONRL_EXE");
+    }
 
     /* run moonrl.cli.main(argv[1..]) and exit with what it returns */
     lua_getglobal(L, "require");

@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include "moonrl/safetensors.h"
 #include "io/st_common.h"
+#include "io/write.h"
 
 typedef struct wtensor {
     char *name;
@@ -221,17 +222,7 @@ static mrl_status af_open(afile *f, const char *path) {
     return MRL_OK;
 }
 
-static mrl_status af_write(afile *f, const void *data, size_t n) {
-    const char *p = data;
-    while (n > 0) {
-        ssize_t k = write(f->fd, p, n > (1u << 30) ? (1u << 30) : n);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return mrl_set_error(MRL_ERR_IO, "%s: write failed: %s", f->path, strerror(errno));
-        p += k;
-        n -= (size_t)k;
-    }
-    return MRL_OK;
-}
+static mrl_status af_write(afile *f, const void *data, size_t n) { return mrl_io_write_all(f->fd, data, n, f->path); }
 
 /* ok: fsync, close, rename into place; else remove the temporary file. */
 static mrl_status af_finish(afile *f, mrl_status s) {
@@ -242,6 +233,7 @@ static mrl_status af_finish(afile *f, mrl_status s) {
         if (!s && rename(f->tmp, f->path) != 0)
             s = mrl_set_error(MRL_ERR_IO, "%s: rename from %s failed: %s", f->path, f->tmp, strerror(errno));
         if (s) unlink(f->tmp);
+        if (!s) s = mrl_io_sync_parent(f->path); /* the new name itself survives a crash */
     }
     free(f->tmp);
     f->tmp = NULL;

@@ -15,6 +15,7 @@
  * as Transformers expects), each written atomically. */
 #include <stdio.h>
 #include <string.h>
+#include "moonrl/fs.h"
 #include "moonrl/safetensors.h"
 #include "model_internal.h"
 
@@ -119,24 +120,12 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
 }
 
 static mrl_status write_config(mrl_model *m, const char *dir) {
-    char json[8192], path[4096], tmp[4200];
+    char json[8192], path[4096];
     size_t len = 0;
     mrl_status s = mrl_model_config_to_json(&m->cfg, json, sizeof json, &len);
     if (s) return s;
     snprintf(path, sizeof path, "%s/config.json", dir);
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot create", tmp);
-    size_t n = fwrite(json, 1, len, f);
-    if (fclose(f) != 0 || n != len) {
-        remove(tmp);
-        return mrl_set_error(MRL_ERR_IO, "%s: write failed", tmp);
-    }
-    if (rename(tmp, path) != 0) {
-        remove(tmp);
-        return mrl_set_error(MRL_ERR_IO, "%s: cannot rename into place", path);
-    }
-    return MRL_OK;
+    return mrl_fs_write_file(path, json, len); /* temporary file, fsync, rename, fsync of dir */
 }
 
 mrl_status mrl_model_save_dir(mrl_model *m, const char *dir) {

@@ -14,7 +14,8 @@
 #include <uv.h>
 #include "moonrl/loop.h"
 #include "moonrl/log.h"
-#include "io/file.h"
+#include "moonrl/supervise.h"
+#include "moonrl/fs.h"
 
 typedef enum { CMD_SPAWN, CMD_KILL, CMD_JOB, CMD_DEADLINE, CMD_SIGNALS, CMD_QUIT } command_kind;
 
@@ -33,7 +34,9 @@ static command *queue_head, *queue_tail;
 static int loop_running;
 
 static uv_signal_t sigint_handle, sigterm_handle;
-static int signals_installed;
+static int signals_installed;          /* guarded by signals_lock */
+static uv_mutex_t signals_lock;
+static uv_cond_t signals_cond;
 static uv_timer_t deadline_timer;
 
 static _Atomic int stop_code;
@@ -71,9 +74,18 @@ void mrl_clear_stop(void) {
     atomic_store(&stop_code, 0);
 }
 
+static _Atomic int count_only, signals_received, signal_last;
+
+void mrl_signals_count_only(void) { atomic_store(&count_only, 1); }
+int mrl_signals_received(void) { return atomic_load(&signals_received); }
+int mrl_signal_last(void) { return atomic_load(&signal_last); }
+
 static void on_signal(uv_signal_t *handle, int signum) {
     (void)handle;
     const char *name = signum == SIGINT ? "SIGINT" : "SIGTERM";
+    atomic_store(&signal_last, signum);
+    atomic_fetch_add(&signals_received, 1);
+    if (atomic_load(&count_only)) return;
     if (atomic_load(&stop_code) > 0) {
         /* second signal: the user does not want to wait for a safe point */
         fprintf(stderr, "moonrl: second %s, exiting now\n", name);
@@ -84,6 +96,9 @@ static void on_signal(uv_signal_t *handle, int signum) {
     fflush(stderr);
     snprintf(stop_reason, sizeof stop_reason, "%s", name);
     atomic_store(&stop_code, signum);
+    char beat[64];
+    snprintf(beat, sizeof beat, "signal %s", name); /* a supervisor then need not forward it */
+    mrl_heartbeat(beat);
 }
 
 static void on_deadline(uv_timer_t *timer) {
@@ -308,7 +323,10 @@ static void handle_command(command *c) {
             uv_signal_init(&loop, &sigterm_handle);
             uv_signal_start(&sigint_handle, on_signal, SIGINT);
             uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
+            uv_mutex_lock(&signals_lock);
             signals_installed = 1;
+            uv_cond_broadcast(&signals_cond);
+            uv_mutex_unlock(&signals_lock);
         }
         break;
     case CMD_QUIT: break;
@@ -375,6 +393,8 @@ mrl_status mrl_loop_start(void) {
     int rc = uv_loop_init(&loop);
     if (rc) return mrl_set_error(MRL_ERR_INTERNAL, "uv_loop_init: %s", uv_strerror(rc));
     uv_mutex_init(&queue_lock);
+    uv_mutex_init(&signals_lock);
+    uv_cond_init(&signals_cond);
     uv_async_init(&loop, &wake, on_wake);
     uv_timer_init(&loop, &deadline_timer);
     rc = uv_thread_create(&loop_thread, loop_main, NULL);
@@ -391,9 +411,20 @@ void mrl_loop_stop(void) {
     signals_installed = 0;
     uv_loop_close(&loop);
     uv_mutex_destroy(&queue_lock);
+    uv_mutex_destroy(&signals_lock);
+    uv_cond_destroy(&signals_cond);
 }
 
-mrl_status mrl_signals_install(void) { return post(CMD_SIGNALS, NULL, 0); }
+/* Returns once the handlers are in place: a signal sent after this call is a
+ * stop request, never the default action (the run would die unsaved). */
+mrl_status mrl_signals_install(void) {
+    mrl_status st = post(CMD_SIGNALS, NULL, 0);
+    if (st != MRL_OK) return st;
+    uv_mutex_lock(&signals_lock);
+    while (!signals_installed) uv_cond_wait(&signals_cond, &signals_lock);
+    uv_mutex_unlock(&signals_lock);
+    return MRL_OK;
+}
 
 mrl_status mrl_deadline_set(double seconds) {
     if (!(seconds >= 0)) return mrl_set_error(MRL_ERR_INVALID, "deadline must be >= 0 seconds, got %g", seconds);
@@ -503,7 +534,7 @@ mrl_status mrl_job_submit(mrl_job_fn fn, void *arg, mrl_job **out) {
 
 static mrl_status write_file_job(void *varg) {
     write_file_arg *a = varg;
-    return mrl_file_write_atomic(a->path, a->data, a->bytes);
+    return mrl_fs_write_file(a->path, a->data, a->bytes);
 }
 
 mrl_status mrl_job_write_file(const char *path, const void *data, size_t bytes, mrl_job **out) {

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "moonrl/runtime.h"
 #include "moonrl/log.h"
 #include "moonrl/loop.h"
@@ -11,6 +12,8 @@
 #include "cpu/isa.h"
 
 const char *mrl_version(void) { return MRL_VERSION; }
+
+int mrl_process_id(void) { return (int)getpid(); }
 
 
 const char *mrl_backends(void) { return mrl_device_cuda_built() ? "cpu cuda" : "cpu"; }

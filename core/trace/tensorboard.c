@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "moonrl/trace.h"
-#include "io/file.h"
+#include "moonrl/fs.h"
 
 struct mrl_tb_writer {
     FILE *file;
@@ -94,7 +94,7 @@ static double wall_now(void) {
 mrl_status mrl_tb_open(const char *dir, mrl_tb_writer **out) {
     *out = NULL;
     crc_init();
-    mrl_status st = mrl_file_mkdirs(dir);
+    mrl_status st = mrl_fs_mkdirs(dir);
     if (st != MRL_OK) return st;
     char host[128] = "localhost";
     gethostname(host, sizeof host - 1);

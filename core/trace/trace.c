@@ -8,7 +8,7 @@
 #include <string.h>
 #include "moonrl/loop.h"
 #include "moonrl/trace.h"
-#include "io/file.h"
+#include "moonrl/fs.h"
 
 typedef struct trace_event {
     char phase;     /* 'B' begin, 'E' end, 'C' counter */
@@ -191,7 +191,7 @@ mrl_status mrl_trace_write(const char *path) {
         free(t.data);
         return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory writing the trace", path);
     }
-    mrl_status st = mrl_file_write_atomic(path, t.data, t.len);
+    mrl_status st = mrl_fs_write_file(path, t.data, t.len);
     free(t.data);
     return st;
 }

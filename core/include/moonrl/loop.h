@@ -23,6 +23,12 @@ mrl_status mrl_sleep(double seconds);
 /* Install SIGINT/SIGTERM handlers on the loop: the first signal requests a
  * stop (the run ends at its next safe point); a second one exits at once. */
 mrl_status mrl_signals_install(void);
+/* For a supervisor, which forwards signals to its child: from now on SIGINT
+ * and SIGTERM are only counted (no second-signal exit); it polls the count. */
+void mrl_signals_count_only(void);
+/* Signals received so far (SIGINT and SIGTERM), and the last one's number. */
+int mrl_signals_received(void);
+int mrl_signal_last(void);
 /* 0 when no stop was requested, else the signal number, or -1 for a
  * deadline, or -2 for a stop requested by the program itself. */
 int mrl_stop_requested(void);

@@ -20,6 +20,8 @@ const char *mrl_kernel_isas_built(void);
 const char *mrl_kernel_isa(void);
 /* 1 when the running CPU has the named feature ("avx2", "avx512f", ...). */
 int mrl_cpu_has(const char *feature);
+/* This process's id (for messages and events). */
+int mrl_process_id(void);
 /* Initialise the runtime (idempotent): logging level, threads, the event loop. */
 mrl_status mrl_init(void);
 void mrl_shutdown(void);

@@ -1,0 +1,27 @@
+/* Fault injection, for the tests that prove recovery by causing the fault.
+ * Off unless a caller turns it on (moonrl.fault reads MOONRL_FAULT). */
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Kill this process with SIGKILL once `bytes` more bytes have been written
+ * through the core's file writers (safetensors, atomic files: see
+ * core/io/write.h); the write that crosses the budget is cut at the exact
+ * byte. bytes < 0 turns it off. */
+void mrl_fault_kill_after_bytes(int64_t bytes);
+/* Bytes left before the kill (-1: off). */
+int64_t mrl_fault_bytes_left(void);
+/* Die at once as `kill -9` would: SIGKILL to this process. */
+void mrl_fault_kill(void);
+/* Crash the way a bug would: SIGSEGV, no clean-up. */
+void mrl_fault_crash(void);
+/* Hang inside C, away from every safe point (signals still run their
+ * handlers, then the wait goes on). */
+void mrl_fault_hang(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,73 @@
+/* The file system, through system calls only: no path ever reaches a shell.
+ *
+ * What run directories and checkpoints need: directories created exactly
+ * once, whole files written atomically (temporary file, fsync, rename, fsync
+ * of the directory), directory listings, trees removed, files checksummed
+ * (CRC-32C), and a lock that says a run directory is in use. Every error
+ * names the path and the reason (strerror). */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mrl_fs_info {
+    int exists;     /* 0 when nothing is at the path */
+    int is_dir;
+    int is_file;    /* a regular file */
+    int64_t size;   /* bytes of a regular file */
+    double mtime;   /* seconds since the epoch */
+} mrl_fs_info;
+
+/* What is at path (does not follow a final symlink: a link is neither). */
+mrl_status mrl_fs_stat(const char *path, mrl_fs_info *out);
+/* Create a directory and its parents (mkdir -p); fine if it exists. */
+mrl_status mrl_fs_mkdirs(const char *path);
+/* Create the directory path (its parents as needed). *created is 1 when this
+ * call created it, 0 when a directory was already there (another process
+ * may have made it a moment ago: only one caller ever sees 1). */
+mrl_status mrl_fs_mkdir(const char *path, int *created);
+/* Remove a file, or a directory and everything under it (symlinks are
+ * removed, never followed). Nothing there is not an error. */
+mrl_status mrl_fs_remove(const char *path);
+/* rename(2), then fsync the directory that now holds `to`. */
+mrl_status mrl_fs_rename(const char *from, const char *to);
+/* fsync a directory (so that the names created in it survive a crash). */
+mrl_status mrl_fs_sync_dir(const char *path);
+/* Write bytes to path atomically: a temporary file beside it, fsync, rename,
+ * fsync of the directory. A failure leaves what was at path untouched. */
+mrl_status mrl_fs_write_file(const char *path, const void *data, size_t bytes);
+/* Copy a regular file (atomically, as mrl_fs_write_file). */
+mrl_status mrl_fs_copy_file(const char *from, const char *to);
+/* Cut a file to `size` bytes and fsync it. */
+mrl_status mrl_fs_truncate(const char *path, int64_t size);
+/* Bytes free for an unprivileged writer on the file system holding path. */
+mrl_status mrl_fs_free_bytes(const char *path, int64_t *out);
+
+/* Directory listing: names in strcmp order, without "." and "..". */
+typedef struct mrl_fs_list mrl_fs_list;
+mrl_status mrl_fs_list_open(const char *path, mrl_fs_list **out);
+int64_t mrl_fs_list_count(const mrl_fs_list *list);
+const char *mrl_fs_list_name(const mrl_fs_list *list, int64_t index);
+void mrl_fs_list_free(mrl_fs_list *list);
+
+/* An exclusive advisory lock (flock) on the file path, created if missing.
+ * MRL_ERR_IO naming the holder's pid (written into the file) when another
+ * process holds it. The lock lasts until mrl_fs_unlock or the process ends
+ * (a killed process releases it). */
+mrl_status mrl_fs_lock(const char *path, int *fd_out);
+void mrl_fs_unlock(int fd);
+
+/* CRC-32C (Castagnoli, the checksum of iSCSI and ext4): start with crc = 0
+ * and feed the pieces in order. SSE4.2's crc32 instruction where the CPU has
+ * it; the same values from a table elsewhere. */
+uint32_t mrl_crc32c(uint32_t crc, const void *data, size_t bytes);
+/* CRC-32C and size of a whole file, read in pieces. */
+mrl_status mrl_fs_crc32c_file(const char *path, uint32_t *crc, int64_t *size);
+
+#ifdef __cplusplus
+}
+#endif

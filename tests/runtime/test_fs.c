@@ -1,0 +1,202 @@
+/* The file system layer (moonrl/fs.h), the write-budget fault (moonrl/fault.h) and the
+ * supervised child with its heartbeats (moonrl/supervise.h). */
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include "moonrl/fault.h"
+#include "moonrl/fs.h"
+#include "moonrl/loop.h"
+#include "moonrl/runtime.h"
+#include "moonrl/supervise.h"
+#include "check.h"
+
+static char root[256];
+
+static void path_of(char *out, size_t n, const char *rel) { snprintf(out, n, "%s/%s", root, rel); }
+
+static char *read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *buf = malloc(1 << 20);
+    *len = fread(buf, 1, 1 << 20, f);
+    fclose(f);
+    return buf;
+}
+
+static void test_dirs_and_files(void) {
+    char a[512], b[512];
+    int created = -1;
+    path_of(a, sizeof a, "x/y/z");
+    CHECK_OK(mrl_fs_mkdir(a, &created));
+    CHECK(created == 1);
+    CHECK_OK(mrl_fs_mkdir(a, &created));
+    CHECK(created == 0); /* only one caller ever sees 1 */
+    path_of(b, sizeof b, "x/y/z/f.txt");
+    CHECK_OK(mrl_fs_write_file(b, "hello", 5));
+    mrl_fs_info info;
+    CHECK_OK(mrl_fs_stat(b, &info));
+    CHECK(info.exists && info.is_file && !info.is_dir && info.size == 5);
+    CHECK_OK(mrl_fs_write_file(b, "hi", 2)); /* replaced atomically, no temporary left */
+    mrl_fs_list *l;
+    CHECK_OK(mrl_fs_list_open(a, &l));
+    CHECK(mrl_fs_list_count(l) == 1 && strcmp(mrl_fs_list_name(l, 0), "f.txt") == 0);
+    mrl_fs_list_free(l);
+    CHECK(mrl_fs_mkdir(b, &created) != MRL_OK); /* a file is in the way */
+    CHECK_STR_CONTAINS(mrl_last_error(), "not a directory");
+
+    /* listing is sorted; copy; truncate; rename */
+    char c[512], d[512];
+    path_of(c, sizeof c, "x/y/z/a.txt");
+    CHECK_OK(mrl_fs_copy_file(b, c));
+    CHECK_OK(mrl_fs_list_open(a, &l));
+    CHECK(mrl_fs_list_count(l) == 2 && strcmp(mrl_fs_list_name(l, 0), "a.txt") == 0);
+    mrl_fs_list_free(l);
+    CHECK_OK(mrl_fs_truncate(c, 1));
+    CHECK_OK(mrl_fs_stat(c, &info));
+    CHECK(info.size == 1);
+    path_of(d, sizeof d, "x/moved");
+    CHECK_OK(mrl_fs_rename(a, d));
+    CHECK_OK(mrl_fs_stat(a, &info));
+    CHECK(!info.exists);
+
+    /* remove a tree; a symlink inside is removed, never followed */
+    char outside[512], link[512];
+    path_of(outside, sizeof outside, "keep.txt");
+    CHECK_OK(mrl_fs_write_file(outside, "keep", 4));
+    path_of(link, sizeof link, "x/moved/link");
+    CHECK(symlink(outside, link) == 0);
+    path_of(a, sizeof a, "x");
+    CHECK_OK(mrl_fs_remove(a));
+    CHECK_OK(mrl_fs_stat(a, &info));
+    CHECK(!info.exists);
+    CHECK_OK(mrl_fs_stat(outside, &info));
+    CHECK(info.exists && info.size == 4);
+    CHECK_OK(mrl_fs_remove(a)); /* nothing there: fine */
+    int64_t free_bytes = 0;
+    CHECK_OK(mrl_fs_free_bytes(root, &free_bytes));
+    CHECK(free_bytes > 0);
+    /* errors name the path */
+    CHECK(mrl_fs_list_open("/nonexistent/moonrl", &l) != MRL_OK);
+    CHECK_STR_CONTAINS(mrl_last_error(), "/nonexistent/moonrl");
+}
+
+static void test_lock(void) {
+    char p[512];
+    path_of(p, sizeof p, ".lock");
+    int fd1 = -1, fd2 = -1;
+    CHECK_OK(mrl_fs_lock(p, &fd1));
+    CHECK(mrl_fs_lock(p, &fd2) != MRL_OK); /* a second holder, even in this process */
+    CHECK_STR_CONTAINS(mrl_last_error(), "in use");
+    mrl_fs_unlock(fd1);
+    CHECK_OK(mrl_fs_lock(p, &fd2));
+    mrl_fs_unlock(fd2);
+    /* a killed holder releases it */
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd;
+        if (mrl_fs_lock(p, &fd) != MRL_OK) _exit(1);
+        raise(SIGKILL);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    CHECK_OK(mrl_fs_lock(p, &fd1));
+    mrl_fs_unlock(fd1);
+}
+
+static void test_crc(void) {
+    CHECK(mrl_crc32c(0, "123456789", 9) == 0xE3069283u); /* the standard check value */
+    CHECK(mrl_crc32c(0, "", 0) == 0);
+    /* in pieces = at once, any split */
+    char buf[1000];
+    for (int i = 0; i < 1000; i++) buf[i] = (char)(i * 7 + 3);
+    uint32_t whole = mrl_crc32c(0, buf, 1000);
+    for (int cut = 0; cut <= 1000; cut += 37) CHECK(mrl_crc32c(mrl_crc32c(0, buf, (size_t)cut), buf + cut, 1000 - (size_t)cut) == whole);
+    char p[512];
+    path_of(p, sizeof p, "crc.bin");
+    CHECK_OK(mrl_fs_write_file(p, buf, 1000));
+    uint32_t crc = 0;
+    int64_t size = 0;
+    CHECK_OK(mrl_fs_crc32c_file(p, &crc, &size));
+    CHECK(crc == whole && size == 1000);
+}
+
+/* The write budget kills at the exact byte: the temporary file holds that many bytes, the
+ * destination keeps what it had. */
+static void test_write_budget(void) {
+    char p[512], tmp[600];
+    path_of(p, sizeof p, "budget.bin");
+    CHECK_OK(mrl_fs_write_file(p, "old", 3));
+    pid_t pid = fork();
+    if (pid == 0) {
+        char data[10000];
+        memset(data, 'x', sizeof data);
+        mrl_fault_kill_after_bytes(1234);
+        mrl_fs_write_file(p, data, sizeof data);
+        _exit(0); /* not reached */
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    size_t len = 0;
+    char *got = read_all(p, &len);
+    CHECK(got && len == 3 && memcmp(got, "old", 3) == 0);
+    free(got);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", p, (int)pid);
+    mrl_fs_info info;
+    CHECK_OK(mrl_fs_stat(tmp, &info));
+    CHECK(info.exists && info.size == 1234);
+    CHECK(mrl_fault_bytes_left() == -1); /* off in this process */
+}
+
+static void test_child(void) {
+    /* beats arrive, the exit status comes back */
+    const char *argv[] = {"/bin/sh", "-c", "echo one >&3; echo two >&3; exit 7", NULL};
+    mrl_child *c;
+    CHECK_OK(mrl_child_spawn(argv, NULL, &c));
+    double t0 = mrl_time_now();
+    while (!mrl_child_poll(c, 0.1) && mrl_time_now() - t0 < 10) {}
+    CHECK(mrl_child_status(c) == 7);
+    CHECK(mrl_child_beats(c) == 2);
+    CHECK(strcmp(mrl_child_recent(c, 8), "one\ntwo\n") == 0);
+    CHECK(strcmp(mrl_child_recent(c, 1), "two\n") == 0);
+    mrl_child_free(c);
+
+    /* a silent child: idle time grows; a signal to its group ends it; env_extra is passed */
+    const char *argv2[] = {"/bin/sh", "-c", "[ \"$MOONRL_X\" = 42 ] || exit 3; sleep 30", NULL};
+    const char *env[] = {"MOONRL_X=42", NULL};
+    CHECK_OK(mrl_child_spawn(argv2, env, &c));
+    CHECK(mrl_child_poll(c, 0.3) == 0);
+    CHECK(mrl_child_idle_seconds(c) >= 0.25);
+    CHECK(mrl_child_beats(c) == 0);
+    CHECK_OK(mrl_child_signal(c, SIGTERM));
+    t0 = mrl_time_now();
+    while (!mrl_child_poll(c, 0.1) && mrl_time_now() - t0 < 10) {}
+    CHECK(mrl_child_status(c) == -SIGTERM);
+    mrl_child_free(c);
+
+    const char *bad[] = {"/nonexistent/moonrl-child", NULL};
+    CHECK(mrl_child_spawn(bad, NULL, &c) != MRL_OK);
+    CHECK_STR_CONTAINS(mrl_last_error(), "/nonexistent/moonrl-child");
+    /* no supervisor listening: a beat is a no-op */
+    mrl_heartbeat("nobody hears this");
+}
+
+int main(void) {
+    CHECK_OK(mrl_init());
+    snprintf(root, sizeof root, "/tmp/moonrl-test-fs-%d", (int)getpid());
+    CHECK_OK(mrl_fs_mkdirs(root));
+    test_dirs_and_files();
+    test_lock();
+    test_crc();
+    test_write_budget();
+    test_child();
+    CHECK_OK(mrl_fs_remove(root));
+    mrl_shutdown();
+    CHECK_DONE();
+}
