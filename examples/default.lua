@@ -30,24 +30,26 @@ local cfg = moonrl.config {
            lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact' },
   quiet = false, -- no per-step lines (the test suite)
 }
-local run = moonrl.run.start(cfg, { name = 'default', total_steps = cfg.grpo.steps })
+-- 2. The model, and the run's session (run directory, checkpoints, resume: moonrl.session).
+local tok = moonrl.tokenizer.load(moonrl.home .. '/examples/default')
+local model = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_size,
+  hidden_size = cfg.model.hidden_size, intermediate_size = cfg.model.intermediate_size,
+  num_hidden_layers = cfg.model.layers, num_attention_heads = cfg.model.heads,
+  max_position_embeddings = 32, tie_word_embeddings = true,
+  bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = cfg.run.seed })
+local S = R.start(cfg, { name = 'default', steps = cfg.grpo.steps, steps_key = 'grpo.steps', policy = model,
+  tokenizer_dir = moonrl.home .. '/examples/default' })
 -- a model this small runs fastest on one thread (its matrices are too small to split)
 if cfg.run.threads == 0 then moonrl.C.mrl_parallel_set_threads(1) end
-local tok = moonrl.tokenizer.load(moonrl.home .. '/examples/default')
 
 -- 1. The task: every pair (a, b) of numbers below 100; a seeded shuffle puts `heldout` of them aside.
-local seed = cfg.run.seed
-local rng_state = (seed * 69069 + 1) % 2147483648
-local function rand(n) -- integer in [0, n), a Lehmer generator: the same problems on every machine
-  rng_state = (rng_state * 48271) % 2147483647
-  return rng_state % n
-end
+local rng = S:rng('draw', cfg.run.seed) -- its state is part of every checkpoint
 local problems = {}
 for a = 0, 99 do
   for b = 0, 99 do problems[#problems + 1] = { a = a, b = b } end
 end
 for i = #problems, 2, -1 do
-  local j = rand(i) + 1
+  local j = rng:int(i) + 1
   problems[i], problems[j] = problems[j], problems[i]
 end
 for _, p in ipairs(problems) do
@@ -65,18 +67,13 @@ for i, p in ipairs(problems) do
 end
 local function draw(n) -- n training problems at random
   local out = {}
-  for i = 1, n do out[i] = train[rand(#train) + 1] end
+  for i = 1, n do out[i] = train[rng:int(#train) + 1] end
   return out
 end
 
--- 2. The model and the generation engine, which reads the model's weights in place.
-local model = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_size,
-  hidden_size = cfg.model.hidden_size, intermediate_size = cfg.model.intermediate_size,
-  num_hidden_layers = cfg.model.layers, num_attention_heads = cfg.model.heads,
-  max_position_embeddings = 32, tie_word_embeddings = true,
-  bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = seed })
+-- The generation engine reads the model's weights in place.
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 64 * 1024 * 1024, block_size = 16,
-  max_batch_tokens = 2048, max_seqs = 256, seed = seed })
+  max_batch_tokens = 2048, max_seqs = 256, seed = cfg.run.seed })
 local gen = { max_tokens = 5, eos_ids = { tok.eos_id }, tokenizer = tok }
 
 local function accuracy(set) -- greedy decoding on the held-out problems
@@ -89,45 +86,46 @@ local function accuracy(set) -- greedy decoding on the held-out problems
   return right / #set
 end
 
--- 3. SFT warm-up: cross-entropy on the answer tokens.
-local opt = R.adamw(model, { lr = cfg.sft.lr, weight_decay = 0.0 })
-for step = 1, cfg.sft.steps do
+-- 3. SFT warm-up: cross-entropy on the answer tokens (each step a safe point: Ctrl-C stops there
+-- with a checkpoint).
+local sft_opt = S:optimizer('policy', R.adamw(model, { lr = cfg.sft.lr, weight_decay = 0.0 }))
+for step in S:steps(cfg.sft.steps, 'sft') do
   local batch = draw(cfg.sft.batch)
   local samples = {}
   for i, p in ipairs(batch) do
-    local flawed = rand(1000) < 1000 * cfg.sft.flawed
+    local flawed = rng:int(1000) < 1000 * cfg.sft.flawed
     samples[i] = { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
   end
   local b = R.pack(samples)
   model:zero_grad()
   local lp = model:forward(b)
   local grad = require('ffi').new('float[?]', b.n_tokens)
-  algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad })
+  local loss = algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad })
   model:backward(grad)
-  opt:clip_grad_norm(1.0)
-  opt:step(cfg.sft.lr * (1 - (step - 1) / cfg.sft.steps)) -- linear decay
+  R.apply_update(S, sft_opt, cfg.sft.lr * (1 - (step - 1) / cfg.sft.steps), -- linear decay
+    { loss = loss, grad_norm = sft_opt:clip_grad_norm(1.0) })
 end
-local before = accuracy(heldout)
+local before = S:memo('before', function() return accuracy(heldout) end)
 print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%', cfg.sft.steps, 100 * before))
 
 -- 4. GRPO: generate -> reward -> group advantages -> PPO-clip update.
-opt = R.adamw(model, { lr = cfg.grpo.lr, weight_decay = 0.0 }) -- a fresh AdamW for the RL phase
-run.step_t0 = moonrl.now()
-for step = 1, cfg.grpo.steps do
+local opt = S:optimizer('policy', R.adamw(model, { lr = cfg.grpo.lr, weight_decay = 0.0 })) -- a fresh AdamW for RL
+S.run.step_t0 = moonrl.now()
+for step in S:steps(cfg.grpo.steps, 'grpo') do
   local prompts = draw(cfg.grpo.prompts)
   local t0 = moonrl.now()
-  local results = run:phase('generate', function()
+  local results = S:phase('generate', function()
     return engine:generate(R.requests(prompts, cfg.grpo.samples), { temperature = cfg.grpo.temperature,
       max_tokens = gen.max_tokens, eos_ids = gen.eos_ids, tokenizer = tok, step = step })
   end)
   local gen_s = moonrl.now() - t0
   local samples = R.flatten(prompts, results)
-  local scores = run:phase('reward', function() return rewards.score_batch(cfg.grpo.reward, samples) end)
+  local scores = S:phase('reward', function() return rewards.score_batch(cfg.grpo.reward, samples) end)
   local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = cfg.grpo.samples })
   for i, s in ipairs(samples) do s.adv = adv[i - 1] end
   t0 = moonrl.now()
-  local m = run:phase('train', function()
-    return R.policy_step({ model = model, opt = opt, samples = samples, lr = cfg.grpo.lr,
+  local m = S:phase('train', function()
+    return R.policy_step({ session = S, model = model, opt = opt, samples = samples, lr = cfg.grpo.lr,
       clip_low = cfg.grpo.clip, temperature = cfg.grpo.temperature })
   end)
   local mean, std = R.stats(scores, #samples)
@@ -135,15 +133,15 @@ for step = 1, cfg.grpo.steps do
   m.accuracy = mean
   m.response_length = R.length_metrics(samples)
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens, moonrl.now() - t0) }
-  run:log(step, m, { quiet = cfg.quiet })
+  S:log(m, { quiet = cfg.quiet })
 end
 local after = accuracy(heldout)
 
 -- 5. Results and the model in Hugging Face format.
 print(string.format('held-out accuracy (greedy, %d problems): %.1f%% before GRPO -> %.1f%% after',
   #heldout, 100 * before, 100 * after))
-local dir = R.save(run, model, moonrl.home .. '/examples/default')
-run:log(cfg.grpo.steps, { heldout_accuracy = { before = before, after = after } }, { quiet = true })
-run:finish()
-print('run directory: ' .. run.dir .. ' (metrics.jsonl, tb/, trace.json; model in ' .. dir .. ')')
-return { before = before, after = after, dir = run.dir }
+S:event('heldout_accuracy', { before = before, after = after }, { quiet = true })
+local dirs = S:finish()
+print('run directory: ' .. S.dir .. ' (metrics.jsonl, events.jsonl, tb/, trace.json, checkpoints/; model in ' ..
+  dirs.policy .. ')')
+return { before = before, after = after, dir = S.dir }

@@ -12,6 +12,7 @@
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local algo = require('moonrl.algo')
+local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
   data = moonrl.config.optional('string', 'text file (default: moonrl README.md)'),
@@ -26,8 +27,6 @@ local cfg = moonrl.config {
   log_every = moonrl.config.integer(20),
   save = true,
 }
-local run = moonrl.run.start(cfg, { name = 'train_text', total_steps = cfg.steps })
-
 -- the text, as token ids
 local path = cfg.data or (moonrl.home .. '/README.md')
 local f = io.open(path, 'rb')
@@ -50,25 +49,24 @@ local model = moonrl.model.new({ model_type = 'llama', vocab_size = vocab, hidde
   intermediate_size = cfg.model.intermediate_size, num_hidden_layers = cfg.model.layers,
   num_attention_heads = cfg.model.heads, num_key_value_heads = cfg.model.kv_heads,
   max_position_embeddings = cfg.seq_len, tie_word_embeddings = true }, { seed = cfg.run.seed })
+-- the session: run directory, checkpoints, resume (moonrl.session); its state is the model, the
+-- optimizer and the generator that draws the windows
+local S = R.start(cfg, { name = 'train_text', steps = cfg.steps, steps_key = 'steps', policy = model,
+  tokenizer_dir = cfg.tokenizer })
 local p, n_params = model:params()
-local opt = moonrl.optim.adamw({ params = p, grads = model:grads(), n = n_params, lr = cfg.lr,
-  weight_decay = cfg.weight_decay, no_decay = model:no_decay_ranges() })
+local opt = S:optimizer('policy', moonrl.optim.adamw({ params = p, grads = model:grads(), n = n_params, lr = cfg.lr,
+  weight_decay = cfg.weight_decay, no_decay = model:no_decay_ranges() }))
 local lr_at = moonrl.optim.schedule({ kind = 'cosine', warmup = cfg.warmup, total = cfg.steps, lr = cfg.lr })
 print(string.format('model: %d parameters', n_params))
 
 -- windows drawn with a seeded generator: the same run on every machine
-local state = cfg.run.seed
-local function rand(n)
-  state = (state * 48271) % 2147483647
-  return state % n
-end
+local rng = S:rng('windows', cfg.run.seed)
 
 local first_loss, last_loss
-for step = 1, cfg.steps do
-  moonrl.check_stop()
+for step in S:steps() do
   local seqs = {}
   for b = 1, cfg.batch do
-    local start = rand(#ids - cfg.seq_len) + 1
+    local start = rng:int(#ids - cfg.seq_len) + 1
     local s = {}
     for i = 1, cfg.seq_len do s[i] = ids[start + i - 1] end
     seqs[b] = s
@@ -79,22 +77,19 @@ for step = 1, cfg.steps do
   for i = 0, n - 1 do mask[i] = batch.targets[i] >= 0 and 1 or 0 end
   local grad = ffi.new('float[?]', n)
   local loss
-  run:phase('train', function()
+  S:phase('train', function()
     model:zero_grad()
     local logprob = model:forward(batch)
     loss = algo.sft.loss({ logprob = logprob, mask = mask, cu_seqlens = batch.cu_seqlens,
       nseq = batch.n_seqs, grad = grad })
     model:backward(grad, nil)
   end)
-  local gnorm = opt:clip_grad_norm(cfg.max_grad_norm)
-  opt:step(lr_at(step))
+  local m = { loss = loss, grad_norm = opt:clip_grad_norm(cfg.max_grad_norm), lr = lr_at(step) }
+  R.apply_update(S, opt, m.lr, m)
   first_loss = first_loss or loss
   last_loss = loss
-  run:log(step, { loss = loss, grad_norm = gnorm, lr = lr_at(step) }, { quiet = step % cfg.log_every ~= 0 })
+  S:log(m, { quiet = step % cfg.log_every ~= 0 })
 end
-print(string.format('loss: %.4f at step 1 -> %.4f at step %d', first_loss, last_loss, cfg.steps))
-if cfg.save then
-  model:save(run.dir .. '/model')
-  print('model saved in ' .. run.dir .. '/model')
-end
-run:finish()
+print(string.format('loss: %.4f at step 1 -> %.4f at step %d', first_loss or 0, last_loss or 0, cfg.steps))
+local dirs = S:finish()
+if dirs.policy then print('model saved in ' .. dirs.policy) end

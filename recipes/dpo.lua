@@ -16,38 +16,36 @@ local algo = require('moonrl.algo')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
-  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
-            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
-  data = { path = moonrl.config.required('string', 'JSONL with prompt / chosen / rejected'),
-           prompt = 'prompt', chosen = 'chosen', rejected = 'rejected', chat = false },
+  model = R.model_config(),
+  data = R.data_config { prompt = 'prompt', chosen = 'chosen', rejected = 'rejected', chat = false },
   dpo = { beta = 0.1, loss_type = 'sigmoid', label_smoothing = 0.0 },
-  train = { steps = moonrl.config.integer(100), pairs = moonrl.config.integer(8), lr = 5e-7,
-            schedule = 'linear', warmup = moonrl.config.integer(0), weight_decay = 0.0, max_grad_norm = 1.0,
-            micro_batch_tokens = moonrl.config.integer(4096), max_length = moonrl.config.integer(1024) },
+  train = R.train_config { steps = moonrl.config.integer(100), pairs = moonrl.config.integer(8), lr = 5e-7,
+                           schedule = 'linear', max_length = moonrl.config.integer(1024) },
   save = true,
 }
-local run = moonrl.run.start(cfg, { name = 'dpo', total_steps = cfg.train.steps })
-local model, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
-local opt = R.adamw(model, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
-local lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule, warmup = cfg.train.warmup,
-  total = cfg.train.steps, lr = cfg.train.lr })
+local S = R.start(cfg, { name = 'dpo', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat })
+local model = S.policy
 
 -- every pair as two samples (chosen, rejected) with the prompt's ids
 local ds = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, chosen = cfg.data.chosen,
-  rejected = cfg.data.rejected } })
+  rejected = cfg.data.rejected }, on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
 local pairs_list = {}
 for i = 1, ds:len() do
-  local rec = ds:get(i)
-  local p = R.prompt_ids(tok, tpl, rec.prompt)
-  local c, r = R.completion_ids(tok, rec.chosen), R.completion_ids(tok, rec.rejected)
-  local room = cfg.train.max_length - #p
-  while #c > room do table.remove(c) end
-  while #r > room do table.remove(r) end
-  pairs_list[i] = { { prompt_ids = p, ids = c }, { prompt_ids = p, ids = r } }
+  local rec = ds:get(i) -- nil: a bad line skipped (data.on_error=skip)
+  if rec then
+    local p = R.prompt_ids(S.tok, S.tpl, rec.prompt)
+    local c, r = R.completion_ids(S.tok, rec.chosen), R.completion_ids(S.tok, rec.rejected)
+    local room = cfg.train.max_length - #p
+    while #c > room do table.remove(c) end
+    while #r > room do table.remove(r) end
+    pairs_list[#pairs_list + 1] = { { prompt_ids = p, ids = c }, { prompt_ids = p, ids = r } }
+  end
 end
+if #pairs_list == 0 then moonrl.usage_error(cfg.data.path .. ': no usable preference pairs') end
 
--- the reference log-probs, once, with the frozen initial policy (this same model before any step)
-run:phase('reference', function()
+-- the reference log-probs, once, with the frozen initial policy (this same model before any step:
+-- a resumed run computes them again before its loop restores the checkpoint)
+S:phase('reference', function()
   local flat = {}
   for _, pr in ipairs(pairs_list) do flat[#flat + 1] = pr[1]; flat[#flat + 1] = pr[2] end
   local lps = R.logprobs(model, flat, cfg.train.micro_batch_tokens)
@@ -58,33 +56,41 @@ run:phase('reference', function()
   end
 end)
 
--- pair order: a new seeded shuffle every epoch
-local order, pos, seed = {}, math.huge, cfg.run.seed
+-- pair order: a new seeded shuffle every epoch; the run state is the epoch's seed and the position
+local rng = S:rng('pairs', cfg.run.seed)
+S.extra.epoch_seed, S.extra.pos = 0, 0
+local order, order_seed = {}, nil
+local function epoch_order()
+  if order_seed ~= S.extra.epoch_seed then -- Fisher-Yates from the epoch's own generator
+    local r = setmetatable({ state = S.extra.epoch_seed }, moonrl.session.Rng)
+    for i = 1, #pairs_list do order[i] = i end
+    for i = #order, 2, -1 do
+      local j = r:int(i) + 1
+      order[i], order[j] = order[j], order[i]
+    end
+    order_seed = S.extra.epoch_seed
+  end
+  return order
+end
 local function next_pairs(n)
   local out = {}
   for _ = 1, n do
-    if pos > #pairs_list then
-      for i = 1, #pairs_list do order[i] = i end
-      for i = #order, 2, -1 do -- Fisher-Yates with a Lehmer generator
-        seed = (seed * 48271 + 1) % 2147483647
-        local j = seed % i + 1
-        order[i], order[j] = order[j], order[i]
-      end
-      pos = 1
+    if S.extra.pos == 0 or S.extra.pos > #pairs_list then
+      S.extra.epoch_seed, S.extra.pos = rng:int(2147483646) + 1, 1
     end
-    out[#out + 1] = pairs_list[order[pos]]
-    pos = pos + 1
+    out[#out + 1] = pairs_list[epoch_order()[S.extra.pos]]
+    S.extra.pos = S.extra.pos + 1
   end
   return out
 end
 
 local first_acc, last_acc
-for step = 1, cfg.train.steps do
+for step in S:steps() do
   local batch = next_pairs(cfg.train.pairs)
   local samples = {}
   for _, pr in ipairs(batch) do samples[#samples + 1] = pr[1]; samples[#samples + 1] = pr[2] end
   local t0 = moonrl.now()
-  local m = run:phase('train', function()
+  local m = S:phase('train', function()
     local sums = { loss = 0, rewards_accuracy = 0, rewards_margin = 0, rewards_chosen = 0, rewards_rejected = 0 }
     local tokens = 0
     model:zero_grad()
@@ -116,20 +122,19 @@ for step = 1, cfg.train.steps do
       tokens = tokens + b.n_tokens
       i = j
     end
-    sums.grad_norm = opt:clip_grad_norm(cfg.train.max_grad_norm)
-    sums.lr = lr_at(step)
-    opt:step(sums.lr)
+    sums.grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm)
+    sums.lr = S:lr()
+    R.apply_update(S, S.opt, sums.lr, sums)
     sums.tokens = tokens
     return sums
   end)
   first_acc, last_acc = first_acc or m.rewards_accuracy, m.rewards_accuracy
   m.accuracy = m.rewards_accuracy
   m.tokens_per_s = { train = R.rate(m.tokens, moonrl.now() - t0) }
-  run:log(step, m)
-  if R.check_stop(cfg, run) then break end
+  m.data = { skipped = ds:stats().skipped }
+  S:log(m)
 end
 
-local dir = cfg.save and R.save(run, model, tok_dir) or nil
-run:finish()
-print('run directory: ' .. run.dir .. (dir and ('; model saved to ' .. dir) or ''))
-return { first_accuracy = first_acc, last_accuracy = last_acc, dir = run.dir, model = model }
+local dirs = S:finish()
+print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
+return { first_accuracy = first_acc, last_accuracy = last_acc, dir = S.dir, model = model }

@@ -17,65 +17,53 @@ local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
-  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
-            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
-  data = { path = moonrl.config.required('string', 'JSONL with one prompt a line'),
-           prompt = 'prompt', answer = 'answer', chat = true, system = '' },
-  reward = 'math', -- a name in the reward registry (moonrl.rewards); 'reward_model' with reward_model.dir
+  model = R.model_config(),
+  data = R.data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
+  reward = R.reward_config('math'), -- a name in the reward registry (moonrl.rewards); 'reward_model' with reward_model.dir
   reward_model = { dir = moonrl.config.optional('string', 'a ...ForSequenceClassification checkpoint') },
   grpo = { steps = moonrl.config.integer(100), prompts = moonrl.config.integer(8), samples = moonrl.config.integer(8),
            temperature = 1.0, top_p = 1.0, top_k = moonrl.config.integer(0), max_tokens = moonrl.config.integer(256),
            loss = 'ppo', clip_low = 0.2, clip_high = 0.2, agg = 'token-mean', scale = 'group',
            kl_coef = 0.0, kl_estimator = 'k3', entropy_coef = 0.0, epochs = moonrl.config.integer(1) },
-  train = { lr = 1e-6, schedule = 'constant', warmup = moonrl.config.integer(0), weight_decay = 0.0,
-            max_grad_norm = 1.0, micro_batch_tokens = moonrl.config.integer(4096) },
-  engine = { kv_cache_mb = moonrl.config.integer(512), max_batch_tokens = moonrl.config.integer(2048),
-             max_seqs = moonrl.config.integer(256) },
+  train = R.train_config { lr = 1e-6 },
+  engine = R.engine_config(),
   save = true,
 }
-local run = moonrl.run.start(cfg, { name = 'grpo', total_steps = cfg.grpo.steps })
-local model, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
-local ref = cfg.grpo.kl_coef > 0 and R.clone(model) or nil -- frozen copy of the initial policy
+local S = R.start(cfg, { name = 'grpo', steps = cfg.grpo.steps, steps_key = 'grpo.steps', chat = cfg.data.chat,
+  fields = { prompt = cfg.data.prompt, answer = cfg.data.answer }, optional = { answer = true } })
+local ref = cfg.grpo.kl_coef > 0 and S:reference() or nil -- frozen copy of the initial policy
 if cfg.reward_model.dir then require('rewards.reward_model').register('reward_model', cfg.reward_model.dir) end
-local reward = rewards.get(cfg.reward)
-local opt = R.adamw(model, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
-local lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule, warmup = cfg.train.warmup,
-  total = cfg.grpo.steps, lr = cfg.train.lr })
-local engine = moonrl.engine.new(model, { kv_cache_bytes = cfg.engine.kv_cache_mb * 2 ^ 20, block_size = 16,
-  max_batch_tokens = cfg.engine.max_batch_tokens, max_seqs = cfg.engine.max_seqs, seed = cfg.run.seed })
+local reward = rewards.get(cfg.reward.name)
 local sampling = { temperature = cfg.grpo.temperature, top_p = cfg.grpo.top_p, top_k = cfg.grpo.top_k,
-  max_tokens = cfg.grpo.max_tokens, eos_ids = R.eos_ids(tok, model), tokenizer = tok }
-local _, next_batch = R.dataset(cfg.data.path, { prompt = cfg.data.prompt, answer = cfg.data.answer },
-  cfg.run.seed, { answer = true })
+  max_tokens = cfg.grpo.max_tokens, eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
+local G = cfg.grpo.samples
 
 local history = {}
-for step = 1, cfg.grpo.steps do
+for step in S:steps() do
   -- 1. prompts and rollouts
-  local records = next_batch(cfg.grpo.prompts)
-  for _, r in ipairs(records) do r.prompt_ids = r.prompt_ids or R.prompt_ids(tok, tpl, r.prompt, cfg.data.system) end
+  local records = S:prompts(cfg.grpo.prompts)
   local t0 = moonrl.now()
   sampling.step = step
-  local results = run:phase('generate', function() return engine:generate(R.requests(records, cfg.grpo.samples), sampling) end)
+  local results = S:phase('generate', function() return S.engine:generate(R.requests(records, G), sampling) end)
   local gen_s = moonrl.now() - t0
-  local samples = R.flatten(records, results)
 
-  -- 2. rewards and group-normalised advantages
-  local scores = run:phase('reward', function() return rewards.score_batch(reward, samples) end)
-  local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = cfg.grpo.samples, scale = cfg.grpo.scale })
+  -- 2. rewards (a failing reward drops its group) and group-normalised advantages
+  local scores, samples, rm = S:phase('reward', S.score, S, reward, R.flatten(records, results), G)
+  local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = G, scale = cfg.grpo.scale })
   for i, s in ipairs(samples) do s.adv = adv[i - 1] end
 
   -- 3. the update: on-policy with one epoch (log π_old = log πθ); else log π_old computed first
-  if cfg.grpo.epochs > 1 then
-    local old = run:phase('old_logprobs', R.logprobs, model, samples, cfg.train.micro_batch_tokens,
+  if cfg.grpo.epochs > 1 and #samples > 0 then
+    local old = S:phase('old_logprobs', R.logprobs, S.policy, samples, cfg.train.micro_batch_tokens,
       { temperature = cfg.grpo.temperature })
     for i, s in ipairs(samples) do s.old_logprobs = old[i] end
   end
   t0 = moonrl.now()
-  local m, mismatch
-  for epoch = 1, cfg.grpo.epochs do
-    m = run:phase('train', R.policy_step, { model = model, opt = opt, samples = samples, ref = ref,
+  local m, mismatch = { tokens = 0 }, nil
+  for epoch = 1, #samples > 0 and cfg.grpo.epochs or 0 do
+    m = S:phase('train', R.policy_step, { session = S, model = S.policy, opt = S.opt, samples = samples, ref = ref,
       measure_mismatch = epoch == 1,
-      lr = lr_at(step), temperature = cfg.grpo.temperature, loss = cfg.grpo.loss, clip_low = cfg.grpo.clip_low,
+      lr = S:lr(), temperature = cfg.grpo.temperature, loss = cfg.grpo.loss, clip_low = cfg.grpo.clip_low,
       clip_high = cfg.grpo.clip_high, agg = cfg.grpo.agg, norm = cfg.grpo.max_tokens, kl_coef = cfg.grpo.kl_coef,
       kl_estimator = cfg.grpo.kl_estimator, entropy_coef = cfg.grpo.entropy_coef,
       micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = cfg.train.max_grad_norm })
@@ -85,13 +73,13 @@ for step = 1, cfg.grpo.steps do
 
   -- 4. log
   m.reward, m.accuracy = R.reward_metrics(scores, #samples)
+  m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
   m.response_length = R.length_metrics(samples)
+  m.data = S:data_metrics()
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens * cfg.grpo.epochs, moonrl.now() - t0) }
-  history[step] = run:log(step, m)
-  if R.check_stop(cfg, run) then break end
+  history[step] = S:log(m)
 end
 
-local dir = cfg.save and R.save(run, model, tok_dir) or nil
-run:finish()
-print('run directory: ' .. run.dir .. (dir and ('; model saved to ' .. dir) or ''))
-return { history = history, dir = run.dir, model = model }
+local dirs = S:finish()
+print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
+return { history = history, dir = S.dir, model = S.policy }

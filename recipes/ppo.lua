@@ -17,35 +17,27 @@ local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
-  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
-            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
-  data = { path = moonrl.config.required('string', 'JSONL with one prompt a line'),
-           prompt = 'prompt', answer = 'answer', chat = true, system = '' },
-  reward = 'math',
+  model = R.model_config(),
+  data = R.data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
+  reward = R.reward_config('math'),
   reward_model = { dir = moonrl.config.optional('string', 'a ...ForSequenceClassification checkpoint') },
   ppo = { steps = moonrl.config.integer(100), prompts = moonrl.config.integer(16), samples = moonrl.config.integer(1),
           temperature = 1.0, max_tokens = moonrl.config.integer(256), epochs = moonrl.config.integer(2),
           clip = 0.2, value_clip = 0.5, gamma = 1.0, lam = 0.95, kl_coef = 0.01, agg = 'token-mean' },
-  train = { lr = 1e-6, critic_lr = 5e-6, weight_decay = 0.0, max_grad_norm = 1.0,
-            micro_batch_tokens = moonrl.config.integer(4096) },
-  engine = { kv_cache_mb = moonrl.config.integer(512), max_batch_tokens = moonrl.config.integer(2048),
-             max_seqs = moonrl.config.integer(256) },
+  train = R.train_config { lr = 1e-6, critic_lr = 5e-6 },
+  engine = R.engine_config(),
   save = true,
 }
-local run = moonrl.run.start(cfg, { name = 'ppo', total_steps = cfg.ppo.steps })
-local policy, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
-local critic = R.critic_from(policy)
-local ref = cfg.ppo.kl_coef > 0 and R.clone(policy) or nil
+local S = R.start(cfg, { name = 'ppo', steps = cfg.ppo.steps, steps_key = 'ppo.steps', chat = cfg.data.chat,
+  fields = { prompt = cfg.data.prompt, answer = cfg.data.answer }, optional = { answer = true } })
+local policy = S.policy
+local critic = S:model('critic', R.critic_from(policy))
+local ref = cfg.ppo.kl_coef > 0 and S:reference() or nil
 if cfg.reward_model.dir then require('rewards.reward_model').register('reward_model', cfg.reward_model.dir) end
-local reward = rewards.get(cfg.reward)
-local opt = R.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
-local critic_opt = R.adamw(critic, { lr = cfg.train.critic_lr, weight_decay = cfg.train.weight_decay })
-local engine = moonrl.engine.new(policy, { kv_cache_bytes = cfg.engine.kv_cache_mb * 2 ^ 20, block_size = 16,
-  max_batch_tokens = cfg.engine.max_batch_tokens, max_seqs = cfg.engine.max_seqs, seed = cfg.run.seed })
+local reward = rewards.get(cfg.reward.name)
+local critic_opt = S:optimizer('critic', R.adamw(critic, { lr = cfg.train.critic_lr, weight_decay = cfg.train.weight_decay }))
 local sampling = { temperature = cfg.ppo.temperature, max_tokens = cfg.ppo.max_tokens,
-  eos_ids = R.eos_ids(tok, policy), tokenizer = tok }
-local _, next_batch = R.dataset(cfg.data.path, { prompt = cfg.data.prompt, answer = cfg.data.answer },
-  cfg.run.seed, { answer = true })
+  eos_ids = R.eos_ids(S.tok, policy), tokenizer = S.tok }
 local mb_tokens = cfg.train.micro_batch_tokens
 
 -- One AdamW step of the critic on the clipped value loss (global token denominator).
@@ -65,25 +57,27 @@ local function critic_step(samples)
     for _, n in ipairs(b.len) do mt = mt + n end
     loss, clipfrac = loss + l, clipfrac + m.vf_clipfrac * mt / math.max(tokens, 1)
   end
-  local gnorm = critic_opt:clip_grad_norm(cfg.train.max_grad_norm)
-  critic_opt:step()
-  return { loss = loss, clip_frac = clipfrac, grad_norm = gnorm }
+  local m = { loss = loss, clip_frac = clipfrac, grad_norm = critic_opt:clip_grad_norm(cfg.train.max_grad_norm) }
+  R.apply_update(S, critic_opt, cfg.train.critic_lr, m, { detectors = false })
+  return m
 end
 
 local history = {}
-for step = 1, cfg.ppo.steps do
-  -- 1. rollouts and rewards
-  local records = next_batch(cfg.ppo.prompts)
-  for _, r in ipairs(records) do r.prompt_ids = R.prompt_ids(tok, tpl, r.prompt, cfg.data.system) end
+for step in S:steps() do
+  -- 1. rollouts and rewards (a failing reward drops its prompt's samples)
+  local records = S:prompts(cfg.ppo.prompts)
   local t0 = moonrl.now()
   sampling.step = step
-  local results = run:phase('generate', function() return engine:generate(R.requests(records, cfg.ppo.samples), sampling) end)
+  local results = S:phase('generate', function() return S.engine:generate(R.requests(records, cfg.ppo.samples), sampling) end)
   local gen_s = moonrl.now() - t0
-  local samples = R.flatten(records, results)
-  local scores = run:phase('reward', function() return rewards.score_batch(reward, samples) end)
+  local scores, samples, rm = S:phase('reward', S.score, S, reward, R.flatten(records, results), cfg.ppo.samples)
+  if #samples == 0 then -- every reward failed: nothing to learn from this step
+    S:log({ reward = rm, skipped = 1 })
+    goto continue
+  end
 
   -- 2. log π_old, log π_ref, V_old on the rollouts
-  local old, refl, values = run:phase('logprobs', function()
+  local old, refl, values = S:phase('logprobs', function()
     local o = R.logprobs(policy, samples, mb_tokens, { temperature = cfg.ppo.temperature })
     local r = ref and R.logprobs(ref, samples, mb_tokens, { temperature = cfg.ppo.temperature })
     local _, v = R.logprobs(critic, samples, mb_tokens, { values = true })
@@ -108,27 +102,27 @@ for step = 1, cfg.ppo.steps do
   t0 = moonrl.now()
   local m, c, mismatch
   for epoch = 1, cfg.ppo.epochs do
-    m = run:phase('train', R.policy_step, { model = policy, opt = opt, samples = samples, lr = cfg.train.lr,
+    m = S:phase('train', R.policy_step, { session = S, model = policy, opt = S.opt, samples = samples, lr = S:lr(),
       measure_mismatch = epoch == 1,
       temperature = cfg.ppo.temperature, clip_low = cfg.ppo.clip, agg = cfg.ppo.agg,
       micro_batch_tokens = mb_tokens, max_grad_norm = cfg.train.max_grad_norm })
-    c = run:phase('critic', critic_step, samples)
+    c = S:phase('critic', critic_step, samples)
     mismatch = mismatch or m.mismatch -- engine vs trainer log-probs, before the first update
   end
   m.mismatch = mismatch
 
   -- 5. log
   m.reward, m.accuracy = R.reward_metrics(scores, #samples)
+  m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
+  m.data = S:data_metrics()
   m.kl = kl / math.max(m.tokens, 1)
   m.critic = c
   m.response_length = R.length_metrics(samples)
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(2 * m.tokens * cfg.ppo.epochs, moonrl.now() - t0) }
-  history[step] = run:log(step, m)
-  if R.check_stop(cfg, run) then break end
+  history[step] = S:log(m)
+  ::continue::
 end
 
-local dir = cfg.save and R.save(run, policy, tok_dir) or nil
-if cfg.save then critic:save(run.dir .. '/critic') end
-run:finish()
-print('run directory: ' .. run.dir .. (dir and ('; policy saved to ' .. dir .. ', critic to ' .. run.dir .. '/critic') or ''))
-return { history = history, dir = run.dir, model = policy, critic = critic }
+local dirs = S:finish()
+print('run directory: ' .. S.dir .. (dirs.policy and ('; policy saved to ' .. dirs.policy .. ', critic to ' .. dirs.critic) or ''))
+return { history = history, dir = S.dir, model = policy, critic = critic }

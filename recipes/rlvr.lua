@@ -18,32 +18,24 @@ local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
-  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
-            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
-  data = { path = moonrl.config.required('string', 'JSONL with one prompt a line'),
-           prompt = 'prompt', answer = 'answer', chat = true, system = '' },
-  reward = 'math',
+  model = R.model_config(),
+  data = R.data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
+  reward = R.reward_config('math'),
   rlvr = { steps = moonrl.config.integer(100), prompts = moonrl.config.integer(8), samples = moonrl.config.integer(8),
            max_gen_batches = moonrl.config.integer(4), temperature = 1.0, top_p = 1.0,
            max_tokens = moonrl.config.integer(512), clip_low = 0.2, clip_high = 0.28, agg = 'token-mean',
            kl_coef = 0.0 },
   overlong = { enable = true, buffer = moonrl.config.integer(128), factor = 1.0 },
-  train = { lr = 1e-6, weight_decay = 0.0, max_grad_norm = 1.0, micro_batch_tokens = moonrl.config.integer(4096) },
-  engine = { kv_cache_mb = moonrl.config.integer(512), max_batch_tokens = moonrl.config.integer(2048),
-             max_seqs = moonrl.config.integer(256) },
+  train = R.train_config { lr = 1e-6 },
+  engine = R.engine_config(),
   save = true,
 }
-local run = moonrl.run.start(cfg, { name = 'rlvr', total_steps = cfg.rlvr.steps })
-local model, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
-local ref = cfg.rlvr.kl_coef > 0 and R.clone(model) or nil
-local verifier = rewards.get(cfg.reward)
-local opt = R.adamw(model, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
-local engine = moonrl.engine.new(model, { kv_cache_bytes = cfg.engine.kv_cache_mb * 2 ^ 20, block_size = 16,
-  max_batch_tokens = cfg.engine.max_batch_tokens, max_seqs = cfg.engine.max_seqs, seed = cfg.run.seed })
+local S = R.start(cfg, { name = 'rlvr', steps = cfg.rlvr.steps, steps_key = 'rlvr.steps', chat = cfg.data.chat,
+  fields = { prompt = cfg.data.prompt, answer = cfg.data.answer }, optional = { answer = true } })
+local ref = cfg.rlvr.kl_coef > 0 and S:reference() or nil
+local verifier = rewards.get(cfg.reward.name)
 local sampling = { temperature = cfg.rlvr.temperature, top_p = cfg.rlvr.top_p, max_tokens = cfg.rlvr.max_tokens,
-  eos_ids = R.eos_ids(tok, model), tokenizer = tok }
-local _, next_batch = R.dataset(cfg.data.path, { prompt = cfg.data.prompt, answer = cfg.data.answer },
-  cfg.run.seed, { answer = true })
+  eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
 local G = cfg.rlvr.samples
 
 local function overlong_penalty(len)
@@ -54,26 +46,25 @@ local function overlong_penalty(len)
 end
 
 local history = {}
-for step = 1, cfg.rlvr.steps do
+for step in S:steps() do
   -- 1. dynamic sampling: generate and score until enough groups carry a signal
   local kept, seen, gen_batches, gen_tokens, correct = {}, {}, 0, 0, 0
+  local rm = { errors = 0, dropped_groups = 0 }
   local t0 = moonrl.now()
   while #kept < cfg.rlvr.prompts * G and gen_batches < cfg.rlvr.max_gen_batches do
     gen_batches = gen_batches + 1
-    local records = next_batch(cfg.rlvr.prompts)
-    for _, r in ipairs(records) do r.prompt_ids = R.prompt_ids(tok, tpl, r.prompt, cfg.data.system) end
+    local records = S:prompts(cfg.rlvr.prompts)
     sampling.step = step * 1000 + gen_batches
-    local results = run:phase('generate', function() return engine:generate(R.requests(records, G), sampling) end)
-    local samples = R.flatten(records, results)
-    run:phase('reward', function()
-      for _, s in ipairs(samples) do
-        s.correct = verifier(s)
-        s.score = s.correct + overlong_penalty(#s.ids)
-        gen_tokens = gen_tokens + #s.ids
-        seen[#seen + 1] = s
-      end
-    end)
-    for g = 0, #records - 1 do
+    local results = S:phase('generate', function() return S.engine:generate(R.requests(records, G), sampling) end)
+    local verdicts, samples, m = S:phase('reward', S.score, S, verifier, R.flatten(records, results), G)
+    rm.errors, rm.dropped_groups = rm.errors + m.errors, rm.dropped_groups + m.dropped_groups
+    for i, s in ipairs(samples) do
+      s.correct = verdicts[i - 1]
+      s.score = s.correct + overlong_penalty(#s.ids)
+      gen_tokens = gen_tokens + #s.ids
+      seen[#seen + 1] = s
+    end
+    for g = 0, #samples / G - 1 do
       local first, all_equal = samples[g * G + 1], true
       for j = 2, G do
         if samples[g * G + j].score ~= first.score then all_equal = false end
@@ -94,7 +85,7 @@ for step = 1, cfg.rlvr.steps do
     for i, s in ipairs(kept) do scores[i - 1] = s.score end
     local adv = algo.advantages.grpo({ scores = scores, nseq = #kept, group = G })
     for i, s in ipairs(kept) do s.adv = adv[i - 1] end
-    m = run:phase('train', R.policy_step, { model = model, opt = opt, samples = kept, ref = ref, lr = cfg.train.lr,
+    m = S:phase('train', R.policy_step, { session = S, model = S.policy, opt = S.opt, samples = kept, ref = ref, lr = S:lr(),
       temperature = cfg.rlvr.temperature, clip_low = cfg.rlvr.clip_low, clip_high = cfg.rlvr.clip_high,
       agg = cfg.rlvr.agg, norm = cfg.rlvr.max_tokens, kl_coef = cfg.rlvr.kl_coef,
       micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = cfg.train.max_grad_norm })
@@ -106,15 +97,15 @@ for step = 1, cfg.rlvr.steps do
   for i, s in ipairs(seen) do all_scores[i] = s.score end
   local mean, std = R.stats(all_scores)
   m.reward = { mean = mean, std = std }
-  m.accuracy = correct / #seen
+  m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
+  m.accuracy = #seen > 0 and correct / #seen or 0
   m.response_length = R.length_metrics(seen)
-  m.dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G, kept_ratio = #kept / #seen }
+  m.dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G, kept_ratio = #seen > 0 and #kept / #seen or 0 }
+  m.data = S:data_metrics()
   m.tokens_per_s = { generate = R.rate(gen_tokens, gen_s), train = R.rate(m.tokens or 0, moonrl.now() - t0) }
-  history[step] = run:log(step, m)
-  if R.check_stop(cfg, run) then break end
+  history[step] = S:log(m)
 end
 
-local dir = cfg.save and R.save(run, model, tok_dir) or nil
-run:finish()
-print('run directory: ' .. run.dir .. (dir and ('; model saved to ' .. dir) or ''))
-return { history = history, dir = run.dir, model = model }
+local dirs = S:finish()
+print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
+return { history = history, dir = S.dir, model = S.policy }

@@ -15,32 +15,27 @@ local algo = require('moonrl.algo')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
-  model = { dir = moonrl.config.required('string', 'Hugging Face model directory'),
-            tokenizer = moonrl.config.optional('string', 'tokenizer directory (default model.dir)') },
-  data = { path = moonrl.config.required('string', 'JSONL with one example a line'),
-           prompt = 'prompt', response = 'response', -- JSON keys of the fields
-           chat = false,                              -- wrap the prompt in the model's chat template
-           eval_fraction = 0.05 },                    -- held out for the eval loss
-  train = { steps = moonrl.config.integer(100), batch = moonrl.config.integer(16), lr = 1e-5,
-            schedule = 'cosine', warmup = moonrl.config.integer(0), weight_decay = 0.0, max_grad_norm = 1.0,
-            micro_batch_tokens = moonrl.config.integer(4096), max_length = moonrl.config.integer(1024) },
+  model = R.model_config(),
+  data = R.data_config { prompt = 'prompt', response = 'response', -- JSON keys of the fields
+                         chat = false,                              -- wrap the prompt in the model's chat template
+                         eval_fraction = 0.05 },                    -- held out for the eval loss
+  train = R.train_config { steps = moonrl.config.integer(100), batch = moonrl.config.integer(16), lr = 1e-5,
+                           schedule = 'cosine', max_length = moonrl.config.integer(1024) },
   eval_every = moonrl.config.integer(0), -- steps between eval losses (0: only at the end)
   save = true,
 }
-local run = moonrl.run.start(cfg, { name = 'sft', total_steps = cfg.train.steps })
-local model, tok, tpl, tok_dir = R.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = cfg.data.chat })
-local opt = R.adamw(model, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay })
-local lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule, warmup = cfg.train.warmup,
-  total = cfg.train.steps, lr = cfg.train.lr })
+local S = R.start(cfg, { name = 'sft', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat })
+local model = S.policy
 
 -- data: a held-out split for the eval loss, the rest shuffled
-local all = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, response = cfg.data.response } })
+local all = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, response = cfg.data.response },
+  on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
 local n_eval = math.floor(cfg.data.eval_fraction * all:len() + 0.5)
 local train_set, eval_set = all:split({ count = math.min(n_eval, all:len() - 1), seed = cfg.run.seed })
-local batches = train_set:shuffled(cfg.run.seed):batches(cfg.train.batch, { epochs = math.huge })
+local batches = S:dataset('train', train_set:shuffled(cfg.run.seed)):batches(cfg.train.batch, { epochs = math.huge })
 
 local function to_sample(rec)
-  local s = { prompt_ids = R.prompt_ids(tok, tpl, rec.prompt), ids = R.completion_ids(tok, rec.response) }
+  local s = { prompt_ids = R.prompt_ids(S.tok, S.tpl, rec.prompt), ids = R.completion_ids(S.tok, rec.response) }
   local over = #s.prompt_ids + #s.ids - cfg.train.max_length
   for _ = 1, over do table.remove(s.ids) end -- truncate the response to max_length
   return s
@@ -58,14 +53,17 @@ local function nll(samples)
   return n > 0 and sum / n or 0
 end
 local eval_samples = {}
-for i = 1, eval_set:len() do eval_samples[i] = to_sample(eval_set:get(i)) end
+for i = 1, eval_set:len() do
+  local rec = eval_set:get(i) -- nil: a bad line skipped (data.on_error=skip)
+  if rec then eval_samples[#eval_samples + 1] = to_sample(rec) end
+end
 
 local first_loss, last_loss
-for step = 1, cfg.train.steps do
+for step in S:steps() do
   local samples = {}
   for i, rec in ipairs(batches()) do samples[i] = to_sample(rec) end
   local t0 = moonrl.now()
-  local m = run:phase('train', function()
+  local m = S:phase('train', function()
     local tokens = 0
     for _, s in ipairs(samples) do tokens = tokens + #s.ids end
     local loss = 0
@@ -77,22 +75,20 @@ for step = 1, cfg.train.steps do
         grad = grad, global_tokens = tokens })
       model:backward(grad)
     end
-    local gnorm = opt:clip_grad_norm(cfg.train.max_grad_norm)
-    local lr = lr_at(step)
-    opt:step(lr)
-    return { loss = loss, grad_norm = gnorm, lr = lr, tokens = tokens }
+    local r = { loss = loss, grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm), lr = S:lr(), tokens = tokens }
+    R.apply_update(S, S.opt, r.lr, r)
+    return r
   end)
   first_loss, last_loss = first_loss or m.loss, m.loss
   m.ppl = math.exp(math.min(m.loss, 50))
   m.tokens_per_s = { train = R.rate(m.tokens, moonrl.now() - t0) }
+  m.data = { skipped = all:stats().skipped }
   if #eval_samples > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.train.steps) then
-    m.eval_loss = run:phase('eval', nll, eval_samples)
+    m.eval_loss = S:phase('eval', nll, eval_samples)
   end
-  run:log(step, m)
-  if R.check_stop(cfg, run) then break end
+  S:log(m)
 end
 
-local dir = cfg.save and R.save(run, model, tok_dir) or nil
-run:finish()
-print('run directory: ' .. run.dir .. (dir and ('; model saved to ' .. dir) or ''))
-return { first_loss = first_loss, last_loss = last_loss, dir = run.dir, model = model }
+local dirs = S:finish()
+print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
+return { first_loss = first_loss, last_loss = last_loss, dir = S.dir, model = model }

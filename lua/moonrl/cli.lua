@@ -14,16 +14,25 @@ usage:
   moonrl [key=value ...]            run the embedded default example (with config overrides)
   moonrl run RECIPE [key=value ...] run a recipe (a .lua file, or a name in recipes/)
   moonrl run RECIPE --show-config   list the recipe's config keys and defaults
+  moonrl run --restarts N RECIPE ...  supervise: restart a crashed or hung run from its latest
+                                    checkpoint, N times at most (--backoff S, --kill-grace S)
   moonrl version                    version, git revision, backends, CPU features
   moonrl help                       this text
   moonrl COMMAND ...                another command from lua/moonrl/cmd/ (%s)
 
 Config keys are dotted paths into the recipe's config table (model.dir=...,
 run.seed=3); each value is parsed with the type of its default. Every recipe
-also has run.seed, run.dir, run.max_seconds, run.threads and run.log_level.
+also has run.seed, run.dir, run.max_seconds, run.threads, run.log_level, the
+checkpoint keys (run.resume=auto|never|PATH, run.checkpoint_every,
+run.checkpoint_minutes, run.keep_checkpoints, run.checkpoint_errors) and the
+guards (guard.*).
+
+exit status: 0 done, 1 error, 2 usage error, 3 the guards gave up,
+124 run.max_seconds, 130 SIGINT, 143 SIGTERM.
 
 environment: MOONRL_HOME (where lua/, recipes/, plugins/ live), MOONRL_THREADS,
-MOONRL_LOG (error, warn, info, debug, trace)
+MOONRL_LOG (error, warn, info, debug, trace), MOONRL_FAULT (fault injection for
+tests, see lua/moonrl/fault.lua)
 ]]
 
 local function eprint(msg) io.stderr:write('moonrl: ', msg, '\n') end
@@ -36,15 +45,11 @@ end
 
 local function extra_commands()
   local names = {}
-  local p = io.popen('ls "' .. moonrl.home .. '/lua/moonrl/cmd" 2>/dev/null')
-  if p then
-    for line in p:lines() do
-      local n = line:match('^(.-)%.lua$')
-      if n then names[#names + 1] = n end
-    end
-    p:close()
+  local ok, list = pcall(require('moonrl.fs').list, moonrl.home .. '/lua/moonrl/cmd')
+  for _, file in ipairs(ok and list or {}) do
+    local n = file:match('^(.-)%.lua$')
+    if n then names[#names + 1] = n end
   end
-  table.sort(names)
   return names
 end
 
@@ -82,6 +87,8 @@ local function run_chunk(chunk, label, overrides, show_config)
     traceback = debug.traceback(tostring(e), 2)
     return e
   end)
+  -- a session saves what it can (a checkpoint, the model on a clean stop) and closes its files
+  moonrl.run_exit_hooks(ok, err)
   if ok then
     if not config.consumed and (#overrides > 0 or show_config) then
       eprint(string.format("error: %s declares no config (moonrl.config{...}), so '%s' cannot be set",
@@ -95,6 +102,10 @@ local function run_chunk(chunk, label, overrides, show_config)
     eprint('error: ' .. err.message)
     return 2
   end
+  if require('moonrl.session').is_guard_stop(err) then
+    eprint('error: ' .. err.message)
+    return 3
+  end
   if moonrl.is_stop_request(err) then
     eprint(string.format('stopped (%s) at a safe point', err.reason))
     if err.code > 0 then return 128 + err.code end
@@ -104,20 +115,48 @@ local function run_chunk(chunk, label, overrides, show_config)
   return 1
 end
 
+-- `moonrl run` flags of the supervisor (moonrl.supervisor), each with a number.
+local SUPERVISOR_FLAGS = { ['--restarts'] = 'restarts', ['--backoff'] = 'backoff', ['--kill-grace'] = 'kill_grace' }
+
 local function cmd_run(args)
-  local name = args[1]
-  if not name or name == '-h' or name == '--help' then
-    eprint('usage: moonrl run RECIPE [key=value ...] [--show-config]')
-    return 2
+  local name, words, show_config, sup = nil, {}, false, {}
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    local flag = SUPERVISOR_FLAGS[a]
+    if a == '--show-config' then show_config = true
+    elseif a == '-h' or a == '--help' then name = nil; break
+    elseif flag then
+      local v = tonumber(args[i + 1])
+      if not v or v < 0 or (flag == 'restarts' and v ~= math.floor(v)) then
+        eprint(string.format('error: %s expects a %s >= 0, got %s', a, flag == 'restarts' and 'whole number' or 'number',
+          tostring(args[i + 1])))
+        return 2
+      end
+      sup[flag] = v
+      i = i + 1
+    elseif not name and not a:match('^[%w_%.%-]+=') then name = a
+    else words[#words + 1] = a end
+    i = i + 1
   end
-  local words, show_config = {}, false
-  for i = 2, #args do
-    if args[i] == '--show-config' then show_config = true else words[#words + 1] = args[i] end
+  if not name then
+    eprint('usage: moonrl run [--restarts N] RECIPE [key=value ...] [--show-config]')
+    return 2
   end
   local path = find_recipe(name)
   if not path then
     eprint(string.format("error: recipe '%s' not found (no such file, and no recipes/%s.lua)", name, name))
     return 2
+  end
+  if sup.restarts and not show_config then
+    local child_words = { name }
+    for _, w in ipairs(words) do child_words[#child_words + 1] = w end
+    local ok, status = pcall(require('moonrl.supervisor').run, child_words, { restarts = sup.restarts,
+      backoff = sup.backoff, kill_grace = sup.kill_grace, recipe = path })
+    if ok then return status end
+    if moonrl.is_usage_error(status) then eprint('error: ' .. status.message) return 2 end
+    eprint('supervisor error: ' .. tostring(status))
+    return 1
   end
   local chunk, err = loadfile(path)
   if not chunk then

@@ -32,7 +32,7 @@ function M.optional(typ, doc) return slot('optional', typ, doc) end
 -- A number that must be whole (steps, sizes): `integer(100)`.
 function M.integer(default) return setmetatable({ kind = 'default', type = 'integer', value = default }, Slot) end
 
--- The section every recipe gets.
+-- The sections every recipe gets: `run` (moonrl reads it itself) and `guard` (moonrl.guard).
 local function run_section()
   return {
     seed = M.integer(1),
@@ -40,6 +40,27 @@ local function run_section()
     max_seconds = 0,        -- stop cleanly after this long (0: no limit)
     threads = M.integer(0), -- CPU threads for kernels (0: all cores)
     log_level = 'info',
+    resume = 'auto',        -- auto (the latest complete checkpoint in run.dir), never, or a checkpoint's path
+    checkpoint_every = M.integer(0), -- steps between checkpoints (0: only at the end and on a clean stop)
+    checkpoint_minutes = 30.0,       -- also checkpoint when this long passed since the last (0: never)
+    keep_checkpoints = M.integer(2), -- the newest K are kept (0: all)
+    checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
+    hang_seconds = 1800.0,  -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
+  }
+end
+
+local function guard_section()
+  local d = require('moonrl.guard').defaults
+  return {
+    action = d.action,           -- what a spike / KL / entropy detector does: skip or rollback
+    grad_spike = d.grad_spike,   -- robust deviations above the recent median (0: off)
+    loss_spike = d.loss_spike,
+    window = M.integer(d.window), min_history = M.integer(d.min_history),
+    kl_max = d.kl_max,           -- 0: off
+    entropy_min = d.entropy_min, -- 0: off
+    max_rollbacks = M.integer(d.max_rollbacks), -- more rollbacks than this stop the run
+    lr_factor = d.lr_factor,     -- the learning rate is multiplied by this at each rollback
+    skip_batch = d.skip_batch,   -- a rollback does not rewind the data: the offending batch is skipped
   }
 end
 
@@ -194,12 +215,16 @@ function M.merge(declared, overrides)
   local tree = {}
   for k, v in pairs(declared) do tree[k] = v end
   if tree.run == nil then tree.run = run_section() end
+  if tree.guard == nil then tree.guard = guard_section() end
   local flat = flatten(tree, nil, {})
   local known = sorted_keys(flat)
   local cfg = resolve(tree)
   local given = {}
   for _, o in ipairs(overrides) do
-    local leaf = flat[o.key]
+    local key = o.key
+    -- a section with a `name` key takes a bare value as its name: reward=math is reward.name=math
+    if flat[key] == nil and flat[key .. '.name'] ~= nil then key = key .. '.name' end
+    local leaf = flat[key]
     if leaf == nil then
       -- a table given whole, or an unknown key
       local prefix = o.key .. '.'
@@ -213,8 +238,8 @@ function M.merge(declared, overrides)
       usage_error(string.format("unknown config key '%s'%s", o.key,
         #near > 0 and (' (did you mean ' .. table.concat(near, ', ') .. '?)') or ''))
     end
-    set_path(cfg, o.key, parse_value(o.key, leaf, o.value))
-    given[o.key] = true
+    set_path(cfg, key, parse_value(key, leaf, o.value))
+    given[key] = true
   end
   for _, k in ipairs(known) do
     local leaf = flat[k]
@@ -230,6 +255,7 @@ function M.format(declared)
   local tree = {}
   for k, v in pairs(declared) do tree[k] = v end
   if tree.run == nil then tree.run = run_section() end
+  if tree.guard == nil then tree.guard = guard_section() end
   local flat = flatten(tree, nil, {})
   local lines = {}
   for _, k in ipairs(sorted_keys(flat)) do lines[#lines + 1] = string.format('%-28s %s', k, describe(flat[k])) end
@@ -267,6 +293,11 @@ setmetatable(M, {
 -- Apply the `run` section: threads, logging, deadline.
 function M.apply_run(run)
   local moonrl = require('moonrl')
+  local max_threads = tonumber(moonrl.C.mrl_parallel_max_threads())
+  if run.threads and (run.threads < 0 or run.threads > max_threads) then
+    moonrl.usage_error(string.format("config key 'run.threads' must be between 0 (all cores) and %d, got %d",
+      max_threads, run.threads))
+  end
   if run.threads and run.threads > 0 then moonrl.C.mrl_parallel_set_threads(run.threads) end
   if run.log_level then moonrl.set_log_level(run.log_level) end
   if run.max_seconds and run.max_seconds > 0 then moonrl.check(moonrl.C.mrl_deadline_set(run.max_seconds)) end

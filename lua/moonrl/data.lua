@@ -19,7 +19,7 @@
 --   for batch in ds:batches(n [, { epochs = 1, drop_last = false }]) do ... end
 --                            -- batches of n records from the current position; a batch never
 --                            -- spans two epochs; epochs = math.huge streams forever
---   ds:state()  -> { epoch = e, index = i, seed = s, n = len }   (plain numbers and a string seed)
+--   ds:state()  -> { epoch = e, index = i, seed = s, n = len, skipped = k }   (plain numbers and a string seed)
 --   ds:restore(state)        -- continue exactly where state was taken
 --   ds:stats()  -> { skipped = k, path = ... }
 --
@@ -225,7 +225,8 @@ function View:split(opts)
 end
 
 function View:state()
-  return { epoch = self.epoch, index = self.pos, n = self.n, seed = self.seed and u64_string(self.seed) or nil }
+  return { epoch = self.epoch, index = self.pos, n = self.n, seed = self.seed and u64_string(self.seed) or nil,
+    skipped = self.src.skipped }
 end
 
 function View:restore(st)
@@ -237,6 +238,7 @@ function View:restore(st)
     error(string.format('restore: the state was saved with seed %s, this dataset uses %s', tostring(st.seed), tostring(want)), 2)
   end
   self.epoch, self.pos = st.epoch, st.index
+  if st.skipped then self.src.skipped = st.skipped end
 end
 
 -- Iterate batches of up to n records from the current position.

@@ -65,6 +65,19 @@ end
 
 function M.stop_requested() return C.mrl_stop_requested() ~= 0 end
 
+-- Functions the command line calls when a recipe ends, fn(ok, err): ok with no error, else
+-- the error or stop request that ended it (a session saves what it can and closes its files).
+local exit_hooks = {}
+function M.on_exit(fn) exit_hooks[#exit_hooks + 1] = fn end
+function M.run_exit_hooks(ok, err)
+  local hooks = exit_hooks
+  exit_hooks = {}
+  for i = #hooks, 1, -1 do
+    local hok, herr = pcall(hooks[i], ok, err)
+    if not hok then io.stderr:write('moonrl: error while ending the run: ', tostring(herr), '\n') end
+  end
+end
+
 function M.version()
   return {
     version = ffi.string(C.mrl_version()),

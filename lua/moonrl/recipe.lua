@@ -1,6 +1,16 @@
 -- moonrl.recipe: the small pieces every recipe (recipes/*.lua) shares, so that the
 -- recipes themselves read like the algorithm.
 --
+--   local S = R.start(cfg, { name = 'grpo', steps = cfg.grpo.steps, steps_key = 'grpo.steps' })
+--     -- a moonrl.session (run directory, checkpoints, resume, guards) holding what the config's
+--     -- sections ask for: S.policy, S.tok, S.tpl, S.tok_dir (model.dir), S.opt and S.lr_at (train),
+--     -- S.engine (engine), the dataset (data, with opts.fields)
+--   for step in S:steps() do ... end; S:finish()
+--   S:prompts(n)        -- n records with prompt_ids; bad or over-long ones skipped (data.on_error)
+--   S:score(reward, samples, group)  -- rewards; a sample whose reward fails drops its group
+--   S:reference()       -- a frozen copy of the initial policy (call it before the loop)
+--   R.model_config(), R.data_config{...}, R.train_config{...}, R.engine_config(), R.reward_config(name)
+--     -- the config sections recipes share
 --   local R = require('moonrl.recipe')
 --   local b = R.pack(samples)                -- prompt_ids + ids -> packed batch with a response mask
 --   for mb in R.micro_batches(samples, 2048) do ... end   -- by token budget, order kept
@@ -16,6 +26,7 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local model_mod = require('moonrl.model')
+local function rewards_mod() return require('moonrl.rewards') end
 
 local M = {}
 
@@ -235,28 +246,11 @@ function M.adamw(model, o)
     eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges() })
 end
 
-local TOKENIZER_FILES = { 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
-  'chat_template.jinja', 'generation_config.json', 'vocab.json', 'merges.txt' }
-
-local function copy_file(from, to)
-  local f = io.open(from, 'rb')
-  if not f then return false end
-  local data = f:read('*a')
-  f:close()
-  local o = assert(io.open(to, 'wb'))
-  o:write(data)
-  o:close()
-  return true
-end
-
 -- Save model to dir (default run.dir/model) in Hugging Face format with the tokenizer files of
--- tokenizer_dir copied beside it. Returns the directory.
+-- tokenizer_dir copied beside it, every file written atomically. Returns the directory.
 function M.save(run, model, tokenizer_dir, dir)
   dir = dir or (run.dir .. '/model')
-  model:save(dir)
-  if tokenizer_dir then
-    for _, name in ipairs(TOKENIZER_FILES) do copy_file(tokenizer_dir .. '/' .. name, dir .. '/' .. name) end
-  end
+  require('moonrl.checkpoint').save_model(model, dir, tokenizer_dir)
   return dir
 end
 
@@ -401,13 +395,25 @@ function M.policy_step(o)
     sums.approx_kl = sums.approx_kl + pm.approx_kl * mtok
   end
   local gnorm = o.opt:clip_grad_norm(o.max_grad_norm or 1.0)
-  -- no signal (every advantage 0): no step, or Adam's moments would keep moving the weights
-  if gnorm > 0 then o.opt:step(o.lr) end
   local inv = tokens > 0 and 1 / tokens or 0
-  return { loss = sums.loss, kl = o.ref and sums.kl or nil, entropy = sums.entropy * inv,
+  local m = { loss = sums.loss, kl = o.ref and sums.kl or nil, entropy = sums.entropy * inv,
     clip_frac = sums.clip_frac * inv, approx_kl = sums.approx_kl * inv, grad_norm = gnorm,
     lr = o.lr or o.opt.lr, tokens = tokens,
     mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
+  M.apply_update(o.session, o.opt, o.lr, m)
+  return m
+end
+
+-- Apply an update whose gradients are in opt's buffer: through the session's guards when there
+-- is one (o.session: skips non-finite or spiking updates, rolls back), else opt:step. A zero
+-- gradient norm is no update at all (every advantage 0: Adam's moments would still move the
+-- weights). opts.detectors = false: only the non-finite checks (a second model's update, whose
+-- values would muddle the policy's windows).
+function M.apply_update(S, opt, lr, m, opts)
+  if m.grad_norm == 0 then return false end
+  if S then return S:update(opt, lr, m, opts) end
+  opt:step(lr)
+  return true
 end
 
 -- Throughput helper: tokens / seconds (0 when no time passed).
@@ -416,7 +422,174 @@ function M.rate(tokens, seconds) return seconds > 0 and tokens / seconds or 0 en
 -- The directory of a model path given as a directory or a file inside it.
 function M.dir_of(path) return (path:gsub('/[^/]*%.json$', '')) end
 
--- Stop early at a safe point when run.max_seconds is reached (0: no limit) or a stop was asked.
+-- ---- the config sections recipes share ------------------------------------------------------
+
+local config = require('moonrl.config')
+
+local function with(defaults, over)
+  for k, v in pairs(over or {}) do defaults[k] = v end
+  return defaults
+end
+
+function M.model_config()
+  return { dir = config.required('string', 'Hugging Face model directory'),
+           tokenizer = config.optional('string', 'tokenizer directory (default model.dir)') }
+end
+
+-- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad
+-- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped).
+function M.data_config(fields)
+  return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop' }, fields)
+end
+
+function M.train_config(over)
+  return with({ lr = 1e-6, schedule = 'constant', warmup = config.integer(0), weight_decay = 0.0,
+    max_grad_norm = 1.0, micro_batch_tokens = config.integer(4096) }, over)
+end
+
+function M.engine_config(over)
+  return with({ kv_cache_mb = config.integer(512), max_batch_tokens = config.integer(2048),
+    max_seqs = config.integer(256), block_size = config.integer(16) }, over)
+end
+
+-- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
+-- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error) and the
+-- seconds each sample may take (0: no limit).
+function M.reward_config(name)
+  return { name = name, on_error = 'drop', timeout = 30.0 }
+end
+
+local function check_choice(key, value, choices)
+  for _, c in ipairs(choices) do if value == c then return end end
+  moonrl.usage_error(string.format("config key '%s' must be one of %s, got '%s'", key, table.concat(choices, ', '),
+    tostring(value)))
+end
+
+-- ---- the recipe's session --------------------------------------------------------------------
+
+local session = require('moonrl.session')
+-- The recipe-level session: a moonrl.session with the methods below.
+local RS = setmetatable({}, { __index = session.Session })
+RS.__index = RS
+
+-- cfg: the merged config; opts: name, steps (the step count), steps_key (its config key),
+-- chat (use the chat template), fields / optional (the dataset's record fields, when the
+-- recipe streams prompts from cfg.data.path), engine (false: none even with an engine section),
+-- policy / tokenizer_dir (a model the recipe built itself, instead of model.dir).
+function M.start(cfg, opts)
+  opts = opts or {}
+  if cfg.data and cfg.data.on_error then check_choice('data.on_error', cfg.data.on_error, { 'stop', 'skip' }) end
+  if type(cfg.reward) == 'table' then check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
+  check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
+  local inputs = {}
+  if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
+  local S = session.start(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs })
+  setmetatable(S, RS)
+  S.total = opts.steps
+  if opts.policy then
+    S.policy, S.tok_dir = opts.policy, opts.tokenizer_dir
+  elseif cfg.model and cfg.model.dir then
+    S.policy, S.tok, S.tpl, S.tok_dir = M.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
+  end
+  if S.policy then S:model('policy', S.policy, { tokenizer_dir = S.tok_dir }) end
+  if cfg.train and S.policy then
+    S.opt = S:optimizer('policy', M.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+    S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
+      total = opts.steps, lr = cfg.train.lr })
+  end
+  if cfg.engine and opts.engine ~= false and S.policy then
+    local e = cfg.engine
+    local ok, engine = pcall(moonrl.engine.new, S.policy, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
+      block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed })
+    if not ok then moonrl.usage_error('engine.*: ' .. tostring(engine)) end
+    S.engine = engine
+    S.max_prompt_tokens = S.policy.config.max_position_embeddings - 1
+  end
+  if opts.fields and cfg.data then
+    local on_error = cfg.data.on_error == 'skip' and 'skip' or 'error'
+    S.data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,
+      on_error = on_error }):shuffled(cfg.run.seed)
+    S:dataset('train', S.data)
+  end
+  return S
+end
+
+-- The next records of the dataset (cycling through epochs), each with prompt_ids (through the
+-- chat template when the config's data.chat, with data.system). A record that cannot be read,
+-- rendered or encoded, or whose prompt leaves no room to generate, is skipped when
+-- data.on_error is 'skip' (counted), else an error naming the file and line.
+function RS:prompts(n)
+  local out = {}
+  local d = self.cfg.data
+  local skip = d.on_error == 'skip'
+  self.batches = self.batches or self.data:batches(n, { epochs = math.huge })
+  while #out < n do
+    local batch = self.batches()
+    if not batch then error(self.cfg.data.path .. ': no records left', 2) end
+    for _, r in ipairs(batch) do
+      local ok, ids = pcall(M.prompt_ids, self.tok, self.tpl, r.prompt, d.system)
+      local why = not ok and tostring(ids)
+      if ok and self.max_prompt_tokens and #ids > self.max_prompt_tokens then
+        why = string.format('prompt of %d tokens leaves no room to generate (the model has %d positions)', #ids,
+          self.max_prompt_tokens + 1)
+      end
+      if why then
+        why = string.format('%s:%d: %s', d.path, r.line or 0, why)
+        if not skip then error(why .. ' (data.on_error=skip skips such records)', 0) end
+        self.data.src.skipped = self.data.src.skipped + 1
+        self:event('data_skipped', { message = why }, { quiet = true })
+      elseif #out < n then
+        r.prompt_ids = ids
+        out[#out + 1] = r
+      end
+    end
+  end
+  return out
+end
+
+-- The dataset's skipped-record count (for the step's metrics).
+function RS:data_metrics()
+  return self.data and { skipped = self.data.src.skipped } or nil
+end
+
+-- Rewards of samples (a flat list, `group` consecutive samples per prompt): the scores (double
+-- array), the samples kept, and metrics. A sample whose reward fails drops its whole group with
+-- reward.on_error = 'drop' (its group's advantages would be wrong), scores 0 with 'zero', is an
+-- error with 'stop'.
+function RS:score(reward, samples, group)
+  local rc = self.cfg.reward
+  local scores, _, failures = rewards_mod().score_batch(reward, samples, nil,
+    { on_error = rc.on_error, timeout = rc.timeout })
+  local m = { errors = #failures, dropped_groups = 0 }
+  if #failures == 0 or rc.on_error ~= 'drop' then return scores, samples, m end
+  for i, f in ipairs(failures) do
+    if i <= 3 then self:event('reward_error', { message = f.message }) end
+  end
+  group = group or 1
+  local bad = {}
+  for _, f in ipairs(failures) do bad[math.floor((f.index - 1) / group)] = true end
+  local kept = {}
+  for i, s in ipairs(samples) do
+    if not bad[math.floor((i - 1) / group)] then kept[#kept + 1] = s end
+  end
+  for _ in pairs(bad) do m.dropped_groups = m.dropped_groups + 1 end
+  local out = ffi.new('double[?]', math.max(#kept, 1))
+  local k = 0
+  for i = 1, #samples do
+    if not bad[math.floor((i - 1) / group)] then out[k] = scores[i - 1]; k = k + 1 end
+  end
+  return out, kept, m
+end
+
+-- A frozen copy of the initial policy (a KL reference). Before the loop: a resumed run restores
+-- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
+function RS:reference() return M.clone(self.policy) end
+
+-- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).
+function RS:lr() return self.lr_at(self.step) end
+
+-- Stop early at a safe point when run.max_seconds is reached (0: no limit) or a stop was asked
+-- (for a loop without a session; a session's steps() does this itself).
 function M.check_stop(cfg, run)
   moonrl.check_stop()
   local limit = cfg.run and cfg.run.max_seconds or 0

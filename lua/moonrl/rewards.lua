@@ -73,23 +73,60 @@ local function resolve(r, level)
   error('a reward must be a name or a function, got ' .. type(r), level + 1)
 end
 
--- Score a list of samples: returns a double array [n] (or fills out) and the mean. A reward that
--- returns something other than a finite number is an error naming the reward and the sample.
-function M.score_batch(reward, samples, out)
+local function finite(v) return type(v) == 'number' and v == v and v ~= math.huge and v ~= -math.huge end
+
+-- Call fn(sample) with a time limit (seconds; 0 or nil: none). Returns ok, value or message.
+-- LuaJIT runs compiled code without looking at hooks, so the JIT is off while a limited
+-- reward runs (and its traces are flushed): a loop that never ends is then interrupted.
+local function call_limited(fn, sample, seconds)
+  if not seconds or seconds <= 0 then return pcall(fn, sample) end
+  local now = require('moonrl').now
+  local deadline = now() + seconds
+  local timed_out = false
+  jit.off()
+  jit.flush()
+  debug.sethook(function()
+    if now() > deadline then
+      timed_out = true
+      debug.sethook()
+      error('timed out', 2)
+    end
+  end, '', 1000)
+  local ok, v = pcall(fn, sample)
+  debug.sethook()
+  jit.on()
+  if timed_out then return false, string.format('no result within %g s (reward.timeout)', seconds) end
+  return ok, v
+end
+
+-- Score a list of samples: returns a double array [n] (or fills out), the mean, and the list of
+-- failures ({ index =, message = }). A reward that raises, or returns anything but a finite
+-- number, fails that sample: opts.on_error = 'stop' (the default) makes it an error naming the
+-- reward and the sample; 'zero' scores it 0; 'drop' scores it 0 too and leaves the caller to drop
+-- it (its failures list says which). opts.timeout: seconds each sample may take (0: no limit).
+function M.score_batch(reward, samples, out, opts)
   local fn, name = resolve(reward, 2)
+  opts = opts or {}
+  local on_error = opts.on_error or 'stop'
   local n = #samples
   out = out or ffi.new('double[?]', math.max(n, 1))
-  local sum = 0
+  local sum, failures = 0, {}
   for i = 1, n do
-    local ok, v = pcall(fn, samples[i])
-    if not ok then error(string.format("reward '%s' failed on sample %d: %s", name, i, tostring(v)), 2) end
-    if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge then
-      error(string.format("reward '%s' returned %s for sample %d (expected a finite number)", name, tostring(v), i), 2)
+    local ok, v = call_limited(fn, samples[i], opts.timeout)
+    local msg
+    if not ok then msg = string.format("reward '%s' failed on sample %d: %s", name, i, tostring(v))
+    elseif not finite(v) then
+      msg = string.format("reward '%s' returned %s for sample %d (expected a finite number)", name, tostring(v), i)
+    end
+    if msg then
+      if on_error == 'stop' then error(msg, 2) end
+      failures[#failures + 1] = { index = i, message = msg }
+      v = 0
     end
     out[i - 1] = v
     sum = sum + v
   end
-  return out, n > 0 and sum / n or 0
+  return out, n > 0 and sum / n or 0, failures
 end
 
 -- A weighted sum of rewards: spec = { {reward = name|fn, weight = w}, ... } (weight 1 when absent).

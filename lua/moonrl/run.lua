@@ -1,35 +1,34 @@
--- A run: its directory, its metrics, its timeline.
+-- A run: its directory, its metrics, its events, its timeline.
 --
 --   local run = moonrl.run.start(cfg, { name = 'grpo' })
 --   run:phase('generate', function() ... end)       -- timed, on the trace
 --   run:log(step, { reward = { mean = .4, std = .1 }, kl = 0.01, ... })
+--   run:event('rollback', { step = 12, detector = 'grad_spike' })
 --   run:finish()
 --
--- The directory is cfg.run.dir, or runs/<name>-<YYYYmmdd-HHMMSS> (a suffix
--- is added if it exists). It receives:
+-- The directory is cfg.run.dir, or runs/<name>-<YYYYmmdd-HHMMSS> (a suffix is added if it
+-- exists). It is created with mkdir(2), never through a shell, and locked (RUN_DIR/.lock, an
+-- flock that a killed process releases) for as long as the run lives: a second run in the same
+-- directory is refused. A directory that already holds files is refused too, unless it holds a
+-- moonrl run that this one resumes (moonrl.session). It receives:
 --   config.json    the resolved config of the run, and moonrl's version
 --   metrics.jsonl  one JSON object per logged step (flattened keys:
 --                  "reward/mean"), with "step" and "time" (seconds since start)
+--   events.jsonl   skips, rollbacks, restarts, stops, errors: one JSON object a line, never cut
 --   tb/            TensorBoard event file with the same scalars
 --   trace.json     the timeline of phases (Chrome trace-event JSON, Perfetto)
--- Each log() also prints one readable line with the keys that matter most.
+-- Each log() also prints one readable line with the keys that matter most. A write that fails
+-- (a full disk) is an error naming the file, or with cfg.run.checkpoint_errors = 'warn' a
+-- warning once, and the run goes on.
 local moonrl = require('moonrl')
+local fs = require('moonrl.fs')
 local json = require('moonrl.json')
 local trace = require('moonrl.trace')
+local supervise_beat = moonrl.C.mrl_heartbeat
 
 local M = {}
 local Run = {}
 Run.__index = Run
-
-local function exists(path)
-  local ok = os.rename(path, path)
-  return ok ~= nil
-end
-
-local function mkdirs(path)
-  local ok = os.execute('mkdir -p "' .. path:gsub('"', '\\"') .. '"')
-  if ok ~= 0 and ok ~= true then moonrl.usage_error('cannot create run directory ' .. path) end
-end
 
 -- Flatten nested tables of numbers into { ['a/b'] = x }.
 local function flatten(t, prefix, out)
@@ -42,40 +41,107 @@ local function flatten(t, prefix, out)
 end
 M.flatten = flatten
 
-function M.start(cfg, opts)
+-- What a directory found at the run's path holds: 'empty', 'run' (a moonrl run: config.json,
+-- metrics or checkpoints) or 'other'.
+local function contents(dir)
+  local names = fs.list(dir)
+  local n, run = 0, false
+  for _, name in ipairs(names) do
+    if name ~= '.lock' then n = n + 1 end
+    if name == 'checkpoints' or name == 'metrics.jsonl' or name == 'events.jsonl' then run = true end
+  end
+  if n == 0 then return 'empty' end
+  return run and 'run' or 'other'
+end
+
+-- Create (or, to resume, reopen) the run directory and lock it. Returns dir, lock, what it held
+-- ('new' or 'run'). opts.reuse: a directory holding a run may be reopened.
+function M.open_dir(cfg, name, opts)
   opts = opts or {}
-  local name = opts.name or 'run'
   local dir = cfg.run and cfg.run.dir
   if not dir then
     local base = 'runs/' .. name .. '-' .. os.date('%Y%m%d-%H%M%S')
     dir = base
+    fs.mkdirs('runs')
     local n = 1
-    while exists(dir) do
+    -- mkdir is the test: of two runs started in the same second, one gets -2
+    while not fs.mkdir(dir) do
       n = n + 1
       dir = base .. '-' .. n
     end
+  else
+    local ok, err = pcall(fs.mkdirs, dir)
+    if not ok then moonrl.usage_error('cannot create run directory ' .. dir .. ': ' .. tostring(err)) end
   end
-  mkdirs(dir)
-  local self = setmetatable({ dir = dir, name = name, t0 = moonrl.now(), step_t0 = moonrl.now(),
-                              phases = {}, cfg = cfg, total = opts.total_steps }, Run)
+  local ok, lock = pcall(fs.lock, dir .. '/.lock')
+  if not ok then moonrl.usage_error('run directory ' .. tostring(lock)) end
+  local held = contents(dir)
+  if held == 'other' then
+    lock:release()
+    moonrl.usage_error(string.format('run directory %s is not empty and holds no moonrl run: choose another run.dir', dir))
+  end
+  if held == 'run' and not opts.reuse then
+    lock:release()
+    moonrl.usage_error(string.format('run directory %s already holds a run: pass run.resume=auto to continue it, ' ..
+      'or choose another run.dir', dir))
+  end
+  return dir, lock, held == 'run' and 'run' or 'new'
+end
+
+-- opts: name, total_steps, tensorboard (true), rank (0); dir and lock from open_dir (else it is
+-- called here); metrics_bytes: cut metrics.jsonl to this length first (a resumed run drops the
+-- lines of the steps it will redo).
+function M.start(cfg, opts)
+  opts = opts or {}
+  local name = opts.name or 'run'
+  local dir, lock = opts.dir, opts.lock
+  if not dir then dir, lock = M.open_dir(cfg, name) end
+  local self = setmetatable({ dir = dir, lock = lock, name = name, t0 = moonrl.now(), step_t0 = moonrl.now(),
+                              phases = {}, cfg = cfg, total = opts.total_steps, write_errors = 0,
+                              on_error = cfg.run and cfg.run.checkpoint_errors or 'stop' }, Run)
   local v = moonrl.version()
   local meta = json.object({ 'recipe', name, 'moonrl', v.version, 'git', v.git, 'backends', v.backends,
                              'config', cfg })
-  local f = assert(io.open(dir .. '/config.json', 'w'))
-  f:write(json.encode(meta, { indent = 2 }), '\n')
-  f:close()
-  self.metrics = assert(io.open(dir .. '/metrics.jsonl', 'a'))
+  self:guarded_write(dir .. '/config.json', function() fs.write(dir .. '/config.json', json.encode(meta, { indent = 2 }) .. '\n') end)
+  local mpath = dir .. '/metrics.jsonl'
+  local st = fs.stat(mpath)
+  if st and opts.metrics_bytes and st.size > opts.metrics_bytes then fs.truncate(mpath, opts.metrics_bytes) end
+  self.metrics = assert(io.open(mpath, 'a'))
+  self.events = assert(io.open(dir .. '/events.jsonl', 'a'))
   if opts.tensorboard ~= false then self.tb = trace.tensorboard(dir .. '/tb') end
   trace.enable(opts.rank or 0)
   trace.thread_name('main')
   return self
 end
 
--- Time fn as a phase of the current step (seconds summed per phase name).
+-- Run fn (which writes path); a failure is an error, or a warning with checkpoint_errors=warn.
+-- Returns true when the write went through.
+function Run:guarded_write(path, fn)
+  local ok, err = pcall(fn)
+  if ok then return true end
+  self.write_errors = self.write_errors + 1
+  local msg = string.format('cannot write %s: %s', path, tostring(err))
+  if self.on_error ~= 'warn' then error(msg, 0) end
+  if self.write_errors <= 3 then moonrl.log('warn', '%s (run.checkpoint_errors=warn: going on)', msg) end
+  return false
+end
+
+-- Write one line to an open file of the run, checking that it reached the kernel.
+local function write_line(f, path, text)
+  local ok, err = f:write(text, '\n')
+  if ok then ok, err = f:flush() end
+  if not ok then error(path .. ': ' .. tostring(err), 0) end
+end
+
+-- Time fn as a phase of the current step (seconds summed per phase name). A supervisor hears
+-- a heartbeat as each phase begins and ends; the fault injection gets its chance to fire.
 function Run:phase(name, fn, ...)
+  supervise_beat('phase ' .. name .. ' step ' .. tostring(self.step or '?'))
+  if self.on_phase then self.on_phase(name) end
   local res = { trace.phase(name, fn, ...) }
   local secs = table.remove(res)
   self.phases[name] = (self.phases[name] or 0) + secs
+  supervise_beat('done ' .. name .. ' step ' .. tostring(self.step or '?'))
   return unpack(res)
 end
 
@@ -104,6 +170,9 @@ function Run:line(step, flat, seconds)
   end
   if flat['tokens_per_s/generate'] then parts[#parts + 1] = 'gen ' .. fmt(flat['tokens_per_s/generate']) .. ' tok/s' end
   if flat['tokens_per_s/train'] then parts[#parts + 1] = 'train ' .. fmt(flat['tokens_per_s/train']) .. ' tok/s' end
+  for _, key in ipairs({ 'guard/skipped', 'guard/rollback' }) do
+    if flat[key] and flat[key] ~= 0 then parts[#parts + 1] = key:match('/(.*)') .. ' ' .. tostring(flat[key]) end
+  end
   local ph = {}
   local names = {}
   for n in pairs(self.phases) do names[#names + 1] = n end
@@ -126,13 +195,15 @@ function Run:log(step, metrics, opts)
   table.sort(keys)
   local record = json.object({ 'step', step, 'time', now - self.t0 })
   for _, k in ipairs(keys) do record[k] = flat[k] end
-  self.metrics:write(json.encode(record), '\n')
-  self.metrics:flush()
+  local mpath = self.dir .. '/metrics.jsonl'
+  self:guarded_write(mpath, function() write_line(self.metrics, mpath, json.encode(record)) end)
   if self.tb then
-    for _, k in ipairs(keys) do
-      if type(flat[k]) == 'number' then self.tb:scalar(k, flat[k], step) end
-    end
-    self.tb:flush()
+    self:guarded_write(self.dir .. '/tb', function()
+      for _, k in ipairs(keys) do
+        if type(flat[k]) == 'number' then self.tb:scalar(k, flat[k], step) end
+      end
+      self.tb:flush()
+    end)
   end
   if not (opts and opts.quiet) then print(self:line(step, flat, seconds)) end
   self.phases = {}
@@ -140,14 +211,39 @@ function Run:log(step, metrics, opts)
   return flat
 end
 
+-- The size of metrics.jsonl now (what a checkpoint records, to cut it back on resume).
+function Run:metrics_bytes()
+  self.metrics:flush()
+  local st = fs.stat(self.dir .. '/metrics.jsonl')
+  return st and st.size or 0
+end
+
+-- One event: a line of events.jsonl (kind, time, pid and the fields), an instant on the trace,
+-- and a warning on stderr unless opts.quiet.
+function Run:event(kind, fields, opts)
+  local record = json.object({ 'event', kind, 'time', os.time(), 'pid', tonumber(moonrl.C.mrl_process_id()) })
+  local keys = {}
+  for k in pairs(fields or {}) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do record[k] = fields[k] end
+  local text = json.encode(record, { tostring = tostring })
+  local path = self.dir .. '/events.jsonl'
+  if self.events then self:guarded_write(path, function() write_line(self.events, path, text) end) end
+  trace.begin('event ' .. kind)
+  trace.finish('event ' .. kind)
+  if not (opts and opts.quiet) then moonrl.log('warn', '%s: %s', kind, text) end
+end
+
 -- Close the files and write the timeline. Safe to call twice.
 function Run:finish()
   if self.finished then return end
   self.finished = true
   self.metrics:close()
-  if self.tb then self.tb:close() end
-  trace.write(self.dir .. '/trace.json')
+  self.events:close()
+  if self.tb then pcall(self.tb.close, self.tb) end
+  self:guarded_write(self.dir .. '/trace.json', function() trace.write(self.dir .. '/trace.json') end)
   trace.disable()
+  if self.lock then self.lock:release() end
 end
 
 return M

@@ -1,0 +1,216 @@
+-- Checkpoints: one directory per saved step, written so that a crash at any byte leaves every
+-- earlier checkpoint intact, and verified before anything is read back from it.
+--
+--   RUN_DIR/checkpoints/step-000120/
+--     config.json, model.safetensors    the policy in Hugging Face format (a checkpoint is a model),
+--     tokenizer.json, ...               with its tokenizer files: load it, serve it, convert it
+--     <name>/config.json, ...           every other model of the run (a PPO critic: critic/)
+--     optimizer.safetensors             each optimizer's exp_avg and exp_avg_sq (F32, flat), its
+--                                       step count in the metadata
+--     state.json                        step, phase, data positions, random generators, the guards'
+--                                       windows, the recipe's extra state
+--     run.json                          the resolved config, moonrl's version and git revision, the
+--                                       identity (path, size, mtime) of the input model and data
+--     manifest.json                     written last: bytes and CRC-32C of every other file
+--
+-- Writing: everything goes into checkpoints/.tmp-step-000120/ (each file fsync'ed as it is
+-- written), the manifest last, then the directory is fsync'ed and renamed into place and
+-- checkpoints/ fsync'ed. A directory without a valid manifest is not a checkpoint.
+--
+--   local ckpt = require('moonrl.checkpoint')
+--   ckpt.write(root, name, parts)   -- parts: { models = {{name=, model=, tokenizer_dir=}}, optimizers =
+--                                   --   {{name=, opt=}}, state = table, run = table }; returns the path
+--   ckpt.verify(dir)                -- true, or false and a one-line reason naming the file
+--   ckpt.list(root)                 -- complete-looking checkpoint names, oldest first
+--   ckpt.latest(root, warn)         -- the newest checkpoint that verifies (warn(msg) for each skipped)
+--   ckpt.read(dir)                  -- { state = ..., run = ... } (after verify)
+--   ckpt.load_model(dir, name, model), ckpt.load_optimizer(dir, name, opt)
+--   ckpt.prune(root, keep)          -- remove all but the newest `keep` (0: keep all)
+local ffi = require('ffi')
+local moonrl = require('moonrl')
+local fs = require('moonrl.fs')
+local json = require('moonrl.json')
+
+local M = {}
+
+M.FORMAT = 'moonrl-checkpoint'
+M.VERSION = 1
+
+local TOKENIZER_FILES = { 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
+  'chat_template.jinja', 'generation_config.json', 'vocab.json', 'merges.txt' }
+M.TOKENIZER_FILES = TOKENIZER_FILES
+
+function M.dir_name(step) return string.format('step-%06d', step) end
+
+-- Save a model as a Hugging Face directory with the tokenizer files beside it (each written
+-- atomically and fsync'ed). Shared with the final save of a run (moonrl.recipe.save).
+function M.save_model(model, dir, tokenizer_dir)
+  fs.mkdirs(dir)
+  model:save(dir)
+  if tokenizer_dir then
+    for _, name in ipairs(TOKENIZER_FILES) do
+      local from = tokenizer_dir .. '/' .. name
+      if fs.stat(from) then fs.copy(from, dir .. '/' .. name) end
+    end
+  end
+end
+
+local function write_optimizers(path, optimizers)
+  local w = require('moonrl.safetensors').writer()
+  for _, o in ipairs(optimizers) do
+    local s = o.opt:state()
+    w:add(o.name .. '.exp_avg', 'F32', { s.n }, s.m)
+    w:add(o.name .. '.exp_avg_sq', 'F32', { s.n }, s.v)
+    w:metadata(o.name .. '.step', tostring(s.step))
+  end
+  w:metadata('format', M.FORMAT)
+  w:write(path)
+end
+
+-- Every regular file under dir, as paths relative to it, sorted.
+local function files_under(dir, prefix, out)
+  out = out or {}
+  for _, name in ipairs(fs.list(dir)) do
+    local rel = prefix and (prefix .. '/' .. name) or name
+    local st = fs.stat(dir .. '/' .. name)
+    if st and st.is_dir then files_under(dir .. '/' .. name, rel, out)
+    elseif st and st.is_file then out[#out + 1] = rel end
+  end
+  return out
+end
+
+local function sync_dirs(dir)
+  for _, name in ipairs(fs.list(dir)) do
+    if fs.is_dir(dir .. '/' .. name) then sync_dirs(dir .. '/' .. name) end
+  end
+  fs.sync_dir(dir)
+end
+
+function M.write(root, name, parts)
+  fs.mkdirs(root)
+  local final = root .. '/' .. name
+  local tmp = root .. '/.tmp-' .. name
+  fs.remove(tmp) -- the remains of a write that was interrupted
+  fs.mkdirs(tmp)
+  for i, m in ipairs(parts.models or {}) do
+    -- the first model is the policy, at the top: the checkpoint loads as a model
+    M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir)
+  end
+  if parts.optimizers and #parts.optimizers > 0 then write_optimizers(tmp .. '/optimizer.safetensors', parts.optimizers) end
+  fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
+  fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
+  local files = json.object()
+  for _, rel in ipairs(files_under(tmp)) do
+    local crc, size = fs.crc32c_file(tmp .. '/' .. rel)
+    files[rel] = json.object({ 'bytes', size, 'crc32c', string.format('%08x', crc) })
+  end
+  local manifest = json.object({ 'format', M.FORMAT, 'version', M.VERSION, 'name', name,
+    'step', parts.state and parts.state.step or json.null, 'files', files })
+  fs.write(tmp .. '/manifest.json', json.encode(manifest, { indent = 1 }) .. '\n')
+  sync_dirs(tmp)
+  if fs.stat(final) then fs.remove(final) end -- a checkpoint of this step from before a rollback
+  fs.rename(tmp, final)
+  return final
+end
+
+-- true, or false and why (one line naming the file).
+function M.verify(dir)
+  local mpath = dir .. '/manifest.json'
+  local text = fs.read(mpath)
+  if not text then return false, mpath .. ': missing (the checkpoint was never completed)' end
+  local ok, m = pcall(json.decode, text, mpath)
+  if not ok then return false, tostring(m) end
+  if type(m) ~= 'table' or m.format ~= M.FORMAT or type(m.files) ~= 'table' then
+    return false, mpath .. ': not a moonrl checkpoint manifest'
+  end
+  if type(m.version) ~= 'number' or m.version > M.VERSION then
+    return false, mpath .. ': format version ' .. tostring(m.version) .. ' is newer than this moonrl reads (' .. M.VERSION .. ')'
+  end
+  for _, rel in ipairs(json.keys(m.files)) do
+    local want, path = m.files[rel], dir .. '/' .. rel
+    local st = fs.stat(path)
+    if not st or not st.is_file then return false, path .. ': missing (listed in the manifest)' end
+    if st.size ~= want.bytes then
+      return false, string.format('%s: %d bytes, the manifest says %d (truncated or changed)', path, st.size, want.bytes)
+    end
+    local crc = fs.crc32c_file(path)
+    if string.format('%08x', crc) ~= want.crc32c then
+      return false, string.format('%s: checksum %08x, the manifest says %s (corrupt)', path, crc, tostring(want.crc32c))
+    end
+  end
+  for _, need in ipairs({ 'state.json', 'run.json' }) do
+    if not m.files[need] then return false, mpath .. ': lists no ' .. need end
+  end
+  return true
+end
+
+-- Names of the directories that look like checkpoints (step-NNNNNN), oldest first.
+function M.list(root)
+  if not fs.is_dir(root) then return {} end
+  local out = {}
+  for _, name in ipairs(fs.list(root)) do
+    if name:match('^step%-%d+$') and fs.is_dir(root .. '/' .. name) then out[#out + 1] = name end
+  end
+  table.sort(out, function(a, b) return tonumber(a:match('%d+')) < tonumber(b:match('%d+')) end)
+  return out
+end
+
+-- The newest checkpoint that verifies; every one skipped is reported through warn(message).
+function M.latest(root, warn)
+  local names = M.list(root)
+  for i = #names, 1, -1 do
+    local dir = root .. '/' .. names[i]
+    local ok, why = M.verify(dir)
+    if ok then return dir end
+    if warn then warn(string.format('checkpoint %s skipped: %s', dir, why)) end
+  end
+  return nil
+end
+
+function M.read(dir)
+  return { state = json.read_file(dir .. '/state.json'), run = json.read_file(dir .. '/run.json') }
+end
+
+-- Copy a checkpoint's weights into an existing model (same config, checked tensor by tensor).
+function M.load_model(dir, name, model, is_policy)
+  local mdir = is_policy and dir or (dir .. '/' .. name)
+  local st = require('moonrl.safetensors').open(mdir)
+  local p = model:params()
+  for _, v in ipairs(model:views()) do
+    if not st:has(v.name) then error(string.format('%s: checkpoint has no tensor %s for model %s', mdir, v.name, name), 0) end
+    local info = st:info(v.name)
+    if info.numel ~= v.numel then
+      error(string.format('%s: tensor %s has %d elements, model %s has %d (a different model config)', mdir, v.name,
+        info.numel, name, v.numel), 0)
+    end
+    st:read_f32(v.name, p + v.offset)
+  end
+end
+
+function M.load_optimizer(dir, name, opt)
+  local path = dir .. '/optimizer.safetensors'
+  local st = require('moonrl.safetensors').open(path)
+  local key = name .. '.exp_avg'
+  if not st:has(key) then error(string.format('%s: no state for optimizer %s', path, name), 0) end
+  local n = st:info(key).numel
+  if n ~= opt.n then error(string.format('%s: optimizer %s has %d parameters here, %d in the checkpoint', path, name, opt.n, n), 0) end
+  local m, v = ffi.new('float[?]', n), ffi.new('float[?]', n)
+  st:read_f32(key, m)
+  st:read_f32(name .. '.exp_avg_sq', v)
+  local step = tonumber(st:metadata(name .. '.step'))
+  if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
+  opt:load_state({ m = m, v = v, n = n, step = step })
+end
+
+-- Keep the newest `keep` checkpoints (0 keeps all); remove interrupted writes too.
+function M.prune(root, keep)
+  if not fs.is_dir(root) then return end
+  for _, name in ipairs(fs.list(root)) do
+    if name:match('^%.tmp%-') then fs.remove(root .. '/' .. name) end
+  end
+  if not keep or keep <= 0 then return end
+  local names = M.list(root)
+  for i = 1, #names - keep do fs.remove(root .. '/' .. names[i]) end
+end
+
+return M

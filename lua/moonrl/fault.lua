@@ -1,0 +1,90 @@
+-- Fault injection for the recovery tests: the faults a long run meets, caused on purpose.
+-- Off unless the environment variable MOONRL_FAULT is set; it holds faults separated by ';',
+-- each a kind followed by ':key=value' conditions:
+--
+--   kill:step=12:phase=train     SIGKILL when phase 'train' of (global) step 12 begins
+--   kill:checkpoint=20:bytes=5000   SIGKILL after 5000 bytes of the checkpoint of step 20 (any
+--                                checkpoint when checkpoint= is absent)
+--   crash:step=7:phase=reward    SIGSEGV (a bug), likewise
+--   hang:step=7:phase=generate   block forever inside C, away from every safe point
+--   exit:step=7                  exit(1) at once, as a process dying of an error would
+--   nan:step=5                   make step 5's gradients NaN (before the guards look at them)
+--   spike:step=5:factor=1000     multiply step 5's gradients by factor (a loss spike)
+--   kl:step=5:value=9            report a KL of value at step 5 (for the KL detector)
+--
+-- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
+-- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
+-- as generate, reward, train), attempt=K (only in the K-th start under a supervisor, 0 the
+-- first; MOONRL_ATTEMPT), checkpoint=N, bytes=B, factor=F, value=V.
+local moonrl = require('moonrl')
+
+local M = {}
+
+local KINDS = { kill = true, crash = true, hang = true, exit = true, nan = true, spike = true, kl = true }
+
+function M.parse(text)
+  local list = {}
+  for item in (text or ''):gmatch('[^;]+') do
+    local kind, rest = item:match('^%s*(%a+)(.*)$')
+    if not kind or not KINDS[kind] then error('MOONRL_FAULT: unknown fault in ' .. item, 0) end
+    local f = { kind = kind }
+    for key, value in rest:gmatch(':([%a_]+)=([^:]+)') do
+      f[key] = key == 'phase' and value or tonumber(value)
+      if f[key] == nil then error('MOONRL_FAULT: ' .. key .. '=' .. value .. ' is not a number', 0) end
+    end
+    list[#list + 1] = f
+  end
+  return list
+end
+
+M.faults = M.parse(os.getenv('MOONRL_FAULT'))
+M.attempt = tonumber(os.getenv('MOONRL_ATTEMPT') or '0') or 0
+
+local function applies(f, step, phase)
+  if f.attempt and f.attempt ~= M.attempt then return false end
+  if f.step and f.step ~= step then return false end
+  if f.phase and f.phase ~= phase then return false end
+  return true
+end
+
+local function announce(f, step, phase)
+  io.stderr:write(string.format('moonrl: fault injection: %s at step %s, %s\n', f.kind, tostring(step), tostring(phase)))
+  io.stderr:flush()
+end
+
+-- A point of the loop: fires kill / crash / hang / exit faults that match.
+function M.point(step, phase)
+  if #M.faults == 0 then return end
+  for _, f in ipairs(M.faults) do
+    if (f.kind == 'kill' or f.kind == 'crash' or f.kind == 'hang' or f.kind == 'exit') and not f.bytes
+        and not f.checkpoint and applies(f, step, phase) then
+      announce(f, step, phase)
+      if f.kind == 'kill' then moonrl.C.mrl_fault_kill() end
+      if f.kind == 'crash' then moonrl.C.mrl_fault_crash() end
+      if f.kind == 'hang' then moonrl.C.mrl_fault_hang() end
+      if f.kind == 'exit' then os.exit(1, false) end
+    end
+  end
+end
+
+-- Before a checkpoint of `step` is written: arm the byte budget when a fault asks for it.
+function M.arm_checkpoint(step)
+  for _, f in ipairs(M.faults) do
+    if f.kind == 'kill' and f.bytes and (not f.checkpoint or f.checkpoint == step)
+        and (not f.attempt or f.attempt == M.attempt) then
+      announce(f, step, 'checkpoint write after ' .. f.bytes .. ' bytes')
+      moonrl.C.mrl_fault_kill_after_bytes(f.bytes)
+      return
+    end
+  end
+end
+function M.disarm() moonrl.C.mrl_fault_kill_after_bytes(-1) end
+
+-- The gradient faults of a step: returns the matching fault of kind nan, spike or kl, if any.
+function M.update_fault(step, kind)
+  for _, f in ipairs(M.faults) do
+    if f.kind == kind and applies(f, step, nil) then return f end
+  end
+end
+
+return M

@@ -1,0 +1,101 @@
+-- The file system through the C core's system calls (core/include/moonrl/fs.h): no path ever
+-- reaches a shell. Every function raises a Lua error naming the path on failure.
+--
+--   fs.stat(path)          -> nil, or { is_dir =, is_file =, size =, mtime = }
+--   fs.mkdirs(path)        mkdir -p
+--   fs.mkdir(path)         -> true when this call created it, false when it was there
+--   fs.remove(path)        a file or a whole tree (rm -rf, links never followed)
+--   fs.rename(a, b)        rename, then fsync b's directory
+--   fs.write(path, text)   atomically: temporary file, fsync, rename, fsync of the directory
+--   fs.read(path)          -> the whole file, or nil and a message
+--   fs.copy(a, b)          atomically, as write
+--   fs.list(path)          -> sorted names (no . and ..)
+--   fs.truncate(path, n), fs.sync_dir(path), fs.free_bytes(path)
+--   fs.lock(path)          -> a lock (released by :release() or when the process ends)
+--   fs.crc32c(text [, crc]), fs.crc32c_file(path) -> crc, size
+--   fs.join(a, b, ...)     'a/b/...'
+local ffi = require('ffi')
+local moonrl = require('moonrl')
+local C = moonrl.C
+
+local M = {}
+local check = moonrl.check
+
+local info = ffi.new('mrl_fs_info')
+function M.stat(path)
+  check(C.mrl_fs_stat(path, info), 2)
+  if info.exists == 0 then return nil end
+  return { is_dir = info.is_dir ~= 0, is_file = info.is_file ~= 0, size = tonumber(info.size),
+    mtime = tonumber(info.mtime) }
+end
+
+function M.exists(path) return M.stat(path) ~= nil end
+function M.is_dir(path)
+  local s = M.stat(path)
+  return s ~= nil and s.is_dir
+end
+
+function M.mkdirs(path) check(C.mrl_fs_mkdirs(path), 2) end
+
+local created = ffi.new('int[1]')
+function M.mkdir(path)
+  check(C.mrl_fs_mkdir(path, created), 2)
+  return created[0] ~= 0
+end
+
+function M.remove(path) check(C.mrl_fs_remove(path), 2) end
+function M.rename(from, to) check(C.mrl_fs_rename(from, to), 2) end
+function M.sync_dir(path) check(C.mrl_fs_sync_dir(path), 2) end
+function M.write(path, text) check(C.mrl_fs_write_file(path, text, #text), 2) end
+function M.copy(from, to) check(C.mrl_fs_copy_file(from, to), 2) end
+function M.truncate(path, size) check(C.mrl_fs_truncate(path, size), 2) end
+
+local free = ffi.new('int64_t[1]')
+function M.free_bytes(path)
+  check(C.mrl_fs_free_bytes(path, free), 2)
+  return tonumber(free[0])
+end
+
+function M.read(path)
+  local f, err = io.open(path, 'rb')
+  if not f then return nil, err end
+  local text, rerr = f:read('*a')
+  f:close()
+  if not text then return nil, path .. ': ' .. tostring(rerr) end
+  return text
+end
+
+function M.list(path)
+  local out = ffi.new('mrl_fs_list *[1]')
+  check(C.mrl_fs_list_open(path, out), 2)
+  local l = out[0]
+  local names = {}
+  for i = 0, tonumber(C.mrl_fs_list_count(l)) - 1 do names[#names + 1] = ffi.string(C.mrl_fs_list_name(l, i)) end
+  C.mrl_fs_list_free(l)
+  return names
+end
+
+local Lock = {}
+Lock.__index = Lock
+function Lock:release()
+  if self.fd >= 0 then C.mrl_fs_unlock(self.fd) end
+  self.fd = -1
+end
+
+local lock_fd = ffi.new('int[1]')
+function M.lock(path)
+  check(C.mrl_fs_lock(path, lock_fd), 2)
+  return setmetatable({ fd = lock_fd[0], path = path }, Lock)
+end
+
+function M.crc32c(text, crc) return tonumber(C.mrl_crc32c(crc or 0, text, #text)) end
+
+local crc_out, size_out = ffi.new('uint32_t[1]'), ffi.new('int64_t[1]')
+function M.crc32c_file(path)
+  check(C.mrl_fs_crc32c_file(path, crc_out, size_out), 2)
+  return tonumber(crc_out[0]), tonumber(size_out[0])
+end
+
+function M.join(...) return table.concat({ ... }, '/') end
+
+return M

@@ -1,0 +1,552 @@
+-- moonrl.session: one run of a recipe and everything a checkpoint must hold, written once for
+-- every recipe: the models and optimizers, the data positions and random generators, the step
+-- and phase, the guards' windows and the recipe's own extra state. The recipe keeps only its
+-- algorithm:
+--
+--   local S = moonrl.session.start(cfg, { name = 'grpo', total_steps = cfg.grpo.steps, steps_key = 'grpo.steps' })
+--   S:model('policy', model, { tokenizer_dir = dir })   -- the first model is the policy
+--   S:optimizer('policy', opt)
+--   S:dataset('train', view)                            -- a moonrl.data view (its position)
+--   local rng = S:rng('draw', seed)                     -- rng:int(n) in [0, n), its state saved
+--   S.extra.buffer = {...}                              -- JSON-able recipe state, saved too
+--   local before = S:memo('before', fn)                 -- fn() once; a resumed run reads the value back
+--   for step in S:steps(total, 'grpo') do               -- resumes, checkpoints, stops, rolls back
+--     ...
+--     local applied = S:update(opt, lr, m)              -- the guards, then opt:step (or not)
+--     S:log(m)
+--   end
+--   S:finish()                                          -- the last checkpoint; the model saved
+--
+-- Resume (cfg.run.resume): 'auto' continues from the newest checkpoint of run.dir that
+-- verifies (skipping, with a one-line warning, any that is cut or corrupt), 'never' starts
+-- fresh (and refuses a run.dir that holds a run), a path resumes from that checkpoint. The
+-- config must be the one the checkpoint was written with, except the keys that cannot change
+-- the math (M.FREE_KEYS and the recipe's step count). Restoring happens when the loop of the
+-- checkpoint's phase starts (S:steps), so what a recipe computes before its loop (a frozen
+-- reference, DPO's reference log-probs) comes from the initial model, as in the first run; a
+-- phase the checkpoint had finished is skipped.
+--
+-- Safe points: the end of every step. A stop (SIGINT, SIGTERM, run.max_seconds) writes a
+-- checkpoint there and saves the model, then the run exits 130 / 143 / 124. A stop or error
+-- that escapes mid-step (the engine honours a stop while it generates) still saves the last
+-- complete step when no optimizer stepped yet in this one. Checkpoints: every
+-- run.checkpoint_every steps and run.checkpoint_minutes, and at the end; the newest
+-- run.keep_checkpoints are kept.
+local ffi = require('ffi')
+local moonrl = require('moonrl')
+local ckpt = require('moonrl.checkpoint')
+local fault = require('moonrl.fault')
+local fs = require('moonrl.fs')
+local guard_mod = require('moonrl.guard')
+local json = require('moonrl.json')
+local run_mod = require('moonrl.run')
+
+local M = {}
+local Session = {}
+Session.__index = Session
+M.Session = Session
+
+-- Keys a resumed run may change: they do not change the math of the steps it redoes.
+M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
+  'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
+  'guard.max_rollbacks', 'quiet', 'save' }
+
+-- Raised when the guards give up (more rollbacks than guard.max_rollbacks): exit status 3, and a
+-- supervisor does not restart the run (it would meet the same values again).
+local GuardStop = {}
+GuardStop.__index = GuardStop
+GuardStop.__tostring = function(e) return e.message end
+M.GuardStop = GuardStop
+function M.is_guard_stop(e) return getmetatable(e) == GuardStop end
+
+-- ---- small pieces -------------------------------------------------------------------------
+
+-- A Lehmer generator (MINSTD, multiplier 48271): the same numbers on every machine.
+local Rng = {}
+Rng.__index = Rng
+function Rng:int(n)
+  self.state = (self.state * 48271) % 2147483647
+  return self.state % n
+end
+M.Rng = Rng
+function M.rng(seed) return setmetatable({ state = (seed * 69069 + 1) % 2147483648 }, Rng) end
+
+-- Flatten a config into { ['a.b'] = json text of the leaf }.
+local function flat_config(t, prefix, out)
+  out = out or {}
+  for k, v in pairs(t) do
+    local key = prefix and (prefix .. '.' .. tostring(k)) or tostring(k)
+    if type(v) == 'table' and not json.is_array(v) then flat_config(v, key, out)
+    else out[key] = json.encode(v) end
+  end
+  return out
+end
+
+local function changed_keys(old, new, free)
+  local a, b = flat_config(old), flat_config(new)
+  local out = {}
+  for k, v in pairs(b) do
+    if not free[k] and a[k] ~= v then out[#out + 1] = string.format('%s (%s -> %s)', k, a[k] or 'absent', v) end
+  end
+  for k, v in pairs(a) do
+    if not free[k] and b[k] == nil then out[#out + 1] = string.format('%s (%s -> absent)', k, v) end
+  end
+  table.sort(out)
+  return out
+end
+
+-- The identity of an input file or directory: path, and size and mtime of each file in it.
+local function identity(path)
+  if not path then return nil end
+  local st = fs.stat(path)
+  if not st then return json.object({ 'path', path, 'missing', true }) end
+  local files = json.object()
+  local names = st.is_dir and fs.list(path) or { false }
+  for _, name in ipairs(names) do
+    local p = name and (path .. '/' .. name) or path
+    local s = fs.stat(p)
+    if s and s.is_file then files[name or path:match('[^/]*$')] = json.object({ 'bytes', s.size, 'mtime', s.mtime }) end
+  end
+  return json.object({ 'path', path, 'files', files })
+end
+
+-- ---- start --------------------------------------------------------------------------------
+
+-- opts: name (the recipe), total_steps (for the step line), steps_key (the config key of the
+-- step count: free to change on resume), free_keys (more such keys), inputs ({ name = path } of
+-- the input model and data, recorded in checkpoints).
+function M.start(cfg, opts)
+  opts = opts or {}
+  local name = opts.name or 'run'
+  local resume = cfg.run.resume
+  local dir, lock, held = run_mod.open_dir(cfg, name, { reuse = resume ~= 'never' })
+  local self = setmetatable({ cfg = cfg, name = name, models = {}, optimizers = {}, datasets = {}, rngs = {},
+    extra = {}, memos = json.object(), global_step = 0, step = 0, phases_done = {}, lr_scale = 1.0,
+    rollbacks = 0, skips = 0, guard = guard_mod.new(cfg.guard), inputs = opts.inputs or {},
+    ckpt_root = dir .. '/checkpoints', last_ckpt_step = 0, last_ckpt_time = moonrl.now() }, Session)
+  local free = {}
+  for _, k in ipairs(M.FREE_KEYS) do free[k] = true end
+  for _, k in ipairs(opts.free_keys or {}) do free[k] = true end
+  if opts.steps_key then free[opts.steps_key] = true end
+  self.free_keys = free
+
+  local from
+  local warnings = {}
+  local function warn(msg) warnings[#warnings + 1] = msg; moonrl.log('warn', '%s', msg) end
+  if resume == 'auto' then
+    from = held == 'run' and ckpt.latest(self.ckpt_root, warn) or nil
+  elseif resume ~= 'never' then
+    local ok, why = ckpt.verify(resume)
+    if not ok then
+      lock:release()
+      moonrl.usage_error('run.resume=' .. resume .. ': ' .. why)
+    end
+    from = resume
+  end
+  if from then
+    local saved = ckpt.read(from)
+    local diff = changed_keys(saved.run.config or {}, cfg, free)
+    if #diff > 0 then
+      lock:release()
+      moonrl.usage_error(string.format('cannot resume from %s: the config changed: %s (start a new run.dir, ' ..
+        'or pass run.resume=never with a new run.dir)', from, table.concat(diff, ', ')))
+    end
+    local v = moonrl.version()
+    if saved.run.git ~= v.git then
+      warn(string.format('resuming %s written by moonrl git %s with git %s: steps may differ in their last bits',
+        from, tostring(saved.run.git), v.git))
+    end
+    self.resume = { dir = from, state = saved.state, run = saved.run }
+    for k, val in pairs(saved.state.memo or {}) do self.memos[k] = val end
+    self.last_ckpt_step = saved.state.step
+  end
+  self.run = run_mod.start(cfg, { name = name, dir = dir, lock = lock, total_steps = opts.total_steps,
+    metrics_bytes = from and self.resume.state.metrics_bytes or (held == 'run' and 0 or nil) })
+  self.dir = dir
+  for _, msg in ipairs(warnings) do self.run:event('checkpoint_skipped', { message = msg }, { quiet = true }) end
+  if from then
+    self.run:event('resume', { checkpoint = from, step = self.resume.state.step, attempt = fault.attempt }, { quiet = true })
+    print(string.format('resuming from %s (step %d)', from, self.resume.state.step))
+  elseif held == 'run' then
+    self.run:event('fresh_start', { message = 'no complete checkpoint in ' .. self.ckpt_root, attempt = fault.attempt },
+      { quiet = true })
+  end
+  self.run.on_phase = function(phase) fault.point(self.global_step, phase) end
+  moonrl.on_exit(function(ok, err) self:abort(ok, err) end)
+  M.current = self
+  return self
+end
+
+-- ---- registering state ----------------------------------------------------------------------
+
+local function put(list, name, entry)
+  for i, e in ipairs(list) do
+    if e.name == name then list[i] = entry; return entry end
+  end
+  list[#list + 1] = entry
+  return entry
+end
+
+-- opts.tokenizer_dir: its tokenizer files are saved beside it (a checkpoint is then a model).
+function Session:model(name, model, opts)
+  put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
+  return model
+end
+
+function Session:optimizer(name, opt)
+  put(self.optimizers, name, { name = name, opt = opt })
+  return opt
+end
+
+function Session:dataset(name, view)
+  put(self.datasets, name, { name = name, view = view })
+  return view
+end
+
+function Session:rng(name, seed)
+  return put(self.rngs, name, { name = name, rng = M.rng(seed) }).rng
+end
+
+-- fn() the first time; its value (JSON-able) is saved in checkpoints and read back on resume.
+function Session:memo(key, fn)
+  local v = self.memos[key]
+  if v == nil then
+    v = fn()
+    self.memos[key] = v
+  end
+  return v
+end
+
+-- The parts of the state that are small and change every step: data positions, generators,
+-- the guards, counters, extra state, memos (a deep copy, as JSON text).
+function Session:small_state()
+  local data, rngs = json.object(), json.object()
+  for _, d in ipairs(self.datasets) do data[d.name] = d.view:state() end
+  for _, r in ipairs(self.rngs) do rngs[r.name] = r.rng.state end
+  return json.encode(json.object({ 'data', data, 'rngs', rngs, 'extra', self.extra, 'memo', self.memos,
+    'guard', self.guard:state(), 'lr_scale', self.lr_scale, 'rollbacks', self.rollbacks, 'skips', self.skips }))
+end
+
+function Session:restore_small(text, what)
+  local s = json.decode(text, 'state')
+  if what ~= 'counters' then
+    for _, d in ipairs(self.datasets) do
+      if s.data and s.data[d.name] then d.view:restore(s.data[d.name]) end
+    end
+    for _, r in ipairs(self.rngs) do
+      if s.rngs and s.rngs[r.name] then r.rng.state = s.rngs[r.name] end
+    end
+  end
+  if what ~= 'data' then
+    self.extra = s.extra or {}
+    for k, v in pairs(s.memo or {}) do self.memos[k] = v end
+    self.guard:restore(s.guard)
+    self.lr_scale, self.rollbacks, self.skips = s.lr_scale or 1, s.rollbacks or 0, s.skips or 0
+  end
+end
+
+-- ---- checkpoints ----------------------------------------------------------------------------
+
+local function opt_steps(self)
+  local t = {}
+  for i, o in ipairs(self.optimizers) do t[i] = o.opt:steps() end
+  return t
+end
+
+-- Write a checkpoint of the state now (or, with small = the text of small_state() and step, of
+-- an earlier step whose models and optimizers are still those of now). Returns the path, or nil
+-- when the write failed and run.checkpoint_errors is 'warn'.
+function Session:checkpoint(reason, small, step, phase_step)
+  step = step or self.global_step
+  local state = json.decode(small or self:small_state(), 'state')
+  state.format, state.step, state.phase, state.phase_step = ckpt.VERSION, step, self.loop_phase or json.null, phase_step or self.step
+  local done = json.array()
+  for p in pairs(self.phases_done) do done[#done + 1] = p end
+  table.sort(done)
+  state.phases_done, state.metrics_bytes, state.reason = done, self.run:metrics_bytes(), reason
+  local v = moonrl.version()
+  local inputs = json.object()
+  for k, p in pairs(self.inputs) do inputs[k] = identity(p) end
+  for _, d in ipairs(self.datasets) do inputs['data.' .. d.name] = identity(d.view.src and d.view.src.path) end
+  local run_info = json.object({ 'recipe', self.name, 'moonrl', v.version, 'git', v.git, 'threads', v.threads,
+    'config', self.cfg, 'inputs', inputs })
+  local t0 = moonrl.now()
+  local name = ckpt.dir_name(step)
+  moonrl.C.mrl_heartbeat('checkpoint ' .. name)
+  fault.arm_checkpoint(step)
+  local ok, path = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
+    state = state, run = run_info })
+  fault.disarm()
+  if not ok then
+    local msg = string.format('checkpoint %s/%s failed: %s', self.ckpt_root, name, tostring(path))
+    self.run:event('checkpoint_failed', { step = step, message = tostring(path) }, { quiet = true })
+    pcall(fs.remove, self.ckpt_root .. '/.tmp-' .. name) -- give the space back; the older checkpoints are intact
+    if self.cfg.run.checkpoint_errors ~= 'warn' then error(msg .. ' (the previous checkpoints are intact)', 0) end
+    moonrl.log('warn', '%s; going on (run.checkpoint_errors=warn), the previous checkpoints are intact', msg)
+    return nil
+  end
+  pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints)
+  local bytes = 0
+  for _, f in pairs(json.read_file(path .. '/manifest.json').files) do bytes = bytes + f.bytes end
+  local secs = moonrl.now() - t0
+  self.last_ckpt_step, self.last_ckpt_time = step, moonrl.now()
+  self.run:event('checkpoint', { step = step, path = path, bytes = bytes, seconds = secs, reason = reason }, { quiet = true })
+  self.last_checkpoint = { path = path, bytes = bytes, seconds = secs }
+  return path
+end
+
+-- Load a checkpoint into the registered models, optimizers and state. opts.keep_data: leave
+-- the data positions and generators as they are now (a rollback that skips the batches);
+-- opts.models_only; opts.optimizers = false: leave the optimizers as they are.
+function Session:restore(dir, state, opts)
+  opts = opts or {}
+  for i, m in ipairs(self.models) do ckpt.load_model(dir, m.name, m.model, i == 1) end
+  if opts.models_only then return end
+  if opts.optimizers ~= false then
+    for _, o in ipairs(self.optimizers) do ckpt.load_optimizer(dir, o.name, o.opt) end
+  end
+  local small = json.encode(json.object({ 'data', state.data, 'rngs', state.rngs, 'extra', state.extra,
+    'memo', state.memo, 'guard', state.guard, 'lr_scale', state.lr_scale, 'rollbacks', state.rollbacks,
+    'skips', state.skips }))
+  self:restore_small(small, opts.keep_data and 'counters' or nil)
+  self.global_step, self.step = state.step, state.phase_step
+  self.phases_done = {}
+  for _, p in ipairs(state.phases_done or {}) do self.phases_done[p] = true end
+  self.last_ckpt_step, self.last_ckpt_time = state.step, moonrl.now()
+end
+
+-- ---- the loop -----------------------------------------------------------------------------
+
+local function contains(list, x)
+  for _, v in ipairs(list or {}) do if v == x then return true end end
+  return false
+end
+
+-- Steps 1..total of a phase (a recipe with one loop needs no phase name). The loop of the
+-- checkpoint's phase restores everything; a phase the checkpoint had finished is skipped, its
+-- models restored at once (what the recipe does between phases sees the trained weights); a
+-- phase after the checkpoint's finished one starts at its step 1 from the checkpoint's weights,
+-- data and extra state, with the optimizers the recipe made for it.
+function Session:steps(total, phase)
+  phase = phase or 'main'
+  total = total or self.run.total
+  local r = self.resume
+  if r and contains(r.state.phases_done, phase) then
+    self:restore(r.dir, r.state, { models_only = true })
+    self.phases_done[phase] = true
+    return function() return nil end
+  end
+  self.loop_phase, self.step, self.run.total = phase, 0, total
+  if r then
+    if r.state.phase == phase then
+      self:restore(r.dir, r.state)
+    elseif contains(r.state.phases_done, r.state.phase) then
+      self:restore(r.dir, r.state, { optimizers = false })
+      self.step = 0
+    else
+      error(string.format("the checkpoint %s is in phase '%s', but this recipe's loop is in phase '%s'", r.dir,
+        tostring(r.state.phase), phase), 2)
+    end
+    self.resume = nil
+  end
+  return function()
+    if self.in_step then self:end_step() end
+    if self.pending_rollback then self:rollback() end
+    if self.step >= total then
+      self.phases_done[phase] = true
+      return nil
+    end
+    self.step, self.global_step = self.step + 1, self.global_step + 1
+    self.run.step = self.global_step
+    self.step_start = { small = self:small_state(), opt_steps = opt_steps(self) }
+    self.in_step = true
+    moonrl.C.mrl_heartbeat(string.format('step %d phase %s begin', self.global_step, phase))
+    fault.point(self.global_step, 'step')
+    return self.step
+  end
+end
+
+function Session:end_step()
+  self.in_step = false
+  fault.point(self.global_step, 'end')
+  moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
+  if self.pending_rollback then return end
+  if moonrl.stop_requested() then self:stop() end
+  local c = self.cfg.run
+  local now = moonrl.now()
+  local every = c.checkpoint_every > 0 and self.global_step % c.checkpoint_every == 0
+  local minutes = c.checkpoint_minutes > 0 and now - self.last_ckpt_time >= 60 * c.checkpoint_minutes
+  if every or minutes then self:checkpoint(every and 'every' or 'minutes') end
+end
+
+-- Log the step's metrics (run:log) with the guards' counters.
+function Session:log(m, opts)
+  m = m or {}
+  m.guard = m.guard or {}
+  m.guard.skipped = m.guard.skipped or 0
+  m.guard.rollback = m.guard.rollback or 0
+  if self.lr_scale ~= 1 then m.guard.lr_scale = self.lr_scale end
+  return self.run:log(self.step, m, opts)
+end
+
+function Session:phase(name, fn, ...) return self.run:phase(name, fn, ...) end
+
+function Session:event(kind, fields, opts)
+  fields = fields or {}
+  if fields.step == nil then fields.step = self.global_step end
+  self.run:event(kind, fields, opts)
+end
+
+-- ---- the guards ---------------------------------------------------------------------------
+
+local function poison_grads(opt)
+  ffi.fill(opt.grads, 4 * opt.n, 0xff) -- all bits set: a NaN in every element
+end
+
+-- Look at an update (m: loss, grad_norm, and kl / entropy when the recipe has them) before
+-- opt:step(lr) applies it. Returns true when it was applied; else m.guard says why.
+function Session:update(opt, lr, m, opts)
+  local detectors = not (opts and opts.detectors == false)
+  m.guard = m.guard or {}
+  if self.pending_rollback then m.guard.skipped = 1; return false end
+  local step = self.global_step
+  if fault.update_fault(step, 'nan') then poison_grads(opt); m.grad_norm = opt:grad_norm() end
+  local spike = fault.update_fault(step, 'spike')
+  if spike then
+    opt:scale_grad(spike.factor or 1000)
+    m.grad_norm = m.grad_norm * (spike.factor or 1000)
+  end
+  local klf = fault.update_fault(step, 'kl')
+  if klf then m.kl = klf.value end
+  local verdict, why = self.guard:check(m, detectors)
+  if verdict == 'apply' then
+    opt:step((lr or opt.lr) * self.lr_scale)
+    if self.lr_scale ~= 1 then m.lr = (lr or opt.lr) * self.lr_scale end
+    local sum = moonrl.ops.sum(opt.params, opt.n)
+    if guard_mod.finite(sum) then
+      if detectors then self.guard:accept(m) end
+      return true
+    end
+    verdict, why = 'rollback', { detector = 'nonfinite_params', value = sum }
+  end
+  why.step = step
+  if verdict == 'rollback' and not ckpt.latest(self.ckpt_root) then
+    if why.detector == 'nonfinite_params' then
+      error(setmetatable({ message = string.format('guard: the parameters are not finite after the update of step %d, ' ..
+        'and there is no checkpoint to roll back to', step) }, GuardStop), 0)
+    end
+    why.note = 'no checkpoint to roll back to: skipped'
+    verdict = 'skip'
+  end
+  if verdict == 'skip' then
+    self.skips = self.skips + 1
+    m.guard.skipped = 1
+    self:event('skip', why)
+    return false
+  end
+  m.guard.rollback = 1
+  self.pending_rollback = why
+  return false
+end
+
+function Session:rollback()
+  local why = self.pending_rollback
+  self.pending_rollback = nil
+  local g = self.cfg.guard
+  local rollbacks = self.rollbacks + 1
+  if rollbacks > g.max_rollbacks then
+    self:event('guard_stop', why)
+    error(setmetatable({ message = string.format('guard: %s at step %d (value %s, limit %s) after %d rollbacks ' ..
+      '(guard.max_rollbacks=%d): stopping', why.detector, why.step, tostring(why.value), tostring(why.limit),
+      self.rollbacks, g.max_rollbacks) }, GuardStop), 0)
+  end
+  local dir = ckpt.latest(self.ckpt_root, function(msg) moonrl.log('warn', '%s', msg) end)
+  local saved = ckpt.read(dir)
+  local lr_scale = self.lr_scale * g.lr_factor
+  local skips = self.skips
+  self:restore(dir, saved.state, { keep_data = g.skip_batch })
+  self.rollbacks, self.lr_scale, self.skips = rollbacks, lr_scale, skips
+  local mpath = self.run.dir .. '/metrics.jsonl'
+  self.run.metrics:flush()
+  fs.truncate(mpath, saved.state.metrics_bytes)
+  why.to_step, why.checkpoint, why.rollbacks, why.lr_scale = saved.state.step, dir, rollbacks, lr_scale
+  self:event('rollback', why)
+end
+
+-- ---- the end ------------------------------------------------------------------------------
+
+-- Save the models where a finished run keeps them: the policy in RUN_DIR/model, others in
+-- RUN_DIR/<name>. A failure is an error: a run never ends well without its model.
+function Session:save_models()
+  local out = {}
+  for i, m in ipairs(self.models) do
+    local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
+    local ok, err = pcall(ckpt.save_model, m.model, dir, m.tokenizer_dir)
+    if not ok then error(string.format('cannot save the %s to %s: %s', m.name, dir, tostring(err)), 0) end
+    out[m.name] = dir
+  end
+  return out
+end
+
+function Session:close()
+  self.closed = true
+  if M.current == self then M.current = nil end
+  self.run:finish()
+end
+
+-- A clean stop at a safe point: checkpoint, save the model, close, and raise the stop.
+function Session:stop()
+  if self.global_step > self.last_ckpt_step then self:checkpoint('stop') end
+  if self.cfg.save ~= false then self:save_models() end
+  self:event('stop', { reason = moonrl.C.mrl_stop_requested() ~= 0 and ffi.string(moonrl.C.mrl_stop_reason()) or '?' },
+    { quiet = true })
+  print(string.format('stopped at step %d; resume with run.dir=%s (run.resume=auto)', self.global_step, self.dir))
+  self:close()
+  moonrl.check_stop()
+end
+
+-- The end of the run: the last checkpoint, the models saved (opts.save, default cfg.save).
+-- Returns the table of saved model directories.
+function Session:finish(opts)
+  opts = opts or {}
+  if self.global_step > self.last_ckpt_step or not ckpt.latest(self.ckpt_root) then self:checkpoint('end') end
+  local save = opts.save
+  if save == nil then save = self.cfg.save ~= false end
+  local dirs = save and self:save_models() or {}
+  self:event('finish', { step = self.global_step }, { quiet = true })
+  self:close()
+  return dirs
+end
+
+-- The recipe ended without S:finish() (ok), or an error or stop escaped it: save what is
+-- consistent, record why, close the files.
+function Session:abort(ok_exit, err)
+  if self.closed then return end
+  local is_stop = moonrl.is_stop_request(err)
+  local saved = true
+  local ok, perr = pcall(function()
+    if self.in_step then
+      local same = true
+      for i, n in ipairs(opt_steps(self)) do if n ~= self.step_start.opt_steps[i] then same = false end end
+      if same and self.global_step - 1 > self.last_ckpt_step then
+        -- nothing of this step touched the weights: the state at its start is the previous step's
+        self:checkpoint(is_stop and 'stop' or 'error', self.step_start.small, self.global_step - 1, self.step - 1)
+      elseif not same then
+        saved = false
+        self:event('unsaved', { message = string.format('step %d ended after its update: the state since the ' ..
+          'checkpoint of step %d is lost', self.global_step, self.last_ckpt_step) }, { quiet = true })
+      end
+    elseif self.global_step > self.last_ckpt_step then
+      self:checkpoint(is_stop and 'stop' or 'error')
+    end
+    if is_stop and saved and self.cfg.save ~= false then self:save_models() end
+  end)
+  if not ok then moonrl.log('error', 'while saving after %s: %s', is_stop and 'the stop' or 'the error', tostring(perr)) end
+  if not ok_exit then
+    local message = type(err) == 'table' and (err.reason or err.message) or err
+    pcall(self.event, self, is_stop and 'stop' or 'error', { message = tostring(message) }, { quiet = true })
+  end
+  pcall(self.close, self)
+end
+
+return M
