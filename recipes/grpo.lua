@@ -13,7 +13,6 @@
 -- One line and one metrics.jsonl record per step; the model saved in HF format at the end.
 local moonrl = require('moonrl')
 local algo = require('moonrl.algo')
-local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
@@ -32,8 +31,6 @@ local cfg = moonrl.config {
 local S = R.start(cfg, { name = 'grpo', steps = cfg.grpo.steps, steps_key = 'grpo.steps', chat = cfg.data.chat,
   fields = { prompt = cfg.data.prompt, answer = cfg.data.answer }, optional = { answer = true } })
 local ref = cfg.grpo.kl_coef > 0 and S:reference() or nil -- frozen copy of the initial policy
-if cfg.reward_model.dir then require('rewards.reward_model').register('reward_model', cfg.reward_model.dir) end
-local reward = rewards.get(cfg.reward.name)
 local sampling = { temperature = cfg.grpo.temperature, top_p = cfg.grpo.top_p, top_k = cfg.grpo.top_k,
   max_tokens = cfg.grpo.max_tokens, eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
 local G = cfg.grpo.samples
@@ -48,7 +45,7 @@ for step in S:steps() do
   local gen_s = moonrl.now() - t0
 
   -- 2. rewards (a failing reward drops its group) and group-normalised advantages
-  local scores, samples, rm = S:phase('reward', S.score, S, reward, R.flatten(records, results), G)
+  local scores, samples, rm = S:phase('reward', S.score, S, R.flatten(records, results), G)
   local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = G, scale = cfg.grpo.scale })
   for i, s in ipairs(samples) do s.adv = adv[i - 1] end
 

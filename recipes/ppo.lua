@@ -13,7 +13,6 @@
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local algo = require('moonrl.algo')
-local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
@@ -33,8 +32,6 @@ local S = R.start(cfg, { name = 'ppo', steps = cfg.ppo.steps, steps_key = 'ppo.s
 local policy = S.policy
 local critic = S:model('critic', R.critic_from(policy))
 local ref = cfg.ppo.kl_coef > 0 and S:reference() or nil
-if cfg.reward_model.dir then require('rewards.reward_model').register('reward_model', cfg.reward_model.dir) end
-local reward = rewards.get(cfg.reward.name)
 local critic_opt = S:optimizer('critic', R.adamw(critic, { lr = cfg.train.critic_lr, weight_decay = cfg.train.weight_decay }))
 local sampling = { temperature = cfg.ppo.temperature, max_tokens = cfg.ppo.max_tokens,
   eos_ids = R.eos_ids(S.tok, policy), tokenizer = S.tok }
@@ -70,7 +67,7 @@ for step in S:steps() do
   sampling.step = step
   local results = S:phase('generate', function() return S.engine:generate(R.requests(records, cfg.ppo.samples), sampling) end)
   local gen_s = moonrl.now() - t0
-  local scores, samples, rm = S:phase('reward', S.score, S, reward, R.flatten(records, results), cfg.ppo.samples)
+  local scores, samples, rm = S:phase('reward', S.score, S, R.flatten(records, results), cfg.ppo.samples)
   if #samples == 0 then -- every reward failed: nothing to learn from this step
     S:log({ reward = rm, skipped = 1 })
     goto continue

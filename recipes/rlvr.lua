@@ -14,7 +14,6 @@
 --   0 when ℓ <= L − B,  (L − B − ℓ)/B · overlong.factor when L − B < ℓ <= L.
 local moonrl = require('moonrl')
 local algo = require('moonrl.algo')
-local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
@@ -33,7 +32,6 @@ local cfg = moonrl.config {
 local S = R.start(cfg, { name = 'rlvr', steps = cfg.rlvr.steps, steps_key = 'rlvr.steps', chat = cfg.data.chat,
   fields = { prompt = cfg.data.prompt, answer = cfg.data.answer }, optional = { answer = true } })
 local ref = cfg.rlvr.kl_coef > 0 and S:reference() or nil
-local verifier = rewards.get(cfg.reward.name)
 local sampling = { temperature = cfg.rlvr.temperature, top_p = cfg.rlvr.top_p, max_tokens = cfg.rlvr.max_tokens,
   eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
 local G = cfg.rlvr.samples
@@ -56,7 +54,7 @@ for step in S:steps() do
     local records = S:prompts(cfg.rlvr.prompts)
     sampling.step = step * 1000 + gen_batches
     local results = S:phase('generate', function() return S.engine:generate(R.requests(records, G), sampling) end)
-    local verdicts, samples, m = S:phase('reward', S.score, S, verifier, R.flatten(records, results), G)
+    local verdicts, samples, m = S:phase('reward', S.score, S, R.flatten(records, results), G)
     rm.errors, rm.dropped_groups = rm.errors + m.errors, rm.dropped_groups + m.dropped_groups
     for i, s in ipairs(samples) do
       s.correct = verdicts[i - 1]

@@ -12,6 +12,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <time.h>
 #include <unistd.h>
 #include "moonrl/fault.h"
 #include "moonrl/fs.h"
@@ -27,6 +28,13 @@ int64_t mrl_fault_bytes_left(void) { return atomic_load(&write_budget); }
 void mrl_fault_kill(void) {
     raise(SIGKILL);
     _exit(137); /* not reached */
+}
+
+void mrl_fault_signal(int signum) { kill(getpid(), signum); }
+
+void mrl_fault_busy(double seconds) {
+    struct timespec left = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&left, &left) != 0 && errno == EINTR) {}
 }
 
 void mrl_fault_crash(void) {

@@ -59,6 +59,7 @@ local function guard_section()
     kl_max = d.kl_max,           -- 0: off
     entropy_min = d.entropy_min, -- 0: off
     max_rollbacks = M.integer(d.max_rollbacks), -- more rollbacks than this stop the run
+    max_skips = M.integer(d.max_skips),         -- more skipped updates in a row than this stop it (0: no limit)
     lr_factor = d.lr_factor,     -- the learning rate is multiplied by this at each rollback
     skip_batch = d.skip_batch,   -- a rollback does not rewind the data: the offending batch is skipped
   }

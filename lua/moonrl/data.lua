@@ -21,7 +21,8 @@
 --                            -- spans two epochs; epochs = math.huge streams forever
 --   ds:state()  -> { epoch = e, index = i, seed = s, n = len, skipped = k }   (plain numbers and a string seed)
 --   ds:restore(state)        -- continue exactly where state was taken
---   ds:stats()  -> { skipped = k, path = ... }
+--   ds:stats()  -> { skipped = k, path = ... }   (k: bad records met so far, again in each epoch)
+--   ds.src.on_skip = function(message) ... end   -- told of each bad record skipped
 --
 -- Order: epoch e of a view shuffled with seed s uses the permutation
 -- mrl_data_permutation(splitmix64(s + e * 0x9e3779b97f4a7c15), n) (uint64
@@ -137,6 +138,7 @@ function Source:record(r, level)
   if rec then return rec end
   if self.skip then
     self.skipped = self.skipped + 1
+    if self.on_skip then self.on_skip(err) end
     return nil
   end
   error(err, (level or 1) + 1)

@@ -8,6 +8,9 @@
 --   crash:step=7:phase=reward    SIGSEGV (a bug), likewise
 --   hang:step=7:phase=generate   block forever inside C, away from every safe point
 --   exit:step=7                  exit(1) at once, as a process dying of an error would
+--   error:step=7:phase=reward    raise a Lua error there (a bug in a recipe or a plugin)
+--   signal:step=7:sig=15         send this process SIGTERM (sig=2: SIGINT), as a pre-emption would
+--   sleep:step=2:seconds=4       a slow step: busy there for that long, deaf to stops
 --   nan:step=5                   make step 5's gradients NaN (before the guards look at them)
 --   spike:step=5:factor=1000     multiply step 5's gradients by factor (a loss spike)
 --   kl:step=5:value=9            report a KL of value at step 5 (for the KL detector)
@@ -15,12 +18,15 @@
 -- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
 -- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
 -- as generate, reward, train), attempt=K (only in the K-th start under a supervisor, 0 the
--- first; MOONRL_ATTEMPT), checkpoint=N, bytes=B, factor=F, value=V.
+-- first; MOONRL_ATTEMPT), times=N (nan, spike, kl: at most N times in a process), checkpoint=N,
+-- bytes=B, factor=F, value=V, sig=S, seconds=T.
 local moonrl = require('moonrl')
 
 local M = {}
 
-local KINDS = { kill = true, crash = true, hang = true, exit = true, nan = true, spike = true, kl = true }
+local KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true, nan = true,
+  spike = true, kl = true }
+local POINT_KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true }
 
 function M.parse(text)
   local list = {}
@@ -56,13 +62,26 @@ end
 function M.point(step, phase)
   if #M.faults == 0 then return end
   for _, f in ipairs(M.faults) do
-    if (f.kind == 'kill' or f.kind == 'crash' or f.kind == 'hang' or f.kind == 'exit') and not f.bytes
-        and not f.checkpoint and applies(f, step, phase) then
+    if POINT_KINDS[f.kind] and not f.bytes and not f.checkpoint and not f.fired and applies(f, step, phase) then
       announce(f, step, phase)
       if f.kind == 'kill' then moonrl.C.mrl_fault_kill() end
       if f.kind == 'crash' then moonrl.C.mrl_fault_crash() end
       if f.kind == 'hang' then moonrl.C.mrl_fault_hang() end
       if f.kind == 'exit' then os.exit(1, false) end
+      if f.kind == 'signal' then
+        f.fired = true -- once per process: the stop it causes runs through this point again
+        moonrl.C.mrl_fault_signal(f.sig or 15)
+        -- the loop thread takes the signal and requests the stop: wait for that, raising nothing
+        for _ = 1, 200 do
+          if moonrl.stop_requested() then break end
+          moonrl.C.mrl_sleep(0.005)
+        end
+      end
+      if f.kind == 'sleep' then moonrl.C.mrl_fault_busy(f.seconds or 1) end
+      if f.kind == 'error' then
+        f.fired = true
+        error(string.format('fault injection: error at step %s, %s', tostring(step), tostring(phase)), 0)
+      end
     end
   end
 end
@@ -80,10 +99,14 @@ function M.arm_checkpoint(step)
 end
 function M.disarm() moonrl.C.mrl_fault_kill_after_bytes(-1) end
 
--- The gradient faults of a step: returns the matching fault of kind nan, spike or kl, if any.
+-- The gradient faults of a step: returns the matching fault of kind nan, spike or kl, if any
+-- (times=N: it fires N times at most in this process).
 function M.update_fault(step, kind)
   for _, f in ipairs(M.faults) do
-    if f.kind == kind and applies(f, step, nil) then return f end
+    if f.kind == kind and applies(f, step, nil) and (f.fired or 0) < (f.times or math.huge) then
+      f.fired = (f.fired or 0) + 1
+      return f
+    end
   end
 end
 

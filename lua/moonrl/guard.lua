@@ -16,7 +16,8 @@
 --   kl_max = x         the update's KL above x (0: off)
 --   entropy_min = x    the update's entropy below x (0: off)
 -- A spike, KL or entropy detection does `action` ('skip' or 'rollback'). A value the recipe does
--- not report (no KL in SFT) is not checked.
+-- not report (no KL in SFT) is not checked. More than max_skips skipped updates in a row (0: no
+-- limit), or more than max_rollbacks rollbacks, stop the run (moonrl.session).
 local M = {}
 
 local G = {}
@@ -24,7 +25,7 @@ G.__index = G
 
 M.defaults = {
   action = 'skip', grad_spike = 0.0, loss_spike = 0.0, window = 20, min_history = 5, kl_max = 0.0,
-  entropy_min = 0.0, max_rollbacks = 3, lr_factor = 1.0, skip_batch = true,
+  entropy_min = 0.0, max_rollbacks = 3, max_skips = 20, lr_factor = 1.0, skip_batch = true,
 }
 
 function M.new(cfg)

@@ -51,6 +51,14 @@ function Proc:wait()
   return r
 end
 
+-- Kill the child (SIGKILL to its process group) and free it.
+function Proc:kill()
+  if self.handle then
+    C.mrl_proc_free(ffi.gc(self.handle, nil))
+    self.handle = nil
+  end
+end
+
 function M.run(argv, opts) return M.spawn(argv, opts):wait() end
 
 -- Background file write (atomic: temporary file, fsync, rename) on the

@@ -505,11 +505,19 @@ function M.start(cfg, opts)
     S.engine = engine
     S.max_prompt_tokens = S.policy.config.max_position_embeddings - 1
   end
+  if type(cfg.reward) == 'table' then -- the reward by name, looked up now: a wrong name fails before any work
+    if cfg.reward_model and cfg.reward_model.dir then
+      require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
+    end
+    local ok, err = pcall(rewards_mod().get, cfg.reward.name)
+    if not ok then moonrl.usage_error('reward: ' .. tostring(err)) end
+  end
   if opts.fields and cfg.data then
     local on_error = cfg.data.on_error == 'skip' and 'skip' or 'error'
     S.data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,
       on_error = on_error }):shuffled(cfg.run.seed)
     S:dataset('train', S.data)
+    S.data.src.on_skip = function(msg) S:event('data_skipped', { message = msg }, { quiet = true }) end
   end
   return S
 end
@@ -522,10 +530,15 @@ function RS:prompts(n)
   local out = {}
   local d = self.cfg.data
   local skip = d.on_error == 'skip'
-  self.batches = self.batches or self.data:batches(n, { epochs = math.huge })
+  -- one record at a time: a skipped record takes the next one, and none is passed over
+  self.batches = self.batches or self.data:batches(1, { epochs = math.huge })
+  local tries = 0
   while #out < n do
     local batch = self.batches()
-    if not batch then error(self.cfg.data.path .. ': no records left', 2) end
+    tries = tries + 1
+    if not batch or tries > n + 10 * self.data:len() then
+      error(self.cfg.data.path .. ': no usable records (every one was skipped)', 0)
+    end
     for _, r in ipairs(batch) do
       local ok, ids = pcall(M.prompt_ids, self.tok, self.tpl, r.prompt, d.system)
       local why = not ok and tostring(ids)
@@ -538,7 +551,7 @@ function RS:prompts(n)
         if not skip then error(why .. ' (data.on_error=skip skips such records)', 0) end
         self.data.src.skipped = self.data.src.skipped + 1
         self:event('data_skipped', { message = why }, { quiet = true })
-      elseif #out < n then
+      else
         r.prompt_ids = ids
         out[#out + 1] = r
       end
@@ -552,13 +565,13 @@ function RS:data_metrics()
   return self.data and { skipped = self.data.src.skipped } or nil
 end
 
--- Rewards of samples (a flat list, `group` consecutive samples per prompt): the scores (double
--- array), the samples kept, and metrics. A sample whose reward fails drops its whole group with
--- reward.on_error = 'drop' (its group's advantages would be wrong), scores 0 with 'zero', is an
--- error with 'stop'.
-function RS:score(reward, samples, group)
+-- Rewards of samples (a flat list, `group` consecutive samples per prompt) by the config's
+-- reward (reward.name): the scores (double array), the samples kept, and metrics. A sample whose
+-- reward fails drops its whole group with reward.on_error = 'drop' (its group's advantages
+-- would be wrong), scores 0 with 'zero', is an error with 'stop'.
+function RS:score(samples, group)
   local rc = self.cfg.reward
-  local scores, _, failures = rewards_mod().score_batch(reward, samples, nil,
+  local scores, _, failures = rewards_mod().score_batch(rc.name, samples, nil,
     { on_error = rc.on_error, timeout = rc.timeout })
   local m = { errors = #failures, dropped_groups = 0 }
   if #failures == 0 or rc.on_error ~= 'drop' then return scores, samples, m end

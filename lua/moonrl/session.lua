@@ -122,7 +122,7 @@ function M.start(cfg, opts)
   local dir, lock, held = run_mod.open_dir(cfg, name, { reuse = resume ~= 'never' })
   local self = setmetatable({ cfg = cfg, name = name, models = {}, optimizers = {}, datasets = {}, rngs = {},
     extra = {}, memos = json.object(), global_step = 0, step = 0, phases_done = {}, lr_scale = 1.0,
-    rollbacks = 0, skips = 0, guard = guard_mod.new(cfg.guard), inputs = opts.inputs or {},
+    rollbacks = 0, skips = 0, skips_in_row = 0, guard = guard_mod.new(cfg.guard), inputs = opts.inputs or {},
     ckpt_root = dir .. '/checkpoints', last_ckpt_step = 0, last_ckpt_time = moonrl.now() }, Session)
   local free = {}
   for _, k in ipairs(M.FREE_KEYS) do free[k] = true end
@@ -224,7 +224,8 @@ function Session:small_state()
   for _, d in ipairs(self.datasets) do data[d.name] = d.view:state() end
   for _, r in ipairs(self.rngs) do rngs[r.name] = r.rng.state end
   return json.encode(json.object({ 'data', data, 'rngs', rngs, 'extra', self.extra, 'memo', self.memos,
-    'guard', self.guard:state(), 'lr_scale', self.lr_scale, 'rollbacks', self.rollbacks, 'skips', self.skips }))
+    'guard', self.guard:state(), 'lr_scale', self.lr_scale, 'rollbacks', self.rollbacks, 'skips', self.skips,
+    'skips_in_row', self.skips_in_row }))
 end
 
 function Session:restore_small(text, what)
@@ -242,6 +243,7 @@ function Session:restore_small(text, what)
     for k, v in pairs(s.memo or {}) do self.memos[k] = v end
     self.guard:restore(s.guard)
     self.lr_scale, self.rollbacks, self.skips = s.lr_scale or 1, s.rollbacks or 0, s.skips or 0
+    self.skips_in_row = s.skips_in_row or 0
   end
 end
 
@@ -305,10 +307,8 @@ function Session:restore(dir, state, opts)
   if opts.optimizers ~= false then
     for _, o in ipairs(self.optimizers) do ckpt.load_optimizer(dir, o.name, o.opt) end
   end
-  local small = json.encode(json.object({ 'data', state.data, 'rngs', state.rngs, 'extra', state.extra,
-    'memo', state.memo, 'guard', state.guard, 'lr_scale', state.lr_scale, 'rollbacks', state.rollbacks,
-    'skips', state.skips }))
-  self:restore_small(small, opts.keep_data and 'counters' or nil)
+  -- state.json holds small_state()'s fields, and the step's
+  self:restore_small(json.encode(state), opts.keep_data and 'counters' or nil)
   self.global_step, self.step = state.step, state.phase_step
   self.phases_done = {}
   for _, p in ipairs(state.phases_done or {}) do self.phases_done[p] = true end
@@ -400,7 +400,9 @@ end
 -- ---- the guards ---------------------------------------------------------------------------
 
 local function poison_grads(opt)
-  ffi.fill(opt.grads, 4 * opt.n, 0xff) -- all bits set: a NaN in every element
+  -- the NaN arithmetic makes (a byte fill would make NaNs whose payload LuaJIT could misread)
+  local nan = 0 / 0
+  for i = 0, opt.n - 1 do opt.grads[i] = nan end
 end
 
 -- Look at an update (m: loss, grad_norm, and kl / entropy when the recipe has them) before
@@ -425,6 +427,7 @@ function Session:update(opt, lr, m, opts)
     local sum = moonrl.ops.sum(opt.params, opt.n)
     if guard_mod.finite(sum) then
       if detectors then self.guard:accept(m) end
+      self.skips_in_row = 0
       return true
     end
     verdict, why = 'rollback', { detector = 'nonfinite_params', value = sum }
@@ -439,9 +442,14 @@ function Session:update(opt, lr, m, opts)
     verdict = 'skip'
   end
   if verdict == 'skip' then
-    self.skips = self.skips + 1
+    self.skips, self.skips_in_row = self.skips + 1, self.skips_in_row + 1
     m.guard.skipped = 1
     self:event('skip', why)
+    local limit = self.cfg.guard.max_skips
+    if limit > 0 and self.skips_in_row > limit then
+      error(setmetatable({ message = string.format('guard: %d updates in a row skipped (guard.max_skips=%d), the last ' ..
+        'by %s at step %d (value %s)', self.skips_in_row, limit, why.detector, step, tostring(why.value)) }, GuardStop), 0)
+    end
     return false
   end
   m.guard.rollback = 1
@@ -481,6 +489,10 @@ function Session:save_models()
   local out = {}
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
+    local p, n = m.model:params()
+    if not guard_mod.finite(moonrl.ops.sum(p, n)) then
+      error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
+    end
     local ok, err = pcall(ckpt.save_model, m.model, dir, m.tokenizer_dir)
     if not ok then error(string.format('cannot save the %s to %s: %s', m.name, dir, tostring(err)), 0) end
     out[m.name] = dir

@@ -134,8 +134,10 @@ function M.run(words, opts)
     if attempt > 0 then argv[#argv + 1] = 'run.resume=auto' end
     local stacks = string.format('%s/.stacks-%d', dir, attempt)
     local env = { 'MOONRL_ATTEMPT=' .. attempt, 'MOONRL_STACKS_FILE=' .. stacks }
-    local cargv = ffi.new('const char *[?]', #argv + 1, argv)
-    local cenv = ffi.new('const char *[?]', #env + 1, env)
+    local cargv, cenv = ffi.new('const char *[?]', #argv + 1), ffi.new('const char *[?]', #env + 1)
+    for i, a in ipairs(argv) do cargv[i - 1] = a end
+    for i, e in ipairs(env) do cenv[i - 1] = e end
+    cargv[#argv], cenv[#env] = nil, nil -- argv and env (Lua strings) outlive the spawn
     local out = ffi.new('mrl_child *[1]')
     moonrl.check(C.mrl_child_spawn(cargv, cenv, out))
     local child = ffi.gc(out[0], C.mrl_child_free)

@@ -16,6 +16,11 @@ void mrl_fault_kill_after_bytes(int64_t bytes);
 int64_t mrl_fault_bytes_left(void);
 /* Die at once as `kill -9` would: SIGKILL to this process. */
 void mrl_fault_kill(void);
+/* Send this process a signal (SIGTERM: a pre-emption, SIGINT: Ctrl-C) through
+ * kill(2), as another process would; its handler runs as for a real one. */
+void mrl_fault_signal(int signum);
+/* Be busy for `seconds` (a slow step): sleep, ignoring signals and stops. */
+void mrl_fault_busy(double seconds);
 /* Crash the way a bug would: SIGSEGV, no clean-up. */
 void mrl_fault_crash(void);
 /* Hang inside C, away from every safe point (signals still run their
