@@ -31,6 +31,26 @@
 -- comparisons (chained), + - * / // % ** ~, unary -, if-else, attribute,
 -- subscript and slices ([a:b:c]), calls, filters, tests. Anything else is an
 -- error naming the construct and its template line.
+--
+-- Limits. A chat template is untrusted input (it comes with a downloaded
+-- tokenizer_config.json), so one render is bounded; going past a bound is a
+-- normal error naming it ("chat template: rendering exceeded 5000000 steps
+-- (limits.steps)"), never a hang or an out-of-memory:
+--
+--   range   100000    items in one range() (the bound of Jinja's sandbox)
+--   steps   5000000   work items: loop iterations, macro calls, and the
+--                     items that range(), list literals, + on lists,
+--                     slices, filters and methods make or visit
+--   string  16 MiB    bytes of any one string built (~, + and * on strings,
+--                     join, replace, indent, tojson, ...), the rendered
+--                     text included
+--   text    256 MiB   bytes of text built or searched in all, over the render
+--   depth   100       macro calls nested in one another (recursion)
+--
+-- range(a, b, 0) is an error, as in Python. To raise a limit for a template
+-- that needs it: render(vars, { limits = { steps = 2e7 } }) for one render,
+-- or jinja.limits.steps = 2e7 for every render after (moonrl.chat's
+-- render functions use those defaults).
 local json = require('moonrl.json')
 
 local M = {}
@@ -59,6 +79,43 @@ M.RenderError = RenderError
 
 local function fail(msg) error(setmetatable({ message = msg }, RenderError), 0) end
 
+---------------------------------------------------------------- limits (see the top of the file)
+
+local limits = { range = 100000, steps = 5000000, string = 16 * 1024 * 1024, text = 256 * 1024 * 1024, depth = 100 }
+M.limits = limits
+
+-- the bounds of the render in progress and what it has used so far
+local max_range, max_steps, max_string, max_text, max_depth =
+  limits.range, limits.steps, limits.string, limits.text, limits.depth
+local steps, text_used, depth = 0, 0, 0
+
+local function show(n)   -- a count in an error message
+  if n ~= n or n == math.huge or n == -math.huge then return tostring(n) end
+  return format('%.0f', n)
+end
+local function over(name, msg) fail(format('chat template: %s (limits.%s)', msg, name)) end
+local function too_many_steps() over('steps', format('rendering exceeded %s steps', show(max_steps))) end
+
+-- n more items of work
+local function work(n)
+  if n > 0 then
+    steps = steps + n
+    if steps > max_steps then too_many_steps() end
+  end
+end
+-- n more bytes of text searched or copied
+local function scan(n)
+  if n > 0 then
+    text_used = text_used + n
+    if text_used > max_text then over('text', format('rendering handled more than %s bytes of text', show(max_text))) end
+  end
+end
+-- a string of n bytes is about to be built
+local function alloc(n)
+  if not (n <= max_string) then over('string', format('a string of %s bytes exceeds the limit of %s', show(n), show(max_string))) end
+  scan(n)
+end
+
 local function kind(v)
   local t = type(v)
   if t ~= 'table' then return t end
@@ -78,16 +135,23 @@ local function kind(v)
 end
 M.kind = kind
 
-local function is_ascii(s) return not find(s, '[\128-\255]') end
+local function is_ascii(s) scan(#s); return not find(s, '[\128-\255]') end
 
 -- code points of a UTF-8 string as substrings
 local function chars(s)
+  scan(8 * #s)   -- a table entry per character: weighs more than a search
   local out, n = {}, 0
   for c in s:gmatch('[%z\1-\127\192-\255][\128-\191]*') do n = n + 1; out[n] = c end
   return out
 end
 
-local function slen(s) if is_ascii(s) then return #s end return #chars(s) end
+-- length in code points: the bytes that do not continue a UTF-8 sequence
+local function slen(s)
+  if is_ascii(s) then return #s end
+  scan(#s)
+  local _, cont = s:gsub('[\128-\191]', '')
+  return #s - cont
+end
 
 local function truthy(v)
   if v == nil or v == false or v == none or v == 0 or v == '' then return false end
@@ -99,40 +163,64 @@ local function truthy(v)
   return true
 end
 
+-- escapes in Python's repr of a str, by quote: [char] = escape
+local repr_escapes = {}
+for _, q in ipairs({ "'", '"' }) do
+  local t = { ['\\'] = '\\\\', ['\n'] = '\\n', ['\t'] = '\\t', ['\r'] = '\\r', [q] = '\\' .. q }
+  for c = 0, 31 do t[string.char(c)] = t[string.char(c)] or format('\\x%02x', c) end
+  t['\127'] = '\\x7f'
+  repr_escapes[q] = t
+end
+
 local pystr
 local function pyrepr(v)
   if type(v) == 'string' then
     local q = "'"
+    scan(#v)
     if find(v, "'", 1, true) and not find(v, '"', 1, true) then q = '"' end
-    local body = v:gsub('[\\%c' .. q .. ']', function(c)
-      if c == '\\' then return '\\\\' elseif c == q then return '\\' .. q
-      elseif c == '\n' then return '\\n' elseif c == '\t' then return '\\t' elseif c == '\r' then return '\\r'
-      else return format('\\x%02x', byte(c)) end
-    end)
+    local body = v:gsub('[\\%c' .. q .. ']', repr_escapes[q])
+    alloc(#body + 2)
     return q .. body .. q
   end
   return pystr(v)
 end
 
+-- concat(parts, sep) once its length is known to be within the limits
+local function join_parts(parts, sep, open, close)
+  local n = #parts
+  local total = (n > 1 and (n - 1) * #sep or 0) + #(open or '') + #(close or '')
+  for i = 1, n do total = total + #parts[i] end
+  alloc(total)
+  local s = concat(parts, sep)
+  if open then s = open .. s .. close end
+  return s
+end
+
 function pystr(v)
   local t = type(v)
   if t == 'string' then return v end
-  if t == 'number' then return json.number(v):gsub('^NaN$', 'nan'):gsub('Infinity', 'inf') end
+  if t == 'number' then
+    if v == floor(v) and v > -2 ^ 53 and v < 2 ^ 53 then return format('%d', v) end   -- what json.number writes
+    return (json.number(v):gsub('^NaN$', 'nan'):gsub('Infinity', 'inf'))
+  end
   if t == 'boolean' then return v and 'True' or 'False' end
   if v == nil then return '' end
   local k = kind(v)
   if k == 'none' then return 'None' end
   if k == 'undefined' then return '' end
   if k == 'list' then
+    work(#v)
     local parts = {}
     for i = 1, #v do parts[i] = pyrepr(v[i]) end
-    if getmetatable(v) == TupleMT then return '(' .. concat(parts, ', ') .. (#v == 1 and ',)' or ')') end
-    return '[' .. concat(parts, ', ') .. ']'
+    if getmetatable(v) == TupleMT then return join_parts(parts, ', ', '(', #v == 1 and ',)' or ')') end
+    return join_parts(parts, ', ', '[', ']')
   end
   if k == 'dict' then
     local parts = {}
-    for i, key in ipairs(json.keys(v)) do parts[i] = pyrepr(key) .. ': ' .. pyrepr(v[key]) end
-    return '{' .. concat(parts, ', ') .. '}'
+    local keys = json.keys(v)
+    work(#keys)
+    for i, key in ipairs(keys) do parts[i] = join_parts({ pyrepr(key), pyrepr(v[key]) }, ': ') end
+    return join_parts(parts, ', ', '{', '}')
   end
   if k == 'namespace' then return '<Namespace>' end
   return '<' .. k .. '>'
@@ -157,11 +245,13 @@ local function eq(a, b)
   if ka ~= kb then return false end
   if ka == 'list' then
     if #a ~= #b then return false end
+    work(#a)
     for i = 1, #a do if not eq(a[i], b[i]) then return false end end
     return true
   elseif ka == 'dict' then
     local ks = json.keys(a)
     if #ks ~= #json.keys(b) then return false end
+    work(#ks)
     for _, k in ipairs(ks) do
       local bv = b[k]
       if bv == nil or not eq(a[k], bv) then return false end
@@ -179,7 +269,7 @@ local function list(t) return setmetatable(t, ArrayMT) end
 local function iterate(v)
   local k = kind(v)
   if k == 'list' then return v end
-  if k == 'dict' then return json.keys(v) end
+  if k == 'dict' then local ks = json.keys(v); work(#ks); return ks end
   if k == 'string' then return chars(v) end
   if k == 'undefined' then return {} end
   if k == 'namespace' then fail("'Namespace' object is not iterable") end
@@ -229,84 +319,121 @@ local function slice(obj, a, b, step)
     return i
   end
   local out, m = {}, 0
+  local s, e, last
   if step > 0 then
-    local s, e = clamp(a, 0, 0, n), clamp(b, n, 0, n)
-    for i = s, e - 1, step do m = m + 1; out[m] = items and items[i + 1] or sub(obj, i + 1, i + 1) end
+    s, e = clamp(a, 0, 0, n), clamp(b, n, 0, n)
+    last = e - 1
+    if k == 'string' and step == 1 then   -- a substring
+      if s >= e then return '' end
+      if not items then alloc(e - s); return sub(obj, s + 1, e) end
+      alloc(#obj)
+      return concat(items, '', s + 1, e)
+    end
   else
-    local s, e = clamp(a, n - 1, -1, n - 1), clamp(b, -1, -1, n - 1)
+    s, e = clamp(a, n - 1, -1, n - 1), clamp(b, -1, -1, n - 1)
     if b ~= nil and b ~= none and b < 0 and b + n < 0 then e = -1 end
-    for i = s, e + 1, step do m = m + 1; out[m] = items and items[i + 1] or sub(obj, i + 1, i + 1) end
+    last = e + 1
   end
+  if k == 'list' then work(math.max(0, floor((last - s) / step) + 1)) else scan(#obj) end
+  for i = s, last, step do m = m + 1; out[m] = items and items[i + 1] or sub(obj, i + 1, i + 1) end
   if k == 'string' then return concat(out) end
   return list(out)
 end
 
 ---------------------------------------------------------------- methods
 
-local ws = '[ \t\n\r\f\v]'
-local function pattern_class(chs)
+local ws = ' \t\n\r\f\v'
+-- the characters of a strip() argument, as the inside of a Lua pattern set
+local function char_set(chs)
   if chs == nil or chs == none then return ws end
-  return '[' .. chs:gsub('[%^%]%-%%%[]', '%%%0') .. ']'
+  return (chs:gsub('[%^%]%-%%%[]', '%%%0'):gsub('%z', '%%z'))
 end
 local function strip(s, chs, left, right)
-  local cls = pattern_class(chs)
-  if left then s = s:gsub('^' .. cls .. '+', '') end
-  if right then s = s:gsub(cls .. '+$', '') end
-  return s
+  local set = char_set(chs)
+  if set == '' then return s end
+  scan(#s)
+  local i, j = 1, #s
+  if left then i = find(s, '[^' .. set .. ']') or #s + 1 end
+  if right and i <= j then j = (s:match('^.*[^' .. set .. ']()') or 1) - 1 end
+  return sub(s, i, j)
+end
+
+-- a plain search for `needle` in `hay`: memchr then memcmp at each candidate,
+-- which costs up to #needle per byte on a repetitive text
+local function search_cost(hay, needle)
+  local m = type(needle) == 'string' and #needle or 1
+  scan(#hay * math.max(1, math.ceil(m / 32)))
 end
 
 local function split(s, sep, maxsplit)
   maxsplit = (maxsplit == nil or maxsplit == none) and -1 or maxsplit
-  local out = {}
+  local out, n = {}, 0
   if sep == nil or sep == none then
-    for w in s:gmatch('[^ \t\n\r\f\v]+') do out[#out + 1] = w end
+    scan(#s)
+    for w in s:gmatch('[^ \t\n\r\f\v]+') do work(1); n = n + 1; out[n] = w end
     return list(out)
   end
   if sep == '' then fail('empty separator') end
+  search_cost(s, sep)
   local pos = 1
   while maxsplit ~= 0 do
     local i, j = find(s, sep, pos, true)
     if not i then break end
-    out[#out + 1] = sub(s, pos, i - 1)
+    work(1)
+    n = n + 1; out[n] = sub(s, pos, i - 1)
     pos = j + 1
     maxsplit = maxsplit - 1
   end
-  out[#out + 1] = sub(s, pos)
+  out[n + 1] = sub(s, pos)
   return list(out)
 end
 
 local function replace(s, old, new, count)
   count = (count == nil or count == none) and -1 or count
-  local out, pos = {}, 1
+  old, new = pystr(old), pystr(new)
   if old == '' then fail('replace with an empty pattern is not supported') end
-  while count ~= 0 do
+  -- count the occurrences first: the result must be known to fit before it is built
+  search_cost(s, old)
+  local found, pos = 0, 1
+  while found ~= count do
     local i, j = find(s, old, pos, true)
     if not i then break end
-    out[#out + 1] = sub(s, pos, i - 1); out[#out + 1] = new
+    found = found + 1
     pos = j + 1
-    count = count - 1
   end
-  out[#out + 1] = sub(s, pos)
-  return concat(out)
+  if found == 0 then return s end
+  alloc(#s + found * (#new - #old))
+  search_cost(s, old)
+  local pattern = old:gsub('[^%w%z]', '%%%0'):gsub('%z', '%%z')
+  return (s:gsub(pattern, (new:gsub('%%', '%%%%')), found))
 end
 
 local function affix_test(s, x, fn)
   if kind(x) == 'list' then
+    work(#x)
     for _, p in ipairs(x) do if fn(s, p) then return true end end
     return false
   end
   return fn(s, x)
 end
-local function starts(s, p) return sub(s, 1, #p) == p end
-local function ends(s, p) return p == '' or sub(s, -#p) == p end
+local function starts(s, p) scan(#p); return sub(s, 1, #p) == p end
+local function ends(s, p) scan(#p); return p == '' or sub(s, -#p) == p end
 
-local function capitalize(s) return s:sub(1, 1):upper() .. s:sub(2):lower() end
+local function capitalize(s) alloc(#s); return s:sub(1, 1):upper() .. s:sub(2):lower() end
+local upper_of = {}
+for c = byte('a'), byte('z') do upper_of[string.char(c)] = string.char(c):upper() end
+-- a letter after a non-letter (or at the start) is upper case, the rest lower
 local function title(s)
-  return (s:lower():gsub('()(%a)', function(i, c)
-    local prev = i > 1 and s:sub(i - 1, i - 1) or ' '
-    if prev:match('%a') then return c end
-    return c:upper()
-  end))
+  alloc(#s)
+  return (s:lower():gsub('%f[%a]%a', upper_of))
+end
+
+local function join_items(items, sep)
+  items = iterate(items)
+  work(#items)
+  local parts = {}
+  for i, v in ipairs(items) do parts[i] = pystr(v) end
+  return join_parts(parts, sep)
 end
 
 local string_methods = {
@@ -316,13 +443,18 @@ local string_methods = {
   split = split,
   startswith = function(s, p) return affix_test(s, p, starts) end,
   endswith = function(s, p) return affix_test(s, p, ends) end,
-  lower = function(s) return s:lower() end,
-  upper = function(s) return s:upper() end,
+  lower = function(s) alloc(#s); return s:lower() end,
+  upper = function(s) alloc(#s); return s:upper() end,
   replace = replace,
   title = title,
   capitalize = capitalize,
-  find = function(s, x) local i = find(s, x, 1, true); return i and (is_ascii(s) and i - 1 or slen(sub(s, 1, i - 1))) or -1 end,
+  find = function(s, x)
+    search_cost(s, x)
+    local i = find(s, x, 1, true)
+    return i and (is_ascii(s) and i - 1 or slen(sub(s, 1, i - 1))) or -1
+  end,
   count = function(s, x)
+    search_cost(s, x)
     local n, pos = 0, 1
     while true do
       local i, j = find(s, x, pos, true)
@@ -330,15 +462,12 @@ local string_methods = {
       n = n + 1; pos = math.max(j + 1, i + 1)
     end
   end,
-  join = function(s, items)
-    local parts = {}
-    for i, v in ipairs(iterate(items)) do parts[i] = pystr(v) end
-    return concat(parts, s)
-  end,
-  isdigit = function(s) return s ~= '' and not find(s, '%D') end,
+  join = function(s, items) return join_items(items, s) end,
+  isdigit = function(s) scan(#s); return s ~= '' and not find(s, '%D') end,
   splitlines = function(s)
+    alloc(#s + 1)
     local out = {}
-    for line in (s .. '\n'):gmatch('(.-)\r?\n') do out[#out + 1] = line end
+    for line in (s .. '\n'):gmatch('(.-)\r?\n') do work(1); out[#out + 1] = line end
     if s == '' or sub(s, -1) == '\n' then out[#out] = nil end
     return list(out)
   end,
@@ -347,13 +476,17 @@ local string_methods = {
 local dict_methods = {
   items = function(d)
     local out = {}
-    for i, k in ipairs(json.keys(d)) do out[i] = setmetatable({ k, d[k] }, TupleMT) end
+    local keys = json.keys(d)
+    work(#keys)
+    for i, k in ipairs(keys) do out[i] = setmetatable({ k, d[k] }, TupleMT) end
     return list(out)
   end,
-  keys = function(d) return list(json.keys(d)) end,
+  keys = function(d) local keys = json.keys(d); work(#keys); return list(keys) end,
   values = function(d)
     local out = {}
-    for i, k in ipairs(json.keys(d)) do out[i] = d[k] end
+    local keys = json.keys(d)
+    work(#keys)
+    for i, k in ipairs(keys) do out[i] = d[k] end
     return list(out)
   end,
   get = function(d, k, default)
@@ -365,10 +498,12 @@ local dict_methods = {
 
 local list_methods = {
   index = function(l, x)
+    work(#l)
     for i = 1, #l do if eq(l[i], x) then return i - 1 end end
     fail('value is not in list')
   end,
   count = function(l, x)
+    work(#l)
     local n = 0
     for i = 1, #l do if eq(l[i], x) then n = n + 1 end end
     return n
@@ -406,11 +541,12 @@ end
 
 local function add(a, b)
   local ta, tb = type(a), type(b)
-  if ta == 'string' and tb == 'string' then return a .. b end
+  if ta == 'string' and tb == 'string' then alloc(#a + #b); return a .. b end
   if ta == 'number' and tb == 'number' then return a + b end
   need_defined(a); need_defined(b)
   local ka, kb = kind(a), kind(b)
   if ka == 'list' and kb == 'list' then
+    work(#a + #b)
     local out = {}
     for i = 1, #a do out[i] = a[i] end
     for i = 1, #b do out[#a + i] = b[i] end
@@ -422,8 +558,13 @@ end
 
 local function arith(op, a, b)
   if op == '*' then
-    if type(a) == 'string' and type(b) == 'number' then return string.rep(a, b) end
-    if type(b) == 'string' and type(a) == 'number' then return string.rep(b, a) end
+    if type(b) == 'string' and type(a) == 'number' then a, b = b, a end
+    if type(a) == 'string' and type(b) == 'number' then
+      local n = floor(b)
+      if not (n > 0) or a == '' then return '' end
+      alloc(#a * n)
+      return string.rep(a, n)
+    end
   end
   if op == '%' and type(a) == 'string' then fail("the '%' string formatting operator is not supported") end
   local x, y = num(a, op), num(b, op)
@@ -449,6 +590,7 @@ local function compare(op, a, b)
     need_defined(a); need_defined(b)
     fail(format("'%s' not supported between instances of '%s' and '%s'", op, typename(a), typename(b)))
   end
+  if ta == 'string' then scan(math.min(#a, #b)) end
   if op == '<' then return a < b elseif op == '<=' then return a <= b
   elseif op == '>' then return a > b else return a >= b end
 end
@@ -457,8 +599,10 @@ local function contains(container, item)
   local k = kind(container)
   if k == 'string' then
     if type(item) ~= 'string' then fail("'in <string>' requires string as left operand") end
+    search_cost(container, item)
     return find(container, item, 1, true) ~= nil
   elseif k == 'list' then
+    work(#container)
     for i = 1, #container do if eq(container[i], item) then return true end end
     return false
   elseif k == 'dict' or k == 'namespace' then
@@ -495,7 +639,42 @@ local function tojson(x, kw)
     if is_undef(v) then fail('Object of type Undefined is not JSON serializable') end
     fail(format('Object of type %s is not JSON serializable', typename(v)))
   end
-  return json.encode(x, opts)
+  -- json.encode builds the whole text at once: first make sure it fits,
+  -- from a lower bound of its length (every node, string, separator, indent)
+  local pad = type(indent) == 'number' and math.max(0, floor(indent)) or 0
+  local item = #pystr(opts.item_sep or (indent and ',' or ', '))
+  local key = #pystr(opts.key_sep or ': ')
+  local total = 0
+  local function size(v, level)
+    work(1)
+    local t = type(v)
+    if t == 'string' then scan(#v); total = total + #v + 2
+    elseif t ~= 'table' or v == none then total = total + 1
+    elseif json.is_array(v) or json.is_object(v) then
+      local arr = json.is_array(v)
+      local ks = not arr and json.keys(v)
+      local n = arr and #v or #ks
+      total = total + 2
+      if n > 0 then
+        total = total + (n - 1) * item
+        if indent then total = total + n * (1 + pad * (level + 1)) + 1 + pad * level end
+        if not arr then total = total + n * (key + 2) end
+      end
+      if total > max_string then
+        over('string', format('tojson text of more than %s bytes exceeds the limit of %s', show(total), show(max_string)))
+      end
+      for i = 1, n do
+        if arr then size(v[i], level + 1) else scan(#tostring(ks[i])); total = total + #tostring(ks[i]); size(v[ks[i]], level + 1) end
+      end
+    end
+    if total > max_string then
+      over('string', format('tojson text of more than %s bytes exceeds the limit of %s', show(total), show(max_string)))
+    end
+  end
+  size(x, 0)
+  local out = json.encode(x, opts)
+  alloc(#out)
+  return out
 end
 
 local function attribute_of(v, path)
@@ -571,18 +750,22 @@ filters.count = filters.length
 filters.string = function(v) return pystr(v) end
 filters.list = function(v)
   local out = {}
-  for i, x in ipairs(iterate(v)) do out[i] = x end
+  local items = iterate(v)
+  work(#items)
+  for i, x in ipairs(items) do out[i] = x end
   return list(out)
 end
 filters.join = function(v, kw, sep, attribute)
   sep = sep or (kw and kw.d) or ''
   attribute = attribute or (kw and kw.attribute)
+  local items = iterate(v)
+  work(#items)
   local parts = {}
-  for i, x in ipairs(iterate(v)) do
+  for i, x in ipairs(items) do
     if attribute then x = attribute_of(x, attribute) end
     parts[i] = pystr(x)
   end
-  return concat(parts, sep)
+  return join_parts(parts, pystr(sep))
 end
 filters.first = function(v)
   local items = iterate(v)
@@ -601,8 +784,8 @@ filters.default = function(v, kw, default, boolean)
   return v
 end
 filters.d = filters.default
-filters.upper = function(s) return pystr(s):upper() end
-filters.lower = function(s) return pystr(s):lower() end
+filters.upper = function(s) return string_methods.upper(pystr(s)) end
+filters.lower = function(s) return string_methods.lower(pystr(s)) end
 filters.capitalize = function(s) return capitalize(pystr(s)) end
 filters.title = function(s) return title(pystr(s)) end
 filters.replace = function(s, kw, old, new, count) return replace(pystr(s), old, new, count) end
@@ -611,12 +794,15 @@ filters.indent = function(s, kw, width, first, blank)
   width = width or kw.width or 4
   first = first or kw.first
   blank = blank or kw.blank
+  if type(width) ~= 'string' then alloc(num(width, 'indent')) end
   local pad = type(width) == 'string' and width or string.rep(' ', width)
   s = pystr(s)
+  alloc(#s + 1)
   local lines = {}
-  for line in (s .. '\n'):gmatch('(.-)\n') do lines[#lines + 1] = line end
+  for line in (s .. '\n'):gmatch('(.-)\n') do work(1); lines[#lines + 1] = line end
   local trailing = sub(s, -1) == '\n'
   if trailing then lines[#lines] = nil end
+  alloc(#s + #lines * #pad + 1)   -- the most the indented text can take
   for i = 2, #lines do
     if truthy(blank) or not lines[i]:match('^[ \t\r\f\v]*$') then lines[i] = pad .. lines[i] end
   end
@@ -646,6 +832,7 @@ filters.unique = function(v)
   local out = {}
   for _, x in ipairs(iterate(v)) do
     local seen = false
+    work(#out + 1)
     for i = 1, #out do if eq(out[i], x) then seen = true; break end end
     if not seen then out[#out + 1] = x end
   end
@@ -653,14 +840,18 @@ filters.unique = function(v)
 end
 filters.sum = function(v)
   local s = 0
-  for _, x in ipairs(iterate(v)) do s = s + num(x, 'sum') end
+  local items = iterate(v)
+  work(#items)
+  for _, x in ipairs(items) do s = s + num(x, 'sum') end
   return s
 end
 filters.map = function(v, kw, name, ...)
   local out = {}
   local attribute = kw and kw.attribute
   local extra = { ... }
-  for i, x in ipairs(iterate(v)) do
+  local items = iterate(v)
+  work(#items)
+  for i, x in ipairs(items) do
     if attribute then
       local y = attribute_of(x, attribute)
       if is_undef(y) and kw.default ~= nil then y = kw.default end
@@ -675,7 +866,9 @@ filters.map = function(v, kw, name, ...)
 end
 local function select_by(v, want, get, testname, args)
   local out = {}
-  for _, x in ipairs(iterate(v)) do
+  local items = iterate(v)
+  work(#items)
+  for _, x in ipairs(items) do
     local y = get(x)
     local ok
     if testname == nil then ok = truthy(y) else ok = apply_test(testname, y, args) end
@@ -691,11 +884,18 @@ end
 filters.rejectattr = function(v, kw, a, testname, ...)
   return select_by(v, false, function(x) return attribute_of(x, a) end, testname, { ... })
 end
-filters.wordcount = function(s) local n = 0; for _ in pystr(s):gmatch('%S+') do n = n + 1 end return n end
+filters.wordcount = function(s)
+  s = pystr(s)
+  scan(#s)
+  local n = 0
+  for _ in s:gmatch('%S+') do n = n + 1 end
+  return n
+end
 filters.center = function(s, kw, width)
   s = pystr(s); width = width or 80
-  local pad = width - slen(s)
+  local pad = num(width, 'center') - slen(s)
   if pad <= 0 then return s end
+  alloc(#s + pad)
   local left = floor(pad / 2) + ((pad % 2 == 1 and width % 2 == 1) and 1 or 0)
   return string.rep(' ', left) .. s .. string.rep(' ', pad - left)
 end
@@ -719,16 +919,34 @@ local globals = {
   raise_exception = builtin(function(args) fail(pystr(args[1])) end),
   namespace = builtin(function(args, kw)
     local ns = setmetatable({}, NamespaceMT)
-    if args[1] and kind(args[1]) == 'dict' then for _, k in ipairs(json.keys(args[1])) do ns[k] = args[1][k] end end
+    if args[1] and kind(args[1]) == 'dict' then
+      local keys = json.keys(args[1])
+      work(#keys)
+      for _, k in ipairs(keys) do ns[k] = args[1][k] end
+    end
     if kw then for k, v in pairs(kw) do ns[k] = v end end
     return ns
   end),
   range = builtin(function(args)
+    if #args == 0 then fail('range expected at least 1 argument, got 0') end
+    if #args > 3 then fail(format('range expected at most 3 arguments, got %d', #args)) end
+    for i = 1, #args do
+      local v = args[i]
+      if type(v) == 'boolean' then args[i] = v and 1 or 0
+      elseif type(v) ~= 'number' or v ~= floor(v) then
+        if is_undef(v) then fail(format("'%s' is undefined", v.name)) end
+        fail(format("'%s' object cannot be interpreted as an integer", type(v) == 'number' and 'float' or typename(v)))
+      end
+    end
     local a, b, step = args[1], args[2], args[3] or 1
     if b == nil then a, b = 0, a end
+    if step == 0 then fail('range() arg 3 must not be zero') end
+    local n = step > 0 and math.ceil((b - a) / step) or math.ceil((a - b) / -step)
+    if n < 0 then n = 0 end
+    if not (n <= max_range) then over('range', format('range of %s items exceeds the limit of %s', show(n), show(max_range))) end
+    work(n)
     local out = {}
-    if step > 0 then for i = a, b - 1, step do out[#out + 1] = i end
-    else for i = a, b + 1, step do out[#out + 1] = i end end
+    for i = 1, n do out[i] = a + (i - 1) * step end
     return list(out)
   end),
   dict = builtin(function(args, kw)
@@ -761,6 +979,13 @@ local function lex(src, name)
   local pos = 1
   local n = #src
   local strip_next = false  -- a '-' closed the previous tag
+  local line_at, line_no = 1, 1   -- the line number at position line_at (they only move forward)
+  local function line_to(at)
+    if at < line_at then return line_of(src, at) end
+    for _ in sub(src, line_at, at - 1):gmatch('\n') do line_no = line_no + 1 end
+    line_at = at
+    return line_no
+  end
   local function cerr(msg, at)
     error(setmetatable({ message = format('%s:%d: %s', name, line_of(src, at), msg) }, CompileError), 0)
   end
@@ -775,7 +1000,7 @@ local function lex(src, name)
     local open = sub(src, s + 1, s + 1)
     local modifier = sub(src, s + 2, s + 2)
     if modifier == '-' then
-      text = text:gsub('%s+$', '')
+      text = sub(text, 1, (text:match('^.*%S()') or 1) - 1)   -- (a '%s+$' pattern is quadratic)
     elseif (open == '%' or open == '#') and modifier ~= '+' then
       -- lstrip_blocks: spaces and tabs between the line start and the tag
       local last_nl = text:match('.*()\n')
@@ -785,7 +1010,7 @@ local function lex(src, name)
     end
     if text ~= '' then pieces[#pieces + 1] = { kind = 'text', text = text } end
     local body_start = s + 2 + ((modifier == '-' or modifier == '+') and 1 or 0)
-    local line = line_of(src, s)
+    local line = line_to(s)
     local e, close_end
     if open == '#' then
       local i = find(src, '#}', body_start, true)
@@ -1034,10 +1259,10 @@ function Compiler:concat(P)
   local a = self:math2(P)
   local parts = nil
   while P.accept('op', '~') do
-    parts = parts or { format('R.str(%s)', a) }
-    parts[#parts + 1] = format('R.str(%s)', self:math2(P))
+    parts = parts or { a }
+    parts[#parts + 1] = self:math2(P)
   end
-  if parts then return '(' .. concat(parts, ' .. ') .. ')' end
+  if parts then return 'R.cat(' .. concat(parts, ', ') .. ')' end
   return a
 end
 
@@ -1294,7 +1519,7 @@ function Compiler:body(stop)
     end
     self.pi = self.pi + 1
     if p.kind == 'text' then
-      self:emit(format('n = n + 1; o[n] = %s', q(p.text)))
+      self:emit(format('n = n + 1; o[n] = %s; ob = ob + %d; if ob > R.max_string then R.too_long(ob) end', q(p.text), #p.text))
     else
       self.line = p.line
       local toks = tokenize(p.text, p.line, function(m) self:cerr(m) end)
@@ -1303,7 +1528,7 @@ function Compiler:body(stop)
         self:emit(format('LN = %d', p.line))
         local e = self:expr(P)
         P.expect('eof')
-        self:emit(format('n = n + 1; o[n] = R.str(%s)', e))
+        self:emit(format('n = n + 1; o[n], ob = R.out(%s, ob)', e))
       else
         local kw = P.expect('name').v
         if stop and stop[kw] then return kw, P end
@@ -1363,7 +1588,7 @@ function Compiler:statement(kw, P)
       local src, k = self:tmp('src'), self:tmp('k')
       self:emit(format('local %s = %s; %s = {}', src, items, items))
       self:emit(format('for %s = 1, #%s do', k, src))
-      self:emit(format('  local S = setmetatable({}, {__index = %s})', parent))
+      self:emit(format('  R.tick(); local S = setmetatable({}, {__index = %s})', parent))
       self:depth_assign(targets, format('%s[%s]', src, k))
       self:emit(format('  if %s then %s[#%s + 1] = %s[%s] end', self:truth(filter_code), items, items, src, k))
       self:emit('end')
@@ -1373,7 +1598,7 @@ function Compiler:statement(kw, P)
     self:emit(format('local %s = {__index = %s}', mt, parent))
     self:emit(format('for %s = 1, %s do', it, nitems))
     self.depth = self.depth + 1
-    self:emit(format('local S = setmetatable({}, %s)', mt))
+    self:emit(format('R.tick(); local S = setmetatable({}, %s)', mt))
     -- the loop object is made only when the body mentions 'loop'
     local loop_line = #self.code + 1
     self:emit(format('rawset(S, "loop", R.loop(%s, %s, %s))', items, it, nitems))
@@ -1414,10 +1639,10 @@ function Compiler:statement(kw, P)
       -- block set: capture the body's output
       self:emit('do')
       self.depth = self.depth + 1
-      self:emit('local o, n = {}, 0')
+      self:emit('local o, n, ob = {}, 0, 0')
       local k, P2 = self:block({ endset = true })
       P2.expect('eof')
-      self:emit('R.captured = table.concat(o, "", 1, n)')
+      self:emit('R.captured = R.join(o, n, ob)')
       self.depth = self.depth - 1
       self:emit('end')
       self:assign(targets, 'R.captured')
@@ -1443,13 +1668,13 @@ function Compiler:statement(kw, P)
     for i = 1, #params do if dlist[i] then dl[#dl + 1] = dlist[i] end end
     self:emit(format('rawset(S, %q, R.macro(%q, {%s}, {%s}, S, function(S)', name, name, concat(plist, ', '), concat(dl, ', ')))
     self.depth = self.depth + 1
-    self:emit('local o, n = {}, 0')
+    self:emit('local o, n, ob = {}, 0, 0')
     local saved = self.loop_depth
     self.loop_depth = 0
     local k, P2 = self:block({ endmacro = true })
     self.loop_depth = saved
     P2.expect('eof')
-    self:emit('return table.concat(o, "", 1, n)')
+    self:emit('return R.join(o, n, ob)')
     self.depth = self.depth - 1
     self:emit('end))')
   elseif kw == 'break' or kw == 'continue' then
@@ -1478,9 +1703,9 @@ end
 local function generate(src, name)
   local pieces = lex(src, name)
   local c = setmetatable({ pieces = pieces, pi = 1, code = {}, depth = 1, ntmp = 0, name = name, conds = {} }, Compiler)
-  c:emit('local o, n = {}, 0')
+  c:emit('local o, n, ob = {}, 0, 0')   -- the output: its pieces, their count, their bytes
   c:body(nil)
-  c:emit('return table.concat(o, "", 1, n)')
+  c:emit('return R.join(o, n, ob)')
   local head = 'local R = ...\nlocal LN = 0\nlocal function line() return LN end\nreturn function(S)\n'
   -- 'break' inside the do-block of a loop body: Lua's break leaves the
   -- innermost loop, which is the for loop itself.
@@ -1495,9 +1720,41 @@ local R = {
   iterate = iterate, undef = undef,
 }
 function R.var(v, name) if v == nil then return undef(name) end return v end
-function R.list(t) return setmetatable(t, ArrayMT) end
-function R.tuple(t) return setmetatable(t, TupleMT) end
-function R.object(kv) return json.object(kv) end
+function R.list(t) work(#t); return setmetatable(t, ArrayMT) end
+function R.tuple(t) work(#t); return setmetatable(t, TupleMT) end
+function R.object(kv) work(#kv / 2); return json.object(kv) end
+-- one more loop iteration
+function R.tick()
+  steps = steps + 1
+  if steps > max_steps then too_many_steps() end
+end
+-- a ~ b ~ ...
+function R.cat(...)
+  local n = select('#', ...)
+  local parts, total = { ... }, 0
+  for i = 1, n do
+    local s = pystr(parts[i])
+    parts[i] = s
+    total = total + #s
+  end
+  alloc(total)
+  return concat(parts, '', 1, n)
+end
+-- output buffers (of the template, a macro, a block set): o[1..n], of `bytes` bytes
+R.max_string = max_string
+function R.too_long(bytes)
+  over('string', format('rendered text of %s bytes exceeds the limit of %s', show(bytes), show(max_string)))
+end
+function R.out(v, bytes)
+  local s = pystr(v)
+  bytes = bytes + #s
+  if bytes > max_string then R.too_long(bytes) end
+  return s, bytes
+end
+function R.join(o, n, bytes)
+  scan(bytes)
+  return concat(o, '', 1, n)
+end
 function R.ifx(c, a, b) if c then return a() end return b() end
 function R.pick(c, a, b) if c then return a end return b end
 function R.OR(a, b) if truthy(a) then return a end return b() end
@@ -1521,8 +1778,13 @@ LoopMT.__index = function(l, k)
   if k == 'nextitem' then if i < #items then return items[i + 1] end return undef('nextitem') end
 end
 function R.macro(name, params, defaults, defscope, body)
+  local scope_mt = { __index = defscope }
   return setmetatable({ name = name, fn = function(args, kw)
-    local S = setmetatable({}, { __index = defscope })
+    work(1)
+    if depth >= max_depth then
+      over('depth', format("macro calls nested deeper than %s (in '%s')", show(max_depth), name))
+    end
+    local S = setmetatable({}, scope_mt)
     for i, pn in ipairs(params) do
       local v = args[i]
       if v == nil and kw then v = kw[pn] end
@@ -1531,13 +1793,36 @@ function R.macro(name, params, defaults, defscope, body)
       rawset(S, pn, v)
     end
     if #args > #params then fail(format("macro '%s' takes not more than %d argument(s)", name, #params)) end
-    return body(S)
+    depth = depth + 1
+    local out = body(S)
+    depth = depth - 1
+    return out
   end }, MacroMT)
 end
 
 ---------------------------------------------------------------- public
 
 function M.source(src, name) return generate(src, name or 'template') end
+
+-- Set the limits and counters for one render (opts.limits over M.limits);
+-- returns those of a render in progress, for end_render to put back.
+local function begin_render(over_limits)
+  local saved = { max_range, max_steps, max_string, max_text, max_depth, steps, text_used, depth }
+  local function get(k)
+    local v = over_limits and over_limits[k]
+    if v == nil then v = limits[k] end
+    if type(v) ~= 'number' or v ~= v then error(format('jinja: limits.%s must be a number', k), 3) end
+    return v
+  end
+  max_range, max_steps, max_string, max_text, max_depth = get('range'), get('steps'), get('string'), get('text'), get('depth')
+  R.max_string = max_string
+  steps, text_used, depth = 0, 0, 0
+  return saved
+end
+local function end_render(saved)
+  max_range, max_steps, max_string, max_text, max_depth, steps, text_used, depth = unpack(saved, 1, 8)
+  R.max_string = max_string
+end
 
 local cache = setmetatable({}, { __mode = 'k' })   -- source -> name -> render
 
@@ -1559,16 +1844,22 @@ function M.compile(src, name)
   for k, v in pairs(globals) do g[k] = v end
   g.strftime_now = builtin(function(args)
     local fmt = pystr(args[1])
-    if now then return os.date('!' .. fmt, floor(now)) end   -- a fixed clock reads as UTC
-    return os.date(fmt)
+    scan(16 * #fmt)   -- a conversion can write some 30 bytes for its 2
+    local out = now and os.date('!' .. fmt, floor(now)) or os.date(fmt)   -- a fixed clock reads as UTC
+    alloc(#out)
+    return out
   end)
   local gmt = { __index = g }
   local function render(vars, opts)
+    local saved_now = now
     now = opts and opts.now
     local ctx = setmetatable({}, gmt)
     for k, v in pairs(vars or {}) do ctx[k] = v end
     local S = setmetatable({}, { __index = ctx })
+    local saved = begin_render(opts and opts.limits)
     local ok2, out = pcall(fn, S)
+    end_render(saved)
+    now = saved_now
     if not ok2 then
       if getmetatable(out) == RenderError then error(format('%s:%d: %s', name, line(), out.message), 2) end
       error(format('%s:%d: %s', name, line(), tostring(out)), 2)

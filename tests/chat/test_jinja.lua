@@ -1,4 +1,4 @@
--- The Jinja subset on its own: error messages, compile-once caching, load().
+-- The Jinja subset on its own: error messages, compile-once caching, load(), and the limits on one render.
 local t = require('moonrl.testing')
 local chat = require('moonrl.chat')
 local jinja = require('moonrl.jinja')
@@ -29,6 +29,92 @@ t.test('generation blocks render their body; macros; loop controls', function()
   t.eq(chat.render('{% for m in messages %}{% generation %}[{{ m }}]{% endgeneration %}{% endfor %}', { messages = { 'a', 'b' } }), '[a][b]')
   t.eq(chat.render('{% macro f(x, y=2) %}{{ x }}-{{ y }}{% endmacro %}{{ f(1) }} {{ f(1, y=3) }}', {}), '1-2 1-3')
   t.eq(chat.render('{% for i in range(9) %}{% if i is odd %}{% continue %}{% endif %}{% if i > 5 %}{% break %}{% endif %}{{ i }}{% endfor %}', {}), '024')
+end)
+
+-- A chat template is untrusted input: every render is bounded (the limits at
+-- the top of jinja.lua). Each of these must fail fast with the limit's name.
+local function fails_fast(src, want, vars, opts)
+  local t0 = os.clock()
+  local fn = jinja.compile(src, 'chat_template')
+  local msg = t.raises(function() fn(vars or {}, opts) end, want, src)
+  local dt = os.clock() - t0
+  t.truthy(dt < 1, string.format('%s: took %.3f s', src, dt))
+  return msg
+end
+
+t.test('range: step 0 and huge ranges are errors', function()
+  fails_fast('{% for i in range(0, 10, 0) %}x{% endfor %}', 'chat_template:1: range() arg 3 must not be zero')
+  fails_fast('{{ range(10**9) | length }}', 'chat template: range of 1000000000 items exceeds the limit of 100000 (limits.range)')
+  fails_fast('{% for i in range(5, -10**9, -1) %}{% endfor %}', 'range of 1000000005 items exceeds the limit of 100000')
+  fails_fast('{{ range(1.5) }}', "'float' object cannot be interpreted as an integer")
+  t.eq(chat.render('{{ range(4) }} {{ range(2, 10, 3) }} {{ range(10, 0, -3) }} {{ range(3, 1) }} {{ range(100000) | length }}', {}),
+    '[0, 1, 2, 3] [2, 5, 8] [10, 7, 4, 1] [] 100000')
+end)
+
+t.test('the work of one render is bounded', function()
+  -- 10^10 iterations
+  fails_fast('{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}',
+    'chat template: rendering exceeded 5000000 steps (limits.steps)')
+  fails_fast('{% for i in range(100000) %}{% for j in range(100000) if j is odd %}{% endfor %}{% endfor %}',
+    'rendering exceeded 5000000 steps')
+  -- a list that doubles
+  fails_fast('{% set ns = namespace(l=[1]) %}{% for i in range(100) %}{% set ns.l = ns.l + ns.l %}{% endfor %}',
+    'rendering exceeded 5000000 steps')
+  -- quadratic filters
+  fails_fast('{{ range(100000) | unique | length }}', 'rendering exceeded 5000000 steps')
+  -- searching a long text over and over
+  fails_fast("{% set s = 'a' * 10000000 %}{% for i in range(100000) %}{% if 'b' in s %}{% endif %}{% endfor %}",
+    'chat template: rendering handled more than 268435456 bytes of text (limits.text)')
+end)
+
+t.test('strings and the rendered text are bounded', function()
+  fails_fast("{{ 'a' * 10**9 }}", 'chat template: a string of 1000000000 bytes exceeds the limit of 16777216 (limits.string)')
+  fails_fast("{{ 10**9 * 'ab' }}", 'a string of 2000000000 bytes exceeds the limit')
+  -- a string that doubles, by ~ and by +
+  fails_fast("{% set ns = namespace(s='ab') %}{% for i in range(100) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    'a string of 33554432 bytes exceeds the limit of 16777216')
+  fails_fast("{% set ns = namespace(s='ab') %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    'a string of 33554432 bytes exceeds the limit of 16777216')
+  -- output that grows
+  fails_fast("{% set s = 'a' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+    'chat template: rendered text of 17000000 bytes exceeds the limit of 16777216 (limits.string)')
+  fails_fast("{% set s = 'a' * 1000000 %}{% set x %}{% for i in range(100) %}{{ s }}{% endfor %}{% endset %}",
+    'rendered text of 17000000 bytes exceeds the limit')
+  fails_fast("{% for i in range(100000) %}" .. string.rep('x', 1000) .. "{% endfor %}", 'rendered text of 16778000 bytes exceeds the limit')
+  -- filters and methods that build strings
+  fails_fast("{% set s = 'a' * 1000000 %}{{ range(100) | map('string') | join(s) }}", 'a string of 99000190 bytes exceeds the limit')
+  fails_fast("{{ ('x' * 1000000).replace('x', 'yyyyyyyyyyyyyyyyyyyy') }}", 'a string of 20000000 bytes exceeds the limit')
+  fails_fast("{{ 'abc' | center(10**10) }}", 'a string of 10000000000 bytes exceeds the limit')
+  fails_fast("{{ 'a\\nb' | indent(10**9) }}", 'a string of 1000000000 bytes exceeds the limit')
+  fails_fast("{{ [1, 2] | tojson(indent=10**9) }}", 'tojson text of more than')
+  fails_fast("{% set s = 'a' * 1000000 %}{{ range(100) | map('string') | list | tojson(separators=(s, ': ')) }}", 'tojson text of more than')
+end)
+
+t.test('macro recursion is bounded', function()
+  fails_fast('{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}',
+    "chat template: macro calls nested deeper than 100 (in 'f') (limits.depth)")
+  t.eq(chat.render('{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(50) | length }}', {}), '91')
+  -- a recursion that fans out, 2^40 calls: each call is a step (a lower limit keeps the test short)
+  fails_fast('{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}',
+    'rendering exceeded 200000 steps', {}, { limits = { steps = 200000 } })
+end)
+
+t.test('limits can be raised (or lowered) through the options', function()
+  local fn = jinja.compile('{{ range(n) | length }}')
+  t.raises(function() fn({ n = 200000 }) end, 'range of 200000 items exceeds the limit of 100000')
+  t.eq(fn({ n = 200000 }, { limits = { range = 200000 } }), '200000')
+  t.raises(function() fn({ n = 10 }, { limits = { steps = 5 } }) end, 'rendering exceeded 5 steps')
+  t.raises(function() fn({ n = 10 }, { limits = { steps = 'x' } }) end, 'limits.steps must be a number')
+  local loops = jinja.compile("{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}ok")
+  t.raises(function() loops({}) end, 'rendering exceeded 5000000 steps')
+  t.eq(loops({}, { limits = { steps = 2e7 } }), 'ok')
+  local saved = jinja.limits.string
+  jinja.limits.string = 10
+  local ok, err = pcall(chat.render, "{{ 'a' * 11 }}", {})
+  jinja.limits.string = saved
+  t.eq(ok, false)
+  t.truthy(tostring(err):find('a string of 11 bytes exceeds the limit of 10', 1, true), tostring(err))
+  t.eq(chat.render("{{ 'a' * 11 }}", {}), 'aaaaaaaaaaa')
 end)
 
 t.test('compiled once, cached by source', function()
