@@ -102,6 +102,10 @@ local function run_chunk(chunk, label, overrides, show_config)
     eprint('error: ' .. err.message)
     return 2
   end
+  if moonrl.is_run_error(err) then
+    eprint('error: ' .. err.message)
+    return 1
+  end
   if require('moonrl.session').is_guard_stop(err) then
     eprint('error: ' .. err.message)
     return 3

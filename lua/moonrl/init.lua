@@ -33,6 +33,20 @@ end
 
 function M.is_usage_error(e) return getmetatable(e) == UsageError end
 
+-- Errors of the world, not of the program (a full disk, an unwritable directory): the command
+-- line prints their message alone, without a traceback, and exits with status 1.
+local RunError = {}
+RunError.__index = RunError
+RunError.__tostring = function(e) return e.message end
+function M.run_error(message) error(setmetatable({ message = message }, RunError), 0) end
+function M.is_run_error(e) return getmetatable(e) == RunError end
+
+-- The text of an error without the "file.lua:12: " where the library raised it.
+function M.error_text(e)
+  if type(e) == 'table' and e.message then return e.message end
+  return (tostring(e):gsub('^[^%s:]+%.lua:%d+: ', ''))
+end
+
 -- Raised at a safe point after SIGINT/SIGTERM or a deadline.
 local StopRequest = {}
 StopRequest.__index = StopRequest

@@ -120,8 +120,8 @@ function Run:guarded_write(path, fn)
   local ok, err = pcall(fn)
   if ok then return true end
   self.write_errors = self.write_errors + 1
-  local msg = string.format('cannot write %s: %s', path, tostring(err))
-  if self.on_error ~= 'warn' then error(msg, 0) end
+  local msg = string.format('cannot write %s: %s', path, moonrl.error_text(err))
+  if self.on_error ~= 'warn' then moonrl.run_error(msg) end
   if self.write_errors <= 3 then moonrl.log('warn', '%s (run.checkpoint_errors=warn: going on)', msg) end
   return false
 end

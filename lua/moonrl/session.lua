@@ -280,10 +280,12 @@ function Session:checkpoint(reason, small, step, phase_step)
     state = state, run = run_info })
   fault.disarm()
   if not ok then
-    local msg = string.format('checkpoint %s/%s failed: %s', self.ckpt_root, name, tostring(path))
-    self.run:event('checkpoint_failed', { step = step, message = tostring(path) }, { quiet = true })
+    local why = moonrl.error_text(path)
+    local msg = string.format('checkpoint %s/%s failed: %s', self.ckpt_root, name, why)
+    self.failed_ckpt_step = step -- not tried again for this step (at the end, or when ending on the error)
+    pcall(self.run.event, self.run, 'checkpoint_failed', { step = step, message = why }, { quiet = true })
     pcall(fs.remove, self.ckpt_root .. '/.tmp-' .. name) -- give the space back; the older checkpoints are intact
-    if self.cfg.run.checkpoint_errors ~= 'warn' then error(msg .. ' (the previous checkpoints are intact)', 0) end
+    if self.cfg.run.checkpoint_errors ~= 'warn' then moonrl.run_error(msg .. ' (the previous checkpoints are intact)') end
     moonrl.log('warn', '%s; going on (run.checkpoint_errors=warn), the previous checkpoints are intact', msg)
     return nil
   end
@@ -494,7 +496,7 @@ function Session:save_models()
       error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
     end
     local ok, err = pcall(ckpt.save_model, m.model, dir, m.tokenizer_dir)
-    if not ok then error(string.format('cannot save the %s to %s: %s', m.name, dir, tostring(err)), 0) end
+    if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     out[m.name] = dir
   end
   return out
@@ -521,7 +523,9 @@ end
 -- Returns the table of saved model directories.
 function Session:finish(opts)
   opts = opts or {}
-  if self.global_step > self.last_ckpt_step or not ckpt.latest(self.ckpt_root) then self:checkpoint('end') end
+  if (self.global_step > self.last_ckpt_step or not ckpt.latest(self.ckpt_root)) and self.failed_ckpt_step ~= self.global_step then
+    self:checkpoint('end')
+  end
   local save = opts.save
   if save == nil then save = self.cfg.save ~= false end
   local dirs = save and self:save_models() or {}
@@ -548,12 +552,12 @@ function Session:abort(ok_exit, err)
         self:event('unsaved', { message = string.format('step %d ended after its update: the state since the ' ..
           'checkpoint of step %d is lost', self.global_step, self.last_ckpt_step) }, { quiet = true })
       end
-    elseif self.global_step > self.last_ckpt_step then
+    elseif self.global_step > self.last_ckpt_step and self.failed_ckpt_step ~= self.global_step then
       self:checkpoint(is_stop and 'stop' or 'error')
     end
     if is_stop and saved and self.cfg.save ~= false then self:save_models() end
   end)
-  if not ok then moonrl.log('error', 'while saving after %s: %s', is_stop and 'the stop' or 'the error', tostring(perr)) end
+  if not ok then moonrl.log('error', 'while saving after %s: %s', is_stop and 'the stop' or 'the error', moonrl.error_text(perr)) end
   if not ok_exit then
     local message = type(err) == 'table' and (err.reason or err.message) or err
     pcall(self.event, self, is_stop and 'stop' or 'error', { message = tostring(message) }, { quiet = true })

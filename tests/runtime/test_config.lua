@@ -84,6 +84,15 @@ t.test('required keys', function()
   t.eq(config.merge(d, { { key = 'data', value = 'x.jsonl' } }).data, 'x.jsonl')
 end)
 
+t.test('a section with a name key takes a bare value; run.threads is bounded', function()
+  local d = { reward = { name = 'math', on_error = 'drop' } }
+  local cfg = config.merge(d, { { key = 'reward', value = 'exact' }, { key = 'reward.on_error', value = 'zero' } })
+  t.eq(cfg.reward.name, 'exact')
+  t.eq(cfg.reward.on_error, 'zero')
+  local run = config.merge({}, { { key = 'run.threads', value = '100000' } }).run
+  t.truthy(usage_msg(function() config.apply_run(run) end):find("'run.threads' must be between 0 (all cores) and 1024", 1, true))
+end)
+
 t.test('format lists every key', function()
   local text = config.format(declared)
   t.truthy(text:find('algo.clip.high', 1, true), 'nested key listed')

@@ -1,6 +1,8 @@
 /* The libuv event loop: subprocesses with timeouts, background jobs,
  * deadlines and stop requests. */
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include "moonrl/loop.h"
 #include "moonrl/runtime.h"
@@ -126,7 +128,38 @@ static void test_stop_and_deadline(void) {
     mrl_clear_stop();
 }
 
+/* The handlers are in place when mrl_signals_install returns: a SIGINT sent the next moment is
+ * a stop request, never the default action (which would kill the run unsaved). Done in a child
+ * process (with its own event loop). */
+static void test_signals_installed_on_return(void) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (mrl_init() != MRL_OK || mrl_signals_install() != MRL_OK) _exit(2);
+        raise(SIGINT);
+        double t0 = mrl_time_now();
+        while (mrl_stop_requested() != SIGINT && mrl_time_now() - t0 < 5) mrl_sleep(0.001);
+        _exit(mrl_stop_requested() == SIGINT ? 0 : 3);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    /* the supervisor's mode: counted, and a second signal does not end the process */
+    pid = fork();
+    if (pid == 0) {
+        if (mrl_init() != MRL_OK || mrl_signals_install() != MRL_OK) _exit(2);
+        mrl_signals_count_only();
+        raise(SIGTERM);
+        raise(SIGTERM);
+        double t0 = mrl_time_now();
+        while (mrl_signals_received() < 2 && mrl_time_now() - t0 < 5) mrl_sleep(0.001);
+        _exit(mrl_signals_received() == 2 && mrl_signal_last() == SIGTERM && mrl_stop_requested() == 0 ? 0 : 3);
+    }
+    waitpid(pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
 int main(void) {
+    test_signals_installed_on_return(); /* first: its children start their own event loop */
     CHECK_OK(mrl_init());
     test_proc_output();
     test_proc_timeout();
