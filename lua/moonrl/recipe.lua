@@ -478,46 +478,51 @@ RS.__index = RS
 -- policy / tokenizer_dir (a model the recipe built itself, instead of model.dir).
 function M.start(cfg, opts)
   opts = opts or {}
+  -- everything that can be checked or loaded is, before the run directory exists: a typo or a
+  -- missing model leaves nothing behind
   if cfg.data and cfg.data.on_error then check_choice('data.on_error', cfg.data.on_error, { 'stop', 'skip' }) end
   if type(cfg.reward) == 'table' then check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
   check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
-  local inputs = {}
-  if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
-  local S = session.start(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs })
-  setmetatable(S, RS)
-  S.total = opts.steps
-  if opts.policy then
-    S.policy, S.tok_dir = opts.policy, opts.tokenizer_dir
-  elseif cfg.model and cfg.model.dir then
-    S.policy, S.tok, S.tpl, S.tok_dir = M.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
+  local policy, tok, tpl, tok_dir = opts.policy, nil, nil, opts.tokenizer_dir
+  if not policy and cfg.model and cfg.model.dir then
+    policy, tok, tpl, tok_dir = M.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
   end
-  if S.policy then S:model('policy', S.policy, { tokenizer_dir = S.tok_dir }) end
-  if cfg.train and S.policy then
-    S.opt = S:optimizer('policy', M.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
-    S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
-      total = opts.steps, lr = cfg.train.lr })
-  end
-  if cfg.engine and opts.engine ~= false and S.policy then
+  local engine
+  if cfg.engine and opts.engine ~= false and policy then
     local e = cfg.engine
-    local ok, engine = pcall(moonrl.engine.new, S.policy, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
+    local ok, made = pcall(moonrl.engine.new, policy, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
       block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed })
-    if not ok then moonrl.usage_error('engine.*: ' .. tostring(engine)) end
-    S.engine = engine
-    S.max_prompt_tokens = S.policy.config.max_position_embeddings - 1
+    if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
+    engine = made
   end
   if type(cfg.reward) == 'table' then -- the reward by name, looked up now: a wrong name fails before any work
     if cfg.reward_model and cfg.reward_model.dir then
       require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
     end
     local ok, err = pcall(rewards_mod().get, cfg.reward.name)
-    if not ok then moonrl.usage_error('reward: ' .. tostring(err)) end
+    if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
   end
+  local data
   if opts.fields and cfg.data then
-    local on_error = cfg.data.on_error == 'skip' and 'skip' or 'error'
-    S.data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,
-      on_error = on_error }):shuffled(cfg.run.seed)
-    S:dataset('train', S.data)
-    S.data.src.on_skip = function(msg) S:event('data_skipped', { message = msg }, { quiet = true }) end
+    data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,
+      on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' }):shuffled(cfg.run.seed)
+  end
+
+  local inputs = {}
+  if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
+  local S = session.start(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs })
+  setmetatable(S, RS)
+  S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
+  if policy then S:model('policy', policy, { tokenizer_dir = tok_dir }) end
+  if cfg.train and policy then
+    S.opt = S:optimizer('policy', M.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+    S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
+      total = opts.steps, lr = cfg.train.lr })
+  end
+  if engine then S.max_prompt_tokens = policy.config.max_position_embeddings - 1 end
+  if data then
+    S.data = S:dataset('train', data)
+    data.src.on_skip = function(msg) S:event('data_skipped', { message = msg }, { quiet = true }) end
   end
   return S
 end

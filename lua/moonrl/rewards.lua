@@ -76,15 +76,13 @@ end
 local function finite(v) return type(v) == 'number' and v == v and v ~= math.huge and v ~= -math.huge end
 
 -- Call fn(sample) with a time limit (seconds; 0 or nil: none). Returns ok, value or message.
--- LuaJIT runs compiled code without looking at hooks, so the JIT is off while a limited
--- reward runs (and its traces are flushed): a loop that never ends is then interrupted.
+-- LuaJIT runs compiled code without looking at hooks, so score_batch turns the JIT off (and
+-- flushes its traces) while limited rewards run: a loop that never ends is then interrupted.
 local function call_limited(fn, sample, seconds)
   if not seconds or seconds <= 0 then return pcall(fn, sample) end
   local now = require('moonrl').now
   local deadline = now() + seconds
   local timed_out = false
-  jit.off()
-  jit.flush()
   debug.sethook(function()
     if now() > deadline then
       timed_out = true
@@ -94,7 +92,6 @@ local function call_limited(fn, sample, seconds)
   end, '', 1000)
   local ok, v = pcall(fn, sample)
   debug.sethook()
-  jit.on()
   if timed_out then return false, string.format('no result within %g s (reward.timeout)', seconds) end
   return ok, v
 end
@@ -111,6 +108,8 @@ function M.score_batch(reward, samples, out, opts)
   local n = #samples
   out = out or ffi.new('double[?]', math.max(n, 1))
   local sum, failures = 0, {}
+  local limited = opts.timeout and opts.timeout > 0
+  if limited then jit.off(); jit.flush() end
   for i = 1, n do
     local ok, v = call_limited(fn, samples[i], opts.timeout)
     local msg
@@ -119,13 +118,17 @@ function M.score_batch(reward, samples, out, opts)
       msg = string.format("reward '%s' returned %s for sample %d (expected a finite number)", name, tostring(v), i)
     end
     if msg then
-      if on_error == 'stop' then error(msg, 2) end
+      if on_error == 'stop' then
+        if limited then jit.on() end
+        error(msg, 2)
+      end
       failures[#failures + 1] = { index = i, message = msg }
       v = 0
     end
     out[i - 1] = v
     sum = sum + v
   end
+  if limited then jit.on() end
   return out, n > 0 and sum / n or 0, failures
 end
 

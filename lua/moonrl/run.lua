@@ -170,8 +170,10 @@ function Run:line(step, flat, seconds)
   end
   if flat['tokens_per_s/generate'] then parts[#parts + 1] = 'gen ' .. fmt(flat['tokens_per_s/generate']) .. ' tok/s' end
   if flat['tokens_per_s/train'] then parts[#parts + 1] = 'train ' .. fmt(flat['tokens_per_s/train']) .. ' tok/s' end
-  for _, key in ipairs({ 'guard/skipped', 'guard/rollback' }) do
-    if flat[key] and flat[key] ~= 0 then parts[#parts + 1] = key:match('/(.*)') .. ' ' .. tostring(flat[key]) end
+  for _, kv in ipairs({ { 'guard/skipped', 'skipped' }, { 'guard/rollback', 'rollback' },
+      { 'reward/dropped_groups', 'dropped groups' } }) do
+    local v = flat[kv[1]]
+    if v and v ~= 0 then parts[#parts + 1] = kv[2] .. ' ' .. tostring(v) end
   end
   local ph = {}
   local names = {}

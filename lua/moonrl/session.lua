@@ -145,6 +145,11 @@ function M.start(cfg, opts)
   end
   if from then
     local saved = ckpt.read(from)
+    if saved.run.recipe ~= name then
+      lock:release()
+      moonrl.usage_error(string.format("cannot resume from %s: it was written by the recipe '%s', not '%s'", from,
+        tostring(saved.run.recipe), name))
+    end
     local diff = changed_keys(saved.run.config or {}, cfg, free)
     if #diff > 0 then
       lock:release()
@@ -435,7 +440,7 @@ function Session:update(opt, lr, m, opts)
     verdict, why = 'rollback', { detector = 'nonfinite_params', value = sum }
   end
   why.step = step
-  if verdict == 'rollback' and not ckpt.latest(self.ckpt_root) then
+  if verdict == 'rollback' and not self:rollback_target() then
     if why.detector == 'nonfinite_params' then
       error(setmetatable({ message = string.format('guard: the parameters are not finite after the update of step %d, ' ..
         'and there is no checkpoint to roll back to', step) }, GuardStop), 0)
@@ -459,6 +464,13 @@ function Session:update(opt, lr, m, opts)
   return false
 end
 
+-- The checkpoint a rollback goes back to: the newest that verifies, if it is of this phase (a
+-- checkpoint of an earlier phase holds another phase's optimizer).
+function Session:rollback_target()
+  local dir = ckpt.latest(self.ckpt_root, function(msg) moonrl.log('warn', '%s', msg) end)
+  if dir and ckpt.read(dir).state.phase == self.loop_phase then return dir end
+end
+
 function Session:rollback()
   local why = self.pending_rollback
   self.pending_rollback = nil
@@ -470,7 +482,7 @@ function Session:rollback()
       '(guard.max_rollbacks=%d): stopping', why.detector, why.step, tostring(why.value), tostring(why.limit),
       self.rollbacks, g.max_rollbacks) }, GuardStop), 0)
   end
-  local dir = ckpt.latest(self.ckpt_root, function(msg) moonrl.log('warn', '%s', msg) end)
+  local dir = self:rollback_target()
   local saved = ckpt.read(dir)
   local lr_scale = self.lr_scale * g.lr_factor
   local skips = self.skips

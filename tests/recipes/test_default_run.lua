@@ -16,7 +16,7 @@ t.test('default run: GRPO raises held-out accuracy by a clear margin', function(
   local m = moonrl.model.load(dir .. '/model')
   t.eq(m.config.vocab_size, 15)
   t.truthy(io.open(dir .. '/model/tokenizer.json'), 'tokenizer saved with the model')
-  os.execute('rm -rf "' .. dir .. '"')
+  require('moonrl.fs').remove(dir)
 end)
 
 t.done()

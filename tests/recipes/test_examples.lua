@@ -53,5 +53,5 @@ t.test('examples/dpo_preferences.lua: DPO on prompt/chosen/rejected with the cha
   t.eq(moonrl.model.load(out.dir .. '/model').config.model_type, 'qwen2')
 end)
 
-os.execute('rm -rf "' .. dir .. '"')
+require('moonrl.fs').remove(dir)
 t.done()

@@ -67,6 +67,35 @@ t.test('SIGTERM (a pre-emption) and SIGINT: a checkpoint and the model at the ne
   end
 end)
 
+t.test('the default example: Ctrl-C in the SFT warm-up stops within a step; both phases resume bit-identically', function()
+  local W = { 'examples/default.lua', 'sft.steps=200', 'grpo.steps=4', 'quiet=true', 'heldout=20',
+    'run.checkpoint_every=50' }
+  local function run(d, fault)
+    local w = { 'run.dir=' .. d }
+    for i = 2, #W do w[#w + 1] = W[i] end
+    return K.run(W[1], w, { fault = fault })
+  end
+  local clean = dir .. '/default_ref'
+  local r = run(clean)
+  t.truthy(r.ok, show(r))
+  -- SIGINT at step 120 of the warm-up: out within the step, with its checkpoint
+  local d = dir .. '/default_sig'
+  local t0 = moonrl.now()
+  r = run(d, 'signal:step=120:phase=step:sig=2')
+  t.eq(r.exit_status, 130, show(r))
+  t.truthy(moonrl.now() - t0 < 30, 'stopped at once')
+  local names = require('moonrl.checkpoint').list(d .. '/checkpoints')
+  t.eq(names[#names], 'step-000120', 'the stop checkpoint')
+  -- then killed in the GRPO phase (global step 202), resumed from the end of the warm-up
+  r = run(d, 'kill:step=202:phase=train')
+  t.truthy(r.signal == 9 or r.exit_status == 137, show(r))
+  r = run(d)
+  t.truthy(r.ok, show(r))
+  t.truthy(weights(d) == weights(clean), 'final weights equal to the uninterrupted run')
+  t.eq(#K.metrics(d), 4, 'one line per GRPO step')
+  for i, line in ipairs(K.metrics(clean)) do t.eq(K.metrics(d)[i], line, 'metrics of GRPO step ' .. i) end
+end)
+
 t.test('run.max_seconds: a clean stop (124) with a checkpoint; the resumed run ends as the reference', function()
   local d = dir .. '/deadline'
   local r = K.run('recipes/grpo.lua', words(d, { 'grpo.steps=8', 'run.max_seconds=3' }), { fault = 'sleep:step=2:phase=train:seconds=4' })

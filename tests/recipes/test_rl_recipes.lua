@@ -86,5 +86,5 @@ t.test('reward model: a sequence-classification checkpoint scores through the va
   t.eq(#records(out.dir), 2)
 end)
 
-os.execute('rm -rf "' .. dir .. '"')
+require('moonrl.fs').remove(dir)
 t.done()

@@ -30,10 +30,9 @@ t.test('a run writes its directory', function()
   t.truthy(lines[1]['time/generate'] > 0, 'phase time in the record')
   local trace = json.read_file(dir .. '/trace.json')
   t.truthy(#trace.traceEvents >= 8, 'phases on the timeline')
-  local p = io.popen('ls "' .. dir .. '/tb"')
-  t.truthy(p:read('*a'):find('events.out.tfevents', 1, true), 'tensorboard file')
-  p:close()
-  os.execute('rm -rf "' .. dir .. '"')
+  t.truthy(table.concat(require('moonrl.fs').list(dir .. '/tb'), ' '):find('events.out.tfevents', 1, true),
+    'tensorboard file')
+  require('moonrl.fs').remove(dir)
 end)
 
 t.done()

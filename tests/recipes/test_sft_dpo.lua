@@ -20,7 +20,7 @@ t.test('sft: the loss falls and the model is saved in HF format', function()
   local lines = 0
   for _ in io.lines(dir .. '/run/metrics.jsonl') do lines = lines + 1 end
   t.eq(lines, 40)
-  os.execute('rm -rf "' .. dir .. '"')
+  require('moonrl.fs').remove(dir)
 end)
 
 t.test('dpo: reward accuracy rises on a learnable preference set', function()
@@ -39,7 +39,7 @@ t.test('dpo: reward accuracy rises on a learnable preference set', function()
   t.truthy(out.first_accuracy <= 0.5, 'first reward accuracy ' .. out.first_accuracy)
   local m = moonrl.model.load(dir .. '/run/model')
   t.eq(m.n_params, out.model.n_params)
-  os.execute('rm -rf "' .. dir .. '"')
+  require('moonrl.fs').remove(dir)
 end)
 
 t.done()

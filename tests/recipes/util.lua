@@ -13,7 +13,7 @@ function M.tmpdir(tag)
   local d = os.tmpname()
   os.remove(d)
   d = d .. '-' .. tag
-  os.execute('mkdir -p "' .. d .. '"')
+  require('moonrl.fs').mkdirs(d)
   return d
 end
 
