@@ -21,19 +21,8 @@ end
 local function umount() moonrl.proc.run({ 'umount', '-l', mnt }, { timeout = 30 }) end
 
 local ok, err = pcall(function()
-  local model_dir = U.tiny_model(dir .. '/init')
-  local recs = {}
-  for i, p in ipairs(U.additions(40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
-  local data = U.write_jsonl(dir .. '/train.jsonl', recs)
-  local WORDS = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
-    'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
-    'grpo.max_tokens=4', 'grpo.steps=6', 'run.threads=1', 'run.checkpoint_every=1' }
-  local function words(run_dir, extra)
-    local w = { 'run.dir=' .. run_dir }
-    for _, x in ipairs(WORDS) do w[#w + 1] = x end
-    for _, x in ipairs(extra or {}) do w[#w + 1] = x end
-    return w
-  end
+  local WORDS, model_dir = U.grpo_setup(dir, 40, { 'grpo.steps=6', 'run.checkpoint_every=1' })
+  local function words(run_dir, extra) return U.words(WORDS, run_dir, extra) end
   local function show(r) return string.format('status %s\n%s%s', tostring(r.exit_status), r.stdout, r.stderr) end
   local ref = dir .. '/ref'
   local r = K.run('recipes/grpo.lua', words(ref))

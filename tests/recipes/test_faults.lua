@@ -12,19 +12,8 @@ local U = dofile('tests/recipes/util.lua')
 local K = dofile('tests/recipes/killer.lua')
 
 local dir = U.tmpdir('faults')
-local model_dir = U.tiny_model(dir .. '/init')
-local recs = {}
-for i, p in ipairs(U.additions(40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
-local data = U.write_jsonl(dir .. '/train.jsonl', recs)
-local WORDS = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
-  'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
-  'grpo.max_tokens=4', 'grpo.kl_coef=0.01', 'run.threads=1' }
-local function words(run_dir, extra)
-  local w = { 'run.dir=' .. run_dir }
-  for _, x in ipairs(WORDS) do w[#w + 1] = x end
-  for _, x in ipairs(extra or {}) do w[#w + 1] = x end
-  return w
-end
+local WORDS, model_dir = U.grpo_setup(dir, 40, { 'grpo.kl_coef=0.01' })
+local function words(run_dir, extra) return U.words(WORDS, run_dir, extra) end
 local function weights(run_dir) return fs.read(run_dir .. '/model/model.safetensors') end
 local function events(run_dir, kind)
   local out = {}

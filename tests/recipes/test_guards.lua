@@ -10,22 +10,15 @@ local json = require('moonrl.json')
 local U = dofile('tests/recipes/util.lua')
 
 local dir = U.tmpdir('guards')
-local model_dir = U.tiny_model(dir .. '/init')
-local recs = {}
-for i, p in ipairs(U.additions(40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
-local data = U.write_jsonl(dir .. '/train.jsonl', recs)
-
 -- a reward with a spread in every group, so that every step has a gradient
 require('moonrl.rewards').register('length', function(s) return #s.response end, { replace = true })
-local BASE = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
-  'reward=length', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
-  'grpo.max_tokens=4', 'run.threads=1' }
+local BASE, _, data = U.grpo_setup(dir, 40, { 'reward=length' })
+local recs = {}
+for l in io.lines(data) do recs[#recs + 1] = json.decode(l) end
 local n_run = 0
 local function grpo(extra, faults)
   n_run = n_run + 1
-  local w = { 'run.dir=' .. dir .. '/run' .. n_run }
-  for _, x in ipairs(BASE) do w[#w + 1] = x end
-  for _, x in ipairs(extra) do w[#w + 1] = x end
+  local w = U.words(BASE, dir .. '/run' .. n_run, extra)
   fault.faults = fault.parse(faults or '')
   local ok, out = pcall(U.run_recipe, 'recipes/grpo.lua', w)
   fault.faults = {}

@@ -51,6 +51,29 @@ function M.additions(n, seed, max)
   return out
 end
 
+-- A tiny model and a JSONL of n addition problems {question, answer} under dir, and the
+-- command-line words of a tiny GRPO run on them (4 prompts x 4 samples of 4 tokens, one thread);
+-- returns words, model_dir, data path.
+function M.grpo_setup(dir, n, extra)
+  local model_dir = M.tiny_model(dir .. '/init')
+  local recs = {}
+  for i, p in ipairs(M.additions(n or 40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
+  local data = M.write_jsonl(dir .. '/train.jsonl', recs)
+  local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+    'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
+    'grpo.max_tokens=4', 'run.threads=1' }
+  for _, w in ipairs(extra or {}) do words[#words + 1] = w end
+  return words, model_dir, data
+end
+
+-- A copy of the list of words with run.dir=run_dir first and extra after.
+function M.words(base, run_dir, extra)
+  local w = { 'run.dir=' .. run_dir }
+  for _, x in ipairs(base) do w[#w + 1] = x end
+  for _, x in ipairs(extra or {}) do w[#w + 1] = x end
+  return w
+end
+
 -- Run a recipe file with overrides {'key=value', ...}; returns what the recipe returns.
 function M.run_recipe(path, words)
   config.overrides = config.parse_overrides(words)
