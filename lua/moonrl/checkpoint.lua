@@ -22,10 +22,11 @@
 --                                   --   {{name=, opt=}}, state = table, run = table }; returns the path
 --   ckpt.verify(dir)                -- true, or false and a one-line reason naming the file
 --   ckpt.list(root)                 -- complete-looking checkpoint names, oldest first
---   ckpt.latest(root, warn)         -- the newest checkpoint that verifies (warn(msg) for each skipped)
+--   ckpt.latest(root, warn)         -- the newest checkpoint that verifies (warn(msg, dir) for each skipped)
 --   ckpt.read(dir)                  -- { state = ..., run = ... } (after verify)
 --   ckpt.load_model(dir, name, model), ckpt.load_optimizer(dir, name, opt)
---   ckpt.prune(root, keep)          -- remove all but the newest `keep` (0: keep all)
+--   ckpt.prune(root, keep)          -- remove all but the newest `keep` (0: keep all); a checkpoint a
+--                                   -- resume found corrupt is set aside as step-NNNNNN.corrupt
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local fs = require('moonrl.fs')
@@ -162,7 +163,7 @@ function M.latest(root, warn)
     local dir = root .. '/' .. names[i]
     local ok, why = M.verify(dir)
     if ok then return dir end
-    if warn then warn(string.format('checkpoint %s skipped: %s', dir, why)) end
+    if warn then warn(string.format('checkpoint %s skipped: %s', dir, why), dir) end
   end
   return nil
 end

@@ -128,13 +128,16 @@ function M.start(cfg, opts)
   for _, k in ipairs(M.FREE_KEYS) do free[k] = true end
   for _, k in ipairs(opts.free_keys or {}) do free[k] = true end
   if opts.steps_key then free[opts.steps_key] = true end
-  self.free_keys = free
 
   local from
   local warnings = {}
   local function warn(msg) warnings[#warnings + 1] = msg; moonrl.log('warn', '%s', msg) end
+  local function set_aside(msg, d) -- kept for a look, out of the way of the checkpoints to come
+    warn(msg)
+    if not fs.exists(d .. '.corrupt') then pcall(fs.rename, d, d .. '.corrupt') end
+  end
   if resume == 'auto' then
-    from = held == 'run' and ckpt.latest(self.ckpt_root, warn) or nil
+    from = held == 'run' and ckpt.latest(self.ckpt_root, set_aside) or nil
   elseif resume ~= 'never' then
     local ok, why = ckpt.verify(resume)
     if not ok then
@@ -178,7 +181,6 @@ function M.start(cfg, opts)
   end
   self.run.on_phase = function(phase) fault.point(self.global_step, phase) end
   moonrl.on_exit(function(ok, err) self:abort(ok, err) end)
-  M.current = self
   return self
 end
 
@@ -516,7 +518,6 @@ end
 
 function Session:close()
   self.closed = true
-  if M.current == self then M.current = nil end
   self.run:finish()
 end
 

@@ -127,6 +127,7 @@ t.test('corrupt, truncated and incomplete checkpoints are skipped with a line na
   t.truthy(r2.stderr:find('step-000005/optimizer.safetensors: 1000 bytes, the manifest says', 1, true), r2.stderr)
   t.truthy(r2.stderr:find('step-000004/manifest.json: missing', 1, true), r2.stderr)
   t.truthy(r2.stdout:find('resuming from ' .. c .. 'step-000003', 1, true), r2.stdout)
+  t.truthy(fs.is_dir(c .. 'step-000006.corrupt') and fs.is_dir(c .. 'step-000005.corrupt'), 'set aside, kept')
   t.truthy(weights(d) == REF, 'final weights equal to the uninterrupted run (grpo.steps may change)')
   -- a checkpoint named on the command line that does not verify is a usage error
   local r3 = K.run('recipes/grpo.lua', words(dir .. '/other', { 'grpo.steps=8', 'run.resume=' .. c .. 'step-000006' }))
