@@ -54,6 +54,9 @@ t.test('a NaN gradient: the update is skipped, the weights and the optimizer unt
     'optimizer state untouched')
   t.truthy(not same_file(ckpt(out.dir, 3) .. '/model.safetensors', ckpt(out.dir, 4) .. '/model.safetensors'),
     'step 4 trains again')
+  -- a checkpoint is a model directory: it loads, with its tokenizer
+  t.eq(moonrl.model.load(ckpt(out.dir, 2)).config.vocab_size, 15)
+  t.eq(moonrl.tokenizer.load(ckpt(out.dir, 2)).vocab_size, 15)
 end)
 
 t.test('NaN at every step: the run stops after guard.max_skips, its model finite', function()
