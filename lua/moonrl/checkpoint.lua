@@ -19,7 +19,8 @@
 --
 --   local ckpt = require('moonrl.checkpoint')
 --   ckpt.write(root, name, parts)   -- parts: { models = {{name=, model=, tokenizer_dir=}}, optimizers =
---                                   --   {{name=, opt=}}, state = table, run = table }; returns the path
+--                                   --   {{name=, opt=}}, state = table, run = table }; returns the
+--                                   --   path and the bytes of the files the manifest lists
 --   ckpt.verify(dir)                -- true, or false and a one-line reason naming the file
 --   ckpt.list(root)                 -- complete-looking checkpoint names, oldest first
 --   ckpt.latest(root, warn)         -- the newest checkpoint that verifies (warn(msg, dir) for each skipped)
@@ -100,10 +101,11 @@ function M.write(root, name, parts)
   if parts.optimizers and #parts.optimizers > 0 then write_optimizers(tmp .. '/optimizer.safetensors', parts.optimizers) end
   fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
   fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
-  local files = json.object()
+  local files, bytes = json.object(), 0
   for _, rel in ipairs(files_under(tmp)) do
     local crc, size = fs.crc32c_file(tmp .. '/' .. rel)
     files[rel] = json.object({ 'bytes', size, 'crc32c', string.format('%08x', crc) })
+    bytes = bytes + size
   end
   local manifest = json.object({ 'format', M.FORMAT, 'version', M.VERSION, 'name', name,
     'step', parts.state and parts.state.step or json.null, 'files', files })
@@ -111,7 +113,7 @@ function M.write(root, name, parts)
   sync_dirs(tmp)
   if fs.stat(final) then fs.remove(final) end -- a checkpoint of this step from before a rollback
   fs.rename(tmp, final)
-  return final
+  return final, bytes
 end
 
 -- true, or false and why (one line naming the file).

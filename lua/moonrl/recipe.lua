@@ -606,12 +606,4 @@ function RS:reference() return M.clone(self.policy) end
 -- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).
 function RS:lr() return self.lr_at(self.step) end
 
--- Stop early at a safe point when run.max_seconds is reached (0: no limit) or a stop was asked
--- (for a loop without a session; a session's steps() does this itself).
-function M.check_stop(cfg, run)
-  moonrl.check_stop()
-  local limit = cfg.run and cfg.run.max_seconds or 0
-  return limit > 0 and (moonrl.now() - run.t0) >= limit
-end
-
 return M

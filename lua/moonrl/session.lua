@@ -235,9 +235,10 @@ function Session:small_state()
     'skips_in_row', self.skips_in_row }))
 end
 
-function Session:restore_small(text, what)
-  local s = json.decode(text, 'state')
-  if what ~= 'counters' then
+-- Put back a table of small_state()'s fields (state.json holds them); keep_data: leave the data
+-- positions and generators as they are.
+function Session:restore_small(s, keep_data)
+  if not keep_data then
     for _, d in ipairs(self.datasets) do
       if s.data and s.data[d.name] then d.view:restore(s.data[d.name]) end
     end
@@ -245,13 +246,11 @@ function Session:restore_small(text, what)
       if s.rngs and s.rngs[r.name] then r.rng.state = s.rngs[r.name] end
     end
   end
-  if what ~= 'data' then
-    self.extra = s.extra or {}
-    for k, v in pairs(s.memo or {}) do self.memos[k] = v end
-    self.guard:restore(s.guard)
-    self.lr_scale, self.rollbacks, self.skips = s.lr_scale or 1, s.rollbacks or 0, s.skips or 0
-    self.skips_in_row = s.skips_in_row or 0
-  end
+  self.extra = s.extra or {}
+  for k, v in pairs(s.memo or {}) do self.memos[k] = v end
+  self.guard:restore(s.guard)
+  self.lr_scale, self.rollbacks, self.skips = s.lr_scale or 1, s.rollbacks or 0, s.skips or 0
+  self.skips_in_row = s.skips_in_row or 0
 end
 
 -- ---- checkpoints ----------------------------------------------------------------------------
@@ -283,7 +282,7 @@ function Session:checkpoint(reason, small, step, phase_step)
   local name = ckpt.dir_name(step)
   moonrl.C.mrl_heartbeat('checkpoint ' .. name)
   fault.arm_checkpoint(step)
-  local ok, path = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
+  local ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
     state = state, run = run_info })
   fault.disarm()
   if not ok then
@@ -297,8 +296,6 @@ function Session:checkpoint(reason, small, step, phase_step)
     return nil
   end
   pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints)
-  local bytes = 0
-  for _, f in pairs(json.read_file(path .. '/manifest.json').files) do bytes = bytes + f.bytes end
   local secs = moonrl.now() - t0
   self.last_ckpt_step, self.last_ckpt_time = step, moonrl.now()
   self.run:event('checkpoint', { step = step, path = path, bytes = bytes, seconds = secs, reason = reason }, { quiet = true })
@@ -316,8 +313,7 @@ function Session:restore(dir, state, opts)
   if opts.optimizers ~= false then
     for _, o in ipairs(self.optimizers) do ckpt.load_optimizer(dir, o.name, o.opt) end
   end
-  -- state.json holds small_state()'s fields, and the step's
-  self:restore_small(json.encode(state), opts.keep_data and 'counters' or nil)
+  self:restore_small(state, opts.keep_data)
   self.global_step, self.step = state.step, state.phase_step
   self.phases_done = {}
   for _, p in ipairs(state.phases_done or {}) do self.phases_done[p] = true end
@@ -442,7 +438,8 @@ function Session:update(opt, lr, m, opts)
     verdict, why = 'rollback', { detector = 'nonfinite_params', value = sum }
   end
   why.step = step
-  if verdict == 'rollback' and not self:rollback_target() then
+  if verdict == 'rollback' then why.checkpoint = self:rollback_target() end
+  if verdict == 'rollback' and not why.checkpoint then
     if why.detector == 'nonfinite_params' then
       error(setmetatable({ message = string.format('guard: the parameters are not finite after the update of step %d, ' ..
         'and there is no checkpoint to roll back to', step) }, GuardStop), 0)
@@ -484,7 +481,7 @@ function Session:rollback()
       '(guard.max_rollbacks=%d): stopping', why.detector, why.step, tostring(why.value), tostring(why.limit),
       self.rollbacks, g.max_rollbacks) }, GuardStop), 0)
   end
-  local dir = self:rollback_target()
+  local dir = why.checkpoint -- found (and verified) when the detector fired
   local saved = ckpt.read(dir)
   local lr_scale = self.lr_scale * g.lr_factor
   local skips = self.skips
@@ -493,7 +490,7 @@ function Session:rollback()
   local mpath = self.run.dir .. '/metrics.jsonl'
   self.run.metrics:flush()
   fs.truncate(mpath, saved.state.metrics_bytes)
-  why.to_step, why.checkpoint, why.rollbacks, why.lr_scale = saved.state.step, dir, rollbacks, lr_scale
+  why.to_step, why.rollbacks, why.lr_scale = saved.state.step, rollbacks, lr_scale
   self:event('rollback', why)
 end
 
@@ -536,7 +533,7 @@ end
 -- Returns the table of saved model directories.
 function Session:finish(opts)
   opts = opts or {}
-  if (self.global_step > self.last_ckpt_step or not ckpt.latest(self.ckpt_root)) and self.failed_ckpt_step ~= self.global_step then
+  if (self.global_step > self.last_ckpt_step or #ckpt.list(self.ckpt_root) == 0) and self.failed_ckpt_step ~= self.global_step then
     self:checkpoint('end')
   end
   local save = opts.save
