@@ -229,14 +229,23 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     memset(m->gs.dx, 0, sizeof(float) * T * D);
     k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
+    /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
+     * its backward is done (a tied lm_head is the embedding, final at the very end) */
+    int64_t layers_end = m->final_norm - m->params;
+    if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
     for (int l = L - 1; l >= 0; l--) {
         if (m->recompute) mrl_layer_forward(m, l, T);
         mrl_layer_backward(m, l, T);
+        if (m->grad_hook) {
+            int64_t begin = m->lp[l].ln1 - m->params, end = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
+            m->grad_hook(m->grad_hook_ctx, begin, end - begin);
+        }
     }
     for (int64_t t = 0; t < T; t++) { /* embedding rows, in token order */
         float *ge = m->g_embed + (int64_t)m->batch.tokens[t] * D;
         const float *d = m->gs.dx + t * D;
         for (int64_t i = 0; i < D; i++) ge[i] += d[i];
     }
+    if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, m->lp[0].ln1 - m->params);
     return MRL_OK;
 }

@@ -220,6 +220,12 @@ void mrl_model_zero_grad(mrl_model *m) {
     if (m && m->grads) memset(m->grads, 0, sizeof(float) * m->n_params); /* none yet: zero when created */
 }
 
+void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx) {
+    if (!m) return;
+    m->grad_hook = hook;
+    m->grad_hook_ctx = ctx;
+}
+
 void mrl_model_set_recompute(mrl_model *m, int on) {
     if (!m || m->recompute == (on != 0)) return;
     mrl_model_release_activations(m); /* the layout changes */

@@ -73,6 +73,9 @@ struct mrl_model {
     float inv_temp;
     int have_forward;
     int logits_kept; /* the forward's logits of the whole batch are still in `logits` (one head chunk) */
+    /* called by the backward as each range of the gradient buffer becomes final */
+    mrl_grad_hook grad_hook;
+    void *grad_hook_ctx;
 };
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }

@@ -372,6 +372,51 @@ static void test_lazy_grads(void) {
     CHECK(system(cmd) == 0);
 }
 
+/* The gradient hook: ranges in descending order that cover the buffer once, each already
+ * final when reported (its values then equal those after the whole backward). */
+typedef struct hook_log {
+    const float *grads;
+    float *snap; /* the range's values when it was reported */
+    int64_t n, next_end;
+    int calls, bad_order;
+} hook_log;
+
+static void record_range(void *ctx, int64_t offset, int64_t count) {
+    hook_log *h = ctx;
+    if (offset + count != h->next_end || count < 0) h->bad_order++;
+    h->next_end = offset;
+    memcpy(h->snap + offset, h->grads + offset, sizeof(float) * (size_t)count);
+    h->calls++;
+}
+
+static void test_grad_hook(void) {
+    const char *configs[] = {"{\"model_type\": \"qwen2\", " BASE ", \"moonrl_value_head\": true}",
+                             "{\"model_type\": \"qwen3\", " BASE ", \"head_dim\": 16, \"tie_word_embeddings\": true}"};
+    for (int k = 0; k < 2; k++) {
+        mrl_model_config c;
+        CHECK_OK(parse(configs[k], &c));
+        mrl_model *m = NULL;
+        CHECK_OK(mrl_model_create(&c, 11, &m));
+        int64_t n = mrl_model_num_params(m);
+        hook_log h = {mrl_model_grads(m), calloc((size_t)n, sizeof(float)), n, n, 0, 0};
+        int32_t tokens[6] = {1, 2, 3, 4, 5, 6}, targets[6] = {2, 3, -1, 5, 6, -1}, cu[3] = {0, 3, 6};
+        float lp[6], dl[6] = {1, -1, 0, 0.5f, 1, 0};
+        mrl_batch b = {tokens, targets, cu, 6, 2};
+        mrl_model_set_grad_hook(m, record_range, &h);
+        CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp, NULL, NULL));
+        CHECK_OK(mrl_model_backward(m, dl, dl, NULL));
+        CHECK(h.calls == c.num_hidden_layers + 2);
+        CHECK(h.bad_order == 0 && h.next_end == 0);
+        CHECK(memcmp(h.snap, mrl_model_grads(m), sizeof(float) * (size_t)n) == 0);
+        mrl_model_set_grad_hook(m, NULL, NULL); /* off: no more calls */
+        CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp, NULL, NULL));
+        CHECK_OK(mrl_model_backward(m, dl, NULL, NULL));
+        CHECK(h.calls == c.num_hidden_layers + 2);
+        free(h.snap);
+        mrl_model_free(m);
+    }
+}
+
 int main(void) {
     test_config();
     test_model();
@@ -379,5 +424,6 @@ int main(void) {
     test_load_checks_before_alloc();
     test_load_tolerated();
     test_lazy_grads();
+    test_grad_hook();
     CHECK_DONE();
 }

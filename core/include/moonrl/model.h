@@ -164,6 +164,16 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *batch, float tempera
  * token (each may be NULL: zero). Gradients are ADDED to the gradient buffer. */
 mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy,
                               const float *dvalues);
+/* A function the backward calls as each range of the gradient buffer
+ * becomes final for this backward (no later part of it writes there): the
+ * head, final norm and value head first, then the layers from the last to
+ * the first, the embedding last; together the ranges cover the buffer once.
+ * Gradient all-reduce starts bucket by bucket while the backward goes on
+ * (mrl_dist_buckets_ready has this signature). Called on the calling
+ * thread, between the layers. NULL: none. */
+typedef void (*mrl_grad_hook)(void *ctx, int64_t offset, int64_t count);
+void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx);
+
 /* Gradients = 0 (nothing to do while the buffer does not exist yet). */
 void mrl_model_zero_grad(mrl_model *m);
 
