@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA GPU: build with CUDA,
-# run every CUDA op against the CPU reference (meson test --suite gpu), then
-# the GPU benchmarks. Writes logs to $OUT (or ./gpu-out) when set.
+# run every CUDA op and the NCCL communicator against the CPU reference
+# (meson test --suite gpu), then the GPU benchmarks (the CUDA ops; NCCL
+# all-reduce bandwidth, 1 MiB .. 256 MiB, at world size 1). Writes logs to
+# $OUT (or ./gpu-out) when set.
 #
 # The machine may lack LuaJIT, libuv and OpenBLAS development packages: if a
 # folder .debs/ holds their .deb files (apt-get download libluajit2-5.1-dev
@@ -34,4 +36,8 @@ meson test -C build-gpu --suite gpu --print-errorlogs -v
 status=$?
 cp build-gpu/meson-logs/testlog.txt "$out/gpu_testlog.txt" 2>/dev/null || true
 if [ -x build-gpu/bench/bench_cuda_ops ]; then build-gpu/bench/bench_cuda_ops | tee "$out/bench_cuda_ops.txt"; fi
+if [ -x build-gpu/tests/gpu/test_nccl ]; then
+  timeout 300 build-gpu/tests/gpu/test_nccl --bench | tee "$out/bench_nccl.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 exit $status

@@ -1,0 +1,150 @@
+/* The communicator between the ranks of one job (core/dist).
+ *
+ * N processes started by mpirun, srun or `moonrl launch` form one
+ * communicator. Rank, world size and local rank come from the launcher's
+ * environment (Open MPI's OMPI_COMM_WORLD_*, PMIx's PMIX_RANK, Slurm's
+ * SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID). With world size 1 every
+ * operation is a copy or nothing, and MPI is never loaded. With more, MPI
+ * comes from the plugin libmoonrl_mpi.so (built where MPI is, loaded at run
+ * time: moonrl itself never links MPI), next to libmoonrl.so or named by
+ * MOONRL_MPI_PLUGIN.
+ *
+ * Determinism: SUM and MEAN add the ranks' values in rank order (rank 0 +
+ * rank 1 + ... in the buffer's type), whatever the transport, the message
+ * size or the algorithm MPI picks, so a job gives bit-identical results from
+ * run to run for a given world size, and reduce-scatter + all-gather of the
+ * shards equals an all-reduce bit for bit (ZeRO-1 equals plain data
+ * parallel).
+ *
+ * Shards: the buffer of n elements is cut into `size` contiguous pieces,
+ * rank r owning [mrl_dist_shard(n, size, r)): the first n % size ranks one
+ * element more.
+ *
+ * Deadlines: no operation waits forever. One that has not finished within
+ * the communicator's timeout (seconds; 0 = none) prints to stderr which rank
+ * waited, in which operation (its name and sequence number), at which step
+ * (mrl_dist_set_step), and what the other ranks answered (where they are
+ * waiting, or nothing: dead or hung); it returns MRL_ERR_TIMEOUT with that
+ * text, and the communicator is broken from then on: every later operation
+ * fails at once with the same error, and mrl_dist_finalize does not wait
+ * for the others.
+ *
+ * Every rank calls the collectives (and mrl_dist_buckets_create) in the
+ * same order with the same counts, from the thread that called
+ * mrl_dist_init. Bad arguments return MRL_ERR_INVALID before anything
+ * starts and do not break the communicator. */
+#pragma once
+#include <stdint.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mrl_dist mrl_dist;
+
+typedef enum mrl_dist_dtype {
+    MRL_DIST_F32 = 0,
+    MRL_DIST_F64 = 1,
+    MRL_DIST_I64 = 2,
+    MRL_DIST_U8 = 3
+} mrl_dist_dtype;
+
+typedef enum mrl_dist_op {
+    MRL_DIST_SUM = 0,
+    MRL_DIST_MEAN = 1, /* the sum in rank order, divided by the world size
+                        * (i64: truncated; u8: refused, its sum wraps) */
+    MRL_DIST_MAX = 2, /* exact in any order: MPI's own in mrl_dist_allreduce */
+    MRL_DIST_MIN = 3
+} mrl_dist_op;
+
+/* Where this process sits in the job, from the launcher's environment. */
+typedef struct mrl_dist_env {
+    int rank;
+    int size;       /* 0: the launcher does not say (PMIx alone): MPI will */
+    int local_rank; /* among the ranks on this host */
+    int local_size; /* 0: the launcher does not say: MPI will */
+    const char *launcher; /* "none", "openmpi", "pmix", "slurm" */
+} mrl_dist_env;
+
+mrl_status mrl_dist_env_detect(mrl_dist_env *out);
+
+/* The job's communicator. timeout: seconds (0 = none). With world size > 1
+ * this loads the MPI plugin and initialises MPI; an error says what is
+ * missing. The returned handle lives until mrl_dist_finalize. */
+mrl_status mrl_dist_init(double timeout, mrl_dist **out);
+/* MPI_Finalize (unless broken: then it returns at once) and free. */
+void mrl_dist_finalize(mrl_dist *d);
+
+int mrl_dist_rank(const mrl_dist *d);
+int mrl_dist_size(const mrl_dist *d);
+int mrl_dist_local_rank(const mrl_dist *d);
+int mrl_dist_local_size(const mrl_dist *d);
+/* "none" (world size 1) or "mpi". */
+const char *mrl_dist_backend(const mrl_dist *d);
+void mrl_dist_set_timeout(mrl_dist *d, double seconds);
+/* The step named in timeout reports. */
+void mrl_dist_set_step(mrl_dist *d, int64_t step);
+/* 1 after a timeout (or an MPI error). */
+int mrl_dist_broken(const mrl_dist *d);
+
+/* Rank r's shard of n elements: [*offset, *offset + *count). */
+void mrl_dist_shard(int64_t n, int size, int rank, int64_t *offset, int64_t *count);
+int64_t mrl_dist_dtype_size(int dtype);
+
+mrl_status mrl_dist_barrier(mrl_dist *d);
+/* In place over count elements of dtype on every rank. */
+mrl_status mrl_dist_allreduce(mrl_dist *d, void *buf, int64_t count, int dtype, int op);
+/* bytes from root to every rank, in place. */
+mrl_status mrl_dist_broadcast(mrl_dist *d, void *buf, int64_t bytes, int root);
+/* Every rank's `bytes` bytes of send, in rank order, into recv (size * bytes). */
+mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void *recv);
+/* In place over buf[count]: this rank's shard receives the reduction of
+ * every rank's values of that shard; the rest of buf is left as it was. */
+mrl_status mrl_dist_reduce_scatter(mrl_dist *d, void *buf, int64_t count, int dtype, int op);
+/* In place over buf[count]: every rank's shard copied into the others. */
+mrl_status mrl_dist_allgather_shards(mrl_dist *d, void *buf, int64_t count, int dtype);
+/* Variable-size byte blobs (samples, metrics; up to 1 GiB in all): every rank gives `bytes`
+ * bytes; *out_data gets them all concatenated in rank order and
+ * *out_offsets size + 1 offsets into it (rank r's blob is
+ * [offsets[r], offsets[r+1])). Both are owned by d, valid until the next
+ * call. */
+mrl_status mrl_dist_allgather_blobs(mrl_dist *d, const void *data, int64_t bytes, const uint8_t **out_data,
+                                    const int64_t **out_offsets);
+
+/* ---- Gradient buckets, reduced while the backward runs ----------------
+ * The n floats of a gradient buffer are cut into buckets of about
+ * bucket_bytes. mrl_dist_buckets_ready(b, offset, count) says a range is
+ * final (its signature is the model's gradient hook, mrl_model_set_grad_hook);
+ * once armed, a bucket whose whole range is final starts its reduction at
+ * once (buckets start from the end of the buffer, the order in which a
+ * backward finishes them, and always in that order on every rank).
+ * mrl_dist_buckets_finish starts the rest and waits for all: afterwards the
+ * buffer holds the sum over ranks (mode ALLREDUCE) or this rank's shard
+ * holds it (mode REDUCE_SCATTER, ZeRO-1; the rest is left as it was). The
+ * sums are the rank-order sums of mrl_dist_allreduce, bit for bit.
+ * Create is a collective (every rank, same order); free may come after
+ * mrl_dist_finalize. */
+typedef struct mrl_dist_buckets mrl_dist_buckets;
+
+typedef enum mrl_dist_bucket_mode {
+    MRL_DIST_BUCKETS_ALLREDUCE = 0,
+    MRL_DIST_BUCKETS_REDUCE_SCATTER = 1
+} mrl_dist_bucket_mode;
+
+mrl_status mrl_dist_buckets_create(mrl_dist *d, float *grads, int64_t n, int64_t bucket_bytes, int mode,
+                                   mrl_dist_buckets **out);
+void mrl_dist_buckets_free(mrl_dist_buckets *b);
+/* The next backward is the last before finish: its final ranges start their
+ * reductions (earlier backwards of an accumulation must not). */
+void mrl_dist_buckets_arm(mrl_dist_buckets *b);
+void mrl_dist_buckets_ready(void *b, int64_t offset, int64_t count);
+mrl_status mrl_dist_buckets_finish(mrl_dist_buckets *b);
+/* Buckets whose reduction started before finish in the last round (how
+ * much of the communication overlapped the backward). */
+int mrl_dist_buckets_overlapped(const mrl_dist_buckets *b);
+int mrl_dist_buckets_count(const mrl_dist_buckets *b);
+
+#ifdef __cplusplus
+}
+#endif

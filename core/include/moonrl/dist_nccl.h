@@ -1,0 +1,93 @@
+/* The NCCL communicator between the GPUs of a job (core/dist/nccl.c).
+ *
+ * One per rank, over the same ranks as the MPI communicator it is created
+ * from: rank 0 makes NCCL's unique id, mrl_dist_broadcast hands it to the
+ * others, and every rank joins with its mrl_dist_rank / mrl_dist_size. The
+ * collectives work on device memory (void * device pointers, one GPU per
+ * rank) and run on the communicator's own CUDA stream.
+ *
+ * Every call returns when its collective has finished on this rank (the
+ * buffers can be read and reused at once). Before it starts, the work
+ * already queued on the wait stream (mrl_nccl_set_wait_stream; NULL, the
+ * default, is CUDA's legacy default stream) is finished first, so the inputs
+ * written by kernels on that stream are complete.
+ *
+ * Deadlines: no call waits forever. One that has not finished within the
+ * communicator's timeout (seconds; 0 = none; set at create, changed with
+ * mrl_nccl_set_timeout) aborts the NCCL communicator (ncclCommAbort) and
+ * returns MRL_ERR_TIMEOUT with a message naming the rank, the operation and
+ * its sequence number, and what it was waiting for; an error NCCL reports
+ * (ncclCommGetAsyncError: a peer gone, a network failure) does the same with
+ * MRL_ERR_DEVICE. The communicator is broken from then on: every later call
+ * fails at once with the same error, and mrl_nccl_free does not wait for
+ * the other ranks. Creation has the same deadline (a rank that never joins).
+ *
+ * Bad arguments (an unknown dtype or op, a root out of range, a NULL buffer)
+ * return MRL_ERR_INVALID before anything is queued and do not break it.
+ *
+ * Types and reductions: dtype is an mrl_dist_dtype (F32, F64, I64, U8) or
+ * one of the GPU-only types below; op an mrl_dist_op, MEAN being NCCL's
+ * average (ncclAvg). Unlike mrl_dist, the sums are NCCL's: reproducible from
+ * run to run for the same world size, topology and NCCL version, but not in
+ * rank order, so not bit-equal to mrl_dist_allreduce, and a reduce-scatter
+ * followed by an all-gather need not equal an all-reduce bit for bit.
+ *
+ * One thread at a time per communicator. Without CUDA (MRL_HAVE_CUDA unset
+ * at build time) every function returns MRL_ERR_UNSUPPORTED. */
+#pragma once
+#include <stdint.h>
+#include "status.h"
+#include "dist.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mrl_nccl mrl_nccl;
+
+/* Element types of GPU buffers beyond mrl_dist_dtype's (values kept clear
+ * of that enum's). */
+typedef enum mrl_nccl_dtype {
+    MRL_NCCL_BF16 = 16,
+    MRL_NCCL_F16 = 17
+} mrl_nccl_dtype;
+
+/* Collective over every rank of d (each calls it, in the same order as its
+ * other collectives on d): joins the NCCL communicator on CUDA device
+ * `device` (usually mrl_dist_local_rank). timeout: seconds (0 = none), for
+ * the creation and every later call. */
+mrl_status mrl_nccl_create(mrl_dist *d, int device, double timeout, mrl_nccl **out);
+/* Finishes the communicator (ncclCommFinalize + ncclCommDestroy, within the
+ * deadline; ncclCommAbort when broken or late) and frees it. NULL is a no-op. */
+void mrl_nccl_free(mrl_nccl *nc);
+
+int mrl_nccl_rank(const mrl_nccl *nc);
+int mrl_nccl_size(const mrl_nccl *nc);
+int mrl_nccl_device(const mrl_nccl *nc);
+/* The communicator's cudaStream_t. */
+void *mrl_nccl_stream(const mrl_nccl *nc);
+void mrl_nccl_set_timeout(mrl_nccl *nc, double seconds);
+/* A cudaStream_t whose queued work every later call waits for before it
+ * starts (NULL: the legacy default stream). */
+void mrl_nccl_set_wait_stream(mrl_nccl *nc, void *stream);
+/* 1 after a timeout or an NCCL / CUDA error. */
+int mrl_nccl_broken(const mrl_nccl *nc);
+/* Operations started so far (the sequence number of the next one). */
+int64_t mrl_nccl_seq(const mrl_nccl *nc);
+
+/* In place over count elements of dtype in dev_buf on every rank. */
+mrl_status mrl_nccl_allreduce(mrl_nccl *nc, void *dev_buf, int64_t count, int dtype, int op);
+/* bytes of dev_buf from rank root to every rank, in place. */
+mrl_status mrl_nccl_broadcast(mrl_nccl *nc, void *dev_buf, int64_t bytes, int root);
+/* Every rank's `bytes` bytes of send, in rank order, into recv (size *
+ * bytes). send may be recv + rank * bytes (in place). */
+mrl_status mrl_nccl_allgather(mrl_nccl *nc, const void *send, int64_t bytes, void *recv);
+/* send holds size * recv_count elements; recv (recv_count elements) gets
+ * the reduction over ranks of send[rank * recv_count, (rank + 1) *
+ * recv_count). recv may be send + rank * recv_count (in place). */
+mrl_status mrl_nccl_reduce_scatter(mrl_nccl *nc, const void *send, void *recv, int64_t recv_count, int dtype,
+                                   int op);
+
+#ifdef __cplusplus
+}
+#endif

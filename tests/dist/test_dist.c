@@ -1,0 +1,485 @@
+/* The communicator (moonrl/dist.h) at whatever world size it is started
+ * with: alone, or under mpirun with 2 or 3 ranks (tests/dist/mpirun.sh).
+ *
+ * The test never links MPI either: every rank generates every rank's input
+ * from (seed, rank) and computes the expected result itself, adding the
+ * ranks' values in rank order: the exact reference, bit for bit. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "check.h"
+#include "moonrl/dist.h"
+#include "moonrl/loop.h"
+
+static mrl_dist *D;
+static int R, N; /* this rank, the world size */
+
+/* ------------------------------------------------------------ inputs */
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+typedef struct rng {
+    uint64_t s;
+} rng;
+static uint64_t next(rng *g) { return mix(g->s++); }
+static rng rng_for(uint64_t seed, int rank) { return (rng){mix(seed * 1000003u + (uint64_t)rank + 1) << 20}; }
+
+/* Values of many magnitudes, so that the order of the additions shows. */
+static double value(rng *g) {
+    uint64_t u = next(g);
+    double m = 1.0 + (double)(u >> 11) / 9007199254740992.0; /* [1, 2) */
+    int e = (int)((u >> 3) % 33) - 16;
+    return (u & 1 ? -m : m) * (double)((int64_t)1 << (e + 16)) / 65536.0;
+}
+
+static void fill(void *buf, int64_t n, int dtype, uint64_t seed, int rank) {
+    rng g = rng_for(seed, rank);
+    for (int64_t i = 0; i < n; i++) {
+        switch (dtype) {
+        case MRL_DIST_F32: ((float *)buf)[i] = (float)value(&g); break;
+        case MRL_DIST_F64: ((double *)buf)[i] = value(&g); break;
+        case MRL_DIST_I64: ((int64_t *)buf)[i] = (int64_t)next(&g); break;
+        case MRL_DIST_U8: ((uint8_t *)buf)[i] = (uint8_t)next(&g); break;
+        }
+    }
+}
+
+/* The reduction of every rank's fill(seed, rank), in rank order. */
+static void *reference(int64_t n, int dtype, int op, uint64_t seed) {
+    int64_t esz = mrl_dist_dtype_size(dtype);
+    char *acc = malloc((size_t)(n * esz) + 1), *x = malloc((size_t)(n * esz) + 1);
+    fill(acc, n, dtype, seed, 0);
+    for (int r = 1; r < N; r++) {
+        fill(x, n, dtype, seed, r);
+        for (int64_t i = 0; i < n; i++) {
+#define FOLD(T, ADD)                                                  \
+    {                                                                 \
+        T *a = (T *)acc + i, b = ((T *)x)[i];                         \
+        if (op == MRL_DIST_MAX) *a = b > *a ? b : *a;                 \
+        else if (op == MRL_DIST_MIN) *a = b < *a ? b : *a;            \
+        else *a = ADD;                                                \
+    }
+            switch (dtype) {
+            case MRL_DIST_F32: FOLD(float, *a + b) break;
+            case MRL_DIST_F64: FOLD(double, *a + b) break;
+            case MRL_DIST_I64: FOLD(int64_t, (int64_t)((uint64_t)*a + (uint64_t)b)) break;
+            case MRL_DIST_U8: FOLD(uint8_t, (uint8_t)(*a + b)) break;
+            }
+        }
+    }
+    if (op == MRL_DIST_MEAN)
+        for (int64_t i = 0; i < n; i++) {
+            if (dtype == MRL_DIST_F32) ((float *)acc)[i] /= (float)N;
+            if (dtype == MRL_DIST_F64) ((double *)acc)[i] /= (double)N;
+            if (dtype == MRL_DIST_I64) ((int64_t *)acc)[i] /= N;
+        }
+    free(x);
+    return acc;
+}
+
+static int64_t first_diff(const void *a, const void *b, int64_t n, int64_t esz) {
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp((const char *)a + i * esz, (const char *)b + i * esz, (size_t)esz)) return i;
+    return -1;
+}
+
+#define CHECK_SAME(a, b, n, esz, what, ...)                                                     \
+    do {                                                                                        \
+        int64_t at_ = first_diff((a), (b), (n), (esz));                                         \
+        CHECK(at_ < 0);                                                                         \
+        if (at_ >= 0) {                                                                         \
+            fprintf(stderr, "rank %d: " what ": first difference at element %lld\n", R,         \
+                    __VA_ARGS__, (long long)at_);                                               \
+        }                                                                                       \
+    } while (0)
+
+static const char *DT[] = {"f32", "f64", "i64", "u8"};
+static const char *OP[] = {"sum", "mean", "max", "min"};
+
+/* ------------------------------------------------------------- tests */
+
+static void test_shard(void) {
+    for (int size = 1; size <= 5; size++)
+        for (int64_t n = 0; n <= 23; n++) {
+            int64_t next_off = 0;
+            for (int r = 0; r < size; r++) {
+                int64_t off, cnt;
+                mrl_dist_shard(n, size, r, &off, &cnt);
+                CHECK(off == next_off);
+                CHECK(cnt == n / size + (r < n % size ? 1 : 0));
+                next_off = off + cnt;
+            }
+            CHECK(next_off == n);
+        }
+}
+
+static void test_env_and_handle(void) {
+    mrl_dist_env e;
+    CHECK_OK(mrl_dist_env_detect(&e));
+    CHECK(e.size == N);
+    CHECK(e.rank == R);
+    CHECK(mrl_dist_local_rank(D) >= 0 && mrl_dist_local_rank(D) < mrl_dist_local_size(D));
+    if (N == 1) {
+        CHECK(strcmp(mrl_dist_backend(D), "none") == 0);
+    } else {
+        CHECK(strcmp(mrl_dist_backend(D), "mpi") == 0);
+        CHECK(strcmp(e.launcher, "openmpi") == 0);
+        CHECK(e.local_size == mrl_dist_local_size(D)); /* one host */
+    }
+    CHECK(!mrl_dist_broken(D));
+}
+
+/* Launchers' variables, read without starting anything (alone only). */
+static void test_env_vars(void) {
+    if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("SLURM_PROCID")) return;
+    mrl_dist_env e;
+    setenv("SLURM_PROCID", "5", 1);
+    setenv("SLURM_STEP_NUM_TASKS", "8", 1);
+    setenv("SLURM_LOCALID", "1", 1);
+    setenv("SLURM_NODEID", "2", 1);
+    setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2),3,1", 1);
+    CHECK_OK(mrl_dist_env_detect(&e));
+    CHECK(e.rank == 5 && e.size == 8 && e.local_rank == 1 && e.local_size == 3 && !strcmp(e.launcher, "slurm"));
+    /* a batch script: Slurm's variables, but no step: one process */
+    unsetenv("SLURM_STEP_NUM_TASKS");
+    unsetenv("SLURM_STEP_TASKS_PER_NODE");
+    setenv("SLURM_PROCID", "0", 1);
+    setenv("SLURM_NTASKS", "8", 1);
+    CHECK_OK(mrl_dist_env_detect(&e));
+    CHECK(e.size == 1 && !strcmp(e.launcher, "none"));
+    setenv("PMIX_RANK", "3", 1);
+    setenv("SLURM_STEP_NUM_TASKS", "4", 1);
+    CHECK_OK(mrl_dist_env_detect(&e));
+    CHECK(e.rank == 3 && e.size == 4 && !strcmp(e.launcher, "pmix"));
+    unsetenv("SLURM_STEP_NUM_TASKS");
+    unsetenv("SLURM_NTASKS");
+    CHECK_OK(mrl_dist_env_detect(&e));
+    CHECK(e.size == 0); /* PMIx alone does not say: MPI will */
+    unsetenv("PMIX_RANK");
+    unsetenv("SLURM_PROCID");
+    unsetenv("SLURM_LOCALID");
+    unsetenv("SLURM_NODEID");
+    setenv("OMPI_COMM_WORLD_SIZE", "two", 1);
+    CHECK(mrl_dist_env_detect(&e) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "OMPI_COMM_WORLD_SIZE");
+    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+    setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+    CHECK(mrl_dist_env_detect(&e) == MRL_ERR_INVALID);
+    /* world size 2 but no plugin where it is looked for: a clear error, MPI never started */
+    setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+    setenv("MOONRL_MPI_PLUGIN", "/nonexistent/libmoonrl_mpi.so", 1);
+    mrl_dist *d = NULL;
+    CHECK(mrl_dist_init(1, &d) == MRL_ERR_UNSUPPORTED && d == NULL);
+    CHECK_STR_CONTAINS(mrl_last_error(), "/nonexistent/libmoonrl_mpi.so");
+    unsetenv("MOONRL_MPI_PLUGIN");
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    unsetenv("OMPI_COMM_WORLD_RANK");
+}
+
+static void test_invalid(void) {
+    float x[4] = {0};
+    CHECK(mrl_dist_allreduce(D, x, 4, 9, MRL_DIST_SUM) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_allreduce(D, x, 4, MRL_DIST_F32, 9) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_allreduce(D, x, -1, MRL_DIST_F32, MRL_DIST_SUM) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_allreduce(D, NULL, 4, MRL_DIST_F32, MRL_DIST_SUM) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_allreduce(D, x, 4, MRL_DIST_U8, MRL_DIST_MEAN) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_reduce_scatter(D, x, 4, MRL_DIST_F32, -1) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_broadcast(D, x, 4, N) == MRL_ERR_INVALID);
+    CHECK(mrl_dist_broadcast(D, x, 4, -1) == MRL_ERR_INVALID);
+    mrl_dist_buckets *b = NULL;
+    CHECK(mrl_dist_buckets_create(D, x, 4, 0, MRL_DIST_BUCKETS_ALLREDUCE, &b) == MRL_ERR_INVALID && !b);
+    CHECK(mrl_dist_buckets_create(D, x, 4, 64, 7, &b) == MRL_ERR_INVALID && !b);
+    CHECK(!mrl_dist_broken(D)); /* refused before anything started */
+    CHECK_OK(mrl_dist_barrier(D));
+}
+
+static int64_t sizes[32];
+static int n_sizes;
+
+static void make_sizes(void) {
+    int64_t s[] = {0, 1, 2, 3, 7, (int64_t)N - 1, (int64_t)N + 1, 1000, 4097, 65537, ((int64_t)1 << 20) + 3};
+    for (size_t i = 0; i < sizeof s / sizeof *s; i++) {
+        int dup = 0;
+        for (int j = 0; j < n_sizes; j++) dup |= sizes[j] == s[i];
+        if (!dup) sizes[n_sizes++] = s[i];
+    }
+}
+
+/* all-reduce = the reference; reduce-scatter leaves the shard summed and
+ * the rest alone; all-gather of the shards then equals the all-reduce */
+static void test_reductions(void) {
+    uint64_t seed = 100;
+    for (int si = 0; si < n_sizes; si++) {
+        int64_t n = sizes[si];
+        for (int dt = 0; dt < 4; dt++)
+            for (int op = 0; op < 4; op++) {
+                if (dt == MRL_DIST_U8 && op == MRL_DIST_MEAN) continue;
+                /* the largest size: the float sums only (the pipeline's paths) */
+                if (n > 100000 && !(op == MRL_DIST_SUM && dt <= MRL_DIST_F64) && !(op == MRL_DIST_MAX && dt == 0))
+                    continue;
+                seed++;
+                int64_t esz = mrl_dist_dtype_size(dt);
+                void *ref = reference(n, dt, op, seed);
+                char *a = malloc((size_t)(n * esz) + 1), *b = malloc((size_t)(n * esz) + 1);
+                char *mine = malloc((size_t)(n * esz) + 1);
+                fill(a, n, dt, seed, R);
+                fill(mine, n, dt, seed, R);
+                CHECK_OK(mrl_dist_allreduce(D, a, n, dt, op));
+                CHECK_SAME(a, ref, n, esz, "allreduce %s %s n=%lld", DT[dt], OP[op], (long long)n);
+
+                fill(b, n, dt, seed, R);
+                CHECK_OK(mrl_dist_reduce_scatter(D, b, n, dt, op));
+                int64_t off, cnt;
+                mrl_dist_shard(n, N, R, &off, &cnt);
+                CHECK_SAME(b + off * esz, (char *)ref + off * esz, cnt, esz, "reduce_scatter shard %s %s n=%lld",
+                           DT[dt], OP[op], (long long)n);
+                CHECK_SAME(b, mine, off, esz, "reduce_scatter before the shard %s n=%lld", OP[op], (long long)n);
+                CHECK_SAME(b + (off + cnt) * esz, mine + (off + cnt) * esz, n - off - cnt, esz,
+                           "reduce_scatter after the shard %s n=%lld", OP[op], (long long)n);
+                CHECK_OK(mrl_dist_allgather_shards(D, b, n, dt));
+                CHECK_SAME(b, a, n, esz, "reduce_scatter + allgather_shards vs allreduce %s %s n=%lld", DT[dt],
+                           OP[op], (long long)n);
+                free(ref);
+                free(a);
+                free(b);
+                free(mine);
+            }
+    }
+}
+
+/* all-gather of the shards alone: every rank's shard, the rest garbage */
+static void test_allgather_shards(void) {
+    for (int si = 0; si < n_sizes; si++) {
+        int64_t n = sizes[si];
+        for (int dt = 0; dt < 4; dt += 3) { /* f32, u8 */
+            int64_t esz = mrl_dist_dtype_size(dt);
+            char *want = malloc((size_t)(n * esz) + 1), *buf = malloc((size_t)(n * esz) + 1);
+            for (int r = 0; r < N; r++) {
+                int64_t off, cnt;
+                mrl_dist_shard(n, N, r, &off, &cnt);
+                fill(want + off * esz, cnt, dt, 7 + (uint64_t)n, r);
+            }
+            memset(buf, 0xa5, (size_t)(n * esz));
+            int64_t off, cnt;
+            mrl_dist_shard(n, N, R, &off, &cnt);
+            memcpy(buf + off * esz, want + off * esz, (size_t)(cnt * esz));
+            CHECK_OK(mrl_dist_allgather_shards(D, buf, n, dt));
+            CHECK_SAME(buf, want, n, esz, "allgather_shards %s n=%lld", DT[dt], (long long)n);
+            free(want);
+            free(buf);
+        }
+    }
+}
+
+static void test_broadcast(void) {
+    int64_t lens[] = {0, 1, 5, (3 << 20) + 5};
+    int roots[] = {N - 1, 0};
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (int ri = 0; ri < 2; ri++) {
+            int64_t n = lens[li];
+            int root = roots[ri];
+            uint8_t *want = malloc((size_t)n + 1), *buf = malloc((size_t)n + 1);
+            fill(want, n, MRL_DIST_U8, 55 + (uint64_t)li, root);
+            if (R == root) memcpy(buf, want, (size_t)n);
+            else memset(buf, 0x5a, (size_t)n);
+            CHECK_OK(mrl_dist_broadcast(D, buf, n, root));
+            CHECK_SAME(buf, want, n, 1, "broadcast of %lld bytes from %d", (long long)n, root);
+            free(want);
+            free(buf);
+        }
+}
+
+static void test_allgather(void) {
+    int64_t lens[] = {0, 1, 13, 100000};
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++) {
+        int64_t n = lens[li];
+        uint8_t *send = malloc((size_t)n + 1), *recv = malloc((size_t)(n * N) + 1), *want = malloc((size_t)(n * N) + 1);
+        for (int r = 0; r < N; r++) fill(want + r * n, n, MRL_DIST_U8, 77 + (uint64_t)li, r);
+        fill(send, n, MRL_DIST_U8, 77 + (uint64_t)li, R);
+        memset(recv, 0, (size_t)(n * N));
+        CHECK_OK(mrl_dist_allgather(D, send, n, recv));
+        CHECK_SAME(recv, want, n * N, 1, "allgather of %lld bytes", (long long)n);
+        /* in place: this rank's part already where it goes */
+        memset(recv, 0, (size_t)(n * N));
+        memcpy(recv + R * n, send, (size_t)n);
+        CHECK_OK(mrl_dist_allgather(D, recv + R * n, n, recv));
+        CHECK_SAME(recv, want, n * N, 1, "allgather in place of %lld bytes", (long long)n);
+        free(send);
+        free(recv);
+        free(want);
+    }
+}
+
+static int64_t blob_len(int pattern, int r) {
+    switch (pattern) {
+    case 0: return (r * 37 + 5) % 11; /* some empty (r = 5 mod 11...), mostly short */
+    case 1: return 0;                 /* all empty */
+    case 2: return r == N - 1 ? 200001 : 0;
+    default: return r == 0 ? 0 : 1000 + r;
+    }
+}
+
+static void test_blobs(void) {
+    for (int pattern = 0; pattern < 4; pattern++) {
+        int64_t len = blob_len(pattern, R);
+        uint8_t *mine = malloc((size_t)len + 1);
+        fill(mine, len, MRL_DIST_U8, 900 + (uint64_t)pattern, R);
+        const uint8_t *data = NULL;
+        const int64_t *off = NULL;
+        CHECK_OK(mrl_dist_allgather_blobs(D, len ? mine : NULL, len, &data, &off));
+        if (!data || !off) {
+            free(mine);
+            continue;
+        }
+        CHECK(off[0] == 0);
+        for (int r = 0; r < N; r++) {
+            int64_t l = blob_len(pattern, r);
+            CHECK(off[r + 1] - off[r] == l);
+            uint8_t *want = malloc((size_t)l + 1);
+            fill(want, l, MRL_DIST_U8, 900 + (uint64_t)pattern, r);
+            CHECK_SAME(data + off[r], want, l, 1, "blob of rank %d, pattern %d", r, pattern);
+            free(want);
+        }
+        free(mine);
+    }
+}
+
+/* The ranges a backward reports, from the end of the buffer to its start,
+ * in pieces of tensor-like sizes (they straddle the buckets' edges). */
+static void ready_backward(mrl_dist_buckets *b, int64_t n, uint64_t seed) {
+    rng g = rng_for(seed, 99);
+    int64_t hi = n;
+    while (hi > 0) {
+        int64_t len = 1 + (int64_t)(next(&g) % 5000);
+        int64_t lo = hi - len > 0 ? hi - len : 0;
+        mrl_dist_buckets_ready(b, lo, hi - lo);
+        hi = lo;
+    }
+}
+
+/* The same ranges in a random order, some twice. */
+static void ready_shuffled(mrl_dist_buckets *b, int64_t n, uint64_t seed) {
+    rng g = rng_for(seed, 98);
+    int64_t (*r)[2] = malloc(sizeof *r * (size_t)(n / 1 + 2));
+    int k = 0;
+    for (int64_t lo = 0; lo < n;) {
+        int64_t len = 1 + (int64_t)(next(&g) % 3000);
+        r[k][0] = lo;
+        r[k][1] = lo + len < n ? len : n - lo;
+        lo += r[k][1];
+        k++;
+    }
+    for (int i = k - 1; i > 0; i--) {
+        int j = (int)(next(&g) % (uint64_t)(i + 1));
+        int64_t t0 = r[i][0], t1 = r[i][1];
+        r[i][0] = r[j][0], r[i][1] = r[j][1];
+        r[j][0] = t0, r[j][1] = t1;
+    }
+    for (int i = 0; i < k; i++) {
+        mrl_dist_buckets_ready(b, r[i][0], r[i][1]);
+        if (i % 3 == 0) mrl_dist_buckets_ready(b, r[i][0], r[i][1]);
+    }
+    free(r);
+}
+
+static void test_buckets(void) {
+    int64_t ns[] = {0, 1, 5, 1000, 300001};
+    int64_t bbytes[] = {28, 4096, 1 << 20};
+    uint64_t seed = 5000;
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t bi = 0; bi < sizeof bbytes / sizeof *bbytes; bi++)
+            for (int mode = 0; mode < 2; mode++) {
+                int64_t n = ns[ni];
+                if (n > 100000 && bbytes[bi] < 4096) continue; /* 10^4 buckets: slow, nothing new */
+                float *g = malloc(sizeof(float) * (size_t)n + 1), *mine = malloc(sizeof(float) * (size_t)n + 1);
+                float *ar = malloc(sizeof(float) * (size_t)n + 1);
+                mrl_dist_buckets *b = NULL;
+                CHECK_OK(mrl_dist_buckets_create(D, g, n, bbytes[bi], mode, &b));
+                if (!b) continue;
+                int64_t blen = bbytes[bi] / 4;
+                CHECK(mrl_dist_buckets_count(b) == (n + blen - 1) / blen);
+                /* three rounds: not armed (an accumulation's earlier backward), then armed twice */
+                for (int round = 0; round < 3; round++) {
+                    seed++;
+                    fill(g, n, MRL_DIST_F32, seed, R);
+                    fill(mine, n, MRL_DIST_F32, seed, R);
+                    fill(ar, n, MRL_DIST_F32, seed, R);
+                    CHECK_OK(mrl_dist_allreduce(D, ar, n, MRL_DIST_F32, MRL_DIST_SUM));
+                    if (round > 0) mrl_dist_buckets_arm(b);
+                    /* the last rank never says anything; rank 1 says it out of order */
+                    int how = N > 1 && R == N - 1 ? 0 : R == 1 ? 2 : 1;
+                    if (how == 1) ready_backward(b, n, seed);
+                    if (how == 2) ready_shuffled(b, n, seed);
+                    CHECK_OK(mrl_dist_buckets_finish(b));
+                    int64_t off = 0, cnt = n;
+                    if (mode == MRL_DIST_BUCKETS_REDUCE_SCATTER) mrl_dist_shard(n, N, R, &off, &cnt);
+                    CHECK_SAME(g + off, ar + off, cnt, 4,
+                               "buckets (mode %d, n=%lld, %lld bytes, round %d) vs allreduce", mode, (long long)n,
+                               (long long)bbytes[bi], round);
+                    CHECK_SAME(g, mine, off, 4, "buckets: before the shard, n=%lld", (long long)n);
+                    CHECK_SAME(g + off + cnt, mine + off + cnt, n - off - cnt, 4, "buckets: after the shard, n=%lld",
+                               (long long)n);
+                    int want = round == 0 || how == 0 ? 0 : mrl_dist_buckets_count(b);
+                    CHECK(mrl_dist_buckets_overlapped(b) == want);
+                }
+                mrl_dist_buckets_free(b);
+                free(g);
+                free(mine);
+                free(ar);
+            }
+}
+
+/* The ranks' order of addition is what gives these bits: another order
+ * gives others (a check that the test above could see a wrong order). */
+static void test_order_matters(void) {
+    if (N < 3) return;
+    int64_t n = 10000;
+    float *ref = reference(n, MRL_DIST_F32, MRL_DIST_SUM, 4242);
+    float *acc = calloc((size_t)n, sizeof(float)), *x = malloc((size_t)n * sizeof(float));
+    for (int r = N - 1; r >= 0; r--) {
+        fill(x, n, MRL_DIST_F32, 4242, r);
+        for (int64_t i = 0; i < n; i++) acc[i] = r == N - 1 ? x[i] : acc[i] + x[i];
+    }
+    CHECK(first_diff(acc, ref, n, 4) >= 0);
+    free(ref);
+    free(acc);
+    free(x);
+}
+
+int main(void) {
+    CHECK_OK(mrl_dist_init(60, &D)); /* a bug here fails with a report instead of hanging */
+    if (!D) CHECK_DONE();
+    R = mrl_dist_rank(D);
+    N = mrl_dist_size(D);
+    mrl_dist_set_step(D, 0);
+    double t0 = mrl_time_now();
+    make_sizes();
+    test_shard();
+    test_env_and_handle();
+    if (N == 1) test_env_vars();
+    test_invalid();
+    test_reductions();
+    test_allgather_shards();
+    test_broadcast();
+    test_allgather();
+    test_blobs();
+    test_buckets();
+    test_order_matters();
+    CHECK_OK(mrl_dist_barrier(D));
+    CHECK(!mrl_dist_broken(D));
+    if (R == 0) printf("rank 0 of %d (%s): %.2f s\n", N, mrl_dist_backend(D), mrl_time_now() - t0);
+    /* every rank's verdict: a failure anywhere fails the run */
+    int64_t failed = check_failures;
+    CHECK_OK(mrl_dist_allreduce(D, &failed, 1, MRL_DIST_I64, MRL_DIST_MAX));
+    mrl_dist_finalize(D);
+    if (failed && !check_failures) check_failures = 1;
+    if (R != 0 && !check_failures) return 0; /* one summary line for the job */
+    CHECK_DONE();
+}
