@@ -96,14 +96,19 @@ for step in S:steps(cfg.sft.steps, 'sft') do
     local flawed = rng:int(1000) < 1000 * cfg.sft.flawed
     samples[i] = { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
   end
-  local b = R.pack(samples)
+  local tokens = 0 -- the loss is the mean over the answer tokens of the whole batch
+  for _, s in ipairs(samples) do tokens = tokens + #s.ids end
   model:zero_grad()
-  local lp = model:forward(b)
-  local grad = require('ffi').new('float[?]', b.n_tokens)
-  local loss = algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad })
-  model:backward(grad)
+  local loss = 0
+  for b in S:micro_batches(samples, 4096) do -- this process's share (all of it, alone)
+    local lp = model:forward(b)
+    local grad = require('ffi').new('float[?]', b.n_tokens)
+    loss = loss + algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad,
+      global_tokens = tokens })
+    model:backward(grad)
+  end
   R.apply_update(S, sft_opt, cfg.sft.lr * (1 - (step - 1) / cfg.sft.steps), -- linear decay
-    { loss = loss, grad_norm = sft_opt:clip_grad_norm(1.0) })
+    { loss = S:sum(loss), grad_norm = sft_opt:clip_grad_norm(1.0) })
 end
 local before = S:memo('before', function() return accuracy(heldout) end)
 print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%', cfg.sft.steps, 100 * before))

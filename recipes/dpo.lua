@@ -87,8 +87,8 @@ end
 local first_acc, last_acc
 for step in S:steps() do
   local batch = next_pairs(cfg.train.pairs)
-  local samples = {}
-  for _, pr in ipairs(batch) do samples[#samples + 1] = pr[1]; samples[#samples + 1] = pr[2] end
+  local samples = {} -- this rank's share of the pairs
+  for _, pr in ipairs(S:shard(batch)) do samples[#samples + 1] = pr[1]; samples[#samples + 1] = pr[2] end
   local t0 = moonrl.now()
   local m = S:phase('train', function()
     local sums = { loss = 0, rewards_accuracy = 0, rewards_margin = 0, rewards_chosen = 0, rewards_rejected = 0 }
@@ -122,10 +122,11 @@ for step in S:steps() do
       tokens = tokens + b.n_tokens
       i = j
     end
+    sums = S:sum(sums) -- over the whole batch
     sums.grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm)
     sums.lr = S:lr()
     R.apply_update(S, S.opt, sums.lr, sums)
-    sums.tokens = tokens
+    sums.tokens = S:sum(tokens)
     return sums
   end)
   first_acc, last_acc = first_acc or m.rewards_accuracy, m.rewards_accuracy

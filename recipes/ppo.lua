@@ -43,18 +43,20 @@ local function critic_step(samples)
   for _, s in ipairs(samples) do tokens = tokens + #s.ids end
   local loss, clipfrac = 0, 0
   critic:zero_grad()
-  for b, first in R.micro_batches(samples, mb_tokens) do
+  local mine = S:local_samples(samples)
+  for b, first in S:micro_batches(samples, mb_tokens) do
     local _, _, v = critic:forward(b, { values = true })
     local dv = ffi.new('float[?]', b.n_tokens)
-    local l, m = algo.value_loss.clipped({ values = v, old_values = R.scatter(b, R.gather_field(samples, 'values'), first),
-      returns = R.scatter(b, R.gather_field(samples, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
+    local l, m = algo.value_loss.clipped({ values = v, old_values = R.scatter(b, R.gather_field(mine, 'values'), first),
+      returns = R.scatter(b, R.gather_field(mine, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
       nseq = b.n_seqs, clip = cfg.ppo.value_clip, grad = dv, global_tokens = tokens })
     critic:backward(nil, nil, dv)
     local mt = 0
     for _, n in ipairs(b.len) do mt = mt + n end
     loss, clipfrac = loss + l, clipfrac + m.vf_clipfrac * mt / math.max(tokens, 1)
   end
-  local m = { loss = loss, clip_frac = clipfrac, grad_norm = critic_opt:clip_grad_norm(cfg.train.max_grad_norm) }
+  local m = S:sum({ loss = loss, clip_frac = clipfrac })
+  m.grad_norm = critic_opt:clip_grad_norm(cfg.train.max_grad_norm)
   R.apply_update(S, critic_opt, cfg.train.critic_lr, m, { detectors = false })
   return m
 end

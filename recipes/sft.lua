@@ -5,8 +5,8 @@
 -- for each step:
 --   batch    <- next records of the shuffled dataset
 --   tokens   <- prompt (chat template when data.chat) .. response .. eos
---   for each micro-batch: forward -> log πθ of every token; loss = token-mean(−log πθ) over the
---     response tokens of the WHOLE batch (global denominator); backward
+--   for each micro-batch of this rank's share: forward -> log πθ of every token; loss =
+--     token-mean(−log πθ) over the response tokens of the WHOLE batch (global denominator); backward
 --   clip the gradient norm; AdamW step with the scheduled learning rate
 -- The model is saved in Hugging Face format (with the tokenizer files) to <run dir>/model.
 local moonrl = require('moonrl')
@@ -68,14 +68,14 @@ for step in S:steps() do
     for _, s in ipairs(samples) do tokens = tokens + #s.ids end
     local loss = 0
     model:zero_grad()
-    for b in R.micro_batches(samples, cfg.train.micro_batch_tokens) do
+    for b in S:micro_batches(samples, cfg.train.micro_batch_tokens) do
       local lp = model:forward(b)
       local grad = ffi.new('float[?]', b.n_tokens)
       loss = loss + algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs,
         grad = grad, global_tokens = tokens })
       model:backward(grad)
     end
-    local r = { loss = loss, grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm), lr = S:lr(), tokens = tokens }
+    local r = { loss = S:sum(loss), grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm), lr = S:lr(), tokens = tokens }
     R.apply_update(S, S.opt, r.lr, r)
     return r
   end)

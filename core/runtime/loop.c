@@ -33,7 +33,7 @@ static uv_mutex_t queue_lock;
 static command *queue_head, *queue_tail;
 static int loop_running;
 
-static uv_signal_t sigint_handle, sigterm_handle;
+static uv_signal_t sigint_handle, sigterm_handle, sigusr2_handle;
 static int signals_installed;          /* guarded by signals_lock */
 static uv_mutex_t signals_lock;
 static uv_cond_t signals_cond;
@@ -82,7 +82,10 @@ int mrl_signal_last(void) { return atomic_load(&signal_last); }
 
 static void on_signal(uv_signal_t *handle, int signum) {
     (void)handle;
-    const char *name = signum == SIGINT ? "SIGINT" : "SIGTERM";
+    /* SIGUSR2 is a SIGINT / SIGTERM that `moonrl launch` forwarded through mpirun, which passes
+     * SIGUSR1/2 on to every rank but ends the job on SIGTERM: the ranks stop as on SIGTERM */
+    const char *name = signum == SIGINT ? "SIGINT" : signum == SIGTERM ? "SIGTERM" : "SIGUSR2 (a stop from the launcher)";
+    if (signum == SIGUSR2) signum = SIGTERM;
     atomic_store(&signal_last, signum);
     atomic_fetch_add(&signals_received, 1);
     if (atomic_load(&count_only)) return;
@@ -323,6 +326,8 @@ static void handle_command(command *c) {
             uv_signal_init(&loop, &sigterm_handle);
             uv_signal_start(&sigint_handle, on_signal, SIGINT);
             uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
+            uv_signal_init(&loop, &sigusr2_handle);
+            uv_signal_start(&sigusr2_handle, on_signal, SIGUSR2);
             uv_mutex_lock(&signals_lock);
             signals_installed = 1;
             uv_cond_broadcast(&signals_cond);

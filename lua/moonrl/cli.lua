@@ -16,6 +16,9 @@ usage:
   moonrl run RECIPE --show-config   list the recipe's config keys and defaults
   moonrl run --restarts N RECIPE ...  supervise: restart a crashed or hung run from its latest
                                     checkpoint, N times at most (--backoff S, --kill-grace S)
+  moonrl launch -n N [--restarts K] RECIPE [key=value ...]
+                                    N ranks on this machine through mpirun (data parallel); the
+                                    same recipe runs under `mpirun -n N moonrl run ...` and `srun`
   moonrl version                    version, git revision, backends, CPU features
   moonrl help                       this text
   moonrl COMMAND ...                another command from lua/moonrl/cmd/ (%s)
@@ -35,7 +38,8 @@ MOONRL_LOG (error, warn, info, debug, trace), MOONRL_FAULT (fault injection for
 tests, see lua/moonrl/fault.lua)
 ]]
 
-local function eprint(msg) io.stderr:write('moonrl: ', msg, '\n') end
+-- Error lines name the rank in a job of several (mrl_log_set_rank).
+local function eprint(msg) io.stderr:write('moonrl', ffi.string(moonrl.C.mrl_log_rank_tag()), ': ', msg, '\n') end
 
 local function file_exists(path)
   local f = io.open(path, 'rb')
@@ -89,6 +93,7 @@ local function run_chunk(chunk, label, overrides, show_config)
   end)
   -- a session saves what it can (a checkpoint, the model on a clean stop) and closes its files
   moonrl.run_exit_hooks(ok, err)
+  require('moonrl.dist').shutdown(ok)
   if ok then
     if not config.consumed and (#overrides > 0 or show_config) then
       eprint(string.format("error: %s declares no config (moonrl.config{...}), so '%s' cannot be set",
@@ -115,7 +120,7 @@ local function run_chunk(chunk, label, overrides, show_config)
     if err.code > 0 then return 128 + err.code end
     return 124
   end
-  io.stderr:write('moonrl: error in ', label, ': ', traceback or tostring(err), '\n')
+  io.stderr:write('moonrl', ffi.string(moonrl.C.mrl_log_rank_tag()), ': error in ', label, ': ', traceback or tostring(err), '\n')
   return 1
 end
 
@@ -199,6 +204,7 @@ function M.main(args)
   local rest = {}
   for i = 2, #args do rest[#rest + 1] = args[i] end
   if cmd == 'run' then return cmd_run(rest) end
+  if cmd == 'launch' then return require('moonrl.launch').main(rest) end
   if cmd:match('%.lua$') then return cmd_run(args) end
   if cmd:match('^[%w_]+$') and file_exists(moonrl.home .. '/lua/moonrl/cmd/' .. cmd .. '.lua') then
     local mod = require('moonrl.cmd.' .. cmd)

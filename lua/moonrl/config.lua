@@ -32,7 +32,8 @@ function M.optional(typ, doc) return slot('optional', typ, doc) end
 -- A number that must be whole (steps, sizes): `integer(100)`.
 function M.integer(default) return setmetatable({ kind = 'default', type = 'integer', value = default }, Slot) end
 
--- The sections every recipe gets: `run` (moonrl reads it itself) and `guard` (moonrl.guard).
+-- The sections every recipe gets: `run` (moonrl reads it itself), `guard` (moonrl.guard) and
+-- `dist` (below).
 local function run_section()
   return {
     seed = M.integer(1),
@@ -46,6 +47,15 @@ local function run_section()
     keep_checkpoints = M.integer(2), -- the newest K are kept (0: all)
     checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
     hang_seconds = 1800.0,  -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
+  }
+end
+
+-- `dist`: the ranks of a job started by mpirun / srun / moonrl launch (moonrl.dist).
+local function dist_section()
+  return {
+    timeout = 600.0,          -- seconds a collective may wait for the other ranks before the job fails (0: forever)
+    zero = M.integer(0),      -- 1: ZeRO-1, the optimizer state sharded over the ranks
+    bucket_mb = 25.0,         -- gradient all-reduce bucket size, started while the backward runs
   }
 end
 
@@ -217,6 +227,7 @@ function M.merge(declared, overrides)
   for k, v in pairs(declared) do tree[k] = v end
   if tree.run == nil then tree.run = run_section() end
   if tree.guard == nil then tree.guard = guard_section() end
+  if tree.dist == nil then tree.dist = dist_section() end
   local flat = flatten(tree, nil, {})
   local known = sorted_keys(flat)
   local cfg = resolve(tree)
@@ -257,6 +268,7 @@ function M.format(declared)
   for k, v in pairs(declared) do tree[k] = v end
   if tree.run == nil then tree.run = run_section() end
   if tree.guard == nil then tree.guard = guard_section() end
+  if tree.dist == nil then tree.dist = dist_section() end
   local flat = flatten(tree, nil, {})
   local lines = {}
   for _, k in ipairs(sorted_keys(flat)) do lines[#lines + 1] = string.format('%-28s %s', k, describe(flat[k])) end

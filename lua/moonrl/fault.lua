@@ -18,7 +18,8 @@
 -- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
 -- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
 -- as generate, reward, train), attempt=K (only in the K-th start under a supervisor, 0 the
--- first; MOONRL_ATTEMPT), times=N (nan, spike, kl: at most N times in a process), checkpoint=N,
+-- first; MOONRL_ATTEMPT), rank=R (only in rank R of a job of several: the launcher's
+-- OMPI_COMM_WORLD_RANK, PMIX_RANK or SLURM_PROCID), times=N (nan, spike, kl: at most N times in a process), checkpoint=N,
 -- bytes=B, factor=F, value=V, sig=S, seconds=T.
 local moonrl = require('moonrl')
 
@@ -45,9 +46,11 @@ end
 
 M.faults = M.parse(os.getenv('MOONRL_FAULT'))
 M.attempt = tonumber(os.getenv('MOONRL_ATTEMPT') or '0') or 0
+M.rank = tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or os.getenv('PMIX_RANK') or os.getenv('SLURM_PROCID') or '0') or 0
 
 local function applies(f, step, phase)
   if f.attempt and f.attempt ~= M.attempt then return false end
+  if f.rank and f.rank ~= M.rank then return false end
   if f.step and f.step ~= step then return false end
   if f.phase and f.phase ~= phase then return false end
   return true

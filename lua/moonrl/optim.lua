@@ -44,6 +44,7 @@ function M.adamw(o)
   local self = setmetatable({
     handle = ffi.gc(out[0], C.mrl_adamw_free),
     params = params, grads = grads, n = n, lr = cfg.lr,
+    options = { betas = { betas[1], betas[2] }, eps = cfg.eps, weight_decay = cfg.weight_decay },
     _keep = { o.params, o.grads },
   }, AdamW)
   if o.no_decay and #o.no_decay > 0 then self:set_no_decay(o.no_decay) end
@@ -58,6 +59,14 @@ function AdamW:set_no_decay(ranges)
     flat[2 * i - 1] = r[2] or r.count
   end
   moonrl.check(C.mrl_adamw_set_no_decay(self.handle, flat, #ranges), 2)
+end
+
+-- An AdamW with the same settings over elements [offset, offset + count) of the same buffers
+-- (a rank's shard under ZeRO-1); no_decay: ranges relative to offset.
+function AdamW:shard(offset, count, no_decay)
+  local o = self.options
+  return M.adamw({ params = self.params + offset, grads = self.grads + offset, n = count, lr = self.lr,
+    betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay })
 end
 
 function AdamW:step(lr)

@@ -25,6 +25,7 @@
 -- of P tokens and R response tokens; those are the mask's ones.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
+local json = require('moonrl.json')
 local model_mod = require('moonrl.model')
 local function rewards_mod() return require('moonrl.rewards') end
 
@@ -242,8 +243,10 @@ end
 function M.adamw(model, o)
   local p, n = model:params()
   local g = model:grads()
-  return require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
+  local opt = require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
     eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges() })
+  opt.model = model -- what a session's data-parallel wrapper hooks its gradient buckets into
+  return opt
 end
 
 -- Save model to dir (default run.dir/model) in Hugging Face format with the tokenizer files of
@@ -304,7 +307,9 @@ end
 -- (one per completion) that carry their record (prompt, answer, meta), group index and results.
 function M.requests(records, n)
   local reqs = {}
-  for i, r in ipairs(records) do reqs[i] = { prompt_ids = r.prompt_ids, n = n } end
+  -- prompt_index: the record's place in the step's global batch (S:prompts), so that a rank
+  -- draws the samples one process would draw for it
+  for i, r in ipairs(records) do reqs[i] = { prompt_ids = r.prompt_ids, n = n, prompt_index = r.prompt_index } end
   return reqs
 end
 
@@ -337,19 +342,24 @@ end
 -- entropy, clip_frac, approx_kl, grad_norm, lr, tokens.
 function M.policy_step(o)
   local algo = require('moonrl.algo')
-  local model, samples = o.model, o.samples
+  local model, all = o.model, o.samples
   local temp = o.temperature or 1.0
-  local tokens, seqs = 0, 0
-  for _, s in ipairs(samples) do
+  local tokens, seqs = 0, 0 -- of the global batch: the losses' denominators
+  for _, s in ipairs(all) do
     tokens = tokens + #s.ids
     if #s.ids > 0 then seqs = seqs + 1 end
   end
+  local S = o.session
+  local world = S and S.world
+  -- this rank trains on the samples it generated (S:score gathers them all), or on its share
+  local samples = S and S:local_samples(all) or all
   local sums = { loss = 0, kl = 0, entropy = 0, clip_frac = 0, approx_kl = 0 }
   local measure = o.measure_mismatch ~= false
   local mm = { sum = 0, max = 0, mult = 0, n = 0 }
   model:zero_grad()
   local share = { share_prompts = o.share_prompts ~= false }
-  for b, first in M.micro_batches(samples, o.micro_batch_tokens or 4096, share) do
+  for b, first, last in M.micro_batches(samples, o.micro_batch_tokens or 4096, share) do
+    if last == #samples and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
     local n = b.n_tokens
     local ref_lp = o.ref and o.ref:forward(b, { temperature = temp })
     local lp, ent = model:forward(b, { temperature = temp })
@@ -393,6 +403,11 @@ function M.policy_step(o)
     sums.entropy = sums.entropy + M.masked_mean(ent, b.mask, n) * mtok
     sums.clip_frac = sums.clip_frac + pm.clipfrac * mtok
     sums.approx_kl = sums.approx_kl + pm.approx_kl * mtok
+  end
+  if world and world.size > 1 then -- the parts of every rank, added
+    sums.mm_sum, sums.mm_mult, sums.mm_n = mm.sum, mm.mult, mm.n
+    sums = world:sum(sums)
+    mm.sum, mm.mult, mm.n, mm.max = sums.mm_sum, sums.mm_mult, sums.mm_n, world:max(mm.max)
   end
   local gnorm = o.opt:clip_grad_norm(o.max_grad_norm or 1.0)
   local inv = tokens > 0 and 1 / tokens or 0
@@ -532,6 +547,14 @@ end
 -- rendered or encoded, or whose prompt leaves no room to generate, is skipped when
 -- data.on_error is 'skip' (counted), else an error naming the file and line.
 function RS:prompts(n)
+  local all = self:global_prompts(n)
+  if self.world.size == 1 then return all end
+  return (self:shard(all))
+end
+
+-- The step's whole batch of n records (every rank reads the same), each with prompt_index, its
+-- 0-based place in it; kept as self.batch_records for S:score.
+function RS:global_prompts(n)
   local out = {}
   local d = self.cfg.data
   local skip = d.on_error == 'skip'
@@ -559,9 +582,11 @@ function RS:prompts(n)
       else
         r.prompt_ids = ids
         out[#out + 1] = r
+        r.prompt_index = #out - 1
       end
     end
   end
+  self.batch_records = out
   return out
 end
 
@@ -579,7 +604,7 @@ function RS:score(samples, group)
   local scores, _, failures = rewards_mod().score_batch(rc.name, samples, nil,
     { on_error = rc.on_error, timeout = rc.timeout })
   local m = { errors = #failures, dropped_groups = 0 }
-  if #failures == 0 or rc.on_error ~= 'drop' then return scores, samples, m end
+  if #failures == 0 or rc.on_error ~= 'drop' then return self:gather_scored(scores, samples, m) end
   for i, f in ipairs(failures) do
     if i <= 3 then self:event('reward_error', { message = f.message }) end
   end
@@ -596,7 +621,42 @@ function RS:score(samples, group)
   for i = 1, #samples do
     if not bad[math.floor((i - 1) / group)] then out[k] = scores[i - 1]; k = k + 1 end
   end
-  return out, kept, m
+  return self:gather_scored(out, kept, m)
+end
+
+-- With several ranks: every rank's scored samples, in the order of the global batch (the ranks'
+-- shares are contiguous), so that advantages and metrics are those of one process. A rank's own
+-- samples stay the same tables; the others' are rebuilt from their records (every rank has the
+-- batch's records) and what the owner sends: tokens, log-probs, text, finish reason, score.
+-- Each sample gets .rank, the rank that generated it (and trains on it: R.policy_step).
+function RS:gather_scored(scores, samples, m)
+  local w = self.world
+  if w.size == 1 then return scores, samples, m end
+  local mine = {}
+  for i, s in ipairs(samples) do
+    s.rank = w.rank
+    mine[i] = json.object({ 'p', s.record and s.record.prompt_index or json.null, 'ids', json.array(s.ids),
+      'lp', s.rollout_logprobs and json.array(s.rollout_logprobs) or json.null, 'f', s.finish_reason or json.null,
+      't', s.response or '', 's', scores[i - 1] })
+  end
+  local blobs = w:gather_strings(json.encode(json.array(mine)))
+  local all, values = {}, {}
+  for r, text in ipairs(blobs) do
+    if r - 1 == w.rank then
+      for i, s in ipairs(samples) do all[#all + 1] = s; values[#all] = scores[i - 1] end
+    else
+      for _, e in ipairs(json.decode(text, 'rank ' .. (r - 1))) do
+        local rec = self.batch_records[e.p + 1]
+        all[#all + 1] = { prompt_ids = rec.prompt_ids, ids = e.ids, rollout_logprobs = e.lp ~= json.null and e.lp or nil,
+          response = e.t, finish_reason = e.f ~= json.null and e.f or nil, prompt = rec.prompt, answer = rec.answer,
+          meta = rec.meta, group = e.p + 1, record = rec, rank = r - 1 }
+        values[#all] = e.s
+      end
+    end
+  end
+  local out = ffi.new('double[?]', math.max(#all, 1))
+  for i, v in ipairs(values) do out[i - 1] = v end
+  return out, all, w:sum(m)
 end
 
 -- A frozen copy of the initial policy (a KL reference). Before the loop: a resumed run restores

@@ -95,13 +95,16 @@ function M.start(cfg, opts)
   opts = opts or {}
   local name = opts.name or 'run'
   local dir, lock = opts.dir, opts.lock
-  if not dir then dir, lock = M.open_dir(cfg, name) end
+  if not dir and not opts.silent then dir, lock = M.open_dir(cfg, name) end
   local self = setmetatable({ dir = dir, lock = lock, name = name, t0 = moonrl.now(), step_t0 = moonrl.now(),
                               phases = {}, cfg = cfg, total = opts.total_steps, write_errors = 0,
                               on_error = cfg.run and cfg.run.checkpoint_errors or 'stop' }, Run)
+  -- the ranks but 0 of a job of several: the same calls, nothing written or printed (rank 0
+  -- writes the run's files once)
+  if opts.silent then self.silent = true; return self end
   local v = moonrl.version()
   local meta = json.object({ 'recipe', name, 'moonrl', v.version, 'git', v.git, 'backends', v.backends,
-                             'config', cfg })
+                             'world_size', opts.world_size or 1, 'config', cfg })
   self:guarded_write(dir .. '/config.json', function() fs.write(dir .. '/config.json', json.encode(meta, { indent = 2 }) .. '\n') end)
   local mpath = dir .. '/metrics.jsonl'
   local st = fs.stat(mpath)
@@ -195,6 +198,7 @@ function Run:log(step, metrics, opts)
   local keys = {}
   for k in pairs(flat) do keys[#keys + 1] = k end
   table.sort(keys)
+  if self.silent then self.phases, self.step_t0 = {}, now; return flat end
   local record = json.object({ 'step', step, 'time', now - self.t0 })
   for _, k in ipairs(keys) do record[k] = flat[k] end
   local mpath = self.dir .. '/metrics.jsonl'
@@ -215,6 +219,7 @@ end
 
 -- The size of metrics.jsonl now (what a checkpoint records, to cut it back on resume).
 function Run:metrics_bytes()
+  if self.silent then return 0 end
   self.metrics:flush()
   local st = fs.stat(self.dir .. '/metrics.jsonl')
   return st and st.size or 0
@@ -223,6 +228,7 @@ end
 -- One event: a line of events.jsonl (kind, time, pid and the fields), an instant on the trace,
 -- and a warning on stderr unless opts.quiet.
 function Run:event(kind, fields, opts)
+  if self.silent then return end
   local record = json.object({ 'event', kind, 'time', os.time(), 'pid', tonumber(moonrl.C.mrl_process_id()) })
   local keys = {}
   for k in pairs(fields or {}) do keys[#keys + 1] = k end
@@ -240,6 +246,7 @@ end
 function Run:finish()
   if self.finished then return end
   self.finished = true
+  if self.silent then return end
   self.metrics:close()
   self.events:close()
   if self.tb then pcall(self.tb.close, self.tb) end

@@ -40,6 +40,7 @@ local fs = require('moonrl.fs')
 local guard_mod = require('moonrl.guard')
 local json = require('moonrl.json')
 local run_mod = require('moonrl.run')
+local dist = require('moonrl.dist')
 
 local M = {}
 local Session = {}
@@ -49,7 +50,7 @@ M.Session = Session
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
-  'guard.max_rollbacks', 'quiet', 'save' }
+  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb' }
 
 -- Raised when the guards give up (more rollbacks than guard.max_rollbacks): exit status 3, and a
 -- supervisor does not restart the run (it would meet the same values again).
@@ -118,9 +119,23 @@ end
 function M.start(cfg, opts)
   opts = opts or {}
   local name = opts.name or 'run'
+  local world = dist.world(cfg.dist and cfg.dist.timeout)
+  if world.size > 1 and not opts.ranks_ready then
+    -- ranks on one host share its cores (unless run.threads or MOONRL_THREADS says otherwise)
+    if cfg.run.threads == 0 and not os.getenv('MOONRL_THREADS') then
+      moonrl.C.mrl_parallel_set_threads(math.max(1, math.floor(tonumber(moonrl.C.mrl_parallel_threads()) / world.local_size)))
+    end
+    return M.start_ranks(world, cfg, opts)
+  end
   local resume = cfg.run.resume
-  local dir, lock, held = run_mod.open_dir(cfg, name, { reuse = resume ~= 'never' })
-  local self = setmetatable({ cfg = cfg, name = name, models = {}, optimizers = {}, datasets = {}, rngs = {},
+  local dir, lock, held
+  if opts.decided then
+    dir, held = opts.decided.dir, 'run' -- a rank > 0: rank 0 opened the directory and chose the checkpoint
+  else
+    dir, lock, held = run_mod.open_dir(cfg, name, { reuse = resume ~= 'never' })
+  end
+  local function release() if lock then lock:release() end end
+  local self = setmetatable({ cfg = cfg, name = name, world = world, models = {}, optimizers = {}, datasets = {}, rngs = {},
     extra = {}, memos = json.object(), global_step = 0, step = 0, phases_done = {}, lr_scale = 1.0,
     rollbacks = 0, skips = 0, skips_in_row = 0, guard = guard_mod.new(cfg.guard), inputs = opts.inputs or {},
     ckpt_root = dir .. '/checkpoints', last_ckpt_step = 0, last_ckpt_time = moonrl.now() }, Session)
@@ -136,12 +151,14 @@ function M.start(cfg, opts)
     warn(msg)
     if not fs.exists(d .. '.corrupt') then pcall(fs.rename, d, d .. '.corrupt') end
   end
-  if resume == 'auto' then
+  if opts.decided then
+    from = opts.decided.from
+  elseif resume == 'auto' then
     from = held == 'run' and ckpt.latest(self.ckpt_root, set_aside) or nil
   elseif resume ~= 'never' then
     local ok, why = ckpt.verify(resume)
     if not ok then
-      lock:release()
+      release()
       moonrl.usage_error('run.resume=' .. resume .. ': ' .. why)
     end
     from = resume
@@ -149,13 +166,13 @@ function M.start(cfg, opts)
   if from then
     local saved = ckpt.read(from)
     if saved.run.recipe ~= name then
-      lock:release()
+      release()
       moonrl.usage_error(string.format("cannot resume from %s: it was written by the recipe '%s', not '%s'", from,
         tostring(saved.run.recipe), name))
     end
     local diff = changed_keys(saved.run.config or {}, cfg, free)
     if #diff > 0 then
-      lock:release()
+      release()
       moonrl.usage_error(string.format('cannot resume from %s: the config changed: %s (start a new run.dir, ' ..
         'or pass run.resume=never with a new run.dir)', from, table.concat(diff, ', ')))
     end
@@ -169,12 +186,13 @@ function M.start(cfg, opts)
     self.last_ckpt_step = saved.state.step
   end
   self.run = run_mod.start(cfg, { name = name, dir = dir, lock = lock, total_steps = opts.total_steps,
-    metrics_bytes = from and self.resume.state.metrics_bytes or (held == 'run' and 0 or nil) })
+    metrics_bytes = from and self.resume.state.metrics_bytes or (held == 'run' and 0 or nil), world_size = opts.world_size,
+    silent = opts.silent })
   self.dir = dir
   for _, msg in ipairs(warnings) do self.run:event('checkpoint_skipped', { message = msg }, { quiet = true }) end
   if from then
     self.run:event('resume', { checkpoint = from, step = self.resume.state.step, attempt = fault.attempt }, { quiet = true })
-    print(string.format('resuming from %s (step %d)', from, self.resume.state.step))
+    if world.rank == 0 then print(string.format('resuming from %s (step %d)', from, self.resume.state.step)) end
   elseif held == 'run' then
     self.run:event('fresh_start', { message = 'no complete checkpoint in ' .. self.ckpt_root, attempt = fault.attempt },
       { quiet = true })
@@ -182,6 +200,36 @@ function M.start(cfg, opts)
   self.run.on_phase = function(phase) fault.point(self.global_step, phase) end
   moonrl.on_exit(function(ok, err) self:abort(ok, err) end)
   return self
+end
+
+-- A job of several ranks: rank 0 opens (or reopens) the run directory and picks the checkpoint
+-- to resume from, as one process would; the others follow its choice and write nothing of the
+-- run's files (M.start with opts.decided). An error on rank 0 (a usage error: a bad run.dir)
+-- is the same error on every rank.
+function M.start_ranks(world, cfg, opts)
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  o.ranks_ready, o.world_size = true, world.size
+  local msg, made, ok
+  if world.rank == 0 then
+    ok, made = pcall(M.start, cfg, o)
+    if ok then
+      msg = 'ok\n' .. json.encode(json.object({ 'dir', made.dir, 'from', made.resume and made.resume.dir or json.null }))
+    else
+      msg = (moonrl.is_usage_error(made) and 'usage\n' or 'error\n') .. moonrl.error_text(made)
+    end
+  end
+  msg = world:broadcast_string(msg or '')
+  local kind, rest = msg:match('^(%a+)\n(.*)$')
+  if world.rank == 0 then
+    if not ok then error(made, 0) end
+    return made
+  end
+  if kind == 'usage' then moonrl.usage_error(rest) end
+  if kind ~= 'ok' then moonrl.run_error('rank 0 could not start the run: ' .. tostring(rest)) end
+  local d = json.decode(rest, 'rank 0')
+  o.decided, o.silent = { dir = d.dir, from = d.from ~= json.null and d.from or nil }, true
+  return M.start(cfg, o)
 end
 
 -- ---- registering state ----------------------------------------------------------------------
@@ -195,14 +243,67 @@ local function put(list, name, entry)
 end
 
 -- opts.tokenizer_dir: its tokenizer files are saved beside it (a checkpoint is then a model).
+-- With several ranks every rank starts from rank 0's weights (as DDP does).
 function Session:model(name, model, opts)
   put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
+  if self.world.size > 1 then
+    local p, n = model:params()
+    self.world:broadcast(p, 4 * n, 0)
+  end
   return model
 end
 
+-- With several ranks the optimizer becomes data parallel (moonrl.dist): its gradients are summed
+-- over the ranks before it reads them, and with dist.zero=1 its state is sharded. opt.model: the
+-- model whose buffers it steps (R.adamw sets it).
 function Session:optimizer(name, opt)
+  if self.world.size > 1 and opt.model then
+    opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb })
+  end
   put(self.optimizers, name, { name = name, opt = opt })
   return opt
+end
+
+-- ---- the global batch and the ranks -----------------------------------------------------------
+-- Every rank reads the same global batch; each computes on its share. One rank: all of it.
+
+-- This rank's contiguous share of a list (its items, and the index of the first).
+function Session:shard(list)
+  local first, last = self.world:share(#list)
+  local out = {}
+  for i = first, last do out[#out + 1] = list[i] end
+  return out, first
+end
+
+-- Sums over the global batch: every number of t (nested too) summed over the ranks.
+function Session:sum(t) return self.world:sum(t) end
+
+-- The samples this rank trains on: those it generated (S:score marks them with .rank), else
+-- its share of the list.
+function Session:local_samples(samples)
+  local w = self.world
+  if w.size == 1 then return samples end
+  if samples[1] and samples[1].rank then
+    local out = {}
+    for _, s in ipairs(samples) do if s.rank == w.rank then out[#out + 1] = s end end
+    return out
+  end
+  return (self:shard(samples))
+end
+
+-- R.micro_batches over this rank's samples (local_samples); the last one arms the gradient
+-- buckets so that their sums start while its backward runs.
+function Session:micro_batches(samples, max_tokens, opts)
+  local R = require('moonrl.recipe')
+  local mine = self:local_samples(samples)
+  local it = R.micro_batches(mine, max_tokens, opts)
+  return function()
+    local b, first, last = it()
+    if b and last == #mine then
+      for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
+    end
+    return b, first, last
+  end
 end
 
 function Session:dataset(name, view)
@@ -281,21 +382,42 @@ function Session:checkpoint(reason, small, step, phase_step)
   local t0 = moonrl.now()
   local name = ckpt.dir_name(step)
   moonrl.C.mrl_heartbeat('checkpoint ' .. name)
-  fault.arm_checkpoint(step)
-  local ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
-    state = state, run = run_info })
-  fault.disarm()
+  local w = self.world
+  local optimizers = self.optimizers
+  if w.size > 1 then
+    -- every rank takes part in gathering the optimizers' state (sharded under ZeRO-1); rank 0 writes
+    optimizers = {}
+    for i, o in ipairs(self.optimizers) do
+      local st = o.opt:state()
+      optimizers[i] = { name = o.name, opt = { state = function() return st end } }
+    end
+    run_info.world_size = w.size
+  end
+  local ok, path, bytes = true, nil, nil
+  if w.rank == 0 then
+    fault.arm_checkpoint(step)
+    ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = optimizers,
+      state = state, run = run_info })
+    fault.disarm()
+  end
+  if w.size > 1 then -- every rank learns how it went
+    local msg = w:broadcast_string(w.rank ~= 0 and '' or ok and string.format('ok\n%d\n%s', bytes, path)
+      or ('error\n' .. moonrl.error_text(path)))
+    local kind, rest = msg:match('^(%a+)\n(.*)$')
+    ok = kind == 'ok'
+    if ok then bytes, path = rest:match('^(%d+)\n(.*)$'); bytes = tonumber(bytes) else path = rest end
+  end
   if not ok then
     local why = moonrl.error_text(path)
     local msg = string.format('checkpoint %s/%s failed: %s', self.ckpt_root, name, why)
     self.failed_ckpt_step = step -- not tried again for this step (at the end, or when ending on the error)
     pcall(self.run.event, self.run, 'checkpoint_failed', { step = step, message = why }, { quiet = true })
-    pcall(fs.remove, self.ckpt_root .. '/.tmp-' .. name) -- give the space back; the older checkpoints are intact
+    if w.rank == 0 then pcall(fs.remove, self.ckpt_root .. '/.tmp-' .. name) end -- the space back; the older ones are intact
     if self.cfg.run.checkpoint_errors ~= 'warn' then moonrl.run_error(msg .. ' (the previous checkpoints are intact)') end
     moonrl.log('warn', '%s; going on (run.checkpoint_errors=warn), the previous checkpoints are intact', msg)
     return nil
   end
-  pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints)
+  if w.rank == 0 then pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints) end
   local secs = moonrl.now() - t0
   self.last_ckpt_step, self.last_ckpt_time = step, moonrl.now()
   self.run:event('checkpoint', { step = step, path = path, bytes = bytes, seconds = secs, reason = reason }, { quiet = true })
@@ -363,6 +485,7 @@ function Session:steps(total, phase)
     end
     self.step, self.global_step = self.step + 1, self.global_step + 1
     self.run.step = self.global_step
+    self.world:set_step(self.global_step)
     self.step_start = { small = self:small_state(), opt_steps = opt_steps(self) }
     self.in_step = true
     moonrl.C.mrl_heartbeat(string.format('step %d phase %s begin', self.global_step, phase))
@@ -376,11 +499,18 @@ function Session:end_step()
   fault.point(self.global_step, 'end')
   moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
   if self.pending_rollback then return end
-  if moonrl.stop_requested() then self:stop() end
+  local w = self.world
+  local stop = moonrl.stop_requested()
+  if w.size > 1 and w:any(stop) ~= stop then -- a signal that reached some ranks stops them all
+    moonrl.C.mrl_request_stop(-2, 'a stop requested on another rank')
+    stop = true
+  end
+  if stop then self:stop() end
   local c = self.cfg.run
   local now = moonrl.now()
   local every = c.checkpoint_every > 0 and self.global_step % c.checkpoint_every == 0
   local minutes = c.checkpoint_minutes > 0 and now - self.last_ckpt_time >= 60 * c.checkpoint_minutes
+  if w.size > 1 then minutes = w:any(minutes) end
   if every or minutes then self:checkpoint(every and 'every' or 'minutes') end
 end
 
@@ -466,8 +596,14 @@ end
 -- The checkpoint a rollback goes back to: the newest that verifies, if it is of this phase (a
 -- checkpoint of an earlier phase holds another phase's optimizer).
 function Session:rollback_target()
-  local dir = ckpt.latest(self.ckpt_root, function(msg) moonrl.log('warn', '%s', msg) end)
-  if dir and ckpt.read(dir).state.phase == self.loop_phase then return dir end
+  local w = self.world
+  local dir
+  if w.rank == 0 then
+    dir = ckpt.latest(self.ckpt_root, function(msg) moonrl.log('warn', '%s', msg) end)
+    if dir and ckpt.read(dir).state.phase ~= self.loop_phase then dir = nil end
+  end
+  if w.size > 1 then dir = w:broadcast_string(dir or ''); if dir == '' then dir = nil end end
+  return dir
 end
 
 function Session:rollback()
@@ -500,6 +636,18 @@ end
 -- RUN_DIR/<name>. A failure is an error: a run never ends well without its model.
 function Session:save_models()
   local out = {}
+  local w = self.world
+  if w.size > 1 then -- rank 0 saves; every rank learns how it went
+    local ok, err = true, nil
+    if w.rank == 0 then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO }, { __index = self })) end
+    local msg = w:broadcast_string(ok and '' or ('error\n' .. moonrl.error_text(err)))
+    if msg ~= '' then
+      if w.rank == 0 then error(err, 0) end
+      moonrl.run_error('rank 0 could not save the model: ' .. msg:sub(7))
+    end
+    for i, m in ipairs(self.models) do out[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
+    return out
+  end
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
     local p, n = m.model:params()
@@ -548,6 +696,16 @@ end
 -- consistent, record why, close the files.
 function Session:abort(ok_exit, err)
   if self.closed then return end
+  if self.world.size > 1 then
+    -- a rank cannot checkpoint alone (the others are elsewhere: a collective would wait for
+    -- them); the job restarts from the last checkpoint the ranks wrote together
+    if not ok_exit then
+      local message = type(err) == 'table' and (err.reason or err.message) or err
+      pcall(self.event, self, 'error', { message = tostring(message) }, { quiet = true })
+    end
+    pcall(self.close, self)
+    return
+  end
   local is_stop = moonrl.is_stop_request(err)
   local saved = true
   local ok, perr = pcall(function()

@@ -21,6 +21,7 @@ local moonrl = require('moonrl')
 local fs = require('moonrl.fs')
 local json = require('moonrl.json')
 local C = moonrl.C
+pcall(ffi.cdef, 'int kill(int pid, int sig);')
 
 local M = {}
 
@@ -88,7 +89,13 @@ local function watch(child, o)
       local sig = tonumber(C.mrl_signal_last())
       C.mrl_child_poll(child, 0.5)
       local recent = ffi.string(C.mrl_child_recent(child, 4))
-      if not recent:find('signal SIG') or got > 1 then C.mrl_child_signal(child, sig) end
+      if o.launcher then
+        -- to mpirun alone, as SIGUSR2: it hands that to every rank (they stop as on SIGTERM at the
+        -- same step); a SIGTERM would make it kill them
+        ffi.C.kill(tonumber(C.mrl_child_pid(child)), 12)
+      elseif not recent:find('signal SIG') or got > 1 then
+        C.mrl_child_signal(child, sig)
+      end
       forwarded = got
     elseif not hung and forwarded == 0 and o.hang_seconds > 0 and C.mrl_child_idle_seconds(child) > o.hang_seconds then
       hung = true
@@ -108,7 +115,10 @@ local function watch(child, o)
 end
 
 -- words: the command line after `run` without the supervisor's own flags; opts: restarts,
--- backoff, kill_grace, recipe (the recipe's path, for the default run directory's name).
+-- backoff, kill_grace, recipe (the recipe's path, for the default run directory's name),
+-- launcher (argv that starts the ranks, before `moonrl run ...`: moonrl launch), env (more
+-- NAME=value for the child), default_example (the words are overrides of the embedded default
+-- example: `moonrl [key=value ...]`).
 function M.run(words, opts)
   local exe = rawget(_G, 'MOONRL_EXE')
   if not exe then moonrl.usage_error('--restarts: cannot find the moonrl executable (/proc/self/exe)') end
@@ -125,15 +135,21 @@ function M.run(words, opts)
     fs.mkdirs(dir)
   end
   local hang = tonumber(word_value(words, 'run.hang_seconds') or '1800') or 1800
+  if opts.launcher then hang = 0 end -- ranks under mpirun cannot reach our heartbeat pipe; dist.timeout watches them
+  moonrl.check(C.mrl_signals_install()) -- SIGINT / SIGTERM are only counted, and forwarded to the child
   C.mrl_signals_count_only()
   local backoff = opts.backoff or 1
   local status, cause = 0, 'exit'
   for attempt = 0, opts.restarts do
-    local argv = { exe, 'run' }
+    local argv = {}
+    for _, a in ipairs(opts.launcher or {}) do argv[#argv + 1] = a end -- mpirun -n N ... (moonrl launch)
+    argv[#argv + 1] = exe
+    if not opts.default_example then argv[#argv + 1] = 'run' end
     for _, w in ipairs(words) do argv[#argv + 1] = w end
     if attempt > 0 then argv[#argv + 1] = 'run.resume=auto' end
     local stacks = string.format('%s/.stacks-%d', dir, attempt)
     local env = { 'MOONRL_ATTEMPT=' .. attempt, 'MOONRL_STACKS_FILE=' .. stacks }
+    for _, e in ipairs(opts.env or {}) do env[#env + 1] = e end
     local cargv, cenv = ffi.new('const char *[?]', #argv + 1), ffi.new('const char *[?]', #env + 1)
     for i, a in ipairs(argv) do cargv[i - 1] = a end
     for i, e in ipairs(env) do cenv[i - 1] = e end
@@ -143,7 +159,7 @@ function M.run(words, opts)
     local child = ffi.gc(out[0], C.mrl_child_free)
     append_event(dir, 'start', { attempt = attempt, child = tonumber(C.mrl_child_pid(child)) })
     status, cause = watch(child, { dir = dir, attempt = attempt, hang_seconds = hang, stacks = stacks,
-      kill_grace = opts.kill_grace or 10 })
+      kill_grace = opts.kill_grace or 10, launcher = opts.launcher ~= nil })
     C.mrl_child_free(ffi.gc(child, nil))
     local final = cause == 'stopped' or (cause ~= 'hang' and NO_RESTART[status] ~= nil)
     append_event(dir, 'exit', { attempt = attempt, status = status, cause = cause == 'hang' and 'hang' or describe(status) })
@@ -164,6 +180,8 @@ function M.run(words, opts)
   end
   if status < 0 then return 128 - status end
   if cause == 'hang' then return 124 end
+  -- mpirun says 1 when its ranks stopped on the forwarded signal: say what a process would
+  if opts.launcher and cause == 'stopped' and status ~= 0 then return 128 + tonumber(C.mrl_signal_last()) end
   return status
 end
 

@@ -22,6 +22,10 @@ int mrl_log_level_parse(const char *name);
 /* Log one message (no format: Lua passes a formatted string). */
 void mrl_log_write(mrl_log_level level, const char *message);
 void mrl_logf(mrl_log_level level, const char *fmt, ...);
+/* In a job of size > 1 every line carries "rank R/N" (size 1: nothing). */
+void mrl_log_set_rank(int rank, int size);
+/* " rank R/N" or "" (for other writers of error lines). */
+const char *mrl_log_rank_tag(void);
 
 #ifdef __cplusplus
 }

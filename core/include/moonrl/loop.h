@@ -21,7 +21,9 @@ mrl_status mrl_sleep(double seconds);
 
 /* --- Stopping cleanly -------------------------------------------------- */
 /* Install SIGINT/SIGTERM handlers on the loop: the first signal requests a
- * stop (the run ends at its next safe point); a second one exits at once. */
+ * stop (the run ends at its next safe point); a second one exits at once.
+ * SIGUSR2 counts as SIGTERM: it is how `moonrl launch` passes a stop through
+ * mpirun (which forwards SIGUSR1/2 to the ranks but kills them on SIGTERM). */
 mrl_status mrl_signals_install(void);
 /* For a supervisor, which forwards signals to its child: from now on SIGINT
  * and SIGTERM are only counted (no second-signal exit); it polls the count. */

@@ -1,0 +1,304 @@
+-- moonrl.dist: the ranks of one job (core/dist, see dist.h), as recipes and the shared pieces
+-- use them. World size 1 (no launcher) costs nothing: every call below returns at once.
+--
+--   local dist = require('moonrl.dist')
+--   local w = dist.world()                -- w.rank, w.size, w.local_rank; w.size == 1 alone
+--   w:sum({ loss = 1.5, n = 3 })          -- every number summed over the ranks (rank order)
+--   w:max(x), w:any(flag)
+--   w:broadcast_string(s)                 -- rank 0's string on every rank
+--   w:gather_strings(s)                   -- every rank's string, in rank order
+--   w:share(n)                            -- this rank's items of n: first, last (1-based)
+--   w:allreduce(ptr, n, 'f32', 'sum')     -- in place over a cdata array
+--   local dp = dist.data_parallel(w, opt, model, { zero = 1, bucket_mb = 25 })
+--     -- an optimizer with opt's interface whose gradients are summed over the ranks (bucket by
+--     -- bucket while the backward runs) and, with zero = 1, whose state is sharded (ZeRO-1)
+local ffi = require('ffi')
+local moonrl = require('moonrl')
+local C = moonrl.C
+
+local M = {}
+
+local DTYPES = { f32 = C.MRL_DIST_F32, f64 = C.MRL_DIST_F64, i64 = C.MRL_DIST_I64, u8 = C.MRL_DIST_U8 }
+local OPS = { sum = C.MRL_DIST_SUM, mean = C.MRL_DIST_MEAN, max = C.MRL_DIST_MAX, min = C.MRL_DIST_MIN }
+
+local World = {}
+World.__index = World
+
+local the_world
+-- The job's communicator, made once per process (timeout: seconds a collective may wait; the
+-- config's dist.timeout sets it again when a recipe starts).
+function M.world(timeout)
+  if the_world then
+    if timeout then the_world:set_timeout(timeout) end
+    return the_world
+  end
+  local out = ffi.new('mrl_dist *[1]')
+  if C.mrl_dist_init(timeout or 600, out) ~= 0 then
+    moonrl.run_error('cannot join the ranks of the job: ' .. ffi.string(C.mrl_last_error()))
+  end
+  local h = out[0]
+  the_world = setmetatable({ handle = h, rank = tonumber(C.mrl_dist_rank(h)), size = tonumber(C.mrl_dist_size(h)),
+    local_rank = tonumber(C.mrl_dist_local_rank(h)), local_size = tonumber(C.mrl_dist_local_size(h)),
+    backend = ffi.string(C.mrl_dist_backend(h)), scratch = ffi.new('double[64]') }, World)
+  C.mrl_log_set_rank(the_world.rank, the_world.size)
+  -- rank 0 speaks for the job: what recipes print (step lines, results) appears once; errors
+  -- and warnings go to stderr from every rank, each line tagged with its rank
+  if the_world.rank > 0 then _G.print = function() end end
+  return the_world
+end
+
+-- A world of one process (what rank 0 uses for work it does alone).
+M.SOLO = setmetatable({ rank = 0, size = 1, local_rank = 0, local_size = 1, backend = 'none' }, World)
+
+-- The world if one was made (nil otherwise: nothing to finalize).
+function M.current() return the_world end
+
+-- At exit: MPI_Finalize after a run that ended well; after a failure the process just exits
+-- (a rank waiting for the others would hang; the launcher ends the job on the non-zero status).
+function M.shutdown(ok)
+  local w = the_world
+  if not w or w.size == 1 then return end
+  the_world = nil
+  if ok and C.mrl_dist_broken(w.handle) == 0 then C.mrl_dist_finalize(w.handle) end
+end
+
+function World:set_timeout(seconds) C.mrl_dist_set_timeout(self.handle, seconds) end
+function World:set_step(step) C.mrl_dist_set_step(self.handle, step) end
+
+-- A timeout or a broken communicator ends the run with its report (no traceback: the message
+-- says which rank, operation and step); other failures are errors as usual.
+local function check(st)
+  if st == 0 then return end
+  if st == C.MRL_ERR_TIMEOUT or C.mrl_dist_broken(the_world.handle) ~= 0 then
+    moonrl.run_error(ffi.string(C.mrl_last_error()))
+  end
+  moonrl.check(st, 3)
+end
+
+function World:barrier()
+  if self.size > 1 then check(C.mrl_dist_barrier(self.handle)) end
+end
+
+function World:allreduce(ptr, n, dtype, op)
+  if self.size > 1 and n > 0 then
+    check(C.mrl_dist_allreduce(self.handle, ptr, n, DTYPES[dtype or 'f32'], OPS[op or 'sum']))
+  end
+end
+
+-- Reduce a table of numbers (nested tables too) over the ranks with op ('sum', 'max', 'min');
+-- every rank must pass the same keys. Returns a new table (the same on every rank).
+local function leaves(t, out, prefix)
+  local keys = {}
+  for k, v in pairs(t) do
+    if type(v) == 'number' or type(v) == 'table' then keys[#keys + 1] = k end
+  end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  for _, k in ipairs(keys) do
+    local v = t[k]
+    if type(v) == 'table' then leaves(v, out, prefix .. tostring(k) .. '.')
+    else out[#out + 1] = { t, k } end
+  end
+  return out
+end
+
+function World:reduce(t, op)
+  if self.size == 1 then return t end
+  if type(t) == 'number' then return self:reduce({ t }, op)[1] end
+  local list = leaves(t, {}, '')
+  local buf = #list <= 64 and self.scratch or ffi.new('double[?]', #list)
+  for i, e in ipairs(list) do buf[i - 1] = e[1][e[2]] end
+  check(C.mrl_dist_allreduce(self.handle, buf, #list, C.MRL_DIST_F64, OPS[op]))
+  for i, e in ipairs(list) do e[1][e[2]] = buf[i - 1] end
+  return t
+end
+function World:sum(t) return self:reduce(t, 'sum') end
+function World:max(t) return self:reduce(t, 'max') end
+function World:min(t) return self:reduce(t, 'min') end
+-- True on every rank when it is true on any.
+function World:any(flag)
+  if self.size == 1 then return flag and true or false end
+  return self:reduce(flag and 1 or 0, 'max') > 0
+end
+
+function World:broadcast(ptr, bytes, root)
+  if self.size > 1 and bytes > 0 then check(C.mrl_dist_broadcast(self.handle, ptr, bytes, root or 0)) end
+end
+
+-- Rank root's string (default 0) on every rank.
+function World:broadcast_string(s, root)
+  if self.size == 1 then return s end
+  root = root or 0
+  local len = ffi.new('int64_t[1]', self.rank == root and #s or 0)
+  check(C.mrl_dist_broadcast(self.handle, len, 8, root))
+  local buf = ffi.new('uint8_t[?]', math.max(tonumber(len[0]), 1))
+  if self.rank == root then ffi.copy(buf, s, #s) end
+  check(C.mrl_dist_broadcast(self.handle, buf, len[0], root))
+  return ffi.string(buf, len[0])
+end
+
+-- Every rank's string, as a list in rank order.
+local blob_data, blob_off = ffi.new('const uint8_t *[1]'), ffi.new('const int64_t *[1]')
+function World:gather_strings(s)
+  if self.size == 1 then return { s } end
+  check(C.mrl_dist_allgather_blobs(self.handle, s, #s, blob_data, blob_off))
+  local out, off = {}, blob_off[0]
+  for r = 0, self.size - 1 do out[r + 1] = ffi.string(blob_data[0] + off[r], off[r + 1] - off[r]) end
+  return out
+end
+
+-- This rank's contiguous share of n items: first, last (1-based; last < first when empty).
+function World:share(n, rank)
+  local off, count = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  C.mrl_dist_shard(n, self.size, rank or self.rank, off, count)
+  return tonumber(off[0]) + 1, tonumber(off[0] + count[0])
+end
+
+-- ---- data parallel optimizer ------------------------------------------------------------------
+
+-- Float rounding as C's float arithmetic does it (a double result of one float operation,
+-- rounded to float, is the float operation's result).
+local fbox = ffi.new('float[1]')
+local function F(x) fbox[0] = x; return tonumber(fbox[0]) end
+
+local DP = {}
+DP.__index = DP
+
+-- opt: a moonrl.optim AdamW over model's buffers. opts.zero: 0 (every rank keeps the whole
+-- optimizer state and steps it) or 1 (ZeRO-1: rank r keeps and steps only its shard of the
+-- state, then the parameters are all-gathered); opts.bucket_mb: gradient bucket size.
+function M.data_parallel(w, opt, model, opts)
+  opts = opts or {}
+  local zero = opts.zero or 0
+  local n = opt.n
+  local out = ffi.new('mrl_dist_buckets *[1]')
+  local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
+  moonrl.check(C.mrl_dist_buckets_create(w.handle, opt.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode, out))
+  local buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
+  local self = setmetatable({ world = w, full = opt, zero = zero, buckets = buckets, model = model,
+    params = opt.params, grads = opt.grads, n = n, lr = opt.lr, pending = false }, DP)
+  -- the shard bounds of every rank (the gradient norm is summed shard by shard in both modes,
+  -- so ZeRO-1 and plain data parallel clip by the same bits)
+  self.shards = {}
+  for r = 0, w.size - 1 do
+    local first, last = w:share(n, r)
+    self.shards[r + 1] = { offset = first - 1, count = last - first + 1 }
+  end
+  local mine = self.shards[w.rank + 1]
+  self.offset, self.count = mine.offset, mine.count
+  if zero == 1 then
+    -- the shard's own AdamW: its state is 1/N of the whole; the whole one is freed
+    local ranges = {}
+    for _, r in ipairs(model:no_decay_ranges()) do
+      local a, b = math.max(r[1], mine.offset), math.min(r[1] + r[2], mine.offset + mine.count)
+      if b > a then ranges[#ranges + 1] = { a - mine.offset, b - a } end
+    end
+    if mine.count <= 0 then error('dist.zero=1: fewer parameters than ranks', 2) end
+    self.shard_opt = opt:shard(mine.offset, mine.count, ranges)
+    self.full = nil
+  end
+  if model then
+    C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_buckets_ready, buckets)
+    -- a new accumulation starts at the model's zero_grad: the next update syncs again
+    local zero_grad = model.zero_grad
+    model.zero_grad = function(m) zero_grad(m); self.synced = false end
+  end
+  return self
+end
+
+-- The next backward is the last of this update: its buckets start as they become final.
+function DP:arm() C.mrl_dist_buckets_arm(self.buckets) end
+
+-- Wait for the gradient sums (once per update; the first reader of the gradients calls it).
+function DP:sync()
+  if self.synced then return end
+  check(C.mrl_dist_buckets_finish(self.buckets))
+  self.synced = true
+end
+
+-- sum of g^2 of every shard, added in rank order: the same bits in both modes
+local norm_out = ffi.new('double[1]')
+function DP:grad_norm()
+  self:sync()
+  local w = self.world
+  local parts = ffi.new('double[?]', w.size)
+  local function part(s)
+    if s.count <= 0 then return 0 end
+    moonrl.check(C.mrl_grad_norm(self.grads + s.offset, s.count, norm_out), 3)
+    return norm_out[0] * norm_out[0]
+  end
+  if self.zero == 1 then
+    local mine = ffi.new('double[1]', part(self.shards[w.rank + 1]))
+    check(C.mrl_dist_allgather(w.handle, mine, 8, parts))
+  else
+    for r = 1, w.size do parts[r - 1] = part(self.shards[r]) end
+  end
+  local total = 0
+  for r = 0, w.size - 1 do total = total + parts[r] end
+  return math.sqrt(total)
+end
+
+-- As torch.nn.utils.clip_grad_norm_ (and mrl_grad_clip_norm): the pre-clip norm.
+function DP:clip_grad_norm(max_norm)
+  local norm = self:grad_norm()
+  local coef = F(F(max_norm) / F(F(norm) + F(1e-6)))
+  if not (coef >= 1) then self:scale_grad(coef) end
+  return norm
+end
+
+-- The gradients this rank steps with: all of them, or its shard (ZeRO-1).
+function DP:scale_grad(s)
+  self:sync()
+  if self.zero == 1 then
+    if self.count > 0 then moonrl.check(C.mrl_grad_scale(self.grads + self.offset, self.count, s), 2) end
+  else
+    moonrl.check(C.mrl_grad_scale(self.grads, self.n, s), 2)
+  end
+end
+
+function DP:step(lr)
+  self:sync()
+  if self.zero == 1 then
+    if self.count > 0 then self.shard_opt:step(lr) end
+    check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32))
+  else
+    self.full:step(lr)
+  end
+  self.synced = false
+end
+
+-- A new accumulation: the gradients go to zero and the buckets wait for the next backward.
+function DP:zero_grad()
+  moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2)
+  self.synced = false
+end
+
+function DP:steps() return (self.shard_opt or self.full):steps() end
+
+-- The whole optimizer state (a checkpoint holds the same file whatever the world size): with
+-- ZeRO-1 every rank's shard is all-gathered (every rank must call it).
+function DP:state()
+  if self.zero ~= 1 then return self.full:state() end
+  local s = self.shard_opt:state()
+  if not self.whole then self.whole = ffi.new('float[?]', 2 * self.n) end
+  local m, v = self.whole, self.whole + self.n
+  ffi.copy(m + self.offset, s.m, 4 * s.n)
+  ffi.copy(v + self.offset, s.v, 4 * s.n)
+  check(C.mrl_dist_allgather_shards(self.world.handle, m, self.n, C.MRL_DIST_F32))
+  check(C.mrl_dist_allgather_shards(self.world.handle, v, self.n, C.MRL_DIST_F32))
+  return { m = m, v = v, n = self.n, step = s.step, bytes = 8 * self.n }
+end
+
+-- Restore from the whole state (m, v of n floats each): each rank keeps its shard.
+function DP:load_state(s)
+  if self.zero ~= 1 then return self.full:load_state(s) end
+  if (s.n or self.n) ~= self.n then
+    error(string.format('optimizer state holds %d parameters, the optimizer %d', s.n, self.n), 2)
+  end
+  local m, v = ffi.cast('const float *', s.m), ffi.cast('const float *', s.v)
+  self.shard_opt:load_state({ m = m + self.offset, v = v + self.offset, n = self.count, step = s.step })
+end
+
+-- Bytes of optimizer state this rank holds (1/N of the whole with ZeRO-1).
+function DP:state_bytes() return 8 * ((self.zero == 1) and self.count or self.n) end
+
+return M

@@ -1,0 +1,85 @@
+-- `moonrl launch -n N [--restarts K] RECIPE [key=value ...]`: N ranks of one data-parallel job
+-- on this machine, started with Open MPI's mpirun (as torchrun --nproc-per-node starts its
+-- workers). It is `mpirun -n N moonrl run RECIPE ...` with the flags one machine needs:
+-- --oversubscribe (more ranks than cores is allowed), --bind-to none (a rank's threads may use
+-- any core), --allow-run-as-root when root; each rank gets cores / N threads unless run.threads
+-- or MOONRL_THREADS says otherwise. Under the supervisor (moonrl.supervisor) the command
+-- forwards SIGINT / SIGTERM to mpirun, returns the job's status (mpirun reports the first rank
+-- that failed), and with --restarts K starts the whole job again from its latest checkpoint when
+-- a rank dies or the job fails (a hung rank makes the others fail after dist.timeout).
+-- --mpirun "ARGS": more words for mpirun (split at spaces), e.g. --mpirun "--mca btl tcp,self".
+local ffi = require('ffi')
+local moonrl = require('moonrl')
+local fs = require('moonrl.fs')
+pcall(ffi.cdef, 'unsigned int getuid(void);')
+
+local M = {}
+
+local function eprint(msg) io.stderr:write('moonrl launch: ', msg, '\n') end
+
+-- The program's path through PATH (posix_spawn wants a path).
+local function which(name)
+  for dir in (os.getenv('PATH') or ''):gmatch('[^:]+') do
+    local p = dir .. '/' .. name
+    if fs.exists(p) then return p end -- /usr/bin/mpirun is a link (alternatives)
+  end
+end
+
+local USAGE = 'usage: moonrl launch -n N [--restarts K] [--backoff S] [--mpirun "ARGS"] [RECIPE] [key=value ...]'
+
+function M.main(args)
+  local n, sup, extra, words = nil, { restarts = 0 }, {}, {}
+  local i = 1
+  local numbers = { ['-n'] = 'n', ['-np'] = 'n', ['--nproc'] = 'n', ['--restarts'] = 'restarts', ['--backoff'] = 'backoff',
+    ['--kill-grace'] = 'kill_grace' }
+  while i <= #args do
+    local a = args[i]
+    local key = numbers[a]
+    if key then
+      local v = tonumber(args[i + 1])
+      if not v or v < 0 or ((key == 'n' or key == 'restarts') and v ~= math.floor(v)) or (key == 'n' and v < 1) then
+        eprint(string.format('%s expects a %s, got %s', a, key == 'n' and 'whole number >= 1' or 'number >= 0',
+          tostring(args[i + 1])))
+        return 2
+      end
+      if key == 'n' then n = v else sup[key] = v end
+      i = i + 1
+    elseif a == '--mpirun' then
+      for w in (args[i + 1] or ''):gmatch('%S+') do extra[#extra + 1] = w end
+      i = i + 1
+    elseif a == '-h' or a == '--help' then
+      print(USAGE)
+      return 0
+    else
+      words[#words + 1] = a
+    end
+    i = i + 1
+  end
+  if not n then eprint(USAGE) return 2 end
+  -- no recipe: the embedded default example, as `moonrl [key=value ...]` runs it
+  local default_example = #words == 0 or words[1]:match('^[%w_%.%-]+=') ~= nil
+  local mpirun = which('mpirun')
+  if not mpirun then
+    eprint('mpirun not found on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev)')
+    return 2
+  end
+  local launcher = { mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none' }
+  if ffi.C.getuid() == 0 then
+    launcher[#launcher + 1] = '--allow-run-as-root'
+  end
+  for _, w in ipairs(extra) do launcher[#launcher + 1] = w end
+  local env = {}
+  if not os.getenv('MOONRL_THREADS') then
+    local threads = math.max(1, math.floor(tonumber(moonrl.C.mrl_parallel_threads()) / n))
+    env[1] = 'MOONRL_THREADS=' .. threads
+  end
+  local recipe = default_example and 'default' or words[1]
+  local ok, status = pcall(require('moonrl.supervisor').run, words, { restarts = sup.restarts, backoff = sup.backoff,
+    kill_grace = sup.kill_grace, recipe = recipe, launcher = launcher, env = env, default_example = default_example })
+  if ok then return status end
+  if moonrl.is_usage_error(status) then eprint(status.message) return 2 end
+  eprint('error: ' .. tostring(status))
+  return 1
+end
+
+return M

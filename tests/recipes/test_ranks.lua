@@ -1,0 +1,232 @@
+-- Data parallel over ranks (mpirun, one thread a rank, --oversubscribe): the same recipe and
+-- global batch on 1, 2 and 3 ranks gives the same metrics and weights up to summation order;
+-- a given number of ranks is bit-identical run to run, ZeRO-1 equals plain data parallel, a
+-- checkpoint of 2 ranks resumes on 3, a hung rank fails the job after dist.timeout naming it,
+-- and a killed rank under `moonrl launch --restarts` ends with the weights of a clean run.
+local t = require('moonrl.testing')
+local fs = require('moonrl.fs')
+local ffi = require('ffi')
+local json = require('moonrl.json')
+local proc = require('moonrl.proc')
+local U = dofile('tests/recipes/util.lua')
+
+local exe = rawget(_G, 'MOONRL_EXE')
+local function which(name)
+  for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
+    if fs.exists(d .. '/' .. name) then return d .. '/' .. name end
+  end
+end
+local mpirun = which('mpirun')
+assert(exe and mpirun, 'needs the moonrl executable and mpirun')
+
+local dir = U.tmpdir('ranks')
+local model_dir = U.tiny_model(dir .. '/init', { layers = 2 })
+local sft, prefs, rl = {}, {}, {}
+for i, p in ipairs(U.additions(60, 7)) do
+  sft[i] = { prompt = p.prompt, response = p.answer }
+  prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. '1' }
+  rl[i] = { question = p.prompt, answer = p.answer }
+end
+local sft_data = U.write_jsonl(dir .. '/sft.jsonl', sft)
+local pref_data = U.write_jsonl(dir .. '/prefs.jsonl', prefs)
+local rl_data = U.write_jsonl(dir .. '/rl.jsonl', rl)
+
+-- Run a recipe on n ranks (n = 0: one plain process, no mpirun); returns the proc result.
+local function run(n, recipe, words, opts)
+  opts = opts or {}
+  local argv = {}
+  if n > 0 then
+    for _, a in ipairs({ mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
+      '--mca', 'btl', opts.btl or 'vader,self' }) do argv[#argv + 1] = a end
+    for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
+  end
+  argv[#argv + 1], argv[#argv + 2], argv[#argv + 3] = exe, 'run', recipe
+  for _, w in ipairs(words) do argv[#argv + 1] = w end
+  local r = proc.run(argv, { timeout = opts.timeout or 120 })
+  if opts.expect_fail then return r end
+  if not r.ok then
+    io.stderr:write(r.stdout, r.stderr)
+    error(string.format('%s on %d ranks failed (status %s)', recipe, n, tostring(r.exit_status)), 2)
+  end
+  return r
+end
+
+local function weights(run_dir)
+  local st = require('moonrl.safetensors').open(run_dir .. '/model/model.safetensors')
+  local out = {}
+  for _, name in ipairs(st:names()) do
+    local n = st:info(name).numel
+    local buf = ffi.new('float[?]', n)
+    st:read_f32(name, buf)
+    out[name] = { buf = buf, n = n }
+  end
+  return out
+end
+
+local function rel_diff(a, b)
+  local num, den = 0, 0
+  for name, x in pairs(a) do
+    local y = b[name]
+    for i = 0, x.n - 1 do
+      local d = x.buf[i] - y.buf[i]
+      num, den = num + d * d, den + x.buf[i] * x.buf[i]
+    end
+  end
+  return math.sqrt(num / math.max(den, 1e-30))
+end
+
+local function metrics(run_dir)
+  local out = {}
+  for line in io.lines(run_dir .. '/metrics.jsonl') do out[#out + 1] = json.decode(line) end
+  return out
+end
+
+local function bytes(path) return fs.read(path) end
+
+local SFT = { 'model.dir=' .. model_dir, 'data.path=' .. sft_data, 'train.steps=4', 'train.batch=12', 'train.lr=1e-3',
+  'train.micro_batch_tokens=40', 'run.threads=1' }
+local DPO = { 'model.dir=' .. model_dir, 'data.path=' .. pref_data, 'train.steps=4', 'train.pairs=6', 'train.lr=1e-3',
+  'train.micro_batch_tokens=60', 'run.threads=1' }
+local GRPO = { 'model.dir=' .. model_dir, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+  'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.prompts=6', 'grpo.samples=4',
+  'grpo.max_tokens=4', 'grpo.steps=3', 'run.threads=1' }
+local function with(list, ...)
+  local w = {}
+  for _, x in ipairs(list) do w[#w + 1] = x end
+  for _, x in ipairs({ ... }) do w[#w + 1] = x end
+  return w
+end
+
+local function close(a, b, tol) return math.abs(a - b) <= tol * math.max(1, math.abs(a)) end
+
+local function same_metrics(ref, got, keys, tol, what, steps)
+  for i = 1, steps or #ref do
+    for _, k in ipairs(keys) do
+      t.truthy(got[i] and ref[i][k] and close(ref[i][k], got[i][k], tol),
+        string.format('%s step %d %s: %s vs %s', what, i, k, tostring(ref[i][k]), tostring(got[i] and got[i][k])))
+    end
+  end
+end
+
+t.test('sft and dpo: 1, 2 and 3 ranks agree (weights to 1e-5, metrics); 2 ranks bit-identical twice', function()
+  for _, case in ipairs({ { 'recipes/sft.lua', SFT, { 'loss', 'grad_norm', 'tokens' } },
+    { 'recipes/dpo.lua', DPO, { 'loss', 'rewards_margin', 'grad_norm', 'tokens' } } }) do
+    local recipe, words, keys = case[1], case[2], case[3]
+    local name = recipe:match('(%a+)%.lua$')
+    run(0, recipe, with(words, 'run.dir=' .. dir .. '/' .. name .. '1'))
+    local ref_w, ref_m = weights(dir .. '/' .. name .. '1'), metrics(dir .. '/' .. name .. '1')
+    for _, n in ipairs({ 2, 3 }) do
+      local d = string.format('%s/%s%d', dir, name, n)
+      run(n, recipe, with(words, 'run.dir=' .. d))
+      local e = rel_diff(ref_w, weights(d))
+      print(string.format('  %s on %d ranks: relative weight difference %.3g', name, n, e))
+      t.truthy(e <= 1e-5, name .. ' weights within 1e-5 on ' .. n .. ' ranks')
+      same_metrics(ref_m, metrics(d), keys, 1e-4, name .. ' ' .. n .. ' ranks')
+      local cfg = json.decode(fs.read(d .. '/config.json'))
+      t.eq(cfg.world_size, n, 'config.json records the world size')
+      t.eq(#metrics(d), 4, 'each step logged once')
+    end
+    local again = string.format('%s/%s2b', dir, name)
+    run(2, recipe, with(words, 'run.dir=' .. again))
+    t.truthy(bytes(again .. '/model/model.safetensors') == bytes(dir .. '/' .. name .. '2/model/model.safetensors'),
+      name .. ': 2 ranks give the same bytes twice')
+  end
+end)
+
+t.test('zero-1 equals plain data parallel bit for bit, over shared memory and TCP', function()
+  local d1, d2 = dir .. '/zero', dir .. '/zero_tcp'
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d1, 'dist.zero=1'))
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d2, 'dist.zero=1'), { btl = 'tcp,self' })
+  local plain = bytes(dir .. '/sft2/model/model.safetensors')
+  t.truthy(bytes(d1 .. '/model/model.safetensors') == plain, 'zero=1 weights equal plain data parallel')
+  t.truthy(bytes(d2 .. '/model/model.safetensors') == plain, 'over TCP too')
+  local ckpt = fs.list(d1 .. '/checkpoints')
+  t.truthy(#ckpt > 0, 'a checkpoint')
+  t.truthy(bytes(d1 .. '/checkpoints/' .. ckpt[#ckpt] .. '/optimizer.safetensors') ==
+    bytes(dir .. '/sft2/checkpoints/' .. ckpt[#ckpt] .. '/optimizer.safetensors'),
+    'the whole optimizer state in the checkpoint, the same as without sharding')
+end)
+
+t.test('grpo: the first steps agree on 1, 2 and 3 ranks', function()
+  run(0, 'recipes/grpo.lua', with(GRPO, 'run.dir=' .. dir .. '/grpo1'))
+  local ref = metrics(dir .. '/grpo1')
+  for _, n in ipairs({ 2, 3 }) do
+    local d = string.format('%s/grpo%d', dir, n)
+    run(n, 'recipes/grpo.lua', with(GRPO, 'run.dir=' .. d))
+    local m = metrics(d)
+    same_metrics(ref, m, { 'reward/mean', 'reward/std', 'response_length/mean', 'tokens' }, 0, 'grpo ' .. n .. ' ranks', 1)
+    same_metrics(ref, m, { 'loss', 'grad_norm', 'entropy' }, 1e-4, 'grpo ' .. n .. ' ranks', 1)
+  end
+end)
+
+t.test('a checkpoint of 2 ranks resumes on 3', function()
+  local d = dir .. '/resume23'
+  -- 2 ranks checkpoint every step and die at the start of step 3; 3 ranks finish the run
+  local r = run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1'),
+    { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
+  t.truthy(not r.ok, 'the 2-rank job died at step 3')
+  run(3, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d))
+  local e = rel_diff(weights(dir .. '/sft1'), weights(d))
+  print(string.format('  2 ranks x 2 steps then 3 ranks x 2 steps against 1 process: %.3g', e))
+  t.truthy(e <= 1e-5, 'resumed on 3 ranks: the weights of one process')
+  t.eq(#metrics(d), 4, 'four steps logged, once each')
+end)
+
+t.test('a hung rank: the others fail after dist.timeout, naming it', function()
+  local t0 = require('moonrl').now()
+  local r = run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. dir .. '/hang', 'dist.timeout=3'),
+    { env = { 'MOONRL_FAULT=hang:step=2:rank=1' }, expect_fail = true, timeout = 90 })
+  local secs = require('moonrl').now() - t0
+  local text = r.stdout .. r.stderr
+  t.truthy(not r.ok, 'the job failed')
+  t.truthy(secs < 60, string.format('within a minute (%.1f s)', secs))
+  t.truthy(text:find('rank 1') ~= nil, 'the report names rank 1')
+  t.truthy(text:find('step 2') ~= nil, 'and the step')
+  if not (text:find('rank 1') and text:find('step 2')) then io.stderr:write(text) end
+end)
+
+t.test('a killed rank: moonrl launch --restarts ends with the weights of a clean run', function()
+  local d = dir .. '/killed'
+  local words = with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.timeout=20')
+  local argv = { exe, 'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self',
+    'recipes/sft.lua' }
+  for _, w in ipairs(words) do argv[#argv + 1] = w end
+  local old = os.getenv('MOONRL_FAULT')
+  local r = proc.run({ '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=kill:step=3:phase=train:rank=1:attempt=0', 'MOONRL_THREADS=1',
+    unpack(argv) }, { timeout = 180 })
+  if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+  t.truthy(r.ok, 'the supervised job finished')
+  t.truthy((r.stderr or ''):find('restarting') ~= nil, 'after a restart')
+  t.truthy(bytes(d .. '/model/model.safetensors') == bytes(dir .. '/sft2/model/model.safetensors'),
+    'the same weights as a clean 2-rank run')
+  t.eq(#metrics(d), 4, 'each step logged once')
+end)
+
+t.test('moonrl launch: SIGTERM reaches every rank, which stop at the same step with a checkpoint', function()
+  local C = require('moonrl').C
+  local d = dir .. '/sigterm'
+  local argv = { exe, 'launch', '-n', '2', '--mpirun', '--mca btl vader,self', 'recipes/sft.lua' }
+  for _, w in ipairs(with(SFT, 'run.dir=' .. d, 'train.steps=100000', 'train.batch=4')) do argv[#argv + 1] = w end
+  local cargv = ffi.new('const char *[?]', #argv + 1)
+  for i, a in ipairs(argv) do cargv[i - 1] = a end
+  local out = ffi.new('mrl_child *[1]')
+  require('moonrl').check(C.mrl_child_spawn(cargv, nil, out))
+  local child = ffi.gc(out[0], C.mrl_child_free)
+  local deadline = require('moonrl').now() + 60
+  while require('moonrl').now() < deadline do -- a few steps first
+    local m = fs.read(d .. '/metrics.jsonl')
+    if m and select(2, m:gsub('\n', '')) >= 3 then break end
+    C.mrl_child_poll(child, 0.1)
+  end
+  C.mrl_child_signal(child, 15)
+  local finished = C.mrl_child_poll(child, 60) ~= 0
+  t.truthy(finished, 'the launcher ended')
+  t.eq(tonumber(C.mrl_child_status(child)), 143, 'with the status of a SIGTERM stop')
+  local steps = #metrics(d)
+  local names = fs.list(d .. '/checkpoints')
+  t.truthy(names[#names] == string.format('step-%06d', steps),
+    string.format('a checkpoint of the last step logged (%d): %s', steps, table.concat(names, ' ')))
+end)
+
+fs.remove(dir)
+t.done()
