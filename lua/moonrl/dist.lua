@@ -213,6 +213,8 @@ function DP:sync()
   if self.synced then return end
   check(C.mrl_dist_buckets_finish(self.buckets))
   self.synced = true
+  -- buckets whose sums started while the backward ran (the rest waited for the end)
+  self.overlapped = tonumber(C.mrl_dist_buckets_overlapped(self.buckets))
 end
 
 -- sum of g^2 of every shard, added in rank order: the same bits in both modes

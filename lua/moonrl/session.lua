@@ -259,6 +259,9 @@ end
 function Session:optimizer(name, opt)
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb })
+    self:event('data_parallel', { optimizer = name, world_size = self.world.size, zero = self.cfg.dist.zero,
+      state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n,
+      buckets = tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) }, { quiet = true })
   end
   put(self.optimizers, name, { name = name, opt = opt })
   return opt
@@ -521,6 +524,10 @@ function Session:log(m, opts)
   m.guard.skipped = m.guard.skipped or 0
   m.guard.rollback = m.guard.rollback or 0
   if self.lr_scale ~= 1 then m.guard.lr_scale = self.lr_scale end
+  if self.world.size > 1 and self.optimizers[1] and self.optimizers[1].opt.overlapped then
+    local o = self.optimizers[1].opt
+    m.dist = m.dist or { buckets = tonumber(moonrl.C.mrl_dist_buckets_count(o.buckets)), buckets_overlapped = o.overlapped }
+  end
   return self.run:log(self.step, m, opts)
 end
 

@@ -133,15 +133,27 @@ t.test('sft and dpo: 1, 2 and 3 ranks agree (weights to 1e-5, metrics); 2 ranks 
   end
 end)
 
-t.test('zero-1 equals plain data parallel bit for bit, over shared memory and TCP', function()
+t.test('zero-1 and any bucket size equal plain data parallel bit for bit, over shared memory and TCP', function()
   local d1, d2 = dir .. '/zero', dir .. '/zero_tcp'
   run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d1, 'dist.zero=1'))
   run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d2, 'dist.zero=1'), { btl = 'tcp,self' })
+  local d3, d4 = dir .. '/small_buckets', dir .. '/zero_small_buckets'
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d3, 'dist.bucket_mb=0.004'))
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d4, 'dist.bucket_mb=0.004', 'dist.zero=1'))
   local plain = bytes(dir .. '/sft2/model/model.safetensors')
+  t.truthy(bytes(d3 .. '/model/model.safetensors') == plain, 'many small buckets started during the backward: the same bits')
+  t.truthy(bytes(d4 .. '/model/model.safetensors') == plain, 'and with zero=1')
   t.truthy(bytes(d1 .. '/model/model.safetensors') == plain, 'zero=1 weights equal plain data parallel')
   t.truthy(bytes(d2 .. '/model/model.safetensors') == plain, 'over TCP too')
   local ckpt = fs.list(d1 .. '/checkpoints')
   t.truthy(#ckpt > 0, 'a checkpoint')
+  local ev
+  for line in io.lines(d1 .. '/events.jsonl') do
+    local e = json.decode(line)
+    if e.event == 'data_parallel' then ev = e end
+  end
+  t.truthy(ev and ev.state_bytes_per_rank * 2 >= ev.state_bytes and ev.state_bytes_per_rank * 2 <= ev.state_bytes + 8,
+    'zero=1: each rank holds half of the optimizer state')
   t.truthy(bytes(d1 .. '/checkpoints/' .. ckpt[#ckpt] .. '/optimizer.safetensors') ==
     bytes(dir .. '/sft2/checkpoints/' .. ckpt[#ckpt] .. '/optimizer.safetensors'),
     'the whole optimizer state in the checkpoint, the same as without sharding')
@@ -157,6 +169,9 @@ t.test('grpo: the first steps agree on 1, 2 and 3 ranks', function()
     same_metrics(ref, m, { 'reward/mean', 'reward/std', 'response_length/mean', 'tokens' }, 0, 'grpo ' .. n .. ' ranks', 1)
     same_metrics(ref, m, { 'loss', 'grad_norm', 'entropy' }, 1e-4, 'grpo ' .. n .. ' ranks', 1)
   end
+  run(2, 'recipes/grpo.lua', with(GRPO, 'run.dir=' .. dir .. '/grpo2b'))
+  t.truthy(bytes(dir .. '/grpo2b/model/model.safetensors') == bytes(dir .. '/grpo2/model/model.safetensors'),
+    'grpo: 2 ranks give the same bytes twice')
 end)
 
 t.test('a checkpoint of 2 ranks resumes on 3', function()
