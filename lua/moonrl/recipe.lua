@@ -337,6 +337,13 @@ end
 --   are still those that generated them (the first update after generation), report how far the
 --   trainer's log-probs are from the engine's (metrics.mismatch: mean_abs, max_abs,
 --   token_mult_prob_error), since a gap silently turns on-policy RL off-policy.
+--   correction ({ mode, clip, lower, upper, weight }; off by default): off-policy correction
+--   weights (algo.correction.weights: 'tis', 'tis_seq', 'mis_token', 'mis_seq', 'mis_geo', 'none')
+--   of the behaviour log-probs = the samples' rollout_logprobs against the proximal ones =
+--   old_logprobs (else the current log-probs, detached), multiplied into the policy loss per token;
+--   loss = 'decoupled_ppo' (AReaL) takes the same behaviour log-probs, with behav_imp_weight_cap
+--   and behav_cap_mode. A sample without rollout_logprobs gets ratio 1. Their metrics: metrics.is
+--   (correction.summary of the whole batch) and metrics.is.behav (decoupled_ppo's weights).
 -- Micro-batches accumulate gradients with the GLOBAL denominators (tokens and sequences of the
 -- whole list), so the step equals one step on the whole batch. Returns metrics: loss, kl,
 -- entropy, clip_frac, approx_kl, grad_norm, lr, tokens.
@@ -356,6 +363,9 @@ function M.policy_step(o)
   local sums = { loss = 0, kl = 0, entropy = 0, clip_frac = 0, approx_kl = 0 }
   local measure = o.measure_mismatch ~= false
   local mm = { sum = 0, max = 0, mult = 0, n = 0 }
+  local corr, decoupled = o.correction, o.loss == 'decoupled_ppo'
+  local is_acc = corr and algo.correction.accumulator()
+  local behav_acc = decoupled and algo.correction.accumulator()
   model:zero_grad()
   local share = { share_prompts = o.share_prompts ~= false }
   for b, first, last in M.micro_batches(samples, o.micro_batch_tokens or 4096, share) do
@@ -364,12 +374,14 @@ function M.policy_step(o)
     local ref_lp = o.ref and o.ref:forward(b, { temperature = temp })
     local lp, ent = model:forward(b, { temperature = temp })
     local adv, old = ffi.new('float[?]', n), ffi.new('float[?]', n)
+    local behav = (corr or decoupled) and ffi.new('float[?]', n) -- the engine's log-probs
     ffi.copy(old, lp, 4 * n)
     for i = 1, #b.len do
       local s, t0 = samples[first + i - 1], b.first[i]
       for k = 1, b.len[i] do
         adv[t0 + k - 1] = s.adv_tokens and s.adv_tokens[k] or s.adv
         if s.old_logprobs then old[t0 + k - 1] = s.old_logprobs[k] end
+        if behav then behav[t0 + k - 1] = s.rollout_logprobs and s.rollout_logprobs[k] or old[t0 + k - 1] end
         local rollout = measure and s.rollout_logprobs and s.rollout_logprobs[k]
         if rollout then
           local d = math.abs(lp[t0 + k - 1] - rollout)
@@ -383,7 +395,19 @@ function M.policy_step(o)
       mask = b.mask, cu_seqlens = b.sample_cu, nseq = #b.len, grad = grad,
       agg = o.agg, norm = o.norm, global_tokens = tokens, global_seqs = seqs,
       clip_low = o.clip_low, clip_high = o.clip_high, dual_clip = o.dual_clip }
+    if corr then
+      local cm
+      args.weights, cm = algo.correction.weights{ mode = corr.mode, clip = corr.clip, lower = corr.lower,
+        upper = corr.upper, weight = corr.weight, proximal_logprob = old, behavior_logprob = behav,
+        mask = b.mask, cu_seqlens = b.sample_cu, nseq = #b.len, out = ffi.new('float[?]', n) }
+      algo.correction.accumulate(is_acc, cm)
+    end
+    if decoupled then
+      args.behavior_logprob = behav
+      args.behav_imp_weight_cap, args.behav_cap_mode = o.behav_imp_weight_cap, o.behav_cap_mode
+    end
     local loss, pm = algo.policy_loss[o.loss or 'ppo'](args)
+    if decoupled then algo.correction.accumulate(behav_acc, pm, 'behav_') end
     local mtok = pm.tokens
     if ref_lp then -- KL to the reference as a loss term; its parts over micro-batches sum to agg(k)
       args.coef, args.estimator = o.kl_coef or 0.001, o.kl_estimator
@@ -415,6 +439,10 @@ function M.policy_step(o)
     clip_frac = sums.clip_frac * inv, approx_kl = sums.approx_kl * inv, grad_norm = gnorm,
     lr = o.lr or o.opt.lr, tokens = tokens,
     mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
+  if is_acc or behav_acc then -- the off-policy correction's metrics, of the whole batch
+    m.is = is_acc and algo.correction.summary(algo.correction.reduce(is_acc, world)) or {}
+    if behav_acc then m.is.behav = algo.correction.summary(algo.correction.reduce(behav_acc, world)) end
+  end
   M.apply_update(o.session, o.opt, o.lr, m)
   return m
 end

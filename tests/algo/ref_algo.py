@@ -9,6 +9,7 @@ any value differs by more than atol + rtol·|want|.
     /usr/bin/python3 tests/algo/ref_algo.py cases.json
 """
 import json
+import math
 import sys
 from collections import OrderedDict
 
@@ -66,8 +67,10 @@ def masked_whiten(x, m, eps=1e-8):
 
 
 def agg(L, m, mode, o):
+    # an empty denominator (no token counts) gives 0, with a zero gradient
     if mode == "token-mean":
-        return (L * m).sum() / o.get("global_tokens", m.sum())
+        d = o.get("global_tokens", m.sum())
+        return (L * m).sum() / d if d > 0 else (L * m).sum() * 0
     if mode == "seq-mean-token-sum-norm":
         return (L * m).sum() / o["norm"]
     lens = m.sum(-1)
@@ -75,7 +78,13 @@ def agg(L, m, mode, o):
     seq = (L * m).sum(-1)
     if mode == "seq-mean-token-mean":
         seq = seq / lens.clamp(min=1)
-    return seq[valid].sum() / o.get("global_seqs", valid.sum())
+    d = o.get("global_seqs", valid.sum())
+    return seq[valid].sum() / d if d > 0 else (L * m).sum() * 0
+
+
+def masked_max(x, m):
+    sel = x[m.bool()]
+    return sel.max() if sel.numel() else torch.tensor(0.0)
 
 
 # ---------------------------------------------------------------- advantages
@@ -195,7 +204,7 @@ def check_loss(c, loss, metrics, wrt, gname="grad"):
     close(c["name"] + " gradient", c["out"][gname], unpad(wrt.grad, c["cu"]))
 
 
-def ref_policy(c, gspo):
+def ref_policy(c, gspo, behav_weight=None, extra_metrics=None):
     cu, o = c["cu"], c["opts"]
     lp = pad(c["logprob"], cu).requires_grad_(True)
     old, adv, m = pad(c["old_logprob"], cu), pad(c["advantages"], cu), pad(c["mask"], cu)
@@ -223,7 +232,7 @@ def ref_policy(c, gspo):
         "clipfrac_low": masked_mean(clipped * (adv < 0), m),
         "clipfrac_high": masked_mean(clipped * (adv > 0), m),
         "ratio_mean": masked_mean(ratio.detach(), m),
-        "ratio_max": ratio.detach()[m.bool()].max(),
+        "ratio_max": masked_max(ratio.detach(), m),
         "approx_kl": masked_mean(x, m),
         "approx_kl_k3": masked_mean(torch.exp(x) - x - 1, m),
     }
@@ -235,9 +244,112 @@ def ref_policy(c, gspo):
         w = torch.clamp(torch.exp(old - pad(c["rollout_logprob"], cu)), max=o.get("tis_cap", 2))
         metrics["tis_weight_mean"] = masked_mean(w, m)
         pg = pg * w
+    if behav_weight is not None:  # decoupled PPO: the behaviour weight multiplies the clipped term
+        pg = pg * behav_weight
+    if "weights" in c:  # per-token correction weights (data)
+        pg = pg * pad(c["weights"], cu)
+    metrics.update(extra_metrics or {})
     mode = o.get("agg", "seq-mean-token-mean" if gspo else "token-mean")
     loss = o.get("coef", 1.0) * agg(pg, m, mode, o)
     check_loss(c, loss, metrics, lp)
+
+
+# ---------------------------------------------------------------- off-policy corrections
+
+SAFETY_BOUND = 20.0  # verl rollout_corr_helper: exponentials of logs clamped to ±20
+
+
+def correction_weights(prox, behav, m, o):
+    """verl's rollout correction (IS weights / rejection masks) on padded [B, T] tensors."""
+    mode = o.get("mode", "tis")
+    C = o.get("clip", 2.0)
+    upper = o.get("upper", 1.01 if mode == "mis_geo" else 2.0)
+    lower = o.get("lower", 1.0 / upper)
+    keep_ratio = o.get("weight", "mask") == "ratio"
+    lo = math.log(lower) if lower > 0 else -math.inf
+    hi = math.log(upper) if upper < math.inf else math.inf
+    logC = math.log(C) if C < math.inf else math.inf
+    lr = prox - behav
+    tok_ratio = torch.exp(lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    n = m.sum(-1)
+    valid = n > 0
+    S = (lr * m).sum(-1)
+    G = S / n.clamp(min=1)
+    ones = torch.ones_like(lr)
+    clipped = torch.zeros_like(lr)
+    rejected = torch.zeros_like(lr)
+    seq_level = None
+    if mode == "none":
+        w = ones
+    elif mode == "tis":
+        w = tok_ratio.clamp(max=C)
+        clipped = (lr > logC).double()
+    elif mode == "mis_token":
+        acc = (lr >= lo) & (lr <= hi)
+        w = torch.where(acc, tok_ratio if keep_ratio else ones, torch.zeros_like(lr))
+        rejected = (~acc).double()
+    else:
+        L = G if mode == "mis_geo" else S
+        seq_level = torch.exp(L.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        if mode == "tis_seq":
+            w = seq_level.clamp(max=C).unsqueeze(-1) * ones
+            clipped = (L > logC).double().unsqueeze(-1) * ones
+        else:
+            acc = (L >= lo) & (L <= hi)
+            w = torch.where(acc, seq_level if keep_ratio else torch.ones_like(L), torch.zeros_like(L)).unsqueeze(-1) * ones
+            rejected = (~acc).double().unsqueeze(-1) * ones
+    w = w * m
+    seq_hit = ((rejected * m).sum(-1) > 0) & valid
+    nvalid = valid.sum()
+    metrics = {
+        "ratio_mean": masked_mean(tok_ratio, m), "ratio_max": masked_max(tok_ratio, m),
+        "weight_mean": masked_mean(w, m), "clipfrac": masked_mean(clipped, m),
+        "masked_frac": masked_mean(rejected, m),
+        "seq_masked_frac": seq_hit.sum() / nvalid if nvalid > 0 else torch.tensor(0.0),
+        "kl_k1": masked_mean(-lr, m),
+        "kl_k3": masked_mean(tok_ratio - lr.clamp(-SAFETY_BOUND, SAFETY_BOUND) - 1, m),
+        "tokens": m.sum(), "seqs": nvalid,
+    }
+    if seq_level is not None:
+        sv = seq_level[valid]
+        metrics["seq_ratio_mean"] = sv.mean() if sv.numel() else torch.tensor(0.0)
+        metrics["seq_ratio_max"] = sv.max() if sv.numel() else torch.tensor(0.0)
+    return w, metrics
+
+
+def ref_correction(c):
+    cu, o = c["cu"], c["opts"]
+    m = pad(c["mask"], cu)
+    w, metrics = correction_weights(pad(c["proximal_logprob"], cu), pad(c["behavior_logprob"], cu), m, o)
+    close(c["name"] + " weights", c["out"]["weights"], unpad(w, cu))
+    for k, v in metrics.items():
+        close(c["name"] + " metric " + k, c["out"]["metrics"][k], v)
+    if set(c["out"]["metrics"]) != set(metrics):
+        failures.append(f"{c['name']}: metric names {sorted(c['out']['metrics'])} vs reference {sorted(metrics)}")
+
+
+def ref_decoupled_ppo(c):
+    """AReaL's ppo_actor_loss_fn with use_decoupled_loss: −(π_prox/μ)·min(rA, clip(r)A), r = πθ/π_prox;
+    behav_imp_weight_cap drops the tokens whose weight exceeds it (or truncates, behav_cap_mode)."""
+    cu, o = c["cu"], c["opts"]
+    prox_key = "proximal_logprob" if "proximal_logprob" in c else "old_logprob"
+    c = dict(c, old_logprob=c[prox_key])
+    prox, behav, m = pad(c[prox_key], cu), pad(c["behavior_logprob"], cu), pad(c["mask"], cu)
+    cap, cap_mode = o.get("behav_imp_weight_cap"), o.get("behav_cap_mode", "mask")
+    lr = prox - behav
+    bw = torch.exp(lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    if cap is not None and cap_mode == "mask":
+        bw = torch.where(lr <= math.log(cap), bw, torch.zeros_like(bw))
+        _, stats = correction_weights(prox, behav, m, {"mode": "mis_token", "lower": 0, "upper": cap, "weight": "ratio"})
+    else:
+        bw = bw.clamp(max=cap if cap is not None else math.inf)
+        _, stats = correction_weights(prox, behav, m, {"mode": "tis", "clip": cap if cap is not None else math.inf})
+    stats.pop("seq_masked_frac")
+    if not (cap is not None and cap_mode == "mask"):
+        stats.pop("masked_frac")
+    if not (cap is not None and cap_mode == "truncate"):
+        stats.pop("clipfrac")
+    ref_policy(c, False, behav_weight=bw, extra_metrics={"behav_" + k: v for k, v in stats.items()})
 
 
 def ref_kl(c):
@@ -313,6 +425,7 @@ def ref_sft(c):
 
 REFS = {"grpo": ref_grpo, "rloo": ref_rloo, "reinforce_pp": ref_reinforce_pp, "gae": ref_gae,
         "ppo": lambda c: ref_policy(c, False), "gspo": lambda c: ref_policy(c, True), "kl": ref_kl,
+        "correction": ref_correction, "decoupled_ppo": ref_decoupled_ppo,
         "entropy": ref_entropy, "value": ref_value, "dpo": ref_dpo, "sft": ref_sft}
 
 

@@ -152,6 +152,126 @@ t.test('GSPO by hand', function()
   near_list(g, { -0.6107013790800849, -0.6107013790800849 }, 1e-12, 'grad')
 end)
 
+t.test('off-policy correction weights by hand', function()
+  -- sequences: [masked, t1, t2], [t3, t4], [masked, masked]; behaviour log-probs 0, so the token
+  -- ratios ρ = π_prox/μ are exp(proximal): t1 3, t2 0.5, t3 2, t4 1 (t2 and t3 exactly at the
+  -- bounds [0.5, 2], which keep them); the masked tokens' ratio e^5 never counts.
+  local b = batch({ 3, 2, 2 }, { 0, 1, 1, 1, 1, 0, 0 })
+  local l2, l3 = math.log(2), math.log(3)
+  local function w_of(opts)
+    local a = with(b, { proximal_logprob = A.array({ 5, l3, -l2, l2, 0, 5, 5 }), behavior_logprob = A.zeros(7) })
+    for k, v in pairs(opts) do a[k] = v end
+    return algo.correction.weights(a)
+  end
+  -- TIS, C = 2: min(ρ, 2) = 2, 0.5, 2, 1; only t1 is truncated (t3 = C is not)
+  local w, m = w_of({ mode = 'tis' })
+  near_list(w, { 0, 2, 0.5, 2, 1, 0, 0 }, 1e-12, 'tis')
+  t.near(m.clipfrac, 0.25, 1e-12)
+  t.near(m.ratio_mean, (3 + 0.5 + 2 + 1) / 4, 1e-12)
+  t.near(m.ratio_max, 3, 1e-12)
+  t.near(m.weight_mean, 5.5 / 4, 1e-12)
+  t.near(m.kl_k1, -l3 / 4, 1e-12, 'k1: mean of log μ − log π_prox')
+  t.near(m.kl_k3, ((3 - l3 - 1) + (0.5 + l2 - 1) + (2 - l2 - 1) + 0) / 4, 1e-12)
+  t.eq(m.tokens, 4)
+  t.eq(m.seqs, 2, 'the fully masked sequence does not count')
+  -- C = 1: every ratio above 1 is cut to 1
+  w, m = w_of({ mode = 'tis', clip = 1 })
+  near_list(w, { 0, 1, 0.5, 1, 1, 0, 0 }, 1e-12, 'tis C = 1')
+  t.near(m.clipfrac, 0.5, 1e-12)
+  -- sequence-level TIS, C = 1.6: products 1.5 and 2 → 1.5, 1.6
+  w, m = w_of({ mode = 'tis_seq', clip = 1.6 })
+  near_list(w, { 0, 1.5, 1.5, 1.6, 1.6, 0, 0 }, 1e-12, 'tis_seq')
+  t.near(m.clipfrac, 0.5, 1e-12)
+  t.near(m.seq_ratio_mean, 1.75, 1e-12)
+  t.near(m.seq_ratio_max, 2, 1e-12)
+  -- token masking [0.5, 2]: t1 (3) dropped, the bounds kept
+  w, m = w_of({ mode = 'mis_token', lower = 0.5, upper = 2 })
+  near_list(w, { 0, 0, 1, 1, 1, 0, 0 }, 0, 'mis_token')
+  t.near(m.masked_frac, 0.25, 1e-12)
+  t.near(m.seq_masked_frac, 0.5, 1e-12)
+  w = w_of({ mode = 'mis_token', weight = 'ratio' }) -- default bounds [1/2, 2]
+  near_list(w, { 0, 0, 0.5, 2, 1, 0, 0 }, 1e-12, 'mis_token ratio')
+  -- sequence masking: products 1.5 (kept) and 2 (kept at upper = 2, dropped at upper = 1.9)
+  w, m = w_of({ mode = 'mis_seq' })
+  near_list(w, { 0, 1, 1, 1, 1, 0, 0 }, 0, 'mis_seq at the bound')
+  t.eq(m.masked_frac, 0)
+  w, m = w_of({ mode = 'mis_seq', upper = 1.9, weight = 'ratio' })
+  near_list(w, { 0, 1.5, 1.5, 0, 0, 0, 0 }, 1e-12, 'mis_seq')
+  t.near(m.masked_frac, 0.5, 1e-12)
+  t.near(m.seq_masked_frac, 0.5, 1e-12)
+  -- geometric: sqrt(1.5) = 1.224745 (kept in [0.8, 1.3]), sqrt(2) = 1.414214 (dropped)
+  w, m = w_of({ mode = 'mis_geo', lower = 0.8, upper = 1.3, weight = 'ratio' })
+  near_list(w, { 0, math.sqrt(1.5), math.sqrt(1.5), 0, 0, 0, 0 }, 1e-12, 'mis_geo')
+  t.near(m.seq_ratio_max, math.sqrt(2), 1e-12)
+  -- default geometric bounds [1/1.01, 1.01]: both dropped
+  w, m = w_of({ mode = 'mis_geo' })
+  t.eq(m.masked_frac, 1)
+  -- none: 1 on the tokens that count
+  w = w_of({ mode = 'none' })
+  near_list(w, { 0, 1, 1, 1, 1, 0, 0 }, 0, 'none')
+  -- into a float array
+  local out = ffi.new('float[7]')
+  local w2 = w_of({ mode = 'tis', out = out })
+  t.truthy(w2 == out, 'out is filled and returned')
+  t.near(out[2], 0.5, 0)
+  -- an empty mask: no weights, zero metrics
+  local e = batch({ 2, 1 }, { 0, 0, 0 })
+  local ew, em = algo.correction.weights(with(e, { proximal_logprob = A.array({ 1, 2, 3 }), behavior_logprob = A.zeros(3),
+    mode = 'mis_seq' }))
+  near_list(ew, { 0, 0, 0 }, 0, 'empty')
+  t.eq(em.tokens, 0)
+  t.eq(em.ratio_mean, 0)
+  t.eq(em.seq_masked_frac, 0)
+end)
+
+t.test('decoupled PPO by hand', function()
+  -- token 1: r = πθ/π_prox = 1.5, A = 1, w = π_prox/μ = 2: −2 · min(1.5, 1.2) = −2.4, clipped, grad 0
+  -- token 2: r = 1.1, A = −1, w = 4: 1.1 · 4 = 4.4, grad −A·r·w = 4.4
+  --   cap 3 (mask, AReaL): token 2 dropped → token-mean (−2.4 + 0)/2 = −1.2, grads 0, 0
+  --   cap 3 truncate: w = 3 → (−2.4 + 3.3)/2 = 0.45, grads 0, 1.65
+  local b = batch({ 2 }, { 1, 1 })
+  local function run(opts)
+    local g = A.zeros(2)
+    local a = with(b, { logprob = A.array({ math.log(1.5), math.log(1.1) }), old_logprob = A.zeros(2),
+      behavior_logprob = A.array({ -math.log(2), -math.log(4) }), advantages = A.array({ 1, -1 }), grad = g })
+    for k, v in pairs(opts) do a[k] = v end
+    local loss, m = algo.policy_loss.decoupled_ppo(a)
+    return loss, g, m
+  end
+  local loss, g, m = run({})
+  t.near(loss, (-2.4 + 4.4) / 2, 1e-12, 'no cap')
+  near_list(g, { 0, 2.2 }, 1e-12, 'no cap grad')
+  t.near(m.behav_weight_mean, 3, 1e-12)
+  t.near(m.behav_ratio_max, 4, 1e-12)
+  t.near(m.clipfrac, 0.5, 1e-12)
+  loss, g, m = run({ behav_imp_weight_cap = 3 })
+  t.near(loss, -1.2, 1e-12, 'cap (mask)')
+  near_list(g, { 0, 0 }, 1e-12, 'cap grad')
+  t.near(m.behav_masked_frac, 0.5, 1e-12)
+  t.near(m.behav_weight_mean, 1, 1e-12)
+  loss, g, m = run({ behav_imp_weight_cap = 3, behav_cap_mode = 'truncate' })
+  t.near(loss, 0.45, 1e-12, 'cap (truncate)')
+  near_list(g, { 0, 1.65 }, 1e-12, 'truncate grad')
+  t.near(m.behav_clipfrac, 0.5, 1e-12)
+  -- with the behaviour = the proximal policy it is ppo
+  local lp, old, adv = A.array({ 0.1, -0.4 }), A.array({ -0.2, 0.1 }), A.array({ 0.7, -1.3 })
+  local g1, g2 = A.zeros(2), A.zeros(2)
+  local l1 = algo.policy_loss.decoupled_ppo(with(b, { logprob = lp, proximal_logprob = old, behavior_logprob = old,
+    advantages = adv, grad = g1, dual_clip = 3 }))
+  local l2 = algo.policy_loss.ppo(with(b, { logprob = lp, old_logprob = old, advantages = adv, grad = g2, dual_clip = 3 }))
+  t.near(l1, l2, 1e-15, 'μ = π_prox: ppo')
+  near_list(g1, { g2[0], g2[1] }, 1e-15, 'μ = π_prox: ppo grad')
+  -- ppo's weights option multiplies the per-token loss and gradient
+  local g3 = A.zeros(2)
+  local l3 = algo.policy_loss.ppo(with(b, { logprob = lp, old_logprob = old, advantages = adv, grad = g3, dual_clip = 3,
+    weights = A.array({ 1, 0 }) }))
+  local g4 = A.zeros(2)
+  local l4 = algo.policy_loss.ppo(with(batch({ 2 }, { 1, 0 }), { logprob = lp, old_logprob = old, advantages = adv,
+    grad = g4, dual_clip = 3, global_tokens = 2 }))
+  t.near(l3, l4, 1e-15, 'weight 0 = the token masked, the denominator kept')
+  near_list(g3, { g4[0], 0 }, 1e-15, 'weights grad')
+end)
+
 t.test('KL estimators by hand', function()
   -- lp = −1, ref = −2, x = ref − lp = −1: k1 = 1, k2 = 0.5, k3 = e^−1 − (−1) − 1 = 0.367879
   -- dk/dlp: k1 1, k2 −x = 1, k3 1 − e^−1 = 0.632121
@@ -275,6 +395,11 @@ t.test('finite differences: every loss', function()
     -- use: a sequence-level advantage) under seq-mean-token-mean
     { 'gspo', algo.policy_loss.gspo, { old_logprob = old, clip_low = 0.1, clip_high = 0.1,
       advantages = algo.advantages.to_tokens(with(fb, { values = A.array({ 0.5, 1, -1, -0.3, 2 }) })) } },
+    { 'ppo weights', algo.policy_loss.ppo, { old_logprob = old, advantages = adv, weights = rnd(N, 0, 2) } },
+    { 'decoupled ppo', algo.policy_loss.decoupled_ppo, { old_logprob = old, advantages = adv, behavior_logprob = roll,
+      behav_imp_weight_cap = 1.3, clip_high = 0.28, agg = 'seq-mean-token-mean' } },
+    { 'decoupled ppo truncate', algo.policy_loss.decoupled_ppo, { old_logprob = old, advantages = adv,
+      behavior_logprob = roll, behav_imp_weight_cap = 1.3, behav_cap_mode = 'truncate', dual_clip = 3 } },
     { 'kl k1', algo.kl.loss, { ref_logprob = ref, estimator = 'k1' } },
     { 'kl k2', algo.kl.loss, { ref_logprob = ref, estimator = 'k2', agg = 'seq-mean-token-mean' } },
     { 'kl k3', algo.kl.loss, { ref_logprob = ref, estimator = 'k3', coef = 0.1 } },
@@ -347,6 +472,26 @@ t.test('micro-batches with global denominators sum to the whole batch', function
     end
     t.near(sum, full, 1e-12, mode .. ' loss')
     for i = 0, N - 1 do t.near(gmicro[i], gfull[i], 1e-12, mode .. ' grad') end
+  end
+end)
+
+t.test('correction metrics over micro-batches equal the whole batch', function()
+  local prox, behav = rnd(fb.ntok, -3, -0.2), A.zeros(fb.ntok)
+  for i = 0, fb.ntok - 1 do behav[i] = prox[i] + (math.random() - 0.5) * 2 end
+  local c0 = A.cu_from_lengths({ 6, 0 })
+  local c1 = A.cu_from_lengths({ 5, 3, 7 })
+  local P = function(x, from) return ffi.cast('double *', x) + from end
+  for _, mode in ipairs({ 'tis', 'tis_seq', 'mis_token', 'mis_seq', 'mis_geo' }) do
+    local _, whole = algo.correction.weights(with(fb, { proximal_logprob = prox, behavior_logprob = behav, mode = mode,
+      lower = 0.7, upper = 1.5 }))
+    local acc = algo.correction.accumulator()
+    for _, mb in ipairs({ { c0, 2, 0 }, { c1, 3, 6 } }) do
+      local _, m = algo.correction.weights({ cu_seqlens = mb[1], nseq = mb[2], mask = P(fb.mask, mb[3]),
+        proximal_logprob = P(prox, mb[3]), behavior_logprob = P(behav, mb[3]), mode = mode, lower = 0.7, upper = 1.5 })
+      algo.correction.accumulate(acc, m)
+    end
+    local sum = algo.correction.summary(algo.correction.reduce(acc, nil))
+    for k, v in pairs(whole) do t.near(sum[k], v, 1e-12, mode .. ' ' .. k) end
   end
 end)
 
@@ -423,6 +568,24 @@ t.test('errors name the function and the argument', function()
     'nseq must be even')
   t.raises(function() algo.policy_loss.ppo(with(b, { logprob = A.zeros(2), old_logprob = A.zeros(2),
     advantages = A.zeros(2), dual_clip = 0.5 })) end, 'dual_clip must be a number > 1')
+  local cw = with(b, { proximal_logprob = A.zeros(2), behavior_logprob = A.zeros(2) })
+  cw.mode = 'tis_token'
+  t.raises(function() algo.correction.weights(cw) end,
+    "correction.weights: unknown mode 'tis_token' (known: mis_geo, mis_seq, mis_token, none, tis, tis_seq)")
+  cw.mode, cw.clip = 'tis', 0
+  t.raises(function() algo.correction.weights(cw) end, 'clip must be a number > 0, got 0')
+  cw.mode, cw.clip, cw.lower, cw.upper = 'mis_seq', nil, 3, 2
+  t.raises(function() algo.correction.weights(cw) end, 'bounds must satisfy 0 <= lower <= upper')
+  cw.lower, cw.upper, cw.weight = nil, nil, 'ones'
+  t.raises(function() algo.correction.weights(cw) end, "weight must be 'mask' or 'ratio'")
+  t.raises(function() algo.correction.weights(with(b, { proximal_logprob = A.zeros(2) })) end,
+    'correction.weights: argument behavior_logprob is required')
+  local dp = with(b, { logprob = A.zeros(2), old_logprob = A.zeros(2), advantages = A.zeros(2) })
+  t.raises(function() algo.policy_loss.decoupled_ppo(dp) end, 'policy_loss.decoupled_ppo: argument behavior_logprob is required')
+  dp.behavior_logprob, dp.behav_imp_weight_cap = A.zeros(2), -1
+  t.raises(function() algo.policy_loss.decoupled_ppo(dp) end, 'behav_imp_weight_cap must be a number > 0')
+  dp.behav_imp_weight_cap, dp.rollout_logprob = nil, A.zeros(2)
+  t.raises(function() algo.policy_loss.decoupled_ppo(dp) end, 'as behavior_logprob')
   local bad = { cu_seqlens = A.array({ 0, 3, 2 }, 'int32_t'), nseq = 2, mask = A.zeros(3) }
   t.raises(function() A.counts(bad) end, 'cu_seqlens must not decrease')
   t.raises(function() A.counts({ cu_seqlens = A.array({ 1, 3 }, 'int32_t'), nseq = 1, mask = A.zeros(3) }) end,

@@ -6,6 +6,7 @@
 local t = require('moonrl.testing')
 local jutil = require('jit.util')
 local vmdef = require('jit.vmdef')
+local ffi = require('ffi')
 local algo = require('moonrl.algo')
 local A = algo.agg
 
@@ -83,8 +84,17 @@ local values, h = rnd(-1, 1), rnd(0, 2)
 local scores = A.zeros(nseq)
 for i = 0, nseq - 1 do scores[i] = math.random() end
 local grad = A.zeros(ntok)
+local wts = ffi.new('float[?]', ntok)
+local work_modes = {}
+for _, mode in ipairs(algo.correction.MODES) do
+  work_modes[#work_modes + 1] = function()
+    algo.correction.weights(args{ mode = mode, proximal_logprob = old, behavior_logprob = roll, out = wts,
+      lower = 0.3, upper = 3, weight = mode == 'mis_seq' and 'ratio' or nil })
+  end
+end
 
 local work = {
+  function() for _, f in ipairs(work_modes) do f() end end,
   function() algo.advantages.grpo{ scores = scores, nseq = nseq, group = 8 } end,
   function() algo.advantages.rloo{ scores = scores, nseq = nseq, group = 8 } end,
   function() algo.advantages.to_tokens(args{ values = scores }) end,
@@ -97,6 +107,11 @@ local work = {
   function() algo.policy_loss.ppo(args{ logprob = lp, old_logprob = old, advantages = adv, rollout_logprob = roll,
     agg = 'seq-mean-token-mean', grad = grad }) end,
   function() algo.policy_loss.gspo(args{ logprob = lp, old_logprob = old, advantages = adv, grad = grad }) end,
+  function() algo.policy_loss.ppo(args{ logprob = lp, old_logprob = old, advantages = adv, weights = wts, grad = grad }) end,
+  function() algo.policy_loss.decoupled_ppo(args{ logprob = lp, old_logprob = old, behavior_logprob = roll,
+    advantages = adv, behav_imp_weight_cap = 2, grad = grad }) end,
+  function() algo.policy_loss.decoupled_ppo(args{ logprob = lp, old_logprob = old, behavior_logprob = roll,
+    advantages = adv, weights = wts, grad = grad }) end,
   function() algo.kl.loss(args{ logprob = lp, ref_logprob = ref, grad = grad }) end,
   function() algo.kl.loss(args{ logprob = lp, ref_logprob = ref, estimator = 'k2', grad = grad }) end,
   function() algo.kl.entropy_bonus(args{ entropy = h, grad = grad }) end,
@@ -116,7 +131,7 @@ t.test('hot loops compile without trace aborts', function()
   jit.attach(on_trace)
   assert(ok, err)
   t.eq(table.concat(aborts, '\n'), '', 'trace aborts in moonrl/algo')
-  for _, m in ipairs({ 'agg', 'advantages', 'policy_loss', 'kl', 'dpo', 'value_loss' }) do
+  for _, m in ipairs({ 'agg', 'advantages', 'policy_loss', 'correction', 'kl', 'dpo', 'value_loss' }) do
     t.truthy((completed[m] or 0) > 0, 'a loop trace completed in algo/' .. m .. '.lua')
   end
 end)

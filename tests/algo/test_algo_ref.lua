@@ -200,6 +200,95 @@ t.test('PPO and GSPO cases', function()
   run_loss('gspo', 'gspo truncated IS', algo.policy_loss.gspo, b, tis, { clip_low = 0.05, clip_high = 0.1 })
 end)
 
+t.test('off-policy correction and decoupled PPO cases', function()
+  -- proximal = the trainer's old log-probs, behaviour = the engine's: token ratios e^±1.2 (beyond
+  -- C = 2 both ways), a few beyond the ±20 clamp; sequence products and geometric means on both
+  -- sides of the bounds
+  local b = make_batch(12)
+  local lp = rand_tokens(b.ntok, -3, -0.1)
+  local old, behav, adv = A.zeros(b.ntok), A.zeros(b.ntok), rand_tokens(b.ntok, -2, 2)
+  for i = 0, b.ntok - 1 do
+    old[i] = lp[i] + uniform(-0.5, 0.5)
+    behav[i] = old[i] + uniform(-1.2, 1.2)
+  end
+  local far, below = A.zeros(b.ntok), A.zeros(b.ntok)
+  for i = 0, b.ntok - 1 do
+    far[i] = behav[i] + (i % 7 == 0 and 25 or (i % 7 == 3 and -25 or 0))
+    below[i] = behav[i] + (i % 5 == 0 and 25 or 0) -- only below the clamp: log ratio < −20
+  end
+  local function weights(name, bb, prox, beh, opts)
+    local a = args_of(bb, { proximal_logprob = prox, behavior_logprob = beh }, opts)
+    local w, m = algo.correction.weights(a)
+    add('correction', name, bb, { proximal_logprob = list(prox, bb.ntok), behavior_logprob = list(beh, bb.ntok) },
+      opts, { weights = list(w, bb.ntok), metrics = m })
+    return w, m
+  end
+  local function check_bites(name, m, key)
+    t.truthy(m[key] > 0 and m[key] < 1, name .. ': ' .. key .. ' strictly between 0 and 1 (' .. m[key] .. ')')
+  end
+  weights('none', b, old, behav, { mode = 'none' })
+  local wt, mt = weights('tis C=2', b, old, behav, { mode = 'tis' })
+  check_bites('tis', mt, 'clipfrac')
+  weights('tis C=1', b, old, behav, { mode = 'tis', clip = 1 })
+  weights('tis C=3 far', b, old, far, { mode = 'tis', clip = 3 })
+  weights('tis below the clamp', b, old, below, { mode = 'tis' })
+  local _, m = weights('tis_seq', b, old, behav, { mode = 'tis_seq', clip = 2 })
+  check_bites('tis_seq', m, 'clipfrac')
+  _, m = weights('mis_token', b, old, behav, { mode = 'mis_token' })
+  check_bites('mis_token', m, 'masked_frac')
+  weights('mis_token ratio asymmetric', b, old, far, { mode = 'mis_token', lower = 0.4, upper = 2.5, weight = 'ratio' })
+  local wseq
+  wseq, m = weights('mis_seq', b, old, behav, { mode = 'mis_seq', lower = 0.2, upper = 5 })
+  check_bites('mis_seq', m, 'masked_frac')
+  weights('mis_seq ratio far', b, old, far, { mode = 'mis_seq', upper = 1e6, weight = 'ratio' })
+  local wgeo
+  wgeo, m = weights('mis_geo', b, old, behav, { mode = 'mis_geo', lower = 0.8, upper = 1.25 })
+  check_bites('mis_geo', m, 'masked_frac')
+  check_bites('mis_geo', m, 'seq_masked_frac')
+  weights('mis_geo default bounds ratio', b, old, behav, { mode = 'mis_geo', weight = 'ratio' })
+  -- edge cases: no token counts (all masked), a batch of fully masked and empty sequences
+  local e = make_batch(4)
+  for i = 0, e.ntok - 1 do e.mask[i] = 0 end
+  local eo, eb = rand_tokens(e.ntok, -3, -0.1), rand_tokens(e.ntok, -3, -0.1)
+  for _, mode in ipairs({ 'tis', 'tis_seq', 'mis_token', 'mis_seq', 'mis_geo' }) do
+    local w, em = weights('empty mask ' .. mode, e, eo, eb, { mode = mode })
+    t.eq(em.tokens, 0)
+    for i = 0, e.ntok - 1 do t.eq(w[i], 0, 'no weight on masked tokens') end
+  end
+  -- the policy losses with the weights
+  local function with_w(w)
+    return { logprob = lp, old_logprob = old, advantages = adv, weights = w }
+  end
+  run_loss('ppo', 'ppo weights tis', algo.policy_loss.ppo, b, with_w(wt), { clip_high = 0.28, dual_clip = 3 })
+  run_loss('ppo', 'ppo weights mis_seq seq-mean-token-mean', algo.policy_loss.ppo, b, with_w(wseq),
+    { agg = 'seq-mean-token-mean', global_seqs = 17 })
+  run_loss('gspo', 'gspo weights mis_geo', algo.policy_loss.gspo, b, with_w(wgeo), { clip_low = 0.05, clip_high = 0.1 })
+  -- decoupled PPO (AReaL)
+  local dec = { logprob = lp, old_logprob = old, behavior_logprob = behav, advantages = adv }
+  run_loss('decoupled_ppo', 'decoupled', algo.policy_loss.decoupled_ppo, b, dec, {})
+  _, m = run_loss('decoupled_ppo', 'decoupled cap 2 (mask)', algo.policy_loss.decoupled_ppo, b, dec,
+    { behav_imp_weight_cap = 2, clip_high = 0.28 })
+  check_bites('decoupled cap', m, 'behav_masked_frac')
+  _, m = run_loss('decoupled_ppo', 'decoupled cap 2 truncate', algo.policy_loss.decoupled_ppo, b, dec,
+    { behav_imp_weight_cap = 2, behav_cap_mode = 'truncate', dual_clip = 3 })
+  check_bites('decoupled truncate', m, 'behav_clipfrac')
+  run_loss('decoupled_ppo', 'decoupled seq-mean-token-mean global', algo.policy_loss.decoupled_ppo, b, dec,
+    { agg = 'seq-mean-token-mean', global_seqs = 20, behav_imp_weight_cap = 5, coef = 0.5 })
+  run_loss('decoupled_ppo', 'decoupled far, C = 1', algo.policy_loss.decoupled_ppo, b,
+    { logprob = lp, proximal_logprob = old, behavior_logprob = far, advantages = adv }, { behav_imp_weight_cap = 1 })
+  run_loss('decoupled_ppo', 'decoupled with a geometric mask', algo.policy_loss.decoupled_ppo, b,
+    { logprob = lp, old_logprob = old, behavior_logprob = behav, advantages = adv, weights = wgeo },
+    { behav_imp_weight_cap = 3 })
+  local el = rand_tokens(e.ntok, -3, -0.1)
+  local loss = run_loss('decoupled_ppo', 'decoupled empty mask', algo.policy_loss.decoupled_ppo, e,
+    { logprob = el, old_logprob = eo, behavior_logprob = eb, advantages = rand_tokens(e.ntok, -1, 1) },
+    { behav_imp_weight_cap = 2 })
+  t.eq(loss, 0)
+  run_loss('ppo', 'ppo empty mask weights', algo.policy_loss.ppo, e,
+    { logprob = el, old_logprob = eo, advantages = rand_tokens(e.ntok, -1, 1), weights = rand_tokens(e.ntok, 0, 2) },
+    { agg = 'seq-mean-token-mean' })
+end)
+
 t.test('KL, entropy, value, DPO, SFT cases', function()
   local b = make_batch(10)
   local lp, ref = rand_tokens(b.ntok, -4, -0.1), rand_tokens(b.ntok, -4, -0.1)

@@ -8,11 +8,12 @@
 --   local loss, metrics = algo.policy_loss.ppo{logprob = lp, old_logprob = old, advantages = tok_adv,
 --     cu_seqlens = cu, nseq = n, mask = m, clip_high = 0.28, grad = g}
 --
--- Modules: advantages, policy_loss, kl, value_loss, dpo, sft, agg (see each file's top for the
--- arrays it reads). The common entry points are also here under short names.
+-- Modules: advantages, policy_loss, correction (off-policy weights: TIS, MIS), kl, value_loss, dpo,
+-- sft, agg (see each file's top for the arrays it reads). The common entry points are also here under short names.
 local M = {
   advantages = require('moonrl.algo.advantages'),
   policy_loss = require('moonrl.algo.policy_loss'),
+  correction = require('moonrl.algo.correction'),
   kl = require('moonrl.algo.kl'),
   value_loss = require('moonrl.algo.value_loss'),
   dpo = require('moonrl.algo.dpo'),
@@ -28,6 +29,8 @@ M.to_tokens = M.advantages.to_tokens
 M.token_rewards = M.advantages.token_rewards
 M.ppo_loss = M.policy_loss.ppo
 M.gspo_loss = M.policy_loss.gspo
+M.decoupled_ppo_loss = M.policy_loss.decoupled_ppo
+M.correction_weights = M.correction.weights
 M.kl_loss = M.kl.loss
 M.kl_penalty = M.kl.penalty
 M.entropy_bonus = M.kl.entropy_bonus

@@ -1,5 +1,6 @@
 -- Policy-gradient losses over packed per-token arrays: PPO-clip (with DAPO clip-higher, dual-clip,
--- log-ratio clamp, truncated importance sampling) and GSPO (sequence-level ratio).
+-- log-ratio clamp, truncated importance sampling, per-token correction weights), GSPO
+-- (sequence-level ratio) and decoupled PPO (AReaL: a proximal policy and a behaviour weight).
 --
 -- Inputs (cdata arrays, 0-based):
 --   per token [ntok]: logprob (log πθ, from the core), old_logprob (log π_old, the policy that
@@ -15,9 +16,12 @@
 --   dual-clip (args.dual_clip = c, typically 3; only where A < 0): L = min(L, −c·A)
 --   truncated IS (args.rollout_logprob given): L ← L · min(exp(old_logprob − rollout_logprob), tis_cap),
 --   the weight detached
+--   per-token weights (args.weights [ntok], e.g. from algo.correction.weights): L ← L · w_t, w_t data
+--   (no gradient through it): dL/dlogprob ← w_t · dL/dlogprob
 -- and loss = coef · agg(L) (args.agg, default 'token-mean'; global_tokens / global_seqs / norm for
 -- gradient accumulation, see agg.lua).
 local agg = require('moonrl.algo.agg')
+local correction = require('moonrl.algo.correction')
 
 local M = {}
 local exp, min, max = math.exp, math.min, math.max
@@ -29,6 +33,7 @@ local function clip_loss(args, gspo, fn)
   local adv = agg.check_array(args, 'advantages', ntok, fn)
   local grad = agg.check_array(args, 'grad', ntok, fn, true)
   local roll = agg.check_array(args, 'rollout_logprob', ntok, fn, true)
+  local wts = agg.check_array(args, 'weights', ntok, fn, true)
   local lo = args.clip_low or (gspo and 3e-4 or 0.2)
   local hi = args.clip_high or (gspo and 4e-4 or lo)
   if lo < 0 or lo >= 1 or hi < 0 then
@@ -94,6 +99,10 @@ local function clip_loss(args, gspo, fn)
           L, dL = L * iw, dL * iw
           tis_sum = tis_sum + m * iw
         end
+        if wts ~= nil then
+          local wt = wts[t]
+          L, dL = L * wt, dL * wt
+        end
         s = s + m * L
         if grad ~= nil then grad[t] = grad[t] + coef * wi * m * dL end
         -- metrics: old vs new policy, per token
@@ -133,7 +142,8 @@ end
 -- PPO-clip (see the top of this file).
 --   args.clip_low (0.2), args.clip_high (= clip_low; DAPO clip-higher: 0.28), args.dual_clip
 --   (off; c = 3 typical), args.log_ratio_clamp (20, veRL; false = none: TRL, AReaL, NeMo-RL),
---   args.rollout_logprob + args.tis_cap (2; slime 2, TRL 3), args.coef (1), args.agg ('token-mean').
+--   args.rollout_logprob + args.tis_cap (2; slime 2, TRL 3), args.weights (per-token multipliers,
+--   detached: algo.correction.weights), args.coef (1), args.agg ('token-mean').
 -- Metrics (masked token means over this micro-batch): clipfrac, clipfrac_low (A < 0 and r clipped at
 -- 1 − clip_low), clipfrac_high (A > 0, r clipped at 1 + clip_high), dual_clipfrac, approx_kl (k1:
 -- mean of log π_old − log πθ, that difference clamped to ±log_ratio_clamp), approx_kl_k3 (e^x − x − 1
@@ -148,5 +158,62 @@ function M.ppo(args) return clip_loss(args, false, 'policy_loss.ppo') end
 -- With a sequence-level advantage (constant over the sequence's tokens) and seq-mean-token-mean this
 -- is the exact gradient of the loss; with per-token advantages it is veRL's stop-gradient form.
 function M.gspo(args) return clip_loss(args, true, 'policy_loss.gspo') end
+
+-- Decoupled PPO with a proximal policy (AReaL: Fu et al. 2025, "AReaL: a large-scale asynchronous
+-- reinforcement learning system for language reasoning"; after Hilton et al. 2021, "Batch
+-- size-invariance for policy optimization"). Three policies: πθ (args.logprob), the proximal policy
+-- π_prox (args.proximal_logprob, else args.old_logprob: the trainer's log-probs recomputed before
+-- the update) and the behaviour policy μ that sampled the tokens (args.behavior_logprob: the
+-- engine's log-probs). Per token, with r_t = πθ/π_prox and w_t = π_prox/μ:
+--   L_t = −w_t · min(r_t A_t, clip(r_t, 1 − clip_low, 1 + clip_high) A_t)
+-- (dual-clip, as ppo, applies to the clipped term before the weight, as AReaL's ppo_actor_loss_fn).
+-- w_t is data (no gradient): exp(log π_prox − log μ), the log clamped to ±20. Cap
+-- (args.behav_imp_weight_cap, off by default; AReaL requires > 1): with args.behav_cap_mode =
+-- 'mask' (default, AReaL) a token whose w_t exceeds the cap gets weight 0 (it still counts in the
+-- denominators, as in AReaL); with 'truncate' w_t ← min(w_t, cap). args.weights, when given,
+-- multiply w_t (e.g. a correction.weights mis_geo mask). Other args (clip_low, clip_high,
+-- dual_clip, log_ratio_clamp, agg, coef, global_tokens / global_seqs / norm) as ppo.
+-- Metrics: ppo's (r against π_prox), and correction.weights' metrics of w prefixed with 'behav_'
+-- (behav_weight_mean, behav_ratio_mean, behav_ratio_max, behav_masked_frac: dropped by the cap,
+-- behav_clipfrac: truncated by it, behav_kl_k1, behav_kl_k3, behav_tokens, behav_seqs).
+function M.decoupled_ppo(args)
+  local fn = 'policy_loss.decoupled_ppo'
+  local nseq, ntok = agg.check_batch(args, fn)
+  if args.rollout_logprob ~= nil then
+    error(fn .. ': pass the engine\'s log-probs as behavior_logprob (rollout_logprob is ppo\'s truncated IS)', 2)
+  end
+  local prox = agg.check_array(args, args.proximal_logprob ~= nil and 'proximal_logprob' or 'old_logprob', ntok, fn)
+  local behav = agg.check_array(args, 'behavior_logprob', ntok, fn)
+  local cap, cap_mode = args.behav_imp_weight_cap, args.behav_cap_mode or 'mask'
+  if cap ~= nil and (type(cap) ~= 'number' or not (cap > 0)) then
+    error(string.format('%s: behav_imp_weight_cap must be a number > 0, got %s', fn, tostring(cap)), 2)
+  end
+  if cap_mode ~= 'mask' and cap_mode ~= 'truncate' then
+    error(string.format("%s: behav_cap_mode must be 'mask' or 'truncate', got %s", fn, tostring(cap_mode)), 2)
+  end
+  local extra = agg.check_array(args, 'weights', ntok, fn, true)
+  local w = agg.scratch('decoupled_ppo', ntok)
+  local cargs = { proximal_logprob = prox, behavior_logprob = behav, mask = args.mask,
+    cu_seqlens = args.cu_seqlens, nseq = nseq, out = w, weight = 'ratio' }
+  if cap and cap_mode == 'mask' then
+    cargs.mode, cargs.lower, cargs.upper = 'mis_token', 0, cap
+  else
+    cargs.mode, cargs.clip = 'tis', cap or math.huge
+  end
+  local _, cm = correction.weights(cargs)
+  if extra ~= nil then
+    for t = 0, ntok - 1 do w[t] = w[t] * extra[t] end
+  end
+  local a = {}
+  for k, v in pairs(args) do a[k] = v end
+  a.old_logprob, a.weights = prox, w
+  local loss, metrics = clip_loss(a, false, fn)
+  for k, v in pairs(cm) do
+    if k ~= 'seq_masked_frac' then metrics['behav_' .. k] = v end
+  end
+  if not (cap and cap_mode == 'mask') then metrics.behav_masked_frac = nil end
+  if not (cap and cap_mode == 'truncate') then metrics.behav_clipfrac = nil end
+  return loss, metrics
+end
 
 return M
