@@ -21,7 +21,7 @@
 #include "moonrl/dist.h"
 
 /* Raised whenever this table changes shape or meaning. */
-#define MRL_DIST_PLUGIN_ABI 1
+#define MRL_DIST_PLUGIN_ABI 2
 /* The plugin's one exported symbol: const mrl_dist_plugin *NAME(void). */
 #define MRL_DIST_PLUGIN_ENTRY "mrl_dist_mpi_backend"
 /* error codes of the plugin's own (MPI's are positive and small) */
@@ -70,6 +70,11 @@ typedef struct mrl_dist_plugin {
 
     /* *done = 1 once req finished (and then it is freed). */
     int (*test)(void *req, int *done);
+
+    /* MPI_Comm_split (blocking: called after a barrier with the deadline, so
+     * every rank is there): the ranks of comm with the same color, ordered by
+     * key; this process's rank and size in it. color < 0: none (*out NULL). */
+    int (*comm_split)(void *comm, int color, int key, void **out, int *rank, int *size);
 } mrl_dist_plugin;
 
 typedef const mrl_dist_plugin *(*mrl_dist_plugin_entry)(void);

@@ -165,7 +165,9 @@ static void report(text *t, mrl_dist *d, const char *head, const char *prefix) {
         n.waited = waited;
         if (prefix) add(t, "%s   ", prefix);
         else add(t, "; ");
-        if (last > r) add(t, "ranks %d-%d: ", r, last);
+        if (d->world_ranks && last > r) add(t, "ranks %d-%d (of %s): ", d->world_ranks[r], d->world_ranks[last], d->name);
+        else if (d->world_ranks) add(t, "rank %d: ", d->world_ranks[r]);
+        else if (last > r) add(t, "ranks %d-%d: ", r, last);
         else add(t, "rank %d: ", r);
         describe(t, d, &n);
         if (prefix) add(t, "\n");
@@ -175,8 +177,9 @@ static void report(text *t, mrl_dist *d, const char *head, const char *prefix) {
 }
 
 static mrl_status break_with(mrl_dist *d, mrl_status status, const char *head) {
-    char prefix[64];
-    snprintf(prefix, sizeof prefix, "moonrl [rank %d/%d]", d->rank, d->size);
+    char prefix[96];
+    if (d->world_ranks) snprintf(prefix, sizeof prefix, "moonrl [rank %d/%d, %s]", d->world_rank, d->world_size, d->name);
+    else snprintf(prefix, sizeof prefix, "moonrl [rank %d/%d]", d->rank, d->size);
     text block = {0}, msg = {0};
     report(&block, d, head, prefix);
     add(&msg, "%s ", prefix);
@@ -413,8 +416,92 @@ fail:
     return st;
 }
 
+mrl_status mrl_dist_split(mrl_dist *d, int color, const char *name, mrl_dist **out) {
+    *out = NULL;
+    if (!name) name = "";
+    if (!d->be) { /* one process: it is the whole of its group, or of none */
+        if (color < 0) return MRL_OK;
+        mrl_dist *s = calloc(1, sizeof *s);
+        if (!s || !(s->blob_off = calloc(2, sizeof *s->blob_off)) || !(s->world_ranks = calloc(1, sizeof(int)))) {
+            if (s) free(s->blob_off);
+            free(s);
+            return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+        }
+        s->size = s->local_size = s->world_size = 1;
+        s->launcher = d->launcher;
+        s->timeout = d->timeout;
+        s->step = d->step;
+        snprintf(s->name, sizeof s->name, "%s", name);
+        *out = s;
+        return MRL_OK;
+    }
+    /* MPI_Comm_split blocks until every rank calls it: a barrier under the deadline first, so
+     * that a missing rank is a report and not a hang */
+    mrl_status st = mrl_dist_barrier(d);
+    if (st) return st;
+    void *c = NULL;
+    int rank = -1, size = 0;
+    int rc = d->be->comm_split(d->world, color, d->rank, &c, &rank, &size);
+    if (rc) return mrl_dist_fail(d, rc, "MPI_Comm_split");
+    if (!c) return MRL_OK;
+    mrl_dist *s = calloc(1, sizeof *s);
+    if (!s) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    s->be = d->be;
+    s->world = c;
+    s->rank = rank;
+    s->size = size;
+    s->local_rank = d->local_rank;
+    s->local_size = d->local_size;
+    s->launcher = d->launcher;
+    s->timeout = d->timeout;
+    s->step = d->step;
+    s->world_rank = d->world_ranks ? d->world_rank : d->rank;
+    s->world_size = d->world_ranks ? d->world_size : d->size;
+    snprintf(s->name, sizeof s->name, "%s", name);
+    if (!(s->notes = calloc((size_t)size, sizeof *s->notes)) || !(s->tmp = calloc(4 * (size_t)size, sizeof *s->tmp)) ||
+        !(s->blob_off = calloc((size_t)size + 1, sizeof *s->blob_off)) ||
+        !(s->world_ranks = calloc((size_t)size, sizeof(int)))) {
+        mrl_dist_free(s);
+        return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    }
+    mrl_dist_begin(s, "split");
+    int32_t me = s->world_rank;
+    if ((st = idup(s, s->world, &s->diag)) || (st = idup(s, s->world, &s->coll)) ||
+        (st = mrl_dist_allgather(s, &me, sizeof me, s->world_ranks))) {
+        mrl_dist_free(s);
+        return st;
+    }
+    *out = s;
+    return MRL_OK;
+}
+
+void mrl_dist_free(mrl_dist *d) {
+    if (!d) return;
+    if (!d->world_ranks) { /* the world: MPI itself goes with it */
+        mrl_dist_finalize(d);
+        return;
+    }
+    mrl_dist_buckets_detach_all(d);
+    if (d->be && !d->broken) {
+        if (d->coll) d->be->comm_free(d->coll);
+        if (d->diag) d->be->comm_free(d->diag);
+        d->be->comm_free(d->world);
+    }
+    free(d->notes);
+    free(d->tmp);
+    free(d->scratch);
+    free(d->blob);
+    free(d->blob_off);
+    free(d->world_ranks);
+    free(d);
+}
+
 void mrl_dist_finalize(mrl_dist *d) {
     if (!d) return;
+    if (d->world_ranks) {
+        mrl_dist_free(d);
+        return;
+    }
     if (d->be && !d->broken) {
         /* every rank gets here, or MPI_Finalize would wait for the missing
          * ones forever: a barrier with the deadline first */

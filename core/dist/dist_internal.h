@@ -52,6 +52,11 @@ struct mrl_dist {
     size_t blob_cap;
     int64_t *blob_off; /* [size + 1] */
     mrl_dist_buckets *buckets; /* the live ones: their communicators go before MPI_Finalize */
+    /* a communicator made by mrl_dist_split: its name, and the world rank of each of its ranks
+     * (reports name world ranks); NULL for the world itself */
+    char name[32];
+    int *world_ranks;
+    int world_rank, world_size;
     char mpi_version[160];
 };
 

@@ -143,6 +143,27 @@ static int p_node_local(void *c, int *rank, int *size) {
     return rc;
 }
 
+static int p_comm_split(void *c, int color, int key, void **out, int *rank, int *size) {
+    comm *n = calloc(1, sizeof *n);
+    if (!n) return MRL_DIST_ERR_NOMEM;
+    int rc = MPI_Comm_split(((comm *)c)->c, color < 0 ? MPI_UNDEFINED : color, key, &n->c);
+    if (rc == MPI_SUCCESS && n->c == MPI_COMM_NULL) { /* color < 0: not a member */
+        free(n);
+        *out = NULL;
+        *rank = -1;
+        *size = 0;
+        return MPI_SUCCESS;
+    }
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(n->c, rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(n->c, size);
+    if (rc != MPI_SUCCESS) {
+        free(n);
+        return rc;
+    }
+    *out = n;
+    return MPI_SUCCESS;
+}
+
 static void p_library_version(char *out, int cap) {
     char v[MPI_MAX_LIBRARY_VERSION_STRING];
     int len = 0;
@@ -320,6 +341,7 @@ static const mrl_dist_plugin table = {
     .irecv = p_irecv,
     .iprobe = p_iprobe,
     .test = p_test,
+    .comm_split = p_comm_split,
 };
 
 __attribute__((visibility("default"))) const mrl_dist_plugin *mrl_dist_mpi_backend(void) { return &table; }

@@ -453,6 +453,36 @@ static void test_order_matters(void) {
     free(x);
 }
 
+/* Sub-communicators: the even ranks and the odd ones (the last rank in none), each summing
+ * its members' values in their order; then the world goes on. */
+static void test_split(void) {
+    int color = (N > 2 && R == N - 1) ? -1 : R % 2;
+    mrl_dist *sub = NULL;
+    CHECK_OK(mrl_dist_split(D, color, color == 0 ? "even" : "odd", &sub));
+    if (color < 0) {
+        CHECK(sub == NULL);
+    } else {
+        CHECK(sub != NULL);
+        int members = 0, my_index = -1;
+        for (int r = 0; r < N; r++)
+            if (!(N > 2 && r == N - 1) && r % 2 == color) {
+                if (r == R) my_index = members;
+                members++;
+            }
+        CHECK(mrl_dist_size(sub) == members);
+        CHECK(mrl_dist_rank(sub) == my_index);
+        double x = R + 1, want = 0;
+        for (int r = 0; r < N; r++)
+            if (!(N > 2 && r == N - 1) && r % 2 == color) want += r + 1;
+        CHECK_OK(mrl_dist_allreduce(sub, &x, 1, MRL_DIST_F64, MRL_DIST_SUM));
+        CHECK(x == want);
+        mrl_dist_free(sub);
+    }
+    double y = 1;
+    CHECK_OK(mrl_dist_allreduce(D, &y, 1, MRL_DIST_F64, MRL_DIST_SUM));
+    CHECK(y == N);
+}
+
 int main(void) {
     CHECK_OK(mrl_dist_init(60, &D)); /* a bug here fails with a report instead of hanging */
     if (!D) CHECK_DONE();
@@ -472,6 +502,7 @@ int main(void) {
     test_blobs();
     test_buckets();
     test_order_matters();
+    test_split();
     CHECK_OK(mrl_dist_barrier(D));
     CHECK(!mrl_dist_broken(D));
     if (R == 0) printf("rank 0 of %d (%s): %.2f s\n", N, mrl_dist_backend(D), mrl_time_now() - t0);

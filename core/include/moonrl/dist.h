@@ -88,6 +88,14 @@ void mrl_dist_set_step(mrl_dist *d, int64_t step);
 /* 1 after a timeout (or an MPI error). */
 int mrl_dist_broken(const mrl_dist *d);
 
+/* A communicator of the ranks that pass the same color >= 0 (ordered as in
+ * d); color < 0: *out = NULL, this rank is in none. Every rank of d calls
+ * it (after a barrier under the deadline). name ("trainers", "rollout")
+ * appears in its timeout reports, which name world ranks. Free it with
+ * mrl_dist_free before d is finalized. */
+mrl_status mrl_dist_split(mrl_dist *d, int color, const char *name, mrl_dist **out);
+void mrl_dist_free(mrl_dist *d);
+
 /* Rank r's shard of n elements: [*offset, *offset + *count). */
 void mrl_dist_shard(int64_t n, int size, int rank, int64_t *offset, int64_t *count);
 int64_t mrl_dist_dtype_size(int dtype);
