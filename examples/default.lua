@@ -28,6 +28,7 @@ local cfg = moonrl.config {
           flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
   grpo = { steps = moonrl.config.integer(30), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
            lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact' },
+  async = R.async_config(), -- where and when the rollouts run (async.mode, dist.rollout_ranks)
   quiet = false, -- no per-step lines (the test suite)
 }
 -- 2. The model, and the run's session (run directory, checkpoints, resume: moonrl.session).
@@ -116,27 +117,33 @@ print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%'
 -- 4. GRPO: generate -> reward -> group advantages -> PPO-clip update.
 local opt = S:optimizer('policy', R.adamw(model, { lr = cfg.grpo.lr, weight_decay = 0.0 })) -- a fresh AdamW for RL
 S.run.step_t0 = moonrl.now()
-for step in S:steps(cfg.grpo.steps, 'grpo') do
+S:rollout(function(step) -- one batch: problems, sampled answers, rewards
   local prompts = draw(cfg.grpo.prompts)
-  local t0 = moonrl.now()
   local results = S:phase('generate', function()
     return engine:generate(R.requests(prompts, cfg.grpo.samples), { temperature = cfg.grpo.temperature,
       max_tokens = gen.max_tokens, eos_ids = gen.eos_ids, tokenizer = tok, step = step })
   end)
-  local gen_s = moonrl.now() - t0
   local samples = R.flatten(prompts, results)
   local scores = S:phase('reward', function() return rewards.score_batch(cfg.grpo.reward, samples) end)
+  for i, s in ipairs(samples) do s.score = scores[i - 1] end
+  return samples
+end)
+for step in S:steps(cfg.grpo.steps, 'grpo') do
+  local samples, info = S:next_batch() -- generated now, or ahead (async.mode), or by rollout ranks
+  local gen_s = info.gen_seconds
+  local scores = R.scores(samples)
   local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = cfg.grpo.samples })
-  for i, s in ipairs(samples) do s.adv = adv[i - 1] end
-  t0 = moonrl.now()
+  for i, s in ipairs(samples) do s.adv = adv[i - 1] * (s.adv_scale or 1) end
+  local t0 = moonrl.now()
   local m = S:phase('train', function()
-    return R.policy_step({ session = S, model = model, opt = opt, samples = samples, lr = cfg.grpo.lr,
+    return R.policy_step(S:off_policy { session = S, model = model, opt = opt, samples = samples, lr = cfg.grpo.lr,
       clip_low = cfg.grpo.clip, temperature = cfg.grpo.temperature })
   end)
   local mean, std = R.stats(scores, #samples)
   m.reward = { mean = mean, std = std }
   m.accuracy = mean
   m.response_length = R.length_metrics(samples)
+  m.async = S:async_metrics(info)
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens, moonrl.now() - t0) }
   S:log(m, { quiet = cfg.quiet })
 end

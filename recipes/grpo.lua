@@ -2,10 +2,12 @@
 --
 --   moonrl run grpo model.dir=/models/Qwen2.5-0.5B-Instruct data.path=gsm8k.jsonl reward=math
 --
--- for each step:
+-- the rollout of a batch (run here, a step or more ahead, or on rollout ranks: async.mode,
+-- dist.rollout_ranks; see moonrl.rollout):
 --   prompts  <- next records of the shuffled dataset
 --   generate grpo.samples completions per prompt with the engine (it reads the policy's weights)
 --   rewards  <- the registry's reward (by name) of every completion
+-- for each step, on its batch:
 --   A_i      <- (r_i − mean of its group) / (std of its group + ε)         (one value per completion)
 --   log π_ref <- the frozen initial policy (only when grpo.kl_coef > 0)
 --   for each of grpo.epochs passes: micro-batches -> forward, PPO-clip loss on A (+ β·KL to the
@@ -26,6 +28,7 @@ local cfg = moonrl.config {
            kl_coef = 0.0, kl_estimator = 'k3', entropy_coef = 0.0, epochs = moonrl.config.integer(1) },
   train = R.train_config { lr = 1e-6 },
   engine = R.engine_config(),
+  async = R.async_config(),
   save = true,
 }
 local S = R.start(cfg, { name = 'grpo', steps = cfg.grpo.steps, steps_key = 'grpo.steps', chat = cfg.data.chat,
@@ -35,19 +38,24 @@ local sampling = { temperature = cfg.grpo.temperature, top_p = cfg.grpo.top_p, t
   max_tokens = cfg.grpo.max_tokens, eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
 local G = cfg.grpo.samples
 
-local history = {}
-for step in S:steps() do
-  -- 1. prompts and rollouts
+-- 1. the rollout of batch `step`: prompts, completions, rewards (a failing reward drops its group)
+S:rollout(function(step)
   local records = S:prompts(cfg.grpo.prompts)
-  local t0 = moonrl.now()
   sampling.step = step
   local results = S:phase('generate', function() return S.engine:generate(R.requests(records, G), sampling) end)
-  local gen_s = moonrl.now() - t0
-
-  -- 2. rewards (a failing reward drops its group) and group-normalised advantages
   local scores, samples, rm = S:phase('reward', S.score, S, R.flatten(records, results), G)
+  for i, s in ipairs(samples) do s.score = scores[i - 1] end
+  return samples, { reward = rm }
+end)
+
+local history = {}
+for step in S:steps() do
+  -- 2. this step's batch and its group-normalised advantages
+  local samples, info = S:next_batch()
+  local gen_s, rm = info.gen_seconds, info.reward
+  local scores = R.scores(samples)
   local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = G, scale = cfg.grpo.scale })
-  for i, s in ipairs(samples) do s.adv = adv[i - 1] end
+  for i, s in ipairs(samples) do s.adv = adv[i - 1] * (s.adv_scale or 1) end
 
   -- 3. the update: on-policy with one epoch (log π_old = log πθ); else log π_old computed first
   if cfg.grpo.epochs > 1 and #samples > 0 then
@@ -55,10 +63,10 @@ for step in S:steps() do
       { temperature = cfg.grpo.temperature })
     for i, s in ipairs(samples) do s.old_logprobs = old[i] end
   end
-  t0 = moonrl.now()
+  local t0 = moonrl.now()
   local m, mismatch = { tokens = 0 }, nil
   for epoch = 1, #samples > 0 and cfg.grpo.epochs or 0 do
-    m = S:phase('train', R.policy_step, { session = S, model = S.policy, opt = S.opt, samples = samples, ref = ref,
+    m = S:phase('train', R.policy_step, S:off_policy { session = S, model = S.policy, opt = S.opt, samples = samples, ref = ref,
       measure_mismatch = epoch == 1,
       lr = S:lr(), temperature = cfg.grpo.temperature, loss = cfg.grpo.loss, clip_low = cfg.grpo.clip_low,
       clip_high = cfg.grpo.clip_high, agg = cfg.grpo.agg, norm = cfg.grpo.max_tokens, kl_coef = cfg.grpo.kl_coef,
@@ -73,6 +81,7 @@ for step in S:steps() do
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
   m.response_length = R.length_metrics(samples)
   m.data = S:data_metrics()
+  m.async = S:async_metrics(info)
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens * cfg.grpo.epochs, moonrl.now() - t0) }
   history[step] = S:log(m)
 end

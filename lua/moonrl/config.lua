@@ -56,6 +56,7 @@ local function dist_section()
     timeout = 600.0,          -- seconds a collective may wait for the other ranks before the job fails (0: forever)
     zero = M.integer(0),      -- 1: ZeRO-1, the optimizer state sharded over the ranks
     bucket_mb = 25.0,         -- gradient all-reduce bucket size, started while the backward runs
+    rollout_ranks = M.integer(0), -- the last R ranks only generate and score (moonrl.rollout); the others train
   }
 end
 

@@ -24,7 +24,19 @@ local OPS = { sum = C.MRL_DIST_SUM, mean = C.MRL_DIST_MEAN, max = C.MRL_DIST_MAX
 local World = {}
 World.__index = World
 
+-- A timeout or a broken communicator ends the run with its report (no traceback: the message
+-- says which rank, operation and step); other failures are errors as usual.
+local function check(st)
+  if st == 0 then return end
+  if st == C.MRL_ERR_TIMEOUT then -- also every operation after one: the communicator is broken
+    moonrl.run_error(ffi.string(C.mrl_last_error()))
+  end
+  moonrl.check(st, 3)
+end
+
+
 local the_world
+M.groups = {} -- communicators made by World:split
 -- The job's communicator, made once per process (timeout: seconds a collective may wait; the
 -- config's dist.timeout sets it again when a recipe starts).
 function M.world(timeout)
@@ -59,21 +71,28 @@ function M.shutdown(ok)
   local w = the_world
   if not w or w.size == 1 then return end
   the_world = nil
-  if ok and C.mrl_dist_broken(w.handle) == 0 then C.mrl_dist_finalize(w.handle) end
+  if ok and C.mrl_dist_broken(w.handle) == 0 then
+    for _, h in ipairs(M.groups) do C.mrl_dist_free(h) end
+    C.mrl_dist_finalize(w.handle)
+  end
+  M.groups = {}
+end
+
+-- The ranks that pass the same color >= 0, as a World of their own (nil for color < 0). Every
+-- rank calls it. name: how its timeout reports call it.
+function World:split(color, name)
+  local out = ffi.new('mrl_dist *[1]')
+  check(C.mrl_dist_split(self.handle, color, name, out))
+  if out[0] == nil then return nil end
+  local h = out[0]
+  M.groups[#M.groups + 1] = h -- freed explicitly before MPI_Finalize (M.shutdown), never by the GC after it
+  return setmetatable({ handle = h, rank = tonumber(C.mrl_dist_rank(h)), size = tonumber(C.mrl_dist_size(h)),
+    local_rank = self.local_rank, local_size = self.local_size, backend = self.backend,
+    scratch = ffi.new('double[64]'), name = name }, World)
 end
 
 function World:set_timeout(seconds) C.mrl_dist_set_timeout(self.handle, seconds) end
 function World:set_step(step) C.mrl_dist_set_step(self.handle, step) end
-
--- A timeout or a broken communicator ends the run with its report (no traceback: the message
--- says which rank, operation and step); other failures are errors as usual.
-local function check(st)
-  if st == 0 then return end
-  if st == C.MRL_ERR_TIMEOUT or C.mrl_dist_broken(the_world.handle) ~= 0 then
-    moonrl.run_error(ffi.string(C.mrl_last_error()))
-  end
-  moonrl.check(st, 3)
-end
 
 function World:barrier()
   if self.size > 1 then check(C.mrl_dist_barrier(self.handle)) end

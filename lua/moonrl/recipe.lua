@@ -459,6 +459,13 @@ function M.apply_update(S, opt, lr, m, opts)
   return true
 end
 
+-- The scores of samples (their .score) as a double array (the advantages' input).
+function M.scores(samples)
+  local out = ffi.new('double[?]', math.max(#samples, 1))
+  for i, s in ipairs(samples) do out[i - 1] = s.score end
+  return out
+end
+
 -- Throughput helper: tokens / seconds (0 when no time passed).
 function M.rate(tokens, seconds) return seconds > 0 and tokens / seconds or 0 end
 
@@ -511,9 +518,44 @@ end
 -- ---- the recipe's session --------------------------------------------------------------------
 
 local session = require('moonrl.session')
--- The recipe-level session: a moonrl.session with the methods below.
+local rollout = require('moonrl.rollout')
+-- The recipe-level session: a moonrl.session with the methods below and moonrl.rollout's.
 local RS = setmetatable({}, { __index = session.Session })
 RS.__index = RS
+for k, f in pairs(rollout.methods) do RS[k] = f end
+
+-- The `async` section of an RL recipe: where and when its rollouts run (moonrl.rollout).
+M.async_config = rollout.config
+
+-- The loop. On a rollout rank (dist.rollout_ranks) it runs the rollouts of every step for the
+-- trainers and yields nothing: the recipe's loop body is the trainers' part.
+function RS:steps(total, phase)
+  local it = session.Session.steps(self, total, phase) -- restores a checkpoint on every rank
+  -- the rollout ranks start the phase from the trainers' weights (those of an earlier phase,
+  -- or of the checkpoint)
+  if self.rollout_fn and (self.link or self.remote) then self:sync_weights() end
+  if self.role ~= 'rollout' then return it end
+  if self.rollout_fn then self:serve_rollouts(total or self.run.total) end
+  return function() return nil end -- a phase without a rollout: the trainers' alone
+end
+
+-- The end of a step: with a rollout, the batches asked for and the weights published (and the
+-- stop decided with the rollout ranks) before the session's checkpoint and stop checks.
+function RS:end_step()
+  self.decided_stop = self:after_update()
+  return session.Session.end_step(self)
+end
+
+-- A rollout rank keeps nothing: trainer rank 0 writes the checkpoints and the model.
+function RS:finish(opts)
+  if self.role == 'rollout' then
+    self:close()
+    local dirs = {}
+    for i, m in ipairs(self.models) do dirs[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
+    return dirs
+  end
+  return session.Session.finish(self, opts)
+end
 
 -- cfg: the merged config; opts: name, steps (the step count), steps_key (its config key),
 -- chat (use the chat template), fields / optional (the dataset's record fields, when the
@@ -526,6 +568,7 @@ function M.start(cfg, opts)
   if cfg.data and cfg.data.on_error then check_choice('data.on_error', cfg.data.on_error, { 'stop', 'skip' }) end
   if type(cfg.reward) == 'table' then check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
   check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
+  rollout.check_config(cfg)
   local policy, tok, tpl, tok_dir = opts.policy, nil, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
     policy, tok, tpl, tok_dir = M.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
@@ -557,7 +600,7 @@ function M.start(cfg, opts)
   setmetatable(S, RS)
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   if policy then S:model('policy', policy, { tokenizer_dir = tok_dir }) end
-  if cfg.train and policy then
+  if cfg.train and policy and S.role ~= 'rollout' then
     S.opt = S:optimizer('policy', M.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
     S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
       total = opts.steps, lr = cfg.train.lr })

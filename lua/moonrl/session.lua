@@ -120,6 +120,15 @@ function M.start(cfg, opts)
   opts = opts or {}
   local name = opts.name or 'run'
   local world = dist.world(cfg.dist and cfg.dist.timeout)
+  if world.size > 1 and not opts.ranks_ready and not opts.groups_ready then
+    local groups = M.groups(world, cfg)
+    local o = {}
+    for k, v in pairs(opts) do o[k] = v end
+    o.groups_ready = true
+    local self = M.start(cfg, o)
+    self.world, self.link, self.role, self.remote = groups.world, groups.link, groups.role, groups.remote
+    return self
+  end
   if world.size > 1 and not opts.ranks_ready then
     -- ranks on one host share its cores (unless run.threads or MOONRL_THREADS says otherwise)
     if cfg.run.threads == 0 and not os.getenv('MOONRL_THREADS') then
@@ -200,6 +209,22 @@ function M.start(cfg, opts)
   self.run.on_phase = function(phase) fault.point(self.global_step, phase) end
   moonrl.on_exit(function(ok, err) self:abort(ok, err) end)
   return self
+end
+
+-- With dist.rollout_ranks = R > 0 the last R ranks of the job only generate and score (role
+-- 'rollout'), the others train (role 'train'); each group has its communicator (S.world), and
+-- trainer rank 0 and the rollout ranks share S.link (weights one way, batches the other).
+function M.groups(world, cfg)
+  local R = cfg.dist and cfg.dist.rollout_ranks or 0
+  if R == 0 then return { world = world, role = 'train' } end
+  if R >= world.size then
+    moonrl.usage_error(string.format('dist.rollout_ranks=%d leaves no rank to train (the job has %d)', R, world.size))
+  end
+  if not cfg.async then moonrl.usage_error('dist.rollout_ranks: this recipe has no rollout to hand to rollout ranks') end
+  local rollout = world.rank >= world.size - R
+  local group = world:split(rollout and 1 or 0, rollout and 'rollout' or 'trainers')
+  local link = world:split((rollout or world.rank == 0) and 0 or -1, 'link')
+  return { world = group, link = link, role = rollout and 'rollout' or 'train', remote = not rollout }
 end
 
 -- A job of several ranks: rank 0 opens (or reopens) the run directory and picks the checkpoint
@@ -503,10 +528,14 @@ function Session:end_step()
   moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
   if self.pending_rollback then return end
   local w = self.world
-  local stop = moonrl.stop_requested()
-  if w.size > 1 and w:any(stop) ~= stop then -- a signal that reached some ranks stops them all
-    moonrl.C.mrl_request_stop(-2, 'a stop requested on another rank')
-    stop = true
+  local stop = self.decided_stop -- made already, with the rollout ranks (moonrl.rollout)
+  self.decided_stop = nil
+  if stop == nil then
+    stop = moonrl.stop_requested()
+    if w.size > 1 and w:any(stop) ~= stop then -- a signal that reached some ranks stops them all
+      moonrl.C.mrl_request_stop(-2, 'a stop requested on another rank')
+      stop = true
+    end
   end
   if stop then self:stop() end
   local c = self.cfg.run

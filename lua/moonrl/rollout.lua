@@ -1,0 +1,347 @@
+-- moonrl.rollout: where and when a recipe's rollouts run (async.mode, dist.rollout_ranks), so
+-- that the recipe states only what one rollout is:
+--
+--   S:rollout(function(step)              -- prompts -> completions -> rewards, for batch `step`
+--     ...; return samples, info           -- samples (each with .score), info: JSON-able metrics
+--   end)
+--   for step in S:steps() do
+--     local samples, info = S:next_batch() -- this step's batch, however it was made
+--     ...
+--
+-- Modes (async.mode):
+--   sync          batch s is generated with the weights after step s-1 (version s-1), then
+--                 trained on: generation and training wait for each other.
+--   one_step_off  batch s is generated with version s-2: batch s+1 is generated while batch s
+--                 trains (NeMo-RL / verl one-step-off); staleness 1.
+--   async         up to async.max_staleness = k batches ahead: batch s uses version s-1-k. A
+--                 bounded queue of k batches between the rollouts and the trainer (AReaL-style
+--                 bounded staleness, at batch granularity: each batch is generated with the
+--                 newest weights the schedule allows; in-flight requests are not updated).
+-- The schedule is fixed, so a run is deterministic and its batches (and results) do not depend
+-- on whether the rollouts run in this process or on rollout ranks.
+--
+-- Where: in this process (generated before the step's update), or on dist.rollout_ranks = R
+-- ranks of the job (the last R ranks; they only generate and score, the others train): after
+-- each update trainer rank 0 publishes the weights as a numbered version, broadcast over MPI (a
+-- copy through shared memory on one host), and the rollout ranks send each batch back. Every
+-- sample carries .version, the policy version that generated it; a sample more than
+-- async.max_staleness versions behind the weights it trains is dropped (async.stale = 'drop')
+-- or its advantage scaled by async.stale_weight ('downweight'), and counted.
+--
+-- Checkpoints hold the batches generated but not yet trained on (S.extra.pending, the same
+-- JSON a rollout rank sends), and the data position and generators after the last of them:
+-- a resumed run trains on exactly the batches the uninterrupted one would have, none dropped
+-- or counted twice, and the rollouts go on from the checkpoint's weights.
+local ffi = require('ffi')
+local moonrl = require('moonrl')
+local json = require('moonrl.json')
+
+local M = {}
+
+-- ---- batches as text: what goes over the wire and into checkpoints --------------------------
+
+local SKIP = { record = true, prompt_ids = true, rank = true, group = true }
+
+-- samples: a list whose consecutive samples of one group share their prompt_ids table.
+function M.encode(samples, info)
+  local groups, group_of, list = {}, {}, {}
+  for i, s in ipairs(samples) do
+    local g = group_of[s.prompt_ids]
+    if not g then
+      groups[#groups + 1] = json.array(s.prompt_ids)
+      g = #groups
+      group_of[s.prompt_ids] = g
+    end
+    local e = json.object({ 'g', g })
+    for k, v in pairs(s) do
+      if not SKIP[k] and type(k) == 'string' then
+        local t = type(v)
+        if t == 'number' or t == 'string' or t == 'boolean' or (t == 'table' and (json.is_array(v) or json.is_object(v))) then
+          e[k] = v
+        end
+      end
+    end
+    list[i] = e
+  end
+  return json.encode(json.object({ 'groups', groups, 'samples', list, 'info', info or json.object() }))
+end
+
+function M.decode(text, source)
+  local t = json.decode(text, source or 'rollout batch')
+  local samples = {}
+  for i, e in ipairs(t.samples) do
+    local s = {}
+    for k, v in pairs(e) do if k ~= 'g' then s[k] = v end end
+    s.prompt_ids, s.group = t.groups[e.g], e.g -- one table per group: R.pack shares its rows
+    samples[i] = s
+  end
+  return samples, t.info
+end
+
+-- ---- the schedule --------------------------------------------------------------------------
+
+-- How many batches ahead of training the rollouts run (the staleness of a batch).
+function M.lag(cfg)
+  local a = cfg.async
+  if not a or a.mode == 'sync' then return 0 end
+  if a.mode == 'one_step_off' then return 1 end
+  return a.max_staleness
+end
+
+local CORRECTIONS = { none = true, tis = true, tis_seq = true, mis_token = true, mis_seq = true, mis_geo = true }
+
+local function check_config(cfg)
+  local a = cfg.async
+  if not a then return end
+  local ok = { sync = true, one_step_off = true, async = true }
+  if not ok[a.mode] then
+    moonrl.usage_error(string.format("config key 'async.mode' must be sync, one_step_off or async, got '%s'", tostring(a.mode)))
+  end
+  if a.max_staleness < 0 then moonrl.usage_error("config key 'async.max_staleness' must be >= 0") end
+  if a.mode == 'async' and a.max_staleness < 1 then
+    moonrl.usage_error("async.mode=async needs async.max_staleness >= 1 (0 is sync)")
+  end
+  if a.mode == 'one_step_off' and a.max_staleness < 1 then
+    moonrl.usage_error('async.mode=one_step_off makes samples 1 version stale: async.max_staleness must be >= 1')
+  end
+  if not CORRECTIONS[a.correction] then
+    moonrl.usage_error(string.format("config key 'async.correction' must be none, tis, tis_seq, mis_token, mis_seq " ..
+      "or mis_geo, got '%s'", tostring(a.correction)))
+  end
+  if a.stale ~= 'drop' and a.stale ~= 'downweight' then
+    moonrl.usage_error(string.format("config key 'async.stale' must be drop or downweight, got '%s'", tostring(a.stale)))
+  end
+end
+M.check_config = check_config
+
+-- The config section every RL recipe and the default example get.
+function M.config()
+  local config = require('moonrl.config')
+  return {
+    mode = 'sync',                      -- sync | one_step_off | async
+    max_staleness = config.integer(1),  -- versions a sample may lag the weights it trains (async: the queue depth)
+    stale = 'drop',                     -- a staler sample: drop, or downweight (advantage * stale_weight)
+    stale_weight = 0.5,
+    -- off-policy corrections on the engine's log-probs (moonrl.algo.correction)
+    correction = 'none',                -- none | tis | tis_seq | mis_token | mis_seq | mis_geo
+    correction_clip = 2.0,              -- C of truncated importance sampling
+    correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
+    correction_upper = 0.0,
+    decoupled = false,                  -- AReaL's decoupled PPO (proximal policy = the trainer before the update)
+    behav_cap = 0.0,                    -- decoupled: cap of the behaviour weight π_prox/μ (0: none)
+  }
+end
+
+
+-- ---- the session side -----------------------------------------------------------------------
+-- Installed into the recipe session (moonrl.recipe's RS).
+
+local RS = {}
+M.methods = RS
+
+function RS:rollout(fn) self.rollout_fn = fn end
+
+-- The policy-step options of the off-policy corrections the config asks for, added to o.
+function RS:off_policy(o)
+  local a = self.cfg.async
+  if not a then return o end
+  if a.correction ~= 'none' then
+    o.correction = { mode = a.correction, clip = a.correction_clip,
+      lower = a.correction_lower > 0 and a.correction_lower or nil, upper = a.correction_upper > 0 and a.correction_upper or nil }
+  end
+  if a.decoupled then
+    o.loss = 'decoupled_ppo'
+    if a.behav_cap > 0 then o.behav_imp_weight_cap = a.behav_cap end
+  end
+  return o
+end
+
+-- The step's async metrics: staleness, queue, waits, the weight publication.
+function RS:async_metrics(info)
+  local m = info and info.async
+  if not m then return nil end
+  m.rollout_wait_seconds = info.rollout_wait_seconds
+  if self.publish_info then m.publish = self.publish_info; self.publish_info = nil end
+  return m
+end
+
+-- Batch j made here, now, before this step's update: with the weights of version step - 1.
+local function make_local(self, j)
+  local t0 = moonrl.now()
+  local samples, info = self.rollout_fn(j)
+  info = info or {}
+  local version = self.step - 1
+  for _, s in ipairs(samples) do s.version = version end
+  info.gen_seconds = moonrl.now() - t0
+  return { samples = samples, info = info, version = version }
+end
+
+-- The pending batches (generated, not trained on) as checkpoint state; and back.
+local function save_pending(self)
+  local p = json.object()
+  for j, b in pairs(self.pending or {}) do p[tostring(j)] = b.text or M.encode(b.samples, b.info) end
+  self.extra.pending = p
+end
+
+local function load_pending(self)
+  self.pending = {}
+  for k, text in pairs(self.extra.pending or {}) do
+    local samples, info = M.decode(text, 'pending batch ' .. k)
+    self.pending[tonumber(k)] = { samples = samples, info = info, text = text }
+  end
+end
+
+-- Received from the rollout ranks: batch j's text, applied to this session (its data position
+-- and generators are those after the batch, for checkpoints).
+local function receive(self, j)
+  local t0 = moonrl.now()
+  local text = self.link and self.link:broadcast_string('', 1) or '' -- link rank 1: the first rollout rank
+  if self.world.size > 1 then text = self.world:broadcast_string(text, 0) end -- trainer 0 to the others
+  local waited = moonrl.now() - t0
+  local samples, info = M.decode(text, 'rollout batch ' .. j)
+  if info.step ~= j then
+    moonrl.run_error(string.format('rollout ranks sent batch %s where batch %d was expected', tostring(info.step), j))
+  end
+  self:restore_positions(info.positions)
+  self.trainer_wait = (self.trainer_wait or 0) + waited
+  if info.stop then self.rollout_stop = true end
+  return { samples = samples, info = info, text = text }
+end
+
+-- Data positions and generators: what a batch changes beyond its samples.
+function RS:positions()
+  local data, rngs = json.object(), json.object()
+  for _, d in ipairs(self.datasets) do data[d.name] = d.view:state() end
+  for _, r in ipairs(self.rngs) do rngs[r.name] = r.rng.state end
+  return json.object({ 'data', data, 'rngs', rngs })
+end
+
+function RS:restore_positions(p)
+  if not p then return end
+  for _, d in ipairs(self.datasets) do if p.data[d.name] then d.view:restore(p.data[d.name]) end end
+  for _, r in ipairs(self.rngs) do if p.rngs[r.name] then r.rng.state = p.rngs[r.name] end end
+end
+
+-- This step's batch: samples (each with .version and .staleness) and info (the rollout's
+-- metrics, plus info.async: staleness histogram, queue depth, idle shares).
+function RS:next_batch()
+  if not self.rollout_fn then error('S:next_batch: declare the rollout first (S:rollout(fn))', 2) end
+  local s, L = self.step, M.lag(self.cfg)
+  if not self.pending then load_pending(self) end
+  local wait0 = self.trainer_wait or 0
+  if self.remote then
+    if not self.pending[s] then self.pending[s] = receive(self, s) end
+  else
+    for j = s, math.min(s + L, self.run.total or s) do
+      if not self.pending[j] then self.pending[j] = make_local(self, j) end
+    end
+  end
+  local b = self.pending[s]
+  self.pending[s] = nil
+  -- the weights this batch trains are version s - 1 (the updates of steps 1 .. s-1)
+  local a = self.cfg.async or { max_staleness = 0, stale = 'drop' }
+  local hist, kept, dropped = {}, {}, 0
+  for _, smp in ipairs(b.samples) do
+    smp.staleness = (s - 1) - (smp.version or 0)
+    hist[smp.staleness] = (hist[smp.staleness] or 0) + 1
+    if smp.staleness > a.max_staleness then
+      if a.stale == 'drop' then dropped = dropped + 1
+      else smp.adv_scale = a.stale_weight; kept[#kept + 1] = smp end
+    else
+      kept[#kept + 1] = smp
+    end
+  end
+  local histogram = json.object()
+  for k = 0, math.max(L, a.max_staleness) + 1 do if hist[k] then histogram[tostring(k)] = hist[k] end end
+  local depth = 0
+  for _ in pairs(self.pending) do depth = depth + 1 end
+  b.info.async = { staleness = histogram, max_staleness_seen = (function()
+      local mx = 0
+      for k in pairs(hist) do if k > mx then mx = k end end
+      return mx
+    end)(), dropped_stale = dropped, queue_depth = depth, trainer_wait_seconds = (self.trainer_wait or 0) - wait0,
+    rollout_wait_seconds = b.info.rollout_wait_seconds }
+  self.batch_info = b.info
+  return kept, b.info
+end
+
+-- After the step's update: the rollout ranks get their next batches asked for and the new
+-- weights (trainer side), and the pending batches go into the state a checkpoint saves.
+-- Returns the stop decision of this step when it made one (the trainers and the rollout ranks
+-- must agree on it: the session uses it as is).
+function RS:after_update()
+  if not self.rollout_fn or self.step == 0 then return nil end
+  local s, L, T = self.step, M.lag(self.cfg), self.run.total
+  local stop
+  if self.remote then
+    for j = s + 1, math.min(s + L, T) do
+      if not self.pending[j] then self.pending[j] = receive(self, j) end
+    end
+    stop = moonrl.stop_requested() or self.rollout_stop or false
+    if self.world.size > 1 then stop = self.world:any(stop) end
+    if stop and not moonrl.stop_requested() then moonrl.C.mrl_request_stop(-2, 'a stop requested by a rollout rank') end
+    if s + L + 1 <= T then self:publish(s, stop) end
+  end
+  save_pending(self)
+  return stop
+end
+
+-- Trainer rank 0 to every rollout rank: version v of the weights, and whether to stop.
+function RS:publish(v, stop)
+  local t0 = moonrl.now()
+  local p, n = self.policy:params()
+  if self.link then
+    self.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', stop })), 0)
+    self.link:broadcast(p, 4 * n, 0)
+  end
+  local secs = moonrl.now() - t0
+  self.publish_info = { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
+end
+
+-- Trainer rank 0's weights, data positions and generators to every rollout rank (the start of
+-- a phase: an earlier phase ran on the trainers alone).
+function RS:sync_weights()
+  if not self.link then return end
+  local p, n = self.policy:params()
+  self.link:broadcast(p, 4 * n, 0)
+  local pos = self.link:broadcast_string(self.role == 'rollout' and '' or json.encode(self:positions()), 0)
+  if self.role == 'rollout' then
+    self:restore_positions(json.decode(pos, 'positions'))
+    if self.engine then self.engine:reset() end
+  end
+end
+
+-- The rollout ranks' loop (their S:steps): batches j = first .. total, each with the weights
+-- the schedule gives it, sent to the trainers; stops when trainer rank 0 says so.
+function RS:serve_rollouts(total)
+  local L = M.lag(self.cfg)
+  local first = self.step + L + 1 -- after a resume, the batches up to step + L are in the checkpoint
+  if self.step == 0 then first = 1 end
+  local resumed = self.step > 0
+  self.version = self.step -- the checkpoint's weights (0: the initial ones)
+  local idle = 0
+  for j = first, total do
+    if j >= L + 2 and not (resumed and j == first) then
+      local t0 = moonrl.now()
+      local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
+      local p, n = self.policy:params()
+      self.link:broadcast(p, 4 * n, 0)
+      if self.engine then self.engine:reset() end -- cached prefixes came from the old weights
+      self.version = head.version
+      idle = idle + moonrl.now() - t0
+      if head.stop then return end
+    end
+    self.world:set_step(j)
+    local t0 = moonrl.now()
+    local samples, info = self.rollout_fn(j)
+    info = info or {}
+    for _, smp in ipairs(samples) do smp.version = self.version or 0 end
+    info.gen_seconds, info.step, info.positions = moonrl.now() - t0, j, self:positions()
+    info.rollout_wait_seconds, idle = idle, 0
+    info.stop = moonrl.stop_requested()
+    local text = M.encode(samples, info)
+    if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
+  end
+end
+
+return M
