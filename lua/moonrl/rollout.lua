@@ -300,13 +300,22 @@ end
 
 -- Trainer rank 0's weights, data positions and generators to every rollout rank (the start of
 -- a phase: an earlier phase ran on the trainers alone).
+-- The rollout ranks wait here, with no deadline, for as long as the trainers' earlier phases
+-- take (an SFT warm-up may last hours): a trainer that dies meanwhile ends the job through the
+-- launcher; every wait after this one has dist.timeout again.
 function RS:sync_weights()
   if not self.link then return end
+  local rollout = self.role == 'rollout'
+  if rollout then self.link:set_timeout(0) end
+  local head = json.object({ 'positions', self:positions(), 'global_step', self.global_step - self.step })
+  head = self.link:broadcast_string(rollout and '' or json.encode(head), 0)
+  if rollout then self.link:set_timeout(self.cfg.dist.timeout) end
   local p, n = self.policy:params()
   self.link:broadcast(p, 4 * n, 0)
-  local pos = self.link:broadcast_string(self.role == 'rollout' and '' or json.encode(self:positions()), 0)
-  if self.role == 'rollout' then
-    self:restore_positions(json.decode(pos, 'positions'))
+  if rollout then
+    head = json.decode(head, 'phase start')
+    self:restore_positions(head.positions)
+    self.global_step = head.global_step + self.step -- the trainers' count of the earlier phases
     if self.engine then self.engine:reset() end
   end
 end
@@ -319,8 +328,12 @@ function RS:serve_rollouts(total)
   if self.step == 0 then first = 1 end
   local resumed = self.step > 0
   self.version = self.step -- the checkpoint's weights (0: the initial ones)
+  local base = self.global_step - self.step -- the steps of the phases before this one
   local idle = 0
   for j = first, total do
+    -- the batch's step, for heartbeats, fault points and timeout reports
+    self.step, self.global_step = j, base + j
+    self.run.step = self.global_step
     if j >= L + 2 and not (resumed and j == first) then
       local t0 = moonrl.now()
       local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
@@ -331,7 +344,8 @@ function RS:serve_rollouts(total)
       idle = idle + moonrl.now() - t0
       if head.stop then return end
     end
-    self.world:set_step(j)
+    self.world:set_step(self.global_step)
+    self.link:set_step(self.global_step)
     local t0 = moonrl.now()
     local samples, info = self.rollout_fn(j)
     info = info or {}

@@ -514,6 +514,7 @@ function Session:steps(total, phase)
     self.step, self.global_step = self.step + 1, self.global_step + 1
     self.run.step = self.global_step
     self.world:set_step(self.global_step)
+    if self.link then self.link:set_step(self.global_step) end
     self.step_start = { small = self:small_state(), opt_steps = opt_steps(self) }
     self.in_step = true
     moonrl.C.mrl_heartbeat(string.format('step %d phase %s begin', self.global_step, phase))

@@ -1,0 +1,131 @@
+-- Asynchronous RL (moonrl.rollout) on a short default example: the one-step-off and bounded-
+-- staleness schedules give the same bits in one process and with a rollout rank, never exceed
+-- their staleness bound (from the per-sample versions), resume bit-identically after a kill,
+-- and a rollout rank that dies or hangs is reported by the trainer and, under the supervisor,
+-- the job resumes to the weights of an uninterrupted run.
+local t = require('moonrl.testing')
+local fs = require('moonrl.fs')
+local json = require('moonrl.json')
+local proc = require('moonrl.proc')
+local U = dofile('tests/recipes/util.lua')
+
+local exe = rawget(_G, 'MOONRL_EXE')
+local mpirun
+for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
+  if not mpirun and fs.exists(d .. '/mpirun') then mpirun = d .. '/mpirun' end
+end
+assert(exe and mpirun, 'needs the moonrl executable and mpirun')
+
+local dir = U.tmpdir('async')
+local BASE = { 'sft.steps=100', 'grpo.steps=6', 'grpo.prompts=8', 'heldout=20', 'quiet=true', 'run.threads=1',
+  'run.checkpoint_every=1' }
+local SFT = 100 -- global step = SFT + the GRPO step
+
+local function words(run_dir, ...)
+  local w = { 'run.dir=' .. run_dir }
+  for _, x in ipairs(BASE) do w[#w + 1] = x end
+  for _, x in ipairs({ ... }) do w[#w + 1] = x end
+  return w
+end
+
+-- The default example in one process (ranks = 0) or under mpirun with one rollout rank.
+local function run(ranks, w, opts)
+  opts = opts or {}
+  local argv = {}
+  if ranks > 0 then
+    for _, a in ipairs({ mpirun, '-n', tostring(ranks), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
+      '--mca', 'btl', 'vader,self' }) do argv[#argv + 1] = a end
+    for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
+  elseif opts.env then
+    argv = { '/usr/bin/env', unpack(opts.env) }
+  end
+  argv[#argv + 1] = exe
+  for _, x in ipairs(w) do argv[#argv + 1] = x end
+  local r = proc.run(argv, { timeout = opts.timeout or 180 })
+  if not r.ok and not opts.expect_fail then
+    io.stderr:write(r.stdout, r.stderr)
+    error('the default example failed', 2)
+  end
+  return r
+end
+
+local function model_bytes(d) return fs.read(d .. '/model/model.safetensors') end
+local function metrics(d)
+  local out = {}
+  for line in io.lines(d .. '/metrics.jsonl') do out[#out + 1] = json.decode(line) end
+  return out
+end
+
+t.test('one_step_off: the same bits in one process and with a rollout rank; staleness exactly 1', function()
+  run(0, words(dir .. '/off1', 'async.mode=one_step_off'))
+  run(2, words(dir .. '/off2', 'async.mode=one_step_off', 'dist.rollout_ranks=1'))
+  t.truthy(model_bytes(dir .. '/off1') == model_bytes(dir .. '/off2'), 'same final weights')
+  local m = metrics(dir .. '/off2')
+  local grpo = 0
+  for _, r in ipairs(m) do
+    if r['async/staleness/1'] then
+      grpo = grpo + 1
+      t.eq(r['async/max_staleness_seen'], 1, 'one version behind')
+      t.eq(r['async/dropped_stale'], 0, 'none dropped')
+    end
+  end
+  t.eq(grpo, 5, 'every GRPO step but the first (version 0 then) trained on samples one version old')
+end)
+
+t.test('async, max_staleness=2: the bound holds, and is reached', function()
+  run(2, words(dir .. '/async', 'async.mode=async', 'async.max_staleness=2', 'dist.rollout_ranks=1'))
+  local seen = {}
+  for _, r in ipairs(metrics(dir .. '/async')) do
+    local mx = r['async/max_staleness_seen']
+    if mx then
+      t.truthy(mx <= 2, 'staleness within the bound: ' .. mx)
+      seen[mx] = true
+    end
+  end
+  t.truthy(seen[2], 'two versions behind once the queue is full')
+  run(0, words(dir .. '/async1', 'async.mode=async', 'async.max_staleness=2'))
+  t.truthy(model_bytes(dir .. '/async') == model_bytes(dir .. '/async1'), 'the same bits in one process')
+end)
+
+t.test('one_step_off resumes bit-identically after a kill (one process, and with a rollout rank)', function()
+  local d = dir .. '/off_killed'
+  local r = run(0, words(d, 'async.mode=one_step_off'), { env = { 'MOONRL_FAULT=kill:step=' .. (SFT + 4) .. ':phase=train' },
+    expect_fail = true })
+  t.truthy(not r.ok, 'killed in step 4')
+  run(0, words(d, 'async.mode=one_step_off'))
+  t.truthy(model_bytes(d) == model_bytes(dir .. '/off1'), 'resumed: the weights of the uninterrupted run')
+  t.eq(#metrics(d), 6, 'each GRPO step logged once')
+  local d2 = dir .. '/off_killed2'
+  r = run(2, words(d2, 'async.mode=one_step_off', 'dist.rollout_ranks=1'),
+    { env = { 'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=train:rank=0' }, expect_fail = true })
+  t.truthy(not r.ok, 'the trainer killed in step 3')
+  run(2, words(d2, 'async.mode=one_step_off', 'dist.rollout_ranks=1'))
+  t.truthy(model_bytes(d2) == model_bytes(dir .. '/off1'), 'resumed with a rollout rank: the same weights')
+end)
+
+t.test('a rollout rank that hangs is reported by the trainer within dist.timeout', function()
+  local t0 = require('moonrl').now()
+  local r = run(2, words(dir .. '/hang', 'async.mode=one_step_off', 'dist.rollout_ranks=1', 'dist.timeout=3'),
+    { env = { 'MOONRL_FAULT=hang:step=' .. (SFT + 3) .. ':phase=generate:rank=1' }, expect_fail = true, timeout = 90 })
+  local text = r.stdout .. r.stderr
+  t.truthy(not r.ok, 'the job failed')
+  t.truthy(require('moonrl').now() - t0 < 60, 'within a minute')
+  t.truthy(text:find('rank 1: no answer') ~= nil, 'the trainer names rank 1')
+  if not text:find('rank 1: no answer') then io.stderr:write(text) end
+end)
+
+t.test('a rollout rank killed under moonrl launch --restarts: the job resumes to the same weights', function()
+  local d = dir .. '/rollout_killed'
+  local argv = { '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_THREADS=1',
+    'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=generate:rank=1:attempt=0',
+    exe, 'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self' }
+  for _, x in ipairs(words(d, 'async.mode=one_step_off', 'dist.rollout_ranks=1', 'dist.timeout=20')) do argv[#argv + 1] = x end
+  local r = proc.run(argv, { timeout = 240 })
+  if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+  t.truthy(r.ok, 'the supervised job finished')
+  t.truthy(r.stderr:find('restarting') ~= nil, 'after a restart')
+  t.truthy(model_bytes(d) == model_bytes(dir .. '/off1'), 'the weights of the uninterrupted run')
+end)
+
+fs.remove(dir)
+t.done()
