@@ -88,7 +88,7 @@ function M.lag(cfg)
   return a.max_staleness
 end
 
-local CORRECTIONS = { none = true, tis = true, tis_seq = true, mis_token = true, mis_seq = true, mis_geo = true }
+local CORRECTIONS = { auto = true, none = true, tis = true, tis_seq = true, mis_token = true, mis_seq = true, mis_geo = true }
 
 local function check_config(cfg)
   local a = cfg.async
@@ -123,7 +123,7 @@ function M.config()
     stale = 'drop',                     -- a staler sample: drop, or downweight (advantage * stale_weight)
     stale_weight = 0.5,
     -- off-policy corrections on the engine's log-probs (moonrl.algo.correction)
-    correction = 'none',                -- none | tis | tis_seq | mis_token | mis_seq | mis_geo
+    correction = 'auto',                -- auto (tis off-policy, none in sync) | none | tis | tis_seq | mis_token | mis_seq | mis_geo
     correction_clip = 2.0,              -- C of truncated importance sampling
     correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
     correction_upper = 0.0,
@@ -145,8 +145,10 @@ function RS:rollout(fn) self.rollout_fn = fn end
 function RS:off_policy(o)
   local a = self.cfg.async
   if not a then return o end
-  if a.correction ~= 'none' then
-    o.correction = { mode = a.correction, clip = a.correction_clip,
+  local mode = a.correction
+  if mode == 'auto' then mode = M.lag(self.cfg) > 0 and 'tis' or 'none' end
+  if mode ~= 'none' then
+    o.correction = { mode = mode, clip = a.correction_clip,
       lower = a.correction_lower > 0 and a.correction_lower or nil, upper = a.correction_upper > 0 and a.correction_upper or nil }
   end
   if a.decoupled then
