@@ -27,7 +27,8 @@ local cfg = moonrl.config {
   sft = { steps = moonrl.config.integer(1500), batch = moonrl.config.integer(64), lr = 2e-3,
           flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
   grpo = { steps = moonrl.config.integer(30), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
-           lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact' },
+           lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact',
+           eval_every = moonrl.config.integer(0) }, -- held-out accuracy every N steps (metric heldout_accuracy; 0: off)
   async = R.async_config(), -- where and when the rollouts run (async.mode, dist.rollout_ranks)
   quiet = false, -- no per-step lines (the test suite)
 }
@@ -144,6 +145,9 @@ for step in S:steps(cfg.grpo.steps, 'grpo') do
   m.accuracy = mean
   m.response_length = R.length_metrics(samples)
   m.async = S:async_metrics(info)
+  if cfg.grpo.eval_every > 0 and step % cfg.grpo.eval_every == 0 then
+    m.heldout_accuracy = S:phase('eval', accuracy, heldout)
+  end
   m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens, moonrl.now() - t0) }
   S:log(m, { quiet = cfg.quiet })
 end

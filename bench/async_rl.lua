@@ -1,0 +1,63 @@
+-- Asynchronous RL on the default task, on this machine's two cores: seconds per GRPO step and
+-- seconds until the held-out accuracy first reaches a target, for
+--   sync, one process, 2 threads            (the baseline)
+--   sync, 1 trainer + 1 rollout rank        (1 thread each: the ranks wait for each other)
+--   one_step_off, 1 trainer + 1 rollout     (generation of batch n+1 overlaps training of n)
+--   async (max_staleness=2), 1 + 1
+-- Times are of the GRPO phase only (the SFT warm-up runs on the trainer alone), with the
+-- held-out evaluations (grpo.eval_every) taken out.
+--   build/moonrl run bench/async_rl.lua [target=0.8] [steps=30] [eval_every=3]
+local moonrl = require('moonrl')
+local json = require('moonrl.json')
+local proc = require('moonrl.proc')
+local fs = require('moonrl.fs')
+
+local opt = moonrl.config { target = 0.8, steps = moonrl.config.integer(30), eval_every = moonrl.config.integer(3) }
+local exe = assert(rawget(_G, 'MOONRL_EXE'))
+local mpirun
+for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
+  if not mpirun and fs.exists(d .. '/mpirun') then mpirun = d .. '/mpirun' end
+end
+local root = os.tmpname()
+os.remove(root)
+fs.mkdirs(root)
+
+local function run(name, ranks, threads, ...)
+  local d = root .. '/' .. name
+  local argv = {}
+  if ranks > 1 then
+    argv = { mpirun, '-n', tostring(ranks), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+      'vader,self' }
+  end
+  for _, a in ipairs({ exe, 'run.dir=' .. d, 'quiet=true', 'run.threads=' .. threads, 'grpo.steps=' .. opt.steps,
+    'grpo.eval_every=' .. opt.eval_every, ... }) do argv[#argv + 1] = a end
+  local r = proc.run(argv, { timeout = 1200 })
+  assert(r.ok, name .. ': ' .. r.stderr)
+  local secs, steps, reach, final = 0, 0, nil, nil
+  for line in io.lines(d .. '/metrics.jsonl') do
+    local m = json.decode(line)
+    secs = secs + m['time/step'] - (m['time/eval'] or 0)
+    steps = steps + 1
+    local acc = m.heldout_accuracy
+    if acc then
+      final = acc
+      if not reach and acc >= opt.target then reach = secs end
+    end
+  end
+  return { name = name, per_step = secs / steps, total = secs, reach = reach, final = final }
+end
+
+local rows = {
+  run('sync, 1 process x 2 threads', 1, 2),
+  run('sync, 1 trainer + 1 rollout', 2, 1, 'dist.rollout_ranks=1'),
+  run('one_step_off, 1 + 1', 2, 1, 'async.mode=one_step_off', 'dist.rollout_ranks=1'),
+  run('async k=2, 1 + 1', 2, 1, 'async.mode=async', 'async.max_staleness=2', 'dist.rollout_ranks=1'),
+}
+local base = rows[1]
+print(string.format('%-32s %10s %10s %14s %14s %10s', 'run', 's/step', 'steps/h x', 'reach ' .. opt.target, 'x', 'final acc'))
+for _, r in ipairs(rows) do
+  print(string.format('%-32s %10.3f %10.2f %14s %14s %10.3f', r.name, r.per_step, base.per_step / r.per_step,
+    r.reach and string.format('%.1f s', r.reach) or 'never', (r.reach and base.reach) and string.format('%.2f', base.reach / r.reach) or '-',
+    r.final or 0))
+end
+fs.remove(root)
