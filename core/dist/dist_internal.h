@@ -82,12 +82,16 @@ mrl_status mrl_dist_scratch(mrl_dist *d, size_t bytes);
  * right (rank order) in the type of the data; MEAN then divides by nparts.
  * Part s starts at parts + s * n elements. */
 void mrl_dist_combine(void *out, const void *parts, int64_t n, int nparts, int dtype, int op);
+/* The same, with part `self` taken from out, which holds it on entry (its
+ * slot in parts is not read): the caller's own values need no copy. */
+void mrl_dist_combine_self(void *out, const void *parts, int64_t n, int nparts, int self, int dtype, int op);
 
 /* ---- The segment pipeline ---------------------------------------------
  * A buffer cut into segments from its end: segment k is
  * [n - (k+1) * len, n - k * len) (the first one in memory may be shorter).
- * Stage 1 of a segment is an all-to-all-v that brings every rank's values
- * of (segment ∩ my shard) into scratch; when it completes they are combined
+ * Stage 1 of a segment is an all-to-all-v that brings every other rank's
+ * values of (segment ∩ my shard) into scratch (this rank's own stay in the
+ * buffer, and their slot in scratch is left unused); when it completes they are combined
  * in rank order into the buffer; stage 2 (when `gather`) all-gathers the
  * segment's shard pieces in place. Segments start their stage 1 in order
  * (pipe_start) and their stage 2 in order too, on comm1 and comm2: the

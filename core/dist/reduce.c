@@ -20,17 +20,32 @@ enum { BLOCK = 2048 };
 #define MAX_(a, b) ((b) > (a) ? (b) : (a))
 #define MIN_(a, b) ((b) < (a) ? (b) : (a))
 
+/* Part `self` (0 <= self < nparts) is read from out itself, which holds it
+ * on entry (the caller's own values, never copied into parts); self < 0:
+ * every part is in parts. The additions are the same either way. */
 #define COMBINE_LOOP(T, F)                                                   \
     do {                                                                     \
         T *o = out;                                                          \
         const T *p = parts;                                                  \
+        T acc[BLOCK];                                                        \
         for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {                          \
-            int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n;                    \
-            for (int64_t i = b0; i < b1; i++) o[i] = p[i];                   \
-            for (int s = 1; s < nparts; s++) {                               \
-                const T *q = p + (int64_t)s * n;                             \
-                for (int64_t i = b0; i < b1; i++) o[i] = F(o[i], q[i]);      \
+            int64_t m = b0 + BLOCK < n ? BLOCK : n - b0;                     \
+            T *ob = o + b0;                                                  \
+            if (self == 0) { /* out already holds part 0: add the rest */    \
+                for (int s = 1; s < nparts; s++) {                           \
+                    const T *q = p + (int64_t)s * n + b0;                    \
+                    for (int64_t i = 0; i < m; i++) ob[i] = F(ob[i], q[i]);  \
+                }                                                            \
+                continue;                                                    \
             }                                                                \
+            /* out's block is read (part self) before it is written */      \
+            T *t = self > 0 ? acc : ob;                                      \
+            for (int64_t i = 0; i < m; i++) t[i] = p[b0 + i];                \
+            for (int s = 1; s < nparts; s++) {                               \
+                const T *q = s == self ? ob : p + (int64_t)s * n + b0;       \
+                for (int64_t i = 0; i < m; i++) t[i] = F(t[i], q[i]);        \
+            }                                                                \
+            if (t != ob) memcpy(ob, t, (size_t)m * sizeof(T));               \
         }                                                                    \
     } while (0)
 
@@ -41,7 +56,7 @@ enum { BLOCK = 2048 };
         else COMBINE_LOOP(T, ADD);                                           \
     } while (0)
 
-void mrl_dist_combine(void *out, const void *parts, int64_t n, int nparts, int dtype, int op) {
+static void combine(void *out, const void *parts, int64_t n, int nparts, int self, int dtype, int op) {
     if (n <= 0 || nparts <= 0) return;
     switch (dtype) {
     case MRL_DIST_F32:
@@ -61,6 +76,14 @@ void mrl_dist_combine(void *out, const void *parts, int64_t n, int nparts, int d
         break;
     case MRL_DIST_U8: COMBINE_TYPE(uint8_t, ADD_U8); break; /* MEAN of u8 is refused before */
     }
+}
+
+void mrl_dist_combine(void *out, const void *parts, int64_t n, int nparts, int dtype, int op) {
+    combine(out, parts, n, nparts, -1, dtype, op);
+}
+
+void mrl_dist_combine_self(void *out, const void *parts, int64_t n, int nparts, int self, int dtype, int op) {
+    combine(out, parts, n, nparts, self, dtype, op);
 }
 
 /* ------------------------------------------------------------ pipeline */
@@ -145,6 +168,8 @@ mrl_status mrl_dist_pipe_start(mrl_dist_pipe *p) {
         rc[r] = s->mine_n;
         rd[r] = (int64_t)r * s->mine_n;
     }
+    /* this rank's own piece stays where it is: the combine reads it from the buffer */
+    sc[d->rank] = rc[d->rank] = 0;
     int e = d->be->ialltoallv(p->comm1, p->buf + s->lo * p->esz, sc, sd, p->scratch + s->scratch_off * p->esz, rc,
                               rd, p->esz, &s->req);
     if (e) return mrl_dist_fail(d, e, "the all-to-all of a reduce-scatter");
@@ -181,8 +206,8 @@ mrl_status mrl_dist_pipe_progress(void *pipe, int *done) {
         s->req = NULL;
         if (s->stage == SEG_SCATTER) {
             /* every rank's piece of my shard is in: add them up in rank order */
-            mrl_dist_combine(p->buf + s->mine_lo * p->esz, p->scratch + s->scratch_off * p->esz, s->mine_n, d->size,
-                             p->dtype, p->op);
+            mrl_dist_combine_self(p->buf + s->mine_lo * p->esz, p->scratch + s->scratch_off * p->esz, s->mine_n,
+                                  d->size, d->rank, p->dtype, p->op);
             s->stage = SEG_SUMMED;
         } else {
             s->stage = SEG_DONE;
