@@ -318,7 +318,6 @@ function RS:sync_weights()
     head = json.decode(head, 'phase start')
     self:restore_positions(head.positions)
     self.global_step = head.global_step + self.step -- the trainers' count of the earlier phases
-    if self.engine then self.engine:reset() end
   end
 end
 
@@ -341,7 +340,6 @@ function RS:serve_rollouts(total)
       local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
       local p, n = self.policy:params()
       self.link:broadcast(p, 4 * n, 0)
-      if self.engine then self.engine:reset() end -- cached prefixes came from the old weights
       self.version = head.version
       idle = idle + moonrl.now() - t0
       if head.stop then return end

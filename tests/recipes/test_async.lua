@@ -127,5 +127,29 @@ t.test('a rollout rank killed under moonrl launch --restarts: the job resumes to
   t.truthy(model_bytes(d) == model_bytes(dir .. '/off1'), 'the weights of the uninterrupted run')
 end)
 
+t.test('grpo with rollout ranks: 1 trainer + 1 rollout gives the bits of one process; 2 trainers + 1 rollout agree', function()
+  local model_dir = U.tiny_model(dir .. '/tiny')
+  local recs = {}
+  for i, p in ipairs(U.additions(40, 3)) do recs[i] = { question = p.prompt, answer = p.answer } end
+  local data = U.write_jsonl(dir .. '/rl.jsonl', recs)
+  local function grpo(ranks, d, ...)
+    local w = { 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
+      'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-3', 'grpo.steps=5', 'grpo.prompts=6',
+      'grpo.samples=4', 'grpo.max_tokens=8', 'run.threads=1', 'async.mode=one_step_off', 'run.dir=' .. dir .. '/' .. d, ... }
+    run(ranks, w)
+    return dir .. '/' .. d
+  end
+  local one = grpo(0, 'grpo1')
+  local two = grpo(2, 'grpo11', 'dist.rollout_ranks=1')
+  local three = grpo(3, 'grpo21', 'dist.rollout_ranks=1')
+  t.truthy(model_bytes(one) == model_bytes(two), '1 trainer + 1 rollout rank: the bits of one process')
+  local a, b = metrics(one), metrics(three)
+  t.eq(#b, 5, '2 trainers + 1 rollout: every step logged once')
+  for i = 1, 2 do
+    t.eq(b[i]['reward/mean'], a[i]['reward/mean'], 'the same samples at step ' .. i)
+    t.truthy(math.abs(b[i].loss - a[i].loss) <= 1e-4 * math.max(1, math.abs(a[i].loss)), 'the same loss at step ' .. i)
+  end
+end)
+
 fs.remove(dir)
 t.done()
