@@ -3,8 +3,9 @@
 --   moonrl run ppo model.dir=/models/Qwen2.5-0.5B-Instruct data.path=gsm8k.jsonl reward=math
 --
 -- critic <- the initial policy's weights plus a scalar value head (a second model)
--- for each step:
+-- the rollout of a batch (here, ahead, or on rollout ranks: async.mode, dist.rollout_ranks):
 --   prompts; generate ppo.samples completions each; scalar reward of each completion
+-- for each step, on its batch:
 --   log π_old (policy), log π_ref (frozen initial policy, when kl_coef > 0), V_old (critic)
 --   r_t    <- reward on the last response token − kl_coef · (log π_old − log π_ref) on every token
 --   A, R   <- GAE(r, V_old, γ, λ); A whitened over the batch
@@ -25,6 +26,7 @@ local cfg = moonrl.config {
           clip = 0.2, value_clip = 0.5, gamma = 1.0, lam = 0.95, kl_coef = 0.01, agg = 'token-mean' },
   train = R.train_config { lr = 1e-6, critic_lr = 5e-6 },
   engine = R.engine_config(),
+  async = R.async_config(),
   save = true,
 }
 local S = R.start(cfg, { name = 'ppo', steps = cfg.ppo.steps, steps_key = 'ppo.steps', chat = cfg.data.chat,
@@ -61,15 +63,20 @@ local function critic_step(samples)
   return m
 end
 
-local history = {}
-for step in S:steps() do
-  -- 1. rollouts and rewards (a failing reward drops its prompt's samples)
+-- 1. the rollout of batch `step`: prompts, completions, rewards (a failing reward drops its samples)
+S:rollout(function(step)
   local records = S:prompts(cfg.ppo.prompts)
-  local t0 = moonrl.now()
   sampling.step = step
   local results = S:phase('generate', function() return S.engine:generate(R.requests(records, cfg.ppo.samples), sampling) end)
-  local gen_s = moonrl.now() - t0
   local scores, samples, rm = S:phase('reward', S.score, S, R.flatten(records, results), cfg.ppo.samples)
+  for i, s in ipairs(samples) do s.score = scores[i - 1] end
+  return samples, { reward = rm }
+end)
+
+local history = {}
+for step in S:steps() do
+  local samples, info = S:next_batch()
+  local gen_s, rm, scores = info.gen_seconds, info.reward, R.scores(samples)
   if #samples == 0 then -- every reward failed: nothing to learn from this step
     S:log({ reward = rm, skipped = 1 })
     goto continue
@@ -91,6 +98,9 @@ for step in S:steps() do
   local adv, ret = algo.advantages.gae({ token_rewards = token_r, values = R.scatter(b, values), cu_seqlens = cu,
     nseq = nseq, mask = mask, gamma = cfg.ppo.gamma, lam = cfg.ppo.lam })
   local adv_l, ret_l = R.gather(b, adv), R.gather(b, ret)
+  for i, s in ipairs(samples) do
+    if s.adv_scale then for k = 1, #adv_l[i] do adv_l[i][k] = adv_l[i][k] * s.adv_scale end end
+  end
   local kl = 0
   for i, s in ipairs(samples) do
     s.old_logprobs, s.values, s.adv_tokens, s.returns = old[i], values[i], adv_l[i], ret_l[i]
@@ -98,10 +108,10 @@ for step in S:steps() do
   end
 
   -- 4. epochs of policy and critic updates
-  t0 = moonrl.now()
+  local t0 = moonrl.now()
   local m, c, mismatch
   for epoch = 1, cfg.ppo.epochs do
-    m = S:phase('train', R.policy_step, { session = S, model = policy, opt = S.opt, samples = samples, lr = S:lr(),
+    m = S:phase('train', R.policy_step, S:off_policy { session = S, model = policy, opt = S.opt, samples = samples, lr = S:lr(),
       measure_mismatch = epoch == 1,
       temperature = cfg.ppo.temperature, clip_low = cfg.ppo.clip, agg = cfg.ppo.agg,
       micro_batch_tokens = mb_tokens, max_grad_norm = cfg.train.max_grad_norm })
@@ -114,6 +124,7 @@ for step in S:steps() do
   m.reward, m.accuracy = R.reward_metrics(scores, #samples)
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
   m.data = S:data_metrics()
+  m.async = S:async_metrics(info)
   m.kl = kl / math.max(m.tokens, 1)
   m.critic = c
   m.response_length = R.length_metrics(samples)

@@ -3,11 +3,12 @@
 --
 --   moonrl run rlvr model.dir=/models/Qwen2.5-0.5B-Instruct data.path=gsm8k.jsonl reward=math
 --
--- for each step:
+-- the rollout of a step's batch (here, ahead, or on rollout ranks: async.mode, dist.rollout_ranks):
 --   repeat (at most rlvr.max_gen_batches times) until rlvr.prompts groups are kept:
 --     prompts; generate rlvr.samples completions each; score = verifier reward + overlong penalty
 --     keep only the groups whose scores are NOT all equal (an all-right or all-wrong group has zero
 --     advantage and teaches nothing)
+-- for each step, on its batch:
 --   A_i <- group-normalised scores of the kept groups
 --   PPO-clip with clip-higher (ε_low 0.2, ε_high 0.28), token-mean over the whole batch; AdamW step
 -- Overlong penalty (DAPO): with L = rlvr.max_tokens and a buffer B, a response of length ℓ gets
@@ -27,6 +28,7 @@ local cfg = moonrl.config {
   overlong = { enable = true, buffer = moonrl.config.integer(128), factor = 1.0 },
   train = R.train_config { lr = 1e-6 },
   engine = R.engine_config(),
+  async = R.async_config(),
   save = true,
 }
 local S = R.start(cfg, { name = 'rlvr', steps = cfg.rlvr.steps, steps_key = 'rlvr.steps', chat = cfg.data.chat,
@@ -43,9 +45,9 @@ local function overlong_penalty(len)
   return (L - B - len) / B * cfg.overlong.factor
 end
 
-local history = {}
-for step in S:steps() do
-  -- 1. dynamic sampling: generate and score until enough groups carry a signal
+-- 1. the rollout, with dynamic sampling: generate and score until enough groups carry a signal;
+-- the kept groups train, the metrics are over everything generated
+S:rollout(function(step)
   local kept, seen, gen_batches, gen_tokens, correct = {}, {}, 0, 0, 0
   local rm = { errors = 0, dropped_groups = 0 }
   local t0 = moonrl.now()
@@ -74,16 +76,28 @@ for step in S:steps() do
   end
   local gen_s = moonrl.now() - t0
   for _, s in ipairs(seen) do if s.correct >= 1 then correct = correct + 1 end end
+  local all_scores = {}
+  for i, s in ipairs(seen) do all_scores[i] = s.score end
+  local mean, std = R.stats(all_scores)
+  return kept, { gen_s = gen_s, gen_tokens = gen_tokens, reward = { mean = mean, std = std, errors = rm.errors,
+    dropped_groups = rm.dropped_groups }, accuracy = #seen > 0 and correct / #seen or 0,
+    response_length = R.length_metrics(seen), dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G,
+    kept_ratio = #seen > 0 and #kept / #seen or 0 } }
+end)
+
+local history = {}
+for step in S:steps() do
+  local kept, info = S:next_batch()
 
   -- 2. advantages over the kept groups, and the update (skipped when no group had a signal)
   local m = { skipped = 1 }
-  t0 = moonrl.now()
+  local t0 = moonrl.now()
   if #kept > 0 then
     local scores = require('ffi').new('double[?]', #kept)
     for i, s in ipairs(kept) do scores[i - 1] = s.score end
     local adv = algo.advantages.grpo({ scores = scores, nseq = #kept, group = G })
-    for i, s in ipairs(kept) do s.adv = adv[i - 1] end
-    m = S:phase('train', R.policy_step, { session = S, model = S.policy, opt = S.opt, samples = kept, ref = ref, lr = S:lr(),
+    for i, s in ipairs(kept) do s.adv = adv[i - 1] * (s.adv_scale or 1) end
+    m = S:phase('train', R.policy_step, S:off_policy { session = S, model = S.policy, opt = S.opt, samples = kept, ref = ref, lr = S:lr(),
       temperature = cfg.rlvr.temperature, clip_low = cfg.rlvr.clip_low, clip_high = cfg.rlvr.clip_high,
       agg = cfg.rlvr.agg, norm = cfg.rlvr.max_tokens, kl_coef = cfg.rlvr.kl_coef,
       micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = cfg.train.max_grad_norm })
@@ -91,16 +105,11 @@ for step in S:steps() do
   end
 
   -- 3. log (rewards and lengths over everything generated; the update over the kept groups)
-  local all_scores = {}
-  for i, s in ipairs(seen) do all_scores[i] = s.score end
-  local mean, std = R.stats(all_scores)
-  m.reward = { mean = mean, std = std }
-  m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
-  m.accuracy = #seen > 0 and correct / #seen or 0
-  m.response_length = R.length_metrics(seen)
-  m.dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G, kept_ratio = #seen > 0 and #kept / #seen or 0 }
+  m.reward, m.accuracy, m.response_length = info.reward, info.accuracy, info.response_length
+  m.dynamic_sampling = info.dynamic_sampling
   m.data = S:data_metrics()
-  m.tokens_per_s = { generate = R.rate(gen_tokens, gen_s), train = R.rate(m.tokens or 0, moonrl.now() - t0) }
+  m.async = S:async_metrics(info)
+  m.tokens_per_s = { generate = R.rate(info.gen_tokens, info.gen_s), train = R.rate(m.tokens or 0, moonrl.now() - t0) }
   history[step] = S:log(m)
 end
 
