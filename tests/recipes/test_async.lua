@@ -143,6 +143,16 @@ t.test('grpo with rollout ranks: 1 trainer + 1 rollout gives the bits of one pro
   local two = grpo(2, 'grpo11', 'dist.rollout_ranks=1')
   local three = grpo(3, 'grpo21', 'dist.rollout_ranks=1')
   t.truthy(model_bytes(one) == model_bytes(two), '1 trainer + 1 rollout rank: the bits of one process')
+  for _, r in ipairs({ 'ppo', 'rlvr' }) do -- their rollouts through the same path
+    local function rec(ranks, d, ...)
+      run(ranks, { 'run', 'recipes/' .. r .. '.lua', 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question',
+        'data.chat=false', 'reward=exact', 'train.lr=1e-3', r .. '.steps=3', r .. '.prompts=4', r .. '.max_tokens=6',
+        'run.threads=1', 'async.mode=one_step_off', 'run.dir=' .. dir .. '/' .. d, ... })
+      return dir .. '/' .. d
+    end
+    t.truthy(model_bytes(rec(0, r .. '1')) == model_bytes(rec(2, r .. '11', 'dist.rollout_ranks=1')),
+      r .. ': 1 trainer + 1 rollout rank, the bits of one process')
+  end
   local a, b = metrics(one), metrics(three)
   t.eq(#b, 5, '2 trainers + 1 rollout: every step logged once')
   for i = 1, 2 do
