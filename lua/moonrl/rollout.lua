@@ -204,24 +204,10 @@ local function receive(self, j)
   if info.step ~= j then
     moonrl.run_error(string.format('rollout ranks sent batch %s where batch %d was expected', tostring(info.step), j))
   end
-  self:restore_positions(info.positions)
+  if info.positions then self:restore_positions(info.positions) end
   self.trainer_wait = (self.trainer_wait or 0) + waited
   if info.stop then self.rollout_stop = true end
   return { samples = samples, info = info, text = text }
-end
-
--- Data positions and generators: what a batch changes beyond its samples.
-function RS:positions()
-  local data, rngs = json.object(), json.object()
-  for _, d in ipairs(self.datasets) do data[d.name] = d.view:state() end
-  for _, r in ipairs(self.rngs) do rngs[r.name] = r.rng.state end
-  return json.object({ 'data', data, 'rngs', rngs })
-end
-
-function RS:restore_positions(p)
-  if not p then return end
-  for _, d in ipairs(self.datasets) do if p.data[d.name] then d.view:restore(p.data[d.name]) end end
-  for _, r in ipairs(self.rngs) do if p.rngs[r.name] then r.rng.state = p.rngs[r.name] end end
 end
 
 -- This step's batch: samples (each with .version and .staleness) and info (the rollout's

@@ -355,11 +355,27 @@ end
 
 -- The parts of the state that are small and change every step: data positions, generators,
 -- the guards, counters, extra state, memos (a deep copy, as JSON text).
-function Session:small_state()
+-- Data positions and generators ({ data = {...}, rngs = {...} }): what a batch moves on.
+function Session:positions()
   local data, rngs = json.object(), json.object()
   for _, d in ipairs(self.datasets) do data[d.name] = d.view:state() end
   for _, r in ipairs(self.rngs) do rngs[r.name] = r.rng.state end
-  return json.encode(json.object({ 'data', data, 'rngs', rngs, 'extra', self.extra, 'memo', self.memos,
+  return json.object({ 'data', data, 'rngs', rngs })
+end
+
+-- Put back positions() (either part may be absent).
+function Session:restore_positions(p)
+  for _, d in ipairs(self.datasets) do
+    if p.data and p.data[d.name] then d.view:restore(p.data[d.name]) end
+  end
+  for _, r in ipairs(self.rngs) do
+    if p.rngs and p.rngs[r.name] then r.rng.state = p.rngs[r.name] end
+  end
+end
+
+function Session:small_state()
+  local pos = self:positions()
+  return json.encode(json.object({ 'data', pos.data, 'rngs', pos.rngs, 'extra', self.extra, 'memo', self.memos,
     'guard', self.guard:state(), 'lr_scale', self.lr_scale, 'rollbacks', self.rollbacks, 'skips', self.skips,
     'skips_in_row', self.skips_in_row }))
 end
@@ -367,14 +383,7 @@ end
 -- Put back a table of small_state()'s fields (state.json holds them); keep_data: leave the data
 -- positions and generators as they are.
 function Session:restore_small(s, keep_data)
-  if not keep_data then
-    for _, d in ipairs(self.datasets) do
-      if s.data and s.data[d.name] then d.view:restore(s.data[d.name]) end
-    end
-    for _, r in ipairs(self.rngs) do
-      if s.rngs and s.rngs[r.name] then r.rng.state = s.rngs[r.name] end
-    end
-  end
+  if not keep_data then self:restore_positions(s) end
   self.extra = s.extra or {}
   for k, v in pairs(s.memo or {}) do self.memos[k] = v end
   self.guard:restore(s.guard)

@@ -10,10 +10,7 @@ local proc = require('moonrl.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = rawget(_G, 'MOONRL_EXE')
-local mpirun
-for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
-  if not mpirun and fs.exists(d .. '/mpirun') then mpirun = d .. '/mpirun' end
-end
+local mpirun = U.which('mpirun')
 assert(exe and mpirun, 'needs the moonrl executable and mpirun')
 
 local dir = U.tmpdir('async')

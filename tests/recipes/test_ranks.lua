@@ -11,12 +11,7 @@ local proc = require('moonrl.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = rawget(_G, 'MOONRL_EXE')
-local function which(name)
-  for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
-    if fs.exists(d .. '/' .. name) then return d .. '/' .. name end
-  end
-end
-local mpirun = which('mpirun')
+local mpirun = U.which('mpirun')
 assert(exe and mpirun, 'needs the moonrl executable and mpirun')
 
 local dir = U.tmpdir('ranks')

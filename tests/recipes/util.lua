@@ -29,6 +29,13 @@ function M.tiny_model(dir, opts)
   return dir
 end
 
+-- The path of a program on PATH (nil when absent).
+function M.which(name)
+  for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
+    if require('moonrl.fs').exists(d .. '/' .. name) then return d .. '/' .. name end
+  end
+end
+
 function M.write_jsonl(path, records)
   local json = require('moonrl.json')
   local f = assert(io.open(path, 'w'))
