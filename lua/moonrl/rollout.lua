@@ -163,6 +163,14 @@ function RS:async_metrics(info)
   local m = info and info.async
   if not m then return nil end
   m.rollout_wait_seconds = info.rollout_wait_seconds
+  -- idle shares: the trainer's wait for this batch over its step so far; the rollout side's
+  -- wait for weights over that wait plus its generation of the batch
+  local step_s = moonrl.now() - self.run.step_t0
+  m.trainer_idle_share = step_s > 0 and math.min(1, m.trainer_wait_seconds / step_s) or 0
+  if info.rollout_wait_seconds and info.gen_seconds then
+    local busy = info.rollout_wait_seconds + info.gen_seconds
+    m.rollout_idle_share = busy > 0 and info.rollout_wait_seconds / busy or 0
+  end
   if self.publish_info then m.publish = self.publish_info; self.publish_info = nil end
   return m
 end
