@@ -162,7 +162,6 @@ end
 function RS:async_metrics(info)
   local m = info and info.async
   if not m then return nil end
-  m.rollout_wait_seconds = info.rollout_wait_seconds
   -- idle shares: the trainer's wait for this batch over its step so far; the rollout side's
   -- wait for weights over that wait plus its generation of the batch
   local step_s = moonrl.now() - self.run.step_t0
@@ -224,7 +223,6 @@ function RS:next_batch()
   if not self.rollout_fn then error('S:next_batch: declare the rollout first (S:rollout(fn))', 2) end
   local s, L = self.step, M.lag(self.cfg)
   if not self.pending then load_pending(self) end
-  local wait0 = self.trainer_wait or 0
   if self.remote then
     if not self.pending[s] then self.pending[s] = receive(self, s) end
   else
@@ -236,10 +234,12 @@ function RS:next_batch()
   self.pending[s] = nil
   -- the weights this batch trains are version s - 1 (the updates of steps 1 .. s-1)
   local a = self.cfg.async or { max_staleness = 0, stale = 'drop' }
-  local hist, kept, dropped = {}, {}, 0
+  local histogram, kept, dropped, worst = json.object(), {}, 0, 0
   for _, smp in ipairs(b.samples) do
     smp.staleness = (s - 1) - (smp.version or 0)
-    hist[smp.staleness] = (hist[smp.staleness] or 0) + 1
+    local k = tostring(smp.staleness)
+    histogram[k] = (histogram[k] or 0) + 1
+    if smp.staleness > worst then worst = smp.staleness end
     if smp.staleness > a.max_staleness then
       if a.stale == 'drop' then dropped = dropped + 1
       else smp.adv_scale = a.stale_weight; kept[#kept + 1] = smp end
@@ -247,17 +247,13 @@ function RS:next_batch()
       kept[#kept + 1] = smp
     end
   end
-  local histogram = json.object()
-  for k = 0, math.max(L, a.max_staleness) + 1 do if hist[k] then histogram[tostring(k)] = hist[k] end end
   local depth = 0
   for _ in pairs(self.pending) do depth = depth + 1 end
-  b.info.async = { staleness = histogram, max_staleness_seen = (function()
-      local mx = 0
-      for k in pairs(hist) do if k > mx then mx = k end end
-      return mx
-    end)(), dropped_stale = dropped, queue_depth = depth, trainer_wait_seconds = (self.trainer_wait or 0) - wait0,
-    rollout_wait_seconds = b.info.rollout_wait_seconds }
-  self.batch_info = b.info
+  -- the trainer's waits for batches since the last step's figure (after_update's too)
+  local waited = (self.trainer_wait or 0) - (self.trainer_wait_logged or 0)
+  self.trainer_wait_logged = self.trainer_wait
+  b.info.async = { staleness = histogram, max_staleness_seen = worst, dropped_stale = dropped, queue_depth = depth,
+    trainer_wait_seconds = waited, rollout_wait_seconds = b.info.rollout_wait_seconds }
   return kept, b.info
 end
 
