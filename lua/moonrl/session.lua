@@ -116,10 +116,24 @@ end
 -- opts: name (the recipe), total_steps (for the step line), steps_key (the config key of the
 -- step count: free to change on resume), free_keys (more such keys), inputs ({ name = path } of
 -- the input model and data, recorded in checkpoints).
+local function check_dist(d)
+  if not d then return end
+  if d.zero ~= 0 and d.zero ~= 1 then moonrl.usage_error(string.format("config key 'dist.zero' must be 0 or 1, got %s", d.zero)) end
+  if not (d.timeout >= 0) then moonrl.usage_error(string.format("config key 'dist.timeout' must be >= 0 (0: none), got %s", d.timeout)) end
+  if not (d.bucket_mb > 0) then moonrl.usage_error(string.format("config key 'dist.bucket_mb' must be > 0, got %s", d.bucket_mb)) end
+  if d.rollout_ranks < 0 then moonrl.usage_error(string.format("config key 'dist.rollout_ranks' must be >= 0, got %d", d.rollout_ranks)) end
+end
+
 function M.start(cfg, opts)
   opts = opts or {}
   local name = opts.name or 'run'
+  check_dist(cfg.dist)
   local world = dist.world(cfg.dist and cfg.dist.timeout)
+  local rollout_ranks = cfg.dist and cfg.dist.rollout_ranks or 0
+  if rollout_ranks >= world.size and rollout_ranks > 0 then
+    moonrl.usage_error(string.format('dist.rollout_ranks=%d leaves no rank to train (the job has %d)', rollout_ranks,
+      world.size))
+  end
   if world.size > 1 and not opts.ranks_ready and not opts.groups_ready then
     local groups = M.groups(world, cfg)
     local o = {}
@@ -217,9 +231,6 @@ end
 function M.groups(world, cfg)
   local R = cfg.dist and cfg.dist.rollout_ranks or 0
   if R == 0 then return { world = world, role = 'train' } end
-  if R >= world.size then
-    moonrl.usage_error(string.format('dist.rollout_ranks=%d leaves no rank to train (the job has %d)', R, world.size))
-  end
   if not cfg.async then moonrl.usage_error('dist.rollout_ranks: this recipe has no rollout to hand to rollout ranks') end
   local rollout = world.rank >= world.size - R
   local group = world:split(rollout and 1 or 0, rollout and 'rollout' or 'trainers')

@@ -158,5 +158,17 @@ t.test('grpo with rollout ranks: 1 trainer + 1 rollout gives the bits of one pro
   end
 end)
 
+t.test('bad dist and async keys are usage errors naming the key, before any run directory exists', function()
+  for _, case in ipairs({ { 'dist.zero=2', 'dist.zero' }, { 'dist.bucket_mb=0', 'dist.bucket_mb' },
+    { 'dist.timeout=-1', 'dist.timeout' }, { 'async.mode=later', 'async.mode' }, { 'async.correction=foo', 'async.correction' },
+    { 'dist.rollout_ranks=1', 'dist.rollout_ranks' } }) do
+    local d = dir .. '/bad'
+    local r = proc.run({ exe, 'run.dir=' .. d, 'sft.steps=1', 'grpo.steps=1', 'quiet=true', case[1] }, { timeout = 60 })
+    t.eq(r.exit_status, 2, case[1] .. ': a usage error')
+    t.truthy(r.stderr:find(case[2], 1, true) ~= nil, case[1] .. ': the message names ' .. case[2] .. ': ' .. r.stderr)
+    t.truthy(not fs.exists(d .. '/metrics.jsonl'), case[1] .. ': no run started')
+  end
+end)
+
 fs.remove(dir)
 t.done()
