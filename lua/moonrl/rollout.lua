@@ -35,6 +35,7 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
+local Session = require('moonrl.session').Session
 
 local M = {}
 
@@ -257,8 +258,8 @@ function RS:next_batch()
   return kept, b.info
 end
 
--- After the step's update: the rollout ranks get their next batches asked for and the new
--- weights (trainer side), and the pending batches go into the state a checkpoint saves.
+-- After the step's update: the rollout ranks get their next batches asked for and the step's
+-- header (trainer side), and the pending batches go into the state a checkpoint saves.
 -- Returns the stop decision of this step when it made one (the trainers and the rollout ranks
 -- must agree on it: the session uses it as is).
 function RS:after_update()
@@ -272,67 +273,93 @@ function RS:after_update()
     stop = moonrl.stop_requested() or self.rollout_stop or false
     if self.world.size > 1 then stop = self.world:any(stop) end
     if stop and not moonrl.stop_requested() then moonrl.C.mrl_request_stop(-2, 'a stop requested by a rollout rank') end
-    if s + L + 1 <= T then self:publish(s, stop) end
+    self:publish(s, { stop = stop, rollback = self.pending_rollback ~= nil })
   end
   save_pending(self)
   return stop
 end
 
--- Trainer rank 0 to every rollout rank: version v of the weights, and whether to stop.
-function RS:publish(v, stop)
+-- Trainer rank 0 to every rollout rank, once a step: the header of version v, and the weights
+-- when a batch still to come needs them. The header says whether to stop, to roll back (the
+-- trainers go back to a checkpoint: RS:rollback), or that the phase is done (its last step).
+function RS:publish(v, flags)
+  if not self.link then return end
+  local L, T = M.lag(self.cfg), self.run.total
+  local weights = v + L + 1 <= T and not flags.stop and not flags.rollback
   local t0 = moonrl.now()
+  self.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
+    'done', v >= T, 'weights', weights })), 0)
+  if not weights then return end
   local p, n = self.policy:params()
-  if self.link then
-    self.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', stop })), 0)
-    self.link:broadcast(p, 4 * n, 0)
-  end
+  self.link:broadcast(p, 4 * n, 0)
   local secs = moonrl.now() - t0
   self.publish_info = { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
 end
 
--- Trainer rank 0's weights, data positions and generators to every rollout rank (the start of
--- a phase: an earlier phase ran on the trainers alone).
+-- A guard's rollback (moonrl.session): the trainers are back at a checkpoint's step t. The
+-- batches generated since are dropped when the rollback skips the data (guard.skip_batch: new
+-- batches from the data as it is now), or are the checkpoint's pending ones (a replay). The
+-- rollout ranks, told in the step's header, start again from the checkpoint's weights.
+function RS:rollback()
+  Session.rollback(self)
+  if not self.rollout_fn then return end
+  local fresh = self.cfg.guard.skip_batch
+  if fresh then self.pending, self.extra.pending = {}, nil else self.pending = nil end
+  if self.link then self:sync_weights({ fresh = fresh }) end
+end
+
+-- Trainer rank 0's weights, data positions, generators and step to every rollout rank (the
+-- start of a phase: an earlier phase ran on the trainers alone; or a rollback: opts.fresh when
+-- the trainers dropped their pending batches). Returns the header on a rollout rank.
 -- The rollout ranks wait here, with no deadline, for as long as the trainers' earlier phases
 -- take (an SFT warm-up may last hours): a trainer that dies meanwhile ends the job through the
 -- launcher; every wait after this one has dist.timeout again.
-function RS:sync_weights()
-  if not self.link then return end
+function RS:sync_weights(opts)
+  if not self.link then return nil end
   local rollout = self.role == 'rollout'
   if rollout then self.link:set_timeout(0) end
-  local head = json.object({ 'positions', self:positions(), 'global_step', self.global_step - self.step })
+  local head = json.object({ 'positions', self:positions(), 'global_step', self.global_step - self.step,
+    'step', self.step, 'fresh', opts and opts.fresh or false })
   head = self.link:broadcast_string(rollout and '' or json.encode(head), 0)
   if rollout then self.link:set_timeout(self.cfg.dist.timeout) end
   local p, n = self.policy:params()
   self.link:broadcast(p, 4 * n, 0)
-  if rollout then
-    head = json.decode(head, 'phase start')
-    self:restore_positions(head.positions)
-    self.global_step = head.global_step + self.step -- the trainers' count of the earlier phases
-  end
+  if not rollout then return nil end
+  head = json.decode(head, 'phase start')
+  self:restore_positions(head.positions)
+  self.step = head.step
+  self.global_step = head.global_step + self.step -- the trainers' count of the earlier phases
+  return head
 end
 
--- The rollout ranks' loop (their S:steps): batches j = first .. total, each with the weights
--- the schedule gives it, sent to the trainers; stops when trainer rank 0 says so.
-function RS:serve_rollouts(total)
+-- The header trainer rank 0 sends after each of its steps (RS:publish), and the weights with it.
+local function receive_header(self)
+  local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
+  if head.weights then
+    local p, n = self.policy:params()
+    self.link:broadcast(p, 4 * n, 0)
+    self.version = head.version
+  end
+  return head
+end
+
+-- Batches first .. total for the trainers; those up to free_until with the weights at hand,
+-- each later one after the header of the version the schedule gives it (batch j: version
+-- j - 1 - lag). Returns the header that ended the phase for this rank: the last step's (done),
+-- a stop or a rollback.
+local function serve(self, first, free_until, total)
   local L = M.lag(self.cfg)
-  local first = self.step + L + 1 -- after a resume, the batches up to step + L are in the checkpoint
-  if self.step == 0 then first = 1 end
-  local resumed = self.step > 0
-  self.version = self.step -- the checkpoint's weights (0: the initial ones)
   local base = self.global_step - self.step -- the steps of the phases before this one
   local idle = 0
   for j = first, total do
     -- the batch's step, for heartbeats, fault points and timeout reports
     self.step, self.global_step = j, base + j
     self.run.step = self.global_step
-    if j >= L + 2 and not (resumed and j == first) then
+    if j > free_until then
       local t0 = moonrl.now()
-      local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
-      local p, n = self.policy:params()
-      self.link:broadcast(p, 4 * n, 0)
-      self.version = head.version
+      local head = receive_header(self)
       idle = idle + moonrl.now() - t0
-      if head.stop then return end
+      if head.stop or head.rollback then return head end
     end
     self.world:set_step(self.global_step)
     self.link:set_step(self.global_step)
@@ -345,6 +372,29 @@ function RS:serve_rollouts(total)
     info.stop = moonrl.stop_requested()
     local text = M.encode(samples, info)
     if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
+  end
+  while true do -- the headers of the trainers' last steps: nothing more to generate unless they roll back
+    local head = receive_header(self)
+    if head.done or head.stop or head.rollback then return head end
+  end
+end
+
+-- The rollout ranks' loop (their S:steps): the batches of the phase, each with the weights the
+-- schedule gives it, sent to the trainers; ends when trainer rank 0 says so. After a rollback it
+-- starts again from the checkpoint's step t: at batch t + 1 when the trainers dropped their
+-- pending batches, else after them (t + lag + 1), as after a resume.
+function RS:serve_rollouts(total)
+  local L = M.lag(self.cfg)
+  local first, free_until = 1, L + 1
+  if self.step > 0 then first = self.step + L + 1; free_until = first end -- resumed: up to step + L in the checkpoint
+  self.version = self.step -- the checkpoint's weights (0: the initial ones)
+  while true do
+    local head = serve(self, first, free_until, total)
+    if not head.rollback then return end
+    head = self:sync_weights()
+    self.version = self.step
+    if head.fresh then first, free_until = self.step + 1, self.step + L + 1
+    else first = self.step + L + 1; free_until = first end
   end
 end
 

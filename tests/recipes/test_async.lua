@@ -2,7 +2,8 @@
 -- staleness schedules give the same bits in one process and with a rollout rank, never exceed
 -- their staleness bound (from the per-sample versions), resume bit-identically after a kill,
 -- and a rollout rank that dies or hangs is reported by the trainer and, under the supervisor,
--- the job resumes to the weights of an uninterrupted run.
+-- the job resumes to the weights of an uninterrupted run; a guard's rollback takes the rollout
+-- ranks back with the trainers.
 local t = require('moonrl.testing')
 local fs = require('moonrl.fs')
 local json = require('moonrl.json')
@@ -124,18 +125,26 @@ t.test('a rollout rank killed under moonrl launch --restarts: the job resumes to
   t.truthy(model_bytes(d) == model_bytes(dir .. '/off1'), 'the weights of the uninterrupted run')
 end)
 
-t.test('grpo with rollout ranks: 1 trainer + 1 rollout gives the bits of one process; 2 trainers + 1 rollout agree', function()
-  local model_dir = U.tiny_model(dir .. '/tiny')
-  local recs = {}
-  for i, p in ipairs(U.additions(40, 3)) do recs[i] = { question = p.prompt, answer = p.answer } end
-  local data = U.write_jsonl(dir .. '/rl.jsonl', recs)
-  local function grpo(ranks, d, ...)
-    local w = { 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
-      'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-3', 'grpo.steps=5', 'grpo.prompts=6',
-      'grpo.samples=4', 'grpo.max_tokens=8', 'run.threads=1', 'async.mode=one_step_off', 'run.dir=' .. dir .. '/' .. d, ... }
-    run(ranks, w)
-    return dir .. '/' .. d
+-- The GRPO recipe on a tiny model (tests/recipes/grpo_sevens.lua), in one process (ranks = 0)
+-- or under mpirun; its run directory.
+local model_dir, data
+local function grpo_run(ranks, d, extra, opts)
+  if not model_dir then
+    model_dir = U.tiny_model(dir .. '/tiny')
+    local recs = {}
+    for i, p in ipairs(U.additions(40, 3)) do recs[i] = { question = p.prompt, answer = p.answer } end
+    data = U.write_jsonl(dir .. '/rl.jsonl', recs)
   end
+  local w = { 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
+    'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-3', 'grpo.steps=5', 'grpo.prompts=6',
+    'grpo.samples=4', 'grpo.max_tokens=8', 'run.threads=1', 'async.mode=one_step_off', 'run.dir=' .. dir .. '/' .. d }
+  for _, x in ipairs(extra or {}) do w[#w + 1] = x end
+  run(ranks, w, opts)
+  return dir .. '/' .. d
+end
+
+t.test('grpo with rollout ranks: 1 trainer + 1 rollout gives the bits of one process; 2 trainers + 1 rollout agree', function()
+  local function grpo(ranks, d, ...) return grpo_run(ranks, d, { ... }) end
   local one = grpo(0, 'grpo1')
   local two = grpo(2, 'grpo11', 'dist.rollout_ranks=1')
   local three = grpo(3, 'grpo21', 'dist.rollout_ranks=1')
@@ -155,6 +164,41 @@ t.test('grpo with rollout ranks: 1 trainer + 1 rollout gives the bits of one pro
   for i = 1, 2 do
     t.eq(b[i]['reward/mean'], a[i]['reward/mean'], 'the same samples at step ' .. i)
     t.truthy(math.abs(b[i].loss - a[i].loss) <= 1e-4 * math.max(1, math.abs(a[i].loss)), 'the same loss at step ' .. i)
+  end
+end)
+
+t.test('a guard rollback with a rollout rank: the bits of one process; a replay gives the run without the fault', function()
+  local G = { 'grpo.steps=8', 'guard.grad_spike=50', 'guard.action=rollback', 'run.checkpoint_every=2' }
+  local spike = { env = { 'MOONRL_FAULT=spike:step=7:factor=1000:times=1' } } -- found at step 7, back to step 6
+  local function with(mode, ...)
+    local w = {}
+    for _, list in ipairs({ G, mode, { ... } }) do
+      for _, x in ipairs(list) do w[#w + 1] = x end
+    end
+    return w
+  end
+  for _, mode in ipairs({ { 'async.mode=one_step_off' }, { 'async.mode=async', 'async.max_staleness=2' } }) do
+    local clean = grpo_run(0, 'rb_clean_' .. mode[1], with(mode))
+    for _, skip in ipairs({ 'true', 'false' }) do
+      local tag = mode[1] .. '_' .. skip
+      local one = grpo_run(0, 'rb1_' .. tag, with(mode, 'guard.skip_batch=' .. skip), spike)
+      local two = grpo_run(2, 'rb2_' .. tag, with(mode, 'guard.skip_batch=' .. skip, 'dist.rollout_ranks=1'), spike)
+      local ev = {}
+      for line in io.lines(two .. '/events.jsonl') do
+        local e = json.decode(line)
+        if e.event == 'rollback' then ev[#ev + 1] = e end
+      end
+      t.eq(#ev, 1, tag .. ': one rollback')
+      t.eq(ev[1].step, 7, tag .. ': at step 7')
+      t.eq(ev[1].to_step, 6, tag .. ': to the checkpoint of step 6')
+      t.eq(#metrics(two), 8, tag .. ': each step logged once')
+      t.truthy(model_bytes(one) == model_bytes(two), tag .. ': 1 trainer + 1 rollout rank, the bits of one process')
+      if skip == 'false' then -- the same batches trained again: the run the fault never hit
+        t.truthy(model_bytes(two) == model_bytes(clean), tag .. ': the replay ends where the clean run does')
+      else
+        t.truthy(model_bytes(two) ~= model_bytes(clean), tag .. ': skipped batches, other weights')
+      end
+    end
   end
 end)
 
