@@ -15,14 +15,26 @@
  * model's own by default (no transfer, no reload after an optimizer step).
  * The layers' matrices are copied into weight panels at the start of each
  * generation round (pack_weights, engine.h): one pass over the weights per
- * round instead of OpenBLAS's packing of every matrix on every step. */
+ * round instead of OpenBLAS's packing of every matrix on every step.
+ *
+ * A background run (mrl_engine_run_async) is mrl_engine_run on a thread of
+ * its own. The engine's state then belongs to that thread: every other call
+ * that reads or writes it is refused until mrl_engine_wait has joined it,
+ * except the counters, which the thread publishes after each step under a
+ * lock (get_stats, num_unfinished read that copy). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 #include "engine/scheduler.h"
 #include "model/model_internal.h"
+#include "moonrl/fault.h"
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
 #include "moonrl/parallel.h"
+#include "moonrl/trace.h"
+#include "moonrl/weight_store.h"
 
 struct mrl_engine {
     mrl_model *m;
@@ -43,8 +55,30 @@ struct mrl_engine {
     void *attn_ws;
     int64_t attn_ws_bytes;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights) */
-    int panels_stale;        /* repack before the next step (a new round) */
+    int panels_stale;        /* repack before the next step (a new round, new weights) */
+    /* the background run (mrl_engine_run_async) */
+    _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
+    pthread_t thread;
+    int async_threads;       /* its OpenMP threads */
+    mrl_status async_status; /* its result, and its error message (mrl_last_error is per thread), */
+    char async_error[1024];  /* read after the join */
+    pthread_mutex_t published_lock;
+    mrl_engine_stats published; /* the counters after its latest step */
+    int published_unfinished;
+    /* weight versions (asynchronous RL) */
+    int64_t version;         /* of the weights read now: recorded with every token sampled */
+    mrl_weight_store *follow; /* newer versions published here are swapped in between steps */
+    int follow_reader;
 };
+
+enum { ASYNC_IDLE = 0, ASYNC_RUNNING = 1, ASYNC_JOINING = 2 };
+
+/* MRL_OK when the calling thread may use the engine's state, else the busy error. */
+static mrl_status check_idle(const mrl_engine *e, const char *what) {
+    if (atomic_load(&e->async) == ASYNC_IDLE) return MRL_OK;
+    return mrl_set_error(MRL_ERR_INVALID, "engine %s: engine busy: a background run is in progress "
+                         "(mrl_engine_wait first)", what);
+}
 
 void mrl_engine_config_default(mrl_engine_config *cfg) {
     if (!cfg) return;
@@ -174,7 +208,9 @@ static mrl_status new_sched(mrl_engine *e) {
     mrl_sched_config sc = {.max_num_seqs = e->cfg.max_num_seqs,
                            .max_num_batched_tokens = e->cfg.max_num_batched_tokens,
                            .max_model_len = e->cfg.max_model_len, .vocab_size = c->vocab_size};
-    return mrl_sched_create(&sc, e->kv, &e->sched);
+    st = mrl_sched_create(&sc, e->kv, &e->sched);
+    if (!st) mrl_sched_set_version(e->sched, e->version);
+    return st;
 }
 
 static void drop_sched(mrl_engine *e) {
@@ -193,8 +229,12 @@ static void drop_sched(mrl_engine *e) {
     e->sched = NULL;
 }
 
+static mrl_status join_run(mrl_engine *e);
+
 void mrl_engine_free(mrl_engine *e) {
     if (!e) return;
+    if (atomic_load(&e->async) == ASYNC_RUNNING) join_run(e); /* never free what the thread uses */
+    pthread_mutex_destroy(&e->published_lock);
     drop_sched(e);
     mrl_kv_cache_destroy(e->kv);
     mrl_mem_free(e->act_buf);
@@ -244,6 +284,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     mrl_engine *e = mrl_mem_alloc(sizeof(*e), MRL_MEM_OTHER);
     if (!e) return mrl_set_error(MRL_ERR_NOMEM, "engine create: out of memory");
     *e = probe;
+    pthread_mutex_init(&e->published_lock, NULL); /* before any path to mrl_engine_free */
     mrl_status st = MRL_OK;
     e->lp = mrl_mem_alloc(sizeof(layer_params) * model->cfg.num_hidden_layers, MRL_MEM_OTHER);
     e->act_buf = e->lp ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
@@ -277,22 +318,42 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
 
 mrl_status mrl_engine_reset(mrl_engine *e) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine reset: NULL engine");
+    mrl_status st = check_idle(e, "reset");
+    if (st) return st;
     drop_sched(e); /* frees the sequences of unfinished requests too */
     e->panels_stale = 1;
     return new_sched(e);
 }
 
-mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params) {
-    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine attach_params: NULL engine");
+/* Read `params` (NULL: the model's own) from the next step on. Nothing
+ * reads the previous buffer afterwards: the layers' pointers move now, and
+ * the panels (the only copy of the old matrices) are repacked from the new
+ * buffer before the next step runs. */
+static mrl_status use_params(mrl_engine *e, const float *params, int64_t n_params, const char *what) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine %s: NULL engine", what);
+    mrl_status st = check_idle(e, what);
+    if (st) return st;
     if (params && n_params != e->m->n_params)
-        return mrl_set_error(MRL_ERR_INVALID, "engine attach_params: buffer of %lld floats, the model has %lld",
+        return mrl_set_error(MRL_ERR_INVALID, "engine %s: buffer of %lld floats, the model has %lld", what,
                              (long long)n_params, (long long)e->m->n_params);
     rebase(e, params ? params : e->m->params);
-    return mrl_engine_reset(e);
+    e->panels_stale = 1;
+    return MRL_OK;
+}
+
+mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params) {
+    mrl_status st = use_params(e, params, n_params, "attach_params");
+    return st ? st : mrl_engine_reset(e);
+}
+
+mrl_status mrl_engine_swap_params(mrl_engine *e, const float *params, int64_t n_params) {
+    return use_params(e, params, n_params, "swap_params"); /* requests, sequences and cache stay */
 }
 
 mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, int *req_id) {
     if (!e || !r || !req_id) return mrl_set_error(MRL_ERR_INVALID, "engine add_request: NULL argument");
+    mrl_status st = check_idle(e, "add_request");
+    if (st) return st;
     int V = e->m->cfg.vocab_size;
     for (int i = 0; i < r->n_eos; i++)
         if (r->eos_ids && (r->eos_ids[i] < 0 || r->eos_ids[i] >= V))
@@ -356,46 +417,219 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
     return MRL_OK;
 }
 
-mrl_status mrl_engine_step(mrl_engine *e, int *n_unfinished) {
-    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine step: NULL engine");
+/* Following a weight store: a version newer than the one read now is taken
+ * (the hold moves to it, so the writer may reuse the slot left) and swapped
+ * in for this step; the tokens sampled from here on record it. Between two
+ * steps nothing reads the weights, so the slot left is free at once. */
+static mrl_status take_newer_weights(mrl_engine *e) {
+    int flags = 0;
+    int64_t latest = mrl_weight_store_latest(e->follow, &flags);
+    if (latest <= e->version || (flags & MRL_WS_STOP)) return MRL_OK;
+    const float *params;
+    int64_t version;
+    mrl_status st = mrl_weight_store_acquire(e->follow, e->follow_reader, latest, 0, &params, &version, &flags);
+    if (st) return st;
+    rebase(e, params);
+    e->panels_stale = 1;
+    e->version = version;
+    mrl_sched_set_version(e->sched, version);
+    return MRL_OK;
+}
+
+/* One step, on whichever thread owns the engine (the caller's or the background run's). */
+static mrl_status step(mrl_engine *e) {
     const mrl_sched_batch *b;
+    if (e->follow && mrl_sched_has_unfinished(e->sched)) {
+        mrl_status st = take_newer_weights(e);
+        if (st) return st;
+    }
     mrl_status st = mrl_sched_schedule(e->sched, &b);
     if (!st && b->n_tokens > 0) st = forward_step(e, b);
+    if (mrl_fault_engine_delay() > 0) mrl_fault_busy(mrl_fault_engine_delay()); /* MOONRL_FAULT slow_engine */
     if (!st) st = mrl_sched_update(e->sched, e->logits);
+    return st;
+}
+
+mrl_status mrl_engine_step(mrl_engine *e, int *n_unfinished) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine step: NULL engine");
+    mrl_status st = check_idle(e, "step");
+    if (st) return st;
+    st = step(e);
     if (n_unfinished) *n_unfinished = mrl_engine_num_unfinished(e);
     return st;
 }
 
-mrl_status mrl_engine_run(mrl_engine *e) {
-    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine run: NULL engine");
+static void read_stats(const mrl_engine *e, mrl_engine_stats *out);
+
+/* Copy the counters for the calling thread to read while a background run owns the engine. */
+static void publish(mrl_engine *e) {
+    mrl_engine_stats s;
+    read_stats(e, &s);
+    int unfinished = mrl_sched_num_unfinished(e->sched);
+    pthread_mutex_lock(&e->published_lock);
+    e->published = s;
+    e->published_unfinished = unfinished;
+    pthread_mutex_unlock(&e->published_lock);
+}
+
+/* Steps until every request is finished or a stop is requested; publish: after each step. */
+static mrl_status run_steps(mrl_engine *e, int publish_steps) {
     while (mrl_sched_has_unfinished(e->sched)) {
         if (mrl_stop_requested())
             return mrl_set_error(MRL_ERR_STOPPED, "engine run: stop requested (%s)", mrl_stop_reason());
-        mrl_status st = mrl_engine_step(e, NULL);
+        mrl_status st = step(e);
+        if (publish_steps) publish(e);
         if (st) return st;
     }
     return MRL_OK;
 }
 
+mrl_status mrl_engine_run(mrl_engine *e) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine run: NULL engine");
+    mrl_status st = check_idle(e, "run");
+    return st ? st : run_steps(e, 0);
+}
+
+/* ---- the background run ----
+ * OpenBLAS: the kernels call cblas_sgemm (kernels/cpu/fast.c; the attention
+ * in kernels/cpu/isa_impl.h) with OpenBLAS at one thread
+ * (openblas_set_num_threads(1)), so each call runs on its caller's thread,
+ * and the OpenMP workers of one parallel-for already call it at the same
+ * time. The library here is Debian's 0.3.21 pthread build
+ * (openblas_get_parallel() = 1): its buffer allocator (driver/others/
+ * memory.c) is lock-protected for concurrent callers since 0.3.7..0.3.9
+ * (OpenBLAS issues #2126, #2444), so this thread's products and the
+ * caller's may overlap. tests/engine/test_engine.c (test_async) checks it:
+ * a training step run alongside a background run is bit-identical to one
+ * run alone, and so are the samples. */
+
+static void *run_thread(void *arg) {
+    mrl_engine *e = arg;
+    mrl_parallel_set_thread_threads(e->async_threads); /* this thread's kernels only */
+    mrl_trace_thread_name("engine thread"); /* its own track in trace.json, beside the trainer's phases */
+    mrl_trace_begin("generate (background)");
+    mrl_status st = run_steps(e, 1);
+    mrl_trace_end("generate (background)");
+    if (st) snprintf(e->async_error, sizeof e->async_error, "%s", mrl_last_error());
+    e->async_status = st; /* read by the joining thread: pthread_join orders it */
+    return NULL;
+}
+
+mrl_status mrl_engine_run_async(mrl_engine *e, int threads) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine run_async: NULL engine");
+    if (threads < 1) return mrl_set_error(MRL_ERR_INVALID, "engine run_async: threads = %d (must be >= 1)", threads);
+    int idle = ASYNC_IDLE;
+    if (!atomic_compare_exchange_strong(&e->async, &idle, ASYNC_RUNNING)) return check_idle(e, "run_async");
+    /* A training forward on the same model while this runs must not regrow
+     * the RoPE tables the thread reads (mrl_model_forward grows them for
+     * longer sequences): cover every position the model has. */
+    mrl_status st = mrl_model_rope_prepare(e->m, e->m->cfg.max_position_embeddings);
+    if (st) st = mrl_set_error(st, "engine run_async: no memory for the RoPE tables of %d positions",
+                               e->m->cfg.max_position_embeddings);
+    e->async_threads = threads;
+    e->async_status = MRL_OK;
+    e->async_error[0] = 0;
+    if (!st) publish(e);
+    int rc = st ? 0 : pthread_create(&e->thread, NULL, run_thread, e);
+    if (!st && rc) st = mrl_set_error(MRL_ERR_INTERNAL, "engine run_async: cannot start a thread: %s", strerror(rc));
+    if (st) atomic_store(&e->async, ASYNC_IDLE);
+    return st;
+}
+
+/* Join the background run (started, and not joined yet); its status, its
+ * message set on the joining thread. Read before the engine is idle again. */
+static mrl_status join_run(mrl_engine *e) {
+    pthread_join(e->thread, NULL);
+    mrl_status st = e->async_status;
+    if (st) mrl_set_error(st, "%s", e->async_error);
+    atomic_store(&e->async, ASYNC_IDLE);
+    return st;
+}
+
+mrl_status mrl_engine_wait(mrl_engine *e) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine wait: NULL engine");
+    int running = ASYNC_RUNNING;
+    if (!atomic_compare_exchange_strong(&e->async, &running, ASYNC_JOINING))
+        return mrl_set_error(MRL_ERR_INVALID, running == ASYNC_JOINING ? "engine wait: another thread is waiting"
+                             : "engine wait: no background run (mrl_engine_run_async first)");
+    return join_run(e);
+}
+
+int mrl_engine_running(const mrl_engine *e) { return e && atomic_load(&e->async) != ASYNC_IDLE; }
+
 mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,
                                  const float **logprobs, int *n_tokens, int *finish_reason) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine get_output: NULL engine");
+    mrl_status st = check_idle(e, "get_output");
+    if (st) return st;
     return mrl_sched_output(e->sched, req_id, sample, tokens, logprobs, NULL, n_tokens, finish_reason);
+}
+
+mrl_status mrl_engine_get_output_versions(mrl_engine *e, int req_id, int sample, const int64_t **versions) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine get_output_versions: NULL engine");
+    mrl_status st = check_idle(e, "get_output_versions");
+    return st ? st : mrl_sched_output_versions(e->sched, req_id, sample, versions);
+}
+
+mrl_status mrl_engine_set_version(mrl_engine *e, int64_t version) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine set_version: NULL engine");
+    mrl_status st = check_idle(e, "set_version");
+    if (st) return st;
+    e->version = version;
+    mrl_sched_set_version(e->sched, version);
+    return MRL_OK;
+}
+
+int64_t mrl_engine_version(const mrl_engine *e) { return e ? e->version : 0; }
+
+mrl_status mrl_engine_follow(mrl_engine *e, mrl_weight_store *ws, int reader) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine follow: NULL engine");
+    mrl_status st = check_idle(e, "follow");
+    if (st) return st;
+    if (ws && (reader < 0 || reader >= mrl_weight_store_readers(ws)))
+        return mrl_set_error(MRL_ERR_INVALID, "engine follow: reader %d of a store with %d readers", reader,
+                             mrl_weight_store_readers(ws));
+    if (ws && mrl_weight_store_floats(ws) != e->m->n_params)
+        return mrl_set_error(MRL_ERR_INVALID, "engine follow: a store of %lld floats, the model has %lld",
+                             (long long)mrl_weight_store_floats(ws), (long long)e->m->n_params);
+    e->follow = ws;
+    e->follow_reader = reader;
+    return MRL_OK;
 }
 
 mrl_status mrl_engine_stop_sample(mrl_engine *e, int req_id, int sample) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine stop_sample: NULL engine");
+    mrl_status st = check_idle(e, "stop_sample");
+    if (st) return st;
     return mrl_sched_stop(e->sched, req_id, sample);
 }
 
+/* The lock of a const engine: taking it to read the published copy changes nothing the caller sees. */
+static pthread_mutex_t *published_lock(const mrl_engine *e) { return (pthread_mutex_t *)&e->published_lock; }
+
 int mrl_engine_num_unfinished(const mrl_engine *e) {
-    return e ? mrl_sched_num_unfinished(e->sched) : 0;
+    if (!e) return 0;
+    if (atomic_load(&e->async) == ASYNC_IDLE) return mrl_sched_num_unfinished(e->sched);
+    pthread_mutex_lock(published_lock(e));
+    int n = e->published_unfinished;
+    pthread_mutex_unlock(published_lock(e));
+    return n;
 }
 
 void mrl_engine_get_stats(const mrl_engine *e, mrl_engine_stats *out) {
     if (!out) return;
     memset(out, 0, sizeof(*out));
     if (!e) return;
+    if (atomic_load(&e->async) == ASYNC_IDLE) {
+        read_stats(e, out);
+        return;
+    }
+    pthread_mutex_lock(published_lock(e));
+    *out = e->published;
+    pthread_mutex_unlock(published_lock(e));
+}
+
+static void read_stats(const mrl_engine *e, mrl_engine_stats *out) {
     mrl_sched_stats s;
     mrl_sched_get_stats(e->sched, &s);
     mrl_kv_cache_stats k;

@@ -20,6 +20,7 @@ typedef struct sched_seq {
     int req, sample, state;
     int32_t *tokens; /* prompt then generated, capacity n_prompt + max_new */
     float *lp, *lpp; /* per generated token */
+    int64_t *ver;    /* per generated token: the weights version that sampled it */
     int n_prompt, n_tokens, n_computed;
     int kv;          /* kv cache sequence or -1 */
     int group_n;     /* a group leader: itself and the group_n - 1 seqs after it */
@@ -51,6 +52,7 @@ struct mrl_sched {
     int32_t *b_tokens, *b_pos, *b_seq, *b_slots, *b_qs, *b_lens, *b_tables, *b_logits;
     int tables_cap, seq_arrays_cap, step_cap;
     mrl_sched_stats st;
+    int64_t version; /* of the weights now: recorded with each token sampled */
 };
 
 /* ---- small helpers ---- */
@@ -140,6 +142,7 @@ void mrl_sched_destroy(mrl_sched *s) {
         free(q->tokens);
         free(q->lp);
         free(q->lpp);
+        free(q->ver);
     }
     free(s->reqs);
     free(s->seqs);
@@ -218,7 +221,8 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
         x->tokens = malloc((size_t)(r->prompt_len + max_new) * sizeof(int32_t));
         x->lp = malloc((size_t)max_new * sizeof(float));
         x->lpp = malloc((size_t)max_new * sizeof(float));
-        fail |= !x->tokens || !x->lp || !x->lpp;
+        x->ver = malloc((size_t)max_new * sizeof(int64_t));
+        fail |= !x->tokens || !x->lp || !x->lpp || !x->ver;
         if (x->tokens) memcpy(x->tokens, r->prompt, (size_t)r->prompt_len * sizeof(int32_t));
         x->n_tokens = leader ? r->prompt_len : 0;
     }
@@ -233,6 +237,7 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
             free(s->seqs[s->n_seqs + j].tokens);
             free(s->seqs[s->n_seqs + j].lp);
             free(s->seqs[s->n_seqs + j].lpp);
+            free(s->seqs[s->n_seqs + j].ver);
         }
         return oom("request");
     }
@@ -520,6 +525,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
         x->tokens[x->n_tokens++] = tok[i];
         x->lp[n_out] = lp[i];
         x->lpp[n_out] = lpp[i];
+        x->ver[n_out] = s->version;
         s->st.generated_tokens++;
         if (in_list(q->eos, q->n_eos, tok[i])) finish_seq(s, who[i], MRL_FINISH_EOS);
         else if (in_list(q->stop, q->n_stop, tok[i])) finish_seq(s, who[i], MRL_FINISH_STOP);
@@ -569,6 +575,15 @@ mrl_status mrl_sched_output(const mrl_sched *s, int req_id, int sample, const in
     if (finish_reason) *finish_reason = x->finish;
     return MRL_OK;
 }
+
+mrl_status mrl_sched_output_versions(const mrl_sched *s, int req_id, int sample, const int64_t **versions) {
+    sched_seq *x = find_seq(s, req_id, sample);
+    if (!x) return mrl_set_error(MRL_ERR_INVALID, "sched_output: no sample %d of request %d", sample, req_id);
+    if (versions) *versions = x->ver;
+    return MRL_OK;
+}
+
+void mrl_sched_set_version(mrl_sched *s, int64_t version) { s->version = version; }
 
 void mrl_sched_get_stats(const mrl_sched *s, mrl_sched_stats *out) {
     *out = s->st;

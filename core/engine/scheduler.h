@@ -140,4 +140,9 @@ mrl_status mrl_sched_attn_args(const mrl_sched_batch *b, mrl_kv_cache *kv, int l
  * under the sampled one; either may be NULL), count and finish reason. */
 mrl_status mrl_sched_output(const mrl_sched *s, int req_id, int sample, const int32_t **tokens,
                             const float **logprobs, const float **logprobs_processed, int *n, int *finish_reason);
+/* The weights version each generated token of sample j was sampled with
+ * (as many as mrl_sched_output's n): the version set by the last
+ * mrl_sched_set_version before its step's update. */
+mrl_status mrl_sched_output_versions(const mrl_sched *s, int req_id, int sample, const int64_t **versions);
+void mrl_sched_set_version(mrl_sched *s, int64_t version);
 void mrl_sched_get_stats(const mrl_sched *s, mrl_sched_stats *out);

@@ -37,6 +37,11 @@ void mrl_fault_busy(double seconds) {
     while (nanosleep(&left, &left) != 0 && errno == EINTR) {}
 }
 
+/* Read by the engine thread too: a plain double written once at start-up, before any engine runs. */
+static double engine_delay = 0;
+void mrl_fault_slow_engine(double seconds) { engine_delay = seconds > 0 ? seconds : 0; }
+double mrl_fault_engine_delay(void) { return engine_delay; }
+
 void mrl_fault_crash(void) {
     signal(SIGSEGV, SIG_DFL);
     raise(SIGSEGV);

@@ -10,6 +10,27 @@
 --   results[i][j] = { ids = {...}, logprobs = {...}, finish_reason = 'stop' | 'length', text = '...' }
 --   engine:stats()  -- steps, prefill/decode tokens, preemptions, prefix hits, KV blocks
 --
+-- Asynchronous RL (engine.h):
+--   engine:swap_params(buf, n)  -- read the weights from buf (float cdata of model.n_params; nil: the
+--                                  model's own) from the next step on, keeping the requests in flight and
+--                                  their K/V (an in-flight weight update, e.g. from opts.on_text); the old
+--                                  buffer is free to reuse once it returns, buf is kept alive by the engine
+--   engine:run_async(threads)   -- run the requests queued (through the C API: generate queues and runs its
+--                                  own) on a background thread with `threads` OpenMP threads of its own;
+--                                  every other call on the engine raises "engine busy" until engine:wait()
+--                                  (which raises the run's error, if any); engine:running() is true until then
+--   engine:use_weights(w)       -- read a weight store's versions (moonrl/weight_store.h; nil: the model's own
+--                                  buffer again): w = { store, reader, min_version (wait for a version at
+--                                  least this and read it in place; nil: keep the buffer read now, as
+--                                  w.version), timeout (s, 0: none), follow (take newer versions between
+--                                  steps, the requests in flight kept) }. While it is in use each result
+--                                  carries version (its first token's) and version_switches = { {k, v}, ... }
+--                                  (token k, 1-based, and those after it sampled with version v)
+--   engine.background = N       -- inside a coroutine, generate runs the engine on a background thread of N
+--                                  threads and yields until the caller resumes it (moonrl.rollout overlaps
+--                                  the next batch with training so); engine.on_busy() is called when generate
+--                                  finds a background run still in progress
+--
 -- opts.on_text = function(i, j, piece) (with a tokenizer) is called between steps with each new
 -- piece of sample j of request i's text, as the streaming decoder completes it (stop strings cut).
 --
@@ -127,6 +148,23 @@ local function watch_step(w, toks, n, stops, max_stop)
   return false
 end
 
+-- The weights versions of a sample's n tokens: its first token's, and the switches after it.
+local out_versions = ffi.new('const int64_t *[1]')
+local function versions(self, req, j, n)
+  moonrl.check(C.mrl_engine_get_output_versions(self.handle, req, j, out_versions), 3)
+  local v = out_versions[0]
+  if n == 0 then return tonumber(C.mrl_engine_version(self.handle)), nil end
+  local first, switches, last = tonumber(v[0]), nil, v[0]
+  for k = 1, n - 1 do
+    if v[k] ~= last then
+      last = v[k]
+      switches = switches or {}
+      switches[#switches + 1] = { k + 1, tonumber(last) }
+    end
+  end
+  return first, switches
+end
+
 -- requests: list of { prompt_ids = {...} | prompt = 'text', n = samples (1), prompt_index = i - 1,
 -- first_sample = 0 (the stream index of the first sample),
 -- max_tokens = opts.max_tokens }. See the top of the file for opts and results.
@@ -153,6 +191,7 @@ function Engine:generate(requests, opts)
   local stop_arr, n_stop = int_array(opts.stop_ids or {}, 'stop_ids')
   local params = sampling_params(opts)
   local max_tokens = opts.max_tokens or 64
+  if self:running() and self.on_busy then self.on_busy() end -- a background batch: finished first
   moonrl.check(C.mrl_engine_reset(self.handle), 2) -- the weights may have changed since the last call
   local r = ffi.new('mrl_engine_request')
   r.params = params
@@ -215,6 +254,10 @@ function Engine:generate(requests, opts)
         end
       end
     until unf[0] == 0
+  elseif self.background and coroutine.running() then
+    self:run_async(self.background)
+    coroutine.yield()
+    self:wait()
   else
     moonrl.check(C.mrl_engine_run(self.handle), 2)
   end
@@ -229,6 +272,7 @@ function Engine:generate(requests, opts)
         lp[k + 1] = lps[k]
       end
       local s = { ids = ids, logprobs = lp, finish_reason = FINISH[reason] or 'stop' }
+      if self.weights then s.version, s.version_switches = versions(self, q.id, j - 1, n) end
       local w = watches and watches[i][j]
       if w then
         s.text = w.text
@@ -248,6 +292,50 @@ end
 function Engine:attach_params(buf, n)
   moonrl.check(C.mrl_engine_attach_params(self.handle, buf, buf and (n or self.model.n_params) or 0), 2)
 end
+
+-- In-flight weight update: see the top of the file. The engine reads buf in place: keep it referenced.
+function Engine:swap_params(buf, n)
+  moonrl.check(C.mrl_engine_swap_params(self.handle, buf, buf and (n or self.model.n_params) or 0), 2)
+  self.swapped = buf
+end
+
+-- Where the weights come from (see the top of the file).
+local acq_params, acq_version, acq_flags = ffi.new('const float *[1]'), ffi.new('int64_t[1]'), ffi.new('int[1]')
+function Engine:use_weights(w)
+  local h = self.handle
+  if not w then
+    if self.weights then
+      local old = self.weights
+      self.weights = nil
+      moonrl.check(C.mrl_engine_follow(h, nil, 0), 2)
+      moonrl.check(C.mrl_engine_attach_params(h, nil, 0), 2) -- before the store's slot is let go
+      C.mrl_weight_store_release(old.store, old.reader)
+    end
+    return
+  end
+  if w.min_version then
+    moonrl.check(C.mrl_weight_store_acquire(w.store, w.reader, w.min_version, w.timeout or 0, acq_params, acq_version,
+      acq_flags), 2)
+    moonrl.check(C.mrl_engine_attach_params(h, acq_params[0], self.model.n_params), 2)
+    moonrl.check(C.mrl_engine_set_version(h, acq_version[0]), 2)
+  else
+    moonrl.check(C.mrl_engine_set_version(h, w.version or 0), 2)
+  end
+  moonrl.check(C.mrl_engine_follow(h, w.follow and w.store or nil, w.reader or 0), 2)
+  self.weights = w
+end
+
+-- Background run of the queued requests (see the top of the file).
+function Engine:run_async(threads)
+  if type(threads) ~= 'number' or threads ~= math.floor(threads) or threads < 1 then
+    error('engine:run_async: threads must be an integer >= 1 (got ' .. tostring(threads) .. ')', 2)
+  end
+  moonrl.check(C.mrl_engine_run_async(self.handle, threads), 2)
+end
+
+function Engine:wait() moonrl.check(C.mrl_engine_wait(self.handle), 2) end
+
+function Engine:running() return C.mrl_engine_running(self.handle) ~= 0 end
 
 function Engine:stats()
   local s = ffi.new('mrl_engine_stats')

@@ -14,6 +14,8 @@
 --   nan:step=5                   make step 5's gradients NaN (before the guards look at them)
 --   spike:step=5:factor=1000     multiply step 5's gradients by factor (a loss spike)
 --   kl:step=5:value=9            report a KL of value at step 5 (for the KL detector)
+--   slow_engine:seconds=0.02     every generation engine step of the process takes that much longer
+--                                (a straggling rollout worker; rank= and attempt= apply)
 --
 -- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
 -- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
@@ -26,13 +28,13 @@ local moonrl = require('moonrl')
 local M = {}
 
 local KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true, nan = true,
-  spike = true, kl = true }
+  spike = true, kl = true, slow_engine = true }
 local POINT_KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true }
 
 function M.parse(text)
   local list = {}
   for item in (text or ''):gmatch('[^;]+') do
-    local kind, rest = item:match('^%s*(%a+)(.*)$')
+    local kind, rest = item:match('^%s*([%a_]+)(.*)$')
     if not kind or not KINDS[kind] then error('MOONRL_FAULT: unknown fault in ' .. item, 0) end
     local f = { kind = kind }
     for key, value in rest:gmatch(':([%a_]+)=([^:]+)') do
@@ -111,6 +113,11 @@ function M.update_fault(step, kind)
       return f
     end
   end
+end
+
+-- The faults of the whole process, set once at start-up.
+for _, f in ipairs(M.faults) do
+  if f.kind == 'slow_engine' and applies(f, nil, nil) then moonrl.C.mrl_fault_slow_engine(f.seconds or 0.01) end
 end
 
 return M

@@ -16,7 +16,18 @@
  *   - errors: bad requests, a stop request; reset drops unfinished requests;
  *   - limits: a KV cache or a step's activations larger than physical
  *     memory and out-of-range sizes are refused before allocating; a huge
- *     max_model_len costs nothing; generating allocates no gradients. */
+ *     max_model_len costs nothing; generating allocates no gradients;
+ *   - swap_params mid-generation: to a bit-identical copy (the old buffer
+ *     then poisoned with NaN) gives bit-identical samples; to other weights,
+ *     the tokens before the swap are the old weights', after it the
+ *     trainer's log-probs under the new ones (K/V kept, not recomputed),
+ *     pack_weights 0 and 1 agree;
+ *   - run_async + wait: bit-identical to mrl_engine_run with 1 or 2 threads
+ *     while the caller trains another model (its results bit-identical to
+ *     training alone); busy calls refused; stop requests, a failing run's
+ *     message on the caller's thread, free while running; a thread's own
+ *     thread count and the process-wide one are independent. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include "check.h"
@@ -24,6 +35,7 @@
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
 #include "moonrl/model.h"
+#include "moonrl/parallel.h"
 #include "moonrl/status.h"
 
 #define MAXS 64  /* samples per run at most */
@@ -554,6 +566,344 @@ static void test_no_grads(void) {
     mrl_model_free(m);
 }
 
+/* ---- in-flight weight update (swap_params) ---------------------------------------------------- */
+
+#define SWAP_G 16 /* tokens per sample */
+
+/* The swap tests' requests: a greedy prompt and a sampled group of 2. */
+static const int swap_lens[2] = {10, 7}, swap_ns[2] = {1, 2};
+
+static mrl_engine *engine_packed(mrl_model *m, int pack) {
+    mrl_engine_config c;
+    mrl_engine_config_default(&c);
+    c.kv_cache_bytes = 1 << 20;
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = 16;
+    c.block_size = 8;
+    c.pack_weights = pack;
+    mrl_engine *e = NULL;
+    CHECK_OK(mrl_engine_create(m, &c, &e));
+    return e;
+}
+
+/* The swap requests on the model's weights, `swap` (NULL: none) read from
+ * step `at` on; after the swap `poison` (NULL: none) is filled with NaN.
+ * out[3]: the three samples; *prefill: prefill tokens of the whole run. */
+static void swap_run(mrl_model *m, int pack, const float *swap, int at, float *poison, sample_out *out,
+                     int64_t *prefill) {
+    const int V = mrl_model_get_config(m)->vocab_size;
+    int64_t n = mrl_model_num_params(m);
+    mrl_engine *e = engine_packed(m, pack);
+    if (!e) return;
+    int32_t prompts[2][16];
+    int ids[2];
+    for (int i = 0; i < 2; i++) {
+        fill_prompt(prompts[i], swap_lens[i], V, 4 + i);
+        mrl_engine_request r = request(prompts[i], swap_lens[i], swap_ns[i], SWAP_G, i ? 0.8f : 0.0f, i);
+        CHECK_OK(mrl_engine_add_request(e, &r, &ids[i]));
+    }
+    for (int k = 0; k < at; k++) CHECK_OK(mrl_engine_step(e, NULL));
+    if (swap) {
+        CHECK_OK(mrl_engine_swap_params(e, swap, n));
+        CHECK(mrl_engine_num_unfinished(e) == 3); /* nothing dropped */
+    }
+    if (poison)
+        for (int64_t i = 0; i < n; i++) poison[i] = NAN;
+    CHECK_OK(mrl_engine_run(e));
+    get(e, ids[0], 0, &out[0]);
+    get(e, ids[1], 0, &out[1]);
+    get(e, ids[1], 1, &out[2]);
+    mrl_engine_stats st;
+    mrl_engine_get_stats(e, &st);
+    *prefill = st.prefill_tokens;
+    mrl_engine_free(e);
+}
+
+static int same_sample(const sample_out *a, const sample_out *b) {
+    return a->n == b->n && memcmp(a->tok, b->tok, sizeof(int32_t) * a->n) == 0 &&
+           memcmp(a->lp, b->lp, sizeof(float) * a->n) == 0;
+}
+
+/* Swapping to a bit-identical copy, then poisoning the old buffer: the
+ * outputs are bit-identical (nothing reads the old buffer any more). */
+static void test_swap_same(int pack) {
+    mrl_model *m = make_model(MRL_ARCH_QWEN3, 96);
+    if (!m) return;
+    float *p = mrl_model_params(m);
+    int64_t n = mrl_model_num_params(m), pre;
+    float *copy = malloc(sizeof(float) * n);
+    memcpy(copy, p, sizeof(float) * n);
+    sample_out ref[3], got[3];
+    swap_run(m, pack, NULL, 0, NULL, ref, &pre);
+    swap_run(m, pack, copy, 5, p, got, &pre);
+    for (int j = 0; j < 3; j++) CHECK(ref[j].n == SWAP_G && same_sample(&ref[j], &got[j]));
+    memcpy(p, copy, sizeof(float) * n); /* and back: swap to the model's own buffer, poison the copy */
+    swap_run(m, pack, copy, 3, NULL, got, &pre);
+    for (int j = 0; j < 3; j++) CHECK(same_sample(&ref[j], &got[j]));
+    free(copy);
+    mrl_model_free(m);
+}
+
+/* The trainer's log-probs of sample s under the weights `w` (copied into the model for the call). */
+static void logprobs_under(mrl_model *m, const float *w, const int32_t *prompt, int len, const sample_out *s,
+                           float t, float *out) {
+    float *p = mrl_model_params(m);
+    int64_t n = mrl_model_num_params(m);
+    float *saved = malloc(sizeof(float) * n);
+    memcpy(saved, p, sizeof(float) * n);
+    memcpy(p, w, sizeof(float) * n);
+    trainer_logprobs(m, prompt, len, s, t, out);
+    memcpy(p, saved, sizeof(float) * n);
+    free(saved);
+}
+
+/* Swapping to other weights mid-generation. B = A with the rows of lm_head
+ * reversed: the layers are A's, so the K/V computed under A before the swap
+ * are also B's, and the trainer's forward under A (tokens before the swap)
+ * and under B (after) is an exact reference; greedy picks V-1-(A's pick) at
+ * the first step after the swap. C = A plus noise everywhere: the K/V kept
+ * from A are not C's, so the samples differ from a full recompute under C;
+ * pack_weights 0 and 1 agree. In both cases nothing is recomputed. */
+static void test_swap_other(void) {
+    const int V = 96, at = 6; /* step 1 prefills and samples token 0: `at` tokens before the swap */
+    mrl_model *m = make_model(MRL_ARCH_LLAMA, V);
+    if (!m) return;
+    float *p = mrl_model_params(m);
+    int64_t n = mrl_model_num_params(m), pre_a, pre;
+    mrl_param_view head;
+    CHECK_OK(mrl_model_find_view(m, "lm_head.weight", &head)); /* untied: the embedding stays A's */
+    float *b = malloc(sizeof(float) * n), *c = malloc(sizeof(float) * n);
+    memcpy(b, p, sizeof(float) * n);
+    int64_t D = head.numel / V;
+    for (int v = 0; v < V; v++) memcpy(b + head.offset + v * D, p + head.offset + (V - 1 - v) * D, sizeof(float) * D);
+    for (int64_t i = 0; i < n; i++) c[i] = p[i] + (float)(0.2 * (urand() - 0.5));
+    int32_t prompts[2][16];
+    for (int i = 0; i < 2; i++) fill_prompt(prompts[i], swap_lens[i], V, 4 + i);
+    const int which[3] = {0, 1, 1};
+    const float temp[3] = {1.0f, 0.8f, 0.8f};
+    sample_out a[3], s[3], s0[3];
+    for (int pack = 0; pack < 2; pack++) {
+        swap_run(m, pack, NULL, 0, NULL, a, &pre_a); /* A only */
+        CHECK(pre_a == swap_lens[0] + swap_lens[1]); /* the group's prompt once */
+        swap_run(m, pack, b, at, NULL, s, &pre);
+        CHECK(pre == pre_a); /* the K/V before the swap were kept, not recomputed */
+        CHECK(s[0].tok[at] == V - 1 - a[0].tok[at]);
+        CHECK_NEAR(s[0].lp[at], a[0].lp[at], 1e-5); /* the same logits, permuted */
+        for (int j = 0; j < 3; j++) {
+            CHECK(s[j].n == SWAP_G && memcmp(s[j].tok, a[j].tok, sizeof(int32_t) * at) == 0);
+            CHECK(memcmp(s[j].lp, a[j].lp, sizeof(float) * at) == 0);
+            float ra[MAXG], rb[MAXG];
+            logprobs_under(m, p, prompts[which[j]], swap_lens[which[j]], &s[j], temp[j], ra);
+            logprobs_under(m, b, prompts[which[j]], swap_lens[which[j]], &s[j], temp[j], rb);
+            for (int t = 0; t < s[j].n; t++) CHECK_NEAR(s[j].lp[t], t < at ? ra[t] : rb[t], 1e-5);
+        }
+    }
+    double kept = 0; /* C: the K/V from A make a difference */
+    for (int pack = 0; pack < 2; pack++) {
+        swap_run(m, pack, c, at, NULL, pack ? s : s0, &pre);
+        CHECK(pre == pre_a);
+    }
+    for (int j = 0; j < 3; j++) {
+        CHECK(s[j].n == s0[j].n && memcmp(s[j].tok, s0[j].tok, sizeof(int32_t) * s[j].n) == 0);
+        for (int t = 0; t < s[j].n; t++) CHECK_NEAR(s[j].lp[t], s0[j].lp[t], 1e-5);
+        CHECK(memcmp(s[j].tok, a[j].tok, sizeof(int32_t) * at) == 0);
+        float rc[MAXG];
+        logprobs_under(m, c, prompts[which[j]], swap_lens[which[j]], &s[j], temp[j], rc);
+        for (int t = at; t < s[j].n; t++) kept = fmax(kept, fabs(s[j].lp[t] - rc[t]));
+    }
+    printf("swap to C: max |engine - full recompute under C| after the swap %.3g\n", kept);
+    CHECK(kept > 1e-3);
+    /* errors */
+    mrl_engine *e = engine_packed(m, 1);
+    if (e) {
+        CHECK(mrl_engine_swap_params(e, b, n - 1) == MRL_ERR_INVALID);
+        CHECK_STR_CONTAINS(mrl_last_error(), "swap_params: buffer of");
+        CHECK(mrl_engine_swap_params(e, b, n + 1) == MRL_ERR_INVALID);
+        CHECK_OK(mrl_engine_swap_params(e, NULL, 0));
+    }
+    CHECK(mrl_engine_swap_params(NULL, b, n) == MRL_ERR_INVALID);
+    mrl_engine_free(e);
+    free(b);
+    free(c);
+    mrl_model_free(m);
+}
+
+/* ---- background generation (run_async) --------------------------------------------------------- */
+
+typedef struct count_probe {
+    pthread_barrier_t *bar;
+    int seen[3];
+} count_probe;
+
+static void *probe_counts(void *arg) {
+    count_probe *c = arg;
+    mrl_parallel_set_thread_threads(3);
+    c->seen[0] = mrl_parallel_threads();
+    pthread_barrier_wait(c->bar); /* main sets the process-wide count */
+    pthread_barrier_wait(c->bar);
+    c->seen[1] = mrl_parallel_threads();
+    mrl_parallel_set_thread_threads(0);
+    c->seen[2] = mrl_parallel_threads();
+    return NULL;
+}
+
+/* A thread's own count and the process-wide one do not touch each other. */
+static void test_thread_counts(void) {
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    count_probe c = {&bar, {0, 0, 0}};
+    mrl_parallel_set_threads(2);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, probe_counts, &c) == 0);
+    pthread_barrier_wait(&bar);
+    CHECK(mrl_parallel_threads() == 2); /* not the thread's 3 */
+    mrl_parallel_set_threads(1);
+    pthread_barrier_wait(&bar);
+    pthread_join(t, NULL);
+    CHECK(c.seen[0] == 3 && c.seen[1] == 3 && c.seen[2] == 1);
+    CHECK(mrl_parallel_threads() == 1);
+    mrl_parallel_set_threads(0);
+    pthread_barrier_destroy(&bar);
+}
+
+#define ASYNC_REQS 4
+#define ASYNC_G 40
+static const int async_lens[ASYNC_REQS] = {5, 17, 9, 22}, async_ns[ASYNC_REQS] = {8, 1, 4, 3}; /* 16 samples */
+
+static void add_async_requests(mrl_engine *e, int32_t prompts[ASYNC_REQS][24], int *ids) {
+    static const float temps[ASYNC_REQS] = {1.0f, 0.0f, 0.7f, 1.2f};
+    for (int i = 0; i < ASYNC_REQS; i++) {
+        fill_prompt(prompts[i], async_lens[i], 96, 20 + i);
+        mrl_engine_request r = request(prompts[i], async_lens[i], async_ns[i], ASYNC_G, temps[i], i);
+        if (i == 3) r.params.top_p = 0.9f;
+        CHECK_OK(mrl_engine_add_request(e, &r, &ids[i]));
+    }
+}
+
+/* Every sample of the async requests, in order; returns how many. */
+static int get_async(mrl_engine *e, const int *ids, sample_out *out) {
+    int k = 0;
+    for (int i = 0; i < ASYNC_REQS; i++)
+        for (int j = 0; j < async_ns[i]; j++) get(e, ids[i], j, &out[k++]);
+    return k;
+}
+
+/* A training step's worth of work on another model: log-probs and gradients. */
+static void train_work(mrl_model *t, float *lp, float *grads) {
+    int32_t tokens[96], targets[96], cu[3] = {0, 40, 96};
+    for (int i = 0; i < 96; i++) tokens[i] = (i * 13 + 7) % 96;
+    for (int i = 0; i < 96; i++) targets[i] = i + 1 == 40 || i + 1 == 96 ? -1 : tokens[i + 1];
+    mrl_batch b = {tokens, targets, cu, 96, 2};
+    float dlp[96];
+    for (int i = 0; i < 96; i++) dlp[i] = -1.0f / 96;
+    mrl_model_zero_grad(t);
+    CHECK_OK(mrl_model_forward(t, &b, 1.0f, lp, NULL, NULL));
+    CHECK_OK(mrl_model_backward(t, dlp, NULL, NULL));
+    memcpy(grads, mrl_model_grads(t), sizeof(float) * mrl_model_num_params(t));
+}
+
+static void test_async(void) {
+    mrl_model *m = make_model(MRL_ARCH_QWEN2, 96), *t = make_model(MRL_ARCH_LLAMA, 96);
+    mrl_engine *e = m ? make_engine(m, 1 << 20, 64, 16, 8) : NULL;
+    if (!m || !t || !e) return;
+    int32_t prompts[ASYNC_REQS][24];
+    int ids[ASYNC_REQS], id;
+    sample_out ref[16], got[16];
+    add_async_requests(e, prompts, ids);
+    CHECK_OK(mrl_engine_run(e));
+    int ns = get_async(e, ids, ref);
+    /* the training work's reference, the engine idle */
+    int64_t tn = mrl_model_num_params(t);
+    float lp_ref[96], lp[96], *g_ref = malloc(sizeof(float) * tn), *g = malloc(sizeof(float) * tn);
+    train_work(t, lp_ref, g_ref);
+    int main_threads = mrl_parallel_threads();
+    for (int threads = 1; threads <= 2; threads++) {
+        CHECK_OK(mrl_engine_reset(e));
+        add_async_requests(e, prompts, ids);
+        CHECK(!mrl_engine_running(e));
+        CHECK_OK(mrl_engine_run_async(e, threads));
+        CHECK(mrl_engine_running(e));
+        CHECK(mrl_parallel_threads() == main_threads);
+        /* every call that touches the state is refused */
+        mrl_engine_request r = request(prompts[0], 5, 1, 4, 1.0f, 0);
+        mrl_status busy[9] = {
+            mrl_engine_add_request(e, &r, &id), mrl_engine_step(e, NULL), mrl_engine_run(e), mrl_engine_reset(e),
+            mrl_engine_attach_params(e, NULL, 0), mrl_engine_swap_params(e, NULL, 0),
+            mrl_engine_stop_sample(e, ids[0], 0), mrl_engine_get_output(e, ids[0], 0, NULL, NULL, NULL, NULL),
+            mrl_engine_run_async(e, 1)};
+        for (int k = 0; k < 9; k++) CHECK(busy[k] == MRL_ERR_INVALID);
+        CHECK_STR_CONTAINS(mrl_last_error(), "engine busy: a background run is in progress (mrl_engine_wait first)");
+        /* the main thread trains meanwhile, with its own thread count (changed: not the engine's) */
+        if (threads == 2) mrl_parallel_set_threads(1);
+        int iters = 0, overlapped = 0;
+        mrl_engine_stats st0;
+        mrl_engine_get_stats(e, &st0);
+        do {
+            overlapped += mrl_engine_num_unfinished(e) > 0;
+            train_work(t, lp, g);
+            CHECK(memcmp(lp, lp_ref, sizeof lp) == 0 && memcmp(g, g_ref, sizeof(float) * tn) == 0);
+            mrl_engine_stats st;
+            mrl_engine_get_stats(e, &st); /* the published copy */
+            CHECK(st.generated_tokens - st0.generated_tokens <= ns * ASYNC_G);
+        } while (++iters < 200 && mrl_engine_num_unfinished(e) > 0);
+        printf("async threads %d: %d training steps, %d while generating\n", threads, iters, overlapped);
+        CHECK(mrl_parallel_threads() == (threads == 2 ? 1 : main_threads));
+        mrl_parallel_set_threads(0);
+        CHECK(overlapped >= 1);
+        CHECK_OK(mrl_engine_wait(e));
+        CHECK(!mrl_engine_running(e));
+        CHECK(get_async(e, ids, got) == ns);
+        for (int j = 0; j < ns; j++) CHECK(ref[j].n == ASYNC_G && same_sample(&ref[j], &got[j]));
+    }
+    /* a stop request ends the run with MRL_ERR_STOPPED; the requests stay queued */
+    CHECK_OK(mrl_engine_reset(e));
+    add_async_requests(e, prompts, ids);
+    mrl_request_stop(-2, "test");
+    CHECK_OK(mrl_engine_run_async(e, 1));
+    CHECK(mrl_engine_wait(e) == MRL_ERR_STOPPED);
+    CHECK_STR_CONTAINS(mrl_last_error(), "stop requested (test)");
+    mrl_clear_stop();
+    CHECK_OK(mrl_engine_run_async(e, 2)); /* stopped mid-run this time, then finished */
+    mrl_engine_stats st;
+    do mrl_engine_get_stats(e, &st);
+    while (st.steps < 2 && mrl_engine_num_unfinished(e) > 0);
+    mrl_request_stop(-2, "test");
+    mrl_status stopped = mrl_engine_wait(e);
+    mrl_clear_stop();
+    CHECK(stopped == MRL_ERR_STOPPED || stopped == MRL_OK); /* OK only if it finished first */
+    if (stopped == MRL_ERR_STOPPED) CHECK(mrl_engine_num_unfinished(e) > 0);
+    CHECK_OK(mrl_engine_run(e));
+    CHECK(get_async(e, ids, got) == ns);
+    for (int j = 0; j < ns; j++) CHECK(same_sample(&ref[j], &got[j]));
+    /* a failing run: its message reaches the caller's thread */
+    float *nan_w = malloc(sizeof(float) * mrl_model_num_params(m));
+    for (int64_t i = 0; i < mrl_model_num_params(m); i++) nan_w[i] = NAN;
+    CHECK_OK(mrl_engine_reset(e));
+    CHECK_OK(mrl_engine_swap_params(e, nan_w, mrl_model_num_params(m)));
+    add_async_requests(e, prompts, ids);
+    CHECK_OK(mrl_engine_run_async(e, 1));
+    mrl_clear_error();
+    CHECK(mrl_engine_wait(e) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "NaN");
+    CHECK_OK(mrl_engine_attach_params(e, NULL, 0));
+    /* bad calls */
+    CHECK(mrl_engine_run_async(e, 0) == MRL_ERR_INVALID);
+    CHECK(mrl_engine_run_async(NULL, 1) == MRL_ERR_INVALID);
+    CHECK(mrl_engine_wait(e) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "no background run");
+    CHECK(mrl_engine_wait(NULL) == MRL_ERR_INVALID);
+    CHECK(!mrl_engine_running(NULL));
+    /* free while running waits for the run */
+    add_async_requests(e, prompts, ids);
+    CHECK_OK(mrl_engine_run_async(e, 2));
+    mrl_engine_free(e);
+    free(nan_w);
+    free(g_ref);
+    free(g);
+    mrl_model_free(t);
+    mrl_model_free(m);
+}
+
 int main(void) {
     for (int arch = 0; arch < 3; arch++) test_agreement(arch);
     for (int arch = 0; arch < 3; arch++) test_greedy_naive(arch);
@@ -563,5 +913,10 @@ int main(void) {
     test_errors();
     test_limits();
     test_no_grads();
+    test_swap_same(1);
+    test_swap_same(0);
+    test_swap_other();
+    test_thread_counts();
+    test_async();
     CHECK_DONE();
 }

@@ -1,8 +1,11 @@
 -- moonrl.engine from Lua: generate's results, agreement with the trainer's
 -- forward through moonrl.engine.mismatch, zero copy across an AdamW step,
--- stop ids / EOS / max tokens, stop strings with a tokenizer, errors.
+-- stop ids / EOS / max tokens, stop strings with a tokenizer, errors;
+-- swap_params in flight (from on_text), run_async / wait / running; a followed weight store's
+-- versions recorded per token.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
+local ffi = require('ffi')
 
 local fixture = 'tests/tok/fixtures/qwen2_split' -- tests run from the source root
 local tok = moonrl.tokenizer.load(fixture)
@@ -189,6 +192,109 @@ t.test('stats and errors', function()
   -- the engine still works after the errors
   local r = engine:generate({ { prompt_ids = { 3, 4 } } }, { max_tokens = 2, eos_ids = {} })
   t.eq(#r[1][1].ids, 2)
+end)
+
+t.test('swap_params in flight: a copy, the old buffer then poisoned, gives the same samples', function()
+  local m4 = new_model(5)
+  local e4 = moonrl.engine.new(m4, { kv_cache_bytes = 2 ^ 21, max_batch_tokens = 64, max_seqs = 16, seed = 2 })
+  local p, n = m4:params()
+  local copy = ffi.new('float[?]', n)
+  ffi.copy(copy, p, n * 4)
+  local opts = { temperature = 0.9, max_tokens = 12, eos_ids = {}, tokenizer = tok, on_text = function() end }
+  local ref = e4:generate(requests(2), opts)
+  local swapped = false
+  opts.on_text = function() -- between steps, samples unfinished
+    if swapped then return end
+    swapped = true
+    e4:swap_params(copy, n)
+    for i = 0, n - 1 do p[i] = 0 / 0 end
+  end
+  local got = e4:generate(requests(2), opts)
+  t.truthy(swapped, 'swapped mid-generation')
+  for i, list in ipairs(ref) do
+    for j, s in ipairs(list) do
+      t.eq(table.concat(got[i][j].ids, ','), table.concat(s.ids, ','))
+      for k, lp in ipairs(s.logprobs) do t.eq(got[i][j].logprobs[k], lp) end
+    end
+  end
+  t.raises(function() e4:swap_params(copy, n - 1) end, 'swap_params: buffer of')
+  ffi.copy(p, copy, n * 4)
+  e4:swap_params(nil)
+  local back = e4:generate(requests(2), { temperature = 0.9, max_tokens = 12, eos_ids = {} })
+  t.eq(table.concat(back[1][1].ids, ','), table.concat(ref[1][1].ids, ','))
+  -- run_async / wait / running (nothing queued: the run ends at once)
+  e4:run_async(1)
+  t.truthy(e4:running())
+  t.raises(function() e4:generate(requests(1)) end, 'engine busy')
+  e4:wait()
+  t.truthy(not e4:running())
+  t.raises(function() e4:wait() end, 'no background run')
+  t.raises(function() e4:run_async(0) end, 'threads must be an integer >= 1')
+end)
+
+t.test('following a weight store: each token records its version, a version published between steps is taken', function()
+  local m5 = new_model(6)
+  local e5 = moonrl.engine.new(m5, { kv_cache_bytes = 2 ^ 21, max_batch_tokens = 64, max_seqs = 16, seed = 3 })
+  local p, n = m5:params()
+  local h = ffi.new('mrl_weight_store *[1]')
+  moonrl.check(moonrl.C.mrl_weight_store_create(nil, n, 1, h))
+  local store = ffi.gc(h[0], moonrl.C.mrl_weight_store_free)
+  local opts = { temperature = 0.9, max_tokens = 12, eos_ids = {}, tokenizer = tok, on_text = function() end }
+  local ref = e5:generate(requests(2), opts)
+  t.eq(ref[1][1].version, nil, 'no versions without a store')
+  moonrl.check(moonrl.C.mrl_weight_store_publish(store, p, 10, 0))
+  e5:use_weights({ store = store, reader = 0, min_version = 10, follow = true })
+  local calls, counts = 0, nil
+  opts.on_text = function() -- between steps: after the third, version 11 (the same weights)
+    calls = calls + 1
+    if calls == 3 and not counts then
+      counts = {}
+      for i, list in ipairs(ref) do
+        counts[i] = {}
+        for j in ipairs(list) do
+          local toks = ffi.new('const int32_t *[1]')
+          local nt = ffi.new('int[1]')
+          moonrl.check(moonrl.C.mrl_engine_get_output(e5.handle, i - 1, j - 1, toks, nil, nt, nil))
+          counts[i][j] = nt[0]
+        end
+      end
+      moonrl.check(moonrl.C.mrl_weight_store_publish(store, p, 11, 0))
+    end
+  end
+  local got = e5:generate(requests(2), opts)
+  t.truthy(counts, 'published mid-generation')
+  local switched = 0
+  for i, list in ipairs(ref) do
+    for j, s in ipairs(list) do
+      local g = got[i][j]
+      t.eq(table.concat(g.ids, ','), table.concat(s.ids, ','), 'the same weights: the same samples')
+      for k, lp in ipairs(s.logprobs) do t.eq(g.logprobs[k], lp) end
+      t.eq(g.version, counts[i][j] > 0 and 10 or 11, 'the first token\'s version')
+      if counts[i][j] > 0 and counts[i][j] < #g.ids then
+        switched = switched + 1
+        t.eq(#g.version_switches, 1, 'one switch')
+        t.eq(g.version_switches[1][1], counts[i][j] + 1, 'from the first token sampled after the publish')
+        t.eq(g.version_switches[1][2], 11)
+      else
+        t.eq(g.version_switches, nil, 'no switch')
+      end
+    end
+  end
+  t.truthy(switched > 0, 'some samples switched')
+  t.eq(tonumber(moonrl.C.mrl_engine_version(e5.handle)), 11)
+  -- finish mode: a store read, not followed; the model's own buffer again after use_weights(nil)
+  moonrl.check(moonrl.C.mrl_weight_store_publish(store, p, 12, 0))
+  e5:use_weights({ store = store, reader = 0, min_version = 12 })
+  local fixed = e5:generate(requests(1), { temperature = 0.9, max_tokens = 6, eos_ids = {} })
+  t.eq(fixed[1][1].version, 12)
+  e5:use_weights(nil)
+  t.eq(e5:generate(requests(1), { temperature = 0.9, max_tokens = 6, eos_ids = {} })[1][1].version, nil)
+  local h2 = ffi.new('mrl_weight_store *[1]')
+  moonrl.check(moonrl.C.mrl_weight_store_create(nil, n - 1, 1, h2))
+  local small = ffi.gc(h2[0], moonrl.C.mrl_weight_store_free)
+  t.raises(function() e5:use_weights({ store = small, reader = 0, follow = true }) end, 'a store of')
+  t.raises(function() e5:use_weights({ store = store, reader = 1, follow = true }) end, 'reader 1 of a store')
+  e5:use_weights(nil)
 end)
 
 t.done()

@@ -13,6 +13,10 @@
  *     mrl_engine_get_output(e, id, j, ...);    tokens, log-probs, finish reason
  *     mrl_engine_reset(e);                     forget requests and cached prefixes
  *
+ * Asynchronous RL: mrl_engine_run_async(e, threads) generates on a thread of
+ * its own while the caller trains, mrl_engine_wait(e) joins it;
+ * mrl_engine_swap_params(e, buf, n) switches the weights between steps
+ * without dropping the requests in flight (below).
  *
  * Sampling of one row of fp32 logits, in this order (vLLM v1's sampler):
  *   1. temperature: x = logits / temperature; temperature < 1e-5 is greedy
@@ -48,6 +52,7 @@
 #pragma once
 #include <stdint.h>
 #include "status.h"
+#include "weight_store.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -148,9 +153,10 @@ void mrl_engine_free(mrl_engine *e);
  * by each matrix, and packing the matrix on every step (what OpenBLAS does)
  * costs as much as the arithmetic. A round starts when a request is added to
  * an engine with none unfinished, and at mrl_engine_reset /
- * mrl_engine_attach_params: weights changed while requests are running are
- * not seen before the next round. The copy is one pass over the weights and
- * as much memory again as the layers' matrices (MRL_MEM_PARAMS);
+ * mrl_engine_attach_params / mrl_engine_swap_params: weights changed in
+ * place while requests are running are not seen before the next round. The
+ * copy is one pass over the weights and as much memory again as the layers'
+ * matrices (MRL_MEM_PARAMS);
  * pack_weights = 0 reads the weights in place on every step instead. */
 
 /* Read the weights from another buffer with the model's layout (n_params
@@ -159,6 +165,34 @@ void mrl_engine_free(mrl_engine *e);
  * back to the model's own buffer. Resets the engine (mrl_engine_reset):
  * cached prefixes came from other weights. */
 mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params);
+/* In-flight weight update (PipelineRL): read the weights from `params` (as
+ * in attach_params: n_params floats in the model's layout; NULL: the model's
+ * own buffer) for every FOLLOWING step, keeping every request, running
+ * sequence and the KV cache as they are, so the K/V already computed under
+ * the old weights (and cached prefixes, reused by later requests until
+ * mrl_engine_reset) stay. Once it returns, nothing reads the old buffer any
+ * more: the caller may overwrite or free it (the weight panels are repacked
+ * from the new buffer before the next step). The new buffer is read in place
+ * (embeddings, norms, lm_head; every matrix when pack_weights = 0) on every
+ * step: it must stay valid, and should not change, while the engine runs. */
+mrl_status mrl_engine_swap_params(mrl_engine *e, const float *params, int64_t n_params);
+/* Weight versions (asynchronous RL). The engine records, with every token it
+ * samples, the version of the weights it read: `version` as set here (0 at
+ * creation; kept across reset and attach_params), or one taken from a
+ * weight store it follows. */
+mrl_status mrl_engine_set_version(mrl_engine *e, int64_t version);
+int64_t mrl_engine_version(const mrl_engine *e);
+/* Follow a weight store (moonrl/weight_store.h) as `reader` (NULL: stop):
+ * before each step with requests in flight, a version published there newer
+ * than the engine's is acquired and swapped in (as mrl_engine_swap_params:
+ * requests and KV cache kept; PipelineRL's in-flight update), and becomes
+ * the engine's version. The store's slot the engine read before is released
+ * by that acquire; the reader must not acquire elsewhere meanwhile. Works
+ * for a background run too (the store is polled by its thread). */
+mrl_status mrl_engine_follow(mrl_engine *e, mrl_weight_store *ws, int reader);
+/* The version each generated token of sample j of a request was sampled
+ * with (mrl_engine_get_output's n_tokens of them), valid as its tokens. */
+mrl_status mrl_engine_get_output_versions(mrl_engine *e, int req_id, int sample, const int64_t **versions);
 /* Forget every request, finished or not (an aborted run's too), and every
  * cached prefix: call it when the weights have changed (e.g. after an
  * optimizer step) if prefix caching is on. Request ids restart at 0. */
@@ -174,6 +208,37 @@ mrl_status mrl_engine_step(mrl_engine *e, int *n_unfinished);
 /* Steps until every request is finished; checks mrl_stop_requested()
  * between steps and returns MRL_ERR_STOPPED (the requests stay queued). */
 mrl_status mrl_engine_run(mrl_engine *e);
+
+/* Background generation: mrl_engine_run on a new thread; returns at once.
+ * That thread's kernels use `threads` (>= 1) OpenMP threads
+ * (mrl_parallel_set_thread_threads), whatever the caller's count is or
+ * becomes; the caller's count does not change. The outputs are the ones
+ * mrl_engine_run gives (bit for bit: no result depends on a thread count).
+ * Until mrl_engine_wait returns, every call that touches the engine's state
+ * (add_request, step, run, reset, attach_params, swap_params, get_output,
+ * stop_sample, run_async) fails with MRL_ERR_INVALID "engine busy: a
+ * background run is in progress (mrl_engine_wait first)";
+ * mrl_engine_get_stats and mrl_engine_num_unfinished return the counters as
+ * of the run's latest step (a copy the thread publishes, never a racy read);
+ * mrl_engine_free waits for the run first. A stop request
+ * (mrl_stop_requested) ends it with MRL_ERR_STOPPED, as mrl_engine_run.
+ * The model and the buffer the engine reads stay borrowed by the thread:
+ * do not free the model, change its kernels, or write that buffer while it
+ * runs (to train the model's own buffer meanwhile, swap the engine onto a
+ * snapshot first: mrl_engine_swap_params before mrl_engine_run_async).
+ * A training forward / backward of the same model on the caller's thread is
+ * allowed: this call first extends the model's RoPE tables to
+ * max_position_embeddings (max_position_embeddings * head_dim floats, once)
+ * so that the forward never regrows the tables the thread reads.
+ * Call the engine's functions from one thread (besides the background run). */
+mrl_status mrl_engine_run_async(mrl_engine *e, int threads);
+/* Join the background run; returns mrl_engine_run's status and, on failure,
+ * sets its message as the CALLER's mrl_last_error. MRL_ERR_INVALID when no
+ * run was started (or another thread is waiting). */
+mrl_status mrl_engine_wait(mrl_engine *e);
+/* 1 from mrl_engine_run_async until mrl_engine_wait has joined the run
+ * (finished or not), else 0. */
+int mrl_engine_running(const mrl_engine *e);
 /* Sample j of a request so far: pointers to its generated tokens and their
  * log-probs (under softmax(logits / temperature) over the whole vocabulary:
  * what the trainer's forward gives for the same tokens), valid until the

@@ -26,6 +26,11 @@ void mrl_fault_crash(void);
 /* Hang inside C, away from every safe point (signals still run their
  * handlers, then the wait goes on). */
 void mrl_fault_hang(void);
+/* A slow generation engine (a straggling rollout worker): every engine step
+ * of this process takes `seconds` more (0: off). */
+void mrl_fault_slow_engine(double seconds);
+/* The extra seconds of each engine step (0 when off). */
+double mrl_fault_engine_delay(void);
 
 #ifdef __cplusplus
 }
