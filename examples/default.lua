@@ -128,7 +128,7 @@ S:rollout(function(step) -- one batch: problems, sampled answers, rewards
   local scores = S:phase('reward', function() return rewards.score_batch(cfg.grpo.reward, samples) end)
   for i, s in ipairs(samples) do s.score = scores[i - 1] end
   return samples
-end)
+end, { engine = engine })
 for step in S:steps(cfg.grpo.steps, 'grpo') do
   local samples, info = S:next_batch() -- generated now, or ahead (async.mode), or by rollout ranks
   local gen_s = info.gen_seconds

@@ -319,7 +319,7 @@ function M.flatten(records, results)
     for j, out in ipairs(results[i]) do
       samples[#samples + 1] = { prompt_ids = r.prompt_ids, ids = out.ids, rollout_logprobs = out.logprobs,
         response = out.text or '', finish_reason = out.finish_reason, prompt = r.prompt, answer = r.answer,
-        meta = r.meta, group = i, record = r }
+        meta = r.meta, group = i, record = r, version = out.version, version_switches = out.version_switches }
     end
   end
   return samples
@@ -533,7 +533,7 @@ function RS:steps(total, phase)
   local it = session.Session.steps(self, total, phase) -- restores a checkpoint on every rank
   -- the rollout ranks start the phase from the trainers' weights (those of an earlier phase,
   -- or of the checkpoint)
-  if self.rollout_fn and (self.link or self.remote) then self:sync_weights() end
+  if self.rollout_fn then self:begin_rollouts() end
   if self.role ~= 'rollout' then return it end
   if self.rollout_fn then self:serve_rollouts(total or self.run.total) end
   return function() return nil end -- a phase without a rollout: the trainers' alone

@@ -35,6 +35,7 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
+local C = moonrl.C
 local Session = require('moonrl.session').Session
 
 local M = {}
@@ -112,6 +113,31 @@ local function check_config(cfg)
   if a.stale ~= 'drop' and a.stale ~= 'downweight' then
     moonrl.usage_error(string.format("config key 'async.stale' must be drop or downweight, got '%s'", tostring(a.stale)))
   end
+  if a.partial ~= 'finish' and a.partial ~= 'continue' then
+    moonrl.usage_error(string.format("config key 'async.partial' must be finish or continue, got '%s'", tostring(a.partial)))
+  end
+  if a.weights ~= 'auto' and a.weights ~= 'shm' and a.weights ~= 'mpi' then
+    moonrl.usage_error(string.format("config key 'async.weights' must be auto, shm or mpi, got '%s'", tostring(a.weights)))
+  end
+  if a.engine_threads < 0 or a.engine_threads > 1024 then
+    moonrl.usage_error(string.format("config key 'async.engine_threads' must be in 0..1024, got %d", a.engine_threads))
+  end
+  local remote = cfg.dist and cfg.dist.rollout_ranks > 0
+  if a.engine_threads > 0 and (M.lag(cfg) == 0 or remote) then
+    moonrl.usage_error('async.engine_threads overlaps the next batch with this step in one process: it needs ' ..
+      'async.mode one_step_off or async, and no dist.rollout_ranks')
+  end
+  if a.partial == 'continue' then
+    if M.lag(cfg) == 0 then moonrl.usage_error('async.partial=continue needs async.mode one_step_off or async') end
+    if not remote and a.engine_threads == 0 then
+      moonrl.usage_error('async.partial=continue updates requests in flight: it needs dist.rollout_ranks or ' ..
+        'async.engine_threads (in one process the batch is generated between steps, with nothing to update it)')
+    end
+    if remote and a.weights == 'mpi' then
+      moonrl.usage_error('async.partial=continue takes new weights between generation steps through shared memory: ' ..
+        'not with async.weights=mpi')
+    end
+  end
 end
 M.check_config = check_config
 
@@ -129,6 +155,14 @@ function M.config()
     correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
     correction_upper = 0.0,
     decoupled = false,                  -- AReaL's decoupled PPO (proximal policy = the trainer before the update)
+    -- in-flight requests when a new version is published: finish with the weights they started
+    -- with (the fixed schedule: deterministic) | continue with the new ones from the next token
+    -- (PipelineRL: their KV cache kept as it is; each token's version recorded); the latter needs
+    -- rollout ranks on trainer rank 0's host, or engine_threads
+    partial = 'finish',
+    weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
+    engine_threads = config.integer(0), -- one process: N >= 1 generates the next batch on an engine thread of N threads
+                                        -- while this step trains (run.threads for training); 0: between steps
     behav_cap = 0.0,                    -- decoupled: cap of the behaviour weight π_prox/μ (0: none)
   }
 end
@@ -140,7 +174,12 @@ end
 local RS = {}
 M.methods = RS
 
-function RS:rollout(fn) self.rollout_fn = fn end
+-- opts.engine: the engine the rollout generates with (default S.engine), which shared-memory
+-- weights, in-flight updates and the engine thread drive.
+function RS:rollout(fn, opts)
+  self.rollout_fn = fn
+  self.rollout_engine = opts and opts.engine or self.engine
+end
 
 -- The policy-step options of the off-policy corrections the config asks for, added to o.
 function RS:off_policy(o)
@@ -175,15 +214,138 @@ function RS:async_metrics(info)
   return m
 end
 
+-- ---- weight versions through a weight store (moonrl/weight_store.h) ------------------------
+-- Trainer rank 0 publishes each version into shared memory for the rollout ranks of its host
+-- (one copy; their engines read it in place), or, in one process, for the engine thread (its
+-- double buffer: the weights of the batch it generates, while the update changes the model's).
+-- A store's versions only grow; a phase start or a rollback publishes policy versions that came
+-- before, so a store version is epoch * 2^32 + the policy version.
+local EPOCH = 2 ^ 32
+local function store_version(self, v) return (self.epoch or 0) * EPOCH + v end
+local function policy_version(sv) return sv % EPOCH end
+local function next_epoch(self) self.epoch = (self.epoch or 0) + 1 end
+
+local function new_store(name, n, readers)
+  local h = ffi.new('mrl_weight_store *[1]')
+  moonrl.check(C.mrl_weight_store_create(name, n, readers, h), 3)
+  return ffi.gc(h[0], C.mrl_weight_store_free)
+end
+
+local function free_store(st)
+  ffi.gc(st, nil)
+  C.mrl_weight_store_free(st)
+end
+
+local function publish_store(self, st, v)
+  local t0 = moonrl.now()
+  local p, n = self.policy:params()
+  moonrl.check(C.mrl_weight_store_publish(st, p, store_version(self, v), 0), 2)
+  local secs = moonrl.now() - t0
+  return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
+end
+
+-- Collective over the link, at its first phase start: trainer rank 0 makes a shared-memory store
+-- for the rollout ranks and they open it; if one cannot (another host), the weights go by MPI
+-- broadcast (async.weights=auto) or the run stops (shm).
+local store_count = 0
+local function setup_store(self)
+  local a = self.cfg.async
+  if self.store_checked then return end
+  self.store_checked = true
+  if a.weights == 'mpi' or not self.rollout_engine then return end -- (no engine to read it: by MPI)
+  local n, name = self.policy.n_params, ''
+  if self.role ~= 'rollout' then
+    store_count = store_count + 1
+    name = string.format('/moonrl-%d-%d', C.mrl_process_id(), store_count)
+    self.store = new_store(name, n, self.link.size - 1)
+  end
+  name = self.link:broadcast_string(name, 0)
+  local ok = 'ok'
+  if self.role == 'rollout' then
+    local h = ffi.new('mrl_weight_store *[1]')
+    if C.mrl_weight_store_open(name, n, self.link.rank - 1, h) == 0 then
+      self.store, self.reader = ffi.gc(h[0], C.mrl_weight_store_free), self.link.rank - 1
+    else
+      ok = moonrl.last_error()
+    end
+  end
+  local all = self.link:gather_strings(ok)
+  if self.role ~= 'rollout' then moonrl.check(C.mrl_weight_store_unlink(self.store)) end -- nothing left in /dev/shm
+  local failed = {}
+  for r = 2, #all do
+    if all[r] ~= 'ok' then failed[#failed + 1] = string.format('rollout rank %d of %d: %s', r - 1, #all - 1, all[r]) end
+  end
+  if #failed == 0 then return end
+  if self.store then free_store(self.store); self.store = nil end
+  local why = table.concat(failed, '; ')
+  if a.weights == 'shm' or a.partial == 'continue' then
+    moonrl.usage_error((a.weights == 'shm' and 'async.weights=shm' or 'async.partial=continue') ..
+      ' needs every rollout rank on trainer rank 0\'s host, in its shared memory: ' .. why)
+  end
+  moonrl.log('info', 'rollout ranks: weights by MPI broadcast (%s)', why)
+end
+
 -- Batch j made here, now, before this step's update: with the weights of version step - 1.
+-- Samples carry the version of their first token; with async.partial=continue the engine thread
+-- may switch to newer weights while they are generated (s.version_switches).
 local function make_local(self, j)
   local t0 = moonrl.now()
   local samples, info = self.rollout_fn(j)
   info = info or {}
   local version = self.step - 1
-  for _, s in ipairs(samples) do s.version = version end
+  for _, s in ipairs(samples) do
+    s.version = s.version and policy_version(s.version) or version
+    for _, sw in ipairs(s.version_switches or {}) do sw[2] = policy_version(sw[2]) end
+  end
   info.gen_seconds = moonrl.now() - t0
   return { samples = samples, info = info, version = version }
+end
+
+-- One process, async.engine_threads = N: batch j is started now, before this step's update, on
+-- an engine thread of N threads reading a copy of the weights of version step - 1, and finished
+-- after the update (finish_background): its rollout function runs in a coroutine that yields
+-- while the engine thread generates (moonrl.engine: Engine:generate with engine.background).
+-- The same batch, version and bits as make_local, with generation overlapping training.
+local function finish_background(self, after_update)
+  local f = self.inflight
+  if not f then return end
+  self.inflight = nil
+  local e = self.rollout_engine
+  if after_update and self.cfg.async.partial == 'continue' then
+    self.publish_info = publish_store(self, self.thread_store, self.step) -- taken up by the requests in flight
+  end
+  e.background, e.on_busy = nil, nil -- the rest of the rollout function generates in line
+  local t0 = moonrl.now()
+  local ok, b = coroutine.resume(f.co)
+  local waited = moonrl.now() - t0
+  e:use_weights(nil)
+  if not ok then error(b, 0) end
+  b.info.gen_seconds = f.main_seconds + waited -- the main thread's share: the rest ran beside training
+  self.trainer_wait = (self.trainer_wait or 0) + waited
+  self.pending[f.j] = b
+end
+
+local function start_background(self, j)
+  local a, e = self.cfg.async, self.rollout_engine
+  if not self.thread_store then self.thread_store = new_store(nil, self.policy.n_params, 1) end
+  local v = store_version(self, self.step - 1)
+  if C.mrl_weight_store_latest(self.thread_store, nil) < v then -- (partial=continue published it after the update)
+    moonrl.check(C.mrl_weight_store_publish(self.thread_store, (self.policy:params()), v, 0))
+  end
+  e:use_weights({ store = self.thread_store, reader = 0, min_version = v, follow = a.partial == 'continue' })
+  e.background = a.engine_threads
+  e.on_busy = function() finish_background(self, false) end -- another generate (an evaluation) first finishes it
+  local co = coroutine.create(make_local)
+  local t0 = moonrl.now()
+  local ok, b = coroutine.resume(co, self, j)
+  if not ok then e.background, e.on_busy = nil, nil; e:use_weights(nil); error(b, 0) end
+  self.inflight = { co = co, j = j, main_seconds = moonrl.now() - t0 }
+  if coroutine.status(co) == 'dead' then -- it generated nothing in the background
+    self.inflight = nil
+    e.background, e.on_busy = nil, nil
+    e:use_weights(nil)
+    self.pending[j] = b
+  end
 end
 
 -- The pending batches (generated, not trained on) as checkpoint state; and back.
@@ -227,17 +389,23 @@ function RS:next_batch()
   if self.remote then
     if not self.pending[s] then self.pending[s] = receive(self, s) end
   else
+    local threaded = self.cfg.async and self.cfg.async.engine_threads > 0 and self.rollout_engine
     for j = s, math.min(s + L, self.run.total or s) do
-      if not self.pending[j] then self.pending[j] = make_local(self, j) end
+      if not self.pending[j] then
+        if threaded and j == s + L and j > s then start_background(self, j) else self.pending[j] = make_local(self, j) end
+      end
     end
   end
   local b = self.pending[s]
   self.pending[s] = nil
   -- the weights this batch trains are version s - 1 (the updates of steps 1 .. s-1)
   local a = self.cfg.async or { max_staleness = 0, stale = 'drop' }
-  local histogram, kept, dropped, worst = json.object(), {}, 0, 0
+  local histogram, kept, dropped, worst, switched = json.object(), {}, 0, 0, 0
   for _, smp in ipairs(b.samples) do
+    -- a sample's staleness is its first token's: with async.partial=continue later tokens may
+    -- come from newer weights (smp.version_switches), never older
     smp.staleness = (s - 1) - (smp.version or 0)
+    if smp.version_switches then switched = switched + 1 end
     local k = tostring(smp.staleness)
     histogram[k] = (histogram[k] or 0) + 1
     if smp.staleness > worst then worst = smp.staleness end
@@ -254,6 +422,7 @@ function RS:next_batch()
   local waited = (self.trainer_wait or 0) - (self.trainer_wait_logged or 0)
   self.trainer_wait_logged = self.trainer_wait
   b.info.async = { staleness = histogram, max_staleness_seen = worst, dropped_stale = dropped, queue_depth = depth,
+    switched_samples = switched,
     trainer_wait_seconds = waited, rollout_wait_seconds = b.info.rollout_wait_seconds }
   return kept, b.info
 end
@@ -266,14 +435,18 @@ function RS:after_update()
   if not self.rollout_fn or self.step == 0 then return nil end
   local s, L, T = self.step, M.lag(self.cfg), self.run.total
   local stop
+  finish_background(self, true)
   if self.remote then
+    -- partial=continue: the new weights first, for the requests in flight on the rollout ranks
+    local early = self.store and self.cfg.async.partial == 'continue' and s + L + 1 <= T and not self.pending_rollback
+    if early then self.publish_info = publish_store(self, self.store, s) end
     for j = s + 1, math.min(s + L, T) do
       if not self.pending[j] then self.pending[j] = receive(self, j) end
     end
     stop = moonrl.stop_requested() or self.rollout_stop or false
     if self.world.size > 1 then stop = self.world:any(stop) end
     if stop and not moonrl.stop_requested() then moonrl.C.mrl_request_stop(-2, 'a stop requested by a rollout rank') end
-    self:publish(s, { stop = stop, rollback = self.pending_rollback ~= nil })
+    self:publish(s, { stop = stop, rollback = self.pending_rollback ~= nil, published = early })
   end
   save_pending(self)
   return stop
@@ -286,10 +459,11 @@ function RS:publish(v, flags)
   if not self.link then return end
   local L, T = M.lag(self.cfg), self.run.total
   local weights = v + L + 1 <= T and not flags.stop and not flags.rollback
+  if weights and self.store and not flags.published then self.publish_info = publish_store(self, self.store, v) end
   local t0 = moonrl.now()
   self.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
     'done', v >= T, 'weights', weights })), 0)
-  if not weights then return end
+  if not weights or self.store then return end
   local p, n = self.policy:params()
   self.link:broadcast(p, 4 * n, 0)
   local secs = moonrl.now() - t0
@@ -303,6 +477,7 @@ end
 function RS:rollback()
   Session.rollback(self)
   if not self.rollout_fn then return end
+  next_epoch(self)
   local fresh = self.cfg.guard.skip_batch
   if fresh then self.pending, self.extra.pending = {}, nil else self.pending = nil end
   if self.link then self:sync_weights({ fresh = fresh }) end
@@ -316,12 +491,20 @@ end
 -- launcher; every wait after this one has dist.timeout again.
 function RS:sync_weights(opts)
   if not self.link then return nil end
+  self.want = nil
   local rollout = self.role == 'rollout'
   if rollout then self.link:set_timeout(0) end
   local head = json.object({ 'positions', self:positions(), 'global_step', self.global_step - self.step,
     'step', self.step, 'fresh', opts and opts.fresh or false })
   head = self.link:broadcast_string(rollout and '' or json.encode(head), 0)
   if rollout then self.link:set_timeout(self.cfg.dist.timeout) end
+  if not self.store_checked then -- the first phase start: how the weights will go
+    setup_store(self)
+    if not rollout then
+      self:event('rollout_weights', { via = self.store and 'shared memory' or 'mpi', rollout_ranks = self.link.size - 1 },
+        { quiet = true })
+    end
+  end
   local p, n = self.policy:params()
   self.link:broadcast(p, 4 * n, 0)
   if not rollout then return nil end
@@ -332,12 +515,28 @@ function RS:sync_weights(opts)
   return head
 end
 
+-- The start of a phase with a rollout (every rank): a new epoch of store versions, and the
+-- rollout ranks get the trainers' weights.
+function RS:begin_rollouts()
+  local a = self.cfg.async
+  if a and (a.engine_threads > 0 or a.partial == 'continue') and not self.rollout_engine then
+    moonrl.usage_error('async.engine_threads and async.partial=continue drive the rollout\'s engine: declare it with ' ..
+      'S:rollout(fn, { engine = e }) (or S.engine)')
+  end
+  next_epoch(self)
+  if self.link then self:sync_weights() end
+end
+
 -- The header trainer rank 0 sends after each of its steps (RS:publish), and the weights with it.
 local function receive_header(self)
   local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
   if head.weights then
-    local p, n = self.policy:params()
-    self.link:broadcast(p, 4 * n, 0)
+    if self.store then
+      self.want = store_version(self, head.version) -- in the store: the engine takes it at the batch's start
+    else
+      local p, n = self.policy:params()
+      self.link:broadcast(p, 4 * n, 0)
+    end
     self.version = head.version
   end
   return head
@@ -364,9 +563,19 @@ local function serve(self, first, free_until, total)
     self.world:set_step(self.global_step)
     self.link:set_step(self.global_step)
     local t0 = moonrl.now()
-    local samples, info = self.rollout_fn(j)
+    local e = self.store and self.rollout_engine
+    if e then -- the weights in the store; else those at hand (the phase start's), newer ones taken up when they come
+      e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
+        follow = self.cfg.async.partial == 'continue', version = store_version(self, self.version) })
+    end
+    local ok, samples, info = pcall(self.rollout_fn, j)
+    if e then e:use_weights(nil) end
+    if not ok then error(samples, 0) end
     info = info or {}
-    for _, smp in ipairs(samples) do smp.version = self.version or 0 end
+    for _, smp in ipairs(samples) do
+      smp.version = smp.version and policy_version(smp.version) or self.version or 0
+      for _, sw in ipairs(smp.version_switches or {}) do sw[2] = policy_version(sw[2]) end
+    end
     info.gen_seconds, info.step, info.positions = moonrl.now() - t0, j, self:positions()
     info.rollout_wait_seconds, idle = idle, 0
     info.stop = moonrl.stop_requested()
@@ -391,6 +600,7 @@ function RS:serve_rollouts(total)
   while true do
     local head = serve(self, first, free_until, total)
     if not head.rollback then return end
+    next_epoch(self)
     head = self:sync_weights()
     self.version = self.step
     if head.fresh then first, free_until = self.step + 1, self.step + L + 1

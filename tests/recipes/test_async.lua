@@ -3,7 +3,8 @@
 -- their staleness bound (from the per-sample versions), resume bit-identically after a kill,
 -- and a rollout rank that dies or hangs is reported by the trainer and, under the supervisor,
 -- the job resumes to the weights of an uninterrupted run; a guard's rollback takes the rollout
--- ranks back with the trainers.
+-- ranks back with the trainers; weights go through shared memory on one host, an engine thread
+-- overlaps generation in one process, and async.partial=continue updates requests in flight.
 local t = require('moonrl.testing')
 local fs = require('moonrl.fs')
 local json = require('moonrl.json')
@@ -202,10 +203,84 @@ t.test('a guard rollback with a rollout rank: the bits of one process; a replay 
   end
 end)
 
+local function shm_files()
+  local n = 0
+  for _, name in ipairs(fs.list('/dev/shm')) do if name:find('^moonrl%-') then n = n + 1 end end
+  return n
+end
+
+local function events(d, kind)
+  local out = {}
+  for line in io.lines(d .. '/events.jsonl') do
+    local e = json.decode(line)
+    if e.event == kind then out[#out + 1] = e end
+  end
+  return out
+end
+
+t.test('shared-memory weights: the bits of the MPI broadcast and of one process; nothing left in /dev/shm', function()
+  run(2, words(dir .. '/shm', 'async.mode=one_step_off', 'dist.rollout_ranks=1'))
+  run(2, words(dir .. '/shm_mpi', 'async.mode=one_step_off', 'dist.rollout_ranks=1', 'async.weights=mpi'))
+  t.eq(events(dir .. '/shm', 'rollout_weights')[1].via, 'shared memory', 'the same host: shared memory')
+  t.eq(events(dir .. '/shm_mpi', 'rollout_weights')[1].via, 'mpi', 'async.weights=mpi')
+  t.truthy(model_bytes(dir .. '/shm') == model_bytes(dir .. '/off1'), 'shared memory: the bits of one process')
+  t.truthy(model_bytes(dir .. '/shm_mpi') == model_bytes(dir .. '/off1'), 'MPI: the bits of one process')
+  local published = 0
+  for _, r in ipairs(metrics(dir .. '/shm')) do
+    if r['async/publish/bytes'] then published = published + 1 end
+  end
+  t.truthy(published >= 4, 'a version published after each step that has a batch to come: ' .. published)
+  t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm')
+end)
+
+t.test('one process, an engine thread: the bits of generating between steps, an evaluation meanwhile too; resumes', function()
+  local d = dir .. '/thread'
+  run(0, words(d, 'async.mode=one_step_off', 'async.engine_threads=1'))
+  t.truthy(model_bytes(d) == model_bytes(dir .. '/off1'), 'the same weights as one_step_off in line')
+  t.truthy(fs.read(d .. '/trace.json'):find('generate (background)', 1, true) ~= nil, 'generated on the engine thread')
+  -- an evaluation every step: the engine is busy with the next batch when it comes
+  run(0, words(dir .. '/thread_eval', 'async.mode=one_step_off', 'async.engine_threads=1', 'grpo.eval_every=1'))
+  run(0, words(dir .. '/inline_eval', 'async.mode=one_step_off', 'grpo.eval_every=1'))
+  t.truthy(model_bytes(dir .. '/thread_eval') == model_bytes(dir .. '/inline_eval'), 'with evaluations: the same weights')
+  local a, b = metrics(dir .. '/thread_eval'), metrics(dir .. '/inline_eval')
+  for i = 1, #a do t.eq(a[i].heldout_accuracy, b[i].heldout_accuracy, 'the same held-out accuracy at step ' .. i) end
+  -- killed while the engine thread generates the next batch, then resumed
+  local k = dir .. '/thread_killed'
+  local r = run(0, words(k, 'async.mode=one_step_off', 'async.engine_threads=1'),
+    { env = { 'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=train' }, expect_fail = true })
+  t.truthy(not r.ok, 'killed in step 3')
+  run(0, words(k, 'async.mode=one_step_off', 'async.engine_threads=1'))
+  t.truthy(model_bytes(k) == model_bytes(dir .. '/off1'), 'resumed: the same weights')
+end)
+
+t.test('async.partial=continue: requests in flight take the new weights (a slowed engine), the bound holds', function()
+  local function check(d, what)
+    local switched = 0
+    for _, r in ipairs(metrics(d)) do
+      local mx = r['async/max_staleness_seen']
+      if mx then
+        t.truthy(mx <= 1, what .. ': staleness (of the first token) within the bound: ' .. mx)
+        switched = switched + (r['async/switched_samples'] or 0)
+      end
+    end
+    t.truthy(switched > 0, what .. ': samples switched weights mid-generation: ' .. switched)
+  end
+  run(0, words(dir .. '/cont1', 'async.mode=one_step_off', 'async.engine_threads=1', 'async.partial=continue'),
+    { env = { 'MOONRL_FAULT=slow_engine:seconds=0.03' } })
+  check(dir .. '/cont1', 'one process, engine thread')
+  run(2, words(dir .. '/cont2', 'async.mode=one_step_off', 'dist.rollout_ranks=1', 'async.partial=continue'),
+    { env = { 'MOONRL_FAULT=slow_engine:seconds=0.03:rank=1' } })
+  check(dir .. '/cont2', 'a rollout rank, shared memory')
+  t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm')
+end)
+
 t.test('bad dist and async keys are usage errors naming the key, before any run directory exists', function()
   for _, case in ipairs({ { 'dist.zero=2', 'dist.zero' }, { 'dist.bucket_mb=0', 'dist.bucket_mb' },
     { 'dist.timeout=-1', 'dist.timeout' }, { 'async.mode=later', 'async.mode' }, { 'async.correction=foo', 'async.correction' },
-    { 'dist.rollout_ranks=1', 'dist.rollout_ranks' } }) do
+    { 'dist.rollout_ranks=1', 'dist.rollout_ranks' }, { 'async.partial=later', 'async.partial' },
+    { 'async.weights=nfs', 'async.weights' }, { 'async.engine_threads=-1', 'async.engine_threads' },
+    { 'async.engine_threads=1', 'async.engine_threads' }, -- sync mode: nothing to overlap
+    { 'async.partial=continue', 'async.partial=continue' } }) do
     local d = dir .. '/bad'
     local r = proc.run({ exe, 'run.dir=' .. d, 'sft.steps=1', 'grpo.steps=1', 'quiet=true', case[1] }, { timeout = 60 })
     t.eq(r.exit_status, 2, case[1] .. ': a usage error')
