@@ -4,6 +4,9 @@
 --   sync, 1 trainer + 1 rollout rank        (1 thread each: the ranks wait for each other)
 --   one_step_off, 1 trainer + 1 rollout     (generation of batch n+1 overlaps training of n)
 --   async (max_staleness=2), 1 + 1
+--   one_step_off, 1 + 1, async.partial=continue (requests in flight take each new version)
+--   one_step_off, 1 + 1, weights by MPI broadcast (async.weights=mpi; the others: shared memory)
+--   one_step_off, one process: 1 training thread + an engine thread of 1 (async.engine_threads=1)
 -- Times are of the GRPO phase only (the SFT warm-up runs on the trainer alone), with the
 -- held-out evaluations (grpo.eval_every) taken out.
 --   build/moonrl run bench/async_rl.lua [target=0.8] [steps=30] [eval_every=3]
@@ -86,11 +89,16 @@ local rows = {
   run('sync, 1 trainer + 1 rollout', 2, 1, 'dist.rollout_ranks=1'),
   run('one_step_off, 1 + 1', 2, 1, 'async.mode=one_step_off', 'dist.rollout_ranks=1'),
   run('async k=2, 1 + 1', 2, 1, 'async.mode=async', 'async.max_staleness=2', 'dist.rollout_ranks=1'),
+  run('one_step_off, 1 + 1, continue', 2, 1, 'async.mode=one_step_off', 'async.partial=continue', 'dist.rollout_ranks=1'),
+  run('one_step_off, 1 + 1, MPI weights', 2, 1, 'async.mode=one_step_off', 'async.weights=mpi', 'dist.rollout_ranks=1'),
+  run('one_step_off, engine thread', 1, 1, 'async.mode=one_step_off', 'async.engine_threads=1'),
 }
-local base = rows[1]
-print(string.format('%-32s %10s %10s %14s %14s %10s', 'run', 's/step', 'steps/h x', 'reach ' .. opt.target, 'x', 'final acc'))
+local base, lockstep = rows[1], rows[2]
+print(string.format('%-34s %8s %10s %10s %12s %8s %10s', 'run', 's/step', 'vs 1x2', 'vs 1+1', 'reach ' .. opt.target, 'x',
+  'final acc'))
 for _, r in ipairs(rows) do
-  print(string.format('%-32s %10.3f %10.2f %14s %14s %10.3f', r.name, r.per_step, base.per_step / r.per_step,
+  print(string.format('%-34s %8.3f %10.2f %10.2f %12s %8s %10.3f', r.name, r.per_step, base.per_step / r.per_step,
+    lockstep.per_step / r.per_step,
     r.reach and string.format('%.1f s', r.reach) or 'never', (r.reach and base.reach) and string.format('%.2f', base.reach / r.reach) or '-',
     r.final or 0))
 end

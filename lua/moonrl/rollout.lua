@@ -3,7 +3,7 @@
 --
 --   S:rollout(function(step)              -- prompts -> completions -> rewards, for batch `step`
 --     ...; return samples, info           -- samples (each with .score), info: JSON-able metrics
---   end)
+--   end, { engine = e })                  -- the engine it generates with (default S.engine)
 --   for step in S:steps() do
 --     local samples, info = S:next_batch() -- this step's batch, however it was made
 --     ...
@@ -16,17 +16,22 @@
 --   async         up to async.max_staleness = k batches ahead: batch s uses version s-1-k. A
 --                 bounded queue of k batches between the rollouts and the trainer (AReaL-style
 --                 bounded staleness, at batch granularity: each batch is generated with the
---                 newest weights the schedule allows; in-flight requests are not updated).
--- The schedule is fixed, so a run is deterministic and its batches (and results) do not depend
--- on whether the rollouts run in this process or on rollout ranks.
+--                 newest weights the schedule allows).
+-- With async.partial = 'finish' (the default) the schedule is fixed, so a run is deterministic
+-- and its batches (and results) do not depend on where the rollouts run. With 'continue' a
+-- version published while a batch is generated is taken by its requests from the next token on
+-- (PipelineRL; KV cache kept): fresher samples, timing-dependent.
 --
--- Where: in this process (generated before the step's update), or on dist.rollout_ranks = R
--- ranks of the job (the last R ranks; they only generate and score, the others train): after
--- each update trainer rank 0 publishes the weights as a numbered version, broadcast over MPI (a
--- copy through shared memory on one host), and the rollout ranks send each batch back. Every
--- sample carries .version, the policy version that generated it; a sample more than
--- async.max_staleness versions behind the weights it trains is dropped (async.stale = 'drop')
--- or its advantage scaled by async.stale_weight ('downweight'), and counted.
+-- Where: in this process, between steps (or, async.engine_threads = N, on an engine thread
+-- beside the step's training, from a copy of the weights: the same batches); or on
+-- dist.rollout_ranks = R ranks of the job (the last R ranks; they only generate and score, the
+-- others train): after each update trainer rank 0 publishes the weights as a numbered version
+-- (a weight store in shared memory for the rollout ranks of its host, async.weights; else an
+-- MPI broadcast), and the rollout ranks send each batch back. Every sample carries .version,
+-- the policy version of its first token (.version_switches: later tokens' newer ones); a sample
+-- more than async.max_staleness versions behind the weights it trains is dropped
+-- (async.stale = 'drop') or its advantage scaled by async.stale_weight ('downweight'), and
+-- counted.
 --
 -- Checkpoints hold the batches generated but not yet trained on (S.extra.pending, the same
 -- JSON a rollout rank sends), and the data position and generators after the last of them:
@@ -311,7 +316,7 @@ local function finish_background(self, after_update)
   if not f then return end
   self.inflight = nil
   local e = self.rollout_engine
-  if after_update and self.cfg.async.partial == 'continue' then
+  if after_update and self.cfg.async.partial == 'continue' and not self.pending_rollback then
     self.publish_info = publish_store(self, self.thread_store, self.step) -- taken up by the requests in flight
   end
   e.background, e.on_busy = nil, nil -- the rest of the rollout function generates in line
@@ -330,7 +335,7 @@ local function start_background(self, j)
   if not self.thread_store then self.thread_store = new_store(nil, self.policy.n_params, 1) end
   local v = store_version(self, self.step - 1)
   if C.mrl_weight_store_latest(self.thread_store, nil) < v then -- (partial=continue published it after the update)
-    moonrl.check(C.mrl_weight_store_publish(self.thread_store, (self.policy:params()), v, 0))
+    self.publish_info = publish_store(self, self.thread_store, self.step - 1)
   end
   e:use_weights({ store = self.thread_store, reader = 0, min_version = v, follow = a.partial == 'continue' })
   e.background = a.engine_threads
