@@ -14,7 +14,7 @@ DEB_PACKAGES="meson ninja-build pkg-config gcc g++ git libluajit2-5.1-dev luajit
  libopenmpi-dev openmpi-bin
  libpcre2-dev python3 python3-pip python3-torch python3-numpy python3-jinja2"
 # Python packages for the reference tests (installed for /usr/bin/python3).
-PIP_PACKAGES="safetensors tokenizers"
+PIP_PACKAGES="safetensors tokenizers gguf"
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
