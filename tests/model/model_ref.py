@@ -9,7 +9,6 @@ with random per-token a, b, c. Relative error = max|moonrl - torch| / max|torch|
 
 usage: model_ref.py path/to/libmoonrl.so
 """
-import math
 import os
 import sys
 
@@ -24,73 +23,7 @@ from moonrl_ctypes import Moonrl, rel  # noqa: E402
 lib = moonrl_ctypes.load(sys.argv[1])
 
 
-# ---- the PyTorch reference -------------------------------------------------------
-
-def inv_freq_of(cfg, hd):
-    """float32, as Transformers computes it (with 'llama3' rescaling)."""
-    inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    rs = cfg.get("rope_scaling")
-    if rs and rs.get("rope_type") == "llama3":
-        old, lo, hi, f = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"], rs["factor"]
-        wl = 2 * math.pi / inv
-        out = torch.where(wl > old / lo, inv / f, inv)
-        smooth = (old / wl - lo) / (hi - lo)
-        smoothed = (1 - smooth) * out / f + smooth * out
-        medium = ~(wl < old / hi) * ~(wl > old / lo)
-        inv = torch.where(medium, smoothed, out)
-    return inv.float()
-
-
-def rmsnorm(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x, inv_freq, L):  # x [L, H, hd], rotate_half convention
-    ang = (torch.arange(L, dtype=torch.int64).float()[:, None] * inv_freq[None, :]).double()
-    emb = torch.cat([ang, ang], -1)[:, None, :]
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * emb.cos() + rot * emb.sin()
-
-
-def reference(cfg, P, tokens, targets, cu, temperature, value_head):
-    D, Hq = cfg["hidden_size"], cfg["num_attention_heads"]
-    Hk = cfg.get("num_key_value_heads", Hq)
-    hd = cfg.get("head_dim") or D // Hq
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
-    inv = inv_freq_of(cfg, hd)
-    lm = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else P["lm_head.weight"]
-    lps, ents, vals = [], [], []
-    for s in range(len(cu) - 1):
-        tok = torch.tensor(tokens[cu[s]:cu[s + 1]].astype(np.int64))
-        L = len(tok)
-        x = P["model.embed_tokens.weight"][tok]
-        for l in range(cfg["num_hidden_layers"]):
-            p = lambda n: P["model.layers.%d.%s" % (l, n)]
-            h = rmsnorm(x, p("input_layernorm.weight"), eps)
-            q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
-            if qwen2:
-                q, k, v = q + p("self_attn.q_proj.bias"), k + p("self_attn.k_proj.bias"), v + p("self_attn.v_proj.bias")
-            q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
-            if qwen3:
-                q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
-            q, k = rope(q, inv, L), rope(k, inv, L)
-            k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
-            sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
-            sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
-            att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
-            x = x + att @ p("self_attn.o_proj.weight").T
-            h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
-            x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
-        h = rmsnorm(x, P["model.norm.weight"], eps)
-        logp = torch.log_softmax(h @ lm.T / temperature, -1)
-        tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
-        lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(L)))
-        ents.append(-(logp.exp() * logp).sum(-1))
-        if value_head:
-            vals.append((h @ P["score.weight"].T)[:, 0])
-    return torch.cat(lps), torch.cat(ents), torch.cat(vals) if value_head else None
+from torch_ref import reference  # noqa: E402
 
 
 failures = []

@@ -6,7 +6,8 @@ local M = {}
 
 local USAGE = [[
 usage: moonrl generate --model DIR --prompt TEXT [options]
-  --model DIR          a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)
+  --model DIR          a Hugging Face model directory (config.json, *.safetensors, tokenizer.json),
+                       or a .gguf file (converted once into MOONRL_CACHE, default ~/.cache/moonrl)
   --prompt TEXT        the prompt
   --chat               wrap the prompt as a user message with the model's chat template
   -n N                 samples of the prompt (default 1; the first is streamed, the others follow)
@@ -95,6 +96,9 @@ end
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
+  local okr, dir = pcall(require('moonrl.gguf').resolve, o.model) -- a .gguf file: its converted directory
+  if not okr then moonrl.usage_error('generate: ' .. tostring(dir)) end
+  o.model = dir
   local ok, model = pcall(moonrl.model.load, o.model)
   if not ok then moonrl.usage_error('generate: ' .. tostring(model)) end
   local tok

@@ -1,0 +1,92 @@
+"""A small PyTorch implementation of the architectures moonrl runs (Llama, Qwen2,
+Qwen3), float64 by the caller's default dtype: the reference of model_ref.py and
+ref_gguf_model.py. P maps Hugging Face parameter names to tensors."""
+import math
+
+import numpy as np
+import torch
+
+
+# ---- the PyTorch reference -------------------------------------------------------
+
+def inv_freq_of(cfg, hd):
+    """float32, as Transformers computes it (with 'llama3' rescaling)."""
+    inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.get("rope_scaling")
+    if rs and rs.get("rope_type") == "llama3":
+        old, lo, hi, f = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"], rs["factor"]
+        wl = 2 * math.pi / inv
+        out = torch.where(wl > old / lo, inv / f, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / f + smooth * out
+        medium = ~(wl < old / hi) * ~(wl > old / lo)
+        inv = torch.where(medium, smoothed, out)
+    return inv.float()
+
+
+def rmsnorm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, inv_freq, L):  # x [L, H, hd], rotate_half convention
+    ang = (torch.arange(L, dtype=torch.int64).float()[:, None] * inv_freq[None, :]).double()
+    emb = torch.cat([ang, ang], -1)[:, None, :]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * emb.cos() + rot * emb.sin()
+
+
+def final_hidden(cfg, P, tok):
+    """The final normed hidden states [L, D] of one sequence (tok: int64 tensor [L])."""
+    D, Hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    Hk = cfg.get("num_key_value_heads", Hq)
+    hd = cfg.get("head_dim") or D // Hq
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    inv = inv_freq_of(cfg, hd)
+    L = len(tok)
+    x = P["model.embed_tokens.weight"][tok]
+    for l in range(cfg["num_hidden_layers"]):
+        p = lambda n: P["model.layers.%d.%s" % (l, n)]
+        h = rmsnorm(x, p("input_layernorm.weight"), eps)
+        q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
+        if qwen2:
+            q, k, v = q + p("self_attn.q_proj.bias"), k + p("self_attn.k_proj.bias"), v + p("self_attn.v_proj.bias")
+        q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
+        if qwen3:
+            q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
+        q, k = rope(q, inv, L), rope(k, inv, L)
+        k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
+        sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
+        sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+        att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
+        x = x + att @ p("self_attn.o_proj.weight").T
+        h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
+        x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    return rmsnorm(x, P["model.norm.weight"], eps)
+
+
+def head_weight(cfg, P):
+    return P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else P["lm_head.weight"]
+
+
+def last_logprobs(cfg, P, tokens):
+    """Log-probs over the vocabulary after the sequence `tokens` (its last position)."""
+    h = final_hidden(cfg, P, torch.tensor(np.asarray(tokens).astype(np.int64)))
+    return torch.log_softmax(h[-1] @ head_weight(cfg, P).T, -1)
+
+
+def reference(cfg, P, tokens, targets, cu, temperature, value_head):
+    lm = head_weight(cfg, P)
+    lps, ents, vals = [], [], []
+    for s in range(len(cu) - 1):
+        tok = torch.tensor(tokens[cu[s]:cu[s + 1]].astype(np.int64))
+        L = len(tok)
+        h = final_hidden(cfg, P, tok)
+        logp = torch.log_softmax(h @ lm.T / temperature, -1)
+        tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
+        lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(L)))
+        ents.append(-(logp.exp() * logp).sum(-1))
+        if value_head:
+            vals.append((h @ P["score.weight"].T)[:, 0])
+    return torch.cat(lps), torch.cat(ents), torch.cat(vals) if value_head else None
