@@ -100,7 +100,7 @@ local function run_chunk(chunk, label, overrides, show_config)
         label, overrides[1] and overrides[1].key or '--show-config'))
       return 2
     end
-    return 0
+    return type(err) == 'number' and err or 0 -- a command's main may return its exit status
   end
   if type(err) == 'table' and err.show_config then return 0 end
   if moonrl.is_usage_error(err) then

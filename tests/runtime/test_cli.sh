@@ -68,6 +68,11 @@ expect "unknown command" 2 "unknown command 'frobnicate'" -- "$MOONRL" frobnicat
 expect "deadline stops cleanly" 124 "stopped (deadline of 0.3 s passed) at a safe point" -- "$MOONRL" run "$tmp/loop.lua" run.max_seconds=0.3
 expect "default example (shortened)" 0 "held-out accuracy (greedy, 20 problems)" -- "$MOONRL" sft.steps=20 grpo.steps=1 grpo.prompts=4 heldout=20 quiet=true run.dir="$tmp/default_run"
 expect "default example: bad override" 2 "unknown config key 'grpo.stepz'" -- "$MOONRL" grpo.stepz=1
+expect "doctor: the kernels chosen" 0 "kernels: " -- "$MOONRL" doctor --dir "$tmp"
+expect "doctor: BLAS and memory" 0 "available of" -- "$MOONRL" doctor --dir "$tmp"
+expect "doctor: a missing run directory fails" 1 "FAIL  disk" -- "$MOONRL" doctor --dir "$tmp/nonexistent"
+expect "doctor: bad argument" 2 "unknown argument --bogus" -- "$MOONRL" doctor --bogus
+expect "convert: usage" 2 "usage: moonrl convert FILE.gguf DIR" -- "$MOONRL" convert
 
 # exactly one line of error output for usage errors
 lines=$("$MOONRL" run "$tmp/recipe.lua" stpes=3 2>&1 | wc -l)
