@@ -52,7 +52,7 @@ static void decode_products(const mrl_kernels *k, int64_t in, int64_t out, int64
     for (int i = 0; i < NW; i++) {
         W[i] = filled(out * in);
         P[i] = malloc(sizeof(float) * mrl_panels_floats(out, in));
-        mrl_panels_pack(P[i], W[i], out, in);
+        k->panels_pack(P[i], W[i], out, in);
     }
     float *x = filled(256 * in), *y = filled(256 * out);
     for (int64_t M = 1; M <= 256; M *= 2) {

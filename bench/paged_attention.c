@@ -5,7 +5,7 @@
  *               vectorised kernel (AVX-512 dot product per key and query
  *               head, softmax, AXPY of V rows), parallel over (sequence, kv
  *               head) with the same mrl_parallel_for;
- *   paged       mrl_paged_attention, block_size 16, the sequences' blocks
+ *   paged       the fast table's paged_attn, block_size 16, the sequences' blocks
  *               scattered over the pool in a random order (what a
  *               long-running engine looks like);
  *   reference   the plain paged reference (double, scalar), for scale.
@@ -20,7 +20,7 @@
 #include <time.h>
 #include <immintrin.h>
 #include "moonrl/parallel.h"
-#include "cpu/paged_attention.h"
+#include "kernels.h"
 
 static double now(void) {
     struct timespec ts;
@@ -98,8 +98,7 @@ static double time_it(const mrl_paged_attn *a, int iters, int reference) {
     for (int rep = 0; rep < 3; rep++) {
         double t0 = now();
         for (int i = 0; i < iters; i++) {
-            if (reference) mrl_paged_attention_ref(a);
-            else mrl_paged_attention(a);
+            (reference ? mrl_kernels_cpu_reference() : mrl_kernels_cpu_fast())->paged_attn(a);
         }
         double dt = (now() - t0) / iters;
         if (dt < best) best = dt;
@@ -149,7 +148,7 @@ static void run(shape s, int iters) {
                     vcont[dst] = vc[src + off * s.hd + d];
                 }
     contig cont = {q, kcont, vcont, out2, s.n_seqs, s.ctx, s.Hq, s.Hk, s.hd, paged.scale};
-    mrl_paged_attention(&paged); /* warm up, and the two must agree */
+    mrl_kernels_cpu_fast()->paged_attn(&paged); /* warm up, and the two must agree */
     contig_attention(&cont);
     double maxdiff = 0;
     for (int64_t i = 0; i < (int64_t)s.n_seqs * s.Hq * s.hd; i++)
@@ -171,7 +170,7 @@ int main(int argc, char **argv) {
         printf("the contiguous baseline needs AVX-512\n");
         return 0;
     }
-    printf("isa %s, %d threads, %d iterations (best of 3)\n", mrl_paged_attention_isa(), mrl_parallel_threads(), iters);
+    printf("isa %s, %d threads, %d iterations (best of 3)\n", mrl_kernels_cpu_fast_isa(), mrl_parallel_threads(), iters);
     shape shapes[] = {
         {"qwen2.5-0.5b b16 ctx512", 16, 512, 14, 2, 64},
         {"qwen2.5-0.5b b64 ctx1024", 64, 1024, 14, 2, 64},

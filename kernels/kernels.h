@@ -1,13 +1,19 @@
-/* The op table: one struct of function pointers per backend. The model
- * calls ops only through it, so a backend is a new table. CPU reference
- * (plain loops, trusted by tests), CPU fast (OpenBLAS + AVX2/AVX-512 chosen
- * at run time); CUDA later. Internal to the core (not part of the FFI).
+/* The op table: one struct of function pointers per backend, and the one
+ * door into every kernel: the model, the engine (paged attention, sampling),
+ * the optimizer and the dtype conversions call ops only through it, so a
+ * backend is a new table. CPU reference (plain loops, trusted by tests), CPU
+ * fast (OpenBLAS + the AVX-512 / AVX2 / SSE loops chosen at run time,
+ * kernels/cpu/isa.h); CUDA later. tests/kernels/test_ops.c runs every op of
+ * every table against the reference. Internal to the core (not part of the
+ * FFI).
  *
  * Row-major everywhere. T = tokens, D = row width. Functions whose name
  * ends in _bwd ACCUMULATE (+=) into parameter gradients; what they do to
  * input gradients is said per op. */
 #pragma once
 #include <stdint.h>
+#include "moonrl/engine.h" /* mrl_sampling_params */
+#include "moonrl/status.h"
 
 /* Weight panels: W [N,K] (row-major, a linear layer's weight) laid out again
  * as ceil(N/32) panels of [K][32], columns past N zero. A product of few rows
@@ -18,11 +24,17 @@
 static inline int64_t mrl_panels_floats(int64_t N, int64_t K) {
     return (N + MRL_PANEL - 1) / MRL_PANEL * MRL_PANEL * K;
 }
-/* P[mrl_panels_floats(N, K)] from W [N,K]. */
-void mrl_panels_pack(float *P, const float *W, int64_t N, int64_t K);
+/* Panel b of W into P (the table's panels_pack op does every panel). */
+static inline void mrl_panel_pack(float *P, const float *W, int64_t N, int64_t K, int64_t b) {
+    float *dst = P + b * MRL_PANEL * K;
+    for (int j = 0; j < MRL_PANEL; j++) { /* W's rows read in order; the panel stays in cache */
+        int64_t n = b * MRL_PANEL + j;
+        for (int64_t k = 0; k < K; k++) dst[k * MRL_PANEL + j] = n < N ? W[n * K + k] : 0.0f;
+    }
+}
 
 /* One matrix product C = alpha op(A) op(B) + beta C (see gemm below).
- * b_panels: B is W [N,K] packed by mrl_panels_pack (op(B) = W^T; trans_a
+ * b_panels: B is W [N,K] packed by panels_pack (op(B) = W^T; trans_a
  * must be 0 and trans_b 1; ldb is ignored). */
 typedef struct mrl_gemm_desc {
     int trans_a, trans_b;
@@ -37,6 +49,52 @@ typedef struct mrl_gemm_desc {
     int64_t ldc;
     int b_panels;
 } mrl_gemm_desc;
+
+/* Paged attention: attention of a batch of new query tokens (prefill
+ * chunks and single-token decodes mixed) over each sequence's K/V held in
+ * the blocks of a paged cache (kernels/cpu/paged_attention.h has the cache
+ * layout and the batch's meaning). */
+typedef struct mrl_paged_attn {
+    float *out;                  /* [T, Hq, hd] */
+    const float *q;              /* [T, Hq, hd] */
+    const float *k_cache;        /* one layer: [num_blocks, Hk, hd, block_size] */
+    const float *v_cache;        /* one layer: [num_blocks, Hk, block_size, hd] */
+    const int32_t *block_tables; /* [n_seqs, max_blocks_per_seq] */
+    const int32_t *seq_lens;     /* [n_seqs] */
+    const int32_t *query_start;  /* [n_seqs + 1], query_start[0] = 0 */
+    int n_seqs;
+    int max_blocks_per_seq;
+    int block_size;
+    int Hq, Hk, hd;
+    float scale;
+    /* optional scratch (the caller's activation memory, so nothing is
+     * allocated per call): at least paged_attn_workspace(this) bytes,
+     * 64-byte aligned; NULL: the kernel allocates and frees its own. */
+    void *workspace;
+    int64_t workspace_bytes;
+} mrl_paged_attn;
+
+/* fp32 coefficients of one AdamW step, rounded as PyTorch rounds its
+ * scalars (core/optim/adamw.c fills them). */
+typedef struct mrl_adamw_coeffs {
+    float decay;      /* 1 - lr * wd (1 for no-decay) */
+    float beta1, one_minus_beta1;
+    float beta2, one_minus_beta2;
+    float bc2_sqrt;   /* sqrt(1 - beta2^t) */
+    float eps;
+    float neg_step;   /* -lr / (1 - beta1^t) */
+} mrl_adamw_coeffs;
+
+/* One AdamW step over n parameters: elements inside the no-decay ranges
+ * use `no_decay`, the others `decay`. */
+typedef struct mrl_adamw_args {
+    float *p, *m, *v;
+    const float *g;
+    int64_t n;
+    mrl_adamw_coeffs decay, no_decay;
+    const int64_t *ranges; /* the no-decay ranges, merged, sorted, non-empty: begin0, end0, begin1, end1, ... */
+    int64_t n_ranges;
+} mrl_adamw_args;
 
 typedef struct mrl_kernels {
     const char *name;
@@ -93,12 +151,66 @@ typedef struct mrl_kernels {
     void (*head_bwd)(float *logits, int64_t rows, int V, float inv_temp, const int32_t *targets,
                      const float *lse, const float *entropy, const float *dlogprob,
                      const float *dentropy);
+
+    /* ---- rows, biases, weight panels ---- */
+    /* out[i] = src[idx[i]] for i < n, rows of D floats (the embedding). */
+    void (*gather_rows)(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D);
+    /* dst[idx[i]] += src[i] for i = 0 .. n-1 in that order (the embedding's
+     * gradient: a row named twice gets both, first one first). */
+    void (*scatter_add_rows)(float *dst, const float *src, const int32_t *idx, int64_t n, int64_t D);
+    /* y[t] += b for t < T, rows of N floats. */
+    void (*bias_add)(float *y, const float *b, int64_t T, int64_t N);
+    /* db[N] += sum over t < T of dy[t], added in t order. */
+    void (*bias_bwd)(float *db, const float *dy, int64_t T, int64_t N);
+    /* P[mrl_panels_floats(N, K)] = W [N,K] as weight panels (above). */
+    void (*panels_pack)(float *P, const float *W, int64_t N, int64_t K);
+
+    /* ---- generation ---- */
+    /* Write the K/V rows of T new tokens ([T, Hk, hd] each) into their
+     * slots of one layer's paged cache (slot_mapping[T]; a negative slot
+     * skips the token). */
+    void (*paged_kv_write)(float *k_cache, float *v_cache, const float *k, const float *v,
+                           const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
+    /* Bytes of workspace paged_attn would like for this batch (0: none,
+     * or bad shapes). */
+    int64_t (*paged_attn_workspace)(const mrl_paged_attn *a);
+    /* a->out from the cache. Checks the shapes (Hq a multiple of Hk,
+     * hd <= 1024, each sequence's queries <= its length <= its blocks'
+     * capacity): MRL_ERR_INVALID; MRL_ERR_NOMEM for its scratch. */
+    mrl_status (*paged_attn)(const mrl_paged_attn *a);
+    /* One token from each of n rows of V logits (rows[r]; rows may repeat)
+     * with params[r] (already checked) and the uniform u[r] in [0, 1) of
+     * the row's random stream, in the order of moonrl/engine.h: tokens[r],
+     * logprobs[r] (temperature-scaled, untruncated) and lp_processed[r]
+     * (may be NULL). A row holding a NaN or no finite maximum fails with
+     * MRL_ERR_INVALID: its token is -1 and the message, "row R: ...", is
+     * that of the first such row. */
+    mrl_status (*sample)(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                         const double *u, int32_t *tokens, float *logprobs, float *lp_processed);
+
+    /* ---- optimizer and reductions ---- */
+    /* One AdamW step in place on a->p, a->m, a->v (torch.optim.AdamW, moonrl/optim.h). */
+    void (*adamw)(const mrl_adamw_args *a);
+    /* *out = sum of x[i] (squares = 0) or of x[i]^2 (squares = 1), in
+     * double; MRL_ERR_NOMEM when the kernel's scratch cannot be had. */
+    mrl_status (*sum)(const float *x, int64_t n, int squares, double *out);
+    /* x[i] *= s. */
+    void (*scale)(float *x, int64_t n, float s);
+
+    /* ---- dtype conversions (the rounding of moonrl/dtype.h: same bits on every table) ---- */
+    void (*bf16_to_f32)(const uint16_t *src, float *dst, int64_t n);
+    void (*f32_to_bf16)(const float *src, uint16_t *dst, int64_t n);
+    void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
+    void (*f32_to_f16)(const float *src, uint16_t *dst, int64_t n);
 } mrl_kernels;
 
 const mrl_kernels *mrl_kernels_cpu_reference(void);
 const mrl_kernels *mrl_kernels_cpu_fast(void);
-/* Which vector path the fast table uses here: "avx512", "avx2" or "sse" (kernels/cpu/isa.h). */
+/* Which vector path the fast table uses here: "avx512", "avx2" or "sse"
+ * (the one CPU-feature choice of kernels/cpu/isa.c; mrl_kernel_isa() in
+ * moonrl/runtime.h reports it). */
 const char *mrl_kernels_cpu_fast_isa(void);
 /* Make the fast table use "avx512", "avx2" or "sse" (tests); 0 on success,
- * -1 when this CPU lacks it or the name is unknown. */
+ * -1 when this CPU lacks it or the name is unknown. Not thread-safe: call
+ * it between kernels. */
 int mrl_kernels_cpu_fast_set_isa(const char *name);

@@ -11,6 +11,10 @@
  *     x = layer output (mrl_layer_out: o-proj, residual, ln2, SwiGLU MLP)
  *   rows = x[logits_indices]; rmsnorm; logits = rows W_lm^T    [n_logits,V]
  *   sample (mrl_sched_update).
+ * The model is seen through core/model/layer.h only. Every op comes from
+ * the model's op table (mrl_model_kernels, read at each step), the sampler's
+ * too (mrl_sched_set_kernels): a model set to the reference kernels
+ * generates with the reference kernels.
  * The weights come from a parameter buffer with the model's layout: the
  * model's own by default (no transfer, no reload after an optimizer step).
  * The layers' matrices are copied into weight panels at the start of each
@@ -28,7 +32,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "engine/scheduler.h"
-#include "model/model_internal.h"
+#include "model/layer.h"
 #include "moonrl/fault.h"
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
@@ -38,10 +42,11 @@
 
 struct mrl_engine {
     mrl_model *m;
+    const mrl_model_config *mc; /* the model's */
     mrl_engine_config cfg;
     const float *base;       /* the parameter buffer read */
-    layer_params *lp;        /* [L] rebased onto base */
-    const float *embed, *final_norm, *lm_head;
+    layer_params *lp;        /* [L] pointing into base */
+    mrl_model_weights w;     /* embedding, final norm, lm_head in base */
     mrl_kv_cache *kv;
     mrl_sched *sched;
     mrl_sched_stats done;    /* totals of the schedulers dropped by reset */
@@ -89,7 +94,7 @@ void mrl_engine_config_default(mrl_engine_config *cfg) {
 
 /* Carve the step's activations (base NULL: only count). Returns bytes. */
 static int64_t layout(mrl_engine *e, char *base) {
-    const mrl_model_config *c = &e->m->cfg;
+    const mrl_model_config *c = e->mc;
     int64_t T = e->cfg.max_num_batched_tokens, S = e->logit_rows, D = c->hidden_size, F = c->intermediate_size,
             hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd,
             V = c->vocab_size;
@@ -129,18 +134,7 @@ static int64_t layout(mrl_engine *e, char *base) {
 
 /* Point the layer / embedding / head pointers at `base` (model layout). */
 static void rebase(mrl_engine *e, const float *base) {
-    mrl_model *m = e->m;
-#define RB(p) ((p) ? (float *)(base + ((p) - m->params)) : NULL)
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
-        const layer_params *s = &m->lp[l];
-        e->lp[l] = (layer_params){RB(s->ln1), RB(s->wq), RB(s->bq), RB(s->wk), RB(s->bk), RB(s->wv), RB(s->bv),
-                                  RB(s->wo),  RB(s->q_norm), RB(s->k_norm), RB(s->ln2), RB(s->wg), RB(s->wu),
-                                  RB(s->wd)};
-    }
-    e->embed = RB(m->embed);
-    e->final_norm = RB(m->final_norm);
-    e->lm_head = RB(m->lm_head);
-#undef RB
+    mrl_model_weights_at(e->m, base, &e->w, e->lp);
     e->base = base;
 }
 
@@ -151,8 +145,7 @@ typedef struct layer_matrix {
     int64_t N, K;
 } layer_matrix;
 
-static void layer_matrices(const mrl_model *m, layer_params *p, layer_matrix out[7]) {
-    const mrl_model_config *c = &m->cfg;
+static void layer_matrices(const mrl_model_config *c, layer_params *p, layer_matrix out[7]) {
     int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
             Kv = (int64_t)c->num_key_value_heads * c->head_dim;
     out[0] = (layer_matrix){p->wq, &p->pq, Q, D};
@@ -169,8 +162,8 @@ static void layer_matrices(const mrl_model *m, layer_params *p, layer_matrix out
 static int64_t point_panels(mrl_engine *e) {
     layer_matrix mats[7];
     int64_t off = 0;
-    for (int l = 0; l < e->m->cfg.num_hidden_layers; l++) {
-        layer_matrices(e->m, &e->lp[l], mats);
+    for (int l = 0; l < e->mc->num_hidden_layers; l++) {
+        layer_matrices(e->mc, &e->lp[l], mats);
         for (int i = 0; i < 7; i++) {
             if (e->panels) *mats[i].panels = e->panels + off;
             off += mrl_panels_floats(mats[i].N, mats[i].K);
@@ -182,24 +175,25 @@ static int64_t point_panels(mrl_engine *e) {
 /* Matrices [first, last) of all layers' seven, each into the panels its layer points at. */
 static void pack_range(void *ctx, int64_t first, int64_t last) {
     mrl_engine *e = ctx;
+    const mrl_kernels *k = mrl_model_kernels(e->m);
     layer_matrix mats[7];
     for (int64_t index = first; index < last; index++) {
-        layer_matrices(e->m, &e->lp[index / 7], mats);
+        layer_matrices(e->mc, &e->lp[index / 7], mats);
         const layer_matrix *mat = &mats[index % 7];
-        mrl_panels_pack((float *)*mat->panels, mat->w, mat->N, mat->K); /* e->panels, ours to write */
+        k->panels_pack((float *)*mat->panels, mat->w, mat->N, mat->K); /* e->panels, ours to write */
     }
 }
 
 /* Copy the weights read (base) into the panels, the matrices spread over the threads. */
 static void pack_panels(mrl_engine *e) {
     point_panels(e); /* rebase (attach_params) leaves the layers without panel pointers */
-    mrl_parallel_for((int64_t)e->m->cfg.num_hidden_layers * 7, 1, pack_range, e);
+    mrl_parallel_for((int64_t)e->mc->num_hidden_layers * 7, 1, pack_range, e);
     e->panels_stale = 0;
 }
 
 /* A new scheduler over the cache (created on first use, else cleared). */
 static mrl_status new_sched(mrl_engine *e) {
-    const mrl_model_config *c = &e->m->cfg;
+    const mrl_model_config *c = e->mc;
     mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
                               .head_dim = c->head_dim, .block_size = e->cfg.block_size,
                               .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching};
@@ -255,7 +249,8 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     *out = NULL;
     if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
     mrl_engine_config c = *cfg;
-    if (c.max_model_len <= 0) c.max_model_len = model->cfg.max_position_embeddings;
+    const mrl_model_config *mc = mrl_model_get_config(model);
+    if (c.max_model_len <= 0) c.max_model_len = mc->max_position_embeddings;
     /* every size is checked before anything is allocated from it */
 #define BOUND(field, lo, hi)                                                                                     \
     if (c.field < (lo) || c.field > (hi))                                                                        \
@@ -272,7 +267,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
                              "and at most this machine's physical memory (%lld bytes, %.1f GiB)", (long long)c.kv_cache_bytes,
                              c.kv_cache_bytes / 1073741824.0, (long long)phys, phys / 1073741824.0);
     /* rows needing logits in one step: at most one per running sequence */
-    mrl_engine probe = {.m = model, .cfg = c};
+    mrl_engine probe = {.m = model, .mc = mc, .cfg = c};
     probe.logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
     int64_t bytes = layout(&probe, NULL);
     if (phys > 0 && bytes > phys)
@@ -286,14 +281,14 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     *e = probe;
     pthread_mutex_init(&e->published_lock, NULL); /* before any path to mrl_engine_free */
     mrl_status st = MRL_OK;
-    e->lp = mrl_mem_alloc(sizeof(layer_params) * model->cfg.num_hidden_layers, MRL_MEM_OTHER);
+    e->lp = mrl_mem_alloc(sizeof(layer_params) * mc->num_hidden_layers, MRL_MEM_OTHER);
     e->act_buf = e->lp ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
     if (!e->act_buf)
         st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the activations of %d tokens (%lld bytes)",
                            c.max_num_batched_tokens, (long long)bytes);
     if (!st) {
         layout(e, e->act_buf);
-        rebase(e, model->params);
+        rebase(e, mrl_model_params(model));
     }
     if (!st && c.pack_weights) {
         int64_t floats = point_panels(e); /* no panels yet: only counts */
@@ -333,10 +328,10 @@ static mrl_status use_params(mrl_engine *e, const float *params, int64_t n_param
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine %s: NULL engine", what);
     mrl_status st = check_idle(e, what);
     if (st) return st;
-    if (params && n_params != e->m->n_params)
+    if (params && n_params != mrl_model_num_params(e->m))
         return mrl_set_error(MRL_ERR_INVALID, "engine %s: buffer of %lld floats, the model has %lld", what,
-                             (long long)n_params, (long long)e->m->n_params);
-    rebase(e, params ? params : e->m->params);
+                             (long long)n_params, (long long)mrl_model_num_params(e->m));
+    rebase(e, params ? params : mrl_model_params(e->m));
     e->panels_stale = 1;
     return MRL_OK;
 }
@@ -354,7 +349,7 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
     if (!e || !r || !req_id) return mrl_set_error(MRL_ERR_INVALID, "engine add_request: NULL argument");
     mrl_status st = check_idle(e, "add_request");
     if (st) return st;
-    int V = e->m->cfg.vocab_size;
+    int V = e->mc->vocab_size;
     for (int i = 0; i < r->n_eos; i++)
         if (r->eos_ids && (r->eos_ids[i] < 0 || r->eos_ids[i] >= V))
             return mrl_set_error(MRL_ERR_INVALID, "engine add_request: eos id %d is outside the vocabulary (%d)",
@@ -375,26 +370,25 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
 /* The model over one scheduled batch: logits of its logits_indices rows. */
 static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
     const mrl_model *m = e->m;
-    const mrl_model_config *c = &m->cfg;
-    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = e->mc;
+    const mrl_kernels *k = mrl_model_kernels(m);
     int64_t T = b->n_tokens, D = c->hidden_size, V = c->vocab_size, S = b->n_logits;
     int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
     if (T > e->cfg.max_num_batched_tokens || S > e->logit_rows)
         return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %lld tokens / %lld logit rows over the buffers",
                              (long long)T, (long long)S);
     if (e->panels && e->panels_stale) pack_panels(e);
-    for (int64_t i = 0; i < T; i++) /* [T,D] */
-        memcpy(e->x + i * D, e->embed + (int64_t)b->token_ids[i] * D, sizeof(float) * D);
+    k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
     mrl_status st = MRL_OK;
     for (int l = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
-        mrl_paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T,
-                           Hk, hd, e->cfg.block_size);
+        k->paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T, Hk,
+                          hd, e->cfg.block_size);
         mrl_paged_attn args;
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
         if (st) break;
-        int64_t need = mrl_paged_attention_workspace_bytes(&args);
+        int64_t need = k->paged_attn_workspace(&args);
         if (need > e->attn_ws_bytes) {
             mrl_mem_free(e->attn_ws);
             int64_t cap = need + need / 2;
@@ -405,15 +399,14 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
             args.workspace = e->attn_ws;
             args.workspace_bytes = e->attn_ws_bytes;
         }
-        st = mrl_paged_attention(&args);
+        st = k->paged_attn(&args);
         if (st) break;
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
     }
     if (st || S == 0) return st;
-    for (int64_t r = 0; r < S; r++) /* [S,D] */
-        memcpy(e->rows + r * D, e->x + (int64_t)b->logits_indices[r] * D, sizeof(float) * D);
-    k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->final_norm, S, (int)D, (float)c->rms_norm_eps);
-    k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->lm_head, D, 0.0f, e->logits, V); /* [S,V] */
+    k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
+    k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);
+    k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */
     return MRL_OK;
 }
 
@@ -446,6 +439,7 @@ static mrl_status step(mrl_engine *e) {
     mrl_status st = mrl_sched_schedule(e->sched, &b);
     if (!st && b->n_tokens > 0) st = forward_step(e, b);
     if (mrl_fault_engine_delay() > 0) mrl_fault_busy(mrl_fault_engine_delay()); /* MOONRL_FAULT slow_engine */
+    mrl_sched_set_kernels(e->sched, mrl_model_kernels(e->m)); /* sampling with the model's table too */
     if (!st) st = mrl_sched_update(e->sched, e->logits);
     return st;
 }
@@ -523,9 +517,9 @@ mrl_status mrl_engine_run_async(mrl_engine *e, int threads) {
     /* A training forward on the same model while this runs must not regrow
      * the RoPE tables the thread reads (mrl_model_forward grows them for
      * longer sequences): cover every position the model has. */
-    mrl_status st = mrl_model_rope_prepare(e->m, e->m->cfg.max_position_embeddings);
+    mrl_status st = mrl_model_rope_prepare(e->m, e->mc->max_position_embeddings);
     if (st) st = mrl_set_error(st, "engine run_async: no memory for the RoPE tables of %d positions",
-                               e->m->cfg.max_position_embeddings);
+                               e->mc->max_position_embeddings);
     e->async_threads = threads;
     e->async_status = MRL_OK;
     e->async_error[0] = 0;
@@ -589,9 +583,9 @@ mrl_status mrl_engine_follow(mrl_engine *e, mrl_weight_store *ws, int reader) {
     if (ws && (reader < 0 || reader >= mrl_weight_store_readers(ws)))
         return mrl_set_error(MRL_ERR_INVALID, "engine follow: reader %d of a store with %d readers", reader,
                              mrl_weight_store_readers(ws));
-    if (ws && mrl_weight_store_floats(ws) != e->m->n_params)
+    if (ws && mrl_weight_store_floats(ws) != mrl_model_num_params(e->m))
         return mrl_set_error(MRL_ERR_INVALID, "engine follow: a store of %lld floats, the model has %lld",
-                             (long long)mrl_weight_store_floats(ws), (long long)e->m->n_params);
+                             (long long)mrl_weight_store_floats(ws), (long long)mrl_model_num_params(e->m));
     e->follow = ws;
     e->follow_reader = reader;
     return MRL_OK;

@@ -53,6 +53,7 @@ struct mrl_sched {
     int tables_cap, seq_arrays_cap, step_cap;
     mrl_sched_stats st;
     int64_t version; /* of the weights now: recorded with each token sampled */
+    const mrl_kernels *k; /* the sample op's table (NULL: the fast CPU one) */
 };
 
 /* ---- small helpers ---- */
@@ -517,7 +518,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
             who[k++] = id;
         }
     }
-    if (!st && k > 0) st = mrl_sample_gather(rows, k, V, params, keys, ctr, tok, lp, lpp);
+    if (!st && k > 0) st = mrl_sample_gather(s->k, rows, k, V, params, keys, ctr, tok, lp, lpp);
     for (int i = 0; !st && i < k; i++) {
         sched_seq *x = &s->seqs[who[i]];
         sched_req *q = &s->reqs[x->req];
@@ -584,6 +585,8 @@ mrl_status mrl_sched_output_versions(const mrl_sched *s, int req_id, int sample,
 }
 
 void mrl_sched_set_version(mrl_sched *s, int64_t version) { s->version = version; }
+
+void mrl_sched_set_kernels(mrl_sched *s, const mrl_kernels *k) { s->k = k; }
 
 void mrl_sched_get_stats(const mrl_sched *s, mrl_sched_stats *out) {
     *out = s->st;

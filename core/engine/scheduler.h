@@ -6,8 +6,8 @@
  *     while (mrl_sched_has_unfinished(s)) {
  *         const mrl_sched_batch *b;
  *         mrl_sched_schedule(s, &b);                 pick this step's tokens
- *         // model: for each layer, K/V of b's tokens -> mrl_paged_kv_write
- *         //        (slots b->slot_mapping), attention with mrl_paged_attention
+ *         // model: for each layer, K/V of b's tokens -> the op table's
+ *         //        paged_kv_write (slots b->slot_mapping), its paged_attn
  *         //        (b->block_tables, b->seq_lens, b->query_start), then logits
  *         //        [b->n_logits, vocab] for the tokens b->logits_indices
  *         mrl_sched_update(s, logits);               sample, append, stop
@@ -49,7 +49,7 @@
 #include <stdint.h>
 #include "moonrl/engine.h"
 #include "engine/kv_cache.h"
-#include "cpu/paged_attention.h"
+#include "kernels.h"
 
 typedef struct mrl_sched mrl_sched;
 
@@ -129,7 +129,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits);
 
 /* The attention arguments of one layer for a step: q/out [n_tokens, Hq,
  * head_dim] (RoPE already applied to q and to the K written with
- * mrl_paged_kv_write), the cache's K/V of `layer`, the batch's block
+ * paged_kv_write), the cache's K/V of `layer`, the batch's block
  * tables, lengths and query offsets, scale 1/sqrt(head_dim), no workspace
  * (set args->workspace to reuse one). */
 mrl_status mrl_sched_attn_args(const mrl_sched_batch *b, mrl_kv_cache *kv, int layer, int Hq, const float *q,
@@ -145,4 +145,8 @@ mrl_status mrl_sched_output(const mrl_sched *s, int req_id, int sample, const in
  * mrl_sched_set_version before its step's update. */
 mrl_status mrl_sched_output_versions(const mrl_sched *s, int req_id, int sample, const int64_t **versions);
 void mrl_sched_set_version(mrl_sched *s, int64_t version);
+/* The op table whose sample op draws the tokens (the model's, so that a
+ * reference model samples with the reference kernels); NULL, the default:
+ * the fast CPU table. */
+void mrl_sched_set_kernels(mrl_sched *s, const mrl_kernels *k);
 void mrl_sched_get_stats(const mrl_sched *s, mrl_sched_stats *out);

@@ -177,10 +177,8 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         int32_t p = b->prefix ? b->prefix[s] : -1, start = p >= 0 ? b->cu_seqlens[p + 1] - b->cu_seqlens[p] : 0;
         for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) m->pos[i] = start + i - b->cu_seqlens[s];
     }
-    for (int64_t i = 0; i < T; i++) {
-        m->targets[i] = b->targets ? b->targets[i] : -1;
-        memcpy(m->xs[0] + i * D, m->embed + (int64_t)b->tokens[i] * D, sizeof(float) * D); /* [T,D] */
-    }
+    for (int64_t i = 0; i < T; i++) m->targets[i] = b->targets ? b->targets[i] : -1;
+    k->gather_rows(m->xs[0], m->embed, b->tokens, T, D); /* [T,D] */
     for (int l = 0; l < c->num_hidden_layers; l++) mrl_layer_forward(m, l, T);
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     float *lp_out = logprobs, *ent_out = entropy;
@@ -241,11 +239,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
             m->grad_hook(m->grad_hook_ctx, begin, end - begin);
         }
     }
-    for (int64_t t = 0; t < T; t++) { /* embedding rows, in token order */
-        float *ge = m->g_embed + (int64_t)m->batch.tokens[t] * D;
-        const float *d = m->gs.dx + t * D;
-        for (int64_t i = 0; i < D; i++) ge[i] += d[i];
-    }
+    k->scatter_add_rows(m->g_embed, m->gs.dx, m->batch.tokens, T, D); /* embedding rows, in token order */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, m->lp[0].ln1 - m->params);
     return MRL_OK;
 }

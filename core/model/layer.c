@@ -8,17 +8,13 @@
 #include <string.h>
 #include "model_internal.h"
 
-static void add_bias(float *y, const float *b, int64_t T, int N) {
-    if (!b) return;
-    for (int64_t t = 0; t < T; t++)
-        for (int i = 0; i < N; i++) y[t * N + i] += b[i];
+static void add_bias(const mrl_kernels *k, float *y, const float *b, int64_t T, int N) {
+    if (b) k->bias_add(y, b, T, N);
 }
 
 /* db[N] += sum_t dy[t] */
-static void bias_grad(float *db, const float *dy, int64_t T, int N) {
-    if (!db) return;
-    for (int64_t t = 0; t < T; t++)
-        for (int i = 0; i < N; i++) db[i] += dy[t * N + i];
+static void bias_grad(const mrl_kernels *k, float *db, const float *dy, int64_t T, int N) {
+    if (db) k->bias_bwd(db, dy, T, N);
 }
 
 /* y[T,N] = x[T,K] W[N,K]^T (+ beta y); Wp: W as weight panels (the engine's), or NULL */
@@ -56,9 +52,9 @@ void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, con
                             lin_p(kk, a->ln1, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
                             lin_p(a->v, a->ln1, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
     k->gemm_group(qkv, 3);
-    add_bias(q, p->bq, T, Q);
-    add_bias(kk, p->bk, T, K);
-    add_bias(a->v, p->bv, T, K);
+    add_bias(k, q, p->bq, T, Q);
+    add_bias(k, kk, p->bk, T, K);
+    add_bias(k, a->v, p->bv, T, K);
     if (a->qraw) {                                                       /* per head [T*H, hd] */
         k->rmsnorm_fwd(a->q, a->rstdq, a->qraw, p->q_norm, T * Hq, hd, eps);
         k->rmsnorm_fwd(a->k, a->rstdk, a->kraw, p->k_norm, T * Hk, hd, eps);
@@ -132,9 +128,9 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
         dq = s->datt;
         dk = s->dk2;
     }
-    bias_grad(g->bq, dq, T, Q);
-    bias_grad(g->bk, dk, T, K);
-    bias_grad(g->bv, s->dv, T, K);
+    bias_grad(k, g->bq, dq, T, Q);
+    bias_grad(k, g->bk, dk, T, K);
+    bias_grad(k, g->bv, s->dv, T, K);
     mrl_gemm_desc qkv[4] = {lin_dw(g->wq, dq, a->ln1, T, Q, D), lin_dw(g->wk, dk, a->ln1, T, K, D),
                             lin_dw(g->wv, s->dv, a->ln1, T, K, D),
                             lin_dx(s->dln, dq, p->wq, T, Q, D, 0)};     /* dln1 [T,D] = dq Wq ... */

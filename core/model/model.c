@@ -240,6 +240,21 @@ mrl_status mrl_model_set_kernels(mrl_model *m, int backend) {
     return MRL_OK;
 }
 
+const mrl_kernels *mrl_model_kernels(const mrl_model *m) { return m->k; }
+void mrl_model_use_kernels(mrl_model *m, const mrl_kernels *k) { m->k = k; }
+
+void mrl_model_weights_at(const mrl_model *m, const float *base, mrl_model_weights *out, layer_params *layers) {
+#define AT(p) ((p) ? (float *)(base + ((p) - m->params)) : NULL)
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const layer_params *s = &m->lp[l];
+        layers[l] = (layer_params){AT(s->ln1), AT(s->wq), AT(s->bq), AT(s->wk), AT(s->bk), AT(s->wv), AT(s->bv),
+                                   AT(s->wo),  AT(s->q_norm), AT(s->k_norm), AT(s->ln2), AT(s->wg), AT(s->wu),
+                                   AT(s->wd)};
+    }
+    *out = (mrl_model_weights){AT(m->embed), AT(m->final_norm), AT(m->lm_head)};
+#undef AT
+}
+
 mrl_status mrl_model_load_raw(mrl_model *m, const char *path) {
     if (!m || !path) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_raw: NULL argument");
     FILE *f = fopen(path, "rb");

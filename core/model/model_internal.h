@@ -1,36 +1,9 @@
-/* The model's internals, shared by the files of core/model (not public). */
+/* The model's internals, shared by the files of core/model (not public;
+ * the rest of the core sees the model through layer.h). */
 #pragma once
 #include "kernels.h"
+#include "model/layer.h"
 #include "moonrl/model.h"
-
-/* One layer's parameters (or gradients: same layout). Shapes: D hidden,
- * F intermediate, Q = Hq*hd, K = Hk*hd. NULL where the arch has none. */
-typedef struct layer_params {
-    float *ln1;         /* [D]   input_layernorm */
-    float *wq, *bq;     /* [Q,D] [Q] */
-    float *wk, *bk;     /* [K,D] [K] */
-    float *wv, *bv;     /* [K,D] [K] */
-    float *wo;          /* [D,Q] */
-    float *q_norm;      /* [hd]  qwen3 */
-    float *k_norm;      /* [hd]  qwen3 */
-    float *ln2;         /* [D]   post_attention_layernorm */
-    float *wg, *wu;     /* [F,D] gate_proj, up_proj */
-    float *wd;          /* [D,F] down_proj */
-    /* the same seven matrices as weight panels (kernels.h), or NULL: the
-     * engine's packed copies, read by the forward in place of the above */
-    const float *pq, *pk, *pv, *po, *pg, *pu, *pd;
-} layer_params;
-
-/* One layer's saved activations for T tokens. */
-typedef struct layer_acts {
-    float *ln1, *rstd1;        /* [T,D] [T] */
-    float *qraw, *kraw;        /* [T,Q] [T,K] projections before q/k norm (qwen3) */
-    float *rstdq, *rstdk;      /* [T*Hq] [T*Hk] (qwen3) */
-    float *q, *k, *v;          /* [T,Q] [T,K] [T,K], q and k after norm and RoPE */
-    float *att, *lse;          /* [T,Q] attention output, [T,Hq] its log-sum-exp */
-    float *h, *ln2, *rstd2;    /* [T,D] x + attention, [T,D], [T] */
-    float *gate, *up, *act;    /* [T,F] each; act = silu(gate) * up */
-} layer_acts;
 
 /* Gradient scratch of the backward, shared by all layers. */
 typedef struct grad_scratch {
@@ -90,14 +63,6 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_params(mrl_model *m);
 mrl_status mrl_model_ensure_grads(mrl_model *m);
 void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
-/* layer.c */
+/* layer.c (and, in layer.h, the two halves the engine shares) */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);
 void mrl_layer_backward(mrl_model *m, int l, int64_t T);
-/* the two halves of a layer's forward around attention (the engine runs
- * paged attention between them); see layer.c */
-void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, const int32_t *pos,
-                   int64_t T);
-void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out,
-                   int64_t T);
-/* rope.c */
-mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len);

@@ -1,13 +1,14 @@
 /* AdamW over one contiguous fp32 parameter buffer (torch.optim.AdamW
- * semantics), with a no-decay mask made of element ranges. The update is
- * element-wise, so the parallel split cannot change any result. */
+ * semantics), with a no-decay mask made of element ranges. The step's
+ * arithmetic is the op table's adamw (kernels.h; the fast table's for
+ * mrl_adamw_step, the reference's for mrl_adamw_step_reference: the same
+ * bits). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #include "moonrl/optim.h"
 #include "moonrl/mem.h"
-#include "moonrl/parallel.h"
-#include "optim/adamw_kernel.h"
 
 struct mrl_adamw {
     float *params;
@@ -105,58 +106,38 @@ mrl_status mrl_adamw_set_no_decay(mrl_adamw *opt, const int64_t *ranges, int64_t
     return MRL_OK;
 }
 
-typedef struct step_ctx {
-    mrl_adamw *opt;
-    mrl_adamw_coeffs decay, no_decay;
-    mrl_adamw_kernel_fn kernel;
-} step_ctx;
-
-/* Run the kernel over [begin, end), split at the no-decay ranges. */
-static void step_range(void *vctx, int64_t begin, int64_t end) {
-    step_ctx *c = vctx;
-    mrl_adamw *o = c->opt;
-    float *m = o->state, *v = o->state + o->n;
-    const int64_t *r = o->no_decay;
-    int64_t lo = 0, hi = o->no_decay_count; /* first range whose end > begin */
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (r[2 * mid + 1] <= begin) lo = mid + 1; else hi = mid;
-    }
-    int64_t pos = begin, k = lo;
-    while (pos < end) {
-        int64_t seg_end;
-        const mrl_adamw_coeffs *co;
-        if (k < o->no_decay_count && pos >= r[2 * k]) {
-            seg_end = r[2 * k + 1] < end ? r[2 * k + 1] : end;
-            co = &c->no_decay;
-            k++;
-        } else {
-            seg_end = k < o->no_decay_count && r[2 * k] < end ? r[2 * k] : end;
-            co = &c->decay;
-        }
-        c->kernel(o->params + pos, o->grads + pos, m + pos, v + pos, seg_end - pos, co);
-        pos = seg_end;
-    }
+/* fp32 coefficients of step `step`, rounded as PyTorch rounds its scalars. */
+static void coeffs_init(mrl_adamw_coeffs *c, const mrl_adamw_config *cfg, double lr, int64_t step, int decay) {
+    double t = (double)step;
+    c->decay = decay ? (float)(1.0 - lr * cfg->weight_decay) : 1.0f;
+    c->beta1 = (float)cfg->beta1;
+    c->one_minus_beta1 = (float)(1.0 - cfg->beta1);
+    c->beta2 = (float)cfg->beta2;
+    c->one_minus_beta2 = (float)(1.0 - cfg->beta2);
+    c->bc2_sqrt = (float)sqrt(1.0 - pow(cfg->beta2, t));
+    c->eps = (float)cfg->eps;
+    c->neg_step = (float)(-(lr / (1.0 - pow(cfg->beta1, t))));
 }
 
-static mrl_status do_step(mrl_adamw *opt, double lr, mrl_adamw_kernel_fn kernel, const char *what) {
+static mrl_status do_step(mrl_adamw *opt, double lr, const mrl_kernels *k, const char *what) {
     if (!opt) return mrl_set_error(MRL_ERR_INVALID, "%s: optimizer is NULL", what);
     if (lr < 0) lr = opt->config.lr;
     if (!isfinite(lr)) return mrl_set_error(MRL_ERR_INVALID, "%s: lr must be finite (got %g)", what, lr);
     opt->step++;
-    step_ctx c = {opt, {0}, {0}, kernel};
-    mrl_adamw_coeffs_init(&c.decay, &opt->config, lr, opt->step, 1);
-    mrl_adamw_coeffs_init(&c.no_decay, &opt->config, lr, opt->step, 0);
-    mrl_parallel_for(opt->n, 1 << 15, step_range, &c);
+    mrl_adamw_args a = {.p = opt->params, .m = opt->state, .v = opt->state + opt->n, .g = opt->grads, .n = opt->n,
+                        .ranges = opt->no_decay, .n_ranges = opt->no_decay_count};
+    coeffs_init(&a.decay, &opt->config, lr, opt->step, 1);
+    coeffs_init(&a.no_decay, &opt->config, lr, opt->step, 0);
+    k->adamw(&a);
     return MRL_OK;
 }
 
 mrl_status mrl_adamw_step(mrl_adamw *opt, double lr) {
-    return do_step(opt, lr, mrl_adamw_kernel_best(), "adamw_step");
+    return do_step(opt, lr, mrl_kernels_cpu_fast(), "adamw_step");
 }
 
 mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr) {
-    return do_step(opt, lr, mrl_adamw_kernel_scalar, "adamw_step_reference");
+    return do_step(opt, lr, mrl_kernels_cpu_reference(), "adamw_step_reference");
 }
 
 int64_t mrl_adamw_steps(const mrl_adamw *opt) { return opt ? opt->step : 0; }

@@ -1,49 +1,36 @@
-/* Gradient helpers over one contiguous buffer: norm (double, fixed blocks,
- * so identical for any thread count), clipping as
- * torch.nn.utils.clip_grad_norm_, scaling and zeroing. */
+/* Gradient helpers over one contiguous buffer: norm (the fast table's sum
+ * of squares: double, fixed blocks, so identical for any thread count),
+ * clipping as torch.nn.utils.clip_grad_norm_, scaling and zeroing. */
 #include <math.h>
 #include <string.h>
+#include "kernels.h"
 #include "moonrl/optim.h"
 #include "moonrl/parallel.h"
-#include "cpu/reduce.h"
 
 enum { ELEM_GRAIN = 1 << 16 };
 
 mrl_status mrl_grad_norm(const float *grads, int64_t n, double *out) {
+    if (!out || n < 0 || (n > 0 && !grads))
+        return mrl_set_error(MRL_ERR_INVALID, "grad_norm: bad arguments (n=%lld)", (long long)n);
     double sum_squares;
-    mrl_status st = mrl_reduce_f32(grads, n, 1, "grad_norm", &sum_squares);
+    mrl_status st = mrl_kernels_cpu_fast()->sum(grads, n, 1, &sum_squares);
     if (st == MRL_OK) *out = sqrt(sum_squares);
     return st;
 }
 
-typedef struct scale_ctx {
-    float *g;
-    float s;
-} scale_ctx;
-
-static void scale_range(void *vctx, int64_t begin, int64_t end) {
-    scale_ctx *c = vctx;
-    float *g = c->g;
-    float s = c->s;
-    for (int64_t i = begin; i < end; i++) g[i] *= s;
-}
-
 static void zero_range(void *vctx, int64_t begin, int64_t end) {
-    scale_ctx *c = vctx;
-    memset(c->g + begin, 0, (size_t)(end - begin) * sizeof(float));
+    memset((float *)vctx + begin, 0, (size_t)(end - begin) * sizeof(float));
 }
 
 mrl_status mrl_grad_scale(float *grads, int64_t n, float scale) {
     if (n < 0 || (n > 0 && !grads)) return mrl_set_error(MRL_ERR_INVALID, "grad_scale: bad arguments (n=%lld)", (long long)n);
-    scale_ctx c = {grads, scale};
-    mrl_parallel_for(n, ELEM_GRAIN, scale_range, &c);
+    mrl_kernels_cpu_fast()->scale(grads, n, scale);
     return MRL_OK;
 }
 
 mrl_status mrl_grad_zero(float *grads, int64_t n) {
     if (n < 0 || (n > 0 && !grads)) return mrl_set_error(MRL_ERR_INVALID, "grad_zero: bad arguments (n=%lld)", (long long)n);
-    scale_ctx c = {grads, 0};
-    mrl_parallel_for(n, ELEM_GRAIN, zero_range, &c);
+    mrl_parallel_for(n, ELEM_GRAIN, zero_range, grads);
     return MRL_OK;
 }
 

@@ -1,12 +1,15 @@
-/* fp32 <-> bf16 / f16 conversions: a scalar reference, AVX2(+F16C) and
- * AVX-512 loops chosen at run time, and parallel array wrappers. Every path
- * gives the same bits as the scalar one (NaN payloads aside: any NaN input
- * gives a NaN). Rounding is to nearest, ties to even, like PyTorch. */
+/* fp32 <-> bf16 / f16 conversions: the scalar loops (the reference table's
+ * ops and the SSE set's), AVX2(+F16C) and AVX-512 loops (the ISA sets'
+ * of isa.h, chosen at run time by isa.c), the fast table's parallel ops, and
+ * the public array conversions of moonrl/dtype.h, which are the fast table's.
+ * Every path gives the same bits as the scalar one (a NaN input gives the
+ * scalar path's NaN). Rounding is to nearest, ties to even, like PyTorch. */
 #include <string.h>
 #include <immintrin.h>
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "cpu/convert.h"
+#include "cpu/isa.h"
 
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -74,33 +77,29 @@ uint16_t mrl_f32_to_f16(float f) {
     return sign | (uint16_t)(u >> 13);
 }
 
-void mrl_convert_bf16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n) {
+void mrl_cpu_bf16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mrl_bf16_to_f32(src[i]);
 }
-void mrl_convert_f32_to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
+void mrl_cpu_f32_to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mrl_f32_to_bf16(src[i]);
 }
-void mrl_convert_f16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n) {
+void mrl_cpu_f16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mrl_f16_to_f32(src[i]);
 }
-void mrl_convert_f32_to_f16_scalar(const float *src, uint16_t *dst, int64_t n) {
+void mrl_cpu_f32_to_f16_scalar(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mrl_f32_to_f16(src[i]);
 }
 
 /* --- AVX2 + F16C -------------------------------------------------------- */
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
 
-int mrl_convert_has_avx2(void) {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-}
-
-AVX2 void mrl_convert_bf16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n) {
+AVX2 void mrl_cpu_bf16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
         _mm256_storeu_si256((__m256i *)(dst + i), _mm256_slli_epi32(x, 16));
     }
-    mrl_convert_bf16_to_f32_scalar(src + i, dst + i, n - i);
+    mrl_cpu_bf16_to_f32_scalar(src + i, dst + i, n - i);
 }
 
 AVX2 static inline __m256i bf16_round8(__m256 f) {
@@ -114,7 +113,7 @@ AVX2 static inline __m256i bf16_round8(__m256 f) {
     return _mm256_blendv_epi8(r, nan, is_nan);
 }
 
-AVX2 void mrl_convert_f32_to_bf16_avx2(const float *src, uint16_t *dst, int64_t n) {
+AVX2 void mrl_cpu_f32_to_bf16_avx2(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m256i a = bf16_round8(_mm256_loadu_ps(src + i));
@@ -122,14 +121,14 @@ AVX2 void mrl_convert_f32_to_bf16_avx2(const float *src, uint16_t *dst, int64_t 
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
         _mm256_storeu_si256((__m256i *)(dst + i), packed);
     }
-    mrl_convert_f32_to_bf16_scalar(src + i, dst + i, n - i);
+    mrl_cpu_f32_to_bf16_scalar(src + i, dst + i, n - i);
 }
 
-AVX2 void mrl_convert_f16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n) {
+AVX2 void mrl_cpu_f16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    mrl_convert_f16_to_f32_scalar(src + i, dst + i, n - i);
+    mrl_cpu_f16_to_f32_scalar(src + i, dst + i, n - i);
 }
 
 AVX2 static inline __m128i f16_round8(__m256 f) {
@@ -141,27 +140,25 @@ AVX2 static inline __m128i f16_round8(__m256 f) {
     return _mm_blendv_epi8(h, nan, nan_mask);
 }
 
-AVX2 void mrl_convert_f32_to_f16_avx2(const float *src, uint16_t *dst, int64_t n) {
+AVX2 void mrl_cpu_f32_to_f16_avx2(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(dst + i), f16_round8(_mm256_loadu_ps(src + i)));
-    mrl_convert_f32_to_f16_scalar(src + i, dst + i, n - i);
+    mrl_cpu_f32_to_f16_scalar(src + i, dst + i, n - i);
 }
 
 /* --- AVX-512 ------------------------------------------------------------ */
 #define AVX512 __attribute__((target("avx512f,avx2,f16c,fma")))
 
-int mrl_convert_has_avx512(void) { return __builtin_cpu_supports("avx512f") && mrl_convert_has_avx2(); }
-
-AVX512 void mrl_convert_bf16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
+AVX512 void mrl_cpu_bf16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
         _mm512_storeu_si512(dst + i, _mm512_slli_epi32(x, 16));
     }
-    mrl_convert_bf16_to_f32_scalar(src + i, dst + i, n - i);
+    mrl_cpu_bf16_to_f32_scalar(src + i, dst + i, n - i);
 }
 
-AVX512 void mrl_convert_f32_to_bf16_avx512(const float *src, uint16_t *dst, int64_t n) {
+AVX512 void mrl_cpu_f32_to_bf16_avx512(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
     const __m512i sign = _mm512_set1_epi32(0x8000), qnan = _mm512_set1_epi32(0x7fc0);
@@ -174,23 +171,23 @@ AVX512 void mrl_convert_f32_to_bf16_avx512(const float *src, uint16_t *dst, int6
         r = _mm512_mask_mov_epi32(r, is_nan, _mm512_or_si512(_mm512_and_si512(hi, sign), qnan));
         _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
     }
-    mrl_convert_f32_to_bf16_scalar(src + i, dst + i, n - i);
+    mrl_cpu_f32_to_bf16_scalar(src + i, dst + i, n - i);
 }
 
-AVX512 void mrl_convert_f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
+AVX512 void mrl_cpu_f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-    mrl_convert_f16_to_f32_scalar(src + i, dst + i, n - i);
+    mrl_cpu_f16_to_f32_scalar(src + i, dst + i, n - i);
 }
 
-AVX512 void mrl_convert_f32_to_f16_avx512(const float *src, uint16_t *dst, int64_t n) {
+AVX512 void mrl_cpu_f32_to_f16_avx512(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(dst + i), f16_round8(_mm256_loadu_ps(src + i)));
-    mrl_convert_f32_to_f16_scalar(src + i, dst + i, n - i);
+    mrl_cpu_f32_to_f16_scalar(src + i, dst + i, n - i);
 }
 
-/* --- dispatch and parallel wrappers ------------------------------------ */
+/* --- the fast table's ops: the ISA set's loop over slices of the array ---- */
 typedef void (*to_f32_fn)(const uint16_t *, float *, int64_t);
 typedef void (*from_f32_fn)(const float *, uint16_t *, int64_t);
 
@@ -211,33 +208,31 @@ static void convert_range(void *vctx, int64_t begin, int64_t end) {
 
 enum { CONVERT_GRAIN = 1 << 16 };
 
-static int isa_level(void) {
-    static int level = -1;
-    if (level < 0) level = mrl_convert_has_avx512() ? 2 : mrl_convert_has_avx2() ? 1 : 0;
-    return level;
-}
-
-static void run_to_f32(const uint16_t *src, float *dst, int64_t n, to_f32_fn s, to_f32_fn a2, to_f32_fn a5) {
-    int l = isa_level();
-    convert_ctx c = {src, dst, l == 2 ? a5 : l == 1 ? a2 : s, NULL};
+static void run_to_f32(const uint16_t *src, float *dst, int64_t n, to_f32_fn f) {
+    convert_ctx c = {src, dst, f, NULL};
     mrl_parallel_for(n, CONVERT_GRAIN, convert_range, &c);
 }
 
-static void run_from_f32(const float *src, uint16_t *dst, int64_t n, from_f32_fn s, from_f32_fn a2, from_f32_fn a5) {
-    int l = isa_level();
-    convert_ctx c = {src, dst, NULL, l == 2 ? a5 : l == 1 ? a2 : s};
+static void run_from_f32(const float *src, uint16_t *dst, int64_t n, from_f32_fn f) {
+    convert_ctx c = {src, dst, NULL, f};
     mrl_parallel_for(n, CONVERT_GRAIN, convert_range, &c);
 }
 
-void mrl_convert_bf16_to_f32(const uint16_t *src, float *dst, int64_t n) {
-    run_to_f32(src, dst, n, mrl_convert_bf16_to_f32_scalar, mrl_convert_bf16_to_f32_avx2, mrl_convert_bf16_to_f32_avx512);
+void mrl_cpu_fast_bf16_to_f32(const uint16_t *src, float *dst, int64_t n) {
+    run_to_f32(src, dst, n, mrl_cpu_isa_get()->bf16_to_f32);
 }
-void mrl_convert_f16_to_f32(const uint16_t *src, float *dst, int64_t n) {
-    run_to_f32(src, dst, n, mrl_convert_f16_to_f32_scalar, mrl_convert_f16_to_f32_avx2, mrl_convert_f16_to_f32_avx512);
+void mrl_cpu_fast_f16_to_f32(const uint16_t *src, float *dst, int64_t n) {
+    run_to_f32(src, dst, n, mrl_cpu_isa_get()->f16_to_f32);
 }
-void mrl_convert_f32_to_bf16(const float *src, uint16_t *dst, int64_t n) {
-    run_from_f32(src, dst, n, mrl_convert_f32_to_bf16_scalar, mrl_convert_f32_to_bf16_avx2, mrl_convert_f32_to_bf16_avx512);
+void mrl_cpu_fast_f32_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    run_from_f32(src, dst, n, mrl_cpu_isa_get()->f32_to_bf16);
 }
-void mrl_convert_f32_to_f16(const float *src, uint16_t *dst, int64_t n) {
-    run_from_f32(src, dst, n, mrl_convert_f32_to_f16_scalar, mrl_convert_f32_to_f16_avx2, mrl_convert_f32_to_f16_avx512);
+void mrl_cpu_fast_f32_to_f16(const float *src, uint16_t *dst, int64_t n) {
+    run_from_f32(src, dst, n, mrl_cpu_isa_get()->f32_to_f16);
 }
+
+/* --- moonrl/dtype.h's array conversions: the fast table's ----------------- */
+void mrl_convert_bf16_to_f32(const uint16_t *src, float *dst, int64_t n) { mrl_kernels_cpu_fast()->bf16_to_f32(src, dst, n); }
+void mrl_convert_f16_to_f32(const uint16_t *src, float *dst, int64_t n) { mrl_kernels_cpu_fast()->f16_to_f32(src, dst, n); }
+void mrl_convert_f32_to_bf16(const float *src, uint16_t *dst, int64_t n) { mrl_kernels_cpu_fast()->f32_to_bf16(src, dst, n); }
+void mrl_convert_f32_to_f16(const float *src, uint16_t *dst, int64_t n) { mrl_kernels_cpu_fast()->f32_to_f16(src, dst, n); }

@@ -3,12 +3,20 @@
  * other ops from the AVX-512, AVX2 or SSE inner loops (isa_*.c, the set
  * chosen at run time by isa.c), spread over the cores with
  * mrl_parallel_for. Results do not depend on the thread count: every
- * reduction has a fixed blocking and order. */
+ * reduction has a fixed blocking and order. The ops of the engine, the
+ * optimizer and the conversions live beside their reference versions
+ * (paged_attention.c, sample.c, adamw.c, reduce.c, convert.c) and are
+ * gathered into the table here. */
 #include <cblas.h>
 #include <stdatomic.h>
 #include <string.h>
 #include "kernels.h"
-#include "isa.h"
+#include "cpu/adamw.h"
+#include "cpu/convert.h"
+#include "cpu/isa.h"
+#include "cpu/paged_attention.h"
+#include "cpu/reduce.h"
+#include "cpu/sample.h"
 #include "moonrl/mem.h"
 #include "moonrl/parallel.h"
 
@@ -366,6 +374,86 @@ static void fast_head_bwd(float *logits, int64_t rows, int V, float inv_temp, co
     mrl_parallel_for(rows, 1, head_bwd_range, &c);
 }
 
+/* ---- rows, biases, weight panels ----------------------------------------------
+ * Copies and adds spread over rows, or over column slices when rows add into
+ * the same place (each element's adds then stay in row order: the
+ * reference's bits). Under 64K floats they run on the calling thread. */
+
+#define COPY_GRAIN ((int64_t)1 << 16) /* floats per thread at least */
+
+typedef struct rows_ctx {
+    float *out;
+    const float *src;
+    const int32_t *idx;
+    int64_t n, D;
+} rows_ctx;
+
+static int64_t row_grain(int64_t D) { return D >= COPY_GRAIN ? 1 : COPY_GRAIN / (D > 0 ? D : 1); }
+
+static void gather_range(void *vc, int64_t i0, int64_t i1) {
+    rows_ctx *c = vc;
+    for (int64_t i = i0; i < i1; i++) memcpy(c->out + i * c->D, c->src + (int64_t)c->idx[i] * c->D, sizeof(float) * c->D);
+}
+
+static void fast_gather_rows(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
+    rows_ctx c = {out, src, idx, n, D};
+    mrl_parallel_for(n, row_grain(D), gather_range, &c);
+}
+
+/* columns [j0, j1) of every row, rows in order */
+static void scatter_add_cols(void *vc, int64_t j0, int64_t j1) {
+    rows_ctx *c = vc;
+    for (int64_t i = 0; i < c->n; i++) {
+        float *d = c->out + (int64_t)c->idx[i] * c->D;
+        const float *s = c->src + i * c->D;
+        for (int64_t j = j0; j < j1; j++) d[j] += s[j];
+    }
+}
+
+static void fast_scatter_add_rows(float *dst, const float *src, const int32_t *idx, int64_t n, int64_t D) {
+    rows_ctx c = {dst, src, idx, n, D};
+    mrl_parallel_for(D, n >= COPY_GRAIN ? 16 : (COPY_GRAIN / (n > 0 ? n : 1) + 15) / 16 * 16, scatter_add_cols, &c);
+}
+
+static void bias_add_range(void *vc, int64_t t0, int64_t t1) {
+    rows_ctx *c = vc;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t i = 0; i < c->D; i++) c->out[t * c->D + i] += c->src[i];
+}
+
+static void fast_bias_add(float *y, const float *b, int64_t T, int64_t N) {
+    rows_ctx c = {.out = y, .src = b, .n = T, .D = N};
+    mrl_parallel_for(T, row_grain(N), bias_add_range, &c);
+}
+
+static void bias_bwd_cols(void *vc, int64_t j0, int64_t j1) {
+    rows_ctx *c = vc;
+    for (int64_t t = 0; t < c->n; t++)
+        for (int64_t j = j0; j < j1; j++) c->out[j] += c->src[t * c->D + j];
+}
+
+static void fast_bias_bwd(float *db, const float *dy, int64_t T, int64_t N) {
+    rows_ctx c = {.out = db, .src = dy, .n = T, .D = N};
+    mrl_parallel_for(N, T >= COPY_GRAIN ? 16 : (COPY_GRAIN / (T > 0 ? T : 1) + 15) / 16 * 16, bias_bwd_cols, &c);
+}
+
+typedef struct pack_ctx {
+    float *P;
+    const float *W;
+    int64_t N, K;
+} pack_ctx;
+
+static void pack_range(void *vc, int64_t b0, int64_t b1) {
+    pack_ctx *c = vc;
+    for (int64_t b = b0; b < b1; b++) mrl_panel_pack(c->P, c->W, c->N, c->K, b);
+}
+
+static void fast_panels_pack(float *P, const float *W, int64_t N, int64_t K) {
+    pack_ctx c = {P, W, N, K};
+    int64_t panel = MRL_PANEL * (K > 0 ? K : 1);
+    mrl_parallel_for((N + MRL_PANEL - 1) / MRL_PANEL, panel >= COPY_GRAIN ? 1 : COPY_GRAIN / panel, pack_range, &c);
+}
+
 static const mrl_kernels fast_table = {
     .name = "cpu-fast",
     .gemm = fast_gemm,
@@ -379,11 +467,31 @@ static const mrl_kernels fast_table = {
     .attn_bwd = fast_attn_bwd,
     .head_fwd = fast_head_fwd,
     .head_bwd = fast_head_bwd,
+    .gather_rows = fast_gather_rows,
+    .scatter_add_rows = fast_scatter_add_rows,
+    .bias_add = fast_bias_add,
+    .bias_bwd = fast_bias_bwd,
+    .panels_pack = fast_panels_pack,
+    .paged_kv_write = mrl_cpu_fast_paged_kv_write,
+    .paged_attn_workspace = mrl_cpu_fast_paged_attn_workspace,
+    .paged_attn = mrl_cpu_fast_paged_attn,
+    .sample = mrl_cpu_fast_sample,
+    .adamw = mrl_cpu_fast_adamw,
+    .sum = mrl_cpu_fast_sum,
+    .scale = mrl_cpu_fast_scale,
+    .bf16_to_f32 = mrl_cpu_fast_bf16_to_f32,
+    .f32_to_bf16 = mrl_cpu_fast_f32_to_bf16,
+    .f16_to_f32 = mrl_cpu_fast_f16_to_f32,
+    .f32_to_f16 = mrl_cpu_fast_f32_to_f16,
 };
 
 const mrl_kernels *mrl_kernels_cpu_fast(void) {
-    openblas_set_num_threads(1); /* see fast_gemm */
-    mrl_cpu_isa_get();
+    static _Atomic int ready;
+    if (!atomic_load_explicit(&ready, memory_order_acquire)) { /* twice at worst: both calls are idempotent */
+        openblas_set_num_threads(1); /* see fast_gemm */
+        mrl_cpu_isa_get();
+        atomic_store_explicit(&ready, 1, memory_order_release);
+    }
     return &fast_table;
 }
 

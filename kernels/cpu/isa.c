@@ -1,28 +1,30 @@
-/* The one run-time choice of the CPU's vector instruction set (isa.h). */
+/* The one run-time choice of the CPU's vector instruction set (isa.h):
+ * every fast CPU kernel follows it. */
 #include <string.h>
 #include "isa.h"
 
 static const mrl_cpu_isa *current;
 
+/* AVX2 comes with FMA and F16C (the conversions); AVX-512 needs those too
+ * (its loops fall back on AVX2 code for tails and half-width steps). */
 static int supported(const mrl_cpu_isa *t) {
     __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (t->level == 2)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("avx512vl");
-    if (t->level == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (t->level == 1) return avx2;
     return 1;
 }
 
 static const mrl_cpu_isa *const sets[3] = {&mrl_cpu_isa_sse, &mrl_cpu_isa_avx2, &mrl_cpu_isa_avx512};
 
-static const mrl_cpu_isa *best_at_most(int level) {
-    for (int l = level > 2 ? 2 : level; l > 0; l--)
-        if (supported(sets[l])) return sets[l];
-    return sets[0];
-}
-
 const mrl_cpu_isa *mrl_cpu_isa_get(void) {
-    if (!current) current = best_at_most(2);
+    if (!current) { /* the best this CPU has */
+        int l = 2;
+        while (l > 0 && !supported(sets[l])) l--;
+        current = sets[l];
+    }
     return current;
 }
 
@@ -37,12 +39,6 @@ int mrl_cpu_isa_set(const char *name) {
 }
 
 int mrl_cpu_isa_level(void) { return mrl_cpu_isa_get()->level; }
-
-int mrl_cpu_isa_cap(int level) {
-    int old = mrl_cpu_isa_level();
-    current = best_at_most(level < 0 ? 0 : level);
-    return old;
-}
 
 const char *mrl_cpu_isa_name(void) { return mrl_cpu_isa_get()->name; }
 

@@ -1,10 +1,13 @@
 /* Inner loops of the fast CPU ops, one set per instruction set (AVX-512,
- * AVX2+FMA, baseline SSE), and THE run-time choice among them (isa.c): the
- * fast op table, the paged attention, the sampler and the vector exp all
- * follow mrl_cpu_isa_get(). The loops work on a range of rows or one
- * (sequence, head); the callers spread them over threads. */
+ * AVX2+FMA+F16C, baseline SSE), and THE run-time choice among them (isa.c),
+ * the only CPU-feature dispatch of the kernels: every op of the fast table
+ * (the paged attention, the sampler, AdamW and the dtype conversions
+ * included) follows mrl_cpu_isa_get(), and mrl_kernel_isa() reports it. The
+ * loops work on a range of rows or one (sequence, head); the fast table
+ * spreads them over threads. */
 #pragma once
 #include <stdint.h>
+#include "kernels.h"
 
 typedef struct mrl_attn_args {
     float *out, *lse;              /* forward outputs */
@@ -41,12 +44,20 @@ typedef struct mrl_cpu_isa {
     void (*gemm_nt_rows)(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float *A, int64_t lda,
                          const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
     /* C[m, 32 p0 .. min(32 p1, N)) = alpha * A[m] W^T (+ beta C) for m < M, W [N,K] given as
-     * panels P (kernels.h, mrl_panels_pack) */
+     * panels P (kernels.h, panels_pack) */
     void (*gemm_panels)(int64_t M, int64_t p0, int64_t p1, int64_t N, int64_t K, float alpha, const float *A,
                         int64_t lda, const float *P, float beta, float *C, int64_t ldc);
     /* w[i] = exp(x[i] - m) for i < n (w may be x; x[i] <= m; below -87 gives 0),
      * and their sum in double */
     double (*exp_sum)(float *w, const float *x, float m, int64_t n);
+    /* AdamW over n elements with one set of coefficients (adamw.c; the same
+     * bits in every set: the same fp32 operations, no fused multiply-add) */
+    void (*adamw)(float *p, const float *g, float *m, float *v, int64_t n, const mrl_adamw_coeffs *c);
+    /* the dtype conversions of n elements (convert.c; the same bits in every set) */
+    void (*bf16_to_f32)(const uint16_t *src, float *dst, int64_t n);
+    void (*f32_to_bf16)(const float *src, uint16_t *dst, int64_t n);
+    void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
+    void (*f32_to_f16)(const float *src, uint16_t *dst, int64_t n);
 } mrl_cpu_isa;
 
 #define ATT_QB 64 /* queries per attention block */
@@ -65,17 +76,34 @@ extern const mrl_cpu_isa mrl_cpu_isa_avx512;
 extern const mrl_cpu_isa mrl_cpu_isa_avx2;
 extern const mrl_cpu_isa mrl_cpu_isa_sse;
 
-/* The set in use: the best this CPU has (AVX-512 F+DQ+VL, else AVX2+FMA,
- * else SSE) unless lowered by mrl_cpu_isa_set / mrl_cpu_isa_cap. */
+/* The set in use: the best this CPU has (AVX-512 F+DQ+VL with AVX2+FMA+F16C,
+ * else AVX2+FMA+F16C, else SSE) unless changed by mrl_cpu_isa_set. */
 const mrl_cpu_isa *mrl_cpu_isa_get(void);
 /* Use the set named "avx512", "avx2" or "sse" (tests); 0 on success, -1
  * when this CPU lacks it or the name is unknown. Not thread-safe: call it
  * between kernels. */
 int mrl_cpu_isa_set(const char *name);
-/* The level in use (2, 1, 0); mrl_cpu_isa_cap uses the best set at or
- * below `level` and returns the previous level. */
+/* The level in use (2, 1, 0). */
 int mrl_cpu_isa_level(void);
-int mrl_cpu_isa_cap(int level);
 const char *mrl_cpu_isa_name(void);
 /* mrl_cpu_isa_get()->exp_sum: the one vector exp of the CPU kernels. */
 double mrl_vexp_sum(float *w, const float *x, float m, int64_t n);
+
+/* The scalar AdamW loop (adamw.c: the reference table's, and the vector
+ * loops' tails). */
+void mrl_cpu_adamw_scalar(float *p, const float *g, float *m, float *v, int64_t n, const mrl_adamw_coeffs *c);
+/* The conversion loops the sets point at (convert.c): scalar for SSE (and
+ * the reference table), intrinsics for AVX2 and AVX-512 (only called when
+ * the CPU has the set). */
+void mrl_cpu_bf16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n);
+void mrl_cpu_f32_to_bf16_scalar(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_f16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n);
+void mrl_cpu_f32_to_f16_scalar(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_bf16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n);
+void mrl_cpu_f32_to_bf16_avx2(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_f16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n);
+void mrl_cpu_f32_to_f16_avx2(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_bf16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n);
+void mrl_cpu_f32_to_bf16_avx512(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n);
+void mrl_cpu_f32_to_f16_avx512(const float *src, uint16_t *dst, int64_t n);

@@ -4,4 +4,5 @@
 #define ISA_TABLE mrl_cpu_isa_avx2
 #define ISA_NAME "avx2"
 #define ISA_LEVEL 1
+#define ISA_LOOP(name) name##_avx2 /* the conversion loops of this set (isa.h) */
 #include "isa_impl.h"

@@ -2,10 +2,13 @@
  * compiled once per instruction set: isa_avx512.c (VW 16), isa_avx2.c (VW 8),
  * isa_sse.c (VW 4), each under its own `#pragma GCC target`. Before
  * including, define VW and ISA_TABLE (the mrl_cpu_isa to define),
- * ISA_NAME and ISA_LEVEL. Sums run in VW lanes (fp32), tails in scalar code. */
+ * ISA_NAME, ISA_LEVEL and ISA_LOOP (the names of this set's conversion
+ * loops, written with intrinsics in convert.c).
+ * Sums run in VW lanes (fp32), tails in scalar code. */
 #include <math.h>
 #include <cblas.h>
 #include <string.h>
+#include <immintrin.h>
 #include "isa.h"
 #include "kernels.h"
 
@@ -28,6 +31,16 @@ static inline float hmax(vf v) {
     float m = v[0];
     for (int i = 1; i < VW; i++) m = v[i] > m ? v[i] : m;
     return m;
+}
+/* Lane-wise square root, correctly rounded (IEEE) like sqrtf. */
+static inline vf vsqrt(vf x) {
+#if VW == 16
+    return (vf)_mm512_sqrt_ps((__m512)x);
+#elif VW == 8
+    return (vf)_mm256_sqrt_ps((__m256)x);
+#else
+    return (vf)_mm_sqrt_ps((__m128)x);
+#endif
 }
 static inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
@@ -489,6 +502,27 @@ static void gemm_panels(int64_t M, int64_t p0, int64_t p1, int64_t N, int64_t K,
     }
 }
 
+/* AdamW (the formula in adamw.c): the scalar loop's fp32 operations in its
+ * order, in VW lanes, no fused multiply-add (fp-contract off: GCC would
+ * fuse under the AVX2 / AVX-512 targets), so the same bits as the scalar
+ * loop. Loads and stores written out: a helper with other optimisation
+ * options would not be inlined. */
+__attribute__((optimize("fp-contract=off"))) static void adamw(float *p, const float *g, float *m, float *v,
+                                                               int64_t n, const mrl_adamw_coeffs *c) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf gi = *(const vfu *)(g + i);
+        vf pi = *(const vfu *)(p + i) * c->decay;
+        vf mi = *(const vfu *)(m + i) * c->beta1 + c->one_minus_beta1 * gi;
+        vf vi = *(const vfu *)(v + i) * c->beta2 + c->one_minus_beta2 * gi * gi;
+        vf denom = vsqrt(vi) / c->bc2_sqrt + c->eps;
+        *(vfu *)(p + i) = pi + c->neg_step * (mi / denom);
+        *(vfu *)(m + i) = mi;
+        *(vfu *)(v + i) = vi;
+    }
+    mrl_cpu_adamw_scalar(p + i, g + i, m + i, v + i, n - i, c);
+}
+
 const mrl_cpu_isa ISA_TABLE = {
     .name = ISA_NAME,
     .level = ISA_LEVEL,
@@ -503,4 +537,9 @@ const mrl_cpu_isa ISA_TABLE = {
     .attn_bwd_group = attn_bwd_group,
     .gemm_nt_rows = gemm_nt_rows,
     .gemm_panels = gemm_panels,
+    .adamw = adamw,
+    .bf16_to_f32 = ISA_LOOP(mrl_cpu_bf16_to_f32),
+    .f32_to_bf16 = ISA_LOOP(mrl_cpu_f32_to_bf16),
+    .f16_to_f32 = ISA_LOOP(mrl_cpu_f16_to_f32),
+    .f32_to_f16 = ISA_LOOP(mrl_cpu_f32_to_f16),
 };

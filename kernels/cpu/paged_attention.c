@@ -11,7 +11,7 @@
  *           that stay in cache while every d-chunk is accumulated.
  * AVX-512 in intrinsics; AVX2 and scalar from the same plain C loops (their
  * inner loops run over contiguous memory and are vectorised by the compiler
- * under each target). The path is chosen at run time (mrl_cpu_isa_level). */
+ * under each target). The path is the ISA set's (isa.c, mrl_cpu_isa_level). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +19,7 @@
 #include "cpu/paged_attention.h"
 #include "cpu/isa.h"
 #include "moonrl/parallel.h"
+#include "moonrl/status.h"
 
 #define QUERY_TILE 16
 #define MAX_HEAD_DIM 1024
@@ -58,7 +59,9 @@ static double ref_score(const mrl_paged_attn *a, const int32_t *table, const flo
     return s * a->scale;
 }
 
-mrl_status mrl_paged_attention_ref(const mrl_paged_attn *a) {
+int64_t mrl_cpu_ref_paged_attn_workspace(const mrl_paged_attn *a) { return 0; }
+
+mrl_status mrl_cpu_ref_paged_attn(const mrl_paged_attn *a) {
     mrl_status st = check_args(a, "paged_attention_ref");
     if (st) return st;
     int G = a->Hq / a->Hk, hd = a->hd;
@@ -318,8 +321,6 @@ static void attend_range(void *vctx, int64_t b, int64_t e) {
     }
 }
 
-const char *mrl_paged_attention_isa(void) { return mrl_cpu_isa_name(); }
-
 /* Work list and scratch sizes of a batch (shapes already checked). */
 typedef struct attn_plan {
     int64_t n_items, n_chunks, per_chunk, bytes;
@@ -344,12 +345,12 @@ static attn_plan plan(const mrl_paged_attn *a) {
     return p;
 }
 
-int64_t mrl_paged_attention_workspace_bytes(const mrl_paged_attn *a) {
+int64_t mrl_cpu_fast_paged_attn_workspace(const mrl_paged_attn *a) {
     if (check_args(a, "paged_attention_workspace_bytes")) return 0;
     return plan(a).bytes;
 }
 
-mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
+mrl_status mrl_cpu_fast_paged_attn(const mrl_paged_attn *a) {
     mrl_status st = check_args(a, "paged_attention");
     if (st) return st;
     attn_plan p = plan(a);
@@ -379,17 +380,43 @@ mrl_status mrl_paged_attention(const mrl_paged_attn *a) {
     return MRL_OK;
 }
 
-void mrl_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
-                        const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
-    for (int64_t t = 0; t < T; t++) {
-        int32_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        int64_t blk = slot / block_size, off = slot % block_size;
-        for (int h = 0; h < Hk; h++) {
-            int64_t base = (blk * Hk + h) * (int64_t)block_size * hd;
-            const float *ks = k + (t * Hk + h) * (int64_t)hd;
-            for (int d = 0; d < hd; d++) k_cache[base + (int64_t)d * block_size + off] = ks[d];
-            memcpy(v_cache + base + off * hd, v + (t * Hk + h) * (int64_t)hd, (size_t)hd * sizeof(float));
-        }
+/* Token t's K and V rows into slot slot_mapping[t] (negative: none). */
+static void kv_write_token(float *k_cache, float *v_cache, const float *k, const float *v,
+                           const int32_t *slot_mapping, int64_t t, int Hk, int hd, int block_size) {
+    int32_t slot = slot_mapping[t];
+    if (slot < 0) return;
+    int64_t blk = slot / block_size, off = slot % block_size;
+    for (int h = 0; h < Hk; h++) {
+        int64_t base = (blk * Hk + h) * (int64_t)block_size * hd;
+        const float *ks = k + (t * Hk + h) * (int64_t)hd;
+        for (int d = 0; d < hd; d++) k_cache[base + (int64_t)d * block_size + off] = ks[d];
+        memcpy(v_cache + base + off * hd, v + (t * Hk + h) * (int64_t)hd, (size_t)hd * sizeof(float));
     }
+}
+
+void mrl_cpu_ref_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                                const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    for (int64_t t = 0; t < T; t++) kv_write_token(k_cache, v_cache, k, v, slot_mapping, t, Hk, hd, block_size);
+}
+
+typedef struct kv_write_ctx {
+    float *k_cache, *v_cache;
+    const float *k, *v;
+    const int32_t *slot_mapping;
+    int Hk, hd, block_size;
+} kv_write_ctx;
+
+static void kv_write_range(void *vctx, int64_t t0, int64_t t1) {
+    const kv_write_ctx *c = vctx;
+    for (int64_t t = t0; t < t1; t++)
+        kv_write_token(c->k_cache, c->v_cache, c->k, c->v, c->slot_mapping, t, c->Hk, c->hd, c->block_size);
+}
+
+/* A prefill's tokens over the cores; a decode step's few on this thread (64K
+ * floats per thread at least: a parallel region costs more than that copy). */
+void mrl_cpu_fast_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                                 const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    kv_write_ctx c = {k_cache, v_cache, k, v, slot_mapping, Hk, hd, block_size};
+    int64_t per_token = 2 * (int64_t)Hk * hd;
+    mrl_parallel_for(T, per_token >= (1 << 16) ? 1 : (1 << 16) / per_token, kv_write_range, &c);
 }

@@ -1,7 +1,8 @@
 /* Paged attention on the CPU: attention of a batch of new query tokens
  * (prefill chunks and single-token decodes mixed) over each sequence's K/V
  * held in the blocks of a paged cache, and the write of new K/V into their
- * slots. Internal to the core (the engine and the model call it).
+ * slots: the paged_attn, paged_attn_workspace and paged_kv_write ops of the
+ * two tables (kernels.h, mrl_paged_attn). Internal.
  *
  * Cache layout of ONE layer (see core/engine/kv_cache.h), fp32:
  *   k_cache: [num_blocks][Hk][hd][block_size]  (K transposed inside a block)
@@ -16,47 +17,24 @@
  * h / (Hq / Hk). Scores are scaled by `scale` (1/sqrt(hd) normally). */
 #pragma once
 #include <stdint.h>
-#include "moonrl/status.h"
+#include "kernels.h"
 
-typedef struct mrl_paged_attn {
-    float *out;                  /* [T, Hq, hd] */
-    const float *q;              /* [T, Hq, hd] */
-    const float *k_cache;        /* one layer: [num_blocks, Hk, hd, block_size] */
-    const float *v_cache;        /* one layer: [num_blocks, Hk, block_size, hd] */
-    const int32_t *block_tables; /* [n_seqs, max_blocks_per_seq] */
-    const int32_t *seq_lens;     /* [n_seqs] */
-    const int32_t *query_start;  /* [n_seqs + 1], query_start[0] = 0 */
-    int n_seqs;
-    int max_blocks_per_seq;
-    int block_size;
-    int Hq, Hk, hd;
-    float scale;
-    /* optional scratch for the fast version (the caller's activation
-     * memory, so nothing is allocated per call): at least
-     * mrl_paged_attention_workspace_bytes(this) bytes, 64-byte aligned;
-     * NULL: the kernel allocates and frees its own. */
-    void *workspace;
-    int64_t workspace_bytes;
-} mrl_paged_attn;
-
-/* Plain loops, double accumulation: what the tests trust. */
-mrl_status mrl_paged_attention_ref(const mrl_paged_attn *a);
-/* AVX-512 / AVX2 chosen at run time, parallel over (sequence, kv head,
- * query tile) with mrl_parallel_for. Both check the shapes (Hq a multiple
- * of Hk, hd <= 1024, each sequence's queries <= its length <= its blocks'
- * capacity) and fail with MRL_ERR_INVALID; the fast one may fail with
- * MRL_ERR_NOMEM (its work list and score rows). */
-mrl_status mrl_paged_attention(const mrl_paged_attn *a);
-/* Bytes of workspace mrl_paged_attention needs for this batch (0 for bad
+/* Plain loops, double accumulation: what the tests trust. Needs no workspace. */
+mrl_status mrl_cpu_ref_paged_attn(const mrl_paged_attn *a);
+int64_t mrl_cpu_ref_paged_attn_workspace(const mrl_paged_attn *a); /* 0 */
+/* The ISA set's path (AVX-512 intrinsics; AVX2 and SSE from plain C loops),
+ * parallel over (sequence, kv head, query tile). May fail with
+ * MRL_ERR_NOMEM (its work list and score rows) when given no workspace. */
+mrl_status mrl_cpu_fast_paged_attn(const mrl_paged_attn *a);
+/* Bytes of workspace the fast version needs for this batch (0 for bad
  * shapes); it grows with the number of sequences, Hq/Hk and the longest
  * context. */
-int64_t mrl_paged_attention_workspace_bytes(const mrl_paged_attn *a);
-/* "avx512", "avx2" or "sse" (plain C loops): the path mrl_paged_attention
- * takes here, the CPU kernels' one choice (mrl_cpu_isa_cap in cpu/isa.h
- * lowers it for tests). */
-const char *mrl_paged_attention_isa(void);
+int64_t mrl_cpu_fast_paged_attn_workspace(const mrl_paged_attn *a);
 
-/* Write the K/V rows of T new tokens ([T, Hk, hd] each) into their slots
- * (slot_mapping[T]; a negative slot skips the token). */
-void mrl_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
-                        const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
+/* K/V of T tokens into their slots: one token after the other (reference),
+ * the tokens spread over the cores (fast; slots are distinct, so the
+ * writes never meet). */
+void mrl_cpu_ref_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                                const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
+void mrl_cpu_fast_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                                 const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);

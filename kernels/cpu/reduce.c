@@ -1,19 +1,31 @@
-/* Reductions over host float arrays. Sums are taken over fixed blocks (four
- * interleaved double accumulators each) and the block sums are added in
- * order, so the result is bit-identical for any number of threads
- * (determinism over the speed of the last few adds). */
-#include "reduce.h"
-#include "moonrl/ops.h"
+/* Reductions and scaling over host float arrays, the two tables' ops.
+ * Reference: one pass, one double accumulator. Fast: sums over fixed blocks
+ * (four interleaved double accumulators each) added in block order, so the
+ * result is bit-identical for any number of threads (determinism over the
+ * speed of the last few adds). */
+#include "cpu/reduce.h"
 #include "moonrl/parallel.h"
 #include "moonrl/mem.h"
 
-enum { REDUCE_BLOCK = 8192 };
+mrl_status mrl_cpu_ref_sum(const float *x, int64_t n, int squares, double *out) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += squares ? (double)x[i] * x[i] : x[i];
+    *out = s;
+    return MRL_OK;
+}
+
+void mrl_cpu_ref_scale(float *x, int64_t n, float s) {
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+enum { REDUCE_BLOCK = 8192, SCALE_GRAIN = 1 << 16 };
 
 typedef struct reduce_ctx {
     const float *x;
     int64_t n;
     int squares;
     double *block_sums;
+    float s; /* scale */
 } reduce_ctx;
 
 static void reduce_blocks(void *vctx, int64_t begin, int64_t end) {
@@ -36,13 +48,12 @@ static void reduce_blocks(void *vctx, int64_t begin, int64_t end) {
     }
 }
 
-mrl_status mrl_reduce_f32(const float *x, int64_t n, int squares, const char *what, double *out) {
-    if (!out || n < 0 || (n > 0 && !x))
-        return mrl_set_error(MRL_ERR_INVALID, "%s: bad arguments (n=%lld)", what, (long long)n);
+mrl_status mrl_cpu_fast_sum(const float *x, int64_t n, int squares, double *out) {
     int64_t blocks = (n + REDUCE_BLOCK - 1) / REDUCE_BLOCK;
     double *block_sums = mrl_mem_alloc((size_t)(blocks ? blocks : 1) * sizeof(double), MRL_MEM_OTHER);
-    if (!block_sums) return MRL_ERR_NOMEM;
-    reduce_ctx ctx = {x, n, squares, block_sums};
+    if (!block_sums)
+        return mrl_set_error(MRL_ERR_NOMEM, "sum: no memory for the sums of %lld blocks", (long long)blocks);
+    reduce_ctx ctx = {.x = x, .n = n, .squares = squares, .block_sums = block_sums};
     mrl_parallel_for(blocks, 4, reduce_blocks, &ctx);
     double total = 0;
     for (int64_t b = 0; b < blocks; b++) total += block_sums[b];
@@ -51,6 +62,13 @@ mrl_status mrl_reduce_f32(const float *x, int64_t n, int squares, const char *wh
     return MRL_OK;
 }
 
-mrl_status mrl_ops_sum_f32(const float *x, int64_t n, double *out) {
-    return mrl_reduce_f32(x, n, 0, "sum_f32", out);
+static void scale_range(void *vctx, int64_t begin, int64_t end) {
+    reduce_ctx *c = vctx;
+    float *x = (float *)c->x, s = c->s;
+    for (int64_t i = begin; i < end; i++) x[i] *= s;
+}
+
+void mrl_cpu_fast_scale(float *x, int64_t n, float s) {
+    reduce_ctx c = {.x = x, .s = s};
+    mrl_parallel_for(n, SCALE_GRAIN, scale_range, &c);
 }

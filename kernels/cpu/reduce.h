@@ -1,9 +1,9 @@
-/* Deterministic parallel reductions over host float arrays (internal). */
+/* Internal: the two tables' sum and scale ops (reduce.c). */
 #pragma once
 #include <stdint.h>
 #include "moonrl/status.h"
 
-/* *out = sum of x[i] (squares = 0) or of x[i]^2 (squares = 1), in double,
- * over fixed blocks added in a fixed order: bit-identical for any number of
- * threads. `what` names the caller in error messages. */
-mrl_status mrl_reduce_f32(const float *x, int64_t n, int squares, const char *what, double *out);
+mrl_status mrl_cpu_ref_sum(const float *x, int64_t n, int squares, double *out);
+mrl_status mrl_cpu_fast_sum(const float *x, int64_t n, int squares, double *out);
+void mrl_cpu_ref_scale(float *x, int64_t n, float s);
+void mrl_cpu_fast_scale(float *x, int64_t n, float s);

@@ -1,8 +1,17 @@
 /* The CPU reference ops: plain loops, one thread, sums in double. Tests
- * trust these; the fast table (fast.c) is compared against them. */
+ * trust these; every other table is compared against them
+ * (tests/kernels/test_ops.c). The ops of the engine, the optimizer and the
+ * conversions live beside their fast versions (paged_attention.c,
+ * sample.c, adamw.c, reduce.c, convert.c) and are gathered here. */
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 #include "kernels.h"
+#include "cpu/adamw.h"
+#include "cpu/isa.h"
+#include "cpu/paged_attention.h"
+#include "cpu/reduce.h"
+#include "cpu/sample.h"
 
 static void ref_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                      int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -45,15 +54,30 @@ static void ref_gemm_group(const mrl_gemm_desc *g, int n) {
     }
 }
 
-void mrl_panels_pack(float *P, const float *W, int64_t N, int64_t K) {
-    int64_t panels = (N + MRL_PANEL - 1) / MRL_PANEL;
-    for (int64_t b = 0; b < panels; b++) {
-        float *dst = P + b * MRL_PANEL * K;
-        for (int j = 0; j < MRL_PANEL; j++) { /* W's rows read in order; the panel stays in cache */
-            int64_t n = b * MRL_PANEL + j;
-            for (int64_t k = 0; k < K; k++) dst[k * MRL_PANEL + j] = n < N ? W[n * K + k] : 0.0f;
-        }
+static void ref_panels_pack(float *P, const float *W, int64_t N, int64_t K) {
+    for (int64_t b = 0; b < (N + MRL_PANEL - 1) / MRL_PANEL; b++) mrl_panel_pack(P, W, N, K, b);
+}
+
+static void ref_gather_rows(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) memcpy(out + i * D, src + (int64_t)idx[i] * D, sizeof(float) * D);
+}
+
+static void ref_scatter_add_rows(float *dst, const float *src, const int32_t *idx, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) {
+        float *d = dst + (int64_t)idx[i] * D;
+        for (int64_t j = 0; j < D; j++) d[j] += src[i * D + j];
     }
+}
+
+static void ref_bias_add(float *y, const float *b, int64_t T, int64_t N) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < N; i++) y[t * N + i] += b[i];
+}
+
+/* fp32 adds in t order, as the fast version's (the same bits) */
+static void ref_bias_bwd(float *db, const float *dy, int64_t T, int64_t N) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < N; i++) db[i] += dy[t * N + i];
 }
 
 static void ref_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
@@ -251,6 +275,22 @@ static const mrl_kernels reference_table = {
     .attn_bwd = ref_attn_bwd,
     .head_fwd = ref_head_fwd,
     .head_bwd = ref_head_bwd,
+    .gather_rows = ref_gather_rows,
+    .scatter_add_rows = ref_scatter_add_rows,
+    .bias_add = ref_bias_add,
+    .bias_bwd = ref_bias_bwd,
+    .panels_pack = ref_panels_pack,
+    .paged_kv_write = mrl_cpu_ref_paged_kv_write,
+    .paged_attn_workspace = mrl_cpu_ref_paged_attn_workspace,
+    .paged_attn = mrl_cpu_ref_paged_attn,
+    .sample = mrl_cpu_ref_sample,
+    .adamw = mrl_cpu_ref_adamw,
+    .sum = mrl_cpu_ref_sum,
+    .scale = mrl_cpu_ref_scale,
+    .bf16_to_f32 = mrl_cpu_bf16_to_f32_scalar,
+    .f32_to_bf16 = mrl_cpu_f32_to_bf16_scalar,
+    .f16_to_f32 = mrl_cpu_f16_to_f32_scalar,
+    .f32_to_f16 = mrl_cpu_f32_to_f16_scalar,
 };
 
 const mrl_kernels *mrl_kernels_cpu_reference(void) { return &reference_table; }

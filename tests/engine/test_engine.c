@@ -4,7 +4,10 @@
  *   - agreement: the engine's log-probs of its samples equal
  *     mrl_model_forward's log-probs of the same tokens (targets = the
  *     generated tokens, same temperature) within 1e-5, over mixed-length
- *     prompts, greedy and sampled, temperature != 1;
+ *     prompts, greedy and sampled, temperature != 1; with the fast kernels,
+ *     and with the reference kernels behind a table that counts its calls:
+ *     every op the engine runs (paged attention, the K/V write, sampling,
+ *     rows, products, panels) goes through the model's table;
  *   - greedy generation equals a naive loop that recomputes the whole
  *     sequence with mrl_model_forward each token and takes the argmax;
  *   - determinism: a group of 8 equals 8 single requests (first_sample),
@@ -37,6 +40,7 @@
 #include "moonrl/model.h"
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
+#include "model/layer.h"
 
 #define MAXS 64  /* samples per run at most */
 #define MAXG 48  /* generated tokens at most */
@@ -135,9 +139,58 @@ static void fill_prompt(int32_t *p, int len, int V, int salt) {
 
 /* ---- agreement with the trainer -------------------------------------------------------------- */
 
-static void test_agreement(int arch) {
+/* The reference table, each op of the engine's counted. */
+enum { OP_GATHER, OP_GEMM, OP_GROUP, OP_NORM, OP_ROPE, OP_SWIGLU, OP_BIAS, OP_PACK, OP_KV, OP_WS, OP_PAGED, OP_SAMPLE, N_OPS };
+static const char *op_names[N_OPS] = {"gather_rows", "gemm", "gemm_group", "rmsnorm_fwd", "rope", "swiglu_fwd",
+                                      "bias_add", "panels_pack", "paged_kv_write", "paged_attn_workspace",
+                                      "paged_attn", "sample"};
+static int64_t op_calls[N_OPS];
+static mrl_kernels counting;
+#define R_ mrl_kernels_cpu_reference()
+static void c_gather(float *o, const float *s, const int32_t *i, int64_t n, int64_t D) {
+    op_calls[OP_GATHER]++, R_->gather_rows(o, s, i, n, D);
+}
+static void c_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float al, const float *A, int64_t lda,
+                   const float *B, int64_t ldb, float be, float *C, int64_t ldc) {
+    op_calls[OP_GEMM]++, R_->gemm(ta, tb, M, N, K, al, A, lda, B, ldb, be, C, ldc);
+}
+static void c_group(const mrl_gemm_desc *g, int n) { op_calls[OP_GROUP]++, R_->gemm_group(g, n); }
+static void c_norm(float *o, float *r, const float *x, const float *w, int64_t T, int D, float eps) {
+    op_calls[OP_NORM]++, R_->rmsnorm_fwd(o, r, x, w, T, D, eps);
+}
+static void c_rope(float *x, const int32_t *p, const float *c, const float *s, int64_t T, int H, int hd, int inv) {
+    op_calls[OP_ROPE]++, R_->rope(x, p, c, s, T, H, hd, inv);
+}
+static void c_swiglu(float *o, const float *g, const float *u, int64_t n) { op_calls[OP_SWIGLU]++, R_->swiglu_fwd(o, g, u, n); }
+static void c_bias(float *y, const float *b, int64_t T, int64_t N) { op_calls[OP_BIAS]++, R_->bias_add(y, b, T, N); }
+static void c_pack(float *P, const float *W, int64_t N, int64_t K) { op_calls[OP_PACK]++, R_->panels_pack(P, W, N, K); }
+static void c_kv(float *kc, float *vc, const float *k, const float *v, const int32_t *s, int64_t T, int Hk, int hd,
+                 int bs) {
+    op_calls[OP_KV]++, R_->paged_kv_write(kc, vc, k, v, s, T, Hk, hd, bs);
+}
+static int64_t c_ws(const mrl_paged_attn *a) { return op_calls[OP_WS]++, R_->paged_attn_workspace(a); }
+static mrl_status c_paged(const mrl_paged_attn *a) { return op_calls[OP_PAGED]++, R_->paged_attn(a); }
+static mrl_status c_sample(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *p,
+                           const double *u, int32_t *t, float *lp, float *lpp) {
+    return op_calls[OP_SAMPLE]++, R_->sample(rows, n, V, p, u, t, lp, lpp);
+}
+#undef R_
+
+static const mrl_kernels *counting_reference(void) {
+    counting = *mrl_kernels_cpu_reference();
+    counting.name = "counting reference";
+    counting.gather_rows = c_gather, counting.gemm = c_gemm, counting.gemm_group = c_group;
+    counting.rmsnorm_fwd = c_norm, counting.rope = c_rope, counting.swiglu_fwd = c_swiglu, counting.bias_add = c_bias;
+    counting.panels_pack = c_pack, counting.paged_kv_write = c_kv, counting.paged_attn_workspace = c_ws;
+    counting.paged_attn = c_paged, counting.sample = c_sample;
+    return &counting;
+}
+
+/* k: the model's table (NULL: the default, fast) */
+static void test_agreement(int arch, const mrl_kernels *k) {
     const int V = 96;
     mrl_model *m = make_model(arch, V);
+    if (m && k) mrl_model_use_kernels(m, k);
     mrl_engine *e = make_engine(m, 1 << 20, 40, 16, 8); /* small step budget: chunked prefills */
     if (!m || !e) return;
     static const int lens[] = {1, 5, 17, 33, 9};
@@ -152,7 +205,14 @@ static void test_agreement(int arch) {
         if (i == 3) r.params.top_p = 0.8f;
         CHECK_OK(mrl_engine_add_request(e, &r, &ids[i]));
     }
+    memset(op_calls, 0, sizeof op_calls);
     CHECK_OK(mrl_engine_run(e));
+    if (k == &counting) /* every op of the engine's through the model's table (bias_add: qwen2 only) */
+        for (int op = 0; op < N_OPS; op++) {
+            if (op == OP_BIAS && arch != MRL_ARCH_QWEN2) continue;
+            if (!op_calls[op]) fprintf(stderr, "arch %d: the engine did not call the table's %s\n", arch, op_names[op]);
+            CHECK(op_calls[op] > 0);
+        }
     double max_d = 0;
     for (int i = 0; i < 5; i++)
         for (int j = 0; j < ns[i]; j++) {
@@ -166,7 +226,7 @@ static void test_agreement(int arch) {
                 if (d > max_d) max_d = d;
             }
         }
-    printf("arch %d: max |engine - trainer| log-prob %.3g\n", arch, max_d);
+    printf("arch %d, %s kernels: max |engine - trainer| log-prob %.3g\n", arch, k ? k->name : "fast", max_d);
     CHECK(max_d <= 1e-5);
     mrl_engine_free(e);
     mrl_model_free(m);
@@ -905,7 +965,8 @@ static void test_async(void) {
 }
 
 int main(void) {
-    for (int arch = 0; arch < 3; arch++) test_agreement(arch);
+    for (int arch = 0; arch < 3; arch++) test_agreement(arch, NULL);
+    for (int arch = 0; arch < 3; arch++) test_agreement(arch, counting_reference());
     for (int arch = 0; arch < 3; arch++) test_greedy_naive(arch);
     test_determinism();
     test_stops();

@@ -1,15 +1,17 @@
-/* Paged attention (reference and fast) against a straightforward contiguous
- * causal attention, on random data laid out in a real kv cache: several
- * sequences grown in interleaved steps (so their blocks interleave), forks
- * that share a parent's blocks (full and partial, copy-on-write), mixed
- * prefill chunks and single-token decodes, GQA. */
+/* Paged attention over a real KV cache: the K/V written by the op table's
+ * paged_kv_write into the slots mrl_kv_cache_append gives, then paged_attn
+ * (reference and fast tables) against a straightforward contiguous causal
+ * attention, on random data: several sequences grown in interleaved steps
+ * (so their blocks interleave), forks that share a parent's blocks (full
+ * and partial, copy-on-write), mixed prefill chunks and single-token
+ * decodes, GQA. (Each op of every table against the reference, at every
+ * instruction set, and the shape errors: tests/kernels/test_ops.c.) */
 #include <stdlib.h>
 #include "check.h"
 #include "moonrl/status.h"
 #include "moonrl/parallel.h"
 #include "engine/kv_cache.h"
-#include "cpu/paged_attention.h"
-#include "cpu/isa.h"
+#include "kernels.h"
 
 static uint64_t rng = 88172645463325252ULL;
 static uint64_t next_u64(void) {
@@ -60,6 +62,7 @@ static void contiguous_attention(float *out, const float *q, const float *k, con
 static int64_t total_cow = 0; /* copy-on-write copies seen, all cases */
 
 static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
+    const mrl_kernels *R = mrl_kernels_cpu_reference(), *F = mrl_kernels_cpu_fast();
     mrl_kv_cache_config cfg = {.n_layers = 2, .n_kv_heads = Hk, .head_dim = hd, .block_size = bs,
                                .budget_bytes = (int64_t)4 * MAXS * (MAXLEN / bs + 2) * Hk * bs * hd * 2 * 2 * 4};
     mrl_kv_cache *c;
@@ -130,7 +133,7 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
             int nb = mrl_kv_cache_seq_blocks(c, d->id, NULL);
             if (nb > max_blocks) max_blocks = nb;
         }
-        mrl_paged_kv_write(kc, vc, kn, vn, slots, T, Hk, hd, bs);
+        (round % 2 ? F : R)->paged_kv_write(kc, vc, kn, vn, slots, T, Hk, hd, bs);
         int32_t *tables = calloc((size_t)n_seqs * (max_blocks ? max_blocks : 1), sizeof(int32_t));
         for (int b = 0; b < n_seqs; b++) {
             const int32_t *t;
@@ -140,18 +143,18 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
         mrl_paged_attn a = {.out = out_ref, .q = q, .k_cache = kc, .v_cache = vc, .block_tables = tables,
                             .seq_lens = lens, .query_start = qs, .n_seqs = n_seqs, .max_blocks_per_seq = max_blocks,
                             .block_size = bs, .Hq = Hq, .Hk = Hk, .hd = hd, .scale = scale};
-        CHECK_OK(mrl_paged_attention_ref(&a));
+        CHECK_OK(R->paged_attn(&a));
         a.out = out_fast;
         void *ws = NULL;
         if (round % 2) { /* the caller's workspace, exactly the size asked for */
-            a.workspace_bytes = mrl_paged_attention_workspace_bytes(&a);
+            a.workspace_bytes = F->paged_attn_workspace(&a);
             CHECK(a.workspace_bytes > 0);
             a.workspace = ws = malloc((size_t)a.workspace_bytes);
         }
-        CHECK_OK(mrl_paged_attention(&a));
+        CHECK_OK(F->paged_attn(&a));
         if (ws && a.workspace_bytes > 64) {
             a.workspace_bytes -= 64;
-            CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
+            CHECK(F->paged_attn(&a) == MRL_ERR_INVALID);
             CHECK_STR_CONTAINS(mrl_last_error(), "workspace");
         }
         free(ws);
@@ -194,48 +197,14 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds) {
     mrl_kv_cache_destroy(c);
 }
 
-static void test_bad_shapes(void) {
-    float buf[64] = {0};
-    int32_t table[2] = {0, 1}, lens[1] = {4}, qs[2] = {0, 1};
-    mrl_paged_attn a = {.out = buf, .q = buf, .k_cache = buf, .v_cache = buf, .block_tables = table, .seq_lens = lens,
-                        .query_start = qs, .n_seqs = 1, .max_blocks_per_seq = 2, .block_size = 2, .Hq = 2, .Hk = 1,
-                        .hd = 4, .scale = 0.5f};
-    CHECK_OK(mrl_paged_attention(&a));
-    CHECK_OK(mrl_paged_attention_ref(&a));
-    a.Hq = 3;
-    a.Hk = 2;
-    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
-    CHECK_STR_CONTAINS(mrl_last_error(), "Hq=3 Hk=2");
-    a.Hq = 2;
-    a.Hk = 1;
-    lens[0] = 5; /* more tokens than 2 blocks of 2 hold */
-    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
-    CHECK(mrl_paged_attention_ref(&a) == MRL_ERR_INVALID);
-    lens[0] = 4;
-    qs[1] = 5; /* more queries than tokens */
-    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
-    qs[1] = 1;
-    a.hd = 0;
-    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
-    a.hd = 4;
-    a.q = NULL;
-    CHECK(mrl_paged_attention(&a) == MRL_ERR_INVALID);
-}
-
 int main(void) {
-    test_bad_shapes();
-    /* every vector path this CPU has: AVX-512, AVX2, scalar */
-    for (int level = mrl_cpu_isa_level(); level >= 0; level--) {
-        mrl_cpu_isa_cap(level);
-        printf("paged attention path: %s\n", mrl_paged_attention_isa());
-        run_case(4, 2, 16, 4, 8);   /* GQA 2:1, tiny blocks */
-        run_case(8, 2, 64, 16, 8);  /* GQA 4:1, vLLM's block size */
-        run_case(14, 2, 64, 16, 4); /* GQA 7:1 (Qwen2.5-0.5B): head runs of 4 + 2 + 1 */
-        run_case(3, 3, 24, 5, 6);   /* MHA, odd sizes (masked tails) */
-        run_case(2, 1, 128, 7, 6);  /* one kv head, hd 128 */
-        run_case(16, 1, 8, 32, 4);  /* 16 heads per kv head, blocks of 32 */
-    }
-    mrl_cpu_isa_cap(2);
+    printf("paged attention path: %s\n", mrl_kernels_cpu_fast_isa());
+    run_case(4, 2, 16, 4, 8);   /* GQA 2:1, tiny blocks */
+    run_case(8, 2, 64, 16, 8);  /* GQA 4:1, vLLM's block size */
+    run_case(14, 2, 64, 16, 4); /* GQA 7:1 (Qwen2.5-0.5B): head runs of 4 + 2 + 1 */
+    run_case(3, 3, 24, 5, 6);   /* MHA, odd sizes (masked tails) */
+    run_case(2, 1, 128, 7, 6);  /* one kv head, hd 128 */
+    run_case(16, 1, 8, 32, 4);  /* 16 heads per kv head, blocks of 32 */
     mrl_parallel_set_threads(1);
     run_case(4, 1, 40, 3, 4);   /* single thread */
     CHECK(total_cow > 0);        /* forks were appended to: shared partial blocks copied */

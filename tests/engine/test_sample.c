@@ -1,13 +1,16 @@
 /* Sampling: empirical distributions against the expected processed
  * distribution (chi-square with fixed seeds, so deterministic), edge cases of
- * top-k / top-p / min-p (k = 1, p = 1, ties), the two log-probs, determinism
- * whatever the batch order and thread count, bad input. */
+ * top-k / top-p / min-p (k = 1, p = 1, ties), the two log-probs, each with the
+ * sample op of both CPU tables (reference and fast); determinism whatever
+ * the batch order and thread count, bad input. (The fast table's sample op
+ * against the reference's at every instruction set: tests/kernels/test_ops.c.) */
 #include <stdlib.h>
 #include "check.h"
 #include "moonrl/engine.h"
 #include "moonrl/parallel.h"
 #include "engine/sample.h"
-#include "cpu/isa.h"
+
+static const mrl_kernels *K; /* the table under test */
 
 /* The distribution the sampler should draw from, computed plainly in double:
  * temperature, min-p, top-k (ties kept), top-p (sorted by prob, ties by id). */
@@ -55,13 +58,12 @@ static void expected_probs(const float *logits, int V, mrl_sampling_params p, do
 static double chi_square(const float *logits, int V, mrl_sampling_params p, int n, uint64_t key, int *bad) {
     double *e = malloc(sizeof(double) * V);
     int *cnt = calloc(V, sizeof(int));
-    float *work = malloc(sizeof(float) * mrl_sample_work_floats(V));
     expected_probs(logits, V, p, e);
     *bad = 0;
     for (int t = 0; t < n; t++) {
         int32_t tok;
         float lp, lpp;
-        if (mrl_sample_row(logits, V, &p, mrl_sample_uniform(key, t), work, &tok, &lp, &lpp)) { *bad = 1; break; }
+        if (mrl_sample_row(K, logits, V, &p, mrl_sample_uniform(key, t), &tok, &lp, &lpp)) { *bad = 1; break; }
         if (tok < 0 || tok >= V || e[tok] == 0) { *bad = 1; break; }
         cnt[tok]++;
         if (t < 4) { /* processed log-prob is the log of the expected prob */
@@ -73,7 +75,6 @@ static double chi_square(const float *logits, int V, mrl_sampling_params p, int 
         if (e[i] > 0) chi += (cnt[i] - n * e[i]) * (cnt[i] - n * e[i]) / (n * e[i]);
     free(e);
     free(cnt);
-    free(work);
     return chi;
 }
 
@@ -99,10 +100,8 @@ static void test_distributions(void) {
 }
 
 static int32_t sample1(const float *logits, int V, mrl_sampling_params p, double u, float *lp, float *lpp) {
-    float *work = malloc(sizeof(float) * mrl_sample_work_floats(V));
     int32_t tok = -1;
-    CHECK_OK(mrl_sample_row(logits, V, &p, u, work, &tok, lp, lpp));
-    free(work);
+    CHECK_OK(mrl_sample_row(K, logits, V, &p, u, &tok, lp, lpp));
     return tok;
 }
 
@@ -171,16 +170,14 @@ static void test_large_vocab(void) {
     double m = -1e300, Z = 0;
     for (int i = 0; i < V; i++) m = fmax(m, (double)(l[i] * (1.0f / 0.8f)));
     for (int i = 0; i < V; i++) Z += exp((double)(l[i] * (1.0f / 0.8f)) - m);
-    float *work = malloc(sizeof(float) * mrl_sample_work_floats(V));
     for (int t = 0; t < 5; t++) {
         int32_t tok;
         float lp, lpp;
-        CHECK_OK(mrl_sample_row(l, V, &p, mrl_sample_uniform(k, 1000 + t), work, &tok, &lp, &lpp));
+        CHECK_OK(mrl_sample_row(K, l, V, &p, mrl_sample_uniform(k, 1000 + t), &tok, &lp, &lpp));
         CHECK(tok >= 0 && tok < V);
         CHECK_NEAR(lp, (double)(l[tok] * (1.0f / 0.8f)) - m - log(Z), 2e-5);
         CHECK(lpp >= lp);
     }
-    free(work);
     free(l);
 }
 
@@ -246,13 +243,13 @@ static void test_batch_invariance(void) {
 }
 
 int main(void) {
-    test_distributions();
-    test_edges();
-    for (int level = mrl_cpu_isa_level(); level >= 0; level--) { /* every exp path this CPU has */
-        mrl_cpu_isa_cap(level);
+    const mrl_kernels *tables[2] = {mrl_kernels_cpu_reference(), mrl_kernels_cpu_fast()};
+    for (int t = 0; t < 2; t++) {
+        K = tables[t];
+        test_distributions();
+        test_edges();
         test_large_vocab();
     }
-    mrl_cpu_isa_cap(2);
     test_batch_invariance();
     CHECK_DONE();
 }

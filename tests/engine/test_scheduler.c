@@ -1,6 +1,6 @@
 /* The scheduler driving the full loop with a fake model that really uses the
  * paged KV cache: each step it writes (token, position) of the batch's tokens
- * into their slots with mrl_paged_kv_write, and the logits of a token are a
+ * into their slots with the fast table's paged_kv_write, and the logits of a token are a
  * hash of the whole context READ BACK through the block table. So a wrong
  * slot, block table, copy-on-write, prefix-cache hit or recomputation changes
  * the tokens. Every configuration (token budget, max sequences, a cache so
@@ -13,7 +13,7 @@
 #include "engine/kv_cache.h"
 #include "engine/sample.h"
 #include "engine/scheduler.h"
-#include "cpu/paged_attention.h"
+#include "kernels.h"
 
 #define V 48
 #define EOS 1
@@ -56,7 +56,6 @@ static const int32_t eos_ids[1] = {EOS}, stop_ids[1] = {STOP_TOK};
 
 static void reference(void) {
     float row[V];
-    float *work = malloc(sizeof(float) * mrl_sample_work_floats(V));
     for (int r = 0; r < n_reqs; r++)
         for (int j = 0; j < reqs[r].n; j++) {
             int32_t toks[MAX_MODEL_LEN];
@@ -69,7 +68,7 @@ static void reference(void) {
                 fake_logits(toks, n, row);
                 int32_t t;
                 float lp, lpp;
-                CHECK_OK(mrl_sample_row(row, V, &reqs[r].params, mrl_sample_uniform(key, out), work, &t, &lp, &lpp));
+                CHECK_OK(mrl_sample_row(NULL, row, V, &reqs[r].params, mrl_sample_uniform(key, out), &t, &lp, &lpp));
                 toks[n++] = t;
                 exp_tok[r][j][out] = t;
                 exp_lp[r][j][out++] = lp;
@@ -79,7 +78,6 @@ static void reference(void) {
             }
             exp_n[r][j] = out;
         }
-    free(work);
 }
 
 /* The fake model's forward: write K = token, V = position into the slots,
@@ -99,13 +97,14 @@ static void fake_forward(mrl_kv_cache *kv, const mrl_sched_batch *b, float *logi
         ok &= b->slot_mapping[t] == table[pos / bs] * bs + pos % bs;
     }
     CHECK(ok);
-    mrl_paged_kv_write(K, Vc, kn, vn, b->slot_mapping, b->n_tokens, 1, 1, bs);
+    const mrl_kernels *k = mrl_kernels_cpu_fast();
+    k->paged_kv_write(K, Vc, kn, vn, b->slot_mapping, b->n_tokens, 1, 1, bs);
     /* real paged attention over the step, with q = 0 (uniform weights): the
      * output of a token at position p is the mean of positions 0..p */
     float *q = calloc((size_t)b->n_tokens + 1, sizeof(float)), *out = calloc((size_t)b->n_tokens + 1, sizeof(float));
     mrl_paged_attn args;
     CHECK_OK(mrl_sched_attn_args(b, kv, 0, 1, q, out, &args));
-    CHECK_OK(mrl_paged_attention(&args));
+    CHECK_OK(k->paged_attn(&args));
     int mean_ok = 1;
     for (int t = 0; t < b->n_tokens; t++) mean_ok &= fabsf(out[t] - b->positions[t] * 0.5f) <= 1e-4f * (1 + b->positions[t]);
     CHECK(mean_ok);

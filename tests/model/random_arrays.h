@@ -6,20 +6,20 @@
 #include <stdlib.h>
 
 static uint64_t rng_state = 12345;
-static double urand(void) {
+static inline double urand(void) {
     rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
     return ((rng_state >> 11) + 0.5) * 0x1.0p-53;
 }
-static float nrand(void) { return (float)(sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand())); }
-static float *rnd(int64_t n, float scale) {
+static inline float nrand(void) { return (float)(sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand())); }
+static inline float *rnd(int64_t n, float scale) {
     float *x = malloc(sizeof(float) * (n ? n : 1));
     for (int64_t i = 0; i < n; i++) x[i] = scale * nrand();
     return x;
 }
-static float *zeros(int64_t n) { return calloc(n ? n : 1, sizeof(float)); }
+static inline float *zeros(int64_t n) { return calloc(n ? n : 1, sizeof(float)); }
 
 /* max |a-b| / max |b| */
-static double rel_err(const float *a, const float *b, int64_t n) {
+static inline double rel_err(const float *a, const float *b, int64_t n) {
     double d = 0, s = 0;
     for (int64_t i = 0; i < n; i++) {
         if (fabs((double)a[i] - b[i]) > d) d = fabs((double)a[i] - b[i]);

@@ -1,11 +1,11 @@
 /* Shared-prompt packing (mrl_batch.prefix): a batch where G sequences continue
  * one prefix sequence must give what packing each sequence whole gives.
  * (1) attention kernels: reference and fast, shared layout against the
- *     expanded one (every child carries its own copy of the prefix rows);
- * (2) fast against reference on the shared layout, 1 and 2 threads;
- * (3) the whole model: log-probs, entropy and every parameter gradient of a
+ *     expanded one (every child carries its own copy of the prefix rows;
+ *     fast against reference on the shared layout: tests/kernels/test_ops.c);
+ * (2) the whole model: log-probs, entropy and every parameter gradient of a
  *     shared batch against the same samples packed whole, both kernel sets;
- * (4) bad prefix arrays are errors naming the sequence. */
+ * (3) bad prefix arrays are errors naming the sequence. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,24 +110,6 @@ static void test_attention(const mrl_kernels *K, const char *name) {
     snprintf(what, sizeof what, "%s shared dv", name);
     cmp(what, dv, want_dv, nk, 1e-5);
 
-    /* the fast set against the reference on the shared layout, 1 and 2 threads */
-    if (K != mrl_kernels_cpu_reference()) {
-        const mrl_kernels *R = mrl_kernels_cpu_reference();
-        float *rout = zeros(nq), *rlse = zeros(T_SHARED * Hq), *rdq = zeros(nq), *rdk = zeros(nk), *rdv = zeros(nk);
-        R->attn_fwd(rout, rlse, q, k, v, cu_shared, prefix_of, NS, Hq, Hk, hd, scale);
-        R->attn_bwd(rdq, rdk, rdv, dout, rout, rlse, q, k, v, cu_shared, prefix_of, NS, Hq, Hk, hd, scale);
-        for (int threads = 1; threads <= 2; threads++) {
-            mrl_parallel_set_threads(threads);
-            K->attn_fwd(out, lse, q, k, v, cu_shared, prefix_of, NS, Hq, Hk, hd, scale);
-            K->attn_bwd(dq, dk, dv, dout, out, lse, q, k, v, cu_shared, prefix_of, NS, Hq, Hk, hd, scale);
-            cmp("fast vs reference shared out", out, rout, nq, 1e-5);
-            cmp("fast vs reference shared lse", lse, rlse, T_SHARED * Hq, 1e-6);
-            cmp("fast vs reference shared dq", dq, rdq, nq, 1e-5);
-            cmp("fast vs reference shared dk", dk, rdk, nk, 1e-5);
-            cmp("fast vs reference shared dv", dv, rdv, nk, 1e-5);
-        }
-        free(rout), free(rlse), free(rdq), free(rdk), free(rdv);
-    }
     free(q), free(k), free(v), free(dout), free(out), free(lse), free(dq), free(dk), free(dv);
     free(xq), free(xk), free(xv), free(xdout), free(xout), free(xlse), free(xdq), free(xdk), free(xdv);
     free(want_out), free(want_lse), free(want_dq), free(want_dk), free(want_dv);

@@ -1,0 +1,1326 @@
+/* Every op of every op table (kernels/kernels.h) against the CPU reference,
+ * in the spirit of ggml's test-backend-ops.
+ *
+ * Tables: the reference, and the fast CPU table at each instruction set this
+ * CPU has (avx512, avx2, sse: kernels/cpu/isa.c). A CUDA table plugs in as
+ * one more entry of `tables` with its memory hooks (its ops take device
+ * pointers: every array of a case is copied there and back); tables that
+ * are not built in, or instruction sets this CPU lacks, are skipped.
+ *
+ * Forward: each op runs on fresh random inputs of several shapes, on every
+ * table; its outputs are compared with the reference's on the same inputs
+ * by the normalised error max |got - ref| / max |ref| (0: the same bits),
+ * against the tolerance stated per output with its reason (TOL_* below).
+ * Inputs an op only reads must come back untouched, outputs start as NaN
+ * (what an op leaves unwritten shows), and a fast CPU table must give the
+ * same bits on 1 thread as on all of them.
+ *
+ * Backward: every backward op of every table, the reference's included,
+ * against central differences of the reference forward (the loss, a random
+ * weighting of the outputs, summed in double), on small shapes.
+ *
+ * Contracts: the shape checks of paged attention and the failing rows of
+ * the sampler give the same errors on every table.
+ *
+ *   test_ops [OP [TABLE]]   only the cases of op OP (a slot name), only on TABLE
+ *   SEED=n test_ops         other random inputs (the default seed is fixed) */
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include "check.h"
+#include "model/random_arrays.h"
+#include "kernels.h"
+#include "moonrl/dtype.h"
+#include "moonrl/parallel.h"
+#include "moonrl/status.h"
+
+/* ---- tolerances: the normalised error each output may have, and why ---- */
+
+/* Copies and element-wise fp32 arithmetic done the same way as the
+ * reference (the same operations in the same order, no fused multiply-add):
+ * the same bits. So: rows, biases, panels, the K/V write, AdamW, scale, the
+ * dtype conversions (each rounding is defined bit for bit). */
+#define TOL_BITS 0.0
+/* Dot products over at most a few hundred terms summed in fp32 lanes and
+ * blocks (OpenBLAS, our vector loops) against the reference's double sums:
+ * a few units of 2^-24 times sqrt(terms), relative to the largest output. */
+#define TOL_DOT 1e-5
+/* One fp32 sum of a row's squares then a scale (rmsnorm, its rstd), a rotation
+ * (RoPE), or the vector exp (a degree-7 polynomial, below 1e-8 relative) in
+ * SwiGLU: a few ulp. */
+#define TOL_ULPS 1e-6
+/* Paged attention: fp32 scores and weighted sums over up to 300 keys, the
+ * vector exp; the bound its own test against plain attention always met. */
+#define TOL_PAGED 2e-6
+/* The sampler's log-probs: x - lse with lse from a sum of vector exps in
+ * double and one fp32 log, against libm's exp: a few ulp of |x|. The
+ * tokens themselves must be the same. */
+#define TOL_SAMPLE 1e-6
+/* Sums in double in another order (blocks of 8192, four lanes): n 2^-53. */
+#define TOL_SUM 1e-12
+/* Central differences of the fp32 reference forward with h = 1e-3: the
+ * truncation error O(h^2) and the rounding of the outputs, 2^-24 / h
+ * relative, summed over the outputs. */
+#define TOL_FD 3e-3
+
+/* ---- tables ---- */
+
+typedef struct table {
+    const char *name;
+    const mrl_kernels *(*get)(void);
+    const char *isa;      /* the fast CPU table: the instruction set to select first */
+    int threaded;         /* its results must not depend on mrl_parallel's thread count */
+    /* device memory; NULL for tables whose ops take host pointers */
+    void *(*alloc)(size_t bytes);
+    void (*upload)(void *dst, const void *src, size_t bytes);
+    void (*download)(void *dst, const void *src, size_t bytes);
+    void (*release)(void *p);
+} table;
+
+static const table tables[] = {
+    {"reference", mrl_kernels_cpu_reference, NULL, 0},
+    {"fast-avx512", mrl_kernels_cpu_fast, "avx512", 1},
+    {"fast-avx2", mrl_kernels_cpu_fast, "avx2", 1},
+    {"fast-sse", mrl_kernels_cpu_fast, "sse", 1},
+};
+enum { N_TABLES = sizeof tables / sizeof tables[0] };
+
+static const char *only_op, *only_table;
+
+/* The table's ops, its instruction set selected; NULL: not here. */
+static const mrl_kernels *use(const table *t) {
+    if (only_table && t != &tables[0] && strcmp(only_table, t->name)) return NULL;
+    if (t->isa && mrl_kernels_cpu_fast_set_isa(t->isa) != 0) return NULL;
+    return t->get();
+}
+
+/* ---- op cases: arrays, parameters, and the call ---- */
+
+enum { F32, U16, I32, F64 };
+enum { IN, OUT, INOUT };
+static const size_t elem_size[] = {4, 2, 4, 8};
+
+typedef struct arr {
+    const char *name;
+    int type, role;
+    int64_t n;
+    void *init; /* IN, INOUT: the values; OUT: NULL (starts with every bit set: NaN, -1) */
+    double tol; /* OUT, INOUT: TOL_* */
+} arr;
+
+#define MAXA 12
+typedef struct op_case op_case;
+/* p[j]: array j in the table's memory */
+typedef void (*run_fn)(const mrl_kernels *k, void *const *p, const op_case *c);
+struct op_case {
+    const char *op; /* the slot */
+    char shape[128];
+    arr a[MAXA];
+    int na;
+    int64_t i[10];     /* sizes and integer parameters */
+    float f[4];        /* float parameters */
+    const void *extra; /* host data the op reads as is (sampling params, descriptors) */
+    run_fn run;
+};
+
+static op_case *new_case(op_case *c, const char *op, run_fn run, const char *fmt, ...) {
+    memset(c, 0, sizeof *c);
+    c->op = op;
+    c->run = run;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->shape, sizeof c->shape, fmt, ap);
+    va_end(ap);
+    return c;
+}
+
+static size_t bytes_of(const arr *a) { return (size_t)a->n * elem_size[a->type]; }
+
+/* Add an array (init copied); returns its index. */
+static int add(op_case *c, const char *name, int type, int role, int64_t n, const void *init, double tol) {
+    arr *a = &c->a[c->na];
+    *a = (arr){name, type, role, n, NULL, tol};
+    if (init) {
+        a->init = malloc(bytes_of(a) + 1);
+        memcpy(a->init, init, bytes_of(a));
+    }
+    return c->na++;
+}
+
+static int in_rnd(op_case *c, const char *name, int64_t n, float scale) {
+    float *x = rnd(n, scale);
+    int j = add(c, name, F32, IN, n, x, 0);
+    free(x);
+    return j;
+}
+
+static int inout_rnd(op_case *c, const char *name, int64_t n, float scale, double tol) {
+    float *x = rnd(n, scale);
+    int j = add(c, name, F32, INOUT, n, x, tol);
+    free(x);
+    return j;
+}
+
+static void free_case(op_case *c) {
+    for (int j = 0; j < c->na; j++) free(c->a[j].init);
+    c->na = 0;
+}
+
+/* Run c with table t's ops k: the arrays copied into its memory (outputs with
+ * every bit set), the op, the outputs copied back into out[j] (host, for the
+ * caller to free; NULL for inputs). Returns the index of an input the op
+ * changed, or -1. */
+static int run_case(const table *t, const mrl_kernels *k, const op_case *c, void **out) {
+    void *p[MAXA], *host[MAXA];
+    for (int j = 0; j < c->na; j++) {
+        const arr *a = &c->a[j];
+        host[j] = malloc(bytes_of(a) + 1);
+        if (a->init) memcpy(host[j], a->init, bytes_of(a));
+        else memset(host[j], 0xff, bytes_of(a));
+        p[j] = host[j];
+        if (t->alloc) {
+            p[j] = t->alloc(bytes_of(a) + 1);
+            t->upload(p[j], host[j], bytes_of(a));
+        }
+    }
+    c->run(k, p, c);
+    int touched = -1;
+    for (int j = 0; j < c->na; j++) {
+        const arr *a = &c->a[j];
+        if (t->alloc) {
+            t->download(host[j], p[j], bytes_of(a));
+            t->release(p[j]);
+        }
+        out[j] = a->role == IN ? NULL : host[j];
+        if (a->role != IN) continue;
+        if (memcmp(host[j], a->init, bytes_of(a))) touched = j;
+        free(host[j]);
+    }
+    return touched;
+}
+
+static void free_outputs(const op_case *c, void **out) {
+    for (int j = 0; j < c->na; j++) free(out[j]);
+}
+
+/* The normalised error of got against want: max |got - want| / max |want|
+ * over the values; a NaN or infinity where the other has another value: inf.
+ * tol 0 and integers: 0 for the same bits, else inf. */
+static double error_of(const arr *a, const void *got, const void *want) {
+    if (a->tol == 0 || a->type == I32 || a->type == U16) return memcmp(got, want, bytes_of(a)) ? INFINITY : 0;
+    double d = 0, s = 0;
+    for (int64_t i = 0; i < a->n; i++) {
+        double g = a->type == F32 ? ((const float *)got)[i] : ((const double *)got)[i];
+        double w = a->type == F32 ? ((const float *)want)[i] : ((const double *)want)[i];
+        if (!isfinite(g) || !isfinite(w)) {
+            if (!(isnan(g) && isnan(w)) && g != w) return INFINITY;
+            continue;
+        }
+        if (fabs(g - w) > d) d = fabs(g - w);
+        if (fabs(w) > s) s = fabs(w);
+    }
+    return s > 0 ? d / s : d;
+}
+
+/* ---- the summary: the worst error of each (op, output) on each table ---- */
+
+typedef struct row {
+    const char *op;
+    char output[48];
+    double tol, worst[N_TABLES]; /* -1: not run */
+} row;
+
+static row rows[128];
+static int n_rows;
+
+static row *row_of(const char *op, const char *output, double tol) {
+    for (int r = 0; r < n_rows; r++)
+        if (!strcmp(rows[r].op, op) && !strcmp(rows[r].output, output)) return &rows[r];
+    row *r = &rows[n_rows++];
+    r->op = op;
+    snprintf(r->output, sizeof r->output, "%s", output);
+    r->tol = tol;
+    for (int t = 0; t < N_TABLES; t++) r->worst[t] = -1;
+    return r;
+}
+
+static void record(const char *op, const char *output, double tol, int t, double e) {
+    row *r = row_of(op, output, tol);
+    if (e > r->worst[t]) r->worst[t] = e;
+}
+
+static int wanted(const char *op) { return !only_op || !strcmp(only_op, op); }
+
+/* One case on every table against the reference; frees the case. */
+static void check_case(op_case *c) {
+    if (!wanted(c->op)) {
+        free_case(c);
+        return;
+    }
+    void *want[MAXA], *got[MAXA], *got1[MAXA];
+    const mrl_kernels *R = use(&tables[0]);
+    int touched = run_case(&tables[0], R, c, want);
+    if (touched >= 0) fprintf(stderr, "%s %s: the reference wrote its input %s\n", c->op, c->shape, c->a[touched].name);
+    CHECK(touched < 0);
+    for (int t = 1; t < N_TABLES; t++) {
+        const mrl_kernels *k = use(&tables[t]);
+        if (!k) continue;
+        touched = run_case(&tables[t], k, c, got);
+        if (touched >= 0) fprintf(stderr, "%s %s on %s: wrote its input %s\n", c->op, c->shape, tables[t].name, c->a[touched].name);
+        CHECK(touched < 0);
+        for (int j = 0; j < c->na; j++) {
+            const arr *a = &c->a[j];
+            if (a->role == IN) continue;
+            double e = error_of(a, got[j], want[j]);
+            record(c->op, a->name, a->tol, t, e);
+            if (!(e <= a->tol)) fprintf(stderr, "%s %s on %s: %s error %.3g > %.3g\n", c->op, c->shape, tables[t].name, a->name, e, a->tol);
+            CHECK(e <= a->tol);
+        }
+        if (tables[t].threaded && mrl_parallel_threads() > 1) { /* the same bits on one thread */
+            int threads = mrl_parallel_threads();
+            mrl_parallel_set_threads(1);
+            run_case(&tables[t], k, c, got1);
+            mrl_parallel_set_threads(threads);
+            for (int j = 0; j < c->na; j++) {
+                if (c->a[j].role == IN || !memcmp(got[j], got1[j], bytes_of(&c->a[j]))) continue;
+                fprintf(stderr, "%s %s on %s: %s differs on 1 and %d threads\n", c->op, c->shape, tables[t].name,
+                        c->a[j].name, threads);
+                CHECK(0);
+            }
+            free_outputs(c, got1);
+        }
+        free_outputs(c, got);
+    }
+    free_outputs(c, want);
+    free_case(c);
+}
+
+/* ---- matrix products ---- */
+
+/* p: A, B, C */
+static void run_gemm(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const int64_t *i = c->i;
+    k->gemm((int)i[0], (int)i[1], i[2], i[3], i[4], c->f[0], p[0], i[5], p[1], i[6], c->f[1], p[2], i[7]);
+}
+
+static void gemm_params(op_case *c, int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                        int64_t ldc, float alpha, float beta) {
+    int64_t i[8] = {ta, tb, M, N, K, lda, ldb, ldc};
+    memcpy(c->i, i, sizeof i);
+    c->f[0] = alpha, c->f[1] = beta;
+}
+
+/* Shapes with edges (1, 7, 31, 33, 257; larger than a cache block: 230 rows,
+ * 530 columns, 270 deep; few rows times a transposed matrix: the decode
+ * path), every transpose, alpha, beta 0 (C full of NaN: must not be read),
+ * 0.5 and 1, leading dimensions wider than the matrices (the gaps must stay
+ * as they were). */
+static void cases_gemm(void) {
+    static const int64_t shapes[][3] = {{1, 1, 1},    {1, 33, 31},  {7, 33, 31},  {31, 33, 7},   {33, 7, 31},
+                                        {257, 33, 7}, {31, 257, 7}, {33, 7, 257}, {16, 32, 256}, {230, 530, 270},
+                                        {64, 96, 0},  {9, 70, 83}};
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int t = 0; t < 4; t++) {
+            int ta = t & 1, tb = t >> 1;
+            int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+            int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+            float alpha = t == 3 ? -1.5f : 0.75f, beta = (float)((s + t) % 3) * 0.5f;
+            new_case(&c, "gemm", run_gemm, "%c%c %lldx%lldx%lld beta %g", ta ? 'T' : 'N', tb ? 'T' : 'N',
+                     (long long)M, (long long)N, (long long)K, beta);
+            in_rnd(&c, "A", (ta ? K : M) * lda, 1);
+            in_rnd(&c, "B", (tb ? N : K) * ldb, 1);
+            float *C = rnd(M * ldc, 1);
+            for (int64_t x = 0; x < M * ldc; x++)
+                if (beta == 0 && x % ldc < N) C[x] = NAN;
+            add(&c, "C", F32, INOUT, M * ldc, C, TOL_DOT);
+            free(C);
+            gemm_params(&c, ta, tb, M, N, K, lda, ldb, ldc, alpha, beta);
+            check_case(&c);
+        }
+}
+
+/* c->extra: n descriptors whose A, B, C are offsets into p[0], p[1], p[2] */
+static void run_gemm_group(const mrl_kernels *k, void *const *p, const op_case *c) {
+    int n = (int)c->i[0];
+    mrl_gemm_desc g[16];
+    memcpy(g, c->extra, sizeof(mrl_gemm_desc) * n);
+    for (int j = 0; j < n; j++) {
+        g[j].A = (const float *)p[0] + (intptr_t)g[j].A;
+        g[j].B = (const float *)p[1] + (intptr_t)g[j].B;
+        g[j].C = (float *)p[2] + (intptr_t)g[j].C;
+    }
+    k->gemm_group(g, n);
+}
+
+#define AT(offset) ((float *)(intptr_t)(offset)) /* an offset in a descriptor of run_gemm_group */
+
+/* Groups: three products of other shapes (one empty), and ten (more than the
+ * fast table's eight at a time), outputs apart. */
+static void cases_gemm_group(void) {
+    op_case c;
+    int64_t M = 37, N = 29, K = 45;
+    mrl_gemm_desc three[3] = {{0, 1, M, N, K, 1.0f, AT(0), K, AT(0), K, 0.0f, AT(0), N},
+                              {1, 0, N, M, K / 2, 2.0f, AT(0), N, AT(0), M, 1.0f, AT(M * N), M},
+                              {0, 0, 0, N, K, 1.0f, AT(0), K, AT(0), N, 0.0f, AT(2 * M * N), N}};
+    new_case(&c, "gemm_group", run_gemm_group, "3 products, one empty");
+    in_rnd(&c, "A", M * K, 1);
+    in_rnd(&c, "B", K * N, 1);
+    inout_rnd(&c, "C", 3 * M * N, 1, TOL_DOT);
+    c.i[0] = 3, c.extra = three;
+    check_case(&c);
+    mrl_gemm_desc ten[10];
+    for (int j = 0; j < 10; j++)
+        ten[j] = (mrl_gemm_desc){j % 2, 1, 5 + j, 11, 13, 1.0f, AT(0), j % 2 ? 5 + j : 13, AT(0), 13, 0.5f, AT(j * 16 * 11), 11};
+    new_case(&c, "gemm_group", run_gemm_group, "10 products");
+    in_rnd(&c, "A", 16 * 13, 1);
+    in_rnd(&c, "B", 11 * 13, 1);
+    inout_rnd(&c, "C", 10 * 16 * 11, 1, TOL_DOT);
+    c.i[0] = 10, c.extra = ten;
+    check_case(&c);
+}
+
+/* Products with W given as weight panels (the engine's decode products):
+ * row counts around the tile heights (1..7, 13, 64, 131), widths that end
+ * inside a panel (40, 100) or on one (96), beta 0 (C NaN: not read) and
+ * 1.3, ldc wider than N (the gap untouched). The reference's panel product
+ * is also held to its plain product on W. */
+static void cases_gemm_panels(void) {
+    static const int64_t rows_[] = {1, 2, 3, 4, 5, 6, 7, 13, 64, 131}, cols[] = {40, 96, 100}, depth[] = {37, 64};
+    const mrl_kernels *R = mrl_kernels_cpu_reference();
+    op_case c;
+    double worst = 0;
+    for (size_t a = 0; a < sizeof rows_ / sizeof rows_[0]; a++)
+        for (size_t b = 0; b < sizeof cols / sizeof cols[0]; b++)
+            for (size_t d = 0; d < sizeof depth / sizeof depth[0]; d++) {
+                int64_t M = rows_[a], N = cols[b], K = depth[d], ldc = N + 3;
+                float beta = (a + b + d) % 2 ? 1.3f : 0.0f;
+                float *A = rnd(M * K, 1), *W = rnd(N * K, 1), *P = zeros(mrl_panels_floats(N, K)), *C = rnd(M * ldc, 1);
+                for (int64_t x = 0; x < M * ldc; x++)
+                    if (beta == 0 && x % ldc < N) C[x] = NAN;
+                R->panels_pack(P, W, N, K);
+                mrl_gemm_desc g = {0, 1, M, N, K, 0.7f, AT(0), K, AT(0), 0, beta, AT(0), ldc, .b_panels = 1};
+                new_case(&c, "gemm_group", run_gemm_group, "panels %lldx%lldx%lld beta %g", (long long)M, (long long)N,
+                         (long long)K, beta);
+                add(&c, "A", F32, IN, M * K, A, 0);
+                add(&c, "P", F32, IN, mrl_panels_floats(N, K), P, 0);
+                add(&c, "C", F32, INOUT, M * ldc, C, TOL_DOT);
+                c.i[0] = 1, c.extra = &g;
+                if (wanted(c.op)) { /* the reference's panels against its plain product on W */
+                    float *C1 = zeros(M * ldc), *C2 = zeros(M * ldc);
+                    memcpy(C1, C, sizeof(float) * M * ldc);
+                    memcpy(C2, C, sizeof(float) * M * ldc);
+                    R->gemm(0, 1, M, N, K, 0.7f, A, K, W, K, beta, C1, ldc);
+                    mrl_gemm_desc h = g;
+                    h.A = A, h.B = P, h.C = C2;
+                    R->gemm_group(&h, 1);
+                    double e = error_of(&c.a[2], C2, C1);
+                    worst = e > worst ? e : worst;
+                    free(C1), free(C2);
+                }
+                check_case(&c);
+                free(A), free(W), free(P), free(C);
+            }
+    if (wanted("gemm_group")) record("gemm_group", "panels vs plain (reference)", TOL_DOT, 0, worst);
+    CHECK(worst <= TOL_DOT);
+}
+
+/* ---- rmsnorm, rope, swiglu ---- */
+
+static const int64_t norm_shapes[][2] = {{1, 3}, {3, 7}, {150, 67}, {130, 128}}; /* D = 1: dx is all cancellation */
+
+static void run_rmsnorm_fwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->rmsnorm_fwd(p[0], p[1], p[2], p[3], c->i[0], (int)c->i[1], c->f[0]);
+}
+
+static void run_rmsnorm_bwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->rmsnorm_bwd(p[0], p[1], p[2], p[3], p[4], p[5], c->i[0], (int)c->i[1]);
+}
+
+static void cases_rmsnorm(void) {
+    op_case c;
+    for (size_t s = 0; s < sizeof norm_shapes / sizeof norm_shapes[0]; s++) {
+        int64_t T = norm_shapes[s][0], D = norm_shapes[s][1];
+        float *x = rnd(T * D, 1), *w = rnd(D, 1), *out = zeros(T * D), *rstd = zeros(T);
+        mrl_kernels_cpu_reference()->rmsnorm_fwd(out, rstd, x, w, T, (int)D, 1e-6f);
+        new_case(&c, "rmsnorm_fwd", run_rmsnorm_fwd, "%lldx%lld", (long long)T, (long long)D);
+        add(&c, "out", F32, OUT, T * D, NULL, TOL_ULPS);
+        add(&c, "rstd", F32, OUT, T, NULL, TOL_ULPS);
+        add(&c, "x", F32, IN, T * D, x, 0);
+        add(&c, "w", F32, IN, D, w, 0);
+        c.i[0] = T, c.i[1] = D, c.f[0] = 1e-6f;
+        check_case(&c);
+        new_case(&c, "rmsnorm_bwd", run_rmsnorm_bwd, "%lldx%lld", (long long)T, (long long)D);
+        inout_rnd(&c, "dx", T * D, 1, TOL_ULPS);
+        inout_rnd(&c, "dw", D, 1, TOL_DOT); /* T rows summed in fp32 blocks */
+        in_rnd(&c, "dout", T * D, 1);
+        add(&c, "x", F32, IN, T * D, x, 0);
+        add(&c, "w", F32, IN, D, w, 0);
+        add(&c, "rstd", F32, IN, T, rstd, 0);
+        c.i[0] = T, c.i[1] = D;
+        check_case(&c);
+        free(x), free(w), free(out), free(rstd);
+    }
+}
+
+static void run_rope(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->rope(p[0], p[1], p[2], p[3], c->i[0], (int)c->i[1], (int)c->i[2], (int)c->i[3]);
+}
+
+static void cases_rope(void) {
+    static const int shapes[][3] = {{5, 2, 6}, {150, 3, 10}, {64, 4, 128}};
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int inverse = 0; inverse < 2; inverse++) {
+            int T = shapes[s][0], H = shapes[s][1], hd = shapes[s][2], half = hd / 2, P = 40;
+            int32_t *pos = malloc(sizeof(int32_t) * T);
+            for (int t = 0; t < T; t++) pos[t] = (t * 7) % P;
+            new_case(&c, "rope", run_rope, "%dx%dx%d%s", T, H, hd, inverse ? " inverse" : "");
+            inout_rnd(&c, "x", (int64_t)T * H * hd, 1, TOL_ULPS);
+            add(&c, "pos", I32, IN, T, pos, 0);
+            in_rnd(&c, "cos", P * half, 1);
+            in_rnd(&c, "sin", P * half, 1);
+            c.i[0] = T, c.i[1] = H, c.i[2] = hd, c.i[3] = inverse;
+            check_case(&c);
+            free(pos);
+        }
+}
+
+static void run_swiglu_fwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->swiglu_fwd(p[0], p[1], p[2], c->i[0]);
+}
+
+static void run_swiglu_bwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->swiglu_bwd(p[0], p[1], p[2], p[3], p[4], c->i[0]);
+}
+
+static void cases_swiglu(void) {
+    static const int64_t sizes[] = {1, 19, 1003, 40000}; /* 40000: over one thread's share */
+    op_case c;
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+        int64_t n = sizes[s];
+        new_case(&c, "swiglu_fwd", run_swiglu_fwd, "%lld", (long long)n);
+        add(&c, "out", F32, OUT, n, NULL, TOL_ULPS);
+        in_rnd(&c, "gate", n, 3);
+        in_rnd(&c, "up", n, 1);
+        c.i[0] = n;
+        check_case(&c);
+        new_case(&c, "swiglu_bwd", run_swiglu_bwd, "%lld", (long long)n);
+        add(&c, "dgate", F32, OUT, n, NULL, TOL_ULPS);
+        add(&c, "dup", F32, OUT, n, NULL, TOL_ULPS);
+        in_rnd(&c, "dout", n, 1);
+        in_rnd(&c, "gate", n, 3);
+        in_rnd(&c, "up", n, 1);
+        c.i[0] = n;
+        check_case(&c);
+    }
+}
+
+/* ---- attention ---- */
+
+/* A packed batch: n sequences, their cumulative lengths and prefixes. */
+typedef struct attn_layout {
+    const char *name;
+    int n;
+    int32_t cu[9], prefix[8]; /* prefix[0] = -2: none */
+    int Hq, Hk, hd;
+} attn_layout;
+
+/* 4 sequences (one of length 1, one longer than a query block of 64); the
+ * shared-prompt layout of mrl_batch.prefix (0 a prefix of 9 rows with
+ * children of 5, 1 and 70 rows; 4 alone; 5 a prefix of 66 rows with one
+ * child); a small MHA one. */
+static const attn_layout attn_layouts[] = {
+    {"4 seqs, GQA 6/2, hd 20", 4, {0, 1, 71, 100, 150}, {-2}, 6, 2, 20},
+    {"prefixes, GQA 6/2, hd 20", 7, {0, 9, 14, 15, 85, 88, 154, 158}, {-1, 0, 0, 0, -1, -1, 5}, 6, 2, 20},
+    {"3 seqs, MHA 2/2, hd 7", 3, {0, 4, 5, 9}, {-2}, 2, 2, 7},
+};
+
+static const int32_t *prefix_of(const attn_layout *L) { return L->prefix[0] == -2 ? NULL : L->prefix; }
+
+/* p: out, lse, q, k, v, cu, prefix (when the layout has one) */
+static void run_attn_fwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->attn_fwd(p[0], p[1], p[2], p[3], p[4], p[5], c->i[1] ? p[6] : NULL, (int)c->i[0], (int)c->i[2], (int)c->i[3],
+                (int)c->i[4], c->f[0]);
+}
+
+/* p: dq, dk, dv, dout, out, lse, q, k, v, cu, prefix */
+static void run_attn_bwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->attn_bwd(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], c->i[1] ? p[10] : NULL, (int)c->i[0],
+                (int)c->i[2], (int)c->i[3], (int)c->i[4], c->f[0]);
+}
+
+static void attn_params(op_case *c, const attn_layout *L, float scale) {
+    c->i[0] = L->n, c->i[1] = prefix_of(L) != NULL, c->i[2] = L->Hq, c->i[3] = L->Hk, c->i[4] = L->hd;
+    c->f[0] = scale;
+}
+
+static void cases_attention(void) {
+    op_case c;
+    for (size_t s = 0; s < sizeof attn_layouts / sizeof attn_layouts[0]; s++) {
+        const attn_layout *L = &attn_layouts[s];
+        int64_t T = L->cu[L->n], nq = T * L->Hq * L->hd, nk = T * L->Hk * L->hd;
+        float scale = 0.3f;
+        float *q = rnd(nq, 1), *k = rnd(nk, 1), *v = rnd(nk, 1), *out = zeros(nq), *lse = zeros(T * L->Hq);
+        mrl_kernels_cpu_reference()->attn_fwd(out, lse, q, k, v, L->cu, prefix_of(L), L->n, L->Hq, L->Hk, L->hd, scale);
+        new_case(&c, "attn_fwd", run_attn_fwd, "%s", L->name);
+        add(&c, "out", F32, OUT, nq, NULL, TOL_DOT);
+        add(&c, "lse", F32, OUT, T * L->Hq, NULL, TOL_ULPS);
+        add(&c, "q", F32, IN, nq, q, 0);
+        add(&c, "k", F32, IN, nk, k, 0);
+        add(&c, "v", F32, IN, nk, v, 0);
+        add(&c, "cu", I32, IN, L->n + 1, L->cu, 0);
+        if (prefix_of(L)) add(&c, "prefix", I32, IN, L->n, L->prefix, 0);
+        attn_params(&c, L, scale);
+        check_case(&c);
+        new_case(&c, "attn_bwd", run_attn_bwd, "%s", L->name);
+        add(&c, "dq", F32, OUT, nq, NULL, TOL_DOT);
+        add(&c, "dk", F32, OUT, nk, NULL, TOL_DOT);
+        add(&c, "dv", F32, OUT, nk, NULL, TOL_DOT);
+        in_rnd(&c, "dout", nq, 1);
+        add(&c, "out", F32, IN, nq, out, 0);
+        add(&c, "lse", F32, IN, T * L->Hq, lse, 0);
+        add(&c, "q", F32, IN, nq, q, 0);
+        add(&c, "k", F32, IN, nk, k, 0);
+        add(&c, "v", F32, IN, nk, v, 0);
+        add(&c, "cu", I32, IN, L->n + 1, L->cu, 0);
+        if (prefix_of(L)) add(&c, "prefix", I32, IN, L->n, L->prefix, 0);
+        attn_params(&c, L, scale);
+        check_case(&c);
+        free(q), free(k), free(v), free(out), free(lse);
+    }
+}
+
+/* ---- the head ---- */
+
+/* p: logits, targets, lse, entropy, logprob */
+static void run_head_fwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->head_fwd(p[0], c->i[0], (int)c->i[1], c->f[0], p[1], p[2], p[3], p[4]);
+}
+
+/* p: logits (in place), targets, lse, entropy, dlogprob, dentropy (i[2]: given) */
+static void run_head_bwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->head_bwd(p[0], c->i[0], (int)c->i[1], c->f[0], p[1], p[2], p[3], p[4], c->i[2] ? p[5] : NULL);
+}
+
+static int32_t *head_targets(int64_t rows, int V) {
+    int32_t *tg = malloc(sizeof(int32_t) * rows);
+    for (int64_t r = 0; r < rows; r++) tg[r] = r % 4 == 3 ? -1 : (int32_t)((r * 97) % V);
+    return tg;
+}
+
+static void cases_head(void) {
+    static const int shapes[][2] = {{1, 7}, {4, 32}, {13, 1003}};
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t rows = shapes[s][0];
+        int V = shapes[s][1];
+        float inv_temp = 1 / 0.7f, *z = rnd(rows * V, 3), *lse = zeros(rows), *ent = zeros(rows), *lp = zeros(rows);
+        int32_t *tg = head_targets(rows, V);
+        mrl_kernels_cpu_reference()->head_fwd(z, rows, V, inv_temp, tg, lse, ent, lp);
+        new_case(&c, "head_fwd", run_head_fwd, "%lldx%d", (long long)rows, V);
+        add(&c, "logits", F32, IN, rows * V, z, 0);
+        add(&c, "targets", I32, IN, rows, tg, 0);
+        add(&c, "lse", F32, OUT, rows, NULL, TOL_ULPS);
+        add(&c, "entropy", F32, OUT, rows, NULL, TOL_DOT);
+        add(&c, "logprob", F32, OUT, rows, NULL, TOL_DOT);
+        c.i[0] = rows, c.i[1] = V, c.f[0] = inv_temp;
+        check_case(&c);
+        for (int with_entropy = 0; with_entropy < 2; with_entropy++) {
+            new_case(&c, "head_bwd", run_head_bwd, "%lldx%d%s", (long long)rows, V, with_entropy ? " entropy" : "");
+            add(&c, "dlogits", F32, INOUT, rows * V, z, TOL_DOT);
+            add(&c, "targets", I32, IN, rows, tg, 0);
+            add(&c, "lse", F32, IN, rows, lse, 0);
+            add(&c, "entropy", F32, IN, rows, ent, 0);
+            in_rnd(&c, "dlogprob", rows, 1);
+            in_rnd(&c, "dentropy", rows, 1);
+            c.i[0] = rows, c.i[1] = V, c.i[2] = with_entropy, c.f[0] = inv_temp;
+            check_case(&c);
+        }
+        free(z), free(lse), free(ent), free(lp), free(tg);
+    }
+}
+
+/* ---- rows, biases, panels ---- */
+
+static void run_gather_rows(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->gather_rows(p[0], p[1], p[2], c->i[0], c->i[1]);
+}
+
+static void run_scatter_add_rows(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->scatter_add_rows(p[0], p[1], p[2], c->i[0], c->i[1]);
+}
+
+static void run_bias_add(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->bias_add(p[0], p[1], c->i[0], c->i[1]);
+}
+
+static void run_bias_bwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->bias_bwd(p[0], p[1], c->i[0], c->i[1]);
+}
+
+static void run_panels_pack(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->panels_pack(p[0], p[1], c->i[0], c->i[1]);
+}
+
+/* Rows named several times (the same token twice in a batch), a table of
+ * rows (V) and the rows taken (n) of several widths; biases over few and
+ * many rows; panels ending inside a panel and on one. */
+static void cases_rows(void) {
+    static const int64_t shapes[][3] = {{5, 7, 3}, {300, 256, 40}, {2048, 64, 151}}; /* n, D, V */
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t n = shapes[s][0], D = shapes[s][1], V = shapes[s][2];
+        int32_t *idx = malloc(sizeof(int32_t) * n);
+        for (int64_t i = 0; i < n; i++) idx[i] = (int32_t)((i * 31 + i * i) % V);
+        new_case(&c, "gather_rows", run_gather_rows, "%lld of %lldx%lld", (long long)n, (long long)V, (long long)D);
+        add(&c, "out", F32, OUT, n * D, NULL, TOL_BITS);
+        in_rnd(&c, "src", V * D, 1);
+        add(&c, "idx", I32, IN, n, idx, 0);
+        c.i[0] = n, c.i[1] = D;
+        check_case(&c);
+        new_case(&c, "scatter_add_rows", run_scatter_add_rows, "%lld into %lldx%lld", (long long)n, (long long)V,
+                 (long long)D);
+        inout_rnd(&c, "dst", V * D, 1, TOL_BITS);
+        in_rnd(&c, "src", n * D, 1);
+        add(&c, "idx", I32, IN, n, idx, 0);
+        c.i[0] = n, c.i[1] = D;
+        check_case(&c);
+        free(idx);
+        new_case(&c, "bias_add", run_bias_add, "%lldx%lld", (long long)n, (long long)D);
+        inout_rnd(&c, "y", n * D, 1, TOL_BITS);
+        in_rnd(&c, "b", D, 1);
+        c.i[0] = n, c.i[1] = D;
+        check_case(&c);
+        new_case(&c, "bias_bwd", run_bias_bwd, "%lldx%lld", (long long)n, (long long)D);
+        inout_rnd(&c, "db", D, 1, TOL_BITS);
+        in_rnd(&c, "dy", n * D, 1);
+        c.i[0] = n, c.i[1] = D;
+        check_case(&c);
+    }
+    static const int64_t panels[][2] = {{40, 37}, {96, 64}, {100, 1}, {1000, 128}}; /* N, K */
+    for (size_t s = 0; s < sizeof panels / sizeof panels[0]; s++) {
+        int64_t N = panels[s][0], K = panels[s][1];
+        new_case(&c, "panels_pack", run_panels_pack, "%lldx%lld", (long long)N, (long long)K);
+        add(&c, "P", F32, OUT, mrl_panels_floats(N, K), NULL, TOL_BITS);
+        in_rnd(&c, "W", N * K, 1);
+        c.i[0] = N, c.i[1] = K;
+        check_case(&c);
+    }
+}
+
+/* ---- the paged KV cache ---- */
+
+/* A random permutation of 0..n-1. */
+static int32_t *permutation(int n) {
+    int32_t *p = malloc(sizeof(int32_t) * (n ? n : 1));
+    for (int i = 0; i < n; i++) p[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        int j = (int)(urand() * (i + 1)), t = p[i];
+        p[i] = p[j], p[j] = t;
+    }
+    return p;
+}
+
+static void run_kv_write(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->paged_kv_write(p[0], p[1], p[2], p[3], p[4], c->i[0], (int)c->i[1], (int)c->i[2], (int)c->i[3]);
+}
+
+/* p: out, q, k_cache, v_cache, block_tables, seq_lens, query_start;
+ * i: n_seqs, max_blocks, block_size, Hq, Hk, hd, with a workspace */
+static void run_paged_attn(const mrl_kernels *k, void *const *p, const op_case *c) {
+    mrl_paged_attn a = {.out = p[0], .q = p[1], .k_cache = p[2], .v_cache = p[3], .block_tables = p[4],
+                        .seq_lens = p[5], .query_start = p[6], .n_seqs = (int)c->i[0],
+                        .max_blocks_per_seq = (int)c->i[1], .block_size = (int)c->i[2], .Hq = (int)c->i[3],
+                        .Hk = (int)c->i[4], .hd = (int)c->i[5], .scale = c->f[0]};
+    void *ws = NULL;
+    if (c->i[6]) { /* the caller's workspace, exactly the size asked for */
+        a.workspace_bytes = k->paged_attn_workspace(&a);
+        a.workspace = ws = a.workspace_bytes > 0 ? malloc((size_t)a.workspace_bytes) : NULL;
+    }
+    CHECK_OK(k->paged_attn(&a));
+    free(ws);
+}
+
+/* Sequences whose blocks are scattered over the cache (a random block table
+ * each), mixed prefill chunks and single-token decodes, contexts up to 300
+ * tokens (past the fast kernel's key tile of 256); GQA 2:1, 4:1, 7:1
+ * (Qwen2.5-0.5B: head runs of 4 + 2 + 1), 16:1, MHA; blocks of 4, 16, 5, 7
+ * and 32 (not a multiple of 16: the plain loops); hd 8 .. 128. */
+static void cases_paged(void) {
+    static const int shapes[][4] = {{4, 2, 16, 4}, {8, 2, 64, 16}, {14, 2, 64, 16},
+                                    {3, 3, 24, 5}, {2, 1, 128, 7}, {16, 1, 8, 32}}; /* Hq, Hk, hd, block_size */
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int Hq = shapes[s][0], Hk = shapes[s][1], hd = shapes[s][2], bs = shapes[s][3], n_seqs = 5, max_len = 300;
+        int max_blocks = (max_len + bs - 1) / bs, nb = n_seqs * max_blocks + 3;
+        int64_t cache = (int64_t)nb * Hk * bs * hd;
+        int32_t lens[5], qs[6] = {0}, *tables_ = malloc(sizeof(int32_t) * n_seqs * max_blocks), *perm = permutation(nb);
+        for (int i = 0; i < n_seqs; i++) {
+            lens[i] = i == 0 ? max_len : 1 + (int)(urand() * max_len);
+            int n_q = i % 2 ? 1 : 1 + (int)(urand() * (lens[i] < 48 ? lens[i] : 48)); /* decodes and chunks */
+            qs[i + 1] = qs[i] + n_q;
+            for (int b = 0; b < max_blocks; b++) tables_[i * max_blocks + b] = perm[i * max_blocks + b];
+        }
+        int64_t T = qs[n_seqs];
+        /* the K/V write: every token of the step to its slot, some skipped */
+        int32_t *slots = malloc(sizeof(int32_t) * T);
+        for (int i = 0; i < n_seqs; i++)
+            for (int32_t t = qs[i]; t < qs[i + 1]; t++) {
+                int pos = lens[i] - (qs[i + 1] - qs[i]) + (t - qs[i]);
+                slots[t] = t % 5 == 4 ? -1 : tables_[i * max_blocks + pos / bs] * bs + pos % bs;
+            }
+        new_case(&c, "paged_kv_write", run_kv_write, "%lld tokens, Hk %d hd %d, blocks of %d", (long long)T, Hk, hd, bs);
+        inout_rnd(&c, "k_cache", cache, 1, TOL_BITS);
+        inout_rnd(&c, "v_cache", cache, 1, TOL_BITS);
+        in_rnd(&c, "k", T * Hk * hd, 1);
+        in_rnd(&c, "v", T * Hk * hd, 1);
+        add(&c, "slots", I32, IN, T, slots, 0);
+        c.i[0] = T, c.i[1] = Hk, c.i[2] = hd, c.i[3] = bs;
+        check_case(&c);
+        for (int ws = 0; ws < 2; ws++) {
+            new_case(&c, "paged_attn", run_paged_attn, "GQA %d/%d hd %d, blocks of %d%s", Hq, Hk, hd, bs,
+                     ws ? ", the caller's workspace" : "");
+            add(&c, "out", F32, OUT, T * Hq * hd, NULL, TOL_PAGED);
+            in_rnd(&c, "q", T * Hq * hd, 1);
+            in_rnd(&c, "k_cache", cache, 2);
+            in_rnd(&c, "v_cache", cache, 1);
+            add(&c, "block_tables", I32, IN, (int64_t)n_seqs * max_blocks, tables_, 0);
+            add(&c, "seq_lens", I32, IN, n_seqs, lens, 0);
+            add(&c, "query_start", I32, IN, n_seqs + 1, qs, 0);
+            c.i[0] = n_seqs, c.i[1] = max_blocks, c.i[2] = bs, c.i[3] = Hq, c.i[4] = Hk, c.i[5] = hd, c.i[6] = ws;
+            c.f[0] = 1.0f / sqrtf((float)hd);
+            check_case(&c);
+        }
+        free(tables_), free(perm), free(slots);
+    }
+}
+
+/* ---- sampling ---- */
+
+/* p: logits [n_logits, V], which row each sample reads, u; then tokens,
+ * logprobs, lp_processed. extra: the params of each sample. */
+static void run_sample(const mrl_kernels *k, void *const *p, const op_case *c) {
+    int64_t n = c->i[0];
+    int V = (int)c->i[1];
+    const float **rows_ = malloc(sizeof(*rows_) * n);
+    const mrl_sampling_params **pp = malloc(sizeof(*pp) * n);
+    for (int64_t r = 0; r < n; r++) {
+        rows_[r] = (const float *)p[0] + (int64_t)((const int32_t *)p[1])[r] * V;
+        pp[r] = (const mrl_sampling_params *)c->extra + r;
+    }
+    CHECK_OK(k->sample(rows_, n, V, pp, p[2], p[3], p[4], p[5]));
+    free(rows_), free(pp);
+}
+
+/* Greedy, plain, temperature, top-k (with ties), top-p, min-p and all
+ * together; samples of a group sharing one row; a vocabulary of 1000 and
+ * one of 151,936 (Qwen2.5). */
+static void cases_sample(void) {
+    static const int vocab[] = {1000, 151936}, n_samples[] = {37, 6};
+    op_case c;
+    for (int s = 0; s < 2; s++) {
+        int V = vocab[s], n = n_samples[s], n_rows = n - n / 4; /* the last quarter share rows */
+        float *logits = malloc(sizeof(float) * n_rows * V);
+        for (int64_t x = 0; x < (int64_t)n_rows * V; x++) logits[x] = (float)(urand() * 8 - 4);
+        for (int x = 0; x < 40; x++) logits[x] = 5.0f; /* ties at the top of row 0 */
+        mrl_sampling_params *params = malloc(sizeof(*params) * n);
+        int32_t *which = malloc(sizeof(int32_t) * n);
+        double *u = malloc(sizeof(double) * n);
+        for (int r = 0; r < n; r++) {
+            params[r] = (mrl_sampling_params){r % 5 == 0 ? 0.0f : 0.5f + r % 3, r % 4 == 1 ? 20 : 0,
+                                              r % 3 == 2 ? 0.85f : 1.0f, r % 6 == 3 ? 0.05f : 0.0f};
+            which[r] = r < n_rows ? r : r % n_rows;
+            u[r] = urand();
+        }
+        params[0] = (mrl_sampling_params){1.0f, 10, 1.0f, 0.0f}; /* top-k inside the ties */
+        new_case(&c, "sample", run_sample, "%d samples of %d rows of %d", n, n_rows, V);
+        add(&c, "logits", F32, IN, (int64_t)n_rows * V, logits, 0);
+        add(&c, "rows", I32, IN, n, which, 0);
+        add(&c, "u", F64, IN, n, u, 0);
+        add(&c, "tokens", I32, OUT, n, NULL, 0);
+        add(&c, "logprobs", F32, OUT, n, NULL, TOL_SAMPLE);
+        add(&c, "lp_processed", F32, OUT, n, NULL, TOL_SAMPLE);
+        c.i[0] = n, c.i[1] = V, c.extra = params;
+        check_case(&c);
+        free(logits), free(params), free(which), free(u);
+    }
+}
+
+/* ---- the optimizer, sums, scaling, conversions ---- */
+
+/* p: p, m, v, g; extra: the coefficients (decay, no_decay) and the ranges */
+typedef struct adamw_extra {
+    mrl_adamw_coeffs decay, no_decay;
+    int64_t ranges[8];
+    int n_ranges;
+} adamw_extra;
+
+static void run_adamw(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const adamw_extra *x = c->extra;
+    mrl_adamw_args a = {.p = p[0], .m = p[1], .v = p[2], .g = p[3], .n = c->i[0], .decay = x->decay,
+                        .no_decay = x->no_decay, .ranges = x->ranges, .n_ranges = x->n_ranges};
+    k->adamw(&a);
+}
+
+/* Odd sizes (vector tails, slices), no-decay ranges at the ends and inside,
+ * the coefficients of step 3 of lr 1e-3, weight decay 0.1. */
+static void cases_adamw(void) {
+    static const int64_t sizes[] = {1001, 300007};
+    op_case c;
+    for (int s = 0; s < 2; s++) {
+        int64_t n = sizes[s];
+        adamw_extra x = {.decay = {1.0f - 1e-4f, 0.9f, 0.1f, 0.999f, 0.001f, sqrtf(1.0f - powf(0.999f, 3)), 1e-8f,
+                                   -1e-3f / (1.0f - powf(0.9f, 3))},
+                         .ranges = {0, 3, 10, 110, n / 2, n / 2 + 4999, n - 7, n},
+                         .n_ranges = 4};
+        x.no_decay = x.decay;
+        x.no_decay.decay = 1.0f;
+        float *v = rnd(n, 0.03f);
+        for (int64_t i = 0; i < n; i++) v[i] *= v[i];
+        new_case(&c, "adamw", run_adamw, "%lld", (long long)n);
+        inout_rnd(&c, "p", n, 1, TOL_BITS);
+        inout_rnd(&c, "m", n, 0.01f, TOL_BITS);
+        add(&c, "v", F32, INOUT, n, v, TOL_BITS);
+        in_rnd(&c, "g", n, 0.1f);
+        c.i[0] = n, c.extra = &x;
+        check_case(&c);
+        free(v);
+    }
+}
+
+static void run_sum(const mrl_kernels *k, void *const *p, const op_case *c) {
+    CHECK_OK(k->sum(p[1], c->i[0], (int)c->i[1], p[0]));
+}
+
+static void run_scale(const mrl_kernels *k, void *const *p, const op_case *c) { k->scale(p[0], c->i[0], c->f[0]); }
+
+static void cases_sum_scale(void) {
+    static const int64_t sizes[] = {0, 1, 7, 8193, 300007, 1 << 20};
+    op_case c;
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+        int64_t n = sizes[s];
+        for (int squares = 0; squares < 2; squares++) {
+            new_case(&c, "sum", run_sum, "%lld%s", (long long)n, squares ? " squares" : "");
+            add(&c, "sum", F64, OUT, 1, NULL, TOL_SUM);
+            in_rnd(&c, "x", n, 1);
+            c.i[0] = n, c.i[1] = squares;
+            check_case(&c);
+        }
+        new_case(&c, "scale", run_scale, "%lld", (long long)n);
+        inout_rnd(&c, "x", n, 1, TOL_BITS);
+        c.i[0] = n, c.f[0] = 0.37f;
+        check_case(&c);
+    }
+}
+
+static void run_bf16_to_f32(const mrl_kernels *k, void *const *p, const op_case *c) { k->bf16_to_f32(p[0], p[1], c->i[0]); }
+static void run_f16_to_f32(const mrl_kernels *k, void *const *p, const op_case *c) { k->f16_to_f32(p[0], p[1], c->i[0]); }
+static void run_f32_to_bf16(const mrl_kernels *k, void *const *p, const op_case *c) { k->f32_to_bf16(p[0], p[1], c->i[0]); }
+static void run_f32_to_f16(const mrl_kernels *k, void *const *p, const op_case *c) { k->f32_to_f16(p[0], p[1], c->i[0]); }
+
+/* From 16 bits: every pattern (with NaNs, infinities, subnormals). From fp32:
+ * random bit patterns, rounding ties of both formats, the f16 subnormal
+ * range, infinities and NaNs; n leaves a vector tail and spans slices. */
+static void cases_convert(void) {
+    int64_t n = 65536 + 13;
+    uint16_t *h = malloc(n * 2);
+    uint32_t *f = malloc(n * 4);
+    for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(i * 40503u);
+    uint32_t s = 12345;
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 1664525u + 1013904223u;
+        uint32_t u = s;
+        if (i % 7 == 1) u = (u & 0xffff0000u) | 0x8000u;                        /* bf16 tie */
+        if (i % 7 == 2) u = (u & 0xffffe000u) | 0x1000u;                        /* f16 tie */
+        if (i % 7 == 3) u = (u & 0x807fffffu) | (uint32_t)(100 + i % 20) << 23; /* f16 subnormal range */
+        if (i % 97 == 0) u = 0x7f800000u | (i & 0x80000000u);
+        if (i % 89 == 0) u = 0x7fc00000u | (u & 0x803fffffu); /* NaNs with payloads */
+        f[i] = u;
+    }
+    struct { const char *op; run_fn run; int from16; } ops[] = {
+        {"bf16_to_f32", run_bf16_to_f32, 1}, {"f16_to_f32", run_f16_to_f32, 1},
+        {"f32_to_bf16", run_f32_to_bf16, 0}, {"f32_to_f16", run_f32_to_f16, 0}};
+    op_case c;
+    for (int o = 0; o < 4; o++) {
+        new_case(&c, ops[o].op, ops[o].run, "%lld", (long long)n);
+        if (ops[o].from16) {
+            add(&c, "src", U16, IN, n, h, 0);
+            add(&c, "dst", F32, OUT, n, NULL, TOL_BITS);
+        } else {
+            add(&c, "src", F32, IN, n, f, 0);
+            add(&c, "dst", U16, OUT, n, NULL, TOL_BITS);
+        }
+        c.i[0] = n;
+        check_case(&c);
+    }
+    free(h), free(f);
+}
+
+/* ---- backward ops against central differences of the reference forward ---- */
+
+typedef double (*loss_fn)(void *ctx);
+
+/* d loss / d x[i] for i < n by central differences (x restored). */
+static float *numeric_grad(loss_fn f, void *ctx, float *x, int64_t n, float h) {
+    float *g = zeros(n);
+    for (int64_t i = 0; i < n; i++) {
+        float keep = x[i];
+        x[i] = keep + h;
+        double up = f(ctx);
+        x[i] = keep - h;
+        double down = f(ctx);
+        x[i] = keep;
+        g[i] = (float)((up - down) / (2.0 * (double)h));
+    }
+    return g;
+}
+
+static double weighted(const float *out, const float *r, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += (double)r[i] * out[i];
+    return s;
+}
+
+/* The gradients table t's backward (the case c, run through run_case) puts
+ * in outputs which[0..n) against numeric[0..n). */
+static void fd_compare(int t, const mrl_kernels *k, op_case *c, const int *which, float *const *numeric, int n) {
+    void *got[MAXA];
+    run_case(&tables[t], k, c, got);
+    for (int j = 0; j < n; j++) {
+        const arr *a = &c->a[which[j]];
+        arr fd = *a;
+        fd.tol = TOL_FD;
+        double e = error_of(&fd, got[which[j]], numeric[j]);
+        char what[64];
+        snprintf(what, sizeof what, "d%s (differences)", a->name);
+        record(c->op, what, TOL_FD, t, e);
+        if (!(e <= TOL_FD)) fprintf(stderr, "%s %s on %s: %s against differences: %.3g\n", c->op, c->shape, tables[t].name, a->name, e);
+        CHECK(e <= TOL_FD);
+    }
+    free_outputs(c, got);
+}
+
+/* rmsnorm: loss = sum r out(x, w) */
+typedef struct fd_norm { float *x, *w, *out, *rstd, *r; int64_t T; int D; } fd_norm;
+static double loss_norm(void *vc) {
+    fd_norm *c = vc;
+    mrl_kernels_cpu_reference()->rmsnorm_fwd(c->out, c->rstd, c->x, c->w, c->T, c->D, 1e-5f);
+    return weighted(c->out, c->r, c->T * c->D);
+}
+
+static void fd_rmsnorm(int t, const mrl_kernels *k) {
+    fd_norm f = {rnd(21, 1), rnd(7, 1), zeros(21), zeros(3), rnd(21, 1), 3, 7};
+    loss_norm(&f);
+    float *num[2] = {numeric_grad(loss_norm, &f, f.x, 21, 1e-3f), numeric_grad(loss_norm, &f, f.w, 7, 1e-3f)};
+    float *z = zeros(21);
+    op_case c;
+    new_case(&c, "rmsnorm_bwd", run_rmsnorm_bwd, "3x7");
+    add(&c, "x", F32, INOUT, 21, z, TOL_FD); /* dx, dw from 0 */
+    add(&c, "w", F32, INOUT, 7, z, TOL_FD);
+    add(&c, "dout", F32, IN, 21, f.r, 0);
+    add(&c, "xin", F32, IN, 21, f.x, 0);
+    add(&c, "win", F32, IN, 7, f.w, 0);
+    add(&c, "rstd", F32, IN, 3, f.rstd, 0);
+    c.i[0] = 3, c.i[1] = 7;
+    fd_compare(t, k, &c, (int[]){0, 1}, num, 2);
+    free_case(&c);
+    free(f.x), free(f.w), free(f.out), free(f.rstd), free(f.r), free(num[0]), free(num[1]), free(z);
+}
+
+typedef struct fd_swiglu { float *g, *u, *out, *r; int64_t n; } fd_swiglu;
+static double loss_swiglu(void *vc) {
+    fd_swiglu *c = vc;
+    mrl_kernels_cpu_reference()->swiglu_fwd(c->out, c->g, c->u, c->n);
+    return weighted(c->out, c->r, c->n);
+}
+
+static void fd_swiglu_(int t, const mrl_kernels *k) {
+    fd_swiglu f = {rnd(19, 2), rnd(19, 1), zeros(19), rnd(19, 1), 19};
+    float *num[2] = {numeric_grad(loss_swiglu, &f, f.g, 19, 1e-3f), numeric_grad(loss_swiglu, &f, f.u, 19, 1e-3f)};
+    op_case c;
+    new_case(&c, "swiglu_bwd", run_swiglu_bwd, "19");
+    add(&c, "gate", F32, OUT, 19, NULL, TOL_FD);
+    add(&c, "up", F32, OUT, 19, NULL, TOL_FD);
+    add(&c, "dout", F32, IN, 19, f.r, 0);
+    add(&c, "gin", F32, IN, 19, f.g, 0);
+    add(&c, "uin", F32, IN, 19, f.u, 0);
+    c.i[0] = 19;
+    fd_compare(t, k, &c, (int[]){0, 1}, num, 2);
+    free_case(&c);
+    free(f.g), free(f.u), free(f.out), free(f.r), free(num[0]), free(num[1]);
+}
+
+/* RoPE is linear; its backward (inverse = 1) must be its transpose. */
+typedef struct fd_rope { float *x, *y, *r; int32_t pos[5]; float *cs, *sn; } fd_rope;
+static double loss_rope(void *vc) {
+    fd_rope *c = vc;
+    memcpy(c->y, c->x, sizeof(float) * 60);
+    mrl_kernels_cpu_reference()->rope(c->y, c->pos, c->cs, c->sn, 5, 2, 6, 0);
+    return weighted(c->y, c->r, 60);
+}
+
+static void fd_rope_(int t, const mrl_kernels *k) {
+    fd_rope f = {rnd(60, 1), zeros(60), rnd(60, 1), {0, 1, 2, 0, 3}, zeros(12), zeros(12)};
+    for (int p = 0; p < 4; p++)
+        for (int i = 0; i < 3; i++) f.cs[p * 3 + i] = cosf(p * (i + 1) * 0.7f), f.sn[p * 3 + i] = sinf(p * (i + 1) * 0.7f);
+    float *num[1] = {numeric_grad(loss_rope, &f, f.x, 60, 1e-3f)};
+    op_case c;
+    new_case(&c, "rope", run_rope, "5x2x6 inverse");
+    add(&c, "x", F32, INOUT, 60, f.r, TOL_FD);
+    add(&c, "pos", I32, IN, 5, f.pos, 0);
+    add(&c, "cos", F32, IN, 12, f.cs, 0);
+    add(&c, "sin", F32, IN, 12, f.sn, 0);
+    c.i[0] = 5, c.i[1] = 2, c.i[2] = 6, c.i[3] = 1;
+    fd_compare(t, k, &c, (int[]){0}, num, 1);
+    free_case(&c);
+    free(f.x), free(f.y), free(f.r), free(f.cs), free(f.sn), free(num[0]);
+}
+
+/* attention: small layouts without and with a prefix */
+typedef struct fd_attn { float *q, *k, *v, *out, *lse, *r; const attn_layout *L; } fd_attn;
+static double loss_attn(void *vc) {
+    fd_attn *c = vc;
+    const attn_layout *L = c->L;
+    mrl_kernels_cpu_reference()->attn_fwd(c->out, c->lse, c->q, c->k, c->v, L->cu, prefix_of(L), L->n, L->Hq, L->Hk,
+                                          L->hd, 0.4f);
+    return weighted(c->out, c->r, (int64_t)L->cu[L->n] * L->Hq * L->hd);
+}
+
+static void fd_attention(int t, const mrl_kernels *k) {
+    static const attn_layout small[] = {
+        {"3 seqs, GQA 4/2, hd 3", 3, {0, 4, 5, 9}, {-2}, 4, 2, 3},
+        {"a prefix and 2 children, GQA 4/2, hd 3", 4, {0, 3, 5, 6, 8}, {-1, 0, 0, -1}, 4, 2, 3},
+    };
+    for (int s = 0; s < 2; s++) {
+        const attn_layout *L = &small[s];
+        int64_t T = L->cu[L->n], nq = T * L->Hq * L->hd, nk = T * L->Hk * L->hd;
+        fd_attn f = {rnd(nq, 1), rnd(nk, 1), rnd(nk, 1), zeros(nq), zeros(T * L->Hq), rnd(nq, 1), L};
+        loss_attn(&f);
+        float *out = zeros(nq), *lse = zeros(T * L->Hq);
+        memcpy(out, f.out, sizeof(float) * nq);
+        memcpy(lse, f.lse, sizeof(float) * T * L->Hq);
+        float *num[3] = {numeric_grad(loss_attn, &f, f.q, nq, 1e-3f), numeric_grad(loss_attn, &f, f.k, nk, 1e-3f),
+                         numeric_grad(loss_attn, &f, f.v, nk, 1e-3f)};
+        op_case c;
+        new_case(&c, "attn_bwd", run_attn_bwd, "%s", L->name);
+        add(&c, "q", F32, OUT, nq, NULL, TOL_FD);
+        add(&c, "k", F32, OUT, nk, NULL, TOL_FD);
+        add(&c, "v", F32, OUT, nk, NULL, TOL_FD);
+        add(&c, "dout", F32, IN, nq, f.r, 0);
+        add(&c, "out", F32, IN, nq, out, 0);
+        add(&c, "lse", F32, IN, T * L->Hq, lse, 0);
+        add(&c, "qin", F32, IN, nq, f.q, 0);
+        add(&c, "kin", F32, IN, nk, f.k, 0);
+        add(&c, "vin", F32, IN, nk, f.v, 0);
+        add(&c, "cu", I32, IN, L->n + 1, L->cu, 0);
+        if (prefix_of(L)) add(&c, "prefix", I32, IN, L->n, L->prefix, 0);
+        attn_params(&c, L, 0.4f);
+        fd_compare(t, k, &c, (int[]){0, 1, 2}, num, 3);
+        free_case(&c);
+        free(f.q), free(f.k), free(f.v), free(f.out), free(f.lse), free(f.r), free(out), free(lse);
+        for (int j = 0; j < 3; j++) free(num[j]);
+    }
+}
+
+/* head: loss = sum a logprob + b entropy at temperature 0.8, some rows without target */
+typedef struct fd_head { float *z, *lse, *ent, *lp, *a, *b; int32_t tg[3]; } fd_head;
+static double loss_head(void *vc) {
+    fd_head *c = vc;
+    mrl_kernels_cpu_reference()->head_fwd(c->z, 3, 11, 1 / 0.8f, c->tg, c->lse, c->ent, c->lp);
+    return weighted(c->lp, c->a, 3) + weighted(c->ent, c->b, 3);
+}
+
+static void fd_head_(int t, const mrl_kernels *k) {
+    fd_head f = {rnd(33, 1.5f), zeros(3), zeros(3), zeros(3), rnd(3, 1), rnd(3, 1), {3, -1, 10}};
+    loss_head(&f);
+    float *lse = zeros(3), *ent = zeros(3);
+    memcpy(lse, f.lse, sizeof(float) * 3);
+    memcpy(ent, f.ent, sizeof(float) * 3);
+    float *num[1] = {numeric_grad(loss_head, &f, f.z, 33, 1e-3f)};
+    op_case c;
+    new_case(&c, "head_bwd", run_head_bwd, "3x11 logprob + entropy");
+    add(&c, "logits", F32, INOUT, 33, f.z, TOL_FD);
+    add(&c, "targets", I32, IN, 3, f.tg, 0);
+    add(&c, "lse", F32, IN, 3, lse, 0);
+    add(&c, "entropy", F32, IN, 3, ent, 0);
+    add(&c, "dlogprob", F32, IN, 3, f.a, 0);
+    add(&c, "dentropy", F32, IN, 3, f.b, 0);
+    c.i[0] = 3, c.i[1] = 11, c.i[2] = 1, c.f[0] = 1 / 0.8f;
+    fd_compare(t, k, &c, (int[]){0}, num, 1);
+    free_case(&c);
+    free(f.z), free(f.lse), free(f.ent), free(f.lp), free(f.a), free(f.b), free(lse), free(ent), free(num[0]);
+}
+
+/* the embedding: scatter_add_rows is gather_rows' backward; bias_bwd is bias_add's */
+typedef struct fd_rows { float *src, *out, *r, *b; int32_t idx[6]; } fd_rows;
+static double loss_gather(void *vc) {
+    fd_rows *c = vc;
+    mrl_kernels_cpu_reference()->gather_rows(c->out, c->src, c->idx, 6, 5);
+    return weighted(c->out, c->r, 30);
+}
+static double loss_bias(void *vc) {
+    fd_rows *c = vc;
+    memset(c->out, 0, sizeof(float) * 30);
+    mrl_kernels_cpu_reference()->bias_add(c->out, c->b, 6, 5);
+    return weighted(c->out, c->r, 30);
+}
+
+static void fd_scatter(int t, const mrl_kernels *k) {
+    fd_rows f = {rnd(20, 1), zeros(30), rnd(30, 1), NULL, {3, 0, 3, 1, 3, 2}};
+    float *num[1] = {numeric_grad(loss_gather, &f, f.src, 20, 1e-3f)}, *z = zeros(20);
+    op_case c;
+    new_case(&c, "scatter_add_rows", run_scatter_add_rows, "6 into 4x5");
+    add(&c, "src", F32, INOUT, 20, z, TOL_FD);
+    add(&c, "dout", F32, IN, 30, f.r, 0);
+    add(&c, "idx", I32, IN, 6, f.idx, 0);
+    c.i[0] = 6, c.i[1] = 5;
+    fd_compare(t, k, &c, (int[]){0}, num, 1);
+    free_case(&c);
+    free(f.src), free(f.out), free(f.r), free(num[0]), free(z);
+}
+
+static void fd_bias(int t, const mrl_kernels *k) {
+    fd_rows f = {NULL, zeros(30), rnd(30, 1), rnd(5, 1), {0}};
+    float *num[1] = {numeric_grad(loss_bias, &f, f.b, 5, 1e-3f)}, *z = zeros(5);
+    op_case c;
+    new_case(&c, "bias_bwd", run_bias_bwd, "6x5");
+    add(&c, "b", F32, INOUT, 5, z, TOL_FD);
+    add(&c, "dy", F32, IN, 30, f.r, 0);
+    c.i[0] = 6, c.i[1] = 5;
+    fd_compare(t, k, &c, (int[]){0}, num, 1);
+    free_case(&c);
+    free(f.out), free(f.r), free(f.b), free(num[0]), free(z);
+}
+
+/* A linear layer y = x W^T: its backward is two more products, dW += dy^T x
+ * and dx = dy W (the model's lin_dw, lin_dx). */
+typedef struct fd_lin { float *x, *w, *y, *r; } fd_lin;
+static double loss_lin(void *vc) {
+    fd_lin *c = vc;
+    mrl_kernels_cpu_reference()->gemm(0, 1, 4, 3, 5, 1.0f, c->x, 5, c->w, 5, 0.0f, c->y, 3);
+    return weighted(c->y, c->r, 12);
+}
+
+static void fd_gemm(int t, const mrl_kernels *k) {
+    fd_lin f = {rnd(20, 1), rnd(15, 1), zeros(12), rnd(12, 1)};
+    float *num[1], *z = zeros(20);
+    op_case c;
+    num[0] = numeric_grad(loss_lin, &f, f.w, 15, 1e-3f);
+    new_case(&c, "gemm", run_gemm, "dW += dy^T x, 3x5 from 4 rows");
+    add(&c, "dy", F32, IN, 12, f.r, 0);
+    add(&c, "x", F32, IN, 20, f.x, 0);
+    add(&c, "W", F32, INOUT, 15, z, TOL_FD);
+    gemm_params(&c, 1, 0, 3, 5, 4, 3, 5, 5, 1, 1);
+    fd_compare(t, k, &c, (int[]){2}, num, 1);
+    free_case(&c);
+    free(num[0]);
+    num[0] = numeric_grad(loss_lin, &f, f.x, 20, 1e-3f);
+    new_case(&c, "gemm", run_gemm, "dx = dy W, 4x5 from 3 outputs");
+    add(&c, "dy", F32, IN, 12, f.r, 0);
+    add(&c, "W", F32, IN, 15, f.w, 0);
+    add(&c, "x", F32, OUT, 20, NULL, TOL_FD);
+    gemm_params(&c, 0, 0, 4, 5, 3, 3, 5, 5, 1, 0);
+    fd_compare(t, k, &c, (int[]){2}, num, 1);
+    free_case(&c);
+    free(f.x), free(f.w), free(f.y), free(f.r), free(num[0]), free(z);
+}
+
+static void backward_checks(void) {
+    struct { const char *op; void (*check)(int t, const mrl_kernels *k); } fds[] = {
+        {"rmsnorm_bwd", fd_rmsnorm},  {"swiglu_bwd", fd_swiglu_},        {"rope", fd_rope_},
+        {"attn_bwd", fd_attention},   {"head_bwd", fd_head_},            {"scatter_add_rows", fd_scatter},
+        {"bias_bwd", fd_bias},        {"gemm", fd_gemm},
+    };
+    for (size_t f = 0; f < sizeof fds / sizeof fds[0]; f++) {
+        if (!wanted(fds[f].op)) continue;
+        for (int t = 0; t < N_TABLES; t++) {
+            const mrl_kernels *k = use(&tables[t]);
+            if (k) fds[f].check(t, k);
+        }
+    }
+}
+
+/* ---- contracts: the same errors on every table ---- */
+
+static void contracts(void) {
+    for (int t = 0; t < N_TABLES; t++) {
+        const mrl_kernels *k = use(&tables[t]);
+        if (!k || tables[t].alloc) continue; /* host arrays below */
+        if (wanted("paged_attn")) {
+            float buf[64] = {0};
+            int32_t table_[2] = {0, 1}, lens[1] = {4}, qs[2] = {0, 1};
+            mrl_paged_attn a = {.out = buf, .q = buf, .k_cache = buf, .v_cache = buf, .block_tables = table_,
+                                .seq_lens = lens, .query_start = qs, .n_seqs = 1, .max_blocks_per_seq = 2,
+                                .block_size = 2, .Hq = 2, .Hk = 1, .hd = 4, .scale = 0.5f};
+            CHECK_OK(k->paged_attn(&a));
+            a.Hq = 3, a.Hk = 2;
+            CHECK(k->paged_attn(&a) == MRL_ERR_INVALID);
+            CHECK_STR_CONTAINS(mrl_last_error(), "Hq=3 Hk=2");
+            a.Hq = 2, a.Hk = 1, lens[0] = 5; /* more tokens than 2 blocks of 2 hold */
+            CHECK(k->paged_attn(&a) == MRL_ERR_INVALID);
+            lens[0] = 4, qs[1] = 5; /* more queries than tokens */
+            CHECK(k->paged_attn(&a) == MRL_ERR_INVALID);
+            qs[1] = 1, a.hd = 0;
+            CHECK(k->paged_attn(&a) == MRL_ERR_INVALID);
+            a.hd = 4, a.q = NULL;
+            CHECK(k->paged_attn(&a) == MRL_ERR_INVALID);
+            CHECK(k->paged_attn_workspace(&a) == 0);
+        }
+        if (wanted("sample")) { /* rows 1 and 2 fail: the message is row 1's, both tokens -1 */
+            float l[4][5] = {{0, 1, 2, 3, 4}, {0, NAN, 0, 0, 0}, {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY},
+                             {1, 1, 1, 1, 1}};
+            const float *rows_[4] = {l[0], l[1], l[2], l[3]};
+            mrl_sampling_params p = {1, 0, 1, 0};
+            const mrl_sampling_params *pp[4] = {&p, &p, &p, &p};
+            double u[4] = {0.5, 0.5, 0.5, 0.5};
+            int32_t tok[4];
+            float lp[4];
+            CHECK(k->sample(rows_, 4, 5, pp, u, tok, lp, NULL) == MRL_ERR_INVALID);
+            CHECK_STR_CONTAINS(mrl_last_error(), "row 1: sample: the logits row holds a NaN");
+            CHECK(tok[0] >= 0 && tok[1] == -1 && tok[2] == -1 && tok[3] >= 0);
+        }
+    }
+}
+
+static void print_summary(void) {
+    printf("\n%-17s %-28s %8s", "op", "output", "tol");
+    for (int t = 0; t < N_TABLES; t++) printf(" %12s", tables[t].name);
+    printf("\n");
+    for (int r = 0; r < n_rows; r++) {
+        printf("%-17s %-28s %8.0e", rows[r].op, rows[r].output, rows[r].tol);
+        for (int t = 0; t < N_TABLES; t++)
+            if (rows[r].worst[t] < 0) printf(" %12s", "-");
+            else if (rows[r].tol == 0 && t) printf(" %12s", rows[r].worst[t] == 0 ? "same bits" : "DIFFER");
+            else printf(" %12.1e", rows[r].worst[t]);
+        printf("\n");
+    }
+}
+
+int main(int argc, char **argv) {
+    only_op = argc > 1 ? argv[1] : NULL;
+    only_table = argc > 2 ? argv[2] : NULL;
+    const char *seed = getenv("SEED");
+    rng_state = seed ? strtoull(seed, NULL, 10) : 12345;
+    for (int t = 1; t < N_TABLES; t++)
+        if (!use(&tables[t])) printf("(%s: not on this machine)\n", tables[t].name);
+    cases_gemm();
+    cases_gemm_group();
+    cases_gemm_panels();
+    cases_rmsnorm();
+    cases_rope();
+    cases_swiglu();
+    cases_attention();
+    cases_head();
+    cases_rows();
+    cases_paged();
+    cases_sample();
+    cases_adamw();
+    cases_sum_scale();
+    cases_convert();
+    backward_checks();
+    contracts();
+    print_summary();
+    CHECK_DONE();
+}
