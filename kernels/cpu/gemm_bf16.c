@@ -1,0 +1,188 @@
+/* bf16 matrix products: the reference, the conversions, the per-thread
+ * scratch of the fast paths and the choice between them (gemm_bf16.h).
+ * The kernels themselves are in gemm_bf16_avx512.c and gemm_bf16_onednn.c. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdio.h>
+#include "moonrl/dtype.h"
+#include "moonrl/mem.h"
+#include "cpu/gemm_bf16.h"
+
+/* ---- conversions ---------------------------------------------------------- */
+
+/* Not vcvtne2ps2bf16: it flushes denormals to zero (measured on Zen 4, as
+ * Intel documents), and these copies must keep the bits of mrl_f32_to_bf16.
+ * convert.c's AVX-512 integer rounding is as fast here: the loop is bound
+ * by memory, and it is already parallel. (The kernels' own packing does use
+ * the instruction: dpbf16 reads denormals as zero anyway.) */
+void mrl_cpu_bf16_from_f32(uint16_t *dst, const float *src, int64_t n) { mrl_convert_f32_to_bf16(src, dst, n); }
+void mrl_cpu_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) { mrl_convert_bf16_to_f32(src, dst, n); }
+
+/* ---- reference ---------------------------------------------------------------- */
+
+/* op(X)'s element (i, k) as its bf16 value, X [rows, cols] with leading dimension ld. */
+static inline double bf16_at(const void *X, int bf16, int64_t ld, int trans, int64_t i, int64_t k) {
+    int64_t at = trans ? k * ld + i : i * ld + k;
+    uint16_t h = bf16 ? ((const uint16_t *)X)[at] : mrl_f32_to_bf16(((const float *)X)[at]);
+    return mrl_bf16_to_f32(h);
+}
+
+/* Products of two bf16 values are exact in double (and in fp32), and so is
+ * a sum of K of them to within K 2^-53 of its size: this C is the exact
+ * product rounded once to fp32, what every fast path is compared with. */
+void mrl_cpu_gemm_bf16_reference(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                                 const void *A, int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb,
+                                 float beta, float *C, int64_t ldc) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double sum = 0;
+            if (alpha != 0)
+                for (int64_t k = 0; k < K; k++)
+                    sum += bf16_at(A, a_bf16, lda, trans_a, m, k) * bf16_at(B, b_bf16, ldb, !trans_b, n, k);
+            float *c = C + m * ldc + n;
+            *c = (float)((double)alpha * sum + (beta != 0 ? (double)beta * *c : 0.0));
+        }
+}
+
+/* ---- per-thread scratch ----------------------------------------------------------- */
+
+/* One buffer per calling thread, kept between products: a decode step makes
+ * hundreds of small products, and allocating (and zero-filling) their packed
+ * copies each time would cost as much as the arithmetic. Requests above
+ * SCRATCH_KEEP get a buffer of their own, freed after the product, so that
+ * one large product does not pin its memory for the life of the thread. */
+#define SCRATCH_KEEP ((size_t)64 << 20)
+
+typedef struct scratch_buf {
+    void *p;
+    size_t bytes;
+} scratch_buf;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_destroy(void *v) {
+    scratch_buf *s = v;
+    mrl_mem_free(s->p);
+    free(s);
+}
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_destroy); }
+
+void *mrl_cpu_bf16_scratch_take(size_t bytes) {
+    if (bytes > SCRATCH_KEEP) return mrl_mem_alloc(bytes, MRL_MEM_ACTIVATIONS);
+    pthread_once(&scratch_once, scratch_init);
+    scratch_buf *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s))) return NULL;
+        pthread_setspecific(scratch_key, s);
+    }
+    if (s->bytes < bytes) {
+        mrl_mem_free(s->p);
+        size_t grown = bytes + bytes / 2 < SCRATCH_KEEP ? bytes + bytes / 2 : SCRATCH_KEEP;
+        s->p = mrl_mem_alloc(grown, MRL_MEM_ACTIVATIONS);
+        s->bytes = s->p ? grown : 0;
+    }
+    return s->p;
+}
+
+void mrl_cpu_bf16_scratch_give(void *p) {
+    scratch_buf *s = pthread_getspecific(scratch_key);
+    if (p && (!s || p != s->p)) mrl_mem_free(p);
+}
+
+/* ---- the choice ---------------------------------------------------------------------- */
+
+int mrl_cpu_has_avx512_bf16(void) {
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    }
+    return has;
+}
+
+/* oneDNN with bf16 hardware (AVX512-BF16 or AMX): without it oneDNN would
+ * emulate bf16, slower than the fp32 path. */
+static int onednn_bf16(void) {
+    const char *isa = mrl_cpu_onednn_isa();
+    return isa && (strcmp(isa, "avx512_core_bf16") == 0 || strcmp(isa, "avx512_core_amx") == 0);
+}
+
+int mrl_cpu_bf16_has_path(mrl_bf16_path path) {
+    switch (path) {
+    case MRL_BF16_AUTO:
+    case MRL_BF16_REFERENCE: return 1;
+    case MRL_BF16_OWN: return mrl_cpu_has_avx512_bf16();
+    case MRL_BF16_ONEDNN: return onednn_bf16();
+    default: return 0;
+    }
+}
+
+int mrl_cpu_bf16_available(void) { return mrl_cpu_has_avx512_bf16() || onednn_bf16(); }
+
+static mrl_bf16_path forced = MRL_BF16_AUTO;
+
+int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
+    if (!mrl_cpu_bf16_has_path(path)) return -1;
+    forced = path;
+    return 0;
+}
+
+/* The rule, from bench/gemm_bf16.c (bench/RESULTS.md, "bf16 matrix
+ * products": AMD Zen 4, AVX512-BF16, no AMX, 2 cores):
+ *   - x W^T with at most MRL_BF16_FEW_ROWS rows (decode): our kernel, which
+ *     reads W in place. Bound by reading W, it beat oneDNN (which packs W
+ *     and pays more per call) 1.0-1.7x at 1-4 rows and 0.8-1.4x at 16 (11
+ *     of 14 shapes above 1); from 32 rows oneDNN was ahead 1.03-1.7x.
+ *   - everything else: oneDNN, ahead of our packed kernel by 4-8% on a
+ *     training step's products (100M: 199 / 192 GFLOP/s on 1 thread, 379 /
+ *     360 on 2, both ~2x OpenBLAS sgemm's fp32) and the only path that uses
+ *     AMX where the CPU has it;
+ *   - without oneDNN, our kernel; with neither, the reference
+ *     (mrl_cpu_bf16_available() = 0). */
+mrl_bf16_path mrl_cpu_bf16_pick(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K) {
+    (void)N, (void)K;
+    int own = mrl_cpu_has_avx512_bf16();
+    if (own && !trans_a && trans_b && M <= MRL_BF16_FEW_ROWS) return MRL_BF16_OWN;
+    if (onednn_bf16()) return MRL_BF16_ONEDNN;
+    return own ? MRL_BF16_OWN : MRL_BF16_REFERENCE;
+}
+
+const char *mrl_cpu_bf16_path(void) {
+    static char text[96];
+    if (!text[0]) {
+        const char *isa = mrl_cpu_onednn_isa();
+        if (onednn_bf16() && mrl_cpu_has_avx512_bf16())
+            snprintf(text, sizeof text, "onednn (%s) + avx512_bf16 (few rows)", isa);
+        else if (onednn_bf16())
+            snprintf(text, sizeof text, "onednn (%s)", isa);
+        else if (mrl_cpu_has_avx512_bf16())
+            snprintf(text, sizeof text, "avx512_bf16");
+        else
+            snprintf(text, sizeof text, "reference (no bf16 hardware)");
+    }
+    return text;
+}
+
+void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                       int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                       int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0 || alpha == 0) { /* C = beta C, operands unread */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) C[m * ldc + n] = beta != 0 ? beta * C[m * ldc + n] : 0.0f;
+        return;
+    }
+    mrl_bf16_path path = forced != MRL_BF16_AUTO ? forced : mrl_cpu_bf16_pick(trans_a, trans_b, M, N, K);
+    /* a fast path that cannot run (no memory, oneDNN failing) falls back:
+     * oneDNN to our kernel, either to the reference */
+    if (path == MRL_BF16_ONEDNN &&
+        mrl_cpu_gemm_bf16_onednn(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc) == 0)
+        return;
+    if (path != MRL_BF16_REFERENCE && mrl_cpu_has_avx512_bf16() &&
+        mrl_cpu_gemm_bf16_own(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc) == 0)
+        return;
+    mrl_cpu_gemm_bf16_reference(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
+}

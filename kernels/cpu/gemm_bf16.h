@@ -1,0 +1,101 @@
+/* bf16 matrix products on the CPU (internal; the op table is to call them):
+ * C = alpha * bf16(A) bf16(B) + beta * C with fp32 accumulation, the mixed
+ * precision of DESIGN.md ("Precision"): fp32 master weights, bf16 copies
+ * for the products. Three paths behind one entry, chosen per shape
+ * (bench/RESULTS.md, "bf16 matrix products"):
+ *   - a portable reference (scalar, exact bf16 products summed in double)
+ *     that the tests trust;
+ *   - our own AVX512-BF16 kernel (gemm_bf16_avx512.c, vdpbf16ps): packed
+ *     panels, or W read in place for a few rows times W^T (decode);
+ *   - oneDNN's matmul (gemm_bf16_onednn.c; AMX where the CPU has it),
+ *     built in only where libdnnl is found.
+ * Layout as the op table's gemm (kernels.h): row-major, op(A) [M,K] is A
+ * [M,K] or (trans_a) A stored [K,M]; op(B) [K,N] is B [K,N] or (trans_b) B
+ * stored [N,K] (a linear layer's weight). Each operand is fp32 (x_bf16 = 0:
+ * rounded to bf16, to nearest even, on the way in) or bf16 already (x_bf16 =
+ * 1: uint16_t storage, leading dimension in elements). beta = 0 ignores
+ * what C held (NaN included), as BLAS does.
+ *
+ * Thread counts: our kernel gives the same bits at any thread count (each
+ * element sums its k in fixed blocks and order); oneDNN is held to the
+ * error bound only (tests/kernels/test_gemm_bf16.c; it gave the same bits
+ * at 1 and 2 threads on the shapes tried there).
+ *
+ * Denormal bf16 inputs: the AVX512-BF16 and AMX instructions read them as
+ * zero (and flush denormal partial sums), the reference does not; the
+ * difference is below 2^-126 times the other factor, per product. */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                       int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                       int64_t ldc);
+
+/* 1 when this CPU has fast bf16 products (AVX512-BF16, or AMX through
+ * oneDNN); 0 when it has not: mrl_cpu_gemm_bf16 still computes (the
+ * reference, far slower than the fp32 gemm), and callers should stay fp32. */
+int mrl_cpu_bf16_available(void);
+/* What the dispatch uses here, for reports: "onednn (avx512_core_bf16) +
+ * avx512_bf16 (few rows)", "onednn (avx512_core_amx)", "avx512_bf16",
+ * "reference (no bf16 hardware)". */
+const char *mrl_cpu_bf16_path(void);
+
+/* fp32 -> bf16 (round to nearest, ties to even; NaN stays a quiet NaN, inf
+ * stays inf, denormals are kept, not flushed) and back (exact); parallel
+ * for large n. The same bits as mrl_f32_to_bf16 (moonrl/dtype.h). */
+void mrl_cpu_bf16_from_f32(uint16_t *dst, const float *src, int64_t n);
+void mrl_cpu_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
+
+/* Our kernel takes x W^T (trans_a 0, trans_b 1) of at most this many rows
+ * (a decode step's) by reading W in place, not packing it; the dispatcher
+ * sends such products to it. */
+#define MRL_BF16_FEW_ROWS 16
+
+/* ---- the paths one by one (tests and bench/gemm_bf16.c) ---------------- */
+
+typedef enum mrl_bf16_path {
+    MRL_BF16_AUTO = 0,  /* the per-shape rule */
+    MRL_BF16_REFERENCE, /* scalar, always there */
+    MRL_BF16_OWN,       /* our AVX512-BF16 kernel */
+    MRL_BF16_ONEDNN,    /* oneDNN's matmul */
+    MRL_BF16_PATHS
+} mrl_bf16_path;
+
+/* Whether `path` can run here (AUTO and REFERENCE always can). */
+int mrl_cpu_bf16_has_path(mrl_bf16_path path);
+/* Make mrl_cpu_gemm_bf16 always take `path`: 0, or -1 (nothing changed)
+ * when it cannot run here. Not thread-safe: call it between products. */
+int mrl_cpu_bf16_force_path(mrl_bf16_path path);
+/* The path the rule picks for this product (never AUTO). */
+mrl_bf16_path mrl_cpu_bf16_pick(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K);
+
+/* Same arguments as mrl_cpu_gemm_bf16. The reference always computes; the
+ * others return 0 when they computed C, and -1 when they could not (CPU
+ * without the instructions, oneDNN not built in or failing, no memory for
+ * their packed copies), C then untouched. */
+void mrl_cpu_gemm_bf16_reference(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                                 const void *A, int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb,
+                                 float beta, float *C, int64_t ldc);
+int mrl_cpu_gemm_bf16_own(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                          int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                          int64_t ldc);
+int mrl_cpu_gemm_bf16_onednn(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                             const void *A, int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb,
+                             float beta, float *C, int64_t ldc);
+/* oneDNN's fp32 matmul (a candidate for the fp32 gemm; bench only for now). */
+int mrl_cpu_gemm_f32_onednn(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                            int64_t ldc);
+
+/* oneDNN as built in: NULL when absent, else its ISA on this CPU
+ * ("avx512_core_amx", "avx512_core_bf16", ...). */
+const char *mrl_cpu_onednn_isa(void);
+/* 1 when this CPU has AVX512-BF16 (our kernel can run). */
+int mrl_cpu_has_avx512_bf16(void);
+
+/* Between the paths: the calling thread's scratch buffer of at least `bytes`
+ * (64-byte aligned, contents undefined), NULL when out of memory; give it
+ * back after the product (a large one is freed then). */
+void *mrl_cpu_bf16_scratch_take(size_t bytes);
+void mrl_cpu_bf16_scratch_give(void *p);
