@@ -14,13 +14,7 @@ usage: moonrl doctor [--dir DIR]
   checks the CPU and the kernels chosen, threads, BLAS, oneDNN, MPI and the launcher, CUDA and
   NCCL, free memory, and free disk where runs will write (DIR, default the current directory)]]
 
-local function read(path)
-  local f = io.open(path, 'r')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read = fs.read -- the text of a file, or nil
 
 local function gib(bytes) return string.format('%.1f GiB', bytes / 2 ^ 30) end
 
