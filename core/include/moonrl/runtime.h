@@ -20,6 +20,10 @@ const char *mrl_kernel_isas_built(void);
 const char *mrl_kernel_isa(void);
 /* 1 when the running CPU has the named feature ("avx2", "avx512f", ...). */
 int mrl_cpu_has(const char *feature);
+/* The bf16 matrix-product path this CPU gets ("onednn (avx512_core_bf16) +
+ * avx512_bf16 (few rows)", ...), or "none" where it has no fast bf16
+ * (neither AVX512-BF16 nor AMX): then products stay fp32. */
+const char *mrl_bf16_products(void);
 /* This process's id (for messages and events). */
 int mrl_process_id(void);
 /* Initialise the runtime (idempotent): logging level, threads, the event loop. */
