@@ -39,14 +39,14 @@ local function on_trace(what, tr, func, pc, otr, oex)
     --                                 varies from process to process)
     --   'JIT compilation disabled for function', 'blacklisted'  a loop's exit trace ran on into the
     --                                 argument checks of the next call, interpreted by design
-    --                                 (jit.off in agg.lua)
+    --                                 (jit.off: agg.lua's checks, correction.lua's check_options)
     -- Everything else — NYI above all — fails the test. That each module's loops did compile is
     -- checked separately (completed loop traces).
     local err = vmdef.traceerr[otr]
     local benign = err == 'leaving loop in root trace' or err == 'loop unroll limit reached'
       or err == 'inner loop in root trace'
       or ((err == 'JIT compilation disabled for function' or err == 'blacklisted')
-        and loc:find('algo/agg.lua', 1, true))
+        and (loc:find('algo/agg.lua', 1, true) or loc:find('algo/correction.lua', 1, true)))
     if in_algo(start) and not benign then
       local msg = vmdef.traceerr[otr] or tostring(otr)
       if oex ~= nil then
