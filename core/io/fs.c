@@ -63,6 +63,19 @@ static size_t budget_take(size_t n) {
     return (size_t)left; /* write this much, then die */
 }
 
+int64_t mrl_io_pread_all(int fd, void *buf, int64_t n, int64_t offset, int *err) {
+    int64_t done = 0;
+    *err = 0;
+    while (done < n) {
+        ssize_t k = pread(fd, (char *)buf + done, (size_t)(n - done), (off_t)(offset + done));
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) *err = errno;
+        if (k <= 0) break;
+        done += k;
+    }
+    return done;
+}
+
 mrl_status mrl_io_write_all(int fd, const void *data, size_t n, const char *path) {
     const char *p = data;
     size_t allowed = budget_take(n);

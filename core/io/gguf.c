@@ -21,6 +21,7 @@
 #include "moonrl/dtype.h"
 #include "moonrl/gguf.h"
 #include "moonrl/parallel.h"
+#include "io/write.h"
 
 enum { GGUF_MAX_DIMS = 4, DEFAULT_ALIGNMENT = 32 };
 
@@ -120,12 +121,8 @@ static mrl_status need(cursor *c, int64_t n) {
         g->hdr_cap = cap;
     }
     /* read ahead up to the buffer's end: the parse goes forward */
-    while (g->hdr_len < g->hdr_cap) {
-        ssize_t r = pread(g->fd, g->hdr + g->hdr_len, (size_t)(g->hdr_cap - g->hdr_len), (off_t)g->hdr_len);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
-        g->hdr_len += r;
-    }
+    int err;
+    g->hdr_len += mrl_io_pread_all(g->fd, g->hdr + g->hdr_len, g->hdr_cap - g->hdr_len, g->hdr_len, &err);
     if (end > g->hdr_len)
         return mrl_set_error(MRL_ERR_IO, "%s: read failed at offset %lld (the file was cut short?)", g->path,
                              (long long)g->hdr_len);
@@ -598,13 +595,8 @@ mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t n
     uint8_t *raw = t->type == MRL_GGML_F32 ? (uint8_t *)dst : malloc((size_t)t->bytes);
     if (!raw) return mrl_set_error(MRL_ERR_NOMEM, "%s: no memory to read tensor '%s' (%lld bytes)", g->path, t->name,
                                    (long long)t->bytes);
-    int64_t done = 0;
-    while (done < t->bytes) {
-        ssize_t r = pread(g->fd, raw + done, (size_t)(t->bytes - done), (off_t)(t->offset + done));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
-        done += r;
-    }
+    int err;
+    int64_t done = mrl_io_pread_all(g->fd, raw, t->bytes, t->offset, &err);
     mrl_status st = MRL_OK;
     if (done < t->bytes)
         st = mrl_set_error(MRL_ERR_IO, "%s: reading tensor '%s' came back short at byte %lld of %lld (the file was "

@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include "moonrl/safetensors.h"
 #include "io/json.h"
+#include "io/write.h"
 #include "io/st_common.h"
 
 enum { MAX_HEADER_BYTES = 100 * 1000 * 1000 }; /* the Python library's bound */
@@ -358,22 +359,17 @@ int mrl_st_has(const mrl_st *st, const char *name) { return st && name && lookup
 static mrl_status read_bytes(const mrl_st *st, const mrl_st_tensor *t, int64_t from, void *dst, int64_t bytes) {
     const st_file *f = &st->files[t->shard];
     int64_t at = (const uint8_t *)t->data - (const uint8_t *)f->map + from;
-    for (int64_t done = 0; done < bytes;) {
-        ssize_t n = pread(f->fd, (char *)dst + done, (size_t)(bytes - done), (off_t)(at + done));
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            struct stat sb;
-            long long now = fstat(f->fd, &sb) == 0 ? (long long)sb.st_size : -1;
-            if (n < 0)
-                return mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': read failed at byte %lld: %s", f->path, t->name,
-                                     (long long)(at + done), strerror(errno));
-            return mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': the file ends at byte %lld, before the tensor's "
-                                 "data [%lld, %lld) (it was %zu bytes when opened: truncated since?)", f->path,
-                                 t->name, now, (long long)(at - from), (long long)(at - from + t->bytes), f->size);
-        }
-        done += n;
-    }
-    return MRL_OK;
+    int err;
+    int64_t done = mrl_io_pread_all(f->fd, dst, bytes, at, &err);
+    if (done == bytes) return MRL_OK;
+    if (err)
+        return mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': read failed at byte %lld: %s", f->path, t->name,
+                             (long long)(at + done), strerror(err));
+    struct stat sb;
+    long long now = fstat(f->fd, &sb) == 0 ? (long long)sb.st_size : -1;
+    return mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': the file ends at byte %lld, before the tensor's "
+                         "data [%lld, %lld) (it was %zu bytes when opened: truncated since?)", f->path,
+                         t->name, now, (long long)(at - from), (long long)(at - from + t->bytes), f->size);
 }
 
 mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel) {

@@ -1,10 +1,16 @@
 /* The one write loop of the core (internal): every file moonrl writes
  * (safetensors, checkpoints, atomic files) goes through it, so that the
  * fault injection of moonrl/fault.h can stop the process after an exact
- * number of bytes. */
+ * number of bytes. And the read loop of the readers of model files. */
 #pragma once
 #include <stddef.h>
+#include <stdint.h>
 #include "moonrl/status.h"
+
+/* Read n bytes of fd from offset with pread (retrying short reads and
+ * EINTR). Returns the bytes read: fewer than n when the file ends first or
+ * a read fails, with *err the errno of the failure (0 at the end of the file). */
+int64_t mrl_io_pread_all(int fd, void *buf, int64_t n, int64_t offset, int *err);
 
 /* Write all n bytes to fd (retrying short writes and EINTR); errors name path. */
 mrl_status mrl_io_write_all(int fd, const void *data, size_t n, const char *path);
