@@ -230,6 +230,15 @@ local function store_version(self, v) return (self.epoch or 0) * EPOCH + v end
 local function policy_version(sv) return sv % EPOCH end
 local function next_epoch(self) self.epoch = (self.epoch or 0) + 1 end
 
+-- Each sample's policy version: its first token's, as the engine recorded it from a store (and
+-- its later switches), else `version`, the weights it was generated with.
+local function stamp_versions(samples, version)
+  for _, s in ipairs(samples) do
+    s.version = s.version and policy_version(s.version) or version
+    for _, sw in ipairs(s.version_switches or {}) do sw[2] = policy_version(sw[2]) end
+  end
+end
+
 local function new_store(name, n, readers)
   local h = ffi.new('mrl_weight_store *[1]')
   moonrl.check(C.mrl_weight_store_create(name, n, readers, h), 3)
@@ -298,10 +307,7 @@ local function make_local(self, j)
   local samples, info = self.rollout_fn(j)
   info = info or {}
   local version = self.step - 1
-  for _, s in ipairs(samples) do
-    s.version = s.version and policy_version(s.version) or version
-    for _, sw in ipairs(s.version_switches or {}) do sw[2] = policy_version(sw[2]) end
-  end
+  stamp_versions(samples, version)
   info.gen_seconds = moonrl.now() - t0
   return { samples = samples, info = info, version = version }
 end
@@ -577,10 +583,7 @@ local function serve(self, first, free_until, total)
     if e then e:use_weights(nil) end
     if not ok then error(samples, 0) end
     info = info or {}
-    for _, smp in ipairs(samples) do
-      smp.version = smp.version and policy_version(smp.version) or self.version or 0
-      for _, sw in ipairs(smp.version_switches or {}) do sw[2] = policy_version(sw[2]) end
-    end
+    stamp_versions(samples, self.version or 0)
     info.gen_seconds, info.step, info.positions = moonrl.now() - t0, j, self:positions()
     info.rollout_wait_seconds, idle = idle, 0
     info.stop = moonrl.stop_requested()

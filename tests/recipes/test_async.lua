@@ -49,6 +49,23 @@ local function run(ranks, w, opts)
 end
 
 local function model_bytes(d) return fs.read(d .. '/model/model.safetensors') end
+local function events(d, kind)
+  local out = {}
+  for line in io.lines(d .. '/events.jsonl') do
+    local e = json.decode(line)
+    if e.event == kind then out[#out + 1] = e end
+  end
+  return out
+end
+
+-- Run d killed by `fault` (an expected failure), then the same command again (a resume): d's
+-- final weights.
+local function killed_then_resumed(ranks, d, fault, ...)
+  local r = run(ranks, words(d, ...), { env = { fault }, expect_fail = true })
+  t.truthy(not r.ok, d .. ': the fault killed the run')
+  run(ranks, words(d, ...))
+  return model_bytes(d)
+end
 local function metrics(d)
   local out = {}
   for line in io.lines(d .. '/metrics.jsonl') do out[#out + 1] = json.decode(line) end
@@ -88,18 +105,12 @@ end)
 
 t.test('one_step_off resumes bit-identically after a kill (one process, and with a rollout rank)', function()
   local d = dir .. '/off_killed'
-  local r = run(0, words(d, 'async.mode=one_step_off'), { env = { 'MOONRL_FAULT=kill:step=' .. (SFT + 4) .. ':phase=train' },
-    expect_fail = true })
-  t.truthy(not r.ok, 'killed in step 4')
-  run(0, words(d, 'async.mode=one_step_off'))
-  t.truthy(model_bytes(d) == model_bytes(dir .. '/off1'), 'resumed: the weights of the uninterrupted run')
+  t.truthy(killed_then_resumed(0, d, 'MOONRL_FAULT=kill:step=' .. (SFT + 4) .. ':phase=train', 'async.mode=one_step_off')
+    == model_bytes(dir .. '/off1'), 'resumed: the weights of the uninterrupted run')
   t.eq(#metrics(d), 6, 'each GRPO step logged once')
-  local d2 = dir .. '/off_killed2'
-  r = run(2, words(d2, 'async.mode=one_step_off', 'dist.rollout_ranks=1'),
-    { env = { 'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=train:rank=0' }, expect_fail = true })
-  t.truthy(not r.ok, 'the trainer killed in step 3')
-  run(2, words(d2, 'async.mode=one_step_off', 'dist.rollout_ranks=1'))
-  t.truthy(model_bytes(d2) == model_bytes(dir .. '/off1'), 'resumed with a rollout rank: the same weights')
+  t.truthy(killed_then_resumed(2, dir .. '/off_killed2', 'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=train:rank=0',
+    'async.mode=one_step_off', 'dist.rollout_ranks=1') == model_bytes(dir .. '/off1'),
+    'the trainer killed in step 3, resumed with a rollout rank: the same weights')
 end)
 
 t.test('a rollout rank that hangs is reported by the trainer within dist.timeout', function()
@@ -184,11 +195,7 @@ t.test('a guard rollback with a rollout rank: the bits of one process; a replay 
       local tag = mode[1] .. '_' .. skip
       local one = grpo_run(0, 'rb1_' .. tag, with(mode, 'guard.skip_batch=' .. skip), spike)
       local two = grpo_run(2, 'rb2_' .. tag, with(mode, 'guard.skip_batch=' .. skip, 'dist.rollout_ranks=1'), spike)
-      local ev = {}
-      for line in io.lines(two .. '/events.jsonl') do
-        local e = json.decode(line)
-        if e.event == 'rollback' then ev[#ev + 1] = e end
-      end
+      local ev = events(two, 'rollback')
       t.eq(#ev, 1, tag .. ': one rollback')
       t.eq(ev[1].step, 7, tag .. ': at step 7')
       t.eq(ev[1].to_step, 6, tag .. ': to the checkpoint of step 6')
@@ -207,15 +214,6 @@ local function shm_files()
   local n = 0
   for _, name in ipairs(fs.list('/dev/shm')) do if name:find('^moonrl%-') then n = n + 1 end end
   return n
-end
-
-local function events(d, kind)
-  local out = {}
-  for line in io.lines(d .. '/events.jsonl') do
-    local e = json.decode(line)
-    if e.event == kind then out[#out + 1] = e end
-  end
-  return out
 end
 
 t.test('shared-memory weights: the bits of the MPI broadcast and of one process; nothing left in /dev/shm', function()
@@ -245,12 +243,8 @@ t.test('one process, an engine thread: the bits of generating between steps, an 
   local a, b = metrics(dir .. '/thread_eval'), metrics(dir .. '/inline_eval')
   for i = 1, #a do t.eq(a[i].heldout_accuracy, b[i].heldout_accuracy, 'the same held-out accuracy at step ' .. i) end
   -- killed while the engine thread generates the next batch, then resumed
-  local k = dir .. '/thread_killed'
-  local r = run(0, words(k, 'async.mode=one_step_off', 'async.engine_threads=1'),
-    { env = { 'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=train' }, expect_fail = true })
-  t.truthy(not r.ok, 'killed in step 3')
-  run(0, words(k, 'async.mode=one_step_off', 'async.engine_threads=1'))
-  t.truthy(model_bytes(k) == model_bytes(dir .. '/off1'), 'resumed: the same weights')
+  t.truthy(killed_then_resumed(0, dir .. '/thread_killed', 'MOONRL_FAULT=kill:step=' .. (SFT + 3) .. ':phase=train',
+    'async.mode=one_step_off', 'async.engine_threads=1') == model_bytes(dir .. '/off1'), 'resumed: the same weights')
 end)
 
 t.test('async.partial=continue: requests in flight take the new weights (a slowed engine), the bound holds', function()
