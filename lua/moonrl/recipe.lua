@@ -572,7 +572,9 @@ function M.start(cfg, opts)
   rollout.check_config(cfg)
   local policy, tok, tpl, tok_dir = opts.policy, nil, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
-    policy, tok, tpl, tok_dir = M.load(cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
+    local ok, a, b, c, d = pcall(M.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
+    if not ok then moonrl.usage_error('model.dir: ' .. moonrl.error_text(a)) end
+    policy, tok, tpl, tok_dir = a, b, c, d
   end
   local engine
   if cfg.engine and opts.engine ~= false and policy then

@@ -75,6 +75,8 @@ expect "doctor: BLAS and memory" 0 "available of" -- "$MOONRL" doctor --dir "$tm
 expect "doctor: a missing run directory fails" 1 "FAIL  disk" -- "$MOONRL" doctor --dir "$tmp/nonexistent"
 expect "doctor: bad argument" 2 "unknown argument --bogus" -- "$MOONRL" doctor --bogus
 expect "convert: usage" 2 "usage: moonrl convert FILE.gguf DIR" -- "$MOONRL" convert
+expect "a missing model directory is a usage error" 2 "model.dir: $tmp/nomodel/config.json: cannot open" -- "$MOONRL" run grpo model.dir="$tmp/nomodel" data.path=x
+expect "a missing .gguf model is a usage error" 2 "model.dir: $tmp/nomodel.gguf: no such file" -- "$MOONRL" run grpo model.dir="$tmp/nomodel.gguf" data.path=x
 
 # exactly one line of error output for usage errors
 lines=$("$MOONRL" run "$tmp/recipe.lua" stpes=3 2>&1 | wc -l)
