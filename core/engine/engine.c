@@ -63,6 +63,7 @@ struct mrl_engine {
     int panels_stale;        /* repack before the next step (a new round, new weights) */
     /* the background run (mrl_engine_run_async) */
     _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
+    _Atomic int pause;       /* mrl_engine_pause: the background run returns after its current step */
     pthread_t thread;
     int async_threads;       /* its OpenMP threads */
     mrl_status async_status; /* its result, and its error message (mrl_last_error is per thread), */
@@ -466,13 +467,16 @@ static void publish(mrl_engine *e) {
     pthread_mutex_unlock(&e->published_lock);
 }
 
-/* Steps until every request is finished or a stop is requested; publish: after each step. */
-static mrl_status run_steps(mrl_engine *e, int publish_steps) {
+/* Steps until every request is finished or a stop is requested; background:
+ * the background run's (publish the counters after each step, return when
+ * paused). */
+static mrl_status run_steps(mrl_engine *e, int background) {
     while (mrl_sched_has_unfinished(e->sched)) {
+        if (background && atomic_load(&e->pause)) return MRL_OK; /* requests stay queued, as they are */
         if (mrl_stop_requested())
             return mrl_set_error(MRL_ERR_STOPPED, "engine run: stop requested (%s)", mrl_stop_reason());
         mrl_status st = step(e);
-        if (publish_steps) publish(e);
+        if (background) publish(e);
         if (st) return st;
     }
     return MRL_OK;
@@ -521,6 +525,7 @@ mrl_status mrl_engine_run_async(mrl_engine *e, int threads) {
     if (st) st = mrl_set_error(st, "engine run_async: no memory for the RoPE tables of %d positions",
                                e->mc->max_position_embeddings);
     e->async_threads = threads;
+    atomic_store(&e->pause, 0);
     e->async_status = MRL_OK;
     e->async_error[0] = 0;
     if (!st) publish(e);
@@ -550,6 +555,21 @@ mrl_status mrl_engine_wait(mrl_engine *e) {
 }
 
 int mrl_engine_running(const mrl_engine *e) { return e && atomic_load(&e->async) != ASYNC_IDLE; }
+
+void mrl_engine_pause(mrl_engine *e) {
+    if (e) atomic_store(&e->pause, 1);
+}
+
+int mrl_engine_request_done(mrl_engine *e, int req_id) {
+    if (!e || check_idle(e, "request_done")) return -1;
+    return mrl_sched_request_done(e->sched, req_id);
+}
+
+mrl_status mrl_engine_release(mrl_engine *e, int req_id) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine release: NULL engine");
+    mrl_status st = check_idle(e, "release");
+    return st ? st : mrl_sched_release(e->sched, req_id);
+}
 
 mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,
                                  const float **logprobs, int *n_tokens, int *finish_reason) {

@@ -14,6 +14,7 @@ typedef struct sched_req {
     int max_new;   /* effective: capped by max_model_len */
     int n;
     int first_seq; /* samples are seqs first_seq .. first_seq + n - 1 */
+    int released;  /* mrl_sched_release: its outputs freed */
 } sched_req;
 
 typedef struct sched_seq {
@@ -250,7 +251,36 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
 
 static sched_seq *find_seq(const mrl_sched *s, int req_id, int sample) {
     if (!s || req_id < 0 || req_id >= s->n_reqs || sample < 0 || sample >= s->reqs[req_id].n) return NULL;
+    if (s->reqs[req_id].released) return NULL;
     return &s->seqs[s->reqs[req_id].first_seq + sample];
+}
+
+int mrl_sched_request_done(const mrl_sched *s, int req_id) {
+    if (!s || req_id < 0 || req_id >= s->n_reqs) return -1;
+    const sched_req *q = &s->reqs[req_id];
+    for (int j = 0; j < q->n; j++)
+        if (s->seqs[q->first_seq + j].state != SEQ_FINISHED) return 0;
+    return 1;
+}
+
+mrl_status mrl_sched_release(mrl_sched *s, int req_id) {
+    int done = mrl_sched_request_done(s, req_id);
+    if (done < 0 || s->reqs[req_id].released)
+        return mrl_set_error(MRL_ERR_INVALID, "sched_release: no request %d (or released already)", req_id);
+    if (!done) return mrl_set_error(MRL_ERR_INVALID, "sched_release: request %d has samples not finished", req_id);
+    sched_req *q = &s->reqs[req_id];
+    for (int j = 0; j < q->n; j++) { /* finished: no blocks held, only the outputs */
+        sched_seq *x = &s->seqs[q->first_seq + j];
+        free(x->tokens);
+        free(x->lp);
+        free(x->lpp);
+        free(x->ver);
+        x->tokens = NULL;
+        x->lp = x->lpp = NULL;
+        x->ver = NULL;
+    }
+    q->released = 1;
+    return MRL_OK;
 }
 
 mrl_status mrl_sched_stop(mrl_sched *s, int req_id, int sample) {

@@ -145,6 +145,14 @@ mrl_status mrl_sched_output(const mrl_sched *s, int req_id, int sample, const in
  * mrl_sched_set_version before its step's update. */
 mrl_status mrl_sched_output_versions(const mrl_sched *s, int req_id, int sample, const int64_t **versions);
 void mrl_sched_set_version(mrl_sched *s, int64_t version);
+/* 1 when every sample of the request has finished, 0 when one has not, -1
+ * when there is no such request. */
+int mrl_sched_request_done(const mrl_sched *s, int req_id);
+/* Free the outputs of a finished request (all its samples finished): a
+ * scheduler that runs for a whole job (requests added while others run, no
+ * reset between them) holds only what is still wanted. Its outputs are gone
+ * afterwards (mrl_sched_output fails for it). */
+mrl_status mrl_sched_release(mrl_sched *s, int req_id);
 /* The op table whose sample op draws the tokens (the model's, so that a
  * reference model samples with the reference kernels); NULL, the default:
  * the fast CPU table. */

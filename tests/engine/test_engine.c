@@ -964,6 +964,72 @@ static void test_async(void) {
     mrl_model_free(m);
 }
 
+/* An engine that runs for a whole job (a stream of batches, a server): a
+ * background run paused again and again (mrl_engine_pause) while requests
+ * are added and finished ones read and released gives the tokens of one
+ * run of the same requests (log-probs within float rounding: other rows
+ * share the steps); released requests are gone. */
+static void test_pause_release(void) {
+    mrl_model *m = make_model(MRL_ARCH_QWEN3, 96);
+    if (!m) return;
+    int32_t pa[9], pb[6];
+    fill_prompt(pa, 9, 96, 5);
+    fill_prompt(pb, 6, 96, 6);
+    mrl_engine_request ra = request(pa, 9, 2, 24, 1.0f, 0), rb = request(pb, 6, 3, 20, 1.0f, 1);
+    sample_out ref[5], got[5];
+    int ia, ib;
+    mrl_engine *e = make_engine(m, 1 << 20, 64, 8, 4);
+    CHECK_OK(mrl_engine_add_request(e, &ra, &ia));
+    CHECK_OK(mrl_engine_add_request(e, &rb, &ib));
+    CHECK_OK(mrl_engine_run(e));
+    for (int j = 0; j < 5; j++) get(e, j < 2 ? ia : ib, j < 2 ? j : j - 2, &ref[j]);
+    mrl_engine_free(e);
+
+    e = make_engine(m, 1 << 20, 64, 8, 4);
+    CHECK_OK(mrl_engine_add_request(e, &ra, &ia));
+    int pauses = 0, added = 0;
+    while (mrl_engine_num_unfinished(e) > 0) {
+        CHECK_OK(mrl_engine_run_async(e, 1));
+        CHECK(mrl_engine_request_done(e, ia) == -1); /* busy: the thread owns the state */
+        usleep(1000); /* a step or a few on the thread, or none */
+        mrl_engine_pause(e);
+        CHECK_OK(mrl_engine_wait(e));
+        pauses++;
+        CHECK_OK(mrl_engine_step(e, NULL)); /* and one here: progress however the thread was scheduled */
+        if (!added) { /* while A runs */
+            CHECK_OK(mrl_engine_add_request(e, &rb, &ib));
+            CHECK(mrl_engine_request_done(e, ib) == 0);
+            CHECK(mrl_engine_release(e, ib) != MRL_OK); /* not finished */
+            added = 1;
+        }
+        if (pauses > 200) break;
+    }
+    CHECK(pauses >= 1 && mrl_engine_num_unfinished(e) == 0);
+    CHECK(mrl_engine_request_done(e, ia) == 1 && mrl_engine_request_done(e, ib) == 1);
+    CHECK(mrl_engine_request_done(e, ib + 1) == -1);
+    for (int j = 0; j < 5; j++) {
+        get(e, j < 2 ? ia : ib, j < 2 ? j : j - 2, &got[j]);
+        CHECK(got[j].n == ref[j].n && memcmp(got[j].tok, ref[j].tok, sizeof(int32_t) * ref[j].n) == 0);
+        for (int k = 0; k < got[j].n; k++) CHECK(fabsf(got[j].lp[k] - ref[j].lp[k]) < 1e-4f);
+    }
+    CHECK_OK(mrl_engine_release(e, ia));
+    CHECK(mrl_engine_get_output(e, ia, 0, NULL, NULL, NULL, NULL) != MRL_OK); /* released */
+    CHECK(mrl_engine_release(e, ia) != MRL_OK);
+    get(e, ib, 2, &got[4]); /* the other request untouched */
+    CHECK(got[4].n == ref[4].n);
+    /* a request added after the others finished runs on the same engine, no reset */
+    int ic;
+    CHECK_OK(mrl_engine_add_request(e, &ra, &ic));
+    CHECK(ic > ib);
+    CHECK_OK(mrl_engine_run(e));
+    get(e, ic, 1, &got[0]);
+    CHECK(got[0].n == ref[1].n && memcmp(got[0].tok, ref[1].tok, sizeof(int32_t) * ref[1].n) == 0);
+    mrl_engine_pause(e); /* no run in progress: nothing happens */
+    CHECK(mrl_engine_wait(e) != MRL_OK);
+    mrl_engine_free(e);
+    mrl_model_free(m);
+}
+
 int main(void) {
     for (int arch = 0; arch < 3; arch++) test_agreement(arch, NULL);
     for (int arch = 0; arch < 3; arch++) test_agreement(arch, counting_reference());
@@ -979,5 +1045,6 @@ int main(void) {
     test_swap_other();
     test_thread_counts();
     test_async();
+    test_pause_release();
     CHECK_DONE();
 }

@@ -239,6 +239,23 @@ mrl_status mrl_engine_wait(mrl_engine *e);
 /* 1 from mrl_engine_run_async until mrl_engine_wait has joined the run
  * (finished or not), else 0. */
 int mrl_engine_running(const mrl_engine *e);
+/* Ask a background run to return after the step it is in (MRL_OK, the
+ * unfinished requests queued as they are, to go on with mrl_engine_step,
+ * mrl_engine_run or another mrl_engine_run_async); returns at once: join it
+ * with mrl_engine_wait. The caller's thread can so add requests and read the
+ * finished ones of an engine that keeps generating whenever the caller does
+ * something else (a rollout worker streaming batches, a server). No effect
+ * without a run in progress. */
+void mrl_engine_pause(mrl_engine *e);
+
+/* ---- an engine that runs a whole job (no reset between requests) ------ */
+
+/* 1 when every sample of the request has finished, 0 when one has not, -1
+ * for no such request or a busy engine. */
+int mrl_engine_request_done(mrl_engine *e, int req_id);
+/* Free a finished request's outputs (its tokens, log-probs, versions); they
+ * cannot be read afterwards. Fails for a request with samples unfinished. */
+mrl_status mrl_engine_release(mrl_engine *e, int req_id);
 /* Sample j of a request so far: pointers to its generated tokens and their
  * log-probs (under softmax(logits / temperature) over the whole vocabulary:
  * what the trainer's forward gives for the same tokens), valid until the
