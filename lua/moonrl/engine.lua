@@ -26,6 +26,8 @@
 --                                  steps, the requests in flight kept) }. While it is in use each result
 --                                  carries version (its first token's) and version_switches = { {k, v}, ... }
 --                                  (token k, 1-based, and those after it sampled with version v)
+--   engine:stream(threads)      -- one engine for many coroutines' requests, never reset (see "a stream"
+--                                  below): moonrl.rollout's async.stream
 --   engine.background = N       -- inside a coroutine, generate runs the engine on a background thread of N
 --                                  threads and yields until the caller resumes it (moonrl.rollout overlaps
 --                                  the next batch with training so); engine.on_busy() is called when generate
@@ -92,7 +94,7 @@ local function int_array(list, what)
   for i = 1, n do
     local v = list[i]
     if type(v) ~= 'number' or v ~= math.floor(v) then
-      error(string.format('engine:generate: %s[%d] is not an integer (%s)', what, i, tostring(v)), 4)
+      error(string.format('engine:generate: %s[%d] is not an integer (%s)', what, i, tostring(v)), 5)
     end
     arr[i - 1] = v
   end
@@ -165,47 +167,45 @@ local function versions(self, req, j, n)
   return first, switches
 end
 
--- requests: list of { prompt_ids = {...} | prompt = 'text', n = samples (1), prompt_index = i - 1,
--- first_sample = 0 (the stream index of the first sample),
--- max_tokens = opts.max_tokens }. See the top of the file for opts and results.
-function Engine:generate(requests, opts)
-  opts = opts or {}
-  if type(requests) ~= 'table' then error('engine:generate: expected a list of requests', 2) end
+-- The options generate checks once per call: stop strings, eos ids, sampling parameters.
+local function call_options(self, opts)
   local tok = opts.tokenizer
   local stops = opts.stop or {}
   if type(stops) == 'string' then stops = { stops } end
   local max_stop = 0
   for _, s in ipairs(stops) do
-    if type(s) ~= 'string' or s == '' then error('engine:generate: stop strings must be non-empty strings', 2) end
+    if type(s) ~= 'string' or s == '' then error('engine:generate: stop strings must be non-empty strings', 3) end
     max_stop = math.max(max_stop, #s)
   end
-  if #stops > 0 and not tok then error('engine:generate: stop strings need opts.tokenizer', 2) end
-  local on_text = opts.on_text
-  if on_text and not tok then error('engine:generate: on_text needs opts.tokenizer', 2) end
+  if #stops > 0 and not tok then error('engine:generate: stop strings need opts.tokenizer', 3) end
+  if opts.on_text and not tok then error('engine:generate: on_text needs opts.tokenizer', 3) end
   local eos = opts.eos_ids
   if eos == nil then
     local id = self.model.config.eos_token_id
     eos = (id and id >= 0) and { id } or {}
   end
-  local eos_arr, n_eos = int_array(eos, 'eos_ids')
+  return { tok = tok, stops = stops, max_stop = max_stop, on_text = opts.on_text, eos = eos }
+end
+
+-- Queue the requests (see generate); returns the job: { reqs = { {id, n}, ... } }. Nothing is
+-- queued when one request is bad.
+local function submit(self, requests, opts, o)
+  local eos_arr, n_eos = int_array(o.eos, 'eos_ids')
   local stop_arr, n_stop = int_array(opts.stop_ids or {}, 'stop_ids')
-  local params = sampling_params(opts)
-  local max_tokens = opts.max_tokens or 64
-  if self:running() and self.on_busy then self.on_busy() end -- a background batch: finished first
-  moonrl.check(C.mrl_engine_reset(self.handle), 2) -- the weights may have changed since the last call
   local r = ffi.new('mrl_engine_request')
-  r.params = params
+  r.params = sampling_params(opts)
   r.eos_ids, r.n_eos, r.stop_ids, r.n_stop = eos_arr, n_eos, stop_arr, n_stop
   r.seed, r.step = opts.seed or self.seed, opts.step or 0
+  local max_tokens = opts.max_tokens or 64
   local id_out = ffi.new('int[1]')
   local reqs = {}
   for i, q in ipairs(requests) do
     local ids = q.prompt_ids
     if ids == nil and q.prompt ~= nil then
-      if not tok then error('engine:generate: request ' .. i .. ' has a prompt text but no opts.tokenizer', 2) end
-      ids = tok:encode(q.prompt, { add_special = false })
+      if not o.tok then error('engine:generate: request ' .. i .. ' has a prompt text but no opts.tokenizer', 3) end
+      ids = o.tok:encode(q.prompt, { add_special = false })
     end
-    if type(ids) ~= 'table' then error('engine:generate: request ' .. i .. ' needs prompt_ids (or prompt)', 2) end
+    if type(ids) ~= 'table' then error('engine:generate: request ' .. i .. ' needs prompt_ids (or prompt)', 3) end
     local arr, n = int_array(ids, 'prompt_ids')
     r.prompt, r.prompt_len = arr, n
     r.n = q.n or 1
@@ -215,54 +215,62 @@ function Engine:generate(requests, opts)
     local st = C.mrl_engine_add_request(self.handle, r, id_out)
     if st ~= 0 then
       local msg = moonrl.last_error()
-      C.mrl_engine_reset(self.handle) -- ignore: nothing ran yet (requests before this one are dropped)
-      error(string.format('engine:generate: request %d: %s', i, msg), 2)
+      if self.streaming then -- the requests before it: finished at the next step, never read
+        for _, q in ipairs(reqs) do
+          for j = 0, q.n - 1 do C.mrl_engine_stop_sample(self.handle, q.id, j) end
+        end
+      else
+        C.mrl_engine_reset(self.handle) -- ignore: nothing ran yet (the requests before it dropped)
+      end
+      error(string.format('engine:generate: request %d: %s', i, msg), 3)
     end
     reqs[i] = { id = id_out[0], n = r.n }
   end
-  local watches
-  if #stops > 0 or on_text then
-    watches = {}
-    local unf = ffi.new('int[1]')
-    for i, q in ipairs(reqs) do
-      watches[i] = {}
-      for j = 1, q.n do watches[i][j] = new_watch(tok) end
-    end
-    repeat
-      moonrl.check_stop()
-      moonrl.check(C.mrl_engine_step(self.handle, unf), 2)
-      for i, q in ipairs(reqs) do
-        for j = 1, q.n do
-          local w = watches[i][j]
-          if not w.done then
-            local toks, _, n, reason = output(self, q.id, j - 1)
-            if watch_step(w, toks, n, stops, max_stop) then
-              w.stopped = true
-              w.done = true
-              moonrl.check(C.mrl_engine_stop_sample(self.handle, q.id, j - 1), 2)
-            elseif reason ~= 0 then
-              w.done = true
-            end
-            if on_text then -- hold back what could still become a stop string
-              local upto = w.done and #w.text or #w.text - math.max(max_stop - 1, 0)
-              if upto > w.sent then
-                on_text(i, j, w.text:sub(w.sent + 1, upto))
-                w.sent = upto
-              end
+  return { reqs = reqs }
+end
+
+-- The engine's steps until the job is done, watching its samples' text for stop strings and
+-- feeding on_text.
+local function run_watched(self, job, o)
+  local watches, stops, max_stop, on_text = {}, o.stops, o.max_stop, o.on_text
+  local unf = ffi.new('int[1]')
+  for i, q in ipairs(job.reqs) do
+    watches[i] = {}
+    for j = 1, q.n do watches[i][j] = new_watch(o.tok) end
+  end
+  repeat
+    moonrl.check_stop()
+    moonrl.check(C.mrl_engine_step(self.handle, unf), 3)
+    for i, q in ipairs(job.reqs) do
+      for j = 1, q.n do
+        local w = watches[i][j]
+        if not w.done then
+          local toks, _, n, reason = output(self, q.id, j - 1)
+          if watch_step(w, toks, n, stops, max_stop) then
+            w.stopped = true
+            w.done = true
+            moonrl.check(C.mrl_engine_stop_sample(self.handle, q.id, j - 1), 3)
+          elseif reason ~= 0 then
+            w.done = true
+          end
+          if on_text then -- hold back what could still become a stop string
+            local upto = w.done and #w.text or #w.text - math.max(max_stop - 1, 0)
+            if upto > w.sent then
+              on_text(i, j, w.text:sub(w.sent + 1, upto))
+              w.sent = upto
             end
           end
         end
       end
-    until unf[0] == 0
-  elseif self.background and coroutine.running() then
-    self:run_async(self.background)
-    coroutine.yield()
-    self:wait()
-  else
-    moonrl.check(C.mrl_engine_run(self.handle), 2)
-  end
+    end
+  until unf[0] == 0
+  job.watches = watches
+end
+
+-- The job's results (see the top of the file); release: free its requests in the engine.
+local function collect(self, job, o, release)
   local results = {}
-  for i, q in ipairs(reqs) do
+  for i, q in ipairs(job.reqs) do
     local list = {}
     for j = 1, q.n do
       local toks, lps, n, reason = output(self, q.id, j - 1)
@@ -273,18 +281,111 @@ function Engine:generate(requests, opts)
       end
       local s = { ids = ids, logprobs = lp, finish_reason = FINISH[reason] or 'stop' }
       if self.weights then s.version, s.version_switches = versions(self, q.id, j - 1, n) end
-      local w = watches and watches[i][j]
+      local w = job.watches and job.watches[i][j]
       if w then
         s.text = w.text
         if w.stopped then s.finish_reason = 'stop' end
-      elseif tok then
-        s.text = tok:decode(ids, { skip_special = true })
+      elseif o.tok then
+        s.text = o.tok:decode(ids, { skip_special = true })
       end
       list[j] = s
     end
     results[i] = list
+    if release then moonrl.check(C.mrl_engine_release(self.handle, q.id), 3) end
   end
   return results
+end
+
+-- requests: list of { prompt_ids = {...} | prompt = 'text', n = samples (1), prompt_index = i - 1,
+-- first_sample = 0 (the stream index of the first sample),
+-- max_tokens = opts.max_tokens }. See the top of the file for opts and results.
+function Engine:generate(requests, opts)
+  opts = opts or {}
+  if type(requests) ~= 'table' then error('engine:generate: expected a list of requests', 2) end
+  local o = call_options(self, opts)
+  if self.streaming and coroutine.running() then return self.streaming:generate(requests, opts, o) end
+  if self:running() and self.on_busy then self.on_busy() end -- a background batch: finished first
+  moonrl.check(C.mrl_engine_reset(self.handle), 2) -- the weights may have changed since the last call
+  local job = submit(self, requests, opts, o)
+  if #o.stops > 0 or o.on_text then
+    run_watched(self, job, o)
+  elseif self.background and coroutine.running() then
+    self:run_async(self.background)
+    coroutine.yield()
+    self:wait()
+  else
+    moonrl.check(C.mrl_engine_run(self.handle), 2)
+  end
+  return collect(self, job, o, false)
+end
+
+-- ---- a stream: one engine for many callers' requests, never reset ---------------------------
+-- Engine:stream() returns a driver; while engine.streaming is set, generate inside a coroutine
+-- queues its requests on the engine as it runs (no reset: other coroutines' requests go on) and
+-- yields; the driver steps the engine (here, or on a background thread while this thread does
+-- something else) and resumes the coroutine once its requests are done. moonrl.rollout streams
+-- batches so on rollout ranks (async.stream). Stop strings and on_text need the watched loop
+-- of a plain generate: not in a stream.
+local Stream = {}
+Stream.__index = Stream
+
+function Engine:stream(threads)
+  local st = setmetatable({ engine = self, threads = threads or 1 }, Stream)
+  self.streaming = st
+  return st
+end
+
+function Stream:generate(requests, opts, o)
+  local e = self.engine
+  if #o.stops > 0 or o.on_text then
+    error('engine:generate: stop strings and on_text are not available in a stream (async.stream)', 3)
+  end
+  self:idle()
+  local job = submit(e, requests, opts, o)
+  job.o = o
+  coroutine.yield(job)
+  local results = collect(e, job, o, true)
+  self:background() -- the others' requests go on while the caller scores these
+  return results
+end
+
+-- The engine back on this thread (a background run paused and joined).
+function Stream:idle()
+  local e = self.engine
+  if e:running() then
+    C.mrl_engine_pause(e.handle)
+    e:wait()
+  end
+end
+
+-- Generate in the background while this thread does something else (until idle()).
+function Stream:background()
+  local e = self.engine
+  if not e:running() and C.mrl_engine_num_unfinished(e.handle) > 0 then e:run_async(self.threads) end
+end
+
+-- Whether a job a coroutine yielded is done (the engine on this thread).
+function Stream:done(job)
+  self:idle()
+  for _, q in ipairs(job.reqs) do
+    if C.mrl_engine_request_done(self.engine.handle, q.id) ~= 1 then return false end
+  end
+  return true
+end
+
+-- One step of the engine, on this thread.
+function Stream:step()
+  self:idle()
+  moonrl.check_stop()
+  moonrl.check(C.mrl_engine_step(self.engine.handle, nil), 2)
+end
+
+-- Every request dropped and the engine reset; generate is a plain call again.
+function Stream:close()
+  local e = self.engine
+  self:idle()
+  moonrl.check(C.mrl_engine_reset(e.handle), 2)
+  e.streaming = nil
 end
 
 -- Use another parameter buffer with the model's layout (float cdata of

@@ -297,4 +297,46 @@ t.test('following a weight store: each token records its version, a version publ
   e5:use_weights(nil)
 end)
 
+t.test('a stream: coroutines\' requests share one engine, each resumed when its own are done', function()
+  local opts = { temperature = 0, max_tokens = 12, step = 4 }
+  local reqs = { { prompt_ids = prompts[1], n = 2 }, { prompt_ids = prompts[2] }, { prompt_ids = prompts[3] } }
+  local want = engine:generate(reqs, opts)
+  local st = engine:stream(1)
+  local co1 = coroutine.create(function() return engine:generate({ reqs[1], reqs[2] }, opts) end)
+  local co2 = coroutine.create(function()
+    return engine:generate({ { prompt_ids = prompts[3], prompt_index = 2 } }, opts)
+  end)
+  local _, job1 = coroutine.resume(co1)
+  local _, job2 = coroutine.resume(co2) -- queued beside co1's, no reset
+  t.truthy(type(job1) == 'table' and type(job2) == 'table', 'each yields its job')
+  local got, steps = {}, 0
+  while coroutine.status(co1) ~= 'dead' or coroutine.status(co2) ~= 'dead' do
+    for k, co in ipairs({ co1, co2 }) do
+      local job = k == 1 and job1 or job2
+      if coroutine.status(co) ~= 'dead' and st:done(job) then
+        local ok, res = coroutine.resume(co)
+        t.truthy(ok, tostring(res))
+        got[k] = res
+        st:background() -- the other's requests go on on the engine's thread meanwhile
+      end
+    end
+    st:step()
+    steps = steps + 1
+    t.truthy(steps < 500, 'the stream finishes')
+  end
+  st:close()
+  t.eq(engine.streaming, nil, 'closed: generate is a plain call again')
+  for j = 1, 2 do t.eq(table.concat(got[1][1][j].ids, ','), table.concat(want[1][j].ids, ','), 'request 1 sample ' .. j) end
+  t.eq(table.concat(got[1][2][1].ids, ','), table.concat(want[2][1].ids, ','), 'request 2')
+  t.eq(table.concat(got[2][1][1].ids, ','), table.concat(want[3][1].ids, ','), 'the other coroutine\'s request')
+  local ok, err = pcall(function()
+    engine:stream(1)
+    local co = coroutine.create(function() return engine:generate({ reqs[2] }, { stop = { 'x' }, tokenizer = tok }) end)
+    local okc, e = coroutine.resume(co)
+    engine.streaming:close()
+    error(okc and 'no error' or e, 0)
+  end)
+  t.truthy(not ok and tostring(err):find('not available in a stream', 1, true), 'stop strings: a clear error: ' .. tostring(err))
+end)
+
 t.done()
