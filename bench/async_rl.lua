@@ -5,6 +5,8 @@
 --   one_step_off, 1 trainer + 1 rollout     (generation of batch n+1 overlaps training of n)
 --   async (max_staleness=2), 1 + 1
 --   one_step_off, 1 + 1, async.partial=continue (requests in flight take each new version)
+--   async (max_staleness=2), 1 + 1, partial=continue; and the same streamed (async.stream=true:
+--     one engine for the batches in flight, no drain at a batch's end)
 --   one_step_off, 1 + 1, weights by MPI broadcast (async.weights=mpi; the others: shared memory)
 --   one_step_off, one process: 1 training thread + an engine thread of 1 (async.engine_threads=1)
 -- Times are of the GRPO phase only (the SFT warm-up runs on the trainer alone), with the
@@ -90,6 +92,10 @@ local rows = {
   run('one_step_off, 1 + 1', 2, 1, 'async.mode=one_step_off', 'dist.rollout_ranks=1'),
   run('async k=2, 1 + 1', 2, 1, 'async.mode=async', 'async.max_staleness=2', 'dist.rollout_ranks=1'),
   run('one_step_off, 1 + 1, continue', 2, 1, 'async.mode=one_step_off', 'async.partial=continue', 'dist.rollout_ranks=1'),
+  run('async k=2, 1 + 1, continue', 2, 1, 'async.mode=async', 'async.max_staleness=2', 'async.partial=continue',
+    'dist.rollout_ranks=1'),
+  run('async k=2, 1 + 1, stream', 2, 1, 'async.mode=async', 'async.max_staleness=2', 'async.partial=continue',
+    'async.stream=true', 'dist.rollout_ranks=1'),
   run('one_step_off, 1 + 1, MPI weights', 2, 1, 'async.mode=one_step_off', 'async.weights=mpi', 'dist.rollout_ranks=1'),
   run('one_step_off, engine thread', 1, 1, 'async.mode=one_step_off', 'async.engine_threads=1'),
 }

@@ -33,6 +33,13 @@
 -- (async.stale = 'drop') or its advantage scaled by async.stale_weight ('downweight'), and
 -- counted.
 --
+-- async.stream = true (rollout ranks, async.partial=continue): the rollout ranks keep one engine
+-- for the whole phase and queue batch j's requests as soon as the weights of version
+-- j - 1 - max_staleness are published, while the batches before it are still generated: the
+-- engine never drains at a batch's end (no straggler bubble), each request takes the newest
+-- weights between steps, and batch j goes to the trainers once its last group is done. The
+-- trainers take batch j when it comes (nothing is queued on their side). Timing-dependent.
+--
 -- Checkpoints hold the batches generated but not yet trained on (S.extra.pending, the same
 -- JSON a rollout rank sends), and the data position and generators after the last of them:
 -- a resumed run trains on exactly the batches the uninterrupted one would have, none dropped
@@ -132,6 +139,13 @@ local function check_config(cfg)
     moonrl.usage_error('async.engine_threads overlaps the next batch with this step in one process: it needs ' ..
       'async.mode one_step_off or async, and no dist.rollout_ranks')
   end
+  if a.stream then
+    if not remote or M.lag(cfg) == 0 or a.partial ~= 'continue' then
+      moonrl.usage_error('async.stream=true streams batches from dist.rollout_ranks with requests of several ' ..
+        'batches in one engine: it needs dist.rollout_ranks, async.mode one_step_off or async, and ' ..
+        'async.partial=continue')
+    end
+  end
   if a.partial == 'continue' then
     if M.lag(cfg) == 0 then moonrl.usage_error('async.partial=continue needs async.mode one_step_off or async') end
     if not remote and a.engine_threads == 0 then
@@ -165,6 +179,11 @@ function M.config()
     -- (PipelineRL: their KV cache kept as it is; each token's version recorded); the latter needs
     -- rollout ranks on trainer rank 0's host, or engine_threads
     partial = 'finish',
+    -- rollout ranks: one engine for every batch in flight, never reset: a batch's requests are
+    -- queued as soon as the staleness bound allows (up to max_staleness + 1 batches at once)
+    -- and each batch goes to the trainers when its last group is done, while the others go on
+    -- (AReaL-style streaming, with partial=continue); false: a batch at a time
+    stream = false,
     weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
     engine_threads = config.integer(0), -- one process: N >= 1 generates the next batch on an engine thread of N threads
                                         -- while this step trains (run.threads for training); 0: between steps
@@ -433,7 +452,7 @@ function RS:next_batch()
   local waited = (self.trainer_wait or 0) - (self.trainer_wait_logged or 0)
   self.trainer_wait_logged = self.trainer_wait
   b.info.async = { staleness = histogram, max_staleness_seen = worst, dropped_stale = dropped, queue_depth = depth,
-    switched_samples = switched,
+    switched_samples = switched, batches_in_flight = b.info.batches_in_flight,
     trainer_wait_seconds = waited, rollout_wait_seconds = b.info.rollout_wait_seconds }
   return kept, b.info
 end
@@ -449,9 +468,11 @@ function RS:after_update()
   finish_background(self, true)
   if self.remote then
     -- partial=continue: the new weights first, for the requests in flight on the rollout ranks
+    local streamed = self.cfg.async.stream -- batches taken as they come, in next_batch
     local early = self.store and self.cfg.async.partial == 'continue' and s + L + 1 <= T and not self.pending_rollback
+      and not streamed
     if early then self.publish_info = publish_store(self, self.store, s) end
-    for j = s + 1, math.min(s + L, T) do
+    for j = s + 1, streamed and 0 or math.min(s + L, T) do
       if not self.pending[j] then self.pending[j] = receive(self, j) end
     end
     stop = moonrl.stop_requested() or self.rollout_stop or false
@@ -469,7 +490,9 @@ end
 function RS:publish(v, flags)
   if not self.link then return end
   local L, T = M.lag(self.cfg), self.run.total
-  local weights = v + L + 1 <= T and not flags.stop and not flags.rollback
+  -- the weights go when a batch still to come can use them: batch j is started with version
+  -- j - 1 - lag; streamed, every batch after v takes v up while it is generated
+  local weights = (self.cfg.async.stream and v < T or v + L + 1 <= T) and not flags.stop and not flags.rollback
   if weights and self.store and not flags.published then self.publish_info = publish_store(self, self.store, v) end
   local t0 = moonrl.now()
   self.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
@@ -596,6 +619,81 @@ local function serve(self, first, free_until, total)
   end
 end
 
+-- async.stream: batches first .. total from one engine (Engine:stream). Batch j's rollout function
+-- runs in a coroutine started once the header of version j - 1 - lag has come (the batches
+-- before it still in the engine), and resumed, in batch order, when its requests are done: the
+-- rollout ranks' collectives (the scores gathered) keep one order. The engine steps here while
+-- this rank waits for it, and on a background thread while this rank scores, sends a batch or
+-- waits for a header. Each coroutine's prompts are drawn before its first generate: the data
+-- positions after them go with its batch. Returns the header that ended the phase (done, stop,
+-- rollback).
+local function serve_stream(self, first, total)
+  local L, e = M.lag(self.cfg), self.rollout_engine
+  local base = self.global_step - self.step
+  local stream = e:stream(tonumber(C.mrl_parallel_threads()))
+  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
+    follow = true, version = store_version(self, self.version) })
+  local live, next_j = {}, first
+  local function at_step(j)
+    self.step, self.global_step = j, base + j
+    self.run.step = self.global_step
+  end
+  local function resume(b, ...)
+    at_step(b.j)
+    self.batch_records = b.records
+    local ok, r1, r2 = coroutine.resume(b.co, ...)
+    if not ok then error(r1, 0) end
+    b.records = self.batch_records
+    if coroutine.status(b.co) == 'dead' then b.job, b.samples, b.info = nil, r1, r2 or {}
+    else b.job = r1 end
+  end
+  local function admit()
+    local upto = math.min(total, (self.version or 0) + 1 + L)
+    while next_j <= upto do
+      local b = { j = next_j, co = coroutine.create(self.rollout_fn), t0 = moonrl.now() }
+      live[next_j], next_j = b, next_j + 1
+      resume(b, b.j)
+      b.positions = self:positions()
+    end
+  end
+  local function finish(head)
+    stream:close()
+    e:use_weights(nil)
+    return head
+  end
+  local idle = 0
+  for j = first, total do
+    admit()
+    local b = live[j]
+    while b.job do
+      if stream:done(b.job) then resume(b) else stream:step() end
+    end
+    live[j] = nil
+    local in_flight = 0 -- the batches after it already in the engine
+    for _ in pairs(live) do in_flight = in_flight + 1 end
+    at_step(j)
+    self.world:set_step(self.global_step)
+    self.link:set_step(self.global_step)
+    local info = b.info
+    stamp_versions(b.samples, self.version or 0)
+    info.gen_seconds, info.step, info.positions = moonrl.now() - b.t0, j, b.positions
+    info.rollout_wait_seconds, idle = idle, 0
+    info.stop, info.batches_in_flight = moonrl.stop_requested(), in_flight
+    local text = M.encode(b.samples, info)
+    stream:background() -- the other batches go on while this one is sent and the next header awaited
+    if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
+    local starved = C.mrl_engine_num_unfinished(e.handle) == 0
+    local t0 = moonrl.now()
+    local head = receive_header(self)
+    if starved then idle = idle + moonrl.now() - t0 end -- the engine had nothing to do meanwhile
+    if head.stop or head.rollback or head.done then return finish(head) end
+  end
+  while true do
+    local head = receive_header(self)
+    if head.done or head.stop or head.rollback then return finish(head) end
+  end
+end
+
 -- The rollout ranks' loop (their S:steps): the batches of the phase, each with the weights the
 -- schedule gives it, sent to the trainers; ends when trainer rank 0 says so. After a rollback it
 -- starts again from the checkpoint's step t: at batch t + 1 when the trainers dropped their
@@ -604,14 +702,18 @@ function RS:serve_rollouts(total)
   local L = M.lag(self.cfg)
   local first, free_until = 1, L + 1
   if self.step > 0 then first = self.step + L + 1; free_until = first end -- resumed: up to step + L in the checkpoint
+  local streamed = self.cfg.async.stream -- the trainers hold no batch ahead: on from the next one
+  if streamed then first = self.step + 1 end
   self.version = self.step -- the checkpoint's weights (0: the initial ones)
   while true do
-    local head = serve(self, first, free_until, total)
+    local head
+    if streamed then head = serve_stream(self, first, total) else head = serve(self, first, free_until, total) end
     if not head.rollback then return end
     next_epoch(self)
     head = self:sync_weights()
     self.version = self.step
-    if head.fresh then first, free_until = self.step + 1, self.step + L + 1
+    if streamed then first = self.step + 1
+    elseif head.fresh then first, free_until = self.step + 1, self.step + L + 1
     else first = self.step + L + 1; free_until = first end
   end
 end

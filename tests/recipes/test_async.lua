@@ -268,13 +268,52 @@ t.test('async.partial=continue: requests in flight take the new weights (a slowe
   t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm')
 end)
 
+t.test('async.stream: one engine for the batches in flight (a slowed engine: they overlap); resume, rollback', function()
+  local S = { 'async.mode=async', 'async.max_staleness=2', 'dist.rollout_ranks=1', 'async.partial=continue',
+    'async.stream=true', 'grpo.max_tokens=16', 'grpo.steps=6' }
+  local slow = { env = { 'MOONRL_FAULT=slow_engine:seconds=0.02:rank=1' } }
+  local function check(d, what, ranks_n)
+    local overlapped, m = 0, metrics(d)
+    t.eq(#m, 6, what .. ': each step logged once')
+    for _, r in ipairs(m) do
+      local mx = r['async/max_staleness_seen']
+      t.truthy(mx and mx <= 2, what .. ': staleness within the bound: ' .. tostring(mx))
+      t.eq(r['async/dropped_stale'], 0, what .. ': none dropped')
+      if (r['async/batches_in_flight'] or 0) > 0 then overlapped = overlapped + 1 end
+    end
+    t.truthy(overlapped > 0, what .. ': later batches were in the engine when a batch went to the trainers')
+  end
+  check(grpo_run(2, 'stream11', S, slow), '1 trainer + 1 rollout rank')
+  local S2 = { 'dist.rollout_ranks=2' }
+  for i, x in ipairs(S) do if x ~= 'dist.rollout_ranks=1' then S2[#S2 + 1] = x end end
+  check(grpo_run(3, 'stream12', S2, { env = { 'MOONRL_FAULT=slow_engine:seconds=0.02:rank=1' } }),
+    '1 trainer + 2 rollout ranks')
+  -- killed mid-run, resumed: each step once, from the checkpoint's data position
+  local k = { env = { 'MOONRL_FAULT=kill:step=4:phase=train:rank=0' }, expect_fail = true }
+  local SK = { 'run.checkpoint_every=1', unpack(S) }
+  local killed = grpo_run(2, 'stream_killed', SK, k)
+  grpo_run(2, 'stream_killed', SK)
+  t.eq(#metrics(killed), 6, 'killed and resumed: each step logged once')
+  t.eq(#events(killed, 'resume'), 1, 'resumed once')
+  -- a guard's rollback: the rollout rank drops its batches in flight and goes on from the checkpoint
+  local RB = { 'guard.grad_spike=50', 'guard.action=rollback', 'run.checkpoint_every=2' }
+  for _, x in ipairs(S) do RB[#RB + 1] = x end
+  RB[#RB + 1] = 'grpo.steps=8'
+  local rb = grpo_run(2, 'stream_rb', RB, { env = { 'MOONRL_FAULT=spike:step=7:factor=1000:times=1' } })
+  local ev = events(rb, 'rollback')
+  t.eq(#ev, 1, 'one rollback')
+  t.eq(ev[1] and ev[1].to_step, 6, 'to the checkpoint of step 6')
+  t.eq(#metrics(rb), 8, 'rolled back: each step logged once')
+  t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm')
+end)
+
 t.test('bad dist and async keys are usage errors naming the key, before any run directory exists', function()
   for _, case in ipairs({ { 'dist.zero=2', 'dist.zero' }, { 'dist.bucket_mb=0', 'dist.bucket_mb' },
     { 'dist.timeout=-1', 'dist.timeout' }, { 'async.mode=later', 'async.mode' }, { 'async.correction=foo', 'async.correction' },
     { 'dist.rollout_ranks=1', 'dist.rollout_ranks' }, { 'async.partial=later', 'async.partial' },
     { 'async.weights=nfs', 'async.weights' }, { 'async.engine_threads=-1', 'async.engine_threads' },
     { 'async.engine_threads=1', 'async.engine_threads' }, -- sync mode: nothing to overlap
-    { 'async.partial=continue', 'async.partial=continue' } }) do
+    { 'async.partial=continue', 'async.partial=continue' }, { 'async.stream=true', 'async.stream' } }) do
     local d = dir .. '/bad'
     local r = proc.run({ exe, 'run.dir=' .. d, 'sft.steps=1', 'grpo.steps=1', 'quiet=true', case[1] }, { timeout = 60 })
     t.eq(r.exit_status, 2, case[1] .. ': a usage error')
