@@ -17,7 +17,10 @@ const char *mrl_version(void) { return MRL_VERSION; }
 int mrl_process_id(void) { return (int)getpid(); }
 
 
-const char *mrl_backends(void) { return mrl_device_cuda_built() ? "cpu cuda" : "cpu"; }
+/* Only backends that run the model: the CUDA side is built where nvcc is
+ * (its device layer and first kernels) but does not run a training step or
+ * the engine yet (moonrl version reports it apart). */
+const char *mrl_backends(void) { return "cpu"; }
 
 
 static int has_feature(const char *name) {

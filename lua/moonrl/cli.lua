@@ -60,7 +60,11 @@ end
 local function print_version()
   local v = moonrl.version()
   print(string.format('moonrl %s (git %s)', v.version, v.git))
-  print('backends: ' .. v.backends .. (v.backends:find('cuda') and string.format(' (%d CUDA device(s) visible)', v.cuda_devices) or ''))
+  print('backends: ' .. v.backends)
+  if v.cuda_built then -- compiled and linked, checked on a GPU only by tests/gpu/run.sh; no model step yet
+    print(string.format('cuda: built (device layer and kernels under test; the model does not run on it yet), ' ..
+      '%d device(s) visible', v.cuda_devices))
+  end
   print('cpu features: ' .. v.cpu_features)
   print(string.format('cpu kernels: built for %s; using %s on this CPU', v.kernels_built, v.kernels))
   print('bf16 products: ' .. ffi.string(moonrl.C.mrl_bf16_products()) .. ' (the model computes in fp32 until model.dtype lands)')

@@ -101,6 +101,7 @@ function M.version()
     kernels_built = ffi.string(C.mrl_kernel_isas_built()),
     kernels = ffi.string(C.mrl_kernel_isa()),
     cuda_devices = tonumber(C.mrl_device_cuda_count()),
+    cuda_built = C.mrl_device_cuda_built() ~= 0,
     threads = tonumber(C.mrl_parallel_threads()),
   }
 end

@@ -10,7 +10,8 @@ extern "C" {
 const char *mrl_version(void);
 /* Git revision the library was built from ("unknown" outside git). */
 const char *mrl_git_revision(void);
-/* Space-separated backends built in: "cpu cuda". */
+/* Space-separated backends that can run the model (today "cpu"); whether CUDA
+ * code is built in: mrl_device_cuda_built (moonrl/device.h). */
 const char *mrl_backends(void);
 /* CPU features detected at run time: "avx2 fma avx512f ..." */
 const char *mrl_cpu_features(void);
