@@ -1,4 +1,5 @@
 /* Paged KV cache block manager (see kv_cache.h for the layout and rules). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "engine/kv_cache.h"
@@ -172,6 +173,13 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
     while (nbuckets < (uint64_t)nb) nbuckets <<= 1;
     c->bucket_mask = nbuckets - 1;
     c->pool = mrl_mem_alloc((size_t)(nb * block_bytes), MRL_MEM_KV_CACHE);
+    if (!c->pool) { /* mrl_mem's message says how much was asked and how much there is */
+        char why[512]; /* (mrl_set_error writes the buffer mrl_last_error reads) */
+        snprintf(why, sizeof why, "%s", mrl_last_error());
+        mrl_status st = mrl_set_error(MRL_ERR_NOMEM, "kv_cache_create: a pool of %lld blocks: %s", (long long)nb, why);
+        mrl_kv_cache_destroy(c);
+        return st;
+    }
     c->ref = mrl_mem_alloc((size_t)nb * sizeof(int32_t), MRL_MEM_OTHER);
     c->hashed = mrl_mem_alloc((size_t)nb, MRL_MEM_OTHER);
     c->hash = mrl_mem_alloc((size_t)nb * sizeof(uint64_t), MRL_MEM_OTHER);

@@ -2,6 +2,7 @@
  * header (its size and category) in front of the 64-byte-aligned payload so
  * that mrl_mem_free can undo the accounting. */
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "moonrl/mem.h"
@@ -35,10 +36,59 @@ void mrl_mem_account(mrl_mem_category category, int64_t delta) {
     }
 }
 
+/* A number from a /proc or cgroup file: the value after `key` (NULL: the
+ * first number in the file), in bytes (the file's kB times 1024 with kb);
+ * -1 when the file or the key is not there. */
+static int64_t read_number(const char *path, const char *key, int kb) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[256];
+    int64_t v = -1;
+    while (fgets(line, sizeof line, f)) {
+        const char *at = line;
+        if (key) {
+            size_t n = strlen(key);
+            if (strncmp(line, key, n) != 0) continue;
+            at = line + n;
+        }
+        char *end;
+        long long x = strtoll(at, &end, 10);
+        if (end != at) v = kb ? (int64_t)x * 1024 : (int64_t)x;
+        break;
+    }
+    fclose(f);
+    return v;
+}
+
+int64_t mrl_mem_available(void) {
+    int64_t avail = read_number("/proc/meminfo", "MemAvailable:", 1);
+    /* a container's limit (cgroup v2), when tighter than the machine's */
+    int64_t limit = read_number("/sys/fs/cgroup/memory.max", NULL, 0);
+    int64_t used = read_number("/sys/fs/cgroup/memory.current", NULL, 0);
+    if (limit > 0 && used >= 0 && (avail < 0 || limit - used < avail)) avail = limit - used > 0 ? limit - used : 0;
+    return avail;
+}
+
+/* Allocations this large are checked against the memory available first:
+ * Linux promises nearly any size (overcommit) and then kills the process
+ * when the zero fill touches pages that are not there. */
+#define MEM_CHECK_BYTES ((size_t)64 << 20)
+
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
     if (bytes > ((size_t)1 << 46)) {
-        mrl_set_error(MRL_ERR_NOMEM, "allocation of %zu bytes refused (too large)", bytes);
+        mrl_set_error(MRL_ERR_NOMEM, "allocation of %zu bytes for %s refused (too large)", bytes,
+                      mrl_mem_category_name(category));
         return NULL;
+    }
+    if (bytes >= MEM_CHECK_BYTES) {
+        int64_t avail = mrl_mem_available();
+        if (avail >= 0 && (int64_t)bytes > avail) {
+            mrl_set_error(MRL_ERR_NOMEM, "%s asks for %.2f GiB, more than the %.2f GiB of memory available "
+                          "(MemAvailable, or the container's limit); this process holds %.2f GiB through moonrl",
+                          mrl_mem_category_name(category), bytes / 1073741824.0, avail / 1073741824.0,
+                          atomic_load(&total) / 1073741824.0);
+            return NULL;
+        }
     }
     size_t padded = (bytes + MEM_ALIGN - 1) / MEM_ALIGN * MEM_ALIGN;
     char *raw = aligned_alloc(MEM_ALIGN, padded + MEM_ALIGN);
@@ -84,4 +134,14 @@ const char *mrl_mem_category_name(mrl_mem_category category) {
     static const char *names[] = {"params", "grads", "optim", "activations", "kv_cache", "other"};
     if ((int)category < 0 || category >= MRL_MEM_NUM_CATEGORIES) return "unknown";
     return names[category];
+}
+
+int64_t mrl_mem_rss(void) { return read_number("/proc/self/status", "VmRSS:", 1); }
+int64_t mrl_mem_rss_peak(void) { return read_number("/proc/self/status", "VmHWM:", 1); }
+
+void mrl_mem_reset_rss_peak(void) {
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (!f) return;
+    fputs("5", f); /* 5: reset the peak resident set size (proc(5)) */
+    fclose(f);
 }

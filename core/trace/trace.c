@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "moonrl/loop.h"
 #include "moonrl/trace.h"
 #include "moonrl/fs.h"
@@ -27,6 +28,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int enabled;
 static int trace_rank;
 static double t0;
+static double t0_unix_us; /* the wall clock at t0: merges the traces of several processes (moonrl.trace.merge) */
 static trace_event *events;
 static int64_t count, cap;
 static thread_name *names;
@@ -51,6 +53,9 @@ void mrl_trace_enable(int rank) {
     clear_locked();
     trace_rank = rank;
     t0 = mrl_time_now();
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    t0_unix_us = (double)wall.tv_sec * 1e6 + wall.tv_nsec / 1e3;
     atomic_store(&enabled, 1);
     pthread_mutex_unlock(&lock);
 }
@@ -164,7 +169,8 @@ static void put_json_string(text *t, const char *s) {
 mrl_status mrl_trace_write(const char *path) {
     text t = {0};
     pthread_mutex_lock(&lock);
-    put(&t, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", 40);
+    putf(&t, "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"rank\":%d,\"t0_unix_us\":%.0f},\"traceEvents\":[\n",
+         trace_rank, t0_unix_us);
     putf(&t, "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":%d,\"tid\":0,\"args\":{\"name\":\"rank %d\"}}", trace_rank,
          trace_rank);
     for (int i = 0; i < name_count; i++) {

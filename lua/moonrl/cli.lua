@@ -14,6 +14,8 @@ usage:
   moonrl [key=value ...]            run the embedded default example (with config overrides)
   moonrl run RECIPE [key=value ...] run a recipe (a .lua file, or a name in recipes/)
   moonrl run RECIPE --show-config   list the recipe's config keys and defaults
+  moonrl run --from RUN_DIR [k=v ...]  that run again (its recipe, words and inputs, checked
+                                    unchanged; manifest.json) into RUN_DIR-rerun or run.dir
   moonrl run --restarts N RECIPE ...  supervise: restart a crashed or hung run from its latest
                                     checkpoint, N times at most (--backoff S, --kill-grace S)
   moonrl launch -n N [--restarts K] RECIPE [key=value ...]
@@ -138,12 +140,16 @@ end
 local SUPERVISOR_FLAGS = { ['--restarts'] = 'restarts', ['--backoff'] = 'backoff', ['--kill-grace'] = 'kill_grace' }
 
 local function cmd_run(args)
-  local name, words, show_config, sup = nil, {}, false, {}
+  local name, words, show_config, sup, from = nil, {}, false, {}, nil
   local i = 1
   while i <= #args do
     local a = args[i]
     local flag = SUPERVISOR_FLAGS[a]
     if a == '--show-config' then show_config = true
+    elseif a == '--from' then -- a run directory's recipe and words again (moonrl.manifest)
+      from = args[i + 1]
+      if not from then eprint('error: --from expects a run directory') return 2 end
+      i = i + 1
     elseif a == '-h' or a == '--help' then name = nil; break
     elseif flag then
       local v = tonumber(args[i + 1])
@@ -158,8 +164,27 @@ local function cmd_run(args)
     else words[#words + 1] = a end
     i = i + 1
   end
+  if from then
+    if name then
+      eprint(string.format("error: --from %s runs that directory's recipe: give no recipe ('%s')", from, name))
+      return 2
+    end
+    local ok, rpath, rwords = pcall(require('moonrl.manifest').rerun_command, from, words)
+    if not ok then
+      eprint('error: ' .. moonrl.error_text(rpath))
+      return 2
+    end
+    name, words = rpath, rwords
+    if type(name) == 'table' then -- the embedded default example
+      require('moonrl.manifest').command = { embedded = 'default', words = words }
+      local ok2, overrides = pcall(require('moonrl.config').parse_overrides, words)
+      if not ok2 then eprint('error: ' .. tostring(overrides)) return 2 end
+      return run_chunk(package.preload['moonrl.default_example'], 'examples/default.lua', overrides, show_config)
+    end
+  end
   if not name then
-    eprint('usage: moonrl run [--restarts N] RECIPE [key=value ...] [--show-config]')
+    eprint('usage: moonrl run [--restarts N] RECIPE [key=value ...] [--show-config]\n' ..
+      '       moonrl run --from RUN_DIR [key=value ...]   (that run again: moonrl.manifest)')
     return 2
   end
   local path = find_recipe(name)
@@ -188,6 +213,8 @@ local function cmd_run(args)
     return 2
   end
   arg = { [0] = path }
+  local abs = path:sub(1, 1) == '/' and path or ((os.getenv('PWD') or '.') .. '/' .. path)
+  require('moonrl.manifest').command = { recipe = abs, words = words }
   return run_chunk(chunk, path, overrides, show_config)
 end
 
@@ -201,6 +228,7 @@ function M.main(args)
       return 2
     end
     local chunk = package.preload['moonrl.default_example']
+    require('moonrl.manifest').command = { embedded = 'default', words = args }
     return run_chunk(chunk, 'examples/default.lua', overrides, false)
   end
   if cmd == 'help' or cmd == '--help' or cmd == '-h' then

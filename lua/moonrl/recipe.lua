@@ -550,7 +550,8 @@ end
 -- A rollout rank keeps nothing: trainer rank 0 writes the checkpoints and the model.
 function RS:finish(opts)
   if self.role == 'rollout' then
-    self:close()
+    -- with the trainers at their clean end (the phase done, not a stop): one timeline together
+    self:close(not self.rollout_stopped and { job = require('moonrl.dist').current() } or nil)
     local dirs = {}
     for i, m in ipairs(self.models) do dirs[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
     return dirs

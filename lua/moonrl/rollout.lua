@@ -708,6 +708,7 @@ function RS:serve_rollouts(total)
   while true do
     local head
     if streamed then head = serve_stream(self, first, total) else head = serve(self, first, free_until, total) end
+    if head.stop then self.rollout_stopped = true end -- the trainers stopped: they do not finish with us
     if not head.rollback then return end
     next_epoch(self)
     head = self:sync_weights()

@@ -24,6 +24,8 @@ local moonrl = require('moonrl')
 local fs = require('moonrl.fs')
 local json = require('moonrl.json')
 local trace = require('moonrl.trace')
+local ffi = require('ffi')
+local C = moonrl.C
 local supervise_beat = moonrl.C.mrl_heartbeat
 
 local M = {}
@@ -96,12 +98,17 @@ function M.start(cfg, opts)
   local name = opts.name or 'run'
   local dir, lock = opts.dir, opts.lock
   if not dir and not opts.silent then dir, lock = M.open_dir(cfg, name) end
-  local self = setmetatable({ dir = dir, lock = lock, name = name, t0 = moonrl.now(), step_t0 = moonrl.now(),
-                              phases = {}, cfg = cfg, total = opts.total_steps, write_errors = 0,
+  local self = setmetatable({ dir = dir, lock = lock, name = name, rank = opts.rank or 0, t0 = moonrl.now(), step_t0 = moonrl.now(),
+                              phases = {}, mem_phases = {}, cfg = cfg, total = opts.total_steps, write_errors = 0,
                               on_error = cfg.run and cfg.run.checkpoint_errors or 'stop' }, Run)
   -- the ranks but 0 of a job of several: the same calls, nothing written or printed (rank 0
   -- writes the run's files once)
-  if opts.silent then self.silent = true; return self end
+  if opts.silent then -- (it traces its phases for the job's merged timeline: Run:finish)
+    self.silent = true
+    trace.enable(opts.rank or 0)
+    trace.thread_name('main')
+    return self
+  end
   local v = moonrl.version()
   local meta = json.object({ 'recipe', name, 'moonrl', v.version, 'git', v.git, 'backends', v.backends,
                              'world_size', opts.world_size or 1, 'config', cfg })
@@ -138,10 +145,62 @@ end
 
 -- Time fn as a phase of the current step (seconds summed per phase name). A supervisor hears
 -- a heartbeat as each phase begins and ends; the fault injection gets its chance to fire.
+-- ---- memory: what moonrl's allocations hold per category, and peaks per step and phase -------
+
+local MB = 2 ^ 20
+local mem_stats = ffi.new('mrl_mem_stats')
+local CATEGORIES = { 'params', 'grads', 'optim', 'activations', 'kv_cache', 'other' }
+
+-- Peaks of a top-level phase (a phase inside another is measured with it): moonrl's accounted
+-- bytes (mrl_mem: params, grads, optimizer state, activations, KV cache) and the resident set.
+local function mem_begin(self)
+  self.mem_depth = (self.mem_depth or 0) + 1
+  if self.mem_depth > 1 then return end
+  C.mrl_mem_get_stats(mem_stats)
+  self.mem_step_peak = math.max(self.mem_step_peak or 0, tonumber(mem_stats.total_peak))
+  self.rss_step_peak = math.max(self.rss_step_peak or 0, tonumber(C.mrl_mem_rss_peak()))
+  C.mrl_mem_reset_peak()
+  C.mrl_mem_reset_rss_peak()
+end
+
+local function mem_end(self, name)
+  self.mem_depth = self.mem_depth - 1
+  if self.mem_depth > 0 then return end
+  C.mrl_mem_get_stats(mem_stats)
+  local peak, rss = tonumber(mem_stats.total_peak), tonumber(C.mrl_mem_rss_peak())
+  self.mem_step_peak = math.max(self.mem_step_peak or 0, peak)
+  self.rss_step_peak = math.max(self.rss_step_peak or 0, rss)
+  local p = self.mem_phases[name] or {}
+  p.peak_mb, p.rss_peak_mb = math.max(p.peak_mb or 0, peak / MB), math.max(p.rss_peak_mb or 0, rss / MB)
+  self.mem_phases[name] = p
+end
+
+-- The step's memory metrics (memory/...: MiB), and the peaks start again.
+local function mem_metrics(self, flat)
+  C.mrl_mem_get_stats(mem_stats)
+  for i, c in ipairs(CATEGORIES) do flat['memory/' .. c .. '_mb'] = tonumber(mem_stats.current[i - 1]) / MB end
+  flat['memory/peak_mb'] = math.max(self.mem_step_peak or 0, tonumber(mem_stats.total_peak)) / MB
+  flat['memory/rss_mb'] = tonumber(C.mrl_mem_rss()) / MB
+  flat['memory/rss_peak_mb'] = math.max(self.rss_step_peak or 0, tonumber(C.mrl_mem_rss_peak())) / MB
+  for name, p in pairs(self.mem_phases) do
+    flat['memory/phase/' .. name .. '/peak_mb'] = p.peak_mb
+    flat['memory/phase/' .. name .. '/rss_peak_mb'] = p.rss_peak_mb
+  end
+  self.mem_phases, self.mem_step_peak, self.rss_step_peak = {}, 0, 0
+  if (self.mem_depth or 0) == 0 then
+    C.mrl_mem_reset_peak()
+    C.mrl_mem_reset_rss_peak()
+  end
+end
+
 function Run:phase(name, fn, ...)
   supervise_beat('phase ' .. name .. ' step ' .. tostring(self.step or '?'))
   if self.on_phase then self.on_phase(name) end
-  local res = { trace.phase(name, fn, ...) }
+  mem_begin(self)
+  local res = { pcall(trace.phase, name, fn, ...) }
+  mem_end(self, name)
+  if not res[1] then error(res[2], 0) end
+  table.remove(res, 1)
   local secs = table.remove(res)
   self.phases[name] = (self.phases[name] or 0) + secs
   supervise_beat('done ' .. name .. ' step ' .. tostring(self.step or '?'))
@@ -183,6 +242,7 @@ function Run:line(step, flat, seconds)
   for n in pairs(self.phases) do names[#names + 1] = n end
   table.sort(names)
   for _, n in ipairs(names) do ph[#ph + 1] = string.format('%s %.2f', n, self.phases[n]) end
+  if flat['memory/rss_peak_mb'] then parts[#parts + 1] = string.format('mem %.0f MB', flat['memory/rss_peak_mb']) end
   parts[#parts + 1] = string.format('%.2fs%s', seconds, #ph > 0 and (' (' .. table.concat(ph, ', ') .. ')') or '')
   return table.concat(parts, ' | ')
 end
@@ -195,6 +255,7 @@ function Run:log(step, metrics, opts)
   local flat = flatten(metrics or {}, nil, {})
   for n, s in pairs(self.phases) do flat['time/' .. n] = s end
   flat['time/step'] = seconds
+  mem_metrics(self, flat)
   local keys = {}
   for k in pairs(flat) do keys[#keys + 1] = k end
   table.sort(keys)
@@ -242,15 +303,33 @@ function Run:event(kind, fields, opts)
   if not (opts and opts.quiet) then moonrl.log('warn', '%s: %s', kind, text) end
 end
 
--- Close the files and write the timeline. Safe to call twice.
-function Run:finish()
+-- Close the files and write the timeline. Safe to call twice. opts.job: the job's communicator
+-- (dist.current(), every rank calling this together at a clean end): the ranks' timelines are
+-- merged into one trace.json, one process track per rank. Without it (a rank ending alone) rank
+-- 0 writes its own trace.json and each other rank trace-rank-R.json (trace.merge joins them).
+function Run:finish(opts)
   if self.finished then return end
   self.finished = true
-  if self.silent then return end
-  self.metrics:close()
-  self.events:close()
-  if self.tb then pcall(self.tb.close, self.tb) end
-  self:guarded_write(self.dir .. '/trace.json', function() trace.write(self.dir .. '/trace.json') end)
+  if not self.silent then
+    self.metrics:close()
+    self.events:close()
+    if self.tb then pcall(self.tb.close, self.tb) end
+  end
+  local job = opts and opts.job
+  if job and job.size > 1 then
+    local ok, text = pcall(trace.text)
+    local all = job:gather_strings(ok and text or '')
+    if not self.silent then
+      local texts = {}
+      for _, t in ipairs(all) do if t ~= '' then texts[#texts + 1] = t end end
+      local path = self.dir .. '/trace.json'
+      self:guarded_write(path, function() fs.write(path, trace.merge(texts)) end)
+    end
+  elseif not self.silent then
+    self:guarded_write(self.dir .. '/trace.json', function() trace.write(self.dir .. '/trace.json') end)
+  elseif self.dir then
+    pcall(trace.write, string.format('%s/trace-rank-%d.json', self.dir, self.rank or 0))
+  end
   trace.disable()
   if self.lock then self.lock:release() end
 end

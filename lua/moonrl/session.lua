@@ -210,7 +210,7 @@ function M.start(cfg, opts)
   end
   self.run = run_mod.start(cfg, { name = name, dir = dir, lock = lock, total_steps = opts.total_steps,
     metrics_bytes = from and self.resume.state.metrics_bytes or (held == 'run' and 0 or nil), world_size = opts.world_size,
-    silent = opts.silent })
+    silent = opts.silent, rank = (dist.current() or dist.SOLO).rank })
   self.dir = dir
   for _, msg in ipairs(warnings) do self.run:event('checkpoint_skipped', { message = msg }, { quiet = true }) end
   if from then
@@ -512,6 +512,8 @@ function Session:steps(total, phase)
     return function() return nil end
   end
   self.loop_phase, self.step, self.run.total = phase, 0, total
+  -- what the run is made from, now that its models and data are declared (moonrl.manifest)
+  if self.world.rank == 0 and not self.run.silent and self.role ~= 'rollout' then require('moonrl.manifest').write(self) end
   if r then
     if r.state.phase == phase then
       self:restore(r.dir, r.state)
@@ -718,9 +720,10 @@ function Session:save_models()
   return out
 end
 
-function Session:close()
+-- opts.job: the job's communicator when every rank closes together (a clean end: one timeline).
+function Session:close(opts)
   self.closed = true
-  self.run:finish()
+  self.run:finish(opts)
 end
 
 -- A clean stop at a safe point: checkpoint, save the model, close, and raise the stop.
@@ -745,7 +748,7 @@ function Session:finish(opts)
   if save == nil then save = self.cfg.save ~= false end
   local dirs = save and self:save_models() or {}
   self:event('finish', { step = self.global_step }, { quiet = true })
-  self:close()
+  self:close({ job = dist.current() })
   return dirs
 end
 

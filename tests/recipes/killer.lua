@@ -33,11 +33,14 @@ function K.run(recipe, words, opts)
   return moonrl.proc.run(argv, { timeout = opts.timeout or 300 })
 end
 
--- The metrics of a run directory without the keys that measure time: a list, one per line.
+-- The metrics of a run directory without the keys that measure time, or the process's memory
+-- (its resident set: the allocator's and the OS's, not the run's math): a list, one per line.
 local function timeless(rec)
   local out = json.object()
   for _, k in ipairs(json.keys(rec)) do
-    if k ~= 'time' and not k:match('^time/') and not k:match('^tokens_per_s/') then out[k] = rec[k] end
+    if k ~= 'time' and not k:match('^time/') and not k:match('^tokens_per_s/') and not k:match('^memory/') then
+      out[k] = rec[k]
+    end
   end
   return json.encode(out)
 end

@@ -86,6 +86,15 @@ t.test('one_step_off: the same bits in one process and with a rollout rank; stal
     end
   end
   t.eq(grpo, 5, 'every GRPO step but the first (version 0 then) trained on samples one version old')
+  -- one timeline of the job: the trainer's track and the rollout rank's, merged at the end
+  local tr = json.decode(fs.read(dir .. '/off2/trace.json'))
+  local by_pid = {}
+  for _, e in ipairs(tr.traceEvents) do
+    if e.ph == 'B' then by_pid[e.pid] = by_pid[e.pid] or {}; by_pid[e.pid][e.name] = true end
+  end
+  t.truthy(by_pid[0] and by_pid[0].train, 'rank 0 (the trainer) trains in trace.json')
+  t.truthy(by_pid[1] and by_pid[1].generate, 'rank 1 (the rollout rank) generates in the same trace.json')
+  t.truthy(not fs.exists(dir .. '/off2/trace-rank-1.json'), 'no per-rank file left at a clean end')
 end)
 
 t.test('async, max_staleness=2: the bound holds, and is reached', function()

@@ -47,6 +47,25 @@ static void test_mem(void) {
     /* an absurd request fails with a message, not a crash */
     CHECK(mrl_mem_alloc((size_t)1 << 60, MRL_MEM_OTHER) == NULL);
     CHECK_STR_CONTAINS(mrl_last_error(), "too large");
+    /* more than the machine (or container) has: refused before the zero fill, naming the
+     * category and both sizes (the kernel's overcommit would promise it and kill us later) */
+    int64_t avail = mrl_mem_available();
+    CHECK(avail > 0);
+    if (avail > 0 && avail < ((int64_t)1 << 45)) {
+        CHECK(mrl_mem_alloc((size_t)avail + ((size_t)1 << 30), MRL_MEM_KV_CACHE) == NULL);
+        CHECK_STR_CONTAINS(mrl_last_error(), "kv_cache asks for");
+        CHECK_STR_CONTAINS(mrl_last_error(), "GiB of memory available");
+    }
+    /* the resident set and its peak; a reset brings the peak down to what is resident now */
+    int64_t rss = mrl_mem_rss();
+    CHECK(rss > 0 && mrl_mem_rss_peak() >= rss);
+    size_t big = (size_t)96 << 20;
+    char *touch = mrl_mem_alloc(big, MRL_MEM_ACTIVATIONS); /* zero-filled: resident */
+    CHECK(touch != NULL);
+    CHECK(mrl_mem_rss_peak() >= rss + (int64_t)big / 2);
+    mrl_mem_free(touch);
+    mrl_mem_reset_rss_peak();
+    CHECK(mrl_mem_rss_peak() < rss + (int64_t)big / 2);
     CHECK(strcmp(mrl_mem_category_name(MRL_MEM_OPTIM), "optim") == 0);
 }
 

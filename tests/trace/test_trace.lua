@@ -33,4 +33,37 @@ t.test('tensorboard scalars from a nested table', function()
   os.execute('rm -rf "' .. dir .. '"')
 end)
 
+t.test('merge: the ranks\' traces on one clock, one process track each; a foreign text is an error', function()
+  local json = require('moonrl.json')
+  local function rank_trace(rank)
+    moonrl.trace.enable(rank)
+    moonrl.trace.thread_name('main')
+    moonrl.trace.phase('work', function() moonrl.sleep(0.01) end)
+    local text = moonrl.trace.text()
+    moonrl.trace.disable()
+    return text
+  end
+  local a = rank_trace(0)
+  moonrl.sleep(0.05)
+  local b = rank_trace(1) -- enabled 50+ ms later: its times shift by as much
+  local t0a, t0b = tonumber(a:match('"t0_unix_us":(%d+)')), tonumber(b:match('"t0_unix_us":(%d+)'))
+  t.truthy(t0b - t0a >= 50000, 'the wall clock of each trace start: ' .. (t0b - t0a))
+  local m = json.decode(moonrl.trace.merge({ a, b }))
+  t.eq(m.otherData.ranks, 2, 'two ranks')
+  local begins, names = {}, {}
+  for _, e in ipairs(m.traceEvents) do
+    if e.ph == 'B' then begins[e.pid] = e.ts end
+    if e.ph == 'M' and e.name == 'process_name' then names[e.pid] = e.args.name end
+  end
+  t.eq(names[0], 'rank 0', 'rank 0 track')
+  t.eq(names[1], 'rank 1', 'rank 1 track')
+  local own_a = json.decode(a).traceEvents
+  local first_a
+  for _, e in ipairs(own_a) do if e.ph == 'B' then first_a = e.ts end end
+  t.near(begins[0], first_a, 1e-3, 'the earliest trace keeps its times')
+  t.truthy(begins[1] - begins[0] >= 50000, 'the later one is shifted onto its clock: ' .. (begins[1] - begins[0]))
+  local ok, err = pcall(moonrl.trace.merge, { a, '{"x": 1}' }, { 'rank-0.json', 'rank-1.json' })
+  t.truthy(not ok and tostring(err):find('rank-1.json: not a moonrl trace', 1, true), tostring(err))
+end)
+
 t.done()

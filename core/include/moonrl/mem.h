@@ -26,12 +26,24 @@ typedef struct mrl_mem_stats {
     int64_t total_peak; /* highest `total` seen */
 } mrl_mem_stats;
 
-/* Host allocation, 64-byte aligned, zero-filled. NULL (and an error) on failure. */
+/* Host allocation, 64-byte aligned, zero-filled. NULL (and an error) on
+ * failure; an allocation of 64 MiB or more that is larger than the memory
+ * available (mrl_mem_available) fails at once with an error naming the
+ * category and both sizes, instead of the kernel's OOM killer later. */
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category);
 void mrl_mem_free(void *ptr);
 /* Record bytes allocated elsewhere (a device, a mapping) under a category. */
 void mrl_mem_account(mrl_mem_category category, int64_t delta_bytes);
 void mrl_mem_get_stats(mrl_mem_stats *out);
+/* Bytes the process could still get: /proc/meminfo's MemAvailable, or what
+ * the cgroup v2 limit leaves when that is less; -1 when neither is known. */
+int64_t mrl_mem_available(void);
+/* This process's resident set now and its peak since the last reset (bytes;
+ * -1 where /proc/self/status is not there). */
+int64_t mrl_mem_rss(void);
+int64_t mrl_mem_rss_peak(void);
+/* Reset the resident-set peak to the resident set now (Linux: clear_refs). */
+void mrl_mem_reset_rss_peak(void);
 /* Reset the peaks to the current values (to measure one phase). */
 void mrl_mem_reset_peak(void);
 const char *mrl_mem_category_name(mrl_mem_category category);

@@ -25,7 +25,10 @@ void mrl_trace_counter(const char *name, double value);
 void mrl_trace_thread_name(const char *name);
 /* Events recorded so far. */
 int64_t mrl_trace_event_count(void);
-/* Write everything recorded as Chrome trace-event JSON, atomically. */
+/* Write everything recorded as Chrome trace-event JSON, atomically: one
+ * event per line, times in microseconds since mrl_trace_enable, and
+ * "otherData": {"rank", "t0_unix_us"} (the wall clock then), by which the
+ * traces of a job's ranks are merged onto one time axis. */
 mrl_status mrl_trace_write(const char *path);
 
 /* --- TensorBoard ----------------------------------------------------------- */

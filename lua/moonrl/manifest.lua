@@ -1,0 +1,276 @@
+-- moonrl.manifest: what a run was made from, so that it can be made again.
+--
+-- Every run directory holds manifest.json, written by trainer rank 0 when the session starts
+-- (a resume rewrites it, keeping the first start's `created`):
+--   moonrl     version and git revision of the build
+--   command    the recipe file (its path and CRC-32C), the key=value words it was given, the
+--              ranks of the job (world size, rollout ranks) and the MOONRL_* environment
+--   config     the resolved config (every key, defaults included); seeds are config keys
+--   seeds      the config's keys named seed (a copy, for the eye)
+--   inputs     the input model and data: path, and per file bytes and CRC-32C
+--   code       the Lua files a run loads beside the recipe (reward plugins, --require files):
+--              path and CRC-32C
+--   machine    CPU model and cores, the kernels in use (ISA level, bf16 path, OpenBLAS core),
+--              threads, ranks, host, CUDA devices visible
+--
+-- `moonrl run --from RUN_DIR [key=value ...]` runs the recipe again with the same words, after
+-- checking that the recipe, the inputs and the code are unchanged (a changed or missing file is
+-- an error naming it), into RUN_DIR-rerun (or run.dir=...): on the same kind of machine (the
+-- same kernels) the result is bit-identical.
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local fs = require('moonrl.fs')
+local json = require('moonrl.json')
+
+local M = {}
+
+M.FORMAT = 1
+
+-- The Lua files the run loaded beside the recipe, in load order (moonrl.rewards and the CLI's
+-- --require add theirs): { path = true }.
+M.code_files = {}
+local code_order = {}
+
+function M.add_code(path)
+  if path and not M.code_files[path] then
+    M.code_files[path] = true
+    code_order[#code_order + 1] = path
+  end
+end
+
+-- The command of this process: set by the CLI before the recipe runs.
+M.command = nil -- { recipe = path, words = { 'key=value', ... } }
+
+-- The ranks of this job (all of them: trainers and rollout ranks), from the launcher's environment.
+function M.job_size()
+  return tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or os.getenv('PMIX_SIZE') or os.getenv('SLURM_NTASKS') or '1') or 1
+end
+
+local function crc_hex(path)
+  local ok, crc, size = pcall(fs.crc32c_file, path)
+  if not ok then return nil end
+  return string.format('%08x', crc), size
+end
+
+-- A file or a directory's files: path, bytes and CRC-32C of each.
+function M.identity(path)
+  local st = fs.stat(path)
+  if not st then return json.object({ 'path', path, 'missing', true }) end
+  local files = json.object()
+  local names = st.is_dir and fs.list(path) or { false }
+  table.sort(names, function(a, b) return tostring(a) < tostring(b) end)
+  for _, name in ipairs(names) do
+    local p = name and (path .. '/' .. name) or path
+    local s = fs.stat(p)
+    if s and s.is_file then
+      local crc, size = crc_hex(p)
+      files[name or path:match('[^/]*$')] = json.object({ 'bytes', size or s.size, 'crc32c', crc or json.null })
+    end
+  end
+  return json.object({ 'path', path, 'files', files })
+end
+
+local function seeds_of(cfg, prefix, out)
+  for k, v in pairs(cfg) do
+    local key = prefix and (prefix .. '.' .. k) or tostring(k)
+    if type(v) == 'table' then seeds_of(v, key, out)
+    elseif type(k) == 'string' and k:match('seed$') then out[key] = v end
+  end
+  return out
+end
+
+local function cpu_model()
+  local f = io.open('/proc/cpuinfo')
+  if not f then return 'unknown' end
+  local text = f:read('*a')
+  f:close()
+  local model = text:match('model name%s*:%s*([^\n]+)') or 'unknown'
+  local family, mod = text:match('cpu family%s*:%s*(%d+)'), text:match('\nmodel%s*:%s*(%d+)')
+  local cores = 0
+  for _ in text:gmatch('\nprocessor%s*:') do cores = cores + 1 end
+  if text:match('^processor%s*:') then cores = cores + 1 end
+  return model, family and mod and string.format('family %s model %s', family, mod) or nil, cores
+end
+
+local function openblas_core()
+  local ok, core = pcall(function()
+    pcall(ffi.cdef, 'char *openblas_get_corename(void);')
+    return ffi.string(ffi.C.openblas_get_corename())
+  end)
+  return ok and core or json.null
+end
+
+function M.machine(world_size, rollout_ranks)
+  local v = moonrl.version()
+  local model, family, cores = cpu_model()
+  local host = io.open('/proc/sys/kernel/hostname')
+  local hostname = host and host:read('*l') or 'unknown'
+  if host then host:close() end
+  local bf16 = pcall(function() return moonrl.C.mrl_bf16_products end) and ffi.string(moonrl.C.mrl_bf16_products())
+    or json.null
+  return json.object({ 'cpu', model, 'cpu_family', family or json.null, 'cores', cores, 'cpu_features', v.cpu_features,
+    'kernels', v.kernels, 'bf16_products', bf16, 'openblas_core', openblas_core(), 'threads', v.threads,
+    'ranks', world_size or 1, 'rollout_ranks', rollout_ranks or 0, 'host', hostname, 'cuda_devices', v.cuda_devices })
+end
+
+-- The manifest of session S (moonrl.session) as a JSON object.
+function M.build(S, created)
+  local v = moonrl.version()
+  local cmd = M.command or {}
+  local env = json.object()
+  for _, k in ipairs({ 'MOONRL_THREADS', 'MOONRL_FAULT', 'MOONRL_ATTEMPT', 'OPENBLAS_CORETYPE' }) do
+    if os.getenv(k) then env[k] = os.getenv(k) end
+  end
+  local recipe = json.null
+  if cmd.embedded then
+    recipe = json.object({ 'embedded', cmd.embedded })
+  elseif cmd.recipe then
+    local crc = crc_hex(cmd.recipe)
+    recipe = json.object({ 'path', cmd.recipe, 'crc32c', crc or json.null })
+  end
+  local inputs = json.object()
+  for k, p in pairs(S.inputs or {}) do inputs[k] = M.identity(p) end
+  for _, d in ipairs(S.datasets or {}) do
+    local p = d.view and d.view.src and d.view.src.path
+    if p then inputs['data.' .. d.name] = M.identity(p) end
+  end
+  local code = json.array()
+  for _, p in ipairs(code_order) do
+    local crc = crc_hex(p)
+    code[#code + 1] = json.object({ 'path', p, 'crc32c', crc or json.null })
+  end
+  local rollout = S.cfg.dist and S.cfg.dist.rollout_ranks or 0
+  local words = json.array()
+  for i, w in ipairs(cmd.words or {}) do words[i] = w end
+  return json.object({ 'format', M.FORMAT, 'created', created or os.time(), 'updated', os.time(),
+    'moonrl', json.object({ 'version', v.version, 'git', v.git }),
+    'command', json.object({ 'recipe', recipe, 'name', S.name, 'words', words, 'world_size', M.job_size(),
+      'rollout_ranks', rollout, 'env', env }),
+    'config', S.cfg, 'seeds', seeds_of(S.cfg, nil, json.object()), 'inputs', inputs, 'code', code,
+    'machine', M.machine(M.job_size(), rollout) })
+end
+
+-- Read RUN_DIR/manifest.json; a missing or corrupt one is a usage error naming the file.
+function M.read(dir)
+  local path = dir .. '/manifest.json'
+  if not fs.exists(path) then
+    moonrl.usage_error(string.format('%s: no manifest.json (not a run directory, or made before manifests)', dir))
+  end
+  local ok, m = pcall(json.decode, fs.read(path), path)
+  if not ok then moonrl.usage_error(moonrl.error_text(m)) end
+  if type(m) ~= 'table' or m.format ~= M.FORMAT or type(m.command) ~= 'table' then
+    moonrl.usage_error(string.format('%s: not a moonrl manifest of format %d', path, M.FORMAT))
+  end
+  return m, path
+end
+
+-- Write the manifest of S into its run directory (trainer rank 0), keeping `created` of an
+-- earlier start of the same run (a resume).
+function M.write(S)
+  local path = S.dir .. '/manifest.json'
+  local created
+  if fs.exists(path) then
+    local ok, old = pcall(json.decode, fs.read(path), path)
+    if ok and type(old) == 'table' then created = old.created end
+  end
+  local text = json.encode(M.build(S, created), { indent = 2 }) .. '\n'
+  S.run:guarded_write(path, function()
+    fs.write(path .. '.tmp', text)
+    assert(os.rename(path .. '.tmp', path))
+  end)
+end
+
+-- The differences between what manifest m recorded and what is there now: a list of lines.
+local function changed_files(what, rec, out)
+  if type(rec) ~= 'table' or not rec.path then return end
+  if rec.missing then return end
+  local now = M.identity(rec.path)
+  if now.missing then out[#out + 1] = string.format('%s %s: missing', what, rec.path); return end
+  for name, f in pairs(rec.files or {}) do
+    local g = now.files[name]
+    local p = (rec.path:match('[^/]*$') == name) and rec.path or (rec.path .. '/' .. name)
+    if not g then out[#out + 1] = string.format('%s %s: missing', what, p)
+    elseif g.bytes ~= f.bytes or g.crc32c ~= f.crc32c then
+      out[#out + 1] = string.format('%s %s: changed (%s bytes, crc32c %s; recorded %s bytes, %s)', what, p,
+        tostring(g.bytes), tostring(g.crc32c), tostring(f.bytes), tostring(f.crc32c))
+    end
+  end
+end
+
+function M.check_unchanged(m)
+  local out = {}
+  local r = m.command.recipe
+  if type(r) == 'table' and r.path then
+    local crc = crc_hex(r.path)
+    if not crc then out[#out + 1] = 'recipe ' .. r.path .. ': missing'
+    elseif crc ~= r.crc32c then out[#out + 1] = string.format('recipe %s: changed (crc32c %s, recorded %s)', r.path, crc,
+      tostring(r.crc32c)) end
+  end
+  local names = {}
+  for k in pairs(m.inputs or {}) do names[#names + 1] = k end
+  table.sort(names)
+  for _, k in ipairs(names) do changed_files('input ' .. k, m.inputs[k], out) end
+  for _, c in ipairs(m.code or {}) do
+    local crc = crc_hex(c.path)
+    if not crc then out[#out + 1] = 'code ' .. c.path .. ': missing'
+    elseif crc ~= c.crc32c then out[#out + 1] = string.format('code %s: changed (crc32c %s, recorded %s)', c.path, crc,
+      tostring(c.crc32c)) end
+  end
+  return out
+end
+
+-- The kernels and CPU that made the run against this machine's: lines where they differ (the
+-- results are bit-identical only on the same kind of machine).
+function M.machine_differences(m)
+  local now, was, out = M.machine(), m.machine or {}, {}
+  for _, k in ipairs({ 'cpu', 'kernels', 'bf16_products', 'openblas_core' }) do
+    if was[k] ~= nil and tostring(was[k]) ~= tostring(now[k]) then
+      out[#out + 1] = string.format('%s: %s then, %s now', k, tostring(was[k]), tostring(now[k]))
+    end
+  end
+  return out
+end
+
+-- `moonrl run --from DIR [key=value ...]`: the recipe path and the words to run it with.
+function M.rerun_command(dir, extra)
+  local m, path = M.read(dir)
+  local r = m.command.recipe
+  if type(r) ~= 'table' or not (r.path or r.embedded) then
+    moonrl.usage_error(path .. ': the manifest names no recipe file')
+  end
+  local ranks = M.job_size()
+  local want = tonumber(m.command.world_size) or 1
+  if ranks ~= want then
+    moonrl.usage_error(string.format('%s ran on %d rank(s), this is %d: re-run it with `mpirun -n %d moonrl run --from %s`',
+      dir, want, ranks, want, dir))
+  end
+  local v = moonrl.version()
+  if r.embedded and m.moonrl and m.moonrl.git ~= v.git then
+    moonrl.log('warn', '%s ran the default example of moonrl %s, this is %s: the example may have changed', dir,
+      tostring(m.moonrl.git), v.git)
+  end
+  if m.command.env and m.command.env.MOONRL_FAULT and os.getenv('MOONRL_FAULT') ~= m.command.env.MOONRL_FAULT then
+    moonrl.log('warn', '%s ran with MOONRL_FAULT=%s (fault injection): not repeated unless set again', dir,
+      m.command.env.MOONRL_FAULT)
+  end
+  local bad = M.check_unchanged(m)
+  if #bad > 0 then
+    moonrl.usage_error(string.format('%s: cannot re-run: %s', dir, table.concat(bad, '; ')))
+  end
+  for _, d in ipairs(M.machine_differences(m)) do
+    moonrl.log('warn', 're-running %s on another kind of machine (%s): the results may differ in the last bits', dir, d)
+  end
+  local words, has_dir = {}, false
+  for _, w in ipairs(m.command.words or {}) do
+    if not w:match('^run%.dir=') and not w:match('^run%.resume=') then words[#words + 1] = w end
+  end
+  for _, w in ipairs(extra or {}) do
+    if w:match('^run%.dir=') then has_dir = true end
+    words[#words + 1] = w
+  end
+  if not has_dir then words[#words + 1] = 'run.dir=' .. dir:gsub('/+$', '') .. '-rerun' end
+  if r.embedded then return { embedded = r.embedded }, words, m end
+  return r.path, words, m
+end
+
+return M

@@ -1,0 +1,97 @@
+-- The run manifest (moonrl.manifest): every run directory holds manifest.json (the build, the
+-- command, the resolved config and seeds, the inputs' and code's checksums, the machine), and
+-- `moonrl run --from DIR` makes the run again, bit for bit, after checking its inputs are
+-- unchanged: a changed or missing input, a corrupt manifest, another rank count are usage errors
+-- naming what is wrong.
+local t = require('moonrl.testing')
+local fs = require('moonrl.fs')
+local json = require('moonrl.json')
+local proc = require('moonrl.proc')
+local U = dofile('tests/recipes/util.lua')
+
+local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
+local dir = U.tmpdir('manifest')
+
+local function moonrl_run(args, expect_fail)
+  local argv = { exe }
+  for _, a in ipairs(args) do argv[#argv + 1] = a end
+  local r = proc.run(argv, { timeout = 300 })
+  if not r.ok and not expect_fail then
+    io.stderr:write(r.stdout, r.stderr)
+    error('moonrl ' .. table.concat(args, ' ') .. ' failed', 2)
+  end
+  return r
+end
+local function manifest(d) return json.decode(fs.read(d .. '/manifest.json')) end
+local function weights(d) return fs.read(d .. '/model/model.safetensors') end
+
+t.test('the default example: a manifest, and --from makes the same weights', function()
+  local d = dir .. '/default'
+  moonrl_run({ 'run.dir=' .. d, 'sft.steps=30', 'grpo.steps=2', 'grpo.prompts=4', 'heldout=5', 'quiet=true' })
+  local m = manifest(d)
+  t.eq(m.format, 1, 'format')
+  t.truthy(m.moonrl.version and m.moonrl.git, 'the build')
+  t.eq(m.command.recipe.embedded, 'default', 'the embedded default example')
+  t.eq(m.command.words[2], 'sft.steps=30', 'the words given')
+  t.eq(m.command.world_size, 1, 'one rank')
+  t.eq(m.config.sft.steps, 30, 'the resolved config')
+  t.truthy(m.seeds['run.seed'] ~= nil, 'the seeds')
+  t.truthy(m.machine.kernels and m.machine.cpu and m.machine.threads, 'the machine')
+  local r = moonrl_run({ 'run', '--from', d })
+  t.truthy(fs.exists(d .. '-rerun/manifest.json'), 'into DIR-rerun')
+  t.truthy(weights(d) == weights(d .. '-rerun'), 'bit-identical weights')
+  moonrl_run({ 'run', '--from', d, 'run.dir=' .. dir .. '/other' })
+  t.truthy(weights(d) == weights(dir .. '/other'), 'run.dir chooses where')
+end)
+
+t.test('a recipe on a model and data: their checksums; a changed input stops --from, naming it', function()
+  local base, model, data = U.grpo_setup(dir, 12)
+  local d = dir .. '/grpo'
+  local words = { 'run', 'recipes/grpo.lua', 'grpo.steps=2' }
+  for _, w in ipairs(U.words(base, d)) do words[#words + 1] = w end
+  moonrl_run(words)
+  local m = manifest(d)
+  t.truthy(m.command.recipe.path:find('recipes/grpo.lua', 1, true) and #m.command.recipe.crc32c == 8, 'the recipe and its crc')
+  local mf = m.inputs.model.files['model.safetensors']
+  t.truthy(mf and mf.bytes > 0 and #mf.crc32c == 8, 'the model files: bytes and crc32c')
+  t.truthy(m.inputs['data.train'] and m.inputs['data.train'].files['train.jsonl'], 'the data file')
+  local code = false
+  for _, c in ipairs(m.code) do if c.path:find('rewards/exact.lua', 1, true) then code = true end end
+  t.truthy(code, 'the reward plugin source')
+  moonrl_run({ 'run', '--from', d })
+  t.truthy(weights(d) == weights(d .. '-rerun'), 'bit-identical weights')
+  -- the data changed: refused, naming the file
+  local f = assert(io.open(data, 'a'))
+  f:write('{"prompt": "1+1=", "answer": "2"}\n')
+  f:close()
+  local r = moonrl_run({ 'run', '--from', d, 'run.dir=' .. dir .. '/no' }, true)
+  t.eq(r.exit_status, 2, 'a usage error')
+  t.truthy(r.stderr:find(data, 1, true) and r.stderr:find('changed', 1, true), 'names the changed file: ' .. r.stderr)
+  t.truthy(not fs.exists(dir .. '/no'), 'nothing run')
+  os.remove(model .. '/config.json')
+  r = moonrl_run({ 'run', '--from', d, 'run.dir=' .. dir .. '/no' }, true)
+  t.truthy(r.stderr:find('config.json: missing', 1, true), 'names the missing file: ' .. r.stderr)
+end)
+
+t.test('bad manifests and another rank count: one-line usage errors', function()
+  local d = dir .. '/bad'
+  fs.mkdirs(d)
+  local r = moonrl_run({ 'run', '--from', d }, true)
+  t.eq(r.exit_status, 2, 'no manifest')
+  t.truthy(r.stderr:find('no manifest.json', 1, true), r.stderr)
+  fs.write(d .. '/manifest.json', '{"format": 1, "command": ')
+  r = moonrl_run({ 'run', '--from', d }, true)
+  t.eq(r.exit_status, 2, 'corrupt manifest')
+  t.truthy(r.stderr:find(d .. '/manifest.json', 1, true), 'names the file: ' .. r.stderr)
+  local m = manifest(dir .. '/default')
+  m.command.world_size = 3
+  fs.write(d .. '/manifest.json', json.encode(m))
+  r = moonrl_run({ 'run', '--from', d }, true)
+  t.eq(r.exit_status, 2, 'another rank count')
+  t.truthy(r.stderr:find('mpirun -n 3', 1, true), 'says how: ' .. r.stderr)
+  r = moonrl_run({ 'run', '--from' }, true)
+  t.eq(r.exit_status, 2, '--from without a directory')
+end)
+
+fs.remove(dir)
+t.done()
