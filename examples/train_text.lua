@@ -23,7 +23,8 @@ local cfg = moonrl.config {
   lr = 3e-3, warmup = moonrl.config.integer(20), weight_decay = 0.01, max_grad_norm = 1.0,
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
             heads = moonrl.config.integer(4), kv_heads = moonrl.config.integer(2),
-            intermediate_size = moonrl.config.integer(384) },
+            intermediate_size = moonrl.config.integer(384),
+            dtype = 'fp32' }, -- fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it)
   log_every = moonrl.config.integer(20),
   save = true,
 }
@@ -55,7 +56,7 @@ local S = R.start(cfg, { name = 'train_text', steps = cfg.steps, steps_key = 'st
   tokenizer_dir = cfg.tokenizer })
 local p, n_params = model:params()
 local opt = S:optimizer('policy', moonrl.optim.adamw({ params = p, grads = model:grads(), n = n_params, lr = cfg.lr,
-  weight_decay = cfg.weight_decay, no_decay = model:no_decay_ranges() }))
+  weight_decay = cfg.weight_decay, no_decay = model:no_decay_ranges(), model = model })) -- model: told after each step
 local lr_at = moonrl.optim.schedule({ kind = 'cosine', warmup = cfg.warmup, total = cfg.steps, lr = cfg.lr })
 print(string.format('model: %d parameters', n_params))
 

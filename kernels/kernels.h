@@ -109,6 +109,15 @@ typedef struct mrl_kernels {
      * overlap another product's output or inputs. */
     void (*gemm_group)(const mrl_gemm_desc *g, int n);
 
+    /* The same product in bf16 with fp32 accumulation (the mixed precision
+     * of DESIGN.md "Precision"; kernels/cpu/gemm_bf16.h): each of A and B is
+     * fp32, rounded to bf16 on the way in (x_bf16 = 0), or bf16 already
+     * (x_bf16 = 1: uint16_t storage, leading dimension in elements). beta = 0
+     * ignores what C held. Parallel inside (not for use in gemm_group). */
+    void (*gemm_bf16)(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                      int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                      int64_t ldc);
+
     /* out[t] = x[t] * rstd[t] * w, rstd[t] = 1/sqrt(mean(x[t]^2) + eps); x [T,D]. */
     void (*rmsnorm_fwd)(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
                         float eps);

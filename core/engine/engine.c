@@ -19,7 +19,9 @@
  * model's own by default (no transfer, no reload after an optimizer step).
  * The layers' matrices are copied into weight panels at the start of each
  * generation round (pack_weights, engine.h): one pass over the weights per
- * round instead of OpenBLAS's packing of every matrix on every step.
+ * round instead of OpenBLAS's packing of every matrix on every step. With
+ * the model's dtype bf16 the products read bf16 copies instead (the model's
+ * own, shared with the trainer; prepare_weights).
  *
  * A background run (mrl_engine_run_async) is mrl_engine_run on a thread of
  * its own. The engine's state then belongs to that thread: every other call
@@ -59,8 +61,9 @@ struct mrl_engine {
     int64_t logit_rows;      /* S */
     void *attn_ws;
     int64_t attn_ws_bytes;
-    float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights) */
+    float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
+    uint16_t *copy16;        /* bf16: the copies of a buffer not the model's (prepare_weights) */
     /* the background run (mrl_engine_run_async) */
     _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
     _Atomic int pause;       /* mrl_engine_pause: the background run returns after its current step */
@@ -109,7 +112,7 @@ static int64_t layout(mrl_engine *e, char *base) {
     TAKE(e->x, T * D);
     TAKE(a->ln1, T * D);
     TAKE(a->rstd1, T);
-    if (c->arch == MRL_ARCH_QWEN3) {
+    if (mrl_arch_qk_norm(c->arch)) {
         TAKE(a->qraw, T * Q);
         TAKE(a->kraw, T * K);
         TAKE(a->rstdq, T * Hq);
@@ -122,9 +125,14 @@ static int64_t layout(mrl_engine *e, char *base) {
     TAKE(a->h, T * D);
     TAKE(a->ln2, T * D);
     TAKE(a->rstd2, T);
-    TAKE(a->gate, T * F);
-    TAKE(a->up, T * F);
-    TAKE(a->act, T * F);
+    int n_moe = 0; /* one set of buffers for all layers: the dense MLP's and the experts' as the layers need */
+    for (int l = 0; l < c->num_hidden_layers; l++) n_moe += mrl_model_layer_is_moe(c, l);
+    if (n_moe < c->num_hidden_layers) {
+        TAKE(a->gate, T * F);
+        TAKE(a->up, T * F);
+        TAKE(a->act, T * F);
+    }
+    if (n_moe) off += mrl_moe_acts_layout(c, a, T, base ? base + off : NULL);
     TAKE(e->rows, S * D);
     TAKE(e->rows_n, S * D);
     TAKE(e->rstd_n, S);
@@ -166,6 +174,7 @@ static int64_t point_panels(mrl_engine *e) {
     for (int l = 0; l < e->mc->num_hidden_layers; l++) {
         layer_matrices(e->mc, &e->lp[l], mats);
         for (int i = 0; i < 7; i++) {
+            if (!mats[i].w) continue; /* a sparse layer's MLP: its experts are read in place */
             if (e->panels) *mats[i].panels = e->panels + off;
             off += mrl_panels_floats(mats[i].N, mats[i].K);
         }
@@ -181,6 +190,7 @@ static void pack_range(void *ctx, int64_t first, int64_t last) {
     for (int64_t index = first; index < last; index++) {
         layer_matrices(e->mc, &e->lp[index / 7], mats);
         const layer_matrix *mat = &mats[index % 7];
+        if (!mat->w) continue;
         k->panels_pack((float *)*mat->panels, mat->w, mat->N, mat->K); /* e->panels, ours to write */
     }
 }
@@ -190,6 +200,47 @@ static void pack_panels(mrl_engine *e) {
     point_panels(e); /* rebase (attach_params) leaves the layers without panel pointers */
     mrl_parallel_for((int64_t)e->mc->num_hidden_layers * 7, 1, pack_range, e);
     e->panels_stale = 0;
+}
+
+/* The weights this step's products read. fp32: the panels, repacked when
+ * stale. bf16 (the model's dtype, moonrl/model.h): reading the model's own
+ * buffer, its bf16 copies in place (the model converts them once after its
+ * weights change; the trainer reads the same ones: no copy per round);
+ * another buffer (attach_params, a weight store): bf16 copies of our own,
+ * converted when stale as the panels are. The products take either directly
+ * (few rows: W streamed in place), so there are no bf16 panels. */
+static mrl_status prepare_weights(mrl_engine *e) {
+    if (mrl_model_dtype(e->m) != MRL_MODEL_BF16) {
+        if (e->w.lm_head16) mrl_model_weights16_at(e->m, NULL, &e->w, e->lp); /* switched back to fp32 */
+        if (e->panels && e->panels_stale) pack_panels(e);
+        return MRL_OK;
+    }
+    if (e->panels) { /* fp32 panels, of a model switched to bf16 since: not read again */
+        mrl_mem_free(e->panels);
+        e->panels = NULL;
+    }
+    const uint16_t *w16;
+    if (e->base == mrl_model_params(e->m)) {
+        w16 = mrl_model_bf16_params(e->m);
+    } else {
+        if (!e->copy16) {
+            int64_t n = mrl_model_num_params(e->m);
+            e->copy16 = mrl_mem_alloc((size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS);
+            if (!e->copy16)
+                return mrl_set_error(MRL_ERR_NOMEM, "engine step: no memory for the bf16 copy of the weights "
+                                     "(%lld bytes)", (long long)n * 2);
+            e->panels_stale = 1;
+        }
+        if (e->panels_stale) mrl_model_bf16_convert(e->m, e->base, e->copy16);
+        w16 = e->copy16;
+    }
+    mrl_model_weights16_at(e->m, w16, &e->w, e->lp);
+    for (int l = 0; l < e->mc->num_hidden_layers; l++) { /* panels are fp32: none in bf16 */
+        layer_params *p = &e->lp[l];
+        p->pq = p->pk = p->pv = p->po = p->pg = p->pu = p->pd = NULL;
+    }
+    e->panels_stale = 0;
+    return MRL_OK;
 }
 
 /* A new scheduler over the cache (created on first use, else cleared). */
@@ -235,6 +286,7 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_mem_free(e->act_buf);
     mrl_mem_free(e->attn_ws);
     mrl_mem_free(e->panels);
+    mrl_mem_free(e->copy16);
     mrl_mem_free(e->lp);
     mrl_mem_free(e);
 }
@@ -291,7 +343,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
         layout(e, e->act_buf);
         rebase(e, mrl_model_params(model));
     }
-    if (!st && c.pack_weights) {
+    if (!st && c.pack_weights && mrl_model_dtype(model) != MRL_MODEL_BF16) { /* bf16 reads bf16 copies */
         int64_t floats = point_panels(e); /* no panels yet: only counts */
         e->panels = mrl_mem_alloc((size_t)floats * sizeof(float), MRL_MEM_PARAMS);
         if (!e->panels)
@@ -378,9 +430,9 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
     if (T > e->cfg.max_num_batched_tokens || S > e->logit_rows)
         return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %lld tokens / %lld logit rows over the buffers",
                              (long long)T, (long long)S);
-    if (e->panels && e->panels_stale) pack_panels(e);
+    mrl_status st = prepare_weights(e);
+    if (st) return st;
     k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
-    mrl_status st = MRL_OK;
     for (int l = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
@@ -407,7 +459,10 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
     if (st || S == 0) return st;
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
     k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);
-    k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */
+    if (e->w.lm_head16) /* bf16, as the trainer's head (forward.c) */
+        k->gemm_bf16(0, 1, S, V, D, 1.0f, e->rows_n, 0, D, e->w.lm_head16, 1, D, 0.0f, e->logits, V);
+    else
+        k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */
     return MRL_OK;
 }
 

@@ -30,8 +30,15 @@ void mrl_model_config_default(mrl_model_config *c) {
     c->initializer_range = 0.02;
 }
 
-static const char *arch_names[] = {"llama", "qwen2", "qwen3"};
-static const char *arch_classes[] = {"Llama", "Qwen2", "Qwen3"};
+static const char *arch_names[] = {"llama", "qwen2", "qwen3", "qwen3_moe"};
+static const char *arch_classes[] = {"Llama", "Qwen2", "Qwen3", "Qwen3Moe"};
+
+int mrl_model_layer_is_moe(const mrl_model_config *c, int l) {
+    if (!c || c->num_experts <= 0 || l < 0 || l >= 1024) return 0;
+    if (c->mlp_only_layers[l / 64] >> (l % 64) & 1) return 0;
+    int step = c->decoder_sparse_step > 0 ? c->decoder_sparse_step : 1;
+    return (l + 1) % step == 0;
+}
 
 static int ends_with(const char *s, const char *suffix) {
     size_t a = strlen(s), b = strlen(suffix);
@@ -121,6 +128,7 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
     if (!mt) {
         if (arch0 && strncmp(arch0, "Llama", 5) == 0) mt = "llama";
         else if (arch0 && strncmp(arch0, "Qwen2", 5) == 0) mt = "qwen2";
+        else if (arch0 && strncmp(arch0, "Qwen3Moe", 8) == 0) mt = "qwen3_moe";
         else if (arch0 && strncmp(arch0, "Qwen3", 5) == 0) mt = "qwen3";
         else {
             st = mrl_set_error(MRL_ERR_FORMAT, "%s: no \"model_type\"", source);
@@ -128,10 +136,11 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
         }
     }
     int found = 0;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         if (strcmp(mt, arch_names[i]) == 0) c->arch = i, found = 1;
     if (!found) {
-        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, qwen2, qwen3)", source, mt);
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, qwen2, qwen3, qwen3_moe)",
+                           source, mt);
         goto done;
     }
     if (arch0) {
@@ -171,6 +180,30 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
     if (act && strcmp(act, "silu") != 0) {
         st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported (only 'silu')", source, act);
         goto done;
+    }
+    if (c->arch == MRL_ARCH_QWEN3_MOE) { /* Transformers' Qwen3MoeConfig defaults where a key is absent */
+        c->num_experts = 128, c->num_experts_per_tok = 8, c->moe_intermediate_size = 768;
+        c->decoder_sparse_step = 1, c->router_aux_loss_coef = 0.001;
+        WANT(int, "num_experts", &c->num_experts, 0);
+        WANT(int, "num_experts_per_tok", &c->num_experts_per_tok, 0);
+        WANT(int, "moe_intermediate_size", &c->moe_intermediate_size, 0);
+        WANT(bool, "norm_topk_prob", &c->norm_topk_prob, 0);
+        WANT(int, "decoder_sparse_step", &c->decoder_sparse_step, 0);
+        WANT(bool, "output_router_logits", &c->output_router_logits, 0);
+        WANT(num, "router_aux_loss_coef", &c->router_aux_loss_coef, 0);
+        const mrl_json *only = mrl_json_get(root, "mlp_only_layers");
+        if (only && only->type != MRL_JSON_NULL && only->type != MRL_JSON_ARRAY) {
+            st = mrl_set_error(MRL_ERR_FORMAT, "%s: \"mlp_only_layers\" must be a list of layer indices", source);
+            goto done;
+        }
+        for (size_t i = 0; only && only->type == MRL_JSON_ARRAY && i < only->length; i++) {
+            const mrl_json *v = only->items[i];
+            if (v->type != MRL_JSON_NUMBER || !v->is_integer || v->integer < 0 || v->integer >= 1024) {
+                st = mrl_set_error(MRL_ERR_FORMAT, "%s: mlp_only_layers[%zu] must be a layer index in 0..1023", source, i);
+                goto done;
+            }
+            c->mlp_only_layers[v->integer / 64] |= (uint64_t)1 << (v->integer % 64);
+        }
     }
     int flag = 0;
     WANT(bool, "attention_bias", &flag, 0);
@@ -241,8 +274,25 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
     POS(num_key_value_heads, 1024)
     POS(head_dim, 1024)
 #undef POS
-    if (c->arch < MRL_ARCH_LLAMA || c->arch > MRL_ARCH_QWEN3)
-        return mrl_set_error(MRL_ERR_INVALID, "model config: arch = %d (0 llama, 1 qwen2, 2 qwen3)", c->arch);
+    if (c->arch < MRL_ARCH_LLAMA || c->arch > MRL_ARCH_QWEN3_MOE)
+        return mrl_set_error(MRL_ERR_INVALID, "model config: arch = %d (0 llama, 1 qwen2, 2 qwen3, 3 qwen3_moe)", c->arch);
+    if (c->arch == MRL_ARCH_QWEN3_MOE) {
+        if (c->num_experts <= 0 || c->num_experts > 4096)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts = %d (must be in 1..4096)", c->num_experts);
+        if (c->num_experts_per_tok <= 0 || c->num_experts_per_tok > c->num_experts)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts_per_tok = %d (must be in 1..num_experts = %d)",
+                                 c->num_experts_per_tok, c->num_experts);
+        if (c->moe_intermediate_size <= 0 || c->moe_intermediate_size > (1 << 18))
+            return mrl_set_error(MRL_ERR_INVALID, "model config: moe_intermediate_size = %d (must be in 1..%d)",
+                                 c->moe_intermediate_size, 1 << 18);
+        if (c->decoder_sparse_step <= 0)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: decoder_sparse_step = %d (must be >= 1)", c->decoder_sparse_step);
+        if (!(c->router_aux_loss_coef >= 0))
+            return mrl_set_error(MRL_ERR_INVALID, "model config: router_aux_loss_coef must be >= 0");
+    } else if (c->num_experts != 0) {
+        return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts = %d for a dense architecture (experts are qwen3_moe's)",
+                             c->num_experts);
+    }
     if (c->num_attention_heads % c->num_key_value_heads)
         return mrl_set_error(MRL_ERR_INVALID, "model config: num_attention_heads %d is not a multiple of num_key_value_heads %d",
                              c->num_attention_heads, c->num_key_value_heads);
@@ -294,7 +344,17 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
     put(&o, "  \"initializer_range\": %.17g,\n  \"tie_word_embeddings\": %s,\n", c->initializer_range,
         c->tie_word_embeddings ? "true" : "false");
     if (c->arch == MRL_ARCH_LLAMA) put(&o, "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
-    if (c->arch == MRL_ARCH_QWEN3) put(&o, "  \"attention_bias\": false,\n");
+    if (c->arch == MRL_ARCH_QWEN3 || c->arch == MRL_ARCH_QWEN3_MOE) put(&o, "  \"attention_bias\": false,\n");
+    if (c->arch == MRL_ARCH_QWEN3_MOE) {
+        put(&o, "  \"num_experts\": %d,\n  \"num_experts_per_tok\": %d,\n  \"moe_intermediate_size\": %d,\n",
+            c->num_experts, c->num_experts_per_tok, c->moe_intermediate_size);
+        put(&o, "  \"norm_topk_prob\": %s,\n  \"decoder_sparse_step\": %d,\n  \"mlp_only_layers\": [",
+            c->norm_topk_prob ? "true" : "false", c->decoder_sparse_step);
+        for (int l = 0, n = 0; l < 1024; l++)
+            if (c->mlp_only_layers[l / 64] >> (l % 64) & 1) put(&o, "%s%d", n++ ? ", " : "", l);
+        put(&o, "],\n  \"router_aux_loss_coef\": %.17g,\n  \"output_router_logits\": %s,\n", c->router_aux_loss_coef,
+            c->output_router_logits ? "true" : "false");
+    }
     if (c->arch != MRL_ARCH_LLAMA) put(&o, "  \"use_sliding_window\": false,\n  \"max_window_layers\": %d,\n", c->num_hidden_layers);
     if (c->value_head) put(&o, "  \"num_labels\": 1,\n  \"id2label\": {\"0\": \"LABEL_0\"},\n  \"label2id\": {\"LABEL_0\": 0},\n");
     if (c->bos_token_id >= 0) put(&o, "  \"bos_token_id\": %d,\n", c->bos_token_id);

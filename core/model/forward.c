@@ -4,7 +4,9 @@
  *   x0 = embed[tokens]; x_{l+1} = layer_l(x_l); lnf = rmsnorm(x_L)
  *   per token chunk: logits = lnf W_lm^T / temperature -> logprob, entropy, lse
  *   values = lnf score^T
- * The backward recomputes each chunk's logits (they are never kept). */
+ * The backward recomputes each chunk's logits (they are never kept). With
+ * dtype bf16 (moonrl/model.h) the products read the weights' bf16 copies,
+ * refreshed here first when stale; the value head stays fp32 (one column). */
 #include <string.h>
 #include "moonrl/mem.h"
 #include "model_internal.h"
@@ -14,7 +16,12 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     const mrl_model_config *c = &m->cfg;
     int64_t D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
             Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd, V = c->vocab_size;
-    int L = c->num_hidden_layers, qwen3 = c->arch == MRL_ARCH_QWEN3;
+    int L = c->num_hidden_layers, qwen3 = mrl_arch_qk_norm(c->arch);
+    /* sparse layers: their MoE buffers in place of gate, up, act (recomputing:
+     * the one shared set of buffers holds both kinds when the model has both) */
+    int n_moe = 0;
+    for (int l = 0; l < L; l++) n_moe += mrl_model_layer_is_moe(c, l);
+    int64_t A = n_moe ? T * c->num_experts_per_tok : 0, Fe = c->moe_intermediate_size;
     int64_t off = 0;
 #define TAKE(ptr, type, count)                                                          \
     do {                                                                                \
@@ -46,15 +53,29 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
         TAKE(a->h, float, T * D);
         TAKE(a->ln2, float, T * D);
         TAKE(a->rstd2, float, T);
-        TAKE(a->gate, float, T * F);
-        TAKE(a->up, float, T * F);
-        TAKE(a->act, float, T * F);
+        int moe = m->recompute ? n_moe > 0 : mrl_model_layer_is_moe(c, l);
+        int dense = m->recompute ? n_moe < L : !moe;
+        if (dense) {
+            TAKE(a->gate, float, T * F);
+            TAKE(a->up, float, T * F);
+            TAKE(a->act, float, T * F);
+        } else if (base) {
+            a->gate = a->up = a->act = NULL;
+        }
+        if (moe) off += mrl_moe_acts_layout(c, a, T, base ? base + off : NULL);
+        else if (base) a->rprob = NULL;
     }
     grad_scratch *g = &m->gs;
     TAKE(g->dx, float, T * D);
     TAKE(g->dln, float, T * D);
-    TAKE(g->df1, float, T * F);
-    TAKE(g->df2, float, T * F);
+    int64_t Fmax = n_moe < L ? T * F : 0; /* df1, df2: the larger of [T,F] and [A,Fe] */
+    if (A * Fe > Fmax) Fmax = A * Fe;
+    TAKE(g->df1, float, Fmax);
+    TAKE(g->df2, float, Fmax);
+    if (n_moe) {
+        TAKE(g->dye, float, A * D);
+        TAKE(g->dlogit, float, T * c->num_experts);
+    }
     TAKE(g->datt, float, T * Q);
     TAKE(g->dq, float, T * Q);
     TAKE(g->dk, float, T * K);
@@ -157,6 +178,17 @@ static mrl_status check_batch(const mrl_model *m, const mrl_batch *b, int64_t *m
     return MRL_OK;
 }
 
+/* logits [n,V] = x[n,D] W_lm^T of one head chunk: in bf16, x rounded on
+ * its way in and the lm_head's bf16 copy, fp32 sums (the softmax, log-probs
+ * and entropy after it stay fp32). */
+static void head_logits(mrl_model *m, const float *x, int64_t n) {
+    int64_t D = m->cfg.hidden_size, V = m->cfg.vocab_size;
+    if (m->dtype == MRL_MODEL_BF16)
+        m->k->gemm_bf16(0, 1, n, V, D, 1.0f, x, 0, D, m->lm_head16, 1, D, 0.0f, m->logits, V);
+    else
+        m->k->gemm(0, 1, n, V, D, 1.0f, x, D, m->lm_head, D, 0.0f, m->logits, V);
+}
+
 mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature, float *logprobs,
                              float *entropy, float *values) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model forward: NULL model");
@@ -166,6 +198,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     mrl_status st = check_batch(m, b, &max_len);
     if (!st) st = ensure_acts(m, b->n_tokens);
     if (!st) st = mrl_model_rope_prepare(m, max_len);
+    if (!st) st = mrl_model_refresh_bf16(m); /* bf16: the copies of weights changed since the last use */
     if (st) return st;
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
@@ -179,12 +212,20 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     }
     for (int64_t i = 0; i < T; i++) m->targets[i] = b->targets ? b->targets[i] : -1;
     k->gather_rows(m->xs[0], m->embed, b->tokens, T, D); /* [T,D] */
-    for (int l = 0; l < c->num_hidden_layers; l++) mrl_layer_forward(m, l, T);
+    if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
+        memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
+        m->aux_n = 0;
+    }
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        mrl_layer_forward(m, l, T);
+        if (m->lp[l].router) mrl_moe_aux_add(m, &m->la[l], T);
+    }
+    if (m->aux_picks) mrl_moe_aux_finish(m);
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     float *lp_out = logprobs, *ent_out = entropy;
     for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
         int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
-        k->gemm(0, 1, n, V, D, 1.0f, m->lnf + t0 * D, D, m->lm_head, D, 0.0f, m->logits, V); /* [n,V] */
+        head_logits(m, m->lnf + t0 * D, n); /* [n,V] */
         /* logprob goes to a scratch row when not wanted: dx is free during the forward */
         float *lp = lp_out ? lp_out + t0 : m->gs.dx;
         k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0, lp);
@@ -214,10 +255,15 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
             int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
             const float *x = m->lnf + t0 * D;
-            if (!m->logits_kept) k->gemm(0, 1, n, V, D, 1.0f, x, D, m->lm_head, D, 0.0f, m->logits, V);
+            if (!m->logits_kept) head_logits(m, x, n);
             m->logits_kept = 0; /* head_bwd turns them into dlogits in place */
             k->head_bwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0,
                         dlogprobs ? dlogprobs + t0 : NULL, dentropy ? dentropy + t0 : NULL); /* dlogits [n,V] */
+            if (m->dtype == MRL_MODEL_BF16) { /* the same two products, in bf16 (head_logits) */
+                k->gemm_bf16(1, 0, V, D, n, 1.0f, m->logits, 0, V, x, 0, D, 1.0f, m->g_lm_head, D);
+                k->gemm_bf16(0, 0, n, D, V, 1.0f, m->logits, 0, V, m->lm_head16, 1, D, 1.0f, dlnf + t0 * D, D);
+                continue;
+            }
             k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */
             k->gemm(0, 0, n, D, V, 1.0f, m->logits, V, m->lm_head, D, 1.0f, dlnf + t0 * D, D); /* dlnf [n,D] */
         }

@@ -68,7 +68,7 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
         mrl_param_view v;
         if (mrl_model_find_view(m, t.name, &v) != MRL_OK)
             return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' has no place in a %s model with this config",
-                                 dir, t.name, m->cfg.arch == MRL_ARCH_LLAMA ? "llama" : m->cfg.arch == MRL_ARCH_QWEN2 ? "qwen2" : "qwen3");
+                                 dir, t.name, (const char *[]){"llama", "qwen2", "qwen3", "qwen3_moe"}[m->cfg.arch]);
     }
     mrl_clear_error();
     return MRL_OK;
@@ -120,7 +120,7 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
 }
 
 static mrl_status write_config(mrl_model *m, const char *dir) {
-    char json[8192], path[4096];
+    char json[16384], path[4096]; /* room for a long mlp_only_layers */
     size_t len = 0;
     mrl_status s = mrl_model_config_to_json(&m->cfg, json, sizeof json, &len);
     if (s) return s;

@@ -34,7 +34,36 @@ static mrl_gemm_desc lin_dx(float *dx, const float *dy, const float *W, int64_t 
     return (mrl_gemm_desc){0, 0, T, K, N, 1.0f, dy, N, W, K, beta, dx, K};
 }
 
-static void run1(const mrl_kernels *k, mrl_gemm_desc d) { k->gemm_group(&d, 1); }
+/* The products of one stage: in fp32 together (gemm_group), in bf16 one
+ * after the other through gemm_bf16, each parallel inside, with fp32
+ * accumulation (moonrl/model.h, "precision"). w16[i]: product i's B as the
+ * bf16 copy of the weight it reads (x W^T, dy W), or NULL: B is fp32 and
+ * rounded on its way in (dW = dy^T x: both operands are activations; or a
+ * model in bf16 whose caller gave no copies). A is always rounded on its
+ * way in. Weight panels are an fp32 layout: such a product stays fp32. */
+static void products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t *const *w16, int n) {
+    const mrl_kernels *k = m->k;
+    if (m->dtype != MRL_MODEL_BF16) {
+        k->gemm_group(d, n);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const mrl_gemm_desc *g = &d[i];
+        if (g->b_panels) {
+            k->gemm_group(g, 1);
+            continue;
+        }
+        const uint16_t *b = w16 ? w16[i] : NULL;
+        k->gemm_bf16(g->trans_a, g->trans_b, g->M, g->N, g->K, g->alpha, g->A, 0, g->lda, b ? (const void *)b : g->B,
+                     b != NULL, g->ldb, g->beta, g->C, g->ldc);
+    }
+}
+
+static void run1(const mrl_model *m, mrl_gemm_desc d, const uint16_t *w16) { products(m, &d, &w16, 1); }
+
+void mrl_layer_products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t *const *w16, int n) {
+    products(m, d, w16, n);
+}
 
 /* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v
  * (+ biases, qwen3 per-head norms), RoPE on q and k. Fills a's ln1, rstd1,
@@ -51,7 +80,7 @@ void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, con
     mrl_gemm_desc qkv[3] = {lin_p(q, a->ln1, p->wq, p->pq, T, Q, D, 0),     /* [T,Q] */
                             lin_p(kk, a->ln1, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
                             lin_p(a->v, a->ln1, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
-    k->gemm_group(qkv, 3);
+    products(m, qkv, (const uint16_t *[]){p->hq, p->hk, p->hv}, 3);
     add_bias(k, q, p->bq, T, Q);
     add_bias(k, kk, p->bk, T, K);
     add_bias(k, a->v, p->bv, T, K);
@@ -72,14 +101,19 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     memcpy(a->h, x, sizeof(float) * T * D);
-    run1(k, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f));           /* h = x + att Wo^T */
+    run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho);    /* h = x + att Wo^T */
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
+    if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
+        memcpy(out, a->h, sizeof(float) * T * D);
+        mrl_moe_forward(m, p, a, out, T);
+        return;
+    }
     mrl_gemm_desc gu[2] = {lin_p(a->gate, a->ln2, p->wg, p->pg, T, F, D, 0), /* [T,F] */
                            lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
-    k->gemm_group(gu, 2);
+    products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
     memcpy(out, a->h, sizeof(float) * T * D);
-    run1(k, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f));            /* out = h + act Wd^T */
+    run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
 }
 
 void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
@@ -101,20 +135,23 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     const grad_scratch *s = &m->gs;
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
         Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd;
-    /* MLP: x' = h + act Wd^T */
-    mrl_gemm_desc down[2] = {lin_dw(g->wd, s->dx, a->act, T, D, F),     /* dWd [D,F] */
-                             lin_dx(s->df1, s->dx, p->wd, T, D, F, 0)}; /* dact [T,F] */
-    k->gemm_group(down, 2);
-    k->swiglu_bwd(s->df1, s->df2, s->df1, a->gate, a->up, T * F);        /* dgate, dup [T,F] */
-    mrl_gemm_desc gu[3] = {lin_dw(g->wg, s->df1, a->ln2, T, F, D), lin_dw(g->wu, s->df2, a->ln2, T, F, D),
-                           lin_dx(s->dln, s->df1, p->wg, T, F, D, 0)};  /* dln2 [T,D] = dgate Wg ... */
-    k->gemm_group(gu, 3);
-    run1(k, lin_dx(s->dln, s->df2, p->wu, T, F, D, 1.0f));               /* ... + dup Wu */
+    if (p->router) { /* a sparse layer's MLP: dln = dL/dln2 */
+        mrl_moe_backward(m, p, g, a, s->dx, s->dln, T);
+    } else { /* MLP: x' = h + act Wd^T */
+        mrl_gemm_desc down[2] = {lin_dw(g->wd, s->dx, a->act, T, D, F),     /* dWd [D,F] */
+                                 lin_dx(s->df1, s->dx, p->wd, T, D, F, 0)}; /* dact [T,F] */
+        products(m, down, (const uint16_t *[]){NULL, p->hd}, 2);
+        k->swiglu_bwd(s->df1, s->df2, s->df1, a->gate, a->up, T * F);        /* dgate, dup [T,F] */
+        mrl_gemm_desc gu[3] = {lin_dw(g->wg, s->df1, a->ln2, T, F, D), lin_dw(g->wu, s->df2, a->ln2, T, F, D),
+                               lin_dx(s->dln, s->df1, p->wg, T, F, D, 0)};  /* dln2 [T,D] = dgate Wg ... */
+        products(m, gu, (const uint16_t *[]){NULL, NULL, p->hg}, 3);
+        run1(m, lin_dx(s->dln, s->df2, p->wu, T, F, D, 1.0f), p->hu);        /* ... + dup Wu */
+    }
     k->rmsnorm_bwd(s->dx, g->ln2, s->dln, a->h, p->ln2, a->rstd2, T, D); /* dx = dL/dh */
     /* attention: h = x + att Wo^T */
     mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
                           lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
-    k->gemm_group(o, 2);
+    products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
     k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens,
                 m->batch.prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
     k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
@@ -134,8 +171,8 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     mrl_gemm_desc qkv[4] = {lin_dw(g->wq, dq, a->ln1, T, Q, D), lin_dw(g->wk, dk, a->ln1, T, K, D),
                             lin_dw(g->wv, s->dv, a->ln1, T, K, D),
                             lin_dx(s->dln, dq, p->wq, T, Q, D, 0)};     /* dln1 [T,D] = dq Wq ... */
-    k->gemm_group(qkv, 4);
-    run1(k, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f));                   /* ... + dk Wk */
-    run1(k, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f));                /* ... + dv Wv */
+    products(m, qkv, (const uint16_t *[]){NULL, NULL, NULL, p->hq}, 4);
+    run1(m, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f), p->hk);            /* ... + dk Wk */
+    run1(m, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f), p->hv);         /* ... + dv Wv */
     k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
 }

@@ -35,9 +35,18 @@ typedef struct layer_params {
     float *ln2;         /* [D]   post_attention_layernorm */
     float *wg, *wu;     /* [F,D] gate_proj, up_proj */
     float *wd;          /* [D,F] down_proj */
+    /* a sparse (mixture-of-experts) layer instead of wg, wu, wd (NULL then):
+     * E experts of Fe = moe_intermediate_size, stacked in expert order */
+    float *router;      /* [E,D]    mlp.gate.weight */
+    float *ewg, *ewu;   /* [E,Fe,D] mlp.experts.{e}.gate_proj, up_proj */
+    float *ewd;         /* [E,D,Fe] mlp.experts.{e}.down_proj */
     /* the same seven matrices as weight panels (kernels.h), or NULL: the
      * engine's packed copies, read by the forward in place of the above */
     const float *pq, *pk, *pv, *po, *pg, *pu, *pd;
+    /* the same seven as bf16 copies [N,K] (the model's dtype bf16), or
+     * NULL: what the products read then (layer.c) */
+    const uint16_t *hq, *hk, *hv, *ho, *hg, *hu, *hd;
+    const uint16_t *heg, *heu, *hed; /* the experts' (the router stays fp32) */
 } layer_params;
 
 /* One layer's saved activations for T tokens. */
@@ -49,7 +58,26 @@ typedef struct layer_acts {
     float *att, *lse;          /* [T,Q] attention output, [T,Hq] its log-sum-exp */
     float *h, *ln2, *rstd2;    /* [T,D] x + attention, [T,D], [T] */
     float *gate, *up, *act;    /* [T,F] each; act = silu(gate) * up */
+    /* a sparse layer: A = T*k assignments, token t's j-th pick is t*k + j;
+     * the experts see their rows grouped, expert by expert, in token order */
+    float *rprob;              /* [T,E] router softmax (fp32) */
+    int32_t *sel;              /* [T,k] the experts picked, best first */
+    float *rw;                 /* [T,k] their weights (renormalised when norm_topk_prob) */
+    int32_t *row;              /* [A]   the grouped row of assignment t*k + j */
+    int32_t *tok;              /* [A]   the token of each grouped row */
+    int32_t *eoff;             /* [E+1] expert e's rows: eoff[e] .. eoff[e+1] */
+    float *xe;                 /* [A,D] ln2 of each grouped row */
+    float *egate, *eup, *eact; /* [A,Fe] */
+    float *ey;                 /* [A,D] each row's expert output, before weighting */
 } layer_acts;
+
+/* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */
+static inline int mrl_arch_qk_norm(int arch) { return arch == MRL_ARCH_QWEN3 || arch == MRL_ARCH_QWEN3_MOE; }
+
+/* The sparse-layer fields of a (rprob .. ey) for T tokens carved from base
+ * (NULL: only counted), each 64-byte aligned; returns the bytes (moe.c).
+ * The trainer's and the engine's activation layouts both call it. */
+int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base);
 
 /* The model's weights read from `base` (mrl_model_num_params floats in the
  * model's layout). */
@@ -57,6 +85,7 @@ typedef struct mrl_model_weights {
     const float *embed;      /* [V,D] */
     const float *final_norm; /* [D] */
     const float *lm_head;    /* [V,D] (the embedding when tied) */
+    const uint16_t *lm_head16; /* its bf16 copy (dtype bf16), or NULL */
 } mrl_model_weights;
 
 const mrl_kernels *mrl_model_kernels(const mrl_model *m);
@@ -67,11 +96,27 @@ void mrl_model_use_kernels(mrl_model *m, const mrl_kernels *k);
  * pointing into base. */
 void mrl_model_weights_at(const mrl_model *m, const float *base, mrl_model_weights *out, layer_params *layers);
 
+/* bf16 (mrl_model_set_dtype): the copies are a buffer of n_params uint16
+ * with the parameters' layout, of which only the matrices the products read
+ * are converted (mrl_model_bf16_convert).
+ *   mrl_model_bf16_params   the model's own copy, refreshed first if stale
+ *                           (mrl_model_weights_changed); NULL in fp32
+ *   mrl_model_bf16_convert  those matrices of base (model layout) into dst:
+ *                           the refresh's one pass, and the engine's for a
+ *                           buffer not the model's (attach_params, a weight store)
+ *   mrl_model_weights16_at  the bf16 pointers of *out and layers (hq .. hd,
+ *                           lm_head16) into base16; NULL base16 clears them */
+const uint16_t *mrl_model_bf16_params(mrl_model *m);
+void mrl_model_bf16_convert(const mrl_model *m, const float *base, uint16_t *dst);
+void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_model_weights *out,
+                            layer_params *layers);
+
 /* The two halves of a layer's forward around attention (layer.c; the
  * trainer's own code, so that the engine and the trainer compute alike):
  * qkv fills a's ln1, rstd1, (qraw, kraw, rstdq, rstdk,) q, k, v for T tokens
  * at positions pos; out, once a->att holds the attention output, fills h,
- * ln2, rstd2, gate, up, act and out [T,D] (out may be x). */
+ * ln2, rstd2, gate, up, act and out [T,D] (out may be x); a sparse layer
+ * fills rprob .. ey in place of gate, up, act (moe.c). */
 void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, const int32_t *pos,
                    int64_t T);
 void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out,

@@ -3,6 +3,7 @@
  * f32 load/save, getters. The gradient buffer is created on first use
  * (mrl_model_grads, the first backward): inference never pays for it. */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 #include "moonrl/mem.h"
@@ -54,7 +55,7 @@ static void build_layout(layout *lo) {
     for (int l = 0; l < c->num_hidden_layers; l++) {
         layer_params p = {0};
         const char *pre = "model.layers.%d.";
-        char f[96];
+        char f[160];
 #define NAME(s) (snprintf(f, sizeof f, "%s%s", pre, s), f)
         p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), l);
         p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), l);
@@ -64,14 +65,31 @@ static void build_layout(layout *lo) {
         p.wv = add_view(lo, 1, K, D, NAME("self_attn.v_proj.weight"), l);
         if (c->attention_bias) p.bv = add_view(lo, 0, K, 0, NAME("self_attn.v_proj.bias"), l);
         p.wo = add_view(lo, 1, D, Q, NAME("self_attn.o_proj.weight"), l);
-        if (c->arch == MRL_ARCH_QWEN3) {
+        if (mrl_arch_qk_norm(c->arch)) {
             p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), l);
             p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), l);
         }
         p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), l);
-        p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), l);
-        p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), l);
-        p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), l);
+        if (mrl_model_layer_is_moe(c, l)) {
+            /* the router, then each kind of expert matrix stacked over the
+             * experts: expert e's gate_proj is ewg + e*Fe*D (one product per
+             * expert reads it in place; a GGUF's [E, ...] tensor is one range) */
+            int64_t E = c->num_experts, Fe = c->moe_intermediate_size;
+            p.router = add_view(lo, 1, E, D, NAME("mlp.gate.weight"), l);
+            static const char *kind[3] = {"gate_proj", "up_proj", "down_proj"};
+            float **stack[3] = {&p.ewg, &p.ewu, &p.ewd};
+            for (int w = 0; w < 3; w++)
+                for (int64_t e = 0; e < E; e++) {
+                    char ef[96];
+                    snprintf(ef, sizeof ef, "mlp.experts.%lld.%s.weight", (long long)e, kind[w]);
+                    float *v = add_view(lo, 1, w < 2 ? Fe : D, w < 2 ? D : Fe, NAME(ef), l);
+                    if (e == 0) *stack[w] = v;
+                }
+        } else {
+            p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), l);
+            p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), l);
+            p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), l);
+        }
 #undef NAME
         if (m->lp) m->lp[l] = p;
     }
@@ -123,6 +141,7 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) 
     if (!m) return MRL_ERR_NOMEM;
     m->cfg = *cfg;
     m->k = mrl_kernels_cpu_fast();
+    pthread_mutex_init(&m->w16_lock, NULL);
     layout lo = {.m = m};
     build_layout(&lo); /* count */
     m->n_params = lo.offset;
@@ -131,7 +150,12 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) 
     m->names = mrl_mem_alloc(lo.names_len, MRL_MEM_OTHER);
     m->lp = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
     m->lg = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
-    if (!m->views || !m->names || !m->lp || !m->lg) {
+    if (cfg->num_experts > 0) {
+        m->aux_picks = mrl_mem_alloc(sizeof(double) * 2 * cfg->num_experts, MRL_MEM_OTHER);
+        if (m->aux_picks) m->aux_psum = m->aux_picks + cfg->num_experts;
+        m->aux_coef = cfg->output_router_logits ? cfg->router_aux_loss_coef : 0;
+    }
+    if (!m->views || !m->names || !m->lp || !m->lg || (cfg->num_experts > 0 && !m->aux_picks)) {
         mrl_model_free(m);
         return MRL_ERR_NOMEM;
     }
@@ -167,9 +191,9 @@ mrl_status mrl_model_ensure_grads(mrl_model *m) {
     if (!m->grads)
         return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",
                              (long long)m->n_params, (long long)m->n_params * 4);
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) { /* the parameters' fields, up to the copies (pq ...) */
         float **p = (float **)&m->lp[l], **g = (float **)&m->lg[l];
-        for (size_t i = 0; i < sizeof(layer_params) / sizeof(float *); i++) g[i] = grad_of(m, p[i]);
+        for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) g[i] = grad_of(m, p[i]);
     }
     m->g_embed = grad_of(m, m->embed);
     m->g_final_norm = grad_of(m, m->final_norm);
@@ -182,11 +206,14 @@ void mrl_model_free(mrl_model *m) {
     if (!m) return;
     mrl_model_release_activations(m);
     mrl_mem_free(m->params);
+    mrl_mem_free(m->w16);
+    pthread_mutex_destroy(&m->w16_lock);
     mrl_mem_free(m->grads);
     mrl_mem_free(m->views);
     mrl_mem_free(m->names);
     mrl_mem_free(m->lp);
     mrl_mem_free(m->lg);
+    mrl_mem_free(m->aux_picks);
     mrl_mem_free(m->inv_freq);
     mrl_mem_free(m->rope_cos);
     mrl_mem_free(m->rope_sin);
@@ -214,6 +241,12 @@ mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_v
             return MRL_OK;
         }
     return mrl_set_error(MRL_ERR_INVALID, "model has no parameter named '%s'", name);
+}
+
+double mrl_model_router_aux_loss(const mrl_model *m) { return m ? m->aux_loss : 0; }
+double mrl_model_router_aux_coef(const mrl_model *m) { return m ? m->aux_coef : 0; }
+void mrl_model_set_router_aux_coef(mrl_model *m, double coef) {
+    if (m && coef >= 0) m->aux_coef = coef;
 }
 
 void mrl_model_zero_grad(mrl_model *m) {
@@ -245,14 +278,89 @@ void mrl_model_use_kernels(mrl_model *m, const mrl_kernels *k) { m->k = k; }
 
 void mrl_model_weights_at(const mrl_model *m, const float *base, mrl_model_weights *out, layer_params *layers) {
 #define AT(p) ((p) ? (float *)(base + ((p) - m->params)) : NULL)
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
-        const layer_params *s = &m->lp[l];
-        layers[l] = (layer_params){AT(s->ln1), AT(s->wq), AT(s->bq), AT(s->wk), AT(s->bk), AT(s->wv), AT(s->bv),
-                                   AT(s->wo),  AT(s->q_norm), AT(s->k_norm), AT(s->ln2), AT(s->wg), AT(s->wu),
-                                   AT(s->wd)};
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) { /* every parameter field (ln1 .. ewd), no copies */
+        float *const *s = (float *const *)&m->lp[l];
+        layers[l] = (layer_params){0};
+        float **d = (float **)&layers[l];
+        for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) d[i] = AT(s[i]);
     }
     *out = (mrl_model_weights){AT(m->embed), AT(m->final_norm), AT(m->lm_head)};
 #undef AT
+}
+
+/* ---- precision: the bf16 copies (moonrl/model.h) ---- */
+
+/* The ranges of the buffer the bf16 products read: all layers (their norms
+ * and biases come along: a few floats, and one range instead of 7 per
+ * layer), and the lm_head (the embedding when tied; an untied embedding is
+ * only gathered, in fp32). */
+static void bf16_ranges(const mrl_model *m, int64_t r[4]) {
+    r[0] = m->cfg.num_hidden_layers > 0 ? m->lp[0].ln1 - m->params : 0;
+    r[1] = m->final_norm - m->params;
+    r[2] = m->lm_head - m->params;
+    r[3] = r[2] + (int64_t)m->cfg.vocab_size * m->cfg.hidden_size;
+}
+
+void mrl_model_bf16_convert(const mrl_model *m, const float *base, uint16_t *dst) {
+    int64_t r[4];
+    bf16_ranges(m, r);
+    for (int i = 0; i < 4; i += 2) m->k->f32_to_bf16(base + r[i], dst + r[i], r[i + 1] - r[i]);
+}
+
+void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_model_weights *out,
+                            layer_params *layers) {
+#define AT16(p) (base16 && (p) ? base16 + ((p) - m->params) : NULL)
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const layer_params *s = &m->lp[l];
+        layer_params *d = &layers[l];
+        d->hq = AT16(s->wq), d->hk = AT16(s->wk), d->hv = AT16(s->wv), d->ho = AT16(s->wo);
+        d->hg = AT16(s->wg), d->hu = AT16(s->wu), d->hd = AT16(s->wd);
+        d->heg = AT16(s->ewg), d->heu = AT16(s->ewu), d->hed = AT16(s->ewd);
+    }
+    if (out) out->lm_head16 = AT16(m->lm_head);
+#undef AT16
+}
+
+mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_dtype: NULL model");
+    if (dtype != MRL_MODEL_FP32 && dtype != MRL_MODEL_BF16)
+        return mrl_set_error(MRL_ERR_INVALID, "model dtype %d (0 fp32, 1 bf16)", dtype);
+    if (dtype == m->dtype) return MRL_OK;
+    if (dtype == MRL_MODEL_BF16) {
+        m->w16 = mrl_mem_alloc(sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS);
+        if (!m->w16)
+            return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the bf16 copy of %lld parameters (%lld bytes)",
+                                 (long long)m->n_params, (long long)m->n_params * 2);
+        atomic_store(&m->w16_stale, 1);
+    } else {
+        mrl_mem_free(m->w16);
+        m->w16 = NULL;
+    }
+    mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
+    m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
+    m->dtype = dtype;
+    return MRL_OK;
+}
+
+int mrl_model_dtype(const mrl_model *m) { return m ? m->dtype : MRL_MODEL_FP32; }
+
+void mrl_model_weights_changed(mrl_model *m) {
+    if (m) atomic_store(&m->w16_stale, 1);
+}
+
+mrl_status mrl_model_refresh_bf16(mrl_model *m) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_refresh_bf16: NULL model");
+    if (!m->w16 || !atomic_load(&m->w16_stale)) return MRL_OK;
+    pthread_mutex_lock(&m->w16_lock);
+    if (atomic_exchange(&m->w16_stale, 0)) mrl_model_bf16_convert(m, m->params, m->w16); /* one pass */
+    pthread_mutex_unlock(&m->w16_lock);
+    return MRL_OK;
+}
+
+const uint16_t *mrl_model_bf16_params(mrl_model *m) {
+    if (!m || !m->w16) return NULL;
+    mrl_model_refresh_bf16(m);
+    return m->w16;
 }
 
 mrl_status mrl_model_load_raw(mrl_model *m, const char *path) {
@@ -262,6 +370,7 @@ mrl_status mrl_model_load_raw(mrl_model *m, const char *path) {
     size_t n = fread(m->params, sizeof(float), (size_t)m->n_params, f);
     int extra = fgetc(f) != EOF;
     fclose(f);
+    mrl_model_weights_changed(m);
     if (n != (size_t)m->n_params || extra)
         return mrl_set_error(MRL_ERR_FORMAT, "%s: expected exactly %lld floats (%lld bytes) for this model",
                              path, (long long)m->n_params, (long long)m->n_params * 4);

@@ -1,6 +1,8 @@
 /* The model's internals, shared by the files of core/model (not public;
  * the rest of the core sees the model through layer.h). */
 #pragma once
+#include <pthread.h>
+#include <stdatomic.h>
 #include "kernels.h"
 #include "model/layer.h"
 #include "moonrl/model.h"
@@ -13,6 +15,9 @@ typedef struct grad_scratch {
     float *datt, *dq; /* [T,Q] */
     float *dk, *dv;   /* [T,K] */
     float *dk2;       /* [T,K] (qwen3 k norm) */
+    /* sparse layers (df1, df2 are then [A,Fe] when that is larger than [T,F]) */
+    float *dye;       /* [A,D] d expert outputs, then d expert inputs */
+    float *dlogit;    /* [T,E] d router logits */
 } grad_scratch;
 
 struct mrl_model {
@@ -27,7 +32,22 @@ struct mrl_model {
     float *g_embed, *g_final_norm, *g_lm_head, *g_score;
     layer_params *lp, *lg;
     const mrl_kernels *k;
+    /* precision (moonrl/model.h): in bf16, w16 holds the bf16 copies the
+     * products read (the parameters' layout; lp[l].hq .. hd and lm_head16
+     * point into it), converted again by the first use after w16_stale is
+     * set; w16_lock keeps two threads (trainer, engine) from converting at once */
+    int dtype;
+    uint16_t *w16;
+    const uint16_t *lm_head16;
+    _Atomic int w16_stale;
+    pthread_mutex_t w16_lock;
     int recompute;
+    /* mixture of experts: the load-balancing loss of the last forward (moonrl/model.h):
+     * over all sparse layers and tokens: picks of expert e, the sum of its
+     * router probabilities, and aux_n = tokens * sparse layers */
+    double aux_loss, aux_coef;
+    double *aux_picks, *aux_psum; /* [E] each (a qwen3_moe model only) */
+    int64_t aux_n;
     int64_t head_chunk_setting; /* tokens per head chunk; 0 = automatic */
     /* RoPE tables [rope_len, hd/2] */
     float *inv_freq, *rope_cos, *rope_sin;
@@ -66,3 +86,16 @@ void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
 /* layer.c (and, in layer.h, the two halves the engine shares) */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);
 void mrl_layer_backward(mrl_model *m, int l, int64_t T);
+/* layer.c: the products of one stage, fp32 together or bf16 one by one
+ * (w16[i]: product i's weight as a bf16 copy, or NULL) */
+void mrl_layer_products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t *const *w16, int n);
+/* moe.c: a sparse layer's MLP. forward: out [T,D] += moe(a->ln2), filling
+ * a->rprob .. ey. backward: from dy = dL/dout [T,D] into dln = dL/dln2
+ * [T,D] (overwritten), the router's and experts' gradients added to g. */
+void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, float *out, int64_t T);
+void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                      const float *dy, float *dln, int64_t T);
+/* moe.c: the load-balancing statistics of one sparse layer's forward, added
+ * to the model's (aux_picks, aux_n); then the loss from them */
+void mrl_moe_aux_add(mrl_model *m, const layer_acts *a, int64_t T);
+void mrl_moe_aux_finish(mrl_model *m);

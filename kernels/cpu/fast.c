@@ -12,6 +12,7 @@
 #include <string.h>
 #include "kernels.h"
 #include "cpu/adamw.h"
+#include "cpu/gemm_bf16.h"
 #include "cpu/convert.h"
 #include "cpu/isa.h"
 #include "cpu/paged_attention.h"
@@ -458,6 +459,7 @@ static const mrl_kernels fast_table = {
     .name = "cpu-fast",
     .gemm = fast_gemm,
     .gemm_group = fast_gemm_group,
+    .gemm_bf16 = mrl_cpu_gemm_bf16,
     .rmsnorm_fwd = fast_rmsnorm_fwd,
     .rmsnorm_bwd = fast_rmsnorm_bwd,
     .rope = fast_rope,

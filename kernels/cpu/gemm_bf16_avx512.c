@@ -377,8 +377,14 @@ static int few_gemm(int64_t M, int64_t N, int64_t K, float alpha, const void *A,
     few_ctx f = {x, M, N, K, kpad, W, w_bf16, ldw, alpha, beta, C, ldc};
     int64_t blocks = (N + 7) / 8;
     /* threads from a smaller size than the packed path's: these products are
-     * bound by reading W, and a second core reads more of it */
-    if (N * K < FEW_PARALLEL) few_range(&f, 0, blocks);
+     * bound by reading W, and a second core reads more of it; but, as the
+     * fp32 table's products (kernels/cpu/fast.c), none below PARALLEL_MACS
+     * multiply-adds: a decode step of one row makes dozens of them, and on
+     * a machine with more runnable threads than cores each parallel region
+     * waits for its second thread to be scheduled (measured: batch-1 decode
+     * of a 30M model at 3-27 tokens/s parallel, bench/RESULTS.md "Mixed
+     * precision") */
+    if (N * K < FEW_PARALLEL || M * N * K < PARALLEL_MACS) few_range(&f, 0, blocks);
     else mrl_parallel_for(blocks, 4, few_range, &f);
     mrl_cpu_bf16_scratch_give(x);
     return 0;

@@ -8,6 +8,7 @@
 #include <string.h>
 #include "kernels.h"
 #include "cpu/adamw.h"
+#include "cpu/gemm_bf16.h"
 #include "cpu/isa.h"
 #include "cpu/paged_attention.h"
 #include "cpu/reduce.h"
@@ -266,6 +267,7 @@ static const mrl_kernels reference_table = {
     .name = "cpu-reference",
     .gemm = ref_gemm,
     .gemm_group = ref_gemm_group,
+    .gemm_bf16 = mrl_cpu_gemm_bf16_reference,
     .rmsnorm_fwd = ref_rmsnorm_fwd,
     .rmsnorm_bwd = ref_rmsnorm_bwd,
     .rope = ref_rope,

@@ -284,6 +284,7 @@ function DP:step(lr)
   else
     self.full:step(lr)
   end
+  if self.model then self.model:weights_changed() end -- the gathered shards too (a bf16 model's copies)
   self.synced = false
 end
 

@@ -121,7 +121,10 @@ end
 
 function M.load(dir)
   local h = ffi.new('mrl_model *[1]')
-  moonrl.check(C.mrl_model_load_dir(dir, h), 2)
+  local status = require('moonrl.progress').task('loading model ' .. tostring(dir), function()
+    return C.mrl_model_load_dir(dir, h)
+  end)
+  moonrl.check(status, 2)
   return wrap(h[0])
 end
 
@@ -144,7 +147,46 @@ function Model:backward(dlogprobs, dentropy, dvalues)
 end
 
 function Model:zero_grad() C.mrl_model_zero_grad(self.handle) end
-function Model:params() return C.mrl_model_params(self.handle), self.n_params end
+-- The one parameter buffer, writable: taking it marks the weights changed (a bf16 model converts
+-- its copies again at its next forward or engine step), so that code writing into it (a
+-- checkpoint load, a broadcast, a copy) needs nothing more. Code that keeps the pointer and writes
+-- later calls weights_changed() after writing (moonrl.optim's AdamW does, given its model).
+function Model:params()
+  C.mrl_model_weights_changed(self.handle)
+  return C.mrl_model_params(self.handle), self.n_params
+end
+
+-- ---- precision (model.h, "precision") ----
+-- 'fp32' (the default): every product in fp32. 'bf16': fp32 master weights (the buffer, what
+-- the optimizer steps and checkpoints hold) and bf16 copies of the matrices for every matrix
+-- product, sums in fp32; norms, softmax, attention, the log-prob head and the losses in fp32.
+-- The engine reads the same copies. 'auto': bf16 where the CPU has fast bf16 products
+-- (AVX512-BF16 or AMX: M.bf16_products() names the path), else fp32.
+local dtype_codes = { fp32 = C.MRL_MODEL_FP32, bf16 = C.MRL_MODEL_BF16 }
+M.dtypes = { 'fp32', 'bf16', 'auto' }
+
+-- The bf16 product path of this CPU, or nil where it has none.
+function M.bf16_products()
+  local path = ffi.string(C.mrl_bf16_products())
+  if path ~= 'none' then return path end
+end
+
+-- 'fp32' or 'bf16' for a model.dtype setting; nil for a name that is none of M.dtypes.
+function M.resolve_dtype(name)
+  if name == 'auto' then return M.bf16_products() and 'bf16' or 'fp32' end
+  if dtype_codes[name] then return name end
+end
+
+-- Switch to dtype (fp32, bf16 or auto); returns the one in use.
+function Model:set_dtype(name)
+  local d = M.resolve_dtype(name)
+  if not d then error(string.format("model dtype must be one of fp32, bf16, auto (got '%s')", tostring(name)), 2) end
+  moonrl.check(C.mrl_model_set_dtype(self.handle, dtype_codes[d]), 2)
+  return d
+end
+function Model:dtype() return C.mrl_model_dtype(self.handle) == C.MRL_MODEL_BF16 and 'bf16' or 'fp32' end
+-- The parameter buffer was written: the bf16 copies are converted again before their next use.
+function Model:weights_changed() C.mrl_model_weights_changed(self.handle) end
 -- The gradient buffer: created (zeroed) on the first call or the first backward, never for a model
 -- that only runs forwards or the engine.
 function Model:grads()

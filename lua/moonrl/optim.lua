@@ -46,6 +46,7 @@ function M.adamw(o)
     params = params, grads = grads, n = n, lr = cfg.lr,
     options = { betas = { betas[1], betas[2] }, eps = cfg.eps, weight_decay = cfg.weight_decay },
     _keep = { o.params, o.grads },
+    model = o.model, -- the moonrl.model whose buffer params is: told after each step (its bf16 copies)
   }, AdamW)
   if o.no_decay and #o.no_decay > 0 then self:set_no_decay(o.no_decay) end
   return self
@@ -66,11 +67,12 @@ end
 function AdamW:shard(offset, count, no_decay)
   local o = self.options
   return M.adamw({ params = self.params + offset, grads = self.grads + offset, n = count, lr = self.lr,
-    betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay })
+    betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay, model = self.model })
 end
 
 function AdamW:step(lr)
   moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
+  if self.model then self.model:weights_changed() end -- a bf16 model converts its copies before their next use
 end
 
 local norm_out = ffi.new('double[1]')

@@ -341,6 +341,67 @@ static void cases_gemm(void) {
         }
 }
 
+/* p: A, B, C; i[8], i[9]: A, B given as bf16 (else fp32, rounded on the way in) */
+static void run_gemm_bf16(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const int64_t *i = c->i;
+    k->gemm_bf16((int)i[0], (int)i[1], i[2], i[3], i[4], c->f[0], p[0], (int)i[8], i[5], p[1], (int)i[9], i[6],
+                 c->f[1], p[2], i[7]);
+}
+
+/* n random values rounded to bf16 (the operands a bf16 model keeps). */
+static uint16_t *rnd_bf16(int64_t n) {
+    float *x = rnd(n, 1);
+    uint16_t *h = malloc(sizeof(uint16_t) * (n + 1));
+    for (int64_t i = 0; i < n; i++) h[i] = mrl_f32_to_bf16(x[i]);
+    free(x);
+    return h;
+}
+
+/* The bf16 products of a model in dtype bf16: every transpose, operands fp32
+ * (rounded on the way in) or bf16 already, few rows (our AVX512-BF16
+ * kernel) and many (oneDNN), beta 0 (C full of NaN), 0.5 and 1, leading
+ * dimensions wider than the matrices. Against the reference's exact bf16
+ * products summed in double: the fast paths sum the same products in fp32
+ * (TOL_DOT; tests/kernels/test_gemm_bf16.c holds each path to the
+ * element-wise bound). */
+static void cases_gemm_bf16(void) {
+    static const int64_t shapes[][3] = {{1, 33, 31}, {7, 64, 96}, {16, 200, 64}, {33, 70, 257}, {230, 130, 70}};
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int t = 0; t < 4; t++) {
+            int ta = t & 1, tb = t >> 1, mode = (int)(s + t) % 4, a16 = mode & 1, b16 = mode >> 1;
+            int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+            int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+            int64_t na = (ta ? K : M) * lda, nb = (tb ? N : K) * ldb;
+            float alpha = t == 3 ? -1.5f : 0.75f, beta = (float)((s + t) % 3) * 0.5f;
+            new_case(&c, "gemm_bf16", run_gemm_bf16, "%c%c %lldx%lldx%lld %s x %s beta %g", ta ? 'T' : 'N',
+                     tb ? 'T' : 'N', (long long)M, (long long)N, (long long)K, a16 ? "bf16" : "f32",
+                     b16 ? "bf16" : "f32", beta);
+            if (a16) {
+                uint16_t *h = rnd_bf16(na);
+                add(&c, "A", U16, IN, na, h, 0);
+                free(h);
+            } else {
+                in_rnd(&c, "A", na, 1);
+            }
+            if (b16) {
+                uint16_t *h = rnd_bf16(nb);
+                add(&c, "B", U16, IN, nb, h, 0);
+                free(h);
+            } else {
+                in_rnd(&c, "B", nb, 1);
+            }
+            float *C = rnd(M * ldc, 1);
+            for (int64_t x = 0; x < M * ldc; x++)
+                if (beta == 0 && x % ldc < N) C[x] = NAN;
+            add(&c, "C", F32, INOUT, M * ldc, C, TOL_DOT);
+            free(C);
+            gemm_params(&c, ta, tb, M, N, K, lda, ldb, ldc, alpha, beta);
+            c.i[8] = a16, c.i[9] = b16;
+            check_case(&c);
+        }
+}
+
 /* c->extra: n descriptors whose A, B, C are offsets into p[0], p[1], p[2] */
 static void run_gemm_group(const mrl_kernels *k, void *const *p, const op_case *c) {
     int n = (int)c->i[0];
@@ -1308,6 +1369,7 @@ int main(int argc, char **argv) {
     cases_gemm();
     cases_gemm_group();
     cases_gemm_panels();
+    cases_gemm_bf16();
     cases_rmsnorm();
     cases_rope();
     cases_swiglu();

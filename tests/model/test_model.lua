@@ -93,4 +93,34 @@ t.test('errors name the problem', function()
   t.raises(function() moonrl.model.load('/nonexistent/dir') end, 'nonexistent')
 end)
 
+t.test('precision: set_dtype, auto, and the copies following writes through params()', function()
+  local m = moonrl.model.new(cfg, { seed = 3 })
+  t.eq(m:dtype(), 'fp32')
+  local b = moonrl.model.batch({ { 1, 5, 9, 2, 7 }, { 3, 4 } })
+  local lp32 = m:forward(b)
+  t.eq(m:set_dtype('bf16'), 'bf16')
+  t.eq(m:dtype(), 'bf16')
+  local lp16 = m:forward(b)
+  local moved = 0
+  for i = 0, b.n_tokens - 1 do
+    t.near(lp16[i], lp32[i], 0.05, 'bf16 log-prob ' .. i)
+    moved = math.max(moved, math.abs(lp16[i] - lp32[i]))
+  end
+  t.truthy(moved > 0, 'bf16 computes in bf16')
+  -- a write through params() is seen by the next forward (params() marks the weights changed)
+  local p, n = m:params()
+  for i = 0, n - 1 do p[i] = p[i] * 1.5 end
+  local lp_new = m:forward(b)
+  local fresh = moonrl.model.new(cfg, { seed = 3 })
+  local q = fresh:params()
+  for i = 0, n - 1 do q[i] = q[i] * 1.5 end
+  fresh:set_dtype('bf16')
+  local lp_fresh = fresh:forward(b)
+  for i = 0, b.n_tokens - 1 do t.eq(lp_new[i], lp_fresh[i], 'after the write, log-prob ' .. i) end
+  t.eq(m:set_dtype('fp32'), 'fp32')
+  t.eq(moonrl.model.resolve_dtype('auto'), moonrl.model.bf16_products() and 'bf16' or 'fp32')
+  t.eq(moonrl.model.resolve_dtype('fp16'), nil)
+  t.raises(function() m:set_dtype('fp16') end, "model dtype must be one of fp32, bf16, auto (got 'fp16')")
+end)
+
 t.done()

@@ -38,7 +38,8 @@ extern "C" {
 typedef enum mrl_model_arch {
     MRL_ARCH_LLAMA = 0, /* LlamaForCausalLM */
     MRL_ARCH_QWEN2 = 1, /* Qwen2ForCausalLM: q/k/v biases */
-    MRL_ARCH_QWEN3 = 2  /* Qwen3ForCausalLM: q_norm / k_norm per head */
+    MRL_ARCH_QWEN3 = 2, /* Qwen3ForCausalLM: q_norm / k_norm per head */
+    MRL_ARCH_QWEN3_MOE = 3 /* Qwen3MoeForCausalLM: qwen3 attention, mixture-of-experts MLPs (below) */
 } mrl_model_arch;
 
 typedef enum mrl_rope_scaling {
@@ -75,7 +76,30 @@ typedef struct mrl_model_config {
     double rope_low_freq_factor;
     double rope_high_freq_factor;
     double initializer_range;
+    /* mixture of experts (qwen3_moe; all 0 for the dense families). A layer
+     * l is sparse (mrl_model_layer_is_moe) when num_experts > 0, l is not in
+     * mlp_only_layers and (l + 1) % decoder_sparse_step == 0: its MLP is then
+     *   p = softmax(x Wr^T) over the experts (router mlp.gate.weight [E,D]),
+     *   the num_experts_per_tok largest (ties: the lower expert index), their
+     *   weights p renormalised to sum 1 when norm_topk_prob, and
+     *   out = sum over them of weight * expert_e(x), each expert a SwiGLU MLP
+     *   of moe_intermediate_size (mlp.experts.{e}.gate_proj/up_proj/down_proj).
+     * Other layers keep the dense MLP of intermediate_size. The load-balancing
+     * loss (Switch / Transformers' load_balancing_loss_func over all sparse
+     * layers) enters the backward with router_aux_loss_coef when
+     * output_router_logits is set (mrl_model_set_router_aux_coef overrides). */
+    int num_experts;
+    int num_experts_per_tok;
+    int moe_intermediate_size;
+    int norm_topk_prob;
+    int decoder_sparse_step;     /* 1 when absent */
+    int output_router_logits;
+    double router_aux_loss_coef;
+    uint64_t mlp_only_layers[16]; /* bit l: layer l keeps the dense MLP (layers < 1024) */
 } mrl_model_config;
+
+/* 1 when layer l of this config has a mixture-of-experts MLP (above). */
+int mrl_model_layer_is_moe(const mrl_model_config *cfg, int l);
 
 /* One parameter: a view into the parameter (and gradient) buffer. */
 typedef struct mrl_param_view {
@@ -176,6 +200,47 @@ void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx);
 
 /* Gradients = 0 (nothing to do while the buffer does not exist yet). */
 void mrl_model_zero_grad(mrl_model *m);
+
+/* ---- mixture of experts (qwen3_moe) ----
+ * The load-balancing loss of the last forward, over its sparse layers (0 for
+ * a dense model): E * sum_e f_e P_e, f_e the fraction of (token, layer)
+ * picks of expert e (k per token and layer), P_e its mean router
+ * probability, as Transformers' load_balancing_loss_func with no attention
+ * mask (every packed token counts). Each backward adds the gradient of
+ * coef * that loss (f_e held constant, as there) to the router gradients;
+ * coef defaults to router_aux_loss_coef when output_router_logits, else 0. */
+double mrl_model_router_aux_loss(const mrl_model *m);
+void mrl_model_set_router_aux_coef(mrl_model *m, double coef);
+double mrl_model_router_aux_coef(const mrl_model *m);
+
+/* ---- precision (DESIGN.md "Precision") ----
+ * MRL_MODEL_FP32 (the default): every product in fp32, as always.
+ * MRL_MODEL_BF16: the parameter buffer stays the fp32 master copy (what
+ * the optimizer steps, what is saved), and a bf16 copy of the matrices (the
+ * seven of each layer and the lm_head, the embedding when tied) is what
+ * every matrix product reads: x W^T, dX = dY W and dW = dY^T X in each
+ * layer and in the head's vocabulary chunks, activations rounded to bf16 on
+ * their way in, sums in fp32. Norms, RoPE, attention (its q.k and p.v), the
+ * head's softmax / log-prob / entropy, the value head and the losses stay
+ * fp32. The generation engine reads the same bf16 copy.
+ *
+ * The copy is refreshed lazily, in one pass over the matrices, by the next
+ * forward or engine step after mrl_model_weights_changed: call it after
+ * writing the parameter buffer (an optimizer step, a load, a broadcast).
+ * moonrl.optim's AdamW and moonrl.model's params() do (Lua). */
+typedef enum mrl_model_precision {
+    MRL_MODEL_FP32 = 0,
+    MRL_MODEL_BF16 = 1
+} mrl_model_precision;
+/* Switch precision; bf16 allocates the copy (2 bytes a parameter, category
+ * MRL_MEM_PARAMS), fp32 frees it. bf16 works on any CPU, but is fast only
+ * where mrl_bf16_products() (moonrl/runtime.h) names a path. */
+mrl_status mrl_model_set_dtype(mrl_model *m, int dtype);
+int mrl_model_dtype(const mrl_model *m);
+/* The parameter buffer was written: the bf16 copy is stale (nothing to do in fp32). */
+void mrl_model_weights_changed(mrl_model *m);
+/* Convert now if stale (the forward and the engine call it themselves). */
+mrl_status mrl_model_refresh_bf16(mrl_model *m);
 
 #ifdef __cplusplus
 }

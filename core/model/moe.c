@@ -1,0 +1,239 @@
+/* The mixture-of-experts MLP of a sparse layer (qwen3_moe, Transformers'
+ * Qwen3MoeSparseMoeBlock), forward and backward side by side.
+ * T tokens, D hidden, E experts, k = num_experts_per_tok, Fe =
+ * moe_intermediate_size, A = T*k assignments (token t's j-th pick is t*k + j).
+ *
+ *   p = softmax(x Wr^T)                               [T,E]  fp32, also in bf16
+ *   sel[t] = the k largest p[t] (ties: the lower expert), w = p[t, sel]
+ *            (/ their sum when norm_topk_prob)        [T,k]
+ *   the A rows grouped by expert, token order inside (a counting sort):
+ *     xe = x[tok]                                     [A,D]
+ *   per expert e, over its rows (one product each, grouped):
+ *     gate, up = xe Wg_e^T, xe Wu_e^T ; act = silu(gate) up ; ye = act Wd_e^T
+ *   out[t] += sum_j w[t,j] ye[row[t*k + j]]
+ *
+ * The backward treats sel as a constant (as autograd does through topk):
+ *   dw[t,j] = dy[t] . ye[row]             dye[row] = w[t,j] dy[t]
+ *   d p[t,sel_j] = dw_j (norm: (dw_j - sum_i dw_i w_i) / sum_i p[t,sel_i])
+ *     (+ the load-balancing loss's coef E picks_e / N^2 on every p[t,e])
+ *   d logits = p (dp - sum_e p_e dp_e) ; dWr += dlogits^T x ; dx = dlogits Wr + sum over picks of dxe
+ * The router's products stay fp32 in both precisions: a pick must not flip
+ * because the weights were rounded, and they are E columns, cheap.
+ * The products go through mrl_layer_products (fp32 grouped, bf16 one by one
+ * reading the experts' bf16 copies heg, heu, hed), like the dense layers. */
+#include <math.h>
+#include <string.h>
+#include "model_internal.h"
+
+int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base) {
+    int64_t D = c->hidden_size, E = c->num_experts, A = T * c->num_experts_per_tok, Fe = c->moe_intermediate_size;
+    int64_t off = 0;
+#define TAKE(ptr, type, count)                                                   \
+    do {                                                                         \
+        if (base) ptr = (type *)(base + off);                                    \
+        off += ((int64_t)sizeof(type) * (count) + 63) / 64 * 64;                 \
+    } while (0)
+    TAKE(a->rprob, float, T * E);
+    TAKE(a->sel, int32_t, A);
+    TAKE(a->rw, float, A);
+    TAKE(a->row, int32_t, A);
+    TAKE(a->tok, int32_t, A);
+    TAKE(a->eoff, int32_t, E + 1);
+    TAKE(a->xe, float, A * D);
+    TAKE(a->egate, float, A * Fe);
+    TAKE(a->eup, float, A * Fe);
+    TAKE(a->eact, float, A * Fe);
+    TAKE(a->ey, float, A * D);
+#undef TAKE
+    return off;
+}
+
+/* Up to GROUP products at once (one parallel region in fp32). */
+enum { GROUP = 64 };
+typedef struct prod_batch {
+    const mrl_model *m;
+    mrl_gemm_desc d[GROUP];
+    const uint16_t *w16[GROUP];
+    int n;
+} prod_batch;
+
+static void flush(prod_batch *b) {
+    if (b->n) mrl_layer_products(b->m, b->d, b->w16, b->n);
+    b->n = 0;
+}
+
+static void push(prod_batch *b, mrl_gemm_desc d, const uint16_t *w16) {
+    b->d[b->n] = d;
+    b->w16[b->n++] = w16;
+    if (b->n == GROUP) flush(b);
+}
+
+/* y[n,N] = x[n,K] W[N,K]^T ; dW[N,K] += dy^T x ; dx[n,K] = dy W (+ beta dx) */
+static mrl_gemm_desc fwd(float *y, const float *x, const float *W, int64_t n, int64_t N, int64_t K) {
+    return (mrl_gemm_desc){0, 1, n, N, K, 1.0f, x, K, W, K, 0.0f, y, N};
+}
+static mrl_gemm_desc dweight(float *dW, const float *dy, const float *x, int64_t n, int64_t N, int64_t K) {
+    return (mrl_gemm_desc){1, 0, N, K, n, 1.0f, dy, N, x, K, 1.0f, dW, K};
+}
+static mrl_gemm_desc dinput(float *dx, const float *dy, const float *W, int64_t n, int64_t N, int64_t K, float beta) {
+    return (mrl_gemm_desc){0, 0, n, K, N, 1.0f, dy, N, W, K, beta, dx, K};
+}
+
+static const uint16_t *at16(const uint16_t *base, int64_t off) { return base ? base + off : NULL; }
+
+/* softmax of one row in place */
+static void softmax(float *x, int64_t n) {
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    float sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += x[i] = expf(x[i] - mx);
+    for (int64_t i = 0; i < n; i++) x[i] /= sum;
+}
+
+/* sel, rw of each token from rprob; then the grouping: eoff, row, tok. */
+static void route(const mrl_model_config *c, layer_acts *a, int64_t T) {
+    int64_t E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
+    for (int64_t t = 0; t < T; t++) {
+        const float *p = a->rprob + t * E;
+        int32_t *sel = a->sel + t * K;
+        float *w = a->rw + t * K, sum = 0;
+        for (int64_t j = 0; j < K; j++) { /* the largest not yet taken; strict > keeps the lower index on ties */
+            int32_t best = -1;
+            for (int32_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j && !taken; i++) taken = sel[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            sel[j] = best;
+            sum += w[j] = p[best];
+        }
+        if (c->norm_topk_prob)
+            for (int64_t j = 0; j < K; j++) w[j] /= sum;
+    }
+    /* counting sort: eoff[e] = first row of expert e; row[i] its place, tok[row] its token */
+    int32_t *off = a->eoff;
+    memset(off, 0, sizeof(int32_t) * (E + 1));
+    for (int64_t i = 0; i < A; i++) off[a->sel[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+    for (int64_t i = 0; i < A; i++) { /* off[e] walks to the end of e's rows ... */
+        int32_t r = off[a->sel[i]]++;
+        a->row[i] = r;
+        a->tok[r] = (int32_t)(i / K);
+    }
+    for (int64_t e = E; e > 0; e--) off[e] = off[e - 1]; /* ... which is where e + 1 starts: shift back */
+    off[0] = 0;
+}
+
+void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, float *out, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K,
+            Fe = c->moe_intermediate_size;
+    k->gemm(0, 1, T, E, D, 1.0f, a->ln2, D, p->router, D, 0.0f, a->rprob, E); /* router logits [T,E] */
+    for (int64_t t = 0; t < T; t++) softmax(a->rprob + t * E, E);
+    route(c, a, T);
+    k->gather_rows(a->xe, a->ln2, a->tok, A, D); /* [A,D] */
+    prod_batch b = {.m = m};
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
+        if (!n) continue;
+        push(&b, fwd(a->egate + r0 * Fe, a->xe + r0 * D, p->ewg + e * Fe * D, n, Fe, D), at16(p->heg, e * Fe * D));
+        push(&b, fwd(a->eup + r0 * Fe, a->xe + r0 * D, p->ewu + e * Fe * D, n, Fe, D), at16(p->heu, e * Fe * D));
+    }
+    flush(&b);
+    k->swiglu_fwd(a->eact, a->egate, a->eup, A * Fe); /* [A,Fe] */
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
+        if (n) push(&b, fwd(a->ey + r0 * D, a->eact + r0 * Fe, p->ewd + e * D * Fe, n, D, Fe), at16(p->hed, e * D * Fe));
+    }
+    flush(&b);
+    for (int64_t t = 0; t < T; t++) { /* out[t] += sum_j w ye, picks in order */
+        float *o = out + t * D;
+        for (int64_t j = 0; j < K; j++) {
+            float w = a->rw[t * K + j];
+            const float *y = a->ey + (int64_t)a->row[t * K + j] * D;
+            for (int64_t i = 0; i < D; i++) o[i] += w * y[i];
+        }
+    }
+}
+
+void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                      const float *dy, float *dln, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    const grad_scratch *s = &m->gs;
+    int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K,
+            Fe = c->moe_intermediate_size;
+    /* the load-balancing loss: d(coef * aux)/dp[t,e] = coef E picks_e / N^2, the same for every token */
+    double aux = m->aux_n > 0 && m->aux_coef > 0 ? m->aux_coef * (double)E / ((double)m->aux_n * m->aux_n) : 0;
+    for (int64_t t = 0; t < T; t++) {
+        const float *dyt = dy + t * D, *pt = a->rprob + t * E, *w = a->rw + t * K;
+        const int32_t *sel = a->sel + t * K;
+        float *dl = s->dlogit + t * E; /* dp first, then d logits in place */
+        memset(dl, 0, sizeof(float) * E);
+        float dw_w = 0, vsum = 0;
+        for (int64_t j = 0; j < K; j++) { /* dw, and dye = w dy */
+            int64_t r = a->row[t * K + j];
+            const float *y = a->ey + r * D;
+            float *dyr = s->dye + r * D, dw = 0;
+            for (int64_t i = 0; i < D; i++) {
+                dw += dyt[i] * y[i];
+                dyr[i] = w[j] * dyt[i];
+            }
+            dl[sel[j]] = dw; /* d w_j (the picks differ): d p without renormalisation */
+            dw_w += dw * w[j];
+            vsum += pt[sel[j]];
+        }
+        if (c->norm_topk_prob) /* w_j = v_j / S: dv_j = (dw_j - sum_i dw_i w_i) / S */
+            for (int64_t j = 0; j < K; j++) dl[sel[j]] = (dl[sel[j]] - dw_w) / vsum;
+        if (aux > 0)
+            for (int64_t e = 0; e < E; e++) dl[e] += (float)(aux * m->aux_picks[e]);
+        float dot = 0;
+        for (int64_t e = 0; e < E; e++) dot += pt[e] * dl[e];
+        for (int64_t e = 0; e < E; e++) dl[e] = pt[e] * (dl[e] - dot);
+    }
+    /* the experts, back from ye = act Wd_e^T: dWd_e, dact (df1) */
+    prod_batch b = {.m = m};
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
+        if (!n) continue;
+        push(&b, dweight(g->ewd + e * D * Fe, s->dye + r0 * D, a->eact + r0 * Fe, n, D, Fe), NULL);
+        push(&b, dinput(s->df1 + r0 * Fe, s->dye + r0 * D, p->ewd + e * D * Fe, n, D, Fe, 0), at16(p->hed, e * D * Fe));
+    }
+    flush(&b);
+    k->swiglu_bwd(s->df1, s->df2, s->df1, a->egate, a->eup, A * Fe); /* dgate, dup [A,Fe] */
+    /* dWg_e, dWu_e, and dxe = dgate Wg_e + dup Wu_e written over dye (read by nothing after the stage above) */
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
+        if (!n) continue;
+        push(&b, dweight(g->ewg + e * Fe * D, s->df1 + r0 * Fe, a->xe + r0 * D, n, Fe, D), NULL);
+        push(&b, dweight(g->ewu + e * Fe * D, s->df2 + r0 * Fe, a->xe + r0 * D, n, Fe, D), NULL);
+        push(&b, dinput(s->dye + r0 * D, s->df1 + r0 * Fe, p->ewg + e * Fe * D, n, Fe, D, 0), at16(p->heg, e * Fe * D));
+    }
+    flush(&b);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
+        if (n) push(&b, dinput(s->dye + r0 * D, s->df2 + r0 * Fe, p->ewu + e * Fe * D, n, Fe, D, 1.0f),
+                    at16(p->heu, e * Fe * D));
+    }
+    flush(&b);
+    /* the router (fp32), then each pick's dxe back to its token, in grouped order */
+    k->gemm(1, 0, E, D, T, 1.0f, s->dlogit, E, a->ln2, D, 1.0f, g->router, D); /* dWr [E,D] */
+    k->gemm(0, 0, T, D, E, 1.0f, s->dlogit, E, p->router, D, 0.0f, dln, D);    /* dln [T,D] */
+    k->scatter_add_rows(dln, s->dye, a->tok, A, D);
+}
+
+void mrl_moe_aux_add(mrl_model *m, const layer_acts *a, int64_t T) {
+    int64_t E = m->cfg.num_experts, A = T * m->cfg.num_experts_per_tok;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++) m->aux_psum[e] += a->rprob[t * E + e];
+    for (int64_t i = 0; i < A; i++) m->aux_picks[a->sel[i]] += 1;
+    m->aux_n += T;
+}
+
+/* aux = E sum_e (picks_e / N) (psum_e / N), N = tokens * sparse layers */
+void mrl_moe_aux_finish(mrl_model *m) {
+    double sum = 0, n = (double)m->aux_n;
+    for (int64_t e = 0; e < m->cfg.num_experts && n > 0; e++) sum += m->aux_picks[e] * m->aux_psum[e];
+    m->aux_loss = n > 0 ? m->cfg.num_experts * sum / (n * n) : 0;
+}

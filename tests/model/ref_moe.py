@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Qwen3-MoE (model_type qwen3_moe) against a float64 PyTorch reference written
+here after Transformers' modeling_qwen3_moe (Transformers is not needed):
+qwen3 attention; in each sparse layer the router softmax over the experts in
+float, torch.topk, the weights renormalised when norm_topk_prob, and the
+weighted sum of the picked experts' SwiGLU MLPs (index_add_ per expert);
+dense layers (mlp_only_layers, decoder_sparse_step) keep the dense MLP; the
+load-balancing loss as load_balancing_loss_func (all sparse layers' router
+logits concatenated, no attention mask).
+
+On tiny random models, a packed batch of several sequences:
+  - log-probs and entropy, relative error < 1e-5;
+  - the gradient of every parameter (router and every expert included) for
+    L = sum_t a_t logprob_t + b_t entropy_t (+ coef * aux), relative < 1e-4;
+  - the aux loss value, with and without a coefficient in the backward;
+  - recomputation bit-identical; the reference kernels;
+  - finite differences of the router weights (moonrl's own loss, central
+    differences in fp32 with a step that leaves the picks unchanged);
+  - bf16: the same model in bf16 within bf16's error of fp32.
+
+usage: ref_moe.py path/to/libmoonrl.so
+"""
+import ctypes as C
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+torch.set_default_dtype(torch.float64)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moonrl_ctypes  # noqa: E402
+from moonrl_ctypes import Moonrl, rel  # noqa: E402
+from torch_ref import inv_freq_of, rmsnorm, rope  # noqa: E402
+
+lib = moonrl_ctypes.load(sys.argv[1])
+lib.mrl_model_router_aux_loss.restype = C.c_double
+lib.mrl_model_router_aux_loss.argtypes = [C.c_void_p]
+lib.mrl_model_set_router_aux_coef.argtypes = [C.c_void_p, C.c_double]
+lib.mrl_model_set_dtype.argtypes = [C.c_void_p, C.c_int]
+lib.mrl_model_weights_changed.argtypes = [C.c_void_p]
+
+failures = []
+
+
+def is_sparse(cfg, l):
+    """Transformers' Qwen3MoeDecoderLayer: experts unless l is in mlp_only_layers."""
+    return (l not in cfg.get("mlp_only_layers", [])) and cfg["num_experts"] > 0 and \
+        (l + 1) % cfg.get("decoder_sparse_step", 1) == 0
+
+
+def moe_block(cfg, p, h):
+    """Qwen3MoeSparseMoeBlock on h [L, D]: (output, router logits)."""
+    E, K = cfg["num_experts"], cfg["num_experts_per_tok"]
+    logits = h @ p("mlp.gate.weight").T
+    probs = torch.softmax(logits, -1)
+    w, sel = torch.topk(probs, K, dim=-1)
+    if cfg.get("norm_topk_prob"):
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for e in range(E):
+        tok, j = torch.where(sel == e)
+        if len(tok) == 0:
+            continue
+        x = h[tok]
+        pe = lambda n: p("mlp.experts.%d.%s.weight" % (e, n))
+        y = (torch.nn.functional.silu(x @ pe("gate_proj").T) * (x @ pe("up_proj").T)) @ pe("down_proj").T
+        out = out.index_add(0, tok, y * w[tok, j, None])
+    return out, logits
+
+
+def forward_seq(cfg, P, tok, router_logits):
+    D, Hq, Hk, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    inv = inv_freq_of(cfg, hd)
+    L = len(tok)
+    x = P["model.embed_tokens.weight"][tok]
+    for l in range(cfg["num_hidden_layers"]):
+        p = lambda n: P["model.layers.%d.%s" % (l, n)]
+        h = rmsnorm(x, p("input_layernorm.weight"), eps)
+        q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
+        q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
+        q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
+        q, k = rope(q, inv, L), rope(k, inv, L)
+        k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
+        sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
+        sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+        att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
+        x = x + att @ p("self_attn.o_proj.weight").T
+        h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
+        if is_sparse(cfg, l):
+            y, logits = moe_block(cfg, p, h)
+            router_logits.append(logits)
+            x = x + y
+        else:
+            x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ \
+                p("mlp.down_proj.weight").T
+    return rmsnorm(x, P["model.norm.weight"], eps)
+
+
+def load_balancing_loss(cfg, router_logits):
+    """Transformers' load_balancing_loss_func with attention_mask None."""
+    E, K = cfg["num_experts"], cfg["num_experts_per_tok"]
+    g = torch.cat(router_logits, 0)
+    rw = torch.softmax(g, -1)
+    _, sel = torch.topk(rw, K, dim=-1)
+    mask = torch.nn.functional.one_hot(sel, E).double()
+    tokens_per_expert = mask.mean(0)
+    prob_per_expert = rw.mean(0)
+    return (tokens_per_expert * prob_per_expert[None]).sum() * E
+
+
+def reference(cfg, P, tokens, targets, cu, temperature=1.0):
+    lm = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else P["lm_head.weight"]
+    lps, ents, logits = [], [], []
+    for s in range(len(cu) - 1):
+        tok = torch.tensor(tokens[cu[s]:cu[s + 1]].astype(np.int64))
+        h = forward_seq(cfg, P, tok, logits)
+        logp = torch.log_softmax(h @ lm.T / temperature, -1)
+        tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
+        lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(len(tok))))
+        ents.append(-(logp.exp() * logp).sum(-1))
+    aux = load_balancing_loss(cfg, logits) if logits else torch.zeros(())
+    return torch.cat(lps), torch.cat(ents), aux
+
+
+def randomize(m, rng):
+    for n, off, shape, _ in m.views:
+        size = int(np.prod(shape))
+        if "norm" in n:
+            m.params[off:off + size] = 1 + 0.2 * rng.standard_normal(size)
+        elif n.endswith("mlp.gate.weight"):  # decisive routing: picks far from ties
+            m.params[off:off + size] = 0.5 * rng.standard_normal(size)
+        else:
+            m.params[off:off + size] = 0.08 * rng.standard_normal(size)
+
+
+def batch(cfg, lens, rng):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    tokens = rng.integers(0, cfg["vocab_size"], cu[-1]).astype(np.int32)
+    targets = np.full(cu[-1], -1, np.int32)
+    for s in range(len(lens)):
+        targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
+    return tokens, targets, cu
+
+
+def run_case(name, cfg, lens, coef=0.0, kernels=0, recompute=False, seed=0, temperature=1.0):
+    rng = np.random.default_rng(seed)
+    m = Moonrl(cfg)
+    lib.mrl_model_set_kernels(m.h, kernels)
+    lib.mrl_model_set_recompute(m.h, int(recompute))
+    if coef:
+        lib.mrl_model_set_router_aux_coef(m.h, coef)
+    randomize(m, rng)
+    P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64), requires_grad=True) for n, _, _, _ in m.views}
+    tokens, targets, cu = batch(cfg, lens, rng)
+    lp, ent, _ = m.forward(tokens, targets, cu, temperature)
+    aux = lib.mrl_model_router_aux_loss(m.h)
+    rlp, rent, raux = reference(cfg, P, tokens, targets, cu, temperature)
+    errs = {"logprob": rel(lp, rlp.detach()), "entropy": rel(ent, rent.detach()),
+            "aux": abs(aux - raux.item()) / max(abs(raux.item()), 1e-30)}
+    T = cu[-1]
+    a, b = rng.standard_normal(T).astype(np.float32), rng.standard_normal(T).astype(np.float32)
+    lib.mrl_model_zero_grad(m.h)
+    m.backward(a, b, None)
+    loss = (torch.tensor(a, dtype=torch.float64) * rlp).sum() + (torch.tensor(b, dtype=torch.float64) * rent).sum()
+    if coef:
+        loss = loss + coef * raux
+    loss.backward()
+    worst, worst_name, router = 0.0, "", 0.0
+    for n, _, _, _ in m.views:
+        e = rel(m.tensor(m.grads, n), P[n].grad.numpy())
+        if n.endswith("mlp.gate.weight"):
+            router = max(router, e)
+        if e > worst:
+            worst, worst_name = e, n
+    ok = errs["logprob"] < 1e-5 and errs["entropy"] < 1e-5 and errs["aux"] < 1e-5 and worst <= 1e-4
+    print("%-44s T=%3d  logprob %.1e  entropy %.1e  aux %.1e (%.4f)  grad %.1e (%s)  router grad %.1e  %s" % (
+        name, T, errs["logprob"], errs["entropy"], errs["aux"], aux, worst, worst_name, router, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    g1 = m.grads.copy()
+    out = (lp.copy(), ent.copy(), g1)
+    return m, out, (tokens, targets, cu, a, b)
+
+
+def finite_differences(name, cfg, lens, coef, seed=11):
+    """moonrl's router gradient against central differences of moonrl's own loss."""
+    m, _, (tokens, targets, cu, a, b) = run_case(name + " (analytic)", cfg, lens, coef=coef, seed=seed)
+    analytic = m.grads.copy()
+
+    def loss():
+        lp, ent, _ = m.forward(tokens, targets, cu)
+        return float(np.dot(a.astype(np.float64), lp) + np.dot(b.astype(np.float64), ent)) + \
+            coef * lib.mrl_model_router_aux_loss(m.h)
+
+    worst, checked = 0.0, 0
+    for n, off, shape, _ in m.views:
+        if not n.endswith("mlp.gate.weight"):
+            continue
+        g = analytic[off:off + int(np.prod(shape))]
+        for i in np.argsort(-np.abs(g))[:6]:  # the largest entries: a meaningful relative error
+            h, x0 = 2e-3, m.params[off + i]
+            m.params[off + i] = x0 + h
+            up = loss()
+            m.params[off + i] = x0 - h
+            down = loss()
+            m.params[off + i] = x0
+            fd = (up - down) / (2 * h)
+            worst = max(worst, abs(fd - g[i]) / max(abs(g[i]), 1e-3))
+            checked += 1
+    ok = worst < 2e-2
+    print("%-44s %d router entries: max relative |fd - analytic| %.1e  %s" % (name, checked, worst, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+def bf16_case(name, cfg, lens, seed=21):
+    """The same model and batch in bf16: log-probs and gradients within bf16's error of fp32."""
+    m, (lp32, ent32, g32), (tokens, targets, cu, a, b) = run_case(name + " (fp32)", cfg, lens, seed=seed)
+    moonrl_ctypes.check(lib.mrl_model_set_dtype(m.h, 1))
+    lp, ent, _ = m.forward(tokens, targets, cu)
+    lib.mrl_model_zero_grad(m.h)
+    m.backward(a, b, None)
+    e_lp, e_g = rel(lp, lp32), rel(m.grads, g32)
+    ok = e_lp < 2e-2 and e_g < 1e-1 and np.all(np.isfinite(m.grads))
+    print("%-44s bf16 vs fp32: logprob %.1e  grad %.1e  %s" % (name, e_lp, e_g, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+moe = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=48,
+           intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+           rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+           router_aux_loss_coef=0.01, output_router_logits=False)
+lens = [7, 1, 12, 20]
+m, base, _ = run_case("qwen3_moe 8 experts top-2, renormalised", moe, lens)
+lib.mrl_model_free(m.h)
+m, other, _ = run_case("  the same, recomputing", moe, lens, recompute=True)
+lib.mrl_model_free(m.h)
+if not all(np.array_equal(x, y) for x, y in zip(base, other)):
+    failures.append("recompute not bit-identical")
+    print("  recompute: results differ from the plain run")
+for name, cfg, kw in (
+        ("top-3 of 6, not renormalised, tied", dict(moe, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                                                   tie_word_embeddings=True), dict(seed=1)),
+        ("3 layers, mlp_only_layers [1]", dict(moe, num_hidden_layers=3, mlp_only_layers=[1]), dict(seed=2)),
+        ("4 layers, decoder_sparse_step 2", dict(moe, num_hidden_layers=4, decoder_sparse_step=2), dict(seed=3)),
+        ("aux loss coef 0.05 in the backward", moe, dict(seed=4, coef=0.05)),
+        ("aux loss, not renormalised, top-1", dict(moe, num_experts_per_tok=1, norm_topk_prob=False),
+         dict(seed=5, coef=0.3)),
+        ("reference kernels, temperature 0.8", moe, dict(seed=6, kernels=1, temperature=0.8)),
+        ("recompute, mixed dense + sparse", dict(moe, num_hidden_layers=3, mlp_only_layers=[0]),
+         dict(seed=7, recompute=True))):
+    m, _, _ = run_case(name, cfg, kw.pop("lens", lens), **kw)
+    lib.mrl_model_free(m.h)
+# a long batch: every expert gets many rows, products split over threads
+m, _, _ = run_case("300 tokens, 16 experts top-4", dict(moe, num_experts=16, num_experts_per_tok=4), [150, 90, 60], seed=8)
+lib.mrl_model_free(m.h)
+# output_router_logits from the config turns the aux loss on with router_aux_loss_coef
+m, _, _ = run_case("output_router_logits true (coef from config)", dict(moe, output_router_logits=True), lens, seed=9,
+                   coef=0.0)
+lib.mrl_model_free(m.h)
+finite_differences("router finite differences", moe, [9, 14], coef=0.0)
+finite_differences("router finite differences, aux coef 0.2", dict(moe, norm_topk_prob=False), [9, 14], coef=0.2)
+bf16_case("bf16", moe, lens)
+
+if failures:
+    print("FAILED:", ", ".join(failures))
+    sys.exit(1)
+print("all qwen3_moe reference checks passed")
