@@ -388,6 +388,66 @@ function Stream:close()
   e.streaming = nil
 end
 
+-- ---- a long-running engine (a server): requests come and go, never a reset ----------------
+-- engine:add(q, opts) queues one prompt's samples (q as a generate request: prompt_ids, n,
+-- max_tokens, prompt_index, first_sample; opts as generate's: sampling knobs, eos_ids, stop_ids,
+-- seed, step) and returns its id; a bad request raises and queues nothing, the requests in
+-- flight go on. engine:step() runs one step and returns the samples not finished;
+-- engine:output(id, j) gives sample j's (0-based) tokens and log-probs (cdata, valid until the
+-- next step), their count and finish reason ('length', 'stop', nil while it runs);
+-- engine:stop_sample(id, j) finishes a sample at the next step; engine:done(id) is true once
+-- every sample of the request has finished; engine:release(id) frees a finished request's
+-- outputs (a server that runs for days does not grow). moonrl serve drives an engine so.
+-- M.new_watch(tok) / M.watch_step(w, toks, n, stops, max_stop): the stop-string watcher of
+-- generate (a sample's streaming decoder and its text; true when a stop string appeared).
+M.new_watch, M.watch_step = new_watch, watch_step
+
+function Engine:add(q, opts)
+  opts = opts or {}
+  if type(q) ~= 'table' or type(q.prompt_ids) ~= 'table' then error('engine:add: expected { prompt_ids = {...} }', 2) end
+  local eos = opts.eos_ids
+  if eos == nil then
+    local id = self.model.config.eos_token_id
+    eos = (id and id >= 0) and { id } or {}
+  end
+  local eos_arr, n_eos = int_array(eos, 'eos_ids')
+  local stop_arr, n_stop = int_array(opts.stop_ids or {}, 'stop_ids')
+  local arr, n = int_array(q.prompt_ids, 'prompt_ids')
+  local r = ffi.new('mrl_engine_request')
+  r.prompt, r.prompt_len = arr, n
+  r.n = q.n or 1
+  r.max_new_tokens = q.max_tokens or opts.max_tokens or 64
+  r.params = sampling_params(opts)
+  r.eos_ids, r.n_eos, r.stop_ids, r.n_stop = eos_arr, n_eos, stop_arr, n_stop
+  local seed = opts.seed or self.seed
+  r.seed = seed < 0 and ffi.cast('uint64_t', ffi.cast('int64_t', seed)) or seed
+  r.step = opts.step or 0
+  r.prompt_index = q.prompt_index or 0
+  r.first_sample = q.first_sample or 0
+  local id_out = ffi.new('int[1]')
+  moonrl.check(C.mrl_engine_add_request(self.handle, r, id_out), 2)
+  return id_out[0]
+end
+
+local step_unf = ffi.new('int[1]')
+function Engine:step()
+  moonrl.check(C.mrl_engine_step(self.handle, step_unf), 2)
+  return step_unf[0]
+end
+
+function Engine:output(id, j)
+  local toks, lps, n, reason = output(self, id, j)
+  return toks, lps, n, reason ~= 0 and (FINISH[reason] or 'stop') or nil
+end
+
+function Engine:stop_sample(id, j) moonrl.check(C.mrl_engine_stop_sample(self.handle, id, j), 2) end
+
+function Engine:done(id) return C.mrl_engine_request_done(self.handle, id) == 1 end
+
+function Engine:release(id) moonrl.check(C.mrl_engine_release(self.handle, id), 2) end
+
+function Engine:num_unfinished() return tonumber(C.mrl_engine_num_unfinished(self.handle)) end
+
 -- Use another parameter buffer with the model's layout (float cdata of
 -- model.n_params), e.g. one that receives weights by broadcast; nil: the model's own.
 function Engine:attach_params(buf, n)

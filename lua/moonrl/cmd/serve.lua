@@ -1,0 +1,160 @@
+-- moonrl serve: an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions,
+-- /v1/models, /health, /metrics) over the generation engine, with continuous batching across
+-- requests. The server loop is moonrl.serve.
+local moonrl = require('moonrl')
+
+local M = {}
+
+local USAGE = [[
+usage: moonrl serve --model DIR|FILE.gguf [options]
+  --model DIR            a Hugging Face model directory, or a .gguf file (converted once into MOONRL_CACHE)
+  --host HOST            address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)
+  --port PORT            default 8000; 0 picks a free port (printed at start)
+  --served-model-name N  the model's name in the API (default: --model as given)
+  --tokenizer PATH       tokenizer.json or its directory (default: the model directory)
+  --chat-template FILE   a Jinja chat template (default: the model's tokenizer_config.json)
+  --max-seqs N           sequences running at once (default 64)
+  --max-batch-tokens N   tokens per engine step (default 2048)
+  --max-model-len N      prompt + completion tokens at most (default: the model's max_position_embeddings)
+  --kv-cache-mb MB       KV cache size (default 256)
+  --max-n N              samples of one request at most (n x prompts; default 128)
+  --default-max-tokens N chat completions without max_tokens stop here (default: the context left)
+  --seed S               the streams of requests that give no seed (default 0)
+  --max-body-mb MB       request bodies at most (default 16; larger: 413)
+  --max-connections N    open connections at most (default 1024; more: 503)
+  --shutdown-timeout S   on SIGINT/SIGTERM, seconds to finish the requests in flight (default 10)]]
+
+local NUMBERS = {
+  ['--port'] = { 'port', true, 0, 65535 }, ['--max-seqs'] = { 'max_seqs', true, 1 },
+  ['--max-batch-tokens'] = { 'max_batch_tokens', true, 1 }, ['--max-model-len'] = { 'max_model_len', true, 2 },
+  ['--kv-cache-mb'] = { 'kv_cache_mb', false, 0 }, ['--max-n'] = { 'max_n', true, 1 },
+  ['--default-max-tokens'] = { 'default_max_tokens', true, 1 }, ['--seed'] = { 'seed', true, 0 },
+  ['--max-body-mb'] = { 'max_body_mb', false, 0 }, ['--max-connections'] = { 'max_connections', true, 1, 65000 },
+  ['--shutdown-timeout'] = { 'shutdown_timeout', false, 0 },
+}
+local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-name'] = 'served_model_name',
+  ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
+
+local function parse(args)
+  local o = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
+    max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10 }
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    local flag, inline = a:match('^(%-%-[%w-]+)=(.*)$')
+    flag = flag or a
+    local function value()
+      if inline then return inline end
+      i = i + 1
+      local v = args[i]
+      if v == nil then moonrl.usage_error(string.format('serve: %s needs a value\n%s', flag, USAGE)) end
+      return v
+    end
+    if NUMBERS[flag] then
+      local spec = NUMBERS[flag]
+      local s = value()
+      local v = tonumber(s)
+      if not v or v ~= v or (spec[2] and v ~= math.floor(v)) or v < spec[3] or (spec[4] and v > spec[4]) then
+        moonrl.usage_error(string.format("serve: %s '%s': expected %s %s", flag, s, spec[2] and 'an integer' or 'a number',
+          spec[4] and string.format('in %s..%s', spec[3], spec[4]) or ('>= ' .. spec[3])))
+      end
+      o[spec[1]] = v
+    elseif STRINGS[flag] then
+      o[STRINGS[flag]] = value()
+    elseif flag == '--help' or flag == '-h' then
+      print(USAGE)
+      return nil
+    else
+      moonrl.usage_error(string.format("serve: unknown option '%s'\n%s", a, USAGE))
+    end
+    i = i + 1
+  end
+  if not o.model then moonrl.usage_error('serve: --model is required\n' .. USAGE) end
+  return o
+end
+
+-- EOS ids: the model's config, generation_config.json (one id or a list) and the tokenizer's.
+local function eos_ids(dir, model, tok)
+  local set, list = {}, {}
+  local function add(id)
+    if type(id) == 'number' and id >= 0 and not set[id] then
+      set[id] = true
+      list[#list + 1] = id
+    end
+  end
+  add(model.config.eos_token_id)
+  local ok, g = pcall(moonrl.json.read_file, dir .. '/generation_config.json')
+  if ok and type(g) == 'table' then
+    if type(g.eos_token_id) == 'table' then
+      for _, id in ipairs(g.eos_token_id) do add(id) end
+    else
+      add(g.eos_token_id)
+    end
+  end
+  add(tok.eos_id)
+  return list
+end
+
+local function log(msg)
+  io.stderr:write('moonrl serve: ', msg, '\n')
+  io.stderr:flush()
+end
+
+function M.main(args)
+  local o = parse(args)
+  if not o then return 0 end
+  local okr, dir = pcall(require('moonrl.gguf').resolve, o.model)
+  if not okr then moonrl.usage_error('serve: ' .. moonrl.error_text(dir)) end
+  local ok, model = pcall(moonrl.model.load, dir)
+  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(model)) end
+  local tok
+  ok, tok = pcall(require('moonrl.tokenizer').load, o.tokenizer or dir)
+  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(tok)) end
+  local chat = require('moonrl.chat')
+  -- the chat template: the model's, or --chat-template's (with the model's bos/eos tokens)
+  local tpl, tpl_err
+  ok, tpl = pcall(chat.load, dir)
+  if not ok then tpl, tpl_err = nil, moonrl.error_text(tpl) end
+  if o.chat_template then
+    local f = io.open(o.chat_template, 'rb')
+    if not f then moonrl.usage_error('serve: --chat-template ' .. o.chat_template .. ': cannot read it') end
+    local text = f:read('*a')
+    f:close()
+    local cok, fn = pcall(chat.compile, text, o.chat_template)
+    if not cok then moonrl.usage_error('serve: --chat-template: ' .. moonrl.error_text(fn)) end
+    if tpl then
+      tpl.fn, tpl.template = fn, text
+    else
+      tpl = { render = function(_, messages, extra)
+        local vars = { messages = messages }
+        for k, v in pairs(extra or {}) do vars[k] = v end
+        return chat.render(text, vars, o.chat_template)
+      end }
+    end
+  end
+  local max_len = o.max_model_len or model.config.max_position_embeddings
+  local engine
+  ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
+    max_seqs = o.max_seqs, max_batch_tokens = o.max_batch_tokens, max_model_len = o.max_model_len, seed = o.seed })
+  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(engine)) end
+  local serve = require('moonrl.serve')
+  local srv
+  ok, srv = pcall(serve.new, {
+    engine = engine, tokenizer = tok, template = tpl, template_error = tpl_err,
+    model_name = o.served_model_name or o.model, model_path = o.model, max_model_len = max_len,
+    eos_ids = eos_ids(dir, model, tok), seed = o.seed, max_n = o.max_n, default_max_tokens = o.default_max_tokens,
+    host = o.host, port = o.port, max_body_bytes = math.floor(o.max_body_mb * 2 ^ 20),
+    max_connections = o.max_connections, shutdown_timeout = o.shutdown_timeout, log = log,
+  })
+  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(srv)) end
+  local host = o.host:find(':', 1, true) and ('[' .. o.host .. ']') or o.host
+  log(string.format('listening on http://%s:%d (model %s, max_model_len %d%s)', host, srv.port,
+    o.served_model_name or o.model, max_len, tpl and '' or ', no chat template'))
+  local rok, err = pcall(srv.run, srv)
+  srv:close()
+  if not rok then error(err, 0) end
+  log('stopped')
+  return 0
+end
+
+return M

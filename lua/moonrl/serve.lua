@@ -1,0 +1,732 @@
+-- moonrl.serve: an OpenAI-compatible HTTP server over one generation engine
+-- (what `moonrl serve` runs; the API as vLLM serves it).
+--
+--   GET  /health                 200, empty body
+--   GET  /v1/models              the one served model
+--   POST /v1/completions         prompt (string, list of strings, token ids, list of token-id lists)
+--   POST /v1/chat/completions    messages rendered with the model's chat template
+--   GET  /metrics                Prometheus text: requests, tokens, the engine's counters
+--
+-- One loop on one thread: poll the HTTP server (core/serve/http.c; 0 ms while the engine has work,
+-- longer when idle), turn new requests into engine requests, run one engine step, push the new
+-- text of streaming requests (SSE), answer and release the finished ones. Every request shares the
+-- engine, so requests that arrive while others generate join the running batch (continuous
+-- batching); the engine is never reset.
+--
+-- Randomness: a request with `seed` samples from the streams (seed, 0, prompt i, sample j): the
+-- same seed gives the same text, whatever else is running. Without one, the server's --seed and
+-- the request's serial number key the streams.
+-- Log-probs are the engine's: under softmax(logits / temperature) over the whole vocabulary
+-- (temperature 1 when greedy). top_logprobs hold the chosen token only (the engine does not
+-- return alternatives).
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local json = require('moonrl.json')
+local engine_mod = require('moonrl.engine')
+local C = moonrl.C
+
+local M = {}
+
+local obj, arr, null = json.object, json.array, json.null
+
+-- ---- errors --------------------------------------------------------------------------------
+
+local HttpError = {}
+HttpError.__index = HttpError
+
+local function fail(status, message, param, etype)
+  error(setmetatable({ status = status, message = message, param = param, type = etype }, HttpError), 0)
+end
+
+local function bad(message, param) fail(400, message, param) end
+
+local ERROR_TYPES = { [400] = 'BadRequestError', [404] = 'NotFoundError', [405] = 'MethodNotAllowed',
+  [413] = 'BadRequestError', [500] = 'InternalServerError', [503] = 'ServiceUnavailable' }
+
+local function error_body(status, message, param, etype)
+  return json.encode(obj({ 'error', obj({ 'message', message, 'type', etype or ERROR_TYPES[status] or 'BadRequestError',
+    'param', param or null, 'code', status }) }))
+end
+
+-- ---- text ----------------------------------------------------------------------------------
+
+-- JSON wants valid UTF-8: a token that ends inside a character (byte-level BPE) decodes to bytes
+-- that are not. Each maximal ill-formed subpart becomes one U+FFFD, as Python's
+-- decode(errors='replace') does (Unicode's recommended practice).
+local function utf8_clean(s)
+  if not s:find('[\128-\255]') then return s end
+  local out, i, n = {}, 1, #s
+  local byte = string.byte
+  while i <= n do
+    local c = byte(s, i)
+    local len = c < 0x80 and 1 or (c >= 0xC2 and c <= 0xDF) and 2 or (c >= 0xE0 and c <= 0xEF) and 3
+      or (c >= 0xF0 and c <= 0xF4) and 4 or 0
+    local k = len > 0 and 1 or 0 -- bytes of the character well formed so far
+    while k > 0 and k < len and i + k <= n do
+      local d = byte(s, i + k)
+      local lo, hi = 0x80, 0xBF
+      if k == 1 then -- the second byte's narrower ranges (no overlongs, no surrogates, <= U+10FFFF)
+        if c == 0xE0 then lo = 0xA0 elseif c == 0xED then hi = 0x9F elseif c == 0xF0 then lo = 0x90
+        elseif c == 0xF4 then hi = 0x8F end
+      end
+      if d < lo or d > hi then break end
+      k = k + 1
+    end
+    if len > 0 and k == len then
+      out[#out + 1] = s:sub(i, i + len - 1)
+      i = i + len
+    else
+      out[#out + 1] = '\239\191\189'
+      i = i + math.max(k, 1)
+    end
+  end
+  return table.concat(out)
+end
+M.utf8_clean = utf8_clean
+
+-- The end of s[1..upto] moved back to a character boundary (a streamed piece never splits one).
+local function char_boundary(s, from, upto)
+  while upto > from do
+    local b = s:byte(upto + 1)
+    if not b or b < 0x80 or b >= 0xC0 then break end
+    upto = upto - 1
+  end
+  return upto
+end
+
+-- ---- request fields ------------------------------------------------------------------------
+
+local function field(body, key)
+  local v = body[key]
+  if v == null then return nil end
+  return v
+end
+
+local function number_field(body, key, lo, hi, integer, default)
+  local v = field(body, key)
+  if v == nil then return default end
+  if type(v) == 'boolean' or type(v) ~= 'number' or v ~= v then
+    bad(string.format("'%s' must be a number", key), key)
+  end
+  if integer and v ~= math.floor(v) then bad(string.format("'%s' must be an integer", key), key) end
+  if (lo and v < lo) or (hi and v > hi) then
+    bad(string.format("'%s' must be %s (got %s)", key,
+      hi and lo and string.format('in [%s, %s]', lo, hi) or lo and ('>= ' .. lo) or ('<= ' .. hi), json.number(v)), key)
+  end
+  return v
+end
+
+local function bool_field(body, key, default)
+  local v = field(body, key)
+  if v == nil then return default end
+  if type(v) ~= 'boolean' then bad(string.format("'%s' must be true or false", key), key) end
+  return v
+end
+
+local function stop_strings(body)
+  local v = field(body, 'stop')
+  if v == nil then return {} end
+  if type(v) == 'string' then v = { v } end
+  if type(v) ~= 'table' or json.is_object(v) then bad("'stop' must be a string or a list of strings", 'stop') end
+  if #v > 16 then bad("'stop' takes 16 strings at most", 'stop') end
+  local out = {}
+  for i, s in ipairs(v) do
+    if type(s) ~= 'string' then bad("'stop' must be a string or a list of strings", 'stop') end
+    if s ~= '' then out[#out + 1] = s end
+  end
+  return out
+end
+
+local function stop_token_ids(body, vocab)
+  local v = field(body, 'stop_token_ids')
+  if v == nil then return {} end
+  if type(v) ~= 'table' or json.is_object(v) then bad("'stop_token_ids' must be a list of token ids", 'stop_token_ids') end
+  for _, id in ipairs(v) do
+    if type(id) ~= 'number' or id ~= math.floor(id) or id < 0 or id >= vocab then
+      bad("'stop_token_ids' must be a list of token ids in the vocabulary", 'stop_token_ids')
+    end
+  end
+  return v
+end
+
+-- Fields we do not implement: a clear 400 rather than a silently different result.
+local function unsupported(body, names)
+  for _, k in ipairs(names) do
+    local v = field(body, k)
+    if v ~= nil and v ~= false and v ~= 0 and not (type(v) == 'table' and next(v) == nil) then
+      bad(string.format("'%s' is not supported by moonrl serve", k), k)
+    end
+  end
+end
+
+-- ---- the server ----------------------------------------------------------------------------
+
+local Server = {}
+Server.__index = Server
+
+-- o: { engine, tokenizer, template (or nil, template_error), model_name, model_path, max_model_len,
+--      eos_ids, seed, max_n, host, port, http config fields, shutdown_timeout, log (function) }
+function M.new(o)
+  local self = setmetatable({
+    engine = o.engine, tok = o.tokenizer, tpl = o.template, tpl_error = o.template_error,
+    name = o.model_name, path = o.model_path, max_len = o.max_model_len, eos = o.eos_ids or {},
+    seed = o.seed or 0, max_n = o.max_n or 128, default_max_tokens = o.default_max_tokens,
+    shutdown_timeout = o.shutdown_timeout or 10, log = o.log or function() end,
+    jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(),
+    counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
+      active_peak = 0, gone = 0 },
+    stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
+    gone_ids = ffi.new('int64_t[64]'),
+  }, Server)
+  local cfg = ffi.new('mrl_http_config')
+  C.mrl_http_config_default(cfg)
+  for _, k in ipairs({ 'max_body_bytes', 'max_header_bytes', 'max_connections', 'idle_timeout_s' }) do
+    if o[k] then cfg[k] = o[k] end
+  end
+  local h = ffi.new('mrl_http *[1]')
+  moonrl.check(C.mrl_http_open(o.host or '127.0.0.1', o.port or 8000, cfg, h), 2)
+  self.http = h[0]
+  self.port = tonumber(C.mrl_http_port(self.http))
+  return self
+end
+
+function Server:respond(hid, status, body, ctype)
+  C.mrl_http_respond(self.http, hid, status, ctype or 'application/json', body, #body) -- fails only for a client gone
+end
+
+function Server:respond_error(hid, status, message, param, etype)
+  self.counters.errors = self.counters.errors + 1
+  self:respond(hid, status, error_body(status, message, param, etype))
+end
+
+function Server:send(job, text)
+  C.mrl_http_stream_write(self.http, job.hid, text, #text)
+end
+
+function Server:send_event(job, o) self:send(job, 'data: ' .. json.encode(o) .. '\n\n') end
+
+-- ---- building jobs -------------------------------------------------------------------------
+
+function Server:check_model(body)
+  local m = field(body, 'model')
+  if m == nil then return end
+  if type(m) ~= 'string' then bad("'model' must be a string", 'model') end
+  if m ~= self.name and m ~= self.path then
+    fail(404, string.format('The model `%s` does not exist.', m), 'model', 'NotFoundError')
+  end
+end
+
+function Server:token_list(v, param)
+  local vocab = self.tok.vocab_size
+  local model_vocab = self.engine.model.config.vocab_size
+  if model_vocab and model_vocab < vocab then vocab = model_vocab end
+  for _, id in ipairs(v) do
+    if type(id) ~= 'number' or id ~= math.floor(id) or id < 0 or id >= vocab then
+      bad(string.format("'%s' holds a token id outside the vocabulary [0, %d): %s", param, vocab, tostring(id)), param)
+    end
+  end
+  local ids = {}
+  for i = 1, #v do ids[i] = v[i] end
+  return ids
+end
+
+-- The prompts of a completions request: a list of token-id lists.
+function Server:prompts(body)
+  local p = field(body, 'prompt')
+  if p == nil then bad("'prompt' is required", 'prompt') end
+  local list = {}
+  if type(p) == 'string' then
+    list[1] = self.tok:encode(p)
+  elseif type(p) == 'table' and not json.is_object(p) then
+    if #p == 0 then bad("'prompt' must not be empty", 'prompt') end
+    if type(p[1]) == 'number' then
+      list[1] = self:token_list(p, 'prompt')
+    else
+      for _, q in ipairs(p) do
+        if type(q) == 'string' then list[#list + 1] = self.tok:encode(q)
+        elseif type(q) == 'table' and not json.is_object(q) and #q > 0 then list[#list + 1] = self:token_list(q, 'prompt')
+        else bad("'prompt' must be a string, a list of strings, or token ids", 'prompt') end
+      end
+    end
+  else
+    bad("'prompt' must be a string, a list of strings, or token ids", 'prompt')
+  end
+  if #list > 64 then bad("'prompt' holds 64 prompts at most", 'prompt') end
+  return list
+end
+
+local function content_text(content, i)
+  if type(content) == 'string' then return content end
+  if content == nil then return '' end
+  if type(content) == 'table' and not json.is_object(content) then
+    local parts = {}
+    for _, part in ipairs(content) do
+      if type(part) ~= 'table' or part.type ~= 'text' or type(part.text) ~= 'string' then
+        bad(string.format("messages[%d].content: only text parts ({\"type\": \"text\", \"text\": ...}) are supported", i - 1),
+          'messages')
+      end
+      parts[#parts + 1] = part.text
+    end
+    return table.concat(parts, '\n')
+  end
+  bad(string.format('messages[%d].content must be a string or a list of text parts', i - 1), 'messages')
+end
+
+-- The prompt of a chat request, rendered with the chat template.
+function Server:chat_prompt(body)
+  local msgs = field(body, 'messages')
+  if msgs == nil then bad("'messages' is required", 'messages') end
+  if type(msgs) ~= 'table' or json.is_object(msgs) or #msgs == 0 then
+    bad("'messages' must be a non-empty list of messages", 'messages')
+  end
+  if not self.tpl then bad('this model has no chat template: ' .. tostring(self.tpl_error), 'messages') end
+  local list = arr({})
+  for i, m in ipairs(msgs) do
+    if type(m) ~= 'table' or not json.is_object(m) then bad(string.format('messages[%d] must be an object', i - 1), 'messages') end
+    if type(m.role) ~= 'string' then bad(string.format('messages[%d].role must be a string', i - 1), 'messages') end
+    local copy = obj()
+    for _, k in ipairs(json.keys(m)) do copy[k] = m[k] end
+    copy.content = content_text(field(m, 'content'), i)
+    list[i] = copy
+  end
+  local extra = { add_generation_prompt = bool_field(body, 'add_generation_prompt', true) }
+  local kw = field(body, 'chat_template_kwargs')
+  if kw ~= nil then
+    if not json.is_object(kw) then bad("'chat_template_kwargs' must be an object", 'chat_template_kwargs') end
+    for _, k in ipairs(json.keys(kw)) do extra[k] = kw[k] end
+  end
+  local tools = field(body, 'tools')
+  if tools ~= nil then extra.tools = tools end
+  local ok, text = pcall(self.tpl.render, self.tpl, list, extra)
+  if not ok then bad('the chat template failed on these messages: ' .. moonrl.error_text(text), 'messages') end
+  return self.tok:encode(text, { add_special = false })
+end
+
+local function new_id(prefix, serial)
+  return string.format('%s-%x%05x', prefix, os.time(), serial % 0x100000)
+end
+
+-- A request's job: validated, tokenised and queued in the engine (or an HttpError raised with
+-- nothing left queued).
+function Server:new_job(hid, body, chat)
+  if not json.is_object(body) then bad('the body must be a JSON object') end
+  self:check_model(body)
+  unsupported(body, { 'presence_penalty', 'frequency_penalty', 'logit_bias', 'suffix', 'echo', 'repetition_penalty' })
+  local stream = bool_field(body, 'stream', false)
+  local n = number_field(body, 'n', 1, self.max_n, true, 1)
+  local best_of = number_field(body, 'best_of', 1, self.max_n, true, n)
+  if best_of ~= n then bad("'best_of' other than n is not supported", 'best_of') end
+  local temperature = number_field(body, 'temperature', 0, 100, false, 1.0)
+  local top_p = number_field(body, 'top_p', 0, 1, false, 1.0)
+  if top_p <= 0 then bad("'top_p' must be in (0, 1]", 'top_p') end
+  local top_k = number_field(body, 'top_k', -1, nil, true, 0)
+  local min_p = number_field(body, 'min_p', 0, 1, false, 0)
+  local seed = number_field(body, 'seed', -2 ^ 53, 2 ^ 53, true, nil)
+  local max_tokens = number_field(body, chat and 'max_completion_tokens' or 'max_tokens', 1, nil, true, nil)
+  if chat and max_tokens == nil then max_tokens = number_field(body, 'max_tokens', 1, nil, true, nil) end
+  local logprobs, top_logprobs = nil, nil
+  if chat then
+    logprobs = bool_field(body, 'logprobs', false) or nil
+    top_logprobs = number_field(body, 'top_logprobs', 0, 20, true, nil)
+    if top_logprobs and not logprobs then bad("'top_logprobs' needs 'logprobs': true", 'top_logprobs') end
+  else
+    logprobs = number_field(body, 'logprobs', 0, 20, true, nil)
+  end
+  local token_ids = bool_field(body, 'return_tokens_as_token_ids', false) -- vLLM's: "token_id:123"
+  local stops = stop_strings(body)
+  local stop_ids = stop_token_ids(body, self.tok.vocab_size)
+  local include_usage = false
+  local so = field(body, 'stream_options')
+  if so ~= nil then
+    if not json.is_object(so) then bad("'stream_options' must be an object", 'stream_options') end
+    include_usage = bool_field(so, 'include_usage', false)
+  end
+  local prompts = chat and { self:chat_prompt(body) } or self:prompts(body)
+  if #prompts * n > self.max_n then
+    bad(string.format('%d prompts x n = %d samples: %d at most in one request', #prompts, #prompts * n, self.max_n), 'n')
+  end
+  for _, ids in ipairs(prompts) do
+    if #ids == 0 then bad('the prompt encodes to no tokens', chat and 'messages' or 'prompt') end
+    if #ids >= self.max_len or (max_tokens and #ids + max_tokens > self.max_len) then
+      bad(string.format("This model's maximum context length is %d tokens. However, you requested %d tokens " ..
+        '(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.', self.max_len,
+        #ids + (max_tokens or 1), #ids, chat and 'messages' or 'prompt', max_tokens or 1, chat and 'messages' or 'prompt'),
+        chat and 'messages' or 'prompt')
+    end
+  end
+  self.serial = self.serial + 1
+  local max_stop = 0
+  for _, s in ipairs(stops) do max_stop = math.max(max_stop, #s) end
+  local job = {
+    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial,
+    id = new_id(chat and 'chatcmpl' or 'cmpl', self.serial), created = os.time(),
+    logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
+    stops = stops, max_stop = max_stop, reqs = {}, samples = {}, remaining = 0, prompt_tokens = 0,
+  }
+  local ignore_eos = bool_field(body, 'ignore_eos', false) -- vLLM's: generate max_tokens whatever comes
+  local opts = { temperature = temperature, top_p = top_p, top_k = top_k, min_p = min_p,
+    eos_ids = ignore_eos and {} or self.eos,
+    stop_ids = stop_ids, seed = seed or self.seed, step = seed and 0 or self.serial }
+  for i, ids in ipairs(prompts) do
+    local mt = max_tokens or (chat and self.default_max_tokens or 16)
+    mt = math.min(mt, self.max_len - #ids)
+    local ok, eid = pcall(self.engine.add, self.engine, { prompt_ids = ids, n = n, max_tokens = mt,
+      prompt_index = i - 1 }, opts)
+    if not ok then
+      self:abandon(job) -- the prompts queued before this one
+      bad(moonrl.error_text(eid), chat and 'messages' or 'prompt')
+    end
+    job.reqs[i] = { eid = eid, n = n, prompt_len = #ids }
+    job.prompt_tokens = job.prompt_tokens + #ids
+    for j = 1, n do
+      job.samples[#job.samples + 1] = { eid = eid, j = j - 1, index = (i - 1) * n + (j - 1),
+        watch = engine_mod.new_watch(self.tok), sent = 0, lp_sent = 0 }
+      job.remaining = job.remaining + 1
+    end
+  end
+  return job
+end
+
+-- Stop what a job has queued and let its requests be released once the engine has finished them.
+function Server:abandon(job)
+  for _, q in ipairs(job.reqs) do
+    for j = 0, q.n - 1 do
+      local _, _, _, reason = self.engine:output(q.eid, j)
+      if not reason then self.engine:stop_sample(q.eid, j) end
+    end
+    self.to_release[#self.to_release + 1] = q.eid
+  end
+  job.reqs = {}
+end
+
+-- ---- responses -----------------------------------------------------------------------------
+
+function Server:token_text(job, id)
+  if job.token_ids then return 'token_id:' .. id end
+  return utf8_clean(self.tok:decode({ id }))
+end
+
+-- The logprobs of tokens [from, to) of a sample (completions format, or the chat format's list).
+function Server:logprobs_of(job, s, from, to, text_base)
+  local toks, lps = self.engine:output(s.eid, s.j)
+  if job.chat then
+    local content = arr({})
+    for k = from, to - 1 do
+      local t = self:token_text(job, toks[k])
+      local lp = lps[k]
+      local bytes = arr({ t:byte(1, -1) })
+      local top = arr({})
+      if (job.top_logprobs or 0) > 0 then top[1] = obj({ 'token', t, 'logprob', lp, 'bytes', bytes }) end
+      content[#content + 1] = obj({ 'token', t, 'logprob', lp, 'bytes', bytes, 'top_logprobs', top })
+    end
+    return obj({ 'content', content })
+  end
+  local tokens, token_lps, top, offsets = arr({}), arr({}), arr({}), arr({})
+  local off = text_base or 0
+  for k = from, to - 1 do
+    local t = self:token_text(job, toks[k])
+    tokens[#tokens + 1] = t
+    token_lps[#token_lps + 1] = lps[k]
+    top[#top + 1] = job.logprobs > 0 and obj({ t, lps[k] }) or null
+    offsets[#offsets + 1] = off
+    off = off + #t
+  end
+  return obj({ 'tokens', tokens, 'token_logprobs', token_lps, 'top_logprobs', top, 'text_offset', offsets })
+end
+
+function Server:usage(job)
+  return obj({ 'prompt_tokens', job.prompt_tokens, 'completion_tokens', job.completion_tokens or 0,
+    'total_tokens', job.prompt_tokens + (job.completion_tokens or 0) })
+end
+
+function Server:chunk(job, choices)
+  return obj({ 'id', job.id, 'object', job.chat and 'chat.completion.chunk' or 'text_completion', 'created', job.created,
+    'model', self.name, 'choices', choices })
+end
+
+-- New text (and finish) of a streaming sample.
+function Server:stream_sample(job, s, final)
+  local w = s.watch
+  local upto = final and #w.text or char_boundary(w.text, s.sent, #w.text - math.max(job.max_stop - 1, 0))
+  local piece = upto > s.sent and w.text:sub(s.sent + 1, upto) or ''
+  local lp = null
+  local want_lp = job.logprobs ~= nil and (piece ~= '' or final)
+  if want_lp then
+    local to = final and s.n_tokens or w.fed
+    if to > s.lp_sent then lp = self:logprobs_of(job, s, s.lp_sent, to) end
+    s.lp_sent = math.max(s.lp_sent, to)
+  end
+  if piece == '' and not final and lp == null then return end
+  s.sent = upto
+  local choice
+  if job.chat then
+    local delta = obj()
+    if not s.role_sent then delta.role = 'assistant'; s.role_sent = true end
+    if piece ~= '' or not final then delta.content = utf8_clean(piece) end
+    choice = obj({ 'index', s.index, 'delta', delta, 'logprobs', lp, 'finish_reason', final and s.finish or null })
+  else
+    choice = obj({ 'index', s.index, 'text', utf8_clean(piece), 'logprobs', lp, 'finish_reason', final and s.finish or null })
+  end
+  self:send_event(job, self:chunk(job, arr({ choice })))
+end
+
+function Server:finish_job(job)
+  job.completion_tokens = 0
+  for _, s in ipairs(job.samples) do job.completion_tokens = job.completion_tokens + s.n_tokens end
+  self.counters.generation_tokens = self.counters.generation_tokens + job.completion_tokens
+  self.counters.prompt_tokens = self.counters.prompt_tokens + job.prompt_tokens
+  if job.stream then
+    if job.include_usage then
+      local c = self:chunk(job, arr({}))
+      c.usage = self:usage(job)
+      self:send_event(job, c)
+    end
+    self:send(job, 'data: [DONE]\n\n')
+    C.mrl_http_stream_end(self.http, job.hid)
+  else
+    local choices = arr({})
+    for _, s in ipairs(job.samples) do
+      local text = utf8_clean(s.watch.text)
+      local lp = job.logprobs ~= nil and self:logprobs_of(job, s, 0, s.n_tokens) or null
+      if job.chat then
+        choices[#choices + 1] = obj({ 'index', s.index, 'message', obj({ 'role', 'assistant', 'content', text }),
+          'logprobs', lp, 'finish_reason', s.finish })
+      else
+        choices[#choices + 1] = obj({ 'index', s.index, 'text', text, 'logprobs', lp, 'finish_reason', s.finish })
+      end
+    end
+    self:respond(job.hid, 200, json.encode(obj({ 'id', job.id, 'object', job.chat and 'chat.completion' or 'text_completion',
+      'created', job.created, 'model', self.name, 'choices', choices, 'usage', self:usage(job) })))
+  end
+  for _, q in ipairs(job.reqs) do self.to_release[#self.to_release + 1] = q.eid end
+end
+
+-- After a step: one job's samples read, stop strings watched, text streamed; true once done.
+function Server:advance_job(job)
+  local eng = self.engine
+  for _, s in ipairs(job.samples) do
+    if not s.done then
+      local toks, _, n, reason = eng:output(s.eid, s.j)
+      local w = s.watch
+      if engine_mod.watch_step(w, toks, n, job.stops, job.max_stop) then
+        s.done, s.finish = true, 'stop'
+        eng:stop_sample(s.eid, s.j)
+      elseif reason then
+        s.done, s.finish = true, reason
+      end
+      if s.done then
+        s.n_tokens = w.fed
+        job.remaining = job.remaining - 1
+      end
+      if job.stream then self:stream_sample(job, s, s.done) end
+    end
+  end
+  if job.remaining > 0 then return false end
+  self.jobs[job.key] = nil
+  self:finish_job(job)
+  return true
+end
+
+-- Every active job advanced; one that fails (a bug) gets a 500, the others go on.
+function Server:advance()
+  local still = {}
+  for _, job in ipairs(self.active) do
+    local ok, done = pcall(self.advance_job, self, job)
+    if not ok then
+      self.log('error: ' .. tostring(moonrl.error_text(done)))
+      self:fail_job(job, 500, 'internal error: ' .. tostring(moonrl.error_text(done)), 'InternalServerError')
+    elseif not done then
+      still[#still + 1] = job
+    end
+  end
+  self.active = still
+end
+
+-- A job ended early: its client told why (an error event ends a stream), its samples stopped.
+function Server:fail_job(job, status, message, etype)
+  if self.jobs[job.key] == job then self.jobs[job.key] = nil end
+  if job.stream then
+    self:send_event(job, obj({ 'error', obj({ 'message', message, 'type', etype, 'param', null, 'code', status }) }))
+    C.mrl_http_stream_end(self.http, job.hid)
+  else
+    self:respond_error(job.hid, status, message, nil, etype)
+  end
+  pcall(self.abandon, self, job)
+end
+
+function Server:release_finished()
+  local keep = {}
+  for _, eid in ipairs(self.to_release) do
+    if self.engine:done(eid) then self.engine:release(eid) else keep[#keep + 1] = eid end
+  end
+  self.to_release = keep
+end
+
+-- ---- routing -------------------------------------------------------------------------------
+
+function Server:metrics()
+  local c, st = self.counters, self.stats
+  C.mrl_engine_get_stats(self.engine.handle, st)
+  local hs = ffi.new('mrl_http_stats')
+  C.mrl_http_get_stats(self.http, hs)
+  local lines = {}
+  local function put(name, v) lines[#lines + 1] = string.format('moonrl_%s %s', name, tostring(tonumber(v))) end
+  put('requests_total', c.requests)
+  put('request_errors_total', c.errors)
+  put('requests_gone_total', c.gone)
+  put('prompt_tokens_total', c.prompt_tokens)
+  put('generation_tokens_total', c.generation_tokens)
+  put('requests_running', #self.active)
+  put('requests_running_peak', c.active_peak)
+  put('engine_sequences_running_peak', c.running_peak)
+  for _, k in ipairs({ 'steps', 'prefill_tokens', 'decode_tokens', 'generated_tokens', 'prefix_hit_tokens', 'preemptions',
+    'forks', 'kv_blocks_total', 'kv_blocks_used', 'running', 'waiting' }) do
+    put('engine_' .. k, st[k])
+  end
+  put('http_connections_open', hs.connections_open)
+  put('http_connections_total', hs.connections_total)
+  put('http_rejected_total', hs.rejected_total)
+  return table.concat(lines, '\n') .. '\n'
+end
+
+function Server:models()
+  return json.encode(obj({ 'object', 'list', 'data', arr({ obj({ 'id', self.name, 'object', 'model',
+    'created', self.created, 'owned_by', 'moonrl', 'root', self.path, 'parent', null, 'max_model_len', self.max_len }) }) }))
+end
+
+local ROUTES = {
+  ['/health'] = 'GET', ['/v1/models'] = 'GET', ['/metrics'] = 'GET', ['/version'] = 'GET',
+  ['/v1/completions'] = 'POST', ['/v1/chat/completions'] = 'POST',
+}
+
+function Server:handle(hid, method, path, body)
+  local want = ROUTES[path]
+  if not want then fail(404, string.format('no route %s %s', method, path), nil, 'NotFoundError') end
+  if method ~= want then fail(405, string.format('%s takes %s, not %s', path, want, method), nil, 'MethodNotAllowed') end
+  if path == '/health' then return self:respond(hid, 200, '', 'text/plain') end
+  if path == '/v1/models' then return self:respond(hid, 200, self:models()) end
+  if path == '/metrics' then return self:respond(hid, 200, self:metrics(), 'text/plain; version=0.0.4') end
+  if path == '/version' then return self:respond(hid, 200, json.encode(obj({ 'version', moonrl.version().version }))) end
+  if self.draining then fail(503, 'the server is shutting down', nil, 'ServiceUnavailable') end
+  local ok, req = pcall(json.decode, body, 'request body')
+  if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
+  local job = self:new_job(hid, req, path == '/v1/chat/completions')
+  job.key = tonumber(hid)
+  self.jobs[job.key] = job
+  self.active[#self.active + 1] = job
+  self.counters.active_peak = math.max(self.counters.active_peak, #self.active)
+  if job.stream then C.mrl_http_stream_begin(self.http, hid, 200, 'text/event-stream') end
+end
+
+function Server:on_request(r)
+  self.counters.requests = self.counters.requests + 1
+  local hid = r.id
+  local ok, err = pcall(self.handle, self, hid, ffi.string(r.method), ffi.string(r.path), ffi.string(r.body, r.body_len))
+  if not ok then
+    if getmetatable(err) == HttpError then
+      self:respond_error(hid, err.status, err.message, err.param, err.type)
+    else -- a bug: the request gets a 500, the server goes on
+      local msg = moonrl.error_text(err)
+      self.log('error: ' .. tostring(msg))
+      self:respond_error(hid, 500, 'internal error: ' .. tostring(msg))
+    end
+  end
+end
+
+function Server:on_gone(hid)
+  local key = tonumber(hid)
+  local job = self.jobs[key]
+  if not job then return end
+  self.jobs[key] = nil
+  self.counters.gone = self.counters.gone + 1
+  self:abandon(job)
+  for i, j in ipairs(self.active) do
+    if j == job then table.remove(self.active, i) break end
+  end
+end
+
+-- ---- the loop ------------------------------------------------------------------------------
+
+-- Poll HTTP once (waiting up to timeout_ms when nothing is ready), then drain what else is ready.
+function Server:poll(timeout_ms)
+  local r, got = self.req, self.got
+  moonrl.check(C.mrl_http_poll(self.http, timeout_ms, r, got))
+  local handled = 0
+  while got[0] == 1 and handled < 256 do
+    self:on_request(r)
+    handled = handled + 1
+    moonrl.check(C.mrl_http_poll(self.http, 0, r, got))
+  end
+  local ng = C.mrl_http_take_gone(self.http, self.gone_ids, 64)
+  while ng > 0 do
+    for i = 0, ng - 1 do self:on_gone(self.gone_ids[i]) end
+    ng = C.mrl_http_take_gone(self.http, self.gone_ids, 64)
+  end
+end
+
+function Server:step()
+  local eng = self.engine
+  if eng:num_unfinished() > 0 then
+    local ok, err = pcall(eng.step, eng)
+    if not ok then
+      -- the engine refused a step (e.g. non-finite logits): the requests in it fail, the server goes on;
+      -- an engine that keeps failing with nothing left to fail is the end
+      if moonrl.is_stop_request(err) then error(err, 0) end
+      self.step_failures = (self.step_failures or 0) + 1
+      self.log('error: engine step: ' .. tostring(moonrl.error_text(err)))
+      if self.step_failures > 3 and #self.active == 0 then error(err, 0) end
+      for _, job in ipairs(self.active) do
+        self:fail_job(job, 500, 'generation failed: ' .. tostring(moonrl.error_text(err)), 'InternalServerError')
+      end
+      self.active = {}
+      return
+    end
+    self.step_failures = 0
+    C.mrl_engine_get_stats(eng.handle, self.stats)
+    local running = tonumber(self.stats.running)
+    if running > self.counters.running_peak then self.counters.running_peak = running end
+  end
+  self:advance()
+  self:release_finished()
+end
+
+-- Abort what is left at the end of a shutdown.
+function Server:abort_all()
+  for _, job in ipairs(self.active) do
+    self:fail_job(job, 503, 'the server is shutting down', 'ServiceUnavailable')
+  end
+  self.active = {}
+end
+
+-- Serve until SIGINT / SIGTERM (or self.stop = true): then stop listening, finish the requests in
+-- flight for up to shutdown_timeout seconds, answer the rest with 503, and return.
+function Server:run(idle_ms)
+  idle_ms = idle_ms or 50
+  local deadline
+  while true do
+    if not self.draining and (C.mrl_stop_requested() ~= 0 or self.stop) then
+      self.draining = true
+      deadline = moonrl.now() + self.shutdown_timeout
+      C.mrl_http_stop_listening(self.http)
+      self.log(string.format('shutting down (%s): %d request(s) in flight', C.mrl_stop_requested() ~= 0 and
+        ffi.string(C.mrl_stop_reason()) or 'stop', #self.active))
+    end
+    if self.draining and (#self.active == 0 or moonrl.now() > deadline) then break end
+    local busy = self.engine:num_unfinished() > 0 or #self.active > 0
+    self:poll(busy and 0 or idle_ms)
+    self:step()
+  end
+  self:abort_all()
+  -- the abandoned requests: finished by one more step, then released
+  if self.engine:num_unfinished() > 0 then self.engine:step() end
+  self:release_finished()
+end
+
+function Server:close()
+  if self.http ~= nil then
+    C.mrl_http_close(self.http, 2000)
+    self.http = nil
+  end
+end
+
+return M

@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""`moonrl serve` end to end on a tiny random model (standard library only).
+
+Checks: /health and /v1/models; greedy /v1/completions equals `moonrl generate` (text) and the
+engine (token ids, log-probs); chat completions with the model's template; n > 1 with a seed;
+stop strings; streaming (SSE) concatenating to the non-streamed text; 12 concurrent requests
+answered as when alone, overlapping in the engine (the /metrics peaks); every error case (400,
+404, 405, 411, 413, 431, malformed HTTP); keep-alive, pipelining, Expect: 100-continue; a client
+leaving mid-stream; SIGTERM while a stream runs (it completes, exit 0); CLI usage errors (exit 2).
+Prints tokens/s with 1 and 8 concurrent clients.
+
+usage: test_serve.py PATH/TO/moonrl SOURCE_DIR
+"""
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MOONRL, SRC = sys.argv[1], sys.argv[2]
+failed = 0
+
+
+def check(name, ok, detail=""):
+    global failed
+    if ok:
+        print("ok   " + name)
+    else:
+        failed += 1
+        print("FAIL %s %s" % (name, detail))
+    sys.stdout.flush()
+
+
+class Server:
+    def __init__(self, model, *extra):
+        self.err = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([MOONRL, "serve", "--model", model, "--port", "0"] + list(extra),
+                                     stdout=subprocess.DEVNULL, stderr=self.err)
+        deadline = time.time() + 120
+        self.port = None
+        while time.time() < deadline and self.port is None:
+            if self.proc.poll() is not None:
+                break
+            m = re.search(r"listening on http://[^ ]*:(\d+)", open(self.err.name).read())
+            if m:
+                self.port = int(m.group(1))
+            else:
+                time.sleep(0.05)
+        if self.port is None:
+            raise SystemExit("the server did not start:\n" + open(self.err.name).read())
+
+    def log(self):
+        return open(self.err.name).read()
+
+    def request(self, method, path, body=None, headers=None, timeout=60):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        c.request(method, path, body=data, headers=headers or ({"Content-Type": "application/json"} if data else {}))
+        r = c.getresponse()
+        raw = r.read()
+        c.close()
+        return r.status, raw, r
+
+    def post(self, path, body):
+        status, raw, _ = self.request("POST", path, body)
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw
+
+    def stream(self, path, body):
+        """The events of a streamed response (the JSON objects), and whether [DONE] ended it."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        c.request("POST", path, body=json.dumps(dict(body, stream=True)), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        events, done = [], False
+        ctype = r.getheader("Content-Type")
+        for line in r.read().decode("utf-8").split("\n\n"):
+            if not line.strip():
+                continue
+            assert line.startswith("data: "), line
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                done = True
+            else:
+                events.append(json.loads(payload))
+        c.close()
+        return r.status, ctype, events, done
+
+    def metrics(self):
+        _, raw, _ = self.request("GET", "/metrics")
+        out = {}
+        for line in raw.decode().splitlines():
+            k, v = line.split()
+            out[k] = float(v)
+        return out
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return "hung"
+
+
+def raw_exchange(port, data, read_until_close=True, timeout=10):
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    chunks = []
+    try:
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            chunks.append(b)
+            if not read_until_close:
+                break
+    except socket.timeout:
+        pass
+    s.close()
+    return b"".join(chunks)
+
+
+def error_ok(status, body, want_status, param=None):
+    if status != want_status or not isinstance(body, dict) or "error" not in body:
+        return False
+    e = body["error"]
+    if not all(k in e for k in ("message", "type", "param", "code")) or not e["message"]:
+        return False
+    return param is None or e["param"] == param
+
+
+def main():
+    tmp = tempfile.mkdtemp()
+    model = os.path.join(tmp, "tiny")
+    env = dict(os.environ, OUT=model, TOK=os.path.join(SRC, "tests/tok/fixtures/qwen2_split"), PROMPT="Hello world")
+    subprocess.run([MOONRL, "run", os.path.join(SRC, "tests/engine/make_tiny_model.lua")], env=env, check=True)
+    exp_path = os.path.join(tmp, "expect.json")
+    subprocess.run([MOONRL, "run", os.path.join(SRC, "tests/serve/expect.lua")],
+                   env=dict(os.environ, DIR=model, OUT=exp_path), check=True)
+    exp = json.load(open(exp_path))
+    gen = subprocess.run([MOONRL, "generate", "--model", model, "--prompt", "Hello world", "--temperature", "0",
+                          "--max-tokens", "20"], capture_output=True, check=True).stdout
+    gen_text = gen.decode("utf-8", "replace")[:-1]  # generate ends with a newline
+    gen_chat = subprocess.run([MOONRL, "generate", "--model", model, "--prompt", "Hi", "--chat", "--temperature", "0",
+                               "--max-tokens", "8"], capture_output=True, check=True).stdout.decode("utf-8", "replace")[:-1]
+
+    srv = Server(model, "--max-seqs", "32", "--max-body-mb", "1", "--served-model-name", "tiny-test",
+                 "--shutdown-timeout", "20")
+    try:
+        run_checks(srv, exp, gen_text, gen_chat, model)
+    finally:
+        code = srv.stop()
+    check("sigterm-idle-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
+    check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
+    cli_checks(model)
+    print("%d failed" % failed)
+    sys.exit(1 if failed else 0)
+
+
+def run_checks(srv, exp, gen_text, gen_chat, model):
+    status, raw, _ = srv.request("GET", "/health")
+    check("health", status == 200)
+    status, models = srv.post("/v1/models", {})  # wrong method first
+    check("models-wrong-method-405", error_ok(status, models, 405))
+    status, raw, _ = srv.request("GET", "/v1/models")
+    models = json.loads(raw)
+    check("models", status == 200 and models["object"] == "list" and models["data"][0]["id"] == "tiny-test", raw)
+
+    # greedy: the same text as `moonrl generate`, the same ids and log-probs as the engine
+    g = exp["greedy"][0]
+    status, r = srv.post("/v1/completions", {"model": "tiny-test", "prompt": "Hello world", "max_tokens": 20,
+                                             "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True})
+    ok = status == 200 and r["object"] == "text_completion" and r["model"] == "tiny-test" and r["id"].startswith("cmpl-")
+    check("completion-shape", ok and len(r["choices"]) == 1 and isinstance(r["created"], int), r)
+    c = r["choices"][0]
+    check("greedy-equals-generate", c["text"] == gen_text, "%r vs %r" % (c["text"], gen_text))
+    ids = [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]]
+    check("greedy-token-ids", ids == g["ids"], "%s vs %s" % (ids, g["ids"]))
+    lps = c["logprobs"]["token_logprobs"]
+    check("greedy-logprobs", len(lps) == len(g["logprobs"]) and
+          max(abs(a - b) for a, b in zip(lps, g["logprobs"])) < 1e-5, "%s vs %s" % (lps, g["logprobs"]))
+    check("finish-length", c["finish_reason"] == "length")
+    u = r["usage"]
+    check("usage", u == {"prompt_tokens": len(exp["prompt_ids"]), "completion_tokens": 20,
+                         "total_tokens": len(exp["prompt_ids"]) + 20}, u)
+    # a prompt of token ids gives the same
+    status, r2 = srv.post("/v1/completions", {"prompt": exp["prompt_ids"], "max_tokens": 20, "temperature": 0})
+    check("token-prompt", status == 200 and r2["choices"][0]["text"] == c["text"])
+    # a batch of prompts: one choice each
+    status, r2 = srv.post("/v1/completions", {"prompt": ["Hello world", "Hello world"], "max_tokens": 20,
+                                              "temperature": 0})
+    check("prompt-list", status == 200 and [x["index"] for x in r2["choices"]] == [0, 1] and
+          all(x["text"] == c["text"] for x in r2["choices"]), r2)
+
+    # n > 1 with a seed: the engine's samples of (seed, 0, 0, j), and again the same
+    body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 7}
+    status, r = srv.post("/v1/completions", body)
+    texts = [x["text"] for x in sorted(r["choices"], key=lambda x: x["index"])] if status == 200 else None
+    check("n3-seeded", texts == [s["text"] for s in exp["sampled"]], "%s vs %s" % (texts, exp["sampled"]))
+    status, r = srv.post("/v1/completions", body)
+    check("n3-repeat", status == 200 and [x["text"] for x in r["choices"]] == texts)
+    check("n3-distinct", texts is not None and len(set(texts)) > 1, texts)
+
+    # chat with the model's template: `moonrl generate --chat`, the engine's ids
+    status, r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                                  "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    ok = status == 200 and r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    check("chat-shape", ok, r)
+    chat_text = r["choices"][0]["message"]["content"] if ok else None
+    check("chat-equals-generate", chat_text == gen_chat, "%r vs %r" % (chat_text, gen_chat))
+    check("chat-equals-engine", ok and chat_text == exp["chat"][0]["text"])
+    content = r["choices"][0]["logprobs"]["content"] if ok else []
+    check("chat-logprobs", len(content) == len(exp["chat"][0]["ids"]) and
+          max(abs(x["logprob"] - y) for x, y in zip(content, exp["chat"][0]["logprobs"])) < 1e-5 and
+          all(len(x["top_logprobs"]) == 1 for x in content))
+    check("chat-usage", ok and r["usage"]["prompt_tokens"] == len(exp["chat_prompt_ids"]))
+    # content as a list of text parts renders the same
+    status, r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                                                  "max_tokens": 8, "temperature": 0})
+    check("chat-content-parts", status == 200 and r["choices"][0]["message"]["content"] == chat_text)
+
+    # stop strings: cut before the stop, finish_reason stop; streamed the same
+    full = c["text"]
+    stop = full[3:5]
+    want = full[:full.index(stop)]
+    status, r = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 20, "temperature": 0, "stop": [stop]})
+    check("stop-string", status == 200 and r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop",
+          "%r vs %r" % (r, want))
+    status, ctype, events, done = srv.stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 20,
+                                                                 "temperature": 0, "stop": stop})
+    check("stop-string-stream", "".join(e["choices"][0]["text"] for e in events) == want and done and
+          events[-1]["choices"][0]["finish_reason"] == "stop")
+
+    # streaming: SSE chunks that concatenate to the non-streamed text
+    status, ctype, events, done = srv.stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 20,
+                                                                 "temperature": 0, "logprobs": 0,
+                                                                 "stream_options": {"include_usage": True}})
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    check("stream-sse", status == 200 and ctype.startswith("text/event-stream") and done and len(events) > 3, events[:2])
+    check("stream-text", text == full, "%r vs %r" % (text, full))
+    check("stream-finish", [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length")
+    check("stream-usage", events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 20)
+    slps = [x for e in events if e["choices"] and e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    check("stream-logprobs", len(slps) == 20 and max(abs(a - b) for a, b in zip(slps, exp["greedy"][0]["logprobs"])) < 1e-5)
+    status, ctype, events, done = srv.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                      "max_tokens": 8, "temperature": 0})
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    check("chat-stream", done and text == chat_text and events[0]["choices"][0]["delta"].get("role") == "assistant" and
+          events[0]["object"] == "chat.completion.chunk" and events[-1]["choices"][0]["finish_reason"] == "length",
+          "%r vs %r" % (text, chat_text))
+    status, ctype, events, done = srv.stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 6, "n": 2,
+                                                                 "seed": 3})
+    per = {}
+    for e in events:
+        for ch in e["choices"]:
+            per[ch["index"]] = per.get(ch["index"], "") + ch["text"]
+    status, r = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 6, "n": 2, "seed": 3})
+    check("stream-n2", done and sorted(per) == [0, 1] and [per[0], per[1]] == [x["text"] for x in r["choices"]])
+
+    concurrency_checks(srv)
+    error_checks(srv)
+    http_checks(srv)
+    disconnect_checks(srv)
+    sigterm_check(model)
+
+
+def concurrency_checks(srv):
+    prompts = ["Hello world", "Hi", "one two three", "the quick brown fox", "a", "bb", "ccc", "dddd",
+               "moon", "rl", "serve", "batch"]
+    bodies = [{"prompt": p, "max_tokens": 48, "temperature": 0, "logprobs": 0} for p in prompts]
+    t0 = time.time()
+    alone = [srv.post("/v1/completions", b)[1] for b in bodies]
+    t_seq = time.time() - t0
+    before = srv.metrics()
+    results = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+
+    def worker(i):
+        barrier.wait()
+        results[i] = srv.post("/v1/completions", bodies[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(bodies))]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    t_par = time.time() - t0
+    ok = all(r is not None and r[0] == 200 for r in results)
+    same = ok and all(r[1]["choices"][0]["text"] == a["choices"][0]["text"] for r, a in zip(results, alone))
+    check("concurrent-12-answered", ok)
+    check("concurrent-12-same-as-alone", same)
+    lp_ok = ok and all(max(abs(x - y) for x, y in zip(r[1]["choices"][0]["logprobs"]["token_logprobs"],
+                                                       a["choices"][0]["logprobs"]["token_logprobs"])) < 1e-4
+                       for r, a in zip(results, alone))
+    check("concurrent-12-logprobs", lp_ok)
+    m = srv.metrics()
+    check("concurrent-overlap", m["moonrl_requests_running_peak"] >= 4 and m["moonrl_engine_sequences_running_peak"] >= 4,
+          m)
+    toks = sum(r[1]["usage"]["completion_tokens"] for r in results) if ok else 0
+    print("     tiny model, %d requests x 48 tokens: one at a time %.2f s (%.0f tokens/s), %d concurrent %.2f s "
+          "(%.0f tokens/s); engine steps %d vs %d" % (len(bodies), t_seq, toks / t_seq, len(bodies), t_par,
+                                                     toks / t_par, before["moonrl_engine_steps"],
+                                                     m["moonrl_engine_steps"] - before["moonrl_engine_steps"]))
+
+
+def error_checks(srv):
+    def post(body, path="/v1/completions"):
+        return srv.post(path, body)
+
+    st, b = srv.post("/v1/completions", b"{not json")
+    check("err-invalid-json", error_ok(st, b, 400))
+    st, b = srv.post("/v1/completions", b"[1, 2]")
+    check("err-not-object", error_ok(st, b, 400))
+    check("err-missing-prompt", error_ok(*post({"max_tokens": 3}), 400, "prompt"))
+    check("err-missing-messages", error_ok(*post({"max_tokens": 3}, "/v1/chat/completions"), 400, "messages"))
+    check("err-empty-messages", error_ok(*post({"messages": []}, "/v1/chat/completions"), 400, "messages"))
+    check("err-bad-message", error_ok(*post({"messages": [{"content": "x"}]}, "/v1/chat/completions"), 400, "messages"))
+    check("err-max-tokens-type", error_ok(*post({"prompt": "x", "max_tokens": "5"}), 400, "max_tokens"))
+    check("err-max-tokens-zero", error_ok(*post({"prompt": "x", "max_tokens": 0}), 400, "max_tokens"))
+    check("err-temperature", error_ok(*post({"prompt": "x", "temperature": -1}), 400, "temperature"))
+    check("err-top-p", error_ok(*post({"prompt": "x", "top_p": 0}), 400, "top_p"))
+    check("err-top-p-big", error_ok(*post({"prompt": "x", "top_p": 1.5}), 400, "top_p"))
+    check("err-top-k", error_ok(*post({"prompt": "x", "top_k": 1.5}), 400, "top_k"))
+    check("err-min-p", error_ok(*post({"prompt": "x", "min_p": 2}), 400, "min_p"))
+    check("err-n", error_ok(*post({"prompt": "x", "n": 0}), 400, "n"))
+    check("err-n-huge", error_ok(*post({"prompt": "x", "n": 100000}), 400, "n"))
+    check("err-stream-type", error_ok(*post({"prompt": "x", "stream": "yes"}), 400, "stream"))
+    check("err-stop-type", error_ok(*post({"prompt": "x", "stop": 5}), 400, "stop"))
+    check("err-logprobs", error_ok(*post({"prompt": "x", "logprobs": 99}), 400, "logprobs"))
+    check("err-seed", error_ok(*post({"prompt": "x", "seed": 0.5}), 400, "seed"))
+    check("err-prompt-type", error_ok(*post({"prompt": {"a": 1}}), 400, "prompt"))
+    check("err-token-out-of-vocab", error_ok(*post({"prompt": [1, 2, 10 ** 9]}), 400, "prompt"))
+    check("err-unknown-model", error_ok(*post({"prompt": "x", "model": "gpt-9"}), 404, "model"))
+    st, b = post({"prompt": [5] * 600, "max_tokens": 4})
+    check("err-prompt-too-long", error_ok(st, b, 400, "prompt") and "maximum context length" in b["error"]["message"], b)
+    check("err-max-tokens-past-context", error_ok(*post({"prompt": "x", "max_tokens": 100000}), 400))
+    check("err-penalty", error_ok(*post({"prompt": "x", "presence_penalty": 0.5}), 400, "presence_penalty"))
+    st, raw, _ = srv.request("GET", "/v1/nothing")
+    check("err-404", st == 404 and "error" in json.loads(raw))
+    st, raw, _ = srv.request("GET", "/v1/completions")
+    check("err-405", st == 405 and "error" in json.loads(raw))
+    st, raw, _ = srv.request("POST", "/v1/completions", b"x" * (1 << 20 + 1) * 2)
+    check("err-413", st == 413 and "error" in json.loads(raw), st)
+    # after all that, a good request still works
+    st, b = post({"prompt": "Hello world", "max_tokens": 3, "temperature": 0})
+    check("after-errors", st == 200 and b["usage"]["completion_tokens"] == 3)
+
+
+def http_checks(srv):
+    p = srv.port
+    out = raw_exchange(p, b"GARBAGE\r\n\r\n")
+    check("http-malformed-400", out.startswith(b"HTTP/1.1 400") or out.startswith(b"HTTP/1.0 400"), out[:80])
+    out = raw_exchange(p, b"GET / HTTP/2.0\r\n\r\n")
+    check("http-version-505", out.startswith(b"HTTP/1.1 505"), out[:80])
+    out = raw_exchange(p, b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 100000 + b"\r\n\r\n")
+    check("http-header-431", out.startswith(b"HTTP/1.1 431"), out[:80])
+    out = raw_exchange(p, b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    check("http-chunked-411", out.startswith(b"HTTP/1.1 411"), out[:80])
+    out = raw_exchange(p, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n")
+    check("http-content-length-413", out.startswith(b"HTTP/1.1 413"), out[:80])
+    # keep-alive: three requests on one connection
+    c = http.client.HTTPConnection("127.0.0.1", p, timeout=30)
+    statuses = []
+    for _ in range(3):
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        r = c.getresponse()
+        r.read()
+        statuses.append(r.status)
+    c.request("GET", "/health")
+    r = c.getresponse()
+    r.read()
+    statuses.append(r.status)
+    c.close()
+    check("http-keep-alive", statuses == [200, 200, 200, 200], statuses)
+    # pipelining: two requests in one write, two responses in order, then close
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    req = b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    out = raw_exchange(p, req + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    check("http-pipelined", out.count(b"HTTP/1.1 200") == 2 and out.index(b"text_completion") < out.rindex(b"HTTP/1.1 200"),
+          out[:300])
+    # Expect: 100-continue (what curl sends for bodies over 1 KiB)
+    s = socket.create_connection(("127.0.0.1", p), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body))
+    first = s.recv(100)
+    s.sendall(body)
+    rest = b""
+    while b"text_completion" not in rest:
+        b2 = s.recv(65536)
+        if not b2:
+            break
+        rest += b2
+    s.close()
+    check("http-100-continue", first.startswith(b"HTTP/1.1 100 Continue") and b"200 OK" in first + rest, first + rest[:80])
+    # HTTP/1.0: close-delimited
+    out = raw_exchange(p, b"GET /health HTTP/1.0\r\n\r\n")
+    check("http-1.0", out.startswith(b"HTTP/1.0 200"), out[:80])
+    # many idle connections, then a request still answered
+    socks = [socket.create_connection(("127.0.0.1", p), timeout=10) for _ in range(100)]
+    st, raw, _ = srv.request("GET", "/health")
+    for s in socks:
+        s.close()
+    check("http-100-idle-connections", st == 200)
+
+
+def disconnect_checks(srv):
+    before = srv.metrics()
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    # heavy enough (64 x 480 tokens) to be running still when the client leaves, on any machine
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 480, "n": 64, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(65536)
+    s.close()  # mid-stream
+    # also a non-streaming request whose client leaves before its answer (128 x 480 tokens)
+    s2 = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 480, "n": 128}).encode()
+    s2.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(0.2)
+    s2.close()
+    st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "temperature": 0})
+    check("disconnect-server-answers", st == 200 and b["usage"]["completion_tokens"] == 5)
+    deadline = time.time() + 10
+    m = srv.metrics()
+    while time.time() < deadline and (m["moonrl_engine_running"] > 0 or m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"] < 2):
+        time.sleep(0.1)
+        m = srv.metrics()
+    check("disconnect-counted", m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"] == 2, m)
+    check("disconnect-samples-stopped", m["moonrl_engine_running"] == 0 and m["moonrl_engine_kv_blocks_used"] == 0 and
+          m["moonrl_engine_generated_tokens"] - before["moonrl_engine_generated_tokens"] < 0.75 * (64 + 128) * 480, m)
+
+
+def sigterm_check(model):
+    """SIGTERM while a stream runs: the stream completes ([DONE]), then the server exits 0."""
+    srv = Server(model, "--shutdown-timeout", "30")
+    result = {}
+
+    def streamer():
+        result["r"] = srv.stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 480, "n": 8})
+
+    t = threading.Thread(target=streamer)
+    t.start()
+    time.sleep(0.3)
+    code = srv.stop()
+    t.join(timeout=60)
+    r = result.get("r")
+    check("sigterm-stream-completes", r is not None and r[3] and
+          sum(1 for e in r[2] if e["choices"][0]["finish_reason"]) == 8, r and r[2][-1:])
+    check("sigterm-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
+    # a refused connection afterwards: nothing listens
+    try:
+        socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+        check("sigterm-closed", False)
+    except OSError:
+        check("sigterm-closed", True)
+
+
+def cli_checks(model):
+    def run(*args):
+        p = subprocess.run([MOONRL, "serve"] + list(args), capture_output=True, timeout=120)
+        return p.returncode, p.stderr.decode("utf-8", "replace")
+
+    code, err = run()
+    check("cli-no-model", code == 2 and "--model" in err, err)
+    code, err = run("--model", model, "--port", "x")
+    check("cli-bad-port", code == 2 and "--port" in err, err)
+    code, err = run("--model", model, "--port", "70000")
+    check("cli-port-range", code == 2 and "--port" in err, err)
+    code, err = run("--model", model, "--bogus")
+    check("cli-unknown-option", code == 2 and "--bogus" in err, err)
+    code, err = run("--model", model + "/nothing")
+    check("cli-bad-model", code == 2 and "nothing" in err, err)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    code, err = run("--model", model, "--port", str(busy.getsockname()[1]))
+    busy.close()
+    check("cli-port-in-use", code == 2 and "in use" in err, err)
+    code, err = run("--help")
+    check("cli-help", code == 0)
+
+
+if __name__ == "__main__":
+    main()
