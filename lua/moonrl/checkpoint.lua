@@ -89,6 +89,15 @@ local function sync_dirs(dir)
 end
 
 function M.write(root, name, parts)
+  local p = require('moonrl.progress').new('checkpoint ' .. name, #(parts.models or {}) + 2, { unit = 'part' })
+  local ok, path, bytes = pcall(M.write_parts, root, name, parts, p)
+  if not ok then p:cancel(); error(path, 0) end
+  p:finish(require('moonrl.progress').bytes(bytes))
+  return path, bytes
+end
+
+-- M.write's work; p: its progress (a part: each model, the optimizers and small files, the checksums).
+function M.write_parts(root, name, parts, p)
   fs.mkdirs(root)
   local final = root .. '/' .. name
   local tmp = root .. '/.tmp-' .. name
@@ -97,10 +106,12 @@ function M.write(root, name, parts)
   for i, m in ipairs(parts.models or {}) do
     -- the first model is the policy, at the top: the checkpoint loads as a model
     M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir)
+    p:update(i)
   end
   if parts.optimizers and #parts.optimizers > 0 then write_optimizers(tmp .. '/optimizer.safetensors', parts.optimizers) end
   fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
   fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
+  p:update(#(parts.models or {}) + 1, 'checksums')
   local files, bytes = json.object(), 0
   for _, rel in ipairs(files_under(tmp)) do
     local crc, size = fs.crc32c_file(tmp .. '/' .. rel)

@@ -47,6 +47,8 @@ local function run_section()
     keep_checkpoints = M.integer(2), -- the newest K are kept (0: all)
     checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
     hang_seconds = 1800.0,  -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
+    progress = os.getenv('MOONRL_PROGRESS') or 'auto', -- the loops' progress on stderr: auto, live, plain, off (moonrl.progress)
+    progress_seconds = tonumber(os.getenv('MOONRL_PROGRESS_SECONDS') or '') or 10.0, -- between plain progress lines
   }
 end
 

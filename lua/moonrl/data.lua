@@ -81,7 +81,16 @@ Source.__index = Source
 
 local function open_source(path, opts)
   local ix = ffi.new('mrl_line_index *[1]')
-  moonrl.check(C.mrl_line_index_build(path, ix), 3)
+  local st = require('moonrl.fs').stat(path)
+  if st and st.size >= 64 * 2 ^ 20 then -- one C pass: a line while it runs (moonrl.progress)
+    local progress = require('moonrl.progress')
+    local status = progress.task('indexing ' .. path .. ' (' .. progress.bytes(st.size) .. ')', function()
+      return C.mrl_line_index_build(path, ix)
+    end)
+    moonrl.check(status, 3)
+  else
+    moonrl.check(C.mrl_line_index_build(path, ix), 3)
+  end
   local index = ffi.gc(ix[0], C.mrl_line_index_free)
   local f, err = io.open(path, 'rb')
   if not f then error(err, 3) end
@@ -160,6 +169,20 @@ function M.jsonl(path, opts)
   end
   local src = open_source(path, opts)
   return new_view(src, nil, src.n, nil)
+end
+
+-- An in-memory dataset: a view over a Lua list of records (tables, e.g. a task's: moonrl.tasks)
+-- with a JSONL view's order, batches, split and state; each record read is a copy with line and
+-- row (its 1-based and 0-based place in the list). opts.name: how messages name it.
+function M.records(list, opts)
+  local src = { path = opts and opts.name or 'records', n = #list, skipped = 0 }
+  function src.record(_, r)
+    local rec = {}
+    for k, v in pairs(list[r + 1]) do rec[k] = v end
+    rec.line, rec.row = r + 1, r
+    return rec
+  end
+  return new_view(src, nil, #list, nil)
 end
 
 function View:len() return self.n end

@@ -38,6 +38,7 @@ local ckpt = require('moonrl.checkpoint')
 local fault = require('moonrl.fault')
 local fs = require('moonrl.fs')
 local guard_mod = require('moonrl.guard')
+local progress = require('moonrl.progress')
 local json = require('moonrl.json')
 local run_mod = require('moonrl.run')
 local dist = require('moonrl.dist')
@@ -50,7 +51,8 @@ M.Session = Session
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
-  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb' }
+  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
+  'run.progress_seconds' }
 
 -- Raised when the guards give up (more rollbacks than guard.max_rollbacks): exit status 3, and a
 -- supervisor does not restart the run (it would meet the same values again).
@@ -151,6 +153,7 @@ function M.start(cfg, opts)
     return M.start_ranks(world, cfg, opts)
   end
   local resume = cfg.run.resume
+  progress.configure({ mode = cfg.run.progress, seconds = cfg.run.progress_seconds })
   local dir, lock, held
   if opts.decided then
     dir, held = opts.decided.dir, 'run' -- a rank > 0: rank 0 opened the directory and chose the checkpoint
@@ -212,6 +215,10 @@ function M.start(cfg, opts)
     metrics_bytes = from and self.resume.state.metrics_bytes or (held == 'run' and 0 or nil), world_size = opts.world_size,
     silent = opts.silent, rank = (dist.current() or dist.SOLO).rank })
   self.dir = dir
+  -- the heartbeat file of this rank (moonrl status reads it): every rank writes its own
+  self.status = progress.status_writer(dir, world.rank, { recipe = name, world_size = world.size,
+    attempt = fault.attempt })
+  self.status:write(true)
   for _, msg in ipairs(warnings) do self.run:event('checkpoint_skipped', { message = msg }, { quiet = true }) end
   if from then
     self.run:event('resume', { checkpoint = from, step = self.resume.state.step, attempt = fault.attempt }, { quiet = true })
@@ -220,7 +227,10 @@ function M.start(cfg, opts)
     self.run:event('fresh_start', { message = 'no complete checkpoint in ' .. self.ckpt_root, attempt = fault.attempt },
       { quiet = true })
   end
-  self.run.on_phase = function(phase) fault.point(self.global_step, phase) end
+  self.run.on_phase = function(phase)
+    self.status:phase(phase)
+    fault.point(self.global_step, phase)
+  end
   moonrl.on_exit(function(ok, err) self:abort(ok, err) end)
   return self
 end
@@ -430,6 +440,7 @@ function Session:checkpoint(reason, small, step, phase_step)
   local t0 = moonrl.now()
   local name = ckpt.dir_name(step)
   moonrl.C.mrl_heartbeat('checkpoint ' .. name)
+  self.status:phase('checkpoint')
   local w = self.world
   local optimizers = self.optimizers
   if w.size > 1 then
@@ -465,6 +476,7 @@ function Session:checkpoint(reason, small, step, phase_step)
     moonrl.log('warn', '%s; going on (run.checkpoint_errors=warn), the previous checkpoints are intact', msg)
     return nil
   end
+  self.status:phase(nil)
   if w.rank == 0 then pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints) end
   local secs = moonrl.now() - t0
   self.last_ckpt_step, self.last_ckpt_time = step, moonrl.now()
@@ -526,14 +538,27 @@ function Session:steps(total, phase)
     end
     self.resume = nil
   end
+  -- the loop's progress on rank 0's terminal (moonrl.progress), its rate and ETA in the heartbeat
+  local p = progress.new(phase == 'main' and self.name or phase, total, { start = self.step, silent = self.run.silent })
+  self.progress, self.last_loss = p, nil
+  self.status:set({ loop = phase, loop_since = progress.wall(), total = total, step = self.step,
+    global_step = self.global_step })
+  self.status:write(true)
   return function()
     if self.in_step then self:end_step() end
     if self.pending_rollback then self:rollback() end
+    p:update(self.step)
     if self.step >= total then
       self.phases_done[phase] = true
+      p:finish()
+      self.status:set({ step = self.step, phase = false, eta = false })
+      self.status:write(true)
       return nil
     end
     self.step, self.global_step = self.step + 1, self.global_step + 1
+    self.status:set({ step = self.step, global_step = self.global_step, phase = false, rate = p:rate() or false,
+      eta = p:eta() or false, loss = self.last_loss or false })
+    self.status:write()
     self.run.step = self.global_step
     self.world:set_step(self.global_step)
     if self.link then self.link:set_step(self.global_step) end
@@ -580,7 +605,17 @@ function Session:log(m, opts)
     local o = self.optimizers[1].opt
     m.dist = m.dist or { buckets = tonumber(moonrl.C.mrl_dist_buckets_count(o.buckets)), buckets_overlapped = o.overlapped }
   end
-  return self.run:log(self.step, m, opts)
+  local p = self.progress
+  if p and not (opts and opts.quiet) then p:clear() end -- the step line prints above the live line
+  local flat = self.run:log(self.step, m, opts)
+  if p then
+    local extra = {}
+    for _, kv in ipairs({ { 'loss', 'loss' }, { 'reward/mean', 'reward' }, { 'accuracy', 'acc' } }) do
+      if type(flat[kv[1]]) == 'number' then extra[#extra + 1] = string.format('%s %.4g', kv[2], flat[kv[1]]) end
+    end
+    p:update(self.step, table.concat(extra, ' '), true)
+  end
+  return flat
 end
 
 function Session:phase(name, fn, ...) return self.run:phase(name, fn, ...) end
@@ -604,6 +639,10 @@ end
 function Session:update(opt, lr, m, opts)
   local detectors = not (opts and opts.detectors == false)
   m.guard = m.guard or {}
+  if type(m.loss) == 'number' then
+    self.last_loss = m.loss
+    if self.progress then self.progress.extra = string.format('loss %.4g', m.loss) end
+  end
   if self.pending_rollback then m.guard.skipped = 1; return false end
   local step = self.global_step
   if fault.update_fault(step, 'nan') then poison_grads(opt); m.grad_norm = opt:grad_norm() end
@@ -713,16 +752,23 @@ function Session:save_models()
     if not guard_mod.finite(moonrl.ops.sum(p, n)) then
       error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
     end
-    local ok, err = pcall(ckpt.save_model, m.model, dir, m.tokenizer_dir)
+    local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()
+      ckpt.save_model(m.model, dir, m.tokenizer_dir)
+    end)
     if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     out[m.name] = dir
   end
   return out
 end
 
--- opts.job: the job's communicator when every rank closes together (a clean end: one timeline).
-function Session:close(opts)
+-- state: what the heartbeat file says at the end (finished, stopped, error), message: why.
+-- state, message: what the heartbeat file says (moonrl status); opts.job: the job's
+-- communicator when every rank closes together (a clean end: one timeline, Run:finish).
+function Session:close(state, message, opts)
   self.closed = true
+  if self.progress then self.progress:cancel() end
+  self.status:set({ state = state or 'finished', message = message or false, phase = false, eta = false })
+  self.status:write(true)
   self.run:finish(opts)
 end
 
@@ -732,8 +778,9 @@ function Session:stop()
   if self.cfg.save ~= false then self:save_models() end
   self:event('stop', { reason = moonrl.C.mrl_stop_requested() ~= 0 and ffi.string(moonrl.C.mrl_stop_reason()) or '?' },
     { quiet = true })
+  if self.progress then self.progress:cancel() end
   print(string.format('stopped at step %d; resume with run.dir=%s (run.resume=auto)', self.global_step, self.dir))
-  self:close()
+  self:close('stopped', moonrl.C.mrl_stop_requested() ~= 0 and ffi.string(moonrl.C.mrl_stop_reason()) or nil)
   moonrl.check_stop()
 end
 
@@ -748,7 +795,7 @@ function Session:finish(opts)
   if save == nil then save = self.cfg.save ~= false end
   local dirs = save and self:save_models() or {}
   self:event('finish', { step = self.global_step }, { quiet = true })
-  self:close({ job = dist.current() })
+  self:close('finished', nil, { job = dist.current() })
   return dirs
 end
 
@@ -759,14 +806,13 @@ function Session:abort(ok_exit, err)
   if self.world.size > 1 then
     -- a rank cannot checkpoint alone (the others are elsewhere: a collective would wait for
     -- them); the job restarts from the last checkpoint the ranks wrote together
-    if not ok_exit then
-      local message = type(err) == 'table' and (err.reason or err.message) or err
-      pcall(self.event, self, 'error', { message = tostring(message) }, { quiet = true })
-    end
-    pcall(self.close, self)
+    local message = not ok_exit and tostring(type(err) == 'table' and (err.reason or err.message) or err) or nil
+    if not ok_exit then pcall(self.event, self, 'error', { message = message }, { quiet = true }) end
+    pcall(self.close, self, ok_exit and 'finished' or moonrl.is_stop_request(err) and 'stopped' or 'error', message)
     return
   end
   local is_stop = moonrl.is_stop_request(err)
+  if self.progress then self.progress:cancel() end -- the messages to come print on a clean line
   local saved = true
   local ok, perr = pcall(function()
     if self.in_step then
@@ -786,11 +832,12 @@ function Session:abort(ok_exit, err)
     if is_stop and saved and self.cfg.save ~= false then self:save_models() end
   end)
   if not ok then moonrl.log('error', 'while saving after %s: %s', is_stop and 'the stop' or 'the error', moonrl.error_text(perr)) end
+  local message
   if not ok_exit then
-    local message = type(err) == 'table' and (err.reason or err.message) or err
-    pcall(self.event, self, is_stop and 'stop' or 'error', { message = tostring(message) }, { quiet = true })
+    message = tostring(type(err) == 'table' and (err.reason or err.message) or err)
+    pcall(self.event, self, is_stop and 'stop' or 'error', { message = message }, { quiet = true })
   end
-  pcall(self.close, self)
+  pcall(self.close, self, ok_exit and 'finished' or is_stop and 'stopped' or 'error', message)
 end
 
 return M

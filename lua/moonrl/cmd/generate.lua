@@ -125,6 +125,10 @@ function M.main(args)
     max_seqs = math.max(o.n, 1), seed = o.seed })
   if not ok then moonrl.usage_error('generate: ' .. tostring(engine)) end
   local t0 = moonrl.now()
+  -- many samples: how many are done, on stderr, when stdout is not the terminal the first
+  -- sample streams to (moonrl.progress)
+  local progress = require('moonrl.progress')
+  local prog = o.n > 1 and not progress.isatty(1) and progress.new('generate', o.n, { unit = 'sample' }) or nil
   local results = engine:generate({ { prompt_ids = prompt_ids, n = o.n } }, {
     temperature = o.temperature, top_p = o.top_p, top_k = o.top_k, min_p = o.min_p, max_tokens = max_tokens,
     eos_ids = eos_ids(o.model, model, tok), stop = #o.stop > 0 and o.stop or nil, tokenizer = tok,
@@ -133,8 +137,10 @@ function M.main(args)
         io.write(piece)
         io.flush()
       end
+      if prog and prog:due() then prog:update(engine:stats().finished) end
     end,
   })
+  if prog then prog.done = o.n; prog:finish() end
   local dt = moonrl.now() - t0
   io.write('\n')
   local generated = 0

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Progress on the terminal (moonrl.progress) and `moonrl status RUN_DIR`, end to end: plain
+# periodic lines when stderr is not a terminal, a live \r line when it is (under script(1)),
+# switched off by run.progress=off and MOONRL_PROGRESS=off; `moonrl generate -n` counts its
+# samples; status on a finished run, a running one, a stopped one, a killed one, and its errors.
+# usage: test_progress_status.sh PATH/TO/moonrl SOURCE_DIR
+set -u
+MOONRL=$1
+SRC=$2
+tmp=$(mktemp -d)
+bg=
+trap '[ -n "$bg" ] && kill -9 $bg 2>/dev/null; rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+unset MOONRL_PROGRESS MOONRL_PROGRESS_SECONDS
+passed=0
+failed=0
+ok() { passed=$((passed + 1)); echo "ok   $1"; }
+fail() { failed=$((failed + 1)); echo "FAIL $1"; shift; for x in "$@"; do echo "$x" | head -30; done; }
+has() { [[ "$2" == *"$3"* ]] && ok "$1" || fail "$1: no [$3] in:" "$2"; }
+hasnt() { [[ "$2" != *"$3"* ]] && ok "$1" || fail "$1: unexpected [$3] in:" "$2"; }
+status_is() { [ "$2" -eq "$3" ] && ok "$1" || fail "$1: exit status $2, want $3"; }
+
+SHORT=(sft.steps=20 grpo.steps=2 grpo.prompts=2 heldout=10 quiet=true)
+
+# ---- progress, stderr not a terminal: plain lines (every update with progress_seconds=0)
+"$MOONRL" "${SHORT[@]}" run.dir="$tmp/plain" run.progress_seconds=0 > "$tmp/plain.out" 2> "$tmp/plain.err"
+status_is "plain: the run ends well" $? 0
+err=$(cat "$tmp/plain.err")
+has "plain: warm-up lines" "$err" "sft 10/20 (50%) | "
+has "plain: rate and ETA" "$err" " step/s | elapsed 0:0"
+has "plain: the warm-up's last line" "$err" "sft 20/20 (100%)"
+has "plain: training lines" "$err" "grpo 2/2 (100%)"
+hasnt "plain: no \\r in a log" "$err" $'\r'
+hasnt "plain: stdout keeps only the results" "$(cat "$tmp/plain.out")" "sft 10/20"
+# the default interval (10 s) prints nothing for a run this short
+"$MOONRL" "${SHORT[@]}" run.dir="$tmp/quietdefault" > /dev/null 2> "$tmp/qd.err"
+hasnt "plain: nothing before the interval" "$(cat "$tmp/qd.err")" "sft "
+# switched off
+"$MOONRL" "${SHORT[@]}" run.dir="$tmp/off" run.progress=off run.progress_seconds=0 > /dev/null 2> "$tmp/off.err"
+hasnt "run.progress=off" "$(cat "$tmp/off.err")" "sft "
+MOONRL_PROGRESS=off MOONRL_PROGRESS_SECONDS=0 "$MOONRL" "${SHORT[@]}" run.dir="$tmp/envoff" > /dev/null 2> "$tmp/envoff.err"
+hasnt "MOONRL_PROGRESS=off" "$(cat "$tmp/envoff.err")" "sft "
+out=$("$MOONRL" "${SHORT[@]}" run.dir="$tmp/bad" run.progress=fancy 2>&1)
+status_is "a bad run.progress: usage error" $? 2
+has "a bad run.progress: the message" "$out" "config key 'run.progress' must be one of auto, live, plain, off; got 'fancy'"
+
+# ---- a terminal: the live line, rewritten with \r
+if command -v script > /dev/null && script -qec true /dev/null > /dev/null 2>&1; then
+  live=$(TERM=xterm script -qec "'$MOONRL' ${SHORT[*]} quiet=false run.dir='$tmp/live'" /dev/null 2>&1)
+  has "live: the bar" "$live" "sft ["
+  has "live: rewritten in place" "$live" $'\r\e[Ksft ['
+  has "live: the per-step lines stay" "$live" "step 2/2 | loss"
+  live=$(TERM=xterm script -qec "'$MOONRL' ${SHORT[*]} run.progress=off run.dir='$tmp/liveoff'" /dev/null 2>&1)
+  hasnt "live: off" "$live" "sft ["
+else
+  echo "skip live: no script(1) that runs here"
+fi
+
+# ---- moonrl generate -n N, its output to a file: the samples done
+OUT="$tmp/model" TOK="$SRC/tests/tok/fixtures/qwen2_split" PROMPT='Hello world' "$MOONRL" run "$SRC/tests/engine/make_tiny_model.lua" > /dev/null
+MOONRL_PROGRESS_SECONDS=0 "$MOONRL" generate --model "$tmp/model" --prompt Hi -n 12 --max-tokens 8 > "$tmp/gen.out" 2> "$tmp/gen.err"
+status_is "generate -n: ends well" $? 0
+has "generate -n: samples counted" "$(cat "$tmp/gen.err")" "generate 12/12 (100%)"
+[ "$(grep -c -- '--- sample' "$tmp/gen.out")" -eq 11 ] && ok "generate -n: the samples on stdout" || fail "generate -n: samples" "$(cat "$tmp/gen.out")"
+
+# ---- moonrl status on a finished run
+out=$("$MOONRL" status "$tmp/plain")
+status_is "status: finished run" $? 0
+has "status: finished" "$out" "recipe default, finished"
+has "status: the loop" "$out" "grpo: step 2/2 (100%)"
+has "status: the last metrics" "$out" "last metrics (step 2, written"
+has "status: the checkpoint" "$out" "checkpoint: step-000022"
+has "status: the events" "$out" "finish 1"
+out=$("$MOONRL" status "$tmp/plain" --json)
+has "status --json" "$out" '"state": "finished"'
+
+# ---- on a running run: poll until it shows a step; then stop it (SIGTERM) and kill another
+wait_step() { # DIR -> the status text once it shows a running step (at most ~30 s)
+  local i out
+  for i in $(seq 1 150); do
+    out=$("$MOONRL" status "$1" 2>&1)
+    if [[ "$out" == *"running (pid"* && "$out" =~ sft:\ step\ [1-9] ]]; then echo "$out"; return 0; fi
+    sleep 0.2
+  done
+  echo "$out"
+  return 1
+}
+"$MOONRL" sft.steps=100000 heldout=10 quiet=true run.dir="$tmp/live1" run.progress=off > /dev/null 2>&1 &
+bg=$!
+out=$(wait_step "$tmp/live1")
+status_is "status: a running run shows a step" $? 0
+has "status: running: rate and ETA" "$out" "step/s, ETA "
+has "status: running: the phase and for how long" "$out" "phase: sft for 0:0"
+has "status: running: the heartbeat" "$out" "heartbeat "
+kill -TERM $bg
+wait $bg
+status_is "status: the run stopped on SIGTERM" $? 143
+bg=
+out=$("$MOONRL" status "$tmp/live1")
+has "status: stopped" "$out" "recipe default, stopped"
+"$MOONRL" sft.steps=100000 heldout=10 quiet=true run.dir="$tmp/live2" run.progress=off > /dev/null 2>&1 &
+bg=$!
+wait_step "$tmp/live2" > /dev/null
+kill -9 $bg
+wait $bg 2> /dev/null
+bg=
+out=$("$MOONRL" status "$tmp/live2")
+has "status: a killed run is not running" "$out" "NOT RUNNING: process"
+
+# ---- errors: one line, exit 2
+out=$("$MOONRL" status "$tmp/nope" 2>&1)
+status_is "status: a missing directory" $? 2
+has "status: a missing directory: the message" "$out" "moonrl: error: status: no such run directory: $tmp/nope"
+[ "$(echo "$out" | wc -l)" -eq 1 ] && ok "status: one line" || fail "status: one line" "$out"
+mkdir -p "$tmp/other" && echo x > "$tmp/other/file"
+out=$("$MOONRL" status "$tmp/other" 2>&1)
+status_is "status: not a run directory" $? 2
+has "status: not a run directory: the message" "$out" "is not a moonrl run directory"
+out=$("$MOONRL" status "$tmp/other/file" 2>&1)
+status_is "status: a file" $? 2
+out=$("$MOONRL" status 2>&1)
+status_is "status: no argument" $? 2
+has "status: usage" "$out" "usage: moonrl status RUN_DIR"
+out=$("$MOONRL" status "$tmp/plain" --bogus 2>&1)
+status_is "status: an unknown option" $? 2
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
