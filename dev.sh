@@ -9,12 +9,13 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 
-# Debian packages the build and the tests need.
+# Debian packages the build and the tests need (chromium: the test that renders `moonrl report`).
 DEB_PACKAGES="meson ninja-build pkg-config gcc g++ git libluajit2-5.1-dev luajit2 libuv1-dev libopenblas-dev
  libopenmpi-dev openmpi-bin libdnnl-dev
- libpcre2-dev python3 python3-pip python3-torch python3-numpy python3-jinja2"
+ libpcre2-dev python3 python3-pip python3-torch python3-numpy python3-jinja2
+ chromium"
 # Python packages for the reference tests (installed for /usr/bin/python3).
-PIP_PACKAGES="safetensors tokenizers gguf"
+PIP_PACKAGES="safetensors tokenizers gguf sentencepiece"
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 

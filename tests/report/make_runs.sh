@@ -1,0 +1,35 @@
+# Run directories for the report tests (sourced): make_runs DIR writes
+#   DIR/a, DIR/b   two short real runs of the default example (b another seed; a with a skipped
+#                  update from fault injection: a "skip" event and guard/skipped = 1)
+#   DIR/syn        a synthetic run: nested objects, NaN / +-inf, missing values, a metric logged at
+#                  one step only, booleans and strings, events of every kind, a manifest.json
+#   DIR/empty      a run that has not logged a step (config.json, an empty metrics.jsonl)
+make_runs() {
+  local dir=$1
+  MOONRL_FAULT='nan:step=3' "$MOONRL" sft.steps=20 grpo.steps=4 grpo.prompts=4 heldout=8 quiet=true \
+    run.dir="$dir/a" > "$dir/a.log" 2>&1 || { echo "FAIL: the real run a did not finish:"; cat "$dir/a.log"; exit 1; }
+  "$MOONRL" sft.steps=20 grpo.steps=4 grpo.prompts=4 heldout=8 quiet=true run.seed=2 \
+    run.dir="$dir/b" > "$dir/b.log" 2>&1 || { echo "FAIL: the real run b did not finish:"; cat "$dir/b.log"; exit 1; }
+  mkdir -p "$dir/syn" "$dir/empty"
+  cat > "$dir/syn/config.json" <<'JSON'
+{"recipe": "synthetic", "moonrl": "0.1.0", "git": "abc", "backends": "cpu", "world_size": 2,
+ "config": {"lr": 0.001, "grpo": {"samples": 8, "reward": "exact"}, "list": [1, 2], "run": {"seed": 7}}}
+JSON
+  cat > "$dir/syn/metrics.jsonl" <<'JSON'
+{"step": 1, "time": 0.5, "loss": 1.5, "reward": {"mean": 0.1, "std": 0.3}, "time/generate": 0.2, "time/train": 0.25, "time/step": 0.5, "note": "text", "flag": true}
+{"step": 2, "time": 1.0, "loss": NaN, "reward": {"mean": 0.2, "std": 0.3}, "time/generate": 0.2, "time/train": 0.2, "time/step": 0.45, "guard": {"skipped": 1}}
+
+{"step": 3, "time": 1.6, "loss": 1.2, "reward": {"mean": Infinity}, "time/generate": 0.3, "time/train": 0.25, "time/step": 0.6, "nested": {"a": {"b": 3}}, "async": {"dropped_stale": 5}}
+{"step": 4, "time": 2.1, "loss": 1.0, "reward": {"mean": 0.5, "std": null}, "time/generate": 0.2, "time/train": 0.2, "time/step": 0.41, "only_once": 7, "neg": -Infinity}
+JSON
+  cat > "$dir/syn/events.jsonl" <<'JSON'
+{"event": "skip", "time": 1796136142, "pid": 1, "detector": "nonfinite_loss", "step": 2, "value": NaN}
+{"event": "rollback", "time": 1796136143, "pid": 1, "detector": "grad_spike", "step": 3, "to_step": 2}
+{"event": "restart", "time": 1796136144, "pid": 1, "attempt": 1, "cause": "killed by signal 9"}
+{"event": "resume", "time": 1796136145, "pid": 2, "checkpoint": "ckpt/<step-2>", "step": 2}
+JSON
+  echo '{"moonrl": {"version": "0.1.0", "git": "abc"}, "seeds": {"run": 7}, "machine": {"cpu": "synthetic-cpu-xyz"}}' \
+    > "$dir/syn/manifest.json"
+  cp "$dir/syn/config.json" "$dir/empty/config.json"
+  : > "$dir/empty/metrics.jsonl"
+}
