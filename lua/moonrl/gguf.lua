@@ -73,7 +73,8 @@ end
 -- config.json, model.safetensors (F32: the dequantized weights), tokenizer.json,
 -- tokenizer_config.json (with the chat template) and generation_config.json; what moonrl and
 -- Transformers load. Architectures llama, qwen2, qwen3; tokenizers of model 'gpt2' (byte-level
--- BPE) with the pre-tokenizers gpt2, smollm, qwen2 and llama-bpe.
+-- BPE) with the pre-tokenizers gpt2, smollm, qwen2 and llama-bpe, and of model 'llama'
+-- (SentencePiece BPE with byte fallback, as Llama 2, Mistral and TinyLlama have).
 
 local ARCH = { llama = 'LlamaForCausalLM', qwen2 = 'Qwen2ForCausalLM', qwen3 = 'Qwen3ForCausalLM' }
 
@@ -157,18 +158,29 @@ function G:model()
     local n = hf_name(t.name)
     if n then src[n] = t end
   end
-  for _, v in ipairs(model:views()) do
+  local views, total = model:views(), 0
+  for _, v in ipairs(views) do total = total + 4 * v.numel end
+  local prog = require('moonrl.progress').new('dequantize ' .. self.path:match('[^/]*$'), total, { unit = 'B' })
+  local done = 0
+  local function read(v)
     local t = src[v.name]
-    if not t then error(string.format('%s: no GGUF tensor for %s', self.path, v.name), 2) end
+    if not t then error(string.format('%s: no GGUF tensor for %s', self.path, v.name), 0) end
     if t.numel ~= v.numel then
-      error(string.format('%s: tensor %s has %d elements, %s needs %d', self.path, t.name, t.numel, v.name, v.numel), 2)
+      error(string.format('%s: tensor %s has %d elements, %s needs %d', self.path, t.name, t.numel, v.name, v.numel), 0)
     end
     moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, p + v.offset, v.numel), 2)
     if cfg.model_type == 'llama' and (v.name:find('q_proj.weight', 1, true) or v.name:find('k_proj.weight', 1, true)) then
       local heads = v.name:find('q_proj', 1, true) and cfg.num_attention_heads or cfg.num_key_value_heads
       unpermute(p + v.offset, v.shape[1], v.shape[2], heads)
     end
+    done = done + 4 * v.numel
+    prog:update(done)
   end
+  for _, v in ipairs(views) do
+    local ok, err = pcall(read, v)
+    if not ok then prog:cancel(); error(err, 0) end
+  end
+  prog:finish()
   return model, cfg
 end
 
@@ -185,36 +197,63 @@ local PRE = {
   qwen2 = split([[(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+]]),
   ['llama-bpe'] = split([[(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+]]),
 }
--- token_type (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-local CONTROL, USER = 3, 4
+-- token_type (llama.cpp): 0 undefined (taken as normal), 1 normal, 2 unknown, 3 control,
+-- 4 user-defined, 5 unused, 6 byte
+local NORMAL, UNKNOWN, CONTROL, USER, BYTE = 1, 2, 3, 4, 6
 
-function G:tokenizer_json()
-  local json = require('moonrl.json')
+-- The vocabulary's tokens and types, checked: a list of strings, a type list as long with known types.
+function G:vocab_lists()
   local m = self.metadata
-  local model = m['tokenizer.ggml.model']
-  if model ~= 'gpt2' then
-    error(string.format("%s: tokenizer model '%s' is not supported yet (byte-level BPE, 'gpt2', is)", self.path,
-      tostring(model)), 2)
+  local tokens, types = need(self, 'tokenizer.ggml.tokens'), m['tokenizer.ggml.token_type']
+  local function bad(fmt, ...) error(string.format('%s: GGUF metadata ' .. fmt, self.path, ...), 3) end
+  if type(tokens) ~= 'table' or #tokens == 0 then bad('tokenizer.ggml.tokens: expected a non-empty array of strings') end
+  for i, t in ipairs(tokens) do
+    if type(t) ~= 'string' then bad('tokenizer.ggml.tokens[%d]: expected a string, not a %s', i - 1, type(t)) end
   end
+  if types == nil then
+    types = {}
+    for i = 1, #tokens do types[i] = NORMAL end
+  elseif type(types) ~= 'table' or #types ~= #tokens then
+    bad('tokenizer.ggml.token_type has %s entries, tokenizer.ggml.tokens %d',
+      type(types) == 'table' and tostring(#types) or 'no array of', #tokens)
+  else
+    for i, ty in ipairs(types) do
+      if type(ty) ~= 'number' or ty ~= math.floor(ty) or ty < 0 or ty > BYTE then
+        bad('tokenizer.ggml.token_type[%d] (token %q): unknown token type %s (0..6)', i - 1, tokens[i], tostring(ty))
+      end
+    end
+  end
+  return tokens, types
+end
+
+local function added_list(json, tokens, types, special_types)
+  local added = json.array()
+  for i, t in ipairs(tokens) do
+    if special_types[types[i]] ~= nil then
+      added[#added + 1] = json.object({ 'id', i - 1, 'content', t, 'single_word', false, 'lstrip', false, 'rstrip',
+        false, 'normalized', false, 'special', special_types[types[i]] })
+    end
+  end
+  return added
+end
+
+-- A byte-level BPE vocabulary ('gpt2'): its merges as they are.
+function G:gpt2_tokenizer_json(json)
+  local m = self.metadata
   local pre_name = m['tokenizer.ggml.pre'] or 'default'
   local pre = PRE[pre_name]
   if not pre then
     error(string.format("%s: tokenizer pre-tokenizer '%s' is not supported (gpt2, smollm, qwen2, llama-bpe)", self.path,
-      pre_name), 2)
+      pre_name), 3)
   end
-  local tokens, types = need(self, 'tokenizer.ggml.tokens'), m['tokenizer.ggml.token_type'] or {}
-  local vocab, added = json.object(), json.array()
-  for i, t in ipairs(tokens) do
-    vocab[t] = i - 1
-    if types[i] == CONTROL or types[i] == USER then
-      added[#added + 1] = json.object({ 'id', i - 1, 'content', t, 'single_word', false, 'lstrip', false, 'rstrip', false,
-        'normalized', false, 'special', types[i] == CONTROL })
-    end
-  end
+  local tokens, types = self:vocab_lists()
+  local vocab = json.object()
+  for i, t in ipairs(tokens) do vocab[t] = i - 1 end
   local merges = json.array()
   for i, mg in ipairs(m['tokenizer.ggml.merges'] or {}) do merges[i] = mg end
   return json.encode(json.object({ 'version', '1.0', 'truncation', json.null, 'padding', json.null,
-    'added_tokens', added, 'normalizer', json.null, 'pre_tokenizer', pre,
+    'added_tokens', added_list(json, tokens, types, { [CONTROL] = true, [USER] = false }), 'normalizer', json.null,
+    'pre_tokenizer', pre,
     'post_processor', { type = 'ByteLevel', add_prefix_space = true, trim_offsets = false, use_regex = true },
     'decoder', { type = 'ByteLevel', add_prefix_space = true, trim_offsets = true, use_regex = true },
     'model', json.object({ 'type', 'BPE', 'dropout', json.null, 'unk_token', json.null,
@@ -222,13 +261,140 @@ function G:tokenizer_json()
       'byte_fallback', false, 'ignore_merges', false, 'vocab', vocab, 'merges', merges }) }))
 end
 
+-- add_bos / add_eos as llama.cpp reads them (a SentencePiece vocabulary adds BOS unless told not to).
+function G:add_bos_eos()
+  local m = self.metadata
+  local spm = m['tokenizer.ggml.model'] == 'llama'
+  local bos, eos = m['tokenizer.ggml.add_bos_token'], m['tokenizer.ggml.add_eos_token']
+  if bos == nil then bos = spm end
+  if eos == nil then eos = false end
+  return bos == true, eos == true
+end
+
+-- A SentencePiece BPE vocabulary ('llama': tokens with scores, <0xNN> byte tokens, ▁ for spaces) as
+-- Hugging Face's converter writes it for Llama / Mistral: a BPE model with byte_fallback whose merges
+-- come from the scores. SentencePiece merges the adjacent pair whose joined piece scores highest
+-- (leftmost first); a merge (left, right) for every split of each normal piece into two normal
+-- pieces, ranked by the joined piece's score (then its id, then the parts' ids), gives the same
+-- segmentation. Normalizer: "▁" prepended (tokenizer.ggml.add_space_prefix, default true) and
+-- spaces replaced by "▁"; the decoder undoes both and turns byte tokens back into bytes.
+function G:spm_tokenizer_json(json)
+  local m = self.metadata
+  local tokens, types = self:vocab_lists()
+  local scores = m['tokenizer.ggml.scores']
+  if scores == nil then
+    error(string.format('%s: GGUF metadata tokenizer.ggml.scores is missing (a SentencePiece vocabulary needs them)',
+      self.path), 3)
+  end
+  if type(scores) ~= 'table' or #scores ~= #tokens then
+    error(string.format('%s: GGUF metadata tokenizer.ggml.scores has %s entries, tokenizer.ggml.tokens %d', self.path,
+      type(scores) == 'table' and tostring(#scores) or 'no array of', #tokens), 3)
+  end
+  local vocab, id_of, has_byte = json.object(), {}, false
+  for i, t in ipairs(tokens) do
+    local ty = types[i]
+    if type(scores[i]) ~= 'number' or scores[i] ~= scores[i] then
+      error(string.format('%s: GGUF metadata tokenizer.ggml.scores[%d]: expected a number', self.path, i - 1), 3)
+    end
+    if ty == BYTE then
+      if not t:match('^<0x%x%x>$') then
+        error(string.format('%s: GGUF metadata tokenizer.ggml.tokens[%d]: byte token %q is not <0xNN>', self.path, i - 1,
+          t), 3)
+      end
+      has_byte = true
+    end
+    if id_of[t] == nil then
+      vocab[t] = i - 1
+      id_of[t] = i - 1
+    end
+  end
+  local function normal(id) return id ~= nil and (types[id + 1] == NORMAL or types[id + 1] == 0) end
+  local list = {}
+  for i, t in ipairs(tokens) do
+    if normal(i - 1) and id_of[t] == i - 1 then
+      for k = 2, #t do
+        local c = t:byte(k)
+        if c < 0x80 or c >= 0xC0 then -- a character boundary
+          local l, r = id_of[t:sub(1, k - 1)], id_of[t:sub(k)]
+          if normal(l) and normal(r) then list[#list + 1] = { -scores[i], i - 1, l, r } end
+        end
+      end
+    end
+  end
+  table.sort(list, function(a, b)
+    for j = 1, 4 do
+      if a[j] ~= b[j] then return a[j] < b[j] end
+    end
+    return false
+  end)
+  -- "left right" (what every tokenizers version reads) unless a piece holds a space: then [left, right]
+  local pairs_form = false
+  for _, e in ipairs(list) do
+    if tokens[e[3] + 1]:find(' ', 1, true) or tokens[e[4] + 1]:find(' ', 1, true) then pairs_form = true; break end
+  end
+  local merges = json.array()
+  for i, e in ipairs(list) do
+    local l, r = tokens[e[3] + 1], tokens[e[4] + 1]
+    merges[i] = pairs_form and json.array({ l, r }) or l .. ' ' .. r
+  end
+  local unk = m['tokenizer.ggml.unknown_token_id']
+  if unk == nil then
+    for i = 1, #tokens do
+      if types[i] == UNKNOWN then unk = i - 1; break end
+    end
+  end
+  local unk_token = unk and tokens[unk + 1] or json.null
+  local prefix = m['tokenizer.ggml.add_space_prefix']
+  if prefix == nil then prefix = true end
+  local norms = json.array()
+  if prefix then norms[#norms + 1] = { type = 'Prepend', prepend = '▁' } end
+  norms[#norms + 1] = json.object({ 'type', 'Replace', 'pattern', { String = ' ' }, 'content', '▁' })
+  local decs = json.array({ json.object({ 'type', 'Replace', 'pattern', { String = '▁' }, 'content', ' ' }),
+    { type = 'ByteFallback' }, { type = 'Fuse' } })
+  if prefix then decs[#decs + 1] = json.object({ 'type', 'Strip', 'content', ' ', 'start', 1, 'stop', 0 }) end
+  -- BOS / EOS around each sequence, as the Llama converter's TemplateProcessing
+  local add_bos, add_eos = self:add_bos_eos()
+  local single, pair, specials = json.array(), json.array(), json.object()
+  local function special(key, type_id, into)
+    local id = m[key]
+    local t = id and tokens[id + 1]
+    if not t then return end
+    into[#into + 1] = { SpecialToken = json.object({ 'id', t, 'type_id', type_id }) }
+    specials[t] = json.object({ 'id', t, 'ids', json.array({ id }), 'tokens', json.array({ t }) })
+  end
+  for _, seq in ipairs({ { 'A', 0, single }, { 'A', 0, pair }, { 'B', 1, pair } }) do
+    local name, type_id, into = seq[1], seq[2], seq[3]
+    if add_bos then special('tokenizer.ggml.bos_token_id', type_id, into) end
+    into[#into + 1] = { Sequence = json.object({ 'id', name, 'type_id', type_id }) }
+    if add_eos then special('tokenizer.ggml.eos_token_id', type_id, into) end
+  end
+  return json.encode(json.object({ 'version', '1.0', 'truncation', json.null, 'padding', json.null,
+    'added_tokens', added_list(json, tokens, types, { [UNKNOWN] = true, [CONTROL] = true, [USER] = false }),
+    'normalizer', { type = 'Sequence', normalizers = norms }, 'pre_tokenizer', json.null,
+    'post_processor', json.object({ 'type', 'TemplateProcessing', 'single', single, 'pair', pair,
+      'special_tokens', specials }),
+    'decoder', { type = 'Sequence', decoders = decs },
+    'model', json.object({ 'type', 'BPE', 'dropout', json.null, 'unk_token', unk_token,
+      'continuing_subword_prefix', json.null, 'end_of_word_suffix', json.null, 'fuse_unk', true,
+      'byte_fallback', has_byte, 'ignore_merges', false, 'vocab', vocab, 'merges', merges }) }))
+end
+
+function G:tokenizer_json()
+  local json = require('moonrl.json')
+  local model = self.metadata['tokenizer.ggml.model']
+  if model == 'gpt2' then return self:gpt2_tokenizer_json(json) end
+  if model == 'llama' then return self:spm_tokenizer_json(json) end
+  error(string.format("%s: tokenizer model '%s' is not supported yet (byte-level BPE 'gpt2' and SentencePiece "
+    .. "'llama' are)", self.path, tostring(model)), 2)
+end
+
 function G:tokenizer_config()
   local json = require('moonrl.json')
   local m = self.metadata
   local tokens = m['tokenizer.ggml.tokens'] or {}
   local function tok(key) local id = m[key]; return id and tokens[id + 1] or json.null end
-  return json.encode(json.object({ 'add_bos_token', m['tokenizer.ggml.add_bos_token'] or false,
-    'add_eos_token', m['tokenizer.ggml.add_eos_token'] or false,
+  local add_bos, add_eos = self:add_bos_eos()
+  return json.encode(json.object({ 'add_bos_token', add_bos, 'add_eos_token', add_eos,
     'bos_token', tok('tokenizer.ggml.bos_token_id'), 'eos_token', tok('tokenizer.ggml.eos_token_id'),
     'pad_token', tok('tokenizer.ggml.padding_token_id'), 'unk_token', tok('tokenizer.ggml.unknown_token_id'),
     'chat_template', m['tokenizer.chat_template'] or json.null, 'model_max_length', json.null,
@@ -238,12 +404,15 @@ end
 -- Write the Hugging Face directory.
 function G:convert(dir)
   local fs, json = require('moonrl.fs'), require('moonrl.json')
+  -- the architecture, then the tokenizer's metadata: checked before the weights are read
+  self:hf_config()
+  local tokenizer, tokenizer_config = self:tokenizer_json(), self:tokenizer_config()
   local model, cfg = self:model()
   fs.mkdirs(dir)
-  model:save(dir)
+  require('moonrl.progress').task('writing ' .. dir, function() model:save(dir) end)
   fs.write(dir .. '/config.json', json.encode(cfg))
-  fs.write(dir .. '/tokenizer.json', self:tokenizer_json())
-  fs.write(dir .. '/tokenizer_config.json', self:tokenizer_config())
+  fs.write(dir .. '/tokenizer.json', tokenizer)
+  fs.write(dir .. '/tokenizer_config.json', tokenizer_config)
   fs.write(dir .. '/generation_config.json', json.encode(json.object({ 'bos_token_id', cfg.bos_token_id or json.null,
     'eos_token_id', cfg.eos_token_id or json.null })))
   return dir
