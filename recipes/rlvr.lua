@@ -9,58 +9,50 @@
 --     keep only the groups whose scores are NOT all equal (an all-right or all-wrong group has zero
 --     advantage and teaches nothing)
 -- for each step, on its batch:
---   A_i <- group-normalised scores of the kept groups
---   PPO-clip with clip-higher (ε_low 0.2, ε_high 0.28), token-mean over the whole batch; AdamW step
+--   A_i <- the estimator rlvr.advantage over the kept groups (grpo: group-normalised scores)
+--   the loss rlvr.loss (ppo) with clip-higher (ε_low 0.2, ε_high 0.28), token-mean over the whole
+--   batch; AdamW step (skipped when no group had a signal)
 -- Overlong penalty (DAPO): with L = rlvr.max_tokens and a buffer B, a response of length ℓ gets
 --   0 when ℓ <= L − B,  (L − B − ℓ)/B · overlong.factor when L − B < ℓ <= L.
+-- The loop and the other stages are moonrl.rl's; this file overrides rollout, update and metrics.
 local moonrl = require('moonrl')
-local algo = require('moonrl.algo')
+local rl = require('moonrl.rl')
+local config = require('moonrl.config')
 local R = require('moonrl.recipe')
 
-local cfg = moonrl.config {
-  model = R.model_config(),
-  data = R.data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
-  reward = R.reward_config('math'),
-  rlvr = { steps = moonrl.config.integer(100), prompts = moonrl.config.integer(8), samples = moonrl.config.integer(8),
-           max_gen_batches = moonrl.config.integer(4), temperature = 1.0, top_p = 1.0,
-           max_tokens = moonrl.config.integer(512), clip_low = 0.2, clip_high = 0.28, agg = 'token-mean',
-           kl_coef = 0.0 },
-  overlong = { enable = true, buffer = moonrl.config.integer(128), factor = 1.0 },
-  train = R.train_config { lr = 1e-6 },
-  engine = R.engine_config(),
-  async = R.async_config(),
-  save = true,
+local rlvr = rl.recipe {
+  name = 'rlvr',
+  config = {
+    rlvr = { steps = config.integer(100), prompts = config.integer(8), samples = config.integer(8),
+             max_gen_batches = config.integer(4), temperature = 1.0, top_p = 1.0,
+             max_tokens = config.integer(512), advantage = 'grpo', loss = 'ppo', clip_low = 0.2, clip_high = 0.28,
+             agg = 'token-mean', kl_coef = 0.0 },
+    overlong = { enable = true, buffer = config.integer(128), factor = 1.0 },
+  },
 }
-local S = R.start(cfg, { name = 'rlvr', steps = cfg.rlvr.steps, steps_key = 'rlvr.steps', chat = cfg.data.chat,
-  fields = { prompt = cfg.data.prompt, answer = cfg.data.answer }, optional = { answer = true } })
-local ref = cfg.rlvr.kl_coef > 0 and S:reference() or nil
-local sampling = { temperature = cfg.rlvr.temperature, top_p = cfg.rlvr.top_p, max_tokens = cfg.rlvr.max_tokens,
-  eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
-local G = cfg.rlvr.samples
 
-local function overlong_penalty(len)
-  if not cfg.overlong.enable then return 0 end
-  local L, B = cfg.rlvr.max_tokens, math.min(cfg.overlong.buffer, cfg.rlvr.max_tokens)
+function rlvr:overlong_penalty(len)
+  local o = self.cfg.overlong
+  if not o.enable then return 0 end
+  local L, B = self.c.max_tokens, math.min(o.buffer, self.c.max_tokens)
   if len <= L - B or B == 0 then return 0 end
-  return (L - B - len) / B * cfg.overlong.factor
+  return (L - B - len) / B * o.factor
 end
 
--- 1. the rollout, with dynamic sampling: generate and score until enough groups carry a signal;
--- the kept groups train, the metrics are over everything generated
-S:rollout(function(step)
+-- Dynamic sampling: generate and score until enough groups carry a signal; the kept groups
+-- train, the metrics are over everything generated.
+function rlvr:rollout(step)
+  local G, want = self.group, self.c.prompts * self.group
   local kept, seen, gen_batches, gen_tokens, correct = {}, {}, 0, 0, 0
   local rm = { errors = 0, dropped_groups = 0 }
   local t0 = moonrl.now()
-  while #kept < cfg.rlvr.prompts * G and gen_batches < cfg.rlvr.max_gen_batches do
+  while #kept < want and gen_batches < self.c.max_gen_batches do
     gen_batches = gen_batches + 1
-    local records = S:prompts(cfg.rlvr.prompts)
-    sampling.step = step * 1000 + gen_batches
-    local results = S:phase('generate', function() return S.engine:generate(R.requests(records, G), sampling) end)
-    local verdicts, samples, m = S:phase('reward', S.score, S, R.flatten(records, results), G)
+    local samples, m = self:score(self:generate(self:prompts(step), step * 1000 + gen_batches))
     rm.errors, rm.dropped_groups = rm.errors + m.errors, rm.dropped_groups + m.dropped_groups
-    for i, s in ipairs(samples) do
-      s.correct = verdicts[i - 1]
-      s.score = s.correct + overlong_penalty(#s.ids)
+    for _, s in ipairs(samples) do
+      s.correct = s.score -- the verifier's verdict
+      s.score = s.correct + self:overlong_penalty(#s.ids)
       gen_tokens = gen_tokens + #s.ids
       seen[#seen + 1] = s
     end
@@ -69,7 +61,7 @@ S:rollout(function(step)
       for j = 2, G do
         if samples[g * G + j].score ~= first.score then all_equal = false end
       end
-      if not all_equal and #kept < cfg.rlvr.prompts * G then
+      if not all_equal and #kept < want then
         for j = 1, G do kept[#kept + 1] = samples[g * G + j] end
       end
     end
@@ -83,36 +75,23 @@ S:rollout(function(step)
     dropped_groups = rm.dropped_groups }, accuracy = #seen > 0 and correct / #seen or 0,
     response_length = R.length_metrics(seen), dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G,
     kept_ratio = #seen > 0 and #kept / #seen or 0 } }
-end)
-
-local history = {}
-for step in S:steps() do
-  local kept, info = S:next_batch()
-
-  -- 2. advantages over the kept groups, and the update (skipped when no group had a signal)
-  local m = { skipped = 1 }
-  local t0 = moonrl.now()
-  if #kept > 0 then
-    local scores = require('ffi').new('double[?]', #kept)
-    for i, s in ipairs(kept) do scores[i - 1] = s.score end
-    local adv = algo.advantages.grpo({ scores = scores, nseq = #kept, group = G })
-    for i, s in ipairs(kept) do s.adv = adv[i - 1] * (s.adv_scale or 1) end
-    m = S:phase('train', R.policy_step, S:off_policy { session = S, model = S.policy, opt = S.opt, samples = kept, ref = ref, lr = S:lr(),
-      temperature = cfg.rlvr.temperature, clip_low = cfg.rlvr.clip_low, clip_high = cfg.rlvr.clip_high,
-      agg = cfg.rlvr.agg, norm = cfg.rlvr.max_tokens, kl_coef = cfg.rlvr.kl_coef,
-      micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = cfg.train.max_grad_norm })
-    m.skipped = 0
-  end
-
-  -- 3. log (rewards and lengths over everything generated; the update over the kept groups)
-  m.reward, m.accuracy, m.response_length = info.reward, info.accuracy, info.response_length
-  m.dynamic_sampling = info.dynamic_sampling
-  m.data = S:data_metrics()
-  m.async = S:async_metrics(info)
-  m.tokens_per_s = { generate = R.rate(info.gen_tokens, info.gen_s), train = R.rate(m.tokens or 0, moonrl.now() - t0) }
-  history[step] = S:log(m)
 end
 
-local dirs = S:finish()
-print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
-return { history = history, dir = S.dir, model = S.policy }
+function rlvr:update(kept, info)
+  if #kept == 0 then return { skipped = 1 } end -- no group had a signal
+  local m = rl.Recipe.update(self, kept, info)
+  m.skipped = 0
+  return m
+end
+
+-- Rewards and lengths over everything generated (the rollout's), the update over the kept groups.
+function rlvr:metrics(m, kept, info)
+  m.reward, m.accuracy, m.response_length = info.reward, info.accuracy, info.response_length
+  m.dynamic_sampling = info.dynamic_sampling
+  m.data = self.S:data_metrics()
+  m.async = self.S:async_metrics(info)
+  m.tokens_per_s = { generate = R.rate(info.gen_tokens, info.gen_s),
+    train = R.rate(m.tokens or 0, moonrl.now() - (self.update_t0 or moonrl.now())) }
+end
+
+return rlvr:main()

@@ -25,7 +25,7 @@ local function which(name)
   end
 end
 
-local USAGE = 'usage: moonrl launch -n N [--restarts K] [--backoff S] [--mpirun "ARGS"] [RECIPE] [key=value ...]'
+local USAGE = 'usage: moonrl launch -n N [--restarts K] [--backoff S] [--mpirun "ARGS"] [RECIPE] [--require FILE.lua] [key=value ...]'
 
 function M.main(args)
   local n, sup, extra, words = nil, { restarts = 0 }, {}, {}
@@ -56,8 +56,14 @@ function M.main(args)
     i = i + 1
   end
   if not n then eprint(USAGE) return 2 end
+  -- the recipe: the first word that is not a --require FILE (those go to every rank as they are)
+  local first = 1
+  while words[first] and (words[first] == '--require' or words[first]:match('^%-%-require=')) do
+    first = first + (words[first] == '--require' and 2 or 1)
+  end
+  if first > 1 and words[first] then table.insert(words, 1, table.remove(words, first)) end
   -- no recipe: the embedded default example, as `moonrl [key=value ...]` runs it
-  local default_example = #words == 0 or words[1]:match('^[%w_%.%-]+=') ~= nil
+  local default_example = #words == 0 or words[1]:match('^[%w_%.%-]+=') ~= nil or words[1]:match('^%-%-require') ~= nil
   local mpirun = which('mpirun')
   if not mpirun then
     eprint('mpirun not found on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev)')

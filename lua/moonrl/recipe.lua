@@ -215,6 +215,7 @@ function M.clone(model, opts)
   opts = opts or {}
   local copy = model_mod.new(model.config, { value_head = opts.value_head or model.config.value_head })
   M.copy_weights(model, copy)
+  copy:set_dtype(model:dtype()) -- a reference policy or critic computes as the policy does
   return copy
 end
 
@@ -245,7 +246,7 @@ function M.adamw(model, o)
   local p, n = model:params()
   local g = model:grads()
   local opt = require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
-    eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges() })
+    eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges(), model = model })
   opt.model = model -- what a session's data-parallel wrapper hooks its gradient buckets into
   return opt
 end
@@ -331,7 +332,8 @@ end
 -- or adv_tokens (a list, one per response token: PPO with GAE), and optionally old_logprobs
 -- (a list; when absent the batch is on-policy and log π_old = log πθ, detached). o:
 --   model, opt; ref (a frozen reference model: adds the KL loss term, coef kl_coef, estimator
---   kl_estimator); loss ('ppo' or 'gspo'), clip_low, clip_high, dual_clip, agg, norm;
+--   kl_estimator); loss (a name in moonrl.algo.losses: ppo, dual_clip, gspo, reinforce,
+--   decoupled_ppo, or one registered), clip_low, clip_high, dual_clip, agg, norm;
 --   entropy_coef (0); temperature (1); micro_batch_tokens (4096); max_grad_norm (1); lr;
 --   share_prompts (true): the samples of one prompt share its rows (see pack);
 --   measure_mismatch (true): when the samples carry the engine's rollout_logprobs and the weights
@@ -407,7 +409,7 @@ function M.policy_step(o)
       args.behavior_logprob = behav
       args.behav_imp_weight_cap, args.behav_cap_mode = o.behav_imp_weight_cap, o.behav_cap_mode
     end
-    local loss, pm = algo.policy_loss[o.loss or 'ppo'](args)
+    local loss, pm = algo.losses.get(o.loss or 'ppo')(args) -- by name (moonrl.algo.losses)
     if decoupled then algo.correction.accumulate(behav_acc, pm, 'behav_') end
     local mtok = pm.tokens
     if ref_lp then -- KL to the reference as a loss term; its parts over micro-batches sum to agg(k)
@@ -482,10 +484,13 @@ local function with(defaults, over)
   return defaults
 end
 
+-- model.dtype: fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it to the policy).
 function M.model_config()
   return { dir = config.required('string', 'Hugging Face model directory'),
-           tokenizer = config.optional('string', 'tokenizer directory (default model.dir)') }
+           tokenizer = config.optional('string', 'tokenizer directory (default model.dir)'),
+           dtype = 'fp32' }
 end
+
 
 -- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad
 -- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped).
@@ -514,6 +519,15 @@ local function check_choice(key, value, choices)
   for _, c in ipairs(choices) do if value == c then return end end
   moonrl.usage_error(string.format("config key '%s' must be one of %s, got '%s'", key, table.concat(choices, ', '),
     tostring(value)))
+end
+
+-- The precision cfg.model.dtype asks for, checked (a usage error naming the key); nil when the
+-- config has no model.dtype.
+function M.model_dtype(cfg)
+  local d = type(cfg.model) == 'table' and cfg.model.dtype or nil
+  if d == nil then return nil end
+  check_choice('model.dtype', d, model_mod.dtypes)
+  return d
 end
 
 -- ---- the recipe's session --------------------------------------------------------------------
@@ -551,7 +565,7 @@ end
 function RS:finish(opts)
   if self.role == 'rollout' then
     -- with the trainers at their clean end (the phase done, not a stop): one timeline together
-    self:close(not self.rollout_stopped and { job = require('moonrl.dist').current() } or nil)
+    self:close('finished', nil, not self.rollout_stopped and { job = require('moonrl.dist').current() } or nil)
     local dirs = {}
     for i, m in ipairs(self.models) do dirs[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
     return dirs
@@ -562,7 +576,9 @@ end
 -- cfg: the merged config; opts: name, steps (the step count), steps_key (its config key),
 -- chat (use the chat template), fields / optional (the dataset's record fields, when the
 -- recipe streams prompts from cfg.data.path), engine (false: none even with an engine section),
--- policy / tokenizer_dir (a model the recipe built itself, instead of model.dir).
+-- policy / tokenizer_dir (a model the recipe built itself, instead of model.dir), free_keys (config
+-- keys a resumed run may change, as session.start's), data (a moonrl.data view to stream prompts
+-- from instead of cfg.data.path: a task's records, moonrl.tasks).
 function M.start(cfg, opts)
   opts = opts or {}
   -- everything that can be checked or loaded is, before the run directory exists: a typo or a
@@ -571,12 +587,14 @@ function M.start(cfg, opts)
   if type(cfg.reward) == 'table' then check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
   check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
   rollout.check_config(cfg)
+  local dtype = M.model_dtype(cfg)
   local policy, tok, tpl, tok_dir = opts.policy, nil, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(M.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
     if not ok then moonrl.usage_error('model.dir: ' .. moonrl.error_text(a)) end
     policy, tok, tpl, tok_dir = a, b, c, d
   end
+  if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
   local engine
   if cfg.engine and opts.engine ~= false and policy then
     local e = cfg.engine
@@ -592,18 +610,28 @@ function M.start(cfg, opts)
     local ok, err = pcall(rewards_mod().get, cfg.reward.name)
     if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
   end
-  local data
-  if opts.fields and cfg.data then
+  local data = opts.data
+  if not data and opts.fields and cfg.data then
     data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,
       on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' }):shuffled(cfg.run.seed)
   end
 
   local inputs = {}
   if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
-  local S = session.start(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs })
+  local S = session.start(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
+    free_keys = opts.free_keys })
   setmetatable(S, RS)
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
-  if policy then S:model('policy', policy, { tokenizer_dir = tok_dir }) end
+  if policy then
+    S:model('policy', policy, { tokenizer_dir = tok_dir })
+    local bf16 = policy:dtype() == 'bf16'
+    if S.world.rank == 0 and cfg.quiet ~= true then -- the run's precision, on its first line
+      print(string.format('precision: %s%s', policy:dtype(), bf16 and string.format(
+        ' (fp32 master weights; bf16 products: %s)', model_mod.bf16_products() or 'reference: no bf16 hardware, slow') or ''))
+    end
+    S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32',
+      bf16_products = model_mod.bf16_products() or 'none' }, { quiet = true })
+  end
   if cfg.train and policy and S.role ~= 'rollout' then
     S.opt = S:optimizer('policy', M.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
     S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
@@ -622,9 +650,36 @@ end
 -- rendered or encoded, or whose prompt leaves no room to generate, is skipped when
 -- data.on_error is 'skip' (counted), else an error naming the file and line.
 function RS:prompts(n)
+  if self.group_stream then return self:group_prompt(n) end
   local all = self:global_prompts(n)
   if self.world.size == 1 then return all end
   return (self:shard(all))
+end
+
+-- How many prompts a rollout draws: n, or 1 when each group is a rollout of its own
+-- (async.stream_unit=group, moonrl.rollout), for a recipe that draws its prompts itself.
+function RS:rollout_count(n)
+  if self.group_stream then
+    self.group_batch = self.group_batch or n
+    return 1
+  end
+  return n
+end
+
+-- A group stream's draw (moonrl.rollout): one record, the first of those a resumed run had drawn
+-- but not trained on, else the next; the batch's size n noted.
+function RS:group_prompt(n)
+  self.group_batch = self.group_batch or n
+  local rec = self.requeue and table.remove(self.requeue, 1)
+  local out
+  if rec then
+    rec.prompt_index = 0
+    out = { rec }
+  else
+    out = self:global_prompts(1)
+  end
+  self.group_drawn = out
+  return out
 end
 
 -- The step's whole batch of n records (every rank reads the same), each with prompt_index, its
@@ -640,7 +695,7 @@ function RS:global_prompts(n)
     local batch = self.batches()
     tries = tries + 1
     if not batch or tries > n + 10 * self.data:len() then
-      error(self.cfg.data.path .. ': no usable records (every one was skipped)', 0)
+      error((d.path or ('data.task=' .. tostring(d.task))) .. ': no usable records (every one was skipped)', 0)
     end
     for _, r in ipairs(batch) do
       local ok, ids = pcall(M.prompt_ids, self.tok, self.tpl, r.prompt, d.system)
@@ -650,7 +705,7 @@ function RS:global_prompts(n)
           self.max_prompt_tokens + 1)
       end
       if why then
-        why = string.format('%s:%d: %s', d.path, r.line or 0, why)
+        why = string.format('%s:%d: %s', d.path or ('data.task=' .. tostring(d.task)), r.line or 0, why)
         if not skip then error(why .. ' (data.on_error=skip skips such records)', 0) end
         self.data.src.skipped = self.data.src.skipped + 1
         self:event('data_skipped', { message = why }, { quiet = true })

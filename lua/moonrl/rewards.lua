@@ -7,6 +7,12 @@
 --   local scores, mean = rewards.score_batch('math', samples)   -- double array [#samples]
 --   local both = rewards.combine({ { reward = 'math', weight = 1 }, { reward = 'format', weight = 0.1 } })
 --
+--   rewards.register('short', fn, 'one point under 100 characters')   -- a doc line (or {doc=, replace=})
+--   rewards.get('my_rewards.lua:partial')          -- FILE.lua:NAME: the file is run once (its directory
+--     on package.path) and NAME is what it returned under that key, or what it registered; as
+--     `reward=my_rewards.lua:partial` on the command line (TRL's reward import path). A file given
+--     with `moonrl run R --require my_rewards.lua` registers its rewards before the recipe starts.
+--
 -- Built-ins (plugins/rewards/*.lua, loaded on first use): math (\boxed{} or GSM8K "####" answers
 -- compared by value), gsm8k (the same), format (<think>...</think><answer>...</answer>), countdown
 -- (arithmetic expression over given numbers), exact (the stripped response equals the answer). Each plugin module also has new{...} for configured
@@ -30,8 +36,18 @@ local function callable(fn)
   return type(mt) == 'table' and type(mt.__call) == 'function'
 end
 
--- Register fn under name. An existing name is an error unless opts.replace is true.
+local docs = {
+  math = 'the last \\boxed{} (or GSM8K "####") number equals the answer\'s',
+  gsm8k = 'the same as math',
+  format = '<think>...</think><answer>...</answer>',
+  countdown = 'an arithmetic expression over the given numbers reaching the target',
+  exact = 'the stripped response equals the answer',
+}
+
+-- Register fn under name. opts: a doc line, or { doc = ..., replace = true }; an existing name is an
+-- error unless replace is true.
 function M.register(name, fn, opts)
+  if type(opts) == 'string' then opts = { doc = opts } end
   if type(name) ~= 'string' or name == '' then
     error('rewards.register: name must be a non-empty string, got ' .. tostring(name), 2)
   end
@@ -42,7 +58,11 @@ function M.register(name, fn, opts)
     error(string.format("rewards.register: reward '%s' is already registered (pass {replace = true})", name), 2)
   end
   registry[name] = fn
+  if opts and opts.doc then docs[name] = opts.doc end
 end
+
+-- The doc line of a reward ('' when it has none).
+function M.doc(name) return docs[name] or '' end
 
 -- Sorted names of all rewards, registered and built in.
 function M.names()
@@ -63,6 +83,17 @@ function M.get(name)
     fn = load()
     local mod = 'rewards.' .. (name == 'gsm8k' and 'math' or name) -- its source, in the run's manifest
     require('moonrl.manifest').add_code(package.searchpath(mod, package.path))
+    registry[name] = fn
+    return fn
+  end
+  local file, key = require('moonrl.registry').split_file_name(name)
+  if file then -- FILE.lua:NAME
+    local mod = require('moonrl.registry').require_file(file, 'reward file')
+    fn = type(mod) == 'table' and mod[key] or registry[key]
+    if not callable(fn) then
+      error(string.format("%s defines no reward '%s' (return a table with a function %s, or register it)", file, key,
+        key), 2)
+    end
     registry[name] = fn
     return fn
   end

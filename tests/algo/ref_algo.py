@@ -254,6 +254,28 @@ def ref_policy(c, gspo, behav_weight=None, extra_metrics=None):
     check_loss(c, loss, metrics, lp)
 
 
+def ref_reinforce(c):
+    """Plain REINFORCE: L = -A * log pi (no ratio, no clip); the ratio metrics against old."""
+    cu, o = c["cu"], c["opts"]
+    lp = pad(c["logprob"], cu).requires_grad_(True)
+    adv, m = pad(c["advantages"], cu), pad(c["mask"], cu)
+    pg = -adv * lp
+    metrics = {"clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0, "dual_clipfrac": 0.0}
+    if "old_logprob" in c:
+        x = torch.clamp(pad(c["old_logprob"], cu) - lp.detach(), -20, 20)
+        metrics.update({"approx_kl": masked_mean(x, m), "approx_kl_k3": masked_mean(torch.exp(x) - x - 1, m),
+                        "ratio_mean": masked_mean(torch.exp(-x), m), "ratio_max": masked_max(torch.exp(-x), m)})
+    if "rollout_logprob" in c:
+        base = pad(c["old_logprob"], cu) if "old_logprob" in c else lp.detach()
+        w = torch.clamp(torch.exp(base - pad(c["rollout_logprob"], cu)), max=o.get("tis_cap", 2))
+        metrics["tis_weight_mean"] = masked_mean(w, m)
+        pg = pg * w
+    if "weights" in c:
+        pg = pg * pad(c["weights"], cu)
+    loss = o.get("coef", 1.0) * agg(pg, m, o.get("agg", "token-mean"), o)
+    check_loss(c, loss, metrics, lp)
+
+
 # ---------------------------------------------------------------- off-policy corrections
 
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper: exponentials of logs clamped to ±20
@@ -425,6 +447,7 @@ def ref_sft(c):
 
 REFS = {"grpo": ref_grpo, "rloo": ref_rloo, "reinforce_pp": ref_reinforce_pp, "gae": ref_gae,
         "ppo": lambda c: ref_policy(c, False), "gspo": lambda c: ref_policy(c, True), "kl": ref_kl,
+        "reinforce": ref_reinforce,
         "correction": ref_correction, "decoupled_ppo": ref_decoupled_ppo,
         "entropy": ref_entropy, "value": ref_value, "dpo": ref_dpo, "sft": ref_sft}
 

@@ -194,6 +194,16 @@ t.test('PPO and GSPO cases', function()
     { logprob = lp, old_logprob = far, advantages = adv }, { dual_clip = 3 })
   run_loss('ppo', 'ppo no clamp', algo.policy_loss.ppo, b,
     { logprob = lp, old_logprob = old, advantages = adv }, { log_ratio_clamp = false })
+  for _, mode in ipairs(MODES) do
+    run_loss('reinforce', 'reinforce ' .. mode, algo.policy_loss.reinforce, b, arrays, { agg = mode, norm = 16 })
+  end
+  run_loss('reinforce', 'reinforce truncated IS global tokens', algo.policy_loss.reinforce, b, tis,
+    { tis_cap = 2, global_tokens = 77, coef = 0.5 })
+  run_loss('reinforce', 'reinforce without old_logprob', algo.policy_loss.reinforce, b,
+    { logprob = lp, advantages = adv }, { agg = 'seq-mean-token-mean' })
+  -- the registered losses are these functions (dual_clip: ppo with c = 3)
+  run_loss('ppo', 'losses.get(dual_clip)', algo.losses.get('dual_clip'), b, arrays, { clip_high = 0.28, dual_clip = 3 })
+  run_loss('reinforce', 'losses.get(reinforce)', algo.losses.get('reinforce'), b, arrays, {})
   run_loss('gspo', 'gspo defaults', algo.policy_loss.gspo, b, arrays, {})
   run_loss('gspo', 'gspo wide clip token-mean', algo.policy_loss.gspo, b, arrays,
     { clip_low = 0.05, clip_high = 0.08, agg = 'token-mean' })

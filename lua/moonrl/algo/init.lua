@@ -10,6 +10,16 @@
 --
 -- Modules: advantages, policy_loss, correction (off-policy weights: TIS, MIS), kl, value_loss, dpo,
 -- sft, agg (see each file's top for the arrays it reads). The common entry points are also here under short names.
+--
+-- The registries recipes look these up in by name (moonrl.registry: register(name, fn, doc),
+-- get, check, names, doc), checked at start-up:
+--   algo.estimators      advantage estimators, fn(samples, ctx) -> adv  (estimators.lua):
+--                        grpo, dr_grpo, rloo, reinforce_pp, gae         `grpo.advantage=NAME`
+--   algo.losses          policy losses, fn(args) -> loss, metrics (policy_loss.lua):
+--                        ppo, dual_clip, gspo, reinforce, decoupled_ppo `grpo.loss=NAME`
+--   algo.kl_estimators   KL estimators, fn(lp, ref, clamp) -> k, dk/dlogπ (kl.lua):
+--                        k1, k2, k3 (and aliases)                       `grpo.kl_estimator=NAME`
+-- algo.advantages.register, algo.policy_loss.register and algo.kl.register are the same calls.
 local M = {
   advantages = require('moonrl.algo.advantages'),
   policy_loss = require('moonrl.algo.policy_loss'),
@@ -19,7 +29,11 @@ local M = {
   dpo = require('moonrl.algo.dpo'),
   sft = require('moonrl.algo.sft'),
   agg = require('moonrl.algo.agg'),
+  estimators = require('moonrl.algo.estimators'),
 }
+M.losses = M.policy_loss.losses
+M.kl_estimators = M.kl.estimators
+M.advantages.register = M.estimators.register
 
 M.grpo_advantages = M.advantages.grpo
 M.rloo_advantages = M.advantages.rloo

@@ -6,19 +6,28 @@
 --   'k3' (aliases 'low_var_kl')    k = eˣ − x − 1      dk/dlogπ = 1 − eˣ
 -- Clamps (veRL, NeMo-RL; on by default, args.clamp = false turns them off): for k3, x is clamped to
 -- [−20, 20] and k to [−10, 10]; a clamped value passes no gradient. k1 and k2 are not clamped.
+--
+-- Estimators are found by name in M.estimators (a moonrl.registry; also moonrl.algo.kl_estimators):
+--   require('moonrl.algo').kl.register('k1_sq', function(lp, ref, clamp) return k, dk_dlogp end, 'doc')
+-- adds one that kl.loss, kl.penalty and `grpo.kl_estimator=k1_sq` then take.
 local agg = require('moonrl.algo.agg')
 
 local M = {}
 
 local ESTIMATORS = { k1 = 1, kl = 1, k2 = 2, mse = 2, k3 = 3, low_var_kl = 3 }
+M.estimators = require('moonrl.registry').new('KL estimator')
+function M.register(name, fn, doc) return M.estimators.register(name, fn, doc) end
 
+-- The built-in estimator's id (its own compiled loop), or a registered estimator's function.
 local function estimator_id(name, fn)
   local id = ESTIMATORS[name or 'k3']
-  if not id then
-    error(string.format("%s: unknown KL estimator '%s' (known: k1, kl, k2, mse, k3, low_var_kl)", fn,
-      tostring(name)), 3)
+  if id then return id end
+  local e = M.estimators.entry(name)
+  if not e then
+    error(string.format("%s: unknown KL estimator '%s' (known: %s)", fn, tostring(name),
+      table.concat(M.estimators.names(), ', ')), 3)
   end
-  return id
+  return e.fn
 end
 
 -- One token: returns k, dk/dlogπ. lp = log πθ, ref = log π_ref; clamp: boolean (k3 only).
@@ -42,6 +51,12 @@ local function kl_k3(lp, ref, clamp)
 end
 local KL_TOKEN = { kl_k1, kl_k2, kl_k3 }
 function M.kl_token(id, lp, ref, clamp) return KL_TOKEN[id](lp, ref, clamp) end
+M.register('k1', kl_k1, 'log πθ − log π_ref (alias kl)')
+M.register('kl', kl_k1, 'alias of k1')
+M.register('k2', kl_k2, '½ (log π_ref − log πθ)² (alias mse)')
+M.register('mse', kl_k2, 'alias of k2')
+M.register('k3', kl_k3, 'e^x − x − 1, x = log π_ref − log πθ, clamped (alias low_var_kl; veRL default)')
+M.register('low_var_kl', kl_k3, 'alias of k3')
 
 -- One loop per estimator (each its own trace; see agg.token_loss).
 local kl_loss_tokens = {
@@ -49,6 +64,7 @@ local kl_loss_tokens = {
   function(s, t) return kl_k2(s.lp[t], s.ref[t]) end,
   function(s, t) return kl_k3(s.lp[t], s.ref[t], s.clamp) end,
 }
+local function kl_registered(s, t) return s.f(s.lp[t], s.ref[t], s.clamp) end
 
 -- KL as a loss term: loss = coef · agg(k).
 --   args.logprob [ntok] log πθ; args.ref_logprob [ntok] log π_ref; cu_seqlens, nseq, mask
@@ -64,7 +80,9 @@ function M.loss(args)
   local id = estimator_id(args.estimator, fn)
   local clamp = args.clamp ~= false
   local a = setmetatable({ coef = args.coef or 0.001 }, { __index = args })
-  local loss, kl = agg.token_loss(a, fn, 'token-mean', kl_loss_tokens[id], { lp = lp, ref = ref, clamp = clamp })
+  local builtin = type(id) == 'number'
+  local loss, kl = agg.token_loss(a, fn, 'token-mean', builtin and kl_loss_tokens[id] or kl_registered,
+    { lp = lp, ref = ref, clamp = clamp, f = not builtin and id or nil })
   return loss, { kl = kl }
 end
 
@@ -84,7 +102,7 @@ function M.penalty(args)
   local clamp = args.clamp ~= false
   local mask = args.mask
   local s, n = 0, 0
-  local kl_token = KL_TOKEN[id]
+  local kl_token = type(id) == 'number' and KL_TOKEN[id] or id
   for t = 0, ntok - 1 do
     local m = mask[t]
     if m ~= 0 then

@@ -1,6 +1,8 @@
 -- Policy-gradient losses over packed per-token arrays: PPO-clip (with DAPO clip-higher, dual-clip,
 -- log-ratio clamp, truncated importance sampling, per-token correction weights), GSPO
--- (sequence-level ratio) and decoupled PPO (AReaL: a proximal policy and a behaviour weight).
+-- (sequence-level ratio), plain REINFORCE (no ratio, no clip) and decoupled PPO (AReaL: a
+-- proximal policy and a behaviour weight). Recipes find them by name in moonrl.algo.losses
+-- (M.register below; `grpo.loss=NAME`).
 --
 -- Inputs (cdata arrays, 0-based):
 --   per token [ntok]: logprob (log πθ, from the core), old_logprob (log π_old, the policy that
@@ -159,6 +161,60 @@ function M.ppo(args) return clip_loss(args, false, 'policy_loss.ppo') end
 -- is the exact gradient of the loss; with per-token advantages it is veRL's stop-gradient form.
 function M.gspo(args) return clip_loss(args, true, 'policy_loss.gspo') end
 
+-- REINFORCE: the plain policy gradient, no ratio and no clip. Per token
+--   L_t = −A_t · log πθ_t,   dL_t/dlogπ_t = −A_t
+-- (with leave-one-out advantages this is RLOO; with group-normalised ones, on-policy GRPO without
+-- its clip). args: logprob, advantages, cu_seqlens, nseq, mask, grad, coef (1), agg ('token-mean')
+-- and the global denominators (agg.lua); old_logprob (optional) only feeds the metrics (approx_kl,
+-- ratio_mean against the policy that sampled); rollout_logprob + tis_cap and weights multiply L_t
+-- as in ppo. Metrics: ppo's keys (clipfrac and its parts 0), pg_loss, tokens.
+function M.reinforce(args)
+  local fn = 'policy_loss.reinforce'
+  local nseq, ntok = agg.check_batch(args, fn)
+  local lp = agg.check_array(args, 'logprob', ntok, fn)
+  local adv = agg.check_array(args, 'advantages', ntok, fn)
+  local old = agg.check_array(args, 'old_logprob', ntok, fn, true)
+  local grad = agg.check_array(args, 'grad', ntok, fn, true)
+  local roll = agg.check_array(args, 'rollout_logprob', ntok, fn, true)
+  local wts = agg.check_array(args, 'weights', ntok, fn, true)
+  local tis_cap, coef = args.tis_cap or 2, args.coef or 1
+  local w = agg.seq_weights(args, args.agg or 'token-mean')
+  local cu, mask = args.cu_seqlens, args.mask
+  local total, n, kl1, kl3, rsum, rmax, tis_sum = 0, 0, 0, 0, 0, -math.huge, 0
+  for i = 0, nseq - 1 do
+    local wi, s = w[i], 0
+    for t = cu[i], cu[i + 1] - 1 do
+      local m = mask[t]
+      if m ~= 0 then
+        local L, dL = -adv[t] * lp[t], -adv[t]
+        if roll ~= nil then
+          local iw = min(exp(min((old ~= nil and old[t] or lp[t]) - roll[t], 20)), tis_cap)
+          L, dL = L * iw, dL * iw
+          tis_sum = tis_sum + m * iw
+        end
+        if wts ~= nil then L, dL = L * wts[t], dL * wts[t] end
+        s = s + m * L
+        if grad ~= nil then grad[t] = grad[t] + coef * wi * m * dL end
+        if old ~= nil then
+          local x = min(max(old[t] - lp[t], -20), 20)
+          local r = exp(-x)
+          kl1, kl3, rsum, rmax = kl1 + m * x, kl3 + m * (exp(x) - x - 1), rsum + m * r, max(rmax, r)
+        else
+          rsum, rmax = rsum + m, 1
+        end
+        n = n + m
+      end
+    end
+    total = total + wi * s
+  end
+  local inv = n > 0 and 1 / n or 0
+  local metrics = { pg_loss = total, clipfrac = 0, clipfrac_low = 0, clipfrac_high = 0, dual_clipfrac = 0,
+    approx_kl = kl1 * inv, approx_kl_k3 = kl3 * inv, ratio_mean = rsum * inv, ratio_max = n > 0 and rmax or 0,
+    tokens = n }
+  if roll ~= nil then metrics.tis_weight_mean = tis_sum * inv end
+  return coef * total, metrics
+end
+
 -- Decoupled PPO with a proximal policy (AReaL: Fu et al. 2025, "AReaL: a large-scale asynchronous
 -- reinforcement learning system for language reasoning"; after Hilton et al. 2021, "Batch
 -- size-invariance for policy optimization"). Three policies: πθ (args.logprob), the proximal policy
@@ -215,5 +271,19 @@ function M.decoupled_ppo(args)
   if not (cap and cap_mode == 'truncate') then metrics.behav_clipfrac = nil end
   return loss, metrics
 end
+
+-- ---- the registry recipes find a loss in (`grpo.loss=NAME`): name -> fn(args) -> loss, metrics ----
+-- A registered loss takes the arrays above (logprob, old_logprob, advantages, mask, cu_seqlens,
+-- nseq, grad, agg and the global denominators, clip_low / clip_high / dual_clip, rollout_logprob,
+-- weights) and ADDS its gradient into args.grad, as ppo does; R.policy_step calls it per micro-batch.
+M.losses = require('moonrl.registry').new('policy loss')
+function M.register(name, fn, doc) return M.losses.register(name, fn, doc) end
+M.register('ppo', M.ppo, 'PPO-clip on the token ratio (clip_low, clip_high: DAPO clip-higher)')
+M.register('dual_clip', function(args)
+  return M.ppo(setmetatable({ dual_clip = args.dual_clip or 3 }, { __index = args }))
+end, 'PPO-clip with the dual clip (c = 3) for A < 0')
+M.register('gspo', M.gspo, 'GSPO: the sequence-level ratio (seq-mean-token-mean)')
+M.register('reinforce', M.reinforce, 'plain REINFORCE: −A·log π, no ratio, no clip')
+M.register('decoupled_ppo', M.decoupled_ppo, 'AReaL decoupled PPO: a proximal policy and behaviour weights (async)')
 
 return M

@@ -1,0 +1,417 @@
+-- moonrl.rl: the RL loop as a library. A recipe is a table of stages; the library runs them every
+-- step and gives every recipe the rest: the run directory, checkpoints and resume, the guards,
+-- data-parallel ranks, rollout ranks and async rollouts (moonrl.session, moonrl.rollout), the
+-- config sections every RL recipe shares, start-up checks, held-out evaluation and the step line.
+--
+--   local rl = require('moonrl.rl')
+--   local grpo = rl.recipe { name = 'grpo', config = { grpo = { steps = 100, ... } } }
+--   return grpo:main()                   -- runs it (or hands it to rl.extend, see below)
+--
+--   -- examples/rloo.lua: another recipe extending it, overriding one stage
+--   local rloo = rl.extend('grpo', { name = 'rloo', config = { grpo = { loss = 'reinforce' } } })
+--   function rloo:advantages(samples, info) ... end
+--   return rloo:main()
+--
+-- The loop (Recipe:main):
+--   cfg <- moonrl.config(recipe.config)   the recipe's config (its parents' merged under it)
+--   self:check()                          registries and keys checked, before any work
+--   S <- moonrl.recipe.start(...)         model, engine, data, session; self:setup()
+--   S:rollout(self:rollout)               where and when rollouts run: async.*, dist.rollout_ranks
+--   for step in S:steps() do              resumes, checkpoints at the step's end, stops, rolls back
+--     samples, info <- S:next_batch()
+--     self:train_step(step, samples, info)   advantages -> update -> metrics -> evaluate -> log
+--   end
+--   return self:finish()
+--
+-- Stages: methods of the recipe, each overridable (self.cfg: the config, self.c: the recipe's
+-- section cfg[self.section], self.S: the session, self.group: samples per prompt, self.ref:
+-- the frozen reference policy when <section>.kl_coef > 0, self.sampling: the engine's options):
+--   setup()                               after the session starts, before the loop (critics ...)
+--   rollout(step) -> samples, info        prompts -> generate -> score (here, ahead or on rollout
+--                                         ranks: it must only use what it is given and self)
+--   prompts(step) -> records              <section>.prompts records: data.path or data.task
+--   generate(records, seed_step) -> samples   self.group completions each, flattened (R.flatten)
+--   score(samples) -> samples, metrics    the reward (reward=NAME); a failing reward drops its group
+--   train_step(step, samples, info) -> flat metrics   the stages below, in order
+--   advantages(samples, info)             s.adv (or s.adv_tokens) of each sample: the estimator
+--                                         named by <section>.advantage (moonrl.algo.estimators)
+--   update(samples, info) -> m            <section>.epochs passes of R.policy_step with the loss
+--                                         named by <section>.loss (moonrl.algo.losses)
+--   policy_options(samples, epoch) -> o   the options of one R.policy_step
+--   metrics(m, samples, info)             reward, accuracy, lengths, data, async, throughput
+--   evaluate(step) -> m | nil             every eval.every steps: held-out accuracy (eval.*)
+--   log(m) -> flat                        the step line and metrics.jsonl
+--   finish() -> result                    the last checkpoint, the model saved
+-- Checkpoints are the session's: at the end of a step (run.checkpoint_every, on a stop); state a
+-- recipe keeps across steps goes in self.S.extra (JSON), and is then saved and restored too.
+local moonrl = require('moonrl')
+local algo = require('moonrl.algo')
+local config = require('moonrl.config')
+local R = require('moonrl.recipe')
+
+local M = {}
+local Recipe = {}
+Recipe.__index = Recipe
+M.Recipe = Recipe
+
+-- ---- config: the sections every RL recipe shares, and merging a recipe's over its parent's ---
+
+-- data: data.path (JSONL) or data.task (moonrl.tasks), with the record fields.
+function M.data_config(fields)
+  local d = R.data_config(fields)
+  d.path = config.optional('string', 'JSONL dataset (or data.task)')
+  d.task = config.optional('string', 'a task from moonrl.tasks instead of data.path: ' ..
+    table.concat(require('moonrl.tasks').names(), ', '))
+  return d
+end
+
+-- eval: held-out accuracy every `every` steps (0: off) on eval.data (JSONL, data's fields),
+-- eval.task's held-out split, or data.task's when neither is given; greedy (temperature 0), the
+-- reward as the judge (accuracy: the share scoring >= 1). prompts: at most this many (0: all);
+-- max_tokens: 0 takes the recipe's.
+function M.eval_config()
+  return { every = config.integer(0), data = config.optional('string', 'held-out JSONL (data.* fields)'),
+    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0),
+    max_tokens = config.integer(0) }
+end
+M.EVAL_KEYS = { 'eval.every', 'eval.data', 'eval.task', 'eval.prompts', 'eval.max_tokens' }
+
+-- What every RL recipe's config has; a recipe's config is merged over it.
+function M.base_config()
+  return {
+    model = R.model_config(),
+    data = M.data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
+    reward = R.reward_config('math'), -- a name in the reward registry (moonrl.rewards), or FILE.lua:NAME
+    reward_model = { dir = config.optional('string', 'a ...ForSequenceClassification checkpoint (reward=reward_model)') },
+    train = R.train_config { lr = 1e-6 },
+    engine = R.engine_config(),
+    async = R.async_config(),
+    eval = M.eval_config(),
+    save = true,
+  }
+end
+
+local function is_slot(v) return type(v) == 'table' and getmetatable(v) ~= nil and v.kind ~= nil end
+local function is_section(v) return type(v) == 'table' and not is_slot(v) and next(v) ~= nil and #v == 0 end
+
+-- A deep copy of over merged onto base: sections merge key by key, other values replace (a plain
+-- number over an integer default stays an integer).
+function M.merge(base, over)
+  local out = {}
+  for k, v in pairs(base or {}) do out[k] = is_section(v) and M.merge(v, {}) or v end
+  for k, v in pairs(over or {}) do
+    local b = out[k]
+    if is_section(v) and is_section(b) then out[k] = M.merge(b, v)
+    elseif is_slot(b) and b.kind == 'default' and b.type == 'integer' and type(v) == 'number' then
+      out[k] = config.integer(v)
+    else out[k] = v end
+  end
+  return out
+end
+
+-- ---- recipes ---------------------------------------------------------------------------------
+
+-- def: name (the run's and checkpoints' recipe name), section (the config section of the
+-- algorithm, default name), config (merged over base_config), and stage functions.
+function M.recipe(def)
+  local self = setmetatable({}, Recipe)
+  for k, v in pairs(def) do self[k] = v end
+  self.section = def.section or def.name
+  self.config = M.merge(M.base_config(), def.config)
+  return self
+end
+
+local loading = 0
+
+local function find(name)
+  local fs = require('moonrl.fs')
+  for _, p in ipairs({ name, moonrl.home .. '/recipes/' .. name, moonrl.home .. '/recipes/' .. name .. '.lua' }) do
+    if fs.exists(p) and not fs.stat(p).is_dir then return p end
+  end
+  error(string.format("rl.extend: recipe '%s' not found (no such file, and no recipes/%s.lua)", name, name), 3)
+end
+
+-- The recipe a file defines, without running it (its `return X:main()` returns X while loading).
+function M.load(name)
+  local path = find(name)
+  loading = loading + 1
+  local ok, r = pcall(dofile, path)
+  loading = loading - 1
+  if not ok then error(r, 0) end
+  if type(r) ~= 'table' or r.main ~= Recipe.main then
+    error(path .. ' is not a moonrl.rl recipe (it must end with `return recipe:main()`)', 2)
+  end
+  return r
+end
+
+-- A recipe that extends parent (a recipe, or a recipe's name or path: 'grpo'): it has the
+-- parent's stages (override any; self.parent is the parent, to call its version) and its config
+-- with def.config merged over it; def.name (default the parent's), def.section likewise.
+function M.extend(parent, def)
+  if type(parent) == 'string' then parent = M.load(parent) end
+  def = def or {}
+  local self = setmetatable({}, { __index = parent })
+  for k, v in pairs(def) do self[k] = v end
+  self.parent, self.name, self.section = parent, def.name or parent.name, def.section or parent.section
+  self.config = M.merge(parent.config, def.config)
+  return self
+end
+
+-- Run the recipe (see the top); a file loaded by rl.load / rl.extend returns the recipe instead.
+function Recipe:main()
+  if loading > 0 then return self end
+  local cfg = moonrl.config(self.config)
+  self.cfg, self.c = cfg, cfg[self.section]
+  self:check()
+  self.S = R.start(cfg, self:start_options())
+  self:setup()
+  local S = self.S
+  S:rollout(function(step) return self:rollout(step) end, self.rollout_options)
+  self.history = {}
+  for step in S:steps() do
+    local samples, info = S:next_batch() -- generated now, ahead (async.mode), or by rollout ranks
+    self.history[step] = self:train_step(step, samples, info)
+  end
+  return self:finish()
+end
+
+-- What this recipe computes for the advantage estimators beyond the scores (a critic: 'values').
+Recipe.provides = {}
+
+-- The start-up checks: every name the config gives is looked up in its registry now, so a typo is
+-- one line and exit 2 before the model loads.
+function Recipe:check()
+  local cfg, c, sec = self.cfg, self.c, self.section
+  if type(c) ~= 'table' then error(string.format("recipe '%s': its config has no section '%s'", self.name, sec), 0) end
+  if c.advantage ~= nil then
+    local e = algo.estimators.check(c.advantage, sec .. '.advantage')
+    for _, need in ipairs(e.needs) do
+      if not self.provides[need] then
+        moonrl.usage_error(string.format("config key '%s.advantage': the estimator '%s' needs %s, which the recipe '%s' " ..
+          'does not compute (ppo has a critic)', sec, c.advantage, need, self.name))
+      end
+    end
+  end
+  if c.loss ~= nil then algo.losses.check(c.loss, sec .. '.loss') end
+  if c.kl_estimator ~= nil then algo.kl_estimators.check(c.kl_estimator, sec .. '.kl_estimator') end
+  if c.agg ~= nil and not algo.agg.MODES[c.agg] then
+    local modes = {}
+    for k in pairs(algo.agg.MODES) do modes[#modes + 1] = k end
+    table.sort(modes)
+    moonrl.usage_error(string.format("config key '%s.agg': unknown aggregation '%s' (known: %s)", sec, tostring(c.agg),
+      table.concat(modes, ', ')))
+  end
+  local tasks = require('moonrl.tasks')
+  local d, e = cfg.data, cfg.eval
+  if d then
+    if d.task ~= nil then tasks.check(d.task, 'data.task')
+    elseif d.path == nil then
+      moonrl.usage_error(string.format("config key 'data.path' (string) is required: pass data.path=... or data.task=NAME " ..
+        '(tasks: %s)', table.concat(tasks.names(), ', ')))
+    end
+  end
+  if e then
+    if e.task ~= nil then tasks.check(e.task, 'eval.task') end
+    if e.every < 0 then moonrl.usage_error("config key 'eval.every' must be >= 0 (0: off)") end
+    if e.every > 0 and not e.data and not e.task and not (d and d.task) then
+      moonrl.usage_error('eval.every: no held-out set: pass eval.data=FILE.jsonl or eval.task=NAME (or train on data.task)')
+    end
+  end
+  if type(cfg.reward) == 'table' and not (cfg.reward_model and cfg.reward_model.dir) then
+    local ok, err = pcall(require('moonrl.rewards').get, cfg.reward.name)
+    if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
+  end
+end
+
+function Recipe:start_options()
+  local cfg, c = self.cfg, self.c
+  local free = {}
+  for i, k in ipairs(M.EVAL_KEYS) do free[i] = k end
+  local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free }
+  if cfg.data then
+    o.chat, o.fields, o.optional = cfg.data.chat, { prompt = cfg.data.prompt, answer = cfg.data.answer }, { answer = true }
+    if cfg.data.task then
+      local t = require('moonrl.tasks').load(cfg.data.task, cfg.run.seed)
+      o.data = require('moonrl.data').records(t.train, { name = 'data.task=' .. cfg.data.task }):shuffled(cfg.run.seed)
+    end
+  end
+  return o
+end
+
+function Recipe:setup()
+  local S, c = self.S, self.c
+  self.ref = (c.kl_coef or 0) > 0 and S:reference() or nil -- a frozen copy of the initial policy
+  self.group = c.samples or 1
+  self.sampling = { temperature = c.temperature, top_p = c.top_p, top_k = c.top_k, max_tokens = c.max_tokens,
+    eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
+end
+
+-- ---- the rollout: prompts -> generate -> score -------------------------------------------------
+
+function Recipe:rollout(step)
+  local records = self:prompts(step)
+  local samples, rm = self:score(self:generate(records, step))
+  return samples, { reward = rm }
+end
+
+function Recipe:prompts(step) return self.S:prompts(self.c.prompts) end
+
+-- seed_step: what the samples' seeds derive from (with the prompt and sample index).
+function Recipe:generate(records, seed_step)
+  local S = self.S
+  self.sampling.step = seed_step
+  local results = S:phase('generate', function() return S.engine:generate(R.requests(records, self.group), self.sampling) end)
+  return R.flatten(records, results)
+end
+
+function Recipe:score(samples)
+  local S = self.S
+  local scores, kept, rm = S:phase('reward', S.score, S, samples, self.group)
+  for i, s in ipairs(kept) do s.score = scores[i - 1] end
+  return kept, rm
+end
+
+-- ---- a step: advantages -> update -> metrics -> evaluate -> log -------------------------------
+
+function Recipe:train_step(step, samples, info)
+  self:advantages(samples, info)
+  local m = self:update(samples, info)
+  self:metrics(m, samples, info)
+  m.eval = self:evaluate(step)
+  return self:log(m)
+end
+
+-- What an advantage estimator is given besides the samples (moonrl.algo.estimators).
+function Recipe:advantage_context(samples)
+  return { scores = R.scores(samples), nseq = #samples, group = self.group, cfg = self.c }
+end
+
+-- Set each sample's advantage from an estimator's result: n numbers (s.adv) or n per-token lists
+-- (s.adv_tokens), scaled by s.adv_scale (async.stale=downweight); extra: more per-sample fields.
+function M.set_advantages(samples, adv, extra)
+  local tokens = type(adv) == 'table' and type(adv[1]) == 'table'
+  local off = type(adv) == 'table' and 1 or 0
+  for i, s in ipairs(samples) do
+    if tokens then
+      local a = adv[i]
+      if s.adv_scale then for k = 1, #a do a[k] = a[k] * s.adv_scale end end
+      s.adv_tokens = a
+    else
+      s.adv = adv[i - 1 + off] * (s.adv_scale or 1)
+    end
+  end
+  for field, list in pairs(extra or {}) do
+    for i, s in ipairs(samples) do s[field] = list[i] end
+  end
+end
+
+function Recipe:advantages(samples, info)
+  local estimate = algo.estimators.get(self.c.advantage or 'grpo')
+  M.set_advantages(samples, estimate(samples, self:advantage_context(samples, info)))
+end
+
+-- One epoch's R.policy_step options (the recipe's section: loss, clips, agg, KL, entropy).
+function Recipe:policy_options(samples, epoch)
+  local S, c, t = self.S, self.c, self.cfg.train
+  return S:off_policy { session = S, model = S.policy, opt = S.opt, samples = samples, ref = self.ref,
+    measure_mismatch = epoch == 1, lr = S:lr(), temperature = c.temperature, loss = c.loss, clip_low = c.clip_low,
+    clip_high = c.clip_high, agg = c.agg, norm = c.max_tokens, kl_coef = c.kl_coef, kl_estimator = c.kl_estimator,
+    entropy_coef = c.entropy_coef, micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm }
+end
+
+-- On-policy with one epoch (log π_old = log πθ); else log π_old computed first. m.mismatch is the
+-- first epoch's (engine vs trainer log-probs, before any update).
+function Recipe:update(samples, info)
+  local S, epochs = self.S, self.c.epochs or 1
+  if epochs > 1 and #samples > 0 then
+    local old = S:phase('old_logprobs', R.logprobs, S.policy, samples, self.cfg.train.micro_batch_tokens,
+      { temperature = self.c.temperature })
+    for i, s in ipairs(samples) do s.old_logprobs = old[i] end
+  end
+  self.update_t0 = moonrl.now()
+  local m, mismatch = { tokens = 0 }, nil
+  for epoch = 1, #samples > 0 and epochs or 0 do
+    m = S:phase('train', R.policy_step, self:policy_options(samples, epoch))
+    mismatch = mismatch or m.mismatch
+  end
+  m.mismatch = mismatch
+  return m
+end
+
+function Recipe:metrics(m, samples, info)
+  local S, rm = self.S, info.reward or {}
+  m.reward, m.accuracy = R.reward_metrics(R.scores(samples), #samples)
+  m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
+  m.response_length = R.length_metrics(samples)
+  m.data = S:data_metrics()
+  m.async = S:async_metrics(info)
+  m.tokens_per_s = { generate = R.rate(m.tokens or 0, info.gen_seconds or 0),
+    train = R.rate((m.tokens or 0) * (self.c.epochs or 1), moonrl.now() - (self.update_t0 or moonrl.now())) }
+end
+
+-- ---- held-out evaluation -----------------------------------------------------------------------
+
+-- The held-out records (with prompt_ids), read once: eval.data, eval.task or data.task's split.
+function Recipe:eval_records()
+  if self.eval_set then return self.eval_set end
+  local cfg, S = self.cfg, self.S
+  local e, d = cfg.eval, cfg.data or {}
+  local list = {}
+  if e.data then
+    local view = require('moonrl.data').jsonl(e.data, { fields = { prompt = d.prompt or 'prompt', answer = d.answer or 'answer' },
+      optional = { answer = true } })
+    for i = 1, view:len() do list[i] = view:get(i) end
+  else
+    local t = require('moonrl.tasks').load(e.task or d.task, cfg.run.seed)
+    for i, r in ipairs(t.heldout) do list[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta } end
+  end
+  local n = e.prompts > 0 and math.min(e.prompts, #list) or #list
+  local out = {}
+  for i = 1, n do
+    local r = list[i]
+    r.prompt_ids, r.prompt_index = R.prompt_ids(S.tok, S.tpl, r.prompt, d.system), i - 1
+    out[i] = r
+  end
+  self.eval_set = out
+  return out
+end
+
+-- Greedy answers to the held-out prompts (this rank's share), judged by the reward: accuracy
+-- (the share scoring >= 1) and mean reward over the whole set.
+function Recipe:heldout_metrics()
+  local S, cfg = self.S, self.cfg
+  local all = self:eval_records()
+  local mine = S.world.size > 1 and S:shard(all) or all
+  local right, sum = 0, 0
+  if #mine > 0 then
+    local max_tokens = cfg.eval.max_tokens > 0 and cfg.eval.max_tokens or self.c.max_tokens
+    local results = S.engine:generate(R.requests(mine, 1), { temperature = 0, max_tokens = max_tokens,
+      eos_ids = self.sampling.eos_ids, tokenizer = S.tok })
+    local samples = R.flatten(mine, results)
+    local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
+      { on_error = 'zero', timeout = cfg.reward.timeout })
+    for i = 1, #samples do
+      sum = sum + scores[i - 1]
+      if scores[i - 1] >= 1 then right = right + 1 end
+    end
+  end
+  local t = S.world.size > 1 and S:sum({ right = right, sum = sum }) or { right = right, sum = sum }
+  return { accuracy = t.right / math.max(#all, 1), reward = t.sum / math.max(#all, 1), prompts = #all }
+end
+
+function Recipe:evaluate(step)
+  local e = self.cfg.eval
+  if not e or e.every <= 0 or step % e.every ~= 0 then return nil end
+  return self.S:phase('eval', self.heldout_metrics, self)
+end
+
+function Recipe:log(m) return self.S:log(m, { quiet = self.cfg.quiet == true }) end
+
+function Recipe:finish()
+  local S = self.S
+  local dirs = S:finish()
+  print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
+  return { history = self.history, dir = S.dir, model = S.policy, dirs = dirs }
+end
+
+return M
