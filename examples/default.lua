@@ -23,7 +23,8 @@ local R = require('moonrl.recipe')
 local cfg = moonrl.config {
   heldout = moonrl.config.integer(200), -- problems kept out of training, for the accuracy figures
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
-            heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384) },
+            heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384),
+            dtype = 'fp32' }, -- fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it)
   sft = { steps = moonrl.config.integer(1500), batch = moonrl.config.integer(64), lr = 2e-3,
           flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
   grpo = { steps = moonrl.config.integer(30), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
@@ -119,7 +120,7 @@ print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%'
 local opt = S:optimizer('policy', R.adamw(model, { lr = cfg.grpo.lr, weight_decay = 0.0 })) -- a fresh AdamW for RL
 S.run.step_t0 = moonrl.now()
 S:rollout(function(step) -- one batch: problems, sampled answers, rewards
-  local prompts = draw(cfg.grpo.prompts)
+  local prompts = draw(S:rollout_count(cfg.grpo.prompts)) -- (1: a group of its own, async.stream_unit=group)
   local results = S:phase('generate', function()
     return engine:generate(R.requests(prompts, cfg.grpo.samples), { temperature = cfg.grpo.temperature,
       max_tokens = gen.max_tokens, eos_ids = gen.eos_ids, tokenizer = tok, step = step })

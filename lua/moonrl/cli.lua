@@ -14,6 +14,9 @@ usage:
   moonrl [key=value ...]            run the embedded default example (with config overrides)
   moonrl run RECIPE [key=value ...] run a recipe (a .lua file, or a name in recipes/)
   moonrl run RECIPE --show-config   list the recipe's config keys and defaults
+  moonrl run RECIPE --require FILE.lua ...  run FILE.lua first (its rewards, losses, advantage
+                                    estimators, tasks: moonrl.registry), its directory on the
+                                    module path; reward=FILE.lua:NAME takes one reward from a file
   moonrl run --from RUN_DIR [k=v ...]  that run again (its recipe, words and inputs, checked
                                     unchanged; manifest.json) into RUN_DIR-rerun or run.dir
   moonrl run --restarts N RECIPE ...  supervise: restart a crashed or hung run from its latest
@@ -21,6 +24,8 @@ usage:
   moonrl launch -n N [--restarts K] RECIPE [key=value ...]
                                     N ranks on this machine through mpirun (data parallel); the
                                     same recipe runs under `mpirun -n N moonrl run ...` and `srun`
+  moonrl status RUN_DIR             a run's step, rate, ETA, phase, last metrics and ranks
+                                    (while it runs, from another terminal)
   moonrl version                    version, git revision, backends, CPU features
   moonrl help                       this text
   moonrl COMMAND ...                another command from lua/moonrl/cmd/ (%s)
@@ -36,8 +41,10 @@ exit status: 0 done, 1 error, 2 usage error, 3 the guards gave up,
 124 run.max_seconds, 130 SIGINT, 143 SIGTERM.
 
 environment: MOONRL_HOME (where lua/, recipes/, plugins/ live), MOONRL_THREADS,
-MOONRL_LOG (error, warn, info, debug, trace), MOONRL_FAULT (fault injection for
-tests, see lua/moonrl/fault.lua)
+MOONRL_LOG (error, warn, info, debug, trace), MOONRL_PROGRESS (auto, live, plain,
+off) and MOONRL_PROGRESS_SECONDS (progress on stderr; run.progress and
+run.progress_seconds in a run), MOONRL_FAULT (fault injection for tests, see
+lua/moonrl/fault.lua)
 ]]
 
 -- Error lines name the rank in a job of several (mrl_log_set_rank).
@@ -69,7 +76,9 @@ local function print_version()
   end
   print('cpu features: ' .. v.cpu_features)
   print(string.format('cpu kernels: built for %s; using %s on this CPU', v.kernels_built, v.kernels))
-  print('bf16 products: ' .. ffi.string(moonrl.C.mrl_bf16_products()) .. ' (the model computes in fp32 until model.dtype lands)')
+  print('bf16 products: ' .. ffi.string(moonrl.C.mrl_bf16_products()) .. string.format(
+    ' (model.dtype: fp32 by default; bf16 computes with these; auto is %s on this CPU)',
+    moonrl.model.resolve_dtype('auto')))
   local ok, core = pcall(function()
     pcall(ffi.cdef, 'char *openblas_get_corename(void);')
     return ffi.string(ffi.C.openblas_get_corename())
@@ -91,7 +100,16 @@ end
 
 -- Run a loaded chunk as the recipe, mapping every way it can end to an exit
 -- status and one clear message.
-local function run_chunk(chunk, label, overrides, show_config)
+-- requires: the files of --require FILE.lua, run first (moonrl.registry.require_file: their
+-- directory on package.path; a missing file or an error in one is a usage error naming it).
+local function run_chunk(chunk, label, overrides, show_config, requires)
+  if requires and #requires > 0 then
+    local recipe = chunk
+    chunk = function(...)
+      for _, f in ipairs(requires) do require('moonrl.registry').require_file(f) end
+      return recipe(...)
+    end
+  end
   local config = require('moonrl.config')
   config.overrides = overrides
   config.consumed = false
@@ -140,7 +158,7 @@ end
 local SUPERVISOR_FLAGS = { ['--restarts'] = 'restarts', ['--backoff'] = 'backoff', ['--kill-grace'] = 'kill_grace' }
 
 local function cmd_run(args)
-  local name, words, show_config, sup, from = nil, {}, false, {}, nil
+  local name, words, show_config, sup, from, requires = nil, {}, false, {}, nil, {}
   local i = 1
   while i <= #args do
     local a = args[i]
@@ -151,6 +169,11 @@ local function cmd_run(args)
       if not from then eprint('error: --from expects a run directory') return 2 end
       i = i + 1
     elseif a == '-h' or a == '--help' then name = nil; break
+    elseif a == '--require' or a:match('^%-%-require=') then -- user Lua run before the recipe
+      local f = a:match('^%-%-require=(.+)$') or args[i + 1]
+      if not f then eprint('error: --require expects a Lua file') return 2 end
+      if a == '--require' then i = i + 1 end
+      requires[#requires + 1] = f
     elseif flag then
       local v = tonumber(args[i + 1])
       if not v or v < 0 or (flag == 'restarts' and v ~= math.floor(v)) then
@@ -179,7 +202,7 @@ local function cmd_run(args)
       require('moonrl.manifest').command = { embedded = 'default', words = words }
       local ok2, overrides = pcall(require('moonrl.config').parse_overrides, words)
       if not ok2 then eprint('error: ' .. tostring(overrides)) return 2 end
-      return run_chunk(package.preload['moonrl.default_example'], 'examples/default.lua', overrides, show_config)
+      return run_chunk(package.preload['moonrl.default_example'], 'examples/default.lua', overrides, show_config, requires)
     end
   end
   if not name then
@@ -194,6 +217,7 @@ local function cmd_run(args)
   end
   if sup.restarts and not show_config then
     local child_words = { name }
+    for _, f in ipairs(requires) do child_words[#child_words + 1] = '--require=' .. f end
     for _, w in ipairs(words) do child_words[#child_words + 1] = w end
     local ok, status = pcall(require('moonrl.supervisor').run, child_words, { restarts = sup.restarts,
       backoff = sup.backoff, kill_grace = sup.kill_grace, recipe = path })
@@ -214,12 +238,19 @@ local function cmd_run(args)
   end
   arg = { [0] = path }
   local abs = path:sub(1, 1) == '/' and path or ((os.getenv('PWD') or '.') .. '/' .. path)
-  require('moonrl.manifest').command = { recipe = abs, words = words }
-  return run_chunk(chunk, path, overrides, show_config)
+  require('moonrl.manifest').command = { recipe = abs, words = words, requires = requires }
+  return run_chunk(chunk, path, overrides, show_config, requires)
 end
 
 function M.main(args)
   local cmd = args[1]
+  local requires = {}
+  while args[1] == '--require' or (args[1] or ''):match('^%-%-require=') do -- `moonrl --require F.lua [k=v ...]`
+    local a = table.remove(args, 1)
+    requires[#requires + 1] = a:match('^%-%-require=(.+)$') or table.remove(args, 1)
+    if not requires[#requires] then eprint('error: --require expects a Lua file') return 2 end
+    cmd = args[1]
+  end
   if cmd == nil or cmd:match('^[%w_%.%-]+=') then
     -- the default example, with key=value overrides if any (`moonrl grpo.steps=60`)
     local ok, overrides = pcall(require('moonrl.config').parse_overrides, args)
@@ -229,7 +260,11 @@ function M.main(args)
     end
     local chunk = package.preload['moonrl.default_example']
     require('moonrl.manifest').command = { embedded = 'default', words = args }
-    return run_chunk(chunk, 'examples/default.lua', overrides, false)
+    return run_chunk(chunk, 'examples/default.lua', overrides, false, requires)
+  end
+  if #requires > 0 and cmd ~= 'run' then
+    eprint('error: --require goes with `moonrl run RECIPE --require FILE.lua` (or before key=value words)')
+    return 2
   end
   if cmd == 'help' or cmd == '--help' or cmd == '-h' then
     io.stdout:write(string.format(HELP, table.concat(extra_commands(), ', ')))
@@ -241,6 +276,7 @@ function M.main(args)
   end
   local rest = {}
   for i = 2, #args do rest[#rest + 1] = args[i] end
+  for k = #requires, 1, -1 do table.insert(rest, 1, '--require=' .. requires[k]) end -- `moonrl --require F run ...`
   if cmd == 'run' then return cmd_run(rest) end
   if cmd == 'launch' then return require('moonrl.launch').main(rest) end
   if cmd:match('%.lua$') then return cmd_run(args) end

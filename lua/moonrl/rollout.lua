@@ -39,6 +39,8 @@
 -- engine never drains at a batch's end (no straggler bubble), each request takes the newest
 -- weights between steps, and batch j goes to the trainers once its last group is done. The
 -- trainers take batch j when it comes (nothing is queued on their side). Timing-dependent.
+-- async.stream_unit = 'group' (one rollout rank): each group a rollout of its own, a batch the
+-- first groups to finish (serve_groups below).
 --
 -- Checkpoints hold the batches generated but not yet trained on (S.extra.pending, the same
 -- JSON a rollout rank sends), and the data position and generators after the last of them:
@@ -146,6 +148,14 @@ local function check_config(cfg)
         'async.partial=continue')
     end
   end
+  if a.stream_unit ~= 'batch' and a.stream_unit ~= 'group' then
+    moonrl.usage_error(string.format("config key 'async.stream_unit' must be batch or group, got '%s'",
+      tostring(a.stream_unit)))
+  end
+  if a.stream_unit == 'group' and not (a.stream and cfg.dist.rollout_ranks == 1) then
+    moonrl.usage_error('async.stream_unit=group regroups finished groups into batches on one rollout rank: it needs ' ..
+      'async.stream=true and dist.rollout_ranks=1')
+  end
   if a.partial == 'continue' then
     if M.lag(cfg) == 0 then moonrl.usage_error('async.partial=continue needs async.mode one_step_off or async') end
     if not remote and a.engine_threads == 0 then
@@ -184,6 +194,11 @@ function M.config()
     -- and each batch goes to the trainers when its last group is done, while the others go on
     -- (AReaL-style streaming, with partial=continue); false: a batch at a time
     stream = false,
+    -- what a stream hands the trainers: 'batch' (each batch the prompts it drew, when its last
+    -- group is done) | 'group' (one rollout rank: each group is drawn, generated and scored on
+    -- its own, and a batch is the first groups to finish: AReaL's streaming; a slow group lands
+    -- in a later batch, staler)
+    stream_unit = 'batch',
     weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
     engine_threads = config.integer(0), -- one process: N >= 1 generates the next batch on an engine thread of N threads
                                         -- while this step trains (run.threads for training); 0: between steps
@@ -405,6 +420,7 @@ local function receive(self, j)
     moonrl.run_error(string.format('rollout ranks sent batch %s where batch %d was expected', tostring(info.step), j))
   end
   if info.positions then self:restore_positions(info.positions) end
+  if info.inflight then self.extra.stream_inflight = info.inflight end -- (a group stream's: drawn, not yet sent)
   self.trainer_wait = (self.trainer_wait or 0) + waited
   if info.stop then self.rollout_stop = true end
   return { samples = samples, info = info, text = text }
@@ -452,7 +468,7 @@ function RS:next_batch()
   local waited = (self.trainer_wait or 0) - (self.trainer_wait_logged or 0)
   self.trainer_wait_logged = self.trainer_wait
   b.info.async = { staleness = histogram, max_staleness_seen = worst, dropped_stale = dropped, queue_depth = depth,
-    switched_samples = switched, batches_in_flight = b.info.batches_in_flight,
+    switched_samples = switched, batches_in_flight = b.info.batches_in_flight, groups_in_flight = b.info.groups_in_flight,
     trainer_wait_seconds = waited, rollout_wait_seconds = b.info.rollout_wait_seconds }
   return kept, b.info
 end
@@ -529,7 +545,8 @@ function RS:sync_weights(opts)
   local rollout = self.role == 'rollout'
   if rollout then self.link:set_timeout(0) end
   local head = json.object({ 'positions', self:positions(), 'global_step', self.global_step - self.step,
-    'step', self.step, 'fresh', opts and opts.fresh or false })
+    'step', self.step, 'fresh', opts and opts.fresh or false,
+    'inflight', self.extra.stream_inflight or json.array() })
   head = self.link:broadcast_string(rollout and '' or json.encode(head), 0)
   if rollout then self.link:set_timeout(self.cfg.dist.timeout) end
   if not self.store_checked then -- the first phase start: how the weights will go
@@ -544,6 +561,7 @@ function RS:sync_weights(opts)
   if not rollout then return nil end
   head = json.decode(head, 'phase start')
   self:restore_positions(head.positions)
+  self.requeue = head.inflight -- a group stream's prompts drawn but in no batch yet: drawn again first
   self.step = head.step
   self.global_step = head.global_step + self.step -- the trainers' count of the earlier phases
   return head
@@ -694,6 +712,126 @@ local function serve_stream(self, first, total)
   end
 end
 
+-- Sum b into a (numbers added, tables merged key by key, anything else kept from a): the info of a
+-- batch made of several groups' rollouts.
+local function merge_info(a, b)
+  for k, v in pairs(b) do
+    local x = a[k]
+    if type(v) == 'number' and type(x) == 'number' then a[k] = x + v
+    elseif type(v) == 'table' and type(x) == 'table' and not json.is_array(v) then merge_info(x, v)
+    elseif x == nil then a[k] = v end
+  end
+  return a
+end
+
+-- async.stream_unit = 'group' (one rollout rank): every group is a rollout of its own. The
+-- rollout function runs once per group g (its step argument: g, the stream of its seeds) and its
+-- S:prompts(n) draws one record (S.group_stream; a recipe that draws its own prompts asks
+-- S:rollout_count(n)). As many groups are in the engine as the staleness bound allows (group k
+-- of a batch of P is started once version ceil(k / P) - 1 - lag is published) and each goes to a
+-- queue when it is done; batch j is the first P groups in the queue. The records of the groups
+-- drawn but in no batch yet go with each batch (the trainers checkpoint them): a resumed run
+-- draws those again first, so no prompt is lost or trained twice.
+local function serve_groups(self, first, total)
+  local L, e = M.lag(self.cfg), self.rollout_engine
+  local base = self.global_step - self.step
+  local stream = e:stream(tonumber(C.mrl_parallel_threads()))
+  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
+    follow = true, version = store_version(self, self.version) })
+  self.group_stream = true
+  local live, done, P = {}, {}, nil -- live: groups in the engine (admission order); done: finished, in order
+  local started = 0 -- groups started in this phase
+  local g0 = (first - 1) * 100000 -- group g's seeds: (seed, g, ...); a resume starts another range
+  local function at_step(j)
+    self.step, self.global_step = j, base + j
+    self.run.step = self.global_step
+  end
+  local function resume(b, ...)
+    local ok, r1, r2 = coroutine.resume(b.co, ...)
+    if not ok then error(r1, 0) end
+    if coroutine.status(b.co) == 'dead' then b.job, b.samples, b.info = nil, r1 or {}, r2 or {}
+    else b.job = r1 end
+  end
+  local function start_group()
+    started = started + 1
+    local g = g0 + started
+    local b = { g = g, co = coroutine.create(self.rollout_fn), t0 = moonrl.now() }
+    self.group_drawn = nil
+    resume(b, g)
+    b.records = self.group_drawn
+    P = P or self.group_batch
+    live[#live + 1] = b
+  end
+  local function admit(j_first)
+    if not P then start_group() end -- its S:prompts says how many groups a batch has
+    if not P then moonrl.usage_error('async.stream_unit=group: the rollout function drew no prompts through ' ..
+      'S:prompts (a recipe that draws its own asks S:rollout_count(n))') end
+    local cap = (total - j_first + 1) * P -- no more groups than the batches still to send need
+    while started < cap do
+      local k = started + 1 -- this group's place in the stream: batch ceil(k / P) at the earliest
+      local j = j_first + math.ceil(k / P) - 1
+      if (self.version or 0) < j - 1 - L then break end
+      start_group()
+    end
+  end
+  local function finish(head)
+    stream:close()
+    e:use_weights(nil)
+    self.group_stream = nil
+    return head
+  end
+  local idle = 0
+  for j = first, total do
+    at_step(j)
+    admit(first)
+    while #done < P do -- the first groups to finish
+      local moved = false
+      for i = 1, #live do
+        local b = live[i]
+        if b.job and stream:done(b.job) then resume(b) end
+        if not b.job then
+          table.remove(live, i)
+          done[#done + 1] = b
+          moved = true
+          break
+        end
+      end
+      if not moved then stream:step() end
+    end
+    local samples, info, t_first = {}, {}, math.huge
+    for _ = 1, P do
+      local b = table.remove(done, 1)
+      for _, smp in ipairs(b.samples) do samples[#samples + 1] = smp end
+      merge_info(info, b.info)
+      t_first = math.min(t_first, b.t0)
+    end
+    stamp_versions(samples, self.version or 0)
+    local inflight = json.array()
+    for _, list in ipairs({ done, live }) do
+      for _, b in ipairs(list) do
+        for _, r in ipairs(b.records or {}) do inflight[#inflight + 1] = r end
+      end
+    end
+    self.world:set_step(self.global_step)
+    self.link:set_step(self.global_step)
+    info.gen_seconds, info.step, info.positions, info.inflight = moonrl.now() - t_first, j, self:positions(), inflight
+    info.rollout_wait_seconds, idle = idle, 0
+    info.stop, info.groups_in_flight = moonrl.stop_requested(), #live + #done
+    local text = M.encode(samples, info)
+    stream:background()
+    self.link:broadcast_string(text, 1)
+    local starved = C.mrl_engine_num_unfinished(e.handle) == 0
+    local t0 = moonrl.now()
+    local head = receive_header(self)
+    if starved then idle = idle + moonrl.now() - t0 end
+    if head.stop or head.rollback or head.done then return finish(head) end
+  end
+  while true do
+    local head = receive_header(self)
+    if head.done or head.stop or head.rollback then return finish(head) end
+  end
+end
+
 -- The rollout ranks' loop (their S:steps): the batches of the phase, each with the weights the
 -- schedule gives it, sent to the trainers; ends when trainer rank 0 says so. After a rollback it
 -- starts again from the checkpoint's step t: at batch t + 1 when the trainers dropped their
@@ -707,7 +845,9 @@ function RS:serve_rollouts(total)
   self.version = self.step -- the checkpoint's weights (0: the initial ones)
   while true do
     local head
-    if streamed then head = serve_stream(self, first, total) else head = serve(self, first, free_until, total) end
+    if streamed and self.cfg.async.stream_unit == 'group' then head = serve_groups(self, first, total)
+    elseif streamed then head = serve_stream(self, first, total)
+    else head = serve(self, first, free_until, total) end
     if head.stop then self.rollout_stopped = true end -- the trainers stopped: they do not finish with us
     if not head.rollback then return end
     next_epoch(self)

@@ -316,13 +316,44 @@ t.test('async.stream: one engine for the batches in flight (a slowed engine: the
   t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm')
 end)
 
+t.test('async.stream_unit=group: a batch is the first groups to finish; resumed with the groups in flight', function()
+  local S = { 'async.mode=async', 'async.max_staleness=2', 'dist.rollout_ranks=1', 'async.partial=continue',
+    'async.stream=true', 'async.stream_unit=group', 'grpo.max_tokens=16', 'grpo.steps=6', 'run.checkpoint_every=1' }
+  local d = grpo_run(2, 'groups', S, { env = { 'MOONRL_FAULT=slow_engine:seconds=0.02:rank=1' } })
+  local m = metrics(d)
+  t.eq(#m, 6, 'each step logged once')
+  local inflight, kept = 0, 0
+  for _, r in ipairs(m) do
+    inflight = math.max(inflight, r['async/groups_in_flight'] or 0)
+    local n = 0
+    for k, v in pairs(r) do if k:match('^async/staleness/') then n = n + v end end
+    t.eq(n, 6 * 4, 'step ' .. r.step .. ': six groups of four samples')
+    kept = kept + n - r['async/dropped_stale']
+  end
+  t.truthy(inflight >= 6, 'groups of later batches were in the engine: ' .. inflight)
+  t.truthy(kept > 0, 'trained on')
+  local state = json.decode(fs.read(d .. '/checkpoints/step-000006/state.json'))
+  t.truthy(state.extra and state.extra.stream_inflight, 'the checkpoint keeps the groups drawn but in no batch')
+  -- killed mid-run, resumed: each step once; the rollout rank draws the checkpoint's groups in flight first
+  local killed = grpo_run(2, 'groups_killed', S, { env = { 'MOONRL_FAULT=kill:step=4:phase=train:rank=0' },
+    expect_fail = true })
+  grpo_run(2, 'groups_killed', S)
+  t.eq(#metrics(killed), 6, 'killed and resumed: each step logged once')
+  t.eq(#events(killed, 'resume'), 1, 'resumed once')
+  -- the default example draws its own prompts (S:rollout_count)
+  run(2, words(dir .. '/groups_default', 'async.mode=async', 'async.max_staleness=1', 'dist.rollout_ranks=1',
+    'async.partial=continue', 'async.stream=true', 'async.stream_unit=group'))
+  t.eq(#metrics(dir .. '/groups_default') - 0, 6, 'the default example: each GRPO step logged')
+end)
+
 t.test('bad dist and async keys are usage errors naming the key, before any run directory exists', function()
   for _, case in ipairs({ { 'dist.zero=2', 'dist.zero' }, { 'dist.bucket_mb=0', 'dist.bucket_mb' },
     { 'dist.timeout=-1', 'dist.timeout' }, { 'async.mode=later', 'async.mode' }, { 'async.correction=foo', 'async.correction' },
     { 'dist.rollout_ranks=1', 'dist.rollout_ranks' }, { 'async.partial=later', 'async.partial' },
     { 'async.weights=nfs', 'async.weights' }, { 'async.engine_threads=-1', 'async.engine_threads' },
     { 'async.engine_threads=1', 'async.engine_threads' }, -- sync mode: nothing to overlap
-    { 'async.partial=continue', 'async.partial=continue' }, { 'async.stream=true', 'async.stream' } }) do
+    { 'async.partial=continue', 'async.partial=continue' }, { 'async.stream=true', 'async.stream' },
+    { 'async.stream_unit=groups', 'async.stream_unit' } }) do
     local d = dir .. '/bad'
     local r = proc.run({ exe, 'run.dir=' .. d, 'sft.steps=1', 'grpo.steps=1', 'quiet=true', case[1] }, { timeout = 60 })
     t.eq(r.exit_status, 2, case[1] .. ': a usage error')
