@@ -192,14 +192,15 @@ local function cmd_run(args)
       eprint(string.format("error: --from %s runs that directory's recipe: give no recipe ('%s')", from, name))
       return 2
     end
-    local ok, rpath, rwords = pcall(require('moonrl.manifest').rerun_command, from, words)
+    local ok, rpath, rwords, _, rrequires = pcall(require('moonrl.manifest').rerun_command, from, words)
     if not ok then
       eprint('error: ' .. moonrl.error_text(rpath))
       return 2
     end
     name, words = rpath, rwords
+    for i = #rrequires, 1, -1 do table.insert(requires, 1, rrequires[i]) end -- its --require files first
     if type(name) == 'table' then -- the embedded default example
-      require('moonrl.manifest').command = { embedded = 'default', words = words }
+      require('moonrl.manifest').command = { embedded = 'default', words = words, requires = requires }
       local ok2, overrides = pcall(require('moonrl.config').parse_overrides, words)
       if not ok2 then eprint('error: ' .. tostring(overrides)) return 2 end
       return run_chunk(package.preload['moonrl.default_example'], 'examples/default.lua', overrides, show_config, requires)
@@ -259,7 +260,7 @@ function M.main(args)
       return 2
     end
     local chunk = package.preload['moonrl.default_example']
-    require('moonrl.manifest').command = { embedded = 'default', words = args }
+    require('moonrl.manifest').command = { embedded = 'default', words = args, requires = requires }
     return run_chunk(chunk, 'examples/default.lua', overrides, false, requires)
   end
   if #requires > 0 and cmd ~= 'run' then

@@ -134,6 +134,12 @@ function M.build(S, created)
     local p = d.view and d.view.src and d.view.src.path
     if p then inputs['data.' .. d.name] = M.identity(p) end
   end
+  local requires = json.array()
+  for _, f in ipairs(cmd.requires or {}) do -- --require FILE: loaded before the recipe, part of the code
+    local p = f:sub(1, 1) == '/' and f or ((os.getenv('PWD') or '.') .. '/' .. f)
+    requires[#requires + 1] = p
+    M.add_code(p)
+  end
   local code = json.array()
   for _, p in ipairs(code_order) do
     local crc = crc_hex(p)
@@ -144,7 +150,8 @@ function M.build(S, created)
   for i, w in ipairs(cmd.words or {}) do words[i] = w end
   return json.object({ 'format', M.FORMAT, 'created', created or os.time(), 'updated', os.time(),
     'moonrl', json.object({ 'version', v.version, 'git', v.git }),
-    'command', json.object({ 'recipe', recipe, 'name', S.name, 'words', words, 'world_size', M.job_size(),
+    'command', json.object({ 'recipe', recipe, 'name', S.name, 'words', words, 'requires', requires,
+      'world_size', M.job_size(),
       'rollout_ranks', rollout, 'env', env }),
     'config', S.cfg, 'seeds', seeds_of(S.cfg, nil, json.object()), 'inputs', inputs, 'code', code,
     'machine', M.machine(M.job_size(), rollout) })
@@ -231,7 +238,8 @@ function M.machine_differences(m)
   return out
 end
 
--- `moonrl run --from DIR [key=value ...]`: the recipe path and the words to run it with.
+-- `moonrl run --from DIR [key=value ...]`: the recipe path, the words to run it with, the
+-- manifest, and the --require files it loaded.
 function M.rerun_command(dir, extra)
   local m, path = M.read(dir)
   local r = m.command.recipe
@@ -269,8 +277,10 @@ function M.rerun_command(dir, extra)
     words[#words + 1] = w
   end
   if not has_dir then words[#words + 1] = 'run.dir=' .. dir:gsub('/+$', '') .. '-rerun' end
-  if r.embedded then return { embedded = r.embedded }, words, m end
-  return r.path, words, m
+  local requires = {}
+  for i, f in ipairs(m.command.requires or {}) do requires[i] = f end
+  if r.embedded then return { embedded = r.embedded }, words, m, requires end
+  return r.path, words, m, requires
 end
 
 return M

@@ -73,6 +73,27 @@ t.test('a recipe on a model and data: their checksums; a changed input stops --f
   t.truthy(r.stderr:find('config.json: missing', 1, true), 'names the missing file: ' .. r.stderr)
 end)
 
+t.test('--require files are part of the code: recorded, replayed by --from, a change refused', function()
+  local base = U.grpo_setup(dir .. '/req', 12)
+  local reward = dir .. '/my_reward.lua'
+  fs.write(reward, fs.read('tests/recipes/partial_reward.lua'))
+  local d = dir .. '/req/run'
+  local words = { 'run', 'recipes/grpo.lua', '--require', reward, 'grpo.steps=2' }
+  for _, w in ipairs(U.words(base, d)) do words[#words + 1] = (w:match('^reward=') and 'reward=partial' or w) end
+  moonrl_run(words)
+  local m = manifest(d)
+  t.eq(m.command.requires[1], reward, 'the --require file')
+  local code = false
+  for _, c in ipairs(m.code) do if c.path == reward and #c.crc32c == 8 then code = true end end
+  t.truthy(code, 'with its checksum among the code')
+  moonrl_run({ 'run', '--from', d })
+  t.truthy(weights(d) == weights(d .. '-rerun'), 'replayed with the file: the same weights')
+  fs.write(reward, fs.read(reward) .. '\n-- changed\n')
+  local r = moonrl_run({ 'run', '--from', d, 'run.dir=' .. dir .. '/req/no' }, true)
+  t.eq(r.exit_status, 2, 'a changed --require file: a usage error')
+  t.truthy(r.stderr:find(reward, 1, true) and r.stderr:find('changed', 1, true), r.stderr)
+end)
+
 t.test('bad manifests and another rank count: one-line usage errors', function()
   local d = dir .. '/bad'
   fs.mkdirs(d)
