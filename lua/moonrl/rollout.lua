@@ -637,6 +637,53 @@ local function serve(self, first, free_until, total)
   end
 end
 
+-- What the two streaming loops share (serve_stream, serve_groups): the rollout engine as a stream
+-- (Engine:stream) on the store's versions, taking each new one between steps; the session's step
+-- set to a batch's; and the hand-off of batch j: its text sent to the trainers and the header
+-- after it awaited, the engine generating on its thread meanwhile (the time it had nothing to
+-- generate is the rank's idle time, in the next batch's rollout_wait_seconds).
+local function open_stream(self)
+  local e = self.rollout_engine
+  local st = { engine = e, base = self.global_step - self.step, idle = 0 }
+  st.stream = e:stream(tonumber(C.mrl_parallel_threads()))
+  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
+    follow = true, version = store_version(self, self.version) })
+  function st.at_step(j)
+    self.step, self.global_step = j, st.base + j
+    self.run.step = self.global_step
+  end
+  function st.close(head)
+    st.stream:close()
+    e:use_weights(nil)
+    self.group_stream = nil
+    return head
+  end
+  -- Returns the header when it ends the phase (done, stop, rollback), the stream closed; else nil.
+  function st.hand_off(j, samples, info)
+    st.at_step(j)
+    self.world:set_step(self.global_step)
+    self.link:set_step(self.global_step)
+    stamp_versions(samples, self.version or 0)
+    info.step, info.rollout_wait_seconds, st.idle = j, st.idle, 0
+    info.stop = moonrl.stop_requested()
+    local text = M.encode(samples, info)
+    st.stream:background()
+    if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
+    local starved = C.mrl_engine_num_unfinished(e.handle) == 0
+    local t0 = moonrl.now()
+    local head = receive_header(self)
+    if starved then st.idle = st.idle + moonrl.now() - t0 end
+    if head.stop or head.rollback or head.done then return st.close(head) end
+  end
+  function st.drain() -- the trainers' last headers: nothing more to generate unless they roll back
+    while true do
+      local head = receive_header(self)
+      if head.done or head.stop or head.rollback then return st.close(head) end
+    end
+  end
+  return st
+end
+
 -- async.stream: batches first .. total from one engine (Engine:stream). Batch j's rollout function
 -- runs in a coroutine started once the header of version j - 1 - lag has come (the batches
 -- before it still in the engine), and resumed, in batch order, when its requests are done: the
@@ -646,18 +693,10 @@ end
 -- positions after them go with its batch. Returns the header that ended the phase (done, stop,
 -- rollback).
 local function serve_stream(self, first, total)
-  local L, e = M.lag(self.cfg), self.rollout_engine
-  local base = self.global_step - self.step
-  local stream = e:stream(tonumber(C.mrl_parallel_threads()))
-  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
-    follow = true, version = store_version(self, self.version) })
+  local L, st = M.lag(self.cfg), open_stream(self)
   local live, next_j = {}, first
-  local function at_step(j)
-    self.step, self.global_step = j, base + j
-    self.run.step = self.global_step
-  end
   local function resume(b, ...)
-    at_step(b.j)
+    st.at_step(b.j)
     self.batch_records = b.records
     local ok, r1, r2 = coroutine.resume(b.co, ...)
     if not ok then error(r1, 0) end
@@ -674,42 +713,21 @@ local function serve_stream(self, first, total)
       b.positions = self:positions()
     end
   end
-  local function finish(head)
-    stream:close()
-    e:use_weights(nil)
-    return head
-  end
-  local idle = 0
   for j = first, total do
     admit()
     local b = live[j]
     while b.job do
-      if stream:done(b.job) then resume(b) else stream:step() end
+      if st.stream:done(b.job) then resume(b) else st.stream:step() end
     end
     live[j] = nil
     local in_flight = 0 -- the batches after it already in the engine
     for _ in pairs(live) do in_flight = in_flight + 1 end
-    at_step(j)
-    self.world:set_step(self.global_step)
-    self.link:set_step(self.global_step)
     local info = b.info
-    stamp_versions(b.samples, self.version or 0)
-    info.gen_seconds, info.step, info.positions = moonrl.now() - b.t0, j, b.positions
-    info.rollout_wait_seconds, idle = idle, 0
-    info.stop, info.batches_in_flight = moonrl.stop_requested(), in_flight
-    local text = M.encode(b.samples, info)
-    stream:background() -- the other batches go on while this one is sent and the next header awaited
-    if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
-    local starved = C.mrl_engine_num_unfinished(e.handle) == 0
-    local t0 = moonrl.now()
-    local head = receive_header(self)
-    if starved then idle = idle + moonrl.now() - t0 end -- the engine had nothing to do meanwhile
-    if head.stop or head.rollback or head.done then return finish(head) end
+    info.gen_seconds, info.positions, info.batches_in_flight = moonrl.now() - b.t0, b.positions, in_flight
+    local head = st.hand_off(j, b.samples, info)
+    if head then return head end
   end
-  while true do
-    local head = receive_header(self)
-    if head.done or head.stop or head.rollback then return finish(head) end
-  end
+  return st.drain()
 end
 
 -- Sum b into a (numbers added, tables merged key by key, anything else kept from a): the info of a
@@ -733,19 +751,11 @@ end
 -- drawn but in no batch yet go with each batch (the trainers checkpoint them): a resumed run
 -- draws those again first, so no prompt is lost or trained twice.
 local function serve_groups(self, first, total)
-  local L, e = M.lag(self.cfg), self.rollout_engine
-  local base = self.global_step - self.step
-  local stream = e:stream(tonumber(C.mrl_parallel_threads()))
-  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
-    follow = true, version = store_version(self, self.version) })
+  local L, st = M.lag(self.cfg), open_stream(self)
   self.group_stream = true
   local live, done, P = {}, {}, nil -- live: groups in the engine (admission order); done: finished, in order
   local started = 0 -- groups started in this phase
   local g0 = (first - 1) * 100000 -- group g's seeds: (seed, g, ...); a resume starts another range
-  local function at_step(j)
-    self.step, self.global_step = j, base + j
-    self.run.step = self.global_step
-  end
   local function resume(b, ...)
     local ok, r1, r2 = coroutine.resume(b.co, ...)
     if not ok then error(r1, 0) end
@@ -754,10 +764,9 @@ local function serve_groups(self, first, total)
   end
   local function start_group()
     started = started + 1
-    local g = g0 + started
-    local b = { g = g, co = coroutine.create(self.rollout_fn), t0 = moonrl.now() }
+    local b = { g = g0 + started, co = coroutine.create(self.rollout_fn), t0 = moonrl.now() }
     self.group_drawn = nil
-    resume(b, g)
+    resume(b, b.g)
     b.records = self.group_drawn
     P = P or self.group_batch
     live[#live + 1] = b
@@ -774,21 +783,14 @@ local function serve_groups(self, first, total)
       start_group()
     end
   end
-  local function finish(head)
-    stream:close()
-    e:use_weights(nil)
-    self.group_stream = nil
-    return head
-  end
-  local idle = 0
   for j = first, total do
-    at_step(j)
+    st.at_step(j)
     admit(first)
     while #done < P do -- the first groups to finish
       local moved = false
       for i = 1, #live do
         local b = live[i]
-        if b.job and stream:done(b.job) then resume(b) end
+        if b.job and st.stream:done(b.job) then resume(b) end
         if not b.job then
           table.remove(live, i)
           done[#done + 1] = b
@@ -796,7 +798,7 @@ local function serve_groups(self, first, total)
           break
         end
       end
-      if not moved then stream:step() end
+      if not moved then st.stream:step() end
     end
     local samples, info, t_first = {}, {}, math.huge
     for _ = 1, P do
@@ -805,31 +807,18 @@ local function serve_groups(self, first, total)
       merge_info(info, b.info)
       t_first = math.min(t_first, b.t0)
     end
-    stamp_versions(samples, self.version or 0)
     local inflight = json.array()
     for _, list in ipairs({ done, live }) do
       for _, b in ipairs(list) do
         for _, r in ipairs(b.records or {}) do inflight[#inflight + 1] = r end
       end
     end
-    self.world:set_step(self.global_step)
-    self.link:set_step(self.global_step)
-    info.gen_seconds, info.step, info.positions, info.inflight = moonrl.now() - t_first, j, self:positions(), inflight
-    info.rollout_wait_seconds, idle = idle, 0
-    info.stop, info.groups_in_flight = moonrl.stop_requested(), #live + #done
-    local text = M.encode(samples, info)
-    stream:background()
-    self.link:broadcast_string(text, 1)
-    local starved = C.mrl_engine_num_unfinished(e.handle) == 0
-    local t0 = moonrl.now()
-    local head = receive_header(self)
-    if starved then idle = idle + moonrl.now() - t0 end
-    if head.stop or head.rollback or head.done then return finish(head) end
+    info.gen_seconds, info.positions, info.inflight = moonrl.now() - t_first, self:positions(), inflight
+    info.groups_in_flight = #live + #done
+    local head = st.hand_off(j, samples, info)
+    if head then return head end
   end
-  while true do
-    local head = receive_header(self)
-    if head.done or head.stop or head.rollback then return finish(head) end
-  end
+  return st.drain()
 end
 
 -- The rollout ranks' loop (their S:steps): the batches of the phase, each with the weights the
