@@ -72,11 +72,14 @@ end
 -- ---- GGUF -> a Hugging Face model directory -------------------------------------------------
 -- config.json, model.safetensors (F32: the dequantized weights), tokenizer.json,
 -- tokenizer_config.json (with the chat template) and generation_config.json; what moonrl and
--- Transformers load. Architectures llama, qwen2, qwen3; tokenizers of model 'gpt2' (byte-level
--- BPE) with the pre-tokenizers gpt2, smollm, qwen2 and llama-bpe, and of model 'llama'
+-- Transformers load. Architectures llama, qwen2, qwen3, qwen3moe (Qwen3-MoE: its stacked [E, ...] expert
+-- tensors split into mlp.experts.{e}.*); tokenizers of model 'gpt2' (byte-level BPE) with the
+-- pre-tokenizers gpt2, smollm, qwen2 and llama-bpe, and of model 'llama'
 -- (SentencePiece BPE with byte fallback, as Llama 2, Mistral and TinyLlama have).
 
-local ARCH = { llama = 'LlamaForCausalLM', qwen2 = 'Qwen2ForCausalLM', qwen3 = 'Qwen3ForCausalLM' }
+local ARCH = { llama = 'LlamaForCausalLM', qwen2 = 'Qwen2ForCausalLM', qwen3 = 'Qwen3ForCausalLM',
+  qwen3moe = 'Qwen3MoeForCausalLM' }
+local MODEL_TYPE = { qwen3moe = 'qwen3_moe' } -- llama.cpp's architecture name -> Transformers' model_type
 
 local function need(g, key)
   local v = g.metadata[key]
@@ -87,7 +90,7 @@ end
 function G:hf_config()
   local arch = need(self, 'general.architecture')
   if not ARCH[arch] then
-    error(string.format("%s: architecture '%s' is not supported (llama, qwen2, qwen3)", self.path, arch), 2)
+    error(string.format("%s: architecture '%s' is not supported (llama, qwen2, qwen3, qwen3moe)", self.path, arch), 2)
   end
   local p = arch .. '.'
   local m = self.metadata
@@ -100,7 +103,7 @@ function G:hf_config()
     error(string.format('%s: rope scaling %s is not supported yet', self.path, tostring(m[p .. 'rope.scaling.type'])), 2)
   end
   local cfg = {
-    architectures = { ARCH[arch] }, model_type = arch,
+    architectures = { ARCH[arch] }, model_type = MODEL_TYPE[arch] or arch,
     vocab_size = m[p .. 'vocab_size'] or (tokens and #tokens) or need(self, p .. 'vocab_size'),
     hidden_size = hidden, intermediate_size = need(self, p .. 'feed_forward_length'),
     num_hidden_layers = need(self, p .. 'block_count'), num_attention_heads = heads,
@@ -114,6 +117,22 @@ function G:hf_config()
     torch_dtype = 'float32',
   }
   if arch == 'qwen2' then cfg.attention_bias = has['blk.0.attn_q.bias'] or false end
+  if arch == 'qwen3moe' then
+    -- the experts: llama.cpp's qwen3moe always renormalises the picked weights (norm_topk_prob, as
+    -- every Qwen3-MoE checkpoint has it) unless expert_weights_norm says otherwise; a layer
+    -- without a router (ffn_gate_inp) keeps the dense MLP (mlp_only_layers)
+    cfg.num_experts = need(self, p .. 'expert_count')
+    cfg.num_experts_per_tok = need(self, p .. 'expert_used_count')
+    cfg.moe_intermediate_size = need(self, p .. 'expert_feed_forward_length')
+    cfg.intermediate_size = m[p .. 'feed_forward_length'] or cfg.moe_intermediate_size
+    local norm = m[p .. 'expert_weights_norm']
+    cfg.norm_topk_prob = norm == nil or norm == true
+    cfg.decoder_sparse_step = 1
+    cfg.mlp_only_layers = require('moonrl.json').array()
+    for l = 0, cfg.num_hidden_layers - 1 do
+      if not has[string.format('blk.%d.ffn_gate_inp.weight', l)] then cfg.mlp_only_layers[#cfg.mlp_only_layers + 1] = l end
+    end
+  end
   return cfg
 end
 
@@ -121,7 +140,9 @@ end
 local LAYER = { attn_norm = 'input_layernorm', ffn_norm = 'post_attention_layernorm', attn_q = 'self_attn.q_proj',
   attn_k = 'self_attn.k_proj', attn_v = 'self_attn.v_proj', attn_output = 'self_attn.o_proj',
   attn_q_norm = 'self_attn.q_norm', attn_k_norm = 'self_attn.k_norm', ffn_gate = 'mlp.gate_proj',
-  ffn_up = 'mlp.up_proj', ffn_down = 'mlp.down_proj' }
+  ffn_up = 'mlp.up_proj', ffn_down = 'mlp.down_proj', ffn_gate_inp = 'mlp.gate' }
+-- the experts of a qwen3moe layer, each kind one tensor [E, rows, cols] (ne0 = cols fastest)
+local EXPERTS = { ffn_gate_exps = 'gate_proj', ffn_up_exps = 'up_proj', ffn_down_exps = 'down_proj' }
 local TOP = { ['token_embd.weight'] = 'model.embed_tokens.weight', ['output_norm.weight'] = 'model.norm.weight',
   ['output.weight'] = 'lm_head.weight' }
 
@@ -153,16 +174,40 @@ function G:model()
   local cfg = self:hf_config()
   local model = require('moonrl.model').new(cfg)
   local p = model:params()
-  local src = {}
+  local src, expert = {}, {} -- expert[hf name] = { tensor, e }: a slice of a stacked [E, ...] tensor
   for _, t in ipairs(self.tensors) do
     local n = hf_name(t.name)
     if n then src[n] = t end
+    local l, kind = t.name:match('^blk%.(%d+)%.([%w_]+)%.weight$')
+    if l and EXPERTS[kind] then
+      for e = 0, (cfg.num_experts or 0) - 1 do
+        expert[string.format('model.layers.%s.mlp.experts.%d.%s.weight', l, e, EXPERTS[kind])] = { t, e }
+      end
+    end
   end
+  local stacked, stacked_t -- the stacked tensor read last (its experts are read one after the other)
   local views, total = model:views(), 0
   for _, v in ipairs(views) do total = total + 4 * v.numel end
   local prog = require('moonrl.progress').new('dequantize ' .. self.path:match('[^/]*$'), total, { unit = 'B' })
   local done = 0
   local function read(v)
+    local x = expert[v.name]
+    if x then
+      local t, e = x[1], x[2]
+      if t.numel ~= cfg.num_experts * v.numel then
+        error(string.format('%s: tensor %s has %d elements, %d experts of %s need %d', self.path, t.name, t.numel,
+          cfg.num_experts, v.name:gsub('%.experts%.%d+%.', '.experts.*.'), cfg.num_experts * v.numel), 0)
+      end
+      if stacked_t ~= t then
+        stacked = ffi.new('float[?]', t.numel)
+        moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, stacked, t.numel), 2)
+        stacked_t = t
+      end
+      ffi.copy(p + v.offset, stacked + e * v.numel, 4 * v.numel)
+      done = done + 4 * v.numel
+      prog:update(done)
+      return
+    end
     local t = src[v.name]
     if not t then error(string.format('%s: no GGUF tensor for %s', self.path, v.name), 0) end
     if t.numel ~= v.numel then

@@ -13,11 +13,12 @@
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local json = require('moonrl.json')
+local bit = require('bit')
 local C = moonrl.C
 
 local M = {}
 
-local arch_names = { [0] = 'llama', 'qwen2', 'qwen3' }
+local arch_names = { [0] = 'llama', 'qwen2', 'qwen3', 'qwen3_moe' }
 
 -- The C config as a Lua table with the config.json names.
 local function config_table(c)
@@ -35,6 +36,20 @@ local function config_table(c)
     t.rope_scaling = { rope_type = 'llama3', factor = tonumber(c.rope_factor),
       low_freq_factor = tonumber(c.rope_low_freq_factor), high_freq_factor = tonumber(c.rope_high_freq_factor),
       original_max_position_embeddings = tonumber(c.rope_original_max_position_embeddings) }
+  end
+  if t.model_type == 'qwen3_moe' then -- the experts (model.h), so that M.new(m.config) makes the same model
+    for _, k in ipairs({ 'num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'decoder_sparse_step',
+      'router_aux_loss_coef' }) do
+      t[k] = tonumber(c[k])
+    end
+    t.norm_topk_prob = c.norm_topk_prob ~= 0
+    t.output_router_logits = c.output_router_logits ~= 0
+    t.mlp_only_layers = json.array()
+    for l = 0, t.num_hidden_layers - 1 do
+      if bit.band(bit.rshift(c.mlp_only_layers[math.floor(l / 64)], l % 64), 1ULL) ~= 0ULL then
+        t.mlp_only_layers[#t.mlp_only_layers + 1] = l
+      end
+    end
   end
   return t
 end
@@ -194,6 +209,15 @@ function Model:grads()
   if g == nil then error(moonrl.last_error(), 2) end
   return g, self.n_params
 end
+-- Mixture of experts (qwen3_moe): the load-balancing loss of the last forward (0 for a dense
+-- model), and the coefficient with which each backward adds its gradient (default: the config's
+-- router_aux_loss_coef when output_router_logits, else 0).
+function Model:router_aux_loss() return tonumber(C.mrl_model_router_aux_loss(self.handle)) end
+function Model:set_router_aux_coef(coef)
+  if type(coef) ~= 'number' or not (coef >= 0) then error('set_router_aux_coef: expected a number >= 0', 2) end
+  C.mrl_model_set_router_aux_coef(self.handle, coef)
+end
+function Model:router_aux_coef() return tonumber(C.mrl_model_router_aux_coef(self.handle)) end
 function Model:set_recompute(on) C.mrl_model_set_recompute(self.handle, on and 1 or 0) end
 function Model:activation_bytes(n_tokens) return tonumber(C.mrl_model_activation_bytes(self.handle, n_tokens)) end
 function Model:save(dir) moonrl.check(C.mrl_model_save_dir(self.handle, dir), 2) end

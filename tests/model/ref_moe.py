@@ -21,7 +21,6 @@ On tiny random models, a packed batch of several sequences:
 usage: ref_moe.py path/to/libmoonrl.so
 """
 import ctypes as C
-import math
 import os
 import sys
 
@@ -32,7 +31,7 @@ torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moonrl_ctypes  # noqa: E402
 from moonrl_ctypes import Moonrl, rel  # noqa: E402
-from torch_ref import inv_freq_of, rmsnorm, rope  # noqa: E402
+from torch_ref_moe import is_sparse, reference  # noqa: E402
 
 lib = moonrl_ctypes.load(sys.argv[1])
 lib.mrl_model_router_aux_loss.restype = C.c_double
@@ -42,87 +41,6 @@ lib.mrl_model_set_dtype.argtypes = [C.c_void_p, C.c_int]
 lib.mrl_model_weights_changed.argtypes = [C.c_void_p]
 
 failures = []
-
-
-def is_sparse(cfg, l):
-    """Transformers' Qwen3MoeDecoderLayer: experts unless l is in mlp_only_layers."""
-    return (l not in cfg.get("mlp_only_layers", [])) and cfg["num_experts"] > 0 and \
-        (l + 1) % cfg.get("decoder_sparse_step", 1) == 0
-
-
-def moe_block(cfg, p, h):
-    """Qwen3MoeSparseMoeBlock on h [L, D]: (output, router logits)."""
-    E, K = cfg["num_experts"], cfg["num_experts_per_tok"]
-    logits = h @ p("mlp.gate.weight").T
-    probs = torch.softmax(logits, -1)
-    w, sel = torch.topk(probs, K, dim=-1)
-    if cfg.get("norm_topk_prob"):
-        w = w / w.sum(-1, keepdim=True)
-    out = torch.zeros_like(h)
-    for e in range(E):
-        tok, j = torch.where(sel == e)
-        if len(tok) == 0:
-            continue
-        x = h[tok]
-        pe = lambda n: p("mlp.experts.%d.%s.weight" % (e, n))
-        y = (torch.nn.functional.silu(x @ pe("gate_proj").T) * (x @ pe("up_proj").T)) @ pe("down_proj").T
-        out = out.index_add(0, tok, y * w[tok, j, None])
-    return out, logits
-
-
-def forward_seq(cfg, P, tok, router_logits):
-    D, Hq, Hk, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps = cfg["rms_norm_eps"]
-    inv = inv_freq_of(cfg, hd)
-    L = len(tok)
-    x = P["model.embed_tokens.weight"][tok]
-    for l in range(cfg["num_hidden_layers"]):
-        p = lambda n: P["model.layers.%d.%s" % (l, n)]
-        h = rmsnorm(x, p("input_layernorm.weight"), eps)
-        q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
-        q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
-        q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
-        q, k = rope(q, inv, L), rope(k, inv, L)
-        k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
-        sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
-        sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
-        att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
-        x = x + att @ p("self_attn.o_proj.weight").T
-        h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
-        if is_sparse(cfg, l):
-            y, logits = moe_block(cfg, p, h)
-            router_logits.append(logits)
-            x = x + y
-        else:
-            x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ \
-                p("mlp.down_proj.weight").T
-    return rmsnorm(x, P["model.norm.weight"], eps)
-
-
-def load_balancing_loss(cfg, router_logits):
-    """Transformers' load_balancing_loss_func with attention_mask None."""
-    E, K = cfg["num_experts"], cfg["num_experts_per_tok"]
-    g = torch.cat(router_logits, 0)
-    rw = torch.softmax(g, -1)
-    _, sel = torch.topk(rw, K, dim=-1)
-    mask = torch.nn.functional.one_hot(sel, E).double()
-    tokens_per_expert = mask.mean(0)
-    prob_per_expert = rw.mean(0)
-    return (tokens_per_expert * prob_per_expert[None]).sum() * E
-
-
-def reference(cfg, P, tokens, targets, cu, temperature=1.0):
-    lm = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else P["lm_head.weight"]
-    lps, ents, logits = [], [], []
-    for s in range(len(cu) - 1):
-        tok = torch.tensor(tokens[cu[s]:cu[s + 1]].astype(np.int64))
-        h = forward_seq(cfg, P, tok, logits)
-        logp = torch.log_softmax(h @ lm.T / temperature, -1)
-        tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
-        lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(len(tok))))
-        ents.append(-(logp.exp() * logp).sum(-1))
-    aux = load_balancing_loss(cfg, logits) if logits else torch.zeros(())
-    return torch.cat(lps), torch.cat(ents), aux
 
 
 def randomize(m, rng):
@@ -165,12 +83,14 @@ def run_case(name, cfg, lens, coef=0.0, kernels=0, recompute=False, seed=0, temp
     lib.mrl_model_zero_grad(m.h)
     m.backward(a, b, None)
     loss = (torch.tensor(a, dtype=torch.float64) * rlp).sum() + (torch.tensor(b, dtype=torch.float64) * rent).sum()
-    if coef:
-        loss = loss + coef * raux
+    ref_coef = coef or (cfg["router_aux_loss_coef"] if cfg.get("output_router_logits") else 0.0)
+    if ref_coef:
+        loss = loss + ref_coef * raux
     loss.backward()
     worst, worst_name, router = 0.0, "", 0.0
     for n, _, _, _ in m.views:
-        e = rel(m.tensor(m.grads, n), P[n].grad.numpy())
+        want = P[n].grad.numpy() if P[n].grad is not None else np.zeros(P[n].shape)  # an expert nobody picked
+        e = rel(m.tensor(m.grads, n), want)
         if n.endswith("mlp.gate.weight"):
             router = max(router, e)
         if e > worst:
@@ -268,6 +188,61 @@ lib.mrl_model_free(m.h)
 finite_differences("router finite differences", moe, [9, 14], coef=0.0)
 finite_differences("router finite differences, aux coef 0.2", dict(moe, norm_topk_prob=False), [9, 14], coef=0.2)
 bf16_case("bf16", moe, lens)
+
+
+def save_load(name, cfg, lens, seed=31):
+    """mrl_model_save_dir -> a Hugging Face directory (Qwen3MoeForCausalLM's names and config keys)
+    -> mrl_model_load_dir: the same parameters bit for bit, the same log-probs."""
+    import json
+    import tempfile
+    from safetensors.numpy import load_file
+    lib.mrl_model_save_dir.argtypes = [C.c_void_p, C.c_char_p]
+    lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
+    rng = np.random.default_rng(seed)
+    m = Moonrl(cfg)
+    randomize(m, rng)
+    tokens, targets, cu = batch(cfg, lens, rng)
+    lp, _, _ = m.forward(tokens, targets, cu)
+    with tempfile.TemporaryDirectory() as d:
+        moonrl_ctypes.check(lib.mrl_model_save_dir(m.h, d.encode()))
+        saved = json.load(open(os.path.join(d, "config.json")))
+        keys = ("model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+                "intermediate_size")
+        same_cfg = all(saved.get(k) == cfg[k] for k in keys) and saved["architectures"] == ["Qwen3MoeForCausalLM"]
+        st = load_file(os.path.join(d, "model.safetensors"))
+        want = set()
+        for l in range(cfg["num_hidden_layers"]):
+            pre = "model.layers.%d." % l
+            want |= {pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                       "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                       "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")}
+            if is_sparse(cfg, l):
+                want.add(pre + "mlp.gate.weight")
+                want |= {pre + "mlp.experts.%d.%s.weight" % (e, w) for e in range(cfg["num_experts"])
+                         for w in ("gate_proj", "up_proj", "down_proj")}
+            else:
+                want |= {pre + "mlp.%s.weight" % w for w in ("gate_proj", "up_proj", "down_proj")}
+        want |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        same_names = set(st) == want and st["model.layers.0.mlp.gate.weight"].shape == (cfg["num_experts"], cfg["hidden_size"])
+        h = C.c_void_p()
+        moonrl_ctypes.check(lib.mrl_model_load_dir(d.encode(), C.byref(h)))
+    n = lib.mrl_model_num_params(h)
+    back = np.ctypeslib.as_array(lib.mrl_model_params(h), (n,)).copy()
+    same_params = n == len(m.params) and np.array_equal(back.view(np.uint32), m.params.view(np.uint32))
+    lib.mrl_model_free(m.h)
+    m.h = h
+    lp2, _, _ = m.forward(tokens, targets, cu)
+    ok = same_cfg and same_names and same_params and np.array_equal(lp, lp2)
+    print("%-44s config %s, %d tensors named as Transformers, parameters bit-identical %s, log-probs equal %s  %s" % (
+        name, same_cfg, len(st), same_params, np.array_equal(lp, lp2), "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(h)
+
+
+save_load("save -> load (HF directory)", dict(moe, num_hidden_layers=3, mlp_only_layers=[1], output_router_logits=True),
+          lens)
 
 if failures:
     print("FAILED:", ", ".join(failures))

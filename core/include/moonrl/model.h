@@ -1,4 +1,4 @@
-/* The transformer (Llama / Qwen2 / Qwen3 dense) trained on the CPU: forward
+/* The transformer (Llama / Qwen2 / Qwen3 dense, Qwen3-MoE) trained on the CPU: forward
  * to per-token log-probs, entropy and values for a packed batch; backward
  * from their gradients into one gradient buffer.
  *
@@ -208,7 +208,10 @@ void mrl_model_zero_grad(mrl_model *m);
  * probability, as Transformers' load_balancing_loss_func with no attention
  * mask (every packed token counts). Each backward adds the gradient of
  * coef * that loss (f_e held constant, as there) to the router gradients;
- * coef defaults to router_aux_loss_coef when output_router_logits, else 0. */
+ * coef defaults to router_aux_loss_coef when output_router_logits, else 0.
+ * The term is per backward: a step split into n micro-batches adds n of
+ * them (each of its micro-batch's forward), as n HF forward/backward passes
+ * with an unscaled aux term would. */
 double mrl_model_router_aux_loss(const mrl_model *m);
 void mrl_model_set_router_aux_coef(mrl_model *m, double coef);
 double mrl_model_router_aux_coef(const mrl_model *m);
@@ -217,7 +220,8 @@ double mrl_model_router_aux_coef(const mrl_model *m);
  * MRL_MODEL_FP32 (the default): every product in fp32, as always.
  * MRL_MODEL_BF16: the parameter buffer stays the fp32 master copy (what
  * the optimizer steps, what is saved), and a bf16 copy of the matrices (the
- * seven of each layer and the lm_head, the embedding when tied) is what
+ * seven of each layer, a sparse layer's experts, and the lm_head, the
+ * embedding when tied; the MoE router stays fp32) is what
  * every matrix product reads: x W^T, dX = dY W and dW = dY^T X in each
  * layer and in the head's vocabulary chunks, activations rounded to bf16 on
  * their way in, sums in fp32. Norms, RoPE, attention (its q.k and p.v), the

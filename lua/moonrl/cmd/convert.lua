@@ -7,7 +7,7 @@ local USAGE = [[
 usage: moonrl convert FILE.gguf DIR
   writes DIR/config.json, model.safetensors (the weights dequantized to F32), tokenizer.json,
   tokenizer_config.json (with the chat template) and generation_config.json: a directory moonrl
-  and Transformers load. Architectures llama, qwen2, qwen3; byte-level BPE tokenizers.]]
+  and Transformers load. Architectures llama, qwen2, qwen3, qwen3moe; byte-level BPE tokenizers.]]
 
 function M.main(args)
   if #args ~= 2 or not args[1]:match('%.gguf$') then moonrl.usage_error(USAGE) end

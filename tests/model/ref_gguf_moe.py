@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""A tiny random Qwen3-MoE written as a GGUF (architecture qwen3moe) with
+llama.cpp's gguf-py, the way llama.cpp's converter lays it out: the router
+blk.N.ffn_gate_inp [E, D], each kind of expert matrix stacked into one
+[E, rows, cols] tensor (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
+expert_count / expert_used_count / expert_feed_forward_length; one layer
+dense (ffn_gate/up/down: mlp_only_layers), one stacked tensor in Q8_0.
+Then `moonrl convert FILE.gguf DIR` and checks:
+  - every tensor of the converted model.safetensors equals the original
+    Hugging Face tensor (mlp.gate.weight, mlp.experts.{e}.*_proj.weight)
+    bit for bit (the Q8_0 one: equal to gguf-py's own dequantization);
+  - config.json: model_type qwen3_moe, the expert sizes, norm_topk_prob,
+    mlp_only_layers;
+  - the converted directory loaded by libmoonrl gives the log-probs and
+    entropies of the float64 reference (torch_ref_moe.py) on the original
+    weights, relative error < 1e-5.
+
+usage: ref_gguf_moe.py path/to/moonrl path/to/libmoonrl.so"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import ctypes as C
+
+import numpy as np
+import torch
+
+import gguf
+from safetensors.numpy import load_file
+
+torch.set_default_dtype(torch.float64)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moonrl_ctypes  # noqa: E402
+from moonrl_ctypes import rel  # noqa: E402
+from torch_ref_moe import reference  # noqa: E402
+
+MOONRL = sys.argv[1]
+lib = moonrl_ctypes.load(sys.argv[2])
+lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
+fails = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        fails.append(what)
+
+
+def byte_alphabet():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+D, F, L, Hq, Hk, hd, E, K, Fe = 32, 48, 3, 4, 2, 16, 4, 2, 24
+DENSE = 1  # layer 1 keeps the dense MLP
+Q8 = "model.layers.2.mlp.experts.*.up_proj.weight"  # stored in Q8_0
+
+
+def make(path, rng):
+    tokens = byte_alphabet() + ["<|endoftext|>", "<|im_start|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    V = len(tokens)
+    hf = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((V, D)), "model.norm.weight": 1 + 0.2 * rng.standard_normal(D),
+          "lm_head.weight": 0.3 * rng.standard_normal((V, D))}
+    g = {}  # GGUF name -> array
+    for l in range(L):
+        p, b = "model.layers.%d." % l, "blk.%d." % l
+        for hn, gn, shape in (("input_layernorm", "attn_norm", (D,)), ("post_attention_layernorm", "ffn_norm", (D,)),
+                              ("self_attn.q_norm", "attn_q_norm", (hd,)), ("self_attn.k_norm", "attn_k_norm", (hd,))):
+            hf[p + hn + ".weight"] = 1 + 0.2 * rng.standard_normal(shape)
+            g[b + gn + ".weight"] = hf[p + hn + ".weight"]
+        for hn, gn, shape in (("self_attn.q_proj", "attn_q", (Hq * hd, D)), ("self_attn.k_proj", "attn_k", (Hk * hd, D)),
+                              ("self_attn.v_proj", "attn_v", (Hk * hd, D)), ("self_attn.o_proj", "attn_output", (D, Hq * hd))):
+            hf[p + hn + ".weight"] = 0.2 * rng.standard_normal(shape)
+            g[b + gn + ".weight"] = hf[p + hn + ".weight"]
+        if l == DENSE:
+            for hn, gn, shape in (("gate_proj", "ffn_gate", (F, D)), ("up_proj", "ffn_up", (F, D)), ("down_proj", "ffn_down", (D, F))):
+                hf[p + "mlp." + hn + ".weight"] = 0.2 * rng.standard_normal(shape)
+                g[b + gn + ".weight"] = hf[p + "mlp." + hn + ".weight"]
+            continue
+        hf[p + "mlp.gate.weight"] = 0.8 * rng.standard_normal((E, D))
+        g[b + "ffn_gate_inp.weight"] = hf[p + "mlp.gate.weight"]
+        for hn, gn, shape in (("gate_proj", "ffn_gate_exps", (Fe, D)), ("up_proj", "ffn_up_exps", (Fe, D)),
+                              ("down_proj", "ffn_down_exps", (D, Fe))):
+            stack = 0.2 * rng.standard_normal((E,) + shape)
+            for e in range(E):
+                hf[p + "mlp.experts.%d.%s.weight" % (e, hn)] = stack[e]
+            g[b + gn + ".weight"] = stack
+    hf = {k: v.astype(np.float32) for k, v in hf.items()}
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(L)
+    w.add_context_length(128)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(Hq)
+    w.add_head_count_kv(Hk)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    w.add_expert_feed_forward_length(Fe)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([])
+    w.add_bos_token_id(V - 2)
+    w.add_eos_token_id(V - 2)
+    w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    w.add_tensor("output.weight", hf["lm_head.weight"])
+    for name, a in g.items():
+        a = np.ascontiguousarray(a.astype(np.float32))
+        if name == "blk.2.ffn_up_exps.weight":  # Q8_0: what moonrl must give is gguf-py's dequantization
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(a.shape).astype(np.float32)
+            for e in range(E):
+                hf["model.layers.2.mlp.experts.%d.up_proj.weight" % e] = back[e]
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf, V
+
+
+def main():
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = os.path.join(tmp, "tiny-qwen3moe.gguf"), os.path.join(tmp, "hf")
+        hf, V = make(path, rng)
+        r = subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0, "moonrl convert: %s" % r.stderr.strip()[-300:])
+        if r.returncode:
+            return
+        got = load_file(os.path.join(out, "model.safetensors"))
+        same = set(got) == set(hf) and all(got[k].shape == hf[k].shape and
+                                           np.array_equal(got[k].view(np.uint32), hf[k].view(np.uint32)) for k in hf)
+        check(same, "every tensor bit-identical to the original (%d tensors; %s from Q8_0)" % (len(hf), Q8))
+        if not same:
+            for k in sorted(set(hf) | set(got)):
+                if k not in got or k not in hf or not np.array_equal(got[k], hf[k]):
+                    print("   differs:", k)
+        cfg = json.load(open(os.path.join(out, "config.json")))
+        want = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": E,
+                "num_experts_per_tok": K, "moe_intermediate_size": Fe, "intermediate_size": F, "norm_topk_prob": True,
+                "mlp_only_layers": [DENSE], "num_hidden_layers": L, "head_dim": hd, "vocab_size": V}
+        check(all(cfg.get(k) == v for k, v in want.items()), "config.json %s" % {k: cfg.get(k) for k in want})
+        # the converted model against the float64 reference on the original weights
+        h = C.c_void_p()
+        moonrl_ctypes.check(lib.mrl_model_load_dir(out.encode(), C.byref(h)))
+        lens = [9, 17, 4]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        tokens = rng.integers(0, V, cu[-1]).astype(np.int32)
+        targets = np.full(cu[-1], -1, np.int32)
+        for s in range(len(lens)):
+            targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
+        b = moonrl_ctypes.Batch(tokens.ctypes.data_as(C.POINTER(C.c_int32)), targets.ctypes.data_as(C.POINTER(C.c_int32)),
+                                cu.ctypes.data_as(C.POINTER(C.c_int32)), int(cu[-1]), len(lens), None)
+        lp, ent = np.zeros(cu[-1], np.float32), np.zeros(cu[-1], np.float32)
+        moonrl_ctypes.check(lib.mrl_model_forward(h, C.byref(b), C.c_float(1.0), moonrl_ctypes.ptr(lp),
+                                                  moonrl_ctypes.ptr(ent), None))
+        lib.mrl_model_free(h)
+        P = {k: torch.tensor(v.astype(np.float64)) for k, v in hf.items()}
+        rlp, rent, _ = reference(cfg, P, tokens, targets, cu)
+        e_lp, e_ent = rel(lp, rlp.numpy()), rel(ent, rent.numpy())
+        check(e_lp < 1e-5 and e_ent < 1e-5, "converted model vs float64 reference on the original weights: "
+              "log-prob %.1e, entropy %.1e" % (e_lp, e_ent))
+    print("FAILED: %d" % len(fails) if fails else "all qwen3moe GGUF checks passed")
+
+
+main()
+sys.exit(1 if fails else 0)
