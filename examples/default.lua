@@ -45,28 +45,20 @@ local S = R.start(cfg, { name = 'default', steps = cfg.grpo.steps, steps_key = '
 -- a model this small runs fastest on one thread (its matrices are too small to split)
 if cfg.run.threads == 0 then moonrl.C.mrl_parallel_set_threads(1) end
 
--- 1. The task: every pair (a, b) of numbers below 100; a seeded shuffle puts `heldout` of them aside.
+-- 1. The task (moonrl.tasks' addition, data.task=addition of the RL recipes): every pair (a, b) of
+-- numbers below 100 as { prompt = '37+48=', answer = '85' }; a shuffle with the run's draw
+-- generator puts `heldout` of them aside.
 local rng = S:rng('draw', cfg.run.seed) -- its state is part of every checkpoint
-local problems = {}
-for a = 0, 99 do
-  for b = 0, 99 do problems[#problems + 1] = { a = a, b = b } end
-end
-for i = #problems, 2, -1 do
-  local j = rng:int(i) + 1
-  problems[i], problems[j] = problems[j], problems[i]
-end
-for _, p in ipairs(problems) do
-  p.prompt = p.a .. '+' .. p.b .. '='
-  p.answer = tostring(p.a + p.b)
-  p.prompt_ids = tok:encode(p.prompt)                                   -- <|bos|> 3 7 + 4 8 =
-  p.answer_ids = tok:encode(p.answer, { add_special = false })
-  p.answer_ids[#p.answer_ids + 1] = tok.eos_id                          -- 8 5 <|eos|>
-  p.flawed_ids = tok:encode(p.answer .. '=', { add_special = false })
-  p.flawed_ids[#p.flawed_ids + 1] = tok.eos_id                          -- 8 5 = <|eos|>
-end
-local heldout, train = {}, {}
-for i, p in ipairs(problems) do
-  if i <= cfg.heldout then heldout[#heldout + 1] = p else train[#train + 1] = p end
+local task = require('moonrl.tasks').get('addition')({ seed = cfg.run.seed, rng = rng, heldout = cfg.heldout })
+local heldout, train = task.heldout, task.train
+for _, set in ipairs({ heldout, train }) do
+  for _, p in ipairs(set) do
+    p.prompt_ids = tok:encode(p.prompt)                                 -- <|bos|> 3 7 + 4 8 =
+    p.answer_ids = tok:encode(p.answer, { add_special = false })
+    p.answer_ids[#p.answer_ids + 1] = tok.eos_id                        -- 8 5 <|eos|>
+    p.flawed_ids = tok:encode(p.answer .. '=', { add_special = false })
+    p.flawed_ids[#p.flawed_ids + 1] = tok.eos_id                        -- 8 5 = <|eos|>
+  end
 end
 local function draw(n) -- n training problems at random
   local out = {}

@@ -13,12 +13,15 @@
 -- registry is a moonrl.registry (register(name, fn, doc), get, check, names, doc).
 -- Built in:
 --   addition   the default example's task: every "a+b=" with a, b < 100 (10,000 problems), its
---              200 held out chosen by the seed exactly as examples/default.lua chooses them; the
---              answer is the sum ("85"), judged by the 'exact' reward.
+--              200 held out chosen by the seed (examples/default.lua builds its problems with
+--              it); the answer is the sum ("85"), judged by the 'exact' reward. Called directly,
+--              o.rng (a moonrl.session generator, e.g. a session's S:rng) shuffles in place of
+--              a fresh one from o.seed, and o.heldout (200) sets how many are held out.
 local M = require('moonrl.registry').new('task')
 
 M.register('addition', function(o)
-  local rng = require('moonrl.session').rng(o.seed or 1) -- the default example's draw generator
+  local rng = o.rng or require('moonrl.session').rng(o.seed or 1) -- the default example's draw generator
+  local n_heldout = o.heldout or 200
   local problems = {}
   for a = 0, 99 do
     for b = 0, 99 do problems[#problems + 1] = { a = a, b = b } end
@@ -30,7 +33,7 @@ M.register('addition', function(o)
   local train, heldout = {}, {}
   for i, p in ipairs(problems) do
     local r = { prompt = p.a .. '+' .. p.b .. '=', answer = tostring(p.a + p.b) }
-    if i <= 200 then heldout[#heldout + 1] = r else train[#train + 1] = r end
+    if i <= n_heldout then heldout[#heldout + 1] = r else train[#train + 1] = r end
   end
   return { train = train, heldout = heldout }
 end, '2-digit addition "37+48=" -> "85": 10,000 problems, 200 held out (the default example\'s)')

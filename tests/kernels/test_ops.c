@@ -311,6 +311,16 @@ static void gemm_params(op_case *c, int ta, int tb, int64_t M, int64_t N, int64_
     c->f[0] = alpha, c->f[1] = beta;
 }
 
+/* A product's C: M rows of ldc random values, those of its N columns NaN when beta is 0 (they
+ * must not be read), the gaps to stay as they are. */
+static void inout_gemm_c(op_case *c, int64_t M, int64_t N, int64_t ldc, float beta) {
+    float *C = rnd(M * ldc, 1);
+    for (int64_t x = 0; x < M * ldc; x++)
+        if (beta == 0 && x % ldc < N) C[x] = NAN;
+    add(c, "C", F32, INOUT, M * ldc, C, TOL_DOT);
+    free(C);
+}
+
 /* Shapes with edges (1, 7, 31, 33, 257; larger than a cache block: 230 rows,
  * 530 columns, 270 deep; few rows times a transposed matrix: the decode
  * path), every transpose, alpha, beta 0 (C full of NaN: must not be read),
@@ -331,11 +341,7 @@ static void cases_gemm(void) {
                      (long long)M, (long long)N, (long long)K, beta);
             in_rnd(&c, "A", (ta ? K : M) * lda, 1);
             in_rnd(&c, "B", (tb ? N : K) * ldb, 1);
-            float *C = rnd(M * ldc, 1);
-            for (int64_t x = 0; x < M * ldc; x++)
-                if (beta == 0 && x % ldc < N) C[x] = NAN;
-            add(&c, "C", F32, INOUT, M * ldc, C, TOL_DOT);
-            free(C);
+            inout_gemm_c(&c, M, N, ldc, beta);
             gemm_params(&c, ta, tb, M, N, K, lda, ldb, ldc, alpha, beta);
             check_case(&c);
         }
@@ -355,6 +361,17 @@ static uint16_t *rnd_bf16(int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] = mrl_f32_to_bf16(x[i]);
     free(x);
     return h;
+}
+
+/* An input of n random values: rounded to bf16 and given as bf16 when bf16, else fp32. */
+static void in_rnd_maybe_bf16(op_case *c, const char *name, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *h = rnd_bf16(n);
+        add(c, name, U16, IN, n, h, 0);
+        free(h);
+    } else {
+        in_rnd(c, name, n, 1);
+    }
 }
 
 /* The bf16 products of a model in dtype bf16: every transpose, operands fp32
@@ -377,25 +394,9 @@ static void cases_gemm_bf16(void) {
             new_case(&c, "gemm_bf16", run_gemm_bf16, "%c%c %lldx%lldx%lld %s x %s beta %g", ta ? 'T' : 'N',
                      tb ? 'T' : 'N', (long long)M, (long long)N, (long long)K, a16 ? "bf16" : "f32",
                      b16 ? "bf16" : "f32", beta);
-            if (a16) {
-                uint16_t *h = rnd_bf16(na);
-                add(&c, "A", U16, IN, na, h, 0);
-                free(h);
-            } else {
-                in_rnd(&c, "A", na, 1);
-            }
-            if (b16) {
-                uint16_t *h = rnd_bf16(nb);
-                add(&c, "B", U16, IN, nb, h, 0);
-                free(h);
-            } else {
-                in_rnd(&c, "B", nb, 1);
-            }
-            float *C = rnd(M * ldc, 1);
-            for (int64_t x = 0; x < M * ldc; x++)
-                if (beta == 0 && x % ldc < N) C[x] = NAN;
-            add(&c, "C", F32, INOUT, M * ldc, C, TOL_DOT);
-            free(C);
+            in_rnd_maybe_bf16(&c, "A", na, a16);
+            in_rnd_maybe_bf16(&c, "B", nb, b16);
+            inout_gemm_c(&c, M, N, ldc, beta);
             gemm_params(&c, ta, tb, M, N, K, lda, ldb, ldc, alpha, beta);
             c.i[8] = a16, c.i[9] = b16;
             check_case(&c);

@@ -5,32 +5,10 @@
 # usage: test_report.sh PATH/TO/moonrl
 set -u
 MOONRL=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0
-failed=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; }
-# check NAME COMMAND...: the command succeeds
-check() { local name=$1; shift; if "$@"; then ok "$name"; else bad "$name"; fi; }
+. "$(dirname "$0")/../util.sh" # $tmp, ok, bad, check NAME COMMAND..., expect, summary
+EXPECT_ONE_LINE=1 # expect: the output is one line, without a traceback
 has() { grep -qF -- "$2" "$1"; }
 count() { grep -oF -- "$2" "$1" | wc -l; }
-
-# expect NAME WANT_STATUS WANT_TEXT -- command...: exit status, output contains WANT_TEXT, one
-# line of output and no traceback
-expect() {
-  local name=$1 want_status=$2 want_text=$3
-  shift 4
-  local out status
-  out=$("$@" 2>&1)
-  status=$?
-  if [ "$status" -eq "$want_status" ] && [[ "$out" == *"$want_text"* ]] && [[ "$out" != *traceback* ]] &&
-     [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ]; then
-    ok "$name"
-  else
-    bad "$name: status $status (want $want_status), output:"; echo "$out" | head -20
-  fi
-}
 
 . "$(dirname "$0")/make_runs.sh"
 make_runs "$tmp"
@@ -135,5 +113,4 @@ mkdir -p "$tmp/live"; printf '{"step": 1, "loss": 1}\n{"step": 2, "lo' > "$tmp/l
 expect "a run still writing its last line" 0 "(1 run, 1 step, 1 plot)" -- "$MOONRL" report "$tmp/live"
 check "... the page says the last line was left out" has "$tmp/live/report.html" 'metrics.jsonl:2: the last line is incomplete'
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

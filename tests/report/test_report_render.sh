@@ -9,13 +9,7 @@ MOONRL=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 INK=$2
 CHROMIUM=$(command -v chromium || command -v chromium-browser || true)
 if [ -z "$CHROMIUM" ]; then echo "skip: no chromium (apt-get install chromium)"; exit 77; fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0
-failed=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; }
-check() { local name=$1; shift; if "$@"; then ok "$name"; else bad "$name"; fi; }
+. "$(dirname "$0")/../util.sh" # $tmp, ok, bad, check NAME COMMAND..., summary
 
 . "$(dirname "$0")/make_runs.sh"
 make_runs "$tmp"
@@ -67,5 +61,4 @@ fi
 chrome --dump-dom "file://$tmp/empty/report.html" > "$tmp/empty.html"
 check "the empty run's page says it has no metrics" grep -q 'empty has no metrics' "$tmp/empty.html"
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

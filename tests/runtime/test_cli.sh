@@ -3,25 +3,9 @@
 # usage: test_cli.sh PATH/TO/moonrl
 set -u
 MOONRL=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0
-failed=0
-
-# expect NAME WANT_STATUS WANT_TEXT -- command...: runs it, checks its exit
-# status and that its stderr+stdout contain WANT_TEXT.
-expect() {
-  local name=$1 want_status=$2 want_text=$3
-  shift 4
-  local out status
-  out=$("$@" 2>&1)
-  status=$?
-  if [ "$status" -eq "$want_status" ] && [[ "$out" == *"$want_text"* ]]; then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name: status $status (want $want_status), output:"; echo "$out" | head -20
-  fi
-}
+# expect NAME WANT_STATUS WANT_TEXT -- command...: its exit status, and its stderr+stdout contain
+# WANT_TEXT ($tmp, ok, bad, expect and summary: tests/util.sh)
+. "$(dirname "$0")/../util.sh"
 
 cat > "$tmp/recipe.lua" <<'LUA'
 local moonrl = require('moonrl')
@@ -80,7 +64,7 @@ expect "a missing .gguf model is a usage error" 2 "model.dir: $tmp/nomodel.gguf:
 
 # exactly one line of error output for usage errors
 lines=$("$MOONRL" run "$tmp/recipe.lua" stpes=3 2>&1 | wc -l)
-if [ "$lines" -eq 1 ]; then passed=$((passed + 1)); echo "ok   one error line"; else failed=$((failed + 1)); echo "FAIL one error line: $lines lines"; fi
+if [ "$lines" -eq 1 ]; then ok "one error line"; else bad "one error line: $lines lines"; fi
 
 # SIGTERM and SIGINT: stop at the next safe point, message, non-zero status
 for sig in TERM INT; do
@@ -93,11 +77,10 @@ for sig in TERM INT; do
   want=$([ $sig = TERM ] && echo 143 || echo 130)
   if [ $status -eq $want ] && grep -q "received SIG$sig, stopping at the next safe point" "$tmp/out_$sig" \
      && grep -q "stopped (SIG$sig) at a safe point" "$tmp/out_$sig"; then
-    passed=$((passed + 1)); echo "ok   SIG$sig stops cleanly"
+    ok "SIG$sig stops cleanly"
   else
-    failed=$((failed + 1)); echo "FAIL SIG$sig: status $status (want $want)"; cat "$tmp/out_$sig"
+    bad "SIG$sig: status $status (want $want)"; cat "$tmp/out_$sig"
   fi
 done
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

@@ -28,6 +28,26 @@ local correction = require('moonrl.algo.correction')
 local M = {}
 local exp, min, max = math.exp, math.min, math.max
 
+-- A loss's metrics (see ppo) from its sums over the n (masked) tokens: the clipped counts, the
+-- k1 and k3 KL sums, the ratio's sum and max, and the TIS weights' sum (false: no TIS).
+local function metrics_of(total, n, n_low, n_high, n_dual, kl1, kl3, rsum, rmax, tis_sum)
+  local inv = n > 0 and 1 / n or 0
+  local metrics = {
+    pg_loss = total,
+    clipfrac = (n_low + n_high) * inv,
+    clipfrac_low = n_low * inv,
+    clipfrac_high = n_high * inv,
+    dual_clipfrac = n_dual * inv,
+    approx_kl = kl1 * inv,
+    approx_kl_k3 = kl3 * inv,
+    ratio_mean = rsum * inv,
+    ratio_max = n > 0 and rmax or 0,
+    tokens = n,
+  }
+  if tis_sum then metrics.tis_weight_mean = tis_sum * inv end
+  return metrics
+end
+
 local function clip_loss(args, gspo, fn)
   local nseq, ntok = agg.check_batch(args, fn)
   local lp = agg.check_array(args, 'logprob', ntok, fn)
@@ -124,21 +144,7 @@ local function clip_loss(args, gspo, fn)
     end
     total = total + wi * s
   end
-  local inv = n > 0 and 1 / n or 0
-  local metrics = {
-    pg_loss = total,
-    clipfrac = (n_low + n_high) * inv,
-    clipfrac_low = n_low * inv,
-    clipfrac_high = n_high * inv,
-    dual_clipfrac = n_dual * inv,
-    approx_kl = kl1 * inv,
-    approx_kl_k3 = kl3 * inv,
-    ratio_mean = rsum * inv,
-    ratio_max = n > 0 and rmax or 0,
-    tokens = n,
-  }
-  if roll ~= nil then metrics.tis_weight_mean = tis_sum * inv end
-  return coef * total, metrics
+  return coef * total, metrics_of(total, n, n_low, n_high, n_dual, kl1, kl3, rsum, rmax, roll ~= nil and tis_sum)
 end
 
 -- PPO-clip (see the top of this file).
@@ -207,12 +213,7 @@ function M.reinforce(args)
     end
     total = total + wi * s
   end
-  local inv = n > 0 and 1 / n or 0
-  local metrics = { pg_loss = total, clipfrac = 0, clipfrac_low = 0, clipfrac_high = 0, dual_clipfrac = 0,
-    approx_kl = kl1 * inv, approx_kl_k3 = kl3 * inv, ratio_mean = rsum * inv, ratio_max = n > 0 and rmax or 0,
-    tokens = n }
-  if roll ~= nil then metrics.tis_weight_mean = tis_sum * inv end
-  return coef * total, metrics
+  return coef * total, metrics_of(total, n, 0, 0, 0, kl1, kl3, rsum, rmax, roll ~= nil and tis_sum)
 end
 
 -- Decoupled PPO with a proximal policy (AReaL: Fu et al. 2025, "AReaL: a large-scale asynchronous

@@ -29,86 +29,28 @@ local NUMBERS = {
 local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer' }
 
 local function parse(args)
-  local o = { n = 1, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0, max_tokens = 128, seed = 0, stop = {},
-    kv_cache_mb = 256 }
-  local i = 1
-  while i <= #args do
-    local a = args[i]
-    local flag, inline = a:match('^(%-%-[%w-]+)=(.*)$')
-    flag = flag or a
-    local function value()
-      if inline then return inline end
-      i = i + 1
-      local v = args[i]
-      if v == nil then moonrl.usage_error(string.format('generate: %s needs a value\n%s', flag, USAGE)) end
-      return v
-    end
-    if NUMBERS[flag] then
-      local key, integer, lo = NUMBERS[flag][1], NUMBERS[flag][2], NUMBERS[flag][3]
-      local s = value()
-      local v = tonumber(s)
-      if not v or (integer and v ~= math.floor(v)) or v < lo or v ~= v then
-        moonrl.usage_error(string.format("generate: %s '%s': expected %s >= %s", flag, s,
-          integer and 'an integer' or 'a number', lo))
-      end
-      o[key] = v
-    elseif STRINGS[flag] then o[STRINGS[flag]] = value()
-    elseif flag == '--stop' then o.stop[#o.stop + 1] = value()
-    elseif flag == '--chat' and not inline then o.chat = true
-    elseif flag == '--help' or flag == '-h' then print(USAGE) return nil
-    else moonrl.usage_error(string.format("generate: unknown option '%s'\n%s", a, USAGE)) end
-    i = i + 1
-  end
-  if not o.model then moonrl.usage_error('generate: --model is required\n' .. USAGE) end
-  if not o.prompt then moonrl.usage_error('generate: --prompt is required\n' .. USAGE) end
+  local o = require('moonrl.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
+    strings = STRINGS, lists = { ['--stop'] = 'stop' }, flags = { ['--chat'] = 'chat' },
+    defaults = { n = 1, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0, max_tokens = 128, seed = 0,
+      kv_cache_mb = 256 },
+    required = { '--model', '--prompt' } })
+  if not o then return nil end
   if o.top_p > 1 or o.top_p <= 0 then moonrl.usage_error('generate: --top-p must be in (0, 1]') end
   if o.min_p > 1 then moonrl.usage_error('generate: --min-p must be in [0, 1]') end
   return o
 end
 
--- EOS ids: the model's config, generation_config.json (one id or a list) and the tokenizer's.
-local function eos_ids(dir, model, tok)
-  local set, list = {}, {}
-  local function add(id)
-    if type(id) == 'number' and id >= 0 and not set[id] then
-      set[id] = true
-      list[#list + 1] = id
-    end
-  end
-  add(model.config.eos_token_id)
-  local f = io.open(dir .. '/generation_config.json', 'rb')
-  if f then
-    local text = f:read('*a')
-    f:close()
-    local ok, g = pcall(moonrl.json.decode, text, dir .. '/generation_config.json')
-    if ok and type(g) == 'table' then
-      if type(g.eos_token_id) == 'table' then
-        for _, id in ipairs(g.eos_token_id) do add(id) end
-      else
-        add(g.eos_token_id)
-      end
-    end
-  end
-  add(tok.eos_id)
-  return list
-end
-
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
-  local okr, dir = pcall(require('moonrl.gguf').resolve, o.model) -- a .gguf file: its converted directory
-  if not okr then moonrl.usage_error('generate: ' .. tostring(dir)) end
-  o.model = dir
-  local ok, model = pcall(moonrl.model.load, o.model)
-  if not ok then moonrl.usage_error('generate: ' .. tostring(model)) end
-  local tok
-  ok, tok = pcall(require('moonrl.tokenizer').load, o.tokenizer or o.model)
-  if not ok then moonrl.usage_error('generate: ' .. tostring(tok)) end
+  local inference = require('moonrl.inference')
+  local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = o.chat })
+  if not m then moonrl.usage_error('generate: ' .. tostring(err)) end
+  local model, tok = m.model, m.tokenizer
   local prompt_ids
   if o.chat then
-    local tpl
-    ok, tpl = pcall(moonrl.chat.load, o.model)
-    if not ok then moonrl.usage_error('generate: --chat: ' .. tostring(tpl)) end
+    local tpl = m.template
+    if not tpl then moonrl.usage_error('generate: --chat: ' .. tostring(m.template_error)) end
     local text = tpl:render({ { role = 'user', content = o.prompt } }, { add_generation_prompt = true })
     prompt_ids = tok:encode(text, { add_special = false })
   else
@@ -120,8 +62,7 @@ function M.main(args)
     moonrl.usage_error(string.format('generate: the prompt has %d tokens, the model takes %d at most', #prompt_ids, max_len))
   end
   local max_tokens = math.min(o.max_tokens, max_len - #prompt_ids)
-  local engine
-  ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
+  local ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
     max_seqs = math.max(o.n, 1), seed = o.seed })
   if not ok then moonrl.usage_error('generate: ' .. tostring(engine)) end
   local t0 = moonrl.now()
@@ -131,7 +72,7 @@ function M.main(args)
   local prog = o.n > 1 and not progress.isatty(1) and progress.new('generate', o.n, { unit = 'sample' }) or nil
   local results = engine:generate({ { prompt_ids = prompt_ids, n = o.n } }, {
     temperature = o.temperature, top_p = o.top_p, top_k = o.top_k, min_p = o.min_p, max_tokens = max_tokens,
-    eos_ids = eos_ids(o.model, model, tok), stop = #o.stop > 0 and o.stop or nil, tokenizer = tok,
+    eos_ids = inference.eos_ids(m.dir, model, tok), stop = #o.stop > 0 and o.stop or nil, tokenizer = tok,
     on_text = function(_, j, piece)
       if j == 1 then
         io.write(piece)

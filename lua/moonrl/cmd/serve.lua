@@ -36,63 +36,10 @@ local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-n
   ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
 
 local function parse(args)
-  local o = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
-    max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10 }
-  local i = 1
-  while i <= #args do
-    local a = args[i]
-    local flag, inline = a:match('^(%-%-[%w-]+)=(.*)$')
-    flag = flag or a
-    local function value()
-      if inline then return inline end
-      i = i + 1
-      local v = args[i]
-      if v == nil then moonrl.usage_error(string.format('serve: %s needs a value\n%s', flag, USAGE)) end
-      return v
-    end
-    if NUMBERS[flag] then
-      local spec = NUMBERS[flag]
-      local s = value()
-      local v = tonumber(s)
-      if not v or v ~= v or (spec[2] and v ~= math.floor(v)) or v < spec[3] or (spec[4] and v > spec[4]) then
-        moonrl.usage_error(string.format("serve: %s '%s': expected %s %s", flag, s, spec[2] and 'an integer' or 'a number',
-          spec[4] and string.format('in %s..%s', spec[3], spec[4]) or ('>= ' .. spec[3])))
-      end
-      o[spec[1]] = v
-    elseif STRINGS[flag] then
-      o[STRINGS[flag]] = value()
-    elseif flag == '--help' or flag == '-h' then
-      print(USAGE)
-      return nil
-    else
-      moonrl.usage_error(string.format("serve: unknown option '%s'\n%s", a, USAGE))
-    end
-    i = i + 1
-  end
-  if not o.model then moonrl.usage_error('serve: --model is required\n' .. USAGE) end
-  return o
-end
-
--- EOS ids: the model's config, generation_config.json (one id or a list) and the tokenizer's.
-local function eos_ids(dir, model, tok)
-  local set, list = {}, {}
-  local function add(id)
-    if type(id) == 'number' and id >= 0 and not set[id] then
-      set[id] = true
-      list[#list + 1] = id
-    end
-  end
-  add(model.config.eos_token_id)
-  local ok, g = pcall(moonrl.json.read_file, dir .. '/generation_config.json')
-  if ok and type(g) == 'table' then
-    if type(g.eos_token_id) == 'table' then
-      for _, id in ipairs(g.eos_token_id) do add(id) end
-    else
-      add(g.eos_token_id)
-    end
-  end
-  add(tok.eos_id)
-  return list
+  return require('moonrl.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
+    defaults = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
+      max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10 },
+    required = { '--model' } })
 end
 
 local function log(msg)
@@ -103,18 +50,13 @@ end
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
-  local okr, dir = pcall(require('moonrl.gguf').resolve, o.model)
-  if not okr then moonrl.usage_error('serve: ' .. moonrl.error_text(dir)) end
-  local ok, model = pcall(moonrl.model.load, dir)
-  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(model)) end
-  local tok
-  ok, tok = pcall(require('moonrl.tokenizer').load, o.tokenizer or dir)
-  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(tok)) end
+  local inference = require('moonrl.inference')
+  local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = true })
+  if not m then moonrl.usage_error('serve: ' .. moonrl.error_text(err)) end
+  local dir, model, tok = m.dir, m.model, m.tokenizer
   local chat = require('moonrl.chat')
   -- the chat template: the model's, or --chat-template's (with the model's bos/eos tokens)
-  local tpl, tpl_err
-  ok, tpl = pcall(chat.load, dir)
-  if not ok then tpl, tpl_err = nil, moonrl.error_text(tpl) end
+  local tpl, tpl_err = m.template, m.template_error and moonrl.error_text(m.template_error)
   if o.chat_template then
     local f = io.open(o.chat_template, 'rb')
     if not f then moonrl.usage_error('serve: --chat-template ' .. o.chat_template .. ': cannot read it') end
@@ -133,8 +75,7 @@ function M.main(args)
     end
   end
   local max_len = o.max_model_len or model.config.max_position_embeddings
-  local engine
-  ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
+  local ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
     max_seqs = o.max_seqs, max_batch_tokens = o.max_batch_tokens, max_model_len = o.max_model_len, seed = o.seed })
   if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(engine)) end
   local serve = require('moonrl.serve')
@@ -142,7 +83,7 @@ function M.main(args)
   ok, srv = pcall(serve.new, {
     engine = engine, tokenizer = tok, template = tpl, template_error = tpl_err,
     model_name = o.served_model_name or o.model, model_path = o.model, max_model_len = max_len,
-    eos_ids = eos_ids(dir, model, tok), seed = o.seed, max_n = o.max_n, default_max_tokens = o.default_max_tokens,
+    eos_ids = inference.eos_ids(dir, model, tok), seed = o.seed, max_n = o.max_n, default_max_tokens = o.default_max_tokens,
     host = o.host, port = o.port, max_body_bytes = math.floor(o.max_body_mb * 2 ^ 20),
     max_connections = o.max_connections, shutdown_timeout = o.shutdown_timeout, log = log,
   })
