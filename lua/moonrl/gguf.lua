@@ -87,6 +87,43 @@ local function need(g, key)
   return v
 end
 
+-- Llama 3's RoPE scaling from the rope_freqs tensor llama.cpp's converter writes instead of the
+-- config's rope_scaling: one divisor per frequency (1 for the high ones, `factor` for the low
+-- ones, a blend between). The config's four numbers are read back from it (factor: the largest
+-- divisor; low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192 as
+-- every Llama 3.1 / 3.2 has them, or the file's rope.scaling.original_context_length), and the
+-- divisors those give are checked against the tensor: other ones are an error, not a model that
+-- would compute positions wrong.
+local function llama3_rope(self, t, theta, hd, p)
+  local n = hd / 2
+  if t.numel ~= n then
+    error(string.format('%s: rope_freqs has %d values, head_dim %d needs %d', self.path, t.numel, hd, n), 0)
+  end
+  local div = ffi.new('float[?]', n)
+  moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, div, n), 2)
+  local factor = 1
+  for i = 0, n - 1 do factor = math.max(factor, div[i]) end
+  if factor == 1 then return nil end -- no scaling
+  local old = self.metadata[p .. 'rope.scaling.original_context_length'] or 8192
+  local low, high = 1, 4
+  for i = 0, n - 1 do
+    local wl = 2 * math.pi * theta ^ (2 * i / hd)
+    local want
+    if wl < old / high then want = 1
+    elseif wl > old / low then want = factor
+    else
+      local smooth = (old / wl - low) / (high - low)
+      want = 1 / ((1 - smooth) / factor + smooth)
+    end
+    if math.abs(div[i] - want) > 1e-4 * want then
+      error(string.format('%s: rope_freqs[%d] = %.6g is not Llama 3 RoPE scaling (factor %g, low 1, high 4, ' ..
+        'original context %d give %.6g): not supported', self.path, i, div[i], factor, old, want), 0)
+    end
+  end
+  return { rope_type = 'llama3', factor = factor, low_freq_factor = low, high_freq_factor = high,
+    original_max_position_embeddings = old }
+end
+
 function G:hf_config()
   local arch = need(self, 'general.architecture')
   if not ARCH[arch] then
@@ -117,6 +154,9 @@ function G:hf_config()
     torch_dtype = 'float32',
   }
   if arch == 'qwen2' then cfg.attention_bias = has['blk.0.attn_q.bias'] or false end
+  for _, t in ipairs(self.tensors) do
+    if t.name == 'rope_freqs.weight' then cfg.rope_scaling = llama3_rope(self, t, cfg.rope_theta, cfg.head_dim, p) end
+  end
   if arch == 'qwen3moe' then
     -- the experts: llama.cpp's qwen3moe always renormalises the picked weights (norm_topk_prob, as
     -- every Qwen3-MoE checkpoint has it) unless expert_weights_norm says otherwise; a layer

@@ -57,7 +57,22 @@ def llama_permute(w, heads):
 QWEN2_RE = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
-def make(arch, path, tied, pre, rng):
+def llama3_divisors(theta, hd, factor, low=1.0, high=4.0, old=8192):
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.1+ RoPE scaling."""
+    out = []
+    for i in range(0, hd, 2):
+        wl = 2 * np.pi * theta ** (i / hd)
+        if wl < old / high:
+            out.append(1.0)
+        elif wl > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wl - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def make(arch, path, tied, pre, rng, rope_freqs=None):
     D, F, L, Hq, Hk = 32, 48, 2, 4, 2
     hd = 16 if arch == "qwen3" else D // Hq
     alphabet = byte_alphabet()
@@ -94,7 +109,7 @@ def make(arch, path, tied, pre, rng):
     w.add_head_count(Hq)
     w.add_head_count_kv(Hk)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(500000.0 if rope_freqs is not None else 10000.0)
     if arch == "qwen3":
         w.add_key_length(hd)
         w.add_value_length(hd)
@@ -123,6 +138,8 @@ def make(arch, path, tied, pre, rng):
         if arch == "llama" and k.endswith(("q_proj.weight", "k_proj.weight")):
             v = llama_permute(v, Hq if "q_proj" in k else Hk)
         w.add_tensor(g, np.ascontiguousarray(v))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -175,6 +192,23 @@ def main():
                 ids = [int(x) for x in r.stdout.split()]
                 want_ids = tk.encode(s, add_special_tokens=False).ids
                 check(ids == want_ids, "%s: ids of %r: %s vs tokenizers %s" % (tag, s, ids, want_ids))
+        # Llama 3.1+: RoPE scaling as the rope_freqs tensor -> the config's rope_scaling (head_dim 8:
+        # one frequency in each regime: unscaled, blended, scaled); other divisors: an error
+        for divs, ok in ((llama3_divisors(500000.0, 8, 32.0), True), (np.array([1, 2, 3, 4], np.float32), False)):
+            path = os.path.join(tmp, "llama3-%s.gguf" % ok)
+            make("llama", path, True, "gpt2", rng, rope_freqs=divs)
+            out = os.path.join(tmp, "hf-llama3-%s" % ok)
+            r = subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
+            if ok:
+                cfg = json.load(open(os.path.join(out, "config.json"))) if r.returncode == 0 else {}
+                rs = cfg.get("rope_scaling") or {}
+                check(r.returncode == 0 and rs.get("rope_type") == "llama3" and rs.get("factor") == 32 and
+                      rs.get("low_freq_factor") == 1 and rs.get("high_freq_factor") == 4 and
+                      rs.get("original_max_position_embeddings") == 8192 and cfg.get("rope_theta") == 500000,
+                      "llama 3 rope_freqs -> rope_scaling llama3 (factor 32): %s %s" % (rs, r.stderr.strip()[-200:]))
+            else:
+                check(r.returncode == 2 and "is not Llama 3 RoPE scaling" in r.stderr,
+                      "other rope_freqs: a usage error naming them: " + r.stderr.strip()[-200:])
         bad = os.path.join(tmp, "bad.gguf")
         with open(bad, "wb") as f:
             f.write(b"not a gguf file at all")
