@@ -26,6 +26,7 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
+local fs = require('moonrl.fs')
 local model_mod = require('moonrl.model')
 local function rewards_mod() return require('moonrl.rewards') end
 
@@ -591,7 +592,15 @@ function M.start(cfg, opts)
   local policy, tok, tpl, tok_dir = opts.policy, nil, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(M.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
-    if not ok then moonrl.usage_error('model.dir: ' .. moonrl.error_text(a)) end
+    if not ok then
+      -- a run directory given for its model: say where the model is
+      local dir = cfg.model.dir:gsub('/+$', '')
+      local hint = ''
+      if fs.exists(dir .. '/metrics.jsonl') and fs.exists(dir .. '/model/config.json') then
+        hint = string.format(' (%s is a run directory: its model is model.dir=%s/model)', dir, dir)
+      end
+      moonrl.usage_error('model.dir: ' .. moonrl.error_text(a) .. hint)
+    end
     policy, tok, tpl, tok_dir = a, b, c, d
   end
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies

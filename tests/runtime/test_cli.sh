@@ -61,6 +61,8 @@ expect "doctor: bad argument" 2 "unknown argument --bogus" -- "$MOONRL" doctor -
 expect "convert: usage" 2 "usage: moonrl convert FILE.gguf DIR" -- "$MOONRL" convert
 expect "a missing model directory is a usage error" 2 "model.dir: $tmp/nomodel/config.json: cannot open" -- "$MOONRL" run grpo model.dir="$tmp/nomodel" data.path=x
 expect "a missing .gguf model is a usage error" 2 "model.dir: $tmp/nomodel.gguf: no such file" -- "$MOONRL" run grpo model.dir="$tmp/nomodel.gguf" data.path=x
+mkdir -p "$tmp/arun/model" && echo '{}' > "$tmp/arun/model/config.json" && : > "$tmp/arun/metrics.jsonl"
+expect "a run directory as model.dir: the hint names its model/" 2 "its model is model.dir=$tmp/arun/model" -- "$MOONRL" run grpo model.dir="$tmp/arun" data.path=x
 
 # exactly one line of error output for usage errors
 lines=$("$MOONRL" run "$tmp/recipe.lua" stpes=3 2>&1 | wc -l)
