@@ -33,8 +33,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <unistd.h>
-#include "check.h"
-#include "moonrl/engine.h"
+#define REQUEST_SEED 1234
+#define REQUEST_STEP 3
+#include "engine_util.h"
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
 #include "moonrl/model.h"
@@ -43,29 +44,10 @@
 #include "model/layer.h"
 
 #define MAXS 64  /* samples per run at most */
-#define MAXG 48  /* generated tokens at most */
-
-static uint64_t rng = 88172645463325252ULL;
-static double urand(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) / 9007199254740992.0;
-}
 
 static mrl_model *make_model(int arch, int vocab) {
     mrl_model_config c;
-    mrl_model_config_default(&c);
-    c.arch = arch;
-    c.vocab_size = vocab;
-    c.hidden_size = 64;
-    c.intermediate_size = 96;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 16;
-    c.max_position_embeddings = 256;
-    c.initializer_range = 0.15; /* peaked distributions: few near-ties for greedy */
+    tiny_config(&c, arch, vocab);
     if (arch == MRL_ARCH_LLAMA) {
         c.rope_scaling = MRL_ROPE_LLAMA3;
         c.rope_original_max_position_embeddings = 32;
@@ -74,67 +56,12 @@ static mrl_model *make_model(int arch, int vocab) {
     mrl_model *m = NULL;
     CHECK_OK(mrl_model_create(&c, 7 + arch, &m));
     if (!m) return NULL;
-    /* biases and norm weights away from 0 and 1, so that they matter */
-    float *p = mrl_model_params(m);
-    for (int i = 0; i < mrl_model_num_views(m); i++) {
-        mrl_param_view v;
-        mrl_model_view(m, i, &v);
-        if (v.ndim != 1) continue;
-        int bias = strstr(v.name, "bias") != NULL;
-        for (int64_t j = 0; j < v.numel; j++) p[v.offset + j] = (float)((bias ? 0 : 1) + 0.3 * (urand() - 0.5));
-    }
+    randomise_vectors(m);
     return m;
 }
 
 static mrl_engine *make_engine(mrl_model *m, int64_t kv_bytes, int max_tokens, int max_seqs, int block) {
-    mrl_engine_config c;
-    mrl_engine_config_default(&c);
-    c.kv_cache_bytes = kv_bytes;
-    c.max_num_batched_tokens = max_tokens;
-    c.max_num_seqs = max_seqs;
-    c.block_size = block;
-    mrl_engine *e = NULL;
-    CHECK_OK(mrl_engine_create(m, &c, &e));
-    return e;
-}
-
-typedef struct sample_out {
-    int n, finish;
-    int32_t tok[MAXG];
-    float lp[MAXG];
-} sample_out;
-
-static void get(mrl_engine *e, int req, int j, sample_out *o) {
-    const int32_t *t;
-    const float *lp;
-    CHECK_OK(mrl_engine_get_output(e, req, j, &t, &lp, &o->n, &o->finish));
-    if (o->n > MAXG) o->n = MAXG;
-    memcpy(o->tok, t, sizeof(int32_t) * o->n);
-    memcpy(o->lp, lp, sizeof(float) * o->n);
-}
-
-static mrl_engine_request request(const int32_t *prompt, int len, int n, int max_new, float temp, int64_t index) {
-    mrl_engine_request r = {.prompt = prompt, .prompt_len = len, .n = n, .max_new_tokens = max_new,
-                            .params = {.temperature = temp, .top_k = 0, .top_p = 1.0f, .min_p = 0},
-                            .seed = 1234, .step = 3, .prompt_index = index};
-    return r;
-}
-
-/* The trainer's log-probs of `s` after `prompt` at temperature t. */
-static void trainer_logprobs(mrl_model *m, const int32_t *prompt, int len, const sample_out *s, float t, float *out) {
-    int n = len + s->n;
-    int32_t tokens[256], targets[256], cu[2] = {0, n};
-    float lp[256];
-    memcpy(tokens, prompt, sizeof(int32_t) * len);
-    memcpy(tokens + len, s->tok, sizeof(int32_t) * s->n);
-    for (int i = 0; i < n; i++) targets[i] = i + 1 < n ? tokens[i + 1] : -1;
-    mrl_batch b = {tokens, targets, cu, n, 1};
-    CHECK_OK(mrl_model_forward(m, &b, t, lp, NULL, NULL));
-    for (int i = 0; i < s->n; i++) out[i] = lp[len - 1 + i];
-}
-
-static void fill_prompt(int32_t *p, int len, int V, int salt) {
-    for (int i = 0; i < len; i++) p[i] = (int32_t)((i * 37 + salt * 11 + 5) % V);
+    return new_engine(m, kv_bytes, max_tokens, max_seqs, block, -1);
 }
 
 /* ---- agreement with the trainer -------------------------------------------------------------- */
@@ -193,18 +120,8 @@ static void test_agreement(int arch, const mrl_kernels *k) {
     if (m && k) mrl_model_use_kernels(m, k);
     mrl_engine *e = make_engine(m, 1 << 20, 40, 16, 8); /* small step budget: chunked prefills */
     if (!m || !e) return;
-    static const int lens[] = {1, 5, 17, 33, 9};
-    static const float temps[] = {0.0f, 0.7f, 1.3f, 1.0f, 0.0f};
-    static const int ns[] = {1, 3, 2, 1, 2};
-    int32_t prompts[5][40];
-    int ids[5];
-    for (int i = 0; i < 5; i++) {
-        fill_prompt(prompts[i], lens[i], V, i + arch);
-        mrl_engine_request r = request(prompts[i], lens[i], ns[i], 12 + i, temps[i], i);
-        if (i == 2) r.params.top_k = 20;
-        if (i == 3) r.params.top_p = 0.8f;
-        CHECK_OK(mrl_engine_add_request(e, &r, &ids[i]));
-    }
+    agreement_run a;
+    agreement_add(e, &a, V, arch, 1, NULL);
     memset(op_calls, 0, sizeof op_calls);
     CHECK_OK(mrl_engine_run(e));
     if (k == &counting) /* every op of the engine's through the model's table (bias_add: qwen2 only) */
@@ -213,19 +130,8 @@ static void test_agreement(int arch, const mrl_kernels *k) {
             if (!op_calls[op]) fprintf(stderr, "arch %d: the engine did not call the table's %s\n", arch, op_names[op]);
             CHECK(op_calls[op] > 0);
         }
-    double max_d = 0;
-    for (int i = 0; i < 5; i++)
-        for (int j = 0; j < ns[i]; j++) {
-            sample_out s;
-            get(e, ids[i], j, &s);
-            CHECK(s.n == 12 + i && s.finish == MRL_FINISH_LENGTH);
-            float ref[MAXG];
-            trainer_logprobs(m, prompts[i], lens[i], &s, temps[i] > 0 ? temps[i] : 1.0f, ref);
-            for (int t = 0; t < s.n; t++) {
-                double d = fabs(s.lp[t] - ref[t]);
-                if (d > max_d) max_d = d;
-            }
-        }
+    double max_d = agreement_compare(m, e, &a, NULL);
+    agreement_check_length(&a);
     printf("arch %d, %s kernels: max |engine - trainer| log-prob %.3g\n", arch, k ? k->name : "fast", max_d);
     CHECK(max_d <= 1e-5);
     mrl_engine_free(e);
@@ -234,73 +140,14 @@ static void test_agreement(int arch, const mrl_kernels *k) {
 
 /* ---- greedy vs a naive full-recompute loop --------------------------------------------------- */
 
-/* argmax of the next token after seq[0..n): one forward over V copies of
- * the sequence, copy v targeting v at its last position. */
-static int naive_next(mrl_model *m, const int32_t *seq, int n, int V, float *best_lp, float *lps) {
-    int32_t *tok = malloc(sizeof(int32_t) * V * n), *tgt = malloc(sizeof(int32_t) * V * n);
-    int32_t *cu = malloc(sizeof(int32_t) * (V + 1));
-    float *lp = malloc(sizeof(float) * V * n);
-    for (int v = 0; v < V; v++) {
-        cu[v] = v * n;
-        for (int i = 0; i < n; i++) {
-            tok[v * n + i] = seq[i];
-            tgt[v * n + i] = i + 1 < n ? -1 : v;
-        }
-    }
-    cu[V] = V * n;
-    mrl_batch b = {tok, tgt, cu, (int64_t)V * n, V};
-    CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp, NULL, NULL));
-    int best = 0;
-    for (int v = 0; v < V; v++) {
-        lps[v] = lp[v * n + n - 1];
-        if (lps[v] > lps[best]) best = v;
-    }
-    *best_lp = lps[best];
-    free(tok);
-    free(tgt);
-    free(cu);
-    free(lp);
-    return best;
-}
-
 static void test_greedy_naive(int arch) {
     const int V = 64, G = 10;
     mrl_model *m = make_model(arch, V);
     mrl_engine *e = make_engine(m, 1 << 20, 64, 8, 16);
     if (!m || !e) return;
-    static const int lens[] = {3, 12, 21};
-    int32_t prompts[3][32];
-    int ids[3];
-    for (int i = 0; i < 3; i++) {
-        fill_prompt(prompts[i], lens[i], V, 3 * i + 1);
-        mrl_engine_request r = request(prompts[i], lens[i], 1, G, 0.0f, i);
-        CHECK_OK(mrl_engine_add_request(e, &r, &ids[i]));
-    }
-    CHECK_OK(mrl_engine_run(e));
-    int compared = 0;
-    for (int i = 0; i < 3; i++) {
-        sample_out s;
-        get(e, ids[i], 0, &s);
-        CHECK(s.n == G);
-        int32_t seq[64];
-        memcpy(seq, prompts[i], sizeof(int32_t) * lens[i]);
-        int n = lens[i];
-        for (int t = 0; t < s.n; t++) {
-            float best_lp, lps[64];
-            int want = naive_next(m, seq, n, V, &best_lp, lps);
-            if (want != s.tok[t]) {
-                /* only a near-tie may differ; the rest of the sequences then diverge */
-                printf("greedy arch %d prompt %d token %d: engine %d, naive %d (log-probs %.9g vs %.9g)\n", arch, i, t,
-                       s.tok[t], want, lps[s.tok[t]], best_lp);
-                CHECK(best_lp - lps[s.tok[t]] < 1e-5);
-                break;
-            }
-            CHECK_NEAR(s.lp[t], best_lp, 1e-5);
-            seq[n++] = want;
-            compared++;
-        }
-    }
-    CHECK(compared >= 25);
+    char what[16];
+    snprintf(what, sizeof what, "arch %d", arch);
+    CHECK(greedy_vs_naive(m, e, V, G, what) >= 25);
     mrl_engine_free(e);
     mrl_model_free(m);
 }
@@ -425,15 +272,6 @@ static void test_stops(void) {
 }
 
 /* ---- zero copy ------------------------------------------------------------------------------ */
-
-static void gen_greedy(mrl_engine *e, const int32_t *prompt, int len, sample_out *o) {
-    int id;
-    CHECK_OK(mrl_engine_reset(e));
-    mrl_engine_request r = request(prompt, len, 1, 16, 0.0f, 0);
-    CHECK_OK(mrl_engine_add_request(e, &r, &id));
-    CHECK_OK(mrl_engine_run(e));
-    get(e, id, 0, o);
-}
 
 static void test_zero_copy(void) {
     const int V = 64;
@@ -633,18 +471,7 @@ static void test_no_grads(void) {
 /* The swap tests' requests: a greedy prompt and a sampled group of 2. */
 static const int swap_lens[2] = {10, 7}, swap_ns[2] = {1, 2};
 
-static mrl_engine *engine_packed(mrl_model *m, int pack) {
-    mrl_engine_config c;
-    mrl_engine_config_default(&c);
-    c.kv_cache_bytes = 1 << 20;
-    c.max_num_batched_tokens = 64;
-    c.max_num_seqs = 16;
-    c.block_size = 8;
-    c.pack_weights = pack;
-    mrl_engine *e = NULL;
-    CHECK_OK(mrl_engine_create(m, &c, &e));
-    return e;
-}
+static mrl_engine *engine_packed(mrl_model *m, int pack) { return new_engine(m, 1 << 20, 64, 16, 8, pack); }
 
 /* The swap requests on the model's weights, `swap` (NULL: none) read from
  * step `at` on; after the swap `poison` (NULL: none) is filled with NaN.

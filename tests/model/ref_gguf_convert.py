@@ -49,6 +49,29 @@ def byte_alphabet():
     return [chr(c) for c in cs]
 
 
+def gguf_writer(path, arch, L, D, F, Hq, Hk):
+    """A GGUF writer with the sizes every architecture has (ref_gguf_moe.py's too)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(L)
+    w.add_context_length(128)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(Hq)
+    w.add_head_count_kv(Hk)
+    return w
+
+
+def add_bpe_tokenizer(w, pre, tokens, types, merges):
+    """A byte-level BPE tokenizer; its last two tokens the control tokens, the first of them BOS and EOS."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 2)
+
+
 def llama_permute(w, heads):
     """What llama.cpp's converter does to q_proj / k_proj rows."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -101,25 +124,13 @@ def make(arch, path, tied, pre, rng, rope_freqs=None):
             hf[p + "self_attn.q_norm.weight"] = rng.standard_normal(hd)
             hf[p + "self_attn.k_norm.weight"] = rng.standard_normal(hd)
     hf = {k: v.astype(np.float32) for k, v in hf.items()}
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(L)
-    w.add_context_length(128)
-    w.add_embedding_length(D)
-    w.add_feed_forward_length(F)
-    w.add_head_count(Hq)
-    w.add_head_count_kv(Hk)
+    w = gguf_writer(path, arch, L, D, F, Hq, Hk)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(500000.0 if rope_freqs is not None else 10000.0)
     if arch == "qwen3":
         w.add_key_length(hd)
         w.add_value_length(hd)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(V - 2)
-    w.add_eos_token_id(V - 2)
+    add_bpe_tokenizer(w, pre, tokens, types, merges)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -227,4 +238,5 @@ def main():
     sys.exit(1 if fails else 0)
 
 
-main()
+if __name__ == "__main__":  # ref_gguf_moe.py imports its helpers
+    main()

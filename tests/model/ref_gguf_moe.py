@@ -33,30 +33,12 @@ torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moonrl_ctypes  # noqa: E402
 from moonrl_ctypes import rel  # noqa: E402
+from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, check, fails, gguf_writer  # noqa: E402
 from torch_ref_moe import reference  # noqa: E402
 
 MOONRL = sys.argv[1]
 lib = moonrl_ctypes.load(sys.argv[2])
 lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
-fails = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails.append(what)
-
-
-def byte_alphabet():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
 
 D, F, L, Hq, Hk, hd, E, K, Fe = 32, 48, 3, 4, 2, 16, 4, 2, 24
 DENSE = 1  # layer 1 keeps the dense MLP
@@ -94,13 +76,7 @@ def make(path, rng):
                 hf[p + "mlp.experts.%d.%s.weight" % (e, hn)] = stack[e]
             g[b + gn + ".weight"] = stack
     hf = {k: v.astype(np.float32) for k, v in hf.items()}
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_block_count(L)
-    w.add_context_length(128)
-    w.add_embedding_length(D)
-    w.add_feed_forward_length(F)
-    w.add_head_count(Hq)
-    w.add_head_count_kv(Hk)
+    w = gguf_writer(path, "qwen3moe", L, D, F, Hq, Hk)
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_layer_norm_rms_eps(1e-6)
@@ -108,13 +84,7 @@ def make(path, rng):
     w.add_expert_count(E)
     w.add_expert_used_count(K)
     w.add_expert_feed_forward_length(Fe)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([])
-    w.add_bos_token_id(V - 2)
-    w.add_eos_token_id(V - 2)
+    add_bpe_tokenizer(w, "qwen2", tokens, types, [])
     w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", hf["model.norm.weight"])
     w.add_tensor("output.weight", hf["lm_head.weight"])

@@ -36,13 +36,19 @@ def rope(x, inv_freq, L):  # x [L, H, hd], rotate_half convention
     return x * emb.cos() + rot * emb.sin()
 
 
-def final_hidden(cfg, P, tok):
-    """The final normed hidden states [L, D] of one sequence (tok: int64 tensor [L])."""
+def dense_mlp(l, p, h):
+    """The SwiGLU MLP of layer l (p: its parameters by name) on h [L, D]."""
+    return (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+
+
+def final_hidden(cfg, P, tok, mlp=dense_mlp):
+    """The final normed hidden states [L, D] of one sequence (tok: int64 tensor [L]); mlp(l, p, h): layer l's
+    MLP on h (p: the layer's parameters by name), the dense one unless told (torch_ref_moe.py: experts)."""
     D, Hq = cfg["hidden_size"], cfg["num_attention_heads"]
     Hk = cfg.get("num_key_value_heads", Hq)
     hd = cfg.get("head_dim") or D // Hq
     eps = cfg.get("rms_norm_eps", 1e-6)
-    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] in ("qwen3", "qwen3_moe")
     inv = inv_freq_of(cfg, hd)
     L = len(tok)
     x = P["model.embed_tokens.weight"][tok]
@@ -62,7 +68,7 @@ def final_hidden(cfg, P, tok):
         att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
         x = x + att @ p("self_attn.o_proj.weight").T
         h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
-        x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        x = x + mlp(l, p, h)
     return rmsnorm(x, P["model.norm.weight"], eps)
 
 

@@ -1,12 +1,10 @@
 """A float64 PyTorch Qwen3-MoE (model_type qwen3_moe) written after Transformers'
 modeling_qwen3_moe (Transformers itself is not needed): the reference of
 ref_moe.py and ref_gguf_moe.py. P maps Hugging Face parameter names to tensors."""
-import math
-
 import numpy as np
 import torch
 
-from torch_ref import inv_freq_of, rmsnorm, rope
+from torch_ref import dense_mlp, final_hidden
 
 
 def is_sparse(cfg, l):
@@ -36,32 +34,15 @@ def moe_block(cfg, p, h):
 
 
 def forward_seq(cfg, P, tok, router_logits):
-    Hq, Hk, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps = cfg["rms_norm_eps"]
-    inv = inv_freq_of(cfg, hd)
-    L = len(tok)
-    x = P["model.embed_tokens.weight"][tok]
-    for l in range(cfg["num_hidden_layers"]):
-        p = lambda n: P["model.layers.%d.%s" % (l, n)]
-        h = rmsnorm(x, p("input_layernorm.weight"), eps)
-        q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
-        q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
-        q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
-        q, k = rope(q, inv, L), rope(k, inv, L)
-        k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
-        sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
-        sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
-        att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
-        x = x + att @ p("self_attn.o_proj.weight").T
-        h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
-        if is_sparse(cfg, l):
-            y, logits = moe_block(cfg, p, h)
-            router_logits.append(logits)
-            x = x + y
-        else:
-            x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ \
-                p("mlp.down_proj.weight").T
-    return rmsnorm(x, P["model.norm.weight"], eps)
+    """torch_ref.py's layers (Qwen3's attention) with the experts' MLP where the layer is sparse; each
+    sparse layer's router logits appended to router_logits."""
+    def mlp(l, p, h):
+        if not is_sparse(cfg, l):
+            return dense_mlp(l, p, h)
+        y, logits = moe_block(cfg, p, h)
+        router_logits.append(logits)
+        return y
+    return final_hidden(cfg, P, tok, mlp)
 
 
 def load_balancing_loss(cfg, router_logits):
