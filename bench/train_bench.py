@@ -11,8 +11,15 @@ sides start from the same weights (moonrl's init, handed over in a raw f32
 file) so their losses agree. Each side runs in its own child process, one
 after the other, so that its peak memory (max RSS) is its own.
 
+--dtype bf16: moonrl's model.dtype=bf16 (fp32 master weights and AdamW,
+bf16 copies refreshed after each step, bf16 products with fp32 sums)
+against PyTorch's torch.autocast("cpu", dtype=torch.bfloat16) around the
+forward (fp32 weights and AdamW, bf16 matmuls: what TRL's bf16=True does on
+a CPU); the log-softmax and the loss in fp32 on both sides.
+
 usage: /usr/bin/python3 bench/train_bench.py [--model small|100m] [--threads 2] [--steps 5]
             [--rounds 2] [--lib build/libmoonrl.so] [--recompute] [--omp-wait-policy active|passive]
+            [--dtype fp32|bf16]
 """
 import argparse
 import ctypes
@@ -74,6 +81,9 @@ def run_moonrl(args, spec):
     rss0 = rss_now()
     m = moonrl_ctypes.Moonrl(spec["cfg"], seed=1)
     lib.mrl_model_set_recompute(m.h, int(args.recompute))
+    bf16 = args.dtype == "bf16"
+    if bf16:
+        moonrl_ctypes.check(lib.mrl_model_set_dtype(m.h, 1))
     m.params.tofile(args.weights)  # the torch side starts from these
     with open(args.weights + ".json", "w") as f:
         json.dump([(n, off, shape) for n, off, shape, _ in m.views], f)
@@ -96,6 +106,8 @@ def run_moonrl(args, spec):
         lib.mrl_model_zero_grad(m.h)
         m.backward(a, b, None)
         moonrl_ctypes.check(lib.mrl_adamw_step(opt, -1.0))
+        if bf16:
+            lib.mrl_model_weights_changed(m.h)  # the copies are refreshed by the next forward: in the step
         times.append(time.perf_counter() - t0)
         losses.append(float((a * lp).sum() + (b * ent).sum()))
     stats = (ctypes.c_int64 * 14)()
@@ -203,7 +215,12 @@ def run_torch(args, spec):
     times, losses = [], []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
-        logp = torch.log_softmax(model(tokens), -1)
+        if args.dtype == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(tokens)
+            logp = torch.log_softmax(logits.float(), -1)
+        else:
+            logp = torch.log_softmax(model(tokens), -1)
         lp = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * (targets >= 0)
         ent = -(logp.exp() * logp).sum(-1)
         loss = (a * lp).sum() + (b * ent).sum()
@@ -259,6 +276,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--omp-wait-policy", choices=["active", "passive"],
                     help="set OMP_WAIT_POLICY for both sides (default: the environment as it is)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--side", choices=["moonrl", "torch"])
     ap.add_argument("--weights", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -294,10 +312,11 @@ def main():
     flops = train_flops(spec, res["moonrl"]["n_params"])
     mt, tt = tokens / res["moonrl"]["step_s"], tokens / res["torch"]["step_s"]
     mib = lambda x: x / 2 ** 20
-    print("model %s: %.1fM parameters, batch %d x %d, %d threads%s%s, fp32, step = forward + backward + AdamW" % (
+    print("model %s: %.1fM parameters, batch %d x %d, %d threads%s%s, %s, step = forward + backward + AdamW" % (
         args.model, res["moonrl"]["n_params"] / 1e6, spec["batch"], spec["seq"], args.threads,
         ", recompute" if args.recompute else "",
-        ", OMP_WAIT_POLICY=" + args.omp_wait_policy if args.omp_wait_policy else ""))
+        ", OMP_WAIT_POLICY=" + args.omp_wait_policy if args.omp_wait_policy else "",
+        "bf16 (moonrl model.dtype=bf16; pytorch autocast bf16)" if args.dtype == "bf16" else "fp32"))
     for side, label in (("torch", "pytorch %s" % res["torch"].get("version", "")), ("moonrl", "moonrl")):
         r = res[side]
         print("  %-14s %8.0f tokens/s  (step %.3f s; max RSS %5.0f MiB, %5.0f MiB above the process at start)" % (
