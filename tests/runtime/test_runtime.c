@@ -65,7 +65,8 @@ static void test_mem(void) {
     CHECK(mrl_mem_rss_peak() >= rss + (int64_t)big / 2);
     mrl_mem_free(touch);
     mrl_mem_reset_rss_peak();
-    CHECK(mrl_mem_rss_peak() < rss + (int64_t)big / 2);
+    /* down to what is resident now (under ASan the freed block stays resident: its quarantine) */
+    CHECK(mrl_mem_rss_peak() <= mrl_mem_rss() + ((int64_t)4 << 20));
     CHECK(strcmp(mrl_mem_category_name(MRL_MEM_OPTIM), "optim") == 0);
 }
 
