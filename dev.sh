@@ -6,6 +6,7 @@
 #                            AddressSanitizer + UndefinedBehaviorSanitizer); prints "N passed, N failed" last
 #   ./dev.sh deps            only install the build and test dependencies
 #   ./dev.sh build           only build (build/)
+#   ./dev.sh fetch-model     only fetch SmolLM2-135M-Instruct (GGUF) into ~/.cache/moonrl/models/
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -120,5 +121,6 @@ case "$cmd" in
   build) deps && build ;;
   run) deps && build && exec build/moonrl "$@" ;;
   test) deps || { echo "0 passed, 1 failed"; exit 1; }; fetch_model; tests ;;
-  *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build" >&2; exit 2 ;;
+  fetch-model) fetch_model && [ -f "$SMOLLM2_GGUF" ] && echo "$SMOLLM2_GGUF" ;;
+  *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build | fetch-model" >&2; exit 2 ;;
 esac
