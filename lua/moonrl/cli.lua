@@ -77,8 +77,8 @@ local function print_version()
   print('cpu features: ' .. v.cpu_features)
   print(string.format('cpu kernels: built for %s; using %s on this CPU', v.kernels_built, v.kernels))
   print('bf16 products: ' .. ffi.string(moonrl.C.mrl_bf16_products()) .. string.format(
-    ' (model.dtype: fp32 by default; bf16 computes with these; auto is %s on this CPU)',
-    moonrl.model.resolve_dtype('auto')))
+    ' (model.dtype: fp32 by default; bf16 computes with these; auto is %s on this CPU for models of ' ..
+    'hidden size >= %d, fp32 below)', moonrl.model.resolve_dtype('auto'), moonrl.model.BF16_MIN_HIDDEN))
   local ok, core = pcall(function()
     pcall(ffi.cdef, 'char *openblas_get_corename(void);')
     return ffi.string(ffi.C.openblas_get_corename())

@@ -176,7 +176,8 @@ end
 -- the optimizer steps and checkpoints hold) and bf16 copies of the matrices for every matrix
 -- product, sums in fp32; norms, softmax, attention, the log-prob head and the losses in fp32.
 -- The engine reads the same copies. 'auto': bf16 where the CPU has fast bf16 products
--- (AVX512-BF16 or AMX: M.bf16_products() names the path), else fp32.
+-- (AVX512-BF16 or AMX: M.bf16_products() names the path) and the model's matrices are wide
+-- enough for them to pay (hidden_size >= M.BF16_MIN_HIDDEN), else fp32.
 local dtype_codes = { fp32 = C.MRL_MODEL_FP32, bf16 = C.MRL_MODEL_BF16 }
 M.dtypes = { 'fp32', 'bf16', 'auto' }
 
@@ -186,15 +187,24 @@ function M.bf16_products()
   if path ~= 'none' then return path end
 end
 
--- 'fp32' or 'bf16' for a model.dtype setting; nil for a name that is none of M.dtypes.
-function M.resolve_dtype(name)
-  if name == 'auto' then return M.bf16_products() and 'bf16' or 'fp32' end
+-- Below this hidden size bf16 products lose to fp32 on the CPUs measured (bench/RESULTS.md, "bf16
+-- training step against PyTorch autocast": a 256-wide model's step 0.58x fp32 in bf16, a
+-- 512-wide one's 2.26x), so 'auto' keeps such models in fp32.
+M.BF16_MIN_HIDDEN = 512
+
+-- 'fp32' or 'bf16' for a model.dtype setting (for a model of config `cfg`: its hidden_size; none:
+-- a model wide enough); nil for a name that is none of M.dtypes.
+function M.resolve_dtype(name, cfg)
+  if name == 'auto' then
+    local wide = not cfg or (cfg.hidden_size or 0) >= M.BF16_MIN_HIDDEN
+    return (M.bf16_products() and wide) and 'bf16' or 'fp32'
+  end
   if dtype_codes[name] then return name end
 end
 
 -- Switch to dtype (fp32, bf16 or auto); returns the one in use.
 function Model:set_dtype(name)
-  local d = M.resolve_dtype(name)
+  local d = M.resolve_dtype(name, self.config)
   if not d then error(string.format("model dtype must be one of fp32, bf16, auto (got '%s')", tostring(name)), 2) end
   moonrl.check(C.mrl_model_set_dtype(self.handle, dtype_codes[d]), 2)
   return d

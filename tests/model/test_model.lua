@@ -119,6 +119,10 @@ t.test('precision: set_dtype, auto, and the copies following writes through para
   for i = 0, b.n_tokens - 1 do t.eq(lp_new[i], lp_fresh[i], 'after the write, log-prob ' .. i) end
   t.eq(m:set_dtype('fp32'), 'fp32')
   t.eq(moonrl.model.resolve_dtype('auto'), moonrl.model.bf16_products() and 'bf16' or 'fp32')
+  -- auto keeps narrow models in fp32 (bf16 products do not pay below BF16_MIN_HIDDEN)
+  t.eq(m:set_dtype('auto'), 'fp32', 'a narrow model stays fp32 under auto')
+  t.eq(moonrl.model.resolve_dtype('auto', { hidden_size = 512 }), moonrl.model.bf16_products() and 'bf16' or 'fp32')
+  t.eq(moonrl.model.resolve_dtype('auto', { hidden_size = 256 }), 'fp32')
   t.eq(moonrl.model.resolve_dtype('fp16'), nil)
   t.raises(function() m:set_dtype('fp16') end, "model dtype must be one of fp32, bf16, auto (got 'fp16')")
 end)
