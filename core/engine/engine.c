@@ -104,11 +104,7 @@ static int64_t layout(mrl_engine *e, char *base) {
             V = c->vocab_size;
     int64_t off = 0;
     layer_acts *a = &e->a;
-#define TAKE(ptr, count)                                              \
-    do {                                                              \
-        if (base) ptr = (float *)(base + off);                        \
-        off += ((int64_t)sizeof(float) * (count) + 63) / 64 * 64;     \
-    } while (0)
+#define TAKE(ptr, count) MRL_LAYOUT_TAKE(base, off, ptr, float, count)
     TAKE(e->x, T * D);
     TAKE(a->ln1, T * D);
     TAKE(a->rstd1, T);

@@ -23,11 +23,7 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     for (int l = 0; l < L; l++) n_moe += mrl_model_layer_is_moe(c, l);
     int64_t A = n_moe ? T * c->num_experts_per_tok : 0, Fe = c->moe_intermediate_size;
     int64_t off = 0;
-#define TAKE(ptr, type, count)                                                          \
-    do {                                                                                \
-        if (base) ptr = (type *)(base + off);                                           \
-        off += ((int64_t)sizeof(type) * (count) + 63) / 64 * 64;                        \
-    } while (0)
+#define TAKE(ptr, type, count) MRL_LAYOUT_TAKE(base, off, ptr, type, count)
     for (int l = 0; l <= L; l++) TAKE(m->xs[l], float, T * D);
     for (int l = 0; l < L; l++) {
         layer_acts *a = &m->la[l];

@@ -49,6 +49,16 @@ typedef struct layer_params {
     const uint16_t *heg, *heu, *hed; /* the experts' (the router stays fp32) */
 } layer_params;
 
+/* Carving buffers (activations, gradients) out of one allocation: `ptr`
+ * gets `count` elements of `type` at byte offset `off` of `base`, and `off`
+ * moves on, 64-byte aligned. base NULL: only `off` moves (a first pass that
+ * counts the bytes to allocate). The model's layouts and the engine's use it. */
+#define MRL_LAYOUT_TAKE(base, off, ptr, type, count)                      \
+    do {                                                                  \
+        if (base) (ptr) = (type *)((base) + (off));                       \
+        (off) += ((int64_t)sizeof(type) * (count) + 63) / 64 * 64;        \
+    } while (0)
+
 /* One layer's saved activations for T tokens. */
 typedef struct layer_acts {
     float *ln1, *rstd1;        /* [T,D] [T] */

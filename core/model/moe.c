@@ -28,11 +28,7 @@
 int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base) {
     int64_t D = c->hidden_size, E = c->num_experts, A = T * c->num_experts_per_tok, Fe = c->moe_intermediate_size;
     int64_t off = 0;
-#define TAKE(ptr, type, count)                                                   \
-    do {                                                                         \
-        if (base) ptr = (type *)(base + off);                                    \
-        off += ((int64_t)sizeof(type) * (count) + 63) / 64 * 64;                 \
-    } while (0)
+#define TAKE(ptr, type, count) MRL_LAYOUT_TAKE(base, off, ptr, type, count)
     TAKE(a->rprob, float, T * E);
     TAKE(a->sel, int32_t, A);
     TAKE(a->rw, float, A);
