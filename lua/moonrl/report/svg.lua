@@ -114,8 +114,15 @@ local function thin(points, buckets)
   return out
 end
 
-local function axes(o, x0, x1, y0, y1, sx, sy)
+-- A plot's frame: the <svg> opened (class cls, titled), the scales of x0..x1 and y0..y1 onto the
+-- plot area, the axes with their grid and ticks. Returns the output list, sx, sy and the plot
+-- area's width and height.
+local function frame(title, cls, x0, x1, y0, y1)
   local pw, ph = W - ML - MR, H - MT - MB
+  local function sx(x) return ML + (x - x0) / (x1 - x0) * pw end
+  local function sy(y) return MT + (y1 - y) / (y1 - y0) * ph end
+  local o = { format('<svg xmlns="http://www.w3.org/2000/svg" class="%s" viewBox="0 0 %d %d" width="%d" height="%d" ' ..
+    'role="img" aria-label="%s">', cls, W, H, W, H, esc(title)), format('<title>%s</title>', esc(title)) }
   o[#o + 1] = format('<rect x="%d" y="%d" width="%d" height="%d" class="frame"/>', ML, MT, pw, ph)
   for _, t in ipairs(ticks(y0, y1, 4)) do
     local y = sy(t)
@@ -128,17 +135,13 @@ local function axes(o, x0, x1, y0, y1, sx, sy)
     o[#o + 1] = format('<text x="%.1f" y="%d" class="xl">%s</text>', x, H - MB + 14, tick_label(t))
   end
   o[#o + 1] = format('<text x="%d" y="%d" class="axis">step</text>', W - MR, H - 3)
+  return o, sx, sy, pw, ph
 end
 
 function M.line_plot(p)
   local x0, x1, y0, y1, any = ranges(p.series)
   if p.x0 and p.x1 and p.x0 < p.x1 then x0, x1 = p.x0, p.x1 end
-  local pw, ph = W - ML - MR, H - MT - MB
-  local function sx(x) return ML + (x - x0) / (x1 - x0) * pw end
-  local function sy(y) return MT + (y1 - y) / (y1 - y0) * ph end
-  local o = { format('<svg xmlns="http://www.w3.org/2000/svg" class="plot" viewBox="0 0 %d %d" width="%d" height="%d" ' ..
-    'role="img" aria-label="%s">', W, H, W, H, esc(p.title)), format('<title>%s</title>', esc(p.title)) }
-  axes(o, x0, x1, y0, y1, sx, sy)
+  local o, sx, sy, pw, ph = frame(p.title, 'plot', x0, x1, y0, y1)
   for _, m in ipairs(p.markers or {}) do
     if m.x >= x0 and m.x <= x1 then
       o[#o + 1] = format('<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" class="marker %s" stroke="%s"><title>%s</title></line>',
@@ -212,12 +215,7 @@ function M.stacked_bars(p)
   if top <= 0 then top = 1 end
   local x0, x1 = steps[1] - 0.5, steps[#steps] + 0.5
   local y0, y1 = 0, top * 1.05
-  local pw, ph = W - ML - MR, H - MT - MB
-  local function sx(x) return ML + (x - x0) / (x1 - x0) * pw end
-  local function sy(y) return MT + (y1 - y) / (y1 - y0) * ph end
-  local o = { format('<svg xmlns="http://www.w3.org/2000/svg" class="plot bars" viewBox="0 0 %d %d" width="%d" height="%d" ' ..
-    'role="img" aria-label="%s">', W, H, W, H, esc(p.title)), format('<title>%s</title>', esc(p.title)) }
-  axes(o, x0, x1, y0, y1, sx, sy)
+  local o, sx, sy, pw = frame(p.title, 'plot bars', x0, x1, y0, y1)
   o[#o + 1] = format('<text x="4" y="%d" class="axis">s</text>', MT + 8)
   local bw = math.max(1, pw / #bars * 0.85)
   for _, bar in ipairs(bars) do
