@@ -46,10 +46,19 @@ function M.job_size()
   return tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or os.getenv('PMIX_SIZE') or os.getenv('SLURM_NTASKS') or '1') or 1
 end
 
+-- A file's CRC-32C (hex) and size; nil when it cannot be read. The manifest is written at every
+-- phase's start: a file whose size and mtime are those of a checksum taken already in this
+-- process is not read again (a model of gigabytes, once per run).
+local crc_seen = {}
 local function crc_hex(path)
+  local st = fs.stat(path)
+  local key = st and string.format('%s\0%d\0%s', path, st.size, tostring(st.mtime))
+  if key and crc_seen[key] then return crc_seen[key][1], crc_seen[key][2] end
   local ok, crc, size = pcall(fs.crc32c_file, path)
   if not ok then return nil end
-  return string.format('%08x', crc), size
+  local hex = string.format('%08x', crc)
+  if key then crc_seen[key] = { hex, size } end
+  return hex, size
 end
 
 -- A file or a directory's files: path, bytes and CRC-32C of each.
