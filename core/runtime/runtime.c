@@ -10,6 +10,7 @@
 #include "moonrl/device.h"
 #include "build_info.h"
 #include "cpu/isa.h"
+#include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
 
 const char *mrl_version(void) { return MRL_VERSION; }
@@ -53,6 +54,8 @@ const char *mrl_kernel_isas_built(void) {
 const char *mrl_kernel_isa(void) { return mrl_cpu_isa_get()->name; }
 
 const char *mrl_bf16_products(void) { return mrl_cpu_bf16_available() ? mrl_cpu_bf16_path() : "none"; }
+
+const char *mrl_fp32_products(void) { return mrl_cpu_f32_path_name(); }
 
 int mrl_cpu_has(const char *feature) { return feature ? has_feature(feature) : 0; }
 

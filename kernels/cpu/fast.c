@@ -1,5 +1,6 @@
 /* The fast CPU ops: matrix products through OpenBLAS sgemm (measured faster
- * than our own kernels, bench/RESULTS.md; few-row products excepted), the
+ * than our own kernels, bench/RESULTS.md; few-row products excepted; oneDNN's
+ * where OpenBLAS runs kernels below the CPU's instruction set, cpu/blas.h), the
  * other ops from the AVX-512, AVX2 or SSE inner loops (isa_*.c, the set
  * chosen at run time by isa.c), spread over the cores with
  * mrl_parallel_for. Results do not depend on the thread count: every
@@ -12,6 +13,7 @@
 #include <string.h>
 #include "kernels.h"
 #include "cpu/adamw.h"
+#include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/convert.h"
 #include "cpu/isa.h"
@@ -117,10 +119,35 @@ static void gemm_part(void *vc, int64_t item) {
  * (one row: OpenBLAS's small-matrix kernel is as fast). */
 #define FEW_ROWS 16
 
+static void fast_gemm_openblas(const mrl_gemm_desc *g, int n);
+
+static void fast_gemm_group(const mrl_gemm_desc *g, int n) {
+    if (mrl_cpu_f32_path() == MRL_F32_ONEDNN) {
+        /* oneDNN takes each product whole, on its own threads (called from inside our parallel
+         * region, one product's results moved in the last bits with the thread running it); what
+         * it does not take (few rows, weight panels: our kernels; K = 0) goes on below */
+        mrl_gemm_desc rest[8];
+        int left = 0;
+        for (int i = 0; i < n; i++) {
+            const mrl_gemm_desc *d = &g[i];
+            int few = !d->trans_a && d->trans_b && d->M >= 2 && d->M <= FEW_ROWS;
+            if (d->b_panels || few || d->K <= 0 ||
+                mrl_cpu_gemm_f32_onednn(d->trans_a, d->trans_b, d->M, d->N, d->K, d->alpha, d->A, d->lda, d->B,
+                                        d->ldb, d->beta, d->C, d->ldc) != 0) {
+                if (left == 8) fast_gemm_openblas(rest, left), left = 0;
+                rest[left++] = *d;
+            }
+        }
+        if (left) fast_gemm_openblas(rest, left);
+        return;
+    }
+    fast_gemm_openblas(g, n);
+}
+
 /* Cut each product into slices of rows (or of columns when there are few
  * rows), a few per thread, at least 64 wide; all slices of the group are
  * taken dynamically in one parallel region. */
-static void fast_gemm_group(const mrl_gemm_desc *g, int n) {
+static void fast_gemm_openblas(const mrl_gemm_desc *g, int n) {
     gemm_group_ctx c;
     int64_t items = 0, total = 0;
     for (int off = 0; off < n; off += 8) { /* groups larger than 8 run 8 at a time */

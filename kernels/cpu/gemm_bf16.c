@@ -51,7 +51,9 @@ void mrl_cpu_gemm_bf16_reference(int trans_a, int trans_b, int64_t M, int64_t N,
  * hundreds of small products, and allocating (and zero-filling) their packed
  * copies each time would cost as much as the arithmetic. Requests above
  * SCRATCH_KEEP get a buffer of their own, freed after the product, so that
- * one large product does not pin its memory for the life of the thread. */
+ * one large product does not pin its memory for the life of the thread.
+ * Accounted as "other" (kernel workspace that outlives any one model), not
+ * as a model's activations. */
 #define SCRATCH_KEEP ((size_t)64 << 20)
 
 typedef struct scratch_buf {
@@ -70,7 +72,7 @@ static void scratch_destroy(void *v) {
 static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_destroy); }
 
 void *mrl_cpu_bf16_scratch_take(size_t bytes) {
-    if (bytes > SCRATCH_KEEP) return mrl_mem_alloc(bytes, MRL_MEM_ACTIVATIONS);
+    if (bytes > SCRATCH_KEEP) return mrl_mem_alloc(bytes, MRL_MEM_OTHER);
     pthread_once(&scratch_once, scratch_init);
     scratch_buf *s = pthread_getspecific(scratch_key);
     if (!s) {
@@ -80,7 +82,7 @@ void *mrl_cpu_bf16_scratch_take(size_t bytes) {
     if (s->bytes < bytes) {
         mrl_mem_free(s->p);
         size_t grown = bytes + bytes / 2 < SCRATCH_KEEP ? bytes + bytes / 2 : SCRATCH_KEEP;
-        s->p = mrl_mem_alloc(grown, MRL_MEM_ACTIVATIONS);
+        s->p = mrl_mem_alloc(grown, MRL_MEM_OTHER);
         s->bytes = s->p ? grown : 0;
     }
     return s->p;

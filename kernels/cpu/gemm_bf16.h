@@ -83,7 +83,7 @@ int mrl_cpu_gemm_bf16_own(int trans_a, int trans_b, int64_t M, int64_t N, int64_
 int mrl_cpu_gemm_bf16_onednn(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                              const void *A, int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb,
                              float beta, float *C, int64_t ldc);
-/* oneDNN's fp32 matmul (a candidate for the fp32 gemm; bench only for now). */
+/* oneDNN's fp32 matmul (the fp32 gemm where OpenBLAS's kernels are below the CPU: cpu/blas.h). */
 int mrl_cpu_gemm_f32_onednn(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                             const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                             int64_t ldc);

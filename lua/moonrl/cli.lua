@@ -79,11 +79,8 @@ local function print_version()
   print('bf16 products: ' .. ffi.string(moonrl.C.mrl_bf16_products()) .. string.format(
     ' (model.dtype: fp32 by default; bf16 computes with these; auto is %s on this CPU for models of ' ..
     'hidden size >= %d, fp32 below)', moonrl.model.resolve_dtype('auto'), moonrl.model.BF16_MIN_HIDDEN))
-  local ok, core = pcall(function()
-    pcall(ffi.cdef, 'char *openblas_get_corename(void);')
-    return ffi.string(ffi.C.openblas_get_corename())
-  end)
-  print('fp32 products: OpenBLAS ' .. (ok and core or '(kernels not reported)') .. ' (moonrl doctor says whether they match the CPU)')
+  print('fp32 products: ' .. ffi.string(moonrl.C.mrl_fp32_products()) ..
+    ' (MOONRL_FP32_GEMM=openblas|onednn overrides; moonrl doctor says whether they match the CPU)')
   print('threads: ' .. v.threads)
   print('luajit: ' .. (jit and jit.version or '?'))
   print('home: ' .. moonrl.home)

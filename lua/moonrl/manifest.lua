@@ -118,7 +118,7 @@ function M.machine(world_size, rollout_ranks)
   local bf16 = pcall(function() return moonrl.C.mrl_bf16_products end) and ffi.string(moonrl.C.mrl_bf16_products())
     or json.null
   return json.object({ 'cpu', model, 'cpu_family', family or json.null, 'cores', cores, 'cpu_features', v.cpu_features,
-    'kernels', v.kernels, 'bf16_products', bf16, 'openblas_core', openblas_core(), 'threads', v.threads,
+    'kernels', v.kernels, 'bf16_products', bf16, 'fp32_products', ffi.string(moonrl.C.mrl_fp32_products()), 'openblas_core', openblas_core(), 'threads', v.threads,
     'ranks', world_size or 1, 'rollout_ranks', rollout_ranks or 0, 'host', hostname, 'cuda_devices', v.cuda_devices })
 end
 
@@ -239,7 +239,7 @@ end
 -- results are bit-identical only on the same kind of machine).
 function M.machine_differences(m)
   local now, was, out = M.machine(), m.machine or {}, {}
-  for _, k in ipairs({ 'cpu', 'kernels', 'bf16_products', 'openblas_core' }) do
+  for _, k in ipairs({ 'cpu', 'kernels', 'bf16_products', 'fp32_products', 'openblas_core' }) do
     if was[k] ~= nil and tostring(was[k]) ~= tostring(now[k]) then
       out[#out + 1] = string.format('%s: %s then, %s now', k, tostring(was[k]), tostring(now[k]))
     end

@@ -31,6 +31,7 @@
 #include "check.h"
 #include "model/random_arrays.h"
 #include "kernels.h"
+#include "cpu/blas.h"
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
@@ -76,6 +77,7 @@ typedef struct table {
     void (*upload)(void *dst, const void *src, size_t bytes);
     void (*download)(void *dst, const void *src, size_t bytes);
     void (*release)(void *p);
+    int f32_onednn; /* the fast CPU table with its fp32 products through oneDNN (cpu/blas.h) */
 } table;
 
 static const table tables[] = {
@@ -83,6 +85,9 @@ static const table tables[] = {
     {"fast-avx512", mrl_kernels_cpu_fast, "avx512", 1},
     {"fast-avx2", mrl_kernels_cpu_fast, "avx2", 1},
     {"fast-sse", mrl_kernels_cpu_fast, "sse", 1},
+    /* what a CPU whose OpenBLAS runs kernels below its instruction set gets; held to the error
+     * bound across thread counts (cpu/blas.h), the same bits at one count (onednn32_repeat) */
+    {"fast-onednn32", mrl_kernels_cpu_fast, "avx512", 0, .f32_onednn = 1},
 };
 enum { N_TABLES = sizeof tables / sizeof tables[0] };
 
@@ -92,6 +97,7 @@ static const char *only_op, *only_table;
 static const mrl_kernels *use(const table *t) {
     if (only_table && t != &tables[0] && strcmp(only_table, t->name)) return NULL;
     if (t->isa && mrl_kernels_cpu_fast_set_isa(t->isa) != 0) return NULL;
+    if (t->isa && mrl_cpu_f32_force_path(t->f32_onednn ? MRL_F32_ONEDNN : MRL_F32_OPENBLAS) != 0) return NULL;
     return t->get();
 }
 
@@ -1306,6 +1312,38 @@ static void backward_checks(void) {
 
 /* ---- contracts: the same errors on every table ---- */
 
+/* oneDNN's fp32 products (cpu/blas.h): the same bits when the same product runs again at the
+ * same thread count, on a product large enough to be sliced over the threads. */
+static void onednn32_repeat(void) {
+    if (!wanted("gemm") || mrl_cpu_f32_force_path(MRL_F32_ONEDNN) != 0) return;
+    int64_t M = 230, N = 530, K = 270;
+    float *A = rnd(M * K, 1.0f), *B = rnd(N * K, 1.0f);
+    float *C0 = malloc(sizeof(float) * M * N), *C1 = malloc(sizeof(float) * M * N);
+    const mrl_kernels *k = mrl_kernels_cpu_fast();
+    for (int rep = 0; rep < 4; rep++) {
+        float *C = rep ? C1 : C0;
+        for (int64_t i = 0; i < M * N; i++) C[i] = 0.5f;
+        k->gemm(0, 1, M, N, K, 0.7f, A, K, B, K, 1.0f, C, N);
+        if (rep) CHECK(memcmp(C0, C1, sizeof(float) * M * N) == 0);
+    }
+    mrl_cpu_f32_force_path(MRL_F32_OPENBLAS);
+    free(A), free(B), free(C0), free(C1);
+}
+
+/* The rule that picks the fp32 product library (cpu/blas.h), on the cases it is made for. */
+static void f32_rule(void) {
+    CHECK(mrl_openblas_core_level("Prescott") == 0 && mrl_openblas_core_level("HASWELL") == 2);
+    CHECK(mrl_openblas_core_level("SkylakeX") == 3 && mrl_openblas_core_level("Zen") == 2);
+    CHECK(mrl_openblas_core_level("NoSuchCore") == -1 && mrl_openblas_core_level(NULL) == -1);
+    CHECK(mrl_cpu_f32_rule("Prescott", 2, 1) == MRL_F32_ONEDNN);    /* the Xeon family 6 model 207 case */
+    CHECK(mrl_cpu_f32_rule("Sandybridge", 1, 1) == MRL_F32_ONEDNN); /* AVX kernels, an AVX2 CPU */
+    CHECK(mrl_cpu_f32_rule("Prescott", 2, 0) == MRL_F32_OPENBLAS);  /* no oneDNN: nothing better */
+    CHECK(mrl_cpu_f32_rule("Prescott", 0, 1) == MRL_F32_OPENBLAS);  /* an SSE-only CPU */
+    CHECK(mrl_cpu_f32_rule("Haswell", 2, 1) == MRL_F32_OPENBLAS);   /* AVX2 kernels stay (measured) */
+    CHECK(mrl_cpu_f32_rule("Cooperlake", 2, 1) == MRL_F32_OPENBLAS);
+    CHECK(mrl_cpu_f32_rule("unknown", 2, 1) == MRL_F32_OPENBLAS);   /* no evidence against OpenBLAS */
+}
+
 static void contracts(void) {
     for (int t = 0; t < N_TABLES; t++) {
         const mrl_kernels *k = use(&tables[t]);
@@ -1383,6 +1421,8 @@ int main(int argc, char **argv) {
     cases_sum_scale();
     cases_convert();
     backward_checks();
+    onednn32_repeat();
+    f32_rule();
     contracts();
     print_summary();
     CHECK_DONE();

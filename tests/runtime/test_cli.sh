@@ -38,7 +38,13 @@ expect "version" 0 "backends: cpu" -- "$MOONRL" version
 expect "version names features" 0 "cpu features:" -- "$MOONRL" version
 expect "version names the kernels" 0 "cpu kernels: built for avx512 avx2 sse; using" -- "$MOONRL" version
 expect "version names the bf16 product path" 0 "bf16 products: " -- "$MOONRL" version
-expect "version names the fp32 product library" 0 "fp32 products: OpenBLAS" -- "$MOONRL" version
+expect "version names the fp32 product library" 0 "fp32 products: " -- "$MOONRL" version
+expect "MOONRL_FP32_GEMM=openblas" 0 "fp32 products: OpenBLAS" -- env MOONRL_FP32_GEMM=openblas "$MOONRL" version
+if "$MOONRL" version | grep -q "bf16 products: onednn"; then # oneDNN built in and running
+  expect "MOONRL_FP32_GEMM=onednn" 0 "fp32 products: oneDNN (" -- env MOONRL_FP32_GEMM=onednn "$MOONRL" version
+fi
+expect "MOONRL_FP32_GEMM wrong" 0 "MOONRL_FP32_GEMM must be openblas, onednn or auto (got 'fast')" -- \
+  env MOONRL_FP32_GEMM=fast "$MOONRL" version
 expect "recipe runs" 0 "lr=0.5 steps=3 model=tiny" -- "$MOONRL" run "$tmp/recipe.lua"
 expect "overrides" 0 "lr=0.25 steps=7 model=big" -- "$MOONRL" run "$tmp/recipe.lua" lr=0.25 steps=7 model.name=big
 expect "missing recipe" 2 "moonrl: error: recipe '$tmp/nope.lua' not found" -- "$MOONRL" run "$tmp/nope.lua"

@@ -25,6 +25,11 @@ int mrl_cpu_has(const char *feature);
  * avx512_bf16 (few rows)", ...), or "none" where it has no fast bf16
  * (neither AVX512-BF16 nor AMX): then products stay fp32. */
 const char *mrl_bf16_products(void);
+/* The library of the fp32 matrix products and its kernels ("OpenBLAS
+ * Cooperlake"; "oneDNN (avx512_core); OpenBLAS's Prescott kernels are below
+ * this CPU's avx512" where OpenBLAS does not know the CPU; MOONRL_FP32_GEMM
+ * = openblas | onednn | auto overrides the choice). */
+const char *mrl_fp32_products(void);
 /* This process's id (for messages and events). */
 int mrl_process_id(void);
 /* Initialise the runtime (idempotent): logging level, threads, the event loop. */

@@ -43,12 +43,6 @@ local function openblas()
   return core, config
 end
 
--- OpenBLAS cores that use less than AVX-512 / AVX2 (its generic and older kernels).
-local BELOW_AVX512 = { prescott = true, core2 = true, nehalem = true, sandybridge = true, haswell = true, zen = true,
-  katmai = true, atom = true, penryn = true, dunnington = true, barcelona = true, bulldozer = true }
-local BELOW_AVX2 = { prescott = true, core2 = true, nehalem = true, sandybridge = true, katmai = true, atom = true,
-  penryn = true, dunnington = true, barcelona = true }
-
 function M.main(args)
   local dir = '.'
   local i = 1
@@ -88,14 +82,18 @@ function M.main(args)
 
   -- BLAS
   local core, config = openblas()
+  -- the library the fp32 products take, and whether OpenBLAS's kernels are below the CPU's set
+  -- (kernels/cpu/blas.h: then oneDNN computes them where it is built in)
+  local fp32 = ffi.string(moonrl.C.mrl_fp32_products())
+  local below, onednn = fp32:find('below') ~= nil, fp32:find('^oneDNN') ~= nil
   if core then
-    local c = core:lower()
-    local slow = (has('avx512f') and BELOW_AVX512[c]) or (has('avx2') and BELOW_AVX2[c])
-    line(slow and 'warn' or 'ok', 'blas', string.format('OpenBLAS, %s kernels (%s)%s', core, config or '?',
-      slow and ': below the CPU\'s instruction set (OPENBLAS_CORETYPE picks others)' or ''))
+    line(below and not onednn and 'warn' or 'ok', 'blas', string.format('OpenBLAS, %s kernels (%s)%s', core,
+      config or '?', below and (onednn and ': below the CPU\'s instruction set, so the fp32 products use oneDNN' or
+        ': below the CPU\'s instruction set (OPENBLAS_CORETYPE picks others)') or ''))
   else
     line('warn', 'blas', 'the BLAS library does not say which kernels it uses (not OpenBLAS?)')
   end
+  line('ok', 'fp32', 'products: ' .. fp32)
   local dnnl = pcall(ffi.load, 'libdnnl.so.2') or pcall(ffi.load, 'libdnnl.so')
   line(dnnl and 'ok' or 'warn', 'onednn', dnnl and 'libdnnl found' or 'libdnnl not found (Debian libdnnl-dev): no oneDNN products')
 
