@@ -3,7 +3,10 @@
 bench/generate_bench.lua`) against a plain PyTorch KV-cache generation loop of
 the same Llama-style model (the same weights: moonrl saves the model in
 Hugging Face format, PyTorch reads its model.safetensors), fp32, the same
-number of threads on both sides.
+number of threads on both sides. --dtype bf16: moonrl's model.dtype=bf16 (bf16
+copies of the matrices, fp32 sums; its KV cache stays fp32) against the PyTorch
+loop with the model and its KV cache in bfloat16 (what model.to(torch.bfloat16)
+gives a transformers user).
 
 Cases (prompt 128 tokens, 256 new tokens, no EOS, every sample runs to the end):
   batch 1, 16, 64       greedy, distinct prompts
@@ -14,8 +17,8 @@ Each case runs moonrl (in a child process) then PyTorch (in this process), one a
 both see the same load. Also: the machine's copy bandwidth (numpy copy of 512 MiB, read + write) and
 the bandwidth moonrl achieves (weights + KV cache read per decode step, over the whole case time).
 
-usage: /usr/bin/python3 bench/generate_bench.py [--threads 2] [--moonrl build/moonrl] [--model small|100m]
-                                                [--cases 1,16,64,grpo,indep] [--repeats 1]
+usage: /usr/bin/python3 bench/generate_bench.py [--threads 2] [--moonrl build/moonrl] [--model small|100m|smollm2]
+                                                [--cases 1,16,64,grpo,indep] [--repeats 1] [--dtype fp32|bf16]
 """
 import argparse
 import json
@@ -37,6 +40,10 @@ MODELS = {
     "100m": dict(model_type="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                  num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5,
                  max_position_embeddings=1024),
+    # SmolLM2-135M's shape (random weights): hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied
+    "smollm2": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                    rms_norm_eps=1e-5, max_position_embeddings=1024),
 }
 
 CASES = {
@@ -69,13 +76,16 @@ def prompts_of(P, V, np):
     return np.stack([(k * 31 + i * 7 + 1) % V for i in range(P)]).astype(np.int64)
 
 
-def torch_generate(cfg, W, case, threads, repeats):
+def torch_generate(cfg, W, case, threads, repeats, dtype="fp32"):
     import numpy as np
     import torch
     torch.set_num_threads(threads)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     D, H, Hk, V = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
     L, hd, eps, G = cfg["num_hidden_layers"], D // H, cfg["rms_norm_eps"], H // Hk
-    T = {k: torch.from_numpy(v.copy()) for k, v in W.items()}
+    T = {k: torch.from_numpy(v.copy()).to(dt) for k, v in W.items()}
+    if "lm_head.weight" not in T:  # tied embeddings
+        T["lm_head.weight"] = T["model.embed_tokens.weight"]
     lw = [{k: T["model.layers.%d.%s" % (l, k)] for k in (
         "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
         "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -83,7 +93,7 @@ def torch_generate(cfg, W, case, threads, repeats):
     emb, normf, head = T["model.embed_tokens.weight"], T["model.norm.weight"], T["lm_head.weight"]
     inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
     ang = torch.arange(PROMPT_LEN + NEW).float()[:, None] * inv[None, :]
-    COS, SIN = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    COS, SIN = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
     F = torch.nn.functional
 
     def norm(x, w):
@@ -100,7 +110,7 @@ def torch_generate(cfg, W, case, threads, repeats):
         n_ctx = pos0 + S
         mask = None
         if S > 1:
-            mask = torch.full((S, n_ctx), float("-inf")).triu(pos0 + 1)
+            mask = torch.full((S, n_ctx), float("-inf"), dtype=dt).triu(pos0 + 1)
         for l in range(L):
             w = lw[l]
             h = norm(x, w["input_layernorm.weight"])
@@ -130,13 +140,13 @@ def torch_generate(cfg, W, case, threads, repeats):
         for _ in range(repeats):
             gen = torch.Generator().manual_seed(0)
             t0 = time.perf_counter()
-            kc = [torch.empty(B, Hk, PROMPT_LEN + NEW, hd) for _ in range(L)]
-            vc = [torch.empty(B, Hk, PROMPT_LEN + NEW, hd) for _ in range(L)]
+            kc = [torch.empty(B, Hk, PROMPT_LEN + NEW, hd, dtype=dt) for _ in range(L)]
+            vc = [torch.empty(B, Hk, PROMPT_LEN + NEW, hd, dtype=dt) for _ in range(L)]
             logits = step(prompts, 0, kc, vc)
             out = []
             for i in range(NEW):
                 if case["temperature"] > 0:
-                    tok = torch.multinomial(torch.softmax(logits / case["temperature"], -1), 1, generator=gen)
+                    tok = torch.multinomial(torch.softmax(logits.float() / case["temperature"], -1), 1, generator=gen)
                 else:
                     tok = logits.argmax(-1, keepdim=True)
                 out.append(tok)
@@ -159,12 +169,14 @@ def copy_bandwidth():
     return 2 * a.nbytes / best
 
 
-def moonrl_bytes(cfg, n_params, B):
+def moonrl_bytes(cfg, n_params, B, weight_bytes=4):
     """Bytes a decode step must read, summed over the case's decode steps: the weights (the embedding
-    table only for the B rows looked up) and each sequence's K/V context of every layer."""
+    table only for the B rows looked up, the tied head once more), weight_bytes each (2: bf16
+    copies), and each sequence's K/V context of every layer (fp32)."""
     D, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     K = cfg["num_key_value_heads"] * (D // cfg["num_attention_heads"])
-    weights = (n_params - V * D + B * D) * 4
+    head = V * D if cfg["tie_word_embeddings"] else 0
+    weights = (n_params - V * D + B * D + head) * weight_bytes
     kv = sum(B * ctx * L * 2 * K * 4 for ctx in range(PROMPT_LEN + 1, PROMPT_LEN + NEW))
     return weights * (NEW - 1) + kv
 
@@ -176,10 +188,11 @@ def main():
     ap.add_argument("--model", default="small", choices=sorted(MODELS))
     ap.add_argument("--cases", default="1,16,64,grpo,indep")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args()
     import numpy as np
     cfg = MODELS[args.model]
-    env = dict(os.environ, MOONRL_THREADS=str(args.threads))
+    env = dict(os.environ, MOONRL_THREADS=str(args.threads), BENCH_DTYPE=args.dtype)
     lua = os.path.join(ROOT, "bench", "generate_bench.lua")
     res = {}
     with tempfile.TemporaryDirectory() as d:
@@ -194,19 +207,19 @@ def main():
             if run.returncode != 0:
                 sys.exit("moonrl failed on case %s:\n%s%s" % (name, run.stdout, run.stderr))
             m = json.loads(run.stdout.strip().splitlines()[-1])
-            t = torch_generate(cfg, W, case, args.threads, args.repeats)
+            t = torch_generate(cfg, W, case, args.threads, args.repeats, args.dtype)
             res[name] = (case, m, t)
             print("  case %-6s done: moonrl %.2f s, pytorch %.2f s" % (name, m["seconds"], t["seconds"]), flush=True)
     bw = copy_bandwidth()
     n_params = res[next(iter(res))][1]["n_params"]
-    print("model %s: %.1fM parameters, fp32, %d threads; prompt %d + %d new tokens, no EOS" % (
-        args.model, n_params / 1e6, args.threads, PROMPT_LEN, NEW))
+    print("model %s: %.1fM parameters, %s, %d threads; prompt %d + %d new tokens, no EOS; load average %s" % (
+        args.model, n_params / 1e6, args.dtype, args.threads, PROMPT_LEN, NEW, os.getloadavg()[0]))
     print("machine copy bandwidth (numpy, 512 MiB, read + write): %.1f GB/s" % (bw / 1e9))
     print("%-22s %12s %12s %7s %14s" % ("case", "moonrl tok/s", "torch tok/s", "ratio", "moonrl GB/s"))
     for name, (case, m, t) in res.items():
         B = case["prompts"] * case["n"]
         mt, tt = m["generated"] / m["seconds"], t["generated"] / t["seconds"]
-        gbs = moonrl_bytes(cfg, n_params, B) / m["seconds"] / 1e9
+        gbs = moonrl_bytes(cfg, n_params, B, 2 if args.dtype == "bf16" else 4) / m["seconds"] / 1e9
         label = {"1": "batch 1 greedy", "16": "batch 16 greedy", "64": "batch 64 greedy",
                  "grpo": "grpo 8 prompts x 8", "indep": "64 independent T=1"}[name]
         print("%-22s %12.0f %12.0f %6.2fx %8.1f (%2.0f%%)" % (label, mt, tt, mt / tt, gbs, 100 * gbs * 1e9 / bw))

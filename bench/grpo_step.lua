@@ -4,7 +4,7 @@
 -- the mean seconds per step and per phase and the mean response length.
 -- env: MODEL, PROMPTS (16), SAMPLES (8), MAX_TOKENS (64), THREADS (2), STEPS (3), WARMUP (2),
 --      LENGTHS: natural (default: a completion ends at EOS or MAX_TOKENS) or fixed (no EOS: every
---      completion runs to MAX_TOKENS, so both sides do exactly the same arithmetic)
+--      completion runs to MAX_TOKENS, so both sides do exactly the same arithmetic), DTYPE (fp32)
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
 local algo = require('moonrl.algo')
@@ -18,6 +18,7 @@ local lengths = os.getenv('LENGTHS') or 'natural'
 assert(lengths == 'natural' or lengths == 'fixed', 'LENGTHS must be natural or fixed')
 moonrl.C.mrl_parallel_set_threads(tonumber(os.getenv('THREADS') or 2))
 local model, tok = R.load(os.getenv('MODEL'))
+model:set_dtype(os.getenv('DTYPE') or 'fp32')
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 256 * 2 ^ 20, block_size = 16,
   max_batch_tokens = 2048, max_seqs = 256, seed = 1 })
 local opt = R.adamw(model, { lr = 1e-6, weight_decay = 0.0 })

@@ -19,12 +19,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MOONRL=${1:-build/moonrl}
 export PROMPTS=${PROMPTS:-16} SAMPLES=${SAMPLES:-8} MAX_TOKENS=${MAX_TOKENS:-64} THREADS=${THREADS:-2}
-export STEPS=${STEPS:-3} WARMUP=${WARMUP:-2} LENGTHS=${LENGTHS:-natural}
+export STEPS=${STEPS:-3} WARMUP=${WARMUP:-2} LENGTHS=${LENGTHS:-natural} DTYPE=${DTYPE:-fp32}
 SIZE=${SIZE:-small} ROUNDS=${ROUNDS:-2}
 case "$SIZE" in
   small) H=256 L=4 I=768 ;;
   tiny) H=128 L=2 I=384 ;;
-  *) echo "SIZE must be small or tiny, not '$SIZE'" >&2; exit 2 ;;
+  medium) H=512 L=4 I=1408 ;;
+  *) echo "SIZE must be small, tiny or medium, not '$SIZE'" >&2; exit 2 ;;
+esac
+case "$DTYPE" in
+  fp32|bf16) ;;
+  *) echo "DTYPE must be fp32 or bf16, not '$DTYPE'" >&2; exit 2 ;;
 esac
 VENV=${TRL_VENV:-$HOME/.cache/moonrl-bench-trl}
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import trl, torch" 2>/dev/null; then
@@ -47,12 +52,12 @@ local m = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size 
 require('moonrl.recipe').save({ dir = '$dir' }, m, moonrl.home .. '/examples/default', '$dir/model')
 LUA
 "$MOONRL" run "$dir/make.lua"
-echo "settings: $SIZE model, $PROMPTS prompts x $SAMPLES samples, up to $MAX_TOKENS new tokens ($LENGTHS lengths), $THREADS threads, fp32"
+echo "settings: $SIZE model, $PROMPTS prompts x $SAMPLES samples, up to $MAX_TOKENS new tokens ($LENGTHS lengths), $THREADS threads, $DTYPE, load average $(cut -d' ' -f1 /proc/loadavg)"
 for r in $(seq "$ROUNDS"); do
   MODEL="$dir/model" "$MOONRL" run bench/grpo_step.lua | tail -1 > "$dir/moonrl.$r"
   OMP_NUM_THREADS=$THREADS "$VENV/bin/python" bench/grpo_step_trl.py "$dir/model" --prompts "$PROMPTS" \
     --samples "$SAMPLES" --max-tokens "$MAX_TOKENS" --threads "$THREADS" --steps "$STEPS" --warmup "$WARMUP" --lengths "$LENGTHS" \
-    2>/dev/null | tail -1 > "$dir/trl.$r"
+    --dtype "$DTYPE" 2>/dev/null | tail -1 > "$dir/trl.$r"
   echo "round $r: moonrl $(cat "$dir/moonrl.$r")"
   echo "round $r: trl    $(cat "$dir/trl.$r")"
 done

@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lengths", choices=["natural", "fixed"], default="natural")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")  # bf16: TRL's bf16=True (autocast)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -57,7 +58,7 @@ def main():
         output_dir="/tmp/moonrl-bench-trl-out", per_device_train_batch_size=a.prompts * a.samples,
         num_generations=a.samples, max_completion_length=a.max_tokens,
         temperature=1.0, learning_rate=1e-6, beta=0.0, max_steps=a.warmup + a.steps, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=True, bf16=False, seed=1, shuffle_dataset=False,
+        save_strategy="no", use_cpu=True, bf16=a.dtype == "bf16", seed=1, shuffle_dataset=False,
         gradient_checkpointing=False,  # moonrl keeps activations too (no recompute)
         # fixed: no EOS, every completion runs to the end (the same arithmetic as moonrl's side)
         generation_kwargs={"min_new_tokens": a.max_tokens} if a.lengths == "fixed" else {},
