@@ -26,6 +26,7 @@ usage:
                                     same recipe runs under `mpirun -n N moonrl run ...` and `srun`
   moonrl status RUN_DIR             a run's step, rate, ETA, phase, last metrics and ranks
                                     (while it runs, from another terminal)
+  moonrl trace merge RUN_DIR [-o F] one trace.json from the timelines a failed job's ranks left
   moonrl version                    version, git revision, backends, CPU features
   moonrl help                       this text
   moonrl COMMAND ...                another command from lua/moonrl/cmd/ (%s)

@@ -99,7 +99,8 @@ function M.start(cfg, opts)
   local dir, lock = opts.dir, opts.lock
   if not dir and not opts.silent then dir, lock = M.open_dir(cfg, name) end
   local self = setmetatable({ dir = dir, lock = lock, name = name, rank = opts.rank or 0, t0 = moonrl.now(), step_t0 = moonrl.now(),
-                              phases = {}, mem_phases = {}, cfg = cfg, total = opts.total_steps, write_errors = 0,
+                              world_size = opts.world_size or 1, phases = {}, mem_phases = {}, cfg = cfg,
+                              total = opts.total_steps, write_errors = 0,
                               on_error = cfg.run and cfg.run.checkpoint_errors or 'stop' }, Run)
   -- the ranks but 0 of a job of several: the same calls, nothing written or printed (rank 0
   -- writes the run's files once)
@@ -107,6 +108,7 @@ function M.start(cfg, opts)
     self.silent = true
     trace.enable(opts.rank or 0)
     trace.thread_name('main')
+    if dir then trace.stream(trace.rank_file(dir, self.rank)) end -- left behind if this rank is killed
     return self
   end
   local v = moonrl.version()
@@ -121,6 +123,7 @@ function M.start(cfg, opts)
   if opts.tensorboard ~= false then self.tb = trace.tensorboard(dir .. '/tb') end
   trace.enable(opts.rank or 0)
   trace.thread_name('main')
+  trace.stream(trace.rank_file(dir, self.rank))
   return self
 end
 
@@ -306,8 +309,10 @@ end
 
 -- Close the files and write the timeline. Safe to call twice. opts.job: the job's communicator
 -- (dist.current(), every rank calling this together at a clean end): the ranks' timelines are
--- merged into one trace.json, one process track per rank. Without it (a rank ending alone) rank
--- 0 writes its own trace.json and each other rank trace-rank-R.json (trace.merge joins them).
+-- merged into one trace.json, one process track per rank, and the ranks' streams
+-- (trace-rank-R.json, trace.stream) removed. Without it, a process alone writes trace.json, and
+-- each rank of a job that ends alone (a failure) its whole trace-rank-R.json, as a killed rank
+-- leaves its stream: `moonrl trace merge RUN_DIR` joins them.
 function Run:finish(opts)
   if self.finished then return end
   self.finished = true
@@ -324,12 +329,16 @@ function Run:finish(opts)
       local texts = {}
       for _, t in ipairs(all) do if t ~= '' then texts[#texts + 1] = t end end
       local path = self.dir .. '/trace.json'
-      self:guarded_write(path, function() fs.write(path, trace.merge(texts)) end)
+      if self:guarded_write(path, function() fs.write(path, (trace.merge(texts))) end) then
+        for r = 0, job.size - 1 do os.remove(trace.rank_file(self.dir, r)) end
+      end
     end
-  elseif not self.silent then
-    self:guarded_write(self.dir .. '/trace.json', function() trace.write(self.dir .. '/trace.json') end)
+  elseif not self.silent and self.world_size <= 1 then
+    if self:guarded_write(self.dir .. '/trace.json', function() trace.write(self.dir .. '/trace.json') end) then
+      os.remove(trace.rank_file(self.dir, self.rank))
+    end
   elseif self.dir then
-    pcall(trace.write, string.format('%s/trace-rank-%d.json', self.dir, self.rank or 0))
+    pcall(trace.write, trace.rank_file(self.dir, self.rank))
   end
   trace.disable()
   if self.lock then self.lock:release() end

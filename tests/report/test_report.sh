@@ -49,6 +49,16 @@ check "the skip event is listed" has "$page" '<td><b>skip</b></td>'
 check "the skip is marked on the plots" has "$page" 'a: skip at step 3'
 check "the config is shown" has "$page" '<td class="mono">grpo.steps</td><td class="mono">4</td>'
 check "the run's own manifest is shown" has "$page" 'manifest.json</summary>'
+# memory at the top: the header line and the section come before the summary and the plots
+check "the header says the peak resident memory" bash -c "grep -q '<div class=\"memhead\">memory: peak resident <b>[0-9.]* MiB</b> (step [0-9]*); held parameters <b>' '$page'"
+check "the memory section, before the summary" [ "$(grep -n 'id="memory"' "$page" | cut -d: -f1)" -lt \
+  "$(grep -n 'id="summary"' "$page" | cut -d: -f1)" ]
+for k in parameters gradients 'optimizer state' activations 'KV cache'; do
+  grep -q "></i> $k</td><td class=\"num\">" "$page" || missing="$missing '$k'"
+done
+check "a row per kind of buffer${missing:+ (missing:$missing)}" [ -z "$missing" ]
+check "the peak of each phase" has "$page" 'phase <span class="mono">generate</span>: peak resident / allocated'
+check "the split drawn as a bar" has "$page" '<div class="membar"><i style="width:'
 check "with the machine it ran on" has "$page" '&quot;cpu_features&quot;'
 check "self-contained (no external resources)" bash -c "! grep -qiE '<link|src=|@import|url\\(|https?://[^\"]*\"[^>]*>' '$page' || \
   ! grep -oiE '(src|href)=\"https?:' '$page' | grep -q ."
@@ -70,10 +80,17 @@ check "the events of every kind" bash -c "for k in skip rollback restart resume;
 check "event fields are escaped" has "$page" 'ckpt/&lt;step-2&gt;'
 check "the manifest is shown" has "$page" 'synthetic-cpu-xyz'
 check "the config's nested keys" has "$page" '<td class="mono">grpo.reward</td><td class="mono">exact</td>'
+# the memory peaks: the largest over the steps, with the step of the resident peak
+check "memory headline: the resident peak and its step" has "$page" \
+  'memory: peak resident <b>1.50 GiB</b> (step 3); held parameters <b>120 MiB</b>, gradients <b>120 MiB</b>, optimizer state <b>240 MiB</b>, activations <b>512 KiB</b>, KV cache <b>300 MiB</b></div>'
+check "peak allocated" has "$page" '<td>peak allocated by moonrl</td><td class="num">700 MiB</td>'
+check "a phase's peaks" has "$page" 'phase <span class="mono">generate</span>: peak resident / allocated</td><td class="num">1.46 GiB / 320 MiB</td>'
+check "the bar: each kind's share of the total held (300 of 783.5 MiB)" has "$page" '<i style="width:38.29%;background:#b07aa1" title="KV cache 300 MiB"></i>'
 
 # ---- a run that has logged nothing
 expect "report of a run with no metrics" 0 "(1 run, 0 steps, 0 plots)" -- "$MOONRL" report "$tmp/empty"
 check "the page says there are no metrics" has "$tmp/empty/report.html" 'empty has no metrics: metrics.jsonl holds no record'
+check "and has no memory section" bash -c "! grep -q 'id=\"memory\"' '$tmp/empty/report.html'"
 
 # ---- a comparison of two runs on the same axes
 expect "comparison of two runs" 0 "report: $tmp/cmp.html (2 runs, 8 steps," -- "$MOONRL" report "$tmp/a" "$tmp/b" -o "$tmp/cmp.html"
@@ -82,6 +99,10 @@ check "both runs in the legend" bash -c "grep -q 'data-run=\"run-1\"' '$page' &&
 check "both runs on one plot" bash -c "awk '/aria-label=\"reward\\/mean\"/,/<\\/svg>/' '$page' | grep -q 'class=\"series run-1\"' && \
   awk '/aria-label=\"reward\\/mean\"/,/<\\/svg>/' '$page' | grep -q 'class=\"series run-2\"'"
 check "one phase chart per run" [ "$(count "$page" 'class="plot bars"')" -eq 2 ]
+check "the memory of each run in the header" bash -c "grep -q 'class=\"memhead\"><span style=\"color:#1f77b4\">a</span> memory: peak resident' '$page' && \
+  grep -q 'class=\"memhead\"><span style=\"color:#d62728\">b</span> memory: peak resident' '$page'"
+check "a memory column per run" bash -c "sed -n '/id=\"memory\"/,/<\/table>/p' '$page' | grep -q '<tr><td><b>peak resident</b></td><td class=\"num\"><b>[0-9.]* MiB</b> (step [0-9]*)</td><td class=\"num\"><b>[0-9.]* MiB</b> (step [0-9]*)</td></tr>'"
+check "and a bar per run" [ "$(count "$page" 'class="membar"')" -eq 2 ]
 check "the config keys that differ" has "$page" '<tr><td class="mono">run.seed</td><td class="mono">1</td><td class="mono">2</td></tr>'
 expect "the same run twice gets two names" 0 "(2 runs," -- "$MOONRL" report "$tmp/a" "$tmp/a" -o "$tmp/twice.html"
 check "... a (2)" has "$tmp/twice.html" '>a (2)</span>'

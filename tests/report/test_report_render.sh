@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # moonrl report's page rendered by headless Chromium (Debian package chromium): the screenshot,
 # taken with JavaScript off (the plots must not need it), is not blank and shows both runs'
-# colours; the DOM after rendering holds every plot with its title. Skipped (77) without chromium.
+# colours; the DOM after rendering holds every plot with its title and the memory headline. Skipped (77) without chromium.
 # The screenshots are of copies of the pages without their <script> (the plots must not need it).
 # usage: test_report_render.sh PATH/TO/moonrl PATH/TO/png_ink.py
 set -u
@@ -47,6 +47,8 @@ for k in reward/mean accuracy approx_kl entropy clip_frac grad_norm lr response_
   grep -q "<title>$k</title>" "$tmp/dom.html" || missing="$missing '$k'"
 done
 check "the plots have their titles${missing:+ (missing:$missing)}" [ -z "$missing" ]
+check "the header says each run's peak resident memory" [ "$(grep -o '<div class="memhead">' "$tmp/dom.html" | wc -l)" -eq 2 ]
+check "the memory section with a bar per run" [ "$(grep -o 'class="membar"' "$tmp/dom.html" | wc -l)" -eq 2 ]
 
 # the synthetic run (NaN, inf, one-step metrics) and the run with no metrics render too
 "$MOONRL" report "$tmp/syn" > /dev/null && "$MOONRL" report "$tmp/empty" > /dev/null

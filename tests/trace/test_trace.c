@@ -1,7 +1,11 @@
 /* The timeline's JSON and the TensorBoard event file format. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include "moonrl/trace.h"
 #include "io/json.h"
@@ -75,6 +79,73 @@ static void test_timeline(void) {
     CHECK(mrl_trace_write("/no/such/dir/trace.json") == MRL_ERR_IO);
 }
 
+static char *slurp(const char *path, long *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    *len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = calloc((size_t)*len + 8, 1);
+    if (fread(buf, 1, (size_t)*len, f) != (size_t)*len) *len = -1;
+    fclose(f);
+    return buf;
+}
+
+/* The stream: what was recorded before it began, then each event as it comes, in the written
+ * trace's format without its closing "]}"; a SIGKILL loses none of it. */
+static void test_stream(void) {
+    char spath[] = "/tmp/moonrl_stream_XXXXXX", wpath[] = "/tmp/moonrl_whole_XXXXXX";
+    close(mkstemp(spath));
+    close(mkstemp(wpath));
+    CHECK(mrl_trace_stream(spath) == MRL_ERR_INVALID); /* not recording */
+    mrl_trace_enable(2);
+    mrl_trace_thread_name("main");
+    mrl_trace_begin("before the stream");
+    CHECK(mrl_trace_stream("/no/such/dir/trace-rank-2.json") == MRL_ERR_IO);
+    CHECK_OK(mrl_trace_stream(spath));
+    mrl_trace_end("before the stream");
+    mrl_trace_counter("loss", 1.5);
+    CHECK_OK(mrl_trace_write(wpath));
+    long slen = 0, wlen = 0;
+    char *streamed = slurp(spath, &slen), *whole = slurp(wpath, &wlen);
+    /* the same text, less the closing line */
+    CHECK(streamed && whole && wlen == slen + 4 && !memcmp(streamed, whole, (size_t)slen) &&
+          !strcmp(whole + slen, "\n]}\n"));
+    free(streamed);
+    free(whole);
+    mrl_trace_disable(); /* closes the stream: nothing more is appended */
+    mrl_trace_begin("after");
+    long after = 0;
+    free(slurp(spath, &after));
+    CHECK(after == slen);
+
+    /* a child killed mid-run leaves every event it recorded */
+    pid_t pid = fork();
+    if (pid == 0) {
+        mrl_trace_enable(1);
+        if (mrl_trace_stream(spath) != MRL_OK) _exit(3);
+        for (int i = 0; i < 50; i++) {
+            mrl_trace_begin("step");
+            mrl_trace_end("step");
+        }
+        mrl_trace_begin("generate"); /* never ended: the kill comes first */
+        kill(getpid(), SIGKILL);
+        _exit(4);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    long klen = 0;
+    char *killed = slurp(spath, &klen);
+    int steps = 0;
+    for (const char *p = killed; p && (p = strstr(p, "\n{\"name\":\"step\",\"ph\":")); p++) steps++;
+    CHECK(steps == 100);
+    CHECK(killed && klen > 0 && killed[klen - 1] == '}' && strstr(killed, "\"name\":\"generate\",\"ph\":\"B\""));
+    free(killed);
+    remove(spath);
+    remove(wpath);
+}
+
 /* An independent CRC32C (bitwise) and the standard check value. */
 static uint32_t crc32c_bitwise(const uint8_t *d, size_t n) {
     uint32_t c = ~0u;
@@ -145,6 +216,7 @@ static void test_tensorboard(void) {
 
 int main(void) {
     test_timeline();
+    test_stream();
     test_tensorboard();
     CHECK_DONE();
 }

@@ -66,4 +66,40 @@ t.test('merge: the ranks\' traces on one clock, one process track each; a foreig
   t.truthy(not ok and tostring(err):find('rank-1.json: not a moonrl trace', 1, true), tostring(err))
 end)
 
+t.test('stream and read_events: a stream cut anywhere reads back as its whole events', function()
+  local path = os.tmpname()
+  moonrl.trace.enable(4)
+  t.eq(moonrl.trace.stream('/no/such/dir/trace-rank-4.json'), false, 'a stream that cannot be created: a warning')
+  t.eq(moonrl.trace.stream(path), true)
+  moonrl.trace.phase('outer', function() moonrl.trace.phase('inner', function() end) end)
+  moonrl.trace.begin('open')
+  local text = io.open(path, 'rb'):read('*a')
+  moonrl.trace.disable()
+  os.remove(path)
+  local whole = moonrl.trace.read_events(text, 'stream')
+  t.eq(whole.other.rank, 4)
+  t.eq(whole.complete, false, 'a stream has no closing line')
+  local phases = 0
+  for _, e in ipairs(whole.events) do if e.ph ~= 'M' then phases = phases + 1 end end
+  t.eq(phases, 5, 'the five phase events (and the track names)')
+  t.eq(whole.dropped, 0)
+  t.eq(whole.open[1], 'open (pid 4 tid 1)', 'the phase never ended: ' .. tostring(whole.open[1]))
+  -- cut at every byte of the last three events' lines: never an error, the events before it kept,
+  -- a cut line dropped, never more
+  local cut_from = text:find('\n{"name":"inner","ph":"E"', 1, true)
+  t.truthy(cut_from, 'the inner end event is on its own line')
+  local all, last, bad = #whole.events, 0, nil
+  for n = cut_from, #text do
+    local r = moonrl.trace.read_events(text:sub(1, n), 'cut')
+    local kept = #r.events
+    if not (kept >= all - 3 and kept >= last and r.dropped <= 1) then bad = bad or string.format(
+      'cut at byte %d: %d events, %d dropped', n, kept, r.dropped) end
+    last = kept
+  end
+  t.truthy(not bad, bad)
+  t.eq(last, all, 'uncut: every event')
+  local ok, err = pcall(moonrl.trace.read_events, text:sub(1, 20), 'head.json')
+  t.truthy(not ok and tostring(err):find('head.json: not a moonrl trace', 1, true), tostring(err))
+end)
+
 t.done()

@@ -1,6 +1,7 @@
 /* Diagnostics that a run writes next to its metrics:
  *  - a timeline of phases in Chrome trace-event JSON (opens in Perfetto and
- *    chrome://tracing), one track per (rank, thread);
+ *    chrome://tracing), one track per (rank, thread); where CUDA is built
+ *    each begin/end pair is also an NVTX range (Nsight Systems);
  *  - TensorBoard event files with scalar summaries. */
 #pragma once
 #include <stdint.h>
@@ -30,6 +31,13 @@ int64_t mrl_trace_event_count(void);
  * "otherData": {"rank", "t0_unix_us"} (the wall clock then), by which the
  * traces of a job's ranks are merged onto one time axis. */
 mrl_status mrl_trace_write(const char *path);
+/* Also append every event to `path` as it is recorded (what was recorded
+ * before first), one write(2) per event, in mrl_trace_write's format but
+ * without its closing "]}": a process killed mid-run leaves its timeline up
+ * to the kill (moonrl.trace.read_events recovers it, dropping a cut last
+ * line). Needs recording on; ends at mrl_trace_disable or the next enable. A
+ * write that fails later stops the stream with a warning, not the run. */
+mrl_status mrl_trace_stream(const char *path);
 
 /* --- TensorBoard ----------------------------------------------------------- */
 typedef struct mrl_tb_writer mrl_tb_writer;

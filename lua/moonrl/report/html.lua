@@ -4,7 +4,8 @@
 --
 -- The page needs no network: inline CSS, inline SVG charts, and a few lines of inline JavaScript
 -- that only hide and show runs (a click on a legend entry); everything is drawn without it.
--- Sections: the runs, a summary of the headline metrics, a plot per numeric metric (grouped by
+-- Sections: the runs, memory (peak resident and what moonrl's buffers held, per kind and per
+-- phase; also one line per run in the header), a summary of the headline metrics, a plot per numeric metric (grouped by
 -- prefix, the important groups first; runs overlaid in one colour each), seconds per phase per
 -- step (stacked bars, one chart per run on one scale), the events, the config (with the keys that
 -- differ between runs first), the manifest.
@@ -144,6 +145,9 @@ svg .marker{stroke-width:1.2;stroke-dasharray:3 3;opacity:.8}
 .legend span{display:inline-block;margin-right:16px;cursor:pointer;user-select:none}
 .legend i{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:5px;vertical-align:-1px}
 .legend .off{opacity:.35;text-decoration:line-through}
+.memhead{margin-top:4px;font-size:13px}.memhead b{font-variant-numeric:tabular-nums}
+.membar{display:flex;width:420px;height:14px;border:1px solid #ccc;background:#fafafa;margin:2px 0}
+.membar i{display:block;height:100%}
 .note{background:#fff8e1;border:1px solid #f0d98c;padding:6px 10px;border-radius:4px;margin:8px 0}
 .empty-msg{background:#f4f4f6;border:1px dashed #bbb;padding:14px;border-radius:4px;color:#444}
 tr.bad td{background:#fff0f0}tr.warn td{background:#f0f6ff}
@@ -218,6 +222,147 @@ local function section_runs(o, runs)
       o[#o + 1] = format('<div class="empty-msg">%s has no metrics: %s. The run has not logged a step yet, or it ' ..
         'stopped before its first step.</div>', esc(r.name),
         r.series and r.has_metrics_file and 'metrics.jsonl holds no record' or 'there is no metrics.jsonl')
+    end
+  end
+end
+
+-- ---- memory: the memory/* metrics (MiB) of moonrl.run (core/runtime/mem.c) -------------------
+-- What moonrl's buffers hold, by kind, in the order shown; 'other' is every other allocation.
+local MEM_KINDS = { { 'params', 'parameters' }, { 'grads', 'gradients' }, { 'optim', 'optimizer state' },
+  { 'activations', 'activations' }, { 'kv_cache', 'KV cache' }, { 'other', 'other' } }
+local MEM_COLORS = { params = '#4e79a7', grads = '#f28e2b', optim = '#59a14f', activations = '#e15759',
+  kv_cache = '#b07aa1', other = '#bab0ac' }
+
+local function mib(x)
+  if not (x and finite(x)) then return '-' end
+  if x >= 1024 then return format('%.2f GiB', x / 1024) end
+  if x >= 100 then return format('%.0f MiB', x) end
+  if x >= 1 then return format('%.1f MiB', x) end
+  if x == 0 then return '0' end
+  return format(x * 1024 >= 10 and '%.0f KiB' or '%.1f KiB', x * 1024)
+end
+
+-- The largest value of a metric over the steps, and its step (nil when the run has none).
+local function peak(r, key)
+  local s, best, at = r.series[key], nil, nil
+  if not s then return nil end
+  for _, step in ipairs(r.steps) do
+    local v = s[step]
+    if v and finite(v) and (not best or v > best) then best, at = v, step end
+  end
+  return best, at
+end
+
+-- A run's memory: peak resident set (memory/rss_peak_mb, else memory/rss_mb) and at which step,
+-- the peak of what moonrl allocated (memory/peak_mb), the most each kind held at a logged step,
+-- and per phase (memory/phase/NAME/...) its peaks, largest resident first. nil without memory/*.
+local function memory_of(r)
+  if r.mem ~= nil then return r.mem or nil end
+  local m = { kinds = {}, phases = {} }
+  m.rss, m.rss_step = peak(r, 'memory/rss_peak_mb')
+  if not m.rss then m.rss, m.rss_step = peak(r, 'memory/rss_mb') end
+  m.accounted = peak(r, 'memory/peak_mb')
+  local any = m.rss or m.accounted
+  for _, k in ipairs(MEM_KINDS) do
+    local v = peak(r, 'memory/' .. k[1] .. '_mb')
+    m.kinds[k[1]] = v
+    any = any or v
+  end
+  local seen = {}
+  for _, key in ipairs(r.keys) do
+    local name = key:match('^memory/phase/(.+)/rss_peak_mb$') or key:match('^memory/phase/(.+)/peak_mb$')
+    if name and not seen[name] then
+      seen[name] = true
+      m.phases[#m.phases + 1] = { name = name, rss = peak(r, 'memory/phase/' .. name .. '/rss_peak_mb'),
+        accounted = peak(r, 'memory/phase/' .. name .. '/peak_mb') }
+    end
+  end
+  table.sort(m.phases, function(a, b)
+    if (a.rss or -1) ~= (b.rss or -1) then return (a.rss or -1) > (b.rss or -1) end
+    return a.name < b.name
+  end)
+  r.mem = any and m or false
+  return r.mem or nil
+end
+
+-- One line per run for the header: the peak resident set and the split.
+local function memory_headline(runs)
+  local o = {}
+  for _, r in ipairs(runs) do
+    local m = memory_of(r)
+    if m then
+      local parts = {}
+      for _, k in ipairs(MEM_KINDS) do
+        if k[1] ~= 'other' and m.kinds[k[1]] then parts[#parts + 1] = format('%s <b>%s</b>', k[2], mib(m.kinds[k[1]])) end
+      end
+      o[#o + 1] = format('<div class="memhead">%smemory: peak resident <b>%s</b>%s; held %s</div>', #runs > 1 and
+        format('<span style="color:%s">%s</span> ', r.color, esc(r.name)) or '', mib(m.rss),
+        m.rss_step and format(' (step %s)', fmt(m.rss_step)) or '', #parts > 0 and concat(parts, ', ') or '-')
+    end
+  end
+  return concat(o)
+end
+
+local function section_memory(o, runs)
+  local with = {}
+  for _, r in ipairs(runs) do if memory_of(r) then with[#with + 1] = r end end
+  if #with == 0 then return end
+  o[#o + 1] = '<h2 id="memory">Memory</h2><p>Peak resident: the largest resident set of the process at a logged ' ..
+    'step (memory/rss_peak_mb). Held: the most each kind of moonrl buffer held at a logged step; peak allocated: ' ..
+    'the most moonrl had allocated at once (memory/peak_mb).</p>'
+  o[#o + 1] = '<table><tr><th></th>'
+  for _, r in ipairs(with) do
+    o[#o + 1] = format('<th><i style="display:inline-block;width:10px;height:10px;background:%s"></i> %s</th>', r.color,
+      esc(r.name))
+  end
+  o[#o + 1] = '</tr>'
+  local function row(label, cell)
+    local cells = { format('<tr><td>%s</td>', label) }
+    for _, r in ipairs(with) do cells[#cells + 1] = format('<td class="num">%s</td>', cell(memory_of(r))) end
+    o[#o + 1] = concat(cells) .. '</tr>'
+  end
+  row('<b>peak resident</b>', function(m)
+    return format('<b>%s</b>%s', mib(m.rss), m.rss_step and format(' (step %s)', fmt(m.rss_step)) or '')
+  end)
+  row('peak allocated by moonrl', function(m) return mib(m.accounted) end)
+  for _, k in ipairs(MEM_KINDS) do
+    row(format('<i style="display:inline-block;width:10px;height:10px;background:%s"></i> %s', MEM_COLORS[k[1]], k[2]),
+      function(m) return mib(m.kinds[k[1]]) end)
+  end
+  local phases, seen = {}, {}
+  for _, r in ipairs(with) do
+    for _, p in ipairs(memory_of(r).phases) do
+      if not seen[p.name] then seen[p.name] = true; phases[#phases + 1] = p.name end
+    end
+  end
+  for _, name in ipairs(phases) do
+    row(format('phase <span class="mono">%s</span>: peak resident / allocated', esc(name)), function(m)
+      for _, p in ipairs(m.phases) do
+        if p.name == name then return format('%s / %s', mib(p.rss), mib(p.accounted)) end
+      end
+      return ''
+    end)
+  end
+  o[#o + 1] = '</table>'
+  -- the split as a bar per run, all on one scale (the largest total held)
+  local top = 0
+  for _, r in ipairs(with) do
+    local sum = 0
+    for _, k in ipairs(MEM_KINDS) do sum = sum + (memory_of(r).kinds[k[1]] or 0) end
+    top = math.max(top, sum)
+  end
+  if top > 0 then
+    for _, r in ipairs(with) do
+      local m, bars = memory_of(r), {}
+      for _, k in ipairs(MEM_KINDS) do
+        local v = m.kinds[k[1]]
+        if v and v > 0 then
+          bars[#bars + 1] = format('<i style="width:%.2f%%;background:%s" title="%s %s"></i>', 100 * v / top,
+            MEM_COLORS[k[1]], k[2], mib(v))
+        end
+      end
+      o[#o + 1] = format('<div><span style="color:%s">%s</span>: held by kind<div class="membar">%s</div></div>', r.color,
+        esc(r.name), concat(bars))
     end
   end
 end
@@ -516,11 +661,15 @@ function M.page(runs)
     '<style>', CSS }
   for _, r in ipairs(runs) do o[#o + 1] = format('body.hide-%s .%s{display:none}', r.cls, r.cls) end
   o[#o + 1] = '</style></head><body>'
-  o[#o + 1] = format('<header><h1>%s</h1><div>generated %s by moonrl report</div>%s', esc(title),
-    os.date('%Y-%m-%d %H:%M:%S'), legend(runs, #runs > 1))
-  o[#o + 1] = '<nav><a href="#runs">runs</a><a href="#summary">summary</a><a href="#metrics">metrics</a>' ..
+  o[#o + 1] = format('<header><h1>%s</h1><div>generated %s by moonrl report</div>%s%s', esc(title),
+    os.date('%Y-%m-%d %H:%M:%S'), legend(runs, #runs > 1), memory_headline(runs))
+  local has_mem = false
+  for _, r in ipairs(runs) do has_mem = has_mem or memory_of(r) ~= nil end
+  o[#o + 1] = '<nav><a href="#runs">runs</a>' .. (has_mem and '<a href="#memory">memory</a>' or '') ..
+    '<a href="#summary">summary</a><a href="#metrics">metrics</a>' ..
     '<a href="#phases">phases</a><a href="#events">events</a><a href="#config">config</a><a href="#manifest">manifest</a></nav></header><main>'
   section_runs(o, runs)
+  section_memory(o, runs)
   section_summary(o, runs)
   section_metrics(o, runs, info)
   section_phases(o, runs, info)
