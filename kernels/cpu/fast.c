@@ -20,6 +20,7 @@
 #include "cpu/paged_attention.h"
 #include "cpu/reduce.h"
 #include "cpu/sample.h"
+#include "cpu/split.h"
 #include "moonrl/mem.h"
 #include "moonrl/parallel.h"
 
@@ -121,6 +122,27 @@ static void gemm_part(void *vc, int64_t item) {
 
 static void fast_gemm_openblas(const mrl_gemm_desc *g, int n);
 
+/* A decode step's products on our own kernels (few rows, or weight panels: bits that do not
+ * depend on the slicing) from this many multiply-adds to PARALLEL_MACS: split over the threads
+ * or not by measurement (cpu/split.h), per calling thread. */
+#define DECODE_SPLIT_MACS ((int64_t)1 << 17)
+static _Thread_local mrl_split_choice decode_choice;
+
+/* How a group of at most 8 products is run: 2 shared as each product's size says (from
+ * PARALLEL_MACS), 0 on this thread (too small), or by measurement (decode_choice): 1 shared,
+ * 0 not; -1 on this thread without measuring (a group below DECODE_SPLIT_MACS or one thread). */
+static int group_shared(const mrl_gemm_desc *g, int n) {
+    int64_t total = 0;
+    int ours = 1;
+    for (int i = 0; i < n; i++) {
+        total += g[i].M * g[i].N * (g[i].K > 0 ? g[i].K : 1);
+        ours &= g[i].b_panels || (!g[i].trans_a && g[i].trans_b && g[i].M >= 2 && g[i].M <= FEW_ROWS);
+    }
+    if (total >= PARALLEL_MACS) return 2;
+    if (!ours || total < DECODE_SPLIT_MACS || mrl_parallel_threads() < 2) return -1;
+    return mrl_split_pick(&decode_choice);
+}
+
 static void fast_gemm_group(const mrl_gemm_desc *g, int n) {
     if (mrl_cpu_f32_path() == MRL_F32_ONEDNN) {
         /* oneDNN takes each product whole, on its own threads (called from inside our parallel
@@ -153,6 +175,8 @@ static void fast_gemm_openblas(const mrl_gemm_desc *g, int n) {
     for (int off = 0; off < n; off += 8) { /* groups larger than 8 run 8 at a time */
         c.n = n - off < 8 ? n - off : 8;
         items = 0;
+        int share = group_shared(g + off, c.n);
+        double t0 = share == 0 || share == 1 ? mrl_split_now() : 0;
         for (int i = 0; i < c.n; i++) {
             gemm_job *j = &c.jobs[i];
             j->d = g[off + i];
@@ -161,17 +185,18 @@ static void fast_gemm_openblas(const mrl_gemm_desc *g, int n) {
             j->split_rows = !j->few && !j->d.b_panels && (j->d.M >= j->d.N || j->d.M >= 256);
             int64_t work = j->d.M * j->d.N * (j->d.K > 0 ? j->d.K : 1), split = j->split_rows ? j->d.M : j->d.N;
             j->parts = 4 * (int64_t)mrl_parallel_threads();
-            if (work < PARALLEL_MACS) j->parts = 1;                     /* too small to share */
+            if (share <= 0 || (share == 2 && work < PARALLEL_MACS)) j->parts = 1; /* too small to share */
             if (j->parts > (split + 63) / 64) j->parts = (split + 63) / 64; /* slices of at least 64 */
             if (j->parts < 1 || j->d.M <= 0 || j->d.N <= 0) j->parts = j->d.M > 0 && j->d.N > 0;
             j->first = items;
             items += j->parts;
             total += work;
         }
-        if (total < PARALLEL_MACS) /* the whole group is too small to share */
+        if (share <= 0) /* the whole group is too small to share, or not shared by measurement */
             for (int64_t i = 0; i < items; i++) gemm_part(&c, i);
         else
             dyn_for(items, gemm_part, &c);
+        if (share == 0 || share == 1) mrl_split_record(&decode_choice, mrl_split_now() - t0, (double)total);
         total = 0;
     }
 }

@@ -27,6 +27,7 @@
 #include <string.h>
 #include "moonrl/parallel.h"
 #include "cpu/gemm_bf16.h"
+#include "cpu/split.h"
 
 #define LANES 16 /* lanes of a packed block: one zmm of fp32, or of bf16 pairs */
 #define MR 8     /* rows of the micro-tile */
@@ -377,15 +378,27 @@ static int few_gemm(int64_t M, int64_t N, int64_t K, float alpha, const void *A,
     few_ctx f = {x, M, N, K, kpad, W, w_bf16, ldw, alpha, beta, C, ldc};
     int64_t blocks = (N + 7) / 8;
     /* threads from a smaller size than the packed path's: these products are
-     * bound by reading W, and a second core reads more of it; but, as the
-     * fp32 table's products (kernels/cpu/fast.c), none below PARALLEL_MACS
-     * multiply-adds: a decode step of one row makes dozens of them, and on
-     * a machine with more runnable threads than cores each parallel region
-     * waits for its second thread to be scheduled (measured: batch-1 decode
-     * of a 30M model at 3-27 tokens/s parallel, bench/RESULTS.md "Mixed
-     * precision") */
-    if (N * K < FEW_PARALLEL || M * N * K < PARALLEL_MACS) few_range(&f, 0, blocks);
-    else mrl_parallel_for(blocks, 4, few_range, &f);
+     * bound by reading W, and a second core reads more of it. From
+     * PARALLEL_MACS multiply-adds always; below it (a decode step of one row
+     * makes dozens of such products) by measurement (cpu/split.h): on a
+     * machine with more runnable threads than cores each parallel region
+     * waits for its second thread to be scheduled (batch-1 decode of a 30M
+     * model at 3-27 tokens/s split, bench/RESULTS.md "Mixed precision"), on
+     * an idle one splitting is ~1.6x faster. Our kernel's bits do not depend
+     * on the split. */
+    static _Thread_local mrl_split_choice choice;
+    if (N * K < FEW_PARALLEL || mrl_parallel_threads() < 2) {
+        few_range(&f, 0, blocks);
+    } else if (M * N * K >= PARALLEL_MACS) {
+        mrl_parallel_for(blocks, 4, few_range, &f);
+    } else {
+        mrl_split_choice *c = &choice;
+        int split = mrl_split_pick(c);
+        double t0 = mrl_split_now();
+        if (split) mrl_parallel_for(blocks, 4, few_range, &f);
+        else few_range(&f, 0, blocks);
+        mrl_split_record(c, mrl_split_now() - t0, (double)M * N * K);
+    }
     mrl_cpu_bf16_scratch_give(x);
     return 0;
 }
