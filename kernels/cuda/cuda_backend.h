@@ -21,10 +21,28 @@ mrl_status mrl_cuda_stream_create(int device, void **out);
 mrl_status mrl_cuda_stream_sync(void *stream);
 void mrl_cuda_stream_destroy(void *stream);
 
-/* Kernels: device pointers, launched on `stream` (NULL: default stream). */
-/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight; rms_inv[r] saved for backward. */
-mrl_status mrl_cuda_rmsnorm_forward(float *out, float *rms_inv, const float *x, const float *weight,
-                                    int rows, int dim, float eps, void *stream);
+/* The CUDA op table (kernels/cuda/table.cu): the slots of kernels/kernels.h
+ * with the same signatures and meaning, on device memory. Host memory are
+ * only: gemm_group's array of descriptors; the mrl_paged_attn and
+ * mrl_adamw_args structs themselves (their arrays are device memory, except
+ * adamw's `ranges`, host); sum's *out; and every array of the sample call
+ * (rows, params, u, tokens, logprobs, lp_processed) except the logits rows
+ * the `rows` pointers point to. The ops that return a status wait for their
+ * kernels (sum, sample); the others only launch. Declared by the
+ * struct's tag, so this header needs no kernels.h. */
+const struct mrl_kernels *mrl_kernels_cuda(void);
+/* The stream the table's ops launch on (NULL, the default: the legacy
+ * default stream). Process-wide: set it between ops, from the thread that
+ * calls them; the table serves one stream at a time. */
+void mrl_cuda_ops_set_stream(void *stream);
+void *mrl_cuda_ops_stream(void);
+/* Wait for the stream, then the first error of the table's ops since the
+ * last check (bad shapes given to a void slot, launch and cuBLASLt
+ * failures, paged attention's per-sequence length checks, which run on the
+ * device), and clear it. MRL_OK when there was none. */
+mrl_status mrl_cuda_ops_check(void);
+/* Free the table's scratch and cuBLASLt handle (it makes them again on use). */
+void mrl_cuda_ops_release(void);
 
 #ifdef __cplusplus
 }
