@@ -128,9 +128,9 @@ static void fast_gemm_openblas(const mrl_gemm_desc *g, int n);
 #define DECODE_SPLIT_MACS ((int64_t)1 << 17)
 static _Thread_local mrl_split_choice decode_choice;
 
-/* How a group of at most 8 products is run: 2 shared as each product's size says (from
- * PARALLEL_MACS), 0 on this thread (too small), or by measurement (decode_choice): 1 shared,
- * 0 not; -1 on this thread without measuring (a group below DECODE_SPLIT_MACS or one thread). */
+/* How a group of at most 8 products is run: 2 shared, each product as its size says (a group of
+ * PARALLEL_MACS or more); by measurement (decode_choice) 1 shared or 0 on this thread; -1 on this
+ * thread, unmeasured (OpenBLAS's products, a group below DECODE_SPLIT_MACS, or one thread). */
 static int group_shared(const mrl_gemm_desc *g, int n) {
     int64_t total = 0;
     int ours = 1;
