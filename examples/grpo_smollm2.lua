@@ -2,7 +2,7 @@
 -- fetches) learns to answer arithmetic word problems in a checkable form, on the CPU
 -- (README: "A real model, offline: SmolLM2-135M on word problems").
 --
---   build/moonrl run examples/grpo_smollm2.lua                 # 12-18 min on 2 shared cores
+--   build/moonrl run examples/grpo_smollm2.lua                 # ~5 min on 2 cores, 12-18 shared
 --   build/moonrl run examples/grpo_smollm2.lua grpo.steps=20 train.lr=5e-6 model.dtype=fp32 run.seed=2
 --
 --   1. the task, generated from run.seed: "Mia has 18 apples and gets 9 more. How many apples
