@@ -31,6 +31,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include "engine/scheduler.h"
@@ -78,7 +79,45 @@ struct mrl_engine {
     int64_t version;         /* of the weights read now: recorded with every token sampled */
     mrl_weight_store *follow; /* newer versions published here are swapped in between steps */
     int follow_reader;
+    /* the routing record (mrl_engine_record_routing), per request id */
+    int record_routing;
+    int64_t route_width;     /* R = sparse layers x num_experts_per_tok entries a position */
+    struct route_rec *routes;
+    int routes_cap, next_req; /* next_req: the id the scheduler gives the next request */
 };
+
+/* One request's routing record: R int16 a position; the prompt's positions
+ * are shared by its samples (a group is prefilled once, then forked), each
+ * sample's generated positions are its own. -1 where a position never ran. */
+typedef struct route_rec {
+    int prompt_len, n, max_new;
+    int16_t *prompt; /* [prompt_len, R]; NULL: no record (added with recording off) */
+    int16_t *gen;    /* [n, max_new, R] */
+} route_rec;
+
+static void route_free(route_rec *r) {
+    free(r->prompt);
+    free(r->gen);
+    memset(r, 0, sizeof(*r));
+}
+
+static void routes_clear(mrl_engine *e) {
+    for (int i = 0; i < e->routes_cap; i++) route_free(&e->routes[i]);
+}
+
+/* Each token of the step's picks in sparse layer number `ord` (e->a.sel) into its request's record. */
+static void record_routing(mrl_engine *e, const mrl_sched_batch *b, int ord) {
+    int64_t K = e->mc->num_experts_per_tok, R = e->route_width;
+    for (int t = 0; t < b->n_tokens; t++) {
+        int i = b->seq_index[t], req = b->seq_req[i], pos = b->positions[t];
+        route_rec *r = req < e->routes_cap ? &e->routes[req] : NULL;
+        if (!r || !r->prompt) continue;
+        int64_t g = pos - r->prompt_len;
+        if (g >= r->max_new) continue; /* never: a sample feeds back at most max_new - 1 tokens */
+        int16_t *dst = g < 0 ? r->prompt + (int64_t)pos * R : r->gen + ((int64_t)b->seq_sample[i] * r->max_new + g) * R;
+        for (int64_t j = 0; j < K; j++) dst[ord * K + j] = (int16_t)e->a.sel[(int64_t)t * K + j];
+    }
+}
 
 enum { ASYNC_IDLE = 0, ASYNC_RUNNING = 1, ASYNC_JOINING = 2 };
 
@@ -284,6 +323,8 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_mem_free(e->panels);
     mrl_mem_free(e->copy16);
     mrl_mem_free(e->lp);
+    routes_clear(e);
+    free(e->routes);
     mrl_mem_free(e);
 }
 
@@ -328,6 +369,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     mrl_engine *e = mrl_mem_alloc(sizeof(*e), MRL_MEM_OTHER);
     if (!e) return mrl_set_error(MRL_ERR_NOMEM, "engine create: out of memory");
     *e = probe;
+    e->route_width = (int64_t)mrl_model_num_moe_layers(model) * mc->num_experts_per_tok;
     pthread_mutex_init(&e->published_lock, NULL); /* before any path to mrl_engine_free */
     mrl_status st = MRL_OK;
     e->lp = mrl_mem_alloc(sizeof(layer_params) * mc->num_hidden_layers, MRL_MEM_OTHER);
@@ -365,6 +407,8 @@ mrl_status mrl_engine_reset(mrl_engine *e) {
     mrl_status st = check_idle(e, "reset");
     if (st) return st;
     drop_sched(e); /* frees the sequences of unfinished requests too */
+    routes_clear(e); /* request ids restart at 0 */
+    e->next_req = 0;
     e->panels_stale = 1;
     return new_sched(e);
 }
@@ -413,7 +457,77 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
                            .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,
                            .step = r->step, .prompt_index = r->prompt_index,
                            .first_sample = r->first_sample};
-    return mrl_sched_add(e->sched, &q, req_id);
+    if (!e->record_routing || e->route_width == 0 || r->prompt_len < 1 || r->n < 1 || r->max_new_tokens < 1) {
+        st = mrl_sched_add(e->sched, &q, req_id); /* (bad sizes: the scheduler's error) */
+        if (!st) e->next_req = *req_id + 1;
+        return st;
+    }
+    /* the record first, so that a request is never queued without the record it was asked with */
+    int max_new = r->max_new_tokens; /* what a sample can generate: the scheduler stops it at max_model_len */
+    if (max_new > e->cfg.max_model_len - r->prompt_len) max_new = e->cfg.max_model_len - r->prompt_len;
+    if (max_new < 1) max_new = 1; /* (a prompt too long: the scheduler's error below) */
+    int64_t R = e->route_width, P = r->prompt_len, G = (int64_t)r->n * max_new;
+    route_rec rec = {.prompt_len = r->prompt_len, .n = r->n, .max_new = max_new,
+                     .prompt = malloc(sizeof(int16_t) * P * R), .gen = malloc(sizeof(int16_t) * G * R)};
+    if (e->next_req >= e->routes_cap) { /* room for the id the scheduler gives next (they count from 0) */
+        int cap = e->routes_cap ? e->routes_cap : 16;
+        while (cap <= e->next_req) cap *= 2;
+        route_rec *grown = realloc(e->routes, sizeof(route_rec) * cap);
+        if (grown) {
+            memset(grown + e->routes_cap, 0, sizeof(route_rec) * (cap - e->routes_cap));
+            e->routes = grown;
+            e->routes_cap = cap;
+        }
+    }
+    if (!rec.prompt || !rec.gen || e->next_req >= e->routes_cap) {
+        route_free(&rec);
+        return mrl_set_error(MRL_ERR_NOMEM, "engine add_request: no memory for the routing record (%lld bytes)",
+                             (long long)((P + G) * R * 2));
+    }
+    memset(rec.prompt, 0xff, sizeof(int16_t) * P * R); /* -1: not run (yet) */
+    memset(rec.gen, 0xff, sizeof(int16_t) * G * R);
+    st = mrl_sched_add(e->sched, &q, req_id);
+    if (!st && *req_id != e->next_req) /* never: the scheduler numbers requests 0, 1, ... until a reset */
+        st = mrl_set_error(MRL_ERR_INTERNAL, "engine add_request: request id %d, %d expected", *req_id, e->next_req);
+    if (st) {
+        route_free(&rec);
+        return st;
+    }
+    e->next_req = *req_id + 1;
+    route_free(&e->routes[*req_id]);
+    e->routes[*req_id] = rec;
+    return MRL_OK;
+}
+
+mrl_status mrl_engine_record_routing(mrl_engine *e, int on) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine record_routing: NULL engine");
+    mrl_status st = check_idle(e, "record_routing");
+    if (!st) e->record_routing = on != 0;
+    return st;
+}
+
+mrl_status mrl_engine_get_output_routing(mrl_engine *e, int req_id, int sample, int16_t *out, int64_t cap,
+                                         int64_t *n_positions) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine get_output_routing: NULL engine");
+    mrl_status st = check_idle(e, "get_output_routing");
+    if (st) return st;
+    int n = 0;
+    st = mrl_sched_output(e->sched, req_id, sample, NULL, NULL, NULL, &n, NULL);
+    if (st) return st;
+    const route_rec *r = req_id < e->routes_cap ? &e->routes[req_id] : NULL;
+    if (!r || !r->prompt)
+        return mrl_set_error(MRL_ERR_INVALID, "engine get_output_routing: request %d has no routing record (added "
+                             "with recording off, or a model without sparse layers)", req_id);
+    int64_t R = e->route_width, P = r->prompt_len, total = (P + n) * R;
+    if (n_positions) *n_positions = P + n;
+    if (!out) return MRL_OK;
+    if (cap < total)
+        return mrl_set_error(MRL_ERR_INVALID, "engine get_output_routing: room for %lld entries, sample %d of request "
+                             "%d needs %lld ((prompt + generated) x sparse layers x num_experts_per_tok)",
+                             (long long)cap, sample, req_id, (long long)total);
+    memcpy(out, r->prompt, sizeof(int16_t) * P * R);
+    memcpy(out + P * R, r->gen + (int64_t)sample * r->max_new * R, sizeof(int16_t) * n * R);
+    return MRL_OK;
 }
 
 /* The model over one scheduled batch: logits of its logits_indices rows. */
@@ -429,7 +543,7 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
     mrl_status st = prepare_weights(e);
     if (st) return st;
     k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
-    for (int l = 0; l < c->num_hidden_layers && !st; l++) {
+    for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
         k->paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T, Hk,
@@ -451,6 +565,7 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
         st = k->paged_attn(&args);
         if (st) break;
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
+        if (p->router && e->routes) record_routing(e, b, ord++); /* mrl_engine_record_routing */
     }
     if (st || S == 0) return st;
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
@@ -619,7 +734,9 @@ int mrl_engine_request_done(mrl_engine *e, int req_id) {
 mrl_status mrl_engine_release(mrl_engine *e, int req_id) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine release: NULL engine");
     mrl_status st = check_idle(e, "release");
-    return st ? st : mrl_sched_release(e->sched, req_id);
+    if (!st) st = mrl_sched_release(e->sched, req_id);
+    if (!st && req_id < e->routes_cap) route_free(&e->routes[req_id]);
+    return st;
 }
 
 mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,

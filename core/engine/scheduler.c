@@ -51,6 +51,7 @@ struct mrl_sched {
     int n_step;
     mrl_sched_batch batch;
     int32_t *b_tokens, *b_pos, *b_seq, *b_slots, *b_qs, *b_lens, *b_tables, *b_logits;
+    int32_t *b_req, *b_sample; /* per step sequence: its request and sample */
     int tables_cap, seq_arrays_cap, step_cap;
     mrl_sched_stats st;
     int64_t version; /* of the weights now: recorded with each token sampled */
@@ -159,6 +160,8 @@ void mrl_sched_destroy(mrl_sched *s) {
     free(s->b_lens);
     free(s->b_tables);
     free(s->b_logits);
+    free(s->b_req);
+    free(s->b_sample);
     free(s);
 }
 
@@ -427,6 +430,10 @@ static mrl_status build_batch(mrl_sched *s) {
     if (grow((void **)&s->b_lens, &cap, n + 1, sizeof(int32_t))) return oom("batch");
     cap = s->seq_arrays_cap;
     if (grow((void **)&s->b_logits, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    cap = s->seq_arrays_cap;
+    if (grow((void **)&s->b_req, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    cap = s->seq_arrays_cap;
+    if (grow((void **)&s->b_sample, &cap, n + 1, sizeof(int32_t))) return oom("batch");
     s->seq_arrays_cap = cap;
     memset(s->b_tables, 0, (size_t)n * max_blocks * sizeof(int32_t));
     int t = 0, n_logits = 0, n_prefill = 0, n_decode = 0;
@@ -434,6 +441,8 @@ static mrl_status build_batch(mrl_sched *s) {
         step_entry *e = &s->step[i];
         sched_seq *x = &s->seqs[e->seq];
         s->b_qs[i] = t;
+        s->b_req[i] = x->req;
+        s->b_sample[i] = x->sample;
         for (int j = 0; j < e->take; j++, t++) {
             int pos = e->start + j;
             s->b_tokens[t] = x->tokens[pos];
@@ -460,6 +469,8 @@ static mrl_status build_batch(mrl_sched *s) {
     b->seq_index = s->b_seq;
     b->slot_mapping = s->b_slots;
     b->query_start = s->b_qs;
+    b->seq_req = s->b_req;
+    b->seq_sample = s->b_sample;
     b->seq_lens = s->b_lens;
     b->block_tables = s->b_tables;
     b->max_blocks_per_seq = max_blocks;

@@ -87,6 +87,8 @@ typedef struct mrl_sched_batch {
     const int32_t *seq_index;    /* [n_tokens] which of the step's sequences */
     const int32_t *slot_mapping; /* [n_tokens] KV slot (block * block_size + offset) */
     const int32_t *query_start;  /* [n_seqs + 1] */
+    const int32_t *seq_req;      /* [n_seqs] the request (id) and sample of each: what the */
+    const int32_t *seq_sample;   /* engine's routing record files each token under */
     const int32_t *seq_lens;     /* [n_seqs] context length once this step's K/V is written */
     const int32_t *block_tables; /* [n_seqs, max_blocks_per_seq], unused entries 0 */
     int max_blocks_per_seq;

@@ -90,6 +90,7 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(m->logits, float, chunk * V);
     TAKE(m->pos, int32_t, T);
     TAKE(m->targets, int32_t, T);
+    if (n_moe) TAKE(m->route_used, int16_t, T * n_moe * c->num_experts_per_tok); /* mrl_model_get_routing */
 #undef TAKE
     return off;
 }
@@ -192,6 +193,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (values && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model forward: values asked of a model without value head");
     int64_t max_len = 0;
     mrl_status st = check_batch(m, b, &max_len);
+    if (!st) st = mrl_moe_check_routing(m, b);
     if (!st) st = ensure_acts(m, b->n_tokens);
     if (!st) st = mrl_model_rope_prepare(m, max_len);
     if (!st) st = mrl_model_refresh_bf16(m); /* bf16: the copies of weights changed since the last use */
@@ -212,9 +214,12 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
         m->aux_n = 0;
     }
-    for (int l = 0; l < c->num_hidden_layers; l++) {
+    m->replayed = m->replay_differ = 0;
+    for (int l = 0, ord = 0; l < c->num_hidden_layers; l++) {
         mrl_layer_forward(m, l, T);
-        if (m->lp[l].router) mrl_moe_aux_add(m, &m->la[l], T);
+        if (!m->lp[l].router) continue;
+        mrl_moe_aux_add(m, &m->la[l], T);
+        mrl_moe_record(m, &m->la[l], T, ord++); /* what the layer used, before recompute reuses la */
     }
     if (m->aux_picks) mrl_moe_aux_finish(m);
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);

@@ -79,6 +79,11 @@ typedef struct layer_acts {
     float *xe;                 /* [A,D] ln2 of each grouped row */
     float *egate, *eup, *eact; /* [A,Fe] */
     float *ey;                 /* [A,D] each row's expert output, before weighting */
+    /* routing replay (the trainer's forward only; NULL: the router's own top-k): token t's
+     * picks are replay[t * replay_stride .. + k) unless the first is -1 (mrl_batch.routing);
+     * replay_differ counts the tokens whose replayed set differs from the own top-k */
+    const int16_t *replay;
+    int64_t replay_stride, replay_differ, replay_count;
 } layer_acts;
 
 /* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */

@@ -48,6 +48,10 @@ struct mrl_model {
     double aux_loss, aux_coef;
     double *aux_picks, *aux_psum; /* [E] each (a qwen3_moe model only) */
     int64_t aux_n;
+    /* the experts each token went to in the last forward [T, n_moe, k] (mrl_model_get_routing),
+     * and the replay counts (mrl_model_routing_replay_stats) */
+    int16_t *route_used;
+    int64_t replayed, replay_differ;
     int64_t head_chunk_setting; /* tokens per head chunk; 0 = automatic */
     /* RoPE tables [rope_len, hd/2] */
     float *inv_freq, *rope_cos, *rope_sin;
@@ -99,3 +103,14 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
  * to the model's (aux_picks, aux_n); then the loss from them */
 void mrl_moe_aux_add(mrl_model *m, const layer_acts *a, int64_t T);
 void mrl_moe_aux_finish(mrl_model *m);
+/* moe.c: the routing of sparse layer number `ord` of the forward (a->sel) into m->route_used,
+ * with its replay counts */
+void mrl_moe_record(mrl_model *m, const layer_acts *a, int64_t T, int ord);
+/* moe.c: the number of sparse layers before layer l (its place in mrl_batch.routing's rows);
+ * with l = num_hidden_layers, all of them */
+int mrl_moe_ordinal(const mrl_model_config *c, int l);
+/* moe.c: a->replay of sparse layer l for the forward of m->batch (NULL without routing) */
+void mrl_moe_replay_at(const mrl_model *m, layer_acts *a, int l);
+/* moe.c: MRL_OK when b->routing (if any) holds, for every token and sparse layer, k distinct
+ * experts or k times -1; else MRL_ERR_INVALID naming the token, layer and entry */
+mrl_status mrl_moe_check_routing(const mrl_model *m, const mrl_batch *b);

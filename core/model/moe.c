@@ -12,6 +12,10 @@
  *     gate, up = xe Wg_e^T, xe Wu_e^T ; act = silu(gate) up ; ye = act Wd_e^T
  *   out[t] += sum_j w[t,j] ye[row[t*k + j]]
  *
+ * Routing replay (mrl_batch.routing, R3): sel is given instead (e.g. the
+ * engine's picks for the same tokens) and w = p[t, sel] as above, so the
+ * experts are the engine's while the router keeps its gradient; the aux
+ * loss then counts the replayed picks (the experts that ran).
  * The backward treats sel as a constant (as autograd does through topk):
  *   dw[t,j] = dy[t] . ye[row]             dye[row] = w[t,j] dy[t]
  *   d p[t,sel_j] = dw_j (norm: (dw_j - sum_i dw_i w_i) / sum_i p[t,sel_i])
@@ -86,9 +90,23 @@ static void softmax(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] /= sum;
 }
 
-/* sel, rw of each token from rprob; then the grouping: eoff, row, tok. */
+/* 1 when the k picks a and b name the same set of experts (each holds k distinct ones). */
+static int same_set(const int32_t *a, const int16_t *b, int64_t K) {
+    for (int64_t j = 0; j < K; j++) {
+        int found = 0;
+        for (int64_t i = 0; i < K && !found; i++) found = a[j] == b[i];
+        if (!found) return 0;
+    }
+    return 1;
+}
+
+/* sel, rw of each token from rprob; then the grouping: eoff, row, tok.
+ * Replay (a->replay): sel is the given picks in their order, rw their own
+ * probabilities (renormalised likewise), so replaying the model's own picks
+ * gives the same bits as not replaying. */
 static void route(const mrl_model_config *c, layer_acts *a, int64_t T) {
     int64_t E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
+    a->replay_differ = a->replay_count = 0;
     for (int64_t t = 0; t < T; t++) {
         const float *p = a->rprob + t * E;
         int32_t *sel = a->sel + t * K;
@@ -101,8 +119,14 @@ static void route(const mrl_model_config *c, layer_acts *a, int64_t T) {
                 if (!taken && (best < 0 || p[e] > p[best])) best = e;
             }
             sel[j] = best;
-            sum += w[j] = p[best];
         }
+        const int16_t *r = a->replay ? a->replay + t * a->replay_stride : NULL;
+        if (r && r[0] >= 0) { /* checked by mrl_moe_check_routing: k distinct experts */
+            a->replay_count++;
+            a->replay_differ += !same_set(sel, r, K);
+            for (int64_t j = 0; j < K; j++) sel[j] = r[j];
+        }
+        for (int64_t j = 0; j < K; j++) sum += w[j] = p[sel[j]];
         if (c->norm_topk_prob)
             for (int64_t j = 0; j < K; j++) w[j] /= sum;
     }
@@ -232,4 +256,66 @@ void mrl_moe_aux_finish(mrl_model *m) {
     double sum = 0, n = (double)m->aux_n;
     for (int64_t e = 0; e < m->cfg.num_experts && n > 0; e++) sum += m->aux_picks[e] * m->aux_psum[e];
     m->aux_loss = n > 0 ? m->cfg.num_experts * sum / (n * n) : 0;
+}
+
+void mrl_moe_record(mrl_model *m, const layer_acts *a, int64_t T, int ord) {
+    int64_t K = m->cfg.num_experts_per_tok, W = (int64_t)mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers) * K;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < K; j++) m->route_used[t * W + ord * K + j] = (int16_t)a->sel[t * K + j];
+    m->replayed += a->replay_count;
+    m->replay_differ += a->replay_differ;
+}
+
+mrl_status mrl_moe_check_routing(const mrl_model *m, const mrl_batch *b) {
+    if (!b->routing) return MRL_OK;
+    int n_moe = mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers);
+    if (n_moe == 0)
+        return mrl_set_error(MRL_ERR_INVALID, "model forward: batch routing given to a model without sparse layers");
+    int64_t E = m->cfg.num_experts, K = m->cfg.num_experts_per_tok;
+    for (int64_t t = 0; t < b->n_tokens; t++)
+        for (int l = 0; l < n_moe; l++) {
+            const int16_t *r = b->routing + (t * n_moe + l) * K;
+            for (int64_t j = 0; j < K; j++) {
+                if (r[0] < 0 ? r[j] != -1 : (r[j] < 0 || r[j] >= E))
+                    return mrl_set_error(MRL_ERR_INVALID, "model forward: routing of token %lld, sparse layer %d, "
+                                         "pick %lld is %d (k = %lld experts in 0..%lld, or k times -1)", (long long)t,
+                                         l, (long long)j, r[j], (long long)K, (long long)E - 1);
+                for (int64_t i = 0; i < j && r[0] >= 0; i++)
+                    if (r[i] == r[j])
+                        return mrl_set_error(MRL_ERR_INVALID, "model forward: routing of token %lld, sparse layer "
+                                             "%d names expert %d twice", (long long)t, l, r[j]);
+            }
+        }
+    return MRL_OK;
+}
+
+int mrl_moe_ordinal(const mrl_model_config *c, int l) {
+    int n = 0;
+    for (int i = 0; i < l; i++) n += mrl_model_layer_is_moe(c, i);
+    return n;
+}
+
+void mrl_moe_replay_at(const mrl_model *m, layer_acts *a, int l) {
+    const mrl_model_config *c = &m->cfg;
+    int64_t K = c->num_experts_per_tok;
+    a->replay = m->batch.routing ? m->batch.routing + mrl_moe_ordinal(c, l) * K : NULL;
+    a->replay_stride = mrl_moe_ordinal(c, c->num_hidden_layers) * K;
+}
+
+int mrl_model_num_moe_layers(const mrl_model *m) { return m ? mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers) : 0; }
+
+mrl_status mrl_model_get_routing(const mrl_model *m, int16_t *out, int64_t cap) {
+    if (!m || !out) return mrl_set_error(MRL_ERR_INVALID, "model get_routing: NULL argument");
+    if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model get_routing: no forward yet");
+    int64_t n = m->batch.n_tokens * mrl_model_num_moe_layers(m) * m->cfg.num_experts_per_tok;
+    if (cap < n)
+        return mrl_set_error(MRL_ERR_INVALID, "model get_routing: room for %lld entries, the last forward has %lld "
+                             "(n_tokens x sparse layers x num_experts_per_tok)", (long long)cap, (long long)n);
+    if (n) memcpy(out, m->route_used, sizeof(int16_t) * n);
+    return MRL_OK;
+}
+
+void mrl_model_routing_replay_stats(const mrl_model *m, int64_t *replayed, int64_t *differ) {
+    if (replayed) *replayed = m ? m->replayed : 0;
+    if (differ) *differ = m ? m->replay_differ : 0;
 }

@@ -33,6 +33,12 @@
 --                                  the next batch with training so); engine.on_busy() is called when generate
 --                                  finds a background run still in progress
 --
+-- Routing replay (mixture of experts, engine.h): engine:record_routing(true), or opts.record_routing
+-- to M.new, makes every later request keep the experts each of its tokens went to; each result then
+-- carries routing = int16_t cdata [(prompt + ids) positions * sparse layers * num_experts_per_tok]
+-- (-1 where a position never ran: cached prompt prefixes, the last token), which the trainer's
+-- forward replays (model:forward's opts.routing; moonrl.recipe packs it, moe.routing_replay).
+--
 -- opts.on_text = function(i, j, piece) (with a tokenizer) is called between steps with each new
 -- piece of sample j of request i's text, as the streaming decoder completes it (stop strings cut).
 --
@@ -85,7 +91,26 @@ function M.new(model, opts)
   local h = ffi.new('mrl_engine *[1]')
   moonrl.check(C.mrl_engine_create(model.handle, cfg, h), 2)
   -- the engine borrows the model: keep it alive with the engine
-  return setmetatable({ handle = ffi.gc(h[0], C.mrl_engine_free), model = model, seed = opts.seed or 0 }, Engine)
+  local e = setmetatable({ handle = ffi.gc(h[0], C.mrl_engine_free), model = model, seed = opts.seed or 0 }, Engine)
+  if opts.record_routing then e:record_routing(true) end
+  return e
+end
+
+-- Keep each later request's routing (see the top of the file); a dense model has none to keep.
+function Engine:record_routing(on)
+  moonrl.check(C.mrl_engine_record_routing(self.handle, on and 1 or 0), 2)
+  self.routing_width = on and self.model:num_moe_layers() * (self.model.config.num_experts_per_tok or 0) or nil
+  if self.routing_width == 0 then self.routing_width = nil end
+end
+
+-- Sample j of request req: its routing (int16_t cdata) and number of positions.
+local out_positions = ffi.new('int64_t[1]')
+local function routing(self, req, j)
+  moonrl.check(C.mrl_engine_get_output_routing(self.handle, req, j, nil, 0, out_positions), 3)
+  local n = tonumber(out_positions[0]) * self.routing_width
+  local r = ffi.new('int16_t[?]', n)
+  moonrl.check(C.mrl_engine_get_output_routing(self.handle, req, j, r, n, out_positions), 3)
+  return r
 end
 
 local function int_array(list, what)
@@ -281,6 +306,7 @@ local function collect(self, job, o, release)
       end
       local s = { ids = ids, logprobs = lp, finish_reason = FINISH[reason] or 'stop' }
       if self.weights then s.version, s.version_switches = versions(self, q.id, j - 1, n) end
+      if self.routing_width then s.routing = routing(self, q.id, j - 1) end
       local w = job.watches and job.watches[i][j]
       if w then
         s.text = w.text

@@ -145,13 +145,17 @@ end
 
 -- Returns logprobs, entropy (float[n_tokens] cdata) and, with opts.values
 -- on a value-head model, values. opts.temperature divides the logits.
+-- opts.routing (a qwen3_moe model): int16_t[n_tokens * num_moe_layers * num_experts_per_tok]
+-- cdata, the experts each token goes to in each sparse layer instead of the router's top-k
+-- (routing replay: mrl_batch.routing in model.h; -1 rows keep the router's own picks).
 function Model:forward(batch, opts)
   opts = opts or {}
   local n = batch.n_tokens
   local lp, ent = ffi.new('float[?]', n), ffi.new('float[?]', n)
   local val = opts.values and ffi.new('float[?]', n) or nil
+  batch.c.routing = opts.routing -- per call: a reference model given the same batch routes on its own
   moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, lp, ent, val), 2)
-  self._batch = batch -- the C side borrows the batch arrays until the backward
+  self._batch, self._routing = batch, opts.routing -- the C side borrows these arrays until the backward
   return lp, ent, val
 end
 
@@ -228,6 +232,24 @@ function Model:set_router_aux_coef(coef)
   C.mrl_model_set_router_aux_coef(self.handle, coef)
 end
 function Model:router_aux_coef() return tonumber(C.mrl_model_router_aux_coef(self.handle)) end
+-- Routing replay (model.h, mrl_batch.routing): the sparse layers (0 for a dense model); the experts
+-- the last forward sent each token to (int16_t[n_tokens * num_moe_layers * num_experts_per_tok]);
+-- and of its (token, sparse layer) pairs, how many were replayed and how many of those differ
+-- from the router's own top-k.
+function Model:num_moe_layers() return tonumber(C.mrl_model_num_moe_layers(self.handle)) end
+function Model:routing()
+  local b = self._batch
+  if not b then error('model:routing: no forward yet', 2) end
+  local n = b.n_tokens * self:num_moe_layers() * (self.config.num_experts_per_tok or 0)
+  local out = ffi.new('int16_t[?]', math.max(n, 1))
+  moonrl.check(C.mrl_model_get_routing(self.handle, out, n), 2)
+  return out, n
+end
+local replay_counts = ffi.new('int64_t[2]')
+function Model:routing_replay_stats()
+  C.mrl_model_routing_replay_stats(self.handle, replay_counts, replay_counts + 1)
+  return tonumber(replay_counts[0]), tonumber(replay_counts[1])
+end
 function Model:set_recompute(on) C.mrl_model_set_recompute(self.handle, on and 1 or 0) end
 function Model:activation_bytes(n_tokens) return tonumber(C.mrl_model_activation_bytes(self.handle, n_tokens)) end
 function Model:save(dir) moonrl.check(C.mrl_model_save_dir(self.handle, dir), 2) end

@@ -18,6 +18,11 @@
 --   local critic = R.critic_from(model)      -- same weights plus a value head
 --   R.save(run, model, tokenizer_dir)        -- run.dir/model in HF format, tokenizer files copied
 --   R.masked_mean(x, mask, n), R.mean_std(list)
+--   R.train_loop(S, { batch, update, metrics })   -- a supervised recipe's loop (SFT, DPO, a warm-up)
+--   R.sft_step(S, opt, samples, o), R.supervised_step(S, opt, { batches, loss })  -- one update
+--   R.finish(S)                              -- the last checkpoint, the model, the run directory line
+--   run.threads=auto: R.start times the policy at 1 and all threads and keeps the faster
+--     (R.measure_threads, R.auto_threads)
 --
 -- A sample is a table with prompt_ids (Lua list) and ids (the response tokens, Lua list); the
 -- packed sequence is prompt_ids .. ids. The log-prob of token t+1 sits at output t (see
@@ -105,6 +110,7 @@ function M.pack(samples, first, last, opts)
   first, last = first or 1, last or #samples
   local share = opts and opts.share_prompts
   local seqs, prefix, starts, lens = {}, {}, {}, {}
+  local src = {} -- src[k] = { sample, position of its first token }: where sequence k's routing rows come from
   local i = first
   while i <= last do
     local s = samples[i]
@@ -119,6 +125,7 @@ function M.pack(samples, first, last, opts)
       for k = 1, P - 1 do seq[k] = s.prompt_ids[k] end
       seqs[#seqs + 1] = seq
       parent = #seqs
+      src[#seqs] = { s, 0 }
     end
     for k = i, j do
       local sk = samples[k]
@@ -127,6 +134,7 @@ function M.pack(samples, first, last, opts)
       for t = 1, #sk.ids do seq[keep + t] = sk.ids[t] end
       seqs[#seqs + 1] = seq
       prefix[#seqs] = parent
+      src[#seqs] = { sk, P - keep }
       starts[#starts + 1] = { #seqs, keep }
       lens[#lens + 1] = #sk.ids
     end
@@ -146,23 +154,47 @@ function M.pack(samples, first, last, opts)
     if b.sample_cu ~= b.cu_seqlens then b.sample_cu[k] = b.cu_seqlens[seq] end
   end
   b.mask = mask
+  if opts and opts.routing then b.routing = M.pack_routing(b, src, opts.routing) end
   return b
+end
+
+-- Routing replay (moe.routing_replay): the batch's mrl_batch.routing rows, width = sparse layers x
+-- num_experts_per_tok, from each sample's engine record (s.routing, one row per position of
+-- prompt + response); -1 (the trainer's own top-k) where a sample has none, or one that does not
+-- match its tokens (ids changed after generation). nil when no sample has one.
+function M.pack_routing(b, src, width)
+  local r, any = ffi.new('int16_t[?]', b.n_tokens * width), false
+  ffi.fill(r, 2 * b.n_tokens * width, 0xff)
+  for k = 1, b.n_seqs do
+    local s, pos0 = src[k][1], src[k][2]
+    if s.routing and ffi.sizeof(s.routing) == 2 * width * (#s.prompt_ids + #s.ids) then
+      any = true
+      local t0, t1 = b.cu_seqlens[k - 1], b.cu_seqlens[k]
+      ffi.copy(r + t0 * width, s.routing + pos0 * width, 2 * (t1 - t0) * width)
+    end
+  end
+  return any and r or nil
 end
 
 -- Iterate over consecutive slices of samples whose packed size stays within max_tokens (a
 -- sample longer than the budget gets a micro-batch of its own). Yields the packed batch and
--- the first and last sample index. opts: as pack's (the budget counts every sample whole).
+-- the first and last sample index. opts: as pack's (the budget counts every sample whole), and
+-- unit (1): runs of that many consecutive samples stay in one micro-batch (DPO's chosen and
+-- rejected completions of a pair: 2), the budget counting each run whole.
 function M.micro_batches(samples, max_tokens, opts)
+  local unit = opts and opts.unit or 1
   local i = 1
   return function()
     if i > #samples then return nil end
     local j, tokens = i, 0
-    while j <= #samples do
-      local n = #samples[j].prompt_ids + #samples[j].ids
+    while j + unit - 1 <= #samples do
+      local n = 0
+      for k = j, j + unit - 1 do n = n + #samples[k].prompt_ids + #samples[k].ids end
       if j > i and tokens + n > max_tokens then break end
       tokens = tokens + n
-      j = j + 1
+      j = j + unit
     end
+    if j == i then j = #samples + 1 end -- fewer than unit samples left: them alone
     local first = i
     i = j
     return M.pack(samples, first, j - 1, opts), first, j - 1
@@ -203,8 +235,11 @@ end
 function M.logprobs(model, samples, max_tokens, opts)
   opts = opts or {}
   local lps, vals = {}, opts.values and {} or nil
-  for b, first in M.micro_batches(samples, max_tokens, { share_prompts = opts.share_prompts ~= false }) do
-    local lp, _, v = model:forward(b, { temperature = opts.temperature, values = opts.values })
+  -- opts.routing_replay: the forward replays the samples' engine routing (policy_step's option)
+  local width = opts.routing_replay and model:num_moe_layers() * (model.config.num_experts_per_tok or 0) or 0
+  for b, first in M.micro_batches(samples, max_tokens, { share_prompts = opts.share_prompts ~= false,
+    routing = width > 0 and width or nil }) do
+    local lp, _, v = model:forward(b, { temperature = opts.temperature, values = opts.values, routing = b.routing })
     M.gather(b, lp, lps, first)
     if vals then M.gather(b, v, vals, first) end
   end
@@ -320,7 +355,7 @@ function M.flatten(records, results)
   local samples = {}
   for i, r in ipairs(records) do
     for j, out in ipairs(results[i]) do
-      samples[#samples + 1] = { prompt_ids = r.prompt_ids, ids = out.ids, rollout_logprobs = out.logprobs,
+      samples[#samples + 1] = { prompt_ids = r.prompt_ids, ids = out.ids, rollout_logprobs = out.logprobs, routing = out.routing,
         response = out.text or '', finish_reason = out.finish_reason, prompt = r.prompt, answer = r.answer,
         meta = r.meta, group = i, record = r, version = out.version, version_switches = out.version_switches }
     end
@@ -348,9 +383,14 @@ end
 --   loss = 'decoupled_ppo' (AReaL) takes the same behaviour log-probs, with behav_imp_weight_cap
 --   and behav_cap_mode. A sample without rollout_logprobs gets ratio 1. Their metrics: metrics.is
 --   (correction.summary of the whole batch) and metrics.is.behav (decoupled_ppo's weights).
+--   routing_replay (false; a qwen3_moe model): the forward replays the experts the engine picked
+--   for each token (the samples' s.routing, see pack_routing), not the router's own top-k.
 -- Micro-batches accumulate gradients with the GLOBAL denominators (tokens and sequences of the
 -- whole list), so the step equals one step on the whole batch. Returns metrics: loss, kl,
--- entropy, clip_frac, approx_kl, grad_norm, lr, tokens.
+-- entropy, clip_frac, approx_kl, grad_norm, lr, tokens; for a model with sparse layers also moe:
+-- aux_loss (the load-balancing loss, token-weighted over the micro-batches), aux_coef, replayed
+-- (the share of (token, sparse layer) pairs whose experts were replayed) and routing_mismatch (of
+-- those, the share whose replayed experts differ from the trainer's own top-k).
 function M.policy_step(o)
   local algo = require('moonrl.algo')
   local model, all = o.model, o.samples
@@ -372,11 +412,21 @@ function M.policy_step(o)
   local behav_acc = decoupled and algo.correction.accumulator()
   model:zero_grad()
   local share = { share_prompts = o.share_prompts ~= false }
+  local n_moe = model.num_moe_layers and model:num_moe_layers() or 0
+  if n_moe > 0 then
+    sums.moe_aux, sums.moe_tokens, sums.moe_replayed, sums.moe_differ = 0, 0, 0, 0
+    if o.routing_replay then share.routing = n_moe * model.config.num_experts_per_tok end
+  end
   for b, first, last in M.micro_batches(samples, o.micro_batch_tokens or 4096, share) do
     if last == #samples and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
     local n = b.n_tokens
     local ref_lp = o.ref and o.ref:forward(b, { temperature = temp })
-    local lp, ent = model:forward(b, { temperature = temp })
+    local lp, ent = model:forward(b, { temperature = temp, routing = b.routing })
+    if n_moe > 0 then
+      local replayed, differ = model:routing_replay_stats()
+      sums.moe_aux, sums.moe_tokens = sums.moe_aux + model:router_aux_loss() * n, sums.moe_tokens + n
+      sums.moe_replayed, sums.moe_differ = sums.moe_replayed + replayed, sums.moe_differ + differ
+    end
     local adv, old = ffi.new('float[?]', n), ffi.new('float[?]', n)
     local behav = (corr or decoupled) and ffi.new('float[?]', n) -- the engine's log-probs
     ffi.copy(old, lp, 4 * n)
@@ -443,6 +493,11 @@ function M.policy_step(o)
     clip_frac = sums.clip_frac * inv, approx_kl = sums.approx_kl * inv, grad_norm = gnorm,
     lr = o.lr or o.opt.lr, tokens = tokens,
     mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
+  if n_moe > 0 then
+    m.moe = { aux_loss = sums.moe_aux / math.max(sums.moe_tokens, 1), aux_coef = model:router_aux_coef(),
+      replayed = sums.moe_replayed / math.max(sums.moe_tokens * n_moe, 1),
+      routing_mismatch = sums.moe_replayed > 0 and sums.moe_differ / sums.moe_replayed or 0 }
+  end
   if is_acc or behav_acc then -- the off-policy correction's metrics, of the whole batch
     m.is = is_acc and algo.correction.summary(algo.correction.reduce(is_acc, world)) or {}
     if behav_acc then m.is.behav = algo.correction.summary(algo.correction.reduce(behav_acc, world)) end
@@ -461,6 +516,86 @@ function M.apply_update(S, opt, lr, m, opts)
   if S then return S:update(opt, lr, m, opts) end
   opt:step(lr)
   return true
+end
+
+-- ---- supervised updates: SFT, DPO, the default example's warm-up ------------------------------
+
+-- One optimizer step of a supervised loss: the gradient accumulated over micro-batches whose
+-- losses take the denominators of the WHOLE batch (so the step equals one step on the whole
+-- batch), the parts summed over the ranks, the gradient norm clipped, the update applied through
+-- the session's guards (apply_update). o:
+--   batches   an iterator of (packed batch, first, last) over this rank's samples
+--             (S:micro_batches, or R.micro_batches with its options)
+--   loss(b, lp, first, last) -> loss, grad, parts   a micro-batch's loss (a number), its gradient
+--             with respect to the log-probs lp (float[b.n_tokens]), and other numbers to add up
+--   lr; max_grad_norm (1.0); model (opt.model)
+-- Returns the metrics: loss and the parts (summed over micro-batches and ranks), grad_norm, lr.
+function M.supervised_step(S, opt, o)
+  local model = o.model or opt.model
+  local sums = { loss = 0 }
+  model:zero_grad()
+  for b, first, last in o.batches do
+    local lp = model:forward(b)
+    local loss, grad, parts = o.loss(b, lp, first, last)
+    model:backward(grad)
+    sums.loss = sums.loss + loss
+    for k, v in pairs(parts or {}) do sums[k] = (sums[k] or 0) + v end
+  end
+  local m = S and S:sum(sums) or sums
+  m.grad_norm = opt:clip_grad_norm(o.max_grad_norm or 1.0)
+  m.lr = o.lr
+  M.apply_update(S, opt, o.lr, m)
+  return m
+end
+
+-- The SFT step (recipes/sft.lua, the default example's warm-up): token-mean cross-entropy over
+-- the response tokens of the whole batch of samples (prompt_ids, ids), on this rank's share. o: lr,
+-- micro_batch_tokens (4096), max_grad_norm (1.0). Returns loss, grad_norm, lr, tokens (the
+-- batch's response tokens).
+function M.sft_step(S, opt, samples, o)
+  local algo = require('moonrl.algo')
+  local tokens = 0
+  for _, s in ipairs(samples) do tokens = tokens + #s.ids end
+  local m = M.supervised_step(S, opt, { lr = o.lr, max_grad_norm = o.max_grad_norm,
+    batches = S:micro_batches(samples, o.micro_batch_tokens or 4096),
+    loss = function(b, lp)
+      local grad = ffi.new('float[?]', b.n_tokens)
+      return algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad,
+        global_tokens = tokens }), grad
+    end })
+  m.tokens = tokens
+  return m
+end
+
+-- The loop of a recipe that learns from a dataset, without rollouts (SFT, DPO; the default
+-- example's warm-up): for each step of S:steps(o.steps, o.phase), the batch o.batch(step) ->
+-- samples, then the update o.update(samples, step) -> m as the 'train' phase (R.sft_step,
+-- R.supervised_step); then the train throughput (from m.tokens), o.metrics(m, step) for the
+-- recipe's own (evaluations ...), and the step line and metrics record (o.log = false: none).
+-- Returns every step's metrics, by step, and the first and last step this process ran (nil when
+-- none: a rollout rank, or a phase a resumed run had finished).
+function M.train_loop(S, o)
+  local history, first, last = {}, nil, nil
+  for step in S:steps(o.steps, o.phase) do
+    first, last = first or step, step
+    local samples = o.batch(step)
+    local t0 = moonrl.now()
+    local m = S:phase('train', o.update, samples, step)
+    if m.tokens then m.tokens_per_s = { train = M.rate(m.tokens, moonrl.now() - t0) } end
+    if o.metrics then o.metrics(m, step) end
+    history[step] = m
+    if o.log ~= false then S:log(m, { quiet = o.quiet }) end
+  end
+  return history, first, last
+end
+
+-- The end of a recipe: S:finish() (the last checkpoint, the models saved) and the line that says
+-- where everything is. Returns S:finish()'s directories.
+function M.finish(S)
+  local dirs = S:finish()
+  local model = dirs.policy and ('; model in ' .. dirs.policy) or ''
+  print('run directory: ' .. S.dir .. ' (metrics.jsonl, events.jsonl, tb/, trace.json, checkpoints/' .. model .. ')')
+  return dirs
 end
 
 -- The scores of samples (their .score) as a double array (the advantages' input).
@@ -531,6 +666,94 @@ function M.model_dtype(cfg)
   return d
 end
 
+-- ---- run.threads=auto: the thread count measured on the model -------------------------------
+
+-- A small model runs fastest on one thread on some CPUs (its matrices are too small to split)
+-- and on all cores on others (measured: 1 thread on a shared 2-core Zen 4, 2 threads ~1.8x faster
+-- on an Intel machine), so `auto` times what a step does: a forward and a backward of a packed
+-- batch of 16 sequences (up to 32 tokens each) at 1 thread and at n (the process's count: the
+-- cores, or MOONRL_THREADS), interleaved, the best of each, and keeps the faster. A model of
+-- over 30M parameters has products large enough to split: n, untimed. The timing takes a few
+-- tenths of a second on a quiet machine (on a loaded one, where n threads can be many times
+-- slower, a round or two); the weights are untouched (the gradients are zeroed after).
+-- Returns the choice, how ('measured', 'model size', 'one core') and the seconds of each count
+-- timed and the batch's tokens.
+function M.measure_threads(model)
+  local C = moonrl.C
+  C.mrl_parallel_set_threads(0) -- the process's default (not what an earlier run in it chose)
+  local n = tonumber(C.mrl_parallel_threads())
+  if n <= 1 then return 1, 'one core' end
+  if model.n_params > 30e6 then return n, 'model size' end
+  local cfg = model.config
+  local len, seqs = math.min(32, cfg.max_position_embeddings), {}
+  for i = 1, 16 do
+    local s = {}
+    for t = 1, len do s[t] = (i * 7 + t * 3) % (cfg.vocab_size - 1) + 1 end
+    seqs[i] = s
+  end
+  local b = model_mod.batch(seqs)
+  local grad = ffi.new('float[?]', b.n_tokens)
+  for t = 0, b.n_tokens - 1 do grad[t] = -1 / b.n_tokens end
+  local function step(threads)
+    C.mrl_parallel_set_threads(threads)
+    local t0 = moonrl.now()
+    model:forward(b)
+    model:backward(grad)
+    return moonrl.now() - t0
+  end
+  local best = { [1] = math.huge, [n] = math.huge }
+  step(n); step(1) -- the first calls size the model's buffers and start the threads
+  local spent = 0
+  for _ = 1, 8 do -- alternating, so that a burst of load from elsewhere hits both
+    for _, k in ipairs({ 1, n }) do
+      local dt = step(k)
+      spent = spent + dt
+      if dt < best[k] then best[k] = dt end
+    end
+    if spent > 0.5 then break end
+  end
+  model:zero_grad()
+  local choice = best[1] < best[n] and 1 or n
+  C.mrl_parallel_set_threads(choice)
+  return choice, 'measured', { [tostring(1)] = best[1], [tostring(n)] = best[n] }, b.n_tokens
+end
+
+-- Resolve run.threads=auto for session S with policy: the count of the run's checkpoint (a
+-- resumed run keeps its choice: the bits depend on it), else the ranks' share of the host's cores
+-- (a job of several processes: no timing, the ranks' counts must not differ by chance) or
+-- MOONRL_THREADS when set, else measure_threads. Sets S.threads (recorded in manifest.json,
+-- which `moonrl run --from` reads back) and says so on the run's first lines.
+function M.auto_threads(S, policy)
+  local C = moonrl.C
+  local job = require('moonrl.dist').world() -- the whole job (trainers and rollout ranks)
+  local t = S.memos.threads
+  if t ~= nil then
+    t = { chosen = t.chosen, by = 'checkpoint', seconds = t.seconds }
+  elseif os.getenv('MOONRL_THREADS') then
+    C.mrl_parallel_set_threads(0) -- the default: MOONRL_THREADS
+    t = { chosen = tonumber(C.mrl_parallel_threads()), by = 'MOONRL_THREADS' }
+  elseif job.size > 1 then
+    C.mrl_parallel_set_threads(0) -- the default: the cores
+    t = { chosen = math.max(1, math.floor(tonumber(C.mrl_parallel_threads()) / math.max(job.local_size, 1))), by = 'ranks' }
+  else
+    local chosen, by, seconds, tokens = M.measure_threads(policy)
+    t = { chosen = chosen, by = by, seconds = seconds, tokens = tokens }
+  end
+  C.mrl_parallel_set_threads(t.chosen)
+  S.memos.threads = { chosen = t.chosen, seconds = t.seconds } -- checkpointed with the run
+  S.threads = t
+  local parts = {}
+  for k, v in pairs(t.seconds or {}) do parts[#parts + 1] = { tonumber(k), v } end
+  table.sort(parts, function(a, b) return a[1] < b[1] end)
+  for i, p in ipairs(parts) do parts[i] = string.format('%d: %.1f ms', p[1], 1000 * p[2]) end
+  if S.world.rank == 0 and S.role ~= 'rollout' and S.cfg.quiet ~= true then
+    print(string.format('threads: %d (run.threads=auto, %s%s)', t.chosen, t.by,
+      #parts > 0 and (': a step of ' .. t.tokens .. ' tokens ' .. table.concat(parts, ', ')) or ''))
+  end
+  S:event('threads', { chosen = t.chosen, by = t.by, seconds = t.seconds }, { quiet = true })
+  return t.chosen
+end
+
 -- ---- the recipe's session --------------------------------------------------------------------
 
 local session = require('moonrl.session')
@@ -577,7 +800,9 @@ end
 -- cfg: the merged config; opts: name, steps (the step count), steps_key (its config key),
 -- chat (use the chat template), fields / optional (the dataset's record fields, when the
 -- recipe streams prompts from cfg.data.path), engine (false: none even with an engine section),
--- policy / tokenizer_dir (a model the recipe built itself, instead of model.dir), free_keys (config
+-- policy / tokenizer / tokenizer_dir (a model the recipe built itself, instead of model.dir; its
+-- loaded tokenizer and the directory of its files), optimizer (false:
+-- no S.opt from the train section, the recipe registers its own), free_keys (config
 -- keys a resumed run may change, as session.start's), data (a moonrl.data view to stream prompts
 -- from instead of cfg.data.path: a task's records, moonrl.tasks).
 function M.start(cfg, opts)
@@ -589,7 +814,7 @@ function M.start(cfg, opts)
   check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
   rollout.check_config(cfg)
   local dtype = M.model_dtype(cfg)
-  local policy, tok, tpl, tok_dir = opts.policy, nil, nil, opts.tokenizer_dir
+  local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(M.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
     if not ok then
@@ -641,8 +866,11 @@ function M.start(cfg, opts)
     S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32',
       bf16_products = model_mod.bf16_products() or 'none' }, { quiet = true })
   end
+  if cfg.run.threads == 'auto' and policy then M.auto_threads(S, policy) end
   if cfg.train and policy and S.role ~= 'rollout' then
-    S.opt = S:optimizer('policy', M.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+    if opts.optimizer ~= false then -- (false: the recipe makes it later, e.g. after a warm-up)
+      S.opt = S:optimizer('policy', M.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+    end
     S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
       total = opts.steps, lr = cfg.train.lr })
   end

@@ -87,21 +87,38 @@ function M.base_config()
     engine = R.engine_config(),
     async = R.async_config(),
     eval = M.eval_config(),
+    moe = M.moe_config(),
     save = true,
   }
 end
+
+-- moe (a qwen3_moe policy): routing_replay: the engine records the experts each token went to
+-- and the update's forwards replay them (R3: the trainer runs the experts the tokens were sampled
+-- with, its router's weights still trained; model.h, mrl_batch.routing); aux_loss_coef: the
+-- load-balancing loss's coefficient in the backward (default: the model config's
+-- router_aux_loss_coef when its output_router_logits is set, else 0, as Transformers; 0 turns it
+-- off). Both are logged every step under moe/ (aux_loss, aux_coef, replayed, routing_mismatch).
+function M.moe_config()
+  return { routing_replay = false,
+    aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)') }
+end
+
+-- In a recipe's config: a key or section of its parent's (or of base_config) that this recipe has
+-- not: `model = { dir = rl.NONE }` for a recipe that builds its own model.
+M.NONE = setmetatable({}, { __tostring = function() return 'rl.NONE' end })
 
 local function is_slot(v) return type(v) == 'table' and getmetatable(v) ~= nil and v.kind ~= nil end
 local function is_section(v) return type(v) == 'table' and not is_slot(v) and next(v) ~= nil and #v == 0 end
 
 -- A deep copy of over merged onto base: sections merge key by key, other values replace (a plain
--- number over an integer default stays an integer).
+-- number over an integer default stays an integer), rl.NONE removes.
 function M.merge(base, over)
   local out = {}
   for k, v in pairs(base or {}) do out[k] = is_section(v) and M.merge(v, {}) or v end
   for k, v in pairs(over or {}) do
     local b = out[k]
-    if is_section(v) and is_section(b) then out[k] = M.merge(b, v)
+    if v == M.NONE then out[k] = nil
+    elseif is_section(v) and is_section(b) then out[k] = M.merge(b, v)
     elseif is_slot(b) and b.kind == 'default' and b.type == 'integer' and type(v) == 'number' then
       out[k] = config.integer(v)
     else out[k] = v end
@@ -109,15 +126,48 @@ function M.merge(base, over)
   return out
 end
 
+-- ---- aliases: the old names of renamed keys -------------------------------------------------
+
+local function leaf(tree, key)
+  local node = tree
+  for part in key:gmatch('[^.]+') do
+    if type(node) ~= 'table' then return nil end
+    node = node[part]
+  end
+  return node
+end
+
+-- aliases = { ['grpo.eval_every'] = 'eval.every', ... }: each old key is declared (optional, of its
+-- target's type, so that --show-config lists it) and, when given, sets its target.
+local function declare_aliases(cfg, aliases)
+  for old, target in pairs(aliases or {}) do
+    local v = leaf(cfg, target)
+    if v == nil then error(string.format("rl: the alias '%s' names '%s', which the config has not", old, target), 3) end
+    local typ = is_slot(v) and v.type or type(v)
+    config.set_path(cfg, old, config.optional(typ, 'the old name of ' .. target))
+  end
+end
+
+local function resolve_aliases(cfg, aliases)
+  for old, target in pairs(aliases or {}) do
+    local v = leaf(cfg, old)
+    if v ~= nil then config.set_path(cfg, target, v) end
+  end
+end
+
 -- ---- recipes ---------------------------------------------------------------------------------
 
 -- def: name (the run's and checkpoints' recipe name), section (the config section of the
--- algorithm, default name), config (merged over base_config), and stage functions.
+-- algorithm, default name), config (merged over base_config), phase (the loop's phase name in
+-- checkpoints, default 'main'), aliases (old key -> its new name: the old one keeps working),
+-- own_heldout (true: its eval_records has a held-out split without eval.data / eval.task), and
+-- stage functions.
 function M.recipe(def)
   local self = setmetatable({}, Recipe)
   for k, v in pairs(def) do self[k] = v end
   self.section = def.section or def.name
   self.config = M.merge(M.base_config(), def.config)
+  declare_aliases(self.config, def.aliases)
   return self
 end
 
@@ -154,6 +204,11 @@ function M.extend(parent, def)
   for k, v in pairs(def) do self[k] = v end
   self.parent, self.name, self.section = parent, def.name or parent.name, def.section or parent.section
   self.config = M.merge(parent.config, def.config)
+  local aliases = {}
+  for k, v in pairs(parent.aliases or {}) do aliases[k] = v end
+  for k, v in pairs(def.aliases or {}) do aliases[k] = v end
+  self.aliases = aliases
+  declare_aliases(self.config, def.aliases)
   return self
 end
 
@@ -161,14 +216,18 @@ end
 function Recipe:main()
   if loading > 0 then return self end
   local cfg = moonrl.config(self.config)
+  resolve_aliases(cfg, self.aliases)
   self.cfg, self.c = cfg, cfg[self.section]
   self:check()
   self.S = R.start(cfg, self:start_options())
+  self:setup_moe() -- before setup: recipes override it
   self:setup()
   local S = self.S
   S:rollout(function(step) return self:rollout(step) end, self.rollout_options)
   self.history = {}
-  for step in S:steps() do
+  -- the first step's clock starts here: setup's time (a warm-up) is not the step's
+  S.run.step_t0, S.run.phases = moonrl.now(), {}
+  for step in S:steps(S.total, self.phase) do -- (S.total: a warm-up's loop set another total)
     local samples, info = S:next_batch() -- generated now, ahead (async.mode), or by rollout ranks
     self.history[step] = self:train_step(step, samples, info)
   end
@@ -213,7 +272,7 @@ function Recipe:check()
   if e then
     if e.task ~= nil then tasks.check(e.task, 'eval.task') end
     if e.every < 0 then moonrl.usage_error("config key 'eval.every' must be >= 0 (0: off)") end
-    if e.every > 0 and not e.data and not e.task and not (d and d.task) then
+    if e.every > 0 and not e.data and not e.task and not (d and d.task) and not self.own_heldout then
       moonrl.usage_error('eval.every: no held-out set: pass eval.data=FILE.jsonl or eval.task=NAME (or train on data.task)')
     end
   end
@@ -227,6 +286,9 @@ function Recipe:start_options()
   local cfg, c = self.cfg, self.c
   local free = {}
   for i, k in ipairs(M.EVAL_KEYS) do free[i] = k end
+  for old, target in pairs(self.aliases or {}) do -- an old name is as free as its target
+    for _, k in ipairs(M.EVAL_KEYS) do if k == target then free[#free + 1] = old end end
+  end
   local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free }
   if cfg.data then
     o.chat, o.fields, o.optional = cfg.data.chat, { prompt = cfg.data.prompt, answer = cfg.data.answer }, { answer = true }
@@ -236,6 +298,25 @@ function Recipe:start_options()
     end
   end
   return o
+end
+
+-- moe.*: checked against the policy and applied (the engine's routing record, the aux coefficient).
+function Recipe:setup_moe()
+  local S, moe = self.S, self.cfg.moe or {}
+  local n_moe = S.policy and S.policy:num_moe_layers() or 0
+  if (moe.routing_replay or moe.aux_loss_coef ~= nil) and n_moe == 0 then
+    moonrl.usage_error(string.format("config key 'moe.%s': the model (%s) has no mixture-of-experts layers",
+      moe.routing_replay and 'routing_replay' or 'aux_loss_coef', S.policy and S.policy.config.model_type or 'none'))
+  end
+  if moe.routing_replay and self.cfg.dist and (self.cfg.dist.rollout_ranks or 0) > 0 then -- batches travel as JSON
+    moonrl.usage_error("config key 'moe.routing_replay': the routing record does not travel from dist.rollout_ranks " ..
+      '(generate on the trainer ranks: no rollout ranks, or async.mode with async.engine_threads)')
+  end
+  if moe.aux_loss_coef ~= nil then
+    if not (moe.aux_loss_coef >= 0) then moonrl.usage_error("config key 'moe.aux_loss_coef' must be >= 0") end
+    S.policy:set_router_aux_coef(moe.aux_loss_coef)
+  end
+  if moe.routing_replay and S.engine then S.engine:record_routing(true) end
 end
 
 function Recipe:setup()
@@ -316,7 +397,8 @@ function Recipe:policy_options(samples, epoch)
   return S:off_policy { session = S, model = S.policy, opt = S.opt, samples = samples, ref = self.ref,
     measure_mismatch = epoch == 1, lr = S:lr(), temperature = c.temperature, loss = c.loss, clip_low = c.clip_low,
     clip_high = c.clip_high, agg = c.agg, norm = c.max_tokens, kl_coef = c.kl_coef, kl_estimator = c.kl_estimator,
-    entropy_coef = c.entropy_coef, micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm }
+    entropy_coef = c.entropy_coef, micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm,
+    routing_replay = self.cfg.moe and self.cfg.moe.routing_replay }
 end
 
 -- On-policy with one epoch (log π_old = log πθ); else log π_old computed first. m.mismatch is the
@@ -325,16 +407,16 @@ function Recipe:update(samples, info)
   local S, epochs = self.S, self.c.epochs or 1
   if epochs > 1 and #samples > 0 then
     local old = S:phase('old_logprobs', R.logprobs, S.policy, samples, self.cfg.train.micro_batch_tokens,
-      { temperature = self.c.temperature })
+      { temperature = self.c.temperature, routing_replay = self.cfg.moe and self.cfg.moe.routing_replay })
     for i, s in ipairs(samples) do s.old_logprobs = old[i] end
   end
   self.update_t0 = moonrl.now()
-  local m, mismatch = { tokens = 0 }, nil
+  local m, mismatch, moe = { tokens = 0 }, nil, nil
   for epoch = 1, #samples > 0 and epochs or 0 do
     m = S:phase('train', R.policy_step, self:policy_options(samples, epoch))
-    mismatch = mismatch or m.mismatch
+    mismatch, moe = mismatch or m.mismatch, moe or m.moe
   end
-  m.mismatch = mismatch
+  m.mismatch, m.moe = mismatch, moe -- the first epoch's: on the weights that generated the samples
   return m
 end
 
@@ -409,8 +491,7 @@ function Recipe:log(m) return self.S:log(m, { quiet = self.cfg.quiet == true }) 
 
 function Recipe:finish()
   local S = self.S
-  local dirs = S:finish()
-  print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
+  local dirs = R.finish(S)
   return { history = self.history, dir = S.dir, model = S.policy, dirs = dirs }
 end
 

@@ -6,7 +6,15 @@
  *     without weight panels (bit-identical samples either way), and within
  *     bf16's bound (test_engine_bf16.c) in bf16;
  *   - greedy generation equals the argmax of the trainer's forward over the
- *     whole sequence, token by token (a naive full-recompute loop). */
+ *     whole sequence, token by token (a naive full-recompute loop);
+ *   - the routing record (mrl_engine_record_routing): every position the
+ *     engine ran holds the experts the trainer's forward of the same sequence
+ *     picks (chunked prefills, groups forked from one prefill, pre-emptions
+ *     and recomputation, prefix-cache hits, which stay -1 as each sample's
+ *     last token does); replaying it in the trainer (mrl_batch.routing)
+ *     replays every other position, none differing from the trainer's own
+ *     top-k, with log-probs bit-identical to no replay; requests added with
+ *     recording off have no record, a short buffer is refused. */
 #define REQUEST_SEED 4321
 #define REQUEST_STEP 2
 #include "engine_util.h"
@@ -85,8 +93,105 @@ static void test_greedy_naive(void) {
     mrl_model_free(m);
 }
 
+/* Each sample's record against the trainer's own routing of its sequence; returns the positions
+ * the engine never ran (other than the last), counted in *unrun (all must be prompt positions). */
+static void routing_compare(mrl_model *m, mrl_engine *e, agreement_run *a, int *unrun, int *compared) {
+    const mrl_model_config *c = mrl_model_get_config(m);
+    int64_t R = (int64_t)mrl_model_num_moe_layers(m) * c->num_experts_per_tok;
+    CHECK(R == 2 * 2); /* layers 0 and 2 sparse, top-2 */
+    for (int i = 0; i < NP; i++)
+        for (int j = 0; j < agree_ns[i]; j++) {
+            sample_out *s = &a->out[i][j];
+            get(e, a->ids[i], j, s);
+            int P = agree_lens[i], n = P + s->n;
+            int64_t np = 0;
+            CHECK_OK(mrl_engine_get_output_routing(e, a->ids[i], j, NULL, 0, &np));
+            CHECK(np == n);
+            int16_t rec[96 * 4], own[96 * 4];
+            CHECK(mrl_engine_get_output_routing(e, a->ids[i], j, rec, np * R - 1, &np) == MRL_ERR_INVALID);
+            CHECK_OK(mrl_engine_get_output_routing(e, a->ids[i], j, rec, np * R, &np));
+            int32_t tokens[96], targets[96], cu[2] = {0, n};
+            float lp[96], lp2[96];
+            memcpy(tokens, a->prompts[i], sizeof(int32_t) * P);
+            memcpy(tokens + P, s->tok, sizeof(int32_t) * s->n);
+            for (int t = 0; t < n; t++) targets[t] = t + 1 < n ? tokens[t + 1] : -1;
+            mrl_batch b = {tokens, targets, cu, n, 1};
+            CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp, NULL, NULL));
+            CHECK_OK(mrl_model_get_routing(m, own, n * R));
+            int run = 0;
+            for (int t = 0; t < n; t++) {
+                const int16_t *r = rec + t * R;
+                if (r[0] < 0) { /* never run: the whole row -1, the last token or a cached prompt prefix */
+                    for (int q = 0; q < R; q++) CHECK(r[q] == -1);
+                    if (t < n - 1) {
+                        CHECK(t < P - 1);
+                        (*unrun)++;
+                    }
+                    continue;
+                }
+                CHECK(t < n - 1); /* the last token is never fed back */
+                run++;
+                (*compared)++;
+                CHECK(memcmp(r, own + t * R, sizeof(int16_t) * R) == 0);
+            }
+            b.routing = rec; /* the trainer replays the engine's picks: the same model, the same bits */
+            CHECK_OK(mrl_model_forward(m, &b, 1.0f, lp2, NULL, NULL));
+            int64_t replayed = -1, differ = -1;
+            mrl_model_routing_replay_stats(m, &replayed, &differ);
+            CHECK(replayed == (int64_t)run * mrl_model_num_moe_layers(m) && differ == 0);
+            CHECK(memcmp(lp, lp2, sizeof(float) * n) == 0);
+        }
+}
+
+static void test_routing_record(void) {
+    mrl_model *m = make_model(96, MRL_MODEL_FP32);
+    static agreement_run a, again, tight;
+    /* chunked prefills (40 tokens a step), groups, a prefix cache in blocks of 8 */
+    mrl_engine *e = new_engine(m, 1 << 20, 40, 16, 8, 1);
+    int id, unrun = 0, compared = 0;
+    int32_t prompt[4] = {3, 1, 4, 1};
+    mrl_engine_request r = request(prompt, 4, 1, 3, 0.0f, 0);
+    CHECK_OK(mrl_engine_add_request(e, &r, &id)); /* recording off (the default): no record */
+    CHECK_OK(mrl_engine_run(e));
+    CHECK(mrl_engine_get_output_routing(e, id, 0, NULL, 0, NULL) == MRL_ERR_INVALID);
+    CHECK(strstr(mrl_last_error(), "no routing record") != NULL);
+    CHECK_OK(mrl_engine_reset(e));
+    CHECK_OK(mrl_engine_record_routing(e, 1));
+    agreement_add(e, &a, 96, 0, 0, NULL);
+    CHECK_OK(mrl_engine_run(e));
+    routing_compare(m, e, &a, &unrun, &compared);
+    CHECK(unrun == 0);
+    /* the same prompts again, no reset: their prefixes come from the cache (never run: -1) */
+    agreement_add(e, &again, 96, 0, 0, NULL);
+    CHECK_OK(mrl_engine_run(e));
+    mrl_engine_stats st;
+    mrl_engine_get_stats(e, &st);
+    int unrun2 = 0;
+    routing_compare(m, e, &again, &unrun2, &compared);
+    printf("qwen3_moe routing record: %d positions equal to the trainer's picks; %d cached prompt positions "
+           "not run (prefix hits %lld)\n", compared, unrun2, (long long)st.prefix_hit_tokens);
+    CHECK(st.prefix_hit_tokens > 0 && unrun2 > 0);
+    mrl_engine_free(e);
+    /* a cache of 12 blocks of 8: pre-emptions, recomputed sequences */
+    e = new_engine(m, 12 * 8 * 768, 40, 16, 8, 1);
+    CHECK_OK(mrl_engine_record_routing(e, 1));
+    agreement_add(e, &tight, 96, 0, 0, NULL);
+    CHECK_OK(mrl_engine_run(e));
+    mrl_engine_get_stats(e, &st);
+    int unrun3 = 0, compared3 = 0;
+    routing_compare(m, e, &tight, &unrun3, &compared3);
+    printf("qwen3_moe routing record under %lld pre-emptions: %d positions equal\n", (long long)st.preemptions,
+           compared3);
+    CHECK(st.preemptions > 0 && unrun3 == 0);
+    for (int i = 0; i < NP; i++) CHECK_OK(mrl_engine_release(e, tight.ids[i]));
+    CHECK(mrl_engine_get_output_routing(e, tight.ids[0], 0, NULL, 0, NULL) == MRL_ERR_INVALID);
+    mrl_engine_free(e);
+    mrl_model_free(m);
+}
+
 int main(void) {
     test_agreement();
     test_greedy_naive();
+    test_routing_record();
     CHECK_DONE();
 }

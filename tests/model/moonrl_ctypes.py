@@ -23,7 +23,8 @@ class View(C.Structure):
 class Batch(C.Structure):
     _fields_ = [("tokens", C.POINTER(C.c_int32)), ("targets", C.POINTER(C.c_int32)),
                 ("cu_seqlens", C.POINTER(C.c_int32)), ("n_tokens", C.c_int64), ("n_seqs", C.c_int32),
-                ("prefix", C.POINTER(C.c_int32))]  # NULL: no shared prompts
+                ("prefix", C.POINTER(C.c_int32)),  # NULL: no shared prompts
+                ("routing", C.POINTER(C.c_int16))]  # NULL: no routing replay (qwen3_moe)
 
 
 def _declare(lib):
@@ -78,12 +79,13 @@ class Moonrl:
                 return buf[off: off + int(np.prod(shape))].reshape(shape)
         raise KeyError(name)
 
-    def forward(self, tokens, targets, cu, temperature=1.0, values=False, prefix=None):
+    def forward(self, tokens, targets, cu, temperature=1.0, values=False, prefix=None, routing=None):
         T = len(tokens)
         self.b = Batch(tokens.ctypes.data_as(C.POINTER(C.c_int32)), targets.ctypes.data_as(C.POINTER(C.c_int32)),
                        cu.ctypes.data_as(C.POINTER(C.c_int32)), T, len(cu) - 1,
-                       prefix.ctypes.data_as(C.POINTER(C.c_int32)) if prefix is not None else None)
-        self.keep = (tokens, targets, cu, prefix)
+                       prefix.ctypes.data_as(C.POINTER(C.c_int32)) if prefix is not None else None,
+                       routing.ctypes.data_as(C.POINTER(C.c_int16)) if routing is not None else None)
+        self.keep = (tokens, targets, cu, prefix, routing)
         lp, ent = np.zeros(T, np.float32), np.zeros(T, np.float32)
         val = np.zeros(T, np.float32) if values else None
         check(lib.mrl_model_forward(self.h, C.byref(self.b), C.c_float(temperature), ptr(lp), ptr(ent), ptr(val)))

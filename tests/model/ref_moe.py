@@ -16,7 +16,14 @@ On tiny random models, a packed batch of several sequences:
   - recomputation bit-identical; the reference kernels;
   - finite differences of the router weights (moonrl's own loss, central
     differences in fp32 with a step that leaves the picks unchanged);
-  - bf16: the same model in bf16 within bf16's error of fp32.
+  - bf16: the same model in bf16 within bf16's error of fp32;
+  - routing replay (mrl_batch.routing): replaying the model's own picks is
+    bit-identical to no replay (log-probs, entropy, every gradient, with and
+    without recomputation); forced picks different from the router's (some
+    tokens and layers left to the router, -1) against the float64 reference
+    given the same picks (log-probs, entropy, aux loss, every gradient) and
+    finite differences of the router weights; bad routings are errors
+    naming the token, layer and pick.
 
 usage: ref_moe.py path/to/libmoonrl.so
 """
@@ -39,6 +46,9 @@ lib.mrl_model_router_aux_loss.argtypes = [C.c_void_p]
 lib.mrl_model_set_router_aux_coef.argtypes = [C.c_void_p, C.c_double]
 lib.mrl_model_set_dtype.argtypes = [C.c_void_p, C.c_int]
 lib.mrl_model_weights_changed.argtypes = [C.c_void_p]
+lib.mrl_model_num_moe_layers.argtypes = [C.c_void_p]
+lib.mrl_model_get_routing.argtypes = [C.c_void_p, C.c_void_p, C.c_int64]
+lib.mrl_model_routing_replay_stats.argtypes = [C.c_void_p, C.POINTER(C.c_int64), C.POINTER(C.c_int64)]
 
 failures = []
 
@@ -63,7 +73,30 @@ def batch(cfg, lens, rng):
     return tokens, targets, cu
 
 
-def run_case(name, cfg, lens, coef=0.0, kernels=0, recompute=False, seed=0, temperature=1.0):
+def forced_routing(cfg, m, T, rng):
+    """k distinct random experts per token and sparse layer (mostly not the router's picks); about
+    a fifth of the tokens, and a tenth of the other (token, layer) pairs, left to the router (-1)."""
+    nm, E, K = lib.mrl_model_num_moe_layers(m.h), cfg["num_experts"], cfg["num_experts_per_tok"]
+    r = np.stack([rng.permutation(E)[:K] for _ in range(T * nm)]).reshape(T, nm, K).astype(np.int16)
+    r[rng.random(T) < 0.2] = -1
+    r[rng.random((T, nm)) < 0.1] = -1
+    return r
+
+
+def replay_stats(m):
+    replayed, differ = C.c_int64(), C.c_int64()
+    lib.mrl_model_routing_replay_stats(m.h, C.byref(replayed), C.byref(differ))
+    return replayed.value, differ.value
+
+
+def routing_of(m, cfg, T):
+    """The experts the last forward used [T, sparse layers, k] (mrl_model_get_routing)."""
+    out = np.zeros((T, lib.mrl_model_num_moe_layers(m.h), cfg["num_experts_per_tok"]), np.int16)
+    moonrl_ctypes.check(lib.mrl_model_get_routing(m.h, out.ctypes.data_as(C.c_void_p), out.size))
+    return out
+
+
+def run_case(name, cfg, lens, coef=0.0, kernels=0, recompute=False, seed=0, temperature=1.0, forced=False):
     rng = np.random.default_rng(seed)
     m = Moonrl(cfg)
     lib.mrl_model_set_kernels(m.h, kernels)
@@ -73,9 +106,17 @@ def run_case(name, cfg, lens, coef=0.0, kernels=0, recompute=False, seed=0, temp
     randomize(m, rng)
     P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64), requires_grad=True) for n, _, _, _ in m.views}
     tokens, targets, cu = batch(cfg, lens, rng)
-    lp, ent, _ = m.forward(tokens, targets, cu, temperature)
+    routing = forced_routing(cfg, m, cu[-1], rng) if forced else None
+    lp, ent, _ = m.forward(tokens, targets, cu, temperature, routing=routing)
     aux = lib.mrl_model_router_aux_loss(m.h)
-    rlp, rent, raux = reference(cfg, P, tokens, targets, cu, temperature)
+    if forced:  # the replay counts: every pair not -1 replayed, most of them unlike the router's own picks
+        replayed, differ = replay_stats(m)
+        want = int((routing[:, :, 0] >= 0).sum())
+        if replayed != want or not differ > want // 2 or not np.array_equal(routing_of(m, cfg, cu[-1])[routing >= 0],
+                                                                            routing[routing >= 0]):
+            failures.append(name + " (replay counts)")
+            print("  replayed %d (want %d), differ %d" % (replayed, want, differ))
+    rlp, rent, raux = reference(cfg, P, tokens, targets, cu, temperature, routing)
     errs = {"logprob": rel(lp, rlp.detach()), "entropy": rel(ent, rent.detach()),
             "aux": abs(aux - raux.item()) / max(abs(raux.item()), 1e-30)}
     T = cu[-1]
@@ -102,16 +143,18 @@ def run_case(name, cfg, lens, coef=0.0, kernels=0, recompute=False, seed=0, temp
         failures.append(name)
     g1 = m.grads.copy()
     out = (lp.copy(), ent.copy(), g1)
-    return m, out, (tokens, targets, cu, a, b)
+    return m, out, (tokens, targets, cu, a, b, routing)
 
 
-def finite_differences(name, cfg, lens, coef, seed=11):
-    """moonrl's router gradient against central differences of moonrl's own loss."""
-    m, _, (tokens, targets, cu, a, b) = run_case(name + " (analytic)", cfg, lens, coef=coef, seed=seed)
+def finite_differences(name, cfg, lens, coef, seed=11, forced=False):
+    """moonrl's router gradient against central differences of moonrl's own loss (forced: under
+    a replayed routing, the same picks at every evaluation)."""
+    m, _, (tokens, targets, cu, a, b, routing) = run_case(name + " (analytic)", cfg, lens, coef=coef, seed=seed,
+                                                          forced=forced)
     analytic = m.grads.copy()
 
     def loss():
-        lp, ent, _ = m.forward(tokens, targets, cu)
+        lp, ent, _ = m.forward(tokens, targets, cu, routing=routing)
         return float(np.dot(a.astype(np.float64), lp) + np.dot(b.astype(np.float64), ent)) + \
             coef * lib.mrl_model_router_aux_loss(m.h)
 
@@ -139,7 +182,7 @@ def finite_differences(name, cfg, lens, coef, seed=11):
 
 def bf16_case(name, cfg, lens, seed=21):
     """The same model and batch in bf16: log-probs and gradients within bf16's error of fp32."""
-    m, (lp32, ent32, g32), (tokens, targets, cu, a, b) = run_case(name + " (fp32)", cfg, lens, seed=seed)
+    m, (lp32, ent32, g32), (tokens, targets, cu, a, b, _) = run_case(name + " (fp32)", cfg, lens, seed=seed)
     moonrl_ctypes.check(lib.mrl_model_set_dtype(m.h, 1))
     lp, ent, _ = m.forward(tokens, targets, cu)
     lib.mrl_model_zero_grad(m.h)
@@ -188,6 +231,77 @@ lib.mrl_model_free(m.h)
 finite_differences("router finite differences", moe, [9, 14], coef=0.0)
 finite_differences("router finite differences, aux coef 0.2", dict(moe, norm_topk_prob=False), [9, 14], coef=0.2)
 bf16_case("bf16", moe, lens)
+
+
+def replay_own(name, cfg, lens, seed, recompute=False):
+    """Replaying the model's own routing (what mrl_model_get_routing says it used) gives the same
+    bits as not replaying: log-probs, entropy and every gradient."""
+    m, (lp, ent, g), (tokens, targets, cu, a, b, _) = run_case(name + " (own routing)", cfg, lens, seed=seed,
+                                                              recompute=recompute)
+    own = routing_of(m, cfg, cu[-1])
+    lp2, ent2, _ = m.forward(tokens, targets, cu, routing=own)
+    replayed, differ = replay_stats(m)
+    lib.mrl_model_zero_grad(m.h)
+    m.backward(a, b, None)
+    same = np.array_equal(lp.view(np.uint32), lp2.view(np.uint32)) and \
+        np.array_equal(ent.view(np.uint32), ent2.view(np.uint32)) and np.array_equal(g.view(np.uint32), m.grads.view(np.uint32))
+    ok = same and replayed == own.shape[0] * own.shape[1] and differ == 0
+    print("%-44s bit-identical %s, replayed %d (token, layer) pairs, %d differ  %s" % (
+        name, same, replayed, differ, "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+def bad_routing(name, cfg, lens, seed=41):
+    """Routings that cannot be replayed fail the forward with a message naming the entry."""
+    rng = np.random.default_rng(seed)
+    m = Moonrl(cfg)
+    tokens, targets, cu = batch(cfg, lens, rng)
+    T = cu[-1]
+    good = forced_routing(cfg, m, T, rng)
+    good[:, :, :] = np.arange(cfg["num_experts_per_tok"], dtype=np.int16)
+    cases = []
+    r = good.copy(); r[3, 1, 1] = r[3, 1, 0]; cases.append((r, "token 3, sparse layer 1 names expert 0 twice"))
+    r = good.copy(); r[5, 0, 1] = cfg["num_experts"]; cases.append((r, "token 5, sparse layer 0, pick 1 is %d" % cfg["num_experts"]))
+    r = good.copy(); r[2, 1, 0] = -1; cases.append((r, "token 2, sparse layer 1, pick 1 is 1"))
+    ok = True
+    for r, want in cases:
+        b_ = moonrl_ctypes.Batch(tokens.ctypes.data_as(C.POINTER(C.c_int32)), targets.ctypes.data_as(C.POINTER(C.c_int32)),
+                                 cu.ctypes.data_as(C.POINTER(C.c_int32)), T, len(cu) - 1, None,
+                                 r.ctypes.data_as(C.POINTER(C.c_int16)))
+        st = lib.mrl_model_forward(m.h, C.byref(b_), C.c_float(1.0), None, None, None)
+        msg = lib.mrl_last_error().decode()
+        if st == 0 or want not in msg:
+            ok = False
+            print("  expected an error with '%s', got status %d: %s" % (want, st, msg))
+    try:
+        m.forward(tokens, targets, cu, routing=good)
+    except RuntimeError as e:
+        ok = False
+        print("  a good routing failed:", e)
+    print("%-44s %d bad routings refused with their entry named  %s" % (name, len(cases), "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+replay_own("replay of the own routing", moe, lens, seed=51)
+replay_own("replay of the own routing, recomputing", dict(moe, num_hidden_layers=3, mlp_only_layers=[1]), lens, seed=52,
+           recompute=True)
+for name, cfg, kw in (
+        ("forced routing, top-2 of 8, renormalised", moe, dict(seed=53)),
+        ("forced routing, top-3 of 6, not renormalised", dict(moe, num_experts=6, num_experts_per_tok=3,
+                                                               norm_topk_prob=False), dict(seed=54)),
+        ("forced routing, aux coef 0.1, mlp_only [1]", dict(moe, num_hidden_layers=3, mlp_only_layers=[1]),
+         dict(seed=55, coef=0.1)),
+        ("forced routing, recompute, reference kernels", moe, dict(seed=56, recompute=True, kernels=1))):
+    m, _, _ = run_case(name, cfg, lens, forced=True, **kw)
+    lib.mrl_model_free(m.h)
+finite_differences("forced routing: router finite differences", moe, [9, 14], coef=0.0, seed=57, forced=True)
+finite_differences("forced routing: router fd, aux coef 0.2", dict(moe, norm_topk_prob=False), [9, 14], coef=0.2,
+                   seed=58, forced=True)
+bad_routing("bad routings", moe, lens)
 
 
 def save_load(name, cfg, lens, seed=31):

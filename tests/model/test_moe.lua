@@ -2,11 +2,16 @@
 -- (what a reference policy copy is built from), the load-balancing loss and its coefficient,
 -- config errors; and a few GRPO steps of recipes/grpo.lua on a tiny MoE model (engine
 -- generation, trainer, optimizer, checkpoint and the saved model all on the flat buffer).
+-- Routing replay: the engine's routing record packed by moonrl.recipe and replayed by the
+-- trainer's forward (the experts the trainer runs are the engine's, token by token; the same
+-- bits as its own routing on the same weights); GRPO with moe.routing_replay and
+-- moe.aux_loss_coef, their metrics logged; the keys refused for a dense model.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.json')
 local U = dofile('tests/recipes/util.lua')
 local R = require('moonrl.recipe')
+local ffi = require('ffi')
 
 local cfg = { model_type = 'qwen3_moe', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
   num_hidden_layers = 3, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8,
@@ -65,6 +70,109 @@ t.test('config errors name the key', function()
   t.raises(function() moonrl.model.new(with({ mlp_only_layers = { -1 } })) end, 'mlp_only_layers')
   t.raises(function() moonrl.model.new(with({ num_experts = 0 })) end, 'num_experts')
   t.raises(function() moonrl.model.new(with({ model_type = 'qwen3_moe2' })) end, 'qwen3_moe2')
+end)
+
+t.test('routing replay: the engine record, packed, replayed by the trainer', function()
+  local m = moonrl.model.new(cfg, { seed = 7 })
+  local K, n_moe = cfg.num_experts_per_tok, m:num_moe_layers()
+  t.eq(n_moe, 2, 'layers 0 and 2 sparse')
+  local W = n_moe * K
+  local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16, record_routing = true })
+  local records = { { prompt_ids = { 1, 5, 9, 3, 7, 4 }, prompt_index = 0 }, { prompt_ids = { 3, 4 }, prompt_index = 1 } }
+  local results = e:generate(R.requests(records, 3), { temperature = 1.0, max_tokens = 6, eos_ids = {} })
+  local samples = R.flatten(records, results)
+  t.eq(#samples, 6)
+  for _, s in ipairs(samples) do
+    t.eq(ffi.sizeof(s.routing), 2 * W * (#s.prompt_ids + #s.ids), 'one row a position')
+    local last = #s.prompt_ids + #s.ids - 1 -- never fed back: -1
+    for q = 0, W - 1 do t.eq(s.routing[last * W + q], -1) end
+  end
+  -- packed with shared prompts, as the update packs them
+  local b = R.pack(samples, 1, #samples, { share_prompts = true, routing = W })
+  t.truthy(b.routing ~= nil and b.n_seqs == 8, 'two shared prompts + six samples')
+  local own_lp = m:forward(b)
+  local own = m:routing()
+  local lp = m:forward(b, { routing = b.routing })
+  local replayed, differ = m:routing_replay_stats()
+  local used = m:routing()
+  local rows, equal = 0, 0
+  for t0 = 0, b.n_tokens - 1 do
+    if b.routing[t0 * W] >= 0 then
+      rows = rows + 1
+      local same = true
+      for q = 0, W - 1 do same = same and used[t0 * W + q] == b.routing[t0 * W + q] and own[t0 * W + q] == used[t0 * W + q] end
+      if same then equal = equal + 1 end
+    end
+  end
+  -- every packed token but the samples' last ones was run by the engine (no prefix cache hits here)
+  t.eq(rows, b.n_tokens - #samples, 'replayed rows')
+  t.eq(equal, rows, "the trainer's experts are the engine's, and its own picks on the same weights")
+  t.eq(replayed, rows * n_moe)
+  t.eq(differ, 0)
+  for i = 0, b.n_tokens - 1 do t.eq(lp[i], own_lp[i], 'bit-identical log-prob ' .. i) end
+  -- a forced routing changes the result; a bad one is refused naming the entry
+  local forced = ffi.new('int16_t[?]', b.n_tokens * W)
+  for i = 0, b.n_tokens * W - 1, K do forced[i], forced[i + 1] = (own[i] + 1) % 4, (own[i] + 2) % 4 end
+  local lp3 = m:forward(b, { routing = forced })
+  local moved = 0
+  for i = 0, b.n_tokens - 1 do if lp3[i] ~= own_lp[i] then moved = moved + 1 end end
+  t.truthy(moved > b.n_tokens / 2, moved .. ' log-probs moved under a forced routing')
+  forced[1] = forced[0]
+  t.raises(function() m:forward(b, { routing = forced }) end, 'names expert')
+  -- a dense model takes no routing
+  local dense = moonrl.model.new({ model_type = 'qwen3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
+    num_hidden_layers = 1, num_attention_heads = 4 })
+  t.eq(dense:num_moe_layers(), 0)
+  t.raises(function() dense:forward(b, { routing = b.routing }) end, 'without sparse layers')
+end)
+
+t.test('grpo: routing replay and the aux loss coefficient, logged', function()
+  local dir = U.tmpdir('moe_r3')
+  local init = dir .. '/init'
+  R.save({ dir = init }, moonrl.model.new(cfg, { seed = 2 }), U.TOKENIZER, init)
+  local recs = {}
+  for i, p in ipairs(U.additions(40, 6)) do recs[i] = { question = p.prompt, answer = p.answer } end
+  local data = U.write_jsonl(dir .. '/train.jsonl', recs)
+  local function run(extra, name)
+    local words = { 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+      'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.steps=2', 'grpo.prompts=4',
+      'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.epochs=2', 'run.threads=1',
+      'run.dir=' .. dir .. '/' .. name }
+    for _, w in ipairs(extra) do words[#words + 1] = w end
+    local out = U.run_recipe('recipes/grpo.lua', words)
+    local steps = {}
+    for l in io.lines(out.dir .. '/metrics.jsonl') do steps[#steps + 1] = json.decode(l) end
+    return steps
+  end
+  local replay = run({ 'moe.routing_replay=true', 'moe.aux_loss_coef=0.05' }, 'replay')
+  t.eq(#replay, 2)
+  for _, r in ipairs(replay) do
+    t.near(r['moe/aux_coef'], 0.05, 1e-12, 'moe.aux_loss_coef applied')
+    t.truthy(r['moe/aux_loss'] > 0.5 and r['moe/aux_loss'] <= 4, 'aux loss ' .. tostring(r['moe/aux_loss']))
+    -- all but each sample's last token replayed (the engine never runs it)
+    t.truthy(r['moe/replayed'] > 0.5 and r['moe/replayed'] < 1, 'replayed share ' .. tostring(r['moe/replayed']))
+    t.eq(r['moe/routing_mismatch'], 0, 'fp32 engine and trainer: the same picks')
+    t.truthy(r['mismatch/token_mult_prob_error'] >= 1 and r['mismatch/token_mult_prob_error'] < 1 + 1e-4,
+      'token_mult_prob_error ' .. tostring(r['mismatch/token_mult_prob_error']))
+    print(string.format('  replay on: token_mult_prob_error %.8f, replayed %.3f, routing mismatch %g, aux %.4f',
+      r['mismatch/token_mult_prob_error'], r['moe/replayed'], r['moe/routing_mismatch'], r['moe/aux_loss']))
+  end
+  local plain = run({ 'moe.aux_loss_coef=0' }, 'plain')
+  for i, r in ipairs(plain) do
+    t.eq(r['moe/aux_coef'], 0, 'aux off')
+    t.eq(r['moe/replayed'], 0, 'no replay by default')
+    -- the same samples at step 1 (same seed, same weights): the same log-probs either way
+    if i == 1 then t.eq(r['mismatch/max_abs'], replay[1]['mismatch/max_abs'], 'replay of the same picks changes nothing') end
+  end
+  local default = run({}, 'default')
+  t.near(default[1]['moe/aux_coef'], 0.02, 1e-12, "default: the config's router_aux_loss_coef (output_router_logits)")
+  local dense = dir .. '/dense'
+  U.tiny_model(dense)
+  t.raises(function()
+    U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. dense, 'data.path=' .. data, 'data.prompt=question',
+      'data.chat=false', 'reward=exact', 'grpo.steps=1', 'moe.routing_replay=true', 'run.dir=' .. dir .. '/d' })
+  end, 'moe.routing_replay')
+  os.execute("rm -rf '" .. dir .. "'")
 end)
 
 t.test('grpo: a few steps on a tiny qwen3_moe', function()

@@ -13,12 +13,19 @@ def is_sparse(cfg, l):
         (l + 1) % cfg.get("decoder_sparse_step", 1) == 0
 
 
-def moe_block(cfg, p, h):
-    """Qwen3MoeSparseMoeBlock on h [L, D]: (output, router logits)."""
+def moe_block(cfg, p, h, forced=None):
+    """Qwen3MoeSparseMoeBlock on h [L, D]: (output, router logits, the picks used). forced [L, k]
+    (routing replay, mrl_batch.routing): the rows not -1 replace torch.topk's picks; their weights
+    are the router's own probabilities at the forced experts."""
     E, K = cfg["num_experts"], cfg["num_experts_per_tok"]
     logits = h @ p("mlp.gate.weight").T
     probs = torch.softmax(logits, -1)
     w, sel = torch.topk(probs, K, dim=-1)
+    if forced is not None:
+        f = torch.tensor(forced.astype(np.int64))
+        keep = (f[:, :1] >= 0)
+        sel = torch.where(keep, f.clamp(min=0), sel)
+        w = probs.gather(1, sel)
     if cfg.get("norm_topk_prob"):
         w = w / w.sum(-1, keepdim=True)
     out = torch.zeros_like(h)
@@ -30,42 +37,52 @@ def moe_block(cfg, p, h):
         pe = lambda n: p("mlp.experts.%d.%s.weight" % (e, n))
         y = (torch.nn.functional.silu(x @ pe("gate_proj").T) * (x @ pe("up_proj").T)) @ pe("down_proj").T
         out = out.index_add(0, tok, y * w[tok, j, None])
-    return out, logits
+    return out, logits, sel
 
 
-def forward_seq(cfg, P, tok, router_logits):
+def forward_seq(cfg, P, tok, router_logits, routing=None, picks=None):
     """torch_ref.py's layers (Qwen3's attention) with the experts' MLP where the layer is sparse; each
-    sparse layer's router logits appended to router_logits."""
+    sparse layer's router logits appended to router_logits (and its picks to picks). routing
+    [L, sparse layers, k] or None: the picks forced on each sparse layer (moe_block)."""
+    order = [l for l in range(cfg["num_hidden_layers"]) if is_sparse(cfg, l)]
+
     def mlp(l, p, h):
         if not is_sparse(cfg, l):
             return dense_mlp(l, p, h)
-        y, logits = moe_block(cfg, p, h)
+        forced = routing[:, order.index(l)] if routing is not None else None
+        y, logits, sel = moe_block(cfg, p, h, forced)
         router_logits.append(logits)
+        if picks is not None:
+            picks.append(sel)
         return y
     return final_hidden(cfg, P, tok, mlp)
 
 
-def load_balancing_loss(cfg, router_logits):
-    """Transformers' load_balancing_loss_func with attention_mask None."""
+def load_balancing_loss(cfg, router_logits, picks=None):
+    """Transformers' load_balancing_loss_func with attention_mask None; picks (the experts used,
+    under routing replay) in place of the top-k of the logits when given."""
     E, K = cfg["num_experts"], cfg["num_experts_per_tok"]
     g = torch.cat(router_logits, 0)
     rw = torch.softmax(g, -1)
     _, sel = torch.topk(rw, K, dim=-1)
+    if picks is not None:
+        sel = torch.cat(picks, 0)
     mask = torch.nn.functional.one_hot(sel, E).double()
     tokens_per_expert = mask.mean(0)
     prob_per_expert = rw.mean(0)
     return (tokens_per_expert * prob_per_expert[None]).sum() * E
 
 
-def reference(cfg, P, tokens, targets, cu, temperature=1.0):
+def reference(cfg, P, tokens, targets, cu, temperature=1.0, routing=None):
+    """routing [T, sparse layers, k] or None: forced picks (mrl_batch.routing)."""
     lm = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else P["lm_head.weight"]
-    lps, ents, logits = [], [], []
+    lps, ents, logits, picks = [], [], [], []
     for s in range(len(cu) - 1):
         tok = torch.tensor(tokens[cu[s]:cu[s + 1]].astype(np.int64))
-        h = forward_seq(cfg, P, tok, logits)
+        h = forward_seq(cfg, P, tok, logits, routing[cu[s]:cu[s + 1]] if routing is not None else None, picks)
         logp = torch.log_softmax(h @ lm.T / temperature, -1)
         tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
         lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(len(tok))))
         ents.append(-(logp.exp() * logp).sum(-1))
-    aux = load_balancing_loss(cfg, logits) if logits else torch.zeros(())
+    aux = load_balancing_loss(cfg, logits, picks if routing is not None else None) if logits else torch.zeros(())
     return torch.cat(lps), torch.cat(ents), aux

@@ -263,6 +263,22 @@ mrl_status mrl_engine_release(mrl_engine *e, int req_id);
  * pointer may be NULL. */
 mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,
                                  const float **logprobs, int *n_tokens, int *finish_reason);
+/* ---- routing record (mixture of experts; routing replay, R3) ----
+ * With recording on, each request added afterwards keeps, for every token the engine runs
+ * through the model (prompt tokens when prefilled, each generated token when it is fed back to
+ * produce the next one, and again when a pre-empted sample is recomputed), the experts every
+ * sparse layer sent it to: the picks a trainer replays (mrl_batch.routing) so that its forward
+ * uses the experts the tokens were sampled with. Positions never run hold -1: prompt tokens a
+ * cached prefix supplied and each sample's last token. Costs
+ * (prompt + samples x max_new_tokens) x sparse layers x num_experts_per_tok int16 a request,
+ * freed with it (reset, release). Off by default; no effect for a dense model. */
+mrl_status mrl_engine_record_routing(mrl_engine *e, int on);
+/* Sample j's routing so far: *n_positions = prompt_len + its generated tokens, and (out not
+ * NULL, cap entries at least n_positions x mrl_model_num_moe_layers x num_experts_per_tok)
+ * the rows of mrl_batch.routing for the sequence prompt + generated tokens, position by
+ * position. MRL_ERR_INVALID for a request added with recording off. */
+mrl_status mrl_engine_get_output_routing(mrl_engine *e, int req_id, int sample, int16_t *out, int64_t cap,
+                                         int64_t *n_positions);
 /* Finish sample j of a request at the next step (MRL_FINISH_CALLER), e.g.
  * when the caller's detokenizer sees a stop string. */
 mrl_status mrl_engine_stop_sample(mrl_engine *e, int req_id, int sample);

@@ -122,6 +122,16 @@ typedef struct mrl_batch {
     int64_t n_tokens;
     int32_t n_seqs;
     const int32_t *prefix;     /* [n_seqs] or NULL: the sequence each continues, -1 none (above) */
+    /* routing replay (a qwen3_moe model; NULL: every sparse layer picks its own experts): row t
+     * holds, for each sparse layer in layer order, the num_experts_per_tok experts token t goes
+     * to instead of the router's top-k, e.g. the generation engine's picks
+     * (mrl_engine_get_output_routing), so that the trainer's forward runs the experts the
+     * engine sampled with (R3, "routing replay"). The weights stay the trainer's own router
+     * probabilities at those experts (renormalised when norm_topk_prob), so the router still
+     * gets its gradient; the backward treats the picks as constants, as it does its own.
+     * A row's layer entry of k times -1 keeps that layer's own top-k for the token (a position
+     * the engine never ran: a cached prefix, a sample's last token). */
+    const int16_t *routing;    /* [n_tokens, mrl_model_num_moe_layers, num_experts_per_tok] or NULL */
 } mrl_batch;
 
 /* Defaults for every field (a tiny Llama); then set what you need. */
@@ -211,8 +221,19 @@ void mrl_model_zero_grad(mrl_model *m);
  * coef defaults to router_aux_loss_coef when output_router_logits, else 0.
  * The term is per backward: a step split into n micro-batches adds n of
  * them (each of its micro-batch's forward), as n HF forward/backward passes
- * with an unscaled aux term would. */
+ * with an unscaled aux term would. Under routing replay (mrl_batch.routing) f_e counts the
+ * replayed picks, the experts that ran. */
 double mrl_model_router_aux_loss(const mrl_model *m);
+/* The number of sparse layers (0 for a dense model): the middle dimension of mrl_batch.routing. */
+int mrl_model_num_moe_layers(const mrl_model *m);
+/* The experts the last forward sent each token to in each sparse layer, its own picks or the
+ * replayed ones: [n_tokens, num_moe_layers, num_experts_per_tok] into out (cap entries at
+ * least that many, else MRL_ERR_INVALID). */
+mrl_status mrl_model_get_routing(const mrl_model *m, int16_t *out, int64_t cap);
+/* Of the last forward's (token, sparse layer) pairs: how many were replayed (mrl_batch.routing
+ * not -1), and of those how many name a different set of experts than the model's own top-k
+ * would have (the train / inference routing mismatch that replay removes). */
+void mrl_model_routing_replay_stats(const mrl_model *m, int64_t *replayed, int64_t *differ);
 void mrl_model_set_router_aux_coef(mrl_model *m, double coef);
 double mrl_model_router_aux_coef(const mrl_model *m);
 
