@@ -1,8 +1,8 @@
 -- The default run (what `moonrl` does with no arguments): a tiny Llama-style model learns
 -- 2-digit addition ("37+48=" -> "85"), then learns from a verifier to answer exactly, on the CPU.
 --
---   1. a synthetic, verifiable task generated from the seed: all 10,000 pairs a+b below 100, of
---      which 200 are held out and never trained on
+--   1. a synthetic, verifiable task generated from the seed (moonrl.tasks' addition): all 10,000
+--      pairs a+b below 100, of which `heldout` (200) are held out and never trained on
 --   2. an SFT warm-up on imperfect data: 70% of its answers carry a stray '=' ("85=", as if the
 --      writer kept going). The model learns to add, and its greedy answers mostly carry the '=',
 --      so the held-out accuracy of exact answers ("before") is low
@@ -11,146 +11,135 @@
 --      Only the reward says that the '=' is wrong
 --   4. held-out greedy accuracy again ("after"), and the model saved in Hugging Face format
 --
+-- GRPO is moonrl.rl's loop (lua/moonrl/rl.lua: rollout -> advantages -> update -> evaluate ->
+-- log -> checkpoint, async modes and rollout ranks included); this file adds what is its own: the
+-- model it builds, the prompts it draws, the warm-up before the loop and the figures around it.
 -- The tokenizer (examples/default/tokenizer.json, one token per digit) was trained with the
 -- Python tokenizers package by examples/default/make_tokenizer.py. Settings and measured results
 -- are in README.md ("The default run"). Any key can be changed on the command line:
 --   moonrl run examples/default.lua grpo.steps=60 run.seed=3
 local moonrl = require('moonrl')
-local algo = require('moonrl.algo')
-local rewards = require('moonrl.rewards')
+local config = require('moonrl.config')
+local rl = require('moonrl.rl')
 local R = require('moonrl.recipe')
 
-local cfg = moonrl.config {
-  heldout = moonrl.config.integer(200), -- problems kept out of training, for the accuracy figures
-  model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
-            heads = moonrl.config.integer(4), intermediate_size = moonrl.config.integer(384),
-            dtype = 'fp32' }, -- fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it)
-  sft = { steps = moonrl.config.integer(1500), batch = moonrl.config.integer(64), lr = 2e-3,
-          flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
-  grpo = { steps = moonrl.config.integer(30), prompts = moonrl.config.integer(32), samples = moonrl.config.integer(8),
-           lr = 3e-4, temperature = 1.0, clip = 0.2, reward = 'exact',
-           eval_every = moonrl.config.integer(0) }, -- held-out accuracy every N steps (metric heldout_accuracy; 0: off)
-  async = R.async_config(), -- where and when the rollouts run (async.mode, dist.rollout_ranks)
-  quiet = false, -- no per-step lines (the test suite)
-}
--- 2. The model, and the run's session (run directory, checkpoints, resume: moonrl.session).
-local tok = moonrl.tokenizer.load(moonrl.home .. '/examples/default')
-local model = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_size,
-  hidden_size = cfg.model.hidden_size, intermediate_size = cfg.model.intermediate_size,
-  num_hidden_layers = cfg.model.layers, num_attention_heads = cfg.model.heads,
-  max_position_embeddings = 32, tie_word_embeddings = true,
-  bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = cfg.run.seed })
-local S = R.start(cfg, { name = 'default', steps = cfg.grpo.steps, steps_key = 'grpo.steps', policy = model,
-  tokenizer_dir = moonrl.home .. '/examples/default' })
--- a model this small runs fastest on one thread (its matrices are too small to split)
-if cfg.run.threads == 0 then moonrl.C.mrl_parallel_set_threads(1) end
+local TOKENIZER = moonrl.home .. '/examples/default'
 
--- 1. The task (moonrl.tasks' addition, data.task=addition of the RL recipes): every pair (a, b) of
--- numbers below 100 as { prompt = '37+48=', answer = '85' }; a shuffle with the run's draw
--- generator puts `heldout` of them aside.
-local rng = S:rng('draw', cfg.run.seed) -- its state is part of every checkpoint
-local task = require('moonrl.tasks').get('addition')({ seed = cfg.run.seed, rng = rng, heldout = cfg.heldout })
-local heldout, train = task.heldout, task.train
-for _, set in ipairs({ heldout, train }) do
-  for _, p in ipairs(set) do
-    p.prompt_ids = tok:encode(p.prompt)                                 -- <|bos|> 3 7 + 4 8 =
-    p.answer_ids = tok:encode(p.answer, { add_special = false })
-    p.answer_ids[#p.answer_ids + 1] = tok.eos_id                        -- 8 5 <|eos|>
-    p.flawed_ids = tok:encode(p.answer .. '=', { add_special = false })
-    p.flawed_ids[#p.flawed_ids + 1] = tok.eos_id                        -- 8 5 = <|eos|>
-  end
+local default = rl.recipe {
+  name = 'default', section = 'grpo', phase = 'grpo',
+  own_heldout = true, -- the task's held-out split (eval_records below)
+  config = {
+    heldout = config.integer(200), -- problems kept out of training, for the accuracy figures
+    model = { dir = rl.NONE, tokenizer = rl.NONE, -- a model of its own, built here from the seed:
+              hidden_size = config.integer(128), layers = config.integer(2), heads = config.integer(4),
+              intermediate_size = config.integer(384) }, -- (model.dtype: fp32 | bf16 | auto)
+    data = rl.NONE, reward_model = rl.NONE, -- the prompts are drawn from the task (prompts below)
+    sft = { steps = config.integer(1500), batch = config.integer(64), lr = 2e-3,
+            flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
+    grpo = { steps = config.integer(30), prompts = config.integer(32), samples = config.integer(8),
+             temperature = 1.0, max_tokens = config.integer(5), advantage = 'grpo', loss = 'ppo', clip_low = 0.2 },
+    reward = { name = 'exact' },
+    train = { lr = 3e-4 }, -- GRPO's AdamW, made fresh after the warm-up
+    engine = { kv_cache_mb = config.integer(64) },
+    run = { threads = 'auto' }, -- 1 thread or all cores, whichever runs this model faster here (moonrl.recipe)
+    quiet = false, -- no per-step lines (the test suite)
+  },
+  -- the keys of this example before it ran on moonrl.rl
+  aliases = { ['grpo.lr'] = 'train.lr', ['grpo.clip'] = 'grpo.clip_low', ['grpo.reward'] = 'reward.name',
+              ['grpo.eval_every'] = 'eval.every' },
+}
+
+-- The model: Llama-style with tied embeddings, initialised from the seed, and its tokenizer.
+function default:start_options()
+  local cfg, o = self.cfg, rl.Recipe.start_options(self)
+  local tok = moonrl.tokenizer.load(TOKENIZER)
+  o.tokenizer, o.tokenizer_dir = tok, TOKENIZER
+  o.policy = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_size,
+    hidden_size = cfg.model.hidden_size, intermediate_size = cfg.model.intermediate_size,
+    num_hidden_layers = cfg.model.layers, num_attention_heads = cfg.model.heads,
+    max_position_embeddings = 32, tie_word_embeddings = true,
+    bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = cfg.run.seed })
+  o.optimizer = false -- the warm-up's AdamW first, then GRPO's (setup)
+  return o
 end
-local function draw(n) -- n training problems at random
+
+-- 1. The task: every { prompt = '37+48=', answer = '85' }, shuffled by the run's draw generator
+-- (its state is part of every checkpoint), `heldout` of them put aside.
+function default:setup()
+  rl.Recipe.setup(self)
+  local S, cfg = self.S, self.cfg
+  self.rng = S:rng('draw', cfg.run.seed)
+  local task = require('moonrl.tasks').get('addition')({ seed = cfg.run.seed, rng = self.rng, heldout = cfg.heldout })
+  for _, set in ipairs({ task.heldout, task.train }) do
+    for _, p in ipairs(set) do
+      p.prompt_ids = R.prompt_ids(S.tok, nil, p.prompt)            -- <|bos|> 3 7 + 4 8 =
+      p.answer_ids = R.completion_ids(S.tok, p.answer)             -- 8 5 <|eos|>
+      p.flawed_ids = R.completion_ids(S.tok, p.answer .. '=')      -- 8 5 = <|eos|>
+    end
+  end
+  for i, p in ipairs(task.heldout) do p.prompt_index = i - 1 end
+  self.train, self.heldout = task.train, task.heldout
+  -- 2. the warm-up, and the held-out accuracy it leaves
+  self:warmup()
+  self.before = S:memo('before', function() return self:heldout_metrics().accuracy end)
+  print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%', cfg.sft.steps, 100 * self.before))
+  -- 3. GRPO (moonrl.rl's loop) with a fresh AdamW: its state is what the GRPO phase checkpoints
+  S.opt = S:optimizer('policy', R.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+end
+
+-- n training problems at random (with replacement)
+function default:draw(n)
   local out = {}
-  for i = 1, n do out[i] = train[rng:int(#train) + 1] end
+  for i = 1, n do out[i] = self.train[self.rng:int(#self.train) + 1] end
   return out
 end
 
--- The generation engine reads the model's weights in place.
-local engine = moonrl.engine.new(model, { kv_cache_bytes = 64 * 1024 * 1024, block_size = 16,
-  max_batch_tokens = 2048, max_seqs = 256, seed = cfg.run.seed })
-local gen = { max_tokens = 5, eos_ids = { tok.eos_id }, tokenizer = tok }
-
-local function accuracy(set) -- greedy decoding on the held-out problems
-  local out = engine:generate(R.requests(set, 1), { temperature = 0, max_tokens = gen.max_tokens,
-    eos_ids = gen.eos_ids, tokenizer = tok })
-  local right = 0
-  for i, p in ipairs(set) do
-    if out[i][1].text == p.answer then right = right + 1 end
-  end
-  return right / #set
+-- The SFT warm-up: cross-entropy on the answer tokens, lr decaying linearly (each step a safe
+-- point: Ctrl-C stops there with a checkpoint).
+function default:warmup()
+  local S, c, t = self.S, self.cfg.sft, self.cfg.train
+  local opt = S:optimizer('policy', R.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
+  R.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
+    batch = function()
+      local samples = {}
+      for i, p in ipairs(self:draw(c.batch)) do
+        local flawed = self.rng:int(1000) < 1000 * c.flawed
+        samples[i] = { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
+      end
+      return samples
+    end,
+    update = function(samples, step)
+      return R.sft_step(S, opt, samples, { lr = c.lr * (1 - (step - 1) / c.steps),
+        micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm })
+    end })
 end
 
--- 3. SFT warm-up: cross-entropy on the answer tokens (each step a safe point: Ctrl-C stops there
--- with a checkpoint).
-local sft_opt = S:optimizer('policy', R.adamw(model, { lr = cfg.sft.lr, weight_decay = 0.0 }))
-for step in S:steps(cfg.sft.steps, 'sft') do
-  local batch = draw(cfg.sft.batch)
-  local samples = {}
-  for i, p in ipairs(batch) do
-    local flawed = rng:int(1000) < 1000 * cfg.sft.flawed
-    samples[i] = { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
-  end
-  local tokens = 0 -- the loss is the mean over the answer tokens of the whole batch
-  for _, s in ipairs(samples) do tokens = tokens + #s.ids end
-  model:zero_grad()
-  local loss = 0
-  for b in S:micro_batches(samples, 4096) do -- this process's share (all of it, alone)
-    local lp = model:forward(b)
-    local grad = require('ffi').new('float[?]', b.n_tokens)
-    loss = loss + algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad,
-      global_tokens = tokens })
-    model:backward(grad)
-  end
-  R.apply_update(S, sft_opt, cfg.sft.lr * (1 - (step - 1) / cfg.sft.steps), -- linear decay
-    { loss = S:sum(loss), grad_norm = sft_opt:clip_grad_norm(1.0) })
-end
-local before = S:memo('before', function() return accuracy(heldout) end)
-print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%', cfg.sft.steps, 100 * before))
+-- The rollout's prompts: drawn from the training problems (1: a group of its own, async.stream_unit=group).
+function default:prompts() return self:draw(self.S:rollout_count(self.c.prompts)) end
 
--- 4. GRPO: generate -> reward -> group advantages -> PPO-clip update.
-local opt = S:optimizer('policy', R.adamw(model, { lr = cfg.grpo.lr, weight_decay = 0.0 })) -- a fresh AdamW for RL
-S.run.step_t0 = moonrl.now()
-S:rollout(function(step) -- one batch: problems, sampled answers, rewards
-  local prompts = draw(S:rollout_count(cfg.grpo.prompts)) -- (1: a group of its own, async.stream_unit=group)
-  local results = S:phase('generate', function()
-    return engine:generate(R.requests(prompts, cfg.grpo.samples), { temperature = cfg.grpo.temperature,
-      max_tokens = gen.max_tokens, eos_ids = gen.eos_ids, tokenizer = tok, step = step })
-  end)
-  local samples = R.flatten(prompts, results)
-  local scores = S:phase('reward', function() return rewards.score_batch(cfg.grpo.reward, samples) end)
-  for i, s in ipairs(samples) do s.score = scores[i - 1] end
-  return samples
-end, { engine = engine })
-for step in S:steps(cfg.grpo.steps, 'grpo') do
-  local samples, info = S:next_batch() -- generated now, or ahead (async.mode), or by rollout ranks
-  local gen_s = info.gen_seconds
-  local scores = R.scores(samples)
-  local adv = algo.advantages.grpo({ scores = scores, nseq = #samples, group = cfg.grpo.samples })
-  for i, s in ipairs(samples) do s.adv = adv[i - 1] * (s.adv_scale or 1) end
-  local t0 = moonrl.now()
-  local m = S:phase('train', function()
-    return R.policy_step(S:off_policy { session = S, model = model, opt = opt, samples = samples, lr = cfg.grpo.lr,
-      clip_low = cfg.grpo.clip, temperature = cfg.grpo.temperature })
-  end)
-  local mean, std = R.stats(scores, #samples)
-  m.reward = { mean = mean, std = std }
-  m.accuracy = mean
-  m.response_length = R.length_metrics(samples)
-  m.async = S:async_metrics(info)
-  if cfg.grpo.eval_every > 0 and step % cfg.grpo.eval_every == 0 then
-    m.heldout_accuracy = S:phase('eval', accuracy, heldout)
-  end
-  m.tokens_per_s = { generate = R.rate(m.tokens, gen_s), train = R.rate(m.tokens, moonrl.now() - t0) }
-  S:log(m, { quiet = cfg.quiet })
+-- The held-out problems (greedy answers judged by the reward: eval.every, before and after);
+-- eval.data or eval.task, when given, instead.
+function default:eval_records()
+  if self.cfg.eval.data or self.cfg.eval.task then return rl.Recipe.eval_records(self) end
+  return self.heldout
 end
-local after = accuracy(heldout)
 
--- 5. Results and the model in Hugging Face format.
-print(string.format('held-out accuracy (greedy, %d problems): %.1f%% before GRPO -> %.1f%% after',
-  #heldout, 100 * before, 100 * after))
-S:event('heldout_accuracy', { before = before, after = after }, { quiet = true })
-local dirs = S:finish()
-print('run directory: ' .. S.dir .. ' (metrics.jsonl, events.jsonl, tb/, trace.json, checkpoints/; model in ' ..
-  dirs.policy .. ')')
-return { before = before, after = after, dir = S.dir }
+-- eval.every's accuracy also under the name it had before (moonrl status and bench/ read it)
+function default:log(m)
+  if m.eval then m.heldout_accuracy = m.eval.accuracy end
+  return rl.Recipe.log(self, m)
+end
+
+-- 4. The held-out accuracy after GRPO, and the model in Hugging Face format.
+function default:finish()
+  local S = self.S
+  local after = self:heldout_metrics().accuracy
+  print(string.format('held-out accuracy (greedy, %d problems): %.1f%% before GRPO -> %.1f%% after',
+    #self:eval_records(), 100 * self.before, 100 * after))
+  S:event('heldout_accuracy', { before = self.before, after = after }, { quiet = true })
+  local out = rl.Recipe.finish(self)
+  out.before, out.after = self.before, after
+  return out
+end
+
+return default:main()

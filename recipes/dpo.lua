@@ -9,6 +9,7 @@
 --   for each micro-batch: forward -> log πθ per token; Δ = Σ log πθ − log π_ref per completion;
 --     loss = −log σ(β (Δ_w − Δ_l)) averaged over the pairs of the WHOLE batch; backward
 --   clip the gradient norm; AdamW step
+--   (the step is R.supervised_step, the loop R.train_loop: lua/moonrl/recipe.lua)
 -- Logged: loss, reward accuracy (share of pairs with Δ_w > Δ_l), margins, chosen/rejected rewards.
 local moonrl = require('moonrl')
 local ffi = require('ffi')
@@ -84,58 +85,40 @@ local function next_pairs(n)
   return out
 end
 
-local first_acc, last_acc
-for step in S:steps() do
-  local batch = next_pairs(cfg.train.pairs)
-  local samples = {} -- this rank's share of the pairs
+-- one step: this rank's share of the pairs, packed as chosen_1, rejected_1, chosen_2, ... in
+-- micro-batches of whole pairs; chosen and rejected share their prompt's rows (R.pack), and the
+-- loss sees one segment a completion (b.sample_cu)
+local function update(batch)
+  local samples = {}
   for _, pr in ipairs(S:shard(batch)) do samples[#samples + 1] = pr[1]; samples[#samples + 1] = pr[2] end
-  local t0 = moonrl.now()
-  local m = S:phase('train', function()
-    local sums = { loss = 0, rewards_accuracy = 0, rewards_margin = 0, rewards_chosen = 0, rewards_rejected = 0 }
-    local tokens = 0
-    model:zero_grad()
-    -- micro-batches hold whole pairs: the token budget is split on even sample counts
-    local i = 1
-    while i <= #samples do
-      local j, n = i, 0
-      while j + 1 <= #samples do
-        local k = #samples[j].prompt_ids + #samples[j].ids + #samples[j + 1].prompt_ids + #samples[j + 1].ids
-        if j > i and n + k > cfg.train.micro_batch_tokens then break end
-        n, j = n + k, j + 2
-      end
-      -- chosen and rejected share their prompt's rows (R.pack); the loss sees one segment a completion
-      local b = R.pack(samples, i, j - 1, { share_prompts = true })
-      local nseq = #b.len
+  return R.supervised_step(S, S.opt, { lr = S:lr(), max_grad_norm = cfg.train.max_grad_norm,
+    batches = R.micro_batches(samples, cfg.train.micro_batch_tokens, { unit = 2, share_prompts = true }),
+    loss = function(b, lp, first, last)
+      local nseq = last - first + 1
       local ref_seq = ffi.new('double[?]', nseq)
-      for k = i, j - 1 do ref_seq[k - i] = samples[k].ref end
-      local lp = model:forward(b)
+      for k = first, last do ref_seq[k - first] = samples[k].ref end
       local grad = ffi.new('float[?]', b.n_tokens)
       local loss, dm = algo.dpo.loss({ logprob = lp, ref_seq = ref_seq, mask = b.mask, cu_seqlens = b.sample_cu,
         nseq = nseq, grad = grad, beta = cfg.dpo.beta, loss_type = cfg.dpo.loss_type,
         label_smoothing = cfg.dpo.label_smoothing, global_pairs = #batch })
-      model:backward(grad)
-      local share = (nseq / 2) / #batch -- metrics are means over this micro-batch's pairs
-      sums.loss = sums.loss + loss
+      local share = (nseq / 2) / #batch -- the metrics are means over the whole batch's pairs
+      local parts = { tokens = b.n_tokens }
       for _, key in ipairs({ 'rewards_accuracy', 'rewards_margin', 'rewards_chosen', 'rewards_rejected' }) do
-        sums[key] = sums[key] + dm[key] * share
+        parts[key] = dm[key] * share
       end
-      tokens = tokens + b.n_tokens
-      i = j
-    end
-    sums = S:sum(sums) -- over the whole batch
-    sums.grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm)
-    sums.lr = S:lr()
-    R.apply_update(S, S.opt, sums.lr, sums)
-    sums.tokens = S:sum(tokens)
-    return sums
-  end)
-  first_acc, last_acc = first_acc or m.rewards_accuracy, m.rewards_accuracy
-  m.accuracy = m.rewards_accuracy
-  m.tokens_per_s = { train = R.rate(m.tokens, moonrl.now() - t0) }
-  m.data = { skipped = ds:stats().skipped }
-  S:log(m)
+      return loss, grad, parts
+    end })
 end
 
-local dirs = S:finish()
-print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
-return { first_accuracy = first_acc, last_accuracy = last_acc, dir = S.dir, model = model }
+local history, first, last = R.train_loop(S, {
+  batch = function() return next_pairs(cfg.train.pairs) end,
+  update = update,
+  metrics = function(m)
+    m.accuracy = m.rewards_accuracy
+    m.data = { skipped = ds:stats().skipped }
+  end,
+})
+
+R.finish(S)
+return { first_accuracy = first and history[first].rewards_accuracy, last_accuracy = last and history[last].rewards_accuracy,
+  dir = S.dir, model = model }

@@ -8,10 +8,9 @@
 --   for each micro-batch of this rank's share: forward -> log πθ of every token; loss =
 --     token-mean(−log πθ) over the response tokens of the WHOLE batch (global denominator); backward
 --   clip the gradient norm; AdamW step with the scheduled learning rate
+--   (the step is R.sft_step, the loop R.train_loop: lua/moonrl/recipe.lua)
 -- The model is saved in Hugging Face format (with the tokenizer files) to <run dir>/model.
 local moonrl = require('moonrl')
-local ffi = require('ffi')
-local algo = require('moonrl.algo')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {
@@ -58,37 +57,24 @@ for i = 1, eval_set:len() do
   if rec then eval_samples[#eval_samples + 1] = to_sample(rec) end
 end
 
-local first_loss, last_loss
-for step in S:steps() do
-  local samples = {}
-  for i, rec in ipairs(batches()) do samples[i] = to_sample(rec) end
-  local t0 = moonrl.now()
-  local m = S:phase('train', function()
-    local tokens = 0
-    for _, s in ipairs(samples) do tokens = tokens + #s.ids end
-    local loss = 0
-    model:zero_grad()
-    for b in S:micro_batches(samples, cfg.train.micro_batch_tokens) do
-      local lp = model:forward(b)
-      local grad = ffi.new('float[?]', b.n_tokens)
-      loss = loss + algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs,
-        grad = grad, global_tokens = tokens })
-      model:backward(grad)
+local history, first, last = R.train_loop(S, {
+  batch = function()
+    local samples = {}
+    for i, rec in ipairs(batches()) do samples[i] = to_sample(rec) end
+    return samples
+  end,
+  update = function(samples)
+    return R.sft_step(S, S.opt, samples, { lr = S:lr(), micro_batch_tokens = cfg.train.micro_batch_tokens,
+      max_grad_norm = cfg.train.max_grad_norm })
+  end,
+  metrics = function(m, step)
+    m.ppl = math.exp(math.min(m.loss, 50))
+    m.data = { skipped = all:stats().skipped }
+    if #eval_samples > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.train.steps) then
+      m.eval_loss = S:phase('eval', nll, eval_samples)
     end
-    local r = { loss = S:sum(loss), grad_norm = S.opt:clip_grad_norm(cfg.train.max_grad_norm), lr = S:lr(), tokens = tokens }
-    R.apply_update(S, S.opt, r.lr, r)
-    return r
-  end)
-  first_loss, last_loss = first_loss or m.loss, m.loss
-  m.ppl = math.exp(math.min(m.loss, 50))
-  m.tokens_per_s = { train = R.rate(m.tokens, moonrl.now() - t0) }
-  m.data = { skipped = all:stats().skipped }
-  if #eval_samples > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.train.steps) then
-    m.eval_loss = S:phase('eval', nll, eval_samples)
-  end
-  S:log(m)
-end
+  end,
+})
 
-local dirs = S:finish()
-print('run directory: ' .. S.dir .. (dirs.policy and ('; model saved to ' .. dirs.policy) or ''))
-return { first_loss = first_loss, last_loss = last_loss, dir = S.dir, model = model }
+R.finish(S)
+return { first_loss = first and history[first].loss, last_loss = last and history[last].loss, dir = S.dir, model = model }

@@ -29,8 +29,13 @@ local function slot(kind, typ, doc)
 end
 function M.required(typ, doc) return slot('required', typ, doc) end
 function M.optional(typ, doc) return slot('optional', typ, doc) end
--- A number that must be whole (steps, sizes): `integer(100)`.
-function M.integer(default) return setmetatable({ kind = 'default', type = 'integer', value = default }, Slot) end
+-- A number that must be whole (steps, sizes): `integer(100)`; words: values it also takes
+-- ({ 'auto' }: run.threads=auto).
+function M.integer(default, words)
+  local w
+  for _, word in ipairs(words or {}) do w = w or {}; w[word] = true end
+  return setmetatable({ kind = 'default', type = 'integer', value = default, words = w }, Slot)
+end
 
 -- The sections every recipe gets: `run` (moonrl reads it itself), `guard` (moonrl.guard) and
 -- `dist` (below).
@@ -39,7 +44,7 @@ local function run_section()
     seed = M.integer(1),
     dir = M.optional('string', 'run directory (default runs/<recipe>-<time>)'),
     max_seconds = 0,        -- stop cleanly after this long (0: no limit)
-    threads = M.integer(0), -- CPU threads for kernels (0: all cores)
+    threads = M.integer(0, { 'auto' }), -- CPU threads for kernels (0: all cores; auto: measured, moonrl.recipe)
     log_level = 'info',
     resume = 'auto',        -- auto (the latest complete checkpoint in run.dir), never, or a checkpoint's path
     checkpoint_every = M.integer(0), -- steps between checkpoints (0: only at the end and on a clean stop)
@@ -164,6 +169,15 @@ local function parse_scalar(key, typ, text)
 end
 
 local function parse_value(key, declared, text)
+  if is_slot(declared) and declared.words then -- run.threads=auto
+    if declared.words[text] then return text end
+    if tonumber(text) == nil then
+      local words = {}
+      for w in pairs(declared.words) do words[#words + 1] = w end
+      table.sort(words)
+      usage_error(string.format("config key '%s' expects an integer or %s, got '%s'", key, table.concat(words, ' or '), text))
+    end
+  end
   if is_list(declared) then
     local elem = type_of(declared[1])
     local out = {}
@@ -190,6 +204,7 @@ local function resolve(tree)
   return out
 end
 
+-- tree[a][b][c] = value for key 'a.b.c', making the tables on the way (also moonrl.rl's aliases).
 local function set_path(tree, key, value)
   local node = tree
   local parts = {}
@@ -210,7 +225,12 @@ end
 
 local function describe(v)
   if is_slot(v) then
-    if v.kind == 'default' then return tostring(v.value) .. '  (integer)' end
+    if v.kind == 'default' then
+      local words = {}
+      for w in pairs(v.words or {}) do words[#words + 1] = ' or ' .. w end
+      table.sort(words)
+      return tostring(v.value) .. '  (integer' .. table.concat(words) .. ')'
+    end
     return '<' .. v.kind .. ' ' .. v.type .. '>' .. (v.doc and ('  -- ' .. v.doc) or '')
   end
   if is_list(v) then
@@ -222,15 +242,29 @@ local function describe(v)
   return tostring(v)
 end
 
+-- The declared tree with the sections every recipe gets; a recipe's `run` keys (run = { threads =
+-- 'auto' }) change those defaults (an integer key stays one).
+local function with_sections(declared)
+  local tree = {}
+  for k, v in pairs(declared) do tree[k] = v end
+  local run = run_section()
+  for k, v in pairs(tree.run or {}) do
+    local d = run[k]
+    if is_slot(d) and d.type == 'integer' and not is_slot(v) then v = setmetatable({ kind = 'default', type = 'integer',
+      value = v, words = d.words }, Slot) end
+    run[k] = v
+  end
+  tree.run = run
+  if tree.guard == nil then tree.guard = guard_section() end
+  if tree.dist == nil then tree.dist = dist_section() end
+  return tree
+end
+
 -- Merge `overrides` (list of {key, value}) into `declared`; returns the
 -- resolved config table. Errors are usage errors naming the key.
 function M.merge(declared, overrides)
   if type(declared) ~= 'table' then error('moonrl.config expects a table of defaults', 3) end
-  local tree = {}
-  for k, v in pairs(declared) do tree[k] = v end
-  if tree.run == nil then tree.run = run_section() end
-  if tree.guard == nil then tree.guard = guard_section() end
-  if tree.dist == nil then tree.dist = dist_section() end
+  local tree = with_sections(declared)
   local flat = flatten(tree, nil, {})
   local known = sorted_keys(flat)
   local cfg = resolve(tree)
@@ -267,11 +301,7 @@ end
 
 -- Text listing of every key, its default and type.
 function M.format(declared)
-  local tree = {}
-  for k, v in pairs(declared) do tree[k] = v end
-  if tree.run == nil then tree.run = run_section() end
-  if tree.guard == nil then tree.guard = guard_section() end
-  if tree.dist == nil then tree.dist = dist_section() end
+  local tree = with_sections(declared)
   local flat = flatten(tree, nil, {})
   local lines = {}
   for _, k in ipairs(sorted_keys(flat)) do lines[#lines + 1] = string.format('%-28s %s', k, describe(flat[k])) end
@@ -310,6 +340,7 @@ setmetatable(M, {
 function M.apply_run(run)
   local moonrl = require('moonrl')
   local max_threads = tonumber(moonrl.C.mrl_parallel_max_threads())
+  if run.threads == 'auto' then run = setmetatable({ threads = false }, { __index = run }) end -- (R.start measures)
   if run.threads and (run.threads < 0 or run.threads > max_threads) then
     moonrl.usage_error(string.format("config key 'run.threads' must be between 0 (all cores) and %d, got %d",
       max_threads, run.threads))
@@ -318,5 +349,7 @@ function M.apply_run(run)
   if run.log_level then moonrl.set_log_level(run.log_level) end
   if run.max_seconds and run.max_seconds > 0 then moonrl.check(moonrl.C.mrl_deadline_set(run.max_seconds)) end
 end
+
+M.set_path = set_path
 
 return M

@@ -12,11 +12,14 @@
 --              path and CRC-32C
 --   machine    CPU model and cores, the kernels in use (ISA level, bf16 path, OpenBLAS core),
 --              threads, ranks, host, CUDA devices visible
+--   threads    with run.threads=auto: the count chosen, how (measured, ranks, MOONRL_THREADS,
+--              checkpoint) and the seconds of a step at each count timed (moonrl.recipe)
 --
 -- `moonrl run --from RUN_DIR [key=value ...]` runs the recipe again with the same words, after
 -- checking that the recipe, the inputs and the code are unchanged (a changed or missing file is
--- an error naming it), into RUN_DIR-rerun (or run.dir=...): on the same kind of machine (the
--- same kernels) the result is bit-identical.
+-- an error naming it), into RUN_DIR-rerun (or run.dir=...), with the thread count run.threads=auto
+-- chose (the bits depend on it): on the same kind of machine (the same kernels) the result is
+-- bit-identical.
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local fs = require('moonrl.fs')
@@ -163,7 +166,9 @@ function M.build(S, created)
       'world_size', M.job_size(),
       'rollout_ranks', rollout, 'env', env }),
     'config', S.cfg, 'seeds', seeds_of(S.cfg, nil, json.object()), 'inputs', inputs, 'code', code,
-    'machine', M.machine(M.job_size(), rollout) })
+    'machine', M.machine(M.job_size(), rollout),
+    'threads', S.threads and json.object({ 'chosen', S.threads.chosen, 'by', S.threads.by,
+      'seconds', S.threads.seconds or json.object() }) or json.null })
 end
 
 -- Read RUN_DIR/manifest.json; a missing or corrupt one is a usage error naming the file.
@@ -280,6 +285,15 @@ function M.rerun_command(dir, extra)
   local words, has_dir = {}, false
   for _, w in ipairs(m.command.words or {}) do
     if not w:match('^run%.dir=') and not w:match('^run%.resume=') then words[#words + 1] = w end
+  end
+  -- run.threads=auto: the count it chose then, not a new measurement (before the extra words: a
+  -- run.threads=N among them wins)
+  local th = type(m.threads) == 'table' and tonumber(m.threads.chosen)
+  if th and type(m.config) == 'table' and type(m.config.run) == 'table' and m.config.run.threads == 'auto' then
+    moonrl.C.mrl_parallel_set_threads(0) -- the default count: the cores (or MOONRL_THREADS)
+    local cores = tonumber(moonrl.C.mrl_parallel_threads())
+    if th <= cores then words[#words + 1] = 'run.threads=' .. th
+    else moonrl.log('warn', '%s ran on %d threads (run.threads=auto), this machine has %d: measuring again', dir, th, cores) end
   end
   for _, w in ipairs(extra or {}) do
     if w:match('^run%.dir=') then has_dir = true end

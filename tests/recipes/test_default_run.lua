@@ -38,4 +38,31 @@ t.test('model.dtype: a bad value is a usage error naming the key', function()
   end, "config key 'model.dtype' must be one of fp32, bf16, auto, got 'fp16'")
 end)
 
+-- The example on moonrl.rl: its keys from before (grpo.lr, grpo.clip, grpo.reward,
+-- grpo.eval_every) set the library's (train.lr, grpo.clip_low, reward, eval.every), and the
+-- held-out accuracy of eval.every is also logged as heldout_accuracy.
+t.test('default run: the keys it had before moonrl.rl still work', function()
+  local json = require('moonrl.json')
+  local dir = U.tmpdir('default_aliases')
+  local out = U.run_recipe('examples/default.lua', { 'sft.steps=10', 'grpo.steps=2', 'grpo.prompts=4', 'heldout=10',
+    'quiet=true', 'run.threads=1', 'run.dir=' .. dir, 'grpo.lr=1e-4', 'grpo.clip=0.3', 'grpo.reward=exact',
+    'grpo.eval_every=1' })
+  local cfg = json.decode(require('moonrl.fs').read(dir .. '/config.json')).config
+  t.eq(cfg.train.lr, 1e-4, 'grpo.lr -> train.lr')
+  t.eq(cfg.grpo.clip_low, 0.3, 'grpo.clip -> grpo.clip_low')
+  t.eq(cfg.reward.name, 'exact', 'grpo.reward -> reward')
+  t.eq(cfg.eval.every, 1, 'grpo.eval_every -> eval.every')
+  local n = 0
+  for line in io.lines(dir .. '/metrics.jsonl') do
+    local m = json.decode(line)
+    n = n + 1
+    t.eq(m.lr, 1e-4, 'the GRPO update ran at train.lr')
+    t.truthy(m['eval/accuracy'] ~= nil, 'held-out accuracy every step')
+    t.eq(m.heldout_accuracy, m['eval/accuracy'], 'under its old name too')
+  end
+  t.eq(n, 2)
+  t.truthy(out.before and out.after, 'the before and after figures')
+  require('moonrl.fs').remove(dir)
+end)
+
 t.done()

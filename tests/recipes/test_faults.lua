@@ -57,8 +57,10 @@ t.test('SIGTERM (a pre-emption) and SIGINT: a checkpoint and the model at the ne
 end)
 
 t.test('the default example: Ctrl-C in the SFT warm-up stops within a step; both phases resume bit-identically', function()
+  -- one thread named: run.threads=auto measures at start-up, and two fresh runs may choose
+  -- differently (a resume takes its checkpoint's choice; that is what this test is about)
   local W = { 'examples/default.lua', 'sft.steps=200', 'grpo.steps=4', 'quiet=true', 'heldout=20',
-    'run.checkpoint_every=50' }
+    'run.checkpoint_every=50', 'run.threads=1' }
   local function run(d, fault)
     local w = { 'run.dir=' .. d }
     for i = 2, #W do w[#w + 1] = W[i] end

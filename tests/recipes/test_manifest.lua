@@ -114,5 +114,73 @@ t.test('bad manifests and another rank count: one-line usage errors', function()
   t.eq(r.exit_status, 2, '--from without a directory')
 end)
 
+-- run.threads=auto (the default example's default): one of the candidates, in the manifest and the
+-- events; --from runs on the recorded count (forged here to the other candidate: it is read back,
+-- not measured again); a resumed run keeps its checkpoint's count.
+t.test('run.threads=auto: a candidate chosen, recorded, reused by --from and by a resume', function()
+  local moonrl = require('moonrl')
+  local n = tonumber(moonrl.C.mrl_parallel_threads()) -- what the child process has too (cores, or MOONRL_THREADS)
+  local d = dir .. '/threads'
+  local SHORT = { 'sft.steps=20', 'grpo.steps=2', 'grpo.prompts=4', 'heldout=5', 'quiet=true' }
+  local function with(...)
+    local w = {}
+    for _, x in ipairs({ ... }) do w[#w + 1] = x end
+    for _, x in ipairs(SHORT) do w[#w + 1] = x end
+    return w
+  end
+  local function threads_events(run_dir)
+    local out = {}
+    for l in io.lines(run_dir .. '/events.jsonl') do
+      local e = json.decode(l)
+      if e.event == 'threads' then out[#out + 1] = e end
+    end
+    return out
+  end
+  moonrl_run(with('run.dir=' .. d))
+  local m = manifest(d)
+  t.eq(m.config.run.threads, 'auto', 'the default example measures')
+  local chosen = m.threads.chosen
+  t.truthy(chosen == 1 or chosen == n, 'one of 1 and ' .. n .. ': ' .. tostring(chosen))
+  t.eq(m.machine.threads, chosen, 'the run ran on it')
+  if n > 1 then
+    t.eq(m.threads.by, 'measured')
+    t.truthy(m.threads.seconds['1'] > 0 and m.threads.seconds[tostring(n)] > 0, 'both timed')
+    t.eq(chosen, m.threads.seconds['1'] < m.threads.seconds[tostring(n)] and 1 or n, 'the faster one')
+  end
+  local ev = threads_events(d)
+  t.eq(#ev, 1, 'one threads event')
+  t.eq(ev[1].chosen, chosen)
+  -- --from: the recorded count, as a word of the new run (the other candidate, forged)
+  local other = (chosen == 1 and n > 1) and n or 1
+  m.threads.chosen = other
+  fs.write(d .. '/manifest.json', json.encode(m))
+  moonrl_run({ 'run', '--from', d, 'run.dir=' .. d .. '-from' })
+  local m2 = manifest(d .. '-from')
+  t.eq(m2.config.run.threads, other, 'run.threads of the re-run')
+  t.eq(m2.machine.threads, other, 'the re-run ran on it')
+  t.eq(#threads_events(d .. '-from'), 0, 'not measured again')
+  if other == chosen then t.truthy(weights(d) == weights(d .. '-from'), 'bit-identical weights') end
+  moonrl_run({ 'run', '--from', d, 'run.threads=1', 'run.dir=' .. d .. '-from1' })
+  t.eq(manifest(d .. '-from1').config.run.threads, 1, 'a run.threads word given to --from wins')
+  -- a resume: the count of the checkpoint (run.threads=auto again, not measured)
+  local e = dir .. '/threads_resume'
+  local r = proc.run({ 'env', 'MOONRL_FAULT=kill:step=15:phase=train', exe, 'run.dir=' .. e, 'run.checkpoint_every=10',
+    unpack(SHORT) }, { timeout = 300 })
+  t.truthy(not r.ok, 'killed at step 15')
+  moonrl_run(with('run.dir=' .. e, 'run.checkpoint_every=10'))
+  ev = threads_events(e)
+  t.eq(#ev, 2, 'a threads event per start')
+  t.eq(ev[2].by, 'checkpoint', 'the resumed run took the checkpoint\'s count')
+  t.eq(ev[2].chosen, ev[1].chosen, 'the same count')
+  t.eq(manifest(e).threads.chosen, ev[1].chosen)
+end)
+
+t.test('run.threads: a word other than auto is a usage error that says what it takes', function()
+  local r = moonrl_run({ 'run.threads=fast', 'run.dir=' .. dir .. '/bad_threads' }, true)
+  t.eq(r.exit_status, 2)
+  t.truthy(r.stderr:find("config key 'run.threads' expects an integer or auto, got 'fast'", 1, true), r.stderr)
+  t.truthy(not fs.exists(dir .. '/bad_threads'), 'no run directory')
+end)
+
 fs.remove(dir)
 t.done()

@@ -165,5 +165,26 @@ t.test('moonrl launch -n 2 --require: every rank loads the file', function()
   t.eq(#records(d), 2)
 end)
 
+t.test('rl.NONE removes a key of the parent config; aliases set their target and show in --show-config', function()
+  local config = require('moonrl.config')
+  local m = rl.merge({ a = { b = 1, c = config.integer(2) }, d = { e = 3 } }, { a = { b = rl.NONE }, d = rl.NONE })
+  t.eq(m.a.b, nil, 'a.b removed')
+  t.eq(m.a.c.value, 2, 'a.c kept')
+  t.eq(m.d, nil, 'a whole section removed')
+  local r = rl.recipe { name = 'aliased', section = 'x', config = { x = { steps = config.integer(1), lr = 0.5 } },
+    aliases = { ['x.rate'] = 'x.lr', ['x.every'] = 'eval.every' } }
+  t.eq(r.config.x.rate.type, 'number', 'declared with its target\'s type')
+  t.eq(r.config.x.every.type, 'integer')
+  local child = rl.extend(r, { config = { x = { lr = 0.25 } }, aliases = { ['x.old_steps'] = 'x.steps' } })
+  t.eq(child.aliases['x.rate'], 'x.lr', 'a child keeps its parent\'s aliases')
+  t.eq(child.aliases['x.old_steps'], 'x.steps')
+  t.raises(function() rl.recipe { name = 'bad', config = {}, aliases = { ['x.y'] = 'no.such' } } end,
+    "the alias 'x.y' names 'no.such', which the config has not")
+  local out = proc.run({ exe, 'run', 'examples/default.lua', '--show-config' }, { timeout = 60 })
+  t.truthy(out.stdout:find('grpo.eval_every%s+<optional integer>  %-%- the old name of eval.every'), out.stdout)
+  t.truthy(not out.stdout:find('model.dir', 1, true) and not out.stdout:find('data.path', 1, true),
+    'the default example builds its model and draws its problems: no model.dir, no data.path')
+end)
+
 fs.remove(dir)
 t.done()
