@@ -75,11 +75,12 @@ out=$("$MOONRL" status "$tmp/plain" --json)
 has "status --json" "$out" '"state": "finished"'
 
 # ---- on a running run: poll until it shows a step; then stop it (SIGTERM) and kill another
-wait_step() { # DIR -> the status text once it shows a running step (at most ~30 s)
+wait_step() { # DIR -> the status text once it shows a running step past the first (at most ~30 s):
+  # at the first step no step has ended yet, so there is no rate to show
   local i out
   for i in $(seq 1 150); do
     out=$("$MOONRL" status "$1" 2>&1)
-    if [[ "$out" == *"running (pid"* && "$out" =~ sft:\ step\ [1-9] ]]; then echo "$out"; return 0; fi
+    if [[ "$out" == *"running (pid"* && "$out" =~ sft:\ step\ ([2-9]|[1-9][0-9]) ]]; then echo "$out"; return 0; fi
     sleep 0.2
   done
   echo "$out"
