@@ -67,4 +67,25 @@ function M.parse(args, spec)
   return o
 end
 
+-- The words of a command that takes names (run directories, files) and `-o/--output FILE`, as
+-- `moonrl report` and `moonrl trace merge` do: the names in order and the output file (nil when
+-- not given), or nil when --help printed the usage. `cmd` starts each error; `help` is the
+-- command that shows the usage ("moonrl report --help").
+function M.names_and_output(args, cmd, usage, help)
+  local names, out = {}, nil
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    if a == '-h' or a == '--help' then print(usage); return nil
+    elseif a == '-o' or a == '--output' then
+      out = args[i + 1]
+      if not out or out == '' then moonrl.usage_error(cmd .. ': ' .. a .. ' needs a file name') end
+      i = i + 1
+    elseif a:match('^%-') then moonrl.usage_error(cmd .. ': unknown option ' .. a .. ' (' .. help .. ')')
+    else names[#names + 1] = a end
+    i = i + 1
+  end
+  return names, out
+end
+
 return M

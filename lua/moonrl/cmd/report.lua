@@ -16,19 +16,8 @@ usage: moonrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]
   manifest. Default OUT: RUN_DIR/report.html for one run, ./report.html for several.]]
 
 function M.main(args)
-  local dirs, out = {}, nil
-  local i = 1
-  while i <= #args do
-    local a = args[i]
-    if a == '-h' or a == '--help' then print(USAGE); return 0
-    elseif a == '-o' or a == '--output' then
-      out = args[i + 1]
-      if not out or out == '' then moonrl.usage_error('report: ' .. a .. ' needs a file name') end
-      i = i + 1
-    elseif a:match('^%-') then moonrl.usage_error('report: unknown option ' .. a .. ' (moonrl report --help)')
-    else dirs[#dirs + 1] = a end
-    i = i + 1
-  end
+  local dirs, out = require('moonrl.cmdline').names_and_output(args, 'report', USAGE, 'moonrl report --help')
+  if not dirs then return 0 end
   if #dirs == 0 then moonrl.usage_error('report: no run directory given (moonrl report --help)') end
 
   local load, html = require('moonrl.report.load'), require('moonrl.report.html')

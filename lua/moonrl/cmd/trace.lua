@@ -40,39 +40,30 @@ local function rank_files(dir)
 end
 
 local function merge(args)
-  local inputs, out, dir = {}, nil, nil
-  local i = 1
-  while i <= #args do
-    local a = args[i]
-    if a == '-h' or a == '--help' then print(USAGE); return 0
-    elseif a == '-o' or a == '--output' then
-      out = args[i + 1]
-      if not out or out == '' then moonrl.usage_error('trace merge: ' .. a .. ' needs a file name') end
-      i = i + 1
-    elseif a:match('^%-') then moonrl.usage_error('trace merge: unknown option ' .. a .. ' (moonrl trace --help)')
-    else
-      local st = fs.stat(a)
-      if not st then moonrl.usage_error('trace merge: no such run directory or file: ' .. a) end
-      if st.is_dir then
-        if dir then moonrl.usage_error('trace merge: one run directory at a time (' .. dir .. ', ' .. a .. ')') end
-        dir = a:gsub('/+$', '')
-        local found = rank_files(dir)
-        if #found == 0 then
-          local whole = dir .. '/trace.json'
-          if fs.exists(whole) then
-            print(string.format('trace merge: %s holds no trace-rank-R.json: its timeline is whole already (%s)',
-              dir, whole))
-            return 0
-          end
-          moonrl.usage_error('trace merge: ' .. dir .. ' holds no trace-rank-R.json and no trace.json ' ..
-            '(not a moonrl run directory, or a run that traced nothing)')
+  local names, out = require('moonrl.cmdline').names_and_output(args, 'trace merge', USAGE, 'moonrl trace --help')
+  if not names then return 0 end
+  local inputs, dir = {}, nil
+  for _, a in ipairs(names) do
+    local st = fs.stat(a)
+    if not st then moonrl.usage_error('trace merge: no such run directory or file: ' .. a) end
+    if st.is_dir then
+      if dir then moonrl.usage_error('trace merge: one run directory at a time (' .. dir .. ', ' .. a .. ')') end
+      dir = a:gsub('/+$', '')
+      local found = rank_files(dir)
+      if #found == 0 then
+        local whole = dir .. '/trace.json'
+        if fs.exists(whole) then
+          print(string.format('trace merge: %s holds no trace-rank-R.json: its timeline is whole already (%s)',
+            dir, whole))
+          return 0
         end
-        for _, f in ipairs(found) do inputs[#inputs + 1] = f.path end
-      else
-        inputs[#inputs + 1] = a
+        moonrl.usage_error('trace merge: ' .. dir .. ' holds no trace-rank-R.json and no trace.json ' ..
+          '(not a moonrl run directory, or a run that traced nothing)')
       end
+      for _, f in ipairs(found) do inputs[#inputs + 1] = f.path end
+    else
+      inputs[#inputs + 1] = a
     end
-    i = i + 1
   end
   if #inputs == 0 then moonrl.usage_error('trace merge: no run directory or trace file given (moonrl trace --help)') end
   if not out then
