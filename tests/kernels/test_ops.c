@@ -32,6 +32,7 @@
 #include "model/random_arrays.h"
 #include "kernels.h"
 #include "cpu/blas.h"
+#include "cpu/split.h"
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
@@ -1344,6 +1345,37 @@ static void f32_rule(void) {
     CHECK(mrl_cpu_f32_rule("unknown", 2, 1) == MRL_F32_OPENBLAS);   /* no evidence against OpenBLAS */
 }
 
+/* The measured choice between splitting a decode product over the threads and not (cpu/split.h),
+ * fed made-up timings: per window of products `seconds_per_mac[split]`, changed halfway. Returns
+ * the share of windows run split in each half. */
+static void split_windows(double first_split, double first_serial, double then_split, double then_serial,
+                          double share[2]) {
+    mrl_split_choice c = {0};
+    int split_windows[2] = {0, 0};
+    for (int w = 0; w < 400; w++) {
+        int half = w >= 200, split = 0;
+        for (int p = 0; p < MRL_SPLIT_WINDOW; p++) {
+            split = mrl_split_pick(&c);
+            double per_mac = half ? (split ? then_split : then_serial) : (split ? first_split : first_serial);
+            mrl_split_record(&c, per_mac * 1000, 1000);
+        }
+        split_windows[half] += split;
+    }
+    share[0] = split_windows[0] / 200.0, share[1] = split_windows[1] / 200.0;
+}
+
+static void split_rule(void) {
+    double share[2];
+    split_windows(1.0, 1.6, 1.0, 1.6, share); /* an idle machine: splitting is faster */
+    CHECK(share[0] > 0.9 && share[1] > 0.9);
+    split_windows(2.0, 1.0, 2.0, 1.0, share); /* oversubscribed: one thread is faster */
+    CHECK(share[0] < 0.1 && share[1] < 0.1);
+    split_windows(1.0, 1.6, 2.0, 1.0, share); /* the load comes halfway: it follows */
+    CHECK(share[0] > 0.9 && share[1] < 0.15);
+    split_windows(2.0, 1.0, 1.0, 1.6, share); /* and goes: found at the next try, at most EXPLORE_MAX windows on */
+    CHECK(share[0] < 0.1 && share[1] >= (200.0 - MRL_SPLIT_EXPLORE_MAX - 4) / 200);
+}
+
 static void contracts(void) {
     for (int t = 0; t < N_TABLES; t++) {
         const mrl_kernels *k = use(&tables[t]);
@@ -1423,6 +1455,7 @@ int main(int argc, char **argv) {
     backward_checks();
     onednn32_repeat();
     f32_rule();
+    split_rule();
     contracts();
     print_summary();
     CHECK_DONE();
