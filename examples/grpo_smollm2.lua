@@ -24,10 +24,8 @@
 local moonrl = require('moonrl')
 local rl = require('moonrl.rl')
 local config = require('moonrl.config')
-local algo = require('moonrl.algo')
 local tasks = require('moonrl.tasks')
 local R = require('moonrl.recipe')
-local ffi = require('ffi')
 
 local GGUF = (os.getenv('MOONRL_CACHE') or ((os.getenv('HOME') or '') .. '/.cache/moonrl')) ..
   '/models/SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -134,32 +132,24 @@ function ex:warmup()
   local opt = S:optimizer('policy', R.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
   local eos = R.eos_ids(S.tok, S.policy)[1]
   local total = S.run.total -- the GRPO loop's step count (S:steps() below reads it)
-  local t0, first, last = moonrl.now(), nil, nil
-  for step in S:steps(c.steps, 'sft') do
-    local samples, tokens = {}, 0
-    for i = 1, c.batch do
-      local r = train[rng:int(#train) + 1]
-      samples[i] = { prompt_ids = R.prompt_ids(S.tok, S.tpl, r.prompt, cfg.data.system),
-        ids = R.completion_ids(S.tok, r.meta.worked, eos) }
-      tokens = tokens + #samples[i].ids
-    end
-    S.policy:zero_grad()
-    local loss = 0
-    for b in S:micro_batches(samples, cfg.train.micro_batch_tokens) do
-      local lp = S.policy:forward(b)
-      local grad = ffi.new('float[?]', b.n_tokens)
-      loss = loss + algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad,
-        global_tokens = tokens })
-      S.policy:backward(grad)
-    end
-    loss = S:sum(loss)
-    first, last = first or loss, loss
-    R.apply_update(S, opt, c.lr, { loss = loss, grad_norm = opt:clip_grad_norm(1.0) })
-  end
+  local t0 = moonrl.now()
+  local history, first, last = R.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
+    batch = function()
+      local samples = {}
+      for i = 1, c.batch do
+        local r = train[rng:int(#train) + 1]
+        samples[i] = { prompt_ids = R.prompt_ids(S.tok, S.tpl, r.prompt, cfg.data.system),
+          ids = R.completion_ids(S.tok, r.meta.worked, eos) }
+      end
+      return samples
+    end,
+    update = function(samples)
+      return R.sft_step(S, opt, samples, { lr = c.lr, micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = 1.0 })
+    end })
   S.run.total = total
   if first and self.cfg.quiet ~= true then
-    print(string.format('SFT warm-up: %d steps of %d worked answers, loss %.3f -> %.3f, %.0f s', c.steps, c.batch, first,
-      last, moonrl.now() - t0))
+    print(string.format('SFT warm-up: %d steps of %d worked answers, loss %.3f -> %.3f, %.0f s', c.steps, c.batch,
+      history[first].loss, history[last].loss, moonrl.now() - t0))
   end
   -- a fresh AdamW for RL (its state is what the GRPO phase checkpoints and resumes)
   S.opt = S:optimizer('policy', R.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))

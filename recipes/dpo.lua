@@ -10,29 +10,47 @@
 --     loss = −log σ(β (Δ_w − Δ_l)) averaged over the pairs of the WHOLE batch; backward
 --   clip the gradient norm; AdamW step
 --   (the step is R.supervised_step, the loop R.train_loop: lua/moonrl/recipe.lua)
--- Logged: loss, reward accuracy (share of pairs with Δ_w > Δ_l), margins, chosen/rejected rewards.
+-- Logged: loss, reward accuracy (share of pairs with Δ_w > Δ_l), margins, chosen/rejected rewards;
+-- every eval.every steps the held-out accuracy of greedy answers, judged by the reward (eval/accuracy).
+-- data.task=NAME: a task's records, its answer chosen over its rejected one (moonrl.tasks).
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local algo = require('moonrl.algo')
 local R = require('moonrl.recipe')
+local E = require('moonrl.evaluation')
 
 local cfg = moonrl.config {
   model = R.model_config(),
-  data = R.data_config { prompt = 'prompt', chosen = 'chosen', rejected = 'rejected', chat = false },
+  data = R.task_data_config { prompt = 'prompt', chosen = 'chosen', rejected = 'rejected', chat = false },
   dpo = { beta = 0.1, loss_type = 'sigmoid', label_smoothing = 0.0 },
   train = R.train_config { steps = moonrl.config.integer(100), pairs = moonrl.config.integer(8), lr = 5e-7,
                            schedule = 'linear', max_length = moonrl.config.integer(1024) },
+  -- every eval.every steps: greedy answers to held-out prompts (eval.data with the data fields,
+  -- its reference the chosen answer; eval.task; data.task's split) judged by the reward
+  eval = E.config(),
+  reward = R.reward_config('exact'),
+  engine = R.engine_config { kv_cache_mb = moonrl.config.integer(128) }, -- made only when eval.every > 0
   save = true,
+  quiet = false, -- no step lines
 }
-local S = R.start(cfg, { name = 'dpo', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat })
+R.check_data(cfg)
+E.check(cfg)
+local task = cfg.data.task and require('moonrl.tasks').load(cfg.data.task, cfg.run.seed)
+if task and not (task.train[1] or {}).rejected then
+  moonrl.usage_error(string.format("data.task=%s: its records have no rejected answers (a preference task gives " ..
+    'prompt, answer and rejected)', cfg.data.task))
+end
+local S = R.start(cfg, { name = 'dpo', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
+  engine = E.wanted(cfg), free_keys = E.KEYS })
 local model = S.policy
 
--- every pair as two samples (chosen, rejected) with the prompt's ids
-local ds = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, chosen = cfg.data.chosen,
-  rejected = cfg.data.rejected }, on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+-- every pair as two samples (chosen, rejected) with the prompt's ids; a task's answer is the chosen one
+local ds = task and R.task_records(cfg, 'train') or moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt,
+  chosen = cfg.data.chosen, rejected = cfg.data.rejected }, on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
 local pairs_list = {}
 for i = 1, ds:len() do
   local rec = ds:get(i) -- nil: a bad line skipped (data.on_error=skip)
+  if rec and task then rec.chosen = rec.answer end
   if rec then
     local p = R.prompt_ids(S.tok, S.tpl, rec.prompt)
     local c, r = R.completion_ids(S.tok, rec.chosen), R.completion_ids(S.tok, rec.rejected)
@@ -42,7 +60,8 @@ for i = 1, ds:len() do
     pairs_list[#pairs_list + 1] = { { prompt_ids = p, ids = c }, { prompt_ids = p, ids = r } }
   end
 end
-if #pairs_list == 0 then moonrl.usage_error(cfg.data.path .. ': no usable preference pairs') end
+if #pairs_list == 0 then moonrl.usage_error((cfg.data.path or cfg.data.task) .. ': no usable preference pairs') end
+local heldout = E.wanted(cfg) and E.records(S, cfg, nil, { answer = cfg.data.chosen }) or {}
 
 -- the reference log-probs, once, with the frozen initial policy (this same model before any step:
 -- a resumed run computes them again before its loop restores the checkpoint)
@@ -110,12 +129,13 @@ local function update(batch)
     end })
 end
 
-local history, first, last = R.train_loop(S, {
+local history, first, last = R.train_loop(S, { quiet = cfg.quiet,
   batch = function() return next_pairs(cfg.train.pairs) end,
   update = update,
-  metrics = function(m)
+  metrics = function(m, step)
     m.accuracy = m.rewards_accuracy
     m.data = { skipped = ds:stats().skipped }
+    if #heldout > 0 and E.due(cfg, step) then m.eval = S:phase('eval', E.accuracy, S, cfg, heldout) end
   end,
 })
 

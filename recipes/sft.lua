@@ -9,32 +9,56 @@
 --     token-mean(−log πθ) over the response tokens of the WHOLE batch (global denominator); backward
 --   clip the gradient norm; AdamW step with the scheduled learning rate
 --   (the step is R.sft_step, the loop R.train_loop: lua/moonrl/recipe.lua)
+-- every eval.every steps: the eval loss on the held-out split, and greedy answers to its prompts
+-- judged by the reward (default exact) against the reference responses: eval/accuracy
 -- The model is saved in Hugging Face format (with the tokenizer files) to <run dir>/model.
+-- data.task=NAME trains on a task's answers instead of data.path (moonrl.tasks), its held-out
+-- split the evaluation's.
 local moonrl = require('moonrl')
 local R = require('moonrl.recipe')
+local E = require('moonrl.evaluation')
 
 local cfg = moonrl.config {
   model = R.model_config(),
-  data = R.data_config { prompt = 'prompt', response = 'response', -- JSON keys of the fields
-                         chat = false,                              -- wrap the prompt in the model's chat template
-                         eval_fraction = 0.05 },                    -- held out for the eval loss
+  data = R.task_data_config { prompt = 'prompt', response = 'response', -- JSON keys of the fields
+                              chat = false,                              -- wrap the prompt in the model's chat template
+                              eval_fraction = 0.05 },                    -- held out (data.path; a task has its own)
   train = R.train_config { steps = moonrl.config.integer(100), batch = moonrl.config.integer(16), lr = 1e-5,
                            schedule = 'cosine', max_length = moonrl.config.integer(1024) },
-  eval_every = moonrl.config.integer(0), -- steps between eval losses (0: only at the end)
+  -- every eval.every steps: the eval loss on the held-out split and the held-out accuracy, greedy
+  -- answers judged by the reward against the reference responses (0: the eval loss at the end only)
+  eval = E.config(),
+  eval_every = moonrl.config.optional('integer', 'the old name of eval.every'),
+  reward = R.reward_config('exact'), -- the judge of held-out answers (reward=math for worked solutions)
+  engine = R.engine_config { kv_cache_mb = moonrl.config.integer(128) }, -- made only when eval.every > 0
   save = true,
+  quiet = false, -- no step lines
 }
-local S = R.start(cfg, { name = 'sft', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat })
+if cfg.eval_every then cfg.eval.every = cfg.eval_every end
+R.check_data(cfg)
+E.check(cfg, { own = cfg.data.eval_fraction > 0 }) -- (data.task: the task's held-out split)
+local free = { 'eval_every' }
+for _, k in ipairs(E.KEYS) do free[#free + 1] = k end
+local S = R.start(cfg, { name = 'sft', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
+  engine = E.wanted(cfg), free_keys = free })
 local model = S.policy
 
--- data: a held-out split for the eval loss, the rest shuffled
-local all = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, response = cfg.data.response },
-  on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
-local n_eval = math.floor(cfg.data.eval_fraction * all:len() + 0.5)
-local train_set, eval_set = all:split({ count = math.min(n_eval, all:len() - 1), seed = cfg.run.seed })
+-- data: a held-out split (the task's own with data.task) for the eval loss and accuracy, the rest shuffled
+local all, train_set, eval_set
+if cfg.data.task then
+  all, eval_set = R.task_records(cfg, 'train'), R.task_records(cfg, 'heldout')
+  train_set = all
+else
+  all = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, response = cfg.data.response },
+    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+  local n_eval = math.floor(cfg.data.eval_fraction * all:len() + 0.5)
+  train_set, eval_set = all:split({ count = math.min(n_eval, all:len() - 1), seed = cfg.run.seed })
+end
 local batches = S:dataset('train', train_set:shuffled(cfg.run.seed)):batches(cfg.train.batch, { epochs = math.huge })
+local function response(rec) return cfg.data.task and rec.answer or rec.response end
 
 local function to_sample(rec)
-  local s = { prompt_ids = R.prompt_ids(S.tok, S.tpl, rec.prompt), ids = R.completion_ids(S.tok, rec.response) }
+  local s = { prompt_ids = R.prompt_ids(S.tok, S.tpl, rec.prompt), ids = R.completion_ids(S.tok, response(rec)) }
   local over = #s.prompt_ids + #s.ids - cfg.train.max_length
   for _ = 1, over do table.remove(s.ids) end -- truncate the response to max_length
   return s
@@ -51,13 +75,19 @@ local function nll(samples)
   end
   return n > 0 and sum / n or 0
 end
-local eval_samples = {}
+local eval_samples, own_heldout = {}, {}
 for i = 1, eval_set:len() do
   local rec = eval_set:get(i) -- nil: a bad line skipped (data.on_error=skip)
-  if rec then eval_samples[#eval_samples + 1] = to_sample(rec) end
+  if rec then
+    eval_samples[#eval_samples + 1] = to_sample(rec)
+    own_heldout[#own_heldout + 1] = { prompt = rec.prompt, answer = response(rec),
+      prompt_ids = eval_samples[#eval_samples].prompt_ids }
+  end
 end
+-- the held-out answers: eval.data (prompt and response fields), eval.task, else the split's
+local heldout = E.wanted(cfg) and E.records(S, cfg, own_heldout, { answer = cfg.data.response }) or {}
 
-local history, first, last = R.train_loop(S, {
+local history, first, last = R.train_loop(S, { quiet = cfg.quiet,
   batch = function()
     local samples = {}
     for i, rec in ipairs(batches()) do samples[i] = to_sample(rec) end
@@ -70,9 +100,10 @@ local history, first, last = R.train_loop(S, {
   metrics = function(m, step)
     m.ppl = math.exp(math.min(m.loss, 50))
     m.data = { skipped = all:stats().skipped }
-    if #eval_samples > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.train.steps) then
+    if #eval_samples > 0 and (E.due(cfg, step) or step == cfg.train.steps) then
       m.eval_loss = S:phase('eval', nll, eval_samples)
     end
+    if #heldout > 0 and E.due(cfg, step) then m.eval = S:phase('eval', E.accuracy, S, cfg, heldout) end
   end,
 })
 

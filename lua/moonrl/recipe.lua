@@ -634,6 +634,34 @@ function M.data_config(fields)
   return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop' }, fields)
 end
 
+-- The data section of a recipe that also learns from a task (moonrl.tasks): data.path (JSONL)
+-- or data.task, with the record fields; R.check_data says when neither is given.
+function M.task_data_config(fields)
+  local d = M.data_config(fields)
+  d.path = config.optional('string', 'JSONL dataset (or data.task)')
+  d.task = config.optional('string', 'a task from moonrl.tasks instead of data.path: ' ..
+    table.concat(require('moonrl.tasks').names(), ', '))
+  return d
+end
+
+-- Usage errors before any work: an unknown data.task, or neither data.path nor data.task.
+function M.check_data(cfg)
+  local d, tasks = cfg.data, require('moonrl.tasks')
+  if not d then return end
+  if d.task ~= nil then tasks.check(d.task, 'data.task')
+  elseif d.path == nil then
+    moonrl.usage_error(string.format("config key 'data.path' (string) is required: pass data.path=... or data.task=NAME " ..
+      '(tasks: %s)', table.concat(tasks.names(), ', ')))
+  end
+end
+
+-- data.task's split ('train' or 'heldout') as a moonrl.data view (its records: prompt, answer,
+-- and what else the task gives, e.g. rejected).
+function M.task_records(cfg, split)
+  local t = require('moonrl.tasks').load(cfg.data.task, cfg.run.seed)
+  return require('moonrl.data').records(t[split], { name = 'data.task=' .. cfg.data.task .. (split == 'train' and '' or ' (' .. split .. ')') })
+end
+
 function M.train_config(over)
   return with({ lr = 1e-6, schedule = 'constant', warmup = config.integer(0), weight_decay = 0.0,
     max_grad_norm = 1.0, micro_batch_tokens = config.integer(4096) }, over)
@@ -649,6 +677,13 @@ end
 -- seconds each sample may take (0: no limit).
 function M.reward_config(name)
   return { name = name, on_error = 'drop', timeout = 30.0 }
+end
+
+-- The reward by name, looked up now: a wrong name is a usage error listing the rewards.
+function M.check_reward(cfg)
+  if type(cfg.reward) ~= 'table' then return end
+  local ok, err = pcall(rewards_mod().get, cfg.reward.name)
+  if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
 end
 
 local function check_choice(key, value, choices)
@@ -813,6 +848,7 @@ function M.start(cfg, opts)
   if type(cfg.reward) == 'table' then check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
   check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
   rollout.check_config(cfg)
+  if not (cfg.reward_model and cfg.reward_model.dir) then M.check_reward(cfg) end -- (a reward model: once registered)
   local dtype = M.model_dtype(cfg)
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
@@ -837,13 +873,10 @@ function M.start(cfg, opts)
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
     engine = made
   end
-  if type(cfg.reward) == 'table' then -- the reward by name, looked up now: a wrong name fails before any work
-    if cfg.reward_model and cfg.reward_model.dir then
-      require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
-    end
-    local ok, err = pcall(rewards_mod().get, cfg.reward.name)
-    if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
+  if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
+    require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
   end
+  M.check_reward(cfg)
   local data = opts.data
   if not data and opts.fields and cfg.data then
     data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,

@@ -48,6 +48,7 @@ local moonrl = require('moonrl')
 local algo = require('moonrl.algo')
 local config = require('moonrl.config')
 local R = require('moonrl.recipe')
+local E = require('moonrl.evaluation')
 
 local M = {}
 local Recipe = {}
@@ -57,24 +58,10 @@ M.Recipe = Recipe
 -- ---- config: the sections every RL recipe shares, and merging a recipe's over its parent's ---
 
 -- data: data.path (JSONL) or data.task (moonrl.tasks), with the record fields.
-function M.data_config(fields)
-  local d = R.data_config(fields)
-  d.path = config.optional('string', 'JSONL dataset (or data.task)')
-  d.task = config.optional('string', 'a task from moonrl.tasks instead of data.path: ' ..
-    table.concat(require('moonrl.tasks').names(), ', '))
-  return d
-end
+M.data_config = R.task_data_config
 
--- eval: held-out accuracy every `every` steps (0: off) on eval.data (JSONL, data's fields),
--- eval.task's held-out split, or data.task's when neither is given; greedy (temperature 0), the
--- reward as the judge (accuracy: the share scoring >= 1). prompts: at most this many (0: all);
--- max_tokens: 0 takes the recipe's.
-function M.eval_config()
-  return { every = config.integer(0), data = config.optional('string', 'held-out JSONL (data.* fields)'),
-    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0),
-    max_tokens = config.integer(0) }
-end
-M.EVAL_KEYS = { 'eval.every', 'eval.data', 'eval.task', 'eval.prompts', 'eval.max_tokens' }
+-- eval: held-out accuracy every eval.every steps (moonrl.evaluation).
+M.eval_config, M.EVAL_KEYS = E.config, E.KEYS
 
 -- What every RL recipe's config has; a recipe's config is merged over it.
 function M.base_config()
@@ -260,26 +247,9 @@ function Recipe:check()
     moonrl.usage_error(string.format("config key '%s.agg': unknown aggregation '%s' (known: %s)", sec, tostring(c.agg),
       table.concat(modes, ', ')))
   end
-  local tasks = require('moonrl.tasks')
-  local d, e = cfg.data, cfg.eval
-  if d then
-    if d.task ~= nil then tasks.check(d.task, 'data.task')
-    elseif d.path == nil then
-      moonrl.usage_error(string.format("config key 'data.path' (string) is required: pass data.path=... or data.task=NAME " ..
-        '(tasks: %s)', table.concat(tasks.names(), ', ')))
-    end
-  end
-  if e then
-    if e.task ~= nil then tasks.check(e.task, 'eval.task') end
-    if e.every < 0 then moonrl.usage_error("config key 'eval.every' must be >= 0 (0: off)") end
-    if e.every > 0 and not e.data and not e.task and not (d and d.task) and not self.own_heldout then
-      moonrl.usage_error('eval.every: no held-out set: pass eval.data=FILE.jsonl or eval.task=NAME (or train on data.task)')
-    end
-  end
-  if type(cfg.reward) == 'table' and not (cfg.reward_model and cfg.reward_model.dir) then
-    local ok, err = pcall(require('moonrl.rewards').get, cfg.reward.name)
-    if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
-  end
+  R.check_data(cfg)
+  E.check(cfg, { own = self.own_heldout })
+  if not (cfg.reward_model and cfg.reward_model.dir) then R.check_reward(cfg) end
 end
 
 function Recipe:start_options()
@@ -292,10 +262,7 @@ function Recipe:start_options()
   local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free }
   if cfg.data then
     o.chat, o.fields, o.optional = cfg.data.chat, { prompt = cfg.data.prompt, answer = cfg.data.answer }, { answer = true }
-    if cfg.data.task then
-      local t = require('moonrl.tasks').load(cfg.data.task, cfg.run.seed)
-      o.data = require('moonrl.data').records(t.train, { name = 'data.task=' .. cfg.data.task }):shuffled(cfg.run.seed)
-    end
+    if cfg.data.task then o.data = R.task_records(cfg, 'train'):shuffled(cfg.run.seed) end
   end
   return o
 end
@@ -435,55 +402,17 @@ end
 
 -- The held-out records (with prompt_ids), read once: eval.data, eval.task or data.task's split.
 function Recipe:eval_records()
-  if self.eval_set then return self.eval_set end
-  local cfg, S = self.cfg, self.S
-  local e, d = cfg.eval, cfg.data or {}
-  local list = {}
-  if e.data then
-    local view = require('moonrl.data').jsonl(e.data, { fields = { prompt = d.prompt or 'prompt', answer = d.answer or 'answer' },
-      optional = { answer = true } })
-    for i = 1, view:len() do list[i] = view:get(i) end
-  else
-    local t = require('moonrl.tasks').load(e.task or d.task, cfg.run.seed)
-    for i, r in ipairs(t.heldout) do list[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta } end
-  end
-  local n = e.prompts > 0 and math.min(e.prompts, #list) or #list
-  local out = {}
-  for i = 1, n do
-    local r = list[i]
-    r.prompt_ids, r.prompt_index = R.prompt_ids(S.tok, S.tpl, r.prompt, d.system), i - 1
-    out[i] = r
-  end
-  self.eval_set = out
-  return out
+  self.eval_set = self.eval_set or E.records(self.S, self.cfg)
+  return self.eval_set
 end
 
--- Greedy answers to the held-out prompts (this rank's share), judged by the reward: accuracy
--- (the share scoring >= 1) and mean reward over the whole set.
+-- Greedy answers to the held-out prompts judged by the reward (moonrl.evaluation.accuracy).
 function Recipe:heldout_metrics()
-  local S, cfg = self.S, self.cfg
-  local all = self:eval_records()
-  local mine = S.world.size > 1 and S:shard(all) or all
-  local right, sum = 0, 0
-  if #mine > 0 then
-    local max_tokens = cfg.eval.max_tokens > 0 and cfg.eval.max_tokens or self.c.max_tokens
-    local results = S.engine:generate(R.requests(mine, 1), { temperature = 0, max_tokens = max_tokens,
-      eos_ids = self.sampling.eos_ids, tokenizer = S.tok })
-    local samples = R.flatten(mine, results)
-    local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
-      { on_error = 'zero', timeout = cfg.reward.timeout })
-    for i = 1, #samples do
-      sum = sum + scores[i - 1]
-      if scores[i - 1] >= 1 then right = right + 1 end
-    end
-  end
-  local t = S.world.size > 1 and S:sum({ right = right, sum = sum }) or { right = right, sum = sum }
-  return { accuracy = t.right / math.max(#all, 1), reward = t.sum / math.max(#all, 1), prompts = #all }
+  return E.accuracy(self.S, self.cfg, self:eval_records(), { max_tokens = self.c.max_tokens, eos_ids = self.sampling.eos_ids })
 end
 
 function Recipe:evaluate(step)
-  local e = self.cfg.eval
-  if not e or e.every <= 0 or step % e.every ~= 0 then return nil end
+  if not E.due(self.cfg, step) then return nil end
   return self.S:phase('eval', self.heldout_metrics, self)
 end
 

@@ -220,7 +220,7 @@ end
 -- The readable line: the usual RL keys when present, in a fixed order.
 local LINE_KEYS = {
   { 'loss', 'loss' }, { 'reward/mean', 'reward' }, { 'reward/std', '±' }, { 'accuracy', 'acc' },
-  { 'eval/accuracy', 'held-out acc' },
+  { 'eval_loss', 'eval loss' }, { 'eval/accuracy', 'held-out acc' },
   { 'response_length/mean', 'len' }, { 'kl', 'kl' }, { 'entropy', 'ent' }, { 'clip_frac', 'clip' },
   { 'grad_norm', 'gnorm' }, { 'lr', 'lr' },
 }

@@ -1,5 +1,6 @@
 -- moonrl.tasks: prompt sets built in code, used instead of a JSONL file (`data.task=addition`)
--- by every RL recipe; their held-out split is what `eval.every` measures by default.
+-- by every recipe (SFT trains on the answers, DPO prefers them to the rejected ones); their
+-- held-out split is what `eval.every` measures by default.
 --
 --   local tasks = require('moonrl.tasks')
 --   tasks.register('parity', function(o)           -- o = { seed = run.seed, cfg = the config }
@@ -9,14 +10,17 @@
 --   end, 'the parity of a bit string')
 --   local t = tasks.load('addition', 1)            -- { train, heldout }, built once per seed
 --
--- A record is { prompt = text, answer = text, meta = table|nil }: what a reward reads. The
+-- A record is { prompt = text, answer = text, meta = table|nil }: what a reward reads (and, for
+-- preference recipes, rejected = text: an answer worse than answer). The
 -- registry is a moonrl.registry (register(name, fn, doc), get, check, names, doc).
 -- Built in:
 --   addition   the default example's task: every "a+b=" with a, b < 100 (10,000 problems), its
 --              200 held out chosen by the seed (examples/default.lua builds its problems with
 --              it); the answer is the sum ("85"), judged by the 'exact' reward. Called directly,
 --              o.rng (a moonrl.session generator, e.g. a session's S:rng) shuffles in place of
---              a fresh one from o.seed, and o.heldout (200) sets how many are held out.
+--              a fresh one from o.seed, and o.heldout (200) sets how many are held out. Each
+--              record also has rejected, the answer with the default example's flaw ("85="),
+--              for preference recipes (`moonrl run dpo data.task=addition`).
 local M = require('moonrl.registry').new('task')
 
 M.register('addition', function(o)
@@ -32,7 +36,8 @@ M.register('addition', function(o)
   end
   local train, heldout = {}, {}
   for i, p in ipairs(problems) do
-    local r = { prompt = p.a .. '+' .. p.b .. '=', answer = tostring(p.a + p.b) }
+    local sum = tostring(p.a + p.b)
+    local r = { prompt = p.a .. '+' .. p.b .. '=', answer = sum, rejected = sum .. '=' }
     if i <= n_heldout then heldout[#heldout + 1] = r else train[#train + 1] = r end
   end
   return { train = train, heldout = heldout }

@@ -1,9 +1,23 @@
 -- SFT and DPO recipes end to end on a tiny random model in Hugging Face format: SFT's loss falls,
 -- DPO's reward accuracy rises on a learnable preference set (the right sum preferred to a wrong one),
--- and both save a model that loads again.
+-- and both save a model that loads again; both report held-out accuracy every eval.every steps
+-- (greedy answers judged by the reward), train on a task (data.task=addition), and reject a bad
+-- data or eval setting with one line before any work.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
+local json = require('moonrl.json')
+local proc = require('moonrl.proc')
+local fs = require('moonrl.fs')
 local U = dofile('tests/recipes/util.lua')
+
+local function records(d)
+  local out = {}
+  for l in io.lines(d .. '/metrics.jsonl') do
+    local r = json.decode(l)
+    out[r.step] = r
+  end
+  return out
+end
 
 t.test('sft: the loss falls and the model is saved in HF format', function()
   local dir = U.tmpdir('sft')
@@ -40,6 +54,76 @@ t.test('dpo: reward accuracy rises on a learnable preference set', function()
   local m = moonrl.model.load(dir .. '/run/model')
   t.eq(m.n_params, out.model.n_params)
   require('moonrl.fs').remove(dir)
+end)
+
+t.test('sft: held-out accuracy every eval.every steps, the reference response as the answer, rises', function()
+  local dir = U.tmpdir('sft_eval')
+  local model_dir = U.tiny_model(dir .. '/init', { hidden_size = 64, intermediate_size = 128, layers = 2 })
+  local recs = {}
+  for i, p in ipairs(U.additions(400, 7)) do recs[i] = { prompt = p.prompt, response = p.answer } end
+  U.write_jsonl(dir .. '/train.jsonl', recs)
+  U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. dir .. '/train.jsonl',
+    'train.steps=80', 'train.batch=32', 'train.lr=5e-3', 'train.micro_batch_tokens=256', 'eval.every=10',
+    'data.eval_fraction=0.1', 'run.dir=' .. dir .. '/run', 'run.threads=1', 'quiet=true' })
+  local m = records(dir .. '/run')
+  t.eq(m[10]['eval/prompts'], 40, 'the held-out split: 10% of 400')
+  t.eq(m[11]['eval/accuracy'], nil, 'only every eval.every steps')
+  t.truthy(m[80].eval_loss < m[10].eval_loss, 'the eval loss falls')
+  print(string.format('  sft held-out accuracy: step 10 %.3f -> step 80 %.3f', m[10]['eval/accuracy'], m[80]['eval/accuracy']))
+  t.truthy(m[80]['eval/accuracy'] >= m[10]['eval/accuracy'] + 0.2, 'held-out accuracy rises')
+  fs.remove(dir)
+end)
+
+t.test('data.task=addition: sft trains on its answers, dpo prefers them to the rejected ones; its held-out split evaluated', function()
+  local dir = U.tmpdir('task')
+  local model_dir = U.tiny_model(dir .. '/init', { hidden_size = 64, intermediate_size = 128, layers = 2 })
+  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.task=addition', 'train.steps=6',
+    'train.batch=16', 'train.lr=3e-3', 'eval.every=3', 'eval.prompts=25', 'run.dir=' .. dir .. '/sft', 'run.threads=1', 'quiet=true' })
+  local m = records(dir .. '/sft')
+  t.eq(m[3]['eval/prompts'], 25)
+  t.truthy(m[6].eval_loss ~= nil and out.last_loss < out.first_loss, 'trained on the task')
+  out = U.run_recipe('recipes/dpo.lua', { 'model.dir=' .. model_dir, 'data.task=addition', 'train.steps=20', 'train.pairs=16',
+    'train.lr=3e-3', 'dpo.beta=0.5', 'eval.every=10', 'eval.prompts=30', 'run.dir=' .. dir .. '/dpo', 'run.threads=1', 'quiet=true' })
+  m = records(dir .. '/dpo')
+  t.eq(m[10]['eval/prompts'], 30)
+  t.truthy(m[20]['eval/accuracy'] ~= nil and m[20]['eval/reward'] ~= nil, 'held-out accuracy and reward')
+  t.truthy(out.last_accuracy >= 0.9, 'the answer preferred to its flawed copy: reward accuracy ' .. out.last_accuracy)
+  -- eval.data in DPO's own format: the chosen answer is the reference
+  local prefs = {}
+  for i, p in ipairs(U.additions(12, 5)) do prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. '=' } end
+  U.write_jsonl(dir .. '/prefs.jsonl', prefs)
+  U.run_recipe('recipes/dpo.lua', { 'model.dir=' .. model_dir, 'data.path=' .. dir .. '/prefs.jsonl', 'train.steps=2',
+    'train.pairs=4', 'eval.every=2', 'eval.data=' .. dir .. '/prefs.jsonl', 'run.dir=' .. dir .. '/dpo_data', 'run.threads=1',
+    'quiet=true' })
+  t.eq(records(dir .. '/dpo_data')[2]['eval/prompts'], 12)
+  fs.remove(dir)
+end)
+
+t.test('sft, dpo: a bad data or eval setting is one line, exit 2, before the model loads, no run directory', function()
+  local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
+  local dir = U.tmpdir('sft_usage')
+  local cases = {
+    { 'sft', 'data.task=nope', "config key 'data.task': unknown task 'nope' (known: addition" },
+    { 'sft', 'eval.task=nope', "config key 'eval.task': unknown task 'nope'" },
+    { 'sft', 'reward=nope', "reward: unknown reward 'nope'" },
+    { 'sft', 'eval.every=-1', "config key 'eval.every' must be >= 0" },
+    { 'sft', 'data.eval_fraction=0 eval.every=5', 'eval.every: no held-out set' },
+    { 'dpo', 'eval.every=5', 'eval.every: no held-out set' },
+    { 'sft', '', "config key 'data.path' (string) is required: pass data.path=... or data.task=NAME" },
+    { 'dpo', '', "config key 'data.path' (string) is required" },
+  }
+  for i, c in ipairs(cases) do
+    local d = dir .. '/bad' .. i
+    local argv = { exe, 'run', c[1], 'model.dir=' .. dir .. '/nomodel', 'run.dir=' .. d }
+    for w in c[2]:gmatch('%S+') do argv[#argv + 1] = w end
+    if not c[2]:find('data.task') and c[2] ~= '' then argv[#argv + 1] = 'data.path=' .. dir .. '/none.jsonl' end
+    local r = proc.run(argv, { timeout = 60 })
+    t.eq(r.exit_status, 2, c[1] .. ' ' .. c[2])
+    t.truthy(r.stderr:find(c[3], 1, true), c[2] .. ': ' .. r.stderr)
+    t.eq(select(2, r.stderr:gsub('\n', '')), 1, 'one line')
+    t.truthy(not fs.exists(d), 'no run directory')
+  end
+  fs.remove(dir)
 end)
 
 t.done()

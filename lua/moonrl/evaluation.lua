@@ -1,0 +1,119 @@
+-- moonrl.evaluation: held-out accuracy, the same for every recipe (the RL loop's evaluate stage,
+-- SFT, DPO): greedy answers (temperature 0) to held-out prompts from the engine, judged by the
+-- run's reward (accuracy: the share scoring >= 1; reward: the mean score).
+--
+--   local E = require('moonrl.evaluation')
+--   cfg = moonrl.config { ..., eval = E.config(), reward = R.reward_config('exact'), engine = R.engine_config() }
+--   E.check(cfg)                                   -- usage errors, before any work
+--   local S = R.start(cfg, { ..., engine = E.wanted(cfg) })
+--   local held = E.records(S, cfg)                 -- eval.data, eval.task or data.task's split
+--   if E.due(cfg, step) then m.eval = S:phase('eval', E.accuracy, S, cfg, held, { eos_ids = ... }) end
+--
+-- The set: eval.data (JSONL with the data section's fields: the prompt, and the reference answer
+-- the judge compares with: data.answer in RL, data.response in SFT, data.chosen in DPO),
+-- eval.task's held-out split, data.task's when neither is given, or a recipe's own (SFT's
+-- held-out split of its data). eval.prompts keeps the first N (0: all). Under several ranks each
+-- answers its share and the counts are summed, so every rank returns the whole set's figures.
+local moonrl = require('moonrl')
+local config = require('moonrl.config')
+local R = require('moonrl.recipe')
+
+local M = {}
+
+-- every: steps between evaluations (0: off); data / task: the held-out set (see the top);
+-- prompts: at most this many (0: all); max_tokens: the answer's budget (0: the recipe's).
+function M.config()
+  return { every = config.integer(0), data = config.optional('string', 'held-out JSONL (data.* fields)'),
+    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0),
+    max_tokens = config.integer(0) }
+end
+
+-- The keys a resumed run may change (an evaluation changes no state the run resumes from).
+M.KEYS = { 'eval.every', 'eval.data', 'eval.task', 'eval.prompts', 'eval.max_tokens' }
+
+-- Usage errors before any work: a bad task name, a negative count, eval.every with no held-out
+-- set (o.own: the recipe has one of its own).
+function M.check(cfg, o)
+  local e, d = cfg.eval, cfg.data or {}
+  if not e then return end
+  local tasks = require('moonrl.tasks')
+  if e.task ~= nil then tasks.check(e.task, 'eval.task') end
+  for _, k in ipairs({ 'every', 'prompts', 'max_tokens' }) do
+    if e[k] < 0 then moonrl.usage_error(string.format("config key 'eval.%s' must be >= 0 (0: %s)", k,
+      k == 'every' and 'off' or k == 'prompts' and 'all' or "the recipe's")) end
+  end
+  if e.every > 0 and not e.data and not e.task and not d.task and not (o and o.own) then
+    moonrl.usage_error('eval.every: no held-out set: pass eval.data=FILE.jsonl or eval.task=NAME (or train on data.task)')
+  end
+end
+
+-- Whether the run evaluates at all (the engine is made only then, by recipes that need none otherwise).
+function M.wanted(cfg) return cfg.eval ~= nil and cfg.eval.every > 0 end
+
+-- Whether step is an evaluation step.
+function M.due(cfg, step)
+  local e = cfg.eval
+  return e ~= nil and e.every > 0 and step % e.every == 0
+end
+
+-- The held-out records { prompt, answer, meta, prompt_ids, prompt_index }: eval.data, eval.task,
+-- data.task's held-out split, else own (a list of { prompt, answer }; nil: none). o.answer: the
+-- data section's key of eval.data's reference answer (default data.answer or 'answer').
+function M.records(S, cfg, own, o)
+  local e, d = cfg.eval, cfg.data or {}
+  local list = {}
+  if e.data then
+    local key = o and o.answer or d.answer or 'answer'
+    local view = require('moonrl.data').jsonl(e.data, { fields = { prompt = d.prompt or 'prompt', answer = key },
+      optional = { answer = true } })
+    for i = 1, view:len() do list[i] = view:get(i) end
+  elseif e.task or d.task then
+    local t = require('moonrl.tasks').load(e.task or d.task, cfg.run.seed)
+    for i, r in ipairs(t.heldout) do list[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta } end
+  else
+    list = own or {}
+  end
+  local n = e.prompts > 0 and math.min(e.prompts, #list) or #list
+  local out = {}
+  for i = 1, n do
+    local r = list[i]
+    out[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta, prompt_index = i - 1,
+      prompt_ids = r.prompt_ids or R.prompt_ids(S.tok, S.tpl, r.prompt, d.system) }
+  end
+  return out
+end
+
+-- The answer budget when neither eval.max_tokens nor the recipe gives one: twice the longest
+-- reference answer's tokens (so that a right answer always fits, and a rambling one is cut).
+function M.answer_budget(S, records)
+  local longest = 1
+  for _, r in ipairs(records) do
+    if r.answer then longest = math.max(longest, #R.completion_ids(S.tok, r.answer)) end
+  end
+  return 2 * longest
+end
+
+-- Greedy answers to records (this rank's share), judged by cfg.reward: { accuracy, reward,
+-- prompts } over the whole set. o.max_tokens: the recipe's budget (eval.max_tokens > 0 wins;
+-- neither: M.answer_budget); o.eos_ids: the ids that end an answer (default the policy's).
+function M.accuracy(S, cfg, records, o)
+  o = o or {}
+  local mine = S.world.size > 1 and S:shard(records) or records
+  local right, sum = 0, 0
+  if #mine > 0 then
+    local max_tokens = cfg.eval.max_tokens > 0 and cfg.eval.max_tokens or o.max_tokens or M.answer_budget(S, records)
+    local results = S.engine:generate(R.requests(mine, 1), { temperature = 0, max_tokens = max_tokens,
+      eos_ids = o.eos_ids or R.eos_ids(S.tok, S.policy), tokenizer = S.tok })
+    local samples = R.flatten(mine, results)
+    local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
+      { on_error = 'zero', timeout = cfg.reward.timeout })
+    for i = 1, #samples do
+      sum = sum + scores[i - 1]
+      if scores[i - 1] >= 1 then right = right + 1 end
+    end
+  end
+  local t = S.world.size > 1 and S:sum({ right = right, sum = sum }) or { right = right, sum = sum }
+  return { accuracy = t.right / math.max(#records, 1), reward = t.sum / math.max(#records, 1), prompts = #records }
+end
+
+return M
