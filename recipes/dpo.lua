@@ -34,19 +34,22 @@ local cfg = moonrl.config {
   quiet = false, -- no step lines
 }
 R.check_data(cfg)
+R.check_reward(cfg)
 E.check(cfg)
 local task = cfg.data.task and require('moonrl.tasks').load(cfg.data.task, cfg.run.seed)
 if task and not (task.train[1] or {}).rejected then
   moonrl.usage_error(string.format("data.task=%s: its records have no rejected answers (a preference task gives " ..
     'prompt, answer and rejected)', cfg.data.task))
 end
+-- the pairs (opened before the run starts: a missing file leaves nothing behind); a task's
+-- answer is the chosen one
+local ds = task and R.task_records(cfg, 'train') or R.open_data(cfg, { prompt = cfg.data.prompt, chosen = cfg.data.chosen,
+  rejected = cfg.data.rejected })
 local S = R.start(cfg, { name = 'dpo', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
   engine = E.wanted(cfg), free_keys = E.KEYS })
 local model = S.policy
 
--- every pair as two samples (chosen, rejected) with the prompt's ids; a task's answer is the chosen one
-local ds = task and R.task_records(cfg, 'train') or moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt,
-  chosen = cfg.data.chosen, rejected = cfg.data.rejected }, on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+-- every pair as two samples (chosen, rejected) with the prompt's ids
 local pairs_list = {}
 for i = 1, ds:len() do
   local rec = ds:get(i) -- nil: a bad line skipped (data.on_error=skip)

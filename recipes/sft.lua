@@ -36,24 +36,24 @@ local cfg = moonrl.config {
 }
 if cfg.eval_every then cfg.eval.every = cfg.eval_every end
 R.check_data(cfg)
+R.check_reward(cfg)
 E.check(cfg, { own = cfg.data.eval_fraction > 0 }) -- (data.task: the task's held-out split)
-local free = { 'eval_every' }
-for _, k in ipairs(E.KEYS) do free[#free + 1] = k end
-local S = R.start(cfg, { name = 'sft', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
-  engine = E.wanted(cfg), free_keys = free })
-local model = S.policy
-
--- data: a held-out split (the task's own with data.task) for the eval loss and accuracy, the rest shuffled
+-- data (opened before the run starts: a missing file leaves nothing behind): a held-out split
+-- (the task's own with data.task) for the eval loss and accuracy, the rest shuffled
 local all, train_set, eval_set
 if cfg.data.task then
   all, eval_set = R.task_records(cfg, 'train'), R.task_records(cfg, 'heldout')
   train_set = all
 else
-  all = moonrl.data.jsonl(cfg.data.path, { fields = { prompt = cfg.data.prompt, response = cfg.data.response },
-    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+  all = R.open_data(cfg, { prompt = cfg.data.prompt, response = cfg.data.response })
   local n_eval = math.floor(cfg.data.eval_fraction * all:len() + 0.5)
   train_set, eval_set = all:split({ count = math.min(n_eval, all:len() - 1), seed = cfg.run.seed })
 end
+local free = { 'eval_every' }
+for _, k in ipairs(E.KEYS) do free[#free + 1] = k end
+local S = R.start(cfg, { name = 'sft', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
+  engine = E.wanted(cfg), free_keys = free })
+local model = S.policy
 local batches = S:dataset('train', train_set:shuffled(cfg.run.seed)):batches(cfg.train.batch, { epochs = math.huge })
 local function response(rec) return cfg.data.task and rec.answer or rec.response end
 

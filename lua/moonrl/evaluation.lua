@@ -38,6 +38,9 @@ function M.check(cfg, o)
   if not e then return end
   local tasks = require('moonrl.tasks')
   if e.task ~= nil then tasks.check(e.task, 'eval.task') end
+  if e.data ~= nil and not require('moonrl.fs').exists(e.data) then
+    moonrl.usage_error(string.format("config key 'eval.data': %s: no such file", e.data))
+  end
   for _, k in ipairs({ 'every', 'prompts', 'max_tokens' }) do
     if e[k] < 0 then moonrl.usage_error(string.format("config key 'eval.%s' must be >= 0 (0: %s)", k,
       k == 'every' and 'off' or k == 'prompts' and 'all' or "the recipe's")) end

@@ -679,6 +679,16 @@ function M.reward_config(name)
   return { name = name, on_error = 'drop', timeout = 30.0 }
 end
 
+-- cfg.data.path as a moonrl.data view of fields (record field -> JSON key; optional: those that
+-- may be missing), data.on_error applied; a file that cannot be opened is a usage error naming
+-- the key and the file (a recipe opens it before R.start: no run directory is left behind).
+function M.open_data(cfg, fields, optional)
+  local ok, view = pcall(require('moonrl.data').jsonl, cfg.data.path, { fields = fields, optional = optional,
+    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+  if not ok then moonrl.usage_error('data.path: ' .. moonrl.error_text(view)) end
+  return view
+end
+
 -- The reward by name, looked up now: a wrong name is a usage error listing the rewards.
 function M.check_reward(cfg)
   if type(cfg.reward) ~= 'table' then return end
@@ -879,8 +889,7 @@ function M.start(cfg, opts)
   M.check_reward(cfg)
   local data = opts.data
   if not data and opts.fields and cfg.data then
-    data = require('moonrl.data').jsonl(cfg.data.path, { fields = opts.fields, optional = opts.optional,
-      on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' }):shuffled(cfg.run.seed)
+    data = M.open_data(cfg, opts.fields, opts.optional):shuffled(cfg.run.seed)
   end
 
   local inputs = {}

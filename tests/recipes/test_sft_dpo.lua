@@ -111,6 +111,9 @@ t.test('sft, dpo: a bad data or eval setting is one line, exit 2, before the mod
     { 'dpo', 'eval.every=5', 'eval.every: no held-out set' },
     { 'sft', '', "config key 'data.path' (string) is required: pass data.path=... or data.task=NAME" },
     { 'dpo', '', "config key 'data.path' (string) is required" },
+    { 'sft', 'train.steps=1', 'data.path: ' .. dir .. '/none.jsonl: cannot open' },
+    { 'dpo', 'train.steps=1', 'data.path: ' .. dir .. '/none.jsonl: cannot open' },
+    { 'dpo', 'eval.every=1 eval.data=' .. dir .. '/no_eval.jsonl', "config key 'eval.data': " .. dir .. '/no_eval.jsonl: no such file' },
   }
   for i, c in ipairs(cases) do
     local d = dir .. '/bad' .. i
