@@ -701,6 +701,46 @@ mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void
     return mrl_dist_wait_req(d, e, req, "MPI_Iallgatherv");
 }
 
+mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send_counts, void *recv,
+                              const int64_t *recv_counts, int64_t unit) {
+    if (!send_counts || !recv_counts || unit < 1)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: alltoallv: counts %p, %p, unit %lld", (const void *)send_counts,
+                             (const void *)recv_counts, (long long)unit);
+    int64_t ns = 0, nr = 0;
+    for (int r = 0; r < d->size; r++) {
+        if (send_counts[r] < 0 || recv_counts[r] < 0)
+            return mrl_set_error(MRL_ERR_INVALID, "dist: alltoallv: a negative count for rank %d", r);
+        ns += send_counts[r];
+        nr += recv_counts[r];
+    }
+    if ((ns > 0 && !send) || (nr > 0 && !recv))
+        return mrl_set_error(MRL_ERR_INVALID, "dist: alltoallv: %lld units from %p, %lld into %p", (long long)ns, send,
+                             (long long)nr, recv);
+    mrl_status st = mrl_dist_begin(d, "alltoallv");
+    if (st) return st;
+    if (d->size == 1) {
+        if (send_counts[0] != recv_counts[0])
+            return mrl_set_error(MRL_ERR_INVALID, "dist: alltoallv: one rank sends itself %lld units and expects %lld",
+                                 (long long)send_counts[0], (long long)recv_counts[0]);
+        if (ns) memmove(recv, send, (size_t)(ns * unit));
+        return MRL_OK;
+    }
+    int64_t *sd = d->tmp, *rd = sd + d->size;
+    int64_t so = 0, ro = 0; /* (the plugin says when a displacement does not fit MPI's int) */
+    for (int r = 0; r < d->size; r++) {
+        sd[r] = so;
+        rd[r] = ro;
+        so += send_counts[r];
+        ro += recv_counts[r];
+    }
+    /* (MPI wants a buffer even for no data) */
+    static char none;
+    void *req = NULL;
+    int e = d->be->ialltoallv(d->coll, ns ? send : &none, send_counts, sd, nr ? recv : &none, recv_counts, rd, unit,
+                              &req);
+    return mrl_dist_wait_req(d, e, req, "MPI_Ialltoallv");
+}
+
 mrl_status mrl_dist_allgather_blobs(mrl_dist *d, const void *data, int64_t bytes, const uint8_t **out_data,
                                     const int64_t **out_offsets) {
     *out_data = NULL;

@@ -138,8 +138,12 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
 }
 
 static mrl_status check_batch(const mrl_model *m, const mrl_batch *b, int64_t *max_len) {
-    if (!b || !b->tokens || !b->cu_seqlens)
+    if (!b || !b->cu_seqlens || (!b->tokens && b->n_tokens > 0))
         return mrl_set_error(MRL_ERR_INVALID, "model forward: batch, tokens and cu_seqlens must not be NULL");
+    if (m->ep && b->n_tokens == 0 && b->n_seqs == 0 && b->cu_seqlens[0] == 0) {
+        *max_len = 0; /* no tokens here: this rank still serves its experts to the others (model.h) */
+        return MRL_OK;
+    }
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->n_tokens > ((int64_t)1 << 31) - 1)
         return mrl_set_error(MRL_ERR_INVALID, "model forward: n_tokens = %lld, n_seqs = %d (both must be > 0)",
                              (long long)b->n_tokens, b->n_seqs);
@@ -194,7 +198,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     int64_t max_len = 0;
     mrl_status st = check_batch(m, b, &max_len);
     if (!st) st = mrl_moe_check_routing(m, b);
-    if (!st) st = ensure_acts(m, b->n_tokens);
+    if (!st) st = ensure_acts(m, b->n_tokens > 0 ? b->n_tokens : 1);
     if (!st) st = mrl_model_rope_prepare(m, max_len);
     if (!st) st = mrl_model_refresh_bf16(m); /* bf16: the copies of weights changed since the last use */
     if (st) return st;
@@ -215,6 +219,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->aux_n = 0;
     }
     m->replayed = m->replay_differ = 0;
+    mrl_moe_ep_begin(m);
     for (int l = 0, ord = 0; l < c->num_hidden_layers; l++) {
         mrl_layer_forward(m, l, T);
         if (!m->lp[l].router) continue;
@@ -222,6 +227,10 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         mrl_moe_record(m, &m->la[l], T, ord++); /* what the layer used, before recompute reuses la */
     }
     if (m->aux_picks) mrl_moe_aux_finish(m);
+    if ((st = mrl_moe_ep_status(m))) { /* no backward through it */
+        m->have_forward = 0;
+        return st;
+    }
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     float *lp_out = logprobs, *ent_out = entropy;
     for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
@@ -278,6 +287,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
      * its backward is done (a tied lm_head is the embedding, final at the very end) */
     int64_t layers_end = m->final_norm - m->params;
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
+    mrl_moe_ep_begin(m);
     for (int l = L - 1; l >= 0; l--) {
         if (m->recompute) mrl_layer_forward(m, l, T);
         mrl_layer_backward(m, l, T);
@@ -286,6 +296,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
             m->grad_hook(m->grad_hook_ctx, begin, end - begin);
         }
     }
+    if ((st = mrl_moe_ep_status(m))) return st; /* the gradients are then meaningless */
     k->scatter_add_rows(m->g_embed, m->gs.dx, m->batch.tokens, T, D); /* embedding rows, in token order */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, m->lp[0].ln1 - m->params);
     return MRL_OK;

@@ -119,7 +119,10 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
 void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
     const mrl_model_config *c = &m->cfg;
     layer_acts *a = &m->la[l];
-    if (m->lp[l].router) mrl_moe_replay_at(m, a, l); /* the batch's routing, if any (mrl_batch.routing) */
+    if (m->lp[l].router) {
+        mrl_moe_replay_at(m, a, l); /* the batch's routing, if any (mrl_batch.routing) */
+        a->ep = mrl_moe_ep_layer(m, mrl_moe_ordinal(&m->cfg, l)); /* expert parallelism, if on */
+    }
     mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
     m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.prefix, m->batch.n_seqs,
                    c->num_attention_heads, c->num_key_value_heads, c->head_dim,

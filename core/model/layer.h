@@ -84,6 +84,9 @@ typedef struct layer_acts {
      * replay_differ counts the tokens whose replayed set differs from the own top-k */
     const int16_t *replay;
     int64_t replay_stride, replay_differ, replay_count;
+    /* expert parallelism (the trainer's forward only; NULL: every expert here): this sparse
+     * layer's state of the exchange with the other ranks (moe_ep.c) */
+    struct moe_ep_layer *ep;
 } layer_acts;
 
 /* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */

@@ -205,6 +205,7 @@ mrl_status mrl_model_ensure_grads(mrl_model *m) {
 void mrl_model_free(mrl_model *m) {
     if (!m) return;
     mrl_model_release_activations(m);
+    mrl_moe_ep_free(m);
     mrl_mem_free(m->params);
     mrl_mem_free(m->w16);
     pthread_mutex_destroy(&m->w16_lock);

@@ -52,6 +52,8 @@ struct mrl_model {
      * and the replay counts (mrl_model_routing_replay_stats) */
     int16_t *route_used;
     int64_t replayed, replay_differ;
+    /* expert parallelism (mrl_model_set_expert_parallel; NULL: off) */
+    struct moe_ep *ep;
     int64_t head_chunk_setting; /* tokens per head chunk; 0 = automatic */
     /* RoPE tables [rope_len, hd/2] */
     float *inv_freq, *rope_cos, *rope_sin;
@@ -99,6 +101,27 @@ void mrl_layer_products(const mrl_model *m, const mrl_gemm_desc *d, const uint16
 void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, float *out, int64_t T);
 void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
                       const float *dy, float *dln, int64_t T);
+/* moe.c: the experts' MLP over rows grouped by expert, expert e0 + i owning rows
+ * eoff[i] .. eoff[i+1] of x [rows,D] (eoff[0] = 0): gate, up, act [rows,Fe] kept for the
+ * backward, y [rows,D] out. The backward: dy [rows,D] in, overwritten by dx; df1, df2
+ * [rows,Fe] scratch; the experts' gradients added to g. */
+void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
+                             const float *x, float *gate, float *up, float *act, float *y);
+void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const layer_params *g, int64_t e0, int64_t ne,
+                              const int32_t *eoff, const float *x, const float *gate, const float *up,
+                              const float *act, float *dy, float *df1, float *df2);
+/* moe_ep.c: expert parallelism. forward: a->xe's rows to the ranks of their experts, their
+ * outputs back into a->ey; backward: dye [A,D] (d ey) to the same ranks, d xe back into it.
+ * A failure is kept in the model's EP state (mrl_moe_ep_status) and the layer's outputs are
+ * then meaningless. layer: a->ep of sparse layer number ord of the trainer's forward. */
+void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T);
+void mrl_moe_ep_backward(const mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                         float *dye, int64_t T);
+struct moe_ep_layer *mrl_moe_ep_layer(const mrl_model *m, int ord);
+/* the first failure of the exchanges since mrl_moe_ep_begin (MRL_OK: none, or no EP) */
+void mrl_moe_ep_begin(const mrl_model *m);
+mrl_status mrl_moe_ep_status(const mrl_model *m);
+void mrl_moe_ep_free(mrl_model *m);
 /* moe.c: the load-balancing statistics of one sparse layer's forward, added
  * to the model's (aux_picks, aux_n); then the loss from them */
 void mrl_moe_aux_add(mrl_model *m, const layer_acts *a, int64_t T);

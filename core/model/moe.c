@@ -144,29 +144,37 @@ static void route(const mrl_model_config *c, layer_acts *a, int64_t T) {
     off[0] = 0;
 }
 
+void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
+                             const float *x, float *gate, float *up, float *act, float *y) {
+    int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size;
+    prod_batch b = {.m = m};
+    for (int64_t i = 0; i < ne; i++) {
+        int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
+        if (!n) continue;
+        push(&b, fwd(gate + r0 * Fe, x + r0 * D, p->ewg + e * Fe * D, n, Fe, D), at16(p->heg, e * Fe * D));
+        push(&b, fwd(up + r0 * Fe, x + r0 * D, p->ewu + e * Fe * D, n, Fe, D), at16(p->heu, e * Fe * D));
+    }
+    flush(&b);
+    m->k->swiglu_fwd(act, gate, up, (int64_t)eoff[ne] * Fe); /* [rows,Fe] */
+    for (int64_t i = 0; i < ne; i++) {
+        int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
+        if (n) push(&b, fwd(y + r0 * D, act + r0 * Fe, p->ewd + e * D * Fe, n, D, Fe), at16(p->hed, e * D * Fe));
+    }
+    flush(&b);
+}
+
 void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, float *out, int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
-    int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K,
-            Fe = c->moe_intermediate_size;
+    int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
     k->gemm(0, 1, T, E, D, 1.0f, a->ln2, D, p->router, D, 0.0f, a->rprob, E); /* router logits [T,E] */
     for (int64_t t = 0; t < T; t++) softmax(a->rprob + t * E, E);
     route(c, a, T);
     k->gather_rows(a->xe, a->ln2, a->tok, A, D); /* [A,D] */
-    prod_batch b = {.m = m};
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
-        if (!n) continue;
-        push(&b, fwd(a->egate + r0 * Fe, a->xe + r0 * D, p->ewg + e * Fe * D, n, Fe, D), at16(p->heg, e * Fe * D));
-        push(&b, fwd(a->eup + r0 * Fe, a->xe + r0 * D, p->ewu + e * Fe * D, n, Fe, D), at16(p->heu, e * Fe * D));
-    }
-    flush(&b);
-    k->swiglu_fwd(a->eact, a->egate, a->eup, A * Fe); /* [A,Fe] */
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
-        if (n) push(&b, fwd(a->ey + r0 * D, a->eact + r0 * Fe, p->ewd + e * D * Fe, n, D, Fe), at16(p->hed, e * D * Fe));
-    }
-    flush(&b);
+    if (a->ep) /* the rows to the ranks of their experts, the outputs back into ey (moe_ep.c) */
+        mrl_moe_ep_forward(m, p, a, T);
+    else
+        mrl_moe_experts_forward(m, p, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, a->ey);
     for (int64_t t = 0; t < T; t++) { /* out[t] += sum_j w ye, picks in order */
         float *o = out + t * D;
         for (int64_t j = 0; j < K; j++) {
@@ -177,13 +185,42 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
     }
 }
 
+void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const layer_params *g, int64_t e0, int64_t ne,
+                              const int32_t *eoff, const float *x, const float *gate, const float *up,
+                              const float *act, float *dy, float *df1, float *df2) {
+    int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size;
+    /* back from y = act Wd_e^T: dWd_e, dact (df1) */
+    prod_batch b = {.m = m};
+    for (int64_t i = 0; i < ne; i++) {
+        int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
+        if (!n) continue;
+        push(&b, dweight(g->ewd + e * D * Fe, dy + r0 * D, act + r0 * Fe, n, D, Fe), NULL);
+        push(&b, dinput(df1 + r0 * Fe, dy + r0 * D, p->ewd + e * D * Fe, n, D, Fe, 0), at16(p->hed, e * D * Fe));
+    }
+    flush(&b);
+    m->k->swiglu_bwd(df1, df2, df1, gate, up, (int64_t)eoff[ne] * Fe); /* dgate, dup [rows,Fe] */
+    /* dWg_e, dWu_e, and dx = dgate Wg_e + dup Wu_e written over dy (read by nothing after the stage above) */
+    for (int64_t i = 0; i < ne; i++) {
+        int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
+        if (!n) continue;
+        push(&b, dweight(g->ewg + e * Fe * D, df1 + r0 * Fe, x + r0 * D, n, Fe, D), NULL);
+        push(&b, dweight(g->ewu + e * Fe * D, df2 + r0 * Fe, x + r0 * D, n, Fe, D), NULL);
+        push(&b, dinput(dy + r0 * D, df1 + r0 * Fe, p->ewg + e * Fe * D, n, Fe, D, 0), at16(p->heg, e * Fe * D));
+    }
+    flush(&b);
+    for (int64_t i = 0; i < ne; i++) {
+        int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
+        if (n) push(&b, dinput(dy + r0 * D, df2 + r0 * Fe, p->ewu + e * Fe * D, n, Fe, D, 1.0f), at16(p->heu, e * Fe * D));
+    }
+    flush(&b);
+}
+
 void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
                       const float *dy, float *dln, int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     const grad_scratch *s = &m->gs;
-    int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K,
-            Fe = c->moe_intermediate_size;
+    int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
     /* the load-balancing loss: d(coef * aux)/dp[t,e] = coef E picks_e / N^2, the same for every token */
     double aux = m->aux_n > 0 && m->aux_coef > 0 ? m->aux_coef * (double)E / ((double)m->aux_n * m->aux_n) : 0;
     for (int64_t t = 0; t < T; t++) {
@@ -212,31 +249,10 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
         for (int64_t e = 0; e < E; e++) dot += pt[e] * dl[e];
         for (int64_t e = 0; e < E; e++) dl[e] = pt[e] * (dl[e] - dot);
     }
-    /* the experts, back from ye = act Wd_e^T: dWd_e, dact (df1) */
-    prod_batch b = {.m = m};
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
-        if (!n) continue;
-        push(&b, dweight(g->ewd + e * D * Fe, s->dye + r0 * D, a->eact + r0 * Fe, n, D, Fe), NULL);
-        push(&b, dinput(s->df1 + r0 * Fe, s->dye + r0 * D, p->ewd + e * D * Fe, n, D, Fe, 0), at16(p->hed, e * D * Fe));
-    }
-    flush(&b);
-    k->swiglu_bwd(s->df1, s->df2, s->df1, a->egate, a->eup, A * Fe); /* dgate, dup [A,Fe] */
-    /* dWg_e, dWu_e, and dxe = dgate Wg_e + dup Wu_e written over dye (read by nothing after the stage above) */
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
-        if (!n) continue;
-        push(&b, dweight(g->ewg + e * Fe * D, s->df1 + r0 * Fe, a->xe + r0 * D, n, Fe, D), NULL);
-        push(&b, dweight(g->ewu + e * Fe * D, s->df2 + r0 * Fe, a->xe + r0 * D, n, Fe, D), NULL);
-        push(&b, dinput(s->dye + r0 * D, s->df1 + r0 * Fe, p->ewg + e * Fe * D, n, Fe, D, 0), at16(p->heg, e * Fe * D));
-    }
-    flush(&b);
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = a->eoff[e], n = a->eoff[e + 1] - r0;
-        if (n) push(&b, dinput(s->dye + r0 * D, s->df2 + r0 * Fe, p->ewu + e * Fe * D, n, Fe, D, 1.0f),
-                    at16(p->heu, e * Fe * D));
-    }
-    flush(&b);
+    if (a->ep) /* d ey to the ranks of the experts, d xe back (moe_ep.c) */
+        mrl_moe_ep_backward(m, p, g, a, s->dye, T);
+    else
+        mrl_moe_experts_backward(m, p, g, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, s->dye, s->df1, s->df2);
     /* the router (fp32), then each pick's dxe back to its token, in grouped order */
     k->gemm(1, 0, E, D, T, 1.0f, s->dlogit, E, a->ln2, D, 1.0f, g->router, D); /* dWr [E,D] */
     k->gemm(0, 0, T, D, E, 1.0f, s->dlogit, E, p->router, D, 0.0f, dln, D);    /* dln [T,D] */

@@ -103,6 +103,15 @@ function M.batch(seqs, opts)
     n_seqs = #seqs, c = c }, Batch)
 end
 
+-- A batch of no tokens: what a rank with nothing to do passes under expert parallelism, where
+-- every forward and backward is a collective (model.h, mrl_model_set_expert_parallel).
+function M.empty_batch()
+  local tokens, cu = ffi.new('int32_t[1]'), ffi.new('int32_t[1]')
+  local c = ffi.new('mrl_batch')
+  c.tokens, c.targets, c.cu_seqlens, c.n_tokens, c.n_seqs = tokens, tokens, cu, 0, 0
+  return setmetatable({ tokens = tokens, targets = tokens, cu_seqlens = cu, n_tokens = 0, n_seqs = 0, c = c }, Batch)
+end
+
 -- First and one-past-last flat index of sequence i (1-based).
 function Batch:range(i) return self.cu_seqlens[i - 1], self.cu_seqlens[i] end
 
@@ -249,6 +258,19 @@ local replay_counts = ffi.new('int64_t[2]')
 function Model:routing_replay_stats()
   C.mrl_model_routing_replay_stats(self.handle, replay_counts, replay_counts + 1)
   return tonumber(replay_counts[0]), tonumber(replay_counts[1])
+end
+-- Expert parallelism (model.h, mrl_model_set_expert_parallel): group, a moonrl.dist world or
+-- group (nil: off), whose ranks then each run their block of every sparse layer's experts;
+-- every forward and backward is then a collective of the group. expert_range() -> first
+-- (0-based), count, and whether expert parallelism is on.
+function Model:set_expert_parallel(group)
+  moonrl.check(C.mrl_model_set_expert_parallel(self.handle, group and group.handle or nil), 2)
+  self._ep_group = group -- the communicator must outlive the setting
+end
+local ep_range = ffi.new('int64_t[2]')
+function Model:expert_range()
+  local on = C.mrl_model_expert_range(self.handle, ep_range, ep_range + 1) == 1
+  return tonumber(ep_range[0]), tonumber(ep_range[1]), on
 end
 function Model:set_recompute(on) C.mrl_model_set_recompute(self.handle, on and 1 or 0) end
 function Model:activation_bytes(n_tokens) return tonumber(C.mrl_model_activation_bytes(self.handle, n_tokens)) end

@@ -326,6 +326,49 @@ static int64_t blob_len(int pattern, int r) {
     }
 }
 
+/* rank r sends rank q (r + 2q) % 5 rows of `unit` bytes, row i holding (r, q, i); some pairs send
+ * nothing (expert parallelism's dispatch: a rank routes no token to another's experts) */
+static int64_t a2a_rows(int from, int to, int round) { return (from + 2 * to + round) % 5 * (round == 2 ? 300 : 1); }
+static void test_alltoallv(void) {
+    for (int round = 0; round < 3; round++) {
+        int64_t unit = round == 1 ? 3 : 12; /* rows of 3 bytes (u8 triples) or 12 (3 x i32) */
+        int64_t sc[64], rc[64], ns = 0, nr = 0;
+        for (int q = 0; q < N; q++) {
+            sc[q] = a2a_rows(R, q, round);
+            rc[q] = a2a_rows(q, R, round);
+            ns += sc[q];
+            nr += rc[q];
+        }
+        uint8_t *send = malloc((size_t)(ns * unit) + 1), *recv = malloc((size_t)(nr * unit) + 1);
+        uint8_t *p = send;
+        for (int q = 0; q < N; q++)
+            for (int64_t i = 0; i < sc[q]; i++, p += unit) {
+                int32_t v[3] = {R, q, (int32_t)i};
+                if (unit == 12) memcpy(p, v, 12);
+                else p[0] = (uint8_t)R, p[1] = (uint8_t)q, p[2] = (uint8_t)i;
+            }
+        memset(recv, 0xa5, (size_t)(nr * unit));
+        CHECK_OK(mrl_dist_alltoallv(D, send, sc, recv, rc, unit));
+        p = recv;
+        for (int q = 0; q < N; q++)
+            for (int64_t i = 0; i < rc[q]; i++, p += unit) {
+                int32_t v[3] = {0, 0, 0};
+                if (unit == 12) memcpy(v, p, 12);
+                else v[0] = p[0], v[1] = p[1], v[2] = p[2];
+                CHECK(v[0] == q && v[1] == R && v[2] == (unit == 12 ? (int32_t)i : (int32_t)(uint8_t)i));
+            }
+        free(send);
+        free(recv);
+    }
+    int64_t zero[64] = {0}, one[64];
+    for (int q = 0; q < N; q++) one[q] = 1;
+    CHECK(mrl_dist_alltoallv(D, NULL, zero, NULL, zero, 0) == MRL_ERR_INVALID); /* unit 0 */
+    CHECK(mrl_dist_alltoallv(D, NULL, one, NULL, zero, 4) == MRL_ERR_INVALID);  /* rows without a buffer */
+    zero[0] = -1;
+    CHECK(mrl_dist_alltoallv(D, NULL, zero, NULL, zero, 4) == MRL_ERR_INVALID);
+    CHECK(!mrl_dist_broken(D));
+}
+
 static void test_blobs(void) {
     for (int pattern = 0; pattern < 4; pattern++) {
         int64_t len = blob_len(pattern, R);
@@ -500,6 +543,7 @@ int main(void) {
     test_broadcast();
     test_allgather();
     test_blobs();
+    test_alltoallv();
     test_buckets();
     test_order_matters();
     test_split();

@@ -112,6 +112,14 @@ mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void
 mrl_status mrl_dist_reduce_scatter(mrl_dist *d, void *buf, int64_t count, int dtype, int op);
 /* In place over buf[count]: every rank's shard copied into the others. */
 mrl_status mrl_dist_allgather_shards(mrl_dist *d, void *buf, int64_t count, int dtype);
+/* Rows of `unit` bytes between every pair of ranks (expert parallelism's
+ * dispatch and combine): this rank sends send_counts[q] rows to rank q, the
+ * rows for q following those for the ranks before it in send, and receives
+ * recv_counts[q] rows from each rank q into recv, in rank order. The counts
+ * must match (what q sends this rank is what this rank expects of q): send
+ * them first, e.g. with mrl_dist_allgather. */
+mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send_counts, void *recv,
+                              const int64_t *recv_counts, int64_t unit);
 /* Variable-size byte blobs (samples, metrics; up to 1 GiB in all): every rank gives `bytes`
  * bytes; *out_data gets them all concatenated in rank order and
  * *out_offsets size + 1 offsets into it (rank r's blob is

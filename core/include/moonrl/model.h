@@ -29,6 +29,7 @@
 #pragma once
 #include <stdint.h>
 #include <stddef.h>
+#include "dist.h"
 #include "status.h"
 
 #ifdef __cplusplus
@@ -236,6 +237,25 @@ mrl_status mrl_model_get_routing(const mrl_model *m, int16_t *out, int64_t cap);
 void mrl_model_routing_replay_stats(const mrl_model *m, int64_t *replayed, int64_t *differ);
 void mrl_model_set_router_aux_coef(mrl_model *m, double coef);
 double mrl_model_router_aux_coef(const mrl_model *m);
+/* Expert parallelism over the ranks of d (a qwen3_moe model; d NULL: off, every expert here).
+ * The experts of every sparse layer are cut over d's ranks in contiguous blocks
+ * (mrl_dist_shard of num_experts: mrl_model_expert_range), and the forward and backward of
+ * mrl_model_forward / mrl_model_backward send each token a rank routed to the rank of its
+ * expert and the result back (all-to-all over d), so a rank runs only its own experts, on
+ * every rank's tokens. The results equal one process's on all the ranks' tokens (to rounding:
+ * the experts' products see other row counts). Every rank keeps all the weights: the engine,
+ * checkpoints and saving are as without; a rank's expert gradients are its own experts' over
+ * all ranks' tokens and zero for the rest, so summing the gradients over d's ranks (the
+ * data-parallel all-reduce) gives every rank the whole gradient. While it is on, each forward
+ * and backward is a collective of d: every rank runs the same sequence of them (one with
+ * fewer tokens still takes part, one with none passes an empty batch: n_tokens = n_seqs = 0,
+ * cu_seqlens = {0}, then still running the other ranks' rows through its experts), and a failed exchange is the call's error (the
+ * communicator's timeout report). The router's load-balancing loss stays per rank. d must
+ * outlive the setting (set NULL, or free the model, first). */
+mrl_status mrl_model_set_expert_parallel(mrl_model *m, mrl_dist *d);
+/* This rank's experts: first, count (all of them without expert parallelism); returns 1 when
+ * expert parallelism is on. */
+int mrl_model_expert_range(const mrl_model *m, int64_t *first, int64_t *count);
 
 /* ---- precision (DESIGN.md "Precision") ----
  * MRL_MODEL_FP32 (the default): every product in fp32, as always.
