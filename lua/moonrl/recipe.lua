@@ -201,6 +201,34 @@ function M.micro_batches(samples, max_tokens, opts)
   end
 end
 
+-- The micro-batches of an iterator (R.micro_batches) with, for each, whether it is the step's
+-- last (the one whose backward arms the gradient sums). Under expert parallelism
+-- (model:set_expert_parallel) every forward and backward of the model is a collective of its
+-- ranks, so each rank runs as many as the rank with the most (world:max), the rest empty
+-- batches (model.empty_batch, first = nil): through them a rank serves its experts to the others'
+-- tokens. Returns an iterator of (b, first, last, is_last).
+function M.collective_batches(model, world, it)
+  local list = {}
+  for b, first, last in it do list[#list + 1] = { b, first, last } end
+  local n = #list
+  if world and world.size > 1 and model.expert_range and select(3, model:expert_range()) then n = world:max(n) end
+  local i = 0
+  return function()
+    i = i + 1
+    if i > n then return nil end
+    local e = list[i]
+    if e then return e[1], e[2], e[3], i == n end
+    return model_mod.empty_batch(), nil, nil, i == n
+  end
+end
+
+-- An empty batch's forward and backward (see collective_batches).
+local no_grad = ffi.new('float[1]')
+function M.serve_experts(model, b)
+  model:forward(b)
+  model:backward(no_grad)
+end
+
 -- Per-sample copy of a per-token array over the response outputs: out[i] = Lua list of R floats.
 function M.gather(b, x, out, first)
   out = out or {}
@@ -231,17 +259,20 @@ function M.gather_field(samples, field)
 end
 
 -- Log-probs of every sample's response under model (no gradient), as per-sample lists; also
--- the value estimates when opts.values (a value-head model). opts.share_prompts (true): see pack.
+-- the value estimates when opts.values (a value-head model). opts.share_prompts (true): see pack;
+-- opts.world: the ranks, for a model with expert parallelism (collective_batches).
 function M.logprobs(model, samples, max_tokens, opts)
   opts = opts or {}
   local lps, vals = {}, opts.values and {} or nil
   -- opts.routing_replay: the forward replays the samples' engine routing (policy_step's option)
   local width = opts.routing_replay and model:num_moe_layers() * (model.config.num_experts_per_tok or 0) or 0
-  for b, first in M.micro_batches(samples, max_tokens, { share_prompts = opts.share_prompts ~= false,
-    routing = width > 0 and width or nil }) do
+  for b, first in M.collective_batches(model, opts.world, M.micro_batches(samples, max_tokens,
+      { share_prompts = opts.share_prompts ~= false, routing = width > 0 and width or nil })) do
     local lp, _, v = model:forward(b, { temperature = opts.temperature, values = opts.values, routing = b.routing })
-    M.gather(b, lp, lps, first)
-    if vals then M.gather(b, v, vals, first) end
+    if first then -- (an empty batch: expert parallelism, collective_batches)
+      M.gather(b, lp, lps, first)
+      if vals then M.gather(b, v, vals, first) end
+    end
   end
   return lps, vals
 end
@@ -417,8 +448,8 @@ function M.policy_step(o)
     sums.moe_aux, sums.moe_tokens, sums.moe_replayed, sums.moe_differ = 0, 0, 0, 0
     if o.routing_replay then share.routing = n_moe * model.config.num_experts_per_tok end
   end
-  for b, first, last in M.micro_batches(samples, o.micro_batch_tokens or 4096, share) do
-    if last == #samples and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
+  -- one micro-batch of this rank's samples (from first): forward, loss, backward
+  local function micro_step(b, first)
     local n = b.n_tokens
     local ref_lp = o.ref and o.ref:forward(b, { temperature = temp })
     local lp, ent = model:forward(b, { temperature = temp, routing = b.routing })
@@ -481,6 +512,12 @@ function M.policy_step(o)
     sums.entropy = sums.entropy + M.masked_mean(ent, b.mask, n) * mtok
     sums.clip_frac = sums.clip_frac + pm.clipfrac * mtok
     sums.approx_kl = sums.approx_kl + pm.approx_kl * mtok
+  end
+  for b, first, _, is_last in M.collective_batches(model, world, M.micro_batches(samples, o.micro_batch_tokens or 4096,
+      share)) do
+    if is_last and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
+    if first then micro_step(b, first)
+    else M.serve_experts(model, b) end -- nothing left here: serve the experts to the other ranks (expert parallelism)
   end
   if world and world.size > 1 then -- the parts of every rank, added
     sums.mm_sum, sums.mm_mult, sums.mm_n = mm.sum, mm.mult, mm.n

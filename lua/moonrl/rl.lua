@@ -85,8 +85,11 @@ end
 -- load-balancing loss's coefficient in the backward (default: the model config's
 -- router_aux_loss_coef when its output_router_logits is set, else 0, as Transformers; 0 turns it
 -- off). Both are logged every step under moe/ (aux_loss, aux_coef, replayed, routing_mismatch).
+-- expert_parallel: the trainer ranks split every sparse layer's experts between them, each running
+-- its block on all the ranks' tokens (model.h, mrl_model_set_expert_parallel; the weights stay
+-- whole on every rank, so the engine, checkpoints and saving are as without; one rank: no-op).
 function M.moe_config()
-  return { routing_replay = false,
+  return { routing_replay = false, expert_parallel = false,
     aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)') }
 end
 
@@ -271,9 +274,11 @@ end
 function Recipe:setup_moe()
   local S, moe = self.S, self.cfg.moe or {}
   local n_moe = S.policy and S.policy:num_moe_layers() or 0
-  if (moe.routing_replay or moe.aux_loss_coef ~= nil) and n_moe == 0 then
-    moonrl.usage_error(string.format("config key 'moe.%s': the model (%s) has no mixture-of-experts layers",
-      moe.routing_replay and 'routing_replay' or 'aux_loss_coef', S.policy and S.policy.config.model_type or 'none'))
+  local asked = moe.routing_replay and 'routing_replay' or moe.expert_parallel and 'expert_parallel' or
+    moe.aux_loss_coef ~= nil and 'aux_loss_coef'
+  if asked and n_moe == 0 then
+    moonrl.usage_error(string.format("config key 'moe.%s': the model (%s) has no mixture-of-experts layers", asked,
+      S.policy and S.policy.config.model_type or 'none'))
   end
   if moe.routing_replay and self.cfg.dist and (self.cfg.dist.rollout_ranks or 0) > 0 then -- batches travel as JSON
     moonrl.usage_error("config key 'moe.routing_replay': the routing record does not travel from dist.rollout_ranks " ..
@@ -284,6 +289,7 @@ function Recipe:setup_moe()
     S.policy:set_router_aux_coef(moe.aux_loss_coef)
   end
   if moe.routing_replay and S.engine then S.engine:record_routing(true) end
+  if moe.expert_parallel and S.world.size > 1 and S.role ~= 'rollout' then S.policy:set_expert_parallel(S.world) end
 end
 
 function Recipe:setup()
@@ -374,7 +380,7 @@ function Recipe:update(samples, info)
   local S, epochs = self.S, self.c.epochs or 1
   if epochs > 1 and #samples > 0 then
     local old = S:phase('old_logprobs', R.logprobs, S.policy, samples, self.cfg.train.micro_batch_tokens,
-      { temperature = self.c.temperature, routing_replay = self.cfg.moe and self.cfg.moe.routing_replay })
+      { temperature = self.c.temperature, routing_replay = self.cfg.moe and self.cfg.moe.routing_replay, world = S.world })
     for i, s in ipairs(samples) do s.old_logprobs = old[i] end
   end
   self.update_t0 = moonrl.now()

@@ -3,7 +3,9 @@
 -- activation recompute and with routing replay: each rank's log-probs and the summed gradients
 -- equal one process's on the whole batch, a rank's own experts' gradients are whole and the
 -- others' zero; a rank with no tokens (an empty batch) still serves its experts. A rank that never arrives fails the others' forward after the timeout with the
--- communicator's report; a dense model refuses the setting. Skipped where mpirun is absent.
+-- communicator's report; a dense model refuses the setting. GRPO with moe.expert_parallel on 2
+-- ranks (micro-batch counts that differ between the ranks, two epochs, routing replay) ends with
+-- the weights of plain data parallel. Skipped where mpirun is absent.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local proc = require('moonrl.proc')
@@ -69,6 +71,54 @@ for _, c in ipairs({ { 2, 'vader' }, { 3, 'tcp' } }) do
     end)
   end
 end
+
+t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plain data parallel', function()
+  local json = require('moonrl.json')
+  local dir = U.tmpdir('moe_ep_grpo')
+  local init = dir .. '/init'
+  require('moonrl.recipe').save({ dir = init }, moonrl.model.new({ model_type = 'qwen3_moe', vocab_size = 15,
+    hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
+    head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2,
+    num_experts = 5, num_experts_per_tok = 2, moe_intermediate_size = 16, norm_topk_prob = true,
+    initializer_range = 0.1 }, { seed = 3 }), U.TOKENIZER, init)
+  local recs = {}
+  for i, p in ipairs(U.additions(40, 6)) do recs[i] = { question = p.prompt, answer = p.answer } end
+  local data = U.write_jsonl(dir .. '/train.jsonl', recs)
+  local function grpo(name, ep)
+    local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+      'vader,self', exe, 'run', 'recipes/grpo.lua', 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question',
+      'data.chat=false', 'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=17', 'grpo.steps=3',
+      'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=5', 'grpo.epochs=2', 'grpo.temperature=1.5',
+      'moe.routing_replay=true', 'run.threads=1', 'run.progress=off', 'run.dir=' .. dir .. '/' .. name,
+      'moe.expert_parallel=' .. tostring(ep) }
+    local r = proc.run(argv, { timeout = 300 })
+    t.truthy(r.ok, name .. ": " .. r.stdout .. r.stderr)
+    local steps = {}
+    for l in io.lines(dir .. '/' .. name .. '/metrics.jsonl') do steps[#steps + 1] = json.decode(l) end
+    local w = U.weights(dir .. '/' .. name .. '/model/model.safetensors')
+    return steps, w
+  end
+  local dp_steps, dp_w = grpo('dp', false)
+  local ep_steps, ep_w = grpo('ep', true)
+  t.eq(#ep_steps, 3)
+  for i = 1, 3 do
+    t.near(ep_steps[i].loss, dp_steps[i].loss, 1e-4, 'loss of step ' .. i)
+    t.near(ep_steps[i]['reward/mean'], dp_steps[i]['reward/mean'], 1e-9, 'the same samples at step ' .. i)
+  end
+  local worst, changed = 0, 0
+  for n, a in pairs(dp_w) do
+    local b = ep_w[n]
+    for i = 0, a.n - 1 do worst = math.max(worst, math.abs(a.buf[i] - b.buf[i])) end
+  end
+  local w0 = dp_w['model.layers.0.mlp.experts.4.down_proj.weight']
+  local b0 = U.weights(init .. '/model.safetensors')['model.layers.0.mlp.experts.4.down_proj.weight'].buf
+  for i = 0, w0.n - 1 do if b0[i] ~= w0.buf[i] then changed = changed + 1 end end
+  print(string.format('  expert parallel vs data parallel after 3 steps: weights within %.2g; loss %.6f vs %.6f', worst,
+    ep_steps[3].loss, dp_steps[3].loss))
+  t.truthy(changed > 0, 'the last expert (rank 1\'s) was trained')
+  t.truthy(worst < 1e-5, 'weights within 1e-5: ' .. worst)
+  os.execute("rm -rf '" .. dir .. "'")
+end)
 
 t.test('a rank that never runs its forward: the others fail after the timeout, the report names it', function()
   local r = run(2, 'vader', { 'hang=true' })

@@ -46,17 +46,7 @@ local function run(n, recipe, words, opts)
   return r
 end
 
-local function weights(run_dir)
-  local st = require('moonrl.safetensors').open(run_dir .. '/model/model.safetensors')
-  local out = {}
-  for _, name in ipairs(st:names()) do
-    local n = st:info(name).numel
-    local buf = ffi.new('float[?]', n)
-    st:read_f32(name, buf)
-    out[name] = { buf = buf, n = n }
-  end
-  return out
-end
+local function weights(run_dir) return U.weights(run_dir .. '/model/model.safetensors') end
 
 local function rel_diff(a, b)
   local num, den = 0, 0

@@ -82,6 +82,21 @@ function M.words(base, run_dir, extra)
 end
 
 -- Run a recipe file with overrides {'key=value', ...}; returns what the recipe returns.
+-- The tensors of a safetensors file as fp32: { [name] = { buf = float[n], n = n } } (a run's
+-- saved model: RUN/model/model.safetensors).
+function M.weights(path)
+  local ffi = require('ffi')
+  local st = require('moonrl.safetensors').open(path)
+  local out = {}
+  for _, name in ipairs(st:names()) do
+    local n = st:info(name).numel
+    local buf = ffi.new('float[?]', n)
+    st:read_f32(name, buf)
+    out[name] = { buf = buf, n = n }
+  end
+  return out
+end
+
 function M.run_recipe(path, words)
   config.overrides = config.parse_overrides(words)
   config.consumed = false
