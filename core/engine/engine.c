@@ -456,7 +456,7 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
                            .max_new_tokens = r->max_new_tokens, .eos_ids = r->eos_ids, .n_eos = r->n_eos,
                            .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,
                            .step = r->step, .prompt_index = r->prompt_index,
-                           .first_sample = r->first_sample};
+                           .first_sample = r->first_sample, .top_logprobs = r->top_logprobs};
     if (!e->record_routing || e->route_width == 0 || r->prompt_len < 1 || r->n < 1 || r->max_new_tokens < 1) {
         st = mrl_sched_add(e->sched, &q, req_id); /* (bad sizes: the scheduler's error) */
         if (!st) e->next_req = *req_id + 1;
@@ -745,6 +745,13 @@ mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const in
     mrl_status st = check_idle(e, "get_output");
     if (st) return st;
     return mrl_sched_output(e->sched, req_id, sample, tokens, logprobs, NULL, n_tokens, finish_reason);
+}
+
+mrl_status mrl_engine_get_output_top_logprobs(mrl_engine *e, int req_id, int sample, const int32_t **ids,
+                                              const float **lps, int *top) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine get_output_top_logprobs: NULL engine");
+    mrl_status st = check_idle(e, "get_output_top_logprobs");
+    return st ? st : mrl_sched_output_top(e->sched, req_id, sample, ids, lps, top);
 }
 
 mrl_status mrl_engine_get_output_versions(mrl_engine *e, int req_id, int sample, const int64_t **versions) {

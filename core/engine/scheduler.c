@@ -15,6 +15,7 @@ typedef struct sched_req {
     int n;
     int first_seq; /* samples are seqs first_seq .. first_seq + n - 1 */
     int released;  /* mrl_sched_release: its outputs freed */
+    int top;       /* top_logprobs kept per generated token */
 } sched_req;
 
 typedef struct sched_seq {
@@ -22,6 +23,8 @@ typedef struct sched_seq {
     int32_t *tokens; /* prompt then generated, capacity n_prompt + max_new */
     float *lp, *lpp; /* per generated token */
     int64_t *ver;    /* per generated token: the weights version that sampled it */
+    int32_t *top_ids; /* [max_new, top] the most likely tokens at each generated position (req top > 0) */
+    float *top_lp;
     int n_prompt, n_tokens, n_computed;
     int kv;          /* kv cache sequence or -1 */
     int group_n;     /* a group leader: itself and the group_n - 1 seqs after it */
@@ -146,6 +149,8 @@ void mrl_sched_destroy(mrl_sched *s) {
         free(q->lp);
         free(q->lpp);
         free(q->ver);
+        free(q->top_ids);
+        free(q->top_lp);
     }
     free(s->reqs);
     free(s->seqs);
@@ -188,6 +193,9 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
                                  "(%d)", r->prompt[i], i, s->cfg.vocab_size);
     mrl_status st = mrl_sampling_params_check(&r->params);
     if (st) return st;
+    if (r->top_logprobs < 0 || r->top_logprobs > MRL_TOP_LOGPROBS_MAX || r->top_logprobs > s->cfg.vocab_size)
+        return mrl_set_error(MRL_ERR_INVALID, "sched_add: top_logprobs = %d (0..%d, at most the vocabulary)",
+                             r->top_logprobs, MRL_TOP_LOGPROBS_MAX);
     int max_new = r->max_new_tokens;
     if (max_new > s->cfg.max_model_len - r->prompt_len) max_new = s->cfg.max_model_len - r->prompt_len;
     int bs = mrl_kv_cache_block_size(s->kv);
@@ -209,6 +217,7 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
     q->max_new = max_new;
     q->n = r->n;
     q->first_seq = s->n_seqs;
+    q->top = r->top_logprobs;
     int fail = !q->eos || !q->stop;
     for (int j = 0; j < r->n; j++) {
         sched_seq *x = &s->seqs[s->n_seqs + j];
@@ -228,6 +237,11 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
         x->lpp = malloc((size_t)max_new * sizeof(float));
         x->ver = malloc((size_t)max_new * sizeof(int64_t));
         fail |= !x->tokens || !x->lp || !x->lpp || !x->ver;
+        if (q->top > 0) {
+            x->top_ids = malloc((size_t)max_new * (size_t)q->top * sizeof(int32_t));
+            x->top_lp = malloc((size_t)max_new * (size_t)q->top * sizeof(float));
+            fail |= !x->top_ids || !x->top_lp;
+        }
         if (x->tokens) memcpy(x->tokens, r->prompt, (size_t)r->prompt_len * sizeof(int32_t));
         x->n_tokens = leader ? r->prompt_len : 0;
     }
@@ -278,9 +292,13 @@ mrl_status mrl_sched_release(mrl_sched *s, int req_id) {
         free(x->lp);
         free(x->lpp);
         free(x->ver);
+        free(x->top_ids);
+        free(x->top_lp);
         x->tokens = NULL;
         x->lp = x->lpp = NULL;
         x->ver = NULL;
+        x->top_ids = NULL;
+        x->top_lp = NULL;
     }
     q->released = 1;
     return MRL_OK;
@@ -504,6 +522,30 @@ static mrl_status fork_children(mrl_sched *s, int id) {
     return MRL_OK;
 }
 
+/* The n most likely tokens of one row of logits and their log-probs under softmax(logits / t)
+ * over the whole vocabulary, t the row's temperature (1 when greedy): the distribution of the
+ * sampled token's logprob (engine.h), so the chosen token's entry matches it. Best first, ties
+ * the lower id (one pass keeping a sorted list of n: n <= MRL_TOP_LOGPROBS_MAX). */
+static void top_logprobs(const float *x, int V, const mrl_sampling_params *p, int n, int32_t *ids, float *lps) {
+    float inv = p->temperature < 1e-5f ? 1.0f : 1.0f / p->temperature;
+    float mx = -INFINITY;
+    for (int v = 0; v < V; v++) mx = x[v] > mx ? x[v] : mx;
+    double sum = 0;
+    for (int v = 0; v < V; v++) sum += exp((double)(x[v] - mx) * inv);
+    float lse = (float)(mx * inv + log(sum));
+    int have = 0;
+    for (int v = 0; v < V; v++) {
+        if (have == n && !(x[v] > x[ids[n - 1]])) continue; /* strict: an equal later id stays out */
+        int at = have < n ? have++ : n - 1;
+        while (at > 0 && x[v] > x[ids[at - 1]]) { /* shift the smaller ones down */
+            ids[at] = ids[at - 1];
+            at--;
+        }
+        ids[at] = v;
+    }
+    for (int i = 0; i < n; i++) lps[i] = x[ids[i]] * inv - lse;
+}
+
 mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     if (!s) return mrl_set_error(MRL_ERR_INVALID, "sched_update: NULL scheduler");
     if (!s->planned) return mrl_set_error(MRL_ERR_INVALID, "sched_update: no step was scheduled");
@@ -568,6 +610,9 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
         x->lp[n_out] = lp[i];
         x->lpp[n_out] = lpp[i];
         x->ver[n_out] = s->version;
+        if (q->top > 0)
+            top_logprobs(rows[i], V, &q->params, q->top, x->top_ids + (int64_t)n_out * q->top,
+                         x->top_lp + (int64_t)n_out * q->top);
         s->st.generated_tokens++;
         if (in_list(q->eos, q->n_eos, tok[i])) finish_seq(s, who[i], MRL_FINISH_EOS);
         else if (in_list(q->stop, q->n_stop, tok[i])) finish_seq(s, who[i], MRL_FINISH_STOP);
@@ -615,6 +660,16 @@ mrl_status mrl_sched_output(const mrl_sched *s, int req_id, int sample, const in
     if (logprobs_processed) *logprobs_processed = x->lpp;
     if (n) *n = n_out;
     if (finish_reason) *finish_reason = x->finish;
+    return MRL_OK;
+}
+
+mrl_status mrl_sched_output_top(const mrl_sched *s, int req_id, int sample, const int32_t **ids, const float **lps,
+                                int *top) {
+    sched_seq *x = find_seq(s, req_id, sample);
+    if (!x) return mrl_set_error(MRL_ERR_INVALID, "sched_output: no sample %d of request %d", sample, req_id);
+    if (ids) *ids = x->top_ids;
+    if (lps) *lps = x->top_lp;
+    if (top) *top = s->reqs[x->req].top;
     return MRL_OK;
 }
 

@@ -74,6 +74,7 @@ typedef struct mrl_sched_request {
     int64_t step;
     int64_t prompt_index;
     int64_t first_sample;       /* sample j's stream index is first_sample + j */
+    int top_logprobs;           /* 0..MRL_TOP_LOGPROBS_MAX most likely tokens kept per generated token */
 } mrl_sched_request;
 
 /* One step's flat batch; the arrays belong to the scheduler and stay valid
@@ -147,6 +148,11 @@ mrl_status mrl_sched_output(const mrl_sched *s, int req_id, int sample, const in
  * mrl_sched_set_version before its step's update. */
 mrl_status mrl_sched_output_versions(const mrl_sched *s, int req_id, int sample, const int64_t **versions);
 void mrl_sched_set_version(mrl_sched *s, int64_t version);
+/* The request's top_logprobs most likely tokens at each generated position of sample j, best
+ * first (ties: the lower id), with their log-probs under the same distribution as the sampled
+ * token's logprob: ids and lps [n, top] (n: mrl_sched_output's); top 0: none kept. */
+mrl_status mrl_sched_output_top(const mrl_sched *s, int req_id, int sample, const int32_t **ids, const float **lps,
+                                int *top);
 /* 1 when every sample of the request has finished, 0 when one has not, -1
  * when there is no such request. */
 int mrl_sched_request_done(const mrl_sched *s, int req_id);

@@ -8,6 +8,7 @@
 --     { temperature = 1.0, top_k = 0, top_p = 1.0, min_p = 0, max_tokens = 64, eos_ids = {2},
 --       stop_ids = {}, stop = {'\n\n'}, tokenizer = tok, step = step })
 --   results[i][j] = { ids = {...}, logprobs = {...}, finish_reason = 'stop' | 'length', text = '...' }
+--   (opts.top_logprobs = k, at most 20: also top_logprobs = { { {id, logprob}, ... k }, ... } a token)
 --   engine:stats()  -- steps, prefill/decode tokens, preemptions, prefix hits, KV blocks
 --
 -- Asynchronous RL (engine.h):
@@ -209,7 +210,8 @@ local function call_options(self, opts)
     local id = self.model.config.eos_token_id
     eos = (id and id >= 0) and { id } or {}
   end
-  return { tok = tok, stops = stops, max_stop = max_stop, on_text = opts.on_text, eos = eos }
+  return { tok = tok, stops = stops, max_stop = max_stop, on_text = opts.on_text, eos = eos,
+    top_logprobs = opts.top_logprobs or 0 }
 end
 
 -- Queue the requests (see generate); returns the job: { reqs = { {id, n}, ... } }. Nothing is
@@ -237,6 +239,7 @@ local function submit(self, requests, opts, o)
     r.max_new_tokens = q.max_tokens or max_tokens
     r.prompt_index = q.prompt_index or (i - 1)
     r.first_sample = q.first_sample or 0
+    r.top_logprobs = opts.top_logprobs or 0
     local st = C.mrl_engine_add_request(self.handle, r, id_out)
     if st ~= 0 then
       local msg = moonrl.last_error()
@@ -305,6 +308,7 @@ local function collect(self, job, o, release)
         lp[k + 1] = lps[k]
       end
       local s = { ids = ids, logprobs = lp, finish_reason = FINISH[reason] or 'stop' }
+      if o.top_logprobs > 0 then s.top_logprobs = self:top_logprobs(q.id, j - 1, n) end
       if self.weights then s.version, s.version_switches = versions(self, q.id, j - 1, n) end
       if self.routing_width then s.routing = routing(self, q.id, j - 1) end
       local w = job.watches and job.watches[i][j]
@@ -450,6 +454,7 @@ function Engine:add(q, opts)
   r.step = opts.step or 0
   r.prompt_index = q.prompt_index or 0
   r.first_sample = q.first_sample or 0
+  r.top_logprobs = opts.top_logprobs or 0
   local id_out = ffi.new('int[1]')
   moonrl.check(C.mrl_engine_add_request(self.handle, r, id_out), 2)
   return id_out[0]
@@ -464,6 +469,24 @@ end
 function Engine:output(id, j)
   local toks, lps, n, reason = output(self, id, j)
   return toks, lps, n, reason ~= 0 and (FINISH[reason] or 'stop') or nil
+end
+
+-- Sample j's (0-based) top_logprobs (opts.top_logprobs of generate / add, at most 20): for each
+-- of its first n generated tokens a list { {id, logprob}, ... } of the most likely tokens, best
+-- first, under the distribution of the sampled token's logprob (engine.h); nil when none asked.
+local top_ids, top_lps, top_n = ffi.new('const int32_t *[1]'), ffi.new('const float *[1]'), ffi.new('int[1]')
+function Engine:top_logprobs(id, j, n)
+  moonrl.check(C.mrl_engine_get_output_top_logprobs(self.handle, id, j, top_ids, top_lps, top_n), 2)
+  local k = top_n[0]
+  if k == 0 then return nil end
+  if not n then n = select(3, output(self, id, j)) end
+  local out = {}
+  for t = 0, n - 1 do
+    local row = {}
+    for i = 0, k - 1 do row[i + 1] = { top_ids[0][t * k + i], top_lps[0][t * k + i] } end
+    out[t + 1] = row
+  end
+  return out
 end
 
 function Engine:stop_sample(id, j) moonrl.check(C.mrl_engine_stop_sample(self.handle, id, j), 2) end

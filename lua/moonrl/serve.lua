@@ -17,8 +17,8 @@
 -- same seed gives the same text, whatever else is running. Without one, the server's --seed and
 -- the request's serial number key the streams.
 -- Log-probs are the engine's: under softmax(logits / temperature) over the whole vocabulary
--- (temperature 1 when greedy). top_logprobs hold the chosen token only (the engine does not
--- return alternatives).
+-- (temperature 1 when greedy). top_logprobs (chat's top_logprobs, completions' logprobs = k, at
+-- most 20) are the engine's k most likely tokens at each position, under the same distribution.
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local json = require('moonrl.json')
@@ -366,7 +366,8 @@ function Server:new_job(hid, body, chat)
   local ignore_eos = bool_field(body, 'ignore_eos', false) -- vLLM's: generate max_tokens whatever comes
   local opts = { temperature = temperature, top_p = top_p, top_k = top_k, min_p = min_p,
     eos_ids = ignore_eos and {} or self.eos,
-    stop_ids = stop_ids, seed = seed or self.seed, step = seed and 0 or self.serial }
+    stop_ids = stop_ids, seed = seed or self.seed, step = seed and 0 or self.serial,
+    top_logprobs = (chat and top_logprobs or (not chat and logprobs)) or 0 }
   for i, ids in ipairs(prompts) do
     local mt = max_tokens or (chat and self.default_max_tokens or 16)
     mt = math.min(mt, self.max_len - #ids)
@@ -409,6 +410,7 @@ end
 -- The logprobs of tokens [from, to) of a sample (completions format, or the chat format's list).
 function Server:logprobs_of(job, s, from, to, text_base)
   local toks, lps = self.engine:output(s.eid, s.j)
+  local alts = self.engine:top_logprobs(s.eid, s.j, to) -- nil when none asked
   if job.chat then
     local content = arr({})
     for k = from, to - 1 do
@@ -416,7 +418,10 @@ function Server:logprobs_of(job, s, from, to, text_base)
       local lp = lps[k]
       local bytes = arr({ t:byte(1, -1) })
       local top = arr({})
-      if (job.top_logprobs or 0) > 0 then top[1] = obj({ 'token', t, 'logprob', lp, 'bytes', bytes }) end
+      for _, a in ipairs(alts and alts[k + 1] or {}) do
+        local at = self:token_text(job, a[1])
+        top[#top + 1] = obj({ 'token', at, 'logprob', a[2], 'bytes', arr({ at:byte(1, -1) }) })
+      end
       content[#content + 1] = obj({ 'token', t, 'logprob', lp, 'bytes', bytes, 'top_logprobs', top })
     end
     return obj({ 'content', content })
@@ -427,7 +432,16 @@ function Server:logprobs_of(job, s, from, to, text_base)
     local t = self:token_text(job, toks[k])
     tokens[#tokens + 1] = t
     token_lps[#token_lps + 1] = lps[k]
-    top[#top + 1] = job.logprobs > 0 and obj({ t, lps[k] }) or null
+    if job.logprobs > 0 then -- { token: logprob } of the k most likely (the chosen one added when not among them, as OpenAI)
+      local pairs_ = { t, lps[k] }
+      for _, a in ipairs(alts and alts[k + 1] or {}) do
+        local at = self:token_text(job, a[1])
+        if at ~= t then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = at, a[2] end
+      end
+      top[#top + 1] = obj(pairs_)
+    else
+      top[#top + 1] = null
+    end
     offsets[#offsets + 1] = off
     off = off + #t
   end

@@ -2,7 +2,7 @@
 -- forward through moonrl.engine.mismatch, zero copy across an AdamW step,
 -- stop ids / EOS / max tokens, stop strings with a tokenizer, errors;
 -- swap_params in flight (from on_text), run_async / wait / running; a followed weight store's
--- versions recorded per token.
+-- versions recorded per token; top_logprobs against the trainer's log-probs.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
@@ -77,6 +77,60 @@ t.test('results and agreement with the trainer (sampled, temperature 0.8; greedy
     t.truthy(m.token_mult_prob_error >= 1 and m.token_mult_prob_error < 1 + 1e-5)
     t.eq(m.n, 3 * 3 * 12)
   end
+end)
+
+t.test('top_logprobs: the k most likely tokens, best first, as the trainer\'s log-probs of each', function()
+  local m = moonrl.model.new({ model_type = 'llama', vocab_size = 19, hidden_size = 32, intermediate_size = 48,
+    num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64,
+    initializer_range = 0.4 }, { seed = 5 })
+  local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 32, seed = 3 })
+  for _, temp in ipairs({ 0.7, 0 }) do
+    local res = e:generate({ { prompt_ids = { 1, 5, 6 }, n = 2 }, { prompt_ids = { 9 } } },
+      { temperature = temp, max_tokens = 5, top_logprobs = 19, eos_ids = {} })
+    for _, list in ipairs(res) do
+      for _, s in ipairs(list) do
+        t.eq(#s.top_logprobs, #s.ids)
+        for k, row in ipairs(s.top_logprobs) do
+          t.eq(#row, 19, 'the whole vocabulary asked for')
+          local mass, seen = 0, false
+          for i, a in ipairs(row) do
+            mass = mass + math.exp(a[2])
+            if i > 1 then t.truthy(a[2] <= row[i - 1][2], 'best first') end
+            if a[1] == s.ids[k] then
+              seen = true
+              t.near(a[2], s.logprobs[k], 1e-5, 'the sampled token\'s entry is its logprob')
+            end
+          end
+          t.truthy(seen, 'the sampled token is among them')
+          t.near(mass, 1, 1e-4, 'the whole vocabulary: probabilities sum to 1')
+          if temp == 0 then t.eq(row[1][1], s.ids[k], 'greedy: the first is the chosen token') end
+        end
+      end
+    end
+    -- the trainer: the log-prob of each of the first 3 alternatives at every position
+    local s = res[1][2]
+    local seqs, targets = {}, {}
+    for k = 1, #s.ids do
+      for i = 1, 3 do
+        local q, tg = { 1, 5, 6 }, {}
+        for j = 1, k - 1 do q[#q + 1] = s.ids[j] end
+        for j = 1, #q do tg[j] = -1 end
+        tg[#q] = s.top_logprobs[k][i][1]
+        seqs[#seqs + 1], targets[#targets + 1] = q, tg
+      end
+    end
+    local b = moonrl.model.batch(seqs, { targets = targets })
+    local lp = m:forward(b, { temperature = temp > 0 and temp or 1 })
+    for n = 1, #seqs do
+      local _, last = b:range(n)
+      local k, i = math.floor((n - 1) / 3) + 1, (n - 1) % 3 + 1
+      t.near(lp[last - 1], s.top_logprobs[k][i][2], 1e-5, string.format('position %d, alternative %d', k, i))
+    end
+  end
+  t.raises(function() e:generate({ { prompt_ids = { 1 } } }, { top_logprobs = 21 }) end, 'top_logprobs = 21')
+  local few = e:generate({ { prompt_ids = { 1 } } }, { max_tokens = 2, top_logprobs = 2 })[1][1]
+  t.eq(#few.top_logprobs[1], 2)
+  t.eq(e:generate({ { prompt_ids = { 1 } } }, { max_tokens = 2 })[1][1].top_logprobs, nil, 'none asked: none kept')
 end)
 
 t.test('same seed and step: same samples; another step: others', function()

@@ -1,6 +1,6 @@
 -- What `moonrl serve` must answer on the tiny model of make_tiny_model.lua, computed with the
 -- engine directly (test_serve.py compares): greedy and seeded samples of a text prompt, a chat
--- prompt rendered with the model's template. env: DIR (the model), OUT (the JSON to write).
+-- prompt rendered with the model's template (with the 3 most likely tokens at each position). env: DIR (the model), OUT (the JSON to write).
 local moonrl = require('moonrl')
 local json = moonrl.json
 local dir, out = os.getenv('DIR'), os.getenv('OUT')
@@ -18,8 +18,13 @@ local function run(prompt_ids, n, opts, seed)
   local r = e:generate({ { prompt_ids = prompt_ids, n = n } }, opts)[1]
   local list = json.array({})
   for j, s in ipairs(r) do
+    local top = json.array({}) -- per token: [[id, logprob], ...] (opts.top_logprobs)
+    for k, row in ipairs(s.top_logprobs or {}) do
+      top[k] = json.array({})
+      for i, a in ipairs(row) do top[k][i] = json.array({ a[1], a[2] }) end
+    end
     list[j] = json.object({ 'ids', json.array(s.ids), 'logprobs', json.array(s.logprobs), 'text', s.text,
-      'finish_reason', s.finish_reason })
+      'finish_reason', s.finish_reason, 'top', top })
   end
   return list
 end
@@ -32,6 +37,6 @@ f:write(json.encode(json.object({
   'greedy', run(prompt, 1, { temperature = 0, max_tokens = 20 }),
   'sampled', run(prompt, 3, { temperature = 1.0, max_tokens = 12 }, 7),
   'chat_prompt_ids', json.array(chat_ids),
-  'chat', run(chat_ids, 1, { temperature = 0, max_tokens = 8 }),
+  'chat', run(chat_ids, 1, { temperature = 0, max_tokens = 8, top_logprobs = 3 }),
 })))
 f:close()

@@ -212,7 +212,7 @@ def run_checks(srv, exp, gen_text, gen_chat, model):
 
     # chat with the model's template: `moonrl generate --chat`, the engine's ids
     status, r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-                                                  "temperature": 0, "logprobs": True, "top_logprobs": 1})
+                                                  "temperature": 0, "logprobs": True, "top_logprobs": 3})
     ok = status == 200 and r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
     check("chat-shape", ok, r)
     chat_text = r["choices"][0]["message"]["content"] if ok else None
@@ -221,7 +221,18 @@ def run_checks(srv, exp, gen_text, gen_chat, model):
     content = r["choices"][0]["logprobs"]["content"] if ok else []
     check("chat-logprobs", len(content) == len(exp["chat"][0]["ids"]) and
           max(abs(x["logprob"] - y) for x, y in zip(content, exp["chat"][0]["logprobs"])) < 1e-5 and
-          all(len(x["top_logprobs"]) == 1 for x in content))
+          all(len(x["top_logprobs"]) == 3 for x in content))
+    # the 3 alternatives: the engine's, best first; greedy, so the first is the chosen token
+    want_top = exp["chat"][0]["top"]
+    check("chat-top-logprobs", len(want_top) == len(content) and all(
+        abs(a["logprob"] - w[1]) < 1e-5 for x, ws in zip(content, want_top) for a, w in zip(x["top_logprobs"], ws)) and
+        all(x["top_logprobs"][0]["token"] == x["token"] and abs(x["top_logprobs"][0]["logprob"] - x["logprob"]) < 1e-6 and
+            x["top_logprobs"][0]["logprob"] >= x["top_logprobs"][1]["logprob"] >= x["top_logprobs"][2]["logprob"]
+            for x in content), content)
+    status, r3 = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "temperature": 0, "logprobs": 2})
+    tops = r3["choices"][0]["logprobs"]["top_logprobs"] if status == 200 else []
+    toks = r3["choices"][0]["logprobs"]["tokens"] if status == 200 else []
+    check("completion-top-logprobs", len(tops) == 5 and all(len(d) == 2 and t in d for d, t in zip(tops, toks)), r3)
     check("chat-usage", ok and r["usage"]["prompt_tokens"] == len(exp["chat_prompt_ids"]))
     # content as a list of text parts renders the same
     status, r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],

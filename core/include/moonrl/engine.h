@@ -116,7 +116,12 @@ typedef struct mrl_engine_request {
     int64_t step;
     int64_t prompt_index;
     int64_t first_sample;    /* 0 normally; k when a group's samples k.. come as their own request */
+    int top_logprobs;        /* 0..MRL_TOP_LOGPROBS_MAX: keep that many most likely tokens a generated
+                              * token (mrl_engine_get_output_top_logprobs); 0: none */
 } mrl_engine_request;
+
+/* The most top_logprobs a request may ask for (OpenAI's limit). */
+#define MRL_TOP_LOGPROBS_MAX 20
 
 typedef struct mrl_engine_stats {
     int64_t steps;
@@ -263,6 +268,13 @@ mrl_status mrl_engine_release(mrl_engine *e, int req_id);
  * pointer may be NULL. */
 mrl_status mrl_engine_get_output(mrl_engine *e, int req_id, int sample, const int32_t **tokens,
                                  const float **logprobs, int *n_tokens, int *finish_reason);
+/* The request's top_logprobs most likely tokens at each generated position of sample j, best
+ * first (ties: the lower id), and their log-probs under the distribution of the sampled token's
+ * logprob (softmax(logits / temperature) over the whole vocabulary; temperature 1 when greedy):
+ * ids and lps [n_tokens, *top], valid as mrl_engine_get_output's; *top = 0 (and NULL arrays)
+ * when the request asked for none. */
+mrl_status mrl_engine_get_output_top_logprobs(mrl_engine *e, int req_id, int sample, const int32_t **ids,
+                                              const float **lps, int *top);
 /* ---- routing record (mixture of experts; routing replay, R3) ----
  * With recording on, each request added afterwards keeps, for every token the engine runs
  * through the model (prompt tokens when prefilled, each generated token when it is fed back to
