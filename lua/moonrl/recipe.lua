@@ -886,7 +886,8 @@ end
 -- loaded tokenizer and the directory of its files), optimizer (false:
 -- no S.opt from the train section, the recipe registers its own), free_keys (config
 -- keys a resumed run may change, as session.start's), data (a moonrl.data view to stream prompts
--- from instead of cfg.data.path: a task's records, moonrl.tasks).
+-- from instead of cfg.data.path: a task's records, moonrl.tasks), check_policy(policy) (the
+-- recipe's checks of the loaded model, before the run directory exists).
 function M.start(cfg, opts)
   opts = opts or {}
   -- everything that can be checked or loaded is, before the run directory exists: a typo or a
@@ -911,6 +912,7 @@ function M.start(cfg, opts)
     end
     policy, tok, tpl, tok_dir = a, b, c, d
   end
+  if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
   local engine
   if cfg.engine and opts.engine ~= false and policy then

@@ -262,7 +262,8 @@ function Recipe:start_options()
   for old, target in pairs(self.aliases or {}) do -- an old name is as free as its target
     for _, k in ipairs(M.EVAL_KEYS) do if k == target then free[#free + 1] = old end end
   end
-  local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free }
+  local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free,
+    check_policy = function(policy) self:check_moe(policy) end }
   if cfg.data then
     o.chat, o.fields, o.optional = cfg.data.chat, { prompt = cfg.data.prompt, answer = cfg.data.answer }, { answer = true }
     if cfg.data.task then o.data = R.task_records(cfg, 'train'):shuffled(cfg.run.seed) end
@@ -270,24 +271,24 @@ function Recipe:start_options()
   return o
 end
 
--- moe.*: checked against the policy and applied (the engine's routing record, the aux coefficient).
-function Recipe:setup_moe()
-  local S, moe = self.S, self.cfg.moe or {}
-  local n_moe = S.policy and S.policy:num_moe_layers() or 0
+-- moe.*: checked against the policy once it is loaded, before the run directory exists (R.start's
+-- check_policy), then applied (the engine's routing record, the aux coefficient, expert parallelism).
+function Recipe:check_moe(policy)
+  local moe = self.cfg.moe or {}
   local asked = moe.routing_replay and 'routing_replay' or moe.expert_parallel and 'expert_parallel' or
     moe.aux_loss_coef ~= nil and 'aux_loss_coef'
-  if asked and n_moe == 0 then
+  if asked and (policy and policy:num_moe_layers() or 0) == 0 then
     moonrl.usage_error(string.format("config key 'moe.%s': the model (%s) has no mixture-of-experts layers", asked,
-      S.policy and S.policy.config.model_type or 'none'))
+      policy and policy.config.model_type or 'none'))
   end
-  if moe.routing_replay and self.cfg.dist and (self.cfg.dist.rollout_ranks or 0) > 0 then -- batches travel as JSON
-    moonrl.usage_error("config key 'moe.routing_replay': the routing record does not travel from dist.rollout_ranks " ..
-      '(generate on the trainer ranks: no rollout ranks, or async.mode with async.engine_threads)')
+  if moe.aux_loss_coef ~= nil and not (moe.aux_loss_coef >= 0) then
+    moonrl.usage_error("config key 'moe.aux_loss_coef' must be >= 0")
   end
-  if moe.aux_loss_coef ~= nil then
-    if not (moe.aux_loss_coef >= 0) then moonrl.usage_error("config key 'moe.aux_loss_coef' must be >= 0") end
-    S.policy:set_router_aux_coef(moe.aux_loss_coef)
-  end
+end
+
+function Recipe:setup_moe()
+  local S, moe = self.S, self.cfg.moe or {}
+  if moe.aux_loss_coef ~= nil then S.policy:set_router_aux_coef(moe.aux_loss_coef) end
   if moe.routing_replay and S.engine then S.engine:record_routing(true) end
   if moe.expert_parallel and S.world.size > 1 and S.role ~= 'rollout' then S.policy:set_expert_parallel(S.world) end
 end

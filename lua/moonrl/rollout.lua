@@ -69,6 +69,11 @@ function M.encode(samples, info)
       group_of[s.prompt_ids] = g
     end
     local e = json.object({ 'g', g })
+    if type(s.routing) == 'cdata' then -- the engine's routing record (moe.routing_replay): int16 per entry
+      local list = {}
+      for k = 0, ffi.sizeof(s.routing) / 2 - 1 do list[k + 1] = s.routing[k] end
+      e.routing = json.array(list)
+    end
     for k, v in pairs(s) do
       if not SKIP[k] and type(k) == 'string' then
         local t = type(v)
@@ -88,6 +93,11 @@ function M.decode(text, source)
   for i, e in ipairs(t.samples) do
     local s = {}
     for k, v in pairs(e) do if k ~= 'g' then s[k] = v end end
+    if type(s.routing) == 'table' then -- back to the int16 record R.pack_routing reads
+      local r = ffi.new('int16_t[?]', #s.routing)
+      for k = 1, #s.routing do r[k - 1] = s.routing[k] end
+      s.routing = r
+    end
     s.prompt_ids, s.group = t.groups[e.g], e.g -- one table per group: R.pack shares its rows
     samples[i] = s
   end

@@ -172,6 +172,7 @@ t.test('grpo: routing replay and the aux loss coefficient, logged', function()
     U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. dense, 'data.path=' .. data, 'data.prompt=question',
       'data.chat=false', 'reward=exact', 'grpo.steps=1', 'moe.routing_replay=true', 'run.dir=' .. dir .. '/d' })
   end, 'moe.routing_replay')
+  t.truthy(not require('moonrl.fs').exists(dir .. '/d'), 'refused before the run directory exists')
   os.execute("rm -rf '" .. dir .. "'")
 end)
 

@@ -5,7 +5,8 @@
 -- others' zero; a rank with no tokens (an empty batch) still serves its experts. A rank that never arrives fails the others' forward after the timeout with the
 -- communicator's report; a dense model refuses the setting. GRPO with moe.expert_parallel on 2
 -- ranks (micro-batch counts that differ between the ranks, two epochs, routing replay) ends with
--- the weights of plain data parallel. Skipped where mpirun is absent.
+-- the weights of plain data parallel; with a rollout rank, the engine's routing record travels to
+-- the trainer and is replayed. Skipped where mpirun is absent.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local proc = require('moonrl.proc')
@@ -84,13 +85,14 @@ t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plai
   local recs = {}
   for i, p in ipairs(U.additions(40, 6)) do recs[i] = { question = p.prompt, answer = p.answer } end
   local data = U.write_jsonl(dir .. '/train.jsonl', recs)
-  local function grpo(name, ep)
+  local function grpo(name, ep, extra)
     local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
       'vader,self', exe, 'run', 'recipes/grpo.lua', 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question',
       'data.chat=false', 'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=17', 'grpo.steps=3',
       'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=5', 'grpo.epochs=2', 'grpo.temperature=1.5',
       'moe.routing_replay=true', 'run.threads=1', 'run.progress=off', 'run.dir=' .. dir .. '/' .. name,
       'moe.expert_parallel=' .. tostring(ep) }
+    for _, w in ipairs(extra or {}) do argv[#argv + 1] = w end
     local r = proc.run(argv, { timeout = 300 })
     t.truthy(r.ok, name .. ": " .. r.stdout .. r.stderr)
     local steps = {}
@@ -117,6 +119,12 @@ t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plai
     ep_steps[3].loss, dp_steps[3].loss))
   t.truthy(changed > 0, 'the last expert (rank 1\'s) was trained')
   t.truthy(worst < 1e-5, 'weights within 1e-5: ' .. worst)
+  -- routing replay from a rollout rank: its engine's routing record travels with the batch
+  local ro = grpo('rollout', false, { 'dist.rollout_ranks=1' })
+  for i, r in ipairs(ro) do
+    t.truthy(r['moe/replayed'] > 0.5, 'step ' .. i .. ': replayed share ' .. tostring(r['moe/replayed']))
+    t.eq(r['moe/routing_mismatch'], 0, 'the trainer runs the experts the rollout rank sampled with')
+  end
   os.execute("rm -rf '" .. dir .. "'")
 end)
 
