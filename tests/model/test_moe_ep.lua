@@ -119,6 +119,13 @@ t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plai
     ep_steps[3].loss, dp_steps[3].loss))
   t.truthy(changed > 0, 'the last expert (rank 1\'s) was trained')
   t.truthy(worst < 1e-5, 'weights within 1e-5: ' .. worst)
+  -- small gradient buckets reduced while the backward's exchanges run, and ZeRO-1: the same weights
+  local _, zw = grpo('ep_buckets', true, { 'dist.bucket_mb=0.004', 'dist.zero=1' })
+  local zworst = 0
+  for n, a in pairs(dp_w) do
+    for i = 0, a.n - 1 do zworst = math.max(zworst, math.abs(a.buf[i] - zw[n].buf[i])) end
+  end
+  t.truthy(zworst < 1e-5, 'buckets and zero=1 under expert parallelism: weights within 1e-5: ' .. zworst)
   -- routing replay from a rollout rank: its engine's routing record travels with the batch
   local ro = grpo('rollout', false, { 'dist.rollout_ranks=1' })
   for i, r in ipairs(ro) do
