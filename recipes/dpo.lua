@@ -30,6 +30,7 @@ local cfg = moonrl.config {
   eval = E.config(),
   reward = R.reward_config('exact'),
   engine = R.engine_config { kv_cache_mb = moonrl.config.integer(128) }, -- made only when eval.every > 0
+  moe = { expert_parallel = false }, -- a qwen3_moe policy: its experts split over the ranks (README)
   save = true,
   quiet = false, -- no step lines
 }
@@ -46,8 +47,10 @@ end
 local ds = task and R.task_records(cfg, 'train') or R.open_data(cfg, { prompt = cfg.data.prompt, chosen = cfg.data.chosen,
   rejected = cfg.data.rejected })
 local S = R.start(cfg, { name = 'dpo', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
-  engine = E.wanted(cfg), free_keys = E.KEYS })
+  engine = E.wanted(cfg), check_policy = function(p) R.check_expert_parallel(p, cfg.moe.expert_parallel) end,
+  free_keys = E.KEYS })
 local model = S.policy
+R.expert_parallel(S, cfg.moe.expert_parallel)
 
 -- every pair as two samples (chosen, rejected) with the prompt's ids
 local pairs_list = {}
@@ -71,7 +74,7 @@ local heldout = E.wanted(cfg) and E.records(S, cfg, nil, { answer = cfg.data.cho
 S:phase('reference', function()
   local flat = {}
   for _, pr in ipairs(pairs_list) do flat[#flat + 1] = pr[1]; flat[#flat + 1] = pr[2] end
-  local lps = R.logprobs(model, flat, cfg.train.micro_batch_tokens)
+  local lps = R.logprobs(model, flat, cfg.train.micro_batch_tokens, { world = S.world })
   for i, s in ipairs(flat) do
     local sum = 0
     for _, x in ipairs(lps[i]) do sum = sum + x end
@@ -114,7 +117,7 @@ local function update(batch)
   local samples = {}
   for _, pr in ipairs(S:shard(batch)) do samples[#samples + 1] = pr[1]; samples[#samples + 1] = pr[2] end
   return R.supervised_step(S, S.opt, { lr = S:lr(), max_grad_norm = cfg.train.max_grad_norm,
-    batches = R.micro_batches(samples, cfg.train.micro_batch_tokens, { unit = 2, share_prompts = true }),
+    batches = S:micro_batches(samples, cfg.train.micro_batch_tokens, { unit = 2, share_prompts = true, mine = true }),
     loss = function(b, lp, first, last)
       local nseq = last - first + 1
       local ref_seq = ffi.new('double[?]', nseq)

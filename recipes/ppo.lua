@@ -69,15 +69,17 @@ function ppo:critic_step(samples)
   critic:zero_grad()
   local mine = S:local_samples(samples)
   for b, first in S:micro_batches(samples, self.cfg.train.micro_batch_tokens) do
-    local _, _, v = critic:forward(b, { values = true })
-    local dv = ffi.new('float[?]', b.n_tokens)
-    local l, m = algo.value_loss.clipped({ values = v, old_values = R.scatter(b, R.gather_field(mine, 'values'), first),
-      returns = R.scatter(b, R.gather_field(mine, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
-      nseq = b.n_seqs, clip = self.c.value_clip, grad = dv, global_tokens = tokens })
-    critic:backward(nil, nil, dv)
-    local mt = 0
-    for _, n in ipairs(b.len) do mt = mt + n end
-    loss, clipfrac = loss + l, clipfrac + m.vf_clipfrac * mt / math.max(tokens, 1)
+    if first then -- (an empty batch, first nil, serves the policy's experts: the critic has none)
+      local _, _, v = critic:forward(b, { values = true })
+      local dv = ffi.new('float[?]', b.n_tokens)
+      local l, m = algo.value_loss.clipped({ values = v, old_values = R.scatter(b, R.gather_field(mine, 'values'), first),
+        returns = R.scatter(b, R.gather_field(mine, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
+        nseq = b.n_seqs, clip = self.c.value_clip, grad = dv, global_tokens = tokens })
+      critic:backward(nil, nil, dv)
+      local mt = 0
+      for _, n in ipairs(b.len) do mt = mt + n end
+      loss, clipfrac = loss + l, clipfrac + m.vf_clipfrac * mt / math.max(tokens, 1)
+    end
   end
   local m = S:sum({ loss = loss, clip_frac = clipfrac })
   m.grad_norm = self.critic_opt:clip_grad_norm(self.cfg.train.max_grad_norm)

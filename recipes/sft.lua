@@ -31,6 +31,7 @@ local cfg = moonrl.config {
   eval_every = moonrl.config.optional('integer', 'the old name of eval.every'),
   reward = R.reward_config('exact'), -- the judge of held-out answers (reward=math for worked solutions)
   engine = R.engine_config { kv_cache_mb = moonrl.config.integer(128) }, -- made only when eval.every > 0
+  moe = { expert_parallel = false }, -- a qwen3_moe policy: its experts split over the ranks (README)
   save = true,
   quiet = false, -- no step lines
 }
@@ -52,8 +53,10 @@ end
 local free = { 'eval_every' }
 for _, k in ipairs(E.KEYS) do free[#free + 1] = k end
 local S = R.start(cfg, { name = 'sft', steps = cfg.train.steps, steps_key = 'train.steps', chat = cfg.data.chat,
-  engine = E.wanted(cfg), free_keys = free })
+  engine = E.wanted(cfg), check_policy = function(p) R.check_expert_parallel(p, cfg.moe.expert_parallel) end,
+  free_keys = free })
 local model = S.policy
+R.expert_parallel(S, cfg.moe.expert_parallel)
 local batches = S:dataset('train', train_set:shuffled(cfg.run.seed)):batches(cfg.train.batch, { epochs = math.huge })
 local function response(rec) return cfg.data.task and rec.answer or rec.response end
 

@@ -562,7 +562,7 @@ end
 -- batch), the parts summed over the ranks, the gradient norm clipped, the update applied through
 -- the session's guards (apply_update). o:
 --   batches   an iterator of (packed batch, first, last) over this rank's samples
---             (S:micro_batches, or R.micro_batches with its options)
+--             (S:micro_batches, which under expert parallelism also gives empty batches, first nil)
 --   loss(b, lp, first, last) -> loss, grad, parts   a micro-batch's loss (a number), its gradient
 --             with respect to the log-probs lp (float[b.n_tokens]), and other numbers to add up
 --   lr; max_grad_norm (1.0); model (opt.model)
@@ -572,11 +572,15 @@ function M.supervised_step(S, opt, o)
   local sums = { loss = 0 }
   model:zero_grad()
   for b, first, last in o.batches do
-    local lp = model:forward(b)
-    local loss, grad, parts = o.loss(b, lp, first, last)
-    model:backward(grad)
-    sums.loss = sums.loss + loss
-    for k, v in pairs(parts or {}) do sums[k] = (sums[k] or 0) + v end
+    if not first then -- an empty batch (expert parallelism, S:micro_batches): serve the experts
+      M.serve_experts(model, b)
+    else
+      local lp = model:forward(b)
+      local loss, grad, parts = o.loss(b, lp, first, last)
+      model:backward(grad)
+      sums.loss = sums.loss + loss
+      for k, v in pairs(parts or {}) do sums[k] = (sums[k] or 0) + v end
+    end
   end
   local m = S and S:sum(sums) or sums
   m.grad_norm = opt:clip_grad_norm(o.max_grad_norm or 1.0)
@@ -1110,6 +1114,39 @@ end
 -- A frozen copy of the initial policy (a KL reference). Before the loop: a resumed run restores
 -- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
 function RS:reference() return M.clone(self.policy) end
+
+-- Session:micro_batches with the policy's expert parallelism (collective_batches): every rank as
+-- many micro-batches, empty ones serving the experts, and the gradient sums armed on the last of
+-- all (an empty batch's backward still adds to this rank's experts).
+function RS:micro_batches(samples, max_tokens, opts)
+  local policy = self.policy
+  if not (policy and policy.expert_range and select(3, policy:expert_range())) then
+    return session.Session.micro_batches(self, samples, max_tokens, opts)
+  end
+  local mine = opts and opts.mine and samples or self:local_samples(samples)
+  local it = M.collective_batches(policy, self.world, M.micro_batches(mine, max_tokens, opts))
+  return function()
+    local b, first, last, is_last = it()
+    if b and is_last then
+      for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
+    end
+    return b, first, last
+  end
+end
+
+-- moe.expert_parallel of a supervised recipe (SFT, DPO; RL recipes: moonrl.rl's setup_moe):
+-- check_expert_parallel(policy, on) is R.start's check_policy (a usage error before the run
+-- directory exists), expert_parallel(S, on) sets it over the ranks.
+function M.check_expert_parallel(policy, on)
+  if on and (policy and policy:num_moe_layers() or 0) == 0 then
+    moonrl.usage_error(string.format("config key 'moe.expert_parallel': the model (%s) has no mixture-of-experts layers",
+      policy and policy.config.model_type or 'none'))
+  end
+end
+
+function M.expert_parallel(S, on)
+  if on and S.world.size > 1 then S.policy:set_expert_parallel(S.world) end
+end
 
 -- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).
 function RS:lr() return self.lr_at(self.step) end

@@ -340,11 +340,12 @@ function Session:local_samples(samples)
   return (self:shard(samples))
 end
 
--- R.micro_batches over this rank's samples (local_samples); the last one arms the gradient
+-- R.micro_batches over this rank's samples (local_samples; opts.mine: samples are this rank's
+-- already, e.g. a shard of pairs); the last one arms the gradient
 -- buckets so that their sums start while its backward runs.
 function Session:micro_batches(samples, max_tokens, opts)
   local R = require('moonrl.recipe')
-  local mine = self:local_samples(samples)
+  local mine = opts and opts.mine and samples or self:local_samples(samples)
   local it = R.micro_batches(mine, max_tokens, opts)
   return function()
     local b, first, last = it()

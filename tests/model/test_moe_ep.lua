@@ -73,21 +73,33 @@ for _, c in ipairs({ { 2, 'vader' }, { 3, 'tcp' } }) do
   end
 end
 
+-- A tiny qwen3_moe (5 experts: uneven blocks over 2 ranks) saved in Hugging Face format at dir.
+local function tiny_moe(dir, seed)
+  require('moonrl.recipe').save({ dir = dir }, moonrl.model.new({ model_type = 'qwen3_moe', vocab_size = 15,
+    hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
+    head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2,
+    num_experts = 5, num_experts_per_tok = 2, moe_intermediate_size = 16, norm_topk_prob = true,
+    initializer_range = 0.1 }, { seed = seed }), U.TOKENIZER, dir)
+end
+
+-- mpirun -n 2 moonrl run WORDS... (shared memory)
+local function two_ranks(words)
+  local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+    'vader,self', exe, 'run' }
+  for _, w in ipairs(words) do argv[#argv + 1] = w end
+  return argv
+end
+
 t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plain data parallel', function()
   local json = require('moonrl.json')
   local dir = U.tmpdir('moe_ep_grpo')
   local init = dir .. '/init'
-  require('moonrl.recipe').save({ dir = init }, moonrl.model.new({ model_type = 'qwen3_moe', vocab_size = 15,
-    hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
-    head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2,
-    num_experts = 5, num_experts_per_tok = 2, moe_intermediate_size = 16, norm_topk_prob = true,
-    initializer_range = 0.1 }, { seed = 3 }), U.TOKENIZER, init)
+  tiny_moe(init, 3)
   local recs = {}
   for i, p in ipairs(U.additions(40, 6)) do recs[i] = { question = p.prompt, answer = p.answer } end
   local data = U.write_jsonl(dir .. '/train.jsonl', recs)
   local function grpo(name, ep, extra)
-    local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
-      'vader,self', exe, 'run', 'recipes/grpo.lua', 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question',
+    local argv = two_ranks { 'recipes/grpo.lua', 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question',
       'data.chat=false', 'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=17', 'grpo.steps=3',
       'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=5', 'grpo.epochs=2', 'grpo.temperature=1.5',
       'moe.routing_replay=true', 'run.threads=1', 'run.progress=off', 'run.dir=' .. dir .. '/' .. name,
@@ -132,6 +144,47 @@ t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plai
     t.truthy(r['moe/replayed'] > 0.5, 'step ' .. i .. ': replayed share ' .. tostring(r['moe/replayed']))
     t.eq(r['moe/routing_mismatch'], 0, 'the trainer runs the experts the rollout rank sampled with')
   end
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
+t.test('sft and dpo with moe.expert_parallel on 2 ranks: the weights of plain data parallel', function()
+  local dir = U.tmpdir('moe_ep_sup')
+  local init = dir .. '/init'
+  tiny_moe(init, 4)
+  local sft, prefs = {}, {}
+  for i, p in ipairs(U.additions(45, 8)) do
+    sft[i] = { prompt = p.prompt, response = p.answer .. string.rep('1', i % 4) } -- lengths that differ
+    prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. string.rep('=', 1 + i % 3) }
+  end
+  local words = {
+    sft = { 'data.path=' .. U.write_jsonl(dir .. '/sft.jsonl', sft), 'train.steps=3', 'train.batch=15', 'train.lr=3e-3' },
+    dpo = { 'data.path=' .. U.write_jsonl(dir .. '/prefs.jsonl', prefs), 'train.steps=3', 'train.pairs=7',
+            'train.lr=3e-3', 'dpo.beta=0.5' },
+  }
+  for _, recipe in ipairs({ 'sft', 'dpo' }) do
+    local function run(name, ep)
+      local argv = two_ranks { recipe, 'model.dir=' .. init, 'train.micro_batch_tokens=20', 'run.threads=1',
+        'run.progress=off', 'quiet=true', 'run.dir=' .. dir .. '/' .. name, 'moe.expert_parallel=' .. tostring(ep) }
+      for _, w in ipairs(words[recipe]) do argv[#argv + 1] = w end
+      local r = proc.run(argv, { timeout = 300 })
+      t.truthy(r.ok, name .. ': ' .. r.stdout .. r.stderr)
+      return U.weights(dir .. '/' .. name .. '/model/model.safetensors')
+    end
+    local dp, ep = run(recipe .. '_dp', false), run(recipe .. '_ep', true)
+    local worst = 0
+    for n, a in pairs(dp) do
+      for i = 0, a.n - 1 do worst = math.max(worst, math.abs(a.buf[i] - ep[n].buf[i])) end
+    end
+    print(string.format('  %s: expert parallel vs data parallel after 3 steps: weights within %.2g', recipe, worst))
+    t.truthy(worst < 1e-5, recipe .. ': weights within 1e-5: ' .. worst)
+  end
+  U.tiny_model(dir .. '/dense')
+  local r = proc.run({ exe, 'run', 'sft', 'model.dir=' .. dir .. '/dense', 'data.path=' .. dir .. '/sft.jsonl',
+    'moe.expert_parallel=true', 'run.dir=' .. dir .. '/bad' }, { timeout = 60 })
+  t.eq(r.exit_status, 2)
+  t.truthy(r.stderr:find("config key 'moe.expert_parallel': the model (llama) has no mixture-of-experts layers", 1, true),
+    r.stderr)
+  t.truthy(not require('moonrl.fs').exists(dir .. '/bad'), 'no run directory')
   os.execute("rm -rf '" .. dir .. "'")
 end)
 
