@@ -59,7 +59,7 @@ function M.due(cfg, step)
   return e ~= nil and e.every > 0 and step % e.every == 0
 end
 
--- The held-out records { prompt, answer, meta, prompt_ids, prompt_index }: eval.data, eval.task,
+-- The held-out records { prompt, answer, meta, prompt_ids, prompt_index, ... }: eval.data, eval.task,
 -- data.task's held-out split, else own (a list of { prompt, answer }; nil: none). o.answer: the
 -- data section's key of eval.data's reference answer (default data.answer or 'answer').
 function M.records(S, cfg, own, o)
@@ -78,10 +78,11 @@ function M.records(S, cfg, own, o)
   end
   local n = e.prompts > 0 and math.min(e.prompts, #list) or #list
   local out = {}
-  for i = 1, n do
-    local r = list[i]
-    out[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta, prompt_index = i - 1,
-      prompt_ids = r.prompt_ids or R.prompt_ids(S.tok, S.tpl, r.prompt, d.system) }
+  for i = 1, n do -- (a copy of each record: a reward may read its other fields, s.record)
+    local r = {}
+    for k, v in pairs(list[i]) do r[k] = v end
+    r.prompt_index, r.prompt_ids = i - 1, r.prompt_ids or R.prompt_ids(S.tok, S.tpl, r.prompt, d.system)
+    out[i] = r
   end
   return out
 end

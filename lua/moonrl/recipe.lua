@@ -928,8 +928,8 @@ function M.start(cfg, opts)
   end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
     require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
+    M.check_reward(cfg)
   end
-  M.check_reward(cfg)
   local data = opts.data
   if not data and opts.fields and cfg.data then
     data = M.open_data(cfg, opts.fields, opts.optional):shuffled(cfg.run.seed)
