@@ -54,8 +54,10 @@ struct moe_ep {
     mrl_status st;               /* the first failure since mrl_moe_ep_begin */
 };
 
-static void fail(struct moe_ep *ep, mrl_status st) {
-    if (!ep->st) ep->st = st;
+/* keeps the first failure; returns 1 for `if (failed(...)) return;` */
+static int failed(struct moe_ep *ep, mrl_status st) {
+    if (st && !ep->st) ep->st = st;
+    return st != MRL_OK;
 }
 
 /* room for rows in *buf (floats of width w each); the old contents are not kept */
@@ -107,7 +109,7 @@ void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a
     (void)T;
     if (ep->st) return; /* the exchange failed earlier in this pass: the others stop too */
     mrl_status st = mrl_dist_allgather(ep->d, a->eoff, (int64_t)sizeof(int32_t) * (E + 1), ep->all_eoff);
-    if (st) return fail(ep, st);
+    if (failed(ep, st)) return;
     int64_t rows = 0;
     for (int q = 0; q < P; q++) {
         const int32_t *oq = ep->all_eoff + (int64_t)q * (E + 1);
@@ -115,12 +117,14 @@ void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a
         L->rcount[q] = oq[e0 + ne] - oq[e0];
         rows += L->rcount[q];
     }
-    if (rows > INT32_MAX || !ensure_rows(ep, L, rows, D, Fe))
-        return fail(ep, mrl_set_error(MRL_ERR_NOMEM, "model forward: expert parallelism: no room for %lld rows of "
-                                      "this rank's experts", (long long)rows));
+    if (rows > INT32_MAX || !ensure_rows(ep, L, rows, D, Fe)) {
+        failed(ep, mrl_set_error(MRL_ERR_NOMEM, "model forward: expert parallelism: no room for %lld rows of this "
+                                 "rank's experts", (long long)rows));
+        return;
+    }
     L->rows = rows;
-    if ((st = mrl_dist_alltoallv(ep->d, a->xe, L->scount, ep->arrive, L->rcount, (int64_t)sizeof(float) * D)))
-        return fail(ep, st);
+    if (failed(ep, mrl_dist_alltoallv(ep->d, a->xe, L->scount, ep->arrive, L->rcount, (int64_t)sizeof(float) * D)))
+        return;
     /* expert-major: my expert e's rows from source 0, then source 1, ... (token order in each) */
     int64_t j = 0;
     for (int64_t i = 0; i < ne; i++) {
@@ -137,8 +141,7 @@ void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a
     permute_rows(L->x, ep->arrive, L->perm, rows, D, 0);
     mrl_moe_experts_forward(m, p, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work);
     permute_rows(ep->arrive, ep->work, L->perm, rows, D, 1);
-    if ((st = mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, a->ey, L->scount, (int64_t)sizeof(float) * D)))
-        fail(ep, st);
+    failed(ep, mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, a->ey, L->scount, (int64_t)sizeof(float) * D));
 }
 
 void mrl_moe_ep_backward(const mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
@@ -149,13 +152,12 @@ void mrl_moe_ep_backward(const mrl_model *m, const layer_params *p, const layer_
     int64_t e0 = ep->first[ep->rank], ne = ep->first[ep->rank + 1] - e0;
     (void)T;
     if (ep->st) return;
-    mrl_status st = mrl_dist_alltoallv(ep->d, dye, L->scount, ep->arrive, L->rcount, (int64_t)sizeof(float) * D);
-    if (st) return fail(ep, st);
+    if (failed(ep, mrl_dist_alltoallv(ep->d, dye, L->scount, ep->arrive, L->rcount, (int64_t)sizeof(float) * D)))
+        return;
     permute_rows(ep->work, ep->arrive, L->perm, L->rows, D, 0);
     mrl_moe_experts_backward(m, p, g, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work, ep->df1, ep->df2);
     permute_rows(ep->arrive, ep->work, L->perm, L->rows, D, 1);
-    if ((st = mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, dye, L->scount, (int64_t)sizeof(float) * D)))
-        fail(ep, st);
+    failed(ep, mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, dye, L->scount, (int64_t)sizeof(float) * D));
 }
 
 struct moe_ep_layer *mrl_moe_ep_layer(const mrl_model *m, int ord) {
