@@ -147,7 +147,7 @@ t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plai
   os.execute("rm -rf '" .. dir .. "'")
 end)
 
-t.test('sft and dpo with moe.expert_parallel on 2 ranks: the weights of plain data parallel', function()
+t.test('sft and dpo with moe.expert_parallel on 2 ranks: the weights of plain data parallel; a killed rank', function()
   local dir = U.tmpdir('moe_ep_sup')
   local init = dir .. '/init'
   tiny_moe(init, 4)
@@ -178,6 +178,24 @@ t.test('sft and dpo with moe.expert_parallel on 2 ranks: the weights of plain da
     print(string.format('  %s: expert parallel vs data parallel after 3 steps: weights within %.2g', recipe, worst))
     t.truthy(worst < 1e-5, recipe .. ': weights within 1e-5: ' .. worst)
   end
+  -- a rank killed mid-step (its peer waiting in an exchange): moonrl launch --restarts resumes the
+  -- job from its checkpoint, and it ends with the clean run's weights, byte for byte
+  local function bytes(path)
+    local f = assert(io.open(path, 'rb'))
+    local b = f:read('*a')
+    f:close()
+    return b
+  end
+  local argv = { '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=kill:step=2:phase=train:rank=1:attempt=0',
+    'MOONRL_THREADS=1', exe, 'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self',
+    'sft', 'model.dir=' .. init, 'train.micro_batch_tokens=20', 'run.threads=1', 'run.progress=off', 'quiet=true',
+    'run.dir=' .. dir .. '/sft_killed', 'moe.expert_parallel=true', 'run.checkpoint_every=1', 'dist.timeout=20' }
+  for _, w in ipairs(words.sft) do argv[#argv + 1] = w end
+  local killed = proc.run(argv, { timeout = 300 })
+  t.truthy(killed.ok, 'the supervised job finished: ' .. killed.stdout .. killed.stderr)
+  t.truthy(killed.stderr:find('restarting', 1, true), 'after a restart')
+  t.truthy(bytes(dir .. '/sft_killed/model/model.safetensors') == bytes(dir .. '/sft_ep/model/model.safetensors'),
+    'a killed rank under expert parallelism: the clean run\'s weights')
   U.tiny_model(dir .. '/dense')
   local r = proc.run({ exe, 'run', 'sft', 'model.dir=' .. dir .. '/dense', 'data.path=' .. dir .. '/sft.jsonl',
     'moe.expert_parallel=true', 'run.dir=' .. dir .. '/bad' }, { timeout = 60 })
