@@ -114,9 +114,9 @@ void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const l
  * outputs back into a->ey; backward: dye [A,D] (d ey) to the same ranks, d xe back into it.
  * A failure is kept in the model's EP state (mrl_moe_ep_status) and the layer's outputs are
  * then meaningless. layer: a->ep of sparse layer number ord of the trainer's forward. */
-void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T);
+void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a);
 void mrl_moe_ep_backward(const mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
-                         float *dye, int64_t T);
+                         float *dye);
 struct moe_ep_layer *mrl_moe_ep_layer(const mrl_model *m, int ord);
 /* the first failure of the exchanges since mrl_moe_ep_begin (MRL_OK: none, or no EP) */
 void mrl_moe_ep_begin(const mrl_model *m);

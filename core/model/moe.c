@@ -172,7 +172,7 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
     route(c, a, T);
     k->gather_rows(a->xe, a->ln2, a->tok, A, D); /* [A,D] */
     if (a->ep) /* the rows to the ranks of their experts, the outputs back into ey (moe_ep.c) */
-        mrl_moe_ep_forward(m, p, a, T);
+        mrl_moe_ep_forward(m, p, a);
     else
         mrl_moe_experts_forward(m, p, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, a->ey);
     for (int64_t t = 0; t < T; t++) { /* out[t] += sum_j w ye, picks in order */
@@ -250,7 +250,7 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
         for (int64_t e = 0; e < E; e++) dl[e] = pt[e] * (dl[e] - dot);
     }
     if (a->ep) /* d ey to the ranks of the experts, d xe back (moe_ep.c) */
-        mrl_moe_ep_backward(m, p, g, a, s->dye, T);
+        mrl_moe_ep_backward(m, p, g, a, s->dye);
     else
         mrl_moe_experts_backward(m, p, g, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, s->dye, s->df1, s->df2);
     /* the router (fp32), then each pick's dxe back to its token, in grouped order */

@@ -99,14 +99,13 @@ static void permute_rows(float *dst, const float *src, const int32_t *perm, int6
     }
 }
 
-void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T) {
+void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a) {
     struct moe_ep *ep = m->ep;
     struct moe_ep_layer *L = a->ep;
     const mrl_model_config *c = &m->cfg;
     int64_t D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
     int P = ep->size, me = ep->rank;
     int64_t e0 = ep->first[me], ne = ep->first[me + 1] - e0;
-    (void)T;
     if (ep->st) return; /* the exchange failed earlier in this pass: the others stop too */
     mrl_status st = mrl_dist_allgather(ep->d, a->eoff, (int64_t)sizeof(int32_t) * (E + 1), ep->all_eoff);
     if (failed(ep, st)) return;
@@ -145,12 +144,11 @@ void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a
 }
 
 void mrl_moe_ep_backward(const mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
-                         float *dye, int64_t T) {
+                         float *dye) {
     struct moe_ep *ep = m->ep;
     const struct moe_ep_layer *L = a->ep;
     int64_t D = m->cfg.hidden_size;
     int64_t e0 = ep->first[ep->rank], ne = ep->first[ep->rank + 1] - e0;
-    (void)T;
     if (ep->st) return;
     if (failed(ep, mrl_dist_alltoallv(ep->d, dye, L->scount, ep->arrive, L->rcount, (int64_t)sizeof(float) * D)))
         return;

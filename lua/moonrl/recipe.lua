@@ -208,10 +208,19 @@ end
 -- batches (model.empty_batch, first = nil): through them a rank serves its experts to the others'
 -- tokens. Returns an iterator of (b, first, last, is_last).
 function M.collective_batches(model, world, it)
-  local list = {}
+  if not (world and world.size > 1 and model.expert_range and select(3, model:expert_range())) then
+    -- no expert parallelism: packed as they are used, one ahead to know the last
+    local nb, nf, nl = it()
+    return function()
+      local b, first, last = nb, nf, nl
+      if not b then return nil end
+      nb, nf, nl = it()
+      return b, first, last, nb == nil
+    end
+  end
+  local list = {} -- (every rank needs the count first)
   for b, first, last in it do list[#list + 1] = { b, first, last } end
-  local n = #list
-  if world and world.size > 1 and model.expert_range and select(3, model:expert_range()) then n = world:max(n) end
+  local n = world:max(#list)
   local i = 0
   return function()
     i = i + 1
@@ -1127,9 +1136,7 @@ function RS:micro_batches(samples, max_tokens, opts)
   local it = M.collective_batches(policy, self.world, M.micro_batches(mine, max_tokens, opts))
   return function()
     local b, first, last, is_last = it()
-    if b and is_last then
-      for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
-    end
+    if b and is_last then self:arm_gradient_sums() end
     return b, first, last
   end
 end

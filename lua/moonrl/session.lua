@@ -343,15 +343,19 @@ end
 -- R.micro_batches over this rank's samples (local_samples; opts.mine: samples are this rank's
 -- already, e.g. a shard of pairs); the last one arms the gradient
 -- buckets so that their sums start while its backward runs.
+-- The next backward is the step's last: every optimizer's gradient sums start during it
+-- (dist.data_parallel's buckets, mrl_dist_buckets_arm).
+function Session:arm_gradient_sums()
+  for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
+end
+
 function Session:micro_batches(samples, max_tokens, opts)
   local R = require('moonrl.recipe')
   local mine = opts and opts.mine and samples or self:local_samples(samples)
   local it = R.micro_batches(mine, max_tokens, opts)
   return function()
     local b, first, last = it()
-    if b and last == #mine then
-      for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
-    end
+    if b and last == #mine then self:arm_gradient_sums() end
     return b, first, last
   end
 end
