@@ -3,15 +3,18 @@
  * the optimizer and the dtype conversions call ops only through it, so a
  * backend is a new table. CPU reference (plain loops, trusted by tests), CPU
  * fast (OpenBLAS + the AVX-512 / AVX2 / SSE loops chosen at run time,
- * kernels/cpu/isa.h); CUDA later. tests/kernels/test_ops.c runs every op of
- * every table against the reference. Internal to the core (not part of the
- * FFI).
+ * kernels/cpu/isa.h) and CUDA (kernels/cuda, on device memory: the
+ * memory slots below say where a table's arrays live and move them).
+ * tests/kernels/test_ops.c runs every op of every CPU table against the
+ * reference, tests/gpu/test_cuda_ops.c the CUDA table's. Internal to the
+ * core (not part of the FFI).
  *
  * Row-major everywhere. T = tokens, D = row width. Functions whose name
  * ends in _bwd ACCUMULATE (+=) into parameter gradients; what they do to
  * input gradients is said per op. */
 #pragma once
 #include <stdint.h>
+#include "moonrl/device.h"
 #include "moonrl/engine.h" /* mrl_sampling_params */
 #include "moonrl/status.h"
 
@@ -98,6 +101,25 @@ typedef struct mrl_adamw_args {
 
 typedef struct mrl_kernels {
     const char *name;
+
+    /* ---- the table's memory ----
+     * on_device 0: every array an op takes is host memory (the CPU tables);
+     * 1: device memory the host cannot read (CUDA: allocated on the device,
+     * mrl_buffer_alloc; the exceptions are listed in kernels/cuda/cuda_backend.h).
+     * The four slots below work on either: copy and zero within the table's
+     * memory (ordered with the ops), to_device from host memory (the host
+     * array may be reused when it returns), to_host into host memory once
+     * every op before it is done (copy's dst and src must not overlap).
+     * sync waits for every op launched and returns the first failure of a
+     * slot that returns nothing (bad shapes, a launch or library error)
+     * since the last sync, clearing it: the model ends each forward and
+     * backward with it. The CPU tables have nothing pending: MRL_OK. */
+    int on_device;
+    void (*copy)(void *dst, const void *src, int64_t bytes);
+    void (*zero)(void *dst, int64_t bytes);
+    mrl_status (*to_device)(void *dst, const void *host_src, int64_t bytes);
+    mrl_status (*to_host)(void *host_dst, const void *src, int64_t bytes);
+    mrl_status (*sync)(void);
 
     /* C[M,N] = alpha * op(A) op(B) + beta * C, op(X) = X or X^T
      * (trans_a: A is stored [K,M]; trans_b: B is stored [N,K]). */
@@ -215,6 +237,10 @@ typedef struct mrl_kernels {
 
 const mrl_kernels *mrl_kernels_cpu_reference(void);
 const mrl_kernels *mrl_kernels_cpu_fast(void);
+/* The table of a device (core/runtime/device.c): the CPU's fast table, or
+ * the CUDA table for a GPU (NULL when moonrl was built without CUDA). With
+ * mrl_device_of, the table that can work on a given array. */
+const mrl_kernels *mrl_kernels_for(mrl_device device);
 /* Which vector path the fast table uses here: "avx512", "avx2" or "sse"
  * (the one CPU-feature choice of kernels/cpu/isa.c; mrl_kernel_isa() in
  * moonrl/runtime.h reports it). */

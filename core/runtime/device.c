@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #include "moonrl/device.h"
 #ifdef MRL_HAVE_CUDA
 #include "cuda_backend.h"
@@ -89,7 +90,7 @@ mrl_status mrl_buffer_alloc(mrl_device device, size_t bytes, mrl_mem_category ca
         if (st != MRL_OK) return st;
         st = mrl_cuda_memset_zero(out->data, bytes, NULL);
         if (st != MRL_OK) return st;
-        mrl_mem_account(category, (int64_t)bytes);
+        mrl_mem_account_device(category, (int64_t)bytes);
 #endif
     }
     out->bytes = bytes;
@@ -105,7 +106,7 @@ void mrl_buffer_free(mrl_buffer *buffer) {
     } else {
 #ifdef MRL_HAVE_CUDA
         mrl_cuda_free(buffer->data);
-        mrl_mem_account(buffer->category, -(int64_t)buffer->bytes);
+        mrl_mem_account_device(buffer->category, -(int64_t)buffer->bytes);
 #endif
     }
     buffer->data = NULL;
@@ -146,6 +147,36 @@ mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream) {
 #endif
 }
 
+
+const mrl_kernels *mrl_kernels_for(mrl_device device) {
+    if (device.kind == MRL_DEVICE_CPU) return mrl_kernels_cpu_fast();
+#ifdef MRL_HAVE_CUDA
+    return mrl_kernels_cuda();
+#else
+    return NULL;
+#endif
+}
+
+mrl_device mrl_device_of(const void *ptr) {
+#ifdef MRL_HAVE_CUDA
+    int index = -1;
+    if (ptr && mrl_cuda_pointer_device(ptr, &index)) return (mrl_device){MRL_DEVICE_CUDA, index};
+#else
+    (void)ptr;
+#endif
+    return (mrl_device){MRL_DEVICE_CPU, 0};
+}
+
+mrl_status mrl_device_memcpy(void *dst, const void *src, size_t bytes) {
+    if (!bytes || dst == src) return MRL_OK;
+    if (!dst || !src) return mrl_set_error(MRL_ERR_INVALID, "device memcpy of %zu bytes: NULL pointer", bytes);
+#ifdef MRL_HAVE_CUDA
+    if (mrl_device_of(dst).kind != MRL_DEVICE_CPU || mrl_device_of(src).kind != MRL_DEVICE_CPU)
+        return mrl_cuda_memcpy(dst, src, bytes, 3, NULL);
+#endif
+    memmove(dst, src, bytes);
+    return MRL_OK;
+}
 
 mrl_status mrl_stream_create(mrl_device device, mrl_stream **out) {
     *out = NULL;

@@ -17,23 +17,40 @@ typedef struct block_header {
 } block_header;
 #define BLOCK_MAGIC 0x6d726c4du
 
-static _Atomic int64_t current[MRL_MEM_NUM_CATEGORIES];
-static _Atomic int64_t peak[MRL_MEM_NUM_CATEGORIES];
-static _Atomic int64_t total, total_peak;
+/* one set of counters per device kind: [0] host, [1] CUDA (every GPU of the process) */
+static _Atomic int64_t counters_current[2][MRL_MEM_NUM_CATEGORIES];
+static _Atomic int64_t counters_peak[2][MRL_MEM_NUM_CATEGORIES];
+static _Atomic int64_t counters_total[2], counters_total_peak[2];
 
 static void raise_peak(_Atomic int64_t *peak_slot, int64_t value) {
     int64_t seen = atomic_load(peak_slot);
     while (value > seen && !atomic_compare_exchange_weak(peak_slot, &seen, value)) {}
 }
 
-void mrl_mem_account(mrl_mem_category category, int64_t delta) {
+static void account(int kind, mrl_mem_category category, int64_t delta) {
     if ((int)category < 0 || category >= MRL_MEM_NUM_CATEGORIES) category = MRL_MEM_OTHER;
-    int64_t now = atomic_fetch_add(&current[category], delta) + delta;
-    int64_t all = atomic_fetch_add(&total, delta) + delta;
+    int64_t now = atomic_fetch_add(&counters_current[kind][category], delta) + delta;
+    int64_t all = atomic_fetch_add(&counters_total[kind], delta) + delta;
     if (delta > 0) {
-        raise_peak(&peak[category], now);
-        raise_peak(&total_peak, all);
+        raise_peak(&counters_peak[kind][category], now);
+        raise_peak(&counters_total_peak[kind], all);
     }
+}
+
+void mrl_mem_account(mrl_mem_category category, int64_t delta) { account(0, category, delta); }
+void mrl_mem_account_device(mrl_mem_category category, int64_t delta) { account(1, category, delta); }
+
+static void get_stats(int kind, mrl_mem_stats *out) {
+    for (int i = 0; i < MRL_MEM_NUM_CATEGORIES; i++) {
+        out->current[i] = atomic_load(&counters_current[kind][i]);
+        out->peak[i] = atomic_load(&counters_peak[kind][i]);
+    }
+    out->total = atomic_load(&counters_total[kind]);
+    out->total_peak = atomic_load(&counters_total_peak[kind]);
+}
+
+void mrl_mem_get_device_stats(mrl_mem_stats *out) {
+    if (out) get_stats(1, out);
 }
 
 /* A number from a /proc or cgroup file: the value after `key` (NULL: the
@@ -86,7 +103,7 @@ void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
             mrl_set_error(MRL_ERR_NOMEM, "%s asks for %.2f GiB, more than the %.2f GiB of memory available "
                           "(MemAvailable, or the container's limit); this process holds %.2f GiB through moonrl",
                           mrl_mem_category_name(category), bytes / 1073741824.0, avail / 1073741824.0,
-                          atomic_load(&total) / 1073741824.0);
+                          atomic_load(&counters_total[0]) / 1073741824.0);
             return NULL;
         }
     }
@@ -117,17 +134,15 @@ void mrl_mem_free(void *ptr) {
 }
 
 void mrl_mem_get_stats(mrl_mem_stats *out) {
-    for (int i = 0; i < MRL_MEM_NUM_CATEGORIES; i++) {
-        out->current[i] = atomic_load(&current[i]);
-        out->peak[i] = atomic_load(&peak[i]);
-    }
-    out->total = atomic_load(&total);
-    out->total_peak = atomic_load(&total_peak);
+    if (out) get_stats(0, out);
 }
 
 void mrl_mem_reset_peak(void) {
-    for (int i = 0; i < MRL_MEM_NUM_CATEGORIES; i++) atomic_store(&peak[i], atomic_load(&current[i]));
-    atomic_store(&total_peak, atomic_load(&total));
+    for (int kind = 0; kind < 2; kind++) {
+        for (int i = 0; i < MRL_MEM_NUM_CATEGORIES; i++)
+            atomic_store(&counters_peak[kind][i], atomic_load(&counters_current[kind][i]));
+        atomic_store(&counters_total_peak[kind], atomic_load(&counters_total[kind]));
+    }
 }
 
 const char *mrl_mem_category_name(mrl_mem_category category) {

@@ -12,6 +12,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include "kernels.h"
+#include "cpu/memory.h"
 #include "cpu/adamw.h"
 #include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
@@ -509,6 +510,12 @@ static void fast_panels_pack(float *P, const float *W, int64_t N, int64_t K) {
 
 static const mrl_kernels fast_table = {
     .name = "cpu-fast",
+    .on_device = 0,
+    .copy = mrl_cpu_copy,
+    .zero = mrl_cpu_zero,
+    .to_device = mrl_cpu_transfer,
+    .to_host = mrl_cpu_transfer,
+    .sync = mrl_cpu_sync,
     .gemm = fast_gemm,
     .gemm_group = fast_gemm_group,
     .gemm_bf16 = mrl_cpu_gemm_bf16,

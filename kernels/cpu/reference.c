@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <string.h>
 #include "kernels.h"
+#include "cpu/memory.h"
 #include "cpu/adamw.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/isa.h"
@@ -265,6 +266,12 @@ static void ref_head_bwd(float *logits, int64_t rows, int V, float inv_temp, con
 
 static const mrl_kernels reference_table = {
     .name = "cpu-reference",
+    .on_device = 0,
+    .copy = mrl_cpu_copy,
+    .zero = mrl_cpu_zero,
+    .to_device = mrl_cpu_transfer,
+    .to_host = mrl_cpu_transfer,
+    .sync = mrl_cpu_sync,
     .gemm = ref_gemm,
     .gemm_group = ref_gemm_group,
     .gemm_bf16 = mrl_cpu_gemm_bf16_reference,

@@ -14,8 +14,11 @@ int mrl_cuda_device_count(void);
 mrl_status mrl_cuda_describe(int device, char *buf, size_t buf_size);
 mrl_status mrl_cuda_malloc(int device, size_t bytes, void **out);
 void mrl_cuda_free(void *ptr);
-/* kind: 0 host->device, 1 device->host, 2 device->device */
+/* kind: 0 host->device, 1 device->host, 2 device->device, 3 either way
+ * (told by the addresses); complete on return for 1 and 3 */
 mrl_status mrl_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream);
+/* 1 and *device when ptr is device memory of this process; 0 otherwise */
+int mrl_cuda_pointer_device(const void *ptr, int *device);
 mrl_status mrl_cuda_memset_zero(void *ptr, size_t bytes, void *stream);
 mrl_status mrl_cuda_stream_create(int device, void **out);
 mrl_status mrl_cuda_stream_sync(void *stream);

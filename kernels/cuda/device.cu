@@ -39,13 +39,26 @@ extern "C" void mrl_cuda_free(void *ptr) {
 }
 
 extern "C" mrl_status mrl_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream) {
-    cudaMemcpyKind k = kind == 0 ? cudaMemcpyHostToDevice : kind == 1 ? cudaMemcpyDeviceToHost
-                                                                        : cudaMemcpyDeviceToDevice;
+    cudaMemcpyKind k = kind == 0   ? cudaMemcpyHostToDevice
+                       : kind == 1 ? cudaMemcpyDeviceToHost
+                       : kind == 2 ? cudaMemcpyDeviceToDevice
+                                   : cudaMemcpyDefault;
     mrl_status st = check(cudaMemcpyAsync(dst, src, bytes, k, (cudaStream_t)stream), "cudaMemcpyAsync");
     if (st != MRL_OK) return st;
     // a copy to the host must be complete when the call returns
-    if (kind == 1) return check(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize");
+    if (kind == 1 || kind == 3) return check(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize");
     return MRL_OK;
+}
+
+extern "C" int mrl_cuda_pointer_device(const void *ptr, int *device) {
+    cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+        cudaGetLastError();  // a plain host pointer on an old driver: not an error of ours
+        return 0;
+    }
+    if (attr.type != cudaMemoryTypeDevice) return 0;
+    *device = attr.device;
+    return 1;
 }
 
 extern "C" mrl_status mrl_cuda_memset_zero(void *ptr, size_t bytes, void *stream) {

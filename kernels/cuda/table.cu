@@ -123,8 +123,51 @@ extern "C" void mrl_cuda_ops_release(void) {
     g_scratch = NULL, g_scratch_bytes = 0, g_flag = NULL;
 }
 
+// ---- the table's memory (kernels.h): device memory, moved on the table's stream ----
+
+static void cuda_copy(void *dst, const void *src, int64_t bytes) {
+    if (bytes <= 0 || dst == src) return;
+    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)bytes, cudaMemcpyDeviceToDevice, g_stream);
+    if (err != cudaSuccess)
+        cuda_ops_fail(MRL_ERR_DEVICE, "cuda copy of %lld bytes: %s", (long long)bytes, cudaGetErrorString(err));
+}
+
+static void cuda_zero(void *dst, int64_t bytes) {
+    if (bytes <= 0) return;
+    cudaError_t err = cudaMemsetAsync(dst, 0, (size_t)bytes, g_stream);
+    if (err != cudaSuccess)
+        cuda_ops_fail(MRL_ERR_DEVICE, "cuda zero of %lld bytes: %s", (long long)bytes, cudaGetErrorString(err));
+}
+
+// From pageable host memory, cudaMemcpyAsync returns once the source is
+// staged: the caller may reuse it at once (moonrl never pins host memory).
+static mrl_status cuda_to_device(void *dst, const void *src, int64_t bytes) {
+    if (bytes <= 0) return MRL_OK;
+    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)bytes, cudaMemcpyHostToDevice, g_stream);
+    if (err != cudaSuccess)
+        return mrl_set_error(MRL_ERR_DEVICE, "cuda copy of %lld bytes to the device: %s", (long long)bytes,
+                             cudaGetErrorString(err));
+    return MRL_OK;
+}
+
+static mrl_status cuda_to_host(void *dst, const void *src, int64_t bytes) {
+    if (bytes <= 0) return MRL_OK;
+    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)bytes, cudaMemcpyDeviceToHost, g_stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(g_stream);
+    if (err != cudaSuccess)
+        return mrl_set_error(MRL_ERR_DEVICE, "cuda copy of %lld bytes to the host: %s", (long long)bytes,
+                             cudaGetErrorString(err));
+    return MRL_OK;
+}
+
 static const mrl_kernels cuda_table = {
     .name = "cuda",
+    .on_device = 1,
+    .copy = cuda_copy,
+    .zero = cuda_zero,
+    .to_device = cuda_to_device,
+    .to_host = cuda_to_host,
+    .sync = mrl_cuda_ops_check,
     .gemm = cuda_gemm,
     .gemm_group = cuda_gemm_group,
     .gemm_bf16 = cuda_gemm_bf16,

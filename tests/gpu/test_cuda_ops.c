@@ -12,7 +12,7 @@
  * Skips (exit 77) where no GPU is visible.
  *   test_cuda_ops [GROUP]    the checks (GROUP: only gemm, rmsnorm, rope,
  *                            swiglu, rows, convert, optim, attn, head,
- *                            paged, sample or errors)
+ *                            paged, sample, errors or memory)
  *   test_cuda_ops --bench    also the TFLOP/s of the products and attention
  *   SEED=n test_cuda_ops     other inputs */
 #include <stddef.h>
@@ -351,6 +351,33 @@ static void cases_rows(void) {
         mrl_cuda_free(didx), mrl_cuda_free(dsrc), mrl_cuda_free(dout), mrl_cuda_free(dg), mrl_cuda_free(ddst),
             mrl_cuda_free(dbias), mrl_cuda_free(dy), mrl_cuda_free(ddb);
         free(idx), free(src), free(out), free(g), free(dst), free(b), free(y), free(db);
+    }
+}
+
+/* the table's memory slots: to_device, copy (at odd offsets), zero of a middle part, to_host */
+static void cases_memory(void) {
+    static const int64_t sizes[] = {1, 7, 4099, 1 << 20};
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+        int64_t n = sizes[s];
+        char shape[64];
+        snprintf(shape, sizeof shape, "%lld bytes", (long long)n);
+        unsigned char *h = malloc(n), *want = malloc(n + 3), *got = malloc(n + 3);
+        for (int64_t i = 0; i < n; i++) h[i] = (unsigned char)(urand() * 256);
+        void *a = up(NULL, n), *b = up(NULL, n + 3);
+        CHECK_OK(G->to_device(a, h, n));
+        memset(want, 0x5a, n + 3);
+        CHECK_OK(G->to_device(b, want, n + 3));
+        G->copy((char *)b + 3, a, n);
+        memcpy(want + 3, h, n);
+        int64_t z0 = n / 3, zn = n / 3;
+        G->zero((char *)b + z0, zn);
+        memset(want + z0, 0, zn);
+        CHECK_OK(G->sync());
+        CHECK_OK(G->to_host(got, b, n + 3));
+        record("memory", "copy/zero/to_host", 0, memcmp(got, want, n + 3) ? INFINITY : 0, shape);
+        cmp_bytes("memory", "to_device", a, h, n, shape);
+        mrl_cuda_free(a), mrl_cuda_free(b);
+        free(h), free(want), free(got);
     }
 }
 
@@ -787,15 +814,17 @@ int main(int argc, char **argv) {
     CHECK(mrl_cuda_ops_stream() == stream);
 
     /* every slot is there */
-    const void *const *slot = (const void *const *)&G->gemm;
-    for (size_t i = 0; i < (sizeof(mrl_kernels) - offsetof(mrl_kernels, gemm)) / sizeof(void *); i++) CHECK(slot[i] != NULL);
+    CHECK(G->on_device == 1);
+    const void *const *slot = (const void *const *)&G->copy;
+    for (size_t i = 0; i < (sizeof(mrl_kernels) - offsetof(mrl_kernels, copy)) / sizeof(void *); i++) CHECK(slot[i] != NULL);
 
     static const struct {
         const char *name;
         void (*run)(void);
     } groups[] = {{"gemm", cases_gemm},   {"rmsnorm", cases_rmsnorm}, {"rope", cases_rope},   {"swiglu", cases_swiglu},
                   {"rows", cases_rows},   {"convert", cases_convert}, {"optim", cases_optim}, {"attn", cases_attn},
-                  {"head", cases_head},   {"paged", cases_paged},     {"sample", cases_sample}, {"errors", cases_errors}};
+                  {"head", cases_head},   {"paged", cases_paged},     {"sample", cases_sample}, {"errors", cases_errors},
+                  {"memory", cases_memory}};
     int bench_too = 0;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {

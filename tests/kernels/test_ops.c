@@ -1380,6 +1380,19 @@ static void contracts(void) {
     for (int t = 0; t < N_TABLES; t++) {
         const mrl_kernels *k = use(&tables[t]);
         if (!k || tables[t].alloc) continue; /* host arrays below */
+        if (wanted("memory")) { /* a CPU table's memory is the host's: the slots are plain copies */
+            unsigned char a[19], b[19], want[19];
+            for (int i = 0; i < 19; i++) a[i] = (unsigned char)(i * 37 + 1), b[i] = 0xee;
+            CHECK(k->on_device == 0);
+            CHECK_OK(k->to_device(b, a, 11));
+            k->copy(b + 11, a, 8);
+            k->zero(b + 2, 3);
+            CHECK_OK(k->sync());
+            memcpy(want, a, 11), memcpy(want + 11, a, 8), memset(want + 2, 0, 3);
+            CHECK(memcmp(b, want, 19) == 0);
+            CHECK_OK(k->to_host(a, b, 19));
+            CHECK(memcmp(a, want, 19) == 0);
+        }
         if (wanted("paged_attn")) {
             float buf[64] = {0};
             int32_t table_[2] = {0, 1}, lens[1] = {4}, qs[2] = {0, 1};

@@ -46,6 +46,14 @@ mrl_status mrl_buffer_copy(mrl_buffer *dst, size_t dst_offset, const mrl_buffer 
                            size_t bytes, mrl_stream *stream);
 mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream);
 
+/* Where the memory at ptr lives: a CUDA device's (allocated by
+ * mrl_buffer_alloc there) or the host's (anything else, NULL included). */
+mrl_device mrl_device_of(const void *ptr);
+/* bytes from src to dst wherever each lives (host, a GPU: told apart by
+ * their addresses, which CUDA keeps unique across the process); complete
+ * when it returns. */
+mrl_status mrl_device_memcpy(void *dst, const void *src, size_t bytes);
+
 mrl_status mrl_stream_create(mrl_device device, mrl_stream **out);
 mrl_status mrl_stream_sync(mrl_stream *stream);
 void mrl_stream_destroy(mrl_stream *stream);

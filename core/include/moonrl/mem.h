@@ -32,9 +32,14 @@ typedef struct mrl_mem_stats {
  * category and both sizes, instead of the kernel's OOM killer later. */
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category);
 void mrl_mem_free(void *ptr);
-/* Record bytes allocated elsewhere (a device, a mapping) under a category. */
+/* Record bytes allocated elsewhere (a mapping) under a category. */
 void mrl_mem_account(mrl_mem_category category, int64_t delta_bytes);
+/* The host's counters (mrl_mem_alloc, mrl_mem_account). */
 void mrl_mem_get_stats(mrl_mem_stats *out);
+/* Device memory (mrl_buffer_alloc on a GPU): its own counters, over every
+ * GPU of the process; all zero without one. */
+void mrl_mem_account_device(mrl_mem_category category, int64_t delta_bytes);
+void mrl_mem_get_device_stats(mrl_mem_stats *out);
 /* Bytes the process could still get: /proc/meminfo's MemAvailable, or what
  * the cgroup v2 limit leaves when that is less; -1 when neither is known. */
 int64_t mrl_mem_available(void);
@@ -44,7 +49,7 @@ int64_t mrl_mem_rss(void);
 int64_t mrl_mem_rss_peak(void);
 /* Reset the resident-set peak to the resident set now (Linux: clear_refs). */
 void mrl_mem_reset_rss_peak(void);
-/* Reset the peaks to the current values (to measure one phase). */
+/* Reset the peaks (host and device) to the current values (to measure one phase). */
 void mrl_mem_reset_peak(void);
 const char *mrl_mem_category_name(mrl_mem_category category);
 
