@@ -42,8 +42,14 @@ inline cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t
 extern int emu_gemm_calls[2];
 // the heuristic finds nothing for an odd leading dimension of A: gemm.cu's cublasGemmEx path then runs
 inline cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatmulPreference_t, int, cublasLtMatmulHeuristicResult_t *, int *found) { *found = a->ld % 2 == 0; return *found ? 0 : CUBLAS_STATUS_NOT_SUPPORTED; }
+// the product reads and writes device memory (every operand must be: checked first)
+struct emu_device_guard {
+  emu_device_guard() { emu_device_open(); }
+  ~emu_device_guard() { emu_device_close(); }
+};
 inline float emu_at(const void *p, cudaDataType_t t, int64_t i) { if (t == CUDA_R_32F) return ((const float *)p)[i]; uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16; return __uint_as_float(u); }
 inline cublasStatus_t emu_gemm(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const void *A, cudaDataType_t at, int64_t lda, int64_t ar, int64_t ac, const void *B, cudaDataType_t bt, int64_t ldb, int64_t br, int64_t bc, float beta, float *C, int64_t ldc, int64_t cr, int64_t cc) {
+  emu_check_pointer("cublas matmul", 0, A), emu_check_pointer("cublas matmul", 1, B), emu_check_pointer("cublas matmul", 2, C);
   if (ar != (ta ? k : m) || ac != (ta ? m : k) || br != (tb ? n : k) || bc != (tb ? k : n) || cr != m || cc != n || lda < ar || ldb < br || ldc < cr || lda < 1 || ldb < 1) {
     fprintf(stderr, "EMU GEMM: bad layouts m=%lld n=%lld k=%lld ta=%d tb=%d A %lldx%lld ld %lld B %lldx%lld ld %lld C %lldx%lld ld %lld\n", (long long)m, (long long)n, (long long)k, ta, tb, (long long)ar, (long long)ac, (long long)lda, (long long)br, (long long)bc, (long long)ldb, (long long)cr, (long long)cc, (long long)ldc);
     return CUBLAS_STATUS_INVALID_VALUE; }
@@ -56,7 +62,9 @@ inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, c
   emu_gemm_calls[0]++;
   if (C != D) return CUBLAS_STATUS_INVALID_VALUE;
   int64_t m = lc->rows, n = lc->cols, k = d->ta ? la->rows : la->cols;
+  emu_device_guard open_while_here;
   return emu_gemm(d->ta, d->tb, m, n, k, *(const float *)alpha, A, la->t, la->ld, la->rows, la->cols, B, lb->t, lb->ld, lb->rows, lb->cols, *(const float *)beta, (float *)D, lc->ld, lc->rows, lc->cols); }
 inline cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, const void *beta, void *C, cudaDataType_t, int ldc, cublasComputeType_t, int) {
   emu_gemm_calls[1]++;
+  emu_device_guard open_while_here;
   return emu_gemm(ta, tb, m, n, k, *(const float *)alpha, A, at, lda, ta ? k : m, ta ? m : k, B, bt, ldb, tb ? n : k, tb ? k : n, *(const float *)beta, (float *)C, ldc, m, n); }

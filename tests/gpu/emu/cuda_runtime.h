@@ -1,7 +1,12 @@
 // A stand-in for <cuda_runtime.h>: what kernels/cuda uses of CUDA, on the
-// CPU (tests/gpu/emu/run.sh). Device memory is host memory; a launch runs
-// its blocks one after the other, each block's threads as fibers
-// (emu.cpp) that meet at __syncthreads and at every warp shuffle;
+// CPU (tests/gpu/emu/build.sh). Device memory is host memory the host code
+// cannot touch: each allocation is its own mapping, readable only while a
+// kernel, a copy or the emulated cuBLASLt runs (emu_device_open/close), so
+// host code that reads device memory dies with SIGSEGV as it would read
+// garbage on a GPU; and every pointer given to a kernel must be device
+// memory (or NULL), or the launch aborts naming the kernel and argument.
+// A launch runs its blocks one after the other, each block's threads as
+// fibers (emu.cpp) that meet at __syncthreads and at every warp shuffle;
 // __shared__ variables are statics (one block runs at a time); atomics take
 // a lock. The fp32 intrinsics are the plain operations, compiled with
 // -ffp-contract=off; the math functions are the host's.
@@ -17,6 +22,7 @@
 #include <thread>
 #include <vector>
 #include <functional>
+#include <type_traits>
 using std::min; using std::max; using std::isinf; using std::isnan;
 #define __global__
 #define __device__
@@ -31,7 +37,9 @@ extern void *emu_dyn_smem;
 typedef struct CUstream_st *cudaStream_t;
 typedef int cudaError_t;
 enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
-enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice };
+enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
+enum cudaMemoryType { cudaMemoryTypeUnregistered = 0, cudaMemoryTypeHost = 1, cudaMemoryTypeDevice = 2 };
+struct cudaPointerAttributes { cudaMemoryType type; int device; void *devicePointer, *hostPointer; };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount };
 #define cudaStreamNonBlocking 1
@@ -46,10 +54,26 @@ inline cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int) { *v = 2;
 cudaError_t cudaMalloc(void **p, size_t n);
 template <class T> cudaError_t cudaMalloc(T **p, size_t n) { return cudaMalloc((void **)p, n); }
 cudaError_t cudaFree(void *p);
-inline cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind, cudaStream_t = 0) { memmove(d, s, n); return 0; }
-inline cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind) { memmove(d, s, n); return 0; }
-inline cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t = 0) { memset(d, v, n); return 0; }
-inline cudaError_t cudaMemset(void *d, int v, size_t n) { memset(d, v, n); return 0; }
+// device memory readable by the host between open and close (nested)
+void emu_device_open();
+void emu_device_close();
+// 1 when p is inside a live device allocation
+int emu_is_device(const void *p);
+// each copy checks that its device side is device memory and its host side is not
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, cudaStream_t = 0);
+inline cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind k) { return cudaMemcpyAsync(d, s, n, k); }
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t = 0);
+inline cudaError_t cudaMemset(void *d, int v, size_t n) { return cudaMemsetAsync(d, v, n); }
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *p);
+// the launch's pointer arguments: device memory or NULL (a host pointer aborts)
+void emu_check_pointer(const char *kernel, int arg, const void *p);
+template <class T> void emu_check_arg(const char *kernel, int arg, const T &v) {
+  if constexpr (std::is_pointer<T>::value) emu_check_pointer(kernel, arg, (const void *)v);
+}
+template <class... A> void emu_check_args(const char *kernel, const A &...a) {
+  int i = 0;
+  (emu_check_arg(kernel, i++, a), ...);
+}
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return 0; }
 inline cudaError_t cudaDeviceSynchronize() { return 0; }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, int) { *s = (cudaStream_t)malloc(1); return 0; }

@@ -9,6 +9,8 @@
 #include "cuda_runtime.h"
 #include "cublasLt.h"
 #include <cstdio>
+#include <sys/mman.h>
+#include <csetjmp>
 #include <ucontext.h>
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
@@ -16,9 +18,13 @@ void *emu_dyn_smem;
 std::mutex emu_atomic;
 int emu_gemm_calls[2];
 enum { RUN, AT_BLOCK, AT_WARP, DONE };
-struct fiber { ucontext_t ctx; int state; char *stack; };
+// A fiber starts through its ucontext (makecontext, once per block) and
+// switches with _setjmp / _longjmp after that: swapcontext saves and restores
+// the signal mask, a system call at every shuffle.
+struct fiber { ucontext_t ctx; jmp_buf jb; int state, started; char *stack; };
 static std::vector<fiber> fibers;
 static ucontext_t sched_ctx;
+static jmp_buf sched_jb;
 static int cur, nthreads;
 static std::function<void()> *kernel_fn;
 // shuffle slots [warp][buffer][lane]: two buffers, alternated per shuffle,
@@ -26,7 +32,10 @@ static std::function<void()> *kernel_fn;
 static unsigned char slots[32][2][32][8];
 static int warp_buf[32][1024];
 int emu_lane() { return cur % 32; }
-static void yield(int st) { fibers[cur].state = st; swapcontext(&fibers[cur].ctx, &sched_ctx); }
+static void yield(int st) {
+  fibers[cur].state = st;
+  if (!_setjmp(fibers[cur].jb)) _longjmp(sched_jb, 1);
+}
 void __syncthreads() { yield(AT_BLOCK); }
 void emu_warp_exchange(const void *v, void *out, int src, size_t bytes) {
   int w = cur / 32, l = cur % 32, b = warp_buf[w][l]++ & 1;
@@ -34,14 +43,107 @@ void emu_warp_exchange(const void *v, void *out, int src, size_t bytes) {
   yield(AT_WARP);
   memcpy(out, slots[w][b][src], bytes);
 }
-cudaError_t cudaMalloc(void **p, size_t n) { *p = aligned_alloc(256, (n + 255) / 256 * 256 + 256); if (*p) memset(*p, 0xff, n); return *p ? 0 : 2; }
-cudaError_t cudaFree(void *p) { free(p); return 0; }
+// ---- device memory: one mapping per allocation, PROT_NONE unless open ----
+struct allocation { char *base; size_t bytes; };
+static std::vector<allocation> allocations;
+static std::mutex alloc_lock;
+static int open_depth;
+// EMU_PROTECT=0: device memory stays readable (faster; no check of host reads)
+static int protecting() {
+  static int on = -1;
+  if (on < 0) on = !getenv("EMU_PROTECT") || strcmp(getenv("EMU_PROTECT"), "0");
+  return on;
+}
+static void protect_all(int prot) {
+  if (!protecting()) return;
+  for (auto &a : allocations) mprotect(a.base, a.bytes, prot);
+}
+void emu_device_open() {
+  std::lock_guard<std::mutex> g(alloc_lock);
+  if (open_depth++ == 0) protect_all(PROT_READ | PROT_WRITE);
+}
+void emu_device_close() {
+  std::lock_guard<std::mutex> g(alloc_lock);
+  if (--open_depth == 0) protect_all(PROT_NONE);
+}
+int emu_is_device(const void *p) {
+  std::lock_guard<std::mutex> g(alloc_lock);
+  for (auto &a : allocations)
+    if ((const char *)p >= a.base && (const char *)p < a.base + a.bytes) return 1;
+  return 0;
+}
+cudaError_t cudaMalloc(void **p, size_t n) {
+  size_t bytes = (n + 4095) / 4096 * 4096 + 4096;  // a page more: reads just past the end stay inside
+  void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) { *p = NULL; return 2; }
+  memset(m, 0xff, n);  // NaN bytes: a read of memory never written shows
+  std::lock_guard<std::mutex> g(alloc_lock);
+  if (!open_depth && protecting()) mprotect(m, bytes, PROT_NONE);
+  allocations.push_back({(char *)m, bytes});
+  *p = m;
+  return 0;
+}
+cudaError_t cudaFree(void *p) {
+  if (!p) return 0;
+  std::lock_guard<std::mutex> g(alloc_lock);
+  for (size_t i = 0; i < allocations.size(); i++)
+    if (allocations[i].base == p) {
+      munmap(allocations[i].base, allocations[i].bytes);
+      allocations.erase(allocations.begin() + i);
+      return 0;
+    }
+  fprintf(stderr, "EMU: cudaFree of %p, not an allocation\n", p);
+  abort();
+}
+static void copy_side(const char *what, const void *p, int device) {
+  if (emu_is_device(p) != device) {
+    fprintf(stderr, "EMU: %s: %p is %s memory, expected %s memory\n", what, p, device ? "host" : "device",
+            device ? "device" : "host");
+    abort();
+  }
+}
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, cudaStream_t) {
+  if (!n) return 0;
+  if (k == cudaMemcpyHostToDevice || k == cudaMemcpyDeviceToDevice) copy_side("cudaMemcpy destination", d, 1);
+  if (k == cudaMemcpyDeviceToHost) copy_side("cudaMemcpy destination", d, 0);
+  if (k == cudaMemcpyDeviceToHost || k == cudaMemcpyDeviceToDevice) copy_side("cudaMemcpy source", s, 1);
+  if (k == cudaMemcpyHostToDevice) copy_side("cudaMemcpy source", s, 0);
+  emu_device_open();
+  memmove(d, s, n);
+  emu_device_close();
+  return 0;
+}
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t) {
+  if (!n) return 0;
+  copy_side("cudaMemset", d, 1);
+  emu_device_open();
+  memset(d, v, n);
+  emu_device_close();
+  return 0;
+}
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *p) {
+  int dev = p && emu_is_device(p);
+  *a = cudaPointerAttributes{dev ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered, 0, dev ? (void *)p : NULL, NULL};
+  return 0;
+}
+void emu_check_pointer(const char *kernel, int arg, const void *p) {
+  if (p && !emu_is_device(p)) {
+    fprintf(stderr, "EMU: kernel %s: argument %d (%p) is host memory, not device memory\n", kernel, arg, p);
+    abort();
+  }
+}
 static void entry() {
   (*kernel_fn)();
   fibers[cur].state = DONE;
-  swapcontext(&fibers[cur].ctx, &sched_ctx);
+  _longjmp(sched_jb, 1);
 }
+static void run_grid(std::function<void()> &f, dim3 g, dim3 b, size_t smem);
 void emu_run(std::function<void()> f, dim3 g, dim3 b, size_t smem) {
+  emu_device_open();
+  run_grid(f, g, b, smem);
+  emu_device_close();
+}
+static void run_grid(std::function<void()> &f, dim3 g, dim3 b, size_t smem) {
   unsigned nt = b.x * b.y * b.z;
   if (nt % 32 || nt > 1024) { fprintf(stderr, "EMU: block of %u threads\n", nt); abort(); }
   blockDim = b, gridDim = g, nthreads = nt, kernel_fn = &f;
@@ -57,12 +159,19 @@ void emu_run(std::function<void()> f, dim3 g, dim3 b, size_t smem) {
       fibers[t].ctx.uc_stack.ss_sp = fibers[t].stack; fibers[t].ctx.uc_stack.ss_size = SS; fibers[t].ctx.uc_link = NULL;
       makecontext(&fibers[t].ctx, entry, 0);
       fibers[t].state = RUN;
+      fibers[t].started = 0;
     }
     for (;;) {
       for (unsigned t = 0; t < nt; t++) {
         if (fibers[t].state != RUN) continue;
         cur = t; threadIdx = dim3(t % b.x, t / b.x % b.y, t / (b.x * b.y));
-        swapcontext(&sched_ctx, &fibers[t].ctx);
+        if (!_setjmp(sched_jb)) {
+          if (!fibers[t].started) {
+            fibers[t].started = 1;
+            swapcontext(&sched_ctx, &fibers[t].ctx);  // never returns here: the fiber longjmps back
+          }
+          _longjmp(fibers[t].jb, 1);
+        }
       }
       // every fiber is at a barrier or done: release what can go
       int done = 0, at_block = 0, moved = 0;

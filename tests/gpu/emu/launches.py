@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kernels/cuda/X.cu -> C++ for the CPU emulation (tests/gpu/emu/run.sh): each
 launch `kernel<<<grid, block, smem, stream>>>(args)` becomes
-`emu_launch([=]() { kernel(args); }, grid, block, smem, stream)`, and the
+`(emu_check_args("kernel", args), emu_launch([=]() { kernel(args); }, grid,
+block, smem, stream))` (the pointer arguments must be device memory), and the
 dynamic shared memory `extern __shared__ float sm[];` a pointer to the
 launch's buffer. Nothing else changes.
     launches.py IN.cu OUT.cpp"""
@@ -12,6 +13,7 @@ s = open(src).read()
 s = s.replace('extern __shared__ float sm[];', 'float *sm = (float *)emu_dyn_smem;')
 # the one launch inside a macro (elementwise.cu's conversions)
 s = s.replace('name##_kernel<<<grid_for(n, THREADS), THREADS, 0, cuda_ops_stream()>>>(src, dst, n);',
+              'emu_check_args(#name, src, dst), '
               'emu_launch([=]() { name##_kernel(src, dst, n); }, grid_for(n, THREADS), THREADS, 0, cuda_ops_stream());')
 out, i = [], 0
 while True:
@@ -45,6 +47,8 @@ while True:
                 break
         p += 1
     out.append(s[i:k])
-    out.append('emu_launch([=]() { %s(%s); }, %s)' % (s[k:j], s[e + 4:p], s[j + 3:e]))
+    args = s[e + 4:p]
+    check = 'emu_check_args("%s", %s), ' % (s[k:j].replace('"', ''), args) if args.strip() else ''
+    out.append('(%semu_launch([=]() { %s(%s); }, %s))' % (check, s[k:j], args, s[j + 3:e]))
     i = p + 1
 open(dst, 'w').write(''.join(out))
