@@ -338,6 +338,9 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL out");
     *out = NULL;
     if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
+    if (mrl_model_get_device(model).kind != MRL_DEVICE_CPU)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine create: the model is on cuda:%d; the engine runs on the "
+                             "CPU only for now", mrl_model_get_device(model).index);
     mrl_engine_config c = *cfg;
     const mrl_model_config *mc = mrl_model_get_config(model);
     if (c.max_model_len <= 0) c.max_model_len = mc->max_position_embeddings;

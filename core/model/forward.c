@@ -90,6 +90,12 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(m->logits, float, chunk * V);
     TAKE(m->pos, int32_t, T);
     TAKE(m->targets, int32_t, T);
+    if (m->k->on_device) { /* the batch's copies and the per-token values to and from the host */
+        TAKE(m->dev_tokens, int32_t, T);
+        TAKE(m->dev_cu_seqlens, int32_t, T + 1);
+        TAKE(m->dev_prefix, int32_t, T);
+        for (int i = 0; i < 3; i++) TAKE(m->dev_io[i], float, T);
+    }
     if (n_moe) TAKE(m->route_used, int16_t, T * n_moe * c->num_experts_per_tok); /* mrl_model_get_routing */
 #undef TAKE
     return off;
@@ -109,9 +115,11 @@ void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens) {
 
 void mrl_model_release_activations(mrl_model *m) {
     if (!m) return;
-    mrl_mem_free(m->act_buf);
+    mrl_buffer_free(&m->act_mem);
     mrl_mem_free(m->xs);
     mrl_mem_free(m->la);
+    mrl_mem_free(m->host_pos_targets);
+    m->host_pos_targets = NULL;
     m->act_buf = NULL;
     m->xs = NULL;
     m->la = NULL;
@@ -126,7 +134,12 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
     m->xs = mrl_mem_alloc(sizeof(float *) * (L + 1), MRL_MEM_OTHER);
     m->la = mrl_mem_alloc(sizeof(layer_acts) * L, MRL_MEM_OTHER);
     int64_t bytes = layout_acts(m, T, NULL);
-    m->act_buf = m->xs && m->la ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
+    if (m->xs && m->la && mrl_buffer_alloc(m->device, (size_t)bytes, MRL_MEM_ACTIVATIONS, &m->act_mem) == MRL_OK)
+        m->act_buf = m->act_mem.data;
+    if (m->act_buf && m->k->on_device) { /* positions and targets are computed on the host */
+        m->host_pos_targets = mrl_mem_alloc(sizeof(int32_t) * 2 * T, MRL_MEM_ACTIVATIONS);
+        if (!m->host_pos_targets) m->act_buf = NULL;
+    }
     if (!m->act_buf) {
         mrl_model_release_activations(m);
         return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the activations of %lld tokens (%lld bytes)",
@@ -208,12 +221,26 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     m->batch = *b;
     m->logits_kept = 0;
     m->inv_temp = 1.0f / temperature;
+    int dev = k->on_device; /* on a GPU: what the ops read goes over first */
+    int32_t *pos = dev ? m->host_pos_targets : m->pos, *targets = dev ? m->host_pos_targets + T : m->targets;
     for (int s = 0; s < b->n_seqs; s++) {
         int32_t p = b->prefix ? b->prefix[s] : -1, start = p >= 0 ? b->cu_seqlens[p + 1] - b->cu_seqlens[p] : 0;
-        for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) m->pos[i] = start + i - b->cu_seqlens[s];
+        for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) pos[i] = start + i - b->cu_seqlens[s];
     }
-    for (int64_t i = 0; i < T; i++) m->targets[i] = b->targets ? b->targets[i] : -1;
-    k->gather_rows(m->xs[0], m->embed, b->tokens, T, D); /* [T,D] */
+    for (int64_t i = 0; i < T; i++) targets[i] = b->targets ? b->targets[i] : -1;
+    m->op_tokens = b->tokens, m->op_cu_seqlens = b->cu_seqlens, m->op_prefix = b->prefix;
+    if (dev) {
+        int64_t ints = (int64_t)sizeof(int32_t);
+        st = k->to_device(m->pos, pos, ints * T);
+        if (!st) st = k->to_device(m->targets, targets, ints * T);
+        if (!st) st = k->to_device(m->dev_tokens, b->tokens, ints * T);
+        if (!st) st = k->to_device(m->dev_cu_seqlens, b->cu_seqlens, ints * (b->n_seqs + 1));
+        if (!st && b->prefix) st = k->to_device(m->dev_prefix, b->prefix, ints * b->n_seqs);
+        if (st) return st;
+        m->op_tokens = m->dev_tokens, m->op_cu_seqlens = m->dev_cu_seqlens;
+        m->op_prefix = b->prefix ? m->dev_prefix : NULL;
+    }
+    k->gather_rows(m->xs[0], m->embed, m->op_tokens, T, D); /* [T,D] */
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
         memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
         m->aux_n = 0;
@@ -232,16 +259,22 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         return st;
     }
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
-    float *lp_out = logprobs, *ent_out = entropy;
+    /* the outputs, in the table's memory (on a GPU: copied back at the end) */
+    float *lp_out = logprobs && dev ? m->dev_io[0] : logprobs, *val_out = values && dev ? m->dev_io[2] : values;
     for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
         int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
         head_logits(m, m->lnf + t0 * D, n); /* [n,V] */
         /* logprob goes to a scratch row when not wanted: dx is free during the forward */
         float *lp = lp_out ? lp_out + t0 : m->gs.dx;
         k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0, lp);
-        if (ent_out) memcpy(ent_out + t0, m->head_ent + t0, sizeof(float) * n);
     }
-    if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, values, 1); /* [T,1] */
+    if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
+    int64_t floats = (int64_t)sizeof(float) * T;
+    st = k->sync(); /* a GPU's first failure since the last sync (nothing on the CPU) */
+    if (!st && entropy) st = k->to_host(entropy, m->head_ent, floats);
+    if (!st && dev && logprobs) st = k->to_host(logprobs, lp_out, floats);
+    if (!st && dev && values) st = k->to_host(values, val_out, floats);
+    if (st) return st;
     /* a batch that fits one head chunk leaves all its logits in the buffer: the
      * backward then starts from them instead of recomputing the product */
     m->logits_kept = T <= m->head_chunk;
@@ -259,8 +292,17 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     const mrl_kernels *k = m->k;
     int64_t T = m->batch.n_tokens, D = c->hidden_size, V = c->vocab_size;
     int L = c->num_hidden_layers;
+    if (k->on_device) { /* the per-token gradients go over first */
+        const float *host[3] = {dlogprobs, dentropy, dvalues};
+        for (int i = 0; i < 3 && !st; i++)
+            if (host[i]) st = k->to_device(m->dev_io[i], host[i], (int64_t)sizeof(float) * T);
+        if (st) return st;
+        dlogprobs = dlogprobs ? m->dev_io[0] : NULL;
+        dentropy = dentropy ? m->dev_io[1] : NULL;
+        dvalues = dvalues ? m->dev_io[2] : NULL;
+    }
     float *dlnf = m->gs.dln; /* [T,D] */
-    memset(dlnf, 0, sizeof(float) * T * D);
+    k->zero(dlnf, (int64_t)sizeof(float) * T * D);
     if (dlogprobs || dentropy)
         for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
             int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
@@ -281,7 +323,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         k->gemm(1, 0, 1, D, T, 1.0f, dvalues, 1, m->lnf, D, 1.0f, m->g_score, D); /* dscore [1,D] */
         k->gemm(0, 0, T, D, 1, 1.0f, dvalues, 1, m->score, D, 1.0f, dlnf, D);     /* dlnf += dv score */
     }
-    memset(m->gs.dx, 0, sizeof(float) * T * D);
+    k->zero(m->gs.dx, (int64_t)sizeof(float) * T * D);
     k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
     /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
      * its backward is done (a tied lm_head is the embedding, final at the very end) */
@@ -297,7 +339,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         }
     }
     if ((st = mrl_moe_ep_status(m))) return st; /* the gradients are then meaningless */
-    k->scatter_add_rows(m->g_embed, m->gs.dx, m->batch.tokens, T, D); /* embedding rows, in token order */
+    k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens, T, D); /* embedding rows, in token order */
+    if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, m->lp[0].ln1 - m->params);
     return MRL_OK;
 }

@@ -17,6 +17,7 @@
 #include <string.h>
 #include "moonrl/fs.h"
 #include "moonrl/safetensors.h"
+#include "moonrl/mem.h"
 #include "model_internal.h"
 
 static int ends_with(const char *s, const char *suffix) {
@@ -131,15 +132,19 @@ static mrl_status write_config(mrl_model *m, const char *dir) {
 mrl_status mrl_model_save_dir(mrl_model *m, const char *dir) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
+    float *tmp; /* a GPU model's parameters are written from a host copy */
+    const float *params = mrl_model_host_params(m, &tmp);
+    if (!params) return mrl_set_error(MRL_ERR_NOMEM, "%s: no host memory for a copy of the parameters", dir);
     mrl_st_writer *w = NULL;
     mrl_status s = mrl_st_writer_create(&w);
     if (!s) s = mrl_st_writer_set_metadata(w, "format", "pt");
     for (int i = 0; !s && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
-        s = mrl_st_writer_add(w, v->name, MRL_DTYPE_F32, v->ndim, v->shape, m->params + v->offset);
+        s = mrl_st_writer_add(w, v->name, MRL_DTYPE_F32, v->ndim, v->shape, params + v->offset);
     }
     if (!s) s = mrl_st_writer_write_dir(w, dir, 0);
     mrl_st_writer_free(w);
+    mrl_mem_free(tmp);
     if (!s) s = write_config(m, dir);
     return s;
 }

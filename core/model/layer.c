@@ -5,7 +5,6 @@
  *   q,k = rope(q,k) ; att = attention(q,k,v) ; h = x + att Wo^T
  *   ln2 = rmsnorm(h) ; act = silu(ln2 Wg^T) * (ln2 Wu^T) ; x' = h + act Wd^T */
 #include <math.h>
-#include <string.h>
 #include "model_internal.h"
 
 static void add_bias(const mrl_kernels *k, float *y, const float *b, int64_t T, int N) {
@@ -100,11 +99,11 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
-    memcpy(a->h, x, sizeof(float) * T * D);
+    k->copy(a->h, x, (int64_t)sizeof(float) * T * D);
     run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho);    /* h = x + att Wo^T */
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
-        memcpy(out, a->h, sizeof(float) * T * D);
+        k->copy(out, a->h, (int64_t)sizeof(float) * T * D);
         mrl_moe_forward(m, p, a, out, T);
         return;
     }
@@ -112,7 +111,7 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
                            lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
     products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
-    memcpy(out, a->h, sizeof(float) * T * D);
+    k->copy(out, a->h, (int64_t)sizeof(float) * T * D);
     run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
 }
 
@@ -124,7 +123,7 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
         a->ep = mrl_moe_ep_layer(m, mrl_moe_ordinal(&m->cfg, l)); /* expert parallelism, if on */
     }
     mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
-    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens, m->batch.prefix, m->batch.n_seqs,
+    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs,
                    c->num_attention_heads, c->num_key_value_heads, c->head_dim,
                    1.0f / sqrtf((float)c->head_dim));                   /* [T,Q] [T,Hq] */
     mrl_layer_out(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
@@ -156,14 +155,14 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
                           lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
     products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
-    k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->batch.cu_seqlens,
-                m->batch.prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+    k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
+                m->op_prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
     k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
     k->rope(s->dk, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 1);
     float *dq = s->dq, *dk = s->dk;
     if (a->qraw) { /* back through the per-head norms: datt, dk2 are free now */
-        memset(s->datt, 0, sizeof(float) * T * Q);
-        memset(s->dk2, 0, sizeof(float) * T * K);
+        k->zero(s->datt, (int64_t)sizeof(float) * T * Q);
+        k->zero(s->dk2, (int64_t)sizeof(float) * T * K);
         k->rmsnorm_bwd(s->datt, g->q_norm, s->dq, a->qraw, p->q_norm, a->rstdq, T * Hq, hd);
         k->rmsnorm_bwd(s->dk2, g->k_norm, s->dk, a->kraw, p->k_norm, a->rstdk, T * Hk, hd);
         dq = s->datt;

@@ -166,10 +166,10 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) 
 }
 
 mrl_status mrl_model_alloc_params(mrl_model *m) {
-    m->params = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_PARAMS);
-    if (!m->params)
+    if (mrl_buffer_alloc(m->device, sizeof(float) * m->n_params, MRL_MEM_PARAMS, &m->params_buf))
         return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for %lld parameters (%lld bytes)",
                              (long long)m->n_params, (long long)m->n_params * 4);
+    m->params = m->params_buf.data;
     layout lo = {.m = m, .names = m->names};
     build_layout(&lo); /* point at the parameters (the views come out the same) */
     return MRL_OK;
@@ -185,12 +185,8 @@ mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
     return st;
 }
 
-mrl_status mrl_model_ensure_grads(mrl_model *m) {
-    if (m->grads) return MRL_OK;
-    m->grads = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_GRADS);
-    if (!m->grads)
-        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",
-                             (long long)m->n_params, (long long)m->n_params * 4);
+/* The gradient pointers (lg, g_*) into m->grads, by the parameters' offsets. */
+static void point_grads(mrl_model *m) {
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) { /* the parameters' fields, up to the copies (pq ...) */
         float **p = (float **)&m->lp[l], **g = (float **)&m->lg[l];
         for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) g[i] = grad_of(m, p[i]);
@@ -199,6 +195,15 @@ mrl_status mrl_model_ensure_grads(mrl_model *m) {
     m->g_final_norm = grad_of(m, m->final_norm);
     m->g_lm_head = grad_of(m, m->lm_head);
     m->g_score = grad_of(m, m->score);
+}
+
+mrl_status mrl_model_ensure_grads(mrl_model *m) {
+    if (m->grads) return MRL_OK;
+    if (mrl_buffer_alloc(m->device, sizeof(float) * m->n_params, MRL_MEM_GRADS, &m->grads_buf)) /* zeroed */
+        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",
+                             (long long)m->n_params, (long long)m->n_params * 4);
+    m->grads = m->grads_buf.data;
+    point_grads(m);
     return MRL_OK;
 }
 
@@ -206,18 +211,17 @@ void mrl_model_free(mrl_model *m) {
     if (!m) return;
     mrl_model_release_activations(m);
     mrl_moe_ep_free(m);
-    mrl_mem_free(m->params);
-    mrl_mem_free(m->w16);
+    mrl_buffer_free(&m->params_buf);
+    mrl_buffer_free(&m->w16_buf);
     pthread_mutex_destroy(&m->w16_lock);
-    mrl_mem_free(m->grads);
+    mrl_buffer_free(&m->grads_buf);
     mrl_mem_free(m->views);
     mrl_mem_free(m->names);
     mrl_mem_free(m->lp);
     mrl_mem_free(m->lg);
     mrl_mem_free(m->aux_picks);
     mrl_mem_free(m->inv_freq);
-    mrl_mem_free(m->rope_cos);
-    mrl_mem_free(m->rope_sin);
+    mrl_buffer_free(&m->rope_mem);
     mrl_mem_free(m);
 }
 
@@ -251,7 +255,7 @@ void mrl_model_set_router_aux_coef(mrl_model *m, double coef) {
 }
 
 void mrl_model_zero_grad(mrl_model *m) {
-    if (m && m->grads) memset(m->grads, 0, sizeof(float) * m->n_params); /* none yet: zero when created */
+    if (m && m->grads) m->k->zero(m->grads, (int64_t)sizeof(float) * m->n_params); /* none yet: zero when created */
 }
 
 void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx) {
@@ -268,6 +272,9 @@ void mrl_model_set_recompute(mrl_model *m, int on) {
 
 mrl_status mrl_model_set_kernels(mrl_model *m, int backend) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_kernels: NULL model");
+    if (m->device.kind != MRL_DEVICE_CPU)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_kernels: the model is on cuda:%d, whose kernels it uses "
+                             "(mrl_model_set_device to cpu first)", m->device.index);
     if (backend == MRL_KERNELS_CPU_FAST) m->k = mrl_kernels_cpu_fast();
     else if (backend == MRL_KERNELS_CPU_REFERENCE) m->k = mrl_kernels_cpu_reference();
     else return mrl_set_error(MRL_ERR_INVALID, "unknown kernel backend %d (0 cpu fast, 1 cpu reference)", backend);
@@ -328,13 +335,13 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
         return mrl_set_error(MRL_ERR_INVALID, "model dtype %d (0 fp32, 1 bf16)", dtype);
     if (dtype == m->dtype) return MRL_OK;
     if (dtype == MRL_MODEL_BF16) {
-        m->w16 = mrl_mem_alloc(sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS);
-        if (!m->w16)
+        if (mrl_buffer_alloc(m->device, sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS, &m->w16_buf))
             return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the bf16 copy of %lld parameters (%lld bytes)",
                                  (long long)m->n_params, (long long)m->n_params * 2);
+        m->w16 = m->w16_buf.data;
         atomic_store(&m->w16_stale, 1);
     } else {
-        mrl_mem_free(m->w16);
+        mrl_buffer_free(&m->w16_buf);
         m->w16 = NULL;
     }
     mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
@@ -364,25 +371,119 @@ const uint16_t *mrl_model_bf16_params(mrl_model *m) {
     return m->w16;
 }
 
+/* ---- the device (moonrl/model.h) ---- */
+
+/* The parameters as host memory: the buffer itself on the CPU, else a copy
+ * in *tmp (the caller frees it). */
+const float *mrl_model_host_params(mrl_model *m, float **tmp) {
+    *tmp = NULL;
+    if (!m->k->on_device) return m->params;
+    *tmp = mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_OTHER);
+    if (!*tmp) return NULL;
+    if (m->k->to_host(*tmp, m->params, (int64_t)sizeof(float) * m->n_params)) {
+        mrl_mem_free(*tmp);
+        return *tmp = NULL;
+    }
+    return *tmp;
+}
+
+/* *buf (of `bytes`, maybe none) moved to device `to`; its data pointer changes. */
+static mrl_status move_buffer(mrl_buffer *buf, size_t bytes, mrl_device to) {
+    if (!buf->data) return MRL_OK;
+    mrl_buffer moved;
+    mrl_status st = mrl_buffer_alloc(to, bytes, buf->category, &moved);
+    if (!st) st = mrl_buffer_copy(&moved, 0, buf, 0, bytes, NULL);
+    if (st) {
+        mrl_buffer_free(&moved);
+        return st;
+    }
+    mrl_buffer_free(buf);
+    *buf = moved;
+    return MRL_OK;
+}
+
+mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_device: NULL model");
+    if (device.kind == m->device.kind && device.index == m->device.index) return MRL_OK;
+    const mrl_kernels *k = mrl_kernels_cpu_fast();
+    if (device.kind == MRL_DEVICE_CUDA) {
+        char what[160];
+        mrl_status st = mrl_device_describe(device, what, sizeof what); /* built with CUDA, and the GPU is there */
+        if (st) return st;
+        if (m->cfg.num_experts > 0)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: a mixture-of-experts model (qwen3_moe) routes its "
+                                 "tokens on the host and runs on the CPU only for now", what);
+        if (m->ep) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: expert parallelism is CPU only", what);
+        k = mrl_kernels_for(device);
+        if (!k) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: moonrl was built without CUDA", what);
+    } else if (device.kind != MRL_DEVICE_CPU) {
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_device: unknown device kind %d", (int)device.kind);
+    }
+    mrl_model_release_activations(m);
+    mrl_buffer_free(&m->rope_mem); /* made again on the new device at the next forward */
+    m->rope_cos = m->rope_sin = NULL;
+    m->rope_len = 0;
+    size_t n = (size_t)m->n_params;
+    mrl_status st = move_buffer(&m->params_buf, sizeof(float) * n, device);
+    if (!st) st = move_buffer(&m->grads_buf, sizeof(float) * n, device);
+    if (!st && m->w16_buf.data) { /* converted again there, on first use */
+        mrl_buffer_free(&m->w16_buf);
+        st = mrl_buffer_alloc(device, sizeof(uint16_t) * n, MRL_MEM_PARAMS, &m->w16_buf);
+        atomic_store(&m->w16_stale, 1);
+    }
+    /* point everything at where the buffers are now (a failure above leaves a part behind:
+     * the model is then only fit for mrl_model_free) */
+    m->params = m->params_buf.data;
+    m->grads = m->grads_buf.data;
+    m->w16 = m->w16_buf.data;
+    layout lo = {.m = m, .names = m->names};
+    build_layout(&lo);
+    if (m->grads) point_grads(m);
+    mrl_model_weights16_at(m, m->w16, NULL, m->lp);
+    m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
+    m->device = device;
+    m->k = k;
+    return st;
+}
+
+mrl_device mrl_model_get_device(const mrl_model *m) { return m ? m->device : (mrl_device){MRL_DEVICE_CPU, 0}; }
+
 mrl_status mrl_model_load_raw(mrl_model *m, const char *path) {
     if (!m || !path) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_raw: NULL argument");
     FILE *f = fopen(path, "rb");
     if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open", path);
-    size_t n = fread(m->params, sizeof(float), (size_t)m->n_params, f);
+    float *host = m->k->on_device ? mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_OTHER) : m->params;
+    if (!host) {
+        fclose(f);
+        return MRL_ERR_NOMEM;
+    }
+    size_t n = fread(host, sizeof(float), (size_t)m->n_params, f);
     int extra = fgetc(f) != EOF;
     fclose(f);
     mrl_model_weights_changed(m);
+    mrl_status st = MRL_OK;
     if (n != (size_t)m->n_params || extra)
-        return mrl_set_error(MRL_ERR_FORMAT, "%s: expected exactly %lld floats (%lld bytes) for this model",
-                             path, (long long)m->n_params, (long long)m->n_params * 4);
-    return MRL_OK;
+        st = mrl_set_error(MRL_ERR_FORMAT, "%s: expected exactly %lld floats (%lld bytes) for this model",
+                           path, (long long)m->n_params, (long long)m->n_params * 4);
+    else if (host != m->params)
+        st = m->k->to_device(m->params, host, (int64_t)sizeof(float) * m->n_params);
+    if (host != m->params) mrl_mem_free(host);
+    return st;
 }
 
 mrl_status mrl_model_save_raw(mrl_model *m, const char *path) {
     if (!m || !path) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_raw: NULL argument");
+    float *tmp;
+    const float *host = mrl_model_host_params(m, &tmp);
+    if (!host) return mrl_set_error(MRL_ERR_NOMEM, "%s: no host memory for a copy of the parameters", path);
     FILE *f = fopen(path, "wb");
-    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot create", path);
-    size_t n = fwrite(m->params, sizeof(float), (size_t)m->n_params, f);
-    if (fclose(f) != 0 || n != (size_t)m->n_params) return mrl_set_error(MRL_ERR_IO, "%s: write failed", path);
-    return MRL_OK;
+    mrl_status st = MRL_OK;
+    if (!f) {
+        st = mrl_set_error(MRL_ERR_IO, "%s: cannot create", path);
+    } else {
+        size_t n = fwrite(host, sizeof(float), (size_t)m->n_params, f);
+        if (fclose(f) != 0 || n != (size_t)m->n_params) st = mrl_set_error(MRL_ERR_IO, "%s: write failed", path);
+    }
+    mrl_mem_free(tmp);
+    return st;
 }

@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 #include "kernels.h"
 #include "model/layer.h"
+#include "moonrl/device.h"
 #include "moonrl/model.h"
 
 /* Gradient scratch of the backward, shared by all layers. */
@@ -24,6 +25,12 @@ struct mrl_model {
     mrl_model_config cfg;
     int64_t n_params;
     float *params, *grads; /* grads: NULL until first used (mrl_model_ensure_grads) */
+    /* where the buffers live (mrl_model_set_device): params, grads and w16 are the data of
+     * these buffers, the activations (act_buf) and the RoPE tables too when the device is a
+     * GPU (the op table k is then the device's, k->on_device); the host keeps the config,
+     * the views and the layer tables */
+    mrl_device device;
+    mrl_buffer params_buf, grads_buf, w16_buf;
     mrl_param_view *views;
     int n_views;
     char *names;
@@ -55,10 +62,12 @@ struct mrl_model {
     /* expert parallelism (mrl_model_set_expert_parallel; NULL: off) */
     struct moe_ep *ep;
     int64_t head_chunk_setting; /* tokens per head chunk; 0 = automatic */
-    /* RoPE tables [rope_len, hd/2] */
+    /* RoPE tables [rope_len, hd/2] (cos and sin: rope_mem's data, on the model's device) */
     float *inv_freq, *rope_cos, *rope_sin;
+    mrl_buffer rope_mem;
     int64_t rope_len;
-    /* activations, for act_tokens tokens */
+    /* activations, for act_tokens tokens (act_buf is act_mem's data) */
+    mrl_buffer act_mem;
     void *act_buf;
     int64_t act_tokens, head_chunk;
     float **xs;             /* [L+1] residual stream [T,D]: the input of each layer, then the last output */
@@ -67,6 +76,16 @@ struct mrl_model {
     float *lnf, *rstdf;     /* [T,D] [T] final norm */
     float *head_lse, *head_ent, *logits; /* [T] [T] [chunk,V] */
     int32_t *pos, *targets; /* [T] */
+    /* the batch's arrays as the ops read them: the caller's, or (on a GPU) their copies in
+     * the activations: tokens [T], cu_seqlens [n_seqs + 1], prefix [n_seqs] (NULL: none) */
+    const int32_t *op_tokens, *op_cu_seqlens, *op_prefix;
+    /* on a GPU only: the copies themselves; [T] floats each of the per-token values going
+     * between the host and the ops (logprobs out / dlogprobs in, dentropy in, values out /
+     * dvalues in); and host memory for the positions and targets the forward computes
+     * [2T] before they go over */
+    int32_t *dev_tokens, *dev_cu_seqlens, *dev_prefix;
+    float *dev_io[3];
+    int32_t *host_pos_targets;
     /* the last forward */
     mrl_batch batch;
     float inv_temp;
@@ -89,6 +108,9 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_params(mrl_model *m);
 mrl_status mrl_model_ensure_grads(mrl_model *m);
 void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
+/* model.c: the parameters as host memory: m->params itself on the CPU, a
+ * copy in *tmp on a GPU (the caller mrl_mem_frees *tmp); NULL when out of memory */
+const float *mrl_model_host_params(mrl_model *m, float **tmp);
 /* layer.c (and, in layer.h, the two halves the engine shares) */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);
 void mrl_layer_backward(mrl_model *m, int l, int64_t T);

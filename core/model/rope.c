@@ -36,11 +36,14 @@ mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len) {
     if (max_len <= m->rope_len) return MRL_OK;
     int64_t len = m->rope_len ? m->rope_len : 256;
     while (len < max_len) len *= 2;
-    float *cs = mrl_mem_alloc(sizeof(float) * len * half, MRL_MEM_OTHER);
-    float *sn = mrl_mem_alloc(sizeof(float) * len * half, MRL_MEM_OTHER);
-    if (!cs || !sn) {
-        mrl_mem_free(cs);
-        mrl_mem_free(sn);
+    /* computed on the host, then (a GPU model) copied to the device */
+    size_t bytes = sizeof(float) * 2 * len * half;
+    mrl_buffer buf;
+    mrl_status st = mrl_buffer_alloc(m->device, bytes, MRL_MEM_OTHER, &buf);
+    if (st) return st;
+    float *cs = m->k->on_device ? mrl_mem_alloc(bytes, MRL_MEM_OTHER) : buf.data, *sn = cs ? cs + len * half : NULL;
+    if (!cs) {
+        mrl_buffer_free(&buf);
         return MRL_ERR_NOMEM;
     }
     for (int64_t p = 0; p < len; p++)
@@ -49,10 +52,18 @@ mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len) {
             cs[p * half + i] = (float)cos((double)angle);
             sn[p * half + i] = (float)sin((double)angle);
         }
-    mrl_mem_free(m->rope_cos);
-    mrl_mem_free(m->rope_sin);
-    m->rope_cos = cs;
-    m->rope_sin = sn;
+    if (m->k->on_device) {
+        st = m->k->to_device(buf.data, cs, (int64_t)bytes);
+        mrl_mem_free(cs);
+        if (st) {
+            mrl_buffer_free(&buf);
+            return st;
+        }
+    }
+    mrl_buffer_free(&m->rope_mem);
+    m->rope_mem = buf;
+    m->rope_cos = buf.data;
+    m->rope_sin = m->rope_cos + len * half;
     m->rope_len = len;
     return MRL_OK;
 }

@@ -2,12 +2,14 @@
  * semantics), with a no-decay mask made of element ranges. The step's
  * arithmetic is the op table's adamw (kernels.h; the fast table's for
  * mrl_adamw_step, the reference's for mrl_adamw_step_reference: the same
- * bits). */
+ * bits). The state lives where the parameters do (mrl_device_of): on a
+ * GPU, the step is the CUDA table's. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
 #include "moonrl/optim.h"
+#include "moonrl/device.h"
 #include "moonrl/mem.h"
 
 struct mrl_adamw {
@@ -15,7 +17,9 @@ struct mrl_adamw {
     const float *grads;
     int64_t n;
     mrl_adamw_config config;
-    float *state; /* m: state[0..n), v: state[n..2n) */
+    float *state; /* m: state[0..n), v: state[n..2n); state_buf's data */
+    mrl_buffer state_buf;
+    mrl_device device; /* of params, grads and state */
     int64_t step;
     int64_t *no_decay; /* merged sorted ranges: begin0, end0, begin1, end1, ... */
     int64_t no_decay_count;
@@ -40,13 +44,18 @@ mrl_status mrl_adamw_create(float *params, const float *grads, int64_t n, const 
         return mrl_set_error(MRL_ERR_INVALID, "adamw: weight_decay must be >= 0 (got %g)", c->weight_decay);
     if ((uint64_t)n > SIZE_MAX / (2 * sizeof(float)))
         return mrl_set_error(MRL_ERR_INVALID, "adamw: n=%lld is too large", (long long)n);
+    mrl_device device = mrl_device_of(params);
+    if (mrl_device_of(grads).kind != device.kind || mrl_device_of(grads).index != device.index)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw: the parameters and the gradients are on different devices");
+    if (!mrl_kernels_for(device)) return mrl_set_error(MRL_ERR_UNSUPPORTED, "adamw: no kernels for this device");
     mrl_adamw *opt = calloc(1, sizeof *opt);
     if (!opt) return mrl_set_error(MRL_ERR_NOMEM, "adamw: out of memory");
-    opt->state = mrl_mem_alloc((size_t)n * 2 * sizeof(float), MRL_MEM_OPTIM);
-    if (!opt->state) {
+    if (mrl_buffer_alloc(device, (size_t)n * 2 * sizeof(float), MRL_MEM_OPTIM, &opt->state_buf)) { /* zeroed */
         free(opt);
         return mrl_set_error(MRL_ERR_NOMEM, "adamw: cannot allocate optimizer state for %lld parameters", (long long)n);
     }
+    opt->state = opt->state_buf.data;
+    opt->device = device;
     opt->params = params;
     opt->grads = grads;
     opt->n = n;
@@ -57,7 +66,7 @@ mrl_status mrl_adamw_create(float *params, const float *grads, int64_t n, const 
 
 void mrl_adamw_free(mrl_adamw *opt) {
     if (!opt) return;
-    mrl_mem_free(opt->state);
+    mrl_buffer_free(&opt->state_buf);
     free(opt->no_decay);
     free(opt);
 }
@@ -133,10 +142,13 @@ static mrl_status do_step(mrl_adamw *opt, double lr, const mrl_kernels *k, const
 }
 
 mrl_status mrl_adamw_step(mrl_adamw *opt, double lr) {
-    return do_step(opt, lr, mrl_kernels_cpu_fast(), "adamw_step");
+    return do_step(opt, lr, opt ? mrl_kernels_for(opt->device) : NULL, "adamw_step");
 }
 
 mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr) {
+    if (opt && opt->device.kind != MRL_DEVICE_CPU)
+        return mrl_set_error(MRL_ERR_INVALID, "adamw_step_reference: the parameters are on a GPU (the reference "
+                             "kernels are the CPU's)");
     return do_step(opt, lr, mrl_kernels_cpu_reference(), "adamw_step_reference");
 }
 
@@ -159,8 +171,9 @@ mrl_status mrl_adamw_load_state(mrl_adamw *opt, const float *m, const float *v, 
         return mrl_set_error(MRL_ERR_INVALID, "adamw_load_state: state holds %lld parameters, the optimizer %lld",
                              (long long)n, (long long)opt->n);
     if (step < 0) return mrl_set_error(MRL_ERR_INVALID, "adamw_load_state: step must be >= 0 (got %lld)", (long long)step);
-    if (m != opt->state) memmove(opt->state, m, (size_t)n * sizeof(float));
-    if (v != opt->state + n) memmove(opt->state + n, v, (size_t)n * sizeof(float));
-    opt->step = step;
-    return MRL_OK;
+    /* from the host or the optimizer's device */
+    mrl_status st = mrl_device_memcpy(opt->state, m, (size_t)n * sizeof(float));
+    if (!st) st = mrl_device_memcpy(opt->state + n, v, (size_t)n * sizeof(float));
+    if (!st) opt->step = step;
+    return st;
 }

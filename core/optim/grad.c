@@ -1,6 +1,7 @@
 /* Gradient helpers over one contiguous buffer: norm (the fast table's sum
  * of squares: double, fixed blocks, so identical for any thread count),
- * clipping as torch.nn.utils.clip_grad_norm_, scaling and zeroing. */
+ * clipping as torch.nn.utils.clip_grad_norm_, scaling and zeroing. A buffer
+ * on a GPU (mrl_device_of) is worked on by the CUDA table. */
 #include <math.h>
 #include <string.h>
 #include "kernels.h"
@@ -13,7 +14,7 @@ mrl_status mrl_grad_norm(const float *grads, int64_t n, double *out) {
     if (!out || n < 0 || (n > 0 && !grads))
         return mrl_set_error(MRL_ERR_INVALID, "grad_norm: bad arguments (n=%lld)", (long long)n);
     double sum_squares;
-    mrl_status st = mrl_kernels_cpu_fast()->sum(grads, n, 1, &sum_squares);
+    mrl_status st = mrl_kernels_for(mrl_device_of(grads))->sum(grads, n, 1, &sum_squares);
     if (st == MRL_OK) *out = sqrt(sum_squares);
     return st;
 }
@@ -24,13 +25,15 @@ static void zero_range(void *vctx, int64_t begin, int64_t end) {
 
 mrl_status mrl_grad_scale(float *grads, int64_t n, float scale) {
     if (n < 0 || (n > 0 && !grads)) return mrl_set_error(MRL_ERR_INVALID, "grad_scale: bad arguments (n=%lld)", (long long)n);
-    mrl_kernels_cpu_fast()->scale(grads, n, scale);
+    mrl_kernels_for(mrl_device_of(grads))->scale(grads, n, scale);
     return MRL_OK;
 }
 
 mrl_status mrl_grad_zero(float *grads, int64_t n) {
     if (n < 0 || (n > 0 && !grads)) return mrl_set_error(MRL_ERR_INVALID, "grad_zero: bad arguments (n=%lld)", (long long)n);
-    mrl_parallel_for(n, ELEM_GRAIN, zero_range, grads);
+    mrl_device device = mrl_device_of(grads);
+    if (device.kind != MRL_DEVICE_CPU) mrl_kernels_for(device)->zero(grads, n * (int64_t)sizeof(float));
+    else mrl_parallel_for(n, ELEM_GRAIN, zero_range, grads);
     return MRL_OK;
 }
 

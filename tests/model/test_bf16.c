@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
+#include "model/small_models.h"
 #include "moonrl/model.h"
 #include "moonrl/optim.h"
 #include "moonrl/runtime.h"
@@ -45,76 +46,13 @@
 #define LP_TABLES 0.025
 #define GRAD_TABLES 0.015
 
-static uint64_t rng = 0x9e3779b97f4a7c15ULL, seed_offset;
-static double urand(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) / 9007199254740992.0;
-}
+static uint64_t seed_offset;
 
-static mrl_model_config config(int arch) {
-    mrl_model_config c;
-    mrl_model_config_default(&c);
-    c.arch = arch;
-    c.vocab_size = 211;
-    c.hidden_size = 64;
-    c.intermediate_size = 160;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 16;
-    c.max_position_embeddings = 128;
-    c.tie_word_embeddings = arch != MRL_ARCH_QWEN2; /* both head layouts */
-    c.initializer_range = 0.15;                   /* logits of a few units: log-probs that vary */
-    if (arch == MRL_ARCH_QWEN2) c.attention_bias = 1;
-    return c;
-}
+static mrl_model_config config(int arch) { return small_config(arch); }
 
-/* Norm weights and biases away from 1 and 0, so that they matter. */
 static mrl_model *make_model(int arch, uint64_t seed) {
     mrl_model_config c = config(arch);
-    mrl_model *m = NULL;
-    seed += 1000 * seed_offset;
-    CHECK_OK(mrl_model_create(&c, seed, &m));
-    if (!m) exit(1);
-    float *p = mrl_model_params(m);
-    uint64_t keep = rng;
-    rng = seed * 2654435761u + 1;
-    for (int i = 0; i < mrl_model_num_views(m); i++) {
-        mrl_param_view v;
-        mrl_model_view(m, i, &v);
-        if (v.ndim != 1) continue;
-        float base = strstr(v.name, "bias") ? 0.0f : 1.0f;
-        for (int64_t j = 0; j < v.numel; j++) p[v.offset + j] = base + (float)(0.4 * (urand() - 0.5));
-    }
-    rng = keep;
-    return m;
-}
-
-/* A packed batch: 3 sequences, the third continuing the first (a shared prompt). */
-typedef struct batch {
-    int32_t tokens[96], targets[96], cu[4], prefix[3];
-    mrl_batch b;
-    float dlp[96], dent[96];
-} batch;
-
-static void make_batch(batch *x, int V) {
-    static const int lens[3] = {37, 29, 19};
-    int n = 0;
-    for (int s = 0; s < 3; s++) {
-        x->cu[s] = n;
-        for (int i = 0; i < lens[s]; i++, n++) x->tokens[n] = (int32_t)(urand() * V);
-    }
-    x->cu[3] = n;
-    for (int i = 0; i < n; i++) {
-        x->targets[i] = (int32_t)(urand() * V);
-        x->dlp[i] = (float)(urand() - 0.5);
-        x->dent[i] = (float)(0.3 * (urand() - 0.5));
-    }
-    for (int s = 0; s < 3; s++) x->targets[x->cu[s + 1] - 1] = -1;
-    x->prefix[0] = -1, x->prefix[1] = -1, x->prefix[2] = 0;
-    x->b = (mrl_batch){x->tokens, x->targets, x->cu, n, 3, x->prefix};
+    return small_model(&c, seed + 1000 * seed_offset);
 }
 
 typedef struct result {
@@ -137,33 +75,6 @@ static double mean_abs_diff(const float *a, const float *b, int64_t n) {
     return d / n;
 }
 
-static double max_abs_diff(const float *a, const float *b, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (fabs((double)a[i] - b[i]) > d || a[i] != a[i] || b[i] != b[i]) d = a[i] == a[i] && b[i] == b[i] ? fabs((double)a[i] - b[i]) : INFINITY;
-    return d;
-}
-
-/* The largest, over the 2-D views, of ||a - b|| / ||b|| (the matrices' gradients). */
-static double worst_grad(const mrl_model *m, const float *a, const float *b, const char **which) {
-    double worst = 0;
-    for (int i = 0; i < mrl_model_num_views(m); i++) {
-        mrl_param_view v;
-        mrl_model_view(m, i, &v);
-        double num = 0, den = 0;
-        for (int64_t j = v.offset; j < v.offset + v.numel; j++) {
-            double d = (double)a[j] - b[j];
-            num += d * d, den += (double)b[j] * b[j];
-        }
-        double rel = den > 0 ? sqrt(num / den) : sqrt(num);
-        if (!(rel <= worst)) {
-            worst = rel;
-            if (which) *which = v.name;
-        }
-    }
-    return worst;
-}
-
 static void test_against_fp32(int arch) {
     batch x;
     make_batch(&x, config(arch).vocab_size);
@@ -180,8 +91,8 @@ static void test_against_fp32(int arch) {
     run(r16, &x, &c);
     const char *gw = "", *tw = "";
     double lp = max_abs_diff(b.lp, a.lp, T), ent = max_abs_diff(b.ent, a.ent, T);
-    double g = worst_grad(m32, b.g, a.g, &gw);
-    double lp_t = max_abs_diff(b.lp, c.lp, T), g_t = worst_grad(m32, b.g, c.g, &tw);
+    double g = worst_view(m32, b.g, a.g, &gw);
+    double lp_t = max_abs_diff(b.lp, c.lp, T), g_t = worst_view(m32, b.g, c.g, &tw);
     double lp_mean = mean_abs_diff(b.lp, a.lp, T), lp_t_mean = mean_abs_diff(b.lp, c.lp, T);
     printf("arch %d: bf16 vs fp32: |dlp| mean %.3g max %.3g, max |dentropy| %.3g, worst grad rel err %.3g (%s)\n",
            arch, lp_mean, lp, ent, g, gw);
@@ -195,15 +106,18 @@ static void test_against_fp32(int arch) {
     /* and not fp32 in disguise: bf16 must differ from it */
     CHECK(lp > 0);
 
-    /* a head in chunks of 16 tokens, and recomputation: the same products row by row */
+    /* a head in chunks of 16 tokens, and recomputation: the same products, but a chunk of 16
+     * rows goes to the few-row bf16 kernel, the whole batch to oneDNN (other fp32 sum orders):
+     * now and then an activation rounds to the neighbouring bf16 value, as between two tables
+     * (seen: SEED=1, a 1.7e-3 gradient difference); a product with a wrong operand is O(1) */
     result d;
     mrl_model_set_head_chunk(m16, 16);
     mrl_model_set_recompute(m16, 1);
     run(m16, &x, &d);
-    double lp_c = max_abs_diff(d.lp, b.lp, T), g_c = worst_grad(m32, d.g, b.g, NULL);
+    double lp_c = max_abs_diff(d.lp, b.lp, T), g_c = worst_view(m32, d.g, b.g, NULL);
     printf("arch %d: bf16 chunked head + recompute vs whole: max |dlp| %.3g (mean %.3g), worst grad rel err %.3g\n",
            arch, lp_c, mean_abs_diff(d.lp, b.lp, T), g_c);
-    CHECK(lp_c <= 1e-5 && g_c <= 1e-5);
+    CHECK(lp_c <= LP_TABLES && g_c <= GRAD_TABLES);
     free(a.g), free(b.g), free(c.g), free(d.g);
     mrl_model_free(m32);
     mrl_model_free(m16);

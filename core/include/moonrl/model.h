@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stddef.h>
 #include "dist.h"
+#include "device.h"
 #include "status.h"
 
 #ifdef __cplusplus
@@ -166,9 +167,13 @@ void mrl_model_free(mrl_model *m);
 
 const mrl_model_config *mrl_model_get_config(const mrl_model *m);
 int64_t mrl_model_num_params(const mrl_model *m);
+/* The parameter buffer (n_params floats), in the memory of the model's
+ * device: on a GPU a device pointer (read it with mrl_device_memcpy;
+ * mrl_model_weights_changed after writing it). */
 float *mrl_model_params(mrl_model *m);
-/* The gradient buffer (n_params floats, the parameters' layout), allocated
- * zeroed on the first call; NULL (and an error) when out of memory. */
+/* The gradient buffer (n_params floats, the parameters' layout, on the
+ * model's device), allocated zeroed on the first call; NULL (and an error)
+ * when out of memory. */
 float *mrl_model_grads(mrl_model *m);
 int mrl_model_num_views(const mrl_model *m);
 /* View i (0 <= i < num_views); MRL_ERR_INVALID when out of range. */
@@ -179,7 +184,20 @@ mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_v
 /* Keep only each layer's input in the forward and recompute the rest of
  * the layer in the backward (less activation memory, ~1/3 more compute). */
 void mrl_model_set_recompute(mrl_model *m, int on);
+/* The op table of a model on the CPU (MRL_KERNELS_*); MRL_ERR_INVALID for a
+ * model on a GPU, which uses that device's. */
 mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
+/* Move the model to a device (moonrl/device.h; every model starts on the
+ * CPU): its parameters, gradients and bf16 copies go to that device's
+ * memory, its activations and RoPE tables are made there, and its ops are
+ * that device's kernels (on a GPU: kernels/cuda, with cuBLASLt). Batches
+ * and the per-token arrays of mrl_model_forward / _backward stay host
+ * memory: the forward copies the batch over and its outputs back (a few
+ * floats a token, the loss boundary of DESIGN.md). MRL_ERR_UNSUPPORTED for
+ * a device not built or not present, and on a GPU for a mixture-of-experts
+ * model or one with expert parallelism (they route on the host). */
+mrl_status mrl_model_set_device(mrl_model *m, mrl_device device);
+mrl_device mrl_model_get_device(const mrl_model *m);
 /* Tokens whose full-vocabulary logits the head holds at a time (0, the
  * default: 32 MiB worth, at least 128 tokens). */
 void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens);

@@ -28,8 +28,10 @@ typedef struct mrl_adamw_config {
     double weight_decay; /* 0.01 */
 } mrl_adamw_config;
 
-/* params and grads hold n floats each and must outlive the optimizer.
- * The state starts at zero, step 0. */
+/* params and grads hold n floats each and must outlive the optimizer;
+ * both host memory, or both on one GPU (a model's on mrl_model_set_device):
+ * the state is then made there and the steps run there. The state starts
+ * at zero, step 0. */
 mrl_status mrl_adamw_create(float *params, const float *grads, int64_t n, const mrl_adamw_config *config,
                             mrl_adamw **out);
 void mrl_adamw_free(mrl_adamw *opt);
@@ -46,8 +48,8 @@ int64_t mrl_adamw_steps(const mrl_adamw *opt);
 int64_t mrl_adamw_size(const mrl_adamw *opt);
 
 /* Checkpoint state: the optimizer's m and v (n floats each, owned by the
- * optimizer; write to them to restore, or use mrl_adamw_load_state) and
- * the step count. */
+ * optimizer, where the parameters are: read a GPU's with mrl_device_memcpy;
+ * write to them to restore, or use mrl_adamw_load_state) and the step count. */
 typedef struct mrl_adamw_state {
     float *m;
     float *v;
@@ -57,10 +59,11 @@ typedef struct mrl_adamw_state {
 } mrl_adamw_state;
 
 mrl_status mrl_adamw_get_state(mrl_adamw *opt, mrl_adamw_state *out);
-/* Copy m and v (n floats each; n must match) in and set the step count. */
+/* Copy m and v (n floats each, host or device memory; n must match) in and
+ * set the step count. */
 mrl_status mrl_adamw_load_state(mrl_adamw *opt, const float *m, const float *v, int64_t n, int64_t step);
 
-/* --- Gradient helpers over a raw buffer ------------------------------- */
+/* --- Gradient helpers over a raw buffer (host, or one GPU's) ----------- */
 /* *out = sqrt(sum g^2) accumulated in double; identical for any thread count. */
 mrl_status mrl_grad_norm(const float *grads, int64_t n, double *out);
 /* torch.nn.utils.clip_grad_norm_: norm as above, coef = max_norm /
