@@ -23,6 +23,12 @@
  * the model's dtype bf16 the products read bf16 copies instead (the model's
  * own, shared with the trainer; prepare_weights).
  *
+ * On a GPU (the model's device, mrl_model_set_device) the weights, the
+ * activations and the KV pool are device memory: each step sends the
+ * scheduler's host arrays over in one copy (stage_batch); the sampler reads
+ * the logits in place and returns the tokens (the CUDA table's sample).
+ * There are no panels on a GPU (cuBLASLt reads the weights as they are).
+ *
  * A background run (mrl_engine_run_async) is mrl_engine_run on a thread of
  * its own. The engine's state then belongs to that thread: every other call
  * that reads or writes it is refused until mrl_engine_wait has joined it,
@@ -53,18 +59,24 @@ struct mrl_engine {
     mrl_kv_cache *kv;
     mrl_sched *sched;
     mrl_sched_stats done;    /* totals of the schedulers dropped by reset */
-    /* activations of one step, for max_num_batched_tokens tokens */
+    /* activations of one step, for max_num_batched_tokens tokens (act_mem's data, on the model's device) */
+    mrl_buffer act_mem;
     void *act_buf;
     layer_acts a;
     float *x;                /* [T,D] residual stream */
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
     float *logits;           /* [S,V] */
     int64_t logit_rows;      /* S */
-    void *attn_ws;
-    int64_t attn_ws_bytes;
+    mrl_buffer attn_ws; /* paged attention's workspace */
+    /* on a GPU: the step's host arrays packed (stage_host) and their copy on the device
+     * (stage_dev): tokens, positions, slots, logits indices, query starts, lengths, block tables */
+    int on_device;
+    int32_t *stage_host;
+    mrl_buffer stage_dev;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
-    uint16_t *copy16;        /* bf16: the copies of a buffer not the model's (prepare_weights) */
+    uint16_t *copy16;        /* bf16: the copies of a buffer not the model's (prepare_weights); copy16_buf's data */
+    mrl_buffer copy16_buf;
     /* the background run (mrl_engine_run_async) */
     _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
     _Atomic int pause;       /* mrl_engine_pause: the background run returns after its current step */
@@ -260,7 +272,9 @@ static mrl_status prepare_weights(mrl_engine *e) {
     } else {
         if (!e->copy16) {
             int64_t n = mrl_model_num_params(e->m);
-            e->copy16 = mrl_mem_alloc((size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS);
+            if (mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS,
+                                 &e->copy16_buf) == MRL_OK)
+                e->copy16 = e->copy16_buf.data;
             if (!e->copy16)
                 return mrl_set_error(MRL_ERR_NOMEM, "engine step: no memory for the bf16 copy of the weights "
                                      "(%lld bytes)", (long long)n * 2);
@@ -283,7 +297,8 @@ static mrl_status new_sched(mrl_engine *e) {
     const mrl_model_config *c = e->mc;
     mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
                               .head_dim = c->head_dim, .block_size = e->cfg.block_size,
-                              .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching};
+                              .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching,
+                              .k = mrl_model_kernels(e->m), .device = mrl_model_get_device(e->m)};
     mrl_status st = e->kv ? mrl_kv_cache_clear(e->kv) : mrl_kv_cache_create(&kc, &e->kv);
     if (st) return st;
     mrl_sched_config sc = {.max_num_seqs = e->cfg.max_num_seqs,
@@ -318,10 +333,12 @@ void mrl_engine_free(mrl_engine *e) {
     pthread_mutex_destroy(&e->published_lock);
     drop_sched(e);
     mrl_kv_cache_destroy(e->kv);
-    mrl_mem_free(e->act_buf);
-    mrl_mem_free(e->attn_ws);
+    mrl_buffer_free(&e->act_mem);
+    mrl_buffer_free(&e->attn_ws);
+    mrl_buffer_free(&e->stage_dev);
+    mrl_mem_free(e->stage_host);
     mrl_mem_free(e->panels);
-    mrl_mem_free(e->copy16);
+    mrl_buffer_free(&e->copy16_buf);
     mrl_mem_free(e->lp);
     routes_clear(e);
     free(e->routes);
@@ -338,10 +355,10 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL out");
     *out = NULL;
     if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
-    if (mrl_model_get_device(model).kind != MRL_DEVICE_CPU)
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine create: the model is on cuda:%d; the engine runs on the "
-                             "CPU only for now", mrl_model_get_device(model).index);
     mrl_engine_config c = *cfg;
+    mrl_device device = mrl_model_get_device(model);
+    int on_device = mrl_model_kernels(model)->on_device;
+    if (on_device) c.pack_weights = 0; /* panels are the CPU's layout */
     const mrl_model_config *mc = mrl_model_get_config(model);
     if (c.max_model_len <= 0) c.max_model_len = mc->max_position_embeddings;
     /* every size is checked before anything is allocated from it */
@@ -354,13 +371,13 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     BOUND(max_num_batched_tokens, 1, 1 << 24)
     BOUND(max_model_len, 2, INT32_MAX)
 #undef BOUND
-    int64_t phys = physical_memory();
+    int64_t phys = on_device ? 0 : physical_memory(); /* a GPU's own allocator says when it has too little */
     if (c.kv_cache_bytes <= 0 || (phys > 0 && c.kv_cache_bytes > phys))
         return mrl_set_error(MRL_ERR_INVALID, "engine create: kv_cache_bytes = %lld (%.1f GiB): the KV cache must be > 0 "
                              "and at most this machine's physical memory (%lld bytes, %.1f GiB)", (long long)c.kv_cache_bytes,
                              c.kv_cache_bytes / 1073741824.0, (long long)phys, phys / 1073741824.0);
     /* rows needing logits in one step: at most one per running sequence */
-    mrl_engine probe = {.m = model, .mc = mc, .cfg = c};
+    mrl_engine probe = {.m = model, .mc = mc, .cfg = c, .on_device = on_device};
     probe.logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
     int64_t bytes = layout(&probe, NULL);
     if (phys > 0 && bytes > phys)
@@ -376,7 +393,8 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     pthread_mutex_init(&e->published_lock, NULL); /* before any path to mrl_engine_free */
     mrl_status st = MRL_OK;
     e->lp = mrl_mem_alloc(sizeof(layer_params) * mc->num_hidden_layers, MRL_MEM_OTHER);
-    e->act_buf = e->lp ? mrl_mem_alloc((size_t)bytes, MRL_MEM_ACTIVATIONS) : NULL;
+    if (e->lp && mrl_buffer_alloc(device, (size_t)bytes, MRL_MEM_ACTIVATIONS, &e->act_mem) == MRL_OK)
+        e->act_buf = e->act_mem.data;
     if (!e->act_buf)
         st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the activations of %d tokens (%lld bytes)",
                            c.max_num_batched_tokens, (long long)bytes);
@@ -427,6 +445,10 @@ static mrl_status use_params(mrl_engine *e, const float *params, int64_t n_param
     if (params && n_params != mrl_model_num_params(e->m))
         return mrl_set_error(MRL_ERR_INVALID, "engine %s: buffer of %lld floats, the model has %lld", what,
                              (long long)n_params, (long long)mrl_model_num_params(e->m));
+    mrl_device want = mrl_model_get_device(e->m), got = mrl_device_of(params);
+    if (params && (got.kind != want.kind || got.index != want.index))
+        return mrl_set_error(MRL_ERR_INVALID, "engine %s: the buffer is %s memory, the model's weights are on %s", what,
+                             got.kind == MRL_DEVICE_CPU ? "host" : "GPU", want.kind == MRL_DEVICE_CPU ? "the host" : "a GPU");
     rebase(e, params ? params : mrl_model_params(e->m));
     e->panels_stale = 1;
     return MRL_OK;
@@ -533,18 +555,56 @@ mrl_status mrl_engine_get_output_routing(mrl_engine *e, int req_id, int sample, 
     return MRL_OK;
 }
 
+/* On a GPU: the batch's host arrays the ops read, packed and sent over in
+ * one copy; *d is b with its pointers into the device's copy. */
+static mrl_status stage_batch(mrl_engine *e, const mrl_sched_batch *b, mrl_sched_batch *d) {
+    *d = *b;
+    if (!e->on_device) return MRL_OK;
+    struct { const int32_t *src; int64_t n; const int32_t **dst; } parts[] = {
+        {b->token_ids, b->n_tokens, &d->token_ids},         {b->positions, b->n_tokens, &d->positions},
+        {b->slot_mapping, b->n_tokens, &d->slot_mapping},   {b->logits_indices, b->n_logits, &d->logits_indices},
+        {b->query_start, b->n_seqs + 1, &d->query_start},   {b->seq_lens, b->n_seqs, &d->seq_lens},
+        {b->block_tables, (int64_t)b->n_seqs * b->max_blocks_per_seq, &d->block_tables}};
+    int64_t total = 0;
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) total += parts[i].n;
+    if ((size_t)total * sizeof(int32_t) > e->stage_dev.bytes) { /* grown by half again: few regrowths */
+        mrl_buffer_free(&e->stage_dev);
+        mrl_mem_free(e->stage_host);
+        int64_t cap = total + total / 2 + 64;
+        e->stage_host = mrl_mem_alloc((size_t)cap * sizeof(int32_t), MRL_MEM_ACTIVATIONS);
+        mrl_status st = e->stage_host ? mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)cap * sizeof(int32_t),
+                                                         MRL_MEM_ACTIVATIONS, &e->stage_dev)
+                                      : MRL_ERR_NOMEM;
+        if (st) {
+            mrl_mem_free(e->stage_host);
+            e->stage_host = NULL;
+            return mrl_set_error(MRL_ERR_NOMEM, "engine step: no memory for the batch's %lld indices", (long long)total);
+        }
+    }
+    int64_t off = 0;
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        if (parts[i].n > 0) memcpy(e->stage_host + off, parts[i].src, sizeof(int32_t) * parts[i].n);
+        *parts[i].dst = (const int32_t *)e->stage_dev.data + off;
+        off += parts[i].n;
+    }
+    return mrl_model_kernels(e->m)->to_device(e->stage_dev.data, e->stage_host, off * (int64_t)sizeof(int32_t));
+}
+
 /* The model over one scheduled batch: logits of its logits_indices rows. */
-static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
+static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *hb) {
     const mrl_model *m = e->m;
     const mrl_model_config *c = e->mc;
     const mrl_kernels *k = mrl_model_kernels(m);
-    int64_t T = b->n_tokens, D = c->hidden_size, V = c->vocab_size, S = b->n_logits;
+    int64_t T = hb->n_tokens, D = c->hidden_size, V = c->vocab_size, S = hb->n_logits;
     int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
     if (T > e->cfg.max_num_batched_tokens || S > e->logit_rows)
         return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %lld tokens / %lld logit rows over the buffers",
                              (long long)T, (long long)S);
     mrl_status st = prepare_weights(e);
+    mrl_sched_batch staged; /* what the ops read: hb itself, or (a GPU) its copy there */
+    if (!st) st = stage_batch(e, hb, &staged);
     if (st) return st;
+    const mrl_sched_batch *b = &staged;
     k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
@@ -555,29 +615,27 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *b) {
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
         if (st) break;
         int64_t need = k->paged_attn_workspace(&args);
-        if (need > e->attn_ws_bytes) {
-            mrl_mem_free(e->attn_ws);
-            int64_t cap = need + need / 2;
-            e->attn_ws = mrl_mem_alloc((size_t)cap, MRL_MEM_ACTIVATIONS);
-            e->attn_ws_bytes = e->attn_ws ? cap : 0;
+        if (need > (int64_t)e->attn_ws.bytes) { /* (none: the kernel makes its own) */
+            mrl_buffer_free(&e->attn_ws);
+            mrl_buffer_alloc(mrl_model_get_device(m), (size_t)(need + need / 2), MRL_MEM_ACTIVATIONS, &e->attn_ws);
         }
-        if (e->attn_ws) {
-            args.workspace = e->attn_ws;
-            args.workspace_bytes = e->attn_ws_bytes;
+        if (e->attn_ws.data) {
+            args.workspace = e->attn_ws.data;
+            args.workspace_bytes = (int64_t)e->attn_ws.bytes;
         }
         st = k->paged_attn(&args);
         if (st) break;
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
-        if (p->router && e->routes) record_routing(e, b, ord++); /* mrl_engine_record_routing */
+        if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
     }
-    if (st || S == 0) return st;
+    if (st || S == 0) return st ? st : k->sync();
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
     k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);
     if (e->w.lm_head16) /* bf16, as the trainer's head (forward.c) */
         k->gemm_bf16(0, 1, S, V, D, 1.0f, e->rows_n, 0, D, e->w.lm_head16, 1, D, 0.0f, e->logits, V);
     else
         k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */
-    return MRL_OK;
+    return k->sync(); /* a GPU's first failure of the step (nothing on the CPU) */
 }
 
 /* Following a weight store: a version newer than the one read now is taken
@@ -685,6 +743,9 @@ static void *run_thread(void *arg) {
 mrl_status mrl_engine_run_async(mrl_engine *e, int threads) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine run_async: NULL engine");
     if (threads < 1) return mrl_set_error(MRL_ERR_INVALID, "engine run_async: threads = %d (must be >= 1)", threads);
+    if (e->on_device) /* the CUDA table serves one thread's stream at a time (kernels/cuda/table.cu) */
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine run_async: the engine is on a GPU, whose op table serves "
+                             "one thread at a time: generate with mrl_engine_run (no overlap with training yet)");
     int idle = ASYNC_IDLE;
     if (!atomic_compare_exchange_strong(&e->async, &idle, ASYNC_RUNNING)) return check_idle(e, "run_async");
     /* A training forward on the same model while this runs must not regrow
@@ -784,6 +845,9 @@ mrl_status mrl_engine_follow(mrl_engine *e, mrl_weight_store *ws, int reader) {
     if (ws && mrl_weight_store_floats(ws) != mrl_model_num_params(e->m))
         return mrl_set_error(MRL_ERR_INVALID, "engine follow: a store of %lld floats, the model has %lld",
                              (long long)mrl_weight_store_floats(ws), (long long)mrl_model_num_params(e->m));
+    if (ws && e->on_device)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine follow: a weight store is host shared memory; an engine on "
+                             "a GPU reads its model's weights (no store to follow)");
     e->follow = ws;
     e->follow_reader = reader;
     return MRL_OK;

@@ -18,7 +18,8 @@ struct mrl_kv_cache {
     mrl_kv_cache_config cfg;
     int num_blocks;
     int64_t block_floats; /* one block, one layer, K or V */
-    float *pool;
+    float *pool; /* pool_buf's data: host or device memory (mrl_kv_cache_config.k) */
+    mrl_buffer pool_buf;
     /* per block */
     int32_t *ref;
     uint8_t *hashed;
@@ -124,9 +125,10 @@ static void block_release(mrl_kv_cache *c, int b) {
 
 static void block_copy(mrl_kv_cache *c, int dst, int src) {
     int64_t bf = c->block_floats;
+    const mrl_kernels *k = c->cfg.k ? c->cfg.k : mrl_kernels_cpu_fast();
     for (int kv = 0; kv < 2 * c->cfg.n_layers; kv++) {
         float *base = c->pool + (int64_t)kv * c->num_blocks * bf;
-        memcpy(base + dst * bf, base + src * bf, (size_t)bf * sizeof(float));
+        k->copy(base + dst * bf, base + src * bf, bf * (int64_t)sizeof(float));
     }
 }
 
@@ -172,8 +174,9 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
     uint64_t nbuckets = 1;
     while (nbuckets < (uint64_t)nb) nbuckets <<= 1;
     c->bucket_mask = nbuckets - 1;
-    c->pool = mrl_mem_alloc((size_t)(nb * block_bytes), MRL_MEM_KV_CACHE);
-    if (!c->pool) { /* mrl_mem's message says how much was asked and how much there is */
+    if (mrl_buffer_alloc(cfg->device, (size_t)(nb * block_bytes), MRL_MEM_KV_CACHE, &c->pool_buf) == MRL_OK)
+        c->pool = c->pool_buf.data;
+    if (!c->pool) { /* the allocator's message says how much was asked (and how much there is) */
         char why[512]; /* (mrl_set_error writes the buffer mrl_last_error reads) */
         snprintf(why, sizeof why, "%s", mrl_last_error());
         mrl_status st = mrl_set_error(MRL_ERR_NOMEM, "kv_cache_create: a pool of %lld blocks: %s", (long long)nb, why);
@@ -213,7 +216,7 @@ void mrl_kv_cache_destroy(mrl_kv_cache *c) {
     if (!c) return;
     for (int i = 0; i < c->n_seqs_cap; i++) free(c->seqs[i].blocks);
     free(c->seqs);
-    mrl_mem_free(c->pool);
+    mrl_buffer_free(&c->pool_buf);
     mrl_mem_free(c->ref);
     mrl_mem_free(c->hashed);
     mrl_mem_free(c->hash);

@@ -35,6 +35,7 @@
  * Not thread-safe: one thread (the engine's) drives a cache. */
 #pragma once
 #include <stdint.h>
+#include "kernels.h"
 #include "moonrl/status.h"
 
 typedef struct mrl_kv_cache mrl_kv_cache;
@@ -46,6 +47,11 @@ typedef struct mrl_kv_cache_config {
     int block_size;          /* tokens per block (16 is vLLM's default) */
     int64_t budget_bytes;    /* the pool gets floor(budget / block_bytes) blocks */
     int prefix_caching;      /* 1: register full blocks for reuse across requests */
+    /* the table whose memory holds the pool (NULL: the CPU's): a GPU's
+     * (k->on_device) puts it in device memory, and copy-on-write copies
+     * blocks with its copy slot; the block tables stay on the host */
+    const mrl_kernels *k;
+    mrl_device device;       /* where that memory is (the table's device) */
 } mrl_kv_cache_config;
 
 typedef struct mrl_kv_cache_stats {

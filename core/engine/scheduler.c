@@ -571,7 +571,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     int64_t *ctr = NULL;
     int *who = NULL;
     int32_t *tok = NULL;
-    float *lp = NULL, *lpp = NULL;
+    float *lp = NULL, *lpp = NULL, *host_row = NULL;
     if (!st && n_samples > 0) {
         rows = malloc(sizeof(*rows) * n_samples);
         params = malloc(sizeof(*params) * n_samples);
@@ -610,9 +610,17 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
         x->lp[n_out] = lp[i];
         x->lpp[n_out] = lpp[i];
         x->ver[n_out] = s->version;
-        if (q->top > 0)
-            top_logprobs(rows[i], V, &q->params, q->top, x->top_ids + (int64_t)n_out * q->top,
+        if (q->top > 0) {
+            const float *row = rows[i];
+            if (s->k && s->k->on_device) { /* a GPU's logits: this row to the host first */
+                if (!host_row && !(host_row = malloc(sizeof(float) * V))) st = oom("top_logprobs");
+                if (!st) st = s->k->to_host(host_row, rows[i], (int64_t)sizeof(float) * V);
+                if (st) break;
+                row = host_row;
+            }
+            top_logprobs(row, V, &q->params, q->top, x->top_ids + (int64_t)n_out * q->top,
                          x->top_lp + (int64_t)n_out * q->top);
+        }
         s->st.generated_tokens++;
         if (in_list(q->eos, q->n_eos, tok[i])) finish_seq(s, who[i], MRL_FINISH_EOS);
         else if (in_list(q->stop, q->n_stop, tok[i])) finish_seq(s, who[i], MRL_FINISH_STOP);
@@ -626,6 +634,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     free(tok);
     free(lp);
     free(lpp);
+    free(host_row);
     s->planned = 0;
     s->n_step = 0;
     return st;

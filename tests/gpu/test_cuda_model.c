@@ -11,8 +11,8 @@
  *     back to the CPU: the same bits each time; load_raw into a GPU model;
  *   - the optimizer state loaded from host arrays and read back;
  *   - device memory accounting (moonrl/mem.h) by category;
- *   - the refusals: CPU kernels for a GPU model, the engine (CPU only for
- *     now), a mixture of experts, the reference AdamW step.
+ *   - the refusals: CPU kernels for a GPU model, a mixture of experts, the
+ *     reference AdamW step (the engine's: tests/gpu/test_cuda_engine.c).
  * Skips (exit 77) where no GPU is visible. Without a GPU,
  * tests/gpu/emu/build.sh makes an emulated one to LD_PRELOAD (the
  * cuda_model_emu test of tests/gpu/meson.build does): then every host read
@@ -25,7 +25,6 @@
 #include "check.h"
 #include "model/small_models.h"
 #include "moonrl/device.h"
-#include "moonrl/engine.h"
 #include "moonrl/mem.h"
 #include "moonrl/model.h"
 #include "moonrl/optim.h"
@@ -241,11 +240,6 @@ static void case_refusals(void) {
     CHECK_OK(mrl_model_set_device(g, GPU));
     CHECK(mrl_model_set_kernels(g, MRL_KERNELS_CPU_REFERENCE) == MRL_ERR_INVALID);
     CHECK_STR_CONTAINS(mrl_last_error(), "cuda:0");
-    mrl_engine_config ec;
-    mrl_engine_config_default(&ec);
-    mrl_engine *e = NULL;
-    CHECK(mrl_engine_create(g, &ec, &e) == MRL_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(mrl_last_error(), "CPU only");
     mrl_model_free(g);
     mrl_model_config c = config(MRL_ARCH_QWEN3_MOE);
     c.value_head = 0;

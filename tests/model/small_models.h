@@ -11,7 +11,7 @@
 #include "moonrl/model.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ULL;
-static double urand(void) {
+static inline double urand(void) {
     rng ^= rng << 13;
     rng ^= rng >> 7;
     rng ^= rng << 17;
@@ -20,7 +20,7 @@ static double urand(void) {
 
 /* 2 layers of 64 wide, 4 query and 2 K/V heads, a vocabulary of 211: the
  * Llama and Qwen3 ones tied, Qwen2's with biases and its own lm_head. */
-static mrl_model_config small_config(int arch) {
+static inline mrl_model_config small_config(int arch) {
     mrl_model_config c;
     mrl_model_config_default(&c);
     c.arch = arch;
@@ -40,7 +40,7 @@ static mrl_model_config small_config(int arch) {
 
 /* The model of c from seed, its norm weights and biases moved away from 1
  * and 0 so that they matter. */
-static mrl_model *small_model(const mrl_model_config *c, uint64_t seed) {
+static inline mrl_model *small_model(const mrl_model_config *c, uint64_t seed) {
     mrl_model *m = NULL;
     CHECK_OK(mrl_model_create(c, seed, &m));
     if (!m) exit(1);
@@ -67,7 +67,7 @@ typedef struct batch {
     float dlp[96], dent[96], dval[96];
 } batch;
 
-static void make_batch(batch *x, int V) {
+static inline void make_batch(batch *x, int V) {
     static const int lens[3] = {37, 29, 19};
     int n = 0;
     for (int s = 0; s < 3; s++) {
@@ -87,7 +87,7 @@ static void make_batch(batch *x, int V) {
 }
 
 /* max |a - b| (infinite where either is not finite and they differ) */
-static double max_abs_diff(const float *a, const float *b, int64_t n) {
+static inline double max_abs_diff(const float *a, const float *b, int64_t n) {
     double d = 0;
     for (int64_t i = 0; i < n; i++) {
         double e = isfinite(a[i]) && isfinite(b[i]) ? fabs((double)a[i] - b[i]) : a[i] == b[i] ? 0 : INFINITY;
@@ -97,7 +97,7 @@ static double max_abs_diff(const float *a, const float *b, int64_t n) {
 }
 
 /* The largest, over the views, of ||a - b|| / ||b|| (which: its name; may be NULL). */
-static double worst_view(const mrl_model *m, const float *a, const float *b, const char **which) {
+static inline double worst_view(const mrl_model *m, const float *a, const float *b, const char **which) {
     double worst = 0;
     for (int i = 0; i < mrl_model_num_views(m); i++) {
         mrl_param_view v;
