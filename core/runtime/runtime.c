@@ -18,10 +18,16 @@ const char *mrl_version(void) { return MRL_VERSION; }
 int mrl_process_id(void) { return (int)getpid(); }
 
 
-/* Only backends that run the model: the CUDA side is built where nvcc is
- * (its device layer and first kernels) but does not run a training step or
- * the engine yet (moonrl version reports it apart). */
-const char *mrl_backends(void) { return "cpu"; }
+/* The backends that run the model: the CPU, and CUDA where it is built in
+ * (model.device=cuda: the training step and the engine; moonrl version says
+ * how far it has been checked). */
+const char *mrl_backends(void) {
+#ifdef MRL_HAVE_CUDA
+    return "cpu, cuda";
+#else
+    return "cpu";
+#endif
+}
 
 
 static int has_feature(const char *name) {

@@ -189,7 +189,7 @@ end
 function M.load_model(dir, name, model, is_policy)
   local mdir = is_policy and dir or (dir .. '/' .. name)
   local st = require('moonrl.safetensors').open(mdir)
-  local p = model:params()
+  local p = model:read_params() -- host memory (a GPU model's: a copy, written back below)
   for _, v in ipairs(model:views()) do
     if not st:has(v.name) then error(string.format('%s: checkpoint has no tensor %s for model %s', mdir, v.name, name), 0) end
     local info = st:info(v.name)
@@ -199,6 +199,7 @@ function M.load_model(dir, name, model, is_policy)
     end
     st:read_f32(v.name, p + v.offset)
   end
+  model:write_params(p)
 end
 
 function M.load_optimizer(dir, name, opt)

@@ -71,9 +71,9 @@ local function print_version()
   local v = moonrl.version()
   print(string.format('moonrl %s (git %s)', v.version, v.git))
   print('backends: ' .. v.backends)
-  if v.cuda_built then -- compiled and linked, checked on a GPU only by tests/gpu/run.sh; no model step yet
-    print(string.format('cuda: built (device layer and kernels under test; the model does not run on it yet), ' ..
-      '%d device(s) visible', v.cuda_devices))
+  if v.cuda_built then -- the model, its training step and the engine (model.device=cuda); tests/gpu/run.sh on a GPU
+    print(string.format('cuda: built (model.device=cuda: training step and engine, cuBLASLt; checked against the CPU ' ..
+      'on an emulated GPU, tests/gpu/emu), %d device(s) visible', v.cuda_devices))
   end
   print('cpu features: ' .. v.cpu_features)
   print(string.format('cpu kernels: built for %s; using %s on this CPU', v.kernels_built, v.kernels))

@@ -1,4 +1,4 @@
--- The transformer (Llama / Qwen2 / Qwen3) on the CPU: per-token log-probs,
+-- The transformer (Llama / Qwen2 / Qwen3) on the CPU or a GPU: per-token log-probs,
 -- entropy and values for a packed batch, and the backward into one gradient
 -- buffer (see core/include/moonrl/model.h).
 --
@@ -9,6 +9,8 @@
 --   local logprobs, entropy = m:forward(b, { temperature = 1.0 })  -- float[b.n_tokens] each
 --   m:zero_grad(); m:backward(dlogprobs, dentropy)                  -- float arrays (or nil)
 --   local p, n = m:params()                                         -- the one parameter buffer
+--   m:to_device('cuda')                                             -- its buffers and kernels on a GPU
+--   local h = m:read_params(); m:write_params(h)                    -- host copies there
 --   m:save('/tmp/out')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
@@ -179,9 +181,82 @@ function Model:zero_grad() C.mrl_model_zero_grad(self.handle) end
 -- its copies again at its next forward or engine step), so that code writing into it (a
 -- checkpoint load, a broadcast, a copy) needs nothing more. Code that keeps the pointer and writes
 -- later calls weights_changed() after writing (moonrl.optim's AdamW does, given its model).
+-- On a GPU the buffer is device memory: params() is an error there (a host write would crash),
+-- and read_params / write_params move the floats.
 function Model:params()
+  if self.gpu then
+    error(string.format('model:params(): the parameters are on %s (device memory): read_params() gives a host '
+      .. 'copy, write_params(ptr) writes one back', self:device()), 2)
+  end
   C.mrl_model_weights_changed(self.handle)
   return C.mrl_model_params(self.handle), self.n_params
+end
+
+-- The parameter buffer where it lives (device memory on a GPU) and its length: for the C calls
+-- that take either (the optimizer, the gradient helpers, moonrl.ops.sum), never for Lua to index.
+function Model:param_buffer() return C.mrl_model_params(self.handle), self.n_params end
+
+-- The parameters as host floats to read (or edit, then write_params): the buffer itself on the
+-- CPU; on a GPU a copy in a host buffer of the model's own, refreshed by each call.
+function Model:read_params()
+  if not self.gpu then return C.mrl_model_params(self.handle), self.n_params end
+  self._host = self._host or ffi.new('float[?]', self.n_params)
+  moonrl.check(C.mrl_device_memcpy(self._host, C.mrl_model_params(self.handle), 4 * self.n_params), 2)
+  return self._host, self.n_params
+end
+
+-- All n_params floats of the host array src into the parameter buffer (src may be what
+-- read_params gave); the bf16 copies are converted again before their next use.
+function Model:write_params(src)
+  local dst = C.mrl_model_params(self.handle)
+  if src ~= dst then moonrl.check(C.mrl_device_memcpy(dst, src, 4 * self.n_params), 2) end
+  C.mrl_model_weights_changed(self.handle)
+end
+
+-- ---- the device (model.h, mrl_model_set_device) ----
+-- 'cpu' (every model starts there), 'cuda' / 'cuda:N' (a GPU: parameters, gradients, optimizer
+-- state, activations and the engine's KV cache in its memory, its kernels), or 'auto' (the first
+-- GPU when moonrl was built with CUDA and one is visible, else the CPU).
+M.devices = { 'cpu', 'cuda', 'cuda:N', 'auto' }
+
+-- The device a model.device setting names, as 'cpu' or 'cuda:N', checked: nil and the reason
+-- for a name that is none of M.devices, a build without CUDA, or a GPU that is not there.
+function M.resolve_device(name)
+  if name == 'auto' then return C.mrl_device_cuda_count() > 0 and 'cuda:0' or 'cpu' end
+  if type(name) ~= 'string' then return nil, 'expected one of cpu, cuda, cuda:N, auto' end
+  local d = ffi.new('mrl_device')
+  if C.mrl_device_parse(name, d) ~= 0 then return nil, moonrl.last_error() end
+  if d.kind == C.MRL_DEVICE_CPU then return 'cpu' end
+  if C.mrl_device_cuda_built() == 0 then return nil, 'moonrl was built without CUDA (no nvcc at build time)' end
+  local count = tonumber(C.mrl_device_cuda_count())
+  if d.index >= count then
+    return nil, string.format('cuda:%d asked, %d CUDA device(s) visible', tonumber(d.index), count)
+  end
+  return 'cuda:' .. tonumber(d.index)
+end
+
+-- Move the model to a device (a name of M.devices); returns the one it is on.
+function Model:to_device(name)
+  local dev, why = M.resolve_device(name)
+  if not dev then error(string.format("model device '%s': %s", tostring(name), why), 2) end
+  local d = ffi.new('mrl_device')
+  moonrl.check(C.mrl_device_parse(dev, d), 2)
+  moonrl.check(C.mrl_model_set_device(self.handle, d), 2)
+  self.gpu = d.kind ~= C.MRL_DEVICE_CPU or nil
+  self._host = nil
+  return dev
+end
+
+function Model:device()
+  local d = C.mrl_model_get_device(self.handle)
+  return d.kind == C.MRL_DEVICE_CPU and 'cpu' or ('cuda:' .. tonumber(d.index))
+end
+
+-- The device's description ("cpu", "cuda:0 (NVIDIA H200, 140 GiB, sm_90)").
+function Model:device_description()
+  local buf = ffi.new('char[256]')
+  moonrl.check(C.mrl_device_describe(C.mrl_model_get_device(self.handle), buf, 256), 2)
+  return ffi.string(buf)
 end
 
 -- ---- precision (model.h, "precision") ----

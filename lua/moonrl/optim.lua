@@ -91,11 +91,19 @@ function AdamW:scale_grad(s) moonrl.check(C.mrl_grad_scale(self.grads, self.n, s
 function AdamW:steps() return tonumber(C.mrl_adamw_steps(self.handle)) end
 
 -- {m = float*, v = float*, n = count, step = t, bytes = size of m and v}:
--- the optimizer's own buffers (save them for a checkpoint).
+-- the optimizer's own buffers (save them for a checkpoint); host copies of them when the
+-- parameters are on a GPU (the state is there too).
 function AdamW:state()
   local s = ffi.new('mrl_adamw_state')
   moonrl.check(C.mrl_adamw_get_state(self.handle, s), 2)
-  return { m = s.m, v = s.v, n = tonumber(s.n), step = tonumber(s.step), bytes = tonumber(s.bytes) }
+  local n = tonumber(s.n)
+  local m, v = s.m, s.v
+  if C.mrl_device_of(m).kind ~= C.MRL_DEVICE_CPU then
+    m, v = ffi.new('float[?]', n), ffi.new('float[?]', n)
+    moonrl.check(C.mrl_device_memcpy(m, s.m, 4 * n), 2)
+    moonrl.check(C.mrl_device_memcpy(v, s.v, 4 * n), 2)
+  end
+  return { m = m, v = v, n = n, step = tonumber(s.step), bytes = tonumber(s.bytes) }
 end
 
 -- Restore from a table like state()'s (m, v: float pointers holding n floats each).

@@ -286,40 +286,47 @@ function M.logprobs(model, samples, max_tokens, opts)
   return lps, vals
 end
 
--- A new model with model's config and a copy of its weights (a frozen reference policy).
+-- A new model with model's config and a copy of its weights (a frozen reference policy), on
+-- model's device. opts.init(copy): edits of the copy's host weights before it moves there.
 function M.clone(model, opts)
   opts = opts or {}
   local copy = model_mod.new(model.config, { value_head = opts.value_head or model.config.value_head })
   M.copy_weights(model, copy)
+  if opts.init then opts.init(copy) end
   copy:set_dtype(model:dtype()) -- a reference policy or critic computes as the policy does
+  copy:to_device(model:device())
   return copy
 end
 
 -- Copy every parameter of src into the view of the same name in dst (dst may have more views,
--- e.g. a value head, which keep their initial values).
+-- e.g. a value head, which keep their initial values); either may be on a GPU.
 function M.copy_weights(src, dst)
-  local sp, dp = src:params(), dst:params()
+  local sp = src:read_params()
+  local dp = dst:read_params()
   local by_name = {}
   for _, v in ipairs(dst:views()) do by_name[v.name] = v end
   for _, v in ipairs(src:views()) do
     local d = by_name[v.name]
     if d and d.numel == v.numel then ffi.copy(dp + d.offset, sp + v.offset, 4 * v.numel) end
   end
+  dst:write_params(dp)
 end
 
 -- A critic for PPO: the policy's weights with a scalar value head (score.weight) set to zero, so
 -- the first value estimates are 0.
 function M.critic_from(policy)
-  local critic = M.clone(policy, { value_head = true })
-  for _, v in ipairs(critic:views()) do
-    if v.name == 'score.weight' then ffi.fill(critic:params() + v.offset, 4 * v.numel) end
-  end
-  return critic
+  return M.clone(policy, { value_head = true, init = function(critic)
+    local p = critic:read_params()
+    for _, v in ipairs(critic:views()) do
+      if v.name == 'score.weight' then ffi.fill(p + v.offset, 4 * v.numel) end
+    end
+    critic:write_params(p)
+  end })
 end
 
 -- AdamW over a model's one parameter buffer, no decay on norms and biases.
 function M.adamw(model, o)
-  local p, n = model:params()
+  local p, n = model:param_buffer() -- (on a GPU: the optimizer's state and steps are there too)
   local g = model:grads()
   local opt = require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
     eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges(), model = model })
@@ -670,11 +677,12 @@ local function with(defaults, over)
   return defaults
 end
 
--- model.dtype: fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it to the policy).
+-- model.dtype: fp32 | bf16 | auto (moonrl.model, "precision"); model.device: cpu | cuda | cuda:N |
+-- auto (moonrl.model, "the device"). R.start applies both to the policy.
 function M.model_config()
   return { dir = config.required('string', 'Hugging Face model directory'),
            tokenizer = config.optional('string', 'tokenizer directory (default model.dir)'),
-           dtype = 'fp32' }
+           dtype = 'fp32', device = 'cpu' }
 end
 
 
@@ -750,6 +758,21 @@ local function check_choice(key, value, choices)
   for _, c in ipairs(choices) do if value == c then return end end
   moonrl.usage_error(string.format("config key '%s' must be one of %s, got '%s'", key, table.concat(choices, ', '),
     tostring(value)))
+end
+
+-- The device cfg.model.device names, as 'cpu' or 'cuda:N', checked (a usage error naming the
+-- key: an unknown name, a build without CUDA, no GPU there, or a GPU with several ranks); nil
+-- when the config has no model.device.
+function M.model_device(cfg)
+  local d = type(cfg.model) == 'table' and cfg.model.device or nil
+  if d == nil then return nil end
+  local dev, why = model_mod.resolve_device(d)
+  if not dev then moonrl.usage_error(string.format('model.device=%s: %s', tostring(d), why)) end
+  if dev ~= 'cpu' and (require('moonrl.dist').world().size > 1 or (cfg.dist and (cfg.dist.rollout_ranks or 0) > 0)) then
+    moonrl.usage_error(string.format('model.device=%s: a GPU runs one process for now (data parallel and rollout '
+      .. 'ranks over NCCL are not built yet): run it without mpirun / moonrl launch', tostring(d)))
+  end
+  return dev
 end
 
 -- The precision cfg.model.dtype asks for, checked (a usage error naming the key); nil when the
@@ -910,7 +933,7 @@ function M.start(cfg, opts)
   check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
   rollout.check_config(cfg)
   if not (cfg.reward_model and cfg.reward_model.dir) then M.check_reward(cfg) end -- (a reward model: once registered)
-  local dtype = M.model_dtype(cfg)
+  local dtype, device = M.model_dtype(cfg), M.model_device(cfg)
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(M.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
@@ -927,6 +950,10 @@ function M.start(cfg, opts)
   end
   if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
+  if policy and device and device ~= policy:device() then
+    local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
+    if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
+  end
   local engine
   if cfg.engine and opts.engine ~= false and policy then
     local e = cfg.engine
@@ -954,10 +981,12 @@ function M.start(cfg, opts)
     S:model('policy', policy, { tokenizer_dir = tok_dir })
     local bf16 = policy:dtype() == 'bf16'
     if S.world.rank == 0 and cfg.quiet ~= true then -- the run's precision, on its first line
-      print(string.format('precision: %s%s', policy:dtype(), bf16 and string.format(
-        ' (fp32 master weights; bf16 products: %s)', model_mod.bf16_products() or 'reference: no bf16 hardware, slow') or ''))
+      local gpu = policy:device() ~= 'cpu'
+      print(string.format('precision: %s%s%s', policy:dtype(), bf16 and string.format(
+        ' (fp32 master weights; bf16 products: %s)', gpu and 'cuBLASLt' or model_mod.bf16_products() or
+        'reference: no bf16 hardware, slow') or '', gpu and ', on ' .. policy:device_description() or ''))
     end
-    S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32',
+    S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32', device = policy:device(),
       bf16_products = model_mod.bf16_products() or 'none' }, { quiet = true })
   end
   if cfg.run.threads == 'auto' and policy then M.auto_threads(S, policy) end

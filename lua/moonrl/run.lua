@@ -185,6 +185,11 @@ local function mem_metrics(self, flat)
   flat['memory/peak_mb'] = math.max(self.mem_step_peak or 0, tonumber(mem_stats.total_peak)) / MB
   flat['memory/rss_mb'] = tonumber(C.mrl_mem_rss()) / MB
   flat['memory/rss_peak_mb'] = math.max(self.rss_step_peak or 0, tonumber(C.mrl_mem_rss_peak())) / MB
+  C.mrl_mem_get_device_stats(mem_stats) -- a GPU's memory (all zero without one): memory/gpu/...
+  if mem_stats.total_peak > 0 then
+    for i, c in ipairs(CATEGORIES) do flat['memory/gpu/' .. c .. '_mb'] = tonumber(mem_stats.current[i - 1]) / MB end
+    flat['memory/gpu/peak_mb'] = tonumber(mem_stats.total_peak) / MB
+  end
   for name, p in pairs(self.mem_phases) do
     flat['memory/phase/' .. name .. '/peak_mb'] = p.peak_mb
     flat['memory/phase/' .. name .. '/rss_peak_mb'] = p.rss_peak_mb
@@ -247,6 +252,14 @@ function Run:line(step, flat, seconds)
   table.sort(names)
   for _, n in ipairs(names) do ph[#ph + 1] = string.format('%s %.2f', n, self.phases[n]) end
   if flat['memory/rss_peak_mb'] then parts[#parts + 1] = string.format('mem %.0f MB', flat['memory/rss_peak_mb']) end
+  if flat['memory/gpu/peak_mb'] then -- where a GPU's memory went (MiB now; the peak of the step)
+    local g = {}
+    for _, kv in ipairs({ { 'params', 'params' }, { 'grads', 'grads' }, { 'optim', 'optim' },
+      { 'activations', 'act' }, { 'kv_cache', 'kv' } }) do
+      g[#g + 1] = string.format('%s %.0f', kv[2], flat['memory/gpu/' .. kv[1] .. '_mb'])
+    end
+    parts[#parts + 1] = string.format('gpu %.0f MB (%s)', flat['memory/gpu/peak_mb'], table.concat(g, ' '))
+  end
   parts[#parts + 1] = string.format('%.2fs%s', seconds, #ph > 0 and (' (' .. table.concat(ph, ', ') .. ')') or '')
   return table.concat(parts, ' | ')
 end

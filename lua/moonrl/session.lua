@@ -34,6 +34,7 @@
 -- run.keep_checkpoints are kept.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
+local C = moonrl.C
 local ckpt = require('moonrl.checkpoint')
 local fault = require('moonrl.fault')
 local fs = require('moonrl.fs')
@@ -634,9 +635,13 @@ end
 -- ---- the guards ---------------------------------------------------------------------------
 
 local function poison_grads(opt)
-  -- the NaN arithmetic makes (a byte fill would make NaNs whose payload LuaJIT could misread)
+  -- the NaN arithmetic makes (a byte fill would make NaNs whose payload LuaJIT could misread);
+  -- a GPU's gradients are written from a host array of them
   local nan = 0 / 0
-  for i = 0, opt.n - 1 do opt.grads[i] = nan end
+  local on_gpu = C.mrl_device_of(opt.grads).kind ~= C.MRL_DEVICE_CPU
+  local g = on_gpu and ffi.new('float[?]', opt.n) or opt.grads
+  for i = 0, opt.n - 1 do g[i] = nan end
+  if on_gpu then moonrl.check(C.mrl_device_memcpy(opt.grads, g, 4 * opt.n)) end
 end
 
 -- Look at an update (m: loss, grad_norm, and kl / entropy when the recipe has them) before
@@ -753,7 +758,7 @@ function Session:save_models()
   end
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
-    local p, n = m.model:params()
+    local p, n = m.model:read_params() -- (a GPU model's: a host copy)
     if not guard_mod.finite(moonrl.ops.sum(p, n)) then
       error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
     end

@@ -1,5 +1,6 @@
-/* Element-wise and reduction ops over host arrays that Lua calls directly
- * (one call per array, never per element). */
+/* Element-wise and reduction ops over arrays that Lua calls directly (one
+ * call per array, never per element): host memory, or a GPU's (a model's
+ * buffers there), worked on where they are. */
 #pragma once
 #include <stdint.h>
 #include "status.h"

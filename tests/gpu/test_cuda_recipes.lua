@@ -1,0 +1,142 @@
+-- The recipes with model.device=cuda against the same runs on the CPU, on a tiny random model
+-- (one GPU; skipped where none is visible; without a GPU, the emulated one of tests/gpu/emu runs
+-- it as the cuda_recipes_emu test, where every host read of device memory fails):
+--   * GRPO with a KL reference (a clone on the GPU), PPO with its critic (critic_from on the
+--     GPU), SFT with held-out evaluation (the engine on the GPU), DPO: the same tokens sampled,
+--     step metrics and final weights within fp32 rounding of the CPU run's;
+--   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
+--     (the optimizer state comes back from the host to the GPU);
+--   * the step line and metrics.jsonl carry the GPU's memory by category;
+--   * model.device values that cannot run are usage errors naming the key.
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+local json = require('moonrl.json')
+local U = dofile('tests/recipes/util.lua')
+local C = moonrl.C
+
+if C.mrl_device_cuda_count() == 0 then
+  print('no CUDA device visible: skipped')
+  os.exit(77)
+end
+
+require('moonrl.rewards').register('sevens', function(s) -- earned in part by a random model: every step moves it
+  local _, n = s.response:gsub('7', '')
+  return n / math.max(#s.response, 1)
+end, { replace = true })
+
+local dir = U.tmpdir('cuda_recipes')
+local model_dir = U.tiny_model(dir .. '/init', { hidden_size = 32, layers = 2 })
+local recs = {}
+for i, p in ipairs(U.additions(40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
+local data = U.write_jsonl(dir .. '/train.jsonl', recs)
+local prefs = {}
+for i, p in ipairs(U.additions(24, 9)) do prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. '=' } end
+local prefs_path = U.write_jsonl(dir .. '/prefs.jsonl', prefs)
+
+local function records(run_dir)
+  local out = {}
+  for l in io.lines(run_dir .. '/metrics.jsonl') do out[#out + 1] = json.decode(l) end
+  return out
+end
+
+-- max over the views of ||a - b|| / ||b|| between two saved models
+local function weights_diff(a_dir, b_dir)
+  local a, b = moonrl.model.load(a_dir), moonrl.model.load(b_dir)
+  local pa, pb = a:read_params(), b:read_params()
+  local worst = 0
+  for _, v in ipairs(a:views()) do
+    local num, den = 0, 0
+    for i = v.offset, v.offset + v.numel - 1 do
+      local d = pa[i] - pb[i]
+      num, den = num + d * d, den + pb[i] * pb[i]
+    end
+    local rel = den > 0 and math.sqrt(num / den) or math.sqrt(num)
+    if not (rel <= worst) then worst = rel end
+  end
+  return worst
+end
+
+local function run(recipe, words, tag, device)
+  local w = { 'run.dir=' .. dir .. '/' .. tag .. '_' .. device, 'model.device=' .. device, 'run.threads=1' }
+  for _, x in ipairs(words) do w[#w + 1] = x end
+  U.run_recipe(recipe, w)
+  return dir .. '/' .. tag .. '_' .. device
+end
+
+-- the same run on both: metrics step by step (exact: what counts tokens; near: the floats), weights
+-- (rl: the engine's log-probs against the trainer's on the GPU, mismatch/max_abs, within fp32 noise)
+local function compare(recipe, words, tag, exact, near, rl)
+  local c, g = run(recipe, words, tag, 'cpu'), run(recipe, words, tag, 'cuda')
+  local mc, mg = records(c), records(g)
+  t.eq(#mg, #mc, tag .. ': one record per step on both')
+  for s = 1, #mc do
+    for _, k in ipairs(exact) do t.eq(mg[s][k], mc[s][k], string.format('%s step %d: %s', tag, s, k)) end
+    for _, k in ipairs(near) do
+      local a, b = mg[s][k], mc[s][k]
+      t.truthy(a ~= nil and b ~= nil, tag .. ': metric ' .. k)
+      if a and b then t.near(a, b, 1e-4 * math.max(1, math.abs(b)), string.format('%s step %d: %s', tag, s, k)) end
+    end
+    if rl then t.truthy(mg[s]['mismatch/max_abs'] <= 1e-4, tag .. ': engine and trainer agree on the GPU') end
+    t.truthy((mg[s]['memory/gpu/params_mb'] or 0) > 0 and (mg[s]['memory/gpu/optim_mb'] or 0) > 0,
+      tag .. ': the GPU memory by category in metrics.jsonl')
+  end
+  local d = weights_diff(g .. '/model', c .. '/model')
+  print(string.format('%s: final weights, GPU vs CPU: worst ||d|| / ||w|| %.3g', tag, d))
+  t.truthy(d <= 1e-3, tag .. ': the final weights agree')
+  return c, g
+end
+
+t.test('grpo with a KL reference on the GPU: the CPU run, step by step', function()
+  compare('tests/recipes/grpo_sevens.lua', { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question',
+    'data.chat=false', 'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64', 'grpo.steps=2',
+    'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.kl_coef=0.1', 'engine.kv_cache_mb=4' }, 'grpo',
+    { 'tokens', 'response_length/mean' }, { 'reward/mean', 'loss', 'grad_norm', 'kl', 'entropy' }, true)
+end)
+
+t.test('ppo with its critic on the GPU', function()
+  compare('recipes/ppo.lua', { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question',
+    'data.chat=false', 'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64', 'ppo.steps=2',
+    'ppo.prompts=4', 'ppo.samples=2', 'ppo.max_tokens=4', 'engine.kv_cache_mb=4' }, 'ppo',
+    { 'tokens', 'response_length/mean' }, { 'reward/mean', 'loss', 'critic/loss' }, true)
+end)
+
+t.test('sft with held-out accuracy (the engine on the GPU) and dpo', function()
+  compare('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.task=addition', 'train.steps=3', 'train.batch=8',
+    'train.lr=3e-3', 'eval.every=3', 'eval.prompts=8', 'engine.kv_cache_mb=4' }, 'sft',
+    { 'eval/prompts', 'eval/accuracy' }, { 'loss', 'grad_norm' })
+  compare('recipes/dpo.lua', { 'model.dir=' .. model_dir, 'data.path=' .. prefs_path, 'train.steps=3', 'train.pairs=4',
+    'train.lr=3e-3', 'dpo.beta=0.5', 'train.micro_batch_tokens=80' }, 'dpo', {}, { 'loss' })
+end)
+
+t.test('a GPU run resumed from its checkpoint: the weights of the run never stopped', function()
+  local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+    'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
+    'grpo.max_tokens=4', 'engine.kv_cache_mb=4', 'run.checkpoint_every=1' }
+  local function with(extra)
+    local w = {}
+    for _, x in ipairs(words) do w[#w + 1] = x end
+    for _, x in ipairs(extra) do w[#w + 1] = x end
+    return w
+  end
+  local straight = run('tests/recipes/grpo_sevens.lua', with({ 'grpo.steps=3' }), 'straight', 'cuda')
+  local part = dir .. '/part_cuda'
+  run('tests/recipes/grpo_sevens.lua', with({ 'grpo.steps=2' }), 'part', 'cuda')
+  U.run_recipe('tests/recipes/grpo_sevens.lua', with({ 'run.dir=' .. part, 'model.device=cuda', 'run.threads=1',
+    'grpo.steps=3', 'run.resume=auto' }))
+  t.eq(#records(part), 3, 'resumed at step 3')
+  local d = weights_diff(part .. '/model', straight .. '/model')
+  print(string.format('resumed vs straight on the GPU: worst ||d|| / ||w|| %.3g', d))
+  t.eq(d, 0, 'the same weights, bit for bit')
+end)
+
+t.test('model.device values that cannot run: usage errors naming the key', function()
+  for _, case in ipairs({ { 'tpu', "expected cpu, cuda or cuda:N" }, { 'cuda:7', 'cuda:7 asked' } }) do
+    local ok, err = pcall(run, 'tests/recipes/grpo_sevens.lua', { 'model.dir=' .. model_dir, 'data.path=' .. data,
+      'data.prompt=question', 'reward=sevens', 'grpo.steps=1' }, 'bad', case[1])
+    local msg = moonrl.error_text(err)
+    t.truthy(not ok and msg:find('model.device=' .. case[1], 1, true) and msg:find(case[2], 1, true),
+      'model.device=' .. case[1] .. ': ' .. msg)
+  end
+end)
+
+t.done()
