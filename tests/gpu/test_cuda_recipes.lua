@@ -10,7 +10,6 @@
 --   * model.device values that cannot run are usage errors naming the key.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
 local U = dofile('tests/recipes/util.lua')
 local C = moonrl.C
 
@@ -33,11 +32,7 @@ local prefs = {}
 for i, p in ipairs(U.additions(24, 9)) do prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. '=' } end
 local prefs_path = U.write_jsonl(dir .. '/prefs.jsonl', prefs)
 
-local function records(run_dir)
-  local out = {}
-  for l in io.lines(run_dir .. '/metrics.jsonl') do out[#out + 1] = json.decode(l) end
-  return out
-end
+local records = U.records
 
 -- max over the views of ||a - b|| / ||b|| between two saved models
 local function weights_diff(a_dir, b_dir)

@@ -12,11 +12,7 @@ local recs = {}
 for i, p in ipairs(U.additions(40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
 local data = U.write_jsonl(dir .. '/train.jsonl', recs)
 
-local function records(run_dir)
-  local out = {}
-  for l in io.lines(run_dir .. '/metrics.jsonl') do out[#out + 1] = json.decode(l) end
-  return out
-end
+local records = U.records
 
 local function check_run(run_dir, steps, keys)
   local recsm = records(run_dir)

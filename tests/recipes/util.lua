@@ -36,6 +36,14 @@ function M.which(name)
   end
 end
 
+-- The records of a run's metrics.jsonl, one table a step.
+function M.records(run_dir)
+  local json = require('moonrl.json')
+  local out = {}
+  for l in io.lines(run_dir .. '/metrics.jsonl') do out[#out + 1] = json.decode(l) end
+  return out
+end
+
 function M.write_jsonl(path, records)
   local json = require('moonrl.json')
   local f = assert(io.open(path, 'w'))
