@@ -3,6 +3,7 @@
 --   BENCH_MODE=run  BENCH_DIR=D BENCH_CASE=json     generate with moonrl.engine, print one JSON line
 -- BENCH_PACK=0 reads the weights in place instead of through weight panels (engine.h).
 -- BENCH_DTYPE=bf16: model.dtype=bf16 (the engine reads the bf16 copies of the matrices in place).
+-- BENCH_DEVICE=cuda: the model (and so the engine) on a GPU (bench/gpu_decode.py).
 -- A case: { prompts = P, n = samples per prompt, prompt_len = L, new = N, temperature = T }; prompt i
 -- (0-based) token k is (k * 31 + i * 7 + 1) % vocab, as on the PyTorch side.
 local moonrl = require('moonrl')
@@ -17,6 +18,7 @@ end
 local case = json.decode(os.getenv('BENCH_CASE'), 'BENCH_CASE')
 local model = moonrl.model.load(dir)
 if os.getenv('BENCH_DTYPE') then model:set_dtype(os.getenv('BENCH_DTYPE')) end
+if os.getenv('BENCH_DEVICE') then model:to_device(os.getenv('BENCH_DEVICE')) end
 local V = model.config.vocab_size
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 30, max_batch_tokens = 2048, max_seqs = 256,
   prefix_caching = false, pack_weights = os.getenv('BENCH_PACK') ~= '0' })
@@ -51,4 +53,5 @@ st.seconds = best
 st.threads = moonrl.version().threads
 st.n_params = model.n_params
 st.dtype = model:dtype()
+st.device = model:device()
 print(json.encode(st))

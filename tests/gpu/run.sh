@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA GPU: build with CUDA,
-# run every CUDA op and the NCCL communicator against the CPU reference
-# (meson test --suite gpu), then the GPU benchmarks (the CUDA table's
-# products and attention: test_cuda_ops --bench; NCCL
-# all-reduce bandwidth, 1 MiB .. 256 MiB, at world size 1). Writes logs to
-# $OUT (or ./gpu-out) when set.
+# then `meson test --suite gpu`: every CUDA op and the NCCL communicator
+# against the CPU reference (test_cuda_ops, test_nccl), the model's training
+# step on the GPU against the CPU from the same weights (test_cuda_model),
+# the engine (test_cuda_engine) and GRPO / PPO / SFT / DPO runs with
+# model.device=cuda against the same runs on the CPU (test_cuda_recipes);
+# then the benchmarks: the CUDA table's products and attention
+# (test_cuda_ops --bench), NCCL all-reduce bandwidth (test_nccl --bench),
+# training MFU of a Qwen2.5-0.5B-shaped model in bf16 (bench/gpu_train.lua)
+# and decode tokens/s at batch 1/16/64 against PyTorch eager on the same GPU
+# (bench/gpu_decode.py). Writes logs to $OUT (or ./gpu-out) when set.
 #
 # The machine may lack LuaJIT, libuv and OpenBLAS development packages: if a
-# folder .debs/ holds their .deb files (apt-get download libluajit2-5.1-dev
-# libluajit2-5.1-2 libuv1-dev libuv1 libopenblas-dev libopenblas0-pthread
-# libopenblas0 ...), they are unpacked into a private root (never into /) and
-# used from there through pkg-config's sysroot.
+# folder .debs/ holds their .deb files (tests/gpu/fetch_debs.sh downloads
+# them), they are unpacked into a private root (never into /) and used from
+# there through pkg-config's sysroot.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -45,4 +49,13 @@ if [ -x build-gpu/tests/gpu/test_nccl ]; then
   timeout 300 build-gpu/tests/gpu/test_nccl --bench | tee "$out/bench_nccl.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+# training MFU (bf16, 16 x 1024 tokens a step), with and without recomputation
+for rc in false true; do
+  timeout 300 build-gpu/moonrl run bench/gpu_train.lua recompute=$rc | tee -a "$out/bench_train.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+# decode against PyTorch eager (the machine's Python with torch and transformers)
+py=$(command -v python3 || command -v python)
+timeout 400 "$py" bench/gpu_decode.py --moonrl build-gpu/moonrl | tee "$out/bench_decode.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
