@@ -49,6 +49,14 @@
 #include "moonrl/trace.h"
 #include "moonrl/weight_store.h"
 
+/* A captured decode step (CUDA graphs, below forward_step's staging). */
+enum { MAX_GRAPHS = 64 };
+typedef struct decode_graph {
+    int n, width;     /* sequences, block-table width */
+    int warm, failed; /* ran once without a graph; capture failed (never graphed) */
+    mrl_graph *g;
+} decode_graph;
+
 struct mrl_engine {
     mrl_model *m;
     const mrl_model_config *mc; /* the model's */
@@ -73,6 +81,11 @@ struct mrl_engine {
     int on_device;
     int32_t *stage_host;
     mrl_buffer stage_dev;
+    mrl_stream *stream;      /* a GPU: the stream its steps run on (graphs are captured on it) */
+    decode_graph graphs[MAX_GRAPHS];
+    int n_graphs;
+    uint64_t graph_sig;      /* the addresses the graphs hold (graph_signature) */
+    int64_t graph_captures, graph_launches, graph_failures;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
     uint16_t *copy16;        /* bf16: the copies of a buffer not the model's (prepare_weights); copy16_buf's data */
@@ -144,7 +157,7 @@ void mrl_engine_config_default(mrl_engine_config *cfg) {
     if (!cfg) return;
     *cfg = (mrl_engine_config){.kv_cache_bytes = (int64_t)256 << 20, .block_size = 16, .max_num_seqs = 256,
                                .max_num_batched_tokens = 2048, .max_model_len = 0, .prefix_caching = 1,
-                               .pack_weights = 1};
+                               .pack_weights = 1, .cuda_graphs = 1};
 }
 
 /* Carve the step's activations (base NULL: only count). Returns bytes. */
@@ -326,6 +339,7 @@ static void drop_sched(mrl_engine *e) {
 }
 
 static mrl_status join_run(mrl_engine *e);
+static void drop_graphs(mrl_engine *e);
 
 void mrl_engine_free(mrl_engine *e) {
     if (!e) return;
@@ -333,6 +347,8 @@ void mrl_engine_free(mrl_engine *e) {
     pthread_mutex_destroy(&e->published_lock);
     drop_sched(e);
     mrl_kv_cache_destroy(e->kv);
+    drop_graphs(e);
+    mrl_stream_destroy(e->stream);
     mrl_buffer_free(&e->act_mem);
     mrl_buffer_free(&e->attn_ws);
     mrl_buffer_free(&e->stage_dev);
@@ -410,6 +426,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
                                "pack_weights = 0 reads the weights in place)", (long long)floats * 4);
         e->panels_stale = 1;
     }
+    if (!st && on_device) st = mrl_stream_create(device, &e->stream); /* its steps' stream (graphs need one) */
     if (!st) st = new_sched(e);
     if (!st) { /* RoPE for the longest sequence the engine can hold, not for max_model_len unseen */
         int64_t cache_tokens = (int64_t)mrl_kv_cache_num_blocks(e->kv) * c.block_size;
@@ -556,15 +573,17 @@ mrl_status mrl_engine_get_output_routing(mrl_engine *e, int req_id, int sample, 
 }
 
 /* On a GPU: the batch's host arrays the ops read, packed and sent over in
- * one copy; *d is b with its pointers into the device's copy. */
-static mrl_status stage_batch(mrl_engine *e, const mrl_sched_batch *b, mrl_sched_batch *d) {
+ * one copy; *d is b with its pointers into the device's copy, its block
+ * tables `width` wide (>= b's: a decode graph's, padded with block 0,
+ * which no sequence reads past its length). */
+static mrl_status stage_batch(mrl_engine *e, const mrl_sched_batch *b, mrl_sched_batch *d, int width) {
     *d = *b;
     if (!e->on_device) return MRL_OK;
     struct { const int32_t *src; int64_t n; const int32_t **dst; } parts[] = {
         {b->token_ids, b->n_tokens, &d->token_ids},         {b->positions, b->n_tokens, &d->positions},
         {b->slot_mapping, b->n_tokens, &d->slot_mapping},   {b->logits_indices, b->n_logits, &d->logits_indices},
         {b->query_start, b->n_seqs + 1, &d->query_start},   {b->seq_lens, b->n_seqs, &d->seq_lens},
-        {b->block_tables, (int64_t)b->n_seqs * b->max_blocks_per_seq, &d->block_tables}};
+        {NULL, (int64_t)b->n_seqs * width, &d->block_tables}};
     int64_t total = 0;
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) total += parts[i].n;
     if ((size_t)total * sizeof(int32_t) > e->stage_dev.bytes) { /* grown by half again: few regrowths */
@@ -583,28 +602,32 @@ static mrl_status stage_batch(mrl_engine *e, const mrl_sched_batch *b, mrl_sched
     }
     int64_t off = 0;
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
-        if (parts[i].n > 0) memcpy(e->stage_host + off, parts[i].src, sizeof(int32_t) * parts[i].n);
+        int32_t *at = e->stage_host + off;
+        if (parts[i].src && parts[i].n > 0) {
+            memcpy(at, parts[i].src, sizeof(int32_t) * parts[i].n);
+        } else if (!parts[i].src) { /* the block tables, rows re-laid `width` wide */
+            memset(at, 0, sizeof(int32_t) * parts[i].n);
+            for (int s = 0; s < b->n_seqs; s++)
+                memcpy(at + (int64_t)s * width, b->block_tables + (int64_t)s * b->max_blocks_per_seq,
+                       sizeof(int32_t) * b->max_blocks_per_seq);
+        }
         *parts[i].dst = (const int32_t *)e->stage_dev.data + off;
         off += parts[i].n;
     }
+    d->max_blocks_per_seq = width;
     return mrl_model_kernels(e->m)->to_device(e->stage_dev.data, e->stage_host, off * (int64_t)sizeof(int32_t));
 }
 
-/* The model over one scheduled batch: logits of its logits_indices rows. */
-static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *hb) {
+/* The kernels of one step: hb the scheduler's batch, b what the ops read
+ * (hb, or its copy on the GPU); logits of b's logits_indices rows. Nothing
+ * here waits for the device or allocates on it (a decode graph captures it). */
+static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_sched_batch *b) {
     const mrl_model *m = e->m;
     const mrl_model_config *c = e->mc;
     const mrl_kernels *k = mrl_model_kernels(m);
     int64_t T = hb->n_tokens, D = c->hidden_size, V = c->vocab_size, S = hb->n_logits;
     int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
-    if (T > e->cfg.max_num_batched_tokens || S > e->logit_rows)
-        return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %lld tokens / %lld logit rows over the buffers",
-                             (long long)T, (long long)S);
-    mrl_status st = prepare_weights(e);
-    mrl_sched_batch staged; /* what the ops read: hb itself, or (a GPU) its copy there */
-    if (!st) st = stage_batch(e, hb, &staged);
-    if (st) return st;
-    const mrl_sched_batch *b = &staged;
+    mrl_status st = MRL_OK;
     k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
@@ -614,8 +637,8 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *hb) {
         mrl_paged_attn args;
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
         if (st) break;
-        int64_t need = k->paged_attn_workspace(&args);
-        if (need > (int64_t)e->attn_ws.bytes) { /* (none: the kernel makes its own) */
+        int64_t need = k->paged_attn_workspace(&args); /* (the CUDA kernel needs none) */
+        if (need > (int64_t)e->attn_ws.bytes) {
             mrl_buffer_free(&e->attn_ws);
             mrl_buffer_alloc(mrl_model_get_device(m), (size_t)(need + need / 2), MRL_MEM_ACTIVATIONS, &e->attn_ws);
         }
@@ -628,14 +651,103 @@ static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *hb) {
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
         if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
     }
-    if (st || S == 0) return st ? st : k->sync();
+    if (st || S == 0) return st;
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
     k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);
     if (e->w.lm_head16) /* bf16, as the trainer's head (forward.c) */
         k->gemm_bf16(0, 1, S, V, D, 1.0f, e->rows_n, 0, D, e->w.lm_head16, 1, D, 0.0f, e->logits, V);
     else
         k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */
-    return k->sync(); /* a GPU's first failure of the step (nothing on the CPU) */
+    return MRL_OK;
+}
+
+/* ---- CUDA graphs of decode steps (a GPU, cfg.cuda_graphs) ----
+ * A step of decodes only (one token a sequence) launches the same kernels
+ * for the same (sequences, block-table width) every time, reading what
+ * changes (tokens, positions, slots, lengths, block tables) from the staged
+ * copy at the same addresses: the second step of a shape captures them into
+ * a graph (the first sized every buffer), later ones launch it, one launch
+ * instead of ~15 a layer. The block-table width is rounded up to a power of
+ * two so that a sequence's growth rarely asks for a new graph. Graphs hold
+ * addresses: when one of them changes (the weights read, the activations,
+ * the staging, the RoPE tables, the kernels' own scratch) all are dropped. */
+
+static uint64_t graph_signature(const mrl_engine *e) {
+    const void *parts[] = {e->base, e->w.lm_head16, e->lp[0].hq, e->act_buf, e->stage_dev.data, e->attn_ws.data,
+                           mrl_model_rope_cos(e->m), mrl_kv_cache_k(e->kv, 0)};
+    uint64_t h = mrl_device_kernels_epoch(mrl_model_get_device(e->m)) * 0x9e3779b97f4a7c15ULL;
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) h = (h ^ (uint64_t)(uintptr_t)parts[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+static void drop_graphs(mrl_engine *e) {
+    for (int i = 0; i < e->n_graphs; i++) mrl_graph_free(e->graphs[i].g);
+    e->n_graphs = 0;
+}
+
+static int decode_only(const mrl_engine *e, const mrl_sched_batch *b) {
+    return e->on_device && e->cfg.cuda_graphs && b->n_prefill_tokens == 0 && b->n_tokens == b->n_seqs &&
+           b->n_logits == b->n_tokens;
+}
+
+/* The entry of (n, width), made when absent (NULL: the table is full). */
+static decode_graph *graph_entry(mrl_engine *e, int n, int width) {
+    for (int i = 0; i < e->n_graphs; i++)
+        if (e->graphs[i].n == n && e->graphs[i].width == width) return &e->graphs[i];
+    if (e->n_graphs == MAX_GRAPHS) return NULL;
+    decode_graph *g = &e->graphs[e->n_graphs++];
+    *g = (decode_graph){.n = n, .width = width};
+    return g;
+}
+
+static mrl_status run_graphed(mrl_engine *e, const mrl_sched_batch *hb, const mrl_sched_batch *b) {
+    uint64_t sig = graph_signature(e);
+    if (sig != e->graph_sig) {
+        drop_graphs(e);
+        e->graph_sig = sig;
+    }
+    decode_graph *g = graph_entry(e, hb->n_tokens, b->max_blocks_per_seq);
+    if (!g || g->failed || !g->warm) { /* the first run of a shape sizes what it uses; then it is captured */
+        if (g) g->warm = 1;
+        return run_model(e, hb, b);
+    }
+    if (!g->g) {
+        mrl_status st = mrl_graph_capture_begin(e->stream);
+        if (!st) {
+            mrl_status ran = run_model(e, hb, b);
+            st = mrl_graph_capture_end(e->stream, &g->g);
+            if (!st && ran) { /* captured, but an op refused its arguments: nothing of it may run */
+                mrl_graph_free(g->g);
+                g->g = NULL;
+                return ran;
+            }
+        }
+        if (st) { /* this shape runs without a graph from now on */
+            g->failed = 1;
+            e->graph_failures++;
+            return run_model(e, hb, b);
+        }
+        e->graph_captures++;
+    }
+    e->graph_launches++;
+    return mrl_graph_launch(g->g, e->stream);
+}
+
+/* The model over one scheduled batch: logits of its logits_indices rows. */
+static mrl_status forward_step(mrl_engine *e, const mrl_sched_batch *hb) {
+    const mrl_kernels *k = mrl_model_kernels(e->m);
+    if (hb->n_tokens > e->cfg.max_num_batched_tokens || hb->n_logits > e->logit_rows)
+        return mrl_set_error(MRL_ERR_INTERNAL, "engine step: %d tokens / %d logit rows over the buffers",
+                             hb->n_tokens, hb->n_logits);
+    mrl_status st = prepare_weights(e);
+    int graphed = decode_only(e, hb), width = hb->max_blocks_per_seq;
+    if (graphed) /* a power of two, so that a graph serves sequences as they grow */
+        for (width = 1; width < hb->max_blocks_per_seq; width *= 2) {}
+    mrl_sched_batch staged; /* what the ops read: hb itself, or (a GPU) its copy there */
+    if (!st) st = stage_batch(e, hb, &staged, width);
+    if (!st) st = graphed ? run_graphed(e, hb, &staged) : run_model(e, hb, &staged);
+    mrl_status done = k->sync(); /* a GPU's first failure of the step (nothing on the CPU) */
+    return st ? st : done;
 }
 
 /* Following a weight store: a version newer than the one read now is taken
@@ -665,10 +777,16 @@ static mrl_status step(mrl_engine *e) {
         if (st) return st;
     }
     mrl_status st = mrl_sched_schedule(e->sched, &b);
+    mrl_device device = mrl_model_get_device(e->m);
+    if (!st && e->stream) { /* a GPU: what the trainer launched on the default stream is done first */
+        st = mrl_model_kernels(e->m)->sync();
+        mrl_stream_set_current(device, e->stream);
+    }
     if (!st && b->n_tokens > 0) st = forward_step(e, b);
     if (mrl_fault_engine_delay() > 0) mrl_fault_busy(mrl_fault_engine_delay()); /* MOONRL_FAULT slow_engine */
     mrl_sched_set_kernels(e->sched, mrl_model_kernels(e->m)); /* sampling with the model's table too */
-    if (!st) st = mrl_sched_update(e->sched, e->logits);
+    if (!st) st = mrl_sched_update(e->sched, e->logits); /* (on a GPU: waits for its stream, tokens back) */
+    if (e->stream) mrl_stream_set_current(device, NULL);
     return st;
 }
 
@@ -891,6 +1009,8 @@ static void read_stats(const mrl_engine *e, mrl_engine_stats *out) {
     mrl_kv_cache_stats k;
     mrl_kv_cache_get_stats(e->kv, &k);
     out->steps = e->done.steps + s.steps;
+    out->graph_launches = e->graph_launches;
+    out->graph_captures = e->graph_captures;
     out->prefill_tokens = e->done.prefill_tokens + s.prefill_tokens;
     out->decode_tokens = e->done.decode_tokens + s.decode_tokens;
     out->generated_tokens = e->done.generated_tokens + s.generated_tokens;

@@ -142,3 +142,5 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
 /* RoPE tables for positions < max_len (grown, never shrunk: a run_async
  * caller covers every position first, so that no other thread regrows them). */
 mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len);
+/* Where the RoPE tables are now (they move when regrown: a captured graph holding them is stale). */
+const float *mrl_model_rope_cos(const mrl_model *m);

@@ -67,3 +67,5 @@ mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len) {
     m->rope_len = len;
     return MRL_OK;
 }
+
+const float *mrl_model_rope_cos(const mrl_model *m) { return m->rope_cos; }

@@ -213,3 +213,74 @@ void mrl_stream_destroy(mrl_stream *stream) {
 #endif
     free(stream);
 }
+
+void mrl_stream_set_current(mrl_device device, mrl_stream *stream) {
+#ifdef MRL_HAVE_CUDA
+    if (device.kind == MRL_DEVICE_CUDA) mrl_cuda_ops_set_stream(stream ? stream->native : NULL);
+#else
+    (void)device, (void)stream;
+#endif
+}
+
+uint64_t mrl_device_kernels_epoch(mrl_device device) {
+#ifdef MRL_HAVE_CUDA
+    if (device.kind == MRL_DEVICE_CUDA) return mrl_cuda_ops_epoch();
+#else
+    (void)device;
+#endif
+    return 0;
+}
+
+/* ---- graphs ---- */
+
+struct mrl_graph {
+    void *exec;
+};
+
+mrl_status mrl_graph_capture_begin(mrl_stream *stream) {
+    if (!stream || stream->device.kind != MRL_DEVICE_CUDA)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "graph capture: a GPU's stream only");
+#ifdef MRL_HAVE_CUDA
+    return mrl_cuda_graph_begin(stream->native);
+#else
+    return MRL_ERR_UNSUPPORTED;
+#endif
+}
+
+mrl_status mrl_graph_capture_end(mrl_stream *stream, mrl_graph **out) {
+    *out = NULL;
+    if (!stream || stream->device.kind != MRL_DEVICE_CUDA)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "graph capture: a GPU's stream only");
+#ifdef MRL_HAVE_CUDA
+    void *exec = NULL;
+    mrl_status st = mrl_cuda_graph_end(stream->native, &exec);
+    if (st) return st;
+    mrl_graph *g = calloc(1, sizeof *g);
+    if (!g) {
+        mrl_cuda_graph_free(exec);
+        return mrl_set_error(MRL_ERR_NOMEM, "graph capture: out of memory");
+    }
+    g->exec = exec;
+    *out = g;
+    return MRL_OK;
+#else
+    return MRL_ERR_UNSUPPORTED;
+#endif
+}
+
+mrl_status mrl_graph_launch(mrl_graph *graph, mrl_stream *stream) {
+    if (!graph || !stream) return mrl_set_error(MRL_ERR_INVALID, "graph launch: NULL argument");
+#ifdef MRL_HAVE_CUDA
+    return mrl_cuda_graph_launch(graph->exec, stream->native);
+#else
+    return MRL_ERR_UNSUPPORTED;
+#endif
+}
+
+void mrl_graph_free(mrl_graph *graph) {
+    if (!graph) return;
+#ifdef MRL_HAVE_CUDA
+    mrl_cuda_graph_free(graph->exec);
+#endif
+    free(graph);
+}

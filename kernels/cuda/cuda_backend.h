@@ -4,6 +4,7 @@
  * thread's last error on failure. */
 #pragma once
 #include <stddef.h>
+#include <stdint.h>
 #include "moonrl/status.h"
 
 #ifdef __cplusplus
@@ -23,6 +24,17 @@ mrl_status mrl_cuda_memset_zero(void *ptr, size_t bytes, void *stream);
 mrl_status mrl_cuda_stream_create(int device, void **out);
 mrl_status mrl_cuda_stream_sync(void *stream);
 void mrl_cuda_stream_destroy(void *stream);
+
+/* CUDA graphs: the table's ops launched on `stream` (a created stream, not
+ * the legacy default one) between begin and end, captured instead of run,
+ * as one executable graph that launch runs again on a stream, with the
+ * same pointers and shapes (the engine's decode steps). An op that may not
+ * be captured (an allocation, a wait for the host) makes end fail, with
+ * nothing run. */
+mrl_status mrl_cuda_graph_begin(void *stream);
+mrl_status mrl_cuda_graph_end(void *stream, void **exec);
+mrl_status mrl_cuda_graph_launch(void *exec, void *stream);
+void mrl_cuda_graph_free(void *exec);
 
 /* The CUDA op table (kernels/cuda/table.cu): the slots of kernels/kernels.h
  * with the same signatures and meaning, on device memory. Host memory are
@@ -46,6 +58,10 @@ void *mrl_cuda_ops_stream(void);
 mrl_status mrl_cuda_ops_check(void);
 /* Free the table's scratch and cuBLASLt handle (it makes them again on use). */
 void mrl_cuda_ops_release(void);
+/* Counts the times the table's own buffers (scratch, cuBLASLt workspace,
+ * the error flag) were allocated or freed: a graph captured before a change
+ * holds addresses that are gone. */
+uint64_t mrl_cuda_ops_epoch(void);
 
 #ifdef __cplusplus
 }

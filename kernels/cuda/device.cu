@@ -81,3 +81,38 @@ extern "C" mrl_status mrl_cuda_stream_sync(void *stream) {
 extern "C" void mrl_cuda_stream_destroy(void *stream) {
     if (stream) cudaStreamDestroy((cudaStream_t)stream);
 }
+
+// ---- CUDA graphs (the engine's decode steps) ----
+
+extern "C" mrl_status mrl_cuda_graph_begin(void *stream) {
+    // thread-local: a call of this thread that may not be captured (an allocation, a
+    // synchronisation) fails the capture instead of running
+    return check(cudaStreamBeginCapture((cudaStream_t)stream, cudaStreamCaptureModeThreadLocal),
+                 "cudaStreamBeginCapture");
+}
+
+extern "C" mrl_status mrl_cuda_graph_end(void *stream, void **exec) {
+    *exec = NULL;
+    cudaGraph_t graph = NULL;
+    cudaError_t err = cudaStreamEndCapture((cudaStream_t)stream, &graph);
+    if (err == cudaSuccess) {
+        cudaGraphExec_t e = NULL;
+        err = cudaGraphInstantiate(&e, graph, 0);
+        if (err == cudaSuccess) *exec = (void *)e;
+    }
+    if (graph) cudaGraphDestroy(graph);
+    if (err != cudaSuccess) {
+        const char *why = cudaGetErrorString(err);
+        cudaGetLastError();  // a failed capture's error is ours to report, not sticky for the next op
+        return mrl_set_error(MRL_ERR_DEVICE, "CUDA graph capture failed: %s", why);
+    }
+    return MRL_OK;
+}
+
+extern "C" mrl_status mrl_cuda_graph_launch(void *exec, void *stream) {
+    return check(cudaGraphLaunch((cudaGraphExec_t)exec, (cudaStream_t)stream), "cudaGraphLaunch");
+}
+
+extern "C" void mrl_cuda_graph_free(void *exec) {
+    if (exec) cudaGraphExecDestroy((cudaGraphExec_t)exec);
+}

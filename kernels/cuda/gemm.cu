@@ -33,7 +33,7 @@ static void *g_ws;  // cuBLASLt's workspace (not the table's scratch: gemm_bf16 
 void cuda_gemm_release(void) {
     if (g_lt) cublasLtDestroy(g_lt);
     if (g_blas) cublasDestroy(g_blas);
-    if (g_ws) cudaFree(g_ws);
+    if (g_ws) cudaFree(g_ws), cuda_ops_memory_changed();
     g_lt = NULL, g_blas = NULL, g_ws = NULL;
 }
 
@@ -48,7 +48,7 @@ static int handles(void) {
         cuda_ops_fail(MRL_ERR_DEVICE, "cuda gemm: cublasCreate failed");
         return 0;
     }
-    if (!g_ws && cudaMalloc(&g_ws, LT_WORKSPACE) != cudaSuccess) {
+    if (!g_ws && (cuda_ops_memory_changed(), cudaMalloc(&g_ws, LT_WORKSPACE)) != cudaSuccess) {
         g_ws = NULL;
         cuda_ops_fail(MRL_ERR_NOMEM, "cuda gemm: no device memory for cuBLASLt's workspace");
         return 0;

@@ -29,6 +29,8 @@ void *cuda_ops_scratch(size_t bytes);
 // A device int the kernels set on bad input found on the device (paged
 // attention's per-sequence lengths); mrl_cuda_ops_check reads and clears it.
 int *cuda_ops_device_flag(void);
+// The table's own device memory was allocated or freed (mrl_cuda_ops_epoch).
+void cuda_ops_memory_changed(void);
 // The number of multiprocessors of the current device.
 int cuda_ops_sm_count(void);
 

@@ -19,6 +19,10 @@ static int *g_flag;  // [1]: the first bad sequence of paged attention (NO_FLAG:
 static mrl_status g_pending;
 static char g_pending_msg[512];
 static int g_sms;
+static uint64_t g_epoch;  // mrl_cuda_ops_epoch
+
+void cuda_ops_memory_changed(void) { g_epoch++; }
+extern "C" uint64_t mrl_cuda_ops_epoch(void) { return g_epoch; }
 
 #define NO_FLAG 0x7f7f7f7f  // what cudaMemset(.., 0x7f, ..) leaves in an int
 
@@ -52,6 +56,7 @@ void *cuda_ops_scratch(size_t bytes) {
         g_scratch = NULL, g_scratch_bytes = 0;
     }
     cudaError_t err = cudaMalloc(&g_scratch, want);
+    g_epoch++;
     if (err != cudaSuccess) {
         g_scratch = NULL;
         cuda_ops_fail(MRL_ERR_NOMEM, "cuda ops: no device memory for %zu bytes of scratch: %s", want,
@@ -64,6 +69,7 @@ void *cuda_ops_scratch(size_t bytes) {
 
 int *cuda_ops_device_flag(void) {
     if (!g_flag) {
+        g_epoch++;
         if (cudaMalloc(&g_flag, sizeof(int)) != cudaSuccess) {
             g_flag = NULL;
             cuda_ops_fail(MRL_ERR_NOMEM, "cuda ops: no device memory for the error flag");
@@ -121,6 +127,7 @@ extern "C" void mrl_cuda_ops_release(void) {
     if (g_scratch) cudaFree(g_scratch);
     if (g_flag) cudaFree(g_flag);
     g_scratch = NULL, g_scratch_bytes = 0, g_flag = NULL;
+    g_epoch++;
 }
 
 // ---- the table's memory (kernels.h): device memory, moved on the table's stream ----

@@ -70,7 +70,8 @@ end
 
 -- opts: kv_cache_bytes, block_size, max_batch_tokens, max_seqs, max_model_len, prefix_caching
 -- (default true), pack_weights (default true: the layers' matrices copied as weight panels at the
--- start of each generate call, see engine.h; false reads them in place), seed (default 0).
+-- start of each generate call, see engine.h; false reads them in place), cuda_graphs (default true:
+-- a GPU engine replays its decode steps as CUDA graphs), seed (default 0).
 function M.new(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.handle == nil then error('engine.new: expected a moonrl.model object', 2) end
@@ -82,7 +83,7 @@ function M.new(model, opts)
   cfg.max_num_batched_tokens = opt_int(opts, 'max_batch_tokens', 1, w) or cfg.max_num_batched_tokens
   cfg.max_num_seqs = opt_int(opts, 'max_seqs', 1, w) or cfg.max_num_seqs
   cfg.max_model_len = opt_int(opts, 'max_model_len', 2, w) or cfg.max_model_len
-  for _, key in ipairs({ 'prefix_caching', 'pack_weights' }) do
+  for _, key in ipairs({ 'prefix_caching', 'pack_weights', 'cuda_graphs' }) do
     local v = opts[key]
     if v ~= nil and type(v) ~= 'boolean' then
       error(string.format('%s: %s must be true or false (got %s)', w, key, tostring(v)), 2)

@@ -772,6 +772,11 @@ function M.model_device(cfg)
     moonrl.usage_error(string.format('model.device=%s: a GPU runs one process for now (data parallel and rollout '
       .. 'ranks over NCCL are not built yet): run it without mpirun / moonrl launch', tostring(d)))
   end
+  if dev ~= 'cpu' and cfg.async and (cfg.async.engine_threads or 0) > 0 then
+    moonrl.usage_error(string.format('model.device=%s: async.engine_threads generates on a thread of its own beside '
+      .. 'training, which a GPU does not do yet (one thread drives its kernels): async.engine_threads=0 generates '
+      .. 'between the steps', tostring(d)))
+  end
   return dev
 end
 

@@ -8,6 +8,8 @@
  *     the same log-probs within the bounds below;
  *   - a KV cache too small for the round: pre-emption and recomputation on
  *     the device give the tokens of the roomy run;
+ *   - decode steps replayed as CUDA graphs: the bits of the same engine
+ *     without them;
  *   - zero-copy: an optimizer step on the GPU model is seen by its engine's
  *     next round with no copy, as on the CPU; and the engine's log-probs are
  *     the trainer's forward of the same tokens on the GPU (what RL relies on);
@@ -175,6 +177,24 @@ static void case_engine(int arch, int bf16) {
     run_round(ce, 0, &oc);
     run_round(ge, 0, &og);
     CHECK(og.stats.prefix_hit_tokens > 0 && og.stats.forks > 0);
+    printf("  decode steps as CUDA graphs: %lld launches, %lld captures, of %lld steps\n",
+           (long long)og.stats.graph_launches, (long long)og.stats.graph_captures, (long long)og.stats.steps);
+    CHECK(og.stats.graph_captures > 0 && og.stats.graph_launches > og.stats.graph_captures);
+    CHECK(oc.stats.graph_launches == 0);
+    /* the same engine without graphs: the same kernels launched one by one, the same bits */
+    {
+        mrl_engine_config plain = ec;
+        plain.cuda_graphs = 0;
+        mrl_engine *pe = NULL;
+        static round_out op;
+        CHECK_OK(mrl_engine_create(g, &plain, &pe));
+        if (pe) {
+            run_round(pe, 0, &op);
+            CHECK(op.stats.graph_launches == 0);
+            CHECK(memcmp(op.tok, og.tok, sizeof op.tok) == 0 && memcmp(op.lp, og.lp, sizeof op.lp) == 0);
+            mrl_engine_free(pe);
+        }
+    }
     CHECK(og.stats.prefix_hit_tokens == oc.stats.prefix_hit_tokens && og.stats.forks == oc.stats.forks);
     compare_rounds("round 1", &og, &oc, bf16);
     engine_vs_trainer(g, &og, bf16 ? LP_BF16 : LP_FP32);
@@ -210,6 +230,7 @@ static void case_engine(int arch, int bf16) {
     run_round(ce, 1, &oc2);
     run_round(ge, 1, &og2);
     compare_rounds("round 2, after the step", &og2, &oc2, bf16);
+    CHECK(og2.stats.graph_launches > og.stats.graph_launches); /* the graphs read the new weights in place */
     int moved = 0;
     for (int i = 0; i < og2.len[4][0] && i < og.len[4][0]; i++) moved += og2.lp[4][0][i] != og.lp[4][0][i];
     CHECK(moved > 0); /* the new weights, read in place */

@@ -125,9 +125,12 @@ t.test('a GPU run resumed from its checkpoint: the weights of the run never stop
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()
-  for _, case in ipairs({ { 'tpu', "expected cpu, cuda or cuda:N" }, { 'cuda:7', 'cuda:7 asked' } }) do
-    local ok, err = pcall(run, 'tests/recipes/grpo_sevens.lua', { 'model.dir=' .. model_dir, 'data.path=' .. data,
-      'data.prompt=question', 'reward=sevens', 'grpo.steps=1' }, 'bad', case[1])
+  for _, case in ipairs({ { 'tpu', "expected cpu, cuda or cuda:N" }, { 'cuda:7', 'cuda:7 asked' },
+    { 'cuda', 'async.engine_threads', { 'async.mode=one_step_off', 'async.engine_threads=1' } } }) do
+    local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'reward=sevens',
+      'grpo.steps=1' }
+    for _, w in ipairs(case[3] or {}) do words[#words + 1] = w end
+    local ok, err = pcall(run, 'tests/recipes/grpo_sevens.lua', words, 'bad', case[1])
     local msg = moonrl.error_text(err)
     t.truthy(not ok and msg:find('model.device=' .. case[1], 1, true) and msg:find(case[2], 1, true),
       'model.device=' .. case[1] .. ': ' .. msg)

@@ -57,6 +57,26 @@ mrl_status mrl_device_memcpy(void *dst, const void *src, size_t bytes);
 mrl_status mrl_stream_create(mrl_device device, mrl_stream **out);
 mrl_status mrl_stream_sync(mrl_stream *stream);
 void mrl_stream_destroy(mrl_stream *stream);
+/* The stream the device's kernels launch on from now on (NULL: its default
+ * stream); nothing on the CPU. Process-wide on a GPU (its op table serves
+ * one stream at a time): set it, run, set it back. */
+void mrl_stream_set_current(mrl_device device, mrl_stream *stream);
+/* Changes whenever the device's kernels allocate or free memory of their
+ * own (scratch, library workspaces): a graph captured before holds
+ * addresses that are gone. 0 on the CPU. */
+uint64_t mrl_device_kernels_epoch(mrl_device device);
+
+/* Graphs (CUDA graphs): the kernels launched on a GPU's stream between
+ * begin and end are captured instead of run, into a graph that launch runs
+ * again, with the same pointers and shapes (what is read through those
+ * pointers may change). An operation that cannot be captured (an
+ * allocation, a wait, a copy from the host) makes end fail, with nothing
+ * run. MRL_ERR_UNSUPPORTED on the CPU. */
+typedef struct mrl_graph mrl_graph;
+mrl_status mrl_graph_capture_begin(mrl_stream *stream);
+mrl_status mrl_graph_capture_end(mrl_stream *stream, mrl_graph **out);
+mrl_status mrl_graph_launch(mrl_graph *graph, mrl_stream *stream);
+void mrl_graph_free(mrl_graph *graph);
 
 #ifdef __cplusplus
 }

@@ -92,6 +92,8 @@ typedef struct mrl_engine_config {
     int max_model_len;          /* prompt + generated tokens at most; 0: the model's max_position_embeddings */
     int prefix_caching;         /* 1: reuse the K/V of prompt prefixes seen before (until mrl_engine_reset) */
     int pack_weights;           /* 1 (default): keep the layers' weight matrices as panels (below) */
+    int cuda_graphs;            /* 1 (default): on a GPU, steps of decodes only replay CUDA graphs, one per
+                                 * (sequences, block-table width), captured at the second step of each */
 } mrl_engine_config;
 
 typedef enum mrl_finish_reason {
@@ -131,6 +133,8 @@ typedef struct mrl_engine_stats {
     int64_t prefix_hit_tokens; /* prompt tokens the prefix cache supplied */
     int64_t preemptions;
     int64_t forks;             /* group samples forked from a shared prompt */
+    int64_t graph_launches;    /* decode steps run as a CUDA graph (a GPU), and graphs captured */
+    int64_t graph_captures;
     int kv_blocks_total;
     int kv_blocks_used;
     int kv_blocks_free;

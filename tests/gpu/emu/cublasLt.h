@@ -53,18 +53,19 @@ inline cublasStatus_t emu_gemm(int ta, int tb, int64_t m, int64_t n, int64_t k, 
   if (ar != (ta ? k : m) || ac != (ta ? m : k) || br != (tb ? n : k) || bc != (tb ? k : n) || cr != m || cc != n || lda < ar || ldb < br || ldc < cr || lda < 1 || ldb < 1) {
     fprintf(stderr, "EMU GEMM: bad layouts m=%lld n=%lld k=%lld ta=%d tb=%d A %lldx%lld ld %lld B %lldx%lld ld %lld C %lldx%lld ld %lld\n", (long long)m, (long long)n, (long long)k, ta, tb, (long long)ar, (long long)ac, (long long)lda, (long long)br, (long long)bc, (long long)ldb, (long long)cr, (long long)cc, (long long)ldc);
     return CUBLAS_STATUS_INVALID_VALUE; }
-  for (int64_t j = 0; j < n; j++) for (int64_t i = 0; i < m; i++) {
-    double s = 0;
-    for (int64_t p = 0; p < k; p++) s += (double)emu_at(A, at, ta ? p + i * lda : i + p * lda) * emu_at(B, bt, tb ? j + p * ldb : p + j * ldb);
-    float *c = C + i + j * ldc; *c = (float)(alpha * s + (beta != 0 ? (double)beta * *c : 0.0)); }
+  emu_enqueue([=]() {  // checked now, computed now or when a captured graph runs
+    emu_device_guard open_while_here;
+    for (int64_t j = 0; j < n; j++) for (int64_t i = 0; i < m; i++) {
+      double s = 0;
+      for (int64_t p = 0; p < k; p++) s += (double)emu_at(A, at, ta ? p + i * lda : i + p * lda) * emu_at(B, bt, tb ? j + p * ldb : p + j * ldb);
+      float *c = C + i + j * ldc; *c = (float)(alpha * s + (beta != 0 ? (double)beta * *c : 0.0)); }
+  });
   return 0; }
 inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const void *alpha, const void *A, cublasLtMatrixLayout_t la, const void *B, cublasLtMatrixLayout_t lb, const void *beta, const void *C, cublasLtMatrixLayout_t lc, void *D, cublasLtMatrixLayout_t, const cublasLtMatmulAlgo_t *, void *, size_t, cudaStream_t) {
   emu_gemm_calls[0]++;
   if (C != D) return CUBLAS_STATUS_INVALID_VALUE;
   int64_t m = lc->rows, n = lc->cols, k = d->ta ? la->rows : la->cols;
-  emu_device_guard open_while_here;
   return emu_gemm(d->ta, d->tb, m, n, k, *(const float *)alpha, A, la->t, la->ld, la->rows, la->cols, B, lb->t, lb->ld, lb->rows, lb->cols, *(const float *)beta, (float *)D, lc->ld, lc->rows, lc->cols); }
 inline cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, const void *beta, void *C, cudaDataType_t, int ldc, cublasComputeType_t, int) {
   emu_gemm_calls[1]++;
-  emu_device_guard open_while_here;
   return emu_gemm(ta, tb, m, n, k, *(const float *)alpha, A, at, lda, ta ? k : m, ta ? m : k, B, bt, ldb, tb ? n : k, tb ? k : n, *(const float *)beta, (float *)C, ldc, m, n); }

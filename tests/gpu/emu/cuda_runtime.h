@@ -74,8 +74,27 @@ template <class... A> void emu_check_args(const char *kernel, const A &...a) {
   int i = 0;
   (emu_check_arg(kernel, i++, a), ...);
 }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return 0; }
-inline cudaError_t cudaDeviceSynchronize() { return 0; }
+// waits: nothing to wait for (launches run at once), but not allowed while capturing
+cudaError_t cudaStreamSynchronize(cudaStream_t);
+inline cudaError_t cudaDeviceSynchronize() { return cudaStreamSynchronize(0); }
+// graphs: while a capture is open, launches, device-to-device copies, memsets and the emulated
+// cuBLASLt / CUB calls are recorded instead of run (emu_enqueue); a launch of the graph runs
+// them in order. An allocation, a free, a wait or a copy to or from the host while capturing
+// fails and spoils the capture (cudaStreamEndCapture then fails), as on a GPU.
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed };
+typedef struct emu_graph *cudaGraph_t;
+typedef struct emu_graph *cudaGraphExec_t;
+cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode);
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *, cudaGraph_t, unsigned long long);
+cudaError_t cudaGraphDestroy(cudaGraph_t);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t);
+// run f now, or record it into the open capture
+void emu_enqueue(std::function<void()> f);
+// 1 while a capture is open; emu_capture_spoil(why) fails it
+int emu_capturing();
+void emu_capture_spoil(const char *why);
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, int) { *s = (cudaStream_t)malloc(1); return 0; }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) { free(s); return 0; }
 template <class K> cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return 0; }

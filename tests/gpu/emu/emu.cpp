@@ -72,7 +72,60 @@ int emu_is_device(const void *p) {
     if ((const char *)p >= a.base && (const char *)p < a.base + a.bytes) return 1;
   return 0;
 }
+// ---- graphs ----
+struct emu_graph { std::vector<std::function<void()>> ops; int owners; };
+static emu_graph *capture;  // the open capture
+static const char *capture_spoiled;
+int emu_capturing() { return capture != NULL; }
+void emu_capture_spoil(const char *why) {
+  if (capture && !capture_spoiled) capture_spoiled = why;
+}
+void emu_enqueue(std::function<void()> f) {
+  if (capture) capture->ops.push_back(std::move(f));
+  else f();
+}
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+  if (capture || !s) return cudaErrorInvalidValue;  // one at a time; never the legacy stream
+  capture = new emu_graph{{}, 1};
+  capture_spoiled = NULL;
+  return 0;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *g) {
+  emu_graph *c = capture;
+  capture = NULL;
+  *g = NULL;
+  if (!c) return cudaErrorInvalidValue;
+  if (capture_spoiled) {
+    fprintf(stderr, "EMU: capture failed: %s\n", capture_spoiled);
+    delete c;
+    return cudaErrorInvalidValue;
+  }
+  *g = c;
+  return 0;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long) {
+  if (!g) return cudaErrorInvalidValue;
+  g->owners++;
+  *e = g;
+  return 0;
+}
+static void graph_drop(emu_graph *g) {
+  if (g && --g->owners == 0) delete g;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t g) { graph_drop(g); return 0; }
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t g) { graph_drop(g); return 0; }
+cudaError_t cudaGraphLaunch(cudaGraphExec_t g, cudaStream_t) {
+  if (!g || capture) return cudaErrorInvalidValue;
+  for (auto &op : g->ops) op();
+  return 0;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  if (capture) { emu_capture_spoil("a wait for the stream"); return cudaErrorInvalidValue; }
+  return 0;
+}
+
 cudaError_t cudaMalloc(void **p, size_t n) {
+  if (capture) { emu_capture_spoil("cudaMalloc"); *p = NULL; return cudaErrorInvalidValue; }
   size_t bytes = (n + 4095) / 4096 * 4096 + 4096;  // a page more: reads just past the end stay inside
   void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) { *p = NULL; return 2; }
@@ -85,6 +138,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
 }
 cudaError_t cudaFree(void *p) {
   if (!p) return 0;
+  if (capture) { emu_capture_spoil("cudaFree"); return cudaErrorInvalidValue; }
   std::lock_guard<std::mutex> g(alloc_lock);
   for (size_t i = 0; i < allocations.size(); i++)
     if (allocations[i].base == p) {
@@ -108,17 +162,22 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, 
   if (k == cudaMemcpyDeviceToHost) copy_side("cudaMemcpy destination", d, 0);
   if (k == cudaMemcpyDeviceToHost || k == cudaMemcpyDeviceToDevice) copy_side("cudaMemcpy source", s, 1);
   if (k == cudaMemcpyHostToDevice) copy_side("cudaMemcpy source", s, 0);
-  emu_device_open();
-  memmove(d, s, n);
-  emu_device_close();
+  if (capture && k != cudaMemcpyDeviceToDevice) { emu_capture_spoil("a copy to or from the host"); return cudaErrorInvalidValue; }
+  emu_enqueue([=]() {
+    emu_device_open();
+    memmove(d, s, n);
+    emu_device_close();
+  });
   return 0;
 }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t) {
   if (!n) return 0;
   copy_side("cudaMemset", d, 1);
-  emu_device_open();
-  memset(d, v, n);
-  emu_device_close();
+  emu_enqueue([=]() {
+    emu_device_open();
+    memset(d, v, n);
+    emu_device_close();
+  });
   return 0;
 }
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *p) {
@@ -139,9 +198,11 @@ static void entry() {
 }
 static void run_grid(std::function<void()> &f, dim3 g, dim3 b, size_t smem);
 void emu_run(std::function<void()> f, dim3 g, dim3 b, size_t smem) {
-  emu_device_open();
-  run_grid(f, g, b, smem);
-  emu_device_close();
+  emu_enqueue([=]() mutable {
+    emu_device_open();
+    run_grid(f, g, b, smem);
+    emu_device_close();
+  });
 }
 static void run_grid(std::function<void()> &f, dim3 g, dim3 b, size_t smem) {
   unsigned nt = b.x * b.y * b.z;

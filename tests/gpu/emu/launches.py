@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """kernels/cuda/X.cu -> C++ for the CPU emulation (tests/gpu/emu/run.sh): each
 launch `kernel<<<grid, block, smem, stream>>>(args)` becomes
-`(emu_check_args("kernel", args), emu_launch([=]() { kernel(args); }, grid,
-block, smem, stream))` (the pointer arguments must be device memory), and the
+`(emu_check_args("kernel", args), emu_launch(std::bind(kernel, args), grid,
+block, smem, stream))` (the pointer arguments must be device memory; the
+arguments are evaluated at the launch, as a GPU copies them), and the
 dynamic shared memory `extern __shared__ float sm[];` a pointer to the
 launch's buffer. Nothing else changes.
     launches.py IN.cu OUT.cpp"""
@@ -14,7 +15,7 @@ s = s.replace('extern __shared__ float sm[];', 'float *sm = (float *)emu_dyn_sme
 # the one launch inside a macro (elementwise.cu's conversions)
 s = s.replace('name##_kernel<<<grid_for(n, THREADS), THREADS, 0, cuda_ops_stream()>>>(src, dst, n);',
               'emu_check_args(#name, src, dst), '
-              'emu_launch([=]() { name##_kernel(src, dst, n); }, grid_for(n, THREADS), THREADS, 0, cuda_ops_stream());')
+              'emu_launch(std::bind(name##_kernel, src, dst, n), grid_for(n, THREADS), THREADS, 0, cuda_ops_stream());')
 out, i = [], 0
 while True:
     j = s.find('<<<', i)
@@ -49,6 +50,8 @@ while True:
     out.append(s[i:k])
     args = s[e + 4:p]
     check = 'emu_check_args("%s", %s), ' % (s[k:j].replace('"', ''), args) if args.strip() else ''
-    out.append('(%semu_launch([=]() { %s(%s); }, %s))' % (check, s[k:j], args, s[j + 3:e]))
+    # the arguments are evaluated now (a GPU copies them at the launch; a captured graph runs later)
+    call = 'std::bind(%s, %s)' % (s[k:j], args) if args.strip() else '[=]() { %s(); }' % s[k:j]
+    out.append('(%semu_launch(%s, %s))' % (check, call, s[j + 3:e]))
     i = p + 1
 open(dst, 'w').write(''.join(out))
