@@ -64,6 +64,7 @@ local function dist_section()
     zero = M.integer(0),      -- 1: ZeRO-1, the optimizer state sharded over the ranks
     bucket_mb = 25.0,         -- gradient all-reduce bucket size, started while the backward runs
     rollout_ranks = M.integer(0), -- the last R ranks only generate and score (moonrl.rollout); the others train
+    gpu_transport = 'auto',   -- a GPU model's gradient sums: nccl, host (through host memory and MPI), auto (nccl where it starts)
   }
 end
 

@@ -51,7 +51,7 @@ function M.world(timeout)
   local h = out[0]
   the_world = setmetatable({ handle = h, rank = tonumber(C.mrl_dist_rank(h)), size = tonumber(C.mrl_dist_size(h)),
     local_rank = tonumber(C.mrl_dist_local_rank(h)), local_size = tonumber(C.mrl_dist_local_size(h)),
-    backend = ffi.string(C.mrl_dist_backend(h)), scratch = ffi.new('double[64]') }, World)
+    backend = ffi.string(C.mrl_dist_backend(h)), scratch = ffi.new('double[64]'), timeout = timeout or 600 }, World)
   C.mrl_log_set_rank(the_world.rank, the_world.size)
   -- rank 0 speaks for the job: what recipes print (step lines, results) appears once; errors
   -- and warnings go to stderr from every rank, each line tagged with its rank
@@ -91,7 +91,11 @@ function World:split(color, name)
     scratch = ffi.new('double[64]'), name = name }, World)
 end
 
-function World:set_timeout(seconds) C.mrl_dist_set_timeout(self.handle, seconds) end
+function World:set_timeout(seconds)
+  self.timeout = seconds -- (an NCCL communicator made later takes it too)
+  C.mrl_dist_set_timeout(self.handle, seconds)
+  if self.nccl then C.mrl_nccl_set_timeout(self.nccl, seconds) end
+end
 function World:set_step(step) C.mrl_dist_set_step(self.handle, step) end
 
 function World:barrier()
@@ -102,6 +106,51 @@ function World:allreduce(ptr, n, dtype, op)
   if self.size > 1 and n > 0 then
     check(C.mrl_dist_allreduce(self.handle, ptr, n, DTYPES[dtype or 'f32'], OPS[op or 'sum']))
   end
+end
+
+-- ---- GPU buffers (a model on mrl_model_set_device): NCCL, or through the host ----
+-- transport 'nccl': an NCCL communicator between the ranks' GPUs (core/dist/nccl.c), made on
+-- first use for GPU `device` (the rank's own); 'host': each buffer copied to host memory, summed
+-- or sent with the communicator (MPI), copied back (slower, but needs no NCCL: tests, a GPU
+-- without peer links); 'auto': nccl, or host where NCCL does not start (the reason is kept in
+-- self.nccl_error). Returns the transport in use.
+function World:gpu_transport(transport, device)
+  if self.gpu_via then return self.gpu_via end
+  if transport ~= 'host' then
+    local out = ffi.new('mrl_nccl *[1]')
+    if C.mrl_nccl_create(self.handle, device or 0, self.timeout or 600, out) == 0 then
+      self.nccl = ffi.gc(out[0], C.mrl_nccl_free)
+      self.gpu_via = 'nccl'
+      return 'nccl'
+    end
+    self.nccl_error = moonrl.last_error()
+    if transport == 'nccl' then
+      moonrl.run_error('dist.gpu_transport=nccl: the NCCL communicator did not start: ' .. self.nccl_error)
+    end
+  end
+  self.gpu_via = 'host'
+  return 'host'
+end
+
+-- Sum n floats of a GPU buffer over the ranks, in place.
+function World:gpu_allreduce(ptr, n)
+  if self.size == 1 or n == 0 then return end
+  if self.gpu_via == 'nccl' then return check(C.mrl_nccl_allreduce(self.nccl, ptr, n, C.MRL_DIST_F32, C.MRL_DIST_SUM)) end
+  self.gpu_host = (self.gpu_host_n or 0) >= n and self.gpu_host or ffi.new('float[?]', n)
+  self.gpu_host_n = math.max(self.gpu_host_n or 0, n)
+  moonrl.check(C.mrl_device_memcpy(self.gpu_host, ptr, 4 * n))
+  check(C.mrl_dist_allreduce(self.handle, self.gpu_host, n, C.MRL_DIST_F32, C.MRL_DIST_SUM))
+  moonrl.check(C.mrl_device_memcpy(ptr, self.gpu_host, 4 * n))
+end
+
+-- bytes of a GPU buffer from rank root to every rank.
+function World:gpu_broadcast(ptr, bytes, root)
+  if self.size == 1 or bytes == 0 then return end
+  if self.gpu_via == 'nccl' then return check(C.mrl_nccl_broadcast(self.nccl, ptr, bytes, root)) end
+  local host = ffi.new('uint8_t[?]', bytes)
+  if self.rank == root then moonrl.check(C.mrl_device_memcpy(host, ptr, bytes)) end
+  check(C.mrl_dist_broadcast(self.handle, host, bytes, root))
+  moonrl.check(C.mrl_device_memcpy(ptr, host, bytes))
 end
 
 -- Reduce a table of numbers (nested tables too) over the ranks with op ('sum', 'max', 'min');
@@ -189,6 +238,7 @@ function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
   local zero = opts.zero or 0
   local n = opt.n
+  if C.mrl_device_of(opt.grads).kind ~= C.MRL_DEVICE_CPU then return M.gpu_data_parallel(w, opt, model, opts) end
   local out = ffi.new('mrl_dist_buckets *[1]')
   local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
   moonrl.check(C.mrl_dist_buckets_create(w.handle, opt.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode, out))
@@ -224,14 +274,45 @@ function M.data_parallel(w, opt, model, opts)
   return self
 end
 
+-- A GPU model's (its gradients on the GPU): one sum over the whole buffer once the backward is
+-- done (dist.gpu_transport: NCCL, or through the host), no buckets; ZeRO-1 is CPU only for now.
+function M.gpu_data_parallel(w, opt, model, opts)
+  if (opts.zero or 0) == 1 then
+    moonrl.usage_error('dist.zero=1 shards the optimizer of a CPU model; a GPU model keeps it whole (dist.zero=0) '
+      .. 'for now')
+  end
+  local device = C.mrl_device_of(opt.grads)
+  local via = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
+  local self = setmetatable({ world = w, full = opt, zero = 0, model = model, params = opt.params, grads = opt.grads,
+    n = opt.n, lr = opt.lr, pending = false, gpu = via }, DP)
+  self.shards = {}
+  for r = 0, w.size - 1 do
+    local first, last = w:share(opt.n, r)
+    self.shards[r + 1] = { offset = first - 1, count = last - first + 1 }
+  end
+  self.offset, self.count = self.shards[w.rank + 1].offset, self.shards[w.rank + 1].count
+  if model then
+    local zero_grad = model.zero_grad
+    model.zero_grad = function(m) zero_grad(m); self.synced = false end
+  end
+  return self
+end
+
 -- The next backward is the last of this update: its buckets start as they become final.
-function DP:arm() C.mrl_dist_buckets_arm(self.buckets) end
+function DP:arm()
+  if not self.gpu then C.mrl_dist_buckets_arm(self.buckets) end
+end
 
 -- Wait for the gradient sums (once per update; the first reader of the gradients calls it).
 function DP:sync()
   if self.synced then return end
-  check(C.mrl_dist_buckets_finish(self.buckets))
   self.synced = true
+  if self.gpu then
+    self.world:gpu_allreduce(self.grads, self.n)
+    self.overlapped = 0
+    return
+  end
+  check(C.mrl_dist_buckets_finish(self.buckets))
   -- buckets whose sums started while the backward ran (the rest waited for the end)
   self.overlapped = tonumber(C.mrl_dist_buckets_overlapped(self.buckets))
 end

@@ -30,6 +30,7 @@
 -- of P tokens and R response tokens; those are the mask's ones.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
+local C = moonrl.C
 local json = require('moonrl.json')
 local fs = require('moonrl.fs')
 local model_mod = require('moonrl.model')
@@ -761,16 +762,25 @@ local function check_choice(key, value, choices)
 end
 
 -- The device cfg.model.device names, as 'cpu' or 'cuda:N', checked (a usage error naming the
--- key: an unknown name, a build without CUDA, no GPU there, or a GPU with several ranks); nil
--- when the config has no model.device.
+-- key: an unknown name, a build without CUDA, no GPU there, a GPU with rollout ranks or an engine
+-- thread); nil when the config has no model.device. With several ranks, 'cuda' and 'auto' are
+-- the rank's own GPU, its local rank's (as torchrun's LOCAL_RANK); 'cuda:N' is GPU N on every rank.
 function M.model_device(cfg)
   local d = type(cfg.model) == 'table' and cfg.model.device or nil
   if d == nil then return nil end
-  local dev, why = model_mod.resolve_device(d)
-  if not dev then moonrl.usage_error(string.format('model.device=%s: %s', tostring(d), why)) end
-  if dev ~= 'cpu' and (require('moonrl.dist').world().size > 1 or (cfg.dist and (cfg.dist.rollout_ranks or 0) > 0)) then
-    moonrl.usage_error(string.format('model.device=%s: a GPU runs one process for now (data parallel and rollout '
-      .. 'ranks over NCCL are not built yet): run it without mpirun / moonrl launch', tostring(d)))
+  local w = require('moonrl.dist').world()
+  local asked = d
+  if w.size > 1 and (d == 'cuda' or (d == 'auto' and C.mrl_device_cuda_count() > 0)) then
+    asked = 'cuda:' .. w.local_rank
+  end
+  local dev, why = model_mod.resolve_device(asked)
+  if not dev then
+    moonrl.usage_error(string.format('model.device=%s: %s%s', tostring(d), why, asked ~= d and string.format(
+      ' (rank %d, local rank %d: one GPU a rank)', w.rank, w.local_rank) or ''))
+  end
+  if dev ~= 'cpu' and cfg.dist and (cfg.dist.rollout_ranks or 0) > 0 then
+    moonrl.usage_error(string.format('model.device=%s: dist.rollout_ranks publish weights through host memory, '
+      .. 'CPU models only for now', tostring(d)))
   end
   if dev ~= 'cpu' and cfg.async and (cfg.async.engine_threads or 0) > 0 then
     moonrl.usage_error(string.format('model.device=%s: async.engine_threads generates on a thread of its own beside '

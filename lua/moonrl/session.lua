@@ -125,6 +125,10 @@ local function check_dist(d)
   if not (d.timeout >= 0) then moonrl.usage_error(string.format("config key 'dist.timeout' must be >= 0 (0: none), got %s", d.timeout)) end
   if not (d.bucket_mb > 0) then moonrl.usage_error(string.format("config key 'dist.bucket_mb' must be > 0, got %s", d.bucket_mb)) end
   if d.rollout_ranks < 0 then moonrl.usage_error(string.format("config key 'dist.rollout_ranks' must be >= 0, got %d", d.rollout_ranks)) end
+  if d.gpu_transport ~= 'auto' and d.gpu_transport ~= 'nccl' and d.gpu_transport ~= 'host' then
+    moonrl.usage_error(string.format("config key 'dist.gpu_transport' must be auto, nccl or host, got %s",
+      tostring(d.gpu_transport)))
+  end
 end
 
 function M.start(cfg, opts)
@@ -294,8 +298,15 @@ end
 function Session:model(name, model, opts)
   put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
   if self.world.size > 1 then
-    local p, n = model:params()
-    self.world:broadcast(p, 4 * n, 0)
+    local p, n = model:param_buffer()
+    if model:device() ~= 'cpu' then
+      local device = C.mrl_model_get_device(model.handle).index
+      self.world:gpu_transport(self.cfg.dist and self.cfg.dist.gpu_transport or 'auto', device)
+      self.world:gpu_broadcast(p, 4 * n, 0)
+    else
+      self.world:broadcast(p, 4 * n, 0)
+    end
+    model:weights_changed()
   end
   return model
 end
@@ -305,10 +316,12 @@ end
 -- model whose buffers it steps (R.adamw sets it).
 function Session:optimizer(name, opt)
   if self.world.size > 1 and opt.model then
-    opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb })
+    opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
+      gpu_transport = self.cfg.dist.gpu_transport })
     self:event('data_parallel', { optimizer = name, world_size = self.world.size, zero = self.cfg.dist.zero,
-      state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n,
-      buckets = tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) }, { quiet = true })
+      state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n, gpu_transport = opt.gpu or 'none',
+      nccl_error = opt.gpu and self.world.nccl_error or nil,
+      buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
   end
   put(self.optimizers, name, { name = name, opt = opt })
   return opt
@@ -609,7 +622,8 @@ function Session:log(m, opts)
   if self.lr_scale ~= 1 then m.guard.lr_scale = self.lr_scale end
   if self.world.size > 1 and self.optimizers[1] and self.optimizers[1].opt.overlapped then
     local o = self.optimizers[1].opt
-    m.dist = m.dist or { buckets = tonumber(moonrl.C.mrl_dist_buckets_count(o.buckets)), buckets_overlapped = o.overlapped }
+    m.dist = m.dist or { buckets = o.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(o.buckets)) or 0,
+      buckets_overlapped = o.overlapped }
   end
   local p = self.progress
   if p and not (opts and opts.quiet) then p:clear() end -- the step line prints above the live line

@@ -4,6 +4,7 @@
 --   * GRPO with a KL reference (a clone on the GPU), PPO with its critic (critic_from on the
 --     GPU), SFT with held-out evaluation (the engine on the GPU), DPO: the same tokens sampled,
 --     step metrics and final weights within fp32 rounding of the CPU run's;
+--   * data parallel over 2 ranks with GPU models (gradients through the host): the 2-rank CPU run;
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
@@ -122,6 +123,42 @@ t.test('a GPU run resumed from its checkpoint: the weights of the run never stop
   local d = weights_diff(part .. '/model', straight .. '/model')
   print(string.format('resumed vs straight on the GPU: worst ||d|| / ||w|| %.3g', d))
   t.eq(d, 0, 'the same weights, bit for bit')
+end)
+
+-- Two ranks, each with its GPU (here both cuda:0: the emulated machine, or one real GPU shared),
+-- gradients summed through the host (dist.gpu_transport=host: NCCL wants a GPU a rank): the
+-- weights of the same two ranks on the CPU.
+local exe, mpirun = rawget(_G, 'MOONRL_EXE'), U.which('mpirun')
+t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local proc = require('moonrl.proc')
+  local function ranks(device, tag)
+    local run_dir = dir .. '/dp_' .. tag
+    local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+      'vader,self' }
+    if os.getenv('LD_PRELOAD') then argv[#argv + 1], argv[#argv + 2] = '-x', 'LD_PRELOAD' end
+    for _, a in ipairs({ exe, 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
+      'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64',
+      'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=4', 'engine.kv_cache_mb=4',
+      'run.threads=1', 'dist.gpu_transport=host', 'model.device=' .. device, 'run.dir=' .. run_dir }) do
+      argv[#argv + 1] = a
+    end
+    local r = proc.run(argv, { timeout = 600 })
+    if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+    t.truthy(r.ok, '2 ranks on ' .. device)
+    return run_dir
+  end
+  local c, g = ranks('cpu', 'cpu'), ranks('cuda:0', 'gpu')
+  local mc, mg = records(c), records(g)
+  for s = 1, #mc do
+    t.eq(mg[s].tokens, mc[s].tokens, 'step ' .. s .. ': the same tokens')
+    t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'step ' .. s .. ': loss')
+  end
+  local d = weights_diff(g .. '/model', c .. '/model')
+  print(string.format('2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', d))
+  t.truthy(d <= 1e-3, 'the final weights agree')
+  local ev = io.open(g .. '/events.jsonl'):read('*a')
+  t.truthy(ev:find('"gpu_transport": "host"', 1, true), 'the data-parallel event names the transport')
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()
