@@ -79,6 +79,7 @@ struct mrl_engine {
     /* on a GPU: the step's host arrays packed (stage_host) and their copy on the device
      * (stage_dev): tokens, positions, slots, logits indices, query starts, lengths, block tables */
     int on_device;
+    int reads_own;           /* base is the model's own buffer (rebase) */
     int32_t *stage_host;
     mrl_buffer stage_dev;
     mrl_stream *stream;      /* a GPU: the stream its steps run on (graphs are captured on it) */
@@ -205,6 +206,7 @@ static int64_t layout(mrl_engine *e, char *base) {
 static void rebase(mrl_engine *e, const float *base) {
     mrl_model_weights_at(e->m, base, &e->w, e->lp);
     e->base = base;
+    e->reads_own = base == mrl_model_params(e->m);
 }
 
 /* The seven matrices of a layer: the weights read, where their panels go, shape [N,K]. */
@@ -772,6 +774,10 @@ static mrl_status take_newer_weights(mrl_engine *e) {
 /* One step, on whichever thread owns the engine (the caller's or the background run's). */
 static mrl_status step(mrl_engine *e) {
     const mrl_sched_batch *b;
+    /* a model moved to another device since (mrl_model_set_device) left this engine's buffers behind */
+    if (mrl_model_kernels(e->m)->on_device != e->on_device || (e->reads_own && e->base != mrl_model_params(e->m)))
+        return mrl_set_error(MRL_ERR_INVALID, "engine step: the model moved to another device after the engine was "
+                             "made (its weights and buffers are elsewhere now): make a new engine");
     if (e->follow && mrl_sched_has_unfinished(e->sched)) {
         mrl_status st = take_newer_weights(e);
         if (st) return st;

@@ -14,7 +14,7 @@
  *     next round with no copy, as on the CPU; and the engine's log-probs are
  *     the trainer's forward of the same tokens on the GPU (what RL relies on);
  *   - the refusals: a background run, following a weight store, host
- *     weights for a GPU engine.
+ *     weights for a GPU engine, a step after the model moved away.
  * Skips (exit 77) where no GPU is visible (the emulated one of tests/gpu/emu:
  * the cuda_engine_emu test). */
 #include <math.h>
@@ -248,6 +248,10 @@ static void case_engine(int arch, int bf16) {
         CHECK(mrl_engine_follow(ge, ws, 0) == MRL_ERR_UNSUPPORTED);
         mrl_weight_store_free(ws);
     }
+    /* the CPU model moved to the GPU under its engine: the engine says so instead of reading freed memory */
+    CHECK_OK(mrl_model_set_device(c, GPU));
+    CHECK(mrl_engine_step(ce, NULL) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "make a new engine");
     mrl_engine_free(ce);
     mrl_engine_free(ge);
     mrl_model_free(c);
