@@ -24,7 +24,8 @@ local cfg = moonrl.config {
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
             heads = moonrl.config.integer(4), kv_heads = moonrl.config.integer(2),
             intermediate_size = moonrl.config.integer(384),
-            dtype = 'fp32' }, -- fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it)
+            dtype = 'fp32', -- fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it)
+            device = 'cpu' }, -- cpu | cuda | cuda:N | auto (moonrl.model, "the device"; R.start applies it)
   log_every = moonrl.config.integer(20),
   save = true,
 }
@@ -54,7 +55,7 @@ local model = moonrl.model.new({ model_type = 'llama', vocab_size = vocab, hidde
 -- optimizer and the generator that draws the windows
 local S = R.start(cfg, { name = 'train_text', steps = cfg.steps, steps_key = 'steps', policy = model,
   tokenizer_dir = cfg.tokenizer })
-local p, n_params = model:params()
+local p, n_params = model:param_buffer() -- (on a GPU: its memory there, where the optimizer steps)
 local opt = S:optimizer('policy', moonrl.optim.adamw({ params = p, grads = model:grads(), n = n_params, lr = cfg.lr,
   weight_decay = cfg.weight_decay, no_decay = model:no_decay_ranges(), model = model })) -- model: told after each step
 local lr_at = moonrl.optim.schedule({ kind = 'cosine', warmup = cfg.warmup, total = cfg.steps, lr = cfg.lr })
