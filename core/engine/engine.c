@@ -724,9 +724,11 @@ static mrl_status run_graphed(mrl_engine *e, const mrl_sched_batch *hb, const mr
                 return ran;
             }
         }
-        if (st) { /* this shape runs without a graph from now on */
+        if (st) { /* this shape runs without a graph from now on; what the spoilt capture left pending is dropped */
             g->failed = 1;
             e->graph_failures++;
+            mrl_model_kernels(e->m)->sync();
+            mrl_clear_error();
             return run_model(e, hb, b);
         }
         e->graph_captures++;
@@ -1017,6 +1019,7 @@ static void read_stats(const mrl_engine *e, mrl_engine_stats *out) {
     out->steps = e->done.steps + s.steps;
     out->graph_launches = e->graph_launches;
     out->graph_captures = e->graph_captures;
+    out->graph_failures = e->graph_failures;
     out->prefill_tokens = e->done.prefill_tokens + s.prefill_tokens;
     out->decode_tokens = e->done.decode_tokens + s.decode_tokens;
     out->generated_tokens = e->done.generated_tokens + s.generated_tokens;

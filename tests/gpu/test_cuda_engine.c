@@ -248,6 +248,24 @@ static void case_engine(int arch, int bf16) {
         CHECK(mrl_engine_follow(ge, ws, 0) == MRL_ERR_UNSUPPORTED);
         mrl_weight_store_free(ws);
     }
+    /* a capture that fails (on the emulated GPU, made to: EMU_SPOIL_CAPTURE): the steps run without graphs */
+    char what[160];
+    mrl_device_describe(GPU, what, sizeof what);
+    if (strstr(what, "CPU emulation")) {
+        setenv("EMU_SPOIL_CAPTURE", "1", 1);
+        mrl_engine *fe = NULL;
+        static round_out of;
+        CHECK_OK(mrl_engine_create(g, &ec, &fe));
+        if (fe) {
+            run_round(fe, 1, &of);
+            printf("  captures made to fail: %lld failed, %lld launched\n", (long long)of.stats.graph_failures,
+                   (long long)of.stats.graph_launches);
+            CHECK(of.stats.graph_failures > 0 && of.stats.graph_launches == 0);
+            CHECK(memcmp(of.tok, og2.tok, sizeof of.tok) == 0 && memcmp(of.lp, og2.lp, sizeof of.lp) == 0);
+            mrl_engine_free(fe);
+        }
+        unsetenv("EMU_SPOIL_CAPTURE");
+    }
     /* the CPU model moved to the GPU under its engine: the engine says so instead of reading freed memory */
     CHECK_OK(mrl_model_set_device(c, GPU));
     CHECK(mrl_engine_step(ce, NULL) == MRL_ERR_INVALID);

@@ -133,8 +133,9 @@ typedef struct mrl_engine_stats {
     int64_t prefix_hit_tokens; /* prompt tokens the prefix cache supplied */
     int64_t preemptions;
     int64_t forks;             /* group samples forked from a shared prompt */
-    int64_t graph_launches;    /* decode steps run as a CUDA graph (a GPU), and graphs captured */
-    int64_t graph_captures;
+    int64_t graph_launches;    /* decode steps run as a CUDA graph (a GPU), graphs captured, and */
+    int64_t graph_captures;    /* captures that failed (that shape then runs without a graph) */
+    int64_t graph_failures;
     int kv_blocks_total;
     int kv_blocks_used;
     int kv_blocks_free;

@@ -76,11 +76,16 @@ int emu_is_device(const void *p) {
 struct emu_graph { std::vector<std::function<void()>> ops; int owners; };
 static emu_graph *capture;  // the open capture
 static const char *capture_spoiled;
+static int spoil_next_launch;
 int emu_capturing() { return capture != NULL; }
 void emu_capture_spoil(const char *why) {
   if (capture && !capture_spoiled) capture_spoiled = why;
 }
 void emu_enqueue(std::function<void()> f) {
+  if (capture && spoil_next_launch) {
+    spoil_next_launch = 0;
+    emu_capture_spoil("EMU_SPOIL_CAPTURE");
+  }
   if (capture) capture->ops.push_back(std::move(f));
   else f();
 }
@@ -88,6 +93,8 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
   if (capture || !s) return cudaErrorInvalidValue;  // one at a time; never the legacy stream
   capture = new emu_graph{{}, 1};
   capture_spoiled = NULL;
+  // EMU_SPOIL_CAPTURE=1: every capture fails at its first launch (a test of the fallback)
+  if (getenv("EMU_SPOIL_CAPTURE") && !strcmp(getenv("EMU_SPOIL_CAPTURE"), "1")) spoil_next_launch = 1;
   return 0;
 }
 cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *g) {
