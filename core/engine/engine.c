@@ -784,12 +784,14 @@ static mrl_status step(mrl_engine *e) {
         mrl_status st = take_newer_weights(e);
         if (st) return st;
     }
-    mrl_status st = mrl_sched_schedule(e->sched, &b);
     mrl_device device = mrl_model_get_device(e->m);
-    if (!st && e->stream) { /* a GPU: what the trainer launched on the default stream is done first */
+    mrl_status st = MRL_OK;
+    if (e->stream) { /* a GPU: what the trainer launched on the default stream is done first; then the step's
+                      * work, the scheduler's block copies (copy-on-write) included, goes on the engine's */
         st = mrl_model_kernels(e->m)->sync();
         mrl_stream_set_current(device, e->stream);
     }
+    if (!st) st = mrl_sched_schedule(e->sched, &b);
     if (!st && b->n_tokens > 0) st = forward_step(e, b);
     if (mrl_fault_engine_delay() > 0) mrl_fault_busy(mrl_fault_engine_delay()); /* MOONRL_FAULT slow_engine */
     mrl_sched_set_kernels(e->sched, mrl_model_kernels(e->m)); /* sampling with the model's table too */

@@ -108,12 +108,7 @@ t.test('a GPU run resumed from its checkpoint: the weights of the run never stop
   local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
     'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
     'grpo.max_tokens=4', 'engine.kv_cache_mb=4', 'run.checkpoint_every=1' }
-  local function with(extra)
-    local w = {}
-    for _, x in ipairs(words) do w[#w + 1] = x end
-    for _, x in ipairs(extra) do w[#w + 1] = x end
-    return w
-  end
+  local function with(extra) return U.with(words, extra) end
   local straight = run('tests/recipes/grpo_sevens.lua', with({ 'grpo.steps=3' }), 'straight', 'cuda')
   local part = dir .. '/part_cuda'
   run('tests/recipes/grpo_sevens.lua', with({ 'grpo.steps=2' }), 'part', 'cuda')

@@ -25,12 +25,7 @@ end
 
 local COMMON = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
   'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64' }
-local function with(extra)
-  local w = {}
-  for _, x in ipairs(COMMON) do w[#w + 1] = x end
-  for _, x in ipairs(extra) do w[#w + 1] = x end
-  return w
-end
+local function with(extra) return U.with(COMMON, extra) end
 
 t.test('grpo: a few steps with a KL reference, micro-batches and two epochs', function()
   local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=3', 'grpo.prompts=4', 'grpo.samples=4',

@@ -81,6 +81,14 @@ function M.grpo_setup(dir, n, extra)
   return words, model_dir, data
 end
 
+-- A new list: the words of base, then those of extra.
+function M.with(base, extra)
+  local w = {}
+  for _, x in ipairs(base) do w[#w + 1] = x end
+  for _, x in ipairs(extra or {}) do w[#w + 1] = x end
+  return w
+end
+
 -- A copy of the list of words with run.dir=run_dir first and extra after.
 function M.words(base, run_dir, extra)
   local w = { 'run.dir=' .. run_dir }
