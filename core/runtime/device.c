@@ -1,5 +1,6 @@
 /* The device abstraction: CPU buffers through the memory layer, CUDA
  * buffers through kernels/cuda when it is built in. */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +9,10 @@
 #ifdef MRL_HAVE_CUDA
 #include "cuda_backend.h"
 #endif
+
+/* Set once this process has allocated GPU memory: before that every pointer is the host's, and
+ * asking CUDA would start its runtime (a context on the GPU) in a process that never uses one. */
+static _Atomic int gpu_memory_used;
 
 /* A stream handle: NULL-equivalent on the CPU; a cudaStream_t on a GPU. */
 struct mrl_stream {
@@ -88,6 +93,7 @@ mrl_status mrl_buffer_alloc(mrl_device device, size_t bytes, mrl_mem_category ca
 #ifdef MRL_HAVE_CUDA
         st = mrl_cuda_malloc(device.index, bytes, &out->data);
         if (st != MRL_OK) return st;
+        atomic_store(&gpu_memory_used, 1);
         st = mrl_cuda_memset_zero(out->data, bytes, NULL);
         if (st != MRL_OK) return st;
         mrl_mem_account_device(category, (int64_t)bytes);
@@ -160,7 +166,8 @@ const mrl_kernels *mrl_kernels_for(mrl_device device) {
 mrl_device mrl_device_of(const void *ptr) {
 #ifdef MRL_HAVE_CUDA
     int index = -1;
-    if (ptr && mrl_cuda_pointer_device(ptr, &index)) return (mrl_device){MRL_DEVICE_CUDA, index};
+    if (ptr && atomic_load(&gpu_memory_used) && mrl_cuda_pointer_device(ptr, &index))
+        return (mrl_device){MRL_DEVICE_CUDA, index};
 #else
     (void)ptr;
 #endif
