@@ -89,8 +89,7 @@ struct mrl_engine {
     int64_t graph_captures, graph_launches, graph_failures;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
-    uint16_t *copy16;        /* bf16: the copies of a buffer not the model's (prepare_weights); copy16_buf's data */
-    mrl_buffer copy16_buf;
+    mrl_buffer copy16;       /* bf16: the copies of a buffer not the model's (prepare_weights) */
     /* the background run (mrl_engine_run_async) */
     _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
     _Atomic int pause;       /* mrl_engine_pause: the background run returns after its current step */
@@ -285,18 +284,15 @@ static mrl_status prepare_weights(mrl_engine *e) {
     if (e->base == mrl_model_params(e->m)) {
         w16 = mrl_model_bf16_params(e->m);
     } else {
-        if (!e->copy16) {
+        if (!e->copy16.data) {
             int64_t n = mrl_model_num_params(e->m);
-            if (mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS,
-                                 &e->copy16_buf) == MRL_OK)
-                e->copy16 = e->copy16_buf.data;
-            if (!e->copy16)
+            if (mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS, &e->copy16))
                 return mrl_set_error(MRL_ERR_NOMEM, "engine step: no memory for the bf16 copy of the weights "
                                      "(%lld bytes)", (long long)n * 2);
             e->panels_stale = 1;
         }
-        if (e->panels_stale) mrl_model_bf16_convert(e->m, e->base, e->copy16);
-        w16 = e->copy16;
+        if (e->panels_stale) mrl_model_bf16_convert(e->m, e->base, e->copy16.data);
+        w16 = e->copy16.data;
     }
     mrl_model_weights16_at(e->m, w16, &e->w, e->lp);
     for (int l = 0; l < e->mc->num_hidden_layers; l++) { /* panels are fp32: none in bf16 */
@@ -356,7 +352,7 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_buffer_free(&e->stage_dev);
     mrl_mem_free(e->stage_host);
     mrl_mem_free(e->panels);
-    mrl_buffer_free(&e->copy16_buf);
+    mrl_buffer_free(&e->copy16);
     mrl_mem_free(e->lp);
     routes_clear(e);
     free(e->routes);
