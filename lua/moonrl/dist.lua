@@ -233,18 +233,30 @@ DP.__index = DP
 
 -- opt: a moonrl.optim AdamW over model's buffers. opts.zero: 0 (every rank keeps the whole
 -- optimizer state and steps it) or 1 (ZeRO-1: rank r keeps and steps only its shard of the
--- state, then the parameters are all-gathered); opts.bucket_mb: gradient bucket size.
+-- state, then the parameters are all-gathered); opts.bucket_mb: gradient bucket size;
+-- opts.gpu_transport: how a GPU model's gradient sums travel (World:gpu_transport).
 function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
   local zero = opts.zero or 0
   local n = opt.n
-  if C.mrl_device_of(opt.grads).kind ~= C.MRL_DEVICE_CPU then return M.gpu_data_parallel(w, opt, model, opts) end
-  local out = ffi.new('mrl_dist_buckets *[1]')
-  local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
-  moonrl.check(C.mrl_dist_buckets_create(w.handle, opt.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode, out))
-  local buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
-  local self = setmetatable({ world = w, full = opt, zero = zero, buckets = buckets, model = model,
-    params = opt.params, grads = opt.grads, n = n, lr = opt.lr, pending = false }, DP)
+  local self = setmetatable({ world = w, full = opt, zero = zero, model = model, params = opt.params, grads = opt.grads,
+    n = n, lr = opt.lr, pending = false }, DP)
+  local device = C.mrl_device_of(opt.grads)
+  if device.kind ~= C.MRL_DEVICE_CPU then
+    -- a GPU model's: one sum over the whole buffer once the backward is done (dist.gpu_transport:
+    -- NCCL, or through the host), no buckets; ZeRO-1 is CPU only for now
+    if zero == 1 then
+      moonrl.usage_error('dist.zero=1 shards the optimizer of a CPU model; a GPU model keeps it whole (dist.zero=0) '
+        .. 'for now')
+    end
+    self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
+  else
+    local out = ffi.new('mrl_dist_buckets *[1]')
+    local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
+    moonrl.check(C.mrl_dist_buckets_create(w.handle, opt.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode,
+      out))
+    self.buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
+  end
   -- the shard bounds of every rank (the gradient norm is summed shard by shard in both modes,
   -- so ZeRO-1 and plain data parallel clip by the same bits)
   self.shards = {}
@@ -266,32 +278,8 @@ function M.data_parallel(w, opt, model, opts)
     self.full = nil
   end
   if model then
-    C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_buckets_ready, buckets)
+    if self.buckets then C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_buckets_ready, self.buckets) end
     -- a new accumulation starts at the model's zero_grad: the next update syncs again
-    local zero_grad = model.zero_grad
-    model.zero_grad = function(m) zero_grad(m); self.synced = false end
-  end
-  return self
-end
-
--- A GPU model's (its gradients on the GPU): one sum over the whole buffer once the backward is
--- done (dist.gpu_transport: NCCL, or through the host), no buckets; ZeRO-1 is CPU only for now.
-function M.gpu_data_parallel(w, opt, model, opts)
-  if (opts.zero or 0) == 1 then
-    moonrl.usage_error('dist.zero=1 shards the optimizer of a CPU model; a GPU model keeps it whole (dist.zero=0) '
-      .. 'for now')
-  end
-  local device = C.mrl_device_of(opt.grads)
-  local via = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
-  local self = setmetatable({ world = w, full = opt, zero = 0, model = model, params = opt.params, grads = opt.grads,
-    n = opt.n, lr = opt.lr, pending = false, gpu = via }, DP)
-  self.shards = {}
-  for r = 0, w.size - 1 do
-    local first, last = w:share(opt.n, r)
-    self.shards[r + 1] = { offset = first - 1, count = last - first + 1 }
-  end
-  self.offset, self.count = self.shards[w.rank + 1].offset, self.shards[w.rank + 1].count
-  if model then
     local zero_grad = model.zero_grad
     model.zero_grad = function(m) zero_grad(m); self.synced = false end
   end
