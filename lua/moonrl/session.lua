@@ -772,7 +772,7 @@ function Session:save_models()
   end
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
-    local p, n = m.model:read_params() -- (a GPU model's: a host copy)
+    local p, n = m.model:param_buffer() -- (summed where it lives: ops.sum works on a GPU's too)
     if not guard_mod.finite(moonrl.ops.sum(p, n)) then
       error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
     end
