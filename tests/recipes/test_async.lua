@@ -353,7 +353,7 @@ t.test('bad dist and async keys are usage errors naming the key, before any run 
     { 'async.weights=nfs', 'async.weights' }, { 'async.engine_threads=-1', 'async.engine_threads' },
     { 'async.engine_threads=1', 'async.engine_threads' }, -- sync mode: nothing to overlap
     { 'async.partial=continue', 'async.partial=continue' }, { 'async.stream=true', 'async.stream' },
-    { 'async.stream_unit=groups', 'async.stream_unit' } }) do
+    { 'async.stream_unit=groups', 'async.stream_unit' }, { 'dist.gpu_transport=pcie', 'dist.gpu_transport' } }) do
     local d = dir .. '/bad'
     local r = proc.run({ exe, 'run.dir=' .. d, 'sft.steps=1', 'grpo.steps=1', 'quiet=true', case[1] }, { timeout = 60 })
     t.eq(r.exit_status, 2, case[1] .. ': a usage error')
