@@ -5,6 +5,8 @@
  *   dnnl    oneDNN's bf16 matmul
  *   dnnl32  oneDNN's fp32 matmul (a candidate for the fp32 path)
  *   auto    mrl_cpu_gemm_bf16's per-shape choice
+ *   panels  our kernel with W as bf16 weight panels (kernels.h, MRL_PANEL16:
+ *           packed once per update, as the engine keeps them), x W^T only
  * The bf16 paths get operands as the model will hold them: weights as bf16
  * copies, activations and gradients fp32 (rounded while packing, or copied
  * to bf16 first for oneDNN; that cost is in the times).
@@ -37,8 +39,8 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-enum { SGEMM, OWN, DNNL, DNNL32, AUTO, PATHS };
-static const char *path_names[PATHS] = {"sgemm", "own", "dnnl", "dnnl32", "auto"};
+enum { SGEMM, OWN, DNNL, DNNL32, AUTO, PANELS, PATHS };
+static const char *path_names[PATHS] = {"sgemm", "own", "dnnl", "dnnl32", "auto", "panels"};
 
 typedef struct shape {
     const char *model, *name;
@@ -89,7 +91,8 @@ static uint16_t *bf16_copy(const float *x, int64_t n) {
 }
 
 /* One product on one path; returns 0, or -1 when the path cannot run. */
-static int product(int path, const shape *s, const float *A, const float *B, const uint16_t *Bh, float *C) {
+static int product(int path, const shape *s, const float *A, const float *B, const uint16_t *Bh, const uint32_t *Bp,
+                   float *C) {
     int64_t lda = s->ta ? s->M : s->K, ldb = s->tb ? s->K : s->N;
     const void *b = s->weight_b ? (const void *)Bh : (const void *)B;
     switch (path) {
@@ -102,6 +105,9 @@ static int product(int path, const shape *s, const float *A, const float *B, con
     case DNNL:
         return mrl_cpu_gemm_bf16_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, 0, lda, b, s->weight_b, ldb, 0.0f,
                                         C, s->N);
+    case PANELS:
+        if (!Bp) return -1;
+        return mrl_cpu_gemm_bf16_panels_own(s->M, s->N, s->K, 1.0f, A, lda, Bp, 0.0f, C, s->N);
     case DNNL32:
         return mrl_cpu_gemm_f32_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, lda, B, ldb, 0.0f, C, s->N);
     default:
@@ -111,9 +117,10 @@ static int product(int path, const shape *s, const float *A, const float *B, con
 }
 
 /* Seconds of one pass over `copies` products (each with its own B). */
-static double pass_time(int path, const shape *s, int copies, float *A, float **B, uint16_t **Bh, float *C) {
+static double pass_time(int path, const shape *s, int copies, float *A, float **B, uint16_t **Bh, uint32_t **Bp,
+                        float *C) {
     double t0 = now();
-    for (int i = 0; i < copies; i++) product(path, s, A, B[i], Bh[i], C);
+    for (int i = 0; i < copies; i++) product(path, s, A, B[i], Bh[i], Bp[i], C);
     return now() - t0;
 }
 
@@ -131,21 +138,29 @@ static void run_shapes(const shape *s, int n, int want_copies, int reps, double 
         float *A = filled(a_n), *C = filled(s[i].M * s[i].N);
         float *B[MAX_COPIES];
         uint16_t *Bh[MAX_COPIES];
-        for (int c = 0; c < copies; c++) B[c] = filled(b_n), Bh[c] = bf16_copy(B[c], b_n);
+        uint32_t *Bp[MAX_COPIES];
+        int panels = s[i].weight_b && !s[i].ta && s[i].tb && mrl_cpu_has_avx512_bf16();
+        for (int c = 0; c < copies; c++) {
+            B[c] = filled(b_n), Bh[c] = bf16_copy(B[c], b_n), Bp[c] = NULL;
+            if (panels) {
+                Bp[c] = aligned_alloc(64, (4 * mrl_panels16_dwords(s[i].N, s[i].K) + 63) / 64 * 64);
+                mrl_cpu_panels16_pack_own(Bp[c], Bh[c], s[i].N, s[i].K);
+            }
+        }
         /* the paths in turn within each repetition, so that a burst of load
          * on the (shared) machine falls on all of them alike; best of reps */
         double best[PATHS];
         for (int p = 0; p < PATHS; p++) /* warm-up (primitives, scratch); -1: cannot run */
-            best[p] = product(p, &s[i], A, B[0], Bh[0], C) == 0 ? 1e30 : -1;
+            best[p] = product(p, &s[i], A, B[0], Bh[0], Bp[0], C) == 0 ? 1e30 : -1;
         for (int r = 0; r < reps; r++)
             for (int p = 0; p < PATHS; p++) {
                 if (best[p] < 0) continue;
-                double t = pass_time(p, &s[i], copies, A, B, Bh, C);
+                double t = pass_time(p, &s[i], copies, A, B, Bh, Bp, C);
                 if (t < best[p]) best[p] = t;
             }
         for (int p = 0; p < PATHS; p++)
             rates[i][p] = best[p] > 0 ? 2.0 * s[i].M * s[i].N * s[i].K * copies / best[p] * 1e-9 : 0;
-        for (int c = 0; c < copies; c++) free(B[c]), free(Bh[c]);
+        for (int c = 0; c < copies; c++) free(B[c]), free(Bh[c]), free(Bp[c]);
         free(A), free(C);
     }
 }
@@ -156,16 +171,17 @@ static const char *path_label(mrl_bf16_path p) {
 
 static void print_table(const char *title, const shape *s, int n, double (*rates)[PATHS], int threads) {
     printf("\n%s, %d thread%s (GFLOP/s)\n\n", title, threads, threads > 1 ? "s" : "");
-    printf("| model | matrix | op | M x N x K | sgemm | own | dnnl | dnnl32 | auto (picks) |\n");
-    printf("|---|---|---|---|---|---|---|---|---|\n");
+    printf("| model | matrix | op | M x N x K | sgemm | own | dnnl | dnnl32 | auto (picks) | panels |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++) {
         printf("| %s | %s | %s | %lld x %lld x %lld |", s[i].model, s[i].name, op_name(&s[i]), (long long)s[i].M,
                (long long)s[i].N, (long long)s[i].K);
         for (int p = 0; p < PATHS; p++) {
+            if (p == PANELS) printf(" (%s) |", path_label(mrl_cpu_bf16_pick(s[i].ta, s[i].tb, s[i].M, s[i].N, s[i].K)));
             if (rates[i][p] <= 0) printf(" - |");
             else printf(" %.1f%s", rates[i][p], p == AUTO ? "" : " |");
         }
-        printf(" (%s) |\n", path_label(mrl_cpu_bf16_pick(s[i].ta, s[i].tb, s[i].M, s[i].N, s[i].K)));
+        printf("\n");
     }
 }
 
@@ -229,7 +245,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_train; i++) {
         const shape *s = &train[i];
         if (s->ta || !s->tb || strcmp(s->name, "head") == 0) continue;
-        for (int64_t M = 1; M <= 64; M = M == 1 ? 4 : M == 4 ? 16 : M * 2)
+        for (int64_t M = 1; M <= 256; M = M == 1 ? 4 : M == 4 ? 16 : M == 64 ? 256 : M * 2)
             decode[n_decode++] = (shape){s->model, s->name, 0, 1, M, s->N, s->K, 1};
     }
     static double rates[64][PATHS], drates[64][PATHS];

@@ -36,6 +36,35 @@ static inline void mrl_panel_pack(float *P, const float *W, int64_t N, int64_t K
     }
 }
 
+/* bf16 weight panels (a model in bf16; the engine's): W [N,K] as bf16 pairs
+ * along K, ceil(N/48) panels of [ceil(K/2)][48] dwords, dword (kp, j) of
+ * panel b = (W[48b+j][2kp], W[48b+j][2kp+1]) (low half first), columns past
+ * N and k past K zero: the packed B of the bf16 kernel's micro-tile
+ * (kernels/cpu/gemm_bf16_avx512.c) over all of K. Half the bytes of the
+ * fp32 panels, read once per product. */
+#define MRL_PANEL16 48
+static inline int64_t mrl_panels16_dwords(int64_t N, int64_t K) {
+    return (N + MRL_PANEL16 - 1) / MRL_PANEL16 * MRL_PANEL16 * ((K + 1) / 2);
+}
+/* Panel b of W (bf16 [N,K]) into P (the table's panels16_pack op does every panel). */
+static inline void mrl_panel16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K, int64_t b) {
+    int64_t Kp = (K + 1) / 2;
+    uint32_t *dst = P + b * MRL_PANEL16 * Kp;
+    for (int j = 0; j < MRL_PANEL16; j++) {
+        int64_t n = b * MRL_PANEL16 + j;
+        for (int64_t kp = 0; kp < Kp; kp++) {
+            uint32_t lo = n < N ? W[n * K + 2 * kp] : 0, hi = n < N && 2 * kp + 1 < K ? W[n * K + 2 * kp + 1] : 0;
+            dst[kp * MRL_PANEL16 + j] = lo | hi << 16;
+        }
+    }
+}
+/* Element (n, k) of W from its bf16 panels. */
+static inline uint16_t mrl_panel16_at(const uint32_t *P, int64_t K, int64_t n, int64_t k) {
+    int64_t Kp = (K + 1) / 2;
+    uint32_t d = P[n / MRL_PANEL16 * MRL_PANEL16 * Kp + k / 2 * MRL_PANEL16 + n % MRL_PANEL16];
+    return (uint16_t)(k % 2 ? d >> 16 : d);
+}
+
 /* One matrix product C = alpha op(A) op(B) + beta C (see gemm below).
  * b_panels: B is W [N,K] packed by panels_pack (op(B) = W^T; trans_a
  * must be 0 and trans_b 1; ldb is ignored). */
@@ -139,6 +168,13 @@ typedef struct mrl_kernels {
     void (*gemm_bf16)(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                       int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
                       int64_t ldc);
+    /* C[M,N] = alpha * bf16(A) W^T + beta * C with fp32 accumulation, A fp32
+     * [M,K] (lda) rounded on the way in, W [N,K] given as bf16 weight panels
+     * P (above, MRL_PANEL16) and, optionally (W16 NULL: not), as its plain
+     * bf16 copy W16 (ldw), the same values: the table reads whichever is
+     * faster for the shape (the engine's products in bf16). */
+    void (*gemm_bf16_panels)(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                             const uint32_t *P, const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
 
     /* out[t] = x[t] * rstd[t] * w, rstd[t] = 1/sqrt(mean(x[t]^2) + eps); x [T,D]. */
     void (*rmsnorm_fwd)(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
@@ -195,6 +231,8 @@ typedef struct mrl_kernels {
     void (*bias_bwd)(float *db, const float *dy, int64_t T, int64_t N);
     /* P[mrl_panels_floats(N, K)] = W [N,K] as weight panels (above). */
     void (*panels_pack)(float *P, const float *W, int64_t N, int64_t K);
+    /* P[mrl_panels16_dwords(N, K)] = W [N,K] (bf16) as bf16 weight panels (above). */
+    void (*panels16_pack)(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
 
     /* ---- generation ---- */
     /* Write the K/V rows of T new tokens ([T, Hk, hd] each) into their

@@ -8,6 +8,7 @@
 #include "moonrl/dtype.h"
 #include "moonrl/mem.h"
 #include "cpu/gemm_bf16.h"
+#include "kernels.h" /* the bf16 weight panels */
 
 /* ---- conversions ---------------------------------------------------------- */
 
@@ -40,6 +41,19 @@ void mrl_cpu_gemm_bf16_reference(int trans_a, int trans_b, int64_t M, int64_t N,
             if (alpha != 0)
                 for (int64_t k = 0; k < K; k++)
                     sum += bf16_at(A, a_bf16, lda, trans_a, m, k) * bf16_at(B, b_bf16, ldb, !trans_b, n, k);
+            float *c = C + m * ldc + n;
+            *c = (float)((double)alpha * sum + (beta != 0 ? (double)beta * *c : 0.0));
+        }
+}
+
+void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                        const uint32_t *P, float beta, float *C, int64_t ldc) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double sum = 0;
+            if (alpha != 0)
+                for (int64_t k = 0; k < K; k++)
+                    sum += bf16_at(A, 0, lda, 0, m, k) * mrl_bf16_to_f32(mrl_panel16_at(P, K, n, k));
             float *c = C + m * ldc + n;
             *c = (float)((double)alpha * sum + (beta != 0 ? (double)beta * *c : 0.0));
         }
@@ -187,4 +201,45 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
         mrl_cpu_gemm_bf16_own(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc) == 0)
         return;
     mrl_cpu_gemm_bf16_reference(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
+}
+
+/* The rule for W given as bf16 weight panels and as its plain copy, from
+ * bench/gemm_bf16.c's "panels" column (bench/RESULTS.md, "bf16 weight
+ * panels"; Zen 4, AVX512-BF16, no AMX, 2 cores): the panels beat the best
+ * of our few-rows kernel and oneDNN on the plain copy at 2-64 rows by
+ * 1.1-1.9x (they pack nothing of W and stream it once), were level at 1
+ * row, and stayed level or ahead up to 2048 rows, except on narrow W (N <
+ * 384: few panels to share, A read again for each). With AMX, oneDNN's
+ * tiles should win from a few rows (not measured): panels only up to
+ * MRL_BF16_FEW_ROWS there. */
+int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N) {
+    if (!mrl_cpu_has_avx512_bf16()) return 0;
+    const char *isa = mrl_cpu_onednn_isa();
+    if (isa && strcmp(isa, "avx512_core_amx") == 0) return M <= MRL_BF16_FEW_ROWS;
+    return M <= 64 || N >= 384;
+}
+
+void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                              const uint32_t *P, const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0 || alpha == 0) { /* C = beta C, operands unread */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) C[m * ldc + n] = beta != 0 ? beta * C[m * ldc + n] : 0.0f;
+        return;
+    }
+    /* a forced path (tests, benchmarks) holds here too: the reference reads
+     * the panels, oneDNN the plain copy, ours the panels */
+    int panels = forced == MRL_BF16_AUTO ? !W16 || mrl_cpu_bf16_panels_pick(M, N) : forced != MRL_BF16_ONEDNN;
+    if (W16 && !panels) {
+        mrl_cpu_gemm_bf16(0, 1, M, N, K, alpha, A, 0, lda, W16, 1, ldw, beta, C, ldc);
+        return;
+    }
+    if (forced != MRL_BF16_REFERENCE && mrl_cpu_gemm_bf16_panels_own(M, N, K, alpha, A, lda, P, beta, C, ldc) == 0)
+        return;
+    mrl_cpu_gemm_bf16_panels_reference(M, N, K, alpha, A, lda, P, beta, C, ldc);
+}
+
+void mrl_cpu_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K) {
+    if (mrl_cpu_panels16_pack_own(P, W, N, K) == 0) return;
+    for (int64_t b = 0; b < (N + MRL_PANEL16 - 1) / MRL_PANEL16; b++) mrl_panel16_pack(P, W, N, K, b);
 }

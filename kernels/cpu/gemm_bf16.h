@@ -88,6 +88,23 @@ int mrl_cpu_gemm_f32_onednn(int trans_a, int trans_b, int64_t M, int64_t N, int6
                             const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                             int64_t ldc);
 
+/* The op table's gemm_bf16_panels and panels16_pack (kernels.h): C = alpha
+ * bf16(A) W^T + beta C for A fp32 [M,K] (lda), W [N,K] given as bf16
+ * weight panels P and, optionally, as its plain bf16 copy W16 (ldw): the
+ * faster for the shape is read (mrl_cpu_bf16_panels_pick: 1 panels, 0 the
+ * plain copy through mrl_cpu_gemm_bf16). */
+void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                              const uint32_t *P, const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
+void mrl_cpu_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
+int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N);
+/* The paths: our kernel over the panels (0, or -1: no AVX512-BF16, no
+ * memory) and its packer; the reference (reads P) always computes. */
+int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                 const uint32_t *P, float beta, float *C, int64_t ldc);
+int mrl_cpu_panels16_pack_own(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
+void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                        const uint32_t *P, float beta, float *C, int64_t ldc);
+
 /* oneDNN as built in: NULL when absent, else its ISA on this CPU
  * ("avx512_core_amx", "avx512_core_bf16", ...). */
 const char *mrl_cpu_onednn_isa(void);

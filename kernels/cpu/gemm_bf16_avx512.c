@@ -28,6 +28,7 @@
 #include "moonrl/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/split.h"
+#include "kernels.h" /* MRL_PANEL16 */
 
 #define LANES 16 /* lanes of a packed block: one zmm of fp32, or of bf16 pairs */
 #define MR 8     /* rows of the micro-tile */
@@ -101,11 +102,12 @@ static inline __m256i row16(const operand *o, int64_t k, int64_t lane0) {
 }
 
 /* Block `b` (lanes 16b ..) of the packed operand, pairs kp0 .. kp0 + kc, to
- * dst (kp stride `stride` dwords). */
+ * dst (kp stride `stride` dwords; any alignment: the weight panels are the
+ * caller's memory, and unaligned moves of aligned data cost nothing here). */
 static void pack_block(const operand *o, int64_t b, int64_t kp0, int64_t kc, uint32_t *dst, int64_t stride) {
     int64_t lane0 = b * LANES, lanes = o->lanes - lane0 < LANES ? o->lanes - lane0 : LANES;
     if (lanes <= 0) { /* a block wholly past the end (B's last panel) */
-        for (int64_t kp = 0; kp < kc; kp++) _mm512_store_si512(dst + kp * stride, _mm512_setzero_si512());
+        for (int64_t kp = 0; kp < kc; kp++) _mm512_storeu_si512(dst + kp * stride, _mm512_setzero_si512());
         return;
     }
     if (o->k_contig) { /* 16 lanes x 16 pairs at a time, transposed */
@@ -114,7 +116,7 @@ static void pack_block(const operand *o, int64_t b, int64_t kp0, int64_t kc, uin
             for (int l = 0; l < 16; l++)
                 r[l] = l < lanes ? pairs32(o, lane0 + l, 2 * (kp0 + kp)) : _mm512_setzero_si512();
             transpose16(r);
-            for (int j = 0; j < 16 && kp + j < kc; j++) _mm512_store_si512(dst + (kp + j) * stride, r[j]);
+            for (int j = 0; j < 16 && kp + j < kc; j++) _mm512_storeu_si512(dst + (kp + j) * stride, r[j]);
         }
         return;
     }
@@ -124,7 +126,7 @@ static void pack_block(const operand *o, int64_t b, int64_t kp0, int64_t kc, uin
     for (int64_t kp = 0; kp < kc; kp++) {
         int64_t k = 2 * (kp0 + kp);
         __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(row16(o, k, lane0)), row16(o, k + 1, lane0), 1);
-        _mm512_store_si512(dst + kp * stride, _mm512_permutexvar_epi16(interleave, two));
+        _mm512_storeu_si512(dst + kp * stride, _mm512_permutexvar_epi16(interleave, two));
     }
 }
 
@@ -154,7 +156,7 @@ static inline __attribute__((always_inline)) void micro(const int mr, const int 
     for (int64_t k = 0; k < t->kc; k++, a += LANES, b += NR) {
         __m512bh bv[NV];
 #pragma GCC unroll 3
-        for (int v = 0; v < nv; v++) bv[v] = (__m512bh)_mm512_load_si512(b + v * LANES);
+        for (int v = 0; v < nv; v++) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * LANES);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
             __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r]);
@@ -400,6 +402,113 @@ static int few_gemm(int64_t M, int64_t N, int64_t K, float alpha, const void *A,
         mrl_split_record(c, mrl_split_now() - t0, (double)M * N * K);
     }
     mrl_cpu_bf16_scratch_give(x);
+    return 0;
+}
+
+/* ---- B as bf16 weight panels (kernels.h, MRL_PANEL16) ------------------------------- */
+
+/* The engine keeps its weights packed once per update in the layout the
+ * micro-tile reads (a panel of 48 columns is B's packed panel over all of
+ * K), so a product with them packs only its few rows of A: nothing of W is
+ * read twice from memory or rewritten per call, and each panel streams
+ * contiguously. */
+_Static_assert(NR == MRL_PANEL16, "bf16 weight panels are the micro-tile's width");
+
+typedef struct panels_arg {
+    uint32_t *P;
+    const uint16_t *W;
+    int64_t N, K;
+} panels_arg;
+
+static void panels_pack_range(void *vc, int64_t b0, int64_t b1) {
+    const panels_arg *a = vc;
+    const operand w = {a->W, 1, 1, a->K, a->N, a->K};
+    int64_t Kp = (a->K + 1) / 2;
+    for (int64_t b = b0; b < b1; b++) /* block b: panel b / NV, its (b % NV)-th 16 columns */
+        pack_block(&w, b, 0, Kp, a->P + (b / NV) * Kp * NR + (b % NV) * LANES, NR);
+}
+
+int mrl_cpu_panels16_pack_own(uint32_t *P, const uint16_t *W, int64_t N, int64_t K) {
+    if (!mrl_cpu_has_avx512_bf16()) return -1;
+    panels_arg a = {P, W, N, K};
+    int64_t blocks = (N + NR - 1) / NR * NV;
+    if (N * K < PARALLEL_MACS) panels_pack_range(&a, 0, blocks);
+    else mrl_parallel_for(blocks, NV, panels_pack_range, &a);
+    return 0;
+}
+
+typedef struct pgemm_ctx {
+    const uint32_t *Ap, *P; /* A packed over all of K (ceil(M/16) panels of Kp x 16); W's panels */
+    int64_t M, N, Kp, mc, nc, m_tiles, n_tiles;
+    float alpha, beta, *C;
+    int64_t ldc;
+} pgemm_ctx;
+
+/* Tiles i0 .. i1 of C. Each panel of the tile is walked from its first k
+ * block to its last (it lies contiguous in memory: one stream), and within
+ * a k block its slice (KC x 48 dwords) is read once from memory and then
+ * from cache by the tile's other 8-row slices. Every element sums its k in
+ * the same blocks and order as packed_gemm's, whatever M and the tiling. */
+static void panels_tile_range(void *vc, int64_t i0, int64_t i1) {
+    const pgemm_ctx *g = vc;
+    tile_args t = {.ldc = g->ldc, .alpha = g->alpha, .beta = g->beta};
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t m0 = i / g->n_tiles * g->mc, n0 = i % g->n_tiles * g->nc;
+        int64_t m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M, n1 = n0 + g->nc < g->N ? n0 + g->nc : g->N;
+        for (int64_t n = n0; n < n1; n += NR) {
+            int64_t cols = n1 - n < NR ? n1 - n : NR, nv = (cols + LANES - 1) / LANES;
+            t.last = mask16(cols - (nv - 1) * LANES);
+            for (int64_t k0 = 0; k0 < g->Kp; k0 += KC) {
+                t.kc = g->Kp - k0 < KC ? g->Kp - k0 : KC;
+                t.first = k0 == 0;
+                t.b = g->P + n / NR * g->Kp * NR + k0 * NR;
+                for (int64_t m = m0; m < m1; m += MR) {
+                    int64_t rows = m1 - m < MR ? m1 - m : MR;
+                    t.a = g->Ap + m / LANES * g->Kp * LANES + k0 * LANES + m % LANES;
+                    t.C = g->C + m * g->ldc + n;
+                    micro_table[rows - 1][nv - 1](&t);
+                }
+            }
+        }
+    }
+}
+
+static void panels_pack_a(void *vc, int64_t b0, int64_t b1) {
+    const gemm_ctx *g = vc; /* only .a, .k0 = 0, .kc = all pairs, .Ap */
+    for (int64_t b = b0; b < b1; b++) pack_block(&g->a, b, 0, g->kc, g->Ap + b * g->kc * LANES, LANES);
+}
+
+int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                 const uint32_t *P, float beta, float *C, int64_t ldc) {
+    if (!mrl_cpu_has_avx512_bf16()) return -1;
+    if (M <= 0 || N <= 0 || K <= 0) return -1; /* the dispatcher handles those */
+    int64_t Kp = (K + 1) / 2, a_blocks = (M + LANES - 1) / LANES;
+    uint32_t *Ap = mrl_cpu_bf16_scratch_take((size_t)a_blocks * Kp * LANES * 4);
+    if (!Ap) return -1;
+    gemm_ctx pack = {.a = {A, 0, 1, lda, M, K}, .kc = Kp, .Ap = Ap};
+    pgemm_ctx g = {.Ap = Ap, .P = P, .M = M, .N = N, .Kp = Kp, .alpha = alpha, .beta = beta, .C = C, .ldc = ldc};
+    /* threads as few_gemm's: these are bound by reading W for a few rows */
+    static _Thread_local mrl_split_choice choice;
+    int threads = mrl_parallel_threads(), split;
+    if (N * K < FEW_PARALLEL || threads < 2) split = 0;
+    else if (M * N * K >= PARALLEL_MACS) split = 1;
+    else split = mrl_split_pick(&choice);
+    if (!split) threads = 1;
+    g.m_tiles = (M + MC - 1) / MC;
+    g.mc = ((M + g.m_tiles - 1) / g.m_tiles + LANES - 1) / LANES * LANES;
+    g.m_tiles = (M + g.mc - 1) / g.mc;
+    int64_t panels = (N + NR - 1) / NR, want = (4 * threads + g.m_tiles - 1) / g.m_tiles;
+    g.nc = (panels + want - 1) / want * NR;
+    if (g.nc > NC_MAX) g.nc = NC_MAX;
+    g.n_tiles = (N + g.nc - 1) / g.nc;
+    double t0 = mrl_split_now();
+    if (threads == 1 || a_blocks < 16) panels_pack_a(&pack, 0, a_blocks);
+    else mrl_parallel_for(a_blocks, 1, panels_pack_a, &pack);
+    if (threads == 1) panels_tile_range(&g, 0, g.m_tiles * g.n_tiles);
+    else mrl_parallel_for(g.m_tiles * g.n_tiles, 1, panels_tile_range, &g);
+    if (M * N * K < PARALLEL_MACS && N * K >= FEW_PARALLEL && mrl_parallel_threads() >= 2)
+        mrl_split_record(&choice, mrl_split_now() - t0, (double)M * N * K);
+    mrl_cpu_bf16_scratch_give(Ap);
     return 0;
 }
 

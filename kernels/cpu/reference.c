@@ -60,6 +60,18 @@ static void ref_panels_pack(float *P, const float *W, int64_t N, int64_t K) {
     for (int64_t b = 0; b < (N + MRL_PANEL - 1) / MRL_PANEL; b++) mrl_panel_pack(P, W, N, K, b);
 }
 
+static void ref_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K) {
+    for (int64_t b = 0; b < (N + MRL_PANEL16 - 1) / MRL_PANEL16; b++) mrl_panel16_pack(P, W, N, K, b);
+}
+
+/* Reads the panels, never W16: what the tables' panels are held to. */
+static void ref_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                 const uint32_t *P, const uint16_t *W16, int64_t ldw, float beta, float *C,
+                                 int64_t ldc) {
+    (void)W16, (void)ldw;
+    mrl_cpu_gemm_bf16_panels_reference(M, N, K, alpha, A, lda, P, beta, C, ldc);
+}
+
 static void ref_gather_rows(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
     for (int64_t i = 0; i < n; i++) memcpy(out + i * D, src + (int64_t)idx[i] * D, sizeof(float) * D);
 }
@@ -275,6 +287,7 @@ static const mrl_kernels reference_table = {
     .gemm = ref_gemm,
     .gemm_group = ref_gemm_group,
     .gemm_bf16 = mrl_cpu_gemm_bf16_reference,
+    .gemm_bf16_panels = ref_gemm_bf16_panels,
     .rmsnorm_fwd = ref_rmsnorm_fwd,
     .rmsnorm_bwd = ref_rmsnorm_bwd,
     .rope = ref_rope,
@@ -289,6 +302,7 @@ static const mrl_kernels reference_table = {
     .bias_add = ref_bias_add,
     .bias_bwd = ref_bias_bwd,
     .panels_pack = ref_panels_pack,
+    .panels16_pack = ref_panels16_pack,
     .paged_kv_write = mrl_cpu_ref_paged_kv_write,
     .paged_attn_workspace = mrl_cpu_ref_paged_attn_workspace,
     .paged_attn = mrl_cpu_ref_paged_attn,

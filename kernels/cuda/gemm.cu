@@ -264,3 +264,51 @@ void cuda_gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha
     if (cuda_ops_launched("gemm_bf16 (rounding)")) return;
     rowmajor(ta, tb, M, N, K, alpha, a16, CUDA_R_16BF, a_ld, b16, CUDA_R_16BF, b_ld, beta, C, ldc);
 }
+
+// ---- bf16 weight panels (kernels.h, MRL_PANEL16) ----
+
+// One thread per dword of P: (kp, j) of panel b holds W[48b + j][2kp, 2kp + 1].
+__global__ static void panels16_pack_kernel(uint32_t *P, const uint16_t *W, int64_t N, int64_t K, int64_t total) {
+    int64_t Kp = (K + 1) / 2;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t b = i / (MRL_PANEL16 * Kp), r = i % (MRL_PANEL16 * Kp), kp = r / MRL_PANEL16, j = r % MRL_PANEL16;
+        int64_t n = b * MRL_PANEL16 + j;
+        uint32_t lo = n < N ? W[n * K + 2 * kp] : 0, hi = n < N && 2 * kp + 1 < K ? W[n * K + 2 * kp + 1] : 0;
+        P[i] = lo | hi << 16;
+    }
+}
+
+// The inverse, into W [N, ld].
+__global__ static void panels16_unpack_kernel(uint16_t *W, int64_t ld, const uint32_t *P, int64_t N, int64_t K) {
+    int64_t Kp = (K + 1) / 2;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N * K; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t n = i / K, k = i % K;
+        uint32_t d = P[n / MRL_PANEL16 * MRL_PANEL16 * Kp + k / 2 * MRL_PANEL16 + n % MRL_PANEL16];
+        W[n * ld + k] = (uint16_t)(k % 2 ? d >> 16 : d);
+    }
+}
+
+void cuda_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K) {
+    int64_t total = mrl_panels16_dwords(N, K);
+    if (total <= 0) return;
+    panels16_pack_kernel<<<grid_for(total, 256), 256, 0, cuda_ops_stream()>>>(P, W, N, K, total);
+    cuda_ops_launched("panels16_pack");
+}
+
+// The plain copy when given (the engine on a GPU keeps no panels: cuBLASLt
+// reads W as it is); else the panels made a plain W again in the scratch,
+// beside A's bf16 copy.
+void cuda_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const uint32_t *P,
+                           const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc) {
+    if (W16 || M <= 0 || N <= 0 || K <= 0 || alpha == 0) {  // cuda_gemm_bf16 reads no B in the last three
+        cuda_gemm_bf16(0, 1, M, N, K, alpha, A, 0, lda, W16, 1, ldw, beta, C, ldc);
+        return;
+    }
+    int64_t ld = round_ld(K), a_elems = (M * ld + 127) / 128 * 128;
+    uint16_t *s = (uint16_t *)cuda_ops_scratch((size_t)(a_elems + N * ld) * 2 + 256);
+    if (!s) return;
+    to_bf16_2d<<<grid_for(M * K, 256), 256, 0, cuda_ops_stream()>>>(s, ld, A, lda, M, K);
+    panels16_unpack_kernel<<<grid_for(N * K, 256), 256, 0, cuda_ops_stream()>>>(s + a_elems, ld, P, N, K);
+    if (cuda_ops_launched("gemm_bf16_panels (unpacking)")) return;
+    rowmajor(0, 1, M, N, K, alpha, s, CUDA_R_16BF, ld, s + a_elems, CUDA_R_16BF, ld, beta, C, ldc);
+}

@@ -43,6 +43,9 @@ void cuda_gemm_group(const mrl_gemm_desc *g, int n);
 void cuda_gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const void *A, int a_bf16,
                     int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc);
 void cuda_panels_pack(float *P, const float *W, int64_t N, int64_t K);
+void cuda_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
+void cuda_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const uint32_t *P,
+                           const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
 void cuda_gemm_release(void);
 // rmsnorm.cu
 void cuda_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D, float eps);

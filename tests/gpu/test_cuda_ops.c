@@ -226,6 +226,30 @@ static void case_group(int64_t M, int64_t N, int64_t K) {
     free(W), free(x), free(B2), free(P), free(C1), free(C2);
 }
 
+/* panels16_pack, and gemm_bf16_panels from the panels alone (made plain
+ * again on the GPU) and with the plain copy given */
+static void case_panels16(int64_t M, int64_t N, int64_t K) {
+    uint16_t *W = rnd_maybe_bf16(N * K, 1);
+    float *x = rnd(M * K, 1), *C1 = rnd(M * N, 1), *C2 = rnd(M * N, 1);
+    int64_t np = mrl_panels16_dwords(N, K);
+    uint32_t *P = malloc(sizeof(uint32_t) * np);
+    R->panels16_pack(P, W, N, K);
+    char shape[64];
+    snprintf(shape, sizeof shape, "%lldx%lldx%lld", (long long)M, (long long)N, (long long)K);
+    void *dW = up(W, 2 * (size_t)N * K), *dP = up(NULL, sizeof(uint32_t) * np), *dx = upf(x, M * K);
+    G->panels16_pack(dP, dW, N, K);
+    cmp_bytes("panels16_pack", "P", dP, P, sizeof(uint32_t) * np, shape);
+    void *dC1 = upf(C1, M * N), *dC2 = upf(C2, M * N);
+    R->gemm_bf16_panels(M, N, K, 0.75f, x, K, P, NULL, 0, 0.5f, C1, N);
+    R->gemm_bf16_panels(M, N, K, 1.0f, x, K, P, NULL, 0, 0.0f, C2, N);
+    G->gemm_bf16_panels(M, N, K, 0.75f, dx, K, dP, NULL, 0, 0.5f, dC1, N);
+    G->gemm_bf16_panels(M, N, K, 1.0f, dx, K, dP, dW, K, 0.0f, dC2, N);
+    cmp("gemm_bf16_panels", "C (panels)", dC1, C1, M * N, TOL_BF16, shape);
+    cmp("gemm_bf16_panels", "C (plain copy)", dC2, C2, M * N, TOL_BF16, shape);
+    mrl_cuda_free(dW), mrl_cuda_free(dP), mrl_cuda_free(dx), mrl_cuda_free(dC1), mrl_cuda_free(dC2);
+    free(W), free(x), free(P), free(C1), free(C2);
+}
+
 static void cases_gemm(void) {
     static const int64_t shapes[][3] = {{1, 1, 1},   {1, 33, 31},  {7, 33, 31},   {33, 7, 257},
                                         {16, 32, 256}, {230, 530, 270}, {64, 96, 0}, {9, 70, 83}};
@@ -242,6 +266,9 @@ static void cases_gemm(void) {
     case_gemm_bf16(1, 0, 768, 1024, 512, 0, 0, 1.0f, 1.0f); /* the weight gradient's */
     case_group(5, 70, 33);
     case_group(64, 96, 128);
+    case_panels16(1, 40, 37);
+    case_panels16(13, 100, 600);
+    case_panels16(64, 96, 128);
 }
 
 /* ---- rows, norms, element-wise ---- */

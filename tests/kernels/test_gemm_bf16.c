@@ -30,6 +30,7 @@
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "cpu/gemm_bf16.h"
+#include "kernels.h" /* the bf16 weight panels */
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint64_t next_u64(void) { /* splitmix64 */
@@ -239,6 +240,39 @@ static int run_dispatch(int ta, int tb, int64_t M, int64_t N, int64_t K, float a
     return 0;
 }
 
+/* x W^T with W as bf16 weight panels (the engine's products; kernels.h):
+ * B (stored [N,K]) rounded to a plain bf16 copy and packed, A given as fp32
+ * (a bf16 A widened, exactly); `dispatch` 0: our kernel on the panels, 1:
+ * the dispatcher, given the plain copy too. Only NT products. */
+static int run_panels_as(int dispatch, int64_t M, int64_t N, int64_t K, float alpha, const void *A, int a_bf16,
+                         int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc) {
+    uint16_t *W = malloc(2 * (N * K + 1));
+    uint32_t *P = malloc(4 * (mrl_panels16_dwords(N, K) + 1));
+    float *Af = malloc(4 * (M * lda + 1));
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++)
+            W[n * K + k] = b_bf16 ? ((const uint16_t *)B)[n * ldb + k] : mrl_f32_to_bf16(((const float *)B)[n * ldb + k]);
+    for (int64_t i = 0; i < M * lda; i++)
+        Af[i] = a_bf16 ? mrl_bf16_to_f32(((const uint16_t *)A)[i]) : ((const float *)A)[i];
+    mrl_cpu_panels16_pack(P, W, N, K);
+    int st = 0;
+    if (dispatch) mrl_cpu_gemm_bf16_panels(M, N, K, alpha, Af, lda, P, W, K, beta, C, ldc);
+    else st = mrl_cpu_gemm_bf16_panels_own(M, N, K, alpha, Af, lda, P, beta, C, ldc);
+    free(W), free(P), free(Af);
+    return st;
+}
+static int run_panels_own(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const void *A, int a_bf16,
+                          int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (ta || !tb) return -1;
+    return run_panels_as(0, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
+}
+static int run_panels_dispatch(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                               int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                               int64_t ldc) {
+    if (ta || !tb) return -1;
+    return run_panels_as(1, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
+}
+
 static float *run_on(const product *p, path_fn fn) {
     float *C = malloc(sizeof(float) * (p->M * p->ldc + 1));
     memcpy(C, p->C0, sizeof(float) * p->M * p->ldc);
@@ -253,6 +287,7 @@ typedef struct path {
     path_fn fn;
     int fast; /* judged with the fast-path bound */
     int available;
+    int nt_only; /* x W^T only (the weight panels) */
 } path;
 
 /* Edge shapes first (a single row, column or k; K odd; sizes around the
@@ -283,7 +318,7 @@ static void test_products(const path *paths, int n_paths, int cases) {
         product p = make_product(combo & 1, (combo >> 1) & 1, (combo >> 2) & 1, (combo >> 3) & 1, M, N, K,
                                  alphas[upto(3)], betas[upto(3)], c % 3 != 0);
         for (int i = 0; i < n_paths; i++) {
-            if (!paths[i].available) continue;
+            if (!paths[i].available || (paths[i].nt_only && (p.ta || !p.tb))) continue;
             float *C = run_on(&p, paths[i].fn);
             bad[i] += compare(&p, C, paths[i].fast, paths[i].name);
             free(C);
@@ -292,7 +327,8 @@ static void test_products(const path *paths, int n_paths, int cases) {
     }
     for (int i = 0; i < n_paths; i++) {
         if (!paths[i].available) continue;
-        printf("  %-10s %d products, %lld elements out of bound\n", paths[i].name, cases, (long long)bad[i]);
+        printf("  %-15s %d products%s, %lld elements out of bound\n", paths[i].name, cases,
+               paths[i].nt_only ? " (x W^T of them)" : "", (long long)bad[i]);
         CHECK(bad[i] == 0);
     }
 }
@@ -307,7 +343,7 @@ static void test_threads(const path *paths, int n_paths) {
             product p = make_product(combo & 1, combo >> 1, 0, combo & 1, shapes[s][0], shapes[s][1], shapes[s][2],
                                      1.0f, combo == 3 ? 1.0f : 0.0f, 1);
             for (int i = 0; i < n_paths; i++) {
-                if (!paths[i].available || !paths[i].fast) continue;
+                if (!paths[i].available || !paths[i].fast || (paths[i].nt_only && (p.ta || !p.tb))) continue;
                 mrl_parallel_set_threads(1);
                 float *one = run_on(&p, paths[i].fn);
                 mrl_parallel_set_threads(2);
@@ -357,7 +393,7 @@ static void test_concurrent(const path *paths, int n_paths) {
     for (int i = 0; i < 4; i++) /* the same shapes in both threads: the same primitives */
         p[i] = make_product(0, i & 1, 0, 1, 40 + 17 * i, 96 + 31 * i, 64 + 45 * i, 1.0f, i == 3 ? 1.0f : 0.0f, 0);
     for (int i = 1; i < n_paths; i++) {
-        if (!paths[i].available) continue;
+        if (!paths[i].available || paths[i].nt_only) continue;
         concurrent_job jobs[2] = {{p, paths[i].fn, 0}, {p, paths[i].fn, 0}};
         pthread_t t[2];
         for (int k = 0; k < 2; k++) pthread_create(&t[k], NULL, concurrent_run, &jobs[k]);
@@ -390,6 +426,8 @@ int main(void) {
         {"own", mrl_cpu_gemm_bf16_own, 1, mrl_cpu_bf16_has_path(MRL_BF16_OWN)},
         {"onednn", mrl_cpu_gemm_bf16_onednn, 1, mrl_cpu_bf16_has_path(MRL_BF16_ONEDNN)},
         {"dispatch", run_dispatch, 1, 1},
+        {"panels", run_panels_own, 1, mrl_cpu_bf16_has_path(MRL_BF16_OWN), 1},
+        {"panels-dispatch", run_panels_dispatch, 1, 1, 1},
     };
     int n_paths = sizeof paths / sizeof paths[0];
     for (int i = 1; i < 3; i++)
@@ -405,8 +443,9 @@ int main(void) {
     /* the dispatcher forced onto each path, once over fewer cases */
     for (mrl_bf16_path f = MRL_BF16_REFERENCE; f < MRL_BF16_PATHS; f++)
         if (mrl_cpu_bf16_force_path(f) == 0) {
-            path forced[] = {{"forced", run_dispatch, f != MRL_BF16_REFERENCE, 1}};
-            test_products(forced, 1, 40);
+            path forced[] = {{"forced", run_dispatch, f != MRL_BF16_REFERENCE, 1},
+                             {"forced-panels", run_panels_dispatch, f != MRL_BF16_REFERENCE, 1, 1}};
+            test_products(forced, 2, 40);
         }
     mrl_cpu_bf16_force_path(MRL_BF16_AUTO);
 

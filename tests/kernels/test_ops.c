@@ -410,6 +410,72 @@ static void cases_gemm_bf16(void) {
         }
 }
 
+static void run_gemm_bf16_panels(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const int64_t *i = c->i;
+    k->gemm_bf16_panels(i[0], i[1], i[2], c->f[0], p[0], i[3], p[1], i[5] ? p[2] : NULL, i[2], c->f[1], p[3], i[4]);
+}
+
+static void run_panels16_pack(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->panels16_pack(p[0], p[1], c->i[0], c->i[1]);
+}
+
+/* The engine's products in bf16: W as bf16 weight panels, with and without
+ * its plain copy (the fast table then picks per shape, and may take either:
+ * the same values). Rows around the micro-tile's 8 and a block of 16 (1, 3,
+ * 8, 13, 64, 131), widths ending inside a panel of 48 (40, 100, 400) or on
+ * one (96), depths odd (37: the last pair half zero), 64, and past one k
+ * block of 512 (600); beta 0 (C NaN), 1.3. The reference reads the panels;
+ * its product is also held to gemm_bf16's on the plain copy (the same
+ * products in double: the same bits). The packing: every dword, padding
+ * included. */
+static void cases_gemm_bf16_panels(void) {
+    static const int64_t rows_[] = {1, 3, 8, 13, 64, 131}, cols[] = {40, 96, 100, 400}, depth[] = {37, 64, 600};
+    const mrl_kernels *R = mrl_kernels_cpu_reference();
+    op_case c;
+    double worst = 0;
+    int n = 0;
+    for (size_t a = 0; a < sizeof rows_ / sizeof rows_[0]; a++)
+        for (size_t b = 0; b < sizeof cols / sizeof cols[0]; b++)
+            for (size_t d = 0; d < sizeof depth / sizeof depth[0]; d++, n++) {
+                int64_t M = rows_[a], N = cols[b], K = depth[d], ldc = N + 3, lda = K + 1, np = mrl_panels16_dwords(N, K);
+                float beta = n % 2 ? 1.3f : 0.0f, alpha = n % 3 ? 0.7f : -1.0f;
+                int with_w16 = n % 4 < 2;
+                uint16_t *W = rnd_bf16(N * K);
+                uint32_t *P = malloc(sizeof(uint32_t) * np);
+                R->panels16_pack(P, W, N, K);
+                if (b == 0 || a == 0) {
+                    new_case(&c, "panels16_pack", run_panels16_pack, "%lldx%lld", (long long)N, (long long)K);
+                    add(&c, "P", I32, OUT, np, NULL, TOL_BITS);
+                    add(&c, "W", U16, IN, N * K, W, 0);
+                    c.i[0] = N, c.i[1] = K;
+                    check_case(&c);
+                }
+                new_case(&c, "gemm_bf16_panels", run_gemm_bf16_panels, "%lldx%lldx%lld beta %g%s", (long long)M,
+                         (long long)N, (long long)K, beta, with_w16 ? " (+ plain copy)" : "");
+                in_rnd(&c, "A", M * lda, 1);
+                add(&c, "P", I32, IN, np, P, 0);
+                add(&c, "W16", U16, IN, N * K, W, 0);
+                inout_gemm_c(&c, M, N, ldc, beta);
+                int64_t i[6] = {M, N, K, lda, ldc, with_w16};
+                memcpy(c.i, i, sizeof i);
+                c.f[0] = alpha, c.f[1] = beta;
+                if (wanted(c.op)) { /* the reference's panels against its plain product */
+                    float *C1 = malloc(sizeof(float) * M * ldc), *C2 = malloc(sizeof(float) * M * ldc);
+                    memcpy(C1, c.a[3].init, sizeof(float) * M * ldc);
+                    memcpy(C2, c.a[3].init, sizeof(float) * M * ldc);
+                    R->gemm_bf16(0, 1, M, N, K, alpha, c.a[0].init, 0, lda, W, 1, K, beta, C1, ldc);
+                    R->gemm_bf16_panels(M, N, K, alpha, c.a[0].init, lda, P, NULL, 0, beta, C2, ldc);
+                    double e = error_of(&c.a[3], C2, C1);
+                    worst = e > worst ? e : worst;
+                    free(C1), free(C2);
+                }
+                check_case(&c);
+                free(W), free(P);
+            }
+    if (wanted("gemm_bf16_panels")) record("gemm_bf16_panels", "panels vs plain (reference)", TOL_BITS, 0, worst);
+    CHECK(worst == 0);
+}
+
 /* c->extra: n descriptors whose A, B, C are offsets into p[0], p[1], p[2] */
 static void run_gemm_group(const mrl_kernels *k, void *const *p, const op_case *c) {
     int n = (int)c->i[0];
@@ -1454,6 +1520,7 @@ int main(int argc, char **argv) {
     cases_gemm_group();
     cases_gemm_panels();
     cases_gemm_bf16();
+    cases_gemm_bf16_panels();
     cases_rmsnorm();
     cases_rope();
     cases_swiglu();
