@@ -89,7 +89,8 @@ struct mrl_engine {
     int64_t graph_captures, graph_launches, graph_failures;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
-    mrl_buffer copy16;       /* bf16: the copies of a buffer not the model's (prepare_weights) */
+    mrl_buffer copy16;       /* bf16: the copies of a buffer not the model's (prepare_weights), */
+    mrl_buffer copy_p16;     /* and their bf16 weight panels (pack_weights) */
     /* the background run (mrl_engine_run_async) */
     _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
     _Atomic int pause;       /* mrl_engine_pause: the background run returns after its current step */
@@ -211,7 +212,7 @@ static void rebase(mrl_engine *e, const float *base) {
 /* The seven matrices of a layer: the weights read, where their panels go, shape [N,K]. */
 typedef struct layer_matrix {
     const float *w;
-    const float **panels;
+    const void **panels;
     int64_t N, K;
 } layer_matrix;
 
@@ -265,14 +266,17 @@ static void pack_panels(mrl_engine *e) {
 
 /* The weights this step's products read. fp32: the panels, repacked when
  * stale. bf16 (the model's dtype, moonrl/model.h): reading the model's own
- * buffer, its bf16 copies in place (the model converts them once after its
- * weights change; the trainer reads the same ones: no copy per round);
- * another buffer (attach_params, a weight store): bf16 copies of our own,
- * converted when stale as the panels are. The products take either directly
- * (few rows: W streamed in place), so there are no bf16 panels. */
+ * buffer, its bf16 copies and (pack_weights) bf16 weight panels of the
+ * layers' matrices and the head, both written by the model's one refresh
+ * after its weights change (the trainer reads the same copies: no copy per
+ * round); another buffer (attach_params, a weight store): copies and
+ * panels of our own, converted when stale as the fp32 panels are. */
 static mrl_status prepare_weights(mrl_engine *e) {
     if (mrl_model_dtype(e->m) != MRL_MODEL_BF16) {
-        if (e->w.lm_head16) mrl_model_weights16_at(e->m, NULL, &e->w, e->lp); /* switched back to fp32 */
+        if (e->w.lm_head16) { /* switched back to fp32 (its fp32 panels were dropped then) */
+            mrl_model_weights16_at(e->m, NULL, &e->w, e->lp);
+            mrl_model_panels16_at(e->m, NULL, &e->w, e->lp);
+        }
         if (e->panels && e->panels_stale) pack_panels(e);
         return MRL_OK;
     }
@@ -281,24 +285,30 @@ static mrl_status prepare_weights(mrl_engine *e) {
         e->panels = NULL;
     }
     const uint16_t *w16;
+    const uint32_t *p16 = NULL; /* none: the products read the plain copies */
+    int pack = e->cfg.pack_weights && !e->on_device;
     if (e->base == mrl_model_params(e->m)) {
         w16 = mrl_model_bf16_params(e->m);
+        if (pack) p16 = mrl_model_bf16_panels(e->m); /* NULL without the memory: the plain copies do */
     } else {
         if (!e->copy16.data) {
             int64_t n = mrl_model_num_params(e->m);
             if (mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS, &e->copy16))
                 return mrl_set_error(MRL_ERR_NOMEM, "engine step: no memory for the bf16 copy of the weights "
                                      "(%lld bytes)", (long long)n * 2);
+            if (pack) mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)mrl_model_panels16_bytes(e->m), MRL_MEM_PARAMS,
+                                       &e->copy_p16); /* failing: none */
             e->panels_stale = 1;
         }
-        if (e->panels_stale) mrl_model_bf16_convert(e->m, e->base, e->copy16.data);
+        if (e->panels_stale) {
+            mrl_model_bf16_convert(e->m, e->base, e->copy16.data);
+            if (e->copy_p16.data) mrl_model_bf16_pack_panels(e->m, e->copy16.data, e->copy_p16.data);
+        }
         w16 = e->copy16.data;
+        p16 = e->copy_p16.data;
     }
     mrl_model_weights16_at(e->m, w16, &e->w, e->lp);
-    for (int l = 0; l < e->mc->num_hidden_layers; l++) { /* panels are fp32: none in bf16 */
-        layer_params *p = &e->lp[l];
-        p->pq = p->pk = p->pv = p->po = p->pg = p->pu = p->pd = NULL;
-    }
+    mrl_model_panels16_at(e->m, p16, &e->w, e->lp); /* pq .. pd: the bf16 panels, or NULL */
     e->panels_stale = 0;
     return MRL_OK;
 }
@@ -353,6 +363,7 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_mem_free(e->stage_host);
     mrl_mem_free(e->panels);
     mrl_buffer_free(&e->copy16);
+    mrl_buffer_free(&e->copy_p16);
     mrl_mem_free(e->lp);
     routes_clear(e);
     free(e->routes);
@@ -652,7 +663,9 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     if (st || S == 0) return st;
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
     k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);
-    if (e->w.lm_head16) /* bf16, as the trainer's head (forward.c) */
+    if (e->w.lm_head_p16) /* bf16 panels and the plain copy: the table reads the faster */
+        k->gemm_bf16_panels(S, V, D, 1.0f, e->rows_n, D, e->w.lm_head_p16, e->w.lm_head16, D, 0.0f, e->logits, V);
+    else if (e->w.lm_head16) /* bf16, as the trainer's head (forward.c) */
         k->gemm_bf16(0, 1, S, V, D, 1.0f, e->rows_n, 0, D, e->w.lm_head16, 1, D, 0.0f, e->logits, V);
     else
         k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */

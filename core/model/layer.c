@@ -16,10 +16,11 @@ static void bias_grad(const mrl_kernels *k, float *db, const float *dy, int64_t 
     if (db) k->bias_bwd(db, dy, T, N);
 }
 
-/* y[T,N] = x[T,K] W[N,K]^T (+ beta y); Wp: W as weight panels (the engine's), or NULL */
-static mrl_gemm_desc lin_p(float *y, const float *x, const float *W, const float *Wp, int64_t T, int N, int K,
+/* y[T,N] = x[T,K] W[N,K]^T (+ beta y); Wp: W as weight panels (the engine's, in the
+ * model's dtype's layout), or NULL */
+static mrl_gemm_desc lin_p(float *y, const float *x, const float *W, const void *Wp, int64_t T, int N, int K,
                            float beta) {
-    if (Wp) return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, Wp, K, beta, y, N, .b_panels = 1};
+    if (Wp) return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, (const float *)Wp, K, beta, y, N, .b_panels = 1};
     return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, W, K, beta, y, N};
 }
 
@@ -39,7 +40,8 @@ static mrl_gemm_desc lin_dx(float *dx, const float *dy, const float *W, int64_t 
  * bf16 copy of the weight it reads (x W^T, dy W), or NULL: B is fp32 and
  * rounded on its way in (dW = dy^T x: both operands are activations; or a
  * model in bf16 whose caller gave no copies). A is always rounded on its
- * way in. Weight panels are an fp32 layout: such a product stays fp32. */
+ * way in. B given as weight panels (the engine's): bf16 weight panels in
+ * bf16, read with (or instead of) the plain copy by gemm_bf16_panels. */
 static void products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t *const *w16, int n) {
     const mrl_kernels *k = m->k;
     if (m->dtype != MRL_MODEL_BF16) {
@@ -48,11 +50,12 @@ static void products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t 
     }
     for (int i = 0; i < n; i++) {
         const mrl_gemm_desc *g = &d[i];
-        if (g->b_panels) {
-            k->gemm_group(g, 1);
+        const uint16_t *b = w16 ? w16[i] : NULL;
+        if (g->b_panels) { /* bf16 weight panels, and the plain copy: the table reads the faster */
+            k->gemm_bf16_panels(g->M, g->N, g->K, g->alpha, g->A, g->lda, (const uint32_t *)g->B, b, g->K, g->beta,
+                                g->C, g->ldc);
             continue;
         }
-        const uint16_t *b = w16 ? w16[i] : NULL;
         k->gemm_bf16(g->trans_a, g->trans_b, g->M, g->N, g->K, g->alpha, g->A, 0, g->lda, b ? (const void *)b : g->B,
                      b != NULL, g->ldb, g->beta, g->C, g->ldc);
     }

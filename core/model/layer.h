@@ -40,9 +40,11 @@ typedef struct layer_params {
     float *router;      /* [E,D]    mlp.gate.weight */
     float *ewg, *ewu;   /* [E,Fe,D] mlp.experts.{e}.gate_proj, up_proj */
     float *ewd;         /* [E,D,Fe] mlp.experts.{e}.down_proj */
-    /* the same seven matrices as weight panels (kernels.h), or NULL: the
-     * engine's packed copies, read by the forward in place of the above */
-    const float *pq, *pk, *pv, *po, *pg, *pu, *pd;
+    /* the same seven matrices as weight panels, or NULL: the engine's
+     * packed copies, read by the forward in place of the above. Their
+     * layout is the model's dtype's: fp32 panels (float, MRL_PANEL) in
+     * fp32, bf16 weight panels (uint32_t, MRL_PANEL16) in bf16 */
+    const void *pq, *pk, *pv, *po, *pg, *pu, *pd;
     /* the same seven as bf16 copies [N,K] (the model's dtype bf16), or
      * NULL: what the products read then (layer.c) */
     const uint16_t *hq, *hk, *hv, *ho, *hg, *hu, *hd;
@@ -104,6 +106,7 @@ typedef struct mrl_model_weights {
     const float *final_norm; /* [D] */
     const float *lm_head;    /* [V,D] (the embedding when tied) */
     const uint16_t *lm_head16; /* its bf16 copy (dtype bf16), or NULL */
+    const uint32_t *lm_head_p16; /* and as bf16 weight panels (the engine's), or NULL */
 } mrl_model_weights;
 
 const mrl_kernels *mrl_model_kernels(const mrl_model *m);
@@ -128,6 +131,24 @@ const uint16_t *mrl_model_bf16_params(mrl_model *m);
 void mrl_model_bf16_convert(const mrl_model *m, const float *base, uint16_t *dst);
 void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_model_weights *out,
                             layer_params *layers);
+
+/* bf16 weight panels (kernels.h, MRL_PANEL16) of each layer's seven
+ * matrices and the head: the layout the engine's few-row products read.
+ *   mrl_model_bf16_panels       the model's own (CPU, dtype bf16), made on
+ *                               the first call (NULL: no memory, or not a
+ *                               bf16 model on the CPU) and from then on
+ *                               written by the same refresh as the bf16
+ *                               copies, so that an update costs no copy more
+ *   mrl_model_panels16_bytes    their size
+ *   mrl_model_bf16_pack_panels  the panels of w16 (a bf16 copy in the model's
+ *                               layout) into p16: the engine's for a buffer
+ *                               not the model's
+ *   mrl_model_panels16_at       the panel pointers of layers (pq .. pd) and
+ *                               out->lm_head_p16 into p16; NULL clears them */
+const uint32_t *mrl_model_bf16_panels(mrl_model *m);
+int64_t mrl_model_panels16_bytes(const mrl_model *m);
+void mrl_model_bf16_pack_panels(const mrl_model *m, const uint16_t *w16, uint32_t *p16);
+void mrl_model_panels16_at(const mrl_model *m, const uint32_t *p16, mrl_model_weights *out, layer_params *layers);
 
 /* The two halves of a layer's forward around attention (layer.c; the
  * trainer's own code, so that the engine and the trainer compute alike):

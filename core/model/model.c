@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "moonrl/mem.h"
+#include "moonrl/parallel.h"
 #include "model_internal.h"
 
 typedef struct layout {
@@ -213,6 +214,7 @@ void mrl_model_free(mrl_model *m) {
     mrl_moe_ep_free(m);
     mrl_buffer_free(&m->params_buf);
     mrl_buffer_free(&m->w16_buf);
+    mrl_buffer_free(&m->p16_buf);
     pthread_mutex_destroy(&m->w16_lock);
     mrl_buffer_free(&m->grads_buf);
     mrl_mem_free(m->views);
@@ -342,6 +344,7 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
         atomic_store(&m->w16_stale, 1);
     } else {
         mrl_buffer_free(&m->w16_buf);
+        mrl_buffer_free(&m->p16_buf);
         m->w16 = NULL;
     }
     mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
@@ -360,7 +363,10 @@ mrl_status mrl_model_refresh_bf16(mrl_model *m) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_refresh_bf16: NULL model");
     if (!m->w16 || !atomic_load(&m->w16_stale)) return MRL_OK;
     pthread_mutex_lock(&m->w16_lock);
-    if (atomic_exchange(&m->w16_stale, 0)) mrl_model_bf16_convert(m, m->params, m->w16); /* one pass */
+    if (atomic_exchange(&m->w16_stale, 0)) { /* one pass over the weights: both layouts */
+        mrl_model_bf16_convert(m, m->params, m->w16);
+        if (m->p16_buf.data) mrl_model_bf16_pack_panels(m, m->w16, m->p16_buf.data);
+    }
     pthread_mutex_unlock(&m->w16_lock);
     return MRL_OK;
 }
@@ -369,6 +375,98 @@ const uint16_t *mrl_model_bf16_params(mrl_model *m) {
     if (!m || !m->w16) return NULL;
     mrl_model_refresh_bf16(m);
     return m->w16;
+}
+
+/* ---- bf16 weight panels (layer.h) ---- */
+
+/* Matrix i of those the panels hold, each layer's seven then the head
+ * (mrl_model_panels16_count in all): where it is in the parameters (NULL: a
+ * sparse layer's MLP, none), its shape [N,K], and its panel slot in a layer
+ * table (NULL for the head). */
+typedef struct panel16_mat {
+    const float *w;
+    int64_t N, K;
+    const void **slot;
+} panel16_mat;
+
+static int64_t panels16_count(const mrl_model *m) { return 7 * (int64_t)m->cfg.num_hidden_layers + 1; }
+
+static panel16_mat panels16_mat(const mrl_model *m, layer_params *layers, int64_t i) {
+    const mrl_model_config *c = &m->cfg;
+    int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
+            Kv = (int64_t)c->num_key_value_heads * c->head_dim;
+    if (i == 7 * (int64_t)c->num_hidden_layers) return (panel16_mat){m->lm_head, c->vocab_size, D, NULL};
+    const layer_params *p = &m->lp[i / 7];
+    layer_params *d = layers ? &layers[i / 7] : NULL;
+#define MAT(w, n, k, s) (panel16_mat){p->w, n, k, d ? &d->s : NULL}
+    switch (i % 7) {
+    case 0: return MAT(wq, Q, D, pq);
+    case 1: return MAT(wk, Kv, D, pk);
+    case 2: return MAT(wv, Kv, D, pv);
+    case 3: return MAT(wo, D, Q, po);
+    case 4: return MAT(wg, F, D, pg);
+    case 5: return MAT(wu, F, D, pu);
+    default: return MAT(wd, D, F, pd);
+    }
+#undef MAT
+}
+
+/* The dwords of the panels, each matrix's start 16-dword aligned. */
+static int64_t panels16_offset(const mrl_model *m, int64_t i) {
+    int64_t off = 0;
+    for (int64_t j = 0; j < i; j++) {
+        panel16_mat a = panels16_mat(m, NULL, j);
+        if (a.w) off += (mrl_panels16_dwords(a.N, a.K) + 15) / 16 * 16;
+    }
+    return off;
+}
+
+void mrl_model_panels16_at(const mrl_model *m, const uint32_t *p16, mrl_model_weights *out, layer_params *layers) {
+    int64_t off = 0, n = panels16_count(m);
+    for (int64_t i = 0; i < n; i++) {
+        panel16_mat a = panels16_mat(m, layers, i);
+        const uint32_t *at = p16 && a.w ? p16 + off : NULL;
+        if (a.slot) *a.slot = at;
+        else if (i == n - 1 && out) out->lm_head_p16 = at;
+        if (a.w) off += (mrl_panels16_dwords(a.N, a.K) + 15) / 16 * 16;
+    }
+}
+
+typedef struct pack_job {
+    const mrl_model *m;
+    const uint16_t *w16;
+    uint32_t *p16;
+} pack_job;
+
+static void pack_matrices(void *ctx, int64_t first, int64_t last) {
+    const pack_job *j = ctx;
+    for (int64_t i = first; i < last; i++) {
+        panel16_mat a = panels16_mat(j->m, NULL, i);
+        if (a.w) j->m->k->panels16_pack(j->p16 + panels16_offset(j->m, i), j->w16 + (a.w - j->m->params), a.N, a.K);
+    }
+}
+
+void mrl_model_bf16_pack_panels(const mrl_model *m, const uint16_t *w16, uint32_t *p16) {
+    pack_job j = {m, w16, p16};
+    int64_t n = panels16_count(m);
+    mrl_parallel_for(n - 1, 1, pack_matrices, &j); /* the layers' matrices spread over the threads */
+    pack_matrices(&j, n - 1, n);                    /* the head, parallel inside */
+}
+
+int64_t mrl_model_panels16_bytes(const mrl_model *m) { return 4 * panels16_offset(m, panels16_count(m)); }
+
+const uint32_t *mrl_model_bf16_panels(mrl_model *m) {
+    if (!m || !m->w16 || m->device.kind != MRL_DEVICE_CPU) return NULL;
+    if (!m->p16_buf.data) {
+        pthread_mutex_lock(&m->w16_lock);
+        if (!m->p16_buf.data &&
+            !mrl_buffer_alloc(m->device, (size_t)mrl_model_panels16_bytes(m), MRL_MEM_PARAMS, &m->p16_buf))
+            atomic_store(&m->w16_stale, 1); /* the refresh below writes both */
+        pthread_mutex_unlock(&m->w16_lock);
+        if (!m->p16_buf.data) return NULL;
+    }
+    mrl_model_refresh_bf16(m);
+    return m->p16_buf.data;
 }
 
 /* ---- the device (moonrl/model.h) ---- */
@@ -426,6 +524,7 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     size_t n = (size_t)m->n_params;
     mrl_status st = move_buffer(&m->params_buf, sizeof(float) * n, device);
     if (!st) st = move_buffer(&m->grads_buf, sizeof(float) * n, device);
+    mrl_buffer_free(&m->p16_buf); /* a CPU layout: the engine on a GPU reads w16 */
     if (!st && m->w16_buf.data) { /* converted again there, on first use */
         mrl_buffer_free(&m->w16_buf);
         st = mrl_buffer_alloc(device, sizeof(uint16_t) * n, MRL_MEM_PARAMS, &m->w16_buf);

@@ -48,6 +48,9 @@ struct mrl_model {
     const uint16_t *lm_head16;
     _Atomic int w16_stale;
     pthread_mutex_t w16_lock;
+    /* from the first mrl_model_bf16_panels (the engine's): the same matrices
+     * as bf16 weight panels, written by the same refresh as w16 */
+    mrl_buffer p16_buf;
     int recompute;
     /* mixture of experts: the load-balancing loss of the last forward (moonrl/model.h):
      * over all sparse layers and tokens: picks of expert e, the sum of its

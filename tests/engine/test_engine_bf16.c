@@ -9,10 +9,12 @@
  *     bf16 copies, read in place), and new weights seen after an AdamW step
  *     once the model is told (mrl_model_weights_changed);
  *   - another buffer (attach_params): converted by the engine, the same
- *     output as the model's own buffer holding the same weights. */
+ *     output as the model's own buffer holding the same weights;
+ *   - the bf16 weight panels (pack_weights) against the plain copies. */
 #define REQUEST_SEED 99
 #define REQUEST_STEP 1
 #include "engine_util.h"
+#include "model/layer.h" /* mrl_model_panels16_bytes */
 #include "moonrl/mem.h"
 #include "moonrl/optim.h"
 
@@ -81,8 +83,10 @@ static void test_refresh(void) {
     sample_out a, b;
     gen_greedy(e, prompt, 12, &a);
     mrl_mem_get_stats(&after);
-    /* no panels, no bf16 copy of its own: the weights' bytes are the model's alone */
-    CHECK(after.current[MRL_MEM_PARAMS] == before.current[MRL_MEM_PARAMS]);
+    /* no bf16 copy of its own: the weights' bytes are the model's alone, which
+     * now holds its bf16 weight panels too (pack_weights, the default) */
+    CHECK(after.current[MRL_MEM_PARAMS] == before.current[MRL_MEM_PARAMS] + mrl_model_panels16_bytes(m));
+    CHECK(mrl_model_panels16_bytes(m) > 0);
     float ref[MAXG];
     trainer_logprobs(m, prompt, 12, &a, 1.0f, ref);
     for (int t = 0; t < a.n; t++) CHECK(fabs(a.lp[t] - ref[t]) <= LP_AGREE);
@@ -150,9 +154,39 @@ static void test_other_buffer(void) {
     mrl_model_free(m);
 }
 
+/* The bf16 weight panels (pack_weights, the default) against the plain
+ * copies (pack_weights 0, the products reading W in place): the same bf16
+ * weights, sums in other orders (fp32 lanes and blocks): the same greedy
+ * tokens, log-probs within a few ulp of the accumulations. Without
+ * pack_weights the model makes no panels. */
+static void test_panels(void) {
+    const int V = 90;
+    mrl_model *m = make_model(MRL_ARCH_QWEN2, V);
+    mrl_mem_stats before, after;
+    mrl_mem_get_stats(&before);
+    mrl_engine *plain = new_engine(m, 1 << 20, 64, 16, 8, 0), *packed = NULL;
+    int32_t prompt[21];
+    fill_prompt_bf16(prompt, 21, V, 4);
+    sample_out a, b;
+    gen_greedy(plain, prompt, 21, &a);
+    mrl_mem_get_stats(&after);
+    CHECK(after.current[MRL_MEM_PARAMS] == before.current[MRL_MEM_PARAMS]);
+    packed = new_engine(m, 1 << 20, 64, 16, 8, 1);
+    gen_greedy(packed, prompt, 21, &b);
+    CHECK(a.n == b.n && memcmp(a.tok, b.tok, sizeof(int32_t) * a.n) == 0);
+    double d = 0;
+    for (int t = 0; t < a.n && t < b.n; t++) d = fmax(d, fabs(a.lp[t] - b.lp[t]));
+    printf("bf16 panels vs plain copies: %d tokens alike, max |log-prob difference| %.3g\n", a.n, d);
+    CHECK(d <= 1e-3);
+    mrl_engine_free(plain);
+    mrl_engine_free(packed);
+    mrl_model_free(m);
+}
+
 int main(void) {
     for (int arch = 0; arch < 3; arch++) test_agreement(arch);
     test_refresh();
     test_other_buffer();
+    test_panels();
     CHECK_DONE();
 }
