@@ -885,7 +885,9 @@ static void run_paged_attn(const mrl_kernels *k, void *const *p, const op_case *
  * and 32 (not a multiple of 16: the plain loops); hd 8 .. 128. */
 static void cases_paged(void) {
     static const int shapes[][4] = {{4, 2, 16, 4}, {8, 2, 64, 16}, {14, 2, 64, 16},
-                                    {3, 3, 24, 5}, {2, 1, 128, 7}, {16, 1, 8, 32}}; /* Hq, Hk, hd, block_size */
+                                    {3, 3, 24, 5}, {2, 1, 128, 7}, {16, 1, 8, 32},
+                                    {6, 2, 64, 16}, {10, 2, 40, 16}, {12, 2, 32, 32}}; /* Hq, Hk, hd, block_size:
+                                    groups of 1-8 heads (each its own run in the AVX-512 loops) and 16 */
     op_case c;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int Hq = shapes[s][0], Hk = shapes[s][1], hd = shapes[s][2], bs = shapes[s][3], n_seqs = 5, max_len = 300;
