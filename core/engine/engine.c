@@ -20,8 +20,9 @@
  * The layers' matrices are copied into weight panels at the start of each
  * generation round (pack_weights, engine.h): one pass over the weights per
  * round instead of OpenBLAS's packing of every matrix on every step. With
- * the model's dtype bf16 the products read bf16 copies instead (the model's
- * own, shared with the trainer; prepare_weights).
+ * the model's dtype bf16 the products read bf16 weight panels and copies
+ * instead, the model's own (written by its refresh after an update, the
+ * copies shared with the trainer; prepare_weights).
  *
  * On a GPU (the model's device, mrl_model_set_device) the weights, the
  * activations and the KV pool are device memory: each step sends the

@@ -166,7 +166,12 @@ void mrl_engine_free(mrl_engine *e);
  * mrl_engine_attach_params / mrl_engine_swap_params: weights changed in
  * place while requests are running are not seen before the next round. The
  * copy is one pass over the weights and as much memory again as the layers'
- * matrices (MRL_MEM_PARAMS);
+ * matrices (MRL_MEM_PARAMS). A model in bf16 (mrl_model_set_dtype): the
+ * panels are bf16 (kernels.h, MRL_PANEL16), of the layers' matrices and the
+ * head, and the model keeps them itself beside its bf16 copies, written by
+ * the same refresh after an update (mrl_model_refresh_bf16: no copy per
+ * round; half the bytes of the copies again); an engine reading another
+ * buffer packs its own when the round starts.
  * pack_weights = 0 reads the weights in place on every step instead. */
 
 /* Read the weights from another buffer with the model's layout (n_params
