@@ -89,8 +89,8 @@ typedef struct mrl_gemm_desc {
 typedef struct mrl_paged_attn {
     float *out;                  /* [T, Hq, hd] */
     const float *q;              /* [T, Hq, hd] */
-    const float *k_cache;        /* one layer: [num_blocks, Hk, hd, block_size] */
-    const float *v_cache;        /* one layer: [num_blocks, Hk, block_size, hd] */
+    const void *k_cache;         /* one layer: [num_blocks, Hk, hd, block_size] */
+    const void *v_cache;         /* one layer: [num_blocks, Hk, block_size, hd] (fp32, or kv_bf16 below) */
     const int32_t *block_tables; /* [n_seqs, max_blocks_per_seq] */
     const int32_t *seq_lens;     /* [n_seqs] */
     const int32_t *query_start;  /* [n_seqs + 1], query_start[0] = 0 */
@@ -104,6 +104,7 @@ typedef struct mrl_paged_attn {
      * 64-byte aligned; NULL: the kernel allocates and frees its own. */
     void *workspace;
     int64_t workspace_bytes;
+    int kv_bf16; /* 0: the cache holds fp32; 1: bf16 (uint16_t), the same layout, read exactly widened */
 } mrl_paged_attn;
 
 /* fp32 coefficients of one AdamW step, rounded as PyTorch rounds its
@@ -240,6 +241,10 @@ typedef struct mrl_kernels {
      * skips the token). */
     void (*paged_kv_write)(float *k_cache, float *v_cache, const float *k, const float *v,
                            const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
+    /* The same into a bf16 cache (mrl_paged_attn.kv_bf16), each value
+     * rounded to nearest even as mrl_f32_to_bf16 does. */
+    void (*paged_kv_write_bf16)(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                                const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
     /* Bytes of workspace paged_attn would like for this batch (0: none,
      * or bad shapes). */
     int64_t (*paged_attn_workspace)(const mrl_paged_attn *a);

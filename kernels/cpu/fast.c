@@ -536,6 +536,7 @@ static const mrl_kernels fast_table = {
     .panels_pack = fast_panels_pack,
     .panels16_pack = mrl_cpu_panels16_pack,
     .paged_kv_write = mrl_cpu_fast_paged_kv_write,
+    .paged_kv_write_bf16 = mrl_cpu_fast_paged_kv_write_bf16,
     .paged_attn_workspace = mrl_cpu_fast_paged_attn_workspace,
     .paged_attn = mrl_cpu_fast_paged_attn,
     .sample = mrl_cpu_fast_sample,

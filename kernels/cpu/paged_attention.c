@@ -18,16 +18,26 @@
 #include <immintrin.h>
 #include "cpu/paged_attention.h"
 #include "cpu/isa.h"
+#include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
 
 #define QUERY_TILE 16
 #define MAX_HEAD_DIM 1024
+#define MAX_BLOCK_SIZE 4096 /* the engine's bound on block_size (engine.h) */
 #define KEY_TILE 256 /* keys whose V rows are reused across the d-chunks */
 
 /* Block `blk`, kv head g: K as [hd][bs], V as [bs][hd] (same offset). */
 static inline int64_t block_offset(const mrl_paged_attn *a, int blk, int g) {
     return ((int64_t)blk * a->Hk + g) * a->block_size * a->hd;
+}
+
+/* A cache's element i (fp32, or bf16 when kv_bf16) and the address of element i. */
+static inline float kv_get(const void *cache, int bf16, int64_t i) {
+    return bf16 ? mrl_bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+static inline const void *kv_ptr(const void *cache, int bf16, int64_t i) {
+    return (const char *)cache + i * (bf16 ? 2 : 4);
 }
 
 /* Shapes and offsets that keep every read and write inside the arrays
@@ -37,7 +47,7 @@ static mrl_status check_args(const mrl_paged_attn *a, const char *fn) {
         (a->n_seqs > 0 && !a->block_tables))
         return mrl_set_error(MRL_ERR_INVALID, "%s: NULL argument", fn);
     if (a->n_seqs < 0 || a->Hk < 1 || a->Hq < a->Hk || a->Hq % a->Hk || a->hd < 1 || a->hd > MAX_HEAD_DIM ||
-        a->block_size < 1 || a->max_blocks_per_seq < 0 || a->query_start[0] != 0)
+        a->block_size < 1 || a->block_size > MAX_BLOCK_SIZE || a->max_blocks_per_seq < 0 || a->query_start[0] != 0)
         return mrl_set_error(MRL_ERR_INVALID, "%s: bad shape (n_seqs=%d Hq=%d Hk=%d hd=%d block_size=%d)", fn,
                              a->n_seqs, a->Hq, a->Hk, a->hd, a->block_size);
     for (int i = 0; i < a->n_seqs; i++) {
@@ -53,9 +63,9 @@ static mrl_status check_args(const mrl_paged_attn *a, const char *fn) {
 /* ---- reference ---- */
 
 static double ref_score(const mrl_paged_attn *a, const int32_t *table, const float *q, int c, int g) {
-    const float *kt = a->k_cache + block_offset(a, table[c / a->block_size], g) + c % a->block_size;
+    int64_t kt = block_offset(a, table[c / a->block_size], g) + c % a->block_size;
     double s = 0;
-    for (int d = 0; d < a->hd; d++) s += (double)q[d] * kt[(int64_t)d * a->block_size];
+    for (int d = 0; d < a->hd; d++) s += (double)q[d] * kv_get(a->k_cache, a->kv_bf16, kt + (int64_t)d * a->block_size);
     return s * a->scale;
 }
 
@@ -84,10 +94,9 @@ mrl_status mrl_cpu_ref_paged_attn(const mrl_paged_attn *a) {
                 for (int d = 0; d < hd; d++) acc[d] = 0;
                 for (int c = 0; c <= pos; c++) { /* pass 2: weights and the sum of V rows */
                     double p = exp(ref_score(a, table, q, c, g) - m);
-                    const float *v = a->v_cache + block_offset(a, table[c / a->block_size], g) +
-                                     (int64_t)(c % a->block_size) * hd;
+                    int64_t v = block_offset(a, table[c / a->block_size], g) + (int64_t)(c % a->block_size) * hd;
                     sum += p;
-                    for (int d = 0; d < hd; d++) acc[d] += p * v[d];
+                    for (int d = 0; d < hd; d++) acc[d] += p * kv_get(a->v_cache, a->kv_bf16, v + d);
                 }
                 for (int d = 0; d < hd; d++) o[d] = (float)(acc[d] / sum);
             }
@@ -112,12 +121,24 @@ typedef struct item_view {
     int n_ctx, g, G;
 } item_view;
 
-/* Plain C: the compiler vectorises the inner loops for the caller's target. */
-static inline __attribute__((always_inline)) void scores_plain(const item_view *v) {
+/* n elements of a cache from element `at`, as fp32: in place, or (bf16)
+ * widened into buf. */
+static inline const float *kv_row(float *buf, const void *cache, const int bf16, int64_t at, int n) {
+    if (!bf16) return (const float *)cache + at;
+    const uint16_t *h = (const uint16_t *)cache + at;
+    for (int i = 0; i < n; i++) buf[i] = mrl_bf16_to_f32(h[i]);
+    return buf;
+}
+
+/* Plain C: the compiler vectorises the inner loops for the caller's target.
+ * A bf16 cache is widened a row at a time (a K row is block_size <= 4096
+ * keys, a V row hd <= MAX_HEAD_DIM). */
+static inline __attribute__((always_inline)) void scores_plain(const item_view *v, const int bf16) {
     const mrl_paged_attn *a = v->a;
     int bs = a->block_size, hd = a->hd;
+    float row[MAX_BLOCK_SIZE];
     for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
-        const float *kt = a->k_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int64_t kt = block_offset(a, v->table[c0 / bs], v->g);
         int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
         for (int r = 0; r < v->G; r++) {
             float *s = v->scores + (int64_t)r * v->n_ctx + c0;
@@ -125,7 +146,7 @@ static inline __attribute__((always_inline)) void scores_plain(const item_view *
             for (int c = 0; c < cn; c++) s[c] = 0;
             for (int d = 0; d < hd; d++) {
                 float qd = q[d];
-                const float *k = kt + (int64_t)d * bs;
+                const float *k = kv_row(row, a->k_cache, bf16, kt + (int64_t)d * bs, cn);
 #pragma omp simd
                 for (int c = 0; c < cn; c++) s[c] += qd * k[c];
             }
@@ -134,19 +155,20 @@ static inline __attribute__((always_inline)) void scores_plain(const item_view *
     }
 }
 
-static inline __attribute__((always_inline)) void values_plain(const item_view *v) {
+static inline __attribute__((always_inline)) void values_plain(const item_view *v, const int bf16) {
     const mrl_paged_attn *a = v->a;
     int bs = a->block_size, hd = a->hd;
+    float row[MAX_HEAD_DIM];
     memset(v->out, 0, (size_t)v->G * hd * sizeof(float));
     for (int c0 = 0; c0 < v->n_ctx; c0 += bs) {
-        const float *vb = a->v_cache + block_offset(a, v->table[c0 / bs], v->g);
+        int64_t vb = block_offset(a, v->table[c0 / bs], v->g);
         int cn = v->n_ctx - c0 < bs ? v->n_ctx - c0 : bs;
         for (int r = 0; r < v->G; r++) {
             float *o = v->out + (int64_t)r * hd;
             const float *p = v->scores + (int64_t)r * v->n_ctx + c0;
             for (int c = 0; c < cn; c++) {
                 float pc = p[c];
-                const float *vr = vb + (int64_t)c * hd;
+                const float *vr = kv_row(row, a->v_cache, bf16, vb + (int64_t)c * hd, hd);
 #pragma omp simd
                 for (int d = 0; d < hd; d++) o[d] += pc * vr[d];
             }
@@ -158,17 +180,27 @@ static inline __attribute__((always_inline)) void values_plain(const item_view *
  * keys: chunk i starts at kp[i] (its rows d are block_size apart) and its
  * scores go to column c0 + 16 i; the last chunk is masked by mlast. RN * KC
  * accumulators stay in registers; each K vector serves RN heads. */
+/* 16 elements of a cache from p (those of mask m; the others 0), fp32 or bf16. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512
+load16(const void *p, int64_t i, const int bf16, __mmask16 m) {
+    if (bf16) { /* bf16 -> fp32 is the bits shifted up: exact. m is a prefix of the lanes (a tail) */
+        const uint16_t *h = (const uint16_t *)p + i;
+        uint16_t tail[16] = {0};
+        if (m != 0xffff) h = memcpy(tail, h, sizeof(uint16_t) * __builtin_popcount(m)); /* no AVX512BW needed */
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+    }
+    return m == 0xffff ? _mm512_loadu_ps((const float *)p + i) : _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
-score_chunks_512(const item_view *v, int r0, const int RN, const float *const *kp, const int KC, __mmask16 mlast,
-                 int c0) {
+score_chunks_512(const item_view *v, int r0, const int RN, const void *const *kp, const int KC, __mmask16 mlast,
+                 int c0, const int bf16) {
     int bs = v->a->block_size, hd = v->a->hd;
     const float *q = v->q + (int64_t)r0 * hd;
     __m512 acc[16], k[4];
     for (int i = 0; i < RN * KC; i++) acc[i] = _mm512_setzero_ps();
     for (int d = 0; d < hd; d++) {
-        for (int i = 0; i < KC; i++)
-            k[i] = i == KC - 1 ? _mm512_maskz_loadu_ps(mlast, kp[i] + (int64_t)d * bs)
-                               : _mm512_loadu_ps(kp[i] + (int64_t)d * bs);
+        for (int i = 0; i < KC; i++) k[i] = load16(kp[i], (int64_t)d * bs, bf16, i == KC - 1 ? mlast : 0xffff);
         for (int r = 0; r < RN; r++) {
             __m512 qb = _mm512_set1_ps(q[(int64_t)r * hd + d]);
             for (int i = 0; i < KC; i++) acc[r * KC + i] = _mm512_fmadd_ps(qb, k[i], acc[r * KC + i]);
@@ -184,22 +216,22 @@ score_chunks_512(const item_view *v, int r0, const int RN, const float *const *k
 /* The whole context for RN heads: chunks of 16 keys (block_size a multiple
  * of 16, so a chunk never straddles blocks), KC at a time, then the rest. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
-scores_512(const item_view *v, int r0, const int RN, const int KC) {
+scores_512(const item_view *v, int r0, const int RN, const int KC, const int bf16) {
     const mrl_paged_attn *a = v->a;
     int bs = a->block_size, n_full = v->n_ctx / 16, rem = v->n_ctx % 16, c = 0;
-    const float *kp[4];
-#define CHUNK_PTR(c) (a->k_cache + block_offset(a, v->table[(c) / bs], v->g) + (c) % bs)
+    const void *kp[4];
+#define CHUNK_PTR(c) kv_ptr(a->k_cache, bf16, block_offset(a, v->table[(c) / bs], v->g) + (c) % bs)
     for (; c + 16 * KC <= 16 * n_full; c += 16 * KC) {
         for (int i = 0; i < KC; i++) kp[i] = CHUNK_PTR(c + 16 * i);
-        score_chunks_512(v, r0, RN, kp, KC, 0xffff, c);
+        score_chunks_512(v, r0, RN, kp, KC, 0xffff, c, bf16);
     }
     for (; c < 16 * n_full; c += 16) {
         kp[0] = CHUNK_PTR(c);
-        score_chunks_512(v, r0, RN, kp, 1, 0xffff, c);
+        score_chunks_512(v, r0, RN, kp, 1, 0xffff, c, bf16);
     }
     if (rem) {
         kp[0] = CHUNK_PTR(c);
-        score_chunks_512(v, r0, RN, kp, 1, (__mmask16)((1u << rem) - 1), c);
+        score_chunks_512(v, r0, RN, kp, 1, (__mmask16)((1u << rem) - 1), c, bf16);
     }
 #undef CHUNK_PTR
 }
@@ -207,7 +239,8 @@ scores_512(const item_view *v, int r0, const int RN, const int KC) {
 /* out[r0 .. r0+RN)[d0 .. d0 + 16 DC) += sum over keys k0..k1 of p * V rows;
  * the last d-chunk masked by mlast; RN * DC accumulators in registers. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
-value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC, __mmask16 mlast, int k0, int k1) {
+value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC, __mmask16 mlast, int k0, int k1,
+                 const int bf16) {
     const mrl_paged_attn *a = v->a;
     int bs = a->block_size, hd = a->hd;
     __m512 acc[16];
@@ -218,13 +251,12 @@ value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC,
                                  : _mm512_setzero_ps();
         }
     for (int c = k0; c < k1;) { /* keys of one block at a time */
-        const float *vb = a->v_cache + block_offset(a, v->table[c / bs], v->g) + d0;
+        int64_t vb = block_offset(a, v->table[c / bs], v->g) + d0;
         int cend = (c / bs + 1) * bs < k1 ? (c / bs + 1) * bs : k1;
         for (; c < cend; c++) {
             __m512 x[4];
-            const float *row = vb + (int64_t)(c % bs) * hd;
-            for (int i = 0; i < DC; i++)
-                x[i] = i == DC - 1 ? _mm512_maskz_loadu_ps(mlast, row + 16 * i) : _mm512_loadu_ps(row + 16 * i);
+            int64_t row = vb + (int64_t)(c % bs) * hd;
+            for (int i = 0; i < DC; i++) x[i] = load16(a->v_cache, row + 16 * i, bf16, i == DC - 1 ? mlast : 0xffff);
             for (int r = 0; r < RN; r++) {
                 __m512 p = _mm512_set1_ps(v->scores[(int64_t)(r0 + r) * v->n_ctx + c]);
                 for (int i = 0; i < DC; i++) acc[r * DC + i] = _mm512_fmadd_ps(p, x[i], acc[r * DC + i]);
@@ -239,42 +271,56 @@ value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC,
 
 /* Keys in tiles that stay in cache while every d-chunk is accumulated. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
-values_512(const item_view *v, int r0, const int RN, const int DC) {
+values_512(const item_view *v, int r0, const int RN, const int DC, const int bf16) {
     int hd = v->a->hd;
     for (int k0 = 0; k0 < v->n_ctx; k0 += KEY_TILE) {
         int k1 = k0 + KEY_TILE < v->n_ctx ? k0 + KEY_TILE : v->n_ctx, d0 = 0;
-        for (; d0 + 16 * DC <= hd; d0 += 16 * DC) value_chunks_512(v, r0, RN, d0, DC, 0xffff, k0, k1);
+        for (; d0 + 16 * DC <= hd; d0 += 16 * DC) value_chunks_512(v, r0, RN, d0, DC, 0xffff, k0, k1, bf16);
         for (; d0 < hd; d0 += 16)
-            value_chunks_512(v, r0, RN, d0, 1, hd - d0 >= 16 ? 0xffff : (__mmask16)((1u << (hd - d0)) - 1), k0, k1);
+            value_chunks_512(v, r0, RN, d0, 1, hd - d0 >= 16 ? 0xffff : (__mmask16)((1u << (hd - d0)) - 1), k0, k1,
+                             bf16);
     }
 }
 
 /* Query heads in runs of 8, 4, 2, 1, each with as many key (or d) chunks as
  * keep 8-16 accumulators in registers. */
+#define SCORES_512(bf16)                                                \
+    do {                                                                \
+        int r = 0;                                                      \
+        for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8, 2, bf16);     \
+        if (r + 4 <= v->G) { scores_512(v, r, 4, 4, bf16); r += 4; }    \
+        if (r + 2 <= v->G) { scores_512(v, r, 2, 4, bf16); r += 2; }    \
+        if (r < v->G) scores_512(v, r, 1, 4, bf16);                     \
+    } while (0)
+#define VALUES_512(bf16)                                                \
+    do {                                                                \
+        int r = 0;                                                      \
+        for (; r + 8 <= v->G; r += 8) values_512(v, r, 8, 2, bf16);     \
+        if (r + 4 <= v->G) { values_512(v, r, 4, 4, bf16); r += 4; }    \
+        if (r + 2 <= v->G) { values_512(v, r, 2, 4, bf16); r += 2; }    \
+        if (r < v->G) values_512(v, r, 1, 4, bf16);                     \
+    } while (0)
+
 __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
-    int r = 0;
     if (v->a->block_size % 16) { /* chunks would straddle blocks: the plain loops */
-        scores_plain(v);
+        if (v->a->kv_bf16) scores_plain(v, 1);
+        else scores_plain(v, 0);
         return;
     }
-    for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8, 2);
-    if (r + 4 <= v->G) { scores_512(v, r, 4, 4); r += 4; }
-    if (r + 2 <= v->G) { scores_512(v, r, 2, 4); r += 2; }
-    if (r < v->G) scores_512(v, r, 1, 4);
+    if (v->a->kv_bf16) SCORES_512(1);
+    else SCORES_512(0);
 }
 
 __attribute__((target("avx512f"))) static void values_avx512(const item_view *v) {
-    int r = 0;
-    for (; r + 8 <= v->G; r += 8) values_512(v, r, 8, 2);
-    if (r + 4 <= v->G) { values_512(v, r, 4, 4); r += 4; }
-    if (r + 2 <= v->G) { values_512(v, r, 2, 4); r += 2; }
-    if (r < v->G) values_512(v, r, 1, 4);
+    if (v->a->kv_bf16) VALUES_512(1);
+    else VALUES_512(0);
 }
 
-__attribute__((target("avx2,fma"))) static void scores_avx2(const item_view *v) { scores_plain(v); }
-__attribute__((target("avx2,fma"))) static void values_avx2(const item_view *v) { values_plain(v); }
-static void scores_scalar(const item_view *v) { scores_plain(v); }
-static void values_scalar(const item_view *v) { values_plain(v); }
+#define PLAIN(fn, v) ((v)->a->kv_bf16 ? fn##_plain(v, 1) : fn##_plain(v, 0))
+__attribute__((target("avx2,fma"))) static void scores_avx2(const item_view *v) { PLAIN(scores, v); }
+__attribute__((target("avx2,fma"))) static void values_avx2(const item_view *v) { PLAIN(values, v); }
+static void scores_scalar(const item_view *v) { PLAIN(scores, v); }
+static void values_scalar(const item_view *v) { PLAIN(values, v); }
 
 static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *scores, int level) {
     int G = a->Hq / a->Hk, hd = a->hd;
@@ -380,27 +426,41 @@ mrl_status mrl_cpu_fast_paged_attn(const mrl_paged_attn *a) {
     return MRL_OK;
 }
 
-/* Token t's K and V rows into slot slot_mapping[t] (negative: none). */
-static void kv_write_token(float *k_cache, float *v_cache, const float *k, const float *v,
+/* Token t's K and V rows into slot slot_mapping[t] (negative: none), as
+ * fp32 or (bf16) rounded to nearest even (mrl_f32_to_bf16). */
+static void kv_write_token(void *k_cache, void *v_cache, int bf16, const float *k, const float *v,
                            const int32_t *slot_mapping, int64_t t, int Hk, int hd, int block_size) {
     int32_t slot = slot_mapping[t];
     if (slot < 0) return;
     int64_t blk = slot / block_size, off = slot % block_size;
     for (int h = 0; h < Hk; h++) {
         int64_t base = (blk * Hk + h) * (int64_t)block_size * hd;
-        const float *ks = k + (t * Hk + h) * (int64_t)hd;
-        for (int d = 0; d < hd; d++) k_cache[base + (int64_t)d * block_size + off] = ks[d];
-        memcpy(v_cache + base + off * hd, v + (t * Hk + h) * (int64_t)hd, (size_t)hd * sizeof(float));
+        const float *ks = k + (t * Hk + h) * (int64_t)hd, *vs = v + (t * Hk + h) * (int64_t)hd;
+        if (bf16) {
+            uint16_t *kc = k_cache, *vc = v_cache;
+            for (int d = 0; d < hd; d++) kc[base + (int64_t)d * block_size + off] = mrl_f32_to_bf16(ks[d]);
+            for (int d = 0; d < hd; d++) vc[base + off * hd + d] = mrl_f32_to_bf16(vs[d]);
+        } else {
+            float *kc = k_cache;
+            for (int d = 0; d < hd; d++) kc[base + (int64_t)d * block_size + off] = ks[d];
+            memcpy((float *)v_cache + base + off * hd, vs, (size_t)hd * sizeof(float));
+        }
     }
 }
 
 void mrl_cpu_ref_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
                                 const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
-    for (int64_t t = 0; t < T; t++) kv_write_token(k_cache, v_cache, k, v, slot_mapping, t, Hk, hd, block_size);
+    for (int64_t t = 0; t < T; t++) kv_write_token(k_cache, v_cache, 0, k, v, slot_mapping, t, Hk, hd, block_size);
+}
+
+void mrl_cpu_ref_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                                     const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    for (int64_t t = 0; t < T; t++) kv_write_token(k_cache, v_cache, 1, k, v, slot_mapping, t, Hk, hd, block_size);
 }
 
 typedef struct kv_write_ctx {
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
+    int bf16;
     const float *k, *v;
     const int32_t *slot_mapping;
     int Hk, hd, block_size;
@@ -409,14 +469,24 @@ typedef struct kv_write_ctx {
 static void kv_write_range(void *vctx, int64_t t0, int64_t t1) {
     const kv_write_ctx *c = vctx;
     for (int64_t t = t0; t < t1; t++)
-        kv_write_token(c->k_cache, c->v_cache, c->k, c->v, c->slot_mapping, t, c->Hk, c->hd, c->block_size);
+        kv_write_token(c->k_cache, c->v_cache, c->bf16, c->k, c->v, c->slot_mapping, t, c->Hk, c->hd, c->block_size);
 }
 
 /* A prefill's tokens over the cores; a decode step's few on this thread (64K
  * floats per thread at least: a parallel region costs more than that copy). */
-void mrl_cpu_fast_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
-                                 const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
-    kv_write_ctx c = {k_cache, v_cache, k, v, slot_mapping, Hk, hd, block_size};
+static void fast_kv_write(void *k_cache, void *v_cache, int bf16, const float *k, const float *v,
+                          const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    kv_write_ctx c = {k_cache, v_cache, bf16, k, v, slot_mapping, Hk, hd, block_size};
     int64_t per_token = 2 * (int64_t)Hk * hd;
     mrl_parallel_for(T, per_token >= (1 << 16) ? 1 : (1 << 16) / per_token, kv_write_range, &c);
+}
+
+void mrl_cpu_fast_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
+                                 const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    fast_kv_write(k_cache, v_cache, 0, k, v, slot_mapping, T, Hk, hd, block_size);
+}
+
+void mrl_cpu_fast_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                                      const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    fast_kv_write(k_cache, v_cache, 1, k, v, slot_mapping, T, Hk, hd, block_size);
 }

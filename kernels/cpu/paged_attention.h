@@ -4,7 +4,8 @@
  * slots: the paged_attn, paged_attn_workspace and paged_kv_write ops of the
  * two tables (kernels.h, mrl_paged_attn). Internal.
  *
- * Cache layout of ONE layer (see core/engine/kv_cache.h), fp32:
+ * Cache layout of ONE layer (see core/engine/kv_cache.h), fp32, or bf16
+ * (kv_bf16: uint16_t, the same layout; read widened, exactly, sums in fp32):
  *   k_cache: [num_blocks][Hk][hd][block_size]  (K transposed inside a block)
  *   v_cache: [num_blocks][Hk][block_size][hd]
  * slot s = block * block_size + offset.
@@ -38,3 +39,8 @@ void mrl_cpu_ref_paged_kv_write(float *k_cache, float *v_cache, const float *k, 
                                 const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
 void mrl_cpu_fast_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v,
                                  const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
+/* The same into a bf16 cache, each value rounded to nearest even. */
+void mrl_cpu_ref_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                                     const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
+void mrl_cpu_fast_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                                      const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);

@@ -304,6 +304,7 @@ static const mrl_kernels reference_table = {
     .panels_pack = ref_panels_pack,
     .panels16_pack = ref_panels16_pack,
     .paged_kv_write = mrl_cpu_ref_paged_kv_write,
+    .paged_kv_write_bf16 = mrl_cpu_ref_paged_kv_write_bf16,
     .paged_attn_workspace = mrl_cpu_ref_paged_attn_workspace,
     .paged_attn = mrl_cpu_ref_paged_attn,
     .sample = mrl_cpu_ref_sample,

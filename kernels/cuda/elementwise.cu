@@ -168,11 +168,7 @@ __global__ static void bf16_to_f32_kernel(const uint16_t *src, float *dst, int64
 }
 
 __global__ static void f32_to_bf16_kernel(const float *src, uint16_t *dst, int64_t n) {
-    GRID_STRIDE(i, n) {
-        uint32_t u = __float_as_uint(src[i]);
-        if ((u & 0x7fffffffu) > 0x7f800000u) dst[i] = (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
-        else dst[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    GRID_STRIDE(i, n) dst[i] = f32_to_bf16_bits(src[i]);
 }
 
 __global__ static void f16_to_f32_kernel(const uint16_t *src, float *dst, int64_t n) {

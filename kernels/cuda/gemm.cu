@@ -212,13 +212,6 @@ void cuda_gemm_group(const mrl_gemm_desc *g, int n) {
 
 // ---- bf16 ----
 
-// The rounding of moonrl/dtype.h: to nearest, ties to even; NaN stays NaN.
-__device__ __forceinline__ uint16_t f32_to_bf16_bits(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 // dst [rows, ld_dst] (bf16) = src [rows, cols] (fp32, ld_src) rounded.
 __global__ static void to_bf16_2d(uint16_t *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows,

@@ -43,6 +43,8 @@ void cuda_gemm_group(const mrl_gemm_desc *g, int n);
 void cuda_gemm_bf16(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const void *A, int a_bf16,
                     int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc);
 void cuda_panels_pack(float *P, const float *W, int64_t N, int64_t K);
+void cuda_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                              const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size);
 void cuda_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
 void cuda_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const uint32_t *P,
                            const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
@@ -91,6 +93,19 @@ mrl_status cuda_sample(const float *const *rows, int64_t n, int V, const mrl_sam
 // ---- device helpers ----
 
 #define FULL_MASK 0xffffffffu
+
+// The rounding of moonrl/dtype.h: to nearest, ties to even; NaN stays NaN.
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+// A value of a cache or copy, fp32 or bf16 (exact).
+__device__ __forceinline__ float load_f32(const float *p) { return *p; }
+__device__ __forceinline__ float load_f32(const uint16_t *p) { return __uint_as_float((uint32_t)*p << 16); }
+__device__ __forceinline__ void store_f32(float *p, float v) { *p = v; }
+__device__ __forceinline__ void store_f32(uint16_t *p, float v) { *p = f32_to_bf16_bits(v); }
 
 __device__ __forceinline__ float warp_sum_f(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

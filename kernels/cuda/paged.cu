@@ -17,7 +17,9 @@
 #define WARPS 4
 #define MAX_HD 1024
 
-__global__ static void kv_write_kernel(float *k_cache, float *v_cache, const float *k, const float *v,
+// E: float, or uint16_t for a bf16 cache (rounded to nearest even).
+template <typename E>
+__global__ static void kv_write_kernel(E *k_cache, E *v_cache, const float *k, const float *v,
                                        const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
     int64_t per_token = (int64_t)Hk * hd;
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < T * per_token;
@@ -28,25 +30,37 @@ __global__ static void kv_write_kernel(float *k_cache, float *v_cache, const flo
         int h = (int)(e % per_token / hd), d = (int)(e % hd);
         int64_t blk = slot / block_size, off = slot % block_size;
         int64_t base = (blk * Hk + h) * (int64_t)block_size * hd;
-        k_cache[base + (int64_t)d * block_size + off] = k[e];
-        v_cache[base + off * hd + d] = v[e];
+        store_f32(k_cache + base + (int64_t)d * block_size + off, k[e]);
+        store_f32(v_cache + base + off * hd + d, v[e]);
     }
+}
+
+template <typename E>
+static void kv_write(const char *name, E *k_cache, E *v_cache, const float *k, const float *v,
+                     const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    if (T <= 0 || Hk <= 0 || hd <= 0) return;
+    if (block_size < 1) {
+        cuda_ops_fail(MRL_ERR_INVALID, "cuda %s: block_size %d", name, block_size);
+        return;
+    }
+    kv_write_kernel<E><<<grid_for(T * Hk * hd, 256), 256, 0, cuda_ops_stream()>>>(k_cache, v_cache, k, v, slot_mapping,
+                                                                                  T, Hk, hd, block_size);
+    cuda_ops_launched(name);
 }
 
 void cuda_paged_kv_write(float *k_cache, float *v_cache, const float *k, const float *v, const int32_t *slot_mapping,
                          int64_t T, int Hk, int hd, int block_size) {
-    if (T <= 0 || Hk <= 0 || hd <= 0) return;
-    if (block_size < 1) {
-        cuda_ops_fail(MRL_ERR_INVALID, "cuda paged_kv_write: block_size %d", block_size);
-        return;
-    }
-    kv_write_kernel<<<grid_for(T * Hk * hd, 256), 256, 0, cuda_ops_stream()>>>(k_cache, v_cache, k, v, slot_mapping,
-                                                                               T, Hk, hd, block_size);
-    cuda_ops_launched("paged_kv_write");
+    kv_write("paged_kv_write", k_cache, v_cache, k, v, slot_mapping, T, Hk, hd, block_size);
+}
+
+void cuda_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float *k, const float *v,
+                              const int32_t *slot_mapping, int64_t T, int Hk, int hd, int block_size) {
+    kv_write("paged_kv_write_bf16", k_cache, v_cache, k, v, slot_mapping, T, Hk, hd, block_size);
 }
 
 // smem: q [hd], each warp's output [WARPS][hd], max and sum [WARPS] each.
-template <int NC>
+// E: the cache's element (float, or uint16_t holding bf16: read widened).
+template <typename E, int NC>
 __global__ static void __launch_bounds__(WARPS * 32) paged_attn_kernel(mrl_paged_attn a, int *bad_seq) {
     extern __shared__ float sm[];
     const int hd = a.hd, bs = a.block_size, G = a.Hq / a.Hk, h = blockIdx.y, g = h / G;
@@ -78,14 +92,14 @@ __global__ static void __launch_bounds__(WARPS * 32) paged_attn_kernel(mrl_paged
             int c = c0 + lane;
             bool ok = c <= pos;
             float s = -INFINITY;
-            const float *vrow = NULL;
+            const E *vrow = NULL;
             if (ok) {
                 int64_t base = ((int64_t)table[c / bs] * a.Hk + g) * bs * hd;
-                const float *kt = a.k_cache + base + c % bs;
+                const E *kt = (const E *)a.k_cache + base + c % bs;
                 float dot = 0;
-                for (int d = 0; d < hd; d++) dot += qs[d] * kt[(int64_t)d * bs];
+                for (int d = 0; d < hd; d++) dot += qs[d] * load_f32(kt + (int64_t)d * bs);
                 s = dot * a.scale;
-                vrow = a.v_cache + base + (int64_t)(c % bs) * hd;
+                vrow = (const E *)a.v_cache + base + (int64_t)(c % bs) * hd;
             }
             float mn = fmaxf(m, warp_max_f(s));  // the tile's first key is valid: mn is finite
             float alpha = m == -INFINITY ? 0.0f : expf(m - mn);
@@ -95,10 +109,10 @@ __global__ static void __launch_bounds__(WARPS * 32) paged_attn_kernel(mrl_paged
             m = mn;
             for (int jj = 0; jj < 32 && c0 + jj <= pos; jj++) {
                 float pj = __shfl_sync(FULL_MASK, p, jj);
-                const float *vr = (const float *)__shfl_sync(FULL_MASK, (unsigned long long)vrow, jj);
+                const E *vr = (const E *)__shfl_sync(FULL_MASK, (unsigned long long)vrow, jj);
                 for (int k = 0; k < NC; k++) {
                     int d = k * 32 + lane;
-                    if (d < hd) acc[k] += pj * vr[d];
+                    if (d < hd) acc[k] += pj * load_f32(vr + d);
                 }
             }
         }
@@ -124,6 +138,17 @@ __global__ static void __launch_bounds__(WARPS * 32) paged_attn_kernel(mrl_paged
     }
 }
 
+template <typename E>
+static void launch_attn(const mrl_paged_attn *a, int *flag, dim3 grid, size_t smem, cudaStream_t st) {
+    int nc = (a->hd + 31) / 32;
+    if (nc <= 1) paged_attn_kernel<E, 1><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+    else if (nc <= 2) paged_attn_kernel<E, 2><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+    else if (nc <= 4) paged_attn_kernel<E, 4><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+    else if (nc <= 8) paged_attn_kernel<E, 8><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+    else if (nc <= 16) paged_attn_kernel<E, 16><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+    else paged_attn_kernel<E, 32><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+}
+
 // No workspace: the merge of the warps' partial results is in shared memory.
 int64_t cuda_paged_attn_workspace(const mrl_paged_attn *a) {
     (void)a;
@@ -145,12 +170,7 @@ mrl_status cuda_paged_attn(const mrl_paged_attn *a) {
     size_t smem = sizeof(float) * ((WARPS + 1) * a->hd + 2 * WARPS);
     dim3 grid(4 * cuda_ops_sm_count(), a->Hq);
     cudaStream_t st = cuda_ops_stream();
-    int nc = (a->hd + 31) / 32;
-    if (nc <= 1) paged_attn_kernel<1><<<grid, WARPS * 32, smem, st>>>(*a, flag);
-    else if (nc <= 2) paged_attn_kernel<2><<<grid, WARPS * 32, smem, st>>>(*a, flag);
-    else if (nc <= 4) paged_attn_kernel<4><<<grid, WARPS * 32, smem, st>>>(*a, flag);
-    else if (nc <= 8) paged_attn_kernel<8><<<grid, WARPS * 32, smem, st>>>(*a, flag);
-    else if (nc <= 16) paged_attn_kernel<16><<<grid, WARPS * 32, smem, st>>>(*a, flag);
-    else paged_attn_kernel<32><<<grid, WARPS * 32, smem, st>>>(*a, flag);
+    if (a->kv_bf16) launch_attn<uint16_t>(a, flag, grid, smem, st);
+    else launch_attn<float>(a, flag, grid, smem, st);
     return cuda_ops_launched("paged_attn");
 }

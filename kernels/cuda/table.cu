@@ -195,6 +195,7 @@ static const mrl_kernels cuda_table = {
     .panels_pack = cuda_panels_pack,
     .panels16_pack = cuda_panels16_pack,
     .paged_kv_write = cuda_paged_kv_write,
+    .paged_kv_write_bf16 = cuda_paged_kv_write_bf16,
     .paged_attn_workspace = cuda_paged_attn_workspace,
     .paged_attn = cuda_paged_attn,
     .sample = cuda_sample,

@@ -641,6 +641,23 @@ static void case_paged(int n_seqs, const int *lens, const int *n_qs, int Hq, int
     CHECK(G->paged_attn_workspace(&d) == 0);
     CHECK_OK(G->paged_attn(&d));
     cmp("paged_attn", "out", dout, out, T * Hq * hd, TOL_ATTN, shape);
+    /* the same with the cache in bf16: the write rounds, attention reads widened */
+    {
+        uint16_t *kh = rnd_maybe_bf16(cache, 1), *vh = rnd_maybe_bf16(cache, 1);
+        void *dkh = up(kh, 2 * cache), *dvh = up(vh, 2 * cache);
+        R->paged_kv_write_bf16(kh, vh, k, v, slots, T, Hk, hd, bs);
+        G->paged_kv_write_bf16(dkh, dvh, dk, dv, dslots, T, Hk, hd, bs);
+        cmp_bytes("paged_kv_write_bf16", "k_cache", dkh, kh, 2 * cache, shape);
+        cmp_bytes("paged_kv_write_bf16", "v_cache", dvh, vh, 2 * cache, shape);
+        mrl_paged_attn a16 = a, d16 = d;
+        a16.k_cache = kh, a16.v_cache = vh, a16.kv_bf16 = 1;
+        d16.k_cache = dkh, d16.v_cache = dvh, d16.kv_bf16 = 1;
+        CHECK_OK(R->paged_attn(&a16));
+        CHECK_OK(G->paged_attn(&d16));
+        cmp("paged_attn", "out (bf16 cache)", dout, out, T * Hq * hd, TOL_ATTN, shape);
+        mrl_cuda_free(dkh), mrl_cuda_free(dvh);
+        free(kh), free(vh);
+    }
     /* a sequence whose length passes its blocks: an error, found on the device */
     if (n_seqs > 1) {
         int32_t bad[16];

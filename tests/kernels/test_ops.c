@@ -862,13 +862,17 @@ static void run_kv_write(const mrl_kernels *k, void *const *p, const op_case *c)
     k->paged_kv_write(p[0], p[1], p[2], p[3], p[4], c->i[0], (int)c->i[1], (int)c->i[2], (int)c->i[3]);
 }
 
+static void run_kv_write_bf16(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->paged_kv_write_bf16(p[0], p[1], p[2], p[3], p[4], c->i[0], (int)c->i[1], (int)c->i[2], (int)c->i[3]);
+}
+
 /* p: out, q, k_cache, v_cache, block_tables, seq_lens, query_start;
  * i: n_seqs, max_blocks, block_size, Hq, Hk, hd, with a workspace */
 static void run_paged_attn(const mrl_kernels *k, void *const *p, const op_case *c) {
     mrl_paged_attn a = {.out = p[0], .q = p[1], .k_cache = p[2], .v_cache = p[3], .block_tables = p[4],
                         .seq_lens = p[5], .query_start = p[6], .n_seqs = (int)c->i[0],
                         .max_blocks_per_seq = (int)c->i[1], .block_size = (int)c->i[2], .Hq = (int)c->i[3],
-                        .Hk = (int)c->i[4], .hd = (int)c->i[5], .scale = c->f[0]};
+                        .Hk = (int)c->i[4], .hd = (int)c->i[5], .scale = c->f[0], .kv_bf16 = (int)c->i[7]};
     void *ws = NULL;
     if (c->i[6]) { /* the caller's workspace, exactly the size asked for */
         a.workspace_bytes = k->paged_attn_workspace(&a);
@@ -882,7 +886,8 @@ static void run_paged_attn(const mrl_kernels *k, void *const *p, const op_case *
  * each), mixed prefill chunks and single-token decodes, contexts up to 300
  * tokens (past the fast kernel's key tile of 256); GQA 2:1, 4:1, 7:1
  * (Qwen2.5-0.5B: head runs of 4 + 2 + 1), 16:1, MHA; blocks of 4, 16, 5, 7
- * and 32 (not a multiple of 16: the plain loops); hd 8 .. 128. */
+ * and 32 (not a multiple of 16: the plain loops); hd 8 .. 128. Each with the
+ * cache in fp32 and in bf16 (its values rounded: the same for every table). */
 static void cases_paged(void) {
     static const int shapes[][4] = {{4, 2, 16, 4}, {8, 2, 64, 16}, {14, 2, 64, 16},
                                     {3, 3, 24, 5}, {2, 1, 128, 7}, {16, 1, 8, 32},
@@ -916,21 +921,38 @@ static void cases_paged(void) {
         add(&c, "slots", I32, IN, T, slots, 0);
         c.i[0] = T, c.i[1] = Hk, c.i[2] = hd, c.i[3] = bs;
         check_case(&c);
-        for (int ws = 0; ws < 2; ws++) {
+        new_case(&c, "paged_kv_write_bf16", run_kv_write_bf16, "%lld tokens, Hk %d hd %d, blocks of %d", (long long)T,
+                 Hk, hd, bs);
+        uint16_t *kc16 = rnd_bf16(cache), *vc16 = rnd_bf16(cache);
+        add(&c, "k_cache", U16, INOUT, cache, kc16, TOL_BITS);
+        add(&c, "v_cache", U16, INOUT, cache, vc16, TOL_BITS);
+        in_rnd(&c, "k", T * Hk * hd, 1);
+        in_rnd(&c, "v", T * Hk * hd, 1);
+        add(&c, "slots", I32, IN, T, slots, 0);
+        c.i[0] = T, c.i[1] = Hk, c.i[2] = hd, c.i[3] = bs;
+        check_case(&c);
+        for (int run = 0; run < 3; run++) {
+            int ws = run == 1, bf16 = run == 2;
             new_case(&c, "paged_attn", run_paged_attn, "GQA %d/%d hd %d, blocks of %d%s", Hq, Hk, hd, bs,
-                     ws ? ", the caller's workspace" : "");
+                     ws ? ", the caller's workspace" : bf16 ? ", bf16 cache" : "");
             add(&c, "out", F32, OUT, T * Hq * hd, NULL, TOL_PAGED);
             in_rnd(&c, "q", T * Hq * hd, 1);
-            in_rnd(&c, "k_cache", cache, 2);
-            in_rnd(&c, "v_cache", cache, 1);
+            if (bf16) {
+                add(&c, "k_cache", U16, IN, cache, kc16, 0);
+                add(&c, "v_cache", U16, IN, cache, vc16, 0);
+            } else {
+                in_rnd(&c, "k_cache", cache, 2);
+                in_rnd(&c, "v_cache", cache, 1);
+            }
             add(&c, "block_tables", I32, IN, (int64_t)n_seqs * max_blocks, tables_, 0);
             add(&c, "seq_lens", I32, IN, n_seqs, lens, 0);
             add(&c, "query_start", I32, IN, n_seqs + 1, qs, 0);
             c.i[0] = n_seqs, c.i[1] = max_blocks, c.i[2] = bs, c.i[3] = Hq, c.i[4] = Hk, c.i[5] = hd, c.i[6] = ws;
+            c.i[7] = bf16;
             c.f[0] = 1.0f / sqrtf((float)hd);
             check_case(&c);
         }
-        free(tables_), free(perm), free(slots);
+        free(tables_), free(perm), free(slots), free(kc16), free(vc16);
     }
 }
 
