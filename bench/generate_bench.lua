@@ -2,7 +2,8 @@
 --   BENCH_MODE=save BENCH_DIR=D BENCH_CONFIG=json   create a random model, save it in Hugging Face format
 --   BENCH_MODE=run  BENCH_DIR=D BENCH_CASE=json     generate with moonrl.engine, print one JSON line
 -- BENCH_PACK=0 reads the weights in place instead of through weight panels (engine.h).
--- BENCH_DTYPE=bf16: model.dtype=bf16 (the engine reads the bf16 copies of the matrices in place).
+-- BENCH_DTYPE=bf16: model.dtype=bf16 (the engine reads bf16 weight panels, and its KV cache is bf16).
+-- BENCH_KV=fp32|bf16|auto: the KV cache's dtype (engine kv_cache_dtype; default auto).
 -- BENCH_DEVICE=cuda: the model (and so the engine) on a GPU (bench/gpu_decode.py).
 -- A case: { prompts = P, n = samples per prompt, prompt_len = L, new = N, temperature = T }; prompt i
 -- (0-based) token k is (k * 31 + i * 7 + 1) % vocab, as on the PyTorch side.
@@ -21,7 +22,7 @@ if os.getenv('BENCH_DTYPE') then model:set_dtype(os.getenv('BENCH_DTYPE')) end
 if os.getenv('BENCH_DEVICE') then model:to_device(os.getenv('BENCH_DEVICE')) end
 local V = model.config.vocab_size
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 30, max_batch_tokens = 2048, max_seqs = 256,
-  prefix_caching = false, pack_weights = os.getenv('BENCH_PACK') ~= '0' })
+  prefix_caching = false, pack_weights = os.getenv('BENCH_PACK') ~= '0', kv_cache_dtype = os.getenv('BENCH_KV') })
 local function requests(P, n, L)
   local reqs = {}
   for i = 0, P - 1 do

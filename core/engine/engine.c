@@ -320,6 +320,8 @@ static mrl_status new_sched(mrl_engine *e) {
     mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
                               .head_dim = c->head_dim, .block_size = e->cfg.block_size,
                               .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching,
+                              .bf16 = e->cfg.kv_cache_dtype == MRL_KV_BF16 ||
+                                      (e->cfg.kv_cache_dtype == MRL_KV_AUTO && mrl_model_dtype(e->m) == MRL_MODEL_BF16),
                               .k = mrl_model_kernels(e->m), .device = mrl_model_get_device(e->m)};
     mrl_status st = e->kv ? mrl_kv_cache_clear(e->kv) : mrl_kv_cache_create(&kc, &e->kv);
     if (st) return st;
@@ -396,6 +398,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     BOUND(max_num_seqs, 1, 1 << 20)
     BOUND(max_num_batched_tokens, 1, 1 << 24)
     BOUND(max_model_len, 2, INT32_MAX)
+    BOUND(kv_cache_dtype, MRL_KV_AUTO, MRL_KV_BF16)
 #undef BOUND
     int64_t phys = on_device ? 0 : physical_memory(); /* a GPU's own allocator says when it has too little */
     if (c.kv_cache_bytes <= 0 || (phys > 0 && c.kv_cache_bytes > phys))
@@ -642,8 +645,12 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
-        k->paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T, Hk,
-                          hd, e->cfg.block_size);
+        if (mrl_kv_cache_get_config(e->kv)->bf16)
+            k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping,
+                                   T, Hk, hd, e->cfg.block_size);
+        else
+            k->paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T,
+                              Hk, hd, e->cfg.block_size);
         mrl_paged_attn args;
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
         if (st) break;

@@ -17,8 +17,9 @@ typedef struct kv_seq {
 struct mrl_kv_cache {
     mrl_kv_cache_config cfg;
     int num_blocks;
-    int64_t block_floats; /* one block, one layer, K or V */
-    float *pool; /* pool_buf's data: host or device memory (mrl_kv_cache_config.k) */
+    int64_t block_floats; /* elements of one block, one layer, K or V */
+    int64_t elem;         /* bytes an element: 4 (fp32) or 2 (bf16) */
+    char *pool; /* pool_buf's data: host or device memory (mrl_kv_cache_config.k) */
     mrl_buffer pool_buf;
     /* per block */
     int32_t *ref;
@@ -124,11 +125,11 @@ static void block_release(mrl_kv_cache *c, int b) {
 }
 
 static void block_copy(mrl_kv_cache *c, int dst, int src) {
-    int64_t bf = c->block_floats;
+    int64_t bb = c->block_floats * c->elem; /* bytes of one block, one layer, K or V */
     const mrl_kernels *k = c->cfg.k ? c->cfg.k : mrl_kernels_cpu_fast();
     for (int kv = 0; kv < 2 * c->cfg.n_layers; kv++) {
-        float *base = c->pool + (int64_t)kv * c->num_blocks * bf;
-        k->copy(base + dst * bf, base + src * bf, bf * (int64_t)sizeof(float));
+        char *base = c->pool + (int64_t)kv * c->num_blocks * bb;
+        k->copy(base + dst * bb, base + src * bb, bb);
     }
 }
 
@@ -159,7 +160,7 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
                              "kv_cache_create: bad geometry (n_layers=%d n_kv_heads=%d head_dim=%d block_size=%d)",
                              cfg->n_layers, cfg->n_kv_heads, cfg->head_dim, cfg->block_size);
     int64_t block_floats = (int64_t)cfg->n_kv_heads * cfg->block_size * cfg->head_dim;
-    int64_t block_bytes = block_floats * 2 * cfg->n_layers * (int64_t)sizeof(float);
+    int64_t elem = cfg->bf16 ? 2 : 4, block_bytes = block_floats * 2 * cfg->n_layers * elem;
     int64_t nb = cfg->budget_bytes > 0 ? cfg->budget_bytes / block_bytes : 0;
     if (nb < 1)
         return mrl_set_error(MRL_ERR_INVALID,
@@ -171,6 +172,7 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
     c->cfg = *cfg;
     c->num_blocks = (int)nb;
     c->block_floats = block_floats;
+    c->elem = elem;
     uint64_t nbuckets = 1;
     while (nbuckets < (uint64_t)nb) nbuckets <<= 1;
     c->bucket_mask = nbuckets - 1;
@@ -233,17 +235,17 @@ const mrl_kv_cache_config *mrl_kv_cache_get_config(const mrl_kv_cache *c) { retu
 int mrl_kv_cache_block_size(const mrl_kv_cache *c) { return c->cfg.block_size; }
 int mrl_kv_cache_num_blocks(const mrl_kv_cache *c) { return c->num_blocks; }
 int64_t mrl_kv_cache_block_bytes(const mrl_kv_cache *c) {
-    return c->block_floats * 2 * c->cfg.n_layers * (int64_t)sizeof(float);
+    return c->block_floats * 2 * c->cfg.n_layers * c->elem;
 }
 
-float *mrl_kv_cache_k(mrl_kv_cache *c, int layer) {
+void *mrl_kv_cache_k(mrl_kv_cache *c, int layer) {
     if (!c || layer < 0 || layer >= c->cfg.n_layers) return NULL;
-    return c->pool + (int64_t)(2 * layer) * c->num_blocks * c->block_floats;
+    return c->pool + (int64_t)(2 * layer) * c->num_blocks * c->block_floats * c->elem;
 }
 
-float *mrl_kv_cache_v(mrl_kv_cache *c, int layer) {
+void *mrl_kv_cache_v(mrl_kv_cache *c, int layer) {
     if (!c || layer < 0 || layer >= c->cfg.n_layers) return NULL;
-    return c->pool + (int64_t)(2 * layer + 1) * c->num_blocks * c->block_floats;
+    return c->pool + (int64_t)(2 * layer + 1) * c->num_blocks * c->block_floats * c->elem;
 }
 
 void mrl_kv_cache_get_stats(const mrl_kv_cache *c, mrl_kv_cache_stats *out) {

@@ -2,7 +2,8 @@
  * reference counts, fork with copy-on-write, and prefix caching of full
  * blocks across requests with LRU eviction. Internal to the core.
  *
- * Memory: one fp32 allocation (MRL_MEM_KV_CACHE) sized from a byte budget.
+ * Memory: one fp32 allocation (MRL_MEM_KV_CACHE; bf16 when cfg.bf16: half
+ * the bytes a block, twice the blocks for a budget) sized from a byte budget.
  * Layout, per layer l (K and V separately):
  *   K of layer l: pool + (2*l)   * num_blocks * block_floats
  *   V of layer l: pool + (2*l+1) * num_blocks * block_floats
@@ -47,6 +48,7 @@ typedef struct mrl_kv_cache_config {
     int block_size;          /* tokens per block (16 is vLLM's default) */
     int64_t budget_bytes;    /* the pool gets floor(budget / block_bytes) blocks */
     int prefix_caching;      /* 1: register full blocks for reuse across requests */
+    int bf16;                /* 1: the pool holds bf16 (uint16_t) instead of fp32 */
     /* the table whose memory holds the pool (NULL: the CPU's): a GPU's
      * (k->on_device) puts it in device memory, and copy-on-write copies
      * blocks with its copy slot; the block tables stay on the host */
@@ -77,8 +79,8 @@ const mrl_kv_cache_config *mrl_kv_cache_get_config(const mrl_kv_cache *c);
 int mrl_kv_cache_block_size(const mrl_kv_cache *c);
 int mrl_kv_cache_num_blocks(const mrl_kv_cache *c);
 int64_t mrl_kv_cache_block_bytes(const mrl_kv_cache *c); /* all layers, K and V */
-float *mrl_kv_cache_k(mrl_kv_cache *c, int layer);
-float *mrl_kv_cache_v(mrl_kv_cache *c, int layer);
+void *mrl_kv_cache_k(mrl_kv_cache *c, int layer); /* float, or uint16_t when cfg.bf16 */
+void *mrl_kv_cache_v(mrl_kv_cache *c, int layer);
 /* Blocks that can be allocated now (free list + evictable cached blocks). */
 int mrl_kv_cache_num_free(const mrl_kv_cache *c);
 void mrl_kv_cache_get_stats(const mrl_kv_cache *c, mrl_kv_cache_stats *out);

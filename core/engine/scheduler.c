@@ -653,7 +653,8 @@ mrl_status mrl_sched_attn_args(const mrl_sched_batch *b, mrl_kv_cache *kv, int l
                              .v_cache = mrl_kv_cache_v(kv, layer), .block_tables = b->block_tables,
                              .seq_lens = b->seq_lens, .query_start = b->query_start, .n_seqs = b->n_seqs,
                              .max_blocks_per_seq = b->max_blocks_per_seq, .block_size = c->block_size, .Hq = Hq,
-                             .Hk = c->n_kv_heads, .hd = c->head_dim, .scale = 1.0f / sqrtf((float)c->head_dim)};
+                             .Hk = c->n_kv_heads, .hd = c->head_dim, .scale = 1.0f / sqrtf((float)c->head_dim),
+                             .kv_bf16 = c->bf16};
     return MRL_OK;
 }
 

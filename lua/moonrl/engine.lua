@@ -71,7 +71,8 @@ end
 -- opts: kv_cache_bytes, block_size, max_batch_tokens, max_seqs, max_model_len, prefix_caching
 -- (default true), pack_weights (default true: the layers' matrices copied as weight panels at the
 -- start of each generate call, see engine.h; false reads them in place), cuda_graphs (default true:
--- a GPU engine replays its decode steps as CUDA graphs), seed (default 0).
+-- a GPU engine replays its decode steps as CUDA graphs), kv_cache_dtype ('auto' (default): bf16
+-- when the model is bf16, else fp32; 'fp32'; 'bf16': see engine.h), seed (default 0).
 function M.new(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.handle == nil then error('engine.new: expected a moonrl.model object', 2) end
@@ -89,6 +90,11 @@ function M.new(model, opts)
       error(string.format('%s: %s must be true or false (got %s)', w, key, tostring(v)), 2)
     end
     if v ~= nil then cfg[key] = v and 1 or 0 end
+  end
+  local kv_dtypes = { auto = C.MRL_KV_AUTO, fp32 = C.MRL_KV_FP32, bf16 = C.MRL_KV_BF16 }
+  if opts.kv_cache_dtype ~= nil then
+    cfg.kv_cache_dtype = kv_dtypes[opts.kv_cache_dtype] or error(string.format(
+      "%s: kv_cache_dtype must be 'auto', 'fp32' or 'bf16' (got %s)", w, tostring(opts.kv_cache_dtype)), 2)
   end
   local h = ffi.new('mrl_engine *[1]')
   moonrl.check(C.mrl_engine_create(model.handle, cfg, h), 2)

@@ -726,10 +726,12 @@ function M.train_config(over)
     max_grad_norm = 1.0, micro_batch_tokens = config.integer(4096) }, over)
 end
 
--- engine.cuda_graphs: a GPU engine replays its decode steps as CUDA graphs (moonrl.engine).
+-- engine.cuda_graphs: a GPU engine replays its decode steps as CUDA graphs (moonrl.engine);
+-- engine.kv_cache_dtype: auto (bf16 with model.dtype=bf16, else fp32), fp32 or bf16.
 function M.engine_config(over)
   return with({ kv_cache_mb = config.integer(512), max_batch_tokens = config.integer(2048),
-    max_seqs = config.integer(256), block_size = config.integer(16), cuda_graphs = true }, over)
+    max_seqs = config.integer(256), block_size = config.integer(16), cuda_graphs = true,
+    kv_cache_dtype = 'auto' }, over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
@@ -973,9 +975,10 @@ function M.start(cfg, opts)
   local engine
   if cfg.engine and opts.engine ~= false and policy then
     local e = cfg.engine
+    check_choice('engine.kv_cache_dtype', e.kv_cache_dtype or 'auto', { 'auto', 'fp32', 'bf16' })
     local ok, made = pcall(moonrl.engine.new, policy, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
       block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed,
-      cuda_graphs = e.cuda_graphs ~= false })
+      cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype })
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
     engine = made
   end

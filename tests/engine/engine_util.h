@@ -61,7 +61,8 @@ static inline void randomise_vectors(mrl_model *m) {
 /* ---- engines, requests, samples --------------------------------------------------------------- */
 
 /* pack: pack_weights (< 0: the default). NULL where it failed (a failed check). */
-static inline mrl_engine *new_engine(mrl_model *m, int64_t kv_bytes, int max_tokens, int max_seqs, int block, int pack) {
+static inline mrl_engine *new_engine_kv(mrl_model *m, int64_t kv_bytes, int max_tokens, int max_seqs, int block,
+                                        int pack, int kv_dtype) {
     mrl_engine_config c;
     mrl_engine_config_default(&c);
     c.kv_cache_bytes = kv_bytes;
@@ -69,9 +70,15 @@ static inline mrl_engine *new_engine(mrl_model *m, int64_t kv_bytes, int max_tok
     c.max_num_seqs = max_seqs;
     c.block_size = block;
     if (pack >= 0) c.pack_weights = pack;
+    c.kv_cache_dtype = kv_dtype;
     mrl_engine *e = NULL;
     CHECK_OK(mrl_engine_create(m, &c, &e));
     return e;
+}
+
+/* pack < 0: the default; the KV cache's dtype the default's (auto) */
+static inline mrl_engine *new_engine(mrl_model *m, int64_t kv_bytes, int max_tokens, int max_seqs, int block, int pack) {
+    return new_engine_kv(m, kv_bytes, max_tokens, max_seqs, block, pack, MRL_KV_AUTO);
 }
 
 typedef struct sample_out {

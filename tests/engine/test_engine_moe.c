@@ -20,6 +20,9 @@
 #include "engine_util.h"
 
 #define LP_AGREE_BF16 0.02
+/* and with the KV cache in bf16 too (the default with a bf16 model): K and V
+ * rounded, which the trainer's attention does not (test_engine_bf16.c) */
+#define LP_AGREE_BF16_KV16 0.1
 
 static mrl_model *make_model(int vocab, int dtype) {
     mrl_model_config c;
@@ -46,15 +49,15 @@ static mrl_model *make_model(int vocab, int dtype) {
     return m;
 }
 
-static mrl_engine *make_engine(mrl_model *m, int max_tokens, int pack) {
-    mrl_engine *e = new_engine(m, 1 << 20, max_tokens, 16, 8, pack);
+static mrl_engine *make_engine(mrl_model *m, int max_tokens, int pack, int kv_dtype) {
+    mrl_engine *e = new_engine_kv(m, 1 << 20, max_tokens, 16, 8, pack, kv_dtype);
     if (!e) exit(1);
     return e;
 }
 
 /* Every sample of one run into a->out; returns the max |engine - trainer|. */
-static double agreement(mrl_model *m, int pack, agreement_run *a) {
-    mrl_engine *e = make_engine(m, 40, pack); /* small step budget: chunked prefills */
+static double agreement(mrl_model *m, int pack, int kv_dtype, agreement_run *a) {
+    mrl_engine *e = make_engine(m, 40, pack, kv_dtype); /* small step budget: chunked prefills */
     agreement_add(e, a, 96, 0, 0, NULL);
     CHECK_OK(mrl_engine_run(e));
     double max_d = agreement_compare(m, e, a, NULL);
@@ -66,7 +69,7 @@ static double agreement(mrl_model *m, int pack, agreement_run *a) {
 static void test_agreement(void) {
     mrl_model *m = make_model(96, MRL_MODEL_FP32);
     static agreement_run packed, plain;
-    double d1 = agreement(m, 1, &packed), d0 = agreement(m, 0, &plain);
+    double d1 = agreement(m, 1, MRL_KV_AUTO, &packed), d0 = agreement(m, 0, MRL_KV_AUTO, &plain);
     printf("qwen3_moe fp32: max |engine - trainer| log-prob %.3g (panels), %.3g (no panels)\n", d1, d0);
     CHECK(d1 <= 1e-5 && d0 <= 1e-5);
     for (int i = 0; i < NP; i++)
@@ -76,16 +79,17 @@ static void test_agreement(void) {
         }
     mrl_model_free(m);
     m = make_model(96, MRL_MODEL_BF16);
-    double d = agreement(m, 1, &packed);
-    printf("qwen3_moe bf16: max |engine - trainer| log-prob %.3g\n", d);
+    double d = agreement(m, 1, MRL_KV_FP32, &packed), d16 = agreement(m, 1, MRL_KV_AUTO, &plain);
+    printf("qwen3_moe bf16: max |engine - trainer| log-prob %.3g (KV cache fp32), %.3g (bf16)\n", d, d16);
     CHECK(d <= LP_AGREE_BF16);
+    CHECK(d16 <= LP_AGREE_BF16_KV16);
     mrl_model_free(m);
 }
 
 static void test_greedy_naive(void) {
     const int V = 64, G = 10;
     mrl_model *m = make_model(V, MRL_MODEL_FP32);
-    mrl_engine *e = make_engine(m, 64, 1);
+    mrl_engine *e = make_engine(m, 64, 1, MRL_KV_AUTO);
     int compared = greedy_vs_naive(m, e, V, G, "qwen3_moe");
     printf("qwen3_moe greedy: %d tokens equal to the trainer's argmax\n", compared);
     CHECK(compared >= 25);

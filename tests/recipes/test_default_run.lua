@@ -38,6 +38,13 @@ t.test('model.dtype: a bad value is a usage error naming the key', function()
   end, "config key 'model.dtype' must be one of fp32, bf16, auto, got 'fp16'")
 end)
 
+t.test('engine.kv_cache_dtype: a bad value is a usage error naming the key', function()
+  t.raises(function()
+    U.run_recipe('examples/default.lua', { 'engine.kv_cache_dtype=fp16', 'quiet=true',
+      'run.dir=' .. U.tmpdir('default_bad_kv_dtype') })
+  end, "config key 'engine.kv_cache_dtype' must be one of auto, fp32, bf16, got 'fp16'")
+end)
+
 -- The example on moonrl.rl: its keys from before (grpo.lr, grpo.clip, grpo.reward,
 -- grpo.eval_every) set the library's (train.lr, grpo.clip_low, reward, eval.every), and the
 -- held-out accuracy of eval.every is also logged as heldout_accuracy.

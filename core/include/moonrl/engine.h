@@ -85,7 +85,7 @@ typedef struct mrl_engine mrl_engine;
 typedef struct mrl_model mrl_model;
 
 typedef struct mrl_engine_config {
-    int64_t kv_cache_bytes;     /* KV cache pool (all layers, K and V, fp32) */
+    int64_t kv_cache_bytes;     /* KV cache pool (all layers, K and V; kv_cache_dtype below) */
     int block_size;             /* tokens per KV block */
     int max_num_seqs;           /* running sequences at most */
     int max_num_batched_tokens; /* tokens per step */
@@ -94,7 +94,16 @@ typedef struct mrl_engine_config {
     int pack_weights;           /* 1 (default): keep the layers' weight matrices as panels (below) */
     int cuda_graphs;            /* 1 (default): on a GPU, steps of decodes only replay CUDA graphs, one per
                                  * (sequences, block-table width), captured at the second step of each */
+    int kv_cache_dtype;         /* MRL_KV_AUTO (default): bf16 when the model's dtype is bf16 as the cache is
+                                 * made (at the first request), fp32 otherwise; MRL_KV_FP32; MRL_KV_BF16 */
 } mrl_engine_config;
+
+/* The KV cache's element: a bf16 cache holds each K and V value rounded to
+ * bf16 (to nearest even), half the bytes a token (kv_cache_bytes then holds
+ * twice the tokens), read exactly widened, scores and sums in fp32: what
+ * vLLM and llama.cpp do with a 16-bit cache, and what a transformers model
+ * in bfloat16 keeps. */
+enum { MRL_KV_AUTO = 0, MRL_KV_FP32 = 1, MRL_KV_BF16 = 2 };
 
 typedef enum mrl_finish_reason {
     MRL_FINISH_NONE = 0,   /* not finished */
