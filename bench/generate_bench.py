@@ -4,7 +4,7 @@ bench/generate_bench.lua`) against a plain PyTorch KV-cache generation loop of
 the same Llama-style model (the same weights: moonrl saves the model in
 Hugging Face format, PyTorch reads its model.safetensors), fp32, the same
 number of threads on both sides. --dtype bf16: moonrl's model.dtype=bf16 (bf16
-copies of the matrices, fp32 sums; its KV cache stays fp32) against the PyTorch
+weight panels of the matrices, fp32 sums, its KV cache in bf16) against the PyTorch
 loop with the model and its KV cache in bfloat16 (what model.to(torch.bfloat16)
 gives a transformers user).
 
@@ -14,8 +14,9 @@ Cases (prompt 128 tokens, 256 new tokens, no EOS, every sample runs to the end):
                         and forks; PyTorch runs the 64 rows as a batch)
   independent 64        64 distinct prompts x 1 sample at temperature 1 (the same work without sharing)
 Each case runs moonrl (in a child process) then PyTorch (in this process), one after the other, so
-both see the same load. Also: the machine's copy bandwidth (numpy copy of 512 MiB, read + write) and
-the bandwidth moonrl achieves (weights + KV cache read per decode step, over the whole case time).
+both see the same load. Also: the machine's copy bandwidth (numpy copy of 512 MiB, read + write), its
+read bandwidth (torch.sum over 512 MiB on the same threads) and the bandwidth moonrl achieves
+(weights + KV cache read per decode step, over the whole case time) as a share of each.
 
 usage: /usr/bin/python3 bench/generate_bench.py [--threads 2] [--moonrl build/moonrl] [--model small|100m|smollm2]
                                                 [--cases 1,16,64,grpo,indep] [--repeats 1] [--dtype fp32|bf16]
@@ -169,15 +170,30 @@ def copy_bandwidth():
     return 2 * a.nbytes / best
 
 
+def read_bandwidth(threads):
+    """Bytes read per second by torch.sum over 512 MiB of fp32 on `threads` threads, best of 5: the
+    bound a decode step that only reads its weights and K/V can reach (the copy above also writes)."""
+    import torch
+    torch.set_num_threads(threads)
+    a = torch.ones(2 ** 27, dtype=torch.float32)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        float(a.sum())
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best
+
+
 def moonrl_bytes(cfg, n_params, B, weight_bytes=4):
     """Bytes a decode step must read, summed over the case's decode steps: the weights (the embedding
     table only for the B rows looked up, the tied head once more), weight_bytes each (2: bf16
-    copies), and each sequence's K/V context of every layer (fp32)."""
+    copies), and each sequence's K/V context of every layer, weight_bytes each too (the KV cache
+    is bf16 with a bf16 model: engine kv_cache_dtype auto)."""
     D, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     K = cfg["num_key_value_heads"] * (D // cfg["num_attention_heads"])
     head = V * D if cfg["tie_word_embeddings"] else 0
     weights = (n_params - V * D + B * D + head) * weight_bytes
-    kv = sum(B * ctx * L * 2 * K * 4 for ctx in range(PROMPT_LEN + 1, PROMPT_LEN + NEW))
+    kv = sum(B * ctx * L * 2 * K * weight_bytes for ctx in range(PROMPT_LEN + 1, PROMPT_LEN + NEW))
     return weights * (NEW - 1) + kv
 
 
@@ -210,19 +226,21 @@ def main():
             t = torch_generate(cfg, W, case, args.threads, args.repeats, args.dtype)
             res[name] = (case, m, t)
             print("  case %-6s done: moonrl %.2f s, pytorch %.2f s" % (name, m["seconds"], t["seconds"]), flush=True)
-    bw = copy_bandwidth()
+    bw, rbw = copy_bandwidth(), read_bandwidth(args.threads)
     n_params = res[next(iter(res))][1]["n_params"]
     print("model %s: %.1fM parameters, %s, %d threads; prompt %d + %d new tokens, no EOS; load average %s" % (
         args.model, n_params / 1e6, args.dtype, args.threads, PROMPT_LEN, NEW, os.getloadavg()[0]))
-    print("machine copy bandwidth (numpy, 512 MiB, read + write): %.1f GB/s" % (bw / 1e9))
-    print("%-22s %12s %12s %7s %14s" % ("case", "moonrl tok/s", "torch tok/s", "ratio", "moonrl GB/s"))
+    print("machine copy bandwidth (numpy, 512 MiB, read + write): %.1f GB/s; read bandwidth (torch.sum, %d threads): "
+          "%.1f GB/s" % (bw / 1e9, args.threads, rbw / 1e9))
+    print("%-22s %12s %12s %7s %22s" % ("case", "moonrl tok/s", "torch tok/s", "ratio", "moonrl GB/s (of copy, read)"))
     for name, (case, m, t) in res.items():
         B = case["prompts"] * case["n"]
         mt, tt = m["generated"] / m["seconds"], t["generated"] / t["seconds"]
         gbs = moonrl_bytes(cfg, n_params, B, 2 if args.dtype == "bf16" else 4) / m["seconds"] / 1e9
         label = {"1": "batch 1 greedy", "16": "batch 16 greedy", "64": "batch 64 greedy",
                  "grpo": "grpo 8 prompts x 8", "indep": "64 independent T=1"}[name]
-        print("%-22s %12.0f %12.0f %6.2fx %8.1f (%2.0f%%)" % (label, mt, tt, mt / tt, gbs, 100 * gbs * 1e9 / bw))
+        print("%-22s %12.0f %12.0f %6.2fx %8.1f (%2.0f%%, %2.0f%%)" % (label, mt, tt, mt / tt, gbs, 100 * gbs * 1e9 / bw,
+                                                                100 * gbs * 1e9 / rbw))
     if "grpo" in res and "indep" in res:
         g, i = res["grpo"][1], res["indep"][1]
         print("grpo 8x8 vs 64 independent (moonrl): %.2f s vs %.2f s (%.2fx), prefill tokens %d vs %d" % (

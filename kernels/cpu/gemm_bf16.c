@@ -209,14 +209,14 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
  * of our few-rows kernel and oneDNN on the plain copy at 2-64 rows by
  * 1.1-1.9x (they pack nothing of W and stream it once), were level at 1
  * row, and stayed level or ahead up to 2048 rows, except on narrow W (N <
- * 384: few panels to share, A read again for each). With AMX, oneDNN's
- * tiles should win from a few rows (not measured): panels only up to
- * MRL_BF16_FEW_ROWS there. */
+ * 384: few panels to share, A read again for each) from 64 rows. With AMX,
+ * oneDNN's tiles should win from a few rows (not measured): panels only up
+ * to MRL_BF16_FEW_ROWS there. */
 int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N) {
     if (!mrl_cpu_has_avx512_bf16()) return 0;
     const char *isa = mrl_cpu_onednn_isa();
     if (isa && strcmp(isa, "avx512_core_amx") == 0) return M <= MRL_BF16_FEW_ROWS;
-    return M <= 64 || N >= 384;
+    return M <= 32 || N >= 384;
 }
 
 void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
