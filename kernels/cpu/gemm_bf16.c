@@ -171,7 +171,7 @@ const char *mrl_cpu_bf16_path(void) {
     if (!text[0]) {
         const char *isa = mrl_cpu_onednn_isa();
         if (onednn_bf16() && mrl_cpu_has_avx512_bf16())
-            snprintf(text, sizeof text, "onednn (%s) + avx512_bf16 (few rows)", isa);
+            snprintf(text, sizeof text, "onednn (%s) + avx512_bf16 (few rows, weight panels)", isa);
         else if (onednn_bf16())
             snprintf(text, sizeof text, "onednn (%s)", isa);
         else if (mrl_cpu_has_avx512_bf16())
