@@ -210,32 +210,13 @@ static void rebase(mrl_engine *e, const float *base) {
     e->reads_own = base == mrl_model_params(e->m);
 }
 
-/* The seven matrices of a layer: the weights read, where their panels go, shape [N,K]. */
-typedef struct layer_matrix {
-    const float *w;
-    const void **panels;
-    int64_t N, K;
-} layer_matrix;
-
-static void layer_matrices(const mrl_model_config *c, layer_params *p, layer_matrix out[7]) {
-    int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
-            Kv = (int64_t)c->num_key_value_heads * c->head_dim;
-    out[0] = (layer_matrix){p->wq, &p->pq, Q, D};
-    out[1] = (layer_matrix){p->wk, &p->pk, Kv, D};
-    out[2] = (layer_matrix){p->wv, &p->pv, Kv, D};
-    out[3] = (layer_matrix){p->wo, &p->po, D, Q};
-    out[4] = (layer_matrix){p->wg, &p->pg, F, D};
-    out[5] = (layer_matrix){p->wu, &p->pu, F, D};
-    out[6] = (layer_matrix){p->wd, &p->pd, D, F};
-}
-
 /* The panels' floats; with e->panels, also point each layer's matrices at
  * their place in it (one walk gives both, so they cannot disagree). */
 static int64_t point_panels(mrl_engine *e) {
-    layer_matrix mats[7];
+    mrl_layer_matrix mats[7];
     int64_t off = 0;
     for (int l = 0; l < e->mc->num_hidden_layers; l++) {
-        layer_matrices(e->mc, &e->lp[l], mats);
+        mrl_layer_matrices(e->mc, &e->lp[l], mats);
         for (int i = 0; i < 7; i++) {
             if (!mats[i].w) continue; /* a sparse layer's MLP: its experts are read in place */
             if (e->panels) *mats[i].panels = e->panels + off;
@@ -249,10 +230,10 @@ static int64_t point_panels(mrl_engine *e) {
 static void pack_range(void *ctx, int64_t first, int64_t last) {
     mrl_engine *e = ctx;
     const mrl_kernels *k = mrl_model_kernels(e->m);
-    layer_matrix mats[7];
+    mrl_layer_matrix mats[7];
     for (int64_t index = first; index < last; index++) {
-        layer_matrices(e->mc, &e->lp[index / 7], mats);
-        const layer_matrix *mat = &mats[index % 7];
+        mrl_layer_matrices(e->mc, &e->lp[index / 7], mats);
+        const mrl_layer_matrix *mat = &mats[index % 7];
         if (!mat->w) continue;
         k->panels_pack((float *)*mat->panels, mat->w, mat->N, mat->K); /* e->panels, ours to write */
     }

@@ -51,6 +51,28 @@ typedef struct layer_params {
     const uint16_t *heg, *heu, *hed; /* the experts' (the router stays fp32) */
 } layer_params;
 
+/* The seven matrices of a layer (q, k, v, o, gate, up, down), the ones
+ * weight panels hold: their weights in p (NULL: a sparse layer's MLP, whose
+ * experts are read in place), p's panel pointer for each, shape [N,K]. One
+ * list for the engine's fp32 panels and the model's bf16 ones. */
+typedef struct mrl_layer_matrix {
+    const float *w;
+    const void **panels;
+    int64_t N, K;
+} mrl_layer_matrix;
+
+static inline void mrl_layer_matrices(const mrl_model_config *c, layer_params *p, mrl_layer_matrix out[7]) {
+    int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
+            Kv = (int64_t)c->num_key_value_heads * c->head_dim;
+    out[0] = (mrl_layer_matrix){p->wq, &p->pq, Q, D};
+    out[1] = (mrl_layer_matrix){p->wk, &p->pk, Kv, D};
+    out[2] = (mrl_layer_matrix){p->wv, &p->pv, Kv, D};
+    out[3] = (mrl_layer_matrix){p->wo, &p->po, D, Q};
+    out[4] = (mrl_layer_matrix){p->wg, &p->pg, F, D};
+    out[5] = (mrl_layer_matrix){p->wu, &p->pu, F, D};
+    out[6] = (mrl_layer_matrix){p->wd, &p->pd, D, F};
+}
+
 /* Carving buffers (activations, gradients) out of one allocation: `ptr`
  * gets `count` elements of `type` at byte offset `off` of `base`, and `off`
  * moves on, 64-byte aligned. base NULL: only `off` moves (a first pass that

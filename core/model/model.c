@@ -380,7 +380,7 @@ const uint16_t *mrl_model_bf16_params(mrl_model *m) {
 /* ---- bf16 weight panels (layer.h) ---- */
 
 /* Matrix i of those the panels hold, each layer's seven then the head
- * (mrl_model_panels16_count in all): where it is in the parameters (NULL: a
+ * (panels16_count in all): where it is in the parameters (NULL: a
  * sparse layer's MLP, none), its shape [N,K], and its panel slot in a layer
  * table (NULL for the head). */
 typedef struct panel16_mat {
@@ -393,33 +393,16 @@ static int64_t panels16_count(const mrl_model *m) { return 7 * (int64_t)m->cfg.n
 
 static panel16_mat panels16_mat(const mrl_model *m, layer_params *layers, int64_t i) {
     const mrl_model_config *c = &m->cfg;
-    int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
-            Kv = (int64_t)c->num_key_value_heads * c->head_dim;
-    if (i == 7 * (int64_t)c->num_hidden_layers) return (panel16_mat){m->lm_head, c->vocab_size, D, NULL};
-    const layer_params *p = &m->lp[i / 7];
-    layer_params *d = layers ? &layers[i / 7] : NULL;
-#define MAT(w, n, k, s) (panel16_mat){p->w, n, k, d ? &d->s : NULL}
-    switch (i % 7) {
-    case 0: return MAT(wq, Q, D, pq);
-    case 1: return MAT(wk, Kv, D, pk);
-    case 2: return MAT(wv, Kv, D, pv);
-    case 3: return MAT(wo, D, Q, po);
-    case 4: return MAT(wg, F, D, pg);
-    case 5: return MAT(wu, F, D, pu);
-    default: return MAT(wd, D, F, pd);
-    }
-#undef MAT
+    if (i == 7 * (int64_t)c->num_hidden_layers) return (panel16_mat){m->lm_head, c->vocab_size, c->hidden_size, NULL};
+    mrl_layer_matrix own[7], theirs[7]; /* the weights are the model's, the slots the caller's layers' */
+    mrl_layer_matrices(c, &m->lp[i / 7], own);
+    if (layers) mrl_layer_matrices(c, &layers[i / 7], theirs);
+    const mrl_layer_matrix *a = &own[i % 7];
+    return (panel16_mat){a->w, a->N, a->K, layers ? theirs[i % 7].panels : NULL};
 }
 
-/* The dwords of the panels, each matrix's start 16-dword aligned. */
-static int64_t panels16_offset(const mrl_model *m, int64_t i) {
-    int64_t off = 0;
-    for (int64_t j = 0; j < i; j++) {
-        panel16_mat a = panels16_mat(m, NULL, j);
-        if (a.w) off += (mrl_panels16_dwords(a.N, a.K) + 15) / 16 * 16;
-    }
-    return off;
-}
+/* The dwords matrix a's panels take, rounded so that each matrix starts 16-dword aligned. */
+static int64_t panels16_size(panel16_mat a) { return a.w ? (mrl_panels16_dwords(a.N, a.K) + 15) / 16 * 16 : 0; }
 
 void mrl_model_panels16_at(const mrl_model *m, const uint32_t *p16, mrl_model_weights *out, layer_params *layers) {
     int64_t off = 0, n = panels16_count(m);
@@ -428,7 +411,7 @@ void mrl_model_panels16_at(const mrl_model *m, const uint32_t *p16, mrl_model_we
         const uint32_t *at = p16 && a.w ? p16 + off : NULL;
         if (a.slot) *a.slot = at;
         else if (i == n - 1 && out) out->lm_head_p16 = at;
-        if (a.w) off += (mrl_panels16_dwords(a.N, a.K) + 15) / 16 * 16;
+        off += panels16_size(a);
     }
 }
 
@@ -438,11 +421,15 @@ typedef struct pack_job {
     uint32_t *p16;
 } pack_job;
 
+/* Matrices [first, last): the offset of the first walked once, then carried along. */
 static void pack_matrices(void *ctx, int64_t first, int64_t last) {
     const pack_job *j = ctx;
+    int64_t off = 0;
+    for (int64_t i = 0; i < first; i++) off += panels16_size(panels16_mat(j->m, NULL, i));
     for (int64_t i = first; i < last; i++) {
         panel16_mat a = panels16_mat(j->m, NULL, i);
-        if (a.w) j->m->k->panels16_pack(j->p16 + panels16_offset(j->m, i), j->w16 + (a.w - j->m->params), a.N, a.K);
+        if (a.w) j->m->k->panels16_pack(j->p16 + off, j->w16 + (a.w - j->m->params), a.N, a.K);
+        off += panels16_size(a);
     }
 }
 
@@ -453,7 +440,11 @@ void mrl_model_bf16_pack_panels(const mrl_model *m, const uint16_t *w16, uint32_
     pack_matrices(&j, n - 1, n);                    /* the head, parallel inside */
 }
 
-int64_t mrl_model_panels16_bytes(const mrl_model *m) { return 4 * panels16_offset(m, panels16_count(m)); }
+int64_t mrl_model_panels16_bytes(const mrl_model *m) {
+    int64_t off = 0;
+    for (int64_t i = 0; i < panels16_count(m); i++) off += panels16_size(panels16_mat(m, NULL, i));
+    return 4 * off;
+}
 
 const uint32_t *mrl_model_bf16_panels(mrl_model *m) {
     if (!m || !m->w16 || m->device.kind != MRL_DEVICE_CPU) return NULL;
