@@ -282,23 +282,16 @@ values_512(const item_view *v, int r0, const int RN, const int DC, const int bf1
     }
 }
 
-/* Query heads in runs of 8, 4, 2, 1, each with as many key (or d) chunks as
- * keep 8-16 accumulators in registers. */
-#define SCORES_512(bf16)                                                \
-    do {                                                                \
-        int r = 0;                                                      \
-        for (; r + 8 <= v->G; r += 8) scores_512(v, r, 8, 2, bf16);     \
-        if (r + 4 <= v->G) { scores_512(v, r, 4, 4, bf16); r += 4; }    \
-        if (r + 2 <= v->G) { scores_512(v, r, 2, 4, bf16); r += 2; }    \
-        if (r < v->G) scores_512(v, r, 1, 4, bf16);                     \
-    } while (0)
-#define VALUES_512(bf16)                                                \
-    do {                                                                \
-        int r = 0;                                                      \
-        for (; r + 8 <= v->G; r += 8) values_512(v, r, 8, 2, bf16);     \
-        if (r + 4 <= v->G) { values_512(v, r, 4, 4, bf16); r += 4; }    \
-        if (r + 2 <= v->G) { values_512(v, r, 2, 4, bf16); r += 2; }    \
-        if (r < v->G) values_512(v, r, 1, 4, bf16);                     \
+/* fn (scores_512 or values_512) over the group's query heads in runs of
+ * 8, 4, 2, 1, each with as many key (or d) chunks as keep 8-16 accumulators
+ * in registers; bf16 a constant in each use (the loads are compiled for it). */
+#define HEAD_RUNS(fn, bf16)                                      \
+    do {                                                         \
+        int r = 0;                                               \
+        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, 2, bf16);      \
+        if (r + 4 <= v->G) { fn(v, r, 4, 4, bf16); r += 4; }     \
+        if (r + 2 <= v->G) { fn(v, r, 2, 4, bf16); r += 2; }     \
+        if (r < v->G) fn(v, r, 1, 4, bf16);                      \
     } while (0)
 
 __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
@@ -307,13 +300,13 @@ __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v)
         else scores_plain(v, 0);
         return;
     }
-    if (v->a->kv_bf16) SCORES_512(1);
-    else SCORES_512(0);
+    if (v->a->kv_bf16) HEAD_RUNS(scores_512, 1);
+    else HEAD_RUNS(scores_512, 0);
 }
 
 __attribute__((target("avx512f"))) static void values_avx512(const item_view *v) {
-    if (v->a->kv_bf16) VALUES_512(1);
-    else VALUES_512(0);
+    if (v->a->kv_bf16) HEAD_RUNS(values_512, 1);
+    else HEAD_RUNS(values_512, 0);
 }
 
 #define PLAIN(fn, v) ((v)->a->kv_bf16 ? fn##_plain(v, 1) : fn##_plain(v, 0))

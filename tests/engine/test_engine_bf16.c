@@ -49,15 +49,7 @@ static mrl_model *make_model(int arch, int vocab) {
 }
 
 static mrl_engine *make_engine_kv(mrl_model *m, int max_tokens, int kv_dtype) {
-    mrl_engine_config c;
-    mrl_engine_config_default(&c);
-    c.kv_cache_bytes = 1 << 20;
-    c.max_num_batched_tokens = max_tokens;
-    c.max_num_seqs = 16;
-    c.block_size = 8;
-    c.kv_cache_dtype = kv_dtype;
-    mrl_engine *e = NULL;
-    CHECK_OK(mrl_engine_create(m, &c, &e));
+    mrl_engine *e = new_engine_kv(m, 1 << 20, max_tokens, 16, 8, -1, kv_dtype);
     if (!e) exit(1);
     return e;
 }
