@@ -489,10 +489,10 @@ int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, c
     pgemm_ctx g = {.Ap = Ap, .P = P, .M = M, .N = N, .Kp = Kp, .alpha = alpha, .beta = beta, .C = C, .ldc = ldc};
     /* threads as few_gemm's: these are bound by reading W for a few rows */
     static _Thread_local mrl_split_choice choice;
-    int threads = mrl_parallel_threads(), split;
+    int threads = mrl_parallel_threads(), split, measured = 0;
     if (N * K < FEW_PARALLEL || threads < 2) split = 0;
     else if (M * N * K >= PARALLEL_MACS) split = 1;
-    else split = mrl_split_pick(&choice);
+    else split = mrl_split_pick(&choice), measured = 1;
     if (!split) threads = 1;
     g.m_tiles = (M + MC - 1) / MC;
     g.mc = ((M + g.m_tiles - 1) / g.m_tiles + LANES - 1) / LANES * LANES;
@@ -506,8 +506,7 @@ int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, c
     else mrl_parallel_for(a_blocks, 1, panels_pack_a, &pack);
     if (threads == 1) panels_tile_range(&g, 0, g.m_tiles * g.n_tiles);
     else mrl_parallel_for(g.m_tiles * g.n_tiles, 1, panels_tile_range, &g);
-    if (M * N * K < PARALLEL_MACS && N * K >= FEW_PARALLEL && mrl_parallel_threads() >= 2)
-        mrl_split_record(&choice, mrl_split_now() - t0, (double)M * N * K);
+    if (measured) mrl_split_record(&choice, mrl_split_now() - t0, (double)M * N * K);
     mrl_cpu_bf16_scratch_give(Ap);
     return 0;
 }
