@@ -22,7 +22,7 @@ if os.getenv('BENCH_DTYPE') then model:set_dtype(os.getenv('BENCH_DTYPE')) end
 if os.getenv('BENCH_DEVICE') then model:to_device(os.getenv('BENCH_DEVICE')) end
 local V = model.config.vocab_size
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 30, max_batch_tokens = 2048, max_seqs = 256,
-  prefix_caching = false, pack_weights = os.getenv('BENCH_PACK') ~= '0', kv_cache_dtype = os.getenv('BENCH_KV') })
+  block_size = tonumber(os.getenv('BENCH_BLOCK') or 16), prefix_caching = false, pack_weights = os.getenv('BENCH_PACK') ~= '0', kv_cache_dtype = os.getenv('BENCH_KV') })
 local function requests(P, n, L)
   local reqs = {}
   for i = 0, P - 1 do

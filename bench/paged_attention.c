@@ -8,11 +8,13 @@
  *   paged       the fast table's paged_attn, block_size 16, the sequences' blocks
  *               scattered over the pool in a random order (what a
  *               long-running engine looks like);
+ *   paged bf16  the same, over a bf16 copy of the cache (kv_bf16: half the
+ *               bytes; what the engine's kv_cache_dtype auto gives a bf16 model);
  *   reference   the plain paged reference (double, scalar), for scale.
  * Each step is one decode token per sequence (Hq query heads, GQA).
  * Prints tokens/s (one attention layer, one token per sequence per step)
  * and the paged / contiguous speed ratio. Needs AVX-512 (the baseline).
- * usage: bench_paged_attention [iterations] [shape name filter] */
+ * usage: bench_paged_attention [iterations] [shape name filter] [repetitions, 3; more skips the reference] */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +23,7 @@
 #include <immintrin.h>
 #include "moonrl/parallel.h"
 #include "kernels.h"
+#include "moonrl/dtype.h"
 
 static double now(void) {
     struct timespec ts;
@@ -71,12 +74,19 @@ __attribute__((target("avx512f"))) static void contig_range(void *vctx, int64_t 
 
 static void contig_attention(const contig *c) { mrl_parallel_for((int64_t)c->n * c->Hk, 1, contig_range, (void *)c); }
 
-static double time_contig(const contig *c, int iters) {
+static int reps = 3; /* timed repetitions of each measurement (the best is kept): argv[3] */
+
+static double time_contig(const contig *c, int iters, int layers, int64_t stride) {
     double best = 1e30;
-    for (int rep = 0; rep < 3; rep++) {
+    contig l = *c;
+    for (int rep = 0; rep < reps; rep++) {
         double t0 = now();
-        for (int i = 0; i < iters; i++) contig_attention(c);
-        double dt = (now() - t0) / iters;
+        for (int i = 0; i < iters * layers; i++) {
+            l.k = c->k + (i % layers) * stride;
+            l.v = c->v + (i % layers) * stride;
+            contig_attention(&l);
+        }
+        double dt = (now() - t0) / (iters * layers);
         if (dt < best) best = dt;
     }
     return best;
@@ -88,22 +98,40 @@ static uint32_t next(void) {
     return (uint32_t)(rng >> 33);
 }
 
+/* layers: how many copies of the cache a step goes through, one call per
+ * layer as a decode step does; enough of them that the K/V come from memory
+ * and not from the last level cache, as in an engine (1: the same cache each
+ * call, in cache when it fits). */
 typedef struct shape {
     const char *name;
-    int n_seqs, ctx, Hq, Hk, hd;
+    int n_seqs, ctx, Hq, Hk, hd, layers;
 } shape;
 
-static double time_it(const mrl_paged_attn *a, int iters, int reference) {
+/* Seconds per call, best of `reps`; call i reads layer i % layers (its caches
+ * `stride` elements after the previous layer's). */
+static double time_it(const mrl_paged_attn *a, int iters, int reference, int layers, int64_t stride) {
     double best = 1e30;
-    for (int rep = 0; rep < 3; rep++) {
+    mrl_paged_attn l = *a;
+    int bytes = a->kv_bf16 ? 2 : 4;
+    for (int rep = 0; rep < reps; rep++) {
         double t0 = now();
-        for (int i = 0; i < iters; i++) {
-            (reference ? mrl_kernels_cpu_reference() : mrl_kernels_cpu_fast())->paged_attn(a);
+        for (int i = 0; i < iters * layers; i++) {
+            l.k_cache = (const char *)a->k_cache + (i % layers) * stride * bytes;
+            l.v_cache = (const char *)a->v_cache + (i % layers) * stride * bytes;
+            (reference ? mrl_kernels_cpu_reference() : mrl_kernels_cpu_fast())->paged_attn(&l);
         }
-        double dt = (now() - t0) / iters;
+        double dt = (now() - t0) / (iters * layers);
         if (dt < best) best = dt;
     }
     return best;
+}
+
+/* n elements of a copied to each of the layers - 1 slots after it. */
+static void *replicate(void *a, int64_t n, size_t elem, int layers) {
+    char *b = malloc(n * elem * layers);
+    for (int l = 0; l < layers; l++) memcpy(b + l * n * elem, a, n * elem);
+    free(a);
+    return b;
 }
 
 static void run(shape s, int iters) {
@@ -153,29 +181,51 @@ static void run(shape s, int iters) {
     double maxdiff = 0;
     for (int64_t i = 0; i < (int64_t)s.n_seqs * s.Hq * s.hd; i++)
         maxdiff = fmax(maxdiff, fabs(out[i] - out2[i]));
-    double t_cont = time_contig(&cont, iters), t_paged = time_it(&paged, iters, 0);
-    double t_ref = time_it(&paged, iters / 10 > 0 ? iters / 10 : 1, 1);
+    double t_ref = reps > 3 ? NAN : time_it(&paged, iters / 10 > 0 ? iters / 10 : 1, 1, 1, 0); /* slow: not repeated */
+    uint16_t *kc16 = malloc(sizeof(uint16_t) * cache_floats), *vc16 = malloc(sizeof(uint16_t) * cache_floats);
+    for (int64_t i = 0; i < cache_floats; i++) {
+        kc16[i] = mrl_f32_to_bf16(kc[i]);
+        vc16[i] = mrl_f32_to_bf16(vc[i]);
+    }
+    /* every layer's copy of the caches, then the timings */
+    paged.k_cache = kc = replicate(kc, cache_floats, sizeof(float), s.layers);
+    paged.v_cache = vc = replicate(vc, cache_floats, sizeof(float), s.layers);
+    cont.k = kcont = replicate(kcont, cache_floats, sizeof(float), s.layers);
+    cont.v = vcont = replicate(vcont, cache_floats, sizeof(float), s.layers);
+    mrl_paged_attn paged16 = paged;
+    paged16.k_cache = kc16 = replicate(kc16, cache_floats, sizeof(uint16_t), s.layers);
+    paged16.v_cache = vc16 = replicate(vc16, cache_floats, sizeof(uint16_t), s.layers);
+    paged16.kv_bf16 = 1;
+    double t_cont = time_contig(&cont, iters, s.layers, cache_floats);
+    double t_paged = time_it(&paged, iters, 0, s.layers, cache_floats);
+    double t_paged16 = time_it(&paged16, iters, 0, s.layers, cache_floats);
     double kv_bytes = 2.0 * s.n_seqs * s.ctx * s.Hk * s.hd * sizeof(float);
-    printf("%-26s contiguous %7.0f tok/s (%5.1f GB/s)  paged %7.0f tok/s (%5.1f GB/s)  paged/contiguous %.2fx  "
-           "reference %5.0f tok/s  (max |paged - contiguous| %.1e)\n",
-           s.name, s.n_seqs / t_cont, kv_bytes / t_cont * 1e-9, s.n_seqs / t_paged, kv_bytes / t_paged * 1e-9,
-           t_cont / t_paged, s.n_seqs / t_ref, maxdiff);
+    printf("%-26s %2d layers  contiguous %7.0f tok/s (%5.1f GB/s)  paged %7.0f tok/s (%5.1f GB/s)  paged/contiguous %.2fx  "
+           "paged bf16 %7.0f tok/s (%5.1f GB/s)  reference %5.0f tok/s  (max |paged - contiguous| %.1e)\n",
+           s.name, s.layers, s.n_seqs / t_cont, kv_bytes / t_cont * 1e-9, s.n_seqs / t_paged, kv_bytes / t_paged * 1e-9,
+           t_cont / t_paged, s.n_seqs / t_paged16, kv_bytes / 2 / t_paged16 * 1e-9, s.n_seqs / t_ref, maxdiff);
+    free(kc16); free(vc16);
     free(kc); free(vc); free(q); free(out); free(out2); free(lens); free(qs); free(perm); free(kcont); free(vcont);
 }
 
 int main(int argc, char **argv) {
     int iters = argc > 1 ? atoi(argv[1]) : 20;
+    if (argc > 3 && atoi(argv[3]) > 0) reps = atoi(argv[3]);
     if (iters < 1) iters = 1;
     if (!__builtin_cpu_supports("avx512f")) {
         printf("the contiguous baseline needs AVX-512\n");
         return 0;
     }
-    printf("isa %s, %d threads, %d iterations (best of 3)\n", mrl_kernels_cpu_fast_isa(), mrl_parallel_threads(), iters);
+    printf("isa %s, %d threads, %d iterations (best of %d)\n", mrl_kernels_cpu_fast_isa(), mrl_parallel_threads(), iters,
+           reps);
     shape shapes[] = {
-        {"qwen2.5-0.5b b16 ctx512", 16, 512, 14, 2, 64},
-        {"qwen2.5-0.5b b64 ctx1024", 64, 1024, 14, 2, 64},
-        {"llama-8b-ish b16 ctx2048", 16, 2048, 32, 8, 128},
-        {"qwen3-1.7b b32 ctx4096", 32, 4096, 16, 8, 128},
+        {"smollm2-135m b64 ctx256", 64, 256, 9, 3, 64, 30},
+        {"smollm2-135m b64 ctx256 in-cache", 64, 256, 9, 3, 64, 1},
+        {"100m b64 ctx256", 64, 256, 12, 4, 64, 8},
+        {"qwen2.5-0.5b b16 ctx512", 16, 512, 14, 2, 64, 1},
+        {"qwen2.5-0.5b b64 ctx1024", 64, 1024, 14, 2, 64, 1},
+        {"llama-8b-ish b16 ctx2048", 16, 2048, 32, 8, 128, 1},
+        {"qwen3-1.7b b32 ctx4096", 32, 4096, 16, 8, 128, 1},
     };
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         if (argc <= 2 || strstr(shapes[i].name, argv[2])) run(shapes[i], iters);

@@ -197,7 +197,7 @@ score_chunks_512(const item_view *v, int r0, const int RN, const void *const *kp
                  int c0, const int bf16) {
     int bs = v->a->block_size, hd = v->a->hd;
     const float *q = v->q + (int64_t)r0 * hd;
-    __m512 acc[16], k[4];
+    __m512 acc[24], k[4]; /* RN * KC <= 24 */
     for (int i = 0; i < RN * KC; i++) acc[i] = _mm512_setzero_ps();
     for (int d = 0; d < hd; d++) {
         for (int i = 0; i < KC; i++) k[i] = load16(kp[i], (int64_t)d * bs, bf16, i == KC - 1 ? mlast : 0xffff);
@@ -243,7 +243,7 @@ value_chunks_512(const item_view *v, int r0, const int RN, int d0, const int DC,
                  const int bf16) {
     const mrl_paged_attn *a = v->a;
     int bs = a->block_size, hd = a->hd;
-    __m512 acc[16];
+    __m512 acc[24]; /* RN * DC <= 24 */
     for (int r = 0; r < RN; r++)
         for (int i = 0; i < DC; i++) {
             __mmask16 m = i == DC - 1 ? mlast : 0xffff;
@@ -282,16 +282,25 @@ values_512(const item_view *v, int r0, const int RN, const int DC, const int bf1
     }
 }
 
-/* fn (scores_512 or values_512) over the group's query heads in runs of
- * 8, 4, 2, 1, each with as many key (or d) chunks as keep 8-16 accumulators
- * in registers; bf16 a constant in each use (the loads are compiled for it). */
-#define HEAD_RUNS(fn, bf16)                                      \
-    do {                                                         \
-        int r = 0;                                               \
-        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, 2, bf16);      \
-        if (r + 4 <= v->G) { fn(v, r, 4, 4, bf16); r += 4; }     \
-        if (r + 2 <= v->G) { fn(v, r, 2, 4, bf16); r += 2; }     \
-        if (r < v->G) fn(v, r, 1, 4, bf16);                      \
+/* fn (scores_512 or values_512) over the group's query heads: runs of 8
+ * with 2 key (or d) chunks, then the rest (1-7) in one run of up to 6
+ * heads with 4 chunks (4-24 accumulators of the 32 registers), so that a
+ * group of 3, 5 or 6 heads reads each K and V vector once, not once per
+ * run of a power of two; bf16 a constant in each use (the loads are
+ * compiled for it). */
+#define HEAD_RUNS(fn, bf16)                                               \
+    do {                                                                  \
+        int r = 0;                                                        \
+        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, 2, bf16);               \
+        switch (v->G - r) {                                               \
+        case 7: fn(v, r, 4, 4, bf16); fn(v, r + 4, 3, 4, bf16); break;    \
+        case 6: fn(v, r, 6, 4, bf16); break;                              \
+        case 5: fn(v, r, 5, 4, bf16); break;                              \
+        case 4: fn(v, r, 4, 4, bf16); break;                              \
+        case 3: fn(v, r, 3, 4, bf16); break;                              \
+        case 2: fn(v, r, 2, 4, bf16); break;                              \
+        case 1: fn(v, r, 1, 4, bf16); break;                              \
+        }                                                                 \
     } while (0)
 
 __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
