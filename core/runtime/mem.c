@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include "moonrl/mem.h"
 #include "moonrl/status.h"
 
@@ -91,6 +92,15 @@ int64_t mrl_mem_available(void) {
  * when the zero fill touches pages that are not there. */
 #define MEM_CHECK_BYTES ((size_t)64 << 20)
 
+/* Allocations this large start on a 2 MiB boundary and ask the kernel for
+ * transparent huge pages (MADV_HUGEPAGE: with THP in its common "madvise"
+ * mode there are none otherwise). Weights, KV cache and activations are
+ * streamed or read in scattered blocks (paged attention): 4 KiB pages make
+ * each new page a TLB miss, and in a virtual machine a miss walks two page
+ * tables. */
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
+#define HUGE_ALLOC_BYTES ((size_t)4 << 20)
+
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
     if (bytes > ((size_t)1 << 46)) {
         mrl_set_error(MRL_ERR_NOMEM, "allocation of %zu bytes for %s refused (too large)", bytes,
@@ -108,13 +118,17 @@ void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
         }
     }
     size_t padded = (bytes + MEM_ALIGN - 1) / MEM_ALIGN * MEM_ALIGN;
-    char *raw = aligned_alloc(MEM_ALIGN, padded + MEM_ALIGN);
+    int huge = padded >= HUGE_ALLOC_BYTES;
+    char *raw = aligned_alloc(huge ? HUGE_PAGE_BYTES : MEM_ALIGN, padded + MEM_ALIGN);
     if (!raw) {
         mrl_set_error(MRL_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
                       mrl_mem_category_name(category));
         return NULL;
     }
-    memset(raw + MEM_ALIGN, 0, padded);
+#ifdef MADV_HUGEPAGE
+    if (huge) madvise(raw, (padded + MEM_ALIGN) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES, MADV_HUGEPAGE); /* advice only */
+#endif
+    memset(raw + MEM_ALIGN, 0, padded); /* (the fault of each 2 MiB page happens here) */
     block_header *h = (block_header *)raw;
     h->bytes = bytes;
     h->category = category;

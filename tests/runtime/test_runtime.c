@@ -24,6 +24,31 @@ static void test_log(void) {
     CHECK(mrl_log_level_parse(NULL) == -1);
 }
 
+/* The process's memory in transparent huge pages (smaps_rollup), -1 if unknown. */
+static int64_t anon_huge_bytes(void) {
+    FILE *f = fopen("/proc/self/smaps_rollup", "r");
+    if (!f) return -1;
+    char line[256];
+    long long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "AnonHugePages: %lld kB", &kb) == 1) break;
+    fclose(f);
+    return kb < 0 ? -1 : kb * 1024;
+}
+
+/* 1 when the kernel gives huge pages to advised memory and compacts for them. */
+static int thp_on_advice(void) {
+    char mode[128] = "", defrag[128] = "";
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r"), *g =
+        fopen("/sys/kernel/mm/transparent_hugepage/defrag", "r");
+    if (f && !fgets(mode, sizeof mode, f)) mode[0] = 0;
+    if (g && !fgets(defrag, sizeof defrag, g)) defrag[0] = 0;
+    if (f) fclose(f);
+    if (g) fclose(g);
+    return (strstr(mode, "[madvise]") || strstr(mode, "[always]")) && !strstr(defrag, "[never]") &&
+           !strstr(defrag, "[defer]");
+}
+
 static void test_mem(void) {
     mrl_mem_stats before, during, after;
     mrl_mem_get_stats(&before);
@@ -60,9 +85,15 @@ static void test_mem(void) {
     int64_t rss = mrl_mem_rss();
     CHECK(rss > 0 && mrl_mem_rss_peak() >= rss);
     size_t big = (size_t)96 << 20;
+    int64_t huge_before = anon_huge_bytes();
     char *touch = mrl_mem_alloc(big, MRL_MEM_ACTIVATIONS); /* zero-filled: resident */
     CHECK(touch != NULL);
     CHECK(mrl_mem_rss_peak() >= rss + (int64_t)big / 2);
+    /* a large block starts (its 64-byte header) on a 2 MiB boundary and is
+     * advised into transparent huge pages: where the kernel gives them on
+     * advice (THP "madvise" or "always"), most of its 96 MiB are in them */
+    CHECK(((uintptr_t)touch - 64) % ((uintptr_t)2 << 20) == 0);
+    if (thp_on_advice() && huge_before >= 0) CHECK(anon_huge_bytes() - huge_before >= (int64_t)big / 2);
     mrl_mem_free(touch);
     mrl_mem_reset_rss_peak();
     /* down to what is resident now (under ASan the freed block stays resident: its quarantine) */
