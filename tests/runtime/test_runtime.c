@@ -85,15 +85,19 @@ static void test_mem(void) {
     int64_t rss = mrl_mem_rss();
     CHECK(rss > 0 && mrl_mem_rss_peak() >= rss);
     size_t big = (size_t)96 << 20;
-    int64_t huge_before = anon_huge_bytes();
     char *touch = mrl_mem_alloc(big, MRL_MEM_ACTIVATIONS); /* zero-filled: resident */
     CHECK(touch != NULL);
     CHECK(mrl_mem_rss_peak() >= rss + (int64_t)big / 2);
-    /* a large block starts (its 64-byte header) on a 2 MiB boundary and is
-     * advised into transparent huge pages: where the kernel gives them on
-     * advice (THP "madvise" or "always"), most of its 96 MiB are in them */
-    CHECK(((uintptr_t)touch - 64) % ((uintptr_t)2 << 20) == 0);
+    /* a large block of weights starts (its 64-byte header) on a 2 MiB
+     * boundary and is advised into transparent huge pages: where the kernel
+     * gives them on advice (THP "madvise" or "always"), most of its 96 MiB
+     * are in them */
+    int64_t huge_before = anon_huge_bytes();
+    char *weights = mrl_mem_alloc(big, MRL_MEM_PARAMS);
+    CHECK(weights != NULL && weights[big - 1] == 0);
+    CHECK(((uintptr_t)weights - 64) % ((uintptr_t)2 << 20) == 0);
     if (thp_on_advice() && huge_before >= 0) CHECK(anon_huge_bytes() - huge_before >= (int64_t)big / 2);
+    mrl_mem_free(weights);
     mrl_mem_free(touch);
     mrl_mem_reset_rss_peak();
     /* down to what is resident now (under ASan the freed block stays resident: its quarantine) */
