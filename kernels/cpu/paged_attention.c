@@ -284,7 +284,7 @@ values_512(const item_view *v, int r0, const int RN, const int DC, const int bf1
 
 /* fn (scores_512 or values_512) over the group's query heads: runs of 8
  * with 2 key (or d) chunks, then the rest (1-7) in one run of up to 6
- * heads with 4 chunks (4-24 accumulators of the 32 registers), so that a
+ * heads (7: 4 and 3) with 4 chunks (4-24 accumulators of the 32 registers), so that a
  * group of 3, 5 or 6 heads reads each K and V vector once, not once per
  * run of a power of two; bf16 a constant in each use (the loads are
  * compiled for it). */

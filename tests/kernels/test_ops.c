@@ -885,7 +885,7 @@ static void run_paged_attn(const mrl_kernels *k, void *const *p, const op_case *
 /* Sequences whose blocks are scattered over the cache (a random block table
  * each), mixed prefill chunks and single-token decodes, contexts up to 300
  * tokens (past the fast kernel's key tile of 256); GQA 2:1, 4:1, 7:1
- * (Qwen2.5-0.5B: head runs of 4 + 2 + 1), 16:1, MHA; blocks of 4, 16, 5, 7
+ * (Qwen2.5-0.5B: head runs of 4 + 3), 16:1, MHA; blocks of 4, 16, 5, 7
  * and 32 (not a multiple of 16: the plain loops); hd 8 .. 128. Each with the
  * cache in fp32 and in bf16 (its values rounded: the same for every table). */
 static void cases_paged(void) {
