@@ -123,7 +123,8 @@ void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
     }
     size_t padded = (bytes + MEM_ALIGN - 1) / MEM_ALIGN * MEM_ALIGN;
     int huge = padded >= HUGE_ALLOC_BYTES;
-    char *raw = aligned_alloc(huge ? HUGE_PAGE_BYTES : MEM_ALIGN, padded + MEM_ALIGN);
+    char *raw = NULL; /* posix_memalign: aligned_alloc wants the size a multiple of the alignment */
+    if (posix_memalign((void **)&raw, huge ? HUGE_PAGE_BYTES : MEM_ALIGN, padded + MEM_ALIGN)) raw = NULL;
     if (!raw) {
         mrl_set_error(MRL_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
                       mrl_mem_category_name(category));
