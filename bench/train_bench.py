@@ -85,6 +85,7 @@ def run_moonrl(args, spec):
     rss0 = rss_now()
     m = moonrl_ctypes.Moonrl(spec["cfg"], seed=1)
     lib.mrl_model_set_recompute(m.h, int(args.recompute))
+    lib.mrl_model_set_head_chunk(m.h, ctypes.c_int64(args.head_chunk))
     bf16 = args.dtype == "bf16"
     if bf16:
         moonrl_ctypes.check(lib.mrl_model_set_dtype(m.h, 1))
@@ -301,6 +302,8 @@ def main():
     ap.add_argument("--lib", default=os.path.join(ROOT, "build", "libmoonrl.so"))
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--head-chunk", type=int, default=0,
+                    help="moonrl's tokens per head chunk (0: the model's default budget)")
     ap.add_argument("--omp-wait-policy", choices=["active", "passive"],
                     help="set OMP_WAIT_POLICY for both sides (default: the environment as it is)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -275,9 +275,10 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (!st && dev && logprobs) st = k->to_host(logprobs, lp_out, floats);
     if (!st && dev && values) st = k->to_host(values, val_out, floats);
     if (st) return st;
-    /* a batch that fits one head chunk leaves all its logits in the buffer: the
-     * backward then starts from them instead of recomputing the product */
-    m->logits_kept = T <= m->head_chunk;
+    /* the last head chunk's logits are still in the buffer (a batch that fits
+     * one chunk: all of them): the backward, which takes the chunks last
+     * first, starts from them instead of recomputing that product */
+    m->logits_kept = T > 0;
     m->have_forward = 1;
     return MRL_OK;
 }
@@ -304,7 +305,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     float *dlnf = m->gs.dln; /* [T,D] */
     k->zero(dlnf, (int64_t)sizeof(float) * T * D);
     if (dlogprobs || dentropy)
-        for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
+        for (int64_t t0 = T > 0 ? (T - 1) / m->head_chunk * m->head_chunk : -1; t0 >= 0; t0 -= m->head_chunk) {
             int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
             const float *x = m->lnf + t0 * D;
             if (!m->logits_kept) head_logits(m, x, n);

@@ -93,7 +93,7 @@ struct mrl_model {
     mrl_batch batch;
     float inv_temp;
     int have_forward;
-    int logits_kept; /* the forward's logits of the whole batch are still in `logits` (one head chunk) */
+    int logits_kept; /* the forward's last head chunk's logits are still in `logits` */
     /* called by the backward as each range of the gradient buffer becomes final */
     mrl_grad_hook grad_hook;
     void *grad_hook_ctx;
