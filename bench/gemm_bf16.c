@@ -64,7 +64,8 @@ static int model_shapes(shape *s, const char *model, int64_t T, int64_t D, int64
     if (KV != Q) n += layer(s + n, model, "k, v", T, KV, D);
     n += layer(s + n, model, "gate, up", T, F, D);
     n += layer(s + n, model, "down", T, D, F);
-    n += layer(s + n, model, "head", ((int64_t)1 << 23) / V, V, D);
+    int64_t chunk = ((int64_t)1 << 25) / V; /* the model's default head chunk: 128 MiB of logits */
+    n += layer(s + n, model, "head", chunk < T ? chunk : T, V, D);
     return n;
 }
 

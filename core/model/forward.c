@@ -4,12 +4,20 @@
  *   x0 = embed[tokens]; x_{l+1} = layer_l(x_l); lnf = rmsnorm(x_L)
  *   per token chunk: logits = lnf W_lm^T / temperature -> logprob, entropy, lse
  *   values = lnf score^T
- * The backward recomputes each chunk's logits (they are never kept). With
+ * The backward recomputes each chunk's logits but the last one's, still in
+ * the buffer from the forward (a batch of one chunk: none). With
  * dtype bf16 (moonrl/model.h) the products read the weights' bf16 copies,
  * refreshed here first when stale; the value head stays fp32 (one column). */
 #include <string.h>
 #include "moonrl/mem.h"
 #include "model_internal.h"
+
+/* The logits one head chunk holds by default: the memory the backward
+ * spends to recompute fewer of them. 128 MiB holds a whole batch of 1,024
+ * tokens at a 32k vocabulary (no product recomputed) and 220 tokens at a
+ * 152k one; the 100M model's training step took 10-15% less time than
+ * with 32 MiB (bench/RESULTS.md, "The head's logits budget"). */
+#define HEAD_LOGITS_BYTES ((int64_t)128 << 20)
 
 /* Carve the activation buffer (base NULL: only count). Returns bytes. */
 static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
@@ -81,9 +89,10 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(m->rstdf, float, T);
     TAKE(m->head_lse, float, T);
     TAKE(m->head_ent, float, T);
-    /* default: 32 MiB of logits, but at least 128 tokens (a matrix product
-     * with fewer rows is slow and rereads the whole lm_head gradient) */
-    int64_t chunk = m->head_chunk_setting > 0 ? m->head_chunk_setting : ((int64_t)1 << 23) / V;
+    /* default: HEAD_LOGITS_BYTES of logits, but at least 128 tokens (a
+     * matrix product with fewer rows is slow and rereads the whole lm_head
+     * gradient) */
+    int64_t chunk = m->head_chunk_setting > 0 ? m->head_chunk_setting : HEAD_LOGITS_BYTES / ((int64_t)sizeof(float) * V);
     if (m->head_chunk_setting <= 0 && chunk < 128) chunk = 128;
     if (chunk > T) chunk = T;
     if (base) m->head_chunk = chunk;
@@ -99,6 +108,15 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     if (n_moe) TAKE(m->route_used, int16_t, T * n_moe * c->num_experts_per_tok); /* mrl_model_get_routing */
 #undef TAKE
     return off;
+}
+
+/* The rows of each of a batch's head chunks: at most head_chunk, and as
+ * even as their count allows (1,024 tokens at most 262 a chunk: 4 of 256,
+ * not 3 of 262 and one of 238), so that the last one, whose logits the
+ * backward reuses, saves as much as any. */
+static int64_t head_rows(const mrl_model *m, int64_t T) {
+    int64_t chunks = (T + m->head_chunk - 1) / m->head_chunk;
+    return chunks > 1 ? (T + chunks - 1) / chunks : m->head_chunk;
 }
 
 int64_t mrl_model_activation_bytes(const mrl_model *m, int64_t n_tokens) {
@@ -261,8 +279,9 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     /* the outputs, in the table's memory (on a GPU: copied back at the end) */
     float *lp_out = logprobs && dev ? m->dev_io[0] : logprobs, *val_out = values && dev ? m->dev_io[2] : values;
-    for (int64_t t0 = 0; t0 < T; t0 += m->head_chunk) {
-        int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
+    int64_t rows = head_rows(m, T);
+    for (int64_t t0 = 0; t0 < T; t0 += rows) {
+        int64_t n = T - t0 < rows ? T - t0 : rows;
         head_logits(m, m->lnf + t0 * D, n); /* [n,V] */
         /* logprob goes to a scratch row when not wanted: dx is free during the forward */
         float *lp = lp_out ? lp_out + t0 : m->gs.dx;
@@ -304,9 +323,10 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     float *dlnf = m->gs.dln; /* [T,D] */
     k->zero(dlnf, (int64_t)sizeof(float) * T * D);
+    int64_t rows = head_rows(m, T);
     if (dlogprobs || dentropy)
-        for (int64_t t0 = T > 0 ? (T - 1) / m->head_chunk * m->head_chunk : -1; t0 >= 0; t0 -= m->head_chunk) {
-            int64_t n = T - t0 < m->head_chunk ? T - t0 : m->head_chunk;
+        for (int64_t t0 = T > 0 ? (T - 1) / rows * rows : -1; t0 >= 0; t0 -= rows) {
+            int64_t n = T - t0 < rows ? T - t0 : rows;
             const float *x = m->lnf + t0 * D;
             if (!m->logits_kept) head_logits(m, x, n);
             m->logits_kept = 0; /* head_bwd turns them into dlogits in place */

@@ -199,7 +199,9 @@ mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device);
 mrl_device mrl_model_get_device(const mrl_model *m);
 /* Tokens whose full-vocabulary logits the head holds at a time (0, the
- * default: 32 MiB worth, at least 128 tokens). */
+ * default: 128 MiB worth, at least 128 tokens). A batch of more tokens is
+ * taken in even chunks of at most this many, and the backward recomputes
+ * the logits of all of them but the last. */
 void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens);
 /* Bytes of activations for a batch of n_tokens (with the current settings). */
 int64_t mrl_model_activation_bytes(const mrl_model *m, int64_t n_tokens);
