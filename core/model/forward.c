@@ -97,6 +97,8 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     if (chunk > T) chunk = T;
     if (base) m->head_chunk = chunk;
     TAKE(m->logits, float, chunk * V);
+    if (m->dtype == MRL_MODEL_BF16) TAKE(m->logits16, uint16_t, chunk * V); /* the backward's dlogits in bf16 */
+    else if (base) m->logits16 = NULL;
     TAKE(m->pos, int32_t, T);
     TAKE(m->targets, int32_t, T);
     if (m->k->on_device) { /* the batch's copies and the per-token values to and from the host */
@@ -333,8 +335,9 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
             k->head_bwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0,
                         dlogprobs ? dlogprobs + t0 : NULL, dentropy ? dentropy + t0 : NULL); /* dlogits [n,V] */
             if (m->dtype == MRL_MODEL_BF16) { /* the same two products, in bf16 (head_logits) */
-                k->gemm_bf16(1, 0, V, D, n, 1.0f, m->logits, 0, V, x, 0, D, 1.0f, m->g_lm_head, D);
-                k->gemm_bf16(0, 0, n, D, V, 1.0f, m->logits, 0, V, m->lm_head16, 1, D, 1.0f, dlnf + t0 * D, D);
+                k->f32_to_bf16(m->logits, m->logits16, n * V); /* once for both */
+                k->gemm_bf16(1, 0, V, D, n, 1.0f, m->logits16, 1, V, x, 0, D, 1.0f, m->g_lm_head, D);
+                k->gemm_bf16(0, 0, n, D, V, 1.0f, m->logits16, 1, V, m->lm_head16, 1, D, 1.0f, dlnf + t0 * D, D);
                 continue;
             }
             k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */

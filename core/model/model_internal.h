@@ -78,6 +78,7 @@ struct mrl_model {
     grad_scratch gs;
     float *lnf, *rstdf;     /* [T,D] [T] final norm */
     float *head_lse, *head_ent, *logits; /* [T] [T] [chunk,V] */
+    uint16_t *logits16;     /* [chunk,V] dtype bf16: the dlogits' bf16 copy (else NULL) */
     int32_t *pos, *targets; /* [T] */
     /* the batch's arrays as the ops read them: the caller's, or (on a GPU) their copies in
      * the activations: tokens [T], cu_seqlens [n_seqs + 1], prefix [n_seqs] (NULL: none) */
