@@ -266,19 +266,21 @@ def sgemm_peak(threads):
 
 
 def bf16_peak(threads):
-    """GFLOP/s of a bf16 matrix product of 2048^3 (fp32 sums), best of 5, through PyTorch's
-    bfloat16 matmul (oneDNN: AVX512-BF16 or AMX where the CPU has it): the machine's measured
-    bf16 product rate that the issue's ">= 50%" target is taken against."""
+    """GFLOP/s of a bf16 matrix product of 2048^3 (fp32 sums), the best of those run in 3 s (at
+    least 6), through PyTorch's bfloat16 matmul (oneDNN: AVX512-BF16 or AMX where the CPU has it):
+    the machine's measured bf16 product rate that the issue's ">= 50%" target is taken against.
+    (The best of 6, 0.25 s, once came out at half the rate: taken while the host was busy.)"""
     import torch
     torch.set_num_threads(threads)
     n = 2048
     A = torch.randn(n, n).bfloat16()
     Bm = torch.randn(n, n).bfloat16()
-    t = 1e9
-    for _ in range(6):
+    t, runs, start = 1e9, 0, time.perf_counter()
+    while runs < 6 or time.perf_counter() - start < 3.0:
         t0 = time.perf_counter()
         A @ Bm
         t = min(t, time.perf_counter() - t0)
+        runs += 1
     return 2.0 * n ** 3 / t / 1e9
 
 
