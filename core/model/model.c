@@ -336,7 +336,6 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     if (dtype != MRL_MODEL_FP32 && dtype != MRL_MODEL_BF16)
         return mrl_set_error(MRL_ERR_INVALID, "model dtype %d (0 fp32, 1 bf16)", dtype);
     if (dtype == m->dtype) return MRL_OK;
-    mrl_model_release_activations(m); /* laid out again for the dtype (the head's bf16 buffer) */
     if (dtype == MRL_MODEL_BF16) {
         if (mrl_buffer_alloc(m->device, sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS, &m->w16_buf))
             return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the bf16 copy of %lld parameters (%lld bytes)",
@@ -350,6 +349,7 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     }
     mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
     m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
+    mrl_model_release_activations(m); /* laid out again for the dtype (the head's bf16 buffer) */
     m->dtype = dtype;
     return MRL_OK;
 }
