@@ -104,7 +104,11 @@ typedef struct mrl_paged_attn {
      * 64-byte aligned; NULL: the kernel allocates and frees its own. */
     void *workspace;
     int64_t workspace_bytes;
-    int kv_bf16; /* 0: the cache holds fp32; 1: bf16 (uint16_t), the same layout, read exactly widened */
+    /* 0: the cache holds fp32; 1: bf16 (uint16_t), the same layout, and the
+     * two products may take bf16 operands as the bf16 model's others do (q
+     * and the softmax weights rounded to bf16, fp32 sums: the CPU's
+     * AVX512-BF16 path) or read the cache widened, exactly (elsewhere) */
+    int kv_bf16;
 } mrl_paged_attn;
 
 /* fp32 coefficients of one AdamW step, rounded as PyTorch rounds its

@@ -11,13 +11,16 @@
  *           that stay in cache while every d-chunk is accumulated.
  * AVX-512 in intrinsics; AVX2 and scalar from the same plain C loops (their
  * inner loops run over contiguous memory and are vectorised by the compiler
- * under each target). The path is the ISA set's (isa.c, mrl_cpu_isa_level). */
+ * under each target). The path is the ISA set's (isa.c, mrl_cpu_isa_level);
+ * a bf16 cache with AVX512-BF16 takes vdpbf16ps instead of the fp32
+ * multiply-adds (the bf16 products below). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 #include "cpu/paged_attention.h"
 #include "cpu/isa.h"
+#include "cpu/gemm_bf16.h"
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
@@ -318,13 +321,184 @@ __attribute__((target("avx512f"))) static void values_avx512(const item_view *v)
     else HEAD_RUNS(values_512, 0);
 }
 
+/* ---- AVX512-BF16: bf16 products, fp32 sums ----
+ * With a bf16 cache and vdpbf16ps the two products take bf16 operands, as
+ * the bf16 model's other products do: q rounded to bf16 (once per pass) and
+ * the softmax weights rounded to bf16 (after normalising), each
+ * instruction summing a pair of products into an fp32 lane. K holds 16 keys
+ * per row of a block ([hd][bs]): rows d and d+1 interleaved (vpermw) give
+ * the pairs (K[d][j], K[d+1][j]) that meet (q[d], q[d+1]). V rows c and c+1
+ * interleaved (vpunpck{l,h}wd, within 128-bit lanes) give the pairs
+ * (V[c][d], V[c+1][d]) that meet the weights (p[c], p[c+1]); the outputs of
+ * a 32-wide d-chunk then sit in two accumulators in lane order (d 0-3, 8-11,
+ * 16-19, 24-27 and 4-7, 12-15, ...), put back in order once at the end.
+ * Needs hd a multiple of 32 and block_size of 16 (pairs of keys never
+ * straddle a block; K rows d and d+1 adjacent); other shapes take the fp32
+ * loops above. */
+#define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+DP_TARGET static inline __attribute__((always_inline)) void
+score_chunks_dp(const item_view *v, const uint32_t *qp, int r0, const int RN, const uint16_t *const *kp,
+                const int KC, __mmask16 mlast, int c0) {
+    int hd2 = v->a->hd / 2;
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 acc[24];
+    __m512i k[4];
+    for (int i = 0; i < RN * KC; i++) acc[i] = _mm512_setzero_ps();
+    for (int d2 = 0; d2 < hd2; d2++) {
+        for (int i = 0; i < KC; i++) k[i] = _mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(kp[i] + 32 * d2));
+        for (int r = 0; r < RN; r++) {
+            __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r * hd2 + d2]);
+            for (int i = 0; i < KC; i++) acc[r * KC + i] = _mm512_dpbf16_ps(acc[r * KC + i], qb, (__m512bh)k[i]);
+        }
+    }
+    __m512 scale = _mm512_set1_ps(v->a->scale);
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < KC; i++)
+            _mm512_mask_storeu_ps(v->scores + (int64_t)(r0 + r) * v->n_ctx + c0 + 16 * i, i == KC - 1 ? mlast : 0xffff,
+                                  _mm512_mul_ps(acc[r * KC + i], scale));
+}
+
+/* q of heads r0 .. r0+RN rounded to bf16 pairs (qp[r][d/2]). */
+DP_TARGET static inline void round_pairs(uint32_t *dst, const float *src, int n) {
+    for (int i = 0; i < n; i += 32)
+        _mm512_storeu_si512(dst + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
+                                                                     _mm512_loadu_ps(src + i)));
+}
+
+DP_TARGET static inline __attribute__((always_inline)) void scores_dp(const item_view *v, int r0, const int RN,
+                                                                      const int KC) {
+    const mrl_paged_attn *a = v->a;
+    int n_full = v->n_ctx / 16, rem = v->n_ctx % 16, c = 0;
+    uint32_t qp[8 * MAX_HEAD_DIM / 2];
+    round_pairs(qp, v->q + (int64_t)r0 * a->hd, RN * a->hd);
+    const uint16_t *kp[4];
+#define CHUNK_PTR(c) ((const uint16_t *)a->k_cache + block_offset(a, v->table[(c) / 16], v->g))
+    for (; c + 16 * KC <= 16 * n_full; c += 16 * KC) {
+        for (int i = 0; i < KC; i++) kp[i] = CHUNK_PTR(c + 16 * i);
+        score_chunks_dp(v, qp, r0, RN, kp, KC, 0xffff, c);
+    }
+    for (; c < 16 * n_full; c += 16) {
+        kp[0] = CHUNK_PTR(c);
+        score_chunks_dp(v, qp, r0, RN, kp, 1, 0xffff, c);
+    }
+    if (rem) { /* the keys past the context in this block are read (they are in the block) but not stored */
+        kp[0] = CHUNK_PTR(c);
+        score_chunks_dp(v, qp, r0, RN, kp, 1, (__mmask16)((1u << rem) - 1), c);
+    }
+#undef CHUNK_PTR
+}
+
+/* The weights of head r as bf16 pairs, written over the front of its own
+ * score row (pp[c/2] holds keys c, c+1; the pair past an odd count padded
+ * with 0). */
+DP_TARGET static inline uint32_t *weight_pairs(const item_view *v, int r) {
+    float *s = v->scores + (int64_t)r * v->n_ctx;
+    uint32_t *pp = (uint32_t *)s;
+    int n = v->n_ctx, i = 0;
+    for (; i + 32 <= n; i += 32) /* writes [i/2, i/2+16) after reading [i, i+32): never ahead of the reads */
+        _mm512_storeu_si512(pp + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i)));
+    if (i < n) {
+        __mmask16 lo = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __mmask16 hi = n - i <= 16 ? 0 : (__mmask16)((1u << (n - i - 16)) - 1);
+        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, s + i + 16), _mm512_maskz_loadu_ps(lo, s + i));
+        _mm512_mask_storeu_epi32(pp + i / 2, (__mmask16)((1u << ((n - i + 1) / 2)) - 1), w);
+    }
+    return pp;
+}
+
+/* out[r0 .. r0+RN)[d0 .. d0 + 32 DC) += the keys k0..k1 (k0 even) of V
+ * times the weight pairs, the outputs in lane order (see above). */
+DP_TARGET static inline __attribute__((always_inline)) void
+value_chunks_dp(const item_view *v, const uint32_t *const *pp, int r0, const int RN, int d0, const int DC, int k0,
+                int k1) {
+    const mrl_paged_attn *a = v->a;
+    int hd = a->hd;
+    __m512 acc[24]; /* RN * DC * 2 <= 24 */
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < 2 * DC; i++)
+            acc[r * 2 * DC + i] = k0 ? _mm512_loadu_ps(v->out + (int64_t)(r0 + r) * hd + d0 + 16 * i) : _mm512_setzero_ps();
+    for (int c = k0; c < k1; c += 2) {
+        const uint16_t *row = (const uint16_t *)a->v_cache + block_offset(a, v->table[c / 16], v->g) +
+                              (int64_t)(c % 16) * hd + d0;
+        int pair = c + 1 < k1; /* an odd last key meets a zero row: the cache past the context is not read */
+        for (int i = 0; i < DC; i++) {
+            __m512i x0 = _mm512_loadu_si512(row + 32 * i);
+            __m512i x1 = pair ? _mm512_loadu_si512(row + hd + 32 * i) : _mm512_setzero_si512();
+            __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int r = 0; r < RN; r++) {
+                __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[r][c / 2]);
+                acc[r * 2 * DC + 2 * i] = _mm512_dpbf16_ps(acc[r * 2 * DC + 2 * i], p, lo);
+                acc[r * 2 * DC + 2 * i + 1] = _mm512_dpbf16_ps(acc[r * 2 * DC + 2 * i + 1], p, hi);
+            }
+        }
+    }
+    for (int r = 0; r < RN; r++)
+        for (int i = 0; i < 2 * DC; i++) _mm512_storeu_ps(v->out + (int64_t)(r0 + r) * hd + d0 + 16 * i, acc[r * 2 * DC + i]);
+}
+
+DP_TARGET static inline __attribute__((always_inline)) void values_dp(const item_view *v, int r0, const int RN,
+                                                                      const int DC) {
+    int hd = v->a->hd;
+    const uint32_t *pp[8];
+    for (int r = 0; r < RN; r++) pp[r] = weight_pairs(v, r0 + r);
+    for (int k0 = 0; k0 < v->n_ctx; k0 += KEY_TILE) {
+        int k1 = k0 + KEY_TILE < v->n_ctx ? k0 + KEY_TILE : v->n_ctx, d0 = 0;
+        for (; d0 + 32 * DC <= hd; d0 += 32 * DC) value_chunks_dp(v, pp, r0, RN, d0, DC, k0, k1);
+        for (; d0 < hd; d0 += 32) value_chunks_dp(v, pp, r0, RN, d0, 1, k0, k1);
+    }
+    /* lane order back to d order: chunk (lo, hi) -> (lo0 hi0 lo1 hi1 | lo2 hi2 lo3 hi3) by 128-bit lanes */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int r = 0; r < RN; r++)
+        for (int d = 0; d < hd; d += 32) {
+            float *o = v->out + (int64_t)(r0 + r) * hd + d;
+            __m512 lo = _mm512_loadu_ps(o), hi = _mm512_loadu_ps(o + 16);
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
+}
+
+/* Runs of heads as HEAD_RUNS, the value accumulators two per 32 outputs. */
+#define HEAD_RUNS_DP(fn, C8, C)                                           \
+    do {                                                                  \
+        int r = 0;                                                        \
+        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, C8);                    \
+        switch (v->G - r) {                                               \
+        case 7: fn(v, r, 4, C); fn(v, r + 4, 3, C); break;                \
+        case 6: fn(v, r, 6, C); break;                                    \
+        case 5: fn(v, r, 5, C); break;                                    \
+        case 4: fn(v, r, 4, C); break;                                    \
+        case 3: fn(v, r, 3, C); break;                                    \
+        case 2: fn(v, r, 2, C); break;                                    \
+        case 1: fn(v, r, 1, C); break;                                    \
+        }                                                                 \
+    } while (0)
+
+DP_TARGET static void scores_avx512_bf16(const item_view *v) { HEAD_RUNS_DP(scores_dp, 2, 4); }
+/* values: 8 heads x 1 chunk (16 accumulators), up to 6 x 2 (24) */
+DP_TARGET static void values_avx512_bf16(const item_view *v) { HEAD_RUNS_DP(values_dp, 1, 2); }
+
+static int bf16_products = 1; /* tests turn the path off to reach the fp32 loops on this CPU */
+
+void mrl_cpu_paged_attn_bf16_products(int on) { bf16_products = on; }
+
+/* Whether this batch takes the bf16 products. */
+static int use_dp(const mrl_paged_attn *a, int level) {
+    return level == 2 && bf16_products && a->kv_bf16 && a->block_size == 16 && a->hd % 32 == 0 &&
+           mrl_cpu_has_avx512_bf16();
+}
+
+int mrl_cpu_paged_attn_takes_bf16_products(const mrl_paged_attn *a) { return use_dp(a, mrl_cpu_isa_level()); }
+
 #define PLAIN(fn, v) ((v)->a->kv_bf16 ? fn##_plain(v, 1) : fn##_plain(v, 0))
 __attribute__((target("avx2,fma"))) static void scores_avx2(const item_view *v) { PLAIN(scores, v); }
 __attribute__((target("avx2,fma"))) static void values_avx2(const item_view *v) { PLAIN(values, v); }
 static void scores_scalar(const item_view *v) { PLAIN(scores, v); }
 static void values_scalar(const item_view *v) { PLAIN(values, v); }
 
-static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *scores, int level) {
+static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *scores, int level, int dp) {
     int G = a->Hq / a->Hk, hd = a->hd;
     int len = a->seq_lens[it->seq], q0 = a->query_start[it->seq];
     int n_q = a->query_start[it->seq + 1] - q0;
@@ -333,7 +507,8 @@ static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *sco
         v.n_ctx = len - n_q + (t - q0) + 1;
         v.q = a->q + ((int64_t)t * a->Hq + (int64_t)it->g * G) * hd;
         v.out = a->out + ((int64_t)t * a->Hq + (int64_t)it->g * G) * hd;
-        if (level == 2) scores_avx512(&v);
+        if (dp) scores_avx512_bf16(&v);
+        else if (level == 2) scores_avx512(&v);
         else if (level == 1) scores_avx2(&v);
         else scores_scalar(&v);
         for (int r = 0; r < G; r++) {
@@ -342,7 +517,8 @@ static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *sco
             float inv = (float)(1.0 / mrl_vexp_sum(s, s, m, v.n_ctx));
             for (int c = 0; c < v.n_ctx; c++) s[c] *= inv;
         }
-        if (level == 2) values_avx512(&v);
+        if (dp) values_avx512_bf16(&v);
+        else if (level == 2) values_avx512(&v);
         else if (level == 1) values_avx2(&v);
         else values_scalar(&v);
     }
@@ -356,7 +532,7 @@ typedef struct attn_ctx {
     int64_t n_items, n_chunks;
     float *scratch; /* per chunk: G * max_len scores */
     int64_t scratch_per_chunk;
-    int level;
+    int level, dp;
 } attn_ctx;
 
 /* Chunks [b, e) of the work list: chunk c has its own score rows. */
@@ -365,7 +541,7 @@ static void attend_range(void *vctx, int64_t b, int64_t e) {
     for (int64_t c = b; c < e; c++) {
         int64_t i0 = ctx->n_items * c / ctx->n_chunks, i1 = ctx->n_items * (c + 1) / ctx->n_chunks;
         for (int64_t i = i0; i < i1; i++)
-            attend_item(ctx->a, &ctx->items[i], ctx->scratch + c * ctx->scratch_per_chunk, ctx->level);
+            attend_item(ctx->a, &ctx->items[i], ctx->scratch + c * ctx->scratch_per_chunk, ctx->level, ctx->dp);
     }
 }
 
@@ -422,7 +598,8 @@ mrl_status mrl_cpu_fast_paged_attn(const mrl_paged_attn *a) {
                 int t1 = t + QUERY_TILE < a->query_start[i + 1] ? t + QUERY_TILE : a->query_start[i + 1];
                 items[k++] = (attn_item){i, g, t, t1};
             }
-    attn_ctx ctx = {a, items, p.n_items, p.n_chunks, scratch, p.per_chunk, mrl_cpu_isa_level()};
+    int level = mrl_cpu_isa_level();
+    attn_ctx ctx = {a, items, p.n_items, p.n_chunks, scratch, p.per_chunk, level, use_dp(a, level)};
     mrl_parallel_for(p.n_chunks, 1, attend_range, &ctx);
     free(own);
     return MRL_OK;

@@ -5,7 +5,8 @@
  * two tables (kernels.h, mrl_paged_attn). Internal.
  *
  * Cache layout of ONE layer (see core/engine/kv_cache.h), fp32, or bf16
- * (kv_bf16: uint16_t, the same layout; read widened, exactly, sums in fp32):
+ * (kv_bf16: uint16_t, the same layout; bf16 products where the CPU has
+ * AVX512-BF16, below, else read widened, exactly; sums in fp32):
  *   k_cache: [num_blocks][Hk][hd][block_size]  (K transposed inside a block)
  *   v_cache: [num_blocks][Hk][block_size][hd]
  * slot s = block * block_size + offset.
@@ -31,6 +32,14 @@ mrl_status mrl_cpu_fast_paged_attn(const mrl_paged_attn *a);
  * shapes); it grows with the number of sequences, Hq/Hk and the longest
  * context. */
 int64_t mrl_cpu_fast_paged_attn_workspace(const mrl_paged_attn *a);
+
+/* With a bf16 cache on a CPU with AVX512-BF16 (block_size 16, hd a
+ * multiple of 32) the fast version's two products take bf16 operands: q and
+ * the softmax weights rounded to bf16, fp32 sums (paged_attention.c). 0
+ * turns that off (the fp32 loops over the widened cache), for the tests. */
+void mrl_cpu_paged_attn_bf16_products(int on);
+/* Whether the fast version takes the bf16 products for this batch. */
+int mrl_cpu_paged_attn_takes_bf16_products(const mrl_paged_attn *a);
 
 /* K/V of T tokens into their slots: one token after the other (reference),
  * the tokens spread over the cores (fast; slots are distinct, so the

@@ -32,6 +32,7 @@
 #include "model/random_arrays.h"
 #include "kernels.h"
 #include "cpu/blas.h"
+#include "cpu/paged_attention.h"
 #include "cpu/split.h"
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
@@ -55,6 +56,15 @@
 /* Paged attention: fp32 scores and weighted sums over up to 300 keys, the
  * vector exp; the bound its own test against plain attention always met. */
 #define TOL_PAGED 2e-6
+/* Paged attention over a bf16 cache with bf16 products (AVX512-BF16): q is
+ * given bf16-exact (what the kernel rounds it to), so what differs from the
+ * exact reference is the softmax weights rounded to bf16, each within half
+ * an ulp of itself (2^-9 to 2^-8 relative): an output, a weighted mean of V
+ * rows, moves by up to 2^-8 max|V|, and the largest output here is about
+ * max|V| (contexts from 1 token): 2^-7 leaves room for one near max|V|/2.
+ * Row by row against attention with the weights so rounded, at 2e-6:
+ * tests/engine/test_paged_attention.c. */
+#define TOL_PAGED_BF16 7.8e-3
 /* The sampler's log-probs: x - lse with lse from a sum of vector exps in
  * double and one fp32 log, against libm's exp: a few ulp of |x|. The
  * tokens themselves must be the same. */
@@ -878,7 +888,9 @@ static void run_paged_attn(const mrl_kernels *k, void *const *p, const op_case *
         a.workspace_bytes = k->paged_attn_workspace(&a);
         a.workspace = ws = a.workspace_bytes > 0 ? malloc((size_t)a.workspace_bytes) : NULL;
     }
+    if (c->i[8]) mrl_cpu_paged_attn_bf16_products(0); /* the fp32 loops over the bf16 cache */
     CHECK_OK(k->paged_attn(&a));
+    mrl_cpu_paged_attn_bf16_products(1);
     free(ws);
 }
 
@@ -931,12 +943,20 @@ static void cases_paged(void) {
         add(&c, "slots", I32, IN, T, slots, 0);
         c.i[0] = T, c.i[1] = Hk, c.i[2] = hd, c.i[3] = bs;
         check_case(&c);
-        for (int run = 0; run < 3; run++) {
-            int ws = run == 1, bf16 = run == 2;
+        for (int run = 0; run < 4; run++) {
+            int ws = run == 1, bf16 = run >= 2, fp32_products = run == 3;
             new_case(&c, "paged_attn", run_paged_attn, "GQA %d/%d hd %d, blocks of %d%s", Hq, Hk, hd, bs,
-                     ws ? ", the caller's workspace" : bf16 ? ", bf16 cache" : "");
-            add(&c, "out", F32, OUT, T * Hq * hd, NULL, TOL_PAGED);
-            in_rnd(&c, "q", T * Hq * hd, 1);
+                     ws ? ", the caller's workspace" : fp32_products ? ", bf16 cache, fp32 products" : bf16 ? ", bf16 cache" : "");
+            if (bf16 && !fp32_products) add(&c, "out (bf16 cache)", F32, OUT, T * Hq * hd, NULL, TOL_PAGED_BF16);
+            else add(&c, "out", F32, OUT, T * Hq * hd, NULL, TOL_PAGED);
+            if (bf16) { /* q bf16-exact: the bf16 products round it to itself */
+                float *q = rnd(T * Hq * hd, 1);
+                for (int64_t j = 0; j < T * Hq * hd; j++) q[j] = mrl_bf16_to_f32(mrl_f32_to_bf16(q[j]));
+                add(&c, "q", F32, IN, T * Hq * hd, q, 0);
+                free(q);
+            } else {
+                in_rnd(&c, "q", T * Hq * hd, 1);
+            }
             if (bf16) {
                 add(&c, "k_cache", U16, IN, cache, kc16, 0);
                 add(&c, "v_cache", U16, IN, cache, vc16, 0);
@@ -948,7 +968,7 @@ static void cases_paged(void) {
             add(&c, "seq_lens", I32, IN, n_seqs, lens, 0);
             add(&c, "query_start", I32, IN, n_seqs + 1, qs, 0);
             c.i[0] = n_seqs, c.i[1] = max_blocks, c.i[2] = bs, c.i[3] = Hq, c.i[4] = Hk, c.i[5] = hd, c.i[6] = ws;
-            c.i[7] = bf16;
+            c.i[7] = bf16, c.i[8] = fp32_products;
             c.f[0] = 1.0f / sqrtf((float)hd);
             check_case(&c);
         }
