@@ -68,6 +68,19 @@ static inline uint16_t mrl_panel16_at(const uint32_t *P, int64_t K, int64_t n, i
 /* One matrix product C = alpha op(A) op(B) + beta C (see gemm below).
  * b_panels: B is W [N,K] packed by panels_pack (op(B) = W^T; trans_a
  * must be 0 and trans_b 1; ldb is ignored). */
+/* One product of gemm_bf16_panels_group: C[M,N] = alpha * bf16(A) W^T +
+ * beta * C, W [N,K] as bf16 weight panels P and, optionally, its plain bf16
+ * copy W16 (ldw; NULL: none), as gemm_bf16_panels takes them. */
+typedef struct mrl_panels_part {
+    int64_t N;
+    const uint32_t *P;
+    const uint16_t *W16;
+    int64_t ldw;
+    float alpha, beta;
+    float *C;
+    int64_t ldc;
+} mrl_panels_part;
+
 typedef struct mrl_gemm_desc {
     int trans_a, trans_b;
     int64_t M, N, K;
@@ -180,6 +193,11 @@ typedef struct mrl_kernels {
      * faster for the shape (the engine's products in bf16). */
     void (*gemm_bf16_panels)(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                              const uint32_t *P, const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
+    /* n (1..8) such products of one A [M,K] (the engine's q, k, v; gate, up),
+     * each C as gemm_bf16_panels gives it: the table may pack A once and run
+     * them in one parallel region. No C may overlap A or another C. */
+    void (*gemm_bf16_panels_group)(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w,
+                                   int n);
 
     /* out[t] = x[t] * rstd[t] * w, rstd[t] = 1/sqrt(mean(x[t]^2) + eps); x [T,D]. */
     void (*rmsnorm_fwd)(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,

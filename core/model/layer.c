@@ -48,6 +48,17 @@ static void products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t 
         k->gemm_group(d, n);
         return;
     }
+    int one_a = n > 1 && n <= 8; /* every B as panels, one A: a group (A packed once, one parallel region) */
+    for (int i = 0; i < n && one_a; i++)
+        one_a = d[i].b_panels && d[i].A == d[0].A && d[i].M == d[0].M && d[i].K == d[0].K && d[i].lda == d[0].lda;
+    if (one_a) {
+        mrl_panels_part w[8];
+        for (int i = 0; i < n; i++)
+            w[i] = (mrl_panels_part){d[i].N, (const uint32_t *)d[i].B, w16 ? w16[i] : NULL, d[i].K, d[i].alpha,
+                                     d[i].beta, d[i].C, d[i].ldc};
+        k->gemm_bf16_panels_group(d[0].M, d[0].K, d[0].A, d[0].lda, w, n);
+        return;
+    }
     for (int i = 0; i < n; i++) {
         const mrl_gemm_desc *g = &d[i];
         const uint16_t *b = w16 ? w16[i] : NULL;

@@ -520,6 +520,7 @@ static const mrl_kernels fast_table = {
     .gemm_group = fast_gemm_group,
     .gemm_bf16 = mrl_cpu_gemm_bf16,
     .gemm_bf16_panels = mrl_cpu_gemm_bf16_panels,
+    .gemm_bf16_panels_group = mrl_cpu_gemm_bf16_panels_group,
     .rmsnorm_fwd = fast_rmsnorm_fwd,
     .rmsnorm_bwd = fast_rmsnorm_bwd,
     .rope = fast_rope,

@@ -239,6 +239,23 @@ void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, cons
     mrl_cpu_gemm_bf16_panels_reference(M, N, K, alpha, A, lda, P, beta, C, ldc);
 }
 
+void mrl_cpu_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w,
+                                    int n) {
+    int64_t N = 0;
+    int plain = 0, degenerate = M <= 0 || K <= 0;
+    for (int i = 0; i < n; i++) {
+        N += w[i].N;
+        plain |= w[i].W16 != NULL;
+        degenerate |= w[i].N <= 0 || w[i].alpha == 0;
+    }
+    /* the rule on the group as one product: its panels are shared as one W's */
+    int panels = forced == MRL_BF16_AUTO ? !plain || mrl_cpu_bf16_panels_pick(M, N) : forced == MRL_BF16_OWN;
+    if (!degenerate && panels && mrl_cpu_gemm_bf16_panels_group_own(M, K, A, lda, n, w) == 0) return;
+    for (int i = 0; i < n; i++)
+        mrl_cpu_gemm_bf16_panels(M, w[i].N, K, w[i].alpha, A, lda, w[i].P, w[i].W16, w[i].ldw, w[i].beta, w[i].C,
+                                 w[i].ldc);
+}
+
 void mrl_cpu_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K) {
     if (mrl_cpu_panels16_pack_own(P, W, N, K) == 0) return;
     for (int64_t b = 0; b < (N + MRL_PANEL16 - 1) / MRL_PANEL16; b++) mrl_panel16_pack(P, W, N, K, b);

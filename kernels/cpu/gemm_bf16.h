@@ -27,6 +27,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include "kernels.h" /* mrl_panels_part */
 
 void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                        int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
@@ -97,10 +98,18 @@ void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, cons
                               const uint32_t *P, const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
 void mrl_cpu_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
 int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N);
+/* The op table's gemm_bf16_panels_group: with the panels picked for the
+ * group's M and total N, ours over every part at once (A packed once, one
+ * parallel region, each C the same bits as alone); else each part through
+ * mrl_cpu_gemm_bf16_panels. */
+void mrl_cpu_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w,
+                                    int n);
 /* The paths: our kernel over the panels (0, or -1: no AVX512-BF16, no
  * memory) and its packer; the reference (reads P) always computes. */
 int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                                  const uint32_t *P, float beta, float *C, int64_t ldc);
+int mrl_cpu_gemm_bf16_panels_group_own(int64_t M, int64_t K, const float *A, int64_t lda, int n,
+                                       const mrl_panels_part *w);
 int mrl_cpu_panels16_pack_own(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
 void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                                         const uint32_t *P, float beta, float *C, int64_t ldc);

@@ -140,6 +140,7 @@ typedef struct tile_args {
     __mmask16 last; /* columns of the last vector that exist */
     float alpha, beta;
     int first; /* first k block: C = alpha acc + beta C; later ones: C += alpha acc */
+    const char *pf; /* NULL, or a line to prefetch into L2 per k, from here (the weight panels' next slice) */
 } tile_args;
 
 /* mr rows x nv vectors, both constants in each instance below (the loops
@@ -154,6 +155,7 @@ static inline __attribute__((always_inline)) void micro(const int mr, const int 
     /* unrolled by hand's worth of pragmas: gcc -O2 leaves these loops rolled
      * (measured: 80 GFLOP/s instead of 190), and the accumulators in memory */
     for (int64_t k = 0; k < t->kc; k++, a += LANES, b += NR) {
+        if (t->pf) _mm_prefetch(t->pf + 64 * k, _MM_HINT_T1);
         __m512bh bv[NV];
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * LANES);
@@ -437,38 +439,64 @@ int mrl_cpu_panels16_pack_own(uint32_t *P, const uint16_t *W, int64_t N, int64_t
     return 0;
 }
 
+/* A group of products x W_i^T with one A (the engine's q, k, v and its gate,
+ * up): A packed once over all of K, the panels of every W_i counted as one
+ * row of panels, cut evenly between the threads in one parallel region. */
+#define GROUP_MAX 8
 typedef struct pgemm_ctx {
-    const uint32_t *Ap, *P; /* A packed over all of K (ceil(M/16) panels of Kp x 16); W's panels */
-    int64_t M, N, Kp, mc, nc, m_tiles, n_tiles;
-    float alpha, beta, *C;
-    int64_t ldc;
+    const uint32_t *Ap;       /* A packed over all of K (ceil(M/16) panels of Kp x 16) */
+    int64_t M, Kp, mc, m_tiles, panels, n_chunks;
+    int n;
+    struct {
+        const uint32_t *P;    /* W_i's panels */
+        int64_t N, panel0;    /* its columns, and its first panel in the group's row */
+        float alpha, beta, *C;
+        int64_t ldc;
+    } w[GROUP_MAX];
 } pgemm_ctx;
 
-/* Tiles i0 .. i1 of C. Each panel of the tile is walked from its first k
- * block to its last (it lies contiguous in memory: one stream), and within
- * a k block its slice (KC x 48 dwords) is read once from memory and then
- * from cache by the tile's other 8-row slices. Every element sums its k in
- * the same blocks and order as packed_gemm's, whatever M and the tiling. */
-static void panels_tile_range(void *vc, int64_t i0, int64_t i1) {
+/* Panel pn (48 columns) of product i for rows m0 .. m1. The panel is
+ * walked from its first k block to its last (it lies contiguous in memory:
+ * one stream), and within a k block its slice (KC x 48 dwords) is read once
+ * from memory and then from cache by the other 8-row slices. Every element
+ * sums its k in the same blocks and order as packed_gemm's, whatever M and
+ * the tiling. */
+static void panel_rows(const pgemm_ctx *g, int i, int64_t pn, int64_t m0, int64_t m1) {
+    tile_args t = {.ldc = g->w[i].ldc, .alpha = g->w[i].alpha, .beta = g->w[i].beta};
+    int64_t n = pn * NR, cols = g->w[i].N - n < NR ? g->w[i].N - n : NR, nv = (cols + LANES - 1) / LANES;
+    t.last = mask16(cols - (nv - 1) * LANES);
+    for (int64_t k0 = 0; k0 < g->Kp; k0 += KC) {
+        t.kc = g->Kp - k0 < KC ? g->Kp - k0 : KC;
+        t.first = k0 == 0;
+        t.b = g->w[i].P + pn * g->Kp * NR + k0 * NR;
+        /* the first 8-row slice reads the panel's slice from memory, the others
+         * from cache: those fetch the next slice (it follows this one in memory,
+         * in this panel or the next) a line per k, so that the memory stream runs
+         * under their arithmetic instead of stalling the next first slice */
+        const char *next = (const char *)(t.b + t.kc * NR);
+        int64_t next_bytes = (int64_t)KC * NR * 4;
+        for (int64_t m = m0, j = 0; m < m1; m += MR, j++) {
+            int64_t rows = m1 - m < MR ? m1 - m : MR;
+            t.a = g->Ap + m / LANES * g->Kp * LANES + k0 * LANES + m % LANES;
+            t.C = g->w[i].C + m * t.ldc + n;
+            t.pf = j > 0 && (j - 1) * t.kc * 64 < next_bytes ? next + (j - 1) * t.kc * 64 : NULL;
+            micro_table[rows - 1][nv - 1](&t);
+        }
+    }
+}
+
+/* Chunks c0 .. c1: chunk c is row tile c / (n_chunks / m_tiles) and an even
+ * share of the group's row of panels. */
+static void panels_chunk_range(void *vc, int64_t c0, int64_t c1) {
     const pgemm_ctx *g = vc;
-    tile_args t = {.ldc = g->ldc, .alpha = g->alpha, .beta = g->beta};
-    for (int64_t i = i0; i < i1; i++) {
-        int64_t m0 = i / g->n_tiles * g->mc, n0 = i % g->n_tiles * g->nc;
-        int64_t m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M, n1 = n0 + g->nc < g->N ? n0 + g->nc : g->N;
-        for (int64_t n = n0; n < n1; n += NR) {
-            int64_t cols = n1 - n < NR ? n1 - n : NR, nv = (cols + LANES - 1) / LANES;
-            t.last = mask16(cols - (nv - 1) * LANES);
-            for (int64_t k0 = 0; k0 < g->Kp; k0 += KC) {
-                t.kc = g->Kp - k0 < KC ? g->Kp - k0 : KC;
-                t.first = k0 == 0;
-                t.b = g->P + n / NR * g->Kp * NR + k0 * NR;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    int64_t rows = m1 - m < MR ? m1 - m : MR;
-                    t.a = g->Ap + m / LANES * g->Kp * LANES + k0 * LANES + m % LANES;
-                    t.C = g->C + m * g->ldc + n;
-                    micro_table[rows - 1][nv - 1](&t);
-                }
-            }
+    int64_t per_tile = g->n_chunks / g->m_tiles;
+    for (int64_t c = c0; c < c1; c++) {
+        int64_t mt = c / per_tile, j = c % per_tile;
+        int64_t m0 = mt * g->mc, m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M;
+        int64_t p0 = g->panels * j / per_tile, p1 = g->panels * (j + 1) / per_tile;
+        for (int i = 0; i < g->n; i++) {
+            int64_t first = g->w[i].panel0, end = first + (g->w[i].N + NR - 1) / NR;
+            for (int64_t p = p0 > first ? p0 : first; p < p1 && p < end; p++) panel_rows(g, i, p - first, m0, m1);
         }
     }
 }
@@ -478,15 +506,23 @@ static void panels_pack_a(void *vc, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) pack_block(&g->a, b, 0, g->kc, g->Ap + b * g->kc * LANES, LANES);
 }
 
-int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
-                                 const uint32_t *P, float beta, float *C, int64_t ldc) {
+int mrl_cpu_gemm_bf16_panels_group_own(int64_t M, int64_t K, const float *A, int64_t lda, int n,
+                                       const mrl_panels_part *w) {
     if (!mrl_cpu_has_avx512_bf16()) return -1;
-    if (M <= 0 || N <= 0 || K <= 0) return -1; /* the dispatcher handles those */
-    int64_t Kp = (K + 1) / 2, a_blocks = (M + LANES - 1) / LANES;
+    if (M <= 0 || K <= 0 || n < 1 || n > GROUP_MAX) return -1; /* the dispatcher handles those */
+    int64_t Kp = (K + 1) / 2, a_blocks = (M + LANES - 1) / LANES, N = 0;
+    pgemm_ctx g = {.M = M, .Kp = Kp, .n = n};
+    for (int i = 0; i < n; i++) {
+        if (w[i].N <= 0) return -1;
+        g.w[i].P = w[i].P, g.w[i].N = w[i].N, g.w[i].panel0 = g.panels;
+        g.w[i].alpha = w[i].alpha, g.w[i].beta = w[i].beta, g.w[i].C = w[i].C, g.w[i].ldc = w[i].ldc;
+        g.panels += (w[i].N + NR - 1) / NR;
+        N += w[i].N;
+    }
     uint32_t *Ap = mrl_cpu_bf16_scratch_take((size_t)a_blocks * Kp * LANES * 4);
     if (!Ap) return -1;
+    g.Ap = Ap;
     gemm_ctx pack = {.a = {A, 0, 1, lda, M, K}, .kc = Kp, .Ap = Ap};
-    pgemm_ctx g = {.Ap = Ap, .P = P, .M = M, .N = N, .Kp = Kp, .alpha = alpha, .beta = beta, .C = C, .ldc = ldc};
     /* threads as few_gemm's: these are bound by reading W for a few rows */
     static _Thread_local mrl_split_choice choice;
     int threads = mrl_parallel_threads(), split, measured = 0;
@@ -494,21 +530,27 @@ int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, c
     else if (M * N * K >= PARALLEL_MACS) split = 1;
     else split = mrl_split_pick(&choice), measured = 1;
     if (!split) threads = 1;
+    /* row tiles of up to MC rows, as even as whole blocks of 16 allow; about 4 chunks a thread */
     g.m_tiles = (M + MC - 1) / MC;
     g.mc = ((M + g.m_tiles - 1) / g.m_tiles + LANES - 1) / LANES * LANES;
     g.m_tiles = (M + g.mc - 1) / g.mc;
-    int64_t panels = (N + NR - 1) / NR, want = (4 * threads + g.m_tiles - 1) / g.m_tiles;
-    g.nc = (panels + want - 1) / want * NR;
-    if (g.nc > NC_MAX) g.nc = NC_MAX;
-    g.n_tiles = (N + g.nc - 1) / g.nc;
+    int64_t per_tile = (4 * threads + g.m_tiles - 1) / g.m_tiles;
+    if (per_tile > g.panels) per_tile = g.panels;
+    g.n_chunks = g.m_tiles * per_tile;
     double t0 = mrl_split_now();
     if (threads == 1 || a_blocks < 16) panels_pack_a(&pack, 0, a_blocks);
     else mrl_parallel_for(a_blocks, 1, panels_pack_a, &pack);
-    if (threads == 1) panels_tile_range(&g, 0, g.m_tiles * g.n_tiles);
-    else mrl_parallel_for(g.m_tiles * g.n_tiles, 1, panels_tile_range, &g);
+    if (threads == 1) panels_chunk_range(&g, 0, g.n_chunks);
+    else mrl_parallel_for(g.n_chunks, 1, panels_chunk_range, &g);
     if (measured) mrl_split_record(&choice, mrl_split_now() - t0, (double)M * N * K);
     mrl_cpu_bf16_scratch_give(Ap);
     return 0;
+}
+
+int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                                 const uint32_t *P, float beta, float *C, int64_t ldc) {
+    mrl_panels_part w = {N, P, NULL, 0, alpha, beta, C, ldc};
+    return mrl_cpu_gemm_bf16_panels_group_own(M, K, A, lda, 1, &w);
 }
 
 int mrl_cpu_gemm_bf16_own(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,

@@ -72,6 +72,12 @@ static void ref_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, c
     mrl_cpu_gemm_bf16_panels_reference(M, N, K, alpha, A, lda, P, beta, C, ldc);
 }
 
+static void ref_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w,
+                                       int n) {
+    for (int i = 0; i < n; i++)
+        mrl_cpu_gemm_bf16_panels_reference(M, w[i].N, K, w[i].alpha, A, lda, w[i].P, w[i].beta, w[i].C, w[i].ldc);
+}
+
 static void ref_gather_rows(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
     for (int64_t i = 0; i < n; i++) memcpy(out + i * D, src + (int64_t)idx[i] * D, sizeof(float) * D);
 }
@@ -288,6 +294,7 @@ static const mrl_kernels reference_table = {
     .gemm_group = ref_gemm_group,
     .gemm_bf16 = mrl_cpu_gemm_bf16_reference,
     .gemm_bf16_panels = ref_gemm_bf16_panels,
+    .gemm_bf16_panels_group = ref_gemm_bf16_panels_group,
     .rmsnorm_fwd = ref_rmsnorm_fwd,
     .rmsnorm_bwd = ref_rmsnorm_bwd,
     .rope = ref_rope,

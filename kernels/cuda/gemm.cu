@@ -291,6 +291,12 @@ void cuda_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K) {
 // The plain copy when given (the engine on a GPU keeps no panels: cuBLASLt
 // reads W as it is); else the panels made a plain W again in the scratch,
 // beside A's bf16 copy.
+// The parts one after the other: cuBLASLt reads each W as it is.
+void cuda_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w, int n) {
+    for (int i = 0; i < n; i++)
+        cuda_gemm_bf16_panels(M, w[i].N, K, w[i].alpha, A, lda, w[i].P, w[i].W16, w[i].ldw, w[i].beta, w[i].C, w[i].ldc);
+}
+
 void cuda_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const uint32_t *P,
                            const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc) {
     if (W16 || M <= 0 || N <= 0 || K <= 0 || alpha == 0) {  // cuda_gemm_bf16 reads no B in the last three

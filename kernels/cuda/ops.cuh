@@ -48,6 +48,7 @@ void cuda_paged_kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, const float 
 void cuda_panels16_pack(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
 void cuda_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const uint32_t *P,
                            const uint16_t *W16, int64_t ldw, float beta, float *C, int64_t ldc);
+void cuda_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w, int n);
 void cuda_gemm_release(void);
 // rmsnorm.cu
 void cuda_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D, float eps);

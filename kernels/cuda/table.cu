@@ -179,6 +179,7 @@ static const mrl_kernels cuda_table = {
     .gemm_group = cuda_gemm_group,
     .gemm_bf16 = cuda_gemm_bf16,
     .gemm_bf16_panels = cuda_gemm_bf16_panels,
+    .gemm_bf16_panels_group = cuda_gemm_bf16_panels_group,
     .rmsnorm_fwd = cuda_rmsnorm_fwd,
     .rmsnorm_bwd = cuda_rmsnorm_bwd,
     .rope = cuda_rope,

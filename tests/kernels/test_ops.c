@@ -486,6 +486,89 @@ static void cases_gemm_bf16_panels(void) {
     CHECK(worst == 0);
 }
 
+/* c->extra: a group's parts, their P, W16 and C as offsets into p[1], p[2], p[3] */
+typedef struct panels_group {
+    int n, with_w16;
+    int64_t M, K, lda, N[8], p_at[8], w_at[8], c_at[8], ldc[8];
+    float alpha[8], beta[8];
+} panels_group;
+
+static void group_parts(const panels_group *g, void *const *p, int with_w16, mrl_panels_part *w) {
+    for (int i = 0; i < g->n; i++)
+        w[i] = (mrl_panels_part){g->N[i], (const uint32_t *)p[1] + g->p_at[i],
+                                 with_w16 ? (const uint16_t *)p[2] + g->w_at[i] : NULL, g->K, g->alpha[i],
+                                 g->beta[i], (float *)p[3] + g->c_at[i], g->ldc[i]};
+}
+
+static void run_gemm_bf16_panels_group(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const panels_group *g = c->extra;
+    mrl_panels_part w[8];
+    group_parts(g, p, g->with_w16, w);
+    k->gemm_bf16_panels_group(g->M, g->K, p[0], g->lda, w, g->n);
+}
+
+/* Groups of one A (the engine's q, k, v: 576 + 192 + 192; gate, up; widths
+ * ending inside a panel, 1 to 8 parts), rows 1 to 300 (two row tiles),
+ * depths odd, 576 and past a k block; each part its own alpha, beta (0: C
+ * NaN) and ldc; with and without the plain copies. Each C against the
+ * reference as gemm_bf16_panels' are, and on the fast table the same bits
+ * as each part alone over its panels. */
+static void cases_gemm_bf16_panels_group(void) {
+    static const struct { int64_t M, K; int n; int64_t N[8]; } groups[] = {
+        {1, 576, 3, {576, 192, 192}}, {64, 576, 3, {576, 192, 192}}, {64, 576, 2, {1536, 1536}},
+        {13, 37, 3, {100, 40, 400}},  {131, 600, 2, {96, 50}},       {300, 64, 4, {48, 7, 200, 96}},
+        {8, 130, 8, {40, 48, 49, 1, 96, 100, 20, 60}}, {5, 600, 1, {400}}};
+    const mrl_kernels *R = mrl_kernels_cpu_reference(), *F = mrl_kernels_cpu_fast();
+    double worst = 0;
+    for (size_t gi = 0; gi < sizeof groups / sizeof groups[0]; gi++)
+        for (int with_w16 = 0; with_w16 < 2; with_w16++) {
+            panels_group g = {.n = groups[gi].n, .with_w16 = with_w16, .M = groups[gi].M, .K = groups[gi].K,
+                              .lda = groups[gi].K + 3};
+            int64_t np = 0, nw = 0, nc = 0;
+            for (int i = 0; i < g.n; i++) {
+                g.N[i] = groups[gi].N[i], g.ldc[i] = g.N[i] + i;
+                g.p_at[i] = np, g.w_at[i] = nw, g.c_at[i] = nc;
+                np += mrl_panels16_dwords(g.N[i], g.K), nw += g.N[i] * g.K, nc += g.M * g.ldc[i];
+                g.alpha[i] = i % 2 ? 0.7f : -1.0f, g.beta[i] = (i + (int)gi) % 3 ? 0.0f : 1.3f;
+            }
+            uint16_t *W = rnd_bf16(nw);
+            uint32_t *P = malloc(sizeof(uint32_t) * np);
+            float *C = rnd(nc, 1);
+            for (int i = 0; i < g.n; i++) {
+                R->panels16_pack(P + g.p_at[i], W + g.w_at[i], g.N[i], g.K);
+                for (int64_t x = 0; x < g.M * g.ldc[i]; x++)
+                    if (g.beta[i] == 0 && x % g.ldc[i] < g.N[i]) C[g.c_at[i] + x] = NAN;
+            }
+            op_case c;
+            new_case(&c, "gemm_bf16_panels_group", run_gemm_bf16_panels_group, "%lld rows, %d parts, depth %lld%s",
+                     (long long)g.M, g.n, (long long)g.K, with_w16 ? " (+ plain copies)" : "");
+            in_rnd(&c, "A", g.M * g.lda, 1);
+            add(&c, "P", I32, IN, np, P, 0);
+            add(&c, "W16", U16, IN, nw, W, 0);
+            add(&c, "C", F32, INOUT, nc, C, TOL_DOT);
+            c.extra = &g;
+            if (wanted(c.op) && !with_w16) { /* the fast group against each part alone, over its panels */
+                float *C1 = malloc(sizeof(float) * nc), *C2 = malloc(sizeof(float) * nc);
+                memcpy(C1, C, sizeof(float) * nc), memcpy(C2, C, sizeof(float) * nc);
+                void *p1[4] = {c.a[0].init, P, W, C1}, *p2[4] = {c.a[0].init, P, W, C2};
+                mrl_panels_part w[8];
+                group_parts(&g, p1, 0, w);
+                F->gemm_bf16_panels_group(g.M, g.K, c.a[0].init, g.lda, w, g.n);
+                group_parts(&g, p2, 0, w);
+                for (int i = 0; i < g.n; i++)
+                    F->gemm_bf16_panels(g.M, w[i].N, g.K, w[i].alpha, c.a[0].init, g.lda, w[i].P, NULL, 0, w[i].beta,
+                                        w[i].C, w[i].ldc);
+                for (int64_t x = 0; x < nc; x++)
+                    if (memcmp(&C1[x], &C2[x], 4)) worst = 1;
+                free(C1), free(C2);
+            }
+            check_case(&c);
+            free(W), free(P), free(C);
+        }
+    if (wanted("gemm_bf16_panels_group")) record("gemm_bf16_panels_group", "group vs each alone (fast)", TOL_BITS, 1, worst);
+    CHECK(worst == 0);
+}
+
 /* c->extra: n descriptors whose A, B, C are offsets into p[0], p[1], p[2] */
 static void run_gemm_group(const mrl_kernels *k, void *const *p, const op_case *c) {
     int n = (int)c->i[0];
@@ -1565,6 +1648,7 @@ int main(int argc, char **argv) {
     cases_gemm_panels();
     cases_gemm_bf16();
     cases_gemm_bf16_panels();
+    cases_gemm_bf16_panels_group();
     cases_rmsnorm();
     cases_rope();
     cases_swiglu();
