@@ -447,12 +447,8 @@ typedef struct pgemm_ctx {
     const uint32_t *Ap;       /* A packed over all of K (ceil(M/16) panels of Kp x 16) */
     int64_t M, Kp, mc, m_tiles, panels, n_chunks;
     int n;
-    struct {
-        const uint32_t *P;    /* W_i's panels */
-        int64_t N, panel0;    /* its columns, and its first panel in the group's row */
-        float alpha, beta, *C;
-        int64_t ldc;
-    } w[GROUP_MAX];
+    const mrl_panels_part *w;   /* the products (their W16 unread) */
+    int64_t panel0[GROUP_MAX];  /* product i's first panel in the group's row */
 } pgemm_ctx;
 
 /* Panel pn (48 columns) of product i for rows m0 .. m1. The panel is
@@ -495,7 +491,7 @@ static void panels_chunk_range(void *vc, int64_t c0, int64_t c1) {
         int64_t m0 = mt * g->mc, m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M;
         int64_t p0 = g->panels * j / per_tile, p1 = g->panels * (j + 1) / per_tile;
         for (int i = 0; i < g->n; i++) {
-            int64_t first = g->w[i].panel0, end = first + (g->w[i].N + NR - 1) / NR;
+            int64_t first = g->panel0[i], end = first + (g->w[i].N + NR - 1) / NR;
             for (int64_t p = p0 > first ? p0 : first; p < p1 && p < end; p++) panel_rows(g, i, p - first, m0, m1);
         }
     }
@@ -511,11 +507,10 @@ int mrl_cpu_gemm_bf16_panels_group_own(int64_t M, int64_t K, const float *A, int
     if (!mrl_cpu_has_avx512_bf16()) return -1;
     if (M <= 0 || K <= 0 || n < 1 || n > GROUP_MAX) return -1; /* the dispatcher handles those */
     int64_t Kp = (K + 1) / 2, a_blocks = (M + LANES - 1) / LANES, N = 0;
-    pgemm_ctx g = {.M = M, .Kp = Kp, .n = n};
+    pgemm_ctx g = {.M = M, .Kp = Kp, .n = n, .w = w};
     for (int i = 0; i < n; i++) {
         if (w[i].N <= 0) return -1;
-        g.w[i].P = w[i].P, g.w[i].N = w[i].N, g.w[i].panel0 = g.panels;
-        g.w[i].alpha = w[i].alpha, g.w[i].beta = w[i].beta, g.w[i].C = w[i].C, g.w[i].ldc = w[i].ldc;
+        g.panel0[i] = g.panels;
         g.panels += (w[i].N + NR - 1) / NR;
         N += w[i].N;
     }

@@ -285,25 +285,26 @@ values_512(const item_view *v, int r0, const int RN, const int DC, const int bf1
     }
 }
 
-/* fn (scores_512 or values_512) over the group's query heads: runs of 8
- * with 2 key (or d) chunks, then the rest (1-7) in one run of up to 6
- * heads (7: 4 and 3) with 4 chunks (4-24 accumulators of the 32 registers), so that a
- * group of 3, 5 or 6 heads reads each K and V vector once, not once per
- * run of a power of two; bf16 a constant in each use (the loads are
- * compiled for it). */
-#define HEAD_RUNS(fn, bf16)                                               \
-    do {                                                                  \
-        int r = 0;                                                        \
-        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, 2, bf16);               \
-        switch (v->G - r) {                                               \
-        case 7: fn(v, r, 4, 4, bf16); fn(v, r + 4, 3, 4, bf16); break;    \
-        case 6: fn(v, r, 6, 4, bf16); break;                              \
-        case 5: fn(v, r, 5, 4, bf16); break;                              \
-        case 4: fn(v, r, 4, 4, bf16); break;                              \
-        case 3: fn(v, r, 3, 4, bf16); break;                              \
-        case 2: fn(v, r, 2, 4, bf16); break;                              \
-        case 1: fn(v, r, 1, 4, bf16); break;                              \
-        }                                                                 \
+/* fn (scores_512 or values_512; the bf16 products' scores_dp, values_dp
+ * below) over the group's query heads: runs of 8 with C8 key (or d)
+ * chunks, then the rest (1-7) in one run of up to 6 heads (7: 4 and 3)
+ * with C chunks (4-24 accumulators of the 32 registers), so that a group of
+ * 3, 5 or 6 heads reads each K and V vector once, not once per run of a
+ * power of two; the further arguments (bf16) constants in each use (the
+ * loads are compiled for them). */
+#define HEAD_RUNS(fn, C8, C, ...)                                                 \
+    do {                                                                          \
+        int r = 0;                                                                \
+        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, C8, ##__VA_ARGS__);             \
+        switch (v->G - r) {                                                       \
+        case 7: fn(v, r, 4, C, ##__VA_ARGS__); fn(v, r + 4, 3, C, ##__VA_ARGS__); break; \
+        case 6: fn(v, r, 6, C, ##__VA_ARGS__); break;                             \
+        case 5: fn(v, r, 5, C, ##__VA_ARGS__); break;                             \
+        case 4: fn(v, r, 4, C, ##__VA_ARGS__); break;                             \
+        case 3: fn(v, r, 3, C, ##__VA_ARGS__); break;                             \
+        case 2: fn(v, r, 2, C, ##__VA_ARGS__); break;                             \
+        case 1: fn(v, r, 1, C, ##__VA_ARGS__); break;                             \
+        }                                                                         \
     } while (0)
 
 __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v) {
@@ -312,13 +313,13 @@ __attribute__((target("avx512f"))) static void scores_avx512(const item_view *v)
         else scores_plain(v, 0);
         return;
     }
-    if (v->a->kv_bf16) HEAD_RUNS(scores_512, 1);
-    else HEAD_RUNS(scores_512, 0);
+    if (v->a->kv_bf16) HEAD_RUNS(scores_512, 2, 4, 1);
+    else HEAD_RUNS(scores_512, 2, 4, 0);
 }
 
 __attribute__((target("avx512f"))) static void values_avx512(const item_view *v) {
-    if (v->a->kv_bf16) HEAD_RUNS(values_512, 1);
-    else HEAD_RUNS(values_512, 0);
+    if (v->a->kv_bf16) HEAD_RUNS(values_512, 2, 4, 1);
+    else HEAD_RUNS(values_512, 2, 4, 0);
 }
 
 /* ---- AVX512-BF16: bf16 products, fp32 sums ----
@@ -460,25 +461,10 @@ DP_TARGET static inline __attribute__((always_inline)) void values_dp(const item
         }
 }
 
-/* Runs of heads as HEAD_RUNS, the value accumulators two per 32 outputs. */
-#define HEAD_RUNS_DP(fn, C8, C)                                           \
-    do {                                                                  \
-        int r = 0;                                                        \
-        for (; r + 8 <= v->G; r += 8) fn(v, r, 8, C8);                    \
-        switch (v->G - r) {                                               \
-        case 7: fn(v, r, 4, C); fn(v, r + 4, 3, C); break;                \
-        case 6: fn(v, r, 6, C); break;                                    \
-        case 5: fn(v, r, 5, C); break;                                    \
-        case 4: fn(v, r, 4, C); break;                                    \
-        case 3: fn(v, r, 3, C); break;                                    \
-        case 2: fn(v, r, 2, C); break;                                    \
-        case 1: fn(v, r, 1, C); break;                                    \
-        }                                                                 \
-    } while (0)
 
-DP_TARGET static void scores_avx512_bf16(const item_view *v) { HEAD_RUNS_DP(scores_dp, 2, 4); }
-/* values: 8 heads x 1 chunk (16 accumulators), up to 6 x 2 (24) */
-DP_TARGET static void values_avx512_bf16(const item_view *v) { HEAD_RUNS_DP(values_dp, 1, 2); }
+DP_TARGET static void scores_avx512_bf16(const item_view *v) { HEAD_RUNS(scores_dp, 2, 4); }
+/* values: two accumulators per 32 outputs, 8 heads x 1 chunk (16), up to 6 x 2 (24) */
+DP_TARGET static void values_avx512_bf16(const item_view *v) { HEAD_RUNS(values_dp, 1, 2); }
 
 static int bf16_products = 1; /* tests turn the path off to reach the fp32 loops on this CPU */
 
