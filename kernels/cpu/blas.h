@@ -12,8 +12,9 @@
  * 256-bit ones, and they matched oneDNN within 14%; the reports still say
  * they are below the CPU's set.
  *
- * Results: OpenBLAS's do not depend on the thread count (fast.c slices each
- * product, and every element's sum is the same in every slice). oneDNN takes
+ * Results: OpenBLAS's do not depend on the thread count (fast.c cuts each
+ * product into slices by its shape and the core count, never the thread
+ * count: a slice's bits are not the whole call's). oneDNN takes
  * each product whole on its own threads: called on slices from inside our
  * parallel region, its results moved in the last bits with the thread that
  * ran them; whole, they came out the same bits run after run and at 1 and 2

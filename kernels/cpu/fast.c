@@ -11,6 +11,7 @@
 #include <cblas.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <unistd.h>
 #include "kernels.h"
 #include "cpu/memory.h"
 #include "cpu/adamw.h"
@@ -56,9 +57,15 @@ static void dyn_for(int64_t n, void (*item)(void *ctx, int64_t i), void *ctx) {
 
 /* OpenBLAS runs single-threaded inside our own parallel-for: its own thread
  * pool and libgomp's spun against each other on 2 cores (half the time in
- * sched_yield, bench/RESULTS.md). C is cut into one slice of rows (or of
- * columns when there are few rows) per thread; each element's sum is the
- * same as in one call, so results do not depend on the thread count. */
+ * sched_yield, bench/RESULTS.md). C is cut into slices of rows (or of
+ * columns when there are few rows), taken by the threads in turn. A slice's
+ * bits are not those of the same elements in one whole call: OpenBLAS picks
+ * its blocking, tile edges and small-matrix kernels by the size it is given
+ * (its Haswell kernels differ at most slice edges; its SkylakeX ones for
+ * slices of few columns). So the slices are cut by the shape and the
+ * machine's core count alone (gemm_slices), never by the thread count:
+ * one thread runs the same calls in turn, and the results do not depend on
+ * the thread count. */
 typedef struct gemm_job {
     mrl_gemm_desc d;
     int64_t parts, first; /* slices, and the index of the first in the group */
@@ -115,6 +122,21 @@ static void gemm_part(void *vc, int64_t item) {
  * machine, where it waits for every thread to be scheduled (decode steps
  * issue dozens of such products). */
 #define PARALLEL_MACS ((int64_t)1 << 22)
+
+/* Slices of one shared OpenBLAS product: 4 per core of the machine (enough
+ * for the threads to even out a delayed one), fixed for the process so
+ * that the slicing, and with it every bit, is the same at any thread
+ * count. */
+static int64_t gemm_slices(void) {
+    static _Atomic int64_t slices = 0;
+    int64_t s = atomic_load(&slices);
+    if (s <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        s = 4 * (cores > 1 ? (cores < 256 ? cores : 256) : 1);
+        atomic_store(&slices, s);
+    }
+    return s;
+}
 
 /* Few rows times a transposed matrix (a decode step's x W^T, 2..16 rows):
  * our own kernel streams W once; OpenBLAS would first copy (pack) all of W
@@ -185,7 +207,7 @@ static void fast_gemm_openblas(const mrl_gemm_desc *g, int n) {
                      j->d.K > 0;
             j->split_rows = !j->few && !j->d.b_panels && (j->d.M >= j->d.N || j->d.M >= 256);
             int64_t work = j->d.M * j->d.N * (j->d.K > 0 ? j->d.K : 1), split = j->split_rows ? j->d.M : j->d.N;
-            j->parts = 4 * (int64_t)mrl_parallel_threads();
+            j->parts = gemm_slices();
             if (share <= 0 || (share == 2 && work < PARALLEL_MACS)) j->parts = 1; /* too small to share */
             if (j->parts > (split + 63) / 64) j->parts = (split + 63) / 64; /* slices of at least 64 */
             if (j->parts < 1 || j->d.M <= 0 || j->d.N <= 0) j->parts = j->d.M > 0 && j->d.N > 0;
