@@ -124,6 +124,7 @@ typedef struct arr {
     int64_t n;
     void *init; /* IN, INOUT: the values; OUT: NULL (starts with every bit set: NaN, -1) */
     double tol; /* OUT, INOUT: TOL_* */
+    double scale; /* the error is relative to at least this (0: to the largest output alone) */
 } arr;
 
 #define MAXA 12
@@ -237,6 +238,7 @@ static double error_of(const arr *a, const void *got, const void *want) {
         if (fabs(g - w) > d) d = fabs(g - w);
         if (fabs(w) > s) s = fabs(w);
     }
+    if (a->scale > s) s = a->scale;
     return s > 0 ? d / s : d;
 }
 
@@ -340,13 +342,14 @@ static void inout_gemm_c(op_case *c, int64_t M, int64_t N, int64_t ldc, float be
 
 /* Shapes with edges (1, 7, 31, 33, 257; larger than a cache block: 230 rows,
  * 530 columns, 270 deep; few rows times a transposed matrix: the decode
- * path), every transpose, alpha, beta 0 (C full of NaN: must not be read),
+ * path; many rows of few columns, cut into more slices than one thread
+ * would make if the slicing followed the thread count), every transpose, alpha, beta 0 (C full of NaN: must not be read),
  * 0.5 and 1, leading dimensions wider than the matrices (the gaps must stay
  * as they were). */
 static void cases_gemm(void) {
     static const int64_t shapes[][3] = {{1, 1, 1},    {1, 33, 31},  {7, 33, 31},  {31, 33, 7},   {33, 7, 31},
                                         {257, 33, 7}, {31, 257, 7}, {33, 7, 257}, {16, 32, 256}, {230, 530, 270},
-                                        {64, 96, 0},  {9, 70, 83}};
+                                        {64, 96, 0},  {9, 70, 83},  {600, 40, 300}};
     op_case c;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int t = 0; t < 4; t++) {
@@ -850,14 +853,21 @@ static void cases_head(void) {
         new_case(&c, "head_fwd", run_head_fwd, "%lldx%d", (long long)rows, V);
         add(&c, "logits", F32, IN, rows * V, z, 0);
         add(&c, "targets", I32, IN, rows, tg, 0);
+        /* entropy = lse - sum p z and logprob = z_t - lse are differences of terms of the logits'
+         * size: their rounding is relative to that, not to the difference (a row of 7 logits with
+         * one far above the rest has an entropy near 0) */
+        double zmax = 0;
+        for (int64_t i = 0; i < rows * V; i++) zmax = fmax(zmax, fabs(z[i]) * inv_temp);
         add(&c, "lse", F32, OUT, rows, NULL, TOL_ULPS);
-        add(&c, "entropy", F32, OUT, rows, NULL, TOL_DOT);
-        add(&c, "logprob", F32, OUT, rows, NULL, TOL_DOT);
+        c.a[add(&c, "entropy", F32, OUT, rows, NULL, TOL_DOT)].scale = zmax;
+        c.a[add(&c, "logprob", F32, OUT, rows, NULL, TOL_DOT)].scale = zmax;
         c.i[0] = rows, c.i[1] = V, c.f[0] = inv_temp;
         check_case(&c);
         for (int with_entropy = 0; with_entropy < 2; with_entropy++) {
             new_case(&c, "head_bwd", run_head_bwd, "%lldx%d%s", (long long)rows, V, with_entropy ? " entropy" : "");
-            add(&c, "dlogits", F32, INOUT, rows * V, z, TOL_DOT);
+            /* dlogits = inv_temp p (dlogprob-side terms + dentropy (E z - z)): of the size of
+             * inv_temp (1 + zmax) for inputs in [-1, 1] */
+            c.a[add(&c, "dlogits", F32, INOUT, rows * V, z, TOL_DOT)].scale = inv_temp * (1 + zmax);
             add(&c, "targets", I32, IN, rows, tg, 0);
             add(&c, "lse", F32, IN, rows, lse, 0);
             add(&c, "entropy", F32, IN, rows, ent, 0);
