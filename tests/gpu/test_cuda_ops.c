@@ -250,6 +250,39 @@ static void case_panels16(int64_t M, int64_t N, int64_t K) {
     free(W), free(x), free(P), free(C1), free(C2);
 }
 
+/* gemm_bf16_panels_group: one A times the panels of two weights (as q and k, or gate and up),
+ * the second with its plain copy, different N and beta */
+static void case_panels16_group(int64_t M, int64_t N0, int64_t N1, int64_t K) {
+    int64_t N[2] = {N0, N1};
+    uint16_t *W[2];
+    uint32_t *P[2];
+    float *C[2];
+    void *dW[2], *dP[2], *dC[2];
+    float *x = rnd(M * K, 1);
+    void *dx = upf(x, M * K);
+    mrl_panels_part h[2], d[2];
+    for (int i = 0; i < 2; i++) {
+        int64_t np = mrl_panels16_dwords(N[i], K);
+        W[i] = rnd_maybe_bf16(N[i] * K, 1), P[i] = malloc(sizeof(uint32_t) * np), C[i] = rnd(M * N[i], 1);
+        R->panels16_pack(P[i], W[i], N[i], K);
+        dW[i] = up(W[i], 2 * (size_t)N[i] * K), dP[i] = up(P[i], sizeof(uint32_t) * np), dC[i] = upf(C[i], M * N[i]);
+        float beta = i ? 0.5f : 0.0f;
+        h[i] = (mrl_panels_part){N[i], P[i], NULL, 0, 0.75f, beta, C[i], N[i]};
+        d[i] = (mrl_panels_part){N[i], dP[i], i ? dW[i] : NULL, i ? K : 0, 0.75f, beta, dC[i], N[i]};
+    }
+    char shape[64];
+    snprintf(shape, sizeof shape, "%lldx(%lld+%lld)x%lld", (long long)M, (long long)N0, (long long)N1, (long long)K);
+    R->gemm_bf16_panels_group(M, K, x, K, h, 2);
+    G->gemm_bf16_panels_group(M, K, dx, K, d, 2);
+    cmp("gemm_bf16_panels_group", "C (first part)", dC[0], C[0], M * N0, TOL_BF16, shape);
+    cmp("gemm_bf16_panels_group", "C (second part)", dC[1], C[1], M * N1, TOL_BF16, shape);
+    for (int i = 0; i < 2; i++) {
+        mrl_cuda_free(dW[i]), mrl_cuda_free(dP[i]), mrl_cuda_free(dC[i]);
+        free(W[i]), free(P[i]), free(C[i]);
+    }
+    mrl_cuda_free(dx), free(x);
+}
+
 static void cases_gemm(void) {
     static const int64_t shapes[][3] = {{1, 1, 1},   {1, 33, 31},  {7, 33, 31},   {33, 7, 257},
                                         {16, 32, 256}, {230, 530, 270}, {64, 96, 0}, {9, 70, 83}};
@@ -269,6 +302,8 @@ static void cases_gemm(void) {
     case_panels16(1, 40, 37);
     case_panels16(13, 100, 600);
     case_panels16(64, 96, 128);
+    case_panels16_group(7, 40, 24, 70);
+    case_panels16_group(64, 96, 32, 128);
 }
 
 /* ---- rows, norms, element-wise ---- */
