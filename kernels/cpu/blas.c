@@ -40,10 +40,16 @@ int mrl_openblas_core_level(const char *core) {
     return -1;
 }
 
+/* OpenBLAS's kernels are below the CPU's set: a known core name of a level under the CPU's
+ * (AVX-512 kernels for an AVX-512 CPU, AVX2 for AVX2; an SSE-only CPU has nothing better). */
+static int openblas_below(int blas, int cpu_level) {
+    return blas >= 0 && blas < (cpu_level == 2 ? 3 : cpu_level == 1 ? 2 : 0);
+}
+
 mrl_f32_path mrl_cpu_f32_rule(const char *core, int cpu_level, int have_onednn) {
-    int blas = mrl_openblas_core_level(core);
-    /* pre-AVX2 kernels on a CPU with AVX2 or AVX-512: 2x-4.5x below it */
-    if (have_onednn && blas >= 0 && blas < 2 && cpu_level >= 1) return MRL_F32_ONEDNN;
+    /* below the CPU's set: Prescott kernels on an AVX2/AVX-512 CPU 2.8x below oneDNN, AVX2
+     * kernels on AVX-512 1.1x (Zen 4) to 1.8x (Zen 5) below it (bench/RESULTS.md) */
+    if (have_onednn && openblas_below(mrl_openblas_core_level(core), cpu_level)) return MRL_F32_ONEDNN;
     return MRL_F32_OPENBLAS;
 }
 
@@ -87,8 +93,7 @@ const char *mrl_cpu_f32_path_name(void) {
     static char text[160];
     static const char *isa[] = {"sse", "avx2", "avx512"};
     const char *core = mrl_openblas_core();
-    int level = mrl_cpu_isa_level(), blas = mrl_openblas_core_level(core);
-    int below = blas >= 0 && blas < (level == 2 ? 3 : level == 1 ? 2 : 0);
+    int level = mrl_cpu_isa_level(), below = openblas_below(mrl_openblas_core_level(core), level);
     if (mrl_cpu_f32_path() == MRL_F32_ONEDNN) {
         const char *d = mrl_cpu_onednn_isa();
         snprintf(text, sizeof text, "oneDNN (%s)%s%s%s%s", d ? d : "?", below ? "; OpenBLAS's " : "",

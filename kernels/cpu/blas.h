@@ -5,12 +5,14 @@
  * it meets: on an Intel family 6 model 207 it silently falls back to its
  * SSE3 "Prescott" kernels, 62 GFLOP/s against 282 with the right ones
  * (../shared/MACHINE_NOTES.md). oneDNN picks its kernels from the CPU's own
- * feature bits at run time, so where OpenBLAS reports kernels older than
- * AVX2 on a CPU with AVX2 or AVX-512, the products go to oneDNN's fp32
- * matmul (where it is built in). OpenBLAS's AVX2 kernels on an AVX-512 CPU
- * stay: on the Zen 4 measured here a 512-bit FMA has the throughput of two
- * 256-bit ones, and they matched oneDNN within 14%; the reports still say
- * they are below the CPU's set.
+ * feature bits at run time, so where OpenBLAS reports kernels below the
+ * CPU's instruction set (older than AVX2 on an AVX2 CPU, older than AVX-512
+ * on an AVX-512 one), the products go to oneDNN's fp32 matmul (where it is
+ * built in). Its AVX2 "Haswell" kernels on AVX-512 CPUs (what
+ * OPENBLAS_CORETYPE=Haswell gives) ran 9-14% below oneDNN on a Zen 4, whose
+ * 512-bit FMA has the throughput of two 256-bit ones, and 1.8x below on a
+ * Zen 5, whose units are 512 bits wide (the fp32 100M training step 2.8 s
+ * against 1.5-1.75 s; bench/RESULTS.md).
  *
  * Results: OpenBLAS's do not depend on the thread count (fast.c cuts each
  * product into slices by its shape and the core count, never the thread

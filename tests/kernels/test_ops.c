@@ -1543,7 +1543,9 @@ static void f32_rule(void) {
     CHECK(mrl_cpu_f32_rule("Sandybridge", 1, 1) == MRL_F32_ONEDNN); /* AVX kernels, an AVX2 CPU */
     CHECK(mrl_cpu_f32_rule("Prescott", 2, 0) == MRL_F32_OPENBLAS);  /* no oneDNN: nothing better */
     CHECK(mrl_cpu_f32_rule("Prescott", 0, 1) == MRL_F32_OPENBLAS);  /* an SSE-only CPU */
-    CHECK(mrl_cpu_f32_rule("Haswell", 2, 1) == MRL_F32_OPENBLAS);   /* AVX2 kernels stay (measured) */
+    CHECK(mrl_cpu_f32_rule("Haswell", 2, 1) == MRL_F32_ONEDNN);     /* AVX2 kernels, an AVX-512 CPU */
+    CHECK(mrl_cpu_f32_rule("Zen", 2, 1) == MRL_F32_ONEDNN);
+    CHECK(mrl_cpu_f32_rule("Haswell", 1, 1) == MRL_F32_OPENBLAS);   /* AVX2 kernels, an AVX2 CPU */
     CHECK(mrl_cpu_f32_rule("Cooperlake", 2, 1) == MRL_F32_OPENBLAS);
     CHECK(mrl_cpu_f32_rule("unknown", 2, 1) == MRL_F32_OPENBLAS);   /* no evidence against OpenBLAS */
 }
