@@ -1,6 +1,7 @@
 /* bf16 matrix products (kernels/cpu/gemm_bf16.h) against the fp32 path, on
  * the products of a training step and of decoding, at 1 and 2 threads:
- *   sgemm   the fast table's gemm (OpenBLAS sgemm), everything fp32
+ *   sgemm   the fast table's gemm (OpenBLAS sgemm, or oneDNN's fp32 matmul where
+ *           OpenBLAS's kernels are below the CPU's: cpu/blas.h), everything fp32
  *   own     our AVX512-BF16 kernel
  *   dnnl    oneDNN's bf16 matmul
  *   dnnl32  oneDNN's fp32 matmul (a candidate for the fp32 path)
@@ -31,6 +32,7 @@
 #include "kernels.h"
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
+#include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
 
 static double now(void) {
@@ -237,7 +239,7 @@ static double dp_peak(int threads) {
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 5, only = argc > 2 ? atoi(argv[2]) : 0, part = argc > 3 ? atoi(argv[3]) : 0;
-    printf("bf16 path: %s; fp32 path: the fast table (OpenBLAS sgemm)\n", mrl_cpu_bf16_path());
+    printf("bf16 path: %s; fp32 path (sgemm): %s\n", mrl_cpu_bf16_path(), mrl_cpu_f32_path_name());
     shape train[64], decode[64];
     int n_train = 0, n_decode = 0;
     n_train += model_shapes(train + n_train, "100M", 2048, 768, 2048, 768, 768, 32000);
