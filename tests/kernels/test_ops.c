@@ -343,9 +343,9 @@ static void inout_gemm_c(op_case *c, int64_t M, int64_t N, int64_t ldc, float be
 /* Shapes with edges (1, 7, 31, 33, 257; larger than a cache block: 230 rows,
  * 530 columns, 270 deep; few rows times a transposed matrix: the decode
  * path; many rows of few columns, cut into more slices than one thread
- * would make if the slicing followed the thread count), every transpose, alpha, beta 0 (C full of NaN: must not be read),
- * 0.5 and 1, leading dimensions wider than the matrices (the gaps must stay
- * as they were). */
+ * would make if the slicing followed the thread count), every transpose,
+ * alpha, beta 0 (C full of NaN: must not be read), 0.5 and 1, leading
+ * dimensions wider than the matrices (the gaps must stay as they were). */
 static void cases_gemm(void) {
     static const int64_t shapes[][3] = {{1, 1, 1},    {1, 33, 31},  {7, 33, 31},  {31, 33, 7},   {33, 7, 31},
                                         {257, 33, 7}, {31, 257, 7}, {33, 7, 257}, {16, 32, 256}, {230, 530, 270},
