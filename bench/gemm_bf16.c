@@ -8,6 +8,7 @@
  *   auto    mrl_cpu_gemm_bf16's per-shape choice
  *   panels  our kernel with W as bf16 weight panels (kernels.h, MRL_PANEL16:
  *           packed once per update, as the engine keeps them), x W^T only
+ *   amx     our AMX kernel on the same panels (gemm_bf16_amx.c), x W^T only
  * The bf16 paths get operands as the model will hold them: weights as bf16
  * copies, activations and gradients fp32 (rounded while packing, or copied
  * to bf16 first for oneDNN; that cost is in the times).
@@ -41,8 +42,8 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-enum { SGEMM, OWN, DNNL, DNNL32, AUTO, PANELS, PATHS };
-static const char *path_names[PATHS] = {"sgemm", "own", "dnnl", "dnnl32", "auto", "panels"};
+enum { SGEMM, OWN, DNNL, DNNL32, AUTO, PANELS, AMX, PATHS };
+static const char *path_names[PATHS] = {"sgemm", "own", "dnnl", "dnnl32", "auto", "panels", "amx"};
 
 typedef struct shape {
     const char *model, *name;
@@ -111,6 +112,11 @@ static int product(int path, const shape *s, const float *A, const float *B, con
     case PANELS:
         if (!Bp) return -1;
         return mrl_cpu_gemm_bf16_panels_own(s->M, s->N, s->K, 1.0f, A, lda, Bp, 0.0f, C, s->N);
+    case AMX: {
+        if (!Bp) return -1;
+        mrl_panels_part w = {s->N, Bp, NULL, 0, 1.0f, 0.0f, C, s->N};
+        return mrl_cpu_gemm_bf16_panels_group_amx(s->M, s->K, A, lda, 1, &w);
+    }
     case DNNL32:
         return mrl_cpu_gemm_f32_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, lda, B, ldb, 0.0f, C, s->N);
     default:
@@ -174,8 +180,8 @@ static const char *path_label(mrl_bf16_path p) {
 
 static void print_table(const char *title, const shape *s, int n, double (*rates)[PATHS], int threads) {
     printf("\n%s, %d thread%s (GFLOP/s)\n\n", title, threads, threads > 1 ? "s" : "");
-    printf("| model | matrix | op | M x N x K | sgemm | own | dnnl | dnnl32 | auto (picks) | panels |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| model | matrix | op | M x N x K | sgemm | own | dnnl | dnnl32 | auto (picks) | panels | amx |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++) {
         printf("| %s | %s | %s | %lld x %lld x %lld |", s[i].model, s[i].name, op_name(&s[i]), (long long)s[i].M,
                (long long)s[i].N, (long long)s[i].K);
@@ -248,7 +254,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_train; i++) {
         const shape *s = &train[i];
         if (s->ta || !s->tb || strcmp(s->name, "head") == 0) continue;
-        for (int64_t M = 1; M <= 256; M = M == 1 ? 4 : M == 4 ? 16 : M == 64 ? 256 : M * 2)
+        for (int64_t M = 1; M <= 1024; M = M == 1 ? 4 : M >= 64 ? 4 * M : M * 2)
             decode[n_decode++] = (shape){s->model, s->name, 0, 1, M, s->N, s->K, 1};
     }
     static double rates[64][PATHS], drates[64][PATHS];

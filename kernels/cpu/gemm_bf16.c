@@ -132,6 +132,7 @@ int mrl_cpu_bf16_has_path(mrl_bf16_path path) {
     case MRL_BF16_REFERENCE: return 1;
     case MRL_BF16_OWN: return mrl_cpu_has_avx512_bf16();
     case MRL_BF16_ONEDNN: return onednn_bf16();
+    case MRL_BF16_AMX: return mrl_cpu_has_amx_bf16();
     default: return 0;
     }
 }
@@ -191,7 +192,8 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
             for (int64_t n = 0; n < N; n++) C[m * ldc + n] = beta != 0 ? beta * C[m * ldc + n] : 0.0f;
         return;
     }
-    mrl_bf16_path path = forced != MRL_BF16_AUTO ? forced : mrl_cpu_bf16_pick(trans_a, trans_b, M, N, K);
+    mrl_bf16_path path = forced != MRL_BF16_AUTO && forced != MRL_BF16_AMX ? forced
+                                                                         : mrl_cpu_bf16_pick(trans_a, trans_b, M, N, K);
     /* a fast path that cannot run (no memory, oneDNN failing) falls back:
      * oneDNN to our kernel, either to the reference */
     if (path == MRL_BF16_ONEDNN &&
@@ -204,19 +206,30 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
 }
 
 /* The rule for W given as bf16 weight panels and as its plain copy, from
- * bench/gemm_bf16.c's "panels" column (bench/RESULTS.md, "bf16 weight
- * panels"; Zen 4, AVX512-BF16, no AMX, 2 cores): the panels beat the best
- * of our few-rows kernel and oneDNN on the plain copy at 2-64 rows by
- * 1.1-1.9x (they pack nothing of W and stream it once), were level at 1
- * row, and stayed level or ahead up to 2048 rows, except on narrow W (N <
- * 384: few panels to share, A read again for each) from 64 rows. With AMX,
- * oneDNN's tiles should win from a few rows (not measured): panels only up
- * to MRL_BF16_FEW_ROWS there. */
+ * bench/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
+ * weight panels" and "AMX on the weight panels", 2 cores):
+ *   - with AMX (our tile kernel on the panels, Intel Xeon family 6 model
+ *     167): the panels from 5 to 255 rows, 1.3-1.7x our few-rows kernel at
+ *     8, 1.0-1.7x oneDNN (which packs W each call) at 8 and 16 and ahead on
+ *     most shapes at 32 and 64 (0.85-1.7x); at 1-4 rows the few-rows kernel
+ *     on the plain copy, level with the tiles to 1.9x ahead (all of them
+ *     bound by reading W); from 256 oneDNN, level at 256, 1.2-2x at 1024;
+ *   - with AVX512-BF16 only (Zen 4): the panels beat the best of our
+ *     few-rows kernel and oneDNN on the plain copy at 2-64 rows by 1.1-1.9x
+ *     (they pack nothing of W and stream it once), were level at 1 row, and
+ *     stayed level or ahead up to 2048 rows, except on narrow W (N < 384:
+ *     few panels to share, A read again for each) from 64 rows. */
 int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N) {
     if (!mrl_cpu_has_avx512_bf16()) return 0;
-    const char *isa = mrl_cpu_onednn_isa();
-    if (isa && strcmp(isa, "avx512_core_amx") == 0) return M <= MRL_BF16_FEW_ROWS;
+    if (mrl_cpu_has_amx_bf16()) return M > 4 && M < 256;
     return M <= 32 || N >= 384;
+}
+
+/* Our kernels over the panels: AMX where it runs (and unless ours is
+ * forced), else AVX512-BF16; -1 when neither could. */
+static int panels_fast(int64_t M, int64_t K, const float *A, int64_t lda, const mrl_panels_part *w, int n) {
+    if (forced != MRL_BF16_OWN && mrl_cpu_gemm_bf16_panels_group_amx(M, K, A, lda, n, w) == 0) return 0;
+    return forced == MRL_BF16_AMX ? -1 : mrl_cpu_gemm_bf16_panels_group_own(M, K, A, lda, n, w);
 }
 
 void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
@@ -234,8 +247,8 @@ void mrl_cpu_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, cons
         mrl_cpu_gemm_bf16(0, 1, M, N, K, alpha, A, 0, lda, W16, 1, ldw, beta, C, ldc);
         return;
     }
-    if (forced != MRL_BF16_REFERENCE && mrl_cpu_gemm_bf16_panels_own(M, N, K, alpha, A, lda, P, beta, C, ldc) == 0)
-        return;
+    mrl_panels_part w = {N, P, NULL, 0, alpha, beta, C, ldc};
+    if (forced != MRL_BF16_REFERENCE && panels_fast(M, K, A, lda, &w, 1) == 0) return;
     mrl_cpu_gemm_bf16_panels_reference(M, N, K, alpha, A, lda, P, beta, C, ldc);
 }
 
@@ -249,8 +262,9 @@ void mrl_cpu_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int64_
         degenerate |= w[i].N <= 0 || w[i].alpha == 0;
     }
     /* the rule on the group as one product: its panels are shared as one W's */
-    int panels = forced == MRL_BF16_AUTO ? !plain || mrl_cpu_bf16_panels_pick(M, N) : forced == MRL_BF16_OWN;
-    if (!degenerate && panels && mrl_cpu_gemm_bf16_panels_group_own(M, K, A, lda, n, w) == 0) return;
+    int panels = forced == MRL_BF16_AUTO ? !plain || mrl_cpu_bf16_panels_pick(M, N)
+                                         : forced == MRL_BF16_OWN || forced == MRL_BF16_AMX;
+    if (!degenerate && panels && panels_fast(M, K, A, lda, w, n) == 0) return;
     for (int i = 0; i < n; i++)
         mrl_cpu_gemm_bf16_panels(M, w[i].N, K, w[i].alpha, A, lda, w[i].P, w[i].W16, w[i].ldw, w[i].beta, w[i].C,
                                  w[i].ldc);

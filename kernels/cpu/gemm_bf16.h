@@ -60,6 +60,7 @@ typedef enum mrl_bf16_path {
     MRL_BF16_REFERENCE, /* scalar, always there */
     MRL_BF16_OWN,       /* our AVX512-BF16 kernel */
     MRL_BF16_ONEDNN,    /* oneDNN's matmul */
+    MRL_BF16_AMX,       /* our AMX kernel (weight panels only; elsewhere as AUTO) */
     MRL_BF16_PATHS
 } mrl_bf16_path;
 
@@ -111,6 +112,10 @@ int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, c
 int mrl_cpu_gemm_bf16_panels_group_own(int64_t M, int64_t K, const float *A, int64_t lda, int n,
                                        const mrl_panels_part *w);
 int mrl_cpu_panels16_pack_own(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
+/* Our AMX kernel over the panels (gemm_bf16_amx.c): 0, or -1 (no AMX, no
+ * memory), C then untouched. */
+int mrl_cpu_gemm_bf16_panels_group_amx(int64_t M, int64_t K, const float *A, int64_t lda, int n,
+                                       const mrl_panels_part *w);
 void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                                         const uint32_t *P, float beta, float *C, int64_t ldc);
 
@@ -119,6 +124,9 @@ void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float a
 const char *mrl_cpu_onednn_isa(void);
 /* 1 when this CPU has AVX512-BF16 (our kernel can run). */
 int mrl_cpu_has_avx512_bf16(void);
+/* 1 when it has AMX-BF16 too and Linux granted this process the tile
+ * state (our AMX kernel can run). */
+int mrl_cpu_has_amx_bf16(void);
 
 /* Between the paths: the calling thread's scratch buffer of at least `bytes`
  * (64-byte aligned, contents undefined), NULL when out of memory; give it

@@ -242,8 +242,9 @@ static int run_dispatch(int ta, int tb, int64_t M, int64_t N, int64_t K, float a
 
 /* x W^T with W as bf16 weight panels (the engine's products; kernels.h):
  * B (stored [N,K]) rounded to a plain bf16 copy and packed, A given as fp32
- * (a bf16 A widened, exactly); `dispatch` 0: our kernel on the panels, 1:
- * the dispatcher, given the plain copy too. Only NT products. */
+ * (a bf16 A widened, exactly); `dispatch` 0: our AVX512-BF16 kernel on the
+ * panels, 1: the dispatcher, given the plain copy too, 2: our AMX kernel.
+ * Only NT products. */
 static int run_panels_as(int dispatch, int64_t M, int64_t N, int64_t K, float alpha, const void *A, int a_bf16,
                          int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc) {
     uint16_t *W = malloc(2 * (N * K + 1));
@@ -256,7 +257,9 @@ static int run_panels_as(int dispatch, int64_t M, int64_t N, int64_t K, float al
         Af[i] = a_bf16 ? mrl_bf16_to_f32(((const uint16_t *)A)[i]) : ((const float *)A)[i];
     mrl_cpu_panels16_pack(P, W, N, K);
     int st = 0;
-    if (dispatch) mrl_cpu_gemm_bf16_panels(M, N, K, alpha, Af, lda, P, W, K, beta, C, ldc);
+    mrl_panels_part part = {N, P, NULL, 0, alpha, beta, C, ldc};
+    if (dispatch == 1) mrl_cpu_gemm_bf16_panels(M, N, K, alpha, Af, lda, P, W, K, beta, C, ldc);
+    else if (dispatch == 2) st = mrl_cpu_gemm_bf16_panels_group_amx(M, K, Af, lda, 1, &part);
     else st = mrl_cpu_gemm_bf16_panels_own(M, N, K, alpha, Af, lda, P, beta, C, ldc);
     free(W), free(P), free(Af);
     return st;
@@ -265,6 +268,11 @@ static int run_panels_own(int ta, int tb, int64_t M, int64_t N, int64_t K, float
                           int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc) {
     if (ta || !tb) return -1;
     return run_panels_as(0, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
+}
+static int run_panels_amx(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const void *A, int a_bf16,
+                          int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (ta || !tb) return -1;
+    return run_panels_as(2, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
 }
 static int run_panels_dispatch(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                                int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
@@ -428,13 +436,15 @@ int main(void) {
         {"dispatch", run_dispatch, 1, 1},
         {"panels", run_panels_own, 1, mrl_cpu_bf16_has_path(MRL_BF16_OWN), 1},
         {"panels-dispatch", run_panels_dispatch, 1, 1, 1},
+        {"panels-amx", run_panels_amx, 1, mrl_cpu_bf16_has_path(MRL_BF16_AMX), 1},
     };
     int n_paths = sizeof paths / sizeof paths[0];
-    for (int i = 1; i < 3; i++)
+    for (int i = 1; i < n_paths; i++)
         if (!paths[i].available) printf("  skipped: %s (not on this CPU or not built in)\n", paths[i].name);
     /* a path that cannot run here cannot be forced either */
     CHECK(mrl_cpu_bf16_force_path(MRL_BF16_OWN) == (paths[1].available ? 0 : -1));
     CHECK(mrl_cpu_bf16_force_path(MRL_BF16_ONEDNN) == (paths[2].available ? 0 : -1));
+    CHECK(mrl_cpu_bf16_force_path(MRL_BF16_AMX) == (mrl_cpu_has_amx_bf16() ? 0 : -1));
     CHECK(mrl_cpu_bf16_force_path(MRL_BF16_AUTO) == 0);
 
     test_products(paths, n_paths, 400);
