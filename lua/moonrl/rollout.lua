@@ -114,6 +114,15 @@ function M.lag(cfg)
   return a.max_staleness
 end
 
+-- Whether the policy loss is AReaL's decoupled PPO. auto: in async mode, where the truncated
+-- importance weights on the engine's log-probs alone lost up to a quarter of the sync run's
+-- gain on the default example at max_staleness=2 (README, "Asynchronous RL").
+function M.decoupled(cfg)
+  local d = cfg.async and cfg.async.decoupled
+  if d == 'auto' then return cfg.async.mode == 'async' end
+  return d == 'true' or d == true
+end
+
 local CORRECTIONS = { auto = true, none = true, tis = true, tis_seq = true, mis_token = true, mis_seq = true, mis_geo = true }
 
 local function check_config(cfg)
@@ -122,6 +131,9 @@ local function check_config(cfg)
   local ok = { sync = true, one_step_off = true, async = true }
   if not ok[a.mode] then
     moonrl.usage_error(string.format("config key 'async.mode' must be sync, one_step_off or async, got '%s'", tostring(a.mode)))
+  end
+  if a.decoupled ~= 'auto' and a.decoupled ~= 'true' and a.decoupled ~= 'false' then
+    moonrl.usage_error(string.format("config key 'async.decoupled' must be auto, true or false, got '%s'", tostring(a.decoupled)))
   end
   if a.max_staleness < 0 then moonrl.usage_error("config key 'async.max_staleness' must be >= 0") end
   if a.mode == 'async' and a.max_staleness < 1 then
@@ -193,7 +205,10 @@ function M.config()
     correction_clip = 2.0,              -- C of truncated importance sampling
     correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
     correction_upper = 0.0,
-    decoupled = false,                  -- AReaL's decoupled PPO (proximal policy = the trainer before the update)
+    -- AReaL's decoupled PPO (proximal policy = the trainer before the update): auto (on in
+    -- async mode, where samples lag up to max_staleness versions; one_step_off keeps the tis
+    -- correction alone) | true | false
+    decoupled = 'auto',
     -- in-flight requests when a new version is published: finish with the weights they started
     -- with (the fixed schedule: deterministic) | continue with the new ones from the next token
     -- (PipelineRL: their KV cache kept as it is; each token's version recorded); the latter needs
@@ -240,7 +255,7 @@ function RS:off_policy(o)
     o.correction = { mode = mode, clip = a.correction_clip,
       lower = a.correction_lower > 0 and a.correction_lower or nil, upper = a.correction_upper > 0 and a.correction_upper or nil }
   end
-  if a.decoupled then
+  if M.decoupled(self.cfg) then
     o.loss = 'decoupled_ppo'
     if a.behav_cap > 0 then o.behav_imp_weight_cap = a.behav_cap end
   end

@@ -1,6 +1,7 @@
 -- The default task (2-digit addition) under one_step_off and async with max_staleness=2 reaches
 -- at least 90% of the sync run's held-out accuracy gain with the same number of samples (the
--- off-policy correction on: async.correction=auto), and no sample is staler than the bound.
+-- defaults: async.correction=auto, tis; async.decoupled=auto, AReaL's decoupled PPO in async
+-- mode), and no sample is staler than the bound.
 local t = require('moonrl.testing')
 local fs = require('moonrl.fs')
 local json = require('moonrl.json')
