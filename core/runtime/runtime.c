@@ -1,6 +1,9 @@
 /* Version, build features, CPU feature detection, process initialisation. */
 #include <stdio.h>
 #include <stdlib.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <string.h>
 #include <unistd.h>
 #include "moonrl/runtime.h"
@@ -44,6 +47,10 @@ static int has_feature(const char *name) {
     if (!strcmp(name, "avx512vl")) return __builtin_cpu_supports("avx512vl");
     if (!strcmp(name, "avx512vnni")) return __builtin_cpu_supports("avx512vnni");
     if (!strcmp(name, "avx512bf16")) return __builtin_cpu_supports("avx512bf16");
+    if (!strcmp(name, "amx_bf16")) { /* CPUID.(7,0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE) */
+        unsigned a, b, c, d;
+        return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+    }
 #else
     (void)name;
 #endif
@@ -69,7 +76,7 @@ const char *mrl_cpu_features(void) {
     static char text[256];
     if (!text[0]) {
         static const char *names[] = {"sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
-                                      "avx512dq", "avx512vl", "avx512vnni", "avx512bf16"};
+                                      "avx512dq", "avx512vl", "avx512vnni", "avx512bf16", "amx_bf16"};
         size_t used = 0;
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
             if (has_feature(names[i]))

@@ -168,15 +168,17 @@ mrl_bf16_path mrl_cpu_bf16_pick(int trans_a, int trans_b, int64_t M, int64_t N, 
 }
 
 const char *mrl_cpu_bf16_path(void) {
-    static char text[96];
+    static char text[128];
     if (!text[0]) {
         const char *isa = mrl_cpu_onednn_isa();
+        const char *own = mrl_cpu_has_amx_bf16() ? "amx (weight panels, 5-255 rows) + avx512_bf16 (few rows)"
+                                                 : "avx512_bf16 (few rows, weight panels)";
         if (onednn_bf16() && mrl_cpu_has_avx512_bf16())
-            snprintf(text, sizeof text, "onednn (%s) + avx512_bf16 (few rows, weight panels)", isa);
+            snprintf(text, sizeof text, "onednn (%s) + %s", isa, own);
         else if (onednn_bf16())
             snprintf(text, sizeof text, "onednn (%s)", isa);
         else if (mrl_cpu_has_avx512_bf16())
-            snprintf(text, sizeof text, "avx512_bf16");
+            snprintf(text, sizeof text, "%s", mrl_cpu_has_amx_bf16() ? "amx (weight panels) + avx512_bf16" : "avx512_bf16");
         else
             snprintf(text, sizeof text, "reference (no bf16 hardware)");
     }
@@ -213,7 +215,8 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
  *     8, 1.0-1.7x oneDNN (which packs W each call) at 8 and 16 and ahead on
  *     most shapes at 32 and 64 (0.85-1.7x); at 1-4 rows the few-rows kernel
  *     on the plain copy, level with the tiles to 1.9x ahead (all of them
- *     bound by reading W); from 256 oneDNN, level at 256, 1.2-2x at 1024;
+ *     bound by reading W); from 256 oneDNN, level at 256, 1.2-2x at 1024.
+ *     Without ours (MOONRL_AMX=0), oneDNN's tiles from 17 rows;
  *   - with AVX512-BF16 only (Zen 4): the panels beat the best of our
  *     few-rows kernel and oneDNN on the plain copy at 2-64 rows by 1.1-1.9x
  *     (they pack nothing of W and stream it once), were level at 1 row, and
@@ -222,6 +225,8 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
 int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N) {
     if (!mrl_cpu_has_avx512_bf16()) return 0;
     if (mrl_cpu_has_amx_bf16()) return M > 4 && M < 256;
+    const char *isa = mrl_cpu_onednn_isa(); /* AMX through oneDNN only (MOONRL_AMX=0): its tiles from 17 rows */
+    if (isa && strcmp(isa, "avx512_core_amx") == 0) return M <= MRL_BF16_FEW_ROWS;
     return M <= 32 || N >= 384;
 }
 

@@ -38,7 +38,8 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
  * reference, far slower than the fp32 gemm), and callers should stay fp32. */
 int mrl_cpu_bf16_available(void);
 /* What the dispatch uses here, for reports: "onednn (avx512_core_bf16) +
- * avx512_bf16 (few rows, weight panels)", "onednn (avx512_core_amx)", "avx512_bf16",
+ * avx512_bf16 (few rows, weight panels)", "onednn (avx512_core_amx) + amx
+ * (weight panels, 5-255 rows) + avx512_bf16 (few rows)", "avx512_bf16",
  * "reference (no bf16 hardware)". */
 const char *mrl_cpu_bf16_path(void);
 

@@ -31,6 +31,7 @@
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")
 #include <cpuid.h>
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -53,7 +54,9 @@ int mrl_cpu_has_amx_bf16(void) {
     static int has = -1;
     if (has < 0) {
         unsigned a, b, c, d;
+        const char *off = getenv("MOONRL_AMX"); /* MOONRL_AMX=0: not ours (A/B runs; oneDNN decides its own) */
         has = 0;
+        if (off && strcmp(off, "0") == 0) return has;
         /* CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; the OS must save
          * the tile state (XCR0 bits 17 and 18) and grant it to this process */
         if (mrl_cpu_has_avx512_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) &&
