@@ -43,7 +43,9 @@ local function run(ranks, w, opts)
   local r = proc.run(argv, { timeout = opts.timeout or 180 })
   if not r.ok and not opts.expect_fail then
     io.stderr:write(r.stdout, r.stderr)
-    error('the default example failed', 2)
+    -- the cause in the message too: a test log may keep only stdout
+    error(string.format('the default example failed (exit %s%s): %s', tostring(r.exit_status),
+      r.timed_out and ', timed out' or '', (r.stderr or ''):sub(-1500)), 2)
   end
   return r
 end
