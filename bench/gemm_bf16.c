@@ -9,6 +9,7 @@
  *   panels  our kernel with W as bf16 weight panels (kernels.h, MRL_PANEL16:
  *           packed once per update, as the engine keeps them), x W^T only
  *   amx     our AMX kernel on the same panels (gemm_bf16_amx.c), x W^T only
+ *   tiles   our packed kernel with AMX tiles for its micro-tile (any product)
  * The bf16 paths get operands as the model will hold them: weights as bf16
  * copies, activations and gradients fp32 (rounded while packing, or copied
  * to bf16 first for oneDNN; that cost is in the times).
@@ -24,6 +25,7 @@
  * decode step over all layers of a model (the 100M model: 200 MB in bf16).
  *
  *   build/bench/bench_gemm_bf16 [reps=5] [threads: 0 = 1 and 2] [part: 0 all, 1 training, 2 decode]
+ *   BENCH_COPIES=n: the training products too in turn over n copies of their operands (default 1)
  * Prints markdown tables of GFLOP/s (best of reps) and the bf16 peak. */
 #include <immintrin.h>
 #include <stdio.h>
@@ -42,8 +44,8 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-enum { SGEMM, OWN, DNNL, DNNL32, AUTO, PANELS, AMX, PATHS };
-static const char *path_names[PATHS] = {"sgemm", "own", "dnnl", "dnnl32", "auto", "panels", "amx"};
+enum { SGEMM, OWN, DNNL, DNNL32, AUTO, PANELS, AMX, TILES, PATHS };
+static const char *path_names[PATHS] = {"sgemm", "own", "dnnl", "dnnl32", "auto", "panels", "amx", "tiles"};
 
 typedef struct shape {
     const char *model, *name;
@@ -117,6 +119,9 @@ static int product(int path, const shape *s, const float *A, const float *B, con
         mrl_panels_part w = {s->N, Bp, NULL, 0, 1.0f, 0.0f, C, s->N};
         return mrl_cpu_gemm_bf16_panels_group_amx(s->M, s->K, A, lda, 1, &w);
     }
+    case TILES:
+        return mrl_cpu_gemm_bf16_amx(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, 0, lda, b, s->weight_b, ldb, 0.0f, C,
+                                     s->N);
     case DNNL32:
         return mrl_cpu_gemm_f32_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, lda, B, ldb, 0.0f, C, s->N);
     default:
@@ -175,13 +180,13 @@ static void run_shapes(const shape *s, int n, int want_copies, int reps, double 
 }
 
 static const char *path_label(mrl_bf16_path p) {
-    return p == MRL_BF16_OWN ? "own" : p == MRL_BF16_ONEDNN ? "dnnl" : "reference";
+    return p == MRL_BF16_OWN ? "own" : p == MRL_BF16_ONEDNN ? "dnnl" : p == MRL_BF16_AMX ? "tiles" : "reference";
 }
 
 static void print_table(const char *title, const shape *s, int n, double (*rates)[PATHS], int threads) {
     printf("\n%s, %d thread%s (GFLOP/s)\n\n", title, threads, threads > 1 ? "s" : "");
-    printf("| model | matrix | op | M x N x K | sgemm | own | dnnl | dnnl32 | auto (picks) | panels | amx |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| model | matrix | op | M x N x K | sgemm | own | dnnl | dnnl32 | auto (picks) | panels | amx | tiles |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++) {
         printf("| %s | %s | %s | %lld x %lld x %lld |", s[i].model, s[i].name, op_name(&s[i]), (long long)s[i].M,
                (long long)s[i].N, (long long)s[i].K);
@@ -262,7 +267,7 @@ int main(int argc, char **argv) {
         if (only && threads != only) continue;
         mrl_parallel_set_threads(threads);
         double peak = dp_peak(threads);
-        if (part != 2) run_shapes(train, n_train, 1, reps, rates);
+        if (part != 2) run_shapes(train, n_train, getenv("BENCH_COPIES") ? atoi(getenv("BENCH_COPIES")) : 1, reps, rates);
         if (part != 1) run_shapes(decode, n_decode, 0, reps, drates);
         double best = 0; /* the best bf16 rate of any shape and path */
         for (int p = OWN; p < PATHS; p++) {

@@ -148,22 +148,29 @@ int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
 }
 
 /* The rule, from bench/gemm_bf16.c (bench/RESULTS.md, "bf16 matrix
- * products": AMD Zen 4, AVX512-BF16, no AMX, 2 cores):
+ * products": AMD Zen 4, AVX512-BF16, no AMX, 2 cores; "AMX tiles for the
+ * training products": Intel Xeon family 6 model 167, AMX, 2 cores):
  *   - x W^T with at most MRL_BF16_FEW_ROWS rows (decode): our kernel, which
  *     reads W in place. Bound by reading W, it beat oneDNN (which packs W
  *     and pays more per call) 1.0-1.7x at 1-4 rows and 0.8-1.4x at 16 (11
  *     of 14 shapes above 1); from 32 rows oneDNN was ahead 1.03-1.7x.
  *   - everything else: oneDNN, ahead of our packed kernel by 4-8% on a
- *     training step's products (100M: 199 / 192 GFLOP/s on 1 thread, 379 /
- *     360 on 2, both ~2x OpenBLAS sgemm's fp32) and the only path that uses
- *     AMX where the CPU has it;
- *   - without oneDNN, our kernel; with neither, the reference
- *     (mrl_cpu_bf16_available() = 0). */
+ *     training step's products without AMX (100M: 199 / 192 GFLOP/s on 1
+ *     thread, 379 / 360 on 2, both ~2x OpenBLAS sgemm's fp32). With AMX
+ *     our packed kernel on AMX tiles beat it alone on 14 of the 16 dX and
+ *     dW products of a 100M and a SmolLM2 step (1.18x and 1.35x over each
+ *     step's products, the heads' input gradients 1.6x and 3.0x), but not
+ *     inside the step: timed there, its dX ran at 1100 GFLOP/s against
+ *     oneDNN's 1157 and its dW at 774 against 822 (SmolLM2, 8 x 256), and
+ *     the steps were level; so oneDNN keeps them;
+ *   - without oneDNN, our kernel (AMX tiles where they run); with neither,
+ *     the reference (mrl_cpu_bf16_available() = 0). */
 mrl_bf16_path mrl_cpu_bf16_pick(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K) {
     (void)N, (void)K;
     int own = mrl_cpu_has_avx512_bf16();
     if (own && !trans_a && trans_b && M <= MRL_BF16_FEW_ROWS) return MRL_BF16_OWN;
     if (onednn_bf16()) return MRL_BF16_ONEDNN;
+    if (mrl_cpu_has_amx_bf16()) return MRL_BF16_AMX;
     return own ? MRL_BF16_OWN : MRL_BF16_REFERENCE;
 }
 
@@ -178,7 +185,7 @@ const char *mrl_cpu_bf16_path(void) {
         else if (onednn_bf16())
             snprintf(text, sizeof text, "onednn (%s)", isa);
         else if (mrl_cpu_has_avx512_bf16())
-            snprintf(text, sizeof text, "%s", mrl_cpu_has_amx_bf16() ? "amx (weight panels) + avx512_bf16" : "avx512_bf16");
+            snprintf(text, sizeof text, "%s", mrl_cpu_has_amx_bf16() ? "amx + avx512_bf16" : "avx512_bf16");
         else
             snprintf(text, sizeof text, "reference (no bf16 hardware)");
     }
@@ -194,10 +201,12 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
             for (int64_t n = 0; n < N; n++) C[m * ldc + n] = beta != 0 ? beta * C[m * ldc + n] : 0.0f;
         return;
     }
-    mrl_bf16_path path = forced != MRL_BF16_AUTO && forced != MRL_BF16_AMX ? forced
-                                                                         : mrl_cpu_bf16_pick(trans_a, trans_b, M, N, K);
+    mrl_bf16_path path = forced != MRL_BF16_AUTO ? forced : mrl_cpu_bf16_pick(trans_a, trans_b, M, N, K);
     /* a fast path that cannot run (no memory, oneDNN failing) falls back:
-     * oneDNN to our kernel, either to the reference */
+     * AMX or oneDNN to our AVX512-BF16 kernel, any to the reference */
+    if (path == MRL_BF16_AMX &&
+        mrl_cpu_gemm_bf16_amx(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc) == 0)
+        return;
     if (path == MRL_BF16_ONEDNN &&
         mrl_cpu_gemm_bf16_onednn(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc) == 0)
         return;

@@ -1,14 +1,16 @@
 /* bf16 matrix products on the CPU (internal; the op table is to call them):
  * C = alpha * bf16(A) bf16(B) + beta * C with fp32 accumulation, the mixed
  * precision of DESIGN.md ("Precision"): fp32 master weights, bf16 copies
- * for the products. Three paths behind one entry, chosen per shape
+ * for the products. Four paths behind one entry, chosen per shape
  * (bench/RESULTS.md, "bf16 matrix products"):
  *   - a portable reference (scalar, exact bf16 products summed in double)
  *     that the tests trust;
  *   - our own AVX512-BF16 kernel (gemm_bf16_avx512.c, vdpbf16ps): packed
  *     panels, or W read in place for a few rows times W^T (decode);
  *   - oneDNN's matmul (gemm_bf16_onednn.c; AMX where the CPU has it),
- *     built in only where libdnnl is found.
+ *     built in only where libdnnl is found;
+ *   - our own AMX kernels (gemm_bf16_amx.c): the packed kernel's blocking
+ *     with AMX tiles, and x W^T straight from the weight panels.
  * Layout as the op table's gemm (kernels.h): row-major, op(A) [M,K] is A
  * [M,K] or (trans_a) A stored [K,M]; op(B) [K,N] is B [K,N] or (trans_b) B
  * stored [N,K] (a linear layer's weight). Each operand is fp32 (x_bf16 = 0:
@@ -16,7 +18,7 @@
  * 1: uint16_t storage, leading dimension in elements). beta = 0 ignores
  * what C held (NaN included), as BLAS does.
  *
- * Thread counts: our kernel gives the same bits at any thread count (each
+ * Thread counts: our kernels give the same bits at any thread count (each
  * element sums its k in fixed blocks and order); oneDNN is held to the
  * error bound only (tests/kernels/test_gemm_bf16.c; it gave the same bits
  * at 1 and 2 threads on the shapes tried there).
@@ -61,7 +63,7 @@ typedef enum mrl_bf16_path {
     MRL_BF16_REFERENCE, /* scalar, always there */
     MRL_BF16_OWN,       /* our AVX512-BF16 kernel */
     MRL_BF16_ONEDNN,    /* oneDNN's matmul */
-    MRL_BF16_AMX,       /* our AMX kernel (weight panels only; elsewhere as AUTO) */
+    MRL_BF16_AMX,       /* our AMX kernels (tiles; over weight panels, the panels one) */
     MRL_BF16_PATHS
 } mrl_bf16_path;
 
@@ -113,8 +115,23 @@ int mrl_cpu_gemm_bf16_panels_own(int64_t M, int64_t N, int64_t K, float alpha, c
 int mrl_cpu_gemm_bf16_panels_group_own(int64_t M, int64_t K, const float *A, int64_t lda, int n,
                                        const mrl_panels_part *w);
 int mrl_cpu_panels16_pack_own(uint32_t *P, const uint16_t *W, int64_t N, int64_t K);
-/* Our AMX kernel over the panels (gemm_bf16_amx.c): 0, or -1 (no AMX, no
- * memory), C then untouched. */
+/* Our AMX kernels: any product (mrl_cpu_gemm_bf16_amx, the AVX512-BF16
+ * kernel's packing and blocking with AMX tiles for its micro-tile) and x
+ * W^T over the panels (gemm_bf16_amx.c); 0, or -1 (no AMX, no memory), C
+ * then untouched. */
+int mrl_cpu_gemm_bf16_amx(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                          int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                          int64_t ldc);
+/* Between the two files: the calling thread's tile configuration (begin)
+ * and its release (end) around calls of mrl_cpu_amx_panel_block, which
+ * adds to C (rows x cols, at most 16 x 48) the product of A as packed rows
+ * (kc / 16 tiles of 16 x 16 dwords, one after the other) and a panel's
+ * block (kc rows of 48 dwords; kc a multiple of 16): first, C = alpha
+ * acc + beta C (beta 0: C unread); else C += alpha acc. */
+void mrl_cpu_amx_begin(void);
+void mrl_cpu_amx_end(void);
+void mrl_cpu_amx_panel_block(const uint32_t *a, const uint32_t *b, int64_t kc, float *C, int64_t ldc, int64_t rows,
+                             int64_t cols, float alpha, float beta, int first);
 int mrl_cpu_gemm_bf16_panels_group_amx(int64_t M, int64_t K, const float *A, int64_t lda, int n,
                                        const mrl_panels_part *w);
 void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,

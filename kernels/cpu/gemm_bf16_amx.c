@@ -82,7 +82,61 @@ static void tiles_configure(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 7; t++) cfg.colsb[t] = 64, cfg.rows[t] = TILE;
+    /* gcc's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, so the
+     * stores above were dropped as dead (seen: ldtilecfg of a zeroed config,
+     * then SIGILL at the first tile instruction): say all 64 are read */
+    __asm__ volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
+}
+
+/* C (rows x cols of a 16 x 48 block) from the tiles' sums `out`: first, C =
+ * alpha out + beta C (beta 0: C unread, NaN included); else C += alpha out. */
+static void tiles_store(float out[TILE][NR], float *C, int64_t ldc, int64_t rows, int64_t cols, float alpha,
+                        float beta, int first) {
+    __mmask16 last = (__mmask16)((1u << (cols - (cols - 1) / TILE * TILE)) - 1);
+    const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+    for (int64_t r = 0; r < rows; r++) {
+        float *c = C + r * ldc;
+        for (int64_t v = 0; v * TILE < cols; v++) {
+            __mmask16 m = (v + 1) * TILE <= cols ? (__mmask16)0xffff : last;
+            __m512 y = _mm512_mul_ps(va, _mm512_load_ps(&out[r][v * TILE]));
+            if (!first) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, c + v * TILE));
+            else if (beta != 0) y = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, c + v * TILE), y);
+            _mm512_mask_storeu_ps(c + v * TILE, m, y);
+        }
+    }
+}
+
+/* out = the sums of `steps` tile steps: A tile s at a + s * a_step bytes
+ * (rows a_stride bytes apart), B tiles at b + s * 16 rows of the panel. */
+static inline void tiles_sum(const char *a, int64_t a_step, int64_t a_stride, const uint32_t *b, int64_t steps,
+                             float out[TILE][NR]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t s = 0; s < steps; s++, a += a_step, b += TILE * NR) {
+        _tile_loadd(3, a, a_stride);
+        _tile_loadd(4, b, NR * 4);
+        _tile_loadd(5, b + TILE, NR * 4);
+        _tile_loadd(6, b + 2 * TILE, NR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    _tile_stored(0, &out[0][0], NR * 4);
+    _tile_stored(1, &out[0][TILE], NR * 4);
+    _tile_stored(2, &out[0][2 * TILE], NR * 4);
+}
+
+void mrl_cpu_amx_begin(void) { tiles_configure(); }
+void mrl_cpu_amx_end(void) { _tile_release(); }
+
+/* The packed driver's micro-tile (gemm_bf16_avx512.c, gemm_bf16.h). */
+void mrl_cpu_amx_panel_block(const uint32_t *a, const uint32_t *b, int64_t kc, float *C, int64_t ldc, int64_t rows,
+                             int64_t cols, float alpha, float beta, int first) {
+    float out[TILE][NR] __attribute__((aligned(64)));
+    tiles_sum((const char *)a, TILE * TILE * 4, TILE * 4, b, kc / TILE, out);
+    tiles_store(out, C, ldc, rows, cols, alpha, beta, first);
 }
 
 typedef struct amx_ctx {
@@ -101,22 +155,7 @@ static void panel_amx(const amx_ctx *g, int i, int64_t pn) {
     float out[TILE][NR] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < g->M; m0 += TILE) {
         const uint16_t *xa = g->x + m0 * g->kpad;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        for (int64_t k = 0; k < g->kfull; k += KSTEP) {
-            const uint32_t *b = panel + k / 2 * NR;
-            _tile_loadd(3, xa + k, g->kpad * 2);
-            _tile_loadd(4, b, NR * 4);
-            _tile_loadd(5, b + TILE, NR * 4);
-            _tile_loadd(6, b + 2 * TILE, NR * 4);
-            _tile_dpbf16ps(0, 3, 4);
-            _tile_dpbf16ps(1, 3, 5);
-            _tile_dpbf16ps(2, 3, 6);
-        }
-        _tile_stored(0, &out[0][0], NR * 4);
-        _tile_stored(1, &out[0][TILE], NR * 4);
-        _tile_stored(2, &out[0][2 * TILE], NR * 4);
+        tiles_sum((const char *)xa, KSTEP * 2, g->kpad * 2, panel, g->kfull / KSTEP, out);
         int64_t rows = g->M - m0 < TILE ? g->M - m0 : TILE;
         for (int64_t r = 0; r < rows; r++) /* the k past the tiles: a pair of x times the panel's row */
             for (int64_t kp = g->kfull / 2; kp < g->Kp; kp++) {
@@ -126,17 +165,7 @@ static void panel_amx(const amx_ctx *g, int i, int64_t pn) {
                     _mm512_store_ps(&out[r][v * TILE], _mm512_dpbf16_ps(_mm512_load_ps(&out[r][v * TILE]), a, b));
                 }
             }
-        __mmask16 last = (__mmask16)((1u << (cols - (cols - 1) / TILE * TILE)) - 1);
-        const __m512 alpha = _mm512_set1_ps(p->alpha), beta = _mm512_set1_ps(p->beta);
-        for (int64_t r = 0; r < rows; r++) {
-            float *c = p->C + (m0 + r) * p->ldc + n0;
-            for (int64_t v = 0; v * TILE < cols; v++) {
-                __mmask16 m = (v + 1) * TILE <= cols ? (__mmask16)0xffff : last;
-                __m512 y = _mm512_mul_ps(alpha, _mm512_load_ps(&out[r][v * TILE]));
-                if (p->beta != 0) y = _mm512_fmadd_ps(beta, _mm512_maskz_loadu_ps(m, c + v * TILE), y);
-                _mm512_mask_storeu_ps(c + v * TILE, m, y);
-            }
-        }
+        tiles_store(out, p->C + m0 * p->ldc + n0, p->ldc, rows, cols, p->alpha, p->beta, 1);
     }
 }
 

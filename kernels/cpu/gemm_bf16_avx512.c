@@ -291,22 +291,61 @@ typedef struct gemm_ctx {
     int64_t mc, nc, m_tiles, n_tiles;
     float alpha, beta, *C;
     int64_t ldc;
+    int amx; /* AMX tiles (gemm_bf16_amx.c) instead of the vdpbf16ps micro-tile */
 } gemm_ctx;
+
+/* For AMX, block b of A as tiles: each 16 pairs of the block, 16 rows of
+ * 16 dwords (row = lane: 32 consecutive k of one row of op(A)), the
+ * packed block's 16 x 16 dwords transposed. kc a multiple of 16 (past K:
+ * zeros). */
+static void pack_block_rows(const operand *o, int64_t b, int64_t kp0, int64_t kc, uint32_t *dst) {
+    pack_block(o, b, kp0, kc, dst, LANES);
+    for (int64_t s = 0; s < kc; s += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(dst + (s + j) * LANES);
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (s + j) * LANES, r[j]);
+    }
+}
 
 static void pack_range(void *vc, int64_t i0, int64_t i1) {
     gemm_ctx *g = vc;
+    /* AMX's tiles take 16 pairs at a time: the block's last pairs are padded with zeros */
+    int64_t kc = g->amx ? (g->kc + 15) / 16 * 16 : g->kc;
     for (int64_t i = i0; i < i1; i++) {
-        if (i < g->a_blocks)
-            pack_block(&g->a, i, g->k0, g->kc, g->Ap + i * KC * LANES, LANES);
+        if (i < g->a_blocks && g->amx)
+            pack_block_rows(&g->a, i, g->k0, kc, g->Ap + i * KC * LANES);
+        else if (i < g->a_blocks)
+            pack_block(&g->a, i, g->k0, kc, g->Ap + i * KC * LANES, LANES);
         else {
             int64_t b = i - g->a_blocks; /* block b: panel b / NV, its (b % NV)-th 16 columns */
-            pack_block(&g->b, b, g->k0, g->kc, g->Bp + (b / NV) * KC * NR + (b % NV) * LANES, NR);
+            pack_block(&g->b, b, g->k0, kc, g->Bp + (b / NV) * KC * NR + (b % NV) * LANES, NR);
         }
     }
 }
 
+/* The tiles of C i0 .. i1 with AMX: 16 rows x one panel (48 columns) a call. */
+static void tile_range_amx(const gemm_ctx *g, int64_t i0, int64_t i1) {
+    int64_t kc = (g->kc + 15) / 16 * 16;
+    mrl_cpu_amx_begin();
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t m0 = i / g->n_tiles * g->mc, n0 = i % g->n_tiles * g->nc;
+        int64_t m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M, n1 = n0 + g->nc < g->N ? n0 + g->nc : g->N;
+        for (int64_t n = n0; n < n1; n += NR)
+            for (int64_t m = m0; m < m1; m += LANES)
+                mrl_cpu_amx_panel_block(g->Ap + m / LANES * KC * LANES, g->Bp + n / NR * KC * NR, kc,
+                                        g->C + m * g->ldc + n, g->ldc, m1 - m < LANES ? m1 - m : LANES,
+                                        n1 - n < NR ? n1 - n : NR, g->alpha, g->beta, g->k0 == 0);
+    }
+    mrl_cpu_amx_end();
+}
+
 static void tile_range(void *vc, int64_t i0, int64_t i1) {
     const gemm_ctx *g = vc;
+    if (g->amx) {
+        tile_range_amx(g, i0, i1);
+        return;
+    }
     tile_args t = {.kc = g->kc, .ldc = g->ldc, .alpha = g->alpha, .beta = g->beta, .first = g->k0 == 0};
     for (int64_t i = i0; i < i1; i++) {
         int64_t m0 = i / g->n_tiles * g->mc, n0 = i % g->n_tiles * g->nc;
@@ -331,9 +370,9 @@ static void tile_range(void *vc, int64_t i0, int64_t i1) {
  * operands: 4 KC (M + N) bytes, 50 MB for a 49152-row head. */
 static int packed_gemm(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                        int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
-                       int64_t ldc) {
+                       int64_t ldc, int amx) {
     gemm_ctx g = {.a = {A, a_bf16, !trans_a, lda, M, K}, .b = {B, b_bf16, trans_b, ldb, N, K},
-                  .M = M, .N = N, .alpha = alpha, .beta = beta, .C = C, .ldc = ldc};
+                  .M = M, .N = N, .alpha = alpha, .beta = beta, .C = C, .ldc = ldc, .amx = amx};
     g.a_blocks = (M + LANES - 1) / LANES;
     int64_t b_panels = (N + NR - 1) / NR, Kp = (K + 1) / 2;
     g.b_blocks = b_panels * NV; /* blocks past N are packed as zeros */
@@ -555,6 +594,16 @@ int mrl_cpu_gemm_bf16_own(int trans_a, int trans_b, int64_t M, int64_t N, int64_
     if (M <= 0 || N <= 0 || K <= 0) return -1; /* the dispatcher handles those */
     if (!trans_a && trans_b && M <= MRL_BF16_FEW_ROWS)
         return few_gemm(M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
-    return packed_gemm(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc);
+    return packed_gemm(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc, 0);
+}
+
+/* The same driver with AMX tiles for the micro-tile (gemm_bf16.h): the
+ * packed B panels are AMX's B layout, A's blocks are packed as rows. */
+int mrl_cpu_gemm_bf16_amx(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                          int a_bf16, int64_t lda, const void *B, int b_bf16, int64_t ldb, float beta, float *C,
+                          int64_t ldc) {
+    if (!mrl_cpu_has_amx_bf16()) return -1;
+    if (M <= 0 || N <= 0 || K <= 0) return -1; /* the dispatcher handles those */
+    return packed_gemm(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc, 1);
 }
 

@@ -437,6 +437,7 @@ int main(void) {
         {"panels", run_panels_own, 1, mrl_cpu_bf16_has_path(MRL_BF16_OWN), 1},
         {"panels-dispatch", run_panels_dispatch, 1, 1, 1},
         {"panels-amx", run_panels_amx, 1, mrl_cpu_bf16_has_path(MRL_BF16_AMX), 1},
+        {"amx", mrl_cpu_gemm_bf16_amx, 1, mrl_cpu_bf16_has_path(MRL_BF16_AMX)},
     };
     int n_paths = sizeof paths / sizeof paths[0];
     for (int i = 1; i < n_paths; i++)
