@@ -12,12 +12,13 @@
  *   tiles   our packed kernel with AMX tiles for its micro-tile (any product)
  * The bf16 paths get operands as the model will hold them: weights as bf16
  * copies, activations and gradients fp32 (rounded while packing, or copied
- * to bf16 first for oneDNN; that cost is in the times).
+ * to bf16 first for oneDNN; that cost is in the times), except the head's
+ * dlogits, which the model rounds to bf16 once for both of its products.
  *
  * Shapes: (i) a ~100M Llama (hidden 768, intermediate 2048, 12 heads of 64,
  * vocab 32000) over T = 2048 tokens: each linear layer's forward x W^T (NT),
  * input gradient dy W (NN) and weight gradient dy^T x (TN); the head over
- * a chunk of 2^23 / V tokens, as core/model/forward.c cuts it; (ii)
+ * its chunks of at most 2^25 / V tokens, cut evenly as core/model/forward.c does; (ii)
  * SmolLM2-135M (hidden 576, intermediate 1536, 9 heads and 3 kv heads of
  * 64, vocab 49152) likewise; (iii) decode x W^T with M = 1, 4, 16, 32, 64 rows
  * against each weight matrix, cycling through copies of it that together
@@ -52,13 +53,15 @@ typedef struct shape {
     int ta, tb;
     int64_t M, N, K;
     int weight_b; /* B is a weight (bf16 copy for the bf16 paths); else an fp32 activation */
+    int a16;      /* A is bf16 already for the bf16 paths (the head's dlogits: the model keeps a bf16 copy) */
 } shape;
 
 /* One linear layer [out, in] over T tokens: forward, input gradient, weight gradient. */
 static int layer(shape *s, const char *model, const char *name, int64_t T, int64_t out, int64_t in) {
-    s[0] = (shape){model, name, 0, 1, T, out, in, 1};  /* y = x W^T   */
-    s[1] = (shape){model, name, 0, 0, T, in, out, 1};  /* dx = dy W   */
-    s[2] = (shape){model, name, 1, 0, out, in, T, 0};  /* dW = dy^T x */
+    int head = strcmp(name, "head") == 0;
+    s[0] = (shape){model, name, 0, 1, T, out, in, 1, 0};     /* y = x W^T   */
+    s[1] = (shape){model, name, 0, 0, T, in, out, 1, head};  /* dx = dy W   */
+    s[2] = (shape){model, name, 1, 0, out, in, T, 0, head};  /* dW = dy^T x */
     return 3;
 }
 
@@ -69,8 +72,9 @@ static int model_shapes(shape *s, const char *model, int64_t T, int64_t D, int64
     if (KV != Q) n += layer(s + n, model, "k, v", T, KV, D);
     n += layer(s + n, model, "gate, up", T, F, D);
     n += layer(s + n, model, "down", T, D, F);
-    int64_t chunk = ((int64_t)1 << 25) / V; /* the model's default head chunk: 128 MiB of logits */
-    n += layer(s + n, model, "head", chunk < T ? chunk : T, V, D);
+    /* the model's head chunks (core/model/forward.c): at most 128 MiB of logits, cut evenly */
+    int64_t chunk = ((int64_t)1 << 25) / V, chunks = (T + chunk - 1) / chunk;
+    n += layer(s + n, model, "head", (T + chunks - 1) / chunks, V, D);
     return n;
 }
 
@@ -97,19 +101,22 @@ static uint16_t *bf16_copy(const float *x, int64_t n) {
 }
 
 /* One product on one path; returns 0, or -1 when the path cannot run. */
-static int product(int path, const shape *s, const float *A, const float *B, const uint16_t *Bh, const uint32_t *Bp,
-                   float *C) {
+static int product(int path, const shape *s, const float *Af, const uint16_t *Ah, const float *B, const uint16_t *Bh,
+                   const uint32_t *Bp, float *C) {
     int64_t lda = s->ta ? s->M : s->K, ldb = s->tb ? s->K : s->N;
     const void *b = s->weight_b ? (const void *)Bh : (const void *)B;
+    const float *A = Af; /* the fp32 paths' A (and the panels', x W^T only) */
+    const void *a = s->a16 ? (const void *)Ah : (const void *)Af;
+    int ab = s->a16;
     switch (path) {
     case SGEMM:
         mrl_kernels_cpu_fast()->gemm(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, lda, B, ldb, 0.0f, C, s->N);
         return 0;
     case OWN:
-        return mrl_cpu_gemm_bf16_own(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, 0, lda, b, s->weight_b, ldb, 0.0f, C,
+        return mrl_cpu_gemm_bf16_own(s->ta, s->tb, s->M, s->N, s->K, 1.0f, a, ab, lda, b, s->weight_b, ldb, 0.0f, C,
                                      s->N);
     case DNNL:
-        return mrl_cpu_gemm_bf16_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, 0, lda, b, s->weight_b, ldb, 0.0f,
+        return mrl_cpu_gemm_bf16_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, a, ab, lda, b, s->weight_b, ldb, 0.0f,
                                         C, s->N);
     case PANELS:
         if (!Bp) return -1;
@@ -120,21 +127,21 @@ static int product(int path, const shape *s, const float *A, const float *B, con
         return mrl_cpu_gemm_bf16_panels_group_amx(s->M, s->K, A, lda, 1, &w);
     }
     case TILES:
-        return mrl_cpu_gemm_bf16_amx(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, 0, lda, b, s->weight_b, ldb, 0.0f, C,
+        return mrl_cpu_gemm_bf16_amx(s->ta, s->tb, s->M, s->N, s->K, 1.0f, a, ab, lda, b, s->weight_b, ldb, 0.0f, C,
                                      s->N);
     case DNNL32:
         return mrl_cpu_gemm_f32_onednn(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, lda, B, ldb, 0.0f, C, s->N);
     default:
-        mrl_cpu_gemm_bf16(s->ta, s->tb, s->M, s->N, s->K, 1.0f, A, 0, lda, b, s->weight_b, ldb, 0.0f, C, s->N);
+        mrl_cpu_gemm_bf16(s->ta, s->tb, s->M, s->N, s->K, 1.0f, a, ab, lda, b, s->weight_b, ldb, 0.0f, C, s->N);
         return 0;
     }
 }
 
 /* Seconds of one pass over `copies` products (each with its own B). */
-static double pass_time(int path, const shape *s, int copies, float *A, float **B, uint16_t **Bh, uint32_t **Bp,
-                        float *C) {
+static double pass_time(int path, const shape *s, int copies, float *A, uint16_t *Ah, float **B, uint16_t **Bh,
+                        uint32_t **Bp, float *C) {
     double t0 = now();
-    for (int i = 0; i < copies; i++) product(path, s, A, B[i], Bh[i], Bp[i], C);
+    for (int i = 0; i < copies; i++) product(path, s, A, Ah, B[i], Bh[i], Bp[i], C);
     return now() - t0;
 }
 
@@ -150,6 +157,7 @@ static void run_shapes(const shape *s, int n, int want_copies, int reps, double 
         int copies = want_copies ? want_copies : (int)(((int64_t)64 << 20) / (2 * b_n) + 1);
         if (copies > MAX_COPIES) copies = MAX_COPIES;
         float *A = filled(a_n), *C = filled(s[i].M * s[i].N);
+        uint16_t *Ah = bf16_copy(A, a_n);
         float *B[MAX_COPIES];
         uint16_t *Bh[MAX_COPIES];
         uint32_t *Bp[MAX_COPIES];
@@ -165,17 +173,17 @@ static void run_shapes(const shape *s, int n, int want_copies, int reps, double 
          * on the (shared) machine falls on all of them alike; best of reps */
         double best[PATHS];
         for (int p = 0; p < PATHS; p++) /* warm-up (primitives, scratch); -1: cannot run */
-            best[p] = product(p, &s[i], A, B[0], Bh[0], Bp[0], C) == 0 ? 1e30 : -1;
+            best[p] = product(p, &s[i], A, Ah, B[0], Bh[0], Bp[0], C) == 0 ? 1e30 : -1;
         for (int r = 0; r < reps; r++)
             for (int p = 0; p < PATHS; p++) {
                 if (best[p] < 0) continue;
-                double t = pass_time(p, &s[i], copies, A, B, Bh, Bp, C);
+                double t = pass_time(p, &s[i], copies, A, Ah, B, Bh, Bp, C);
                 if (t < best[p]) best[p] = t;
             }
         for (int p = 0; p < PATHS; p++)
             rates[i][p] = best[p] > 0 ? 2.0 * s[i].M * s[i].N * s[i].K * copies / best[p] * 1e-9 : 0;
         for (int c = 0; c < copies; c++) free(B[c]), free(Bh[c]), free(Bp[c]);
-        free(A), free(C);
+        free(A), free(Ah), free(C);
     }
 }
 
@@ -260,7 +268,7 @@ int main(int argc, char **argv) {
         const shape *s = &train[i];
         if (s->ta || !s->tb || strcmp(s->name, "head") == 0) continue;
         for (int64_t M = 1; M <= 1024; M = M == 1 ? 4 : M >= 64 ? 4 * M : M * 2)
-            decode[n_decode++] = (shape){s->model, s->name, 0, 1, M, s->N, s->K, 1};
+            decode[n_decode++] = (shape){s->model, s->name, 0, 1, M, s->N, s->K, 1, 0};
     }
     static double rates[64][PATHS], drates[64][PATHS];
     for (int threads = 1; threads <= 2; threads++) {
