@@ -1,5 +1,8 @@
-/* Our own AMX kernel for x W^T with W as bf16 weight panels (gemm_bf16.h,
- * kernels.h MRL_PANEL16): the products of a decode step on a CPU with AMX.
+/* Our own AMX kernels (gemm_bf16.h): x W^T with W as bf16 weight panels
+ * (kernels.h MRL_PANEL16), the products of a decode step on a CPU with AMX;
+ * and the micro-tile that gemm_bf16_avx512.c's packed driver calls for any
+ * product (mrl_cpu_gemm_bf16_amx: its packed B is the panels' layout, its A
+ * blocks are packed as tile rows for it).
  *
  * Why ours: oneDNN's AMX matmul packs W on every call (it cannot know the
  * panels are already the tile layout), which for a decode step's few rows
