@@ -157,9 +157,9 @@ int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
  *   - everything else: oneDNN, ahead of our packed kernel by 4-8% on a
  *     training step's products without AMX (100M: 199 / 192 GFLOP/s on 1
  *     thread, 379 / 360 on 2, both ~2x OpenBLAS sgemm's fp32). With AMX
- *     our packed kernel on AMX tiles beat it alone on 14 of the 16 dX and
- *     dW products of a 100M and a SmolLM2 step (1.18x and 1.35x over each
- *     step's products, the heads' input gradients 1.6x and 3.0x), but not
+ *     our packed kernel on AMX tiles beat it alone on most dX and dW
+ *     products of a 100M and a SmolLM2 step (1.13x and 1.09x over each
+ *     step's products, the heads' input gradients 1.6x and 1.3x), but not
  *     inside the step: timed there, its dX ran at 1100 GFLOP/s against
  *     oneDNN's 1157 and its dW at 774 against 822 (SmolLM2, 8 x 256), and
  *     the steps were level; so oneDNN keeps them;
@@ -218,7 +218,7 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
 
 /* The rule for W given as bf16 weight panels and as its plain copy, from
  * bench/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
- * weight panels" and "AMX on the weight panels", 2 cores):
+ * weight panels" and "x W^T on the weight panels with AMX tiles", 2 cores):
  *   - with AMX (our tile kernel on the panels, Intel Xeon family 6 model
  *     167): the panels from 5 to 255 rows, 1.3-1.7x our few-rows kernel at
  *     8, 1.0-1.7x oneDNN (which packs W each call) at 8 and 16 and ahead on
