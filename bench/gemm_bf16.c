@@ -26,7 +26,7 @@
  * decode step over all layers of a model (the 100M model: 200 MB in bf16).
  *
  *   build/bench/bench_gemm_bf16 [reps=5] [threads: 0 = 1 and 2] [part: 0 all, 1 training, 2 decode]
- *   BENCH_COPIES=n: the training products too in turn over n copies of their operands (default 1)
+ *   BENCH_COPIES=n: the training products too in turn over n copies of both operands (default 1)
  * Prints markdown tables of GFLOP/s (best of reps) and the bf16 peak. */
 #include <immintrin.h>
 #include <stdio.h>
@@ -138,10 +138,10 @@ static int product(int path, const shape *s, const float *Af, const uint16_t *Ah
 }
 
 /* Seconds of one pass over `copies` products (each with its own B). */
-static double pass_time(int path, const shape *s, int copies, float *A, uint16_t *Ah, float **B, uint16_t **Bh,
-                        uint32_t **Bp, float *C) {
+static double pass_time(int path, const shape *s, int copies, int a_copies, float **A, uint16_t **Ah, float **B,
+                        uint16_t **Bh, uint32_t **Bp, float *C) {
     double t0 = now();
-    for (int i = 0; i < copies; i++) product(path, s, A, Ah, B[i], Bh[i], Bp[i], C);
+    for (int i = 0; i < copies; i++) product(path, s, A[i % a_copies], Ah[i % a_copies], B[i], Bh[i], Bp[i], C);
     return now() - t0;
 }
 
@@ -156,8 +156,11 @@ static void run_shapes(const shape *s, int n, int want_copies, int reps, double 
         int64_t a_n = s[i].M * s[i].K, b_n = s[i].K * s[i].N;
         int copies = want_copies ? want_copies : (int)(((int64_t)64 << 20) / (2 * b_n) + 1);
         if (copies > MAX_COPIES) copies = MAX_COPIES;
-        float *A = filled(a_n), *C = filled(s[i].M * s[i].N);
-        uint16_t *Ah = bf16_copy(A, a_n);
+        /* the training products (want_copies > 1) cycle A too: a step's activations come from memory */
+        int a_copies = want_copies > 1 ? copies : 1;
+        float *A[MAX_COPIES], *C = filled(s[i].M * s[i].N);
+        uint16_t *Ah[MAX_COPIES];
+        for (int c = 0; c < a_copies; c++) A[c] = filled(a_n), Ah[c] = bf16_copy(A[c], a_n);
         float *B[MAX_COPIES];
         uint16_t *Bh[MAX_COPIES];
         uint32_t *Bp[MAX_COPIES];
@@ -173,17 +176,18 @@ static void run_shapes(const shape *s, int n, int want_copies, int reps, double 
          * on the (shared) machine falls on all of them alike; best of reps */
         double best[PATHS];
         for (int p = 0; p < PATHS; p++) /* warm-up (primitives, scratch); -1: cannot run */
-            best[p] = product(p, &s[i], A, Ah, B[0], Bh[0], Bp[0], C) == 0 ? 1e30 : -1;
+            best[p] = product(p, &s[i], A[0], Ah[0], B[0], Bh[0], Bp[0], C) == 0 ? 1e30 : -1;
         for (int r = 0; r < reps; r++)
             for (int p = 0; p < PATHS; p++) {
                 if (best[p] < 0) continue;
-                double t = pass_time(p, &s[i], copies, A, Ah, B, Bh, Bp, C);
+                double t = pass_time(p, &s[i], copies, a_copies, A, Ah, B, Bh, Bp, C);
                 if (t < best[p]) best[p] = t;
             }
         for (int p = 0; p < PATHS; p++)
             rates[i][p] = best[p] > 0 ? 2.0 * s[i].M * s[i].N * s[i].K * copies / best[p] * 1e-9 : 0;
         for (int c = 0; c < copies; c++) free(B[c]), free(Bh[c]), free(Bp[c]);
-        free(A), free(Ah), free(C);
+        for (int c = 0; c < a_copies; c++) free(A[c]), free(Ah[c]);
+        free(C);
     }
 }
 

@@ -158,8 +158,8 @@ int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
  *     training step's products without AMX (100M: 199 / 192 GFLOP/s on 1
  *     thread, 379 / 360 on 2, both ~2x OpenBLAS sgemm's fp32). With AMX
  *     our packed kernel on AMX tiles beat it alone on most dX and dW
- *     products of a 100M and a SmolLM2 step (1.13x and 1.09x over each
- *     step's products, the heads' input gradients 1.6x and 1.3x), but not
+ *     products of a 100M and a SmolLM2 step (1.07x and 1.11x over each
+ *     step's products, operands from memory; the heads' dX 1.6x), but not
  *     inside the step: timed there, its dX ran at 1100 GFLOP/s against
  *     oneDNN's 1157 and its dW at 774 against 822 (SmolLM2, 8 x 256), and
  *     the steps were level; so oneDNN keeps them;
