@@ -62,6 +62,12 @@ expect "default example (shortened)" 0 "held-out accuracy (greedy, 20 problems)"
 expect "default example: bad override" 2 "unknown config key 'grpo.stepz'" -- "$MOONRL" grpo.stepz=1
 expect "doctor: the kernels chosen" 0 "kernels: " -- "$MOONRL" doctor --dir "$tmp"
 expect "doctor: BLAS and memory" 0 "available of" -- "$MOONRL" doctor --dir "$tmp"
+if "$MOONRL" version | grep -q "amx_bf16"; then # a CPU with AMX: MOONRL_AMX=0 turns our tiles off, else in use
+  expect "doctor: MOONRL_AMX=0" 0 "our AMX tiles off: MOONRL_AMX=0" -- env MOONRL_AMX=0 "$MOONRL" doctor --dir "$tmp"
+  if ! "$MOONRL" doctor --dir "$tmp" | grep -q "did not grant"; then # (a Linux older than 5.16 does not)
+    expect "version: AMX tiles in use" 0 "+ amx (weight panels" -- "$MOONRL" version
+  fi
+fi
 expect "doctor: a missing run directory fails" 1 "FAIL  disk" -- "$MOONRL" doctor --dir "$tmp/nonexistent"
 expect "doctor: bad argument" 2 "unknown argument --bogus" -- "$MOONRL" doctor --bogus
 expect "convert: usage" 2 "usage: moonrl convert FILE.gguf DIR" -- "$MOONRL" convert

@@ -69,7 +69,13 @@ function M.main(args)
     isa == best and '' or ', below what the CPU has (' .. best .. ')'))
   local bf16 = has('avx512bf16') and 'AVX512-BF16' or nil
   if (read('/proc/cpuinfo') or ''):find('amx_bf16', 1, true) then bf16 = (bf16 and bf16 .. ' and ' or '') .. 'AMX-BF16' end
-  line(bf16 and 'ok' or 'warn', 'bf16', bf16 and ('the CPU has ' .. bf16) or 'no AVX512-BF16 or AMX: products stay fp32')
+  local products = ffi.string(moonrl.C.mrl_bf16_products())
+  -- AMX that moonrl does not use: Linux did not grant the tile state, or MOONRL_AMX=0
+  local amx_unused = bf16 and bf16:find('AMX', 1, true) and not products:find('amx (', 1, true)
+  line(bf16 and not amx_unused and 'ok' or 'warn', 'bf16', bf16 and string.format('the CPU has %s; products: %s%s', bf16,
+    products, amx_unused and (os.getenv('MOONRL_AMX') == '0' and ' (our AMX tiles off: MOONRL_AMX=0)'
+      or ' (our AMX tiles off: Linux did not grant this process the tile state)') or '')
+    or 'no AVX512-BF16 or AMX: products stay fp32')
 
   -- threads
   local cores = 0
