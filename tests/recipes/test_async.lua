@@ -110,6 +110,11 @@ t.test('async, max_staleness=2: the bound holds, and is reached', function()
     end
   end
   t.truthy(seen[2], 'two versions behind once the queue is full')
+  -- async.decoupled=auto: AReaL's decoupled loss in async mode (its behaviour weights logged), not in one_step_off
+  local behav = 0
+  for _, r in ipairs(metrics(dir .. '/async')) do if r['is/behav/ratio_max'] then behav = behav + 1 end end
+  t.truthy(behav > 0, 'async mode: the decoupled loss by default')
+  for _, r in ipairs(metrics(dir .. '/off2')) do t.truthy(r['is/behav/ratio_max'] == nil, 'one_step_off: tis alone') end
   run(0, words(dir .. '/async1', 'async.mode=async', 'async.max_staleness=2'))
   t.truthy(model_bytes(dir .. '/async') == model_bytes(dir .. '/async1'), 'the same bits in one process')
 end)
@@ -355,7 +360,8 @@ t.test('bad dist and async keys are usage errors naming the key, before any run 
     { 'async.weights=nfs', 'async.weights' }, { 'async.engine_threads=-1', 'async.engine_threads' },
     { 'async.engine_threads=1', 'async.engine_threads' }, -- sync mode: nothing to overlap
     { 'async.partial=continue', 'async.partial=continue' }, { 'async.stream=true', 'async.stream' },
-    { 'async.stream_unit=groups', 'async.stream_unit' }, { 'dist.gpu_transport=pcie', 'dist.gpu_transport' } }) do
+    { 'async.stream_unit=groups', 'async.stream_unit' }, { 'dist.gpu_transport=pcie', 'dist.gpu_transport' },
+    { 'async.decoupled=maybe', 'async.decoupled' } }) do
     local d = dir .. '/bad'
     local r = proc.run({ exe, 'run.dir=' .. d, 'sft.steps=1', 'grpo.steps=1', 'quiet=true', case[1] }, { timeout = 60 })
     t.eq(r.exit_status, 2, case[1] .. ': a usage error')
