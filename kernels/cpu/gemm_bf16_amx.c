@@ -47,8 +47,6 @@
 #define TILE 16        /* rows of a tile; columns of a C or B tile */
 #define KSTEP 32       /* k per tdpbf16ps */
 #define GROUP_MAX 8
-#define FEW_PARALLEL ((int64_t)1 << 17) /* elements of W from which two threads share it (as the AVX-512 kernel) */
-#define PARALLEL_MACS ((int64_t)1 << 22)
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -223,10 +221,8 @@ int mrl_cpu_gemm_bf16_panels_group_amx(int64_t M, int64_t K, const float *A, int
     g.x = x;
     /* threads as the AVX-512 kernel's: bound by reading W for a few rows */
     static _Thread_local mrl_split_choice choice;
-    int threads = mrl_parallel_threads(), split, measured = 0;
-    if (N * K < FEW_PARALLEL || threads < 2) split = 0;
-    else if (M * N * K >= PARALLEL_MACS) split = 1;
-    else split = mrl_split_pick(&choice), measured = 1;
+    int threads = mrl_parallel_threads(), measured;
+    int split = mrl_split_weights(&choice, N * K, M * N * K, threads, &measured);
     g.n_chunks = split ? 4 * threads : 1;
     if (g.n_chunks > g.panels) g.n_chunks = g.panels;
     double t0 = mrl_split_now();

@@ -39,7 +39,7 @@
 #define NC_MAX (32 * NR) /* columns of C in a tile, at most */
 
 /* Products below this many multiply-adds run on one thread (as fast.c's). */
-#define PARALLEL_MACS ((int64_t)1 << 22)
+#define PARALLEL_MACS MRL_SPLIT_ALWAYS_MACS
 
 /* ---- packing ---------------------------------------------------------------- */
 
@@ -204,7 +204,6 @@ static const micro_fn micro_table[MR][NV] = {MICRO_ENTRY(1), MICRO_ENTRY(2), MIC
  * sums, added across its lanes at the end. W streams once from memory;
  * rows of x past the first 4 find its block of 8 rows in L1. */
 #define PREFETCH 8 /* rows of W ahead (one block): 8 measured best of 0, 8, 16, 32 */
-#define FEW_PARALLEL ((int64_t)1 << 17) /* elements of W from which two threads share it */
 
 typedef struct few_ctx {
     const uint16_t *x; /* [M, kpad] bf16 */
@@ -430,18 +429,11 @@ static int few_gemm(int64_t M, int64_t N, int64_t K, float alpha, const void *A,
      * an idle one splitting is ~1.6x faster. Our kernel's bits do not depend
      * on the split. */
     static _Thread_local mrl_split_choice choice;
-    if (N * K < FEW_PARALLEL || mrl_parallel_threads() < 2) {
-        few_range(&f, 0, blocks);
-    } else if (M * N * K >= PARALLEL_MACS) {
-        mrl_parallel_for(blocks, 4, few_range, &f);
-    } else {
-        mrl_split_choice *c = &choice;
-        int split = mrl_split_pick(c);
-        double t0 = mrl_split_now();
-        if (split) mrl_parallel_for(blocks, 4, few_range, &f);
-        else few_range(&f, 0, blocks);
-        mrl_split_record(c, mrl_split_now() - t0, (double)M * N * K);
-    }
+    int measured, split = mrl_split_weights(&choice, N * K, M * N * K, mrl_parallel_threads(), &measured);
+    double t0 = mrl_split_now();
+    if (split) mrl_parallel_for(blocks, 4, few_range, &f);
+    else few_range(&f, 0, blocks);
+    if (measured) mrl_split_record(&choice, mrl_split_now() - t0, (double)M * N * K);
     mrl_cpu_bf16_scratch_give(x);
     return 0;
 }
@@ -559,11 +551,8 @@ int mrl_cpu_gemm_bf16_panels_group_own(int64_t M, int64_t K, const float *A, int
     gemm_ctx pack = {.a = {A, 0, 1, lda, M, K}, .kc = Kp, .Ap = Ap};
     /* threads as few_gemm's: these are bound by reading W for a few rows */
     static _Thread_local mrl_split_choice choice;
-    int threads = mrl_parallel_threads(), split, measured = 0;
-    if (N * K < FEW_PARALLEL || threads < 2) split = 0;
-    else if (M * N * K >= PARALLEL_MACS) split = 1;
-    else split = mrl_split_pick(&choice), measured = 1;
-    if (!split) threads = 1;
+    int threads = mrl_parallel_threads(), measured;
+    if (!mrl_split_weights(&choice, N * K, M * N * K, threads, &measured)) threads = 1;
     /* row tiles of up to MC rows, as even as whole blocks of 16 allow; about 4 chunks a thread */
     g.m_tiles = (M + MC - 1) / MC;
     g.mc = ((M + g.m_tiles - 1) / g.m_tiles + LANES - 1) / LANES * LANES;

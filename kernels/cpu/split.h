@@ -61,3 +61,22 @@ static inline void mrl_split_record(mrl_split_choice *c, double seconds, double 
     if (best != c->best) c->best = best, c->every = 2;
     else if (c->split != best && c->every < MRL_SPLIT_EXPLORE_MAX) c->every *= 2;
 }
+
+/* The bf16 kernels' thresholds for products bound by reading their weights
+ * (a decode step's): below MRL_SPLIT_W_ELEMS elements of W one thread
+ * reads it as fast as two; from MRL_SPLIT_ALWAYS_MACS multiply-adds a
+ * product always splits. */
+#define MRL_SPLIT_W_ELEMS ((int64_t)1 << 17)
+#define MRL_SPLIT_ALWAYS_MACS ((int64_t)1 << 22)
+
+/* Whether such a product (w_elems elements of W, macs multiply-adds) runs
+ * split over `threads`: never below MRL_SPLIT_W_ELEMS or on one thread,
+ * always from MRL_SPLIT_ALWAYS_MACS, by c's measurement between, when
+ * *measured is set to 1: the caller then records its time. */
+static inline int mrl_split_weights(mrl_split_choice *c, int64_t w_elems, int64_t macs, int threads, int *measured) {
+    *measured = 0;
+    if (w_elems < MRL_SPLIT_W_ELEMS || threads < 2) return 0;
+    if (macs >= MRL_SPLIT_ALWAYS_MACS) return 1;
+    *measured = 1;
+    return mrl_split_pick(c);
+}

@@ -68,7 +68,7 @@ function M.main(args)
   line(isa == best and 'ok' or 'warn', 'cpu', string.format('%s; kernels: %s (built: %s)%s', cpu, isa, v.kernels_built,
     isa == best and '' or ', below what the CPU has (' .. best .. ')'))
   local bf16 = has('avx512bf16') and 'AVX512-BF16' or nil
-  if (read('/proc/cpuinfo') or ''):find('amx_bf16', 1, true) then bf16 = (bf16 and bf16 .. ' and ' or '') .. 'AMX-BF16' end
+  if has('amx_bf16') then bf16 = (bf16 and bf16 .. ' and ' or '') .. 'AMX-BF16' end
   local products = ffi.string(moonrl.C.mrl_bf16_products())
   -- AMX that moonrl does not use: Linux did not grant the tile state, or MOONRL_AMX=0
   local amx_unused = bf16 and bf16:find('AMX', 1, true) and not products:find('amx (', 1, true)
