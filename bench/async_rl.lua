@@ -16,9 +16,9 @@
 --     the GRPO recipe instead, on bench/dp_grpo.sh's small model (256 hidden, 4 layers), 16 prompts x 8
 --     samples of up to 128 tokens, the 'sevens' reward: seconds per step only (no held-out set)
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
-local fs = require('moonrl.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
 
 local opt = moonrl.config { task = 'default', target = 0.8, steps = moonrl.config.integer(30),
   eval_every = moonrl.config.integer(3) }

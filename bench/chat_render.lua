@@ -1,7 +1,7 @@
 -- Render a chat template many times with moonrl.chat; prints microseconds a render.
 -- usage: moonrl run bench/chat_render.lua   (env: TEMPLATE, CASE, N)
 local chat = require('moonrl.chat')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local moonrl = require('moonrl')
 local f = assert(io.open(os.getenv('TEMPLATE'), 'rb')); local src = f:read('*a'); f:close()
 local case

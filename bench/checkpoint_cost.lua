@@ -3,7 +3,7 @@
 --   build/moonrl run bench/checkpoint_cost.lua size=default     # the default example's model
 --   build/moonrl run bench/checkpoint_cost.lua size=100m         # a ~110M-parameter Llama
 --
--- Writes `repeats` checkpoints of the model and its AdamW state through moonrl.session (exactly
+-- Writes `repeats` checkpoints of the model and its AdamW state through moonrl.train.session (exactly
 -- what a run does: model + tokenizer files, optimizer.safetensors, state, manifest with CRC-32C,
 -- fsync of every file and directory, rename), verifies and restores the last one, and times
 -- `steps` training steps (forward + backward + clip + AdamW) on `batch` x `seq` tokens.
@@ -11,8 +11,8 @@
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local algo = require('moonrl.algo')
-local ckpt = require('moonrl.checkpoint')
-local fs = require('moonrl.fs')
+local ckpt = require('moonrl.train.checkpoint')
+local fs = require('moonrl.io.fs')
 local R = require('moonrl.recipe')
 
 local cfg = moonrl.config {

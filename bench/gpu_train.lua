@@ -65,7 +65,7 @@ local function step()
   local lp = model:forward(batch)
   model:backward(grad)
   opt:step()
-  moonrl.ops.sum(p, n) -- waits for the step's last kernels (the AdamW update) on the GPU
+  require('moonrl.train.ops').sum(p, n) -- waits for the step's last kernels (the AdamW update) on the GPU
   local loss = 0
   for i = 0, T - 1 do loss = loss - lp[i] end
   return moonrl.now() - t0, loss / T
@@ -86,7 +86,7 @@ end
 if not shape.tie_word_embeddings then matmul = matmul - shape.vocab_size * shape.hidden_size end
 local flops_per_token = 6 * matmul + 6 * shape.num_hidden_layers * cfg.seq * shape.hidden_size
 local achieved = flops_per_token * T / secs
-print(moonrl.json.encode({ size = cfg.size, device = model:device_description(), dtype = model:dtype(),
+print(require('moonrl.io.json').encode({ size = cfg.size, device = model:device_description(), dtype = model:dtype(),
   n_params = n, matmul_params = matmul, tokens_per_step = T, seq = cfg.seq, seconds_per_step = secs,
   tokens_per_s = T / secs, tflops = achieved / 1e12, mfu = achieved / (cfg.peak_tflops * 1e12), loss = loss,
   recompute = cfg.recompute }))

@@ -6,7 +6,7 @@
 --      LENGTHS: natural (default: a completion ends at EOS or MAX_TOKENS) or fixed (no EOS: every
 --      completion runs to MAX_TOKENS, so both sides do exactly the same arithmetic), DTYPE (fp32)
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local algo = require('moonrl.algo')
 local rewards = require('moonrl.rewards')
 local R = require('moonrl.recipe')

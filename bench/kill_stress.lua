@@ -8,7 +8,7 @@
 -- time (tests/recipes/killer.lua). Prints each attempt and the verdict; exits non-zero when the
 -- final weights or the per-step metrics differ.
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
+local fs = require('moonrl.io.fs')
 local U = dofile(moonrl.home .. '/tests/recipes/util.lua')
 local K = dofile(moonrl.home .. '/tests/recipes/killer.lua')
 

@@ -7,7 +7,7 @@
 --
 --   mpirun -n 2 --bind-to none moonrl run bench/moe_ep.lua [reps=5] [tokens=2048] [dtype=bf16]
 local moonrl = require('moonrl')
-local dist = require('moonrl.dist')
+local dist = require('moonrl.train.dist')
 local ffi = require('ffi')
 
 local cfg = moonrl.config {

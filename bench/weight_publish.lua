@@ -1,5 +1,5 @@
 -- Weight publication between two ranks on one host: the broadcast a trainer does after each
--- update (moonrl.rollout: World:broadcast of the parameter buffer) and the shared-memory weight
+-- update (moonrl.train.rollout: World:broadcast of the parameter buffer) and the shared-memory weight
 -- store (moonrl/weight_store.h: rank 0 publishes into it, rank 1 holds the new version in place),
 -- against one memcpy of the same bytes in the same process (the limit of a same-host update), for
 -- the default model's size, ~5M and ~100M parameters.
@@ -18,7 +18,7 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local C = moonrl.C
-local w = require('moonrl.dist').world(600)
+local w = require('moonrl.train.dist').world(600)
 assert(w.size == 2, 'run it on 2 ranks')
 
 local sizes = { { 'default (0.4M)', 420000 }, { '5M', 5000000 }, { '100M', 100000000 } }

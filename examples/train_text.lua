@@ -51,7 +51,7 @@ local model = moonrl.model.new({ model_type = 'llama', vocab_size = vocab, hidde
   intermediate_size = cfg.model.intermediate_size, num_hidden_layers = cfg.model.layers,
   num_attention_heads = cfg.model.heads, num_key_value_heads = cfg.model.kv_heads,
   max_position_embeddings = cfg.seq_len, tie_word_embeddings = true }, { seed = cfg.run.seed })
--- the session: run directory, checkpoints, resume (moonrl.session); its state is the model, the
+-- the session: run directory, checkpoints, resume (moonrl.train.session); its state is the model, the
 -- optimizer and the generator that draws the windows
 local S = R.start(cfg, { name = 'train_text', steps = cfg.steps, steps_key = 'steps', policy = model,
   tokenizer_dir = cfg.tokenizer })

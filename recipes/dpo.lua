@@ -17,7 +17,7 @@ local moonrl = require('moonrl')
 local ffi = require('ffi')
 local algo = require('moonrl.algo')
 local R = require('moonrl.recipe')
-local E = require('moonrl.evaluation')
+local E = require('moonrl.train.evaluation')
 
 local cfg = moonrl.config {
   model = R.model_config(),
@@ -88,7 +88,7 @@ S.extra.epoch_seed, S.extra.pos = 0, 0
 local order, order_seed = {}, nil
 local function epoch_order()
   if order_seed ~= S.extra.epoch_seed then -- Fisher-Yates from the epoch's own generator
-    local r = setmetatable({ state = S.extra.epoch_seed }, moonrl.session.Rng)
+    local r = setmetatable({ state = S.extra.epoch_seed }, require('moonrl.train.session').Rng)
     for i = 1, #pairs_list do order[i] = i end
     for i = #order, 2, -1 do
       local j = r:int(i) + 1

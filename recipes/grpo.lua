@@ -5,7 +5,7 @@
 --   moonrl run grpo grpo.advantage=dr_grpo ...                          (Dr. GRPO)
 --
 -- the rollout of a batch (run here, a step or more ahead, or on rollout ranks: async.mode,
--- dist.rollout_ranks; see moonrl.rollout):
+-- dist.rollout_ranks; see moonrl.train.rollout):
 --   prompts  <- next records of the shuffled dataset (data.path) or task (data.task)
 --   generate grpo.samples completions per prompt with the engine (it reads the policy's weights)
 --   rewards  <- the registry's reward (reward=NAME, or reward=FILE.lua:NAME) of every completion

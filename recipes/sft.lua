@@ -16,7 +16,7 @@
 -- split the evaluation's.
 local moonrl = require('moonrl')
 local R = require('moonrl.recipe')
-local E = require('moonrl.evaluation')
+local E = require('moonrl.train.evaluation')
 
 local cfg = moonrl.config {
   model = R.model_config(),

@@ -42,7 +42,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int enabled;
 static int trace_rank;
 static double t0;
-static double t0_unix_us; /* the wall clock at t0: merges the traces of several processes (moonrl.trace.merge) */
+static double t0_unix_us; /* the wall clock at t0: merges the traces of several processes (moonrl.train.trace.merge) */
 static trace_event *events;
 static int64_t count, cap;
 static thread_name *names;

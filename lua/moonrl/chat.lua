@@ -17,17 +17,17 @@
 -- variable.
 --
 -- Messages and tools are Lua tables: lists are arrays ({...}), dicts are
--- tables with string keys. Use moonrl.json.object / json.decode for dicts
+-- tables with string keys. Use moonrl.io.json.object / json.decode for dicts
 -- whose key order matters (tojson writes keys in that order; plain tables
--- are written with sorted keys). null is moonrl.json.null.
+-- are written with sorted keys). null is moonrl.io.json.null.
 --
 -- A chat_template.jinja file beside tokenizer_config.json takes precedence
 -- over the config's chat_template (as in newer transformers).
 -- A chat_template given as a list of {name, template} uses the one named
 -- "default" (or the first when none is), like transformers; chat.load(dir,
 -- {name = 'tool_use'}) picks another.
-local json = require('moonrl.json')
-local jinja = require('moonrl.jinja')
+local json = require('moonrl.io.json')
+local jinja = require('moonrl.text.jinja')
 
 local M = {}
 

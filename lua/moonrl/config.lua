@@ -37,7 +37,7 @@ function M.integer(default, words)
   return setmetatable({ kind = 'default', type = 'integer', value = default, words = w }, Slot)
 end
 
--- The sections every recipe gets: `run` (moonrl reads it itself), `guard` (moonrl.guard) and
+-- The sections every recipe gets: `run` (moonrl reads it itself), `guard` (moonrl.train.guard) and
 -- `dist` (below).
 local function run_section()
   return {
@@ -52,24 +52,24 @@ local function run_section()
     keep_checkpoints = M.integer(2), -- the newest K are kept (0: all)
     checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
     hang_seconds = 1800.0,  -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
-    progress = os.getenv('MOONRL_PROGRESS') or 'auto', -- the loops' progress on stderr: auto, live, plain, off (moonrl.progress)
+    progress = os.getenv('MOONRL_PROGRESS') or 'auto', -- the loops' progress on stderr: auto, live, plain, off (moonrl.io.progress)
     progress_seconds = tonumber(os.getenv('MOONRL_PROGRESS_SECONDS') or '') or 10.0, -- between plain progress lines
   }
 end
 
--- `dist`: the ranks of a job started by mpirun / srun / moonrl launch (moonrl.dist).
+-- `dist`: the ranks of a job started by mpirun / srun / moonrl launch (moonrl.train.dist).
 local function dist_section()
   return {
     timeout = 600.0,          -- seconds a collective may wait for the other ranks before the job fails (0: forever)
     zero = M.integer(0),      -- 1: ZeRO-1, the optimizer state sharded over the ranks
     bucket_mb = 25.0,         -- gradient all-reduce bucket size, started while the backward runs
-    rollout_ranks = M.integer(0), -- the last R ranks only generate and score (moonrl.rollout); the others train
+    rollout_ranks = M.integer(0), -- the last R ranks only generate and score (moonrl.train.rollout); the others train
     gpu_transport = 'auto',   -- a GPU model's gradient sums: nccl, host (through host memory and MPI), auto (nccl where it starts)
   }
 end
 
 local function guard_section()
-  local d = require('moonrl.guard').defaults
+  local d = require('moonrl.train.guard').defaults
   return {
     action = d.action,           -- what a spike / KL / entropy detector does: skip or rollback
     grad_spike = d.grad_spike,   -- robust deviations above the recent median (0: off)

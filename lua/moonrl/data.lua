@@ -35,7 +35,7 @@
 -- 'prompt')".
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local C = moonrl.C
 
 local M = {}
@@ -81,9 +81,9 @@ Source.__index = Source
 
 local function open_source(path, opts)
   local ix = ffi.new('mrl_line_index *[1]')
-  local st = require('moonrl.fs').stat(path)
-  if st and st.size >= 64 * 2 ^ 20 then -- one C pass: a line while it runs (moonrl.progress)
-    local progress = require('moonrl.progress')
+  local st = require('moonrl.io.fs').stat(path)
+  if st and st.size >= 64 * 2 ^ 20 then -- one C pass: a line while it runs (moonrl.io.progress)
+    local progress = require('moonrl.io.progress')
     local status = progress.task('indexing ' .. path .. ' (' .. progress.bytes(st.size) .. ')', function()
       return C.mrl_line_index_build(path, ix)
     end)

@@ -28,9 +28,9 @@
 --                                  carries version (its first token's) and version_switches = { {k, v}, ... }
 --                                  (token k, 1-based, and those after it sampled with version v)
 --   engine:stream(threads)      -- one engine for many coroutines' requests, never reset (see "a stream"
---                                  below): moonrl.rollout's async.stream
+--                                  below): moonrl.train.rollout's async.stream
 --   engine.background = N       -- inside a coroutine, generate runs the engine on a background thread of N
---                                  threads and yields until the caller resumes it (moonrl.rollout overlaps
+--                                  threads and yields until the caller resumes it (moonrl.train.rollout overlaps
 --                                  the next batch with training so); engine.on_busy() is called when generate
 --                                  finds a background run still in progress
 --
@@ -360,7 +360,7 @@ end
 -- Engine:stream() returns a driver; while engine.streaming is set, generate inside a coroutine
 -- queues its requests on the engine as it runs (no reset: other coroutines' requests go on) and
 -- yields; the driver steps the engine (here, or on a background thread while this thread does
--- something else) and resumes the coroutine once its requests are done. moonrl.rollout streams
+-- something else) and resumes the coroutine once its requests are done. moonrl.train.rollout streams
 -- batches so on rollout ranks (async.stream). Stop strings and on_text need the watched loop
 -- of a plain generate: not in a stream.
 local Stream = {}

@@ -142,7 +142,7 @@ function M.memory()
   return out
 end
 
--- Submodules load on first use: moonrl.config, moonrl.proc, ...
+-- Submodules load on first use: moonrl.config, moonrl.io.proc, ...
 setmetatable(M, {
   __index = function(t, name)
     local ok, mod = pcall(require, 'moonrl.' .. name)

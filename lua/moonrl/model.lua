@@ -14,7 +14,7 @@
 --   m:save('/tmp/out')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local bit = require('bit')
 local C = moonrl.C
 
@@ -147,7 +147,7 @@ end
 
 function M.load(dir)
   local h = ffi.new('mrl_model *[1]')
-  local status = require('moonrl.progress').task('loading model ' .. tostring(dir), function()
+  local status = require('moonrl.io.progress').task('loading model ' .. tostring(dir), function()
     return C.mrl_model_load_dir(dir, h)
   end)
   moonrl.check(status, 2)
@@ -193,7 +193,7 @@ function Model:params()
 end
 
 -- The parameter buffer where it lives (device memory on a GPU) and its length: for the C calls
--- that take either (the optimizer, the gradient helpers, moonrl.ops.sum), never for Lua to index.
+-- that take either (the optimizer, the gradient helpers, moonrl.train.ops.sum), never for Lua to index.
 function Model:param_buffer() return C.mrl_model_params(self.handle), self.n_params end
 
 -- The parameters as host floats to read (or edit, then write_params): the buffer itself on the
@@ -334,7 +334,7 @@ function Model:routing_replay_stats()
   C.mrl_model_routing_replay_stats(self.handle, replay_counts, replay_counts + 1)
   return tonumber(replay_counts[0]), tonumber(replay_counts[1])
 end
--- Expert parallelism (model.h, mrl_model_set_expert_parallel): group, a moonrl.dist world or
+-- Expert parallelism (model.h, mrl_model_set_expert_parallel): group, a moonrl.train.dist world or
 -- group (nil: off), whose ranks then each run their block of every sparse layer's experts;
 -- every forward and backward is then a collective of the group. expert_range() -> first
 -- (0-based), count, and whether expert parallelism is on.

@@ -2,7 +2,7 @@
 -- recipes themselves read like the algorithm.
 --
 --   local S = R.start(cfg, { name = 'grpo', steps = cfg.grpo.steps, steps_key = 'grpo.steps' })
---     -- a moonrl.session (run directory, checkpoints, resume, guards) holding what the config's
+--     -- a moonrl.train.session (run directory, checkpoints, resume, guards) holding what the config's
 --     -- sections ask for: S.policy, S.tok, S.tpl, S.tok_dir (model.dir), S.opt and S.lr_at (train),
 --     -- S.engine (engine), the dataset (data, with opts.fields)
 --   for step in S:steps() do ... end; S:finish()
@@ -31,8 +31,8 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local C = moonrl.C
-local json = require('moonrl.json')
-local fs = require('moonrl.fs')
+local json = require('moonrl.io.json')
+local fs = require('moonrl.io.fs')
 local model_mod = require('moonrl.model')
 local function rewards_mod() return require('moonrl.rewards') end
 
@@ -44,7 +44,7 @@ local M = {}
 -- dir: a Hugging Face directory; opts.tokenizer: another directory for the tokenizer files.
 function M.load(dir, opts)
   opts = opts or {}
-  dir = require('moonrl.gguf').resolve(dir) -- a .gguf file: its converted directory
+  dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model = model_mod.load(dir)
   local tok_dir = opts.tokenizer or dir
   local tok = require('moonrl.tokenizer').load(tok_dir)
@@ -339,7 +339,7 @@ end
 -- tokenizer_dir copied beside it, every file written atomically. Returns the directory.
 function M.save(run, model, tokenizer_dir, dir)
   dir = dir or (run.dir .. '/model')
-  require('moonrl.checkpoint').save_model(model, dir, tokenizer_dir)
+  require('moonrl.train.checkpoint').save_model(model, dir, tokenizer_dir)
   return dir
 end
 
@@ -771,7 +771,7 @@ end
 function M.model_device(cfg)
   local d = type(cfg.model) == 'table' and cfg.model.device or nil
   if d == nil then return nil end
-  local w = require('moonrl.dist').world()
+  local w = require('moonrl.train.dist').world()
   local asked = d
   if w.size > 1 and (d == 'cuda' or (d == 'auto' and C.mrl_device_cuda_count() > 0)) then
     asked = 'cuda:' .. w.local_rank
@@ -861,7 +861,7 @@ end
 -- which `moonrl run --from` reads back) and says so on the run's first lines.
 function M.auto_threads(S, policy)
   local C = moonrl.C
-  local job = require('moonrl.dist').world() -- the whole job (trainers and rollout ranks)
+  local job = require('moonrl.train.dist').world() -- the whole job (trainers and rollout ranks)
   local t = S.memos.threads
   if t ~= nil then
     t = { chosen = t.chosen, by = 'checkpoint', seconds = t.seconds }
@@ -892,14 +892,14 @@ end
 
 -- ---- the recipe's session --------------------------------------------------------------------
 
-local session = require('moonrl.session')
-local rollout = require('moonrl.rollout')
--- The recipe-level session: a moonrl.session with the methods below and moonrl.rollout's.
+local session = require('moonrl.train.session')
+local rollout = require('moonrl.train.rollout')
+-- The recipe-level session: a moonrl.train.session with the methods below and moonrl.train.rollout's.
 local RS = setmetatable({}, { __index = session.Session })
 RS.__index = RS
 for k, f in pairs(rollout.methods) do RS[k] = f end
 
--- The `async` section of an RL recipe: where and when its rollouts run (moonrl.rollout).
+-- The `async` section of an RL recipe: where and when its rollouts run (moonrl.train.rollout).
 M.async_config = rollout.config
 
 -- The loop. On a rollout rank (dist.rollout_ranks) it runs the rollouts of every step for the
@@ -925,7 +925,7 @@ end
 function RS:finish(opts)
   if self.role == 'rollout' then
     -- with the trainers at their clean end (the phase done, not a stop): one timeline together
-    self:close('finished', nil, not self.rollout_stopped and { job = require('moonrl.dist').current() } or nil)
+    self:close('finished', nil, not self.rollout_stopped and { job = require('moonrl.train.dist').current() } or nil)
     local dirs = {}
     for i, m in ipairs(self.models) do dirs[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
     return dirs
@@ -1037,7 +1037,7 @@ function RS:prompts(n)
 end
 
 -- How many prompts a rollout draws: n, or 1 when each group is a rollout of its own
--- (async.stream_unit=group, moonrl.rollout), for a recipe that draws its prompts itself.
+-- (async.stream_unit=group, moonrl.train.rollout), for a recipe that draws its prompts itself.
 function RS:rollout_count(n)
   if self.group_stream then
     self.group_batch = self.group_batch or n
@@ -1046,7 +1046,7 @@ function RS:rollout_count(n)
   return n
 end
 
--- A group stream's draw (moonrl.rollout): one record, the first of those a resumed run had drawn
+-- A group stream's draw (moonrl.train.rollout): one record, the first of those a resumed run had drawn
 -- but not trained on, else the next; the batch's size n noted.
 function RS:group_prompt(n)
   self.group_batch = self.group_batch or n

@@ -121,7 +121,7 @@ function M.require_file(path, label)
     moonrl.usage_error(located(label, path, value, not mine and (' (while loading ' .. path .. ')') or nil))
   end
   loaded[path] = { value = value }
-  local ok_m, manifest = pcall(require, 'moonrl.manifest') -- the run's record of the code it ran
+  local ok_m, manifest = pcall(require, 'moonrl.train.manifest') -- the run's record of the code it ran
   if ok_m and manifest.add_code then manifest.add_code(path) end
   return value
 end

@@ -82,7 +82,7 @@ function M.get(name)
   if load then
     fn = load()
     local mod = 'rewards.' .. (name == 'gsm8k' and 'math' or name) -- its source, in the run's manifest
-    require('moonrl.manifest').add_code(package.searchpath(mod, package.path))
+    require('moonrl.train.manifest').add_code(package.searchpath(mod, package.path))
     registry[name] = fn
     return fn
   end

@@ -1,6 +1,6 @@
 -- moonrl.rl: the RL loop as a library. A recipe is a table of stages; the library runs them every
 -- step and gives every recipe the rest: the run directory, checkpoints and resume, the guards,
--- data-parallel ranks, rollout ranks and async rollouts (moonrl.session, moonrl.rollout), the
+-- data-parallel ranks, rollout ranks and async rollouts (moonrl.train.session, moonrl.train.rollout), the
 -- config sections every RL recipe shares, start-up checks, held-out evaluation and the step line.
 --
 --   local rl = require('moonrl.rl')
@@ -48,7 +48,7 @@ local moonrl = require('moonrl')
 local algo = require('moonrl.algo')
 local config = require('moonrl.config')
 local R = require('moonrl.recipe')
-local E = require('moonrl.evaluation')
+local E = require('moonrl.train.evaluation')
 
 local M = {}
 local Recipe = {}
@@ -60,7 +60,7 @@ M.Recipe = Recipe
 -- data: data.path (JSONL) or data.task (moonrl.tasks), with the record fields.
 M.data_config = R.task_data_config
 
--- eval: held-out accuracy every eval.every steps (moonrl.evaluation).
+-- eval: held-out accuracy every eval.every steps (moonrl.train.evaluation).
 M.eval_config, M.EVAL_KEYS = E.config, E.KEYS
 
 -- What every RL recipe's config has; a recipe's config is merged over it.
@@ -164,7 +164,7 @@ end
 local loading = 0
 
 local function find(name)
-  local fs = require('moonrl.fs')
+  local fs = require('moonrl.io.fs')
   for _, p in ipairs({ name, moonrl.home .. '/recipes/' .. name, moonrl.home .. '/recipes/' .. name .. '.lua' }) do
     if fs.exists(p) and not fs.stat(p).is_dir then return p end
   end
@@ -413,7 +413,7 @@ function Recipe:eval_records()
   return self.eval_set
 end
 
--- Greedy answers to the held-out prompts judged by the reward (moonrl.evaluation.accuracy).
+-- Greedy answers to the held-out prompts judged by the reward (moonrl.train.evaluation.accuracy).
 function Recipe:heldout_metrics()
   return E.accuracy(self.S, self.cfg, self:eval_records(), { max_tokens = self.c.max_tokens, eos_ids = self.sampling.eos_ids })
 end

@@ -17,14 +17,14 @@
 --   addition   the default example's task: every "a+b=" with a, b < 100 (10,000 problems), its
 --              200 held out chosen by the seed (examples/default.lua builds its problems with
 --              it); the answer is the sum ("85"), judged by the 'exact' reward. Called directly,
---              o.rng (a moonrl.session generator, e.g. a session's S:rng) shuffles in place of
+--              o.rng (a moonrl.train.session generator, e.g. a session's S:rng) shuffles in place of
 --              a fresh one from o.seed, and o.heldout (200) sets how many are held out. Each
 --              record also has rejected, the answer with the default example's flaw ("85="),
 --              for preference recipes (`moonrl run dpo data.task=addition`).
 local M = require('moonrl.registry').new('task')
 
 M.register('addition', function(o)
-  local rng = o.rng or require('moonrl.session').rng(o.seed or 1) -- the default example's draw generator
+  local rng = o.rng or require('moonrl.train.session').rng(o.seed or 1) -- the default example's draw generator
   local n_heldout = o.heldout or 200
   local problems = {}
   for a = 0, 99 do

@@ -5,6 +5,7 @@
 -- tensors, float64, torch.autograd) and compares.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
+local proc = require('moonrl.io.proc')
 local algo = require('moonrl.algo')
 local A = algo.agg
 
@@ -350,7 +351,7 @@ t.test('the PyTorch reference agrees', function()
   local f = assert(io.open(path, 'w'))
   f:write(table.concat(encode({ cases = cases }, {})))
   f:close()
-  local r = moonrl.proc.run({ '/usr/bin/python3', 'tests/algo/ref_algo.py', path }, { timeout = 300 })
+  local r = proc.run({ '/usr/bin/python3', 'tests/algo/ref_algo.py', path }, { timeout = 300 })
   io.stdout:write(r.stdout, r.stderr)
   os.remove(path)
   t.truthy(r.ok, 'ref_algo.py reports no mismatch')

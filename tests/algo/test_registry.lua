@@ -183,7 +183,7 @@ t.test('rewards: a doc line; FILE.lua:NAME from a returned table or a registrati
   local rewards = require('moonrl.rewards')
   local dir = os.tmpname()
   os.remove(dir)
-  require('moonrl.fs').mkdirs(dir)
+  require('moonrl.io.fs').mkdirs(dir)
   local f = assert(io.open(dir .. '/my_rewards.lua', 'w'))
   f:write("local helper = require('my_helper')\n",
     "require('moonrl.rewards').register('reg_len', function(s) return #s.response end, 'the length')\n",
@@ -199,7 +199,7 @@ t.test('rewards: a doc line; FILE.lua:NAME from a returned table or a registrati
   t.raises(function() rewards.get(dir .. '/my_rewards.lua:nope') end, "defines no reward 'nope'")
   local ok, err = pcall(rewards.get, dir .. '/missing.lua:x')
   t.truthy(not ok and moonrl.is_usage_error(err) and err.message:find('no such file', 1, true), 'a missing file')
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 t.test('tasks: addition holds out the default example\'s 200 problems, the same for a seed', function()

@@ -1,8 +1,8 @@
 -- The Jinja subset on its own: error messages, compile-once caching, load(), and the limits on one render.
 local t = require('moonrl.testing')
 local chat = require('moonrl.chat')
-local jinja = require('moonrl.jinja')
-local json = require('moonrl.json')
+local jinja = require('moonrl.text.jinja')
+local json = require('moonrl.io.json')
 
 t.test('unsupported constructs name themselves and their line', function()
   t.raises(function() chat.render('ok\n{% include "x" %}', {}) end, "chat_template:2: unsupported tag 'include'")

@@ -5,7 +5,7 @@
 -- byte for byte. A raise_exception() must raise the same message; any other
 -- Python failure must be an error here too.
 local t = require('moonrl.testing')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local chat = require('moonrl.chat')
 
 local ref_path = assert(os.getenv('MOONRL_CHAT_REF'), 'MOONRL_CHAT_REF is not set (run through run_ref.sh)')

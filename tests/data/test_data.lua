@@ -3,7 +3,7 @@
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local data = require('moonrl.data')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local ffi = require('ffi')
 
 local tmp = os.tmpname()

@@ -126,7 +126,7 @@ end)
 local exe, mpirun = rawget(_G, 'MOONRL_EXE'), U.which('mpirun')
 t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
-  local proc = require('moonrl.proc')
+  local proc = require('moonrl.io.proc')
   local function ranks(device, tag)
     local run_dir = dir .. '/dp_' .. tag
     local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',

@@ -9,7 +9,7 @@
 -- hang=true: the last rank never runs its forward; the others' forward fails after the
 -- communicator's timeout (2 s) with its report, and they print "ep timeout ok".
 local moonrl = require('moonrl')
-local dist = require('moonrl.dist')
+local dist = require('moonrl.train.dist')
 local ffi = require('ffi')
 
 local opt = moonrl.config { dtype = 'fp32', recompute = false, replay = false, hang = false, idle = false }

@@ -104,7 +104,7 @@ PROMPTS = ["The capital of France is", "<|im_start|>user\nWhat is 2+3?<|im_end|>
 GREEDY = 16
 
 LUA = r"""
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local R = require('moonrl.recipe')
 local model, tok = R.load(%s)
 local out = { ids = {}, greedy = {} }

@@ -8,7 +8,7 @@
 -- moe.aux_loss_coef, their metrics logged; the keys refused for a dense model.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
 local R = require('moonrl.recipe')
 local ffi = require('ffi')
@@ -172,7 +172,7 @@ t.test('grpo: routing replay and the aux loss coefficient, logged', function()
     U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. dense, 'data.path=' .. data, 'data.prompt=question',
       'data.chat=false', 'reward=exact', 'grpo.steps=1', 'moe.routing_replay=true', 'run.dir=' .. dir .. '/d' })
   end, 'moe.routing_replay')
-  t.truthy(not require('moonrl.fs').exists(dir .. '/d'), 'refused before the run directory exists')
+  t.truthy(not require('moonrl.io.fs').exists(dir .. '/d'), 'refused before the run directory exists')
   os.execute("rm -rf '" .. dir .. "'")
 end)
 

@@ -9,7 +9,7 @@
 -- the trainer and is replayed. Skipped where mpirun is absent.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local proc = require('moonrl.proc')
+local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
@@ -48,7 +48,7 @@ end)
 t.test('a dense model refuses expert parallelism', function()
   local m = moonrl.model.new({ model_type = 'qwen3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
     num_hidden_layers = 1, num_attention_heads = 4 })
-  t.raises(function() m:set_expert_parallel(require('moonrl.dist').world()) end, 'has no sparse layers')
+  t.raises(function() m:set_expert_parallel(require('moonrl.train.dist').world()) end, 'has no sparse layers')
   t.raises(function() m:forward(moonrl.model.empty_batch()) end, 'n_tokens = 0', 'an empty batch without expert parallelism')
   local _, count, on = m:expert_range()
   t.eq(on, false)
@@ -91,7 +91,7 @@ local function two_ranks(words)
 end
 
 t.test('grpo with moe.expert_parallel on 2 ranks: the weights and losses of plain data parallel', function()
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local dir = U.tmpdir('moe_ep_grpo')
   local init = dir .. '/init'
   tiny_moe(init, 3)
@@ -202,7 +202,7 @@ t.test('sft and dpo with moe.expert_parallel on 2 ranks: the weights of plain da
   t.eq(r.exit_status, 2)
   t.truthy(r.stderr:find("config key 'moe.expert_parallel': the model (llama) has no mixture-of-experts layers", 1, true),
     r.stderr)
-  t.truthy(not require('moonrl.fs').exists(dir .. '/bad'), 'no run directory')
+  t.truthy(not require('moonrl.io.fs').exists(dir .. '/bad'), 'no run directory')
   os.execute("rm -rf '" .. dir .. "'")
 end)
 

@@ -6,7 +6,7 @@ local moonrl = require('moonrl')
 local ffi = require('ffi')
 local optim = moonrl.optim
 
-local st = moonrl.safetensors.open(os.getenv('OPT_IN'))
+local st = require('moonrl.io.safetensors').open(os.getenv('OPT_IN'))
 local function meta(key) return st:metadata(key) end
 local function read(name) return st:read_f32(name) end
 
@@ -42,7 +42,7 @@ for k, o in ipairs(kinds) do
   for s = 0, nl - 1 do lrs[(k - 1) * nl + s] = f(s) end
 end
 
-local w = moonrl.safetensors.writer()
+local w = require('moonrl.io.safetensors').writer()
 local state = opt:state()
 w:add('p', 'F32', { n }, params)
 w:add('m', 'F32', { n }, state.m)

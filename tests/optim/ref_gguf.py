@@ -5,7 +5,7 @@ Python writes a GGUF file with gguf.GGUFWriter: metadata of every value type
 tensor of every type moonrl reads: F32, F16, BF16 and Q8_0, Q4_0, Q4_1
 (quantized by gguf-py) and Q4_K, Q5_K, Q6_K (random blocks with finite
 scales: gguf-py dequantizes but does not quantize those). moonrl (through
-moonrl.gguf) dumps the metadata as JSON and every tensor dequantized to fp32;
+moonrl.io.gguf) dumps the metadata as JSON and every tensor dequantized to fp32;
 Python checks the metadata equal and the floats bit-identical to
 gguf.quants.dequantize. Then corrupt files (cut short at many points, a count,
 a string length, a dimension, a type, an offset or the alignment made wrong,
@@ -91,8 +91,8 @@ def write_file(path):
 
 
 DUMP = r"""
-local g = require('moonrl.gguf').open(arg_path)
-local json = require('moonrl.json')
+local g = require('moonrl.io.gguf').open(arg_path)
+local json = require('moonrl.io.json')
 local meta = json.object()
 for k, v in pairs(g.metadata) do meta[k] = v end
 local out = { metadata = meta, tensors = {} }
@@ -185,7 +185,7 @@ def main():
                 cases["offset past the end"] = good[:off_at] + struct.pack("<Q", 2**40) + good[off_at + 8:]
                 cases["offset misaligned"] = good[:off_at] + struct.pack("<Q", 1) + good[off_at + 8:]
         OPEN = r"""
-local ok, err = pcall(require('moonrl.gguf').open, arg_path)
+local ok, err = pcall(require('moonrl.io.gguf').open, arg_path)
 if ok then
   for _, t in ipairs(err.tensors) do err:read(t.name) end
   print('OPENED')

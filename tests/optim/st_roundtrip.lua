@@ -6,7 +6,7 @@
 local moonrl = require('moonrl')
 local src, out = os.getenv('ST_SRC'), os.getenv('ST_OUT')
 
-local st = moonrl.safetensors.open(src)
+local st = require('moonrl.io.safetensors').open(src)
 local floats, all = {}, {}
 for _, name in ipairs(st:names()) do
   local info = st:info(name)
@@ -18,7 +18,7 @@ end
 local format = st:metadata('format')
 
 local function writer()
-  local w = moonrl.safetensors.writer()
+  local w = require('moonrl.io.safetensors').writer()
   if format then w:metadata('format', format) end
   return w
 end

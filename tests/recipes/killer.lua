@@ -14,8 +14,9 @@
 -- Then the final model.safetensors files must equal those of the uninterrupted run byte for byte,
 -- and metrics.jsonl must hold each step once, equal to the uninterrupted run's but for timings.
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 
 local K = {}
 
@@ -30,7 +31,7 @@ function K.run(recipe, words, opts)
   argv[#argv + 1] = 'run'
   argv[#argv + 1] = recipe
   for _, w in ipairs(words) do argv[#argv + 1] = w end
-  return moonrl.proc.run(argv, { timeout = opts.timeout or 300 })
+  return proc.run(argv, { timeout = opts.timeout or 300 })
 end
 
 -- The metrics of a run directory without the keys that measure time, or the process's memory
@@ -53,7 +54,7 @@ function K.metrics(dir)
 end
 
 function K.latest_step(dir)
-  local names = require('moonrl.checkpoint').list(dir .. '/checkpoints')
+  local names = require('moonrl.train.checkpoint').list(dir .. '/checkpoints')
   return #names > 0 and tonumber(names[#names]:match('%d+')) or 0
 end
 
@@ -84,7 +85,7 @@ function K.campaign(o)
   local clean_seconds = moonrl.now() - t0
   -- the bytes of one checkpoint: a kill inside a checkpoint write picks one of them
   local ckpt_bytes = 0
-  local last = require('moonrl.checkpoint').list(ref_dir .. '/checkpoints')
+  local last = require('moonrl.train.checkpoint').list(ref_dir .. '/checkpoints')
   for _, f in pairs(json.read_file(ref_dir .. '/checkpoints/' .. last[#last] .. '/manifest.json').files) do
     ckpt_bytes = ckpt_bytes + f.bytes
   end

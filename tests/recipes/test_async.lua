@@ -1,4 +1,4 @@
--- Asynchronous RL (moonrl.rollout) on a short default example: the one-step-off and bounded-
+-- Asynchronous RL (moonrl.train.rollout) on a short default example: the one-step-off and bounded-
 -- staleness schedules give the same bits in one process and with a rollout rank, never exceed
 -- their staleness bound (from the per-sample versions), resume bit-identically after a kill,
 -- and a rollout rank that dies or hangs is reported by the trainer and, under the supervisor,
@@ -6,9 +6,9 @@
 -- ranks back with the trainers; weights go through shared memory on one host, an engine thread
 -- overlaps generation in one process, and async.partial=continue updates requests in flight.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = rawget(_G, 'MOONRL_EXE')

@@ -3,9 +3,9 @@
 -- defaults: async.correction=auto, tis; async.decoupled=auto, AReaL's decoupled PPO in async
 -- mode), and no sample is staler than the bound.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = assert(rawget(_G, 'MOONRL_EXE'))

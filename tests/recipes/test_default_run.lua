@@ -16,7 +16,7 @@ t.test('default run: GRPO raises held-out accuracy by a clear margin', function(
   local m = moonrl.model.load(dir .. '/model')
   t.eq(m.config.vocab_size, 15)
   t.truthy(io.open(dir .. '/model/tokenizer.json'), 'tokenizer saved with the model')
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 -- model.dtype=bf16 (fp32 master weights, bf16 products): the same run learns as much (measured:
@@ -29,7 +29,7 @@ t.test('default run in bf16: GRPO raises held-out accuracy by a clear margin', f
   print(string.format('bf16: held-out accuracy %.1f%% -> %.1f%%', 100 * out.before, 100 * out.after))
   t.truthy(out.before < 0.3, 'the warm-up leaves the accuracy low')
   t.truthy(out.after >= out.before + 0.5, 'GRPO raises it by at least 50 points')
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 t.test('model.dtype: a bad value is a usage error naming the key', function()
@@ -49,12 +49,12 @@ end)
 -- grpo.eval_every) set the library's (train.lr, grpo.clip_low, reward, eval.every), and the
 -- held-out accuracy of eval.every is also logged as heldout_accuracy.
 t.test('default run: the keys it had before moonrl.rl still work', function()
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local dir = U.tmpdir('default_aliases')
   local out = U.run_recipe('examples/default.lua', { 'sft.steps=10', 'grpo.steps=2', 'grpo.prompts=4', 'heldout=10',
     'quiet=true', 'run.threads=1', 'run.dir=' .. dir, 'grpo.lr=1e-4', 'grpo.clip=0.3', 'grpo.reward=exact',
     'grpo.eval_every=1' })
-  local cfg = json.decode(require('moonrl.fs').read(dir .. '/config.json')).config
+  local cfg = json.decode(require('moonrl.io.fs').read(dir .. '/config.json')).config
   t.eq(cfg.train.lr, 1e-4, 'grpo.lr -> train.lr')
   t.eq(cfg.grpo.clip_low, 0.3, 'grpo.clip -> grpo.clip_low')
   t.eq(cfg.reward.name, 'exact', 'grpo.reward -> reward')
@@ -69,7 +69,7 @@ t.test('default run: the keys it had before moonrl.rl still work', function()
   end
   t.eq(n, 2)
   t.truthy(out.before and out.after, 'the before and after figures')
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 t.done()

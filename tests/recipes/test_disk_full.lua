@@ -4,21 +4,22 @@
 -- save its model never exits 0.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
 local U = dofile('tests/recipes/util.lua')
 local K = dofile('tests/recipes/killer.lua')
-local ckpt = require('moonrl.checkpoint')
+local ckpt = require('moonrl.train.checkpoint')
 
 local dir = U.tmpdir('diskfull')
 local mnt = dir .. '/mnt'
 fs.mkdirs(mnt)
-local m = moonrl.proc.run({ 'mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', mnt }, { timeout = 30 })
+local m = proc.run({ 'mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', mnt }, { timeout = 30 })
 if not m.ok then
   print('skipped: cannot mount a tmpfs here (' .. m.stderr:gsub('\n', ' ') .. ')')
   fs.remove(dir)
   os.exit(77)
 end
-local function umount() moonrl.proc.run({ 'umount', '-l', mnt }, { timeout = 30 }) end
+local function umount() proc.run({ 'umount', '-l', mnt }, { timeout = 30 }) end
 
 local ok, err = pcall(function()
   local WORDS, model_dir = U.grpo_setup(dir, 40, { 'grpo.steps=6', 'run.checkpoint_every=1' })
@@ -29,7 +30,7 @@ local ok, err = pcall(function()
   assert(r.ok, show(r))
   local size = 0
   local names = ckpt.list(ref .. '/checkpoints')
-  for _, f in pairs(require('moonrl.json').read_file(ref .. '/checkpoints/' .. names[1] .. '/manifest.json').files) do
+  for _, f in pairs(require('moonrl.io.json').read_file(ref .. '/checkpoints/' .. names[1] .. '/manifest.json').files) do
     size = size + f.bytes
   end
   -- leave room for the run's first files and a bit more than one checkpoint
@@ -91,7 +92,7 @@ local ok, err = pcall(function()
 
   t.test('a read-only run directory: a clear error at the start', function()
     fs.remove(mnt .. '/filler')
-    local ro = moonrl.proc.run({ 'mount', '-o', 'remount,ro', mnt }, { timeout = 30 })
+    local ro = proc.run({ 'mount', '-o', 'remount,ro', mnt }, { timeout = 30 })
     t.truthy(ro.ok, ro.stderr)
     r = K.run('recipes/grpo.lua', words(mnt .. '/ro'))
     t.eq(r.exit_status, 2, show(r))

@@ -3,7 +3,7 @@
 -- tokenizer fixture (tests/tok/fixtures/qwen2_split) and a ChatML chat template.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
 
 local dir = U.tmpdir('examples')
@@ -53,5 +53,5 @@ t.test('examples/dpo_preferences.lua: DPO on prompt/chosen/rejected with the cha
   t.eq(moonrl.model.load(out.dir .. '/model').config.model_type, 'qwen2')
 end)
 
-require('moonrl.fs').remove(dir)
+require('moonrl.io.fs').remove(dir)
 t.done()

@@ -6,8 +6,9 @@
 -- run that was never interrupted.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
 local K = dofile('tests/recipes/killer.lua')
 
@@ -42,7 +43,7 @@ t.test('SIGTERM (a pre-emption) and SIGINT: a checkpoint and the model at the ne
       { fault = string.format('signal:step=3:phase=%s:sig=%d', phase, sig) })
     t.eq(r.exit_status, status, name .. ' exit status: ' .. show(r))
     t.truthy(r.stderr:find('stopped (' .. name .. ') at a safe point', 1, true), r.stderr)
-    local names = require('moonrl.checkpoint').list(d .. '/checkpoints')
+    local names = require('moonrl.train.checkpoint').list(d .. '/checkpoints')
     t.eq(names[#names], string.format('step-%06d', saved), name .. ': the checkpoint of the last complete step')
     t.truthy(weights(d) ~= nil, 'the model saved')
     t.eq(#events(d, 'stop'), 1, 'a stop event')
@@ -75,7 +76,7 @@ t.test('the default example: Ctrl-C in the SFT warm-up stops within a step; both
   r = run(d, 'signal:step=120:phase=step:sig=2')
   t.eq(r.exit_status, 130, show(r))
   t.truthy(moonrl.now() - t0 < 30, 'stopped at once')
-  local names = require('moonrl.checkpoint').list(d .. '/checkpoints')
+  local names = require('moonrl.train.checkpoint').list(d .. '/checkpoints')
   t.eq(names[#names], 'step-000120', 'the stop checkpoint')
   -- then killed in the GRPO phase (global step 202), resumed from the end of the warm-up
   r = run(d, 'kill:step=202:phase=train')
@@ -91,7 +92,7 @@ t.test('run.max_seconds: a clean stop (124) with a checkpoint; the resumed run e
   local d = dir .. '/deadline'
   local r = K.run('recipes/grpo.lua', words(d, { 'grpo.steps=8', 'run.max_seconds=3' }), { fault = 'sleep:step=2:phase=train:seconds=4' })
   t.eq(r.exit_status, 124, show(r))
-  local names = require('moonrl.checkpoint').list(d .. '/checkpoints')
+  local names = require('moonrl.train.checkpoint').list(d .. '/checkpoints')
   t.eq(names[#names], 'step-000002', 'the checkpoint of the step the deadline passed in')
   t.truthy(weights(d) ~= nil, 'the model saved')
   local r2 = K.run('recipes/grpo.lua', words(d, { 'grpo.steps=8' }))
@@ -166,7 +167,7 @@ t.test('run directories: exclusive, never through a shell, refused when they hol
   t.truthy(r.stderr:find('already holds a run', 1, true), r.stderr)
   -- two runs at once in one directory: the second is refused while the first holds it
   local d = dir .. '/busy'
-  local first = moonrl.proc.spawn({ 'env', 'MOONRL_FAULT=hang:step=1:phase=train', rawget(_G, 'MOONRL_EXE'), 'run',
+  local first = proc.spawn({ 'env', 'MOONRL_FAULT=hang:step=1:phase=train', rawget(_G, 'MOONRL_EXE'), 'run',
     'recipes/grpo.lua', unpack(words(d, { 'grpo.steps=2' })) }, { timeout = 60 })
   local t0 = moonrl.now()
   while not fs.exists(d .. '/metrics.jsonl') and moonrl.now() - t0 < 30 do moonrl.sleep(0.05) end
@@ -180,7 +181,7 @@ t.test('run directories: exclusive, never through a shell, refused when they hol
   for i = 1, 2 do
     local w = words('unused', { 'grpo.steps=1' })
     table.remove(w, 1)
-    procs[i] = moonrl.proc.spawn({ 'env', '-C', dir .. '/cwd', rawget(_G, 'MOONRL_EXE'), 'run',
+    procs[i] = proc.spawn({ 'env', '-C', dir .. '/cwd', rawget(_G, 'MOONRL_EXE'), 'run',
       fs.join(moonrl.home, 'recipes/grpo.lua'), unpack(w) }, { timeout = 120 })
   end
   for i = 1, 2 do t.truthy(procs[i]:wait().ok, 'run ' .. i) end
@@ -193,7 +194,7 @@ t.test('supervisor: a crash and a hang are restarted from the latest checkpoint;
   local argv = { 'env', 'MOONRL_FAULT=crash:step=3:phase=train:attempt=0;hang:step=6:phase=generate:attempt=1',
     rawget(_G, 'MOONRL_EXE'), 'run', '--restarts', '3', '--backoff', '0.05', '--kill-grace', '1', 'recipes/grpo.lua' }
   for _, x in ipairs(w) do argv[#argv + 1] = x end
-  local r = moonrl.proc.run(argv, { timeout = 120 })
+  local r = proc.run(argv, { timeout = 120 })
   t.truthy(r.ok, show(r))
   t.truthy(weights(d) == REF, 'final weights equal to the uninterrupted run')
   local restarts = events(d, 'restart')
@@ -208,7 +209,7 @@ t.test('supervisor: a crash and a hang are restarted from the latest checkpoint;
   for i = 1, 8 do t.eq(m[i], REF_METRICS[i], 'metrics of step ' .. i) end
   -- a usage error is not restarted
   local bad = { rawget(_G, 'MOONRL_EXE'), 'run', '--restarts', '3', 'recipes/grpo.lua', 'run.dir=' .. dir .. '/sup2', 'nokey=1' }
-  r = moonrl.proc.run(bad, { timeout = 60 })
+  r = proc.run(bad, { timeout = 60 })
   t.eq(r.exit_status, 2, show(r))
   t.eq(#events(dir .. '/sup2', 'restart'), 0, 'no restart after a usage error')
 end)

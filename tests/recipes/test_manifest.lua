@@ -1,12 +1,12 @@
--- The run manifest (moonrl.manifest): every run directory holds manifest.json (the build, the
+-- The run manifest (moonrl.train.manifest): every run directory holds manifest.json (the build, the
 -- command, the resolved config and seeds, the inputs' and code's checksums, the machine), and
 -- `moonrl run --from DIR` makes the run again, bit for bit, after checking its inputs are
 -- unchanged: a changed or missing input, a corrupt manifest, another rank count are usage errors
 -- naming what is wrong.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')

@@ -1,12 +1,12 @@
--- Memory accounting (moonrl.run, moonrl/mem.h): every step's metrics hold the bytes moonrl's
+-- Memory accounting (moonrl.train.run, moonrl/mem.h): every step's metrics hold the bytes moonrl's
 -- allocations keep per category (parameters, gradients, optimizer state, activations, KV cache),
 -- the step's peak and the resident set's, and each phase's peaks; the step line shows the
 -- resident peak. An allocation larger than the memory available is a clear error naming what
 -- asked for how much, not the kernel's OOM killer.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')

@@ -4,10 +4,10 @@
 -- checkpoint of 2 ranks resumes on 3, a hung rank fails the job after dist.timeout naming it,
 -- and a killed rank under `moonrl launch --restarts` ends with the weights of a clean run.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
+local fs = require('moonrl.io.fs')
 local ffi = require('ffi')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = rawget(_G, 'MOONRL_EXE')

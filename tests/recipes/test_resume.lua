@@ -4,7 +4,7 @@
 -- the same run never interrupted, and metrics.jsonl must hold each step once with the same
 -- values (timings aside). bench/kill_stress.lua does the same with any number of kills.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
+local fs = require('moonrl.io.fs')
 local U = dofile('tests/recipes/util.lua')
 local K = dofile('tests/recipes/killer.lua')
 

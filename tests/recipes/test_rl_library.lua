@@ -4,9 +4,9 @@
 -- (examples/rloo.lua) with its own defaults in --show-config, and that example learning the
 -- default task (data.task=addition) from an SFT warm-up, held-out accuracy reported by eval.every.
 local t = require('moonrl.testing')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
-local fs = require('moonrl.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
 local algo = require('moonrl.algo')
 local rl = require('moonrl.rl')
 local U = dofile('tests/recipes/util.lua')

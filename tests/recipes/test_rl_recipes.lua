@@ -3,7 +3,7 @@
 -- and the reward-model plugin (a sequence-classification checkpoint read through the value head).
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
 
 local dir = U.tmpdir('rl')
@@ -77,5 +77,5 @@ t.test('reward model: a sequence-classification checkpoint scores through the va
   t.eq(#records(out.dir), 2)
 end)
 
-require('moonrl.fs').remove(dir)
+require('moonrl.io.fs').remove(dir)
 t.done()

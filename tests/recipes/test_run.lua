@@ -1,13 +1,13 @@
 -- The run directory: config, metrics JSONL, TensorBoard, trace, the printed line.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 
 t.test('a run writes its directory', function()
   local dir = os.tmpname()
   os.remove(dir)
   local cfg = moonrl.config.merge({ lr = 0.5 }, { { key = 'run.dir', value = dir } })
-  local run = moonrl.run.start(cfg, { name = 'unit', total_steps = 2 })
+  local run = require('moonrl.train.run').start(cfg, { name = 'unit', total_steps = 2 })
   t.eq(run.dir, dir)
   for step = 1, 2 do
     run:phase('generate', function() moonrl.sleep(0.01) end)
@@ -30,9 +30,9 @@ t.test('a run writes its directory', function()
   t.truthy(lines[1]['time/generate'] > 0, 'phase time in the record')
   local trace = json.read_file(dir .. '/trace.json')
   t.truthy(#trace.traceEvents >= 8, 'phases on the timeline')
-  t.truthy(table.concat(require('moonrl.fs').list(dir .. '/tb'), ' '):find('events.out.tfevents', 1, true),
+  t.truthy(table.concat(require('moonrl.io.fs').list(dir .. '/tb'), ' '):find('events.out.tfevents', 1, true),
     'tensorboard file')
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 t.done()

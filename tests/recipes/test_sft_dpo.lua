@@ -5,9 +5,9 @@
 -- data or eval setting with one line before any work.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
-local fs = require('moonrl.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
 local U = dofile('tests/recipes/util.lua')
 
 local function records(d)
@@ -34,7 +34,7 @@ t.test('sft: the loss falls and the model is saved in HF format', function()
   local lines = 0
   for _ in io.lines(dir .. '/run/metrics.jsonl') do lines = lines + 1 end
   t.eq(lines, 40)
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 t.test('dpo: reward accuracy rises on a learnable preference set', function()
@@ -53,7 +53,7 @@ t.test('dpo: reward accuracy rises on a learnable preference set', function()
   t.truthy(out.first_accuracy <= 0.5, 'first reward accuracy ' .. out.first_accuracy)
   local m = moonrl.model.load(dir .. '/run/model')
   t.eq(m.n_params, out.model.n_params)
-  require('moonrl.fs').remove(dir)
+  require('moonrl.io.fs').remove(dir)
 end)
 
 t.test('sft: held-out accuracy every eval.every steps, the reference response as the answer, rises', function()

@@ -13,7 +13,7 @@ function M.tmpdir(tag)
   local d = os.tmpname()
   os.remove(d)
   d = d .. '-' .. tag
-  require('moonrl.fs').mkdirs(d)
+  require('moonrl.io.fs').mkdirs(d)
   return d
 end
 
@@ -32,20 +32,20 @@ end
 -- The path of a program on PATH (nil when absent).
 function M.which(name)
   for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do
-    if require('moonrl.fs').exists(d .. '/' .. name) then return d .. '/' .. name end
+    if require('moonrl.io.fs').exists(d .. '/' .. name) then return d .. '/' .. name end
   end
 end
 
 -- The records of a run's metrics.jsonl, one table a step.
 function M.records(run_dir)
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local out = {}
   for l in io.lines(run_dir .. '/metrics.jsonl') do out[#out + 1] = json.decode(l) end
   return out
 end
 
 function M.write_jsonl(path, records)
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local f = assert(io.open(path, 'w'))
   for _, r in ipairs(records) do f:write(json.encode(r), '\n') end
   f:close()
@@ -102,7 +102,7 @@ end
 -- saved model: RUN/model/model.safetensors).
 function M.weights(path)
   local ffi = require('ffi')
-  local st = require('moonrl.safetensors').open(path)
+  local st = require('moonrl.io.safetensors').open(path)
   local out = {}
   for _, name in ipairs(st:names()) do
     local n = st:info(name).numel

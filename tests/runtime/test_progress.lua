@@ -1,11 +1,11 @@
--- moonrl.progress: the line's text, rate and ETA, throttling, the modes' checks, and the run's
+-- moonrl.io.progress: the line's text, rate and ETA, throttling, the modes' checks, and the run's
 -- heartbeat files (written atomically, throttled unless forced). The terminal output itself is
 -- tested end to end in test_progress_status.sh.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local progress = require('moonrl.progress')
-local json = require('moonrl.json')
-local fs = require('moonrl.fs')
+local progress = require('moonrl.io.progress')
+local json = require('moonrl.io.json')
+local fs = require('moonrl.io.fs')
 
 t.test('durations and byte counts', function()
   t.eq(progress.duration(0), '0:00')

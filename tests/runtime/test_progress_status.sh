@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Progress on the terminal (moonrl.progress) and `moonrl status RUN_DIR`, end to end: plain
+# Progress on the terminal (moonrl.io.progress) and `moonrl status RUN_DIR`, end to end: plain
 # periodic lines when stderr is not a terminal, a live \r line when it is (under script(1)),
 # switched off by run.progress=off and MOONRL_PROGRESS=off; `moonrl generate -n` counts its
 # samples; status on a finished run, a running one, a stopped one, a killed one, and its errors.

@@ -1,28 +1,29 @@
 -- The Lua side of the timeline and TensorBoard writers.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
+local trace = require('moonrl.train.trace')
 
 t.test('phases nest and survive errors', function()
-  moonrl.trace.enable(0)
-  local a, b, secs = moonrl.trace.phase('outer', function(x) return x, x * 2 end, 21)
+  trace.enable(0)
+  local a, b, secs = trace.phase('outer', function(x) return x, x * 2 end, 21)
   t.eq(a, 21)
   t.eq(b, 42)
   t.truthy(secs >= 0, 'seconds returned last')
-  local ok = pcall(moonrl.trace.phase, 'failing', function() error('boom') end)
+  local ok = pcall(trace.phase, 'failing', function() error('boom') end)
   t.eq(ok, false)
-  t.eq(moonrl.trace.count(), 4, 'begin and end recorded for both phases')
+  t.eq(trace.count(), 4, 'begin and end recorded for both phases')
   local path = os.tmpname()
-  moonrl.trace.write(path)
+  trace.write(path)
   local text = io.open(path):read('*a')
   os.remove(path)
   t.truthy(text:find('"name":"failing","ph":"E"', 1, true), 'phase closed after the error')
-  moonrl.trace.disable()
+  trace.disable()
 end)
 
 t.test('tensorboard scalars from a nested table', function()
   local dir = os.tmpname()
   os.remove(dir)
-  local tb = moonrl.trace.tensorboard(dir)
+  local tb = trace.tensorboard(dir)
   tb:scalars({ reward = { mean = 0.5, std = 0.1 }, kl = 0.01, note = 'skipped' }, 3)
   tb:flush()
   local data = io.open(tb.path, 'rb'):read('*a')
@@ -34,13 +35,13 @@ t.test('tensorboard scalars from a nested table', function()
 end)
 
 t.test('merge: the ranks\' traces on one clock, one process track each; a foreign text is an error', function()
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local function rank_trace(rank)
-    moonrl.trace.enable(rank)
-    moonrl.trace.thread_name('main')
-    moonrl.trace.phase('work', function() moonrl.sleep(0.01) end)
-    local text = moonrl.trace.text()
-    moonrl.trace.disable()
+    trace.enable(rank)
+    trace.thread_name('main')
+    trace.phase('work', function() moonrl.sleep(0.01) end)
+    local text = trace.text()
+    trace.disable()
     return text
   end
   local a = rank_trace(0)
@@ -48,7 +49,7 @@ t.test('merge: the ranks\' traces on one clock, one process track each; a foreig
   local b = rank_trace(1) -- enabled 50+ ms later: its times shift by as much
   local t0a, t0b = tonumber(a:match('"t0_unix_us":(%d+)')), tonumber(b:match('"t0_unix_us":(%d+)'))
   t.truthy(t0b - t0a >= 50000, 'the wall clock of each trace start: ' .. (t0b - t0a))
-  local m = json.decode(moonrl.trace.merge({ a, b }))
+  local m = json.decode(trace.merge({ a, b }))
   t.eq(m.otherData.ranks, 2, 'two ranks')
   local begins, names = {}, {}
   for _, e in ipairs(m.traceEvents) do
@@ -62,21 +63,21 @@ t.test('merge: the ranks\' traces on one clock, one process track each; a foreig
   for _, e in ipairs(own_a) do if e.ph == 'B' then first_a = e.ts end end
   t.near(begins[0], first_a, 1e-3, 'the earliest trace keeps its times')
   t.truthy(begins[1] - begins[0] >= 50000, 'the later one is shifted onto its clock: ' .. (begins[1] - begins[0]))
-  local ok, err = pcall(moonrl.trace.merge, { a, '{"x": 1}' }, { 'rank-0.json', 'rank-1.json' })
+  local ok, err = pcall(trace.merge, { a, '{"x": 1}' }, { 'rank-0.json', 'rank-1.json' })
   t.truthy(not ok and tostring(err):find('rank-1.json: not a moonrl trace', 1, true), tostring(err))
 end)
 
 t.test('stream and read_events: a stream cut anywhere reads back as its whole events', function()
   local path = os.tmpname()
-  moonrl.trace.enable(4)
-  t.eq(moonrl.trace.stream('/no/such/dir/trace-rank-4.json'), false, 'a stream that cannot be created: a warning')
-  t.eq(moonrl.trace.stream(path), true)
-  moonrl.trace.phase('outer', function() moonrl.trace.phase('inner', function() end) end)
-  moonrl.trace.begin('open')
+  trace.enable(4)
+  t.eq(trace.stream('/no/such/dir/trace-rank-4.json'), false, 'a stream that cannot be created: a warning')
+  t.eq(trace.stream(path), true)
+  trace.phase('outer', function() trace.phase('inner', function() end) end)
+  trace.begin('open')
   local text = io.open(path, 'rb'):read('*a')
-  moonrl.trace.disable()
+  trace.disable()
   os.remove(path)
-  local whole = moonrl.trace.read_events(text, 'stream')
+  local whole = trace.read_events(text, 'stream')
   t.eq(whole.other.rank, 4)
   t.eq(whole.complete, false, 'a stream has no closing line')
   local phases = 0
@@ -90,7 +91,7 @@ t.test('stream and read_events: a stream cut anywhere reads back as its whole ev
   t.truthy(cut_from, 'the inner end event is on its own line')
   local all, last, bad = #whole.events, 0, nil
   for n = cut_from, #text do
-    local r = moonrl.trace.read_events(text:sub(1, n), 'cut')
+    local r = trace.read_events(text:sub(1, n), 'cut')
     local kept = #r.events
     if not (kept >= all - 3 and kept >= last and r.dropped <= 1) then bad = bad or string.format(
       'cut at byte %d: %d events, %d dropped', n, kept, r.dropped) end
@@ -98,7 +99,7 @@ t.test('stream and read_events: a stream cut anywhere reads back as its whole ev
   end
   t.truthy(not bad, bad)
   t.eq(last, all, 'uncut: every event')
-  local ok, err = pcall(moonrl.trace.read_events, text:sub(1, 20), 'head.json')
+  local ok, err = pcall(trace.read_events, text:sub(1, 20), 'head.json')
   t.truthy(not ok and tostring(err):find('head.json: not a moonrl trace', 1, true), tostring(err))
 end)
 

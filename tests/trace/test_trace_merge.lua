@@ -5,9 +5,10 @@
 -- errors for bad input.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local proc = require('moonrl.proc')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
+local trace = require('moonrl.train.trace')
 local U = dofile('tests/recipes/util.lua')
 
 local exe = rawget(_G, 'MOONRL_EXE') or 'build/moonrl'
@@ -94,7 +95,7 @@ t.test('a process killed inside a phase: the merge names the phase it never ende
   local script = dir .. '/die_in_phase.lua'
   fs.write(script, [[
 local moonrl = require('moonrl')
-local run = moonrl.run.start({ run = { dir = os.getenv('DIE_IN') } }, { name = 'die', tensorboard = false })
+local run = require('moonrl.train.run').start({ run = { dir = os.getenv('DIE_IN') } }, { name = 'die', tensorboard = false })
 for step = 1, 3 do run:phase('generate', function() end) end
 run:phase('train', function()
   run:phase('backward', function() moonrl.C.mrl_fault_kill() end) -- SIGKILL: no finish, no trace.json
@@ -114,7 +115,7 @@ end)
 local mpirun = U.which('mpirun')
 local job = dir .. '/killed2'
 t.test('rank 1 of an mpirun job killed: both ranks on one clock in trace.json', function()
-  local plugin = (exe:match('^(.*)/[^/]+$') or '.') .. '/libmoonrl_mpi.so' -- what moonrl.dist loads
+  local plugin = (exe:match('^(.*)/[^/]+$') or '.') .. '/libmoonrl_mpi.so' -- what moonrl.train.dist loads
   if not (mpirun and fs.exists(plugin)) then
     print('  (no mpirun, or moonrl built without MPI: skipped)')
     return
@@ -146,7 +147,7 @@ t.test('a file cut mid-event and a corrupt line: complete events kept, the rest 
   local src = job .. '/trace-rank-1.json'
   if not fs.exists(src) then src = dir .. '/killed1/trace-rank-0.json' end -- (no mpirun)
   local text = fs.read(src)
-  local whole = moonrl.trace.read_events(text, src)
+  local whole = trace.read_events(text, src)
   local d = dir .. '/cut'
   fs.mkdirs(d)
   -- the same timeline as ranks 0 and 1, rank 0 started 1 s earlier

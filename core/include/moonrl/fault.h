@@ -1,5 +1,5 @@
 /* Fault injection, for the tests that prove recovery by causing the fault.
- * Off unless a caller turns it on (moonrl.fault reads MOONRL_FAULT). */
+ * Off unless a caller turns it on (moonrl.train.fault reads MOONRL_FAULT). */
 #pragma once
 #include <stdint.h>
 

@@ -34,7 +34,7 @@ mrl_status mrl_trace_write(const char *path);
 /* Also append every event to `path` as it is recorded (what was recorded
  * before first), one write(2) per event, in mrl_trace_write's format but
  * without its closing "]}": a process killed mid-run leaves its timeline up
- * to the kill (moonrl.trace.read_events recovers it, dropping a cut last
+ * to the kill (moonrl.train.trace.read_events recovers it, dropping a cut last
  * line). Needs recording on; ends at mrl_trace_disable or the next enable. A
  * write that fails later stops the stream with a warning, not the run. */
 mrl_status mrl_trace_stream(const char *path);

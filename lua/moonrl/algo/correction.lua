@@ -194,7 +194,7 @@ end
 -- ---------------------------------------------------------------- combining calls
 
 -- Sums of the metrics over calls: accumulate each call's metrics (micro-batches), reduce over
--- ranks (world: moonrl.dist's; nil or size 1 does nothing), then summary() for the means.
+-- ranks (world: moonrl.train.dist's; nil or size 1 does nothing), then summary() for the means.
 -- prefix: read the metrics under prefix .. name (e.g. 'behav_' for policy_loss.decoupled_ppo's).
 local MEAN_T = { 'ratio_mean', 'weight_mean', 'clipfrac', 'masked_frac', 'kl_k1', 'kl_k3' }
 local MEAN_S = { 'seq_masked_frac', 'seq_ratio_mean' }

@@ -11,7 +11,7 @@ usage: moonrl convert FILE.gguf DIR
 
 function M.main(args)
   if #args ~= 2 or not args[1]:match('%.gguf$') then moonrl.usage_error(USAGE) end
-  local gguf = require('moonrl.gguf')
+  local gguf = require('moonrl.io.gguf')
   local ok, g = pcall(gguf.open, args[1])
   if not ok then moonrl.usage_error('convert: ' .. moonrl.error_text(g)) end
   local t0 = moonrl.now()

@@ -4,8 +4,8 @@
 -- needs it will not start); the exit status is 1 when a line failed, else 0.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local proc = require('moonrl.proc')
+local fs = require('moonrl.io.fs')
+local proc = require('moonrl.io.proc')
 
 local M = {}
 

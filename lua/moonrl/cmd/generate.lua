@@ -29,7 +29,7 @@ local NUMBERS = {
 local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer' }
 
 local function parse(args)
-  local o = require('moonrl.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
+  local o = require('moonrl.cmd.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
     strings = STRINGS, lists = { ['--stop'] = 'stop' }, flags = { ['--chat'] = 'chat' },
     defaults = { n = 1, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0, max_tokens = 128, seed = 0,
       kv_cache_mb = 256 },
@@ -43,7 +43,7 @@ end
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
-  local inference = require('moonrl.inference')
+  local inference = require('moonrl.serve.inference')
   local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = o.chat })
   if not m then moonrl.usage_error('generate: ' .. tostring(err)) end
   local model, tok = m.model, m.tokenizer
@@ -67,8 +67,8 @@ function M.main(args)
   if not ok then moonrl.usage_error('generate: ' .. tostring(engine)) end
   local t0 = moonrl.now()
   -- many samples: how many are done, on stderr, when stdout is not the terminal the first
-  -- sample streams to (moonrl.progress)
-  local progress = require('moonrl.progress')
+  -- sample streams to (moonrl.io.progress)
+  local progress = require('moonrl.io.progress')
   local prog = o.n > 1 and not progress.isatty(1) and progress.new('generate', o.n, { unit = 'sample' }) or nil
   local results = engine:generate({ { prompt_ids = prompt_ids, n = o.n } }, {
     temperature = o.temperature, top_p = o.top_p, top_k = o.top_k, min_p = o.min_p, max_tokens = max_tokens,

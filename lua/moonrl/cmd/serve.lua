@@ -36,7 +36,7 @@ local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-n
   ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
 
 local function parse(args)
-  return require('moonrl.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
+  return require('moonrl.cmd.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
     defaults = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
       max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10 },
     required = { '--model' } })
@@ -50,7 +50,7 @@ end
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
-  local inference = require('moonrl.inference')
+  local inference = require('moonrl.serve.inference')
   local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = true })
   if not m then moonrl.usage_error('serve: ' .. moonrl.error_text(err)) end
   local dir, model, tok = m.dir, m.model, m.tokenizer
@@ -78,7 +78,7 @@ function M.main(args)
   local ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
     max_seqs = o.max_seqs, max_batch_tokens = o.max_batch_tokens, max_model_len = o.max_model_len, seed = o.seed })
   if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(engine)) end
-  local serve = require('moonrl.serve')
+  local serve = require('moonrl.serve.server')
   local srv
   ok, srv = pcall(serve.new, {
     engine = engine, tokenizer = tok, template = tpl, template_error = tpl_err,

@@ -1,16 +1,16 @@
 -- moonrl status: where a run is, from its directory: usable on a running job from another
 -- terminal (it only reads files), and on a finished one.
 --   moonrl status RUN_DIR [--json] [--watch [SECONDS]]
--- It reads RUN_DIR/status/rank-<R>.json (each rank's heartbeat, written by moonrl.session: the
--- loop, step, rate, ETA, phase in progress; see moonrl.progress), the tail of metrics.jsonl (the
+-- It reads RUN_DIR/status/rank-<R>.json (each rank's heartbeat, written by moonrl.train.session: the
+-- loop, step, rate, ETA, phase in progress; see moonrl.io.progress), the tail of metrics.jsonl (the
 -- last logged step), the tail of events.jsonl (checkpoints, skips, rollbacks, restarts) and
 -- checkpoints/. A run whose heartbeat says running but whose process is gone (on this host) is
 -- shown as not running. Exit status 0, or 2 when RUN_DIR is missing or holds no moonrl run.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local progress = require('moonrl.progress')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local progress = require('moonrl.io.progress')
 pcall(ffi.cdef, 'int kill(int pid, int sig);')
 
 local M = {}
@@ -136,7 +136,7 @@ function M.collect(dir)
   info.state = state
   -- the latest checkpoint
   if has['checkpoints'] then
-    local names = require('moonrl.checkpoint').list(dir .. '/checkpoints')
+    local names = require('moonrl.train.checkpoint').list(dir .. '/checkpoints')
     if #names > 0 then
       local cst = fs.stat(dir .. '/checkpoints/' .. names[#names] .. '/manifest.json')
       info.checkpoint = json.object({ 'name', names[#names], 'time', cst and cst.mtime or json.null })

@@ -1,15 +1,15 @@
 -- moonrl trace merge: one timeline from the traces a job's ranks left behind.
 --   moonrl trace merge RUN_DIR [-o OUT.json]        (default RUN_DIR/trace.json)
 --   moonrl trace merge FILE.json ... -o OUT.json
--- A job whose ranks all end together writes one merged trace.json (moonrl.run). When they do
+-- A job whose ranks all end together writes one merged trace.json (moonrl.train.run). When they do
 -- not (a rank killed, or failing alone) each rank's timeline stays in RUN_DIR/trace-rank-R.json,
 -- streamed as it ran (mrl_trace_stream), so a killed rank's file simply stops, perhaps in the
 -- middle of an event. This joins them onto one clock, one process track per rank, in a file
 -- that opens in Perfetto; a file's cut or corrupt lines are dropped and counted, not a reason to
 -- refuse. A file that is no trace at all is an error naming it (exit status 2).
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local trace = require('moonrl.trace')
+local fs = require('moonrl.io.fs')
+local trace = require('moonrl.train.trace')
 
 local M = {}
 
@@ -40,7 +40,7 @@ local function rank_files(dir)
 end
 
 local function merge(args)
-  local names, out = require('moonrl.cmdline').names_and_output(args, 'trace merge', USAGE, 'moonrl trace --help')
+  local names, out = require('moonrl.cmd.cmdline').names_and_output(args, 'trace merge', USAGE, 'moonrl trace --help')
   if not names then return 0 end
   local inputs, dir = {}, nil
   for _, a in ipairs(names) do

@@ -9,7 +9,7 @@
 -- prefix, the important groups first; runs overlaid in one colour each), seconds per phase per
 -- step (stacked bars, one chart per run on one scale), the events, the config (with the keys that
 -- differ between runs first), the manifest.
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local svg = require('moonrl.report.svg')
 
 local M = {}
@@ -226,7 +226,7 @@ local function section_runs(o, runs)
   end
 end
 
--- ---- memory: the memory/* metrics (MiB) of moonrl.run (core/runtime/mem.c) -------------------
+-- ---- memory: the memory/* metrics (MiB) of moonrl.train.run (core/runtime/mem.c) -------------------
 -- What moonrl's buffers hold, by kind, in the order shown; 'other' is every other allocation.
 local MEM_KINDS = { { 'params', 'parameters' }, { 'grads', 'gradients' }, { 'optim', 'optimizer state' },
   { 'activations', 'activations' }, { 'kv_cache', 'KV cache' }, { 'other', 'other' } }

@@ -16,8 +16,8 @@
 -- A metric value may be NaN or +-inf (JSON NaN / Infinity); null and strings are skipped; true and
 -- false count as 1 and 0. A record logged twice for one step (a resumed run) keeps the last.
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 
 local M = {}
 

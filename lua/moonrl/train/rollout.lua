@@ -1,4 +1,4 @@
--- moonrl.rollout: where and when a recipe's rollouts run (async.mode, dist.rollout_ranks), so
+-- moonrl.train.rollout: where and when a recipe's rollouts run (async.mode, dist.rollout_ranks), so
 -- that the recipe states only what one rollout is:
 --
 --   S:rollout(function(step)              -- prompts -> completions -> rewards, for batch `step`
@@ -48,9 +48,9 @@
 -- or counted twice, and the rollouts go on from the checkpoint's weights.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local C = moonrl.C
-local Session = require('moonrl.session').Session
+local Session = require('moonrl.train.session').Session
 
 local M = {}
 
@@ -545,7 +545,7 @@ function RS:publish(v, flags)
   self.publish_info = { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
 end
 
--- A guard's rollback (moonrl.session): the trainers are back at a checkpoint's step t. The
+-- A guard's rollback (moonrl.train.session): the trainers are back at a checkpoint's step t. The
 -- batches generated since are dropped when the rollback skips the data (guard.skip_batch: new
 -- batches from the data as it is now), or are the checkpoint's pending ones (a replay). The
 -- rollout ranks, told in the step's header, start again from the checkpoint's weights.

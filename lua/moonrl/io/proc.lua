@@ -1,6 +1,6 @@
 -- Subprocesses with timeouts, run by the event loop (core/runtime/loop.c).
 --
---   local r = moonrl.proc.run({'python3', 'check.py'}, {stdin = text, timeout = 10})
+--   local r = moonrl.io.proc.run({'python3', 'check.py'}, {stdin = text, timeout = 10})
 --   -- r.ok, r.exit_status, r.signal, r.timed_out, r.stdout, r.stderr, r.seconds
 --
 -- spawn() starts one and returns a handle, so that many can run at once

@@ -45,7 +45,7 @@ environment: MOONRL_HOME (where lua/, recipes/, plugins/ live), MOONRL_THREADS,
 MOONRL_LOG (error, warn, info, debug, trace), MOONRL_PROGRESS (auto, live, plain,
 off) and MOONRL_PROGRESS_SECONDS (progress on stderr; run.progress and
 run.progress_seconds in a run), MOONRL_FAULT (fault injection for tests, see
-lua/moonrl/fault.lua)
+lua/moonrl/train/fault.lua)
 ]]
 
 -- Error lines name the rank in a job of several (mrl_log_set_rank).
@@ -59,7 +59,7 @@ end
 
 local function extra_commands()
   local names = {}
-  local ok, list = pcall(require('moonrl.fs').list, moonrl.home .. '/lua/moonrl/cmd')
+  local ok, list = pcall(require('moonrl.io.fs').list, moonrl.home .. '/lua/moonrl/cmd')
   for _, file in ipairs(ok and list or {}) do
     local n = file:match('^(.-)%.lua$')
     if n then names[#names + 1] = n end
@@ -121,7 +121,7 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
   end)
   -- a session saves what it can (a checkpoint, the model on a clean stop) and closes its files
   moonrl.run_exit_hooks(ok, err)
-  require('moonrl.dist').shutdown(ok)
+  require('moonrl.train.dist').shutdown(ok)
   if ok then
     if not config.consumed and (#overrides > 0 or show_config) then
       eprint(string.format("error: %s declares no config (moonrl.config{...}), so '%s' cannot be set",
@@ -139,7 +139,7 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
     eprint('error: ' .. err.message)
     return 1
   end
-  if require('moonrl.session').is_guard_stop(err) then
+  if require('moonrl.train.session').is_guard_stop(err) then
     eprint('error: ' .. err.message)
     return 3
   end
@@ -152,7 +152,7 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
   return 1
 end
 
--- `moonrl run` flags of the supervisor (moonrl.supervisor), each with a number.
+-- `moonrl run` flags of the supervisor (moonrl.cmd.supervisor), each with a number.
 local SUPERVISOR_FLAGS = { ['--restarts'] = 'restarts', ['--backoff'] = 'backoff', ['--kill-grace'] = 'kill_grace' }
 
 local function cmd_run(args)
@@ -162,7 +162,7 @@ local function cmd_run(args)
     local a = args[i]
     local flag = SUPERVISOR_FLAGS[a]
     if a == '--show-config' then show_config = true
-    elseif a == '--from' then -- a run directory's recipe and words again (moonrl.manifest)
+    elseif a == '--from' then -- a run directory's recipe and words again (moonrl.train.manifest)
       from = args[i + 1]
       if not from then eprint('error: --from expects a run directory') return 2 end
       i = i + 1
@@ -190,7 +190,7 @@ local function cmd_run(args)
       eprint(string.format("error: --from %s runs that directory's recipe: give no recipe ('%s')", from, name))
       return 2
     end
-    local ok, rpath, rwords, _, rrequires = pcall(require('moonrl.manifest').rerun_command, from, words)
+    local ok, rpath, rwords, _, rrequires = pcall(require('moonrl.train.manifest').rerun_command, from, words)
     if not ok then
       eprint('error: ' .. moonrl.error_text(rpath))
       return 2
@@ -198,7 +198,7 @@ local function cmd_run(args)
     name, words = rpath, rwords
     for i = #rrequires, 1, -1 do table.insert(requires, 1, rrequires[i]) end -- its --require files first
     if type(name) == 'table' then -- the embedded default example
-      require('moonrl.manifest').command = { embedded = 'default', words = words, requires = requires }
+      require('moonrl.train.manifest').command = { embedded = 'default', words = words, requires = requires }
       local ok2, overrides = pcall(require('moonrl.config').parse_overrides, words)
       if not ok2 then eprint('error: ' .. tostring(overrides)) return 2 end
       return run_chunk(package.preload['moonrl.default_example'], 'examples/default.lua', overrides, show_config, requires)
@@ -206,7 +206,7 @@ local function cmd_run(args)
   end
   if not name then
     eprint('usage: moonrl run [--restarts N] RECIPE [key=value ...] [--show-config]\n' ..
-      '       moonrl run --from RUN_DIR [key=value ...]   (that run again: moonrl.manifest)')
+      '       moonrl run --from RUN_DIR [key=value ...]   (that run again: moonrl.train.manifest)')
     return 2
   end
   local path = find_recipe(name)
@@ -218,7 +218,7 @@ local function cmd_run(args)
     local child_words = { name }
     for _, f in ipairs(requires) do child_words[#child_words + 1] = '--require=' .. f end
     for _, w in ipairs(words) do child_words[#child_words + 1] = w end
-    local ok, status = pcall(require('moonrl.supervisor').run, child_words, { restarts = sup.restarts,
+    local ok, status = pcall(require('moonrl.cmd.supervisor').run, child_words, { restarts = sup.restarts,
       backoff = sup.backoff, kill_grace = sup.kill_grace, recipe = path })
     if ok then return status end
     if moonrl.is_usage_error(status) then eprint('error: ' .. status.message) return 2 end
@@ -237,7 +237,7 @@ local function cmd_run(args)
   end
   arg = { [0] = path }
   local abs = path:sub(1, 1) == '/' and path or ((os.getenv('PWD') or '.') .. '/' .. path)
-  require('moonrl.manifest').command = { recipe = abs, words = words, requires = requires }
+  require('moonrl.train.manifest').command = { recipe = abs, words = words, requires = requires }
   return run_chunk(chunk, path, overrides, show_config, requires)
 end
 
@@ -258,7 +258,7 @@ function M.main(args)
       return 2
     end
     local chunk = package.preload['moonrl.default_example']
-    require('moonrl.manifest').command = { embedded = 'default', words = args, requires = requires }
+    require('moonrl.train.manifest').command = { embedded = 'default', words = args, requires = requires }
     return run_chunk(chunk, 'examples/default.lua', overrides, false, requires)
   end
   if #requires > 0 and cmd ~= 'run' then
@@ -277,7 +277,7 @@ function M.main(args)
   for i = 2, #args do rest[#rest + 1] = args[i] end
   for k = #requires, 1, -1 do table.insert(rest, 1, '--require=' .. requires[k]) end -- `moonrl --require F run ...`
   if cmd == 'run' then return cmd_run(rest) end
-  if cmd == 'launch' then return require('moonrl.launch').main(rest) end
+  if cmd == 'launch' then return require('moonrl.cmd.launch').main(rest) end
   if cmd:match('%.lua$') then return cmd_run(args) end
   if cmd:match('^[%w_]+$') and file_exists(moonrl.home .. '/lua/moonrl/cmd/' .. cmd .. '.lua') then
     local mod = require('moonrl.cmd.' .. cmd)

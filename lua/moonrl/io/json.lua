@@ -1,6 +1,6 @@
--- moonrl.json: JSON decoding and encoding in Lua.
+-- moonrl.io.json: JSON decoding and encoding in Lua.
 --
---   local json = require('moonrl.json')
+--   local json = require('moonrl.io.json')
 --   local v = json.decode(text [, source])  -- objects keep their key order
 --   local s = json.encode(v [, opts])       -- opts.indent (number), opts.sort_keys
 --   json.null                                -- JSON null (also Jinja's none)

@@ -1,6 +1,6 @@
--- moonrl.inference: what the commands that generate (moonrl generate, moonrl serve) load.
+-- moonrl.serve.inference: what the commands that generate (moonrl generate, moonrl serve) load.
 --
---   local m, err = require('moonrl.inference').load(path, { tokenizer = PATH, template = true })
+--   local m, err = require('moonrl.serve.inference').load(path, { tokenizer = PATH, template = true })
 --   -- m = { dir, model, tokenizer, template, template_error }
 --   local eos = inference.eos_ids(m.dir, m.model, m.tokenizer)
 local moonrl = require('moonrl')
@@ -8,14 +8,14 @@ local moonrl = require('moonrl')
 local M = {}
 
 -- path: a Hugging Face model directory, or a .gguf file (its directory converted once into
--- MOONRL_CACHE: moonrl.gguf.resolve). Loads the model and its tokenizer (opts.tokenizer: a
+-- MOONRL_CACHE: moonrl.io.gguf.resolve). Loads the model and its tokenizer (opts.tokenizer: a
 -- tokenizer.json or its directory, else the model's) and, with opts.template, the model's chat
 -- template (moonrl.chat.load; when it has none, m.template is nil and m.template_error says why).
 -- Returns m = { dir, model, tokenizer, template, template_error }, or nil and the error of the
 -- step that failed, as raised.
 function M.load(path, opts)
   opts = opts or {}
-  local ok, dir = pcall(require('moonrl.gguf').resolve, path)
+  local ok, dir = pcall(require('moonrl.io.gguf').resolve, path)
   if not ok then return nil, dir end
   local model
   ok, model = pcall(moonrl.model.load, dir)
@@ -42,7 +42,7 @@ function M.eos_ids(dir, model, tok)
     end
   end
   add(model.config.eos_token_id)
-  local ok, g = pcall(moonrl.json.read_file, dir .. '/generation_config.json')
+  local ok, g = pcall(require('moonrl.io.json').read_file, dir .. '/generation_config.json')
   if ok and type(g) == 'table' then
     if type(g.eos_token_id) == 'table' then
       for _, id in ipairs(g.eos_token_id) do add(id) end

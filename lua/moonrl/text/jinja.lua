@@ -1,8 +1,8 @@
--- moonrl.jinja: the subset of Jinja2 that Hugging Face chat templates use,
+-- moonrl.text.jinja: the subset of Jinja2 that Hugging Face chat templates use,
 -- compiled to Lua. The template is parsed once, turned into Lua source and
 -- load()ed; rendering runs that function.
 --
---   local jinja = require('moonrl.jinja')
+--   local jinja = require('moonrl.text.jinja')
 --   local render = jinja.compile(source [, name])  -- cached by source text
 --   local text = render(vars [, opts])             -- vars: the template's variables
 --   jinja.source(source)                           -- the generated Lua (for debugging)
@@ -15,7 +15,7 @@
 -- indent=..., separators=..., sort_keys=...).
 --
 -- Values: strings, numbers, booleans, jinja.none (= json.null), lists and
--- dicts (tables; see moonrl.json for ordered objects and arrays). A missing
+-- dicts (tables; see moonrl.io.json for ordered objects and arrays). A missing
 -- variable, key or attribute is undefined: it renders as '', is false, is
 -- an empty iterable, and is an error when used further (attribute of it,
 -- arithmetic). none renders 'None', booleans 'True'/'False', lists and dicts
@@ -51,7 +51,7 @@
 -- that needs it: render(vars, { limits = { steps = 2e7 } }) for one render,
 -- or jinja.limits.steps = 2e7 for every render after (moonrl.chat's
 -- render functions use those defaults).
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 
 local M = {}
 local none = json.null

@@ -1,13 +1,13 @@
 -- The run's timeline (Chrome trace-event JSON, opens in Perfetto) and
 -- TensorBoard scalars.
 --
---   moonrl.trace.enable(rank)
---   moonrl.trace.stream(moonrl.trace.rank_file(run_dir, rank))  -- each event on disk as it happens
---   moonrl.trace.phase('generate', function() ... end)   -- or begin/finish
---   moonrl.trace.write(run_dir .. '/trace.json')
---   moonrl.trace.merge({ text_rank0, text_rank1, ... })   -- one timeline of a job's ranks
---   moonrl.trace.read_events(text, name)                  -- a trace's events, a cut file's too
---   local tb = moonrl.trace.tensorboard(run_dir .. '/tb')
+--   moonrl.train.trace.enable(rank)
+--   moonrl.train.trace.stream(moonrl.train.trace.rank_file(run_dir, rank))  -- each event on disk as it happens
+--   moonrl.train.trace.phase('generate', function() ... end)   -- or begin/finish
+--   moonrl.train.trace.write(run_dir .. '/trace.json')
+--   moonrl.train.trace.merge({ text_rank0, text_rank1, ... })   -- one timeline of a job's ranks
+--   moonrl.train.trace.read_events(text, name)                  -- a trace's events, a cut file's too
+--   local tb = moonrl.train.trace.tensorboard(run_dir .. '/tb')
 --   tb:scalars({ reward = 0.4, kl = 0.01 }, step)
 local moonrl = require('moonrl')
 local ffi = require('ffi')
@@ -49,7 +49,7 @@ function M.text()
   return text
 end
 
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local COMPACT = { item_sep = ',', key_sep = ':' }
 
 -- A trace's events, from what M.write or M.merge wrote or from a stream a killed process left

@@ -18,8 +18,8 @@
 --   * Each start, exit and restart, with its cause, is a line of RUN_DIR/events.jsonl.
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 local C = moonrl.C
 pcall(ffi.cdef, 'int kill(int pid, int sig);')
 

@@ -1,6 +1,6 @@
 -- GGUF files (llama.cpp's format; moonrl/gguf.h): metadata and tensors, dequantized to fp32.
 --
---   local g = require('moonrl.gguf').open('model.gguf')
+--   local g = require('moonrl.io.gguf').open('model.gguf')
 --   g.metadata['general.architecture']      -- numbers, strings, booleans; arrays as Lua lists
 --   g.tensors[i] = { name, type ('Q4_K', ...), shape = {ne0, ne1, ...} (ne0 fastest), numel, bytes }
 --   local buf, n = g:read('blk.0.attn_q.weight')  -- float cdata of n, dequantized
@@ -168,7 +168,7 @@ function G:hf_config()
     local norm = m[p .. 'expert_weights_norm']
     cfg.norm_topk_prob = norm == nil or norm == true
     cfg.decoder_sparse_step = 1
-    cfg.mlp_only_layers = require('moonrl.json').array()
+    cfg.mlp_only_layers = require('moonrl.io.json').array()
     for l = 0, cfg.num_hidden_layers - 1 do
       if not has[string.format('blk.%d.ffn_gate_inp.weight', l)] then cfg.mlp_only_layers[#cfg.mlp_only_layers + 1] = l end
     end
@@ -228,7 +228,7 @@ function G:model()
   local stacked, stacked_t -- the stacked tensor read last (its experts are read one after the other)
   local views, total = model:views(), 0
   for _, v in ipairs(views) do total = total + 4 * v.numel end
-  local prog = require('moonrl.progress').new('dequantize ' .. self.path:match('[^/]*$'), total, { unit = 'B' })
+  local prog = require('moonrl.io.progress').new('dequantize ' .. self.path:match('[^/]*$'), total, { unit = 'B' })
   local done = 0
   local function read(v)
     local x = expert[v.name]
@@ -465,7 +465,7 @@ function G:spm_tokenizer_json(json)
 end
 
 function G:tokenizer_json()
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local model = self.metadata['tokenizer.ggml.model']
   if model == 'gpt2' then return self:gpt2_tokenizer_json(json) end
   if model == 'llama' then return self:spm_tokenizer_json(json) end
@@ -474,7 +474,7 @@ function G:tokenizer_json()
 end
 
 function G:tokenizer_config()
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   local m = self.metadata
   local tokens = m['tokenizer.ggml.tokens'] or {}
   local function tok(key) local id = m[key]; return id and tokens[id + 1] or json.null end
@@ -488,13 +488,13 @@ end
 
 -- Write the Hugging Face directory.
 function G:convert(dir)
-  local fs, json = require('moonrl.fs'), require('moonrl.json')
+  local fs, json = require('moonrl.io.fs'), require('moonrl.io.json')
   -- the architecture, then the tokenizer's metadata: checked before the weights are read
   self:hf_config()
   local tokenizer, tokenizer_config = self:tokenizer_json(), self:tokenizer_config()
   local model, cfg = self:model()
   fs.mkdirs(dir)
-  require('moonrl.progress').task('writing ' .. dir, function() model:save(dir) end)
+  require('moonrl.io.progress').task('writing ' .. dir, function() model:save(dir) end)
   fs.write(dir .. '/config.json', json.encode(cfg))
   fs.write(dir .. '/tokenizer.json', tokenizer)
   fs.write(dir .. '/tokenizer_config.json', tokenizer_config)
@@ -507,7 +507,7 @@ end
 -- MOONRL_CACHE, default ~/.cache/moonrl, keyed by the file's path, size and time).
 function M.resolve(path)
   if type(path) ~= 'string' or not path:match('%.gguf$') then return path end
-  local fs = require('moonrl.fs')
+  local fs = require('moonrl.io.fs')
   local st = fs.stat(path)
   if not st then error(path .. ': no such file', 2) end
   local root = os.getenv('MOONRL_CACHE') or ((os.getenv('HOME') or '/tmp') .. '/.cache/moonrl')

@@ -1,6 +1,6 @@
--- moonrl.progress: how far a long piece of work is, on the terminal and in the run directory.
+-- moonrl.io.progress: how far a long piece of work is, on the terminal and in the run directory.
 --
---   local progress = require('moonrl.progress')
+--   local progress = require('moonrl.io.progress')
 --   local p = progress.new('sft', 1500, { unit = 'step' })  -- total nil: a count without an end
 --   for i = 1, 1500 do ...; p:update(i, 'loss 0.41') end    -- throttled: cheap to call often
 --   p:finish()
@@ -31,7 +31,7 @@
 -- second unless forced (at each phase change, at the end).
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 
 pcall(ffi.cdef, [[
 int isatty(int fd);
@@ -338,7 +338,7 @@ function M.status_writer(dir, rank, fields)
     fields = { rank = rank or 0, pid = tonumber(moonrl.C.mrl_process_id()), host = M.hostname(), started = M.wall(),
       state = 'running' } }, W)
   for k, v in pairs(fields or {}) do w.fields[k] = v end
-  pcall(require('moonrl.fs').mkdirs, dir .. '/status')
+  pcall(require('moonrl.io.fs').mkdirs, dir .. '/status')
   return w
 end
 

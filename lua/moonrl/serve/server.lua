@@ -1,4 +1,4 @@
--- moonrl.serve: an OpenAI-compatible HTTP server over one generation engine
+-- moonrl.serve.server: an OpenAI-compatible HTTP server over one generation engine
 -- (what `moonrl serve` runs; the API as vLLM serves it).
 --
 --   GET  /health                 200, empty body
@@ -21,7 +21,7 @@
 -- most 20) are the engine's k most likely tokens at each position, under the same distribution.
 local moonrl = require('moonrl')
 local ffi = require('ffi')
-local json = require('moonrl.json')
+local json = require('moonrl.io.json')
 local engine_mod = require('moonrl.engine')
 local C = moonrl.C
 

@@ -1,9 +1,9 @@
--- moonrl.session: one run of a recipe and everything a checkpoint must hold, written once for
+-- moonrl.train.session: one run of a recipe and everything a checkpoint must hold, written once for
 -- every recipe: the models and optimizers, the data positions and random generators, the step
 -- and phase, the guards' windows and the recipe's own extra state. The recipe keeps only its
 -- algorithm:
 --
---   local S = moonrl.session.start(cfg, { name = 'grpo', total_steps = cfg.grpo.steps, steps_key = 'grpo.steps' })
+--   local S = moonrl.train.session.start(cfg, { name = 'grpo', total_steps = cfg.grpo.steps, steps_key = 'grpo.steps' })
 --   S:model('policy', model, { tokenizer_dir = dir })   -- the first model is the policy
 --   S:optimizer('policy', opt)
 --   S:dataset('train', view)                            -- a moonrl.data view (its position)
@@ -35,14 +35,14 @@
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local C = moonrl.C
-local ckpt = require('moonrl.checkpoint')
-local fault = require('moonrl.fault')
-local fs = require('moonrl.fs')
-local guard_mod = require('moonrl.guard')
-local progress = require('moonrl.progress')
-local json = require('moonrl.json')
-local run_mod = require('moonrl.run')
-local dist = require('moonrl.dist')
+local ckpt = require('moonrl.train.checkpoint')
+local fault = require('moonrl.train.fault')
+local fs = require('moonrl.io.fs')
+local guard_mod = require('moonrl.train.guard')
+local progress = require('moonrl.io.progress')
+local json = require('moonrl.io.json')
+local run_mod = require('moonrl.train.run')
+local dist = require('moonrl.train.dist')
 
 local M = {}
 local Session = {}
@@ -311,7 +311,7 @@ function Session:model(name, model, opts)
   return model
 end
 
--- With several ranks the optimizer becomes data parallel (moonrl.dist): its gradients are summed
+-- With several ranks the optimizer becomes data parallel (moonrl.train.dist): its gradients are summed
 -- over the ranks before it reads them, and with dist.zero=1 its state is sharded. opt.model: the
 -- model whose buffers it steps (R.adamw sets it).
 function Session:optimizer(name, opt)
@@ -543,8 +543,8 @@ function Session:steps(total, phase)
     return function() return nil end
   end
   self.loop_phase, self.step, self.run.total = phase, 0, total
-  -- what the run is made from, now that its models and data are declared (moonrl.manifest)
-  if self.world.rank == 0 and not self.run.silent and self.role ~= 'rollout' then require('moonrl.manifest').write(self) end
+  -- what the run is made from, now that its models and data are declared (moonrl.train.manifest)
+  if self.world.rank == 0 and not self.run.silent and self.role ~= 'rollout' then require('moonrl.train.manifest').write(self) end
   if r then
     if r.state.phase == phase then
       self:restore(r.dir, r.state)
@@ -557,7 +557,7 @@ function Session:steps(total, phase)
     end
     self.resume = nil
   end
-  -- the loop's progress on rank 0's terminal (moonrl.progress), its rate and ETA in the heartbeat
+  -- the loop's progress on rank 0's terminal (moonrl.io.progress), its rate and ETA in the heartbeat
   local p = progress.new(phase == 'main' and self.name or phase, total, { start = self.step, silent = self.run.silent })
   self.progress, self.last_loss = p, nil
   self.status:set({ loop = phase, loop_since = progress.wall(), total = total, step = self.step,
@@ -595,7 +595,7 @@ function Session:end_step()
   moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
   if self.pending_rollback then return end
   local w = self.world
-  local stop = self.decided_stop -- made already, with the rollout ranks (moonrl.rollout)
+  local stop = self.decided_stop -- made already, with the rollout ranks (moonrl.train.rollout)
   self.decided_stop = nil
   if stop == nil then
     stop = moonrl.stop_requested()
@@ -681,7 +681,7 @@ function Session:update(opt, lr, m, opts)
   if verdict == 'apply' then
     opt:step((lr or opt.lr) * self.lr_scale)
     if self.lr_scale ~= 1 then m.lr = (lr or opt.lr) * self.lr_scale end
-    local sum = moonrl.ops.sum(opt.params, opt.n)
+    local sum = require('moonrl.train.ops').sum(opt.params, opt.n)
     if guard_mod.finite(sum) then
       if detectors then self.guard:accept(m) end
       self.skips_in_row = 0
@@ -773,7 +773,7 @@ function Session:save_models()
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
     local p, n = m.model:param_buffer() -- (summed where it lives: ops.sum works on a GPU's too)
-    if not guard_mod.finite(moonrl.ops.sum(p, n)) then
+    if not guard_mod.finite(require('moonrl.train.ops').sum(p, n)) then
       error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
     end
     local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()

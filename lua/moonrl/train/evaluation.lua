@@ -1,8 +1,8 @@
--- moonrl.evaluation: held-out accuracy, the same for every recipe (the RL loop's evaluate stage,
+-- moonrl.train.evaluation: held-out accuracy, the same for every recipe (the RL loop's evaluate stage,
 -- SFT, DPO): greedy answers (temperature 0) to held-out prompts from the engine, judged by the
 -- run's reward (accuracy: the share scoring >= 1; reward: the mean score).
 --
---   local E = require('moonrl.evaluation')
+--   local E = require('moonrl.train.evaluation')
 --   cfg = moonrl.config { ..., eval = E.config(), reward = R.reward_config('exact'), engine = R.engine_config() }
 --   E.check(cfg)                                   -- usage errors, before any work
 --   local S = R.start(cfg, { ..., engine = E.wanted(cfg) })
@@ -38,7 +38,7 @@ function M.check(cfg, o)
   if not e then return end
   local tasks = require('moonrl.tasks')
   if e.task ~= nil then tasks.check(e.task, 'eval.task') end
-  if e.data ~= nil and not require('moonrl.fs').exists(e.data) then
+  if e.data ~= nil and not require('moonrl.io.fs').exists(e.data) then
     moonrl.usage_error(string.format("config key 'eval.data': %s: no such file", e.data))
   end
   for _, k in ipairs({ 'every', 'prompts', 'max_tokens' }) do

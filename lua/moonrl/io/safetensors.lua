@@ -1,9 +1,9 @@
 -- safetensors files from Lua (the C reader / writer in core/io).
 --
---   local st = moonrl.safetensors.open('model_dir')   -- file or HF model directory
+--   local st = moonrl.io.safetensors.open('model_dir')   -- file or HF model directory
 --   for _, name in ipairs(st:names()) do print(name, st:info(name).dtype) end
 --   local w = st:read_f32('lm_head.weight')          -- new float[numel] (or pass a dst pointer)
---   local wr = moonrl.safetensors.writer()
+--   local wr = moonrl.io.safetensors.writer()
 --   wr:add('x', 'BF16', {2, 3}, float_ptr)           -- converted from fp32 on write
 --   wr:metadata('format', 'pt'); wr:write('out.safetensors')  -- or wr:write_dir(dir, max_shard_bytes)
 local moonrl = require('moonrl')

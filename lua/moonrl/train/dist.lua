@@ -1,7 +1,7 @@
--- moonrl.dist: the ranks of one job (core/dist, see dist.h), as recipes and the shared pieces
+-- moonrl.train.dist: the ranks of one job (core/dist, see dist.h), as recipes and the shared pieces
 -- use them. World size 1 (no launcher) costs nothing: every call below returns at once.
 --
---   local dist = require('moonrl.dist')
+--   local dist = require('moonrl.train.dist')
 --   local w = dist.world()                -- w.rank, w.size, w.local_rank; w.size == 1 alone
 --   w:sum({ loss = 1.5, n = 3 })          -- every number summed over the ranks (rank order)
 --   w:max(x), w:any(flag)

@@ -17,7 +17,7 @@
 -- written), the manifest last, then the directory is fsync'ed and renamed into place and
 -- checkpoints/ fsync'ed. A directory without a valid manifest is not a checkpoint.
 --
---   local ckpt = require('moonrl.checkpoint')
+--   local ckpt = require('moonrl.train.checkpoint')
 --   ckpt.write(root, name, parts)   -- parts: { models = {{name=, model=, tokenizer_dir=}}, optimizers =
 --                                   --   {{name=, opt=}}, state = table, run = table }; returns the
 --                                   --   path and the bytes of the files the manifest lists
@@ -30,8 +30,8 @@
 --                                   -- resume found corrupt is set aside as step-NNNNNN.corrupt
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 
 local M = {}
 
@@ -58,7 +58,7 @@ function M.save_model(model, dir, tokenizer_dir)
 end
 
 local function write_optimizers(path, optimizers)
-  local w = require('moonrl.safetensors').writer()
+  local w = require('moonrl.io.safetensors').writer()
   for _, o in ipairs(optimizers) do
     local s = o.opt:state()
     w:add(o.name .. '.exp_avg', 'F32', { s.n }, s.m)
@@ -89,10 +89,10 @@ local function sync_dirs(dir)
 end
 
 function M.write(root, name, parts)
-  local p = require('moonrl.progress').new('checkpoint ' .. name, #(parts.models or {}) + 2, { unit = 'part' })
+  local p = require('moonrl.io.progress').new('checkpoint ' .. name, #(parts.models or {}) + 2, { unit = 'part' })
   local ok, path, bytes = pcall(M.write_parts, root, name, parts, p)
   if not ok then p:cancel(); error(path, 0) end
-  p:finish(require('moonrl.progress').bytes(bytes))
+  p:finish(require('moonrl.io.progress').bytes(bytes))
   return path, bytes
 end
 
@@ -188,7 +188,7 @@ end
 -- Copy a checkpoint's weights into an existing model (same config, checked tensor by tensor).
 function M.load_model(dir, name, model, is_policy)
   local mdir = is_policy and dir or (dir .. '/' .. name)
-  local st = require('moonrl.safetensors').open(mdir)
+  local st = require('moonrl.io.safetensors').open(mdir)
   local p = model:read_params() -- host memory (a GPU model's: a copy, written back below)
   for _, v in ipairs(model:views()) do
     if not st:has(v.name) then error(string.format('%s: checkpoint has no tensor %s for model %s', mdir, v.name, name), 0) end
@@ -204,7 +204,7 @@ end
 
 function M.load_optimizer(dir, name, opt)
   local path = dir .. '/optimizer.safetensors'
-  local st = require('moonrl.safetensors').open(path)
+  local st = require('moonrl.io.safetensors').open(path)
   local key = name .. '.exp_avg'
   if not st:has(key) then error(string.format('%s: no state for optimizer %s', path, name), 0) end
   local n = st:info(key).numel

@@ -1,6 +1,6 @@
 -- A run: its directory, its metrics, its events, its timeline.
 --
---   local run = moonrl.run.start(cfg, { name = 'grpo' })
+--   local run = moonrl.train.run.start(cfg, { name = 'grpo' })
 --   run:phase('generate', function() ... end)       -- timed, on the trace
 --   run:log(step, { reward = { mean = .4, std = .1 }, kl = 0.01, ... })
 --   run:event('rollback', { step = 12, detector = 'grad_spike' })
@@ -10,7 +10,7 @@
 -- exists). It is created with mkdir(2), never through a shell, and locked (RUN_DIR/.lock, an
 -- flock that a killed process releases) for as long as the run lives: a second run in the same
 -- directory is refused. A directory that already holds files is refused too, unless it holds a
--- moonrl run that this one resumes (moonrl.session). It receives:
+-- moonrl run that this one resumes (moonrl.train.session). It receives:
 --   config.json    the resolved config of the run, and moonrl's version
 --   metrics.jsonl  one JSON object per logged step (flattened keys:
 --                  "reward/mean"), with "step" and "time" (seconds since start)
@@ -21,9 +21,9 @@
 -- (a full disk) is an error naming the file, or with cfg.run.checkpoint_errors = 'warn' a
 -- warning once, and the run goes on.
 local moonrl = require('moonrl')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
-local trace = require('moonrl.trace')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local trace = require('moonrl.train.trace')
 local ffi = require('ffi')
 local C = moonrl.C
 local supervise_beat = moonrl.C.mrl_heartbeat

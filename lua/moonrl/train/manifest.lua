@@ -1,4 +1,4 @@
--- moonrl.manifest: what a run was made from, so that it can be made again.
+-- moonrl.train.manifest: what a run was made from, so that it can be made again.
 --
 -- Every run directory holds manifest.json, written by trainer rank 0 when the session starts
 -- (a resume rewrites it, keeping the first start's `created`):
@@ -22,8 +22,8 @@
 -- bit-identical.
 local moonrl = require('moonrl')
 local ffi = require('ffi')
-local fs = require('moonrl.fs')
-local json = require('moonrl.json')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 
 local M = {}
 
@@ -125,7 +125,7 @@ function M.machine(world_size, rollout_ranks)
     'ranks', world_size or 1, 'rollout_ranks', rollout_ranks or 0, 'host', hostname, 'cuda_devices', v.cuda_devices })
 end
 
--- The manifest of session S (moonrl.session) as a JSON object.
+-- The manifest of session S (moonrl.train.session) as a JSON object.
 function M.build(S, created)
   local v = moonrl.version()
   local cmd = M.command or {}

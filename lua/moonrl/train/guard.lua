@@ -1,7 +1,7 @@
 -- Guards: look at an update before it is applied, and say whether to apply it, skip it, or roll
 -- the run back to its last good checkpoint.
 --
---   local g = require('moonrl.guard').new(cfg.guard)
+--   local g = require('moonrl.train.guard').new(cfg.guard)
 --   local verdict, why = g:check({ loss = .., grad_norm = .., kl = .., entropy = .. } [, detectors])
 --   -- detectors = false: the non-finite checks only
 --   -- verdict: 'apply' | 'skip' | 'rollback'; why = { detector =, value =, limit = } when not 'apply'
@@ -17,7 +17,7 @@
 --   entropy_min = x    the update's entropy below x (0: off)
 -- A spike, KL or entropy detection does `action` ('skip' or 'rollback'). A value the recipe does
 -- not report (no KL in SFT) is not checked. More than max_skips skipped updates in a row (0: no
--- limit), or more than max_rollbacks rollbacks, stop the run (moonrl.session).
+-- limit), or more than max_rollbacks rollbacks, stop the run (moonrl.train.session).
 local M = {}
 
 local G = {}
@@ -94,7 +94,7 @@ function G:accept(m)
 end
 
 function G:state()
-  local json = require('moonrl.json')
+  local json = require('moonrl.io.json')
   return { grad_norm = json.array({ unpack(self.windows.grad_norm) }), loss = json.array({ unpack(self.windows.loss) }) }
 end
 
