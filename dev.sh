@@ -7,16 +7,35 @@
 #   ./dev.sh deps            only install the build and test dependencies
 #   ./dev.sh build           only build (build/)
 #   ./dev.sh fetch-model     only fetch SmolLM2-135M-Instruct (GGUF) into ~/.cache/moonrl/models/
+# The package managers' and the build's output go to .dev/*.log (each command starts them anew);
+# the terminal gets one line per step.
 set -uo pipefail
 cd "$(dirname "$0")"
 
-# Debian packages the build and the tests need (chromium: the test that renders `moonrl report`).
-DEB_PACKAGES="meson ninja-build pkg-config gcc g++ git libluajit2-5.1-dev luajit2 libuv1-dev libopenblas-dev
- libopenmpi-dev openmpi-bin libdnnl-dev
- libpcre2-dev python3 python3-pip python3-torch python3-numpy python3-jinja2
- chromium"
+# Debian packages, split by what needs them: running moonrl needs the build's; the tests also
+# need Python with PyTorch (the reference comparisons) and chromium (the test that renders
+# `moonrl report`). `./dev.sh run` installs only the first list.
+RUN_PACKAGES="meson ninja-build pkg-config gcc g++ git python3 libluajit2-5.1-dev libuv1-dev libopenblas-dev
+ libopenmpi-dev openmpi-bin libdnnl-dev libpcre2-dev"
+TEST_PACKAGES="luajit2 python3-pip python3-torch python3-numpy python3-jinja2 chromium"
 # Python packages for the reference tests (installed for /usr/bin/python3).
 PIP_PACKAGES="safetensors tokenizers gguf sentencepiece"
+
+# What the package managers and the build print goes to these files; the terminal gets one line
+# per step (and the log's tail when a step fails).
+LOG_DIR=.dev
+mkdir -p "$LOG_DIR"
+declare -A LOG_STARTED
+step() { # step LOG MESSAGE COMMAND...: run COMMAND with its output in LOG, say MESSAGE
+  local log=$1 msg=$2; shift 2
+  [ -n "${LOG_STARTED[$log]:-}" ] || { : >"$log"; LOG_STARTED[$log]=1; }
+  echo "dev.sh: $msg (log: $log)"
+  if ! "$@" >>"$log" 2>&1; then
+    echo "dev.sh: failed: $msg; the end of $log:" >&2
+    tail -n 20 "$log" >&2
+    return 1
+  fi
+}
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
@@ -39,20 +58,24 @@ fetch_model() {
   rm -rf "$tmp"
 }
 
+# deps [test]: the Debian packages running moonrl needs (with "test": those of the tests too, and
+# the Python packages of the reference tests), each installed only when missing.
 deps() {
-  local missing=""
-  for p in $DEB_PACKAGES; do
+  local want=$RUN_PACKAGES missing=""
+  [ "${1:-}" = test ] && want="$want $TEST_PACKAGES"
+  for p in $want; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
   done
   if [ -n "$missing" ]; then
-    echo "dev.sh: installing Debian packages:$missing"
-    as_root apt-get update -qq || return 1
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends $missing || return 1
+    step "$LOG_DIR/apt.log" "apt-get update" as_root apt-get update || return 1
+    step "$LOG_DIR/apt.log" "installing$missing" \
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing || return 1
   fi
+  [ "${1:-}" = test ] || return 0
   for p in $PIP_PACKAGES; do
     /usr/bin/python3 -c "import ${p%%=*}" 2>/dev/null && continue
-    echo "dev.sh: installing Python package $p"
-    as_root /usr/bin/python3 -m pip install -q --break-system-packages "$p" || return 1
+    step "$LOG_DIR/pip.log" "installing the Python package $p" \
+      as_root /usr/bin/python3 -m pip install --break-system-packages "$p" || return 1
   done
 }
 
@@ -61,9 +84,9 @@ deps() {
 
 build() {
   if [ ! -f build/build.ninja ]; then
-    meson setup build || return 1
+    step "$LOG_DIR/build.log" "configuring build/" meson setup build || return 1
   fi
-  ninja -C build
+  step "$LOG_DIR/build.log" "building" ninja -C build
 }
 
 # Run one meson test setup; add its counts to the totals.
@@ -98,10 +121,11 @@ tests() {
   run_suite build
   # the C unit tests again, under AddressSanitizer and UndefinedBehaviorSanitizer
   if [ ! -f build-sanitize/build.ninja ]; then
-    meson setup build-sanitize -Dbuildtype=debug -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled \
+    step "$LOG_DIR/build-sanitize.log" "configuring build-sanitize/ (ASan + UBSan)" meson setup build-sanitize \
+      -Dbuildtype=debug -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled \
       || { echo "$passed passed, $((failed + 1)) failed"; return 1; }
   fi
-  if ninja -C build-sanitize; then
+  if step "$LOG_DIR/build-sanitize.log" "building build-sanitize/" ninja -C build-sanitize; then
     ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 run_suite build-sanitize --suite c
   else
     failed=$((failed + 1))
@@ -117,10 +141,10 @@ tests() {
 cmd=${1:-run}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  deps) deps ;;
+  deps) deps test ;;
   build) deps && build ;;
   run) deps && build && exec build/moonrl "$@" ;;
-  test) deps || { echo "0 passed, 1 failed"; exit 1; }; fetch_model; tests ;;
+  test) deps test || { echo "0 passed, 1 failed"; exit 1; }; fetch_model; tests ;;
   fetch-model) fetch_model && [ -f "$SMOLLM2_GGUF" ] && echo "$SMOLLM2_GGUF" ;;
   *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build | fetch-model" >&2; exit 2 ;;
 esac
