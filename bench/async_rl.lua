@@ -40,7 +40,7 @@ local moonrl = require('moonrl')
 local m = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 256, intermediate_size = 768,
   num_hidden_layers = 4, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256,
   bos_token_id = 1, eos_token_id = 2 }, { seed = 1 })
-require('moonrl.recipe').save({ dir = '%s' }, m, moonrl.home .. '/examples/default', '%s/model')
+require('moonrl.train.models').save({ dir = '%s' }, m, moonrl.home .. '/examples/default', '%s/model')
 local out = assert(io.open('%s/data.jsonl', 'w'))
 for i = 1, 16 do out:write(string.format('{"prompt": "%%d+%%d=", "answer": "%%d"}\n', 10 + i, 30 + 2 * i, 40 + 3 * i)) end
 out:close()

@@ -66,7 +66,7 @@ local batch = moonrl.model.batch(seqs)
 local grad = ffi.new('float[?]', batch.n_tokens)
 for i = 0, batch.n_tokens - 1 do grad[i] = -1 / batch.n_tokens end
 local opts = {}
-for d, m in pairs(models) do opts[d] = require('moonrl.recipe').adamw(m, { lr = 1e-4, weight_decay = 0.0 }) end
+for d, m in pairs(models) do opts[d] = require('moonrl.train.models').adamw(m, { lr = 1e-4, weight_decay = 0.0 }) end
 
 local function train_step(d)
   local m, opt = models[d], opts[d]

@@ -13,7 +13,8 @@ local ffi = require('ffi')
 local algo = require('moonrl.algo')
 local ckpt = require('moonrl.train.checkpoint')
 local fs = require('moonrl.io.fs')
-local R = require('moonrl.recipe')
+local models = require('moonrl.train.models')
+local session = require('moonrl.train.session')
 
 local cfg = moonrl.config {
   size = 'default', -- default (hidden 128, 2 layers, vocab 15) or 100m (hidden 768, 12 layers, vocab 32000)
@@ -33,9 +34,9 @@ local size = SIZES[cfg.size] or moonrl.usage_error('size must be default or 100m
 local batch = cfg.batch > 0 and cfg.batch or size.batch
 local seq = cfg.seq > 0 and cfg.seq or size.seq
 local model = moonrl.model.new(size.model, { seed = 1 })
-local S = R.start(cfg, { name = 'checkpoint_cost', steps = cfg.steps, policy = model,
+local S = session.start(cfg, { name = 'checkpoint_cost', steps = cfg.steps, policy = model,
   tokenizer_dir = cfg.size == 'default' and (moonrl.home .. '/examples/default') or nil })
-local opt = S:optimizer('policy', R.adamw(model, { lr = 1e-4, weight_decay = 0.0 }))
+local opt = S:optimizer('policy', models.adamw(model, { lr = 1e-4, weight_decay = 0.0 }))
 print(string.format('%s model: %.1fM parameters; step: %d x %d tokens; threads %d; cpu: %s', cfg.size,
   model.n_params / 1e6, batch, seq, moonrl.version().threads, moonrl.version().kernels))
 

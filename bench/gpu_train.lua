@@ -42,7 +42,7 @@ local model = moonrl.model.new(shape, { seed = 1 })
 model:set_dtype(cfg.dtype)
 model:to_device(cfg.device)
 if cfg.recompute then moonrl.C.mrl_model_set_recompute(model.handle, 1) end
-local opt = require('moonrl.recipe').adamw(model, { lr = 1e-5, weight_decay = 0.01 })
+local opt = require('moonrl.train.models').adamw(model, { lr = 1e-5, weight_decay = 0.01 })
 
 local seqs, rng = {}, 12345
 for s = 1, cfg.seqs do

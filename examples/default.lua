@@ -21,7 +21,9 @@
 local moonrl = require('moonrl')
 local config = require('moonrl.config')
 local rl = require('moonrl.rl')
-local R = require('moonrl.recipe')
+local models = require('moonrl.train.models')
+local prompts = require('moonrl.train.prompts')
+local train = require('moonrl.train.step')
 
 local TOKENIZER = moonrl.home .. '/examples/default'
 
@@ -41,7 +43,7 @@ local default = rl.recipe {
     reward = { name = 'exact' },
     train = { lr = 3e-4 }, -- GRPO's AdamW, made fresh after the warm-up
     engine = { kv_cache_mb = config.integer(64) },
-    run = { threads = 'auto' }, -- 1 thread or all cores, whichever runs this model faster here (moonrl.recipe)
+    run = { threads = 'auto' }, -- 1 thread or all cores, whichever runs this model faster here (moonrl.train.threads)
     quiet = false, -- no per-step lines (the test suite)
   },
   -- the keys of this example before it ran on moonrl.rl
@@ -72,9 +74,9 @@ function default:setup()
   local task = require('moonrl.tasks').get('addition')({ seed = cfg.run.seed, rng = self.rng, heldout = cfg.heldout })
   for _, set in ipairs({ task.heldout, task.train }) do
     for _, p in ipairs(set) do
-      p.prompt_ids = R.prompt_ids(S.tok, nil, p.prompt)            -- <|bos|> 3 7 + 4 8 =
-      p.answer_ids = R.completion_ids(S.tok, p.answer)             -- 8 5 <|eos|>
-      p.flawed_ids = R.completion_ids(S.tok, p.answer .. '=')      -- 8 5 = <|eos|>
+      p.prompt_ids = prompts.prompt_ids(S.tok, nil, p.prompt)            -- <|bos|> 3 7 + 4 8 =
+      p.answer_ids = prompts.completion_ids(S.tok, p.answer)             -- 8 5 <|eos|>
+      p.flawed_ids = prompts.completion_ids(S.tok, p.answer .. '=')      -- 8 5 = <|eos|>
     end
   end
   for i, p in ipairs(task.heldout) do p.prompt_index = i - 1 end
@@ -84,7 +86,7 @@ function default:setup()
   self.before = S:memo('before', function() return self:heldout_metrics().accuracy end)
   print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%', cfg.sft.steps, 100 * self.before))
   -- 3. GRPO (moonrl.rl's loop) with a fresh AdamW: its state is what the GRPO phase checkpoints
-  S.opt = S:optimizer('policy', R.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+  S.opt = S:optimizer('policy', models.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
 end
 
 -- n training problems at random (with replacement)
@@ -98,8 +100,8 @@ end
 -- point: Ctrl-C stops there with a checkpoint).
 function default:warmup()
   local S, c, t = self.S, self.cfg.sft, self.cfg.train
-  local opt = S:optimizer('policy', R.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
-  R.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
+  local opt = S:optimizer('policy', models.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
+  train.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
     batch = function()
       local samples = {}
       for i, p in ipairs(self:draw(c.batch)) do
@@ -109,7 +111,7 @@ function default:warmup()
       return samples
     end,
     update = function(samples, step)
-      return R.sft_step(S, opt, samples, { lr = c.lr * (1 - (step - 1) / c.steps),
+      return train.sft_step(S, opt, samples, { lr = c.lr * (1 - (step - 1) / c.steps),
         micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm })
     end })
 end

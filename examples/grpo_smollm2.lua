@@ -25,7 +25,9 @@ local moonrl = require('moonrl')
 local rl = require('moonrl.rl')
 local config = require('moonrl.config')
 local tasks = require('moonrl.tasks')
-local R = require('moonrl.recipe')
+local models = require('moonrl.train.models')
+local prompts = require('moonrl.train.prompts')
+local step = require('moonrl.train.step')
 
 local GGUF = (os.getenv('MOONRL_CACHE') or ((os.getenv('HOME') or '') .. '/.cache/moonrl')) ..
   '/models/SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -63,7 +65,7 @@ end
 -- a thing at random. meta.worked is the worked answer the SFT warm-up trains on.
 tasks.register('word_arith', function(o)
   local c = o.cfg and o.cfg.task or { max = 20, heldout = 100 }
-  local rng = require('moonrl.train.session').rng(o.seed or 1)
+  local rng = require('moonrl.rng').new(o.seed or 1)
   local keys = {}
   for a = 1, c.max do
     for b = 1, c.max do
@@ -71,10 +73,7 @@ tasks.register('word_arith', function(o)
       if a >= b then keys[#keys + 1] = { 'sub', a, b } end
     end
   end
-  for i = #keys, 2, -1 do
-    local j = rng:int(i) + 1
-    keys[i], keys[j] = keys[j], keys[i]
-  end
+  require('moonrl.rng').shuffle(keys, rng)
   local train, heldout = {}, {}
   for i, k in ipairs(keys) do
     local kind, a, b = k[1], k[2], k[3]
@@ -129,22 +128,22 @@ function ex:warmup()
   end
   if #train == 0 then moonrl.usage_error("config key 'sft.ops': no training problem has these operations (add, sub)") end
   local rng = S:rng('sft', cfg.run.seed + 1)
-  local opt = S:optimizer('policy', R.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
-  local eos = R.eos_ids(S.tok, S.policy)[1]
+  local opt = S:optimizer('policy', models.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
+  local eos = prompts.eos_ids(S.tok, S.policy)[1]
   local total = S.run.total -- the GRPO loop's step count (S:steps() below reads it)
   local t0 = moonrl.now()
-  local history, first, last = R.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
+  local history, first, last = step.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
     batch = function()
       local samples = {}
       for i = 1, c.batch do
         local r = train[rng:int(#train) + 1]
-        samples[i] = { prompt_ids = R.prompt_ids(S.tok, S.tpl, r.prompt, cfg.data.system),
-          ids = R.completion_ids(S.tok, r.meta.worked, eos) }
+        samples[i] = { prompt_ids = prompts.prompt_ids(S.tok, S.tpl, r.prompt, cfg.data.system),
+          ids = prompts.completion_ids(S.tok, r.meta.worked, eos) }
       end
       return samples
     end,
     update = function(samples)
-      return R.sft_step(S, opt, samples, { lr = c.lr, micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = 1.0 })
+      return step.sft_step(S, opt, samples, { lr = c.lr, micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = 1.0 })
     end })
   S.run.total = total
   if first and self.cfg.quiet ~= true then
@@ -152,7 +151,7 @@ function ex:warmup()
       history[first].loss, history[last].loss, moonrl.now() - t0))
   end
   -- a fresh AdamW for RL (its state is what the GRPO phase checkpoints and resumes)
-  S.opt = S:optimizer('policy', R.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+  S.opt = S:optimizer('policy', models.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
 end
 
 function ex:setup()

@@ -12,7 +12,8 @@
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local algo = require('moonrl.algo')
-local R = require('moonrl.recipe')
+local session = require('moonrl.train.session')
+local train = require('moonrl.train.step')
 
 local cfg = moonrl.config {
   data = moonrl.config.optional('string', 'text file (default: moonrl README.md)'),
@@ -24,8 +25,8 @@ local cfg = moonrl.config {
   model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
             heads = moonrl.config.integer(4), kv_heads = moonrl.config.integer(2),
             intermediate_size = moonrl.config.integer(384),
-            dtype = 'fp32', -- fp32 | bf16 | auto (moonrl.model, "precision"; R.start applies it)
-            device = 'cpu' }, -- cpu | cuda | cuda:N | auto (moonrl.model, "the device"; R.start applies it)
+            dtype = 'fp32', -- fp32 | bf16 | auto (moonrl.model, "precision"; session.start applies it)
+            device = 'cpu' }, -- cpu | cuda | cuda:N | auto (moonrl.model, "the device"; session.start applies it)
   log_every = moonrl.config.integer(20),
   save = true,
 }
@@ -53,7 +54,7 @@ local model = moonrl.model.new({ model_type = 'llama', vocab_size = vocab, hidde
   max_position_embeddings = cfg.seq_len, tie_word_embeddings = true }, { seed = cfg.run.seed })
 -- the session: run directory, checkpoints, resume (moonrl.train.session); its state is the model, the
 -- optimizer and the generator that draws the windows
-local S = R.start(cfg, { name = 'train_text', steps = cfg.steps, steps_key = 'steps', policy = model,
+local S = session.start(cfg, { name = 'train_text', steps = cfg.steps, steps_key = 'steps', policy = model,
   tokenizer_dir = cfg.tokenizer })
 local p, n_params = model:param_buffer() -- (on a GPU: its memory there, where the optimizer steps)
 local opt = S:optimizer('policy', moonrl.optim.adamw({ params = p, grads = model:grads(), n = n_params, lr = cfg.lr,
@@ -87,7 +88,7 @@ for step in S:steps() do
     model:backward(grad, nil)
   end)
   local m = { loss = loss, grad_norm = opt:clip_grad_norm(cfg.max_grad_norm), lr = lr_at(step) }
-  R.apply_update(S, opt, m.lr, m)
+  train.apply_update(S, opt, m.lr, m)
   first_loss = first_loss or loss
   last_loss = loss
   S:log(m, { quiet = step % cfg.log_every ~= 0 })

@@ -17,7 +17,10 @@ local ffi = require('ffi')
 local algo = require('moonrl.algo')
 local rl = require('moonrl.rl')
 local config = require('moonrl.config')
-local R = require('moonrl.recipe')
+local batch = require('moonrl.batch')
+local metrics = require('moonrl.train.metrics')
+local models = require('moonrl.train.models')
+local train = require('moonrl.train.step')
 
 local ppo = rl.recipe {
   name = 'ppo',
@@ -33,10 +36,10 @@ local ppo = rl.recipe {
 
 function ppo:setup()
   local S = self.S
-  self.critic = S:model('critic', R.critic_from(S.policy))
+  self.critic = S:model('critic', models.critic_from(S.policy))
   rl.Recipe.setup(self) -- the reference policy (kl_coef > 0: in the reward), the sampling options
   self.sampling.top_p, self.sampling.top_k = nil, nil
-  self.critic_opt = S:optimizer('critic', R.adamw(self.critic, { lr = self.cfg.train.critic_lr,
+  self.critic_opt = S:optimizer('critic', models.adamw(self.critic, { lr = self.cfg.train.critic_lr,
     weight_decay = self.cfg.train.weight_decay }))
 end
 
@@ -44,9 +47,9 @@ end
 function ppo:advantages(samples, info)
   local S, mb, temp = self.S, self.cfg.train.micro_batch_tokens, self.c.temperature
   local old, refl, values = S:phase('logprobs', function()
-    local o = R.logprobs(S.policy, samples, mb, { temperature = temp })
-    local r = self.ref and R.logprobs(self.ref, samples, mb, { temperature = temp })
-    local _, v = R.logprobs(self.critic, samples, mb, { values = true })
+    local o = train.logprobs(S.policy, samples, mb, { temperature = temp })
+    local r = self.ref and train.logprobs(self.ref, samples, mb, { temperature = temp })
+    local _, v = train.logprobs(self.critic, samples, mb, { values = true })
     return o, r, v
   end)
   local ctx = self:advantage_context(samples)
@@ -72,8 +75,8 @@ function ppo:critic_step(samples)
     if first then -- (an empty batch, first nil, serves the policy's experts: the critic has none)
       local _, _, v = critic:forward(b, { values = true })
       local dv = ffi.new('float[?]', b.n_tokens)
-      local l, m = algo.value_loss.clipped({ values = v, old_values = R.scatter(b, R.gather_field(mine, 'values'), first),
-        returns = R.scatter(b, R.gather_field(mine, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
+      local l, m = algo.value_loss.clipped({ values = v, old_values = batch.scatter(b, batch.gather_field(mine, 'values'), first),
+        returns = batch.scatter(b, batch.gather_field(mine, 'returns'), first), mask = b.mask, cu_seqlens = b.cu_seqlens,
         nseq = b.n_seqs, clip = self.c.value_clip, grad = dv, global_tokens = tokens })
       critic:backward(nil, nil, dv)
       local mt = 0
@@ -83,14 +86,17 @@ function ppo:critic_step(samples)
   end
   local m = S:sum({ loss = loss, clip_frac = clipfrac })
   m.grad_norm = self.critic_opt:clip_grad_norm(self.cfg.train.max_grad_norm)
-  R.apply_update(S, self.critic_opt, self.cfg.train.critic_lr, m, { detectors = false })
+  train.apply_update(S, self.critic_opt, self.cfg.train.critic_lr, m, { detectors = false })
   return m
 end
 
 function ppo:policy_options(samples, epoch)
   local S, c, t = self.S, self.c, self.cfg.train
-  return S:off_policy { session = S, model = S.policy, opt = S.opt, samples = samples, lr = S:lr(),
-    measure_mismatch = epoch == 1, loss = c.loss, temperature = c.temperature, clip_low = c.clip, agg = c.agg,
+  local off = train.off_policy(self.cfg) -- async.*: the correction weights, or decoupled PPO's loss
+  return { session = S, model = S.policy, opt = S.opt, samples = samples, lr = S:lr(),
+    loss = off.decoupled and 'decoupled_ppo' or c.loss, correction = off.correction,
+    behav_imp_weight_cap = off.behav_imp_weight_cap,
+    measure_mismatch = epoch == 1, temperature = c.temperature, clip_low = c.clip, agg = c.agg,
     micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm }
 end
 
@@ -99,7 +105,7 @@ function ppo:update(samples, info)
   self.update_t0 = moonrl.now()
   local m, c, mismatch
   for epoch = 1, self.c.epochs do
-    m = self.S:phase('train', R.policy_step, self:policy_options(samples, epoch))
+    m = self.S:phase('train', train.policy_step, self:policy_options(samples, epoch))
     c = self.S:phase('critic', self.critic_step, self, samples)
     mismatch = mismatch or m.mismatch -- engine vs trainer log-probs, before the first update
   end
@@ -110,7 +116,7 @@ end
 function ppo:metrics(m, samples, info)
   rl.Recipe.metrics(self, m, samples, info)
   m.kl = self.kl_sum / math.max(m.tokens, 1)
-  m.tokens_per_s.train = R.rate(2 * m.tokens * self.c.epochs, moonrl.now() - self.update_t0)
+  m.tokens_per_s.train = metrics.rate(2 * m.tokens * self.c.epochs, moonrl.now() - self.update_t0)
 end
 
 -- Every reward failed: nothing to learn from this step.
@@ -121,9 +127,7 @@ end
 
 function ppo:finish()
   local S = self.S
-  local dirs = S:finish()
-  print('run directory: ' .. S.dir .. (dirs.policy and ('; policy saved to ' .. dirs.policy .. ', critic to ' ..
-    dirs.critic) or ''))
+  S:finish() -- the policy in RUN_DIR/model, the critic in RUN_DIR/critic
   return { history = self.history, dir = S.dir, model = S.policy, critic = self.critic }
 end
 

@@ -18,7 +18,7 @@
 local moonrl = require('moonrl')
 local rl = require('moonrl.rl')
 local config = require('moonrl.config')
-local R = require('moonrl.recipe')
+local metrics = require('moonrl.train.metrics')
 
 local rlvr = rl.recipe {
   name = 'rlvr',
@@ -70,10 +70,10 @@ function rlvr:rollout(step)
   for _, s in ipairs(seen) do if s.correct >= 1 then correct = correct + 1 end end
   local all_scores = {}
   for i, s in ipairs(seen) do all_scores[i] = s.score end
-  local mean, std = R.stats(all_scores)
+  local mean, std = metrics.stats(all_scores)
   return kept, { gen_s = gen_s, gen_tokens = gen_tokens, reward = { mean = mean, std = std, errors = rm.errors,
     dropped_groups = rm.dropped_groups }, accuracy = #seen > 0 and correct / #seen or 0,
-    response_length = R.length_metrics(seen), dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G,
+    response_length = metrics.length_metrics(seen), dynamic_sampling = { gen_batches = gen_batches, kept_groups = #kept / G,
     kept_ratio = #seen > 0 and #kept / #seen or 0 } }
 end
 
@@ -90,8 +90,8 @@ function rlvr:metrics(m, kept, info)
   m.dynamic_sampling = info.dynamic_sampling
   m.data = self.S:data_metrics()
   m.async = self.S:async_metrics(info)
-  m.tokens_per_s = { generate = R.rate(info.gen_tokens, info.gen_s),
-    train = R.rate(m.tokens or 0, moonrl.now() - (self.update_t0 or moonrl.now())) }
+  m.tokens_per_s = { generate = metrics.rate(info.gen_tokens, info.gen_s),
+    train = metrics.rate(m.tokens or 0, moonrl.now() - (self.update_t0 or moonrl.now())) }
 end
 
 return rlvr:main()

@@ -44,7 +44,7 @@ local function run_section()
     seed = M.integer(1),
     dir = M.optional('string', 'run directory (default runs/<recipe>-<time>)'),
     max_seconds = 0,        -- stop cleanly after this long (0: no limit)
-    threads = M.integer(0, { 'auto' }), -- CPU threads for kernels (0: all cores; auto: measured, moonrl.recipe)
+    threads = M.integer(0, { 'auto' }), -- CPU threads for kernels (0: all cores; auto: measured, moonrl.train.threads)
     log_level = 'info',
     resume = 'auto',        -- auto (the latest complete checkpoint in run.dir), never, or a checkpoint's path
     checkpoint_every = M.integer(0), -- steps between checkpoints (0: only at the end and on a clean stop)
@@ -341,7 +341,7 @@ setmetatable(M, {
 function M.apply_run(run)
   local moonrl = require('moonrl')
   local max_threads = tonumber(moonrl.C.mrl_parallel_max_threads())
-  if run.threads == 'auto' then run = setmetatable({ threads = false }, { __index = run }) end -- (R.start measures)
+  if run.threads == 'auto' then run = setmetatable({ threads = false }, { __index = run }) end -- (session.start measures)
   if run.threads and (run.threads < 0 or run.threads > max_threads) then
     moonrl.usage_error(string.format("config key 'run.threads' must be between 0 (all cores) and %d, got %d",
       max_threads, run.threads))

@@ -38,7 +38,7 @@
 -- to M.new, makes every later request keep the experts each of its tokens went to; each result then
 -- carries routing = int16_t cdata [(prompt + ids) positions * sparse layers * num_experts_per_tok]
 -- (-1 where a position never ran: cached prompt prefixes, the last token), which the trainer's
--- forward replays (model:forward's opts.routing; moonrl.recipe packs it, moe.routing_replay).
+-- forward replays (model:forward's opts.routing; moonrl.batch packs it, moe.routing_replay).
 --
 -- opts.on_text = function(i, j, piece) (with a tokenizer) is called between steps with each new
 -- piece of sample j of request i's text, as the streaming decoder completes it (stop strings cut).

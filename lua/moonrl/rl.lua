@@ -15,7 +15,7 @@
 -- The loop (Recipe:main):
 --   cfg <- moonrl.config(recipe.config)   the recipe's config (its parents' merged under it)
 --   self:check()                          registries and keys checked, before any work
---   S <- moonrl.recipe.start(...)         model, engine, data, session; self:setup()
+--   S <- moonrl.train.session.start(...) model, engine, data, session; self:setup()
 --   S:rollout(self:rollout)               where and when rollouts run: async.*, dist.rollout_ranks
 --   for step in S:steps() do              resumes, checkpoints at the step's end, stops, rolls back
 --     samples, info <- S:next_batch()
@@ -30,14 +30,14 @@
 --   rollout(step) -> samples, info        prompts -> generate -> score (here, ahead or on rollout
 --                                         ranks: it must only use what it is given and self)
 --   prompts(step) -> records              <section>.prompts records: data.path or data.task
---   generate(records, seed_step) -> samples   self.group completions each, flattened (R.flatten)
+--   generate(records, seed_step) -> samples   self.group completions each, flattened (batch.flatten)
 --   score(samples) -> samples, metrics    the reward (reward=NAME); a failing reward drops its group
 --   train_step(step, samples, info) -> flat metrics   the stages below, in order
 --   advantages(samples, info)             s.adv (or s.adv_tokens) of each sample: the estimator
 --                                         named by <section>.advantage (moonrl.algo.estimators)
---   update(samples, info) -> m            <section>.epochs passes of R.policy_step with the loss
+--   update(samples, info) -> m            <section>.epochs passes of train.policy_step with the loss
 --                                         named by <section>.loss (moonrl.algo.losses)
---   policy_options(samples, epoch) -> o   the options of one R.policy_step
+--   policy_options(samples, epoch) -> o   the options of one train.policy_step
 --   metrics(m, samples, info)             reward, accuracy, lengths, data, async, throughput
 --   evaluate(step) -> m | nil             every eval.every steps: held-out accuracy (eval.*)
 --   log(m) -> flat                        the step line and metrics.jsonl
@@ -47,7 +47,12 @@
 local moonrl = require('moonrl')
 local algo = require('moonrl.algo')
 local config = require('moonrl.config')
-local R = require('moonrl.recipe')
+local batch = require('moonrl.batch')
+local metrics = require('moonrl.train.metrics')
+local prompts = require('moonrl.train.prompts')
+local sections = require('moonrl.train.sections')
+local session = require('moonrl.train.session')
+local train = require('moonrl.train.step')
 local E = require('moonrl.train.evaluation')
 
 local M = {}
@@ -55,43 +60,9 @@ local Recipe = {}
 Recipe.__index = Recipe
 M.Recipe = Recipe
 
--- ---- config: the sections every RL recipe shares, and merging a recipe's over its parent's ---
+-- ---- config: a recipe's merged over its parent's ---------------------------------------------
 
--- data: data.path (JSONL) or data.task (moonrl.tasks), with the record fields.
-M.data_config = R.task_data_config
-
--- eval: held-out accuracy every eval.every steps (moonrl.train.evaluation).
-M.eval_config, M.EVAL_KEYS = E.config, E.KEYS
-
--- What every RL recipe's config has; a recipe's config is merged over it.
-function M.base_config()
-  return {
-    model = R.model_config(),
-    data = M.data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
-    reward = R.reward_config('math'), -- a name in the reward registry (moonrl.rewards), or FILE.lua:NAME
-    reward_model = { dir = config.optional('string', 'a ...ForSequenceClassification checkpoint (reward=reward_model)') },
-    train = R.train_config { lr = 1e-6 },
-    engine = R.engine_config(),
-    async = R.async_config(),
-    eval = M.eval_config(),
-    moe = M.moe_config(),
-    save = true,
-  }
-end
-
--- moe (a qwen3_moe policy): routing_replay: the engine records the experts each token went to
--- and the update's forwards replay them (R3: the trainer runs the experts the tokens were sampled
--- with, its router's weights still trained; model.h, mrl_batch.routing); aux_loss_coef: the
--- load-balancing loss's coefficient in the backward (default: the model config's
--- router_aux_loss_coef when its output_router_logits is set, else 0, as Transformers; 0 turns it
--- off). Both are logged every step under moe/ (aux_loss, aux_coef, replayed, routing_mismatch).
--- expert_parallel: the trainer ranks split every sparse layer's experts between them, each running
--- its block on all the ranks' tokens (model.h, mrl_model_set_expert_parallel; the weights stay
--- whole on every rank, so the engine, checkpoints and saving are as without; one rank: no-op).
-function M.moe_config()
-  return { routing_replay = false, expert_parallel = false,
-    aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)') }
-end
+M.base_config = sections.rl_config
 
 -- In a recipe's config: a key or section of its parent's (or of base_config) that this recipe has
 -- not: `model = { dir = rl.NONE }` for a recipe that builds its own model.
@@ -209,7 +180,7 @@ function Recipe:main()
   resolve_aliases(cfg, self.aliases)
   self.cfg, self.c = cfg, cfg[self.section]
   self:check()
-  self.S = R.start(cfg, self:start_options())
+  self.S = session.start(cfg, self:start_options())
   self:setup_moe() -- before setup: recipes override it
   self:setup()
   local S = self.S
@@ -250,28 +221,28 @@ function Recipe:check()
     moonrl.usage_error(string.format("config key '%s.agg': unknown aggregation '%s' (known: %s)", sec, tostring(c.agg),
       table.concat(modes, ', ')))
   end
-  R.check_data(cfg)
+  sections.check_data(cfg)
   E.check(cfg, { own = self.own_heldout })
-  if not (cfg.reward_model and cfg.reward_model.dir) then R.check_reward(cfg) end
+  if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end
 end
 
 function Recipe:start_options()
   local cfg, c = self.cfg, self.c
   local free = {}
-  for i, k in ipairs(M.EVAL_KEYS) do free[i] = k end
+  for i, k in ipairs(sections.EVAL_KEYS) do free[i] = k end
   for old, target in pairs(self.aliases or {}) do -- an old name is as free as its target
-    for _, k in ipairs(M.EVAL_KEYS) do if k == target then free[#free + 1] = old end end
+    for _, k in ipairs(sections.EVAL_KEYS) do if k == target then free[#free + 1] = old end end
   end
   local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free,
     check_policy = function(policy) self:check_moe(policy) end }
   if cfg.data then
     o.chat, o.fields, o.optional = cfg.data.chat, { prompt = cfg.data.prompt, answer = cfg.data.answer }, { answer = true }
-    if cfg.data.task then o.data = R.task_records(cfg, 'train'):shuffled(cfg.run.seed) end
+    if cfg.data.task then o.data = prompts.task_records(cfg, 'train'):shuffled(cfg.run.seed) end
   end
   return o
 end
 
--- moe.*: checked against the policy once it is loaded, before the run directory exists (R.start's
+-- moe.*: checked against the policy once it is loaded, before the run directory exists (session.start's
 -- check_policy), then applied (the engine's routing record, the aux coefficient, expert parallelism).
 function Recipe:check_moe(policy)
   local moe = self.cfg.moe or {}
@@ -298,7 +269,7 @@ function Recipe:setup()
   self.ref = (c.kl_coef or 0) > 0 and S:reference() or nil -- a frozen copy of the initial policy
   self.group = c.samples or 1
   self.sampling = { temperature = c.temperature, top_p = c.top_p, top_k = c.top_k, max_tokens = c.max_tokens,
-    eos_ids = R.eos_ids(S.tok, S.policy), tokenizer = S.tok }
+    eos_ids = prompts.eos_ids(S.tok, S.policy), tokenizer = S.tok }
 end
 
 -- ---- the rollout: prompts -> generate -> score -------------------------------------------------
@@ -315,8 +286,8 @@ function Recipe:prompts(step) return self.S:prompts(self.c.prompts) end
 function Recipe:generate(records, seed_step)
   local S = self.S
   self.sampling.step = seed_step
-  local results = S:phase('generate', function() return S.engine:generate(R.requests(records, self.group), self.sampling) end)
-  return R.flatten(records, results)
+  local results = S:phase('generate', function() return S.engine:generate(batch.requests(records, self.group), self.sampling) end)
+  return batch.flatten(records, results)
 end
 
 function Recipe:score(samples)
@@ -338,7 +309,7 @@ end
 
 -- What an advantage estimator is given besides the samples (moonrl.algo.estimators).
 function Recipe:advantage_context(samples)
-  return { scores = R.scores(samples), nseq = #samples, group = self.group, cfg = self.c }
+  return { scores = batch.scores(samples), nseq = #samples, group = self.group, cfg = self.c }
 end
 
 -- Set each sample's advantage from an estimator's result: n numbers (s.adv) or n per-token lists
@@ -365,11 +336,15 @@ function Recipe:advantages(samples, info)
   M.set_advantages(samples, estimate(samples, self:advantage_context(samples, info)))
 end
 
--- One epoch's R.policy_step options (the recipe's section: loss, clips, agg, KL, entropy).
+-- One epoch's step.policy_step options (the recipe's section: loss, clips, agg, KL, entropy; the
+-- async section's off-policy correction, and its decoupled PPO in place of the section's loss).
 function Recipe:policy_options(samples, epoch)
   local S, c, t = self.S, self.c, self.cfg.train
-  return S:off_policy { session = S, model = S.policy, opt = S.opt, samples = samples, ref = self.ref,
-    measure_mismatch = epoch == 1, lr = S:lr(), temperature = c.temperature, loss = c.loss, clip_low = c.clip_low,
+  local off = train.off_policy(self.cfg)
+  return { session = S, model = S.policy, opt = S.opt, samples = samples, ref = self.ref,
+    loss = off.decoupled and 'decoupled_ppo' or c.loss, correction = off.correction,
+    behav_imp_weight_cap = off.behav_imp_weight_cap,
+    measure_mismatch = epoch == 1, lr = S:lr(), temperature = c.temperature, clip_low = c.clip_low,
     clip_high = c.clip_high, agg = c.agg, norm = c.max_tokens, kl_coef = c.kl_coef, kl_estimator = c.kl_estimator,
     entropy_coef = c.entropy_coef, micro_batch_tokens = t.micro_batch_tokens, max_grad_norm = t.max_grad_norm,
     routing_replay = self.cfg.moe and self.cfg.moe.routing_replay }
@@ -380,14 +355,14 @@ end
 function Recipe:update(samples, info)
   local S, epochs = self.S, self.c.epochs or 1
   if epochs > 1 and #samples > 0 then
-    local old = S:phase('old_logprobs', R.logprobs, S.policy, samples, self.cfg.train.micro_batch_tokens,
+    local old = S:phase('old_logprobs', train.logprobs, S.policy, samples, self.cfg.train.micro_batch_tokens,
       { temperature = self.c.temperature, routing_replay = self.cfg.moe and self.cfg.moe.routing_replay, world = S.world })
     for i, s in ipairs(samples) do s.old_logprobs = old[i] end
   end
   self.update_t0 = moonrl.now()
   local m, mismatch, moe = { tokens = 0 }, nil, nil
   for epoch = 1, #samples > 0 and epochs or 0 do
-    m = S:phase('train', R.policy_step, self:policy_options(samples, epoch))
+    m = S:phase('train', train.policy_step, self:policy_options(samples, epoch))
     mismatch, moe = mismatch or m.mismatch, moe or m.moe
   end
   m.mismatch, m.moe = mismatch, moe -- the first epoch's: on the weights that generated the samples
@@ -396,13 +371,13 @@ end
 
 function Recipe:metrics(m, samples, info)
   local S, rm = self.S, info.reward or {}
-  m.reward, m.accuracy = R.reward_metrics(R.scores(samples), #samples)
+  m.reward, m.accuracy = metrics.reward_metrics(batch.scores(samples), #samples)
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
-  m.response_length = R.length_metrics(samples)
+  m.response_length = metrics.length_metrics(samples)
   m.data = S:data_metrics()
   m.async = S:async_metrics(info)
-  m.tokens_per_s = { generate = R.rate(m.tokens or 0, info.gen_seconds or 0),
-    train = R.rate((m.tokens or 0) * (self.c.epochs or 1), moonrl.now() - (self.update_t0 or moonrl.now())) }
+  m.tokens_per_s = { generate = metrics.rate(m.tokens or 0, info.gen_seconds or 0),
+    train = metrics.rate((m.tokens or 0) * (self.c.epochs or 1), moonrl.now() - (self.update_t0 or moonrl.now())) }
 end
 
 -- ---- held-out evaluation -----------------------------------------------------------------------
@@ -427,7 +402,7 @@ function Recipe:log(m) return self.S:log(m, { quiet = self.cfg.quiet == true }) 
 
 function Recipe:finish()
   local S = self.S
-  local dirs = R.finish(S)
+  local dirs = S:finish()
   return { history = self.history, dir = S.dir, model = S.policy, dirs = dirs }
 end
 

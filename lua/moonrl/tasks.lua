@@ -17,23 +17,20 @@
 --   addition   the default example's task: every "a+b=" with a, b < 100 (10,000 problems), its
 --              200 held out chosen by the seed (examples/default.lua builds its problems with
 --              it); the answer is the sum ("85"), judged by the 'exact' reward. Called directly,
---              o.rng (a moonrl.train.session generator, e.g. a session's S:rng) shuffles in place of
+--              o.rng (a moonrl.rng generator, e.g. a session's S:rng) shuffles in place of
 --              a fresh one from o.seed, and o.heldout (200) sets how many are held out. Each
 --              record also has rejected, the answer with the default example's flaw ("85="),
 --              for preference recipes (`moonrl run dpo data.task=addition`).
 local M = require('moonrl.registry').new('task')
 
 M.register('addition', function(o)
-  local rng = o.rng or require('moonrl.train.session').rng(o.seed or 1) -- the default example's draw generator
+  local rng = o.rng or require('moonrl.rng').new(o.seed or 1) -- the default example's draw generator
   local n_heldout = o.heldout or 200
   local problems = {}
   for a = 0, 99 do
     for b = 0, 99 do problems[#problems + 1] = { a = a, b = b } end
   end
-  for i = #problems, 2, -1 do
-    local j = rng:int(i) + 1
-    problems[i], problems[j] = problems[j], problems[i]
-  end
+  require('moonrl.rng').shuffle(problems, rng)
   local train, heldout = {}, {}
   for i, p in ipairs(problems) do
     local sum = tostring(p.a + p.b)

@@ -4,7 +4,8 @@
 -- over several micro-batches, and the metrics land in m.is.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local R = require('moonrl.recipe')
+local models = require('moonrl.train.models')
+local train = require('moonrl.train.step')
 
 local cfg = { model_type = 'qwen2', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
   num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 }
@@ -28,17 +29,17 @@ local function step(o, shift)
   local model = moonrl.model.new(cfg, { seed = 3 })
   local s = samples()
   if shift then
-    local lps = R.logprobs(model, s, 4096)
+    local lps = train.logprobs(model, s, 4096)
     for i, list in ipairs(lps) do
       local r = {}
       for k, v in ipairs(list) do r[k] = v + shift(i, k) end
       s[i].rollout_logprobs = r
     end
   end
-  local opt = R.adamw(model, { lr = 1e-3 })
+  local opt = models.adamw(model, { lr = 1e-3 })
   local args = { model = model, opt = opt, samples = s, lr = 1e-3, micro_batch_tokens = 14, max_grad_norm = 1e9 }
   for k, v in pairs(o) do args[k] = v end
-  local m = R.policy_step(args)
+  local m = train.policy_step(args)
   local g, n = model:grads()
   local copy = {}
   for k = 0, n - 1 do copy[k] = g[k] end

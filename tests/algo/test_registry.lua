@@ -6,7 +6,7 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local algo = require('moonrl.algo')
 local registry = require('moonrl.registry')
-local R = require('moonrl.recipe')
+local batch = require('moonrl.batch')
 local A = algo.agg
 
 math.randomseed(17)
@@ -54,7 +54,7 @@ local function samples_of(nprompts, G)
 end
 
 local function ctx_of(samples, G, cfg)
-  return { scores = R.scores(samples), nseq = #samples, group = G, cfg = cfg or {} }
+  return { scores = batch.scores(samples), nseq = #samples, group = G, cfg = cfg or {} }
 end
 
 t.test('grpo, dr_grpo, rloo estimators against independent per-group formulas', function()

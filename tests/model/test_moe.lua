@@ -2,7 +2,7 @@
 -- (what a reference policy copy is built from), the load-balancing loss and its coefficient,
 -- config errors; and a few GRPO steps of recipes/grpo.lua on a tiny MoE model (engine
 -- generation, trainer, optimizer, checkpoint and the saved model all on the flat buffer).
--- Routing replay: the engine's routing record packed by moonrl.recipe and replayed by the
+-- Routing replay: the engine's routing record packed by moonrl.batch and replayed by the
 -- trainer's forward (the experts the trainer runs are the engine's, token by token; the same
 -- bits as its own routing on the same weights); GRPO with moe.routing_replay and
 -- moe.aux_loss_coef, their metrics logged; the keys refused for a dense model.
@@ -10,7 +10,9 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
-local R = require('moonrl.recipe')
+local batch = require('moonrl.batch')
+local models = require('moonrl.train.models')
+local session = require('moonrl.train.session')
 local ffi = require('ffi')
 
 local cfg = { model_type = 'qwen3_moe', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
@@ -38,7 +40,7 @@ t.test('a qwen3_moe model: views, config round trip, aux loss', function()
   local V, D, F, Fe, E = 15, 32, 48, 16, 4
   local attn = D + 4 * 8 * D + 2 * 2 * 8 * D + D * 4 * 8 + 2 * 8 + D
   t.eq(m.n_params, V * D + 3 * attn + 3 * F * D + 2 * (E * D + 3 * E * Fe * D) + D, 'parameter count')
-  -- the same model again from m.config (as R.start builds a reference policy)
+  -- the same model again from m.config (as session.start builds a reference policy)
   local copy = moonrl.model.new(m.config, { seed = 4 })
   t.eq(copy.n_params, m.n_params)
   local b = moonrl.model.batch({ { 1, 5, 9, 2, 7 }, { 3, 4, 11 } })
@@ -79,8 +81,8 @@ t.test('routing replay: the engine record, packed, replayed by the trainer', fun
   local W = n_moe * K
   local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16, record_routing = true })
   local records = { { prompt_ids = { 1, 5, 9, 3, 7, 4 }, prompt_index = 0 }, { prompt_ids = { 3, 4 }, prompt_index = 1 } }
-  local results = e:generate(R.requests(records, 3), { temperature = 1.0, max_tokens = 6, eos_ids = {} })
-  local samples = R.flatten(records, results)
+  local results = e:generate(batch.requests(records, 3), { temperature = 1.0, max_tokens = 6, eos_ids = {} })
+  local samples = batch.flatten(records, results)
   t.eq(#samples, 6)
   for _, s in ipairs(samples) do
     t.eq(ffi.sizeof(s.routing), 2 * W * (#s.prompt_ids + #s.ids), 'one row a position')
@@ -88,7 +90,7 @@ t.test('routing replay: the engine record, packed, replayed by the trainer', fun
     for q = 0, W - 1 do t.eq(s.routing[last * W + q], -1) end
   end
   -- packed with shared prompts, as the update packs them
-  local b = R.pack(samples, 1, #samples, { share_prompts = true, routing = W })
+  local b = batch.pack(samples, 1, #samples, { share_prompts = true, routing = W })
   t.truthy(b.routing ~= nil and b.n_seqs == 8, 'two shared prompts + six samples')
   local own_lp = m:forward(b)
   local own = m:routing()
@@ -129,7 +131,7 @@ end)
 t.test('grpo: routing replay and the aux loss coefficient, logged', function()
   local dir = U.tmpdir('moe_r3')
   local init = dir .. '/init'
-  R.save({ dir = init }, moonrl.model.new(cfg, { seed = 2 }), U.TOKENIZER, init)
+  models.save({ dir = init }, moonrl.model.new(cfg, { seed = 2 }), U.TOKENIZER, init)
   local recs = {}
   for i, p in ipairs(U.additions(40, 6)) do recs[i] = { question = p.prompt, answer = p.answer } end
   local data = U.write_jsonl(dir .. '/train.jsonl', recs)
@@ -179,7 +181,7 @@ end)
 t.test('grpo: a few steps on a tiny qwen3_moe', function()
   local dir = U.tmpdir('moe')
   local init = dir .. '/init'
-  R.save({ dir = init }, moonrl.model.new(cfg, { seed = 1 }), U.TOKENIZER, init)
+  models.save({ dir = init }, moonrl.model.new(cfg, { seed = 1 }), U.TOKENIZER, init)
   local recs = {}
   for i, p in ipairs(U.additions(40, 5)) do recs[i] = { question = p.prompt, answer = p.answer } end
   local data = U.write_jsonl(dir .. '/train.jsonl', recs)

@@ -75,7 +75,7 @@ end
 
 -- A tiny qwen3_moe (5 experts: uneven blocks over 2 ranks) saved in Hugging Face format at dir.
 local function tiny_moe(dir, seed)
-  require('moonrl.recipe').save({ dir = dir }, moonrl.model.new({ model_type = 'qwen3_moe', vocab_size = 15,
+  require('moonrl.train.models').save({ dir = dir }, moonrl.model.new({ model_type = 'qwen3_moe', vocab_size = 15,
     hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
     head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2,
     num_experts = 5, num_experts_per_tok = 2, moe_intermediate_size = 16, norm_topk_prob = true,

@@ -2,7 +2,7 @@
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
-local sf = moonrl.io.safetensors
+local sf = require('moonrl.io.safetensors')
 
 t.test('write and read back', function()
   local path = os.tmpname()

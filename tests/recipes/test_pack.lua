@@ -4,7 +4,9 @@
 local t = require('moonrl.testing')
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local R = require('moonrl.recipe')
+local batch = require('moonrl.batch')
+local models = require('moonrl.train.models')
+local train = require('moonrl.train.step')
 
 -- two groups of 3 samples (one prompt table each), a lone sample, and an empty response
 local pa, pb, pc = { 1, 5, 6, 7, 13 }, { 1, 9, 3 }, { 1, 4 }
@@ -22,7 +24,7 @@ end
 
 t.test('pack: the layout of shared prompts', function()
   local s = samples()
-  local whole, shared = R.pack(s), R.pack(s, 1, #s, { share_prompts = true })
+  local whole, shared = batch.pack(s), batch.pack(s, 1, #s, { share_prompts = true })
   t.eq(whole.n_seqs, 7)
   t.eq(whole.n_tokens, 3 * 5 + 9 + 3 * 3 + 4 + 2 + 3)
   -- pa[1..4] once, 3 children "13 + response"; pb[1..2] once, 3 children; pc whole
@@ -48,7 +50,7 @@ t.test('pack: the layout of shared prompts', function()
   for k = 0, shared.n_tokens - 1 do ones = ones + shared.mask[k] end
   t.eq(ones, 3 + 1 + 5 + 2 + 0 + 2 + 3)
   -- without the option (or with groups of one) nothing is shared
-  local lone = R.pack({ s[1], s[4], s[7] }, 1, 3, { share_prompts = true })
+  local lone = batch.pack({ s[1], s[4], s[7] }, 1, 3, { share_prompts = true })
   t.eq(lone.n_tokens, 5 + 3 + 3 + 2 + 2 + 3)
 end)
 
@@ -59,9 +61,9 @@ t.test('pack: log-probs and a policy step with shared prompts equal those of who
   for _, share in ipairs({ false, true }) do
     local model = moonrl.model.new(cfg, { seed = 3 })
     local s = samples()
-    local lps = R.logprobs(model, s, 4096, { share_prompts = share })
-    local opt = R.adamw(model, { lr = 1e-2 })
-    local m = R.policy_step({ model = model, opt = opt, samples = s, lr = 1e-2, share_prompts = share,
+    local lps = train.logprobs(model, s, 4096, { share_prompts = share })
+    local opt = models.adamw(model, { lr = 1e-2 })
+    local m = train.policy_step({ model = model, opt = opt, samples = s, lr = 1e-2, share_prompts = share,
       agg = 'seq-mean-token-mean', entropy_coef = 0.01 })
     local g, n = model:grads()
     local p = model:params()
@@ -100,8 +102,8 @@ t.test('pack: value estimates (a critic) with shared prompts equal those of whol
     end
   end
   local s = samples()
-  local lw, vw = R.logprobs(critic, s, 4096, { values = true, share_prompts = false })
-  local ls, vs = R.logprobs(critic, s, 4096, { values = true })
+  local lw, vw = train.logprobs(critic, s, 4096, { values = true, share_prompts = false })
+  local ls, vs = train.logprobs(critic, s, 4096, { values = true })
   local worst = 0
   for i = 1, #s do
     t.eq(#vs[i], #vw[i])
@@ -120,7 +122,7 @@ t.test('pack: the DPO loss over pairs sharing their prompt equals that of whole 
   local out = {}
   for _, share in ipairs({ false, true }) do
     local model = moonrl.model.new(cfg, { seed = 9 })
-    local b = R.pack(pairs, 1, #pairs, { share_prompts = share })
+    local b = batch.pack(pairs, 1, #pairs, { share_prompts = share })
     local ref = ffi.new('double[?]', #pairs)
     for k = 1, #pairs do ref[k - 1] = pairs[k].ref end
     local lp = model:forward(b)

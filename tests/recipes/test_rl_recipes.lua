@@ -61,7 +61,7 @@ end)
 t.test('reward model: a sequence-classification checkpoint scores through the value head', function()
   local rm = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 32, intermediate_size = 64,
     num_hidden_layers = 1, num_attention_heads = 4, max_position_embeddings = 64 }, { seed = 9, value_head = true })
-  require('moonrl.recipe').save({ dir = dir }, rm, U.TOKENIZER, dir .. '/rm')
+  require('moonrl.train.models').save({ dir = dir }, rm, U.TOKENIZER, dir .. '/rm')
   local cj = json.read_file(dir .. '/rm/config.json')
   t.eq(cj.architectures[1], 'LlamaForSequenceClassification')
   local fn = require('rewards.reward_model').register('tiny_rm', dir .. '/rm')

@@ -3,7 +3,7 @@
 -- file with command-line style overrides.
 local moonrl = require('moonrl')
 local config = require('moonrl.config')
-local R = require('moonrl.recipe')
+local models = require('moonrl.train.models')
 
 local M = {}
 
@@ -25,7 +25,7 @@ function M.tiny_model(dir, opts)
     num_hidden_layers = opts.layers or 1, num_attention_heads = 4, num_key_value_heads = 2,
     max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2 },
     { seed = opts.seed or 1 })
-  R.save({ dir = dir }, m, M.TOKENIZER, dir)
+  models.save({ dir = dir }, m, M.TOKENIZER, dir)
   return dir
 end
 

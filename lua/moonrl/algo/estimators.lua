@@ -25,7 +25,7 @@ local A = require('moonrl.algo.advantages')
 
 local M = require('moonrl.registry').new('advantage estimator')
 
-local function recipe() return require('moonrl.recipe') end
+local batch = require('moonrl.batch')
 
 M.register('grpo', function(samples, ctx)
   return A.grpo({ scores = ctx.scores, nseq = ctx.nseq, group = ctx.group, scale = ctx.cfg.scale })
@@ -42,27 +42,24 @@ end, 'RLOO: s − mean of the other samples of the group')
 -- Per-token rewards of the packed samples: the score on the last response token, minus the KL
 -- penalty kl_coef · (log π_old − log π_ref) when the recipe computed both.
 local function token_rewards(b, ctx)
-  local R = recipe()
   local kl = ctx.ref_logprobs and ctx.old_logprobs and (ctx.cfg.kl_coef or 0) or 0
   return A.token_rewards({ scores = ctx.scores, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, mask = b.mask,
-    old_logprob = ctx.old_logprobs and R.scatter(b, ctx.old_logprobs),
-    ref_logprob = ctx.ref_logprobs and R.scatter(b, ctx.ref_logprobs), kl_coef = ctx.ref_logprobs and kl or 0 })
+    old_logprob = ctx.old_logprobs and batch.scatter(b, ctx.old_logprobs),
+    ref_logprob = ctx.ref_logprobs and batch.scatter(b, ctx.ref_logprobs), kl_coef = ctx.ref_logprobs and kl or 0 })
 end
 
 M.register('reinforce_pp', function(samples, ctx)
-  local R = recipe()
-  local b = R.pack(samples)
+  local b = batch.pack(samples)
   local adv = A.reinforce_pp({ token_rewards = token_rewards(b, ctx), cu_seqlens = b.cu_seqlens, nseq = b.n_seqs,
     mask = b.mask, gamma = ctx.cfg.gamma or 1 })
-  return R.gather(b, adv)
+  return batch.gather(b, adv)
 end, 'REINFORCE++: discounted returns (gamma), whitened over the batch')
 
 M.register('gae', function(samples, ctx)
-  local R = recipe()
-  local b = R.pack(samples)
-  local adv, ret = A.gae({ token_rewards = token_rewards(b, ctx), values = R.scatter(b, ctx.values),
+  local b = batch.pack(samples)
+  local adv, ret = A.gae({ token_rewards = token_rewards(b, ctx), values = batch.scatter(b, ctx.values),
     cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, mask = b.mask, gamma = ctx.cfg.gamma, lam = ctx.cfg.lam })
-  return R.gather(b, adv), { returns = R.gather(b, ret) }
+  return batch.gather(b, adv), { returns = batch.gather(b, ret) }
 end, { doc = "GAE over the critic's values (gamma, lam), whitened: PPO", needs = { 'values' } })
 
 return M

@@ -276,7 +276,7 @@ end
 -- ---- the registry recipes find a loss in (`grpo.loss=NAME`): name -> fn(args) -> loss, metrics ----
 -- A registered loss takes the arrays above (logprob, old_logprob, advantages, mask, cu_seqlens,
 -- nseq, grad, agg and the global denominators, clip_low / clip_high / dual_clip, rollout_logprob,
--- weights) and ADDS its gradient into args.grad, as ppo does; R.policy_step calls it per micro-batch.
+-- weights) and ADDS its gradient into args.grad, as ppo does; train.policy_step calls it per micro-batch.
 M.losses = require('moonrl.registry').new('policy loss')
 function M.register(name, fn, doc) return M.losses.register(name, fn, doc) end
 M.register('ppo', M.ppo, 'PPO-clip on the token ratio (clip_low, clip_high: DAPO clip-higher)')

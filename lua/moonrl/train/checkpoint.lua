@@ -45,7 +45,7 @@ M.TOKENIZER_FILES = TOKENIZER_FILES
 function M.dir_name(step) return string.format('step-%06d', step) end
 
 -- Save a model as a Hugging Face directory with the tokenizer files beside it (each written
--- atomically and fsync'ed). Shared with the final save of a run (moonrl.recipe.save).
+-- atomically and fsync'ed). Shared with the final save of a run (moonrl.train.models.save).
 function M.save_model(model, dir, tokenizer_dir)
   fs.mkdirs(dir)
   model:save(dir)

@@ -3,9 +3,9 @@
 -- run's reward (accuracy: the share scoring >= 1; reward: the mean score).
 --
 --   local E = require('moonrl.train.evaluation')
---   cfg = moonrl.config { ..., eval = E.config(), reward = R.reward_config('exact'), engine = R.engine_config() }
+--   cfg = moonrl.config { ..., eval = E.config(), reward = sections.reward_config('exact'), engine = sections.engine_config() }
 --   E.check(cfg)                                   -- usage errors, before any work
---   local S = R.start(cfg, { ..., engine = E.wanted(cfg) })
+--   local S = session.start(cfg, { ..., engine = E.wanted(cfg) })
 --   local held = E.records(S, cfg)                 -- eval.data, eval.task or data.task's split
 --   if E.due(cfg, step) then m.eval = S:phase('eval', E.accuracy, S, cfg, held, { eos_ids = ... }) end
 --
@@ -16,20 +16,14 @@
 -- answers its share and the counts are summed, so every rank returns the whole set's figures.
 local moonrl = require('moonrl')
 local config = require('moonrl.config')
-local R = require('moonrl.recipe')
+local batch = require('moonrl.batch')
+local prompts = require('moonrl.train.prompts')
+local sections = require('moonrl.train.sections')
+local session = require('moonrl.train.session')
+local sections = require('moonrl.train.sections')
+
 
 local M = {}
-
--- every: steps between evaluations (0: off); data / task: the held-out set (see the top);
--- prompts: at most this many (0: all); max_tokens: the answer's budget (0: the recipe's).
-function M.config()
-  return { every = config.integer(0), data = config.optional('string', 'held-out JSONL (data.* fields)'),
-    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0),
-    max_tokens = config.integer(0) }
-end
-
--- The keys a resumed run may change (an evaluation changes no state the run resumes from).
-M.KEYS = { 'eval.every', 'eval.data', 'eval.task', 'eval.prompts', 'eval.max_tokens' }
 
 -- Usage errors before any work: a bad task name, a negative count, eval.every with no held-out
 -- set (o.own: the recipe has one of its own).
@@ -81,7 +75,7 @@ function M.records(S, cfg, own, o)
   for i = 1, n do -- (a copy of each record: a reward may read its other fields, s.record)
     local r = {}
     for k, v in pairs(list[i]) do r[k] = v end
-    r.prompt_index, r.prompt_ids = i - 1, r.prompt_ids or R.prompt_ids(S.tok, S.tpl, r.prompt, d.system)
+    r.prompt_index, r.prompt_ids = i - 1, r.prompt_ids or prompts.prompt_ids(S.tok, S.tpl, r.prompt, d.system)
     out[i] = r
   end
   return out
@@ -92,7 +86,7 @@ end
 function M.answer_budget(S, records)
   local longest = 1
   for _, r in ipairs(records) do
-    if r.answer then longest = math.max(longest, #R.completion_ids(S.tok, r.answer)) end
+    if r.answer then longest = math.max(longest, #prompts.completion_ids(S.tok, r.answer)) end
   end
   return 2 * longest
 end
@@ -106,9 +100,9 @@ function M.accuracy(S, cfg, records, o)
   local right, sum = 0, 0
   if #mine > 0 then
     local max_tokens = cfg.eval.max_tokens > 0 and cfg.eval.max_tokens or o.max_tokens or M.answer_budget(S, records)
-    local results = S.engine:generate(R.requests(mine, 1), { temperature = 0, max_tokens = max_tokens,
-      eos_ids = o.eos_ids or R.eos_ids(S.tok, S.policy), tokenizer = S.tok })
-    local samples = R.flatten(mine, results)
+    local results = S.engine:generate(batch.requests(mine, 1), { temperature = 0, max_tokens = max_tokens,
+      eos_ids = o.eos_ids or prompts.eos_ids(S.tok, S.policy), tokenizer = S.tok })
+    local samples = batch.flatten(mine, results)
     local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
       { on_error = 'zero', timeout = cfg.reward.timeout })
     for i = 1, #samples do

@@ -13,7 +13,7 @@
 --   machine    CPU model and cores, the kernels in use (ISA level, bf16 path, OpenBLAS core),
 --              threads, ranks, host, CUDA devices visible
 --   threads    with run.threads=auto: the count chosen, how (measured, ranks, MOONRL_THREADS,
---              checkpoint) and the seconds of a step at each count timed (moonrl.recipe)
+--              checkpoint) and the seconds of a step at each count timed (moonrl.train.threads)
 --
 -- `moonrl run --from RUN_DIR [key=value ...]` runs the recipe again with the same words, after
 -- checking that the recipe, the inputs and the code are unchanged (a changed or missing file is

@@ -50,7 +50,7 @@ local ffi = require('ffi')
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
 local C = moonrl.C
-local Session = require('moonrl.train.session').Session
+local sections = require('moonrl.train.sections')
 
 local M = {}
 
@@ -93,35 +93,18 @@ function M.decode(text, source)
   for i, e in ipairs(t.samples) do
     local s = {}
     for k, v in pairs(e) do if k ~= 'g' then s[k] = v end end
-    if type(s.routing) == 'table' then -- back to the int16 record R.pack_routing reads
+    if type(s.routing) == 'table' then -- back to the int16 record batch.pack_routing reads
       local r = ffi.new('int16_t[?]', #s.routing)
       for k = 1, #s.routing do r[k - 1] = s.routing[k] end
       s.routing = r
     end
-    s.prompt_ids, s.group = t.groups[e.g], e.g -- one table per group: R.pack shares its rows
+    s.prompt_ids, s.group = t.groups[e.g], e.g -- one table per group: batch.pack shares its rows
     samples[i] = s
   end
   return samples, t.info
 end
 
 -- ---- the schedule --------------------------------------------------------------------------
-
--- How many batches ahead of training the rollouts run (the staleness of a batch).
-function M.lag(cfg)
-  local a = cfg.async
-  if not a or a.mode == 'sync' then return 0 end
-  if a.mode == 'one_step_off' then return 1 end
-  return a.max_staleness
-end
-
--- Whether the policy loss is AReaL's decoupled PPO. auto: in async mode, where the truncated
--- importance weights on the engine's log-probs alone lost up to a quarter of the sync run's
--- gain on the default example at max_staleness=2 (README, "Asynchronous RL").
-function M.decoupled(cfg)
-  local d = cfg.async and cfg.async.decoupled
-  if d == 'auto' then return cfg.async.mode == 'async' end
-  return d == 'true' or d == true
-end
 
 local CORRECTIONS = { auto = true, none = true, tis = true, tis_seq = true, mis_token = true, mis_seq = true, mis_geo = true }
 
@@ -159,12 +142,12 @@ local function check_config(cfg)
     moonrl.usage_error(string.format("config key 'async.engine_threads' must be in 0..1024, got %d", a.engine_threads))
   end
   local remote = cfg.dist and cfg.dist.rollout_ranks > 0
-  if a.engine_threads > 0 and (M.lag(cfg) == 0 or remote) then
+  if a.engine_threads > 0 and (sections.lag(cfg) == 0 or remote) then
     moonrl.usage_error('async.engine_threads overlaps the next batch with this step in one process: it needs ' ..
       'async.mode one_step_off or async, and no dist.rollout_ranks')
   end
   if a.stream then
-    if not remote or M.lag(cfg) == 0 or a.partial ~= 'continue' then
+    if not remote or sections.lag(cfg) == 0 or a.partial ~= 'continue' then
       moonrl.usage_error('async.stream=true streams batches from dist.rollout_ranks with requests of several ' ..
         'batches in one engine: it needs dist.rollout_ranks, async.mode one_step_off or async, and ' ..
         'async.partial=continue')
@@ -179,7 +162,7 @@ local function check_config(cfg)
       'async.stream=true and dist.rollout_ranks=1')
   end
   if a.partial == 'continue' then
-    if M.lag(cfg) == 0 then moonrl.usage_error('async.partial=continue needs async.mode one_step_off or async') end
+    if sections.lag(cfg) == 0 then moonrl.usage_error('async.partial=continue needs async.mode one_step_off or async') end
     if not remote and a.engine_threads == 0 then
       moonrl.usage_error('async.partial=continue updates requests in flight: it needs dist.rollout_ranks or ' ..
         'async.engine_threads (in one process the batch is generated between steps, with nothing to update it)')
@@ -192,48 +175,9 @@ local function check_config(cfg)
 end
 M.check_config = check_config
 
--- The config section every RL recipe and the default example get.
-function M.config()
-  local config = require('moonrl.config')
-  return {
-    mode = 'sync',                      -- sync | one_step_off | async
-    max_staleness = config.integer(1),  -- versions a sample may lag the weights it trains (async: the queue depth)
-    stale = 'drop',                     -- a staler sample: drop, or downweight (advantage * stale_weight)
-    stale_weight = 0.5,
-    -- off-policy corrections on the engine's log-probs (moonrl.algo.correction)
-    correction = 'auto',                -- auto (tis off-policy, none in sync) | none | tis | tis_seq | mis_token | mis_seq | mis_geo
-    correction_clip = 2.0,              -- C of truncated importance sampling
-    correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
-    correction_upper = 0.0,
-    -- AReaL's decoupled PPO (proximal policy = the trainer before the update): auto (on in
-    -- async mode, where samples lag up to max_staleness versions; one_step_off keeps the tis
-    -- correction alone) | true | false
-    decoupled = 'auto',
-    -- in-flight requests when a new version is published: finish with the weights they started
-    -- with (the fixed schedule: deterministic) | continue with the new ones from the next token
-    -- (PipelineRL: their KV cache kept as it is; each token's version recorded); the latter needs
-    -- rollout ranks on trainer rank 0's host, or engine_threads
-    partial = 'finish',
-    -- rollout ranks: one engine for every batch in flight, never reset: a batch's requests are
-    -- queued as soon as the staleness bound allows (up to max_staleness + 1 batches at once)
-    -- and each batch goes to the trainers when its last group is done, while the others go on
-    -- (AReaL-style streaming, with partial=continue); false: a batch at a time
-    stream = false,
-    -- what a stream hands the trainers: 'batch' (each batch the prompts it drew, when its last
-    -- group is done) | 'group' (one rollout rank: each group is drawn, generated and scored on
-    -- its own, and a batch is the first groups to finish: AReaL's streaming; a slow group lands
-    -- in a later batch, staler)
-    stream_unit = 'batch',
-    weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
-    engine_threads = config.integer(0), -- one process: N >= 1 generates the next batch on an engine thread of N threads
-                                        -- while this step trains (run.threads for training); 0: between steps
-    behav_cap = 0.0,                    -- decoupled: cap of the behaviour weight π_prox/μ (0: none)
-  }
-end
-
 
 -- ---- the session side -----------------------------------------------------------------------
--- Installed into the recipe session (moonrl.recipe's RS).
+-- Methods of the run's session (moonrl.train.session installs them).
 
 local RS = {}
 M.methods = RS
@@ -243,23 +187,6 @@ M.methods = RS
 function RS:rollout(fn, opts)
   self.rollout_fn = fn
   self.rollout_engine = opts and opts.engine or self.engine
-end
-
--- The policy-step options of the off-policy corrections the config asks for, added to o.
-function RS:off_policy(o)
-  local a = self.cfg.async
-  if not a then return o end
-  local mode = a.correction
-  if mode == 'auto' then mode = M.lag(self.cfg) > 0 and 'tis' or 'none' end
-  if mode ~= 'none' then
-    o.correction = { mode = mode, clip = a.correction_clip,
-      lower = a.correction_lower > 0 and a.correction_lower or nil, upper = a.correction_upper > 0 and a.correction_upper or nil }
-  end
-  if M.decoupled(self.cfg) then
-    o.loss = 'decoupled_ppo'
-    if a.behav_cap > 0 then o.behav_imp_weight_cap = a.behav_cap end
-  end
-  return o
 end
 
 -- The step's async metrics: staleness, queue, waits, the weight publication.
@@ -455,7 +382,7 @@ end
 -- metrics, plus info.async: staleness histogram, queue depth, idle shares).
 function RS:next_batch()
   if not self.rollout_fn then error('S:next_batch: declare the rollout first (S:rollout(fn))', 2) end
-  local s, L = self.step, M.lag(self.cfg)
+  local s, L = self.step, sections.lag(self.cfg)
   if not self.pending then load_pending(self) end
   if self.remote then
     if not self.pending[s] then self.pending[s] = receive(self, s) end
@@ -504,7 +431,7 @@ end
 -- must agree on it: the session uses it as is).
 function RS:after_update()
   if not self.rollout_fn or self.step == 0 then return nil end
-  local s, L, T = self.step, M.lag(self.cfg), self.run.total
+  local s, L, T = self.step, sections.lag(self.cfg), self.run.total
   local stop
   finish_background(self, true)
   if self.remote then
@@ -530,7 +457,7 @@ end
 -- trainers go back to a checkpoint: RS:rollback), or that the phase is done (its last step).
 function RS:publish(v, flags)
   if not self.link then return end
-  local L, T = M.lag(self.cfg), self.run.total
+  local L, T = sections.lag(self.cfg), self.run.total
   -- the weights go when a batch still to come can use them: batch j is started with version
   -- j - 1 - lag; streamed, every batch after v takes v up while it is generated
   local weights = (self.cfg.async.stream and v < T or v + L + 1 <= T) and not flags.stop and not flags.rollback
@@ -549,8 +476,7 @@ end
 -- batches generated since are dropped when the rollback skips the data (guard.skip_batch: new
 -- batches from the data as it is now), or are the checkpoint's pending ones (a replay). The
 -- rollout ranks, told in the step's header, start again from the checkpoint's weights.
-function RS:rollback()
-  Session.rollback(self)
+function RS:rollback_rollouts()
   if not self.rollout_fn then return end
   next_epoch(self)
   local fresh = self.cfg.guard.skip_batch
@@ -624,7 +550,7 @@ end
 -- j - 1 - lag). Returns the header that ended the phase for this rank: the last step's (done),
 -- a stop or a rollback.
 local function serve(self, first, free_until, total)
-  local L = M.lag(self.cfg)
+  local L = sections.lag(self.cfg)
   local base = self.global_step - self.step -- the steps of the phases before this one
   local idle = 0
   for j = first, total do
@@ -718,7 +644,7 @@ end
 -- positions after them go with its batch. Returns the header that ended the phase (done, stop,
 -- rollback).
 local function serve_stream(self, first, total)
-  local L, st = M.lag(self.cfg), open_stream(self)
+  local L, st = sections.lag(self.cfg), open_stream(self)
   local live, next_j = {}, first
   local function resume(b, ...)
     st.at_step(b.j)
@@ -776,7 +702,7 @@ end
 -- drawn but in no batch yet go with each batch (the trainers checkpoint them): a resumed run
 -- draws those again first, so no prompt is lost or trained twice.
 local function serve_groups(self, first, total)
-  local L, st = M.lag(self.cfg), open_stream(self)
+  local L, st = sections.lag(self.cfg), open_stream(self)
   self.group_stream = true
   local live, done, P = {}, {}, nil -- live: groups in the engine (admission order); done: finished, in order
   local started = 0 -- groups started in this phase
@@ -851,7 +777,7 @@ end
 -- starts again from the checkpoint's step t: at batch t + 1 when the trainers dropped their
 -- pending batches, else after them (t + lag + 1), as after a resume.
 function RS:serve_rollouts(total)
-  local L = M.lag(self.cfg)
+  local L = sections.lag(self.cfg)
   local first, free_until = 1, L + 1
   if self.step > 0 then first = self.step + L + 1; free_until = first end -- resumed: up to step + L in the checkpoint
   local streamed = self.cfg.async.stream -- the trainers hold no batch ahead: on from the next one

@@ -43,11 +43,24 @@ local progress = require('moonrl.io.progress')
 local json = require('moonrl.io.json')
 local run_mod = require('moonrl.train.run')
 local dist = require('moonrl.train.dist')
+local rng_mod = require('moonrl.rng')
+local model_mod = require('moonrl.model')
+local batch = require('moonrl.batch')
+local sections = require('moonrl.train.sections')
+local models = require('moonrl.train.models')
+local prompts = require('moonrl.train.prompts')
+local threads = require('moonrl.train.threads')
+local train = require('moonrl.train.step')
+local rollout = require('moonrl.train.rollout')
 
 local M = {}
 local Session = {}
 Session.__index = Session
 M.Session = Session
+-- One object: the methods of the parts it is made of are its own (the prompts and rewards of
+-- moonrl.train.prompts, the rollouts of moonrl.train.rollout).
+for k, f in pairs(prompts.session_methods) do Session[k] = f end
+for k, f in pairs(rollout.methods) do Session[k] = f end
 
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
@@ -64,16 +77,6 @@ M.GuardStop = GuardStop
 function M.is_guard_stop(e) return getmetatable(e) == GuardStop end
 
 -- ---- small pieces -------------------------------------------------------------------------
-
--- A Lehmer generator (MINSTD, multiplier 48271): the same numbers on every machine.
-local Rng = {}
-Rng.__index = Rng
-function Rng:int(n)
-  self.state = (self.state * 48271) % 2147483647
-  return self.state % n
-end
-M.Rng = Rng
-function M.rng(seed) return setmetatable({ state = (seed * 69069 + 1) % 2147483648 }, Rng) end
 
 -- Flatten a config into { ['a.b'] = json text of the leaf }.
 local function flat_config(t, prefix, out)
@@ -116,9 +119,99 @@ end
 
 -- ---- start --------------------------------------------------------------------------------
 
--- opts: name (the recipe), total_steps (for the step line), steps_key (the config key of the
--- step count: free to change on resume), free_keys (more such keys), inputs ({ name = path } of
--- the input model and data, recorded in checkpoints).
+-- The session of a run: its policy, tokenizer, engine and data loaded from the config's sections,
+-- then its run state (M.open). cfg: the merged config; opts: name, steps (the step count), steps_key (its config key),
+-- chat (use the chat template), fields / optional (the dataset's record fields, when the
+-- recipe streams prompts from cfg.data.path), engine (false: none even with an engine section),
+-- policy / tokenizer / tokenizer_dir (a model the recipe built itself, instead of model.dir; its
+-- loaded tokenizer and the directory of its files), optimizer (false:
+-- no S.opt from the train section, the recipe registers its own), free_keys (config
+-- keys a resumed run may change, beside M.FREE_KEYS), data (a moonrl.data view to stream prompts
+-- from instead of cfg.data.path: a task's records, moonrl.tasks), check_policy(policy) (the
+-- recipe's checks of the loaded model, before the run directory exists).
+function M.start(cfg, opts)
+  opts = opts or {}
+  -- everything that can be checked or loaded is, before the run directory exists: a typo or a
+  -- missing model leaves nothing behind
+  if cfg.data and cfg.data.on_error then sections.check_choice('data.on_error', cfg.data.on_error, { 'stop', 'skip' }) end
+  if type(cfg.reward) == 'table' then sections.check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
+  sections.check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
+  rollout.check_config(cfg)
+  if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end -- (a reward model: once registered)
+  local dtype, device = models.model_dtype(cfg), models.model_device(cfg)
+  local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
+  if not policy and cfg.model and cfg.model.dir then
+    local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
+    if not ok then
+      -- a run directory given for its model: say where the model is
+      local dir = cfg.model.dir:gsub('/+$', '')
+      local hint = ''
+      if fs.exists(dir .. '/metrics.jsonl') and fs.exists(dir .. '/model/config.json') then
+        hint = string.format(' (%s is a run directory: its model is model.dir=%s/model)', dir, dir)
+      end
+      moonrl.usage_error('model.dir: ' .. moonrl.error_text(a) .. hint)
+    end
+    policy, tok, tpl, tok_dir = a, b, c, d
+  end
+  if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
+  if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
+  if policy and device and device ~= policy:device() then
+    local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
+    if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
+  end
+  local engine
+  if cfg.engine and opts.engine ~= false and policy then
+    local e = cfg.engine
+    sections.check_choice('engine.kv_cache_dtype', e.kv_cache_dtype or 'auto', { 'auto', 'fp32', 'bf16' })
+    local ok, made = pcall(moonrl.engine.new, policy, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
+      block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed,
+      cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype })
+    if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
+    engine = made
+  end
+  if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
+    require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
+    sections.check_reward(cfg)
+  end
+  local data = opts.data
+  if not data and opts.fields and cfg.data then
+    data = prompts.open_data(cfg, opts.fields, opts.optional):shuffled(cfg.run.seed)
+  end
+
+  local inputs = {}
+  if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
+  local S = M.open(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
+    free_keys = opts.free_keys })
+  S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
+  if policy then
+    S:model('policy', policy, { tokenizer_dir = tok_dir })
+    local bf16 = policy:dtype() == 'bf16'
+    if S.world.rank == 0 and cfg.quiet ~= true then -- the run's precision, on its first line
+      local gpu = policy:device() ~= 'cpu'
+      print(string.format('precision: %s%s%s', policy:dtype(), bf16 and string.format(
+        ' (fp32 master weights; bf16 products: %s)', gpu and 'cuBLASLt' or model_mod.bf16_products() or
+        'reference: no bf16 hardware, slow') or '', gpu and ', on ' .. policy:device_description() or ''))
+    end
+    S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32', device = policy:device(),
+      bf16_products = model_mod.bf16_products() or 'none' }, { quiet = true })
+  end
+  if cfg.run.threads == 'auto' and policy then threads.auto_threads(S, policy) end
+  if cfg.train and policy and S.role ~= 'rollout' then
+    if opts.optimizer ~= false then -- (false: the recipe makes it later, e.g. after a warm-up)
+      S.opt = S:optimizer('policy', models.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+    end
+    S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
+      total = opts.steps, lr = cfg.train.lr })
+  end
+  if engine then S.max_prompt_tokens = policy.config.max_position_embeddings - 1 end
+  if data then
+    S.data = S:dataset('train', data)
+    data.src.on_skip = function(msg) S:event('data_skipped', { message = msg }, { quiet = true }) end
+  end
+  return S
+end
+
+
 local function check_dist(d)
   if not d then return end
   if d.zero ~= 0 and d.zero ~= 1 then moonrl.usage_error(string.format("config key 'dist.zero' must be 0 or 1, got %s", d.zero)) end
@@ -131,7 +224,11 @@ local function check_dist(d)
   end
 end
 
-function M.start(cfg, opts)
+-- The run state alone (M.start's second half): the ranks, the run directory, the checkpoint to
+-- resume from. opts: name (the recipe), total_steps (for the step line), steps_key (the config
+-- key of the step count: free to change on resume), free_keys (more such keys), inputs
+-- ({ name = path } of the input model and data, recorded in checkpoints).
+function M.open(cfg, opts)
   opts = opts or {}
   local name = opts.name or 'run'
   check_dist(cfg.dist)
@@ -146,7 +243,7 @@ function M.start(cfg, opts)
     local o = {}
     for k, v in pairs(opts) do o[k] = v end
     o.groups_ready = true
-    local self = M.start(cfg, o)
+    local self = M.open(cfg, o)
     self.world, self.link, self.role, self.remote = groups.world, groups.link, groups.role, groups.remote
     return self
   end
@@ -263,7 +360,7 @@ function M.start_ranks(world, cfg, opts)
   o.ranks_ready, o.world_size = true, world.size
   local msg, made, ok
   if world.rank == 0 then
-    ok, made = pcall(M.start, cfg, o)
+    ok, made = pcall(M.open, cfg, o)
     if ok then
       msg = 'ok\n' .. json.encode(json.object({ 'dir', made.dir, 'from', made.resume and made.resume.dir or json.null }))
     else
@@ -280,7 +377,7 @@ function M.start_ranks(world, cfg, opts)
   if kind ~= 'ok' then moonrl.run_error('rank 0 could not start the run: ' .. tostring(rest)) end
   local d = json.decode(rest, 'rank 0')
   o.decided, o.silent = { dir = d.dir, from = d.from ~= json.null and d.from or nil }, true
-  return M.start(cfg, o)
+  return M.open(cfg, o)
 end
 
 -- ---- registering state ----------------------------------------------------------------------
@@ -313,7 +410,7 @@ end
 
 -- With several ranks the optimizer becomes data parallel (moonrl.train.dist): its gradients are summed
 -- over the ranks before it reads them, and with dist.zero=1 its state is sharded. opt.model: the
--- model whose buffers it steps (R.adamw sets it).
+-- model whose buffers it steps (models.adamw sets it).
 function Session:optimizer(name, opt)
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
@@ -354,19 +451,30 @@ function Session:local_samples(samples)
   return (self:shard(samples))
 end
 
--- R.micro_batches over this rank's samples (local_samples; opts.mine: samples are this rank's
--- already, e.g. a shard of pairs); the last one arms the gradient
--- buckets so that their sums start while its backward runs.
 -- The next backward is the step's last: every optimizer's gradient sums start during it
 -- (dist.data_parallel's buckets, mrl_dist_buckets_arm).
 function Session:arm_gradient_sums()
   for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
 end
 
+-- batch.micro_batches over this rank's samples (local_samples; opts.mine: samples are this rank's
+-- already, e.g. a shard of pairs); the last one arms the gradient buckets so that their sums
+-- start while its backward runs.
 function Session:micro_batches(samples, max_tokens, opts)
-  local R = require('moonrl.recipe')
   local mine = opts and opts.mine and samples or self:local_samples(samples)
-  local it = R.micro_batches(mine, max_tokens, opts)
+  local it = batch.micro_batches(mine, max_tokens, opts)
+  local policy = self.policy
+  if policy and policy.expert_range and select(3, policy:expert_range()) then
+    -- expert parallelism (step.collective_batches): every rank as many micro-batches, empty ones
+    -- serving the experts, and the gradient sums armed on the last of all (an empty batch's
+    -- backward still adds to this rank's experts)
+    local cit = train.collective_batches(policy, self.world, it)
+    return function()
+      local b, first, last, is_last = cit()
+      if b and is_last then self:arm_gradient_sums() end
+      return b, first, last
+    end
+  end
   return function()
     local b, first, last = it()
     if b and last == #mine then self:arm_gradient_sums() end
@@ -380,7 +488,7 @@ function Session:dataset(name, view)
 end
 
 function Session:rng(name, seed)
-  return put(self.rngs, name, { name = name, rng = M.rng(seed) }).rng
+  return put(self.rngs, name, { name = name, rng = rng_mod.new(seed) }).rng
 end
 
 -- fn() the first time; its value (JSON-able) is saved in checkpoints and read back on resume.
@@ -533,7 +641,7 @@ end
 -- models restored at once (what the recipe does between phases sees the trained weights); a
 -- phase after the checkpoint's finished one starts at its step 1 from the checkpoint's weights,
 -- data and extra state, with the optimizers the recipe made for it.
-function Session:steps(total, phase)
+local function phase_steps(self, total, phase)
   phase = phase or 'main'
   total = total or self.run.total
   local r = self.resume
@@ -589,7 +697,22 @@ function Session:steps(total, phase)
   end
 end
 
+-- The loop. On a rollout rank (dist.rollout_ranks) it runs the rollouts of every step for the
+-- trainers and yields nothing: the recipe's loop body is the trainers' part.
+function Session:steps(total, phase)
+  local it = phase_steps(self, total, phase) -- restores a checkpoint on every rank
+  -- the rollout ranks start the phase from the trainers' weights (those of an earlier phase,
+  -- or of the checkpoint)
+  if self.rollout_fn then self:begin_rollouts() end
+  if self.role ~= 'rollout' then return it end
+  if self.rollout_fn then self:serve_rollouts(total or self.run.total) end
+  return function() return nil end -- a phase without a rollout: the trainers' alone
+end
+
+-- The end of a step: with a rollout, the batches asked for and the weights published (and the
+-- stop decided with the rollout ranks), then the checkpoint and stop checks.
 function Session:end_step()
+  self.decided_stop = self:after_update()
   self.in_step = false
   fault.point(self.global_step, 'end')
   moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
@@ -750,7 +873,15 @@ function Session:rollback()
   fs.truncate(mpath, saved.state.metrics_bytes)
   why.to_step, why.rollbacks, why.lr_scale = saved.state.step, rollbacks, lr_scale
   self:event('rollback', why)
+  self:rollback_rollouts()
 end
+
+-- A frozen copy of the initial policy (a KL reference). Before the loop: a resumed run restores
+-- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
+function Session:reference() return models.clone(self.policy) end
+
+-- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).
+function Session:lr() return self.lr_at(self.step) end
 
 -- ---- the end ------------------------------------------------------------------------------
 
@@ -808,9 +939,31 @@ function Session:stop()
   moonrl.check_stop()
 end
 
--- The end of the run: the last checkpoint, the models saved (opts.save, default cfg.save).
--- Returns the table of saved model directories.
+-- The end of the run: the last checkpoint, the models saved (opts.save, default cfg.save), and
+-- the line that says where everything is. A rollout rank keeps nothing: trainer rank 0 writes
+-- the checkpoints and the models. Returns the table of saved model directories, by model name.
 function Session:finish(opts)
+  local dirs = self.role == 'rollout' and self:close_rollouts() or self:save_end(opts)
+  local where = {}
+  for i, m in ipairs(self.models) do
+    if dirs[m.name] then where[#where + 1] = (i == 1 and 'model' or m.name) .. ' in ' .. dirs[m.name] end
+  end
+  print('run directory: ' .. self.dir .. ' (metrics.jsonl, events.jsonl, tb/, trace.json, checkpoints/' ..
+    (#where > 0 and '; ' .. table.concat(where, ', ') or '') .. ')')
+  return dirs
+end
+
+-- A rollout rank's end, with the trainers at their clean end (the phase done, not a stop): one
+-- timeline together. Returns where trainer rank 0 saved the models.
+function Session:close_rollouts()
+  self:close('finished', nil, not self.rollout_stopped and { job = dist.current() } or nil)
+  local dirs = {}
+  for i, m in ipairs(self.models) do dirs[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
+  return dirs
+end
+
+-- A trainer's end: the last checkpoint, the models saved.
+function Session:save_end(opts)
   opts = opts or {}
   if (self.global_step > self.last_ckpt_step or #ckpt.list(self.ckpt_root) == 0) and self.failed_ckpt_step ~= self.global_step then
     self:checkpoint('end')

@@ -1,0 +1,186 @@
+-- moonrl.train.sections: the config sections recipes share, declared once, and the checks of
+-- their values that need no model (usage errors before any work).
+--
+--   local sections = require('moonrl.train.sections')
+--   cfg = moonrl.config { model = sections.model_config(), data = sections.data_config { prompt = 'prompt' },
+--     train = sections.train_config { lr = 1e-5 }, engine = sections.engine_config(),
+--     reward = sections.reward_config('math'), async = sections.async_config(), eval = sections.eval_config(),
+--     moe = sections.moe_config() }
+--   sections.rl_config()   -- what every RL recipe's config has (moonrl.rl merges a recipe's over it)
+-- Each key's meaning is in docs/recipes.md.
+local moonrl = require('moonrl')
+local config = require('moonrl.config')
+
+local M = {}
+
+local function with(defaults, over)
+  for k, v in pairs(over or {}) do defaults[k] = v end
+  return defaults
+end
+
+-- model.dtype: fp32 | bf16 | auto (moonrl.model, "precision"); model.device: cpu | cuda | cuda:N |
+-- auto (moonrl.model, "the device"). session.start applies both to the policy.
+function M.model_config()
+  return { dir = config.required('string', 'Hugging Face model directory'),
+           tokenizer = config.optional('string', 'tokenizer directory (default model.dir)'),
+           dtype = 'fp32', device = 'cpu' }
+end
+
+-- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad
+-- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped).
+function M.data_config(fields)
+  return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop' }, fields)
+end
+
+-- The data section of a recipe that also learns from a task (moonrl.tasks): data.path (JSONL)
+-- or data.task, with the record fields; M.check_data says when neither is given.
+function M.task_data_config(fields)
+  local d = M.data_config(fields)
+  d.path = config.optional('string', 'JSONL dataset (or data.task)')
+  d.task = config.optional('string', 'a task from moonrl.tasks instead of data.path: ' ..
+    table.concat(require('moonrl.tasks').names(), ', '))
+  return d
+end
+
+function M.train_config(over)
+  return with({ lr = 1e-6, schedule = 'constant', warmup = config.integer(0), weight_decay = 0.0,
+    max_grad_norm = 1.0, micro_batch_tokens = config.integer(4096) }, over)
+end
+
+-- engine.cuda_graphs: a GPU engine replays its decode steps as CUDA graphs (moonrl.engine);
+-- engine.kv_cache_dtype: auto (bf16 with model.dtype=bf16, else fp32), fp32 or bf16.
+function M.engine_config(over)
+  return with({ kv_cache_mb = config.integer(512), max_batch_tokens = config.integer(2048),
+    max_seqs = config.integer(256), block_size = config.integer(16), cuda_graphs = true,
+    kv_cache_dtype = 'auto' }, over)
+end
+
+-- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
+-- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error) and the
+-- seconds each sample may take (0: no limit).
+function M.reward_config(name)
+  return { name = name, on_error = 'drop', timeout = 30.0 }
+end
+
+function M.check_choice(key, value, choices)
+  for _, c in ipairs(choices) do if value == c then return end end
+  moonrl.usage_error(string.format("config key '%s' must be one of %s, got '%s'", key, table.concat(choices, ', '),
+    tostring(value)))
+end
+
+-- Usage errors before any work: an unknown data.task, or neither data.path nor data.task.
+function M.check_data(cfg)
+  local d, tasks = cfg.data, require('moonrl.tasks')
+  if not d then return end
+  if d.task ~= nil then tasks.check(d.task, 'data.task')
+  elseif d.path == nil then
+    moonrl.usage_error(string.format("config key 'data.path' (string) is required: pass data.path=... or data.task=NAME " ..
+      '(tasks: %s)', table.concat(tasks.names(), ', ')))
+  end
+end
+
+-- The reward by name, looked up now: a wrong name is a usage error listing the rewards.
+function M.check_reward(cfg)
+  if type(cfg.reward) ~= 'table' then return end
+  local ok, err = pcall(require('moonrl.rewards').get, cfg.reward.name)
+  if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
+end
+
+-- async: where and when the rollouts run (moonrl.train.rollout), every RL recipe's and the default
+-- example's.
+function M.async_config()
+  return {
+    mode = 'sync',                      -- sync | one_step_off | async
+    max_staleness = config.integer(1),  -- versions a sample may lag the weights it trains (async: the queue depth)
+    stale = 'drop',                     -- a staler sample: drop, or downweight (advantage * stale_weight)
+    stale_weight = 0.5,
+    -- off-policy corrections on the engine's log-probs (moonrl.algo.correction)
+    correction = 'auto',                -- auto (tis off-policy, none in sync) | none | tis | tis_seq | mis_token | mis_seq | mis_geo
+    correction_clip = 2.0,              -- C of truncated importance sampling
+    correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
+    correction_upper = 0.0,
+    -- AReaL's decoupled PPO (proximal policy = the trainer before the update): auto (on in
+    -- async mode, where samples lag up to max_staleness versions; one_step_off keeps the tis
+    -- correction alone) | true | false
+    decoupled = 'auto',
+    -- in-flight requests when a new version is published: finish with the weights they started
+    -- with (the fixed schedule: deterministic) | continue with the new ones from the next token
+    -- (PipelineRL: their KV cache kept as it is; each token's version recorded); the latter needs
+    -- rollout ranks on trainer rank 0's host, or engine_threads
+    partial = 'finish',
+    -- rollout ranks: one engine for every batch in flight, never reset: a batch's requests are
+    -- queued as soon as the staleness bound allows (up to max_staleness + 1 batches at once)
+    -- and each batch goes to the trainers when its last group is done, while the others go on
+    -- (AReaL-style streaming, with partial=continue); false: a batch at a time
+    stream = false,
+    -- what a stream hands the trainers: 'batch' (each batch the prompts it drew, when its last
+    -- group is done) | 'group' (one rollout rank: each group is drawn, generated and scored on
+    -- its own, and a batch is the first groups to finish: AReaL's streaming; a slow group lands
+    -- in a later batch, staler)
+    stream_unit = 'batch',
+    weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
+    engine_threads = config.integer(0), -- one process: N >= 1 generates the next batch on an engine thread of N threads
+                                        -- while this step trains (run.threads for training); 0: between steps
+    behav_cap = 0.0,                    -- decoupled: cap of the behaviour weight π_prox/μ (0: none)
+  }
+end
+
+-- How many batches ahead of training the rollouts run (the staleness of a batch).
+function M.lag(cfg)
+  local a = cfg.async
+  if not a or a.mode == 'sync' then return 0 end
+  if a.mode == 'one_step_off' then return 1 end
+  return a.max_staleness
+end
+
+-- Whether the policy loss is AReaL's decoupled PPO. auto: in async mode, where the truncated
+-- importance weights on the engine's log-probs alone lost up to a quarter of the sync run's
+-- gain on the default example at max_staleness=2 (README, "Asynchronous RL").
+function M.decoupled(cfg)
+  local d = cfg.async and cfg.async.decoupled
+  if d == 'auto' then return cfg.async.mode == 'async' end
+  return d == 'true' or d == true
+end
+
+-- eval: held-out accuracy (moonrl.train.evaluation). every: steps between evaluations (0: off); data / task: the held-out set (see the top);
+-- prompts: at most this many (0: all); max_tokens: the answer's budget (0: the recipe's).
+function M.eval_config()
+  return { every = config.integer(0), data = config.optional('string', 'held-out JSONL (data.* fields)'),
+    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0),
+    max_tokens = config.integer(0) }
+end
+
+-- The keys a resumed run may change (an evaluation changes no state the run resumes from).
+M.EVAL_KEYS = { 'eval.every', 'eval.data', 'eval.task', 'eval.prompts', 'eval.max_tokens' }
+
+-- What every RL recipe's config has (moonrl.rl merges a recipe's config over it).
+function M.rl_config()
+  return {
+    model = M.model_config(),
+    data = M.task_data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
+    reward = M.reward_config('math'), -- a name in the reward registry (moonrl.rewards), or FILE.lua:NAME
+    reward_model = { dir = config.optional('string', 'a ...ForSequenceClassification checkpoint (reward=reward_model)') },
+    train = M.train_config { lr = 1e-6 },
+    engine = M.engine_config(),
+    async = M.async_config(),
+    eval = M.eval_config(),
+    moe = M.moe_config(),
+    save = true,
+  }
+end
+
+-- moe (a qwen3_moe policy): routing_replay: the engine records the experts each token went to
+-- and the update's forwards replay them (R3: the trainer runs the experts the tokens were sampled
+-- with, its router's weights still trained; model.h, mrl_batch.routing); aux_loss_coef: the
+-- load-balancing loss's coefficient in the backward (default: the model config's
+-- router_aux_loss_coef when its output_router_logits is set, else 0, as Transformers; 0 turns it
+-- off). Both are logged every step under moe/ (aux_loss, aux_coef, replayed, routing_mismatch).
+-- expert_parallel: the trainer ranks split every sparse layer's experts between them, each running
+-- its block on all the ranks' tokens (model.h, mrl_model_set_expert_parallel; the weights stay
+-- whole on every rank, so the engine, checkpoints and saving are as without; one rank: no-op).
+function M.moe_config()
+  return { routing_replay = false, expert_parallel = false,
+    aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)') }
+end
+
+return M
