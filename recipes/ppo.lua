@@ -67,7 +67,7 @@ end
 function ppo:critic_step(samples)
   local S, critic = self.S, self.critic
   local tokens = 0
-  for _, s in ipairs(samples) do tokens = tokens + #s.ids end
+  for _, s in ipairs(samples) do tokens = tokens + batch.loss_tokens(s) end
   local loss, clipfrac = 0, 0
   critic:zero_grad()
   local mine = S:local_samples(samples)

@@ -63,8 +63,8 @@ function M.flatten(records, results)
   return samples
 end
 
--- Packed batch of samples: b (moonrl.model batch) plus b.mask (float[n_tokens]), b.first[i] (the
--- 0-based output index of sample i's first response log-prob) and b.len[i] (response tokens).
+-- Packed batch of samples: b (moonrl.model batch) plus b.mask (float[n_tokens]: 1 at the response
+-- outputs a loss counts, the loss_mask's ones, else 0), b.first[i] (the 0-based output index of sample i's first response log-prob) and b.len[i] (response tokens).
 -- With opts.share_prompts, consecutive samples with the same prompt (the same prompt_ids table,
 -- as flatten gives the samples of a group) share it: the prompt without its last token is packed
 -- once and each sample continues it with "last prompt token + response" (mrl_batch.prefix in
@@ -116,7 +116,8 @@ function M.pack(samples, first, last, opts)
     local seq = starts[k][1]
     local off = b.cu_seqlens[seq - 1] + starts[k][2] - 1
     b.first[k] = off
-    for t = off, off + lens[k] - 1 do mask[t] = 1 end
+    local lm = samples[first + k - 1].loss_mask -- the response tokens a loss counts (absent: all)
+    for t = off, off + lens[k] - 1 do mask[t] = lm and lm[t - off + 1] or 1 end
     -- sample k ends where its sequence ends and starts where sample k-1 ended
     if b.sample_cu ~= b.cu_seqlens then b.sample_cu[k] = b.cu_seqlens[seq] end
   end

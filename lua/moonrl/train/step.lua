@@ -113,8 +113,9 @@ function M.policy_step(o)
   local temp = o.temperature or 1.0
   local tokens, seqs = 0, 0 -- of the global batch: the losses' denominators
   for _, s in ipairs(all) do
-    tokens = tokens + #s.ids
-    if #s.ids > 0 then seqs = seqs + 1 end
+    local n = batch.loss_tokens(s)
+    tokens = tokens + n
+    if n > 0 then seqs = seqs + 1 end
   end
   local S = o.session
   local world = S and S.world
@@ -278,9 +279,10 @@ end
 -- batch's response tokens).
 function M.sft_step(S, opt, samples, o)
   local tokens = 0
-  for _, s in ipairs(samples) do tokens = tokens + #s.ids end
+  for _, s in ipairs(samples) do tokens = tokens + batch.loss_tokens(s) end
   local m = M.supervised_step(S, opt, { lr = o.lr, max_grad_norm = o.max_grad_norm,
-    batches = S:micro_batches(samples, o.micro_batch_tokens or 4096),
+    batches = S and S:micro_batches(samples, o.micro_batch_tokens or 4096) or
+      batch.micro_batches(samples, o.micro_batch_tokens or 4096), -- (no session: one process)
     loss = function(b, lp)
       local grad = ffi.new('float[?]', b.n_tokens)
       return algo.sft.loss({ logprob = lp, mask = b.mask, cu_seqlens = b.cu_seqlens, nseq = b.n_seqs, grad = grad,
