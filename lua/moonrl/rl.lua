@@ -54,11 +54,21 @@ local sections = require('moonrl.train.sections')
 local session = require('moonrl.train.session')
 local train = require('moonrl.train.step')
 local E = require('moonrl.train.evaluation')
+local models = require('moonrl.train.models')
 
 local M = {}
-local Recipe = {}
+-- Two kinds of recipe on one base: RL recipes (rl.recipe: rollouts, advantages, a policy update)
+-- and supervised ones (rl.supervised: SFT, DPO, batches from a dataset). The base gives both the
+-- config merged over their kind's sections, aliases, the start-up checks, evaluation and the end.
+local Base = {}
+Base.__index = Base
+M.Base = Base
+local Recipe = setmetatable({}, { __index = Base })
 Recipe.__index = Recipe
 M.Recipe = Recipe
+local Supervised = setmetatable({}, { __index = Base })
+Supervised.__index = Supervised
+M.Supervised = Supervised
 
 -- ---- config: a recipe's merged over its parent's ---------------------------------------------
 
@@ -123,14 +133,23 @@ end
 -- checkpoints, default 'main'), aliases (old key -> its new name: the old one keeps working),
 -- own_heldout (true: its eval_records has a held-out split without eval.data / eval.task), and
 -- stage functions.
-function M.recipe(def)
-  local self = setmetatable({}, Recipe)
+local function define(class, base_config, def, section)
+  local self = setmetatable({}, class)
   for k, v in pairs(def) do self[k] = v end
-  self.section = def.section or def.name
-  self.config = M.merge(M.base_config(), def.config)
+  self.section = def.section or section
+  self.config = M.merge(base_config(), def.config)
   declare_aliases(self.config, def.aliases)
   return self
 end
+
+function M.recipe(def) return define(Recipe, M.base_config, def, def.name) end
+
+-- A supervised recipe (see "Supervised recipes" below): section defaults to 'train' (its steps
+-- are train.steps), its config is merged over sections.supervised_config().
+function M.supervised(def) return define(Supervised, sections.supervised_config, def, 'train') end
+
+-- Whether r is a recipe (of either kind, or extending one).
+function M.is_recipe(r) return type(r) == 'table' and (r.main == Recipe.main or r.main == Supervised.main) end
 
 local loading = 0
 
@@ -149,7 +168,7 @@ function M.load(name)
   local ok, r = pcall(dofile, path)
   loading = loading - 1
   if not ok then error(r, 0) end
-  if type(r) ~= 'table' or r.main ~= Recipe.main then
+  if not M.is_recipe(r) then
     error(path .. ' is not a moonrl.rl recipe (it must end with `return recipe:main()`)', 2)
   end
   return r
@@ -173,12 +192,43 @@ function M.extend(parent, def)
   return self
 end
 
--- Run the recipe (see the top); a file loaded by rl.load / rl.extend returns the recipe instead.
-function Recipe:main()
-  if loading > 0 then return self end
+-- The config of this run: the recipe's (its parents' merged under it) with the command line's
+-- overrides, old key names resolved; self.cfg, and self.c its section.
+function Base:configure()
   local cfg = moonrl.config(self.config)
   resolve_aliases(cfg, self.aliases)
   self.cfg, self.c = cfg, cfg[self.section]
+  if type(self.c) ~= 'table' then error(string.format("recipe '%s': its config has no section '%s'", self.name,
+    self.section), 0) end
+  return cfg
+end
+
+-- The checks every recipe's config gets before any work: data.path or data.task, the held-out
+-- set (own: the recipe has one of its own), the reward's name.
+function Base:check_sections(own)
+  local cfg = self.cfg
+  sections.check_data(cfg)
+  E.check(cfg, { own = own })
+  if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end
+end
+
+-- The config keys a resumed run may change beside the session's: the evaluation's (and their old
+-- names).
+function Base:free_keys()
+  local free = {}
+  for i, k in ipairs(sections.EVAL_KEYS) do free[i] = k end
+  for old, target in pairs(self.aliases or {}) do -- an old name is as free as its target
+    for _, k in ipairs(sections.EVAL_KEYS) do if k == target then free[#free + 1] = old end end
+  end
+  return free
+end
+
+function Base:log(m) return self.S:log(m, { quiet = self.cfg.quiet == true }) end
+
+-- Run the recipe (see the top); a file loaded by rl.load / rl.extend returns the recipe instead.
+function Recipe:main()
+  if loading > 0 then return self end
+  local cfg = self:configure()
   self:check()
   self.S = session.start(cfg, self:start_options())
   self:setup_moe() -- before setup: recipes override it
@@ -201,8 +251,7 @@ Recipe.provides = {}
 -- The start-up checks: every name the config gives is looked up in its registry now, so a typo is
 -- one line and exit 2 before the model loads.
 function Recipe:check()
-  local cfg, c, sec = self.cfg, self.c, self.section
-  if type(c) ~= 'table' then error(string.format("recipe '%s': its config has no section '%s'", self.name, sec), 0) end
+  local c, sec = self.c, self.section
   if c.advantage ~= nil then
     local e = algo.estimators.check(c.advantage, sec .. '.advantage')
     for _, need in ipairs(e.needs) do
@@ -221,19 +270,12 @@ function Recipe:check()
     moonrl.usage_error(string.format("config key '%s.agg': unknown aggregation '%s' (known: %s)", sec, tostring(c.agg),
       table.concat(modes, ', ')))
   end
-  sections.check_data(cfg)
-  E.check(cfg, { own = self.own_heldout })
-  if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end
+  self:check_sections(self.own_heldout)
 end
 
 function Recipe:start_options()
   local cfg, c = self.cfg, self.c
-  local free = {}
-  for i, k in ipairs(sections.EVAL_KEYS) do free[i] = k end
-  for old, target in pairs(self.aliases or {}) do -- an old name is as free as its target
-    for _, k in ipairs(sections.EVAL_KEYS) do if k == target then free[#free + 1] = old end end
-  end
-  local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = free,
+  local o = { name = self.name, steps = c.steps, steps_key = self.section .. '.steps', free_keys = self:free_keys(),
     check_policy = function(policy) self:check_moe(policy) end }
   if cfg.data then
     o.chat, o.fields, o.optional = cfg.data.chat, { prompt = cfg.data.prompt, answer = cfg.data.answer }, { answer = true }
@@ -398,12 +440,88 @@ function Recipe:evaluate(step)
   return self.S:phase('eval', self.heldout_metrics, self)
 end
 
-function Recipe:log(m) return self.S:log(m, { quiet = self.cfg.quiet == true }) end
-
 function Recipe:finish()
   local S = self.S
   local dirs = S:finish()
   return { history = self.history, dir = S.dir, model = S.policy, dirs = dirs }
+end
+
+-- ---- supervised recipes ----------------------------------------------------------------------
+-- rl.supervised { name = 'sft', config = {...} }: a recipe that learns from batches of a dataset,
+-- without rollouts. The loop (Supervised:main):
+--   cfg <- moonrl.config(recipe.config)   over sections.supervised_config()
+--   self:check()                          the data, held-out set and reward settings
+--   self:open_data()                      its datasets, before the run directory exists
+--   S <- moonrl.train.session.start(...)  model, engine (with eval.every), data; moe.expert_parallel
+--   self:setup()                          what the loop needs (held-out samples, reference log-probs)
+--   for step in S:steps() do
+--     samples <- self:batch(step)
+--     self:train_step(step, samples)      update (the 'train' phase) -> metrics -> evaluate -> log
+--   end
+--   return self:finish()
+-- Stages to write: batch(step) -> samples and update(samples, step) -> m (train.sft_step,
+-- train.supervised_step); the others have defaults. self.heldout (from setup) are the records the
+-- evaluation answers every eval.every steps.
+
+function Supervised:main()
+  if loading > 0 then return self end
+  local cfg = self:configure()
+  self:check()
+  self:open_data()
+  self.S = session.start(cfg, self:start_options())
+  models.expert_parallel(self.S, cfg.moe and cfg.moe.expert_parallel)
+  self:setup()
+  local S = self.S
+  self.history = {}
+  for step in S:steps(S.total, self.phase) do
+    self.first_step, self.last_step = self.first_step or step, step
+    self.history[step] = self:train_step(step, self:batch(step))
+  end
+  return self:finish()
+end
+
+-- own_heldout: the recipe has a held-out set of its own (SFT's split of its data).
+function Supervised:check() self:check_sections(self.own_heldout) end
+
+function Supervised:open_data() end
+
+function Supervised:start_options()
+  local cfg = self.cfg
+  return { name = self.name, steps = self.c.steps, steps_key = self.section .. '.steps', chat = cfg.data.chat,
+    engine = E.wanted(cfg), free_keys = self:free_keys(),
+    check_policy = function(p) models.check_expert_parallel(p, cfg.moe and cfg.moe.expert_parallel) end }
+end
+
+-- The held-out records the evaluation answers (eval.data, eval.task, data.task's split), when it is on.
+function Supervised:setup()
+  self.heldout = E.wanted(self.cfg) and E.records(self.S, self.cfg) or {}
+end
+
+function Supervised:train_step(step, samples)
+  local S = self.S
+  local t0 = moonrl.now()
+  local m = S:phase('train', self.update, self, samples, step)
+  if m.tokens then m.tokens_per_s = { train = metrics.rate(m.tokens, moonrl.now() - t0) } end
+  self:metrics(m, step)
+  m.eval = self:evaluate(step)
+  return self:log(m)
+end
+
+function Supervised:metrics(m, step) end
+
+-- Every eval.every steps: greedy answers to the held-out prompts judged by the reward.
+function Supervised:evaluate(step)
+  if #self.heldout == 0 or not E.due(self.cfg, step) then return nil end
+  return self.S:phase('eval', E.accuracy, self.S, self.cfg, self.heldout)
+end
+
+-- history: the step lines' records by step; first, last: the steps this process ran (nil: none,
+-- a phase a resumed run had finished).
+function Supervised:finish()
+  local S = self.S
+  local dirs = S:finish()
+  return { history = self.history, first = self.first_step, last = self.last_step, dir = S.dir, model = S.policy,
+    dirs = dirs }
 end
 
 return M

@@ -169,6 +169,23 @@ function M.rl_config()
   }
 end
 
+-- What every supervised recipe's config has (moonrl.rl's rl.supervised merges a recipe's over it):
+-- the evaluation judges held-out answers with the reward (exact by default), on an engine made only
+-- when eval.every > 0; moe.expert_parallel splits a qwen3_moe policy's experts over the ranks.
+function M.supervised_config()
+  return {
+    model = M.model_config(),
+    data = M.task_data_config { chat = false }, -- chat: wrap the prompt in the model's chat template
+    train = M.train_config { steps = config.integer(100), lr = 1e-5, max_length = config.integer(1024) },
+    eval = M.eval_config(),
+    reward = M.reward_config('exact'),
+    engine = M.engine_config { kv_cache_mb = config.integer(128) },
+    moe = { expert_parallel = false },
+    save = true,
+    quiet = false, -- no step lines
+  }
+end
+
 -- moe (a qwen3_moe policy): routing_replay: the engine records the experts each token went to
 -- and the update's forwards replay them (R3: the trainer runs the experts the tokens were sampled
 -- with, its router's weights still trained; model.h, mrl_batch.routing); aux_loss_coef: the
