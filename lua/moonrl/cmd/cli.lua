@@ -139,7 +139,7 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
     eprint('error: ' .. err.message)
     return 1
   end
-  if require('moonrl.train.session').is_guard_stop(err) then
+  if require('moonrl.train.guard').is_guard_stop(err) then
     eprint('error: ' .. err.message)
     return 3
   end

@@ -58,23 +58,16 @@ local Session = {}
 Session.__index = Session
 M.Session = Session
 -- One object: the methods of the parts it is made of are its own (the prompts and rewards of
--- moonrl.train.prompts, the rollouts of moonrl.train.rollout).
+-- moonrl.train.prompts, the rollouts of moonrl.train.rollout, the guarded update of moonrl.train.guard).
 for k, f in pairs(prompts.session_methods) do Session[k] = f end
 for k, f in pairs(rollout.methods) do Session[k] = f end
+for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
   'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
   'run.progress_seconds' }
-
--- Raised when the guards give up (more rollbacks than guard.max_rollbacks): exit status 3, and a
--- supervisor does not restart the run (it would meet the same values again).
-local GuardStop = {}
-GuardStop.__index = GuardStop
-GuardStop.__tostring = function(e) return e.message end
-M.GuardStop = GuardStop
-function M.is_guard_stop(e) return getmetatable(e) == GuardStop end
 
 -- ---- small pieces -------------------------------------------------------------------------
 
@@ -767,113 +760,6 @@ function Session:event(kind, fields, opts)
   fields = fields or {}
   if fields.step == nil then fields.step = self.global_step end
   self.run:event(kind, fields, opts)
-end
-
--- ---- the guards ---------------------------------------------------------------------------
-
-local function poison_grads(opt)
-  -- the NaN arithmetic makes (a byte fill would make NaNs whose payload LuaJIT could misread);
-  -- a GPU's gradients are written from a host array of them
-  local nan = 0 / 0
-  local on_gpu = C.mrl_device_of(opt.grads).kind ~= C.MRL_DEVICE_CPU
-  local g = on_gpu and ffi.new('float[?]', opt.n) or opt.grads
-  for i = 0, opt.n - 1 do g[i] = nan end
-  if on_gpu then moonrl.check(C.mrl_device_memcpy(opt.grads, g, 4 * opt.n)) end
-end
-
--- Look at an update (m: loss, grad_norm, and kl / entropy when the recipe has them) before
--- opt:step(lr) applies it. Returns true when it was applied; else m.guard says why.
-function Session:update(opt, lr, m, opts)
-  local detectors = not (opts and opts.detectors == false)
-  m.guard = m.guard or {}
-  if type(m.loss) == 'number' then
-    self.last_loss = m.loss
-    if self.progress then self.progress.extra = string.format('loss %.4g', m.loss) end
-  end
-  if self.pending_rollback then m.guard.skipped = 1; return false end
-  local step = self.global_step
-  if fault.update_fault(step, 'nan') then poison_grads(opt); m.grad_norm = opt:grad_norm() end
-  local spike = fault.update_fault(step, 'spike')
-  if spike then
-    opt:scale_grad(spike.factor or 1000)
-    m.grad_norm = m.grad_norm * (spike.factor or 1000)
-  end
-  local klf = fault.update_fault(step, 'kl')
-  if klf then m.kl = klf.value end
-  local verdict, why = self.guard:check(m, detectors)
-  if verdict == 'apply' then
-    opt:step((lr or opt.lr) * self.lr_scale)
-    if self.lr_scale ~= 1 then m.lr = (lr or opt.lr) * self.lr_scale end
-    local sum = require('moonrl.train.ops').sum(opt.params, opt.n)
-    if guard_mod.finite(sum) then
-      if detectors then self.guard:accept(m) end
-      self.skips_in_row = 0
-      return true
-    end
-    verdict, why = 'rollback', { detector = 'nonfinite_params', value = sum }
-  end
-  why.step = step
-  if verdict == 'rollback' then why.checkpoint = self:rollback_target() end
-  if verdict == 'rollback' and not why.checkpoint then
-    if why.detector == 'nonfinite_params' then
-      error(setmetatable({ message = string.format('guard: the parameters are not finite after the update of step %d, ' ..
-        'and there is no checkpoint to roll back to', step) }, GuardStop), 0)
-    end
-    why.note = 'no checkpoint to roll back to: skipped'
-    verdict = 'skip'
-  end
-  if verdict == 'skip' then
-    self.skips, self.skips_in_row = self.skips + 1, self.skips_in_row + 1
-    m.guard.skipped = 1
-    self:event('skip', why)
-    local limit = self.cfg.guard.max_skips
-    if limit > 0 and self.skips_in_row > limit then
-      error(setmetatable({ message = string.format('guard: %d updates in a row skipped (guard.max_skips=%d), the last ' ..
-        'by %s at step %d (value %s)', self.skips_in_row, limit, why.detector, step, tostring(why.value)) }, GuardStop), 0)
-    end
-    return false
-  end
-  m.guard.rollback = 1
-  self.pending_rollback = why
-  return false
-end
-
--- The checkpoint a rollback goes back to: the newest that verifies, if it is of this phase (a
--- checkpoint of an earlier phase holds another phase's optimizer).
-function Session:rollback_target()
-  local w = self.world
-  local dir
-  if w.rank == 0 then
-    dir = ckpt.latest(self.ckpt_root, function(msg) moonrl.log('warn', '%s', msg) end)
-    if dir and ckpt.read(dir).state.phase ~= self.loop_phase then dir = nil end
-  end
-  if w.size > 1 then dir = w:broadcast_string(dir or ''); if dir == '' then dir = nil end end
-  return dir
-end
-
-function Session:rollback()
-  local why = self.pending_rollback
-  self.pending_rollback = nil
-  local g = self.cfg.guard
-  local rollbacks = self.rollbacks + 1
-  if rollbacks > g.max_rollbacks then
-    self:event('guard_stop', why)
-    error(setmetatable({ message = string.format('guard: %s at step %d (value %s, limit %s) after %d rollbacks ' ..
-      '(guard.max_rollbacks=%d): stopping', why.detector, why.step, tostring(why.value), tostring(why.limit),
-      self.rollbacks, g.max_rollbacks) }, GuardStop), 0)
-  end
-  local dir = why.checkpoint -- found (and verified) when the detector fired
-  local saved = ckpt.read(dir)
-  local lr_scale = self.lr_scale * g.lr_factor
-  local skips = self.skips
-  self:restore(dir, saved.state, { keep_data = g.skip_batch })
-  self.rollbacks, self.lr_scale, self.skips = rollbacks, lr_scale, skips
-  local mpath = self.run.dir .. '/metrics.jsonl'
-  self.run.metrics:flush()
-  fs.truncate(mpath, saved.state.metrics_bytes)
-  why.to_step, why.rollbacks, why.lr_scale = saved.state.step, rollbacks, lr_scale
-  self:event('rollback', why)
-  self:rollback_rollouts()
 end
 
 -- A frozen copy of the initial policy (a KL reference). Before the loop: a resumed run restores
