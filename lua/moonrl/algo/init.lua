@@ -9,7 +9,7 @@
 --     cu_seqlens = cu, nseq = n, mask = m, clip_high = 0.28, grad = g}
 --
 -- Modules: advantages, policy_loss, correction (off-policy weights: TIS, MIS), kl, value_loss, dpo,
--- sft, agg (see each file's top for the arrays it reads). The common entry points are also here under short names.
+-- sft, agg (see each file's top for the arrays it reads).
 --
 -- The registries recipes look these up in by name (moonrl.registry: register(name, fn, doc),
 -- get, check, names, doc), checked at start-up:
@@ -34,25 +34,5 @@ local M = {
 M.losses = M.policy_loss.losses
 M.kl_estimators = M.kl.estimators
 M.advantages.register = M.estimators.register
-
-M.grpo_advantages = M.advantages.grpo
-M.rloo_advantages = M.advantages.rloo
-M.reinforce_pp_advantages = M.advantages.reinforce_pp
-M.gae = M.advantages.gae
-M.to_tokens = M.advantages.to_tokens
-M.token_rewards = M.advantages.token_rewards
-M.ppo_loss = M.policy_loss.ppo
-M.gspo_loss = M.policy_loss.gspo
-M.decoupled_ppo_loss = M.policy_loss.decoupled_ppo
-M.correction_weights = M.correction.weights
-M.kl_loss = M.kl.loss
-M.kl_penalty = M.kl.penalty
-M.entropy_bonus = M.kl.entropy_bonus
-M.critic_loss = M.value_loss.clipped
-M.dpo_loss = M.dpo.loss
-M.sft_loss = M.sft.loss
-M.seq_weights = M.agg.seq_weights
-M.aggregate = M.agg.aggregate
-M.counts = M.agg.counts
 
 return M
