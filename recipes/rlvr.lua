@@ -89,7 +89,7 @@ function rlvr:metrics(m, kept, info)
   m.reward, m.accuracy, m.response_length = info.reward, info.accuracy, info.response_length
   m.dynamic_sampling = info.dynamic_sampling
   m.data = self.S:data_metrics()
-  m.async = self.S:async_metrics(info)
+  m.async = self.S.rollouts:metrics(info)
   m.tokens_per_s = { generate = metrics.rate(info.gen_tokens, info.gen_s),
     train = metrics.rate(m.tokens or 0, moonrl.now() - (self.update_t0 or moonrl.now())) }
 end

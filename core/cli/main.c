@@ -4,7 +4,7 @@
  * find moonrl's Lua library (MOONRL_HOME, then an installed tree next to the
  * executable, then the source tree it was built from), make the generated
  * FFI declarations and the embedded default example loadable, and hand the
- * command line to `moonrl.cmd.cli` (lua/moonrl/cmd/cli.lua), which does the rest. */
+ * command line to `moonrl.cli.main` (lua/moonrl/cli/main.lua), which does the rest. */
 #define _GNU_SOURCE
 #include <execinfo.h>
 #include <fcntl.h>
@@ -38,9 +38,9 @@ static int find_home(char *out, size_t size) {
     const char *env = getenv("MOONRL_HOME");
     char probe[2 * PATH_MAX + 64];
     if (env && env[0]) {
-        snprintf(probe, sizeof probe, "%s/lua/moonrl/cmd/cli.lua", env);
+        snprintf(probe, sizeof probe, "%s/lua/moonrl/cli/main.lua", env);
         if (!is_file(probe)) {
-            fprintf(stderr, "moonrl: error: MOONRL_HOME=%s holds no lua/moonrl/cmd/cli.lua\n", env);
+            fprintf(stderr, "moonrl: error: MOONRL_HOME=%s holds no lua/moonrl/cli/main.lua\n", env);
             return 0;
         }
         snprintf(out, size, "%s", env);
@@ -53,14 +53,14 @@ static int find_home(char *out, size_t size) {
         char *slash = strrchr(exe, '/');
         if (slash) {
             *slash = 0; /* exe is now the folder of the executable: PREFIX/bin when installed */
-            snprintf(probe, sizeof probe, "%s/../share/moonrl/lua/moonrl/cmd/cli.lua", exe);
+            snprintf(probe, sizeof probe, "%s/../share/moonrl/lua/moonrl/cli/main.lua", exe);
             if (is_file(probe)) {
                 snprintf(out, size, "%s/../share/moonrl", exe);
                 return 1;
             }
         }
     }
-    snprintf(probe, sizeof probe, "%s/lua/moonrl/cmd/cli.lua", MRL_SOURCE_DIR);
+    snprintf(probe, sizeof probe, "%s/lua/moonrl/cli/main.lua", MRL_SOURCE_DIR);
     if (is_file(probe)) {
         snprintf(out, size, "%s", MRL_SOURCE_DIR);
         return 1;
@@ -182,11 +182,11 @@ int main(int argc, char **argv) {
         lua_setglobal(L, "MOONRL_EXE");
     }
 
-    /* run moonrl.cmd.cli.main(argv[1..]) and exit with what it returns */
+    /* run moonrl.cli.main.main(argv[1..]) and exit with what it returns */
     lua_getglobal(L, "require");
-    lua_pushstring(L, "moonrl.cmd.cli");
+    lua_pushstring(L, "moonrl.cli.main");
     if (lua_pcall(L, 1, 1, 0) != 0) {
-        fprintf(stderr, "moonrl: error loading moonrl.cmd.cli: %s\n", lua_tostring(L, -1));
+        fprintf(stderr, "moonrl: error loading moonrl.cli.main: %s\n", lua_tostring(L, -1));
         return 1;
     }
     lua_getfield(L, -1, "main");

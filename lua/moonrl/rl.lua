@@ -417,7 +417,7 @@ function Recipe:metrics(m, samples, info)
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
   m.response_length = metrics.length_metrics(samples)
   m.data = S:data_metrics()
-  m.async = S:async_metrics(info)
+  m.async = S.rollouts:metrics(info)
   m.tokens_per_s = { generate = metrics.rate(m.tokens or 0, info.gen_seconds or 0),
     train = metrics.rate((m.tokens or 0) * (self.c.epochs or 1), moonrl.now() - (self.update_t0 or moonrl.now())) }
 end

@@ -29,7 +29,7 @@ local NUMBERS = {
 local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer' }
 
 local function parse(args)
-  local o = require('moonrl.cmd.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
+  local o = require('moonrl.cli.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
     strings = STRINGS, lists = { ['--stop'] = 'stop' }, flags = { ['--chat'] = 'chat' },
     defaults = { n = 1, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0, max_tokens = 128, seed = 0,
       kv_cache_mb = 256 },

@@ -3,7 +3,7 @@
 -- workers). It is `mpirun -n N moonrl run RECIPE ...` with the flags one machine needs:
 -- --oversubscribe (more ranks than cores is allowed), --bind-to none (a rank's threads may use
 -- any core), --allow-run-as-root when root; each rank gets cores / N threads unless run.threads
--- or MOONRL_THREADS says otherwise. Under the supervisor (moonrl.cmd.supervisor) the command
+-- or MOONRL_THREADS says otherwise. Under the supervisor (moonrl.cli.supervisor) the command
 -- forwards SIGINT / SIGTERM to mpirun, returns the job's status (mpirun reports the first rank
 -- that failed), and with --restarts K starts the whole job again from its latest checkpoint when
 -- a rank dies or the job fails (a hung rank makes the others fail after dist.timeout).
@@ -80,7 +80,7 @@ function M.main(args)
     env[1] = 'MOONRL_THREADS=' .. threads
   end
   local recipe = default_example and 'default' or words[1]
-  local ok, status = pcall(require('moonrl.cmd.supervisor').run, words, { restarts = sup.restarts, backoff = sup.backoff,
+  local ok, status = pcall(require('moonrl.cli.supervisor').run, words, { restarts = sup.restarts, backoff = sup.backoff,
     kill_grace = sup.kill_grace, recipe = recipe, launcher = launcher, env = env, default_example = default_example })
   if ok then return status end
   if moonrl.is_usage_error(status) then eprint(status.message) return 2 end

@@ -16,7 +16,7 @@ usage: moonrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]
   manifest. Default OUT: RUN_DIR/report.html for one run, ./report.html for several.]]
 
 function M.main(args)
-  local dirs, out = require('moonrl.cmd.cmdline').names_and_output(args, 'report', USAGE, 'moonrl report --help')
+  local dirs, out = require('moonrl.cli.cmdline').names_and_output(args, 'report', USAGE, 'moonrl report --help')
   if not dirs then return 0 end
   if #dirs == 0 then moonrl.usage_error('report: no run directory given (moonrl report --help)') end
 

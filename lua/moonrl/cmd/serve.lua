@@ -36,7 +36,7 @@ local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-n
   ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
 
 local function parse(args)
-  return require('moonrl.cmd.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
+  return require('moonrl.cli.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
     defaults = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
       max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10 },
     required = { '--model' } })

@@ -40,7 +40,7 @@ local function rank_files(dir)
 end
 
 local function merge(args)
-  local names, out = require('moonrl.cmd.cmdline').names_and_output(args, 'trace merge', USAGE, 'moonrl trace --help')
+  local names, out = require('moonrl.cli.cmdline').names_and_output(args, 'trace merge', USAGE, 'moonrl trace --help')
   if not names then return 0 end
   local inputs, dir = {}, nil
   for _, a in ipairs(names) do

@@ -229,7 +229,7 @@ function GS:rollback()
   fs.truncate(mpath, saved.state.metrics_bytes)
   why.to_step, why.rollbacks, why.lr_scale = saved.state.step, rollbacks, lr_scale
   self:event('rollback', why)
-  self:rollback_rollouts()
+  if self.rollouts then self.rollouts:rollback() end -- the batches generated since go too
 end
 
 return M

@@ -176,26 +176,29 @@ end
 M.check_config = check_config
 
 
--- ---- the session side -----------------------------------------------------------------------
--- Methods of the run's session (moonrl.train.session installs them).
+-- ---- the rollouts of a session -----------------------------------------------------------------
+-- S:rollout(fn, opts) makes them (S.rollouts); the session's loop drives them: S:next_batch()
+-- (next_batch), the end of each step (after_update), a rollback, the start of a loop (begin, or
+-- serve on a rollout rank). Their state beside the session's: the pending batches, the weight
+-- stores, the batch in flight on an engine thread.
 
-local RS = {}
-M.methods = RS
+local Rollouts = {}
+Rollouts.__index = Rollouts
+M.Rollouts = Rollouts
 
--- opts.engine: the engine the rollout generates with (default S.engine), which shared-memory
--- weights, in-flight updates and the engine thread drive.
-function RS:rollout(fn, opts)
-  self.rollout_fn = fn
-  self.rollout_engine = opts and opts.engine or self.engine
+-- S: the session; fn(step) -> samples, info: one rollout; opts.engine: the engine it generates
+-- with (default S.engine), which shared-memory weights, in-flight updates and the engine thread drive.
+function M.new(S, fn, opts)
+  return setmetatable({ S = S, rollout_fn = fn, rollout_engine = opts and opts.engine or S.engine }, Rollouts)
 end
 
 -- The step's async metrics: staleness, queue, waits, the weight publication.
-function RS:async_metrics(info)
+function Rollouts:metrics(info)
   local m = info and info.async
   if not m then return nil end
   -- idle shares: the trainer's wait for this batch over its step so far; the rollout side's
   -- wait for weights over that wait plus its generation of the batch
-  local step_s = moonrl.now() - self.run.step_t0
+  local step_s = moonrl.now() - self.S.run.step_t0
   m.trainer_idle_share = step_s > 0 and math.min(1, m.trainer_wait_seconds / step_s) or 0
   if info.rollout_wait_seconds and info.gen_seconds then
     local busy = info.rollout_wait_seconds + info.gen_seconds
@@ -238,7 +241,7 @@ end
 
 local function publish_store(self, st, v)
   local t0 = moonrl.now()
-  local p, n = self.policy:params()
+  local p, n = self.S.policy:params()
   moonrl.check(C.mrl_weight_store_publish(st, p, store_version(self, v), 0), 2)
   local secs = moonrl.now() - t0
   return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
@@ -249,28 +252,28 @@ end
 -- broadcast (async.weights=auto) or the run stops (shm).
 local store_count = 0
 local function setup_store(self)
-  local a = self.cfg.async
+  local a = self.S.cfg.async
   if self.store_checked then return end
   self.store_checked = true
   if a.weights == 'mpi' or not self.rollout_engine then return end -- (no engine to read it: by MPI)
-  local n, name = self.policy.n_params, ''
-  if self.role ~= 'rollout' then
+  local n, name = self.S.policy.n_params, ''
+  if self.S.role ~= 'rollout' then
     store_count = store_count + 1
     name = string.format('/moonrl-%d-%d', C.mrl_process_id(), store_count)
-    self.store = new_store(name, n, self.link.size - 1)
+    self.store = new_store(name, n, self.S.link.size - 1)
   end
-  name = self.link:broadcast_string(name, 0)
+  name = self.S.link:broadcast_string(name, 0)
   local ok = 'ok'
-  if self.role == 'rollout' then
+  if self.S.role == 'rollout' then
     local h = ffi.new('mrl_weight_store *[1]')
-    if C.mrl_weight_store_open(name, n, self.link.rank - 1, h) == 0 then
-      self.store, self.reader = ffi.gc(h[0], C.mrl_weight_store_free), self.link.rank - 1
+    if C.mrl_weight_store_open(name, n, self.S.link.rank - 1, h) == 0 then
+      self.store, self.reader = ffi.gc(h[0], C.mrl_weight_store_free), self.S.link.rank - 1
     else
       ok = moonrl.last_error()
     end
   end
-  local all = self.link:gather_strings(ok)
-  if self.role ~= 'rollout' then moonrl.check(C.mrl_weight_store_unlink(self.store)) end -- nothing left in /dev/shm
+  local all = self.S.link:gather_strings(ok)
+  if self.S.role ~= 'rollout' then moonrl.check(C.mrl_weight_store_unlink(self.store)) end -- nothing left in /dev/shm
   local failed = {}
   for r = 2, #all do
     if all[r] ~= 'ok' then failed[#failed + 1] = string.format('rollout rank %d of %d: %s', r - 1, #all - 1, all[r]) end
@@ -292,7 +295,7 @@ local function make_local(self, j)
   local t0 = moonrl.now()
   local samples, info = self.rollout_fn(j)
   info = info or {}
-  local version = self.step - 1
+  local version = self.S.step - 1
   stamp_versions(samples, version)
   info.gen_seconds = moonrl.now() - t0
   return { samples = samples, info = info, version = version }
@@ -308,8 +311,8 @@ local function finish_background(self, after_update)
   if not f then return end
   self.inflight = nil
   local e = self.rollout_engine
-  if after_update and self.cfg.async.partial == 'continue' and not self.pending_rollback then
-    self.publish_info = publish_store(self, self.thread_store, self.step) -- taken up by the requests in flight
+  if after_update and self.S.cfg.async.partial == 'continue' and not self.S.pending_rollback then
+    self.publish_info = publish_store(self, self.thread_store, self.S.step) -- taken up by the requests in flight
   end
   e.background, e.on_busy = nil, nil -- the rest of the rollout function generates in line
   local t0 = moonrl.now()
@@ -323,11 +326,11 @@ local function finish_background(self, after_update)
 end
 
 local function start_background(self, j)
-  local a, e = self.cfg.async, self.rollout_engine
-  if not self.thread_store then self.thread_store = new_store(nil, self.policy.n_params, 1) end
-  local v = store_version(self, self.step - 1)
+  local a, e = self.S.cfg.async, self.rollout_engine
+  if not self.thread_store then self.thread_store = new_store(nil, self.S.policy.n_params, 1) end
+  local v = store_version(self, self.S.step - 1)
   if C.mrl_weight_store_latest(self.thread_store, nil) < v then -- (partial=continue published it after the update)
-    self.publish_info = publish_store(self, self.thread_store, self.step - 1)
+    self.publish_info = publish_store(self, self.thread_store, self.S.step - 1)
   end
   e:use_weights({ store = self.thread_store, reader = 0, min_version = v, follow = a.partial == 'continue' })
   e.background = a.engine_threads
@@ -349,12 +352,12 @@ end
 local function save_pending(self)
   local p = json.object()
   for j, b in pairs(self.pending or {}) do p[tostring(j)] = b.text or M.encode(b.samples, b.info) end
-  self.extra.pending = p
+  self.S.extra.pending = p
 end
 
 local function load_pending(self)
   self.pending = {}
-  for k, text in pairs(self.extra.pending or {}) do
+  for k, text in pairs(self.S.extra.pending or {}) do
     local samples, info = M.decode(text, 'pending batch ' .. k)
     self.pending[tonumber(k)] = { samples = samples, info = info, text = text }
   end
@@ -364,15 +367,15 @@ end
 -- and generators are those after the batch, for checkpoints).
 local function receive(self, j)
   local t0 = moonrl.now()
-  local text = self.link and self.link:broadcast_string('', 1) or '' -- link rank 1: the first rollout rank
-  if self.world.size > 1 then text = self.world:broadcast_string(text, 0) end -- trainer 0 to the others
+  local text = self.S.link and self.S.link:broadcast_string('', 1) or '' -- link rank 1: the first rollout rank
+  if self.S.world.size > 1 then text = self.S.world:broadcast_string(text, 0) end -- trainer 0 to the others
   local waited = moonrl.now() - t0
   local samples, info = M.decode(text, 'rollout batch ' .. j)
   if info.step ~= j then
     moonrl.run_error(string.format('rollout ranks sent batch %s where batch %d was expected', tostring(info.step), j))
   end
-  if info.positions then self:restore_positions(info.positions) end
-  if info.inflight then self.extra.stream_inflight = info.inflight end -- (a group stream's: drawn, not yet sent)
+  if info.positions then self.S:restore_positions(info.positions) end
+  if info.inflight then self.S.extra.stream_inflight = info.inflight end -- (a group stream's: drawn, not yet sent)
   self.trainer_wait = (self.trainer_wait or 0) + waited
   if info.stop then self.rollout_stop = true end
   return { samples = samples, info = info, text = text }
@@ -380,15 +383,14 @@ end
 
 -- This step's batch: samples (each with .version and .staleness) and info (the rollout's
 -- metrics, plus info.async: staleness histogram, queue depth, idle shares).
-function RS:next_batch()
-  if not self.rollout_fn then error('S:next_batch: declare the rollout first (S:rollout(fn))', 2) end
-  local s, L = self.step, sections.lag(self.cfg)
+function Rollouts:next_batch()
+  local s, L = self.S.step, sections.lag(self.S.cfg)
   if not self.pending then load_pending(self) end
-  if self.remote then
+  if self.S.remote then
     if not self.pending[s] then self.pending[s] = receive(self, s) end
   else
-    local threaded = self.cfg.async and self.cfg.async.engine_threads > 0 and self.rollout_engine
-    for j = s, math.min(s + L, self.run.total or s) do
+    local threaded = self.S.cfg.async and self.S.cfg.async.engine_threads > 0 and self.rollout_engine
+    for j = s, math.min(s + L, self.S.run.total or s) do
       if not self.pending[j] then
         if threaded and j == s + L and j > s then start_background(self, j) else self.pending[j] = make_local(self, j) end
       end
@@ -397,7 +399,7 @@ function RS:next_batch()
   local b = self.pending[s]
   self.pending[s] = nil
   -- the weights this batch trains are version s - 1 (the updates of steps 1 .. s-1)
-  local a = self.cfg.async or { max_staleness = 0, stale = 'drop' }
+  local a = self.S.cfg.async or { max_staleness = 0, stale = 'drop' }
   local histogram, kept, dropped, worst, switched = json.object(), {}, 0, 0, 0
   for _, smp in ipairs(b.samples) do
     -- a sample's staleness is its first token's: with async.partial=continue later tokens may
@@ -429,24 +431,24 @@ end
 -- header (trainer side), and the pending batches go into the state a checkpoint saves.
 -- Returns the stop decision of this step when it made one (the trainers and the rollout ranks
 -- must agree on it: the session uses it as is).
-function RS:after_update()
-  if not self.rollout_fn or self.step == 0 then return nil end
-  local s, L, T = self.step, sections.lag(self.cfg), self.run.total
+function Rollouts:after_update()
+  if self.S.step == 0 then return nil end
+  local s, L, T = self.S.step, sections.lag(self.S.cfg), self.S.run.total
   local stop
   finish_background(self, true)
-  if self.remote then
+  if self.S.remote then
     -- partial=continue: the new weights first, for the requests in flight on the rollout ranks
-    local streamed = self.cfg.async.stream -- batches taken as they come, in next_batch
-    local early = self.store and self.cfg.async.partial == 'continue' and s + L + 1 <= T and not self.pending_rollback
+    local streamed = self.S.cfg.async.stream -- batches taken as they come, in next_batch
+    local early = self.store and self.S.cfg.async.partial == 'continue' and s + L + 1 <= T and not self.S.pending_rollback
       and not streamed
     if early then self.publish_info = publish_store(self, self.store, s) end
     for j = s + 1, streamed and 0 or math.min(s + L, T) do
       if not self.pending[j] then self.pending[j] = receive(self, j) end
     end
     stop = moonrl.stop_requested() or self.rollout_stop or false
-    if self.world.size > 1 then stop = self.world:any(stop) end
+    if self.S.world.size > 1 then stop = self.S.world:any(stop) end
     if stop and not moonrl.stop_requested() then moonrl.C.mrl_request_stop(-2, 'a stop requested by a rollout rank') end
-    self:publish(s, { stop = stop, rollback = self.pending_rollback ~= nil, published = early })
+    self:publish(s, { stop = stop, rollback = self.S.pending_rollback ~= nil, published = early })
   end
   save_pending(self)
   return stop
@@ -454,20 +456,20 @@ end
 
 -- Trainer rank 0 to every rollout rank, once a step: the header of version v, and the weights
 -- when a batch still to come needs them. The header says whether to stop, to roll back (the
--- trainers go back to a checkpoint: RS:rollback), or that the phase is done (its last step).
-function RS:publish(v, flags)
-  if not self.link then return end
-  local L, T = sections.lag(self.cfg), self.run.total
+-- trainers go back to a checkpoint: Rollouts:rollback), or that the phase is done (its last step).
+function Rollouts:publish(v, flags)
+  if not self.S.link then return end
+  local L, T = sections.lag(self.S.cfg), self.S.run.total
   -- the weights go when a batch still to come can use them: batch j is started with version
   -- j - 1 - lag; streamed, every batch after v takes v up while it is generated
-  local weights = (self.cfg.async.stream and v < T or v + L + 1 <= T) and not flags.stop and not flags.rollback
+  local weights = (self.S.cfg.async.stream and v < T or v + L + 1 <= T) and not flags.stop and not flags.rollback
   if weights and self.store and not flags.published then self.publish_info = publish_store(self, self.store, v) end
   local t0 = moonrl.now()
-  self.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
+  self.S.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
     'done', v >= T, 'weights', weights })), 0)
   if not weights or self.store then return end
-  local p, n = self.policy:params()
-  self.link:broadcast(p, 4 * n, 0)
+  local p, n = self.S.policy:params()
+  self.S.link:broadcast(p, 4 * n, 0)
   local secs = moonrl.now() - t0
   self.publish_info = { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
 end
@@ -476,12 +478,11 @@ end
 -- batches generated since are dropped when the rollback skips the data (guard.skip_batch: new
 -- batches from the data as it is now), or are the checkpoint's pending ones (a replay). The
 -- rollout ranks, told in the step's header, start again from the checkpoint's weights.
-function RS:rollback_rollouts()
-  if not self.rollout_fn then return end
+function Rollouts:rollback()
   next_epoch(self)
-  local fresh = self.cfg.guard.skip_batch
-  if fresh then self.pending, self.extra.pending = {}, nil else self.pending = nil end
-  if self.link then self:sync_weights({ fresh = fresh }) end
+  local fresh = self.S.cfg.guard.skip_batch
+  if fresh then self.pending, self.S.extra.pending = {}, nil else self.pending = nil end
+  if self.S.link then self:sync_weights({ fresh = fresh }) end
 end
 
 -- Trainer rank 0's weights, data positions, generators and step to every rollout rank (the
@@ -490,55 +491,55 @@ end
 -- The rollout ranks wait here, with no deadline, for as long as the trainers' earlier phases
 -- take (an SFT warm-up may last hours): a trainer that dies meanwhile ends the job through the
 -- launcher; every wait after this one has dist.timeout again.
-function RS:sync_weights(opts)
-  if not self.link then return nil end
+function Rollouts:sync_weights(opts)
+  if not self.S.link then return nil end
   self.want = nil
-  local rollout = self.role == 'rollout'
-  if rollout then self.link:set_timeout(0) end
-  local head = json.object({ 'positions', self:positions(), 'global_step', self.global_step - self.step,
-    'step', self.step, 'fresh', opts and opts.fresh or false,
-    'inflight', self.extra.stream_inflight or json.array() })
-  head = self.link:broadcast_string(rollout and '' or json.encode(head), 0)
-  if rollout then self.link:set_timeout(self.cfg.dist.timeout) end
+  local rollout = self.S.role == 'rollout'
+  if rollout then self.S.link:set_timeout(0) end
+  local head = json.object({ 'positions', self.S:positions(), 'global_step', self.S.global_step - self.S.step,
+    'step', self.S.step, 'fresh', opts and opts.fresh or false,
+    'inflight', self.S.extra.stream_inflight or json.array() })
+  head = self.S.link:broadcast_string(rollout and '' or json.encode(head), 0)
+  if rollout then self.S.link:set_timeout(self.S.cfg.dist.timeout) end
   if not self.store_checked then -- the first phase start: how the weights will go
     setup_store(self)
     if not rollout then
-      self:event('rollout_weights', { via = self.store and 'shared memory' or 'mpi', rollout_ranks = self.link.size - 1 },
+      self.S:event('rollout_weights', { via = self.store and 'shared memory' or 'mpi', rollout_ranks = self.S.link.size - 1 },
         { quiet = true })
     end
   end
-  local p, n = self.policy:params()
-  self.link:broadcast(p, 4 * n, 0)
+  local p, n = self.S.policy:params()
+  self.S.link:broadcast(p, 4 * n, 0)
   if not rollout then return nil end
   head = json.decode(head, 'phase start')
-  self:restore_positions(head.positions)
-  self.requeue = head.inflight -- a group stream's prompts drawn but in no batch yet: drawn again first
-  self.step = head.step
-  self.global_step = head.global_step + self.step -- the trainers' count of the earlier phases
+  self.S:restore_positions(head.positions)
+  self.S.requeue = head.inflight -- a group stream's prompts drawn but in no batch yet: drawn again first
+  self.S.step = head.step
+  self.S.global_step = head.global_step + self.S.step -- the trainers' count of the earlier phases
   return head
 end
 
 -- The start of a phase with a rollout (every rank): a new epoch of store versions, and the
 -- rollout ranks get the trainers' weights.
-function RS:begin_rollouts()
-  local a = self.cfg.async
+function Rollouts:begin()
+  local a = self.S.cfg.async
   if a and (a.engine_threads > 0 or a.partial == 'continue') and not self.rollout_engine then
     moonrl.usage_error('async.engine_threads and async.partial=continue drive the rollout\'s engine: declare it with ' ..
       'S:rollout(fn, { engine = e }) (or S.engine)')
   end
   next_epoch(self)
-  if self.link then self:sync_weights() end
+  if self.S.link then self:sync_weights() end
 end
 
--- The header trainer rank 0 sends after each of its steps (RS:publish), and the weights with it.
+-- The header trainer rank 0 sends after each of its steps (Rollouts:publish), and the weights with it.
 local function receive_header(self)
-  local head = json.decode(self.link:broadcast_string('', 0), 'weights header')
+  local head = json.decode(self.S.link:broadcast_string('', 0), 'weights header')
   if head.weights then
     if self.store then
       self.want = store_version(self, head.version) -- in the store: the engine takes it at the batch's start
     else
-      local p, n = self.policy:params()
-      self.link:broadcast(p, 4 * n, 0)
+      local p, n = self.S.policy:params()
+      self.S.link:broadcast(p, 4 * n, 0)
     end
     self.version = head.version
   end
@@ -550,37 +551,37 @@ end
 -- j - 1 - lag). Returns the header that ended the phase for this rank: the last step's (done),
 -- a stop or a rollback.
 local function serve(self, first, free_until, total)
-  local L = sections.lag(self.cfg)
-  local base = self.global_step - self.step -- the steps of the phases before this one
+  local L = sections.lag(self.S.cfg)
+  local base = self.S.global_step - self.S.step -- the steps of the phases before this one
   local idle = 0
   for j = first, total do
     -- the batch's step, for heartbeats, fault points and timeout reports
-    self.step, self.global_step = j, base + j
-    self.run.step = self.global_step
+    self.S.step, self.S.global_step = j, base + j
+    self.S.run.step = self.S.global_step
     if j > free_until then
       local t0 = moonrl.now()
       local head = receive_header(self)
       idle = idle + moonrl.now() - t0
       if head.stop or head.rollback then return head end
     end
-    self.world:set_step(self.global_step)
-    self.link:set_step(self.global_step)
+    self.S.world:set_step(self.S.global_step)
+    self.S.link:set_step(self.S.global_step)
     local t0 = moonrl.now()
     local e = self.store and self.rollout_engine
     if e then -- the weights in the store; else those at hand (the phase start's), newer ones taken up when they come
-      e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
-        follow = self.cfg.async.partial == 'continue', version = store_version(self, self.version) })
+      e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.S.cfg.dist.timeout,
+        follow = self.S.cfg.async.partial == 'continue', version = store_version(self, self.version) })
     end
     local ok, samples, info = pcall(self.rollout_fn, j)
     if e then e:use_weights(nil) end
     if not ok then error(samples, 0) end
     info = info or {}
     stamp_versions(samples, self.version or 0)
-    info.gen_seconds, info.step, info.positions = moonrl.now() - t0, j, self:positions()
+    info.gen_seconds, info.step, info.positions = moonrl.now() - t0, j, self.S:positions()
     info.rollout_wait_seconds, idle = idle, 0
     info.stop = moonrl.stop_requested()
     local text = M.encode(samples, info)
-    if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
+    if self.S.world.rank == 0 then self.S.link:broadcast_string(text, 1) else self.S.link:broadcast_string('', 1) end
   end
   while true do -- the headers of the trainers' last steps: nothing more to generate unless they roll back
     local head = receive_header(self)
@@ -595,31 +596,31 @@ end
 -- generate is the rank's idle time, in the next batch's rollout_wait_seconds).
 local function open_stream(self)
   local e = self.rollout_engine
-  local st = { engine = e, base = self.global_step - self.step, idle = 0 }
+  local st = { engine = e, base = self.S.global_step - self.S.step, idle = 0 }
   st.stream = e:stream(tonumber(C.mrl_parallel_threads()))
-  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.cfg.dist.timeout,
+  e:use_weights({ store = self.store, reader = self.reader, min_version = self.want, timeout = self.S.cfg.dist.timeout,
     follow = true, version = store_version(self, self.version) })
   function st.at_step(j)
-    self.step, self.global_step = j, st.base + j
-    self.run.step = self.global_step
+    self.S.step, self.S.global_step = j, st.base + j
+    self.S.run.step = self.S.global_step
   end
   function st.close(head)
     st.stream:close()
     e:use_weights(nil)
-    self.group_stream = nil
+    self.S.group_stream = nil
     return head
   end
   -- Returns the header when it ends the phase (done, stop, rollback), the stream closed; else nil.
   function st.hand_off(j, samples, info)
     st.at_step(j)
-    self.world:set_step(self.global_step)
-    self.link:set_step(self.global_step)
+    self.S.world:set_step(self.S.global_step)
+    self.S.link:set_step(self.S.global_step)
     stamp_versions(samples, self.version or 0)
     info.step, info.rollout_wait_seconds, st.idle = j, st.idle, 0
     info.stop = moonrl.stop_requested()
     local text = M.encode(samples, info)
     st.stream:background()
-    if self.world.rank == 0 then self.link:broadcast_string(text, 1) else self.link:broadcast_string('', 1) end
+    if self.S.world.rank == 0 then self.S.link:broadcast_string(text, 1) else self.S.link:broadcast_string('', 1) end
     local starved = C.mrl_engine_num_unfinished(e.handle) == 0
     local t0 = moonrl.now()
     local head = receive_header(self)
@@ -644,14 +645,14 @@ end
 -- positions after them go with its batch. Returns the header that ended the phase (done, stop,
 -- rollback).
 local function serve_stream(self, first, total)
-  local L, st = sections.lag(self.cfg), open_stream(self)
+  local L, st = sections.lag(self.S.cfg), open_stream(self)
   local live, next_j = {}, first
   local function resume(b, ...)
     st.at_step(b.j)
-    self.batch_records = b.records
+    self.S.batch_records = b.records
     local ok, r1, r2 = coroutine.resume(b.co, ...)
     if not ok then error(r1, 0) end
-    b.records = self.batch_records
+    b.records = self.S.batch_records
     if coroutine.status(b.co) == 'dead' then b.job, b.samples, b.info = nil, r1, r2 or {}
     else b.job = r1 end
   end
@@ -661,7 +662,7 @@ local function serve_stream(self, first, total)
       local b = { j = next_j, co = coroutine.create(self.rollout_fn), t0 = moonrl.now() }
       live[next_j], next_j = b, next_j + 1
       resume(b, b.j)
-      b.positions = self:positions()
+      b.positions = self.S:positions()
     end
   end
   for j = first, total do
@@ -702,8 +703,8 @@ end
 -- drawn but in no batch yet go with each batch (the trainers checkpoint them): a resumed run
 -- draws those again first, so no prompt is lost or trained twice.
 local function serve_groups(self, first, total)
-  local L, st = sections.lag(self.cfg), open_stream(self)
-  self.group_stream = true
+  local L, st = sections.lag(self.S.cfg), open_stream(self)
+  self.S.group_stream = true
   local live, done, P = {}, {}, nil -- live: groups in the engine (admission order); done: finished, in order
   local started = 0 -- groups started in this phase
   local g0 = (first - 1) * 100000 -- group g's seeds: (seed, g, ...); a resume starts another range
@@ -716,10 +717,10 @@ local function serve_groups(self, first, total)
   local function start_group()
     started = started + 1
     local b = { g = g0 + started, co = coroutine.create(self.rollout_fn), t0 = moonrl.now() }
-    self.group_drawn = nil
+    self.S.group_drawn = nil
     resume(b, b.g)
-    b.records = self.group_drawn
-    P = P or self.group_batch
+    b.records = self.S.group_drawn
+    P = P or self.S.group_batch
     live[#live + 1] = b
   end
   local function admit(j_first)
@@ -764,7 +765,7 @@ local function serve_groups(self, first, total)
         for _, r in ipairs(b.records or {}) do inflight[#inflight + 1] = r end
       end
     end
-    info.gen_seconds, info.positions, info.inflight = moonrl.now() - t_first, self:positions(), inflight
+    info.gen_seconds, info.positions, info.inflight = moonrl.now() - t_first, self.S:positions(), inflight
     info.groups_in_flight = #live + #done
     local head = st.hand_off(j, samples, info)
     if head then return head end
@@ -776,26 +777,26 @@ end
 -- schedule gives it, sent to the trainers; ends when trainer rank 0 says so. After a rollback it
 -- starts again from the checkpoint's step t: at batch t + 1 when the trainers dropped their
 -- pending batches, else after them (t + lag + 1), as after a resume.
-function RS:serve_rollouts(total)
-  local L = sections.lag(self.cfg)
+function Rollouts:serve(total)
+  local L = sections.lag(self.S.cfg)
   local first, free_until = 1, L + 1
-  if self.step > 0 then first = self.step + L + 1; free_until = first end -- resumed: up to step + L in the checkpoint
-  local streamed = self.cfg.async.stream -- the trainers hold no batch ahead: on from the next one
-  if streamed then first = self.step + 1 end
-  self.version = self.step -- the checkpoint's weights (0: the initial ones)
+  if self.S.step > 0 then first = self.S.step + L + 1; free_until = first end -- resumed: up to step + L in the checkpoint
+  local streamed = self.S.cfg.async.stream -- the trainers hold no batch ahead: on from the next one
+  if streamed then first = self.S.step + 1 end
+  self.version = self.S.step -- the checkpoint's weights (0: the initial ones)
   while true do
     local head
-    if streamed and self.cfg.async.stream_unit == 'group' then head = serve_groups(self, first, total)
+    if streamed and self.S.cfg.async.stream_unit == 'group' then head = serve_groups(self, first, total)
     elseif streamed then head = serve_stream(self, first, total)
     else head = serve(self, first, free_until, total) end
     if head.stop then self.rollout_stopped = true end -- the trainers stopped: they do not finish with us
     if not head.rollback then return end
     next_epoch(self)
     head = self:sync_weights()
-    self.version = self.step
-    if streamed then first = self.step + 1
-    elseif head.fresh then first, free_until = self.step + 1, self.step + L + 1
-    else first = self.step + L + 1; free_until = first end
+    self.version = self.S.step
+    if streamed then first = self.S.step + 1
+    elseif head.fresh then first, free_until = self.S.step + 1, self.S.step + L + 1
+    else first = self.S.step + L + 1; free_until = first end
   end
 end
 

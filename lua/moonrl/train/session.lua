@@ -58,9 +58,9 @@ local Session = {}
 Session.__index = Session
 M.Session = Session
 -- One object: the methods of the parts it is made of are its own (the prompts and rewards of
--- moonrl.train.prompts, the rollouts of moonrl.train.rollout, the guarded update of moonrl.train.guard).
+-- moonrl.train.prompts, the guarded update of moonrl.train.guard). Its rollouts are an object of
+-- their own (S.rollouts, moonrl.train.rollout), as are its run directory (S.run) and its models.
 for k, f in pairs(prompts.session_methods) do Session[k] = f end
-for k, f in pairs(rollout.methods) do Session[k] = f end
 for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
@@ -690,22 +690,36 @@ local function phase_steps(self, total, phase)
   end
 end
 
+-- The rollouts of this run (moonrl.train.rollout): fn(step) -> samples, info makes batch `step`;
+-- where and when it runs is the config's (async.*, dist.rollout_ranks). opts.engine: the engine it
+-- generates with (default S.engine).
+function Session:rollout(fn, opts)
+  self.rollouts = rollout.new(self, fn, opts)
+  return self.rollouts
+end
+
+-- This step's batch (samples, info), however the rollouts made it.
+function Session:next_batch()
+  if not self.rollouts then error('S:next_batch: declare the rollout first (S:rollout(fn))', 2) end
+  return self.rollouts:next_batch()
+end
+
 -- The loop. On a rollout rank (dist.rollout_ranks) it runs the rollouts of every step for the
 -- trainers and yields nothing: the recipe's loop body is the trainers' part.
 function Session:steps(total, phase)
   local it = phase_steps(self, total, phase) -- restores a checkpoint on every rank
   -- the rollout ranks start the phase from the trainers' weights (those of an earlier phase,
   -- or of the checkpoint)
-  if self.rollout_fn then self:begin_rollouts() end
+  if self.rollouts then self.rollouts:begin() end
   if self.role ~= 'rollout' then return it end
-  if self.rollout_fn then self:serve_rollouts(total or self.run.total) end
+  if self.rollouts then self.rollouts:serve(total or self.run.total) end
   return function() return nil end -- a phase without a rollout: the trainers' alone
 end
 
 -- The end of a step: with a rollout, the batches asked for and the weights published (and the
 -- stop decided with the rollout ranks), then the checkpoint and stop checks.
 function Session:end_step()
-  self.decided_stop = self:after_update()
+  self.decided_stop = self.rollouts and self.rollouts:after_update()
   self.in_step = false
   fault.point(self.global_step, 'end')
   moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
@@ -842,7 +856,7 @@ end
 -- A rollout rank's end, with the trainers at their clean end (the phase done, not a stop): one
 -- timeline together. Returns where trainer rank 0 saved the models.
 function Session:close_rollouts()
-  self:close('finished', nil, not self.rollout_stopped and { job = dist.current() } or nil)
+  self:close('finished', nil, not self.rollouts.rollout_stopped and { job = dist.current() } or nil)
   local dirs = {}
   for i, m in ipairs(self.models) do dirs[m.name] = self.dir .. '/' .. (i == 1 and 'model' or m.name) end
   return dirs

@@ -1,8 +1,8 @@
--- moonrl.cmd.cmdline: the --flag options of the commands (moonrl generate, serve, tokenize). An
+-- moonrl.cli.cmdline: the --flag options of the commands (moonrl generate, serve, tokenize). An
 -- option's value follows it (`--port 8000`) or is joined to it (`--port=8000`); a mistake is a
 -- usage error that starts with the command's name.
 --
---   local o = require('moonrl.cmd.cmdline').parse(args, {
+--   local o = require('moonrl.cli.cmdline').parse(args, {
 --     command = 'serve', usage = USAGE,                   -- printed by --help / -h (then: nil)
 --     defaults = { port = 8000 },                         -- o starts as a copy
 --     numbers = { ['--port'] = { 'port', true, 0, 65535 } }, -- key, integer?, least, most (optional)

@@ -152,7 +152,7 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
   return 1
 end
 
--- `moonrl run` flags of the supervisor (moonrl.cmd.supervisor), each with a number.
+-- `moonrl run` flags of the supervisor (moonrl.cli.supervisor), each with a number.
 local SUPERVISOR_FLAGS = { ['--restarts'] = 'restarts', ['--backoff'] = 'backoff', ['--kill-grace'] = 'kill_grace' }
 
 local function cmd_run(args)
@@ -218,7 +218,7 @@ local function cmd_run(args)
     local child_words = { name }
     for _, f in ipairs(requires) do child_words[#child_words + 1] = '--require=' .. f end
     for _, w in ipairs(words) do child_words[#child_words + 1] = w end
-    local ok, status = pcall(require('moonrl.cmd.supervisor').run, child_words, { restarts = sup.restarts,
+    local ok, status = pcall(require('moonrl.cli.supervisor').run, child_words, { restarts = sup.restarts,
       backoff = sup.backoff, kill_grace = sup.kill_grace, recipe = path })
     if ok then return status end
     if moonrl.is_usage_error(status) then eprint('error: ' .. status.message) return 2 end
