@@ -15,8 +15,8 @@
 -- log -> checkpoint, async modes and rollout ranks included); this file adds what is its own: the
 -- model it builds, the prompts it draws, the warm-up before the loop and the figures around it.
 -- The tokenizer (examples/default/tokenizer.json, one token per digit) was trained with the
--- Python tokenizers package by examples/default/make_tokenizer.py. Settings and measured results
--- are in README.md ("The default run"). Any key can be changed on the command line:
+-- Python tokenizers package by examples/default/make_tokenizer.py. Its settings are in
+-- docs/recipes.md ("The default run"), its measured results in bench/RESULTS.md ("The default run"). Any key can be changed on the command line:
 --   moonrl run examples/default.lua grpo.steps=60 run.seed=3
 local moonrl = require('moonrl')
 local config = require('moonrl.config')

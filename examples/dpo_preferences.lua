@@ -1,4 +1,4 @@
--- DPO on a preference dataset with a real model (README: "DPO on preference pairs").
+-- DPO on a preference dataset with a real model (docs/recipes.md, "The other examples").
 --
 --   moonrl run examples/dpo_preferences.lua model.dir=/models/Qwen2.5-0.5B-Instruct data.path=prefs.jsonl
 --

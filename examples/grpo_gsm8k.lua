@@ -1,4 +1,4 @@
--- GRPO on GSM8K-style math word problems with a real model (README: "GRPO on GSM8K").
+-- GRPO on GSM8K-style math word problems with a real model (docs/recipes.md, "The other examples").
 --
 --   moonrl run examples/grpo_gsm8k.lua model.dir=/models/Qwen2.5-0.5B-Instruct data.path=gsm8k_train.jsonl
 --

@@ -1,8 +1,8 @@
 -- GRPO on a real pretrained model, offline: SmolLM2-135M-Instruct (the Q4_1 GGUF that ./dev.sh
 -- fetches) learns to answer arithmetic word problems in a checkable form, on the CPU
--- (README: "A real model, offline: SmolLM2-135M on word problems").
+-- (docs/recipes.md, "SmolLM2-135M on word problems"; its figures: bench/RESULTS.md, "Examples").
 --
---   build/moonrl run examples/grpo_smollm2.lua                 # ~5 min on 2 cores, 12-18 shared
+--   build/moonrl run examples/grpo_smollm2.lua                 # minutes on 2 cores (RESULTS, "Examples")
 --   build/moonrl run examples/grpo_smollm2.lua grpo.steps=20 train.lr=5e-6 model.dtype=fp32 run.seed=2
 --
 --   1. the task, generated from run.seed: "Mia has 18 apples and gets 9 more. How many apples
@@ -13,10 +13,10 @@
 --      boxes its answer, so this is near 0)
 --   3. a short SFT warm-up (sft.steps, few on purpose) on worked answers in the asked-for form
 --      ("18 + 9 = 27. The answer is \boxed{27}."), then the held-out accuracy again ("before"):
---      it teaches the form, the arithmetic stays the model's own (~60-75%)
+--      it teaches the form, the arithmetic stays the model's own
 --   4. GRPO (recipes/grpo.lua) with the 'math' reward: grpo.samples answers per problem, group-
 --      normalised advantages, PPO-clip with clip-higher; one line a step
---   5. held-out accuracy again ("after"; measured 63% -> 78% with seed 1, 74% -> 85% with seed 2),
+--   5. held-out accuracy again ("after"),
 --      and the model saved in Hugging Face format
 --
 -- Every key can be changed on the command line (--show-config lists them); model.dir takes any

@@ -276,8 +276,7 @@ function M.bf16_products()
 end
 
 -- Below this hidden size bf16 products lose to fp32 on the CPUs measured (bench/RESULTS.md, "bf16
--- training step against PyTorch autocast": a 256-wide model's step 0.58x fp32 in bf16, a
--- 512-wide one's 2.26x), so 'auto' keeps such models in fp32.
+-- against fp32"), so 'auto' keeps such models in fp32.
 M.BF16_MIN_HIDDEN = 512
 
 -- 'fp32' or 'bf16' for a model.dtype setting (for a model of config `cfg`: its hidden_size; none:

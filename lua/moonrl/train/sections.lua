@@ -134,8 +134,8 @@ function M.lag(cfg)
 end
 
 -- Whether the policy loss is AReaL's decoupled PPO. auto: in async mode, where the truncated
--- importance weights on the engine's log-probs alone lost up to a quarter of the sync run's
--- gain on the default example at max_staleness=2 (README, "Asynchronous RL").
+-- importance weights on the engine's log-probs alone kept less of the sync run's gain on the
+-- default example than decoupled PPO did (bench/RESULTS.md, "Async RL"; docs/distributed.md).
 function M.decoupled(cfg)
   local d = cfg.async and cfg.async.decoupled
   if d == 'auto' then return cfg.async.mode == 'async' end

@@ -8,8 +8,7 @@ local model_mod = require('moonrl.model')
 local M = {}
 
 -- A small model runs fastest on one thread on some CPUs (its matrices are too small to split)
--- and on all cores on others (measured: 1 thread on a shared 2-core Zen 4, 2 threads ~1.8x faster
--- on an Intel machine), so `auto` times what a step does: a forward and a backward of a packed
+-- and on all cores on others (bench/RESULTS.md, "The default run"), so `auto` times what a step does: a forward and a backward of a packed
 -- batch of 16 sequences (up to 32 tokens each) at 1 thread and at n (the process's count: the
 -- cores, or MOONRL_THREADS), interleaved, the best of each, and keeps the faster. A model of
 -- over 30M parameters has products large enough to split: n, untimed. The timing takes a few
