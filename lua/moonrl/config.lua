@@ -68,8 +68,14 @@ local function dist_section()
   }
 end
 
+-- The guards' defaults (moonrl.train.guard reads them here: the config sits below the training code).
+M.guard_defaults = {
+  action = 'skip', grad_spike = 0.0, loss_spike = 0.0, window = 20, min_history = 5, kl_max = 0.0,
+  entropy_min = 0.0, max_rollbacks = 3, max_skips = 20, lr_factor = 1.0, skip_batch = true,
+}
+
 local function guard_section()
-  local d = require('moonrl.train.guard').defaults
+  local d = M.guard_defaults
   return {
     action = d.action,           -- what a spike / KL / entropy detector does: skip or rollback
     grad_spike = d.grad_spike,   -- robust deviations above the recent median (0: off)

@@ -23,10 +23,7 @@ local M = {}
 local G = {}
 G.__index = G
 
-M.defaults = {
-  action = 'skip', grad_spike = 0.0, loss_spike = 0.0, window = 20, min_history = 5, kl_max = 0.0,
-  entropy_min = 0.0, max_rollbacks = 3, max_skips = 20, lr_factor = 1.0, skip_batch = true,
-}
+M.defaults = require('moonrl.config').guard_defaults -- the guard section's defaults, declared with the config's
 
 function M.new(cfg)
   cfg = cfg or {}
