@@ -35,7 +35,7 @@ M.RenderError = RenderError
 
 local function fail(msg) error(setmetatable({ message = msg }, RenderError), 0) end
 M.fail = fail
-M.NamespaceMT, M.MacroMT, M.BuiltinMT = NamespaceMT, MacroMT, BuiltinMT
+M.NamespaceMT = NamespaceMT
 
 ---------------------------------------------------------------- limits (see moonrl.text.jinja)
 
@@ -316,7 +316,7 @@ local function slice(obj, a, b, step)
   return list(out)
 end
 
-M.is_ascii, M.chars, M.slen, M.truthy, M.pyrepr, M.join_parts = is_ascii, chars, slen, truthy, pyrepr, join_parts
+M.is_ascii, M.slen, M.truthy, M.join_parts = is_ascii, slen, truthy, join_parts
 M.typename, M.eq, M.list, M.iterate, M.getitem, M.slice = typename, eq, list, iterate, getitem, slice
 
 ---------------------------------------------------------------- operators
@@ -414,7 +414,7 @@ local function attr(obj, name)
   return undef(name)
 end
 
-M.num, M.add, M.arith, M.compare, M.contains, M.attr = num, add, arith, compare, contains, attr
+M.num, M.compare, M.contains, M.attr = num, compare, contains, attr
 
 ---------------------------------------------------------------- calls
 
