@@ -8,7 +8,7 @@
 -- A case: { prompts = P, n = samples per prompt, prompt_len = L, new = N, temperature = T }; prompt i
 -- (0-based) token k is (k * 31 + i * 7 + 1) % vocab, as on the PyTorch side.
 local moonrl = require('moonrl')
-local json = moonrl.io.json
+local json = require('moonrl.io.json')
 local mode, dir = os.getenv('BENCH_MODE'), os.getenv('BENCH_DIR')
 assert(mode and dir, 'BENCH_MODE and BENCH_DIR must be set')
 if mode == 'save' then

@@ -1,8 +1,7 @@
 -- moonrl.io.safetensors from Lua: write, read back, errors name the file.
 local t = require('moonrl.testing')
-local moonrl = require('moonrl')
 local ffi = require('ffi')
-local sf = moonrl.io.safetensors
+local sf = require('moonrl.io.safetensors')
 
 t.test('write and read back', function()
   local path = os.tmpname()

@@ -2,7 +2,7 @@
 -- engine directly (test_serve.py compares): greedy and seeded samples of a text prompt, a chat
 -- prompt rendered with the model's template (with the 3 most likely tokens at each position). env: DIR (the model), OUT (the JSON to write).
 local moonrl = require('moonrl')
-local json = moonrl.io.json
+local json = require('moonrl.io.json')
 local dir, out = os.getenv('DIR'), os.getenv('OUT')
 assert(dir and out, 'DIR and OUT must be set')
 local model = moonrl.model.load(dir)
