@@ -18,6 +18,13 @@
 --     the file's directory goes first on package.path (it can require its neighbours), the file
 --     runs once (a second call returns what the first returned), and a missing file, a syntax
 --     error or an error while it runs is a usage error naming the file and line.
+--
+--   registry.plugin('reward', 'math')         -- a plugin by kind and name: its module (under
+--     plugins/) loaded once; loading, it registers what it provides (rewards.math registers the
+--     built-in rewards math and gsm8k). The library loads plugins only this way, never with a
+--     require of its own: plugins sit above it (they require the registries they add to).
+--   registry.code_files()                     -- the Lua files loaded through the two above, in
+--     load order (moonrl.train.manifest records them with the run)
 local moonrl = require('moonrl')
 
 local M = {}
@@ -87,6 +94,20 @@ end
 
 local loaded = {}
 
+-- The Lua files loaded by require_file and plugin, in load order (each once).
+local code = {}
+local function record_code(path)
+  if path and not code[path] then
+    code[path] = true
+    code[#code + 1] = path
+  end
+end
+function M.code_files()
+  local out = {}
+  for i, path in ipairs(code) do out[i] = path end
+  return out
+end
+
 -- The first line of an error (its "file.lua:12: " kept), without a traceback.
 local function one_line(e)
   local text = type(e) == 'table' and e.message or tostring(e)
@@ -121,8 +142,33 @@ function M.require_file(path, label)
     moonrl.usage_error(located(label, path, value, not mine and (' (while loading ' .. path .. ')') or nil))
   end
   loaded[path] = { value = value }
-  local ok_m, manifest = pcall(require, 'moonrl.train.manifest') -- the run's record of the code it ran
-  if ok_m and manifest.add_code then manifest.add_code(path) end
+  record_code(path) -- part of the run's code (its manifest)
+  return value
+end
+
+-- ---- plugins: loaded by name -------------------------------------------------------------------
+
+-- kind -> plugin name -> its module, found on package.path (MOONRL_HOME/plugins).
+local PLUGINS = {
+  reward = {
+    math = 'rewards.math', gsm8k = 'rewards.math', format = 'rewards.format', countdown = 'rewards.countdown',
+    exact = 'rewards.exact',
+    reward_model = 'rewards.reward_model', -- .register(name, dir, opts): a learned reward (recipe's reward_model.dir)
+  },
+}
+
+-- The plugin `name` of `kind` (see the top): loads its module once and returns it; its file joins
+-- code_files(). An unknown name is an error listing the known ones.
+function M.plugin(kind, name)
+  local mod = PLUGINS[kind] and PLUGINS[kind][name]
+  if not mod then
+    local known = {}
+    for k in pairs(PLUGINS[kind] or {}) do known[#known + 1] = k end
+    table.sort(known)
+    error(string.format("unknown %s plugin '%s' (known: %s)", kind, tostring(name), table.concat(known, ', ')), 2)
+  end
+  local value = require(mod)
+  record_code(package.searchpath(mod, package.path))
   return value
 end
 

@@ -3,7 +3,7 @@
 --
 --   local rewards = require('moonrl.rewards')
 --   rewards.register('my_reward', function(sample) return #sample.response < 100 and 1 or 0 end)
---   local fn = rewards.get('math')                 -- a built-in, loaded from plugins/rewards/
+--   local fn = rewards.get('math')                 -- a built-in, loaded from plugins/rewards/ on first use
 --   local scores, mean = rewards.score_batch('math', samples)   -- double array [#samples]
 --   local both = rewards.combine({ { reward = 'math', weight = 1 }, { reward = 'format', weight = 0.1 } })
 --
@@ -17,18 +17,19 @@
 -- compared by value), gsm8k (the same), format (<think>...</think><answer>...</answer>), countdown
 -- (arithmetic expression over given numbers), exact (the stripped response equals the answer). Each plugin module also has new{...} for configured
 -- variants; register those under a name of your own.
+--
+-- The library does not require the plugins (they sit above it): get(name) of a built-in asks
+-- moonrl.registry.plugin('reward', name) for its module, and the module, loading, registers its
+-- rewards with register(name, fn, { builtin = true }).
 local ffi = require('ffi')
+
+-- moonrl.registry, required when first needed (as moonrl is: this module loads without the C library)
+local function registries() return require('moonrl.registry') end
 
 local M = {}
 
 local registry = {}
-local BUILTIN = {
-  math = function() return require('rewards.math').reward end,
-  gsm8k = function() return require('rewards.math').reward end,
-  format = function() return require('rewards.format').reward end,
-  countdown = function() return require('rewards.countdown').reward end,
-  exact = function() return require('rewards.exact').reward end,
-}
+local builtins = {} -- name -> fn, as the plugins register them; get() moves one into registry at first use
 
 local function callable(fn)
   if type(fn) == 'function' then return true end
@@ -36,16 +37,20 @@ local function callable(fn)
   return type(mt) == 'table' and type(mt.__call) == 'function'
 end
 
-local docs = {
+-- the built-in rewards: name -> doc line (their plugins load on first use)
+local BUILTIN = {
   math = 'the last \\boxed{} (or GSM8K "####") number equals the answer\'s',
   gsm8k = 'the same as math',
   format = '<think>...</think><answer>...</answer>',
   countdown = 'an arithmetic expression over the given numbers reaching the target',
   exact = 'the stripped response equals the answer',
 }
+local docs = {}
+for name, doc in pairs(BUILTIN) do docs[name] = doc end
 
 -- Register fn under name. opts: a doc line, or { doc = ..., replace = true }; an existing name is an
--- error unless replace is true.
+-- error unless replace is true. { builtin = true }: a built-in's plugin registering it as it loads
+-- (what get(name) gives unless a registration replaced it).
 function M.register(name, fn, opts)
   if type(opts) == 'string' then opts = { doc = opts } end
   if type(name) ~= 'string' or name == '' then
@@ -53,6 +58,11 @@ function M.register(name, fn, opts)
   end
   if not callable(fn) then
     error(string.format("rewards.register: reward '%s' must be a function, got %s", name, type(fn)), 2)
+  end
+  if opts and opts.builtin then
+    if not BUILTIN[name] then error(string.format("rewards.register: '%s' is not a built-in reward", name), 2) end
+    builtins[name] = fn
+    return
   end
   if (registry[name] or BUILTIN[name]) and not (opts and opts.replace) then
     error(string.format("rewards.register: reward '%s' is already registered (pass {replace = true})", name), 2)
@@ -78,17 +88,16 @@ end
 function M.get(name)
   local fn = registry[name]
   if fn then return fn end
-  local load = BUILTIN[name]
-  if load then
-    fn = load()
-    local mod = 'rewards.' .. (name == 'gsm8k' and 'math' or name) -- its source, in the run's manifest
-    require('moonrl.train.manifest').add_code(package.searchpath(mod, package.path))
+  if BUILTIN[name] then
+    registries().plugin('reward', name) -- registers its built-ins as it loads; its source joins the run's manifest
+    fn = builtins[name]
+    if not fn then error(string.format("the plugin of reward '%s' did not register it", name), 2) end
     registry[name] = fn
     return fn
   end
-  local file, key = require('moonrl.registry').split_file_name(name)
+  local file, key = registries().split_file_name(name)
   if file then -- FILE.lua:NAME
-    local mod = require('moonrl.registry').require_file(file, 'reward file')
+    local mod = registries().require_file(file, 'reward file')
     fn = type(mod) == 'table' and mod[key] or registry[key]
     if not callable(fn) then
       error(string.format("%s defines no reward '%s' (return a table with a function %s, or register it)", file, key,

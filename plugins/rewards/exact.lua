@@ -25,5 +25,7 @@ function M.new(opts)
 end
 
 M.reward = M.new()
+-- loaded (by moonrl.rewards.get through moonrl.registry.plugin, or a require), it registers its built-in reward
+rewards.register('exact', M.reward, { builtin = true })
 
 return M

@@ -251,5 +251,8 @@ function M.new(opts)
 end
 
 M.reward = M.new()
+-- loaded (by moonrl.rewards.get through moonrl.registry.plugin, or a require), it registers its built-in rewards
+rewards.register('math', M.reward, { builtin = true })
+rewards.register('gsm8k', M.reward, { builtin = true })
 
 return M

@@ -32,7 +32,7 @@ t.test('generation blocks render their body; macros; loop controls', function()
 end)
 
 -- A chat template is untrusted input: every render is bounded (the limits at
--- the top of jinja.lua). Each of these must fail fast with the limit's name.
+-- the top of moonrl/text/jinja/init.lua). Each of these must fail fast with the limit's name.
 local function fails_fast(src, want, vars, opts)
   local t0 = os.clock()
   local fn = jinja.compile(src, 'chat_template')

@@ -1,6 +1,5 @@
 -- moonrl.io.safetensors from Lua: write, read back, errors name the file.
 local t = require('moonrl.testing')
-local moonrl = require('moonrl')
 local ffi = require('ffi')
 local sf = require('moonrl.io.safetensors')
 

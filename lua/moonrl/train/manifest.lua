@@ -24,13 +24,14 @@ local moonrl = require('moonrl')
 local ffi = require('ffi')
 local fs = require('moonrl.io.fs')
 local json = require('moonrl.io.json')
+local registry = require('moonrl.registry')
 
 local M = {}
 
 M.FORMAT = 1
 
--- The Lua files the run loaded beside the recipe, in load order (moonrl.rewards and the CLI's
--- --require add theirs): { path = true }.
+-- The Lua files the run loaded beside the recipe, in load order (those moonrl.registry loaded,
+-- --require files and reward plugins, join at each write): { path = true }.
 M.code_files = {}
 local code_order = {}
 
@@ -146,6 +147,7 @@ function M.build(S, created)
     local p = d.view and d.view.src and d.view.src.path
     if p then inputs['data.' .. d.name] = M.identity(p) end
   end
+  for _, p in ipairs(registry.code_files()) do M.add_code(p) end
   local requires = json.array()
   for _, f in ipairs(cmd.requires or {}) do -- --require FILE: loaded before the recipe, part of the code
     local p = f:sub(1, 1) == '/' and f or ((os.getenv('PWD') or '.') .. '/' .. f)
