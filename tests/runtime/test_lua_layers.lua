@@ -14,31 +14,22 @@ local LAYERS = {
   -- 0: the FFI and the helpers every module uses (errors, logging, stop requests)
   { 'moonrl', 'moonrl.cdef' },
   -- 1: no model or text in sight: files, JSON, processes, progress, safetensors; the config (every
-  -- section's defaults), the registries (they load user files and plugins), the test harness
-  { 'moonrl.io.*', 'moonrl.config', 'moonrl.registry', 'moonrl.testing' },
+  -- section's defaults), the registries (they load user files and plugins), the Lua generator, the
+  -- test harness
+  { 'moonrl.io.*', 'moonrl.config', 'moonrl.registry', 'moonrl.rng', 'moonrl.testing' },
   -- 2: the pieces a recipe puts together, each on its own: text, tokenizer and chat templates, model,
-  -- optimizer, engine, data, the algorithms' math, rewards and tasks. GGUF files are read in io/ but
+  -- optimizer, engine, data, samples and the packed batch (which the algorithms' estimators and
+  -- the evaluation read), the algorithms' math, rewards and tasks. GGUF files are read in io/ but
   -- G:model() builds a moonrl.model from one, so moonrl.io.gguf sits with the model.
   { 'moonrl.text.*', 'moonrl.tokenizer', 'moonrl.chat', 'moonrl.model', 'moonrl.optim', 'moonrl.engine',
-    'moonrl.data', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.io.gguf' },
-  -- 3: the run state that every recipe shares: session, rollout, checkpoints, guards, ranks, traces
+    'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.io.gguf' },
+  -- 3: the training stack every recipe shares: config sections, the update step, the session with
+  -- its rollouts, checkpoints, guards, ranks, traces
   { 'moonrl.train.*' },
-  -- 4: what recipes call: the recipe kit and the RL loop built on it
+  -- 4: what recipes are written on: the recipe kinds (moonrl.rl) and the old names (moonrl.recipe)
   { 'moonrl.recipe', 'moonrl.rl' },
-  -- 5: the programs around a recipe: the server, reports, the command line
-  { 'moonrl.serve.*', 'moonrl.report.*', 'moonrl.cmd.*' },
-}
-
--- Requires that break the rules today, each 'from -> to': an upward require, a require that
--- closes a cycle within a layer, or a plugin required by the library. They are left out of the
--- checks; an entry that no longer breaks a rule fails the test, so that this list only shrinks.
--- The training stack's restructuring (issue 31) removes them.
-local KNOWN = {
-  'moonrl.algo.estimators -> moonrl.recipe',   -- R.pack, R.gather, R.scatter of the packed batch
-  'moonrl.tasks -> moonrl.train.session',      -- session.rng, the seeded generator of the addition task
-  'moonrl.train.evaluation -> moonrl.recipe',  -- R.prompt_ids, R.requests, R.eos_ids, ... for held-out sampling
-  'moonrl.train.session -> moonrl.recipe',     -- R.micro_batches in Session:micro_batches
-  'moonrl.recipe -> rewards.reward_model',     -- for cfg.reward_model.dir: moonrl.registry.plugin('reward', 'reward_model')
+  -- 5: the programs around a recipe: the server, reports, the command line and its commands
+  { 'moonrl.serve.*', 'moonrl.report.*', 'moonrl.cli.*', 'moonrl.cmd.*' },
 }
 
 local function layer_of(mod)
@@ -195,28 +186,6 @@ end
 
 local sorted_keys = require('moonrl.io.json').keys -- of a plain table: sorted
 
-local known = {}
-for _, e in ipairs(KNOWN) do
-  local from, to = e:match('^(%S+) %-> (%S+)$')
-  assert(from, 'KNOWN entries are "from -> to": ' .. e)
-  known[from .. ' -> ' .. to] = { from = from, to = to }
-end
-
--- does `to` reach `from` through the edges kept (all but `skip`)?
-local function reaches(from, to, keep)
-  local seen, stack = { [from] = true }, { from }
-  while #stack > 0 do
-    local m = table.remove(stack)
-    if m == to then return true end
-    for n in pairs(graph[m] or {}) do
-      if not seen[n] and keep(m, n) then seen[n] = true; stack[#stack + 1] = n end
-    end
-  end
-  return false
-end
-local function all_edges() return true end
-local function not_known(m, n) return not known[m .. ' -> ' .. n] end
-
 -- a failure listing what breaks a rule, one per line
 local function none(list, what)
   if #list > 0 then error(what .. ':\n  ' .. table.concat(list, '\n  '), 0) end
@@ -235,7 +204,7 @@ t.test('no module requires one of a higher layer', function()
   for _, from in ipairs(sorted_keys(graph)) do
     for _, to in ipairs(sorted_keys(graph[from])) do
       local lf, lt = layer_of(from), layer_of(to)
-      if lf and lt and lt > lf and not known[from .. ' -> ' .. to] then
+      if lf and lt and lt > lf then
         bad[#bad + 1] = string.format('%s:%d: %s (layer %d) requires %s (layer %d)', mods[from], graph[from][to], from, lf,
           to, lt)
       end
@@ -245,17 +214,15 @@ t.test('no module requires one of a higher layer', function()
 end)
 
 t.test('no cycle among the modules', function()
-  -- Tarjan's strongly connected components over the edges not in KNOWN
+  -- Tarjan's strongly connected components
   local index, low, on, stack, count, cycles = {}, {}, {}, {}, 0, {}
   local function visit(v)
     count = count + 1
     index[v], low[v] = count, count
     stack[#stack + 1], on[v] = v, true
     for _, w in ipairs(sorted_keys(graph[v] or {})) do
-      if not_known(v, w) then
-        if not index[w] then visit(w); low[v] = math.min(low[v], low[w])
-        elseif on[w] then low[v] = math.min(low[v], index[w]) end
-      end
+      if not index[w] then visit(w); low[v] = math.min(low[v], low[w])
+      elseif on[w] then low[v] = math.min(low[v], index[w]) end
     end
     if low[v] == index[v] then
       local scc = {}
@@ -269,7 +236,7 @@ t.test('no cycle among the modules', function()
         local lines = {}
         for _, a in ipairs(scc) do
           for _, b in ipairs(scc) do
-            if graph[a][b] and not_known(a, b) then lines[#lines + 1] = string.format('%s:%d: %s -> %s', mods[a], graph[a][b], a, b) end
+            if graph[a][b] then lines[#lines + 1] = string.format('%s:%d: %s -> %s', mods[a], graph[a][b], a, b) end
           end
         end
         cycles[#cycles + 1] = table.concat(lines, '\n  ')
@@ -284,26 +251,10 @@ t.test('no library module requires a plugin', function()
   local bad = {}
   for _, from in ipairs(sorted_keys(plugins)) do
     for _, p in ipairs(sorted_keys(plugins[from])) do
-      if not known[from .. ' -> ' .. p] then
-        bad[#bad + 1] = string.format('%s:%d: %s requires the plugin %s', mods[from], plugins[from][p], from, p)
-      end
+      bad[#bad + 1] = string.format('%s:%d: %s requires the plugin %s', mods[from], plugins[from][p], from, p)
     end
   end
   none(bad, 'plugins required by the library (load one by name: moonrl.registry.plugin)')
-end)
-
-t.test('KNOWN lists only violations that still occur', function()
-  local stale = {}
-  for _, e in ipairs(KNOWN) do
-    local k = known[e]
-    local line = graph[k.from] and graph[k.from][k.to]
-    local lf, lt = layer_of(k.from), layer_of(k.to)
-    local upward = lf and lt and lt > lf
-    if plugins[k.from] and plugins[k.from][k.to] then -- a plugin required: still a violation
-    elseif not line then stale[#stale + 1] = e .. ': no such require any more'
-    elseif not upward and not reaches(k.to, k.from, all_edges) then stale[#stale + 1] = e .. ': neither upward nor in a cycle' end
-  end
-  none(stale, 'KNOWN entries to remove')
 end)
 
 t.done()

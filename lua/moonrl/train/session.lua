@@ -163,7 +163,7 @@ function M.start(cfg, opts)
     engine = made
   end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
-    require('rewards.reward_model').register('reward_model', cfg.reward_model.dir)
+    require('moonrl.registry').plugin('reward', 'reward_model').register('reward_model', cfg.reward_model.dir)
     sections.check_reward(cfg)
   end
   local data = opts.data
