@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The documentation's links resolve: every relative link of README.md, docs/*.md and
 bench/*.md names a file or folder of the repository, and its #anchor (if any) a heading of
-that Markdown file (GitHub's heading ids). README.md links every page of docs/.
+that Markdown file (GitHub's heading ids). README.md links every page of docs/, and
+docs/architecture.md names every folder of the code (lua/moonrl/*/, core/*/, kernels/*/), so
+the page that describes the code as built cannot silently miss a part of it.
 
 usage: test_docs_links.py SOURCE_ROOT
 """
@@ -77,6 +79,13 @@ def main():
     for n in sorted(os.listdir(os.path.join(root, "docs"))):
         if n.endswith(".md") and "docs/" + n not in readme_targets:
             bad.append("README.md: no link to docs/" + n)
+    arch = open(os.path.join(root, "docs", "architecture.md"), encoding="utf-8").read()
+    for parent, shown in (("lua/moonrl", ("`{}/`", "`moonrl.{}.", "`moonrl.{}`")), ("core", ("`core/{}/`",)),
+                          ("kernels", ("`kernels/{}/`", "`kernels/{}`"))):
+        for n in sorted(os.listdir(os.path.join(root, parent))):
+            if os.path.isdir(os.path.join(root, parent, n)) and n != "include" and \
+                    not any(w.format(n) in arch for w in shown):
+                bad.append("docs/architecture.md: %s/%s/ is not described (no %s)" % (parent, n, shown[0].format(n)))
     for b in bad:
         print("FAIL " + b)
     print("%d links checked in %d files; %d passed, %d failed" % (count, len(files), count - len(bad), len(bad)))
