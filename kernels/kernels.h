@@ -5,8 +5,8 @@
  * fast (OpenBLAS + the AVX-512 / AVX2 / SSE loops chosen at run time,
  * kernels/cpu/isa.h) and CUDA (kernels/cuda, on device memory: the
  * memory slots below say where a table's arrays live and move them).
- * tests/kernels/test_ops.c runs every op of every CPU table against the
- * reference, tests/gpu/test_cuda_ops.c the CUDA table's. Internal to the
+ * tests/kernels/test_ops.c runs every op of every table (the CPU's, and
+ * CUDA's where there is a GPU) against the reference. Internal to the
  * core (not part of the FFI).
  *
  * Row-major everywhere. T = tokens, D = row width. Functions whose name
@@ -283,6 +283,40 @@ typedef struct mrl_kernels {
      * that of the first such row. */
     mrl_status (*sample)(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
                          const double *u, int32_t *tokens, float *logprobs, float *lp_processed);
+    /* The k most likely tokens of each of n rows of V logits (rows[r]; rows
+     * may repeat) and their log-probs under softmax(logits / t) over the
+     * whole vocabulary, t the temperature of params[r] (1 when greedy): the
+     * distribution of sample's logprobs, so a sampled token's entry is its
+     * logprob. ids [n,k] and lps [n,k], row r's best first, ties the lower
+     * id; 1 <= k <= V (MRL_ERR_INVALID otherwise). The rows are rows sample
+     * took (no NaN, a finite maximum). The engine's top_logprobs. */
+    mrl_status (*top_logprobs)(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                               int k, int32_t *ids, float *lps);
+
+    /* ---- mixture of experts: the router of a sparse layer (core/model/moe.c) ---- */
+    /* T tokens, E experts, k picks a token (1 <= k <= E):
+     *   prob [T,E] = softmax(logits [T,E]) of each row in fp32 (prob may be
+     *                logits: in place)
+     *   sel  [T,k] = the k largest prob[t], largest first, ties the lower
+     *                expert; with replay (NULL: none), token t's picks are
+     *                replay[t * replay_stride .. + k) instead unless the
+     *                first is negative (the caller checked them: k distinct
+     *                experts in 0..E-1, or k times -1)
+     *   w    [T,k] = prob[t, sel[t]], divided by their sum when norm
+     *   how  [T]   (NULL: not wanted) 0: the router's own picks; 1:
+     *              replayed, the same set as its own; 2: replayed, another
+     *   The picks decide which experts run: every table computes a row's
+     *   softmax in the reference's order (the max, the exps summed in fp32
+     *   in expert order, the divisions), so the probabilities differ only by
+     *   their exp's rounding and a pick can flip only between experts
+     *   within an ulp of each other. */
+    void (*moe_route)(float *prob, int32_t *sel, float *w, int32_t *how, const float *logits, const int16_t *replay,
+                      int64_t replay_stride, int64_t T, int E, int k, int norm);
+    /* The A = T*k picks sel [A] (pick i is token i / k's) grouped by expert,
+     * each expert's in pick order (a stable counting sort): eoff [E+1],
+     * expert e's rows eoff[e] .. eoff[e+1]; row [A], the grouped row of pick
+     * i; tok [A], the token of grouped row r. */
+    void (*moe_group)(int32_t *eoff, int32_t *row, int32_t *tok, const int32_t *sel, int64_t A, int E, int k);
 
     /* ---- optimizer and reductions ---- */
     /* One AdamW step in place on a->p, a->m, a->v (torch.optim.AdamW, moonrl/optim.h). */

@@ -58,7 +58,7 @@ struct mrl_sched {
     int tables_cap, seq_arrays_cap, step_cap;
     mrl_sched_stats st;
     int64_t version; /* of the weights now: recorded with each token sampled */
-    const mrl_kernels *k; /* the sample op's table (NULL: the fast CPU one) */
+    const mrl_kernels *k; /* the sample and top_logprobs ops' table (NULL: the fast CPU one) */
 };
 
 /* ---- small helpers ---- */
@@ -522,28 +522,40 @@ static mrl_status fork_children(mrl_sched *s, int id) {
     return MRL_OK;
 }
 
-/* The n most likely tokens of one row of logits and their log-probs under softmax(logits / t)
- * over the whole vocabulary, t the row's temperature (1 when greedy): the distribution of the
- * sampled token's logprob (engine.h), so the chosen token's entry matches it. Best first, ties
- * the lower id (one pass keeping a sorted list of n: n <= MRL_TOP_LOGPROBS_MAX). */
-static void top_logprobs(const float *x, int V, const mrl_sampling_params *p, int n, int32_t *ids, float *lps) {
-    float inv = p->temperature < 1e-5f ? 1.0f : 1.0f / p->temperature;
-    float mx = -INFINITY;
-    for (int v = 0; v < V; v++) mx = x[v] > mx ? x[v] : mx;
-    double sum = 0;
-    for (int v = 0; v < V; v++) sum += exp((double)(x[v] - mx) * inv);
-    float lse = (float)(mx * inv + log(sum));
-    int have = 0;
-    for (int v = 0; v < V; v++) {
-        if (have == n && !(x[v] > x[ids[n - 1]])) continue; /* strict: an equal later id stays out */
-        int at = have < n ? have++ : n - 1;
-        while (at > 0 && x[v] > x[ids[at - 1]]) { /* shift the smaller ones down */
-            ids[at] = ids[at - 1];
-            at--;
-        }
-        ids[at] = v;
+/* The top_logprobs of the samples of this step whose request asked for them (top > 0), for
+ * the position each one's token goes to next: one call of the op table's top_logprobs (the
+ * whole vocabulary at the row's temperature, kernels.h) with the most any of them asked
+ * for, each keeping its first `top` (best first: its own most likely tokens). */
+static mrl_status step_top_logprobs(mrl_sched *s, const float *const *rows, const mrl_sampling_params *const *params,
+                                    const int *who, int n, int V) {
+    int m = 0, kmax = 0;
+    for (int i = 0; i < n; i++) {
+        int top = s->reqs[s->seqs[who[i]].req].top;
+        m += top > 0;
+        kmax = top > kmax ? top : kmax;
     }
-    for (int i = 0; i < n; i++) lps[i] = x[ids[i]] * inv - lse;
+    if (m == 0) return MRL_OK;
+    const float **r = malloc(sizeof(*r) * m);
+    const mrl_sampling_params **p = malloc(sizeof(*p) * m);
+    int32_t *ids = malloc(sizeof(int32_t) * m * kmax);
+    float *lps = malloc(sizeof(float) * m * kmax);
+    mrl_status st = !r || !p || !ids || !lps ? oom("top_logprobs") : MRL_OK;
+    for (int i = 0, j = 0; !st && i < n; i++)
+        if (s->reqs[s->seqs[who[i]].req].top > 0) r[j] = rows[i], p[j++] = params[i];
+    if (!st) st = (s->k ? s->k : mrl_kernels_cpu_fast())->top_logprobs(r, m, V, p, kmax, ids, lps);
+    for (int i = 0, j = 0; !st && i < n; i++) {
+        sched_seq *x = &s->seqs[who[i]];
+        int top = s->reqs[x->req].top;
+        if (top == 0) continue;
+        int64_t at = (int64_t)(x->n_tokens - x->n_prompt) * top;
+        memcpy(x->top_ids + at, ids + (int64_t)j * kmax, sizeof(int32_t) * top);
+        memcpy(x->top_lp + at, lps + (int64_t)j++ * kmax, sizeof(float) * top);
+    }
+    free(r);
+    free(p);
+    free(ids);
+    free(lps);
+    return st;
 }
 
 mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
@@ -571,7 +583,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     int64_t *ctr = NULL;
     int *who = NULL;
     int32_t *tok = NULL;
-    float *lp = NULL, *lpp = NULL, *host_row = NULL;
+    float *lp = NULL, *lpp = NULL;
     if (!st && n_samples > 0) {
         rows = malloc(sizeof(*rows) * n_samples);
         params = malloc(sizeof(*params) * n_samples);
@@ -602,6 +614,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
         }
     }
     if (!st && k > 0) st = mrl_sample_gather(s->k, rows, k, V, params, keys, ctr, tok, lp, lpp);
+    if (!st && k > 0) st = step_top_logprobs(s, rows, params, who, k, V);
     for (int i = 0; !st && i < k; i++) {
         sched_seq *x = &s->seqs[who[i]];
         sched_req *q = &s->reqs[x->req];
@@ -610,17 +623,6 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
         x->lp[n_out] = lp[i];
         x->lpp[n_out] = lpp[i];
         x->ver[n_out] = s->version;
-        if (q->top > 0) {
-            const float *row = rows[i];
-            if (s->k && s->k->on_device) { /* a GPU's logits: this row to the host first */
-                if (!host_row && !(host_row = malloc(sizeof(float) * V))) st = oom("top_logprobs");
-                if (!st) st = s->k->to_host(host_row, rows[i], (int64_t)sizeof(float) * V);
-                if (st) break;
-                row = host_row;
-            }
-            top_logprobs(row, V, &q->params, q->top, x->top_ids + (int64_t)n_out * q->top,
-                         x->top_lp + (int64_t)n_out * q->top);
-        }
         s->st.generated_tokens++;
         if (in_list(q->eos, q->n_eos, tok[i])) finish_seq(s, who[i], MRL_FINISH_EOS);
         else if (in_list(q->stop, q->n_stop, tok[i])) finish_seq(s, who[i], MRL_FINISH_STOP);
@@ -634,7 +636,6 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     free(tok);
     free(lp);
     free(lpp);
-    free(host_row);
     s->planned = 0;
     s->n_step = 0;
     return st;

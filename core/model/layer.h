@@ -100,6 +100,7 @@ typedef struct layer_acts {
     int32_t *row;              /* [A]   the grouped row of assignment t*k + j */
     int32_t *tok;              /* [A]   the token of each grouped row */
     int32_t *eoff;             /* [E+1] expert e's rows: eoff[e] .. eoff[e+1] */
+    int32_t *rhow;             /* [T]   with replay: how each token was routed (moe_route's how) */
     float *xe;                 /* [A,D] ln2 of each grouped row */
     float *egate, *eup, *eact; /* [A,Fe] */
     float *ey;                 /* [A,D] each row's expert output, before weighting */

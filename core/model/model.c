@@ -501,8 +501,9 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
         mrl_status st = mrl_device_describe(device, what, sizeof what); /* built with CUDA, and the GPU is there */
         if (st) return st;
         if (m->cfg.num_experts > 0)
-            return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: a mixture-of-experts model (qwen3_moe) routes its "
-                                 "tokens on the host and runs on the CPU only for now", what);
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: a mixture-of-experts model (qwen3_moe) runs on the "
+                                 "CPU only for now (its experts' outputs are combined, and its router's gradient "
+                                 "taken, on the host)", what);
         if (m->ep) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: expert parallelism is CPU only", what);
         k = mrl_kernels_for(device);
         if (!k) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: moonrl was built without CUDA", what);

@@ -39,6 +39,7 @@ int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T,
     TAKE(a->row, int32_t, A);
     TAKE(a->tok, int32_t, A);
     TAKE(a->eoff, int32_t, E + 1);
+    TAKE(a->rhow, int32_t, T);
     TAKE(a->xe, float, A * D);
     TAKE(a->egate, float, A * Fe);
     TAKE(a->eup, float, A * Fe);
@@ -81,67 +82,20 @@ static mrl_gemm_desc dinput(float *dx, const float *dy, const float *W, int64_t 
 
 static const uint16_t *at16(const uint16_t *base, int64_t off) { return base ? base + off : NULL; }
 
-/* softmax of one row in place */
-static void softmax(float *x, int64_t n) {
-    float mx = x[0];
-    for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
-    float sum = 0;
-    for (int64_t i = 0; i < n; i++) sum += x[i] = expf(x[i] - mx);
-    for (int64_t i = 0; i < n; i++) x[i] /= sum;
-}
-
-/* 1 when the k picks a and b name the same set of experts (each holds k distinct ones). */
-static int same_set(const int32_t *a, const int16_t *b, int64_t K) {
-    for (int64_t j = 0; j < K; j++) {
-        int found = 0;
-        for (int64_t i = 0; i < K && !found; i++) found = a[j] == b[i];
-        if (!found) return 0;
-    }
-    return 1;
-}
-
-/* sel, rw of each token from rprob; then the grouping: eoff, row, tok.
- * Replay (a->replay): sel is the given picks in their order, rw their own
- * probabilities (renormalised likewise), so replaying the model's own picks
- * gives the same bits as not replaying. */
-static void route(const mrl_model_config *c, layer_acts *a, int64_t T) {
-    int64_t E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
+/* The router's picks of each token (the op table's moe_route: softmax, top-k, the weights,
+ * the replay), then their grouping (moe_group: eoff, row, tok). Replay (a->replay): sel is
+ * the given picks in their order, rw their own probabilities (renormalised likewise), so
+ * replaying the model's own picks gives the same bits as not replaying. */
+static void route(const mrl_kernels *k, const mrl_model_config *c, layer_acts *a, int64_t T) {
+    int E = c->num_experts, K = c->num_experts_per_tok;
+    k->moe_route(a->rprob, a->sel, a->rw, a->replay ? a->rhow : NULL, a->rprob, a->replay, a->replay_stride, T, E,
+                 K, c->norm_topk_prob); /* [T,E] in place, [T,k] x2 */
+    k->moe_group(a->eoff, a->row, a->tok, a->sel, T * K, E, K);
     a->replay_differ = a->replay_count = 0;
-    for (int64_t t = 0; t < T; t++) {
-        const float *p = a->rprob + t * E;
-        int32_t *sel = a->sel + t * K;
-        float *w = a->rw + t * K, sum = 0;
-        for (int64_t j = 0; j < K; j++) { /* the largest not yet taken; strict > keeps the lower index on ties */
-            int32_t best = -1;
-            for (int32_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j && !taken; i++) taken = sel[i] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            sel[j] = best;
-        }
-        const int16_t *r = a->replay ? a->replay + t * a->replay_stride : NULL;
-        if (r && r[0] >= 0) { /* checked by mrl_moe_check_routing: k distinct experts */
-            a->replay_count++;
-            a->replay_differ += !same_set(sel, r, K);
-            for (int64_t j = 0; j < K; j++) sel[j] = r[j];
-        }
-        for (int64_t j = 0; j < K; j++) sum += w[j] = p[sel[j]];
-        if (c->norm_topk_prob)
-            for (int64_t j = 0; j < K; j++) w[j] /= sum;
+    for (int64_t t = 0; a->replay && t < T; t++) {
+        a->replay_count += a->rhow[t] > 0;
+        a->replay_differ += a->rhow[t] == 2;
     }
-    /* counting sort: eoff[e] = first row of expert e; row[i] its place, tok[row] its token */
-    int32_t *off = a->eoff;
-    memset(off, 0, sizeof(int32_t) * (E + 1));
-    for (int64_t i = 0; i < A; i++) off[a->sel[i] + 1]++;
-    for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
-    for (int64_t i = 0; i < A; i++) { /* off[e] walks to the end of e's rows ... */
-        int32_t r = off[a->sel[i]]++;
-        a->row[i] = r;
-        a->tok[r] = (int32_t)(i / K);
-    }
-    for (int64_t e = E; e > 0; e--) off[e] = off[e - 1]; /* ... which is where e + 1 starts: shift back */
-    off[0] = 0;
 }
 
 void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
@@ -168,8 +122,7 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
     const mrl_model_config *c = &m->cfg;
     int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
     k->gemm(0, 1, T, E, D, 1.0f, a->ln2, D, p->router, D, 0.0f, a->rprob, E); /* router logits [T,E] */
-    for (int64_t t = 0; t < T; t++) softmax(a->rprob + t * E, E);
-    route(c, a, T);
+    route(k, c, a, T);
     k->gather_rows(a->xe, a->ln2, a->tok, A, D); /* [A,D] */
     if (a->ep) /* the rows to the ranks of their experts, the outputs back into ey (moe_ep.c) */
         mrl_moe_ep_forward(m, p, a);

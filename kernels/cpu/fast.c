@@ -6,7 +6,7 @@
  * mrl_parallel_for. Results do not depend on the thread count: every
  * reduction has a fixed blocking and order. The ops of the engine, the
  * optimizer and the conversions live beside their reference versions
- * (paged_attention.c, sample.c, adamw.c, reduce.c, convert.c) and are
+ * (paged_attention.c, sample.c, moe.c, adamw.c, reduce.c, convert.c) and are
  * gathered into the table here. */
 #include <cblas.h>
 #include <stdatomic.h>
@@ -19,6 +19,7 @@
 #include "cpu/gemm_bf16.h"
 #include "cpu/convert.h"
 #include "cpu/isa.h"
+#include "cpu/moe.h"
 #include "cpu/paged_attention.h"
 #include "cpu/reduce.h"
 #include "cpu/sample.h"
@@ -563,6 +564,9 @@ static const mrl_kernels fast_table = {
     .paged_attn_workspace = mrl_cpu_fast_paged_attn_workspace,
     .paged_attn = mrl_cpu_fast_paged_attn,
     .sample = mrl_cpu_fast_sample,
+    .top_logprobs = mrl_cpu_fast_top_logprobs,
+    .moe_route = mrl_cpu_fast_moe_route,
+    .moe_group = mrl_cpu_moe_group,
     .adamw = mrl_cpu_fast_adamw,
     .sum = mrl_cpu_fast_sum,
     .scale = mrl_cpu_fast_scale,

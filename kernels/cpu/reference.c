@@ -2,7 +2,7 @@
  * trust these; every other table is compared against them
  * (tests/kernels/test_ops.c). The ops of the engine, the optimizer and the
  * conversions live beside their fast versions (paged_attention.c,
- * sample.c, adamw.c, reduce.c, convert.c) and are gathered here. */
+ * sample.c, moe.c, adamw.c, reduce.c, convert.c) and are gathered here. */
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
@@ -11,6 +11,7 @@
 #include "cpu/adamw.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/isa.h"
+#include "cpu/moe.h"
 #include "cpu/paged_attention.h"
 #include "cpu/reduce.h"
 #include "cpu/sample.h"
@@ -315,6 +316,9 @@ static const mrl_kernels reference_table = {
     .paged_attn_workspace = mrl_cpu_ref_paged_attn_workspace,
     .paged_attn = mrl_cpu_ref_paged_attn,
     .sample = mrl_cpu_ref_sample,
+    .top_logprobs = mrl_cpu_ref_top_logprobs,
+    .moe_route = mrl_cpu_ref_moe_route,
+    .moe_group = mrl_cpu_moe_group,
     .adamw = mrl_cpu_ref_adamw,
     .sum = mrl_cpu_ref_sum,
     .scale = mrl_cpu_ref_scale,

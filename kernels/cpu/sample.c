@@ -10,7 +10,13 @@
  * other; the fast table the ISA set's vector exp (isa.h, exp_sum), rows
  * spread over the cores. Top-k selects with a three-way quickselect over the
  * candidates; top-p sorts only the few most probable tokens that cover the
- * mass (widening the set until it does), never the whole vocabulary. */
+ * mass (widening the set until it does), never the whole vocabulary.
+ *
+ * The top_logprobs op (the engine's most likely tokens per position) is
+ * written once too (top_row): the reference runs it row after row, the fast
+ * table spreads the rows over the cores (the same bits; its exps are libm's
+ * in double on both, as the log-probs the engine returned before it was an
+ * op). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -239,4 +245,63 @@ mrl_status mrl_cpu_ref_sample(const float *const *rows, int64_t n, int V, const 
 mrl_status mrl_cpu_fast_sample(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
                                const double *u, int32_t *tokens, float *logprobs, float *lp_processed) {
     return sample_rows(rows, n, V, params, u, tokens, logprobs, lp_processed, mrl_cpu_isa_get()->exp_sum, 1);
+}
+
+/* ---- the most likely tokens ---- */
+
+/* The n most likely tokens of logits x[V] and their log-probs under softmax(x / t) over the
+ * whole vocabulary, best first, ties the lower id: one pass keeping a sorted list of n. */
+static void top_row(const float *x, int V, const mrl_sampling_params *p, int n, int32_t *ids, float *lps) {
+    float inv = p->temperature < GREEDY_EPS ? 1.0f : 1.0f / p->temperature;
+    float mx = -INFINITY;
+    for (int v = 0; v < V; v++) mx = x[v] > mx ? x[v] : mx;
+    double sum = 0;
+    for (int v = 0; v < V; v++) sum += exp((double)(x[v] - mx) * inv);
+    float lse = (float)(mx * inv + log(sum));
+    int have = 0;
+    for (int v = 0; v < V; v++) {
+        if (have == n && !(x[v] > x[ids[n - 1]])) continue; /* strict: an equal later id stays out */
+        int at = have < n ? have++ : n - 1;
+        while (at > 0 && x[v] > x[ids[at - 1]]) { /* shift the smaller ones down */
+            ids[at] = ids[at - 1];
+            at--;
+        }
+        ids[at] = v;
+    }
+    for (int i = 0; i < n; i++) lps[i] = x[ids[i]] * inv - lse;
+}
+
+typedef struct top_ctx {
+    const float *const *rows;
+    int V, k;
+    const mrl_sampling_params *const *params;
+    int32_t *ids;
+    float *lps;
+} top_ctx;
+
+static void top_range(void *vc, int64_t r0, int64_t r1) {
+    const top_ctx *c = vc;
+    for (int64_t r = r0; r < r1; r++) top_row(c->rows[r], c->V, c->params[r], c->k, c->ids + r * c->k, c->lps + r * c->k);
+}
+
+static mrl_status top_logprobs(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                               int k, int32_t *ids, float *lps, int parallel) {
+    if (n <= 0) return MRL_OK;
+    if (V <= 0 || k < 1 || k > V) return mrl_set_error(MRL_ERR_INVALID, "top_logprobs: %d of %d logits", k, V);
+    top_ctx c = {rows, V, k, params, ids, lps};
+    if (parallel)
+        mrl_parallel_for(n, V >= (1 << 17) ? 1 : (1 << 17) / V, top_range, &c); /* >= 128K logits a thread */
+    else
+        top_range(&c, 0, n);
+    return MRL_OK;
+}
+
+mrl_status mrl_cpu_ref_top_logprobs(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                                    int k, int32_t *ids, float *lps) {
+    return top_logprobs(rows, n, V, params, k, ids, lps, 0);
+}
+
+mrl_status mrl_cpu_fast_top_logprobs(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
+                                     int k, int32_t *ids, float *lps) {
+    return top_logprobs(rows, n, V, params, k, ids, lps, 1);
 }

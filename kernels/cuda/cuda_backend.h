@@ -42,8 +42,9 @@ void mrl_cuda_graph_free(void *exec);
  * mrl_adamw_args structs themselves (their arrays are device memory, except
  * adamw's `ranges`, host); sum's *out; and every array of the sample call
  * (rows, params, u, tokens, logprobs, lp_processed) except the logits rows
- * the `rows` pointers point to. The ops that return a status wait for their
- * kernels (sum, sample); the others only launch. Declared by the
+ * the `rows` pointers point to, and likewise of top_logprobs (rows, params,
+ * ids, lps). The ops that return a status wait for their kernels (sum,
+ * sample, top_logprobs); the others only launch. Declared by the
  * struct's tag, so this header needs no kernels.h. */
 const struct mrl_kernels *mrl_kernels_cuda(void);
 /* The stream the table's ops launch on (NULL, the default: the legacy

@@ -90,6 +90,12 @@ mrl_status cuda_paged_attn(const mrl_paged_attn *a);
 // sample.cu
 mrl_status cuda_sample(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params,
                        const double *u, int32_t *tokens, float *logprobs, float *lp_processed);
+mrl_status cuda_top_logprobs(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params, int k,
+                             int32_t *ids, float *lps);
+// moe.cu
+void cuda_moe_route(float *prob, int32_t *sel, float *w, int32_t *how, const float *logits, const int16_t *replay,
+                    int64_t replay_stride, int64_t T, int E, int k, int norm);
+void cuda_moe_group(int32_t *eoff, int32_t *row, int32_t *tok, const int32_t *sel, int64_t A, int E, int k);
 
 // ---- device helpers ----
 

@@ -332,3 +332,105 @@ mrl_status cuda_sample(const float *const *rows, int64_t n, int V, const mrl_sam
     free(host);
     return s;
 }
+
+// ---- top_logprobs: the k most likely tokens of each row ----
+//
+// One block of THREADS per row. The log-sum-exp as the CPU's (kernels/cpu/
+// sample.c, top_row) takes it: the max of the raw logits, then
+// exp((double)(x - max) * inv) summed in double (in another order: the
+// log-probs differ by rounding), lse = (float)(max * inv + log(sum)). Then
+// the k best, one block-wide arg-max a round, each over the tokens after the
+// previous pick in the order (logit desc, id asc): k passes over the row
+// (the engine asks for at most 20), nothing stored per element, the CPU's
+// ids exactly.
+
+// (x, i) comes before (y, j): the larger logit, then the lower id
+__device__ __forceinline__ bool top_ahead(float x, int i, float y, int j) { return x > y || (x == y && i < j); }
+
+__device__ __forceinline__ void warp_best(float *x, int *i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float y = __shfl_xor_sync(FULL_MASK, *x, o);
+        int j = __shfl_xor_sync(FULL_MASK, *i, o);
+        if (top_ahead(y, j, *x, *i)) *x = y, *i = j;
+    }
+}
+
+__global__ static void __launch_bounds__(THREADS)
+top_logprobs_kernel(const float *const *rows, int V, const float *invs, int k, int32_t *ids_all, float *lps_all) {
+    __shared__ double shd[33];
+    __shared__ float shf[33], best_x[32], prev_x;
+    __shared__ int best_i[32], prev_i;
+    const int64_t r = blockIdx.x;
+    const float *z = rows[r], inv = invs[r];
+    int32_t *ids = ids_all + r * k;
+    float *lps = lps_all + r * k;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) m = z[i] > m ? z[i] : m;
+    m = block_max(m, shf);
+    double sum = 0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) sum += exp((double)__fsub_rn(z[i], m) * inv);
+    sum = block_sum(sum, shd);
+    float lse = (float)((double)__fmul_rn(m, inv) + log(sum));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int n = 0; n < k; n++) {
+        float px = n ? prev_x : INFINITY;  // the candidates: after the previous pick
+        int pi = n ? prev_i : -1;
+        float bx = -INFINITY;
+        int bi = INT32_MAX;  // none yet (any token, -inf included, comes before it)
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            float x = z[i];
+            if (top_ahead(px, pi, x, i) && top_ahead(x, i, bx, bi)) bx = x, bi = i;
+        }
+        warp_best(&bx, &bi);
+        if (lane == 0) best_x[warp] = bx, best_i[warp] = bi;
+        __syncthreads();
+        if (warp == 0) {
+            bx = lane < warps ? best_x[lane] : -INFINITY;
+            bi = lane < warps ? best_i[lane] : INT32_MAX;
+            warp_best(&bx, &bi);
+            if (lane == 0) {
+                ids[n] = bi;
+                lps[n] = __fsub_rn(__fmul_rn(bx, inv), lse);
+                prev_x = bx, prev_i = bi;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+mrl_status cuda_top_logprobs(const float *const *rows, int64_t n, int V, const mrl_sampling_params *const *params, int k,
+                             int32_t *ids, float *lps) {
+    if (n <= 0) return MRL_OK;
+    if (V <= 0 || k < 1 || k > V || n > INT32_MAX)
+        return mrl_set_error(MRL_ERR_INVALID, "top_logprobs: %d of %d logits", k, V);
+    // one upload (row pointers, each row's 1 / temperature as the CPU takes it), the results after
+    size_t b_rows = (size_t)n * sizeof(float *), b_inv = (size_t)n * sizeof(float);
+    size_t b_ids = (size_t)n * k * sizeof(int32_t), b_lps = (size_t)n * k * sizeof(float);
+    size_t o_inv = (b_rows + 15) / 16 * 16, o_ids = o_inv + (b_inv + 15) / 16 * 16, o_lps = o_ids + (b_ids + 15) / 16 * 16;
+    size_t total = o_lps + b_lps;
+    char *host = (char *)malloc(total);
+    if (!host) return mrl_set_error(MRL_ERR_NOMEM, "top_logprobs: no memory for %lld rows", (long long)n);
+    memcpy(host, rows, b_rows);
+    for (int64_t r = 0; r < n; r++)
+        ((float *)(host + o_inv))[r] = params[r]->temperature < GREEDY_EPS ? 1.0f : 1.0f / params[r]->temperature;
+    char *dev = (char *)cuda_ops_scratch(total);
+    if (!dev) {
+        free(host);
+        return MRL_ERR_NOMEM;
+    }
+    cudaStream_t st = cuda_ops_stream();
+    cudaError_t err = cudaMemcpyAsync(dev, host, o_ids, cudaMemcpyHostToDevice, st);
+    if (err == cudaSuccess) {
+        top_logprobs_kernel<<<(unsigned)n, THREADS, 0, st>>>((const float *const *)dev, V, (const float *)(dev + o_inv),
+                                                              k, (int32_t *)(dev + o_ids), (float *)(dev + o_lps));
+        err = cudaGetLastError();
+    }
+    if (err == cudaSuccess) err = cudaMemcpyAsync(host + o_ids, dev + o_ids, total - o_ids, cudaMemcpyDeviceToHost, st);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(st);
+    if (err == cudaSuccess) {
+        memcpy(ids, host + o_ids, b_ids);
+        memcpy(lps, host + o_lps, b_lps);
+    }
+    free(host);
+    return err == cudaSuccess ? MRL_OK : cuda_ops_fail(MRL_ERR_DEVICE, "top_logprobs: %s", cudaGetErrorString(err));
+}

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA GPU: build with CUDA,
 # then `meson test --suite gpu`: every CUDA op and the NCCL communicator
-# against the CPU reference (test_cuda_ops, test_nccl), the model's training
+# against the CPU reference (the op test's cuda row, test_nccl), the model's training
 # step on the GPU against the CPU from the same weights (test_cuda_model),
 # the engine (test_cuda_engine) and GRPO / PPO / SFT / DPO runs with
 # model.device=cuda against the same runs on the CPU (test_cuda_recipes);
 # then the benchmarks: the CUDA table's products and attention
-# (test_cuda_ops --bench), NCCL all-reduce bandwidth (test_nccl --bench),
+# (bench_cuda_ops), NCCL all-reduce bandwidth (test_nccl --bench),
 # training MFU of a Qwen2.5-0.5B-shaped model in bf16 (bench/gpu_train.lua)
 # and decode tokens/s at batch 1/16/64 against PyTorch eager on the same GPU
 # (bench/gpu_decode.py). Writes logs to $OUT (or ./gpu-out) when set.
@@ -40,9 +40,9 @@ ninja -C build-gpu > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 
 meson test -C build-gpu --suite gpu --print-errorlogs -v
 status=$?
 cp build-gpu/meson-logs/testlog.txt "$out/gpu_testlog.txt" 2>/dev/null || true
-if [ -x build-gpu/tests/gpu/test_cuda_ops ]; then
-  # the products' and attention's TFLOP/s (with only the quick "errors" group of checks: meson ran them all)
-  timeout 300 build-gpu/tests/gpu/test_cuda_ops --bench errors | tee "$out/bench_cuda_ops.txt"
+if [ -x build-gpu/bench/bench_cuda_ops ]; then
+  # the products' and attention's TFLOP/s (meson ran the checks: the op test's cuda row)
+  timeout 300 build-gpu/bench/bench_cuda_ops | tee "$out/bench_cuda_ops.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -x build-gpu/tests/gpu/test_nccl ]; then
