@@ -3,13 +3,10 @@
  * data-position contract (a saved run resumes on the same order), so the
  * algorithm must not change. */
 #include "moonrl/data.h"
+#include "base/error.h"
+#include "base/rng.h"
 
-uint64_t mrl_splitmix64(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
+uint64_t mrl_data_mix_seed(uint64_t x) { return mrl_mix64(x); }
 
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 

@@ -4,6 +4,8 @@
 #include <string.h>
 #include "engine/kv_cache.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
+#include "runtime/device_internal.h"
 
 typedef struct kv_seq {
     int live;

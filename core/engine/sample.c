@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include "engine/sample.h"
+#include "base/error.h"
 
 /* ---- random stream ---- */
 

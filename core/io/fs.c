@@ -17,6 +17,7 @@
 #include "moonrl/fault.h"
 #include "moonrl/fs.h"
 #include "write.h"
+#include "base/error.h"
 
 /* ------------------------------------------------------- writes + faults */
 

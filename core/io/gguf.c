@@ -20,8 +20,9 @@
 #include <unistd.h>
 #include "moonrl/dtype.h"
 #include "moonrl/gguf.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "io/write.h"
+#include "base/error.h"
 
 enum { GGUF_MAX_DIMS = 4, DEFAULT_ALIGNMENT = 32 };
 

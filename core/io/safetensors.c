@@ -22,6 +22,7 @@
 #include "io/json.h"
 #include "io/write.h"
 #include "io/st_common.h"
+#include "base/error.h"
 
 enum { MAX_HEADER_BYTES = 100 * 1000 * 1000 }; /* the Python library's bound */
 

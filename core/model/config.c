@@ -7,6 +7,7 @@
 #include <string.h>
 #include "io/json.h"
 #include "moonrl/model.h"
+#include "base/error.h"
 
 void mrl_model_config_default(mrl_model_config *c) {
     memset(c, 0, sizeof *c);

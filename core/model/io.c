@@ -19,6 +19,7 @@
 #include "moonrl/safetensors.h"
 #include "moonrl/mem.h"
 #include "model_internal.h"
+#include "base/error.h"
 
 static int ends_with(const char *s, const char *suffix) {
     size_t a = strlen(s), b = strlen(suffix);

@@ -7,8 +7,10 @@
 #include <stdio.h>
 #include <string.h>
 #include "moonrl/mem.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "model_internal.h"
+#include "base/error.h"
+#include "runtime/device_internal.h"
 
 typedef struct layout {
     mrl_model *m;

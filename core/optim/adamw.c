@@ -9,8 +9,9 @@
 #include <string.h>
 #include "kernels.h"
 #include "moonrl/optim.h"
-#include "moonrl/device.h"
+#include "runtime/device_internal.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
 
 struct mrl_adamw {
     float *params;

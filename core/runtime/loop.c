@@ -12,10 +12,11 @@
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
-#include "moonrl/loop.h"
+#include "runtime/loop_internal.h"
 #include "moonrl/log.h"
 #include "moonrl/supervise.h"
 #include "moonrl/fs.h"
+#include "base/error.h"
 
 typedef enum { CMD_SPAWN, CMD_KILL, CMD_JOB, CMD_DEADLINE, CMD_SIGNALS, CMD_QUIT } command_kind;
 

@@ -7,14 +7,15 @@
 #include <string.h>
 #include <unistd.h>
 #include "moonrl/runtime.h"
-#include "moonrl/log.h"
-#include "moonrl/loop.h"
+#include "base/log.h"
+#include "runtime/loop_internal.h"
 #include "moonrl/parallel.h"
 #include "moonrl/device.h"
 #include "build_info.h"
 #include "cpu/isa.h"
 #include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
+#include "base/error.h"
 
 const char *mrl_version(void) { return MRL_VERSION; }
 

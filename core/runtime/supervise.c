@@ -14,6 +14,7 @@
 #include <unistd.h>
 #include "moonrl/loop.h"
 #include "moonrl/supervise.h"
+#include "base/error.h"
 
 extern char **environ;
 

@@ -20,10 +20,11 @@
 #ifdef MRL_HAVE_CUDA
 #include <nvtx3/nvToolsExt.h> /* header-only: nvtx3 finds Nsight's collector at run time, else is a no-op */
 #endif
-#include "moonrl/log.h"
+#include "base/log.h"
 #include "moonrl/loop.h"
 #include "moonrl/trace.h"
 #include "moonrl/fs.h"
+#include "base/error.h"
 
 typedef struct trace_event {
     char phase;     /* 'B' begin, 'E' end, 'C' counter */

@@ -38,7 +38,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/split.h"
 #include "kernels.h" /* MRL_PANEL16, mrl_panels_part */

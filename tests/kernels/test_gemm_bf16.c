@@ -28,7 +28,7 @@
 #include <string.h>
 #include "check.h"
 #include "moonrl/dtype.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "kernels.h" /* the bf16 weight panels */
 

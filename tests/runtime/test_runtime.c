@@ -1,13 +1,14 @@
 /* Status codes, logging, the memory layer, devices, parallel-for. */
 #include <stdlib.h>
 #include <string.h>
-#include "moonrl/device.h"
-#include "moonrl/log.h"
+#include "runtime/device_internal.h"
+#include "base/log.h"
 #include "moonrl/mem.h"
 #include "moonrl/ops.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "moonrl/runtime.h"
 #include "check.h"
+#include "base/error.h"
 
 static void test_errors(void) {
     mrl_clear_error();
