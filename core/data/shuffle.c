@@ -8,27 +8,13 @@
 
 uint64_t mrl_data_mix_seed(uint64_t x) { return mrl_mix64(x); }
 
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-static uint64_t xoshiro_next(uint64_t s[4]) {
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
 /* uniform in [0, bound] by rejection (no modulo bias) */
 static uint64_t below_inclusive(uint64_t s[4], uint64_t bound) {
-    if (bound == UINT64_MAX) return xoshiro_next(s);
+    if (bound == UINT64_MAX) return mrl_xoshiro256ss(s);
     uint64_t range = bound + 1;
     uint64_t limit = UINT64_MAX - (UINT64_MAX % range);
     uint64_t r;
-    do r = xoshiro_next(s); while (r >= limit);
+    do r = mrl_xoshiro256ss(s); while (r >= limit);
     return r % range;
 }
 
