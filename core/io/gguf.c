@@ -74,10 +74,6 @@ static const type_info *type_of(int t) {
     }
 }
 
-int64_t mrl_ggml_block_size(int type) { return type_of(type) ? type_of(type)->block : 0; }
-int64_t mrl_ggml_block_bytes(int type) { return type_of(type) ? type_of(type)->bytes : 0; }
-const char *mrl_ggml_type_name(int type) { return type_of(type) ? type_of(type)->name : "?"; }
-
 /* Bytes of a scalar value type (0: not a fixed-size scalar). */
 static int64_t scalar_bytes(int t) {
     switch (t) {
@@ -368,7 +364,6 @@ void mrl_gguf_close(mrl_gguf *g) {
 }
 
 int mrl_gguf_version(const mrl_gguf *g) { return g ? g->version : 0; }
-const char *mrl_gguf_path(const mrl_gguf *g) { return g ? g->path : ""; }
 
 /* ---- metadata ---- */
 

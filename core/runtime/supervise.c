@@ -38,8 +38,6 @@ static int heartbeat_fd(void) {
     return beat_fd;
 }
 
-int mrl_heartbeat_enabled(void) { return heartbeat_fd() >= 0; }
-
 void mrl_heartbeat(const char *text) {
     int fd = heartbeat_fd();
     if (fd < 0) return;

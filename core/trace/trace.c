@@ -146,7 +146,6 @@ void mrl_trace_disable(void) {
     stream_close_locked();
     pthread_mutex_unlock(&lock);
 }
-int mrl_trace_enabled(void) { return atomic_load(&enabled); }
 
 static void record(char phase, const char *name, double value) {
     if (!atomic_load(&enabled) || !name) return;
