@@ -35,7 +35,7 @@
 #include <time.h>
 #include "kernels.h"
 #include "moonrl/dtype.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
 

@@ -21,7 +21,7 @@
 #include <string.h>
 #include <time.h>
 #include <immintrin.h>
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "kernels.h"
 #include "cpu/paged_attention.h"
 #include "moonrl/dtype.h"

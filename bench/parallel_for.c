@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "moonrl/runtime.h"
 
 static double now(void) {

@@ -9,6 +9,7 @@
 #include <time.h>
 #include "moonrl/engine.h"
 #include "moonrl/parallel.h"
+#include "engine/sample.h"
 
 #define V 151936
 

@@ -14,8 +14,7 @@
  * input gradients is said per op. */
 #pragma once
 #include <stdint.h>
-#include "moonrl/device.h"
-#include "moonrl/engine.h" /* mrl_sampling_params */
+#include "moonrl/sampling.h" /* mrl_sampling_params */
 #include "moonrl/status.h"
 
 /* Weight panels: W [N,K] (row-major, a linear layer's weight) laid out again
@@ -336,10 +335,8 @@ typedef struct mrl_kernels {
 
 const mrl_kernels *mrl_kernels_cpu_reference(void);
 const mrl_kernels *mrl_kernels_cpu_fast(void);
-/* The table of a device (core/runtime/device.c): the CPU's fast table, or
- * the CUDA table for a GPU (NULL when moonrl was built without CUDA). With
- * mrl_device_of, the table that can work on a given array. */
-const mrl_kernels *mrl_kernels_for(mrl_device device);
+/* The table of a device: mrl_kernels_for, core/runtime/device_internal.h
+ * (the dispatch over backends sits above the kernels). */
 /* Which vector path the fast table uses here: "avx512", "avx2" or "sse"
  * (the one CPU-feature choice of kernels/cpu/isa.c; mrl_kernel_isa() in
  * moonrl/runtime.h reports it). */

@@ -5,6 +5,11 @@ Input: the headers in core/include/moonrl/ (every *.h). Output: a C file that em
 chunk, `moonrl.cdef`, which calls ffi.cdef with the declarations and returns
 the list of function names (so a test can check each one resolves).
 
+Those headers are the API: what Lua, a user's C code or a plugin calls. What
+only the core calls lives in internal headers that this script never reads
+(core/base/*.h, a subsystem's *_internal.h and its other headers, kernels/);
+tests/runtime/test_ffi.lua checks that none of their functions is declared.
+
 Headers come in name order, each after the headers it includes.
 The headers are written for this: plain C declarations, no function-like
 macros, constants as enums. Preprocessor lines, comments, `#pragma once` and

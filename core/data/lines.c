@@ -4,6 +4,7 @@
 #include <string.h>
 #include "moonrl/data.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
 
 #define READ_CHUNK (1 << 20)
 

@@ -3,35 +3,18 @@
  * data-position contract (a saved run resumes on the same order), so the
  * algorithm must not change. */
 #include "moonrl/data.h"
+#include "base/error.h"
+#include "base/rng.h"
 
-uint64_t mrl_splitmix64(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-static uint64_t xoshiro_next(uint64_t s[4]) {
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
+uint64_t mrl_data_mix_seed(uint64_t x) { return mrl_mix64(x); }
 
 /* uniform in [0, bound] by rejection (no modulo bias) */
 static uint64_t below_inclusive(uint64_t s[4], uint64_t bound) {
-    if (bound == UINT64_MAX) return xoshiro_next(s);
+    if (bound == UINT64_MAX) return mrl_xoshiro256ss(s);
     uint64_t range = bound + 1;
     uint64_t limit = UINT64_MAX - (UINT64_MAX % range);
     uint64_t r;
-    do r = xoshiro_next(s); while (r >= limit);
+    do r = mrl_xoshiro256ss(s); while (r >= limit);
     return r % range;
 }
 

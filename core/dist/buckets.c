@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "dist_internal.h"
+#include "base/error.h"
 
 struct mrl_dist_buckets {
     mrl_dist *d; /* NULL once the communicator is finalized */

@@ -10,6 +10,7 @@
 #include <time.h>
 #include "dist_internal.h"
 #include "moonrl/loop.h"
+#include "base/error.h"
 
 enum {
     NOTE_MAGIC = 0x6d726c64, /* "mrld" */

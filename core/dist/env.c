@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "dist_internal.h"
+#include "base/error.h"
 
 /* 1: set to a whole number in [lo, INT_MAX]; 0: unset or empty; -1: set to
  * something else (the caller says which variable). */

@@ -18,7 +18,8 @@
 #include <string.h>
 #include <time.h>
 #include "moonrl/dist_nccl.h"
-#include "moonrl/log.h"
+#include "base/log.h"
+#include "base/error.h"
 
 #ifdef MRL_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "dist_internal.h"
+#include "base/error.h"
 
 /* ------------------------------------------------------------- combine */
 

@@ -45,9 +45,10 @@
 #include <time.h>
 #include <unistd.h>
 #include "moonrl/loop.h"
-#include "moonrl/mem.h"
-#include "moonrl/parallel.h"
+#include "base/mem.h"
+#include "base/parallel.h"
 #include "moonrl/weight_store.h"
+#include "base/error.h"
 
 enum {
     MAX_READERS = 128,

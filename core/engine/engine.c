@@ -46,9 +46,11 @@
 #include "moonrl/fault.h"
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "moonrl/trace.h"
 #include "moonrl/weight_store.h"
+#include "base/error.h"
+#include "runtime/device_internal.h"
 
 /* A captured decode step (CUDA graphs, below forward_step's staging). */
 enum { MAX_GRAPHS = 64 };

@@ -4,6 +4,9 @@
 #include <string.h>
 #include "engine/kv_cache.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
+#include "base/rng.h"
+#include "runtime/device_internal.h"
 
 typedef struct kv_seq {
     int live;
@@ -40,16 +43,9 @@ struct mrl_kv_cache {
     mrl_kv_cache_stats st;
 };
 
-static uint64_t mix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
-
 static uint64_t block_hash(uint64_t prev, const int32_t *tok, int n) {
-    uint64_t h = mix64(prev ^ 0x6b76636163686521ULL);
-    for (int i = 0; i < n; i++) h = mix64(h ^ (uint32_t)tok[i]);
+    uint64_t h = mrl_mix64(prev ^ 0x6b76636163686521ULL);
+    for (int i = 0; i < n; i++) h = mrl_mix64(h ^ (uint32_t)tok[i]);
     return h;
 }
 

@@ -37,6 +37,7 @@
 #pragma once
 #include <stdint.h>
 #include "kernels.h"
+#include "moonrl/device.h"
 #include "moonrl/status.h"
 
 typedef struct mrl_kv_cache mrl_kv_cache;

@@ -8,26 +8,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include "engine/sample.h"
+#include "base/rng.h"
+#include "base/error.h"
 
-/* ---- random stream ---- */
-
-static uint64_t mix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
+/* ---- random stream (splitmix64's finaliser as a hash, core/base/rng.h) ---- */
 
 uint64_t mrl_sample_stream_key(uint64_t seed, int64_t step, int64_t prompt_index, int64_t sample_index) {
-    uint64_t k = mix64(seed ^ 0x6d6f6f6e726c2121ULL);
-    k = mix64(k ^ (uint64_t)step);
-    k = mix64(k ^ (uint64_t)prompt_index);
-    return mix64(k ^ (uint64_t)sample_index);
+    uint64_t k = mrl_mix64(seed ^ 0x6d6f6f6e726c2121ULL);
+    k = mrl_mix64(k ^ (uint64_t)step);
+    k = mrl_mix64(k ^ (uint64_t)prompt_index);
+    return mrl_mix64(k ^ (uint64_t)sample_index);
 }
 
 double mrl_sample_uniform(uint64_t key, int64_t counter) {
-    uint64_t x = mix64(key ^ mix64((uint64_t)counter * 0xd1342543de82ef95ULL + 1));
-    return (double)(x >> 11) * 0x1.0p-53;
+    return mrl_unit53(mrl_mix64(key ^ mrl_mix64((uint64_t)counter * 0xd1342543de82ef95ULL + 1)));
 }
 
 /* ---- params ---- */

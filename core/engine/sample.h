@@ -5,7 +5,20 @@
 #pragma once
 #include <stdint.h>
 #include "kernels.h"
-#include "moonrl/engine.h"
+#include "moonrl/sampling.h"
+#include "base/error.h"
+
+/* The uniform in [0, 1) that stream `key` gives at `counter`. */
+double mrl_sample_uniform(uint64_t key, int64_t counter);
+
+/* Sample one token from each of `rows` rows of logits [rows, vocab] with
+ * the fast CPU table; params[r], keys[r], counters[r] per row. Outputs per
+ * row: tokens, logprobs (temperature-scaled, untruncated) and
+ * logprobs_processed (may be NULL). Rows run in parallel. Fails on bad
+ * params or a row that is all -inf or holds a NaN. */
+mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const mrl_sampling_params *params,
+                           const uint64_t *keys, const int64_t *counters, int32_t *tokens, float *logprobs,
+                           float *logprobs_processed);
 
 /* Sample one token from logits[V] with params p and the uniform u in [0, 1).
  * lp_processed may be NULL. */

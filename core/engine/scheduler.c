@@ -4,6 +4,7 @@
 #include <string.h>
 #include "engine/scheduler.h"
 #include "engine/sample.h"
+#include "base/error.h"
 
 enum { SEQ_UNFORKED = 0, SEQ_WAITING = 1, SEQ_RUNNING = 2, SEQ_FINISHED = 3 };
 

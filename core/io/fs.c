@@ -17,6 +17,8 @@
 #include "moonrl/fault.h"
 #include "moonrl/fs.h"
 #include "write.h"
+#include "base/error.h"
+#include "base/cpu.h"
 
 /* ------------------------------------------------------- writes + faults */
 
@@ -406,12 +408,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
 uint32_t mrl_crc32c(uint32_t crc, const void *data, size_t bytes) {
     crc = ~crc;
 #if defined(__x86_64__)
-    static int hw = -1;
-    if (hw < 0) {
-        __builtin_cpu_init();
-        hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-    }
-    if (hw) return ~crc_hw(crc, data, bytes);
+    if (mrl_cpu()->sse4_2) return ~crc_hw(crc, data, bytes);
 #endif
     return ~crc_soft(crc, data, bytes);
 }

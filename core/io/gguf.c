@@ -20,8 +20,9 @@
 #include <unistd.h>
 #include "moonrl/dtype.h"
 #include "moonrl/gguf.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "io/write.h"
+#include "base/error.h"
 
 enum { GGUF_MAX_DIMS = 4, DEFAULT_ALIGNMENT = 32 };
 
@@ -72,10 +73,6 @@ static const type_info *type_of(int t) {
     default: return NULL;
     }
 }
-
-int64_t mrl_ggml_block_size(int type) { return type_of(type) ? type_of(type)->block : 0; }
-int64_t mrl_ggml_block_bytes(int type) { return type_of(type) ? type_of(type)->bytes : 0; }
-const char *mrl_ggml_type_name(int type) { return type_of(type) ? type_of(type)->name : "?"; }
 
 /* Bytes of a scalar value type (0: not a fixed-size scalar). */
 static int64_t scalar_bytes(int t) {
@@ -367,7 +364,6 @@ void mrl_gguf_close(mrl_gguf *g) {
 }
 
 int mrl_gguf_version(const mrl_gguf *g) { return g ? g->version : 0; }
-const char *mrl_gguf_path(const mrl_gguf *g) { return g ? g->path : ""; }
 
 /* ---- metadata ---- */
 

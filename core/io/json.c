@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "json.h"
+#include "base/error.h"
 
 #define MAX_DEPTH 512
 

@@ -22,6 +22,7 @@
 #include "io/json.h"
 #include "io/write.h"
 #include "io/st_common.h"
+#include "base/error.h"
 
 enum { MAX_HEADER_BYTES = 100 * 1000 * 1000 }; /* the Python library's bound */
 
@@ -323,7 +324,6 @@ mrl_status mrl_st_open(const char *path, mrl_st **out) {
 }
 
 int64_t mrl_st_count(const mrl_st *st) { return st ? st->count : 0; }
-const char *mrl_st_path(const mrl_st *st) { return st ? st->path : ""; }
 
 mrl_status mrl_st_info(const mrl_st *st, int64_t index, mrl_st_tensor *out) {
     if (!st || !out) return mrl_set_error(MRL_ERR_INVALID, "st_info: st and out must not be NULL");

@@ -14,6 +14,7 @@
 #include "moonrl/safetensors.h"
 #include "io/st_common.h"
 #include "io/write.h"
+#include "base/error.h"
 
 typedef struct wtensor {
     char *name;

@@ -7,6 +7,7 @@
 #include <string.h>
 #include "io/json.h"
 #include "moonrl/model.h"
+#include "base/error.h"
 
 void mrl_model_config_default(mrl_model_config *c) {
     memset(c, 0, sizeof *c);
@@ -30,8 +31,30 @@ void mrl_model_config_default(mrl_model_config *c) {
     c->initializer_range = 0.02;
 }
 
-static const char *arch_names[] = {"llama", "qwen2", "qwen3", "qwen3_moe"};
-static const char *arch_classes[] = {"Llama", "Qwen2", "Qwen3", "Qwen3Moe"};
+/* The architectures, in mrl_model_arch order: the one table of their names. */
+static const mrl_arch_names arch_table[MRL_ARCH_COUNT] = {
+    {"llama", "Llama", "llama"},
+    {"qwen2", "Qwen2", "qwen2"},
+    {"qwen3", "Qwen3", "qwen3"},
+    {"qwen3_moe", "Qwen3Moe", "qwen3moe"},
+};
+
+const mrl_arch_names *mrl_model_arch_names(int arch) {
+    return arch >= 0 && arch < MRL_ARCH_COUNT ? &arch_table[arch] : NULL;
+}
+
+/* "llama, qwen2, qwen3, qwen3_moe" (numbered: "0 llama, 1 qwen2, ...") into list, for messages. */
+enum { ARCH_LIST = 128 };
+static const char *arch_list(char list[ARCH_LIST], int numbered) {
+    size_t used = 0;
+    list[0] = 0;
+    for (int i = 0; i < MRL_ARCH_COUNT; i++) {
+        const char *sep = i ? ", " : "", *name = arch_table[i].model_type;
+        if (numbered) used += (size_t)snprintf(list + used, ARCH_LIST - used, "%s%d %s", sep, i, name);
+        else used += (size_t)snprintf(list + used, ARCH_LIST - used, "%s%s", sep, name);
+    }
+    return list;
+}
 
 int mrl_model_layer_is_moe(const mrl_model_config *c, int l) {
     if (!c || c->num_experts <= 0 || l < 0 || l >= 1024) return 0;
@@ -125,22 +148,23 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
     const mrl_json *archs = mrl_json_get(root, "architectures");
     const char *arch0 = archs && archs->type == MRL_JSON_ARRAY && archs->length > 0 && archs->items[0]->type == MRL_JSON_STRING
                             ? archs->items[0]->string : NULL;
-    if (!mt) {
-        if (arch0 && strncmp(arch0, "Llama", 5) == 0) mt = "llama";
-        else if (arch0 && strncmp(arch0, "Qwen2", 5) == 0) mt = "qwen2";
-        else if (arch0 && strncmp(arch0, "Qwen3Moe", 8) == 0) mt = "qwen3_moe";
-        else if (arch0 && strncmp(arch0, "Qwen3", 5) == 0) mt = "qwen3";
-        else {
+    if (!mt) { /* the architecture whose class stem is the longest prefix of the class: Qwen3Moe before Qwen3 */
+        size_t best = 0;
+        for (int i = 0; arch0 && i < MRL_ARCH_COUNT; i++) {
+            size_t n = strlen(arch_table[i].hf_class);
+            if (n > best && strncmp(arch0, arch_table[i].hf_class, n) == 0) mt = arch_table[i].model_type, best = n;
+        }
+        if (!mt) {
             st = mrl_set_error(MRL_ERR_FORMAT, "%s: no \"model_type\"", source);
             goto done;
         }
     }
     int found = 0;
-    for (int i = 0; i < 4; i++)
-        if (strcmp(mt, arch_names[i]) == 0) c->arch = i, found = 1;
+    for (int i = 0; i < MRL_ARCH_COUNT; i++)
+        if (strcmp(mt, arch_table[i].model_type) == 0) c->arch = i, found = 1;
     if (!found) {
-        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, qwen2, qwen3, qwen3_moe)",
-                           source, mt);
+        char list[ARCH_LIST];
+        st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (%s)", source, mt, arch_list(list, 0));
         goto done;
     }
     if (arch0) {
@@ -274,8 +298,10 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
     POS(num_key_value_heads, 1024)
     POS(head_dim, 1024)
 #undef POS
-    if (c->arch < MRL_ARCH_LLAMA || c->arch > MRL_ARCH_QWEN3_MOE)
-        return mrl_set_error(MRL_ERR_INVALID, "model config: arch = %d (0 llama, 1 qwen2, 2 qwen3, 3 qwen3_moe)", c->arch);
+    if (!mrl_model_arch_names(c->arch)) {
+        char list[ARCH_LIST];
+        return mrl_set_error(MRL_ERR_INVALID, "model config: arch = %d (%s)", c->arch, arch_list(list, 1));
+    }
     if (c->arch == MRL_ARCH_QWEN3_MOE) {
         if (c->num_experts <= 0 || c->num_experts > 4096)
             return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts = %d (must be in 1..4096)", c->num_experts);
@@ -325,8 +351,8 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
     mrl_status st = mrl_model_config_validate(c);
     if (st) return st;
     out_buf o = {buf, cap, 0};
-    const char *mt = arch_names[c->arch];
-    put(&o, "{\n  \"architectures\": [\"%s%s\"],\n  \"model_type\": \"%s\",\n", arch_classes[c->arch],
+    const char *mt = arch_table[c->arch].model_type;
+    put(&o, "{\n  \"architectures\": [\"%s%s\"],\n  \"model_type\": \"%s\",\n", arch_table[c->arch].hf_class,
         c->value_head ? "ForSequenceClassification" : "ForCausalLM", mt);
     put(&o, "  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n", c->vocab_size,
         c->hidden_size, c->intermediate_size);

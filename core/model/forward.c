@@ -11,6 +11,8 @@
 #include <string.h>
 #include "moonrl/mem.h"
 #include "model_internal.h"
+#include "base/error.h"
+#include "runtime/device_internal.h"
 
 /* The logits one head chunk holds by default: the memory the backward
  * spends to recompute fewer of them. 128 MiB holds a whole batch of 1,024

@@ -19,6 +19,7 @@
 #include "moonrl/safetensors.h"
 #include "moonrl/mem.h"
 #include "model_internal.h"
+#include "base/error.h"
 
 static int ends_with(const char *s, const char *suffix) {
     size_t a = strlen(s), b = strlen(suffix);
@@ -69,7 +70,7 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
         mrl_param_view v;
         if (mrl_model_find_view(m, t.name, &v) != MRL_OK)
             return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' has no place in a %s model with this config",
-                                 dir, t.name, (const char *[]){"llama", "qwen2", "qwen3", "qwen3_moe"}[m->cfg.arch]);
+                                 dir, t.name, mrl_model_arch_names(m->cfg.arch)->model_type);
     }
     mrl_clear_error();
     return MRL_OK;

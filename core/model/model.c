@@ -7,8 +7,11 @@
 #include <stdio.h>
 #include <string.h>
 #include "moonrl/mem.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "model_internal.h"
+#include "base/error.h"
+#include "base/rng.h"
+#include "runtime/device_internal.h"
 
 typedef struct layout {
     mrl_model *m;
@@ -99,26 +102,13 @@ static void build_layout(layout *lo) {
     m->score = c->value_head ? add_view(lo, 1, 1, D, "score.weight", 0) : NULL;
 }
 
-/* splitmix64: the generator of the documented init */
-static uint64_t next_u64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-/* Box-Muller on two 53-bit uniforms in (0, 1]: one normal per call. */
-static double next_normal(uint64_t *s) {
-    double u1 = ((next_u64(s) >> 11) + 1) * 0x1.0p-53, u2 = (next_u64(s) >> 11) * 0x1.0p-53;
-    return sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
-}
-
 /* 2-D weights ~ normal(0, initializer_range), norm weights 1, biases 0;
- * draws continue from the generator state *s. */
+ * draws continue from the generator state *s (splitmix64, core/base/rng.h:
+ * the documented init). */
 void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s) {
     float *p = m->params + v->offset;
     if (v->ndim == 2)
-        for (int64_t j = 0; j < v->numel; j++) p[j] = (float)(next_normal(s) * m->cfg.initializer_range);
+        for (int64_t j = 0; j < v->numel; j++) p[j] = (float)(mrl_normal(s) * m->cfg.initializer_range);
     else {
         float val = strstr(v->name, "norm") ? 1.0f : 0.0f;
         for (int64_t j = 0; j < v->numel; j++) p[j] = val;

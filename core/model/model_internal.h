@@ -5,7 +5,7 @@
 #include <stdatomic.h>
 #include "kernels.h"
 #include "model/layer.h"
-#include "moonrl/device.h"
+#include "runtime/device_internal.h"
 #include "moonrl/model.h"
 
 /* Gradient scratch of the backward, shared by all layers. */

@@ -28,6 +28,7 @@
 #include <math.h>
 #include <string.h>
 #include "model_internal.h"
+#include "base/error.h"
 
 int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base) {
     int64_t D = c->hidden_size, E = c->num_experts, A = T * c->num_experts_per_tok, Fe = c->moe_intermediate_size;

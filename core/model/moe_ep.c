@@ -31,6 +31,7 @@
 #include "model_internal.h"
 #include "moonrl/dist.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
 
 /* one sparse layer's exchange, kept from its forward for its backward */
 struct moe_ep_layer {

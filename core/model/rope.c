@@ -4,6 +4,7 @@
 #include <math.h>
 #include "moonrl/mem.h"
 #include "model_internal.h"
+#include "runtime/device_internal.h"
 
 static void compute_inv_freq(const mrl_model_config *c, float *inv_freq) {
     int half = c->head_dim / 2;

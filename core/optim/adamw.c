@@ -9,8 +9,9 @@
 #include <string.h>
 #include "kernels.h"
 #include "moonrl/optim.h"
-#include "moonrl/device.h"
+#include "runtime/device_internal.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
 
 struct mrl_adamw {
     float *params;
@@ -153,7 +154,6 @@ mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr) {
 }
 
 int64_t mrl_adamw_steps(const mrl_adamw *opt) { return opt ? opt->step : 0; }
-int64_t mrl_adamw_size(const mrl_adamw *opt) { return opt ? opt->n : 0; }
 
 mrl_status mrl_adamw_get_state(mrl_adamw *opt, mrl_adamw_state *out) {
     if (!opt || !out) return mrl_set_error(MRL_ERR_INVALID, "adamw_get_state: bad arguments");

@@ -6,7 +6,9 @@
 #include <string.h>
 #include "kernels.h"
 #include "moonrl/optim.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
+#include "base/error.h"
+#include "runtime/device_internal.h"
 
 enum { ELEM_GRAIN = 1 << 16 };
 

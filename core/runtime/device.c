@@ -5,9 +5,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
-#include "moonrl/device.h"
+#include "runtime/device_internal.h"
 #ifdef MRL_HAVE_CUDA
 #include "cuda_backend.h"
+#include "base/error.h"
+#include "base/mem.h"
 #endif
 
 /* Set once this process has allocated GPU memory: before that every pointer is the host's, and

@@ -2,6 +2,8 @@
  * array is on (mrl_device_of; the CPU's fast table for host memory). */
 #include "kernels.h"
 #include "moonrl/ops.h"
+#include "base/error.h"
+#include "runtime/device_internal.h"
 
 mrl_status mrl_ops_sum_f32(const float *x, int64_t n, double *out) {
     if (!out || n < 0 || (n > 0 && !x))

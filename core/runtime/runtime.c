@@ -1,20 +1,21 @@
-/* Version, build features, CPU feature detection, process initialisation. */
+/* Version, build features, the CPU features (as the probe of core/base/cpu.h
+ * found them), process initialisation. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
 #include <string.h>
 #include <unistd.h>
 #include "moonrl/runtime.h"
-#include "moonrl/log.h"
-#include "moonrl/loop.h"
+#include "base/cpu.h"
+#include "base/log.h"
+#include "runtime/loop_internal.h"
 #include "moonrl/parallel.h"
 #include "moonrl/device.h"
 #include "build_info.h"
 #include "cpu/isa.h"
 #include "cpu/blas.h"
 #include "cpu/gemm_bf16.h"
+#include "base/error.h"
 
 const char *mrl_version(void) { return MRL_VERSION; }
 
@@ -33,29 +34,21 @@ const char *mrl_backends(void) {
 }
 
 
-static int has_feature(const char *name) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (!strcmp(name, "sse4.2")) return __builtin_cpu_supports("sse4.2");
-    if (!strcmp(name, "avx")) return __builtin_cpu_supports("avx");
-    if (!strcmp(name, "avx2")) return __builtin_cpu_supports("avx2");
-    if (!strcmp(name, "fma")) return __builtin_cpu_supports("fma");
-    if (!strcmp(name, "f16c")) return __builtin_cpu_supports("f16c");
-    if (!strcmp(name, "avx512f")) return __builtin_cpu_supports("avx512f");
-    if (!strcmp(name, "avx512bw")) return __builtin_cpu_supports("avx512bw");
-    if (!strcmp(name, "avx512dq")) return __builtin_cpu_supports("avx512dq");
-    if (!strcmp(name, "avx512vl")) return __builtin_cpu_supports("avx512vl");
-    if (!strcmp(name, "avx512vnni")) return __builtin_cpu_supports("avx512vnni");
-    if (!strcmp(name, "avx512bf16")) return __builtin_cpu_supports("avx512bf16");
-    if (!strcmp(name, "amx_bf16")) { /* CPUID.(7,0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE) */
-        unsigned a, b, c, d;
-        return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
-    }
-#else
-    (void)name;
-#endif
-    return 0;
-}
+/* The names moonrl version prints and mrl_cpu_has takes, and where the CPU
+ * probe (core/base/cpu.h) keeps each. */
+#define FEATURE(name, field) {name, offsetof(mrl_cpu_info, field)}
+static const struct {
+    const char *name;
+    size_t offset;
+} features[] = {
+    FEATURE("sse4.2", sse4_2),     FEATURE("avx", avx),           FEATURE("avx2", avx2),
+    FEATURE("fma", fma),           FEATURE("f16c", f16c),         FEATURE("avx512f", avx512f),
+    FEATURE("avx512bw", avx512bw), FEATURE("avx512dq", avx512dq), FEATURE("avx512vl", avx512vl),
+    FEATURE("avx512vnni", avx512vnni), FEATURE("avx512bf16", avx512bf16), FEATURE("amx_bf16", amx_bf16),
+};
+#define N_FEATURES (sizeof features / sizeof features[0])
+
+static int has_feature(size_t i) { return *(const int *)((const char *)mrl_cpu() + features[i].offset); }
 
 const char *mrl_kernel_isas_built(void) {
     static char text[64];
@@ -70,17 +63,19 @@ const char *mrl_bf16_products(void) { return mrl_cpu_bf16_available() ? mrl_cpu_
 
 const char *mrl_fp32_products(void) { return mrl_cpu_f32_path_name(); }
 
-int mrl_cpu_has(const char *feature) { return feature ? has_feature(feature) : 0; }
+int mrl_cpu_has(const char *feature) {
+    for (size_t i = 0; feature && i < N_FEATURES; i++)
+        if (strcmp(feature, features[i].name) == 0) return has_feature(i);
+    return 0;
+}
 
 const char *mrl_cpu_features(void) {
     static char text[256];
     if (!text[0]) {
-        static const char *names[] = {"sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
-                                      "avx512dq", "avx512vl", "avx512vnni", "avx512bf16", "amx_bf16"};
         size_t used = 0;
-        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-            if (has_feature(names[i]))
-                used += (size_t)snprintf(text + used, sizeof text - used, "%s%s", used ? " " : "", names[i]);
+        for (size_t i = 0; i < N_FEATURES; i++)
+            if (has_feature(i))
+                used += (size_t)snprintf(text + used, sizeof text - used, "%s%s", used ? " " : "", features[i].name);
         if (!used) snprintf(text, sizeof text, "none");
     }
     return text;

@@ -14,6 +14,7 @@
 #include <unistd.h>
 #include "moonrl/loop.h"
 #include "moonrl/supervise.h"
+#include "base/error.h"
 
 extern char **environ;
 
@@ -36,8 +37,6 @@ static int heartbeat_fd(void) {
     }
     return beat_fd;
 }
-
-int mrl_heartbeat_enabled(void) { return heartbeat_fd() >= 0; }
 
 void mrl_heartbeat(const char *text) {
     int fd = heartbeat_fd();

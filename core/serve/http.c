@@ -23,6 +23,7 @@
 #include <strings.h>
 #include <uv.h>
 #include "moonrl/http.h"
+#include "base/error.h"
 
 enum { C_READ, C_READY, C_HANDED, C_STREAM, C_DRAIN };
 

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "tok_internal.h"
+#include "base/error.h"
 
 /* A list of strings, stored back to back in one buffer. */
 typedef struct strs {

@@ -6,8 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "tok_internal.h"
+#include "base/error.h"
 
 /* Word characters, for single_word tokens: as Unicode \w in the Rust regex
  * crate (alphabetic, marks, decimal digits, connector punctuation, joiners). */

@@ -6,6 +6,7 @@
 #include "io/json.h"
 #include "moonrl/mem.h"
 #include "tok_internal.h"
+#include "base/error.h"
 
 #define MAX_ID (1 << 24)
 

@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include "moonrl/trace.h"
 #include "moonrl/fs.h"
+#include "base/error.h"
 
 struct mrl_tb_writer {
     FILE *file;

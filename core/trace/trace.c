@@ -20,10 +20,11 @@
 #ifdef MRL_HAVE_CUDA
 #include <nvtx3/nvToolsExt.h> /* header-only: nvtx3 finds Nsight's collector at run time, else is a no-op */
 #endif
-#include "moonrl/log.h"
+#include "base/log.h"
 #include "moonrl/loop.h"
 #include "moonrl/trace.h"
 #include "moonrl/fs.h"
+#include "base/error.h"
 
 typedef struct trace_event {
     char phase;     /* 'B' begin, 'E' end, 'C' counter */
@@ -145,7 +146,6 @@ void mrl_trace_disable(void) {
     stream_close_locked();
     pthread_mutex_unlock(&lock);
 }
-int mrl_trace_enabled(void) { return atomic_load(&enabled); }
 
 static void record(char phase, const char *name, double value) {
     if (!atomic_load(&enabled) || !name) return;

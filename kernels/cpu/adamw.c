@@ -12,7 +12,7 @@
 #include <math.h>
 #include "cpu/adamw.h"
 #include "cpu/isa.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 

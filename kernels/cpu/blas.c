@@ -8,7 +8,7 @@
 #include <string.h>
 #include "cpu/gemm_bf16.h"
 #include "cpu/isa.h"
-#include "moonrl/log.h"
+#include "base/log.h"
 
 /* OpenBLAS's own report; weak, so that a BLAS without it still links. */
 extern char *openblas_get_corename(void) __attribute__((weak));

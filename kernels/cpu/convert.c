@@ -7,7 +7,7 @@
 #include <string.h>
 #include <immintrin.h>
 #include "moonrl/dtype.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/convert.h"
 #include "cpu/isa.h"
 

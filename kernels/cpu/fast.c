@@ -25,7 +25,7 @@
 #include "cpu/sample.h"
 #include "cpu/split.h"
 #include "moonrl/mem.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 
 
 /* Dynamic scheduling on top of mrl_parallel_for: one range per thread, and

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include "moonrl/dtype.h"
 #include "moonrl/mem.h"
+#include "base/cpu.h"
 #include "cpu/gemm_bf16.h"
 #include "kernels.h" /* the bf16 weight panels */
 
@@ -110,14 +111,12 @@ void mrl_cpu_bf16_scratch_give(void *p) {
 /* ---- the choice ---------------------------------------------------------------------- */
 
 int mrl_cpu_has_avx512_bf16(void) {
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    }
-    return has;
+    const mrl_cpu_info *c = mrl_cpu();
+    return c->avx512bf16 && c->avx512bw && c->avx512vl && c->avx512dq;
 }
+
+/* The tiles' tails and the few-rows products are AVX512-BF16 code. */
+int mrl_cpu_has_amx_bf16(void) { return mrl_cpu_has_avx512_bf16() && mrl_cpu()->amx_tiles; }
 
 /* oneDNN with bf16 hardware (AVX512-BF16 or AMX): without it oneDNN would
  * emulate bf16, slower than the fp32 path. */

@@ -140,10 +140,11 @@ void mrl_cpu_gemm_bf16_panels_reference(int64_t M, int64_t N, int64_t K, float a
 /* oneDNN as built in: NULL when absent, else its ISA on this CPU
  * ("avx512_core_amx", "avx512_core_bf16", ...). */
 const char *mrl_cpu_onednn_isa(void);
-/* 1 when this CPU has AVX512-BF16 (our kernel can run). */
+/* 1 when this CPU has AVX512-BF16 (our kernel can run); read from the CPU
+ * probe, core/base/cpu.h, as the one below. */
 int mrl_cpu_has_avx512_bf16(void);
 /* 1 when it has AMX-BF16 too and Linux granted this process the tile
- * state (our AMX kernel can run). */
+ * state (our AMX kernel can run; 0 with MOONRL_AMX=0). */
 int mrl_cpu_has_amx_bf16(void);
 
 /* Between the paths: the calling thread's scratch buffer of at least `bytes`

@@ -28,17 +28,14 @@
  *
  * Linux hands AMX's tile state to a process only on request (arch_prctl
  * ARCH_REQ_XCOMP_PERM): without that grant the first tile instruction is
- * SIGILL, so mrl_cpu_has_amx_bf16 asks once and says 0 when refused.
+ * SIGILL, so the CPU probe (core/base/cpu.h) asks once, and
+ * mrl_cpu_has_amx_bf16 says 0 when refused.
  * Compiled for AMX with the target pragma below; only called when the CPU
  * has it. */
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")
-#include <cpuid.h>
 #include <immintrin.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/split.h"
 #include "kernels.h" /* MRL_PANEL16, mrl_panels_part */
@@ -47,29 +44,6 @@
 #define TILE 16        /* rows of a tile; columns of a C or B tile */
 #define KSTEP 32       /* k per tdpbf16ps */
 #define GROUP_MAX 8
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-int mrl_cpu_has_amx_bf16(void) {
-    static int has = -1;
-    if (has < 0) {
-        unsigned a, b, c, d;
-        const char *off = getenv("MOONRL_AMX"); /* MOONRL_AMX=0: not ours (A/B runs; oneDNN decides its own) */
-        has = 0;
-        if (off && strcmp(off, "0") == 0) return has;
-        /* CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; the OS must save
-         * the tile state (XCR0 bits 17 and 18) and grant it to this process */
-        if (mrl_cpu_has_avx512_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) &&
-            (d >> 24 & 1)) {
-            unsigned lo, hi;
-            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-            if ((lo >> 17 & 3) == 3 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
-                has = 1;
-        }
-    }
-    return has;
-}
 
 /* The tile configuration (palette 1): every tile 16 rows of 64 bytes. */
 typedef struct __attribute__((packed, aligned(64))) tile_config {

@@ -25,7 +25,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")
 #include <immintrin.h>
 #include <string.h>
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/split.h"
 #include "kernels.h" /* MRL_PANEL16 */

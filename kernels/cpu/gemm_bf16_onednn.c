@@ -38,7 +38,7 @@ int mrl_cpu_gemm_f32_onednn(int trans_a, int trans_b, int64_t M, int64_t N, int6
 #include <pthread.h>
 #include <oneapi/dnnl/dnnl.h>
 #include "moonrl/dtype.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 
 static dnnl_engine_t engine;
 static pthread_once_t engine_once = PTHREAD_ONCE_INIT;

@@ -2,17 +2,16 @@
  * every fast CPU kernel follows it. */
 #include <string.h>
 #include "isa.h"
+#include "base/cpu.h"
 
 static const mrl_cpu_isa *current;
 
 /* AVX2 comes with FMA and F16C (the conversions); AVX-512 needs those too
  * (its loops fall back on AVX2 code for tails and half-width steps). */
 static int supported(const mrl_cpu_isa *t) {
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    if (t->level == 2)
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("avx512vl");
+    const mrl_cpu_info *c = mrl_cpu();
+    int avx2 = c->avx2 && c->fma && c->f16c;
+    if (t->level == 2) return avx2 && c->avx512f && c->avx512dq && c->avx512vl;
     if (t->level == 1) return avx2;
     return 1;
 }

@@ -22,8 +22,8 @@
 #include "cpu/isa.h"
 #include "cpu/gemm_bf16.h"
 #include "moonrl/dtype.h"
-#include "moonrl/parallel.h"
-#include "moonrl/status.h"
+#include "base/parallel.h"
+#include "base/error.h"
 
 #define QUERY_TILE 16
 #define MAX_HEAD_DIM 1024

@@ -4,8 +4,9 @@
  * result is bit-identical for any number of threads (determinism over the
  * speed of the last few adds). */
 #include "cpu/reduce.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "moonrl/mem.h"
+#include "base/error.h"
 
 mrl_status mrl_cpu_ref_sum(const float *x, int64_t n, int squares, double *out) {
     double s = 0;

@@ -23,7 +23,8 @@
 #include <string.h>
 #include "cpu/isa.h"
 #include "cpu/sample.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
+#include "base/error.h"
 
 #define GREEDY_EPS 1e-5f
 

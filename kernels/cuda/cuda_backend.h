@@ -5,7 +5,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
-#include "moonrl/status.h"
+#include "base/error.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include "cuda_backend.h"
+#include "base/error.h"
 
 static mrl_status check(cudaError_t err, const char *what) {
     if (err == cudaSuccess) return MRL_OK;

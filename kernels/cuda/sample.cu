@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "ops.cuh"
+#include "base/error.h"
 
 #define THREADS 1024
 #define GREEDY_EPS 1e-5f

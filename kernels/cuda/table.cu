@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "ops.cuh"
+#include "base/error.h"
 
 static cudaStream_t g_stream;
 static void *g_scratch;

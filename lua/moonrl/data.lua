@@ -63,10 +63,7 @@ local function to_u64(seed)
 end
 local function u64_string(v) return (tostring(ffi.new('uint64_t', v)):gsub('ULL$', '')) end
 
-local function splitmix(v)
-  local st = ffi.new('uint64_t[1]', v)
-  return C.mrl_splitmix64(st)
-end
+local function splitmix(v) return C.mrl_data_mix_seed(v) end
 
 local function permutation(seed, n)
   local p = alloc_i64(n)

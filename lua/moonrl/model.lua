@@ -20,8 +20,6 @@ local C = moonrl.C
 
 local M = {}
 
-local arch_names = { [0] = 'llama', 'qwen2', 'qwen3', 'qwen3_moe' }
-
 -- The C config as a Lua table with the config.json names.
 local function config_table(c)
   local t = {}
@@ -30,7 +28,7 @@ local function config_table(c)
     'bos_token_id', 'eos_token_id', 'rms_norm_eps', 'rope_theta', 'initializer_range' }) do
     t[k] = tonumber(c[k])
   end
-  t.model_type = arch_names[tonumber(c.arch)]
+  t.model_type = ffi.string(C.mrl_model_arch_names(c.arch).model_type)
   t.tie_word_embeddings = c.tie_word_embeddings ~= 0
   t.attention_bias = c.attention_bias ~= 0
   t.value_head = c.value_head ~= 0

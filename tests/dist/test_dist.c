@@ -12,18 +12,14 @@
 #include "check.h"
 #include "moonrl/dist.h"
 #include "moonrl/loop.h"
+#include "base/rng.h"
 
 static mrl_dist *D;
 static int R, N; /* this rank, the world size */
 
 /* ------------------------------------------------------------ inputs */
 
-static uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
+static uint64_t mix(uint64_t x) { return mrl_mix64(x); }
 
 typedef struct rng {
     uint64_t s;

@@ -14,6 +14,7 @@
 #include "check.h"
 #include "moonrl/engine.h"
 #include "moonrl/model.h"
+#include "base/rng.h"
 
 #if !defined(REQUEST_SEED) || !defined(REQUEST_STEP)
 #error "define REQUEST_SEED and REQUEST_STEP before including engine_util.h"
@@ -22,12 +23,7 @@
 #define MAXG 48 /* generated tokens at most */
 
 static uint64_t rng = 88172645463325252ULL;
-static inline double urand(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) / 9007199254740992.0;
-}
+static inline double urand(void) { return mrl_unit53(mrl_xorshift64(&rng)); }
 
 /* ---- models ----------------------------------------------------------------------------------- */
 

@@ -39,7 +39,7 @@
 #include "moonrl/loop.h"
 #include "moonrl/mem.h"
 #include "moonrl/model.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "moonrl/status.h"
 #include "model/layer.h"
 

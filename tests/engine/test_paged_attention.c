@@ -20,14 +20,10 @@
 #include "cpu/paged_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "kernels.h"
+#include "base/rng.h"
 
 static uint64_t rng = 88172645463325252ULL;
-static uint64_t next_u64(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+static uint64_t next_u64(void) { return mrl_xorshift64(&rng); }
 static float randf(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0) * 2 - 1); }
 static int randi(int n) { return (int)(next_u64() % (uint64_t)n); }
 

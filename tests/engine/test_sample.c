@@ -6,7 +6,6 @@
  * against the reference's at every instruction set: tests/kernels/test_ops.c.) */
 #include <stdlib.h>
 #include "check.h"
-#include "moonrl/engine.h"
 #include "moonrl/parallel.h"
 #include "engine/sample.h"
 
@@ -242,6 +241,50 @@ static void test_batch_invariance(void) {
     free(perm_logits);
 }
 
+/* One call for a batch of rows (what tests/engine/test_sample.lua checked
+ * through the FFI before mrl_sample_rows became internal): seeded streams,
+ * both log-probs, errors with the row's message. */
+static void test_rows(void) {
+    enum { R = 4, V = 1000 };
+    static float logits[R * V];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < V; i++) logits[r * V + i] = (float)(sin(i * 0.37 + r) * 3);
+    logits[0 * V + 42] = 20; /* row 0: a clear maximum */
+    mrl_sampling_params params[R];
+    for (int r = 0; r < R; r++) params[r] = (mrl_sampling_params){.temperature = 0.8f, .top_p = 1};
+    params[0].temperature = 0; /* greedy */
+    params[1].top_k = 20;
+    params[2].top_p = 0.7f;
+    params[3].min_p = 0.1f;
+    uint64_t keys[R];
+    int64_t ctr[R];
+    for (int r = 0; r < R; r++) keys[r] = mrl_sample_stream_key(1234, 5, r, 0), ctr[r] = 0;
+    int32_t tok[R], tok2[R];
+    float lp[R], lpp[R], lp2[R], lpp2[R];
+    CHECK_OK(mrl_sample_rows(logits, R, V, params, keys, ctr, tok, lp, lpp));
+    CHECK(tok[0] == 42);  /* greedy takes the maximum */
+    CHECK(lpp[0] == 0);   /* greedy: processed log-prob 0 */
+    for (int r = 0; r < R; r++) {
+        CHECK(tok[r] >= 0 && tok[r] < V);
+        CHECK(lp[r] <= 0 && lpp[r] >= lp[r] - 1e-6f); /* truncation only raises the processed log-prob */
+    }
+    CHECK_OK(mrl_sample_rows(logits, R, V, params, keys, ctr, tok2, lp2, lpp2));
+    for (int r = 0; r < R; r++) CHECK(tok2[r] == tok[r]); /* same key and counter, same token */
+    /* the untruncated log-prob of row 1 (temperature 0.8), computed here */
+    double m = -INFINITY, z = 0;
+    for (int i = 0; i < V; i++) m = fmax(m, logits[V + i] / 0.8);
+    for (int i = 0; i < V; i++) z += exp(logits[V + i] / 0.8 - m);
+    CHECK_NEAR(lp[1], logits[V + tok[1]] / 0.8 - m - log(z), 1e-4);
+    /* bad input: the message names the row */
+    params[2].top_p = 0;
+    CHECK(mrl_sample_rows(logits, R, V, params, keys, ctr, tok, lp, lpp) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "row 2: sampling params: top_p=0");
+    params[2].top_p = 1;
+    logits[3 * V + 7] = NAN;
+    CHECK(mrl_sample_rows(logits, R, V, params, keys, ctr, tok, lp, lpp) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "row 3: sample: the logits row holds a NaN");
+}
+
 int main(void) {
     const mrl_kernels *tables[2] = {mrl_kernels_cpu_reference(), mrl_kernels_cpu_fast()};
     for (int t = 0; t < 2; t++) {
@@ -251,5 +294,6 @@ int main(void) {
         test_large_vocab();
     }
     test_batch_invariance();
+    test_rows();
     CHECK_DONE();
 }

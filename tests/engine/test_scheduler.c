@@ -14,6 +14,7 @@
 #include "engine/sample.h"
 #include "engine/scheduler.h"
 #include "kernels.h"
+#include "base/rng.h"
 
 #define V 48
 #define EOS 1
@@ -21,12 +22,7 @@
 #define MAX_REQ 16
 #define MAX_MODEL_LEN 96
 
-static uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
+static uint64_t mix(uint64_t x) { return mrl_mix64(x); }
 
 /* logits of the next token after context tokens[0..n) */
 static void fake_logits(const int32_t *tokens, int n, float *row) {

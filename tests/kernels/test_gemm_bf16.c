@@ -28,18 +28,14 @@
 #include <string.h>
 #include "check.h"
 #include "moonrl/dtype.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "kernels.h" /* the bf16 weight panels */
+#include "base/rng.h"
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t next_u64(void) { /* splitmix64 */
-    uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double uniform(void) { return (next_u64() >> 11) * 0x1p-53; }
+static uint64_t rng = MRL_GOLDEN64;
+static uint64_t next_u64(void) { return mrl_splitmix64(&rng); }
+static double uniform(void) { return mrl_unit53(next_u64()); }
 static int64_t upto(int64_t n) { return (int64_t)(next_u64() % (uint64_t)n); }
 
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

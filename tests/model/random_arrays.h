@@ -4,12 +4,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "base/rng.h"
 
 static uint64_t rng_state = 12345;
-static inline double urand(void) {
-    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
-    return ((rng_state >> 11) + 0.5) * 0x1.0p-53;
-}
+static inline double urand(void) { return ((mrl_lcg64(&rng_state) >> 11) + 0.5) * 0x1.0p-53; }
 static inline float nrand(void) { return (float)(sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand())); }
 static inline float *rnd(int64_t n, float scale) {
     float *x = malloc(sizeof(float) * (n ? n : 1));

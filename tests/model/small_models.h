@@ -9,14 +9,10 @@
 #include <string.h>
 #include "check.h"
 #include "moonrl/model.h"
+#include "base/rng.h"
 
-static uint64_t rng = 0x9e3779b97f4a7c15ULL;
-static inline double urand(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (double)(rng >> 11) / 9007199254740992.0;
-}
+static uint64_t rng = MRL_GOLDEN64;
+static inline double urand(void) { return mrl_unit53(mrl_xorshift64(&rng)); }
 
 /* 2 layers of 64 wide, 4 query and 2 K/V heads, a vocabulary of 211: the
  * Llama and Qwen3 ones tied, Qwen2's with biases and its own lm_head. */

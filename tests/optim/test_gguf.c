@@ -14,6 +14,7 @@
 #include "moonrl/gguf.h"
 #include "moonrl/status.h"
 #include "check.h"
+#include "base/rng.h"
 
 static char dir[64];
 
@@ -177,7 +178,7 @@ static void test_fuzz(const char *path, const buf *good) {
     for (int r = 0; r < runs; r++) {
         memcpy(p, good->p, good->n);
         size_t n = good->n;
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        mrl_lcg64(&seed);
         int kind = (int)(seed >> 60) % 3;
         size_t at = (size_t)((seed >> 20) % good->n);
         if (kind == 0) { /* a few random bytes */

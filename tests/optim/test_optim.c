@@ -9,12 +9,10 @@
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
 #include "check.h"
+#include "base/rng.h"
 
 static uint64_t rng = 88172645463325252ull;
-static float frand(void) { /* uniform in [-1, 1) */
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return (float)((double)(rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
+static float frand(void) { return (float)(mrl_unit53(mrl_xorshift64(&rng)) * 2.0 - 1.0); } /* in [-1, 1) */
 
 enum { N = 300007 }; /* odd size: exercises the vector tails and block edges */
 

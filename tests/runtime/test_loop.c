@@ -4,9 +4,10 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include "moonrl/loop.h"
+#include "runtime/loop_internal.h"
 #include "moonrl/runtime.h"
 #include "check.h"
+#include "base/error.h"
 
 static void test_proc_output(void) {
     const char *argv[] = {"sh", "-c", "read line; echo got:$line; echo oops >&2; exit 3", NULL};

@@ -1,13 +1,15 @@
 /* Status codes, logging, the memory layer, devices, parallel-for. */
 #include <stdlib.h>
 #include <string.h>
-#include "moonrl/device.h"
-#include "moonrl/log.h"
+#include "runtime/device_internal.h"
+#include "base/cpu.h"
+#include "base/log.h"
 #include "moonrl/mem.h"
 #include "moonrl/ops.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 #include "moonrl/runtime.h"
 #include "check.h"
+#include "base/error.h"
 
 static void test_errors(void) {
     mrl_clear_error();
@@ -217,6 +219,13 @@ static void test_runtime_info(void) {
     CHECK_STR_CONTAINS(mrl_backends(), "cpu");
     CHECK(mrl_cpu_has("no-such-feature") == 0);
     CHECK(strlen(mrl_cpu_features()) > 0);
+    /* one probe: what version prints and what the dispatchers read agree */
+    const mrl_cpu_info *c = mrl_cpu();
+    CHECK(c == mrl_cpu());
+    CHECK(mrl_cpu_has("avx2") == c->avx2 && mrl_cpu_has("avx512bf16") == c->avx512bf16 &&
+          mrl_cpu_has("amx_bf16") == c->amx_bf16);
+    CHECK(!c->amx_tiles || c->amx_bf16); /* tiles granted only on a CPU with AMX */
+    CHECK((strstr(mrl_cpu_features(), "avx512f") != NULL) == c->avx512f);
 }
 
 int main(void) {

@@ -8,6 +8,7 @@
 #include "build_info.h"
 #include "check.h"
 #include "moonrl/tok.h"
+#include "base/rng.h"
 
 #define FIX MRL_SOURCE_DIR "/tests/tok/fixtures/"
 enum { BOTH = MRL_TOK_ADD_SPECIAL | MRL_TOK_PARSE_SPECIAL };
@@ -170,10 +171,7 @@ static int valid_utf8(const unsigned char *s, size_t n) {
     return 1;
 }
 
-static uint64_t next_rand(uint64_t *rng) {
-    *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
-    return *rng >> 11;
-}
+static uint64_t next_rand(uint64_t *rng) { return mrl_lcg64(rng) >> 11; }
 
 /* Random bytes in, random ids out, on several fixtures: no error, no crash
  * (this runs under AddressSanitizer too), and decoded text is valid UTF-8. */

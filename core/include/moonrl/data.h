@@ -28,8 +28,10 @@ const int64_t *mrl_line_index_offsets(const mrl_line_index *index);
 const int64_t *mrl_line_index_lengths(const mrl_line_index *index);
 const int64_t *mrl_line_index_numbers(const mrl_line_index *index);
 
-/* One step of splitmix64: advances *state and returns the next value. */
-uint64_t mrl_splitmix64(uint64_t *state);
+/* The seed of a permutation derived from x: splitmix64's first output from
+ * state x. A dataset view takes its epoch's and its split's seeds so
+ * (lua/moonrl/data.lua), which makes them part of the data order. */
+uint64_t mrl_data_mix_seed(uint64_t x);
 /* out[0..n) = a uniformly random permutation of 0..n-1, fully determined by
  * seed: a Fisher-Yates shuffle (i from n-1 down to 1, j uniform in [0, i]
  * by rejection sampling) drawing from xoshiro256** whose state is four

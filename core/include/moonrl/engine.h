@@ -51,33 +51,13 @@
  * share the batch, on the batch order or on the thread count. */
 #pragma once
 #include <stdint.h>
+#include "sampling.h"
 #include "status.h"
 #include "weight_store.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-typedef struct mrl_sampling_params {
-    float temperature; /* < 1e-5 (e.g. 0): greedy */
-    int top_k;         /* <= 0: off */
-    float top_p;       /* in (0, 1]; 1: off */
-    float min_p;       /* in [0, 1]; 0: off */
-} mrl_sampling_params;
-
-/* The key of one sample's random stream. */
-uint64_t mrl_sample_stream_key(uint64_t seed, int64_t step, int64_t prompt_index, int64_t sample_index);
-/* The uniform in [0, 1) that stream `key` gives at `counter`. */
-double mrl_sample_uniform(uint64_t key, int64_t counter);
-
-/* Sample one token from each of `rows` rows of logits [rows, vocab];
- * params[r], keys[r], counters[r] per row. Outputs per row: tokens,
- * logprobs (temperature-scaled, untruncated) and logprobs_processed (may be
- * NULL). Rows run in parallel. Fails on bad params or a row that is all
- * -inf or holds a NaN. */
-mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const mrl_sampling_params *params,
-                           const uint64_t *keys, const int64_t *counters, int32_t *tokens, float *logprobs,
-                           float *logprobs_processed);
 
 /* ---- the engine ---------------------------------------------------------- */
 

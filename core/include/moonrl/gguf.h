@@ -52,7 +52,6 @@ typedef struct mrl_gguf_tensor {
 mrl_status mrl_gguf_open(const char *path, mrl_gguf **out);
 void mrl_gguf_close(mrl_gguf *g);
 int mrl_gguf_version(const mrl_gguf *g);
-const char *mrl_gguf_path(const mrl_gguf *g);
 
 /* Metadata: pairs 0..count-1 in file order; find gives the index of a key or -1. */
 int64_t mrl_gguf_kv_count(const mrl_gguf *g);
@@ -76,10 +75,6 @@ mrl_status mrl_gguf_tensor_info(const mrl_gguf *g, int64_t i, mrl_gguf_tensor *o
 /* Tensor i dequantized into dst (numel floats, which must be its count). */
 mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t numel);
 
-/* Elements per block and bytes per block of a tensor type (0 when unknown). */
-int64_t mrl_ggml_block_size(int type);
-int64_t mrl_ggml_block_bytes(int type);
-const char *mrl_ggml_type_name(int type);
 /* Dequantize n elements (a multiple of the block size) of `type` from
  * src_bytes bytes (which must be exactly n / block size blocks). */
 mrl_status mrl_ggml_dequantize(int type, const void *src, int64_t src_bytes, float *dst, int64_t n);

@@ -17,11 +17,9 @@ typedef enum mrl_log_level {
 
 void mrl_log_set_level(mrl_log_level level);
 mrl_log_level mrl_log_get_level(void);
-/* Parse "error" .. "trace"; returns -1 for an unknown name. */
-int mrl_log_level_parse(const char *name);
-/* Log one message (no format: Lua passes a formatted string). */
+/* Log one message (no format: Lua passes a formatted string; C code calls
+ * mrl_logf, core/base/log.h). */
 void mrl_log_write(mrl_log_level level, const char *message);
-void mrl_logf(mrl_log_level level, const char *fmt, ...);
 /* In a job of size > 1 every line carries "rank R/N" (size 1: nothing). */
 void mrl_log_set_rank(int rank, int size);
 /* " rank R/N" or "" (for other writers of error lines). */

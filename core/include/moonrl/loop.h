@@ -1,7 +1,8 @@
 /* The process's event loop (libuv), run on a background thread so that it
  * keeps serving signals, timers and subprocesses while the main thread is
- * busy in Lua or in a long C call. The main thread talks to it through the
- * calls below; none of them ever calls back into Lua. */
+ * busy in Lua or in a long C call (mrl_init starts it). The main thread
+ * talks to it through the calls below; none of them ever calls back into
+ * Lua. */
 #pragma once
 #include <stddef.h>
 #include "status.h"
@@ -9,10 +10,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Start / stop the loop thread (mrl_init starts it). */
-mrl_status mrl_loop_start(void);
-void mrl_loop_stop(void);
 
 /* Seconds from an arbitrary fixed point, monotonic, nanosecond resolution. */
 double mrl_time_now(void);
@@ -69,12 +66,10 @@ const char *mrl_proc_stderr(mrl_proc *proc, size_t *len);
 void mrl_proc_free(mrl_proc *proc);
 
 /* --- Background work on the loop's thread pool ------------------------- */
+/* A job: one piece of work on a pool thread (the core's C functions,
+ * core/runtime/loop_internal.h; Lua starts the ones below). */
 typedef struct mrl_job mrl_job;
-/* A C function run on a pool thread; it returns a status (and sets the
- * error message on its own thread, which the job carries back). */
-typedef mrl_status (*mrl_job_fn)(void *arg);
 
-mrl_status mrl_job_submit(mrl_job_fn fn, void *arg, mrl_job **out);
 /* Write `bytes` of data (copied at submit) to path atomically: to a
  * temporary file, fsync, then rename over path. */
 mrl_status mrl_job_write_file(const char *path, const void *data, size_t bytes, mrl_job **out);

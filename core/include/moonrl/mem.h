@@ -26,19 +26,19 @@ typedef struct mrl_mem_stats {
     int64_t total_peak; /* highest `total` seen */
 } mrl_mem_stats;
 
-/* Host allocation, 64-byte aligned, zero-filled. NULL (and an error) on
- * failure; an allocation of 64 MiB or more that is larger than the memory
- * available (mrl_mem_available) fails at once with an error naming the
- * category and both sizes, instead of the kernel's OOM killer later. */
+/* Host allocation, 64-byte aligned, zero-filled. API, not only the core's:
+ * Lua keeps its large arrays here (a dataset's permutation of millions of
+ * rows, lua/moonrl/data.lua), outside LuaJIT's heap and counted under a
+ * category. NULL (and an error) on failure; an allocation of 64 MiB or
+ * more that is larger than the memory available (mrl_mem_available) fails
+ * at once with an error naming the category and both sizes, instead of the
+ * kernel's OOM killer later. */
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category);
 void mrl_mem_free(void *ptr);
-/* Record bytes allocated elsewhere (a mapping) under a category. */
-void mrl_mem_account(mrl_mem_category category, int64_t delta_bytes);
-/* The host's counters (mrl_mem_alloc, mrl_mem_account). */
+/* The host's counters (mrl_mem_alloc, and mappings the core accounts). */
 void mrl_mem_get_stats(mrl_mem_stats *out);
 /* Device memory (mrl_buffer_alloc on a GPU): its own counters, over every
  * GPU of the process; all zero without one. */
-void mrl_mem_account_device(mrl_mem_category category, int64_t delta_bytes);
 void mrl_mem_get_device_stats(mrl_mem_stats *out);
 /* Bytes the process could still get: /proc/meminfo's MemAvailable, or what
  * the cgroup v2 limit leaves when that is less; -1 when neither is known. */

@@ -41,8 +41,22 @@ typedef enum mrl_model_arch {
     MRL_ARCH_LLAMA = 0, /* LlamaForCausalLM */
     MRL_ARCH_QWEN2 = 1, /* Qwen2ForCausalLM: q/k/v biases */
     MRL_ARCH_QWEN3 = 2, /* Qwen3ForCausalLM: q_norm / k_norm per head */
-    MRL_ARCH_QWEN3_MOE = 3 /* Qwen3MoeForCausalLM: qwen3 attention, mixture-of-experts MLPs (below) */
+    MRL_ARCH_QWEN3_MOE = 3, /* Qwen3MoeForCausalLM: qwen3 attention, mixture-of-experts MLPs (below) */
+    MRL_ARCH_COUNT = 4
 } mrl_model_arch;
+
+/* The names of an architecture in the formats moonrl reads and writes. */
+typedef struct mrl_arch_names {
+    const char *model_type; /* config.json's "model_type": "llama", "qwen2", "qwen3", "qwen3_moe" */
+    const char *hf_class;   /* its classes' stem: "Qwen3Moe" (Qwen3MoeForCausalLM, ...ForSequenceClassification) */
+    const char *gguf;       /* llama.cpp's general.architecture: "qwen3moe" */
+} mrl_arch_names;
+
+/* The names of architecture `arch` (mrl_model_arch); NULL for arch outside
+ * 0 .. MRL_ARCH_COUNT - 1. The one table of them (core/model/config.c): the
+ * config's parser and writer, the error messages and Lua (model.lua,
+ * gguf.lua) all read it. */
+const mrl_arch_names *mrl_model_arch_names(int arch);
 
 typedef enum mrl_rope_scaling {
     MRL_ROPE_NONE = 0,

@@ -45,7 +45,6 @@ mrl_status mrl_adamw_step(mrl_adamw *opt, double lr);
 mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr);
 /* Steps taken so far. */
 int64_t mrl_adamw_steps(const mrl_adamw *opt);
-int64_t mrl_adamw_size(const mrl_adamw *opt);
 
 /* Checkpoint state: the optimizer's m and v (n floats each, owned by the
  * optimizer, where the parameters are: read a GPU's with mrl_device_memcpy;

@@ -51,8 +51,6 @@ int mrl_st_has(const mrl_st *st, const char *name);
 mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel);
 /* A value of the __metadata__ map (first shard that has the key), or NULL. */
 const char *mrl_st_metadata(const mrl_st *st, const char *key);
-/* The path given to mrl_st_open. */
-const char *mrl_st_path(const mrl_st *st);
 
 typedef struct mrl_st_writer mrl_st_writer;
 

@@ -3,7 +3,7 @@
  * Every fallible C function in moonrl returns an mrl_status. On failure it
  * also records a human-readable message for the calling thread, read back
  * with mrl_last_error(). Lua wrappers turn a non-zero status into a Lua error
- * carrying that message. */
+ * carrying that message. (The core sets it with mrl_set_error, core/base/error.h.) */
 #pragma once
 
 #ifdef __cplusplus
@@ -25,8 +25,6 @@ typedef enum mrl_status {
 
 /* The message of the last error set on this thread ("" if none). */
 const char *mrl_last_error(void);
-/* Set the last error on this thread (printf-style) and return `status`. */
-mrl_status mrl_set_error(mrl_status status, const char *fmt, ...);
 /* Forget the last error on this thread. */
 void mrl_clear_error(void);
 /* The name of a status code: "MRL_ERR_IO", ... */

@@ -18,8 +18,6 @@ extern "C" {
  * nothing when no supervisor listens; never blocks (a full pipe drops the
  * beat: the reader is behind, it has seen recent ones). */
 void mrl_heartbeat(const char *text);
-/* 1 when a supervisor listens (MOONRL_HEARTBEAT_FD is set and open). */
-int mrl_heartbeat_enabled(void);
 
 /* --- in the supervisor -------------------------------------------------- */
 typedef struct mrl_child mrl_child;

@@ -15,7 +15,6 @@ extern "C" {
 /* Start recording (clears what was recorded); `rank` names the process track. */
 void mrl_trace_enable(int rank);
 void mrl_trace_disable(void);
-int mrl_trace_enabled(void);
 /* A phase on the calling thread's track: begin/end pairs nest. Names are
  * copied. Cheap no-ops when recording is off. */
 void mrl_trace_begin(const char *name);

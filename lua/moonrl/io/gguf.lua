@@ -77,9 +77,14 @@ end
 -- pre-tokenizers gpt2, smollm, qwen2 and llama-bpe, and of model 'llama'
 -- (SentencePiece BPE with byte fallback, as Llama 2, Mistral and TinyLlama have).
 
-local ARCH = { llama = 'LlamaForCausalLM', qwen2 = 'Qwen2ForCausalLM', qwen3 = 'Qwen3ForCausalLM',
-  qwen3moe = 'Qwen3MoeForCausalLM' }
-local MODEL_TYPE = { qwen3moe = 'qwen3_moe' } -- llama.cpp's architecture name -> Transformers' model_type
+-- llama.cpp's architecture name -> Transformers' class and model_type (the C table, moonrl/model.h)
+local ARCH, MODEL_TYPE, ARCH_NAMES = {}, {}, {}
+for i = 0, C.MRL_ARCH_COUNT - 1 do
+  local a = C.mrl_model_arch_names(i)
+  local name = ffi.string(a.gguf)
+  ARCH[name], MODEL_TYPE[name] = ffi.string(a.hf_class) .. 'ForCausalLM', ffi.string(a.model_type)
+  ARCH_NAMES[#ARCH_NAMES + 1] = name
+end
 
 local function need(g, key)
   local v = g.metadata[key]
@@ -127,7 +132,7 @@ end
 function G:hf_config()
   local arch = need(self, 'general.architecture')
   if not ARCH[arch] then
-    error(string.format("%s: architecture '%s' is not supported (llama, qwen2, qwen3, qwen3moe)", self.path, arch), 2)
+    error(string.format("%s: architecture '%s' is not supported (%s)", self.path, arch, table.concat(ARCH_NAMES, ', ')), 2)
   end
   local p = arch .. '.'
   local m = self.metadata
@@ -140,7 +145,7 @@ function G:hf_config()
     error(string.format('%s: rope scaling %s is not supported yet', self.path, tostring(m[p .. 'rope.scaling.type'])), 2)
   end
   local cfg = {
-    architectures = { ARCH[arch] }, model_type = MODEL_TYPE[arch] or arch,
+    architectures = { ARCH[arch] }, model_type = MODEL_TYPE[arch],
     vocab_size = m[p .. 'vocab_size'] or (tokens and #tokens) or need(self, p .. 'vocab_size'),
     hidden_size = hidden, intermediate_size = need(self, p .. 'feed_forward_length'),
     num_hidden_layers = need(self, p .. 'block_count'), num_attention_heads = heads,

@@ -3,7 +3,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
-#include "moonrl/log.h"
+#include "base/log.h"
 
 static mrl_log_level current_level = MRL_LOG_INFO;
 static const char *level_names[] = {"error", "warn", "info", "debug", "trace"};

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include "moonrl/mem.h"
-#include "moonrl/status.h"
+#include "base/mem.h"
+#include "base/error.h"
 
 #define MEM_ALIGN 64
 

@@ -1,7 +1,7 @@
 /* Per-thread last-error message. */
 #include <stdarg.h>
 #include <stdio.h>
-#include "moonrl/status.h"
+#include "base/error.h"
 
 static _Thread_local char last_error[1024];
 

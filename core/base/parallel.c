@@ -17,8 +17,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 #include <omp.h>
-#include "moonrl/log.h"
-#include "moonrl/parallel.h"
+#include "base/log.h"
+#include "base/parallel.h"
 
 enum { MAX_THREADS = 1024 };
 
