@@ -15,7 +15,7 @@
 #include <math.h>
 #include <string.h>
 #include "cpu/moe.h"
-#include "moonrl/parallel.h"
+#include "base/parallel.h"
 
 typedef struct route_args {
     float *prob, *w;

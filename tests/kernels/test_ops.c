@@ -46,6 +46,8 @@
 #include "cpu/paged_attention.h"
 #include "cpu/split.h"
 #include "moonrl/device.h"
+#include "moonrl/mem.h"
+#include "runtime/device_internal.h"
 #include "moonrl/dtype.h"
 #include "moonrl/parallel.h"
 #include "moonrl/runtime.h"

@@ -21,7 +21,7 @@ end)
 -- The functions the internal headers declare, name -> header: a line that
 -- starts a declaration (a return type, then mrl_name and '(').
 local function internal_functions()
-  local fs = require('moonrl.fs')
+  local fs = require('moonrl.io.fs')
   local found = {}
   local function scan(dir)
     for _, name in ipairs(fs.list(dir)) do

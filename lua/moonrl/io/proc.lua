@@ -1,4 +1,4 @@
--- Subprocesses with timeouts, run by the event loop (core/runtime/loop.c).
+-- Subprocesses with timeouts, run by the event loop (core/runtime/proc.c).
 --
 --   local r = moonrl.io.proc.run({'python3', 'check.py'}, {stdin = text, timeout = 10})
 --   -- r.ok, r.exit_status, r.signal, r.timed_out, r.stdout, r.stderr, r.seconds

@@ -226,7 +226,7 @@ local function section_runs(o, runs)
   end
 end
 
--- ---- memory: the memory/* metrics (MiB) of moonrl.train.run (core/runtime/mem.c) -------------------
+-- ---- memory: the memory/* metrics (MiB) of moonrl.train.run (core/base/mem.c) ----------------------
 -- What moonrl's buffers hold, by kind, in the order shown; 'other' is every other allocation.
 local MEM_KINDS = { { 'params', 'parameters' }, { 'grads', 'gradients' }, { 'optim', 'optimizer state' },
   { 'activations', 'activations' }, { 'kv_cache', 'KV cache' }, { 'other', 'other' } }

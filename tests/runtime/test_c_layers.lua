@@ -4,7 +4,7 @@
 -- backends (core/runtime: devices, op tables, version) sits above the
 -- kernels, and kernels.h includes nothing of the engine.
 local t = require('moonrl.testing')
-local fs = require('moonrl.fs')
+local fs = require('moonrl.io.fs')
 
 -- every "quoted" include of the C files under dir: { {file, included}, ... }
 local function includes(dir, out)
