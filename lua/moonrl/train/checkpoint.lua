@@ -228,4 +228,48 @@ function M.prune(root, keep)
   for i = 1, #names - keep do fs.remove(root .. '/' .. names[i]) end
 end
 
+-- ---- what a checkpoint records of the run ------------------------------------------------------
+
+-- Flatten a config into { ['a.b'] = json text of the leaf }.
+local function flat_config(t, prefix, out)
+  out = out or {}
+  for k, v in pairs(t) do
+    local key = prefix and (prefix .. '.' .. tostring(k)) or tostring(k)
+    if type(v) == 'table' and not json.is_array(v) then flat_config(v, key, out)
+    else out[key] = json.encode(v) end
+  end
+  return out
+end
+
+-- The keys whose values differ between a checkpoint's config and this run's (free: the keys a
+-- resumed run may change), as "key (old -> new)", sorted.
+function M.config_changes(old, new, free)
+  local a, b = flat_config(old), flat_config(new)
+  local out = {}
+  for k, v in pairs(b) do
+    if not free[k] and a[k] ~= v then out[#out + 1] = string.format('%s (%s -> %s)', k, a[k] or 'absent', v) end
+  end
+  for k, v in pairs(a) do
+    if not free[k] and b[k] == nil then out[#out + 1] = string.format('%s (%s -> absent)', k, v) end
+  end
+  table.sort(out)
+  return out
+end
+
+-- The identity of an input file or directory a checkpoint records: path, and size and mtime of
+-- each file in it (cheap: moonrl.train.manifest's has their checksums).
+function M.input_identity(path)
+  if not path then return nil end
+  local st = fs.stat(path)
+  if not st then return json.object({ 'path', path, 'missing', true }) end
+  local files = json.object()
+  local names = st.is_dir and fs.list(path) or { false }
+  for _, name in ipairs(names) do
+    local p = name and (path .. '/' .. name) or path
+    local s = fs.stat(p)
+    if s and s.is_file then files[name or path:match('[^/]*$')] = json.object({ 'bytes', s.size, 'mtime', s.mtime }) end
+  end
+  return json.object({ 'path', path, 'files', files })
+end
+
 return M

@@ -69,47 +69,6 @@ M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'ru
   'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
   'run.progress_seconds' }
 
--- ---- small pieces -------------------------------------------------------------------------
-
--- Flatten a config into { ['a.b'] = json text of the leaf }.
-local function flat_config(t, prefix, out)
-  out = out or {}
-  for k, v in pairs(t) do
-    local key = prefix and (prefix .. '.' .. tostring(k)) or tostring(k)
-    if type(v) == 'table' and not json.is_array(v) then flat_config(v, key, out)
-    else out[key] = json.encode(v) end
-  end
-  return out
-end
-
-local function changed_keys(old, new, free)
-  local a, b = flat_config(old), flat_config(new)
-  local out = {}
-  for k, v in pairs(b) do
-    if not free[k] and a[k] ~= v then out[#out + 1] = string.format('%s (%s -> %s)', k, a[k] or 'absent', v) end
-  end
-  for k, v in pairs(a) do
-    if not free[k] and b[k] == nil then out[#out + 1] = string.format('%s (%s -> absent)', k, v) end
-  end
-  table.sort(out)
-  return out
-end
-
--- The identity of an input file or directory: path, and size and mtime of each file in it.
-local function identity(path)
-  if not path then return nil end
-  local st = fs.stat(path)
-  if not st then return json.object({ 'path', path, 'missing', true }) end
-  local files = json.object()
-  local names = st.is_dir and fs.list(path) or { false }
-  for _, name in ipairs(names) do
-    local p = name and (path .. '/' .. name) or path
-    local s = fs.stat(p)
-    if s and s.is_file then files[name or path:match('[^/]*$')] = json.object({ 'bytes', s.size, 'mtime', s.mtime }) end
-  end
-  return json.object({ 'path', path, 'files', files })
-end
-
 -- ---- start --------------------------------------------------------------------------------
 
 -- The session of a run: its policy, tokenizer, engine and data loaded from the config's sections,
@@ -291,7 +250,7 @@ function M.open(cfg, opts)
       moonrl.usage_error(string.format("cannot resume from %s: it was written by the recipe '%s', not '%s'", from,
         tostring(saved.run.recipe), name))
     end
-    local diff = changed_keys(saved.run.config or {}, cfg, free)
+    local diff = ckpt.config_changes(saved.run.config or {}, cfg, free)
     if #diff > 0 then
       release()
       moonrl.usage_error(string.format('cannot resume from %s: the config changed: %s (start a new run.dir, ' ..
@@ -553,8 +512,8 @@ function Session:checkpoint(reason, small, step, phase_step)
   state.phases_done, state.metrics_bytes, state.reason = done, self.run:metrics_bytes(), reason
   local v = moonrl.version()
   local inputs = json.object()
-  for k, p in pairs(self.inputs) do inputs[k] = identity(p) end
-  for _, d in ipairs(self.datasets) do inputs['data.' .. d.name] = identity(d.view.src and d.view.src.path) end
+  for k, p in pairs(self.inputs) do inputs[k] = ckpt.input_identity(p) end
+  for _, d in ipairs(self.datasets) do inputs['data.' .. d.name] = ckpt.input_identity(d.view.src and d.view.src.path) end
   local run_info = json.object({ 'recipe', self.name, 'moonrl', v.version, 'git', v.git, 'threads', v.threads,
     'config', self.cfg, 'inputs', inputs })
   local t0 = moonrl.now()
