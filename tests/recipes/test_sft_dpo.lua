@@ -129,4 +129,33 @@ t.test('sft, dpo: a bad data or eval setting is one line, exit 2, before the mod
   fs.remove(dir)
 end)
 
+t.test('sft and dpo are recipes like the RL ones: extended by name, a stage overridden, the old key an alias', function()
+  local rl = require('moonrl.rl')
+  local dir = U.tmpdir('sft_extend')
+  local model_dir = U.tiny_model(dir .. '/init')
+  local recs = {}
+  for i, p in ipairs(U.additions(40, 5)) do recs[i] = { prompt = p.prompt, response = p.answer } end
+  U.write_jsonl(dir .. '/train.jsonl', recs)
+  for _, name in ipairs({ 'sft', 'dpo' }) do t.truthy(rl.is_recipe(rl.load(name)), name .. ' is a moonrl.rl recipe') end
+  local my = rl.extend('sft', { name = 'my_sft', config = { train = { batch = 4 } } })
+  t.eq(my.config.train.batch.value, 4, 'the extension\'s config over sft\'s')
+  function my:metrics(m, step)
+    self.parent.metrics(self, m, step)
+    m.hooked = step
+  end
+  local config = require('moonrl.config')
+  config.overrides = config.parse_overrides({ 'model.dir=' .. model_dir, 'data.path=' .. dir .. '/train.jsonl',
+    'train.steps=4', 'eval_every=2', 'run.dir=' .. dir .. '/run', 'quiet=true' })
+  config.consumed = false
+  local out = my:main()
+  t.eq(out.last, 4)
+  local recs_out = U.records(dir .. '/run')
+  t.eq(#recs_out, 4)
+  for i, r in ipairs(recs_out) do t.eq(r.hooked, i, 'the overridden stage ran at step ' .. i) end
+  -- eval_every=2, the old name of eval.every: the evaluation at step 2 (and the eval loss at the end)
+  t.truthy(recs_out[2].eval_loss and recs_out[2]['eval/accuracy'], 'evaluated at step 2')
+  t.truthy(not recs_out[1].eval_loss and not recs_out[3].eval_loss, 'not at steps 1 and 3')
+  fs.remove(dir)
+end)
+
 t.done()
