@@ -178,7 +178,7 @@ typedef struct mrl_kernels {
     void (*gemm_group)(const mrl_gemm_desc *g, int n);
 
     /* The same product in bf16 with fp32 accumulation (the mixed precision
-     * of DESIGN.md "Precision"; kernels/cpu/gemm_bf16.h): each of A and B is
+     * of docs/architecture.md, "Precision"; kernels/cpu/gemm_bf16.h): each of A and B is
      * fp32, rounded to bf16 on the way in (x_bf16 = 0), or bf16 already
      * (x_bf16 = 1: uint16_t storage, leading dimension in elements). beta = 0
      * ignores what C held. Parallel inside (not for use in gemm_group). */

@@ -97,12 +97,11 @@ int64_t mrl_mem_available(void) {
  * mode there are none otherwise). Weights, KV cache and activations are
  * streamed or read in scattered blocks (paged attention): 4 KiB pages make
  * each new page a TLB miss, and in a virtual machine a miss walks two page
- * tables. Measured (bench/RESULTS.md): batch-1 decode 1.1-1.3x and a
- * training step ~9% faster by the median of pairs, and advising every
- * category did better than the weights alone. The price is the first
- * touch where the host backs the guest's memory lazily (~2.5 s a GiB
- * against ~0.7 with small pages on these machines; a block freed and
- * allocated again is then faster than either). */
+ * tables. Decode and the training step ran faster so, and advising every
+ * category did better than the weights alone (bench/RESULTS.md, "Huge
+ * pages"). The price is a slower first touch where the host backs the
+ * guest's memory lazily (a block freed and allocated again is then faster
+ * than with small pages). */
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
 #define HUGE_ALLOC_BYTES ((size_t)4 << 20)
 

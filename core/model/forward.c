@@ -17,9 +17,8 @@
 /* The logits one head chunk holds by default: the memory the backward
  * spends to recompute fewer of them. 128 MiB holds a whole batch of 1,024
  * tokens at a 32k vocabulary (no product recomputed) and 220 tokens at a
- * 152k one. Against 32 MiB the training step took ~9% less time on the
- * 100M model and 4-16% less on SmolLM2's shape, for 9% and 3% more peak
- * memory (bench/RESULTS.md, "The head's logits budget"). */
+ * 152k one; a larger budget shortened the training step for a few percent
+ * more peak memory (bench/RESULTS.md, "The head's logits budget"). */
 #define HEAD_LOGITS_BYTES ((int64_t)128 << 20)
 
 /* Carve the activation buffer (base NULL: only count). Returns bytes. */

@@ -47,8 +47,8 @@ static int openblas_below(int blas, int cpu_level) {
 }
 
 mrl_f32_path mrl_cpu_f32_rule(const char *core, int cpu_level, int have_onednn) {
-    /* below the CPU's set: Prescott kernels on an AVX2/AVX-512 CPU 2.8x below oneDNN, AVX2
-     * kernels on AVX-512 1.1x (Zen 4) to 1.8x (Zen 5) below it (bench/RESULTS.md) */
+    /* below the CPU's set (Prescott kernels on an AVX2/AVX-512 CPU, AVX2 kernels on AVX-512):
+     * oneDNN is faster there (bench/RESULTS.md, "fp32 products") */
     if (have_onednn && openblas_below(mrl_openblas_core_level(core), cpu_level)) return MRL_F32_ONEDNN;
     return MRL_F32_OPENBLAS;
 }

@@ -3,16 +3,15 @@
  * fastest fp32 path where it runs kernels of the CPU's instruction set
  * (bench/RESULTS.md). But Debian's OpenBLAS 0.3.21 does not know every CPU
  * it meets: on an Intel family 6 model 207 it silently falls back to its
- * SSE3 "Prescott" kernels, 62 GFLOP/s against 282 with the right ones
- * (../shared/MACHINE_NOTES.md). oneDNN picks its kernels from the CPU's own
+ * SSE3 "Prescott" kernels, several times slower than the right ones
+ * (bench/RESULTS.md, "fp32 products"). oneDNN picks its kernels from the CPU's own
  * feature bits at run time, so where OpenBLAS reports kernels below the
  * CPU's instruction set (older than AVX2 on an AVX2 CPU, older than AVX-512
  * on an AVX-512 one), the products go to oneDNN's fp32 matmul (where it is
  * built in). Its AVX2 "Haswell" kernels on AVX-512 CPUs (what
- * OPENBLAS_CORETYPE=Haswell gives) ran 9-14% below oneDNN on a Zen 4, whose
- * 512-bit FMA has the throughput of two 256-bit ones, and 1.8x below on a
- * Zen 5, whose units are 512 bits wide (the fp32 100M training step 2.8 s
- * against 1.5-1.75 s; bench/RESULTS.md).
+ * OPENBLAS_CORETYPE=Haswell gives) ran below oneDNN on a Zen 4, whose
+ * 512-bit FMA has the throughput of two 256-bit ones, and far below on a
+ * Zen 5, whose units are 512 bits wide (bench/RESULTS.md, "fp32 products").
  *
  * Results: OpenBLAS's do not depend on the thread count (fast.c cuts each
  * product into slices by its shape and the core count, never the thread

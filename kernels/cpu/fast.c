@@ -1,5 +1,5 @@
-/* The fast CPU ops: matrix products through OpenBLAS sgemm (measured faster
- * than our own kernels, bench/RESULTS.md; few-row products excepted; oneDNN's
+/* The fast CPU ops: matrix products through OpenBLAS sgemm (faster than our
+ * own fp32 kernels; few-row products excepted; oneDNN's
  * where OpenBLAS runs kernels below the CPU's instruction set, cpu/blas.h), the
  * other ops from the AVX-512, AVX2 or SSE inner loops (isa_*.c, the set
  * chosen at run time by isa.c), spread over the cores with

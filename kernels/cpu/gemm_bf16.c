@@ -146,22 +146,15 @@ int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
     return 0;
 }
 
-/* The rule, from bench/gemm_bf16.c (bench/RESULTS.md, "bf16 matrix
- * products": AMD Zen 4, AVX512-BF16, no AMX, 2 cores; "AMX tiles for the
- * training products": Intel Xeon family 6 model 167, AMX, 2 cores):
+/* The rule, from bench/gemm_bf16.c (bench/RESULTS.md, "bf16 products",
+ * on AVX512-BF16 without AMX and on AMX):
  *   - x W^T with at most MRL_BF16_FEW_ROWS rows (decode): our kernel, which
  *     reads W in place. Bound by reading W, it beat oneDNN (which packs W
- *     and pays more per call) 1.0-1.7x at 1-4 rows and 0.8-1.4x at 16 (11
- *     of 14 shapes above 1); from 32 rows oneDNN was ahead 1.03-1.7x.
- *   - everything else: oneDNN, ahead of our packed kernel by 4-8% on a
- *     training step's products without AMX (100M: 199 / 192 GFLOP/s on 1
- *     thread, 379 / 360 on 2, both ~2x OpenBLAS sgemm's fp32). With AMX
- *     our packed kernel on AMX tiles beat it alone on most dX and dW
- *     products of a 100M and a SmolLM2 step (1.07x and 1.11x over each
- *     step's products, operands from memory; the heads' dX 1.6x), but not
- *     inside the step: timed there, its dX ran at 1100 GFLOP/s against
- *     oneDNN's 1157 and its dW at 774 against 822 (SmolLM2, 8 x 256), and
- *     the steps were level; so oneDNN keeps them;
+ *     and pays more per call) up to 16 rows; from 32 rows oneDNN was ahead.
+ *   - everything else: oneDNN, ahead of our packed kernel on a training
+ *     step's products without AMX. With AMX our packed kernel on AMX tiles
+ *     beat it alone on most dX and dW products of a step, but not inside
+ *     the step, where the steps were level; so oneDNN keeps them;
  *   - without oneDNN, our kernel (AMX tiles where they run); with neither,
  *     the reference (mrl_cpu_bf16_available() = 0). */
 mrl_bf16_path mrl_cpu_bf16_pick(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K) {
@@ -217,19 +210,18 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
 
 /* The rule for W given as bf16 weight panels and as its plain copy, from
  * bench/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
- * weight panels" and "x W^T on the weight panels with AMX tiles", 2 cores):
- *   - with AMX (our tile kernel on the panels, Intel Xeon family 6 model
- *     167): the panels from 5 to 255 rows, 1.3-1.7x our few-rows kernel at
- *     8, 1.0-1.7x oneDNN (which packs W each call) at 8 and 16 and ahead on
- *     most shapes at 32 and 64 (0.85-1.7x); at 1-4 rows the few-rows kernel
- *     on the plain copy, level with the tiles to 1.9x ahead (all of them
- *     bound by reading W); from 256 oneDNN, level at 256, 1.2-2x at 1024.
- *     Without ours (MOONRL_AMX=0), oneDNN's tiles from 17 rows;
- *   - with AVX512-BF16 only (Zen 4): the panels beat the best of our
- *     few-rows kernel and oneDNN on the plain copy at 2-64 rows by 1.1-1.9x
- *     (they pack nothing of W and stream it once), were level at 1 row, and
- *     stayed level or ahead up to 2048 rows, except on narrow W (N < 384:
- *     few panels to share, A read again for each) from 64 rows. */
+ * products"):
+ *   - with AMX (our tile kernel on the panels): the panels from 5 to 255
+ *     rows, where they beat our few-rows kernel and oneDNN (which packs W
+ *     each call) on most shapes; at 1-4 rows the few-rows kernel on the
+ *     plain copy, level with the tiles or ahead (all of them bound by
+ *     reading W); from 256 oneDNN. Without ours (MOONRL_AMX=0), oneDNN's
+ *     tiles from 17 rows;
+ *   - with AVX512-BF16 only: the panels beat the best of our few-rows
+ *     kernel and oneDNN on the plain copy from 2 rows (they pack nothing of
+ *     W and stream it once), were level at 1 row, and stayed level or ahead
+ *     up to 2048 rows, except on narrow W (N < 384: few panels to share, A
+ *     read again for each) from 64 rows. */
 int mrl_cpu_bf16_panels_pick(int64_t M, int64_t N) {
     if (!mrl_cpu_has_avx512_bf16()) return 0;
     if (mrl_cpu_has_amx_bf16()) return M > 4 && M < 256;

@@ -1,8 +1,8 @@
 /* bf16 matrix products on the CPU (internal; the op table is to call them):
  * C = alpha * bf16(A) bf16(B) + beta * C with fp32 accumulation, the mixed
- * precision of DESIGN.md ("Precision"): fp32 master weights, bf16 copies
+ * precision of docs/architecture.md ("Precision"): fp32 master weights, bf16 copies
  * for the products. Four paths behind one entry, chosen per shape
- * (bench/RESULTS.md, "bf16 matrix products"):
+ * (bench/RESULTS.md, "bf16 products"):
  *   - a portable reference (scalar, exact bf16 products summed in double)
  *     that the tests trust;
  *   - our own AVX512-BF16 kernel (gemm_bf16_avx512.c, vdpbf16ps): packed

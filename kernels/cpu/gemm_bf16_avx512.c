@@ -10,13 +10,13 @@
  *
  * Micro-tile: 8 rows x 48 columns, 24 zmm accumulators; per kp it loads 3
  * vectors of B and broadcasts 8 dwords of A into 24 vdpbf16ps (the
- * instruction-only loop, bench/gemm_bf16.c, runs at 230 GFLOP/s a core on
- * Zen 4; the micro-tile at ~97% of that). Blocking (Goto), k outermost: a
+ * micro-tile runs near the instruction-only loop's rate, bench/gemm_bf16.c
+ * and bench/RESULTS.md, "bf16 products"). Blocking (Goto), k outermost: a
  * block of KC pairs of all of op(A) and op(B) is packed (in parallel), then
  * the tiles of C (up to MC rows) take it (in parallel); a B panel's block
  * (KC x 48 dwords, 48 KB) is reused by every 8-row slice of the tile's A
- * block (MC x KC, 256 KB, in L2). KC 192-256 measured alike and 5-10%
- * above 128 (bench/RESULTS.md). Every element of C sums its k in the same
+ * block (MC x KC, 256 KB, in L2). KC 192-256 measured alike and above 128.
+ * Every element of C sums its k in the same
  * blocks and order whatever the tiling, so results do not depend on the
  * thread count.
  *
@@ -152,8 +152,8 @@ static inline __attribute__((always_inline)) void micro(const int mr, const int 
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
     const uint32_t *a = t->a, *b = t->b;
-    /* unrolled by hand's worth of pragmas: gcc -O2 leaves these loops rolled
-     * (measured: 80 GFLOP/s instead of 190), and the accumulators in memory */
+    /* unrolled by hand's worth of pragmas: gcc -O2 leaves these loops rolled,
+     * and the accumulators in memory (at well under half the rate) */
     for (int64_t k = 0; k < t->kc; k++, a += LANES, b += NR) {
         if (t->pf) _mm_prefetch(t->pf + 64 * k, _MM_HINT_T1);
         __m512bh bv[NV];
@@ -424,10 +424,9 @@ static int few_gemm(int64_t M, int64_t N, int64_t K, float alpha, const void *A,
      * PARALLEL_MACS multiply-adds always; below it (a decode step of one row
      * makes dozens of such products) by measurement (cpu/split.h): on a
      * machine with more runnable threads than cores each parallel region
-     * waits for its second thread to be scheduled (batch-1 decode of a 30M
-     * model at 3-27 tokens/s split, bench/RESULTS.md "Mixed precision"), on
-     * an idle one splitting is ~1.6x faster. Our kernel's bits do not depend
-     * on the split. */
+     * waits for its second thread to be scheduled, on an idle one splitting
+     * is faster (bench/RESULTS.md, "Decode on two threads"). Our kernel's
+     * bits do not depend on the split. */
     static _Thread_local mrl_split_choice choice;
     int measured, split = mrl_split_weights(&choice, N * K, M * N * K, mrl_parallel_threads(), &measured);
     double t0 = mrl_split_now();

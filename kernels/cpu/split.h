@@ -2,10 +2,10 @@
  * them, decided by measurement on the calling thread (internal).
  *
  * A decode step makes dozens of products bound by reading their weights:
- * two cores read them ~1.6x faster than one (bench/RESULTS.md, "Decode on
- * two threads when they pay"), but on a machine with more runnable threads
- * than cores every parallel region waits for its second thread to be
- * scheduled, and the same step ran 3-27x slower split than not. Neither
+ * two cores read them faster than one, but on a machine with more runnable
+ * threads than cores every parallel region waits for its second thread to
+ * be scheduled, and the same step ran many times slower split than not
+ * (bench/RESULTS.md, "Decode on two threads"). Neither
  * fixed rule is right on both machines, so each calling thread times its
  * products in windows of WINDOW products run the same way (one product
  * alone misleads: the first split one after a run of unsplit ones wakes the

@@ -207,7 +207,7 @@ mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
  * that device's kernels (on a GPU: kernels/cuda, with cuBLASLt). Batches
  * and the per-token arrays of mrl_model_forward / _backward stay host
  * memory: the forward copies the batch over and its outputs back (a few
- * floats a token, the loss boundary of DESIGN.md). MRL_ERR_UNSUPPORTED for
+ * floats a token, the loss boundary of docs/architecture.md). MRL_ERR_UNSUPPORTED for
  * a device not built or not present, and on a GPU for a mixture-of-experts
  * model or one with expert parallelism (they route on the host). */
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device);
@@ -291,7 +291,7 @@ mrl_status mrl_model_set_expert_parallel(mrl_model *m, mrl_dist *d);
  * expert parallelism is on. */
 int mrl_model_expert_range(const mrl_model *m, int64_t *first, int64_t *count);
 
-/* ---- precision (DESIGN.md "Precision") ----
+/* ---- precision (docs/architecture.md, "Precision") ----
  * MRL_MODEL_FP32 (the default): every product in fp32, as always.
  * MRL_MODEL_BF16: the parameter buffer stays the fp32 master copy (what
  * the optimizer steps, what is saved), and a bf16 copy of the matrices (the
