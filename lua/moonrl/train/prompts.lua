@@ -45,18 +45,6 @@ function M.completion_ids(tok, text, eos)
   return ids
 end
 
--- A JSONL dataset (moonrl.data) in a seeded random order; fields maps record names to JSON keys.
--- Returns the view and a function next_batch(n) that cycles through epochs forever.
-function M.dataset(path, fields, seed, optional)
-  local ds = require('moonrl.data').jsonl(path, { fields = fields, optional = optional }):shuffled(seed)
-  local it
-  local function next_batch(n)
-    it = it or ds:batches(n, { epochs = math.huge })
-    return it()
-  end
-  return ds, next_batch
-end
-
 -- cfg.data.path as a moonrl.data view of fields (record field -> JSON key; optional: those that
 -- may be missing), data.on_error applied; a file that cannot be opened is a usage error naming
 -- the key and the file (a recipe opens it before session.start: no run directory is left behind).
