@@ -146,7 +146,7 @@ int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
     return 0;
 }
 
-/* The rule, from bench/gemm_bf16.c (bench/RESULTS.md, "bf16 matrix
+/* The rule, from bench/gemm/gemm_bf16.c (bench/RESULTS.md, "bf16 matrix
  * products": AMD Zen 4, AVX512-BF16, no AMX, 2 cores; "AMX tiles for the
  * training products": Intel Xeon family 6 model 167, AMX, 2 cores):
  *   - x W^T with at most MRL_BF16_FEW_ROWS rows (decode): our kernel, which
@@ -216,7 +216,7 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
 }
 
 /* The rule for W given as bf16 weight panels and as its plain copy, from
- * bench/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
+ * bench/gemm/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
  * weight panels" and "x W^T on the weight panels with AMX tiles", 2 cores):
  *   - with AMX (our tile kernel on the panels, Intel Xeon family 6 model
  *     167): the panels from 5 to 255 rows, 1.3-1.7x our few-rows kernel at
