@@ -13,7 +13,7 @@
 -- held-out evaluations (grpo.eval_every) taken out.
 --   build/moonrl run bench/async/async_rl.lua [target=0.8] [steps=30] [eval_every=3]
 --   build/moonrl run bench/async/async_rl.lua task=grpo [steps=8]
---     the GRPO recipe instead, on bench/dist/dp_grpo.sh's small model (256 hidden, 4 layers), 16 prompts x 8
+--     the GRPO recipe instead, on bench/dist/dp_grpo.sh's small model (bench/models.json's digits-small), 16 prompts x 8
 --     samples of up to 128 tokens, the 'sevens' reward: seconds per step only (no held-out set)
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
@@ -33,20 +33,11 @@ fs.mkdirs(root)
 
 local task_words = {}
 if opt.task == 'grpo' then
-  local mk = root .. '/make.lua'
-  local f = assert(io.open(mk, 'w'))
-  f:write(string.format([[
-local moonrl = require('moonrl')
-local m = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 256, intermediate_size = 768,
-  num_hidden_layers = 4, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256,
-  bos_token_id = 1, eos_token_id = 2 }, { seed = 1 })
-require('moonrl.train.models').save({ dir = '%s' }, m, moonrl.home .. '/examples/default', '%s/model')
-local out = assert(io.open('%s/data.jsonl', 'w'))
-for i = 1, 16 do out:write(string.format('{"prompt": "%%d+%%d=", "answer": "%%d"}\n', 10 + i, 30 + 2 * i, 40 + 3 * i)) end
-out:close()
-]], root, root, root))
-  f:close()
-  assert(proc.run({ exe, 'run', mk }).ok, 'making the model')
+  assert(proc.run({ exe, 'run', moonrl.home .. '/bench/make_model.lua', 'preset=digits-small', 'out=' .. root .. '/model' }).ok,
+    'making the model')
+  local out = assert(io.open(root .. '/data.jsonl', 'w'))
+  for i = 1, 16 do out:write(string.format('{"prompt": "%d+%d=", "answer": "%d"}\n', 10 + i, 30 + 2 * i, 40 + 3 * i)) end
+  out:close()
   task_words = { 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. root .. '/model', 'data.path=' .. root .. '/data.jsonl',
     'data.chat=false', 'reward=sevens', 'grpo.prompts=16', 'grpo.samples=8', 'grpo.max_tokens=128', 'train.lr=1e-6',
     'train.micro_batch_tokens=8192' }

@@ -22,13 +22,11 @@ local cfg = moonrl.config {
   steps = moonrl.config.integer(3),
   batch = moonrl.config.integer(0), seq = moonrl.config.integer(0), -- 0: the size's default
 }
+local preset = dofile(moonrl.home .. '/bench/models.lua') -- bench/models.json
 local SIZES = {
-  default = { model = { model_type = 'llama', vocab_size = 15, hidden_size = 128, intermediate_size = 384,
-    num_hidden_layers = 2, num_attention_heads = 4, max_position_embeddings = 32, tie_word_embeddings = true },
-    batch = 256, seq = 8 }, -- a GRPO step of the default run: 32 prompts x 8 samples of ~8 tokens
-  ['100m'] = { model = { model_type = 'llama', vocab_size = 32000, hidden_size = 768, intermediate_size = 2048,
-    num_hidden_layers = 12, num_attention_heads = 12, max_position_embeddings = 512, tie_word_embeddings = true },
-    batch = 8, seq = 256 },
+  -- a GRPO step of the default run: 32 prompts x 8 samples of ~8 tokens
+  default = { model = preset('default'), batch = 256, seq = 8 },
+  ['100m'] = { model = preset('110m'), batch = 8, seq = 256 }, -- a ~110M-parameter Llama
 }
 local size = SIZES[cfg.size] or moonrl.usage_error('size must be default or 100m')
 local batch = cfg.batch > 0 and cfg.batch or size.batch

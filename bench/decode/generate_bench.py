@@ -33,19 +33,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODELS = {
-    # hidden 256, 4 layers, 4 heads / 2 KV heads, SwiGLU 768, vocab 4096 (5.2M parameters)
-    "small": dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                  max_position_embeddings=1024),
-    "100m": dict(model_type="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
-                 num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                 max_position_embeddings=1024),
-    # SmolLM2-135M's shape (random weights): hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied
-    "smollm2": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                    rms_norm_eps=1e-5, max_position_embeddings=1024),
-}
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from models import preset  # noqa: E402  (bench/models.json)
+
+# small (hidden 256, 4 layers, 4 heads / 2 KV heads, SwiGLU 768, vocab 4096: 5.2M parameters), 100m,
+# smollm2 (SmolLM2-135M's shape, random weights: hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied)
+MODELS = {name: preset(name, max_position_embeddings=1024) for name in ("small", "100m", "smollm2")}
 
 CASES = {
     "1": dict(prompts=1, n=1, temperature=0.0),

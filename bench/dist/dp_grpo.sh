@@ -22,22 +22,14 @@ SIZE=${SIZE:-small} PROMPTS=${PROMPTS:-16} SAMPLES=${SAMPLES:-8} MAX_TOKENS=${MA
 STEPS=${STEPS:-8} ROUNDS=${ROUNDS:-3} BTL=${BTL:-vader} PYTHON=${PYTHON:-/usr/bin/python3}
 TORCH=${TORCH:-1} ZERO=${ZERO:-1}
 case "$SIZE" in
-  small) H=256 L=4 I=768 ;;
-  tiny) H=128 L=2 I=384 ;;
+  small|tiny) ;;
   *) echo "SIZE must be small or tiny, not '$SIZE'" >&2; exit 2 ;;
 esac
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-# the model of bench/grpo/grpo_step.sh: a Llama (H hidden, L layers, 4 heads / 2 KV heads, SwiGLU I)
-# with the default example's digit tokenizer, random weights, saved by moonrl in HF format
-cat > "$dir/make.lua" <<LUA
-local moonrl = require('moonrl')
-local m = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = $H, intermediate_size = $I,
-  num_hidden_layers = $L, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256,
-  bos_token_id = 1, eos_token_id = 2 }, { seed = 1 })
-require('moonrl.recipe').save({ dir = '$dir' }, m, moonrl.home .. '/examples/default', '$dir/model')
-LUA
-"$MOONRL" run "$dir/make.lua"
+# the model of bench/grpo/grpo_step.sh: bench/models.json's digits-$SIZE (a Llama, 4 heads / 2 KV
+# heads) with the default example's digit tokenizer, random weights, saved by moonrl in HF format
+"$MOONRL" run bench/make_model.lua preset="digits-$SIZE" out="$dir/model"
 # its prompts: "11+32=", "12+34=", ... (every step takes all PROMPTS records once)
 "$PYTHON" -c "
 import json, sys

@@ -21,15 +21,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from models import preset  # noqa: E402  (bench/models.json)
+
 MODELS = {
     # Qwen2.5-0.5B's shape (bench/gpu/gpu_train.lua's), random weights
-    "qwen0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, attention_bias=True,
-                     tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0),
+    "qwen0.5b": preset("qwen0.5b"),
     # a check of the script itself (a CPU, an emulated GPU)
-    "tiny": dict(model_type="qwen2", vocab_size=211, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True,
-                 max_position_embeddings=1024),
+    "tiny": preset("qwen2-tiny", max_position_embeddings=1024),
 }
 
 

@@ -25,14 +25,11 @@ local cfg = moonrl.config {
   recompute = false,
 }
 
+local preset = dofile(moonrl.home .. '/bench/models.lua') -- bench/models.json
 local shapes = {
   -- Qwen2.5-0.5B: 494M parameters (136M of them the tied embedding)
-  ['qwen0.5b'] = { model_type = 'qwen2', vocab_size = 151936, hidden_size = 896, intermediate_size = 4864,
-    num_hidden_layers = 24, num_attention_heads = 14, num_key_value_heads = 2, attention_bias = true,
-    tie_word_embeddings = true, max_position_embeddings = 4096, rope_theta = 1000000.0 },
-  tiny = { model_type = 'qwen2', vocab_size = 211, hidden_size = 64, intermediate_size = 160,
-    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, attention_bias = true,
-    tie_word_embeddings = true, max_position_embeddings = 256 },
+  ['qwen0.5b'] = preset('qwen0.5b'),
+  tiny = preset('qwen2-tiny', { max_position_embeddings = 256 }),
 }
 local shape = shapes[cfg.size]
 if not shape then moonrl.usage_error("size must be qwen0.5b or tiny, got '" .. tostring(cfg.size) .. "'") end

@@ -22,9 +22,7 @@ export PROMPTS=${PROMPTS:-16} SAMPLES=${SAMPLES:-8} MAX_TOKENS=${MAX_TOKENS:-64}
 export STEPS=${STEPS:-3} WARMUP=${WARMUP:-2} LENGTHS=${LENGTHS:-natural} DTYPE=${DTYPE:-fp32}
 SIZE=${SIZE:-small} ROUNDS=${ROUNDS:-2}
 case "$SIZE" in
-  small) H=256 L=4 I=768 ;;
-  tiny) H=128 L=2 I=384 ;;
-  medium) H=512 L=4 I=1408 ;;
+  small|tiny|medium) ;;
   *) echo "SIZE must be small, tiny or medium, not '$SIZE'" >&2; exit 2 ;;
 esac
 case "$DTYPE" in
@@ -41,17 +39,10 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import trl, torch" 2>
 fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-# the model: a Llama (H hidden, L layers, 4 heads / 2 KV heads, SwiGLU I) with the default
+# the model: bench/models.json's digits-$SIZE (a Llama, 4 heads / 2 KV heads) with the default
 # example's digit tokenizer (15 ids, EOS among them), random weights, saved by moonrl in
-# Hugging Face format
-cat > "$dir/make.lua" <<LUA
-local moonrl = require('moonrl')
-local m = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = $H, intermediate_size = $I,
-  num_hidden_layers = $L, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256,
-  bos_token_id = 1, eos_token_id = 2 }, { seed = 1 })
-require('moonrl.recipe').save({ dir = '$dir' }, m, moonrl.home .. '/examples/default', '$dir/model')
-LUA
-"$MOONRL" run "$dir/make.lua"
+# Hugging Face format (bench/make_model.lua)
+"$MOONRL" run bench/make_model.lua preset="digits-$SIZE" out="$dir/model"
 echo "settings: $SIZE model, $PROMPTS prompts x $SAMPLES samples, up to $MAX_TOKENS new tokens ($LENGTHS lengths), $THREADS threads, $DTYPE, load average $(cut -d' ' -f1 /proc/loadavg)"
 for r in $(seq "$ROUNDS"); do
   MODEL="$dir/model" "$MOONRL" run bench/grpo/grpo_step.lua | tail -1 > "$dir/moonrl.$r"

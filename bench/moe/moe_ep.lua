@@ -17,10 +17,7 @@ local cfg = moonrl.config {
   experts = moonrl.config.integer(16),
 }
 local w = dist.world()
-local shape = { model_type = 'qwen3_moe', vocab_size = 8192, hidden_size = 512, intermediate_size = 1408,
-  num_hidden_layers = 4, num_attention_heads = 8, num_key_value_heads = 4, head_dim = 64,
-  max_position_embeddings = 512, tie_word_embeddings = true, num_experts = cfg.experts, num_experts_per_tok = 2,
-  moe_intermediate_size = 512, norm_topk_prob = true, initializer_range = 0.02 }
+local shape = dofile(moonrl.home .. '/bench/models.lua')('qwen3-moe', { num_experts = cfg.experts }) -- bench/models.json
 
 local n_seqs = math.floor(cfg.tokens / 256)
 local first, last = w:share(n_seqs)

@@ -21,16 +21,14 @@ local cfg = moonrl.config {
 }
 if cfg.threads > 0 then moonrl.C.mrl_parallel_set_threads(cfg.threads) end
 
+-- bench/models.json's 30m and default (the default example's shape, here with 4 KV heads and 512 positions)
+local preset = dofile(moonrl.home .. '/bench/models.lua')
 local shapes = {
-  ['30m'] = { vocab_size = 8192, hidden_size = 512, intermediate_size = 1408, num_hidden_layers = 8,
-    num_attention_heads = 8, num_key_value_heads = 8 },
-  default = { vocab_size = 15, hidden_size = 128, intermediate_size = 384, num_hidden_layers = 2,
-    num_attention_heads = 4, num_key_value_heads = 4 },
+  ['30m'] = { max_position_embeddings = 512 },
+  default = { num_key_value_heads = 4, max_position_embeddings = 512 },
 }
-local shape = shapes[cfg.size]
-if not shape then moonrl.usage_error("size must be 30m or default, got '" .. tostring(cfg.size) .. "'") end
-local mcfg = { model_type = 'llama', max_position_embeddings = 512, tie_word_embeddings = true }
-for k, v in pairs(shape) do mcfg[k] = v end
+if not shapes[cfg.size] then moonrl.usage_error("size must be 30m or default, got '" .. tostring(cfg.size) .. "'") end
+local mcfg = preset(cfg.size, shapes[cfg.size])
 
 local function median(t)
   local s = {}
@@ -58,7 +56,7 @@ for s = 1, n_seqs do
   local t = {}
   for i = 1, seq do
     rng = (rng * 1103515245 + 12345) % 2147483648
-    t[i] = rng % shape.vocab_size
+    t[i] = rng % mcfg.vocab_size
   end
   seqs[s] = t
 end

@@ -36,19 +36,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "model"))
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from models import preset  # noqa: E402  (bench/models.json)
+
 MODELS = {
     # the target of the issue: hidden 256, 4 layers, 4 heads / 2 KV heads, SwiGLU 768, vocab 4096
-    "small": dict(cfg=dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=768,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           tie_word_embeddings=False, rms_norm_eps=1e-5), batch=8, seq=256),
+    "small": dict(cfg=preset("small"), batch=8, seq=256),
     # about 100M parameters
-    "100m": dict(cfg=dict(model_type="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                          num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
-                          tie_word_embeddings=False, rms_norm_eps=1e-5), batch=4, seq=256),
+    "100m": dict(cfg=preset("100m"), batch=4, seq=256),
     # SmolLM2-135M's shape (weights random): the issue's "8 x 256 tokens" step of a real 135M model
-    "smollm2": dict(cfg=dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                             tie_word_embeddings=True, rms_norm_eps=1e-5), batch=8, seq=256),
+    "smollm2": dict(cfg=preset("smollm2"), batch=8, seq=256),
 }
 
 
