@@ -1,5 +1,5 @@
 /* Parallel-for on OpenMP. Why OpenMP and not our own pool: measured in
- * bench/parallel_for.c (see bench/RESULTS.md), libgomp's fork/join costs
+ * bench/parallel/parallel_for.c (see bench/RESULTS.md), libgomp's fork/join costs
  * about as little as a spinning pthread pool and far less than a condvar
  * pool, and it needs no code of ours to keep correct.
  * Thread counts are kept in [1, MAX_THREADS]: libgomp aborts the process when

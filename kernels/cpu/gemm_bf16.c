@@ -146,7 +146,7 @@ int mrl_cpu_bf16_force_path(mrl_bf16_path path) {
     return 0;
 }
 
-/* The rule, from bench/gemm_bf16.c (bench/RESULTS.md, "bf16 products",
+/* The rule, from bench/gemm/gemm_bf16.c (bench/RESULTS.md, "bf16 products",
  * on AVX512-BF16 without AMX and on AMX):
  *   - x W^T with at most MRL_BF16_FEW_ROWS rows (decode): our kernel, which
  *     reads W in place. Bound by reading W, it beat oneDNN (which packs W
@@ -209,7 +209,7 @@ void mrl_cpu_gemm_bf16(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
 }
 
 /* The rule for W given as bf16 weight panels and as its plain copy, from
- * bench/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
+ * bench/gemm/gemm_bf16.c's "panels" and "amx" columns (bench/RESULTS.md, "bf16
  * products"):
  *   - with AMX (our tile kernel on the panels): the panels from 5 to 255
  *     rows, where they beat our few-rows kernel and oneDNN (which packs W

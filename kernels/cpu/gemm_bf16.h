@@ -56,7 +56,7 @@ void mrl_cpu_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
  * sends such products to it. */
 #define MRL_BF16_FEW_ROWS 16
 
-/* ---- the paths one by one (tests and bench/gemm_bf16.c) ---------------- */
+/* ---- the paths one by one (tests and bench/gemm/gemm_bf16.c) ---------------- */
 
 typedef enum mrl_bf16_path {
     MRL_BF16_AUTO = 0,  /* the per-shape rule */

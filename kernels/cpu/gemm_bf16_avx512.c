@@ -10,7 +10,7 @@
  *
  * Micro-tile: 8 rows x 48 columns, 24 zmm accumulators; per kp it loads 3
  * vectors of B and broadcasts 8 dwords of A into 24 vdpbf16ps (the
- * micro-tile runs near the instruction-only loop's rate, bench/gemm_bf16.c
+ * micro-tile runs near the instruction-only loop's rate, bench/gemm/gemm_bf16.c
  * and bench/RESULTS.md, "bf16 products"). Blocking (Goto), k outermost: a
  * block of KC pairs of all of op(A) and op(B) is packed (in parallel), then
  * the tiles of C (up to MC rows) take it (in parallel); a B panel's block

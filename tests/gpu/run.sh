@@ -7,9 +7,9 @@
 # model.device=cuda against the same runs on the CPU (test_cuda_recipes);
 # then the benchmarks: the CUDA table's products and attention
 # (bench_cuda_ops), NCCL all-reduce bandwidth (test_nccl --bench),
-# training MFU of a Qwen2.5-0.5B-shaped model in bf16 (bench/gpu_train.lua)
+# training MFU of a Qwen2.5-0.5B-shaped model in bf16 (bench/gpu/gpu_train.lua)
 # and decode tokens/s at batch 1/16/64 against PyTorch eager on the same GPU
-# (bench/gpu_decode.py). Writes logs to $OUT (or ./gpu-out) when set.
+# (bench/gpu/gpu_decode.py). Writes logs to $OUT (or ./gpu-out) when set.
 #
 # The machine may lack LuaJIT, libuv and OpenBLAS development packages: if a
 # folder .debs/ holds their .deb files (tests/gpu/fetch_debs.sh downloads
@@ -51,11 +51,11 @@ if [ -x build-gpu/tests/gpu/test_nccl ]; then
 fi
 # training MFU (bf16, 16 x 1024 tokens a step), with and without recomputation
 for rc in false true; do
-  timeout 300 build-gpu/moonrl run bench/gpu_train.lua recompute=$rc | tee -a "$out/bench_train.txt"
+  timeout 300 build-gpu/moonrl run bench/gpu/gpu_train.lua recompute=$rc | tee -a "$out/bench_train.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 # decode against PyTorch eager (the machine's Python with torch and transformers)
 py=$(command -v python3 || command -v python)
-timeout 400 "$py" bench/gpu_decode.py --moonrl build-gpu/moonrl | tee "$out/bench_decode.txt"
+timeout 400 "$py" bench/gpu/gpu_decode.py --moonrl build-gpu/moonrl | tee "$out/bench_decode.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status

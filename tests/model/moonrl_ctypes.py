@@ -1,5 +1,5 @@
 """ctypes access to libmoonrl's model API, for the Python reference test
-(tests/model/model_ref.py) and the benchmark (bench/train_bench.py)."""
+(tests/model/model_ref.py) and the benchmark (bench/train/train_bench.py)."""
 import ctypes as C
 import json
 

@@ -1,5 +1,5 @@
 -- Kill a run again and again and check that it still ends exactly where an uninterrupted run
--- ends. Used by tests/recipes/test_resume.lua (in the suite) and bench/kill_stress.lua (any
+-- ends. Used by tests/recipes/test_resume.lua (in the suite) and bench/checkpoint/kill_stress.lua (any
 -- number of kills).
 --
 --   local K = dofile('tests/recipes/killer.lua')

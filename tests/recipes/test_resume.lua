@@ -2,7 +2,7 @@
 -- (at phases of its steps, inside checkpoint writes, at random times) and resumed with
 -- run.resume=auto each time; its final model.safetensors must equal, byte for byte, that of
 -- the same run never interrupted, and metrics.jsonl must hold each step once with the same
--- values (timings aside). bench/kill_stress.lua does the same with any number of kills.
+-- values (timings aside). bench/checkpoint/kill_stress.lua does the same with any number of kills.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
 local U = dofile('tests/recipes/util.lua')

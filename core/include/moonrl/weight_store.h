@@ -72,7 +72,7 @@ int mrl_weight_store_readers(const mrl_weight_store *w);
  * latest, as `version` with `flags` (a combination of MRL_WS_*); src NULL:
  * flags only, no weights. The copy is split over the worker threads
  * (mrl_parallel_for): a large memcpy is memory-bound, and two threads
- * draw more bandwidth than one on some CPUs (bench/weight_publish.lua
+ * draw more bandwidth than one on some CPUs (bench/async/weight_publish.lua
  * measures it). Returns once the version is published; never waits for a
  * reader. */
 mrl_status mrl_weight_store_publish(mrl_weight_store *w, const float *src, int64_t version, int flags);
