@@ -31,6 +31,7 @@ from safetensors.numpy import load_file
 
 torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "io"))  # ref_gguf_convert
 import moonrl_ctypes  # noqa: E402
 from moonrl_ctypes import rel  # noqa: E402
 from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, check, fails, gguf_writer  # noqa: E402

@@ -55,7 +55,7 @@ def tensors(dtype):
 
 def run_c(src, out):
     env = dict(os.environ, ST_SRC=src, ST_OUT=out)
-    r = subprocess.run([MOONRL, "run", "tests/optim/st_roundtrip.lua"], capture_output=True, text=True, env=env)
+    r = subprocess.run([MOONRL, "run", "tests/io/st_roundtrip.lua"], capture_output=True, text=True, env=env)
     check(r.returncode == 0, "moonrl st_roundtrip on %s: %s%s" % (src, r.stdout, r.stderr))
     return r.returncode == 0
 
