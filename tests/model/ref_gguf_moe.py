@@ -39,7 +39,6 @@ from torch_ref_moe import reference  # noqa: E402
 
 MOONRL = sys.argv[1]
 lib = moonrl_ctypes.load(sys.argv[2])
-lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
 
 D, F, L, Hq, Hk, hd, E, K, Fe = 32, 48, 3, 4, 2, 16, 4, 2, 24
 DENSE = 1  # layer 1 keeps the dense MLP
