@@ -34,7 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "io"))  # ref_gguf_convert
 import moonrl_ctypes  # noqa: E402
 from moonrl_ctypes import rel  # noqa: E402
-from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, check, fails, gguf_writer  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
+from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, gguf_writer  # noqa: E402
 from torch_ref_moe import reference  # noqa: E402
 
 MOONRL = sys.argv[1]
@@ -147,8 +150,7 @@ def main():
         e_lp, e_ent = rel(lp, rlp.numpy()), rel(ent, rent.numpy())
         check(e_lp < 1e-5 and e_ent < 1e-5, "converted model vs float64 reference on the original weights: "
               "log-prob %.1e, entropy %.1e" % (e_lp, e_ent))
-    print("FAILED: %d" % len(fails) if fails else "all qwen3moe GGUF checks passed")
 
 
 main()
-sys.exit(1 if fails else 0)
+checks.done()
