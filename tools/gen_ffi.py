@@ -10,7 +10,8 @@ only the core calls lives in internal headers that this script never reads
 (core/base/*.h, a subsystem's *_internal.h and its other headers, kernels/);
 tests/runtime/test_ffi.lua checks that none of their functions is declared.
 
-Headers come in name order, each after the headers it includes.
+Headers come in name order, each after the headers it includes. tools/gen_ctypes.py reads them
+through the same functions (header_order, declarations) for Python's ctypes.
 The headers are written for this: plain C declarations, no function-like
 macros, constants as enums. Preprocessor lines, comments, `#pragma once` and
 `#ifdef __cplusplus` blocks (the extern "C" guards) are dropped; the rest goes to ffi.cdef verbatim.

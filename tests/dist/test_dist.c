@@ -12,37 +12,32 @@
 #include "check.h"
 #include "moonrl/dist.h"
 #include "moonrl/loop.h"
-#include "base/rng.h"
+#include "random.h"
 
 static mrl_dist *D;
 static int R, N; /* this rank, the world size */
 
 /* ------------------------------------------------------------ inputs */
 
-static uint64_t mix(uint64_t x) { return mrl_mix64(x); }
-
-typedef struct rng {
-    uint64_t s;
-} rng;
-static uint64_t next(rng *g) { return mix(g->s++); }
-static rng rng_for(uint64_t seed, int rank) { return (rng){mix(seed * 1000003u + (uint64_t)rank + 1) << 20}; }
+/* rank's stream for the inputs of a test with this seed (tests/lib/random.h) */
+static uint64_t stream_for(uint64_t seed, int rank) { return rng_stream(seed * 1000003u + (uint64_t)rank + 1); }
 
 /* Values of many magnitudes, so that the order of the additions shows. */
-static double value(rng *g) {
-    uint64_t u = next(g);
+static double value(uint64_t *g) {
+    uint64_t u = rng_next(g);
     double m = 1.0 + (double)(u >> 11) / 9007199254740992.0; /* [1, 2) */
     int e = (int)((u >> 3) % 33) - 16;
     return (u & 1 ? -m : m) * (double)((int64_t)1 << (e + 16)) / 65536.0;
 }
 
 static void fill(void *buf, int64_t n, int dtype, uint64_t seed, int rank) {
-    rng g = rng_for(seed, rank);
+    uint64_t g = stream_for(seed, rank);
     for (int64_t i = 0; i < n; i++) {
         switch (dtype) {
         case MRL_DIST_F32: ((float *)buf)[i] = (float)value(&g); break;
         case MRL_DIST_F64: ((double *)buf)[i] = value(&g); break;
-        case MRL_DIST_I64: ((int64_t *)buf)[i] = (int64_t)next(&g); break;
-        case MRL_DIST_U8: ((uint8_t *)buf)[i] = (uint8_t)next(&g); break;
+        case MRL_DIST_I64: ((int64_t *)buf)[i] = (int64_t)rng_next(&g); break;
+        case MRL_DIST_U8: ((uint8_t *)buf)[i] = (uint8_t)rng_next(&g); break;
         }
     }
 }
@@ -393,10 +388,10 @@ static void test_blobs(void) {
 /* The ranges a backward reports, from the end of the buffer to its start,
  * in pieces of tensor-like sizes (they straddle the buckets' edges). */
 static void ready_backward(mrl_dist_buckets *b, int64_t n, uint64_t seed) {
-    rng g = rng_for(seed, 99);
+    uint64_t g = stream_for(seed, 99);
     int64_t hi = n;
     while (hi > 0) {
-        int64_t len = 1 + (int64_t)(next(&g) % 5000);
+        int64_t len = 1 + (int64_t)(rng_next(&g) % 5000);
         int64_t lo = hi - len > 0 ? hi - len : 0;
         mrl_dist_buckets_ready(b, lo, hi - lo);
         hi = lo;
@@ -405,18 +400,18 @@ static void ready_backward(mrl_dist_buckets *b, int64_t n, uint64_t seed) {
 
 /* The same ranges in a random order, some twice. */
 static void ready_shuffled(mrl_dist_buckets *b, int64_t n, uint64_t seed) {
-    rng g = rng_for(seed, 98);
+    uint64_t g = stream_for(seed, 98);
     int64_t (*r)[2] = malloc(sizeof *r * (size_t)(n / 1 + 2));
     int k = 0;
     for (int64_t lo = 0; lo < n;) {
-        int64_t len = 1 + (int64_t)(next(&g) % 3000);
+        int64_t len = 1 + (int64_t)(rng_next(&g) % 3000);
         r[k][0] = lo;
         r[k][1] = lo + len < n ? len : n - lo;
         lo += r[k][1];
         k++;
     }
     for (int i = k - 1; i > 0; i--) {
-        int j = (int)(next(&g) % (uint64_t)(i + 1));
+        int j = (int)(rng_next(&g) % (uint64_t)(i + 1));
         int64_t t0 = r[i][0], t1 = r[i][1];
         r[i][0] = r[j][0], r[i][1] = r[j][1];
         r[j][0] = t0, r[j][1] = t1;

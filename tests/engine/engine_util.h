@@ -1,6 +1,6 @@
 /* What the engine tests (test_engine.c, test_engine_bf16.c,
- * test_engine_moe.c) share: their random generator, the tiny models' sizes,
- * an engine, requests and their samples, the trainer's log-probs of a
+ * test_engine_moe.c) share beyond tests/lib (the generator, the tiny models'
+ * sizes): an engine, requests and their samples, the trainer's log-probs of a
  * sample, the agreement run (engine vs trainer over five mixed requests) and
  * the greedy run against a naive full-recompute loop. Each test has its own
  * copy of the state (static), and its requests their own seed and step:
@@ -12,47 +12,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
+#include "models.h"
+#include "random.h"
 #include "moonrl/engine.h"
 #include "moonrl/model.h"
-#include "base/rng.h"
 
 #if !defined(REQUEST_SEED) || !defined(REQUEST_STEP)
 #error "define REQUEST_SEED and REQUEST_STEP before including engine_util.h"
 #endif
 
 #define MAXG 48 /* generated tokens at most */
-
-static uint64_t rng = 88172645463325252ULL;
-static inline double urand(void) { return mrl_unit53(mrl_xorshift64(&rng)); }
-
-/* ---- models ----------------------------------------------------------------------------------- */
-
-/* The tiny models' sizes: 2 layers of 64, 4 query and 2 K/V heads of 16, MLP 96. */
-static inline void tiny_config(mrl_model_config *c, int arch, int vocab) {
-    mrl_model_config_default(c);
-    c->arch = arch;
-    c->vocab_size = vocab;
-    c->hidden_size = 64;
-    c->intermediate_size = 96;
-    c->num_hidden_layers = 2;
-    c->num_attention_heads = 4;
-    c->num_key_value_heads = 2;
-    c->head_dim = 16;
-    c->max_position_embeddings = 256;
-    c->initializer_range = 0.15; /* peaked distributions: few near-ties for greedy */
-}
-
-/* Biases and norm weights (the 1-D parameters) away from 0 and 1, so that they matter. */
-static inline void randomise_vectors(mrl_model *m) {
-    float *p = mrl_model_params(m);
-    for (int i = 0; i < mrl_model_num_views(m); i++) {
-        mrl_param_view v;
-        mrl_model_view(m, i, &v);
-        if (v.ndim != 1) continue;
-        int bias = strstr(v.name, "bias") != NULL;
-        for (int64_t j = 0; j < v.numel; j++) p[v.offset + j] = (float)((bias ? 0 : 1) + 0.3 * (urand() - 0.5));
-    }
-}
 
 /* ---- engines, requests, samples --------------------------------------------------------------- */
 

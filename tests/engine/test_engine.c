@@ -56,7 +56,7 @@ static mrl_model *make_model(int arch, int vocab) {
     mrl_model *m = NULL;
     CHECK_OK(mrl_model_create(&c, 7 + arch, &m));
     if (!m) return NULL;
-    randomise_vectors(m);
+    perturb_vectors(m, 0.3);
     return m;
 }
 

@@ -6,6 +6,7 @@
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
+local tiny = dofile('tests/lib/models.lua')
 
 local fixture = 'tests/tok/fixtures/qwen2_split' -- tests run from the source root
 local tok = moonrl.tokenizer.load(fixture)
@@ -80,9 +81,7 @@ t.test('results and agreement with the trainer (sampled, temperature 0.8; greedy
 end)
 
 t.test('top_logprobs: the k most likely tokens, best first, as the trainer\'s log-probs of each', function()
-  local m = moonrl.model.new({ model_type = 'llama', vocab_size = 19, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64,
-    initializer_range = 0.4 }, { seed = 5 })
+  local m = tiny.model('llama', { vocab_size = 19, num_hidden_layers = 1, initializer_range = 0.4 }, { seed = 5 })
   local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 32, seed = 3 })
   for _, temp in ipairs({ 0.7, 0 }) do
     local res = e:generate({ { prompt_ids = { 1, 5, 6 }, n = 2 }, { prompt_ids = { 9 } } },

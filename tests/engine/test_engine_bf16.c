@@ -43,7 +43,7 @@ static mrl_model *make_model(int arch, int vocab) {
     mrl_model *m = NULL;
     CHECK_OK(mrl_model_create(&c, 7 + arch, &m));
     if (!m) exit(1);
-    randomise_vectors(m);
+    perturb_vectors(m, 0.3);
     CHECK_OK(mrl_model_set_dtype(m, MRL_MODEL_BF16));
     return m;
 }

@@ -37,7 +37,7 @@ static mrl_model *make_model(int vocab, int dtype) {
     mrl_model *m = NULL;
     CHECK_OK(mrl_model_create(&c, 5, &m));
     if (!m) exit(1);
-    randomise_vectors(m); /* norm weights away from 1 (no biases) */
+    perturb_vectors(m, 0.3); /* norm weights away from 1 (no biases) */
     float *p = mrl_model_params(m);
     for (int i = 0; i < mrl_model_num_views(m); i++) {
         mrl_param_view v;

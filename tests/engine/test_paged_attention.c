@@ -20,12 +20,7 @@
 #include "cpu/paged_attention.h"
 #include "cpu/gemm_bf16.h"
 #include "kernels.h"
-#include "base/rng.h"
-
-static uint64_t rng = 88172645463325252ULL;
-static uint64_t next_u64(void) { return mrl_xorshift64(&rng); }
-static float randf(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0) * 2 - 1); }
-static int randi(int n) { return (int)(next_u64() % (uint64_t)n); }
+#include "random.h"
 
 #define MAXS 8
 #define MAXLEN 300 /* > KEY_TILE: V accumulated over several key tiles */
@@ -165,10 +160,10 @@ static void run_case(int Hq, int Hk, int hd, int bs, int n_rounds, int bf16) {
             CHECK(mrl_kv_cache_blocks_needed(c, d->id, n) <= mrl_kv_cache_num_free(c));
             CHECK_OK(mrl_kv_cache_append(c, d->id, n, slots + qs[b]));
             for (int64_t x = (int64_t)qs[b] * Hq * hd; x < (int64_t)(qs[b] + n) * Hq * hd; x++)
-                q[x] = bf16 ? bf16_exact(randf()) : randf(); /* bf16: what the bf16 products round q to */
+                q[x] = bf16 ? bf16_exact(frand()) : frand(); /* bf16: what the bf16 products round q to */
             for (int j = 0; j < n; j++)
                 for (int x = 0; x < Hk * hd; x++) {
-                    float kx = randf() * 2, vx = randf();
+                    float kx = frand() * 2, vx = frand();
                     kn[(int64_t)(qs[b] + j) * Hk * hd + x] = kx;
                     vn[(int64_t)(qs[b] + j) * Hk * hd + x] = vx;
                     d->k[(int64_t)(d->len + j) * Hk * hd + x] = bf16 ? bf16_exact(kx) : kx; /* what the cache holds */

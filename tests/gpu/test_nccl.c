@@ -20,23 +20,18 @@
 #include "moonrl/runtime.h"
 #include "cuda_backend.h"
 #include "check.h"
+#include "random.h"
 
 static int g_rank, g_size;
 
-static uint32_t next(uint32_t *s) {
-    *s = *s * 1664525u + 1013904223u;
-    return *s;
-}
-static float frand(uint32_t *s) { return ((next(s) >> 8) / 16777216.0f) * 2.0f - 1.0f; }
-
-/* rank r's input for a test with this seed */
+/* rank r's input for a test with this seed (tests/lib/random.h) */
 static void fill_f32(float *x, int64_t n, uint32_t seed, int r) {
-    uint32_t s = seed * 2654435761u + (uint32_t)r * 7919u + 1;
-    for (int64_t i = 0; i < n; i++) x[i] = frand(&s) * 4;
+    uint64_t s = rng_stream((uint64_t)seed * 7919u + (uint64_t)r);
+    for (int64_t i = 0; i < n; i++) x[i] = (float)(rng_unit(&s) * 2.0 - 1.0) * 4;
 }
 static void fill_bytes(uint8_t *x, int64_t n, uint32_t seed, int r) {
-    uint32_t s = seed * 2654435761u + (uint32_t)r * 7919u + 1;
-    for (int64_t i = 0; i < n; i++) x[i] = (uint8_t)(next(&s) >> 24);
+    uint64_t s = rng_stream((uint64_t)seed * 7919u + (uint64_t)r);
+    for (int64_t i = 0; i < n; i++) x[i] = (uint8_t)(rng_next(&s) >> 56);
 }
 
 static void *dev_alloc(int device, int64_t bytes) {

@@ -31,12 +31,7 @@
 #include "base/parallel.h"
 #include "cpu/gemm_bf16.h"
 #include "kernels.h" /* the bf16 weight panels */
-#include "base/rng.h"
-
-static uint64_t rng = MRL_GOLDEN64;
-static uint64_t next_u64(void) { return mrl_splitmix64(&rng); }
-static double uniform(void) { return mrl_unit53(next_u64()); }
-static int64_t upto(int64_t n) { return (int64_t)(next_u64() % (uint64_t)n); }
+#include "random.h"
 
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -78,7 +73,7 @@ static void test_conversions(void) {
     uint16_t *dst = malloc(2 * N);
     float *back = malloc(sizeof(float) * N);
     for (int i = 0; i < N; i++) {
-        uint32_t u = i < n_edges ? edges[i] : (uint32_t)next_u64();
+        uint32_t u = i < n_edges ? edges[i] : (uint32_t)rand_u64();
         if (i >= n_edges && i % 4 == 0) u = (u & 0xffff0000u) | 0x8000u; /* many ties */
         src[i] = bits_f32(u);
     }
@@ -128,7 +123,7 @@ typedef struct product {
 /* A value of varied size: a few rows and columns are much larger, so that
  * the relative bound is tried on sums that cancel. */
 static float value(int64_t i, int64_t j) {
-    float x = (float)(2 * uniform() - 1);
+    float x = (float)(2 * urand() - 1);
     if (i % 7 == 3 || j % 11 == 5) x *= 64;
     return x;
 }
@@ -183,15 +178,15 @@ static product make_product(int ta, int tb, int a_bf16, int b_bf16, int64_t M, i
                             float beta, int pad) {
     product p = {ta, tb, a_bf16, b_bf16, M, N, K, 0, 0, 0, alpha, beta};
     int64_t a_cols = ta ? M : K, b_cols = tb ? K : N;
-    p.lda = a_cols + (pad ? upto(5) : 0);
-    p.ldb = b_cols + (pad ? upto(5) : 0);
-    p.ldc = N + (pad ? upto(5) : 0);
+    p.lda = a_cols + (pad ? randi(5) : 0);
+    p.ldb = b_cols + (pad ? randi(5) : 0);
+    p.ldc = N + (pad ? randi(5) : 0);
     p.Ar = malloc(sizeof(double) * (M * K + 1));
     p.Br = malloc(sizeof(double) * (K * N + 1));
     p.A = operand(a_bf16, ta ? K : M, a_cols, p.lda, p.Ar, ta);
     p.B = operand(b_bf16, tb ? N : K, b_cols, p.ldb, p.Br, tb);
     p.C0 = malloc(sizeof(float) * (M * p.ldc + 1));
-    for (int64_t i = 0; i < M * p.ldc; i++) p.C0[i] = beta == 0 ? NAN : (float)(2 * uniform() - 1);
+    for (int64_t i = 0; i < M * p.ldc; i++) p.C0[i] = beta == 0 ? NAN : (float)(2 * urand() - 1);
     expect(&p);
     return p;
 }
@@ -308,8 +303,8 @@ static void shape(int i, int64_t *M, int64_t *N, int64_t *K) {
         return;
     }
     /* mostly small (many cases), sometimes up to a few hundred */
-    int64_t top = upto(4) == 0 ? 320 : 64;
-    *M = 1 + upto(top), *N = 1 + upto(top), *K = 1 + upto(upto(3) == 0 ? 600 : 96);
+    int64_t top = randi(4) == 0 ? 320 : 64;
+    *M = 1 + randi(top), *N = 1 + randi(top), *K = 1 + randi(randi(3) == 0 ? 600 : 96);
 }
 
 static void test_products(const path *paths, int n_paths, int cases) {
@@ -320,7 +315,7 @@ static void test_products(const path *paths, int n_paths, int cases) {
         shape(c, &M, &N, &K);
         int combo = c % 16; /* every transposition and operand type, in turn */
         product p = make_product(combo & 1, (combo >> 1) & 1, (combo >> 2) & 1, (combo >> 3) & 1, M, N, K,
-                                 alphas[upto(3)], betas[upto(3)], c % 3 != 0);
+                                 alphas[randi(3)], betas[randi(3)], c % 3 != 0);
         for (int i = 0; i < n_paths; i++) {
             if (!paths[i].available || (paths[i].nt_only && (p.ta || !p.tb))) continue;
             float *C = run_on(&p, paths[i].fn);

@@ -40,7 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
-#include "model/random_arrays.h"
+#include "random.h"
 #include "kernels.h"
 #include "cpu/blas.h"
 #include "cpu/paged_attention.h"
@@ -2282,7 +2282,7 @@ int main(int argc, char **argv) {
     only_op = argc > 1 && strcmp(argv[1], "all") ? argv[1] : NULL;
     only_table = argc > 2 ? argv[2] : NULL;
     const char *seed = getenv("SEED");
-    rng_state = seed ? strtoull(seed, NULL, 10) : 12345;
+    if (seed) rng_seed(strtoull(seed, NULL, 10));
     CHECK_OK(mrl_init());
     int here = 0;
     for (int t = 1; t < N_TABLES; t++) {

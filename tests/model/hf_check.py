@@ -29,8 +29,6 @@ import moonrl_ctypes  # noqa: E402
 from moonrl_ctypes import Moonrl, check, rel  # noqa: E402
 
 lib = moonrl_ctypes.load(sys.argv[1])
-lib.mrl_model_save_dir.argtypes = [C.c_void_p, C.c_char_p]
-lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
 failures = []
 
 

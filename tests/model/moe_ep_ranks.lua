@@ -11,18 +11,15 @@
 local moonrl = require('moonrl')
 local dist = require('moonrl.train.dist')
 local ffi = require('ffi')
+local tiny = dofile('tests/lib/models.lua')
 
 local opt = moonrl.config { dtype = 'fp32', recompute = false, replay = false, hang = false, idle = false }
 local w = dist.world(opt.hang and 2 or nil)
 local P, me = w.size, w.rank
 
 -- 5 experts: uneven blocks over 2 ranks (3, 2) and 3 ranks (2, 2, 1); two sparse layers and a dense one
-local cfg = { model_type = 'qwen3_moe', vocab_size = 23, hidden_size = 32, intermediate_size = 48,
-  num_hidden_layers = 3, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8,
-  max_position_embeddings = 64, tie_word_embeddings = false, bos_token_id = 1, eos_token_id = 2,
-  rms_norm_eps = 1e-6, initializer_range = 0.2, num_experts = 5, num_experts_per_tok = 2,
-  moe_intermediate_size = 16, norm_topk_prob = true, mlp_only_layers = { 1 }, router_aux_loss_coef = 0,
-  output_router_logits = false }
+local cfg = tiny.config('qwen3_moe', { vocab_size = 23, num_hidden_layers = 3, tie_word_embeddings = false,
+  initializer_range = 0.2, mlp_only_layers = { 1 }, router_aux_loss_coef = 0, output_router_logits = false })
 
 -- the global batch: 7 sequences of 3..15 tokens
 local seqs, s = {}, 12345

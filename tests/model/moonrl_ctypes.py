@@ -1,50 +1,27 @@
-"""ctypes access to libmoonrl's model API, for the Python reference test
-(tests/model/model_ref.py) and the benchmark (bench/train/train_bench.py)."""
+"""libmoonrl's model through ctypes, for the Python reference tests (tests/model/model_ref.py,
+ref_moe.py, hf_check.py, ref_gguf_moe.py) and the benchmark (bench/train/train_bench.py): the
+declarations generated from the C headers (tests/lib/capi.py), and a model wrapper over them."""
 import ctypes as C
 import json
+import os
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import capi  # noqa: E402
+
 lib = None  # set by load()
+api = None  # the generated module (structs, constants)
+Batch = None  # api.mrl_batch
 
 
 def load(path):
-    global lib
-    lib = C.CDLL(path)
-    _declare(lib)
+    global lib, api, Batch
+    api = capi.module(path)
+    lib = api.load(path)
+    Batch = api.mrl_batch
     return lib
-
-
-class View(C.Structure):
-    _fields_ = [("name", C.c_char_p), ("offset", C.c_int64), ("numel", C.c_int64), ("ndim", C.c_int),
-                ("shape", C.c_int64 * 2), ("weight_decay", C.c_int)]
-
-
-class Batch(C.Structure):
-    _fields_ = [("tokens", C.POINTER(C.c_int32)), ("targets", C.POINTER(C.c_int32)),
-                ("cu_seqlens", C.POINTER(C.c_int32)), ("n_tokens", C.c_int64), ("n_seqs", C.c_int32),
-                ("prefix", C.POINTER(C.c_int32)),  # NULL: no shared prompts
-                ("routing", C.POINTER(C.c_int16))]  # NULL: no routing replay (qwen3_moe)
-
-
-def _declare(lib):
-    lib.mrl_last_error.restype = C.c_char_p
-    lib.mrl_model_params.restype = C.POINTER(C.c_float)
-    lib.mrl_model_grads.restype = C.POINTER(C.c_float)
-    lib.mrl_model_num_params.restype = C.c_int64
-    lib.mrl_model_create.argtypes = [C.c_void_p, C.c_uint64, C.POINTER(C.c_void_p)]
-    lib.mrl_model_forward.argtypes = [C.c_void_p, C.POINTER(Batch), C.c_float, C.c_void_p, C.c_void_p, C.c_void_p]
-    lib.mrl_model_backward.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p]
-    for f in ("mrl_model_params", "mrl_model_grads", "mrl_model_num_params", "mrl_model_num_views",
-              "mrl_model_zero_grad", "mrl_model_free"):
-        getattr(lib, f).argtypes = [C.c_void_p]
-    lib.mrl_model_view.argtypes = [C.c_void_p, C.c_int, C.POINTER(View)]
-    lib.mrl_model_set_recompute.argtypes = [C.c_void_p, C.c_int]
-    lib.mrl_model_set_kernels.argtypes = [C.c_void_p, C.c_int]
-    lib.mrl_model_set_head_chunk.argtypes = [C.c_void_p, C.c_int64]
-    lib.mrl_mem_get_stats.argtypes = [C.c_void_p]
-    lib.mrl_model_activation_bytes.restype = C.c_int64
-    lib.mrl_model_activation_bytes.argtypes = [C.c_void_p, C.c_int64]
 
 
 def check(status):
@@ -59,16 +36,16 @@ def ptr(a):
 class Moonrl:
     def __init__(self, cfg, seed=1):
         text = json.dumps(cfg).encode()
-        c = C.create_string_buffer(512)  # mrl_model_config is far smaller
-        check(lib.mrl_model_config_parse(text, C.c_size_t(len(text)), b"test", c))
+        c = api.mrl_model_config()
+        check(lib.mrl_model_config_parse(text, len(text), b"test", C.byref(c)))
         self.h = C.c_void_p()
-        check(lib.mrl_model_create(c, seed, C.byref(self.h)))
+        check(lib.mrl_model_create(C.byref(c), seed, C.byref(self.h)))
         n = lib.mrl_model_num_params(self.h)
         self.params = np.ctypeslib.as_array(lib.mrl_model_params(self.h), (n,))
         self.grads = np.ctypeslib.as_array(lib.mrl_model_grads(self.h), (n,))
         self.views = []
         for i in range(lib.mrl_model_num_views(self.h)):
-            v = View()
+            v = api.mrl_param_view()
             check(lib.mrl_model_view(self.h, i, C.byref(v)))
             shape = tuple(v.shape[: v.ndim])
             self.views.append((v.name.decode(), v.offset, shape, v.weight_decay))

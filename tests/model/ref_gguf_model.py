@@ -27,6 +27,9 @@ import torch
 
 torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
 from torch_ref import last_logprobs, reference  # noqa: E402
 
 MOONRL = sys.argv[1] if len(sys.argv) > 1 else "build/moonrl"
@@ -39,13 +42,6 @@ if not os.path.exists(GGUF):
 import gguf  # noqa: E402
 from tokenizers import Tokenizer, AddedToken, decoders, models, pre_tokenizers  # noqa: E402
 
-fails = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails.append(what)
 
 
 reader = gguf.GGUFReader(GGUF)
@@ -161,5 +157,4 @@ def lua_list(xs):
 
 
 main()
-print("FAILED: %d" % len(fails) if fails else "all real-model checks passed")
-sys.exit(1 if fails else 0)
+checks.done()

@@ -31,14 +31,17 @@ from safetensors.numpy import load_file
 
 torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "io"))  # ref_gguf_convert
 import moonrl_ctypes  # noqa: E402
 from moonrl_ctypes import rel  # noqa: E402
-from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, check, fails, gguf_writer  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
+from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, gguf_writer  # noqa: E402
 from torch_ref_moe import reference  # noqa: E402
 
 MOONRL = sys.argv[1]
 lib = moonrl_ctypes.load(sys.argv[2])
-lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
 
 D, F, L, Hq, Hk, hd, E, K, Fe = 32, 48, 3, 4, 2, 16, 4, 2, 24
 DENSE = 1  # layer 1 keeps the dense MLP
@@ -147,8 +150,7 @@ def main():
         e_lp, e_ent = rel(lp, rlp.numpy()), rel(ent, rent.numpy())
         check(e_lp < 1e-5 and e_ent < 1e-5, "converted model vs float64 reference on the original weights: "
               "log-prob %.1e, entropy %.1e" % (e_lp, e_ent))
-    print("FAILED: %d" % len(fails) if fails else "all qwen3moe GGUF checks passed")
 
 
 main()
-sys.exit(1 if fails else 0)
+checks.done()

@@ -41,14 +41,6 @@ from moonrl_ctypes import Moonrl, rel  # noqa: E402
 from torch_ref_moe import is_sparse, reference  # noqa: E402
 
 lib = moonrl_ctypes.load(sys.argv[1])
-lib.mrl_model_router_aux_loss.restype = C.c_double
-lib.mrl_model_router_aux_loss.argtypes = [C.c_void_p]
-lib.mrl_model_set_router_aux_coef.argtypes = [C.c_void_p, C.c_double]
-lib.mrl_model_set_dtype.argtypes = [C.c_void_p, C.c_int]
-lib.mrl_model_weights_changed.argtypes = [C.c_void_p]
-lib.mrl_model_num_moe_layers.argtypes = [C.c_void_p]
-lib.mrl_model_get_routing.argtypes = [C.c_void_p, C.c_void_p, C.c_int64]
-lib.mrl_model_routing_replay_stats.argtypes = [C.c_void_p, C.POINTER(C.c_int64), C.POINTER(C.c_int64)]
 
 failures = []
 
@@ -310,8 +302,6 @@ def save_load(name, cfg, lens, seed=31):
     import json
     import tempfile
     from safetensors.numpy import load_file
-    lib.mrl_model_save_dir.argtypes = [C.c_void_p, C.c_char_p]
-    lib.mrl_model_load_dir.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
     rng = np.random.default_rng(seed)
     m = Moonrl(cfg)
     randomize(m, rng)

@@ -4,10 +4,9 @@
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
+local tiny = dofile('tests/lib/models.lua')
 
-local cfg = { model_type = 'qwen2', vocab_size = 40, hidden_size = 32, intermediate_size = 48,
-  num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, tie_word_embeddings = false,
-  rms_norm_eps = 1e-6, initializer_range = 0.1 }
+local cfg = tiny.config('qwen2', { vocab_size = 40, initializer_range = 0.1 })
 
 t.test('new, batch, forward', function()
   local m = moonrl.model.new(cfg, { seed = 5 })

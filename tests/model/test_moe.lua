@@ -10,17 +10,15 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
+local tiny = dofile('tests/lib/models.lua')
 local batch = require('moonrl.batch')
 local models = require('moonrl.train.models')
 local session = require('moonrl.train.session')
 local ffi = require('ffi')
 
-local cfg = { model_type = 'qwen3_moe', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-  num_hidden_layers = 3, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8,
-  max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2,
-  rms_norm_eps = 1e-6, initializer_range = 0.1, num_experts = 4, num_experts_per_tok = 2,
-  moe_intermediate_size = 16, norm_topk_prob = true, mlp_only_layers = { 1 }, router_aux_loss_coef = 0.02,
-  output_router_logits = true }
+-- three layers (layer 1 dense) of 4 experts, the load-balancing loss on
+local cfg = tiny.config('qwen3_moe', { num_hidden_layers = 3, num_experts = 4, mlp_only_layers = { 1 },
+  router_aux_loss_coef = 0.02, output_router_logits = true })
 
 t.test('a qwen3_moe model: views, config round trip, aux loss', function()
   local m = moonrl.model.new(cfg, { seed = 4 })
@@ -54,8 +52,7 @@ t.test('a qwen3_moe model: views, config round trip, aux loss', function()
   m:set_router_aux_coef(0)
   t.eq(m:router_aux_coef(), 0)
   t.raises(function() m:set_router_aux_coef(-1) end, '>= 0')
-  local dense = moonrl.model.new({ model_type = 'qwen3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 1, num_attention_heads = 4 })
+  local dense = tiny.model('qwen3')
   dense:forward(b)
   t.eq(dense:router_aux_loss(), 0, 'a dense model has no aux loss')
 end)
@@ -122,8 +119,7 @@ t.test('routing replay: the engine record, packed, replayed by the trainer', fun
   forced[1] = forced[0]
   t.raises(function() m:forward(b, { routing = forced }) end, 'names expert')
   -- a dense model takes no routing
-  local dense = moonrl.model.new({ model_type = 'qwen3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 1, num_attention_heads = 4 })
+  local dense = tiny.model('qwen3')
   t.eq(dense:num_moe_layers(), 0)
   t.raises(function() dense:forward(b, { routing = b.routing }) end, 'without sparse layers')
 end)

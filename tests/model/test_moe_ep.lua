@@ -11,6 +11,7 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
+local tiny = dofile('tests/lib/models.lua')
 
 local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
 local mpirun = U.which('mpirun')
@@ -46,8 +47,7 @@ t.test('one process: expert parallelism over a world of one is the plain model, 
 end)
 
 t.test('a dense model refuses expert parallelism', function()
-  local m = moonrl.model.new({ model_type = 'qwen3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 1, num_attention_heads = 4 })
+  local m = tiny.model('qwen3')
   t.raises(function() m:set_expert_parallel(require('moonrl.train.dist').world()) end, 'has no sparse layers')
   t.raises(function() m:forward(moonrl.model.empty_batch()) end, 'n_tokens = 0', 'an empty batch without expert parallelism')
   local _, count, on = m:expert_range()
@@ -74,13 +74,7 @@ for _, c in ipairs({ { 2, 'vader' }, { 3, 'tcp' } }) do
 end
 
 -- A tiny qwen3_moe (5 experts: uneven blocks over 2 ranks) saved in Hugging Face format at dir.
-local function tiny_moe(dir, seed)
-  require('moonrl.train.models').save({ dir = dir }, moonrl.model.new({ model_type = 'qwen3_moe', vocab_size = 15,
-    hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
-    head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2,
-    num_experts = 5, num_experts_per_tok = 2, moe_intermediate_size = 16, norm_topk_prob = true,
-    initializer_range = 0.1 }, { seed = seed }), U.TOKENIZER, dir)
-end
+local function tiny_moe(dir, seed) tiny.save(dir, 'qwen3_moe', nil, { seed = seed }) end
 
 -- mpirun -n 2 moonrl run WORDS... (shared memory)
 local function two_ranks(words)

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
-#include "random_arrays.h"
+#include "random.h"
 #include "kernels.h"
 #include "moonrl/model.h"
 #include "moonrl/parallel.h"
@@ -208,7 +208,7 @@ static void test_model(int backend) {
 }
 
 int main(void) {
-    rng_state = 2024;
+    rng_seed(2024);
     test_attention(mrl_kernels_cpu_reference(), "reference");
     test_attention(mrl_kernels_cpu_fast(), "fast");
     mrl_parallel_set_threads(2);

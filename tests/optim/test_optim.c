@@ -9,18 +9,9 @@
 #include "moonrl/parallel.h"
 #include "moonrl/status.h"
 #include "check.h"
-#include "base/rng.h"
-
-static uint64_t rng = 88172645463325252ull;
-static float frand(void) { return (float)(mrl_unit53(mrl_xorshift64(&rng)) * 2.0 - 1.0); } /* in [-1, 1) */
+#include "random.h"
 
 enum { N = 300007 }; /* odd size: exercises the vector tails and block edges */
-
-static float *randv(int64_t n, float scale) {
-    float *x = malloc((size_t)n * sizeof *x);
-    for (int64_t i = 0; i < n; i++) x[i] = frand() * scale;
-    return x;
-}
 
 static const mrl_adamw_config cfg = {1e-3, 0.9, 0.999, 1e-8, 0.1};
 static const int64_t mask[] = {10, 100, 5000, 3, 4999, 2, 299000, 1007};
@@ -47,8 +38,8 @@ static float *run(const float *p0, float *const *g, int steps, int threads, int 
 }
 
 static void test_fast_vs_reference(void) {
-    float *p0 = randv(N, 1.0f), *g[4];
-    for (int s = 0; s < 4; s++) g[s] = randv(N, 0.1f);
+    float *p0 = urnd(N, 1.0f), *g[4];
+    for (int s = 0; s < 4; s++) g[s] = urnd(N, 0.1f);
     float *ref = run(p0, g, 4, 1, 1);
     int threads[] = {1, 2, 3, 7};
     for (int k = 0; k < 4; k++) {
@@ -82,7 +73,7 @@ static void test_semantics(void) {
 
 static void test_state_resume(void) {
     int64_t n = 1000;
-    float *p0 = randv(n, 1), *ga = randv(n, 1), *pa = malloc(n * 4), *pb = malloc(n * 4);
+    float *p0 = urnd(n, 1), *ga = urnd(n, 1), *pa = malloc(n * 4), *pb = malloc(n * 4);
     memcpy(pa, p0, n * 4);
     memcpy(pb, p0, n * 4);
     mrl_adamw *a, *b;
@@ -107,7 +98,7 @@ static void test_state_resume(void) {
 }
 
 static void test_grad_helpers(void) {
-    float *g = randv(N, 1);
+    float *g = urnd(N, 1);
     double want = 0;
     for (int i = 0; i < N; i++) want += (double)g[i] * g[i];
     want = sqrt(want);

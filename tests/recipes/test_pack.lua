@@ -7,6 +7,7 @@ local moonrl = require('moonrl')
 local batch = require('moonrl.batch')
 local models = require('moonrl.train.models')
 local train = require('moonrl.train.step')
+local tiny = dofile('tests/lib/models.lua')
 
 -- two groups of 3 samples (one prompt table each), a lone sample, and an empty response
 local pa, pb, pc = { 1, 5, 6, 7, 13 }, { 1, 9, 3 }, { 1, 4 }
@@ -55,8 +56,7 @@ t.test('pack: the layout of shared prompts', function()
 end)
 
 t.test('pack: log-probs and a policy step with shared prompts equal those of whole samples', function()
-  local cfg = { model_type = 'qwen2', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 }
+  local cfg = tiny.config('qwen2')
   local results = {}
   for _, share in ipairs({ false, true }) do
     local model = moonrl.model.new(cfg, { seed = 3 })
@@ -94,8 +94,7 @@ t.test('pack: log-probs and a policy step with shared prompts equal those of who
 end)
 
 t.test('pack: value estimates (a critic) with shared prompts equal those of whole samples', function()
-  local critic = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2 }, { seed = 5, value_head = true })
+  local critic = tiny.model('llama', nil, { seed = 5, value_head = true })
   for _, v in ipairs(critic:views()) do -- a nonzero value head
     if v.name == 'score.weight' then
       for k = 0, v.numel - 1 do critic:params()[v.offset + k] = 0.05 * math.sin(k + 1) end
@@ -114,8 +113,7 @@ end)
 
 t.test('pack: the DPO loss over pairs sharing their prompt equals that of whole samples', function()
   local algo = require('moonrl.algo')
-  local cfg = { model_type = 'llama', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-    num_hidden_layers = 1, num_attention_heads = 4, num_key_value_heads = 2 }
+  local cfg = tiny.config('llama', { num_hidden_layers = 1 })
   local p1, p2 = { 1, 7, 8, 9, 13 }, { 1, 3, 14 }
   local pairs = { { prompt_ids = p1, ids = { 4, 5, 2 }, ref = -9.5 }, { prompt_ids = p1, ids = { 6, 2 }, ref = -6.25 },
                   { prompt_ids = p2, ids = { 10, 11, 12, 2 }, ref = -11.0 }, { prompt_ids = p2, ids = { 2 }, ref = -3.0 } }
@@ -148,8 +146,7 @@ t.test('pack: the DPO loss over pairs sharing their prompt equals that of whole 
 end)
 
 t.test('pack: a bad prefix array is an error naming the sequence', function()
-  local model = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 16, intermediate_size = 32,
-    num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1 })
+  local model = tiny.model('llama')
   local b = moonrl.model.batch({ { 1, 2, 3 }, { 4, 5 } }, { prefix = { false, 2 } })
   t.raises(function() model:forward(b) end, 'prefix[1] = 1')
 end)

@@ -5,6 +5,7 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
 local U = dofile('tests/recipes/util.lua')
+local tiny = dofile('tests/lib/models.lua')
 
 local dir = U.tmpdir('rl')
 local model_dir = U.tiny_model(dir .. '/init')
@@ -59,8 +60,7 @@ t.test('rlvr: dynamic sampling keeps only groups with a signal; overlong penalty
 end)
 
 t.test('reward model: a sequence-classification checkpoint scores through the value head', function()
-  local rm = moonrl.model.new({ model_type = 'llama', vocab_size = 15, hidden_size = 32, intermediate_size = 64,
-    num_hidden_layers = 1, num_attention_heads = 4, max_position_embeddings = 64 }, { seed = 9, value_head = true })
+  local rm = tiny.model('digits', { num_key_value_heads = 4, tie_word_embeddings = false }, { seed = 9, value_head = true })
   require('moonrl.train.models').save({ dir = dir }, rm, U.TOKENIZER, dir .. '/rm')
   local cj = json.read_file(dir .. '/rm/config.json')
   t.eq(cj.architectures[1], 'LlamaForSequenceClassification')

@@ -4,9 +4,9 @@ local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local models = require('moonrl.train.models')
 local train = require('moonrl.train.step')
+local tiny = dofile('tests/lib/models.lua')
 
-local CFG = { model_type = 'qwen2', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
-  num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 }
+local CFG = tiny.config('qwen2')
 
 -- two groups sharing their prompt tables, a lone sample and an empty response; lengths differ
 local pa, pb = { 1, 5, 6, 7, 13 }, { 1, 9, 3 }

@@ -1,13 +1,12 @@
--- Test helpers for the recipe tests: a tiny random model saved in Hugging Face format with the
--- default example's tokenizer (one token per digit, 15 ids), JSONL files, and running a recipe
--- file with command-line style overrides.
-local moonrl = require('moonrl')
+-- Test helpers for the recipe tests: the tiny random model of tests/lib/models.lua saved in
+-- Hugging Face format with the default example's tokenizer (one token per digit, 15 ids), JSONL
+-- files, and running a recipe file with command-line style overrides.
 local config = require('moonrl.config')
-local models = require('moonrl.train.models')
+local tiny = dofile('tests/lib/models.lua')
 
 local M = {}
 
-M.TOKENIZER = 'examples/default'
+M.TOKENIZER = tiny.TOKENIZER
 
 function M.tmpdir(tag)
   local d = os.tmpname()
@@ -17,16 +16,12 @@ function M.tmpdir(tag)
   return d
 end
 
--- A tiny Llama (or opts.model_type) with the digit tokenizer, saved to dir; returns dir.
+-- The tiny 'digits' model (opts: model_type, hidden_size, intermediate_size, layers, seed) saved
+-- to dir; returns dir.
 function M.tiny_model(dir, opts)
   opts = opts or {}
-  local m = moonrl.model.new({ model_type = opts.model_type or 'llama', vocab_size = 15,
-    hidden_size = opts.hidden_size or 32, intermediate_size = opts.intermediate_size or 64,
-    num_hidden_layers = opts.layers or 1, num_attention_heads = 4, num_key_value_heads = 2,
-    max_position_embeddings = 64, tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2 },
-    { seed = opts.seed or 1 })
-  models.save({ dir = dir }, m, M.TOKENIZER, dir)
-  return dir
+  return tiny.save(dir, 'digits', { model_type = opts.model_type, hidden_size = opts.hidden_size,
+    intermediate_size = opts.intermediate_size, num_hidden_layers = opts.layers }, { seed = opts.seed or 1 })
 end
 
 -- The path of a program on PATH (nil when absent).

@@ -5,7 +5,7 @@
 # usage: test_report.sh PATH/TO/moonrl
 set -u
 MOONRL=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
-. "$(dirname "$0")/../util.sh" # $tmp, ok, bad, check NAME COMMAND..., expect, summary
+. "$(dirname "$0")/../lib/util.sh" # $tmp, ok, bad, check NAME COMMAND..., expect, summary
 EXPECT_ONE_LINE=1 # expect: the output is one line, without a traceback
 has() { grep -qF -- "$2" "$1"; }
 count() { grep -oF -- "$2" "$1" | wc -l; }

@@ -9,7 +9,7 @@ MOONRL=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 INK=$2
 CHROMIUM=$(command -v chromium || command -v chromium-browser || true)
 if [ -z "$CHROMIUM" ]; then echo "skip: no chromium (apt-get install chromium)"; exit 77; fi
-. "$(dirname "$0")/../util.sh" # $tmp, ok, bad, check NAME COMMAND..., summary
+. "$(dirname "$0")/../lib/util.sh" # $tmp, ok, bad, check NAME COMMAND..., summary
 
 . "$(dirname "$0")/make_runs.sh"
 make_runs "$tmp"

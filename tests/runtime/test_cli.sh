@@ -4,8 +4,8 @@
 set -u
 MOONRL=$1
 # expect NAME WANT_STATUS WANT_TEXT -- command...: its exit status, and its stderr+stdout contain
-# WANT_TEXT ($tmp, ok, bad, expect and summary: tests/util.sh)
-. "$(dirname "$0")/../util.sh"
+# WANT_TEXT ($tmp, ok, bad, expect and summary: tests/lib/util.sh)
+. "$(dirname "$0")/../lib/util.sh"
 
 cat > "$tmp/recipe.lua" <<'LUA'
 local moonrl = require('moonrl')

@@ -4,21 +4,21 @@
 # usage: test_install.sh BUILD_DIR
 set -u
 build=$1
-dest=$(mktemp -d)
-trap 'rm -rf "$dest"' EXIT
-if ! meson install -C "$build" --destdir "$dest" --quiet >"$dest/log" 2>&1; then
-  cat "$dest/log"; echo "0 passed, 1 failed"; exit 1
+. "$(dirname "$0")/../lib/util.sh" # $tmp, ok, bad, summary
+if ! meson install -C "$build" --destdir "$tmp" --quiet >"$tmp/log" 2>&1; then
+  bad "meson install" "$(cat "$tmp/log")"; summary; exit
 fi
-exe=$(find "$dest" -path '*/bin/moonrl' -type f | head -1)
-lib=$(dirname "$(find "$dest" -name 'libmoonrl.so*' | head -1)")
+exe=$(find "$tmp" -path '*/bin/moonrl' -type f | head -1)
+lib=$(dirname "$(find "$tmp" -name 'libmoonrl.so*' | head -1)")
 out=$(cd / && env -u MOONRL_HOME LD_LIBRARY_PATH="$lib" "$exe" version 2>&1)
 case "$out" in
-  *"home: $(dirname "$exe")/../share/moonrl"*) ;;
-  *) echo "installed moonrl does not use its installed Lua library:"; echo "$out"; echo "0 passed, 1 failed"; exit 1 ;;
+  *"home: $(dirname "$exe")/../share/moonrl"*) ok "the installed moonrl uses its installed Lua library" ;;
+  *) bad "installed moonrl does not use its installed Lua library:" "$out"; summary; exit ;;
 esac
 out=$(cd / && env -u MOONRL_HOME LD_LIBRARY_PATH="$lib" "$exe" sft.steps=20 grpo.steps=1 grpo.prompts=4 heldout=20 \
-  quiet=true run.dir="$dest/run" 2>&1)
+  quiet=true run.dir="$tmp/run" 2>&1)
 case "$out" in
-  *"held-out accuracy (greedy, 20 problems)"*) echo "1 passed, 0 failed" ;;
-  *) echo "installed moonrl cannot run the default example:"; echo "$out"; echo "0 passed, 1 failed"; exit 1 ;;
+  *"held-out accuracy (greedy, 20 problems)"*) ok "the installed moonrl runs the default example" ;;
+  *) bad "installed moonrl cannot run the default example:" "$out" ;;
 esac
+summary

@@ -1,11 +1,13 @@
 /* The libuv event loop: subprocesses with timeouts, background jobs,
- * deadlines and stop requests. */
+ * deadlines and stop requests; the supervised child with its heartbeats
+ * (moonrl/supervise.h). */
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include "runtime/loop_internal.h"
 #include "moonrl/runtime.h"
+#include "moonrl/supervise.h"
 #include "check.h"
 #include "base/error.h"
 
@@ -159,6 +161,39 @@ static void test_signals_installed_on_return(void) {
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 }
 
+static void test_child(void) {
+    /* beats arrive, the exit status comes back */
+    const char *argv[] = {"/bin/sh", "-c", "echo one >&3; echo two >&3; exit 7", NULL};
+    mrl_child *c;
+    CHECK_OK(mrl_child_spawn(argv, NULL, &c));
+    double t0 = mrl_time_now();
+    while (!mrl_child_poll(c, 0.1) && mrl_time_now() - t0 < 10) {}
+    CHECK(mrl_child_status(c) == 7);
+    CHECK(mrl_child_beats(c) == 2);
+    CHECK(strcmp(mrl_child_recent(c, 8), "one\ntwo\n") == 0);
+    CHECK(strcmp(mrl_child_recent(c, 1), "two\n") == 0);
+    mrl_child_free(c);
+
+    /* a silent child: idle time grows; a signal to its group ends it; env_extra is passed */
+    const char *argv2[] = {"/bin/sh", "-c", "[ \"$MOONRL_X\" = 42 ] || exit 3; sleep 30", NULL};
+    const char *env[] = {"MOONRL_X=42", NULL};
+    CHECK_OK(mrl_child_spawn(argv2, env, &c));
+    CHECK(mrl_child_poll(c, 0.3) == 0);
+    CHECK(mrl_child_idle_seconds(c) >= 0.25);
+    CHECK(mrl_child_beats(c) == 0);
+    CHECK_OK(mrl_child_signal(c, SIGTERM));
+    t0 = mrl_time_now();
+    while (!mrl_child_poll(c, 0.1) && mrl_time_now() - t0 < 10) {}
+    CHECK(mrl_child_status(c) == -SIGTERM);
+    mrl_child_free(c);
+
+    const char *bad[] = {"/nonexistent/moonrl-child", NULL};
+    CHECK(mrl_child_spawn(bad, NULL, &c) != MRL_OK);
+    CHECK_STR_CONTAINS(mrl_last_error(), "/nonexistent/moonrl-child");
+    /* no supervisor listening: a beat is a no-op */
+    mrl_heartbeat("nobody hears this");
+}
+
 int main(void) {
     test_signals_installed_on_return(); /* first: its children start their own event loop */
     CHECK_OK(mrl_init());
@@ -168,6 +203,7 @@ int main(void) {
     test_output_cap();
     test_jobs();
     test_stop_and_deadline();
+    test_child();
     mrl_shutdown();
     CHECK_DONE();
 }

@@ -7,18 +7,11 @@
 set -u
 MOONRL=$1
 SRC=$2
-tmp=$(mktemp -d)
+. "$(dirname "$0")/../lib/util.sh" # $tmp, ok, bad, has_text, lacks_text, status_is, summary
 bg=
 trap '[ -n "$bg" ] && kill -9 $bg 2>/dev/null; rm -rf "$tmp"' EXIT
 cd "$tmp" || exit 1
 unset MOONRL_PROGRESS MOONRL_PROGRESS_SECONDS
-passed=0
-failed=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-fail() { failed=$((failed + 1)); echo "FAIL $1"; shift; for x in "$@"; do echo "$x" | head -30; done; }
-has() { [[ "$2" == *"$3"* ]] && ok "$1" || fail "$1: no [$3] in:" "$2"; }
-hasnt() { [[ "$2" != *"$3"* ]] && ok "$1" || fail "$1: unexpected [$3] in:" "$2"; }
-status_is() { [ "$2" -eq "$3" ] && ok "$1" || fail "$1: exit status $2, want $3"; }
 
 SHORT=(sft.steps=20 grpo.steps=2 grpo.prompts=2 heldout=10 quiet=true)
 
@@ -26,32 +19,32 @@ SHORT=(sft.steps=20 grpo.steps=2 grpo.prompts=2 heldout=10 quiet=true)
 "$MOONRL" "${SHORT[@]}" run.dir="$tmp/plain" run.progress_seconds=0 > "$tmp/plain.out" 2> "$tmp/plain.err"
 status_is "plain: the run ends well" $? 0
 err=$(cat "$tmp/plain.err")
-has "plain: warm-up lines" "$err" "sft 10/20 (50%) | "
-has "plain: rate and ETA" "$err" " step/s | elapsed 0:0"
-has "plain: the warm-up's last line" "$err" "sft 20/20 (100%)"
-has "plain: training lines" "$err" "grpo 2/2 (100%)"
-hasnt "plain: no \\r in a log" "$err" $'\r'
-hasnt "plain: stdout keeps only the results" "$(cat "$tmp/plain.out")" "sft 10/20"
+has_text "plain: warm-up lines" "$err" "sft 10/20 (50%) | "
+has_text "plain: rate and ETA" "$err" " step/s | elapsed 0:0"
+has_text "plain: the warm-up's last line" "$err" "sft 20/20 (100%)"
+has_text "plain: training lines" "$err" "grpo 2/2 (100%)"
+lacks_text "plain: no \\r in a log" "$err" $'\r'
+lacks_text "plain: stdout keeps only the results" "$(cat "$tmp/plain.out")" "sft 10/20"
 # the default interval (10 s) prints nothing for a run this short
 "$MOONRL" "${SHORT[@]}" run.dir="$tmp/quietdefault" > /dev/null 2> "$tmp/qd.err"
-hasnt "plain: nothing before the interval" "$(cat "$tmp/qd.err")" "sft "
+lacks_text "plain: nothing before the interval" "$(cat "$tmp/qd.err")" "sft "
 # switched off
 "$MOONRL" "${SHORT[@]}" run.dir="$tmp/off" run.progress=off run.progress_seconds=0 > /dev/null 2> "$tmp/off.err"
-hasnt "run.progress=off" "$(cat "$tmp/off.err")" "sft "
+lacks_text "run.progress=off" "$(cat "$tmp/off.err")" "sft "
 MOONRL_PROGRESS=off MOONRL_PROGRESS_SECONDS=0 "$MOONRL" "${SHORT[@]}" run.dir="$tmp/envoff" > /dev/null 2> "$tmp/envoff.err"
-hasnt "MOONRL_PROGRESS=off" "$(cat "$tmp/envoff.err")" "sft "
+lacks_text "MOONRL_PROGRESS=off" "$(cat "$tmp/envoff.err")" "sft "
 out=$("$MOONRL" "${SHORT[@]}" run.dir="$tmp/bad" run.progress=fancy 2>&1)
 status_is "a bad run.progress: usage error" $? 2
-has "a bad run.progress: the message" "$out" "config key 'run.progress' must be one of auto, live, plain, off; got 'fancy'"
+has_text "a bad run.progress: the message" "$out" "config key 'run.progress' must be one of auto, live, plain, off; got 'fancy'"
 
 # ---- a terminal: the live line, rewritten with \r
 if command -v script > /dev/null && script -qec true /dev/null > /dev/null 2>&1; then
   live=$(TERM=xterm script -qec "'$MOONRL' ${SHORT[*]} quiet=false run.dir='$tmp/live'" /dev/null 2>&1)
-  has "live: the bar" "$live" "sft ["
-  has "live: rewritten in place" "$live" $'\r\e[Ksft ['
-  has "live: the per-step lines stay" "$live" "step 2/2 | loss"
+  has_text "live: the bar" "$live" "sft ["
+  has_text "live: rewritten in place" "$live" $'\r\e[Ksft ['
+  has_text "live: the per-step lines stay" "$live" "step 2/2 | loss"
   live=$(TERM=xterm script -qec "'$MOONRL' ${SHORT[*]} run.progress=off run.dir='$tmp/liveoff'" /dev/null 2>&1)
-  hasnt "live: off" "$live" "sft ["
+  lacks_text "live: off" "$live" "sft ["
 else
   echo "skip live: no script(1) that runs here"
 fi
@@ -60,19 +53,19 @@ fi
 OUT="$tmp/model" TOK="$SRC/tests/tok/fixtures/qwen2_split" PROMPT='Hello world' "$MOONRL" run "$SRC/tests/engine/make_tiny_model.lua" > /dev/null
 MOONRL_PROGRESS_SECONDS=0 "$MOONRL" generate --model "$tmp/model" --prompt Hi -n 12 --max-tokens 8 > "$tmp/gen.out" 2> "$tmp/gen.err"
 status_is "generate -n: ends well" $? 0
-has "generate -n: samples counted" "$(cat "$tmp/gen.err")" "generate 12/12 (100%)"
-[ "$(grep -c -- '--- sample' "$tmp/gen.out")" -eq 11 ] && ok "generate -n: the samples on stdout" || fail "generate -n: samples" "$(cat "$tmp/gen.out")"
+has_text "generate -n: samples counted" "$(cat "$tmp/gen.err")" "generate 12/12 (100%)"
+[ "$(grep -c -- '--- sample' "$tmp/gen.out")" -eq 11 ] && ok "generate -n: the samples on stdout" || bad "generate -n: samples" "$(cat "$tmp/gen.out")"
 
 # ---- moonrl status on a finished run
 out=$("$MOONRL" status "$tmp/plain")
 status_is "status: finished run" $? 0
-has "status: finished" "$out" "recipe default, finished"
-has "status: the loop" "$out" "grpo: step 2/2 (100%)"
-has "status: the last metrics" "$out" "last metrics (step 2, written"
-has "status: the checkpoint" "$out" "checkpoint: step-000022"
-has "status: the events" "$out" "finish 1"
+has_text "status: finished" "$out" "recipe default, finished"
+has_text "status: the loop" "$out" "grpo: step 2/2 (100%)"
+has_text "status: the last metrics" "$out" "last metrics (step 2, written"
+has_text "status: the checkpoint" "$out" "checkpoint: step-000022"
+has_text "status: the events" "$out" "finish 1"
 out=$("$MOONRL" status "$tmp/plain" --json)
-has "status --json" "$out" '"state": "finished"'
+has_text "status --json" "$out" '"state": "finished"'
 
 # ---- on a running run: poll until it shows a step; then stop it (SIGTERM) and kill another
 wait_step() { # DIR -> the status text once it shows a running step past the first (at most ~30 s):
@@ -90,15 +83,15 @@ wait_step() { # DIR -> the status text once it shows a running step past the fir
 bg=$!
 out=$(wait_step "$tmp/live1")
 status_is "status: a running run shows a step" $? 0
-has "status: running: rate and ETA" "$out" "step/s, ETA "
-has "status: running: the phase and for how long" "$out" "phase: sft for 0:0"
-has "status: running: the heartbeat" "$out" "heartbeat "
+has_text "status: running: rate and ETA" "$out" "step/s, ETA "
+has_text "status: running: the phase and for how long" "$out" "phase: sft for 0:0"
+has_text "status: running: the heartbeat" "$out" "heartbeat "
 kill -TERM $bg
 wait $bg
 status_is "status: the run stopped on SIGTERM" $? 143
 bg=
 out=$("$MOONRL" status "$tmp/live1")
-has "status: stopped" "$out" "recipe default, stopped"
+has_text "status: stopped" "$out" "recipe default, stopped"
 "$MOONRL" sft.steps=100000 heldout=10 quiet=true run.dir="$tmp/live2" run.progress=off > /dev/null 2>&1 &
 bg=$!
 wait_step "$tmp/live2" > /dev/null
@@ -106,24 +99,23 @@ kill -9 $bg
 wait $bg 2> /dev/null
 bg=
 out=$("$MOONRL" status "$tmp/live2")
-has "status: a killed run is not running" "$out" "NOT RUNNING: process"
+has_text "status: a killed run is not running" "$out" "NOT RUNNING: process"
 
 # ---- errors: one line, exit 2
 out=$("$MOONRL" status "$tmp/nope" 2>&1)
 status_is "status: a missing directory" $? 2
-has "status: a missing directory: the message" "$out" "moonrl: error: status: no such run directory: $tmp/nope"
-[ "$(echo "$out" | wc -l)" -eq 1 ] && ok "status: one line" || fail "status: one line" "$out"
+has_text "status: a missing directory: the message" "$out" "moonrl: error: status: no such run directory: $tmp/nope"
+[ "$(echo "$out" | wc -l)" -eq 1 ] && ok "status: one line" || bad "status: one line" "$out"
 mkdir -p "$tmp/other" && echo x > "$tmp/other/file"
 out=$("$MOONRL" status "$tmp/other" 2>&1)
 status_is "status: not a run directory" $? 2
-has "status: not a run directory: the message" "$out" "is not a moonrl run directory"
+has_text "status: not a run directory: the message" "$out" "is not a moonrl run directory"
 out=$("$MOONRL" status "$tmp/other/file" 2>&1)
 status_is "status: a file" $? 2
 out=$("$MOONRL" status 2>&1)
 status_is "status: no argument" $? 2
-has "status: usage" "$out" "usage: moonrl status RUN_DIR"
+has_text "status: usage" "$out" "usage: moonrl status RUN_DIR"
 out=$("$MOONRL" status "$tmp/plain" --bogus 2>&1)
 status_is "status: an unknown option" $? 2
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

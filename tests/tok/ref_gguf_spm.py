@@ -40,17 +40,13 @@ except ImportError as e:  # meson reads 77 as "skipped"
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
 from ref_tokenizers import CTok, setup, PARSE_SPECIAL, ADD_SPECIAL  # noqa: E402
 
 LIB, MOONRL = (sys.argv[1:3] if len(sys.argv) >= 3 else ["build/libmoonrl.so", "build/moonrl"])
-fails = []
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails.append(what)
 
 
 WORDS = ["the", "cat", "sat", "on", "mat", "hello", "world", "token", "ization", "naïve", "café", "東京", "日本語",
@@ -256,8 +252,7 @@ def main():
         check(r.returncode == 0 and os.path.isdir(os.path.join(tmp, "cache", "gguf")),
               "moonrl generate --chat --model FILE.gguf: %s" % (r.stderr.strip()[-300:] or r.stdout.strip()[-100:]))
         bad_input(tmp, *first)
-    print("FAILED: %d" % len(fails) if fails else "all SentencePiece GGUF checks passed")
-    sys.exit(1 if fails else 0)
+    checks.done()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ except ImportError:  # meson reads 77 as "skipped"
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import capi  # noqa: E402
 import corpus  # noqa: E402
 
 ADD_SPECIAL, PARSE_SPECIAL, SKIP_SPECIAL = 1, 2, 4
@@ -64,23 +66,8 @@ class CTok:
 
 
 def setup(lib):
-    vp, i32, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
-    lib.mrl_last_error.restype = ctypes.c_char_p
-    lib.mrl_tok_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(vp)]
-    lib.mrl_tok_free.argtypes = [vp]
-    lib.mrl_tok_encode.argtypes = [vp, ctypes.c_char_p, sz, ctypes.c_int, ctypes.POINTER(i32), sz, ctypes.POINTER(sz)]
-    lib.mrl_tok_encode_batch.argtypes = [vp, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(sz), sz, ctypes.c_int,
-                                         ctypes.POINTER(i32), sz, ctypes.POINTER(sz)]
-    lib.mrl_tok_decode.argtypes = [vp, ctypes.POINTER(i32), sz, ctypes.c_int, ctypes.c_char_p, sz, ctypes.POINTER(sz)]
-    lib.mrl_tok_vocab_size.argtypes = [vp]
-    lib.mrl_tok_token_to_id.argtypes = [vp, ctypes.c_char_p, sz]
-    lib.mrl_tok_id_to_token.argtypes = [vp, i32, ctypes.POINTER(sz)]
-    lib.mrl_tok_id_to_token.restype = ctypes.c_void_p
-    lib.mrl_tok_bos_id.argtypes = [vp]
-    lib.mrl_tok_eos_id.argtypes = [vp]
-    lib.mrl_tok_stream_new.argtypes = [vp, ctypes.c_int, ctypes.POINTER(vp)]
-    lib.mrl_tok_stream_step.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(sz)]
-    lib.mrl_tok_stream_free.argtypes = [vp]
+    """Declares the C API on lib (a ctypes.CDLL of libmoonrl): tests/lib/capi.py."""
+    capi.declare(lib)
 
 
 def hf_stream(tok, ids, skip, strict=True):
@@ -104,8 +91,7 @@ def hf_stream(tok, ids, skip, strict=True):
 
 
 def main():
-    lib = ctypes.CDLL(sys.argv[1])
-    setup(lib)
+    lib = capi.load(sys.argv[1])
     root = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
     failures = checks = 0
 

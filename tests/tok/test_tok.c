@@ -8,7 +8,7 @@
 #include "build_info.h"
 #include "check.h"
 #include "moonrl/tok.h"
-#include "base/rng.h"
+#include "random.h"
 
 #define FIX MRL_SOURCE_DIR "/tests/tok/fixtures/"
 enum { BOTH = MRL_TOK_ADD_SPECIAL | MRL_TOK_PARSE_SPECIAL };
@@ -171,8 +171,6 @@ static int valid_utf8(const unsigned char *s, size_t n) {
     return 1;
 }
 
-static uint64_t next_rand(uint64_t *rng) { return mrl_lcg64(rng) >> 11; }
-
 /* Random bytes in, random ids out, on several fixtures: no error, no crash
  * (this runs under AddressSanitizer too), and decoded text is valid UTF-8. */
 static void test_random(void) {
@@ -180,7 +178,6 @@ static void test_random(void) {
                                    "metaspace_digits", "var_splits", "var_prefix_space" };
     static const char *bits[] = { "<|endoftext|>", "<|eot_id|>", "<s>", "\xe2\x96\x81", " ", "\n", "\xf0\x9f\x98\x80",
                                   "\xff", "\xc3", "123", "ab", "\xd0\xbc\xd0\xb8", "<tool>", "[[L]]", "{R}", "\t" };
-    uint64_t rng = 12345;
     for (size_t f = 0; f < sizeof names / sizeof *names; f++) {
         char path[512];
         snprintf(path, sizeof path, FIX "%s", names[f]);
@@ -194,9 +191,9 @@ static void test_random(void) {
         int32_t vs = mrl_tok_vocab_size(t);
         for (int round = 0; round < 60; round++) {
             size_t len = 0;
-            int parts = (int)(next_rand(&rng) % 40);
+            int parts = (int)(rand_u64() % 40);
             for (int p = 0; p < parts; p++) {
-                uint64_t r = next_rand(&rng);
+                uint64_t r = rand_u64();
                 const char *b = bits[r % (sizeof bits / sizeof *bits)];
                 size_t bl = strlen(b);
                 if ((r >> 8) % 4 == 0) text[len++] = (char)(r >> 16); /* a random byte */
@@ -206,7 +203,7 @@ static void test_random(void) {
             CHECK_OK(mrl_tok_encode(t, text, len, round % 4, ids, 2048, &n));
             CHECK_OK(mrl_tok_decode(t, ids, n, round % 2 ? MRL_TOK_SKIP_SPECIAL : 0, out, sizeof out, &out_len));
             CHECK(valid_utf8((const unsigned char *)out, out_len));
-            for (size_t i = 0; i < 40; i++) ids[i] = (int32_t)(next_rand(&rng) % (uint64_t)(vs + 10)) - 5; /* some out of range */
+            for (size_t i = 0; i < 40; i++) ids[i] = (int32_t)(rand_u64() % (uint64_t)(vs + 10)) - 5; /* some out of range */
             CHECK_OK(mrl_tok_decode(t, ids, 40, 0, out, sizeof out, &out_len));
             CHECK(valid_utf8((const unsigned char *)out, out_len));
             for (size_t i = 0; i < 40; i++) {

@@ -4,17 +4,14 @@
 set -u
 MOONRL=$1
 FIX=$2
-failed=0
-check() { # NAME GOT WANT
-  if [ "$2" == "$3" ]; then echo "ok   $1"; else echo "FAIL $1: got [$2] want [$3]"; failed=$((failed + 1)); fi
-}
+. "$(dirname "$0")/../lib/util.sh" # $tmp, same, summary
 ids=$(printf 'Hello <|eot_id|> world' | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split")
-check ids "$(echo "$ids" | wc -w)" "$(printf 'Hello <|eot_id|> world' | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split" --tokens | wc -l)"
-check decode "$(echo "$ids" | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split" --decode)" 'Hello <|eot_id|> world'
-check add-special "$(printf 'x' | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split" --add-special --tokens | head -1)" $'0\t<|begin_of_text|>'
-check lines "$(printf 'a b\nc\n' | "$MOONRL" tokenize --tokenizer "$FIX/gpt2_bytelevel" --lines | wc -l)" 2
+same ids "$(echo "$ids" | wc -w)" "$(printf 'Hello <|eot_id|> world' | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split" --tokens | wc -l)"
+same decode "$(echo "$ids" | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split" --decode)" 'Hello <|eot_id|> world'
+same add-special "$(printf 'x' | "$MOONRL" tokenize --tokenizer "$FIX/llama3_split" --add-special --tokens | head -1)" $'0\t<|begin_of_text|>'
+same lines "$(printf 'a b\nc\n' | "$MOONRL" tokenize --tokenizer "$FIX/gpt2_bytelevel" --lines | wc -l)" 2
 "$MOONRL" tokenize > /dev/null 2>&1
-check missing-option $? 2
+same missing-option $? 2
 out=$("$MOONRL" tokenize --tokenizer "$FIX/no-such" 2>&1 < /dev/null)
-check bad-path "$? $(echo "$out" | grep -c 'no-such')" "2 1"
-[ "$failed" -eq 0 ]
+same bad-path "$? $(echo "$out" | grep -c 'no-such')" "2 1"
+summary

@@ -1,55 +1,68 @@
-/* Small models and one packed batch for the model tests that compare two
- * ways of computing the same thing (bf16 against fp32: test_bf16.c; a GPU
- * against the CPU: tests/gpu/test_cuda_model.c), and the comparisons they
- * make. One seeded generator (rng, urand) per test file. */
+/* The C tests' tiny models: two presets of the config (small_config: the model tests that
+ * compare two ways of computing the same thing, bf16 against fp32 in test_bf16.c and a GPU
+ * against the CPU in tests/gpu; tiny_config: the engine tests), the 1-D parameters moved
+ * away from 1 and 0 so that they matter, one packed batch with upstream gradients, and the
+ * comparison of two parameter buffers view by view. Draws come from the file's stream
+ * (random.h). */
 #pragma once
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
+#include "random.h"
 #include "moonrl/model.h"
-#include "base/rng.h"
 
-static uint64_t rng = MRL_GOLDEN64;
-static inline double urand(void) { return mrl_unit53(mrl_xorshift64(&rng)); }
+/* The engine tests' models: 2 layers of 64, 4 query and 2 K/V heads of 16, MLP 96, logits of a
+ * few units (peaked distributions, few near-ties for greedy; log-probs that vary). */
+static inline void tiny_config(mrl_model_config *c, int arch, int vocab) {
+    mrl_model_config_default(c);
+    c->arch = arch;
+    c->vocab_size = vocab;
+    c->hidden_size = 64;
+    c->intermediate_size = 96;
+    c->num_hidden_layers = 2;
+    c->num_attention_heads = 4;
+    c->num_key_value_heads = 2;
+    c->head_dim = 16;
+    c->max_position_embeddings = 256;
+    c->initializer_range = 0.15;
+}
 
-/* 2 layers of 64 wide, 4 query and 2 K/V heads, a vocabulary of 211: the
- * Llama and Qwen3 ones tied, Qwen2's with biases and its own lm_head. */
+/* The same with MLP 160 and a vocabulary of 211: the Llama and Qwen3 ones tied, Qwen2's with
+ * biases and its own lm_head. */
 static inline mrl_model_config small_config(int arch) {
     mrl_model_config c;
-    mrl_model_config_default(&c);
-    c.arch = arch;
-    c.vocab_size = 211;
-    c.hidden_size = 64;
+    tiny_config(&c, arch, 211);
     c.intermediate_size = 160;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 16;
     c.max_position_embeddings = 128;
     c.tie_word_embeddings = arch != MRL_ARCH_QWEN2; /* both head layouts */
-    c.initializer_range = 0.15;                   /* logits of a few units: log-probs that vary */
     if (arch == MRL_ARCH_QWEN2) c.attention_bias = 1;
     return c;
 }
 
-/* The model of c from seed, its norm weights and biases moved away from 1
- * and 0 so that they matter. */
-static inline mrl_model *small_model(const mrl_model_config *c, uint64_t seed) {
-    mrl_model *m = NULL;
-    CHECK_OK(mrl_model_create(c, seed, &m));
-    if (!m) exit(1);
+/* The 1-D parameters (norm weights, biases) of m to 1 (0 for a bias) plus a uniform of width
+ * `width`, drawn from rng. */
+static inline void perturb_vectors(mrl_model *m, double width) {
     float *p = mrl_model_params(m);
-    uint64_t keep = rng;
-    rng = seed * 2654435761u + 1;
     for (int i = 0; i < mrl_model_num_views(m); i++) {
         mrl_param_view v;
         mrl_model_view(m, i, &v);
         if (v.ndim != 1) continue;
-        float base = strstr(v.name, "bias") ? 0.0f : 1.0f;
-        for (int64_t j = 0; j < v.numel; j++) p[v.offset + j] = base + (float)(0.4 * (urand() - 0.5));
+        double base = strstr(v.name, "bias") ? 0.0 : 1.0;
+        for (int64_t j = 0; j < v.numel; j++) p[v.offset + j] = (float)(base + width * (urand() - 0.5));
     }
+}
+
+/* The model of c from seed, its 1-D parameters perturbed by 0.4 from a stream of seed's (rng
+ * is left as it was). */
+static inline mrl_model *small_model(const mrl_model_config *c, uint64_t seed) {
+    mrl_model *m = NULL;
+    CHECK_OK(mrl_model_create(c, seed, &m));
+    if (!m) exit(1);
+    uint64_t keep = rng;
+    rng = seed * 2654435761u + 1;
+    perturb_vectors(m, 0.4);
     rng = keep;
     return m;
 }
@@ -80,16 +93,6 @@ static inline void make_batch(batch *x, int V) {
     for (int s = 0; s < 3; s++) x->targets[x->cu[s + 1] - 1] = -1;
     x->prefix[0] = -1, x->prefix[1] = -1, x->prefix[2] = 0;
     x->b = (mrl_batch){x->tokens, x->targets, x->cu, n, 3, x->prefix};
-}
-
-/* max |a - b| (infinite where either is not finite and they differ) */
-static inline double max_abs_diff(const float *a, const float *b, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double e = isfinite(a[i]) && isfinite(b[i]) ? fabs((double)a[i] - b[i]) : a[i] == b[i] ? 0 : INFINITY;
-        if (!(e <= d)) d = e;
-    }
-    return d;
 }
 
 /* The largest, over the views, of ||a - b|| / ||b|| (which: its name; may be NULL). */

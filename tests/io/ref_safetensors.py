@@ -16,17 +16,12 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
+
+checks.QUIET = True
 MOONRL = os.environ.get("MOONRL_EXE", "build/moonrl")
-fails = 0
-checks = 0
-
-
-def check(cond, what):
-    global fails, checks
-    checks += 1
-    if not cond:
-        fails += 1
-        print("FAIL", what)
 
 
 def same_bits(a, b):
@@ -55,7 +50,7 @@ def tensors(dtype):
 
 def run_c(src, out):
     env = dict(os.environ, ST_SRC=src, ST_OUT=out)
-    r = subprocess.run([MOONRL, "run", "tests/optim/st_roundtrip.lua"], capture_output=True, text=True, env=env)
+    r = subprocess.run([MOONRL, "run", "tests/io/st_roundtrip.lua"], capture_output=True, text=True, env=env)
     check(r.returncode == 0, "moonrl st_roundtrip on %s: %s%s" % (src, r.stdout, r.stderr))
     return r.returncode == 0
 
@@ -143,9 +138,8 @@ def main():
         os.mkdir(out)
         if run_c(sd, out):
             compare_outputs(ref, out, "python sharded dir")
-    print("ref_safetensors: %d checks, %d failures" % (checks, fails))
-    return 1 if fails else 0
+    checks.done()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -23,16 +23,12 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
+
+checks.QUIET = True
 MOONRL = os.environ.get("MOONRL_EXE", "build/moonrl")
-fails = checks = 0
-
-
-def check(cond, what):
-    global fails, checks
-    checks += 1
-    if not cond:
-        fails += 1
-        print("FAIL", what)
 
 
 rng = np.random.default_rng(7)
@@ -202,8 +198,7 @@ end
             text = r.stdout + r.stderr
             check(r.returncode == 0 and "ERROR" in r.stdout and bad in r.stdout,
                   "%s: a clear error naming the file, got rc %d: %s" % (name, r.returncode, text.strip()[-300:]))
-    print("%d checks, %d failed" % (checks, fails))
-    sys.exit(1 if fails else 0)
+    checks.done()
 
 
 if __name__ == "__main__":

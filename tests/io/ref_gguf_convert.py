@@ -27,14 +27,11 @@ import gguf
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, AddedToken, decoders, models, pre_tokenizers, Regex
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import checks  # noqa: E402
+from checks import check  # noqa: E402
+
 MOONRL = sys.argv[1] if len(sys.argv) > 1 else "build/moonrl"
-fails = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails.append(what)
 
 
 def byte_alphabet():
@@ -234,8 +231,7 @@ def main():
         r = subprocess.run([MOONRL, "convert", os.path.join(tmp, "gpt2.gguf"), os.path.join(tmp, "o")],
                            capture_output=True, text=True)
         check(r.returncode == 2 and "architecture 'gpt2' is not supported" in r.stderr, "unknown architecture: " + r.stderr.strip())
-    print("FAILED: %d" % len(fails) if fails else "all conversion checks passed")
-    sys.exit(1 if fails else 0)
+    checks.done()
 
 
 if __name__ == "__main__":  # ref_gguf_moe.py imports its helpers
