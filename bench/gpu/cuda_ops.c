@@ -7,8 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-#include "check.h"
-#include "model/random_arrays.h"
+#include "lib/check.h"
+#include "lib/random.h"
 #include "kernels.h"
 #include "cuda_backend.h"
 #include "moonrl/device.h"
