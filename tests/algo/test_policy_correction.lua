@@ -9,16 +9,11 @@ local train = require('moonrl.train.step')
 local tiny = dofile('tests/lib/models.lua')
 
 local cfg = tiny.config('qwen2')
-local pa, pb = { 1, 5, 6, 7, 13 }, { 1, 9, 3 }
+-- the shared sample set's two groups (tests/lib/samples.lua), without its lone sample
 local function samples()
-  return {
-    { prompt_ids = pa, ids = { 3, 4, 2 }, adv = 0.7 },
-    { prompt_ids = pa, ids = { 8 }, adv = -1.2 },
-    { prompt_ids = pa, ids = { 9, 9, 9, 9, 2 }, adv = 0.5 },
-    { prompt_ids = pb, ids = { 10, 11 }, adv = 1.0 },
-    { prompt_ids = pb, ids = {}, adv = 0.0 },
-    { prompt_ids = pb, ids = { 12, 2 }, adv = -0.3 },
-  }
+  local s = dofile('tests/lib/samples.lua').groups()
+  s[7] = nil
+  return s
 end
 local NTOK = 3 + 1 + 5 + 2 + 0 + 2
 

@@ -9,19 +9,9 @@ local models = require('moonrl.train.models')
 local train = require('moonrl.train.step')
 local tiny = dofile('tests/lib/models.lua')
 
--- two groups of 3 samples (one prompt table each), a lone sample, and an empty response
-local pa, pb, pc = { 1, 5, 6, 7, 13 }, { 1, 9, 3 }, { 1, 4 }
-local function samples()
-  return {
-    { prompt_ids = pa, ids = { 3, 4, 2 }, adv = 0.7 },
-    { prompt_ids = pa, ids = { 8 }, adv = -1.2 },
-    { prompt_ids = pa, ids = { 9, 9, 9, 9, 2 }, adv = 0.5 },
-    { prompt_ids = pb, ids = { 10, 11 }, adv = 1.0 },
-    { prompt_ids = pb, ids = {}, adv = 0.0 },
-    { prompt_ids = pb, ids = { 12, 2 }, adv = -0.3 },
-    { prompt_ids = pc, ids = { 5, 6, 2 }, adv = 0.9 },
-  }
-end
+-- two groups of 3 samples (prompts pa = { 1, 5, 6, 7, 13 } and pb = { 1, 9, 3 }, one table each),
+-- an empty response among them, and a lone sample (pc = { 1, 4 })
+local samples = dofile('tests/lib/samples.lua').groups
 
 t.test('pack: the layout of shared prompts', function()
   local s = samples()

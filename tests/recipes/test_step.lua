@@ -8,18 +8,12 @@ local tiny = dofile('tests/lib/models.lua')
 
 local CFG = tiny.config('qwen2')
 
--- two groups sharing their prompt tables, a lone sample and an empty response; lengths differ
-local pa, pb = { 1, 5, 6, 7, 13 }, { 1, 9, 3 }
+-- two groups sharing their prompt tables, a lone sample and an empty response; lengths differ,
+-- sample 6's response made the longest (its tail is the loss mask's)
 local function samples()
-  return {
-    { prompt_ids = pa, ids = { 3, 4, 2 }, adv = 0.7 },
-    { prompt_ids = pa, ids = { 8 }, adv = -1.2 },
-    { prompt_ids = pa, ids = { 9, 9, 9, 9, 2 }, adv = 0.5 },
-    { prompt_ids = pb, ids = { 10, 11 }, adv = 1.0 },
-    { prompt_ids = pb, ids = {}, adv = 0.0 },
-    { prompt_ids = pb, ids = { 12, 2, 7, 7, 7, 7 }, adv = -0.3 },
-    { prompt_ids = { 1, 4 }, ids = { 5, 6, 2 }, adv = 0.9 },
-  }
+  local s = dofile('tests/lib/samples.lua').groups()
+  s[6].ids = { 12, 2, 7, 7, 7, 7 }
+  return s
 end
 
 -- One step from the same initial weights with a token budget; the weights after it and the metrics.
