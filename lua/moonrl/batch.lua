@@ -32,9 +32,25 @@ local model_mod = require('moonrl.model')
 
 local M = {}
 
+-- A sample's loss_mask, checked: one 0 or 1 per response token (nil: none).
+local function loss_mask(s)
+  local m = s.loss_mask
+  if m == nil then return nil end
+  if type(m) ~= 'table' or #m ~= #s.ids then
+    error(string.format("sample field 'loss_mask': %s for a response of %d tokens (one 0 or 1 per token)",
+      type(m) == 'table' and #m .. ' entries' or 'a ' .. type(m), #s.ids), 3)
+  end
+  for k = 1, #m do
+    if m[k] ~= 0 and m[k] ~= 1 then
+      error(string.format("sample field 'loss_mask': entry %d is %s (0 or 1)", k, tostring(m[k])), 3)
+    end
+  end
+  return m
+end
+
 -- The tokens of a sample its losses count: the response tokens, less those loss_mask zeroes.
 function M.loss_tokens(s)
-  local m = s.loss_mask
+  local m = loss_mask(s)
   if not m then return #s.ids end
   local n = 0
   for k = 1, #s.ids do n = n + m[k] end
@@ -116,7 +132,7 @@ function M.pack(samples, first, last, opts)
     local seq = starts[k][1]
     local off = b.cu_seqlens[seq - 1] + starts[k][2] - 1
     b.first[k] = off
-    local lm = samples[first + k - 1].loss_mask -- the response tokens a loss counts (absent: all)
+    local lm = loss_mask(samples[first + k - 1]) -- the response tokens a loss counts (absent: all)
     for t = off, off + lens[k] - 1 do mask[t] = lm and lm[t - off + 1] or 1 end
     -- sample k ends where its sequence ends and starts where sample k-1 ended
     if b.sample_cu ~= b.cu_seqlens then b.sample_cu[k] = b.cu_seqlens[seq] end

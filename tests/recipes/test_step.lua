@@ -90,6 +90,13 @@ t.test('loss_mask: masked response tokens count for nothing (a sample cut there 
   local c = run(ones)
   local d = run(samples())
   for k = 0, n - 1 do t.eq(c[k], d[k], 'an all-ones mask changes nothing') end
+  -- a mask that does not fit its response is an error naming the field, before any work
+  for _, bad in ipairs({ { { 1, 1 }, '2 entries for a response of 6 tokens' }, { { 1, 1, 1, 0.5, 0, 0 }, 'entry 4 is 0.5' },
+      { 'x', 'a string for a response of 6 tokens' } }) do
+    local s = samples()
+    s[6].loss_mask = bad[1]
+    t.raises(function() run(s) end, "sample field 'loss_mask': " .. bad[2])
+  end
 end)
 
 t.done()
