@@ -13,6 +13,7 @@
  * is allocated or read, so a corrupt count cannot ask for terabytes. */
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -256,6 +257,53 @@ static mrl_status parse_tensor(cursor *c, mrl_gguf_tensor *t) {
     return MRL_OK;
 }
 
+/* Tensor i is not where the running size says (data offsets, before data_start is added):
+ * name the tensor it overlaps when there is one, else the offset it should have. */
+static mrl_status misplaced(const mrl_gguf *g, int64_t i, int64_t expect) {
+    const mrl_gguf_tensor *t = &g->tensors[i];
+    for (int64_t j = 0; j < i; j++) {
+        const mrl_gguf_tensor *o = &g->tensors[j];
+        if (t->offset < o->offset + o->bytes && o->offset < t->offset + t->bytes)
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: not a valid GGUF file: tensors '%s' (%s, %lld bytes at data "
+                                 "offset %lld) and '%s' (%s, %lld bytes at data offset %lld) overlap: two tensors "
+                                 "on the same bytes, or a type or shape that makes '%s' longer than its place",
+                                 g->path, o->name, o->type_name, (long long)o->bytes, (long long)o->offset, t->name,
+                                 t->type_name, (long long)t->bytes, (long long)t->offset, o->name);
+    }
+    return mrl_set_error(MRL_ERR_FORMAT, "%s: not a valid GGUF file: tensor '%s' is at data offset %lld, expected "
+                         "%lld (each tensor starts where the one before it ends, aligned, as llama.cpp requires)",
+                         g->path, t->name, (long long)t->offset, (long long)expect);
+}
+
+static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* The first of n names that appears twice (sorted, so a file of millions of them stays fast), or NULL. */
+static const char *duplicate(const char **names, int64_t n) {
+    qsort(names, (size_t)n, sizeof *names, cmp_name);
+    for (int64_t i = 1; i < n; i++)
+        if (!strcmp(names[i - 1], names[i])) return names[i];
+    return NULL;
+}
+
+/* Every metadata key and tensor name once (llama.cpp refuses repeats): a repeated one would be
+ * read as whichever copy a lookup finds first. */
+static mrl_status unique_names(const mrl_gguf *g) {
+    int64_t n = g->n_kv > g->n_tensors ? g->n_kv : g->n_tensors;
+    const char **names = malloc(sizeof *names * (size_t)(n ? n : 1));
+    if (!names) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", g->path);
+    for (int64_t i = 0; i < g->n_kv; i++) names[i] = g->kv[i].key;
+    const char *key = duplicate(names, g->n_kv), *name = NULL;
+    if (!key) {
+        for (int64_t i = 0; i < g->n_tensors; i++) names[i] = g->tensors[i].name;
+        name = duplicate(names, g->n_tensors);
+    }
+    mrl_status st = MRL_OK;
+    if (key) st = mrl_set_error(MRL_ERR_FORMAT, "%s: not a valid GGUF file: metadata key '%s' appears twice", g->path, key);
+    else if (name) st = mrl_set_error(MRL_ERR_FORMAT, "%s: not a valid GGUF file: two tensors are named '%s'", g->path, name);
+    free(names);
+    return st;
+}
+
 static mrl_status parse(mrl_gguf *g) {
     cursor c = {g, 0, "the header"};
     uint32_t magic, version;
@@ -309,6 +357,11 @@ static mrl_status parse(mrl_gguf *g) {
         align = (int64_t)v;
     }
     g->data_start = (c.pos + align - 1) / align * align;
+    /* llama.cpp's rule: the tensors' data follow one another in the order of their infos, each
+     * starting where the one before it ends, rounded up to the alignment. Without it two infos
+     * could name the same bytes, or a tensor whose type makes it longer than its place (a Q4_1
+     * tensor relabelled F16) would read the next tensor's bytes as its own weights. */
+    int64_t expect = 0;
     for (int64_t i = 0; i < g->n_tensors; i++) {
         mrl_gguf_tensor *t = &g->tensors[i];
         if (t->offset % align || t->offset > g->file_size - g->data_start ||
@@ -317,9 +370,11 @@ static mrl_status parse(mrl_gguf *g) {
                                  "%lld) is not aligned to %lld or runs past the end of the file (%lld bytes)",
                                  g->path, t->name, (long long)t->bytes, (long long)t->offset, (long long)align,
                                  (long long)g->file_size);
-        t->offset += g->data_start;
+        if (t->offset != expect) return misplaced(g, i, expect);
+        expect = t->offset + (t->bytes + align - 1) / align * align;
     }
-    return MRL_OK;
+    for (int64_t i = 0; i < g->n_tensors; i++) g->tensors[i].offset += g->data_start;
+    return unique_names(g);
 }
 
 mrl_status mrl_gguf_open(const char *path, mrl_gguf **out) {
@@ -600,5 +655,12 @@ mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t n
     else if (t->type != MRL_GGML_F32)
         st = mrl_ggml_dequantize(t->type, raw, t->bytes, dst, t->numel);
     if (raw != (uint8_t *)dst) free(raw);
+    /* a NaN or an infinity (in an F32 / F16 value or a block's scale) is a corrupt weight: said
+     * here, naming the tensor, not as a NaN in the sampler at the first generation */
+    for (int64_t k = 0; !st && k < t->numel; k++)
+        if (!isfinite(dst[k]))
+            st = mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' (%s) holds %s at element %lld of %lld: a weight must "
+                               "be finite (a corrupt file?)", g->path, t->name, t->type_name,
+                               isnan(dst[k]) ? "a NaN" : "an infinity", (long long)k, (long long)t->numel);
     return st;
 }

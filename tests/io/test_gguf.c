@@ -1,11 +1,15 @@
 /* GGUF reader: a small file built here (metadata of several types, an F32,
- * a Q8_0 and a Q4_K tensor) reads back; then a fuzzing campaign (run under
+ * a Q8_0 and a Q4_K tensor) reads back; copies of it with two tensor infos
+ * on the same bytes, a tensor relabelled to a longer type, an offset past
+ * the running size, a NaN or an infinity in a tensor and a repeated name are
+ * each an error naming the tensor; then a fuzzing campaign (run under
  * ASan and UBSan by the sanitize pass of the suite): thousands of copies of
  * it with random bytes changed, random 64-bit fields set to huge values and
  * random cuts. Each must either open (and every tensor then reads or fails
  * cleanly) or fail with an error naming the file: never a crash, an
  * out-of-bounds read or an unbounded allocation. The bit-exact checks of
  * every type against llama.cpp's gguf-py are in ref_gguf.py. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -171,6 +175,79 @@ static int try_file(const char *path) {
     return 1;
 }
 
+/* Where tensor `name`'s info is in the file: its n_dims field (after the name). */
+static uint8_t *info_of(const buf *b, const char *name) {
+    size_t n = strlen(name);
+    for (size_t i = 0; i + 8 + n <= b->n; i++) {
+        uint64_t len;
+        memcpy(&len, b->p + i, 8);
+        if (len == n && !memcmp(b->p + i + 8, name, n)) return b->p + i + 8 + n;
+    }
+    return NULL;
+}
+static uint8_t *type_field(const buf *b, const char *name) {
+    uint8_t *p = info_of(b, name);
+    uint32_t nd;
+    memcpy(&nd, p, 4);
+    return p + 4 + 8 * nd;
+}
+static void set_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void set_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* A copy of the good file changed by `mutate`: opening it (or reading `tensor`) fails with
+ * MRL_ERR_FORMAT and a message holding each of `want` (NULL-terminated). */
+static void refused(const char *path, const buf *good, void (*mutate)(buf *), const char *tensor,
+                    const char *const *want) {
+    buf b = {malloc(good->n + 64), good->n, good->n + 64};
+    memcpy(b.p, good->p, good->n);
+    mutate(&b);
+    write_file(path, b.p, b.n);
+    mrl_gguf *g = NULL;
+    mrl_status st = mrl_gguf_open(path, &g);
+    mrl_gguf_tensor t;
+    if (!st && tensor && !mrl_gguf_tensor_info(g, mrl_gguf_find_tensor(g, tensor), &t)) {
+        float out[256];
+        st = mrl_gguf_read_f32(g, mrl_gguf_find_tensor(g, tensor), out, t.numel);
+    }
+    CHECK(st == MRL_ERR_FORMAT);
+    for (int i = 0; want[i]; i++) CHECK_STR_CONTAINS(mrl_last_error(), want[i]);
+    mrl_gguf_close(g);
+    free(b.p);
+}
+
+/* two infos on the same bytes: q8 at f32's offset */
+static void same_bytes(buf *b) { set_u64(type_field(b, "q8") + 4, 0); }
+/* q8 (Q8_0, 68 bytes: 96 with padding) relabelled F16: 128 bytes, running into q4k at 128 */
+static void relabelled(buf *b) { set_u32(type_field(b, "q8"), MRL_GGML_F16); }
+/* q4k one aligned step further than the running size (32 more bytes of file so it fits) */
+static void gap(buf *b) {
+    set_u64(type_field(b, "q4k") + 4, 32 + 96 + 32);
+    size_t n = b->n;
+    memmove(b->p + n - 144 + 32, b->p + n - 144, 144);
+    b->n += 32;
+}
+/* f32 [8] holds a NaN; q8's first block scale is fp16 infinity */
+static size_t data_start(const buf *b) { return b->n - 144 - 128; } /* f32 (32 B), q8 (96 B), q4k (144 B) */
+static void nan_f32(buf *b) {
+    float x = NAN;
+    memcpy(b->p + data_start(b) + 4 * 5, &x, 4);
+}
+static void inf_q8(buf *b) {
+    uint16_t inf = 0x7C00;
+    memcpy(b->p + data_start(b) + 32 + 34, &inf, 2); /* the second block's scale */
+}
+static void twin_names(buf *b) { memcpy(info_of(b, "f32") - 3, "q4k", 3); }
+
+/* The tensors are checked against each other, and read values against NaN and infinity. */
+static void test_checks(const char *path, const buf *good) {
+    refused(path, good, same_bytes, NULL, (const char *const[]){path, "'f32'", "'q8'", "overlap", NULL});
+    refused(path, good, relabelled, NULL, (const char *const[]){"'q8' (F16, 128 bytes", "'q4k'", "overlap", NULL});
+    refused(path, good, gap, NULL, (const char *const[]){"tensor 'q4k' is at data offset 160, expected 128", NULL});
+    refused(path, good, nan_f32, "f32", (const char *const[]){path, "tensor 'f32' (F32) holds a NaN at element 5", NULL});
+    refused(path, good, inf_q8, "q8", (const char *const[]){"tensor 'q8' (Q8_0) holds an infinity at element 32", NULL});
+    refused(path, good, twin_names, NULL, (const char *const[]){"two tensors are named 'q4k'", NULL});
+}
+
 static void test_fuzz(const char *path, const buf *good) {
     int opened = 0, runs = 3000;
     uint8_t *p = malloc(good->n);
@@ -204,6 +281,7 @@ int main(void) {
     buf good = make_file();
     write_file(path, good.p, good.n);
     test_reads(path);
+    test_checks(path, &good);
     mrl_gguf *g = NULL;
     CHECK(mrl_gguf_open("/nonexistent/x.gguf", &g) == MRL_ERR_IO && strstr(mrl_last_error(), "/nonexistent/x.gguf"));
     CHECK(mrl_gguf_open(dir, &g) == MRL_ERR_IO); /* a directory */

@@ -4,7 +4,11 @@
  *
  * Every count, length and offset of the header is checked against the file
  * size before it is used, so a corrupt or truncated file is an error naming
- * the file and the field, never a crash or a huge allocation. The header is
+ * the file and the field, never a crash or a huge allocation. The tensors are
+ * checked against each other as llama.cpp's loader does: their data follow
+ * one another in the order of their infos, each where the one before it ends
+ * (aligned), so no two overlap and none is longer than its place; no key or
+ * tensor name appears twice. The header is
  * read into memory with pread; tensor data is read with pread when asked for
  * (a file truncated after it was opened is MRL_ERR_IO, not SIGBUS).
  *
@@ -72,7 +76,8 @@ mrl_status mrl_gguf_kv_string(const mrl_gguf *g, int64_t i, int64_t j, const cha
 int64_t mrl_gguf_tensor_count(const mrl_gguf *g);
 int64_t mrl_gguf_find_tensor(const mrl_gguf *g, const char *name);
 mrl_status mrl_gguf_tensor_info(const mrl_gguf *g, int64_t i, mrl_gguf_tensor *out);
-/* Tensor i dequantized into dst (numel floats, which must be its count). */
+/* Tensor i dequantized into dst (numel floats, which must be its count).
+ * MRL_ERR_FORMAT naming the tensor when a value comes out NaN or infinite. */
 mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t numel);
 
 /* Dequantize n elements (a multiple of the block size) of `type` from
