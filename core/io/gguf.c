@@ -266,9 +266,9 @@ static mrl_status misplaced(const mrl_gguf *g, int64_t i, int64_t expect) {
         if (t->offset < o->offset + o->bytes && o->offset < t->offset + t->bytes)
             return mrl_set_error(MRL_ERR_FORMAT, "%s: not a valid GGUF file: tensors '%s' (%s, %lld bytes at data "
                                  "offset %lld) and '%s' (%s, %lld bytes at data offset %lld) overlap: two tensors "
-                                 "on the same bytes, or a type or shape that makes '%s' longer than its place",
+                                 "on the same bytes, or a type or shape that makes one longer than its place",
                                  g->path, o->name, o->type_name, (long long)o->bytes, (long long)o->offset, t->name,
-                                 t->type_name, (long long)t->bytes, (long long)t->offset, o->name);
+                                 t->type_name, (long long)t->bytes, (long long)t->offset);
     }
     return mrl_set_error(MRL_ERR_FORMAT, "%s: not a valid GGUF file: tensor '%s' is at data offset %lld, expected "
                          "%lld (each tensor starts where the one before it ends, aligned, as llama.cpp requires)",

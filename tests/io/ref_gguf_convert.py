@@ -92,7 +92,8 @@ def llama3_divisors(theta, hd, factor, low=1.0, high=4.0, old=8192):
     return np.array(out, dtype=np.float32)
 
 
-def make(arch, path, tied, pre, rng, rope_freqs=None):
+def make(arch, path, tied, pre, rng, rope_freqs=None, quant=None):
+    """A tiny model of arch written to path; quant: GGUF tensor name -> a ggml type to store it as."""
     D, F, L, Hq, Hk = 32, 48, 2, 4, 2
     hd = 16 if arch == "qwen3" else D // Hq
     alphabet = byte_alphabet()
@@ -145,7 +146,10 @@ def make(arch, path, tied, pre, rng, rope_freqs=None):
             g = "blk.%s.%s.%s" % (parts[2], names[".".join(parts[3:-1])], parts[-1])
         if arch == "llama" and k.endswith(("q_proj.weight", "k_proj.weight")):
             v = llama_permute(v, Hq if "q_proj" in k else Hk)
-        w.add_tensor(g, np.ascontiguousarray(v))
+        if quant and g in quant:
+            w.add_tensor(g, gguf.quants.quantize(v, quant[g]), raw_dtype=quant[g])
+        else:
+            w.add_tensor(g, np.ascontiguousarray(v))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     w.write_header_to_file()

@@ -92,6 +92,24 @@ local function need(g, key)
   return v
 end
 
+local function shown(v)
+  if type(v) == 'table' then return 'an array' end
+  if type(v) == 'string' then return string.format('the string %q', v) end
+  return tostring(v)
+end
+
+-- A size of the model (heads, layers, widths): a whole number >= 1, or `default` when the key is
+-- absent (nil: it must be there). 0, a fraction or a per-layer array is an error naming the key.
+local function count(g, key, default)
+  local v = g.metadata[key]
+  if v == nil and default ~= nil then return default end
+  v = need(g, key)
+  if type(v) ~= 'number' or v ~= math.floor(v) or v < 1 or v > 2 ^ 31 then
+    error(string.format('%s: GGUF metadata %s is %s: expected a whole number >= 1', g.path, key, shown(v)), 3)
+  end
+  return v
+end
+
 -- Llama 3's RoPE scaling from the rope_freqs tensor llama.cpp's converter writes instead of the
 -- config's rope_scaling: one divisor per frequency (1 for the high ones, `factor` for the low
 -- ones, a blend between). The config's four numbers are read back from it (factor: the largest
@@ -129,6 +147,22 @@ local function llama3_rope(self, t, theta, hd, p)
     original_max_position_embeddings = old }
 end
 
+-- Special token id `key` (nil when absent): a token of the vocabulary, both of the model (vocab_size)
+-- and of the tokenizer (tokenizer.ggml.tokens). BOS and EOS are checked (generation starts with
+-- one and stops at the other); llama.cpp warns and drops a bad padding or unknown id, and so does
+-- tokenizer_config (pad_token / unk_token null).
+function G:token_id(key, vocab)
+  local id = self.metadata[key]
+  if id == nil then return nil end
+  local tokens = self.metadata['tokenizer.ggml.tokens']
+  local n = type(tokens) == 'table' and math.min(#tokens, vocab) or vocab
+  if type(id) ~= 'number' or id ~= math.floor(id) or id < 0 or id >= n then
+    error(string.format('%s: GGUF metadata %s is %s, not a token of the vocabulary (ids 0 to %d)', self.path, key,
+      shown(id), n - 1), 3)
+  end
+  return id
+end
+
 function G:hf_config()
   local arch = need(self, 'general.architecture')
   if not ARCH[arch] then
@@ -136,9 +170,23 @@ function G:hf_config()
   end
   local p = arch .. '.'
   local m = self.metadata
-  local heads = need(self, p .. 'attention.head_count')
-  local hidden = need(self, p .. 'embedding_length')
+  local heads = count(self, p .. 'attention.head_count')
+  local kv_heads = count(self, p .. 'attention.head_count_kv', heads)
+  local hidden = count(self, p .. 'embedding_length')
+  local head_dim = count(self, p .. 'attention.key_length', false)
+  if not head_dim then
+    if hidden % heads ~= 0 then
+      error(string.format('%s: GGUF metadata %sembedding_length %d is not a multiple of %sattention.head_count %d ' ..
+        '(and %sattention.key_length, the head size, is missing)', self.path, p, hidden, p, heads, p), 2)
+    end
+    head_dim = hidden / heads
+  end
+  if heads % kv_heads ~= 0 then
+    error(string.format('%s: GGUF metadata %sattention.head_count %d is not a multiple of %sattention.head_count_kv %d',
+      self.path, p, heads, p, kv_heads), 2)
+  end
   local tokens = m['tokenizer.ggml.tokens']
+  local vocab = count(self, p .. 'vocab_size', type(tokens) == 'table' and #tokens > 0 and #tokens or nil)
   local has = {}
   for _, t in ipairs(self.tensors) do has[t.name] = true end
   if m[p .. 'rope.scaling.type'] and m[p .. 'rope.scaling.type'] ~= 'none' then
@@ -146,16 +194,16 @@ function G:hf_config()
   end
   local cfg = {
     architectures = { ARCH[arch] }, model_type = MODEL_TYPE[arch],
-    vocab_size = m[p .. 'vocab_size'] or (tokens and #tokens) or need(self, p .. 'vocab_size'),
-    hidden_size = hidden, intermediate_size = need(self, p .. 'feed_forward_length'),
-    num_hidden_layers = need(self, p .. 'block_count'), num_attention_heads = heads,
-    num_key_value_heads = m[p .. 'attention.head_count_kv'] or heads,
-    head_dim = m[p .. 'attention.key_length'] or hidden / heads,
-    max_position_embeddings = m[p .. 'context_length'] or 2048,
+    vocab_size = vocab, hidden_size = hidden,
+    intermediate_size = count(self, p .. 'feed_forward_length'),
+    num_hidden_layers = count(self, p .. 'block_count'), num_attention_heads = heads,
+    num_key_value_heads = kv_heads, head_dim = head_dim,
+    max_position_embeddings = count(self, p .. 'context_length', 2048),
     rms_norm_eps = m[p .. 'attention.layer_norm_rms_epsilon'] or 1e-6,
     rope_theta = m[p .. 'rope.freq_base'] or 10000,
     tie_word_embeddings = not has['output.weight'],
-    bos_token_id = m['tokenizer.ggml.bos_token_id'], eos_token_id = m['tokenizer.ggml.eos_token_id'],
+    bos_token_id = self:token_id('tokenizer.ggml.bos_token_id', vocab),
+    eos_token_id = self:token_id('tokenizer.ggml.eos_token_id', vocab),
     torch_dtype = 'float32',
   }
   if arch == 'qwen2' then cfg.attention_bias = has['blk.0.attn_q.bias'] or false end
@@ -166,10 +214,10 @@ function G:hf_config()
     -- the experts: llama.cpp's qwen3moe always renormalises the picked weights (norm_topk_prob, as
     -- every Qwen3-MoE checkpoint has it) unless expert_weights_norm says otherwise; a layer
     -- without a router (ffn_gate_inp) keeps the dense MLP (mlp_only_layers)
-    cfg.num_experts = need(self, p .. 'expert_count')
-    cfg.num_experts_per_tok = need(self, p .. 'expert_used_count')
-    cfg.moe_intermediate_size = need(self, p .. 'expert_feed_forward_length')
-    cfg.intermediate_size = m[p .. 'feed_forward_length'] or cfg.moe_intermediate_size
+    cfg.num_experts = count(self, p .. 'expert_count')
+    cfg.num_experts_per_tok = count(self, p .. 'expert_used_count')
+    cfg.moe_intermediate_size = count(self, p .. 'expert_feed_forward_length')
+    cfg.intermediate_size = count(self, p .. 'feed_forward_length', cfg.moe_intermediate_size)
     local norm = m[p .. 'expert_weights_norm']
     cfg.norm_topk_prob = norm == nil or norm == true
     cfg.decoder_sparse_step = 1
