@@ -16,6 +16,7 @@
 #include <unistd.h>
 #include "moonrl/fault.h"
 #include "moonrl/fs.h"
+#include "sha256.h"
 #include "write.h"
 #include "base/error.h"
 #include "base/cpu.h"
@@ -196,15 +197,23 @@ mrl_status mrl_fs_free_bytes(const char *path, int64_t *out) {
     return MRL_OK;
 }
 
-mrl_status mrl_fs_stat(const char *path, mrl_fs_info *out) {
-    memset(out, 0, sizeof *out);
+/* lstat (or stat, following links) of path; *found 0 when nothing is there, which is no error. */
+static mrl_status stat_of(const char *path, int follow, struct stat *st, int *found) {
+    *found = 0;
     if (!path || !path[0]) return mrl_set_error(MRL_ERR_INVALID, "stat: empty path");
-    struct stat st;
-    if (lstat(path, &st) != 0) {
+    if ((follow ? stat(path, st) : lstat(path, st)) != 0) {
         if (errno == ENOENT || errno == ENOTDIR) return MRL_OK;
         return mrl_set_error(MRL_ERR_IO, "%s: %s", path, strerror(errno));
     }
-    out->exists = 1;
+    *found = 1;
+    return MRL_OK;
+}
+
+mrl_status mrl_fs_stat(const char *path, mrl_fs_info *out) {
+    memset(out, 0, sizeof *out);
+    struct stat st;
+    mrl_status s = stat_of(path, 0, &st, &out->exists);
+    if (s || !out->exists) return s;
     out->is_dir = S_ISDIR(st.st_mode);
     out->is_file = S_ISREG(st.st_mode);
     out->size = (int64_t)st.st_size;
@@ -413,7 +422,9 @@ uint32_t mrl_crc32c(uint32_t crc, const void *data, size_t bytes) {
     return ~crc_soft(crc, data, bytes);
 }
 
-mrl_status mrl_fs_crc32c_file(const char *path, uint32_t *crc, int64_t *size) {
+/* Read a whole file in pieces of 1 MiB, handing each to take(ctx, piece, bytes). */
+static mrl_status read_pieces(const char *path, void (*take)(void *, const void *, size_t), void *ctx,
+                              int64_t *size) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     enum { CHUNK = 1 << 20 };
@@ -422,7 +433,6 @@ mrl_status mrl_fs_crc32c_file(const char *path, uint32_t *crc, int64_t *size) {
         close(fd);
         return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
     }
-    uint32_t c = 0;
     int64_t total = 0;
     mrl_status s = MRL_OK;
     for (;;) {
@@ -433,14 +443,46 @@ mrl_status mrl_fs_crc32c_file(const char *path, uint32_t *crc, int64_t *size) {
             break;
         }
         if (k == 0) break;
-        c = mrl_crc32c(c, buf, (size_t)k);
+        take(ctx, buf, (size_t)k);
         total += k;
     }
     free(buf);
     close(fd);
-    if (!s) {
-        *crc = c;
-        if (size) *size = total;
-    }
+    if (!s && size) *size = total;
     return s;
+}
+
+static void take_crc(void *ctx, const void *p, size_t n) { *(uint32_t *)ctx = mrl_crc32c(*(uint32_t *)ctx, p, n); }
+
+mrl_status mrl_fs_crc32c_file(const char *path, uint32_t *crc, int64_t *size) {
+    uint32_t c = 0;
+    mrl_status s = read_pieces(path, take_crc, &c, size);
+    if (!s) *crc = c;
+    return s;
+}
+
+static void take_sha(void *ctx, const void *p, size_t n) { mrl_sha256_update(ctx, p, n); }
+
+mrl_status mrl_fs_sha256_file(const char *path, uint8_t out[32], int64_t *size) {
+    mrl_sha256_ctx sha;
+    mrl_sha256_init(&sha);
+    mrl_status s = read_pieces(path, take_sha, &sha, size);
+    if (!s) mrl_sha256_final(&sha, out);
+    return s;
+}
+
+mrl_status mrl_fs_identify(const char *path, mrl_fs_file_id *out) {
+    memset(out, 0, sizeof *out);
+    struct stat st;
+    mrl_status s = stat_of(path, 1, &st, &out->exists);
+    if (s || !out->exists) return s;
+    out->is_file = S_ISREG(st.st_mode);
+    out->dev = (int64_t)st.st_dev;
+    out->ino = (int64_t)st.st_ino;
+    out->size = (int64_t)st.st_size;
+    out->mtime_s = (int64_t)st.st_mtim.tv_sec;
+    out->mtime_ns = (int64_t)st.st_mtim.tv_nsec;
+    out->ctime_s = (int64_t)st.st_ctim.tv_sec;
+    out->ctime_ns = (int64_t)st.st_ctim.tv_nsec;
+    return MRL_OK;
 }

@@ -6,10 +6,16 @@ changed:
     running size, a NaN in an F32 tensor, an infinity as a Q4_1 block's scale: exit status 2
     and an error naming the tensor(s), no directory written;
   - llama.attention.head_count 0: an error naming the key (not "head_dim must be an integer");
-    tokenizer.ggml.eos_token_id past the vocabulary: an error naming the key, at convert.
+    tokenizer.ggml.eos_token_id past the vocabulary: an error naming the key, at convert;
+  - the cache (moonrl.io.gguf.resolve into MOONRL_CACHE): two files of one name, size and mtime
+    with different weights (cp -p) each give their own weights; an edit that keeps the size and
+    the mtime (touch -r) gives the new weights; an unchanged file is found again, its entry
+    named by its sha256sum.
 
 usage: ref_gguf_checks.py path/to/moonrl"""
+import hashlib
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -19,6 +25,7 @@ import numpy as np
 
 import gguf
 from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
@@ -51,6 +58,23 @@ def patched(data, at, fmt, value):
 
 def convert(path, out):
     return subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
+
+
+RESOLVE = "print(require('moonrl.io.gguf').resolve(arg_path))\n"
+
+
+def resolve(tmp, path, cache):
+    script = os.path.join(tmp, "resolve.lua")
+    with open(script, "w") as f:
+        f.write("local arg_path = %r\n" % path + RESOLVE)
+    r = subprocess.run([MOONRL, "run", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, MOONRL_CACHE=cache))
+    check(r.returncode == 0, "resolve %s: %s" % (path, r.stderr.strip()[-300:]))
+    return r.stdout.strip().splitlines()[-1] if r.returncode == 0 else ""
+
+
+def embedding(dir):
+    return load_file(os.path.join(dir, "model.safetensors"))["model.embed_tokens.weight"] if dir else None
 
 
 def refusals(tmp, rng):
@@ -100,10 +124,52 @@ def refusals(tmp, rng):
         check(not os.path.exists(out), "%s: no directory written" % what)
 
 
+def cache(tmp, rng):
+    cache = os.path.join(tmp, "cache")
+    a, b = os.path.join(tmp, "a.gguf"), os.path.join(tmp, "b.gguf")
+    ha, _, _ = make("llama", a, True, "gpt2", rng)
+    hb, _, _ = make("llama", b, True, "gpt2", rng)
+    check(os.path.getsize(a) == os.path.getsize(b), "two files of one size")
+    st = os.stat(a)
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # two fine-tunes of one base, copied with their times (cp -p): one name, size and mtime
+    d1, d2 = os.path.join(tmp, "d1"), os.path.join(tmp, "d2")
+    os.makedirs(d1)
+    os.makedirs(d2)
+    p1, p2 = os.path.join(d1, "model.gguf"), os.path.join(d2, "model.gguf")
+    shutil.copy2(a, p1)
+    shutil.copy2(b, p2)
+    check(os.stat(p1).st_mtime_ns == os.stat(p2).st_mtime_ns, "cp -p: the same mtime")
+    r1, r2 = resolve(tmp, p1, cache), resolve(tmp, p2, cache)
+    e1, e2 = embedding(r1), embedding(r2)
+    check(r1 != r2, "same name, size and mtime, other content: another cache entry (%s, %s)" % (r1, r2))
+    check(e1 is not None and np.array_equal(e1, ha["model.embed_tokens.weight"]), "the first file's weights")
+    check(e2 is not None and np.array_equal(e2, hb["model.embed_tokens.weight"]), "the second file's weights")
+    check(os.path.basename(r1) == hashlib.sha256(open(a, "rb").read()).hexdigest(),
+          "the entry is named by the file's sha256sum: " + r1)
+    check(resolve(tmp, p1, cache) == r1, "an unchanged file: its cache entry again")
+    check(len(os.listdir(os.path.join(cache, "gguf", "sums"))) == 2, "one remembered sum per file")
+    # an edit that keeps the size, then the old mtime put back (touch -r)
+    emb_at = int({t.name: t for t in gguf.GGUFReader(p1).tensors}["token_embd.weight"].data_offset)
+    with open(p1, "r+b") as f:
+        f.seek(emb_at)
+        f.write(struct.pack("<f", 42.0))
+    shutil.copystat(a, p1)
+    check(os.stat(p1).st_mtime_ns == os.stat(a).st_mtime_ns and os.path.getsize(p1) == os.path.getsize(a),
+          "touch -r: the old mtime and size")
+    r3 = resolve(tmp, p1, cache)
+    e3 = embedding(r3)
+    want = ha["model.embed_tokens.weight"].copy()
+    want.reshape(-1)[0] = 42.0
+    check(r3 not in (r1, r2) and e3 is not None and np.array_equal(e3, want),
+          "an edit that keeps the mtime: converted again, with the new weight (%s)" % r3)
+
+
 def main():
     rng = np.random.default_rng(11)
     with tempfile.TemporaryDirectory() as tmp:
         refusals(tmp, rng)
+        cache(tmp, rng)
     checks.done()
 
 

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include "moonrl/fault.h"
 #include "moonrl/fs.h"
@@ -123,6 +124,68 @@ static void test_crc(void) {
     CHECK(crc == whole && size == 1000);
 }
 
+static void hex(const uint8_t d[32], char out[65]) {
+    for (int i = 0; i < 32; i++) snprintf(out + 2 * i, 3, "%02x", d[i]);
+}
+
+/* SHA-256: FIPS 180-4's examples, every split of the input into two pieces around the 64-byte
+ * blocks, a file; the identity of a file changes with an edit whose mtime is set back. */
+static void test_sha256(void) {
+    uint8_t d[32];
+    char h[65];
+    mrl_sha256("", 0, d);
+    hex(d, h);
+    CHECK(!strcmp(h, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"));
+    mrl_sha256("abc", 3, d);
+    hex(d, h);
+    CHECK(!strcmp(h, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+    const char *two = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"; /* 56 bytes: two blocks of padding */
+    mrl_sha256(two, strlen(two), d);
+    hex(d, h);
+    CHECK(!strcmp(h, "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"));
+    char *million = malloc(1000000);
+    memset(million, 'a', 1000000);
+    char p[512];
+    path_of(p, sizeof p, "sha.bin");
+    CHECK_OK(mrl_fs_write_file(p, million, 1000000));
+    int64_t size = 0;
+    CHECK_OK(mrl_fs_sha256_file(p, d, &size));
+    hex(d, h);
+    CHECK(size == 1000000 && !strcmp(h, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"));
+    uint8_t whole[32], part[32];
+    mrl_sha256(million, 200, whole);
+    for (int cut = 0; cut <= 200; cut++) { /* the file's pieces go through the same update */
+        path_of(p, sizeof p, "sha-cut.bin");
+        CHECK_OK(mrl_fs_write_file(p, million, (size_t)cut));
+        CHECK_OK(mrl_fs_sha256_file(p, part, &size));
+        mrl_sha256(million, (size_t)cut, d);
+        CHECK(!memcmp(part, d, 32) && size == cut);
+    }
+    CHECK(memcmp(whole, d, 32) == 0);
+    free(million);
+    /* identity: follows links; an edit with the mtime put back still changes it (ctime) */
+    mrl_fs_file_id a, b, l;
+    char link[512];
+    path_of(link, sizeof link, "sha-link.bin");
+    CHECK(symlink(p, link) == 0);
+    CHECK_OK(mrl_fs_identify(p, &a));
+    CHECK_OK(mrl_fs_identify(link, &l));
+    CHECK(a.exists && a.is_file && a.size == 200 && l.ino == a.ino && l.dev == a.dev && l.ctime_ns == a.ctime_ns);
+    struct timespec pause = {0, 20 * 1000 * 1000}; /* past a coarse clock tick */
+    nanosleep(&pause, NULL);
+    int fd = open(p, O_WRONLY);
+    CHECK(fd >= 0 && pwrite(fd, "b", 1, 0) == 1);
+    struct timespec times[2] = {{a.mtime_s, a.mtime_ns}, {a.mtime_s, a.mtime_ns}};
+    CHECK(futimens(fd, times) == 0); /* touch -r */
+    close(fd);
+    CHECK_OK(mrl_fs_identify(p, &b));
+    CHECK(b.size == a.size && b.ino == a.ino && b.mtime_s == a.mtime_s && b.mtime_ns == a.mtime_ns);
+    CHECK(b.ctime_s != a.ctime_s || b.ctime_ns != a.ctime_ns);
+    path_of(p, sizeof p, "nothing-here");
+    CHECK_OK(mrl_fs_identify(p, &b));
+    CHECK(!b.exists);
+}
+
 /* The write budget kills at the exact byte: the temporary file holds that many bytes, the
  * destination keeps what it had. */
 static void test_write_budget(void) {
@@ -158,6 +221,7 @@ int main(void) {
     test_dirs_and_files();
     test_lock();
     test_crc();
+    test_sha256();
     test_write_budget();
     CHECK_OK(mrl_fs_remove(root));
     mrl_shutdown();

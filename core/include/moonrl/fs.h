@@ -3,7 +3,7 @@
  * What run directories and checkpoints need: directories created exactly
  * once, whole files written atomically (temporary file, fsync, rename, fsync
  * of the directory), directory listings, trees removed, files checksummed
- * (CRC-32C), and a lock that says a run directory is in use. Every error
+ * (CRC-32C) and hashed (SHA-256), and a lock that says a run directory is in use. Every error
  * names the path and the reason (strerror). */
 #pragma once
 #include <stddef.h>
@@ -67,6 +67,24 @@ void mrl_fs_unlock(int fd);
 uint32_t mrl_crc32c(uint32_t crc, const void *data, size_t bytes);
 /* CRC-32C and size of a whole file, read in pieces. */
 mrl_status mrl_fs_crc32c_file(const char *path, uint32_t *crc, int64_t *size);
+
+/* SHA-256 (the value sha256sum prints) of bytes, and of a whole file with its
+ * size: a key for content where a checksum could be forged (a crafted file can
+ * match any CRC-32C). */
+void mrl_sha256(const void *data, size_t bytes, uint8_t out[32]);
+mrl_status mrl_fs_sha256_file(const char *path, uint8_t out[32], int64_t *size);
+
+/* What tells a file's versions apart without reading it: stat(2) of path,
+ * following links. Writing to a file changes its ctime even when its mtime
+ * is set back afterwards (touch -r, cp -p, tar), and nothing sets ctime. */
+typedef struct mrl_fs_file_id {
+    int exists;        /* 0 when nothing is at the path (or a link leads nowhere) */
+    int is_file;       /* a regular file */
+    int64_t dev, ino, size;
+    int64_t mtime_s, mtime_ns; /* seconds and nanoseconds */
+    int64_t ctime_s, ctime_ns;
+} mrl_fs_file_id;
+mrl_status mrl_fs_identify(const char *path, mrl_fs_file_id *out);
 
 #ifdef __cplusplus
 }

@@ -13,6 +13,10 @@
 --   fs.truncate(path, n), fs.sync_dir(path), fs.free_bytes(path)
 --   fs.lock(path)          -> a lock (released by :release() or when the process ends)
 --   fs.crc32c(text [, crc]), fs.crc32c_file(path) -> crc, size
+--   fs.sha256(text), fs.sha256_file(path) -> 64 hex digits (as sha256sum), and the file's size
+--   fs.identify(path)      -> nil, or { is_file =, size =, key = }: key the text that changes with the
+--                             file's bytes: device, inode, size, mtime and ctime (links followed; a write
+--                             changes ctime even when mtime is set back)
 --   fs.join(a, b, ...)     'a/b/...'
 local ffi = require('ffi')
 local moonrl = require('moonrl')
@@ -94,6 +98,34 @@ local crc_out, size_out = ffi.new('uint32_t[1]'), ffi.new('int64_t[1]')
 function M.crc32c_file(path)
   check(C.mrl_fs_crc32c_file(path, crc_out, size_out), 2)
   return tonumber(crc_out[0]), tonumber(size_out[0])
+end
+
+local digest = ffi.new('uint8_t[32]')
+local function hex(d)
+  local out = {}
+  for i = 0, 31 do out[i + 1] = string.format('%02x', d[i]) end
+  return table.concat(out)
+end
+
+function M.sha256(text)
+  C.mrl_sha256(text, #text, digest)
+  return hex(digest)
+end
+
+function M.sha256_file(path)
+  check(C.mrl_fs_sha256_file(path, digest, size_out), 2)
+  return hex(digest), tonumber(size_out[0])
+end
+
+local id = ffi.new('mrl_fs_file_id')
+function M.identify(path)
+  check(C.mrl_fs_identify(path, id), 2)
+  if id.exists == 0 then return nil end
+  -- int64 fields as exact decimal text (a double would round a large inode or nanosecond count)
+  local function n(v) return (tostring(v):gsub('LL$', '')) end
+  return { is_file = id.is_file ~= 0, size = tonumber(id.size),
+    key = string.format('dev %s ino %s size %s mtime %s.%09d ctime %s.%09d', n(id.dev), n(id.ino), n(id.size),
+      n(id.mtime_s), tonumber(id.mtime_ns), n(id.ctime_s), tonumber(id.ctime_ns)) }
 end
 
 function M.join(...) return table.concat({ ... }, '/') end

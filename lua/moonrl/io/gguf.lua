@@ -556,22 +556,43 @@ function G:convert(dir)
   return dir
 end
 
--- A model path that may be a .gguf file: the Hugging Face directory to load (converted once into
--- MOONRL_CACHE, default ~/.cache/moonrl, keyed by the file's path, size and time).
+-- The SHA-256 of the file at path (what sha256sum prints), computed once per version of the file:
+-- remembered in ROOT/sums/ under the path and its identity (device, inode, size, mtime and ctime,
+-- fs.identify), so that a copy with the same name, size and mtime (cp -p, rsync -t, tar) or an edit
+-- whose mtime was set back (touch -r: it still changes ctime) is hashed again.
+local function content_sum(fs, root, path, id)
+  local key = path .. '\n' .. id.key
+  local memo = root .. '/sums/' .. fs.sha256(key)
+  local known, sum = (fs.read(memo) or ''):match('^(.*)\n(%x+)\n$')
+  if known == key and #sum == 64 then return sum end
+  sum = require('moonrl.io.progress').task('sha256 ' .. path:match('[^/]*$'), function() return fs.sha256_file(path) end)
+  fs.mkdirs(root .. '/sums')
+  fs.write(memo, key .. '\n' .. sum .. '\n')
+  return sum
+end
+
+-- A model path that may be a .gguf file: the Hugging Face directory to load, converted once into
+-- MOONRL_CACHE (default ~/.cache/moonrl) at gguf/SHA256, keyed by the file's content: two files
+-- that differ in any byte never share an entry, whatever their names and times.
 function M.resolve(path)
   if type(path) ~= 'string' or not path:match('%.gguf$') then return path end
   local fs = require('moonrl.io.fs')
-  local st = fs.stat(path)
-  if not st then error(path .. ': no such file', 2) end
-  local root = os.getenv('MOONRL_CACHE') or ((os.getenv('HOME') or '/tmp') .. '/.cache/moonrl')
-  local key = string.format('%s-%d-%d', path:match('([^/]+)%.gguf$'), st.size, st.mtime or 0)
-  local dir = root .. '/gguf/' .. key
-  if fs.stat(dir .. '/config.json') and fs.stat(dir .. '/tokenizer_config.json') then return dir end
+  local id = fs.identify(path)
+  if not id or not id.is_file then error(path .. ': no such file', 2) end
+  local root = (os.getenv('MOONRL_CACHE') or ((os.getenv('HOME') or '/tmp') .. '/.cache/moonrl')) .. '/gguf'
+  local dir = root .. '/' .. content_sum(fs, root, path, id)
+  local function done() return fs.stat(dir .. '/config.json') and fs.stat(dir .. '/tokenizer_config.json') end
+  if done() then return dir end
   local g = M.open(path)
   local tmp = dir .. '.tmp-' .. moonrl.C.mrl_process_id()
-  g:convert(tmp)
+  local ok, err = pcall(g.convert, g, tmp)
   g:close()
-  if not fs.stat(dir .. '/config.json') then fs.rename(tmp, dir) else fs.remove(tmp) end
+  -- what was converted must be what was hashed: a file changed meanwhile is not kept under the old sum
+  local now = ok and fs.identify(path)
+  if ok and not (now and now.key == id.key) then ok, err = false, path .. ': changed while it was converted; run again' end
+  if ok and not done() then ok, err = pcall(fs.rename, tmp, dir) end
+  fs.remove(tmp) -- gone once renamed; else a failure, or another process converted the same bytes first
+  if not done() then error(err, 0) end
   return dir
 end
 
