@@ -174,7 +174,7 @@ local function cmd_run(args)
       requires[#requires + 1] = f
     elseif flag then
       local v = tonumber(args[i + 1])
-      if not v or v < 0 or (flag == 'restarts' and v ~= math.floor(v)) then
+      if not v or not (v >= 0 and v < math.huge) or (flag == 'restarts' and v ~= math.floor(v)) then -- (1e309: inf)
         eprint(string.format('error: %s expects a %s >= 0, got %s', a, flag == 'restarts' and 'whole number' or 'number',
           tostring(args[i + 1])))
         return 2

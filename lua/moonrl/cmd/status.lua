@@ -237,7 +237,7 @@ function M.main(args)
     elseif a == '--watch' or a == '-w' then
       watch = 2
       if tonumber(args[i + 1]) then watch = tonumber(args[i + 1]); i = i + 1 end
-      if not (watch > 0) then moonrl.usage_error('status: --watch expects seconds > 0') end
+      if not (watch > 0 and watch < math.huge) then moonrl.usage_error('status: --watch expects seconds > 0') end
     elseif a == '-h' or a == '--help' then print(USAGE) return 0
     elseif a:sub(1, 1) == '-' then moonrl.usage_error(string.format("status: unknown option '%s'\n%s", a, USAGE))
     elseif dir then moonrl.usage_error('status: one run directory at a time\n' .. USAGE)
