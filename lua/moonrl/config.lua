@@ -176,9 +176,10 @@ local function num_text(x)
   return tostring(x)
 end
 
--- A range's bound: 1e9 rather than 1000000000.
+-- A range's bound: 1e9 rather than 1000000000 (where the short form is exact).
 local function bound_text(x)
-  if math.abs(x) >= 1e6 then return (string.format('%g', x):gsub('e%+0*', 'e')) end
+  local short = string.format('%g', x)
+  if math.abs(x) >= 1e6 and tonumber(short) == x then return (short:gsub('e%+0*', 'e')) end
   return num_text(x)
 end
 

@@ -50,11 +50,12 @@ function M.train_config(over)
 end
 
 -- engine.cuda_graphs: a GPU engine replays its decode steps as CUDA graphs (moonrl.engine);
--- engine.kv_cache_dtype: auto (bf16 with model.dtype=bf16, else fp32), fp32 or bf16.
+-- engine.kv_cache_dtype: auto (bf16 with model.dtype=bf16, else fp32), fp32 or bf16. The ranges
+-- are the engine's own bounds (core/engine/engine.c), here to be named before the model loads.
 function M.engine_config(over)
-  return with({ kv_cache_mb = config.integer(512, { min = 1 }), max_batch_tokens = config.integer(2048, { min = 1 }),
-    max_seqs = config.integer(256, { min = 1 }), block_size = config.integer(16, { min = 1 }), cuda_graphs = true,
-    kv_cache_dtype = 'auto' }, over)
+  return with({ kv_cache_mb = config.integer(512, { min = 1 }),
+    max_batch_tokens = config.integer(2048, { min = 1, max = 2 ^ 24 }), max_seqs = config.integer(256, { min = 1, max = 2 ^ 20 }),
+    block_size = config.integer(16, { min = 1, max = 4096 }), cuda_graphs = true, kv_cache_dtype = 'auto' }, over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
