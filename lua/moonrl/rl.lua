@@ -177,6 +177,7 @@ function M.extend(parent, def)
   for k, v in pairs(def) do self[k] = v end
   self.parent, self.name, self.section = parent, def.name or parent.name, def.section or parent.section
   self.config = M.merge(parent.config, def.config)
+  if self.main == Recipe.main then sections.typed_algorithm(self.config[self.section]) end -- (keys it adds too)
   local aliases = {}
   for k, v in pairs(parent.aliases or {}) do aliases[k] = v end
   for k, v in pairs(def.aliases or {}) do aliases[k] = v end

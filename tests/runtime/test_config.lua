@@ -162,6 +162,9 @@ t.test('a value over a ranged declaration keeps its type and range (config.over)
   local rl = require('moonrl.rl')
   local merged = rl.merge({ grpo = { steps = d } }, { grpo = { steps = 7 } })
   t.eq(merged.grpo.steps.value, 7); t.eq(merged.grpo.steps.range.min, 0)
+  -- an RL recipe's section: its shared keys (steps, clip ...) get their ranges, a key an extension adds too
+  local ext = rl.extend('grpo', { name = 'x', config = { grpo = { steps = 5, clip = 0.3 } } })
+  t.eq(ext.config.grpo.steps.range.min, 0); t.eq(ext.config.grpo.clip.range.below, 1)
 end)
 
 t.test('--show-config lists each range', function()
