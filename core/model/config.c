@@ -79,10 +79,11 @@ static int get_int(const mrl_json *o, const char *key, int *out) {
 }
 
 /* A token id member: one id, or a list of them (Transformers' eos_token_id), each an integer within
- * the vocabulary ([1.5] and [1e12] once loaded as token 0); *first gets the first, -1 when absent. */
+ * the vocabulary ([1.5] and [1e12] once loaded as token 0); *first gets the first, -1 when absent.
+ * A lone -1 is absent too: the config moonrl.model gives Lua says so, and model.new takes it back. */
 static mrl_status token_ids(const mrl_json *o, const char *key, const char *source, int vocab, int *first) {
     const mrl_json *v = mrl_json_get(o, key);
-    if (!v || v->type == MRL_JSON_NULL) return MRL_OK;
+    if (!v || v->type == MRL_JSON_NULL || (v->type == MRL_JSON_NUMBER && v->is_integer && v->integer == -1)) return MRL_OK;
     int list = v->type == MRL_JSON_ARRAY;
     size_t n = list ? v->length : 1;
     for (size_t i = 0; i < n; i++) {
