@@ -31,13 +31,13 @@ local default = rl.recipe {
   name = 'default', section = 'grpo', phase = 'grpo',
   own_heldout = true, -- the task's held-out split (eval_records below)
   config = {
-    heldout = config.integer(200), -- problems kept out of training, for the accuracy figures
+    heldout = config.integer(200, { min = 1 }), -- problems kept out of training, for the accuracy figures
     model = { dir = rl.NONE, tokenizer = rl.NONE, -- a model of its own, built here from the seed:
-              hidden_size = config.integer(128), layers = config.integer(2), heads = config.integer(4),
-              intermediate_size = config.integer(384) }, -- (model.dtype: fp32 | bf16 | auto)
+              hidden_size = config.integer(128, { min = 1 }), layers = config.integer(2, { min = 1 }),
+              heads = config.integer(4, { min = 1 }), intermediate_size = config.integer(384, { min = 1 }) }, -- (model.dtype: fp32 | bf16 | auto)
     data = rl.NONE, reward_model = rl.NONE, -- the prompts are drawn from the task (prompts below)
-    sft = { steps = config.integer(1500), batch = config.integer(64), lr = 2e-3,
-            flawed = 0.7 }, -- share of warm-up answers followed by a stray '=' ("85=")
+    sft = { steps = config.integer(1500, { min = 0 }), batch = config.integer(64, { min = 1 }),
+            lr = config.number(2e-3, { min = 0 }), flawed = config.number(0.7, { min = 0, max = 1 }) }, -- share of warm-up answers followed by a stray '=' ("85=")
     grpo = { steps = config.integer(30), prompts = config.integer(32), samples = config.integer(8),
              temperature = 1.0, max_tokens = config.integer(5), advantage = 'grpo', loss = 'ppo', clip_low = 0.2 },
     reward = { name = 'exact' },

@@ -92,9 +92,9 @@ end, 'arithmetic word problems ("Mia has 18 apples and gets 9 more..."), answer 
 local ex = rl.extend('grpo', { name = 'grpo_smollm2', config = {
   model = { dir = GGUF, dtype = 'auto' }, -- auto: bf16 products where the CPU has AVX512-BF16 or AMX
   data = { task = 'word_arith', system = 'You are a helpful assistant. Solve the problem.' },
-  task = { max = config.integer(20), heldout = config.integer(100) },
+  task = { max = config.integer(20, { min = 1 }), heldout = config.integer(100, { min = 1 }) },
   reward = { name = 'math' },
-  sft = { steps = config.integer(8), batch = config.integer(16), lr = 1e-5,
+  sft = { steps = config.integer(8, { min = 0 }), batch = config.integer(16, { min = 1 }), lr = config.number(1e-5, { min = 0 }),
           ops = 'add,sub' }, -- the operations whose worked answers the warm-up shows
   grpo = { steps = 40, prompts = 4, samples = 8, max_tokens = 48, temperature = 1.0, clip_high = 0.28 },
   train = { lr = 1e-5 },

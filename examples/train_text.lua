@@ -18,16 +18,17 @@ local train = require('moonrl.train.step')
 local cfg = moonrl.config {
   data = moonrl.config.optional('string', 'text file (default: moonrl README.md)'),
   tokenizer = moonrl.config.optional('string', 'Hugging Face tokenizer dir (default: bytes)'),
-  steps = moonrl.config.integer(200),
-  batch = moonrl.config.integer(8),
-  seq_len = moonrl.config.integer(128),
-  lr = 3e-3, warmup = moonrl.config.integer(20), weight_decay = 0.01, max_grad_norm = 1.0,
-  model = { hidden_size = moonrl.config.integer(128), layers = moonrl.config.integer(2),
-            heads = moonrl.config.integer(4), kv_heads = moonrl.config.integer(2),
-            intermediate_size = moonrl.config.integer(384),
+  steps = moonrl.config.integer(200, { min = 0 }),
+  batch = moonrl.config.integer(8, { min = 1 }),
+  seq_len = moonrl.config.integer(128, { min = 2 }),
+  lr = moonrl.config.number(3e-3, { min = 0 }), warmup = moonrl.config.integer(20, { min = 0 }),
+  weight_decay = moonrl.config.number(0.01, { min = 0 }), max_grad_norm = moonrl.config.number(1.0, { above = 0 }),
+  model = { hidden_size = moonrl.config.integer(128, { min = 1 }), layers = moonrl.config.integer(2, { min = 1 }),
+            heads = moonrl.config.integer(4, { min = 1 }), kv_heads = moonrl.config.integer(2, { min = 1 }),
+            intermediate_size = moonrl.config.integer(384, { min = 1 }),
             dtype = 'fp32', -- fp32 | bf16 | auto (moonrl.model, "precision"; session.start applies it)
             device = 'cpu' }, -- cpu | cuda | cuda:N | auto (moonrl.model, "the device"; session.start applies it)
-  log_every = moonrl.config.integer(20),
+  log_every = moonrl.config.integer(20, { min = 1 }),
   save = true,
 }
 -- the text, as token ids

@@ -27,8 +27,9 @@ local dpo = rl.supervised {
   name = 'dpo',
   config = {
     data = { prompt = 'prompt', chosen = 'chosen', rejected = 'rejected' },
-    dpo = { beta = 0.1, loss_type = 'sigmoid', label_smoothing = 0.0 },
-    train = { pairs = config.integer(8), lr = 5e-7, schedule = 'linear' },
+    dpo = { beta = config.number(0.1, { above = 0 }), loss_type = 'sigmoid',
+            label_smoothing = config.number(0.0, { min = 0, max = 0.5 }) }, -- cDPO's ε: [0, 0.5]
+    train = { pairs = config.integer(8, { min = 1 }), lr = 5e-7, schedule = 'linear' },
   },
 }
 

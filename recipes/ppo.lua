@@ -28,9 +28,10 @@ local ppo = rl.recipe {
   config = {
     ppo = { steps = config.integer(100), prompts = config.integer(16), samples = config.integer(1),
             temperature = 1.0, max_tokens = config.integer(256), epochs = config.integer(2),
-            advantage = 'gae', loss = 'ppo', clip = 0.2, value_clip = 0.5, gamma = 1.0, lam = 0.95, kl_coef = 0.01,
-            agg = 'token-mean' },
-    train = { critic_lr = 5e-6 },
+            advantage = 'gae', loss = 'ppo', clip = 0.2, value_clip = config.number(0.5, { min = 0 }),
+            gamma = config.number(1.0, { min = 0, max = 1 }), lam = config.number(0.95, { min = 0, max = 1 }),
+            kl_coef = 0.01, agg = 'token-mean' },
+    train = { critic_lr = config.number(5e-6, { min = 0 }) },
   },
 }
 

@@ -24,10 +24,10 @@ local rlvr = rl.recipe {
   name = 'rlvr',
   config = {
     rlvr = { steps = config.integer(100), prompts = config.integer(8), samples = config.integer(8),
-             max_gen_batches = config.integer(4), temperature = 1.0, top_p = 1.0,
+             max_gen_batches = config.integer(4, { min = 1 }), temperature = 1.0, top_p = 1.0,
              max_tokens = config.integer(512), advantage = 'grpo', loss = 'ppo', clip_low = 0.2, clip_high = 0.28,
              agg = 'token-mean', kl_coef = 0.0 },
-    overlong = { enable = true, buffer = config.integer(128), factor = 1.0 },
+    overlong = { enable = true, buffer = config.integer(128, { min = 0 }), factor = config.number(1.0, { min = 0 }) },
   },
 }
 

@@ -24,8 +24,8 @@ local sft = rl.supervised {
   name = 'sft',
   config = {
     data = { prompt = 'prompt', response = 'response', -- JSON keys of the fields
-             eval_fraction = 0.05 },                    -- held out (data.path; a task has its own)
-    train = { batch = config.integer(16), schedule = 'cosine' },
+             eval_fraction = config.number(0.05, { min = 0, below = 1 }) }, -- held out (data.path; a task has its own)
+    train = { batch = config.integer(16, { min = 1 }), schedule = 'cosine' },
   },
   aliases = { eval_every = 'eval.every' },
 }

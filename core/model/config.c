@@ -78,6 +78,27 @@ static int get_int(const mrl_json *o, const char *key, int *out) {
     return 1;
 }
 
+/* A token id member: one id, or a list of them (Transformers' eos_token_id), each an integer within
+ * the vocabulary ([1.5] and [1e12] once loaded as token 0); *first gets the first, -1 when absent.
+ * A lone -1 is absent too: the config moonrl.model gives Lua says so, and model.new takes it back. */
+static mrl_status token_ids(const mrl_json *o, const char *key, const char *source, int vocab, int *first) {
+    const mrl_json *v = mrl_json_get(o, key);
+    if (!v || v->type == MRL_JSON_NULL || (v->type == MRL_JSON_NUMBER && v->is_integer && v->integer == -1)) return MRL_OK;
+    int list = v->type == MRL_JSON_ARRAY;
+    size_t n = list ? v->length : 1;
+    for (size_t i = 0; i < n; i++) {
+        const mrl_json *id = list ? v->items[i] : v;
+        if (id->type != MRL_JSON_NUMBER || !id->is_integer || id->integer < 0 || id->integer >= vocab) {
+            char at[32] = "";
+            if (list) snprintf(at, sizeof at, "[%zu]", i);
+            return mrl_set_error(MRL_ERR_FORMAT, "%s: \"%s\"%s must be a token id, an integer in 0..%d (vocab_size %d)",
+                                 source, key, at, vocab - 1, vocab);
+        }
+        if (i == 0) *first = (int)id->integer;
+    }
+    return MRL_OK;
+}
+
 static int get_num(const mrl_json *o, const char *key, double *out) {
     mrl_json *v = mrl_json_get(o, key);
     if (!v || v->type == MRL_JSON_NULL) return 0;
@@ -188,12 +209,8 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
     WANT(num, "initializer_range", &c->initializer_range, 0);
     WANT(bool, "tie_word_embeddings", &c->tie_word_embeddings, 0);
     WANT(bool, "moonrl_value_head", &c->value_head, 0);
-    WANT(int, "bos_token_id", &c->bos_token_id, 0);
-    const mrl_json *eos = mrl_json_get(root, "eos_token_id");
-    if (eos && eos->type == MRL_JSON_ARRAY && eos->length > 0 && eos->items[0]->type == MRL_JSON_NUMBER)
-        c->eos_token_id = (int)eos->items[0]->integer;
-    else
-        WANT(int, "eos_token_id", &c->eos_token_id, 0);
+    if ((st = token_ids(root, "bos_token_id", source, c->vocab_size, &c->bos_token_id))) goto done;
+    if ((st = token_ids(root, "eos_token_id", source, c->vocab_size, &c->eos_token_id))) goto done;
     int num_labels = 1;
     WANT(int, "num_labels", &num_labels, 0);
     if (c->value_head && num_labels != 1) {

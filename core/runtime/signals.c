@@ -134,7 +134,10 @@ mrl_status mrl_signals_install(void) {
     return MRL_OK;
 }
 
+/* At most MRL_DEADLINE_MAX seconds: the timer counts uint64 milliseconds from the loop's clock, and
+ * inf (or 1e300) converted to them was undefined: the deadline fired at once. */
 mrl_status mrl_deadline_set(double seconds) {
-    if (!(seconds >= 0)) return mrl_set_error(MRL_ERR_INVALID, "deadline must be >= 0 seconds, got %g", seconds);
+    if (!(seconds >= 0) || !(seconds <= MRL_DEADLINE_MAX))
+        return mrl_set_error(MRL_ERR_INVALID, "deadline must be in 0..%g seconds, got %g", MRL_DEADLINE_MAX, seconds);
     return mrl_loop_post(CMD_DEADLINE, NULL, seconds);
 }

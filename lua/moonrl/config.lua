@@ -8,6 +8,10 @@
 -- and `moonrl run recipe.lua lr=3e-6 model.dir=/m` overrides it. Each value
 -- given on the command line is parsed with the type of its default; a key
 -- the recipe did not declare is an error naming the closest declared keys.
+-- A number key may declare its range with it (`steps = config.integer(100,
+-- { min = 0 })`, `temperature = config.number(1.0, { above = 0 })`): every
+-- number the run gets is finite and within its key's range, checked here
+-- before any work (a usage error naming the key), and --show-config lists it.
 -- Every config also has a `run` section that moonrl itself reads.
 local M = {}
 
@@ -18,52 +22,68 @@ M.show_only = false     -- `moonrl run R --show-config`: print and stop
 
 local function usage_error(msg) require('moonrl').usage_error(msg) end
 
--- A declared key with no default: `required(type)` must be given on the
--- command line, `optional(type)` may be (and is nil otherwise).
+-- A declared key with no default: `required(type)` must be given on the command line,
+-- `optional(type)` may be (and is nil otherwise); a number's may have a range (below).
 local Slot = {}
 Slot.__index = Slot
 local valid_types = { string = true, number = true, boolean = true, integer = true }
-local function slot(kind, typ, doc)
-  if not valid_types[typ] then error("config." .. kind .. ": type must be string, number, integer or boolean", 3) end
-  return setmetatable({ kind = kind, type = typ, doc = doc }, Slot)
+
+-- A range: `min` / `max` (inclusive) and `above` / `below` (exclusive), any of them. It is
+-- declared once with the key, checked by M.merge on every value the run gets (a default, an
+-- override) before any work, and listed by --show-config.
+local function range_of(opts)
+  local r
+  for _, k in ipairs({ 'min', 'max', 'above', 'below' }) do
+    if opts and opts[k] ~= nil then r = r or {}; r[k] = opts[k] end
+  end
+  return r
 end
-function M.required(typ, doc) return slot('required', typ, doc) end
-function M.optional(typ, doc) return slot('optional', typ, doc) end
--- A number that must be whole (steps, sizes): `integer(100)`; words: values it also takes
--- ({ 'auto' }: run.threads=auto).
-function M.integer(default, words)
+
+local function slot(kind, typ, doc, range)
+  if not valid_types[typ] then error("config." .. kind .. ": type must be string, number, integer or boolean", 3) end
+  return setmetatable({ kind = kind, type = typ, doc = doc, range = range_of(range) }, Slot)
+end
+function M.required(typ, doc, range) return slot('required', typ, doc, range) end
+function M.optional(typ, doc, range) return slot('optional', typ, doc, range) end
+-- A number that must be whole (steps, sizes): `integer(100)`, with a range `integer(100, { min = 1 })`;
+-- the list part of opts: words it also takes (`integer(0, { 'auto', min = 0 })`: run.threads=auto).
+function M.integer(default, opts)
   local w
-  for _, word in ipairs(words or {}) do w = w or {}; w[word] = true end
-  return setmetatable({ kind = 'default', type = 'integer', value = default, words = w }, Slot)
+  for _, word in ipairs(opts or {}) do w = w or {}; w[word] = true end
+  return setmetatable({ kind = 'default', type = 'integer', value = default, words = w, range = range_of(opts) }, Slot)
+end
+-- A number with a range: `number(1.0, { above = 0 })`.
+function M.number(default, range)
+  return setmetatable({ kind = 'default', type = 'number', value = default, range = range_of(range) }, Slot)
 end
 
 -- The sections every recipe gets: `run` (moonrl reads it itself), `guard` (moonrl.train.guard) and
 -- `dist` (below).
 local function run_section()
   return {
-    seed = M.integer(1),
+    seed = M.integer(1, { min = 0 }),
     dir = M.optional('string', 'run directory (default runs/<recipe>-<time>)'),
-    max_seconds = 0,        -- stop cleanly after this long (0: no limit)
-    threads = M.integer(0, { 'auto' }), -- CPU threads for kernels (0: all cores; auto: measured, moonrl.train.threads)
+    max_seconds = M.number(0, { min = 0, max = 1e9 }), -- stop cleanly after this long (0: no limit)
+    threads = M.integer(0, { 'auto', min = 0 }), -- CPU threads for kernels (0: all cores; auto: measured, moonrl.train.threads)
     log_level = 'info',
     resume = 'auto',        -- auto (the latest complete checkpoint in run.dir), never, or a checkpoint's path
-    checkpoint_every = M.integer(0), -- steps between checkpoints (0: only at the end and on a clean stop)
-    checkpoint_minutes = 30.0,       -- also checkpoint when this long passed since the last (0: never)
-    keep_checkpoints = M.integer(2), -- the newest K are kept (0: all)
+    checkpoint_every = M.integer(0, { min = 0 }), -- steps between checkpoints (0: only at the end and on a clean stop)
+    checkpoint_minutes = M.number(30.0, { min = 0 }), -- also checkpoint when this long passed since the last (0: never)
+    keep_checkpoints = M.integer(2, { min = 0 }), -- the newest K are kept (0: all)
     checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
-    hang_seconds = 1800.0,  -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
+    hang_seconds = M.number(1800.0, { min = 0 }), -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
     progress = os.getenv('MOONRL_PROGRESS') or 'auto', -- the loops' progress on stderr: auto, live, plain, off (moonrl.io.progress)
-    progress_seconds = tonumber(os.getenv('MOONRL_PROGRESS_SECONDS') or '') or 10.0, -- between plain progress lines
+    progress_seconds = M.number(tonumber(os.getenv('MOONRL_PROGRESS_SECONDS') or '') or 10.0, { min = 0 }), -- between plain progress lines
   }
 end
 
 -- `dist`: the ranks of a job started by mpirun / srun / moonrl launch (moonrl.train.dist).
 local function dist_section()
   return {
-    timeout = 600.0,          -- seconds a collective may wait for the other ranks before the job fails (0: forever)
-    zero = M.integer(0),      -- 1: ZeRO-1, the optimizer state sharded over the ranks
-    bucket_mb = 25.0,         -- gradient all-reduce bucket size, started while the backward runs
-    rollout_ranks = M.integer(0), -- the last R ranks only generate and score (moonrl.train.rollout); the others train
+    timeout = M.number(600.0, { min = 0 }), -- seconds a collective may wait for the other ranks before the job fails (0: forever)
+    zero = M.integer(0, { min = 0, max = 1 }), -- 1: ZeRO-1, the optimizer state sharded over the ranks
+    bucket_mb = M.number(25.0, { above = 0 }), -- gradient all-reduce bucket size, started while the backward runs
+    rollout_ranks = M.integer(0, { min = 0 }), -- the last R ranks only generate and score (moonrl.train.rollout); the others train
     gpu_transport = 'auto',   -- a GPU model's gradient sums: nccl, host (through host memory and MPI), auto (nccl where it starts)
   }
 end
@@ -78,14 +98,14 @@ local function guard_section()
   local d = M.guard_defaults
   return {
     action = d.action,           -- what a spike / KL / entropy detector does: skip or rollback
-    grad_spike = d.grad_spike,   -- robust deviations above the recent median (0: off)
-    loss_spike = d.loss_spike,
-    window = M.integer(d.window), min_history = M.integer(d.min_history),
-    kl_max = d.kl_max,           -- 0: off
-    entropy_min = d.entropy_min, -- 0: off
-    max_rollbacks = M.integer(d.max_rollbacks), -- more rollbacks than this stop the run
-    max_skips = M.integer(d.max_skips),         -- more skipped updates in a row than this stop it (0: no limit)
-    lr_factor = d.lr_factor,     -- the learning rate is multiplied by this at each rollback
+    grad_spike = M.number(d.grad_spike, { min = 0 }), -- robust deviations above the recent median (0: off)
+    loss_spike = M.number(d.loss_spike, { min = 0 }),
+    window = M.integer(d.window, { min = 1 }), min_history = M.integer(d.min_history, { min = 1 }),
+    kl_max = M.number(d.kl_max, { min = 0 }),           -- 0: off
+    entropy_min = M.number(d.entropy_min, { min = 0 }), -- 0: off
+    max_rollbacks = M.integer(d.max_rollbacks, { min = 0 }), -- more rollbacks than this stop the run
+    max_skips = M.integer(d.max_skips, { min = 0 }),         -- more skipped updates in a row than this stop it (0: no limit)
+    lr_factor = M.number(d.lr_factor, { above = 0, max = 1 }), -- the learning rate is multiplied by this at each rollback
     skip_batch = d.skip_batch,   -- a rollback does not rewind the data: the offending batch is skipped
   }
 end
@@ -149,6 +169,61 @@ function M.closest(key, known, limit)
   return out
 end
 
+-- ---- ranges --------------------------------------------------------------------------------
+
+local function num_text(x)
+  if x == math.floor(x) and math.abs(x) < 1e15 then return string.format('%d', x) end
+  return tostring(x)
+end
+
+-- A range's bound: 1e9 rather than 1000000000 (where the short form is exact).
+local function bound_text(x)
+  local short = string.format('%g', x)
+  if math.abs(x) >= 1e6 and tonumber(short) == x then return (short:gsub('e%+0*', 'e')) end
+  return num_text(x)
+end
+
+-- "in [0, 1)", ">= 1", "in 0..1024", "0 or 1": how --show-config, the docs and errors say a range.
+function M.range_text(r, integer)
+  if not r then return nil end
+  local num_text = bound_text
+  local lo, hi = r.min or r.above, r.max or r.below
+  if lo and hi then
+    if integer and r.min and r.max then
+      if r.max == r.min + 1 then return num_text(r.min) .. ' or ' .. num_text(r.max) end
+      return 'in ' .. num_text(r.min) .. '..' .. num_text(r.max)
+    end
+    return string.format('in %s%s, %s%s', r.min and '[' or '(', num_text(lo), num_text(hi), r.max and ']' or ')')
+  end
+  if lo then return (r.min and '>= ' or '> ') .. num_text(lo) end
+  return (r.max and '<= ' or '< ') .. num_text(hi)
+end
+
+local function in_range(r, v)
+  return not r or ((r.min == nil or v >= r.min) and (r.above == nil or v > r.above) and
+    (r.max == nil or v <= r.max) and (r.below == nil or v < r.below))
+end
+
+-- Integers beyond 2^53 are not whole numbers a double can count to (1e300 steps is inf steps).
+local MAX_INTEGER = 2 ^ 53
+
+-- A number the run gets for key (a default, an override, from the environment): finite, whole
+-- where the key is an integer, in the key's range; else a usage error naming the key.
+local function check_number(key, leaf, v)
+  local integer = type_of(leaf) == 'integer'
+  if v ~= v or v == math.huge or v == -math.huge then
+    usage_error(string.format("config key '%s' must be a finite number, got %s", key, tostring(v)))
+  end
+  if integer and (v ~= math.floor(v) or math.abs(v) > MAX_INTEGER) then
+    usage_error(string.format("config key '%s' must be an integer%s, got %s", key,
+      math.abs(v) > MAX_INTEGER and ' of at most 2^53' or '', tostring(v)))
+  end
+  local r = is_slot(leaf) and leaf.range
+  if not in_range(r, v) then
+    usage_error(string.format("config key '%s' must be %s, got %s", key, M.range_text(r, integer), num_text(v)))
+  end
+end
+
 local booleans = { ['true'] = true, ['1'] = true, yes = true, on = true,
                    ['false'] = false, ['0'] = false, no = false, off = false }
 
@@ -160,7 +235,11 @@ local function parse_scalar(key, typ, text)
       usage_error(string.format("config key '%s' expects a%s %s, got '%s'", key,
         typ == 'integer' and 'n' or '', typ, text))
     end
-    if typ == 'integer' and n ~= math.floor(n) then
+    -- 1e309 reads as inf: a deadline that has passed, a loop that never ends, a NaN seed
+    if typ == 'number' and (n == math.huge or n == -math.huge) then
+      usage_error(string.format("config key '%s' expects a finite number, got '%s'", key, text))
+    end
+    if typ == 'integer' and (n ~= math.floor(n) or n == math.huge or n == -math.huge) then
       usage_error(string.format("config key '%s' expects an integer, got '%s'", key, text))
     end
     return n
@@ -223,6 +302,15 @@ local function set_path(tree, key, value)
   node[parts[#parts]] = value
 end
 
+local function get_path(tree, key)
+  local node = tree
+  for p in key:gmatch('[^.]+') do
+    if type(node) ~= 'table' then return nil end
+    node = node[p]
+  end
+  return node
+end
+
 local function sorted_keys(t)
   local keys = {}
   for k in pairs(t) do keys[#keys + 1] = k end
@@ -232,13 +320,14 @@ end
 
 local function describe(v)
   if is_slot(v) then
+    local range = v.range and ('  ' .. M.range_text(v.range, v.type == 'integer')) or ''
     if v.kind == 'default' then
       local words = {}
       for w in pairs(v.words or {}) do words[#words + 1] = ' or ' .. w end
       table.sort(words)
-      return tostring(v.value) .. '  (integer' .. table.concat(words) .. ')'
+      return tostring(v.value) .. '  (' .. v.type .. table.concat(words) .. ')' .. range
     end
-    return '<' .. v.kind .. ' ' .. v.type .. '>' .. (v.doc and ('  -- ' .. v.doc) or '')
+    return '<' .. v.kind .. ' ' .. v.type .. '>' .. range .. (v.doc and ('  -- ' .. v.doc) or '')
   end
   if is_list(v) then
     local parts = {}
@@ -249,18 +338,32 @@ local function describe(v)
   return tostring(v)
 end
 
+M.is_slot = is_slot
+
+-- A recipe's value v over a declared one d (a parent recipe's, a shared section's): a plain value
+-- for a typed key keeps its type, words and range (`grpo = { steps = 30 }` stays an integer >= 0);
+-- a slot of the same type without a range takes d's. Anything else replaces d.
+function M.over(d, v)
+  if not is_slot(d) then return v end
+  if is_slot(v) then
+    if v.type ~= d.type or v.range or not d.range then return v end
+    local c = setmetatable({}, Slot)
+    for k, x in pairs(v) do c[k] = x end
+    c.range = d.range
+    return c
+  end
+  local numeric = d.type == 'integer' or d.type == 'number'
+  if not numeric or not (type(v) == 'number' or (d.words and d.words[v])) then return v end
+  return setmetatable({ kind = 'default', type = d.type, value = v, words = d.words, range = d.range }, Slot)
+end
+
 -- The declared tree with the sections every recipe gets; a recipe's `run` keys (run = { threads =
--- 'auto' }) change those defaults (an integer key stays one).
+-- 'auto' }) change those defaults (a key keeps its type and range: M.over).
 local function with_sections(declared)
   local tree = {}
   for k, v in pairs(declared) do tree[k] = v end
   local run = run_section()
-  for k, v in pairs(tree.run or {}) do
-    local d = run[k]
-    if is_slot(d) and d.type == 'integer' and not is_slot(v) then v = setmetatable({ kind = 'default', type = 'integer',
-      value = v, words = d.words }, Slot) end
-    run[k] = v
-  end
+  for k, v in pairs(tree.run or {}) do run[k] = M.over(run[k], v) end
   tree.run = run
   if tree.guard == nil then tree.guard = guard_section() end
   if tree.dist == nil then tree.dist = dist_section() end
@@ -302,6 +405,12 @@ function M.merge(declared, overrides)
     if is_slot(leaf) and leaf.kind == 'required' and not given[k] then
       usage_error(string.format("config key '%s' (%s) is required: pass %s=...", k, leaf.type, k))
     end
+  end
+  -- every number the run gets, given or not, is finite and in its key's range: checked here,
+  -- before any work, so that no recipe checks its own
+  for _, k in ipairs(known) do
+    local v = get_path(cfg, k)
+    if type(v) == 'number' then check_number(k, flat[k], v) end
   end
   return cfg, flat
 end
@@ -357,6 +466,6 @@ function M.apply_run(run)
   if run.max_seconds and run.max_seconds > 0 then moonrl.check(moonrl.C.mrl_deadline_set(run.max_seconds)) end
 end
 
-M.set_path = set_path
+M.set_path, M.get_path = set_path, get_path
 
 return M

@@ -78,11 +78,11 @@ M.base_config = sections.rl_config
 -- not: `model = { dir = rl.NONE }` for a recipe that builds its own model.
 M.NONE = setmetatable({}, { __tostring = function() return 'rl.NONE' end })
 
-local function is_slot(v) return type(v) == 'table' and getmetatable(v) ~= nil and v.kind ~= nil end
+local is_slot = config.is_slot
 local function is_section(v) return type(v) == 'table' and not is_slot(v) and next(v) ~= nil and #v == 0 end
 
 -- A deep copy of over merged onto base: sections merge key by key, other values replace (a plain
--- number over an integer default stays an integer), rl.NONE removes.
+-- number over a typed default keeps its type and range: config.over), rl.NONE removes.
 function M.merge(base, over)
   local out = {}
   for k, v in pairs(base or {}) do out[k] = is_section(v) and M.merge(v, {}) or v end
@@ -90,23 +90,14 @@ function M.merge(base, over)
     local b = out[k]
     if v == M.NONE then out[k] = nil
     elseif is_section(v) and is_section(b) then out[k] = M.merge(b, v)
-    elseif is_slot(b) and b.kind == 'default' and b.type == 'integer' and type(v) == 'number' then
-      out[k] = config.integer(v)
-    else out[k] = v end
+    else out[k] = config.over(b, v) end
   end
   return out
 end
 
 -- ---- aliases: the old names of renamed keys -------------------------------------------------
 
-local function leaf(tree, key)
-  local node = tree
-  for part in key:gmatch('[^.]+') do
-    if type(node) ~= 'table' then return nil end
-    node = node[part]
-  end
-  return node
-end
+local leaf = config.get_path
 
 -- aliases = { ['grpo.eval_every'] = 'eval.every', ... }: each old key is declared (optional, of its
 -- target's type, so that --show-config lists it) and, when given, sets its target.
@@ -115,7 +106,7 @@ local function declare_aliases(cfg, aliases)
     local v = leaf(cfg, target)
     if v == nil then error(string.format("rl: the alias '%s' names '%s', which the config has not", old, target), 3) end
     local typ = is_slot(v) and v.type or type(v)
-    config.set_path(cfg, old, config.optional(typ, 'the old name of ' .. target))
+    config.set_path(cfg, old, config.optional(typ, 'the old name of ' .. target, is_slot(v) and v.range or nil))
   end
 end
 
@@ -138,6 +129,8 @@ local function define(class, base_config, def, section)
   for k, v in pairs(def) do self[k] = v end
   self.section = def.section or section
   self.config = M.merge(base_config(), def.config)
+  -- an RL recipe's section: its steps, prompts, samples ... get their types and ranges
+  if class == Recipe then sections.typed_algorithm(self.config[self.section]) end
   declare_aliases(self.config, def.aliases)
   return self
 end
@@ -184,6 +177,7 @@ function M.extend(parent, def)
   for k, v in pairs(def) do self[k] = v end
   self.parent, self.name, self.section = parent, def.name or parent.name, def.section or parent.section
   self.config = M.merge(parent.config, def.config)
+  if self.main == Recipe.main then sections.typed_algorithm(self.config[self.section]) end -- (keys it adds too)
   local aliases = {}
   for k, v in pairs(parent.aliases or {}) do aliases[k] = v end
   for k, v in pairs(def.aliases or {}) do aliases[k] = v end
@@ -210,6 +204,8 @@ function Base:check_sections(own)
   sections.check_data(cfg)
   E.check(cfg, { own = own })
   if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end
+  local key, count, tokens = self:batch_size()
+  if key then sections.check_batch_memory(key, count, tokens) end
 end
 
 -- The config keys a resumed run may change beside the session's: the evaluation's (and their old
@@ -243,6 +239,14 @@ function Recipe:main()
     self.history[step] = self:train_step(step, samples, info)
   end
   return self:finish()
+end
+
+-- The sequences a step holds, for the memory check of the counts (Base:check_sections): the
+-- config key that sets them, their number (every batch in flight: async.*) and tokens each.
+function Recipe:batch_size()
+  local c = self.c
+  if not (c.prompts and c.max_tokens) then return nil end
+  return self.section .. '.prompts', c.prompts * (c.samples or 1) * (sections.lag(self.cfg) + 1), c.max_tokens
 end
 
 -- What this recipe computes for the advantage estimators beyond the scores (a critic: 'values').
@@ -293,9 +297,6 @@ function Recipe:check_moe(policy)
   if asked and (policy and policy:num_moe_layers() or 0) == 0 then
     moonrl.usage_error(string.format("config key 'moe.%s': the model (%s) has no mixture-of-experts layers", asked,
       policy and policy.config.model_type or 'none'))
-  end
-  if moe.aux_loss_coef ~= nil and not (moe.aux_loss_coef >= 0) then
-    moonrl.usage_error("config key 'moe.aux_loss_coef' must be >= 0")
   end
 end
 
@@ -482,6 +483,13 @@ end
 
 -- own_heldout: the recipe has a held-out set of its own (SFT's split of its data).
 function Supervised:check() self:check_sections(self.own_heldout) end
+
+-- The sequences a step holds (Recipe:batch_size): SFT's train.batch examples, DPO's 2 × train.pairs.
+function Supervised:batch_size()
+  local c = self.c
+  if c.batch then return self.section .. '.batch', c.batch, c.max_length or 0 end
+  if c.pairs then return self.section .. '.pairs', 2 * c.pairs, c.max_length or 0 end
+end
 
 function Supervised:open_data() end
 

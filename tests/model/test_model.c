@@ -27,6 +27,27 @@ static void test_config(void) {
     CHECK(c.arch == MRL_ARCH_QWEN2 && c.attention_bias == 1);
     CHECK_OK(parse("{\"model_type\": \"qwen3\", " BASE ", \"head_dim\": 16, \"eos_token_id\": [7, 8]}", &c));
     CHECK(c.arch == MRL_ARCH_QWEN3 && c.head_dim == 16 && c.eos_token_id == 7);
+    /* every token id an integer within the vocabulary ([1.5] and [1e12] once loaded as token 0) */
+    const char *bad_ids[][2] = { { "\"eos_token_id\": [1.5]", "\"eos_token_id\"[0] must be a token id, an integer in 0..49" },
+                                 { "\"eos_token_id\": [1e12]", "\"eos_token_id\"[0]" },
+                                 { "\"eos_token_id\": [7, 1000000000000]", "\"eos_token_id\"[1] must be" },
+                                 { "\"eos_token_id\": [7, 50]", "\"eos_token_id\"[1] must be" },
+                                 { "\"eos_token_id\": -2", "\"eos_token_id\" must be a token id" },
+                                 { "\"eos_token_id\": [-1]", "\"eos_token_id\"[0] must be a token id" },
+                                 { "\"eos_token_id\": \"2\"", "\"eos_token_id\" must be" },
+                                 { "\"bos_token_id\": 50", "\"bos_token_id\" must be a token id, an integer in 0..49 (vocab_size 50)" } };
+    for (size_t i = 0; i < sizeof bad_ids / sizeof bad_ids[0]; i++) {
+        char text[512];
+        snprintf(text, sizeof text, "{\"model_type\": \"llama\", " BASE ", %s}", bad_ids[i][0]);
+        CHECK(parse(text, &c) == MRL_ERR_FORMAT);
+        CHECK_STR_CONTAINS(mrl_last_error(), bad_ids[i][1]);
+    }
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE ", \"bos_token_id\": 0, \"eos_token_id\": 49}", &c));
+    CHECK(c.bos_token_id == 0 && c.eos_token_id == 49);
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE ", \"bos_token_id\": null, \"eos_token_id\": []}", &c));
+    CHECK(c.bos_token_id == -1 && c.eos_token_id == -1);
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE ", \"bos_token_id\": -1, \"eos_token_id\": -1}", &c)); /* none */
+    CHECK(c.bos_token_id == -1 && c.eos_token_id == -1);
     CHECK_OK(parse("{\"architectures\": [\"LlamaForSequenceClassification\"], \"model_type\": \"llama\", " BASE "}", &c));
     CHECK(c.value_head == 1);
 

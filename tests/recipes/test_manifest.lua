@@ -52,6 +52,8 @@ t.test('a recipe on a model and data: their checksums; a changed input stops --f
   moonrl_run(words)
   local m = manifest(d)
   t.truthy(m.command.recipe.path:find('recipes/grpo.lua', 1, true) and #m.command.recipe.crc32c == 8, 'the recipe and its crc')
+  t.eq(m.command.recipe.copy, 'recipe.lua', 'a copy of it in the run directory')
+  t.eq(fs.read(d .. '/recipe.lua'), fs.read('recipes/grpo.lua'), 'the copy')
   local mf = m.inputs.model.files['model.safetensors']
   t.truthy(mf and mf.bytes > 0 and #mf.crc32c == 8, 'the model files: bytes and crc32c')
   t.truthy(m.inputs['data.train'] and m.inputs['data.train'].files['train.jsonl'], 'the data file')
@@ -86,12 +88,70 @@ t.test('--require files are part of the code: recorded, replayed by --from, a ch
   local code = false
   for _, c in ipairs(m.code) do if c.path == reward and #c.crc32c == 8 then code = true end end
   t.truthy(code, 'with its checksum among the code')
-  moonrl_run({ 'run', '--from', d })
+  -- the file is outside the run directory: --from runs it only when the command line names it
+  local r = moonrl_run({ 'run', '--from', d }, true)
+  t.eq(r.exit_status, 2, 'an unnamed --require file outside the directory')
+  t.truthy(r.stderr:find('the run loaded --require ' .. reward .. ', outside ' .. d, 1, true), r.stderr)
+  t.truthy(not fs.exists(d .. '-rerun'), 'nothing run')
+  moonrl_run({ 'run', '--from', d, '--require', reward })
   t.truthy(weights(d) == weights(d .. '-rerun'), 'replayed with the file: the same weights')
   fs.write(reward, fs.read(reward) .. '\n-- changed\n')
-  local r = moonrl_run({ 'run', '--from', d, 'run.dir=' .. dir .. '/req/no' }, true)
+  r = moonrl_run({ 'run', '--from', d, '--require', reward, 'run.dir=' .. dir .. '/req/no' }, true)
   t.eq(r.exit_status, 2, 'a changed --require file: a usage error')
   t.truthy(r.stderr:find(reward, 1, true) and r.stderr:find('changed', 1, true), r.stderr)
+end)
+
+-- What --from trusts (docs/runs.md): the run directory's files and moonrl's installation. A
+-- manifest naming code elsewhere (a shared run directory's, edited) once ran that code.
+t.test('--from runs the directory\'s copy of the recipe; code outside it only when named again', function()
+  local base = U.grpo_setup(dir .. '/trust', 12)
+  local d = dir .. '/trust/run'
+  local words = { 'run', 'recipes/grpo.lua', 'grpo.steps=2' }
+  for _, w in ipairs(U.words(base, d)) do words[#words + 1] = w end
+  moonrl_run(words)
+  -- a recipe elsewhere, that leaves a mark when it runs
+  local evil, mark = dir .. '/trust/evil.lua', dir .. '/trust/ran'
+  fs.write(evil, string.format('io.open(%q, "w"):close()\n', mark))
+  local function forged(edit)
+    local m = manifest(d)
+    edit(m)
+    fs.write(d .. '/manifest.json', json.encode(m))
+  end
+  local saved = fs.read(d .. '/manifest.json')
+  local function refused(args, want)
+    local r = moonrl_run(args, true)
+    t.eq(r.exit_status, 2, want .. ': ' .. r.stderr)
+    t.truthy(r.stderr:find(want, 1, true), want .. ': ' .. r.stderr)
+    t.truthy(not fs.exists(mark), 'the file outside did not run')
+    t.truthy(not fs.exists(d .. '-rerun'), 'nothing run')
+  end
+  local crc = string.format('%08x', (fs.crc32c_file(evil)))
+  -- the manifest names another recipe file, with its checksum, and no copy
+  forged(function(m) m.command.recipe = json.object({ 'path', evil, 'crc32c', crc }) end)
+  refused({ 'run', '--from', d }, 'names the recipe ' .. evil .. ', and ' .. d .. ' holds no copy of it')
+  -- ... or says its copy is that file, through a link
+  forged(function(m) m.command.recipe.copy = 'recipe.lua' end)
+  local copy = fs.read(d .. '/recipe.lua')
+  os.remove(d .. '/recipe.lua')
+  assert(proc.run({ 'ln', '-s', evil, d .. '/recipe.lua' }).ok)
+  refused({ 'run', '--from', d }, 'holds no copy of it')
+  os.remove(d .. '/recipe.lua')
+  fs.write(d .. '/recipe.lua', copy)
+  fs.write(d .. '/manifest.json', saved)
+  -- a reward=FILE.lua:NAME word of a file outside: only when given again
+  forged(function(m) m.command.words[#m.command.words + 1] = 'reward=' .. evil .. ':x' end)
+  refused({ 'run', '--from', d }, 'the word reward=' .. evil .. ':x loads ' .. evil .. ', outside ' .. d)
+  fs.write(d .. '/manifest.json', saved)
+  -- the copy edited: refused as a changed recipe
+  fs.write(d .. '/recipe.lua', copy .. '\n-- edited\n')
+  refused({ 'run', '--from', d }, 'recipe ' .. d .. '/recipe.lua: changed')
+  -- a recipe named on the command line runs, when it is the one the run ran
+  moonrl_run({ 'run', '--from', d, 'recipes/grpo.lua' })
+  t.truthy(weights(d) == weights(d .. '-rerun'), 'the named recipe: the same weights')
+  local r = moonrl_run({ 'run', '--from', d, evil, 'run.dir=' .. dir .. '/trust/no' }, true)
+  t.eq(r.exit_status, 2)
+  t.truthy(r.stderr:find('recipe ' .. evil .. ': changed', 1, true), 'another file named: refused, ' .. r.stderr)
+  t.truthy(not fs.exists(mark), 'and not run')
 end)
 
 t.test('bad manifests and another rank count: one-line usage errors', function()

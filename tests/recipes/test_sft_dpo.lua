@@ -120,11 +120,7 @@ t.test('sft, dpo: a bad data or eval setting is one line, exit 2, before the mod
     local argv = { exe, 'run', c[1], 'model.dir=' .. dir .. '/nomodel', 'run.dir=' .. d }
     for w in c[2]:gmatch('%S+') do argv[#argv + 1] = w end
     if not c[2]:find('data.task') and c[2] ~= '' then argv[#argv + 1] = 'data.path=' .. dir .. '/none.jsonl' end
-    local r = proc.run(argv, { timeout = 60 })
-    t.eq(r.exit_status, 2, c[1] .. ' ' .. c[2])
-    t.truthy(r.stderr:find(c[3], 1, true), c[2] .. ': ' .. r.stderr)
-    t.eq(select(2, r.stderr:gsub('\n', '')), 1, 'one line')
-    t.truthy(not fs.exists(d), 'no run directory')
+    U.expect_usage(t, argv, c[3], d)
   end
   fs.remove(dir)
 end)

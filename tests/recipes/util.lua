@@ -92,6 +92,18 @@ function M.words(base, run_dir, extra)
   return w
 end
 
+-- Run argv (a moonrl command line) and check that it is a usage error at start-up: exit status 2,
+-- one line holding want, and no run_dir made. t: moonrl.testing; returns proc.run's result.
+function M.expect_usage(t, argv, want, run_dir)
+  local r = require('moonrl.io.proc').run(argv, { timeout = 60 })
+  local what = table.concat(argv, ' ', 2)
+  t.eq(r.exit_status, 2, what .. ': ' .. r.stderr)
+  t.truthy(r.stderr:find(want, 1, true), what .. ': ' .. r.stderr)
+  t.eq(select(2, r.stderr:gsub('\n', '')), 1, 'one line: ' .. r.stderr)
+  t.truthy(not require('moonrl.io.fs').exists(run_dir), 'no run directory: ' .. what)
+  return r
+end
+
 -- Run a recipe file with overrides {'key=value', ...}; returns what the recipe returns.
 -- The tensors of a safetensors file as fp32: { [name] = { buf = float[n], n = n } } (a run's
 -- saved model: RUN/model/model.safetensors).

@@ -51,6 +51,10 @@ expect "missing recipe" 2 "moonrl: error: recipe '$tmp/nope.lua' not found" -- "
 expect "unknown key" 2 "moonrl: error: unknown config key 'stpes' (did you mean steps?)" -- "$MOONRL" run "$tmp/recipe.lua" stpes=3
 expect "wrong type" 2 "moonrl: error: config key 'lr' expects a number, got 'high'" -- "$MOONRL" run "$tmp/recipe.lua" lr=high
 expect "not an integer" 2 "expects an integer, got '2.5'" -- "$MOONRL" run "$tmp/recipe.lua" steps=2.5
+expect "--restarts inf" 2 "--restarts expects a whole number >= 0, got 1e309" -- "$MOONRL" run "$tmp/recipe.lua" --restarts 1e309
+expect "--backoff inf" 2 "--backoff expects a number >= 0, got 1e309" -- "$MOONRL" run "$tmp/recipe.lua" --restarts 1 --backoff 1e309
+expect "launch -n inf" 2 "-n expects a whole number >= 1, got 1e309" -- "$MOONRL" launch -n 1e309 "$tmp/recipe.lua"
+expect "a generate option inf" 2 "--max-tokens '1e309': expected an integer" -- "$MOONRL" generate --model "$tmp" --prompt x --max-tokens 1e309
 expect "bad word" 2 "expected key=value, got 'lr'" -- "$MOONRL" run "$tmp/recipe.lua" lr
 expect "lua error has file and line" 1 "broken.lua:3: attempt to index local 'x'" -- "$MOONRL" run "$tmp/broken.lua"
 expect "syntax error has file and line" 2 "syntax.lua:1:" -- "$MOONRL" run "$tmp/syntax.lua"

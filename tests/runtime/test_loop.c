@@ -126,6 +126,11 @@ static void test_stop_and_deadline(void) {
     CHECK(mrl_stop_requested() == 0);
     CHECK_OK(mrl_sleep(0.01));
     CHECK(mrl_deadline_set(-1) == MRL_ERR_INVALID);
+    CHECK(mrl_deadline_set(1.0 / 0.0) == MRL_ERR_INVALID); /* inf once fired at once */
+    CHECK(mrl_deadline_set(0.0 / 0.0) == MRL_ERR_INVALID);
+    CHECK(mrl_deadline_set(1e300) == MRL_ERR_INVALID);
+    CHECK_OK(mrl_deadline_set(1e9)); /* 31 years: set, and cancelled */
+    CHECK_OK(mrl_deadline_set(0));
     mrl_request_stop(0, "test");
     CHECK(mrl_stop_requested() == -2);
     mrl_clear_stop();

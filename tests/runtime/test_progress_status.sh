@@ -117,5 +117,29 @@ status_is "status: no argument" $? 2
 has_text "status: usage" "$out" "usage: moonrl status RUN_DIR"
 out=$("$MOONRL" status "$tmp/plain" --bogus 2>&1)
 status_is "status: an unknown option" $? 2
+out=$("$MOONRL" status "$tmp/plain" --watch 1e309 2>&1)
+status_is "status: --watch inf" $? 2
+
+# ---- a garbage heartbeat file: one line naming the file and the field, exit 2 (once an internal
+# error in the rendering); a metrics or events line of the wrong types is shown without a crash
+garbage() { # NAME TEXT WANT: status on a copy of the finished run whose rank-0 heartbeat holds TEXT
+  rm -rf "$tmp/garbage" && cp -r "$tmp/plain" "$tmp/garbage" && printf '%s\n' "$2" > "$tmp/garbage/status/rank-0.json"
+  out=$("$MOONRL" status "$tmp/garbage" 2>&1)
+  status_is "status, garbage heartbeat: $1" $? 2
+  has_text "status, garbage heartbeat: $1: the message" "$out" "$3"
+  [ "$(echo "$out" | wc -l)" -eq 1 ] && ok "status, garbage heartbeat: $1: one line" || bad "$1: one line" "$out"
+}
+garbage "a step of text" '{"state": "running", "step": "x"}' "status/rank-0.json: field 'step' must be an integer >= 0, got \"x\""
+garbage "a state of a number" '{"state": 5}' "field 'state' must be a string, got 5"
+garbage "a pid of an object" '{"state": "running", "pid": {}}' "field 'pid' must be an integer >= 0, got a table"
+garbage "an eta past the doubles" '{"state": "running", "eta": 1e999}' "field 'eta' must be a finite number, got inf"
+garbage "a list" '[1, 2]' "status/rank-0.json: not a JSON object"
+garbage "cut JSON" '{"state": ' "status/rank-0.json:2:1: unexpected end of input"
+rm -rf "$tmp/garbage" && cp -r "$tmp/plain" "$tmp/garbage" && rm -r "$tmp/garbage/status"
+printf '%s\n' '{"step": 1, "time": "x"}' '{"step": "2", "time": {}}' >> "$tmp/garbage/metrics.jsonl"
+printf '%s\n' '{"event": "skip", "step": {}}' >> "$tmp/garbage/events.jsonl"
+out=$("$MOONRL" status "$tmp/garbage" 2>&1)
+status_is "status: metrics and events lines of the wrong types" $? 0
+has_text "status: the last event shown" "$out" "last: skip ("
 
 summary

@@ -35,7 +35,8 @@ int mrl_stop_requested(void);
 const char *mrl_stop_reason(void);
 void mrl_request_stop(int code, const char *reason);
 void mrl_clear_stop(void);
-/* After `seconds`, request a stop (code -1). 0 cancels the deadline. */
+/* After `seconds` (0..MRL_DEADLINE_MAX, finite), request a stop (code -1). 0 cancels the deadline. */
+#define MRL_DEADLINE_MAX 1e12
 mrl_status mrl_deadline_set(double seconds);
 
 /* --- Subprocesses with timeouts ---------------------------------------- */

@@ -18,7 +18,7 @@ local M = {}
 -- A number option's value: "CMD: FLAG 'S': expected an integer >= 1" (or "in LO..HI") when it is not one.
 local function number(spec, cmd, flag, s)
   local v = tonumber(s)
-  if not v or v ~= v or (spec[2] and v ~= math.floor(v)) or v < spec[3] or (spec[4] and v > spec[4]) then
+  if not v or v ~= v or math.abs(v) == math.huge or (spec[2] and v ~= math.floor(v)) or v < spec[3] or (spec[4] and v > spec[4]) then
     moonrl.usage_error(string.format("%s: %s '%s': expected %s %s", cmd, flag, s, spec[2] and 'an integer' or 'a number',
       spec[4] and string.format('in %s..%s', spec[3], spec[4]) or ('>= ' .. spec[3])))
   end

@@ -18,7 +18,9 @@ usage:
                                     estimators, tasks: moonrl.registry), its directory on the
                                     module path; reward=FILE.lua:NAME takes one reward from a file
   moonrl run --from RUN_DIR [k=v ...]  that run again (its recipe, words and inputs, checked
-                                    unchanged; manifest.json) into RUN_DIR-rerun or run.dir
+                                    unchanged; manifest.json) into RUN_DIR-rerun or run.dir; it
+                                    runs RUN_DIR's copy of the recipe: code outside RUN_DIR and
+                                    moonrl runs only when named again (RECIPE, --require F)
   moonrl run --restarts N RECIPE ...  supervise: restart a crashed or hung run from its latest
                                     checkpoint, N times at most (--backoff S, --kill-grace S)
   moonrl launch -n N [--restarts K] RECIPE [key=value ...]
@@ -174,7 +176,7 @@ local function cmd_run(args)
       requires[#requires + 1] = f
     elseif flag then
       local v = tonumber(args[i + 1])
-      if not v or v < 0 or (flag == 'restarts' and v ~= math.floor(v)) then
+      if not v or not (v >= 0 and v < math.huge) or (flag == 'restarts' and v ~= math.floor(v)) then -- (1e309: inf)
         eprint(string.format('error: %s expects a %s >= 0, got %s', a, flag == 'restarts' and 'whole number' or 'number',
           tostring(args[i + 1])))
         return 2
@@ -186,17 +188,19 @@ local function cmd_run(args)
     i = i + 1
   end
   if from then
-    if name then
-      eprint(string.format("error: --from %s runs that directory's recipe: give no recipe ('%s')", from, name))
+    -- the run's own copy of its recipe, or the recipe and --require files named here (the code
+    -- --from runs outside the directory must be named: moonrl.train.manifest, "What --from trusts")
+    local named = { recipe = name and find_recipe(name), requires = requires }
+    if name and not named.recipe then
+      eprint(string.format("error: recipe '%s' not found (no such file, and no recipes/%s.lua)", name, name))
       return 2
     end
-    local ok, rpath, rwords, _, rrequires = pcall(require('moonrl.train.manifest').rerun_command, from, words)
+    local ok, rpath, rwords, _, rrequires = pcall(require('moonrl.train.manifest').rerun_command, from, words, named)
     if not ok then
       eprint('error: ' .. moonrl.error_text(rpath))
       return 2
     end
-    name, words = rpath, rwords
-    for i = #rrequires, 1, -1 do table.insert(requires, 1, rrequires[i]) end -- its --require files first
+    name, words, requires = rpath, rwords, rrequires -- (its --require files, then any others named here)
     if type(name) == 'table' then -- the embedded default example
       require('moonrl.train.manifest').command = { embedded = 'default', words = words, requires = requires }
       local ok2, overrides = pcall(require('moonrl.config').parse_overrides, words)

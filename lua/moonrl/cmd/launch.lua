@@ -37,7 +37,7 @@ function M.main(args)
     local key = numbers[a]
     if key then
       local v = tonumber(args[i + 1])
-      if not v or v < 0 or ((key == 'n' or key == 'restarts') and v ~= math.floor(v)) or (key == 'n' and v < 1) then
+      if not v or not (v >= 0 and v < math.huge) or ((key == 'n' or key == 'restarts') and v ~= math.floor(v)) or (key == 'n' and v < 1) then
         eprint(string.format('%s expects a %s, got %s', a, key == 'n' and 'whole number >= 1' or 'number >= 0',
           tostring(args[i + 1])))
         return 2

@@ -64,6 +64,33 @@ local function fmt(x)
   return string.format('%.4g', x)
 end
 
+-- The fields of a heartbeat file (moonrl.io.progress's status_writer) and their types: a file
+-- that is not a JSON object, or holds a field of another type, is garbage, and an error naming the
+-- file and field, not something to render (once: an internal error in string.format).
+local HEARTBEAT = { rank = 'count', pid = 'count', world_size = 'count', attempt = 'count', step = 'count',
+  global_step = 'count', total = 'count', started = 'number', time = 'number', loop_since = 'number',
+  phase_since = 'number', rate = 'number', eta = 'number', loss = 'number', host = 'string', state = 'string',
+  recipe = 'string', loop = 'string', phase = 'string', message = 'string' }
+local WANT = { count = 'an integer >= 0', number = 'a finite number', string = 'a string' }
+
+local function finite(v) return type(v) == 'number' and v == v and math.abs(v) < math.huge end
+
+local function heartbeat(path)
+  local ok, r = pcall(json.decode, fs.read(path) or '', path)
+  if not ok then moonrl.usage_error('status: ' .. moonrl.error_text(r)) end
+  if not json.is_object(r) then moonrl.usage_error(string.format('status: %s: not a JSON object (a heartbeat)', path)) end
+  for _, k in ipairs(json.keys(r)) do
+    local v, want = r[k], HEARTBEAT[k]
+    local fits = want == nil or (want == 'string' and type(v) == 'string') or (want == 'number' and finite(v)) or
+      (want == 'count' and finite(v) and v >= 0 and v == math.floor(v))
+    if not fits then
+      moonrl.usage_error(string.format("status: %s: field '%s' must be %s, got %s", path, k, WANT[want],
+        type(v) == 'string' and string.format('%q', v) or type(v) == 'table' and 'a ' .. type(v) or tostring(v)))
+    end
+  end
+  return r
+end
+
 local METRIC_KEYS = { 'loss', 'reward/mean', 'accuracy', 'heldout_accuracy', 'kl', 'entropy', 'clip_frac', 'grad_norm',
   'lr', 'response_length/mean', 'tokens_per_s/generate', 'tokens_per_s/train', 'time/step' }
 
@@ -86,11 +113,7 @@ function M.collect(dir)
   local ranks = json.array()
   if has['status'] then
     for _, name in ipairs(fs.list(dir .. '/status')) do
-      if name:match('^rank%-%d+%.json$') then
-        local text = fs.read(dir .. '/status/' .. name)
-        local ok, r = pcall(json.decode, text or '', name)
-        if ok and type(r) == 'table' then ranks[#ranks + 1] = r end
-      end
+      if name:match('^rank%-%d+%.json$') then ranks[#ranks + 1] = heartbeat(dir .. '/status/' .. name) end
     end
     table.sort(ranks, function(a, b) return (a.rank or 0) < (b.rank or 0) end)
   end
@@ -112,8 +135,9 @@ function M.collect(dir)
     info.metrics_written = mst and mst.mtime
     if #metrics >= 2 and not (lead and lead.rate) then -- a rate from the log (no heartbeat file)
       local first = metrics[math.max(1, #metrics - 20)]
-      local dt = (last.time or 0) - (first.time or 0)
-      if dt > 0 then info.log_rate = ((last.step or 0) - (first.step or 0)) / dt end
+      local function num(v) return finite(v) and v or 0 end -- (a line written by something else: no rate)
+      local dt = num(last.time) - num(first.time)
+      if dt > 0 then info.log_rate = (num(last.step) - num(first.step)) / dt end
     end
   end
   -- events
@@ -220,7 +244,7 @@ function M.render(info)
     local last = ''
     if e then
       local detail = e.message or e.cause or e.detector or e.checkpoint
-      last = string.format('; last: %s%s%s (%s)', e.event, e.step and (' at step ' .. e.step) or '',
+      last = string.format('; last: %s%s%s (%s)', tostring(e.event), type(e.step) == 'number' and (' at step ' .. e.step) or '',
         detail and (': ' .. tostring(detail)) or '', ago(e.time, now))
     end
     line('events: %s%s', table.concat(ev, ', '), last)
@@ -237,7 +261,7 @@ function M.main(args)
     elseif a == '--watch' or a == '-w' then
       watch = 2
       if tonumber(args[i + 1]) then watch = tonumber(args[i + 1]); i = i + 1 end
-      if not (watch > 0) then moonrl.usage_error('status: --watch expects seconds > 0') end
+      if not (watch > 0 and watch < math.huge) then moonrl.usage_error('status: --watch expects seconds > 0') end
     elseif a == '-h' or a == '--help' then print(USAGE) return 0
     elseif a:sub(1, 1) == '-' then moonrl.usage_error(string.format("status: unknown option '%s'\n%s", a, USAGE))
     elseif dir then moonrl.usage_error('status: one run directory at a time\n' .. USAGE)

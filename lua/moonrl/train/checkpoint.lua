@@ -35,6 +35,11 @@ local json = require('moonrl.io.json')
 
 local M = {}
 
+local function is_map(v) return json.is_object(v) or (json.is_array(v) and #v == 0) end -- ({} is written as [])
+local function is_int(v, lo, hi)
+  return type(v) == 'number' and v == math.floor(v) and v >= lo and v <= (hi or 2 ^ 53)
+end
+
 M.FORMAT = 'moonrl-checkpoint'
 M.VERSION = 1
 
@@ -127,6 +132,24 @@ function M.write_parts(root, name, parts, p)
   return final, bytes
 end
 
+-- Why the path rel (a manifest's file name) is not a file of its own inside dir, or nil: it must
+-- be relative, without '..' or empty parts, and reach its file through directories, never
+-- symbolic links (a manifest listing ../../etc/hostname once had that file read).
+function M.outside(dir, rel)
+  if type(rel) ~= 'string' or rel == '' or rel:sub(1, 1) == '/' or rel:find('\0', 1, true) then
+    return 'is not a relative path'
+  end
+  local at = dir
+  local parts = {}
+  for part in (rel .. '/'):gmatch('([^/]*)/') do parts[#parts + 1] = part end
+  for i, part in ipairs(parts) do
+    if part == '' or part == '.' or part == '..' then return 'reaches outside the checkpoint' end
+    at = at .. '/' .. part
+    if i < #parts and not fs.is_dir(at) then return 'reaches outside the checkpoint (through ' .. at .. ')' end
+  end
+  return nil
+end
+
 -- true, or false and why (one line naming the file).
 function M.verify(dir)
   local mpath = dir .. '/manifest.json'
@@ -142,6 +165,11 @@ function M.verify(dir)
   end
   for _, rel in ipairs(json.keys(m.files)) do
     local want, path = m.files[rel], dir .. '/' .. rel
+    local outside = M.outside(dir, rel)
+    if outside then return false, string.format('%s: the file %q %s', mpath, rel, outside) end
+    if not (json.is_object(want) and is_int(want.bytes, 0) and type(want.crc32c) == 'string') then
+      return false, string.format('%s: the entry of %q is not { bytes, crc32c }', mpath, rel)
+    end
     local st = fs.stat(path)
     if not st or not st.is_file then return false, path .. ': missing (listed in the manifest)' end
     if st.size ~= want.bytes then
@@ -183,6 +211,149 @@ end
 
 function M.read(dir)
   return { state = json.read_file(dir .. '/state.json'), run = json.read_file(dir .. '/run.json') }
+end
+
+-- ---- what a resume takes from a checkpoint, checked before it is used ---------------------------
+-- A checkpoint verifies against its manifest, but both may have been edited, or written by
+-- something else: state.json and run.json are checked field by field against what this moonrl
+-- writes (types and ranges), and against the run (its datasets' sizes, its metrics.jsonl), so
+-- that a step of -5, a data position past the end or a string for a number is refused naming the
+-- field, never an internal error or a run that goes on from nonsense.
+
+local function show(v)
+  if type(v) == 'string' then return string.format('%q', v) end
+  if type(v) == 'table' then return json.is_array(v) and 'a list' or 'an object' end
+  return tostring(v)
+end
+local function bad(file, field, want, v)
+  return string.format('%s: %s must be %s, got %s', file, field, want, show(v))
+end
+
+-- The fields of state.json: name, what it must be, whether a checkpoint may lack it (older ones).
+local STATE_FIELDS = {
+  { 'step', 'int', false }, { 'phase_step', 'int', false }, { 'metrics_bytes', 'int', true },
+  { 'metrics_lines', 'int', true }, { 'rollbacks', 'int', true }, { 'skips', 'int', true },
+  { 'skips_in_row', 'int', true }, { 'lr_scale', 'scale', true }, { 'phase', 'name', true },
+  { 'reason', 'string', true }, { 'phases_done', 'names', true }, { 'data', 'map', true }, { 'rngs', 'map', true },
+  { 'extra', 'map', true }, { 'memo', 'map', true }, { 'guard', 'map', true },
+}
+local WANT = { int = 'an integer >= 0', scale = 'a number > 0', name = 'a string or null', string = 'a string',
+  names = 'a list of strings', map = 'an object', list = 'a list of finite numbers' }
+local function fits(kind, v)
+  if kind == 'int' then return is_int(v, 0) end
+  if kind == 'scale' then return type(v) == 'number' and v > 0 and v < math.huge end
+  if kind == 'name' then return type(v) == 'string' or v == json.null end
+  if kind == 'string' then return type(v) == 'string' end
+  if kind == 'map' then return is_map(v) end
+  if kind == 'names' or kind == 'list' then
+    if not json.is_array(v) then return false end
+    for _, x in ipairs(v) do
+      if kind == 'names' and type(x) ~= 'string' then return false end
+      if kind == 'list' and not (type(x) == 'number' and x == x and math.abs(x) < math.huge) then return false end
+    end
+    return true
+  end
+end
+
+-- nil, or why a checkpoint's { state, run } (M.read) cannot be resumed from: "state.json: step
+-- must be an integer >= 0, got -5".
+function M.check_state(saved)
+  local s, r = saved.state, saved.run
+  if not json.is_object(s) then return 'state.json: not a JSON object' end
+  if not json.is_object(r) then return 'run.json: not a JSON object' end
+  for _, f in ipairs(STATE_FIELDS) do
+    local v = s[f[1]]
+    if not (v == nil and f[3]) and not fits(f[2], v) then return bad('state.json', f[1], WANT[f[2]], v) end
+  end
+  if s.phase_step > s.step then
+    return string.format('state.json: phase_step %d is past step %d (the steps of every phase)', s.phase_step, s.step)
+  end
+  for _, name in ipairs(json.keys(s.data or {})) do -- each dataset's position (its size: M.check_positions)
+    local d, at = s.data[name], 'data.' .. name
+    if not json.is_object(d) then return bad('state.json', at, WANT.map, d) end
+    for _, k in ipairs({ 'epoch', 'index', 'n', 'skipped' }) do
+      if not ((d[k] == nil and k ~= 'epoch' and k ~= 'index') or is_int(d[k], 0)) then
+        return bad('state.json', at .. '.' .. k, WANT.int, d[k])
+      end
+    end
+    if d.seed ~= nil and not (type(d.seed) == 'string' and d.seed:match('^%d+$')) then
+      return bad('state.json', at .. '.seed', 'a string of digits', d.seed)
+    end
+  end
+  for _, name in ipairs(json.keys(s.rngs or {})) do -- moonrl.rng: a Lehmer generator's state
+    if not is_int(s.rngs[name], 0, 2147483646) then
+      return bad('state.json', 'rngs.' .. name, 'an integer in 0..2147483646', s.rngs[name])
+    end
+  end
+  for _, k in ipairs({ 'grad_norm', 'loss' }) do
+    local w = s.guard and s.guard[k]
+    if w ~= nil and not fits('list', w) then return bad('state.json', 'guard.' .. k, WANT.list, w) end
+  end
+  local th = s.memo and s.memo.threads -- run.threads=auto's count (moonrl.train.threads)
+  if th ~= nil and not (json.is_object(th) and is_int(th.chosen, 1, tonumber(moonrl.C.mrl_parallel_max_threads()))) then
+    return bad('state.json', 'memo.threads.chosen', 'a thread count', json.is_object(th) and th.chosen or th)
+  end
+  if type(r.recipe) ~= 'string' then return bad('run.json', 'recipe', WANT.string, r.recipe) end
+  if r.config ~= nil and not is_map(r.config) then return bad('run.json', 'config', WANT.map, r.config) end
+  if r.git ~= nil and type(r.git) ~= 'string' then return bad('run.json', 'git', WANT.string, r.git) end
+  return nil
+end
+
+-- nil, or why the data positions of state (state.json's data) do not fit the run's datasets
+-- (datasets: the session's { name, view } list): a position past the end, another size.
+function M.check_positions(state, datasets)
+  for _, d in ipairs(datasets) do
+    local p = state.data and state.data[d.name]
+    if p then
+      local n, at = d.view.n, 'data.' .. d.name
+      if p.n ~= nil and p.n ~= n then
+        return string.format('state.json: %s.n is %d, the dataset has %d records (another file?)', at, p.n, n)
+      end
+      if p.index > n then
+        return string.format('state.json: %s.index %d is past the end of the dataset (%d records)', at, p.index, n)
+      end
+    end
+  end
+  return nil
+end
+
+-- The lines in the first `bytes` bytes of a file (all of it without bytes; 0 when it is absent),
+-- read a MiB at a time.
+function M.count_lines(path, bytes)
+  local f = io.open(path, 'rb')
+  if not f then return 0 end
+  local n, left = 0, bytes or math.huge
+  while left > 0 do
+    local chunk = f:read(math.min(left, 2 ^ 20))
+    if not chunk then break end
+    left = left - #chunk
+    n = n + select(2, chunk:gsub('\n', ''))
+  end
+  f:close()
+  return n
+end
+
+-- nil, or why cutting the run's metrics.jsonl (path) back to state.metrics_bytes, as a resume does
+-- to drop the lines of the steps it redoes, does not fit: past the end of the file, or keeping
+-- another number of lines than the checkpoint had written (state.metrics_lines: a length of 0
+-- would drop the metrics of every step before the checkpoint). Returns the lines kept too.
+function M.check_metrics(path, state)
+  local bytes = state.metrics_bytes
+  local f = bytes and io.open(path, 'rb')
+  if not f then return nil end -- nothing to cut
+  local size = f:seek('end')
+  if bytes > size then
+    f:close()
+    return string.format('state.json: metrics_bytes %d is past the end of %s (%d bytes: cut or replaced since)',
+      bytes, path, size)
+  end
+  f:close()
+  local lines = M.count_lines(path, bytes)
+  if state.metrics_lines and lines ~= state.metrics_lines then
+    return string.format('state.json: metrics_bytes %d keeps %d lines of %s, the checkpoint was written after %d',
+      bytes, lines, path, state.metrics_lines)
+  end
+  return nil, lines
 end
 
 -- Copy a checkpoint's weights into an existing model (same config, checked tensor by tensor).

@@ -25,7 +25,7 @@ local sections = require('moonrl.train.sections')
 
 local M = {}
 
--- Usage errors before any work: a bad task name, a negative count, eval.every with no held-out
+-- Usage errors before any work: a bad task name, eval.every with no held-out
 -- set (o.own: the recipe has one of its own).
 function M.check(cfg, o)
   local e, d = cfg.eval, cfg.data or {}
@@ -34,10 +34,6 @@ function M.check(cfg, o)
   if e.task ~= nil then tasks.check(e.task, 'eval.task') end
   if e.data ~= nil and not require('moonrl.io.fs').exists(e.data) then
     moonrl.usage_error(string.format("config key 'eval.data': %s: no such file", e.data))
-  end
-  for _, k in ipairs({ 'every', 'prompts', 'max_tokens' }) do
-    if e[k] < 0 then moonrl.usage_error(string.format("config key 'eval.%s' must be >= 0 (0: %s)", k,
-      k == 'every' and 'off' or k == 'prompts' and 'all' or "the recipe's")) end
   end
   if e.every > 0 and not e.data and not e.task and not d.task and not (o and o.own) then
     moonrl.usage_error('eval.every: no held-out set: pass eval.data=FILE.jsonl or eval.task=NAME (or train on data.task)')

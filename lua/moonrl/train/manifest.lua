@@ -20,6 +20,12 @@
 -- an error naming it), into RUN_DIR-rerun (or run.dir=...), with the thread count run.threads=auto
 -- chose (the bits depend on it): on the same kind of machine (the same kernels) the result is
 -- bit-identical.
+--
+-- What --from trusts: the run directory's own files and moonrl's installation, nothing else a
+-- manifest names. A run keeps a copy of its recipe file (RUN_DIR/recipe.lua, M.RECIPE_COPY), and
+-- --from runs that copy; a recipe file, a --require file or a reward=FILE.lua:NAME word outside
+-- the directory and the installation runs only when the command line names it again (a shared
+-- run directory whose manifest was edited could otherwise run any file).
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local fs = require('moonrl.io.fs')
@@ -29,6 +35,24 @@ local registry = require('moonrl.registry')
 local M = {}
 
 M.FORMAT = 1
+M.RECIPE_COPY = 'recipe.lua' -- the run's copy of its recipe file, in the run directory
+
+pcall(ffi.cdef, 'char *realpath(const char *path, char *resolved); void free(void *p);')
+
+-- The canonical absolute path of an existing file (symbolic links and .. resolved), or nil.
+local function real(path)
+  local p = ffi.C.realpath(path, nil)
+  if p == nil then return nil end
+  local out = ffi.string(p)
+  ffi.C.free(p)
+  return out
+end
+
+-- Whether path is root or lies under it, once both are resolved.
+local function under(path, root)
+  local p, r = real(path), root and real(root)
+  return p ~= nil and r ~= nil and (p == r or p:sub(1, #r + 1) == r .. '/')
+end
 
 -- The Lua files the run loaded beside the recipe, in load order (those moonrl.registry loaded,
 -- --require files and reward plugins, join at each write): { path = true }.
@@ -140,6 +164,7 @@ function M.build(S, created)
   elseif cmd.recipe then
     local crc = crc_hex(cmd.recipe)
     recipe = json.object({ 'path', cmd.recipe, 'crc32c', crc or json.null })
+    if S.recipe_copied then recipe.copy = M.RECIPE_COPY end
   end
   local inputs = json.object()
   for k, p in pairs(S.inputs or {}) do inputs[k] = M.identity(p) end
@@ -191,6 +216,13 @@ end
 -- earlier start of the same run (a resume).
 function M.write(S)
   local path = S.dir .. '/manifest.json'
+  local recipe = M.command and M.command.recipe
+  if recipe and not S.recipe_copied then -- the copy --from runs (M.rerun_command); a resume refreshes it
+    local copy = S.dir .. '/' .. M.RECIPE_COPY
+    S.recipe_copied = S.run:guarded_write(copy, function()
+      if crc_hex(copy) ~= crc_hex(recipe) or not fs.stat(copy).is_file then fs.copy(recipe, copy) end
+    end)
+  end
   local created
   if fs.exists(path) then
     local ok, old = pcall(json.decode, fs.read(path), path)
@@ -220,14 +252,17 @@ local function changed_files(what, rec, out)
   end
 end
 
-function M.check_unchanged(m)
+-- recipe: the file that will run (the run's copy, or the one the command line named), checked
+-- against the recipe's recorded checksum.
+function M.check_unchanged(m, recipe)
   local out = {}
   local r = m.command.recipe
   if type(r) == 'table' and r.path then
-    local crc = crc_hex(r.path)
-    if not crc then out[#out + 1] = 'recipe ' .. r.path .. ': missing'
-    elseif crc ~= r.crc32c then out[#out + 1] = string.format('recipe %s: changed (crc32c %s, recorded %s)', r.path, crc,
-      tostring(r.crc32c)) end
+    recipe = recipe or r.path
+    local crc = crc_hex(recipe)
+    if not crc then out[#out + 1] = 'recipe ' .. recipe .. ': missing'
+    elseif crc ~= r.crc32c then out[#out + 1] = string.format('recipe %s: changed (crc32c %s, recorded %s of %s)', recipe,
+      crc, tostring(r.crc32c), r.path) end
   end
   local names = {}
   for k in pairs(m.inputs or {}) do names[#names + 1] = k end
@@ -254,14 +289,64 @@ function M.machine_differences(m)
   return out
 end
 
--- `moonrl run --from DIR [key=value ...]`: the recipe path, the words to run it with, the
--- manifest, and the --require files it loaded.
-function M.rerun_command(dir, extra)
+-- The code a re-run of dir would run beside moonrl's own (see the top): the recipe file (the run's
+-- copy, or the file the command line named), the --require files and reward=FILE.lua:NAME words
+-- the manifest recorded, each refused unless it lies in dir or the installation or the command line
+-- names it again. named: { recipe = path, requires = { path, ... } } of the command line; extra:
+-- its words. Returns the recipe file to run (nil for the embedded example) and the --require files.
+local function trusted_code(dir, m, path, named, extra)
+  local r = m.command.recipe
+  local function trusted(file) return under(file, dir) or under(file, moonrl.home) end
+  local recipe
+  if r.embedded then
+    if named.recipe then moonrl.usage_error(string.format("%s ran the default example: give no recipe ('%s')", dir,
+      named.recipe)) end
+  elseif named.recipe then
+    recipe = named.recipe
+  elseif r.copy == M.RECIPE_COPY and (fs.stat(dir .. '/' .. r.copy) or {}).is_file then -- (a file, not a link)
+    recipe = dir .. '/' .. r.copy
+  else
+    moonrl.usage_error(string.format('%s names the recipe %s, and %s holds no copy of it: --from runs only what ' ..
+      'the run directory holds; name the recipe to run it (moonrl run --from %s %s)', path, tostring(r.path), dir, dir,
+      tostring(r.path)))
+  end
+  local requires, mine = {}, {}
+  for _, f in ipairs(named.requires or {}) do mine[real(f) or f] = f end
+  for _, f in ipairs(type(m.command.requires) == 'table' and m.command.requires or {}) do
+    if type(f) ~= 'string' then moonrl.usage_error(path .. ': command.requires must be a list of files') end
+    if not (trusted(f) or mine[real(f) or f]) then
+      moonrl.usage_error(string.format('%s: the run loaded --require %s, outside %s: name it to run it again ' ..
+        '(moonrl run --from %s --require %s)', path, f, dir, dir, f))
+    end
+    requires[#requires + 1] = f
+    mine[real(f) or f] = nil
+  end
+  for _, f in ipairs(named.requires or {}) do if mine[real(f) or f] then requires[#requires + 1] = f end end
+  local given = {}
+  for _, w in ipairs(extra or {}) do given[w:match('^([^=]*)=') or w] = true end
+  for _, w in ipairs(m.command.words or {}) do
+    local key, file = tostring(w):match('^([^=]*)=(.+%.lua):[%w_%.%-]+$')
+    if file and not given[key] and not trusted(file) then
+      moonrl.usage_error(string.format('%s: the word %s loads %s, outside %s: give it again to run it ' ..
+        '(moonrl run --from %s %s)', path, w, file, dir, dir, w))
+    end
+  end
+  return recipe, requires
+end
+
+-- `moonrl run --from DIR [RECIPE] [--require F] [key=value ...]`: the recipe path (the run's copy
+-- of it, or RECIPE), the words to run it with, the manifest, and the --require files it loaded.
+-- named: the recipe and --require files the command line named (see trusted_code).
+function M.rerun_command(dir, extra, named)
   local m, path = M.read(dir)
   local r = m.command.recipe
   if type(r) ~= 'table' or not (r.path or r.embedded) then
     moonrl.usage_error(path .. ': the manifest names no recipe file')
   end
+  local ws = m.command.words
+  for _, w in ipairs(json.is_array(ws) and ws or {}) do if type(w) ~= 'string' then ws = false end end
+  if ws ~= nil and not json.is_array(ws) then moonrl.usage_error(path .. ': command.words must be a list of key=value words') end
+  local recipe, requires = trusted_code(dir, m, path, named or {}, extra)
   local ranks = M.job_size()
   local want = tonumber(m.command.world_size) or 1
   if ranks ~= want then
@@ -277,7 +362,7 @@ function M.rerun_command(dir, extra)
     moonrl.log('warn', '%s ran with MOONRL_FAULT=%s (fault injection): not repeated unless set again', dir,
       m.command.env.MOONRL_FAULT)
   end
-  local bad = M.check_unchanged(m)
+  local bad = M.check_unchanged(m, recipe)
   if #bad > 0 then
     moonrl.usage_error(string.format('%s: cannot re-run: %s', dir, table.concat(bad, '; ')))
   end
@@ -302,10 +387,8 @@ function M.rerun_command(dir, extra)
     words[#words + 1] = w
   end
   if not has_dir then words[#words + 1] = 'run.dir=' .. dir:gsub('/+$', '') .. '-rerun' end
-  local requires = {}
-  for i, f in ipairs(m.command.requires or {}) do requires[i] = f end
   if r.embedded then return { embedded = r.embedded }, words, m, requires end
-  return r.path, words, m, requires
+  return recipe, words, m, requires
 end
 
 return M

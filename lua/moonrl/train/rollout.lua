@@ -118,7 +118,6 @@ local function check_config(cfg)
   if a.decoupled ~= 'auto' and a.decoupled ~= 'true' and a.decoupled ~= 'false' then
     moonrl.usage_error(string.format("config key 'async.decoupled' must be auto, true or false, got '%s'", tostring(a.decoupled)))
   end
-  if a.max_staleness < 0 then moonrl.usage_error("config key 'async.max_staleness' must be >= 0") end
   if a.mode == 'async' and a.max_staleness < 1 then
     moonrl.usage_error("async.mode=async needs async.max_staleness >= 1 (0 is sync)")
   end
@@ -137,9 +136,6 @@ local function check_config(cfg)
   end
   if a.weights ~= 'auto' and a.weights ~= 'shm' and a.weights ~= 'mpi' then
     moonrl.usage_error(string.format("config key 'async.weights' must be auto, shm or mpi, got '%s'", tostring(a.weights)))
-  end
-  if a.engine_threads < 0 or a.engine_threads > 1024 then
-    moonrl.usage_error(string.format("config key 'async.engine_threads' must be in 0..1024, got %d", a.engine_threads))
   end
   local remote = cfg.dist and cfg.dist.rollout_ranks > 0
   if a.engine_threads > 0 and (sections.lag(cfg) == 0 or remote) then

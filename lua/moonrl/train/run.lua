@@ -118,6 +118,8 @@ function M.start(cfg, opts)
   local mpath = dir .. '/metrics.jsonl'
   local st = fs.stat(mpath)
   if st and opts.metrics_bytes and st.size > opts.metrics_bytes then fs.truncate(mpath, opts.metrics_bytes) end
+  -- (a checkpoint records the count: a resume checks that its cut keeps as many)
+  self.metrics_lines = require('moonrl.train.checkpoint').count_lines(mpath)
   self.metrics = assert(io.open(mpath, 'a'))
   self.events = assert(io.open(dir .. '/events.jsonl', 'a'))
   if opts.tensorboard ~= false then self.tb = trace.tensorboard(dir .. '/tb') end
@@ -280,7 +282,9 @@ function Run:log(step, metrics, opts)
   local record = json.object({ 'step', step, 'time', now - self.t0 })
   for _, k in ipairs(keys) do record[k] = flat[k] end
   local mpath = self.dir .. '/metrics.jsonl'
-  self:guarded_write(mpath, function() write_line(self.metrics, mpath, json.encode(record)) end)
+  if self:guarded_write(mpath, function() write_line(self.metrics, mpath, json.encode(record)) end) then
+    self.metrics_lines = self.metrics_lines + 1
+  end
   if self.tb then
     self:guarded_write(self.dir .. '/tb', function()
       for _, k in ipairs(keys) do

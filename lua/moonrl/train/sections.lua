@@ -13,8 +13,9 @@ local config = require('moonrl.config')
 
 local M = {}
 
+-- defaults with over's keys (a plain number keeps the default's type and range: config.over)
 local function with(defaults, over)
-  for k, v in pairs(over or {}) do defaults[k] = v end
+  for k, v in pairs(over or {}) do defaults[k] = config.over(defaults[k], v) end
   return defaults
 end
 
@@ -43,23 +44,25 @@ function M.task_data_config(fields)
 end
 
 function M.train_config(over)
-  return with({ lr = 1e-6, schedule = 'constant', warmup = config.integer(0), weight_decay = 0.0,
-    max_grad_norm = 1.0, micro_batch_tokens = config.integer(4096) }, over)
+  return with({ lr = config.number(1e-6, { min = 0 }), schedule = 'constant', warmup = config.integer(0, { min = 0 }),
+    weight_decay = config.number(0.0, { min = 0 }), max_grad_norm = config.number(1.0, { above = 0 }),
+    micro_batch_tokens = config.integer(4096, { min = 1 }) }, over)
 end
 
 -- engine.cuda_graphs: a GPU engine replays its decode steps as CUDA graphs (moonrl.engine);
--- engine.kv_cache_dtype: auto (bf16 with model.dtype=bf16, else fp32), fp32 or bf16.
+-- engine.kv_cache_dtype: auto (bf16 with model.dtype=bf16, else fp32), fp32 or bf16. The ranges
+-- are the engine's own bounds (core/engine/engine.c), here to be named before the model loads.
 function M.engine_config(over)
-  return with({ kv_cache_mb = config.integer(512), max_batch_tokens = config.integer(2048),
-    max_seqs = config.integer(256), block_size = config.integer(16), cuda_graphs = true,
-    kv_cache_dtype = 'auto' }, over)
+  return with({ kv_cache_mb = config.integer(512, { min = 1 }),
+    max_batch_tokens = config.integer(2048, { min = 1, max = 2 ^ 24 }), max_seqs = config.integer(256, { min = 1, max = 2 ^ 20 }),
+    block_size = config.integer(16, { min = 1, max = 4096 }), cuda_graphs = true, kv_cache_dtype = 'auto' }, over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
 -- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error) and the
 -- seconds each sample may take (0: no limit).
 function M.reward_config(name)
-  return { name = name, on_error = 'drop', timeout = 30.0 }
+  return { name = name, on_error = 'drop', timeout = config.number(30.0, { min = 0 }) }
 end
 
 function M.check_choice(key, value, choices)
@@ -79,6 +82,21 @@ function M.check_data(cfg)
   end
 end
 
+-- The counts of a step against the memory, before any work: a step holds `count` sequences of up
+-- to `tokens` tokens each in Lua (token ids, log-probs, masks: M.SEQUENCE_BYTES and M.TOKEN_BYTES
+-- each, a low estimate), and a count that needs more than the memory available is a usage error
+-- naming key (grpo.prompts=1e9 once ran to 3.1 GB before "not enough memory").
+M.TOKEN_BYTES, M.SEQUENCE_BYTES = 16, 1024
+function M.check_batch_memory(key, count, tokens)
+  local need = count * (tokens * M.TOKEN_BYTES + M.SEQUENCE_BYTES)
+  local avail = tonumber(moonrl.C.mrl_mem_available())
+  if avail > 0 and need > avail then
+    local bytes = require('moonrl.io.progress').bytes
+    moonrl.usage_error(string.format("config key '%s': a step would hold %.0f sequences of up to %d tokens, about %s, " ..
+      'more than the %s of memory available', key, count, tokens, bytes(need), bytes(avail)))
+  end
+end
+
 -- The reward by name, looked up now: a wrong name is a usage error listing the rewards.
 function M.check_reward(cfg)
   if type(cfg.reward) ~= 'table' then return end
@@ -91,14 +109,14 @@ end
 function M.async_config()
   return {
     mode = 'sync',                      -- sync | one_step_off | async
-    max_staleness = config.integer(1),  -- versions a sample may lag the weights it trains (async: the queue depth)
+    max_staleness = config.integer(1, { min = 0 }), -- versions a sample may lag the weights it trains (async: the queue depth)
     stale = 'drop',                     -- a staler sample: drop, or downweight (advantage * stale_weight)
-    stale_weight = 0.5,
+    stale_weight = config.number(0.5, { min = 0, max = 1 }),
     -- off-policy corrections on the engine's log-probs (moonrl.algo.correction)
     correction = 'auto',                -- auto (tis off-policy, none in sync) | none | tis | tis_seq | mis_token | mis_seq | mis_geo
-    correction_clip = 2.0,              -- C of truncated importance sampling
-    correction_lower = 0.0,             -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
-    correction_upper = 0.0,
+    correction_clip = config.number(2.0, { above = 0 }), -- C of truncated importance sampling
+    correction_lower = config.number(0.0, { min = 0 }), -- MIS bounds (0: the defaults, 1/upper and 2 (1.01 geometric))
+    correction_upper = config.number(0.0, { min = 0 }),
     -- AReaL's decoupled PPO (proximal policy = the trainer before the update): auto (on in
     -- async mode, where samples lag up to max_staleness versions; one_step_off keeps the tis
     -- correction alone) | true | false
@@ -119,9 +137,9 @@ function M.async_config()
     -- in a later batch, staler)
     stream_unit = 'batch',
     weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
-    engine_threads = config.integer(0), -- one process: N >= 1 generates the next batch on an engine thread of N threads
+    engine_threads = config.integer(0, { min = 0, max = 1024 }), -- one process: N >= 1 generates the next batch on an engine thread of N threads
                                         -- while this step trains (run.threads for training); 0: between steps
-    behav_cap = 0.0,                    -- decoupled: cap of the behaviour weight π_prox/μ (0: none)
+    behav_cap = config.number(0.0, { min = 0 }), -- decoupled: cap of the behaviour weight π_prox/μ (0: none)
   }
 end
 
@@ -145,9 +163,29 @@ end
 -- eval: held-out accuracy (moonrl.train.evaluation). every: steps between evaluations (0: off); data / task: the held-out set (see the top);
 -- prompts: at most this many (0: all); max_tokens: the answer's budget (0: the recipe's).
 function M.eval_config()
-  return { every = config.integer(0), data = config.optional('string', 'held-out JSONL (data.* fields)'),
-    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0),
-    max_tokens = config.integer(0) }
+  return { every = config.integer(0, { min = 0 }), data = config.optional('string', 'held-out JSONL (data.* fields)'),
+    task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0, { min = 0 }),
+    max_tokens = config.integer(0, { min = 0 }) }
+end
+
+-- The keys an RL recipe's own section (grpo.*, ppo.*, rlvr.*, the default example's grpo.*) may
+-- declare, with their types and ranges, declared once here: moonrl.rl gives each key a recipe's
+-- section has this type and range (the default stays the recipe's: config.over). A key of one
+-- recipe alone (ppo.gamma) has its range where that recipe declares it.
+local ALGORITHM_KEYS = {
+  steps = config.integer(nil, { min = 0 }), prompts = config.integer(nil, { min = 1 }),
+  samples = config.integer(nil, { min = 1 }), max_tokens = config.integer(nil, { min = 1 }),
+  temperature = config.number(nil, { above = 0 }), top_p = config.number(nil, { above = 0, max = 1 }),
+  top_k = config.integer(nil, { min = 0 }), epochs = config.integer(nil, { min = 1 }),
+  clip = config.number(nil, { min = 0, below = 1 }), clip_low = config.number(nil, { min = 0, below = 1 }),
+  clip_high = config.number(nil, { min = 0 }), kl_coef = config.number(nil, { min = 0 }),
+}
+
+function M.typed_algorithm(section)
+  for k, v in pairs(section or {}) do
+    if ALGORITHM_KEYS[k] then section[k] = config.over(ALGORITHM_KEYS[k], v) end
+  end
+  return section
 end
 
 -- The keys a resumed run may change (an evaluation changes no state the run resumes from).
@@ -176,10 +214,10 @@ function M.supervised_config()
   return {
     model = M.model_config(),
     data = M.task_data_config { chat = false }, -- chat: wrap the prompt in the model's chat template
-    train = M.train_config { steps = config.integer(100), lr = 1e-5, max_length = config.integer(1024) },
+    train = M.train_config { steps = config.integer(100, { min = 0 }), lr = 1e-5, max_length = config.integer(1024, { min = 2 }) },
     eval = M.eval_config(),
     reward = M.reward_config('exact'),
-    engine = M.engine_config { kv_cache_mb = config.integer(128) },
+    engine = M.engine_config { kv_cache_mb = 128 },
     moe = { expert_parallel = false },
     save = true,
     quiet = false, -- no step lines
@@ -197,7 +235,7 @@ end
 -- whole on every rank, so the engine, checkpoints and saving are as without; one rank: no-op).
 function M.moe_config()
   return { routing_replay = false, expert_parallel = false,
-    aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)') }
+    aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)', { min = 0 }) }
 end
 
 return M

@@ -164,12 +164,9 @@ function M.start(cfg, opts)
 end
 
 
+-- (the numbers' ranges are the config schema's: moonrl.config checked them)
 local function check_dist(d)
   if not d then return end
-  if d.zero ~= 0 and d.zero ~= 1 then moonrl.usage_error(string.format("config key 'dist.zero' must be 0 or 1, got %s", d.zero)) end
-  if not (d.timeout >= 0) then moonrl.usage_error(string.format("config key 'dist.timeout' must be >= 0 (0: none), got %s", d.timeout)) end
-  if not (d.bucket_mb > 0) then moonrl.usage_error(string.format("config key 'dist.bucket_mb' must be > 0, got %s", d.bucket_mb)) end
-  if d.rollout_ranks < 0 then moonrl.usage_error(string.format("config key 'dist.rollout_ranks' must be >= 0, got %d", d.rollout_ranks)) end
   if d.gpu_transport ~= 'auto' and d.gpu_transport ~= 'nccl' and d.gpu_transport ~= 'host' then
     moonrl.usage_error(string.format("config key 'dist.gpu_transport' must be auto, nccl or host, got %s",
       tostring(d.gpu_transport)))
@@ -244,7 +241,14 @@ function M.open(cfg, opts)
     from = resume
   end
   if from then
-    local saved = ckpt.read(from)
+    -- what the checkpoint says is checked before anything uses it: types, ranges, the run's metrics
+    local ok, saved = pcall(ckpt.read, from)
+    local why = not ok and moonrl.error_text(saved) or ckpt.check_state(saved) or
+      ckpt.check_metrics(dir .. '/metrics.jsonl', saved.state)
+    if why then
+      release()
+      moonrl.usage_error(string.format('cannot resume from %s: %s', from, why))
+    end
     if saved.run.recipe ~= name then
       release()
       moonrl.usage_error(string.format("cannot resume from %s: it was written by the recipe '%s', not '%s'", from,
@@ -509,7 +513,8 @@ function Session:checkpoint(reason, small, step, phase_step)
   local done = json.array()
   for p in pairs(self.phases_done) do done[#done + 1] = p end
   table.sort(done)
-  state.phases_done, state.metrics_bytes, state.reason = done, self.run:metrics_bytes(), reason
+  state.phases_done, state.metrics_bytes, state.metrics_lines, state.reason = done, self.run:metrics_bytes(),
+    self.run.metrics_lines, reason
   local v = moonrl.version()
   local inputs = json.object()
   for k, p in pairs(self.inputs) do inputs[k] = ckpt.input_identity(p) end
@@ -569,6 +574,9 @@ end
 -- opts.models_only; opts.optimizers = false: leave the optimizers as they are.
 function Session:restore(dir, state, opts)
   opts = opts or {}
+  -- the data positions against the datasets of this run (now declared), before anything is loaded
+  local why = not opts.models_only and not opts.keep_data and ckpt.check_positions(state, self.datasets)
+  if why then moonrl.usage_error(string.format('cannot resume from %s: %s', dir, why)) end
   for i, m in ipairs(self.models) do ckpt.load_model(dir, m.name, m.model, i == 1) end
   if opts.models_only then return end
   if opts.optimizers ~= false then
