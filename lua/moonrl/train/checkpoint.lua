@@ -127,6 +127,67 @@ function M.write_parts(root, name, parts, p)
   return final, bytes
 end
 
+-- What a resume reads of state.json and run.json has the shape session.lua expects, or false and
+-- why: a checkpoint from elsewhere (copied, edited by hand) whose checksums match can still hold
+-- anything. Every key is checked for its type; the values themselves are the run's.
+local function whole(v) return type(v) == 'number' and v >= 0 and v == math.floor(v) and v < 2 ^ 53 end
+local function object(v) return json.is_object(v) or (type(v) == 'table' and getmetatable(v) == nil and next(v) == nil) end
+local function list_of(v, ok)
+  if type(v) ~= 'table' or not (json.is_array(v) or next(v) == nil) then return false end
+  for _, x in ipairs(v) do if not ok(x) then return false end end
+  return true
+end
+local function string_(v) return type(v) == 'string' end
+local function number(v) return type(v) == 'number' and v == v and v > -math.huge and v < math.huge end
+local function each_value(v, ok)
+  if not object(v) then return false end
+  for _, x in pairs(v) do if not ok(x) then return false end end
+  return true
+end
+local function data_position(v) -- a moonrl.data view's state()
+  return object(v) and whole(v.epoch) and whole(v.index) and (v.n == nil or whole(v.n)) and
+    (v.seed == nil or string_(v.seed)) and (v.skipped == nil or whole(v.skipped))
+end
+local function guard_windows(v)
+  return object(v) and (v.grad_norm == nil or list_of(v.grad_norm, number)) and (v.loss == nil or list_of(v.loss, number))
+end
+local function optional(ok) return function(v) return v == nil or ok(v) end end
+local STATE_KEYS = { -- key, check, what it must be
+  { 'step', whole, 'a whole number' }, { 'phase_step', whole, 'a whole number' },
+  { 'phase', optional(function(v) return string_(v) or v == json.null end), 'a string or null' },
+  { 'phases_done', optional(function(v) return list_of(v, string_) end), 'a list of strings' },
+  { 'metrics_bytes', optional(whole), 'a whole number' }, { 'memo', optional(object), 'an object' },
+  { 'extra', optional(object), 'an object' },
+  { 'data', optional(function(v) return each_value(v, data_position) end),
+    'an object of data positions ({epoch, index, n, seed, skipped})' },
+  { 'rngs', optional(function(v) return each_value(v, whole) end), 'an object of whole numbers' },
+  { 'guard', optional(guard_windows), 'an object of number lists (grad_norm, loss)' },
+  { 'lr_scale', optional(function(v) return number(v) and v > 0 end), 'a number > 0' },
+  { 'rollbacks', optional(whole), 'a whole number' }, { 'skips', optional(whole), 'a whole number' },
+  { 'skips_in_row', optional(whole), 'a whole number' },
+}
+local RUN_KEYS = { { 'recipe', string_, 'a string' }, { 'config', optional(object), 'an object' },
+  { 'git', optional(string_), 'a string' } }
+
+local function check_keys(path, v, keys)
+  if not object(v) then return false, path .. ': not a JSON object' end
+  for _, k in ipairs(keys) do
+    if not k[2](v[k[1]]) then return false, string.format("%s: '%s' must be %s", path, k[1], k[3]) end
+  end
+  return true
+end
+
+function M.check_saved(dir)
+  for _, f in ipairs({ { 'state.json', STATE_KEYS }, { 'run.json', RUN_KEYS } }) do
+    local path = dir .. '/' .. f[1]
+    local ok, v = pcall(json.read_file, path)
+    if not ok then return false, tostring(v) end
+    local good, why = check_keys(path, v, f[2])
+    if not good then return false, why end
+  end
+  return true
+end
+
 -- true, or false and why (one line naming the file).
 function M.verify(dir)
   local mpath = dir .. '/manifest.json'
@@ -134,7 +195,7 @@ function M.verify(dir)
   if not text then return false, mpath .. ': missing (the checkpoint was never completed)' end
   local ok, m = pcall(json.decode, text, mpath)
   if not ok then return false, tostring(m) end
-  if type(m) ~= 'table' or m.format ~= M.FORMAT or type(m.files) ~= 'table' then
+  if type(m) ~= 'table' or m.format ~= M.FORMAT or not object(m.files) then
     return false, mpath .. ': not a moonrl checkpoint manifest'
   end
   if type(m.version) ~= 'number' or m.version > M.VERSION then
@@ -142,6 +203,13 @@ function M.verify(dir)
   end
   for _, rel in ipairs(json.keys(m.files)) do
     local want, path = m.files[rel], dir .. '/' .. rel
+    if type(want) ~= 'table' or not whole(want.bytes) or type(want.crc32c) ~= 'string' then
+      return false, string.format("%s: the entry of '%s' must be {bytes = a whole number, crc32c = a string}", mpath, rel)
+    end
+    -- a file of this directory: no absolute path, no '..' (verify reads what the manifest names)
+    if rel:sub(1, 1) == '/' or ('/' .. rel .. '/'):find('/../', 1, true) then
+      return false, string.format("%s: '%s' is not a path inside the checkpoint", mpath, rel)
+    end
     local st = fs.stat(path)
     if not st or not st.is_file then return false, path .. ': missing (listed in the manifest)' end
     if st.size ~= want.bytes then
@@ -155,7 +223,7 @@ function M.verify(dir)
   for _, need in ipairs({ 'state.json', 'run.json' }) do
     if not m.files[need] then return false, mpath .. ': lists no ' .. need end
   end
-  return true
+  return M.check_saved(dir)
 end
 
 -- Names of the directories that look like checkpoints (step-NNNNNN), oldest first.
