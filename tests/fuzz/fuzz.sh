@@ -14,18 +14,35 @@ set -euo pipefail
 program=$1 target=$2 seconds=$3 out=$4
 here=$(cd "$(dirname "$0")" && pwd)
 seeds=$here/corpus/$target
+[ -d "$seeds" ] || seeds=$here/corpus/${target%_lua} # json_lua: the seeds of json
 found=$out/corpus/$target
 artifacts=$out/artifacts/$target
 mkdir -p "$found" "$artifacts"
 
 if [ "$(basename "$program")" = moonrl ]; then
-  # the Lua targets run from the source root, where `moonrl run` finds tests/fuzz/fuzz.lua
+  # the Lua targets run from the source root, where `moonrl run` finds tests/fuzz/fuzz.lua; the
+  # driver keeps the input it runs in $artifacts/current, which is the finding if the process dies
   cd "$here/../.."
-  exec "$program" run tests/fuzz/fuzz.lua "target=$target" "seconds=$seconds" "seeds=$seeds" \
-    "artifacts=$artifacts/"
+  rm -f "$artifacts/current"
+  # no LeakSanitizer: it cannot see into LuaJIT's heap, so every C object a Lua value still holds
+  # at exit would look leaked (the C targets look for leaks, input by input)
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+  status=0
+  "$program" run tests/fuzz/fuzz.lua "target=$target" "seconds=$seconds" "seeds=$seeds" "artifacts=$artifacts/" ||
+    status=$?
+  if [ -f "$artifacts/current" ]; then
+    kept=$artifacts/crash-$(cksum <"$artifacts/current" | cut -d' ' -f1)
+    mv "$artifacts/current" "$kept"
+    echo "fuzz: the process died (status $status) in the input now in $kept" >&2
+  fi
+  exit $status
 fi
-dict=()
-[ -f "$here/dict/$target.dict" ] && dict=("-dict=$here/dict/$target.dict")
+case $target in # the dictionary of the input's language
+  json|config|st_index|tokenizer) dict=json ;;
+  *) dict=$target ;;
+esac
+dicts=()
+[ -f "$here/dict/$dict.dict" ] && dicts=("-dict=$here/dict/$dict.dict")
 # -timeout: one input; -rss_limit_mb: the whole process (libFuzzer also fails one allocation over it)
 exec "$program" "-max_total_time=$seconds" -timeout=20 -rss_limit_mb=2048 "-artifact_prefix=$artifacts/" \
-  -print_final_stats=1 "${dict[@]}" "$found" "$seeds"
+  -print_final_stats=1 "${dicts[@]}" "$found" "$seeds"

@@ -2,13 +2,14 @@
 """Write the generated seeds of tests/fuzz/corpus (the others are findings kept as seeds, and
 files copied by hand: tests/fuzz/corpus/README.md says which is which).
 
-    /usr/bin/python3 tests/fuzz/make_seeds.py [SMOLLM2_GGUF]
+    /usr/bin/python3 tests/fuzz/make_seeds.py [--moonrl build/moonrl] [SMOLLM2_GGUF]
 
 Each seed is small (a fuzzer mutates faster and deeper on small inputs) and taken from the real
 files the tests already use: the example and fixture tokenizers trimmed to their first few hundred
 tokens, the SmolLM2 GGUF file's metadata with its arrays cut short and a tiny tensor of each type
-moonrl reads, the shapes of real Hugging Face config.json files. Run from anywhere; rewrites only
-the files it names (gen-*)."""
+moonrl reads, the shapes of real Hugging Face config.json files, the chat templates of tests/chat;
+with --moonrl, the files of a checkpoint that a session of that moonrl writes (make_seeds.lua).
+Run from anywhere; rewrites only the files it names (gen-*)."""
 import json
 import os
 import random
@@ -271,19 +272,48 @@ def lines():
     recs = [{'question': 'What is 2 + 3?', 'answer': '5'}, {'question': 'caf\u00e9 \u4f60\u597d', 'answer': 7},
             {'prompt': [{'role': 'user', 'content': 'hi'}], 'meta': {'level': 2}}]
     text = '\n'.join(compact(r) for r in recs)
-    put('lines', 'plain.jsonl', text + '\n')
-    put('lines', 'crlf-blank.jsonl', '\r\n  \t\r\n' + text.replace('\n', '\r\n\r\n') + '\r')
-    put('lines', 'no-final-newline.jsonl', text)
+    for target in ('lines', 'jsonl'):  # the C line index, and the records moonrl.data reads through it
+        put(target, 'plain.jsonl', text + '\n')
+        put(target, 'crlf-blank.jsonl', '\r\n  \t\r\n' + text.replace('\n', '\r\n\r\n') + '\r')
+        put(target, 'no-final-newline.jsonl', text)
+    put('jsonl', 'bad-lines.jsonl', text + '\n{"question": 1}\n[1, 2]\n{"question": "q", "meta": 3}\n{broken\n')
+
+
+# ---- chat templates: the real ones of tests/chat, and tokenizer_config.json files that carry them
+
+def chat():
+    for sub in ('templates', 'synthetic'):
+        d = os.path.join(ROOT, 'tests/chat', sub)
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), 'rb') as f:
+                put('jinja', name, f.read())
+    with open(os.path.join(ROOT, 'tests/chat/templates/HuggingFaceTB-SmolLM2-1.7B-Instruct.jinja')) as f:
+        smol = f.read()
+    for name in ('bora', 'openllama', 'qwen2_split'):
+        with open(os.path.join(ROOT, 'tests/tok/fixtures', name, 'tokenizer_config.json'), 'rb') as f:
+            cfg = json.loads(f.read())
+        cfg.setdefault('chat_template', smol)
+        put('tokenizer_config', name + '.json', json.dumps(cfg, indent=2))
+    put('tokenizer_config', 'named-templates.json', json.dumps({
+        'bos_token': {'content': '<s>', 'lstrip': False}, 'eos_token': '</s>',
+        'chat_template': [{'name': 'default', 'template': smol}, {'name': 'tool_use', 'template': '{{ tools }}'}]}))
 
 
 def main():
+    args = sys.argv[1:]
+    moonrl = None
+    if args[:1] == ['--moonrl']:
+        moonrl, args = os.path.abspath(args[1]), args[2:]
     tokenizers()
     safetensors()
-    gguf(sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser(
-        '~/.cache/moonrl/models/SmolLM2-135M-Instruct.Q4_1.gguf'))
+    gguf(args[0] if args else os.path.expanduser('~/.cache/moonrl/models/SmolLM2-135M-Instruct.Q4_1.gguf'))
     configs()
     http()
     lines()
+    chat()
+    if moonrl:  # the checkpoint targets' seeds: a real checkpoint's files
+        import subprocess
+        subprocess.run([moonrl, 'run', 'tests/fuzz/make_seeds.lua', 'corpus=' + CORPUS], cwd=ROOT, check=True)
 
 
 if __name__ == '__main__':
