@@ -11,7 +11,7 @@
 # named on the last lines of the output; the run then fails.
 set -euo pipefail
 [ $# -eq 4 ] || { echo "usage: $0 PROGRAM TARGET SECONDS OUT_DIR" >&2; exit 2; }
-program=$1 target=$2 seconds=$3 out=$4
+program=$(realpath "$1") target=$2 seconds=$3 out=$(realpath -m "$4") # absolute: the Lua targets run from the source root
 here=$(cd "$(dirname "$0")" && pwd)
 seeds=$here/corpus/$target
 [ -d "$seeds" ] || seeds=$here/corpus/${target%_lua} # json_lua: the seeds of json
