@@ -126,7 +126,9 @@ tests() {
       || { echo "$passed passed, $((failed + 1)) failed"; return 1; }
   fi
   if step "$LOG_DIR/build-sanitize.log" "building build-sanitize/" ninja -C build-sanitize; then
-    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 run_suite build-sanitize --suite c
+    # and the fuzz targets, 4 s each (tests/fuzz; tests/fuzz/run.sh fuzzes for longer)
+    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+      run_suite build-sanitize --suite c --suite fuzz
   else
     failed=$((failed + 1))
   fi

@@ -35,14 +35,15 @@ static void probe(void) {
     info.avx = __builtin_cpu_supports("avx") != 0;
     info.avx2 = __builtin_cpu_supports("avx2") != 0;
     info.fma = __builtin_cpu_supports("fma") != 0;
-    info.f16c = __builtin_cpu_supports("f16c") != 0;
+    unsigned a, b, c, d;
+    /* F16C: CPUID.1:ECX bit 29, usable where AVX is (clang 14's __builtin_cpu_supports knows no "f16c") */
+    info.f16c = info.avx && __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
     info.avx512f = __builtin_cpu_supports("avx512f") != 0;
     info.avx512bw = __builtin_cpu_supports("avx512bw") != 0;
     info.avx512dq = __builtin_cpu_supports("avx512dq") != 0;
     info.avx512vl = __builtin_cpu_supports("avx512vl") != 0;
     info.avx512vnni = __builtin_cpu_supports("avx512vnni") != 0;
     info.avx512bf16 = __builtin_cpu_supports("avx512bf16") != 0;
-    unsigned a, b, c, d;
     info.amx_bf16 = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
     const char *amx = getenv("MOONRL_AMX");
     info.amx_tiles = info.amx_bf16 && !(amx && strcmp(amx, "0") == 0) && amx_tiles_granted();

@@ -342,6 +342,14 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
     if (c->head_dim % 2) return mrl_set_error(MRL_ERR_INVALID, "model config: head_dim %d must be even (RoPE)", c->head_dim);
     if (c->attention_bias && c->arch != MRL_ARCH_QWEN2)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "model config: attention_bias is supported for qwen2 only");
+    /* finite: 1e999 reads as inf, which config.json cannot hold (to_json would write "inf") */
+    const struct { const char *name; double v; } reals[] = {
+        {"rms_norm_eps", c->rms_norm_eps}, {"rope_theta", c->rope_theta}, {"initializer_range", c->initializer_range},
+        {"rope_scaling.factor", c->rope_factor}, {"rope_scaling.low_freq_factor", c->rope_low_freq_factor},
+        {"rope_scaling.high_freq_factor", c->rope_high_freq_factor}, {"router_aux_loss_coef", c->router_aux_loss_coef}};
+    for (size_t i = 0; i < sizeof reals / sizeof *reals; i++)
+        if (!isfinite(reals[i].v))
+            return mrl_set_error(MRL_ERR_INVALID, "model config: %s = %g (must be a finite number)", reals[i].name, reals[i].v);
     if (!(c->rms_norm_eps > 0) || !(c->rope_theta > 0) || !(c->initializer_range >= 0))
         return mrl_set_error(MRL_ERR_INVALID, "model config: rms_norm_eps, rope_theta must be > 0 and initializer_range >= 0");
     if (c->rope_scaling != MRL_ROPE_NONE && c->rope_scaling != MRL_ROPE_LLAMA3)

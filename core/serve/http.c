@@ -235,7 +235,9 @@ static void reject(conn *c, int status, const char *message) {
 /* ------------------------------------------------------------ parsing */
 
 static int is_tchar(int ch) {
-    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || strchr("!#$%&'*+-.^_`|~", ch);
+    /* ch != 0: strchr finds a NUL byte too (the string's end) */
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+           (ch != 0 && strchr("!#$%&'*+-.^_`|~", ch));
 }
 
 /* The text of a header's value, trimmed, as a NUL-terminated copy into dst. */

@@ -33,6 +33,9 @@
  * Compiled for AMX with the target pragma below; only called when the CPU
  * has it. */
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")
+#ifdef __clang__ /* clang ignores the GCC pragma: the same target for every function of this file */
+#pragma clang attribute push(__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma"))), apply_to = function)
+#endif
 #include <immintrin.h>
 #include <string.h>
 #include "base/parallel.h"
@@ -206,3 +209,6 @@ int mrl_cpu_gemm_bf16_panels_group_amx(int64_t M, int64_t K, const float *A, int
     mrl_cpu_bf16_scratch_give(x);
     return 0;
 }
+#ifdef __clang__
+#pragma clang attribute pop
+#endif

@@ -23,6 +23,9 @@
  * Only called when the CPU has AVX512-BF16 (mrl_cpu_has_avx512_bf16);
  * compiled for it with the target pragma below, as isa_avx512.c is. */
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")
+#ifdef __clang__ /* clang ignores the GCC pragma: the same target for every function of this file */
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma"))), apply_to = function)
+#endif
 #include <immintrin.h>
 #include <string.h>
 #include "base/parallel.h"
@@ -595,3 +598,6 @@ int mrl_cpu_gemm_bf16_amx(int trans_a, int trans_b, int64_t M, int64_t N, int64_
     return packed_gemm(trans_a, trans_b, M, N, K, alpha, A, a_bf16, lda, B, b_bf16, ldb, beta, C, ldc, 1);
 }
 
+#ifdef __clang__
+#pragma clang attribute pop
+#endif

@@ -79,18 +79,19 @@ function M.load(dir, opts)
   local cfg_path = dir .. '/tokenizer_config.json'
   local text = read(cfg_path)
   local cfg = text and json.decode(text, cfg_path) or json.object()
+  if not json.is_object(cfg) then error(cfg_path .. ': expected a JSON object', 2) end
   local template = cfg.chat_template
   local source = cfg_path
   local wanted = opts.name or 'default'
   if type(template) == 'table' and template ~= json.null then
     local chosen
-    for _, entry in ipairs(template) do
-      if entry.name == wanted then chosen = entry.template end
+    for _, entry in ipairs(template) do -- (an entry that is no {name, template} object names nothing)
+      if type(entry) == 'table' and entry.name == wanted then chosen = entry.template end
     end
     if not chosen and opts.name then
       error(string.format("%s: no chat template named '%s'", cfg_path, opts.name), 2)
     end
-    template = chosen or (template[1] and template[1].template)
+    template = chosen or (type(template[1]) == 'table' and template[1].template)
   end
   -- a separate chat_template.jinja (newer transformers saves it there) takes precedence
   local jinja_path = dir .. '/chat_template.jinja'

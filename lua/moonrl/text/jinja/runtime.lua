@@ -260,7 +260,7 @@ end
 local function getitem(obj, key)
   local k = kind(obj)
   if k == 'list' or k == 'string' then
-    if type(key) ~= 'number' then return undef(tostring(key)) end
+    if type(key) ~= 'number' or key ~= floor(key) then return undef(tostring(key)) end -- (0.5, NaN: no index)
     local items = k == 'list' and obj or (is_ascii(obj) and nil or chars(obj))
     local n = k == 'list' and #obj or (items and #items or #obj)
     local i = norm_index(key, n)
@@ -278,7 +278,18 @@ local function getitem(obj, key)
   return undef(tostring(key))
 end
 
+-- A slice bound as Python takes one: an integer, a boolean (0 or 1), None; anything else (0.5,
+-- 'a') is Python's TypeError, which Jinja's getitem turns into an undefined (false: not a bound).
+local function slice_bound(i)
+  if i == nil or i == none then return i end
+  if type(i) == 'boolean' then return i and 1 or 0 end
+  if type(i) == 'number' and i == floor(i) then return i end
+  return false
+end
+
 local function slice(obj, a, b, step)
+  a, b, step = slice_bound(a), slice_bound(b), slice_bound(step)
+  if a == false or b == false or step == false then return undef('slice') end
   local k = kind(obj)
   local items
   if k == 'list' then items = obj
@@ -311,7 +322,9 @@ local function slice(obj, a, b, step)
     last = e + 1
   end
   if k == 'list' then work(math.max(0, floor((last - s) / step) + 1)) else scan(#obj) end
-  for i = s, last, step do m = m + 1; out[m] = items and items[i + 1] or sub(obj, i + 1, i + 1) end
+  -- (two loops: `items and items[i + 1] or sub(...)` took a false item of a list for a string)
+  if items then for i = s, last, step do m = m + 1; out[m] = items[i + 1] end
+  else for i = s, last, step do m = m + 1; out[m] = sub(obj, i + 1, i + 1) end end
   if k == 'string' then return concat(out) end
   return list(out)
 end
