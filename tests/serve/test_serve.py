@@ -7,6 +7,7 @@ stop strings; streaming (SSE) concatenating to the non-streamed text; 12 concurr
 answered as when alone, overlapping in the engine (the /metrics peaks); every error case (400,
 404, 405, 411, 413, 431, malformed HTTP); keep-alive, pipelining, Expect: 100-continue; a client
 leaving mid-stream; SIGTERM while a stream runs (it completes, exit 0); CLI usage errors (exit 2).
+Hardening (issue 32): a burst of 400 requests at once, all answered.
 Prints tokens/s with 1 and 8 concurrent clients.
 
 usage: test_serve.py PATH/TO/moonrl SOURCE_DIR
@@ -111,10 +112,10 @@ class Server:
             return "hung"
 
 
-def raw_exchange(port, data, read_until_close=True, timeout=10):
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    s.sendall(data)
-    chunks = []
+def read_to_close(s, read_until_close=True):
+    """What s receives up to its close (or its first bytes), and whether its timeout came first;
+    s is closed."""
+    chunks, timed_out = [], False
     try:
         while True:
             b = s.recv(65536)
@@ -124,9 +125,15 @@ def raw_exchange(port, data, read_until_close=True, timeout=10):
             if not read_until_close:
                 break
     except socket.timeout:
-        pass
+        timed_out = True
     s.close()
-    return b"".join(chunks)
+    return b"".join(chunks), timed_out
+
+
+def raw_exchange(port, data, read_until_close=True, timeout=10):
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    return read_to_close(s, read_until_close)[0]
 
 
 def error_ok(status, body, want_status, param=None):
@@ -280,6 +287,7 @@ def run_checks(srv, exp, gen_text, gen_chat, model):
     concurrency_checks(srv)
     error_checks(srv)
     http_checks(srv)
+    burst_check(srv)
     disconnect_checks(srv)
     sigterm_check(model)
 
@@ -365,6 +373,36 @@ def error_checks(srv):
     # after all that, a good request still works
     st, b = post({"prompt": "Hello world", "max_tokens": 3, "temperature": 0})
     check("after-errors", st == 200 and b["usage"]["completion_tokens"] == 3)
+
+
+def burst_check(srv):
+    """Issue 32, item 1: more requests ready at once than one poll takes (256), all answered."""
+    n = 400
+    # a long request keeps the engine stepping, so that the burst lands between two polls
+    heavy = json.dumps({"prompt": "Hello world", "max_tokens": 150, "n": 32, "ignore_eos": True}).encode()
+    h = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    h.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(heavy), heavy))
+    time.sleep(0.1)
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    req = b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(n)]
+    t0 = time.time()
+    for s in socks:
+        s.sendall(req)
+    outs = []
+    for s in socks:
+        s.settimeout(max(0.1, 20 - (time.time() - t0)))
+        outs.append(read_to_close(s)[0])
+    answered = sum(1 for o in outs if o.startswith(b"HTTP/1.1 200") and b"text_completion" in o)
+    check("burst-%d-all-answered" % n, answered == n, "%d of %d answered in %.1f s" % (answered, n, time.time() - t0))
+    out = b""
+    while b'"usage"' not in out:  # the long request too (answered, not left running for the next checks)
+        x = h.recv(65536)
+        if not x:
+            break
+        out += x
+    h.close()
+    check("burst-long-request", out.startswith(b"HTTP/1.1 200"), out[:100])
 
 
 def http_checks(srv):

@@ -661,14 +661,19 @@ end
 
 -- ---- the loop ------------------------------------------------------------------------------
 
--- Poll HTTP once (waiting up to timeout_ms when nothing is ready), then drain what else is ready.
+-- Poll HTTP once (waiting up to timeout_ms when nothing is ready), then take what else is ready, up
+-- to 256 requests (the rest wait in the HTTP layer for the next poll, after an engine step). A
+-- request taken from mrl_http_poll must be handled before the next poll frees its strings: the
+-- count is checked before polling again, never after.
+local MAX_REQUESTS_PER_POLL = 256
 function Server:poll(timeout_ms)
   local r, got = self.req, self.got
   moonrl.check(C.mrl_http_poll(self.http, timeout_ms, r, got))
   local handled = 0
-  while got[0] == 1 and handled < 256 do
+  while got[0] == 1 do
     self:on_request(r)
     handled = handled + 1
+    if handled == MAX_REQUESTS_PER_POLL then break end
     moonrl.check(C.mrl_http_poll(self.http, 0, r, got))
   end
   local ng = C.mrl_http_take_gone(self.http, self.gone_ids, 64)
