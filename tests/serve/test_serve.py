@@ -7,7 +7,10 @@ stop strings; streaming (SSE) concatenating to the non-streamed text; 12 concurr
 answered as when alone, overlapping in the engine (the /metrics peaks); every error case (400,
 404, 405, 411, 413, 431, malformed HTTP); keep-alive, pipelining, Expect: 100-continue; a client
 leaving mid-stream; SIGTERM while a stream runs (it completes, exit 0); CLI usage errors (exit 2).
-Hardening (issue 32): a burst of 400 requests at once, all answered.
+Hardening (issue 32): a burst of 400 requests at once, all answered; and, on a server with
+second-long deadlines: sockets trickling heads and bodies (cut at the deadline with 408, more of
+them than --max-connections: /health and new clients still answered), requests past
+--request-timeout (503, an error event on a stream, their samples stopped).
 Prints tokens/s with 1 and 8 concurrent clients.
 
 usage: test_serve.py PATH/TO/moonrl SOURCE_DIR
@@ -16,6 +19,7 @@ import http.client
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -168,6 +172,7 @@ def main():
         code = srv.stop()
     check("sigterm-idle-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
     check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
+    hardening_checks(model)
     cli_checks(model)
     print("%d failed" % failed)
     sys.exit(1 if failed else 0)
@@ -462,6 +467,20 @@ def http_checks(srv):
 
 
 def disconnect_checks(srv):
+    """Clients that leave before their answer: a stream (found out by its next write) and a plain
+    request (found out by the probe its EOF gets); each step waits for the server to get there, so
+    that neither request can finish first, however fast the machine."""
+    def wait_metrics(ok, seconds=10):
+        deadline = time.time() + seconds
+        m = srv.metrics()
+        while time.time() < deadline and not ok(m):
+            time.sleep(0.02)
+            m = srv.metrics()
+        return m
+
+    def gone(m):
+        return m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"]
+
     before = srv.metrics()
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
     # heavy enough (64 x 480 tokens) to be running still when the client leaves, on any machine
@@ -471,20 +490,17 @@ def disconnect_checks(srv):
     while got.count(b"data: ") < 3:
         got += s.recv(65536)
     s.close()  # mid-stream
-    # also a non-streaming request whose client leaves before its answer (128 x 480 tokens)
+    wait_metrics(lambda m: gone(m) >= 1 and m["moonrl_requests_running"] == 0)
+    # a non-streaming request whose client leaves once it runs (128 x 480 tokens, ignoring EOS)
     s2 = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
-    body = json.dumps({"prompt": "Hello world", "max_tokens": 480, "n": 128}).encode()
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 480, "n": 128, "ignore_eos": True}).encode()
     s2.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    time.sleep(0.2)
+    running = wait_metrics(lambda m: m["moonrl_requests_running"] == 1)["moonrl_requests_running"]
     s2.close()
     st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "temperature": 0})
     check("disconnect-server-answers", st == 200 and b["usage"]["completion_tokens"] == 5)
-    deadline = time.time() + 10
-    m = srv.metrics()
-    while time.time() < deadline and (m["moonrl_engine_running"] > 0 or m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"] < 2):
-        time.sleep(0.1)
-        m = srv.metrics()
-    check("disconnect-counted", m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"] == 2, m)
+    m = wait_metrics(lambda m: m["moonrl_engine_running"] == 0 and gone(m) >= 2)
+    check("disconnect-counted", running == 1 and gone(m) == 2, m)
     check("disconnect-samples-stopped", m["moonrl_engine_running"] == 0 and m["moonrl_engine_kv_blocks_used"] == 0 and
           m["moonrl_engine_generated_tokens"] - before["moonrl_engine_generated_tokens"] < 0.75 * (64 + 128) * 480, m)
 
@@ -514,6 +530,121 @@ def sigterm_check(model):
         check("sigterm-closed", True)
 
 
+def hardening_checks(model):
+    """Issue 32, item 2 and the deadline of item 1, on a server with second-long limits."""
+    srv = Server(model, "--max-connections", "32", "--header-timeout", "1.5", "--body-timeout", "1.5",
+                 "--request-timeout", "0.5", "--max-n", "128")
+    try:
+        slow_socket_checks(srv)
+        deadline_checks(srv)
+    finally:
+        code = srv.stop()
+    check("hardening-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
+    check("hardening-no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(),
+          srv.log()[-2000:])
+
+
+def slow_socket_checks(srv):
+    """Sockets that trickle a head or a body, a byte every 0.3 s: each is cut at the 1.5 s deadline
+    (408) while its bytes go on coming; more of them than --max-connections (32) do not lock new
+    clients out."""
+    p = srv.port
+    ends = (b"HTTP/1.1 408", b"HTTP/1.1 503", b"closed", b"reset")
+
+    def trickle(socks, seconds):
+        """A byte to each socket every 0.3 s for up to `seconds`, until each has an answer (or its
+        end): the first bytes each got, b"open" for none."""
+        outs = {}
+        end = time.time() + seconds
+        while time.time() < end and len(outs) < len(socks):
+            for s in socks:
+                if s not in outs:
+                    try:
+                        s.send(b"a")
+                    except OSError:
+                        pass
+            time.sleep(0.3)
+            for s in select.select([s for s in socks if s not in outs], [], [], 0)[0]:
+                try:
+                    out = s.recv(4096)
+                    outs[s] = out[:12] if out else b"closed"
+                except OSError:
+                    outs[s] = b"reset"
+        return [outs.get(s, b"open") for s in socks]
+
+    # under the limit: 16 slow heads, 8 slow bodies (were a byte to move the deadline, they would be
+    # open for as long as the bytes came)
+    t0 = time.time()
+    heads = [socket.create_connection(("127.0.0.1", p), timeout=5) for _ in range(16)]
+    for s in heads:
+        s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+    bodies = [socket.create_connection(("127.0.0.1", p), timeout=5) for _ in range(8)]
+    for s in bodies:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1000\r\n\r\n{")
+    trickle(heads + bodies, 0.9)
+    try:
+        st, _, _ = srv.request("GET", "/health", timeout=5)
+    except (OSError, http.client.HTTPException) as e:
+        st = repr(e)
+    check("slow-under-limit-health", st == 200, st)
+    outs = trickle(heads + bodies, 8)
+    took = time.time() - t0
+    check("slow-cut-at-deadline-408", all(o == b"HTTP/1.1 408" for o in outs), "%s after %.1f s" % (outs, took))
+    for s in heads + bodies:
+        s.close()
+
+    # over the limit: 100 slow heads hold every slot; /health and new clients are still answered
+    m0 = srv.metrics()
+    slow = []
+    for _ in range(100):
+        try:
+            s = socket.create_connection(("127.0.0.1", p), timeout=5)
+            s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+            slow.append(s)
+        except OSError:
+            pass
+    answered = []
+    for _ in range(4):
+        trickle(slow, 0.3)
+        try:
+            st, _, _ = srv.request("GET", "/health", timeout=5)
+            st2, b = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+            answered.append((st, st2))
+        except (OSError, http.client.HTTPException) as e:
+            answered.append(repr(e))
+    check("slow-over-limit-answered", all(a == (200, 200) for a in answered), answered)
+    outs = trickle(slow, 8)
+    check("slow-over-limit-all-closed", all(o in ends for o in outs), [o for o in outs if o not in ends][:5])
+    for s in slow:
+        s.close()
+    m = srv.metrics()
+    check("slow-metrics", m["moonrl_http_evicted_total"] > m0["moonrl_http_evicted_total"] and
+          m["moonrl_http_timed_out_total"] >= 24, m)
+
+
+def deadline_checks(srv):
+    """--request-timeout 0.5: a request that takes longer gets a 503 (a stream: an error event, then
+    its end), its samples stopped; a short one is untouched."""
+    body = {"prompt": "Hello world", "max_tokens": 480, "n": 128, "ignore_eos": True}
+    t0 = time.time()
+    st, b = srv.post("/v1/completions", body)
+    took = time.time() - t0
+    check("deadline-503", error_ok(st, b, 503) and "--request-timeout" in b["error"]["message"] and took > 0.4,
+          "%s %.2f s %s" % (st, took, str(b)[:200]))
+    status, ctype, events, done = srv.stream("/v1/completions", body)
+    check("deadline-stream-error-event", status == 200 and events and "error" in events[-1] and
+          events[-1]["error"]["code"] == 503 and not done, events[-1:])
+    st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 3})
+    check("deadline-short-request", st == 200, b)
+    deadline = time.time() + 5
+    m = srv.metrics()
+    while time.time() < deadline and (m["moonrl_engine_running"] > 0 or m["moonrl_engine_kv_blocks_used"] > 0):
+        time.sleep(0.05)
+        m = srv.metrics()
+    check("deadline-samples-stopped", m["moonrl_requests_timed_out_total"] == 2 and m["moonrl_engine_running"] == 0 and
+          m["moonrl_engine_kv_blocks_used"] == 0, m)
+
+
 def cli_checks(model):
     def run(*args):
         p = subprocess.run([MOONRL, "serve"] + list(args), capture_output=True, timeout=120)
@@ -535,6 +666,9 @@ def cli_checks(model):
     code, err = run("--model", model, "--port", str(busy.getsockname()[1]))
     busy.close()
     check("cli-port-in-use", code == 2 and "in use" in err, err)
+    for flag in ("--header-timeout", "--body-timeout", "--keep-alive-timeout", "--request-timeout"):
+        code, err = run("--model", model, flag, "0")
+        check("cli-bad %s" % flag, code == 2 and flag in err, err)
     code, err = run("--help")
     check("cli-help", code == 0)
 

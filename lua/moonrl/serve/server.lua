@@ -13,6 +13,11 @@
 -- engine, so requests that arrive while others generate join the running batch (continuous
 -- batching); the engine is never reset.
 --
+-- Limits, before any work is spent on a request: the HTTP layer's (head and body sizes, the time
+-- to receive them, connections; see moonrl/http.h), too many prompts or samples. Every request has
+-- a deadline (request_timeout): past it, it gets a 503 (an error event on a stream) and its samples
+-- stop.
+--
 -- Randomness: a request with `seed` samples from the streams (seed, 0, prompt i, sample j): the
 -- same seed gives the same text, whatever else is running. Without one, the server's --seed and
 -- the request's serial number key the streams.
@@ -171,18 +176,23 @@ function M.new(o)
     engine = o.engine, tok = o.tokenizer, tpl = o.template, tpl_error = o.template_error,
     name = o.model_name, path = o.model_path, max_len = o.max_model_len, eos = o.eos_ids or {},
     seed = o.seed or 0, max_n = o.max_n or 128, default_max_tokens = o.default_max_tokens,
-    shutdown_timeout = o.shutdown_timeout or 10, log = o.log or function() end,
+    shutdown_timeout = o.shutdown_timeout or 10, request_timeout = o.request_timeout or 600,
+    log = o.log or function() end,
     jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(),
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
-      active_peak = 0, gone = 0 },
+      active_peak = 0, gone = 0, timed_out = 0 },
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
     gone_ids = ffi.new('int64_t[64]'),
   }, Server)
   local cfg = ffi.new('mrl_http_config')
   C.mrl_http_config_default(cfg)
-  for _, k in ipairs({ 'max_body_bytes', 'max_header_bytes', 'max_connections', 'idle_timeout_s' }) do
+  for _, k in ipairs({ 'max_body_bytes', 'max_header_bytes', 'max_connections', 'idle_timeout_s', 'header_timeout_s',
+    'body_timeout_s' }) do
     if o[k] then cfg[k] = o[k] end
   end
+  -- the HTTP layer's deadline is the backstop for a request this loop does not know of; the loop
+  -- ends its own requests at request_timeout (with an error event on a stream)
+  cfg.request_timeout_s = self.request_timeout + 5
   local h = ffi.new('mrl_http *[1]')
   moonrl.check(C.mrl_http_open(o.host or '127.0.0.1', o.port or 8000, cfg, h), 2)
   self.http = h[0]
@@ -358,7 +368,7 @@ function Server:new_job(hid, body, chat)
   local max_stop = 0
   for _, s in ipairs(stops) do max_stop = math.max(max_stop, #s) end
   local job = {
-    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial,
+    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial, deadline = moonrl.now() + self.request_timeout,
     id = new_id(chat and 'chatcmpl' or 'cmpl', self.serial), created = os.time(),
     logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
     stops = stops, max_stop = max_stop, reqs = {}, samples = {}, remaining = 0, prompt_tokens = 0,
@@ -588,6 +598,7 @@ function Server:metrics()
   put('requests_total', c.requests)
   put('request_errors_total', c.errors)
   put('requests_gone_total', c.gone)
+  put('requests_timed_out_total', c.timed_out)
   put('prompt_tokens_total', c.prompt_tokens)
   put('generation_tokens_total', c.generation_tokens)
   put('requests_running', #self.active)
@@ -600,6 +611,8 @@ function Server:metrics()
   put('http_connections_open', hs.connections_open)
   put('http_connections_total', hs.connections_total)
   put('http_rejected_total', hs.rejected_total)
+  put('http_timed_out_total', hs.timed_out_total)
+  put('http_evicted_total', hs.evicted_total)
   return table.concat(lines, '\n') .. '\n'
 end
 
@@ -709,6 +722,27 @@ function Server:step()
   self:release_finished()
 end
 
+-- The requests past their deadline (request_timeout): a 503 (an error event on a stream), their
+-- samples stopped.
+function Server:expire(now)
+  local late = false
+  for _, job in ipairs(self.active) do
+    if now > job.deadline then late = true break end
+  end
+  if not late then return end
+  local still = {}
+  for _, job in ipairs(self.active) do
+    if now > job.deadline then
+      self.counters.timed_out = self.counters.timed_out + 1
+      self:fail_job(job, 503, string.format('the request was not finished within %s s (the server\'s --request-timeout)',
+        json.number(self.request_timeout)), 'ServiceUnavailable')
+    else
+      still[#still + 1] = job
+    end
+  end
+  self.active = still
+end
+
 -- Abort what is left at the end of a shutdown.
 function Server:abort_all()
   for _, job in ipairs(self.active) do
@@ -733,6 +767,7 @@ function Server:run(idle_ms)
     if self.draining and (#self.active == 0 or moonrl.now() > deadline) then break end
     local busy = self.engine:num_unfinished() > 0 or #self.active > 0
     self:poll(busy and 0 or idle_ms)
+    if #self.active > 0 then self:expire(moonrl.now()) end
     self:step()
   end
   self:abort_all()
