@@ -8,7 +8,8 @@ answered as when alone, overlapping in the engine (the /metrics peaks); every er
 404, 405, 411, 413, 431, malformed HTTP); keep-alive, pipelining, Expect: 100-continue; a client
 leaving mid-stream; SIGTERM while a stream runs (it completes, exit 0); CLI usage errors (exit 2).
 Hardening (issue 32): a burst of 400 requests at once, all answered; and, on a server with
-second-long deadlines: sockets trickling heads and bodies (cut at the deadline with 408, more of
+second-long deadlines: a 15 MB prompt refused before it is tokenised (the server's peak memory
+barely moves), sockets trickling heads and bodies (cut at the deadline with 408, more of
 them than --max-connections: /health and new clients still answered), requests past
 --request-timeout (503, an error event on a stream, their samples stopped).
 Prints tokens/s with 1 and 8 concurrent clients.
@@ -530,11 +531,16 @@ def sigterm_check(model):
         check("sigterm-closed", True)
 
 
+def hwm_mb(pid):
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/%d/status" % pid).read()).group(1)) / 1024.0
+
+
 def hardening_checks(model):
-    """Issue 32, item 2 and the deadline of item 1, on a server with second-long limits."""
+    """Issue 32, items 2 and 5, and the deadline of item 1, on a server with second-long limits."""
     srv = Server(model, "--max-connections", "32", "--header-timeout", "1.5", "--body-timeout", "1.5",
                  "--request-timeout", "0.5", "--max-n", "128")
     try:
+        big_prompt_check(srv)
         slow_socket_checks(srv)
         deadline_checks(srv)
     finally:
@@ -542,6 +548,38 @@ def hardening_checks(model):
     check("hardening-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
     check("hardening-no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(),
           srv.log()[-2000:])
+
+
+def big_prompt_check(srv):
+    """A 15 MB prompt (under the 16 MB body limit) cannot fit 512 tokens: refused before it is
+    tokenised. Tokenising it first raised the server's peak memory by ~360 MB with this tokenizer
+    (~1.5 GB with a real one); the bodies alone take ~60 MB."""
+    st, _, _ = srv.request("GET", "/health")
+    pid = srv.proc.pid
+    text = "hello world " * (15 * 2 ** 20 // 12)
+    rises = []
+    for name, path, body in (("prompt", "/v1/completions", {"prompt": text}),
+                             ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                             ("64-prompts", "/v1/completions", {"prompt": [text[:200 * 1024]] * 64})):
+        data = json.dumps(body)
+        try:  # "5": reset the peak (VmHWM) to the current resident size
+            with open("/proc/%d/clear_refs" % pid, "w") as f:
+                f.write("5")
+            before = hwm_mb(pid)
+        except OSError:
+            before = None
+        t0 = time.time()
+        st, b = srv.post(path, data)
+        took = time.time() - t0
+        check("big-prompt-400 %s" % name, error_ok(st, b, 400) and "maximum context length" in b["error"]["message"]
+              and took < 10, "%s %.1f s %s" % (st, took, str(b)[:300]))
+        if before is not None:
+            rise = hwm_mb(pid) - before
+            rises.append("%s %.0f MB" % (name, rise))
+            check("big-prompt-peak-memory %s" % name, rise < 150, "the peak rose by %.0f MB" % rise)
+    print("     15 MB prompts refused; the server's peak memory rose by: %s" % (", ".join(rises) or "(not measured)"))
+    st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 3})
+    check("big-prompt-after", st == 200, b)
 
 
 def slow_socket_checks(srv):

@@ -14,9 +14,10 @@
 -- batching); the engine is never reset.
 --
 -- Limits, before any work is spent on a request: the HTTP layer's (head and body sizes, the time
--- to receive them, connections; see moonrl/http.h), too many prompts or samples. Every request has
--- a deadline (request_timeout): past it, it gets a 503 (an error event on a stream) and its samples
--- stop.
+-- to receive them, connections; see moonrl/http.h), a prompt too long in bytes to fit the context
+-- whatever it encodes to (more than max_model_len times the most bytes a token stands for,
+-- mrl_tok_max_text_bytes), too many prompts or samples. Every request has a deadline
+-- (request_timeout): past it, it gets a 503 (an error event on a stream) and its samples stop.
 --
 -- Randomness: a request with `seed` samples from the streams (seed, 0, prompt i, sample j): the
 -- same seed gives the same text, whatever else is running. Without one, the server's --seed and
@@ -184,6 +185,10 @@ function M.new(o)
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
     gone_ids = ffi.new('int64_t[64]'),
   }, Server)
+  -- a prompt of more bytes than max_len tokens can stand for cannot fit the context: refused before
+  -- it is encoded (a tokenizer that can drop text has no such bound: its prompts are encoded)
+  self.max_token_bytes = tonumber(C.mrl_tok_max_text_bytes(self.tok.handle))
+  self.max_prompt_bytes = self.max_token_bytes > 0 and self.max_len * self.max_token_bytes or math.huge
   local cfg = ffi.new('mrl_http_config')
   C.mrl_http_config_default(cfg)
   for _, k in ipairs({ 'max_body_bytes', 'max_header_bytes', 'max_connections', 'idle_timeout_s', 'header_timeout_s',
@@ -226,7 +231,38 @@ function Server:check_model(body)
   end
 end
 
-function Server:token_list(v, param)
+-- The 400 of a prompt too long for the context (n_prompt: its tokens, or nil with n_bytes: its
+-- bytes, when it was refused before encoding).
+function Server:context_error(param, n_prompt, max_tokens, n_bytes)
+  if n_bytes then
+    bad(string.format("This model's maximum context length is %d tokens. However, the %s %d bytes long, more than " ..
+      '%d tokens can hold (one stands for %d bytes of text at most). Please reduce the length of the %s.', self.max_len,
+      param == 'messages' and 'messages rendered with the chat template are' or 'prompt is', n_bytes,
+      self.max_len, self.max_token_bytes, param), param)
+  end
+  bad(string.format("This model's maximum context length is %d tokens. However, you requested %d tokens " ..
+    '(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.', self.max_len,
+    n_prompt + (max_tokens or 1), n_prompt, param, max_tokens or 1, param), param)
+end
+
+-- A prompt of n tokens (and max_tokens to come) that does not fit the context: its 400.
+function Server:check_context(param, n, max_tokens)
+  if n >= self.max_len or (max_tokens and n + max_tokens > self.max_len) then self:context_error(param, n, max_tokens) end
+end
+
+-- Encode a prompt's text, once its length in bytes could fit the context; its ids become a Lua
+-- table only once they fit too.
+function Server:encode_prompt(text, param, max_tokens, add_special)
+  if #text > self.max_prompt_bytes then self:context_error(param, nil, nil, #text) end
+  local ids, n = self.tok:encode(text, { cdata = true, add_special = add_special })
+  self:check_context(param, n, max_tokens)
+  local list = {}
+  for i = 0, n - 1 do list[i + 1] = ids[i] end
+  return list
+end
+
+function Server:token_list(v, param, max_tokens)
+  self:check_context(param, #v, max_tokens) -- before looking at each id
   local vocab = self.tok.vocab_size
   local model_vocab = self.engine.model.config.vocab_size
   if model_vocab and model_vocab < vocab then vocab = model_vocab end
@@ -240,28 +276,32 @@ function Server:token_list(v, param)
   return ids
 end
 
--- The prompts of a completions request: a list of token-id lists.
-function Server:prompts(body)
+local PROMPT_SHAPE = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists"
+
+-- The prompts of a completions request: a list of token-id lists. Their number (times n) is checked
+-- before any is encoded, each one's length as soon as it is known.
+function Server:prompts(body, n, max_tokens)
   local p = field(body, 'prompt')
   if p == nil then bad("'prompt' is required", 'prompt') end
-  local list = {}
+  local items
   if type(p) == 'string' then
-    list[1] = self.tok:encode(p)
+    items = { p }
   elseif type(p) == 'table' and not json.is_object(p) then
     if #p == 0 then bad("'prompt' must not be empty", 'prompt') end
-    if type(p[1]) == 'number' then
-      list[1] = self:token_list(p, 'prompt')
-    else
-      for _, q in ipairs(p) do
-        if type(q) == 'string' then list[#list + 1] = self.tok:encode(q)
-        elseif type(q) == 'table' and not json.is_object(q) and #q > 0 then list[#list + 1] = self:token_list(q, 'prompt')
-        else bad("'prompt' must be a string, a list of strings, or token ids", 'prompt') end
-      end
-    end
+    items = type(p[1]) == 'number' and { p } or p
   else
-    bad("'prompt' must be a string, a list of strings, or token ids", 'prompt')
+    bad(PROMPT_SHAPE, 'prompt')
   end
-  if #list > 64 then bad("'prompt' holds 64 prompts at most", 'prompt') end
+  if #items > 64 then bad("'prompt' holds 64 prompts at most", 'prompt') end
+  if #items * n > self.max_n then
+    bad(string.format('%d prompts x n = %d samples: %d at most in one request', #items, #items * n, self.max_n), 'n')
+  end
+  local list = {}
+  for i, q in ipairs(items) do
+    if type(q) == 'string' then list[i] = self:encode_prompt(q, 'prompt', max_tokens)
+    elseif type(q) == 'table' and not json.is_object(q) and #q > 0 then list[i] = self:token_list(q, 'prompt', max_tokens)
+    else bad(PROMPT_SHAPE, 'prompt') end
+  end
   return list
 end
 
@@ -283,7 +323,7 @@ local function content_text(content, i)
 end
 
 -- The prompt of a chat request, rendered with the chat template.
-function Server:chat_prompt(body)
+function Server:chat_prompt(body, max_tokens)
   local msgs = field(body, 'messages')
   if msgs == nil then bad("'messages' is required", 'messages') end
   if type(msgs) ~= 'table' or json.is_object(msgs) or #msgs == 0 then
@@ -309,7 +349,7 @@ function Server:chat_prompt(body)
   if tools ~= nil then extra.tools = tools end
   local ok, text = pcall(self.tpl.render, self.tpl, list, extra)
   if not ok then bad('the chat template failed on these messages: ' .. moonrl.error_text(text), 'messages') end
-  return self.tok:encode(text, { add_special = false })
+  return self:encode_prompt(text, 'messages', max_tokens, false)
 end
 
 local function new_id(prefix, serial)
@@ -351,18 +391,9 @@ function Server:new_job(hid, body, chat)
     if not json.is_object(so) then bad("'stream_options' must be an object", 'stream_options') end
     include_usage = bool_field(so, 'include_usage', false)
   end
-  local prompts = chat and { self:chat_prompt(body) } or self:prompts(body)
-  if #prompts * n > self.max_n then
-    bad(string.format('%d prompts x n = %d samples: %d at most in one request', #prompts, #prompts * n, self.max_n), 'n')
-  end
+  local prompts = chat and { self:chat_prompt(body, max_tokens) } or self:prompts(body, n, max_tokens)
   for _, ids in ipairs(prompts) do
     if #ids == 0 then bad('the prompt encodes to no tokens', chat and 'messages' or 'prompt') end
-    if #ids >= self.max_len or (max_tokens and #ids + max_tokens > self.max_len) then
-      bad(string.format("This model's maximum context length is %d tokens. However, you requested %d tokens " ..
-        '(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.', self.max_len,
-        #ids + (max_tokens or 1), #ids, chat and 'messages' or 'prompt', max_tokens or 1, chat and 'messages' or 'prompt'),
-        chat and 'messages' or 'prompt')
-    end
   end
   self.serial = self.serial + 1
   local max_stop = 0
