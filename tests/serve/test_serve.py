@@ -7,11 +7,13 @@ stop strings; streaming (SSE) concatenating to the non-streamed text; 12 concurr
 answered as when alone, overlapping in the engine (the /metrics peaks); every error case (400,
 404, 405, 411, 413, 431, malformed HTTP); keep-alive, pipelining, Expect: 100-continue; a client
 leaving mid-stream; SIGTERM while a stream runs (it completes, exit 0); CLI usage errors (exit 2).
-Hardening (issue 32): a burst of 400 requests at once, all answered; and, on a server with
+Hardening (issue 32): a burst of 400 requests at once, all answered; a half-closed request
+answered; the details refused with a 400 (an empty stop string, an invalid UTF-8 body, a NUL in a
+header, unknown roles, missing content, nested prompts, max_tokens 2^63); and, on a server with
 second-long deadlines: a 15 MB prompt refused before it is tokenised (the server's peak memory
-barely moves), sockets trickling heads and bodies (cut at the deadline with 408, more of
-them than --max-connections: /health and new clients still answered), requests past
---request-timeout (503, an error event on a stream, their samples stopped).
+barely moves), sockets trickling heads and bodies (cut at the deadline with 408, more of them than
+--max-connections: /health and new clients still answered), requests past --request-timeout (503,
+an error event on a stream, their samples stopped).
 Prints tokens/s with 1 and 8 concurrent clients.
 
 usage: test_serve.py PATH/TO/moonrl SOURCE_DIR
@@ -292,6 +294,7 @@ def run_checks(srv, exp, gen_text, gen_chat, model):
 
     concurrency_checks(srv)
     error_checks(srv)
+    detail_checks(srv)
     http_checks(srv)
     burst_check(srv)
     disconnect_checks(srv)
@@ -379,6 +382,62 @@ def error_checks(srv):
     # after all that, a good request still works
     st, b = post({"prompt": "Hello world", "max_tokens": 3, "temperature": 0})
     check("after-errors", st == 200 and b["usage"]["completion_tokens"] == 3)
+
+
+def detail_checks(srv):
+    """Issue 32, item 9: what OpenAI and vLLM refuse is refused; a half-closed request is answered."""
+    def post(body, path="/v1/completions"):
+        return srv.post(path, body)
+
+    def raw_post(body, path="/v1/completions", extra=b""):
+        return raw_exchange(srv.port, b"POST %s HTTP/1.1\r\nContent-Length: %d\r\nConnection: close\r\n%s\r\n%s" % (
+            path.encode(), len(body), extra, body))
+
+    check("detail-stop-empty", error_ok(*post({"prompt": "x", "stop": ""}), 400, "stop"))
+    check("detail-stop-list-empty", error_ok(*post({"prompt": "x", "stop": ["a", ""]}), 400, "stop"))
+    st, b = srv.post("/v1/completions", b'{"prompt": "x", "max_tokens": 9223372036854775808}')
+    msg = b["error"]["message"] if isinstance(b, dict) and "error" in b else ""
+    check("detail-max-tokens-2^63", error_ok(st, b, 400) and "9223372036854775808" in msg and
+          not re.search(r"-\d", msg), b)
+    check("detail-top-k-2^40", error_ok(*post({"prompt": "x", "top_k": 2 ** 40}), 400, "top_k"))
+    for prompt in ([[[1]]], [[1, [2]]], [[1, None]], [1, {"a": 1}]):
+        st, b = post({"prompt": prompt})
+        check("detail-nested-prompt %s" % json.dumps(prompt), error_ok(st, b, 400, "prompt") and
+              "table:" not in b["error"]["message"], b)
+    out = raw_post(b'{"prompt": "Hi \xff\xfe", "max_tokens": 2}')
+    check("detail-invalid-utf8-400", out.startswith(b"HTTP/1.1 400") and b"UTF-8" in out, out[:300])
+    out = raw_post(b'{"prompt": "Hi \xed\xa0\x80", "max_tokens": 2}')  # an encoded surrogate
+    check("detail-surrogate-utf8-400", out.startswith(b"HTTP/1.1 400"), out[:300])
+    out = raw_post('{"prompt": "Hi \u00e9\u4e16\U0001F600", "max_tokens": 2}'.encode("utf-8"))
+    check("detail-valid-utf8-200", out.startswith(b"HTTP/1.1 200"), out[:300])
+    out = raw_exchange(srv.port, b"GET /health HTTP/1.1\r\nX-A: a\x00b\r\n\r\n")
+    check("detail-nul-header-400", out.startswith(b"HTTP/1.1 400"), out[:80])
+    out = raw_post(b'{"prompt": "Hi", "max_tokens": 2}', extra=b"X-A: a\x00b\r\n")
+    check("detail-nul-header-post-400", out.startswith(b"HTTP/1.1 400"), out[:80])
+    chat = "/v1/chat/completions"
+    check("detail-unknown-role", error_ok(*post({"messages": [{"role": "wizard", "content": "Hi"}]}, chat), 400, "messages"))
+    check("detail-missing-content", error_ok(*post({"messages": [{"role": "user"}]}, chat), 400, "messages"))
+    check("detail-null-content", error_ok(*post({"messages": [{"role": "user", "content": None}]}, chat), 400, "messages"))
+    check("detail-missing-content-later", error_ok(*post({"messages": [{"role": "user", "content": "Hi"},
+                                                                       {"role": "assistant"}]}, chat), 400, "messages"))
+    st, b = post({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                  "max_tokens": 2}, chat)
+    check("detail-known-roles-200", st == 200, b)
+    # a complete POST, then the client shuts its write side: answered, as a GET is
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 5, "temperature": 0}).encode()
+    for name, req in (("post", b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)),
+                      ("get", b"GET /health HTTP/1.1\r\n\r\n"),
+                      ("stream", b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (
+                          len(body) + 16, body[:-1] + b', "stream": true}'))):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        out, timed_out = read_to_close(s)
+        if out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):  # the probe of a half-close (an HTTP/1.1 client skips it)
+            out = out[25:]
+        want = {"post": b'"completion_tokens": 5', "get": b"Content-Length: 0", "stream": b"data: [DONE]"}[name]
+        check("detail-half-close-%s" % name, out.startswith(b"HTTP/1.1 200") and want in out and not timed_out,
+              out[-200:])
 
 
 def burst_check(srv):

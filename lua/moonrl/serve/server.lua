@@ -14,10 +14,11 @@
 -- batching); the engine is never reset.
 --
 -- Limits, before any work is spent on a request: the HTTP layer's (head and body sizes, the time
--- to receive them, connections; see moonrl/http.h), a prompt too long in bytes to fit the context
--- whatever it encodes to (more than max_model_len times the most bytes a token stands for,
--- mrl_tok_max_text_bytes), too many prompts or samples. Every request has a deadline
--- (request_timeout): past it, it gets a 503 (an error event on a stream) and its samples stop.
+-- to receive them, connections; see moonrl/http.h), a body that is not UTF-8, a prompt too long
+-- in bytes to fit the context whatever it encodes to (more than max_model_len times the most bytes
+-- a token stands for, mrl_tok_max_text_bytes), too many prompts or samples. Every request has a
+-- deadline (request_timeout): past it, it gets a 503 (an error event on a stream) and its samples
+-- stop.
 --
 -- Randomness: a request with `seed` samples from the streams (seed, 0, prompt i, sample j): the
 -- same seed gives the same text, whatever else is running. Without one, the server's --seed and
@@ -90,6 +91,35 @@ local function utf8_clean(s)
 end
 M.utf8_clean = utf8_clean
 
+-- nil when s is well-formed UTF-8, else the 1-based position of the first byte that is not (a
+-- byte loop that LuaJIT compiles: ~1 ms a MB, faster than a pattern search for [\128-\255]).
+local function utf8_error(s)
+  local byte, n, i = string.byte, #s, 1
+  while i <= n do
+    local c = byte(s, i)
+    if c < 0x80 then
+      i = i + 1
+    else
+      local len = (c >= 0xC2 and c <= 0xDF) and 2 or (c >= 0xE0 and c <= 0xEF) and 3 or (c >= 0xF0 and c <= 0xF4) and 4 or 0
+      if len == 0 or i + len - 1 > n then return i end
+      local lo, hi = 0x80, 0xBF -- the second byte's narrower ranges: no overlongs, no surrogates, <= U+10FFFF
+      if c == 0xE0 then lo = 0xA0 elseif c == 0xED then hi = 0x9F elseif c == 0xF0 then lo = 0x90 elseif c == 0xF4 then hi = 0x8F end
+      local d = byte(s, i + 1)
+      if d < lo or d > hi then return i end
+      for k = 2, len - 1 do
+        d = byte(s, i + k)
+        if d < 0x80 or d > 0xBF then return i end
+      end
+      i = i + len
+    end
+  end
+  return nil
+end
+M.utf8_error = utf8_error
+
+-- An integer as text, exactly, however large (string.format's %d wraps past 2^63).
+local function int_text(x) return string.format('%.0f', x) end
+
 -- The end of s[1..upto] moved back to a character boundary (a streamed piece never splits one).
 local function char_boundary(s, from, upto)
   while upto > from do
@@ -136,9 +166,10 @@ local function stop_strings(body)
   if type(v) ~= 'table' or json.is_object(v) then bad("'stop' must be a string or a list of strings", 'stop') end
   if #v > 16 then bad("'stop' takes 16 strings at most", 'stop') end
   local out = {}
-  for i, s in ipairs(v) do
+  for _, s in ipairs(v) do
     if type(s) ~= 'string' then bad("'stop' must be a string or a list of strings", 'stop') end
-    if s ~= '' then out[#out + 1] = s end
+    if s == '' then bad("'stop' must not contain an empty string", 'stop') end -- as vLLM
+    out[#out + 1] = s
   end
   return out
 end
@@ -235,14 +266,14 @@ end
 -- bytes, when it was refused before encoding).
 function Server:context_error(param, n_prompt, max_tokens, n_bytes)
   if n_bytes then
-    bad(string.format("This model's maximum context length is %d tokens. However, the %s %d bytes long, more than " ..
+    bad(string.format("This model's maximum context length is %d tokens. However, the %s %s bytes long, more than " ..
       '%d tokens can hold (one stands for %d bytes of text at most). Please reduce the length of the %s.', self.max_len,
-      param == 'messages' and 'messages rendered with the chat template are' or 'prompt is', n_bytes,
+      param == 'messages' and 'messages rendered with the chat template are' or 'prompt is', int_text(n_bytes),
       self.max_len, self.max_token_bytes, param), param)
   end
-  bad(string.format("This model's maximum context length is %d tokens. However, you requested %d tokens " ..
-    '(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.', self.max_len,
-    n_prompt + (max_tokens or 1), n_prompt, param, max_tokens or 1, param), param)
+  bad(string.format("This model's maximum context length is %d tokens. However, you requested %s tokens " ..
+    '(%d in the %s, %s in the completion). Please reduce the length of the %s or completion.', self.max_len,
+    int_text(n_prompt + (max_tokens or 1)), n_prompt, param, int_text(max_tokens or 1), param), param)
 end
 
 -- A prompt of n tokens (and max_tokens to come) that does not fit the context: its 400.
@@ -267,8 +298,13 @@ function Server:token_list(v, param, max_tokens)
   local model_vocab = self.engine.model.config.vocab_size
   if model_vocab and model_vocab < vocab then vocab = model_vocab end
   for _, id in ipairs(v) do
-    if type(id) ~= 'number' or id ~= math.floor(id) or id < 0 or id >= vocab then
-      bad(string.format("'%s' holds a token id outside the vocabulary [0, %d): %s", param, vocab, tostring(id)), param)
+    if type(id) ~= 'number' then
+      bad(string.format("'%s' must be a string, a list of strings, a list of token ids or a list of such lists " ..
+        '(it holds a %s where a token id belongs)', param, id == null and 'null' or json.is_object(id) and 'object' or
+        type(id) == 'table' and 'list' or type(id)), param)
+    end
+    if id ~= math.floor(id) or id < 0 or id >= vocab then
+      bad(string.format("'%s' holds a token id outside the vocabulary [0, %d): %s", param, vocab, json.number(id)), param)
     end
   end
   local ids = {}
@@ -322,6 +358,8 @@ local function content_text(content, i)
   bad(string.format('messages[%d].content must be a string or a list of text parts', i - 1), 'messages')
 end
 
+local ROLES = { system = true, developer = true, user = true, assistant = true, tool = true, ['function'] = true }
+
 -- The prompt of a chat request, rendered with the chat template.
 function Server:chat_prompt(body, max_tokens)
   local msgs = field(body, 'messages')
@@ -334,9 +372,18 @@ function Server:chat_prompt(body, max_tokens)
   for i, m in ipairs(msgs) do
     if type(m) ~= 'table' or not json.is_object(m) then bad(string.format('messages[%d] must be an object', i - 1), 'messages') end
     if type(m.role) ~= 'string' then bad(string.format('messages[%d].role must be a string', i - 1), 'messages') end
+    if not ROLES[m.role] then
+      bad(string.format("messages[%d].role '%s' is not one of system, developer, user, assistant, tool, function", i - 1,
+        utf8_clean(m.role:sub(1, 64))), 'messages')
+    end
+    local content = field(m, 'content')
+    -- as OpenAI: only an assistant message that calls tools may leave its content out
+    if content == nil and not (m.role == 'assistant' and (field(m, 'tool_calls') ~= nil or field(m, 'function_call') ~= nil)) then
+      bad(string.format('messages[%d].content is required', i - 1), 'messages')
+    end
     local copy = obj()
     for _, k in ipairs(json.keys(m)) do copy[k] = m[k] end
-    copy.content = content_text(field(m, 'content'), i)
+    copy.content = content_text(content, i)
     list[i] = copy
   end
   local extra = { add_generation_prompt = bool_field(body, 'add_generation_prompt', true) }
@@ -369,7 +416,7 @@ function Server:new_job(hid, body, chat)
   local temperature = number_field(body, 'temperature', 0, 100, false, 1.0)
   local top_p = number_field(body, 'top_p', 0, 1, false, 1.0)
   if top_p <= 0 then bad("'top_p' must be in (0, 1]", 'top_p') end
-  local top_k = number_field(body, 'top_k', -1, nil, true, 0)
+  local top_k = number_field(body, 'top_k', -1, 2 ^ 31 - 1, true, 0)
   local min_p = number_field(body, 'min_p', 0, 1, false, 0)
   local seed = number_field(body, 'seed', -2 ^ 53, 2 ^ 53, true, nil)
   local max_tokens = number_field(body, chat and 'max_completion_tokens' or 'max_tokens', 1, nil, true, nil)
@@ -666,6 +713,8 @@ function Server:handle(hid, method, path, body)
   if path == '/metrics' then return self:respond(hid, 200, self:metrics(), 'text/plain; version=0.0.4') end
   if path == '/version' then return self:respond(hid, 200, json.encode(obj({ 'version', moonrl.version().version }))) end
   if self.draining then fail(503, 'the server is shutting down', nil, 'ServiceUnavailable') end
+  local at = utf8_error(body) -- JSON is UTF-8 (RFC 8259); the decoder would pass other bytes on
+  if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
   local ok, req = pcall(json.decode, body, 'request body')
   if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
   local job = self:new_job(hid, req, path == '/v1/chat/completions')
