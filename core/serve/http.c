@@ -13,10 +13,20 @@
  *           client still sends is read and dropped (closing with unread
  *           bytes would reset the connection and could destroy the response
  *           before the client reads it), until its EOF or a deadline
- * and back to READ after a response on a keep-alive connection. */
+ * and back to READ after a response on a keep-alive connection.
+ *
+ * Deadlines (on_tick, every TICK_MS): in READ, idle_timeout_s from the last
+ * response (or the accept) while nothing of a request has come,
+ * header_timeout_s from a request's first byte (or the accept) to its whole
+ * head, body_timeout_s from the head to the whole body; in READY, HANDED and
+ * STREAM, request_timeout_s from the request complete to its response's
+ * end. Bytes received move none of them. */
 #define _GNU_SOURCE
 #include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +40,7 @@ enum { C_READ, C_READY, C_HANDED, C_STREAM, C_DRAIN };
 #define SPARE_SLOTS 64          /* connections past max_connections, kept just long enough for a 503 */
 #define DRAIN_SECONDS 2.0
 #define READ_CHUNK 65536
+#define TICK_MS 100             /* how often the deadlines (and probed clients) are checked */
 
 typedef struct conn {
     uv_tcp_t tcp;
@@ -46,14 +57,20 @@ typedef struct conn {
     int64_t body_len;
     char *parsed;               /* one block: method, path, query, content type, authorization, body */
     size_t off_path, off_query, off_ctype, off_auth, off_body;
-    double last_active;         /* seconds (uv_now) of the last byte in or the last response */
+    double last_active;         /* seconds (uv_now): the accept, or the last response */
+    double req_start;           /* the first byte of the request being read (the accept for the first); 0: none yet */
+    double head_at;             /* when head_done: when the head was parsed */
+    double ready_at;            /* in READY / HANDED / STREAM: when the request was complete */
     double drain_deadline;
+    int peer_eof;               /* the client's EOF came: a request open is answered, then the connection closes */
+    int shutting;               /* uv_shutdown requested, not done (the queued bytes are going out) */
+    int probed;                 /* the "100 Continue" probe was sent (see probe) */
 } conn;
 
 struct mrl_http {
     uv_loop_t loop;
     uv_tcp_t listener;
-    uv_timer_t tick;            /* once a second: idle timeouts, drain deadlines */
+    uv_timer_t tick;            /* every TICK_MS: the deadlines */
     uv_timer_t wait;            /* bounds one poll's wait */
     mrl_http_config cfg;
     int listening;
@@ -185,8 +202,9 @@ static int send_bytes(conn *c, const char *a, size_t alen, const char *b, size_t
 static void on_shutdown(uv_shutdown_t *r, int status) {
     conn *c = r->handle->data;
     free(r);
+    c->shutting = 0;
     if (c->closing) return;
-    if (status < 0) close_conn(c);
+    if (status < 0 || c->peer_eof) close_conn(c); /* the client's EOF came already: nothing to drain */
     else c->drain_deadline = now_s(c->srv) + DRAIN_SECONDS;
 }
 
@@ -200,7 +218,9 @@ static void finish_conn(conn *c) {
     if (!r || uv_shutdown(r, (uv_stream_t *)&c->tcp, on_shutdown) != 0) {
         free(r);
         close_conn(c);
+        return;
     }
+    c->shutting = 1;
 }
 
 /* The head of a response. */
@@ -220,16 +240,24 @@ static int format_head(conn *c, char *out, size_t cap, int status, const char *c
                     c->http10 ? 0 : 1, status, reason_phrase(status), ctype, (long long)len, conn_hdr);
 }
 
-/* An error the server answers by itself; the connection then closes. */
-static void reject(conn *c, int status, const char *message) {
+/* An error response that ends the connection: queued, 1; 0 when the connection closed instead. */
+static int send_error(conn *c, int status, const char *message) {
     char body[512], head[512];
-    const char *type = status == 404 ? "NotFoundError" : status >= 500 ? "InternalServerError" : "BadRequestError";
+    const char *type = status == 404   ? "NotFoundError"
+                       : status == 503 ? "ServiceUnavailable"
+                       : status >= 500 ? "InternalServerError"
+                                       : "BadRequestError";
     int blen = snprintf(body, sizeof body, "{\"error\": {\"message\": \"%s\", \"type\": \"%s\", \"param\": null, \"code\": %d}}",
                         message, type, status);
     c->keep_alive = 0;
     int hlen = format_head(c, head, sizeof head, status, "application/json", blen, 0);
+    return send_bytes(c, head, (size_t)hlen, body, (size_t)blen);
+}
+
+/* An error the server answers by itself; the connection then closes. */
+static void reject(conn *c, int status, const char *message) {
     c->srv->stats.rejected_total++;
-    if (send_bytes(c, head, (size_t)hlen, body, (size_t)blen)) finish_conn(c);
+    if (send_error(c, status, message)) finish_conn(c);
 }
 
 /* ------------------------------------------------------------ parsing */
@@ -304,6 +332,10 @@ static int parse_head(conn *c, const char **why) {
         size_t nlen = (size_t)(colon - p);
         const char *v = colon + 1;
         size_t vn = (size_t)(line_end - v);
+        for (size_t k = 0; k < vn; k++) { /* RFC 9110 5.5: no NUL, CR, LF or other control character but HTAB */
+            unsigned char ch = (unsigned char)v[k];
+            if ((ch < 0x20 && ch != '\t') || ch == 0x7f) return *why = "malformed header value (a control character)", 400;
+        }
 #define IS(name) (nlen == sizeof(name) - 1 && strncasecmp(p, name, nlen) == 0)
         if (IS("content-length")) {
             copy_value(value, sizeof value, v, vn);
@@ -364,8 +396,24 @@ static int parse_head(conn *c, const char **why) {
     return 0;
 }
 
+static int is_ready(mrl_http *srv, int64_t id) {
+    conn *c = srv->slots[id & 0xffff];
+    return c && !c->closing && c->req_id == id && c->state == C_READY;
+}
+
 static void ready_push(mrl_http *srv, int64_t id) {
     int cap = srv->n_slots;
+    if (srv->ready_count == cap) {
+        /* full of ids whose connections left or timed out: keep the live ones (one a connection at
+           most, so there is room after) */
+        int n = 0;
+        for (int k = 0; k < srv->ready_count; k++) {
+            int64_t x = srv->ready[(srv->ready_head + k) % cap];
+            if (is_ready(srv, x)) srv->ready[(srv->ready_head + n++) % cap] = x;
+        }
+        srv->ready_count = n;
+        if (n == cap) return;
+    }
     srv->ready[(srv->ready_head + srv->ready_count) % cap] = id;
     srv->ready_count++;
 }
@@ -400,19 +448,38 @@ static void process(conn *c) {
             return;
         }
         c->head_done = 1;
+        c->head_at = now_s(srv);
     }
     size_t need = c->head_len + (size_t)c->body_len;
     if (c->in_len < need) return;
     memcpy(c->parsed + c->off_body, c->in + c->head_len, (size_t)c->body_len);
     memmove(c->in, c->in + need, c->in_len - need);
     c->in_len -= need;
+    if (c->in_cap > (1u << 20) && c->in_len <= READ_CHUNK) { /* give a large body's buffer back */
+        size_t cap = c->in_len > 4096 ? c->in_len : 4096;
+        char *p = realloc(c->in, cap);
+        if (p) c->in = p, c->in_cap = cap;
+    }
     c->head_done = 0;
     c->req_id = (++srv->serial << 16) | c->slot;
     c->state = C_READY;
+    c->ready_at = now_s(srv);
+    c->req_start = 0;
     ready_push(srv, c->req_id);
 }
 
 /* ------------------------------------------------------------ reading */
+
+/* The client's EOF while its request waits or runs: a half-close (to be answered) or a client gone
+ * (whose request is to be stopped). An interim "100 Continue", which an HTTP/1.1 client skips (RFC
+ * 9110 15.2), tells them apart: a closed socket answers it with a reset, which on_tick finds
+ * (peer_closed). Not for HTTP/1.0 (no 1xx), nor once a stream's head is out (its writes tell). */
+static void probe(conn *c) {
+    static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    if (c->http10 || c->probed || c->state == C_STREAM) return;
+    c->probed = 1;
+    send_bytes(c, cont, sizeof cont - 1, NULL, 0);
+}
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
     conn *c = h->data;
@@ -422,14 +489,29 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     conn *c = s->data;
     if (c->closing) return;
-    if (nread < 0) { /* EOF or an error: the client has gone (a half-close counts as gone too) */
-        close_conn(c);
+    if (nread < 0) {
+        if (nread == UV_EOF && (c->state == C_READY || c->state == C_HANDED || c->state == C_STREAM)) {
+            /* a half-close after a complete request: it is answered (a client gone entirely is
+               found out by the probe, or a stream's next write) */
+            c->peer_eof = 1;
+            if (c->in_len == 0) c->keep_alive = 0; /* no pipelined bytes: nothing after this response */
+            probe(c);
+            return;
+        }
+        if (nread == UV_EOF && c->state == C_READ) { /* nothing (or half a request) to answer: the response */
+            c->peer_eof = 1;                        /* queued last goes out first, then the close */
+            finish_conn(c);
+        } else if (nread == UV_EOF && c->state == C_DRAIN && c->shutting) {
+            c->peer_eof = 1; /* on_shutdown closes, once the queued bytes are out */
+        } else {
+            close_conn(c); /* an error, or EOF while draining */
+        }
         return;
     }
     if (nread == 0) return;
     mrl_http *srv = c->srv;
-    c->last_active = now_s(srv);
     if (c->state == C_DRAIN) return; /* dropped: see the top of the file */
+    if (c->state == C_READ && c->req_start == 0) c->req_start = now_s(srv); /* a request's first byte */
     size_t limit = (size_t)srv->cfg.max_header_bytes + (size_t)srv->cfg.max_body_bytes + READ_CHUNK;
     if (c->in_len + (size_t)nread > limit) {
         /* in READ the limits reject the request before this; past it, a client pipelining too much */
@@ -456,9 +538,47 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
 
 static void free_handle(uv_handle_t *h) { free(h); }
 
+/* The connection to close for a new one past max_connections: one draining with its response out,
+ * else one that has received nothing of a request for EVICT_IDLE_AFTER seconds at least (the
+ * longest idle), else the one whose partial request began first. NULL when every other connection
+ * has a complete request, a response going out, or has just been accepted (its bytes may not have
+ * been read yet). */
+#define EVICT_IDLE_AFTER 1.0
+static conn *pick_victim(mrl_http *srv, const conn *except) {
+    conn *best = NULL;
+    int best_rank = 0;
+    double best_t = 0, now = now_s(srv);
+    for (int i = 0; i < srv->n_slots; i++) {
+        conn *c = srv->slots[i];
+        if (!c || c == except || c->closing || c->shutting) continue;
+        if (uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp) > 0) continue; /* a response going out */
+        int rank;
+        double t;
+        if (c->state == C_DRAIN) rank = 3, t = c->drain_deadline;
+        else if (c->state != C_READ) continue;
+        else if (c->in_len == 0 && !c->head_done) {
+            if (now - c->last_active < EVICT_IDLE_AFTER) continue;
+            rank = 2, t = c->last_active;
+        } else rank = 1, t = c->req_start;
+        if (rank > best_rank || (rank == best_rank && t < best_t)) best = c, best_rank = rank, best_t = t;
+    }
+    return best;
+}
+
+static void evict(conn *c) {
+    c->srv->stats.evicted_total++;
+    /* a partial request is told why, best effort: the socket closes at once */
+    if (c->state == C_READ && (c->in_len > 0 || c->head_done)) send_error(c, 503, "too many connections: this slow one made room");
+    close_conn(c);
+}
+
 static void on_connection(uv_stream_t *server, int status) {
     mrl_http *srv = server->data;
     if (status < 0) return;
+    if (srv->n_free == 0) { /* the spare slots too: make room if some connection can give it */
+        conn *v = pick_victim(srv, NULL);
+        if (v) evict(v);
+    }
     conn *c = calloc(1, sizeof *c);
     if (!c || srv->n_free == 0 || uv_tcp_init(&srv->loop, &c->tcp) != 0) {
         /* no room even for a 503: accept and drop, so that the backlog does not fill */
@@ -478,7 +598,7 @@ static void on_connection(uv_stream_t *server, int status) {
     srv->slots[c->slot] = c;
     srv->stats.connections_open++;
     srv->stats.connections_total++;
-    c->last_active = now_s(srv);
+    c->last_active = c->req_start = now_s(srv);
     c->keep_alive = 1;
     if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
         close_conn(c);
@@ -489,20 +609,78 @@ static void on_connection(uv_stream_t *server, int status) {
         close_conn(c);
         return;
     }
-    if (srv->stats.connections_open > srv->cfg.max_connections) reject(c, 503, "too many connections");
+    if (srv->stats.connections_open > srv->cfg.max_connections) {
+        conn *v = pick_victim(srv, c);
+        if (v) evict(v);
+        else reject(c, 503, "too many connections");
+    }
+}
+
+/* Whether the client's socket is closed: after the probe, the reset of a client that closed entirely. */
+static int peer_closed(conn *c) {
+    uv_os_fd_t fd;
+    if (uv_fileno((const uv_handle_t *)&c->tcp, &fd) != 0) return 0;
+#ifdef TCP_INFO
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0) return ti.tcpi_state == TCP_CLOSE;
+#endif
+    int err = 0;
+    socklen_t elen = sizeof err;
+    return getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 && err != 0;
+}
+
+static void time_out(conn *c, const char *why) {
+    c->srv->stats.timed_out_total++;
+    reject(c, 408, why);
+}
+
+/* A request past request_timeout_s: 503 when nothing of its response has gone out, else the
+ * connection closes (a stream cut short); the caller learns it from mrl_http_take_gone. */
+static void expire(conn *c) {
+    mrl_http *srv = c->srv;
+    srv->stats.timed_out_total++;
+    if (c->state == C_STREAM) {
+        close_conn(c);
+        return;
+    }
+    if (c->state == C_HANDED) {
+        push_gone(srv, c->req_id);
+        srv->stats.in_flight--;
+        srv->stats.gone_total++;
+    }
+    c->state = C_READ; /* neither READY (its ring entry is skipped) nor handed (close_conn counts nothing) */
+    c->req_id = 0;
+    reject(c, 503, "the request was not answered in time");
 }
 
 static void on_tick(uv_timer_t *t) {
     mrl_http *srv = t->data;
+    const mrl_http_config *cfg = &srv->cfg;
     double now = now_s(srv);
     for (int i = 0; i < srv->n_slots; i++) {
         conn *c = srv->slots[i];
         if (!c || c->closing) continue;
-        if (c->state == C_READ && now - c->last_active > srv->cfg.idle_timeout_s) {
-            if (c->in_len > 0 || c->head_done) reject(c, 408, "request not complete in time");
-            else close_conn(c);
-        } else if (c->state == C_DRAIN && now > c->drain_deadline) {
-            close_conn(c);
+        switch (c->state) {
+        case C_READ:
+            if (c->head_done) {
+                if (now - c->head_at > cfg->body_timeout_s) time_out(c, "request body not received in time");
+            } else if (c->req_start > 0 && now - c->req_start > cfg->header_timeout_s) {
+                if (c->in_len > 0) time_out(c, "request head not received in time");
+                else close_conn(c);
+            } else if (c->in_len == 0 && now - c->last_active > cfg->idle_timeout_s) {
+                close_conn(c);
+            }
+            break;
+        case C_READY:
+        case C_HANDED:
+        case C_STREAM:
+            if (now - c->ready_at > cfg->request_timeout_s) expire(c);
+            else if (c->probed && peer_closed(c)) close_conn(c); /* reported by mrl_http_take_gone when handed */
+            break;
+        case C_DRAIN:
+            if (now > c->drain_deadline) close_conn(c);
+            break;
         }
     }
 }
@@ -518,6 +696,9 @@ void mrl_http_config_default(mrl_http_config *cfg) {
     cfg->max_connections = 1024;
     cfg->idle_timeout_s = 30;
     cfg->max_write_queue = 64ll << 20;
+    cfg->header_timeout_s = 60;
+    cfg->body_timeout_s = 60;
+    cfg->request_timeout_s = 600;
 }
 
 static mrl_status uv_error(const char *what, const char *host, int port, int rc) {
@@ -549,6 +730,9 @@ mrl_status mrl_http_open(const char *host, int port, const mrl_http_config *cfg,
     if (c.max_header_bytes < 256 || c.max_header_bytes > (16 << 20))
         return mrl_set_error(MRL_ERR_INVALID, "http: max_header_bytes %d is not in 256..16 MiB", c.max_header_bytes);
     if (!(c.idle_timeout_s > 0)) return mrl_set_error(MRL_ERR_INVALID, "http: idle_timeout_s must be > 0");
+    if (!(c.header_timeout_s > 0)) return mrl_set_error(MRL_ERR_INVALID, "http: header_timeout_s must be > 0");
+    if (!(c.body_timeout_s > 0)) return mrl_set_error(MRL_ERR_INVALID, "http: body_timeout_s must be > 0");
+    if (!(c.request_timeout_s > 0)) return mrl_set_error(MRL_ERR_INVALID, "http: request_timeout_s must be > 0");
     if (c.max_write_queue < 1) return mrl_set_error(MRL_ERR_INVALID, "http: max_write_queue must be >= 1");
 
     /* the address: numeric, else the first one the resolver gives */
@@ -610,7 +794,7 @@ mrl_status mrl_http_open(const char *host, int port, const mrl_http_config *cfg,
     srv->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
                                             : ntohs(((struct sockaddr_in *)&bound)->sin_port);
     srv->listening = 1;
-    uv_timer_start(&srv->tick, on_tick, 1000, 1000);
+    uv_timer_start(&srv->tick, on_tick, TICK_MS, TICK_MS);
     signal(SIGPIPE, SIG_IGN);
     *out = srv;
     return MRL_OK;
@@ -687,7 +871,10 @@ static void after_response(conn *c) {
         return;
     }
     c->last_active = now_s(c->srv);
+    c->req_start = c->in_len ? c->last_active : 0; /* pipelined bytes: the next request has begun */
+    c->probed = 0;
     process(c); /* a pipelined request may be buffered already */
+    if (!c->closing && c->peer_eof && c->state == C_READ) finish_conn(c); /* half-closed: nothing more comes */
 }
 
 mrl_status mrl_http_respond(mrl_http *srv, int64_t id, int status, const char *content_type, const char *body,

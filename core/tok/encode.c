@@ -297,6 +297,38 @@ const char *mrl_tok_id_to_token(const mrl_tok *t, int32_t id, size_t *len) {
     return t->id_str[id];
 }
 
+/* Normalized text is at most as long as the strings of its tokens: byte-level BPE writes a byte as 1
+ * or 2 bytes, Metaspace a space as 3, byte fallback a byte as 6, and an unknown character (4 bytes at
+ * most) becomes the unknown token (4 at least below). Prepend and a Replace that lengthens only add
+ * text; NFC shortens it 3 times at most (a Hangul syllable from three 3-byte jamo). What lets text
+ * vanish leaves no bound: a split that removes what it matches, a Replace that shortens, an added
+ * token that strips the whitespace beside it, fused unknown characters, and characters that neither
+ * the vocabulary, byte fallback nor an unknown token covers (dropped). */
+size_t mrl_tok_max_text_bytes(const mrl_tok *t) {
+    if (!t) return 0;
+    int every_byte = t->has_byte_level && t->byte_level_ids;
+    if (!every_byte && t->byte_fallback) {
+        every_byte = 1;
+        for (int b = 0; b < 256; b++) every_byte &= t->byte_ids[b] >= 0;
+    }
+    if (!every_byte && (t->unk_id < 0 || t->fuse_unk)) return 0;
+    for (int i = 0; i < t->n_pretoks; i++)
+        if (t->pretoks[i].kind == PT_SPLIT && t->pretoks[i].behavior == SPLIT_REMOVED) return 0;
+    size_t shrink = 1;
+    for (int i = 0; i < t->n_norms; i++) {
+        if (t->norms[i].kind == NORM_REPLACE && t->norms[i].blen < t->norms[i].alen) return 0;
+        if (t->norms[i].kind == NORM_NFC) shrink = 3;
+    }
+    for (int i = 0; i < t->n_added; i++)
+        if (t->added[i].lstrip || t->added[i].rstrip) return 0;
+    size_t most = 4;
+    for (int32_t id = 0; id < t->n_ids; id++) {
+        size_t len;
+        if (mrl_tok_id_to_token(t, id, &len) && len > most) most = len;
+    }
+    return most * shrink;
+}
+
 int mrl_tok_is_special(const mrl_tok *t, int32_t id) { return t && id >= 0 && id < t->n_ids && t->is_special[id]; }
 int32_t mrl_tok_bos_id(const mrl_tok *t) { return t ? t->bos_id : -1; }
 int32_t mrl_tok_eos_id(const mrl_tok *t) { return t ? t->eos_id : -1; }

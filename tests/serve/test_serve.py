@@ -7,6 +7,13 @@ stop strings; streaming (SSE) concatenating to the non-streamed text; 12 concurr
 answered as when alone, overlapping in the engine (the /metrics peaks); every error case (400,
 404, 405, 411, 413, 431, malformed HTTP); keep-alive, pipelining, Expect: 100-continue; a client
 leaving mid-stream; SIGTERM while a stream runs (it completes, exit 0); CLI usage errors (exit 2).
+Hardening (issue 32): a burst of 400 requests at once, all answered; a half-closed request
+answered; the details refused with a 400 (an empty stop string, an invalid UTF-8 body, a NUL in a
+header, unknown roles, missing content, nested prompts, max_tokens 2^63); and, on a server with
+second-long deadlines: a 15 MB prompt refused before it is tokenised (the server's peak memory
+barely moves), sockets trickling heads and bodies (cut at the deadline with 408, more of them than
+--max-connections: /health and new clients still answered), requests past --request-timeout (503,
+an error event on a stream, their samples stopped).
 Prints tokens/s with 1 and 8 concurrent clients.
 
 usage: test_serve.py PATH/TO/moonrl SOURCE_DIR
@@ -15,6 +22,7 @@ import http.client
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -111,10 +119,10 @@ class Server:
             return "hung"
 
 
-def raw_exchange(port, data, read_until_close=True, timeout=10):
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    s.sendall(data)
-    chunks = []
+def read_to_close(s, read_until_close=True):
+    """What s receives up to its close (or its first bytes), and whether its timeout came first;
+    s is closed."""
+    chunks, timed_out = [], False
     try:
         while True:
             b = s.recv(65536)
@@ -124,9 +132,15 @@ def raw_exchange(port, data, read_until_close=True, timeout=10):
             if not read_until_close:
                 break
     except socket.timeout:
-        pass
+        timed_out = True
     s.close()
-    return b"".join(chunks)
+    return b"".join(chunks), timed_out
+
+
+def raw_exchange(port, data, read_until_close=True, timeout=10):
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    return read_to_close(s, read_until_close)[0]
 
 
 def error_ok(status, body, want_status, param=None):
@@ -161,6 +175,7 @@ def main():
         code = srv.stop()
     check("sigterm-idle-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
     check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
+    hardening_checks(model)
     cli_checks(model)
     print("%d failed" % failed)
     sys.exit(1 if failed else 0)
@@ -279,7 +294,9 @@ def run_checks(srv, exp, gen_text, gen_chat, model):
 
     concurrency_checks(srv)
     error_checks(srv)
+    detail_checks(srv)
     http_checks(srv)
+    burst_check(srv)
     disconnect_checks(srv)
     sigterm_check(model)
 
@@ -367,6 +384,92 @@ def error_checks(srv):
     check("after-errors", st == 200 and b["usage"]["completion_tokens"] == 3)
 
 
+def detail_checks(srv):
+    """Issue 32, item 9: what OpenAI and vLLM refuse is refused; a half-closed request is answered."""
+    def post(body, path="/v1/completions"):
+        return srv.post(path, body)
+
+    def raw_post(body, path="/v1/completions", extra=b""):
+        return raw_exchange(srv.port, b"POST %s HTTP/1.1\r\nContent-Length: %d\r\nConnection: close\r\n%s\r\n%s" % (
+            path.encode(), len(body), extra, body))
+
+    check("detail-stop-empty", error_ok(*post({"prompt": "x", "stop": ""}), 400, "stop"))
+    check("detail-stop-list-empty", error_ok(*post({"prompt": "x", "stop": ["a", ""]}), 400, "stop"))
+    st, b = srv.post("/v1/completions", b'{"prompt": "x", "max_tokens": 9223372036854775808}')
+    msg = b["error"]["message"] if isinstance(b, dict) and "error" in b else ""
+    check("detail-max-tokens-2^63", error_ok(st, b, 400) and "9223372036854775808" in msg and
+          not re.search(r"-\d", msg), b)
+    check("detail-top-k-2^40", error_ok(*post({"prompt": "x", "top_k": 2 ** 40}), 400, "top_k"))
+    for prompt in ([[[1]]], [[1, [2]]], [[1, None]], [1, {"a": 1}]):
+        st, b = post({"prompt": prompt})
+        check("detail-nested-prompt %s" % json.dumps(prompt), error_ok(st, b, 400, "prompt") and
+              "table:" not in b["error"]["message"], b)
+    out = raw_post(b'{"prompt": "Hi \xff\xfe", "max_tokens": 2}')
+    check("detail-invalid-utf8-400", out.startswith(b"HTTP/1.1 400") and b"UTF-8" in out, out[:300])
+    out = raw_post(b'{"prompt": "Hi \xed\xa0\x80", "max_tokens": 2}')  # an encoded surrogate
+    check("detail-surrogate-utf8-400", out.startswith(b"HTTP/1.1 400"), out[:300])
+    out = raw_post('{"prompt": "Hi \u00e9\u4e16\U0001F600", "max_tokens": 2}'.encode("utf-8"))
+    check("detail-valid-utf8-200", out.startswith(b"HTTP/1.1 200"), out[:300])
+    out = raw_exchange(srv.port, b"GET /health HTTP/1.1\r\nX-A: a\x00b\r\n\r\n")
+    check("detail-nul-header-400", out.startswith(b"HTTP/1.1 400"), out[:80])
+    out = raw_post(b'{"prompt": "Hi", "max_tokens": 2}', extra=b"X-A: a\x00b\r\n")
+    check("detail-nul-header-post-400", out.startswith(b"HTTP/1.1 400"), out[:80])
+    chat = "/v1/chat/completions"
+    check("detail-unknown-role", error_ok(*post({"messages": [{"role": "wizard", "content": "Hi"}]}, chat), 400, "messages"))
+    check("detail-missing-content", error_ok(*post({"messages": [{"role": "user"}]}, chat), 400, "messages"))
+    check("detail-null-content", error_ok(*post({"messages": [{"role": "user", "content": None}]}, chat), 400, "messages"))
+    check("detail-missing-content-later", error_ok(*post({"messages": [{"role": "user", "content": "Hi"},
+                                                                       {"role": "assistant"}]}, chat), 400, "messages"))
+    st, b = post({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                  "max_tokens": 2}, chat)
+    check("detail-known-roles-200", st == 200, b)
+    # a complete POST, then the client shuts its write side: answered, as a GET is
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 5, "temperature": 0}).encode()
+    for name, req in (("post", b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)),
+                      ("get", b"GET /health HTTP/1.1\r\n\r\n"),
+                      ("stream", b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (
+                          len(body) + 16, body[:-1] + b', "stream": true}'))):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        out, timed_out = read_to_close(s)
+        if out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):  # the probe of a half-close (an HTTP/1.1 client skips it)
+            out = out[25:]
+        want = {"post": b'"completion_tokens": 5', "get": b"Content-Length: 0", "stream": b"data: [DONE]"}[name]
+        check("detail-half-close-%s" % name, out.startswith(b"HTTP/1.1 200") and want in out and not timed_out,
+              out[-200:])
+
+
+def burst_check(srv):
+    """Issue 32, item 1: more requests ready at once than one poll takes (256), all answered."""
+    n = 400
+    # a long request keeps the engine stepping, so that the burst lands between two polls
+    heavy = json.dumps({"prompt": "Hello world", "max_tokens": 150, "n": 32, "ignore_eos": True}).encode()
+    h = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    h.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(heavy), heavy))
+    time.sleep(0.1)
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    req = b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(n)]
+    t0 = time.time()
+    for s in socks:
+        s.sendall(req)
+    outs = []
+    for s in socks:
+        s.settimeout(max(0.1, 20 - (time.time() - t0)))
+        outs.append(read_to_close(s)[0])
+    answered = sum(1 for o in outs if o.startswith(b"HTTP/1.1 200") and b"text_completion" in o)
+    check("burst-%d-all-answered" % n, answered == n, "%d of %d answered in %.1f s" % (answered, n, time.time() - t0))
+    out = b""
+    while b'"usage"' not in out:  # the long request too (answered, not left running for the next checks)
+        x = h.recv(65536)
+        if not x:
+            break
+        out += x
+    h.close()
+    check("burst-long-request", out.startswith(b"HTTP/1.1 200"), out[:100])
+
+
 def http_checks(srv):
     p = srv.port
     out = raw_exchange(p, b"GARBAGE\r\n\r\n")
@@ -424,6 +527,20 @@ def http_checks(srv):
 
 
 def disconnect_checks(srv):
+    """Clients that leave before their answer: a stream (found out by its next write) and a plain
+    request (found out by the probe its EOF gets); each step waits for the server to get there, so
+    that neither request can finish first, however fast the machine."""
+    def wait_metrics(ok, seconds=10):
+        deadline = time.time() + seconds
+        m = srv.metrics()
+        while time.time() < deadline and not ok(m):
+            time.sleep(0.02)
+            m = srv.metrics()
+        return m
+
+    def gone(m):
+        return m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"]
+
     before = srv.metrics()
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
     # heavy enough (64 x 480 tokens) to be running still when the client leaves, on any machine
@@ -433,20 +550,17 @@ def disconnect_checks(srv):
     while got.count(b"data: ") < 3:
         got += s.recv(65536)
     s.close()  # mid-stream
-    # also a non-streaming request whose client leaves before its answer (128 x 480 tokens)
+    wait_metrics(lambda m: gone(m) >= 1 and m["moonrl_requests_running"] == 0)
+    # a non-streaming request whose client leaves once it runs (128 x 480 tokens, ignoring EOS)
     s2 = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
-    body = json.dumps({"prompt": "Hello world", "max_tokens": 480, "n": 128}).encode()
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 480, "n": 128, "ignore_eos": True}).encode()
     s2.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    time.sleep(0.2)
+    running = wait_metrics(lambda m: m["moonrl_requests_running"] == 1)["moonrl_requests_running"]
     s2.close()
     st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "temperature": 0})
     check("disconnect-server-answers", st == 200 and b["usage"]["completion_tokens"] == 5)
-    deadline = time.time() + 10
-    m = srv.metrics()
-    while time.time() < deadline and (m["moonrl_engine_running"] > 0 or m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"] < 2):
-        time.sleep(0.1)
-        m = srv.metrics()
-    check("disconnect-counted", m["moonrl_requests_gone_total"] - before["moonrl_requests_gone_total"] == 2, m)
+    m = wait_metrics(lambda m: m["moonrl_engine_running"] == 0 and gone(m) >= 2)
+    check("disconnect-counted", running == 1 and gone(m) == 2, m)
     check("disconnect-samples-stopped", m["moonrl_engine_running"] == 0 and m["moonrl_engine_kv_blocks_used"] == 0 and
           m["moonrl_engine_generated_tokens"] - before["moonrl_engine_generated_tokens"] < 0.75 * (64 + 128) * 480, m)
 
@@ -476,6 +590,158 @@ def sigterm_check(model):
         check("sigterm-closed", True)
 
 
+def hwm_mb(pid):
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/%d/status" % pid).read()).group(1)) / 1024.0
+
+
+def hardening_checks(model):
+    """Issue 32, items 2 and 5, and the deadline of item 1, on a server with second-long limits."""
+    srv = Server(model, "--max-connections", "32", "--header-timeout", "1.5", "--body-timeout", "1.5",
+                 "--request-timeout", "0.5", "--max-n", "128")
+    try:
+        big_prompt_check(srv)
+        slow_socket_checks(srv)
+        deadline_checks(srv)
+    finally:
+        code = srv.stop()
+    check("hardening-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
+    check("hardening-no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(),
+          srv.log()[-2000:])
+
+
+def big_prompt_check(srv):
+    """A 15 MB prompt (under the 16 MB body limit) cannot fit 512 tokens: refused before it is
+    tokenised. Tokenising it first raised the server's peak memory by ~360 MB with this tokenizer
+    (~1.5 GB with a real one); the bodies alone take ~60 MB."""
+    st, _, _ = srv.request("GET", "/health")
+    pid = srv.proc.pid
+    text = "hello world " * (15 * 2 ** 20 // 12)
+    rises = []
+    for name, path, body in (("prompt", "/v1/completions", {"prompt": text}),
+                             ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                             ("64-prompts", "/v1/completions", {"prompt": [text[:200 * 1024]] * 64})):
+        data = json.dumps(body)
+        try:  # "5": reset the peak (VmHWM) to the current resident size
+            with open("/proc/%d/clear_refs" % pid, "w") as f:
+                f.write("5")
+            before = hwm_mb(pid)
+        except OSError:
+            before = None
+        t0 = time.time()
+        st, b = srv.post(path, data)
+        took = time.time() - t0
+        check("big-prompt-400 %s" % name, error_ok(st, b, 400) and "maximum context length" in b["error"]["message"]
+              and took < 10, "%s %.1f s %s" % (st, took, str(b)[:300]))
+        if before is not None:
+            rise = hwm_mb(pid) - before
+            rises.append("%s %.0f MB" % (name, rise))
+            check("big-prompt-peak-memory %s" % name, rise < 150, "the peak rose by %.0f MB" % rise)
+    print("     15 MB prompts refused; the server's peak memory rose by: %s" % (", ".join(rises) or "(not measured)"))
+    st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 3})
+    check("big-prompt-after", st == 200, b)
+
+
+def slow_socket_checks(srv):
+    """Sockets that trickle a head or a body, a byte every 0.3 s: each is cut at the 1.5 s deadline
+    (408) while its bytes go on coming; more of them than --max-connections (32) do not lock new
+    clients out."""
+    p = srv.port
+    ends = (b"HTTP/1.1 408", b"HTTP/1.1 503", b"closed", b"reset")
+
+    def trickle(socks, seconds):
+        """A byte to each socket every 0.3 s for up to `seconds`, until each has an answer (or its
+        end): the first bytes each got, b"open" for none."""
+        outs = {}
+        end = time.time() + seconds
+        while time.time() < end and len(outs) < len(socks):
+            for s in socks:
+                if s not in outs:
+                    try:
+                        s.send(b"a")
+                    except OSError:
+                        pass
+            time.sleep(0.3)
+            for s in select.select([s for s in socks if s not in outs], [], [], 0)[0]:
+                try:
+                    out = s.recv(4096)
+                    outs[s] = out[:12] if out else b"closed"
+                except OSError:
+                    outs[s] = b"reset"
+        return [outs.get(s, b"open") for s in socks]
+
+    # under the limit: 16 slow heads, 8 slow bodies (were a byte to move the deadline, they would be
+    # open for as long as the bytes came)
+    t0 = time.time()
+    heads = [socket.create_connection(("127.0.0.1", p), timeout=5) for _ in range(16)]
+    for s in heads:
+        s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+    bodies = [socket.create_connection(("127.0.0.1", p), timeout=5) for _ in range(8)]
+    for s in bodies:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1000\r\n\r\n{")
+    trickle(heads + bodies, 0.9)
+    try:
+        st, _, _ = srv.request("GET", "/health", timeout=5)
+    except (OSError, http.client.HTTPException) as e:
+        st = repr(e)
+    check("slow-under-limit-health", st == 200, st)
+    outs = trickle(heads + bodies, 8)
+    took = time.time() - t0
+    check("slow-cut-at-deadline-408", all(o == b"HTTP/1.1 408" for o in outs), "%s after %.1f s" % (outs, took))
+    for s in heads + bodies:
+        s.close()
+
+    # over the limit: 100 slow heads hold every slot; /health and new clients are still answered
+    m0 = srv.metrics()
+    slow = []
+    for _ in range(100):
+        try:
+            s = socket.create_connection(("127.0.0.1", p), timeout=5)
+            s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+            slow.append(s)
+        except OSError:
+            pass
+    answered = []
+    for _ in range(4):
+        trickle(slow, 0.3)
+        try:
+            st, _, _ = srv.request("GET", "/health", timeout=5)
+            st2, b = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+            answered.append((st, st2))
+        except (OSError, http.client.HTTPException) as e:
+            answered.append(repr(e))
+    check("slow-over-limit-answered", all(a == (200, 200) for a in answered), answered)
+    outs = trickle(slow, 8)
+    check("slow-over-limit-all-closed", all(o in ends for o in outs), [o for o in outs if o not in ends][:5])
+    for s in slow:
+        s.close()
+    m = srv.metrics()
+    check("slow-metrics", m["moonrl_http_evicted_total"] > m0["moonrl_http_evicted_total"] and
+          m["moonrl_http_timed_out_total"] >= 24, m)
+
+
+def deadline_checks(srv):
+    """--request-timeout 0.5: a request that takes longer gets a 503 (a stream: an error event, then
+    its end), its samples stopped; a short one is untouched."""
+    body = {"prompt": "Hello world", "max_tokens": 480, "n": 128, "ignore_eos": True}
+    t0 = time.time()
+    st, b = srv.post("/v1/completions", body)
+    took = time.time() - t0
+    check("deadline-503", error_ok(st, b, 503) and "--request-timeout" in b["error"]["message"] and took > 0.4,
+          "%s %.2f s %s" % (st, took, str(b)[:200]))
+    status, ctype, events, done = srv.stream("/v1/completions", body)
+    check("deadline-stream-error-event", status == 200 and events and "error" in events[-1] and
+          events[-1]["error"]["code"] == 503 and not done, events[-1:])
+    st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 3})
+    check("deadline-short-request", st == 200, b)
+    deadline = time.time() + 5
+    m = srv.metrics()
+    while time.time() < deadline and (m["moonrl_engine_running"] > 0 or m["moonrl_engine_kv_blocks_used"] > 0):
+        time.sleep(0.05)
+        m = srv.metrics()
+    check("deadline-samples-stopped", m["moonrl_requests_timed_out_total"] == 2 and m["moonrl_engine_running"] == 0 and
+          m["moonrl_engine_kv_blocks_used"] == 0, m)
+
+
 def cli_checks(model):
     def run(*args):
         p = subprocess.run([MOONRL, "serve"] + list(args), capture_output=True, timeout=120)
@@ -497,6 +763,9 @@ def cli_checks(model):
     code, err = run("--model", model, "--port", str(busy.getsockname()[1]))
     busy.close()
     check("cli-port-in-use", code == 2 and "in use" in err, err)
+    for flag in ("--header-timeout", "--body-timeout", "--keep-alive-timeout", "--request-timeout"):
+        code, err = run("--model", model, flag, "0")
+        check("cli-bad %s" % flag, code == 2 and flag in err, err)
     code, err = run("--help")
     check("cli-help", code == 0)
 

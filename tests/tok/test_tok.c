@@ -250,6 +250,42 @@ static void test_batch(void) {
     mrl_tok_free(t);
 }
 
+/* mrl_tok_max_text_bytes: the longest token string for a tokenizer that keeps all its text (3 times
+ * it with NFC), 0 for one that can drop text; texts that pack many bytes into few tokens (runs of
+ * spaces, decomposed Hangul, unknown characters) stay within the bound. */
+static void test_max_text_bytes(void) {
+    static const struct { const char *fixture; int bounded, nfc; } cases[] = {
+        {"llama3_split", 1, 0},   {"qwen2_split", 1, 1},     {"sentencepiece_bytefallback", 1, 0},
+        {"var_splits", 0, 0},     /* a Split that removes */
+        {"var_punctuation", 0, 0}, /* WhitespaceSplit */
+        {"gpt2_bytelevel", 0, 0}, /* added tokens that strip whitespace */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char path[256];
+        snprintf(path, sizeof path, FIX "%s", cases[k].fixture);
+        mrl_tok *t = NULL;
+        CHECK_OK(mrl_tok_load(path, &t));
+        if (!t) continue;
+        size_t longest = 4, len;
+        for (int32_t id = 0; id < 1 << 20; id++)
+            if (mrl_tok_id_to_token(t, id, &len) && len > longest) longest = len;
+        size_t got = mrl_tok_max_text_bytes(t);
+        if (cases[k].bounded) CHECK(got == longest * (cases[k].nfc ? 3 : 1));
+        else CHECK(got == 0);
+        static char text[4096];
+        const char *units[] = {" ", "\xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8", "\xf0\x9f\x98\x80", "\x01", "ab"};
+        for (size_t u = 0; got && u < sizeof units / sizeof units[0]; u++) {
+            size_t ulen = strlen(units[u]), len = 0;
+            while (len + ulen < sizeof text) memcpy(text + len, units[u], ulen), len += ulen;
+            size_t n = 0;
+            CHECK_OK(mrl_tok_encode(t, text, len, 0, NULL, 0, &n));
+            CHECK(len <= n * got);
+        }
+        mrl_tok_free(t);
+    }
+    CHECK(mrl_tok_max_text_bytes(NULL) == 0);
+}
+
 int main(void) {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/moonrl_test_tok_XXXXXX");
     if (!mkdtemp(tmpdir)) return 1;
@@ -258,6 +294,7 @@ int main(void) {
     test_stream();
     test_random();
     test_batch();
+    test_max_text_bytes();
     char path[512];
     snprintf(path, sizeof path, "%s/tokenizer.json", tmpdir);
     unlink(path);

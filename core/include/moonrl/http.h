@@ -16,10 +16,36 @@
  * What it handles by itself: Content-Length bodies (a request with another
  * transfer encoding gets 411), `Expect: 100-continue`, keep-alive (HTTP/1.1's
  * default; "Connection: close" and HTTP/1.0 close after the response),
- * pipelined requests (answered one after the other), and the limits: a head
- * over max_header_bytes gets 431, a body over max_body_bytes 413, a
- * malformed head 400, a connection past max_connections 503, a request not
- * complete within idle_timeout_s 408; each of those closes the connection.
+ * pipelined requests (answered one after the other), a client that
+ * half-closes after its request (answered, then closed), and the limits: a
+ * head over max_header_bytes gets 431, a body over max_body_bytes 413, a
+ * malformed head (a control character in a header value included) 400; each
+ * of those closes the connection.
+ *
+ * Time: a connection waiting for its next request is closed after
+ * idle_timeout_s of silence; a request's head must be in within
+ * header_timeout_s of its first byte (of the accept, for a connection's
+ * first request) and its body within body_timeout_s of its head, else 408.
+ * A byte received resets none of these, so a client trickling bytes holds
+ * its connection no longer than they allow. A complete request must be
+ * answered within request_timeout_s: past it the server answers 503 itself
+ * (or, for a response that has begun, closes the connection) and reports the
+ * id through mrl_http_take_gone, so no request waits forever.
+ *
+ * Connections: past max_connections, a new one takes the place of one
+ * without a complete request: a finished one draining first, then the
+ * longest idle (for a second at least), then the partial request begun
+ * first, which gets a 503. Connections trickling a head cannot lock new
+ * clients out. Only when every other connection has a request in progress,
+ * a response going out, or has just been accepted does the new one get a
+ * 503.
+ *
+ * A client's EOF while its request is open is taken as a half-close: the
+ * request is answered. A client that closed entirely is found out by a
+ * stream's next write, or, for an HTTP/1.1 request not yet answered, by the
+ * "100 Continue" interim response (which HTTP/1.1 clients skip) sent at the
+ * EOF, which a closed socket refuses; its request is then gone.
+ *
  * Error bodies are OpenAI-style JSON: {"error": {"message", "type", "param",
  * "code"}}. SIGPIPE is ignored from mrl_http_open on (a write to a closed
  * socket is an error of that connection, not the end of the process). */
@@ -37,8 +63,11 @@ typedef struct mrl_http_config {
     int64_t max_body_bytes;   /* default 16 MiB */
     int max_header_bytes;     /* request line and headers; default 64 KiB */
     int max_connections;      /* open at once, in 1..65535; default 1024 */
-    double idle_timeout_s;    /* a keep-alive connection with no request is closed after this; default 30 */
+    double idle_timeout_s;    /* a connection with no request under way is closed after this; default 30 */
     int64_t max_write_queue;  /* bytes queued to one slow client before it is dropped; default 64 MiB */
+    double header_timeout_s;  /* a request's whole head, from its first byte (or the accept); default 60 */
+    double body_timeout_s;    /* a request's whole body, from its head; default 60 */
+    double request_timeout_s; /* from a request complete to its response's end; default 600 */
 } mrl_http_config;
 
 /* One complete request, as mrl_http_poll hands it over. The strings are
@@ -58,9 +87,11 @@ typedef struct mrl_http_stats {
     int64_t connections_total;  /* accepted */
     int64_t requests_total;     /* handed to the caller */
     int64_t rejected_total;     /* answered with a 4xx/5xx by the server itself (limits, malformed) */
-    int64_t gone_total;         /* handed-over requests whose client went away before the end */
+    int64_t gone_total;         /* handed-over requests whose client went away (or that timed out) before the end */
     int connections_open;
     int in_flight;              /* handed over, not finished */
+    int64_t timed_out_total;    /* requests ended at a deadline: head or body late (408), not answered in time */
+    int64_t evicted_total;      /* connections closed to make room for a new one */
 } mrl_http_stats;
 
 void mrl_http_config_default(mrl_http_config *cfg);
@@ -85,8 +116,9 @@ mrl_status mrl_http_respond(mrl_http *srv, int64_t id, int status, const char *c
 mrl_status mrl_http_stream_begin(mrl_http *srv, int64_t id, int status, const char *content_type);
 mrl_status mrl_http_stream_write(mrl_http *srv, int64_t id, const char *data, int64_t len);
 mrl_status mrl_http_stream_end(mrl_http *srv, int64_t id);
-/* Ids of handed-over, unfinished requests whose connection closed since
- * the last call (up to max of them into ids); returns how many. */
+/* Ids of handed-over, unfinished requests whose connection closed, or that
+ * passed request_timeout_s, since the last call (up to max of them into
+ * ids); returns how many. */
 int mrl_http_take_gone(mrl_http *srv, int64_t *ids, int max);
 void mrl_http_get_stats(const mrl_http *srv, mrl_http_stats *out);
 /* Stop accepting connections (those open are served on); for a graceful

@@ -70,6 +70,12 @@ int32_t mrl_tok_token_to_id(const mrl_tok *tok, const char *token, size_t len);
  * As in tokenizers, an added token with normalized=true comes back in its
  * normalized form (Llama 2's "<s>" comes back as U+2581 then "<s>"). */
 const char *mrl_tok_id_to_token(const mrl_tok *tok, int32_t id, size_t *len);
+/* The most bytes of text one token can stand for: a text longer than
+ * n times this encodes to more than n tokens (what a server checks before
+ * encoding a prompt). 0 when the tokenizer has no such bound (it can drop
+ * text: a split that removes what it matches, a Replace that shortens,
+ * whitespace stripped beside an added token, fused unknown characters). */
+size_t mrl_tok_max_text_bytes(const mrl_tok *tok);
 /* 1 when id is an added token marked special. */
 int mrl_tok_is_special(const mrl_tok *tok, int32_t id);
 /* BOS / EOS ids from tokenizer_config.json (else the post-processor's

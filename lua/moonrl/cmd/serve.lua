@@ -21,7 +21,12 @@ usage: moonrl serve --model DIR|FILE.gguf [options]
   --default-max-tokens N chat completions without max_tokens stop here (default: the context left)
   --seed S               the streams of requests that give no seed (default 0)
   --max-body-mb MB       request bodies at most (default 16; larger: 413)
-  --max-connections N    open connections at most (default 1024; more: 503)
+  --max-connections N    open connections at most (default 1024); past it a new one replaces the
+                         slowest without a complete request, else gets 503
+  --header-timeout S     seconds to receive a request's whole head, from its first byte (default 60; then 408)
+  --body-timeout S       seconds to receive a request's whole body, from its head (default 60; then 408)
+  --keep-alive-timeout S seconds an open connection waits for its next request (default 30)
+  --request-timeout S    seconds a request may take, from received to answered (default 600; then 503)
   --shutdown-timeout S   on SIGINT/SIGTERM, seconds to finish the requests in flight (default 10)]]
 
 local NUMBERS = {
@@ -31,6 +36,9 @@ local NUMBERS = {
   ['--default-max-tokens'] = { 'default_max_tokens', true, 1 }, ['--seed'] = { 'seed', true, 0 },
   ['--max-body-mb'] = { 'max_body_mb', false, 0 }, ['--max-connections'] = { 'max_connections', true, 1, 65000 },
   ['--shutdown-timeout'] = { 'shutdown_timeout', false, 0 },
+  ['--header-timeout'] = { 'header_timeout', false, 0.1 }, ['--body-timeout'] = { 'body_timeout', false, 0.1 },
+  ['--keep-alive-timeout'] = { 'keep_alive_timeout', false, 0.1 },
+  ['--request-timeout'] = { 'request_timeout', false, 0.1 },
 }
 local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-name'] = 'served_model_name',
   ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
@@ -38,7 +46,8 @@ local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-n
 local function parse(args)
   return require('moonrl.cli.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
     defaults = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
-      max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10 },
+      max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10, header_timeout = 60, body_timeout = 60,
+      keep_alive_timeout = 30, request_timeout = 600 },
     required = { '--model' } })
 end
 
@@ -86,6 +95,8 @@ function M.main(args)
     eos_ids = inference.eos_ids(dir, model, tok), seed = o.seed, max_n = o.max_n, default_max_tokens = o.default_max_tokens,
     host = o.host, port = o.port, max_body_bytes = math.floor(o.max_body_mb * 2 ^ 20),
     max_connections = o.max_connections, shutdown_timeout = o.shutdown_timeout, log = log,
+    header_timeout_s = o.header_timeout, body_timeout_s = o.body_timeout, idle_timeout_s = o.keep_alive_timeout,
+    request_timeout = o.request_timeout,
   })
   if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(srv)) end
   local host = o.host:find(':', 1, true) and ('[' .. o.host .. ']') or o.host

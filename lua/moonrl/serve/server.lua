@@ -13,6 +13,13 @@
 -- engine, so requests that arrive while others generate join the running batch (continuous
 -- batching); the engine is never reset.
 --
+-- Limits, before any work is spent on a request: the HTTP layer's (head and body sizes, the time
+-- to receive them, connections; see moonrl/http.h), a body that is not UTF-8, a prompt too long
+-- in bytes to fit the context whatever it encodes to (more than max_model_len times the most bytes
+-- a token stands for, mrl_tok_max_text_bytes), too many prompts or samples. Every request has a
+-- deadline (request_timeout): past it, it gets a 503 (an error event on a stream) and its samples
+-- stop.
+--
 -- Randomness: a request with `seed` samples from the streams (seed, 0, prompt i, sample j): the
 -- same seed gives the same text, whatever else is running. Without one, the server's --seed and
 -- the request's serial number key the streams.
@@ -84,6 +91,35 @@ local function utf8_clean(s)
 end
 M.utf8_clean = utf8_clean
 
+-- nil when s is well-formed UTF-8, else the 1-based position of the first byte that is not (a
+-- byte loop that LuaJIT compiles: ~1 ms a MB, faster than a pattern search for [\128-\255]).
+local function utf8_error(s)
+  local byte, n, i = string.byte, #s, 1
+  while i <= n do
+    local c = byte(s, i)
+    if c < 0x80 then
+      i = i + 1
+    else
+      local len = (c >= 0xC2 and c <= 0xDF) and 2 or (c >= 0xE0 and c <= 0xEF) and 3 or (c >= 0xF0 and c <= 0xF4) and 4 or 0
+      if len == 0 or i + len - 1 > n then return i end
+      local lo, hi = 0x80, 0xBF -- the second byte's narrower ranges: no overlongs, no surrogates, <= U+10FFFF
+      if c == 0xE0 then lo = 0xA0 elseif c == 0xED then hi = 0x9F elseif c == 0xF0 then lo = 0x90 elseif c == 0xF4 then hi = 0x8F end
+      local d = byte(s, i + 1)
+      if d < lo or d > hi then return i end
+      for k = 2, len - 1 do
+        d = byte(s, i + k)
+        if d < 0x80 or d > 0xBF then return i end
+      end
+      i = i + len
+    end
+  end
+  return nil
+end
+M.utf8_error = utf8_error
+
+-- An integer as text, exactly, however large (string.format's %d wraps past 2^63).
+local function int_text(x) return string.format('%.0f', x) end
+
 -- The end of s[1..upto] moved back to a character boundary (a streamed piece never splits one).
 local function char_boundary(s, from, upto)
   while upto > from do
@@ -130,9 +166,10 @@ local function stop_strings(body)
   if type(v) ~= 'table' or json.is_object(v) then bad("'stop' must be a string or a list of strings", 'stop') end
   if #v > 16 then bad("'stop' takes 16 strings at most", 'stop') end
   local out = {}
-  for i, s in ipairs(v) do
+  for _, s in ipairs(v) do
     if type(s) ~= 'string' then bad("'stop' must be a string or a list of strings", 'stop') end
-    if s ~= '' then out[#out + 1] = s end
+    if s == '' then bad("'stop' must not contain an empty string", 'stop') end -- as vLLM
+    out[#out + 1] = s
   end
   return out
 end
@@ -171,18 +208,27 @@ function M.new(o)
     engine = o.engine, tok = o.tokenizer, tpl = o.template, tpl_error = o.template_error,
     name = o.model_name, path = o.model_path, max_len = o.max_model_len, eos = o.eos_ids or {},
     seed = o.seed or 0, max_n = o.max_n or 128, default_max_tokens = o.default_max_tokens,
-    shutdown_timeout = o.shutdown_timeout or 10, log = o.log or function() end,
+    shutdown_timeout = o.shutdown_timeout or 10, request_timeout = o.request_timeout or 600,
+    log = o.log or function() end,
     jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(),
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
-      active_peak = 0, gone = 0 },
+      active_peak = 0, gone = 0, timed_out = 0 },
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
     gone_ids = ffi.new('int64_t[64]'),
   }, Server)
+  -- a prompt of more bytes than max_len tokens can stand for cannot fit the context: refused before
+  -- it is encoded (a tokenizer that can drop text has no such bound: its prompts are encoded)
+  self.max_token_bytes = tonumber(C.mrl_tok_max_text_bytes(self.tok.handle))
+  self.max_prompt_bytes = self.max_token_bytes > 0 and self.max_len * self.max_token_bytes or math.huge
   local cfg = ffi.new('mrl_http_config')
   C.mrl_http_config_default(cfg)
-  for _, k in ipairs({ 'max_body_bytes', 'max_header_bytes', 'max_connections', 'idle_timeout_s' }) do
+  for _, k in ipairs({ 'max_body_bytes', 'max_header_bytes', 'max_connections', 'idle_timeout_s', 'header_timeout_s',
+    'body_timeout_s' }) do
     if o[k] then cfg[k] = o[k] end
   end
+  -- the HTTP layer's deadline is the backstop for a request this loop does not know of; the loop
+  -- ends its own requests at request_timeout (with an error event on a stream)
+  cfg.request_timeout_s = self.request_timeout + 5
   local h = ffi.new('mrl_http *[1]')
   moonrl.check(C.mrl_http_open(o.host or '127.0.0.1', o.port or 8000, cfg, h), 2)
   self.http = h[0]
@@ -216,13 +262,49 @@ function Server:check_model(body)
   end
 end
 
-function Server:token_list(v, param)
+-- The 400 of a prompt too long for the context (n_prompt: its tokens, or nil with n_bytes: its
+-- bytes, when it was refused before encoding).
+function Server:context_error(param, n_prompt, max_tokens, n_bytes)
+  if n_bytes then
+    bad(string.format("This model's maximum context length is %d tokens. However, the %s %s bytes long, more than " ..
+      '%d tokens can hold (one stands for %d bytes of text at most). Please reduce the length of the %s.', self.max_len,
+      param == 'messages' and 'messages rendered with the chat template are' or 'prompt is', int_text(n_bytes),
+      self.max_len, self.max_token_bytes, param), param)
+  end
+  bad(string.format("This model's maximum context length is %d tokens. However, you requested %s tokens " ..
+    '(%d in the %s, %s in the completion). Please reduce the length of the %s or completion.', self.max_len,
+    int_text(n_prompt + (max_tokens or 1)), n_prompt, param, int_text(max_tokens or 1), param), param)
+end
+
+-- A prompt of n tokens (and max_tokens to come) that does not fit the context: its 400.
+function Server:check_context(param, n, max_tokens)
+  if n >= self.max_len or (max_tokens and n + max_tokens > self.max_len) then self:context_error(param, n, max_tokens) end
+end
+
+-- Encode a prompt's text, once its length in bytes could fit the context; its ids become a Lua
+-- table only once they fit too.
+function Server:encode_prompt(text, param, max_tokens, add_special)
+  if #text > self.max_prompt_bytes then self:context_error(param, nil, nil, #text) end
+  local ids, n = self.tok:encode(text, { cdata = true, add_special = add_special })
+  self:check_context(param, n, max_tokens)
+  local list = {}
+  for i = 0, n - 1 do list[i + 1] = ids[i] end
+  return list
+end
+
+function Server:token_list(v, param, max_tokens)
+  self:check_context(param, #v, max_tokens) -- before looking at each id
   local vocab = self.tok.vocab_size
   local model_vocab = self.engine.model.config.vocab_size
   if model_vocab and model_vocab < vocab then vocab = model_vocab end
   for _, id in ipairs(v) do
-    if type(id) ~= 'number' or id ~= math.floor(id) or id < 0 or id >= vocab then
-      bad(string.format("'%s' holds a token id outside the vocabulary [0, %d): %s", param, vocab, tostring(id)), param)
+    if type(id) ~= 'number' then
+      bad(string.format("'%s' must be a string, a list of strings, a list of token ids or a list of such lists " ..
+        '(it holds a %s where a token id belongs)', param, id == null and 'null' or json.is_object(id) and 'object' or
+        type(id) == 'table' and 'list' or type(id)), param)
+    end
+    if id ~= math.floor(id) or id < 0 or id >= vocab then
+      bad(string.format("'%s' holds a token id outside the vocabulary [0, %d): %s", param, vocab, json.number(id)), param)
     end
   end
   local ids = {}
@@ -230,28 +312,32 @@ function Server:token_list(v, param)
   return ids
 end
 
--- The prompts of a completions request: a list of token-id lists.
-function Server:prompts(body)
+local PROMPT_SHAPE = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists"
+
+-- The prompts of a completions request: a list of token-id lists. Their number (times n) is checked
+-- before any is encoded, each one's length as soon as it is known.
+function Server:prompts(body, n, max_tokens)
   local p = field(body, 'prompt')
   if p == nil then bad("'prompt' is required", 'prompt') end
-  local list = {}
+  local items
   if type(p) == 'string' then
-    list[1] = self.tok:encode(p)
+    items = { p }
   elseif type(p) == 'table' and not json.is_object(p) then
     if #p == 0 then bad("'prompt' must not be empty", 'prompt') end
-    if type(p[1]) == 'number' then
-      list[1] = self:token_list(p, 'prompt')
-    else
-      for _, q in ipairs(p) do
-        if type(q) == 'string' then list[#list + 1] = self.tok:encode(q)
-        elseif type(q) == 'table' and not json.is_object(q) and #q > 0 then list[#list + 1] = self:token_list(q, 'prompt')
-        else bad("'prompt' must be a string, a list of strings, or token ids", 'prompt') end
-      end
-    end
+    items = type(p[1]) == 'number' and { p } or p
   else
-    bad("'prompt' must be a string, a list of strings, or token ids", 'prompt')
+    bad(PROMPT_SHAPE, 'prompt')
   end
-  if #list > 64 then bad("'prompt' holds 64 prompts at most", 'prompt') end
+  if #items > 64 then bad("'prompt' holds 64 prompts at most", 'prompt') end
+  if #items * n > self.max_n then
+    bad(string.format('%d prompts x n = %d samples: %d at most in one request', #items, #items * n, self.max_n), 'n')
+  end
+  local list = {}
+  for i, q in ipairs(items) do
+    if type(q) == 'string' then list[i] = self:encode_prompt(q, 'prompt', max_tokens)
+    elseif type(q) == 'table' and not json.is_object(q) and #q > 0 then list[i] = self:token_list(q, 'prompt', max_tokens)
+    else bad(PROMPT_SHAPE, 'prompt') end
+  end
   return list
 end
 
@@ -272,8 +358,10 @@ local function content_text(content, i)
   bad(string.format('messages[%d].content must be a string or a list of text parts', i - 1), 'messages')
 end
 
+local ROLES = { system = true, developer = true, user = true, assistant = true, tool = true, ['function'] = true }
+
 -- The prompt of a chat request, rendered with the chat template.
-function Server:chat_prompt(body)
+function Server:chat_prompt(body, max_tokens)
   local msgs = field(body, 'messages')
   if msgs == nil then bad("'messages' is required", 'messages') end
   if type(msgs) ~= 'table' or json.is_object(msgs) or #msgs == 0 then
@@ -284,9 +372,18 @@ function Server:chat_prompt(body)
   for i, m in ipairs(msgs) do
     if type(m) ~= 'table' or not json.is_object(m) then bad(string.format('messages[%d] must be an object', i - 1), 'messages') end
     if type(m.role) ~= 'string' then bad(string.format('messages[%d].role must be a string', i - 1), 'messages') end
+    if not ROLES[m.role] then
+      bad(string.format("messages[%d].role '%s' is not one of system, developer, user, assistant, tool, function", i - 1,
+        utf8_clean(m.role:sub(1, 64))), 'messages')
+    end
+    local content = field(m, 'content')
+    -- as OpenAI: only an assistant message that calls tools may leave its content out
+    if content == nil and not (m.role == 'assistant' and (field(m, 'tool_calls') ~= nil or field(m, 'function_call') ~= nil)) then
+      bad(string.format('messages[%d].content is required', i - 1), 'messages')
+    end
     local copy = obj()
     for _, k in ipairs(json.keys(m)) do copy[k] = m[k] end
-    copy.content = content_text(field(m, 'content'), i)
+    copy.content = content_text(content, i)
     list[i] = copy
   end
   local extra = { add_generation_prompt = bool_field(body, 'add_generation_prompt', true) }
@@ -299,7 +396,7 @@ function Server:chat_prompt(body)
   if tools ~= nil then extra.tools = tools end
   local ok, text = pcall(self.tpl.render, self.tpl, list, extra)
   if not ok then bad('the chat template failed on these messages: ' .. moonrl.error_text(text), 'messages') end
-  return self.tok:encode(text, { add_special = false })
+  return self:encode_prompt(text, 'messages', max_tokens, false)
 end
 
 local function new_id(prefix, serial)
@@ -319,7 +416,7 @@ function Server:new_job(hid, body, chat)
   local temperature = number_field(body, 'temperature', 0, 100, false, 1.0)
   local top_p = number_field(body, 'top_p', 0, 1, false, 1.0)
   if top_p <= 0 then bad("'top_p' must be in (0, 1]", 'top_p') end
-  local top_k = number_field(body, 'top_k', -1, nil, true, 0)
+  local top_k = number_field(body, 'top_k', -1, 2 ^ 31 - 1, true, 0)
   local min_p = number_field(body, 'min_p', 0, 1, false, 0)
   local seed = number_field(body, 'seed', -2 ^ 53, 2 ^ 53, true, nil)
   local max_tokens = number_field(body, chat and 'max_completion_tokens' or 'max_tokens', 1, nil, true, nil)
@@ -341,24 +438,15 @@ function Server:new_job(hid, body, chat)
     if not json.is_object(so) then bad("'stream_options' must be an object", 'stream_options') end
     include_usage = bool_field(so, 'include_usage', false)
   end
-  local prompts = chat and { self:chat_prompt(body) } or self:prompts(body)
-  if #prompts * n > self.max_n then
-    bad(string.format('%d prompts x n = %d samples: %d at most in one request', #prompts, #prompts * n, self.max_n), 'n')
-  end
+  local prompts = chat and { self:chat_prompt(body, max_tokens) } or self:prompts(body, n, max_tokens)
   for _, ids in ipairs(prompts) do
     if #ids == 0 then bad('the prompt encodes to no tokens', chat and 'messages' or 'prompt') end
-    if #ids >= self.max_len or (max_tokens and #ids + max_tokens > self.max_len) then
-      bad(string.format("This model's maximum context length is %d tokens. However, you requested %d tokens " ..
-        '(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.', self.max_len,
-        #ids + (max_tokens or 1), #ids, chat and 'messages' or 'prompt', max_tokens or 1, chat and 'messages' or 'prompt'),
-        chat and 'messages' or 'prompt')
-    end
   end
   self.serial = self.serial + 1
   local max_stop = 0
   for _, s in ipairs(stops) do max_stop = math.max(max_stop, #s) end
   local job = {
-    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial,
+    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial, deadline = moonrl.now() + self.request_timeout,
     id = new_id(chat and 'chatcmpl' or 'cmpl', self.serial), created = os.time(),
     logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
     stops = stops, max_stop = max_stop, reqs = {}, samples = {}, remaining = 0, prompt_tokens = 0,
@@ -588,6 +676,7 @@ function Server:metrics()
   put('requests_total', c.requests)
   put('request_errors_total', c.errors)
   put('requests_gone_total', c.gone)
+  put('requests_timed_out_total', c.timed_out)
   put('prompt_tokens_total', c.prompt_tokens)
   put('generation_tokens_total', c.generation_tokens)
   put('requests_running', #self.active)
@@ -600,6 +689,8 @@ function Server:metrics()
   put('http_connections_open', hs.connections_open)
   put('http_connections_total', hs.connections_total)
   put('http_rejected_total', hs.rejected_total)
+  put('http_timed_out_total', hs.timed_out_total)
+  put('http_evicted_total', hs.evicted_total)
   return table.concat(lines, '\n') .. '\n'
 end
 
@@ -622,6 +713,8 @@ function Server:handle(hid, method, path, body)
   if path == '/metrics' then return self:respond(hid, 200, self:metrics(), 'text/plain; version=0.0.4') end
   if path == '/version' then return self:respond(hid, 200, json.encode(obj({ 'version', moonrl.version().version }))) end
   if self.draining then fail(503, 'the server is shutting down', nil, 'ServiceUnavailable') end
+  local at = utf8_error(body) -- JSON is UTF-8 (RFC 8259); the decoder would pass other bytes on
+  if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
   local ok, req = pcall(json.decode, body, 'request body')
   if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
   local job = self:new_job(hid, req, path == '/v1/chat/completions')
@@ -661,14 +754,19 @@ end
 
 -- ---- the loop ------------------------------------------------------------------------------
 
--- Poll HTTP once (waiting up to timeout_ms when nothing is ready), then drain what else is ready.
+-- Poll HTTP once (waiting up to timeout_ms when nothing is ready), then take what else is ready, up
+-- to 256 requests (the rest wait in the HTTP layer for the next poll, after an engine step). A
+-- request taken from mrl_http_poll must be handled before the next poll frees its strings: the
+-- count is checked before polling again, never after.
+local MAX_REQUESTS_PER_POLL = 256
 function Server:poll(timeout_ms)
   local r, got = self.req, self.got
   moonrl.check(C.mrl_http_poll(self.http, timeout_ms, r, got))
   local handled = 0
-  while got[0] == 1 and handled < 256 do
+  while got[0] == 1 do
     self:on_request(r)
     handled = handled + 1
+    if handled == MAX_REQUESTS_PER_POLL then break end
     moonrl.check(C.mrl_http_poll(self.http, 0, r, got))
   end
   local ng = C.mrl_http_take_gone(self.http, self.gone_ids, 64)
@@ -704,6 +802,27 @@ function Server:step()
   self:release_finished()
 end
 
+-- The requests past their deadline (request_timeout): a 503 (an error event on a stream), their
+-- samples stopped.
+function Server:expire(now)
+  local late = false
+  for _, job in ipairs(self.active) do
+    if now > job.deadline then late = true break end
+  end
+  if not late then return end
+  local still = {}
+  for _, job in ipairs(self.active) do
+    if now > job.deadline then
+      self.counters.timed_out = self.counters.timed_out + 1
+      self:fail_job(job, 503, string.format('the request was not finished within %s s (the server\'s --request-timeout)',
+        json.number(self.request_timeout)), 'ServiceUnavailable')
+    else
+      still[#still + 1] = job
+    end
+  end
+  self.active = still
+end
+
 -- Abort what is left at the end of a shutdown.
 function Server:abort_all()
   for _, job in ipairs(self.active) do
@@ -728,6 +847,7 @@ function Server:run(idle_ms)
     if self.draining and (#self.active == 0 or moonrl.now() > deadline) then break end
     local busy = self.engine:num_unfinished() > 0 or #self.active > 0
     self:poll(busy and 0 or idle_ms)
+    if #self.active > 0 then self:expire(moonrl.now()) end
     self:step()
   end
   self:abort_all()
