@@ -5,6 +5,7 @@
 #include "moonrl/data.h"
 #include "moonrl/mem.h"
 #include "base/error.h"
+#include "io/write.h"
 
 #define READ_CHUNK (1 << 20)
 
@@ -51,8 +52,9 @@ static mrl_status add_line(mrl_line_index *ix, const char *path, int64_t start, 
 mrl_status mrl_line_index_build(const char *path, mrl_line_index **out) {
     if (!path || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_line_index_build: NULL argument");
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *f;
+    mrl_status opened = mrl_io_fopen_read(path, &f);
+    if (opened) return opened;
     mrl_line_index *ix = mrl_mem_alloc(sizeof *ix, MRL_MEM_OTHER);
     char *buf = mrl_mem_alloc(READ_CHUNK, MRL_MEM_OTHER);
     if (!ix || !buf) {

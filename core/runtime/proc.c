@@ -195,11 +195,36 @@ int mrl_proc_done(mrl_proc *p) {
     return done;
 }
 
-mrl_status mrl_proc_wait(mrl_proc *p, mrl_proc_result *result) {
+/* Wait for the child's end; with `stoppable`, a stop requested while it waits (SIGINT, SIGTERM,
+ * the deadline) kills it: the wait is bounded by the child's timeout or by the user. A stop
+ * requested before (the child is part of stopping) lets it run. */
+static int wait_done(mrl_proc *p, int stoppable) {
+    int stopped = 0;
+    if (mrl_stop_requested()) stoppable = 0;
     uv_mutex_lock(&p->lock);
-    while (!p->done) uv_cond_wait(&p->cond, &p->lock);
+    while (!p->done) {
+        if (!stoppable) {
+            uv_cond_wait(&p->cond, &p->lock);
+            continue;
+        }
+        uv_cond_timedwait(&p->cond, &p->lock, 20 * 1000 * 1000); /* 20 ms: often enough to see a stop */
+        if (!stopped && !p->done && mrl_stop_requested()) {
+            stopped = 1;
+            uv_mutex_unlock(&p->lock);
+            mrl_loop_post(CMD_KILL, p, 0); /* its end closes the handles, which sets done */
+            uv_mutex_lock(&p->lock);
+        }
+    }
     uv_mutex_unlock(&p->lock);
+    return stopped;
+}
+
+mrl_status mrl_proc_wait(mrl_proc *p, mrl_proc_result *result) {
+    int stopped = wait_done(p, 1);
     if (result) *result = p->result;
+    if (stopped)
+        return mrl_set_error(MRL_ERR_STOPPED, "stopped while waiting for '%s' (killed): %s", p->argv[0],
+                             mrl_stop_reason());
     if (p->spawn_error[0]) return mrl_set_error(MRL_ERR_IO, "%s", p->spawn_error);
     return MRL_OK;
 }
@@ -218,7 +243,7 @@ void mrl_proc_free(mrl_proc *p) {
     if (!p) return;
     if (!mrl_proc_done(p)) {
         mrl_loop_post(CMD_KILL, p, 0);
-        mrl_proc_wait(p, NULL);
+        wait_done(p, 0);
     }
     for (int i = 0; p->argv && p->argv[i]; i++) free(p->argv[i]);
     free(p->argv);

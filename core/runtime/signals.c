@@ -48,7 +48,9 @@ void mrl_clear_stop(void) {
     atomic_store(&stop_code, 0);
 }
 
-static _Atomic int count_only, signals_received, signal_last;
+static _Atomic int count_only, signals_received, signal_last, exit_now;
+
+int mrl_signals_exit_at_once(int on) { return atomic_exchange(&exit_now, on ? 1 : 0); }
 
 void mrl_signals_count_only(void) { atomic_store(&count_only, 1); }
 int mrl_signals_received(void) { return atomic_load(&signals_received); }
@@ -66,6 +68,12 @@ static void on_signal(uv_signal_t *handle, int signum) {
     if (atomic_load(&stop_code) > 0) {
         /* second signal: the user does not want to wait for a safe point */
         fprintf(stderr, "moonrl: second %s, exiting now\n", name);
+        fflush(stderr);
+        _exit(128 + signum);
+    }
+    if (atomic_load(&exit_now)) {
+        /* the main thread is in a wait that would never see the stop request */
+        fprintf(stderr, "moonrl: received %s while waiting, exiting now\n", name);
         fflush(stderr);
         _exit(128 + signum);
     }

@@ -89,7 +89,7 @@ local function open_source(path, opts)
     moonrl.check(C.mrl_line_index_build(path, ix), 3)
   end
   local index = ffi.gc(ix[0], C.mrl_line_index_free)
-  local f, err = io.open(path, 'rb')
+  local f, err = require('moonrl.io.fs').open(path)
   if not f then error(err, 3) end
   local fields = opts.fields or {}
   local names = {}

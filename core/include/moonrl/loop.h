@@ -25,6 +25,11 @@ mrl_status mrl_signals_install(void);
 /* For a supervisor, which forwards signals to its child: from now on SIGINT
  * and SIGTERM are only counted (no second-signal exit); it polls the count. */
 void mrl_signals_count_only(void);
+/* While on, the first SIGINT / SIGTERM ends the process at once (exit
+ * status 128 + the signal), as a second one does: around a wait that would
+ * never see a stop request, such as a read of standard input. Returns the
+ * previous setting. */
+int mrl_signals_exit_at_once(int on);
 /* Signals received so far (SIGINT and SIGTERM), and the last one's number. */
 int mrl_signals_received(void);
 int mrl_signal_last(void);
@@ -57,7 +62,8 @@ mrl_status mrl_proc_spawn(const char *const *argv, const char *stdin_data, size_
                           double timeout_s, size_t max_output, mrl_proc **out);
 /* 1 when the child has ended and its output is complete. */
 int mrl_proc_done(mrl_proc *proc);
-/* Block until the child has ended. */
+/* Block until the child has ended. A stop requested meanwhile (SIGINT,
+ * SIGTERM, the deadline) kills it and returns MRL_ERR_STOPPED. */
 mrl_status mrl_proc_wait(mrl_proc *proc, mrl_proc_result *result);
 /* Captured output; valid until mrl_proc_free. */
 const char *mrl_proc_stdout(mrl_proc *proc, size_t *len);
