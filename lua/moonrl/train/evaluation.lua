@@ -63,7 +63,8 @@ function M.records(S, cfg, own, o)
     local key = o and o.answer or d.answer or 'answer'
     local view = require('moonrl.data').jsonl(e.data, { fields = { prompt = d.prompt or 'prompt', answer = key },
       optional = { answer = true } })
-    for i = 1, view:len() do list[i] = view:get(i) end
+    local n = e.prompts > 0 and math.min(e.prompts, view:len()) or view:len() -- (only what is used is read)
+    for i = 1, n do list[i] = view:get(i) end
   elseif e.task or d.task then
     local t = require('moonrl.tasks').load(e.task or d.task, cfg.run.seed)
     for i, r in ipairs(t.heldout) do list[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta } end
