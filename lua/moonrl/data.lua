@@ -9,6 +9,7 @@
 --                                                         -- 'meta.level' reaches into nested objects
 --     optional = { answer = true },   -- fields that may be missing (nil in the record)
 --     on_error = 'error',             -- or 'skip': bad lines are skipped and counted
+--     max_record_bytes = 16 * 2^20,   -- a longer line is a bad record, refused before it is read
 --   })
 --   ds:len()                 -- number of records (non-blank lines) in this view
 --   ds:get(i)                -- record i (1-based, in this view's current order):
@@ -39,6 +40,9 @@ local json = require('moonrl.io.json')
 local C = moonrl.C
 
 local M = {}
+
+-- The longest record (line) read, in bytes, unless opts.max_record_bytes says otherwise.
+M.MAX_RECORD_BYTES = 16 * 2 ^ 20
 
 local GOLDEN = 0x9e3779b97f4a7c15ULL
 
@@ -100,10 +104,14 @@ local function open_source(path, opts)
   local names = {}
   for name in pairs(fields) do names[#names + 1] = name end
   table.sort(names)
+  local max = opts.max_record_bytes or M.MAX_RECORD_BYTES
+  if type(max) ~= 'number' or max < 1 or max ~= math.floor(max) then
+    error('data: max_record_bytes must be a positive integer, got ' .. tostring(max), 3)
+  end
   return setmetatable({
     path = path, index = index, file = f, line = ffi.new('mrl_line'),
     n = tonumber(C.mrl_line_index_count(index)),
-    fields = fields, names = names, optional = opts.optional or {},
+    fields = fields, names = names, optional = opts.optional or {}, max_bytes = max,
     skip = opts.on_error == 'skip', skipped = 0,
   }, Source)
 end
@@ -114,6 +122,11 @@ function Source:read(r)
   C.mrl_line_index_get(self.index, r, l)
   local line, length = tonumber(l.number), tonumber(l.length)
   local where = self.path .. ':' .. line
+  -- (before reading it: decoding takes many times a record's size in memory)
+  if length > self.max_bytes then
+    return nil, string.format('%s: the record is %d bytes, over the limit of %d (data.max_record_bytes)', where, length,
+      self.max_bytes)
+  end
   self.file:seek('set', tonumber(l.offset))
   local text = self.file:read(length)
   if not text or #text ~= length then

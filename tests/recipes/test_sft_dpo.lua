@@ -126,6 +126,8 @@ t.test('sft, dpo: a bad data or eval setting is one line, exit 2, before the mod
     { 'sft', 'eval.every=-1', "config key 'eval.every' must be >= 0" },
     { 'sft', 'data.eval_fraction=0 eval.every=5', 'eval.every: no held-out set' },
     { 'sft', 'data.eval_max=-1', "config key 'data.eval_max' must be >= 0, got -1" },
+    { 'sft', 'data.max_record_bytes=0', "config key 'data.max_record_bytes' must be in 1..2147483647, got 0" },
+    { 'dpo', 'data.max_record_bytes=3e9', "config key 'data.max_record_bytes' must be in 1..2147483647, got 3000000000" },
     { 'dpo', 'eval.every=5', 'eval.every: no held-out set' },
     { 'sft', '', "config key 'data.path' (string) is required: pass data.path=... or data.task=NAME" },
     { 'dpo', '', "config key 'data.path' (string) is required" },

@@ -62,7 +62,7 @@ function M.records(S, cfg, own, o)
   if e.data then
     local key = o and o.answer or d.answer or 'answer'
     local view = require('moonrl.data').jsonl(e.data, { fields = { prompt = d.prompt or 'prompt', answer = key },
-      optional = { answer = true } })
+      optional = { answer = true }, max_record_bytes = d.max_record_bytes })
     local n = e.prompts > 0 and math.min(e.prompts, view:len()) or view:len() -- (only what is used is read)
     for i = 1, n do list[i] = view:get(i) end
   elseif e.task or d.task then

@@ -50,7 +50,7 @@ end
 -- the key and the file (a recipe opens it before session.start: no run directory is left behind).
 function M.open_data(cfg, fields, optional)
   local ok, view = pcall(require('moonrl.data').jsonl, cfg.data.path, { fields = fields, optional = optional,
-    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error', max_record_bytes = cfg.data.max_record_bytes })
   if not ok then moonrl.usage_error('data.path: ' .. moonrl.error_text(view)) end
   return view
 end

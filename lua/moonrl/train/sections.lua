@@ -27,10 +27,14 @@ function M.model_config()
 end
 
 -- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad
--- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped).
+-- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped);
+-- max_record_bytes: a longer line is such a bad record, refused before it is read (decoding
+-- takes several times a record's size in memory).
 function M.data_config(fields)
-  return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop' }, fields)
+  return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop',
+    max_record_bytes = config.integer(require('moonrl.data').MAX_RECORD_BYTES) }, fields)
 end
+M.MAX_RECORD_LIMIT = 2 ^ 31 - 1 -- (a Lua string's longest)
 
 -- The data section of a recipe that also learns from a task (moonrl.tasks): data.path (JSONL)
 -- or data.task, with the record fields; M.check_data says when neither is given.
@@ -72,6 +76,11 @@ end
 function M.check_data(cfg)
   local d, tasks = cfg.data, require('moonrl.tasks')
   if not d then return end
+  local max = d.max_record_bytes
+  if max ~= nil and not (max >= 1 and max <= M.MAX_RECORD_LIMIT) then
+    moonrl.usage_error(string.format("config key 'data.max_record_bytes' must be in 1..%d, got %s", M.MAX_RECORD_LIMIT,
+      tostring(max)))
+  end
   if d.task ~= nil then tasks.check(d.task, 'data.task')
   elseif d.path == nil then
     moonrl.usage_error(string.format("config key 'data.path' (string) is required: pass data.path=... or data.task=NAME " ..
