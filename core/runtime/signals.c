@@ -105,11 +105,11 @@ void mrl_deadline_on_loop(double seconds) {
 
 void mrl_signals_on_loop(void) {
     if (signals_installed) return;
-    uv_signal_init(&mrl_uv_loop, &sigint_handle);
-    uv_signal_init(&mrl_uv_loop, &sigterm_handle);
+    uv_signal_init(mrl_uv_loop, &sigint_handle);
+    uv_signal_init(mrl_uv_loop, &sigterm_handle);
     uv_signal_start(&sigint_handle, on_signal, SIGINT);
     uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
-    uv_signal_init(&mrl_uv_loop, &sigusr2_handle);
+    uv_signal_init(mrl_uv_loop, &sigusr2_handle);
     uv_signal_start(&sigusr2_handle, on_signal, SIGUSR2);
     uv_mutex_lock(&signals_lock);
     signals_installed = 1;
@@ -120,7 +120,7 @@ void mrl_signals_on_loop(void) {
 void mrl_signals_loop_init(void) {
     uv_mutex_init(&signals_lock);
     uv_cond_init(&signals_cond);
-    uv_timer_init(&mrl_uv_loop, &deadline_timer);
+    uv_timer_init(mrl_uv_loop, &deadline_timer);
 }
 
 void mrl_signals_loop_close(void) {

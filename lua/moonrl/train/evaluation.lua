@@ -105,7 +105,7 @@ function M.accuracy(S, cfg, records, o)
       eos_ids = o.eos_ids or prompts.eos_ids(S.tok, S.policy), tokenizer = S.tok })
     local samples = batch.flatten(mine, results)
     local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
-      { on_error = 'zero', timeout = cfg.reward.timeout })
+      { on_error = 'zero', timeout = cfg.reward.timeout, workers = cfg.reward.workers })
     for i = 1, #samples do
       sum = sum + scores[i - 1]
       if scores[i - 1] >= 1 then right = right + 1 end

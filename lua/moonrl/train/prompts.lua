@@ -156,7 +156,7 @@ end
 function P:score(samples, group)
   local rc = self.cfg.reward
   local scores, _, failures = require('moonrl.rewards').score_batch(rc.name, samples, nil,
-    { on_error = rc.on_error, timeout = rc.timeout })
+    { on_error = rc.on_error, timeout = rc.timeout, workers = rc.workers })
   local m = { errors = #failures, dropped_groups = 0 }
   if #failures == 0 or rc.on_error ~= 'drop' then return self:gather_scored(scores, samples, m) end
   for i, f in ipairs(failures) do

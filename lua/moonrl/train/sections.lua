@@ -60,10 +60,11 @@ function M.engine_config(over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
--- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error) and the
--- seconds each sample may take (0: no limit).
+-- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error), the seconds
+-- each sample may take (0: no limit) and, under that limit, the samples scored at once (each in a
+-- forked worker, moonrl.rewards).
 function M.reward_config(name)
-  return { name = name, on_error = 'drop', timeout = 30.0 }
+  return { name = name, on_error = 'drop', timeout = 30.0, workers = config.integer(16) }
 end
 
 function M.check_choice(key, value, choices)
@@ -91,6 +92,10 @@ end
 -- The reward by name, looked up now: a wrong name is a usage error listing the rewards.
 function M.check_reward(cfg)
   if type(cfg.reward) ~= 'table' then return end
+  local w = cfg.reward.workers
+  if w ~= nil and not (w >= 1) then
+    moonrl.usage_error(string.format("config key 'reward.workers' must be >= 1, got %s", tostring(w)))
+  end
   local ok, err = pcall(require('moonrl.rewards').get, cfg.reward.name)
   if not ok then moonrl.usage_error('reward: ' .. moonrl.error_text(err)) end
 end
