@@ -33,8 +33,8 @@ local cfg = moonrl.config {
 }
 -- the text, as token ids
 local path = cfg.data or (moonrl.home .. '/README.md')
-local f = io.open(path, 'rb')
-if not f then moonrl.usage_error('data: cannot open ' .. path) end
+local f, ferr = require('moonrl.io.fs').open(path)
+if not f then moonrl.usage_error('data: ' .. ferr) end
 local text = f:read('*a')
 f:close()
 local ids, vocab = {}, 256

@@ -24,7 +24,8 @@ local sft = rl.supervised {
   name = 'sft',
   config = {
     data = { prompt = 'prompt', response = 'response', -- JSON keys of the fields
-             eval_fraction = config.number(0.05, { min = 0, below = 1 }) }, -- held out (data.path; a task has its own)
+             eval_fraction = config.number(0.05, { min = 0, below = 1 }), -- held out (data.path; a task has its own),
+             eval_max = config.integer(1000, { min = 0 }) },                -- at most this many records
     train = { batch = config.integer(16, { min = 1 }), schedule = 'cosine' },
   },
   aliases = { eval_every = 'eval.every' },
@@ -39,12 +40,15 @@ function sft:open_data()
     self.train_set = self.all
   else
     self.all = prompts.open_data(cfg, { prompt = cfg.data.prompt, response = cfg.data.response })
-    local n_eval = math.floor(cfg.data.eval_fraction * self.all:len() + 0.5)
+    -- (the held-out records are read and tokenized at the start, and each evaluation runs them all)
+    local n_eval = math.min(math.floor(cfg.data.eval_fraction * self.all:len() + 0.5), cfg.data.eval_max)
     self.train_set, self.eval_set = self.all:split({ count = math.min(n_eval, self.all:len() - 1), seed = cfg.run.seed })
   end
 end
 
-function sft:check() self:check_sections(self.cfg.data.eval_fraction > 0) end -- (data.task: the task's split)
+function sft:check()
+  self:check_sections(self.cfg.data.eval_fraction > 0) -- (data.task: the task's split)
+end
 
 function sft:response(rec) return self.cfg.data.task and rec.answer or rec.response end
 

@@ -79,6 +79,61 @@ int64_t mrl_io_pread_all(int fd, void *buf, int64_t n, int64_t offset, int *err)
     return done;
 }
 
+/* What a file that is not regular is, for messages. */
+static const char *file_kind(mode_t mode) {
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
+mrl_status mrl_io_open_read(const char *path, int *fd_out, int64_t *size) {
+    *fd_out = -1;
+    if (!path || !path[0]) return mrl_set_error(MRL_ERR_INVALID, "open: empty path");
+    /* O_NONBLOCK: the open of a FIFO waits for a writer, and a device's may never return; a
+     * regular file ignores the flag */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int err = errno;
+        close(fd);
+        return mrl_set_error(MRL_ERR_IO, "%s: cannot stat: %s", path, strerror(err));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return mrl_set_error(MRL_ERR_IO, "%s: not a regular file (%s)", path, file_kind(st.st_mode));
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    if (size) *size = (int64_t)st.st_size;
+    *fd_out = fd;
+    return MRL_OK;
+}
+
+mrl_status mrl_io_fopen_read(const char *path, FILE **out) {
+    *out = NULL;
+    int fd;
+    mrl_status s = mrl_io_open_read(path, &fd, NULL);
+    if (s) return s;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return mrl_set_error(MRL_ERR_NOMEM, "%s: cannot open: %s", path, strerror(errno));
+    }
+    *out = f;
+    return MRL_OK;
+}
+
+mrl_status mrl_fs_check_readable(const char *path) {
+    int fd;
+    mrl_status s = mrl_io_open_read(path, &fd, NULL);
+    if (!s) close(fd);
+    return s;
+}
+
 mrl_status mrl_io_write_all(int fd, const void *data, size_t n, const char *path) {
     const char *p = data;
     size_t allowed = budget_take(n);
@@ -153,14 +208,11 @@ mrl_status mrl_fs_write_file(const char *path, const void *data, size_t bytes) {
 }
 
 mrl_status mrl_fs_copy_file(const char *from, const char *to) {
-    int fd = open(from, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", from, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return mrl_set_error(MRL_ERR_IO, "%s: not a regular file", from);
-    }
-    size_t size = (size_t)st.st_size;
+    int fd;
+    int64_t file_size;
+    mrl_status opened = mrl_io_open_read(from, &fd, &file_size);
+    if (opened) return opened;
+    size_t size = (size_t)file_size;
     char *buf = malloc(size ? size : 1);
     if (!buf) {
         close(fd);
@@ -425,8 +477,9 @@ uint32_t mrl_crc32c(uint32_t crc, const void *data, size_t bytes) {
 /* Read a whole file in pieces of 1 MiB, handing each to take(ctx, piece, bytes). */
 static mrl_status read_pieces(const char *path, void (*take)(void *, const void *, size_t), void *ctx,
                               int64_t *size) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    int fd;
+    mrl_status opened = mrl_io_open_read(path, &fd, NULL);
+    if (opened) return opened;
     enum { CHUNK = 1 << 20 };
     unsigned char *buf = malloc(CHUNK);
     if (!buf) {

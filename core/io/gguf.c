@@ -385,16 +385,8 @@ mrl_status mrl_gguf_open(const char *path, mrl_gguf **out) {
         free(g);
         return mrl_set_error(MRL_ERR_NOMEM, "gguf open: out of memory");
     }
-    g->fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat sb;
-    mrl_status st = MRL_OK;
-    if (g->fd < 0) st = mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    else if (fstat(g->fd, &sb) || !S_ISREG(sb.st_mode))
-        st = mrl_set_error(MRL_ERR_IO, "%s: not a regular file", path);
-    else {
-        g->file_size = (int64_t)sb.st_size;
-        st = parse(g);
-    }
+    mrl_status st = mrl_io_open_read(path, &g->fd, &g->file_size);
+    if (!st) st = parse(g);
     if (st) {
         mrl_gguf_close(g);
         return st;

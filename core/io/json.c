@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "json.h"
+#include "write.h"
 #include "base/error.h"
 
 #define MAX_DEPTH 512
@@ -410,8 +411,9 @@ mrl_status mrl_json_parse(const char *text, size_t len, const char *source, mrl_
 
 mrl_status mrl_json_parse_file(const char *path, mrl_json_doc **out) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *f;
+    mrl_status opened = mrl_io_fopen_read(path, &f);
+    if (opened) return opened;
     char *buf = NULL;
     size_t len = 0, cap = 0;
     for (;;) {

@@ -166,19 +166,16 @@ static mrl_status open_file(mrl_st *st, const char *path) {
     f->fd = -1;
     f->path = mrl_st_strdup(path);
     if (!f->path) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return mrl_set_error(MRL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return mrl_set_error(MRL_ERR_IO, "%s: not a regular file", path);
-    }
-    if (sb.st_size < 8) {
+    int fd;
+    int64_t file_size;
+    mrl_status opened = mrl_io_open_read(path, &fd, &file_size);
+    if (opened) return opened;
+    if (file_size < 8) {
         close(fd);
         return mrl_set_error(MRL_ERR_FORMAT, "%s: file of %lld bytes is too short for a safetensors header", path,
-                             (long long)sb.st_size);
+                             (long long)file_size);
     }
-    f->size = (size_t)sb.st_size;
+    f->size = (size_t)file_size;
     f->fd = fd;
     void *map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (map == MAP_FAILED) return mrl_set_error(MRL_ERR_IO, "%s: cannot map: %s", path, strerror(errno));

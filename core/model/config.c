@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "io/json.h"
+#include "io/write.h"
 #include "moonrl/model.h"
 #include "base/error.h"
 
@@ -292,8 +293,9 @@ done:
 
 mrl_status mrl_model_config_load(const char *path, mrl_model_config *c) {
     if (!path) return mrl_set_error(MRL_ERR_INVALID, "model config: NULL path");
-    FILE *f = fopen(path, "rb");
-    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open", path);
+    FILE *f;
+    mrl_status opened = mrl_io_fopen_read(path, &f);
+    if (opened) return opened;
     char buf[1 << 16];
     size_t n = fread(buf, 1, sizeof buf, f);
     int big = !feof(f);

@@ -11,6 +11,7 @@
 #include "model_internal.h"
 #include "base/error.h"
 #include "base/rng.h"
+#include "io/write.h"
 #include "runtime/device_internal.h"
 
 typedef struct layout {
@@ -532,8 +533,9 @@ mrl_device mrl_model_get_device(const mrl_model *m) { return m ? m->device : (mr
 
 mrl_status mrl_model_load_raw(mrl_model *m, const char *path) {
     if (!m || !path) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_raw: NULL argument");
-    FILE *f = fopen(path, "rb");
-    if (!f) return mrl_set_error(MRL_ERR_IO, "%s: cannot open", path);
+    FILE *f;
+    mrl_status opened = mrl_io_fopen_read(path, &f);
+    if (opened) return opened;
     float *host = m->k->on_device ? mrl_mem_alloc(sizeof(float) * m->n_params, MRL_MEM_OTHER) : m->params;
     if (!host) {
         fclose(f);

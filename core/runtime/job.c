@@ -47,7 +47,7 @@ static void job_finished(uv_work_t *work, int status) {
 
 void mrl_job_queue_on_loop(mrl_job *job) {
     job->work.data = job;
-    int rc = uv_queue_work(&mrl_uv_loop, &job->work, job_run, job_finished);
+    int rc = uv_queue_work(mrl_uv_loop, &job->work, job_run, job_finished);
     if (rc != 0) {
         job->status = MRL_ERR_INTERNAL;
         snprintf(job->message, sizeof job->message, "cannot queue work: %s", uv_strerror(rc));

@@ -10,7 +10,7 @@
 typedef enum { CMD_SPAWN, CMD_KILL, CMD_JOB, CMD_DEADLINE, CMD_SIGNALS, CMD_QUIT } mrl_loop_cmd;
 
 /* The loop (loop.c), run by its thread between mrl_loop_start and mrl_loop_stop. */
-extern uv_loop_t mrl_uv_loop;
+extern uv_loop_t *mrl_uv_loop;
 /* Queue a command for the loop thread and wake it (from any thread). */
 mrl_status mrl_loop_post(mrl_loop_cmd kind, void *target, double seconds);
 

@@ -26,12 +26,25 @@ struct mrl_proc {
     output_buffer out, err;
     int open_handles;   /* handles not yet closed by the loop */
     int spawned, exited;
+    int own_group; /* it leads a process group of its own */
     mrl_proc_result result;
     char spawn_error[256];
     uv_mutex_t lock;
     uv_cond_t cond;
     int done;
 };
+
+/* Subprocesses lead process groups of their own, so that a kill reaches
+ * their children too; but a forked worker's stay in the worker's group, so
+ * that the kill of a worker that ran late (mrl_worker_free) reaches them. */
+static int spawn_own_group = 1;
+void mrl_proc_spawn_in_caller_group(void) { spawn_own_group = 0; }
+
+/* the child and, when it leads one, its group */
+static void kill_child(mrl_proc *p) {
+    if (p->own_group) kill(-p->process.pid, SIGKILL);
+    else kill(p->process.pid, SIGKILL);
+}
 
 void mrl_proc_handle_closed(uv_handle_t *handle) {
     mrl_proc *p = handle->data;
@@ -77,7 +90,7 @@ static void proc_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
 }
 
 void mrl_proc_kill_on_loop(mrl_proc *p) {
-    if (p->spawned && !p->exited) kill(-p->process.pid, SIGKILL); /* the child leads its own group */
+    if (p->spawned && !p->exited) kill_child(p);
 }
 
 static void proc_timeout(uv_timer_t *timer) {
@@ -96,7 +109,7 @@ static void proc_exit(uv_process_t *process, int64_t exit_status, int term_signa
     proc_close((uv_handle_t *)&p->timer);
     proc_close((uv_handle_t *)process);
     /* grandchildren may still hold the pipes open: end the whole group */
-    kill(-process->pid, SIGKILL);
+    if (p->own_group) kill(-process->pid, SIGKILL);
 }
 
 static void proc_written(uv_write_t *req, int status) {
@@ -109,8 +122,8 @@ void mrl_proc_spawn_on_loop(mrl_proc *p) {
     uv_pipe_t *pipes[3] = {&p->pipe_in, &p->pipe_out, &p->pipe_err};
     uv_handle_t *handles[5] = {(uv_handle_t *)&p->process, (uv_handle_t *)&p->timer, (uv_handle_t *)pipes[0],
                                (uv_handle_t *)pipes[1], (uv_handle_t *)pipes[2]};
-    for (int i = 0; i < 3; i++) uv_pipe_init(&mrl_uv_loop, pipes[i], 0);
-    uv_timer_init(&mrl_uv_loop, &p->timer);
+    for (int i = 0; i < 3; i++) uv_pipe_init(mrl_uv_loop, pipes[i], 0);
+    uv_timer_init(mrl_uv_loop, &p->timer);
     for (int i = 0; i < 5; i++) handles[i]->data = p;
     p->open_handles = 5;
 
@@ -126,11 +139,12 @@ void mrl_proc_spawn_on_loop(mrl_proc *p) {
     opts.file = p->argv[0];
     opts.args = p->argv;
     opts.exit_cb = proc_exit;
-    opts.flags = UV_PROCESS_DETACHED; /* own process group, so a timeout kills grandchildren too */
+    p->own_group = spawn_own_group;
+    opts.flags = p->own_group ? UV_PROCESS_DETACHED : 0; /* own process group, so a timeout kills grandchildren too */
     opts.stdio_count = 3;
     opts.stdio = stdio;
     p->start_time = mrl_time_now();
-    int rc = uv_spawn(&mrl_uv_loop, &p->process, &opts);
+    int rc = uv_spawn(mrl_uv_loop, &p->process, &opts);
     if (rc != 0) {
         snprintf(p->spawn_error, sizeof p->spawn_error, "cannot start '%s': %s", p->argv[0], uv_strerror(rc));
         p->exited = 1;
@@ -195,11 +209,36 @@ int mrl_proc_done(mrl_proc *p) {
     return done;
 }
 
-mrl_status mrl_proc_wait(mrl_proc *p, mrl_proc_result *result) {
+/* Wait for the child's end; with `stoppable`, a stop requested while it waits (SIGINT, SIGTERM,
+ * the deadline) kills it: the wait is bounded by the child's timeout or by the user. A stop
+ * requested before (the child is part of stopping) lets it run. */
+static int wait_done(mrl_proc *p, int stoppable) {
+    int stopped = 0;
+    if (mrl_stop_requested()) stoppable = 0;
     uv_mutex_lock(&p->lock);
-    while (!p->done) uv_cond_wait(&p->cond, &p->lock);
+    while (!p->done) {
+        if (!stoppable) {
+            uv_cond_wait(&p->cond, &p->lock);
+            continue;
+        }
+        uv_cond_timedwait(&p->cond, &p->lock, 20 * 1000 * 1000); /* 20 ms: often enough to see a stop */
+        if (!stopped && !p->done && mrl_stop_requested()) {
+            stopped = 1;
+            uv_mutex_unlock(&p->lock);
+            mrl_loop_post(CMD_KILL, p, 0); /* its end closes the handles, which sets done */
+            uv_mutex_lock(&p->lock);
+        }
+    }
     uv_mutex_unlock(&p->lock);
+    return stopped;
+}
+
+mrl_status mrl_proc_wait(mrl_proc *p, mrl_proc_result *result) {
+    int stopped = wait_done(p, 1);
     if (result) *result = p->result;
+    if (stopped)
+        return mrl_set_error(MRL_ERR_STOPPED, "stopped while waiting for '%s' (killed): %s", p->argv[0],
+                             mrl_stop_reason());
     if (p->spawn_error[0]) return mrl_set_error(MRL_ERR_IO, "%s", p->spawn_error);
     return MRL_OK;
 }
@@ -218,7 +257,7 @@ void mrl_proc_free(mrl_proc *p) {
     if (!p) return;
     if (!mrl_proc_done(p)) {
         mrl_loop_post(CMD_KILL, p, 0);
-        mrl_proc_wait(p, NULL);
+        wait_done(p, 0);
     }
     for (int i = 0; p->argv && p->argv[i]; i++) free(p->argv[i]);
     free(p->argv);

@@ -48,7 +48,9 @@ void mrl_clear_stop(void) {
     atomic_store(&stop_code, 0);
 }
 
-static _Atomic int count_only, signals_received, signal_last;
+static _Atomic int count_only, signals_received, signal_last, exit_now;
+
+int mrl_signals_exit_at_once(int on) { return atomic_exchange(&exit_now, on ? 1 : 0); }
 
 void mrl_signals_count_only(void) { atomic_store(&count_only, 1); }
 int mrl_signals_received(void) { return atomic_load(&signals_received); }
@@ -66,6 +68,12 @@ static void on_signal(uv_signal_t *handle, int signum) {
     if (atomic_load(&stop_code) > 0) {
         /* second signal: the user does not want to wait for a safe point */
         fprintf(stderr, "moonrl: second %s, exiting now\n", name);
+        fflush(stderr);
+        _exit(128 + signum);
+    }
+    if (atomic_load(&exit_now)) {
+        /* the main thread is in a wait that would never see the stop request */
+        fprintf(stderr, "moonrl: received %s while waiting, exiting now\n", name);
         fflush(stderr);
         _exit(128 + signum);
     }
@@ -97,11 +105,11 @@ void mrl_deadline_on_loop(double seconds) {
 
 void mrl_signals_on_loop(void) {
     if (signals_installed) return;
-    uv_signal_init(&mrl_uv_loop, &sigint_handle);
-    uv_signal_init(&mrl_uv_loop, &sigterm_handle);
+    uv_signal_init(mrl_uv_loop, &sigint_handle);
+    uv_signal_init(mrl_uv_loop, &sigterm_handle);
     uv_signal_start(&sigint_handle, on_signal, SIGINT);
     uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
-    uv_signal_init(&mrl_uv_loop, &sigusr2_handle);
+    uv_signal_init(mrl_uv_loop, &sigusr2_handle);
     uv_signal_start(&sigusr2_handle, on_signal, SIGUSR2);
     uv_mutex_lock(&signals_lock);
     signals_installed = 1;
@@ -112,7 +120,7 @@ void mrl_signals_on_loop(void) {
 void mrl_signals_loop_init(void) {
     uv_mutex_init(&signals_lock);
     uv_cond_init(&signals_cond);
-    uv_timer_init(&mrl_uv_loop, &deadline_timer);
+    uv_timer_init(mrl_uv_loop, &deadline_timer);
 }
 
 void mrl_signals_loop_close(void) {

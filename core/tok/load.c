@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include "io/json.h"
 #include "moonrl/mem.h"
 #include "tok_internal.h"
@@ -651,9 +652,8 @@ mrl_status tok_load_json(mrl_tok *t, const char *file) {
     char *slash = strrchr(cfg_path, '/');
     snprintf(slash ? slash + 1 : cfg_path, sizeof cfg_path - (slash ? (size_t)(slash + 1 - cfg_path) : 0),
              "tokenizer_config.json");
-    FILE *f = fopen(cfg_path, "rb");
-    if (f) {
-        fclose(f);
+    struct stat cfg_stat; /* (a FIFO there is refused by the parse, never opened) */
+    if (stat(cfg_path, &cfg_stat) == 0) {
         if ((st = mrl_json_parse_file(cfg_path, &doc))) return st;
         int32_t bos = config_token_id(t, mrl_json_root(doc), "bos_token");
         int32_t eos = config_token_id(t, mrl_json_root(doc), "eos_token");

@@ -67,7 +67,7 @@ local function token_text(t)
 end
 
 local function read(path)
-  local f = io.open(path, 'rb')
+  local f = require('moonrl.io.fs').open(path)
   if not f then return nil end
   local s = f:read('*a')
   f:close()

@@ -79,6 +79,17 @@ end
 
 function M.stop_requested() return C.mrl_stop_requested() ~= 0 end
 
+-- fn(...) for a wait that would never reach a safe point (a read of standard input): while it
+-- runs, the first SIGINT / SIGTERM ends the process at once (128 + the signal).
+function M.exit_on_signal(fn, ...)
+  M.check_stop() -- (one requested before it would not end the wait)
+  local was = C.mrl_signals_exit_at_once(1)
+  local res = { pcall(fn, ...) }
+  C.mrl_signals_exit_at_once(was)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
 -- Functions the command line calls when a recipe ends, fn(ok, err): ok with no error, else
 -- the error or stop request that ended it (a session saves what it can and closes its files).
 local exit_hooks = {}

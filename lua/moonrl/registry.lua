@@ -124,8 +124,11 @@ end
 function M.require_file(path, label)
   label = label or '--require'
   if loaded[path] then return loaded[path].value end
-  local f = io.open(path, 'rb')
-  if not f then moonrl.usage_error(string.format('%s %s: no such file', label, path)) end
+  local fs = require('moonrl.io.fs')
+  local f, err = fs.open(path)
+  if not f then -- (a FIFO or a device is refused, never opened: its open would wait)
+    moonrl.usage_error(fs.exists(path) and label .. ' ' .. err or string.format('%s %s: no such file', label, path))
+  end
   f:close()
   local dir = path:match('^(.*)/[^/]*$') or '.'
   package.path = dir .. '/?.lua;' .. dir .. '/?/init.lua;' .. package.path

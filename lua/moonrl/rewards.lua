@@ -13,6 +13,10 @@
 --     `reward=my_rewards.lua:partial` on the command line (TRL's reward import path). A file given
 --     with `moonrl run R --require my_rewards.lua` registers its rewards before the recipe starts.
 --
+-- Under a time limit (score_batch's opts.timeout, a run's reward.timeout) the samples are scored in
+-- forked workers (moonrl.io.workers), each killed when late: what a reward changes in Lua state
+-- stays in its worker. register(name, fn, { in_process = true }) keeps a reward in this process.
+--
 -- Built-ins (plugins/rewards/*.lua, loaded on first use): math (\boxed{} or GSM8K "####" answers
 -- compared by value), gsm8k (the same), format (<think>...</think><answer>...</answer>), countdown
 -- (arithmetic expression over given numbers), exact (the stripped response equals the answer). Each plugin module also has new{...} for configured
@@ -30,6 +34,7 @@ local M = {}
 
 local registry = {}
 local builtins = {} -- name -> fn, as the plugins register them; get() moves one into registry at first use
+local in_process = setmetatable({}, { __mode = 'k' }) -- fn -> true: scored in the trainer, never in a worker
 
 local function callable(fn)
   if type(fn) == 'function' then return true end
@@ -50,7 +55,9 @@ for name, doc in pairs(BUILTIN) do docs[name] = doc end
 
 -- Register fn under name. opts: a doc line, or { doc = ..., replace = true }; an existing name is an
 -- error unless replace is true. { builtin = true }: a built-in's plugin registering it as it loads
--- (what get(name) gives unless a registration replaced it).
+-- (what get(name) gives unless a registration replaced it). { in_process = true }: a reward that
+-- must run in the trainer's own process (a learned reward on the GPU: a forked worker cannot use
+-- the device), one sample after another, rather than in forked workers under reward.timeout.
 function M.register(name, fn, opts)
   if type(opts) == 'string' then opts = { doc = opts } end
   if type(name) ~= 'string' or name == '' then
@@ -59,6 +66,7 @@ function M.register(name, fn, opts)
   if not callable(fn) then
     error(string.format("rewards.register: reward '%s' must be a function, got %s", name, type(fn)), 2)
   end
+  if opts and opts.in_process then in_process[fn] = true end
   if opts and opts.builtin then
     if not BUILTIN[name] then error(string.format("rewards.register: '%s' is not a built-in reward", name), 2) end
     builtins[name] = fn
@@ -117,9 +125,10 @@ end
 
 local function finite(v) return type(v) == 'number' and v == v and v ~= math.huge and v ~= -math.huge end
 
--- Call fn(sample) with a time limit (seconds; 0 or nil: none). Returns ok, value or message.
--- LuaJIT runs compiled code without looking at hooks, so score_batch turns the JIT off (and
--- flushes its traces) while limited rewards run: a loop that never ends is then interrupted.
+-- Call fn(sample) in this process with a time limit (seconds; 0 or nil: none), for a reward
+-- registered in_process. Returns ok, value or message. LuaJIT runs compiled code without looking
+-- at hooks, so the JIT is off (and its traces flushed) while such rewards run: a loop that never
+-- ends is then interrupted (a C call that never returns is not).
 local function call_limited(fn, sample, seconds)
   if not seconds or seconds <= 0 then return pcall(fn, sample) end
   local now = require('moonrl').now
@@ -138,11 +147,34 @@ local function call_limited(fn, sample, seconds)
   return ok, v
 end
 
+-- Each sample's outcome: a list of { ok, value or message }. Under a time limit the samples are
+-- scored side by side in forked workers (moonrl.io.workers: opts.workers at once), each killed
+-- when late, so that a step of rewards that hang costs one timeout, not one a sample; a reward
+-- registered in_process runs here, one sample after another.
+local function outcomes(fn, samples, opts)
+  local n, seconds, got = #samples, opts.timeout, {}
+  if seconds and seconds > 0 and not in_process[fn] then
+    local results = require('moonrl.io.workers').map(n, function(i) return fn(samples[i]) end,
+      { workers = opts.workers, timeout = seconds })
+    for i, r in ipairs(results) do
+      if r.ok then got[i] = { true, r.value }
+      elseif r.timed_out then got[i] = { false, string.format('no result within %g s (reward.timeout)', seconds) }
+      else got[i] = { false, r.message } end
+    end
+    return got
+  end
+  if seconds and seconds > 0 then jit.off(); jit.flush() end
+  for i = 1, n do got[i] = { call_limited(fn, samples[i], seconds) } end
+  if seconds and seconds > 0 then jit.on() end
+  return got
+end
+
 -- Score a list of samples: returns a double array [n] (or fills out), the mean, and the list of
 -- failures ({ index =, message = }). A reward that raises, or returns anything but a finite
 -- number, fails that sample: opts.on_error = 'stop' (the default) makes it an error naming the
 -- reward and the sample; 'zero' scores it 0; 'drop' scores it 0 too and leaves the caller to drop
--- it (its failures list says which). opts.timeout: seconds each sample may take (0: no limit).
+-- it (its failures list says which). opts.timeout: seconds each sample may take (0: no limit);
+-- opts.workers: samples scored at once under it (16).
 function M.score_batch(reward, samples, out, opts)
   local fn, name = resolve(reward, 2)
   opts = opts or {}
@@ -150,27 +182,22 @@ function M.score_batch(reward, samples, out, opts)
   local n = #samples
   out = out or ffi.new('double[?]', math.max(n, 1))
   local sum, failures = 0, {}
-  local limited = opts.timeout and opts.timeout > 0
-  if limited then jit.off(); jit.flush() end
+  local got = outcomes(fn, samples, opts)
   for i = 1, n do
-    local ok, v = call_limited(fn, samples[i], opts.timeout)
+    local ok, v = got[i][1], got[i][2]
     local msg
     if not ok then msg = string.format("reward '%s' failed on sample %d: %s", name, i, tostring(v))
     elseif not finite(v) then
       msg = string.format("reward '%s' returned %s for sample %d (expected a finite number)", name, tostring(v), i)
     end
     if msg then
-      if on_error == 'stop' then
-        if limited then jit.on() end
-        error(msg, 2)
-      end
+      if on_error == 'stop' then error(msg, 2) end
       failures[#failures + 1] = { index = i, message = msg }
       v = 0
     end
     out[i - 1] = v
     sum = sum + v
   end
-  if limited then jit.on() end
   return out, n > 0 and sum / n or 0, failures
 end
 

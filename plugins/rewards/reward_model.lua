@@ -59,7 +59,7 @@ end
 -- Load dir and register it in the reward registry under name (replacing an earlier one).
 function M.register(name, dir, opts)
   local fn = M.new(dir, opts)
-  rewards.register(name, fn, { replace = true })
+  rewards.register(name, fn, { replace = true, in_process = true }) -- (a model on the GPU cannot run in a forked worker)
   return fn
 end
 

@@ -214,6 +214,37 @@ static void test_write_budget(void) {
     CHECK(mrl_fault_bytes_left() == -1); /* off in this process */
 }
 
+/* A FIFO, a directory and a device are refused by every reader, naming the path, without
+ * blocking (the open of a FIFO with no writer waits for ever: alarm bounds the test). */
+static void test_not_regular(void) {
+    char fifo[512], dir[512], file[512], copy[512];
+    path_of(fifo, sizeof fifo, "fifo.json");
+    path_of(dir, sizeof dir, "adir");
+    path_of(file, sizeof file, "plain.json");
+    path_of(copy, sizeof copy, "copy.json");
+    CHECK(mkfifo(fifo, 0644) == 0);
+    CHECK_OK(mrl_fs_mkdirs(dir));
+    CHECK_OK(mrl_fs_write_file(file, "{}", 2));
+    alarm(20);
+    CHECK(mrl_fs_check_readable(fifo) == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), fifo);
+    CHECK_STR_CONTAINS(mrl_last_error(), "not a regular file (a FIFO)");
+    uint32_t crc;
+    int64_t size;
+    CHECK(mrl_fs_crc32c_file(fifo, &crc, &size) == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), "a FIFO");
+    CHECK(mrl_fs_copy_file(fifo, copy) == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), fifo);
+    CHECK(mrl_fs_check_readable(dir) == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), "a directory");
+    CHECK(mrl_fs_check_readable("/dev/null") == MRL_ERR_IO);
+    CHECK_STR_CONTAINS(mrl_last_error(), "a character device");
+    alarm(0);
+    CHECK_OK(mrl_fs_check_readable(file));
+    CHECK(mrl_fs_check_readable(copy) == MRL_ERR_IO); /* missing */
+    CHECK_STR_CONTAINS(mrl_last_error(), "No such file");
+}
+
 int main(void) {
     CHECK_OK(mrl_init());
     snprintf(root, sizeof root, "/tmp/moonrl-test-fs-%d", (int)getpid());
@@ -223,6 +254,7 @@ int main(void) {
     test_crc();
     test_sha256();
     test_write_budget();
+    test_not_regular();
     CHECK_OK(mrl_fs_remove(root));
     mrl_shutdown();
     CHECK_DONE();

@@ -19,12 +19,19 @@ local function records(d)
   return out
 end
 
-t.test('sft: the loss falls and the model is saved in HF format', function()
-  local dir = U.tmpdir('sft')
+-- a temporary directory with the tiny model (dir/init) and 200 additions as prompt / response
+-- pairs (dir/train.jsonl); returns dir, the model's directory
+local function sft_files(tag)
+  local dir = U.tmpdir(tag)
   local model_dir = U.tiny_model(dir .. '/init')
   local recs = {}
   for i, p in ipairs(U.additions(200, 7)) do recs[i] = { prompt = p.prompt, response = p.answer } end
   U.write_jsonl(dir .. '/train.jsonl', recs)
+  return dir, model_dir
+end
+
+t.test('sft: the loss falls and the model is saved in HF format', function()
+  local dir, model_dir = sft_files('sft')
   local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. dir .. '/train.jsonl',
     'train.steps=40', 'train.batch=16', 'train.lr=5e-3', 'train.micro_batch_tokens=64', 'run.dir=' .. dir .. '/run' })
   t.truthy(out.last_loss < 0.7 * out.first_loss, string.format('loss fell: %.3f -> %.3f', out.first_loss, out.last_loss))
@@ -74,6 +81,16 @@ t.test('sft: held-out accuracy every eval.every steps, the reference response as
   fs.remove(dir)
 end)
 
+t.test('sft: the held-out split is data.eval_fraction of the records, at most data.eval_max', function()
+  local dir, model_dir = sft_files('sft_eval_max')
+  for _, c in ipairs({ { 'data.eval_max=1000', 100 }, { 'data.eval_max=7', 7 } }) do
+    U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. dir .. '/train.jsonl', 'train.steps=1',
+      'train.batch=2', 'eval.every=1', 'data.eval_fraction=0.5', c[1], 'run.dir=' .. dir .. '/run' .. c[2], 'quiet=true' })
+    t.eq(records(dir .. '/run' .. c[2])[1]['eval/prompts'], c[2], c[1])
+  end
+  fs.remove(dir)
+end)
+
 t.test('data.task=addition: sft trains on its answers, dpo prefers them to the rejected ones; its held-out split evaluated', function()
   local dir = U.tmpdir('task')
   local model_dir = U.tiny_model(dir .. '/init', { hidden_size = 64, intermediate_size = 128, layers = 2 })
@@ -108,6 +125,9 @@ t.test('sft, dpo: a bad data or eval setting is one line, exit 2, before the mod
     { 'sft', 'reward=nope', "reward: unknown reward 'nope'" },
     { 'sft', 'eval.every=-1', "config key 'eval.every' must be >= 0" },
     { 'sft', 'data.eval_fraction=0 eval.every=5', 'eval.every: no held-out set' },
+    { 'sft', 'data.eval_max=-1', "config key 'data.eval_max' must be >= 0, got -1" },
+    { 'sft', 'data.max_record_bytes=0', "config key 'data.max_record_bytes' must be in 1..2147483647, got 0" },
+    { 'dpo', 'data.max_record_bytes=3e9', "config key 'data.max_record_bytes' must be in 1..2147483647, got 3000000000" },
     { 'dpo', 'eval.every=5', 'eval.every: no held-out set' },
     { 'sft', '', "config key 'data.path' (string) is required: pass data.path=... or data.task=NAME" },
     { 'dpo', '', "config key 'data.path' (string) is required" },

@@ -4,8 +4,9 @@
  *
  * The index records every non-blank line (a line holding only spaces, tabs
  * and '\r' is blank): its byte offset, its length without the line end
- * ('\n' or "\r\n"), and its 1-based line number in the file. Memory: 24
- * bytes a line; the file itself is never held in memory. */
+ * ('\n' or "\r\n"), and its 1-based line number in the file. Memory: 8
+ * bytes a line (and 24 a run of blank lines); the file itself is never held
+ * in memory. */
 #pragma once
 #include <stdint.h>
 #include "status.h"
@@ -16,17 +17,32 @@ extern "C" {
 
 typedef struct mrl_line_index mrl_line_index;
 
+/* One indexed line. */
+typedef struct mrl_line {
+    int64_t offset; /* of its first byte in the file */
+    int64_t length; /* in bytes, without the line end */
+    int64_t number; /* 1-based, counting blank lines too */
+} mrl_line;
+
 /* Scan `path` once and index its non-blank lines. */
 mrl_status mrl_line_index_build(const char *path, mrl_line_index **out);
+/* The same in steps, so that a caller can show how far it is: open the file
+ * (a regular file, else an error naming it), then scan about max_bytes more
+ * a call (0: to the end) until *done. The file is closed when done. */
+mrl_status mrl_line_index_open(const char *path, mrl_line_index **out);
+mrl_status mrl_line_index_scan(mrl_line_index *index, int64_t max_bytes, int *done);
+/* Bytes scanned so far, and the file's size (at open; when done, what the
+ * scan read). */
+int64_t mrl_line_index_scanned(const mrl_line_index *index);
+int64_t mrl_line_index_file_size(const mrl_line_index *index);
 void mrl_line_index_free(mrl_line_index *index);
 /* Number of indexed (non-blank) lines. */
 int64_t mrl_line_index_count(const mrl_line_index *index);
-/* Size of the file in bytes when it was indexed. */
-int64_t mrl_line_index_file_size(const mrl_line_index *index);
-/* Arrays of mrl_line_index_count entries, owned by the index. */
-const int64_t *mrl_line_index_offsets(const mrl_line_index *index);
-const int64_t *mrl_line_index_lengths(const mrl_line_index *index);
-const int64_t *mrl_line_index_numbers(const mrl_line_index *index);
+/* Line `row` (0-based among the indexed ones) of a finished index into *out;
+ * 0, or -1 for a row out of range or an index still scanning. */
+int mrl_line_index_get(const mrl_line_index *index, int64_t row, mrl_line *out);
+/* Bytes of memory the index holds. */
+int64_t mrl_line_index_bytes(const mrl_line_index *index);
 
 /* The seed of a permutation derived from x: splitmix64's first output from
  * state x. A dataset view takes its epoch's and its split's seeds so

@@ -47,6 +47,12 @@ mrl_status mrl_fs_truncate(const char *path, int64_t size);
 /* Bytes free for an unprivileged writer on the file system holding path. */
 mrl_status mrl_fs_free_bytes(const char *path, int64_t *out);
 
+/* MRL_OK when path is a regular file that opens for reading, else an error
+ * naming it and why: missing, unreadable, or not a regular file (a FIFO,
+ * whose open would wait for a writer, a directory, a device, a socket).
+ * Checked without blocking; what Lua checks before it opens a file. */
+mrl_status mrl_fs_check_readable(const char *path);
+
 /* Directory listing: names in strcmp order, without "." and "..". */
 typedef struct mrl_fs_list mrl_fs_list;
 mrl_status mrl_fs_list_open(const char *path, mrl_fs_list **out);

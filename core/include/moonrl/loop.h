@@ -5,6 +5,7 @@
  * Lua. */
 #pragma once
 #include <stddef.h>
+#include <stdint.h>
 #include "status.h"
 
 #ifdef __cplusplus
@@ -25,6 +26,11 @@ mrl_status mrl_signals_install(void);
 /* For a supervisor, which forwards signals to its child: from now on SIGINT
  * and SIGTERM are only counted (no second-signal exit); it polls the count. */
 void mrl_signals_count_only(void);
+/* While on, the first SIGINT / SIGTERM ends the process at once (exit
+ * status 128 + the signal), as a second one does: around a wait that would
+ * never see a stop request, such as a read of standard input. Returns the
+ * previous setting. */
+int mrl_signals_exit_at_once(int on);
 /* Signals received so far (SIGINT and SIGTERM), and the last one's number. */
 int mrl_signals_received(void);
 int mrl_signal_last(void);
@@ -58,13 +64,49 @@ mrl_status mrl_proc_spawn(const char *const *argv, const char *stdin_data, size_
                           double timeout_s, size_t max_output, mrl_proc **out);
 /* 1 when the child has ended and its output is complete. */
 int mrl_proc_done(mrl_proc *proc);
-/* Block until the child has ended. */
+/* Block until the child has ended. A stop requested meanwhile (SIGINT,
+ * SIGTERM, the deadline) kills it and returns MRL_ERR_STOPPED. */
 mrl_status mrl_proc_wait(mrl_proc *proc, mrl_proc_result *result);
 /* Captured output; valid until mrl_proc_free. */
 const char *mrl_proc_stdout(mrl_proc *proc, size_t *len);
 const char *mrl_proc_stderr(mrl_proc *proc, size_t *len);
 /* Free (kills the child first if it still runs). */
 void mrl_proc_free(mrl_proc *proc);
+
+/* --- Forked workers ----------------------------------------------------- */
+/* A worker is a child process, forked from the caller, that runs the
+ * caller's own code (a Lua function, with the state as it was at the fork)
+ * on task numbers the parent sends, and sends back a reply for each: what
+ * runs side by side and can be killed whatever it blocks in (rewards with a
+ * time limit, moonrl.io.workers). The child has its own process group, the
+ * default action for SIGINT and SIGTERM, one thread for parallel loops and
+ * an event loop of its own (subprocesses work). */
+typedef struct mrl_worker mrl_worker;
+
+/* Fork a worker. In the parent *is_child is 0 and *out the worker; in the
+ * child *is_child is 1 and *out its own end (for mrl_worker_next). */
+mrl_status mrl_worker_fork(mrl_worker **out, int *is_child);
+/* Parent: give the worker task number `task` (>= 0); its reply so far is
+ * forgotten. */
+mrl_status mrl_worker_send(mrl_worker *worker, int64_t task);
+/* Parent: wait until one of workers[0..n) (NULL entries are skipped) has a
+ * whole reply or has ended (died, or was killed), at most timeout_s seconds.
+ * Returns its index; -1 when none within the time; -2 when a stop was
+ * requested meanwhile (the message says why). */
+int mrl_worker_wait(mrl_worker *const *workers, int n, double timeout_s);
+/* Parent: the reply (NULL while there is none; valid until the next send or
+ * free), and whether the worker has ended. */
+const char *mrl_worker_reply(mrl_worker *worker, size_t *len);
+int mrl_worker_ended(const mrl_worker *worker);
+/* Parent: kill the worker and its process group, reap it, free it. */
+void mrl_worker_free(mrl_worker *worker);
+/* Child: the next task number, blocking; -1 when the parent has gone. */
+int64_t mrl_worker_next(mrl_worker *self);
+/* Child: the reply to the task taken last. */
+mrl_status mrl_worker_answer(mrl_worker *self, const void *data, size_t len);
+/* Child: flush stdio and end the process (no atexit handlers, no Lua
+ * finalizers: the parent's objects are not the child's to close). */
+void mrl_worker_exit(int status);
 
 /* --- Background work on the loop's thread pool ------------------------- */
 /* A job: one piece of work on a pool thread (the core's C functions,

@@ -54,7 +54,7 @@ lua/moonrl/train/fault.lua)
 local function eprint(msg) io.stderr:write('moonrl', ffi.string(moonrl.C.mrl_log_rank_tag()), ': ', msg, '\n') end
 
 local function file_exists(path)
-  local f = io.open(path, 'rb')
+  local f = require('moonrl.io.fs').open(path) -- (a regular file: a FIFO there would block the open)
   if f then f:close() return true end
   return false
 end

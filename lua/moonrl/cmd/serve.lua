@@ -67,8 +67,8 @@ function M.main(args)
   -- the chat template: the model's, or --chat-template's (with the model's bos/eos tokens)
   local tpl, tpl_err = m.template, m.template_error and moonrl.error_text(m.template_error)
   if o.chat_template then
-    local f = io.open(o.chat_template, 'rb')
-    if not f then moonrl.usage_error('serve: --chat-template ' .. o.chat_template .. ': cannot read it') end
+    local f, ferr = require('moonrl.io.fs').open(o.chat_template)
+    if not f then moonrl.usage_error('serve: --chat-template: ' .. ferr) end
     local text = f:read('*a')
     f:close()
     local cok, fn = pcall(chat.compile, text, o.chat_template)

@@ -21,9 +21,26 @@ usage: moonrl status RUN_DIR [--json] [--watch [SECONDS]]
   logged metrics, each rank's heartbeat, the latest checkpoint and the events so far;
   --json: the same as one JSON object; --watch: again every SECONDS (default 2) until it ends]=]
 
+-- A run file opened for reading, or nil when there is none; anything but a regular file there (a
+-- FIFO, whose open would wait for a writer; a device) is a usage error naming it, never a wait.
+local function open(path)
+  if not fs.exists(path) then return nil end
+  local f, err = fs.open(path)
+  if not f then moonrl.usage_error('status: ' .. err) end
+  return f
+end
+
+local function read(path)
+  local f = open(path)
+  if not f then return nil end
+  local text = f:read('*a')
+  f:close()
+  return text
+end
+
 -- The last `bytes` of a file as complete lines (the first, cut, dropped).
 local function tail_lines(path, bytes)
-  local f = io.open(path, 'rb')
+  local f = open(path)
   if not f then return {} end
   local size = f:seek('end')
   local from = math.max(0, size - bytes)
@@ -107,7 +124,7 @@ function M.collect(dir)
   end
   local now = progress.wall()
   local info = json.object({ 'dir', dir, 'now', now })
-  local okc, config = pcall(json.read_file, dir .. '/config.json')
+  local okc, config = pcall(json.decode, read(dir .. '/config.json') or '', 'config.json')
   info.recipe = okc and type(config) == 'table' and config.recipe or nil
   -- the ranks' heartbeats
   local ranks = json.array()

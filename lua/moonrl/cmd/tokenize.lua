@@ -50,7 +50,7 @@ function M.main(args)
   if not o then return 0 end
   local ok, tok = pcall(require('moonrl.tokenizer').load, o.tokenizer)
   if not ok then moonrl.usage_error('tokenize: ' .. tostring(tok)) end
-  local input = io.read('*a') or ''
+  local input = moonrl.exit_on_signal(io.read, '*a') or ''
   if o.decode then
     local ids = {}
     for w in input:gmatch('%S+') do

@@ -7,7 +7,12 @@
 --   fs.remove(path)        a file or a whole tree (rm -rf, links never followed)
 --   fs.rename(a, b)        rename, then fsync b's directory
 --   fs.write(path, text)   atomically: temporary file, fsync, rename, fsync of the directory
---   fs.read(path)          -> the whole file, or nil and a message
+--   fs.open(path)          -> a file open for reading ('rb'), or nil and a message; anything but a
+--                            regular file (a FIFO, whose open would wait for a writer, a device, a
+--                            directory) is refused before it is opened, naming the path
+--   fs.open_append(path)   -> a file open for appending ('a'), or nil and a message: what is there
+--                            already must be a regular file, as fs.open says
+--   fs.read(path)          -> the whole file, or nil and a message (as fs.open refuses)
 --   fs.copy(a, b)          atomically, as write
 --   fs.list(path)          -> sorted names (no . and ..)
 --   fs.truncate(path, n), fs.sync_dir(path), fs.free_bytes(path)
@@ -60,8 +65,18 @@ function M.free_bytes(path)
   return tonumber(free[0])
 end
 
+function M.open(path)
+  if C.mrl_fs_check_readable(path) ~= 0 then return nil, moonrl.last_error() end
+  return io.open(path, 'rb')
+end
+
+function M.open_append(path)
+  if M.exists(path) and C.mrl_fs_check_readable(path) ~= 0 then return nil, moonrl.last_error() end
+  return io.open(path, 'a')
+end
+
 function M.read(path)
-  local f, err = io.open(path, 'rb')
+  local f, err = M.open(path)
   if not f then return nil, err end
   local text, rerr = f:read('*a')
   f:close()

@@ -237,7 +237,7 @@ function M.decode(text, source)
 end
 
 function M.read_file(path)
-  local f, err = io.open(path, 'rb')
+  local f, err = require('moonrl.io.fs').open(path)
   if not f then error(err, 2) end
   local text = f:read('*a')
   f:close()

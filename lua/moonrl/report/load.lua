@@ -59,7 +59,7 @@ M.flatten = flatten
 -- writing it): that one is skipped and returned as a note.
 local function read_jsonl(path, fn)
   local text, err = fs.read(path)
-  if not text then fail('cannot read %s: %s', path, tostring(err)) end
+  if not text then fail('cannot read %s', tostring(err)) end
   local lineno, pos, note = 0, 1, nil
   while pos <= #text do
     local nl = text:find('\n', pos, true)
@@ -84,7 +84,7 @@ end
 
 local function read_json(path)
   local text, err = fs.read(path)
-  if not text then fail('cannot read %s: %s', path, tostring(err)) end
+  if not text then fail('cannot read %s', tostring(err)) end
   local ok, obj = pcall(json.decode, text)
   if not ok then
     local line, col, msg = tostring(obj):match('^json:(%d+):(%d+): (.*)$')

@@ -58,8 +58,9 @@ function M.records(S, cfg, own, o)
   if e.data then
     local key = o and o.answer or d.answer or 'answer'
     local view = require('moonrl.data').jsonl(e.data, { fields = { prompt = d.prompt or 'prompt', answer = key },
-      optional = { answer = true } })
-    for i = 1, view:len() do list[i] = view:get(i) end
+      optional = { answer = true }, max_record_bytes = d.max_record_bytes })
+    local n = e.prompts > 0 and math.min(e.prompts, view:len()) or view:len() -- (only what is used is read)
+    for i = 1, n do list[i] = view:get(i) end
   elseif e.task or d.task then
     local t = require('moonrl.tasks').load(e.task or d.task, cfg.run.seed)
     for i, r in ipairs(t.heldout) do list[i] = { prompt = r.prompt, answer = r.answer, meta = r.meta } end
@@ -100,7 +101,7 @@ function M.accuracy(S, cfg, records, o)
       eos_ids = o.eos_ids or prompts.eos_ids(S.tok, S.policy), tokenizer = S.tok })
     local samples = batch.flatten(mine, results)
     local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
-      { on_error = 'zero', timeout = cfg.reward.timeout })
+      { on_error = 'zero', timeout = cfg.reward.timeout, workers = cfg.reward.workers })
     for i = 1, #samples do
       sum = sum + scores[i - 1]
       if scores[i - 1] >= 1 then right = right + 1 end

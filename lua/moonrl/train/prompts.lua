@@ -50,7 +50,7 @@ end
 -- the key and the file (a recipe opens it before session.start: no run directory is left behind).
 function M.open_data(cfg, fields, optional)
   local ok, view = pcall(require('moonrl.data').jsonl, cfg.data.path, { fields = fields, optional = optional,
-    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error' })
+    on_error = cfg.data.on_error == 'skip' and 'skip' or 'error', max_record_bytes = cfg.data.max_record_bytes })
   if not ok then moonrl.usage_error('data.path: ' .. moonrl.error_text(view)) end
   return view
 end
@@ -156,7 +156,7 @@ end
 function P:score(samples, group)
   local rc = self.cfg.reward
   local scores, _, failures = require('moonrl.rewards').score_batch(rc.name, samples, nil,
-    { on_error = rc.on_error, timeout = rc.timeout })
+    { on_error = rc.on_error, timeout = rc.timeout, workers = rc.workers })
   local m = { errors = #failures, dropped_groups = 0 }
   if #failures == 0 or rc.on_error ~= 'drop' then return self:gather_scored(scores, samples, m) end
   for i, f in ipairs(failures) do

@@ -93,6 +93,14 @@ end
 -- opts: name, total_steps, tensorboard (true), rank (0); dir and lock from open_dir (else it is
 -- called here); metrics_bytes: cut metrics.jsonl to this length first (a resumed run drops the
 -- lines of the steps it will redo).
+-- A run file opened for appending; anything but a regular file there (a FIFO, whose open would
+-- wait for a reader) is a usage error naming it.
+local function append(path)
+  local f, err = fs.open_append(path)
+  if not f then moonrl.usage_error('run.dir: ' .. tostring(err)) end
+  return f
+end
+
 function M.start(cfg, opts)
   opts = opts or {}
   local name = opts.name or 'run'
@@ -116,12 +124,13 @@ function M.start(cfg, opts)
                              'world_size', opts.world_size or 1, 'config', cfg })
   self:guarded_write(dir .. '/config.json', function() fs.write(dir .. '/config.json', json.encode(meta, { indent = 2 }) .. '\n') end)
   local mpath = dir .. '/metrics.jsonl'
+  -- (a FIFO left there is an error naming it: opening one would wait for a reader)
+  self.metrics = append(mpath)
+  self.events = append(dir .. '/events.jsonl')
   local st = fs.stat(mpath)
   if st and opts.metrics_bytes and st.size > opts.metrics_bytes then fs.truncate(mpath, opts.metrics_bytes) end
   -- (a checkpoint records the count: a resume checks that its cut keeps as many)
   self.metrics_lines = require('moonrl.train.checkpoint').count_lines(mpath)
-  self.metrics = assert(io.open(mpath, 'a'))
-  self.events = assert(io.open(dir .. '/events.jsonl', 'a'))
   if opts.tensorboard ~= false then self.tb = trace.tensorboard(dir .. '/tb') end
   trace.enable(opts.rank or 0)
   trace.thread_name('main')

@@ -28,9 +28,13 @@ function M.model_config()
 end
 
 -- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad
--- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped).
+-- record is an error naming the file and line) or 'skip' (skipped and counted in data/skipped);
+-- max_record_bytes: a longer line is such a bad record, refused before it is read (decoding
+-- takes several times a record's size in memory).
 function M.data_config(fields)
-  return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop' }, fields)
+  return with({ path = config.required('string', 'JSONL dataset'), on_error = 'stop',
+    -- (at most a Lua string's longest)
+    max_record_bytes = config.integer(require('moonrl.data').MAX_RECORD_BYTES, { min = 1, max = 2 ^ 31 - 1 }) }, fields)
 end
 
 -- The data section of a recipe that also learns from a task (moonrl.tasks): data.path (JSONL)
@@ -59,10 +63,12 @@ function M.engine_config(over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward
--- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error) and the
--- seconds each sample may take (0: no limit).
+-- does (drop: its group is dropped and counted; zero: it scores 0; stop: an error), the seconds
+-- each sample may take (0: no limit) and, under that limit, the samples scored at once (each in a
+-- forked worker, moonrl.rewards).
 function M.reward_config(name)
-  return { name = name, on_error = 'drop', timeout = config.number(30.0, { min = 0 }) }
+  return { name = name, on_error = 'drop', timeout = config.number(30.0, { min = 0 }),
+    workers = config.integer(16, { min = 1 }) }
 end
 
 function M.check_choice(key, value, choices)
