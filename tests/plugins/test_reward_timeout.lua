@@ -111,11 +111,4 @@ t.test('workers.map: a worker whose heap grew ends after its reply and another t
   t.eq(results[2].ok, false); t.truthy(results[2].message:find('ended without a result', 1, true), results[2].message)
 end)
 
-t.test('reward.workers below 1 is a usage error naming the key', function()
-  local sections = require('moonrl.train.sections')
-  local ok, err = pcall(sections.check_reward, { reward = { name = 'math', workers = 0 } })
-  t.truthy(not ok and moonrl.is_usage_error(err), tostring(err))
-  t.truthy(err.message:find("config key 'reward.workers' must be >= 1, got 0", 1, true), err.message)
-end)
-
 t.done()

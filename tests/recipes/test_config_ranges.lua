@@ -25,6 +25,7 @@ local CASES = {
   { 'grpo', 'run.checkpoint_every=-1', "config key 'run.checkpoint_every' must be >= 0, got -1" },
   { 'grpo', 'guard.max_skips=-1', "config key 'guard.max_skips' must be >= 0, got -1" },
   { 'grpo', 'reward.timeout=-1', "config key 'reward.timeout' must be >= 0, got -1" },
+  { 'grpo', 'reward.workers=0', "config key 'reward.workers' must be >= 1, got 0" },
   { 'grpo', 'async.mode=async async.max_staleness=1e6', "config key 'grpo.prompts': a step would hold" },
   { 'grpo', 'engine.max_seqs=1e9', "config key 'engine.max_seqs' must be in 1..1048576, got 1000000000" },
   { 'rlvr', 'rlvr.top_p=0', "config key 'rlvr.top_p' must be in (0, 1], got 0" },

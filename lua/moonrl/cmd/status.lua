@@ -93,7 +93,9 @@ local WANT = { count = 'an integer >= 0', number = 'a finite number', string = '
 local function finite(v) return type(v) == 'number' and v == v and math.abs(v) < math.huge end
 
 local function heartbeat(path)
-  local ok, r = pcall(json.decode, fs.read(path) or '', path)
+  local text, err = fs.read(path) -- (a FIFO is refused, not waited on)
+  if not text then moonrl.usage_error('status: ' .. err) end
+  local ok, r = pcall(json.decode, text, path)
   if not ok then moonrl.usage_error('status: ' .. moonrl.error_text(r)) end
   if not json.is_object(r) then moonrl.usage_error(string.format('status: %s: not a JSON object (a heartbeat)', path)) end
   for _, k in ipairs(json.keys(r)) do
