@@ -250,9 +250,11 @@ static mrl_status open_index(mrl_st *st, const char *dir, const char *index_path
     mrl_status s = mrl_json_parse_file(index_path, &doc);
     if (s) return s;
     const mrl_json *map = mrl_json_get(mrl_json_root(doc), "weight_map");
-    if (!map || map->type != MRL_JSON_OBJECT) {
+    if (!map || map->type != MRL_JSON_OBJECT || map->length == 0) {
+        const char *why = map && map->type == MRL_JSON_OBJECT ? "'weight_map' names no tensor" /* (found by fuzzing) */
+                                                               : "missing object 'weight_map'";
         mrl_json_free(doc);
-        return mrl_set_error(MRL_ERR_FORMAT, "%s: missing object 'weight_map'", index_path);
+        return mrl_set_error(MRL_ERR_FORMAT, "%s: %s", index_path, why);
     }
     for (size_t i = 0; i < map->length && !s; i++) {
         const mrl_json *v = map->items[i];

@@ -141,4 +141,10 @@ t.test('chat.load reads tokenizer_config.json (string and list forms)', function
   os.execute('rm -rf ' .. dir)
 end)
 
+t.test('numerals past a double: inf as Python reads them, no index or slice bound', function()
+  -- (LuaJIT's tonumber gives nil for an exponent of more digits than an int; found by fuzzing)
+  t.eq(chat.render("{{ 21e7483648 }}|{{ 1e-99999999999 }}|{{ 'abc'[::21e7483648] }}|{{ [1, 2][1e400] }}|{{ 'abc'[1e400:] }}", {}),
+    'inf|0|||')
+end)
+
 t.done()

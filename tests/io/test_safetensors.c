@@ -157,6 +157,8 @@ static void test_corrupt(void) {
                  MRL_ERR_UNSUPPORTED, "dimensions");
     /* an index naming a file outside the directory, or a tensor not in its shard */
     CHECK(mkdir(path_in("idx"), 0755) == 0);
+    write_str(path_in("idx/model.safetensors.index.json"), "{\"weight_map\":{}}"); /* found by fuzzing */
+    expect_error(path_in("idx"), MRL_ERR_FORMAT, "'weight_map' names no tensor");
     write_str(path_in("idx/model.safetensors.index.json"), "{\"weight_map\":{\"w\":\"../good.safetensors\"}}");
     expect_error(path_in("idx"), MRL_ERR_FORMAT, "weight_map entry 'w'");
     make("idx/s.safetensors", good, 8);

@@ -218,6 +218,7 @@ function Compiler:primary(P)
     while P.is('str') do s = s .. P.next().v end  -- adjacent literals concatenate
     return q(s)
   elseif tk.t == 'num' then
+    if tk.v == math.huge then return '(1/0)' end -- (%.17g writes inf, no Lua numeral)
     return format('%.17g', tk.v)
   elseif tk.t == 'name' then
     local v = tk.v

@@ -10,6 +10,17 @@ local format, concat, sub, find = string.format, table.concat, string.sub, strin
 local CompileError = {}
 CompileError.__tostring = function(e) return e.message end
 
+
+-- A numeral's value as Python reads it: LuaJIT's tonumber gives nil where the exponent has more
+-- digits than an int holds (21e7483648), which Python reads as inf (and 0 for a tiny one).
+local function numeral(w)
+  local v = tonumber(w)
+  if v then return v end
+  local m, e = w:match('^(.-)[eE]([-+]?%d+)$')
+  m = tonumber(m)
+  if m == 0 then return 0 end
+  return e:sub(1, 1) == '-' and 0 or m * math.huge
+end
 local function line_of(src, pos)
   local n = 1
   for _ in sub(src, 1, pos - 1):gmatch('\n') do n = n + 1 end
@@ -122,7 +133,7 @@ local function tokenize(text, line, cerr)
     elseif c:match('%d') then
       local w = text:match('^%d[%d_]*%.?%d*[eE][-+]?%d+', i) or text:match('^%d[%d_]*%.%d+', i)
         or text:match('^%d[%d_]*', i)
-      toks[#toks + 1] = { t = 'num', v = tonumber((w:gsub('_', ''))) }
+      toks[#toks + 1] = { t = 'num', v = numeral((w:gsub('_', ''))) }
       i = i + #w
     elseif c == '"' or c == "'" then
       local parts = {}

@@ -260,7 +260,7 @@ end
 local function getitem(obj, key)
   local k = kind(obj)
   if k == 'list' or k == 'string' then
-    if type(key) ~= 'number' or key ~= floor(key) then return undef(tostring(key)) end -- (0.5, NaN: no index)
+    if type(key) ~= 'number' or key ~= floor(key) or key - key ~= 0 then return undef(tostring(key)) end -- (0.5, NaN, inf: no index)
     local items = k == 'list' and obj or (is_ascii(obj) and nil or chars(obj))
     local n = k == 'list' and #obj or (items and #items or #obj)
     local i = norm_index(key, n)
@@ -283,7 +283,7 @@ end
 local function slice_bound(i)
   if i == nil or i == none then return i end
   if type(i) == 'boolean' then return i and 1 or 0 end
-  if type(i) == 'number' and i == floor(i) then return i end
+  if type(i) == 'number' and i == floor(i) and i - i == 0 then return i end -- (inf is a float too)
   return false
 end
 
