@@ -9,7 +9,12 @@
  * while pread just comes back short, which is an error naming the file. The
  * copy costs the same (the kernel copies the page cache into dst either
  * way). A SIGBUS handler could guard the mapping instead, but a handler is
- * process-wide state shared with the host program and other threads. */
+ * process-wide state shared with the host program and other threads.
+ *
+ * mrl_st_read_f32_range reads a slice of a tensor (flattened, row-major)
+ * the same way, pread of that slice's bytes alone: a rank loading its shard
+ * of a large checkpoint touches only its byte ranges, neither the rest of
+ * the file nor a whole-tensor buffer. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -371,6 +376,29 @@ static mrl_status read_bytes(const mrl_st *st, const mrl_st_tensor *t, int64_t f
                          t->name, now, (long long)(at - from), (long long)(at - from + t->bytes), f->size);
 }
 
+/* elements [first, first + count) of tensor t (checked by the callers) as
+ * fp32: only their bytes are read from the file. */
+static mrl_status read_f32_at(const mrl_st *st, const mrl_st_tensor *t, int64_t first, int64_t count, float *dst) {
+    if (t->dtype == MRL_DTYPE_F32) return read_bytes(st, t, 4 * first, dst, 4 * count);
+    void (*conv)(const uint16_t *, float *, int64_t);
+    if (t->dtype == MRL_DTYPE_BF16) conv = mrl_convert_bf16_to_f32;
+    else if (t->dtype == MRL_DTYPE_F16) conv = mrl_convert_f16_to_f32;
+    else return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; only F32, BF16 and F16 convert to fp32",
+                              st->files[t->shard].path, t->name, mrl_dtype_name(t->dtype));
+    enum { CHUNK = 1 << 20 }; /* 16-bit values per read, converted (on all threads) as they come */
+    int64_t cap = count < CHUNK ? count : CHUNK;
+    uint16_t *tmp = malloc((size_t)(cap > 0 ? cap : 1) * 2);
+    if (!tmp) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    mrl_status s = MRL_OK;
+    for (int64_t i = 0; i < count && !s; i += cap) {
+        int64_t k = count - i < cap ? count - i : cap;
+        s = read_bytes(st, t, 2 * (first + i), tmp, 2 * k);
+        if (!s) conv(tmp, dst + i, k);
+    }
+    free(tmp);
+    return s;
+}
+
 mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel) {
     mrl_st_tensor t;
     mrl_status s = mrl_st_find(st, name, &t);
@@ -379,23 +407,23 @@ mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64
     if (numel != t.numel)
         return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' has %lld elements, the destination %lld",
                              st->files[t.shard].path, name, (long long)t.numel, (long long)numel);
-    if (t.dtype == MRL_DTYPE_F32) return read_bytes(st, &t, 0, dst, t.bytes);
-    void (*conv)(const uint16_t *, float *, int64_t);
-    if (t.dtype == MRL_DTYPE_BF16) conv = mrl_convert_bf16_to_f32;
-    else if (t.dtype == MRL_DTYPE_F16) conv = mrl_convert_f16_to_f32;
-    else return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; only F32, BF16 and F16 convert to fp32",
-                              st->files[t.shard].path, name, mrl_dtype_name(t.dtype));
-    enum { CHUNK = 1 << 20 }; /* 16-bit values per read, converted (on all threads) as they come */
-    int64_t cap = numel < CHUNK ? numel : CHUNK;
-    uint16_t *tmp = malloc((size_t)(cap > 0 ? cap : 1) * 2);
-    if (!tmp) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
-    for (int64_t i = 0; i < numel && !s; i += cap) {
-        int64_t k = numel - i < cap ? numel - i : cap;
-        s = read_bytes(st, &t, 2 * i, tmp, 2 * k);
-        if (!s) conv(tmp, dst + i, k);
-    }
-    free(tmp);
-    return s;
+    return read_f32_at(st, &t, 0, numel, dst);
+}
+
+mrl_status mrl_st_read_f32_range(const mrl_st *st, const char *name, int64_t first, int64_t count, float *dst) {
+    mrl_st_tensor t;
+    mrl_status s = mrl_st_find(st, name, &t);
+    if (s) return s;
+    const char *path = st->files[t.shard].path;
+    int64_t end = 0;
+    if (first < 0 || count < 0 || __builtin_add_overflow(first, count, &end) || end > t.numel)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s': range first=%lld count=%lld is outside its %lld elements%s",
+                             path, name, (long long)first, (long long)count, (long long)t.numel,
+                             first < 0 || count < 0 ? " (negative)" : end < first ? " (first + count overflows)" : "");
+    if (!dst && count > 0)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s': range first=%lld count=%lld: dst is NULL", path, name,
+                             (long long)first, (long long)count);
+    return read_f32_at(st, &t, first, count, dst);
 }
 
 const char *mrl_st_metadata(const mrl_st *st, const char *key) {

@@ -2,7 +2,8 @@
  * each tensor's dtype, shape and data_offsets checked against the file.
  * Input: the whole file. Properties: each tensor opened lies inside the
  * file with bytes = numel * dtype size, is found by its name, and reads
- * (F32 / BF16 / F16) into exactly its numel floats. */
+ * (F32 / BF16 / F16) into exactly its numel floats, and a range of it
+ * (mrl_st_read_f32_range) into the same floats as that slice of the full read. */
 #include <string.h>
 #include "fuzz.h"
 #include "moonrl/safetensors.h"
@@ -28,6 +29,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FUZZ_ASSERT(dst[t.numel] == 12345.f); /* no float written past numel */
         if (t.dtype == MRL_DTYPE_F32 || t.dtype == MRL_DTYPE_BF16 || t.dtype == MRL_DTYPE_F16) FUZZ_ASSERT(s == MRL_OK);
         if (t.numel > 0) FUZZ_ASSERT(mrl_st_read_f32(st, t.name, dst, t.numel - 1) != MRL_OK);
+        /* ranges (chosen from the input's bytes) read as the same slice of the full read; past
+         * the end or negative, an error */
+        if (s == MRL_OK) {
+            float *part = malloc((size_t)(t.numel + 1) * sizeof(float));
+            for (int k = 0; k < 4; k++) {
+                uint32_t r = (uint32_t)(size * 2654435761u) ^ (uint32_t)(i * 40503u + k * 97u);
+                int64_t first = t.numel ? (int64_t)(r % (uint32_t)(t.numel + 1)) : 0;
+                int64_t count = (int64_t)((r >> 7) % (uint32_t)(t.numel - first + 1));
+                part[count] = 12345.f;
+                FUZZ_ASSERT(mrl_st_read_f32_range(st, t.name, first, count, part) == MRL_OK);
+                FUZZ_ASSERT(memcmp(part, dst + first, (size_t)count * sizeof(float)) == 0 && part[count] == 12345.f);
+                FUZZ_ASSERT(mrl_st_read_f32_range(st, t.name, first, t.numel - first + 1, part) == MRL_ERR_INVALID);
+                FUZZ_ASSERT(mrl_st_read_f32_range(st, t.name, -1 - first, count, part) == MRL_ERR_INVALID);
+            }
+            free(part);
+        }
         free(dst);
     }
     mrl_st_metadata(st, "format");

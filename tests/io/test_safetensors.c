@@ -2,6 +2,7 @@
  * sharded directory), then corrupt files: each must give an error naming
  * the file and the field at fault, never a crash (run under ASan too);
  * a file truncated while open: an error, not a SIGBUS. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -259,6 +260,134 @@ done:
     free(out);
 }
 
+/* Range reads: slices at the start, middle, end and across rows of F32,
+ * BF16 and F16 tensors equal the same slice of a full read, in one file and
+ * through an index of 2 shards; every range outside the tensor is an error
+ * naming the file, tensor and range. */
+static void test_range(void) {
+    enum { R = 7, C = 13 };
+    float x[R * C];
+    for (int i = 0; i < R * C; i++) x[i] = (float)(i * 0.37 - 11.5) * (i % 3 ? 1.0f : -1e-3f);
+    int64_t s2[2] = {R, C}, s3[3] = {R, 1, C}, s1[1] = {3};
+    int64_t ids[3] = {1, 2, 3};
+    mrl_st_writer *w;
+    CHECK_OK(mrl_st_writer_create(&w));
+    CHECK_OK(mrl_st_writer_add(w, "w.f32", MRL_DTYPE_F32, 2, s2, x));
+    CHECK_OK(mrl_st_writer_add(w, "w.bf16", MRL_DTYPE_BF16, 2, s2, x));
+    CHECK_OK(mrl_st_writer_add(w, "w.f16", MRL_DTYPE_F16, 3, s3, x));
+    CHECK_OK(mrl_st_writer_add_raw(w, "ids", MRL_DTYPE_I64, 1, s1, ids, sizeof ids));
+    CHECK_OK(mrl_st_writer_write(w, path_in("range.safetensors")));
+    /* bytes in name order: ids 24, w.bf16 182, w.f16 182 | w.f32 364: two shards */
+    CHECK_OK(mrl_st_writer_write_dir(w, path_in("range_dir"), 400));
+    mrl_st_writer_free(w);
+    CHECK(access(path_in("range_dir/model-00002-of-00002.safetensors"), F_OK) == 0);
+    CHECK(access(path_in("range_dir/model-00003-of-00003.safetensors"), F_OK) != 0);
+    const char *paths[2] = {path_in("range.safetensors"), path_in("range_dir")};
+    const char *names[3] = {"w.f32", "w.bf16", "w.f16"};
+    for (int k = 0; k < 2; k++) {
+        mrl_st *st = NULL;
+        CHECK_OK(mrl_st_open(paths[k], &st));
+        if (!st) continue;
+        for (int n = 0; n < 3; n++) {
+            mrl_st_tensor t;
+            CHECK_OK(mrl_st_find(st, names[n], &t));
+            float full[R * C], part[R * C + 1];
+            CHECK_OK(mrl_st_read_f32(st, names[n], full, t.numel));
+            int64_t m = t.numel;
+            /* {first, count}: start, middle, across a row boundary (C = 13), the end, all, empty */
+            int64_t ranges[][2] = {{0, 1}, {0, 5}, {2 * C + 3, 4}, {C - 2, 5}, {C - 1, C + 2}, {m - 3, 3}, {m - 1, 1},
+                                   {0, m}, {m, 0}, {0, 0}, {17, 0}};
+            for (size_t r = 0; r < sizeof ranges / sizeof ranges[0]; r++) {
+                int64_t first = ranges[r][0], count = ranges[r][1];
+                part[count] = 12345.f;
+                CHECK_OK(mrl_st_read_f32_range(st, names[n], first, count, part));
+                CHECK(memcmp(part, full + first, (size_t)count * sizeof(float)) == 0);
+                CHECK(part[count] == 12345.f); /* nothing written past count */
+            }
+            /* out of range: each an error naming the file (the shard), tensor and range */
+            const char *file = k == 0 ? paths[0] : t.shard == 0 ? "model-00001-of-00002" : "model-00002-of-00002";
+            int64_t bad[][2] = {{-1, 1}, {0, -1}, {-5, -5}, {m - 2, 3}, {m + 1, 0}, {0, m + 1}, {INT64_MAX, 2},
+                                {2, INT64_MAX}, {INT64_MIN, 1}, {INT64_MAX, INT64_MAX}};
+            for (size_t r = 0; r < sizeof bad / sizeof bad[0]; r++) {
+                char want[128];
+                snprintf(want, sizeof want, "first=%lld count=%lld", (long long)bad[r][0], (long long)bad[r][1]);
+                CHECK(mrl_st_read_f32_range(st, names[n], bad[r][0], bad[r][1], part) == MRL_ERR_INVALID);
+                CHECK_STR_CONTAINS(mrl_last_error(), want);
+                CHECK_STR_CONTAINS(mrl_last_error(), names[n]);
+                CHECK_STR_CONTAINS(mrl_last_error(), file);
+            }
+            CHECK(mrl_st_read_f32_range(st, names[n], 0, 1, NULL) == MRL_ERR_INVALID);
+            CHECK_STR_CONTAINS(mrl_last_error(), "NULL");
+        }
+        float out[4];
+        CHECK(mrl_st_read_f32_range(st, "ids", 0, 1, out) == MRL_ERR_UNSUPPORTED);
+        CHECK_STR_CONTAINS(mrl_last_error(), "'ids' is I64");
+        CHECK(mrl_st_read_f32_range(st, "nope", 0, 1, out) == MRL_ERR_INVALID);
+        CHECK_STR_CONTAINS(mrl_last_error(), "no tensor named 'nope'");
+        mrl_st_close(st);
+    }
+}
+
+/* bytes this process has read so far (read and pread calls) */
+static long long bytes_read(void) {
+    FILE *f = fopen("/proc/self/io", "r");
+    long long v = -1;
+    if (f) {
+        if (fscanf(f, "rchar: %lld", &v) != 1) v = -1;
+        fclose(f);
+    }
+    return v;
+}
+
+/* A range of a large tensor reads its bytes alone: measured by the bytes the
+ * process read (/proc/self/io's rchar), and proven by a file truncated right
+ * after the range: the range still reads, the whole tensor no longer does. */
+static void test_range_reads_only_range(void) {
+    enum { N = 1 << 21, FIRST = 1000003, COUNT = 1000 }; /* 8 MiB as F32, 4 MiB as BF16 */
+    float *x = malloc(sizeof(float) * N), *out = malloc(sizeof(float) * COUNT);
+    for (int i = 0; i < N; i++) x[i] = (float)(i % 4099) - 2000.5f;
+    int64_t shape[2] = {N / 1024, 1024};
+    const mrl_dtype dtypes[2] = {MRL_DTYPE_F32, MRL_DTYPE_BF16};
+    for (int k = 0; k < 2; k++) {
+        const char *path = path_in(k ? "big_bf16.safetensors" : "big_f32.safetensors");
+        mrl_st_writer *w;
+        CHECK_OK(mrl_st_writer_create(&w));
+        CHECK_OK(mrl_st_writer_add(w, "big", dtypes[k], 2, shape, x));
+        CHECK_OK(mrl_st_writer_write(w, path));
+        mrl_st_writer_free(w);
+        mrl_st *st = NULL;
+        CHECK_OK(mrl_st_open(path, &st));
+        if (!st) continue;
+        long long size = (long long)mrl_dtype_size(dtypes[k]);
+        long long before = bytes_read();
+        CHECK_OK(mrl_st_read_f32_range(st, "big", FIRST, COUNT, out));
+        long long delta = bytes_read() - before; /* the range, and the first /proc read's own text */
+        CHECK(before >= 0 && delta >= COUNT * size && delta < COUNT * size + 4096);
+        if (!(delta < COUNT * size + 4096)) fprintf(stderr, "read %lld bytes for a range of %lld\n", delta, COUNT * size);
+        for (int i = 0; i < COUNT; i++)
+            CHECK(out[i] == (k ? mrl_bf16_to_f32(mrl_f32_to_bf16(x[FIRST + i])) : x[FIRST + i]));
+        mrl_st_tensor t;
+        CHECK_OK(mrl_st_find(st, "big", &t));
+        FILE *f = fopen(path, "rb");
+        long long hl = 0;
+        unsigned char h8[8];
+        CHECK(f && fread(h8, 1, 8, f) == 8);
+        if (f) fclose(f);
+        for (int i = 7; i >= 0; i--) hl = hl << 8 | h8[i];
+        CHECK(truncate(path, 8 + hl + (FIRST + COUNT) * size) == 0); /* the data region starts at 8 + hl */
+        CHECK_OK(mrl_st_read_f32_range(st, "big", FIRST, COUNT, out));
+        CHECK(out[COUNT - 1] == (k ? mrl_bf16_to_f32(mrl_f32_to_bf16(x[FIRST + COUNT - 1])) : x[FIRST + COUNT - 1]));
+        float *all = malloc(sizeof(float) * N);
+        CHECK(mrl_st_read_f32(st, "big", all, N) == MRL_ERR_IO);
+        CHECK(mrl_st_read_f32_range(st, "big", FIRST, COUNT + 1, out) == MRL_ERR_IO);
+        CHECK_STR_CONTAINS(mrl_last_error(), "truncated");
+        free(all);
+        mrl_st_close(st);
+    }
+    free(x);
+    free(out);
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "/tmp/mrl_st_test_XXXXXX");
     if (!mkdtemp(dir)) return 1;
@@ -266,6 +395,8 @@ int main(void) {
     test_corrupt();
     test_mutations();
     test_truncated_after_open();
+    test_range();
+    test_range_reads_only_range();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;

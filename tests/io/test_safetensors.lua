@@ -25,6 +25,26 @@ t.test('write and read back', function()
   os.remove(path)
 end)
 
+t.test('read_f32_range: a slice of the tensor, errors name the range', function()
+  local path = os.tmpname()
+  local n = 40
+  local x = ffi.new('float[?]', n)
+  for i = 0, n - 1 do x[i] = i * 0.5 - 3 end
+  local w = sf.writer()
+  w:add('m', 'BF16', { 4, 10 }, x)
+  w:write(path)
+  local st = sf.open(path)
+  local full = st:read_f32('m')
+  local r = st:read_f32_range('m', 8, 5) -- across the first row's end
+  for i = 0, 4 do t.eq(r[i], full[8 + i]) end
+  local dst = ffi.new('float[3]')
+  t.eq(st:read_f32_range('m', 37, 3, dst), dst)
+  t.eq(dst[2], full[39])
+  t.raises(function() st:read_f32_range('m', 38, 3) end, "tensor 'm': range first=38 count=3 is outside its 40 elements")
+  t.raises(function() st:read_f32_range('m', -1, 1) end, 'first=-1 count=1')
+  os.remove(path)
+end)
+
 t.test('errors name the file', function()
   t.raises(function() sf.open('/nonexistent/m.safetensors') end, '/nonexistent/m.safetensors')
 end)

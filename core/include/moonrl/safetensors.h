@@ -49,6 +49,12 @@ int mrl_st_has(const mrl_st *st, const char *name);
  * the mapping: a file truncated since it was opened is MRL_ERR_IO naming it
  * (reading `data` of such a file directly raises SIGBUS). */
 mrl_status mrl_st_read_f32(const mrl_st *st, const char *name, float *dst, int64_t numel);
+/* Elements [first, first + count) of the tensor, flattened in row-major
+ * order, into dst[0..count) as fp32 (F32 / BF16 / F16, as mrl_st_read_f32).
+ * Reads those bytes alone from the file (pread), whatever the tensor's size.
+ * A range outside [0, numel) (negative first or count, first + count past
+ * numel or overflowing) is MRL_ERR_INVALID naming the file, tensor and range. */
+mrl_status mrl_st_read_f32_range(const mrl_st *st, const char *name, int64_t first, int64_t count, float *dst);
 /* A value of the __metadata__ map (first shard that has the key), or NULL. */
 const char *mrl_st_metadata(const mrl_st *st, const char *key);
 

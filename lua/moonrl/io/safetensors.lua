@@ -3,6 +3,7 @@
 --   local st = moonrl.io.safetensors.open('model_dir')   -- file or HF model directory
 --   for _, name in ipairs(st:names()) do print(name, st:info(name).dtype) end
 --   local w = st:read_f32('lm_head.weight')          -- new float[numel] (or pass a dst pointer)
+--   local r = st:read_f32_range('lm_head.weight', first, count)  -- a slice: only its bytes are read
 --   local wr = moonrl.io.safetensors.writer()
 --   wr:add('x', 'BF16', {2, 3}, float_ptr)           -- converted from fp32 on write
 --   wr:metadata('format', 'pt'); wr:write('out.safetensors')  -- or wr:write_dir(dir, max_shard_bytes)
@@ -60,6 +61,14 @@ function Reader:read_f32(name, dst)
   moonrl.check(C.mrl_st_find(self.handle, name, t), 2)
   dst = dst or ffi.new('float[?]', math.max(1, tonumber(t.numel)))
   moonrl.check(C.mrl_st_read_f32(self.handle, name, dst, t.numel), 2)
+  return dst
+end
+
+-- Elements [first, first + count) of the tensor (flattened, row-major; first counts from 0) as
+-- fp32 into dst (a float pointer of count) or a new float array; only their bytes are read.
+function Reader:read_f32_range(name, first, count, dst)
+  dst = dst or ffi.new('float[?]', math.max(1, count))
+  moonrl.check(C.mrl_st_read_f32_range(self.handle, name, first, count, dst), 2)
   return dst
 end
 
