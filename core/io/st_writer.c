@@ -153,10 +153,14 @@ static void sb_put(sbuf *b, const char *s, size_t n) {
 
 static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
 
+/* One number with a few characters around it (fmt's output under 64 bytes:
+ * longer text goes through sb_str); past that the buffer is marked failed
+ * rather than reading past tmp. */
 static void sb_fmt(sbuf *b, const char *fmt, long long v) {
     char tmp[64];
     int n = snprintf(tmp, sizeof tmp, fmt, v);
-    sb_put(b, tmp, (size_t)n);
+    if (n < 0 || (size_t)n >= sizeof tmp) b->oom = 1;
+    else sb_put(b, tmp, (size_t)n);
 }
 
 static void sb_json_string(sbuf *b, const char *s) {
@@ -365,7 +369,8 @@ mrl_status mrl_st_writer_write_dir(mrl_st_writer *w, const char *dir, int64_t ma
             s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old index: %s", index_path, strerror(errno));
     } else if (!s) {
         sbuf idx = {0};
-        sb_fmt(&idx, "{\n  \"metadata\": {\n    \"total_size\": %lld\n  },\n  \"weight_map\": {", total);
+        sb_str(&idx, "{\n  \"metadata\": {\n    \"total_size\": ");
+        sb_fmt(&idx, "%lld\n  },\n  \"weight_map\": {", total);
         char name[64];
         for (int64_t i = 0; i < w->n; i++) {
             snprintf(name, sizeof name, "model-%05lld-of-%05lld.safetensors", (long long)shard_of[i] + 1, (long long)nshards);

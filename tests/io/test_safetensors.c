@@ -388,6 +388,44 @@ static void test_range_reads_only_range(void) {
     free(out);
 }
 
+static uint8_t *slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = malloc(*n + 1);
+    if (fread(b, 1, *n, f) != *n) *n = 0;
+    b[*n] = 0;
+    fclose(f);
+    return b;
+}
+
+/* A sharded directory of 10,000 bytes or more: the index's total_size has 5 digits (its first
+ * line was formatted into a 64-byte buffer, so a NUL and stack bytes replaced the '{' of
+ * weight_map and the index did not parse) */
+static void test_index_total_size(void) {
+    enum { N = 2048 }; /* 8 KiB as F32 */
+    float *x = calloc(N, sizeof(float));
+    int64_t shape[1] = {N};
+    const char *d = path_in("big_index");
+    mrl_st_writer *w;
+    CHECK_OK(mrl_st_writer_create(&w));
+    CHECK_OK(mrl_st_writer_add(w, "a", MRL_DTYPE_F32, 1, shape, x));
+    CHECK_OK(mrl_st_writer_add(w, "b", MRL_DTYPE_F32, 1, shape, x));
+    CHECK_OK(mrl_st_writer_write_dir(w, d, 10000));
+    mrl_st_writer_free(w);
+    mrl_st *st = NULL;
+    CHECK_OK(mrl_st_open(d, &st));
+    CHECK(mrl_st_count(st) == 2);
+    mrl_st_close(st);
+    size_t n;
+    char *index = (char *)slurp(path_in("big_index/model.safetensors.index.json"), &n);
+    CHECK_STR_CONTAINS(index, "\"total_size\": 16384\n  },\n  \"weight_map\": {\n    \"a\": \"model-00001-of-00002.safetensors\"");
+    free(index);
+    free(x);
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "/tmp/mrl_st_test_XXXXXX");
     if (!mkdtemp(dir)) return 1;
@@ -397,6 +435,7 @@ int main(void) {
     test_truncated_after_open();
     test_range();
     test_range_reads_only_range();
+    test_index_total_size();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;
