@@ -278,7 +278,7 @@ static mrl_status open_index(mrl_st *st, const char *dir, const char *index_path
         free(p);
     }
     if (!s) {
-        qsort(st->tensors, (size_t)st->count, sizeof *st->tensors, cmp_tensor_name);
+        if (st->count > 1) qsort(st->tensors, (size_t)st->count, sizeof *st->tensors, cmp_tensor_name);
         for (size_t i = 0; i < map->length && !s; i++) {
             mrl_st_tensor t;
             if (mrl_st_find(st, map->keys[i], &t) != MRL_OK ||
@@ -313,7 +313,8 @@ mrl_status mrl_st_open(const char *path, mrl_st **out) {
         s = open_file(st, path);
     }
     if (!s) {
-        qsort(st->tensors, (size_t)st->count, sizeof *st->tensors, cmp_tensor_name);
+        /* tensors is NULL for a file of no tensor, and qsort's array must not be */
+        if (st->count > 1) qsort(st->tensors, (size_t)st->count, sizeof *st->tensors, cmp_tensor_name);
         for (int64_t i = 1; i < st->count && !s; i++)
             if (strcmp(st->tensors[i - 1].name, st->tensors[i].name) == 0)
                 s = mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' appears twice (in %s and %s)", path, st->tensors[i].name,

@@ -24,6 +24,9 @@ typedef struct wtensor {
     int64_t numel, bytes;
     const float *src; /* fp32 source, converted on write */
     const void *raw;  /* or bytes already in dtype */
+    int64_t shard;    /* which file of a sharded directory */
+    int64_t at;       /* stream: byte offset of the data in its file */
+    int written;      /* stream: its data has been written */
 } wtensor;
 
 struct mrl_st_writer {
@@ -39,46 +42,44 @@ mrl_status mrl_st_writer_create(mrl_st_writer **out) {
     return *out ? MRL_OK : mrl_set_error(MRL_ERR_NOMEM, "st_writer_create: out of memory");
 }
 
-void mrl_st_writer_free(mrl_st_writer *w) {
-    if (!w) return;
+static void writer_clear(mrl_st_writer *w) {
     for (int64_t i = 0; i < w->n; i++) free(w->t[i].name);
     for (int64_t i = 0; i < 2 * w->nmeta; i++) free(w->meta[i]);
     free(w->t);
     free(w->meta);
+}
+
+void mrl_st_writer_free(mrl_st_writer *w) {
+    if (!w) return;
+    writer_clear(w);
     free(w);
 }
 
-/* from_f32: data holds fp32 values to convert; else bytes already in dtype. */
-static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
-                      int from_f32, const void *data, int64_t raw_bytes) {
-    if (!w || !name) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: writer and name must not be NULL");
+/* Check name, dtype and shape and fill t's description (no data). */
+static mrl_status describe(const char *name, mrl_dtype dtype, int ndim, const int64_t *shape, wtensor *t) {
+    if (!name) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: name must not be NULL");
     if (!name[0] || strcmp(name, "__metadata__") == 0)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: invalid tensor name '%s'", name);
     if ((unsigned)dtype >= MRL_DTYPE_COUNT)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': unknown dtype %d", name, (int)dtype);
-    if (from_f32 && dtype != MRL_DTYPE_F32 && dtype != MRL_DTYPE_BF16 && dtype != MRL_DTYPE_F16)
-        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': fp32 data can be stored as F32, BF16 or F16, not %s",
-                             name, mrl_dtype_name(dtype));
     if (ndim < 0 || ndim > MRL_ST_MAX_DIMS || (ndim > 0 && !shape))
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': ndim %d outside [0, %d]", name, ndim, MRL_ST_MAX_DIMS);
-    wtensor t = {0};
-    t.dtype = dtype;
-    t.ndim = ndim;
-    t.numel = 1;
+    memset(t, 0, sizeof *t);
+    t->dtype = dtype;
+    t->ndim = ndim;
+    t->numel = 1;
     for (int d = 0; d < ndim; d++) {
-        if (shape[d] < 0 || __builtin_mul_overflow(t.numel, shape[d], &t.numel))
+        if (shape[d] < 0 || __builtin_mul_overflow(t->numel, shape[d], &t->numel))
             return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': bad shape[%d] = %lld", name, d, (long long)shape[d]);
-        t.shape[d] = shape[d];
+        t->shape[d] = shape[d];
     }
-    if (__builtin_mul_overflow(t.numel, (int64_t)mrl_dtype_size(dtype), &t.bytes))
+    if (__builtin_mul_overflow(t->numel, (int64_t)mrl_dtype_size(dtype), &t->bytes))
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': too large", name);
-    if (!from_f32 && raw_bytes != t.bytes)
-        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add_raw: tensor '%s': %lld bytes given, the %s shape needs %lld",
-                             name, (long long)raw_bytes, mrl_dtype_name(dtype), (long long)t.bytes);
-    if (t.numel > 0 && !data) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': data is NULL", name);
-    if (!data) data = ""; /* an empty tensor: never read */
-    if (from_f32) t.src = data;
-    else t.raw = data;
+    return MRL_OK;
+}
+
+/* Append t to w under a copy of name. */
+static mrl_status push(mrl_st_writer *w, const char *name, wtensor t) {
     if (w->n == w->cap) {
         int64_t cap = w->cap ? 2 * w->cap : 64;
         wtensor *nt = realloc(w->t, (size_t)cap * sizeof *nt);
@@ -89,6 +90,32 @@ static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int n
     if (!(t.name = mrl_st_strdup(name))) return mrl_set_error(MRL_ERR_NOMEM, "st_writer_add: out of memory");
     w->t[w->n++] = t;
     return MRL_OK;
+}
+
+/* Whether fp32 values can be stored as dtype, and the data's size: an error naming the tensor. */
+static mrl_status check_data(const char *name, const wtensor *t, int from_f32, const void *data, int64_t raw_bytes) {
+    if (from_f32 && t->dtype != MRL_DTYPE_F32 && t->dtype != MRL_DTYPE_BF16 && t->dtype != MRL_DTYPE_F16)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': fp32 data can be stored as F32, BF16 or F16, not %s",
+                             name, mrl_dtype_name(t->dtype));
+    if (!from_f32 && raw_bytes != t->bytes)
+        return mrl_set_error(MRL_ERR_INVALID, "st_writer_add_raw: tensor '%s': %lld bytes given, the %s shape needs %lld",
+                             name, (long long)raw_bytes, mrl_dtype_name(t->dtype), (long long)t->bytes);
+    if (t->numel > 0 && !data) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: tensor '%s': data is NULL", name);
+    return MRL_OK;
+}
+
+/* from_f32: data holds fp32 values to convert; else bytes already in dtype. */
+static mrl_status add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
+                      int from_f32, const void *data, int64_t raw_bytes) {
+    if (!w) return mrl_set_error(MRL_ERR_INVALID, "st_writer_add: writer must not be NULL");
+    wtensor t;
+    mrl_status s = describe(name, dtype, ndim, shape, &t);
+    if (!s) s = check_data(name, &t, from_f32, data, raw_bytes);
+    if (s) return s;
+    if (!data) data = ""; /* an empty tensor: never read */
+    if (from_f32) t.src = data;
+    else t.raw = data;
+    return push(w, name, t);
 }
 
 mrl_status mrl_st_writer_add(mrl_st_writer *w, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape,
@@ -261,54 +288,63 @@ static mrl_status write_tensor_data(afile *f, const wtensor *t) {
     return s;
 }
 
-/* Write tensors list[0..n) (any order) to one file. */
-static mrl_status write_file(const mrl_st_writer *w, wtensor **list, int64_t n, const char *path) {
+/* The header of a file holding tensors list[0..n) (sorted here into file
+ * order), padded so that the data starts at a multiple of 8; each tensor's
+ * `at` becomes the byte offset of its data in the file. */
+static mrl_status make_header(const mrl_st_writer *w, wtensor **list, int64_t n, const char *path, sbuf *h) {
     qsort(list, (size_t)n, sizeof *list, cmp_file_order);
     for (int64_t i = 1; i < n; i++)
         if (strcmp(list[i - 1]->name, list[i]->name) == 0 && list[i - 1]->dtype == list[i]->dtype)
             return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' was added twice", path, list[i]->name);
-    sbuf h = {0};
-    sb_str(&h, "{");
+    memset(h, 0, sizeof *h);
+    sb_put(h, "\0\0\0\0\0\0\0\0", 8); /* the header's length, set below */
+    sb_str(h, "{");
     if (w->nmeta > 0) {
-        sb_str(&h, "\"__metadata__\":{");
+        sb_str(h, "\"__metadata__\":{");
         for (int64_t i = 0; i < w->nmeta; i++) {
-            if (i) sb_str(&h, ",");
-            sb_json_string(&h, w->meta[2 * i]);
-            sb_str(&h, ":");
-            sb_json_string(&h, w->meta[2 * i + 1]);
+            if (i) sb_str(h, ",");
+            sb_json_string(h, w->meta[2 * i]);
+            sb_str(h, ":");
+            sb_json_string(h, w->meta[2 * i + 1]);
         }
-        sb_str(&h, "}");
+        sb_str(h, "}");
     }
     int64_t offset = 0;
     for (int64_t i = 0; i < n; i++) {
-        const wtensor *t = list[i];
-        if (i || w->nmeta > 0) sb_str(&h, ",");
-        sb_json_string(&h, t->name);
-        sb_str(&h, ":{\"dtype\":\"");
-        sb_str(&h, mrl_dtype_name(t->dtype));
-        sb_str(&h, "\",\"shape\":[");
-        for (int d = 0; d < t->ndim; d++) sb_fmt(&h, d ? ",%lld" : "%lld", t->shape[d]);
-        sb_fmt(&h, "],\"data_offsets\":[%lld,", offset);
+        wtensor *t = list[i];
+        if (i || w->nmeta > 0) sb_str(h, ",");
+        sb_json_string(h, t->name);
+        sb_str(h, ":{\"dtype\":\"");
+        sb_str(h, mrl_dtype_name(t->dtype));
+        sb_str(h, "\",\"shape\":[");
+        for (int d = 0; d < t->ndim; d++) sb_fmt(h, d ? ",%lld" : "%lld", t->shape[d]);
+        sb_fmt(h, "],\"data_offsets\":[%lld,", offset);
+        t->at = offset;
         offset += t->bytes;
-        sb_fmt(&h, "%lld]}", offset);
+        sb_fmt(h, "%lld]}", offset);
     }
-    sb_str(&h, "}");
-    while ((8 + h.len) % 8) sb_str(&h, " ");
-    if (h.oom) {
-        free(h.p);
+    sb_str(h, "}");
+    while (h->len % 8) sb_str(h, " ");
+    if (h->oom) {
+        free(h->p);
+        h->p = NULL;
         return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
     }
-    uint8_t len8[8];
-    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.len >> (8 * i));
+    for (int i = 0; i < 8; i++) h->p[i] = (char)((uint64_t)(h->len - 8) >> (8 * i));
+    for (int64_t i = 0; i < n; i++) list[i]->at += (int64_t)h->len;
+    return MRL_OK;
+}
+
+/* Write tensors list[0..n) (any order) to one file. */
+static mrl_status write_file(const mrl_st_writer *w, wtensor **list, int64_t n, const char *path) {
+    sbuf h;
+    mrl_status s = make_header(w, list, n, path, &h);
+    if (s) return s;
     afile f;
-    mrl_status s = af_open(&f, path);
-    if (s) {
-        free(h.p);
-        return s;
-    }
-    s = af_write(&f, len8, 8);
+    s = af_open(&f, path);
     if (!s) s = af_write(&f, h.p, h.len);
     free(h.p);
+    if (f.fd < 0) return s;
     for (int64_t i = 0; i < n && !s; i++) s = write_tensor_data(&f, list[i]);
     return af_finish(&f, s);
 }
@@ -338,70 +374,310 @@ mrl_status mrl_st_writer_write(mrl_st_writer *w, const char *path) {
     return s;
 }
 
+static void shard_name(char *buf, size_t n, int64_t k, int64_t nshards) {
+    snprintf(buf, n, "model-%05lld-of-%05lld.safetensors", (long long)k + 1, (long long)nshards);
+}
+
+/* The files of a directory being written: model.safetensors when one shard
+ * holds everything, else shards named as Hugging Face names them. */
+static char *file_path(const char *dir, int64_t k, int64_t nshards) {
+    char name[64];
+    if (nshards == 1) snprintf(name, sizeof name, "model.safetensors");
+    else shard_name(name, sizeof name, k, nshards);
+    return mrl_st_join(dir, name);
+}
+
+/* After the tensor files of dir are in place: model.safetensors.index.json
+ * naming each tensor's shard (byname sorted by name; as transformers writes
+ * it: json.dumps(indent=2, sort_keys=True)), atomically, or for one file no
+ * index; the other layout's leftover (an old index or single file) removed. */
+static mrl_status write_index(const char *dir, wtensor **byname, int64_t n, int64_t nshards) {
+    char *index_path = mrl_st_join(dir, "model.safetensors.index.json");
+    char *single_path = mrl_st_join(dir, "model.safetensors");
+    mrl_status s = MRL_OK;
+    if (!index_path || !single_path) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    if (!s && nshards == 1) {
+        if (unlink(index_path) != 0 && errno != ENOENT)
+            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old index: %s", index_path, strerror(errno));
+    } else if (!s) {
+        int64_t total = 0;
+        for (int64_t i = 0; i < n; i++) total += byname[i]->bytes;
+        sbuf idx = {0};
+        sb_str(&idx, "{\n  \"metadata\": {\n    \"total_size\": ");
+        sb_fmt(&idx, "%lld\n  },\n  \"weight_map\": {", total);
+        char name[64];
+        for (int64_t i = 0; i < n; i++) {
+            shard_name(name, sizeof name, byname[i]->shard, nshards);
+            sb_str(&idx, i ? ",\n    " : "\n    ");
+            sb_json_string(&idx, byname[i]->name);
+            sb_str(&idx, ": ");
+            sb_json_string(&idx, name);
+        }
+        sb_str(&idx, "\n  }\n}\n");
+        if (idx.oom) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+        afile f;
+        if (!s) s = af_open(&f, index_path);
+        if (!s) s = af_finish(&f, af_write(&f, idx.p, idx.len));
+        free(idx.p);
+        if (!s && unlink(single_path) != 0 && errno != ENOENT)
+            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old single file: %s", single_path, strerror(errno));
+    }
+    free(index_path);
+    free(single_path);
+    return s;
+}
+
+static mrl_status make_dir(const char *dir) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return mrl_set_error(MRL_ERR_IO, "%s: cannot create directory: %s", dir, strerror(errno));
+    return MRL_OK;
+}
+
 mrl_status mrl_st_writer_write_dir(mrl_st_writer *w, const char *dir, int64_t max_shard_bytes) {
     if (!w || !dir) return mrl_set_error(MRL_ERR_INVALID, "st_writer_write_dir: writer and dir must not be NULL");
     if (max_shard_bytes < 0)
         return mrl_set_error(MRL_ERR_INVALID, "st_writer_write_dir: max_shard_bytes must be >= 0 (got %lld)",
                              (long long)max_shard_bytes);
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        return mrl_set_error(MRL_ERR_IO, "%s: cannot create directory: %s", dir, strerror(errno));
+    mrl_status s = make_dir(dir);
+    if (s) return s;
     wtensor **list = tensor_list(w);
-    int64_t *shard_of = malloc((size_t)(w->n ? w->n : 1) * sizeof *shard_of);
-    char *index_path = mrl_st_join(dir, "model.safetensors.index.json");
-    char *single_path = mrl_st_join(dir, "model.safetensors");
-    mrl_status s = MRL_OK;
-    if (!list || !shard_of || !index_path || !single_path) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    wtensor **part = malloc((size_t)(w->n ? w->n : 1) * sizeof *part); /* one file's, sorted into file order */
+    if (!list || !part) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
     if (!s) s = check_unique(list, w->n, dir);
     /* greedy split in name order; a tensor larger than the limit gets a shard of its own */
-    int64_t nshards = 1, size = 0, total = 0;
+    int64_t nshards = 1, size = 0;
     for (int64_t i = 0; i < w->n && !s; i++) {
         if (max_shard_bytes > 0 && size > 0 && size + list[i]->bytes > max_shard_bytes) {
             nshards++;
             size = 0;
         }
-        shard_of[i] = nshards - 1;
+        list[i]->shard = nshards - 1;
         size += list[i]->bytes;
-        total += list[i]->bytes;
     }
-    if (!s && nshards == 1) {
-        s = write_file(w, list, w->n, single_path);
-        if (!s && unlink(index_path) != 0 && errno != ENOENT)
-            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old index: %s", index_path, strerror(errno));
-    } else if (!s) {
-        sbuf idx = {0};
-        sb_str(&idx, "{\n  \"metadata\": {\n    \"total_size\": ");
-        sb_fmt(&idx, "%lld\n  },\n  \"weight_map\": {", total);
-        char name[64];
-        for (int64_t i = 0; i < w->n; i++) {
-            snprintf(name, sizeof name, "model-%05lld-of-%05lld.safetensors", (long long)shard_of[i] + 1, (long long)nshards);
-            sb_str(&idx, i ? ",\n    " : "\n    ");
-            sb_json_string(&idx, list[i]->name);
-            sb_str(&idx, ": ");
-            sb_json_string(&idx, name);
-        }
-        sb_str(&idx, "\n  }\n}\n");
-        for (int64_t i = 0, k = 0; k < nshards && !s; k++) {
-            int64_t j = i;
-            while (j < w->n && shard_of[j] == k) j++;
-            snprintf(name, sizeof name, "model-%05lld-of-%05lld.safetensors", (long long)k + 1, (long long)nshards);
-            char *p = mrl_st_join(dir, name);
-            s = p ? write_file(w, list + i, j - i, p) : mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
-            free(p);
-            i = j;
-        }
-        if (!s && idx.oom) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
-        if (!s) {
-            afile f;
-            s = af_open(&f, index_path);
-            if (!s) s = af_finish(&f, af_write(&f, idx.p, idx.len));
-        }
-        free(idx.p);
-        if (!s && unlink(single_path) != 0 && errno != ENOENT)
-            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old single file: %s", single_path, strerror(errno));
+    for (int64_t i = 0, k = 0; k < nshards && !s; k++) {
+        int64_t j = i;
+        while (j < w->n && list[j]->shard == k) j++;
+        memcpy(part, list + i, (size_t)(j - i) * sizeof *part);
+        char *p = file_path(dir, k, nshards);
+        s = p ? write_file(w, part, j - i, p) : mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+        free(p);
+        i = j;
     }
+    if (!s) s = write_index(dir, list, w->n, nshards);
     free(list);
-    free(shard_of);
-    free(index_path);
-    free(single_path);
+    free(part);
+    return s;
+}
+
+/* --- streaming: one tensor at a time ------------------------------------ *
+ * Every tensor is declared (name, dtype, shape: metadata only) before the
+ * first is written, so that at the first write the shards, their names
+ * (model-0000K-of-0000N needs N) and each file's header are known. The data
+ * then goes straight to its place in its file (seek + the core's write
+ * loop), in any order, so the caller holds one tensor at a time; a shard is
+ * finished (fsync, rename) as soon as its last tensor is written. The other
+ * way, data to a temporary file and the header at the end, would copy every
+ * byte twice and could not name the files before the end. */
+typedef struct sshard {
+    afile f;     /* open from its first tensor written to its last */
+    char *path;
+    sbuf header; /* built at the freeze, written when the file is opened */
+    int64_t left; /* tensors not yet written */
+    int state;   /* 0: not started, 1: open, 2: finished */
+} sshard;
+
+struct mrl_st_stream {
+    char *dir;
+    int64_t max_shard_bytes;
+    mrl_st_writer decl; /* the declared tensors, in order, and the metadata */
+    wtensor **byname;   /* after the freeze: sorted by name, for the writes' lookups */
+    sshard *shards;
+    int64_t nshards;
+    int frozen;   /* declarations closed, files planned */
+    int failed;   /* an I/O error: only mrl_st_stream_free is left */
+    int finished;
+};
+
+mrl_status mrl_st_stream_open(const char *dir, int64_t max_shard_bytes, mrl_st_stream **out) {
+    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "st_stream_open: dir and out must not be NULL");
+    *out = NULL;
+    if (max_shard_bytes < 0)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_open: max_shard_bytes must be >= 0 (got %lld)", dir,
+                             (long long)max_shard_bytes);
+    mrl_status s = make_dir(dir);
+    if (s) return s;
+    mrl_st_stream *st = calloc(1, sizeof *st);
+    if (!st || !(st->dir = mrl_st_strdup(dir))) {
+        free(st);
+        return mrl_set_error(MRL_ERR_NOMEM, "st_stream_open: out of memory");
+    }
+    st->max_shard_bytes = max_shard_bytes;
+    *out = st;
+    return MRL_OK;
+}
+
+void mrl_st_stream_free(mrl_st_stream *st) {
+    if (!st) return;
+    for (int64_t k = 0; k < st->nshards; k++) {
+        sshard *sh = &st->shards[k];
+        if (sh->state == 1) af_finish(&sh->f, MRL_ERR_IO); /* unfinished: its temporary file removed */
+        free(sh->path);
+        free(sh->header.p);
+    }
+    free(st->shards);
+    free(st->byname);
+    writer_clear(&st->decl);
+    free(st->dir);
+    free(st);
+}
+
+static mrl_status stream_usable(const mrl_st_stream *st, const char *what) {
+    if (!st) return mrl_set_error(MRL_ERR_INVALID, "st_stream_%s: stream is NULL", what);
+    if (st->failed)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_%s after an earlier write failed", st->dir, what);
+    if (st->finished) return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_%s after st_stream_finish", st->dir, what);
+    return MRL_OK;
+}
+
+mrl_status mrl_st_stream_declare(mrl_st_stream *st, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape) {
+    mrl_status s = stream_usable(st, "declare");
+    if (s) return s;
+    if (st->frozen)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' declared after the first write (declare every tensor first)",
+                             st->dir, name ? name : "(null)");
+    wtensor t;
+    s = describe(name, dtype, ndim, shape, &t);
+    return s ? s : push(&st->decl, name, t);
+}
+
+mrl_status mrl_st_stream_set_metadata(mrl_st_stream *st, const char *key, const char *value) {
+    mrl_status s = stream_usable(st, "set_metadata");
+    if (s) return s;
+    if (st->frozen)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: metadata '%s' set after the first write", st->dir, key ? key : "(null)");
+    return mrl_st_writer_set_metadata(&st->decl, key, value);
+}
+
+/* Close the declarations: check the names, split into shards in declaration
+ * order, name the files and build their headers. */
+static mrl_status freeze(mrl_st_stream *st) {
+    if (st->frozen) return MRL_OK;
+    mrl_st_writer *d = &st->decl;
+    st->byname = tensor_list(d);
+    if (!st->byname) return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    mrl_status s = check_unique(st->byname, d->n, st->dir);
+    if (s) return s;
+    /* greedy in declaration order, as huggingface_hub's split_torch_state_dict_into_shards
+     * (state-dict order), so a caller writing in that order has one file open at a time */
+    int64_t nshards = 1, size = 0;
+    for (int64_t i = 0; i < d->n; i++) {
+        if (st->max_shard_bytes > 0 && size > 0 && size + d->t[i].bytes > st->max_shard_bytes) {
+            nshards++;
+            size = 0;
+        }
+        d->t[i].shard = nshards - 1;
+        size += d->t[i].bytes;
+    }
+    st->shards = calloc((size_t)nshards, sizeof *st->shards);
+    wtensor **part = malloc((size_t)(d->n ? d->n : 1) * sizeof *part);
+    if (!st->shards || !part) {
+        free(part);
+        return mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+    }
+    st->nshards = nshards;
+    for (int64_t i = 0, k = 0; k < nshards && !s; k++) {
+        sshard *sh = &st->shards[k];
+        int64_t j = i;
+        while (j < d->n && d->t[j].shard == k) part[j - i] = &d->t[j], j++;
+        sh->left = j - i;
+        sh->path = file_path(st->dir, k, nshards);
+        s = sh->path ? make_header(d, part, j - i, sh->path, &sh->header)
+                     : mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+        i = j;
+    }
+    free(part);
+    if (!s) st->frozen = 1;
+    return s;
+}
+
+/* Open shard sh's temporary file and write its header. */
+static mrl_status shard_start(sshard *sh) {
+    mrl_status s = af_open(&sh->f, sh->path);
+    if (s) return s;
+    sh->state = 1;
+    s = af_write(&sh->f, sh->header.p, sh->header.len);
+    free(sh->header.p);
+    sh->header.p = NULL;
+    return s;
+}
+
+static mrl_status shard_finish(sshard *sh, mrl_status s) {
+    s = af_finish(&sh->f, s);
+    sh->state = 2;
+    return s;
+}
+
+static mrl_status stream_write(mrl_st_stream *st, const char *name, int from_f32, const void *data, int64_t size) {
+    const char *what = from_f32 ? "write" : "write_raw";
+    mrl_status s = stream_usable(st, what);
+    if (s) return s;
+    if (!name) return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_%s: name is NULL", st->dir, what);
+    if ((s = freeze(st))) {
+        st->failed = 1;
+        return s;
+    }
+    wtensor key = {.name = (char *)name}, *kp = &key;
+    wtensor **found = bsearch(&kp, st->byname, (size_t)st->decl.n, sizeof *st->byname, cmp_name);
+    if (!found) return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_%s: tensor '%s' was not declared", st->dir, what, name);
+    wtensor t = **found;
+    if (t.written) return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_%s: tensor '%s' written twice", st->dir, what, name);
+    if (from_f32 && size != t.numel)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: st_stream_write: tensor '%s' has %lld elements, the source %lld", st->dir,
+                             name, (long long)t.numel, (long long)size);
+    if ((s = check_data(name, &t, from_f32, data, size))) return s;
+    sshard *sh = &st->shards[t.shard];
+    if (sh->state == 0) s = shard_start(sh);
+    if (!s && t.bytes > 0 && lseek(sh->f.fd, t.at, SEEK_SET) != t.at)
+        s = mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': seek to byte %lld failed: %s", sh->path, name, (long long)t.at,
+                          strerror(errno));
+    if (from_f32) t.src = data;
+    else t.raw = data;
+    if (!s && t.bytes > 0) s = write_tensor_data(&sh->f, &t);
+    if (!s) {
+        (*found)->written = 1;
+        if (--sh->left == 0) s = shard_finish(sh, MRL_OK);
+    }
+    if (s) st->failed = 1;
+    return s;
+}
+
+mrl_status mrl_st_stream_write(mrl_st_stream *st, const char *name, const float *src, int64_t numel) {
+    return stream_write(st, name, 1, src, numel);
+}
+
+mrl_status mrl_st_stream_write_raw(mrl_st_stream *st, const char *name, const void *data, int64_t bytes) {
+    return stream_write(st, name, 0, data, bytes);
+}
+
+mrl_status mrl_st_stream_finish(mrl_st_stream *st) {
+    mrl_status s = stream_usable(st, "finish");
+    if (s) return s;
+    if ((s = freeze(st))) {
+        st->failed = 1;
+        return s;
+    }
+    for (int64_t i = 0; i < st->decl.n; i++)
+        if (!st->decl.t[i].written)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' was declared but not written (%lld declared)", st->dir,
+                                 st->decl.t[i].name, (long long)st->decl.n);
+    /* a shard of no tensor (nothing declared) is written here */
+    for (int64_t k = 0; k < st->nshards && !s; k++)
+        if (st->shards[k].state == 0) {
+            s = shard_start(&st->shards[k]);
+            s = shard_finish(&st->shards[k], s);
+        }
+    if (!s) s = write_index(st->dir, st->byname, st->decl.n, st->nshards);
+    if (s) st->failed = 1;
+    else st->finished = 1;
     return s;
 }

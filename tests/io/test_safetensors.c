@@ -388,6 +388,54 @@ static void test_range_reads_only_range(void) {
     free(out);
 }
 
+/* --- the streamed writer -------------------------------------------------- */
+typedef struct spec {
+    const char *name;
+    mrl_dtype dtype;
+    int ndim;
+    int64_t shape[2];
+    int shard; /* expected: filled in declaration order, at most 600 bytes each */
+} spec;
+
+/* 590 | 526 | 598 bytes (in name order they would split differently: ids, lm_head, embed first) */
+static const spec specs[] = {
+    {"model.embed_tokens.weight", MRL_DTYPE_BF16, 2, {4, 8}, 1}, {"model.layers.0.mlp.weight", MRL_DTYPE_F32, 2, {16, 8}, 1},
+    {"model.layers.0.norm.weight", MRL_DTYPE_F16, 1, {7}, 1},    {"model.layers.1.mlp.weight", MRL_DTYPE_F32, 2, {16, 8}, 2},
+    {"model.layers.1.norm.weight", MRL_DTYPE_F16, 1, {7}, 2},    {"model.layers.2.mlp.weight", MRL_DTYPE_F32, 2, {16, 8}, 3},
+    {"model.layers.2.norm.weight", MRL_DTYPE_F16, 1, {7}, 3},    {"lm_head.weight", MRL_DTYPE_BF16, 2, {4, 8}, 3},
+    {"ids", MRL_DTYPE_I64, 1, {1}, 3},                           {"empty", MRL_DTYPE_F32, 2, {0, 3}, 3},
+};
+enum { NSPECS = sizeof specs / sizeof specs[0] };
+
+static int64_t spec_numel(const spec *p) { return p->ndim == 1 ? p->shape[0] : p->shape[0] * p->shape[1]; }
+
+/* tensor i's values, produced into one reused buffer (the stream keeps none) */
+static float *values(int i, float *buf) {
+    for (int64_t j = 0; j < spec_numel(&specs[i]); j++) buf[j] = (float)((j * 7 + i * 13) % 29 - 14) * (0.125f + (float)i);
+    return buf;
+}
+
+/* tensor i as the bytes it is stored as */
+static void stored(int i, uint8_t *out) {
+    float v[128];
+    values(i, v);
+    int64_t n = spec_numel(&specs[i]);
+    if (specs[i].dtype == MRL_DTYPE_F32) memcpy(out, v, (size_t)n * 4);
+    else if (specs[i].dtype == MRL_DTYPE_BF16) mrl_convert_f32_to_bf16(v, (uint16_t *)out, n);
+    else if (specs[i].dtype == MRL_DTYPE_F16) mrl_convert_f32_to_f16(v, (uint16_t *)out, n);
+    else for (int64_t j = 0; j < n; j++) ((int64_t *)out)[j] = (1LL << 40) + i * 1000 + j;
+}
+
+static mrl_status stream_put(mrl_st_stream *st, int i) {
+    float buf[128];
+    if (specs[i].dtype == MRL_DTYPE_I64) {
+        uint8_t raw[8];
+        stored(i, raw);
+        return mrl_st_stream_write_raw(st, specs[i].name, raw, 8);
+    }
+    return mrl_st_stream_write(st, specs[i].name, values(i, buf), spec_numel(&specs[i]));
+}
+
 static uint8_t *slurp(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
@@ -399,6 +447,158 @@ static uint8_t *slurp(const char *path, size_t *n) {
     b[*n] = 0;
     fclose(f);
     return b;
+}
+
+static int files_in(const char *d) {
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "test $(ls -A %s | wc -l) -eq 0", d);
+    return system(cmd) != 0;
+}
+
+/* Stream 10 tensors (F32 / BF16 / F16 from fp32, I64 raw, an empty one) into 3 shards, written
+ * out of declaration order; each shard is in place once its last tensor is; read back through
+ * the index: bytes as stored, each shard file byte-identical to mrl_st_writer_write's of the
+ * same tensors; the index names each tensor's shard; misuse is an error naming the tensor. */
+static void test_stream(void) {
+    char d[256];
+    snprintf(d, sizeof d, "%s", path_in("stream"));
+    mrl_st_stream *st = NULL;
+    CHECK(mrl_st_stream_open(d, -1, &st) == MRL_ERR_INVALID && st == NULL);
+    CHECK_OK(mrl_st_stream_open(d, 600, &st));
+    if (!st) return;
+    CHECK_OK(mrl_st_stream_set_metadata(st, "format", "pt"));
+    for (int i = 0; i < NSPECS; i++)
+        CHECK_OK(mrl_st_stream_declare(st, specs[i].name, specs[i].dtype, specs[i].ndim, specs[i].shape));
+    char f1[64], f2[64];
+    snprintf(f1, sizeof f1, "stream/model-00001-of-00003.safetensors");
+    snprintf(f2, sizeof f2, "stream/model-00002-of-00003.safetensors");
+    CHECK(mrl_st_stream_write(st, "nope", NULL, 0) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'nope' was not declared");
+    CHECK_OK(stream_put(st, 2)); /* shard 1 backwards: each tensor at its place */
+    CHECK_OK(stream_put(st, 1));
+    CHECK(access(path_in(f1), F_OK) != 0);
+    CHECK_OK(stream_put(st, 0));
+    CHECK(access(path_in(f1), F_OK) == 0); /* finished with its last tensor */
+    CHECK_OK(stream_put(st, 5));           /* shards 2 and 3 open together */
+    CHECK_OK(stream_put(st, 3));
+    CHECK(access(path_in(f2), F_OK) != 0);
+    CHECK_OK(stream_put(st, 4));
+    CHECK(access(path_in(f2), F_OK) == 0);
+    CHECK(mrl_st_stream_finish(st) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'model.layers.2.norm.weight' was declared but not written");
+    float buf[128];
+    CHECK(mrl_st_stream_write(st, specs[0].name, values(0, buf), 32) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'model.embed_tokens.weight' written twice");
+    CHECK(mrl_st_stream_write(st, "lm_head.weight", values(7, buf), 31) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'lm_head.weight' has 32 elements, the source 31");
+    CHECK(mrl_st_stream_write(st, "ids", buf, 1) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "not I64");
+    CHECK(mrl_st_stream_write_raw(st, "ids", buf, 4) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'ids': 4 bytes given");
+    CHECK(mrl_st_stream_declare(st, "late", MRL_DTYPE_F32, 1, specs[8].shape) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'late' declared after the first write");
+    CHECK(mrl_st_stream_set_metadata(st, "k", "v") == MRL_ERR_INVALID);
+    for (int i = 6; i < NSPECS; i++) CHECK_OK(stream_put(st, i));
+    CHECK_OK(mrl_st_stream_finish(st));
+    CHECK(mrl_st_stream_finish(st) == MRL_ERR_INVALID);
+    mrl_st_stream_free(st);
+    CHECK(access(path_in("stream/model.safetensors"), F_OK) != 0);
+
+    mrl_st *r = NULL;
+    CHECK_OK(mrl_st_open(d, &r));
+    if (r) {
+        CHECK(mrl_st_count(r) == NSPECS);
+        CHECK(strcmp(mrl_st_metadata(r, "format"), "pt") == 0);
+        for (int i = 0; i < NSPECS; i++) {
+            mrl_st_tensor t;
+            uint8_t want[512];
+            stored(i, want);
+            CHECK_OK(mrl_st_find(r, specs[i].name, &t));
+            CHECK(t.dtype == specs[i].dtype && t.ndim == specs[i].ndim && t.shape[0] == specs[i].shape[0]);
+            CHECK(t.bytes == spec_numel(&specs[i]) * (int64_t)mrl_dtype_size(specs[i].dtype));
+            CHECK(memcmp(t.data, want, (size_t)t.bytes) == 0);
+        }
+        mrl_st_close(r);
+    }
+    size_t n;
+    char *index = (char *)slurp(path_in("stream/model.safetensors.index.json"), &n);
+    CHECK_STR_CONTAINS(index, "{\n  \"metadata\": {\n    \"total_size\": 1714\n  },\n  \"weight_map\": {\n    \"empty\": ");
+    for (int i = 0; i < NSPECS; i++) {
+        char entry[160];
+        snprintf(entry, sizeof entry, "\"%s\": \"model-%05d-of-00003.safetensors\"", specs[i].name, specs[i].shard);
+        CHECK_STR_CONTAINS(index, entry);
+    }
+    free(index);
+    /* each shard as the all-at-once writer lays out the same tensors */
+    for (int k = 1; k <= 3; k++) {
+        mrl_st_writer *w;
+        CHECK_OK(mrl_st_writer_create(&w));
+        CHECK_OK(mrl_st_writer_set_metadata(w, "format", "pt"));
+        uint8_t data[NSPECS][512];
+        for (int i = 0; i < NSPECS; i++) {
+            if (specs[i].shard != k) continue;
+            stored(i, data[i]);
+            int64_t bytes = spec_numel(&specs[i]) * (int64_t)mrl_dtype_size(specs[i].dtype);
+            CHECK_OK(mrl_st_writer_add_raw(w, specs[i].name, specs[i].dtype, specs[i].ndim, specs[i].shape, data[i], bytes));
+        }
+        CHECK_OK(mrl_st_writer_write(w, path_in("ref.safetensors")));
+        mrl_st_writer_free(w);
+        char name[64];
+        snprintf(name, sizeof name, "stream/model-%05d-of-00003.safetensors", k);
+        size_t na, nb;
+        uint8_t *a = slurp(path_in(name), &na), *b = slurp(path_in("ref.safetensors"), &nb);
+        CHECK(a && b && na == nb && na > 0 && memcmp(a, b, na) == 0);
+        free(a);
+        free(b);
+    }
+}
+
+/* A stream freed before its end leaves no file behind, a finished shard aside; one that fits
+ * one file writes model.safetensors and removes an old index; a stream of no tensor writes an
+ * empty file; a name declared twice is an error at the first write. */
+static void test_stream_edges(void) {
+    char d[256];
+    snprintf(d, sizeof d, "%s", path_in("stream_abort"));
+    mrl_st_stream *st = NULL;
+    CHECK_OK(mrl_st_stream_open(d, 600, &st));
+    for (int i = 0; i < NSPECS; i++)
+        CHECK_OK(mrl_st_stream_declare(st, specs[i].name, specs[i].dtype, specs[i].ndim, specs[i].shape));
+    CHECK_OK(stream_put(st, 3)); /* shard 2 started, not finished */
+    CHECK(files_in(d));          /* its temporary file */
+    mrl_st_stream_free(st);
+    CHECK(!files_in(d));
+
+    snprintf(d, sizeof d, "%s", path_in("stream_one"));
+    CHECK(mkdir(d, 0755) == 0);
+    write_str(path_in("stream_one/model.safetensors.index.json"), "{\"weight_map\":{\"old\":\"model-00001-of-00002.safetensors\"}}");
+    CHECK_OK(mrl_st_stream_open(d, 0, &st));
+    for (int i = 0; i < NSPECS; i++)
+        CHECK_OK(mrl_st_stream_declare(st, specs[i].name, specs[i].dtype, specs[i].ndim, specs[i].shape));
+    for (int i = NSPECS - 1; i >= 0; i--) CHECK_OK(stream_put(st, i));
+    CHECK_OK(mrl_st_stream_finish(st));
+    mrl_st_stream_free(st);
+    CHECK(access(path_in("stream_one/model.safetensors.index.json"), F_OK) != 0);
+    mrl_st *r = NULL;
+    CHECK_OK(mrl_st_open(d, &r));
+    CHECK(mrl_st_count(r) == NSPECS);
+    mrl_st_close(r);
+
+    CHECK_OK(mrl_st_stream_open(path_in("stream_none"), 0, &st));
+    CHECK_OK(mrl_st_stream_finish(st));
+    mrl_st_stream_free(st);
+    CHECK_OK(mrl_st_open(path_in("stream_none/model.safetensors"), &r));
+    CHECK(mrl_st_count(r) == 0);
+    mrl_st_close(r);
+
+    CHECK_OK(mrl_st_stream_open(path_in("stream_dup"), 0, &st));
+    CHECK_OK(mrl_st_stream_declare(st, "a", MRL_DTYPE_F32, 0, NULL));
+    CHECK_OK(mrl_st_stream_declare(st, "a", MRL_DTYPE_BF16, 0, NULL));
+    float one = 1;
+    CHECK(mrl_st_stream_write(st, "a", &one, 1) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "tensor 'a' was added twice");
+    CHECK(mrl_st_stream_finish(st) == MRL_ERR_INVALID);
+    mrl_st_stream_free(st);
+    CHECK(!files_in(path_in("stream_dup")));
 }
 
 /* A sharded directory of 10,000 bytes or more: the index's total_size has 5 digits (its first
@@ -436,6 +636,8 @@ int main(void) {
     test_range();
     test_range_reads_only_range();
     test_index_total_size();
+    test_stream();
+    test_stream_edges();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;

@@ -45,6 +45,32 @@ t.test('read_f32_range: a slice of the tensor, errors name the range', function(
   os.remove(path)
 end)
 
+t.test('stream: declared, written one at a time, read back through the index', function()
+  local dir = os.tmpname()
+  os.remove(dir)
+  local x = ffi.new('float[12]')
+  local s = sf.stream(dir, 60)
+  s:metadata('format', 'pt')
+  for i = 1, 3 do s:declare('layer' .. i, 'F32', { 3, 4 }) end -- 48 bytes each: a shard each,
+  s:declare('ids', 'I32', { 2 }) -- and 8 more in the third
+  for i = 1, 3 do
+    for j = 0, 11 do x[j] = i * 100 + j end -- the same buffer each time
+    s:write('layer' .. i, x)
+  end
+  t.raises(function() s:finish() end, "tensor 'ids' was declared but not written")
+  s:write_raw('ids', ffi.new('int32_t[2]', { 7, 8 }), 8)
+  t.raises(function() s:write('layer1', x) end, "'layer1' written twice")
+  s:finish()
+  local st = sf.open(dir)
+  t.eq(st:count(), 4)
+  t.eq(st:read_f32('layer2')[11], 211)
+  t.eq(st:metadata('format'), 'pt')
+  local f = io.open(dir .. '/model-00003-of-00003.safetensors')
+  t.truthy(f ~= nil)
+  if f then f:close() end
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
 t.test('errors name the file', function()
   t.raises(function() sf.open('/nonexistent/m.safetensors') end, '/nonexistent/m.safetensors')
 end)

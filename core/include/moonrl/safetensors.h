@@ -7,7 +7,8 @@
  *
  * Writer: collects tensors (fp32 sources converted to F32/BF16/F16 on
  * write), writes one file or a sharded directory atomically (temporary
- * file, fsync, rename), laid out as the Python safetensors library does. */
+ * file, fsync, rename), laid out as the Python safetensors library does;
+ * or streams a sharded directory out one tensor at a time (mrl_st_stream_*). */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -80,6 +81,40 @@ mrl_status mrl_st_writer_write(mrl_st_writer *w, const char *path);
  * model-0000i-of-0000N.safetensors shards plus model.safetensors.index.json
  * (metadata.total_size and weight_map), each file atomically. */
 mrl_status mrl_st_writer_write_dir(mrl_st_writer *w, const char *dir, int64_t max_shard_bytes);
+
+/* Streamed writing into a model directory, for a model whose tensors are
+ * produced one at a time and never held all together (a sharded model
+ * gathered layer by layer). Declare every tensor first (name, dtype, shape:
+ * no data), then write each tensor's data once, in any order; the first
+ * write closes the declarations. Files and layout are those of
+ * mrl_st_writer_write_dir, but shards are filled in declaration order (as
+ * transformers' save_pretrained fills them in state-dict order):
+ * model-0000K-of-0000N.safetensors of at most max_shard_bytes of tensor data
+ * each (0: no limit; a larger tensor gets a shard of its own), or
+ * model.safetensors when one holds everything. A shard is written to a
+ * temporary file and fsync'ed and renamed into place as soon as its last
+ * tensor is written; mrl_st_stream_finish then writes
+ * model.safetensors.index.json (metadata.total_size, weight_map). Writing in
+ * declaration order keeps one file open at a time. Each file is atomic, the
+ * directory as a whole is not: write into a new directory. */
+typedef struct mrl_st_stream mrl_st_stream;
+
+/* Start a stream into dir (created if missing). */
+mrl_status mrl_st_stream_open(const char *dir, int64_t max_shard_bytes, mrl_st_stream **out);
+/* Declare the next tensor (any dtype); MRL_ERR_INVALID after the first write. */
+mrl_status mrl_st_stream_declare(mrl_st_stream *st, const char *name, mrl_dtype dtype, int ndim, const int64_t *shape);
+/* A __metadata__ entry of every file (copied), before the first write. */
+mrl_status mrl_st_stream_set_metadata(mrl_st_stream *st, const char *key, const char *value);
+/* Write a declared tensor from numel fp32 values, converted to its dtype
+ * (F32, BF16 or F16). src is not kept: it may be reused when this returns. */
+mrl_status mrl_st_stream_write(mrl_st_stream *st, const char *name, const float *src, int64_t numel);
+/* Write a declared tensor from bytes already in its dtype (numel * size). */
+mrl_status mrl_st_stream_write_raw(mrl_st_stream *st, const char *name, const void *data, int64_t bytes);
+/* Check that every declared tensor was written, then write the index. An
+ * I/O error on any call ends the stream: only _free is left. */
+mrl_status mrl_st_stream_finish(mrl_st_stream *st);
+/* Free the stream; a shard still being written has its temporary file removed. */
+void mrl_st_stream_free(mrl_st_stream *st);
 
 #ifdef __cplusplus
 }

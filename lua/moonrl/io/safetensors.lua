@@ -7,6 +7,8 @@
 --   local wr = moonrl.io.safetensors.writer()
 --   wr:add('x', 'BF16', {2, 3}, float_ptr)           -- converted from fp32 on write
 --   wr:metadata('format', 'pt'); wr:write('out.safetensors')  -- or wr:write_dir(dir, max_shard_bytes)
+--   local s = moonrl.io.safetensors.stream(dir, max_shard_bytes)  -- one tensor at a time:
+--   s:declare('x', 'BF16', {2, 3}) ...; s:write('x', float_ptr) ...; s:finish()
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local C = moonrl.C
@@ -112,5 +114,42 @@ end
 
 function Writer:write(path) moonrl.check(C.mrl_st_writer_write(self.handle, path), 2) end
 function Writer:write_dir(dir, max_shard_bytes) moonrl.check(C.mrl_st_writer_write_dir(self.handle, dir, max_shard_bytes or 0), 2) end
+
+-- A model directory written one tensor at a time (mrl_st_stream_*): declare every tensor first,
+-- then write each once, in any order (declaration order keeps one shard file open); shards of
+-- max_shard_bytes (0: none) are filled in declaration order and each is in place as soon as its
+-- last tensor is written; finish() writes model.safetensors.index.json.
+local Stream = {}
+Stream.__index = Stream
+
+function M.stream(dir, max_shard_bytes)
+  local out = ffi.new('mrl_st_stream *[1]')
+  moonrl.check(C.mrl_st_stream_open(dir, max_shard_bytes or 0, out), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.mrl_st_stream_free), numel = {} }, Stream)
+end
+
+function Stream:declare(name, dtype, shape)
+  local a, nd = shape_array(shape)
+  moonrl.check(C.mrl_st_stream_declare(self.handle, name, dtype_of(dtype, 2), nd, a), 2)
+  local n = 1
+  for _, v in ipairs(shape) do n = n * v end
+  self.numel[name] = n
+end
+
+function Stream:metadata(key, value)
+  moonrl.check(C.mrl_st_stream_set_metadata(self.handle, key, tostring(value)), 2)
+end
+
+-- fp32 values at src (numel of the declared shape; not kept), converted to the declared dtype.
+function Stream:write(name, src)
+  moonrl.check(C.mrl_st_stream_write(self.handle, name, src, self.numel[name] or 0), 2)
+end
+
+-- bytes already in the declared dtype.
+function Stream:write_raw(name, data, bytes)
+  moonrl.check(C.mrl_st_stream_write_raw(self.handle, name, data, bytes), 2)
+end
+
+function Stream:finish() moonrl.check(C.mrl_st_stream_finish(self.handle), 2) end
 
 return M
