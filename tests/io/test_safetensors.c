@@ -227,6 +227,19 @@ static void test_mutations(void) {
     }
 }
 
+/* Tensors "a" (F32) and "b" (dtype_b) of n values x each: one file at path, or with
+ * max_shard >= 0 a directory of shards of at most max_shard bytes. */
+static void write_ab(const char *path, mrl_dtype dtype_b, int64_t n, const float *x, int64_t max_shard) {
+    int64_t shape[1] = {n};
+    mrl_st_writer *w;
+    CHECK_OK(mrl_st_writer_create(&w));
+    CHECK_OK(mrl_st_writer_add(w, "a", MRL_DTYPE_F32, 1, shape, x));
+    CHECK_OK(mrl_st_writer_add(w, "b", dtype_b, 1, shape, x));
+    if (max_shard >= 0) CHECK_OK(mrl_st_writer_write_dir(w, path, max_shard));
+    else CHECK_OK(mrl_st_writer_write(w, path));
+    mrl_st_writer_free(w);
+}
+
 /* A file truncated by someone else while it is open (and mapped): reading
  * is an error naming the file, not a SIGBUS. F32 (read straight into dst)
  * and BF16 (read in chunks and converted). */
@@ -234,14 +247,8 @@ static void test_truncated_after_open(void) {
     enum { N = 65536 }; /* 256 KiB of F32, 128 KiB of BF16: many pages past the cut */
     float *x = malloc(sizeof(float) * N), *out = malloc(sizeof(float) * N);
     for (int i = 0; i < N; i++) x[i] = (float)i;
-    int64_t shape[1] = {N};
     const char *path = path_in("truncated.safetensors");
-    mrl_st_writer *w;
-    CHECK_OK(mrl_st_writer_create(&w));
-    CHECK_OK(mrl_st_writer_add(w, "a", MRL_DTYPE_F32, 1, shape, x));
-    CHECK_OK(mrl_st_writer_add(w, "b", MRL_DTYPE_BF16, 1, shape, x));
-    CHECK_OK(mrl_st_writer_write(w, path));
-    mrl_st_writer_free(w);
+    write_ab(path, MRL_DTYPE_BF16, N, x, -1);
     mrl_st *st = NULL;
     CHECK_OK(mrl_st_open(path, &st));
     if (!st) goto done;
@@ -607,14 +614,8 @@ static void test_stream_edges(void) {
 static void test_index_total_size(void) {
     enum { N = 2048 }; /* 8 KiB as F32 */
     float *x = calloc(N, sizeof(float));
-    int64_t shape[1] = {N};
     const char *d = path_in("big_index");
-    mrl_st_writer *w;
-    CHECK_OK(mrl_st_writer_create(&w));
-    CHECK_OK(mrl_st_writer_add(w, "a", MRL_DTYPE_F32, 1, shape, x));
-    CHECK_OK(mrl_st_writer_add(w, "b", MRL_DTYPE_F32, 1, shape, x));
-    CHECK_OK(mrl_st_writer_write_dir(w, d, 10000));
-    mrl_st_writer_free(w);
+    write_ab(d, MRL_DTYPE_F32, N, x, 10000);
     mrl_st *st = NULL;
     CHECK_OK(mrl_st_open(d, &st));
     CHECK(mrl_st_count(st) == 2);
