@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <sys/stat.h>
+#include "moonrl/mem.h"
 #include "moonrl/safetensors.h"
 #include "moonrl/status.h"
 #include "check.h"
@@ -627,6 +628,43 @@ static void test_index_total_size(void) {
     free(x);
 }
 
+/* A streamed model is never held whole: 16 tensors of 4 MiB of fp32 (32 MiB as BF16, 4 shards)
+ * produced one after the other into one buffer raise the resident peak by far less than the
+ * model (a stream keeping its tensors' data would raise it by 32 MiB or more). */
+static void test_stream_memory(void) {
+    enum { T = 16, N = 1 << 20 };
+    float *buf = malloc(sizeof(float) * N);
+    memset(buf, 0, sizeof(float) * N); /* resident before the measure */
+    int64_t shape[2] = {1024, N / 1024};
+    mrl_st_stream *st = NULL;
+    CHECK_OK(mrl_st_stream_open(path_in("stream_mem"), 8 << 20, &st));
+    char name[32];
+    for (int i = 0; i < T; i++) {
+        snprintf(name, sizeof name, "layers.%d.w", i);
+        CHECK_OK(mrl_st_stream_declare(st, name, MRL_DTYPE_BF16, 2, shape));
+    }
+    mrl_mem_reset_rss_peak();
+    int64_t before = mrl_mem_rss_peak();
+    for (int i = 0; i < T; i++) {
+        for (int j = 0; j < N; j++) buf[j] = (float)(i * 3 + j % 7);
+        snprintf(name, sizeof name, "layers.%d.w", i);
+        CHECK_OK(mrl_st_stream_write(st, name, buf, N));
+    }
+    CHECK_OK(mrl_st_stream_finish(st));
+    int64_t grew = mrl_mem_rss_peak() - before;
+    mrl_st_stream_free(st);
+    CHECK(before > 0 && grew < (8 << 20));
+    if (!(grew < (8 << 20))) fprintf(stderr, "streaming 32 MiB raised the resident peak by %lld bytes\n", (long long)grew);
+    mrl_st *r = NULL;
+    CHECK_OK(mrl_st_open(path_in("stream_mem"), &r));
+    CHECK(mrl_st_count(r) == T);
+    CHECK_OK(mrl_st_read_f32_range(r, "layers.15.w", N - 2, 2, buf));
+    CHECK(buf[0] == (float)(45 + (N - 2) % 7) && buf[1] == (float)(45 + (N - 1) % 7));
+    mrl_st_close(r);
+    CHECK(access(path_in("stream_mem/model-00004-of-00004.safetensors"), F_OK) == 0);
+    free(buf);
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "/tmp/mrl_st_test_XXXXXX");
     if (!mkdtemp(dir)) return 1;
@@ -639,6 +677,7 @@ int main(void) {
     test_index_total_size();
     test_stream();
     test_stream_edges();
+    test_stream_memory();
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;
