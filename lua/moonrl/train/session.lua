@@ -67,7 +67,7 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
   'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
-  'run.progress_seconds' }
+  'run.progress_seconds', 'run.memory_budget_mb' }
 
 -- ---- start --------------------------------------------------------------------------------
 
