@@ -1,9 +1,11 @@
 -- Each rank's memory in a job of 2 ranks (mpirun): every step's metrics hold the largest resident
--- peak over the ranks (memory/max_rank_peak_mb, a max-reduction every rank takes in S:log).
--- Rank 1 holds 96 MiB more than rank 0 (a --require file), so rank 0's own peak cannot pass for
--- the largest. Alone, the metric is the process's own peak.
+-- peak over the ranks (memory/max_rank_peak_mb, a max-reduction every rank takes in S:log), and
+-- `moonrl status` shows each rank's resident memory and peak (the heartbeat files). Rank 1 holds
+-- 96 MiB more than rank 0 (a --require file), so rank 0's own peak cannot pass for the largest,
+-- nor one rank's status for the other's. Alone, the metric is the process's own peak.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
 local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
@@ -28,7 +30,7 @@ if tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or '0') == 1 then
 end
 ]], HOLD_MB))
 
-t.test('2 ranks: the largest rank peak in each step', function()
+t.test('2 ranks: the largest rank peak in each step, each rank in moonrl status', function()
   local d = dir .. '/two'
   local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
     'vader,self', exe, 'run', 'recipes/sft.lua', '--require', heavy, 'run.dir=' .. d }
@@ -43,6 +45,23 @@ t.test('2 ranks: the largest rank peak in each step', function()
     t.truthy(most >= mine + HOLD_MB / 2, string.format('step %d: rank 1 (%d MiB more) is the largest: %s, rank 0 %s',
       m.step, HOLD_MB, tostring(most), mine))
   end
+  -- moonrl status: each rank's memory, in --json and in the text
+  local s = proc.run({ exe, 'status', d, '--json' }, { timeout = 60 })
+  t.eq(s.exit_status, 0, s.stderr)
+  local info = json.decode(s.stdout)
+  t.eq(#info.ranks, 2, 'both ranks')
+  for i, rk in ipairs(info.ranks) do
+    t.eq(rk.rank, i - 1)
+    t.truthy(type(rk.rss_mb) == 'number' and rk.rss_mb > 0, 'rank ' .. rk.rank .. ': resident now ' .. tostring(rk.rss_mb))
+    t.truthy(type(rk.rss_peak_mb) == 'number' and rk.rss_peak_mb >= rk.rss_mb,
+      'rank ' .. rk.rank .. ': its peak ' .. tostring(rk.rss_peak_mb))
+  end
+  t.truthy(info.ranks[2].rss_peak_mb >= info.ranks[1].rss_peak_mb + HOLD_MB / 2,
+    string.format("each rank's own: rank 1 %s MiB, rank 0 %s", info.ranks[2].rss_peak_mb, info.ranks[1].rss_peak_mb))
+  t.truthy(info.ranks[2].rss_peak_mb >= ms[#ms]['memory/max_rank_peak_mb'] - 1,
+    'the lifetime peak covers the last step peak')
+  local text = proc.run({ exe, 'status', d }, { timeout = 60 }).stdout
+  t.truthy(text:find('memory %(resident, per rank%): 0: %d+ MB %(peak %d+ MB%) | 1: %d+ MB %(peak %d+ MB%)') ~= nil, text)
 end)
 
 t.test('one process: the largest rank peak is its own', function()
