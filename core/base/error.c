@@ -1,6 +1,7 @@
 /* Per-thread last-error message. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 #include "base/error.h"
 
 static _Thread_local char last_error[1024];
@@ -14,6 +15,22 @@ mrl_status mrl_set_error(mrl_status status, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
+    return status;
+}
+
+mrl_status mrl_wrap_error(mrl_status status, const char *fmt, ...) {
+    char cause[sizeof last_error];
+    snprintf(cause, sizeof cause, "%s", last_error);
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    if (!cause[0] || n < 0 || (size_t)n + 3 > sizeof last_error) return status;
+    size_t at = (size_t)n, k = strlen(cause); /* the cause cut to what is left of the buffer */
+    if (k > sizeof last_error - at - 3) k = sizeof last_error - at - 3;
+    memcpy(last_error + at, ": ", 2);
+    memcpy(last_error + at + 2, cause, k);
+    last_error[at + 2 + k] = 0;
     return status;
 }
 

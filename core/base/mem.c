@@ -105,11 +105,38 @@ int64_t mrl_mem_available(void) {
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
 #define HUGE_ALLOC_BYTES ((size_t)4 << 20)
 
+/* The process's budget for the bytes it holds through moonrl (0: none), and
+ * the name errors give it (the config key that set it). */
+static _Atomic int64_t budget_bytes;
+static char budget_name[64] = "the memory budget";
+
+mrl_status mrl_mem_set_budget(int64_t bytes, const char *name) {
+    if (bytes < 0) return mrl_set_error(MRL_ERR_INVALID, "memory budget must be >= 0 bytes, got %lld", (long long)bytes);
+    snprintf(budget_name, sizeof budget_name, "%s", name && *name ? name : "the memory budget");
+    atomic_store(&budget_bytes, bytes);
+    return MRL_OK;
+}
+
+int64_t mrl_mem_budget(void) { return atomic_load(&budget_bytes); }
+
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
     if (bytes > ((size_t)1 << 46)) {
         mrl_set_error(MRL_ERR_NOMEM, "allocation of %zu bytes for %s refused (too large)", bytes,
                       mrl_mem_category_name(category));
         return NULL;
+    }
+    /* Every size, not only the large ones: two loads and a compare. Threads
+     * allocating at once may each pass with the other's bytes not yet counted;
+     * a budget is a guard against a model that cannot fit, not an exact cap. */
+    int64_t budget = atomic_load_explicit(&budget_bytes, memory_order_relaxed);
+    if (budget > 0) {
+        int64_t held = atomic_load_explicit(&counters_total[0], memory_order_relaxed);
+        if (held + (int64_t)bytes > budget) {
+            mrl_set_error(MRL_ERR_NOMEM, "%s asks for %.1f MiB, and this process holds %.1f MiB through moonrl: "
+                          "past %s (%.1f MiB)", mrl_mem_category_name(category), bytes / 1048576.0,
+                          held / 1048576.0, budget_name, budget / 1048576.0);
+            return NULL;
+        }
     }
     if (bytes >= MEM_CHECK_BYTES) {
         int64_t avail = mrl_mem_available();
@@ -173,7 +200,17 @@ const char *mrl_mem_category_name(mrl_mem_category category) {
 int64_t mrl_mem_rss(void) { return read_number("/proc/self/status", "VmRSS:", 1); }
 int64_t mrl_mem_rss_peak(void) { return read_number("/proc/self/status", "VmHWM:", 1); }
 
+/* The highest VmHWM seen before a reset: the kernel forgets it, and the
+ * process's peak since it began (mrl_mem_rss_peak_lifetime) needs it. */
+static _Atomic int64_t rss_peak_reset;
+
+int64_t mrl_mem_rss_peak_lifetime(void) {
+    int64_t now = mrl_mem_rss_peak(), before = atomic_load(&rss_peak_reset);
+    return now > before ? now : before;
+}
+
 void mrl_mem_reset_rss_peak(void) {
+    raise_peak(&rss_peak_reset, mrl_mem_rss_peak());
     FILE *f = fopen("/proc/self/clear_refs", "w");
     if (!f) return;
     fputs("5", f); /* 5: reset the peak resident set size (proc(5)) */

@@ -54,14 +54,14 @@ static mrl_status reserve_row(mrl_line_index *ix, int64_t row) {
     if (b == ix->cap_blocks) {
         int64_t cap = ix->cap_blocks ? ix->cap_blocks * 2 : 64;
         int64_t **grown = mrl_mem_alloc((size_t)cap * sizeof *grown, MRL_MEM_OTHER);
-        if (!grown) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory indexing %lld lines", ix->path, (long long)row);
+        if (!grown) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: indexing %lld lines", ix->path, (long long)row);
         if (ix->n_blocks) memcpy(grown, ix->blocks, (size_t)ix->n_blocks * sizeof *grown);
         mrl_mem_free(ix->blocks);
         ix->blocks = grown;
         ix->cap_blocks = cap;
     }
     ix->blocks[b] = mrl_mem_alloc((size_t)BLOCK_ROWS * sizeof(int64_t), MRL_MEM_OTHER);
-    if (!ix->blocks[b]) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory indexing %lld lines", ix->path, (long long)row);
+    if (!ix->blocks[b]) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: indexing %lld lines", ix->path, (long long)row);
     ix->n_blocks++;
     return MRL_OK;
 }
@@ -70,7 +70,7 @@ static mrl_status add_gap(mrl_line_index *ix, int64_t row, int64_t end, int64_t 
     if (ix->n_gaps == ix->cap_gaps) {
         int64_t cap = ix->cap_gaps ? ix->cap_gaps * 2 : 16;
         gap *grown = mrl_mem_alloc((size_t)cap * sizeof *grown, MRL_MEM_OTHER);
-        if (!grown) return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory indexing blank lines", ix->path);
+        if (!grown) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: indexing blank lines", ix->path);
         if (ix->n_gaps) memcpy(grown, ix->gaps, (size_t)ix->n_gaps * sizeof *grown);
         mrl_mem_free(ix->gaps);
         ix->gaps = grown;
@@ -127,11 +127,15 @@ mrl_status mrl_line_index_open(const char *path, mrl_line_index **out) {
     } else {
         fclose(f);
     }
-    if (!ix || !ix->path || !ix->buf || reserve_row(ix, 0)) {
+    if (!ix || !ix->path || !ix->buf) {
         mrl_line_index_free(ix);
-        return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", path);
+        return mrl_wrap_error(MRL_ERR_NOMEM, "%s", path);
     }
     strcpy(ix->path, path);
+    if (reserve_row(ix, 0)) { /* (its error names the path) */
+        mrl_line_index_free(ix);
+        return MRL_ERR_NOMEM;
+    }
     if (fseeko(f, 0, SEEK_END) == 0) ix->file_size = ftello(f);
     rewind(f);
     *slot(ix, 0) = 0;

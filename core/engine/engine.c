@@ -278,7 +278,7 @@ static mrl_status prepare_weights(mrl_engine *e) {
         if (!e->copy16.data) {
             int64_t n = mrl_model_num_params(e->m);
             if (mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)n * sizeof(uint16_t), MRL_MEM_PARAMS, &e->copy16))
-                return mrl_set_error(MRL_ERR_NOMEM, "engine step: no memory for the bf16 copy of the weights "
+                return mrl_wrap_error(MRL_ERR_NOMEM, "engine step: no memory for the bf16 copy of the weights "
                                      "(%lld bytes)", (long long)n * 2);
             if (pack) mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)mrl_model_panels16_bytes(e->m), MRL_MEM_PARAMS,
                                        &e->copy_p16); /* failing: none */
@@ -399,7 +399,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
                              (long long)probe.logit_rows, c.max_num_seqs, (long long)bytes, bytes / 1073741824.0,
                              (long long)phys);
     mrl_engine *e = mrl_mem_alloc(sizeof(*e), MRL_MEM_OTHER);
-    if (!e) return mrl_set_error(MRL_ERR_NOMEM, "engine create: out of memory");
+    if (!e) return mrl_wrap_error(MRL_ERR_NOMEM, "engine create");
     *e = probe;
     e->route_width = (int64_t)mrl_model_num_moe_layers(model) * mc->num_experts_per_tok;
     pthread_mutex_init(&e->published_lock, NULL); /* before any path to mrl_engine_free */
@@ -408,7 +408,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (e->lp && mrl_buffer_alloc(device, (size_t)bytes, MRL_MEM_ACTIVATIONS, &e->act_mem) == MRL_OK)
         e->act_buf = e->act_mem.data;
     if (!e->act_buf)
-        st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the activations of %d tokens (%lld bytes)",
+        st = mrl_wrap_error(MRL_ERR_NOMEM, "engine create: no memory for the activations of %d tokens (%lld bytes)",
                            c.max_num_batched_tokens, (long long)bytes);
     if (!st) {
         layout(e, e->act_buf);
@@ -418,7 +418,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
         int64_t floats = point_panels(e); /* no panels yet: only counts */
         e->panels = mrl_mem_alloc((size_t)floats * sizeof(float), MRL_MEM_PARAMS);
         if (!e->panels)
-            st = mrl_set_error(MRL_ERR_NOMEM, "engine create: no memory for the weight panels (%lld bytes; "
+            st = mrl_wrap_error(MRL_ERR_NOMEM, "engine create: no memory for the weight panels (%lld bytes; "
                                "pack_weights = 0 reads the weights in place)", (long long)floats * 4);
         e->panels_stale = 1;
     }

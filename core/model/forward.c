@@ -164,7 +164,7 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
     }
     if (!m->act_buf) {
         mrl_model_release_activations(m);
-        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the activations of %lld tokens (%lld bytes)",
+        return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for the activations of %lld tokens (%lld bytes)",
                              (long long)T, (long long)bytes);
     }
     layout_acts(m, T, m->act_buf);

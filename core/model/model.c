@@ -159,7 +159,7 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) 
 
 mrl_status mrl_model_alloc_params(mrl_model *m) {
     if (mrl_buffer_alloc(m->device, sizeof(float) * m->n_params, MRL_MEM_PARAMS, &m->params_buf))
-        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for %lld parameters (%lld bytes)",
+        return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for %lld parameters (%lld bytes)",
                              (long long)m->n_params, (long long)m->n_params * 4);
     m->params = m->params_buf.data;
     layout lo = {.m = m, .names = m->names};
@@ -192,7 +192,7 @@ static void point_grads(mrl_model *m) {
 mrl_status mrl_model_ensure_grads(mrl_model *m) {
     if (m->grads) return MRL_OK;
     if (mrl_buffer_alloc(m->device, sizeof(float) * m->n_params, MRL_MEM_GRADS, &m->grads_buf)) /* zeroed */
-        return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",
+        return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",
                              (long long)m->n_params, (long long)m->n_params * 4);
     m->grads = m->grads_buf.data;
     point_grads(m);
@@ -329,7 +329,7 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     if (dtype == m->dtype) return MRL_OK;
     if (dtype == MRL_MODEL_BF16) {
         if (mrl_buffer_alloc(m->device, sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS, &m->w16_buf))
-            return mrl_set_error(MRL_ERR_NOMEM, "model: no memory for the bf16 copy of %lld parameters (%lld bytes)",
+            return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for the bf16 copy of %lld parameters (%lld bytes)",
                                  (long long)m->n_params, (long long)m->n_params * 2);
         m->w16 = m->w16_buf.data;
         atomic_store(&m->w16_stale, 1);

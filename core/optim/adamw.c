@@ -53,7 +53,7 @@ mrl_status mrl_adamw_create(float *params, const float *grads, int64_t n, const 
     if (!opt) return mrl_set_error(MRL_ERR_NOMEM, "adamw: out of memory");
     if (mrl_buffer_alloc(device, (size_t)n * 2 * sizeof(float), MRL_MEM_OPTIM, &opt->state_buf)) { /* zeroed */
         free(opt);
-        return mrl_set_error(MRL_ERR_NOMEM, "adamw: cannot allocate optimizer state for %lld parameters", (long long)n);
+        return mrl_wrap_error(MRL_ERR_NOMEM, "adamw: the optimizer state of %lld parameters", (long long)n);
     }
     opt->state = opt->state_buf.data;
     opt->device = device;

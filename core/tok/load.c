@@ -510,8 +510,7 @@ static mrl_status load_model(mrl_tok *t, const mrl_json *m) {
     t->merge_keys = mrl_mem_alloc(slots * sizeof *t->merge_keys, MRL_MEM_OTHER);
     t->merge_rank = mrl_mem_alloc(slots * sizeof *t->merge_rank, MRL_MEM_OTHER);
     t->merge_new = mrl_mem_alloc(slots * sizeof *t->merge_new, MRL_MEM_OTHER);
-    if (!t->merge_keys || !t->merge_rank || !t->merge_new)
-        return mrl_set_error(MRL_ERR_NOMEM, "%s: out of memory", t->path);
+    if (!t->merge_keys || !t->merge_rank || !t->merge_new) return mrl_wrap_error(MRL_ERR_NOMEM, "%s", t->path);
     memset(t->merge_keys, 0xFF, slots * sizeof *t->merge_keys);
     char *scratch = NULL;
     size_t scratch_cap = 0;

@@ -71,6 +71,7 @@ local function run_section()
     checkpoint_minutes = M.number(30.0, { min = 0 }), -- also checkpoint when this long passed since the last (0: never)
     keep_checkpoints = M.integer(2, { min = 0 }), -- the newest K are kept (0: all)
     checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
+    memory_budget_mb = M.number(0, { min = 0, max = 1e9 }), -- host MiB this process may hold through moonrl (0: no budget; moonrl/mem.h)
     hang_seconds = M.number(1800.0, { min = 0 }), -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
     progress = os.getenv('MOONRL_PROGRESS') or 'auto', -- the loops' progress on stderr: auto, live, plain, off (moonrl.io.progress)
     progress_seconds = M.number(tonumber(os.getenv('MOONRL_PROGRESS_SECONDS') or '') or 10.0, { min = 0 }), -- between plain progress lines
@@ -452,7 +453,7 @@ setmetatable(M, {
   end,
 })
 
--- Apply the `run` section: threads, logging, deadline.
+-- Apply the `run` section: threads, logging, deadline, memory budget.
 function M.apply_run(run)
   local moonrl = require('moonrl')
   local max_threads = tonumber(moonrl.C.mrl_parallel_max_threads())
@@ -464,6 +465,8 @@ function M.apply_run(run)
   if run.threads and run.threads > 0 then moonrl.C.mrl_parallel_set_threads(run.threads) end
   if run.log_level then moonrl.set_log_level(run.log_level) end
   if run.max_seconds and run.max_seconds > 0 then moonrl.check(moonrl.C.mrl_deadline_set(run.max_seconds)) end
+  -- before the model loads: its weights are the first thing the budget refuses
+  moonrl.check(moonrl.C.mrl_mem_set_budget(math.floor((run.memory_budget_mb or 0) * 2 ^ 20), 'run.memory_budget_mb'))
 end
 
 M.set_path, M.get_path = set_path, get_path

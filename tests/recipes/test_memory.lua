@@ -2,7 +2,7 @@
 -- allocations keep per category (parameters, gradients, optimizer state, activations, KV cache),
 -- the step's peak and the resident set's, and each phase's peaks; the step line shows the
 -- resident peak. An allocation larger than the memory available is a clear error naming what
--- asked for how much, not the kernel's OOM killer.
+-- asked for how much, not the kernel's OOM killer, and so is one past run.memory_budget_mb.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
 local json = require('moonrl.io.json')
@@ -62,6 +62,34 @@ t.test('an allocation larger than the memory available: a clear error, exit 2, n
   t.truthy(r.stderr:find('kv_cache asks for', 1, true) and r.stderr:find('GiB of memory available', 1, true),
     'names what asked for how much: ' .. r.stderr)
   t.truthy(not r.stderr:find('traceback', 1, true), 'no traceback: ' .. r.stderr)
+end)
+
+t.test('run.memory_budget_mb: too small, one line naming it; enough, the run ends well', function()
+  -- 1,971,200 parameters: 7.5 MiB of weights, as much for the gradients, twice for AdamW
+  local words = U.sft_setup(dir .. '/budget', 30, { layers = 2, hidden_size = 256, intermediate_size = 1024 })
+  local function argv(run_dir, mb)
+    return U.with({ exe, 'run', 'recipes/sft.lua', 'run.dir=' .. run_dir, 'train.steps=2', 'train.batch=4',
+      'run.memory_budget_mb=' .. mb }, words)
+  end
+  -- enough: the run ends well, and what it held stayed under the budget
+  local ok = dir .. '/budget_ok'
+  local r = proc.run(argv(ok, 64), { timeout = 120 })
+  t.truthy(r.ok, r.stdout .. r.stderr)
+  local last
+  for line in io.lines(ok .. '/metrics.jsonl') do last = json.decode(line) end
+  t.near(last['memory/params_mb'], 7.52, 0.01, 'the weights')
+  t.truthy(last['memory/peak_mb'] > 30 and last['memory/peak_mb'] <= 64, 'held under the budget: ' .. last['memory/peak_mb'])
+  -- too small for the weights: refused as the model loads, before the run directory exists
+  local small = U.expect_usage(t, argv(dir .. '/budget_small', 4), 'past run.memory_budget_mb (4.0 MiB)',
+    dir .. '/budget_small')
+  t.truthy(small.stderr:find('params asks for 7.5 MiB', 1, true), small.stderr)
+  -- enough for the weights and gradients, not for AdamW's moments: refused when the recipe makes
+  -- its optimizer, the same one line and exit status, no traceback
+  local later = proc.run(argv(dir .. '/budget_later', 20), { timeout = 120 })
+  t.eq(later.exit_status, 2, later.stderr)
+  t.truthy(later.stderr:find('optim asks for 15.0 MiB', 1, true) and
+    later.stderr:find('past run.memory_budget_mb (20.0 MiB)', 1, true), later.stderr)
+  t.eq(select(2, later.stderr:gsub('\n', '')), 1, 'one line: ' .. later.stderr)
 end)
 
 fs.remove(dir)

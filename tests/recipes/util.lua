@@ -76,6 +76,18 @@ function M.grpo_setup(dir, n, extra)
   return words, model_dir, data
 end
 
+-- A tiny model (opts: tiny_model's) and a JSONL of n addition examples {prompt, response} under
+-- dir, and the command-line words of a short SFT run on them (one thread); returns words,
+-- model_dir, data path.
+function M.sft_setup(dir, n, opts)
+  local model_dir = M.tiny_model(dir .. '/init', opts or { layers = 2 })
+  local recs = {}
+  for i, p in ipairs(M.additions(n, 7)) do recs[i] = { prompt = p.prompt, response = p.answer } end
+  local data = M.write_jsonl(dir .. '/sft.jsonl', recs)
+  return { 'model.dir=' .. model_dir, 'data.path=' .. data, 'train.lr=1e-3', 'train.micro_batch_tokens=40',
+    'run.threads=1', 'quiet=true' }, model_dir, data
+end
+
 -- A new list: the words of base, then those of extra.
 function M.with(base, extra)
   local w = {}

@@ -64,6 +64,8 @@ has_text "status: the loop" "$out" "grpo: step 2/2 (100%)"
 has_text "status: the last metrics" "$out" "last metrics (step 2, written"
 has_text "status: the checkpoint" "$out" "checkpoint: step-000022"
 has_text "status: the events" "$out" "finish 1"
+[[ "$out" =~ memory\ \(resident,\ per\ rank\):\ 0:\ [0-9]+\ MB\ \(peak\ [0-9]+\ MB\) ]] && ok "status: the rank's memory" ||
+  bad "status: the rank's memory" "$out"
 out=$("$MOONRL" status "$tmp/plain" --json)
 has_text "status --json" "$out" '"state": "finished"'
 
@@ -133,6 +135,7 @@ garbage "a step of text" '{"state": "running", "step": "x"}' "status/rank-0.json
 garbage "a state of a number" '{"state": 5}' "field 'state' must be a string, got 5"
 garbage "a pid of an object" '{"state": "running", "pid": {}}' "field 'pid' must be an integer >= 0, got a table"
 garbage "an eta past the doubles" '{"state": "running", "eta": 1e999}' "field 'eta' must be a finite number, got inf"
+garbage "a resident set of text" '{"state": "running", "rss_mb": "x"}' "field 'rss_mb' must be a finite number, got \"x\""
 garbage "a list" '[1, 2]' "status/rank-0.json: not a JSON object"
 garbage "cut JSON" '{"state": ' "status/rank-0.json:2:1: unexpected end of input"
 rm -rf "$tmp/garbage" && cp -r "$tmp/plain" "$tmp/garbage" && rm -r "$tmp/garbage/status"

@@ -18,6 +18,19 @@ static void test_errors(void) {
     CHECK(strcmp(mrl_last_error(), "file x.bin: 7") == 0);
     CHECK(strcmp(mrl_status_name(MRL_ERR_FORMAT), "MRL_ERR_FORMAT") == 0);
     CHECK(strcmp(mrl_status_name((mrl_status)99), "MRL_ERR_UNKNOWN") == 0);
+    /* a context in front of the cause a lower layer gave (the memory layer's refusal) */
+    mrl_set_error(MRL_ERR_NOMEM, "grads asks for %d MiB", 8);
+    CHECK(mrl_wrap_error(MRL_ERR_NOMEM, "model: the gradients of %d parameters", 2) == MRL_ERR_NOMEM);
+    CHECK(strcmp(mrl_last_error(), "model: the gradients of 2 parameters: grads asks for 8 MiB") == 0);
+    mrl_clear_error();
+    mrl_wrap_error(MRL_ERR_NOMEM, "no cause");
+    CHECK(strcmp(mrl_last_error(), "no cause") == 0);
+    char longer[1500];
+    memset(longer, 'x', sizeof longer - 1);
+    longer[sizeof longer - 1] = 0;
+    mrl_set_error(MRL_ERR_NOMEM, "%s", longer);
+    mrl_wrap_error(MRL_ERR_NOMEM, "ctx"); /* cut to the buffer, still a string */
+    CHECK(strncmp(mrl_last_error(), "ctx: xxx", 8) == 0 && strlen(mrl_last_error()) == 1023);
 }
 
 static void test_log(void) {
@@ -103,6 +116,49 @@ static void test_mem(void) {
     /* down to what is resident now (under ASan the freed block stays resident: its quarantine) */
     CHECK(mrl_mem_rss_peak() <= mrl_mem_rss() + ((int64_t)4 << 20));
     CHECK(strcmp(mrl_mem_category_name(MRL_MEM_OPTIM), "optim") == 0);
+}
+
+/* A per-process budget (run.memory_budget_mb): an allocation of any size that
+ * would take what the process holds through moonrl past it fails at once,
+ * naming the budget; at or under it, or with the budget off, it is made. */
+static void test_mem_budget(void) {
+    mrl_mem_stats s;
+    mrl_mem_get_stats(&s);
+    CHECK(mrl_mem_budget() == 0);
+    int64_t room = (int64_t)1 << 20;
+    CHECK_OK(mrl_mem_set_budget(s.total + room, "run.memory_budget_mb"));
+    CHECK(mrl_mem_budget() == s.total + room);
+    char *fits = mrl_mem_alloc((size_t)room - 4096, MRL_MEM_GRADS); /* under the budget */
+    CHECK(fits != NULL);
+    mrl_clear_error();
+    CHECK(mrl_mem_alloc(8192, MRL_MEM_OPTIM) == NULL); /* small, but past it */
+    CHECK_STR_CONTAINS(mrl_last_error(), "optim asks for");
+    CHECK_STR_CONTAINS(mrl_last_error(), "past run.memory_budget_mb (");
+    char *exact = mrl_mem_alloc(4096, MRL_MEM_OPTIM); /* exactly to the budget */
+    CHECK(exact != NULL);
+    CHECK(mrl_mem_alloc(1, MRL_MEM_OTHER) == NULL);
+    mrl_mem_free(exact);
+    mrl_mem_free(fits);
+    char *again = mrl_mem_alloc((size_t)room, MRL_MEM_GRADS); /* freed bytes count no more */
+    CHECK(again != NULL);
+    mrl_mem_free(again);
+    /* a large allocation is refused by the budget before the memory available is read */
+    CHECK(mrl_mem_alloc((size_t)80 << 20, MRL_MEM_PARAMS) == NULL);
+    CHECK_STR_CONTAINS(mrl_last_error(), "params asks for 80.0 MiB");
+    CHECK_STR_CONTAINS(mrl_last_error(), "run.memory_budget_mb");
+    CHECK(mrl_mem_set_budget(-1, NULL) == MRL_ERR_INVALID);
+    CHECK_OK(mrl_mem_set_budget(room, NULL)); /* no name: said plainly */
+    CHECK(mrl_mem_alloc((size_t)room + 1, MRL_MEM_OTHER) == NULL);
+    CHECK_STR_CONTAINS(mrl_last_error(), "past the memory budget");
+    CHECK_OK(mrl_mem_set_budget(0, NULL)); /* off */
+    char *big = mrl_mem_alloc((size_t)80 << 20, MRL_MEM_PARAMS);
+    CHECK(big != NULL);
+    mrl_mem_free(big);
+    /* the lifetime peak of the resident set outlives a reset of VmHWM */
+    int64_t peak = mrl_mem_rss_peak_lifetime();
+    CHECK(peak >= mrl_mem_rss_peak() && peak >= mrl_mem_rss());
+    mrl_mem_reset_rss_peak();
+    CHECK(mrl_mem_rss_peak_lifetime() >= peak);
 }
 
 static void test_device(void) {
@@ -233,6 +289,7 @@ int main(void) {
     test_errors();
     test_log();
     test_mem();
+    test_mem_budget();
     test_device();
     test_parallel();
     test_thread_limits();

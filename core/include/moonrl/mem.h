@@ -4,6 +4,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include "status.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,6 +36,15 @@ typedef struct mrl_mem_stats {
  * kernel's OOM killer later. */
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category);
 void mrl_mem_free(void *ptr);
+/* A budget for the host bytes this process holds through moonrl (the
+ * counters' total: mrl_mem_alloc and the mappings it accounts), 0 for none:
+ * an allocation of any size that would take the total past it fails at once
+ * (NULL, MRL_ERR_NOMEM) with an error naming `name` (what set the budget, as
+ * "run.memory_budget_mb"; NULL: "the memory budget"), both sizes and the
+ * budget; what is held already stays. Device memory is not counted.
+ * MRL_ERR_INVALID when bytes < 0. */
+mrl_status mrl_mem_set_budget(int64_t bytes, const char *name);
+int64_t mrl_mem_budget(void);
 /* The host's counters (mrl_mem_alloc, and mappings the core accounts). */
 void mrl_mem_get_stats(mrl_mem_stats *out);
 /* Device memory (mrl_buffer_alloc on a GPU): its own counters, over every
@@ -47,6 +57,9 @@ int64_t mrl_mem_available(void);
  * -1 where /proc/self/status is not there). */
 int64_t mrl_mem_rss(void);
 int64_t mrl_mem_rss_peak(void);
+/* The resident set's peak since the process began, through the resets of
+ * mrl_mem_reset_rss_peak (what `moonrl status` shows as a rank's peak). */
+int64_t mrl_mem_rss_peak_lifetime(void);
 /* Reset the resident-set peak to the resident set now (Linux: clear_refs). */
 void mrl_mem_reset_rss_peak(void);
 /* Reset the peaks (host and device) to the current values (to measure one phase). */

@@ -141,6 +141,12 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
     eprint('error: ' .. err.message)
     return 1
   end
+  -- run.memory_budget_mb refused an allocation after start-up (the optimizer's state, a step's
+  -- activations): the config's error as at start-up, one line and exit 2, not a traceback
+  if type(err) == 'string' and err:find('past run.memory_budget_mb', 1, true) then
+    eprint('error: ' .. moonrl.error_text(err))
+    return 2
+  end
   if require('moonrl.train.guard').is_guard_stop(err) then
     eprint('error: ' .. err.message)
     return 3

@@ -18,7 +18,7 @@ local M = {}
 local USAGE = [=[
 usage: moonrl status RUN_DIR [--json] [--watch [SECONDS]]
   the run's state, loop, step, rate and ETA, the phase in progress and for how long, the last
-  logged metrics, each rank's heartbeat, the latest checkpoint and the events so far;
+  logged metrics, each rank's heartbeat and memory, the latest checkpoint and the events so far;
   --json: the same as one JSON object; --watch: again every SECONDS (default 2) until it ends]=]
 
 -- A run file opened for reading, or nil when there is none; anything but a regular file there (a
@@ -87,7 +87,7 @@ end
 local HEARTBEAT = { rank = 'count', pid = 'count', world_size = 'count', attempt = 'count', step = 'count',
   global_step = 'count', total = 'count', started = 'number', time = 'number', loop_since = 'number',
   phase_since = 'number', rate = 'number', eta = 'number', loss = 'number', host = 'string', state = 'string',
-  recipe = 'string', loop = 'string', phase = 'string', message = 'string' }
+  recipe = 'string', loop = 'string', phase = 'string', message = 'string', rss_mb = 'number', rss_peak_mb = 'number' }
 local WANT = { count = 'an integer >= 0', number = 'a finite number', string = 'a string' }
 
 local function finite(v) return type(v) == 'number' and v == v and math.abs(v) < math.huge end
@@ -253,6 +253,16 @@ function M.render(info)
     end
     line('ranks (%d of %d): %s', #info.ranks, lead and lead.world_size or #info.ranks, table.concat(parts, ' | '))
   end
+  -- each rank's resident memory at its last heartbeat and its peak (a heartbeat of an older
+  -- moonrl has neither)
+  local mem = {}
+  for _, r in ipairs(info.ranks) do
+    if r.rss_mb or r.rss_peak_mb then
+      mem[#mem + 1] = string.format('%d: %s MB (peak %s MB)', r.rank or -1, r.rss_mb and string.format('%.0f', r.rss_mb) or '?',
+        r.rss_peak_mb and string.format('%.0f', r.rss_peak_mb) or '?')
+    end
+  end
+  if #mem > 0 then line('memory (resident, per rank): %s', table.concat(mem, ' | ')) end
   if info.checkpoint then
     line('checkpoint: %s (written %s)', info.checkpoint.name, ago(info.checkpoint.time ~= json.null and info.checkpoint.time or nil, now))
   end

@@ -27,8 +27,9 @@
 -- stopped, error), loop (the loop's phase: sft, grpo, main), step and total (of the loop),
 -- global_step, loop_since, phase (the timed phase in progress: generate, train, checkpoint;
 -- absent between them) and phase_since, rate (steps/s) and eta (s) when known, loss when known, message (why it
--- ended), started and time (wall-clock seconds since 1970). w:write() writes at most once a
--- second unless forced (at each phase change, at the end).
+-- ended), started and time (wall-clock seconds since 1970), rss_mb and rss_peak_mb (the process's
+-- resident memory at the write and its peak since it began, MiB). w:write() writes at most once
+-- a second unless forced (at each phase change, at the end).
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
@@ -364,6 +365,9 @@ function W:write(force)
   self.last = now
   local f = self.fields
   f.time = M.wall()
+  -- the rank's memory, read at each write (two reads of /proc/self/status, at most a few a second)
+  local function mib(bytes) bytes = tonumber(bytes); return bytes >= 0 and math.floor(bytes / 2 ^ 20 * 10 + 0.5) / 10 or nil end
+  f.rss_mb, f.rss_peak_mb = mib(moonrl.C.mrl_mem_rss()), mib(moonrl.C.mrl_mem_rss_peak_lifetime())
   local keys = {}
   for k in pairs(f) do keys[#keys + 1] = k end
   table.sort(keys)

@@ -277,6 +277,7 @@ end
 
 -- Log one step: metrics (nested tables allowed) plus the phase times since
 -- the previous log. Prints one line, appends to metrics.jsonl and TensorBoard.
+-- opts.quiet: no line; opts.rank_max(x): x's maximum over the job's ranks.
 function Run:log(step, metrics, opts)
   local now = moonrl.now()
   local seconds = now - self.step_t0
@@ -284,6 +285,10 @@ function Run:log(step, metrics, opts)
   for n, s in pairs(self.phases) do flat['time/' .. n] = s end
   flat['time/step'] = seconds
   mem_metrics(self, flat)
+  -- the largest resident peak of the step over the ranks: opts.rank_max is the job's max-reduction,
+  -- which every rank takes here, the silent ones too (moonrl.train.session); alone, this process's
+  local peak = flat['memory/rss_peak_mb']
+  flat['memory/max_rank_peak_mb'] = opts and opts.rank_max and opts.rank_max(peak) or peak
   local keys = {}
   for k in pairs(flat) do keys[#keys + 1] = k end
   table.sort(keys)

@@ -67,7 +67,7 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
   'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
-  'run.progress_seconds' }
+  'run.progress_seconds', 'run.memory_budget_mb' }
 
 -- ---- start --------------------------------------------------------------------------------
 
@@ -724,7 +724,11 @@ function Session:log(m, opts)
   end
   local p = self.progress
   if p and not (opts and opts.quiet) then p:clear() end -- the step line prints above the live line
-  local flat = self.run:log(self.step, m, opts)
+  -- every trainer rank logs each step (the recipe's loop is the same on each), so the largest
+  -- rank's resident peak is a collective here, as the stop decision is in end_step
+  local w = self.world
+  local rank_max = w.size > 1 and function(x) return w:max(x) end or nil
+  local flat = self.run:log(self.step, m, { quiet = opts and opts.quiet, rank_max = rank_max })
   if p then
     local extra = {}
     for _, kv in ipairs({ { 'loss', 'loss' }, { 'reward/mean', 'reward' }, { 'accuracy', 'acc' } }) do
