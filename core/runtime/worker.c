@@ -22,6 +22,7 @@
 #include <unistd.h>
 #include "runtime/loop_internal.h"
 #include "base/error.h"
+#include "base/mem.h"
 #include "base/parallel.h"
 
 struct mrl_worker {
@@ -56,6 +57,9 @@ static mrl_status become_worker(pid_t parent) {
     signal(SIGTERM, SIG_DFL);
     signal(SIGUSR2, SIG_DFL);
     mrl_parallel_set_threads(1);
+    /* run.memory_budget_mb is the trainer's: the worker shares its pages and counts them again,
+     * so a trainer near its budget would have every allocation of its rewards refused */
+    mrl_mem_set_budget(0, NULL);
     mrl_proc_spawn_in_caller_group();
     return mrl_loop_restart_in_child();
 }

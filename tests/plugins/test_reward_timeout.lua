@@ -111,4 +111,23 @@ t.test('workers.map: a worker whose heap grew ends after its reply and another t
   t.eq(results[2].ok, false); t.truthy(results[2].message:find('ended without a result', 1, true), results[2].message)
 end)
 
+t.test("the trainer's run.memory_budget_mb does not bind its reward workers", function()
+  local ffi = require('ffi')
+  local C = moonrl.C
+  local st = ffi.new('mrl_mem_stats')
+  C.mrl_mem_get_stats(st)
+  -- the trainer has 1 MiB left; its rewards' workers allocate 4 MiB each, in processes of their own
+  moonrl.check(C.mrl_mem_set_budget(st.total + 2 ^ 20, 'run.memory_budget_mb'))
+  rewards.register('allocates', function()
+    local p = C.mrl_mem_alloc(4 * 2 ^ 20, C.MRL_MEM_OTHER)
+    if p == nil then error(moonrl.last_error and moonrl.last_error() or 'refused') end
+    C.mrl_mem_free(p)
+    return 1
+  end, { replace = true })
+  local scores, _, failures = rewards.score_batch('allocates', samples(2), nil, { on_error = 'zero', timeout = 5 })
+  moonrl.check(C.mrl_mem_set_budget(0, nil))
+  t.eq(#failures, 0, failures[1] and tostring(failures[1].message or failures[1]) or '')
+  t.eq(scores[0], 1); t.eq(scores[1], 1) -- (a float array from 0)
+end)
+
 t.done()
