@@ -2,7 +2,8 @@
 -- peak over the ranks (memory/max_rank_peak_mb, a max-reduction every rank takes in S:log), and
 -- `moonrl status` shows each rank's resident memory and peak (the heartbeat files). Rank 1 holds
 -- 96 MiB more than rank 0 (a --require file), so rank 0's own peak cannot pass for the largest,
--- nor one rank's status for the other's. Alone, the metric is the process's own peak.
+-- nor one rank's status for the other's. Alone, the metric is the process's own peak. ZeRO-1
+-- (dist.zero=1) holds half of the optimizer state a rank, measured against plain data parallel.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
 local json = require('moonrl.io.json')
@@ -62,6 +63,43 @@ t.test('2 ranks: the largest rank peak in each step, each rank in moonrl status'
     'the lifetime peak covers the last step peak')
   local text = proc.run({ exe, 'status', d }, { timeout = 60 }).stdout
   t.truthy(text:find('memory %(resident, per rank%): 0: %d+ MB %(peak %d+ MB%) | 1: %d+ MB %(peak %d+ MB%)') ~= nil, text)
+end)
+
+-- ZeRO-1 on a model whose optimizer state dominates (~7M parameters: AdamW's m and v ~55 MB,
+-- the parameters and the gradients half of that each): a rank holds its half of the state, and
+-- the whole one is never allocated (made, then cut into shards).
+t.test('dist.zero=1 on 2 ranks: half of the optimizer state per rank, never the whole', function()
+  local words = U.with(U.sft_setup(dir .. '/big', 40, { layers = 2, hidden_size = 512, intermediate_size = 1536 }),
+    { 'train.steps=3', 'train.batch=4', 'run.checkpoint_every=1' })
+  local function run(d, extra)
+    local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+      'vader,self', exe, 'run', 'recipes/sft.lua', 'run.dir=' .. d }
+    for _, w in ipairs(U.with(words, extra)) do argv[#argv + 1] = w end
+    return proc.run(argv, { timeout = 300 })
+  end
+  local plain, zero = dir .. '/plain', dir .. '/zero'
+  local r = run(plain, {})
+  t.truthy(r.ok, r.stdout .. r.stderr)
+  r = run(zero, { 'dist.zero=1' })
+  t.truthy(r.ok, r.stdout .. r.stderr)
+  local whole_mb
+  for line in io.lines(zero .. '/events.jsonl') do
+    local e = json.decode(line)
+    if e.event == 'data_parallel' then whole_mb = e.state_bytes / 2 ^ 20 end
+  end
+  t.truthy(whole_mb and whole_mb > 40, 'the whole state: ' .. tostring(whole_mb) .. ' MiB')
+  local pm, zm = U.records(plain), U.records(zero)
+  t.eq(#zm, 3, 'each step logged once')
+  for i = 1, 3 do
+    local p0, z0 = pm[i]['memory/optim_mb'], zm[i]['memory/optim_mb']
+    print(string.format('  step %d rank 0 optimizer: plain %.1f MiB, zero=1 %.1f MiB', i, p0, z0))
+    t.truthy(p0 >= whole_mb - 0.1, 'plain data parallel holds the whole state')
+    t.truthy(z0 <= 0.55 * p0, string.format('step %d: zero=1 holds half: %.1f MiB of %.1f', i, z0, p0))
+  end
+  -- rank 0's peak of what moonrl holds, start-up and step 1
+  local p0, z0 = pm[1]['memory/peak_mb'], zm[1]['memory/peak_mb']
+  print(string.format('  step 1 rank 0 peak: plain %.1f MiB, zero=1 %.1f MiB', p0, z0))
+  t.truthy(z0 <= p0 - whole_mb / 4, string.format('the peak holds no whole state: %.1f MiB, plain %.1f', z0, p0))
 end)
 
 t.test('one process: the largest rank peak is its own', function()

@@ -233,7 +233,8 @@ DP.__index = DP
 
 -- opt: a moonrl.optim AdamW over model's buffers. opts.zero: 0 (every rank keeps the whole
 -- optimizer state and steps it) or 1 (ZeRO-1: rank r keeps and steps only its shard of the
--- state, then the parameters are all-gathered); opts.bucket_mb: gradient bucket size;
+-- state, then the parameters are all-gathered; made from a deferred opt (optim.adamw's defer),
+-- whose whole state is then never allocated); opts.bucket_mb: gradient bucket size;
 -- opts.gpu_transport: how a GPU model's gradient sums travel (World:gpu_transport).
 function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
@@ -266,8 +267,10 @@ function M.data_parallel(w, opt, model, opts)
   end
   local mine = self.shards[w.rank + 1]
   self.offset, self.count = mine.offset, mine.count
-  if zero == 1 then
-    -- the shard's own AdamW: its state is 1/N of the whole; the whole one is freed
+  if zero ~= 1 then
+    opt:create()
+  else
+    -- the shard's own AdamW: its state is 1/N of the whole (opt, deferred, never gets one)
     local ranges = {}
     for _, r in ipairs(model:no_decay_ranges()) do
       local a, b = math.max(r[1], mine.offset), math.min(r[1] + r[2], mine.offset + mine.count)

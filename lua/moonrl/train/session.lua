@@ -366,8 +366,10 @@ end
 
 -- With several ranks the optimizer becomes data parallel (moonrl.train.dist): its gradients are summed
 -- over the ranks before it reads them, and with dist.zero=1 its state is sharded. opt.model: the
--- model whose buffers it steps (models.adamw sets it).
+-- model whose buffers it steps (models.adamw sets it). opt may be deferred (models.adamw's are):
+-- its state is allocated here, except under ZeRO-1, where only each rank's shard ever gets one.
 function Session:optimizer(name, opt)
+  if not (self.world.size > 1 and opt.model) and opt.create then opt:create() end
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
       gpu_transport = self.cfg.dist.gpu_transport })
