@@ -530,7 +530,8 @@ function Session:checkpoint(reason, small, step, phase_step)
   local w = self.world
   local optimizers = self.optimizers
   if w.size > 1 then
-    -- every rank takes part in gathering the optimizers' state (sharded under ZeRO-1); rank 0 writes
+    -- every rank takes part in gathering the optimizers' state (sharded under ZeRO-1: to rank 0
+    -- alone, freed after the write); rank 0 writes
     optimizers = {}
     for i, o in ipairs(self.optimizers) do
       local st = o.opt:state()
@@ -544,6 +545,9 @@ function Session:checkpoint(reason, small, step, phase_step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = optimizers,
       state = state, run = run_info })
     fault.disarm()
+  end
+  for _, o in ipairs(self.optimizers) do -- ZeRO-1: rank 0's gathered state, written now
+    if o.opt.release_state then o.opt:release_state() end
   end
   if w.size > 1 then -- every rank learns how it went
     local msg = w:broadcast_string(w.rank ~= 0 and '' or ok and string.format('ok\n%d\n%s', bytes, path)
