@@ -5,6 +5,7 @@
 --     no_decay = {{offset, count}, ...} }
 --   local norm = opt:clip_grad_norm(1.0)   -- pre-clip norm
 --   opt:step(lr)                           -- lr optional (default: the lr given above)
+--   (defer = true: the state is allocated at the first use or opt:create(), not here)
 --   local sched = moonrl.optim.schedule{ kind = 'cosine', warmup = 10, total = 100, lr = 1e-5 }
 --   sched(step) -> lr
 local moonrl = require('moonrl')
@@ -37,23 +38,32 @@ function M.adamw(o)
     eps = need_number(o, 'eps', 1e-8, where),
     weight_decay = need_number(o, 'weight_decay', 0.01, where),
   })
-  local params = ffi.cast('float *', o.params)
-  local grads = ffi.cast('float *', o.grads)
-  local out = ffi.new('mrl_adamw *[1]')
-  moonrl.check(C.mrl_adamw_create(params, grads, n, cfg, out), 2)
   local self = setmetatable({
-    handle = ffi.gc(out[0], C.mrl_adamw_free),
-    params = params, grads = grads, n = n, lr = cfg.lr,
+    params = ffi.cast('float *', o.params), grads = ffi.cast('float *', o.grads), n = n, lr = cfg.lr, cfg = cfg,
     options = { betas = { betas[1], betas[2] }, eps = cfg.eps, weight_decay = cfg.weight_decay },
+    no_decay = o.no_decay,
     _keep = { o.params, o.grads },
     model = o.model, -- the moonrl.model whose buffer params is: told after each step (its bf16 copies)
   }, AdamW)
-  if o.no_decay and #o.no_decay > 0 then self:set_no_decay(o.no_decay) end
+  if not o.defer then self:create() end
+  return self
+end
+
+-- The state (2n floats) is allocated here. With o.defer the first call that needs it does it (or
+-- this one): ZeRO-1 takes shards of a deferred optimizer, whose whole state then never exists.
+function AdamW:create()
+  if self.handle then return self end
+  local out = ffi.new('mrl_adamw *[1]')
+  moonrl.check(C.mrl_adamw_create(self.params, self.grads, self.n, self.cfg, out), 3)
+  self.handle = ffi.gc(out[0], C.mrl_adamw_free)
+  if self.no_decay and #self.no_decay > 0 then self:set_no_decay(self.no_decay) end
   return self
 end
 
 -- ranges: {{offset, count}, ...} of elements that get no weight decay.
 function AdamW:set_no_decay(ranges)
+  self.no_decay = ranges
+  if not self.handle then return end -- (create applies them)
   local flat = ffi.new('int64_t[?]', 2 * #ranges)
   for i, r in ipairs(ranges) do
     flat[2 * i - 2] = r[1] or r.offset
@@ -63,7 +73,8 @@ function AdamW:set_no_decay(ranges)
 end
 
 -- An AdamW with the same settings over elements [offset, offset + count) of the same buffers
--- (a rank's shard under ZeRO-1); no_decay: ranges relative to offset.
+-- (a rank's shard under ZeRO-1); no_decay: ranges relative to offset. This one is left as it is
+-- (a deferred one stays without state).
 function AdamW:shard(offset, count, no_decay)
   local o = self.options
   return M.adamw({ params = self.params + offset, grads = self.grads + offset, n = count, lr = self.lr,
@@ -71,6 +82,7 @@ function AdamW:shard(offset, count, no_decay)
 end
 
 function AdamW:step(lr)
+  self:create()
   moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
   if self.model then self.model:weights_changed() end -- a bf16 model converts its copies before their next use
 end
@@ -88,12 +100,13 @@ end
 
 function AdamW:zero_grad() moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2) end
 function AdamW:scale_grad(s) moonrl.check(C.mrl_grad_scale(self.grads, self.n, s), 2) end
-function AdamW:steps() return tonumber(C.mrl_adamw_steps(self.handle)) end
+function AdamW:steps() return self.handle and tonumber(C.mrl_adamw_steps(self.handle)) or 0 end
 
 -- {m = float*, v = float*, n = count, step = t, bytes = size of m and v}:
 -- the optimizer's own buffers (save them for a checkpoint); host copies of them when the
 -- parameters are on a GPU (the state is there too).
 function AdamW:state()
+  self:create()
   local s = ffi.new('mrl_adamw_state')
   moonrl.check(C.mrl_adamw_get_state(self.handle, s), 2)
   local n = tonumber(s.n)
@@ -108,6 +121,7 @@ end
 
 -- Restore from a table like state()'s (m, v: float pointers holding n floats each).
 function AdamW:load_state(s)
+  self:create()
   moonrl.check(C.mrl_adamw_load_state(self.handle, ffi.cast('const float *', s.m), ffi.cast('const float *', s.v),
     s.n or self.n, s.step), 2)
 end

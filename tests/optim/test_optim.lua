@@ -28,6 +28,30 @@ t.test('adamw step, clip, state and resume', function()
   t.raises(function() optim.adamw{ params = p, grads = g, n = n, betas = { 1.5, 0.9 } } end, 'beta1')
 end)
 
+t.test('adamw defer: no state until the first use; a shard of a deferred one has only its own', function()
+  local C, stats = moonrl.C, ffi.new('mrl_mem_stats')
+  local function optim_bytes() C.mrl_mem_get_stats(stats); return tonumber(stats.current[C.MRL_MEM_OPTIM]) end
+  local n = 1000
+  local p, g = ffi.new('float[?]', n), ffi.new('float[?]', n)
+  for i = 0, n - 1 do p[i] = math.sin(i); g[i] = math.cos(i) end
+  local q = ffi.new('float[?]', n); ffi.copy(q, p, 4 * n)
+  collectgarbage() -- (the optimizers of the test before)
+  local before = optim_bytes()
+  local opt = optim.adamw{ params = p, grads = g, n = n, lr = 0.01, weight_decay = 0.1, no_decay = { { 0, 10 } },
+    defer = true }
+  t.eq(optim_bytes(), before, 'deferred: no state')
+  t.eq(opt:steps(), 0)
+  local shard = opt:shard(600, 400, {})
+  t.eq(optim_bytes(), before + 8 * 400, "a shard: its own state alone, the deferred one's still none")
+  opt:step() -- the first use creates it, with the no-decay ranges given before
+  t.eq(optim_bytes(), before + 8 * 400 + 8 * n, 'the whole state once used')
+  t.eq(shard:steps(), 0, 'the shard is an optimizer of its own')
+  local eager = optim.adamw{ params = q, grads = g, n = n, lr = 0.01, weight_decay = 0.1, no_decay = { { 0, 10 } } }
+  eager:step()
+  for i = 0, n - 1 do if p[i] ~= q[i] then error('deferred differs from eager at ' .. i) end end
+  t.eq(opt:steps(), 1)
+end)
+
 t.test('schedules', function()
   local c = optim.schedule{ kind = 'cosine', warmup = 10, total = 110, lr = 2.0 }
   t.eq(c(0), 0); t.near(c(5), 1.0, 1e-15); t.near(c(10), 2.0, 1e-15); t.near(c(60), 1.0, 1e-12); t.near(c(110), 0, 1e-12)

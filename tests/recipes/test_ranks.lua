@@ -1,7 +1,7 @@
 -- Data parallel over ranks (mpirun, one thread a rank, --oversubscribe): the same recipe and
 -- global batch on 1, 2 and 3 ranks gives the same metrics and weights up to summation order;
 -- a given number of ranks is bit-identical run to run, ZeRO-1 equals plain data parallel, a
--- checkpoint of 2 ranks resumes on 3, a hung rank fails the job after dist.timeout naming it,
+-- checkpoint of 2 ranks resumes on 3 (and ZeRO-1's on 3 and on 1), a hung rank fails the job after dist.timeout naming it,
 -- and a killed rank under `moonrl launch --restarts` ends with the weights of a clean run.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
@@ -170,6 +170,29 @@ t.test('a checkpoint of 2 ranks resumes on 3', function()
   print(string.format('  2 ranks x 2 steps then 3 ranks x 2 steps against 1 process: %.3g', e))
   t.truthy(e <= 1e-5, 'resumed on 3 ranks: the weights of one process')
   t.eq(#metrics(d), 4, 'four steps logged, once each')
+end)
+
+t.test('zero=1: a checkpoint of 2 ranks resumes on 3 (zero=1) and on 1', function()
+  -- each rank reads its range of the saved m and v, and 3 ranks gather theirs for the last
+  -- checkpoint: the same bits as plain data parallel's 2 then 3 ranks
+  for _, n in ipairs({ 3, 0 }) do
+    local d = dir .. '/zero_resume2' .. n
+    local r = run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=1'),
+      { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
+    t.truthy(not r.ok, 'the 2-rank job died at step 3')
+    run(n, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, n > 0 and 'dist.zero=1' or 'dist.zero=0'))
+    local e = rel_diff(weights(dir .. '/sft1'), weights(d))
+    print(string.format('  zero=1: 2 ranks x 2 steps then %d x 2 steps against 1 process: %.3g', math.max(n, 1), e))
+    t.truthy(e <= 1e-5, 'resumed on ' .. math.max(n, 1) .. ': the weights of one process')
+    t.eq(#metrics(d), 4, 'four steps logged, once each')
+    if n == 3 then
+      local last = '/checkpoints/step-000004/'
+      t.truthy(bytes(d .. '/model/model.safetensors') == bytes(dir .. '/resume23/model/model.safetensors'),
+        'on 3 ranks: the weights of plain data parallel bit for bit')
+      t.truthy(bytes(d .. last .. 'optimizer.safetensors') == bytes(dir .. '/resume23' .. last .. 'optimizer.safetensors'),
+        "and the optimizer state the 3 ranks' shards gathered to rank 0")
+    end
+  end
 end)
 
 t.test('a hung rank: the others fail after dist.timeout, naming it', function()

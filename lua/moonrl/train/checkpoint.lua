@@ -380,11 +380,18 @@ function M.load_optimizer(dir, name, opt)
   if not st:has(key) then error(string.format('%s: no state for optimizer %s', path, name), 0) end
   local n = st:info(key).numel
   if n ~= opt.n then error(string.format('%s: optimizer %s has %d parameters here, %d in the checkpoint', path, name, opt.n, n), 0) end
+  local step = tonumber(st:metadata(name .. '.step'))
+  if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
+  if opt.sharded then -- ZeRO-1 (moonrl.train.dist): this rank's range of m and v, nothing else of the file
+    opt:load_range(function(first, count, m, v)
+      st:read_f32_range(key, first, count, m)
+      st:read_f32_range(name .. '.exp_avg_sq', first, count, v)
+    end, step)
+    return
+  end
   local m, v = ffi.new('float[?]', n), ffi.new('float[?]', n)
   st:read_f32(key, m)
   st:read_f32(name .. '.exp_avg_sq', v)
-  local step = tonumber(st:metadata(name .. '.step'))
-  if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
   opt:load_state({ m = m, v = v, n = n, step = step })
 end
 

@@ -214,6 +214,27 @@ function World:gather_strings(s)
   return out
 end
 
+-- Every rank's counts[r + 1] units of `unit` bytes from send, in rank order, into recv on rank
+-- 0 alone (a gather: MPI_Ialltoallv with nothing sent elsewhere, so the deadline and the reports
+-- are the other collectives'). recv: rank 0's buffer; the other ranks pass nil.
+local gather_send, gather_recv = {}, {}
+function World:gather(send, counts, recv, unit)
+  if self.size == 1 then
+    if counts[1] > 0 then ffi.copy(recv, send, counts[1] * unit) end
+    return
+  end
+  local sc, rc = gather_send[self.size], gather_recv[self.size]
+  if not sc then
+    sc, rc = ffi.new('int64_t[?]', self.size), ffi.new('int64_t[?]', self.size)
+    gather_send[self.size], gather_recv[self.size] = sc, rc
+  end
+  for r = 0, self.size - 1 do
+    sc[r] = r == 0 and counts[self.rank + 1] or 0
+    rc[r] = self.rank == 0 and counts[r + 1] or 0
+  end
+  check(C.mrl_dist_alltoallv(self.handle, send, sc, recv, rc, unit))
+end
+
 -- This rank's contiguous share of n items: first, last (1-based; last < first when empty).
 function World:share(n, rank)
   local off, count = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
@@ -233,14 +254,15 @@ DP.__index = DP
 
 -- opt: a moonrl.optim AdamW over model's buffers. opts.zero: 0 (every rank keeps the whole
 -- optimizer state and steps it) or 1 (ZeRO-1: rank r keeps and steps only its shard of the
--- state, then the parameters are all-gathered); opts.bucket_mb: gradient bucket size;
+-- state, then the parameters are all-gathered; made from a deferred opt (optim.adamw's defer),
+-- whose whole state is then never allocated); opts.bucket_mb: gradient bucket size;
 -- opts.gpu_transport: how a GPU model's gradient sums travel (World:gpu_transport).
 function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
   local zero = opts.zero or 0
   local n = opt.n
   local self = setmetatable({ world = w, full = opt, zero = zero, model = model, params = opt.params, grads = opt.grads,
-    n = n, lr = opt.lr, pending = false }, DP)
+    n = n, lr = opt.lr, pending = false, sharded = zero == 1 }, DP)
   local device = C.mrl_device_of(opt.grads)
   if device.kind ~= C.MRL_DEVICE_CPU then
     -- a GPU model's: one sum over the whole buffer once the backward is done (dist.gpu_transport:
@@ -266,8 +288,10 @@ function M.data_parallel(w, opt, model, opts)
   end
   local mine = self.shards[w.rank + 1]
   self.offset, self.count = mine.offset, mine.count
-  if zero == 1 then
-    -- the shard's own AdamW: its state is 1/N of the whole; the whole one is freed
+  if zero ~= 1 then
+    opt:create()
+  else
+    -- the shard's own AdamW: its state is 1/N of the whole (opt, deferred, never gets one)
     local ranges = {}
     for _, r in ipairs(model:no_decay_ranges()) do
       local a, b = math.max(r[1], mine.offset), math.min(r[1] + r[2], mine.offset + mine.count)
@@ -365,18 +389,44 @@ end
 
 function DP:steps() return (self.shard_opt or self.full):steps() end
 
--- The whole optimizer state (a checkpoint holds the same file whatever the world size): with
--- ZeRO-1 every rank's shard is all-gathered (every rank must call it).
+-- The whole optimizer state (a checkpoint holds the same file whatever the world size; every rank
+-- calls it). ZeRO-1: the shards are gathered to rank 0 alone, which writes the checkpoint, into
+-- a buffer counted as optimizer memory that DP:release_state frees once it is written; the other
+-- ranks get nil.
 function DP:state()
   if self.zero ~= 1 then return self.full:state() end
   local s = self.shard_opt:state()
-  if not self.whole then self.whole = ffi.new('float[?]', 2 * self.n) end
-  local m, v = self.whole, self.whole + self.n
-  ffi.copy(m + self.offset, s.m, 4 * s.n)
-  ffi.copy(v + self.offset, s.v, 4 * s.n)
-  check(C.mrl_dist_allgather_shards(self.world.handle, m, self.n, C.MRL_DIST_F32))
-  check(C.mrl_dist_allgather_shards(self.world.handle, v, self.n, C.MRL_DIST_F32))
-  return { m = m, v = v, n = self.n, step = s.step, bytes = 8 * self.n }
+  local w = self.world
+  self:release_state()
+  if w.rank == 0 then
+    local p = C.mrl_mem_alloc(8 * self.n, C.MRL_MEM_OPTIM)
+    if p == nil then moonrl.check(C.MRL_ERR_NOMEM, 2) end
+    self.whole = ffi.gc(ffi.cast('float *', p), C.mrl_mem_free)
+  end
+  local counts = {}
+  for r, sh in ipairs(self.shards) do counts[r] = sh.count end
+  local m = self.whole
+  w:gather(s.m, counts, m, 4)
+  w:gather(s.v, counts, m and m + self.n, 4)
+  if not m then return nil end
+  return { m = m, v = m + self.n, n = self.n, step = s.step, bytes = 8 * self.n }
+end
+
+-- Free what DP:state gathered (after the checkpoint is written).
+function DP:release_state()
+  if self.whole then
+    C.mrl_mem_free(ffi.gc(self.whole, nil))
+    self.whole = nil
+  end
+end
+
+-- ZeRO-1's resume: read(first, count, m, v) puts elements [first, first + count) of the saved m
+-- and v into m[0..count) and v[0..count), here the shard optimizer's own buffers (CPU); then
+-- the step count. Nothing of the other shards is read or held.
+function DP:load_range(read, step)
+  local s = self.shard_opt:state()
+  read(self.offset, self.count, s.m, s.v)
+  self.shard_opt:load_state({ m = s.m, v = s.v, n = s.n, step = step }) -- (the step: a copy onto itself is none)
 end
 
 -- Restore from the whole state (m, v of n floats each): each rank keeps its shard.

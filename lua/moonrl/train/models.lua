@@ -67,12 +67,14 @@ function M.critic_from(policy)
   end })
 end
 
--- AdamW over a model's one parameter buffer, no decay on norms and biases.
+-- AdamW over a model's one parameter buffer, no decay on norms and biases. Deferred: its state is
+-- allocated by the session's S:optimizer (or its first use), which under dist.zero=1 allocates
+-- only each rank's shard of it.
 function M.adamw(model, o)
   local p, n = model:param_buffer() -- (on a GPU: the optimizer's state and steps are there too)
   local g = model:grads()
   local opt = require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
-    eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges(), model = model })
+    eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges(), model = model, defer = true })
   opt.model = model -- what a session's data-parallel wrapper hooks its gradient buckets into
   return opt
 end

@@ -366,8 +366,10 @@ end
 
 -- With several ranks the optimizer becomes data parallel (moonrl.train.dist): its gradients are summed
 -- over the ranks before it reads them, and with dist.zero=1 its state is sharded. opt.model: the
--- model whose buffers it steps (models.adamw sets it).
+-- model whose buffers it steps (models.adamw sets it). opt may be deferred (models.adamw's are):
+-- its state is allocated here, except under ZeRO-1, where only each rank's shard ever gets one.
 function Session:optimizer(name, opt)
+  if not (self.world.size > 1 and opt.model) and opt.create then opt:create() end
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
       gpu_transport = self.cfg.dist.gpu_transport })
@@ -528,7 +530,8 @@ function Session:checkpoint(reason, small, step, phase_step)
   local w = self.world
   local optimizers = self.optimizers
   if w.size > 1 then
-    -- every rank takes part in gathering the optimizers' state (sharded under ZeRO-1); rank 0 writes
+    -- every rank takes part in gathering the optimizers' state (sharded under ZeRO-1: to rank 0
+    -- alone, freed after the write); rank 0 writes
     optimizers = {}
     for i, o in ipairs(self.optimizers) do
       local st = o.opt:state()
@@ -542,6 +545,9 @@ function Session:checkpoint(reason, small, step, phase_step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = optimizers,
       state = state, run = run_info })
     fault.disarm()
+  end
+  for _, o in ipairs(self.optimizers) do -- ZeRO-1: rank 0's gathered state, written now
+    if o.opt.release_state then o.opt:release_state() end
   end
   if w.size > 1 then -- every rank learns how it went
     local msg = w:broadcast_string(w.rank ~= 0 and '' or ok and string.format('ok\n%d\n%s', bytes, path)
