@@ -139,7 +139,7 @@ static mrl_status write_config(mrl_model *m, const char *dir) {
  * (embedding, layers, norm, head), as transformers' save_pretrained fills
  * them in state-dict order. */
 mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
-    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir: NULL argument");
+    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
     float *host = NULL; /* a GPU model's views are written from here */
     if (m->k->on_device) {
@@ -158,8 +158,9 @@ mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max
         const mrl_param_view *v = &m->views[i];
         const float *src = m->params + v->offset;
         if (host) {
-            if (m->k->to_host(host, src, (int64_t)sizeof(float) * v->numel)) {
-                s = mrl_set_error(MRL_ERR_IO, "%s: tensor '%s': copy from the device failed", dir, v->name);
+            mrl_status c = m->k->to_host(host, src, (int64_t)sizeof(float) * v->numel);
+            if (c) {
+                s = mrl_wrap_error(c, "%s: tensor '%s'", dir, v->name); /* the device's own error after it */
                 break;
             }
             src = host;
