@@ -4,6 +4,7 @@
  * __metadata__ first and the tensors in data order, padded with spaces so
  * the data region starts at a multiple of 8. Files are written to a
  * temporary name, fsync'ed and renamed into place. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -387,10 +388,35 @@ static char *file_path(const char *dir, int64_t k, int64_t nshards) {
     return mrl_st_join(dir, name);
 }
 
+/* Shards of dir of another count than nshards (1: every shard): what an
+ * earlier save of another size or shard limit left, which the new index does
+ * not name (transformers' save_pretrained removes them likewise). */
+static mrl_status remove_other_shards(const char *dir, int64_t nshards) {
+    DIR *d = opendir(dir);
+    if (!d) return mrl_set_error(MRL_ERR_IO, "%s: cannot list: %s", dir, strerror(errno));
+    mrl_status s = MRL_OK;
+    struct dirent *e;
+    while (!s && (e = readdir(d))) {
+        long long k, n;
+        char again[64];
+        if (sscanf(e->d_name, "model-%lld-of-%lld.safetensors", &k, &n) != 2 || n == nshards) continue;
+        shard_name(again, sizeof again, k - 1, n); /* exactly the name, not model-1-of-3.safetensors.tmp.7 */
+        if (strcmp(again, e->d_name) != 0) continue;
+        char *path = mrl_st_join(dir, e->d_name);
+        if (!path) s = mrl_set_error(MRL_ERR_NOMEM, "safetensors: out of memory");
+        else if (unlink(path) != 0 && errno != ENOENT)
+            s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the shard of an earlier save: %s", path, strerror(errno));
+        free(path);
+    }
+    closedir(d);
+    return s;
+}
+
 /* After the tensor files of dir are in place: model.safetensors.index.json
  * naming each tensor's shard (byname sorted by name; as transformers writes
  * it: json.dumps(indent=2, sort_keys=True)), atomically, or for one file no
- * index; the other layout's leftover (an old index or single file) removed. */
+ * index; the other layout's leftover (an old index or single file, shards of
+ * another count) removed. */
 static mrl_status write_index(const char *dir, wtensor **byname, int64_t n, int64_t nshards) {
     char *index_path = mrl_st_join(dir, "model.safetensors.index.json");
     char *single_path = mrl_st_join(dir, "model.safetensors");
@@ -422,6 +448,7 @@ static mrl_status write_index(const char *dir, wtensor **byname, int64_t n, int6
         if (!s && unlink(single_path) != 0 && errno != ENOENT)
             s = mrl_set_error(MRL_ERR_IO, "%s: cannot remove the old single file: %s", single_path, strerror(errno));
     }
+    if (!s) s = remove_other_shards(dir, nshards);
     free(index_path);
     free(single_path);
     return s;

@@ -11,8 +11,10 @@
  * checkpoint turned critic) the score gets the documented init (seed 0),
  * and a ...ForSequenceClassification checkpoint without lm_head.weight gets
  * a copy of the embedding. Any other missing or extra tensor is an error.
- * Save: config.json and model.safetensors in f32 (metadata format "pt",
- * as Transformers expects), each written atomically. */
+ * Save: config.json and the weights in F32 (metadata format "pt", as
+ * Transformers expects), streamed tensor by tensor into model.safetensors
+ * or, past the shard limit, model-0000K-of-0000N.safetensors shards with
+ * model.safetensors.index.json; each file written atomically. */
 #include <stdio.h>
 #include <string.h>
 #include "moonrl/fs.h"
@@ -130,22 +132,48 @@ static mrl_status write_config(mrl_model *m, const char *dir) {
     return mrl_fs_write_file(path, json, len); /* temporary file, fsync, rename, fsync of dir */
 }
 
-mrl_status mrl_model_save_dir(mrl_model *m, const char *dir) {
-    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir: NULL argument");
+/* The tensors go out through the safetensors stream one at a time, each
+ * straight from its view of the fp32 master buffer (a GPU model's through a
+ * host buffer of the largest view, reused): saving never holds a second
+ * copy of the model, whatever its size. Shards are filled in view order
+ * (embedding, layers, norm, head), as transformers' save_pretrained fills
+ * them in state-dict order. */
+mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
+    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
-    float *tmp; /* a GPU model's parameters are written from a host copy */
-    const float *params = mrl_model_host_params(m, &tmp);
-    if (!params) return mrl_set_error(MRL_ERR_NOMEM, "%s: no host memory for a copy of the parameters", dir);
-    mrl_st_writer *w = NULL;
-    mrl_status s = mrl_st_writer_create(&w);
-    if (!s) s = mrl_st_writer_set_metadata(w, "format", "pt");
+    float *host = NULL; /* a GPU model's views are written from here */
+    if (m->k->on_device) {
+        int64_t most = 0;
+        for (int i = 0; i < m->n_views; i++)
+            if (m->views[i].numel > most) most = m->views[i].numel;
+        host = mrl_mem_alloc(sizeof(float) * (size_t)(most ? most : 1), MRL_MEM_OTHER);
+        if (!host) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: a host buffer for one tensor of the model", dir);
+    }
+    mrl_st_stream *st = NULL;
+    mrl_status s = mrl_st_stream_open(dir, max_shard_bytes, &st);
+    if (!s) s = mrl_st_stream_set_metadata(st, "format", "pt"); /* what Transformers expects */
+    for (int i = 0; !s && i < m->n_views; i++)
+        s = mrl_st_stream_declare(st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, m->views[i].shape);
     for (int i = 0; !s && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
-        s = mrl_st_writer_add(w, v->name, MRL_DTYPE_F32, v->ndim, v->shape, params + v->offset);
+        const float *src = m->params + v->offset;
+        if (host) {
+            mrl_status c = m->k->to_host(host, src, (int64_t)sizeof(float) * v->numel);
+            if (c) {
+                s = mrl_wrap_error(c, "%s: tensor '%s'", dir, v->name); /* the device's own error after it */
+                break;
+            }
+            src = host;
+        }
+        s = mrl_st_stream_write(st, v->name, src, v->numel);
     }
-    if (!s) s = mrl_st_writer_write_dir(w, dir, 0);
-    mrl_st_writer_free(w);
-    mrl_mem_free(tmp);
+    if (!s) s = mrl_st_stream_finish(st);
+    mrl_st_stream_free(st);
+    mrl_mem_free(host);
     if (!s) s = write_config(m, dir);
     return s;
+}
+
+mrl_status mrl_model_save_dir(mrl_model *m, const char *dir) {
+    return mrl_model_save_dir_sharded(m, dir, MRL_MODEL_MAX_SHARD_BYTES);
 }

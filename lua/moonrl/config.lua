@@ -71,6 +71,7 @@ local function run_section()
     checkpoint_minutes = M.number(30.0, { min = 0 }), -- also checkpoint when this long passed since the last (0: never)
     keep_checkpoints = M.integer(2, { min = 0 }), -- the newest K are kept (0: all)
     checkpoint_errors = 'stop',      -- a checkpoint or metrics write that fails: stop, or warn and go on
+    max_shard_gb = M.number(5, { above = 0 }), -- a saved model's safetensors files at most this large (10^9 bytes a GB, as transformers' "5GB"), else sharded
     memory_budget_mb = M.number(0, { min = 0, max = 1e9 }), -- host MiB this process may hold through moonrl (0: no budget; moonrl/mem.h)
     hang_seconds = M.number(1800.0, { min = 0 }), -- under `--restarts`: no heartbeat for this long is a hang (0: no watchdog)
     progress = os.getenv('MOONRL_PROGRESS') or 'auto', -- the loops' progress on stderr: auto, live, plain, off (moonrl.io.progress)

@@ -11,7 +11,7 @@
 --   local p, n = m:params()                                         -- the one parameter buffer
 --   m:to_device('cuda')                                             -- its buffers and kernels on a GPU
 --   local h = m:read_params(); m:write_params(h)                    -- host copies there
---   m:save('/tmp/out')
+--   m:save('/tmp/out')                                              -- or m:save(dir, max_shard_bytes)
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local json = require('moonrl.io.json')
@@ -346,7 +346,13 @@ function Model:expert_range()
 end
 function Model:set_recompute(on) C.mrl_model_set_recompute(self.handle, on and 1 or 0) end
 function Model:activation_bytes(n_tokens) return tonumber(C.mrl_model_activation_bytes(self.handle, n_tokens)) end
-function Model:save(dir) moonrl.check(C.mrl_model_save_dir(self.handle, dir), 2) end
+-- config.json and the weights (F32), streamed a tensor at a time: model.safetensors, or past
+-- max_shard_bytes (default 5e9, transformers' "5GB"; 0: no limit) model-0000K-of-0000N
+-- shards with model.safetensors.index.json.
+function Model:save(dir, max_shard_bytes)
+  if max_shard_bytes == nil then moonrl.check(C.mrl_model_save_dir(self.handle, dir), 2); return end
+  moonrl.check(C.mrl_model_save_dir_sharded(self.handle, dir, max_shard_bytes), 2)
+end
 
 -- { {name=, offset=, numel=, shape={...}, weight_decay=bool}, ... } in buffer order.
 function Model:views()

@@ -180,6 +180,14 @@ static void case_model(int arch, int bf16, int recompute) {
     CHECK_OK(mrl_model_load_dir(dir, &loaded));
     if (loaded) CHECK(memcmp(mrl_model_params(loaded), pg, sizeof(float) * n) == 0);
     mrl_model_free(loaded);
+    loaded = NULL; /* and in shards: each view through the host buffer of one */
+    CHECK_OK(mrl_model_save_dir_sharded(g, dir, (int64_t)n)); /* a quarter of the model's bytes a file */
+    char index[128];
+    snprintf(index, sizeof index, "%s/model.safetensors.index.json", dir);
+    CHECK(access(index, F_OK) == 0);
+    CHECK_OK(mrl_model_load_dir(dir, &loaded));
+    if (loaded) CHECK(memcmp(mrl_model_params(loaded), pg, sizeof(float) * n) == 0);
+    mrl_model_free(loaded);
     /* load_raw into a GPU model: the CPU's weights, then its forward is the CPU's */
     CHECK_OK(mrl_model_save_raw(c, raw));
     CHECK_OK(mrl_model_set_device(back, GPU));

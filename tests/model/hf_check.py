@@ -5,12 +5,16 @@ model_ref.py). A moonrl model saved with mrl_model_save_dir must load in
 Transformers and give the same log-probs (and, for a
 ...ForSequenceClassification model, the same value at the last token); a
 directory written by Transformers' save_pretrained must load in moonrl with
-the same results. Checked with transformers 4.40 (Llama, Qwen2; llama3 rope
+the same results. With a shard limit, both ways go through sharded
+safetensors: mrl_model_save_dir_sharded's model-0000K-of-0000N files and
+index load in from_pretrained, save_pretrained(max_shard_size=)'s in
+moonrl. Checked with transformers 4.40 (Llama, Qwen2; llama3 rope
 scaling needs 4.43 and Qwen3 4.51, with a newer torch than Debian's).
 
 usage: hf_check.py path/to/libmoonrl.so
 """
 import ctypes as C
+import json
 import os
 import sys
 import tempfile
@@ -52,7 +56,20 @@ def moonrl_logprobs(m, seqs, values=False):
     return lp, val, cu
 
 
-def case(name, cfg, cls_name=None):
+def shard_files(d):
+    """The model-0000K-of-0000N.safetensors files of d, checked to be the index's, and N."""
+    names = sorted(f for f in os.listdir(d) if f.startswith("model-") and f.endswith(".safetensors"))
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        used = set(json.load(f)["weight_map"].values())
+    n = len(names)
+    want = ["model-%05d-of-%05d.safetensors" % (k, n) for k in range(1, n + 1)]
+    if names != want or used != set(names) or os.path.exists(os.path.join(d, "model.safetensors")):
+        raise RuntimeError("%s: shards %s, the index's %s" % (d, names, sorted(used)))
+    return n
+
+
+def case(name, cfg, cls_name=None, shard_bytes=0):
+    """shard_bytes: save through shards of at most that many bytes (each way), at least 3 of them."""
     rng = np.random.default_rng(0)
     m = Moonrl(cfg)
     for n, off, shape, _ in m.views:
@@ -62,7 +79,12 @@ def case(name, cfg, cls_name=None):
     value_head = bool(cls_name)
     lp, val, cu = moonrl_logprobs(m, seqs, value_head)
     with tempfile.TemporaryDirectory() as d:
-        check(lib.mrl_model_save_dir(m.h, d.encode()))
+        if shard_bytes:
+            check(lib.mrl_model_save_dir_sharded(m.h, d.encode(), shard_bytes))
+            if shard_files(d) < 3:
+                raise RuntimeError("%s: fewer than 3 shards of %d bytes" % (d, shard_bytes))
+        else:
+            check(lib.mrl_model_save_dir(m.h, d.encode()))
         if value_head:
             hf = getattr(transformers, cls_name).from_pretrained(d, torch_dtype=torch.float32)
             errs = []
@@ -76,7 +98,11 @@ def case(name, cfg, cls_name=None):
             e = rel(lp, hf_logprobs(hf, seqs))
         # and back: a directory written by Transformers, read by moonrl
         d2 = os.path.join(d, "hf")
-        hf.save_pretrained(d2, safe_serialization=True)
+        if shard_bytes:
+            hf.save_pretrained(d2, safe_serialization=True, max_shard_size=shard_bytes)
+            shard_files(d2)
+        else:
+            hf.save_pretrained(d2, safe_serialization=True)
         h = C.c_void_p()
         check(lib.mrl_model_load_dir(d2.encode(), C.byref(h)))
         m2 = Moonrl.__new__(Moonrl)
@@ -98,6 +124,8 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 43):  #
     case("llama3 rope scaling", dict(base, model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0,
          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position_embeddings=8)))
+case("llama, saved in shards of 40 KB", dict(base, model_type="llama", architectures=["LlamaForCausalLM"]),
+     shard_bytes=40000)
 case("qwen2 biases, tied", dict(base, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True))
 case("llama sequence classification (value head)", dict(base, model_type="llama",
      architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification")

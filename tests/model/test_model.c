@@ -1,6 +1,7 @@
 /* The model API without PyTorch: config parsing and its errors, the views,
  * init determinism, bad batches, memory accounting, recomputation, loading
- * (shapes checked before allocating, the tolerated differences), the
+ * (shapes checked before allocating, the tolerated differences), saving
+ * (sharded, in bounded memory), the
  * gradient buffer created on first use. The
  * numbers themselves are checked against PyTorch in model_ref.py. */
 #include <stdio.h>
@@ -215,6 +216,129 @@ static void test_save_load(void) {
     CHECK(mrl_model_load_dir("/nonexistent/model", &m2) != MRL_OK);
     snprintf(path, sizeof path, "rm -rf '%s'", dir);
     CHECK(system(path) == 0);
+    mrl_model_free(m);
+}
+
+static int exists(const char *dir, const char *name) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (f) fclose(f);
+    return f != NULL;
+}
+
+/* The number N of dir's model-0000K-of-0000N.safetensors files, each K there
+ * (0: none, -1: a K missing or more than one N). */
+static int shard_count(const char *dir) {
+    int found = 0;
+    for (int n = 1; n < 100; n++) {
+        char name[64];
+        snprintf(name, sizeof name, "model-00001-of-%05d.safetensors", n);
+        if (!exists(dir, name)) continue;
+        if (found) return -1;
+        found = n;
+        for (int k = 2; k <= n; k++) {
+            snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", k, n);
+            if (!exists(dir, name)) return -1;
+        }
+    }
+    return found;
+}
+
+/* save_dir_sharded past the shard limit: Hugging Face's file names and
+ * index, the shards filled in view order, the weights read back bit-exact
+ * through the index; a later save of another layout into the same
+ * directory leaves none of the earlier one's files. */
+static void test_save_sharded(void) {
+    mrl_model_config c;
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE "}", &c));
+    mrl_model *m = NULL, *m2 = NULL;
+    CHECK_OK(mrl_model_create(&c, 11, &m));
+    if (!m) return;
+    char dir[] = "/tmp/moonrl_model_shards_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    int64_t bytes = 4 * mrl_model_num_params(m);
+    CHECK_OK(mrl_model_save_dir_sharded(m, dir, bytes / 4)); /* 4 or 5 shards: a tensor does not split */
+    int n = shard_count(dir);
+    CHECK(n >= 3);
+    CHECK(exists(dir, "model.safetensors.index.json") && !exists(dir, "model.safetensors") && exists(dir, "config.json"));
+    char path[300], *index = NULL;
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    FILE *f = fopen(path, "rb");
+    CHECK(f != NULL);
+    if (f) {
+        index = calloc(1, 1 << 16);
+        CHECK(fread(index, 1, (1 << 16) - 1, f) > 0);
+        fclose(f);
+    }
+    if (index) { /* each view's shard, as the index names it: view (state-dict) order never goes back */
+        int last = 1;
+        for (int i = 0; i < mrl_model_num_views(m); i++) {
+            mrl_param_view v;
+            char key[160];
+            CHECK_OK(mrl_model_view(m, i, &v));
+            snprintf(key, sizeof key, "\"%s\": \"model-", v.name);
+            const char *at = strstr(index, key);
+            int k = 0, of = 0;
+            CHECK(at && sscanf(at + strlen(key), "%5d-of-%5d.safetensors\"", &k, &of) == 2 && of == n);
+            CHECK(k >= last && k <= last + 1);
+            last = k;
+        }
+        CHECK(last == n);
+        free(index);
+    }
+    mrl_st *st = NULL;
+    CHECK_OK(mrl_st_open(dir, &st));
+    if (st) {
+        CHECK(mrl_st_count(st) == mrl_model_num_views(m));
+        CHECK(strcmp(mrl_st_metadata(st, "format"), "pt") == 0);
+        mrl_st_close(st);
+    }
+    CHECK_OK(mrl_model_load_dir(dir, &m2));
+    if (m2) {
+        CHECK(memcmp(mrl_model_params(m), mrl_model_params(m2), (size_t)bytes) == 0);
+        mrl_model_free(m2);
+        m2 = NULL;
+    }
+    /* the same directory again: one file, then 2 shards; nothing of before stays */
+    CHECK_OK(mrl_model_save_dir(m, dir));
+    CHECK(shard_count(dir) == 0 && exists(dir, "model.safetensors") && !exists(dir, "model.safetensors.index.json"));
+    CHECK_OK(mrl_model_save_dir_sharded(m, dir, bytes - 1)); /* all but the head in the first */
+    CHECK(shard_count(dir) == 2 && !exists(dir, "model.safetensors"));
+    CHECK_OK(mrl_model_load_dir(dir, &m2));
+    if (m2) CHECK(memcmp(mrl_model_params(m), mrl_model_params(m2), (size_t)bytes) == 0);
+    mrl_model_free(m2);
+    CHECK(mrl_model_save_dir_sharded(m, dir, -1) == MRL_ERR_INVALID);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
+    mrl_model_free(m);
+}
+
+/* Saving streams from the parameters: the resident peak grows by far less
+ * than the model's fp32 size (a version that gathers the model into one
+ * buffer first, as a GPU model's save once did, grows by all of it). */
+static void test_save_memory(void) {
+    mrl_model_config c;
+    CHECK_OK(parse("{\"model_type\": \"llama\", \"vocab_size\": 4096, \"hidden_size\": 256, \"intermediate_size\": 1024, "
+                   "\"num_hidden_layers\": 4, \"num_attention_heads\": 4}", &c));
+    mrl_model *m = NULL;
+    CHECK_OK(mrl_model_create(&c, 2, &m));
+    if (!m) return;
+    int64_t bytes = 4 * mrl_model_num_params(m); /* ~24 MB */
+    char dir[] = "/tmp/moonrl_model_mem_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    mrl_mem_reset_rss_peak();
+    int64_t before = mrl_mem_rss_peak();
+    CHECK_OK(mrl_model_save_dir_sharded(m, dir, 4 << 20));
+    int64_t grew = mrl_mem_rss_peak() - before;
+    CHECK(before > 0 && grew < bytes / 4);
+    if (!(grew < bytes / 4))
+        fprintf(stderr, "saving a model of %lld bytes raised the resident peak by %lld\n", (long long)bytes, (long long)grew);
+    CHECK(shard_count(dir) >= 5);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
     mrl_model_free(m);
 }
 
@@ -456,6 +580,8 @@ int main(void) {
     test_config();
     test_model();
     test_save_load();
+    test_save_sharded();
+    test_save_memory();
     test_load_checks_before_alloc();
     test_load_tolerated();
     test_lazy_grads();

@@ -24,6 +24,7 @@ local CASES = {
   { 'grpo', 'run.keep_checkpoints=-1', "config key 'run.keep_checkpoints' must be >= 0, got -1" },
   { 'grpo', 'run.checkpoint_every=-1', "config key 'run.checkpoint_every' must be >= 0, got -1" },
   { 'sft', 'run.memory_budget_mb=-1', "config key 'run.memory_budget_mb' must be in [0, 1e9], got -1" },
+  { 'sft', 'run.max_shard_gb=0', "config key 'run.max_shard_gb' must be > 0, got 0" },
   { 'grpo', 'guard.max_skips=-1', "config key 'guard.max_skips' must be >= 0, got -1" },
   { 'grpo', 'reward.timeout=-1', "config key 'reward.timeout' must be >= 0, got -1" },
   { 'grpo', 'reward.workers=0', "config key 'reward.workers' must be >= 1, got 0" },

@@ -171,7 +171,16 @@ mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_mode
  * Every tensor the config implies is checked against the file's names and
  * shapes before the parameters are allocated. */
 mrl_status mrl_model_load_dir(const char *dir, mrl_model **out);
-/* config.json + model.safetensors (f32). */
+/* transformers' save_pretrained default max_shard_size ("5GB": 10^9 bytes a GB). */
+#define MRL_MODEL_MAX_SHARD_BYTES 5000000000LL
+/* config.json + the weights in F32, streamed one tensor at a time from the
+ * parameters (no copy of the model is held): model.safetensors when they
+ * fit in max_shard_bytes (0: no limit), else model-0000K-of-0000N.safetensors
+ * filled in view order, as save_pretrained fills them, plus
+ * model.safetensors.index.json. Shards of an earlier save with another
+ * count are removed. */
+mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes);
+/* mrl_model_save_dir_sharded with MRL_MODEL_MAX_SHARD_BYTES. */
 mrl_status mrl_model_save_dir(mrl_model *m, const char *dir);
 /* Replace every parameter with the floats of a raw little-endian f32 file
  * holding the views one after the other in view order (the buffer image). */

@@ -79,7 +79,9 @@ mrl_status mrl_st_writer_write(mrl_st_writer *w, const char *path);
 /* Write into directory dir (created if missing): model.safetensors when
  * everything fits in max_shard_bytes (0: no limit), else
  * model-0000i-of-0000N.safetensors shards plus model.safetensors.index.json
- * (metadata.total_size and weight_map), each file atomically. */
+ * (metadata.total_size and weight_map), each file atomically. What an earlier
+ * write into dir left of the other layout (the single file or the index, the
+ * shards of another count) is removed, as by mrl_st_stream_finish. */
 mrl_status mrl_st_writer_write_dir(mrl_st_writer *w, const char *dir, int64_t max_shard_bytes);
 
 /* Streamed writing into a model directory, for a model whose tensors are

@@ -3,6 +3,8 @@
 --
 --   RUN_DIR/checkpoints/step-000120/
 --     config.json, model.safetensors    the policy in Hugging Face format (a checkpoint is a model),
+--                                       past parts.max_shard_bytes model-0000K-of-0000N.safetensors
+--                                       and model.safetensors.index.json instead
 --     tokenizer.json, ...               with its tokenizer files: load it, serve it, convert it
 --     <name>/config.json, ...           every other model of the run (a PPO critic: critic/)
 --     optimizer.safetensors             each optimizer's exp_avg and exp_avg_sq (F32, flat), its
@@ -19,7 +21,8 @@
 --
 --   local ckpt = require('moonrl.train.checkpoint')
 --   ckpt.write(root, name, parts)   -- parts: { models = {{name=, model=, tokenizer_dir=}}, optimizers =
---                                   --   {{name=, opt=}}, state = table, run = table }; returns the
+--                                   --   {{name=, opt=}}, state = table, run = table, max_shard_bytes =
+--                                   --   the models' safetensors limit (nil: 5 GB) }; returns the
 --                                   --   path and the bytes of the files the manifest lists
 --   ckpt.verify(dir)                -- true, or false and a one-line reason naming the file
 --   ckpt.list(root)                 -- complete-looking checkpoint names, oldest first
@@ -50,10 +53,11 @@ M.TOKENIZER_FILES = TOKENIZER_FILES
 function M.dir_name(step) return string.format('step-%06d', step) end
 
 -- Save a model as a Hugging Face directory with the tokenizer files beside it (each written
--- atomically and fsync'ed). Shared with the final save of a run (moonrl.train.models.save).
-function M.save_model(model, dir, tokenizer_dir)
+-- atomically and fsync'ed), its weights in shards of at most max_shard_bytes (nil: transformers'
+-- 5 GB; Model:save). Shared with the final save of a run (moonrl.train.models.save).
+function M.save_model(model, dir, tokenizer_dir, max_shard_bytes)
   fs.mkdirs(dir)
-  model:save(dir)
+  model:save(dir, max_shard_bytes)
   if tokenizer_dir then
     for _, name in ipairs(TOKENIZER_FILES) do
       local from = tokenizer_dir .. '/' .. name
@@ -110,7 +114,7 @@ function M.write_parts(root, name, parts, p)
   fs.mkdirs(tmp)
   for i, m in ipairs(parts.models or {}) do
     -- the first model is the policy, at the top: the checkpoint loads as a model
-    M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir)
+    M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir, parts.max_shard_bytes)
     p:update(i)
   end
   if parts.optimizers and #parts.optimizers > 0 then write_optimizers(tmp .. '/optimizer.safetensors', parts.optimizers) end

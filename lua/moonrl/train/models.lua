@@ -7,7 +7,7 @@
 --   local ref = models.clone(model)              -- a frozen copy (reference policy)
 --   local critic = models.critic_from(model)     -- same weights plus a value head
 --   local opt = models.adamw(model, { lr = 1e-5 })
---   models.save(run, model, tok_dir)             -- run.dir/model in HF format, tokenizer files copied
+--   models.save(run, model, tok_dir[, dir, max_shard_bytes])  -- run.dir/model in HF format, tokenizer files copied
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local C = moonrl.C
@@ -80,10 +80,11 @@ function M.adamw(model, o)
 end
 
 -- Save model to dir (default run.dir/model) in Hugging Face format with the tokenizer files of
--- tokenizer_dir copied beside it, every file written atomically. Returns the directory.
-function M.save(run, model, tokenizer_dir, dir)
+-- tokenizer_dir copied beside it, every file written atomically, the weights sharded past
+-- max_shard_bytes (nil: 5 GB). Returns the directory.
+function M.save(run, model, tokenizer_dir, dir, max_shard_bytes)
   dir = dir or (run.dir .. '/model')
-  require('moonrl.train.checkpoint').save_model(model, dir, tokenizer_dir)
+  require('moonrl.train.checkpoint').save_model(model, dir, tokenizer_dir, max_shard_bytes)
   return dir
 end
 

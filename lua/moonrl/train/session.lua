@@ -67,7 +67,7 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
   'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
-  'run.progress_seconds', 'run.memory_budget_mb' }
+  'run.progress_seconds', 'run.memory_budget_mb', 'run.max_shard_gb' }
 
 -- ---- start --------------------------------------------------------------------------------
 
@@ -543,7 +543,7 @@ function Session:checkpoint(reason, small, step, phase_step)
   if w.rank == 0 then
     fault.arm_checkpoint(step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = optimizers,
-      state = state, run = run_info })
+      state = state, run = run_info, max_shard_bytes = self:max_shard_bytes() })
     fault.disarm()
   end
   for _, o in ipairs(self.optimizers) do -- ZeRO-1: rank 0's gathered state, written now
@@ -762,6 +762,9 @@ function Session:lr() return self.lr_at(self.step) end
 
 -- ---- the end ------------------------------------------------------------------------------
 
+-- run.max_shard_gb in bytes (at least 1: a tiny limit is one tensor a shard, never "no limit").
+function Session:max_shard_bytes() return math.max(1, math.floor(self.cfg.run.max_shard_gb * 1e9)) end
+
 -- Save the models where a finished run keeps them: the policy in RUN_DIR/model, others in
 -- RUN_DIR/<name>. A failure is an error: a run never ends well without its model.
 function Session:save_models()
@@ -785,7 +788,7 @@ function Session:save_models()
       error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
     end
     local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()
-      ckpt.save_model(m.model, dir, m.tokenizer_dir)
+      ckpt.save_model(m.model, dir, m.tokenizer_dir, self:max_shard_bytes())
     end)
     if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     out[m.name] = dir
