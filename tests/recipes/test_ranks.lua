@@ -286,6 +286,57 @@ t.test('zero=1: a checkpoint of 2 ranks (a shard file each) resumes on 3 and on 
   fs.remove(shard)
   ok, why = ckpt.verify(ck)
   t.truthy(not ok and why:find('optimizer.rank-00001-of-00003.safetensors: missing', 1, true), tostring(why))
+  -- a shard set that does not tile the state is refused naming the file, even past the manifest:
+  -- the state read whole through a stand-in optimizer, first from a complete set (3 -> 2's
+  -- last checkpoint, written by 2 ranks)
+  local sd = zero32 .. '/checkpoints/step-000004'
+  local safetensors = require('moonrl.io.safetensors')
+  local name = safetensors.open(sd .. '/' .. ckpt.shard_file(0, 2)):names()[1]:match('^(.*)%.exp_avg')
+  local n = 0
+  for r = 0, 1 do n = n + safetensors.open(sd .. '/' .. ckpt.shard_file(r, 2)):info(name .. '.exp_avg').numel end
+  local got
+  local function load(want)
+    local loaded, err = pcall(ckpt.load_optimizer, sd, name, { n = want, load_state = function(_, st) got = st end })
+    return loaded, tostring(err)
+  end
+  t.truthy(load(n) and got.n == n and got.step == 4, 'the two shards read whole: ' .. n .. ' floats, step 4')
+  local loaded, err = load(n + 1)
+  t.truthy(not loaded and err:find(ckpt.shard_file(0, 2) .. ': ' .. name .. '.total is ' .. n, 1, true), err)
+  fs.copy(ck .. '/' .. ckpt.shard_file(0, 3), sd .. '/' .. ckpt.shard_file(0, 3))
+  loaded, err = load(n)
+  t.truthy(not loaded and err:find('a shard of %d ranks beside shards of %d') ~= nil, err)
+  fs.remove(sd .. '/' .. ckpt.shard_file(0, 3))
+  fs.remove(sd .. '/' .. ckpt.shard_file(1, 2))
+  loaded, err = load(n)
+  t.truthy(not loaded and err:find(ckpt.shard_file(1, 2) .. ': missing (the shards are of 2 ranks)', 1, true), err)
+end)
+
+t.test('zero=1: a shard write that fails on one rank fails the checkpoint on every rank, at once', function()
+  -- rank 1's optimizer shard cannot be written (a --require hook makes the write raise, as a full
+  -- disk would): both ranks end within the collective's agreement, not after dist.timeout, the
+  -- error names rank 1 and its file, and no checkpoint (no manifest over a missing shard) is left
+  local hook = dir .. '/fail_shard_rank1.lua'
+  fs.write(hook, [[
+if tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or '0') == 1 then
+  local W = getmetatable(require('moonrl.io.safetensors').writer())
+  local write = W.write
+  W.write = function(self, path)
+    if path:find('optimizer.rank-', 1, true) then error(path .. ': no space left on device (injected)', 0) end
+    return write(self, path)
+  end
+end
+]])
+  local d = dir .. '/zero_shard_fails'
+  local t0 = require('moonrl').now()
+  local r = run(2, 'recipes/sft.lua', with(SFT, '--require', hook, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=1',
+    'dist.timeout=60'), { expect_fail = true })
+  local secs = require('moonrl').now() - t0
+  local text = r.stdout .. r.stderr
+  t.truthy(not r.ok, 'the job failed')
+  t.truthy(secs < 30, string.format('at once, not after dist.timeout (%.1f s)', secs))
+  t.truthy(text:find('rank 1: [^\n]*optimizer%.rank%-00001%-of%-00002%.safetensors: no space left on device') ~= nil, text)
+  t.eq(#require('moonrl.train.checkpoint').list(d .. '/checkpoints'), 0, 'no checkpoint')
+  t.truthy(not fs.exists(d .. '/checkpoints/.tmp-step-000001'), 'the partial one removed')
 end)
 
 t.test('a hung rank: the others fail after dist.timeout, naming it', function()
