@@ -35,6 +35,9 @@ local function run(n, recipe, words, opts)
     for _, a in ipairs({ mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
       '--mca', 'btl', opts.btl or 'vader,self' }) do argv[#argv + 1] = a end
     for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
+  elseif opts.env then -- one process: through env(1)
+    argv[1] = '/usr/bin/env'
+    for _, e in ipairs(opts.env) do argv[#argv + 1] = e end
   end
   argv[#argv + 1], argv[#argv + 2], argv[#argv + 3] = exe, 'run', recipe
   for _, w in ipairs(words) do argv[#argv + 1] = w end
@@ -221,7 +224,7 @@ local function as_version1(ck)
   fs.write(ck .. '/manifest.json', json.encode(m, { indent = 1 }) .. '\n')
 end
 
-t.test('zero=1: a checkpoint of 2 ranks (a shard file each) resumes on 3 and on 1, one of 3 on 2; an old one of one file too', function()
+t.test('zero=1: a checkpoint of 2 ranks (a shard file each) resumes on 3 and on 1, one of 3 on 2; one of 1 process and an old one of one file too', function()
   -- 2 ranks checkpoint steps 1 and 2 and die at the start of step 3; the rest resumes
   local function first_half(d, zero, ranks)
     local r = run(ranks or 2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=' .. zero),
@@ -238,6 +241,16 @@ t.test('zero=1: a checkpoint of 2 ranks (a shard file each) resumes on 3 and on 
   run(3, 'recipes/sft.lua', with(SFT, 'run.dir=' .. old .. '3', 'dist.zero=1'))
   t.truthy(bytes(old .. '3/model/model.safetensors') == bytes(dir .. '/resume23/model/model.safetensors'),
     'version 1 on 3 ranks with zero=1: the weights of plain data parallel 2 -> 3 bit for bit')
+  -- one process's checkpoint (one file) on 2 ranks with zero=1: plain data parallel's bits
+  local one = dir .. '/one_resume12'
+  local r = run(0, 'recipes/sft.lua', with(SFT, 'run.dir=' .. one, 'run.checkpoint_every=1'),
+    { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
+  t.truthy(not r.ok, 'the one process died at step 3')
+  t.truthy(proc.run({ 'cp', '-a', one, one .. 'z' }).ok)
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. one))
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. one .. 'z', 'dist.zero=1'))
+  t.truthy(bytes(one .. 'z/model/model.safetensors') == bytes(one .. '/model/model.safetensors'),
+    '1 -> 2 with zero=1: the weights of plain data parallel bit for bit')
   -- ZeRO-1's shards: each rank reads the pieces of the 2 files that overlap its range (3 ranks)
   -- or one process all of them; the same bits as the whole file of plain data parallel gives
   for _, n in ipairs({ 3, 0 }) do
