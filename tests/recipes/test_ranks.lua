@@ -1,7 +1,8 @@
 -- Data parallel over ranks (mpirun, one thread a rank, --oversubscribe): the same recipe and
 -- global batch on 1, 2 and 3 ranks gives the same metrics and weights up to summation order;
 -- a given number of ranks is bit-identical run to run, ZeRO-1 equals plain data parallel, a
--- checkpoint of 2 ranks resumes on 3 (and ZeRO-1's on 3 and on 1), a hung rank fails the job after dist.timeout naming it,
+-- checkpoint of 2 ranks resumes on 3 (and ZeRO-1's, written a shard file a rank, on 3 and on 1;
+-- an old one of a single optimizer file too), a hung rank fails the job after dist.timeout naming it,
 -- and a killed rank under `moonrl launch --restarts` ends with the weights of a clean run.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
@@ -34,6 +35,9 @@ local function run(n, recipe, words, opts)
     for _, a in ipairs({ mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
       '--mca', 'btl', opts.btl or 'vader,self' }) do argv[#argv + 1] = a end
     for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
+  elseif opts.env then -- one process: through env(1)
+    argv[1] = '/usr/bin/env'
+    for _, e in ipairs(opts.env) do argv[#argv + 1] = e end
   end
   argv[#argv + 1], argv[#argv + 2], argv[#argv + 3] = exe, 'run', recipe
   for _, w in ipairs(words) do argv[#argv + 1] = w end
@@ -67,6 +71,34 @@ local function metrics(run_dir)
 end
 
 local function bytes(path) return fs.read(path) end
+
+-- A checkpoint's optimizer files (optimizer.safetensors, or one optimizer.rank-R-of-N a rank) and
+-- each of their tensors' floats as bytes, the shards joined in rank order: the whole state.
+local function optimizer_state(ck)
+  local files, out = {}, {}
+  for _, f in ipairs(fs.list(ck)) do
+    if f:match('^optimizer') then files[#files + 1] = f end
+  end
+  table.sort(files)
+  for _, f in ipairs(files) do
+    local st = require('moonrl.io.safetensors').open(ck .. '/' .. f)
+    for _, name in ipairs(st:names()) do
+      local n = st:info(name).numel
+      out[name] = (out[name] or '') .. ffi.string(st:read_f32(name), 4 * n)
+    end
+  end
+  return out, files
+end
+
+local function same_state(a, b, what)
+  local names = 0
+  for name, x in pairs(a) do
+    names = names + 1
+    t.truthy(x == b[name], what .. ': ' .. name .. ' bit for bit')
+  end
+  for name in pairs(b) do t.truthy(a[name], what .. ': ' .. name .. ' in both') end
+  t.truthy(names >= 2, what .. ': exp_avg and exp_avg_sq')
+end
 
 local SFT = { 'model.dir=' .. model_dir, 'data.path=' .. sft_data, 'train.steps=4', 'train.batch=12', 'train.lr=1e-3',
   'train.micro_batch_tokens=40', 'run.threads=1' }
@@ -139,9 +171,14 @@ t.test('zero-1 and any bucket size equal plain data parallel bit for bit, over s
   end
   t.truthy(ev and ev.state_bytes_per_rank * 2 >= ev.state_bytes and ev.state_bytes_per_rank * 2 <= ev.state_bytes + 8,
     'zero=1: each rank holds half of the optimizer state')
-  t.truthy(bytes(d1 .. '/checkpoints/' .. ckpt[#ckpt] .. '/optimizer.safetensors') ==
-    bytes(dir .. '/sft2/checkpoints/' .. ckpt[#ckpt] .. '/optimizer.safetensors'),
-    'the whole optimizer state in the checkpoint, the same as without sharding')
+  -- each rank wrote its own shard of the state, nothing gathered: two files, no whole one,
+  -- which joined are the state of plain data parallel bit for bit
+  local zstate, zfiles = optimizer_state(d1 .. '/checkpoints/' .. ckpt[#ckpt])
+  t.eq(table.concat(zfiles, ' '), 'optimizer.rank-00000-of-00002.safetensors optimizer.rank-00001-of-00002.safetensors',
+    'zero=1: one optimizer shard file a rank')
+  local pstate, pfiles = optimizer_state(dir .. '/sft2/checkpoints/' .. ckpt[#ckpt])
+  t.eq(table.concat(pfiles, ' '), 'optimizer.safetensors', 'plain data parallel: the whole state in one file')
+  same_state(pstate, zstate, "zero=1's shards against plain data parallel's state")
 end)
 
 t.test('grpo: the first steps agree on 1, 2 and 3 ranks', function()
@@ -172,27 +209,147 @@ t.test('a checkpoint of 2 ranks resumes on 3', function()
   t.eq(#metrics(d), 4, 'four steps logged, once each')
 end)
 
-t.test('zero=1: a checkpoint of 2 ranks resumes on 3 (zero=1) and on 1', function()
-  -- each rank reads its range of the saved m and v, and 3 ranks gather theirs for the last
-  -- checkpoint: the same bits as plain data parallel's 2 then 3 ranks
+-- A checkpoint as moonrl wrote it before the shard files (format version 1): its optimizer
+-- state in one optimizer.safetensors, as plain data parallel still writes it, and version 1 in
+-- the manifest and state.json (its entry in the manifest updated).
+local function as_version1(ck)
+  local text, n = fs.read(ck .. '/state.json'):gsub('"format": 2,', '"format": 1,')
+  assert(n == 1, 'state.json records the format version 2')
+  fs.write(ck .. '/state.json', text)
+  local crc, size = fs.crc32c_file(ck .. '/state.json')
+  local m = json.decode(fs.read(ck .. '/manifest.json'))
+  assert(m.version == 2 and m.files['state.json'] and fs.stat(ck .. '/optimizer.safetensors'))
+  m.version = 1
+  m.files['state.json'] = json.object({ 'bytes', size, 'crc32c', string.format('%08x', crc) })
+  fs.write(ck .. '/manifest.json', json.encode(m, { indent = 1 }) .. '\n')
+end
+
+t.test('zero=1: a checkpoint of 2 ranks (a shard file each) resumes on 3 and on 1, one of 3 on 2; one of 1 process and an old one of one file too', function()
+  -- 2 ranks checkpoint steps 1 and 2 and die at the start of step 3; the rest resumes
+  local function first_half(d, zero, ranks)
+    local r = run(ranks or 2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=' .. zero),
+      { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
+    t.truthy(not r.ok, 'the first job died at step 3')
+  end
+  -- plain data parallel's checkpoint, made version 1: on 1 process, and on 3 ranks with zero=1
+  -- (each reads its range of the one file)
+  local old = dir .. '/old_resume'
+  first_half(old, 0)
+  as_version1(old .. '/checkpoints/step-000002')
+  t.truthy(proc.run({ 'cp', '-a', old, old .. '3' }).ok)
+  run(0, 'recipes/sft.lua', with(SFT, 'run.dir=' .. old))
+  run(3, 'recipes/sft.lua', with(SFT, 'run.dir=' .. old .. '3', 'dist.zero=1'))
+  t.truthy(bytes(old .. '3/model/model.safetensors') == bytes(dir .. '/resume23/model/model.safetensors'),
+    'version 1 on 3 ranks with zero=1: the weights of plain data parallel 2 -> 3 bit for bit')
+  -- one process's checkpoint (one file) on 2 ranks with zero=1: plain data parallel's bits
+  local one = dir .. '/one_resume12'
+  local r = run(0, 'recipes/sft.lua', with(SFT, 'run.dir=' .. one, 'run.checkpoint_every=1'),
+    { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
+  t.truthy(not r.ok, 'the one process died at step 3')
+  t.truthy(proc.run({ 'cp', '-a', one, one .. 'z' }).ok)
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. one))
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. one .. 'z', 'dist.zero=1'))
+  t.truthy(bytes(one .. 'z/model/model.safetensors') == bytes(one .. '/model/model.safetensors'),
+    '1 -> 2 with zero=1: the weights of plain data parallel bit for bit')
+  -- ZeRO-1's shards: each rank reads the pieces of the 2 files that overlap its range (3 ranks)
+  -- or one process all of them; the same bits as the whole file of plain data parallel gives
   for _, n in ipairs({ 3, 0 }) do
     local d = dir .. '/zero_resume2' .. n
-    local r = run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=1'),
-      { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
-    t.truthy(not r.ok, 'the 2-rank job died at step 3')
+    first_half(d, 1)
+    local _, files = optimizer_state(d .. '/checkpoints/step-000002')
+    t.eq(#files, 2, 'two shard files')
     run(n, 'recipes/sft.lua', with(SFT, 'run.dir=' .. d, n > 0 and 'dist.zero=1' or 'dist.zero=0'))
     local e = rel_diff(weights(dir .. '/sft1'), weights(d))
     print(string.format('  zero=1: 2 ranks x 2 steps then %d x 2 steps against 1 process: %.3g', math.max(n, 1), e))
     t.truthy(e <= 1e-5, 'resumed on ' .. math.max(n, 1) .. ': the weights of one process')
     t.eq(#metrics(d), 4, 'four steps logged, once each')
     if n == 3 then
-      local last = '/checkpoints/step-000004/'
+      local last = '/checkpoints/step-000004'
       t.truthy(bytes(d .. '/model/model.safetensors') == bytes(dir .. '/resume23/model/model.safetensors'),
         'on 3 ranks: the weights of plain data parallel bit for bit')
-      t.truthy(bytes(d .. last .. 'optimizer.safetensors') == bytes(dir .. '/resume23' .. last .. 'optimizer.safetensors'),
-        "and the optimizer state the 3 ranks' shards gathered to rank 0")
+      local state, shards = optimizer_state(d .. last)
+      t.eq(#shards, 3, 'the last checkpoint: a shard file of each of the 3 ranks')
+      same_state(optimizer_state(dir .. '/resume23' .. last), state, "the 3 ranks' shards against plain data parallel")
+    else
+      t.truthy(bytes(d .. '/model/model.safetensors') == bytes(old .. '/model/model.safetensors'),
+        'on 1 process: the weights of plain data parallel 2 -> 1 bit for bit')
     end
   end
+  -- the other way, 3 -> 2: the 3 ranks' shards of step 2 go on on 2 ranks (each reads pieces of
+  -- two files), as plain data parallel's 3-rank checkpoint does on 2 plain ranks
+  local plain32, zero32 = dir .. '/plain_resume32', dir .. '/zero_resume32'
+  first_half(plain32, 0, 3)
+  first_half(zero32, 1, 3)
+  local _, files = optimizer_state(zero32 .. '/checkpoints/step-000002')
+  t.eq(#files, 3, 'three shard files')
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. plain32))
+  run(2, 'recipes/sft.lua', with(SFT, 'run.dir=' .. zero32, 'dist.zero=1'))
+  t.eq(#metrics(zero32), 4, 'four steps logged, once each')
+  t.truthy(bytes(zero32 .. '/model/model.safetensors') == bytes(plain32 .. '/model/model.safetensors'),
+    '3 -> 2 with zero=1: the weights of plain data parallel bit for bit')
+  -- the manifest covers every shard: one missing or changed and the checkpoint does not verify
+  local ckpt = require('moonrl.train.checkpoint')
+  local ck = dir .. '/zero_resume23/checkpoints/step-000004'
+  t.truthy(ckpt.verify(ck), 'the 3-rank checkpoint verifies')
+  local shard = ck .. '/optimizer.rank-00001-of-00003.safetensors'
+  local good = fs.read(shard)
+  fs.write(shard, good:sub(1, -2) .. string.char((good:byte(-1) + 1) % 256))
+  local ok, why = ckpt.verify(ck)
+  t.truthy(not ok and why:find('optimizer.rank-00001-of-00003.safetensors: checksum', 1, true), tostring(why))
+  fs.remove(shard)
+  ok, why = ckpt.verify(ck)
+  t.truthy(not ok and why:find('optimizer.rank-00001-of-00003.safetensors: missing', 1, true), tostring(why))
+  -- a shard set that does not tile the state is refused naming the file, even past the manifest:
+  -- the state read whole through a stand-in optimizer, first from a complete set (3 -> 2's
+  -- last checkpoint, written by 2 ranks)
+  local sd = zero32 .. '/checkpoints/step-000004'
+  local safetensors = require('moonrl.io.safetensors')
+  local name = safetensors.open(sd .. '/' .. ckpt.shard_file(0, 2)):names()[1]:match('^(.*)%.exp_avg')
+  local n = 0
+  for r = 0, 1 do n = n + safetensors.open(sd .. '/' .. ckpt.shard_file(r, 2)):info(name .. '.exp_avg').numel end
+  local got
+  local function load(want)
+    local loaded, err = pcall(ckpt.load_optimizer, sd, name, { n = want, load_state = function(_, st) got = st end })
+    return loaded, tostring(err)
+  end
+  t.truthy(load(n) and got.n == n and got.step == 4, 'the two shards read whole: ' .. n .. ' floats, step 4')
+  local loaded, err = load(n + 1)
+  t.truthy(not loaded and err:find(ckpt.shard_file(0, 2) .. ': ' .. name .. '.total is ' .. n, 1, true), err)
+  fs.copy(ck .. '/' .. ckpt.shard_file(0, 3), sd .. '/' .. ckpt.shard_file(0, 3))
+  loaded, err = load(n)
+  t.truthy(not loaded and err:find('a shard of %d ranks beside shards of %d') ~= nil, err)
+  fs.remove(sd .. '/' .. ckpt.shard_file(0, 3))
+  fs.remove(sd .. '/' .. ckpt.shard_file(1, 2))
+  loaded, err = load(n)
+  t.truthy(not loaded and err:find(ckpt.shard_file(1, 2) .. ': missing (the shards are of 2 ranks)', 1, true), err)
+end)
+
+t.test('zero=1: a shard write that fails on one rank fails the checkpoint on every rank, at once', function()
+  -- rank 1's optimizer shard cannot be written (a --require hook makes the write raise, as a full
+  -- disk would): both ranks end within the collective's agreement, not after dist.timeout, the
+  -- error names rank 1 and its file, and no checkpoint (no manifest over a missing shard) is left
+  local hook = dir .. '/fail_shard_rank1.lua'
+  fs.write(hook, [[
+if tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or '0') == 1 then
+  local W = getmetatable(require('moonrl.io.safetensors').writer())
+  local write = W.write
+  W.write = function(self, path)
+    if path:find('optimizer.rank-', 1, true) then error(path .. ': no space left on device (injected)', 0) end
+    return write(self, path)
+  end
+end
+]])
+  local d = dir .. '/zero_shard_fails'
+  local t0 = require('moonrl').now()
+  local r = run(2, 'recipes/sft.lua', with(SFT, '--require', hook, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=1',
+    'dist.timeout=60'), { expect_fail = true })
+  local secs = require('moonrl').now() - t0
+  local text = r.stdout .. r.stderr
+  t.truthy(not r.ok, 'the job failed')
+  t.truthy(secs < 30, string.format('at once, not after dist.timeout (%.1f s)', secs))
+  t.truthy(text:find('rank 1: [^\n]*optimizer%.rank%-00001%-of%-00002%.safetensors: no space left on device') ~= nil, text)
+  t.eq(#require('moonrl.train.checkpoint').list(d .. '/checkpoints'), 0, 'no checkpoint')
+  t.truthy(not fs.exists(d .. '/checkpoints/.tmp-step-000001'), 'the partial one removed')
 end)
 
 t.test('a hung rank: the others fail after dist.timeout, naming it', function()
@@ -209,20 +366,33 @@ t.test('a hung rank: the others fail after dist.timeout, naming it', function()
 end)
 
 t.test('a killed rank: moonrl launch --restarts ends with the weights of a clean run', function()
-  local d = dir .. '/killed'
-  local words = with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.timeout=20')
-  local argv = { exe, 'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self',
-    'recipes/sft.lua' }
-  for _, w in ipairs(words) do argv[#argv + 1] = w end
-  local old = os.getenv('MOONRL_FAULT')
-  local r = proc.run({ '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=kill:step=3:phase=train:rank=1:attempt=0', 'MOONRL_THREADS=1',
-    unpack(argv) }, { timeout = 180 })
-  if not r.ok then io.stderr:write(r.stdout, r.stderr) end
-  t.truthy(r.ok, 'the supervised job finished')
-  t.truthy((r.stderr or ''):find('restarting') ~= nil, 'after a restart')
-  t.truthy(bytes(d .. '/model/model.safetensors') == bytes(dir .. '/sft2/model/model.safetensors'),
-    'the same weights as a clean 2-rank run')
-  t.eq(#metrics(d), 4, 'each step logged once')
+  -- killed in a step; and, with zero=1, killed while writing its optimizer shard of step 2's
+  -- checkpoint (after 1000 bytes of it): no manifest, so the restart resumes from step 1's
+  for _, case in ipairs({ { 'killed', 'kill:step=3:phase=train:rank=1:attempt=0' },
+    { 'killed_zero_ckpt', 'kill:checkpoint=2:bytes=1000:rank=1:attempt=0', 'dist.zero=1' } }) do
+    local d = dir .. '/' .. case[1]
+    local words = with(SFT, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.timeout=20', case[3])
+    local argv = { exe, 'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self',
+      'recipes/sft.lua' }
+    for _, w in ipairs(words) do argv[#argv + 1] = w end
+    local r = proc.run({ '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=' .. case[2], 'MOONRL_THREADS=1',
+      unpack(argv) }, { timeout = 180 })
+    if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+    t.truthy(r.ok, case[1] .. ': the supervised job finished')
+    t.truthy((r.stderr or ''):find('restarting') ~= nil, case[1] .. ': after a restart')
+    t.truthy(bytes(d .. '/model/model.safetensors') == bytes(dir .. '/sft2/model/model.safetensors'),
+      case[1] .. ': the same weights as a clean 2-rank run')
+    t.eq(#metrics(d), 4, case[1] .. ': each step logged once')
+    if case[3] then
+      t.truthy(r.stderr:find('checkpoint write after 1000 bytes', 1, true), 'rank 1 was killed in the write')
+      local from
+      for line in io.lines(d .. '/events.jsonl') do
+        local e = json.decode(line)
+        if e.event == 'resume' then from = e.checkpoint end
+      end
+      t.truthy(from and from:find('step%-000001$'), 'resumed from the checkpoint before: ' .. tostring(from))
+    end
+  end
 end)
 
 t.test('moonrl launch: SIGTERM reaches every rank, which stop at the same step with a checkpoint', function()

@@ -8,7 +8,12 @@
 --     tokenizer.json, ...               with its tokenizer files: load it, serve it, convert it
 --     <name>/config.json, ...           every other model of the run (a PPO critic: critic/)
 --     optimizer.safetensors             each optimizer's exp_avg and exp_avg_sq (F32, flat), its
---                                       step count in the metadata
+--                                       step count in the metadata (one process, plain data parallel)
+--     optimizer.rank-00001-of-00004.safetensors
+--                                       or, when the ranks shard the state (dist.zero=1), one file a
+--                                       rank: its contiguous range of each exp_avg and exp_avg_sq
+--                                       (F32, flat), and in the metadata <name>.offset, <name>.total
+--                                       (the range's place in the whole), <name>.step, rank, world_size
 --     state.json                        step, phase, data positions, random generators, the guards'
 --                                       windows, the recipe's extra state
 --     run.json                          the resolved config, moonrl's version and git revision, the
@@ -17,13 +22,21 @@
 --
 -- Writing: everything goes into checkpoints/.tmp-step-000120/ (each file fsync'ed as it is
 -- written), the manifest last, then the directory is fsync'ed and renamed into place and
--- checkpoints/ fsync'ed. A directory without a valid manifest is not a checkpoint.
+-- checkpoints/ fsync'ed. A directory without a valid manifest is not a checkpoint. With ranks
+-- (parts.world), rank 0 makes the directory, then every rank writes its optimizer shard while
+-- rank 0 writes the rest, and after each part the ranks agree (an all-gather of their errors):
+-- a failure on any rank fails the checkpoint on every rank, and rank 0 writes the manifest (its
+-- own stat and CRC-32C of each file: run.dir is shared by the ranks) only once every shard is
+-- complete. Reading: each rank reads, of the files of whatever world size wrote them, only the
+-- pieces that overlap its own range (M.load_optimizer), so N ranks resume on M.
 --
 --   local ckpt = require('moonrl.train.checkpoint')
 --   ckpt.write(root, name, parts)   -- parts: { models = {{name=, model=, tokenizer_dir=}}, optimizers =
 --                                   --   {{name=, opt=}}, state = table, run = table, max_shard_bytes =
---                                   --   the models' safetensors limit (nil: 5 GB) }; returns the
---                                   --   path and the bytes of the files the manifest lists
+--                                   --   the models' safetensors limit (nil: 5 GB), world = the ranks'
+--                                   --   World (every rank calls; nil: one process), sharded = each
+--                                   --   rank's opt:state() is its shard }; returns the path and (rank
+--                                   --   0) the bytes of the files the manifest lists
 --   ckpt.verify(dir)                -- true, or false and a one-line reason naming the file
 --   ckpt.list(root)                 -- complete-looking checkpoint names, oldest first
 --   ckpt.latest(root, warn)         -- the newest checkpoint that verifies (warn(msg, dir) for each skipped)
@@ -44,7 +57,7 @@ local function is_int(v, lo, hi)
 end
 
 M.FORMAT = 'moonrl-checkpoint'
-M.VERSION = 1
+M.VERSION = 2 -- 2: optimizer state in one file per rank when sharded (1: always one file; still read)
 
 local TOKENIZER_FILES = { 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
   'chat_template.jinja', 'generation_config.json', 'vocab.json', 'merges.txt' }
@@ -66,16 +79,45 @@ function M.save_model(model, dir, tokenizer_dir, max_shard_bytes)
   end
 end
 
-local function write_optimizers(path, optimizers)
+-- The optimizer shard file of rank `rank` of `size`.
+function M.shard_file(rank, size) return string.format('optimizer.rank-%05d-of-%05d.safetensors', rank, size) end
+
+-- world: the ranks, when each opt:state() is this rank's shard (offset, total: where it lies).
+local function write_optimizers(path, optimizers, world)
   local w = require('moonrl.io.safetensors').writer()
   for _, o in ipairs(optimizers) do
     local s = o.opt:state()
     w:add(o.name .. '.exp_avg', 'F32', { s.n }, s.m)
     w:add(o.name .. '.exp_avg_sq', 'F32', { s.n }, s.v)
     w:metadata(o.name .. '.step', tostring(s.step))
+    if world then
+      w:metadata(o.name .. '.offset', tostring(s.offset))
+      w:metadata(o.name .. '.total', tostring(s.total))
+    end
+  end
+  if world then
+    w:metadata('rank', tostring(world.rank))
+    w:metadata('world_size', tostring(world.size))
   end
   w:metadata('format', M.FORMAT)
   w:write(path)
+end
+
+-- Run fn on this rank, then agree with the others (world: nil or one process, nothing to agree):
+-- when fn failed on any rank, every rank raises the first failure, naming its rank, so none goes
+-- on to a manifest over a missing file or waits for a rank that gave up. (A rank killed outright
+-- leaves the others in the all-gather until dist.timeout or the launcher ends the job: no
+-- manifest is written, the earlier checkpoints are intact.)
+local function together(world, fn)
+  local ok, err = pcall(fn)
+  if not world or world.size == 1 then
+    if not ok then error(err, 0) end
+    return
+  end
+  local errs = world:gather_strings(ok and '' or moonrl.error_text(err))
+  for r, e in ipairs(errs) do
+    if e ~= '' then error(string.format('rank %d: %s', r - 1, e), 0) end
+  end
 end
 
 -- Every regular file under dir, as paths relative to it, sorted.
@@ -97,29 +139,11 @@ local function sync_dirs(dir)
   fs.sync_dir(dir)
 end
 
-function M.write(root, name, parts)
-  local p = require('moonrl.io.progress').new('checkpoint ' .. name, #(parts.models or {}) + 2, { unit = 'part' })
-  local ok, path, bytes = pcall(M.write_parts, root, name, parts, p)
-  if not ok then p:cancel(); error(path, 0) end
-  p:finish(require('moonrl.io.progress').bytes(bytes))
-  return path, bytes
-end
-
--- M.write's work; p: its progress (a part: each model, the optimizers and small files, the checksums).
-function M.write_parts(root, name, parts, p)
-  fs.mkdirs(root)
+-- Rank 0's last part: the manifest over every file the ranks wrote (each complete: M.write_parts
+-- agreed first), then the directory renamed into place. Returns the bytes listed.
+local function finish(root, name, parts, p)
   local final = root .. '/' .. name
   local tmp = root .. '/.tmp-' .. name
-  fs.remove(tmp) -- the remains of a write that was interrupted
-  fs.mkdirs(tmp)
-  for i, m in ipairs(parts.models or {}) do
-    -- the first model is the policy, at the top: the checkpoint loads as a model
-    M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir, parts.max_shard_bytes)
-    p:update(i)
-  end
-  if parts.optimizers and #parts.optimizers > 0 then write_optimizers(tmp .. '/optimizer.safetensors', parts.optimizers) end
-  fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
-  fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
   p:update(#(parts.models or {}) + 1, 'checksums')
   local files, bytes = json.object(), 0
   for _, rel in ipairs(files_under(tmp)) do
@@ -133,6 +157,52 @@ function M.write_parts(root, name, parts, p)
   sync_dirs(tmp)
   if fs.stat(final) then fs.remove(final) end -- a checkpoint of this step from before a rollback
   fs.rename(tmp, final)
+  return bytes
+end
+
+function M.write(root, name, parts)
+  local lead = not parts.world or parts.world.rank == 0 -- (rank 0 alone shows the progress)
+  local progress = require('moonrl.io.progress')
+  local p = lead and progress.new('checkpoint ' .. name, #(parts.models or {}) + 2, { unit = 'part' })
+  local ok, path, bytes = pcall(M.write_parts, root, name, parts, p)
+  if not ok then
+    if p then p:cancel() end
+    error(path, 0)
+  end
+  if p then p:finish(progress.bytes(bytes)) end
+  return path, bytes
+end
+
+-- M.write's work; p: its progress on rank 0 (a part: each model, the optimizers and small files,
+-- the checksums).
+function M.write_parts(root, name, parts, p)
+  local world = parts.world
+  local lead = not world or world.rank == 0
+  local final = root .. '/' .. name
+  local tmp = root .. '/.tmp-' .. name
+  local optimizers = parts.optimizers and #parts.optimizers > 0 and parts.optimizers
+  together(world, function()
+    if not lead then return end
+    fs.mkdirs(root)
+    fs.remove(tmp) -- the remains of a write that was interrupted
+    fs.mkdirs(tmp)
+  end)
+  together(world, function()
+    if optimizers and parts.sharded then write_optimizers(tmp .. '/' .. M.shard_file(world.rank, world.size), optimizers, world) end
+    if not lead then return end
+    for i, m in ipairs(parts.models or {}) do
+      -- the first model is the policy, at the top: the checkpoint loads as a model
+      M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir, parts.max_shard_bytes)
+      p:update(i)
+    end
+    if optimizers and not parts.sharded then write_optimizers(tmp .. '/optimizer.safetensors', optimizers) end
+    fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
+    fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
+  end)
+  local bytes
+  together(world, function()
+    if lead then bytes = finish(root, name, parts, p) end
+  end)
   return final, bytes
 end
 
@@ -377,25 +447,78 @@ function M.load_model(dir, name, model, is_policy)
   model:write_params(p)
 end
 
-function M.load_optimizer(dir, name, opt)
-  local path = dir .. '/optimizer.safetensors'
-  local st = require('moonrl.io.safetensors').open(path)
+-- The pieces of an optimizer's saved state, in order: { st, path, offset, count } each holding
+-- elements [offset, offset + count) of the whole (n of them) m and v; and the step count. From
+-- optimizer.safetensors (one piece), or from the shard files of the ranks that wrote it, checked
+-- to be every rank's of one world size and to tile [0, n) in order.
+local function optimizer_pieces(dir, name, n)
+  local safetensors = require('moonrl.io.safetensors')
   local key = name .. '.exp_avg'
-  if not st:has(key) then error(string.format('%s: no state for optimizer %s', path, name), 0) end
-  local n = st:info(key).numel
-  if n ~= opt.n then error(string.format('%s: optimizer %s has %d parameters here, %d in the checkpoint', path, name, opt.n, n), 0) end
-  local step = tonumber(st:metadata(name .. '.step'))
-  if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
-  if opt.sharded then -- ZeRO-1 (moonrl.train.dist): this rank's range of m and v, nothing else of the file
-    opt:load_range(function(first, count, m, v)
-      st:read_f32_range(key, first, count, m)
-      st:read_f32_range(name .. '.exp_avg_sq', first, count, v)
-    end, step)
+  local function open(path)
+    local st = safetensors.open(path)
+    if not st:has(key) then error(string.format('%s: no state for optimizer %s', path, name), 0) end
+    local step = tonumber(st:metadata(name .. '.step'))
+    if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
+    return st, step
+  end
+  local whole = dir .. '/optimizer.safetensors'
+  if fs.stat(whole) then
+    local st, step = open(whole)
+    local count = st:info(key).numel
+    if count ~= n then error(string.format('%s: optimizer %s has %d parameters here, %d in the checkpoint', whole, name, n, count), 0) end
+    return { { st = st, path = whole, offset = 0, count = n } }, step
+  end
+  local ranks, size = {}, nil
+  for _, f in ipairs(fs.list(dir)) do
+    local r, of = f:match('^optimizer%.rank%-(%d+)%-of%-(%d+)%.safetensors$')
+    if r then
+      r, of = tonumber(r), tonumber(of)
+      if size and of ~= size then error(string.format('%s/%s: a shard of %d ranks beside shards of %d', dir, f, of, size), 0) end
+      size, ranks[r + 1] = of, f
+    end
+  end
+  if not size then error(string.format('%s: no optimizer.safetensors nor optimizer shards (optimizer %s)', dir, name), 0) end
+  local pieces, step, at = {}, nil, 0
+  for r = 1, size do
+    if not ranks[r] then error(string.format('%s/%s: missing (the shards are of %d ranks)', dir, M.shard_file(r - 1, size), size), 0) end
+    local path = dir .. '/' .. ranks[r]
+    local st, s = open(path)
+    local offset, total = tonumber(st:metadata(name .. '.offset')), tonumber(st:metadata(name .. '.total'))
+    if total ~= n then
+      error(string.format('%s: %s.total is %s, optimizer %s has %d parameters here', path, name, tostring(total), name, n), 0)
+    end
+    if offset ~= at then
+      error(string.format('%s: %s.offset is %s, the shards before it end at %d', path, name, tostring(offset), at), 0)
+    end
+    if step and s ~= step then error(string.format('%s: %s.step is %d, rank 0 has %d', path, name, s, step), 0) end
+    local count = st:info(key).numel
+    pieces[r], step, at = { st = st, path = path, offset = offset, count = count }, s, at + count
+  end
+  if at ~= n then error(string.format('%s: the shards of optimizer %s end at %d of %d', dir .. '/' .. ranks[size], name, at, n), 0) end
+  return pieces, step
+end
+
+-- Elements [first, first + count) of the saved m and v into m[0..count) and v[0..count): of each
+-- piece, the part that overlaps that range alone is read.
+local function read_pieces(pieces, name, first, count, m, v)
+  for _, pc in ipairs(pieces) do
+    local a, b = math.max(first, pc.offset), math.min(first + count, pc.offset + pc.count)
+    if a < b then
+      pc.st:read_f32_range(name .. '.exp_avg', a - pc.offset, b - a, m + (a - first))
+      pc.st:read_f32_range(name .. '.exp_avg_sq', a - pc.offset, b - a, v + (a - first))
+    end
+  end
+end
+
+function M.load_optimizer(dir, name, opt)
+  local n = opt.n
+  local pieces, step = optimizer_pieces(dir, name, n)
+  if opt.sharded then -- ZeRO-1 (moonrl.train.dist): this rank's range of m and v, nothing else of the files
+    opt:load_range(function(first, count, m, v) read_pieces(pieces, name, first, count, m, v) end, step)
     return
   end
   local m, v = ffi.new('float[?]', n), ffi.new('float[?]', n)
-  st:read_f32(key, m)
-  st:read_f32(name .. '.exp_avg_sq', v)
+  read_pieces(pieces, name, 0, n, m, v)
   opt:load_state({ m = m, v = v, n = n, step = step })
 end
 

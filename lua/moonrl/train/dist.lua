@@ -214,27 +214,6 @@ function World:gather_strings(s)
   return out
 end
 
--- Every rank's counts[r + 1] units of `unit` bytes from send, in rank order, into recv on rank
--- 0 alone (a gather: MPI_Ialltoallv with nothing sent elsewhere, so the deadline and the reports
--- are the other collectives'). recv: rank 0's buffer; the other ranks pass nil.
-local gather_send, gather_recv = {}, {}
-function World:gather(send, counts, recv, unit)
-  if self.size == 1 then
-    if counts[1] > 0 then ffi.copy(recv, send, counts[1] * unit) end
-    return
-  end
-  local sc, rc = gather_send[self.size], gather_recv[self.size]
-  if not sc then
-    sc, rc = ffi.new('int64_t[?]', self.size), ffi.new('int64_t[?]', self.size)
-    gather_send[self.size], gather_recv[self.size] = sc, rc
-  end
-  for r = 0, self.size - 1 do
-    sc[r] = r == 0 and counts[self.rank + 1] or 0
-    rc[r] = self.rank == 0 and counts[r + 1] or 0
-  end
-  check(C.mrl_dist_alltoallv(self.handle, send, sc, recv, rc, unit))
-end
-
 -- This rank's contiguous share of n items: first, last (1-based; last < first when empty).
 function World:share(n, rank)
   local off, count = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
@@ -389,35 +368,15 @@ end
 
 function DP:steps() return (self.shard_opt or self.full):steps() end
 
--- The whole optimizer state (a checkpoint holds the same file whatever the world size; every rank
--- calls it). ZeRO-1: the shards are gathered to rank 0 alone, which writes the checkpoint, into
--- a buffer counted as optimizer memory that DP:release_state frees once it is written; the other
--- ranks get nil.
+-- The optimizer state a checkpoint saves. Plain data parallel: the whole state, the same on
+-- every rank (rank 0 writes it). ZeRO-1: this rank's shard alone (n: its count), with where it
+-- lies in the whole (offset, total): each rank writes its own file (moonrl.train.checkpoint) and
+-- nothing is gathered, so no rank ever holds more than its shard.
 function DP:state()
   if self.zero ~= 1 then return self.full:state() end
   local s = self.shard_opt:state()
-  local w = self.world
-  self:release_state()
-  if w.rank == 0 then
-    local p = C.mrl_mem_alloc(8 * self.n, C.MRL_MEM_OPTIM)
-    if p == nil then moonrl.check(C.MRL_ERR_NOMEM, 2) end
-    self.whole = ffi.gc(ffi.cast('float *', p), C.mrl_mem_free)
-  end
-  local counts = {}
-  for r, sh in ipairs(self.shards) do counts[r] = sh.count end
-  local m = self.whole
-  w:gather(s.m, counts, m, 4)
-  w:gather(s.v, counts, m and m + self.n, 4)
-  if not m then return nil end
-  return { m = m, v = m + self.n, n = self.n, step = s.step, bytes = 8 * self.n }
-end
-
--- Free what DP:state gathered (after the checkpoint is written).
-function DP:release_state()
-  if self.whole then
-    C.mrl_mem_free(ffi.gc(self.whole, nil))
-    self.whole = nil
-  end
+  s.offset, s.total = self.offset, self.n
+  return s
 end
 
 -- ZeRO-1's resume: read(first, count, m, v) puts elements [first, first + count) of the saved m

@@ -95,7 +95,7 @@ end
 function M.arm_checkpoint(step)
   for _, f in ipairs(M.faults) do
     if f.kind == 'kill' and f.bytes and (not f.checkpoint or f.checkpoint == step)
-        and (not f.attempt or f.attempt == M.attempt) then
+        and (not f.attempt or f.attempt == M.attempt) and (not f.rank or f.rank == M.rank) then
       announce(f, step, 'checkpoint write after ' .. f.bytes .. ' bytes')
       moonrl.C.mrl_fault_kill_after_bytes(f.bytes)
       return

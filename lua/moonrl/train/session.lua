@@ -528,26 +528,17 @@ function Session:checkpoint(reason, small, step, phase_step)
   moonrl.C.mrl_heartbeat('checkpoint ' .. name)
   self.status:phase('checkpoint')
   local w = self.world
-  local optimizers = self.optimizers
-  if w.size > 1 then
-    -- every rank takes part in gathering the optimizers' state (sharded under ZeRO-1: to rank 0
-    -- alone, freed after the write); rank 0 writes
-    optimizers = {}
-    for i, o in ipairs(self.optimizers) do
-      local st = o.opt:state()
-      optimizers[i] = { name = o.name, opt = { state = function() return st end } }
-    end
-    run_info.world_size = w.size
-  end
+  -- ZeRO-1 (moonrl.train.dist): each rank's optimizer state is its shard, which it writes itself
+  -- into the checkpoint (nothing is gathered); plain data parallel: rank 0 writes the whole state
+  local sharded = #self.optimizers > 0 and self.optimizers[1].opt.sharded or false
+  if w.size > 1 then run_info.world_size = w.size end
   local ok, path, bytes = true, nil, nil
-  if w.rank == 0 then
+  if w.rank == 0 or sharded then
     fault.arm_checkpoint(step)
-    ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = optimizers,
-      state = state, run = run_info, max_shard_bytes = self:max_shard_bytes() })
+    ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
+      state = state, run = run_info, max_shard_bytes = self:max_shard_bytes(), world = sharded and w or nil,
+      sharded = sharded })
     fault.disarm()
-  end
-  for _, o in ipairs(self.optimizers) do -- ZeRO-1: rank 0's gathered state, written now
-    if o.opt.release_state then o.opt:release_state() end
   end
   if w.size > 1 then -- every rank learns how it went
     local msg = w:broadcast_string(w.rank ~= 0 and '' or ok and string.format('ok\n%d\n%s', bytes, path)
