@@ -100,7 +100,9 @@ static mrl_status compile_re(const mrl_tok *t, const char *where, const char *pa
         }
         pat = rewritten.data ? rewritten.data : "", len = rewritten.len;
     }
-    uint32_t opts = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP);
+    /* the pattern's UTF-8 is checked (a tokenizer.json may hold any bytes, and PCRE2 reads past
+     * the end of an invalid sequence it was told not to check); found by fuzzing */
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, opts, &err, &off, NULL);
     tok_buf_free(&rewritten);
     if (!re) {

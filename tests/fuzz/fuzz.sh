@@ -15,6 +15,10 @@ program=$(realpath "$1") target=$2 seconds=$3 out=$(realpath -m "$4") # absolute
 here=$(cd "$(dirname "$0")" && pwd)
 seeds=$here/corpus/$target
 [ -d "$seeds" ] || seeds=$here/corpus/${target%_lua} # json_lua: the seeds of json
+# The random seed: FUZZ_SEED, else one from the source's git commit (CI fuzzes the same inputs for
+# a commit, so a rerun gives the same answer, and other inputs for the next commit), else the clock.
+seed=${FUZZ_SEED:-}
+if [ -z "$seed" ] && rev=$(git -C "$here" rev-parse --short=12 HEAD 2>/dev/null); then seed=$((16#$rev % 1000000007 + 1)); fi
 found=$out/corpus/$target
 artifacts=$out/artifacts/$target
 mkdir -p "$found" "$artifacts"
@@ -28,7 +32,8 @@ if [ "$(basename "$program")" = moonrl ]; then
   # at exit would look leaked (the C targets look for leaks, input by input)
   export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
   status=0
-  "$program" run tests/fuzz/fuzz.lua "target=$target" "seconds=$seconds" "seeds=$seeds" "artifacts=$artifacts/" ||
+  "$program" run tests/fuzz/fuzz.lua "target=$target" "seconds=$seconds" "seeds=$seeds" "artifacts=$artifacts/" \
+    ${seed:+"seed=$seed"} ||
     status=$?
   if [ -f "$artifacts/current" ]; then
     kept=$artifacts/crash-$(cksum <"$artifacts/current" | cut -d' ' -f1)
@@ -45,4 +50,4 @@ dicts=()
 [ -f "$here/dict/$dict.dict" ] && dicts=("-dict=$here/dict/$dict.dict")
 # -timeout: one input; -rss_limit_mb: the whole process (libFuzzer also fails one allocation over it)
 exec "$program" "-max_total_time=$seconds" -timeout=20 -rss_limit_mb=2048 "-artifact_prefix=$artifacts/" \
-  -print_final_stats=1 "${dicts[@]}" "$found" "$seeds"
+  -print_final_stats=1 ${seed:+"-seed=$seed"} "${dicts[@]}" "$found" "$seeds"
