@@ -388,14 +388,11 @@ function DP:load_range(read, step)
   self.shard_opt:load_state({ m = s.m, v = s.v, n = s.n, step = step }) -- (the step: a copy onto itself is none)
 end
 
--- Restore from the whole state (m, v of n floats each): each rank keeps its shard.
+-- Plain data parallel's restore from the whole state (m, v of n floats each); ZeRO-1 resumes
+-- through DP:load_range, so that no rank holds the whole state.
 function DP:load_state(s)
-  if self.zero ~= 1 then return self.full:load_state(s) end
-  if (s.n or self.n) ~= self.n then
-    error(string.format('optimizer state holds %d parameters, the optimizer %d', s.n, self.n), 2)
-  end
-  local m, v = ffi.cast('const float *', s.m), ffi.cast('const float *', s.v)
-  self.shard_opt:load_state({ m = m + self.offset, v = v + self.offset, n = self.count, step = s.step })
+  if self.zero == 1 then error('dist.zero=1: an optimizer shard is restored by DP:load_range', 2) end
+  return self.full:load_state(s)
 end
 
 -- Bytes of optimizer state this rank holds (1/N of the whole with ZeRO-1).
