@@ -256,6 +256,13 @@ mrl_status mrl_dist_fail(mrl_dist *d, int rc, const char *what) {
 
 /* ----------------------------------------------------------------- waits */
 
+/* The bucket sets and sharded gradients still alive give up their communicators (before
+ * MPI_Finalize; they may be freed after it). */
+static void detach_all(mrl_dist *d) {
+    mrl_dist_buckets_detach_all(d);
+    mrl_dist_grad_shard_detach_all(d);
+}
+
 mrl_status mrl_dist_begin(mrl_dist *d, const char *op) {
     if (d->broken) return mrl_set_error(d->broken_status, "%s", d->broken_msg);
     d->op = op;
@@ -482,7 +489,7 @@ void mrl_dist_free(mrl_dist *d) {
         mrl_dist_finalize(d);
         return;
     }
-    mrl_dist_buckets_detach_all(d);
+    detach_all(d);
     if (d->be && !d->broken) {
         if (d->coll) d->be->comm_free(d->coll);
         if (d->diag) d->be->comm_free(d->diag);
@@ -510,13 +517,13 @@ void mrl_dist_finalize(mrl_dist *d) {
         void *req = NULL;
         int rc = d->be->ibarrier(d->coll, &req);
         if (mrl_dist_wait_req(d, rc, req, "MPI_Ibarrier") == MRL_OK) {
-            mrl_dist_buckets_detach_all(d);
+            detach_all(d);
             d->be->comm_free(d->coll);
             d->be->comm_free(d->diag);
             d->be->finalize();
         }
     }
-    if (d->broken) mrl_dist_buckets_detach_all(d);
+    if (d->broken) detach_all(d);
     /* the plugin stays loaded: libmpi may still have threads and handlers */
     free(d->notes);
     free(d->tmp);

@@ -306,16 +306,36 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     return MRL_OK;
 }
 
+/* With gradient windows: the window for [lo, hi) of the layout, and the gradient pointers of
+ * layer l (l < 0: the embedding, head and norms in it) pointed into it. */
+static mrl_status lend(mrl_model *m, int l, int64_t lo, int64_t hi) {
+    float *w = m->grad_acquire(m->grad_acquire_ctx, lo, hi - lo);
+    if (!w)
+        return mrl_wrap_error(MRL_ERR_NOMEM, "model backward: no gradient window for parameters [%lld, %lld)",
+                              (long long)lo, (long long)hi);
+    mrl_model_point_window(m, l, w, lo, hi);
+    return MRL_OK;
+}
+
 mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy, const float *dvalues) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model backward: NULL model");
     if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model backward: no forward to go back through");
     if (dvalues && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model backward: dvalues given to a model without value head");
-    mrl_status st = mrl_model_ensure_grads(m);
+    mrl_status st = m->grad_acquire ? MRL_OK : mrl_model_ensure_grads(m);
     if (st) return st;
+    if (m->grad_acquire && !m->grad_hook)
+        return mrl_set_error(MRL_ERR_INVALID, "model backward: gradient windows without a grad hook to return them");
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
     int64_t T = m->batch.n_tokens, D = c->hidden_size, V = c->vocab_size;
     int L = c->num_hidden_layers;
+    /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
+     * its backward is done (a tied lm_head is the embedding, final at the very end) */
+    int64_t layers_end = m->final_norm - m->params, embed_end = m->lp[0].ln1 - m->params;
+    if (m->grad_acquire) { /* the head's range, and the embedding's now when the head is it */
+        if ((st = lend(m, -1, layers_end, m->n_params))) return st;
+        if (c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
+    }
     if (k->on_device) { /* the per-token gradients go over first */
         const float *host[3] = {dlogprobs, dentropy, dvalues};
         for (int i = 0; i < 3 && !st; i++)
@@ -351,22 +371,19 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     k->zero(m->gs.dx, (int64_t)sizeof(float) * T * D);
     k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
-    /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
-     * its backward is done (a tied lm_head is the embedding, final at the very end) */
-    int64_t layers_end = m->final_norm - m->params;
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
     mrl_moe_ep_begin(m);
     for (int l = L - 1; l >= 0; l--) {
+        int64_t begin = m->lp[l].ln1 - m->params, end = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
+        if (m->grad_acquire && (st = lend(m, l, begin, end))) return st;
         if (m->recompute) mrl_layer_forward(m, l, T);
         mrl_layer_backward(m, l, T);
-        if (m->grad_hook) {
-            int64_t begin = m->lp[l].ln1 - m->params, end = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
-            m->grad_hook(m->grad_hook_ctx, begin, end - begin);
-        }
+        if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, begin, end - begin);
     }
     if ((st = mrl_moe_ep_status(m))) return st; /* the gradients are then meaningless */
+    if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
     k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
-    if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, m->lp[0].ln1 - m->params);
+    if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);
     return MRL_OK;
 }

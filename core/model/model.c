@@ -189,7 +189,36 @@ static void point_grads(mrl_model *m) {
     m->g_score = grad_of(m, m->score);
 }
 
+/* g = where p's gradient lies in window w of [lo, hi) (NULL: p is not there) */
+static float *in_window(const mrl_model *m, const float *p, float *w, int64_t lo, int64_t hi) {
+    if (!p) return NULL;
+    int64_t at = p - m->params;
+    return at >= lo && at < hi ? w + (at - lo) : NULL;
+}
+
+void mrl_model_point_window(mrl_model *m, int l, float *w, int64_t lo, int64_t hi) {
+    if (l >= 0) {
+        float **p = (float **)&m->lp[l], **g = (float **)&m->lg[l];
+        for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) g[i] = in_window(m, p[i], w, lo, hi);
+        return;
+    }
+    float **g[4] = {&m->g_embed, &m->g_final_norm, &m->g_lm_head, &m->g_score};
+    const float *p[4] = {m->embed, m->final_norm, m->lm_head, m->score};
+    for (int i = 0; i < 4; i++)
+        if (in_window(m, p[i], w, lo, hi)) *g[i] = in_window(m, p[i], w, lo, hi);
+}
+
+void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ctx) {
+    if (!m) return;
+    m->grad_acquire = acquire;
+    m->grad_acquire_ctx = ctx;
+    if (!acquire && m->grads) point_grads(m); /* back to the buffer */
+}
+
 mrl_status mrl_model_ensure_grads(mrl_model *m) {
+    if (m->grad_acquire)
+        return mrl_set_error(MRL_ERR_INVALID, "model: the gradients are lent range by range (gradient windows: "
+                             "dist.zero=2 shards them over the ranks); there is no whole gradient buffer");
     if (m->grads) return MRL_OK;
     if (mrl_buffer_alloc(m->device, sizeof(float) * m->n_params, MRL_MEM_GRADS, &m->grads_buf)) /* zeroed */
         return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for the gradients of %lld parameters (%lld bytes)",

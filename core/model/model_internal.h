@@ -98,6 +98,10 @@ struct mrl_model {
     /* called by the backward as each range of the gradient buffer becomes final */
     mrl_grad_hook grad_hook;
     void *grad_hook_ctx;
+    /* gradient windows (mrl_model_set_grad_windows): each part of the backward writes into a
+     * window of its range lent by grad_acquire, not into `grads` (then never allocated) */
+    mrl_grad_acquire grad_acquire;
+    void *grad_acquire_ctx;
 };
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
@@ -111,6 +115,10 @@ mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_params(mrl_model *m);
 mrl_status mrl_model_ensure_grads(mrl_model *m);
+/* model.c: with gradient windows, the gradient pointers of the range [lo, hi) of the layout
+ * (layer l's when l >= 0, else the embedding, final norm, lm_head and value head that fall
+ * in it) into the window w that holds it */
+void mrl_model_point_window(mrl_model *m, int l, float *w, int64_t lo, int64_t hi);
 void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
 /* model.c: the parameters as host memory: m->params itself on the CPU, a
  * copy in *tmp on a GPU (the caller mrl_mem_frees *tmp); NULL when out of memory */

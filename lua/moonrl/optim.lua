@@ -30,6 +30,9 @@ function M.adamw(o)
   if type(o) ~= 'table' then error('optim.adamw: expected a table of options', 2) end
   local where = 'optim.adamw'
   if o.params == nil or o.grads == nil then moonrl.usage_error(where .. ": 'params' and 'grads' (float pointers) are required") end
+  -- grads may be a function giving the pointer when first needed (models.adamw's: the model's
+  -- gradient buffer, never made under ZeRO-2, whose shard optimizer has its own)
+  local grads_fn = type(o.grads) == 'function' and o.grads or nil
   local n = need_number(o, 'n', nil, where)
   local betas = o.betas or { 0.9, 0.999 }
   local cfg = ffi.new('mrl_adamw_config', {
@@ -39,7 +42,8 @@ function M.adamw(o)
     weight_decay = need_number(o, 'weight_decay', 0.01, where),
   })
   local self = setmetatable({
-    params = ffi.cast('float *', o.params), grads = ffi.cast('float *', o.grads), n = n, lr = cfg.lr, cfg = cfg,
+    params = ffi.cast('float *', o.params), grads = not grads_fn and ffi.cast('float *', o.grads) or nil,
+    grads_fn = grads_fn, n = n, lr = cfg.lr, cfg = cfg,
     options = { betas = { betas[1], betas[2] }, eps = cfg.eps, weight_decay = cfg.weight_decay },
     no_decay = o.no_decay,
     _keep = { o.params, o.grads },
@@ -49,12 +53,21 @@ function M.adamw(o)
   return self
 end
 
+-- The gradient pointer (resolved once when grads was a function).
+function AdamW:bind_grads()
+  if not self.grads then
+    self.grads = ffi.cast('float *', self.grads_fn())
+    self._keep[2] = self.grads
+  end
+  return self.grads
+end
+
 -- The state (2n floats) is allocated here. With o.defer the first call that needs it does it (or
 -- this one): ZeRO-1 takes shards of a deferred optimizer, whose whole state then never exists.
 function AdamW:create()
   if self.handle then return self end
   local out = ffi.new('mrl_adamw *[1]')
-  moonrl.check(C.mrl_adamw_create(self.params, self.grads, self.n, self.cfg, out), 3)
+  moonrl.check(C.mrl_adamw_create(self.params, self:bind_grads(), self.n, self.cfg, out), 3)
   self.handle = ffi.gc(out[0], C.mrl_adamw_free)
   if self.no_decay and #self.no_decay > 0 then self:set_no_decay(self.no_decay) end
   return self
@@ -73,11 +86,12 @@ function AdamW:set_no_decay(ranges)
 end
 
 -- An AdamW with the same settings over elements [offset, offset + count) of the same buffers
--- (a rank's shard under ZeRO-1); no_decay: ranges relative to offset. This one is left as it is
--- (a deferred one stays without state).
-function AdamW:shard(offset, count, no_decay)
+-- (a rank's shard under ZeRO-1), or with grads (count floats) of its own (ZeRO-2's shard);
+-- no_decay: ranges relative to offset. This one is left as it is (a deferred one stays without
+-- state).
+function AdamW:shard(offset, count, no_decay, grads)
   local o = self.options
-  return M.adamw({ params = self.params + offset, grads = self.grads + offset, n = count, lr = self.lr,
+  return M.adamw({ params = self.params + offset, grads = grads or self:bind_grads() + offset, n = count, lr = self.lr,
     betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay, model = self.model })
 end
 
@@ -89,17 +103,17 @@ end
 
 local norm_out = ffi.new('double[1]')
 function AdamW:clip_grad_norm(max_norm)
-  moonrl.check(C.mrl_grad_clip_norm(self.grads, self.n, max_norm, norm_out), 2)
+  moonrl.check(C.mrl_grad_clip_norm(self:bind_grads(), self.n, max_norm, norm_out), 2)
   return norm_out[0]
 end
 
 function AdamW:grad_norm()
-  moonrl.check(C.mrl_grad_norm(self.grads, self.n, norm_out), 2)
+  moonrl.check(C.mrl_grad_norm(self:bind_grads(), self.n, norm_out), 2)
   return norm_out[0]
 end
 
-function AdamW:zero_grad() moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2) end
-function AdamW:scale_grad(s) moonrl.check(C.mrl_grad_scale(self.grads, self.n, s), 2) end
+function AdamW:zero_grad() moonrl.check(C.mrl_grad_zero(self:bind_grads(), self.n), 2) end
+function AdamW:scale_grad(s) moonrl.check(C.mrl_grad_scale(self:bind_grads(), self.n, s), 2) end
 function AdamW:steps() return self.handle and tonumber(C.mrl_adamw_steps(self.handle)) or 0 end
 
 -- {m = float*, v = float*, n = count, step = t, bytes = size of m and v}:

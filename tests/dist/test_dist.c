@@ -470,6 +470,70 @@ static void test_buckets(void) {
             }
 }
 
+/* Sharded gradients (mrl_dist_grad_shard): a backward's ranges, of tensor-like
+ * sizes from the end of the layout to its start, each lent, filled with this
+ * rank's values and handed back as final (a few lent ahead, as a tied head
+ * keeps the embedding's); three backwards accumulate. The shard must hold
+ * the rank-order sum of each backward's all-reduce added backward by
+ * backward, bit for bit, whatever the segment size. */
+static void test_grad_shard(void) {
+    int64_t ns[] = {3, 1000, 300001};
+    int64_t seg_bytes[] = {12, 4096, 1 << 20};
+    uint64_t seed = 7000;
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t si = 0; si < sizeof seg_bytes / sizeof *seg_bytes; si++) {
+            int64_t n = ns[ni];
+            if (n < N) continue;
+            if (n > 100000 && seg_bytes[si] < 4096) continue; /* 10^5 segments: slow, nothing new */
+            mrl_dist_grad_shard *gs = NULL;
+            CHECK_OK(mrl_dist_grad_shard_create(D, n, seg_bytes[si], &gs));
+            if (!gs) continue;
+            int64_t off, cnt;
+            mrl_dist_shard(n, N, R, &off, &cnt);
+            float *whole = malloc(sizeof(float) * (size_t)n), *want = calloc((size_t)cnt + 1, sizeof(float));
+            mrl_dist_grad_shard_zero(gs);
+            for (int round = 0; round < 3; round++) {
+                seed++;
+                fill(whole, n, MRL_DIST_F32, seed, R);
+                /* the ranges: from the end, 1 .. 5000 long; the first (the head's) stays lent to the end */
+                uint64_t g = stream_for(seed, 97);
+                int64_t head_lo = n - 1 - (int64_t)(rng_next(&g) % (uint64_t)(n < 50 ? 1 : 50));
+                float *head = mrl_dist_grad_shard_acquire(gs, head_lo, n - head_lo);
+                CHECK(head != NULL);
+                for (int64_t hi = head_lo; hi > 0;) {
+                    int64_t len = 1 + (int64_t)(rng_next(&g) % 5000);
+                    int64_t lo = hi - len > 0 ? hi - len : 0;
+                    float *w = mrl_dist_grad_shard_acquire(gs, lo, hi - lo);
+                    CHECK(w != NULL);
+                    if (!w) break;
+                    for (int64_t i = 0; i < hi - lo; i++) CHECK(w[i] == 0.0f); /* lent zeroed */
+                    memcpy(w, whole + lo, sizeof(float) * (size_t)(hi - lo));
+                    mrl_dist_grad_shard_ready(gs, lo, hi - lo);
+                    hi = lo;
+                }
+                if (head) memcpy(head, whole + head_lo, sizeof(float) * (size_t)(n - head_lo));
+                mrl_dist_grad_shard_ready(gs, head_lo, n - head_lo);
+                CHECK_OK(mrl_dist_grad_shard_finish(gs));
+                CHECK_OK(mrl_dist_allreduce(D, whole, n, MRL_DIST_F32, MRL_DIST_SUM));
+                for (int64_t i = 0; i < cnt; i++) want[i] += whole[off + i];
+                CHECK_SAME(mrl_dist_grad_shard_grads(gs), want, cnt, 4,
+                           "grad shard (n=%lld, %lld-byte segments, round %d) vs allreduce", (long long)n,
+                           (long long)seg_bytes[si], round);
+            }
+            CHECK(mrl_dist_grad_shard_window_peak(gs) > 0);
+            /* a range lent and never final fails finish, naming it; the next round starts clean */
+            CHECK(mrl_dist_grad_shard_acquire(gs, 0, 1) != NULL);
+            CHECK(mrl_dist_grad_shard_finish(gs) == MRL_ERR_INVALID);
+            CHECK(strstr(mrl_last_error(), "[0, 1) lent and never final") != NULL);
+            CHECK(mrl_dist_grad_shard_acquire(gs, -1, 2) == NULL && mrl_last_error()[0]);
+            mrl_dist_grad_shard_zero(gs);
+            for (int64_t i = 0; i < cnt; i++) CHECK(mrl_dist_grad_shard_grads(gs)[i] == 0.0f);
+            mrl_dist_grad_shard_free(gs);
+            free(whole);
+            free(want);
+        }
+}
+
 /* The ranks' order of addition is what gives these bits: another order
  * gives others (a check that the test above could see a wrong order). */
 static void test_order_matters(void) {
@@ -536,6 +600,7 @@ int main(void) {
     test_blobs();
     test_alltoallv();
     test_buckets();
+    test_grad_shard();
     test_order_matters();
     test_split();
     CHECK_OK(mrl_dist_barrier(D));

@@ -30,15 +30,7 @@ end
 -- The default example in one process (ranks = 0) or under mpirun with one rollout rank.
 local function run(ranks, w, opts)
   opts = opts or {}
-  local argv = {}
-  if ranks > 0 then
-    for _, a in ipairs({ mpirun, '-n', tostring(ranks), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
-      '--mca', 'btl', 'vader,self' }) do argv[#argv + 1] = a end
-    for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
-  elseif opts.env then
-    argv = { '/usr/bin/env', unpack(opts.env) }
-  end
-  argv[#argv + 1] = exe
+  local argv = U.rank_argv(ranks, exe, opts)
   for _, x in ipairs(w) do argv[#argv + 1] = x end
   local r = proc.run(argv, { timeout = opts.timeout or 180 })
   if not r.ok and not opts.expect_fail then
@@ -354,7 +346,7 @@ t.test('async.stream_unit=group: a batch is the first groups to finish; resumed 
 end)
 
 t.test('bad dist and async keys are usage errors naming the key, before any run directory exists', function()
-  for _, case in ipairs({ { 'dist.zero=2', 'dist.zero' }, { 'dist.bucket_mb=0', 'dist.bucket_mb' },
+  for _, case in ipairs({ { 'dist.zero=4', 'dist.zero' }, { 'dist.bucket_mb=0', 'dist.bucket_mb' },
     { 'dist.timeout=-1', 'dist.timeout' }, { 'async.mode=later', 'async.mode' }, { 'async.correction=foo', 'async.correction' },
     { 'dist.rollout_ranks=1', 'dist.rollout_ranks' }, { 'async.partial=later', 'async.partial' },
     { 'async.weights=nfs', 'async.weights' }, { 'async.engine_threads=-1', 'async.engine_threads' },

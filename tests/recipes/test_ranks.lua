@@ -16,53 +16,18 @@ local mpirun = U.which('mpirun')
 assert(exe and mpirun, 'needs the moonrl executable and mpirun')
 
 local dir = U.tmpdir('ranks')
-local model_dir = U.tiny_model(dir .. '/init', { layers = 2 })
-local sft, prefs, rl = {}, {}, {}
-for i, p in ipairs(U.additions(60, 7)) do
-  sft[i] = { prompt = p.prompt, response = p.answer }
-  prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. '1' }
-  rl[i] = { question = p.prompt, answer = p.answer }
-end
-local sft_data = U.write_jsonl(dir .. '/sft.jsonl', sft)
-local pref_data = U.write_jsonl(dir .. '/prefs.jsonl', prefs)
-local rl_data = U.write_jsonl(dir .. '/rl.jsonl', rl)
+local model_dir, sft_data, pref_data, rl_data = U.ranks_setup(dir)
 
 -- Run a recipe on n ranks (n = 0: one plain process, no mpirun); returns the proc result.
 local function run(n, recipe, words, opts)
   opts = opts or {}
-  local argv = {}
-  if n > 0 then
-    for _, a in ipairs({ mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
-      '--mca', 'btl', opts.btl or 'vader,self' }) do argv[#argv + 1] = a end
-    for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
-  elseif opts.env then -- one process: through env(1)
-    argv[1] = '/usr/bin/env'
-    for _, e in ipairs(opts.env) do argv[#argv + 1] = e end
-  end
-  argv[#argv + 1], argv[#argv + 2], argv[#argv + 3] = exe, 'run', recipe
-  for _, w in ipairs(words) do argv[#argv + 1] = w end
-  local r = proc.run(argv, { timeout = opts.timeout or 120 })
-  if opts.expect_fail then return r end
-  if not r.ok then
-    io.stderr:write(r.stdout, r.stderr)
-    error(string.format('%s on %d ranks failed (status %s)', recipe, n, tostring(r.exit_status)), 2)
-  end
-  return r
+  opts.timeout = opts.timeout or 120
+  return U.run_ranks(exe, n, recipe, words, opts)
 end
 
 local function weights(run_dir) return U.weights(run_dir .. '/model/model.safetensors') end
 
-local function rel_diff(a, b)
-  local num, den = 0, 0
-  for name, x in pairs(a) do
-    local y = b[name]
-    for i = 0, x.n - 1 do
-      local d = x.buf[i] - y.buf[i]
-      num, den = num + d * d, den + x.buf[i] * x.buf[i]
-    end
-  end
-  return math.sqrt(num / math.max(den, 1e-30))
-end
+local rel_diff = U.rel_diff
 
 local function metrics(run_dir)
   local out = {}

@@ -31,6 +31,67 @@ function M.which(name)
   end
 end
 
+-- The command line that starts exe on n ranks under mpirun (shared memory, or opts.btl; every
+-- rank oversubscribing the cores) or, n = 0, alone; opts.env: 'VAR=value' words for every rank
+-- (alone: through env(1)). Append exe's own words to it.
+function M.rank_argv(n, exe, opts)
+  opts = opts or {}
+  local argv = {}
+  if n > 0 then
+    for _, a in ipairs({ M.which('mpirun'), '-n', tostring(n), '--oversubscribe', '--bind-to', 'none',
+      '--allow-run-as-root', '--mca', 'btl', opts.btl or 'vader,self' }) do argv[#argv + 1] = a end
+    for _, e in ipairs(opts.env or {}) do argv[#argv + 1] = '-x'; argv[#argv + 1] = e end
+  elseif opts.env then
+    argv[1] = '/usr/bin/env'
+    for _, e in ipairs(opts.env) do argv[#argv + 1] = e end
+  end
+  argv[#argv + 1] = exe
+  return argv
+end
+
+-- A recipe run by exe on n ranks (M.rank_argv; n = 0: one process) with its words; raises with
+-- its output when it fails, unless opts.expect_fail; opts.timeout (seconds, 120). Returns proc's result.
+function M.run_ranks(exe, n, recipe, words, opts)
+  opts = opts or {}
+  local argv = M.rank_argv(n, exe, opts)
+  argv[#argv + 1], argv[#argv + 2] = 'run', recipe
+  for _, w in ipairs(words) do argv[#argv + 1] = w end
+  local r = require('moonrl.io.proc').run(argv, { timeout = opts.timeout or 120 })
+  if opts.expect_fail then return r end
+  if not r.ok then
+    io.stderr:write(r.stdout, r.stderr)
+    error(string.format('%s on %d ranks failed (status %s)', recipe, n, tostring(r.exit_status)), 2)
+  end
+  return r
+end
+
+-- The data-parallel tests' inputs in dir: a 2-layer tiny model and 60 additions as SFT examples,
+-- preference pairs and RL questions. Returns the model directory and the three data files.
+function M.ranks_setup(dir)
+  local model_dir = M.tiny_model(dir .. '/init', { layers = 2 })
+  local sft, prefs, rl = {}, {}, {}
+  for i, p in ipairs(M.additions(60, 7)) do
+    sft[i] = { prompt = p.prompt, response = p.answer }
+    prefs[i] = { prompt = p.prompt, chosen = p.answer, rejected = p.answer .. '1' }
+    rl[i] = { question = p.prompt, answer = p.answer }
+  end
+  return model_dir, M.write_jsonl(dir .. '/sft.jsonl', sft), M.write_jsonl(dir .. '/prefs.jsonl', prefs),
+    M.write_jsonl(dir .. '/rl.jsonl', rl)
+end
+
+-- The relative difference ||a - b|| / ||a|| of two sets of tensors (M.weights' tables).
+function M.rel_diff(a, b)
+  local num, den = 0, 0
+  for name, x in pairs(a) do
+    local y = b[name]
+    for i = 0, x.n - 1 do
+      local d = x.buf[i] - y.buf[i]
+      num, den = num + d * d, den + x.buf[i] * x.buf[i]
+    end
+  end
+  return math.sqrt(num / math.max(den, 1e-30))
+end
+
 -- The records of a run's metrics.jsonl, one table a step.
 function M.records(run_dir)
   local json = require('moonrl.io.json')

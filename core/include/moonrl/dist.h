@@ -161,6 +161,32 @@ mrl_status mrl_dist_buckets_finish(mrl_dist_buckets *b);
 int mrl_dist_buckets_overlapped(const mrl_dist_buckets *b);
 int mrl_dist_buckets_count(const mrl_dist_buckets *b);
 
+/* ---- Sharded gradients (ZeRO-2 and up) --------------------------------
+ * Rank r keeps only the sum over ranks of its shard of the n gradients
+ * (mrl_dist_shard), accumulated over the backwards of an update; no rank
+ * holds the whole gradient. A model lends its backward's ranges from it
+ * (mrl_model_set_grad_windows with acquire, mrl_model_set_grad_hook with
+ * ready): acquire gives a zeroed window for [offset, offset + count) of the
+ * gradient layout; ready says the range is final, and its reduce-scatter
+ * starts (segments of about segment_bytes, at most two in flight, each
+ * combined in rank order: the sums of mrl_dist_allreduce bit for bit),
+ * then the window goes back to the pool. finish waits for every range of
+ * the backward and reports a failure of the hooks (which return none); call
+ * it after each backward. zero: the accumulator to 0 (a new update).
+ * grads: the accumulator, count = this rank's shard. window_bytes: what the
+ * pool holds now (MRL_MEM_GRADS, as the accumulator and the scratch).
+ * Create is a collective. */
+typedef struct mrl_dist_grad_shard mrl_dist_grad_shard;
+mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, mrl_dist_grad_shard **out);
+void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g);
+float *mrl_dist_grad_shard_acquire(void *g, int64_t offset, int64_t count);
+void mrl_dist_grad_shard_ready(void *g, int64_t offset, int64_t count);
+mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g);
+void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g);
+float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g);
+int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g);
+int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g);
+
 #ifdef __cplusplus
 }
 #endif

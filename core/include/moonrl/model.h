@@ -252,6 +252,19 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
 typedef void (*mrl_grad_hook)(void *ctx, int64_t offset, int64_t count);
 void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx);
 
+/* Gradient windows (sharded gradients, ZeRO-2: mrl_dist_grad_shard): with
+ * acquire set, the model has no gradient buffer. Before each part of the
+ * backward (the head, final norm and value head; each layer; the embedding;
+ * with a tied head the embedding is lent first, with the head) it asks
+ * acquire(ctx, offset, count) for a zeroed window holding that range of the
+ * parameters' layout (the ranges the grad hook names), writes the part's
+ * gradients there, and the grad hook, which must be set, says when the range
+ * is final: the window is then the lender's again. A NULL window fails the
+ * backward (MRL_ERR_NOMEM naming the range). mrl_model_grads then fails
+ * naming the windows. NULL acquire: the one gradient buffer (the default). */
+typedef float *(*mrl_grad_acquire)(void *ctx, int64_t offset, int64_t count);
+void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ctx);
+
 /* Gradients = 0 (nothing to do while the buffer does not exist yet). */
 void mrl_model_zero_grad(mrl_model *m);
 

@@ -11,7 +11,9 @@
 --   w:allreduce(ptr, n, 'f32', 'sum')     -- in place over a cdata array
 --   local dp = dist.data_parallel(w, opt, model, { zero = 1, bucket_mb = 25 })
 --     -- an optimizer with opt's interface whose gradients are summed over the ranks (bucket by
---     -- bucket while the backward runs) and, with zero = 1, whose state is sharded (ZeRO-1)
+--     -- bucket while the backward runs) and, with zero = 1, whose state is sharded (ZeRO-1); with
+--     -- zero = 2 the gradients are too (ZeRO-2: each backward's ranges reduce-scattered into the
+--     -- rank's shard as they become final, no whole gradient buffer anywhere)
 local ffi = require('ffi')
 local moonrl = require('moonrl')
 local C = moonrl.C
@@ -232,29 +234,43 @@ local DP = {}
 DP.__index = DP
 
 -- opt: a moonrl.optim AdamW over model's buffers. opts.zero: 0 (every rank keeps the whole
--- optimizer state and steps it) or 1 (ZeRO-1: rank r keeps and steps only its shard of the
+-- optimizer state and steps it), 1 (ZeRO-1: rank r keeps and steps only its shard of the
 -- state, then the parameters are all-gathered; made from a deferred opt (optim.adamw's defer),
--- whose whole state is then never allocated); opts.bucket_mb: gradient bucket size;
+-- whose whole state is then never allocated) or 2 (ZeRO-2: and only its shard of the gradients:
+-- the model lends each part of its backward a window of that range from C's
+-- mrl_dist_grad_shard, reduce-scattered into the shard as soon as it is final and then reused;
+-- the model's own gradient buffer is never made); opts.bucket_mb: gradient bucket size (ZeRO-2:
+-- the reduce-scatter's segment);
 -- opts.gpu_transport: how a GPU model's gradient sums travel (World:gpu_transport).
 function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
   local zero = opts.zero or 0
   local n = opt.n
-  local self = setmetatable({ world = w, full = opt, zero = zero, model = model, params = opt.params, grads = opt.grads,
-    n = n, lr = opt.lr, pending = false, sharded = zero == 1 }, DP)
-  local device = C.mrl_device_of(opt.grads)
+  local self = setmetatable({ world = w, full = opt, zero = zero, model = model, params = opt.params, n = n,
+    lr = opt.lr, pending = false, sharded = zero >= 1 }, DP)
+  local device = C.mrl_device_of(opt.params)
+  if zero >= 2 and not model then error('dist.zero=2: the optimizer must name its model (opt.model)', 2) end
   if device.kind ~= C.MRL_DEVICE_CPU then
     -- a GPU model's: one sum over the whole buffer once the backward is done (dist.gpu_transport:
-    -- NCCL, or through the host), no buckets; ZeRO-1 is CPU only for now
-    if zero == 1 then
-      moonrl.usage_error('dist.zero=1 shards the optimizer of a CPU model; a GPU model keeps it whole (dist.zero=0) '
-        .. 'for now')
+    -- NCCL, or through the host), no buckets; ZeRO-1 and 2 are CPU only for now
+    if zero >= 1 then
+      moonrl.usage_error(string.format('dist.zero=%d shards the training state of a CPU model; a GPU model keeps it '
+        .. 'whole (dist.zero=0) for now', zero))
     end
+    self.grads = opt:bind_grads()
     self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
+  elseif zero >= 2 then
+    local out = ffi.new('mrl_dist_grad_shard *[1]')
+    check(C.mrl_dist_grad_shard_create(w.handle, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), out))
+    self.grad_shard = ffi.gc(out[0], C.mrl_dist_grad_shard_free)
+    self.shard_grads = C.mrl_dist_grad_shard_grads(out[0])
+    C.mrl_model_set_grad_windows(model.handle, C.mrl_dist_grad_shard_acquire, out[0])
+    C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_grad_shard_ready, out[0])
   else
+    self.grads = opt:bind_grads()
     local out = ffi.new('mrl_dist_buckets *[1]')
     local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
-    moonrl.check(C.mrl_dist_buckets_create(w.handle, opt.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode,
+    moonrl.check(C.mrl_dist_buckets_create(w.handle, self.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode,
       out))
     self.buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
   end
@@ -267,7 +283,8 @@ function M.data_parallel(w, opt, model, opts)
   end
   local mine = self.shards[w.rank + 1]
   self.offset, self.count = mine.offset, mine.count
-  if zero ~= 1 then
+  if zero == 1 then self.shard_grads = self.grads + mine.offset end
+  if zero == 0 then
     opt:create()
   else
     -- the shard's own AdamW: its state is 1/N of the whole (opt, deferred, never gets one)
@@ -276,22 +293,43 @@ function M.data_parallel(w, opt, model, opts)
       local a, b = math.max(r[1], mine.offset), math.min(r[1] + r[2], mine.offset + mine.count)
       if b > a then ranges[#ranges + 1] = { a - mine.offset, b - a } end
     end
-    if mine.count <= 0 then error('dist.zero=1: fewer parameters than ranks', 2) end
-    self.shard_opt = opt:shard(mine.offset, mine.count, ranges)
+    if mine.count <= 0 then error('dist.zero: fewer parameters than ranks', 2) end
+    self.shard_opt = opt:shard(mine.offset, mine.count, ranges, self.shard_grads)
     self.full = nil
   end
   if model then
     if self.buckets then C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_buckets_ready, self.buckets) end
     -- a new accumulation starts at the model's zero_grad: the next update syncs again
     local zero_grad = model.zero_grad
-    model.zero_grad = function(m) zero_grad(m); self.synced = false end
+    model.zero_grad = function(m) zero_grad(m); self:zero_shard(); self.synced = false end
+    if self.grad_shard then
+      -- ZeRO-2: each backward's reduce-scatters are waited for before the next one adds to the
+      -- shard (the accumulation then goes micro-batch by micro-batch, the same on every rank)
+      local backward = model.backward
+      model.backward = function(m, ...)
+        backward(m, ...)
+        check(C.mrl_dist_grad_shard_finish(self.grad_shard))
+      end
+    end
   end
   return self
 end
 
+-- ZeRO-2: the shard's accumulator to zero (a new update).
+function DP:zero_shard()
+  if self.grad_shard then C.mrl_dist_grad_shard_zero(self.grad_shard) end
+end
+
+-- The gradients this rank holds, as (pointer, count): the whole buffer, or (ZeRO-2) its shard;
+-- what a fault injection poisons.
+function DP:grad_span()
+  if self.grad_shard then return self.shard_grads, self.count end
+  return self.grads, self.n
+end
+
 -- The next backward is the last of this update: its buckets start as they become final.
 function DP:arm()
-  if not self.gpu then C.mrl_dist_buckets_arm(self.buckets) end
+  if self.buckets then C.mrl_dist_buckets_arm(self.buckets) end
 end
 
 -- Wait for the gradient sums (once per update; the first reader of the gradients calls it).
@@ -300,6 +338,10 @@ function DP:sync()
   self.synced = true
   if self.gpu then
     self.world:gpu_allreduce(self.grads, self.n)
+    self.overlapped = 0
+    return
+  end
+  if self.grad_shard then -- every backward's ranges are summed already (its wrapper waited)
     self.overlapped = 0
     return
   end
@@ -316,10 +358,11 @@ function DP:grad_norm()
   local parts = ffi.new('double[?]', w.size)
   local function part(s)
     if s.count <= 0 then return 0 end
-    moonrl.check(C.mrl_grad_norm(self.grads + s.offset, s.count, norm_out), 3)
+    moonrl.check(C.mrl_grad_norm(s == self.shards[w.rank + 1] and self.shard_grads or self.grads + s.offset, s.count,
+      norm_out), 3)
     return norm_out[0] * norm_out[0]
   end
-  if self.zero == 1 then
+  if self.zero >= 1 then
     local mine = ffi.new('double[1]', part(self.shards[w.rank + 1]))
     check(C.mrl_dist_allgather(w.handle, mine, 8, parts))
   else
@@ -338,11 +381,11 @@ function DP:clip_grad_norm(max_norm)
   return norm
 end
 
--- The gradients this rank steps with: all of them, or its shard (ZeRO-1).
+-- The gradients this rank steps with: all of them, or its shard (ZeRO-1 and 2).
 function DP:scale_grad(s)
   self:sync()
-  if self.zero == 1 then
-    if self.count > 0 then moonrl.check(C.mrl_grad_scale(self.grads + self.offset, self.count, s), 2) end
+  if self.zero >= 1 then
+    if self.count > 0 then moonrl.check(C.mrl_grad_scale(self.shard_grads, self.count, s), 2) end
   else
     moonrl.check(C.mrl_grad_scale(self.grads, self.n, s), 2)
   end
@@ -350,7 +393,7 @@ end
 
 function DP:step(lr)
   self:sync()
-  if self.zero == 1 then
+  if self.zero >= 1 then
     if self.count > 0 then self.shard_opt:step(lr) end
     check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32))
   else
@@ -362,7 +405,7 @@ end
 
 -- A new accumulation: the gradients go to zero and the buckets wait for the next backward.
 function DP:zero_grad()
-  moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2)
+  if self.grad_shard then self:zero_shard() else moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2) end
   self.synced = false
 end
 
@@ -373,7 +416,7 @@ function DP:steps() return (self.shard_opt or self.full):steps() end
 -- lies in the whole (offset, total): each rank writes its own file (moonrl.train.checkpoint) and
 -- nothing is gathered, so no rank ever holds more than its shard.
 function DP:state()
-  if self.zero ~= 1 then return self.full:state() end
+  if self.zero == 0 then return self.full:state() end
   local s = self.shard_opt:state()
   s.offset, s.total = self.offset, self.n
   return s
@@ -391,11 +434,11 @@ end
 -- Plain data parallel's restore from the whole state (m, v of n floats each); ZeRO-1 resumes
 -- through DP:load_range, so that no rank holds the whole state.
 function DP:load_state(s)
-  if self.zero == 1 then error('dist.zero=1: an optimizer shard is restored by DP:load_range', 2) end
+  if self.zero >= 1 then error('dist.zero: an optimizer shard is restored by DP:load_range', 2) end
   return self.full:load_state(s)
 end
 
--- Bytes of optimizer state this rank holds (1/N of the whole with ZeRO-1).
-function DP:state_bytes() return 8 * ((self.zero == 1) and self.count or self.n) end
+-- Bytes of optimizer state this rank holds (1/N of the whole with ZeRO-1 and 2).
+function DP:state_bytes() return 8 * ((self.zero >= 1) and self.count or self.n) end
 
 return M

@@ -131,10 +131,14 @@ local function poison_grads(opt)
   -- the NaN arithmetic makes (a byte fill would make NaNs whose payload LuaJIT could misread);
   -- a GPU's gradients are written from a host array of them
   local nan = 0 / 0
-  local on_gpu = C.mrl_device_of(opt.grads).kind ~= C.MRL_DEVICE_CPU
-  local g = on_gpu and ffi.new('float[?]', opt.n) or opt.grads
-  for i = 0, opt.n - 1 do g[i] = nan end
-  if on_gpu then moonrl.check(C.mrl_device_memcpy(opt.grads, g, 4 * opt.n)) end
+  -- the gradients this rank holds (a ZeRO-2 rank: its shard)
+  local grads, n
+  if opt.grad_span then grads, n = opt:grad_span()
+  else grads, n = opt.bind_grads and opt:bind_grads() or opt.grads, opt.n end
+  local on_gpu = C.mrl_device_of(grads).kind ~= C.MRL_DEVICE_CPU
+  local g = on_gpu and ffi.new('float[?]', n) or grads
+  for i = 0, n - 1 do g[i] = nan end
+  if on_gpu then moonrl.check(C.mrl_device_memcpy(grads, g, 4 * n)) end
 end
 
 -- Look at an update (m: loss, grad_norm, and kl / entropy when the recipe has them) before

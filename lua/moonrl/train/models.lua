@@ -72,7 +72,8 @@ end
 -- only each rank's shard of it.
 function M.adamw(model, o)
   local p, n = model:param_buffer() -- (on a GPU: the optimizer's state and steps are there too)
-  local g = model:grads()
+  -- the gradient buffer when first used: never under dist.zero=2, which lends the backward windows
+  local g = function() return (model:grads()) end
   local opt = require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
     eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges(), model = model, defer = true })
   opt.model = model -- what a session's data-parallel wrapper hooks its gradient buckets into

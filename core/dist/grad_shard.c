@@ -1,0 +1,366 @@
+/* Sharded gradients (ZeRO-2 and up, moonrl/dist.h).
+ *
+ * The model has no gradient buffer: each part of the backward (the head,
+ * each layer, the embedding) writes into a window of its own range, lent by
+ * acquire; once the range is final (the model's grad hook) the window's
+ * values are reduce-scattered: each segment of the range is an all-to-all-v
+ * that brings every other rank's values of (segment ∩ my shard) into a
+ * scratch slot, combined in rank order (mrl_dist_combine_self, the sums of
+ * mrl_dist_allreduce bit for bit) and added to this rank's accumulator. A
+ * window goes back to the pool once all its segments are in.
+ *
+ * Memory: the shard accumulator, the windows of the ranges in flight (the
+ * pool keeps them for the next backward) and `depth` scratch slots of
+ * size * segment floats; segments wait for a free slot, so the scratch
+ * stays bounded however large a range is (an embedding of 150k rows).
+ *
+ * Order: segments start in the order the ranges became final, the same on
+ * every rank (the backward's order); each element is added to the
+ * accumulator once per backward, and finish waits for every segment, so
+ * the accumulation's order is the micro-batches' order. */
+#include <stdlib.h>
+#include <string.h>
+#include "dist_internal.h"
+#include "base/error.h"
+#include "moonrl/mem.h"
+
+enum {
+    DEPTH = 2,  /* scratch slots: segments in flight at once */
+    PENDING = 2 /* ranges final and not yet all added: a new window waits for fewer (FSDP's
+                 * rate limit), so that a rank ahead of the others does not lend a window
+                 * for every range of the model */
+};
+
+typedef struct window {
+    float *buf;
+    int64_t cap;          /* floats */
+    int64_t lo, hi;       /* the range it holds while lent */
+    int64_t segs_left;    /* segments of its range not yet added (-1: being written) */
+    int lent;
+} window;
+
+typedef struct slot {
+    void *req;
+    float *scratch; /* size * scratch_n floats */
+    int64_t scratch_n;
+    window *w;
+    int64_t mine_lo, mine_n; /* the segment ∩ my shard */
+    int busy;
+} slot;
+
+struct mrl_dist_grad_shard {
+    mrl_dist *d;
+    void *comm;
+    int64_t n, off, count, seg;
+    float *acc; /* [count]: this rank's shard of the gradient sum */
+    window *wins;
+    int n_wins, cap_wins;
+    /* the queue of segments to start: windows in the order they became final, each cut into
+     * segments [lo + k*seg, ...) */
+    window **queue;
+    int q_head, q_len, q_cap;
+    int64_t q_next; /* where the head window's next segment begins */
+    slot slots[DEPTH];
+    mrl_status failed; /* a failure inside a hook (which cannot return one): finish reports it */
+    int64_t window_bytes, window_peak;
+    mrl_dist_grad_shard *next; /* in d's list of live ones */
+};
+
+void mrl_dist_grad_shard_detach_all(mrl_dist *d) {
+    for (mrl_dist_grad_shard *g = d->grad_shards, *next; g; g = next) {
+        next = g->next;
+        if (g->comm && !d->broken) d->be->comm_free(g->comm);
+        g->comm = NULL;
+        g->d = NULL;
+        g->next = NULL;
+    }
+    d->grad_shards = NULL;
+}
+
+/* [lo, hi) ∩ rank r's shard: start and length (0 when they do not meet). */
+static void meet(const mrl_dist_grad_shard *g, int r, int64_t lo, int64_t hi, int64_t *at, int64_t *len) {
+    int64_t off, cnt;
+    mrl_dist_shard(g->n, g->d->size, r, &off, &cnt);
+    int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
+    *at = b > a ? a : lo;
+    *len = b > a ? b - a : 0;
+}
+
+mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, mrl_dist_grad_shard **out) {
+    *out = NULL;
+    if (n <= 0 || n < d->size)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: sharded gradients: %lld parameters over %d ranks", (long long)n,
+                             d->size);
+    /* a slot's scratch (every rank's piece of a segment) is then about segment_bytes */
+    int64_t seg = segment_bytes / (int64_t)sizeof(float) / d->size, max = mrl_dist_max_segment(d->size);
+    if (seg < 1) return mrl_set_error(MRL_ERR_INVALID, "dist: sharded gradients: segment of %lld bytes", (long long)segment_bytes);
+    if (seg > max) seg = max;
+    mrl_status st = mrl_dist_begin(d, "grad_shard_create");
+    if (st) return st;
+    mrl_dist_grad_shard *g = calloc(1, sizeof *g);
+    if (!g) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    g->d = d;
+    g->n = n;
+    g->seg = seg;
+    mrl_dist_shard(n, d->size, d->rank, &g->off, &g->count);
+    g->acc = mrl_mem_alloc(sizeof(float) * (size_t)g->count, MRL_MEM_GRADS);
+    if (!g->acc) {
+        int64_t count = g->count;
+        free(g);
+        return mrl_wrap_error(MRL_ERR_NOMEM, "dist: no memory for this rank's %lld gradients", (long long)count);
+    }
+    if (d->size > 1) { /* a communicator of its own: its all-to-alls interleave with nothing else */
+        void *req = NULL;
+        int e = d->be->comm_idup(d->coll, &g->comm, &req);
+        st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
+        if (st) {
+            mrl_mem_free(g->acc);
+            free(g);
+            return st;
+        }
+    }
+    g->next = d->grad_shards;
+    d->grad_shards = g;
+    *out = g;
+    return MRL_OK;
+}
+
+void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
+    if (!g) return;
+    int busy = 0;
+    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
+    /* a round that never finished (a timeout: the process is ending) keeps what MPI may still write */
+    if (g->d)
+        for (mrl_dist_grad_shard **p = &g->d->grad_shards; *p; p = &(*p)->next)
+            if (*p == g) {
+                *p = g->next;
+                break;
+            }
+    if (!busy) {
+        for (int i = 0; i < DEPTH; i++) mrl_mem_free(g->slots[i].scratch);
+        for (int i = 0; i < g->n_wins; i++) mrl_mem_free(g->wins[i].buf);
+        if (g->comm && g->d && !g->d->broken) g->d->be->comm_free(g->comm);
+    }
+    free(g->wins);
+    free(g->queue);
+    mrl_mem_free(g->acc);
+    free(g);
+}
+
+float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g) { return g->acc; }
+int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g) { return g->window_bytes; }
+int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g) { return g->window_peak; }
+
+void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g) {
+    memset(g->acc, 0, sizeof(float) * (size_t)g->count);
+}
+
+static void fail(mrl_dist_grad_shard *g, mrl_status st) {
+    if (!g->failed) g->failed = st;
+}
+
+/* A segment whose all-to-all finished: the ranks' values in rank order, then into acc. */
+static void add_segment(mrl_dist_grad_shard *g, slot *s) {
+    window *w = s->w;
+    if (s->mine_n > 0) {
+        float *mine = w->buf + (s->mine_lo - w->lo);
+        if (g->d->size > 1)
+            mrl_dist_combine_self(mine, s->scratch, s->mine_n, g->d->size, g->d->rank, MRL_DIST_F32, MRL_DIST_SUM);
+        float *acc = g->acc + (s->mine_lo - g->off);
+        for (int64_t i = 0; i < s->mine_n; i++) acc[i] += mine[i];
+    }
+    s->busy = 0;
+    s->w = NULL;
+    if (--w->segs_left == 0) w->lent = 0; /* back to the pool */
+}
+
+/* Start the queue's next segment in slot s. */
+static mrl_status start_segment(mrl_dist_grad_shard *g, slot *s) {
+    mrl_dist *d = g->d;
+    window *w = g->queue[g->q_head];
+    int64_t lo = g->q_next, hi = lo + g->seg < w->hi ? lo + g->seg : w->hi;
+    g->q_next = hi;
+    if (hi == w->hi) { /* the window's last segment: the next one's first comes next */
+        g->q_head = (g->q_head + 1) % g->q_cap;
+        g->q_len--;
+        if (g->q_len > 0) g->q_next = g->queue[g->q_head]->lo;
+    }
+    s->w = w;
+    s->busy = 1;
+    meet(g, d->rank, lo, hi, &s->mine_lo, &s->mine_n);
+    if (d->size == 1) {
+        add_segment(g, s);
+        return MRL_OK;
+    }
+    if (s->scratch_n < s->mine_n) { /* grown to what the segments need: at most a whole one, or the shard */
+        mrl_mem_free(s->scratch);
+        s->scratch_n = 0;
+        if (!(s->scratch = mrl_mem_alloc(sizeof(float) * (size_t)(d->size * s->mine_n), MRL_MEM_GRADS)))
+            return mrl_wrap_error(MRL_ERR_NOMEM, "dist: no memory for %lld floats of reduce-scatter scratch",
+                                  (long long)(d->size * s->mine_n));
+        s->scratch_n = s->mine_n;
+    }
+    int64_t *sc = d->tmp, *sd = sc + d->size, *rc = sd + d->size, *rd = rc + d->size;
+    for (int r = 0; r < d->size; r++) {
+        int64_t at;
+        meet(g, r, lo, hi, &at, &sc[r]);
+        sd[r] = at - w->lo; /* in the window */
+        rc[r] = s->mine_n;
+        rd[r] = (int64_t)r * s->mine_n;
+    }
+    sc[d->rank] = rc[d->rank] = 0; /* this rank's own values stay in the window: the combine reads them there */
+    int e = d->be->ialltoallv(g->comm, w->buf, sc, sd, s->scratch, rc, rd, sizeof(float), &s->req);
+    if (e) return mrl_dist_fail(d, e, "the all-to-all of a gradient reduce-scatter");
+    return MRL_OK;
+}
+
+/* Test what is in flight, add what finished, start queued segments in free slots. */
+static mrl_status progress(void *ctx, int *done) {
+    mrl_dist_grad_shard *g = ctx;
+    mrl_dist *d = g->d;
+    *done = 0;
+    for (int i = 0; i < DEPTH; i++) {
+        slot *s = &g->slots[i];
+        if (!s->busy || d->size == 1) continue;
+        int fin = 0;
+        int e = d->be->test(s->req, &fin);
+        if (e) return mrl_dist_fail(d, e, "the all-to-all of a gradient reduce-scatter");
+        if (!fin) continue;
+        s->req = NULL;
+        add_segment(g, s);
+    }
+    for (int i = 0; i < DEPTH && g->q_len > 0; i++) {
+        slot *s = &g->slots[i];
+        if (s->busy) continue;
+        mrl_status st = start_segment(g, s);
+        if (st) return st;
+    }
+    int busy = 0;
+    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
+    *done = !busy && g->q_len == 0;
+    return MRL_OK;
+}
+
+static mrl_status few_pending(void *ctx, int *done) {
+    mrl_dist_grad_shard *g = ctx;
+    int ignore;
+    mrl_status st = progress(g, &ignore);
+    int pending = 0;
+    for (int i = 0; i < g->n_wins; i++) pending += g->wins[i].lent && g->wins[i].segs_left > 0;
+    *done = pending < PENDING;
+    return st;
+}
+
+float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
+    mrl_dist_grad_shard *g = vg;
+    if (!g->d) {
+        mrl_set_error(MRL_ERR_INVALID, "dist: a gradient window after mrl_dist_finalize");
+        return NULL;
+    }
+    if (offset < 0 || count <= 0 || offset + count > g->n) {
+        mrl_set_error(MRL_ERR_INVALID, "dist: gradient window [%lld, %lld) outside the %lld parameters",
+                      (long long)offset, (long long)(offset + count), (long long)g->n);
+        return NULL;
+    }
+    if (!g->failed && !g->d->broken) { /* windows coming back; at most PENDING ranges waiting */
+        mrl_status st = mrl_dist_begin(g->d, "grad_shard_window");
+        if (!st) st = mrl_dist_wait(g->d, few_pending, g);
+        if (st) { /* (the error is set: the backward fails with it) */
+            fail(g, st);
+            return NULL;
+        }
+    }
+    window *best = NULL;
+    for (int i = 0; i < g->n_wins; i++) {
+        window *w = &g->wins[i];
+        if (!w->lent && w->cap >= count && (!best || w->cap < best->cap)) best = w;
+    }
+    if (!best) {
+        if (g->n_wins == g->cap_wins) {
+            int cap = g->cap_wins ? 2 * g->cap_wins : 8;
+            window *nw = realloc(g->wins, (size_t)cap * sizeof *nw);
+            if (!nw) {
+                mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+                return NULL;
+            }
+            /* the queue points at windows: move its pointers with them */
+            for (int i = 0; i < g->q_len; i++) {
+                int q = (g->q_head + i) % g->q_cap;
+                g->queue[q] = nw + (g->queue[q] - g->wins);
+            }
+            for (int i = 0; i < DEPTH; i++)
+                if (g->slots[i].w) g->slots[i].w = nw + (g->slots[i].w - g->wins);
+            g->wins = nw;
+            g->cap_wins = cap;
+        }
+        float *buf = mrl_mem_alloc(sizeof(float) * (size_t)count, MRL_MEM_GRADS);
+        if (!buf) return NULL; /* (the error is set) */
+        best = &g->wins[g->n_wins++];
+        *best = (window){.buf = buf, .cap = count};
+        g->window_bytes += (int64_t)sizeof(float) * count;
+        if (g->window_bytes > g->window_peak) g->window_peak = g->window_bytes;
+    } else {
+        memset(best->buf, 0, sizeof(float) * (size_t)count);
+    }
+    best->lent = 1;
+    best->lo = offset;
+    best->hi = offset + count;
+    best->segs_left = -1;
+    return best->buf;
+}
+
+void mrl_dist_grad_shard_ready(void *vg, int64_t offset, int64_t count) {
+    mrl_dist_grad_shard *g = vg;
+    if (!g->d) return; /* (acquire failed already) */
+    window *w = NULL;
+    for (int i = 0; i < g->n_wins; i++)
+        if (g->wins[i].lent && g->wins[i].segs_left < 0 && g->wins[i].lo == offset && g->wins[i].hi == offset + count)
+            w = &g->wins[i];
+    if (!w) {
+        fail(g, mrl_set_error(MRL_ERR_INVALID, "dist: gradient range [%lld, %lld) final but never lent",
+                              (long long)offset, (long long)(offset + count)));
+        return;
+    }
+    w->segs_left = (count + g->seg - 1) / g->seg;
+    if (g->q_len == g->q_cap) {
+        int cap = g->q_cap ? 2 * g->q_cap : 16;
+        window **q = malloc((size_t)cap * sizeof *q);
+        if (!q) {
+            fail(g, mrl_set_error(MRL_ERR_NOMEM, "out of memory"));
+            return;
+        }
+        for (int i = 0; i < g->q_len; i++) q[i] = g->queue[(g->q_head + i) % (g->q_cap ? g->q_cap : 1)];
+        free(g->queue);
+        g->queue = q;
+        g->q_head = 0;
+        g->q_cap = cap;
+    }
+    if (g->q_len == 0) g->q_next = w->lo;
+    g->queue[(g->q_head + g->q_len) % g->q_cap] = w;
+    g->q_len++;
+    if (g->failed || g->d->broken) return;
+    int done;
+    mrl_status st = progress(g, &done);
+    if (st) fail(g, st);
+}
+
+mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g) {
+    if (!g->d) return mrl_set_error(MRL_ERR_INVALID, "dist: grad_shard_finish after mrl_dist_finalize");
+    mrl_status st = g->failed;
+    g->failed = MRL_OK;
+    if (!st) st = mrl_dist_begin(g->d, "grad_shard_finish");
+    if (!st) st = mrl_dist_wait(g->d, progress, g);
+    for (int i = 0; i < g->n_wins; i++)
+        if (g->wins[i].lent && g->wins[i].segs_left < 0 && !st) /* lent and never final: a backward cut short */
+            st = mrl_set_error(MRL_ERR_INVALID, "dist: gradient window [%lld, %lld) lent and never final",
+                               (long long)g->wins[i].lo, (long long)g->wins[i].hi);
+    if (st) { /* the round is lost: the next starts clean (the caller fails the step) */
+        int busy = 0;
+        for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
+        if (!busy) {
+            for (int i = 0; i < g->n_wins; i++) g->wins[i].lent = 0;
+            g->q_len = 0;
+        }
+    }
+    return st;
+}
