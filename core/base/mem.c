@@ -119,25 +119,28 @@ mrl_status mrl_mem_set_budget(int64_t bytes, const char *name) {
 
 int64_t mrl_mem_budget(void) { return atomic_load(&budget_bytes); }
 
+/* 1 (and the error set) when `bytes` more would take the process past its budget. Every size,
+ * not only the large ones: two loads and a compare. Threads allocating at once may each pass
+ * with the other's bytes not yet counted; a budget is a guard against a model that cannot fit,
+ * not an exact cap. */
+static int past_budget(size_t bytes, mrl_mem_category category) {
+    int64_t budget = atomic_load_explicit(&budget_bytes, memory_order_relaxed);
+    if (budget <= 0) return 0;
+    int64_t held = atomic_load_explicit(&counters_total[0], memory_order_relaxed);
+    if (held + (int64_t)bytes <= budget) return 0;
+    mrl_set_error(MRL_ERR_NOMEM, "%s asks for %.1f MiB, and this process holds %.1f MiB through moonrl: "
+                  "past %s (%.1f MiB)", mrl_mem_category_name(category), bytes / 1048576.0,
+                  held / 1048576.0, budget_name, budget / 1048576.0);
+    return 1;
+}
+
 void *mrl_mem_alloc(size_t bytes, mrl_mem_category category) {
     if (bytes > ((size_t)1 << 46)) {
         mrl_set_error(MRL_ERR_NOMEM, "allocation of %zu bytes for %s refused (too large)", bytes,
                       mrl_mem_category_name(category));
         return NULL;
     }
-    /* Every size, not only the large ones: two loads and a compare. Threads
-     * allocating at once may each pass with the other's bytes not yet counted;
-     * a budget is a guard against a model that cannot fit, not an exact cap. */
-    int64_t budget = atomic_load_explicit(&budget_bytes, memory_order_relaxed);
-    if (budget > 0) {
-        int64_t held = atomic_load_explicit(&counters_total[0], memory_order_relaxed);
-        if (held + (int64_t)bytes > budget) {
-            mrl_set_error(MRL_ERR_NOMEM, "%s asks for %.1f MiB, and this process holds %.1f MiB through moonrl: "
-                          "past %s (%.1f MiB)", mrl_mem_category_name(category), bytes / 1048576.0,
-                          held / 1048576.0, budget_name, budget / 1048576.0);
-            return NULL;
-        }
-    }
+    if (past_budget(bytes, category)) return NULL;
     if (bytes >= MEM_CHECK_BYTES) {
         int64_t avail = mrl_mem_available();
         if (avail >= 0 && (int64_t)bytes > avail) {
@@ -215,4 +218,107 @@ void mrl_mem_reset_rss_peak(void) {
     if (!f) return;
     fputs("5", f); /* 5: reset the peak resident set size (proc(5)) */
     fclose(f);
+}
+
+/* ---- regions: reserved address space, memory only where pinned ---- */
+
+#define REGION_PAGE ((int64_t)4096)
+
+struct mrl_mem_region {
+    char *base;
+    int64_t bytes, pages;
+    uint8_t *pins; /* [pages]: how many pins hold each page (0: no memory, unreadable) */
+    int64_t resident; /* bytes of pinned pages, counted under category */
+    mrl_mem_category category;
+};
+
+mrl_status mrl_mem_region_create(int64_t bytes, mrl_mem_category category, mrl_mem_region **out) {
+    *out = NULL;
+    if (bytes <= 0 || bytes > ((int64_t)1 << 46))
+        return mrl_set_error(MRL_ERR_INVALID, "memory region of %lld bytes", (long long)bytes);
+    mrl_mem_region *r = calloc(1, sizeof *r);
+    if (!r) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    r->bytes = bytes;
+    r->pages = (bytes + REGION_PAGE - 1) / REGION_PAGE;
+    r->category = category;
+    r->pins = calloc((size_t)r->pages, 1);
+    /* address space only: no page is readable until pinned */
+    void *p = mmap(NULL, (size_t)(r->pages * REGION_PAGE), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (!r->pins || p == MAP_FAILED) {
+        free(r->pins);
+        free(r);
+        return mrl_set_error(MRL_ERR_NOMEM, "cannot reserve %lld bytes of address space for %s", (long long)bytes,
+                             mrl_mem_category_name(category));
+    }
+    r->base = p;
+    *out = r;
+    return MRL_OK;
+}
+
+void mrl_mem_region_free(mrl_mem_region *r) {
+    if (!r) return;
+    munmap(r->base, (size_t)(r->pages * REGION_PAGE));
+    mrl_mem_account(r->category, -r->resident);
+    free(r->pins);
+    free(r);
+}
+
+void *mrl_mem_region_base(const mrl_mem_region *r) { return r ? r->base : NULL; }
+int64_t mrl_mem_region_resident(const mrl_mem_region *r) { return r ? r->resident : 0; }
+
+/* The pages [a, b) of bytes [lo, hi) (hi > lo). */
+static void page_span(int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
+    *a = lo / REGION_PAGE;
+    *b = (hi + REGION_PAGE - 1) / REGION_PAGE;
+}
+
+mrl_status mrl_mem_region_pin(mrl_mem_region *r, int64_t lo, int64_t hi) {
+    if (lo < 0 || hi > r->bytes || lo > hi)
+        return mrl_set_error(MRL_ERR_INVALID, "memory region: pin [%lld, %lld) outside its %lld bytes", (long long)lo,
+                             (long long)hi, (long long)r->bytes);
+    if (lo == hi) return MRL_OK;
+    int64_t a, b, fresh = 0;
+    page_span(lo, hi, &a, &b);
+    for (int64_t p = a; p < b; p++) {
+        if (r->pins[p] == UINT8_MAX)
+            return mrl_set_error(MRL_ERR_INTERNAL, "memory region: page %lld pinned %d times", (long long)p, UINT8_MAX);
+        fresh += r->pins[p] == 0;
+    }
+    if (fresh && past_budget((size_t)(fresh * REGION_PAGE), r->category)) return MRL_ERR_NOMEM;
+    for (int64_t p = a; p < b;) { /* each run of unpinned pages made readable at once */
+        if (r->pins[p]) {
+            p++;
+            continue;
+        }
+        int64_t q = p;
+        while (q < b && !r->pins[q]) q++;
+        if (mprotect(r->base + p * REGION_PAGE, (size_t)((q - p) * REGION_PAGE), PROT_READ | PROT_WRITE))
+            return mrl_set_error(MRL_ERR_NOMEM, "memory region: cannot map %lld bytes", (long long)((q - p) * REGION_PAGE));
+        p = q;
+    }
+    for (int64_t p = a; p < b; p++) r->pins[p]++;
+    r->resident += fresh * REGION_PAGE;
+    mrl_mem_account(r->category, fresh * REGION_PAGE);
+    return MRL_OK;
+}
+
+void mrl_mem_region_unpin(mrl_mem_region *r, int64_t lo, int64_t hi) {
+    if (lo < 0 || hi > r->bytes || lo >= hi) return;
+    int64_t a, b, freed = 0;
+    page_span(lo, hi, &a, &b);
+    for (int64_t p = a; p < b; p++)
+        if (r->pins[p] && --r->pins[p] == 0) freed++;
+    for (int64_t p = a; p < b;) { /* each run of pages left unpinned given back (zero when pinned again) */
+        if (r->pins[p]) {
+            p++;
+            continue;
+        }
+        int64_t q = p;
+        while (q < b && !r->pins[q]) q++;
+        madvise(r->base + p * REGION_PAGE, (size_t)((q - p) * REGION_PAGE), MADV_DONTNEED);
+        mprotect(r->base + p * REGION_PAGE, (size_t)((q - p) * REGION_PAGE), PROT_NONE);
+        p = q;
+    }
+    r->resident -= freed * REGION_PAGE;
+    mrl_mem_account(r->category, -freed * REGION_PAGE);
 }

@@ -3,6 +3,7 @@
 #pragma once
 #include <stdint.h>
 #include "moonrl/mem.h"
+#include "moonrl/status.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -13,6 +14,23 @@ void mrl_mem_account(mrl_mem_category category, int64_t delta_bytes);
 /* The same for device memory (mrl_buffer_alloc on a GPU): counters of their
  * own, over every GPU of the process (mrl_mem_get_device_stats). */
 void mrl_mem_account_device(mrl_mem_category category, int64_t delta_bytes);
+
+/* A region: `bytes` of reserved address space whose pages hold memory only
+ * while pinned (ZeRO-3's parameter buffer: the rank's shard pinned for the
+ * run, the rest while a layer is gathered into place). pin makes the pages
+ * of bytes [lo, hi) readable and writable (zero-filled when they had no
+ * memory), counts them under the category and checks them against the
+ * budget (MRL_ERR_NOMEM then, nothing pinned); unpin gives back the pages it
+ * leaves without a pin, which become unreadable (a stray read faults
+ * instead of seeing stale values). Pages are 4 KiB; pins nest (at most 255
+ * on a page). One thread. */
+typedef struct mrl_mem_region mrl_mem_region;
+mrl_status mrl_mem_region_create(int64_t bytes, mrl_mem_category category, mrl_mem_region **out);
+void mrl_mem_region_free(mrl_mem_region *r);
+void *mrl_mem_region_base(const mrl_mem_region *r);
+mrl_status mrl_mem_region_pin(mrl_mem_region *r, int64_t lo, int64_t hi);
+void mrl_mem_region_unpin(mrl_mem_region *r, int64_t lo, int64_t hi);
+int64_t mrl_mem_region_resident(const mrl_mem_region *r);
 
 #ifdef __cplusplus
 }

@@ -53,6 +53,7 @@ struct mrl_dist {
     int64_t *blob_off; /* [size + 1] */
     mrl_dist_buckets *buckets; /* the live ones: their communicators go before MPI_Finalize */
     mrl_dist_grad_shard *grad_shards; /* likewise */
+    mrl_dist_param_gather *param_gathers;
     /* a communicator made by mrl_dist_split: its name, and the world rank of each of its ranks
      * (reports name world ranks); NULL for the world itself */
     char name[32];
@@ -76,7 +77,7 @@ mrl_status mrl_dist_wait_req(mrl_dist *d, int rc, void *req, const char *what);
 /* Frees the communicators of d's live bucket sets (before MPI_Finalize) and
  * detaches them from d (buckets.c). */
 void mrl_dist_buckets_detach_all(mrl_dist *d);
-/* The same for d's sharded gradients (grad_shard.c). */
+/* The same for d's sharded gradients and parameter gathers (zero.c). */
 void mrl_dist_grad_shard_detach_all(mrl_dist *d);
 /* Grows d->scratch to at least `bytes`. */
 mrl_status mrl_dist_scratch(mrl_dist *d, size_t bytes);

@@ -262,7 +262,13 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->op_tokens = m->dev_tokens, m->op_cu_seqlens = m->dev_cu_seqlens;
         m->op_prefix = b->prefix ? m->dev_prefix : NULL;
     }
+    /* sharded parameters (shard.c): each part gathered into place just before it is read, the
+     * next one's gather started meanwhile, and let go after (nothing happens otherwise) */
+    int L = c->num_hidden_layers;
+    int64_t embed_end = m->lp[0].ln1 - m->params, layers_end = m->final_norm - m->params;
+    if ((st = mrl_model_use(m, 0, embed_end, embed_end, L > 1 ? m->lp[1].ln1 - m->params : layers_end))) return st;
     k->gather_rows(m->xs[0], m->embed, m->op_tokens, T, D); /* [T,D] */
+    mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
         memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
         m->aux_n = 0;
@@ -270,13 +276,26 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     m->replayed = m->replay_differ = 0;
     mrl_moe_ep_begin(m);
     for (int l = 0, ord = 0; l < c->num_hidden_layers; l++) {
+        int64_t lo = m->lp[l].ln1 - m->params, hi = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
+        int64_t next_hi = l + 2 < L ? m->lp[l + 2].ln1 - m->params : l + 1 < L ? layers_end : m->n_params;
+        if ((st = mrl_model_use(m, lo, hi, hi, next_hi))) { /* (the one after it: the head's last) */
+            m->have_forward = 0;
+            return st;
+        }
         mrl_layer_forward(m, l, T);
+        mrl_model_unuse(m, lo, hi);
         if (!m->lp[l].router) continue;
         mrl_moe_aux_add(m, &m->la[l], T);
         mrl_moe_record(m, &m->la[l], T, ord++); /* what the layer used, before recompute reuses la */
     }
     if (m->aux_picks) mrl_moe_aux_finish(m);
     if ((st = mrl_moe_ep_status(m))) { /* no backward through it */
+        m->have_forward = 0;
+        return st;
+    }
+    /* the final norm and head (a tied head is the embedding) */
+    if ((st = mrl_model_use(m, layers_end, m->n_params, 0, 0)) ||
+        (c->tie_word_embeddings && (st = mrl_model_use(m, 0, embed_end, 0, 0)))) {
         m->have_forward = 0;
         return st;
     }
@@ -292,6 +311,8 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0, lp);
     }
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
+    mrl_model_unuse(m, layers_end, m->n_params);
+    if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
     int64_t floats = (int64_t)sizeof(float) * T;
     st = k->sync(); /* a GPU's first failure since the last sync (nothing on the CPU) */
     if (!st && entropy) st = k->to_host(entropy, m->head_ent, floats);
@@ -345,6 +366,11 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         dentropy = dentropy ? m->dev_io[1] : NULL;
         dvalues = dvalues ? m->dev_io[2] : NULL;
     }
+    /* sharded parameters: the head's part (and a tied head's embedding) gathered again, each
+     * layer's as its backward comes, the one before it started meanwhile */
+    if ((st = mrl_model_use(m, layers_end, m->n_params, 0, 0)) ||
+        (c->tie_word_embeddings && (st = mrl_model_use(m, 0, embed_end, 0, 0))))
+        return st;
     float *dlnf = m->gs.dln; /* [T,D] */
     k->zero(dlnf, (int64_t)sizeof(float) * T * D);
     int64_t rows = head_rows(m, T);
@@ -371,13 +397,18 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     k->zero(m->gs.dx, (int64_t)sizeof(float) * T * D);
     k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
+    mrl_model_unuse(m, layers_end, m->n_params);
+    if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
     mrl_moe_ep_begin(m);
     for (int l = L - 1; l >= 0; l--) {
         int64_t begin = m->lp[l].ln1 - m->params, end = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
         if (m->grad_acquire && (st = lend(m, l, begin, end))) return st;
+        if ((st = mrl_model_use(m, begin, end, l > 0 ? m->lp[l - 1].ln1 - m->params : 0, l > 0 ? begin : 0)))
+            return st;
         if (m->recompute) mrl_layer_forward(m, l, T);
         mrl_layer_backward(m, l, T);
+        mrl_model_unuse(m, begin, end);
         if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, begin, end - begin);
     }
     if ((st = mrl_moe_ep_status(m))) return st; /* the gradients are then meaningless */

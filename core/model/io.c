@@ -17,6 +17,7 @@
  * model.safetensors.index.json; each file written atomically. */
 #include <stdio.h>
 #include <string.h>
+#include "moonrl/dist.h"
 #include "moonrl/fs.h"
 #include "moonrl/safetensors.h"
 #include "moonrl/mem.h"
@@ -78,42 +79,64 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
     return MRL_OK;
 }
 
-/* Fill the parameters (shapes checked by check_tensors). */
-static mrl_status read_weights(mrl_model *m, mrl_st *st) {
+/* Fill parameters [lo, hi) (shapes checked by check_tensors): each view's part in the range,
+ * read by range (a sharded model's buffer has memory there only). */
+static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi) {
     for (int i = 0; i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
+        int64_t a = v->offset > lo ? v->offset : lo, b = v->offset + v->numel < hi ? v->offset + v->numel : hi;
+        if (b <= a) continue;
+        const char *from = v->name;
         if (!mrl_st_has(st, v->name)) { /* may_be_missing */
-            if (strcmp(v->name, "score.weight") == 0) {
+            if (strcmp(v->name, "score.weight") == 0) { /* the documented init, then its part */
+                float *tmp = mrl_mem_alloc(sizeof(float) * (size_t)v->numel, MRL_MEM_OTHER);
+                if (!tmp) return mrl_wrap_error(MRL_ERR_NOMEM, "model: the init of %s", v->name);
                 uint64_t seed = 0;
+                float *keep = m->params;
+                m->params = tmp - v->offset; /* mrl_model_init_view writes params + offset */
                 mrl_model_init_view(m, v, &seed);
-            } else { /* lm_head.weight of a value-head model */
-                memcpy(m->params + v->offset, m->embed, sizeof(float) * v->numel);
+                m->params = keep;
+                memcpy(m->params + a, tmp + (a - v->offset), sizeof(float) * (size_t)(b - a));
+                mrl_mem_free(tmp);
+                continue;
             }
-            continue;
+            from = "model.embed_tokens.weight"; /* lm_head.weight of a value-head model: the embedding */
         }
-        mrl_status s = mrl_st_read_f32(st, v->name, m->params + v->offset, v->numel);
+        mrl_status s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, m->params + a);
         if (s) return s;
     }
     return MRL_OK;
 }
 
-mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
-    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
-    *out = NULL;
+/* config.json, the files opened and checked against the layout (no parameter memory yet). */
+static mrl_status open_dir(const char *dir, mrl_model **out, mrl_st **st) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
     mrl_model_config cfg;
     mrl_status s = mrl_model_config_load(path, &cfg);
     if (s) return s;
+    if ((s = mrl_st_open(dir, st))) return s;
+    s = mrl_model_alloc_layout(&cfg, out); /* views only: the sizes are the file's to confirm */
+    if (!s) s = check_tensors(*out, *st, dir);
+    if (s) {
+        mrl_st_close(*st);
+        *st = NULL;
+        mrl_model_free(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
+    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
+    *out = NULL;
     mrl_st *st = NULL;
-    s = mrl_st_open(dir, &st);
-    if (s) return s;
     mrl_model *m = NULL;
-    s = mrl_model_alloc_layout(&cfg, &m); /* views only: the sizes are the file's to confirm */
-    if (!s) s = check_tensors(m, st, dir);
-    if (!s) s = mrl_model_alloc_params(m);
-    if (!s) s = read_weights(m, st);
+    mrl_status s = open_dir(dir, &m, &st);
+    if (s) return s;
+    s = mrl_model_alloc_params(m);
+    if (!s) s = read_weights(m, st, 0, m->n_params);
     mrl_st_close(st);
     if (s) {
         mrl_model_free(m);
@@ -121,6 +144,40 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     }
     *out = m;
     return MRL_OK;
+}
+
+mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, mrl_model **out) {
+    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: NULL argument");
+    if (size < 1 || rank < 0 || rank >= size)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: rank %d of %d", rank, size);
+    *out = NULL;
+    mrl_st *st = NULL;
+    mrl_model *m = NULL;
+    mrl_status s = open_dir(dir, &m, &st);
+    if (s) return s;
+    int64_t offset, count;
+    mrl_dist_shard(m->n_params, size, rank, &offset, &count);
+    s = mrl_model_alloc_shard(m, offset, count);
+    if (!s) s = read_weights(m, st, offset, offset + count);
+    mrl_st_close(st);
+    if (s) {
+        mrl_model_free(m);
+        return s;
+    }
+    *out = m;
+    return MRL_OK;
+}
+
+mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
+    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_shard: NULL argument");
+    if (!m->p_region) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_shard: the parameters are not sharded");
+    mrl_st *st = NULL;
+    mrl_status s = mrl_st_open(dir, &st);
+    if (s) return s;
+    if (!(s = check_tensors(m, st, dir))) s = read_weights(m, st, m->shard_off, m->shard_off + m->shard_count);
+    mrl_st_close(st);
+    mrl_model_weights_changed(m);
+    return s;
 }
 
 static mrl_status write_config(mrl_model *m, const char *dir) {
@@ -138,9 +195,34 @@ static mrl_status write_config(mrl_model *m, const char *dir) {
  * copy of the model, whatever its size. Shards are filled in view order
  * (embedding, layers, norm, head), as transformers' save_pretrained fills
  * them in state-dict order. */
+/* A sharded model: every rank gathers the model view by view (the gathers are collectives), the
+ * writer writes each view while it is whole; a write error stops the writing, not the gathers
+ * (the other ranks would wait for them), and is returned at the end. */
+static mrl_status save_gathered(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
+    mrl_st_stream *st = NULL;
+    mrl_status s = MRL_OK, g = MRL_OK;
+    if (m->shard_writer) {
+        s = mrl_st_stream_open(dir, max_shard_bytes, &st);
+        if (!s) s = mrl_st_stream_set_metadata(st, "format", "pt");
+        for (int i = 0; !s && i < m->n_views; i++)
+            s = mrl_st_stream_declare(st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, m->views[i].shape);
+    }
+    for (int i = 0; !g && i < m->n_views; i++) {
+        const mrl_param_view *v = &m->views[i];
+        if ((g = mrl_model_fetch(m, v->offset, v->numel))) break;
+        if (!s && m->shard_writer) s = mrl_st_stream_write(st, v->name, m->params + v->offset, v->numel);
+        mrl_model_drop(m, v->offset, v->numel);
+    }
+    if (!s && !g && m->shard_writer) s = mrl_st_stream_finish(st);
+    mrl_st_stream_free(st);
+    if (!s && !g && m->shard_writer) s = write_config(m, dir);
+    return g ? g : s;
+}
+
 mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
+    if (m->p_region) return save_gathered(m, dir, max_shard_bytes);
     float *host = NULL; /* a GPU model's views are written from here */
     if (m->k->on_device) {
         int64_t most = 0;

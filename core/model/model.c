@@ -10,6 +10,7 @@
 #include "base/parallel.h"
 #include "model_internal.h"
 #include "base/error.h"
+#include "base/mem.h"
 #include "base/rng.h"
 #include "io/write.h"
 #include "runtime/device_internal.h"
@@ -161,7 +162,11 @@ mrl_status mrl_model_alloc_params(mrl_model *m) {
     if (mrl_buffer_alloc(m->device, sizeof(float) * m->n_params, MRL_MEM_PARAMS, &m->params_buf))
         return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for %lld parameters (%lld bytes)",
                              (long long)m->n_params, (long long)m->n_params * 4);
-    m->params = m->params_buf.data;
+    return mrl_model_point_params(m, m->params_buf.data);
+}
+
+mrl_status mrl_model_point_params(mrl_model *m, float *base) {
+    m->params = base;
     layout lo = {.m = m, .names = m->names};
     build_layout(&lo); /* point at the parameters (the views come out the same) */
     return MRL_OK;
@@ -237,6 +242,8 @@ void mrl_model_free(mrl_model *m) {
     mrl_buffer_free(&m->p16_buf);
     pthread_mutex_destroy(&m->w16_lock);
     mrl_buffer_free(&m->grads_buf);
+    mrl_mem_region_free(m->p_region);
+    mrl_mem_region_free(m->w16_region);
     mrl_mem_free(m->views);
     mrl_mem_free(m->names);
     mrl_mem_free(m->lp);
@@ -337,6 +344,15 @@ void mrl_model_bf16_convert(const mrl_model *m, const float *base, uint16_t *dst
     for (int i = 0; i < 4; i += 2) m->k->f32_to_bf16(base + r[i], dst + r[i], r[i + 1] - r[i]);
 }
 
+void mrl_model_bf16_convert_range(const mrl_model *m, const float *base, uint16_t *dst, int64_t lo, int64_t hi) {
+    int64_t r[4];
+    bf16_ranges(m, r);
+    for (int i = 0; i < 4; i += 2) {
+        int64_t a = r[i] > lo ? r[i] : lo, b = r[i + 1] < hi ? r[i + 1] : hi;
+        if (b > a) m->k->f32_to_bf16(base + a, dst + a, b - a);
+    }
+}
+
 void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_model_weights *out,
                             layer_params *layers) {
 #define AT16(p) (base16 && (p) ? base16 + ((p) - m->params) : NULL)
@@ -356,7 +372,10 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     if (dtype != MRL_MODEL_FP32 && dtype != MRL_MODEL_BF16)
         return mrl_set_error(MRL_ERR_INVALID, "model dtype %d (0 fp32, 1 bf16)", dtype);
     if (dtype == m->dtype) return MRL_OK;
-    if (dtype == MRL_MODEL_BF16) {
+    if (dtype == MRL_MODEL_BF16 && m->p_region) { /* sharded: copies of the parts in use only (shard.c) */
+        mrl_status st = mrl_model_shard_w16(m);
+        if (st) return st;
+    } else if (dtype == MRL_MODEL_BF16) {
         if (mrl_buffer_alloc(m->device, sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS, &m->w16_buf))
             return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for the bf16 copy of %lld parameters (%lld bytes)",
                                  (long long)m->n_params, (long long)m->n_params * 2);
@@ -365,6 +384,8 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     } else {
         mrl_buffer_free(&m->w16_buf);
         mrl_buffer_free(&m->p16_buf);
+        mrl_mem_region_free(m->w16_region);
+        m->w16_region = NULL;
         m->w16 = NULL;
     }
     mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
@@ -383,6 +404,7 @@ void mrl_model_weights_changed(mrl_model *m) {
 mrl_status mrl_model_refresh_bf16(mrl_model *m) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_refresh_bf16: NULL model");
     if (!m->w16 || !atomic_load(&m->w16_stale)) return MRL_OK;
+    if (m->p_region) return MRL_OK; /* sharded: each part's copies are made as it is gathered (shard.c) */
     pthread_mutex_lock(&m->w16_lock);
     if (atomic_exchange(&m->w16_stale, 0)) { /* one pass over the weights: both layouts */
         mrl_model_bf16_convert(m, m->params, m->w16);
@@ -513,6 +535,8 @@ static mrl_status move_buffer(mrl_buffer *buf, size_t bytes, mrl_device to) {
 }
 
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
+    if (m && m->p_region && device.kind != MRL_DEVICE_CPU)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model: sharded parameters (dist.zero=3) stay on the CPU for now");
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_device: NULL model");
     if (device.kind == m->device.kind && device.index == m->device.index) return MRL_OK;
     const mrl_kernels *k = mrl_kernels_cpu_fast();

@@ -102,10 +102,30 @@ struct mrl_model {
      * window of its range lent by grad_acquire, not into `grads` (then never allocated) */
     mrl_grad_acquire grad_acquire;
     void *grad_acquire_ctx;
+    /* sharded parameters (ZeRO-3, shard.c): params (and w16 in bf16) are the bases of regions
+     * (core/base/mem.h) holding the rank's shard [shard_off, shard_off + shard_count) for the
+     * run and, while in use, the ranges gathered into place; ahead_lo .. ahead_hi: a range whose
+     * gather was started ahead of its use (none when equal) */
+    struct mrl_mem_region *p_region, *w16_region;
+    int64_t shard_off, shard_count;
+    mrl_param_gather gather_start, gather_wait;
+    void *gather_ctx;
+    int64_t ahead_lo, ahead_hi;
+    int shard_writer; /* this rank writes the files of mrl_model_save_dir_sharded */
 };
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
 
+/* shard.c: with sharded parameters, make [lo, hi) of the parameters whole (pinned, gathered
+ * into place, and its bf16 copies converted) for the computation that follows, starting the
+ * gather of [next_lo, next_hi) ahead when next_hi > next_lo; unuse lets the range go again
+ * (the pages outside the shard and other ranges in use are given back). Without sharding: nothing. */
+mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, int64_t next_hi);
+void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi);
+/* shard.c: the bf16 copies of a sharded model as a region (mrl_model_set_dtype) */
+mrl_status mrl_model_shard_w16(mrl_model *m);
+/* model.c: the bf16 copies of [lo, hi) of the parameters (where the products read them) */
+void mrl_model_bf16_convert_range(const mrl_model *m, const float *base, uint16_t *dst, int64_t lo, int64_t hi);
 /* model.c: a model with zeroed parameters (alloc = alloc_layout, then
  * alloc_params); the views and layer tables only, no buffer (what loading
  * checks a file against before allocating); the parameter buffer of such a
@@ -114,6 +134,10 @@ static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p 
 mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_params(mrl_model *m);
+/* model.c: the layout's pointers (views, layer tables) into the parameter buffer at base */
+mrl_status mrl_model_point_params(mrl_model *m, float *base);
+/* shard.c: a region in place of the parameter buffer, [offset, offset + count) pinned */
+mrl_status mrl_model_alloc_shard(mrl_model *m, int64_t offset, int64_t count);
 mrl_status mrl_model_ensure_grads(mrl_model *m);
 /* model.c: with gradient windows, the gradient pointers of the range [lo, hi) of the layout
  * (layer l's when l >= 0, else the embedding, final norm, lm_head and value head that fall

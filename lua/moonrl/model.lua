@@ -152,6 +152,34 @@ function M.load(dir)
   return wrap(h[0])
 end
 
+-- Rank `rank` of `size`'s shard of the model in dir (ZeRO-3, model.h's mrl_model_load_dir_shard):
+-- the parameter buffer has memory for that shard only, read by range from the files; the rest
+-- is gathered into place part by part as the forward and backward need it (m:set_param_gather).
+function M.load_shard(dir, rank, size)
+  local h = ffi.new('mrl_model *[1]')
+  local status = require('moonrl.io.progress').task('loading model ' .. tostring(dir), function()
+    return C.mrl_model_load_dir_shard(dir, rank, size, h)
+  end)
+  moonrl.check(status, 2)
+  return wrap(h[0])
+end
+
+-- A sharded model's shard: offset, count (nil when the parameters are whole).
+local shard_out = ffi.new('int64_t[2]')
+function Model:shard()
+  if C.mrl_model_shard(self.handle, shard_out, shard_out + 1) == 0 then return nil end
+  return tonumber(shard_out[0]), tonumber(shard_out[1])
+end
+-- A sharded model's gathers (moonrl.train.dist's param_gather: the C object kept with the model);
+-- writer: this rank writes the files of m:save, which every rank calls.
+function Model:set_param_gather(g, writer)
+  self._gather = g
+  moonrl.check(C.mrl_model_set_param_gather(self.handle, C.mrl_dist_param_gather_start, C.mrl_dist_param_gather_wait,
+    g, writer and 1 or 0), 2)
+end
+-- A sharded model's shard read again from a model directory (a checkpoint's).
+function Model:read_shard(dir) moonrl.check(C.mrl_model_read_shard(self.handle, dir), 2) end
+
 -- Returns logprobs, entropy (float[n_tokens] cdata) and, with opts.values
 -- on a value-head model, values. opts.temperature divides the logits.
 -- opts.routing (a qwen3_moe model): int16_t[n_tokens * num_moe_layers * num_experts_per_tok]
@@ -174,6 +202,13 @@ function Model:backward(dlogprobs, dentropy, dvalues)
   moonrl.check(C.mrl_model_backward(self.handle, dlogprobs, dentropy, dvalues), 2)
 end
 
+local function whole(self, what)
+  if self:shard() then
+    error(string.format('model:%s(): the parameters are sharded over the ranks (dist.zero=3): no rank holds them ' ..
+      'whole', what), 3)
+  end
+end
+
 function Model:zero_grad() C.mrl_model_zero_grad(self.handle) end
 -- The one parameter buffer, writable: taking it marks the weights changed (a bf16 model converts
 -- its copies again at its next forward or engine step), so that code writing into it (a
@@ -182,6 +217,7 @@ function Model:zero_grad() C.mrl_model_zero_grad(self.handle) end
 -- On a GPU the buffer is device memory: params() is an error there (a host write would crash),
 -- and read_params / write_params move the floats.
 function Model:params()
+  whole(self, 'params')
   if self.gpu then
     error(string.format('model:params(): the parameters are on %s (device memory): read_params() gives a host '
       .. 'copy, write_params(ptr) writes one back', self:device()), 2)
@@ -196,7 +232,9 @@ function Model:param_buffer() return C.mrl_model_params(self.handle), self.n_par
 
 -- The parameters as host floats to read (or edit, then write_params): the buffer itself on the
 -- CPU; on a GPU a copy in a host buffer of the model's own, refreshed by each call.
+
 function Model:read_params()
+  whole(self, 'read_params')
   if not self.gpu then return C.mrl_model_params(self.handle), self.n_params end
   self._host = self._host or ffi.new('float[?]', self.n_params)
   moonrl.check(C.mrl_device_memcpy(self._host, C.mrl_model_params(self.handle), 4 * self.n_params), 2)
@@ -206,6 +244,7 @@ end
 -- All n_params floats of the host array src into the parameter buffer (src may be what
 -- read_params gave); the bf16 copies are converted again before their next use.
 function Model:write_params(src)
+  whole(self, 'write_params')
   local dst = C.mrl_model_params(self.handle)
   if src ~= dst then moonrl.check(C.mrl_device_memcpy(dst, src, 4 * self.n_params), 2) end
   C.mrl_model_weights_changed(self.handle)

@@ -2,9 +2,13 @@
  * init determinism, bad batches, memory accounting, recomputation, loading
  * (shapes checked before allocating, the tolerated differences), saving
  * (sharded, in bounded memory), the
- * gradient buffer created on first use. The
+ * gradient buffer created on first use, gradient windows and sharded
+ * parameters (ZeRO-2 and 3: the same numbers as the whole model). The
  * numbers themselves are checked against PyTorch in model_ref.py. */
+#include <signal.h>
 #include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
@@ -576,6 +580,201 @@ static void test_grad_hook(void) {
     }
 }
 
+/* Sharded parameters against the whole model. The "gather" copies the requested range from the
+ * whole model's parameters (what the other ranks' shards would bring) and checks it is waited for
+ * only once started; the gradient windows are ranges of an outside buffer. Log-probs, entropy,
+ * values and gradients must be the whole model's bit for bit, in fp32 and bf16, with and without
+ * recomputation; the memory of the parameters stays the shard and a few parts; saving writes
+ * the whole model's file; a read outside what is gathered faults. */
+typedef struct fake_gather {
+    const float *whole;
+    int64_t started_lo[8], started_hi[8];
+    int n_started, bad;
+    int64_t peak;
+} fake_gather;
+
+static mrl_status fg_start(void *ctx, float *params, int64_t offset, int64_t count) {
+    fake_gather *g = ctx;
+    if (g->n_started == 8) {
+        g->bad++;
+        return MRL_ERR_INVALID;
+    }
+    memcpy(params + offset, g->whole + offset, sizeof(float) * (size_t)count);
+    g->started_lo[g->n_started] = offset, g->started_hi[g->n_started] = offset + count;
+    g->n_started++;
+    mrl_mem_stats s;
+    mrl_mem_get_stats(&s);
+    if (s.current[MRL_MEM_PARAMS] > g->peak) g->peak = s.current[MRL_MEM_PARAMS];
+    return MRL_OK;
+}
+
+static mrl_status fg_wait(void *ctx, float *params, int64_t offset, int64_t count) {
+    (void)params;
+    fake_gather *g = ctx;
+    for (int i = 0; i < g->n_started; i++)
+        if (g->started_lo[i] == offset && g->started_hi[i] == offset + count) {
+            g->started_lo[i] = g->started_lo[--g->n_started], g->started_hi[i] = g->started_hi[g->n_started];
+            return MRL_OK;
+        }
+    g->bad++;
+    return MRL_ERR_INVALID;
+}
+
+typedef struct outside_grads {
+    float *g;
+    int lent, returned;
+} outside_grads;
+
+static float *og_acquire(void *ctx, int64_t offset, int64_t count) {
+    outside_grads *o = ctx;
+    o->lent++;
+    for (int64_t i = 0; i < count; i++) o->g[offset + i] = 0; /* lent zeroed */
+    return o->g + offset;
+}
+
+static void og_ready(void *ctx, int64_t offset, int64_t count) {
+    (void)offset, (void)count;
+    ((outside_grads *)ctx)->returned++;
+}
+
+#define BASE8 "\"vocab_size\": 50, \"hidden_size\": 64, \"intermediate_size\": 96, \"num_hidden_layers\": 8, " \
+              "\"num_attention_heads\": 4, \"num_key_value_heads\": 2"
+
+/* Bytes this process has read (/proc/self/io's rchar); -1 where absent. */
+static int64_t rchar(void) {
+    FILE *f = fopen("/proc/self/io", "r");
+    if (!f) return -1;
+    char line[128];
+    long long v = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "rchar: %lld", &v) == 1) break;
+    fclose(f);
+    return v;
+}
+
+static void test_sharded(void) {
+    /* (BASE's layer count replaced: 8 layers, so that a part is small against the whole) */
+    const char *configs[] = {"{\"model_type\": \"qwen2\", " BASE8 ", \"moonrl_value_head\": true}",
+                             "{\"model_type\": \"qwen3\", " BASE8 ", \"head_dim\": 16, \"tie_word_embeddings\": true}"};
+    for (int k = 0; k < 2; k++)
+        for (int dtype = 0; dtype < 2; dtype++)
+            for (int recompute = 0; recompute < 2; recompute++) {
+                mrl_model_config c;
+                CHECK_OK(parse(configs[k], &c));
+                mrl_model *made = NULL, *m = NULL, *sh = NULL;
+                CHECK_OK(mrl_model_create(&c, 21 + k, &made));
+                char dir[] = "/tmp/moonrl_model_shard_XXXXXX", out[300], cmd[700];
+                CHECK(mkdtemp(dir) != NULL);
+                CHECK_OK(mrl_model_save_dir(made, dir));
+                mrl_model_free(made);
+                CHECK_OK(mrl_model_load_dir(dir, &m));
+                mrl_mem_stats s0;
+                mrl_mem_get_stats(&s0);
+                int64_t read0 = rchar();
+                CHECK_OK(mrl_model_load_dir_shard(dir, 1, 3, &sh)); /* the middle third */
+                /* by range: about a third of the file's bytes read, not all of them */
+                snprintf(out, sizeof out, "%s/model.safetensors", dir);
+                FILE *f = fopen(out, "rb");
+                int64_t file_bytes = 0;
+                if (f) {
+                    fseek(f, 0, SEEK_END);
+                    file_bytes = ftell(f);
+                    fclose(f);
+                }
+                CHECK(read0 >= 0 && rchar() - read0 < file_bytes / 2 && file_bytes > 0);
+                if (!m || !sh) return;
+                int64_t n = mrl_model_num_params(m), off = -1, cnt = -1;
+                CHECK(mrl_model_shard(sh, &off, &cnt) == 1 && mrl_model_shard(m, NULL, NULL) == 0);
+                CHECK(off > 0 && cnt > 0 && off + cnt < n);
+                mrl_mem_stats s1;
+                mrl_mem_get_stats(&s1);
+                int64_t held = s1.current[MRL_MEM_PARAMS] - s0.current[MRL_MEM_PARAMS];
+                CHECK(held >= 4 * cnt && held <= 4 * cnt + 2 * 4096); /* the shard, read by range, and its pages */
+                const float *whole = mrl_model_params(m);
+                CHECK(memcmp(mrl_model_params(sh) + off, whole + off, sizeof(float) * (size_t)cnt) == 0);
+                /* without its gathers the forward is refused, naming them */
+                int32_t tokens[7] = {1, 2, 3, 4, 5, 6, 7}, targets[7] = {2, 3, -1, 5, 6, 7, -1}, cu[3] = {0, 3, 7};
+                mrl_batch b = {tokens, targets, cu, 7, 2};
+                float lp[2][7], ent[2][7], val[2][7], dl[7] = {1, -1, 0, 0.5f, 1, 0.25f, 0};
+                int vh = k == 0;
+                CHECK(mrl_model_forward(sh, &b, 1.0f, lp[1], ent[1], vh ? val[1] : NULL) == MRL_ERR_INVALID);
+                CHECK(strstr(mrl_last_error(), "mrl_model_set_param_gather") != NULL);
+                fake_gather fg = {.whole = whole};
+                CHECK_OK(mrl_model_set_param_gather(sh, fg_start, fg_wait, &fg, 1));
+                float *g_whole = calloc((size_t)n, sizeof(float));
+                outside_grads og = {g_whole ? calloc((size_t)n, sizeof(float)) : NULL, 0, 0};
+                mrl_model_set_grad_windows(sh, og_acquire, &og);
+                mrl_model_set_grad_hook(sh, og_ready, &og);
+                CHECK(mrl_model_grads(sh) == NULL && strstr(mrl_last_error(), "gradient windows") != NULL);
+                for (int i = 0; i < 2; i++) {
+                    mrl_model *x = i ? sh : m;
+                    CHECK_OK(mrl_model_set_dtype(x, dtype ? MRL_MODEL_BF16 : MRL_MODEL_FP32));
+                    mrl_model_set_recompute(x, recompute);
+                    for (int rep = 0; rep < 2; rep++) { /* twice: the windows and gathers come again */
+                        mrl_model_zero_grad(x);
+                        CHECK_OK(mrl_model_forward(x, &b, 1.0f, lp[i], ent[i], vh ? val[i] : NULL));
+                        CHECK_OK(mrl_model_backward(x, dl, dl, vh ? dl : NULL));
+                        if (i == 1 && og.g) memcpy(g_whole, og.g, sizeof(float) * (size_t)n);
+                    }
+                }
+                CHECK(fg.bad == 0 && fg.n_started == 0);
+                CHECK(og.lent == og.returned && og.lent == 2 * (c.num_hidden_layers + 2));
+                CHECK(memcmp(lp[0], lp[1], sizeof lp[0]) == 0 && memcmp(ent[0], ent[1], sizeof ent[0]) == 0);
+                if (vh) CHECK(memcmp(val[0], val[1], sizeof val[0]) == 0);
+                float *gm = mrl_model_grads(m);
+                int64_t differ = 0;
+                for (int64_t j = 0; gm && g_whole && j < n; j++) differ += gm[j] != g_whole[j];
+                CHECK(differ == 0);
+                /* the parameters' memory: the shard and at most three parts at a time (the one in
+                 * use, the next, a tied head's embedding), each part the embedding, a layer or the
+                 * norm and head, every one rounded out to whole pages */
+                int64_t part = 0, start = 0;
+                for (int i = 0, nv = mrl_model_num_views(m); i <= nv; i++) {
+                    mrl_param_view v = {.offset = n};
+                    if (i < nv) mrl_model_view(m, i, &v);
+                    if (i == nv || strstr(v.name, "input_layernorm.weight") || strcmp(v.name, "model.norm.weight") == 0) {
+                        if (v.offset - start > part) part = v.offset - start;
+                        start = v.offset;
+                    }
+                }
+                int64_t bound = 4 * cnt + 3 * (4 * part + 2 * 4096);
+                CHECK(bound < 4 * n);
+                /* in bf16: the parts' copies too, and the whole model's copies (2 bytes a parameter) */
+                if (dtype) bound += 3 * (2 * part + 2 * 4096) + 2 * n;
+                CHECK(fg.peak - s0.current[MRL_MEM_PARAMS] <= bound);
+                /* saving gathers view by view: the whole model's bytes */
+                snprintf(out, sizeof out, "%s/saved", dir);
+                CHECK_OK(mrl_model_save_dir_sharded(sh, out, MRL_MODEL_MAX_SHARD_BYTES));
+                snprintf(cmd, sizeof cmd, "%s/saved2", dir);
+                CHECK_OK(mrl_model_save_dir(m, cmd));
+                snprintf(cmd, sizeof cmd, "cmp -s '%s/saved/model.safetensors' '%s/saved2/model.safetensors'", dir, dir);
+                CHECK(system(cmd) == 0);
+                CHECK(fg.n_started == 0);
+                /* read again from a directory: the saved one holds the same shard */
+                CHECK_OK(mrl_model_read_shard(sh, out));
+                CHECK(memcmp(mrl_model_params(sh) + off, whole + off, sizeof(float) * (size_t)cnt) == 0);
+                /* outside the shard and what is gathered there is no memory: a read faults */
+                fflush(NULL);
+                pid_t pid = fork();
+                if (pid == 0) {
+                    volatile float x = mrl_model_params(sh)[0];
+                    (void)x;
+                    _exit(0);
+                }
+                int status = 0;
+                waitpid(pid, &status, 0);
+                CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV);
+                free(og.g);
+                free(g_whole);
+                mrl_model_free(m);
+                mrl_model_free(sh);
+                mrl_mem_get_stats(&s1);
+                CHECK(s1.current[MRL_MEM_PARAMS] == s0.current[MRL_MEM_PARAMS] - 4 * n); /* (m's buffer gone too) */
+                snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+                CHECK(system(cmd) == 0);
+            }
+}
+
 int main(void) {
     test_config();
     test_model();
@@ -586,5 +785,6 @@ int main(void) {
     test_load_tolerated();
     test_lazy_grads();
     test_grad_hook();
+    test_sharded();
     CHECK_DONE();
 }

@@ -187,6 +187,20 @@ float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g);
 int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g);
 int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g);
 
+/* ---- Sharded parameters (ZeRO-3) ----------------------------------------
+ * A buffer of n parameters of which each rank holds only its shard
+ * (mrl_dist_shard) in place: start begins the all-gather of [offset,
+ * offset + count) into params (each rank's piece of the range is already
+ * there: in place), wait completes it; up to four ranges in flight, started
+ * and waited for in the same order on every rank (a model's forward and
+ * backward: mrl_model_set_param_gather has these signatures). Create is a
+ * collective. */
+typedef struct mrl_dist_param_gather mrl_dist_param_gather;
+mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, mrl_dist_param_gather **out);
+void mrl_dist_param_gather_free(mrl_dist_param_gather *p);
+mrl_status mrl_dist_param_gather_start(void *p, float *params, int64_t offset, int64_t count);
+mrl_status mrl_dist_param_gather_wait(void *p, float *params, int64_t offset, int64_t count);
+
 #ifdef __cplusplus
 }
 #endif

@@ -265,6 +265,33 @@ void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx);
 typedef float *(*mrl_grad_acquire)(void *ctx, int64_t offset, int64_t count);
 void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ctx);
 
+/* Sharded parameters (ZeRO-3, dist.zero=3). mrl_model_load_dir_shard loads
+ * a Hugging Face directory holding only rank's shard of the parameters
+ * (mrl_dist_shard(n_params, size, rank)): the files are read by
+ * range, and the parameter buffer is reserved address space of which only
+ * the shard has memory (and the bf16 copies likewise, mrl_model_set_dtype).
+ * Before the forward or backward reads a part of the model (the embedding,
+ * each layer, the final norm and head), the part is gathered into place
+ * with the gather functions (mrl_model_set_param_gather; the next part's
+ * gather starts while this one computes), and its memory is given back once
+ * the part is done: a rank holds its shard and a few parts. mrl_model_fetch /
+ * mrl_model_drop do the same for any range (saving: every rank calls
+ * mrl_model_save_dir_sharded, the rank with `writer` set writes the files).
+ * The gathers are collectives: every rank runs the same forwards and
+ * backwards. mrl_model_read_shard reads the shard again from a directory (a
+ * checkpoint). A sharded model has no whole parameter buffer: reading
+ * outside its shard and the parts in use faults; an engine reads a buffer of
+ * its own (mrl_engine_attach_params). CPU only. */
+typedef mrl_status (*mrl_param_gather)(void *ctx, float *params, int64_t offset, int64_t count);
+mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, mrl_model **out);
+mrl_status mrl_model_read_shard(mrl_model *m, const char *dir);
+mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_param_gather wait, void *ctx,
+                                      int writer);
+/* 1 and the shard when the parameters are sharded, else 0 */
+int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count);
+mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count);
+void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count);
+
 /* Gradients = 0 (nothing to do while the buffer does not exist yet). */
 void mrl_model_zero_grad(mrl_model *m);
 

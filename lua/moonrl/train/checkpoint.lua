@@ -187,12 +187,24 @@ function M.write_parts(root, name, parts, p)
     fs.remove(tmp) -- the remains of a write that was interrupted
     fs.mkdirs(tmp)
   end)
+  -- a sharded model (dist.zero=3) is gathered by every rank, rank 0 writing it: a part of its
+  -- own, so that every rank is in its gathers (a failed write on rank 0 still gathers to the end)
+  together(world, function()
+    for i, m in ipairs(parts.models or {}) do
+      if m.model:shard() then
+        M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), lead and m.tokenizer_dir or nil,
+          parts.max_shard_bytes)
+      end
+    end
+  end)
   together(world, function()
     if optimizers and parts.sharded then write_optimizers(tmp .. '/' .. M.shard_file(world.rank, world.size), optimizers, world) end
     if not lead then return end
     for i, m in ipairs(parts.models or {}) do
       -- the first model is the policy, at the top: the checkpoint loads as a model
-      M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir, parts.max_shard_bytes)
+      if not m.model:shard() then
+        M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), m.tokenizer_dir, parts.max_shard_bytes)
+      end
       p:update(i)
     end
     if optimizers and not parts.sharded then write_optimizers(tmp .. '/optimizer.safetensors', optimizers) end
@@ -433,6 +445,7 @@ end
 -- Copy a checkpoint's weights into an existing model (same config, checked tensor by tensor).
 function M.load_model(dir, name, model, is_policy)
   local mdir = is_policy and dir or (dir .. '/' .. name)
+  if model:shard() then return model:read_shard(mdir) end -- (sharded: this rank's range of each tensor)
   local st = require('moonrl.io.safetensors').open(mdir)
   local p = model:read_params() -- host memory (a GPU model's: a copy, written back below)
   for _, v in ipairs(model:views()) do

@@ -223,6 +223,34 @@ function World:share(n, rank)
   return tonumber(off[0]) + 1, tonumber(off[0] + count[0])
 end
 
+-- ---- sharded parameters (ZeRO-3) ------------------------------------------------------------
+
+-- A model loaded by shard (model.load_shard with w's rank and size) gets its gathers: every
+-- forward and backward then gathers each part into place over w's ranks (a collective: every
+-- rank runs the same ones), rank 0 writes what m:save writes. Every rank calls it.
+function M.shard_model(w, model)
+  local out = ffi.new('mrl_dist_param_gather *[1]')
+  check(C.mrl_dist_param_gather_create(w.handle, model.n_params, out))
+  model:set_param_gather(ffi.gc(out[0], C.mrl_dist_param_gather_free), w.rank == 0)
+end
+
+-- A whole fp32 copy of a sharded model's parameters on every rank (the engine's, which
+-- generates alone): each rank's shard put in place and all-gathered; refresh() does it again
+-- after an update. copy.buf: n floats (counted as parameters).
+function M.whole_copy(w, model)
+  local offset, count = model:shard()
+  local n = model.n_params
+  local buf = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS)
+  if buf == nil then moonrl.run_error('the whole copy of a sharded model: ' .. moonrl.last_error()) end
+  local copy = { buf = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free), n = n }
+  function copy.refresh()
+    ffi.copy(copy.buf + offset, model:param_buffer() + offset, 4 * count)
+    check(C.mrl_dist_allgather_shards(w.handle, copy.buf, n, C.MRL_DIST_F32))
+  end
+  copy.refresh()
+  return copy
+end
+
 -- ---- data parallel optimizer ------------------------------------------------------------------
 
 -- Float rounding as C's float arithmetic does it (a double result of one float operation,
@@ -239,8 +267,9 @@ DP.__index = DP
 -- whose whole state is then never allocated) or 2 (ZeRO-2: and only its shard of the gradients:
 -- the model lends each part of its backward a window of that range from C's
 -- mrl_dist_grad_shard, reduce-scattered into the shard as soon as it is final and then reused;
--- the model's own gradient buffer is never made); opts.bucket_mb: gradient bucket size (ZeRO-2:
--- the reduce-scatter's segment);
+-- the model's own gradient buffer is never made) or 3 (ZeRO-3: and only its shard of the
+-- parameters: model was loaded by shard, M.shard_model, and nothing is all-gathered after the
+-- step); opts.bucket_mb: gradient bucket size (ZeRO-2 and 3: the reduce-scatter's segment);
 -- opts.gpu_transport: how a GPU model's gradient sums travel (World:gpu_transport).
 function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
@@ -283,6 +312,14 @@ function M.data_parallel(w, opt, model, opts)
   end
   local mine = self.shards[w.rank + 1]
   self.offset, self.count = mine.offset, mine.count
+  if zero == 3 then
+    local off, cnt = model:shard()
+    if off ~= mine.offset or cnt ~= mine.count then
+      error(string.format('dist.zero=3: the model holds %s, not this rank\'s shard [%d, %d) (load it with dist.shard_model)',
+        off and string.format('[%d, %d)', off, off + cnt) or 'every parameter', mine.offset, mine.offset + mine.count), 2)
+    end
+  end
+  self.after_step = {} -- functions called after each step (a sharded model's whole copies)
   if zero == 1 then self.shard_grads = self.grads + mine.offset end
   if zero == 0 then
     opt:create()
@@ -395,12 +432,22 @@ function DP:step(lr)
   self:sync()
   if self.zero >= 1 then
     if self.count > 0 then self.shard_opt:step(lr) end
-    check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32))
+    -- (ZeRO-3: each rank's shard is its own, gathered by the model as it computes)
+    if self.zero < 3 then check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32)) end
   else
     self.full:step(lr)
   end
   if self.model then self.model:weights_changed() end -- the gathered shards too (a bf16 model's copies)
+  for _, f in ipairs(self.after_step) do f() end
   self.synced = false
+end
+
+-- The sum of the parameters, the same on every rank (a guard's finiteness check): ZeRO-3's
+-- shards summed over the ranks; the whole buffer otherwise.
+function DP:param_sum()
+  if self.zero < 3 then return require('moonrl.train.ops').sum(self.params, self.n) end
+  local s = self.count > 0 and require('moonrl.train.ops').sum(self.params + self.offset, self.count) or 0
+  return self.world:sum(s)
 end
 
 -- A new accumulation: the gradients go to zero and the buckets wait for the next backward.

@@ -164,7 +164,7 @@ function GS:update(opt, lr, m, opts)
   if verdict == 'apply' then
     opt:step((lr or opt.lr) * self.lr_scale)
     if self.lr_scale ~= 1 then m.lr = (lr or opt.lr) * self.lr_scale end
-    local sum = require('moonrl.train.ops').sum(opt.params, opt.n)
+    local sum = opt.param_sum and opt:param_sum() or require('moonrl.train.ops').sum(opt.params, opt.n)
     if M.finite(sum) then
       if detectors then self.guard:accept(m) end
       self.skips_in_row = 0

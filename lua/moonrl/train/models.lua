@@ -18,10 +18,18 @@ local M = {}
 
 -- The model, its tokenizer and (when opts.chat and the tokenizer config has one) its chat template.
 -- dir: a Hugging Face directory; opts.tokenizer: another directory for the tokenizer files.
+-- opts.shard: a World (moonrl.train.dist) whose ranks shard the parameters (dist.zero=3): each
+-- loads its own shard and gathers the rest into place part by part (dist.shard_model).
 function M.load(dir, opts)
   opts = opts or {}
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
-  local model = model_mod.load(dir)
+  local model
+  if opts.shard then
+    model = model_mod.load_shard(dir, opts.shard.rank, opts.shard.size)
+    require('moonrl.train.dist').shard_model(opts.shard, model)
+  else
+    model = model_mod.load(dir)
+  end
   local tok_dir = opts.tokenizer or dir
   local tok = require('moonrl.tokenizer').load(tok_dir)
   local tpl

@@ -92,8 +92,10 @@ function M.start(cfg, opts)
   if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end -- (a reward model: once registered)
   local dtype, device = models.model_dtype(cfg), models.model_device(cfg)
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
+  local shard = M.shard_world(cfg, device) -- dist.zero=3 over several ranks: each loads its shard
   if not policy and cfg.model and cfg.model.dir then
-    local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat })
+    local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
+      shard = shard })
     if not ok then
       -- a run directory given for its model: say where the model is
       local dir = cfg.model.dir:gsub('/+$', '')
@@ -121,6 +123,11 @@ function M.start(cfg, opts)
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
     engine = made
   end
+  local engine_copy
+  if engine and policy:shard() then -- the engine generates alone: a whole copy of its own, refreshed after each update
+    engine_copy = dist.whole_copy(shard, policy)
+    engine:attach_params(engine_copy.buf, engine_copy.n)
+  end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
     require('moonrl.registry').plugin('reward', 'reward_model').register('reward_model', cfg.reward_model.dir)
     sections.check_reward(cfg)
@@ -135,6 +142,7 @@ function M.start(cfg, opts)
   local S = M.open(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
     free_keys = opts.free_keys })
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
+  S.engine_copy = engine_copy
   if policy then
     S:model('policy', policy, { tokenizer_dir = tok_dir })
     local bf16 = policy:dtype() == 'bf16'
@@ -163,6 +171,23 @@ function M.start(cfg, opts)
   return S
 end
 
+
+-- dist.zero=3 on several ranks: the World whose ranks shard the policy's parameters (nil: whole).
+-- What sharded parameters do not do yet is a usage error naming the key.
+function M.shard_world(cfg, device)
+  if not (cfg.dist and cfg.dist.zero == 3) then return nil end
+  local w = dist.world(cfg.dist.timeout)
+  if w.size == 1 then return nil end -- one process: nothing to shard
+  local function no(what) moonrl.usage_error('dist.zero=3 (sharded parameters): ' .. what .. ' not yet') end
+  if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks (rollout ranks receive whole weights):') end
+  if cfg.async and cfg.async.mode ~= 'sync' then
+    no('async.mode=' .. tostring(cfg.async.mode) .. ' (the rollout thread reads whole weights):')
+  end
+  if cfg.async and cfg.async.engine_threads and cfg.async.engine_threads > 0 then no('async.engine_threads:') end
+  if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only for now):') end
+  if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel:') end
+  return w
+end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
 local function check_dist(d)
@@ -350,7 +375,7 @@ end
 -- With several ranks every rank starts from rank 0's weights (as DDP does).
 function Session:model(name, model, opts)
   put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
-  if self.world.size > 1 then
+  if self.world.size > 1 and not model:shard() then -- (a sharded model's ranks each loaded their own shard)
     local p, n = model:param_buffer()
     if model:device() ~= 'cpu' then
       local device = C.mrl_model_get_device(model.handle).index
@@ -373,6 +398,13 @@ function Session:optimizer(name, opt)
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
       gpu_transport = self.cfg.dist.gpu_transport })
+    if opt.model == self.policy and self.engine_copy then -- the engine's whole copy follows each update
+      local copy, engine = self.engine_copy, self.engine
+      opt.after_step[#opt.after_step + 1] = function()
+        copy.refresh()
+        engine:attach_params(copy.buf, copy.n)
+      end
+    end
     self:event('data_parallel', { optimizer = name, world_size = self.world.size, zero = self.cfg.dist.zero,
       state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n, gpu_transport = opt.gpu or 'none',
       nccl_error = opt.gpu and self.world.nccl_error or nil,
@@ -746,7 +778,13 @@ end
 
 -- A frozen copy of the initial policy (a KL reference). Before the loop: a resumed run restores
 -- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
-function Session:reference() return models.clone(self.policy) end
+-- (a sharded policy's: the initial model loaded whole from model.dir: no rank holds the policy whole)
+function Session:reference()
+  if not self.policy:shard() then return models.clone(self.policy) end
+  local ref = models.load(self.cfg.model.dir)
+  ref:set_dtype(self.policy:dtype())
+  return ref
+end
 
 -- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).
 function Session:lr() return self.lr_at(self.step) end
@@ -763,7 +801,20 @@ function Session:save_models()
   local w = self.world
   if w.size > 1 then -- rank 0 saves; every rank learns how it went
     local ok, err = true, nil
-    if w.rank == 0 then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO }, { __index = self })) end
+    -- a sharded model: every rank gathers it with rank 0, which writes it (m:save)
+    for i, m in ipairs(self.models) do
+      if m.model:shard() and ok then
+        local off, cnt = m.model:shard()
+        local sum = w:sum(cnt > 0 and require('moonrl.train.ops').sum(m.model:param_buffer() + off, cnt) or 0)
+        if not guard_mod.finite(sum) then
+          ok, err = false, string.format('the %s has parameters that are not finite: not saving it', m.name)
+        else
+          ok, err = pcall(ckpt.save_model, m.model, self.dir .. '/' .. (i == 1 and 'model' or m.name),
+            w.rank == 0 and m.tokenizer_dir or nil, self:max_shard_bytes())
+        end
+      end
+    end
+    if w.rank == 0 and ok then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO }, { __index = self })) end
     local msg = w:broadcast_string(ok and '' or ('error\n' .. moonrl.error_text(err)))
     if msg ~= '' then
       if w.rank == 0 then error(err, 0) end
@@ -774,14 +825,16 @@ function Session:save_models()
   end
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
-    local p, n = m.model:param_buffer() -- (summed where it lives: ops.sum works on a GPU's too)
-    if not guard_mod.finite(require('moonrl.train.ops').sum(p, n)) then
-      error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
+    if not m.model:shard() then -- (a sharded one: saved by every rank above)
+      local p, n = m.model:param_buffer() -- (summed where it lives: ops.sum works on a GPU's too)
+      if not guard_mod.finite(require('moonrl.train.ops').sum(p, n)) then
+        error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
+      end
+      local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()
+        ckpt.save_model(m.model, dir, m.tokenizer_dir, self:max_shard_bytes())
+      end)
+      if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     end
-    local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()
-      ckpt.save_model(m.model, dir, m.tokenizer_dir, self:max_shard_bytes())
-    end)
-    if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     out[m.name] = dir
   end
   return out

@@ -1,6 +1,7 @@
-/* Sharded gradients (ZeRO-2 and up, moonrl/dist.h).
+/* Sharded training state (moonrl/dist.h): gradients reduce-scattered into
+ * each rank's shard (ZeRO-2 and 3), parameters gathered into place (ZeRO-3).
  *
- * The model has no gradient buffer: each part of the backward (the head,
+ * Gradients. The model has no gradient buffer: each part of the backward (the head,
  * each layer, the embedding) writes into a window of its own range, lent by
  * acquire; once the range is final (the model's grad hook) the window's
  * values are reduce-scattered: each segment of the range is an all-to-all-v
@@ -66,6 +67,8 @@ struct mrl_dist_grad_shard {
     mrl_dist_grad_shard *next; /* in d's list of live ones */
 };
 
+static void param_gather_detach_all(mrl_dist *d);
+
 void mrl_dist_grad_shard_detach_all(mrl_dist *d) {
     for (mrl_dist_grad_shard *g = d->grad_shards, *next; g; g = next) {
         next = g->next;
@@ -75,6 +78,18 @@ void mrl_dist_grad_shard_detach_all(mrl_dist *d) {
         g->next = NULL;
     }
     d->grad_shards = NULL;
+    param_gather_detach_all(d);
+}
+
+/* A communicator of its own for a stream of collectives: started in the same order on every
+ * rank, while the order between two streams may differ (the grad shard starts its segments as
+ * slots free up). */
+static mrl_status own_comm(mrl_dist *d, void **comm) {
+    *comm = NULL;
+    if (d->size == 1) return MRL_OK;
+    void *req = NULL;
+    int e = d->be->comm_idup(d->coll, comm, &req);
+    return mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
 }
 
 /* [lo, hi) ∩ rank r's shard: start and length (0 when they do not meet). */
@@ -109,15 +124,10 @@ mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_by
         free(g);
         return mrl_wrap_error(MRL_ERR_NOMEM, "dist: no memory for this rank's %lld gradients", (long long)count);
     }
-    if (d->size > 1) { /* a communicator of its own: its all-to-alls interleave with nothing else */
-        void *req = NULL;
-        int e = d->be->comm_idup(d->coll, &g->comm, &req);
-        st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
-        if (st) {
-            mrl_mem_free(g->acc);
-            free(g);
-            return st;
-        }
+    if ((st = own_comm(d, &g->comm))) {
+        mrl_mem_free(g->acc);
+        free(g);
+        return st;
     }
     g->next = d->grad_shards;
     d->grad_shards = g;
@@ -362,5 +372,150 @@ mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g) {
             g->q_len = 0;
         }
     }
+    return st;
+}
+
+/* ---- Parameters gathered into place (ZeRO-3) ---------------------------
+ * A range [lo, hi) of the parameter buffer is all-gathered in place: each
+ * rank's piece of it (its shard ∩ the range) is already where it belongs,
+ * and an all-gather-v of each segment of the range brings the others'. A
+ * few ranges may be in flight (the next layer's while this one computes). */
+
+enum { GATHERS = 4 };
+
+typedef struct gather {
+    int64_t lo, hi;
+    void **reqs;
+    int nreq, busy;
+} gather;
+
+struct mrl_dist_param_gather {
+    mrl_dist *d;
+    void *comm;
+    int64_t n;
+    gather g[GATHERS];
+    mrl_dist_param_gather *next; /* in d's list of live ones */
+};
+
+static void param_gather_detach_all(mrl_dist *d) {
+    for (mrl_dist_param_gather *p = d->param_gathers, *next; p; p = next) {
+        next = p->next;
+        if (p->comm && !d->broken) d->be->comm_free(p->comm);
+        p->comm = NULL;
+        p->d = NULL;
+        p->next = NULL;
+    }
+    d->param_gathers = NULL;
+}
+
+mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, mrl_dist_param_gather **out) {
+    *out = NULL;
+    if (n <= 0 || n < d->size)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: sharded parameters: %lld over %d ranks", (long long)n, d->size);
+    mrl_status st = mrl_dist_begin(d, "param_gather_create");
+    if (st) return st;
+    mrl_dist_param_gather *p = calloc(1, sizeof *p);
+    if (!p) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    p->d = d;
+    p->n = n;
+    if ((st = own_comm(d, &p->comm))) {
+        free(p);
+        return st;
+    }
+    p->next = d->param_gathers;
+    d->param_gathers = p;
+    *out = p;
+    return MRL_OK;
+}
+
+void mrl_dist_param_gather_free(mrl_dist_param_gather *p) {
+    if (!p) return;
+    int busy = 0;
+    for (int i = 0; i < GATHERS; i++) busy |= p->g[i].busy;
+    if (p->d)
+        for (mrl_dist_param_gather **q = &p->d->param_gathers; *q; q = &(*q)->next)
+            if (*q == p) {
+                *q = p->next;
+                break;
+            }
+    if (!busy && p->comm && p->d && !p->d->broken) p->d->be->comm_free(p->comm);
+    for (int i = 0; i < GATHERS; i++) free(p->g[i].reqs);
+    free(p);
+}
+
+mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, int64_t count) {
+    mrl_dist_param_gather *p = vp;
+    mrl_dist *d = p->d;
+    if (!d) return mrl_set_error(MRL_ERR_INVALID, "dist: a parameter gather after mrl_dist_finalize");
+    if (offset < 0 || count <= 0 || offset + count > p->n)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: parameter gather [%lld, %lld) outside the %lld parameters",
+                             (long long)offset, (long long)(offset + count), (long long)p->n);
+    gather *g = NULL;
+    for (int i = 0; i < GATHERS && !g; i++)
+        if (!p->g[i].busy) g = &p->g[i];
+    if (!g) return mrl_set_error(MRL_ERR_INVALID, "dist: more than %d parameter gathers in flight", GATHERS);
+    mrl_status st = mrl_dist_begin(d, "param_gather");
+    if (st) return st;
+    int64_t seg = mrl_dist_max_segment(d->size), nseg = (count + seg - 1) / seg;
+    void **reqs = realloc(g->reqs, sizeof(void *) * (size_t)nseg);
+    if (!reqs) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    g->reqs = reqs;
+    g->lo = offset;
+    g->hi = offset + count;
+    g->nreq = 0;
+    g->busy = 1;
+    if (d->size == 1) return MRL_OK;
+    for (int64_t lo = offset; lo < offset + count; lo += seg) {
+        int64_t hi = lo + seg < offset + count ? lo + seg : offset + count;
+        int64_t *rc = d->tmp, *rd = rc + d->size, mine = 0;
+        for (int r = 0; r < d->size; r++) {
+            int64_t off, cnt;
+            mrl_dist_shard(p->n, d->size, r, &off, &cnt);
+            int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
+            rc[r] = b > a ? b - a : 0;
+            rd[r] = b > a ? a - lo : 0;
+            if (r == d->rank) mine = rc[r];
+        }
+        int e = d->be->iallgatherv(p->comm, NULL, mine, params + lo, rc, rd, sizeof(float), &g->reqs[g->nreq]);
+        if (e) return mrl_dist_fail(d, e, "the all-gather of a parameter range");
+        g->nreq++;
+    }
+    return MRL_OK;
+}
+
+typedef struct gather_wait {
+    mrl_dist *d;
+    gather *g;
+} gather_wait;
+
+static mrl_status gather_poll(void *ctx, int *done) {
+    gather_wait *w = ctx;
+    int left = 0;
+    for (int i = 0; i < w->g->nreq; i++) {
+        if (!w->g->reqs[i]) continue;
+        int fin = 0;
+        int e = w->d->be->test(w->g->reqs[i], &fin);
+        if (e) return mrl_dist_fail(w->d, e, "the all-gather of a parameter range");
+        if (fin) w->g->reqs[i] = NULL;
+        else left++;
+    }
+    *done = left == 0;
+    return MRL_OK;
+}
+
+mrl_status mrl_dist_param_gather_wait(void *vp, float *params, int64_t offset, int64_t count) {
+    (void)params;
+    mrl_dist_param_gather *p = vp;
+    if (!p->d) return mrl_set_error(MRL_ERR_INVALID, "dist: a parameter gather after mrl_dist_finalize");
+    gather *g = NULL;
+    for (int i = 0; i < GATHERS && !g; i++)
+        if (p->g[i].busy && p->g[i].lo == offset && p->g[i].hi == offset + count) g = &p->g[i];
+    if (!g)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: no parameter gather of [%lld, %lld) in flight", (long long)offset,
+                             (long long)(offset + count));
+    mrl_status st = mrl_dist_begin(p->d, "param_gather_wait");
+    gather_wait w = {p->d, g};
+    if (!st && g->nreq > 0) st = mrl_dist_wait(p->d, gather_poll, &w);
+    if (!st) g->busy = 0; /* (after a failure the requests stay: the communicator is broken) */
     return st;
 }
