@@ -109,13 +109,14 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
 }
 
 /* config.json, the files opened and checked against the layout (no parameter memory yet). */
-static mrl_status open_dir(const char *dir, mrl_model **out, mrl_st **st) {
+static mrl_status open_dir(const char *dir, int value_head, mrl_model **out, mrl_st **st) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
     mrl_model_config cfg;
     mrl_status s = mrl_model_config_load(path, &cfg);
     if (s) return s;
+    if (value_head) cfg.value_head = 1;
     if ((s = mrl_st_open(dir, st))) return s;
     s = mrl_model_alloc_layout(&cfg, out); /* views only: the sizes are the file's to confirm */
     if (!s) s = check_tensors(*out, *st, dir);
@@ -133,7 +134,7 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, &m, &st);
+    mrl_status s = open_dir(dir, 0, &m, &st);
     if (s) return s;
     s = mrl_model_alloc_params(m);
     if (!s) s = read_weights(m, st, 0, m->n_params);
@@ -146,14 +147,14 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     return MRL_OK;
 }
 
-mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, mrl_model **out) {
+mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, int value_head, mrl_model **out) {
     if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: NULL argument");
     if (size < 1 || rank < 0 || rank >= size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: rank %d of %d", rank, size);
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, &m, &st);
+    mrl_status s = open_dir(dir, value_head, &m, &st);
     if (s) return s;
     int64_t offset, count;
     mrl_dist_shard(m->n_params, size, rank, &offset, &count);

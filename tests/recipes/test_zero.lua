@@ -48,10 +48,13 @@ local SFT = U.with(BASE, { 'quiet=true', 'data.path=' .. sft_data, 'train.steps=
 local DPO = U.with(BASE, { 'quiet=true', 'data.path=' .. pref_data, 'train.steps=3', 'train.pairs=6' })
 local GRPO = U.with(BASE, { 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false', 'reward=exact',
   'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3' })
+local PPO = U.with(BASE, { 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false', 'reward=exact',
+  'ppo.prompts=6', 'ppo.samples=2', 'ppo.max_tokens=4', 'ppo.steps=2' })
 local ONE, MANY = 'train.micro_batch_tokens=4096', 'train.micro_batch_tokens=40'
 
-t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a rank): sft, dpo, grpo, grpo with a reference, bf16 sft on 2 and 3 ranks', function()
+t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a rank): sft, dpo, grpo, grpo with a reference, ppo with its critic, bf16 sft on 2 and 3 ranks', function()
   for _, case in ipairs({ { 'recipes/sft.lua', SFT }, { 'recipes/dpo.lua', DPO }, { 'recipes/grpo.lua', GRPO },
+    { 'recipes/ppo.lua', PPO },
     { 'recipes/grpo.lua', U.with(GRPO, { 'grpo.kl_coef=0.1' }), 'grpo_kl' },
     { 'recipes/sft.lua', U.with(SFT, { 'model.dtype=bf16' }), 'sft_bf16' } }) do
     local recipe, words = case[1], U.with(case[2], { ONE })
@@ -65,6 +68,10 @@ t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a ra
         run(n, recipe, U.words(words, z, { 'dist.zero=' .. zero }))
         t.truthy(model_bytes(z) == model_bytes(plain),
           string.format('%s on %d ranks: zero=%d gives the bits of zero=0', name, n, zero))
+        if name == 'ppo' then
+          t.truthy(fs.read(z .. '/critic/model.safetensors') == fs.read(plain .. '/critic/model.safetensors'),
+            string.format('ppo on %d ranks: zero=%d: the critic too', n, zero))
+        end
         local zm = U.records(z)
         t.eq(#zm, #pm, name .. ': each step logged once')
         for i = 1, #pm do
@@ -77,14 +84,17 @@ t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a ra
   end
 end)
 
-t.test('zero=2 with expert parallelism (qwen3_moe, moe.expert_parallel on 2 ranks): the bits of zero=0', function()
+t.test('zero=2 and 3 with expert parallelism (qwen3_moe, moe.expert_parallel on 2 ranks): the bits of zero=0', function()
   local moe = dir .. '/moe'
   dofile('tests/lib/models.lua').save(moe, 'qwen3_moe', nil, { seed = 4 })
   local words = U.with(SFT, { ONE, 'model.dir=' .. moe, 'train.steps=3', 'moe.expert_parallel=true' })
-  local plain, z2 = dir .. '/moe_plain', dir .. '/moe_zero2'
+  local plain = dir .. '/moe_plain'
   run(2, 'recipes/sft.lua', U.words(words, plain))
-  run(2, 'recipes/sft.lua', U.words(words, z2, { 'dist.zero=2' }))
-  t.truthy(model_bytes(z2) == model_bytes(plain), 'expert parallel sft: zero=2 gives the bits of zero=0')
+  for _, zero in ipairs({ 2, 3 }) do
+    local z = dir .. '/moe_zero' .. zero
+    run(2, 'recipes/sft.lua', U.words(words, z, { 'dist.zero=' .. zero }))
+    t.truthy(model_bytes(z) == model_bytes(plain), 'expert parallel sft: zero=' .. zero .. ' gives the bits of zero=0')
+  end
 end)
 
 t.test('zero=2 with several micro-batches a rank: within 1e-5 of plain data parallel and of one process', function()

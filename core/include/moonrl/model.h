@@ -267,7 +267,9 @@ void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ct
 
 /* Sharded parameters (ZeRO-3, dist.zero=3). mrl_model_load_dir_shard loads
  * a Hugging Face directory holding only rank's shard of the parameters
- * (mrl_dist_shard(n_params, size, rank)): the files are read by
+ * (mrl_dist_shard(n_params, size, rank); value_head: with a value head
+ * whatever config.json says, a critic made from a policy, its
+ * score.weight the documented init where the files have none): the files are read by
  * range, and the parameter buffer is reserved address space of which only
  * the shard has memory (and the bf16 copies likewise, mrl_model_set_dtype).
  * Before the forward or backward reads a part of the model (the embedding,
@@ -283,7 +285,7 @@ void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ct
  * outside its shard and the parts in use faults; an engine reads a buffer of
  * its own (mrl_engine_attach_params). CPU only. */
 typedef mrl_status (*mrl_param_gather)(void *ctx, float *params, int64_t offset, int64_t count);
-mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, mrl_model **out);
+mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, int value_head, mrl_model **out);
 mrl_status mrl_model_read_shard(mrl_model *m, const char *dir);
 mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_param_gather wait, void *ctx,
                                       int writer);

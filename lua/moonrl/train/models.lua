@@ -25,11 +25,13 @@ function M.load(dir, opts)
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
   if opts.shard then
-    model = model_mod.load_shard(dir, opts.shard.rank, opts.shard.size)
+    model = model_mod.load_shard(dir, opts.shard.rank, opts.shard.size, { value_head = opts.value_head })
     require('moonrl.train.dist').shard_model(opts.shard, model)
+    model.shard_world = opts.shard -- (a critic made from it shards the same way)
   else
     model = model_mod.load(dir)
   end
+  model.source_dir = dir
   local tok_dir = opts.tokenizer or dir
   local tok = require('moonrl.tokenizer').load(tok_dir)
   local tpl
@@ -66,6 +68,16 @@ end
 -- A critic for PPO: the policy's weights with a scalar value head (score.weight) set to zero, so
 -- the first value estimates are 0.
 function M.critic_from(policy)
+  if policy:shard() then -- sharded: each rank loads its shard of the critic from the policy's files
+    local critic = M.load(policy.source_dir, { shard = policy.shard_world, value_head = true })
+    local off, cnt = critic:shard()
+    for _, v in ipairs(critic:views()) do -- the value head starts at zero (its part in this shard)
+      local a, b = math.max(v.offset, off), math.min(v.offset + v.numel, off + cnt)
+      if v.name == 'score.weight' and b > a then ffi.fill(critic:param_buffer() + a, 4 * (b - a)) end
+    end
+    critic:set_dtype(policy:dtype())
+    return critic
+  end
   return M.clone(policy, { value_head = true, init = function(critic)
     local p = critic:read_params()
     for _, v in ipairs(critic:views()) do

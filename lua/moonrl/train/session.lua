@@ -185,7 +185,6 @@ function M.shard_world(cfg, device)
   end
   if cfg.async and cfg.async.engine_threads and cfg.async.engine_threads > 0 then no('async.engine_threads:') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only for now):') end
-  if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel:') end
   return w
 end
 
