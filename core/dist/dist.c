@@ -550,6 +550,16 @@ void mrl_dist_shard(int64_t n, int size, int rank, int64_t *offset, int64_t *cou
     *count = rank < 0 || rank >= size ? 0 : base + (rank < extra ? 1 : 0);
 }
 
+void mrl_dist_group_shard(int64_t n, int size, int shards, int index, int64_t *offset, int64_t *count) {
+    if (shards < 1 || size % shards) shards = size; /* (no groups: the plain shard) */
+    int per = size / shards; /* the world's pieces a group shard takes */
+    int64_t off0, cnt0, off1, cnt1;
+    mrl_dist_shard(n, size, index * per, &off0, &cnt0);
+    mrl_dist_shard(n, size, index * per + per - 1, &off1, &cnt1);
+    *offset = off0;
+    *count = index < 0 || index >= shards ? 0 : off1 + cnt1 - off0;
+}
+
 int64_t mrl_dist_dtype_size(int dtype) {
     switch (dtype) {
     case MRL_DIST_F32: return 4;

@@ -53,6 +53,7 @@ struct mrl_dist_grad_shard {
     mrl_dist *d;
     void *comm;
     int64_t n, off, count, seg;
+    int shards; /* the gradient's pieces: rank r owns piece r % shards (mrl_dist_group_shard) */
     float *acc; /* [count]: this rank's shard of the gradient sum */
     window *wins;
     int n_wins, cap_wins;
@@ -64,6 +65,7 @@ struct mrl_dist_grad_shard {
     slot slots[DEPTH];
     mrl_status failed; /* a failure inside a hook (which cannot return one): finish reports it */
     int64_t window_bytes, window_peak;
+    int64_t sent; /* bytes this rank's all-to-alls sent the others, since creation */
     mrl_dist_grad_shard *next; /* in d's list of live ones */
 };
 
@@ -95,14 +97,18 @@ static mrl_status own_comm(mrl_dist *d, void **comm) {
 /* [lo, hi) ∩ rank r's shard: start and length (0 when they do not meet). */
 static void meet(const mrl_dist_grad_shard *g, int r, int64_t lo, int64_t hi, int64_t *at, int64_t *len) {
     int64_t off, cnt;
-    mrl_dist_shard(g->n, g->d->size, r, &off, &cnt);
+    mrl_dist_group_shard(g->n, g->d->size, g->shards, r % g->shards, &off, &cnt);
     int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
     *at = b > a ? a : lo;
     *len = b > a ? b - a : 0;
 }
 
-mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, mrl_dist_grad_shard **out) {
+mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, int shards,
+                                      mrl_dist_grad_shard **out) {
     *out = NULL;
+    if (shards < 1 || shards > d->size || d->size % shards)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: sharded gradients: %d shards over %d ranks (a divisor of them)",
+                             shards, d->size);
     if (n <= 0 || n < d->size)
         return mrl_set_error(MRL_ERR_INVALID, "dist: sharded gradients: %lld parameters over %d ranks", (long long)n,
                              d->size);
@@ -117,7 +123,8 @@ mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_by
     g->d = d;
     g->n = n;
     g->seg = seg;
-    mrl_dist_shard(n, d->size, d->rank, &g->off, &g->count);
+    g->shards = shards;
+    mrl_dist_group_shard(n, d->size, shards, d->rank % shards, &g->off, &g->count);
     g->acc = mrl_mem_alloc(sizeof(float) * (size_t)g->count, MRL_MEM_GRADS);
     if (!g->acc) {
         int64_t count = g->count;
@@ -160,6 +167,7 @@ void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
 float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g) { return g->acc; }
 int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g) { return g->window_bytes; }
 int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g) { return g->window_peak; }
+int64_t mrl_dist_grad_shard_bytes_sent(const mrl_dist_grad_shard *g) { return g->sent; }
 
 void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g) {
     memset(g->acc, 0, sizeof(float) * (size_t)g->count);
@@ -219,6 +227,7 @@ static mrl_status start_segment(mrl_dist_grad_shard *g, slot *s) {
         rd[r] = (int64_t)r * s->mine_n;
     }
     sc[d->rank] = rc[d->rank] = 0; /* this rank's own values stay in the window: the combine reads them there */
+    for (int r = 0; r < d->size; r++) g->sent += (int64_t)sizeof(float) * sc[r];
     int e = d->be->ialltoallv(g->comm, w->buf, sc, sd, s->scratch, rc, rd, sizeof(float), &s->req);
     if (e) return mrl_dist_fail(d, e, "the all-to-all of a gradient reduce-scatter");
     return MRL_OK;
@@ -393,6 +402,8 @@ struct mrl_dist_param_gather {
     mrl_dist *d;
     void *comm;
     int64_t n;
+    int world; /* rank r of d holds mrl_dist_group_shard(n, world, d->size, r) */
+    int64_t received; /* bytes of the others' shards gathered into place, since creation */
     gather g[GATHERS];
     mrl_dist_param_gather *next; /* in d's list of live ones */
 };
@@ -408,8 +419,10 @@ static void param_gather_detach_all(mrl_dist *d) {
     d->param_gathers = NULL;
 }
 
-mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, mrl_dist_param_gather **out) {
+mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, int world, mrl_dist_param_gather **out) {
     *out = NULL;
+    if (world < d->size || world % d->size)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: sharded parameters: %d ranks in a world of %d", d->size, world);
     if (n <= 0 || n < d->size)
         return mrl_set_error(MRL_ERR_INVALID, "dist: sharded parameters: %lld over %d ranks", (long long)n, d->size);
     mrl_status st = mrl_dist_begin(d, "param_gather_create");
@@ -418,6 +431,7 @@ mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, mrl_dist_param_g
     if (!p) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
     p->d = d;
     p->n = n;
+    p->world = world;
     if ((st = own_comm(d, &p->comm))) {
         free(p);
         return st;
@@ -470,18 +484,21 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
         int64_t *rc = d->tmp, *rd = rc + d->size, mine = 0;
         for (int r = 0; r < d->size; r++) {
             int64_t off, cnt;
-            mrl_dist_shard(p->n, d->size, r, &off, &cnt);
+            mrl_dist_group_shard(p->n, p->world, d->size, r, &off, &cnt);
             int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
             rc[r] = b > a ? b - a : 0;
             rd[r] = b > a ? a - lo : 0;
             if (r == d->rank) mine = rc[r];
         }
+        p->received += (int64_t)sizeof(float) * (hi - lo - mine);
         int e = d->be->iallgatherv(p->comm, NULL, mine, params + lo, rc, rd, sizeof(float), &g->reqs[g->nreq]);
         if (e) return mrl_dist_fail(d, e, "the all-gather of a parameter range");
         g->nreq++;
     }
     return MRL_OK;
 }
+
+int64_t mrl_dist_param_gather_bytes_received(const mrl_dist_param_gather *p) { return p->received; }
 
 typedef struct gather_wait {
     mrl_dist *d;

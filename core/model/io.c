@@ -147,17 +147,19 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     return MRL_OK;
 }
 
-mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, int value_head, mrl_model **out) {
+mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int index, int value_head,
+                                    mrl_model **out) {
     if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: NULL argument");
-    if (size < 1 || rank < 0 || rank >= size)
-        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: rank %d of %d", rank, size);
+    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: shard %d of %d over %d ranks", index, shards,
+                             world);
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
     mrl_status s = open_dir(dir, value_head, &m, &st);
     if (s) return s;
     int64_t offset, count;
-    mrl_dist_shard(m->n_params, size, rank, &offset, &count);
+    mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
     s = mrl_model_alloc_shard(m, offset, count);
     if (!s) s = read_weights(m, st, offset, offset + count);
     mrl_st_close(st);

@@ -111,6 +111,7 @@ struct mrl_model {
     mrl_param_gather gather_start, gather_wait;
     void *gather_ctx;
     int64_t ahead_lo, ahead_hi;
+    int64_t gathered_peak; /* the most bytes of the regions beyond the shard's pages (mrl_model_gathered_bytes) */
     int shard_writer; /* this rank writes the files of mrl_model_save_dir_sharded */
 };
 

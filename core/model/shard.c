@@ -28,6 +28,28 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
     return MRL_OK;
 }
 
+/* Bytes the regions hold beyond the shard's own pages: the parts gathered and their bf16 copies. */
+static int64_t gathered(const mrl_model *m) {
+    int64_t shard_pages = (4 * (m->shard_off + m->shard_count) + 4095) / 4096 - 4 * m->shard_off / 4096;
+    return mrl_mem_region_resident(m->p_region) - 4096 * shard_pages + mrl_mem_region_resident(m->w16_region);
+}
+
+static void note_gathered(mrl_model *m) {
+    int64_t g = gathered(m);
+    if (g > m->gathered_peak) m->gathered_peak = g;
+}
+
+int64_t mrl_model_gathered_bytes(mrl_model *m, int64_t *peak) {
+    if (!m || !m->p_region) {
+        if (peak) *peak = 0;
+        return 0;
+    }
+    int64_t now = gathered(m);
+    if (peak) *peak = m->gathered_peak;
+    m->gathered_peak = now; /* the next peak from here */
+    return now;
+}
+
 /* pin [lo, hi) and start its gather */
 static mrl_status begin(mrl_model *m, int64_t lo, int64_t hi) {
     mrl_status st = mrl_mem_region_pin(m->p_region, 4 * lo, 4 * hi);
@@ -59,6 +81,7 @@ mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, 
         }
         m->ahead_lo = next_lo, m->ahead_hi = next_hi;
     }
+    note_gathered(m);
     if ((st = m->gather_wait(m->gather_ctx, m->params, lo, hi - lo))) {
         mrl_mem_region_unpin(m->p_region, 4 * lo, 4 * hi);
         return st;
@@ -69,6 +92,7 @@ mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, 
             return mrl_wrap_error(st, "model: bf16 copies of parameters [%lld, %lld)", (long long)lo, (long long)hi);
         }
         mrl_model_bf16_convert_range(m, m->params, m->w16, lo, hi);
+        note_gathered(m);
     }
     return MRL_OK;
 }

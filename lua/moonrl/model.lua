@@ -152,14 +152,15 @@ function M.load(dir)
   return wrap(h[0])
 end
 
--- Rank `rank` of `size`'s shard of the model in dir (ZeRO-3, model.h's mrl_model_load_dir_shard):
--- the parameter buffer has memory for that shard only, read by range from the files; the rest
--- is gathered into place part by part as the forward and backward need it (m:set_param_gather).
--- opts.value_head: with a value head (a critic made from the policy in dir).
-function M.load_shard(dir, rank, size, opts)
+-- Shard `index` of `shards` of the model in dir, in a job of `world` ranks (ZeRO-3, model.h's
+-- mrl_model_load_dir_shard; shards = world but under hybrid sharding): the parameter buffer has
+-- memory for that shard only, read by range from the files; the rest is gathered into place part
+-- by part as the forward and backward need it (m:set_param_gather). opts.value_head: with a
+-- value head (a critic made from the policy in dir).
+function M.load_shard(dir, world, shards, index, opts)
   local h = ffi.new('mrl_model *[1]')
   local status = require('moonrl.io.progress').task('loading model ' .. tostring(dir), function()
-    return C.mrl_model_load_dir_shard(dir, rank, size, opts and opts.value_head and 1 or 0, h)
+    return C.mrl_model_load_dir_shard(dir, world, shards, index, opts and opts.value_head and 1 or 0, h)
   end)
   moonrl.check(status, 2)
   return wrap(h[0])

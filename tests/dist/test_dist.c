@@ -486,7 +486,7 @@ static void test_grad_shard(void) {
             if (n < N) continue;
             if (n > 100000 && seg_bytes[si] < 4096) continue; /* 10^5 segments: slow, nothing new */
             mrl_dist_grad_shard *gs = NULL;
-            CHECK_OK(mrl_dist_grad_shard_create(D, n, seg_bytes[si], &gs));
+            CHECK_OK(mrl_dist_grad_shard_create(D, n, seg_bytes[si], N, &gs));
             if (!gs) continue;
             int64_t off, cnt;
             mrl_dist_shard(n, N, R, &off, &cnt);

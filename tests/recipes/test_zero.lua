@@ -33,7 +33,7 @@ end
 local function model_bytes(d) return fs.read(d .. '/model/model.safetensors') end
 
 local rel_diff = U.rel_diff
-local function weights(d) return U.weights(d .. '/model/model.safetensors') end
+local function weights(d) return U.weights(d .. '/model') end -- (one file or shards with an index)
 
 local function event(d, name)
   for line in io.lines(d .. '/events.jsonl') do
@@ -143,6 +143,12 @@ t.test('zero=2 on 2 ranks: no whole gradient buffer; the shard, windows and scra
     t.truthy(z3m[i]['memory/params_mb'] <= 0.7 * pm[i]['memory/params_mb'], 'zero=3: the shard and a few layers')
     t.truthy(state(z3m[i]) <= 0.65 * state(pm[i]), string.format('zero=3 on 2 ranks: %.2f MiB of state against %.2f',
       state(z3m[i]), state(pm[i])))
+    -- the accounting's parts: the shard, and the most gathered into place at once (a layer is
+    -- 1/16 of the model here: the one in use, the next, a tied head's embedding)
+    local shard, gathered = z3m[i]['memory/params_shard_mb'], z3m[i]['memory/params_gathered_peak_mb']
+    print(string.format('  step %d zero=3 rank 0: shard %.2f MiB, at most %.2f MiB gathered at once', i, shard, gathered))
+    t.truthy(math.abs(shard - whole_mb / 2) <= 0.01 and shard <= z3m[i]['memory/params_mb'], 'the shard: half the parameters')
+    t.truthy(gathered > 0 and gathered <= 3 * whole_mb / 16 + 0.1, 'a few layers gathered at a time')
   end
   t.truthy(model_bytes(z2) == model_bytes(plain), 'and the same bits')
   t.truthy(model_bytes(z3) == model_bytes(plain), 'zero=3 too')
@@ -184,7 +190,8 @@ t.test('zero=2 checkpoints: 2 ranks resume on 3 (zero=2), on 2 with zero=1 and o
 end)
 
 t.test('zero=3 checkpoints: 2 ranks resume on 3, on 1 process and on 2 with zero=0; 1 process resumes on 2 with zero=3', function()
-  local words = U.with(SFT, { ONE, 'run.checkpoint_every=1' })
+  -- (the checkpoints' models in shards of 20 kB with an index: each rank reads its ranges across the files)
+  local words = U.with(SFT, { ONE, 'run.checkpoint_every=1', 'run.max_shard_gb=0.00002' })
   local function first_half(n, d, zero)
     local r = run(n, 'recipes/sft.lua', U.words(words, d, { 'dist.zero=' .. zero }),
       { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
@@ -196,13 +203,13 @@ t.test('zero=3 checkpoints: 2 ranks resume on 3, on 1 process and on 2 with zero
     local d = dir .. '/ck3_' .. i
     first_half(2, d, 3)
     local ck = d .. '/checkpoints/step-000002'
-    t.truthy(fs.exists(ck .. '/model.safetensors') and fs.exists(ck .. '/optimizer.rank-00001-of-00002.safetensors'),
-      'zero=3: the whole model (gathered, written by rank 0) and a shard file a rank')
+    t.truthy(fs.exists(ck .. '/model.safetensors.index.json') and fs.exists(ck .. '/optimizer.rank-00001-of-00002.safetensors'),
+      'zero=3: the whole model (gathered, written by rank 0, in shards with an index) and a shard file a rank')
     t.truthy(require('moonrl.train.checkpoint').verify(ck), 'the checkpoint verifies')
     run(c[1], 'recipes/sft.lua', U.words(words, d, { c[2] }))
     t.eq(#U.records(d), 4, 'four steps logged, once each')
     if c[1] == 3 then
-      t.truthy(model_bytes(d) == model_bytes(plain), 'on 3 ranks with zero=3: plain 2 -> 3 bit for bit')
+      t.eq(rel_diff(weights(plain), weights(d)), 0, 'on 3 ranks with zero=3: plain 2 -> 3 bit for bit')
     else
       local e = rel_diff(weights(one), weights(d))
       print(string.format('  zero=3 2 ranks x 2 steps, then %s on %d: %.3g to one process', c[2], math.max(c[1], 1), e))
@@ -215,7 +222,7 @@ t.test('zero=3 checkpoints: 2 ranks resume on 3, on 1 process and on 2 with zero
   t.truthy(proc.run({ 'cp', '-a', a, b }).ok)
   run(2, 'recipes/sft.lua', U.words(words, a))
   run(2, 'recipes/sft.lua', U.words(words, b, { 'dist.zero=3' }))
-  t.truthy(model_bytes(b) == model_bytes(a), '1 -> 2 with zero=3: plain data parallel bit for bit')
+  t.eq(rel_diff(weights(a), weights(b)), 0, '1 -> 2 with zero=3: plain data parallel bit for bit')
 end)
 
 t.test('zero=3: a rank killed in a checkpoint write (its optimizer shard; rank 0 in the model it writes) leaves the one before, and --restarts ends with a clean run', function()
@@ -257,6 +264,58 @@ t.test('zero=3 under a memory budget one process cannot meet: it fails at once n
   print(string.format('  4 ranks, zero=3: rank 0 holds %.1f MiB at its peak (budget 80), the largest rank resident %.1f MiB',
     m[2]['memory/peak_mb'], m[2]['memory/max_rank_peak_mb']))
   t.truthy(m[2]['memory/peak_mb'] <= 80, 'within the budget')
+end)
+
+t.test('hybrid sharding (4 ranks, dist.shard_group=2): the bits of zero=0 on 4 ranks for sft and grpo, half the state a rank, its checkpoints resume on 2 and on 4 without groups', function()
+  for _, case in ipairs({ { 'recipes/sft.lua', U.with(SFT, { ONE, 'run.checkpoint_every=2' }), 'sft' },
+    { 'recipes/grpo.lua', U.with(GRPO, { ONE }), 'grpo' } }) do
+    local plain = dir .. '/hsdp_plain_' .. case[3]
+    run(4, case[1], U.words(case[2], plain), { timeout = 300 })
+    for _, zero in ipairs({ 2, 3 }) do
+      local d = string.format('%s/hsdp%d_%s', dir, zero, case[3])
+      run(4, case[1], U.words(case[2], d, { 'dist.zero=' .. zero, 'dist.shard_group=2' }), { timeout = 300 })
+      t.truthy(model_bytes(d) == model_bytes(plain),
+        string.format('%s: zero=%d in shard groups of 2 gives the bits of zero=0 on 4 ranks', case[3], zero))
+    end
+  end
+  -- a rank of a group of 2 holds half of the optimizer state (zero=3 over all 4: a quarter)
+  local h, q = U.records(dir .. '/hsdp3_sft'), nil
+  run(4, 'recipes/sft.lua', U.words(U.with(SFT, { ONE }), dir .. '/hsdp_quarter', { 'dist.zero=3' }), { timeout = 300 })
+  q = U.records(dir .. '/hsdp_quarter')
+  print(string.format('  4 ranks: optimizer state a rank %.3f MiB in groups of 2, %.3f MiB over all 4',
+    h[1]['memory/optim_mb'], q[1]['memory/optim_mb']))
+  t.truthy(math.abs(h[1]['memory/optim_mb'] - 2 * q[1]['memory/optim_mb']) <= 0.01 * h[1]['memory/optim_mb'],
+    'groups of 2: half the state a rank, twice that of sharding over all 4')
+  -- the checkpoint of step 2: one optimizer file a shard (2), written by the first group
+  local ck = dir .. '/hsdp3_sft/checkpoints/step-000002'
+  local files = {}
+  for _, f in ipairs(fs.list(ck)) do if f:match('^optimizer') then files[#files + 1] = f end end
+  table.sort(files)
+  t.eq(table.concat(files, ' '), 'optimizer.rank-00000-of-00002.safetensors optimizer.rank-00001-of-00002.safetensors',
+    'one optimizer file a shard')
+  for _, c in ipairs({ { 2, { 'dist.zero=3' } }, { 4, { 'dist.zero=3' } } }) do
+    local d = dir .. '/hsdp_resume' .. c[1]
+    local words = U.with(SFT, { ONE, 'run.checkpoint_every=2' })
+    local r = run(4, 'recipes/sft.lua', U.words(words, d, { 'dist.zero=3', 'dist.shard_group=2' }),
+      { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true, timeout = 300 })
+    t.truthy(not r.ok, 'the groups of 2 died at step 3')
+    run(c[1], 'recipes/sft.lua', U.words(words, d, c[2]), { timeout = 300 })
+    t.eq(#U.records(d), 4, 'resumed: four steps')
+    if c[1] == 4 then
+      t.truthy(model_bytes(d) == model_bytes(dir .. '/hsdp_plain_sft'), 'groups of 2 -> all 4 sharding: the same bits')
+    else
+      local e = rel_diff(weights(dir .. '/hsdp_plain_sft'), weights(d))
+      print(string.format('  groups of 2 on 4 ranks -> 2 ranks: %.3g to the 4-rank run', e))
+      t.truthy(e <= 1e-5, 'on 2 ranks: within 1e-5')
+    end
+  end
+  -- a group size that does not divide the ranks, and groups without ZeRO-2 or 3: usage errors
+  for _, case in ipairs({ { { 'dist.zero=3', 'dist.shard_group=3' }, 'does not divide' },
+    { { 'dist.zero=1', 'dist.shard_group=2' }, 'dist.zero=2 or 3' } }) do
+    local r = run(4, 'recipes/sft.lua', U.words(U.with(SFT, case[1]), dir .. '/hsdp_bad'), { expect_fail = true })
+    t.eq(r.exit_status, 2, table.concat(case[1], ' ') .. ': a usage error')
+    t.truthy(r.stderr:find('dist.shard_group', 1, true) and r.stderr:find(case[2], 1, true), r.stderr)
+  end
 end)
 
 t.test('zero=2: NaN gradients in the shards skip the update on every rank, as plain data parallel does', function()

@@ -98,6 +98,13 @@ void mrl_dist_free(mrl_dist *d);
 
 /* Rank r's shard of n elements: [*offset, *offset + *count). */
 void mrl_dist_shard(int64_t n, int size, int rank, int64_t *offset, int64_t *count);
+/* Hybrid sharding (HSDP): n elements in `shards` pieces, each the union of
+ * size / shards consecutive rank shards of mrl_dist_shard(n, size, .): piece
+ * `index` is [*offset, *offset + *count). shards == size (or one that does
+ * not divide size): mrl_dist_shard itself. A piece is then always whole
+ * rank shards, so a sum over them in rank order is the same in every
+ * layout. */
+void mrl_dist_group_shard(int64_t n, int size, int shards, int index, int64_t *offset, int64_t *count);
 int64_t mrl_dist_dtype_size(int dtype);
 
 mrl_status mrl_dist_barrier(mrl_dist *d);
@@ -163,7 +170,10 @@ int mrl_dist_buckets_count(const mrl_dist_buckets *b);
 
 /* ---- Sharded gradients (ZeRO-2 and up) --------------------------------
  * Rank r keeps only the sum over ranks of its shard of the n gradients
- * (mrl_dist_shard), accumulated over the backwards of an update; no rank
+ * (piece r % shards of mrl_dist_group_shard(n, size, shards, .): shards =
+ * size, mrl_dist_shard; fewer, hybrid sharding, each piece kept by
+ * size / shards ranks, one in each group of `shards` consecutive ranks, all
+ * of them summing every rank's values), accumulated over the backwards of an update; no rank
  * holds the whole gradient. A model lends its backward's ranges from it
  * (mrl_model_set_grad_windows with acquire, mrl_model_set_grad_hook with
  * ready): acquire gives a zeroed window for [offset, offset + count) of the
@@ -177,7 +187,8 @@ int mrl_dist_buckets_count(const mrl_dist_buckets *b);
  * pool holds now (MRL_MEM_GRADS, as the accumulator and the scratch).
  * Create is a collective. */
 typedef struct mrl_dist_grad_shard mrl_dist_grad_shard;
-mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, mrl_dist_grad_shard **out);
+mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, int shards,
+                                      mrl_dist_grad_shard **out);
 void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g);
 float *mrl_dist_grad_shard_acquire(void *g, int64_t offset, int64_t count);
 void mrl_dist_grad_shard_ready(void *g, int64_t offset, int64_t count);
@@ -186,20 +197,26 @@ void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g);
 float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g);
 int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g);
 int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g);
+/* Bytes this rank's reduce-scatters sent the other ranks, since creation. */
+int64_t mrl_dist_grad_shard_bytes_sent(const mrl_dist_grad_shard *g);
 
 /* ---- Sharded parameters (ZeRO-3) ----------------------------------------
- * A buffer of n parameters of which each rank holds only its shard
- * (mrl_dist_shard) in place: start begins the all-gather of [offset,
+ * A buffer of n parameters of which rank r of d holds only its shard
+ * mrl_dist_group_shard(n, world, size of d, r) in place (d: the world, or
+ * under hybrid sharding the group of consecutive ranks sharding among
+ * themselves; world: the ranks of the whole job): start begins the all-gather of [offset,
  * offset + count) into params (each rank's piece of the range is already
  * there: in place), wait completes it; up to four ranges in flight, started
  * and waited for in the same order on every rank (a model's forward and
  * backward: mrl_model_set_param_gather has these signatures). Create is a
  * collective. */
 typedef struct mrl_dist_param_gather mrl_dist_param_gather;
-mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, mrl_dist_param_gather **out);
+mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, int world, mrl_dist_param_gather **out);
 void mrl_dist_param_gather_free(mrl_dist_param_gather *p);
 mrl_status mrl_dist_param_gather_start(void *p, float *params, int64_t offset, int64_t count);
 mrl_status mrl_dist_param_gather_wait(void *p, float *params, int64_t offset, int64_t count);
+/* Bytes of the other ranks' shards gathered into place, since creation. */
+int64_t mrl_dist_param_gather_bytes_received(const mrl_dist_param_gather *p);
 
 #ifdef __cplusplus
 }

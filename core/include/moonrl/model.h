@@ -266,8 +266,10 @@ typedef float *(*mrl_grad_acquire)(void *ctx, int64_t offset, int64_t count);
 void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ctx);
 
 /* Sharded parameters (ZeRO-3, dist.zero=3). mrl_model_load_dir_shard loads
- * a Hugging Face directory holding only rank's shard of the parameters
- * (mrl_dist_shard(n_params, size, rank); value_head: with a value head
+ * a Hugging Face directory holding only shard `index` of the parameters
+ * (mrl_dist_group_shard(n_params, world, shards, index): a rank's shard of a
+ * job of `world` ranks sharding over groups of `shards`; shards = world:
+ * mrl_dist_shard's); value_head: with a value head
  * whatever config.json says, a critic made from a policy, its
  * score.weight the documented init where the files have none): the files are read by
  * range, and the parameter buffer is reserved address space of which only
@@ -285,13 +287,18 @@ void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ct
  * outside its shard and the parts in use faults; an engine reads a buffer of
  * its own (mrl_engine_attach_params). CPU only. */
 typedef mrl_status (*mrl_param_gather)(void *ctx, float *params, int64_t offset, int64_t count);
-mrl_status mrl_model_load_dir_shard(const char *dir, int rank, int size, int value_head, mrl_model **out);
+mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int index, int value_head,
+                                    mrl_model **out);
 mrl_status mrl_model_read_shard(mrl_model *m, const char *dir);
 mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_param_gather wait, void *ctx,
                                       int writer);
 /* 1 and the shard when the parameters are sharded, else 0 */
 int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count);
 mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count);
+/* A sharded model's parameter memory beyond its shard (the parts gathered into place and their
+ * bf16 copies) now, and in *peak its most since the last call (which starts the next peak);
+ * 0 for a model whose parameters are whole. */
+int64_t mrl_model_gathered_bytes(mrl_model *m, int64_t *peak);
 void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count);
 
 /* Gradients = 0 (nothing to do while the buffer does not exist yet). */

@@ -198,7 +198,13 @@ function M.write_parts(root, name, parts, p)
     end
   end)
   together(world, function()
-    if optimizers and parts.sharded then write_optimizers(tmp .. '/' .. M.shard_file(world.rank, world.size), optimizers, world) end
+    if optimizers and parts.sharded then -- one file a shard (hybrid sharding: written by the first group's ranks)
+      local o = optimizers[1].opt
+      local index, count = o.shard_index or world.rank, o.shard_count or world.size
+      if o.shard_writes ~= false then
+        write_optimizers(tmp .. '/' .. M.shard_file(index, count), optimizers, { rank = index, size = count })
+      end
+    end
     if not lead then return end
     for i, m in ipairs(parts.models or {}) do
       -- the first model is the policy, at the top: the checkpoint loads as a model

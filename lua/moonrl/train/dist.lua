@@ -223,15 +223,44 @@ function World:share(n, rank)
   return tonumber(off[0]) + 1, tonumber(off[0] + count[0])
 end
 
--- ---- sharded parameters (ZeRO-3) ------------------------------------------------------------
+-- ---- sharded training state: layouts, parameters (ZeRO-3) -------------------------------------
 
--- A model loaded by shard (model.load_shard with w's rank and size) gets its gathers: every
--- forward and backward then gathers each part into place over w's ranks (a collective: every
--- rank runs the same ones), rank 0 writes what m:save writes. Every rank calls it.
-function M.shard_model(w, model)
+-- How w's ranks shard the training state: over all of them (group = 0 or w.size), or (hybrid
+-- sharding, HSDP) within groups of `group` consecutive ranks, replicated across the groups.
+-- { world = w, shards = K, index = this rank's shard (rank % K), replica = rank // K,
+--   group = the World of its K ranks (w itself without groups) }. Every rank calls it (a
+-- split); the layout of a group size is made once.
+local layouts = {}
+function M.shard_layout(w, group)
+  local K = (group and group > 0) and group or w.size
+  if w.size % K ~= 0 then
+    moonrl.usage_error(string.format('dist.shard_group=%d does not divide the %d ranks that train', K, w.size))
+  end
+  local key = tostring(w.handle) .. ':' .. K
+  if layouts[key] then return layouts[key] end
+  local g = K == w.size and w or w:split(math.floor(w.rank / K), 'shard group')
+  local layout = { world = w, shards = K, index = w.rank % K, replica = math.floor(w.rank / K), group = g }
+  layouts[key] = layout
+  return layout
+end
+
+-- Shard `index` of the layout over n elements: offset, count (mrl_dist_group_shard).
+local shard_out = ffi.new('int64_t[2]')
+function M.layout_shard(layout, n, index)
+  C.mrl_dist_group_shard(n, layout.world.size, layout.shards, index or layout.index, shard_out, shard_out + 1)
+  return tonumber(shard_out[0]), tonumber(shard_out[1])
+end
+
+-- A model loaded by shard (model.load_shard with the layout's shard) gets its gathers: every
+-- forward and backward then gathers each part into place over the layout's group (a
+-- collective: every rank runs the same ones), rank 0 writes what m:save writes. Every rank calls
+-- it. layout: M.shard_layout's (a World: its plain layout).
+function M.shard_model(layout, model)
+  if not layout.shards then layout = M.shard_layout(layout) end
   local out = ffi.new('mrl_dist_param_gather *[1]')
-  check(C.mrl_dist_param_gather_create(w.handle, model.n_params, out))
-  model:set_param_gather(ffi.gc(out[0], C.mrl_dist_param_gather_free), w.rank == 0)
+  check(C.mrl_dist_param_gather_create(layout.group.handle, model.n_params, layout.world.size, out))
+  model:set_param_gather(ffi.gc(out[0], C.mrl_dist_param_gather_free), layout.world.rank == 0)
+  model.shard_layout = layout
 end
 
 -- A whole fp32 copy of a sharded model's parameters on every rank (the engine's, which
@@ -239,13 +268,25 @@ end
 -- after an update. copy.buf: n floats (counted as parameters).
 function M.whole_copy(w, model)
   local offset, count = model:shard()
+  local layout = model.shard_layout
   local n = model.n_params
   local buf = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS)
   if buf == nil then moonrl.run_error('the whole copy of a sharded model: ' .. moonrl.last_error()) end
   local copy = { buf = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free), n = n }
+  local gather -- (hybrid sharding: over the group, in its layout)
+  if layout and layout.shards ~= layout.world.size then
+    local out = ffi.new('mrl_dist_param_gather *[1]')
+    check(C.mrl_dist_param_gather_create(layout.group.handle, n, layout.world.size, out))
+    gather = ffi.gc(out[0], C.mrl_dist_param_gather_free)
+  end
   function copy.refresh()
     ffi.copy(copy.buf + offset, model:param_buffer() + offset, 4 * count)
-    check(C.mrl_dist_allgather_shards(w.handle, copy.buf, n, C.MRL_DIST_F32))
+    if gather then
+      check(C.mrl_dist_param_gather_start(gather, copy.buf, 0, n))
+      check(C.mrl_dist_param_gather_wait(gather, copy.buf, 0, n))
+    else
+      check(C.mrl_dist_allgather_shards(w.handle, copy.buf, n, C.MRL_DIST_F32))
+    end
   end
   copy.refresh()
   return copy
@@ -270,6 +311,9 @@ DP.__index = DP
 -- the model's own gradient buffer is never made) or 3 (ZeRO-3: and only its shard of the
 -- parameters: model was loaded by shard, M.shard_model, and nothing is all-gathered after the
 -- step); opts.bucket_mb: gradient bucket size (ZeRO-2 and 3: the reduce-scatter's segment);
+-- opts.shard_group: hybrid sharding (ZeRO-2 and 3): the state sharded within groups of that many
+-- consecutive ranks and replicated across the groups (M.shard_layout), the gradients still
+-- summed over every rank in rank order (the bits of plain data parallel);
 -- opts.gpu_transport: how a GPU model's gradient sums travel (World:gpu_transport).
 function M.data_parallel(w, opt, model, opts)
   opts = opts or {}
@@ -277,6 +321,14 @@ function M.data_parallel(w, opt, model, opts)
   local n = opt.n
   local self = setmetatable({ world = w, full = opt, zero = zero, model = model, params = opt.params, n = n,
     lr = opt.lr, pending = false, sharded = zero >= 1 }, DP)
+  if (opts.shard_group or 0) > 0 and opts.shard_group ~= w.size and zero < 2 then
+    moonrl.usage_error(string.format('dist.shard_group=%d shards the gradients and parameters within groups: it needs '
+      .. 'dist.zero=2 or 3 (dist.zero=%d)', opts.shard_group, zero))
+  end
+  local layout = zero >= 2 and M.shard_layout(w, opts.shard_group) or M.shard_layout(w)
+  self.layout = layout
+  -- the checkpoint's optimizer files: one a shard, written by the first group's ranks
+  self.shard_index, self.shard_count, self.shard_writes = layout.index, layout.shards, layout.replica == 0
   local device = C.mrl_device_of(opt.params)
   if zero >= 2 and not model then error('dist.zero=2: the optimizer must name its model (opt.model)', 2) end
   if device.kind ~= C.MRL_DEVICE_CPU then
@@ -290,7 +342,7 @@ function M.data_parallel(w, opt, model, opts)
     self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
   elseif zero >= 2 then
     local out = ffi.new('mrl_dist_grad_shard *[1]')
-    check(C.mrl_dist_grad_shard_create(w.handle, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), out))
+    check(C.mrl_dist_grad_shard_create(w.handle, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), layout.shards, out))
     self.grad_shard = ffi.gc(out[0], C.mrl_dist_grad_shard_free)
     self.shard_grads = C.mrl_dist_grad_shard_grads(out[0])
     C.mrl_model_set_grad_windows(model.handle, C.mrl_dist_grad_shard_acquire, out[0])
@@ -303,15 +355,23 @@ function M.data_parallel(w, opt, model, opts)
       out))
     self.buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
   end
-  -- the shard bounds of every rank (the gradient norm is summed shard by shard in both modes,
-  -- so ZeRO-1 and plain data parallel clip by the same bits)
+  -- the shard bounds of every rank (the gradient norm is summed over these pieces, one a rank,
+  -- in every mode: ZeRO and plain data parallel clip by the same bits), and this rank's shard of
+  -- the state (the same piece; under hybrid sharding the pieces of its group's shard)
   self.shards = {}
   for r = 0, w.size - 1 do
     local first, last = w:share(n, r)
     self.shards[r + 1] = { offset = first - 1, count = last - first + 1 }
   end
-  local mine = self.shards[w.rank + 1]
+  local o, c = M.layout_shard(layout, n)
+  local mine = { offset = o, count = c }
+  self.per = w.size / layout.shards -- norm pieces a shard holds
   self.offset, self.count = mine.offset, mine.count
+  if zero == 2 and layout.shards ~= w.size then -- (the step's all-gather within the group, in its layout)
+    local out = ffi.new('mrl_dist_param_gather *[1]')
+    check(C.mrl_dist_param_gather_create(layout.group.handle, n, w.size, out))
+    self.group_gather = ffi.gc(out[0], C.mrl_dist_param_gather_free)
+  end
   if zero == 3 then
     local off, cnt = model:shard()
     if off ~= mine.offset or cnt ~= mine.count then
@@ -350,6 +410,17 @@ function M.data_parallel(w, opt, model, opts)
     end
   end
   return self
+end
+
+-- ZeRO-2 and 3: the bytes this rank's gradient reduce-scatters sent and its parameter gathers
+-- received since the last call (the policy's gathers: its forwards too, evaluation and
+-- reference log-probs included).
+function DP:traffic()
+  local sent = self.grad_shard and tonumber(C.mrl_dist_grad_shard_bytes_sent(self.grad_shard)) or 0
+  local gathered = self.model and self.model._gather and tonumber(C.mrl_dist_param_gather_bytes_received(self.model._gather)) or 0
+  local ds, dg = sent - (self.sent_before or 0), gathered - (self.gathered_before or 0)
+  self.sent_before, self.gathered_before = sent, gathered
+  return ds, dg
 end
 
 -- ZeRO-2: the shard's accumulator to zero (a new update).
@@ -395,13 +466,20 @@ function DP:grad_norm()
   local parts = ffi.new('double[?]', w.size)
   local function part(s)
     if s.count <= 0 then return 0 end
-    moonrl.check(C.mrl_grad_norm(s == self.shards[w.rank + 1] and self.shard_grads or self.grads + s.offset, s.count,
-      norm_out), 3)
+    local g = self.zero >= 1 and self.shard_grads + (s.offset - self.offset) or self.grads + s.offset
+    moonrl.check(C.mrl_grad_norm(g, s.count, norm_out), 3)
     return norm_out[0] * norm_out[0]
   end
   if self.zero >= 1 then
-    local mine = ffi.new('double[1]', part(self.shards[w.rank + 1]))
-    check(C.mrl_dist_allgather(w.handle, mine, 8, parts))
+    -- the pieces of this rank's shard (hybrid sharding: several, which the first group's ranks
+    -- give), every rank's in rank order: piece j is rank j // per's slot j % per
+    local per = self.per
+    local mine = ffi.new('double[?]', per)
+    local first = self.layout.index * per
+    for i = 0, per - 1 do mine[i] = part(self.shards[first + i + 1]) end
+    local all = ffi.new('double[?]', w.size * per)
+    check(C.mrl_dist_allgather(w.handle, mine, 8 * per, all))
+    for j = 0, w.size - 1 do parts[j] = all[j] end -- (the first group's ranks' slots are pieces 0 .. size - 1)
   else
     for r = 1, w.size do parts[r - 1] = part(self.shards[r]) end
   end
@@ -433,7 +511,12 @@ function DP:step(lr)
   if self.zero >= 1 then
     if self.count > 0 then self.shard_opt:step(lr) end
     -- (ZeRO-3: each rank's shard is its own, gathered by the model as it computes)
-    if self.zero < 3 then check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32)) end
+    if self.group_gather then
+      check(C.mrl_dist_param_gather_start(self.group_gather, self.params, 0, self.n))
+      check(C.mrl_dist_param_gather_wait(self.group_gather, self.params, 0, self.n))
+    elseif self.zero < 3 then
+      check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32))
+    end
   else
     self.full:step(lr)
   end
@@ -446,7 +529,9 @@ end
 -- shards summed over the ranks; the whole buffer otherwise.
 function DP:param_sum()
   if self.zero < 3 then return require('moonrl.train.ops').sum(self.params, self.n) end
-  local s = self.count > 0 and require('moonrl.train.ops').sum(self.params + self.offset, self.count) or 0
+  -- (hybrid sharding: the first group's shards, which together are the whole)
+  local s = self.count > 0 and self.layout.replica == 0 and require('moonrl.train.ops').sum(self.params + self.offset,
+    self.count) or 0
   return self.world:sum(s)
 end
 

@@ -18,16 +18,17 @@ local M = {}
 
 -- The model, its tokenizer and (when opts.chat and the tokenizer config has one) its chat template.
 -- dir: a Hugging Face directory; opts.tokenizer: another directory for the tokenizer files.
--- opts.shard: a World (moonrl.train.dist) whose ranks shard the parameters (dist.zero=3): each
--- loads its own shard and gathers the rest into place part by part (dist.shard_model).
+-- opts.shard: a layout (moonrl.train.dist's shard_layout) of the ranks that shard the parameters
+-- (dist.zero=3): each loads its own shard and gathers the rest into place part by part
+-- (dist.shard_model).
 function M.load(dir, opts)
   opts = opts or {}
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
   if opts.shard then
-    model = model_mod.load_shard(dir, opts.shard.rank, opts.shard.size, { value_head = opts.value_head })
-    require('moonrl.train.dist').shard_model(opts.shard, model)
-    model.shard_world = opts.shard -- (a critic made from it shards the same way)
+    local L = opts.shard
+    model = model_mod.load_shard(dir, L.world.size, L.shards, L.index, { value_head = opts.value_head })
+    require('moonrl.train.dist').shard_model(L, model) -- (model.shard_layout: a critic made from it shards so too)
   else
     model = model_mod.load(dir)
   end
@@ -69,7 +70,7 @@ end
 -- the first value estimates are 0.
 function M.critic_from(policy)
   if policy:shard() then -- sharded: each rank loads its shard of the critic from the policy's files
-    local critic = M.load(policy.source_dir, { shard = policy.shard_world, value_head = true })
+    local critic = M.load(policy.source_dir, { shard = policy.shard_layout, value_head = true })
     local off, cnt = critic:shard()
     for _, v in ipairs(critic:views()) do -- the value head starts at zero (its part in this shard)
       local a, b = math.max(v.offset, off), math.min(v.offset + v.numel, off + cnt)

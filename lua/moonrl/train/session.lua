@@ -66,7 +66,7 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
-  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.bucket_mb', 'run.progress',
+  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.shard_group', 'dist.bucket_mb', 'run.progress',
   'run.progress_seconds', 'run.memory_budget_mb', 'run.max_shard_gb' }
 
 -- ---- start --------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ function M.start(cfg, opts)
   end
   local engine_copy
   if engine and policy:shard() then -- the engine generates alone: a whole copy of its own, refreshed after each update
-    engine_copy = dist.whole_copy(shard, policy)
+    engine_copy = dist.whole_copy(shard.world, policy)
     engine:attach_params(engine_copy.buf, engine_copy.n)
   end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
@@ -172,8 +172,8 @@ function M.start(cfg, opts)
 end
 
 
--- dist.zero=3 on several ranks: the World whose ranks shard the policy's parameters (nil: whole).
--- What sharded parameters do not do yet is a usage error naming the key.
+-- dist.zero=3 on several ranks: the layout (dist.shard_layout) of the ranks that shard the
+-- policy's parameters (nil: whole). What sharded parameters do not do yet is a usage error naming the key.
 function M.shard_world(cfg, device)
   if not (cfg.dist and cfg.dist.zero == 3) then return nil end
   local w = dist.world(cfg.dist.timeout)
@@ -185,7 +185,7 @@ function M.shard_world(cfg, device)
   end
   if cfg.async and cfg.async.engine_threads and cfg.async.engine_threads > 0 then no('async.engine_threads:') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only for now):') end
-  return w
+  return dist.shard_layout(w, cfg.dist.shard_group)
 end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
@@ -396,7 +396,7 @@ function Session:optimizer(name, opt)
   if not (self.world.size > 1 and opt.model) and opt.create then opt:create() end
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
-      gpu_transport = self.cfg.dist.gpu_transport })
+      gpu_transport = self.cfg.dist.gpu_transport, shard_group = self.cfg.dist.shard_group })
     if opt.model == self.policy and self.engine_copy then -- the engine's whole copy follows each update
       local copy, engine = self.engine_copy, self.engine
       opt.after_step[#opt.after_step + 1] = function()
@@ -749,6 +749,19 @@ function Session:log(m, opts)
     local o = self.optimizers[1].opt
     m.dist = m.dist or { buckets = o.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(o.buckets)) or 0,
       buckets_overlapped = o.overlapped }
+    if (o.zero or 0) >= 2 then -- ZeRO-2 and 3: what this rank moved since the last step's line (MB, 10^6 bytes)
+      local sent, gathered = o:traffic()
+      m.dist.reduce_scatter_mb, m.dist.gather_mb = sent / 1e6, gathered / 1e6
+    end
+  end
+  if self.policy and self.policy:shard() then -- where a sharded policy's memory goes (MiB)
+    local _, cnt = self.policy:shard()
+    local peak = ffi.new('int64_t[1]')
+    moonrl.C.mrl_model_gathered_bytes(self.policy.handle, peak)
+    m.memory = m.memory or {}
+    m.memory.params_shard_mb = 4 * cnt / 2 ^ 20
+    m.memory.params_gathered_peak_mb = tonumber(peak[0]) / 2 ^ 20
+    if self.engine_copy then m.memory.engine_copy_mb = 4 * self.engine_copy.n / 2 ^ 20 end
   end
   local p = self.progress
   if p and not (opts and opts.quiet) then p:clear() end -- the step line prints above the live line

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Sharded training state (dist.zero, dist.shard_group): the SFT recipe on bench/models.json's SIZE
+# model (default 100m: a Llama of ~100M parameters, the digit tokenizer) with the same global
+# batch, run as
+#   step    2 ranks x 1 thread (shared memory): dist.zero=0, 1, 2 and 3, STEPS steps each (the first
+#           not counted), median time/step; each ZeRO-2/3 step's bytes this rank moved
+#           (dist/reduce_scatter_mb, dist/gather_mb) against the theory: (N-1)/N of the parameters'
+#           bytes for the gradients, twice that for ZeRO-3's gathers (forward and backward)
+#   memory  1 process against RANKS ranks with dist.zero=3: rank 0's training state (parameters,
+#           gradients and optimizer state: memory/params_mb + grads_mb + optim_mb) and the largest
+#           rank's resident peak (memory/max_rank_peak_mb)
+#   load    bench/dist/zero_load.lua: the model's shards read by 1 and by RANKS ranks at once
+#           (model.load_shard), each rank's bytes/s, against one process reading it whole
+# The step runs alternate for ROUNDS rounds; each keeps its best round (lowest median step).
+#
+#   bench/dist/zero.sh [build/moonrl]
+#   env: SIZE=100m STEPS=6 ROUNDS=2 RANKS=4 BATCH=8 BTL=vader PYTHON=/usr/bin/python3
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+MOONRL=${1:-build/moonrl}
+SIZE=${SIZE:-100m} STEPS=${STEPS:-6} ROUNDS=${ROUNDS:-2} RANKS=${RANKS:-4} BATCH=${BATCH:-8} BTL=${BTL:-vader}
+PYTHON=${PYTHON:-/usr/bin/python3}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$MOONRL" run bench/make_model.lua preset="$SIZE" out="$dir/model"
+"$PYTHON" -c "
+import json
+with open('$dir/data.jsonl', 'w') as f:
+    for i in range(1, 201):
+        f.write(json.dumps({'prompt': f'{10 + i}+{30 + 2 * i}=', 'response': str(40 + 3 * i)}) + '\n')
+"
+words=(model.dir="$dir/model" data.path="$dir/data.jsonl" data.chat=false data.eval_fraction=0 train.steps="$STEPS"
+  train.batch="$BATCH" train.lr=1e-5 train.micro_batch_tokens=8192 run.checkpoint_minutes=0 quiet=true)
+echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(getconf _NPROCESSORS_ONLN) cores; load $(cut -d' ' -f1-3 /proc/loadavg); $(mpirun --version | head -1)"
+echo "settings: $SIZE model, SFT, $BATCH examples a step, $STEPS steps (first not counted), 2 ranks x 1 thread for the steps"
+run() { # name, ranks, extra words...
+  local name=$1 n=$2
+  shift 2
+  local rd="$dir/$name.$r"
+  if [ "$n" = 1 ]; then
+    MOONRL_THREADS=1 "$MOONRL" run recipes/sft.lua "${words[@]}" run.threads=1 run.dir="$rd" "$@" > "$rd.log" 2>&1
+  else
+    "$MOONRL" launch -n "$n" --mpirun "--mca btl $BTL,self" recipes/sft.lua "${words[@]}" run.threads=1 \
+      run.dir="$rd" "$@" > "$rd.log" 2>&1
+  fi || { cat "$rd.log" >&2; exit 1; }
+  echo "{\"name\": \"$name\", \"ranks\": $n, \"metrics\": \"$rd/metrics.jsonl\"}" >> "$dir/runs.jsonl"
+}
+for r in $(seq "$ROUNDS"); do
+  for z in 0 1 2 3; do run "zero=$z" 2 dist.zero=$z; done
+  echo "round $r done (load $(cut -d' ' -f1 /proc/loadavg))"
+done
+r=mem
+run "memory 1 process" 1 train.steps=2
+run "memory $RANKS ranks zero=3" "$RANKS" dist.zero=3 train.steps=2
+"$MOONRL" run bench/dist/zero_load.lua dir="$dir/model" > "$dir/load1.jsonl"
+"$MOONRL" launch -n "$RANKS" --mpirun "--mca btl $BTL,self" bench/dist/zero_load.lua dir="$dir/model" > "$dir/loadN.jsonl"
+"$PYTHON" - "$dir" "$RANKS" <<'PY'
+import json, sys
+d, ranks = sys.argv[1], int(sys.argv[2])
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+runs = {}
+for line in open(d + "/runs.jsonl"):
+    x = json.loads(line)
+    st = [json.loads(l) for l in open(x["metrics"])]
+    runs.setdefault(x["name"], []).append((x, st))
+steps = {}
+for name, rs in runs.items():
+    if name.startswith("memory"):
+        continue
+    best = min(rs, key=lambda r: median([s["time/step"] for s in r[1][1:]]))
+    steps[name] = best
+base = median([s["time/step"] for s in steps["zero=0"][1][1:]])
+print("| run (2 ranks x 1 thread) | step (median) | vs zero=0 | this rank's bytes a step: reduce-scatter, gather | rounds (median step, s) |")
+print("|---|---|---|---|---|")
+for name in ("zero=0", "zero=1", "zero=2", "zero=3"):
+    x, st = steps[name]
+    t = median([s["time/step"] for s in st[1:]])
+    rs = median([s.get("dist/reduce_scatter_mb", 0) for s in st[1:]])
+    ga = median([s.get("dist/gather_mb", 0) for s in st[1:]])
+    rounds = ", ".join(f"{median([s['time/step'] for s in r[1][1:]]):.3f}" for r in runs[name])
+    moved = f"{rs:.1f} MB, {ga:.1f} MB" if rs or ga else "-"
+    print(f"| {name} | {t:.3f} s | {base / t:.2f}x | {moved} | {rounds} |")
+ev = None
+for line in open(runs["zero=3"][0][0]["metrics"].rsplit("/", 1)[0] + "/events.jsonl"):
+    e = json.loads(line)
+    if e.get("event") == "data_parallel":
+        ev = e
+n = ev["state_bytes"] / 8
+x, st = steps["zero=3"]
+rs, ga = median([s["dist/reduce_scatter_mb"] for s in st[1:]]), median([s["dist/gather_mb"] for s in st[1:]])
+theory = 4 * n / 2 / 1e6  # (N-1)/N of the parameters' bytes, N = 2
+print(f"zero=3: {n / 1e6:.1f}M parameters; bytes a rank moved a step {rs + ga:.1f} MB against the theoretical "
+      f"3 x (N-1)/N x {4 * n / 1e6:.1f} MB = {3 * theory:.1f} MB ({(rs + ga) / (3 * theory):.2f}x)")
+def state(s):
+    return s["memory/params_mb"] + s["memory/grads_mb"] + s["memory/optim_mb"]
+one = runs["memory 1 process"][0][1][-1]
+many = runs[f"memory {ranks} ranks zero=3"][0][1][-1]
+print(f"training state a rank: 1 process {state(one):.1f} MiB, {ranks} ranks with zero=3 {state(many):.1f} MiB "
+      f"({state(many) / state(one):.2f}x); peak resident: 1 process {one['memory/rss_peak_mb']:.1f} MiB, the largest "
+      f"of {ranks} ranks {many['memory/max_rank_peak_mb']:.1f} MiB")
+l1 = [json.loads(l) for l in open(d + "/load1.jsonl")]
+ln = [json.loads(l) for l in open(d + "/loadN.jsonl")]
+whole = l1[0]["whole_bytes"] / l1[0]["whole_s"]
+shard1 = l1[0]["shard_bytes"] / l1[0]["shard_s"]
+agg = sum(x["shard_bytes"] for x in ln) / max(x["shard_s"] for x in ln)
+print(f"loading: one process reads the whole model at {whole / 1e9:.2f} GB/s (its one shard: {shard1 / 1e9:.2f} GB/s); "
+      f"{ranks} ranks read their shards at once at {agg / 1e9:.2f} GB/s together, {agg / (ranks * shard1):.2f}x of "
+      f"{ranks} x one rank's rate")
+PY
