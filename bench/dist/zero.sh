@@ -9,16 +9,18 @@
 #   memory  1 process against RANKS ranks with dist.zero=3: rank 0's training state (parameters,
 #           gradients and optimizer state: memory/params_mb + grads_mb + optim_mb) and the largest
 #           rank's resident peak (memory/max_rank_peak_mb)
-#   load    bench/dist/zero_load.lua: the model's shards read by 1 and by RANKS ranks at once
-#           (model.load_shard), each rank's bytes/s, against one process reading it whole
+#   load    bench/dist/zero_load.lua: the model's shards read by 1 and by LOAD_RANKS ranks at once
+#           (model.load_shard; LOAD_RANKS = the cores, so that the ranks do not share one), the
+#           best of 3 reads each, against one process reading it whole
 # The step runs alternate for ROUNDS rounds; each keeps its best round (lowest median step).
 #
 #   bench/dist/zero.sh [build/moonrl]
-#   env: SIZE=100m STEPS=6 ROUNDS=2 RANKS=4 BATCH=8 BTL=vader PYTHON=/usr/bin/python3
+#   env: SIZE=100m STEPS=6 ROUNDS=2 RANKS=4 LOAD_RANKS=(cores) BATCH=8 BTL=vader PYTHON=/usr/bin/python3
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MOONRL=${1:-build/moonrl}
 SIZE=${SIZE:-100m} STEPS=${STEPS:-6} ROUNDS=${ROUNDS:-2} RANKS=${RANKS:-4} BATCH=${BATCH:-8} BTL=${BTL:-vader}
+LOAD_RANKS=${LOAD_RANKS:-$(getconf _NPROCESSORS_ONLN)}
 PYTHON=${PYTHON:-/usr/bin/python3}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -53,10 +55,10 @@ r=mem
 run "memory 1 process" 1 train.steps=2
 run "memory $RANKS ranks zero=3" "$RANKS" dist.zero=3 train.steps=2
 "$MOONRL" run bench/dist/zero_load.lua dir="$dir/model" > "$dir/load1.jsonl"
-"$MOONRL" launch -n "$RANKS" --mpirun "--mca btl $BTL,self" bench/dist/zero_load.lua dir="$dir/model" > "$dir/loadN.jsonl"
-"$PYTHON" - "$dir" "$RANKS" <<'PY'
+"$MOONRL" launch -n "$LOAD_RANKS" --mpirun "--mca btl $BTL,self" bench/dist/zero_load.lua dir="$dir/model" > "$dir/loadN.jsonl"
+"$PYTHON" - "$dir" "$RANKS" "$LOAD_RANKS" <<'PY'
 import json, sys
-d, ranks = sys.argv[1], int(sys.argv[2])
+d, ranks, load_ranks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def median(v):
     v = sorted(v)
     n = len(v)
@@ -106,7 +108,7 @@ ln = [json.loads(l) for l in open(d + "/loadN.jsonl")]
 whole = l1[0]["whole_bytes"] / l1[0]["whole_s"]
 shard1 = l1[0]["shard_bytes"] / l1[0]["shard_s"]
 agg = sum(x["shard_bytes"] for x in ln) / max(x["shard_s"] for x in ln)
-print(f"loading: one process reads the whole model at {whole / 1e9:.2f} GB/s (its one shard: {shard1 / 1e9:.2f} GB/s); "
-      f"{ranks} ranks read their shards at once at {agg / 1e9:.2f} GB/s together, {agg / (ranks * shard1):.2f}x of "
-      f"{ranks} x one rank's rate")
+print(f"loading: one process reads the whole model at {whole / 1e9:.2f} GB/s (as its one shard: {shard1 / 1e9:.2f} GB/s); "
+      f"{load_ranks} ranks read their shards at once at {agg / 1e9:.2f} GB/s together, {agg / (load_ranks * shard1):.2f}x of "
+      f"{load_ranks} x one rank's rate")
 PY

@@ -169,6 +169,27 @@ int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g) { return 
 int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g) { return g->window_peak; }
 int64_t mrl_dist_grad_shard_bytes_sent(const mrl_dist_grad_shard *g) { return g->sent; }
 
+void mrl_dist_grad_shard_trim(mrl_dist_grad_shard *g) {
+    int busy = 0;
+    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
+    if (busy || g->q_len) return; /* (only between rounds) */
+    int kept = 0;
+    for (int i = 0; i < g->n_wins; i++) {
+        if (g->wins[i].lent) {
+            g->wins[kept++] = g->wins[i];
+            continue;
+        }
+        g->window_bytes -= (int64_t)sizeof(float) * g->wins[i].cap;
+        mrl_mem_free(g->wins[i].buf);
+    }
+    g->n_wins = kept;
+    for (int i = 0; i < DEPTH; i++) {
+        mrl_mem_free(g->slots[i].scratch);
+        g->slots[i].scratch = NULL;
+        g->slots[i].scratch_n = 0;
+    }
+}
+
 void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g) {
     memset(g->acc, 0, sizeof(float) * (size_t)g->count);
 }

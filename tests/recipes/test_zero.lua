@@ -132,7 +132,11 @@ t.test('zero=2 on 2 ranks: no whole gradient buffer; the shard, windows and scra
     print(string.format('  step %d rank 0 gradients: plain %.2f MiB, zero=2 %.2f MiB (the whole: %.2f MiB)', i, p, z,
       whole_mb))
     t.truthy(p >= whole_mb - 0.01, 'plain data parallel holds the whole gradient')
-    t.truthy(z <= 0.75 * p, string.format('step %d: zero=2 holds its half and the windows: %.2f MiB of %.2f', i, z, p))
+    t.truthy(z <= 0.51 * p, string.format('step %d: zero=2 holds its half after the step: %.2f MiB of %.2f', i, z, p))
+    -- during the backward, the windows of a few layers (a layer is 1/16 of the model here)
+    local win = zm[i]['memory/grads_windows_peak_mb']
+    print(string.format('  step %d zero=2: the windows held at most %.2f MiB at once', i, win))
+    t.truthy(win > 0 and win <= 4 * whole_mb / 16, 'a few layers\' windows at once')
     t.truthy(zm[i]['memory/peak_mb'] <= pm[i]['memory/peak_mb'] - whole_mb / 4,
       string.format('step %d: the peak falls with it: %.2f MiB against %.2f', i, zm[i]['memory/peak_mb'],
         pm[i]['memory/peak_mb']))

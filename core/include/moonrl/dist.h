@@ -194,6 +194,9 @@ float *mrl_dist_grad_shard_acquire(void *g, int64_t offset, int64_t count);
 void mrl_dist_grad_shard_ready(void *g, int64_t offset, int64_t count);
 mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g);
 void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g);
+/* The pool's windows and the scratch given back (between updates: the optimizer step does not
+ * need them, and a head's window alone may be as large as a tenth of a model). */
+void mrl_dist_grad_shard_trim(mrl_dist_grad_shard *g);
 float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g);
 int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g);
 int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g);

@@ -508,6 +508,7 @@ end
 
 function DP:step(lr)
   self:sync()
+  if self.grad_shard then C.mrl_dist_grad_shard_trim(self.grad_shard) end -- (the windows: until the next backward)
   if self.zero >= 1 then
     if self.count > 0 then self.shard_opt:step(lr) end
     -- (ZeRO-3: each rank's shard is its own, gathered by the model as it computes)

@@ -752,6 +752,9 @@ function Session:log(m, opts)
     if (o.zero or 0) >= 2 then -- ZeRO-2 and 3: what this rank moved since the last step's line (MB, 10^6 bytes)
       local sent, gathered = o:traffic()
       m.dist.reduce_scatter_mb, m.dist.gather_mb = sent / 1e6, gathered / 1e6
+      -- and the most the backward's gradient windows held at once (MiB), given back at the step
+      m.memory = m.memory or {}
+      m.memory.grads_windows_peak_mb = tonumber(moonrl.C.mrl_dist_grad_shard_window_peak(o.grad_shard)) / 2 ^ 20
     end
   end
   if self.policy and self.policy:shard() then -- where a sharded policy's memory goes (MiB)
