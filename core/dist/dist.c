@@ -759,6 +759,44 @@ mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send
     return mrl_dist_wait_req(d, e, req, "MPI_Ialltoallv");
 }
 
+mrl_status mrl_dist_send_pieces(mrl_dist *d, const void *send, int64_t count, const uint8_t *to, void *recv,
+                                const int64_t *recv_counts, int64_t unit) {
+    if (!to || count < 0 || unit < 1 || (count > 0 && !send))
+        return mrl_set_error(MRL_ERR_INVALID, "dist: send_pieces: %lld units from %p, to %p, unit %lld", (long long)count,
+                             send, (const void *)to, (long long)unit);
+    int64_t nr = 0;
+    if (to[d->rank]) {
+        if (!recv_counts) return mrl_set_error(MRL_ERR_INVALID, "dist: send_pieces: a receiver without its counts");
+        for (int r = 0; r < d->size; r++) {
+            if (recv_counts[r] < 0) return mrl_set_error(MRL_ERR_INVALID, "dist: send_pieces: a negative count for rank %d", r);
+            nr += recv_counts[r];
+        }
+        if (nr > 0 && !recv) return mrl_set_error(MRL_ERR_INVALID, "dist: send_pieces: %lld units into NULL", (long long)nr);
+        if (recv_counts[d->rank] != (to[d->rank] ? count : 0))
+            return mrl_set_error(MRL_ERR_INVALID, "dist: send_pieces: rank %d expects %lld units of itself, sends %lld",
+                                 d->rank, (long long)recv_counts[d->rank], (long long)count);
+    }
+    mrl_status st = mrl_dist_begin(d, "send_pieces");
+    if (st) return st;
+    if (d->size == 1) {
+        if (to[0] && count) memmove(recv, send, (size_t)(count * unit));
+        return MRL_OK;
+    }
+    /* one all-to-all-v: the same piece (displacement 0) to every receiver */
+    int64_t *sc = d->tmp, *sd = sc + d->size, *rc = sd + d->size, *rd = rc + d->size, ro = 0;
+    for (int r = 0; r < d->size; r++) {
+        sc[r] = to[r] ? count : 0;
+        sd[r] = 0;
+        rc[r] = to[d->rank] ? recv_counts[r] : 0;
+        rd[r] = ro;
+        ro += rc[r];
+    }
+    static char none;
+    void *req = NULL;
+    int e = d->be->ialltoallv(d->coll, count ? send : &none, sc, sd, nr ? recv : &none, rc, rd, unit, &req);
+    return mrl_dist_wait_req(d, e, req, "MPI_Ialltoallv");
+}
+
 mrl_status mrl_dist_allgather_blobs(mrl_dist *d, const void *data, int64_t bytes, const uint8_t **out_data,
                                     const int64_t **out_offsets) {
     *out_data = NULL;

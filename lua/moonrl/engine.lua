@@ -505,9 +505,18 @@ function Engine:release(id) moonrl.check(C.mrl_engine_release(self.handle, id), 
 function Engine:num_unfinished() return tonumber(C.mrl_engine_num_unfinished(self.handle)) end
 
 -- Use another parameter buffer with the model's layout (float cdata of
--- model.n_params), e.g. one that receives weights by broadcast; nil: the model's own.
+-- model.n_params), e.g. one that receives weights by broadcast; nil: the engine's home buffer
+-- (set_home; else the model's own).
 function Engine:attach_params(buf, n)
+  if buf == nil then buf, n = self.home, self.home_n end
   moonrl.check(C.mrl_engine_attach_params(self.handle, buf, buf and (n or self.model.n_params) or 0), 2)
+end
+
+-- The buffer the engine reads when no other is attached (a sharded model's whole copy: the
+-- model's own buffer holds only a shard); attached now.
+function Engine:set_home(buf, n)
+  self.home, self.home_n = buf, n
+  self:attach_params(buf, n)
 end
 
 -- In-flight weight update: see the top of the file. The engine reads buf in place: keep it referenced.
@@ -525,7 +534,7 @@ function Engine:use_weights(w)
       local old = self.weights
       self.weights = nil
       moonrl.check(C.mrl_engine_follow(h, nil, 0), 2)
-      moonrl.check(C.mrl_engine_attach_params(h, nil, 0), 2) -- before the store's slot is let go
+      self:attach_params(nil) -- (its home buffer) before the store's slot is let go
       C.mrl_weight_store_release(old.store, old.reader)
     end
     return

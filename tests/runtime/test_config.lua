@@ -140,7 +140,7 @@ t.test('every number is checked against its range, defaults and overrides alike'
       { 'guard.max_skips=-1', "'guard.max_skips' must be >= 0, got -1" },
       { 'guard.window=0', "'guard.window' must be >= 1, got 0" },
       { 'guard.lr_factor=2', "'guard.lr_factor' must be in (0, 1], got 2" },
-      { 'dist.zero=2', "'dist.zero' must be 0 or 1, got 2" },
+      { 'dist.zero=4', "'dist.zero' must be in 0..3, got 4" }, { 'dist.shard_group=-1', "'dist.shard_group' must be >= 0, got -1" },
       { 'dist.bucket_mb=0', "'dist.bucket_mb' must be > 0, got 0" } }) do
     t.eq(usage_msg(function() merge({ c[1] }) end), 'config key ' .. c[2])
   end

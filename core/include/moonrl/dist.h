@@ -127,6 +127,13 @@ mrl_status mrl_dist_allgather_shards(mrl_dist *d, void *buf, int64_t count, int 
  * them first, e.g. with mrl_dist_allgather. */
 mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send_counts, void *recv,
                               const int64_t *recv_counts, int64_t unit);
+/* One piece from every rank to a set of ranks (ZeRO-3's trainers sending their shards of the
+ * weights to the rollout ranks): each rank sends its `count` units of send (maybe none) to every
+ * rank q with to[q] set; a rank with to[rank] set receives recv_counts[q] units from each rank
+ * q, in rank order, into recv (its own count too, which must be what it sends itself). Every
+ * rank calls it with the same `to`. */
+mrl_status mrl_dist_send_pieces(mrl_dist *d, const void *send, int64_t count, const uint8_t *to, void *recv,
+                                const int64_t *recv_counts, int64_t unit);
 /* Variable-size byte blobs (samples, metrics; up to 1 GiB in all): every rank gives `bytes`
  * bytes; *out_data gets them all concatenated in rank order and
  * *out_offsets size + 1 offsets into it (rank r's blob is

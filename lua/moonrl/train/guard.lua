@@ -228,9 +228,10 @@ function GS:rollback()
   local skips = self.skips
   self:restore(dir, saved.state, { keep_data = g.skip_batch })
   self.rollbacks, self.lr_scale, self.skips = rollbacks, lr_scale, skips
-  local mpath = self.run.dir .. '/metrics.jsonl'
-  self.run.metrics:flush()
-  fs.truncate(mpath, saved.state.metrics_bytes)
+  if self.run.metrics then -- (rank 0's: the other ranks of a job keep no metrics file)
+    self.run.metrics:flush()
+    fs.truncate(self.run.dir .. '/metrics.jsonl', saved.state.metrics_bytes)
+  end
   why.to_step, why.rollbacks, why.lr_scale = saved.state.step, rollbacks, lr_scale
   self:event('rollback', why)
   if self.rollouts then self.rollouts:rollback() end -- the batches generated since go too

@@ -51,6 +51,7 @@ local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
 local C = moonrl.C
 local sections = require('moonrl.train.sections')
+local dist = require('moonrl.train.dist')
 
 local M = {}
 
@@ -185,7 +186,11 @@ M.Rollouts = Rollouts
 -- S: the session; fn(step) -> samples, info: one rollout; opts.engine: the engine it generates
 -- with (default S.engine), which shared-memory weights, in-flight updates and the engine thread drive.
 function M.new(S, fn, opts)
-  return setmetatable({ S = S, rollout_fn = fn, rollout_engine = opts and opts.engine or S.engine }, Rollouts)
+  local cfg = S.cfg
+  return setmetatable({ S = S, rollout_fn = fn, rollout_engine = opts and opts.engine or S.engine,
+    -- trainers whose policy is sharded (dist.zero=3) send the rollout ranks their shards
+    -- themselves (deliver_shards), every trainer in it: no rank holds the weights whole
+    shard_delivery = cfg.dist and cfg.dist.zero == 3 and (cfg.dist.rollout_ranks or 0) > 0 }, Rollouts)
 end
 
 -- The step's async metrics: staleness, queue, waits, the weight publication.
@@ -235,9 +240,49 @@ local function free_store(st)
   C.mrl_weight_store_free(st)
 end
 
+-- The whole weights this process has: the policy's buffer, or a sharded policy's whole copy
+-- (the engine's, all-gathered after each update).
+local function whole_weights(S)
+  if S.engine_copy then return S.engine_copy.buf, S.engine_copy.n end
+  return S.policy:params()
+end
+
+-- ZeRO-3 with rollout ranks: every trainer sends its shard of the weights to every rollout rank
+-- (one all-to-all-v over the job's ranks: mrl_dist_send_pieces; under hybrid sharding the first
+-- group's trainers), straight into the rollout ranks' policies. Every rank of the job calls it.
+local function deliver_shards(self)
+  local job = dist.world()
+  local cfg = self.S.cfg
+  local R = cfg.dist.rollout_ranks
+  local T = job.size - R -- the trainers: ranks 0 .. T - 1
+  local K = (cfg.dist.shard_group or 0) > 0 and cfg.dist.shard_group or T
+  local n = self.S.policy.n_params
+  local to, counts = ffi.new('uint8_t[?]', job.size), ffi.new('int64_t[?]', job.size)
+  local off, cnt = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  for q = 0, job.size - 1 do
+    to[q] = q >= T and 1 or 0
+    if q < T and math.floor(q / K) == 0 then
+      C.mrl_dist_group_shard(n, T, K, q % K, off, cnt)
+      counts[q] = cnt[0]
+    end
+  end
+  local t0 = moonrl.now()
+  local send, count, recv = nil, 0, nil
+  if job.rank < T then
+    local o, c = self.S.policy:shard()
+    if counts[job.rank] > 0 then send, count = self.S.policy:param_buffer() + o, c end
+  else
+    recv = self.S.policy:params()
+  end
+  moonrl.check(C.mrl_dist_send_pieces(job.handle, send, count, to, recv, counts, 4), 2)
+  if recv ~= nil then self.S.policy:weights_changed() end
+  local secs = moonrl.now() - t0
+  return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
+end
+
 local function publish_store(self, st, v)
   local t0 = moonrl.now()
-  local p, n = self.S.policy:params()
+  local p, n = whole_weights(self.S)
   moonrl.check(C.mrl_weight_store_publish(st, p, store_version(self, v), 0), 2)
   local secs = moonrl.now() - t0
   return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
@@ -251,7 +296,7 @@ local function setup_store(self)
   local a = self.S.cfg.async
   if self.store_checked then return end
   self.store_checked = true
-  if a.weights == 'mpi' or not self.rollout_engine then return end -- (no engine to read it: by MPI)
+  if a.weights == 'mpi' or not self.rollout_engine or self.shard_delivery then return end -- (no engine to read it, or the trainers' shards: by MPI)
   local n, name = self.S.policy.n_params, ''
   if self.S.role ~= 'rollout' then
     store_count = store_count + 1
@@ -454,16 +499,24 @@ end
 -- when a batch still to come needs them. The header says whether to stop, to roll back (the
 -- trainers go back to a checkpoint: Rollouts:rollback), or that the phase is done (its last step).
 function Rollouts:publish(v, flags)
-  if not self.S.link then return end
+  if not self.S.link and not self.shard_delivery then return end
   local L, T = sections.lag(self.S.cfg), self.S.run.total
   -- the weights go when a batch still to come can use them: batch j is started with version
   -- j - 1 - lag; streamed, every batch after v takes v up while it is generated
   local weights = (self.S.cfg.async.stream and v < T or v + L + 1 <= T) and not flags.stop and not flags.rollback
+  if not self.S.link then -- a trainer of a sharded policy without the link: its shard, with the others
+    if weights then deliver_shards(self) end
+    return
+  end
   if weights and self.store and not flags.published then self.publish_info = publish_store(self, self.store, v) end
   local t0 = moonrl.now()
   self.S.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
     'done', v >= T, 'weights', weights })), 0)
   if not weights or self.store then return end
+  if self.shard_delivery then
+    self.publish_info = deliver_shards(self)
+    return
+  end
   local p, n = self.S.policy:params()
   self.S.link:broadcast(p, 4 * n, 0)
   local secs = moonrl.now() - t0
@@ -478,7 +531,7 @@ function Rollouts:rollback()
   next_epoch(self)
   local fresh = self.S.cfg.guard.skip_batch
   if fresh then self.pending, self.S.extra.pending = {}, nil else self.pending = nil end
-  if self.S.link then self:sync_weights({ fresh = fresh }) end
+  if self.S.link or self.shard_delivery then self:sync_weights({ fresh = fresh }) end
 end
 
 -- Trainer rank 0's weights, data positions, generators and step to every rollout rank (the
@@ -488,7 +541,10 @@ end
 -- take (an SFT warm-up may last hours): a trainer that dies meanwhile ends the job through the
 -- launcher; every wait after this one has dist.timeout again.
 function Rollouts:sync_weights(opts)
-  if not self.S.link then return nil end
+  if not self.S.link then -- a trainer of a sharded policy without the link: its shard, with the others
+    if self.shard_delivery then deliver_shards(self) end
+    return nil
+  end
   self.want = nil
   local rollout = self.S.role == 'rollout'
   if rollout then self.S.link:set_timeout(0) end
@@ -500,12 +556,16 @@ function Rollouts:sync_weights(opts)
   if not self.store_checked then -- the first phase start: how the weights will go
     setup_store(self)
     if not rollout then
-      self.S:event('rollout_weights', { via = self.store and 'shared memory' or 'mpi', rollout_ranks = self.S.link.size - 1 },
-        { quiet = true })
+      self.S:event('rollout_weights', { via = self.store and 'shared memory' or self.shard_delivery and 'trainer shards' or 'mpi',
+        rollout_ranks = self.S.link.size - 1 }, { quiet = true })
     end
   end
-  local p, n = self.S.policy:params()
-  self.S.link:broadcast(p, 4 * n, 0)
+  if self.shard_delivery then
+    deliver_shards(self)
+  else
+    local p, n = self.S.policy:params()
+    self.S.link:broadcast(p, 4 * n, 0)
+  end
   if not rollout then return nil end
   head = json.decode(head, 'phase start')
   self.S:restore_positions(head.positions)
@@ -524,7 +584,7 @@ function Rollouts:begin()
       'S:rollout(fn, { engine = e }) (or S.engine)')
   end
   next_epoch(self)
-  if self.S.link then self:sync_weights() end
+  if self.S.link or self.shard_delivery then self:sync_weights() end
 end
 
 -- The header trainer rank 0 sends after each of its steps (Rollouts:publish), and the weights with it.
@@ -533,6 +593,8 @@ local function receive_header(self)
   if head.weights then
     if self.store then
       self.want = store_version(self, head.version) -- in the store: the engine takes it at the batch's start
+    elseif self.shard_delivery then
+      deliver_shards(self)
     else
       local p, n = self.S.policy:params()
       self.S.link:broadcast(p, 4 * n, 0)

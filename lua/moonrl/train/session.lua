@@ -126,7 +126,7 @@ function M.start(cfg, opts)
   local engine_copy
   if engine and policy:shard() then -- the engine generates alone: a whole copy of its own, refreshed after each update
     engine_copy = dist.whole_copy(shard.world, policy)
-    engine:attach_params(engine_copy.buf, engine_copy.n)
+    engine:set_home(engine_copy.buf, engine_copy.n)
   end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
     require('moonrl.registry').plugin('reward', 'reward_model').register('reward_model', cfg.reward_model.dir)
@@ -179,12 +179,18 @@ function M.shard_world(cfg, device)
   local w = dist.world(cfg.dist.timeout)
   if w.size == 1 then return nil end -- one process: nothing to shard
   local function no(what) moonrl.usage_error('dist.zero=3 (sharded parameters): ' .. what .. ' not yet') end
-  if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks (rollout ranks receive whole weights):') end
-  if cfg.async and cfg.async.mode ~= 'sync' then
-    no('async.mode=' .. tostring(cfg.async.mode) .. ' (the rollout thread reads whole weights):')
-  end
-  if cfg.async and cfg.async.engine_threads and cfg.async.engine_threads > 0 then no('async.engine_threads:') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only for now):') end
+  if (cfg.dist.rollout_ranks or 0) > 0 then
+    -- the trainers shard among themselves and send their shards to the rollout ranks over MPI
+    -- (rollout.lua's deliver_shards), which hold the policy whole
+    if cfg.async and cfg.async.partial == 'continue' then
+      no('async.partial=continue with rollout ranks (the weights go through the shared-memory store):')
+    end
+    if cfg.async and cfg.async.weights == 'shm' then no('async.weights=shm (the trainers send their shards by MPI):') end
+    local g = M.groups(w, cfg)
+    if g.role == 'rollout' then return nil end
+    w = g.world
+  end
   return dist.shard_layout(w, cfg.dist.shard_group)
 end
 
@@ -320,14 +326,17 @@ end
 -- With dist.rollout_ranks = R > 0 the last R ranks of the job only generate and score (role
 -- 'rollout'), the others train (role 'train'); each group has its communicator (S.world), and
 -- trainer rank 0 and the rollout ranks share S.link (weights one way, batches the other).
+local made_groups -- (once a job: a sharded policy's loading asks for them before M.open)
 function M.groups(world, cfg)
+  if made_groups then return made_groups end
   local R = cfg.dist and cfg.dist.rollout_ranks or 0
   if R == 0 then return { world = world, role = 'train' } end
   if not cfg.async then moonrl.usage_error('dist.rollout_ranks: this recipe has no rollout to hand to rollout ranks') end
   local rollout = world.rank >= world.size - R
   local group = world:split(rollout and 1 or 0, rollout and 'rollout' or 'trainers')
   local link = world:split((rollout or world.rank == 0) and 0 or -1, 'link')
-  return { world = group, link = link, role = rollout and 'rollout' or 'train', remote = not rollout }
+  made_groups = { world = group, link = link, role = rollout and 'rollout' or 'train', remote = not rollout }
+  return made_groups
 end
 
 -- A job of several ranks: rank 0 opens (or reopens) the run directory and picks the checkpoint
@@ -398,11 +407,9 @@ function Session:optimizer(name, opt)
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
       gpu_transport = self.cfg.dist.gpu_transport, shard_group = self.cfg.dist.shard_group })
     if opt.model == self.policy and self.engine_copy then -- the engine's whole copy follows each update
-      local copy, engine = self.engine_copy, self.engine
-      opt.after_step[#opt.after_step + 1] = function()
-        copy.refresh()
-        engine:attach_params(copy.buf, copy.n)
-      end
+      -- (in place: the engine reads it from its next round, each generate being one; an engine
+      -- thread reads a weight store's copies of it)
+      opt.after_step[#opt.after_step + 1] = self.engine_copy.refresh
     end
     self:event('data_parallel', { optimizer = name, world_size = self.world.size, zero = self.cfg.dist.zero,
       state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n, gpu_transport = opt.gpu or 'none',
@@ -606,6 +613,7 @@ function Session:restore(dir, state, opts)
   local why = not opts.models_only and not opts.keep_data and ckpt.check_positions(state, self.datasets)
   if why then moonrl.usage_error(string.format('cannot resume from %s: %s', dir, why)) end
   for i, m in ipairs(self.models) do ckpt.load_model(dir, m.name, m.model, i == 1) end
+  if self.engine_copy then self.engine_copy.refresh() end -- (a sharded policy's: the engine's whole copy of it)
   if opts.models_only then return end
   if opts.optimizers ~= false then
     for _, o in ipairs(self.optimizers) do ckpt.load_optimizer(dir, o.name, o.opt) end
