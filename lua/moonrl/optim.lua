@@ -6,6 +6,7 @@
 --   local norm = opt:clip_grad_norm(1.0)   -- pre-clip norm
 --   opt:step(lr)                           -- lr optional (default: the lr given above)
 --   (defer = true: the state is allocated at the first use or opt:create(), not here)
+--   opt:offload()   -- (deferred, parameters on a GPU) fp32 master weights and state in host memory
 --   local sched = moonrl.optim.schedule{ kind = 'cosine', warmup = 10, total = 100, lr = 1e-5 }
 --   sched(step) -> lr
 local moonrl = require('moonrl')
@@ -62,12 +63,33 @@ function AdamW:bind_grads()
   return self.grads
 end
 
+-- Optimizer offload (dist.offload=optimizer): a deferred AdamW over a GPU model's buffers keeps
+-- its fp32 master weights, a host copy of the gradients and its state (m, v) in host memory, and
+-- steps there with the CPU's kernel: each step copies the gradients over, updates the master
+-- weights and copies them back into the GPU's parameters (the model's compute copy). The GPU
+-- holds the parameters and gradients only. Call before the state exists.
+function AdamW:offload()
+  if self.handle then error('optim.adamw: offload() after the state exists', 2) end
+  self.offloaded = true
+  return self
+end
+
 -- The state (2n floats) is allocated here. With o.defer the first call that needs it does it (or
 -- this one): ZeRO-1 takes shards of a deferred optimizer, whose whole state then never exists.
 function AdamW:create()
   if self.handle then return self end
   local out = ffi.new('mrl_adamw *[1]')
-  moonrl.check(C.mrl_adamw_create(self.params, self:bind_grads(), self.n, self.cfg, out), 3)
+  if self.offloaded then -- the master weights and a gradient buffer in host memory, the state with them
+    local n = self.n
+    local hp, hg = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS), C.mrl_mem_alloc(4 * n, C.MRL_MEM_GRADS)
+    if hp == nil or hg == nil then error('optim.adamw: offload: ' .. moonrl.last_error(), 3) end
+    self.host_params = ffi.gc(ffi.cast('float *', hp), C.mrl_mem_free)
+    self.host_grads = ffi.gc(ffi.cast('float *', hg), C.mrl_mem_free)
+    moonrl.check(C.mrl_device_memcpy(self.host_params, self.params, 4 * n), 3)
+    moonrl.check(C.mrl_adamw_create(self.host_params, self.host_grads, n, self.cfg, out), 3)
+  else
+    moonrl.check(C.mrl_adamw_create(self.params, self:bind_grads(), self.n, self.cfg, out), 3)
+  end
   self.handle = ffi.gc(out[0], C.mrl_adamw_free)
   if self.no_decay and #self.no_decay > 0 then self:set_no_decay(self.no_decay) end
   return self
@@ -97,6 +119,13 @@ end
 
 function AdamW:step(lr)
   self:create()
+  if self.offloaded then -- the gradients over, the update on the host, the weights back
+    moonrl.check(C.mrl_device_memcpy(self.host_grads, self:bind_grads(), 4 * self.n), 2)
+    moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
+    moonrl.check(C.mrl_device_memcpy(self.params, self.host_params, 4 * self.n), 2)
+    if self.model then self.model:weights_changed() end
+    return
+  end
   moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
   if self.model then self.model:weights_changed() end -- a bf16 model converts its copies before their next use
 end
@@ -138,6 +167,8 @@ function AdamW:load_state(s)
   self:create()
   moonrl.check(C.mrl_adamw_load_state(self.handle, ffi.cast('const float *', s.m), ffi.cast('const float *', s.v),
     s.n or self.n, s.step), 2)
+  -- offloaded: the master weights are the model's as restored with it (a checkpoint's, a rollback's)
+  if self.offloaded then moonrl.check(C.mrl_device_memcpy(self.host_params, self.params, 4 * self.n), 2) end
 end
 
 -- Learning-rate schedules, the formulas of transformers'

@@ -8,6 +8,7 @@
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
+--   * dist.offload=optimizer: the optimizer's state in host memory, the weights of the run without it;
 --   * model.device values that cannot run are usage errors naming the key.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -34,6 +35,7 @@ for i, p in ipairs(U.additions(24, 9)) do prefs[i] = { prompt = p.prompt, chosen
 local prefs_path = U.write_jsonl(dir .. '/prefs.jsonl', prefs)
 
 local records = U.records
+local exe, mpirun = rawget(_G, 'MOONRL_EXE'), U.which('mpirun')
 
 -- max over the views of ||a - b|| / ||b|| between two saved models
 local function weights_diff(a_dir, b_dir)
@@ -120,10 +122,39 @@ t.test('a GPU run resumed from its checkpoint: the weights of the run never stop
   t.eq(d, 0, 'the same weights, bit for bit')
 end)
 
+t.test('dist.offload=optimizer: no optimizer state on the GPU, the weights of the run without it; resumed bit for bit', function()
+  local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+    'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64', 'grpo.prompts=4', 'grpo.samples=4',
+    'grpo.max_tokens=4', 'engine.kv_cache_mb=4', 'run.checkpoint_every=1' }
+  -- (each run a process of its own: the memory counters are the process's)
+  local function sub(tag, extra)
+    local d = dir .. '/' .. tag
+    local w = U.with(words, U.with({ 'run.dir=' .. d, 'model.device=cuda', 'run.threads=1' }, extra))
+    U.run_ranks(exe, 0, 'tests/recipes/grpo_sevens.lua', w, { timeout = 300 })
+    return d
+  end
+  local on_gpu = sub('no_offload', { 'grpo.steps=3' })
+  local off = sub('offload', { 'grpo.steps=3', 'dist.offload=optimizer' })
+  local mo, mg = records(off), records(on_gpu)
+  for s = 1, #mo do
+    t.truthy(mg[s]['memory/gpu/optim_mb'] > 0, 'step ' .. s .. ': without offload, the state on the GPU')
+    t.eq(mo[s]['memory/gpu/optim_mb'], 0, 'step ' .. s .. ': with it, no optimizer state on the GPU')
+    t.truthy(mo[s]['memory/optim_mb'] >= mg[s]['memory/gpu/optim_mb'], 'step ' .. s .. ': it is in host memory')
+    t.near(mo[s].loss, mg[s].loss, 1e-5 * math.max(1, math.abs(mg[s].loss)), 'step ' .. s .. ': the loss')
+  end
+  local d = weights_diff(off .. '/model', on_gpu .. '/model')
+  print(string.format('optimizer offloaded vs on the GPU: worst ||d|| / ||w|| %.3g', d))
+  t.truthy(d <= 1e-5, 'the weights of the run without offload (the CPU kernel against the GPU\'s)')
+  -- stopped after step 2 and resumed: the master weights come back with the model
+  local part = sub('offload_part', { 'grpo.steps=2', 'dist.offload=optimizer' })
+  sub('offload_part', { 'grpo.steps=3', 'run.resume=auto', 'dist.offload=optimizer' })
+  t.eq(#records(part), 3, 'resumed at step 3')
+  t.eq(weights_diff(part .. '/model', off .. '/model'), 0, 'resumed with offload: the weights of the run never stopped')
+end)
+
 -- Two ranks, each with its GPU (here both cuda:0: the emulated machine, or one real GPU shared),
 -- gradients summed through the host (dist.gpu_transport=host: NCCL wants a GPU a rank): the
 -- weights of the same two ranks on the CPU.
-local exe, mpirun = rawget(_G, 'MOONRL_EXE'), U.which('mpirun')
 t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local proc = require('moonrl.io.proc')

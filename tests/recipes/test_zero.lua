@@ -381,6 +381,11 @@ t.test('zero=2 on one process is that process\'s run; an unknown level is a usag
     { timeout = 60 })
   t.eq(r.exit_status, 2, 'dist.zero=4: a usage error')
   t.truthy(r.stderr:find('dist.zero', 1, true) ~= nil, r.stderr)
+  -- optimizer offload is for GPU models: on a CPU model, a usage error saying why
+  r = proc.run({ exe, 'run', 'recipes/sft.lua', 'run.dir=' .. dir .. '/bad', 'model.dir=' .. model_dir,
+    'data.path=' .. sft_data, 'dist.offload=optimizer', 'quiet=true' }, { timeout = 60 })
+  t.eq(r.exit_status, 2, 'dist.offload=optimizer on a CPU model: a usage error')
+  t.truthy(r.stderr:find('dist.offload=optimizer', 1, true) and r.stderr:find('CPU', 1, true), r.stderr)
 end)
 
 fs.remove(dir)

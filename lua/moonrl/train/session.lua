@@ -66,7 +66,7 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
-  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.shard_group', 'dist.bucket_mb', 'run.progress',
+  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.shard_group', 'dist.offload', 'dist.bucket_mb', 'run.progress',
   'run.progress_seconds', 'run.memory_budget_mb', 'run.max_shard_gb' }
 
 -- ---- start --------------------------------------------------------------------------------
@@ -91,6 +91,13 @@ function M.start(cfg, opts)
   rollout.check_config(cfg)
   if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end -- (a reward model: once registered)
   local dtype, device = models.model_dtype(cfg), models.model_device(cfg)
+  if cfg.dist and cfg.dist.offload ~= 'none' then
+    sections.check_choice('dist.offload', cfg.dist.offload, { 'none', 'optimizer' })
+    if not device or device == 'cpu' then
+      moonrl.usage_error('dist.offload=optimizer moves a GPU model\'s fp32 master weights and optimizer state to host ' ..
+        'memory: this model is on the CPU (model.device), where they are already')
+    end
+  end
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   local shard = M.shard_world(cfg, device) -- dist.zero=3 over several ranks: each loads its shard
   if not policy and cfg.model and cfg.model.dir then
@@ -402,6 +409,10 @@ end
 -- model whose buffers it steps (models.adamw sets it). opt may be deferred (models.adamw's are):
 -- its state is allocated here, except under ZeRO-1, where only each rank's shard ever gets one.
 function Session:optimizer(name, opt)
+  -- dist.offload=optimizer: a GPU model's master weights and optimizer state in host memory
+  if self.cfg.dist and self.cfg.dist.offload == 'optimizer' and opt.offload and opt.model and opt.model:device() ~= 'cpu' then
+    opt:offload()
+  end
   if not (self.world.size > 1 and opt.model) and opt.create then opt:create() end
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
