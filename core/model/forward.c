@@ -266,7 +266,10 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
      * next one's gather started meanwhile, and let go after (nothing happens otherwise) */
     int L = c->num_hidden_layers;
     int64_t embed_end = m->lp[0].ln1 - m->params, layers_end = m->final_norm - m->params;
-    if ((st = mrl_model_use(m, 0, embed_end, embed_end, L > 1 ? m->lp[1].ln1 - m->params : layers_end))) return st;
+    if ((st = mrl_model_use(m, 0, embed_end, embed_end, L > 1 ? m->lp[1].ln1 - m->params : layers_end))) {
+        m->have_forward = 0; /* (no backward through a forward that did not run) */
+        return st;
+    }
     k->gather_rows(m->xs[0], m->embed, m->op_tokens, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
