@@ -260,7 +260,7 @@ mrl_status mrl_dist_fail(mrl_dist *d, int rc, const char *what) {
  * MPI_Finalize; they may be freed after it). */
 static void detach_all(mrl_dist *d) {
     mrl_dist_buckets_detach_all(d);
-    mrl_dist_grad_shard_detach_all(d);
+    mrl_dist_members_detach_all(d);
 }
 
 mrl_status mrl_dist_begin(mrl_dist *d, const char *op) {

@@ -27,6 +27,15 @@ enum {
 
 typedef struct mrl_dist_buckets mrl_dist_buckets;
 
+/* The head of an object that holds a communicator of its own made from d's (zero.c's gradient
+ * shards and parameter gathers): d's list of them gives up those communicators before
+ * MPI_Finalize, after which the object may still be freed (d NULL then). */
+typedef struct mrl_dist_member {
+    mrl_dist *d;
+    void *comm;
+    struct mrl_dist_member *next;
+} mrl_dist_member;
+
 struct mrl_dist {
     int rank, size, local_rank, local_size;
     const char *launcher;
@@ -52,8 +61,7 @@ struct mrl_dist {
     size_t blob_cap;
     int64_t *blob_off; /* [size + 1] */
     mrl_dist_buckets *buckets; /* the live ones: their communicators go before MPI_Finalize */
-    mrl_dist_grad_shard *grad_shards; /* likewise */
-    mrl_dist_param_gather *param_gathers;
+    mrl_dist_member *members; /* likewise (zero.c) */
     /* a communicator made by mrl_dist_split: its name, and the world rank of each of its ranks
      * (reports name world ranks); NULL for the world itself */
     char name[32];
@@ -77,8 +85,8 @@ mrl_status mrl_dist_wait_req(mrl_dist *d, int rc, void *req, const char *what);
 /* Frees the communicators of d's live bucket sets (before MPI_Finalize) and
  * detaches them from d (buckets.c). */
 void mrl_dist_buckets_detach_all(mrl_dist *d);
-/* The same for d's sharded gradients and parameter gathers (zero.c). */
-void mrl_dist_grad_shard_detach_all(mrl_dist *d);
+/* The same for d's members (zero.c). */
+void mrl_dist_members_detach_all(mrl_dist *d);
 /* Grows d->scratch to at least `bytes`. */
 mrl_status mrl_dist_scratch(mrl_dist *d, size_t bytes);
 
@@ -125,6 +133,14 @@ typedef struct mrl_dist_pipe {
     int64_t scratch_bytes; /* what `scratch` must hold */
     char *scratch;
 } mrl_dist_pipe;
+
+/* [lo, hi) ∩ [off, off + cnt): where it starts and its length (0 when they do not meet, *at
+ * then lo): a rank's piece of a segment. */
+static inline void mrl_dist_meet(int64_t off, int64_t cnt, int64_t lo, int64_t hi, int64_t *at, int64_t *len) {
+    int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
+    *at = b > a ? a : lo;
+    *len = b > a ? b - a : 0;
+}
 
 /* The largest segment the pipeline cuts (int counts in MPI). */
 int64_t mrl_dist_max_segment(int size);

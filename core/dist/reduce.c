@@ -98,11 +98,10 @@ int64_t mrl_dist_max_segment(int size) {
 
 /* [lo, hi) ∩ rank r's shard, as an offset from lo and a length. */
 static void piece(int64_t n, int size, int r, int64_t lo, int64_t hi, int64_t *at, int64_t *len) {
-    int64_t off, cnt;
+    int64_t off, cnt, a;
     mrl_dist_shard(n, size, r, &off, &cnt);
-    int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
-    *at = b > a ? a - lo : 0;
-    *len = b > a ? b - a : 0;
+    mrl_dist_meet(off, cnt, lo, hi, &a, len);
+    *at = a - lo;
 }
 
 mrl_status mrl_dist_pipe_init(mrl_dist_pipe *p, mrl_dist *d, void *comm1, void *comm2, void *buf, int64_t n,

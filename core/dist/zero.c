@@ -50,8 +50,7 @@ typedef struct slot {
 } slot;
 
 struct mrl_dist_grad_shard {
-    mrl_dist *d;
-    void *comm;
+    mrl_dist_member m; /* d, the communicator of its own, d's list */
     int64_t n, off, count, seg;
     int shards; /* the gradient's pieces: rank r owns piece r % shards (mrl_dist_group_shard) */
     float *acc; /* [count]: this rank's shard of the gradient sum */
@@ -66,41 +65,59 @@ struct mrl_dist_grad_shard {
     mrl_status failed; /* a failure inside a hook (which cannot return one): finish reports it */
     int64_t window_bytes, window_peak;
     int64_t sent; /* bytes this rank's all-to-alls sent the others, since creation */
-    mrl_dist_grad_shard *next; /* in d's list of live ones */
 };
 
-static void param_gather_detach_all(mrl_dist *d);
-
-void mrl_dist_grad_shard_detach_all(mrl_dist *d) {
-    for (mrl_dist_grad_shard *g = d->grad_shards, *next; g; g = next) {
-        next = g->next;
-        if (g->comm && !d->broken) d->be->comm_free(g->comm);
-        g->comm = NULL;
-        g->d = NULL;
-        g->next = NULL;
+void mrl_dist_members_detach_all(mrl_dist *d) {
+    for (mrl_dist_member *m = d->members, *next; m; m = next) {
+        next = m->next;
+        if (m->comm && !d->broken) d->be->comm_free(m->comm);
+        m->comm = NULL;
+        m->d = NULL;
+        m->next = NULL;
     }
-    d->grad_shards = NULL;
-    param_gather_detach_all(d);
+    d->members = NULL;
 }
 
-/* A communicator of its own for a stream of collectives: started in the same order on every
- * rank, while the order between two streams may differ (the grad shard starts its segments as
- * slots free up). */
-static mrl_status own_comm(mrl_dist *d, void **comm) {
-    *comm = NULL;
-    if (d->size == 1) return MRL_OK;
-    void *req = NULL;
-    int e = d->be->comm_idup(d->coll, comm, &req);
-    return mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
+/* m joins d with a communicator of its own, for a stream of collectives started in the same
+ * order on every rank, while the order between two streams may differ (the grad shard starts its
+ * segments as slots free up). */
+static mrl_status join(mrl_dist *d, mrl_dist_member *m) {
+    m->d = d;
+    m->comm = NULL;
+    if (d->size > 1) {
+        void *req = NULL;
+        int e = d->be->comm_idup(d->coll, &m->comm, &req);
+        mrl_status st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
+        if (st) return st;
+    }
+    m->next = d->members;
+    d->members = m;
+    return MRL_OK;
+}
+
+/* m leaves its d (if not finalized); its communicator is freed unless requests still in flight
+ * (a round that never finished: a timeout, the process is ending) may use it. */
+static void leave(mrl_dist_member *m, int busy) {
+    if (!m->d) return;
+    for (mrl_dist_member **p = &m->d->members; *p; p = &(*p)->next)
+        if (*p == m) {
+            *p = m->next;
+            break;
+        }
+    if (!busy && m->comm && !m->d->broken) m->d->be->comm_free(m->comm);
+}
+
+static int slots_busy(const mrl_dist_grad_shard *g) {
+    int busy = 0;
+    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
+    return busy;
 }
 
 /* [lo, hi) ∩ rank r's shard: start and length (0 when they do not meet). */
 static void meet(const mrl_dist_grad_shard *g, int r, int64_t lo, int64_t hi, int64_t *at, int64_t *len) {
     int64_t off, cnt;
-    mrl_dist_group_shard(g->n, g->d->size, g->shards, r % g->shards, &off, &cnt);
-    int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
-    *at = b > a ? a : lo;
-    *len = b > a ? b - a : 0;
+    mrl_dist_group_shard(g->n, g->m.d->size, g->shards, r % g->shards, &off, &cnt);
+    mrl_dist_meet(off, cnt, lo, hi, at, len);
 }
 
 mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, int shards,
@@ -120,7 +137,6 @@ mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_by
     if (st) return st;
     mrl_dist_grad_shard *g = calloc(1, sizeof *g);
     if (!g) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
-    g->d = d;
     g->n = n;
     g->seg = seg;
     g->shards = shards;
@@ -131,32 +147,23 @@ mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_by
         free(g);
         return mrl_wrap_error(MRL_ERR_NOMEM, "dist: no memory for this rank's %lld gradients", (long long)count);
     }
-    if ((st = own_comm(d, &g->comm))) {
+    if ((st = join(d, &g->m))) {
         mrl_mem_free(g->acc);
         free(g);
         return st;
     }
-    g->next = d->grad_shards;
-    d->grad_shards = g;
     *out = g;
     return MRL_OK;
 }
 
 void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
     if (!g) return;
-    int busy = 0;
-    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
     /* a round that never finished (a timeout: the process is ending) keeps what MPI may still write */
-    if (g->d)
-        for (mrl_dist_grad_shard **p = &g->d->grad_shards; *p; p = &(*p)->next)
-            if (*p == g) {
-                *p = g->next;
-                break;
-            }
+    int busy = slots_busy(g);
+    leave(&g->m, busy);
     if (!busy) {
         for (int i = 0; i < DEPTH; i++) mrl_mem_free(g->slots[i].scratch);
         for (int i = 0; i < g->n_wins; i++) mrl_mem_free(g->wins[i].buf);
-        if (g->comm && g->d && !g->d->broken) g->d->be->comm_free(g->comm);
     }
     free(g->wins);
     free(g->queue);
@@ -170,9 +177,7 @@ int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g) { return g
 int64_t mrl_dist_grad_shard_bytes_sent(const mrl_dist_grad_shard *g) { return g->sent; }
 
 void mrl_dist_grad_shard_trim(mrl_dist_grad_shard *g) {
-    int busy = 0;
-    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
-    if (busy || g->q_len) return; /* (only between rounds) */
+    if (slots_busy(g) || g->q_len) return; /* (only between rounds) */
     int kept = 0;
     for (int i = 0; i < g->n_wins; i++) {
         if (g->wins[i].lent) {
@@ -203,8 +208,8 @@ static void add_segment(mrl_dist_grad_shard *g, slot *s) {
     window *w = s->w;
     if (s->mine_n > 0) {
         float *mine = w->buf + (s->mine_lo - w->lo);
-        if (g->d->size > 1)
-            mrl_dist_combine_self(mine, s->scratch, s->mine_n, g->d->size, g->d->rank, MRL_DIST_F32, MRL_DIST_SUM);
+        if (g->m.d->size > 1)
+            mrl_dist_combine_self(mine, s->scratch, s->mine_n, g->m.d->size, g->m.d->rank, MRL_DIST_F32, MRL_DIST_SUM);
         float *acc = g->acc + (s->mine_lo - g->off);
         for (int64_t i = 0; i < s->mine_n; i++) acc[i] += mine[i];
     }
@@ -215,7 +220,7 @@ static void add_segment(mrl_dist_grad_shard *g, slot *s) {
 
 /* Start the queue's next segment in slot s. */
 static mrl_status start_segment(mrl_dist_grad_shard *g, slot *s) {
-    mrl_dist *d = g->d;
+    mrl_dist *d = g->m.d;
     window *w = g->queue[g->q_head];
     int64_t lo = g->q_next, hi = lo + g->seg < w->hi ? lo + g->seg : w->hi;
     g->q_next = hi;
@@ -249,7 +254,7 @@ static mrl_status start_segment(mrl_dist_grad_shard *g, slot *s) {
     }
     sc[d->rank] = rc[d->rank] = 0; /* this rank's own values stay in the window: the combine reads them there */
     for (int r = 0; r < d->size; r++) g->sent += (int64_t)sizeof(float) * sc[r];
-    int e = d->be->ialltoallv(g->comm, w->buf, sc, sd, s->scratch, rc, rd, sizeof(float), &s->req);
+    int e = d->be->ialltoallv(g->m.comm, w->buf, sc, sd, s->scratch, rc, rd, sizeof(float), &s->req);
     if (e) return mrl_dist_fail(d, e, "the all-to-all of a gradient reduce-scatter");
     return MRL_OK;
 }
@@ -257,7 +262,7 @@ static mrl_status start_segment(mrl_dist_grad_shard *g, slot *s) {
 /* Test what is in flight, add what finished, start queued segments in free slots. */
 static mrl_status progress(void *ctx, int *done) {
     mrl_dist_grad_shard *g = ctx;
-    mrl_dist *d = g->d;
+    mrl_dist *d = g->m.d;
     *done = 0;
     for (int i = 0; i < DEPTH; i++) {
         slot *s = &g->slots[i];
@@ -275,9 +280,7 @@ static mrl_status progress(void *ctx, int *done) {
         mrl_status st = start_segment(g, s);
         if (st) return st;
     }
-    int busy = 0;
-    for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
-    *done = !busy && g->q_len == 0;
+    *done = !slots_busy(g) && g->q_len == 0;
     return MRL_OK;
 }
 
@@ -293,7 +296,7 @@ static mrl_status few_pending(void *ctx, int *done) {
 
 float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
     mrl_dist_grad_shard *g = vg;
-    if (!g->d) {
+    if (!g->m.d) {
         mrl_set_error(MRL_ERR_INVALID, "dist: a gradient window after mrl_dist_finalize");
         return NULL;
     }
@@ -302,9 +305,9 @@ float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
                       (long long)offset, (long long)(offset + count), (long long)g->n);
         return NULL;
     }
-    if (!g->failed && !g->d->broken) { /* windows coming back; at most PENDING ranges waiting */
-        mrl_status st = mrl_dist_begin(g->d, "grad_shard_window");
-        if (!st) st = mrl_dist_wait(g->d, few_pending, g);
+    if (!g->failed && !g->m.d->broken) { /* windows coming back; at most PENDING ranges waiting */
+        mrl_status st = mrl_dist_begin(g->m.d, "grad_shard_window");
+        if (!st) st = mrl_dist_wait(g->m.d, few_pending, g);
         if (st) { /* (the error is set: the backward fails with it) */
             fail(g, st);
             return NULL;
@@ -351,7 +354,7 @@ float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
 
 void mrl_dist_grad_shard_ready(void *vg, int64_t offset, int64_t count) {
     mrl_dist_grad_shard *g = vg;
-    if (!g->d) return; /* (acquire failed already) */
+    if (!g->m.d) return; /* (acquire failed already) */
     window *w = NULL;
     for (int i = 0; i < g->n_wins; i++)
         if (g->wins[i].lent && g->wins[i].segs_left < 0 && g->wins[i].lo == offset && g->wins[i].hi == offset + count)
@@ -378,26 +381,24 @@ void mrl_dist_grad_shard_ready(void *vg, int64_t offset, int64_t count) {
     if (g->q_len == 0) g->q_next = w->lo;
     g->queue[(g->q_head + g->q_len) % g->q_cap] = w;
     g->q_len++;
-    if (g->failed || g->d->broken) return;
+    if (g->failed || g->m.d->broken) return;
     int done;
     mrl_status st = progress(g, &done);
     if (st) fail(g, st);
 }
 
 mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g) {
-    if (!g->d) return mrl_set_error(MRL_ERR_INVALID, "dist: grad_shard_finish after mrl_dist_finalize");
+    if (!g->m.d) return mrl_set_error(MRL_ERR_INVALID, "dist: grad_shard_finish after mrl_dist_finalize");
     mrl_status st = g->failed;
     g->failed = MRL_OK;
-    if (!st) st = mrl_dist_begin(g->d, "grad_shard_finish");
-    if (!st) st = mrl_dist_wait(g->d, progress, g);
+    if (!st) st = mrl_dist_begin(g->m.d, "grad_shard_finish");
+    if (!st) st = mrl_dist_wait(g->m.d, progress, g);
     for (int i = 0; i < g->n_wins; i++)
         if (g->wins[i].lent && g->wins[i].segs_left < 0 && !st) /* lent and never final: a backward cut short */
             st = mrl_set_error(MRL_ERR_INVALID, "dist: gradient window [%lld, %lld) lent and never final",
                                (long long)g->wins[i].lo, (long long)g->wins[i].hi);
     if (st) { /* the round is lost: the next starts clean (the caller fails the step) */
-        int busy = 0;
-        for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
-        if (!busy) {
+        if (!slots_busy(g)) {
             for (int i = 0; i < g->n_wins; i++) g->wins[i].lent = 0;
             g->q_len = 0;
         }
@@ -420,25 +421,12 @@ typedef struct gather {
 } gather;
 
 struct mrl_dist_param_gather {
-    mrl_dist *d;
-    void *comm;
+    mrl_dist_member m; /* d (the world, or a shard group), the communicator of its own, d's list */
     int64_t n;
     int world; /* rank r of d holds mrl_dist_group_shard(n, world, d->size, r) */
     int64_t received; /* bytes of the others' shards gathered into place, since creation */
     gather g[GATHERS];
-    mrl_dist_param_gather *next; /* in d's list of live ones */
 };
-
-static void param_gather_detach_all(mrl_dist *d) {
-    for (mrl_dist_param_gather *p = d->param_gathers, *next; p; p = next) {
-        next = p->next;
-        if (p->comm && !d->broken) d->be->comm_free(p->comm);
-        p->comm = NULL;
-        p->d = NULL;
-        p->next = NULL;
-    }
-    d->param_gathers = NULL;
-}
 
 mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, int world, mrl_dist_param_gather **out) {
     *out = NULL;
@@ -450,15 +438,12 @@ mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, int world, mrl_d
     if (st) return st;
     mrl_dist_param_gather *p = calloc(1, sizeof *p);
     if (!p) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
-    p->d = d;
     p->n = n;
     p->world = world;
-    if ((st = own_comm(d, &p->comm))) {
+    if ((st = join(d, &p->m))) {
         free(p);
         return st;
     }
-    p->next = d->param_gathers;
-    d->param_gathers = p;
     *out = p;
     return MRL_OK;
 }
@@ -467,20 +452,14 @@ void mrl_dist_param_gather_free(mrl_dist_param_gather *p) {
     if (!p) return;
     int busy = 0;
     for (int i = 0; i < GATHERS; i++) busy |= p->g[i].busy;
-    if (p->d)
-        for (mrl_dist_param_gather **q = &p->d->param_gathers; *q; q = &(*q)->next)
-            if (*q == p) {
-                *q = p->next;
-                break;
-            }
-    if (!busy && p->comm && p->d && !p->d->broken) p->d->be->comm_free(p->comm);
+    leave(&p->m, busy);
     for (int i = 0; i < GATHERS; i++) free(p->g[i].reqs);
     free(p);
 }
 
 mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, int64_t count) {
     mrl_dist_param_gather *p = vp;
-    mrl_dist *d = p->d;
+    mrl_dist *d = p->m.d;
     if (!d) return mrl_set_error(MRL_ERR_INVALID, "dist: a parameter gather after mrl_dist_finalize");
     if (offset < 0 || count <= 0 || offset + count > p->n)
         return mrl_set_error(MRL_ERR_INVALID, "dist: parameter gather [%lld, %lld) outside the %lld parameters",
@@ -504,15 +483,14 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
         int64_t hi = lo + seg < offset + count ? lo + seg : offset + count;
         int64_t *rc = d->tmp, *rd = rc + d->size, mine = 0;
         for (int r = 0; r < d->size; r++) {
-            int64_t off, cnt;
+            int64_t off, cnt, at;
             mrl_dist_group_shard(p->n, p->world, d->size, r, &off, &cnt);
-            int64_t a = off > lo ? off : lo, b = off + cnt < hi ? off + cnt : hi;
-            rc[r] = b > a ? b - a : 0;
-            rd[r] = b > a ? a - lo : 0;
+            mrl_dist_meet(off, cnt, lo, hi, &at, &rc[r]);
+            rd[r] = at - lo;
             if (r == d->rank) mine = rc[r];
         }
         p->received += (int64_t)sizeof(float) * (hi - lo - mine);
-        int e = d->be->iallgatherv(p->comm, NULL, mine, params + lo, rc, rd, sizeof(float), &g->reqs[g->nreq]);
+        int e = d->be->iallgatherv(p->m.comm, NULL, mine, params + lo, rc, rd, sizeof(float), &g->reqs[g->nreq]);
         if (e) return mrl_dist_fail(d, e, "the all-gather of a parameter range");
         g->nreq++;
     }
@@ -544,16 +522,16 @@ static mrl_status gather_poll(void *ctx, int *done) {
 mrl_status mrl_dist_param_gather_wait(void *vp, float *params, int64_t offset, int64_t count) {
     (void)params;
     mrl_dist_param_gather *p = vp;
-    if (!p->d) return mrl_set_error(MRL_ERR_INVALID, "dist: a parameter gather after mrl_dist_finalize");
+    if (!p->m.d) return mrl_set_error(MRL_ERR_INVALID, "dist: a parameter gather after mrl_dist_finalize");
     gather *g = NULL;
     for (int i = 0; i < GATHERS && !g; i++)
         if (p->g[i].busy && p->g[i].lo == offset && p->g[i].hi == offset + count) g = &p->g[i];
     if (!g)
         return mrl_set_error(MRL_ERR_INVALID, "dist: no parameter gather of [%lld, %lld) in flight", (long long)offset,
                              (long long)(offset + count));
-    mrl_status st = mrl_dist_begin(p->d, "param_gather_wait");
-    gather_wait w = {p->d, g};
-    if (!st && g->nreq > 0) st = mrl_dist_wait(p->d, gather_poll, &w);
+    mrl_status st = mrl_dist_begin(p->m.d, "param_gather_wait");
+    gather_wait w = {p->m.d, g};
+    if (!st && g->nreq > 0) st = mrl_dist_wait(p->m.d, gather_poll, &w);
     if (!st) g->busy = 0; /* (after a failure the requests stay: the communicator is broken) */
     return st;
 }

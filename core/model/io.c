@@ -92,10 +92,7 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
                 float *tmp = mrl_mem_alloc(sizeof(float) * (size_t)v->numel, MRL_MEM_OTHER);
                 if (!tmp) return mrl_wrap_error(MRL_ERR_NOMEM, "model: the init of %s", v->name);
                 uint64_t seed = 0;
-                float *keep = m->params;
-                m->params = tmp - v->offset; /* mrl_model_init_view writes params + offset */
-                mrl_model_init_view(m, v, &seed);
-                m->params = keep;
+                mrl_model_init_view(m, v, &seed, tmp);
                 memcpy(m->params + a, tmp + (a - v->offset), sizeof(float) * (size_t)(b - a));
                 mrl_mem_free(tmp);
                 continue;

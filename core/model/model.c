@@ -107,8 +107,7 @@ static void build_layout(layout *lo) {
 /* 2-D weights ~ normal(0, initializer_range), norm weights 1, biases 0;
  * draws continue from the generator state *s (splitmix64, core/base/rng.h:
  * the documented init). */
-void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s) {
-    float *p = m->params + v->offset;
+void mrl_model_init_view(const mrl_model *m, const mrl_param_view *v, uint64_t *s, float *p) {
     if (v->ndim == 2)
         for (int64_t j = 0; j < v->numel; j++) p[j] = (float)(mrl_normal(s) * m->cfg.initializer_range);
     else {
@@ -121,7 +120,8 @@ mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_mode
     mrl_status st = mrl_model_alloc(cfg, out);
     if (st) return st;
     uint64_t s = seed; /* views in order, one generator */
-    for (int i = 0; i < (*out)->n_views; i++) mrl_model_init_view(*out, &(*out)->views[i], &s);
+    mrl_model *m = *out;
+    for (int i = 0; i < m->n_views; i++) mrl_model_init_view(m, &m->views[i], &s, m->params + m->views[i].offset);
     return MRL_OK;
 }
 
@@ -209,8 +209,10 @@ void mrl_model_point_window(mrl_model *m, int l, float *w, int64_t lo, int64_t h
     }
     float **g[4] = {&m->g_embed, &m->g_final_norm, &m->g_lm_head, &m->g_score};
     const float *p[4] = {m->embed, m->final_norm, m->lm_head, m->score};
-    for (int i = 0; i < 4; i++)
-        if (in_window(m, p[i], w, lo, hi)) *g[i] = in_window(m, p[i], w, lo, hi);
+    for (int i = 0; i < 4; i++) {
+        float *at = in_window(m, p[i], w, lo, hi);
+        if (at) *g[i] = at;
+    }
 }
 
 void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ctx) {

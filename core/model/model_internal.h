@@ -131,7 +131,7 @@ void mrl_model_bf16_convert_range(const mrl_model *m, const float *base, uint16_
  * alloc_params); the views and layer tables only, no buffer (what loading
  * checks a file against before allocating); the parameter buffer of such a
  * model; the gradient buffer, created zeroed on first use (MRL_MEM_GRADS);
- * the documented init of one view */
+ * the documented init of one view, into dst (its numel floats) */
 mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_params(mrl_model *m);
@@ -144,7 +144,7 @@ mrl_status mrl_model_ensure_grads(mrl_model *m);
  * (layer l's when l >= 0, else the embedding, final norm, lm_head and value head that fall
  * in it) into the window w that holds it */
 void mrl_model_point_window(mrl_model *m, int l, float *w, int64_t lo, int64_t hi);
-void mrl_model_init_view(mrl_model *m, const mrl_param_view *v, uint64_t *s);
+void mrl_model_init_view(const mrl_model *m, const mrl_param_view *v, uint64_t *s, float *dst);
 /* model.c: the parameters as host memory: m->params itself on the CPU, a
  * copy in *tmp on a GPU (the caller mrl_mem_frees *tmp); NULL when out of memory */
 const float *mrl_model_host_params(mrl_model *m, float **tmp);

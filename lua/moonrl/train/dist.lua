@@ -251,42 +251,50 @@ function M.layout_shard(layout, n, index)
   return tonumber(shard_out[0]), tonumber(shard_out[1])
 end
 
+-- A parameter gather over the layout's group (mrl_dist_param_gather: its ranks' shards in the
+-- layout), collected with its owner.
+local function param_gather(layout, n)
+  local out = ffi.new('mrl_dist_param_gather *[1]')
+  check(C.mrl_dist_param_gather_create(layout.group.handle, n, layout.world.size, out))
+  return ffi.gc(out[0], C.mrl_dist_param_gather_free)
+end
+
+-- A function that makes a buffer of n floats whole, each rank's shard of the layout being in
+-- place: an all-gather of the shards over the world, or (hybrid sharding) within the group.
+local function whole_gather(layout, n)
+  if layout.shards == layout.world.size then
+    return function(buf) check(C.mrl_dist_allgather_shards(layout.world.handle, buf, n, C.MRL_DIST_F32)) end
+  end
+  local g = param_gather(layout, n)
+  return function(buf)
+    check(C.mrl_dist_param_gather_start(g, buf, 0, n))
+    check(C.mrl_dist_param_gather_wait(g, buf, 0, n))
+  end
+end
+
 -- A model loaded by shard (model.load_shard with the layout's shard) gets its gathers: every
 -- forward and backward then gathers each part into place over the layout's group (a
 -- collective: every rank runs the same ones), rank 0 writes what m:save writes. Every rank calls
 -- it. layout: M.shard_layout's (a World: its plain layout).
 function M.shard_model(layout, model)
   if not layout.shards then layout = M.shard_layout(layout) end
-  local out = ffi.new('mrl_dist_param_gather *[1]')
-  check(C.mrl_dist_param_gather_create(layout.group.handle, model.n_params, layout.world.size, out))
-  model:set_param_gather(ffi.gc(out[0], C.mrl_dist_param_gather_free), layout.world.rank == 0)
+  model:set_param_gather(param_gather(layout, model.n_params), layout.world.rank == 0)
   model.shard_layout = layout
 end
 
 -- A whole fp32 copy of a sharded model's parameters on every rank (the engine's, which
 -- generates alone): each rank's shard put in place and all-gathered; refresh() does it again
 -- after an update. copy.buf: n floats (counted as parameters).
-function M.whole_copy(w, model)
+function M.whole_copy(model)
   local offset, count = model:shard()
-  local layout = model.shard_layout
   local n = model.n_params
   local buf = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS)
   if buf == nil then moonrl.run_error('the whole copy of a sharded model: ' .. moonrl.last_error()) end
   local copy = { buf = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free), n = n }
-  local gather -- (hybrid sharding: over the group, in its layout)
-  if layout and layout.shards ~= layout.world.size then
-    local out = ffi.new('mrl_dist_param_gather *[1]')
-    check(C.mrl_dist_param_gather_create(layout.group.handle, n, layout.world.size, out))
-    gather = ffi.gc(out[0], C.mrl_dist_param_gather_free)
-  end
+  local gather = whole_gather(model.shard_layout, n)
   function copy.refresh()
     ffi.copy(copy.buf + offset, model:param_buffer() + offset, 4 * count)
-    if gather then
-      check(C.mrl_dist_param_gather_start(gather, copy.buf, 0, n))
-      check(C.mrl_dist_param_gather_wait(gather, copy.buf, 0, n))
-    else
-      check(C.mrl_dist_allgather_shards(w.handle, copy.buf, n, C.MRL_DIST_F32))
-    end
+    gather(copy.buf)
   end
   copy.refresh()
   return copy
@@ -367,11 +375,9 @@ function M.data_parallel(w, opt, model, opts)
   local mine = { offset = o, count = c }
   self.per = w.size / layout.shards -- norm pieces a shard holds
   self.offset, self.count = mine.offset, mine.count
-  if zero == 2 and layout.shards ~= w.size then -- (the step's all-gather within the group, in its layout)
-    local out = ffi.new('mrl_dist_param_gather *[1]')
-    check(C.mrl_dist_param_gather_create(layout.group.handle, n, w.size, out))
-    self.group_gather = ffi.gc(out[0], C.mrl_dist_param_gather_free)
-  end
+  -- ZeRO-1 and 2: the parameters made whole again after each step (within the group under
+  -- hybrid sharding); ZeRO-3's shards stay as they are, gathered by the model as it computes
+  if zero == 1 or zero == 2 then self.gather_params = whole_gather(layout, n) end
   if zero == 3 then
     local off, cnt = model:shard()
     if off ~= mine.offset or cnt ~= mine.count then
@@ -511,13 +517,7 @@ function DP:step(lr)
   if self.grad_shard then C.mrl_dist_grad_shard_trim(self.grad_shard) end -- (the windows: until the next backward)
   if self.zero >= 1 then
     if self.count > 0 then self.shard_opt:step(lr) end
-    -- (ZeRO-3: each rank's shard is its own, gathered by the model as it computes)
-    if self.group_gather then
-      check(C.mrl_dist_param_gather_start(self.group_gather, self.params, 0, self.n))
-      check(C.mrl_dist_param_gather_wait(self.group_gather, self.params, 0, self.n))
-    elseif self.zero < 3 then
-      check(C.mrl_dist_allgather_shards(self.world.handle, self.params, self.n, C.MRL_DIST_F32))
-    end
+    if self.gather_params then self.gather_params(self.params) end
   else
     self.full:step(lr)
   end

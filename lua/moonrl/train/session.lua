@@ -132,7 +132,7 @@ function M.start(cfg, opts)
   end
   local engine_copy
   if engine and policy:shard() then -- the engine generates alone: a whole copy of its own, refreshed after each update
-    engine_copy = dist.whole_copy(shard.world, policy)
+    engine_copy = dist.whole_copy(policy)
     engine:set_home(engine_copy.buf, engine_copy.n)
   end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
