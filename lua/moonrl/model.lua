@@ -411,6 +411,59 @@ function Model:views()
   return self._views
 end
 
+-- The parameters [offset, offset + count) of the buffer as slices of Hugging Face tensors, in
+-- buffer order: { {name=, shape={...} (the whole tensor's), offset= (the slice's first element
+-- in the tensor, row-major), count=, at= (its first element in the range)}, ... }. A weight
+-- export of a shard carries this table, so a receiver of another layout takes exactly the slices
+-- it needs (Model:slice_plan). Default range: the model's shard, else the whole buffer.
+function Model:slices(offset, count)
+  if not offset then
+    offset, count = self:shard()
+    if not offset then offset, count = 0, self.n_params end
+  end
+  local last, out = offset + count, {}
+  for _, v in ipairs(self:views()) do
+    local lo, hi = math.max(offset, v.offset), math.min(last, v.offset + v.numel)
+    if lo < hi then
+      out[#out + 1] = { name = v.name, shape = v.shape, offset = lo - v.offset, count = hi - lo, at = lo - offset }
+    end
+  end
+  return out
+end
+
+-- Where slices (Model:slices's, from a model of another process or layout) land in this model's
+-- buffer: a list of copies { {at=, to=, count=}, ... } (at: in the sender's range; to: in this
+-- buffer), adjacent ones merged. want(name): take that tensor (default: all). A tensor this model
+-- lacks, a shape that differs or a slice past its tensor's end is an error naming the tensor.
+function Model:slice_plan(slices, want)
+  local by_name = {}
+  for _, v in ipairs(self:views()) do by_name[v.name] = v end
+  local plan = {}
+  for _, s in ipairs(slices) do
+    if not want or want(s.name) then
+      local v = by_name[s.name]
+      if not v then error(string.format('weight slices: this model has no tensor %s', tostring(s.name)), 2) end
+      local same = #v.shape == #s.shape
+      for d = 1, #v.shape do same = same and v.shape[d] == s.shape[d] end
+      if not same then
+        error(string.format('weight slices: %s is [%s] here, [%s] in the slices', s.name, table.concat(v.shape, ', '),
+          table.concat(s.shape, ', ')), 2)
+      end
+      if s.offset < 0 or s.count < 0 or s.offset + s.count > v.numel then
+        error(string.format('weight slices: %s slice [%d, +%d) is past its %d elements', s.name, s.offset, s.count,
+          v.numel), 2)
+      end
+      local last, to = plan[#plan], v.offset + s.offset
+      if last and last.at + last.count == s.at and last.to + last.count == to then
+        last.count = last.count + s.count
+      elseif s.count > 0 then
+        plan[#plan + 1] = { at = s.at, to = to, count = s.count }
+      end
+    end
+  end
+  return plan
+end
+
 -- {{offset, count}, ...} of the parameters without weight decay (for moonrl.optim.adamw).
 function Model:no_decay_ranges()
   local r = {}

@@ -41,6 +41,56 @@ t.test('views and buffers', function()
   t.eq(nd, 2 * (32 + 32 + 32 + 16 + 16) + 32, 'norm weights and biases are not decayed')
 end)
 
+t.test('weight slices in Hugging Face coordinates: pieces of any layout land by name, a subset, mismatches named', function()
+  local src, dst = moonrl.model.new(cfg, { seed = 3 }), moonrl.model.new(cfg, { seed = 4 })
+  local sp, n = src:params()
+  local dp = dst:params()
+  -- three uneven pieces of the buffer (shards), each placed through its own slice table
+  local cuts = { 0, 7, math.floor(n / 2) + 3, n }
+  for i = 1, 3 do
+    local off, cnt = cuts[i], cuts[i + 1] - cuts[i]
+    local slices = src:slices(off, cnt)
+    t.eq(slices[1].at, 0)
+    local sum = 0
+    for _, s in ipairs(slices) do sum = sum + s.count end
+    t.eq(sum, cnt, 'the slices cover the piece')
+    for _, c in ipairs(dst:slice_plan(slices)) do ffi.copy(dp + c.to, sp + off + c.at, 4 * c.count) end
+  end
+  t.eq(ffi.string(dp, 4 * n), ffi.string(sp, 4 * n), 'the pieces rebuild the weights bit for bit')
+  t.eq(#dst:slice_plan(src:slices()), 1, 'the same layout: one copy')
+  -- a sender of another layout: the tensors packed in reverse order, each slice addressed by name
+  local whole, packed, at = src:slices(), ffi.new('float[?]', n), 0
+  local rev = {}
+  for i = #whole, 1, -1 do
+    local s = whole[i]
+    ffi.copy(packed + at, sp + s.at, 4 * s.count)
+    rev[#rev + 1] = { name = s.name, shape = s.shape, offset = s.offset, count = s.count, at = at }
+    at = at + s.count
+  end
+  local other = moonrl.model.new(cfg, { seed = 5 })
+  local op = other:params()
+  for _, c in ipairs(other:slice_plan(rev)) do ffi.copy(op + c.to, packed + c.at, 4 * c.count) end
+  t.eq(ffi.string(op, 4 * n), ffi.string(sp, 4 * n), 'another layout\'s slices land by name')
+  -- a receiver taking only the tensors it needs
+  local part = moonrl.model.new(cfg, { seed = 6 })
+  local pp = part:params()
+  local before = ffi.string(pp, 4 * n)
+  local plan = part:slice_plan(whole, function(name) return name:find('^model%.layers%.0%.') ~= nil end)
+  for _, c in ipairs(plan) do ffi.copy(pp + c.to, sp + c.at, 4 * c.count) end
+  for _, v in ipairs(part:views()) do
+    local want = v.name:find('^model%.layers%.0%.') and sp or ffi.cast('float *', before)
+    t.eq(ffi.string(pp + v.offset, 4 * v.numel), ffi.string(want + v.offset, 4 * v.numel), v.name)
+  end
+  -- what cannot be placed is named
+  local wide = moonrl.model.new(tiny.config('qwen2', { vocab_size = 40, hidden_size = 48 }), { seed = 1 })
+  local ok, err = pcall(wide.slice_plan, wide, whole)
+  t.truthy(not ok and err:find('model.embed_tokens.weight is [40, 48] here, [40, 32]', 1, true), err)
+  ok, err = pcall(src.slice_plan, src, { { name = 'lm_head.bias', shape = { 40 }, offset = 0, count = 40, at = 0 } })
+  t.truthy(not ok and err:find('no tensor lm_head.bias', 1, true), err)
+  ok, err = pcall(src.slice_plan, src, { { name = 'model.norm.weight', shape = { 32 }, offset = 30, count = 4, at = 0 } })
+  t.truthy(not ok and err:find('model.norm.weight slice [30, +4) is past its 32 elements', 1, true), err)
+end)
+
 t.test('gradient of one parameter against a finite difference', function()
   local m = moonrl.model.new(cfg, { seed = 2 })
   local b = moonrl.model.batch({ { 3, 9, 27, 1, 4 }, { 2, 8 } })

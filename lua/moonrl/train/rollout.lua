@@ -249,35 +249,66 @@ end
 
 -- ZeRO-3 with rollout ranks: every trainer sends its shard of the weights to every rollout rank
 -- (one all-to-all-v over the job's ranks: mrl_dist_send_pieces; under hybrid sharding the first
--- group's trainers), straight into the rollout ranks' policies. Every rank of the job calls it.
-local function deliver_shards(self)
-  local job = dist.world()
-  local cfg = self.S.cfg
-  local R = cfg.dist.rollout_ranks
-  local T = job.size - R -- the trainers: ranks 0 .. T - 1
-  local K = (cfg.dist.shard_group or 0) > 0 and cfg.dist.shard_group or T
-  local n = self.S.policy.n_params
-  local to, counts = ffi.new('uint8_t[?]', job.size), ffi.new('int64_t[?]', job.size)
-  local off, cnt = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+-- group's trainers). The export is in Hugging Face coordinates: at the first delivery each
+-- sending trainer's slice table (Model:slices of its shard) goes to every rank, and a rollout
+-- rank plans where each trainer's slices land in its own model (Model:slice_plan). When every
+-- shard lands whole at the offset it arrives at (the same layout) the pieces are received
+-- straight into the rollout rank's policy; otherwise into a staging buffer, copied from there by
+-- the plan. Every rank of the job calls it.
+local function shard_plans(self, job)
+  local policy, T = self.S.policy, job.size - self.S.cfg.dist.rollout_ranks
+  local sends = job.rank < T and policy.shard_layout.replica == 0
+  local tables = job:gather_strings(sends and json.encode(policy:slices()) or '')
+  local p = { counts = ffi.new('int64_t[?]', job.size), to = ffi.new('uint8_t[?]', job.size), from = {},
+    in_place = true, total = 0 }
   for q = 0, job.size - 1 do
-    to[q] = q >= T and 1 or 0
-    if q < T and math.floor(q / K) == 0 then
-      C.mrl_dist_group_shard(n, T, K, q % K, off, cnt)
-      counts[q] = cnt[0]
+    p.to[q] = q >= T and 1 or 0
+    if tables[q + 1] ~= '' then
+      local slices = json.decode(tables[q + 1], string.format("trainer %d's weight slices", q))
+      local count = 0
+      for _, s in ipairs(slices) do count = count + s.count end
+      p.counts[q] = count
+      if job.rank >= T then
+        local plan = policy:slice_plan(slices)
+        local c = plan[1]
+        if count > 0 and not (#plan == 1 and c.at == 0 and c.to == p.total and c.count == count) then p.in_place = false end
+        p.from[#p.from + 1] = { at = p.total, plan = plan }
+      end
+      p.total = p.total + count
     end
   end
+  if job.rank >= T and not p.in_place then
+    local buf = C.mrl_mem_alloc(4 * math.max(p.total, 1), C.MRL_MEM_PARAMS)
+    if buf == nil then moonrl.run_error('the staging buffer of the trainers\' shards: ' .. moonrl.last_error()) end
+    p.staging = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free)
+  end
+  return p
+end
+
+local function deliver_shards(self)
+  local job = dist.world()
+  self.shard_plans = self.shard_plans or shard_plans(self, job)
+  local p, policy = self.shard_plans, self.S.policy
   local t0 = moonrl.now()
   local send, count, recv = nil, 0, nil
-  if job.rank < T then
-    local o, c = self.S.policy:shard()
-    if counts[job.rank] > 0 then send, count = self.S.policy:param_buffer() + o, c end
-  else
-    recv = self.S.policy:params()
+  if p.counts[job.rank] > 0 then
+    local o, c = policy:shard()
+    send, count = policy:param_buffer() + o, c
+  elseif p.to[job.rank] == 1 then
+    recv = p.in_place and policy:params() or p.staging
   end
-  moonrl.check(C.mrl_dist_send_pieces(job.handle, send, count, to, recv, counts, 4), 2)
-  if recv ~= nil then self.S.policy:weights_changed() end
+  moonrl.check(C.mrl_dist_send_pieces(job.handle, send, count, p.to, recv, p.counts, 4), 2)
+  if recv ~= nil then
+    if not p.in_place then
+      local dst = policy:params()
+      for _, f in ipairs(p.from) do
+        for _, c in ipairs(f.plan) do ffi.copy(dst + c.to, p.staging + f.at + c.at, 4 * c.count) end
+      end
+    end
+    policy:weights_changed()
+  end
   local secs = moonrl.now() - t0
-  return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
+  return { seconds = secs, gb_per_s = secs > 0 and 4 * p.total / secs / 1e9 or 0, bytes = 4 * p.total }
 end
 
 local function publish_store(self, st, v)
