@@ -9,6 +9,10 @@
 #   memory  1 process against RANKS ranks with dist.zero=3: rank 0's training state (parameters,
 #           gradients and optimizer state: memory/params_mb + grads_mb + optim_mb) and the largest
 #           rank's resident peak (memory/max_rank_peak_mb)
+#   engine  GRPO in bf16 on 2 ranks with dist.zero=3 (tests/recipes/grpo_sevens.lua, 2 steps), sync
+#           (the engine reads its bf16 compute copy: memory/engine_copy_mb) against one_step_off
+#           (a whole fp32 copy, which the in-process weight store publishes, and the engine's bf16
+#           copies of it): the parameters' memory (memory/params_mb) and the largest rank's peak
 #   load    bench/dist/zero_load.lua: the model's shards read by 1 and by LOAD_RANKS ranks at once
 #           (model.load_shard; LOAD_RANKS = the cores, so that the ranks do not share one), the
 #           best of 3 reads each, against one process reading it whole
@@ -30,6 +34,9 @@ import json
 with open('$dir/data.jsonl', 'w') as f:
     for i in range(1, 201):
         f.write(json.dumps({'prompt': f'{10 + i}+{30 + 2 * i}=', 'response': str(40 + 3 * i)}) + '\n')
+with open('$dir/rl.jsonl', 'w') as f:
+    for i in range(1, 101):
+        f.write(json.dumps({'question': f'{10 + i}+{30 + 2 * i}='}) + '\n')
 "
 words=(model.dir="$dir/model" data.path="$dir/data.jsonl" data.chat=false data.eval_fraction=0 train.steps="$STEPS"
   train.batch="$BATCH" train.lr=1e-5 train.micro_batch_tokens=8192 run.checkpoint_minutes=0 quiet=true)
@@ -54,6 +61,13 @@ done
 r=mem
 run "memory 1 process" 1 train.steps=2
 run "memory $RANKS ranks zero=3" "$RANKS" dist.zero=3 train.steps=2
+for mode in sync one_step_off; do
+  "$MOONRL" launch -n 2 --mpirun "--mca btl $BTL,self" tests/recipes/grpo_sevens.lua model.dir="$dir/model" \
+    data.path="$dir/rl.jsonl" data.prompt=question data.chat=false reward=sevens grpo.prompts=2 grpo.samples=2 \
+    grpo.max_tokens=4 grpo.steps=2 engine.kv_cache_mb=64 run.threads=1 run.checkpoint_minutes=0 dist.zero=3 \
+    model.dtype=bf16 async.mode=$mode run.dir="$dir/engine_$mode" > "$dir/engine.log" 2>&1 ||
+    { cat "$dir/engine.log" >&2; exit 1; }
+done
 "$MOONRL" run bench/dist/zero_load.lua dir="$dir/model" > "$dir/load1.jsonl"
 "$MOONRL" launch -n "$LOAD_RANKS" --mpirun "--mca btl $BTL,self" bench/dist/zero_load.lua dir="$dir/model" > "$dir/loadN.jsonl"
 "$PYTHON" - "$dir" "$RANKS" "$LOAD_RANKS" <<'PY'
@@ -103,6 +117,13 @@ many = runs[f"memory {ranks} ranks zero=3"][0][1][-1]
 print(f"training state a rank: 1 process {state(one):.1f} MiB, {ranks} ranks with zero=3 {state(many):.1f} MiB "
       f"({state(many) / state(one):.2f}x); peak resident: 1 process {one['memory/rss_peak_mb']:.1f} MiB, the largest "
       f"of {ranks} ranks {many['memory/max_rank_peak_mb']:.1f} MiB")
+cc = [json.loads(l) for l in open(d + "/engine_sync/metrics.jsonl")][-1]
+wc = [json.loads(l) for l in open(d + "/engine_one_step_off/metrics.jsonl")][-1]
+print(f"engine (bf16 GRPO, 2 ranks, zero=3): the compute copy {cc['memory/engine_copy_mb']:.1f} MiB "
+      f"({cc['memory/engine_copy_mb'] * 2**20 / n:.2f} bytes a parameter), parameters {cc['memory/params_mb']:.1f} MiB, "
+      f"largest peak {cc['memory/max_rank_peak_mb']:.1f} MiB; with a whole fp32 copy ({wc['memory/engine_copy_mb']:.1f} MiB) "
+      f"and the engine's bf16 copies of it: parameters {wc['memory/params_mb']:.1f} MiB "
+      f"({cc['memory/params_mb'] / wc['memory/params_mb']:.2f}x), largest peak {wc['memory/max_rank_peak_mb']:.1f} MiB")
 l1 = [json.loads(l) for l in open(d + "/load1.jsonl")]
 ln = [json.loads(l) for l in open(d + "/loadN.jsonl")]
 whole = l1[0]["whole_bytes"] / l1[0]["whole_s"]

@@ -94,6 +94,8 @@ struct mrl_engine {
     int panels_stale;        /* repack before the next step (a new round, new weights) */
     mrl_buffer copy16;       /* bf16: the copies of a buffer not the model's (prepare_weights), */
     mrl_buffer copy_p16;     /* and their bf16 weight panels (pack_weights) */
+    const uint16_t *ext16;   /* bf16 copies and panels kept by a model copy (attach_copy): */
+    const uint32_t *ext_p16; /* read as they are, nothing converted here */
     /* the background run (mrl_engine_run_async) */
     _Atomic int async;       /* ASYNC_*: claimed with a compare-exchange, so two starts cannot both win */
     _Atomic int pause;       /* mrl_engine_pause: the background run returns after its current step */
@@ -271,7 +273,10 @@ static mrl_status prepare_weights(mrl_engine *e) {
     const uint16_t *w16;
     const uint32_t *p16 = NULL; /* none: the products read the plain copies */
     int pack = e->cfg.pack_weights && !e->on_device;
-    if (e->base == mrl_model_params(e->m)) {
+    if (e->ext16) {
+        w16 = e->ext16;
+        if (pack) p16 = e->ext_p16;
+    } else if (e->base == mrl_model_params(e->m)) {
         w16 = mrl_model_bf16_params(e->m);
         if (pack) p16 = mrl_model_bf16_panels(e->m); /* NULL without the memory: the plain copies do */
     } else {
@@ -463,6 +468,7 @@ static mrl_status use_params(mrl_engine *e, const float *params, int64_t n_param
         return mrl_set_error(MRL_ERR_INVALID, "engine %s: the buffer is %s memory, the model's weights are on %s", what,
                              got.kind == MRL_DEVICE_CPU ? "host" : "GPU", want.kind == MRL_DEVICE_CPU ? "the host" : "a GPU");
     rebase(e, params ? params : mrl_model_params(e->m));
+    e->ext16 = NULL, e->ext_p16 = NULL;
     e->panels_stale = 1;
     return MRL_OK;
 }
@@ -470,6 +476,16 @@ static mrl_status use_params(mrl_engine *e, const float *params, int64_t n_param
 mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params) {
     mrl_status st = use_params(e, params, n_params, "attach_params");
     return st ? st : mrl_engine_reset(e);
+}
+
+mrl_status mrl_engine_attach_copy(mrl_engine *e, const mrl_model_copy *c) {
+    if (!c) return mrl_engine_attach_params(e, NULL, 0);
+    mrl_status st = use_params(e, mrl_model_copy_params(c), e ? mrl_model_num_params(e->m) : 0, "attach_copy");
+    if (st) return st;
+    mrl_buffer_free(&e->copy16); /* (the copies of a buffer attached before: not read again) */
+    mrl_buffer_free(&e->copy_p16);
+    e->ext16 = mrl_model_copy_bf16(c), e->ext_p16 = mrl_model_copy_panels(c);
+    return mrl_engine_reset(e);
 }
 
 mrl_status mrl_engine_swap_params(mrl_engine *e, const float *params, int64_t n_params) {

@@ -4,6 +4,7 @@
  * functions (core/dist's mrl_dist_param_gather). Pointer arithmetic on the
  * parameters (views, layer tables) stays that of a whole buffer: only
  * memory is missing where nothing is in use. */
+#include <stdlib.h>
 #include <string.h>
 #include "base/error.h"
 #include "base/mem.h"
@@ -133,4 +134,126 @@ mrl_status mrl_model_alloc_shard(mrl_model *m, int64_t offset, int64_t count) {
     m->shard_off = offset;
     m->shard_count = count;
     return mrl_model_point_params(m, mrl_mem_region_base(m->p_region));
+}
+
+/* ---- the compute copy of a sharded bf16 model (moonrl/model.h) ---- */
+
+struct mrl_model_copy {
+    mrl_model *m;
+    mrl_mem_region *f32; /* the tensors an engine reads in fp32, pinned for the copy's life */
+    mrl_buffer w16, p16; /* the bf16 copies of the layers' matrices and the head; their panels */
+    int64_t (*keep)[2];  /* the fp32 tensors' ranges, merged, in buffer order */
+    int n_keep;
+};
+
+/* The ranges the bf16 products read in bf16 (mrl_model_weights16_at): each layer's matrices
+ * and experts, and a head of its own (a tied head is the embedding, which the lookup reads in
+ * fp32). *n: how many; NULL without memory. */
+static int64_t (*bf16_matrices(const mrl_model *m, int *n))[2] {
+    const mrl_model_config *c = &m->cfg;
+    int64_t (*r)[2] = malloc(sizeof *r * (10 * (size_t)c->num_hidden_layers + 1));
+    if (!r) return NULL;
+    int k = 0;
+    int64_t D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        mrl_layer_matrix mats[7];
+        mrl_layer_matrices(c, (layer_params *)&m->lp[l], mats);
+        for (int i = 0; i < 7; i++)
+            if (mats[i].w) r[k][0] = mats[i].w - m->params, r[k][1] = r[k][0] + mats[i].N * mats[i].K, k++;
+        const float *experts[3] = {m->lp[l].ewg, m->lp[l].ewu, m->lp[l].ewd};
+        for (int i = 0; i < 3; i++)
+            if (experts[i]) r[k][0] = experts[i] - m->params, r[k][1] = r[k][0] + E * Fe * D, k++;
+    }
+    if (!c->tie_word_embeddings) r[k][0] = m->lm_head - m->params, r[k][1] = r[k][0] + (int64_t)c->vocab_size * D, k++;
+    *n = k;
+    return r;
+}
+
+static int inside(int64_t (*r)[2], int n, int64_t lo, int64_t hi) {
+    for (int i = 0; i < n; i++)
+        if (r[i][0] <= lo && hi <= r[i][1]) return 1;
+    return 0;
+}
+
+void mrl_model_copy_free(mrl_model_copy *c) {
+    if (!c) return;
+    mrl_mem_region_free(c->f32);
+    mrl_buffer_free(&c->w16);
+    mrl_buffer_free(&c->p16);
+    free(c->keep);
+    free(c);
+}
+
+mrl_status mrl_model_copy_create(mrl_model *m, int panels, mrl_model_copy **out) {
+    if (!m || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_copy_create: NULL argument");
+    if (!m->p_region || m->dtype != MRL_MODEL_BF16)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_copy_create: the model is not a sharded bf16 model");
+    mrl_model_copy *c = calloc(1, sizeof *c);
+    int n_mat = 0, nv = mrl_model_num_views(m);
+    int64_t (*mat)[2] = bf16_matrices(m, &n_mat);
+    if (!c || !mat || !(c->keep = malloc(sizeof *c->keep * (size_t)(nv > 0 ? nv : 1)))) {
+        free(mat);
+        mrl_model_copy_free(c);
+        return mrl_set_error(MRL_ERR_NOMEM, "model copy: no memory for its tables");
+    }
+    c->m = m;
+    for (int i = 0; i < nv; i++) { /* every view outside the matrices: read in fp32 */
+        mrl_param_view v;
+        mrl_model_view(m, i, &v);
+        if (inside(mat, n_mat, v.offset, v.offset + v.numel)) continue;
+        if (c->n_keep && c->keep[c->n_keep - 1][1] == v.offset)
+            c->keep[c->n_keep - 1][1] += v.numel;
+        else
+            c->keep[c->n_keep][0] = v.offset, c->keep[c->n_keep][1] = v.offset + v.numel, c->n_keep++;
+    }
+    free(mat);
+    mrl_status st = mrl_mem_region_create(4 * m->n_params, MRL_MEM_PARAMS, &c->f32);
+    for (int i = 0; !st && i < c->n_keep; i++) st = mrl_mem_region_pin(c->f32, 4 * c->keep[i][0], 4 * c->keep[i][1]);
+    if (!st && mrl_buffer_alloc(m->device, sizeof(uint16_t) * (size_t)m->n_params, MRL_MEM_PARAMS, &c->w16))
+        st = mrl_set_error(MRL_ERR_NOMEM, "no memory for the bf16 copy of %lld parameters", (long long)m->n_params);
+    if (!st && panels && mrl_buffer_alloc(m->device, (size_t)mrl_model_panels16_bytes(m), MRL_MEM_PARAMS, &c->p16))
+        st = mrl_set_error(MRL_ERR_NOMEM, "no memory for the bf16 weight panels (%lld bytes)",
+                           (long long)mrl_model_panels16_bytes(m));
+    if (st) {
+        mrl_model_copy_free(c);
+        return mrl_wrap_error(st, "the engine's copy of a sharded model");
+    }
+    *out = c;
+    return MRL_OK;
+}
+
+mrl_status mrl_model_copy_refresh(mrl_model_copy *c) {
+    if (!c) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_copy_refresh: NULL copy");
+    mrl_model *m = c->m;
+    int L = m->cfg.num_hidden_layers;
+    /* the forward's parts: the embedding, each layer, the final norm and head */
+    int64_t *cut = malloc(sizeof *cut * ((size_t)L + 3));
+    if (!cut) return mrl_set_error(MRL_ERR_NOMEM, "model copy: no memory");
+    cut[0] = 0;
+    for (int l = 0; l < L; l++) cut[l + 1] = m->lp[l].ln1 - m->params;
+    cut[L + 1] = m->final_norm - m->params, cut[L + 2] = m->n_params;
+    float *f32 = mrl_mem_region_base(c->f32);
+    mrl_status st = MRL_OK;
+    for (int p = 0; p < L + 2 && !st; p++) { /* each part gathered, the next one's gather started */
+        int64_t lo = cut[p], hi = cut[p + 1];
+        if ((st = mrl_model_use(m, lo, hi, hi, p + 2 < L + 3 ? cut[p + 2] : hi))) break;
+        mrl_model_bf16_convert_range(m, m->params, c->w16.data, lo, hi);
+        for (int i = 0; i < c->n_keep; i++) {
+            int64_t a = c->keep[i][0] > lo ? c->keep[i][0] : lo, b = c->keep[i][1] < hi ? c->keep[i][1] : hi;
+            if (b > a) memcpy(f32 + a, m->params + a, sizeof(float) * (size_t)(b - a));
+        }
+        mrl_model_unuse(m, lo, hi);
+    }
+    free(cut);
+    if (st) return mrl_wrap_error(st, "refreshing the engine's copy of a sharded model");
+    if (c->p16.data) mrl_model_bf16_pack_panels(m, c->w16.data, c->p16.data);
+    return MRL_OK;
+}
+
+const float *mrl_model_copy_params(const mrl_model_copy *c) { return c ? mrl_mem_region_base(c->f32) : NULL; }
+const uint16_t *mrl_model_copy_bf16(const mrl_model_copy *c) { return c ? c->w16.data : NULL; }
+const uint32_t *mrl_model_copy_panels(const mrl_model_copy *c) { return c ? c->p16.data : NULL; }
+
+int64_t mrl_model_copy_bytes(const mrl_model_copy *c) {
+    return c ? mrl_mem_region_resident(c->f32) + (int64_t)c->w16.bytes + (int64_t)c->p16.bytes : 0;
 }

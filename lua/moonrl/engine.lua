@@ -99,7 +99,8 @@ function M.new(model, opts)
   local h = ffi.new('mrl_engine *[1]')
   moonrl.check(C.mrl_engine_create(model.handle, cfg, h), 2)
   -- the engine borrows the model: keep it alive with the engine
-  local e = setmetatable({ handle = ffi.gc(h[0], C.mrl_engine_free), model = model, seed = opts.seed or 0 }, Engine)
+  local e = setmetatable({ handle = ffi.gc(h[0], C.mrl_engine_free), model = model, seed = opts.seed or 0,
+    pack_weights = cfg.pack_weights ~= 0 }, Engine)
   if opts.record_routing then e:record_routing(true) end
   return e
 end
@@ -508,6 +509,10 @@ function Engine:num_unfinished() return tonumber(C.mrl_engine_num_unfinished(sel
 -- model.n_params), e.g. one that receives weights by broadcast; nil: the engine's home buffer
 -- (set_home; else the model's own).
 function Engine:attach_params(buf, n)
+  if buf == nil and self.home_copy then
+    moonrl.check(C.mrl_engine_attach_copy(self.handle, self.home_copy), 2)
+    return
+  end
   if buf == nil then buf, n = self.home, self.home_n end
   moonrl.check(C.mrl_engine_attach_params(self.handle, buf, buf and (n or self.model.n_params) or 0), 2)
 end
@@ -515,8 +520,15 @@ end
 -- The buffer the engine reads when no other is attached (a sharded model's whole copy: the
 -- model's own buffer holds only a shard); attached now.
 function Engine:set_home(buf, n)
-  self.home, self.home_n = buf, n
+  self.home, self.home_n, self.home_copy = buf, n, nil
   self:attach_params(buf, n)
+end
+
+-- The same with a sharded bf16 model's compute copy (model.h's mrl_model_copy: moonrl.train.dist's
+-- compute_copy): its bf16 copies and panels read as they are, kept referenced here.
+function Engine:set_home_copy(copy)
+  self.home, self.home_n, self.home_copy = nil, nil, copy
+  self:attach_params(nil)
 end
 
 -- In-flight weight update: see the top of the file. The engine reads buf in place: keep it referenced.

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "check.h"
+#include "moonrl/dtype.h"
 #include "moonrl/mem.h"
 #include "moonrl/model.h"
 #include "moonrl/safetensors.h"
@@ -753,6 +754,52 @@ static void test_sharded(void) {
                 /* read again from a directory: the saved one holds the same shard */
                 CHECK_OK(mrl_model_read_shard(sh, out));
                 CHECK(memcmp(mrl_model_params(sh) + off, whole + off, sizeof(float) * (size_t)cnt) == 0);
+                /* bf16: the engine's compute copy, made part by part through the gathers: the bf16
+                 * copies of the matrices and the head, the fp32 tensors outside them, no more */
+                if (dtype) {
+                    mrl_model_copy *cp = NULL;
+                    CHECK(mrl_model_copy_create(m, 0, &cp) == MRL_ERR_INVALID); /* (whole parameters: none) */
+                    mrl_mem_get_stats(&s1);
+                    CHECK_OK(mrl_model_copy_create(sh, 0, &cp));
+                    CHECK_OK(mrl_model_copy_refresh(cp));
+                    CHECK(fg.bad == 0 && fg.n_started == 0);
+                    const uint16_t *w16 = mrl_model_copy_bf16(cp);
+                    const float *f32 = mrl_model_copy_params(cp);
+                    int64_t kept = 0, bad16 = 0, bad32 = 0;
+                    for (int i = 0, nv = mrl_model_num_views(m); cp && i < nv; i++) {
+                        mrl_param_view v;
+                        mrl_model_view(m, i, &v);
+                        if (strcmp(v.name, "score.weight") == 0) continue; /* (the engine reads no value head) */
+                        if (v.ndim == 2 && !strstr(v.name, "embed_tokens")) { /* a matrix: bf16 */
+                            for (int64_t j = 0; j < v.numel; j++)
+                                bad16 += w16[v.offset + j] != mrl_f32_to_bf16(whole[v.offset + j]);
+                        } else { /* fp32 (the embedding, norms, biases) */
+                            bad32 += memcmp(f32 + v.offset, whole + v.offset, sizeof(float) * (size_t)v.numel) != 0;
+                            kept += v.numel;
+                        }
+                    }
+                    CHECK(bad16 == 0 && bad32 == 0);
+                    mrl_mem_stats s2;
+                    mrl_mem_get_stats(&s2);
+                    int64_t bytes = mrl_model_copy_bytes(cp);
+                    CHECK(bytes == s2.current[MRL_MEM_PARAMS] - s1.current[MRL_MEM_PARAMS]);
+                    CHECK(bytes <= 2 * n + 4 * kept + 2 * 4096 * (int64_t)(4 * c.num_hidden_layers + 4));
+                    CHECK(bytes < 3 * n); /* against 4n for a whole fp32 copy */
+                    /* a matrix is not there in fp32: a read faults */
+                    mrl_param_view q;
+                    CHECK_OK(mrl_model_find_view(m, "model.layers.3.self_attn.q_proj.weight", &q));
+                    fflush(NULL);
+                    pid_t p2 = fork();
+                    if (p2 == 0) {
+                        volatile float x = f32[q.offset + q.numel / 2];
+                        (void)x;
+                        _exit(0);
+                    }
+                    int st2 = 0;
+                    waitpid(p2, &st2, 0);
+                    CHECK((WIFSIGNALED(st2) && WTERMSIG(st2) == SIGSEGV) || (WIFEXITED(st2) && WEXITSTATUS(st2) != 0));
+                    mrl_model_copy_free(cp);
+                }
                 /* outside the shard and what is gathered there is no memory: a read faults */
                 fflush(NULL);
                 pid_t pid = fork();

@@ -54,13 +54,15 @@ local PPO = U.with(BASE, { 'data.path=' .. rl_data, 'data.prompt=question', 'dat
   'ppo.prompts=6', 'ppo.samples=2', 'ppo.max_tokens=4', 'ppo.steps=2' })
 local ONE, MANY = 'train.micro_batch_tokens=4096', 'train.micro_batch_tokens=40'
 
-t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a rank): sft, dpo, grpo, grpo with a reference, ppo with its critic, bf16 sft on 2 and 3 ranks', function()
-  for _, case in ipairs({ { 'recipes/sft.lua', SFT }, { 'recipes/dpo.lua', DPO }, { GRPO_RECIPE, GRPO },
+local copy_mb = {} -- the engine's copy, by case, zero and world size
+t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a rank): sft, dpo, grpo, grpo with a reference, ppo with its critic, bf16 sft and grpo (the engine\'s bf16 compute copy) on 2 and 3 ranks', function()
+  for _, case in ipairs({ { 'recipes/sft.lua', SFT }, { 'recipes/dpo.lua', DPO }, { GRPO_RECIPE, GRPO, 'grpo' },
     { 'recipes/ppo.lua', PPO },
     { GRPO_RECIPE, U.with(GRPO, { 'grpo.kl_coef=0.1' }), 'grpo_kl' },
-    { 'recipes/sft.lua', U.with(SFT, { 'model.dtype=bf16' }), 'sft_bf16' } }) do
+    { 'recipes/sft.lua', U.with(SFT, { 'model.dtype=bf16' }), 'sft_bf16' },
+    { GRPO_RECIPE, U.with(GRPO, { 'model.dtype=bf16' }), 'grpo_bf16' } }) do
     local recipe, words = case[1], U.with(case[2], { ONE })
-    local name = case[3] or recipe:match('(%a+)%.lua$'):gsub('_sevens$', '')
+    local name = case[3] or recipe:match('(%a+)%.lua$')
     for _, n in ipairs({ 2, 3 }) do
       local plain = string.format('%s/%s_plain%d', dir, name, n)
       run(n, recipe, U.words(words, plain))
@@ -81,8 +83,14 @@ t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a ra
         end
         local ev = event(z, 'data_parallel')
         t.eq(ev and ev.zero, zero, name .. ': the data_parallel event records the level')
+        copy_mb[name .. zero .. n] = zm[#zm]['memory/engine_copy_mb']
       end
     end
+  end
+  -- the engine's copy of a sharded policy: whole fp32, or in bf16 its compute copy (other bytes)
+  for _, n in ipairs({ 2, 3 }) do
+    t.truthy(copy_mb['grpo3' .. n] and copy_mb['grpo_bf163' .. n] and copy_mb['grpo_bf163' .. n] ~= copy_mb['grpo3' .. n],
+      'bf16 grpo on ' .. n .. ' ranks: the engine reads its bf16 compute copy')
   end
 end)
 
@@ -97,6 +105,12 @@ t.test('zero=2 and 3 with expert parallelism (qwen3_moe, moe.expert_parallel on 
     run(2, 'recipes/sft.lua', U.words(words, z, { 'dist.zero=' .. zero }))
     t.truthy(model_bytes(z) == model_bytes(plain), 'expert parallel sft: zero=' .. zero .. ' gives the bits of zero=0')
   end
+  -- bf16 GRPO: the engine's compute copy holds the experts in bf16
+  local grpo = U.with(GRPO, { ONE, 'model.dir=' .. moe, 'moe.expert_parallel=true', 'model.dtype=bf16', 'grpo.steps=2' })
+  run(2, GRPO_RECIPE, U.words(grpo, dir .. '/moe_grpo_plain'))
+  run(2, GRPO_RECIPE, U.words(grpo, dir .. '/moe_grpo_zero3', { 'dist.zero=3' }))
+  t.truthy(model_bytes(dir .. '/moe_grpo_plain') and model_bytes(dir .. '/moe_grpo_zero3') == model_bytes(dir .. '/moe_grpo_plain'),
+    'expert parallel bf16 grpo: zero=3 gives the bits of zero=0')
 end)
 
 t.test('zero=2 with several micro-batches a rank: within 1e-5 of plain data parallel and of one process', function()

@@ -63,6 +63,7 @@ extern "C" {
 
 typedef struct mrl_engine mrl_engine;
 typedef struct mrl_model mrl_model;
+typedef struct mrl_model_copy mrl_model_copy;
 
 typedef struct mrl_engine_config {
     int64_t kv_cache_bytes;     /* KV cache pool (all layers, K and V; kv_cache_dtype below) */
@@ -169,6 +170,11 @@ void mrl_engine_free(mrl_engine *e);
  * back to the model's own buffer. Resets the engine (mrl_engine_reset):
  * cached prefixes came from other weights. */
 mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params);
+/* Read a sharded bf16 model's compute copy (mrl_model_copy_create): its bf16
+ * copies and panels as they are (refreshed by mrl_model_copy_refresh, then a
+ * new round), its fp32 tensors where the products read fp32. NULL goes back to
+ * the model's own buffer. Resets the engine as attach_params does. */
+mrl_status mrl_engine_attach_copy(mrl_engine *e, const mrl_model_copy *c);
 /* In-flight weight update (PipelineRL): read the weights from `params` (as
  * in attach_params: n_params floats in the model's layout; NULL: the model's
  * own buffer) for every FOLLOWING step, keeping every request, running

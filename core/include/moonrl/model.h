@@ -301,6 +301,25 @@ mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count);
 int64_t mrl_model_gathered_bytes(mrl_model *m, int64_t *peak);
 void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count);
 
+/* The compute copy of a sharded bf16 model, for an engine that generates alone
+ * (mrl_engine_attach_copy): the bf16 copies of the layers' matrices and the
+ * head (and with `panels` their bf16 weight panels, MRL_PANEL16) whole, and in
+ * fp32 only the tensors an engine reads in fp32 (the embedding, norms, biases,
+ * routers): a region in the parameters' layout with memory there alone.
+ * mrl_model_copy_refresh fills it from the shards part by part as the forward
+ * gathers them (a collective, every rank of the model's gathers calls it), so
+ * no rank ever holds the fp32 weights whole; about half the bytes of an fp32
+ * copy. The model must outlive the copy. */
+typedef struct mrl_model_copy mrl_model_copy;
+mrl_status mrl_model_copy_create(mrl_model *m, int panels, mrl_model_copy **out);
+mrl_status mrl_model_copy_refresh(mrl_model_copy *c);
+/* its fp32 tensors (read only there), bf16 copies, panels (NULL: none) and bytes held */
+const float *mrl_model_copy_params(const mrl_model_copy *c);
+const uint16_t *mrl_model_copy_bf16(const mrl_model_copy *c);
+const uint32_t *mrl_model_copy_panels(const mrl_model_copy *c);
+int64_t mrl_model_copy_bytes(const mrl_model_copy *c);
+void mrl_model_copy_free(mrl_model_copy *c);
+
 /* Gradients = 0 (nothing to do while the buffer does not exist yet). */
 void mrl_model_zero_grad(mrl_model *m);
 

@@ -291,11 +291,28 @@ function M.whole_copy(model)
   local buf = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS)
   if buf == nil then moonrl.run_error('the whole copy of a sharded model: ' .. moonrl.last_error()) end
   local copy = { buf = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free), n = n }
+  function copy.bytes() return 4 * n end
   local gather = whole_gather(model.shard_layout, n)
   function copy.refresh()
     ffi.copy(copy.buf + offset, model:param_buffer() + offset, 4 * count)
     gather(copy.buf)
   end
+  copy.refresh()
+  return copy
+end
+
+-- The engine's compute copy of a sharded bf16 model (model.h's mrl_model_copy): the bf16 copies
+-- of the matrices whole (with panels: their weight panels too) and in fp32 only the tensors the
+-- engine reads in fp32, refreshed part by part as the forward gathers them, so the fp32 weights
+-- are never whole on a rank. copy.handle goes to Engine:set_home_copy; refresh() after an update
+-- (a collective, as whole_copy's); bytes(): what it holds.
+function M.compute_copy(model, panels)
+  local out = ffi.new('mrl_model_copy *[1]')
+  check(C.mrl_model_copy_create(model.handle, panels and 1 or 0, out))
+  local c = ffi.gc(out[0], C.mrl_model_copy_free)
+  local copy = { handle = c }
+  function copy.refresh() check(C.mrl_model_copy_refresh(c)) end
+  function copy.bytes() return tonumber(C.mrl_model_copy_bytes(c)) end
   copy.refresh()
   return copy
 end

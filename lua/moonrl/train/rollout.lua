@@ -243,7 +243,11 @@ end
 -- The whole weights this process has: the policy's buffer, or a sharded policy's whole copy
 -- (the engine's, all-gathered after each update).
 local function whole_weights(S)
-  if S.engine_copy then return S.engine_copy.buf, S.engine_copy.n end
+  if S.engine_copy then
+    -- (a bf16 compute copy is not whole fp32: a session makes one only where nothing publishes)
+    assert(S.engine_copy.buf, 'the whole weights of a sharded policy whose engine reads a bf16 compute copy')
+    return S.engine_copy.buf, S.engine_copy.n
+  end
   return S.policy:params()
 end
 

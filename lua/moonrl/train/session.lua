@@ -131,9 +131,17 @@ function M.start(cfg, opts)
     engine = made
   end
   local engine_copy
-  if engine and policy:shard() then -- the engine generates alone: a whole copy of its own, refreshed after each update
-    engine_copy = dist.whole_copy(policy)
-    engine:set_home(engine_copy.buf, engine_copy.n)
+  if engine and policy:shard() then -- the engine generates alone: a copy of its own, refreshed after each update
+    -- in bf16 its compute copy (no fp32 weights whole on the rank); a whole fp32 copy where the
+    -- process publishes whole weights (async modes in one process: a weight store) or in fp32
+    local remote = cfg.dist and (cfg.dist.rollout_ranks or 0) > 0
+    if policy:dtype() == 'bf16' and (sections.lag(cfg) == 0 or remote) then
+      engine_copy = dist.compute_copy(policy, engine.pack_weights)
+      engine:set_home_copy(engine_copy.handle)
+    else
+      engine_copy = dist.whole_copy(policy)
+      engine:set_home(engine_copy.buf, engine_copy.n)
+    end
   end
   if type(cfg.reward) == 'table' and cfg.reward_model and cfg.reward_model.dir then
     require('moonrl.registry').plugin('reward', 'reward_model').register('reward_model', cfg.reward_model.dir)
@@ -417,7 +425,7 @@ function Session:optimizer(name, opt)
   if self.world.size > 1 and opt.model then
     opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
       gpu_transport = self.cfg.dist.gpu_transport, shard_group = self.cfg.dist.shard_group })
-    if opt.model == self.policy and self.engine_copy then -- the engine's whole copy follows each update
+    if opt.model == self.policy and self.engine_copy then -- the engine's copy follows each update
       -- (in place: the engine reads it from its next round, each generate being one; an engine
       -- thread reads a weight store's copies of it)
       opt.after_step[#opt.after_step + 1] = self.engine_copy.refresh
@@ -624,7 +632,7 @@ function Session:restore(dir, state, opts)
   local why = not opts.models_only and not opts.keep_data and ckpt.check_positions(state, self.datasets)
   if why then moonrl.usage_error(string.format('cannot resume from %s: %s', dir, why)) end
   for i, m in ipairs(self.models) do ckpt.load_model(dir, m.name, m.model, i == 1) end
-  if self.engine_copy then self.engine_copy.refresh() end -- (a sharded policy's: the engine's whole copy of it)
+  if self.engine_copy then self.engine_copy.refresh() end -- (a sharded policy's: the engine's copy of it)
   if opts.models_only then return end
   if opts.optimizers ~= false then
     for _, o in ipairs(self.optimizers) do ckpt.load_optimizer(dir, o.name, o.opt) end
@@ -783,7 +791,7 @@ function Session:log(m, opts)
     m.memory = m.memory or {}
     m.memory.params_shard_mb = 4 * cnt / 2 ^ 20
     m.memory.params_gathered_peak_mb = tonumber(peak[0]) / 2 ^ 20
-    if self.engine_copy then m.memory.engine_copy_mb = 4 * self.engine_copy.n / 2 ^ 20 end
+    if self.engine_copy then m.memory.engine_copy_mb = self.engine_copy.bytes() / 2 ^ 20 end
   end
   local p = self.progress
   if p and not (opts and opts.quiet) then p:clear() end -- the step line prints above the live line
