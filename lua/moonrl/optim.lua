@@ -111,10 +111,15 @@ end
 -- (a rank's shard under ZeRO-1), or with grads (count floats) of its own (ZeRO-2's shard);
 -- no_decay: ranges relative to offset. This one is left as it is (a deferred one stays without
 -- state).
+-- An offloaded one's shard is offloaded too: each rank's host memory holds 1/N of the master
+-- weights and state (ZeRO-Offload).
 function AdamW:shard(offset, count, no_decay, grads)
   local o = self.options
-  return M.adamw({ params = self.params + offset, grads = grads or self:bind_grads() + offset, n = count, lr = self.lr,
-    betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay, model = self.model })
+  local s = M.adamw({ params = self.params + offset, grads = grads or self:bind_grads() + offset, n = count, lr = self.lr,
+    betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay, model = self.model,
+    defer = self.offloaded })
+  if self.offloaded then s:offload():create() end
+  return s
 end
 
 function AdamW:step(lr)

@@ -5,6 +5,8 @@
 --     GPU), SFT with held-out evaluation (the engine on the GPU), DPO: the same tokens sampled,
 --     step metrics and final weights within fp32 rounding of the CPU run's;
 --   * data parallel over 2 ranks with GPU models (gradients through the host): the 2-rank CPU run;
+--     ZeRO-1 (the optimizer state sharded over the GPUs) the bits of plain data parallel, and
+--     with its shards offloaded to host memory the same weights within rounding;
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
@@ -158,7 +160,7 @@ end)
 t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local proc = require('moonrl.io.proc')
-  local function ranks(device, tag)
+  local function ranks(device, tag, extra)
     local run_dir = dir .. '/dp_' .. tag
     local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
       'vader,self' }
@@ -169,6 +171,7 @@ t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
       'run.threads=1', 'dist.gpu_transport=host', 'model.device=' .. device, 'run.dir=' .. run_dir }) do
       argv[#argv + 1] = a
     end
+    for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
     local r = proc.run(argv, { timeout = 600 })
     if not r.ok then io.stderr:write(r.stdout, r.stderr) end
     t.truthy(r.ok, '2 ranks on ' .. device)
@@ -185,6 +188,22 @@ t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   t.truthy(d <= 1e-3, 'the final weights agree')
   local ev = io.open(g .. '/events.jsonl'):read('*a')
   t.truthy(ev:find('"gpu_transport": "host"', 1, true), 'the data-parallel event names the transport')
+  -- ZeRO-1 on GPUs: each rank steps its shard of the optimizer state on its GPU (half of it here),
+  -- then the parameters are all-gathered: the bits of plain data parallel; with the shards
+  -- offloaded (ZeRO-Offload) the state is in host memory, the weights those of the GPU's kernel
+  -- within rounding
+  local z1, z1o = ranks('cuda:0', 'gpu_zero1', { 'dist.zero=1' }), ranks('cuda:0', 'gpu_zero1_off',
+    { 'dist.zero=1', 'dist.offload=optimizer' })
+  t.eq(weights_diff(z1 .. '/model', g .. '/model'), 0, 'zero=1 on GPUs: the weights of zero=0')
+  local m1, m1o = records(z1), records(z1o)
+  local full, half = mg[#mg]['memory/gpu/optim_mb'], m1[#m1]['memory/gpu/optim_mb']
+  t.truthy(full > 0 and half > 0 and math.abs(half - full / 2) <= 0.01 * full,
+    string.format('zero=1: the GPU holds half of the optimizer state (%s of %s MiB)', tostring(half), tostring(full)))
+  t.truthy((m1o[#m1o]['memory/gpu/optim_mb'] or 0) == 0 and (m1o[#m1o]['memory/optim_mb'] or 0) > 0,
+    'zero=1 offloaded: the state of the shard in host memory, none on the GPU')
+  local d1 = weights_diff(z1o .. '/model', g .. '/model')
+  print(string.format('zero=1 offloaded against zero=0 on GPUs: worst ||d|| / ||w|| %.3g', d1))
+  t.truthy(d1 <= 1e-6, 'zero=1 offloaded: the weights of zero=0 within rounding')
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()

@@ -134,6 +134,27 @@ function World:gpu_transport(transport, device)
   return 'host'
 end
 
+-- Make a GPU buffer of n floats whole, each rank's shard (mrl_dist_shard over the world) being
+-- in place: NCCL broadcasts every rank's shard in place (the shards may differ in size, which
+-- NCCL's all-gather does not take); through the host, the shard goes into a host copy, which is
+-- all-gathered and copied back.
+function World:gpu_allgather_shards(ptr, n)
+  if self.size == 1 or n == 0 then return end
+  if self.gpu_via == 'nccl' then
+    for r = 0, self.size - 1 do
+      local first, last = self:share(n, r)
+      if last >= first then check(C.mrl_nccl_broadcast(self.nccl, ptr + first - 1, 4 * (last - first + 1), r)) end
+    end
+    return
+  end
+  local first, last = self:share(n)
+  self.gpu_host = (self.gpu_host_n or 0) >= n and self.gpu_host or ffi.new('float[?]', n)
+  self.gpu_host_n = math.max(self.gpu_host_n or 0, n)
+  if last >= first then moonrl.check(C.mrl_device_memcpy(self.gpu_host + first - 1, ptr + first - 1, 4 * (last - first + 1))) end
+  check(C.mrl_dist_allgather_shards(self.handle, self.gpu_host, n, C.MRL_DIST_F32))
+  moonrl.check(C.mrl_device_memcpy(ptr, self.gpu_host, 4 * n))
+end
+
 -- Sum n floats of a GPU buffer over the ranks, in place.
 function World:gpu_allreduce(ptr, n)
   if self.size == 1 or n == 0 then return end
@@ -358,10 +379,11 @@ function M.data_parallel(w, opt, model, opts)
   if zero >= 2 and not model then error('dist.zero=2: the optimizer must name its model (opt.model)', 2) end
   if device.kind ~= C.MRL_DEVICE_CPU then
     -- a GPU model's: one sum over the whole buffer once the backward is done (dist.gpu_transport:
-    -- NCCL, or through the host), no buckets; ZeRO-1 and 2 are CPU only for now
-    if zero >= 1 then
-      moonrl.usage_error(string.format('dist.zero=%d shards the training state of a CPU model; a GPU model keeps it '
-        .. 'whole (dist.zero=0) for now', zero))
+    -- NCCL, or through the host), no buckets; ZeRO-1 shards the optimizer state (each rank steps
+    -- its shard, then the parameters are made whole again); ZeRO-2 and 3 are CPU only for now
+    if zero >= 2 then
+      moonrl.usage_error(string.format('dist.zero=%d shards the gradients%s of a CPU model; a GPU model shards its '
+        .. 'optimizer state alone (dist.zero=1) for now', zero, zero == 3 and ' and parameters' or ''))
     end
     self.grads = opt:bind_grads()
     self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
@@ -394,7 +416,11 @@ function M.data_parallel(w, opt, model, opts)
   self.offset, self.count = mine.offset, mine.count
   -- ZeRO-1 and 2: the parameters made whole again after each step (within the group under
   -- hybrid sharding); ZeRO-3's shards stay as they are, gathered by the model as it computes
-  if zero == 1 or zero == 2 then self.gather_params = whole_gather(layout, n) end
+  if self.gpu and zero == 1 then
+    self.gather_params = function(buf) w:gpu_allgather_shards(buf, n) end
+  elseif zero == 1 or zero == 2 then
+    self.gather_params = whole_gather(layout, n)
+  end
   if zero == 3 then
     local off, cnt = model:shard()
     if off ~= mine.offset or cnt ~= mine.count then
