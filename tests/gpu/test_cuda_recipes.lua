@@ -204,6 +204,13 @@ t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   local d1 = weights_diff(z1o .. '/model', g .. '/model')
   print(string.format('zero=1 offloaded against zero=0 on GPUs: worst ||d|| / ||w|| %.3g', d1))
   t.truthy(d1 <= 1e-6, 'zero=1 offloaded: the weights of zero=0 within rounding')
+  -- stopped after step 1 and resumed: each rank's shard of the state comes back onto its GPU
+  ranks('cuda:0', 'gpu_zero1_part', { 'dist.zero=1', 'grpo.steps=1', 'run.checkpoint_every=1' })
+  local part = ranks('cuda:0', 'gpu_zero1_part', { 'dist.zero=1', 'run.checkpoint_every=1', 'run.resume=auto' })
+  t.eq(#records(part), 2, 'zero=1 on GPUs: two steps logged')
+  t.truthy(io.open(part .. '/events.jsonl'):read('*a'):match('"event": "resume"[^\n]*step%-000001'),
+    'zero=1 on GPUs: resumed from step 1\'s checkpoint')
+  t.eq(weights_diff(part .. '/model', z1 .. '/model'), 0, 'zero=1 on GPUs resumed: the weights of the run never stopped')
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()
