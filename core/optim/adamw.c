@@ -142,6 +142,36 @@ static mrl_status do_step(mrl_adamw *opt, double lr, const mrl_kernels *k, const
     return MRL_OK;
 }
 
+mrl_status mrl_adamw_step_chunked(mrl_adamw *opt, double lr, int64_t chunk, mrl_adamw_chunk_fn fn, void *ctx) {
+    if (!opt || !fn || chunk <= 0) return mrl_set_error(MRL_ERR_INVALID, "adamw_step_chunked: bad arguments");
+    if (lr < 0) lr = opt->config.lr;
+    if (!isfinite(lr)) return mrl_set_error(MRL_ERR_INVALID, "adamw_step_chunked: lr must be finite (got %g)", lr);
+    /* the no-decay ranges of a chunk, clipped to it and relative to its start */
+    int64_t *r = malloc(sizeof *r * (size_t)(2 * opt->no_decay_count + 2));
+    if (!r) return mrl_set_error(MRL_ERR_NOMEM, "adamw_step_chunked: out of memory");
+    const mrl_kernels *k = mrl_kernels_for(opt->device);
+    opt->step++;
+    mrl_adamw_args a = {0};
+    coeffs_init(&a.decay, &opt->config, lr, opt->step, 1);
+    coeffs_init(&a.no_decay, &opt->config, lr, opt->step, 0);
+    mrl_status st = MRL_OK;
+    for (int64_t lo = 0; lo < opt->n && !st; lo += chunk) {
+        int64_t hi = opt->n - lo < chunk ? opt->n : lo + chunk, nr = 0;
+        for (int64_t i = 0; i < opt->no_decay_count; i++) {
+            int64_t b = opt->no_decay[2 * i] > lo ? opt->no_decay[2 * i] : lo;
+            int64_t e = opt->no_decay[2 * i + 1] < hi ? opt->no_decay[2 * i + 1] : hi;
+            if (e > b) r[2 * nr] = b - lo, r[2 * nr + 1] = e - lo, nr++;
+        }
+        if ((st = fn(ctx, 0, lo, hi))) break;
+        a.p = opt->params + lo, a.m = opt->state + lo, a.v = opt->state + opt->n + lo, a.g = opt->grads + lo;
+        a.n = hi - lo, a.ranges = nr ? r : NULL, a.n_ranges = nr;
+        k->adamw(&a);
+        st = fn(ctx, 1, lo, hi);
+    }
+    free(r);
+    return st;
+}
+
 mrl_status mrl_adamw_step(mrl_adamw *opt, double lr) {
     return do_step(opt, lr, opt ? mrl_kernels_for(opt->device) : NULL, "adamw_step");
 }

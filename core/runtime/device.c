@@ -187,6 +187,37 @@ mrl_status mrl_device_memcpy(void *dst, const void *src, size_t bytes) {
     return MRL_OK;
 }
 
+mrl_status mrl_stream_copy(void *dst, const void *src, size_t bytes, mrl_stream *stream) {
+    if (!bytes || dst == src) return MRL_OK;
+    if (!dst || !src) return mrl_set_error(MRL_ERR_INVALID, "stream copy of %zu bytes: NULL pointer", bytes);
+#ifdef MRL_HAVE_CUDA
+    int to_dev = mrl_device_of(dst).kind != MRL_DEVICE_CPU, from_dev = mrl_device_of(src).kind != MRL_DEVICE_CPU;
+    if (to_dev || from_dev)
+        return mrl_cuda_memcpy(dst, src, bytes, to_dev && from_dev ? 2 : to_dev ? 0 : 4, stream ? stream->native : NULL);
+#else
+    (void)stream;
+#endif
+    memmove(dst, src, bytes);
+    return MRL_OK;
+}
+
+mrl_status mrl_host_pin(void *ptr, size_t bytes) {
+#ifdef MRL_HAVE_CUDA
+    if (ptr && bytes && mrl_cuda_device_count() > 0) return mrl_cuda_host_register(ptr, bytes);
+#else
+    (void)ptr, (void)bytes;
+#endif
+    return mrl_set_error(MRL_ERR_UNSUPPORTED, "pinning host memory: no GPU");
+}
+
+void mrl_host_unpin(void *ptr) {
+#ifdef MRL_HAVE_CUDA
+    if (ptr && mrl_cuda_device_count() > 0) mrl_cuda_host_unregister(ptr);
+#else
+    (void)ptr;
+#endif
+}
+
 mrl_status mrl_stream_create(mrl_device device, mrl_stream **out) {
     *out = NULL;
     mrl_stream *s = calloc(1, sizeof *s);

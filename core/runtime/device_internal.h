@@ -28,6 +28,14 @@ void mrl_buffer_free(mrl_buffer *buffer);
 mrl_status mrl_buffer_copy(mrl_buffer *dst, size_t dst_offset, const mrl_buffer *src, size_t src_offset,
                            size_t bytes, mrl_stream *stream);
 mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream);
+/* bytes between host memory and a GPU's (or within a GPU) on a stream, not
+ * waited for: mrl_stream_sync says when they are done. The host side runs
+ * asynchronously only when pinned (mrl_host_pin); both host: a memmove now. */
+mrl_status mrl_stream_copy(void *dst, const void *src, size_t bytes, mrl_stream *stream);
+/* Page-lock host memory for asynchronous copies (mrl_host_unpin before it
+ * is freed); MRL_ERR_UNSUPPORTED where there is no GPU (nothing to do). */
+mrl_status mrl_host_pin(void *ptr, size_t bytes);
+void mrl_host_unpin(void *ptr);
 
 mrl_status mrl_stream_create(mrl_device device, mrl_stream **out);
 mrl_status mrl_stream_sync(mrl_stream *stream);

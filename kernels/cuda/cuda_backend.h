@@ -16,8 +16,13 @@ mrl_status mrl_cuda_describe(int device, char *buf, size_t buf_size);
 mrl_status mrl_cuda_malloc(int device, size_t bytes, void **out);
 void mrl_cuda_free(void *ptr);
 /* kind: 0 host->device, 1 device->host, 2 device->device, 3 either way
- * (told by the addresses); complete on return for 1 and 3 */
+ * (told by the addresses), 4 device->host not waited for; complete on
+ * return for 1 and 3 */
 mrl_status mrl_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream);
+/* Page-lock host memory (cudaHostRegister), so that copies to and from it
+ * run asynchronously; unregister before it is freed. */
+mrl_status mrl_cuda_host_register(void *ptr, size_t bytes);
+void mrl_cuda_host_unregister(void *ptr);
 /* 1 and *device when ptr is device memory of this process; 0 otherwise */
 int mrl_cuda_pointer_device(const void *ptr, int *device);
 mrl_status mrl_cuda_memset_zero(void *ptr, size_t bytes, void *stream);

@@ -40,15 +40,23 @@ extern "C" void mrl_cuda_free(void *ptr) {
 }
 
 extern "C" mrl_status mrl_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream) {
-    cudaMemcpyKind k = kind == 0   ? cudaMemcpyHostToDevice
-                       : kind == 1 ? cudaMemcpyDeviceToHost
-                       : kind == 2 ? cudaMemcpyDeviceToDevice
-                                   : cudaMemcpyDefault;
+    cudaMemcpyKind k = kind == 0                 ? cudaMemcpyHostToDevice
+                       : kind == 1 || kind == 4 ? cudaMemcpyDeviceToHost
+                       : kind == 2              ? cudaMemcpyDeviceToDevice
+                                                : cudaMemcpyDefault;
     mrl_status st = check(cudaMemcpyAsync(dst, src, bytes, k, (cudaStream_t)stream), "cudaMemcpyAsync");
     if (st != MRL_OK) return st;
     // a copy to the host must be complete when the call returns
     if (kind == 1 || kind == 3) return check(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize");
     return MRL_OK;
+}
+
+extern "C" mrl_status mrl_cuda_host_register(void *ptr, size_t bytes) {
+    return check(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault), "cudaHostRegister");
+}
+
+extern "C" void mrl_cuda_host_unregister(void *ptr) {
+    if (ptr) cudaHostUnregister(ptr);
 }
 
 extern "C" int mrl_cuda_pointer_device(const void *ptr, int *device) {

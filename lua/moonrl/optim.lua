@@ -67,10 +67,14 @@ end
 -- its fp32 master weights, a host copy of the gradients and its state (m, v) in host memory, and
 -- steps there with the CPU's kernel: each step copies the gradients over, updates the master
 -- weights and copies them back into the GPU's parameters (the model's compute copy). The GPU
--- holds the parameters and gradients only. Call before the state exists.
-function AdamW:offload()
+-- holds the parameters and gradients only. The copies overlap the update: in chunks of
+-- chunk_floats (default 16M, 64 MB), the next chunk's gradients come over while the CPU steps this
+-- one, and each stepped chunk goes back while it steps the next (optim.h's mrl_offload). Call
+-- before the state exists.
+function AdamW:offload(chunk_floats)
   if self.handle then error('optim.adamw: offload() after the state exists', 2) end
   self.offloaded = true
+  self.offload_chunk = chunk_floats or 16 * 2 ^ 20
   return self
 end
 
@@ -79,18 +83,16 @@ end
 function AdamW:create()
   if self.handle then return self end
   local out = ffi.new('mrl_adamw *[1]')
-  if self.offloaded then -- the master weights and a gradient buffer in host memory, the state with them
-    local n = self.n
-    local hp, hg = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS), C.mrl_mem_alloc(4 * n, C.MRL_MEM_GRADS)
-    if hp == nil or hg == nil then error('optim.adamw: offload: ' .. moonrl.last_error(), 3) end
-    self.host_params = ffi.gc(ffi.cast('float *', hp), C.mrl_mem_free)
-    self.host_grads = ffi.gc(ffi.cast('float *', hg), C.mrl_mem_free)
-    moonrl.check(C.mrl_device_memcpy(self.host_params, self.params, 4 * n), 3)
-    moonrl.check(C.mrl_adamw_create(self.host_params, self.host_grads, n, self.cfg, out), 3)
+  if self.offloaded then -- the master weights, a gradient buffer and the state in host memory
+    local o = ffi.new('mrl_offload *[1]')
+    moonrl.check(C.mrl_offload_create(self.params, self:bind_grads(), self.n, self.cfg,
+      math.max(1, math.floor(self.offload_chunk)), o), 3)
+    self.offload_handle = ffi.gc(o[0], C.mrl_offload_free)
+    self.handle = C.mrl_offload_adamw(o[0]) -- (the offload's, freed with it)
   else
     moonrl.check(C.mrl_adamw_create(self.params, self:bind_grads(), self.n, self.cfg, out), 3)
+    self.handle = ffi.gc(out[0], C.mrl_adamw_free)
   end
-  self.handle = ffi.gc(out[0], C.mrl_adamw_free)
   if self.no_decay and #self.no_decay > 0 then self:set_no_decay(self.no_decay) end
   return self
 end
@@ -118,16 +120,14 @@ function AdamW:shard(offset, count, no_decay, grads)
   local s = M.adamw({ params = self.params + offset, grads = grads or self:bind_grads() + offset, n = count, lr = self.lr,
     betas = o.betas, eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay, model = self.model,
     defer = self.offloaded })
-  if self.offloaded then s:offload():create() end
+  if self.offloaded then s:offload(self.offload_chunk):create() end
   return s
 end
 
 function AdamW:step(lr)
   self:create()
-  if self.offloaded then -- the gradients over, the update on the host, the weights back
-    moonrl.check(C.mrl_device_memcpy(self.host_grads, self:bind_grads(), 4 * self.n), 2)
-    moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
-    moonrl.check(C.mrl_device_memcpy(self.params, self.host_params, 4 * self.n), 2)
+  if self.offloaded then -- the gradients over, the update on the host, the weights back: overlapped
+    moonrl.check(C.mrl_offload_step(self.offload_handle, lr or -1), 2)
     if self.model then self.model:weights_changed() end
     return
   end
@@ -173,7 +173,7 @@ function AdamW:load_state(s)
   moonrl.check(C.mrl_adamw_load_state(self.handle, ffi.cast('const float *', s.m), ffi.cast('const float *', s.v),
     s.n or self.n, s.step), 2)
   -- offloaded: the master weights are the model's as restored with it (a checkpoint's, a rollback's)
-  if self.offloaded then moonrl.check(C.mrl_device_memcpy(self.host_params, self.params, 4 * self.n), 2) end
+  if self.offloaded then moonrl.check(C.mrl_offload_pull(self.offload_handle), 2) end
 end
 
 -- Learning-rate schedules, the formulas of transformers'

@@ -10,7 +10,8 @@
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
---   * dist.offload=optimizer: the optimizer's state in host memory, the weights of the run without it;
+--   * dist.offload=optimizer: the optimizer's state in host memory, the weights of the run without it
+--     (its pipeline in chunks of 16 KiB: several for the tiny model);
 --   * model.device values that cannot run are usage errors naming the key.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -136,7 +137,7 @@ t.test('dist.offload=optimizer: no optimizer state on the GPU, the weights of th
     return d
   end
   local on_gpu = sub('no_offload', { 'grpo.steps=3' })
-  local off = sub('offload', { 'grpo.steps=3', 'dist.offload=optimizer' })
+  local off = sub('offload', { 'grpo.steps=3', 'dist.offload=optimizer', 'dist.offload_chunk_mb=0.015625' })
   local mo, mg = records(off), records(on_gpu)
   for s = 1, #mo do
     t.truthy(mg[s]['memory/gpu/optim_mb'] > 0, 'step ' .. s .. ': without offload, the state on the GPU')
@@ -148,8 +149,8 @@ t.test('dist.offload=optimizer: no optimizer state on the GPU, the weights of th
   print(string.format('optimizer offloaded vs on the GPU: worst ||d|| / ||w|| %.3g', d))
   t.truthy(d <= 1e-5, 'the weights of the run without offload (the CPU kernel against the GPU\'s)')
   -- stopped after step 2 and resumed: the master weights come back with the model
-  local part = sub('offload_part', { 'grpo.steps=2', 'dist.offload=optimizer' })
-  sub('offload_part', { 'grpo.steps=3', 'run.resume=auto', 'dist.offload=optimizer' })
+  local part = sub('offload_part', { 'grpo.steps=2', 'dist.offload=optimizer', 'dist.offload_chunk_mb=0.015625' })
+  sub('offload_part', { 'grpo.steps=3', 'run.resume=auto', 'dist.offload=optimizer', 'dist.offload_chunk_mb=0.015625' })
   t.eq(#records(part), 3, 'resumed at step 3')
   t.eq(weights_diff(part .. '/model', off .. '/model'), 0, 'resumed with offload: the weights of the run never stopped')
 end)
@@ -193,7 +194,7 @@ t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   -- offloaded (ZeRO-Offload) the state is in host memory, the weights those of the GPU's kernel
   -- within rounding
   local z1, z1o = ranks('cuda:0', 'gpu_zero1', { 'dist.zero=1' }), ranks('cuda:0', 'gpu_zero1_off',
-    { 'dist.zero=1', 'dist.offload=optimizer' })
+    { 'dist.zero=1', 'dist.offload=optimizer', 'dist.offload_chunk_mb=0.015625' })
   t.eq(weights_diff(z1 .. '/model', g .. '/model'), 0, 'zero=1 on GPUs: the weights of zero=0')
   local m1, m1o = records(z1), records(z1o)
   local full, half = mg[#mg]['memory/gpu/optim_mb'], m1[#m1]['memory/gpu/optim_mb']

@@ -51,6 +51,41 @@ static void test_fast_vs_reference(void) {
     for (int s = 0; s < 4; s++) free(g[s]);
 }
 
+/* The offload's pipeline (mrl_offload: here on host buffers, its copies memmoves) steps in
+ * chunks: any chunk size gives the bits of whole steps, the no-decay ranges crossing chunk
+ * edges; the master weights start as the parameters, and a pull takes them again. */
+static void test_offload_chunks(void) {
+    float *p0 = urnd(N, 1.0f), *g[4];
+    for (int s = 0; s < 4; s++) g[s] = urnd(N, 0.1f);
+    float *ref = run(p0, g, 4, 1, 0);
+    int64_t chunks[] = {7, 4099, 100000, N, 2 * N};
+    float *p = malloc(N * sizeof *p), *grad = malloc(N * sizeof *grad);
+    for (int c = 0; c < 5; c++) {
+        memcpy(p, p0, N * sizeof *p);
+        mrl_offload *o = NULL;
+        CHECK_OK(mrl_offload_create(p, grad, N, &cfg, chunks[c], &o));
+        if (!o) break;
+        CHECK_OK(mrl_adamw_set_no_decay(mrl_offload_adamw(o), mask, 4));
+        memset(p, 0, N * sizeof *p); /* the master weights are the offload's: pulled back below */
+        CHECK_OK(mrl_offload_pull(o));
+        memcpy(p, p0, N * sizeof *p);
+        CHECK_OK(mrl_offload_pull(o));
+        for (int s = 0; s < 4; s++) {
+            memcpy(grad, g[s], N * sizeof *grad);
+            double norm;
+            CHECK_OK(mrl_grad_clip_norm(grad, N, 50.0, &norm));
+            CHECK_OK(mrl_offload_step(o, 1e-3 * (s + 1)));
+        }
+        CHECK(mrl_adamw_steps(mrl_offload_adamw(o)) == 4);
+        CHECK(memcmp(p, ref, N * sizeof(float)) == 0);
+        mrl_offload_free(o);
+    }
+    mrl_offload *o = NULL;
+    CHECK(mrl_offload_create(p, grad, N, &cfg, 0, &o) == MRL_ERR_INVALID && o == NULL);
+    free(p); free(grad); free(ref); free(p0);
+    for (int s = 0; s < 4; s++) free(g[s]);
+}
+
 /* One step by hand in double: decay applies outside the mask only. */
 static void test_semantics(void) {
     float p[8] = {1, -2, 3, -4, 0.5f, 6, -7, 8}, g[8] = {0.1f, 0.2f, -0.3f, 0.4f, 0, -0.6f, 0.7f, 1e-3f};
@@ -159,6 +194,7 @@ static void test_bad_arguments(void) {
 int main(void) {
     test_fast_vs_reference();
     test_semantics();
+    test_offload_chunks();
     test_state_resume();
     test_grad_helpers();
     test_bad_arguments();

@@ -45,6 +45,33 @@ mrl_status mrl_adamw_step(mrl_adamw *opt, double lr);
 mrl_status mrl_adamw_step_reference(mrl_adamw *opt, double lr);
 /* Steps taken so far. */
 int64_t mrl_adamw_steps(const mrl_adamw *opt);
+/* The same update chunk by chunk ([0, chunk), [chunk, 2 chunk), ...: the
+ * same bits), fn(ctx, 0, lo, hi) called before chunk [lo, hi) is stepped and
+ * fn(ctx, 1, lo, hi) after; a failing fn stops the update there (the step
+ * is counted). Overlaps transfers with the update (mrl_offload_step). */
+typedef mrl_status (*mrl_adamw_chunk_fn)(void *ctx, int after, int64_t lo, int64_t hi);
+mrl_status mrl_adamw_step_chunked(mrl_adamw *opt, double lr, int64_t chunk, mrl_adamw_chunk_fn fn, void *ctx);
+
+/* Optimizer offload (dist.offload=optimizer): a GPU model's n parameters
+ * updated from its gradients by an AdamW in host memory. The offload holds
+ * the fp32 master weights (a copy of dev_params made here), a host copy of
+ * the gradients (both page-locked while it lives, MRL_MEM_PARAMS and
+ * MRL_MEM_GRADS) and the AdamW over them (mrl_offload_adamw: its no-decay
+ * ranges, state and steps; freed with the offload). mrl_offload_step waits
+ * for the GPU's work, then pipelines in chunks of `chunk` floats: the next
+ * chunk's gradients come over while the CPU steps this one, and each
+ * stepped chunk's weights go back while the CPU steps the next; it returns
+ * once the weights are on the GPU. The same bits as copying everything,
+ * stepping, and copying back. mrl_offload_pull copies dev_params into the
+ * master weights again (a restore). On host buffers (no GPU) the copies are
+ * memmoves. */
+typedef struct mrl_offload mrl_offload;
+mrl_status mrl_offload_create(float *dev_params, const float *dev_grads, int64_t n, const mrl_adamw_config *config,
+                              int64_t chunk, mrl_offload **out);
+mrl_adamw *mrl_offload_adamw(mrl_offload *o);
+mrl_status mrl_offload_step(mrl_offload *o, double lr);
+mrl_status mrl_offload_pull(mrl_offload *o);
+void mrl_offload_free(mrl_offload *o);
 
 /* Checkpoint state: the optimizer's m and v (n floats each, owned by the
  * optimizer, where the parameters are: read a GPU's with mrl_device_memcpy;

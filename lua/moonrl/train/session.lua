@@ -66,7 +66,7 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 -- Keys a resumed run may change: they do not change the math of the steps it redoes.
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
-  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.shard_group', 'dist.offload', 'dist.bucket_mb', 'run.progress',
+  'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.shard_group', 'dist.offload', 'dist.offload_chunk_mb', 'dist.bucket_mb', 'run.progress',
   'run.progress_seconds', 'run.memory_budget_mb', 'run.max_shard_gb' }
 
 -- ---- start --------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ end
 function Session:optimizer(name, opt)
   -- dist.offload=optimizer: a GPU model's master weights and optimizer state in host memory
   if self.cfg.dist and self.cfg.dist.offload == 'optimizer' and opt.offload and opt.model and opt.model:device() ~= 'cpu' then
-    opt:offload()
+    opt:offload(self.cfg.dist.offload_chunk_mb * 2 ^ 20 / 4)
   end
   if not (self.world.size > 1 and opt.model) and opt.create then opt:create() end
   if self.world.size > 1 and opt.model then

@@ -95,6 +95,10 @@ void emu_enqueue(std::function<void()> f);
 // 1 while a capture is open; emu_capture_spoil(why) fails it
 int emu_capturing();
 void emu_capture_spoil(const char *why);
+// page-locked host memory: every copy of the emulator is synchronous, nothing to lock
+enum { cudaHostRegisterDefault = 0 };
+inline cudaError_t cudaHostRegister(void *, size_t, unsigned) { return 0; }
+inline cudaError_t cudaHostUnregister(void *) { return 0; }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, int) { *s = (cudaStream_t)malloc(1); return 0; }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) { free(s); return 0; }
 template <class K> cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return 0; }
