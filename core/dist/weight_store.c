@@ -54,6 +54,8 @@ enum {
     MAX_READERS = 128,
     MAX_SLOTS = MAX_READERS + 2,
     NO_SLOT = 0xff, /* in the latest word: a flags-only publish; in held: nothing held */
+    WRITER = -1,    /* a handle's reader index: the creator */
+    CO_WRITER = -2, /* one that writes ranges of the creator's versions (mrl_weight_store_open_writer) */
     LAYOUT = 1,     /* the header's layout version: a store of another one is refused */
     CACHE_LINE = 64,
 };
@@ -294,30 +296,68 @@ static void copy_chunks(void *ctx, int64_t begin, int64_t end) {
     memcpy(c->dst + lo, c->src + lo, (size_t)(hi - lo) * sizeof(float));
 }
 
-mrl_status mrl_weight_store_publish(mrl_weight_store *w, const float *src, int64_t version, int flags) {
+static mrl_status only_writer(const mrl_weight_store *w, const char *what) {
+    if (!w) return mrl_set_error(MRL_ERR_INVALID, "weight store: NULL handle");
+    if (w->reader != WRITER)
+        return mrl_set_error(MRL_ERR_INVALID, "weight store %s: opened as %s: only the writer %s", label(w),
+                             w->reader == CO_WRITER ? "a co-writer" : "a reader", what);
+    return MRL_OK;
+}
+
+mrl_status mrl_weight_store_begin(mrl_weight_store *w, int *slot) {
+    mrl_status st = only_writer(w, "begins a version");
+    if (st) return st;
+    if (!slot) return mrl_set_error(MRL_ERR_INVALID, "weight store %s: begin: NULL slot", label(w));
+    uint64_t now = atomic_load(&w->hdr->latest); /* our own last store */
+    *slot = free_slot(w, word_slot(now));
+    if (*slot < 0)
+        return mrl_set_error(MRL_ERR_INTERNAL, "weight store %s: no free slot among %d (a reader index used by "
+                             "two readers?)", label(w), w->n_slots);
+    return MRL_OK;
+}
+
+mrl_status mrl_weight_store_write(mrl_weight_store *w, int slot, int64_t offset, const float *src, int64_t count) {
     if (!w) return mrl_set_error(MRL_ERR_INVALID, "weight store: NULL handle");
     if (w->reader >= 0)
-        return mrl_set_error(MRL_ERR_INVALID, "weight store %s: opened as reader %d: only the writer publishes",
-                             label(w), w->reader);
+        return mrl_set_error(MRL_ERR_INVALID, "weight store %s: opened as reader %d: readers do not write", label(w),
+                             w->reader);
+    if (slot < 0 || slot >= w->n_slots || offset < 0 || count < 0 || offset > w->n_floats ||
+        count > w->n_floats - offset || (count && !src))
+        return mrl_set_error(MRL_ERR_INVALID, "weight store %s: write of [%lld, +%lld) into slot %d (%d slots of %lld "
+                             "floats)", label(w), (long long)offset, (long long)count, slot, w->n_slots,
+                             (long long)w->n_floats);
+    copy_job job = {(float *)(w->slots + slot * w->slot_bytes) + offset, src, count};
+    mrl_parallel_for((count + COPY_CHUNK - 1) / COPY_CHUNK, COPY_GRAIN, copy_chunks, &job);
+    return MRL_OK;
+}
+
+mrl_status mrl_weight_store_commit(mrl_weight_store *w, int slot, int64_t version, int flags) {
+    mrl_status st = only_writer(w, "publishes");
+    if (st) return st;
     if (version < 0 || version > MAX_VERSION || version <= w->last_version)
         return mrl_set_error(MRL_ERR_INVALID, "weight store %s: version %lld after version %lld: versions must "
                              "increase (from 0, at most 2^47 - 1)", label(w), (long long)version,
                              (long long)w->last_version);
     if (flags & ~(MRL_WS_STOP | MRL_WS_ROLLBACK))
         return mrl_set_error(MRL_ERR_INVALID, "weight store %s: unknown flags 0x%x in a publish", label(w), flags);
-    int slot = NO_SLOT;
-    if (src) {
-        uint64_t now = atomic_load(&w->hdr->latest); /* our own last store */
-        slot = free_slot(w, word_slot(now));
-        if (slot < 0)
-            return mrl_set_error(MRL_ERR_INTERNAL, "weight store %s: no free slot among %d (a reader index used by "
-                                 "two readers?)", label(w), w->n_slots);
-        copy_job job = {(float *)(w->slots + slot * w->slot_bytes), src, w->n_floats};
-        mrl_parallel_for((w->n_floats + COPY_CHUNK - 1) / COPY_CHUNK, COPY_GRAIN, copy_chunks, &job);
-    }
+    if (slot < 0) slot = NO_SLOT; /* flags only */
+    if (slot != NO_SLOT && slot >= w->n_slots)
+        return mrl_set_error(MRL_ERR_INVALID, "weight store %s: commit of slot %d (%d slots)", label(w), slot,
+                             w->n_slots);
     atomic_store(&w->hdr->latest, make_word(version, flags, slot));
     w->last_version = version;
     return MRL_OK;
+}
+
+mrl_status mrl_weight_store_publish(mrl_weight_store *w, const float *src, int64_t version, int flags) {
+    mrl_status st = only_writer(w, "publishes");
+    if (st) return st;
+    int slot = NO_SLOT;
+    if (version >= 0 && version <= MAX_VERSION && version > w->last_version && src) { /* (else commit says why) */
+        if ((st = mrl_weight_store_begin(w, &slot))) return st;
+        mrl_weight_store_write(w, slot, 0, src, w->n_floats);
+    }
+    return mrl_weight_store_commit(w, slot, version, flags);
 }
 
 /* ------------------------------------------------------------- reader side */
@@ -381,6 +421,8 @@ static mrl_status wait_ready(mrl_weight_store *w, int reader, int64_t min_versio
 }
 
 static mrl_status check_reader(const mrl_weight_store *w, int reader) {
+    if (w->reader == CO_WRITER)
+        return mrl_set_error(MRL_ERR_INVALID, "weight store %s: a co-writer's handle does not read", label(w));
     if (w->reader >= 0 && reader != w->reader)
         return mrl_set_error(MRL_ERR_INVALID, "weight store %s: this handle was opened as reader %d, not %d",
                              label(w), w->reader, reader);
@@ -416,7 +458,7 @@ mrl_status mrl_weight_store_acquire(mrl_weight_store *w, int reader, int64_t min
 
 void mrl_weight_store_release(mrl_weight_store *w, int reader) {
     /* release order: the reads of the slot come before the writer can see it free */
-    if (w && reader >= 0 && reader < w->n_readers && (w->reader < 0 || reader == w->reader))
+    if (w && reader >= 0 && reader < w->n_readers && (w->reader == WRITER || reader == w->reader))
         atomic_store_explicit(&w->hdr->readers[reader].held, NO_SLOT, memory_order_release);
 }
 
@@ -455,7 +497,19 @@ static mrl_status claim_reader(mrl_weight_store *w, int reader) {
     return MRL_OK;
 }
 
+static mrl_status open_as(const char *name, int64_t n_floats, int reader, mrl_weight_store **out);
+
 mrl_status mrl_weight_store_open(const char *name, int64_t n_floats, int reader, mrl_weight_store **out) {
+    if (reader < 0 && out) *out = NULL;
+    if (reader < 0) return mrl_set_error(MRL_ERR_INVALID, "weight store %s: reader %d", name ? name : "(null)", reader);
+    return open_as(name, n_floats, reader, out);
+}
+
+mrl_status mrl_weight_store_open_writer(const char *name, int64_t n_floats, mrl_weight_store **out) {
+    return open_as(name, n_floats, CO_WRITER, out);
+}
+
+static mrl_status open_as(const char *name, int64_t n_floats, int reader, mrl_weight_store **out) {
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "weight store: NULL out");
     *out = NULL;
     if (!name) return mrl_set_error(MRL_ERR_INVALID, "weight store: open needs a name (a private store's handle is "
@@ -500,10 +554,10 @@ mrl_status mrl_weight_store_open(const char *name, int64_t n_floats, int reader,
     else if (h->n_floats != n_floats)
         st = mrl_set_error(MRL_ERR_INVALID, "weight store %s: holds %lld floats per slot, the reader expects %lld",
                            name, (long long)h->n_floats, (long long)n_floats);
-    else if (reader < 0 || reader >= h->n_readers)
+    else if (reader != CO_WRITER && (reader < 0 || reader >= h->n_readers))
         st = mrl_set_error(MRL_ERR_INVALID, "weight store %s: reader %d (the store has readers 0..%d)", name, reader,
                            h->n_readers - 1);
-    if (!st) st = claim_reader(w, reader);
+    if (!st && reader != CO_WRITER) st = claim_reader(w, reader);
     if (st) {
         mrl_weight_store_free(w); /* reader -1 and unlinked: only unmaps */
         return st;
@@ -516,7 +570,7 @@ mrl_status mrl_weight_store_open(const char *name, int64_t n_floats, int reader,
     w->slots = (char *)h + h->header_bytes;
     /* a reader only reads the weights: a stray write in its engine faults
      * here instead of corrupting every reader's copy */
-    mprotect(w->slots, (size_t)(w->n_slots * w->slot_bytes), PROT_READ);
+    if (reader != CO_WRITER) mprotect(w->slots, (size_t)(w->n_slots * w->slot_bytes), PROT_READ);
     mrl_mem_account(MRL_MEM_PARAMS, w->map_bytes);
     *out = w;
     return MRL_OK;

@@ -224,6 +224,71 @@ static void test_processes(const config *c, int n_readers, int k) {
     mrl_weight_store_free(w);
 }
 
+/* Two writers (sharded trainers): a co-writer process writes the second half of every
+ * version into the slot the writer began, the writer the first half, then commits; a reader
+ * that never waits sees only whole versions. The co-writer may not begin, commit or read; a
+ * reader may not write; a write outside the slot is refused. */
+static void test_co_writers(void) {
+    char name[64];
+    make_name(name, sizeof name, "cowrite");
+    enum { N = 1 << 16, V = 300 };
+    mrl_weight_store *w = NULL;
+    CHECK_OK(mrl_weight_store_create(name, N, 1, &w));
+    if (!w) return;
+    int to_child[2], to_parent[2];
+    CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(to_child[1]); /* (the parent's ends: EOF when it closes its own) */
+        close(to_parent[0]);
+        mrl_weight_store *c = NULL;
+        int bad = mrl_weight_store_open_writer(name, N, &c) != MRL_OK;
+        int slot = 0, ack = 1;
+        bad += c && mrl_weight_store_begin(c, &slot) != MRL_ERR_INVALID;
+        bad += c && mrl_weight_store_commit(c, 0, 0, 0) != MRL_ERR_INVALID;
+        bad += c && mrl_weight_store_acquire(c, 0, 0, 0, NULL, NULL, NULL) != MRL_ERR_INVALID;
+        bad += c && mrl_weight_store_write(c, 0, N / 2, NULL, N) != MRL_ERR_INVALID;
+        if (write(to_parent[1], &bad, sizeof bad) != sizeof bad) _exit(2);
+        float *half = malloc(sizeof(float) * N / 2);
+        int64_t msg[2];
+        while (read(to_child[0], msg, sizeof msg) == sizeof msg) { /* slot, version */
+            for (int64_t i = 0; i < N / 2; i++) half[i] = pattern(msg[1], N / 2 + i);
+            ack = c && mrl_weight_store_write(c, (int)msg[0], N / 2, half, N / 2) == MRL_OK;
+            if (write(to_parent[1], &ack, sizeof ack) != sizeof ack) _exit(2);
+        }
+        mrl_weight_store_free(c);
+        _exit(0);
+    }
+    close(to_child[0]);
+    close(to_parent[1]);
+    int bad = -1;
+    CHECK(read(to_parent[0], &bad, sizeof bad) == sizeof bad && bad == 0);
+    CHECK_OK(mrl_weight_store_unlink(w));
+    reader_run run = {.w = w, .reader = 0, .n_versions = V, .n_floats = N};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, read_versions, &run) == 0);
+    float *half = malloc(sizeof(float) * N / 2);
+    for (int64_t v = 0; v < V; v++) {
+        int slot = -1, ack = 0;
+        CHECK_OK(mrl_weight_store_begin(w, &slot));
+        int64_t msg[2] = {slot, v};
+        CHECK(write(to_child[1], msg, sizeof msg) == sizeof msg);
+        for (int64_t i = 0; i < N / 2; i++) half[i] = pattern(v, i);
+        CHECK_OK(mrl_weight_store_write(w, slot, 0, half, N / 2));
+        CHECK(read(to_parent[0], &ack, sizeof ack) == sizeof ack && ack == 1);
+        CHECK_OK(mrl_weight_store_commit(w, slot, v, 0));
+    }
+    pthread_join(th, NULL);
+    CHECK(run.failures == 0 && run.distinct >= 1);
+    CHECK(mrl_weight_store_write(w, 0, N - 1, half, 2) == MRL_ERR_INVALID);
+    CHECK(mrl_weight_store_commit(w, 0, V - 1, 0) == MRL_ERR_INVALID); /* (versions increase) */
+    close(to_child[1]);
+    CHECK(exited_ok(pid));
+    close(to_parent[0]);
+    free(half);
+    mrl_weight_store_free(w);
+}
+
 /* ------------------------------------------------- flags, waits, stops */
 
 typedef struct waiter {
@@ -502,6 +567,7 @@ int main(void) {
         for (int n_readers = 1; n_readers <= 2; n_readers++) test_processes(&configs[i], n_readers, k++);
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         for (int n_readers = 1; n_readers <= 2; n_readers++) test_threads(&configs[i], n_readers);
+    test_co_writers();
     test_wait_and_stop_flag();
     test_timeout_and_stop_request();
     test_errors();

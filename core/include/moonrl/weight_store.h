@@ -57,6 +57,18 @@ mrl_status mrl_weight_store_create(const char *name, int64_t n_floats, int n_rea
  * A missing name, or a file that is not a weight store of this build's
  * layout, is an error naming the name and what is wrong. */
 mrl_status mrl_weight_store_open(const char *name, int64_t n_floats, int reader, mrl_weight_store **out);
+/* Several writers (trainers that each hold a shard of the weights,
+ * dist.zero=3): another process of the host opens the store as a
+ * co-writer; for each version the writer takes a free slot (begin), gives
+ * its index to the co-writers, every one copies its ranges into it (write),
+ * and once all are done (the caller's barrier) the writer publishes it
+ * (commit: the slot and the version, as mrl_weight_store_publish; a
+ * flags-only version: slot -1). Readers never see a slot before its
+ * commit. publish is begin, one write of all n_floats and commit. */
+mrl_status mrl_weight_store_open_writer(const char *name, int64_t n_floats, mrl_weight_store **out);
+mrl_status mrl_weight_store_begin(mrl_weight_store *w, int *slot);
+mrl_status mrl_weight_store_write(mrl_weight_store *w, int slot, int64_t offset, const float *src, int64_t count);
+mrl_status mrl_weight_store_commit(mrl_weight_store *w, int slot, int64_t version, int flags);
 /* Writer: remove the name from /dev/shm; the mappings stay valid. Call it
  * once every reader has opened. Idempotent (and a no-op for a private
  * store); free also unlinks if it was not done. */
