@@ -237,6 +237,17 @@ t.test('shared-memory weights: the bits of the MPI broadcast and of one process;
   end
   t.truthy(published >= 4, 'a version published after each step that has a batch to come: ' .. published)
   t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm')
+  -- a rollout rank that cannot open the store (another host; a fault injection): auto falls back
+  -- to the broadcast, the bits as ever; async.weights=shm stops, naming the rank
+  local far = { env = { 'MOONRL_FAULT=no_shm:rank=1' } }
+  run(2, words(dir .. '/shm_far', 'async.mode=one_step_off', 'dist.rollout_ranks=1'), far)
+  t.eq(events(dir .. '/shm_far', 'rollout_weights')[1].via, 'mpi', 'a rollout rank without the store: by MPI')
+  t.truthy(model_bytes(dir .. '/shm_far') == model_bytes(dir .. '/off1'), 'after the fallback: the bits of one process')
+  local r = run(2, words(dir .. '/shm_far2', 'async.mode=one_step_off', 'dist.rollout_ranks=1', 'async.weights=shm'),
+    { env = far.env, expect_fail = true })
+  t.eq(r.exit_status, 2, 'async.weights=shm and a rollout rank without the store: a usage error')
+  t.truthy(r.stderr:find('rollout rank 1 of 1: fault injection', 1, true), r.stderr)
+  t.eq(shm_files(), 0, 'no moonrl store left in /dev/shm after either')
 end)
 
 t.test('one process, an engine thread: the bits of generating between steps, an evaluation meanwhile too; resumes', function()

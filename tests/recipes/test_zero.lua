@@ -338,21 +338,23 @@ t.test('hybrid sharding (4 ranks, dist.shard_group=2): the bits of zero=0 on 4 r
   end
 end)
 
-t.test('zero=3 with asynchronous rollouts: one_step_off, async and engine threads (the engine\'s whole copy), and rollout ranks receiving every trainer\'s shard: the bits of zero=0', function()
+t.test('zero=3 with asynchronous rollouts: one_step_off, async and engine threads (the engine\'s whole copy), and rollout ranks getting every trainer\'s shard (in shared memory, by MPI): the bits of zero=0', function()
   for _, case in ipairs({ { 2, { 'async.mode=one_step_off' }, 'off' },
     { 2, { 'async.mode=async', 'async.max_staleness=1' }, 'async' },
     { 2, { 'async.mode=one_step_off', 'async.engine_threads=1' }, 'threads' },
-    { 3, { 'async.mode=one_step_off', 'dist.rollout_ranks=1' }, 'rollout' },
-    { 3, { 'async.mode=async', 'async.max_staleness=1', 'dist.rollout_ranks=1' }, 'rollout_async' } }) do
+    { 3, { 'async.mode=one_step_off', 'dist.rollout_ranks=1' }, 'rollout', 'shared memory' },
+    { 4, { 'async.mode=one_step_off', 'dist.rollout_ranks=1', 'async.weights=shm' }, 'rollout_shm', 'shared memory' },
+    { 3, { 'async.mode=async', 'async.max_staleness=1', 'dist.rollout_ranks=1', 'async.weights=mpi' }, 'rollout_async',
+      'trainer shards' } }) do
     local words = U.with(GRPO, U.with({ ONE, 'grpo.steps=4' }, case[2]))
     local plain, z3 = dir .. '/async_plain_' .. case[3], dir .. '/async_zero3_' .. case[3]
     run(case[1], GRPO_RECIPE, U.words(words, plain))
     run(case[1], GRPO_RECIPE, U.words(words, z3, { 'dist.zero=3' }))
     t.eq(#U.records(z3), 4, case[3] .. ': every step logged')
     t.truthy(model_bytes(z3) == model_bytes(plain), case[3] .. ': zero=3 gives the bits of zero=0')
-    if case[1] == 3 then
+    if case[4] then
       local ev = event(z3, 'rollout_weights')
-      t.eq(ev and ev.via, 'trainer shards', case[3] .. ': the rollout rank got the trainers\' shards')
+      t.eq(ev and ev.via, case[4], case[3] .. ': how the rollout rank got the trainers\' shards')
     end
   end
   -- a guard's rollback (a spike at step 7, back to step 6's checkpoint): the shards read again and
@@ -366,11 +368,28 @@ t.test('zero=3 with asynchronous rollouts: one_step_off, async and engine thread
   local ev = event(rb3, 'rollback')
   t.truthy(ev and ev.step == 7 and ev.to_step == 6, 'zero=3: rolled back at step 7 to step 6')
   t.truthy(model_bytes(rb3) == model_bytes(rb0), 'zero=3 after a rollback: the bits of zero=0')
-  -- what the rollout ranks cannot do with sharded trainers yet: a usage error naming it
+  -- a rank that cannot open the store (another host; a fault injection): auto sends the shards by
+  -- MPI, the bits as ever; shm stops before the first step, naming the rank and the key
+  local far = { env = { 'MOONRL_FAULT=no_shm:rank=1' } }
+  local fb = dir .. '/async_zero3_far'
+  run(3, GRPO_RECIPE, U.words(U.with(GRPO, { ONE, 'grpo.steps=4', 'async.mode=one_step_off', 'dist.rollout_ranks=1' }),
+    fb, { 'dist.zero=3' }), far)
+  t.eq((event(fb, 'rollout_weights') or {}).via, 'trainer shards', 'a trainer without the store: the shards by MPI')
+  t.truthy(model_bytes(fb) == model_bytes(dir .. '/async_plain_rollout'), 'by MPI after the fallback: the bits of zero=0')
   local r = run(3, GRPO_RECIPE, U.words(U.with(GRPO, { 'dist.zero=3', 'dist.rollout_ranks=1', 'async.mode=one_step_off',
-    'async.weights=shm' }), dir .. '/async_bad'), { expect_fail = true })
-  t.eq(r.exit_status, 2, 'async.weights=shm with dist.zero=3: a usage error')
-  t.truthy(r.stderr:find('async.weights=shm', 1, true), r.stderr)
+    'async.weights=shm' }), dir .. '/async_far_shm'), { env = far.env, expect_fail = true })
+  t.eq(r.exit_status, 2, 'async.weights=shm and a rank without the store: a usage error')
+  t.truthy(r.stderr:find('async.weights=shm needs the trainers and every rollout rank on one host', 1, true) and
+    r.stderr:find('rank 1 of 3: fault injection', 1, true), r.stderr)
+  -- in-flight weight updates on a rollout rank (async.partial=continue: the engine takes up each
+  -- version the trainers write into the store while its requests run; timing-dependent bits)
+  local pc = dir .. '/async_zero3_partial'
+  run(3, GRPO_RECIPE, U.words(U.with(GRPO, { ONE, 'grpo.steps=4', 'async.mode=async', 'async.max_staleness=1',
+    'dist.rollout_ranks=1', 'async.partial=continue' }), pc, { 'dist.zero=3' }))
+  local pm = U.records(pc)
+  t.eq(#pm, 4, 'partial=continue with zero=3: every step logged')
+  t.truthy(pm[#pm]['async/switched_samples'] ~= nil, 'partial=continue with zero=3: the switches counted')
+  t.eq((event(pc, 'rollout_weights') or {}).via, 'shared memory', 'partial=continue with zero=3: through the store')
 end)
 
 t.test('zero=2: NaN gradients in the shards skip the update on every rank, as plain data parallel does', function()

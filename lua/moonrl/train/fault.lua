@@ -16,6 +16,8 @@
 --   kl:step=5:value=9            report a KL of value at step 5 (for the KL detector)
 --   slow_engine:seconds=0.02     every generation engine step of the process takes that much longer
 --                                (a straggling rollout worker; rank= and attempt= apply)
+--   no_shm:rank=2                this rank cannot open the shared-memory weight store (as a rank on
+--                                another host cannot; rank= and attempt= apply)
 --
 -- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
 -- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
@@ -28,7 +30,7 @@ local moonrl = require('moonrl')
 local M = {}
 
 local KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true, nan = true,
-  spike = true, kl = true, slow_engine = true }
+  spike = true, kl = true, slow_engine = true, no_shm = true }
 local POINT_KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true }
 
 function M.parse(text)
@@ -113,6 +115,17 @@ function M.update_fault(step, kind)
       return f
     end
   end
+end
+
+-- Whether a fault of the process (no step or phase) of this kind applies: no_shm.
+function M.process_fault(kind)
+  for _, f in ipairs(M.faults) do
+    if f.kind == kind and applies(f, nil, nil) then
+      announce(f, nil, nil)
+      return true
+    end
+  end
+  return false
 end
 
 -- The faults of the whole process, set once at start-up.

@@ -52,6 +52,7 @@ local json = require('moonrl.io.json')
 local C = moonrl.C
 local sections = require('moonrl.train.sections')
 local dist = require('moonrl.train.dist')
+local fault = require('moonrl.train.fault')
 
 local M = {}
 
@@ -323,15 +324,102 @@ local function publish_store(self, st, v)
   return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
 end
 
+-- A sharded policy's version into the shared-memory store (every trainer calls it): trainer rank 0
+-- takes a free slot, every trainer of the first shard group copies its shard into it (they opened
+-- the store as co-writers), and once all are done rank 0 publishes it. No rank holds the weights
+-- whole; the rollout ranks read them in place.
+local slot_out = ffi.new('int[1]')
+local function publish_shards(self, v)
+  local t0 = moonrl.now()
+  local W, policy = self.S.world, self.S.policy
+  local slot = 0
+  if W.rank == 0 then
+    moonrl.check(C.mrl_weight_store_begin(self.store, slot_out), 2)
+    slot = slot_out[0]
+  end
+  slot = tonumber(W:broadcast_string(tostring(slot), 0))
+  if self.store and policy.shard_layout.replica == 0 then
+    local o, c = policy:shard()
+    moonrl.check(C.mrl_weight_store_write(self.store, slot, o, policy:param_buffer() + o, c), 2)
+  end
+  W:barrier()
+  if W.rank == 0 then moonrl.check(C.mrl_weight_store_commit(self.store, slot, store_version(self, v), 0), 2) end
+  local secs, n = moonrl.now() - t0, policy.n_params
+  return { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
+end
+
+-- Whether the weights go through a shared-memory store, and a version into it.
+local function uses_store(self) return self.store ~= nil or self.shard_store end
+local function store_publish(self, v)
+  if self.shard_store then return publish_shards(self, v) end
+  return publish_store(self, self.store, v)
+end
+
+local store_count = 0 -- (the stores this process made: their names)
+
+-- A store some rank could not open (failed: why, rank by rank): let go of it; the weights go by
+-- MPI, or the run stops where only the store will do (async.weights=shm, partial=continue).
+local function no_store(self, failed, needs, instead)
+  if self.store then free_store(self.store); self.store, self.reader = nil, nil end
+  local a, why = self.S.cfg.async, table.concat(failed, '; ')
+  if a.weights == 'shm' or a.partial == 'continue' then
+    moonrl.usage_error((a.weights == 'shm' and 'async.weights=shm' or 'async.partial=continue') .. ' needs ' .. needs ..
+      ', in its shared memory: ' .. why)
+  end
+  moonrl.log('info', 'rollout ranks: %s (%s)', instead, why)
+end
+
+-- With sharded trainers (deliver_shards' case), at the first phase start, a collective over the
+-- job: trainer rank 0 makes the store, the first shard group's other trainers open it as
+-- co-writers and the rollout ranks as readers; where one cannot (another host) the shards go by
+-- MPI (async.weights=auto) or the run stops (shm, partial=continue).
+local function setup_shard_store(self)
+  local a, job = self.S.cfg.async, dist.world()
+  if a.weights == 'mpi' then return end
+  local n, R = self.S.policy.n_params, self.S.cfg.dist.rollout_ranks
+  local T = job.size - R
+  local name = ''
+  if job.rank == 0 then
+    store_count = store_count + 1
+    name = string.format('/moonrl-%d-%d', C.mrl_process_id(), store_count)
+    self.store = new_store(name, n, R)
+  end
+  name = job:broadcast_string(name, 0)
+  local ok, h = 'ok', ffi.new('mrl_weight_store *[1]')
+  if fault.process_fault('no_shm') then
+    ok = 'fault injection: no shared memory with trainer rank 0'
+  elseif job.rank >= T then
+    if C.mrl_weight_store_open(name, n, job.rank - T, h) == 0 then
+      self.store, self.reader = ffi.gc(h[0], C.mrl_weight_store_free), job.rank - T
+    else
+      ok = moonrl.last_error()
+    end
+  elseif job.rank > 0 and self.S.policy.shard_layout.replica == 0 then
+    if C.mrl_weight_store_open_writer(name, n, h) == 0 then self.store = ffi.gc(h[0], C.mrl_weight_store_free)
+    else ok = moonrl.last_error() end
+  end
+  local all = job:gather_strings(ok)
+  if job.rank == 0 then moonrl.check(C.mrl_weight_store_unlink(self.store)) end -- nothing left in /dev/shm
+  local failed = {}
+  for r = 1, #all do
+    if all[r] ~= 'ok' then failed[#failed + 1] = string.format('rank %d of %d: %s', r - 1, #all, all[r]) end
+  end
+  if #failed == 0 then
+    self.shard_store = job.rank < T -- (the trainers publish together; the rollout ranks read as ever)
+    return
+  end
+  no_store(self, failed, 'the trainers and every rollout rank on one host', 'the trainers\' shards by MPI')
+end
+
 -- Collective over the link, at its first phase start: trainer rank 0 makes a shared-memory store
 -- for the rollout ranks and they open it; if one cannot (another host), the weights go by MPI
 -- broadcast (async.weights=auto) or the run stops (shm).
-local store_count = 0
 local function setup_store(self)
   local a = self.S.cfg.async
   if self.store_checked then return end
   self.store_checked = true
-  if a.weights == 'mpi' or not self.rollout_engine or self.shard_delivery then return end -- (no engine to read it, or the trainers' shards: by MPI)
+  if self.shard_delivery then return setup_shard_store(self) end
+  if a.weights == 'mpi' or not self.rollout_engine then return end -- (no engine to read it)
   local n, name = self.S.policy.n_params, ''
   if self.S.role ~= 'rollout' then
     store_count = store_count + 1
@@ -340,7 +428,9 @@ local function setup_store(self)
   end
   name = self.S.link:broadcast_string(name, 0)
   local ok = 'ok'
-  if self.S.role == 'rollout' then
+  if self.S.role == 'rollout' and fault.process_fault('no_shm') then
+    ok = 'fault injection: no shared memory with trainer rank 0'
+  elseif self.S.role == 'rollout' then
     local h = ffi.new('mrl_weight_store *[1]')
     if C.mrl_weight_store_open(name, n, self.S.link.rank - 1, h) == 0 then
       self.store, self.reader = ffi.gc(h[0], C.mrl_weight_store_free), self.S.link.rank - 1
@@ -355,13 +445,7 @@ local function setup_store(self)
     if all[r] ~= 'ok' then failed[#failed + 1] = string.format('rollout rank %d of %d: %s', r - 1, #all - 1, all[r]) end
   end
   if #failed == 0 then return end
-  if self.store then free_store(self.store); self.store = nil end
-  local why = table.concat(failed, '; ')
-  if a.weights == 'shm' or a.partial == 'continue' then
-    moonrl.usage_error((a.weights == 'shm' and 'async.weights=shm' or 'async.partial=continue') ..
-      ' needs every rollout rank on trainer rank 0\'s host, in its shared memory: ' .. why)
-  end
-  moonrl.log('info', 'rollout ranks: weights by MPI broadcast (%s)', why)
+  no_store(self, failed, 'every rollout rank on trainer rank 0\'s host', 'weights by MPI broadcast')
 end
 
 -- Batch j made here, now, before this step's update: with the weights of version step - 1.
@@ -515,9 +599,9 @@ function Rollouts:after_update()
   if self.S.remote then
     -- partial=continue: the new weights first, for the requests in flight on the rollout ranks
     local streamed = self.S.cfg.async.stream -- batches taken as they come, in next_batch
-    local early = self.store and self.S.cfg.async.partial == 'continue' and s + L + 1 <= T and not self.S.pending_rollback
-      and not streamed
-    if early then self.publish_info = publish_store(self, self.store, s) end
+    local early = uses_store(self) and self.S.cfg.async.partial == 'continue' and s + L + 1 <= T
+      and not self.S.pending_rollback and not streamed
+    if early then self.publish_info = store_publish(self, s) end
     for j = s + 1, streamed and 0 or math.min(s + L, T) do
       if not self.pending[j] then self.pending[j] = receive(self, j) end
     end
@@ -540,14 +624,18 @@ function Rollouts:publish(v, flags)
   -- j - 1 - lag; streamed, every batch after v takes v up while it is generated
   local weights = (self.S.cfg.async.stream and v < T or v + L + 1 <= T) and not flags.stop and not flags.rollback
   if not self.S.link then -- a trainer of a sharded policy without the link: its shard, with the others
-    if weights then deliver_shards(self) end
+    if weights and self.shard_store then
+      if not flags.published then store_publish(self, v) end
+    elseif weights then
+      deliver_shards(self)
+    end
     return
   end
-  if weights and self.store and not flags.published then self.publish_info = publish_store(self, self.store, v) end
+  if weights and uses_store(self) and not flags.published then self.publish_info = store_publish(self, v) end
   local t0 = moonrl.now()
   self.S.link:broadcast_string(json.encode(json.object({ 'version', v, 'stop', flags.stop, 'rollback', flags.rollback,
     'done', v >= T, 'weights', weights })), 0)
-  if not weights or self.store then return end
+  if not weights or uses_store(self) then return end
   if self.shard_delivery then
     self.publish_info = deliver_shards(self)
     return
@@ -577,7 +665,13 @@ end
 -- launcher; every wait after this one has dist.timeout again.
 function Rollouts:sync_weights(opts)
   if not self.S.link then -- a trainer of a sharded policy without the link: its shard, with the others
-    if self.shard_delivery then deliver_shards(self) end
+    if self.shard_delivery then
+      if not self.store_checked then -- (the link's ranks do it at this point too)
+        self.store_checked = true
+        setup_shard_store(self)
+      end
+      deliver_shards(self)
+    end
     return nil
   end
   self.want = nil

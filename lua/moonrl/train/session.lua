@@ -196,12 +196,9 @@ function M.shard_world(cfg, device)
   local function no(what) moonrl.usage_error('dist.zero=3 (sharded parameters): ' .. what .. ' not yet') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only for now):') end
   if (cfg.dist.rollout_ranks or 0) > 0 then
-    -- the trainers shard among themselves and send their shards to the rollout ranks over MPI
-    -- (rollout.lua's deliver_shards), which hold the policy whole
-    if cfg.async and cfg.async.partial == 'continue' then
-      no('async.partial=continue with rollout ranks (the weights go through the shared-memory store):')
-    end
-    if cfg.async and cfg.async.weights == 'shm' then no('async.weights=shm (the trainers send their shards by MPI):') end
+    -- the trainers shard among themselves and write their shards into the rollout ranks' shared-
+    -- memory store, or send them over MPI (rollout.lua's deliver_shards); the rollout ranks hold
+    -- the policy whole
     local g = M.groups(w, cfg)
     if g.role == 'rollout' then return nil end
     w = g.world
