@@ -209,7 +209,7 @@ t.test('zero=2 checkpoints: 2 ranks resume on 3 (zero=2), on 2 with zero=1 and o
   end
 end)
 
-t.test('zero=3 checkpoints: 2 ranks resume on 3, on 1 process and on 2 with zero=0; 1 process resumes on 2 with zero=3', function()
+t.test('zero=3 checkpoints: 2 ranks resume on 3, on 1 process and on 2 with zero=0; 4 on 2 and on 1; 1 process resumes on 2 and on 4 with zero=3', function()
   -- (the checkpoints' models in shards of 20 kB with an index: each rank reads its ranges across the files)
   local words = U.with(SFT, { ONE, 'run.checkpoint_every=1', 'run.max_shard_gb=0.00002' })
   local function first_half(n, d, zero)
@@ -243,6 +243,22 @@ t.test('zero=3 checkpoints: 2 ranks resume on 3, on 1 process and on 2 with zero
   run(2, 'recipes/sft.lua', U.words(words, a))
   run(2, 'recipes/sft.lua', U.words(words, b, { 'dist.zero=3' }))
   t.eq(rel_diff(weights(a), weights(b)), 0, '1 -> 2 with zero=3: plain data parallel bit for bit')
+  -- 4 ranks' checkpoint (zero=3) on 2 ranks and on 1; one process's on 4 ranks with zero=3
+  for _, n in ipairs({ 2, 0 }) do
+    local d = dir .. '/ck4_' .. n
+    first_half(4, d, 3)
+    t.truthy(fs.exists(d .. '/checkpoints/step-000002/optimizer.rank-00003-of-00004.safetensors'), '4 shard files')
+    run(n, 'recipes/sft.lua', U.words(words, d, { 'dist.zero=' .. (n > 0 and 3 or 0) }))
+    local e = rel_diff(weights(one), weights(d))
+    print(string.format('  zero=3 4 ranks x 2 steps, then %d: %.3g to one process', math.max(n, 1), e))
+    t.truthy(#U.records(d) == 4 and e <= 1e-5, '4 -> ' .. math.max(n, 1) .. ': the weights of one process within 1e-5')
+  end
+  local a4, b4 = dir .. '/ck14_plain', dir .. '/ck14_zero3'
+  first_half(0, a4, 0)
+  t.truthy(proc.run({ 'cp', '-a', a4, b4 }).ok)
+  run(4, 'recipes/sft.lua', U.words(words, a4))
+  run(4, 'recipes/sft.lua', U.words(words, b4, { 'dist.zero=3' }))
+  t.eq(rel_diff(weights(a4), weights(b4)), 0, '1 -> 4 with zero=3: plain data parallel bit for bit')
 end)
 
 t.test('zero=3: a rank killed in a checkpoint write (its optimizer shard; rank 0 in the model it writes) leaves the one before, and --restarts ends with a clean run', function()
