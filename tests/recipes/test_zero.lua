@@ -55,7 +55,7 @@ local PPO = U.with(BASE, { 'data.path=' .. rl_data, 'data.prompt=question', 'dat
 local ONE, MANY = 'train.micro_batch_tokens=4096', 'train.micro_batch_tokens=40'
 
 local copy_mb = {} -- the engine's copy, by case, zero and world size
-t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a rank): sft, dpo, grpo, grpo with a reference, ppo with its critic, bf16 sft and grpo (the engine\'s bf16 compute copy) on 2 and 3 ranks', function()
+t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a rank): sft, dpo, grpo, grpo with a reference, ppo with its critic, bf16 sft and grpo (the engine\'s bf16 compute copy) on 2 and 3 ranks, sft, dpo and grpo on 4', function()
   for _, case in ipairs({ { 'recipes/sft.lua', SFT }, { 'recipes/dpo.lua', DPO }, { GRPO_RECIPE, GRPO, 'grpo' },
     { 'recipes/ppo.lua', PPO },
     { GRPO_RECIPE, U.with(GRPO, { 'grpo.kl_coef=0.1' }), 'grpo_kl' },
@@ -63,7 +63,8 @@ t.test('zero=2 and 3 equal plain data parallel bit for bit (one micro-batch a ra
     { GRPO_RECIPE, U.with(GRPO, { 'model.dtype=bf16' }), 'grpo_bf16' } }) do
     local recipe, words = case[1], U.with(case[2], { ONE })
     local name = case[3] or recipe:match('(%a+)%.lua$')
-    for _, n in ipairs({ 2, 3 }) do
+    -- (4 ranks: sft, dpo and grpo)
+    for _, n in ipairs((name == 'sft' or name == 'dpo' or name == 'grpo') and { 2, 3, 4 } or { 2, 3 }) do
       local plain = string.format('%s/%s_plain%d', dir, name, n)
       run(n, recipe, U.words(words, plain))
       local pm = U.records(plain)
