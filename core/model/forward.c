@@ -266,6 +266,11 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
      * next one's gather started meanwhile, and let go after (nothing happens otherwise) */
     int L = c->num_hidden_layers;
     int64_t embed_end = m->lp[0].ln1 - m->params, layers_end = m->final_norm - m->params;
+    if (m->head_kept) { /* a forward's that no backward took */
+        mrl_model_unuse(m, layers_end, m->n_params);
+        if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
+        m->head_kept = 0;
+    }
     if ((st = mrl_model_use(m, 0, embed_end, embed_end, L > 1 ? m->lp[1].ln1 - m->params : layers_end))) {
         m->have_forward = 0; /* (no backward through a forward that did not run) */
         return st;
@@ -302,6 +307,9 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->have_forward = 0;
         return st;
     }
+    /* sharded: kept in use for the backward, which starts with it (FSDP's root module, not
+     * resharded after its forward); the next forward lets it go if no backward came */
+    m->head_kept = m->p_region != NULL;
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     /* the outputs, in the table's memory (on a GPU: copied back at the end) */
     float *lp_out = logprobs && dev ? m->dev_io[0] : logprobs, *val_out = values && dev ? m->dev_io[2] : values;
@@ -314,8 +322,6 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0, lp);
     }
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
-    mrl_model_unuse(m, layers_end, m->n_params);
-    if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
     int64_t floats = (int64_t)sizeof(float) * T;
     st = k->sync(); /* a GPU's first failure since the last sync (nothing on the CPU) */
     if (!st && entropy) st = k->to_host(entropy, m->head_ent, floats);
@@ -369,11 +375,17 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         dentropy = dentropy ? m->dev_io[1] : NULL;
         dvalues = dvalues ? m->dev_io[2] : NULL;
     }
-    /* sharded parameters: the head's part (and a tied head's embedding) gathered again, each
-     * layer's as its backward comes, the one before it started meanwhile */
-    if ((st = mrl_model_use(m, layers_end, m->n_params, 0, 0)) ||
-        (c->tie_word_embeddings && (st = mrl_model_use(m, 0, embed_end, 0, 0))))
+    /* sharded parameters: the head's part (and a tied head's embedding) still in use from the
+     * forward, the last layer's gather started while the head's backward runs; each layer's as
+     * its backward comes, the one before it started meanwhile */
+    int64_t last_lo = L > 0 ? m->lp[L - 1].ln1 - m->params : layers_end;
+    if (m->head_kept) {
+        m->head_kept = 0;
+        mrl_model_prefetch(m, last_lo, layers_end);
+    } else if ((c->tie_word_embeddings && (st = mrl_model_use(m, 0, embed_end, 0, 0))) ||
+               (st = mrl_model_use(m, layers_end, m->n_params, last_lo, layers_end))) {
         return st;
+    }
     float *dlnf = m->gs.dln; /* [T,D] */
     k->zero(dlnf, (int64_t)sizeof(float) * T * D);
     int64_t rows = head_rows(m, T);

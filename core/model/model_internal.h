@@ -111,6 +111,7 @@ struct mrl_model {
     mrl_param_gather gather_start, gather_wait;
     void *gather_ctx;
     int64_t ahead_lo, ahead_hi;
+    int head_kept; /* the head's part (a tied head's embedding too) still in use after the forward: its backward's */
     int64_t gathered_peak; /* the most bytes of the regions beyond the shard's pages (mrl_model_gathered_bytes) */
     int shard_writer; /* this rank writes the files of mrl_model_save_dir_sharded */
 };
@@ -123,6 +124,9 @@ static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p 
  * (the pages outside the shard and other ranges in use are given back). Without sharding: nothing. */
 mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, int64_t next_hi);
 void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi);
+/* shard.c: start the gather of [lo, hi) ahead of its use, when none is ahead (a failure is the
+ * use's to report) */
+void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi);
 /* shard.c: the bf16 copies of a sharded model as a region (mrl_model_set_dtype) */
 mrl_status mrl_model_shard_w16(mrl_model *m);
 /* model.c: the bf16 copies of [lo, hi) of the parameters (where the products read them) */

@@ -98,6 +98,11 @@ mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, 
     return MRL_OK;
 }
 
+void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi) {
+    if (!m->p_region || hi <= lo || !m->gather_start || m->ahead_hi > m->ahead_lo) return;
+    if (begin(m, lo, hi) == MRL_OK) m->ahead_lo = lo, m->ahead_hi = hi;
+}
+
 void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi) {
     if (!m->p_region || hi <= lo) return;
     mrl_mem_region_unpin(m->p_region, 4 * lo, 4 * hi);
