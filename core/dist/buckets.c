@@ -14,11 +14,10 @@
 #include "base/error.h"
 
 struct mrl_dist_buckets {
-    mrl_dist *d; /* NULL once the communicator is finalized */
+    mrl_dist_member m1, m2; /* d (NULL once finalized) and a communicator per stage, d's list */
     float *grads;
     int64_t n;
     int mode;
-    void *comm1, *comm2;
     mrl_dist_pipe pipe;
     char *scratch;
     int armed;
@@ -26,35 +25,7 @@ struct mrl_dist_buckets {
     /* the ranges found final in this backward: sorted, disjoint, not touching */
     int64_t (*ranges)[2];
     int n_ranges, cap_ranges;
-    mrl_dist_buckets *next; /* in d's list of live bucket sets */
 };
-
-static void unlink_from(mrl_dist *d, mrl_dist_buckets *b) {
-    for (mrl_dist_buckets **p = &d->buckets; *p; p = &(*p)->next)
-        if (*p == b) {
-            *p = b->next;
-            return;
-        }
-}
-
-static void free_comms(mrl_dist_buckets *b) {
-    mrl_dist *d = b->d;
-    if (d && d->be && !d->broken) {
-        d->be->comm_free(b->comm1);
-        d->be->comm_free(b->comm2);
-    }
-    b->comm1 = b->comm2 = NULL;
-}
-
-void mrl_dist_buckets_detach_all(mrl_dist *d) {
-    for (mrl_dist_buckets *b = d->buckets, *next; b; b = next) {
-        next = b->next;
-        free_comms(b);
-        b->d = NULL;
-        b->next = NULL;
-    }
-    d->buckets = NULL;
-}
 
 mrl_status mrl_dist_buckets_create(mrl_dist *d, float *grads, int64_t n, int64_t bucket_bytes, int mode,
                                    mrl_dist_buckets **out) {
@@ -77,16 +48,9 @@ mrl_status mrl_dist_buckets_create(mrl_dist *d, float *grads, int64_t n, int64_t
     if (!st && b->pipe.scratch_bytes > 0 && !(b->scratch = malloc((size_t)b->pipe.scratch_bytes)))
         st = mrl_set_error(MRL_ERR_NOMEM, "dist: buckets: out of memory for %lld bytes of scratch",
                            (long long)b->pipe.scratch_bytes);
-    if (!st && d->size > 1) {
-        /* collectives: every rank makes its bucket sets in the same order */
-        void *req = NULL;
-        int e = d->be->comm_idup(d->coll, &b->comm1, &req);
-        st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
-        if (!st) {
-            e = d->be->comm_idup(d->coll, &b->comm2, &req);
-            st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
-        }
-    }
+    /* collectives: every rank makes its bucket sets in the same order */
+    if (!st && !(st = mrl_dist_member_join(d, &b->m1)) && (st = mrl_dist_member_join(d, &b->m2)))
+        mrl_dist_member_leave(&b->m1, 0);
     if (st) {
         /* after a failed idup the communicator is broken: nothing to free */
         mrl_dist_pipe_free(&b->pipe);
@@ -95,11 +59,8 @@ mrl_status mrl_dist_buckets_create(mrl_dist *d, float *grads, int64_t n, int64_t
         return st;
     }
     b->pipe.scratch = b->scratch;
-    b->pipe.comm1 = b->comm1;
-    b->pipe.comm2 = b->comm2;
-    b->d = d;
-    b->next = d->buckets;
-    d->buckets = b;
+    b->pipe.comm1 = b->m1.comm;
+    b->pipe.comm2 = b->m2.comm;
     *out = b;
     return MRL_OK;
 }
@@ -109,10 +70,8 @@ void mrl_dist_buckets_free(mrl_dist_buckets *b) {
     /* requests still in flight (a round never finished) hold the scratch:
      * then it stays allocated */
     int busy = b->pipe.first_busy < b->pipe.started;
-    if (b->d) {
-        unlink_from(b->d, b);
-        if (!busy) free_comms(b);
-    }
+    mrl_dist_member_leave(&b->m1, busy);
+    mrl_dist_member_leave(&b->m2, busy);
     mrl_dist_pipe_free(&b->pipe);
     if (!busy) free(b->scratch);
     free(b->ranges);
@@ -165,7 +124,7 @@ static int covered(const mrl_dist_buckets *b, int64_t lo, int64_t hi) {
 
 void mrl_dist_buckets_ready(void *vb, int64_t offset, int64_t count) {
     mrl_dist_buckets *b = vb;
-    mrl_dist *d = b->d;
+    mrl_dist *d = b->m1.d;
     if (!b->armed || !d || d->broken) return;
     int64_t lo = offset > 0 ? offset : 0, hi = offset + count < b->n ? offset + count : b->n;
     if (hi > lo && add_range(b, lo, hi) != 0) return; /* out of memory: finish starts the rest */
@@ -178,7 +137,7 @@ void mrl_dist_buckets_ready(void *vb, int64_t offset, int64_t count) {
 }
 
 mrl_status mrl_dist_buckets_finish(mrl_dist_buckets *b) {
-    mrl_dist *d = b->d;
+    mrl_dist *d = b->m1.d;
     if (!d) return mrl_set_error(MRL_ERR_INVALID, "dist: buckets_finish after mrl_dist_finalize");
     mrl_dist_pipe *p = &b->pipe;
     int before = p->started;

@@ -256,12 +256,43 @@ mrl_status mrl_dist_fail(mrl_dist *d, int rc, const char *what) {
 
 /* ----------------------------------------------------------------- waits */
 
-/* The bucket sets and sharded gradients still alive give up their communicators (before
- * MPI_Finalize; they may be freed after it). */
-static void detach_all(mrl_dist *d) {
-    mrl_dist_buckets_detach_all(d);
-    mrl_dist_members_detach_all(d);
+/* ---------------------------------------------------------------- members */
+
+void mrl_dist_members_detach_all(mrl_dist *d) {
+    for (mrl_dist_member *m = d->members, *next; m; m = next) {
+        next = m->next;
+        if (m->comm && !d->broken) d->be->comm_free(m->comm);
+        m->comm = NULL;
+        m->d = NULL;
+        m->next = NULL;
+    }
+    d->members = NULL;
 }
+
+mrl_status mrl_dist_member_join(mrl_dist *d, mrl_dist_member *m) {
+    m->d = d;
+    m->comm = NULL;
+    if (d->size > 1) {
+        void *req = NULL;
+        int e = d->be->comm_idup(d->coll, &m->comm, &req);
+        mrl_status st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
+        if (st) return st;
+    }
+    m->next = d->members;
+    d->members = m;
+    return MRL_OK;
+}
+
+void mrl_dist_member_leave(mrl_dist_member *m, int busy) {
+    if (!m->d) return;
+    for (mrl_dist_member **p = &m->d->members; *p; p = &(*p)->next)
+        if (*p == m) {
+            *p = m->next;
+            break;
+        }
+    if (!busy && m->comm && !m->d->broken) m->d->be->comm_free(m->comm);
+}
+
 
 mrl_status mrl_dist_begin(mrl_dist *d, const char *op) {
     if (d->broken) return mrl_set_error(d->broken_status, "%s", d->broken_msg);
@@ -489,7 +520,7 @@ void mrl_dist_free(mrl_dist *d) {
         mrl_dist_finalize(d);
         return;
     }
-    detach_all(d);
+    mrl_dist_members_detach_all(d);
     if (d->be && !d->broken) {
         if (d->coll) d->be->comm_free(d->coll);
         if (d->diag) d->be->comm_free(d->diag);
@@ -517,13 +548,13 @@ void mrl_dist_finalize(mrl_dist *d) {
         void *req = NULL;
         int rc = d->be->ibarrier(d->coll, &req);
         if (mrl_dist_wait_req(d, rc, req, "MPI_Ibarrier") == MRL_OK) {
-            detach_all(d);
+            mrl_dist_members_detach_all(d);
             d->be->comm_free(d->coll);
             d->be->comm_free(d->diag);
             d->be->finalize();
         }
     }
-    if (d->broken) detach_all(d);
+    if (d->broken) mrl_dist_members_detach_all(d);
     /* the plugin stays loaded: libmpi may still have threads and handlers */
     free(d->notes);
     free(d->tmp);

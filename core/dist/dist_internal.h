@@ -27,9 +27,9 @@ enum {
 
 typedef struct mrl_dist_buckets mrl_dist_buckets;
 
-/* The head of an object that holds a communicator of its own made from d's (zero.c's gradient
- * shards and parameter gathers): d's list of them gives up those communicators before
- * MPI_Finalize, after which the object may still be freed (d NULL then). */
+/* The head of an object that holds a communicator of its own made from d's (buckets.c's bucket
+ * sets, zero.c's gradient shards and parameter gathers): d's list of them gives up those
+ * communicators before MPI_Finalize, after which the object may still be freed (d NULL then). */
 typedef struct mrl_dist_member {
     mrl_dist *d;
     void *comm;
@@ -60,8 +60,8 @@ struct mrl_dist {
     uint8_t *blob; /* allgather_blobs' results */
     size_t blob_cap;
     int64_t *blob_off; /* [size + 1] */
-    mrl_dist_buckets *buckets; /* the live ones: their communicators go before MPI_Finalize */
-    mrl_dist_member *members; /* likewise (zero.c) */
+    mrl_dist_member *members; /* the live ones (bucket sets, grad shards, param gathers): their
+                               * communicators go before MPI_Finalize */
     /* a communicator made by mrl_dist_split: its name, and the world rank of each of its ranks
      * (reports name world ranks); NULL for the world itself */
     char name[32];
@@ -82,10 +82,14 @@ typedef mrl_status (*mrl_dist_poll)(void *ctx, int *done);
 mrl_status mrl_dist_wait(mrl_dist *d, mrl_dist_poll poll, void *ctx);
 /* The request the plugin just started (rc: its answer), waited for. */
 mrl_status mrl_dist_wait_req(mrl_dist *d, int rc, void *req, const char *what);
-/* Frees the communicators of d's live bucket sets (before MPI_Finalize) and
- * detaches them from d (buckets.c). */
-void mrl_dist_buckets_detach_all(mrl_dist *d);
-/* The same for d's members (zero.c). */
+/* m joins d with a communicator of its own, for a stream of collectives started in the same
+ * order on every rank, while the order between two streams may differ (a bucket set's two
+ * stages, the grad shard's segments as slots free up). */
+mrl_status mrl_dist_member_join(mrl_dist *d, mrl_dist_member *m);
+/* m leaves its d (if not finalized); its communicator is freed unless requests still in flight
+ * (a round that never finished: a timeout, the process is ending) may use it. */
+void mrl_dist_member_leave(mrl_dist_member *m, int busy);
+/* Frees the communicators of d's members (before MPI_Finalize) and detaches them from d. */
 void mrl_dist_members_detach_all(mrl_dist *d);
 /* Grows d->scratch to at least `bytes`. */
 mrl_status mrl_dist_scratch(mrl_dist *d, size_t bytes);

@@ -67,46 +67,6 @@ struct mrl_dist_grad_shard {
     int64_t sent; /* bytes this rank's all-to-alls sent the others, since creation */
 };
 
-void mrl_dist_members_detach_all(mrl_dist *d) {
-    for (mrl_dist_member *m = d->members, *next; m; m = next) {
-        next = m->next;
-        if (m->comm && !d->broken) d->be->comm_free(m->comm);
-        m->comm = NULL;
-        m->d = NULL;
-        m->next = NULL;
-    }
-    d->members = NULL;
-}
-
-/* m joins d with a communicator of its own, for a stream of collectives started in the same
- * order on every rank, while the order between two streams may differ (the grad shard starts its
- * segments as slots free up). */
-static mrl_status join(mrl_dist *d, mrl_dist_member *m) {
-    m->d = d;
-    m->comm = NULL;
-    if (d->size > 1) {
-        void *req = NULL;
-        int e = d->be->comm_idup(d->coll, &m->comm, &req);
-        mrl_status st = mrl_dist_wait_req(d, e, req, "MPI_Comm_idup");
-        if (st) return st;
-    }
-    m->next = d->members;
-    d->members = m;
-    return MRL_OK;
-}
-
-/* m leaves its d (if not finalized); its communicator is freed unless requests still in flight
- * (a round that never finished: a timeout, the process is ending) may use it. */
-static void leave(mrl_dist_member *m, int busy) {
-    if (!m->d) return;
-    for (mrl_dist_member **p = &m->d->members; *p; p = &(*p)->next)
-        if (*p == m) {
-            *p = m->next;
-            break;
-        }
-    if (!busy && m->comm && !m->d->broken) m->d->be->comm_free(m->comm);
-}
-
 static int slots_busy(const mrl_dist_grad_shard *g) {
     int busy = 0;
     for (int i = 0; i < DEPTH; i++) busy |= g->slots[i].busy;
@@ -147,7 +107,7 @@ mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_by
         free(g);
         return mrl_wrap_error(MRL_ERR_NOMEM, "dist: no memory for this rank's %lld gradients", (long long)count);
     }
-    if ((st = join(d, &g->m))) {
+    if ((st = mrl_dist_member_join(d, &g->m))) {
         mrl_mem_free(g->acc);
         free(g);
         return st;
@@ -160,7 +120,7 @@ void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
     if (!g) return;
     /* a round that never finished (a timeout: the process is ending) keeps what MPI may still write */
     int busy = slots_busy(g);
-    leave(&g->m, busy);
+    mrl_dist_member_leave(&g->m, busy);
     if (!busy) {
         for (int i = 0; i < DEPTH; i++) mrl_mem_free(g->slots[i].scratch);
         for (int i = 0; i < g->n_wins; i++) mrl_mem_free(g->wins[i].buf);
@@ -440,7 +400,7 @@ mrl_status mrl_dist_param_gather_create(mrl_dist *d, int64_t n, int world, mrl_d
     if (!p) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
     p->n = n;
     p->world = world;
-    if ((st = join(d, &p->m))) {
+    if ((st = mrl_dist_member_join(d, &p->m))) {
         free(p);
         return st;
     }
@@ -452,7 +412,7 @@ void mrl_dist_param_gather_free(mrl_dist_param_gather *p) {
     if (!p) return;
     int busy = 0;
     for (int i = 0; i < GATHERS; i++) busy |= p->g[i].busy;
-    leave(&p->m, busy);
+    mrl_dist_member_leave(&p->m, busy);
     for (int i = 0; i < GATHERS; i++) free(p->g[i].reqs);
     free(p);
 }
