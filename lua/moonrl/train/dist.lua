@@ -303,6 +303,16 @@ function M.shard_model(layout, model)
   model.shard_layout = layout
 end
 
+-- The sum of a sharded model's parameters, the same on every rank of its layout (a finiteness
+-- check before an update is kept or the model saved): the shards of the first group (under
+-- hybrid sharding the others hold copies), each summed where it lives, added over the ranks.
+function M.sharded_sum(model)
+  local off, cnt = model:shard()
+  local s = cnt > 0 and model.shard_layout.replica == 0 and require('moonrl.train.ops').sum(model:param_buffer() + off,
+    cnt) or 0
+  return model.shard_layout.world:sum(s)
+end
+
 -- A whole fp32 copy of a sharded model's parameters on every rank (the engine's, which
 -- generates alone): each rank's shard put in place and all-gathered; refresh() does it again
 -- after an update. copy.buf: n floats (counted as parameters).
@@ -570,13 +580,10 @@ function DP:step(lr)
 end
 
 -- The sum of the parameters, the same on every rank (a guard's finiteness check): ZeRO-3's
--- shards summed over the ranks; the whole buffer otherwise.
+-- shards summed over the ranks (M.sharded_sum); the whole buffer otherwise.
 function DP:param_sum()
   if self.zero < 3 then return require('moonrl.train.ops').sum(self.params, self.n) end
-  -- (hybrid sharding: the first group's shards, which together are the whole)
-  local s = self.count > 0 and self.layout.replica == 0 and require('moonrl.train.ops').sum(self.params + self.offset,
-    self.count) or 0
-  return self.world:sum(s)
+  return M.sharded_sum(self.model)
 end
 
 -- A new accumulation: the gradients go to zero and the buckets wait for the next backward.

@@ -843,9 +843,7 @@ function Session:save_models()
     -- a sharded model: every rank gathers it with rank 0, which writes it (m:save)
     for i, m in ipairs(self.models) do
       if m.model:shard() and ok then
-        local off, cnt = m.model:shard()
-        local sum = w:sum(cnt > 0 and require('moonrl.train.ops').sum(m.model:param_buffer() + off, cnt) or 0)
-        if not guard_mod.finite(sum) then
+        if not guard_mod.finite(dist.sharded_sum(m.model)) then
           ok, err = false, string.format('the %s has parameters that are not finite: not saving it', m.name)
         else
           ok, err = pcall(ckpt.save_model, m.model, self.dir .. '/' .. (i == 1 and 'model' or m.name),
