@@ -84,6 +84,9 @@ check "the config's nested keys" has "$page" '<td class="mono">grpo.reward</td><
 check "memory headline: the resident peak and its step" has "$page" \
   'memory: peak resident <b>1.50 GiB</b> (step 3); held parameters <b>120 MiB</b>, gradients <b>120 MiB</b>, optimizer state <b>240 MiB</b>, activations <b>512 KiB</b>, KV cache <b>300 MiB</b></div>'
 check "peak allocated" has "$page" '<td>peak allocated by moonrl</td><td class="num">700 MiB</td>'
+check "the largest rank's peak" has "$page" 'peak resident, the largest rank <span class="mono">(memory/max_rank_peak_mb)</span></td><td class="num">1.56 GiB</td>'
+check "a sharded model's parts" bash -c "grep -q 'the shard of a rank <span class=\"mono\">(memory/params_shard_mb)</span></td><td class=\"num\">60.0 MiB</td>' '$page' && grep -q 'gathered at once, at most <span class=\"mono\">(memory/params_gathered_peak_mb)</span></td><td class=\"num\">12.5 MiB</td>' '$page' && grep -q '(memory/engine_copy_mb)</span></td><td class=\"num\">240 MiB</td>' '$page'"
+check "no row for what no run logged" bash -c "! grep -q 'grads_windows_peak_mb' '$page'"
 check "a phase's peaks" has "$page" 'phase <span class="mono">generate</span>: peak resident / allocated</td><td class="num">1.46 GiB / 320 MiB</td>'
 check "the bar: each kind's share of the total held (300 of 783.5 MiB)" has "$page" '<i style="width:38.29%;background:#b07aa1" title="KV cache 300 MiB"></i>'
 

@@ -233,6 +233,12 @@ local MEM_KINDS = { { 'params', 'parameters' }, { 'grads', 'gradients' }, { 'opt
 local MEM_COLORS = { params = '#4e79a7', grads = '#f28e2b', optim = '#59a14f', activations = '#e15759',
   kv_cache = '#b07aa1', other = '#bab0ac' }
 
+-- Several ranks and a sharded state (docs/observability.md): the largest rank's resident peak, and
+-- the parts of a sharded model's memory; rows shown where a run logged them.
+local MEM_PARTS = { { 'max_rank_peak_mb', 'peak resident, the largest rank' },
+  { 'params_shard_mb', 'parameters: the shard of a rank' }, { 'params_gathered_peak_mb', 'parameters: gathered at once, at most' },
+  { 'grads_windows_peak_mb', 'gradient windows, at most' }, { 'engine_copy_mb', 'the engine copy of the policy' } }
+
 local function mib(x)
   if not (x and finite(x)) then return '-' end
   if x >= 1024 then return format('%.2f GiB', x / 1024) end
@@ -268,6 +274,10 @@ local function memory_of(r)
     m.kinds[k[1]] = v
     any = any or v
   end
+  m.parts = {}
+  for _, k in ipairs(MEM_PARTS) do m.parts[k[1]] = peak(r, 'memory/' .. k[1]) end
+  -- (one process logs its own peak as the largest rank's: nothing to add)
+  if m.parts.max_rank_peak_mb == m.rss then m.parts.max_rank_peak_mb = nil end
   local seen = {}
   for _, key in ipairs(r.keys) do
     local name = key:match('^memory/phase/(.+)/rss_peak_mb$') or key:match('^memory/phase/(.+)/peak_mb$')
@@ -325,6 +335,13 @@ local function section_memory(o, runs)
     return format('<b>%s</b>%s', mib(m.rss), m.rss_step and format(' (step %s)', fmt(m.rss_step)) or '')
   end)
   row('peak allocated by moonrl', function(m) return mib(m.accounted) end)
+  for _, k in ipairs(MEM_PARTS) do
+    local any = false
+    for _, r in ipairs(with) do any = any or memory_of(r).parts[k[1]] ~= nil end
+    if any then
+      row(format('%s <span class="mono">(memory/%s)</span>', esc(k[2]), k[1]), function(m) return mib(m.parts[k[1]]) end)
+    end
+  end
   for _, k in ipairs(MEM_KINDS) do
     row(format('<i style="display:inline-block;width:10px;height:10px;background:%s"></i> %s', MEM_COLORS[k[1]], k[2]),
       function(m) return mib(m.kinds[k[1]]) end)
