@@ -558,6 +558,29 @@ static void test_order_matters(void) {
 
 /* Sub-communicators: the even ranks and the odd ones (the last rank in none), each summing
  * its members' values in their order; then the world goes on. */
+/* send_pieces as hybrid sharding's trainers use it: rank 0 alone sends its piece to the last
+ * rank, the ranks between send and receive nothing; then an all-gather of blobs and another
+ * round, which must match on every rank. */
+static void test_send_pieces(void) {
+    if (N < 3) return;
+    float piece[5] = {1, 2, 3, 4, 5}, got[5] = {0};
+    uint8_t to[8] = {0};
+    int64_t counts[8] = {0};
+    to[N - 1] = 1;
+    counts[0] = 5;
+    for (int round = 0; round < 2; round++) {
+        CHECK_OK(mrl_dist_send_pieces(D, R == 0 ? piece : NULL, R == 0 ? 5 : 0, to, R == N - 1 ? got : NULL,
+                                      counts, sizeof(float)));
+        if (R == N - 1) CHECK(memcmp(got, piece, sizeof piece) == 0);
+        const uint8_t *data;
+        const int64_t *off;
+        char mine[16];
+        int len = snprintf(mine, sizeof mine, "r%d", R);
+        CHECK_OK(mrl_dist_allgather_blobs(D, mine, len, &data, &off));
+        CHECK(off && off[N] > 0);
+    }
+}
+
 static void test_split(void) {
     int color = (N > 2 && R == N - 1) ? -1 : R % 2;
     mrl_dist *sub = NULL;
@@ -607,6 +630,7 @@ int main(void) {
     test_buckets();
     test_grad_shard();
     test_order_matters();
+    test_send_pieces();
     test_split();
     CHECK_OK(mrl_dist_barrier(D));
     CHECK(!mrl_dist_broken(D));

@@ -385,10 +385,16 @@ t.test('zero=3 with asynchronous rollouts: one_step_off, async and engine thread
   local ev = event(rb3, 'rollback')
   t.truthy(ev and ev.step == 7 and ev.to_step == 6, 'zero=3: rolled back at step 7 to step 6')
   t.truthy(model_bytes(rb3) == model_bytes(rb0), 'zero=3 after a rollback: the bits of zero=0')
-  -- hybrid sharding's replicas with a rollout rank hang the job (a bug not found yet): a usage error
-  local hm = run(5, GRPO_RECIPE, U.words(U.with(GRPO, { ONE, 'async.mode=one_step_off', 'dist.rollout_ranks=1' }),
-    dir .. '/async_hsdp', { 'dist.zero=3', 'dist.shard_group=2' }), { expect_fail = true })
-  t.truthy(hm.exit_status == 2 and hm.stderr:find('dist.shard_group with rollout ranks', 1, true), hm.stderr)
+  -- hybrid sharding with a rollout rank (4 trainers in groups of 2: the second group's replicas
+  -- send nothing), through shared memory and by MPI: the bits of zero=0
+  local hs = U.with(GRPO, { ONE, 'grpo.steps=4', 'grpo.prompts=8', 'async.mode=one_step_off', 'dist.rollout_ranks=1' })
+  run(5, GRPO_RECIPE, U.words(hs, dir .. '/async_hsdp_plain'))
+  for _, via in ipairs({ 'shm', 'mpi' }) do
+    local d = dir .. '/async_hsdp_' .. via
+    run(5, GRPO_RECIPE, U.words(hs, d, { 'dist.zero=3', 'dist.shard_group=2', 'async.weights=' .. via }))
+    t.truthy(model_bytes(d) == model_bytes(dir .. '/async_hsdp_plain'),
+      'hybrid sharding with a rollout rank (' .. via .. '): the bits of zero=0')
+  end
   -- a rank that cannot open the store (another host; a fault injection): auto sends the shards by
   -- MPI, the bits as ever; shm stops before the first step, naming the rank and the key
   local far = { env = { 'MOONRL_FAULT=no_shm:rank=1' } }

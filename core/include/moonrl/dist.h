@@ -131,7 +131,7 @@ mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send
  * weights to the rollout ranks): each rank sends its `count` units of send (maybe none) to every
  * rank q with to[q] set; a rank with to[rank] set receives recv_counts[q] units from each rank
  * q, in rank order, into recv (its own count too, which must be what it sends itself). Every
- * rank calls it with the same `to`. */
+ * rank calls it with the same `to`. Point to point, in messages of at most 1 GiB. */
 mrl_status mrl_dist_send_pieces(mrl_dist *d, const void *send, int64_t count, const uint8_t *to, void *recv,
                                 const int64_t *recv_counts, int64_t unit);
 /* Variable-size byte blobs (samples, metrics; up to 1 GiB in all): every rank gives `bytes`

@@ -198,11 +198,7 @@ function M.shard_world(cfg, device)
   if (cfg.dist.rollout_ranks or 0) > 0 then
     -- the trainers shard among themselves and write their shards into the rollout ranks' shared-
     -- memory store, or send them over MPI (rollout.lua's deliver_shards); the rollout ranks hold
-    -- the policy whole. With hybrid sharding's replicas the job hangs in a later collective (a
-    -- bug not found yet, tests/recipes/test_zero.lua): refused until it is
-    if (cfg.dist.shard_group or 0) > 0 and cfg.dist.shard_group ~= w.size - cfg.dist.rollout_ranks then
-      no('dist.shard_group with rollout ranks (hybrid sharding replicas and rollout ranks together hang the job):')
-    end
+    -- the policy whole
     local g = M.groups(w, cfg)
     if g.role == 'rollout' then return nil end
     w = g.world
