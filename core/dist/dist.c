@@ -15,7 +15,7 @@
 enum {
     NOTE_MAGIC = 0x6d726c64, /* "mrld" */
     NOTE_TAG = 7001,
-    PIECES_TAG = 7002, /* mrl_dist_send_pieces' messages */
+    EXCHANGE_TAG = 7002, /* the messages of mrl_dist_alltoallv and mrl_dist_send_pieces */
 };
 
 /* All-reduces gathering at most this many bytes on each rank (size *
@@ -751,6 +751,38 @@ mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void
     return mrl_dist_wait_req(d, e, req, "MPI_Iallgatherv");
 }
 
+/* Point to point: sbytes[r] bytes from send + soff[r] to rank r and rbytes[r] from rank r into
+ * recv + roff[r], in messages of at most 1 GiB; this rank's own by memmove. Not one
+ * MPI_Ialltoallv: where a rank sent and received nothing (hybrid sharding's replicas, an
+ * expert-parallel rank whose tokens all stay home), Open MPI 4.1's next nonblocking collective
+ * on the communicator never completed and the job hung (tests/dist's test_send_pieces). */
+static mrl_status exchange(mrl_dist *d, const void *send, const int64_t *soff, const int64_t *sbytes, void *recv,
+                           const int64_t *roff, const int64_t *rbytes, const char *what) {
+    const int64_t chunk = (int64_t)1 << 30;
+    int64_t n_req = 0;
+    for (int r = 0; r < d->size; r++)
+        if (r != d->rank) n_req += (sbytes[r] + chunk - 1) / chunk + (rbytes[r] + chunk - 1) / chunk;
+    void **reqs = n_req ? calloc((size_t)n_req, sizeof *reqs) : NULL;
+    if (n_req && !reqs) return mrl_set_error(MRL_ERR_NOMEM, "dist: %s: out of memory", what);
+    int64_t k = 0;
+    int e = 0;
+    for (int r = 0; r < d->size && !e; r++) {
+        if (r == d->rank) {
+            if (rbytes[r]) memmove((char *)recv + roff[r], (const char *)send + soff[r], (size_t)rbytes[r]);
+            continue;
+        }
+        for (int64_t o = 0; o < rbytes[r] && !e; o += chunk)
+            e = d->be->irecv(d->coll, (char *)recv + roff[r] + o, rbytes[r] - o < chunk ? rbytes[r] - o : chunk, r,
+                             EXCHANGE_TAG, &reqs[k++]);
+        for (int64_t o = 0; o < sbytes[r] && !e; o += chunk)
+            e = d->be->isend(d->coll, (const char *)send + soff[r] + o, sbytes[r] - o < chunk ? sbytes[r] - o : chunk, r,
+                             EXCHANGE_TAG, &reqs[k++]);
+    }
+    mrl_status st = e ? mrl_dist_fail(d, e, what) : wait_reqs(d, reqs, (int)k, what);
+    free(reqs);
+    return st;
+}
+
 mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send_counts, void *recv,
                               const int64_t *recv_counts, int64_t unit) {
     if (!send_counts || !recv_counts || unit < 1)
@@ -775,20 +807,20 @@ mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send
         if (ns) memmove(recv, send, (size_t)(ns * unit));
         return MRL_OK;
     }
-    int64_t *sd = d->tmp, *rd = sd + d->size;
-    int64_t so = 0, ro = 0; /* (the plugin says when a displacement does not fit MPI's int) */
+    if (send_counts[d->rank] != recv_counts[d->rank])
+        return mrl_set_error(MRL_ERR_INVALID, "dist: alltoallv: rank %d sends itself %lld units and expects %lld", d->rank,
+                             (long long)send_counts[d->rank], (long long)recv_counts[d->rank]);
+    int64_t *so = calloc(4 * (size_t)d->size, sizeof *so), *sb = so + d->size, *ro = sb + d->size, *rb = ro + d->size;
+    if (!so) return mrl_set_error(MRL_ERR_NOMEM, "dist: alltoallv: out of memory");
+    int64_t s_off = 0, r_off = 0; /* in rank order, in bytes */
     for (int r = 0; r < d->size; r++) {
-        sd[r] = so;
-        rd[r] = ro;
-        so += send_counts[r];
-        ro += recv_counts[r];
+        sb[r] = send_counts[r] * unit, rb[r] = recv_counts[r] * unit;
+        so[r] = s_off, ro[r] = r_off;
+        s_off += sb[r], r_off += rb[r];
     }
-    /* (MPI wants a buffer even for no data) */
-    static char none;
-    void *req = NULL;
-    int e = d->be->ialltoallv(d->coll, ns ? send : &none, send_counts, sd, nr ? recv : &none, recv_counts, rd, unit,
-                              &req);
-    return mrl_dist_wait_req(d, e, req, "MPI_Ialltoallv");
+    st = exchange(d, send, so, sb, recv, ro, rb, "alltoallv");
+    free(so);
+    return st;
 }
 
 mrl_status mrl_dist_send_pieces(mrl_dist *d, const void *send, int64_t count, const uint8_t *to, void *recv,
@@ -814,36 +846,17 @@ mrl_status mrl_dist_send_pieces(mrl_dist *d, const void *send, int64_t count, co
         if (to[0] && count) memmove(recv, send, (size_t)(count * unit));
         return MRL_OK;
     }
-    /* point to point, each sender's piece to each receiver in messages of at most 1 GiB. (As one
-     * all-to-all-v, a rank that sent and received nothing, as hybrid sharding's replicas do, left
-     * Open MPI 4.1's next nonblocking collective on the communicator unmatched: the job hung;
-     * tests/dist's test_send_pieces.) */
-    const int64_t chunk = (int64_t)1 << 30, out = count * unit;
-    int64_t n_req = 0, ro = 0;
-    for (int r = 0; r < d->size; r++) {
-        if (r == d->rank) continue;
-        if (to[r] && out > 0) n_req += (out + chunk - 1) / chunk;
-        if (to[d->rank] && recv_counts[r] > 0) n_req += (recv_counts[r] * unit + chunk - 1) / chunk;
+    int64_t *so = calloc(4 * (size_t)d->size, sizeof *so), *sb = so + d->size, *ro = sb + d->size, *rb = ro + d->size;
+    if (!so) return mrl_set_error(MRL_ERR_NOMEM, "dist: send_pieces: out of memory");
+    int64_t r_off = 0;
+    for (int r = 0; r < d->size; r++) { /* the same piece (offset 0) to every receiver */
+        sb[r] = to[r] ? count * unit : 0;
+        rb[r] = to[d->rank] ? recv_counts[r] * unit : 0;
+        ro[r] = r_off;
+        r_off += rb[r];
     }
-    void **reqs = n_req ? calloc((size_t)n_req, sizeof *reqs) : NULL;
-    if (n_req && !reqs) return mrl_set_error(MRL_ERR_NOMEM, "dist: send_pieces: out of memory");
-    int64_t k = 0;
-    int e = 0;
-    for (int r = 0; r < d->size && !e; r++) {
-        int64_t in = to[d->rank] ? recv_counts[r] * unit : 0;
-        if (r == d->rank) {
-            if (in) memmove((char *)recv + ro, send, (size_t)in);
-        } else {
-            for (int64_t o = 0; o < in && !e; o += chunk)
-                e = d->be->irecv(d->coll, (char *)recv + ro + o, in - o < chunk ? in - o : chunk, r, PIECES_TAG, &reqs[k++]);
-            for (int64_t o = 0; to[r] && o < out && !e; o += chunk)
-                e = d->be->isend(d->coll, (const char *)send + o, out - o < chunk ? out - o : chunk, r, PIECES_TAG,
-                                 &reqs[k++]);
-        }
-        ro += in;
-    }
-    st = e ? mrl_dist_fail(d, e, "send_pieces: MPI_Isend / MPI_Irecv") : wait_reqs(d, reqs, (int)k, "send_pieces");
-    free(reqs);
+    st = exchange(d, send, so, sb, recv, ro, rb, "send_pieces");
+    free(so);
     return st;
 }
 

@@ -124,7 +124,8 @@ mrl_status mrl_dist_allgather_shards(mrl_dist *d, void *buf, int64_t count, int 
  * rows for q following those for the ranks before it in send, and receives
  * recv_counts[q] rows from each rank q into recv, in rank order. The counts
  * must match (what q sends this rank is what this rank expects of q): send
- * them first, e.g. with mrl_dist_allgather. */
+ * them first, e.g. with mrl_dist_allgather. Point to point, in messages of
+ * at most 1 GiB (a rank may send and receive nothing). */
 mrl_status mrl_dist_alltoallv(mrl_dist *d, const void *send, const int64_t *send_counts, void *recv,
                               const int64_t *recv_counts, int64_t unit);
 /* One piece from every rank to a set of ranks (ZeRO-3's trainers sending their shards of the
