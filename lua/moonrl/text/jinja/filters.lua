@@ -208,9 +208,19 @@ local function tojson(x, kw)
   kw = kw or {}
   local indent = kw.indent
   if indent == none then indent = nil end
+  -- (what json.dumps refuses with a TypeError: an indent that is not an integer, separators that
+  -- are not two strings)
+  if indent ~= nil and (type(indent) ~= 'number' or indent ~= floor(indent)) then
+    fail(format('tojson: indent must be an integer (got %s)', typename(indent)))
+  end
   local opts = { indent = indent, sort_keys = truthy(kw.sort_keys) }
   local seps = kw.separators
-  if seps and seps ~= none then opts.item_sep, opts.key_sep = seps[1], seps[2] end
+  if seps and seps ~= none then
+    if type(seps) ~= 'table' or type(seps[1]) ~= 'string' or type(seps[2]) ~= 'string' then
+      fail(format('tojson: separators must be two strings (got %s)', typename(seps)))
+    end
+    opts.item_sep, opts.key_sep = seps[1], seps[2]
+  end
   if kw.ensure_ascii ~= nil and truthy(kw.ensure_ascii) then fail('tojson(ensure_ascii=True) is not supported') end
   opts.tostring = function(v)
     if is_undef(v) then fail('Object of type Undefined is not JSON serializable') end
