@@ -331,7 +331,8 @@ mrl_status mrl_weight_store_write(mrl_weight_store *w, int slot, int64_t offset,
     return MRL_OK;
 }
 
-mrl_status mrl_weight_store_commit(mrl_weight_store *w, int slot, int64_t version, int flags) {
+/* The writer's version and flags for the next publish. */
+static mrl_status check_publish(const mrl_weight_store *w, int64_t version, int flags) {
     mrl_status st = only_writer(w, "publishes");
     if (st) return st;
     if (version < 0 || version > MAX_VERSION || version <= w->last_version)
@@ -340,6 +341,12 @@ mrl_status mrl_weight_store_commit(mrl_weight_store *w, int slot, int64_t versio
                              (long long)w->last_version);
     if (flags & ~(MRL_WS_STOP | MRL_WS_ROLLBACK))
         return mrl_set_error(MRL_ERR_INVALID, "weight store %s: unknown flags 0x%x in a publish", label(w), flags);
+    return MRL_OK;
+}
+
+mrl_status mrl_weight_store_commit(mrl_weight_store *w, int slot, int64_t version, int flags) {
+    mrl_status st = check_publish(w, version, flags);
+    if (st) return st;
     if (slot < 0) slot = NO_SLOT; /* flags only */
     if (slot != NO_SLOT && slot >= w->n_slots)
         return mrl_set_error(MRL_ERR_INVALID, "weight store %s: commit of slot %d (%d slots)", label(w), slot,
@@ -350,10 +357,10 @@ mrl_status mrl_weight_store_commit(mrl_weight_store *w, int slot, int64_t versio
 }
 
 mrl_status mrl_weight_store_publish(mrl_weight_store *w, const float *src, int64_t version, int flags) {
-    mrl_status st = only_writer(w, "publishes");
+    mrl_status st = check_publish(w, version, flags);
     if (st) return st;
     int slot = NO_SLOT;
-    if (version >= 0 && version <= MAX_VERSION && version > w->last_version && src) { /* (else commit says why) */
+    if (src) {
         if ((st = mrl_weight_store_begin(w, &slot))) return st;
         mrl_weight_store_write(w, slot, 0, src, w->n_floats);
     }
@@ -500,9 +507,9 @@ static mrl_status claim_reader(mrl_weight_store *w, int reader) {
 static mrl_status open_as(const char *name, int64_t n_floats, int reader, mrl_weight_store **out);
 
 mrl_status mrl_weight_store_open(const char *name, int64_t n_floats, int reader, mrl_weight_store **out) {
-    if (reader < 0 && out) *out = NULL;
-    if (reader < 0) return mrl_set_error(MRL_ERR_INVALID, "weight store %s: reader %d", name ? name : "(null)", reader);
-    return open_as(name, n_floats, reader, out);
+    if (reader >= 0) return open_as(name, n_floats, reader, out);
+    if (out) *out = NULL;
+    return mrl_set_error(MRL_ERR_INVALID, "weight store %s: reader %d", name ? name : "(null)", reader);
 }
 
 mrl_status mrl_weight_store_open_writer(const char *name, int64_t n_floats, mrl_weight_store **out) {

@@ -129,32 +129,33 @@ static void coeffs_init(mrl_adamw_coeffs *c, const mrl_adamw_config *cfg, double
     c->neg_step = (float)(-(lr / (1.0 - pow(cfg->beta1, t))));
 }
 
-static mrl_status do_step(mrl_adamw *opt, double lr, const mrl_kernels *k, const char *what) {
-    if (!opt) return mrl_set_error(MRL_ERR_INVALID, "%s: optimizer is NULL", what);
+/* A new step: lr checked (< 0: the config's), the count advanced, its coefficients into a. */
+static mrl_status start_step(mrl_adamw *opt, double lr, mrl_adamw_args *a, const char *what) {
     if (lr < 0) lr = opt->config.lr;
     if (!isfinite(lr)) return mrl_set_error(MRL_ERR_INVALID, "%s: lr must be finite (got %g)", what, lr);
     opt->step++;
+    coeffs_init(&a->decay, &opt->config, lr, opt->step, 1);
+    coeffs_init(&a->no_decay, &opt->config, lr, opt->step, 0);
+    return MRL_OK;
+}
+
+static mrl_status do_step(mrl_adamw *opt, double lr, const mrl_kernels *k, const char *what) {
+    if (!opt) return mrl_set_error(MRL_ERR_INVALID, "%s: optimizer is NULL", what);
     mrl_adamw_args a = {.p = opt->params, .m = opt->state, .v = opt->state + opt->n, .g = opt->grads, .n = opt->n,
                         .ranges = opt->no_decay, .n_ranges = opt->no_decay_count};
-    coeffs_init(&a.decay, &opt->config, lr, opt->step, 1);
-    coeffs_init(&a.no_decay, &opt->config, lr, opt->step, 0);
-    k->adamw(&a);
-    return MRL_OK;
+    mrl_status st = start_step(opt, lr, &a, what);
+    if (!st) k->adamw(&a);
+    return st;
 }
 
 mrl_status mrl_adamw_step_chunked(mrl_adamw *opt, double lr, int64_t chunk, mrl_adamw_chunk_fn fn, void *ctx) {
     if (!opt || !fn || chunk <= 0) return mrl_set_error(MRL_ERR_INVALID, "adamw_step_chunked: bad arguments");
-    if (lr < 0) lr = opt->config.lr;
-    if (!isfinite(lr)) return mrl_set_error(MRL_ERR_INVALID, "adamw_step_chunked: lr must be finite (got %g)", lr);
     /* the no-decay ranges of a chunk, clipped to it and relative to its start */
     int64_t *r = malloc(sizeof *r * (size_t)(2 * opt->no_decay_count + 2));
     if (!r) return mrl_set_error(MRL_ERR_NOMEM, "adamw_step_chunked: out of memory");
     const mrl_kernels *k = mrl_kernels_for(opt->device);
-    opt->step++;
     mrl_adamw_args a = {0};
-    coeffs_init(&a.decay, &opt->config, lr, opt->step, 1);
-    coeffs_init(&a.no_decay, &opt->config, lr, opt->step, 0);
-    mrl_status st = MRL_OK;
+    mrl_status st = start_step(opt, lr, &a, "adamw_step_chunked");
     for (int64_t lo = 0; lo < opt->n && !st; lo += chunk) {
         int64_t hi = opt->n - lo < chunk ? opt->n : lo + chunk, nr = 0;
         for (int64_t i = 0; i < opt->no_decay_count; i++) {

@@ -134,6 +134,12 @@ function World:gpu_transport(transport, device)
   return 'host'
 end
 
+-- A host buffer of at least n floats for a GPU buffer's trip through the host, kept for the next.
+local function host_staging(w, n)
+  if (w.gpu_host_n or 0) < n then w.gpu_host, w.gpu_host_n = ffi.new('float[?]', n), n end
+  return w.gpu_host
+end
+
 -- Make a GPU buffer of n floats whole, each rank's shard (mrl_dist_shard over the world) being
 -- in place: NCCL broadcasts every rank's shard in place (the shards may differ in size, which
 -- NCCL's all-gather does not take); through the host, the shard goes into a host copy, which is
@@ -148,22 +154,20 @@ function World:gpu_allgather_shards(ptr, n)
     return
   end
   local first, last = self:share(n)
-  self.gpu_host = (self.gpu_host_n or 0) >= n and self.gpu_host or ffi.new('float[?]', n)
-  self.gpu_host_n = math.max(self.gpu_host_n or 0, n)
-  if last >= first then moonrl.check(C.mrl_device_memcpy(self.gpu_host + first - 1, ptr + first - 1, 4 * (last - first + 1))) end
-  check(C.mrl_dist_allgather_shards(self.handle, self.gpu_host, n, C.MRL_DIST_F32))
-  moonrl.check(C.mrl_device_memcpy(ptr, self.gpu_host, 4 * n))
+  local host = host_staging(self, n)
+  if last >= first then moonrl.check(C.mrl_device_memcpy(host + first - 1, ptr + first - 1, 4 * (last - first + 1))) end
+  check(C.mrl_dist_allgather_shards(self.handle, host, n, C.MRL_DIST_F32))
+  moonrl.check(C.mrl_device_memcpy(ptr, host, 4 * n))
 end
 
 -- Sum n floats of a GPU buffer over the ranks, in place.
 function World:gpu_allreduce(ptr, n)
   if self.size == 1 or n == 0 then return end
   if self.gpu_via == 'nccl' then return check(C.mrl_nccl_allreduce(self.nccl, ptr, n, C.MRL_DIST_F32, C.MRL_DIST_SUM)) end
-  self.gpu_host = (self.gpu_host_n or 0) >= n and self.gpu_host or ffi.new('float[?]', n)
-  self.gpu_host_n = math.max(self.gpu_host_n or 0, n)
-  moonrl.check(C.mrl_device_memcpy(self.gpu_host, ptr, 4 * n))
-  check(C.mrl_dist_allreduce(self.handle, self.gpu_host, n, C.MRL_DIST_F32, C.MRL_DIST_SUM))
-  moonrl.check(C.mrl_device_memcpy(ptr, self.gpu_host, 4 * n))
+  local host = host_staging(self, n)
+  moonrl.check(C.mrl_device_memcpy(host, ptr, 4 * n))
+  check(C.mrl_dist_allreduce(self.handle, host, n, C.MRL_DIST_F32, C.MRL_DIST_SUM))
+  moonrl.check(C.mrl_device_memcpy(ptr, host, 4 * n))
 end
 
 -- bytes of a GPU buffer from rank root to every rank.
