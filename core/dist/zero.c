@@ -18,12 +18,19 @@
  * Order: segments start in the order the ranges became final, the same on
  * every rank (the backward's order); each element is added to the
  * accumulator once per backward, and finish waits for every segment, so
- * the accumulation's order is the micro-batches' order. */
+ * the accumulation's order is the micro-batches' order.
+ *
+ * A GPU model's backward (mrl_dist_grad_shard_set_device) writes into
+ * windows in the GPU's memory: each is copied to a host mirror as its range
+ * becomes final and goes on from there as above (the communicator's
+ * buffers are host memory), and finish copies the accumulator to the GPU,
+ * where the optimizer reads it. */
 #include <stdlib.h>
 #include <string.h>
 #include "dist_internal.h"
 #include "base/error.h"
 #include "moonrl/mem.h"
+#include "runtime/device_internal.h"
 
 enum {
     DEPTH = 2,  /* scratch slots: segments in flight at once */
@@ -33,7 +40,8 @@ enum {
 };
 
 typedef struct window {
-    float *buf;
+    float *buf;           /* the values (a GPU window's host mirror) */
+    mrl_buffer dev;       /* a GPU window: what the backward writes */
     int64_t cap;          /* floats */
     int64_t lo, hi;       /* the range it holds while lent */
     int64_t segs_left;    /* segments of its range not yet added (-1: being written) */
@@ -54,6 +62,8 @@ struct mrl_dist_grad_shard {
     int64_t n, off, count, seg;
     int shards; /* the gradient's pieces: rank r owns piece r % shards (mrl_dist_group_shard) */
     float *acc; /* [count]: this rank's shard of the gradient sum */
+    mrl_device device; /* where the windows are */
+    mrl_buffer dev_acc; /* a GPU's: acc's copy there, made by finish */
     window *wins;
     int n_wins, cap_wins;
     /* the queue of segments to start: windows in the order they became final, each cut into
@@ -116,6 +126,26 @@ mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_by
     return MRL_OK;
 }
 
+static void drop_window(window *w) {
+    mrl_mem_free(w->buf);
+    mrl_buffer_free(&w->dev);
+}
+
+/* what a window of cap floats holds: on a GPU, there and its host mirror */
+static int64_t window_size(const mrl_dist_grad_shard *g, int64_t cap) {
+    return (int64_t)sizeof(float) * cap * (g->device.kind == MRL_DEVICE_CPU ? 1 : 2);
+}
+
+mrl_status mrl_dist_grad_shard_set_device(mrl_dist_grad_shard *g, mrl_device device) {
+    if (!g) return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_grad_shard_set_device: NULL shard");
+    if (g->n_wins) return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_grad_shard_set_device: after the first window");
+    if (device.kind == MRL_DEVICE_CPU) return MRL_OK;
+    mrl_status st = mrl_buffer_alloc(device, sizeof(float) * (size_t)g->count, MRL_MEM_GRADS, &g->dev_acc);
+    if (st) return mrl_wrap_error(st, "dist: this rank's %lld gradients on %s", (long long)g->count, "the GPU");
+    g->device = device;
+    return MRL_OK;
+}
+
 void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
     if (!g) return;
     /* a round that never finished (a timeout: the process is ending) keeps what MPI may still write */
@@ -123,15 +153,16 @@ void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
     mrl_dist_member_leave(&g->m, busy);
     if (!busy) {
         for (int i = 0; i < DEPTH; i++) mrl_mem_free(g->slots[i].scratch);
-        for (int i = 0; i < g->n_wins; i++) mrl_mem_free(g->wins[i].buf);
+        for (int i = 0; i < g->n_wins; i++) drop_window(&g->wins[i]);
     }
     free(g->wins);
     free(g->queue);
     mrl_mem_free(g->acc);
+    mrl_buffer_free(&g->dev_acc);
     free(g);
 }
 
-float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g) { return g->acc; }
+float *mrl_dist_grad_shard_grads(mrl_dist_grad_shard *g) { return g->dev_acc.data ? g->dev_acc.data : g->acc; }
 int64_t mrl_dist_grad_shard_window_bytes(const mrl_dist_grad_shard *g) { return g->window_bytes; }
 int64_t mrl_dist_grad_shard_window_peak(const mrl_dist_grad_shard *g) { return g->window_peak; }
 int64_t mrl_dist_grad_shard_bytes_sent(const mrl_dist_grad_shard *g) { return g->sent; }
@@ -144,8 +175,8 @@ void mrl_dist_grad_shard_trim(mrl_dist_grad_shard *g) {
             g->wins[kept++] = g->wins[i];
             continue;
         }
-        g->window_bytes -= (int64_t)sizeof(float) * g->wins[i].cap;
-        mrl_mem_free(g->wins[i].buf);
+        g->window_bytes -= window_size(g, g->wins[i].cap);
+        drop_window(&g->wins[i]);
     }
     g->n_wins = kept;
     for (int i = 0; i < DEPTH; i++) {
@@ -157,6 +188,7 @@ void mrl_dist_grad_shard_trim(mrl_dist_grad_shard *g) {
 
 void mrl_dist_grad_shard_zero(mrl_dist_grad_shard *g) {
     memset(g->acc, 0, sizeof(float) * (size_t)g->count);
+    if (g->dev_acc.data) mrl_buffer_fill_zero(&g->dev_acc, NULL); /* (queued: fails only with the GPU, seen next) */
 }
 
 static void fail(mrl_dist_grad_shard *g, mrl_status st) {
@@ -296,12 +328,21 @@ float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
             g->wins = nw;
             g->cap_wins = cap;
         }
-        float *buf = mrl_mem_alloc(sizeof(float) * (size_t)count, MRL_MEM_GRADS);
-        if (!buf) return NULL; /* (the error is set) */
+        window nw0 = {.cap = count};
+        nw0.buf = mrl_mem_alloc(sizeof(float) * (size_t)count, MRL_MEM_GRADS);
+        if (!nw0.buf) return NULL; /* (the error is set) */
+        if (g->device.kind != MRL_DEVICE_CPU && /* zeroed */
+            mrl_buffer_alloc(g->device, sizeof(float) * (size_t)count, MRL_MEM_GRADS, &nw0.dev)) {
+            mrl_mem_free(nw0.buf);
+            mrl_set_error(MRL_ERR_NOMEM, "dist: no GPU memory for a gradient window of %lld floats", (long long)count);
+            return NULL;
+        }
         best = &g->wins[g->n_wins++];
-        *best = (window){.buf = buf, .cap = count};
-        g->window_bytes += (int64_t)sizeof(float) * count;
+        *best = nw0;
+        g->window_bytes += window_size(g, count);
         if (g->window_bytes > g->window_peak) g->window_peak = g->window_bytes;
+    } else if (best->dev.data) {
+        if (mrl_buffer_fill_zero(&best->dev, NULL)) return NULL;
     } else {
         memset(best->buf, 0, sizeof(float) * (size_t)count);
     }
@@ -309,7 +350,7 @@ float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
     best->lo = offset;
     best->hi = offset + count;
     best->segs_left = -1;
-    return best->buf;
+    return best->dev.data ? best->dev.data : best->buf;
 }
 
 void mrl_dist_grad_shard_ready(void *vg, int64_t offset, int64_t count) {
@@ -325,6 +366,13 @@ void mrl_dist_grad_shard_ready(void *vg, int64_t offset, int64_t count) {
         return;
     }
     w->segs_left = (count + g->seg - 1) / g->seg;
+    mrl_status cst; /* a GPU window: its values over to the mirror (after the backward's kernels) */
+    if (w->dev.data && (cst = mrl_device_memcpy(w->buf, w->dev.data, sizeof(float) * (size_t)count))) {
+        w->lent = 0;
+        fail(g, mrl_wrap_error(cst, "dist: gradient range [%lld, %lld) from the GPU", (long long)offset,
+                               (long long)(offset + count)));
+        return;
+    }
     if (g->q_len == g->q_cap) {
         int cap = g->q_cap ? 2 * g->q_cap : 16;
         window **q = malloc((size_t)cap * sizeof *q);
@@ -362,8 +410,11 @@ mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g) {
             for (int i = 0; i < g->n_wins; i++) g->wins[i].lent = 0;
             g->q_len = 0;
         }
+        return st;
     }
-    return st;
+    if (g->dev_acc.data && (st = mrl_device_memcpy(g->dev_acc.data, g->acc, sizeof(float) * (size_t)g->count)))
+        return mrl_wrap_error(st, "dist: this rank's gradients to the GPU");
+    return MRL_OK;
 }
 
 /* ---- Parameters gathered into place (ZeRO-3) ---------------------------

@@ -6,7 +6,8 @@
 --     step metrics and final weights within fp32 rounding of the CPU run's;
 --   * data parallel over 2 ranks with GPU models (gradients through the host): the 2-rank CPU run;
 --     ZeRO-1 (the optimizer state sharded over the GPUs) the bits of plain data parallel, and
---     with its shards offloaded to host memory the same weights within rounding;
+--     with its shards offloaded to host memory the same weights within rounding; ZeRO-2 (the
+--     gradients too, reduce-scattered from windows in the GPU's memory) the same, and resumed;
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
@@ -155,29 +156,34 @@ t.test('dist.offload=optimizer: no optimizer state on the GPU, the weights of th
   t.eq(weights_diff(part .. '/model', off .. '/model'), 0, 'resumed with offload: the weights of the run never stopped')
 end)
 
+local proc = require('moonrl.io.proc')
+-- One run of grpo_sevens on 2 ranks, each with its GPU (here both cuda:0: the emulated machine, or
+-- one real GPU shared; model.device=device; extra: more words): its run directory, nil where
+-- there is no mpirun.
+local function ranks(device, tag, extra)
+  if not (exe and mpirun) then return nil end
+  local run_dir = dir .. '/dp_' .. tag
+  local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+    'vader,self' }
+  if os.getenv('LD_PRELOAD') then argv[#argv + 1], argv[#argv + 2] = '-x', 'LD_PRELOAD' end
+  for _, a in ipairs({ exe, 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
+    'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64',
+    'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=4', 'engine.kv_cache_mb=4',
+    'run.threads=1', 'dist.gpu_transport=host', 'model.device=' .. device, 'run.dir=' .. run_dir }) do
+    argv[#argv + 1] = a
+  end
+  for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
+  local r = proc.run(argv, { timeout = 600 })
+  if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+  t.truthy(r.ok, '2 ranks on ' .. device)
+  return run_dir
+end
+
 -- Two ranks, each with its GPU (here both cuda:0: the emulated machine, or one real GPU shared),
 -- gradients summed through the host (dist.gpu_transport=host: NCCL wants a GPU a rank): the
 -- weights of the same two ranks on the CPU.
 t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
-  local proc = require('moonrl.io.proc')
-  local function ranks(device, tag, extra)
-    local run_dir = dir .. '/dp_' .. tag
-    local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
-      'vader,self' }
-    if os.getenv('LD_PRELOAD') then argv[#argv + 1], argv[#argv + 2] = '-x', 'LD_PRELOAD' end
-    for _, a in ipairs({ exe, 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
-      'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64',
-      'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=4', 'engine.kv_cache_mb=4',
-      'run.threads=1', 'dist.gpu_transport=host', 'model.device=' .. device, 'run.dir=' .. run_dir }) do
-      argv[#argv + 1] = a
-    end
-    for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
-    local r = proc.run(argv, { timeout = 600 })
-    if not r.ok then io.stderr:write(r.stdout, r.stderr) end
-    t.truthy(r.ok, '2 ranks on ' .. device)
-    return run_dir
-  end
   local c, g = ranks('cpu', 'cpu'), ranks('cuda:0', 'gpu')
   local mc, mg = records(c), records(g)
   for s = 1, #mc do
@@ -212,6 +218,34 @@ t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   t.truthy(io.open(part .. '/events.jsonl'):read('*a'):match('"event": "resume"[^\n]*step%-000001'),
     'zero=1 on GPUs: resumed from step 1\'s checkpoint')
   t.eq(weights_diff(part .. '/model', z1 .. '/model'), 0, 'zero=1 on GPUs resumed: the weights of the run never stopped')
+end)
+
+-- ZeRO-2 on GPUs: each backward's ranges written into windows in the GPU's memory and
+-- reduce-scattered through the host; a rank keeps half of the gradients and of the optimizer
+-- state. With one micro-batch a rank the bits of zero=0 (the same rank-ordered sums); with the
+-- shards offloaded, those of the GPU's kernel within rounding; stopped and resumed, the bits of
+-- the run never stopped.
+t.test('zero=2 over 2 ranks on GPUs: the bits of zero=0, half the gradients and state on each GPU, offloaded, resumed', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local one = 'train.micro_batch_tokens=4096'
+  local plain, z2 = ranks('cuda:0', 'one', { one }), ranks('cuda:0', 'one_zero2', { one, 'dist.zero=2' })
+  t.eq(weights_diff(z2 .. '/model', plain .. '/model'), 0, 'zero=2 on GPUs: the weights of zero=0')
+  local mp, m2 = records(plain), records(z2)
+  for _, key in ipairs({ 'memory/gpu/grads_mb', 'memory/gpu/optim_mb' }) do
+    local full, half = mp[#mp][key], m2[#m2][key]
+    t.truthy(full > 0 and half > 0 and math.abs(half - full / 2) <= 0.01 * full,
+      string.format('zero=2: %s is half that of zero=0 (%s of %s)', key, tostring(half), tostring(full)))
+  end
+  t.truthy(m2[#m2]['memory/grads_windows_peak_mb'] > 0, 'zero=2: the windows\' peak is reported')
+  local off = ranks('cuda:0', 'one_zero2_off', { one, 'dist.zero=2', 'dist.offload=optimizer',
+    'dist.offload_chunk_mb=0.015625' })
+  local d = weights_diff(off .. '/model', plain .. '/model')
+  print(string.format('zero=2 offloaded against zero=0 on GPUs: worst ||d|| / ||w|| %.3g', d))
+  t.truthy(d <= 1e-6, 'zero=2 offloaded: the weights of zero=0 within rounding')
+  ranks('cuda:0', 'one_zero2_part', { one, 'dist.zero=2', 'grpo.steps=1', 'run.checkpoint_every=1' })
+  local part = ranks('cuda:0', 'one_zero2_part', { one, 'dist.zero=2', 'run.checkpoint_every=1', 'run.resume=auto' })
+  t.eq(#records(part), 2, 'zero=2 on GPUs: two steps logged')
+  t.eq(weights_diff(part .. '/model', z2 .. '/model'), 0, 'zero=2 on GPUs resumed: the weights of the run never stopped')
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()

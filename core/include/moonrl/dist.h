@@ -35,6 +35,7 @@
  * starts and do not break the communicator. */
 #pragma once
 #include <stdint.h>
+#include "device.h"
 #include "status.h"
 
 #ifdef __cplusplus
@@ -198,6 +199,10 @@ typedef struct mrl_dist_grad_shard mrl_dist_grad_shard;
 mrl_status mrl_dist_grad_shard_create(mrl_dist *d, int64_t n, int64_t segment_bytes, int shards,
                                       mrl_dist_grad_shard **out);
 void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g);
+/* A GPU model's backward (before the first window): the windows are lent in that GPU's memory,
+ * each copied to host memory as its range becomes final (the reduce-scatter runs there, with the
+ * same sums), and finish copies the accumulator to the GPU, where grads then points. */
+mrl_status mrl_dist_grad_shard_set_device(mrl_dist_grad_shard *g, mrl_device device);
 float *mrl_dist_grad_shard_acquire(void *g, int64_t offset, int64_t count);
 void mrl_dist_grad_shard_ready(void *g, int64_t offset, int64_t count);
 mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g);

@@ -297,6 +297,20 @@ local function whole_gather(layout, n)
   end
 end
 
+-- whole_gather for a GPU buffer: over the world, World:gpu_allgather_shards (NCCL, or through
+-- the host); within the groups of hybrid sharding, through the host.
+local function gpu_whole_gather(layout, n)
+  local w = layout.world
+  if layout.shards == w.size then return function(buf) w:gpu_allgather_shards(buf, n) end end
+  local gather, o, c = whole_gather(layout, n), M.layout_shard(layout, n)
+  return function(buf)
+    local host = host_staging(w, n)
+    if c > 0 then moonrl.check(C.mrl_device_memcpy(host + o, buf + o, 4 * c)) end
+    gather(host)
+    moonrl.check(C.mrl_device_memcpy(buf, host, 4 * n))
+  end
+end
+
 -- A model loaded by shard (model.load_shard with the layout's shard) gets its gathers: every
 -- forward and backward then gathers each part into place over the layout's group (a
 -- collective: every rank runs the same ones), rank 0 writes what m:save writes. Every rank calls
@@ -392,29 +406,32 @@ function M.data_parallel(w, opt, model, opts)
   local device = C.mrl_device_of(opt.params)
   if zero >= 2 and not model then error('dist.zero=2: the optimizer must name its model (opt.model)', 2) end
   if device.kind ~= C.MRL_DEVICE_CPU then
-    -- a GPU model's: one sum over the whole buffer once the backward is done (dist.gpu_transport:
-    -- NCCL, or through the host), no buckets; ZeRO-1 shards the optimizer state (each rank steps
-    -- its shard, then the parameters are made whole again); ZeRO-2 and 3 are CPU only for now
-    if zero >= 2 then
-      moonrl.usage_error(string.format('dist.zero=%d shards the gradients%s of a CPU model; a GPU model shards its '
-        .. 'optimizer state alone (dist.zero=1) for now', zero, zero == 3 and ' and parameters' or ''))
+    -- a GPU model's: ZeRO-0 and 1 sum the whole gradient buffer once the backward is done
+    -- (dist.gpu_transport: NCCL, or through the host), no buckets; ZeRO-2's windows are in the
+    -- GPU's memory, reduce-scattered through the host; ZeRO-3 is CPU only for now
+    if zero == 3 then
+      moonrl.usage_error('dist.zero=3 shards the parameters of a CPU model; a GPU model shards its gradients and '
+        .. 'optimizer state (dist.zero=2) for now')
     end
-    self.grads = opt:bind_grads()
     self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
-  elseif zero >= 2 then
+  end
+  if zero >= 2 then
     local out = ffi.new('mrl_dist_grad_shard *[1]')
     check(C.mrl_dist_grad_shard_create(w.handle, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), layout.shards, out))
     self.grad_shard = ffi.gc(out[0], C.mrl_dist_grad_shard_free)
+    if self.gpu then check(C.mrl_dist_grad_shard_set_device(out[0], device)) end
     self.shard_grads = C.mrl_dist_grad_shard_grads(out[0])
     C.mrl_model_set_grad_windows(model.handle, C.mrl_dist_grad_shard_acquire, out[0])
     C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_grad_shard_ready, out[0])
   else
     self.grads = opt:bind_grads()
-    local out = ffi.new('mrl_dist_buckets *[1]')
-    local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
-    moonrl.check(C.mrl_dist_buckets_create(w.handle, self.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode,
-      out))
-    self.buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
+    if not self.gpu then
+      local out = ffi.new('mrl_dist_buckets *[1]')
+      local mode = zero == 1 and C.MRL_DIST_BUCKETS_REDUCE_SCATTER or C.MRL_DIST_BUCKETS_ALLREDUCE
+      moonrl.check(C.mrl_dist_buckets_create(w.handle, self.grads, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), mode,
+        out))
+      self.buckets = ffi.gc(out[0], C.mrl_dist_buckets_free)
+    end
   end
   -- the shard bounds of every rank (the gradient norm is summed over these pieces, one a rank,
   -- in every mode: ZeRO and plain data parallel clip by the same bits), and this rank's shard of
@@ -430,8 +447,8 @@ function M.data_parallel(w, opt, model, opts)
   self.offset, self.count = mine.offset, mine.count
   -- ZeRO-1 and 2: the parameters made whole again after each step (within the group under
   -- hybrid sharding); ZeRO-3's shards stay as they are, gathered by the model as it computes
-  if self.gpu and zero == 1 then
-    self.gather_params = function(buf) w:gpu_allgather_shards(buf, n) end
+  if self.gpu and (zero == 1 or zero == 2) then
+    self.gather_params = gpu_whole_gather(layout, n)
   elseif zero == 1 or zero == 2 then
     self.gather_params = whole_gather(layout, n)
   end
@@ -507,7 +524,7 @@ end
 function DP:sync()
   if self.synced then return end
   self.synced = true
-  if self.gpu then
+  if self.gpu and not self.grad_shard then
     self.world:gpu_allreduce(self.grads, self.n)
     self.overlapped = 0
     return
