@@ -222,61 +222,115 @@ void mrl_mem_reset_rss_peak(void) {
 
 /* ---- regions: reserved address space, memory only where pinned ---- */
 
-#define REGION_PAGE ((int64_t)4096)
-
-struct mrl_mem_region {
-    char *base;
-    int64_t bytes, pages;
-    uint8_t *pins; /* [pages]: how many pins hold each page (0: no memory, unreadable) */
-    int64_t resident; /* bytes of pinned pages, counted under category */
-    mrl_mem_category category;
-};
-
-mrl_status mrl_mem_region_create(int64_t bytes, mrl_mem_category category, mrl_mem_region **out) {
-    *out = NULL;
-    if (bytes <= 0 || bytes > ((int64_t)1 << 46))
-        return mrl_set_error(MRL_ERR_INVALID, "memory region of %lld bytes", (long long)bytes);
-    mrl_mem_region *r = calloc(1, sizeof *r);
-    if (!r) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
-    r->bytes = bytes;
-    r->pages = (bytes + REGION_PAGE - 1) / REGION_PAGE;
-    r->category = category;
-    r->pins = calloc((size_t)r->pages, 1);
-    /* address space only: no page is readable until pinned */
-    void *p = mmap(NULL, (size_t)(r->pages * REGION_PAGE), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (!r->pins || p == MAP_FAILED) {
-        free(r->pins);
-        free(r);
-        return mrl_set_error(MRL_ERR_NOMEM, "cannot reserve %lld bytes of address space for %s", (long long)bytes,
-                             mrl_mem_category_name(category));
-    }
-    r->base = p;
+/* The host's backing: anonymous pages, readable only while mapped. */
+static mrl_status host_reserve(const mrl_mem_backing *b, int64_t bytes, char **base, void **state) {
+    (void)b;
+    *state = NULL;
+    void *p = mmap(NULL, (size_t)bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return MRL_ERR_NOMEM;
 #ifdef MADV_HUGEPAGE
     /* advice only: parts gathered into place and given back every step fault in 2 MiB pages
      * instead of 4 KiB ones (a ZeRO-3 step on 2 ranks took 0.94 s with small pages, 0.58 s so;
      * bench/RESULTS.md, "Sharded training state"); the resident set may then exceed what is
      * pinned by up to a huge page at each end of a part */
-    madvise(p, (size_t)(r->pages * REGION_PAGE), MADV_HUGEPAGE);
+    madvise(p, (size_t)bytes, MADV_HUGEPAGE);
 #endif
+    *base = p;
+    return MRL_OK;
+}
+static void host_release(void *state, char *base, int64_t bytes) {
+    (void)state;
+    munmap(base, (size_t)bytes);
+}
+static mrl_status host_map(void *state, char *base, int64_t lo, int64_t hi) {
+    (void)state;
+    if (mprotect(base + lo, (size_t)(hi - lo), PROT_READ | PROT_WRITE))
+        return mrl_set_error(MRL_ERR_NOMEM, "memory region: cannot map %lld bytes", (long long)(hi - lo));
+    return MRL_OK;
+}
+static void host_unmap(void *state, char *base, int64_t lo, int64_t hi) { /* zero when mapped again */
+    (void)state;
+    madvise(base + lo, (size_t)(hi - lo), MADV_DONTNEED);
+    mprotect(base + lo, (size_t)(hi - lo), PROT_NONE);
+}
+static const mrl_mem_backing host_backing = {4096, 0, host_reserve, host_release, host_map, host_unmap, 0};
+
+struct mrl_mem_region {
+    char *base;
+    int64_t bytes, pages, page;
+    uint8_t *pins; /* [pages]: how many pins hold each page (0: no memory, unreadable) */
+    int64_t resident; /* bytes of pinned pages, counted under category */
+    mrl_mem_category category;
+    const mrl_mem_backing *b;
+    void *state; /* the backing's, for this region */
+};
+
+mrl_status mrl_mem_region_create(int64_t bytes, mrl_mem_category category, mrl_mem_region **out) {
+    return mrl_mem_region_create_backed(bytes, category, NULL, out);
+}
+
+mrl_status mrl_mem_region_create_backed(int64_t bytes, mrl_mem_category category, const mrl_mem_backing *b,
+                                        mrl_mem_region **out) {
+    *out = NULL;
+    if (!b) b = &host_backing;
+    if (bytes <= 0 || bytes > ((int64_t)1 << 46) || b->page <= 0)
+        return mrl_set_error(MRL_ERR_INVALID, "memory region of %lld bytes", (long long)bytes);
+    mrl_mem_region *r = calloc(1, sizeof *r);
+    if (!r) return mrl_set_error(MRL_ERR_NOMEM, "out of memory");
+    r->bytes = bytes;
+    r->page = b->page;
+    r->pages = (bytes + r->page - 1) / r->page;
+    r->category = category;
+    r->b = b;
+    r->pins = calloc((size_t)r->pages, 1);
+    /* address space only: no page is readable until pinned */
+    mrl_status st = r->pins ? b->reserve(b, r->pages * r->page, &r->base, &r->state) : MRL_ERR_NOMEM;
+    if (st) {
+        free(r->pins);
+        free(r);
+        return mrl_wrap_error(st, "cannot reserve %lld bytes of %s address space for %s", (long long)bytes,
+                              b->device ? "device" : "host", mrl_mem_category_name(category));
+    }
     *out = r;
     return MRL_OK;
 }
 
+static void region_account(const mrl_mem_region *r, int64_t delta) {
+    if (r->b->device) mrl_mem_account_device(r->category, delta);
+    else mrl_mem_account(r->category, delta);
+}
+
+/* Each run of pages in [a, b) that is pinned (pinned = 1) or not (0) unmapped at once. */
+static void unmap_runs(mrl_mem_region *r, int64_t a, int64_t b, int pinned) {
+    for (int64_t p = a; p < b;) {
+        if ((r->pins[p] != 0) != pinned) {
+            p++;
+            continue;
+        }
+        int64_t q = p;
+        while (q < b && (r->pins[q] != 0) == pinned) q++;
+        r->b->unmap(r->state, r->base, p * r->page, q * r->page);
+        p = q;
+    }
+}
+
 void mrl_mem_region_free(mrl_mem_region *r) {
     if (!r) return;
-    munmap(r->base, (size_t)(r->pages * REGION_PAGE));
-    mrl_mem_account(r->category, -r->resident);
+    unmap_runs(r, 0, r->pages, 1); /* what is still pinned given back */
+    r->b->release(r->state, r->base, r->pages * r->page);
+    region_account(r, -r->resident);
     free(r->pins);
     free(r);
 }
 
 void *mrl_mem_region_base(const mrl_mem_region *r) { return r ? r->base : NULL; }
 int64_t mrl_mem_region_resident(const mrl_mem_region *r) { return r ? r->resident : 0; }
+int64_t mrl_mem_region_page(const mrl_mem_region *r) { return r ? r->page : 0; }
 
 /* The pages [a, b) of bytes [lo, hi) (hi > lo). */
-static void page_span(int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
-    *a = lo / REGION_PAGE;
-    *b = (hi + REGION_PAGE - 1) / REGION_PAGE;
+static void page_span(const mrl_mem_region *r, int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
+    *a = lo / r->page;
+    *b = (hi + r->page - 1) / r->page;
 }
 
 mrl_status mrl_mem_region_pin(mrl_mem_region *r, int64_t lo, int64_t hi) {
@@ -285,47 +339,40 @@ mrl_status mrl_mem_region_pin(mrl_mem_region *r, int64_t lo, int64_t hi) {
                              (long long)hi, (long long)r->bytes);
     if (lo == hi) return MRL_OK;
     int64_t a, b, fresh = 0;
-    page_span(lo, hi, &a, &b);
+    page_span(r, lo, hi, &a, &b);
     for (int64_t p = a; p < b; p++) {
         if (r->pins[p] == UINT8_MAX)
             return mrl_set_error(MRL_ERR_INTERNAL, "memory region: page %lld pinned %d times", (long long)p, UINT8_MAX);
         fresh += r->pins[p] == 0;
     }
-    if (fresh && past_budget((size_t)(fresh * REGION_PAGE), r->category)) return MRL_ERR_NOMEM;
-    for (int64_t p = a; p < b;) { /* each run of unpinned pages made readable at once */
+    if (fresh && !r->b->device && past_budget((size_t)(fresh * r->page), r->category)) return MRL_ERR_NOMEM;
+    for (int64_t p = a; p < b;) { /* each run of unpinned pages mapped at once */
         if (r->pins[p]) {
             p++;
             continue;
         }
         int64_t q = p;
         while (q < b && !r->pins[q]) q++;
-        if (mprotect(r->base + p * REGION_PAGE, (size_t)((q - p) * REGION_PAGE), PROT_READ | PROT_WRITE))
-            return mrl_set_error(MRL_ERR_NOMEM, "memory region: cannot map %lld bytes", (long long)((q - p) * REGION_PAGE));
+        mrl_status st = r->b->map(r->state, r->base, p * r->page, q * r->page);
+        if (st) {
+            unmap_runs(r, a, p, 0); /* the runs mapped before it given back: nothing pinned */
+            return st;
+        }
         p = q;
     }
     for (int64_t p = a; p < b; p++) r->pins[p]++;
-    r->resident += fresh * REGION_PAGE;
-    mrl_mem_account(r->category, fresh * REGION_PAGE);
+    r->resident += fresh * r->page;
+    region_account(r, fresh * r->page);
     return MRL_OK;
 }
 
 void mrl_mem_region_unpin(mrl_mem_region *r, int64_t lo, int64_t hi) {
     if (lo < 0 || hi > r->bytes || lo >= hi) return;
     int64_t a, b, freed = 0;
-    page_span(lo, hi, &a, &b);
+    page_span(r, lo, hi, &a, &b);
     for (int64_t p = a; p < b; p++)
         if (r->pins[p] && --r->pins[p] == 0) freed++;
-    for (int64_t p = a; p < b;) { /* each run of pages left unpinned given back (zero when pinned again) */
-        if (r->pins[p]) {
-            p++;
-            continue;
-        }
-        int64_t q = p;
-        while (q < b && !r->pins[q]) q++;
-        madvise(r->base + p * REGION_PAGE, (size_t)((q - p) * REGION_PAGE), MADV_DONTNEED);
-        mprotect(r->base + p * REGION_PAGE, (size_t)((q - p) * REGION_PAGE), PROT_NONE);
-        p = q;
-    }
-    r->resident -= freed * REGION_PAGE;
-    mrl_mem_account(r->category, -freed * REGION_PAGE);
+    unmap_runs(r, a, b, 0); /* the pages left unpinned given back (zero when pinned again) */
+    r->resident -= freed * r->page;
+    region_account(r, -freed * r->page);
 }

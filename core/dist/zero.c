@@ -429,6 +429,9 @@ typedef struct gather {
     int64_t lo, hi;
     void **reqs;
     int nreq, busy;
+    float *dev;     /* a GPU's parameters: the range lands in stage, then goes there */
+    float *stage;   /* host memory, stage_n floats */
+    int64_t stage_n;
 } gather;
 
 struct mrl_dist_param_gather {
@@ -464,7 +467,10 @@ void mrl_dist_param_gather_free(mrl_dist_param_gather *p) {
     int busy = 0;
     for (int i = 0; i < GATHERS; i++) busy |= p->g[i].busy;
     mrl_dist_member_leave(&p->m, busy);
-    for (int i = 0; i < GATHERS; i++) free(p->g[i].reqs);
+    for (int i = 0; i < GATHERS; i++) {
+        free(p->g[i].reqs);
+        if (!busy) mrl_mem_free(p->g[i].stage);
+    }
     free(p);
 }
 
@@ -488,8 +494,27 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
     g->lo = offset;
     g->hi = offset + count;
     g->nreq = 0;
+    g->dev = NULL;
+    if (d->size == 1) {
+        g->busy = 1;
+        return MRL_OK;
+    }
+    if (mrl_device_of(params).kind != MRL_DEVICE_CPU) { /* a GPU's: through host memory, this rank's piece first */
+        if (g->stage_n < count) {
+            mrl_mem_free(g->stage);
+            g->stage_n = 0;
+            if (!(g->stage = mrl_mem_alloc(sizeof(float) * (size_t)count, MRL_MEM_PARAMS)))
+                return mrl_wrap_error(MRL_ERR_NOMEM, "dist: a host buffer for %lld parameters", (long long)count);
+            g->stage_n = count;
+        }
+        int64_t off, cnt, at, len;
+        mrl_dist_group_shard(p->n, p->world, d->size, d->rank, &off, &cnt);
+        mrl_dist_meet(off, cnt, offset, offset + count, &at, &len);
+        if (len > 0 && (st = mrl_device_memcpy(g->stage + (at - offset), params + at, sizeof(float) * (size_t)len)))
+            return mrl_wrap_error(st, "dist: this rank's parameters from the GPU");
+        g->dev = params;
+    }
     g->busy = 1;
-    if (d->size == 1) return MRL_OK;
     for (int64_t lo = offset; lo < offset + count; lo += seg) {
         int64_t hi = lo + seg < offset + count ? lo + seg : offset + count;
         int64_t *rc = d->tmp, *rd = rc + d->size, mine = 0;
@@ -501,7 +526,8 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
             if (r == d->rank) mine = rc[r];
         }
         p->received += (int64_t)sizeof(float) * (hi - lo - mine);
-        int e = d->be->iallgatherv(p->m.comm, NULL, mine, params + lo, rc, rd, sizeof(float), &g->reqs[g->nreq]);
+        float *into = g->dev ? g->stage + (lo - offset) : params + lo;
+        int e = d->be->iallgatherv(p->m.comm, NULL, mine, into, rc, rd, sizeof(float), &g->reqs[g->nreq]);
         if (e) return mrl_dist_fail(d, e, "the all-gather of a parameter range");
         g->nreq++;
     }
@@ -544,5 +570,7 @@ mrl_status mrl_dist_param_gather_wait(void *vp, float *params, int64_t offset, i
     gather_wait w = {p->m.d, g};
     if (!st && g->nreq > 0) st = mrl_dist_wait(p->m.d, gather_poll, &w);
     if (!st) g->busy = 0; /* (after a failure the requests stay: the communicator is broken) */
+    if (!st && g->dev && (st = mrl_device_memcpy(g->dev + g->lo, g->stage, sizeof(float) * (size_t)(g->hi - g->lo))))
+        st = mrl_wrap_error(st, "dist: gathered parameters to the GPU");
     return st;
 }

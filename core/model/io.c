@@ -80,29 +80,48 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
 }
 
 /* Fill parameters [lo, hi) (shapes checked by check_tensors): each view's part in the range,
- * read by range (a sharded model's buffer has memory there only). */
+ * read by range (a sharded model's buffer has memory there only; a GPU's, through a host buffer
+ * of the largest part, reused). */
 static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi) {
-    for (int i = 0; i < m->n_views; i++) {
+    float *stage = NULL;
+    int64_t stage_n = 0;
+    mrl_status s = MRL_OK;
+    for (int i = 0; !s && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
         int64_t a = v->offset > lo ? v->offset : lo, b = v->offset + v->numel < hi ? v->offset + v->numel : hi;
         if (b <= a) continue;
+        float *dst = m->params + a;
+        if (m->k->on_device) {
+            if (stage_n < b - a) {
+                mrl_mem_free(stage);
+                if (!(stage = mrl_mem_alloc(sizeof(float) * (size_t)(b - a), MRL_MEM_OTHER)))
+                    return mrl_wrap_error(MRL_ERR_NOMEM, "model: a host buffer for %s", v->name);
+                stage_n = b - a;
+            }
+            dst = stage;
+        }
         const char *from = v->name;
         if (!mrl_st_has(st, v->name)) { /* may_be_missing */
             if (strcmp(v->name, "score.weight") == 0) { /* the documented init, then its part */
                 float *tmp = mrl_mem_alloc(sizeof(float) * (size_t)v->numel, MRL_MEM_OTHER);
-                if (!tmp) return mrl_wrap_error(MRL_ERR_NOMEM, "model: the init of %s", v->name);
+                if (!tmp) {
+                    s = mrl_wrap_error(MRL_ERR_NOMEM, "model: the init of %s", v->name);
+                    break;
+                }
                 uint64_t seed = 0;
                 mrl_model_init_view(m, v, &seed, tmp);
-                memcpy(m->params + a, tmp + (a - v->offset), sizeof(float) * (size_t)(b - a));
+                memcpy(dst, tmp + (a - v->offset), sizeof(float) * (size_t)(b - a));
                 mrl_mem_free(tmp);
-                continue;
+                from = NULL;
+            } else {
+                from = "model.embed_tokens.weight"; /* lm_head.weight of a value-head model: the embedding */
             }
-            from = "model.embed_tokens.weight"; /* lm_head.weight of a value-head model: the embedding */
         }
-        mrl_status s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, m->params + a);
-        if (s) return s;
+        if (from) s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, dst);
+        if (!s && dst == stage) s = m->k->to_device(m->params + a, stage, (int64_t)sizeof(float) * (b - a));
     }
-    return MRL_OK;
+    mrl_mem_free(stage);
+    return s;
 }
 
 /* config.json, the files opened and checked against the layout (no parameter memory yet). */
@@ -195,26 +214,59 @@ static mrl_status write_config(mrl_model *m, const char *dir) {
  * copy of the model, whatever its size. Shards are filled in view order
  * (embedding, layers, norm, head), as transformers' save_pretrained fills
  * them in state-dict order. */
+/* A GPU model's views are written from a host buffer of the largest view (*host; NULL on the
+ * CPU, where they are written in place). */
+static mrl_status host_view_buffer(mrl_model *m, const char *dir, float **host) {
+    *host = NULL;
+    if (!m->k->on_device) return MRL_OK;
+    int64_t most = 0;
+    for (int i = 0; i < m->n_views; i++)
+        if (m->views[i].numel > most) most = m->views[i].numel;
+    *host = mrl_mem_alloc(sizeof(float) * (size_t)(most ? most : 1), MRL_MEM_OTHER);
+    if (!*host) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: a host buffer for one tensor of the model", dir);
+    return MRL_OK;
+}
+
+/* The safetensors stream of the model's views, declared in view order. */
+static mrl_status open_stream(mrl_model *m, const char *dir, int64_t max_shard_bytes, mrl_st_stream **st) {
+    mrl_status s = mrl_st_stream_open(dir, max_shard_bytes, st);
+    if (!s) s = mrl_st_stream_set_metadata(*st, "format", "pt"); /* what Transformers expects */
+    for (int i = 0; !s && i < m->n_views; i++)
+        s = mrl_st_stream_declare(*st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, m->views[i].shape);
+    return s;
+}
+
+/* View v written to the stream: from the parameters, or through host. */
+static mrl_status write_view(mrl_model *m, const char *dir, mrl_st_stream *st, const mrl_param_view *v, float *host) {
+    const float *src = m->params + v->offset;
+    if (host) {
+        mrl_status c = m->k->to_host(host, src, (int64_t)sizeof(float) * v->numel);
+        if (c) return mrl_wrap_error(c, "%s: tensor '%s'", dir, v->name); /* the device's own error after it */
+        src = host;
+    }
+    return mrl_st_stream_write(st, v->name, src, v->numel);
+}
+
 /* A sharded model: every rank gathers the model view by view (the gathers are collectives), the
  * writer writes each view while it is whole; a write error stops the writing, not the gathers
  * (the other ranks would wait for them), and is returned at the end. */
 static mrl_status save_gathered(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
     mrl_st_stream *st = NULL;
+    float *host = NULL;
     mrl_status s = MRL_OK, g = MRL_OK;
     if (m->shard_writer) {
-        s = mrl_st_stream_open(dir, max_shard_bytes, &st);
-        if (!s) s = mrl_st_stream_set_metadata(st, "format", "pt");
-        for (int i = 0; !s && i < m->n_views; i++)
-            s = mrl_st_stream_declare(st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, m->views[i].shape);
+        s = host_view_buffer(m, dir, &host);
+        if (!s) s = open_stream(m, dir, max_shard_bytes, &st);
     }
     for (int i = 0; !g && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
         if ((g = mrl_model_fetch(m, v->offset, v->numel))) break;
-        if (!s && m->shard_writer) s = mrl_st_stream_write(st, v->name, m->params + v->offset, v->numel);
+        if (!s && m->shard_writer) s = write_view(m, dir, st, v, host);
         mrl_model_drop(m, v->offset, v->numel);
     }
     if (!s && !g && m->shard_writer) s = mrl_st_stream_finish(st);
     mrl_st_stream_free(st);
+    mrl_mem_free(host);
     if (!s && !g && m->shard_writer) s = write_config(m, dir);
     return g ? g : s;
 }
@@ -223,32 +275,12 @@ mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
     if (m->p_region) return save_gathered(m, dir, max_shard_bytes);
-    float *host = NULL; /* a GPU model's views are written from here */
-    if (m->k->on_device) {
-        int64_t most = 0;
-        for (int i = 0; i < m->n_views; i++)
-            if (m->views[i].numel > most) most = m->views[i].numel;
-        host = mrl_mem_alloc(sizeof(float) * (size_t)(most ? most : 1), MRL_MEM_OTHER);
-        if (!host) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: a host buffer for one tensor of the model", dir);
-    }
+    float *host;
+    mrl_status s = host_view_buffer(m, dir, &host);
+    if (s) return s;
     mrl_st_stream *st = NULL;
-    mrl_status s = mrl_st_stream_open(dir, max_shard_bytes, &st);
-    if (!s) s = mrl_st_stream_set_metadata(st, "format", "pt"); /* what Transformers expects */
-    for (int i = 0; !s && i < m->n_views; i++)
-        s = mrl_st_stream_declare(st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, m->views[i].shape);
-    for (int i = 0; !s && i < m->n_views; i++) {
-        const mrl_param_view *v = &m->views[i];
-        const float *src = m->params + v->offset;
-        if (host) {
-            mrl_status c = m->k->to_host(host, src, (int64_t)sizeof(float) * v->numel);
-            if (c) {
-                s = mrl_wrap_error(c, "%s: tensor '%s'", dir, v->name); /* the device's own error after it */
-                break;
-            }
-            src = host;
-        }
-        s = mrl_st_stream_write(st, v->name, src, v->numel);
-    }
+    s = open_stream(m, dir, max_shard_bytes, &st);
+    for (int i = 0; !s && i < m->n_views; i++) s = write_view(m, dir, st, &m->views[i], host);
     if (!s) s = mrl_st_stream_finish(st);
     mrl_st_stream_free(st);
     mrl_mem_free(host);

@@ -537,8 +537,6 @@ static mrl_status move_buffer(mrl_buffer *buf, size_t bytes, mrl_device to) {
 }
 
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
-    if (m && m->p_region && device.kind != MRL_DEVICE_CPU)
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model: sharded parameters (dist.zero=3) stay on the CPU for now");
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_device: NULL model");
     if (device.kind == m->device.kind && device.index == m->device.index) return MRL_OK;
     const mrl_kernels *k = mrl_kernels_cpu_fast();
@@ -561,7 +559,13 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     m->rope_cos = m->rope_sin = NULL;
     m->rope_len = 0;
     size_t n = (size_t)m->n_params;
-    mrl_status st = move_buffer(&m->params_buf, sizeof(float) * n, device);
+    mrl_status st = MRL_OK;
+    if (m->p_region) { /* sharded: the shard's pages, and regions for the parts (and copies) it gathers */
+        st = mrl_model_move_shard(m, device);
+        if (st) return st;
+    } else {
+        st = move_buffer(&m->params_buf, sizeof(float) * n, device);
+    }
     if (!st) st = move_buffer(&m->grads_buf, sizeof(float) * n, device);
     mrl_buffer_free(&m->p16_buf); /* a CPU layout: the engine on a GPU reads w16 */
     if (!st && m->w16_buf.data) { /* converted again there, on first use */
@@ -571,9 +575,9 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     }
     /* point everything at where the buffers are now (a failure above leaves a part behind:
      * the model is then only fit for mrl_model_free) */
-    m->params = m->params_buf.data;
+    m->params = m->p_region ? mrl_mem_region_base(m->p_region) : m->params_buf.data;
     m->grads = m->grads_buf.data;
-    m->w16 = m->w16_buf.data;
+    if (!m->w16_region) m->w16 = m->w16_buf.data;
     layout lo = {.m = m, .names = m->names};
     build_layout(&lo);
     if (m->grads) point_grads(m);

@@ -143,6 +143,9 @@ mrl_status mrl_model_alloc_params(mrl_model *m);
 mrl_status mrl_model_point_params(mrl_model *m, float *base);
 /* shard.c: a region in place of the parameter buffer, [offset, offset + count) pinned */
 mrl_status mrl_model_alloc_shard(mrl_model *m, int64_t offset, int64_t count);
+/* shard.c: the shard's parameters moved into a region on device `to` (mrl_model_set_device);
+ * m->p_region, m->w16_region and m->w16 then point there, the layout's pointers not yet */
+mrl_status mrl_model_move_shard(mrl_model *m, mrl_device to);
 mrl_status mrl_model_ensure_grads(mrl_model *m);
 /* model.c: with gradient windows, the gradient pointers of the range [lo, hi) of the layout
  * (layer l's when l >= 0, else the embedding, final norm, lm_head and value head that fall

@@ -9,6 +9,7 @@
 #include "base/error.h"
 #include "base/mem.h"
 #include "model_internal.h"
+#include "runtime/device_internal.h"
 
 int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count) {
     if (!m || !m->p_region) return 0;
@@ -31,8 +32,9 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
 
 /* Bytes the regions hold beyond the shard's own pages: the parts gathered and their bf16 copies. */
 static int64_t gathered(const mrl_model *m) {
-    int64_t shard_pages = (4 * (m->shard_off + m->shard_count) + 4095) / 4096 - 4 * m->shard_off / 4096;
-    return mrl_mem_region_resident(m->p_region) - 4096 * shard_pages + mrl_mem_region_resident(m->w16_region);
+    int64_t page = mrl_mem_region_page(m->p_region);
+    int64_t shard_pages = (4 * (m->shard_off + m->shard_count) + page - 1) / page - 4 * m->shard_off / page;
+    return mrl_mem_region_resident(m->p_region) - page * shard_pages + mrl_mem_region_resident(m->w16_region);
 }
 
 static void note_gathered(mrl_model *m) {
@@ -122,7 +124,7 @@ void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count) {
 }
 
 mrl_status mrl_model_shard_w16(mrl_model *m) {
-    mrl_status st = mrl_mem_region_create(2 * m->n_params, MRL_MEM_PARAMS, &m->w16_region);
+    mrl_status st = mrl_device_region_create(m->device, 2 * m->n_params, MRL_MEM_PARAMS, &m->w16_region);
     if (st) return st;
     m->w16 = mrl_mem_region_base(m->w16_region);
     return MRL_OK;
@@ -133,7 +135,7 @@ mrl_status mrl_model_alloc_shard(mrl_model *m, int64_t offset, int64_t count) {
     if (offset < 0 || count <= 0 || offset + count > m->n_params)
         return mrl_set_error(MRL_ERR_INVALID, "model: shard [%lld, %lld) of %lld parameters", (long long)offset,
                              (long long)(offset + count), (long long)m->n_params);
-    mrl_status st = mrl_mem_region_create(4 * m->n_params, MRL_MEM_PARAMS, &m->p_region);
+    mrl_status st = mrl_device_region_create(m->device, 4 * m->n_params, MRL_MEM_PARAMS, &m->p_region);
     if (!st) st = mrl_mem_region_pin(m->p_region, 4 * offset, 4 * (offset + count));
     if (st) return mrl_wrap_error(st, "model: this rank's %lld parameters", (long long)count);
     m->shard_off = offset;
@@ -141,7 +143,28 @@ mrl_status mrl_model_alloc_shard(mrl_model *m, int64_t offset, int64_t count) {
     return mrl_model_point_params(m, mrl_mem_region_base(m->p_region));
 }
 
-/* ---- the compute copy of a sharded bf16 model (moonrl/model.h) ---- */
+mrl_status mrl_model_move_shard(mrl_model *m, mrl_device to) {
+    if (m->ahead_hi > m->ahead_lo) return mrl_set_error(MRL_ERR_INVALID, "model: a sharded model moved mid-gather");
+    mrl_mem_region *old = m->p_region, *old16 = m->w16_region;
+    int64_t lo = 4 * m->shard_off, hi = 4 * (m->shard_off + m->shard_count);
+    mrl_mem_region *r = NULL, *r16 = NULL;
+    mrl_status st = mrl_device_region_create(to, 4 * m->n_params, MRL_MEM_PARAMS, &r);
+    if (!st) st = mrl_mem_region_pin(r, lo, hi);
+    if (!st) st = mrl_device_memcpy((char *)mrl_mem_region_base(r) + lo, (char *)mrl_mem_region_base(old) + lo,
+                                    (size_t)(hi - lo));
+    if (!st && old16) st = mrl_device_region_create(to, 2 * m->n_params, MRL_MEM_PARAMS, &r16);
+    if (st) {
+        mrl_mem_region_free(r);
+        return mrl_wrap_error(st, "model: this rank's %lld parameters moved", (long long)m->shard_count);
+    }
+    m->p_region = r, m->w16_region = r16;
+    m->w16 = r16 ? mrl_mem_region_base(r16) : NULL;
+    mrl_mem_region_free(old);
+    mrl_mem_region_free(old16);
+    return MRL_OK;
+}
+
+/* ---- the compute copy of a sharded model (moonrl/model.h) ---- */
 
 struct mrl_model_copy {
     mrl_model *m;
@@ -189,13 +212,13 @@ void mrl_model_copy_free(mrl_model_copy *c) {
     free(c);
 }
 
-mrl_status mrl_model_copy_create(mrl_model *m, int panels, mrl_model_copy **out) {
+mrl_status mrl_model_copy_create(mrl_model *m, int flags, mrl_model_copy **out) {
     if (!m || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_copy_create: NULL argument");
-    if (!m->p_region || m->dtype != MRL_MODEL_BF16)
-        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_copy_create: the model is not a sharded bf16 model");
+    if (!m->p_region) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_copy_create: the model is not sharded");
+    int bf16 = m->dtype == MRL_MODEL_BF16 && !(flags & MRL_MODEL_COPY_FP32), panels = flags & MRL_MODEL_COPY_PANELS;
     mrl_model_copy *c = calloc(1, sizeof *c);
     int n_mat = 0, nv = mrl_model_num_views(m);
-    int64_t (*mat)[2] = bf16_matrices(m, &n_mat);
+    int64_t (*mat)[2] = bf16 ? bf16_matrices(m, &n_mat) : malloc(sizeof *mat); /* fp32: no matrix in bf16 */
     if (!c || !mat || !(c->keep = malloc(sizeof *c->keep * (size_t)(nv > 0 ? nv : 1)))) {
         free(mat);
         mrl_model_copy_free(c);
@@ -212,11 +235,11 @@ mrl_status mrl_model_copy_create(mrl_model *m, int panels, mrl_model_copy **out)
             c->keep[c->n_keep][0] = v.offset, c->keep[c->n_keep][1] = v.offset + v.numel, c->n_keep++;
     }
     free(mat);
-    mrl_status st = mrl_mem_region_create(4 * m->n_params, MRL_MEM_PARAMS, &c->f32);
+    mrl_status st = mrl_device_region_create(m->device, 4 * m->n_params, MRL_MEM_PARAMS, &c->f32);
     for (int i = 0; !st && i < c->n_keep; i++) st = mrl_mem_region_pin(c->f32, 4 * c->keep[i][0], 4 * c->keep[i][1]);
-    if (!st && mrl_buffer_alloc(m->device, sizeof(uint16_t) * (size_t)m->n_params, MRL_MEM_PARAMS, &c->w16))
+    if (!st && bf16 && mrl_buffer_alloc(m->device, sizeof(uint16_t) * (size_t)m->n_params, MRL_MEM_PARAMS, &c->w16))
         st = mrl_set_error(MRL_ERR_NOMEM, "no memory for the bf16 copy of %lld parameters", (long long)m->n_params);
-    if (!st && panels && mrl_buffer_alloc(m->device, (size_t)mrl_model_panels16_bytes(m), MRL_MEM_PARAMS, &c->p16))
+    if (!st && bf16 && panels && mrl_buffer_alloc(m->device, (size_t)mrl_model_panels16_bytes(m), MRL_MEM_PARAMS, &c->p16))
         st = mrl_set_error(MRL_ERR_NOMEM, "no memory for the bf16 weight panels (%lld bytes)",
                            (long long)mrl_model_panels16_bytes(m));
     if (st) {
@@ -242,10 +265,10 @@ mrl_status mrl_model_copy_refresh(mrl_model_copy *c) {
     for (int p = 0; p < L + 2 && !st; p++) { /* each part gathered, the next one's gather started */
         int64_t lo = cut[p], hi = cut[p + 1];
         if ((st = mrl_model_use(m, lo, hi, hi, p + 2 < L + 3 ? cut[p + 2] : hi))) break;
-        mrl_model_bf16_convert_range(m, m->params, c->w16.data, lo, hi);
-        for (int i = 0; i < c->n_keep; i++) {
+        if (c->w16.data) mrl_model_bf16_convert_range(m, m->params, c->w16.data, lo, hi);
+        for (int i = 0; i < c->n_keep && !st; i++) {
             int64_t a = c->keep[i][0] > lo ? c->keep[i][0] : lo, b = c->keep[i][1] < hi ? c->keep[i][1] : hi;
-            if (b > a) memcpy(f32 + a, m->params + a, sizeof(float) * (size_t)(b - a));
+            if (b > a) st = mrl_device_memcpy(f32 + a, m->params + a, sizeof(float) * (size_t)(b - a));
         }
         mrl_model_unuse(m, lo, hi);
     }

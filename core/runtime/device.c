@@ -6,10 +6,10 @@
 #include <string.h>
 #include "kernels.h"
 #include "runtime/device_internal.h"
-#ifdef MRL_HAVE_CUDA
-#include "cuda_backend.h"
 #include "base/error.h"
 #include "base/mem.h"
+#ifdef MRL_HAVE_CUDA
+#include "cuda_backend.h"
 #endif
 
 /* Set once this process has allocated GPU memory: before that every pointer is the host's, and
@@ -155,6 +155,40 @@ mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream) {
 #endif
 }
 
+#ifdef MRL_HAVE_CUDA
+static mrl_status gpu_reserve(const mrl_mem_backing *b, int64_t bytes, char **base, void **state) {
+    return mrl_cuda_vmm_reserve(b->index, bytes, b->page, (void **)base, state);
+}
+static void gpu_release(void *state, char *base, int64_t bytes) { mrl_cuda_vmm_release(state, base, bytes); }
+static mrl_status gpu_map(void *state, char *base, int64_t lo, int64_t hi) {
+    return mrl_cuda_vmm_map(state, base, lo, hi);
+}
+static void gpu_unmap(void *state, char *base, int64_t lo, int64_t hi) { mrl_cuda_vmm_unmap(state, base, lo, hi); }
+#endif
+
+mrl_status mrl_device_region_create(mrl_device device, int64_t bytes, mrl_mem_category category,
+                                    struct mrl_mem_region **out) {
+    if (device.kind == MRL_DEVICE_CPU) return mrl_mem_region_create(bytes, category, out);
+    *out = NULL;
+    mrl_status st = need_cuda(device);
+    if (st) return st;
+#ifdef MRL_HAVE_CUDA
+    enum { GPUS = 64 };
+    static mrl_mem_backing backings[GPUS]; /* one a GPU, made on first use (its page size asked once) */
+    if (device.index >= GPUS) return mrl_set_error(MRL_ERR_INVALID, "cuda:%d: past %d GPUs", device.index, GPUS);
+    mrl_mem_backing *b = &backings[device.index];
+    if (!b->page) {
+        int64_t page = 0;
+        if ((st = mrl_cuda_vmm_page(device.index, &page))) return st;
+        *b = (mrl_mem_backing){page, 1, gpu_reserve, gpu_release, gpu_map, gpu_unmap, device.index};
+    }
+    atomic_store(&gpu_memory_used, 1);
+    return mrl_mem_region_create_backed(bytes, category, b, out);
+#else
+    (void)bytes, (void)category;
+    return st;
+#endif
+}
 
 const mrl_kernels *mrl_kernels_for(mrl_device device) {
     if (device.kind == MRL_DEVICE_CPU) return mrl_kernels_cpu_fast();

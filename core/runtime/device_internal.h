@@ -28,6 +28,12 @@ void mrl_buffer_free(mrl_buffer *buffer);
 mrl_status mrl_buffer_copy(mrl_buffer *dst, size_t dst_offset, const mrl_buffer *src, size_t src_offset,
                            size_t bytes, mrl_stream *stream);
 mrl_status mrl_buffer_fill_zero(mrl_buffer *buffer, mrl_stream *stream);
+/* A region (core/base/mem.h: address space with memory only where pinned) on a device: the
+ * host's pages, or a GPU's through CUDA's virtual memory (pages of its allocation granularity,
+ * 2 MiB on current GPUs; device memory, mrl_device_of tells it). */
+struct mrl_mem_region;
+mrl_status mrl_device_region_create(mrl_device device, int64_t bytes, mrl_mem_category category,
+                                    struct mrl_mem_region **out);
 /* bytes between host memory and a GPU's (or within a GPU) on a stream, not
  * waited for: mrl_stream_sync says when they are done. The host side runs
  * asynchronously only when pinned (mrl_host_pin); both host: a memmove now. */

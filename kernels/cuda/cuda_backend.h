@@ -26,6 +26,14 @@ void mrl_cuda_host_unregister(void *ptr);
 /* 1 and *device when ptr is device memory of this process; 0 otherwise */
 int mrl_cuda_pointer_device(const void *ptr, int *device);
 mrl_status mrl_cuda_memset_zero(void *ptr, size_t bytes, void *stream);
+/* Virtual memory (a region's backing, core/base/mem.h): page = the allocation granularity;
+ * reserve bytes (a multiple of page) of address space; map gives bytes [lo, hi) (page
+ * multiples) memory, zero-filled; unmap gives it back after the device's queued work. */
+mrl_status mrl_cuda_vmm_page(int device, int64_t *page);
+mrl_status mrl_cuda_vmm_reserve(int device, int64_t bytes, int64_t page, void **base, void **state);
+mrl_status mrl_cuda_vmm_map(void *state, void *base, int64_t lo, int64_t hi);
+void mrl_cuda_vmm_unmap(void *state, void *base, int64_t lo, int64_t hi);
+void mrl_cuda_vmm_release(void *state, void *base, int64_t bytes);
 mrl_status mrl_cuda_stream_create(int device, void **out);
 mrl_status mrl_cuda_stream_sync(void *stream);
 void mrl_cuda_stream_destroy(void *stream);

@@ -11,6 +11,9 @@
  *     back to the CPU: the same bits each time; load_raw into a GPU model;
  *   - the optimizer state loaded from host arrays and read back;
  *   - device memory accounting (moonrl/mem.h) by category;
+ *   - a region in the GPU's virtual memory (a sharded model's parameters):
+ *     pages mapped where pinned, zero-filled, counted as device memory, the
+ *     values kept while pinned, given back when the last pin goes;
  *   - the refusals: CPU kernels for a GPU model, a mixture of experts, the
  *     reference AdamW step (the engine's: tests/gpu/test_cuda_engine.c).
  * Skips (exit 77) where no GPU is visible. Without a GPU,
@@ -29,6 +32,8 @@
 #include "moonrl/model.h"
 #include "moonrl/optim.h"
 #include "moonrl/runtime.h"
+#include "base/mem.h"
+#include "runtime/device_internal.h"
 
 /* ---- bounds, and why ----
  * fp32: the same operations in other orders (cuBLASLt's fp32 products, the
@@ -263,6 +268,47 @@ static void case_refusals(void) {
     mrl_model_free(far);
 }
 
+static void case_region(void) {
+    mrl_mem_stats before, s;
+    mrl_mem_get_device_stats(&before);
+    mrl_mem_region *r = NULL;
+    CHECK_OK(mrl_device_region_create(GPU, 5 << 20, MRL_MEM_PARAMS, &r));
+    int64_t page = mrl_mem_region_page(r);
+    char *base = mrl_mem_region_base(r);
+    CHECK(page > 0 && mrl_device_of(base).kind == MRL_DEVICE_CUDA);
+    CHECK(mrl_mem_region_resident(r) == 0);
+    /* [page / 2, page + page / 2): two pages, zero-filled */
+    int64_t lo = page / 2, hi = page + page / 2, n = (hi - lo) / 4;
+    CHECK_OK(mrl_mem_region_pin(r, lo, hi));
+    CHECK(mrl_mem_region_resident(r) == 2 * page);
+    mrl_mem_get_device_stats(&s);
+    CHECK(s.current[MRL_MEM_PARAMS] - before.current[MRL_MEM_PARAMS] == 2 * page);
+    float *host = malloc((size_t)(hi - lo)), *back = malloc((size_t)(hi - lo));
+    CHECK_OK(mrl_device_memcpy(back, base + lo, (size_t)(hi - lo)));
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < n; i++) nonzero += back[i] != 0;
+    CHECK(nonzero == 0);
+    for (int64_t i = 0; i < n; i++) host[i] = (float)i * 0.5f;
+    CHECK_OK(mrl_device_memcpy(base + lo, host, (size_t)(hi - lo)));
+    /* a nested pin of the second page, then the first pin let go: the second page keeps its values */
+    CHECK_OK(mrl_mem_region_pin(r, page, hi));
+    mrl_mem_region_unpin(r, lo, hi);
+    CHECK(mrl_mem_region_resident(r) == page);
+    CHECK_OK(mrl_device_memcpy(back, base + page, (size_t)(hi - page)));
+    CHECK(memcmp(back, host + (page - lo) / 4, (size_t)(hi - page)) == 0);
+    /* pinned again: the first page zero-filled */
+    CHECK_OK(mrl_mem_region_pin(r, 0, page));
+    CHECK_OK(mrl_device_memcpy(back, base, (size_t)page));
+    nonzero = 0;
+    for (int64_t i = 0; i < page / 4; i++) nonzero += back[i] != 0;
+    CHECK(nonzero == 0);
+    mrl_mem_region_free(r); /* pages still pinned given back with it */
+    mrl_mem_get_device_stats(&s);
+    CHECK(s.current[MRL_MEM_PARAMS] == before.current[MRL_MEM_PARAMS]);
+    free(host);
+    free(back);
+}
+
 int main(void) {
     rng = MRL_GOLDEN64; /* the stream its tolerances were set on */
     if (mrl_device_cuda_count() < 1) {
@@ -278,6 +324,7 @@ int main(void) {
     case_model(MRL_ARCH_QWEN3, 0, 1);
     case_model(MRL_ARCH_LLAMA, 1, 1);
     case_memory();
+    case_region();
     case_refusals();
     mrl_shutdown();
     CHECK_DONE();

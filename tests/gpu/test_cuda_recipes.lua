@@ -8,6 +8,8 @@
 --     ZeRO-1 (the optimizer state sharded over the GPUs) the bits of plain data parallel, and
 --     with its shards offloaded to host memory the same weights within rounding; ZeRO-2 (the
 --     gradients too, reduce-scattered from windows in the GPU's memory) the same, and resumed;
+--     ZeRO-3 (the parameters too, in CUDA virtual memory) the same for GRPO with a reference
+--     in fp32 and bf16, PPO and SFT, with half the parameters a GPU, offloaded, resumed;
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
@@ -160,16 +162,19 @@ local proc = require('moonrl.io.proc')
 -- One run of grpo_sevens on 2 ranks, each with its GPU (here both cuda:0: the emulated machine, or
 -- one real GPU shared; model.device=device; extra: more words): its run directory, nil where
 -- there is no mpirun.
-local function ranks(device, tag, extra)
+local function ranks(device, tag, extra, recipe, base)
   if not (exe and mpirun) then return nil end
   local run_dir = dir .. '/dp_' .. tag
   local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
     'vader,self' }
   if os.getenv('LD_PRELOAD') then argv[#argv + 1], argv[#argv + 2] = '-x', 'LD_PRELOAD' end
-  for _, a in ipairs({ exe, 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
-    'data.prompt=question', 'data.chat=false', 'reward=sevens', 'train.lr=1e-2', 'train.micro_batch_tokens=64',
-    'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=4', 'engine.kv_cache_mb=4',
+  for _, a in ipairs({ exe, 'run', recipe or 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir,
     'run.threads=1', 'dist.gpu_transport=host', 'model.device=' .. device, 'run.dir=' .. run_dir }) do
+    argv[#argv + 1] = a
+  end
+  for _, a in ipairs(base or { 'data.path=' .. data, 'data.prompt=question', 'data.chat=false', 'reward=sevens',
+    'train.lr=1e-2', 'train.micro_batch_tokens=64', 'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4',
+    'grpo.max_tokens=4', 'engine.kv_cache_mb=4' }) do
     argv[#argv + 1] = a
   end
   for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
@@ -246,6 +251,53 @@ t.test('zero=2 over 2 ranks on GPUs: the bits of zero=0, half the gradients and 
   local part = ranks('cuda:0', 'one_zero2_part', { one, 'dist.zero=2', 'run.checkpoint_every=1', 'run.resume=auto' })
   t.eq(#records(part), 2, 'zero=2 on GPUs: two steps logged')
   t.eq(weights_diff(part .. '/model', z2 .. '/model'), 0, 'zero=2 on GPUs resumed: the weights of the run never stopped')
+end)
+
+-- ZeRO-3 on GPUs: each rank's shard of the parameters in a region of CUDA virtual memory (the
+-- emulated GPU's pages are 4 KiB), each part of the forward and backward gathered into place
+-- through the host and given back, the gradients as ZeRO-2's. With one micro-batch a rank the
+-- bits of zero=0: GRPO with a KL reference (loaded whole on the GPU) in fp32 and in bf16 (the
+-- engine's compute copy made part by part), PPO with its critic (sharded as the policy), SFT
+-- (about half the parameters' GPU memory a rank) and offloaded within rounding; a checkpoint
+-- written by the 2 sharded GPUs resumes to the weights of the run never stopped.
+t.test('zero=3 over 2 ranks on GPUs: the bits of zero=0 for grpo (fp32, bf16, a KL reference), ppo and sft; half the parameters a GPU; resumed', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local one = 'train.micro_batch_tokens=4096'
+  local function same(a, b, what)
+    t.eq(weights_diff(a .. '/model', b .. '/model'), 0, what)
+  end
+  for _, case in ipairs({ { 'fp32', { one, 'grpo.kl_coef=0.1' } }, { 'bf16', { one, 'grpo.kl_coef=0.1', 'model.dtype=bf16' } } }) do
+    local plain = ranks('cuda:0', 'z3ref_' .. case[1], case[2])
+    local z3 = ranks('cuda:0', 'z3_' .. case[1], U.with(case[2], { 'dist.zero=3' }))
+    same(z3, plain, 'grpo with a KL reference, ' .. case[1] .. ': zero=3 on GPUs gives the weights of zero=0')
+    local m3 = records(z3)
+    t.truthy(m3[#m3]['memory/params_shard_mb'] > 0 and m3[#m3]['memory/engine_copy_mb'] > 0,
+      case[1] .. ': the shard and the engine\'s copy in the memory rows')
+    if case[1] == 'fp32' then -- stopped after step 1 and resumed: the shards come back onto the GPUs
+      local words = U.with(case[2], { 'dist.zero=3', 'run.checkpoint_every=1' })
+      ranks('cuda:0', 'z3_part', U.with(words, { 'grpo.steps=1' }))
+      local part = ranks('cuda:0', 'z3_part', U.with(words, { 'run.resume=auto' }))
+      t.eq(#records(part), 2, 'zero=3 on GPUs: two steps logged')
+      same(part, z3, 'zero=3 on GPUs resumed: the weights of the run never stopped')
+    end
+  end
+  local ppo = { 'data.path=' .. data, 'data.prompt=question', 'data.chat=false', 'reward=exact', 'train.lr=1e-2', one,
+    'ppo.steps=2', 'ppo.prompts=4', 'ppo.samples=2', 'ppo.max_tokens=4', 'engine.kv_cache_mb=4' }
+  same(ranks('cuda:0', 'z3_ppo', { 'dist.zero=3' }, 'recipes/ppo.lua', ppo),
+    ranks('cuda:0', 'z3ref_ppo', {}, 'recipes/ppo.lua', ppo), 'ppo with its critic: zero=3 on GPUs gives the weights of zero=0')
+  local sft = { 'data.task=addition', 'train.steps=2', 'train.batch=8', 'train.lr=3e-3', one }
+  local s0, s3 = ranks('cuda:0', 'z3ref_sft', {}, 'recipes/sft.lua', sft), ranks('cuda:0', 'z3_sft', { 'dist.zero=3' },
+    'recipes/sft.lua', sft)
+  same(s3, s0, 'sft: zero=3 on GPUs gives the weights of zero=0')
+  local m0, m3 = records(s0), records(s3)
+  local p0, p3 = m0[#m0]['memory/gpu/params_mb'], m3[#m3]['memory/gpu/params_mb']
+  t.truthy(p3 > 0 and p3 <= 0.6 * p0, string.format('sft: a GPU holds about half the parameters (%s of %s MiB)',
+    tostring(p3), tostring(p0)))
+  local off = ranks('cuda:0', 'z3_sft_off', { 'dist.zero=3', 'dist.offload=optimizer', 'dist.offload_chunk_mb=0.015625' },
+    'recipes/sft.lua', sft)
+  local d = weights_diff(off .. '/model', s0 .. '/model')
+  print(string.format('zero=3 offloaded against zero=0 on GPUs: worst ||d|| / ||w|| %.3g', d))
+  t.truthy(d <= 1e-6, 'zero=3 offloaded: the weights of zero=0 within rounding')
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()

@@ -301,17 +301,20 @@ mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count);
 int64_t mrl_model_gathered_bytes(mrl_model *m, int64_t *peak);
 void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count);
 
-/* The compute copy of a sharded bf16 model, for an engine that generates alone
- * (mrl_engine_attach_copy): the bf16 copies of the layers' matrices and the
- * head (and with `panels` their bf16 weight panels, MRL_PANEL16) whole, and in
- * fp32 only the tensors an engine reads in fp32 (the embedding, norms, biases,
- * routers): a region in the parameters' layout with memory there alone.
- * mrl_model_copy_refresh fills it from the shards part by part as the forward
- * gathers them (a collective, every rank of the model's gathers calls it), so
- * no rank ever holds the fp32 weights whole; about half the bytes of an fp32
- * copy. The model must outlive the copy. */
+/* The compute copy of a sharded model, for an engine that generates alone
+ * (mrl_engine_attach_copy), on the model's device. Of a bf16 model: the bf16
+ * copies of the layers' matrices and the head (and with MRL_MODEL_COPY_PANELS
+ * their bf16 weight panels, MRL_PANEL16) whole, and in fp32 only the tensors
+ * an engine reads in fp32 (the embedding, norms, biases, routers): a region
+ * in the parameters' layout with memory there alone, about half the bytes
+ * of an fp32 copy. Of an fp32 model, or with MRL_MODEL_COPY_FP32: every
+ * tensor in fp32 (a whole copy). mrl_model_copy_refresh fills it from the
+ * shards part by part as the forward gathers them (a collective, every rank
+ * of the model's gathers calls it), so no rank ever holds the fp32 weights
+ * whole outside the copy. The model must outlive the copy. */
 typedef struct mrl_model_copy mrl_model_copy;
-mrl_status mrl_model_copy_create(mrl_model *m, int panels, mrl_model_copy **out);
+enum { MRL_MODEL_COPY_PANELS = 1, MRL_MODEL_COPY_FP32 = 2 };
+mrl_status mrl_model_copy_create(mrl_model *m, int flags, mrl_model_copy **out);
 mrl_status mrl_model_copy_refresh(mrl_model_copy *c);
 /* its fp32 tensors (read only there), bf16 copies, panels (NULL: none) and bytes held */
 const float *mrl_model_copy_params(const mrl_model_copy *c);

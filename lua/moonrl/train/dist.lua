@@ -333,8 +333,14 @@ end
 
 -- A whole fp32 copy of a sharded model's parameters on every rank (the engine's, which
 -- generates alone): each rank's shard put in place and all-gathered; refresh() does it again
--- after an update. copy.buf: n floats (counted as parameters).
+-- after an update. copy.buf: n floats (counted as parameters), where the model is (on a GPU the
+-- compute copy of M.compute_copy in fp32, gathered part by part).
 function M.whole_copy(model)
+  if model.gpu then
+    local copy = M.compute_copy(model, false, true)
+    copy.buf, copy.n = C.mrl_model_copy_params(copy.handle), model.n_params
+    return copy
+  end
   local offset, count = model:shard()
   local n = model.n_params
   local buf = C.mrl_mem_alloc(4 * n, C.MRL_MEM_PARAMS)
@@ -350,14 +356,16 @@ function M.whole_copy(model)
   return copy
 end
 
--- The engine's compute copy of a sharded bf16 model (model.h's mrl_model_copy): the bf16 copies
--- of the matrices whole (with panels: their weight panels too) and in fp32 only the tensors the
--- engine reads in fp32, refreshed part by part as the forward gathers them, so the fp32 weights
--- are never whole on a rank. copy.handle goes to Engine:set_home_copy; refresh() after an update
--- (a collective, as whole_copy's); bytes(): what it holds.
-function M.compute_copy(model, panels)
+-- The engine's compute copy of a sharded model (model.h's mrl_model_copy), on its device: of a
+-- bf16 model the bf16 copies of the matrices whole (with panels: their weight panels too) and
+-- in fp32 only the tensors the engine reads in fp32, refreshed part by part as the forward
+-- gathers them, so the fp32 weights are never whole on a rank; of an fp32 model (or fp32) every
+-- tensor in fp32. copy.handle goes to Engine:set_home_copy; refresh() after an update (a
+-- collective, as whole_copy's); bytes(): what it holds.
+function M.compute_copy(model, panels, fp32)
   local out = ffi.new('mrl_model_copy *[1]')
-  check(C.mrl_model_copy_create(model.handle, panels and 1 or 0, out))
+  check(C.mrl_model_copy_create(model.handle, bit.bor(panels and C.MRL_MODEL_COPY_PANELS or 0,
+    fp32 and C.MRL_MODEL_COPY_FP32 or 0), out))
   local c = ffi.gc(out[0], C.mrl_model_copy_free)
   local copy = { handle = c }
   function copy.refresh() check(C.mrl_model_copy_refresh(c)) end
@@ -407,12 +415,8 @@ function M.data_parallel(w, opt, model, opts)
   if zero >= 2 and not model then error('dist.zero=2: the optimizer must name its model (opt.model)', 2) end
   if device.kind ~= C.MRL_DEVICE_CPU then
     -- a GPU model's: ZeRO-0 and 1 sum the whole gradient buffer once the backward is done
-    -- (dist.gpu_transport: NCCL, or through the host), no buckets; ZeRO-2's windows are in the
-    -- GPU's memory, reduce-scattered through the host; ZeRO-3 is CPU only for now
-    if zero == 3 then
-      moonrl.usage_error('dist.zero=3 shards the parameters of a CPU model; a GPU model shards its gradients and '
-        .. 'optimizer state (dist.zero=2) for now')
-    end
+    -- (dist.gpu_transport: NCCL, or through the host), no buckets; ZeRO-2 and 3's windows are in
+    -- the GPU's memory, reduce-scattered through the host (and ZeRO-3's parts gathered there)
     self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
   end
   if zero >= 2 then

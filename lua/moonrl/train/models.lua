@@ -77,6 +77,7 @@ function M.critic_from(policy)
       if v.name == 'score.weight' and b > a then ffi.fill(critic:param_buffer() + a, 4 * (b - a)) end
     end
     critic:set_dtype(policy:dtype())
+    critic:to_device(policy:device())
     return critic
   end
   return M.clone(policy, { value_head = true, init = function(critic)

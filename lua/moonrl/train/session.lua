@@ -193,8 +193,6 @@ function M.shard_world(cfg, device)
   if not (cfg.dist and cfg.dist.zero == 3) then return nil end
   local w = dist.world(cfg.dist.timeout)
   if w.size == 1 then return nil end -- one process: nothing to shard
-  local function no(what) moonrl.usage_error('dist.zero=3 (sharded parameters): ' .. what .. ' not yet') end
-  if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only for now):') end
   if (cfg.dist.rollout_ranks or 0) > 0 then
     -- the trainers shard among themselves and write their shards into the rollout ranks' shared-
     -- memory store, or send them over MPI (rollout.lua's deliver_shards); the rollout ranks hold
@@ -822,6 +820,7 @@ function Session:reference()
   if not self.policy:shard() then return models.clone(self.policy) end
   local ref = models.load(self.cfg.model.dir)
   ref:set_dtype(self.policy:dtype())
+  ref:to_device(self.policy:device())
   return ref
 end
 

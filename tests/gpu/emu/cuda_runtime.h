@@ -74,6 +74,11 @@ template <class... A> void emu_check_args(const char *kernel, const A &...a) {
   int i = 0;
   (emu_check_arg(kernel, i++, a), ...);
 }
+// the driver's functions by name (cuda.h: its virtual memory, emulated in emu.cpp)
+enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriverEntryPointSymbolNotFound = 1 };
+enum { cudaEnableDefault = 0 };
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned version, unsigned long long flags,
+                                             cudaDriverEntryPointQueryResult *q);
 // waits: nothing to wait for (launches run at once), but not allowed while capturing
 cudaError_t cudaStreamSynchronize(cudaStream_t);
 inline cudaError_t cudaDeviceSynchronize() { return cudaStreamSynchronize(0); }

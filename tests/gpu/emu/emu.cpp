@@ -8,6 +8,7 @@
 // indices, barriers and arithmetic, not the absence of races.
 #include "cuda_runtime.h"
 #include "cublasLt.h"
+#include "cuda.h"
 #include <cstdio>
 #include <sys/mman.h>
 #include <csetjmp>
@@ -44,7 +45,8 @@ void emu_warp_exchange(const void *v, void *out, int src, size_t bytes) {
   memcpy(out, slots[w][b][src], bytes);
 }
 // ---- device memory: one mapping per allocation, PROT_NONE unless open ----
-struct allocation { char *base; size_t bytes; };
+// (a reservation of the driver's virtual memory, vmm: only its mapped spans ever open)
+struct allocation { char *base; size_t bytes; bool vmm; std::vector<std::pair<size_t, size_t>> mapped; };
 static std::vector<allocation> allocations;
 static std::mutex alloc_lock;
 static int open_depth;
@@ -54,9 +56,13 @@ static int protecting() {
   if (on < 0) on = !getenv("EMU_PROTECT") || strcmp(getenv("EMU_PROTECT"), "0");
   return on;
 }
+static void protect(allocation &a, int prot) {
+  if (!a.vmm) mprotect(a.base, a.bytes, prot);
+  else for (auto &m : a.mapped) mprotect(a.base + m.first, m.second, prot);
+}
 static void protect_all(int prot) {
   if (!protecting()) return;
-  for (auto &a : allocations) mprotect(a.base, a.bytes, prot);
+  for (auto &a : allocations) protect(a, prot);
 }
 void emu_device_open() {
   std::lock_guard<std::mutex> g(alloc_lock);
@@ -139,7 +145,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
   memset(m, 0xff, n);  // NaN bytes: a read of memory never written shows
   std::lock_guard<std::mutex> g(alloc_lock);
   if (!open_depth && protecting()) mprotect(m, bytes, PROT_NONE);
-  allocations.push_back({(char *)m, bytes});
+  allocations.push_back({(char *)m, bytes, false, {}});
   *p = m;
   return 0;
 }
@@ -155,6 +161,80 @@ cudaError_t cudaFree(void *p) {
     }
   fprintf(stderr, "EMU: cudaFree of %p, not an allocation\n", p);
   abort();
+}
+// ---- the driver's virtual memory (cuda.h): reserved address space, pages mapped one by one ----
+static allocation *reservation(CUdeviceptr p, size_t size) {  // (alloc_lock held)
+  for (auto &a : allocations)
+    if (a.vmm && (char *)p >= a.base && (char *)p + size <= a.base + a.bytes) return &a;
+  fprintf(stderr, "EMU: [%p, +%zu) is not inside a reserved range\n", (void *)p, size);
+  abort();
+}
+static CUresult emu_reserve(CUdeviceptr *p, size_t size, size_t, CUdeviceptr, unsigned long long) {
+  void *m = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return 2;
+  std::lock_guard<std::mutex> g(alloc_lock);
+  allocations.push_back({(char *)m, size, true, {}});
+  *p = (CUdeviceptr)m;
+  return 0;
+}
+static CUresult emu_address_free(CUdeviceptr p, size_t size) {
+  std::lock_guard<std::mutex> g(alloc_lock);
+  allocation *a = reservation(p, size);
+  if (!a->mapped.empty()) { fprintf(stderr, "EMU: cuMemAddressFree with %zu spans mapped\n", a->mapped.size()); abort(); }
+  munmap(a->base, a->bytes);
+  allocations.erase(allocations.begin() + (a - allocations.data()));
+  return 0;
+}
+static CUresult emu_create(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *, unsigned long long) {
+  *h = (CUmemGenericAllocationHandle) new size_t(size);
+  return 0;
+}
+static CUresult emu_release(CUmemGenericAllocationHandle h) { delete (size_t *)h; return 0; }
+static CUresult emu_map(CUdeviceptr p, size_t size, size_t, CUmemGenericAllocationHandle h, unsigned long long) {
+  std::lock_guard<std::mutex> g(alloc_lock);
+  allocation *a = reservation(p, size);
+  size_t at = (char *)p - a->base;
+  if (*(size_t *)h != size) { fprintf(stderr, "EMU: cuMemMap of %zu bytes of a %zu-byte handle\n", size, *(size_t *)h); abort(); }
+  for (auto &m : a->mapped)
+    if (at < m.first + m.second && m.first < at + size) { fprintf(stderr, "EMU: cuMemMap over a mapped span\n"); abort(); }
+  a->mapped.push_back({at, size});
+  mprotect((char *)p, size, PROT_READ | PROT_WRITE);
+  memset((char *)p, 0xff, size);  // NaN bytes: new memory holds nothing known
+  if (!open_depth && protecting()) mprotect((char *)p, size, PROT_NONE);
+  return 0;
+}
+static CUresult emu_unmap(CUdeviceptr p, size_t size) {
+  std::lock_guard<std::mutex> g(alloc_lock);
+  allocation *a = reservation(p, size);
+  size_t at = (char *)p - a->base;
+  for (size_t i = 0; i < a->mapped.size(); i++)
+    if (a->mapped[i].first == at && a->mapped[i].second == size) {
+      a->mapped.erase(a->mapped.begin() + i);
+      madvise((char *)p, size, MADV_DONTNEED);
+      mprotect((char *)p, size, PROT_NONE);
+      return 0;
+    }
+  fprintf(stderr, "EMU: cuMemUnmap of [%zu, +%zu): not one mapped span\n", at, size);
+  abort();
+}
+static CUresult emu_set_access(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t) { return 0; }
+// pages of 4 KiB (a GPU's are 2 MiB): a tiny test model then has parts of its own
+static CUresult emu_granularity(size_t *g, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) {
+  *g = 4096;
+  return 0;
+}
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned, unsigned long long,
+                                             cudaDriverEntryPointQueryResult *q) {
+  static const struct { const char *name; void *fn; } table[] = {
+      {"cuMemAddressReserve", (void *)emu_reserve}, {"cuMemAddressFree", (void *)emu_address_free},
+      {"cuMemCreate", (void *)emu_create},          {"cuMemRelease", (void *)emu_release},
+      {"cuMemMap", (void *)emu_map},                {"cuMemUnmap", (void *)emu_unmap},
+      {"cuMemSetAccess", (void *)emu_set_access},   {"cuMemGetAllocationGranularity", (void *)emu_granularity}};
+  for (auto &e : table)
+    if (!strcmp(e.name, symbol)) { *fn = e.fn; if (q) *q = cudaDriverEntryPointSuccess; return 0; }
+  *fn = NULL;
+  if (q) *q = cudaDriverEntryPointSymbolNotFound;
+  return cudaErrorInvalidValue;
 }
 static void copy_side(const char *what, const void *p, int device) {
   if (emu_is_device(p) != device) {
