@@ -325,6 +325,8 @@ typedef struct mrl_kernels {
     mrl_status (*sum)(const float *x, int64_t n, int squares, double *out);
     /* x[i] *= s. */
     void (*scale)(float *x, int64_t n, float s);
+    /* y[i] += x[i] (a sharded gradient's sum added to its accumulator). */
+    void (*add)(float *y, const float *x, int64_t n);
 
     /* ---- dtype conversions (the rounding of moonrl/dtype.h: same bits on every table) ---- */
     void (*bf16_to_f32)(const uint16_t *src, float *dst, int64_t n);

@@ -468,6 +468,67 @@ mrl_status mrl_nccl_reduce_scatter(mrl_nccl *nc, const void *send, void *recv, i
     return op_end(nc, &c, wait_done(nc, &c, r));
 }
 
+/* Each rank's piece in one group: the ranks' pieces checked, then queued by one(q) per rank. */
+static mrl_status pieces_check(mrl_nccl *nc, const char *name, const int64_t *offset, const int64_t *len,
+                               const void *buf, const void *buf2, int64_t *total) {
+    if (!offset || !len) return mrl_set_error(MRL_ERR_INVALID, "NCCL %s: NULL pieces", name);
+    *total = 0;
+    for (int q = 0; q < nc->size; q++) {
+        if (offset[q] < 0 || len[q] < 0)
+            return mrl_set_error(MRL_ERR_INVALID, "NCCL %s: rank %d's piece [%lld, +%lld)", name, q, (long long)offset[q],
+                                 (long long)len[q]);
+        *total += len[q];
+    }
+    mrl_status st = MRL_OK;
+    if (*total > 0 && buf) st = check_ptr(nc, name, "the buffer", buf);
+    if (!st && *total > 0 && buf2) st = check_ptr(nc, name, "recv", buf2);
+    return st;
+}
+
+mrl_status mrl_nccl_allgather_pieces(mrl_nccl *nc, void *dev_buf, const int64_t *offset, const int64_t *bytes) {
+    static const char name[] = "allgather_pieces";
+    NC_CHECK(nc, name);
+    int64_t total = 0;
+    mrl_status st = pieces_check(nc, name, offset, bytes, dev_buf, NULL, &total);
+    if (st) return st;
+    op_ctx c;
+    if ((st = op_begin(nc, name, &c)) != MRL_OK) return st;
+    if (total == 0) return op_end(nc, &c, MRL_OK);
+    if ((st = wait_inputs(nc, &c)) != MRL_OK) return op_end(nc, &c, st);
+    ncclResult_t r = ncclGroupStart();
+    for (int q = 0; q < nc->size && (r == ncclSuccess || r == ncclInProgress); q++) {
+        char *at = (char *)dev_buf + offset[q];
+        if (bytes[q] > 0) r = ncclBroadcast(at, at, (size_t)bytes[q], ncclUint8, q, nc->comm, nc->stream);
+    }
+    ncclResult_t e = ncclGroupEnd();
+    if (r == ncclSuccess || r == ncclInProgress) r = e;
+    return op_end(nc, &c, wait_done(nc, &c, r));
+}
+
+mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *recv, const int64_t *offset,
+                                          const int64_t *count, int dtype, int op) {
+    static const char name[] = "reduce_scatter_pieces";
+    NC_CHECK(nc, name);
+    ncclRedOp_t rop = ncclSum;
+    mrl_status st = check_types(name, dtype, op, &rop);
+    int64_t total = 0;
+    if (!st) st = pieces_check(nc, name, offset, count, send, count && count[nc->rank] > 0 ? recv : NULL, &total);
+    if (st) return st;
+    op_ctx c;
+    if ((st = op_begin(nc, name, &c)) != MRL_OK) return st;
+    if (total == 0) return op_end(nc, &c, MRL_OK);
+    if ((st = wait_inputs(nc, &c)) != MRL_OK) return op_end(nc, &c, st);
+    size_t esize = dtype_bytes(dtype);
+    ncclResult_t r = ncclGroupStart();
+    for (int q = 0; q < nc->size && (r == ncclSuccess || r == ncclInProgress); q++)
+        if (count[q] > 0)
+            r = ncclReduce((const char *)send + esize * (size_t)offset[q], q == nc->rank ? recv : NULL, (size_t)count[q],
+                           nccl_dtype(dtype), rop, q, nc->comm, nc->stream);
+    ncclResult_t e = ncclGroupEnd();
+    if (r == ncclSuccess || r == ncclInProgress) r = e;
+    return op_end(nc, &c, wait_done(nc, &c, r));
+}
+
 #else /* !MRL_HAVE_CUDA */
 
 static mrl_status no_nccl(void) {
@@ -492,6 +553,13 @@ mrl_status mrl_nccl_broadcast(mrl_nccl *nc, void *dev_buf, int64_t bytes, int ro
 mrl_status mrl_nccl_allgather(mrl_nccl *nc, const void *send, int64_t bytes, void *recv) { return no_nccl(); }
 mrl_status mrl_nccl_reduce_scatter(mrl_nccl *nc, const void *send, void *recv, int64_t recv_count, int dtype,
                                    int op) {
+    return no_nccl();
+}
+mrl_status mrl_nccl_allgather_pieces(mrl_nccl *nc, void *dev_buf, const int64_t *offset, const int64_t *bytes) {
+    return no_nccl();
+}
+mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *recv, const int64_t *offset,
+                                          const int64_t *count, int dtype, int op) {
     return no_nccl();
 }
 

@@ -24,13 +24,17 @@
  * windows in the GPU's memory: each is copied to a host mirror as its range
  * becomes final and goes on from there as above (the communicator's
  * buffers are host memory), and finish copies the accumulator to the GPU,
- * where the optimizer reads it. */
+ * where the optimizer reads it. With an NCCL communicator between the GPUs
+ * (mrl_dist_grad_shard_set_nccl) a final range is reduce-scattered there
+ * instead, at once (one group of NCCL reduces, one a rank's piece: NCCL's
+ * sums, not in rank order), and added to the accumulator on the GPU. */
 #include <stdlib.h>
 #include <string.h>
 #include "dist_internal.h"
 #include "base/error.h"
 #include "moonrl/mem.h"
 #include "runtime/device_internal.h"
+#include "moonrl/dist_nccl.h"
 
 enum {
     DEPTH = 2,  /* scratch slots: segments in flight at once */
@@ -63,7 +67,9 @@ struct mrl_dist_grad_shard {
     int shards; /* the gradient's pieces: rank r owns piece r % shards (mrl_dist_group_shard) */
     float *acc; /* [count]: this rank's shard of the gradient sum */
     mrl_device device; /* where the windows are */
-    mrl_buffer dev_acc; /* a GPU's: acc's copy there, made by finish */
+    mrl_buffer dev_acc; /* a GPU's: acc's copy there, made by finish (with NCCL: the accumulator) */
+    mrl_nccl *nc;       /* the GPUs' communicator, when the sums go through NCCL */
+    mrl_buffer dev_scratch; /* NCCL: this rank's piece of a range's sum */
     window *wins;
     int n_wins, cap_wins;
     /* the queue of segments to start: windows in the order they became final, each cut into
@@ -131,9 +137,9 @@ static void drop_window(window *w) {
     mrl_buffer_free(&w->dev);
 }
 
-/* what a window of cap floats holds: on a GPU, there and its host mirror */
+/* what a window of cap floats holds: on a GPU, there and its host mirror (none with NCCL) */
 static int64_t window_size(const mrl_dist_grad_shard *g, int64_t cap) {
-    return (int64_t)sizeof(float) * cap * (g->device.kind == MRL_DEVICE_CPU ? 1 : 2);
+    return (int64_t)sizeof(float) * cap * (g->device.kind == MRL_DEVICE_CPU || g->nc ? 1 : 2);
 }
 
 mrl_status mrl_dist_grad_shard_set_device(mrl_dist_grad_shard *g, mrl_device device) {
@@ -143,6 +149,41 @@ mrl_status mrl_dist_grad_shard_set_device(mrl_dist_grad_shard *g, mrl_device dev
     mrl_status st = mrl_buffer_alloc(device, sizeof(float) * (size_t)g->count, MRL_MEM_GRADS, &g->dev_acc);
     if (st) return mrl_wrap_error(st, "dist: this rank's %lld gradients on %s", (long long)g->count, "the GPU");
     g->device = device;
+    return MRL_OK;
+}
+
+mrl_status mrl_dist_grad_shard_set_nccl(mrl_dist_grad_shard *g, mrl_nccl *nc) {
+    if (!g || !nc) return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_grad_shard_set_nccl: NULL argument");
+    if (!g->dev_acc.data)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_grad_shard_set_nccl: the windows are not on a GPU");
+    if (g->n_wins) return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_grad_shard_set_nccl: after the first window");
+    if (mrl_nccl_size(nc) != g->m.d->size || mrl_nccl_rank(nc) != g->m.d->rank || g->shards != g->m.d->size)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_grad_shard_set_nccl: the communicator is not the shards' "
+                             "(rank %d of %d, %d shards)", mrl_nccl_rank(nc), mrl_nccl_size(nc), g->shards);
+    g->nc = nc;
+    return MRL_OK;
+}
+
+/* NCCL: window w's range summed over the ranks at once, this rank's piece added on the GPU. */
+static mrl_status nccl_range(mrl_dist_grad_shard *g, window *w) {
+    mrl_dist *d = g->m.d;
+    int64_t *offset = d->tmp, *count = offset + d->size, at, mine_lo, mine_n;
+    for (int r = 0; r < d->size; r++) {
+        meet(g, r, w->lo, w->hi, &at, &count[r]);
+        offset[r] = count[r] ? at - w->lo : 0;
+        if (r != d->rank) g->sent += (int64_t)sizeof(float) * count[r];
+    }
+    meet(g, d->rank, w->lo, w->hi, &mine_lo, &mine_n);
+    if ((int64_t)g->dev_scratch.bytes < (int64_t)sizeof(float) * mine_n) {
+        mrl_buffer_free(&g->dev_scratch);
+        if (mrl_buffer_alloc(g->device, sizeof(float) * (size_t)mine_n, MRL_MEM_GRADS, &g->dev_scratch))
+            return mrl_wrap_error(MRL_ERR_NOMEM, "dist: no GPU memory for %lld floats of reduce-scatter scratch",
+                                  (long long)mine_n);
+    }
+    mrl_status st = mrl_nccl_reduce_scatter_pieces(g->nc, w->dev.data, g->dev_scratch.data, offset, count, MRL_DIST_F32,
+                                                   MRL_DIST_SUM);
+    if (st) return st;
+    if (mine_n > 0) mrl_kernels_for(g->device)->add((float *)g->dev_acc.data + (mine_lo - g->off), g->dev_scratch.data, mine_n);
     return MRL_OK;
 }
 
@@ -159,6 +200,7 @@ void mrl_dist_grad_shard_free(mrl_dist_grad_shard *g) {
     free(g->queue);
     mrl_mem_free(g->acc);
     mrl_buffer_free(&g->dev_acc);
+    mrl_buffer_free(&g->dev_scratch);
     free(g);
 }
 
@@ -329,8 +371,8 @@ float *mrl_dist_grad_shard_acquire(void *vg, int64_t offset, int64_t count) {
             g->cap_wins = cap;
         }
         window nw0 = {.cap = count};
-        nw0.buf = mrl_mem_alloc(sizeof(float) * (size_t)count, MRL_MEM_GRADS);
-        if (!nw0.buf) return NULL; /* (the error is set) */
+        if (!g->nc && !(nw0.buf = mrl_mem_alloc(sizeof(float) * (size_t)count, MRL_MEM_GRADS)))
+            return NULL; /* (the error is set) */
         if (g->device.kind != MRL_DEVICE_CPU && /* zeroed */
             mrl_buffer_alloc(g->device, sizeof(float) * (size_t)count, MRL_MEM_GRADS, &nw0.dev)) {
             mrl_mem_free(nw0.buf);
@@ -363,6 +405,14 @@ void mrl_dist_grad_shard_ready(void *vg, int64_t offset, int64_t count) {
     if (!w) {
         fail(g, mrl_set_error(MRL_ERR_INVALID, "dist: gradient range [%lld, %lld) final but never lent",
                               (long long)offset, (long long)(offset + count)));
+        return;
+    }
+    if (g->nc) { /* through NCCL, now: the window is back in the pool */
+        mrl_status nst = g->failed || g->m.d->broken ? MRL_OK : nccl_range(g, w);
+        w->lent = 0;
+        w->segs_left = 0;
+        if (nst) fail(g, mrl_wrap_error(nst, "dist: gradient range [%lld, %lld) reduce-scattered by NCCL",
+                                        (long long)offset, (long long)(offset + count)));
         return;
     }
     w->segs_left = (count + g->seg - 1) / g->seg;
@@ -412,7 +462,8 @@ mrl_status mrl_dist_grad_shard_finish(mrl_dist_grad_shard *g) {
         }
         return st;
     }
-    if (g->dev_acc.data && (st = mrl_device_memcpy(g->dev_acc.data, g->acc, sizeof(float) * (size_t)g->count)))
+    if (g->dev_acc.data && !g->nc &&
+        (st = mrl_device_memcpy(g->dev_acc.data, g->acc, sizeof(float) * (size_t)g->count)))
         return mrl_wrap_error(st, "dist: this rank's gradients to the GPU");
     return MRL_OK;
 }
@@ -436,6 +487,7 @@ typedef struct gather {
 
 struct mrl_dist_param_gather {
     mrl_dist_member m; /* d (the world, or a shard group), the communicator of its own, d's list */
+    mrl_nccl *nc;      /* a GPU's parts gathered by NCCL (mrl_dist_param_gather_set_nccl) */
     int64_t n;
     int world; /* rank r of d holds mrl_dist_group_shard(n, world, d->size, r) */
     int64_t received; /* bytes of the others' shards gathered into place, since creation */
@@ -499,6 +551,19 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
         g->busy = 1;
         return MRL_OK;
     }
+    if (p->nc && mrl_device_of(params).kind != MRL_DEVICE_CPU) { /* a GPU's, by NCCL: done when it returns */
+        int64_t *off = d->tmp, *bytes = off + d->size;
+        for (int r = 0; r < d->size; r++) {
+            int64_t o, c, at;
+            mrl_dist_group_shard(p->n, p->world, d->size, r, &o, &c);
+            mrl_dist_meet(o, c, offset, offset + count, &at, &bytes[r]);
+            off[r] = (int64_t)sizeof(float) * (bytes[r] ? at : 0), bytes[r] *= (int64_t)sizeof(float);
+            if (r != d->rank) p->received += bytes[r];
+        }
+        if ((st = mrl_nccl_allgather_pieces(p->nc, params, off, bytes))) return st;
+        g->busy = 1;
+        return MRL_OK;
+    }
     if (mrl_device_of(params).kind != MRL_DEVICE_CPU) { /* a GPU's: through host memory, this rank's piece first */
         if (g->stage_n < count) {
             mrl_mem_free(g->stage);
@@ -535,6 +600,15 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
 }
 
 int64_t mrl_dist_param_gather_bytes_received(const mrl_dist_param_gather *p) { return p->received; }
+
+mrl_status mrl_dist_param_gather_set_nccl(mrl_dist_param_gather *p, mrl_nccl *nc) {
+    if (!p || !nc) return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_param_gather_set_nccl: NULL argument");
+    if (!p->m.d || mrl_nccl_size(nc) != p->m.d->size || mrl_nccl_rank(nc) != p->m.d->rank)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_dist_param_gather_set_nccl: the communicator is not the gather's "
+                             "ranks (rank %d of %d)", mrl_nccl_rank(nc), mrl_nccl_size(nc));
+    p->nc = nc;
+    return MRL_OK;
+}
 
 typedef struct gather_wait {
     mrl_dist *d;

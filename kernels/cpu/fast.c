@@ -570,6 +570,7 @@ static const mrl_kernels fast_table = {
     .adamw = mrl_cpu_fast_adamw,
     .sum = mrl_cpu_fast_sum,
     .scale = mrl_cpu_fast_scale,
+    .add = mrl_cpu_fast_add,
     .bf16_to_f32 = mrl_cpu_fast_bf16_to_f32,
     .f32_to_bf16 = mrl_cpu_fast_f32_to_bf16,
     .f16_to_f32 = mrl_cpu_fast_f16_to_f32,

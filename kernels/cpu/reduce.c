@@ -19,6 +19,10 @@ void mrl_cpu_ref_scale(float *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
+void mrl_cpu_ref_add(float *y, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
+}
+
 enum { REDUCE_BLOCK = 8192, SCALE_GRAIN = 1 << 16 };
 
 typedef struct reduce_ctx {
@@ -26,7 +30,8 @@ typedef struct reduce_ctx {
     int64_t n;
     int squares;
     double *block_sums;
-    float s; /* scale */
+    float s;  /* scale */
+    float *y; /* add */
 } reduce_ctx;
 
 static void reduce_blocks(void *vctx, int64_t begin, int64_t end) {
@@ -72,4 +77,14 @@ static void scale_range(void *vctx, int64_t begin, int64_t end) {
 void mrl_cpu_fast_scale(float *x, int64_t n, float s) {
     reduce_ctx c = {.x = x, .s = s};
     mrl_parallel_for(n, SCALE_GRAIN, scale_range, &c);
+}
+
+static void add_range(void *vctx, int64_t begin, int64_t end) {
+    reduce_ctx *c = vctx;
+    for (int64_t i = begin; i < end; i++) c->y[i] += c->x[i];
+}
+
+void mrl_cpu_fast_add(float *y, const float *x, int64_t n) {
+    reduce_ctx c = {.x = x, .y = y};
+    mrl_parallel_for(n, SCALE_GRAIN, add_range, &c);
 }

@@ -322,6 +322,7 @@ static const mrl_kernels reference_table = {
     .adamw = mrl_cpu_ref_adamw,
     .sum = mrl_cpu_ref_sum,
     .scale = mrl_cpu_ref_scale,
+    .add = mrl_cpu_ref_add,
     .bf16_to_f32 = mrl_cpu_bf16_to_f32_scalar,
     .f32_to_bf16 = mrl_cpu_f32_to_bf16_scalar,
     .f16_to_f32 = mrl_cpu_f16_to_f32_scalar,

@@ -71,6 +71,7 @@ void cuda_f32_to_f16(const float *src, uint16_t *dst, int64_t n);
 void cuda_adamw(const mrl_adamw_args *a);
 mrl_status cuda_sum(const float *x, int64_t n, int squares, double *out);
 void cuda_scale(float *x, int64_t n, float s);
+void cuda_add(float *y, const float *x, int64_t n);
 // attention.cu
 void cuda_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v, const int32_t *cu,
                    const int32_t *prefix, int n_seqs, int Hq, int Hk, int hd, float scale);

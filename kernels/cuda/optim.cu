@@ -105,3 +105,16 @@ void cuda_scale(float *x, int64_t n, float s) {
     scale_kernel<<<grid_for(n, THREADS), THREADS, 0, cuda_ops_stream()>>>(x, n, s);
     cuda_ops_launched("scale");
 }
+
+// ---- add ----
+
+__global__ static void add_kernel(float *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], x[i]);
+}
+
+void cuda_add(float *y, const float *x, int64_t n) {
+    if (n <= 0) return;
+    add_kernel<<<grid_for(n, THREADS), THREADS, 0, cuda_ops_stream()>>>(y, x, n);
+    cuda_ops_launched("add");
+}

@@ -207,6 +207,7 @@ static const mrl_kernels cuda_table = {
     .adamw = cuda_adamw,
     .sum = cuda_sum,
     .scale = cuda_scale,
+    .add = cuda_add,
     .bf16_to_f32 = cuda_bf16_to_f32,
     .f32_to_bf16 = cuda_f32_to_bf16,
     .f16_to_f32 = cuda_f16_to_f32,

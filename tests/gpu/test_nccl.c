@@ -1,6 +1,8 @@
 /* The NCCL communicator (moonrl/dist_nccl.h) against the CPU: all-reduce
  * (sum, mean, max, min over f32; bf16, f64, i64, u8), broadcast, all-gather,
- * reduce-scatter on fresh random buffers of several sizes; bad arguments;
+ * reduce-scatter on fresh random buffers of several sizes, and over uneven
+ * pieces (each rank's mrl_dist_shard of a buffer, the sharded training
+ * state's); bad arguments;
  * the wait stream; a deadline that passes (abort, broken, later calls fail
  * at once). Written for any world size (each rank's inputs derive from the
  * seed and its rank, so every rank computes the expected result alone);
@@ -196,6 +198,50 @@ static void test_reduce_scatter(mrl_nccl *nc, int device, int64_t rc, int op, in
     free(mine), free(other), free(got), free(want), free(mag);
 }
 
+/* Uneven pieces: rank r's mrl_dist_shard of n floats. allgather_pieces makes every rank's buffer
+ * whole from its own shard; reduce_scatter_pieces gives each rank the sum of its shard. */
+static void test_pieces(mrl_nccl *nc, int device, int64_t n, uint32_t seed) {
+    int64_t off[64], cnt[64], boff[64], bytes[64];
+    for (int r = 0; r < g_size; r++) {
+        mrl_dist_shard(n, g_size, r, &off[r], &cnt[r]);
+        boff[r] = 4 * off[r], bytes[r] = 4 * cnt[r];
+    }
+    float *whole = malloc(n * 4), *got = malloc(n * 4), *mine = malloc(n * 4), *other = malloc(n * 4);
+    double *want = calloc((size_t)n, sizeof *want), *mag = calloc((size_t)n, sizeof *mag);
+    for (int r = 0; r < g_size; r++) { /* the whole buffer: rank r's values in its shard */
+        fill_f32(other, n, seed, r);
+        memcpy(whole + off[r], other + off[r], 4 * (size_t)cnt[r]);
+        for (int64_t i = 0; i < n; i++) want[i] += other[i], mag[i] += fabs(other[i]);
+    }
+    fill_f32(mine, n, seed, g_rank);
+    float *d = dev_alloc(device, n * 4), *recv = dev_alloc(device, cnt[g_rank] * 4 + 4);
+    CHECK_OK(mrl_cuda_memset_zero(d, (size_t)n * 4, NULL));
+    to_dev(d + off[g_rank], mine + off[g_rank], bytes[g_rank]);
+    CHECK_OK(mrl_nccl_allgather_pieces(nc, d, boff, bytes));
+    to_host(got, d, n * 4);
+    int ok = memcmp(got, whole, (size_t)n * 4) == 0;
+    to_dev(d, mine, n * 4);
+    CHECK_OK(mrl_nccl_reduce_scatter_pieces(nc, d, recv, off, cnt, MRL_DIST_F32, MRL_DIST_SUM));
+    to_host(got, recv, bytes[g_rank]);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < cnt[g_rank]; i++) {
+        int64_t j = off[g_rank] + i;
+        bad += !(fabs(got[i] - want[j]) <= (g_size == 1 ? 0 : 1e-6 * mag[j] * g_size));
+    }
+    printf("pieces n=%-8lld allgather %s, reduce_scatter %lld wrong\n", (long long)n, ok ? "ok" : "WRONG", (long long)bad);
+    CHECK(ok && bad == 0);
+    /* bad pieces: errors before anything runs */
+    CHECK(mrl_nccl_allgather_pieces(nc, d, NULL, bytes) == MRL_ERR_INVALID);
+    int64_t neg = bytes[0];
+    bytes[0] = -1;
+    CHECK(mrl_nccl_allgather_pieces(nc, d, boff, bytes) == MRL_ERR_INVALID);
+    bytes[0] = neg;
+    CHECK(mrl_nccl_reduce_scatter_pieces(nc, d, recv, off, cnt, 99, MRL_DIST_SUM) == MRL_ERR_INVALID);
+    CHECK(mrl_nccl_broken(nc) == 0);
+    mrl_cuda_free(d), mrl_cuda_free(recv);
+    free(whole), free(got), free(mine), free(other), free(want), free(mag);
+}
+
 /* Bad arguments are errors before anything runs, and break nothing. */
 static void test_bad_arguments(mrl_nccl *nc, int device) {
     float *d = dev_alloc(device, 64 * 4);
@@ -364,6 +410,9 @@ int main(int argc, char **argv) {
             test_reduce_scatter(nc, device, rsizes[s], MRL_DIST_MEAN, 1, seed++);
             test_reduce_scatter(nc, device, rsizes[s], MRL_DIST_MAX, 0, seed++);
         }
+        const int64_t psizes[] = {1, 1001, (1 << 20) + 7};
+        for (int s = 0; s < 3; s++)
+            if (psizes[s] >= g_size && g_size <= 64) test_pieces(nc, device, psizes[s], seed++);
         test_bad_arguments(nc, device);
         test_wait_stream(nc, device);
         if (g_size == 1) test_timeout(d, device);

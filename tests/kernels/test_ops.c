@@ -60,7 +60,7 @@
 
 /* Copies and element-wise fp32 arithmetic done the same way as the
  * reference (the same operations in the same order, no fused multiply-add):
- * the same bits. So: rows, biases, panels, the K/V write, AdamW, scale, the
+ * the same bits. So: rows, biases, panels, the K/V write, AdamW, scale, add, the
  * dtype conversions (each rounding is defined bit for bit). */
 #define TOL_BITS 0.0
 /* Dot products over at most a few hundred terms summed in fp32 lanes and
@@ -1681,6 +1681,7 @@ static void run_sum(const mrl_kernels *k, void *const *p, const op_case *c) {
 }
 
 static void run_scale(const mrl_kernels *k, void *const *p, const op_case *c) { k->scale(p[0], c->i[0], c->f[0]); }
+static void run_add(const mrl_kernels *k, void *const *p, const op_case *c) { k->add(p[0], p[1], c->i[0]); }
 
 /* Sizes around the blocks, and the GPU's 1000 and 3M; a GPU's sum of values is held relative
  * to the square root of the sum of squares (TOL_GPU_SUM). */
@@ -1706,6 +1707,11 @@ static void cases_sum_scale(void) {
         new_case(&c, "scale", run_scale, "%lld", (long long)n);
         inout_rnd(&c, "x", n, 1, TOL_BITS);
         c.i[0] = n, c.f[0] = 0.37f;
+        check_case(&c);
+        new_case(&c, "add", run_add, "%lld", (long long)n);
+        inout_rnd(&c, "y", n, 1, TOL_BITS);
+        in_rnd(&c, "x", n, 3);
+        c.i[0] = n;
         check_case(&c);
     }
 }

@@ -87,6 +87,22 @@ mrl_status mrl_nccl_allgather(mrl_nccl *nc, const void *send, int64_t bytes, voi
  * recv_count). recv may be send + rank * recv_count (in place). */
 mrl_status mrl_nccl_reduce_scatter(mrl_nccl *nc, const void *send, void *recv, int64_t recv_count, int dtype,
                                    int op);
+/* The same over uneven pieces (each rank's shard of a buffer: mrl_dist_shard's differ in size,
+ * which NCCL's all-gather and reduce-scatter do not take), as one group of per-rank calls.
+ * allgather_pieces: rank r's bytes[r] bytes at byte offset[r] of dev_buf broadcast in place to
+ * every rank. reduce_scatter_pieces: the reduction over ranks of send's count[r] elements at
+ * element offset[r] into rank r's recv (count[rank] elements). */
+mrl_status mrl_nccl_allgather_pieces(mrl_nccl *nc, void *dev_buf, const int64_t *offset, const int64_t *bytes);
+mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *recv, const int64_t *offset,
+                                          const int64_t *count, int dtype, int op);
+
+/* The sharded training state's collectives on GPUs through this communicator (moonrl/dist.h,
+ * over the same ranks): a GPU model's gradient ranges reduce-scattered by
+ * mrl_nccl_reduce_scatter_pieces and added to the shard on the GPU (after
+ * mrl_dist_grad_shard_set_device, before the first window; not under hybrid sharding), and
+ * its parts gathered into place by mrl_nccl_allgather_pieces. */
+mrl_status mrl_dist_grad_shard_set_nccl(mrl_dist_grad_shard *g, mrl_nccl *nc);
+mrl_status mrl_dist_param_gather_set_nccl(mrl_dist_param_gather *p, mrl_nccl *nc);
 
 #ifdef __cplusplus
 }

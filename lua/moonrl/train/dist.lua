@@ -141,17 +141,18 @@ local function host_staging(w, n)
 end
 
 -- Make a GPU buffer of n floats whole, each rank's shard (mrl_dist_shard over the world) being
--- in place: NCCL broadcasts every rank's shard in place (the shards may differ in size, which
--- NCCL's all-gather does not take); through the host, the shard goes into a host copy, which is
--- all-gathered and copied back.
+-- in place: NCCL broadcasts every rank's shard in place, in one group (the shards may differ in
+-- size, which NCCL's all-gather does not take); through the host, the shard goes into a host
+-- copy, which is all-gathered and copied back.
 function World:gpu_allgather_shards(ptr, n)
   if self.size == 1 or n == 0 then return end
   if self.gpu_via == 'nccl' then
+    local off, bytes = ffi.new('int64_t[?]', self.size), ffi.new('int64_t[?]', self.size)
     for r = 0, self.size - 1 do
       local first, last = self:share(n, r)
-      if last >= first then check(C.mrl_nccl_broadcast(self.nccl, ptr + first - 1, 4 * (last - first + 1), r)) end
+      off[r], bytes[r] = 4 * (first - 1), 4 * math.max(0, last - first + 1)
     end
-    return
+    return check(C.mrl_nccl_allgather_pieces(self.nccl, ptr, off, bytes))
   end
   local first, last = self:share(n)
   local host = host_staging(self, n)
@@ -416,7 +417,7 @@ function M.data_parallel(w, opt, model, opts)
   if device.kind ~= C.MRL_DEVICE_CPU then
     -- a GPU model's: ZeRO-0 and 1 sum the whole gradient buffer once the backward is done
     -- (dist.gpu_transport: NCCL, or through the host), no buckets; ZeRO-2 and 3's windows are in
-    -- the GPU's memory, reduce-scattered through the host (and ZeRO-3's parts gathered there)
+    -- the GPU's memory, reduce-scattered by NCCL or through the host (ZeRO-3's parts gathered so)
     self.gpu = w:gpu_transport(opts.gpu_transport or 'auto', device.index)
   end
   if zero >= 2 then
@@ -424,6 +425,10 @@ function M.data_parallel(w, opt, model, opts)
     check(C.mrl_dist_grad_shard_create(w.handle, n, math.floor((opts.bucket_mb or 25) * 2 ^ 20), layout.shards, out))
     self.grad_shard = ffi.gc(out[0], C.mrl_dist_grad_shard_free)
     if self.gpu then check(C.mrl_dist_grad_shard_set_device(out[0], device)) end
+    if self.gpu == 'nccl' and layout.shards == w.size then -- (hybrid sharding's sums go through the host)
+      check(C.mrl_dist_grad_shard_set_nccl(out[0], w.nccl))
+      if zero == 3 and model._gather then check(C.mrl_dist_param_gather_set_nccl(model._gather, w.nccl)) end
+    end
     self.shard_grads = C.mrl_dist_grad_shard_grads(out[0])
     C.mrl_model_set_grad_windows(model.handle, C.mrl_dist_grad_shard_acquire, out[0])
     C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_grad_shard_ready, out[0])
