@@ -9,7 +9,8 @@
 --     with its shards offloaded to host memory the same weights within rounding; ZeRO-2 (the
 --     gradients too, reduce-scattered from windows in the GPU's memory) the same, and resumed;
 --     ZeRO-3 (the parameters too, in CUDA virtual memory) the same for GRPO with a reference
---     in fp32 and bf16, PPO and SFT, with half the parameters a GPU, offloaded, resumed;
+--     in fp32 and bf16, PPO and SFT, with half the parameters a GPU, offloaded, resumed; and
+--     in shard groups of 2 over 4 GPUs (hybrid sharding);
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
 --   * the step line and metrics.jsonl carry the GPU's memory by category;
@@ -159,13 +160,13 @@ t.test('dist.offload=optimizer: no optimizer state on the GPU, the weights of th
 end)
 
 local proc = require('moonrl.io.proc')
--- One run of grpo_sevens on 2 ranks, each with its GPU (here both cuda:0: the emulated machine, or
+-- One run of grpo_sevens (or recipe with the words base) on 2 ranks (or np), each with its GPU (here both cuda:0: the emulated machine, or
 -- one real GPU shared; model.device=device; extra: more words): its run directory, nil where
 -- there is no mpirun.
-local function ranks(device, tag, extra, recipe, base)
+local function ranks(device, tag, extra, recipe, base, np)
   if not (exe and mpirun) then return nil end
   local run_dir = dir .. '/dp_' .. tag
-  local argv = { mpirun, '-n', '2', '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
+  local argv = { mpirun, '-n', tostring(np or 2), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root', '--mca', 'btl',
     'vader,self' }
   if os.getenv('LD_PRELOAD') then argv[#argv + 1], argv[#argv + 2] = '-x', 'LD_PRELOAD' end
   for _, a in ipairs({ exe, 'run', recipe or 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir,
@@ -298,6 +299,20 @@ t.test('zero=3 over 2 ranks on GPUs: the bits of zero=0 for grpo (fp32, bf16, a 
   local d = weights_diff(off .. '/model', s0 .. '/model')
   print(string.format('zero=3 offloaded against zero=0 on GPUs: worst ||d|| / ||w|| %.3g', d))
   t.truthy(d <= 1e-6, 'zero=3 offloaded: the weights of zero=0 within rounding')
+end)
+
+-- Hybrid sharding on 4 GPUs in shard groups of 2: the parts gathered and the parameters made
+-- whole within each group through the host, the gradients summed over all 4: zero=2 and 3 give
+-- the bits of zero=0 on 4 GPUs.
+t.test('hybrid sharding over 4 GPUs (dist.shard_group=2): zero=2 and 3 give the bits of zero=0', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local one = 'train.micro_batch_tokens=4096'
+  local plain = ranks('cuda:0', 'hsdp_plain', { one }, nil, nil, 4)
+  for zero = 2, 3 do
+    local h = ranks('cuda:0', 'hsdp_zero' .. zero, { one, 'dist.zero=' .. zero, 'dist.shard_group=2' }, nil, nil, 4)
+    t.eq(weights_diff(h .. '/model', plain .. '/model'), 0,
+      'zero=' .. zero .. ' in shard groups of 2 on GPUs: the weights of zero=0')
+  end
 end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()
