@@ -371,6 +371,9 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL out");
     *out = NULL;
     if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
+    if (mrl_model_tp(model, NULL, NULL) > 1) /* its ranks would have to step together */
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine create: a tensor-parallel model's slices (the engine "
+                             "generates from a whole model for now)");
     mrl_engine_config c = *cfg;
     mrl_device device = mrl_model_get_device(model);
     int on_device = mrl_model_kernels(model)->on_device;

@@ -87,6 +87,7 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(g->dk, float, T * K);
     TAKE(g->dv, float, T * K);
     if (qwen3) TAKE(g->dk2, float, T * K);
+    if (qwen3 && m->tp_size > 1) TAKE(g->dnorm, float, 2 * c->head_dim);
     TAKE(m->lnf, float, T * D);
     TAKE(m->rstdf, float, T);
     TAKE(m->head_lse, float, T);
@@ -297,7 +298,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         mrl_moe_record(m, &m->la[l], T, ord++); /* what the layer used, before recompute reuses la */
     }
     if (m->aux_picks) mrl_moe_aux_finish(m);
-    if ((st = mrl_moe_ep_status(m))) { /* no backward through it */
+    if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) { /* no backward through it */
         m->have_forward = 0;
         return st;
     }
@@ -426,7 +427,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         mrl_model_unuse(m, begin, end);
         if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, begin, end - begin);
     }
-    if ((st = mrl_moe_ep_status(m))) return st; /* the gradients are then meaningless */
+    if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
     if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
     k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */

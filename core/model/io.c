@@ -56,11 +56,14 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
         mrl_st_tensor t;
         mrl_status s = mrl_st_find(st, v->name, &t);
         if (s) return s;
-        int same = t.ndim == v->ndim && t.shape[0] == v->shape[0] && (v->ndim == 1 || t.shape[1] == v->shape[1]);
+        int64_t shape[2] = {v->shape[0], v->ndim > 1 ? v->shape[1] : 0}; /* the whole tensor's */
+        int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
+        if (split) shape[split - 1] *= m->tp_size;
+        int same = t.ndim == v->ndim && t.shape[0] == shape[0] && (v->ndim == 1 || t.shape[1] == shape[1]);
         if (!same) {
             char got[256], want[64];
             return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' has shape %s, the config implies %s", dir, v->name,
-                                 shape_str(got, sizeof got, t.ndim, t.shape), shape_str(want, sizeof want, v->ndim, v->shape));
+                                 shape_str(got, sizeof got, t.ndim, t.shape), shape_str(want, sizeof want, v->ndim, shape));
         }
     }
     /* anything else in the checkpoint is a part this model does not have */
@@ -76,6 +79,18 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
                                  dir, t.name, mrl_model_arch_names(m->cfg.arch)->model_type);
     }
     mrl_clear_error();
+    return MRL_OK;
+}
+
+/* A tensor-parallel rank's slice of view v (whole: its rows or columns of the file's tensor). */
+static mrl_status read_tp_slice(const mrl_model *m, mrl_st *st, const mrl_param_view *v, float *dst) {
+    if (mrl_model_tp_split(v->name) == 1) /* rows: one range */
+        return mrl_st_read_f32_range(st, v->name, (int64_t)m->tp_rank * v->numel, v->numel, dst);
+    int64_t rows = v->shape[0], cols = v->shape[1]; /* columns: a range of each row */
+    for (int64_t i = 0; i < rows; i++) {
+        mrl_status s = mrl_st_read_f32_range(st, v->name, i * cols * m->tp_size + m->tp_rank * cols, cols, dst + i * cols);
+        if (s) return s;
+    }
     return MRL_OK;
 }
 
@@ -117,24 +132,45 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
                 from = "model.embed_tokens.weight"; /* lm_head.weight of a value-head model: the embedding */
             }
         }
-        if (from) s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, dst);
+        if (from && m->tp_size > 1 && mrl_model_tp_split(v->name)) s = read_tp_slice(m, st, v, dst);
+        else if (from) s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, dst);
         if (!s && dst == stage) s = m->k->to_device(m->params + a, stage, (int64_t)sizeof(float) * (b - a));
     }
     mrl_mem_free(stage);
     return s;
 }
 
-/* config.json, the files opened and checked against the layout (no parameter memory yet). */
-static mrl_status open_dir(const char *dir, int value_head, mrl_model **out, mrl_st **st) {
+/* A tensor-parallel rank's config (rank of size: the heads and the MLP divided) from the whole
+ * model's; the sizes it cannot divide are errors naming the key. */
+static mrl_status tp_config(const char *dir, int size, mrl_model_config *c) {
+    if (c->num_experts > 0)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: a mixture-of-experts model "
+                             "(num_experts %d) splits its experts with expert parallelism", dir, size, c->num_experts);
+    const char *keys[3] = {"num_attention_heads", "num_key_value_heads", "intermediate_size"};
+    int *values[3] = {&c->num_attention_heads, &c->num_key_value_heads, &c->intermediate_size};
+    for (int i = 0; i < 3; i++)
+        if (*values[i] % size)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: %s (%d) is not a multiple of %d",
+                                 dir, size, keys[i], *values[i], size);
+    for (int i = 0; i < 3; i++) *values[i] /= size;
+    return MRL_OK;
+}
+
+/* config.json, the files opened and checked against the layout (no parameter memory yet);
+ * tp_size > 1: rank tp_rank's slices (mrl_model_load_dir_tp). */
+static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_size, mrl_model **out, mrl_st **st) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
-    mrl_model_config cfg;
-    mrl_status s = mrl_model_config_load(path, &cfg);
+    mrl_model_config whole, cfg;
+    mrl_status s = mrl_model_config_load(path, &whole);
     if (s) return s;
-    if (value_head) cfg.value_head = 1;
+    if (value_head) whole.value_head = 1;
+    cfg = whole;
+    if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg))) return s;
     if ((s = mrl_st_open(dir, st))) return s;
     s = mrl_model_alloc_layout(&cfg, out); /* views only: the sizes are the file's to confirm */
+    if (!s && tp_size > 1) (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole;
     if (!s) s = check_tensors(*out, *st, dir);
     if (s) {
         mrl_st_close(*st);
@@ -145,15 +181,10 @@ static mrl_status open_dir(const char *dir, int value_head, mrl_model **out, mrl
     return s;
 }
 
-mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
-    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
-    *out = NULL;
-    mrl_st *st = NULL;
-    mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, 0, &m, &st);
-    if (s) return s;
-    s = mrl_model_alloc_params(m);
-    if (!s) s = read_weights(m, st, 0, m->n_params);
+/* A load's end: parameters [lo, hi) read into m (its buffer made, s the making's status), the
+ * files closed; *out = m, or m freed on a failure. */
+static mrl_status finish_load(mrl_model *m, mrl_st *st, mrl_status s, int64_t lo, int64_t hi, mrl_model **out) {
+    if (!s) s = read_weights(m, st, lo, hi);
     mrl_st_close(st);
     if (s) {
         mrl_model_free(m);
@@ -161,6 +192,16 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     }
     *out = m;
     return MRL_OK;
+}
+
+mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
+    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
+    *out = NULL;
+    mrl_st *st = NULL;
+    mrl_model *m = NULL;
+    mrl_status s = open_dir(dir, 0, 0, 1, &m, &st);
+    if (s) return s;
+    return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
 }
 
 mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int index, int value_head,
@@ -172,19 +213,23 @@ mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int 
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, value_head, &m, &st);
+    mrl_status s = open_dir(dir, value_head, 0, 1, &m, &st);
     if (s) return s;
     int64_t offset, count;
     mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
-    s = mrl_model_alloc_shard(m, offset, count);
-    if (!s) s = read_weights(m, st, offset, offset + count);
-    mrl_st_close(st);
-    if (s) {
-        mrl_model_free(m);
-        return s;
-    }
-    *out = m;
-    return MRL_OK;
+    return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
+}
+
+mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out) {
+    if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp: NULL argument");
+    *out = NULL;
+    if (size < 1 || rank < 0 || rank >= size)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp: rank %d of %d", rank, size);
+    mrl_st *st = NULL;
+    mrl_model *m = NULL;
+    mrl_status s = open_dir(dir, value_head, rank, size, &m, &st);
+    if (s) return s;
+    return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
 }
 
 mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
@@ -274,6 +319,9 @@ static mrl_status save_gathered(mrl_model *m, const char *dir, int64_t max_shard
 mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
+    if (m->tp_size > 1) /* the files hold whole tensors: the slices would need gathering */
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: a tensor-parallel rank holds slices of the model, which a "
+                             "Hugging Face directory cannot hold (gathered saving: not yet)", dir);
     if (m->p_region) return save_gathered(m, dir, max_shard_bytes);
     float *host;
     mrl_status s = host_view_buffer(m, dir, &host);

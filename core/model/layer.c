@@ -3,7 +3,11 @@
  *
  *   ln1 = rmsnorm(x) ; q,k,v = ln1 Wq^T (+bq), ...  ; [qwen3: q,k = rmsnorm per head]
  *   q,k = rope(q,k) ; att = attention(q,k,v) ; h = x + att Wo^T
- *   ln2 = rmsnorm(h) ; act = silu(ln2 Wg^T) * (ln2 Wu^T) ; x' = h + act Wd^T */
+ *   ln2 = rmsnorm(h) ; act = silu(ln2 Wg^T) * (ln2 Wu^T) ; x' = h + act Wd^T
+ * Tensor parallel (tp.c): the config's heads and F are this rank's slices;
+ * att Wo^T and act Wd^T are then partial sums, and so are the input
+ * gradients dln1, dln2 of the sliced products: each is summed over the
+ * group before the residual stream or the norm reads it. */
 #include <math.h>
 #include "model_internal.h"
 
@@ -113,8 +117,15 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
-    k->copy(a->h, x, (int64_t)sizeof(float) * T * D);
-    run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho);    /* h = x + att Wo^T */
+    int64_t TD = T * D;
+    if (m->tp_size > 1) { /* h = x + the sum over the group of each rank's heads' part */
+        run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 0), p->ho);
+        mrl_model_tp_sum(m, a->h, TD);
+        k->add(a->h, x, TD);
+    } else {
+        k->copy(a->h, x, (int64_t)sizeof(float) * TD);
+        run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
+    }
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
         k->copy(out, a->h, (int64_t)sizeof(float) * T * D);
@@ -125,7 +136,13 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
                            lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
     products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
-    k->copy(out, a->h, (int64_t)sizeof(float) * T * D);
+    if (m->tp_size > 1) { /* out = h + the sum over the group of each rank's slice's part */
+        run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 0), p->hd);
+        mrl_model_tp_sum(m, out, TD);
+        k->add(out, a->h, TD);
+        return;
+    }
+    k->copy(out, a->h, (int64_t)sizeof(float) * TD);
     run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
 }
 
@@ -163,6 +180,7 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
                                lin_dx(s->dln, s->df1, p->wg, T, F, D, 0)};  /* dln2 [T,D] = dgate Wg ... */
         products(m, gu, (const uint16_t *[]){NULL, NULL, p->hg}, 3);
         run1(m, lin_dx(s->dln, s->df2, p->wu, T, F, D, 1.0f), p->hu);        /* ... + dup Wu */
+        mrl_model_tp_sum(m, s->dln, T * D);                                  /* (tensor parallel) */
     }
     k->rmsnorm_bwd(s->dx, g->ln2, s->dln, a->h, p->ln2, a->rstd2, T, D); /* dx = dL/dh */
     /* attention: h = x + att Wo^T */
@@ -177,8 +195,16 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     if (a->qraw) { /* back through the per-head norms: datt, dk2 are free now */
         k->zero(s->datt, (int64_t)sizeof(float) * T * Q);
         k->zero(s->dk2, (int64_t)sizeof(float) * T * K);
-        k->rmsnorm_bwd(s->datt, g->q_norm, s->dq, a->qraw, p->q_norm, a->rstdq, T * Hq, hd);
-        k->rmsnorm_bwd(s->dk2, g->k_norm, s->dk, a->kraw, p->k_norm, a->rstdk, T * Hk, hd);
+        /* tensor parallel: each rank's heads give part of the shared norms' gradients, summed over the group */
+        float *gq = s->dnorm ? s->dnorm : g->q_norm, *gk = s->dnorm ? s->dnorm + hd : g->k_norm;
+        if (s->dnorm) k->zero(s->dnorm, (int64_t)sizeof(float) * 2 * hd);
+        k->rmsnorm_bwd(s->datt, gq, s->dq, a->qraw, p->q_norm, a->rstdq, T * Hq, hd);
+        k->rmsnorm_bwd(s->dk2, gk, s->dk, a->kraw, p->k_norm, a->rstdk, T * Hk, hd);
+        if (s->dnorm) {
+            mrl_model_tp_sum(m, s->dnorm, 2 * hd);
+            k->add(g->q_norm, gq, hd);
+            k->add(g->k_norm, gk, hd);
+        }
         dq = s->datt;
         dk = s->dk2;
     }
@@ -191,5 +217,6 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     products(m, qkv, (const uint16_t *[]){NULL, NULL, NULL, p->hq}, 4);
     run1(m, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f), p->hk);            /* ... + dk Wk */
     run1(m, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f), p->hv);         /* ... + dv Wv */
+    mrl_model_tp_sum(m, s->dln, T * D);                                  /* (tensor parallel) */
     k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
 }

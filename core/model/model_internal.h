@@ -16,6 +16,7 @@ typedef struct grad_scratch {
     float *datt, *dq; /* [T,Q] */
     float *dk, *dv;   /* [T,K] */
     float *dk2;       /* [T,K] (qwen3 k norm) */
+    float *dnorm;     /* [2*hd] (qwen3 under tensor parallel: this rank's heads' part of the per-head norms' gradients) */
     /* sparse layers (df1, df2 are then [A,Fe] when that is larger than [T,F]) */
     float *dye;       /* [A,D] d expert outputs, then d expert inputs */
     float *dlogit;    /* [T,E] d router logits */
@@ -114,6 +115,14 @@ struct mrl_model {
     int head_kept; /* the head's part (a tied head's embedding too) still in use after the forward: its backward's */
     int64_t gathered_peak; /* the most bytes of the regions beyond the shard's pages (mrl_model_gathered_bytes) */
     int shard_writer; /* this rank writes the files of mrl_model_save_dir_sharded */
+    /* tensor parallel (tp.c): this rank's slices of each layer (cfg: the slices' config,
+     * tp_cfg the whole model's); tp_sum sums a buffer over the group; a failure inside a
+     * layer (which returns none) is kept in tp_failed for the forward or backward to return */
+    int tp_rank, tp_size; /* 0 and 1 without */
+    mrl_model_config tp_cfg;
+    mrl_tp_allreduce tp_sum;
+    void *tp_ctx;
+    mrl_status tp_failed;
 };
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
@@ -187,6 +196,14 @@ struct moe_ep_layer *mrl_moe_ep_layer(const mrl_model *m, int ord);
 /* the first failure of the exchanges since mrl_moe_ep_begin (MRL_OK: none, or no EP) */
 void mrl_moe_ep_begin(const mrl_model *m);
 mrl_status mrl_moe_ep_status(const mrl_model *m);
+/* tp.c: how tensor parallel splits view `name` of a layer: 0 whole (norms, embedding, head),
+ * 1 by rows (q, k, v, gate, up: their weights and biases, column-parallel), 2 by columns
+ * (o_proj, down_proj weights, row-parallel) */
+int mrl_model_tp_split(const char *name);
+/* tp.c: buf (n floats) summed over the tensor-parallel group, in place (nothing without one);
+ * a failure is kept for mrl_model_tp_status */
+void mrl_model_tp_sum(const mrl_model *m, float *buf, int64_t n);
+mrl_status mrl_model_tp_status(mrl_model *m);
 void mrl_moe_ep_free(mrl_model *m);
 /* moe.c: the load-balancing statistics of one sparse layer's forward, added
  * to the model's (aux_picks, aux_n); then the loss from them */

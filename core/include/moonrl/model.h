@@ -285,13 +285,34 @@ void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ct
  * backwards. mrl_model_read_shard reads the shard again from a directory (a
  * checkpoint). A sharded model has no whole parameter buffer: reading
  * outside its shard and the parts in use faults; an engine reads a buffer of
- * its own (mrl_engine_attach_params). CPU only. */
+ * its own (mrl_engine_attach_params). mrl_model_set_device moves the shard
+ * to a GPU, whose regions are CUDA virtual memory. */
 typedef mrl_status (*mrl_param_gather)(void *ctx, float *params, int64_t offset, int64_t count);
 mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int index, int value_head,
                                     mrl_model **out);
 mrl_status mrl_model_read_shard(mrl_model *m, const char *dir);
 mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_param_gather wait, void *ctx,
                                       int writer);
+/* Tensor parallel (Megatron's, dist.tp): mrl_model_load_dir_tp loads rank `rank` of `size`'s
+ * slices of every layer from a Hugging Face directory: its num_attention_heads / size query
+ * heads and num_key_value_heads / size KV heads (the rows of q, k, v and their biases, the
+ * columns of o_proj), and intermediate_size / size of the MLP (the rows of gate and up, the
+ * columns of down); the norms, the embedding, the head and a value head whole on every rank.
+ * Each slice is read by range from the files. The model's config (mrl_model_get_config) is
+ * then the slices' (heads and intermediate size divided by size); the views keep their
+ * Hugging Face names with the slices' shapes. The sums over the group go through allreduce,
+ * set before the first forward (mrl_model_set_tp_allreduce; every rank of the group calls it
+ * at the same points: after o_proj and down_proj in the forward, after the input gradients of
+ * q, k, v and gate, up in the backward), so the outputs, log-probs and the gradients of the
+ * whole parts are the same on every rank and each slice's gradient is the slice of the whole
+ * model's. Dense models (no experts); size must divide the heads, the KV heads and the
+ * intermediate size (usage errors naming them). */
+typedef mrl_status (*mrl_tp_allreduce)(void *ctx, float *buf, int64_t n);
+mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out);
+mrl_status mrl_model_set_tp_allreduce(mrl_model *m, mrl_tp_allreduce fn, void *ctx);
+/* The tensor-parallel size (1 without), and this rank in *rank; the whole model's config in *whole. */
+int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);
+
 /* 1 and the shard when the parameters are sharded, else 0 */
 int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count);
 mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count);

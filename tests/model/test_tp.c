@@ -1,0 +1,242 @@
+/* Tensor parallel (mrl_model_load_dir_tp, moonrl/model.h) against the whole
+ * model, for Llama with a value head, Qwen2's biases and Qwen3's per-head
+ * norms, in fp32 and bf16 on 2 ranks (and Qwen2 on 4): the ranks' slices are loaded from the whole
+ * model's directory and run on threads of their own, their sums going
+ * through a shared buffer in rank order (what mrl_dist_allreduce does
+ * between processes):
+ *   - each slice's shape, and its values the rows or columns of the whole
+ *     tensor;
+ *   - the log-probs, entropy and values of a packed batch (shared prompts
+ *     included) on every rank, against the whole model's;
+ *   - after a backward, each rank's gradients: a split view's the slice of
+ *     the whole model's, the others' the whole view's;
+ *   - the refusals, naming the key: a size that does not divide the heads,
+ *     the KV heads or the intermediate size; a mixture of experts; a
+ *     forward without the group's allreduce; saving the slices as a model
+ *     directory; an engine over them (not yet).
+ * Bounds: the ranks' partial products add in another order than the whole
+ * model's single product (below). */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "check.h"
+#include "models.h"
+#include "moonrl/engine.h"
+#include "moonrl/model.h"
+#include "moonrl/runtime.h"
+
+#define LP_TOL 2e-5    /* max |lp tp - lp whole|, logits of a few units */
+#define GRAD_TOL 2e-5  /* ||g tp - g whole|| / ||g whole|| per view */
+/* bf16: both sides round fp32 activations to bf16, which agree until an fp32 ulp of difference
+ * crosses a bf16 rounding edge (2^-8 relative) now and then: test_bf16.c's bounds for two
+ * tables (LP_TABLES, GRAD_TABLES) */
+#define LP_TOL16 0.025
+#define GRAD_TOL16 0.015
+
+enum { MAX_TP = 4 };
+
+/* The group's allreduce: each rank's buffer in the slot of its rank; rank 0 sums in rank order
+ * into every buffer between two barriers. */
+typedef struct group {
+    pthread_barrier_t bar;
+    float *bufs[MAX_TP];
+    int size;
+} group;
+typedef struct member {
+    group *g;
+    int rank;
+    mrl_model *m;
+    const mrl_batch *b;
+    float lp[96], ent[96], val[96];
+    const batch *x;
+    mrl_status fwd, bwd;
+} member;
+
+static mrl_status group_sum(void *ctx, float *buf, int64_t n) {
+    member *me = ctx;
+    group *g = me->g;
+    g->bufs[me->rank] = buf;
+    pthread_barrier_wait(&g->bar);
+    if (me->rank == 0)
+        for (int64_t i = 0; i < n; i++) {
+            float s = g->bufs[0][i];
+            for (int r = 1; r < g->size; r++) s += g->bufs[r][i];
+            for (int r = 0; r < g->size; r++) g->bufs[r][i] = s;
+        }
+    pthread_barrier_wait(&g->bar);
+    return MRL_OK;
+}
+
+static void *run_rank(void *arg) {
+    member *me = arg;
+    int vh = mrl_model_get_config(me->m)->value_head;
+    me->fwd = mrl_model_forward(me->m, me->b, 1.0f, me->lp, me->ent, vh ? me->val : NULL);
+    me->bwd = me->fwd ? me->fwd : mrl_model_backward(me->m, me->x->dlp, me->x->dent, vh ? me->x->dval : NULL);
+    return NULL;
+}
+
+/* ||a - b|| / ||b|| */
+static double rel(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d, den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* Rank r's slice of whole view w (rows or columns, as the view's shape says) into out. */
+static int slice_of(const mrl_param_view *w, const mrl_param_view *v, const float *whole, int r, float *out) {
+    if (v->ndim == 1 && v->shape[0] != w->shape[0]) { /* a bias: rows */
+        memcpy(out, whole + w->offset + r * v->numel, sizeof(float) * (size_t)v->numel);
+        return 1;
+    }
+    if (v->ndim == 2 && v->shape[0] != w->shape[0]) { /* rows */
+        memcpy(out, whole + w->offset + r * v->numel, sizeof(float) * (size_t)v->numel);
+        return 1;
+    }
+    if (v->ndim == 2 && v->shape[1] != w->shape[1]) { /* columns */
+        for (int64_t i = 0; i < v->shape[0]; i++)
+            memcpy(out + i * v->shape[1], whole + w->offset + i * w->shape[1] + r * v->shape[1],
+                   sizeof(float) * (size_t)v->shape[1]);
+        return 2;
+    }
+    memcpy(out, whole + w->offset, sizeof(float) * (size_t)v->numel);
+    return 0;
+}
+
+static void case_tp(int arch, int dtype, int size, const char *dir) {
+    mrl_model_config c = small_config(arch);
+    c.value_head = arch == MRL_ARCH_LLAMA;
+    if (size > c.num_key_value_heads) c.num_key_value_heads = size; /* (4 ranks: one K/V head each) */
+    mrl_model *src = small_model(&c, 11 + (uint64_t)arch);
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    mrl_model *whole = NULL;
+    CHECK_OK(mrl_model_load_dir(dir, &whole));
+    CHECK_OK(mrl_model_set_dtype(whole, dtype));
+    batch x;
+    make_batch(&x, c.vocab_size);
+    float lp[96], ent[96], val[96];
+    CHECK_OK(mrl_model_forward(whole, &x.b, 1.0f, lp, ent, c.value_head ? val : NULL));
+    CHECK_OK(mrl_model_backward(whole, x.dlp, x.dent, c.value_head ? x.dval : NULL));
+    const float *gw = mrl_model_grads(whole), *pw = mrl_model_params(whole);
+
+    group g = {.size = size};
+    pthread_barrier_init(&g.bar, NULL, (unsigned)size);
+    member ms[MAX_TP];
+    pthread_t th[MAX_TP];
+    for (int r = 0; r < size; r++) {
+        ms[r] = (member){.g = &g, .rank = r, .b = &x.b, .x = &x};
+        CHECK_OK(mrl_model_load_dir_tp(dir, r, size, 0, &ms[r].m));
+        CHECK_OK(mrl_model_set_dtype(ms[r].m, dtype));
+        CHECK_OK(mrl_model_set_tp_allreduce(ms[r].m, group_sum, &ms[r]));
+        int rank = -1;
+        mrl_model_config all;
+        CHECK(mrl_model_tp(ms[r].m, &rank, &all) == size && rank == r && all.num_attention_heads == c.num_attention_heads);
+        const mrl_model_config *lc = mrl_model_get_config(ms[r].m);
+        CHECK(lc->num_attention_heads == c.num_attention_heads / size && lc->num_key_value_heads == c.num_key_value_heads / size &&
+              lc->intermediate_size == c.intermediate_size / size);
+    }
+    for (int r = 0; r < size; r++) pthread_create(&th[r], NULL, run_rank, &ms[r]);
+    for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
+    double lp_tol = dtype ? LP_TOL16 : LP_TOL, g_tol = dtype ? GRAD_TOL16 : GRAD_TOL;
+    double worst_lp = 0, worst_g = 0, worst_w = 0;
+    const char *worst_name = "";
+    int64_t split_views = 0;
+    for (int r = 0; r < size; r++) {
+        member *me = &ms[r];
+        CHECK_OK(me->fwd);
+        CHECK_OK(me->bwd);
+        int64_t n = x.b.n_tokens;
+        for (int64_t i = 0; i < n; i++) {
+            double d = fmax(fabs(me->lp[i] - lp[i]), fabs(me->ent[i] - ent[i]));
+            if (c.value_head) d = fmax(d, fabs(me->val[i] - val[i]));
+            if (!(d <= worst_lp)) worst_lp = d;
+        }
+        const float *gr = mrl_model_grads(me->m), *pr = mrl_model_params(me->m);
+        for (int i = 0; i < mrl_model_num_views(me->m); i++) {
+            mrl_param_view v, w;
+            mrl_model_view(me->m, i, &v);
+            CHECK_OK(mrl_model_find_view(whole, v.name, &w));
+            float *want = malloc(sizeof(float) * (size_t)v.numel);
+            split_views += slice_of(&w, &v, pw, r, want) != 0; /* the values: the slice, bit for bit */
+            double dw = rel(pr + v.offset, want, v.numel);
+            if (!(dw <= worst_w)) worst_w = dw;
+            slice_of(&w, &v, gw, r, want);
+            double e = rel(gr + v.offset, want, v.numel);
+            if (!(e <= worst_g)) worst_g = e, worst_name = v.name;
+            free(want);
+        }
+    }
+    printf("%s %s tp=%d: %lld split views, max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n",
+           mrl_model_arch_names(arch)->model_type, dtype ? "bf16" : "fp32", size, (long long)split_views, worst_lp,
+           worst_g, worst_name);
+    CHECK(split_views == (int64_t)size * c.num_hidden_layers * (c.attention_bias ? 10 : 7)); /* q k v o gate up down (+ 3 biases) */
+    CHECK(worst_w == 0);
+    CHECK(worst_lp <= lp_tol);
+    CHECK(worst_g <= g_tol);
+    for (int r = 0; r < size; r++) mrl_model_free(ms[r].m);
+    pthread_barrier_destroy(&g.bar);
+    mrl_model_free(whole);
+}
+
+/* Sizes the config does not divide, a mixture of experts: errors naming the key. A forward
+ * without the allreduce fails naming it. */
+static void case_refusals(const char *dir) {
+    mrl_model_config c = small_config(MRL_ARCH_QWEN3);
+    mrl_model *src = small_model(&c, 5);
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    mrl_model *m = NULL;
+    CHECK(mrl_model_load_dir_tp(dir, 0, 4, 0, &m) == MRL_ERR_INVALID && !m);
+    CHECK_STR_CONTAINS(mrl_last_error(), "num_key_value_heads (2) is not a multiple of 4");
+    CHECK(mrl_model_load_dir_tp(dir, 0, 3, 0, &m) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "num_attention_heads (4) is not a multiple of 3");
+    CHECK(mrl_model_load_dir_tp(dir, 2, 2, 0, &m) == MRL_ERR_INVALID);
+    CHECK_OK(mrl_model_load_dir_tp(dir, 1, 2, 0, &m));
+    batch x;
+    make_batch(&x, c.vocab_size);
+    float lp[96];
+    CHECK(mrl_model_forward(m, &x.b, 1.0f, lp, NULL, NULL) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "mrl_model_set_tp_allreduce");
+    char out[300];
+    snprintf(out, sizeof out, "%s/slices", dir);
+    CHECK(mrl_model_save_dir(m, out) == MRL_ERR_UNSUPPORTED); /* slices are not a Hugging Face model */
+    mrl_engine_config ec = {.kv_cache_bytes = 1 << 20, .block_size = 16, .max_num_batched_tokens = 64, .max_num_seqs = 4};
+    mrl_engine *eng = NULL;
+    CHECK(mrl_engine_create(m, &ec, &eng) == MRL_ERR_UNSUPPORTED && !eng);
+    mrl_model_free(m);
+    mrl_model *whole = NULL;
+    CHECK_OK(mrl_model_load_dir(dir, &whole));
+    CHECK(mrl_model_set_tp_allreduce(whole, group_sum, NULL) == MRL_ERR_INVALID);
+    CHECK(mrl_model_tp(whole, NULL, NULL) == 1);
+    mrl_model_free(whole);
+    mrl_model_config e;
+    tiny_config(&e, MRL_ARCH_QWEN3_MOE, 64);
+    e.num_experts = 4, e.num_experts_per_tok = 2, e.moe_intermediate_size = 32, e.decoder_sparse_step = 1;
+    CHECK_OK(mrl_model_create(&e, 3, &src));
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    CHECK(mrl_model_load_dir_tp(dir, 0, 2, 0, &m) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "expert parallelism");
+}
+
+int main(void) {
+    rng = MRL_GOLDEN64;
+    char dir[] = "/tmp/moonrl_tp_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    static const int arches[3] = {MRL_ARCH_LLAMA, MRL_ARCH_QWEN2, MRL_ARCH_QWEN3};
+    for (int a = 0; a < 3; a++)
+        for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, dir);
+    case_tp(MRL_ARCH_QWEN2, 0, 4, dir);
+    case_refusals(dir);
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
+    mrl_shutdown();
+    CHECK_DONE();
+}
