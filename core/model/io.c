@@ -247,7 +247,7 @@ mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
 static mrl_status write_config(mrl_model *m, const char *dir) {
     char json[16384], path[4096]; /* room for a long mlp_only_layers */
     size_t len = 0;
-    mrl_status s = mrl_model_config_to_json(&m->cfg, json, sizeof json, &len);
+    mrl_status s = mrl_model_config_to_json(m->tp_size > 1 ? &m->tp_cfg : &m->cfg, json, sizeof json, &len);
     if (s) return s;
     snprintf(path, sizeof path, "%s/config.json", dir);
     return mrl_fs_write_file(path, json, len); /* temporary file, fsync, rename, fsync of dir */
@@ -272,12 +272,22 @@ static mrl_status host_view_buffer(mrl_model *m, const char *dir, float **host) 
     return MRL_OK;
 }
 
-/* The safetensors stream of the model's views, declared in view order. */
+/* The whole tensor's shape of view v (a tensor-parallel rank's: its slice's times the ranks). */
+static void whole_shape(const mrl_model *m, const mrl_param_view *v, int64_t shape[2]) {
+    shape[0] = v->shape[0], shape[1] = v->ndim > 1 ? v->shape[1] : 0;
+    int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
+    if (split) shape[split - 1] *= m->tp_size;
+}
+
+/* The safetensors stream of the model's views (whole tensors), declared in view order. */
 static mrl_status open_stream(mrl_model *m, const char *dir, int64_t max_shard_bytes, mrl_st_stream **st) {
     mrl_status s = mrl_st_stream_open(dir, max_shard_bytes, st);
     if (!s) s = mrl_st_stream_set_metadata(*st, "format", "pt"); /* what Transformers expects */
-    for (int i = 0; !s && i < m->n_views; i++)
-        s = mrl_st_stream_declare(*st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, m->views[i].shape);
+    for (int i = 0; !s && i < m->n_views; i++) {
+        int64_t shape[2];
+        whole_shape(m, &m->views[i], shape);
+        s = mrl_st_stream_declare(*st, m->views[i].name, MRL_DTYPE_F32, m->views[i].ndim, shape);
+    }
     return s;
 }
 
@@ -316,12 +326,57 @@ static mrl_status save_gathered(mrl_model *m, const char *dir, int64_t max_shard
     return g ? g : s;
 }
 
+/* A tensor-parallel model: every rank of the group gathers each split view (the gathers are
+ * collectives) and rank 0 writes the whole tensors: the rows of the ranks in rank order, or
+ * each row's columns of the ranks side by side. A write error stops the writing, not the
+ * gathers. */
+static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
+    if (!m->tp_gather)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: a tensor-parallel model saves through its group's all-gather "
+                             "(mrl_model_set_tp_group)", dir);
+    int64_t most = 0, n = m->tp_size;
+    for (int i = 0; i < m->n_views; i++)
+        if (m->views[i].numel > most) most = m->views[i].numel;
+    float *mine = mrl_mem_alloc(sizeof(float) * (size_t)most, MRL_MEM_OTHER);
+    float *all = mrl_mem_alloc(sizeof(float) * (size_t)(most * n), MRL_MEM_OTHER);
+    float *out = mrl_mem_alloc(sizeof(float) * (size_t)(most * n), MRL_MEM_OTHER);
+    mrl_st_stream *st = NULL;
+    int writer = m->tp_rank == 0;
+    mrl_status s = mine && all && out ? MRL_OK : mrl_wrap_error(MRL_ERR_NOMEM, "%s: host buffers for one tensor", dir);
+    mrl_status g = s;
+    if (!s && writer) s = open_stream(m, dir, max_shard_bytes, &st);
+    for (int i = 0; !g && i < m->n_views; i++) {
+        const mrl_param_view *v = &m->views[i];
+        int split = mrl_model_tp_split(v->name);
+        if (!split) {
+            if (!s && writer) s = write_view(m, dir, st, v, out);
+            continue;
+        }
+        if ((g = m->k->to_host(mine, m->params + v->offset, (int64_t)sizeof(float) * v->numel)) ||
+            (g = m->tp_gather(m->tp_ctx, mine, v->numel, all)))
+            break;
+        if (s || !writer) continue;
+        const float *src = all; /* rows: the ranks' slices one after the other already */
+        if (split == 2) {       /* columns: row i of rank r's slice goes to row i's r-th block */
+            int64_t rows = v->shape[0], cols = v->shape[1];
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t row = 0; row < rows; row++)
+                    memcpy(out + row * cols * n + r * cols, all + r * v->numel + row * cols, sizeof(float) * (size_t)cols);
+            src = out;
+        }
+        s = mrl_st_stream_write(st, v->name, src, v->numel * n);
+    }
+    if (!s && !g && writer) s = mrl_st_stream_finish(st);
+    mrl_st_stream_free(st);
+    mrl_mem_free(mine), mrl_mem_free(all), mrl_mem_free(out);
+    if (!s && !g && writer) s = write_config(m, dir);
+    return g ? mrl_wrap_error(g, "%s: gathering the tensor-parallel slices", dir) : s;
+}
+
 mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
-    if (m->tp_size > 1) /* the files hold whole tensors: the slices would need gathering */
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: a tensor-parallel rank holds slices of the model, which a "
-                             "Hugging Face directory cannot hold (gathered saving: not yet)", dir);
+    if (m->tp_size > 1) return save_tp(m, dir, max_shard_bytes);
     if (m->p_region) return save_gathered(m, dir, max_shard_bytes);
     float *host;
     mrl_status s = host_view_buffer(m, dir, &host);

@@ -117,10 +117,12 @@ struct mrl_model {
     int shard_writer; /* this rank writes the files of mrl_model_save_dir_sharded */
     /* tensor parallel (tp.c): this rank's slices of each layer (cfg: the slices' config,
      * tp_cfg the whole model's); tp_sum sums a buffer over the group; a failure inside a
-     * layer (which returns none) is kept in tp_failed for the forward or backward to return */
+     * layer (which returns none) is kept in tp_failed for the forward or backward to return;
+     * tp_gather brings the slices together for saving */
     int tp_rank, tp_size; /* 0 and 1 without */
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
+    mrl_tp_allgather tp_gather;
     void *tp_ctx;
     mrl_status tp_failed;
 };

@@ -27,10 +27,11 @@ int mrl_model_tp_split(const char *name) {
     return 0;
 }
 
-mrl_status mrl_model_set_tp_allreduce(mrl_model *m, mrl_tp_allreduce fn, void *ctx) {
-    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_allreduce: NULL model");
-    if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_allreduce: not a tensor-parallel model");
-    m->tp_sum = fn;
+mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_group: NULL model");
+    if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_group: not a tensor-parallel model");
+    m->tp_sum = allreduce;
+    m->tp_gather = allgather;
     m->tp_ctx = ctx;
     return MRL_OK;
 }
@@ -47,7 +48,7 @@ void mrl_model_tp_sum(const mrl_model *cm, float *buf, int64_t n) {
     if (m->tp_size <= 1 || m->tp_failed) return;
     if (!m->tp_sum) {
         m->tp_failed = mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no allreduce for the group "
-                                     "(mrl_model_set_tp_allreduce)");
+                                     "(mrl_model_set_tp_group)");
         return;
     }
     mrl_status st = m->k->sync(); /* the partial sums complete (a GPU's) */

@@ -10,10 +10,12 @@
  *     included) on every rank, against the whole model's;
  *   - after a backward, each rank's gradients: a split view's the slice of
  *     the whole model's, the others' the whole view's;
+ *   - saved by the group (each split tensor gathered, rank 0 writing): the
+ *     whole model's files byte for byte;
  *   - the refusals, naming the key: a size that does not divide the heads,
  *     the KV heads or the intermediate size; a mixture of experts; a
- *     forward without the group's allreduce; saving the slices as a model
- *     directory; an engine over them (not yet).
+ *     forward or a save without the group's collectives; an engine over
+ *     the slices (not yet).
  * Bounds: the ranks' partial products add in another order than the whole
  * model's single product (below). */
 #include <math.h>
@@ -52,7 +54,8 @@ typedef struct member {
     const mrl_batch *b;
     float lp[96], ent[96], val[96];
     const batch *x;
-    mrl_status fwd, bwd;
+    const char *save_to; /* then the group's save there */
+    mrl_status fwd, bwd, saved;
 } member;
 
 static mrl_status group_sum(void *ctx, float *buf, int64_t n) {
@@ -70,11 +73,22 @@ static mrl_status group_sum(void *ctx, float *buf, int64_t n) {
     return MRL_OK;
 }
 
+static mrl_status group_gather(void *ctx, const float *mine, int64_t n, float *all) {
+    member *me = ctx;
+    group *g = me->g;
+    g->bufs[me->rank] = (float *)mine;
+    pthread_barrier_wait(&g->bar);
+    for (int r = 0; r < g->size; r++) memcpy(all + r * n, g->bufs[r], sizeof(float) * (size_t)n);
+    pthread_barrier_wait(&g->bar);
+    return MRL_OK;
+}
+
 static void *run_rank(void *arg) {
     member *me = arg;
     int vh = mrl_model_get_config(me->m)->value_head;
     me->fwd = mrl_model_forward(me->m, me->b, 1.0f, me->lp, me->ent, vh ? me->val : NULL);
     me->bwd = me->fwd ? me->fwd : mrl_model_backward(me->m, me->x->dlp, me->x->dent, vh ? me->x->dval : NULL);
+    me->saved = mrl_model_save_dir(me->m, me->save_to);
     return NULL;
 }
 
@@ -129,11 +143,15 @@ static void case_tp(int arch, int dtype, int size, const char *dir) {
     pthread_barrier_init(&g.bar, NULL, (unsigned)size);
     member ms[MAX_TP];
     pthread_t th[MAX_TP];
+    char tp_dir[300], whole_dir[300], cmd[1300];
+    snprintf(tp_dir, sizeof tp_dir, "%s/tp_saved", dir);
+    snprintf(whole_dir, sizeof whole_dir, "%s/whole_saved", dir);
+    CHECK_OK(mrl_model_save_dir(whole, whole_dir));
     for (int r = 0; r < size; r++) {
-        ms[r] = (member){.g = &g, .rank = r, .b = &x.b, .x = &x};
+        ms[r] = (member){.g = &g, .rank = r, .b = &x.b, .x = &x, .save_to = tp_dir};
         CHECK_OK(mrl_model_load_dir_tp(dir, r, size, 0, &ms[r].m));
         CHECK_OK(mrl_model_set_dtype(ms[r].m, dtype));
-        CHECK_OK(mrl_model_set_tp_allreduce(ms[r].m, group_sum, &ms[r]));
+        CHECK_OK(mrl_model_set_tp_group(ms[r].m, group_sum, group_gather, &ms[r]));
         int rank = -1;
         mrl_model_config all;
         CHECK(mrl_model_tp(ms[r].m, &rank, &all) == size && rank == r && all.num_attention_heads == c.num_attention_heads);
@@ -151,6 +169,7 @@ static void case_tp(int arch, int dtype, int size, const char *dir) {
         member *me = &ms[r];
         CHECK_OK(me->fwd);
         CHECK_OK(me->bwd);
+        CHECK_OK(me->saved);
         int64_t n = x.b.n_tokens;
         for (int64_t i = 0; i < n; i++) {
             double d = fmax(fabs(me->lp[i] - lp[i]), fabs(me->ent[i] - ent[i]));
@@ -179,6 +198,10 @@ static void case_tp(int arch, int dtype, int size, const char *dir) {
     CHECK(worst_w == 0);
     CHECK(worst_lp <= lp_tol);
     CHECK(worst_g <= g_tol);
+    /* saved by the group (rank 0 writing the gathered tensors): the whole model's files, byte for byte */
+    snprintf(cmd, sizeof cmd, "cmp -s '%s/model.safetensors' '%s/model.safetensors' && cmp -s '%s/config.json' "
+             "'%s/config.json'", tp_dir, whole_dir, tp_dir, whole_dir);
+    CHECK(system(cmd) == 0);
     for (int r = 0; r < size; r++) mrl_model_free(ms[r].m);
     pthread_barrier_destroy(&g.bar);
     mrl_model_free(whole);
@@ -202,17 +225,18 @@ static void case_refusals(const char *dir) {
     make_batch(&x, c.vocab_size);
     float lp[96];
     CHECK(mrl_model_forward(m, &x.b, 1.0f, lp, NULL, NULL) == MRL_ERR_INVALID);
-    CHECK_STR_CONTAINS(mrl_last_error(), "mrl_model_set_tp_allreduce");
+    CHECK_STR_CONTAINS(mrl_last_error(), "mrl_model_set_tp_group");
     char out[300];
     snprintf(out, sizeof out, "%s/slices", dir);
-    CHECK(mrl_model_save_dir(m, out) == MRL_ERR_UNSUPPORTED); /* slices are not a Hugging Face model */
+    CHECK(mrl_model_save_dir(m, out) == MRL_ERR_INVALID); /* saving gathers the slices: the group's */
+    CHECK_STR_CONTAINS(mrl_last_error(), "all-gather");
     mrl_engine_config ec = {.kv_cache_bytes = 1 << 20, .block_size = 16, .max_num_batched_tokens = 64, .max_num_seqs = 4};
     mrl_engine *eng = NULL;
     CHECK(mrl_engine_create(m, &ec, &eng) == MRL_ERR_UNSUPPORTED && !eng);
     mrl_model_free(m);
     mrl_model *whole = NULL;
     CHECK_OK(mrl_model_load_dir(dir, &whole));
-    CHECK(mrl_model_set_tp_allreduce(whole, group_sum, NULL) == MRL_ERR_INVALID);
+    CHECK(mrl_model_set_tp_group(whole, group_sum, group_gather, NULL) == MRL_ERR_INVALID);
     CHECK(mrl_model_tp(whole, NULL, NULL) == 1);
     mrl_model_free(whole);
     mrl_model_config e;

@@ -300,16 +300,20 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
  * columns of down); the norms, the embedding, the head and a value head whole on every rank.
  * Each slice is read by range from the files. The model's config (mrl_model_get_config) is
  * then the slices' (heads and intermediate size divided by size); the views keep their
- * Hugging Face names with the slices' shapes. The sums over the group go through allreduce,
- * set before the first forward (mrl_model_set_tp_allreduce; every rank of the group calls it
- * at the same points: after o_proj and down_proj in the forward, after the input gradients of
- * q, k, v and gate, up in the backward), so the outputs, log-probs and the gradients of the
- * whole parts are the same on every rank and each slice's gradient is the slice of the whole
- * model's. Dense models (no experts); size must divide the heads, the KV heads and the
- * intermediate size (usage errors naming them). */
+ * Hugging Face names with the slices' shapes. The group's collectives are set before the first
+ * forward (mrl_model_set_tp_group): allreduce sums n floats over the ranks in place, called by
+ * every rank at the same points (after o_proj and down_proj in the forward, after the input
+ * gradients of q, k, v and gate, up and Qwen3's per-head norm gradients in the backward), so
+ * the outputs, log-probs and the gradients of the whole parts are the same on every rank and
+ * each slice's gradient is the slice of the whole model's; allgather puts every rank's n
+ * floats of mine into all (n * size, rank order): mrl_model_save_dir, which every rank of the
+ * group calls, gathers each split tensor and rank 0 writes the whole model (the whole config
+ * too). Dense models (no experts); size must divide the heads, the KV heads and the
+ * intermediate size (errors naming them). Host buffers (on a GPU the model copies through). */
 typedef mrl_status (*mrl_tp_allreduce)(void *ctx, float *buf, int64_t n);
+typedef mrl_status (*mrl_tp_allgather)(void *ctx, const float *mine, int64_t n, float *all);
 mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out);
-mrl_status mrl_model_set_tp_allreduce(mrl_model *m, mrl_tp_allreduce fn, void *ctx);
+mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx);
 /* The tensor-parallel size (1 without), and this rank in *rank; the whole model's config in *whole. */
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);
 
