@@ -723,6 +723,14 @@ mrl_status mrl_dist_broadcast(mrl_dist *d, void *buf, int64_t bytes, int root) {
     return st;
 }
 
+mrl_status mrl_dist_tp_allreduce(void *d, float *buf, int64_t n) {
+    return mrl_dist_allreduce(d, buf, n, MRL_DIST_F32, MRL_DIST_SUM);
+}
+
+mrl_status mrl_dist_tp_allgather(void *d, const float *mine, int64_t n, float *all) {
+    return mrl_dist_allgather(d, mine, (int64_t)sizeof(float) * n, all);
+}
+
 mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void *recv) {
     if (bytes < 0 || (bytes > 0 && (!send || !recv)))
         return mrl_set_error(MRL_ERR_INVALID, "dist: allgather: %lld bytes from %p to %p", (long long)bytes, send,

@@ -12,6 +12,7 @@
 --   m:to_device('cuda')                                             -- its buffers and kernels on a GPU
 --   local h = m:read_params(); m:write_params(h)                    -- host copies there
 --   m:save('/tmp/out')                                              -- or m:save(dir, max_shard_bytes)
+--   local s = moonrl.model.load_tp(dir, world)                      -- this rank's tensor-parallel slices
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local json = require('moonrl.io.json')
@@ -164,6 +165,27 @@ function M.load_shard(dir, world, shards, index, opts)
   end)
   moonrl.check(status, 2)
   return wrap(h[0])
+end
+
+-- Rank world.rank of world.size's tensor-parallel slices of the model in dir (model.h's
+-- mrl_model_load_dir_tp: the heads and the MLP split Megatron's way, the rest whole), its sums
+-- and gathers over world (moonrl.train.dist's World): every rank of world runs the same forwards
+-- and backwards and calls m:save together. opts.value_head: a critic's.
+function M.load_tp(dir, world, opts)
+  local h = ffi.new('mrl_model *[1]')
+  moonrl.check(C.mrl_model_load_dir_tp(dir, world.rank, world.size, opts and opts.value_head and 1 or 0, h), 2)
+  local m = wrap(h[0])
+  if world.size == 1 then return m end -- (the whole model)
+  moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, world.handle), 2)
+  m.tp_world = world -- (its communicator outlives the model's use of it)
+  return m
+end
+
+-- The tensor-parallel size (1 without) and this rank.
+function Model:tp()
+  local r = ffi.new('int[1]')
+  local n = C.mrl_model_tp(self.handle, r, nil)
+  return tonumber(n), tonumber(r[0])
 end
 
 -- A sharded model's shard: offset, count (nil when the parameters are whole).

@@ -115,6 +115,10 @@ mrl_status mrl_dist_allreduce(mrl_dist *d, void *buf, int64_t count, int dtype, 
 mrl_status mrl_dist_broadcast(mrl_dist *d, void *buf, int64_t bytes, int root);
 /* Every rank's `bytes` bytes of send, in rank order, into recv (size * bytes). */
 mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void *recv);
+/* A tensor-parallel model's group collectives over d (mrl_model_set_tp_group's, ctx = d): n
+ * floats summed in place (mrl_dist_allreduce's rank order), every rank's n floats into all. */
+mrl_status mrl_dist_tp_allreduce(void *d, float *buf, int64_t n);
+mrl_status mrl_dist_tp_allgather(void *d, const float *mine, int64_t n, float *all);
 /* In place over buf[count]: this rank's shard receives the reduction of
  * every rank's values of that shard; the rest of buf is left as it was. */
 mrl_status mrl_dist_reduce_scatter(mrl_dist *d, void *buf, int64_t count, int dtype, int op);
