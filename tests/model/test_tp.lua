@@ -6,7 +6,6 @@
 -- files byte for byte. One process: the whole model itself. Skipped where mpirun is absent.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
-local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 local tiny = dofile('tests/lib/models.lua')
 
@@ -21,16 +20,9 @@ local whole_dir = dir .. '/whole'
 moonrl.model.load(model_dir):save(whole_dir)
 
 local function run(n, btl, words)
-  local argv = {}
-  if n > 0 then
-    for _, a in ipairs({ mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none', '--allow-run-as-root',
-      '--mca', 'btl', btl .. ',self' }) do argv[#argv + 1] = a end
-  end
-  for _, a in ipairs({ exe, 'run', 'tests/model/tp_ranks.lua', 'dir=' .. model_dir }) do argv[#argv + 1] = a end
-  for _, w in ipairs(words or {}) do argv[#argv + 1] = w end
-  local r = proc.run(argv, { timeout = 120 })
-  if not r.ok then io.stderr:write(r.stdout, r.stderr) end
-  return r
+  local all = { 'dir=' .. model_dir }
+  for _, w in ipairs(words) do all[#all + 1] = w end
+  return U.run_ranks(exe, n, 'tests/model/tp_ranks.lua', all, { btl = btl and (btl .. ',self') })
 end
 
 -- the "tp ok" lines: their count and the largest differences
@@ -57,7 +49,6 @@ end
 
 t.test('one process: the slices of a group of one are the whole model', function()
   local r = run(0, nil, { 'out=' .. dir .. '/one' })
-  t.truthy(r.ok, r.stderr)
   local count, lp, g = results(r)
   t.eq(count, 1)
   t.eq(lp, 0)
@@ -75,7 +66,6 @@ t.test('2 ranks (shared memory and TCP, fp32 and bf16) and 4: the whole model\'s
   for _, case in ipairs({ { 2, 'vader', 'fp32' }, { 2, 'tcp', 'fp32' }, { 2, 'vader', 'bf16' }, { 4, 'vader', 'fp32' } }) do
     local out = string.format('%s/saved_%d_%s_%s', dir, case[1], case[2], case[3])
     local r = run(case[1], case[2], { 'out=' .. out, 'dtype=' .. case[3] })
-    t.truthy(r.ok, 'tp ranks ran')
     local count, lp, g = results(r)
     t.eq(count, case[1], 'one line a rank')
     local lp_tol, g_tol = case[3] == 'bf16' and 0.025 or 1e-5, case[3] == 'bf16' and 0.015 or 1e-5
