@@ -371,9 +371,6 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL out");
     *out = NULL;
     if (!model || !cfg) return mrl_set_error(MRL_ERR_INVALID, "engine create: NULL model or config");
-    if (mrl_model_tp(model, NULL, NULL) > 1) /* its ranks would have to step together */
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine create: a tensor-parallel model's slices (the engine "
-                             "generates from a whole model for now)");
     mrl_engine_config c = *cfg;
     mrl_device device = mrl_model_get_device(model);
     int on_device = mrl_model_kernels(model)->on_device;
@@ -670,6 +667,7 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
         if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
     }
+    if (!st) st = mrl_model_tp_status(e->m); /* tensor parallel: a sum over the group that failed */
     if (st || S == 0) return st;
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
     k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);

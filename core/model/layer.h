@@ -12,6 +12,7 @@
  *                        layout (its own, or another: attach_params, a weight store)
  *   mrl_layer_qkv        a layer's forward up to attention: ln1, q/k/v, RoPE
  *   mrl_layer_out        the rest once attention is done: o-proj, residual, MLP
+ *                        (under tensor parallel, its sums over the group: mrl_model_tp_status)
  *   mrl_model_rope_prepare   the RoPE tables mrl_layer_qkv reads, for positions < max_len
  *
  * The engine brings its own activations (layer_acts, carved from its
@@ -183,6 +184,10 @@ void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, con
                    int64_t T);
 void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out,
                    int64_t T);
+/* Tensor parallel (tp.c): a sum over the group that failed inside the layers since the last
+ * call (the layers return none), then cleared; MRL_OK otherwise. A forward's (or an engine
+ * step's) status after its layers. */
+mrl_status mrl_model_tp_status(mrl_model *m);
 /* RoPE tables for positions < max_len (grown, never shrunk: a run_async
  * caller covers every position first, so that no other thread regrows them). */
 mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len);

@@ -205,7 +205,6 @@ int mrl_model_tp_split(const char *name);
 /* tp.c: buf (n floats) summed over the tensor-parallel group, in place (nothing without one);
  * a failure is kept for mrl_model_tp_status */
 void mrl_model_tp_sum(const mrl_model *m, float *buf, int64_t n);
-mrl_status mrl_model_tp_status(mrl_model *m);
 void mrl_moe_ep_free(mrl_model *m);
 /* moe.c: the load-balancing statistics of one sparse layer's forward, added
  * to the model's (aux_picks, aux_n); then the loss from them */

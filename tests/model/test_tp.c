@@ -12,10 +12,13 @@
  *     the whole model's, the others' the whole view's;
  *   - saved by the group (each split tensor gathered, rank 0 writing): the
  *     whole model's files byte for byte;
+ *   - the engine on each rank's slices, the ranks stepping together: greedy
+ *     and seeded sampled tokens those of the engine on the whole model (a
+ *     shared prompt, prefix caching, fp32 and bf16), their log-probs within
+ *     the forward's bounds, and the same on every rank;
  *   - the refusals, naming the key: a size that does not divide the heads,
  *     the KV heads or the intermediate size; a mixture of experts; a
- *     forward or a save without the group's collectives; an engine over
- *     the slices (not yet).
+ *     forward or a save without the group's collectives.
  * Bounds: the ranks' partial products add in another order than the whole
  * model's single product (below). */
 #include <math.h>
@@ -207,6 +210,103 @@ static void case_tp(int arch, int dtype, int size, const char *dir) {
     mrl_model_free(whole);
 }
 
+/* ---- the engine over slices ---- */
+
+enum { PROMPTS = 3, SAMPLES = 2, NEW = 12 };
+
+typedef struct gen {
+    mrl_model *m;
+    int32_t tokens[2 * PROMPTS][SAMPLES][NEW]; /* greedy, then sampled */
+    float lps[2 * PROMPTS][SAMPLES][NEW];
+    int n[2 * PROMPTS][SAMPLES];
+    mrl_status st;
+} gen;
+
+/* Two rounds: greedy, then sampled (seeded streams); prompts 0 and 1 share their first tokens. */
+static void *generate(void *arg) {
+    gen *g = arg;
+    mrl_engine_config ec;
+    mrl_engine_config_default(&ec);
+    ec.kv_cache_bytes = 1 << 20, ec.max_num_seqs = 8, ec.max_num_batched_tokens = 64, ec.block_size = 4;
+    mrl_engine *e = NULL;
+    if ((g->st = mrl_engine_create(g->m, &ec, &e))) return NULL;
+    static const int32_t prompts[PROMPTS][6] = {{3, 9, 14, 2, 7, 5}, {3, 9, 14, 2, 11, 1}, {8, 4, 6, 19, 2, 12}};
+    for (int round = 0; round < 2 && !g->st; round++) {
+        int ids[PROMPTS];
+        for (int i = 0; i < PROMPTS && !g->st; i++) {
+            mrl_engine_request r = {.prompt = prompts[i], .prompt_len = 6, .n = SAMPLES, .max_new_tokens = NEW,
+                                    .params = {.temperature = round ? 1.0f : 0.0f, .top_k = 0, .top_p = 1.0f},
+                                    .seed = 77, .step = round, .prompt_index = i};
+            g->st = mrl_engine_add_request(e, &r, &ids[i]);
+        }
+        if (!g->st) g->st = mrl_engine_run(e);
+        for (int i = 0; i < PROMPTS && !g->st; i++)
+            for (int j = 0; j < SAMPLES && !g->st; j++) {
+                const int32_t *tok;
+                const float *lp;
+                int n, why, at = round * PROMPTS + i;
+                g->st = mrl_engine_get_output(e, ids[i], j, &tok, &lp, &n, &why);
+                g->n[at][j] = n;
+                for (int t = 0; t < n && t < NEW; t++) g->tokens[at][j][t] = tok[t], g->lps[at][j][t] = lp[t];
+            }
+        if (!g->st && round == 0) g->st = mrl_engine_reset(e);
+    }
+    mrl_engine_free(e);
+    return NULL;
+}
+
+static void *generate_rank(void *arg) { return generate(arg); }
+
+static void case_engine(int dtype, const char *dir) {
+    mrl_model_config c = small_config(MRL_ARCH_QWEN3);
+    mrl_model *src = small_model(&c, 21);
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    gen whole = {0};
+    CHECK_OK(mrl_model_load_dir(dir, &whole.m));
+    CHECK_OK(mrl_model_set_dtype(whole.m, dtype));
+    generate(&whole);
+    CHECK_OK(whole.st);
+    group g = {.size = 2};
+    pthread_barrier_init(&g.bar, NULL, 2);
+    member ms[2];
+    gen ranks[2];
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        ms[r] = (member){.g = &g, .rank = r};
+        memset(&ranks[r], 0, sizeof ranks[r]);
+        CHECK_OK(mrl_model_load_dir_tp(dir, r, 2, 0, &ranks[r].m));
+        CHECK_OK(mrl_model_set_dtype(ranks[r].m, dtype));
+        CHECK_OK(mrl_model_set_tp_group(ranks[r].m, group_sum, group_gather, &ms[r]));
+        pthread_create(&th[r], NULL, generate_rank, &ranks[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    int64_t tokens = 0, differ = 0, across = 0;
+    double worst = 0;
+    for (int r = 0; r < 2; r++) {
+        CHECK_OK(ranks[r].st);
+        for (int i = 0; i < 2 * PROMPTS; i++)
+            for (int j = 0; j < SAMPLES; j++) {
+                differ += ranks[r].n[i][j] != whole.n[i][j];
+                for (int t = 0; t < whole.n[i][j] && t < NEW; t++) {
+                    tokens += r == 0;
+                    differ += ranks[r].tokens[i][j][t] != whole.tokens[i][j][t];
+                    across += ranks[r].tokens[i][j][t] != ranks[0].tokens[i][j][t] ||
+                              memcmp(&ranks[r].lps[i][j][t], &ranks[0].lps[i][j][t], sizeof(float)) != 0;
+                    double d = fabs(ranks[r].lps[i][j][t] - whole.lps[i][j][t]);
+                    if (!(d <= worst)) worst = d;
+                }
+            }
+        mrl_model_free(ranks[r].m);
+    }
+    printf("engine %s tp=2: %lld tokens (greedy, sampled), %lld differ from the whole model's, log-probs within %.3g\n",
+           dtype ? "bf16" : "fp32", (long long)tokens, (long long)differ, worst);
+    CHECK(tokens > 2 * PROMPTS * SAMPLES && differ == 0 && across == 0);
+    CHECK(worst <= (dtype ? LP_TOL16 : LP_TOL));
+    pthread_barrier_destroy(&g.bar);
+    mrl_model_free(whole.m);
+}
+
 /* Sizes the config does not divide, a mixture of experts: errors naming the key. A forward
  * without the allreduce fails naming it. */
 static void case_refusals(const char *dir) {
@@ -230,9 +330,6 @@ static void case_refusals(const char *dir) {
     snprintf(out, sizeof out, "%s/slices", dir);
     CHECK(mrl_model_save_dir(m, out) == MRL_ERR_INVALID); /* saving gathers the slices: the group's */
     CHECK_STR_CONTAINS(mrl_last_error(), "all-gather");
-    mrl_engine_config ec = {.kv_cache_bytes = 1 << 20, .block_size = 16, .max_num_batched_tokens = 64, .max_num_seqs = 4};
-    mrl_engine *eng = NULL;
-    CHECK(mrl_engine_create(m, &ec, &eng) == MRL_ERR_UNSUPPORTED && !eng);
     mrl_model_free(m);
     mrl_model *whole = NULL;
     CHECK_OK(mrl_model_load_dir(dir, &whole));
@@ -257,6 +354,7 @@ int main(void) {
     for (int a = 0; a < 3; a++)
         for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, dir);
     case_tp(MRL_ARCH_QWEN2, 0, 4, dir);
+    for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, dir);
     case_refusals(dir);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
