@@ -232,16 +232,27 @@ mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_
     return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
 }
 
-mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
-    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_shard: NULL argument");
-    if (!m->p_region) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_shard: the parameters are not sharded");
+/* What m holds, [lo, hi) of its buffer, read again from dir's files. */
+static mrl_status read_again(mrl_model *m, const char *dir, int64_t lo, int64_t hi) {
     mrl_st *st = NULL;
     mrl_status s = mrl_st_open(dir, &st);
     if (s) return s;
-    if (!(s = check_tensors(m, st, dir))) s = read_weights(m, st, m->shard_off, m->shard_off + m->shard_count);
+    if (!(s = check_tensors(m, st, dir))) s = read_weights(m, st, lo, hi);
     mrl_st_close(st);
     mrl_model_weights_changed(m);
     return s;
+}
+
+mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
+    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_shard: NULL argument");
+    if (!m->p_region) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_shard: the parameters are not sharded");
+    return read_again(m, dir, m->shard_off, m->shard_off + m->shard_count);
+}
+
+mrl_status mrl_model_read_tp(mrl_model *m, const char *dir) {
+    if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: NULL argument");
+    if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: not a tensor-parallel model");
+    return read_again(m, dir, 0, m->n_params);
 }
 
 static mrl_status write_config(mrl_model *m, const char *dir) {

@@ -198,10 +198,6 @@ struct moe_ep_layer *mrl_moe_ep_layer(const mrl_model *m, int ord);
 /* the first failure of the exchanges since mrl_moe_ep_begin (MRL_OK: none, or no EP) */
 void mrl_moe_ep_begin(const mrl_model *m);
 mrl_status mrl_moe_ep_status(const mrl_model *m);
-/* tp.c: how tensor parallel splits view `name` of a layer: 0 whole (norms, embedding, head),
- * 1 by rows (q, k, v, gate, up: their weights and biases, column-parallel), 2 by columns
- * (o_proj, down_proj weights, row-parallel) */
-int mrl_model_tp_split(const char *name);
 /* tp.c: buf (n floats) summed over the tensor-parallel group, in place (nothing without one);
  * a failure is kept for mrl_model_tp_status */
 void mrl_model_tp_sum(const mrl_model *m, float *buf, int64_t n);

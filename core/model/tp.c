@@ -14,6 +14,8 @@ static int ends_with(const char *s, const char *suffix) {
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
+/* 1 by rows: q, k, v, gate, up (weights and biases: column-parallel); 2 by columns: o_proj,
+ * down_proj (row-parallel); 0: whole (norms, embedding, head). */
 int mrl_model_tp_split(const char *name) {
     static const char *const rows[] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                                        "self_attn.q_proj.bias",   "self_attn.k_proj.bias",   "self_attn.v_proj.bias",

@@ -181,6 +181,9 @@ function M.load_tp(dir, world, opts)
   return m
 end
 
+-- A tensor-parallel model's slices read again from a model directory (a checkpoint's).
+function Model:read_tp(dir) moonrl.check(C.mrl_model_read_tp(self.handle, dir), 2) end
+
 -- The tensor-parallel size (1 without) and this rank.
 function Model:tp()
   local r = ffi.new('int[1]')

@@ -44,22 +44,7 @@ local prefs_path = U.write_jsonl(dir .. '/prefs.jsonl', prefs)
 local records = U.records
 local exe, mpirun = rawget(_G, 'MOONRL_EXE'), U.which('mpirun')
 
--- max over the views of ||a - b|| / ||b|| between two saved models
-local function weights_diff(a_dir, b_dir)
-  local a, b = moonrl.model.load(a_dir), moonrl.model.load(b_dir)
-  local pa, pb = a:read_params(), b:read_params()
-  local worst = 0
-  for _, v in ipairs(a:views()) do
-    local num, den = 0, 0
-    for i = v.offset, v.offset + v.numel - 1 do
-      local d = pa[i] - pb[i]
-      num, den = num + d * d, den + pb[i] * pb[i]
-    end
-    local rel = den > 0 and math.sqrt(num / den) or math.sqrt(num)
-    if not (rel <= worst) then worst = rel end
-  end
-  return worst
-end
+local weights_diff = U.weights_diff
 
 local function run(recipe, words, tag, device)
   local w = { 'run.dir=' .. dir .. '/' .. tag .. '_' .. device, 'model.device=' .. device, 'run.threads=1' }

@@ -150,6 +150,24 @@ function M.sft_setup(dir, n, opts)
 end
 
 -- A new list: the words of base, then those of extra.
+-- Max over the views of ||a - b|| / ||b|| between two saved models (directories).
+function M.weights_diff(a_dir, b_dir)
+  local model = require('moonrl').model
+  local a, b = model.load(a_dir), model.load(b_dir)
+  local pa, pb = a:read_params(), b:read_params()
+  local worst = 0
+  for _, v in ipairs(b:views()) do
+    local num, den = 0, 0
+    for i = v.offset, v.offset + v.numel - 1 do
+      local d = pa[i] - pb[i]
+      num, den = num + d * d, den + pb[i] * pb[i]
+    end
+    local rel = den > 0 and math.sqrt(num / den) or math.sqrt(num)
+    if not (rel <= worst) then worst = rel end
+  end
+  return worst
+end
+
 function M.with(base, extra)
   local w = {}
   for _, x in ipairs(base) do w[#w + 1] = x end

@@ -316,6 +316,10 @@ mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_
 mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx);
 /* The tensor-parallel size (1 without), and this rank in *rank; the whole model's config in *whole. */
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);
+/* How tensor parallel splits the view named `name`: 0 whole on every rank, 1 by rows, 2 by columns. */
+int mrl_model_tp_split(const char *name);
+/* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
+mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
 
 /* 1 and the shard when the parameters are sharded, else 0 */
 int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count);

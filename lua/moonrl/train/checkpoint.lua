@@ -14,6 +14,9 @@
 --                                       rank: its contiguous range of each exp_avg and exp_avg_sq
 --                                       (F32, flat), and in the metadata <name>.offset, <name>.total
 --                                       (the range's place in the whole), <name>.step, rank, world_size
+--     optimizer.tp-00001-of-00002.safetensors
+--                                       or, under tensor parallel (dist.tp), one file a slot of the
+--                                       group: the state of its slices, in its buffer's layout
 --     state.json                        step, phase, data positions, random generators, the guards'
 --                                       windows, the recipe's extra state
 --     run.json                          the resolved config, moonrl's version and git revision, the
@@ -81,6 +84,8 @@ end
 
 -- The optimizer shard file of rank `rank` of `size`.
 function M.shard_file(rank, size) return string.format('optimizer.rank-%05d-of-%05d.safetensors', rank, size) end
+-- The optimizer file of tensor-parallel slot `rank` of `size` (its slices' state).
+function M.tp_file(rank, size) return string.format('optimizer.tp-%05d-of-%05d.safetensors', rank, size) end
 
 -- world: the ranks, when each opt:state() is this rank's shard (offset, total: where it lies).
 local function write_optimizers(path, optimizers, world)
@@ -161,7 +166,7 @@ local function finish(root, name, parts, p)
 end
 
 function M.write(root, name, parts)
-  local lead = not parts.world or parts.world.rank == 0 -- (rank 0 alone shows the progress)
+  local lead = (not parts.world or parts.world.rank == 0) and (not parts.tp or parts.tp.rank == 0) -- (it alone shows the progress)
   local progress = require('moonrl.io.progress')
   local p = lead and progress.new('checkpoint ' .. name, #(parts.models or {}) + 2, { unit = 'part' })
   local ok, path, bytes = pcall(M.write_parts, root, name, parts, p)
@@ -175,9 +180,14 @@ end
 
 -- M.write's work; p: its progress on rank 0 (a part: each model, the optimizers and small files,
 -- the checksums).
+-- parts.tp: tensor parallel, { world = the group, rank = this rank's slot }: every rank of the
+-- group calls M.write (each its data-parallel group's rank 0); the slot-0 rank leads, each
+-- writes its slices' optimizer state (M.tp_file), and the models are gathered and written by
+-- slot 0 (mrl_model_save_dir, a collective of the group).
 function M.write_parts(root, name, parts, p)
   local world = parts.world
-  local lead = not world or world.rank == 0
+  local tp = parts.tp
+  local lead = (not world or world.rank == 0) and (not tp or tp.rank == 0)
   local final = root .. '/' .. name
   local tmp = root .. '/.tmp-' .. name
   local optimizers = parts.optimizers and #parts.optimizers > 0 and parts.optimizers
@@ -187,6 +197,21 @@ function M.write_parts(root, name, parts, p)
     fs.remove(tmp) -- the remains of a write that was interrupted
     fs.mkdirs(tmp)
   end)
+  if tp then -- the group's models and each slot's optimizer state, once the lead has made tmp
+    together(tp.world, function() end)
+    together(tp.world, function()
+      for i, m in ipairs(parts.models or {}) do
+        M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), lead and m.tokenizer_dir or nil,
+          parts.max_shard_bytes)
+        if p then p:update(i) end
+      end
+      if optimizers then write_optimizers(tmp .. '/' .. M.tp_file(tp.rank, tp.world.size), optimizers) end
+    end)
+    if not lead then return final, 0 end
+    fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
+    fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
+    return final, finish(root, name, parts, p)
+  end
   -- a sharded model (dist.zero=3) is gathered by every rank, rank 0 writing it: a part of its
   -- own, so that every rank is in its gathers (a failed write on rank 0 still gathers to the end)
   together(world, function()
@@ -452,6 +477,7 @@ end
 function M.load_model(dir, name, model, is_policy)
   local mdir = is_policy and dir or (dir .. '/' .. name)
   if model:shard() then return model:read_shard(mdir) end -- (sharded: this rank's range of each tensor)
+  if model:tp() > 1 then return model:read_tp(mdir) end -- (tensor parallel: this rank's slices)
   local st = require('moonrl.io.safetensors').open(mdir)
   local p = model:read_params() -- host memory (a GPU model's: a copy, written back below)
   for _, v in ipairs(model:views()) do
@@ -470,7 +496,7 @@ end
 -- elements [offset, offset + count) of the whole (n of them) m and v; and the step count. From
 -- optimizer.safetensors (one piece), or from the shard files of the ranks that wrote it, checked
 -- to be every rank's of one world size and to tile [0, n) in order.
-local function optimizer_pieces(dir, name, n)
+local function optimizer_pieces(dir, name, n, file)
   local safetensors = require('moonrl.io.safetensors')
   local key = name .. '.exp_avg'
   local function open(path)
@@ -480,7 +506,10 @@ local function optimizer_pieces(dir, name, n)
     if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
     return st, step
   end
-  local whole = dir .. '/optimizer.safetensors'
+  local whole = dir .. '/' .. (file or 'optimizer.safetensors')
+  if file and not fs.stat(whole) then -- (tensor parallel: this slot's own file)
+    error(string.format('%s: missing (a checkpoint of another dist.tp, or none of it)', whole), 0)
+  end
   if fs.stat(whole) then
     local st, step = open(whole)
     local count = st:info(key).numel
@@ -531,7 +560,7 @@ end
 
 function M.load_optimizer(dir, name, opt)
   local n = opt.n
-  local pieces, step = optimizer_pieces(dir, name, n)
+  local pieces, step = optimizer_pieces(dir, name, n, opt.tp_file)
   if opt.sharded then -- ZeRO-1 (moonrl.train.dist): this rank's range of m and v, nothing else of the files
     opt:load_range(function(first, count, m, v) read_pieces(pieces, name, first, count, m, v) end, step)
     return

@@ -270,6 +270,63 @@ function M.shard_layout(w, group)
   return layout
 end
 
+-- Float rounding as C's float arithmetic does it (a double result of one float operation,
+-- rounded to float, is the float operation's result).
+local fbox = ffi.new('float[1]')
+local function F(x) fbox[0] = x; return tonumber(fbox[0]) end
+
+-- Tensor parallel (dist.tp = K): w's ranks in groups of K consecutive ranks, each holding slices
+-- of every layer (moonrl.model.load_tp over the group), data parallel over the groups: rank r is
+-- slot r % K of group r // K. { tp = the World of its group, dp = the World of the ranks of its
+-- slot (one a group), size = K, rank = r % K }. Every rank calls it (two splits); made once.
+local meshes = {}
+function M.tp_mesh(w, K)
+  if w.size % K ~= 0 then
+    moonrl.usage_error(string.format('dist.tp=%d does not divide the %d ranks that train', K, w.size))
+  end
+  local key = tostring(w.handle) .. ':tp' .. K
+  if meshes[key] then return meshes[key] end
+  local mesh = { size = K, rank = w.rank % K }
+  mesh.tp = w:split(math.floor(w.rank / K), 'tensor parallel')
+  mesh.dp = w:split(w.rank % K, 'data parallel')
+  meshes[key] = mesh
+  return mesh
+end
+
+-- Tensor parallel: opt (a moonrl.optim AdamW or M.data_parallel's, over model's slices) made to
+-- measure and clip the whole model's gradient norm: the squares of the split views summed over
+-- the group tpw, the whole views' (the same on every rank of it) counted once.
+function M.tp_norm(opt, model, tpw)
+  local split, whole = {}, {}
+  for _, v in ipairs(model:views()) do
+    local list = C.mrl_model_tp_split(v.name) ~= 0 and split or whole
+    local last = list[#list]
+    if last and last[1] + last[2] == v.offset then last[2] = last[2] + v.numel
+    else list[#list + 1] = { v.offset, v.numel } end
+  end
+  local out = ffi.new('double[1]')
+  local function squares(g, ranges)
+    local s = 0
+    for _, r in ipairs(ranges) do
+      moonrl.check(C.mrl_grad_norm(g + r[1], r[2], out), 3)
+      s = s + out[0] * out[0]
+    end
+    return s
+  end
+  function opt.grad_norm(o)
+    if o.sync then o:sync() end
+    local g = o.grads or o:bind_grads()
+    return math.sqrt(tpw:sum(squares(g, split)) + squares(g, whole))
+  end
+  function opt.clip_grad_norm(o, max_norm) -- (as torch.nn.utils.clip_grad_norm_: the pre-clip norm)
+    local norm = o:grad_norm()
+    local coef = F(F(max_norm) / F(F(norm) + F(1e-6)))
+    if not (coef >= 1) then o:scale_grad(coef) end
+    return norm
+  end
+  return opt
+end
+
 -- Shard `index` of the layout over n elements: offset, count (mrl_dist_group_shard).
 local shard_out = ffi.new('int64_t[2]')
 function M.layout_shard(layout, n, index)
@@ -377,10 +434,6 @@ end
 
 -- ---- data parallel optimizer ------------------------------------------------------------------
 
--- Float rounding as C's float arithmetic does it (a double result of one float operation,
--- rounded to float, is the float operation's result).
-local fbox = ffi.new('float[1]')
-local function F(x) fbox[0] = x; return tonumber(fbox[0]) end
 
 local DP = {}
 DP.__index = DP

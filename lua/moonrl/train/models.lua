@@ -25,7 +25,9 @@ function M.load(dir, opts)
   opts = opts or {}
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
-  if opts.shard then
+  if opts.tp and opts.tp.size > 1 then -- tensor parallel: this rank's slices, its sums over the group
+    model = model_mod.load_tp(dir, opts.tp, { value_head = opts.value_head })
+  elseif opts.shard then
     local L = opts.shard
     model = model_mod.load_shard(dir, L.world.size, L.shards, L.index, { value_head = opts.value_head })
     require('moonrl.train.dist').shard_model(L, model) -- (model.shard_layout: a critic made from it shards so too)
@@ -69,6 +71,16 @@ end
 -- A critic for PPO: the policy's weights with a scalar value head (score.weight) set to zero, so
 -- the first value estimates are 0.
 function M.critic_from(policy)
+  if policy.tp_world then -- tensor parallel: the critic's slices from the policy's files, its value head zero
+    local critic = M.load(policy.source_dir, { tp = policy.tp_world, value_head = true })
+    local p = critic:read_params()
+    for _, v in ipairs(critic:views()) do
+      if v.name == 'score.weight' then ffi.fill(p + v.offset, 4 * v.numel) end
+    end
+    critic:write_params(p)
+    critic:set_dtype(policy:dtype())
+    return critic
+  end
   if policy:shard() then -- sharded: each rank loads its shard of the critic from the policy's files
     local critic = M.load(policy.source_dir, { shard = policy.shard_layout, value_head = true })
     local off, cnt = critic:shard()

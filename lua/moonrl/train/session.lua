@@ -100,9 +100,10 @@ function M.start(cfg, opts)
   end
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   local shard = M.shard_world(cfg, device) -- dist.zero=3 over several ranks: each loads its shard
+  local mesh = M.tp_world(cfg, device) -- dist.tp: each rank loads its slices
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
-      shard = shard })
+      shard = shard, tp = mesh and mesh.tp })
     if not ok then
       -- a run directory given for its model: say where the model is
       local dir = cfg.model.dir:gsub('/+$', '')
@@ -110,7 +111,8 @@ function M.start(cfg, opts)
       if fs.exists(dir .. '/metrics.jsonl') and fs.exists(dir .. '/model/config.json') then
         hint = string.format(' (%s is a run directory: its model is model.dir=%s/model)', dir, dir)
       end
-      moonrl.usage_error('model.dir: ' .. moonrl.error_text(a) .. hint)
+      moonrl.usage_error((mesh and moonrl.error_text(a):find('tensor parallel', 1, true) and
+        string.format('dist.tp=%d: ', mesh.size) or 'model.dir: ') .. moonrl.error_text(a) .. hint)
     end
     policy, tok, tpl, tok_dir = a, b, c, d
   end
@@ -156,6 +158,9 @@ function M.start(cfg, opts)
   if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
   local S = M.open(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
     free_keys = opts.free_keys })
+  if mesh then -- tensor parallel: the data and the gradient sums go over the groups, the slices' sums within each
+    S.world, S.tp_world, S.tp_follower = mesh.dp, mesh.tp, mesh.rank > 0
+  end
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   S.engine_copy = engine_copy
   if policy then
@@ -202,6 +207,20 @@ function M.shard_world(cfg, device)
     w = g.world
   end
   return dist.shard_layout(w, cfg.dist.shard_group)
+end
+
+-- dist.tp over several ranks: the mesh (dist.tp_mesh) whose groups hold the policy's slices (nil:
+-- whole). What tensor parallel does not do yet is a usage error naming the key.
+function M.tp_world(cfg, device)
+  local K = cfg.dist and cfg.dist.tp or 1
+  if K <= 1 then return nil end
+  local function no(what) moonrl.usage_error(string.format('dist.tp=%d with %s: not yet', K, what)) end
+  if (cfg.dist.zero or 0) > 0 then no('dist.zero=' .. cfg.dist.zero .. ' (the groups are plain data parallel)') end
+  if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
+  if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
+  if cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
+  if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
+  return dist.tp_mesh(dist.world(cfg.dist.timeout), K)
 end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
@@ -430,6 +449,10 @@ function Session:optimizer(name, opt)
       nccl_error = opt.gpu and self.world.nccl_error or nil,
       buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
   end
+  if opt.model and opt.model.tp_world then -- tensor parallel: the whole model's gradient norm; this slot's state file
+    dist.tp_norm(opt, opt.model, opt.model.tp_world)
+    opt.tp_file = ckpt.tp_file(opt.model.tp_world.rank, opt.model.tp_world.size)
+  end
   put(self.optimizers, name, { name = name, opt = opt })
   return opt
 end
@@ -589,7 +612,7 @@ function Session:checkpoint(reason, small, step, phase_step)
     fault.arm_checkpoint(step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
       state = state, run = run_info, max_shard_bytes = self:max_shard_bytes(), world = sharded and w or nil,
-      sharded = sharded })
+      sharded = sharded, tp = self.tp_world and { world = self.tp_world, rank = self.tp_world.rank } })
     fault.disarm()
   end
   if w.size > 1 then -- every rank learns how it went
@@ -604,13 +627,13 @@ function Session:checkpoint(reason, small, step, phase_step)
     local msg = string.format('checkpoint %s/%s failed: %s', self.ckpt_root, name, why)
     self.failed_ckpt_step = step -- not tried again for this step (at the end, or when ending on the error)
     pcall(self.run.event, self.run, 'checkpoint_failed', { step = step, message = why }, { quiet = true })
-    if w.rank == 0 then pcall(fs.remove, self.ckpt_root .. '/.tmp-' .. name) end -- the space back; the older ones are intact
+    if w.rank == 0 and not self.tp_follower then pcall(fs.remove, self.ckpt_root .. '/.tmp-' .. name) end -- the space back; the older ones are intact
     if self.cfg.run.checkpoint_errors ~= 'warn' then moonrl.run_error(msg .. ' (the previous checkpoints are intact)') end
     moonrl.log('warn', '%s; going on (run.checkpoint_errors=warn), the previous checkpoints are intact', msg)
     return nil
   end
   self.status:phase(nil)
-  if w.rank == 0 then pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints) end
+  if w.rank == 0 and not self.tp_follower then pcall(ckpt.prune, self.ckpt_root, self.cfg.run.keep_checkpoints) end
   local secs = moonrl.now() - t0
   self.last_ckpt_step, self.last_ckpt_time = step, moonrl.now()
   self.run:event('checkpoint', { step = step, path = path, bytes = bytes, seconds = secs, reason = reason }, { quiet = true })
@@ -817,6 +840,11 @@ end
 -- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
 -- (a sharded policy's: the initial model loaded whole from model.dir: no rank holds the policy whole)
 function Session:reference()
+  if self.tp_world then -- tensor parallel: its slices of the initial model
+    local ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
+    ref:set_dtype(self.policy:dtype())
+    return ref
+  end
   if not self.policy:shard() then return models.clone(self.policy) end
   local ref = models.load(self.cfg.model.dir)
   ref:set_dtype(self.policy:dtype())
@@ -867,7 +895,8 @@ function Session:save_models()
         error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
       end
       local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()
-        ckpt.save_model(m.model, dir, m.tokenizer_dir, self:max_shard_bytes())
+        -- (tensor parallel: every slot gathers, slot 0 writes; the tokenizer's files are its)
+        ckpt.save_model(m.model, dir, not self.tp_follower and m.tokenizer_dir or nil, self:max_shard_bytes())
       end)
       if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     end

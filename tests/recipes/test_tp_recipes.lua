@@ -1,0 +1,78 @@
+-- dist.tp: groups of consecutive ranks each holding every layer's tensor-parallel slices of the
+-- policy (and of a reference or a critic), data parallel over the groups. Against one process
+-- on the same global batch: SFT on 2 ranks (tp=2) and on 4 (2 groups of 2), DPO, GRPO with a KL
+-- reference (the engine generating on the slices, every rank of a group stepping together) and
+-- PPO with its critic, each within 1e-5 of one process's final weights; a run stopped after a
+-- checkpoint and resumed ends with the bits of the run never stopped (each slot's optimizer
+-- state in its own file); the keys and configs tensor parallel cannot take are usage errors
+-- naming them. (tests/recipes/meson.build runs it where mpirun is.)
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+local fs = require('moonrl.io.fs')
+local U = dofile('tests/recipes/util.lua')
+
+local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
+
+local dir = U.tmpdir('tp_recipes')
+local model_dir, sft_data, pref_data, rl_data = U.ranks_setup(dir)
+local SFT = { 'model.dir=' .. model_dir, 'data.path=' .. sft_data, 'train.steps=4', 'train.batch=12', 'train.lr=1e-3',
+  'run.threads=1' }
+local DPO = { 'model.dir=' .. model_dir, 'data.path=' .. pref_data, 'train.steps=4', 'train.pairs=6', 'train.lr=1e-3',
+  'train.micro_batch_tokens=60', 'run.threads=1' }
+local RL = { 'model.dir=' .. model_dir, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+  'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'run.threads=1' }
+local GRPO = U.with(RL, { 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' })
+local PPO = U.with(RL, { 'ppo.prompts=6', 'ppo.samples=2', 'ppo.max_tokens=4', 'ppo.steps=2' })
+
+-- a recipe on n ranks (0: one process) into run directory tag; its directory
+local function run(n, recipe, words, tag)
+  local d = dir .. '/' .. tag
+  U.run_ranks(exe, n, recipe, U.with(words, { 'run.dir=' .. d }))
+  return d
+end
+
+local rel_diff = U.weights_diff
+
+t.test('sft (2 ranks, and 2 groups of 2), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
+  for _, case in ipairs({ { 'recipes/sft.lua', SFT, 'sft', 2 }, { 'recipes/sft.lua', SFT, 'sft', 4 },
+    { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 } }) do
+    local one = dir .. '/one_' .. case[3]
+    if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
+    local tp = run(case[4], case[1], U.with(case[2], { 'dist.tp=2' }), string.format('tp_%s_%d', case[3], case[4]))
+    local d = rel_diff(tp .. '/model', one .. '/model')
+    print(string.format('  %s on %d ranks, dist.tp=2: %.3g from one process', case[3], case[4], d))
+    t.truthy(d <= 1e-5, case[3] .. ': the weights of one process')
+    if case[3] == 'ppo' then t.truthy(rel_diff(tp .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
+    if case[3] == 'grpo' then -- the same samples: the engine on the slices draws what the whole model's draws
+      local a, b = U.records(tp), U.records(one)
+      for s = 1, #b do t.eq(a[s].tokens, b[s].tokens, 'grpo step ' .. s .. ': the same tokens') end
+    end
+  end
+end)
+
+t.test('a checkpoint of 2 tensor-parallel ranks resumes to the bits of the run never stopped', function()
+  local words = U.with(SFT, { 'dist.tp=2', 'train.schedule=constant', 'run.checkpoint_every=1' })
+  local straight = run(2, 'recipes/sft.lua', words, 'straight')
+  run(2, 'recipes/sft.lua', U.with(words, { 'train.steps=2' }), 'part')
+  local part = run(2, 'recipes/sft.lua', U.with(words, { 'run.resume=auto' }), 'part')
+  local ckpt = part .. '/checkpoints/step-000004'
+  t.truthy(fs.exists(ckpt .. '/optimizer.tp-00000-of-00002.safetensors') and
+    fs.exists(ckpt .. '/optimizer.tp-00001-of-00002.safetensors'), 'each slot\'s optimizer state in its file')
+  t.truthy(moonrl.model.load(ckpt).n_params > 0, 'the checkpoint holds the whole model')
+  t.eq(fs.read(part .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
+    'resumed: the weights of the run never stopped, bit for bit')
+end)
+
+t.test('what tensor parallel cannot take: usage errors naming the key', function()
+  for _, case in ipairs({ { 2, { 'dist.tp=3' }, 'dist.tp=3 does not divide the 2 ranks' },
+    { 4, { 'dist.tp=4' }, 'num_key_value_heads (2) is not a multiple of 4' },
+    { 2, { 'dist.tp=2', 'dist.zero=1' }, 'dist.tp=2 with dist.zero=1' },
+    { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' } }) do
+    local recipe = case[2][2] and case[2][2]:find('async') and 'recipes/grpo.lua' or 'recipes/sft.lua'
+    local words = recipe == 'recipes/grpo.lua' and U.with(GRPO, case[2]) or U.with(SFT, case[2])
+    local r = U.run_ranks(exe, case[1], recipe, U.with(words, { 'run.dir=' .. dir .. '/bad' }), { expect_fail = true })
+    t.truthy(not r.ok and (r.stderr .. r.stdout):find(case[3], 1, true), case[3] .. ': ' .. r.stderr)
+  end
+end)
+
+t.done()
