@@ -28,31 +28,16 @@ LOAD_RANKS=${LOAD_RANKS:-$(getconf _NPROCESSORS_ONLN)}
 PYTHON=${PYTHON:-/usr/bin/python3}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$MOONRL" run bench/make_model.lua preset="$SIZE" out="$dir/model"
-"$PYTHON" -c "
-import json
-with open('$dir/data.jsonl', 'w') as f:
-    for i in range(1, 201):
-        f.write(json.dumps({'prompt': f'{10 + i}+{30 + 2 * i}=', 'response': str(40 + 3 * i)}) + '\n')
-with open('$dir/rl.jsonl', 'w') as f:
-    for i in range(1, 101):
-        f.write(json.dumps({'question': f'{10 + i}+{30 + 2 * i}='}) + '\n')
-"
+. bench/dist/inputs.sh
+bench_inputs "$MOONRL" "$SIZE" "$dir" "$PYTHON"
 words=(model.dir="$dir/model" data.path="$dir/data.jsonl" data.chat=false data.eval_fraction=0 train.steps="$STEPS"
   train.batch="$BATCH" train.lr=1e-5 train.micro_batch_tokens=8192 run.checkpoint_minutes=0 quiet=true)
-echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(getconf _NPROCESSORS_ONLN) cores; load $(cut -d' ' -f1-3 /proc/loadavg); $(mpirun --version | head -1)"
+bench_machine
 echo "settings: $SIZE model, SFT, $BATCH examples a step, $STEPS steps (first not counted), 2 ranks x 1 thread for the steps"
 run() { # name, ranks, extra words...
   local name=$1 n=$2
   shift 2
-  local rd="$dir/$name.$r"
-  if [ "$n" = 1 ]; then
-    MOONRL_THREADS=1 "$MOONRL" run recipes/sft.lua "${words[@]}" run.threads=1 run.dir="$rd" "$@" > "$rd.log" 2>&1
-  else
-    "$MOONRL" launch -n "$n" --mpirun "--mca btl $BTL,self" recipes/sft.lua "${words[@]}" run.threads=1 \
-      run.dir="$rd" "$@" > "$rd.log" 2>&1
-  fi || { cat "$rd.log" >&2; exit 1; }
-  echo "{\"name\": \"$name\", \"ranks\": $n, \"metrics\": \"$rd/metrics.jsonl\"}" >> "$dir/runs.jsonl"
+  bench_run "$name" "$n" 1 recipes/sft.lua "${words[@]}" "$@"
 }
 for r in $(seq "$ROUNDS"); do
   for z in 0 1 2 3; do run "zero=$z" 2 dist.zero=$z; done
@@ -72,16 +57,10 @@ done
 "$MOONRL" launch -n "$LOAD_RANKS" --mpirun "--mca btl $BTL,self" bench/dist/zero_load.lua dir="$dir/model" > "$dir/loadN.jsonl"
 "$PYTHON" - "$dir" "$RANKS" "$LOAD_RANKS" <<'PY'
 import json, sys
+sys.path.insert(0, "bench/dist")
+from runs import median, load_runs
 d, ranks, load_ranks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-def median(v):
-    v = sorted(v)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-runs = {}
-for line in open(d + "/runs.jsonl"):
-    x = json.loads(line)
-    st = [json.loads(l) for l in open(x["metrics"])]
-    runs.setdefault(x["name"], []).append((x, st))
+runs = load_runs(d)
 steps = {}
 for name, rs in runs.items():
     if name.startswith("memory"):
