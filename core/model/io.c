@@ -58,7 +58,7 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
         if (s) return s;
         int64_t shape[2] = {v->shape[0], v->ndim > 1 ? v->shape[1] : 0}; /* the whole tensor's */
         int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
-        if (split) shape[split - 1] *= m->tp_size;
+        if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
         int same = t.ndim == v->ndim && t.shape[0] == shape[0] && (v->ndim == 1 || t.shape[1] == shape[1]);
         if (!same) {
             char got[256], want[64];
@@ -84,8 +84,9 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
 
 /* A tensor-parallel rank's slice of view v (whole: its rows or columns of the file's tensor). */
 static mrl_status read_tp_slice(const mrl_model *m, mrl_st *st, const mrl_param_view *v, float *dst) {
-    if (mrl_model_tp_split(v->name) == 1) /* rows: one range */
-        return mrl_st_read_f32_range(st, v->name, (int64_t)m->tp_rank * v->numel, v->numel, dst);
+    if (mrl_model_tp_split(v->name) == 1) /* rows: one range (a K/V head held by several ranks: theirs) */
+        return mrl_st_read_f32_range(st, v->name, (int64_t)(m->tp_rank / mrl_model_tp_copies(m, v->name)) * v->numel,
+                                     v->numel, dst);
     int64_t rows = v->shape[0], cols = v->shape[1]; /* columns: a range of each row */
     for (int64_t i = 0; i < rows; i++) {
         mrl_status s = mrl_st_read_f32_range(st, v->name, i * cols * m->tp_size + m->tp_rank * cols, cols, dst + i * cols);
@@ -141,17 +142,24 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
 }
 
 /* A tensor-parallel rank's config (rank of size: the heads and the MLP divided) from the whole
- * model's; the sizes it cannot divide are errors naming the key. */
-static mrl_status tp_config(const char *dir, int size, mrl_model_config *c) {
+ * model's; the sizes it cannot divide are errors naming the key. Fewer K/V heads than ranks (a
+ * divisor of them): one K/V head a rank, held by *kv_copies ranks. */
+static mrl_status tp_config(const char *dir, int size, mrl_model_config *c, int *kv_copies) {
     if (c->num_experts > 0)
         return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: a mixture-of-experts model "
                              "(num_experts %d) splits its experts with expert parallelism", dir, size, c->num_experts);
+    *kv_copies = 1;
+    if (c->num_key_value_heads < size && size % c->num_key_value_heads == 0) {
+        *kv_copies = size / c->num_key_value_heads;
+        c->num_key_value_heads = size; /* (divided below: one a rank) */
+    }
     const char *keys[3] = {"num_attention_heads", "num_key_value_heads", "intermediate_size"};
     int *values[3] = {&c->num_attention_heads, &c->num_key_value_heads, &c->intermediate_size};
     for (int i = 0; i < 3; i++)
         if (*values[i] % size)
-            return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: %s (%d) is not a multiple of %d",
-                                 dir, size, keys[i], *values[i], size);
+            return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: %s (%d) is not a multiple of %d%s",
+                                 dir, size, keys[i], *values[i], size,
+                                 i == 1 ? " (nor a divisor of it, which would share each K/V head)" : "");
     for (int i = 0; i < 3; i++) *values[i] /= size;
     return MRL_OK;
 }
@@ -167,10 +175,12 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
     if (s) return s;
     if (value_head) whole.value_head = 1;
     cfg = whole;
-    if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg))) return s;
+    int kv_copies = 1;
+    if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg, &kv_copies))) return s;
     if ((s = mrl_st_open(dir, st))) return s;
     s = mrl_model_alloc_layout(&cfg, out); /* views only: the sizes are the file's to confirm */
-    if (!s && tp_size > 1) (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole;
+    if (!s && tp_size > 1)
+        (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole, (*out)->tp_kv_copies = kv_copies;
     if (!s) s = check_tensors(*out, *st, dir);
     if (s) {
         mrl_st_close(*st);
@@ -287,7 +297,7 @@ static mrl_status host_view_buffer(mrl_model *m, const char *dir, float **host) 
 static void whole_shape(const mrl_model *m, const mrl_param_view *v, int64_t shape[2]) {
     shape[0] = v->shape[0], shape[1] = v->ndim > 1 ? v->shape[1] : 0;
     int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
-    if (split) shape[split - 1] *= m->tp_size;
+    if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
 }
 
 /* The safetensors stream of the model's views (whole tensors), declared in view order. */
@@ -368,6 +378,12 @@ static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes
             break;
         if (s || !writer) continue;
         const float *src = all; /* rows: the ranks' slices one after the other already */
+        int copies = mrl_model_tp_copies(m, v->name), parts = (int)n / copies;
+        if (copies > 1) { /* a K/V head held by several ranks: the first of each */
+            for (int h = 0; h < parts; h++)
+                memcpy(out + h * v->numel, all + (int64_t)h * copies * v->numel, sizeof(float) * (size_t)v->numel);
+            src = out;
+        }
         if (split == 2) {       /* columns: row i of rank r's slice goes to row i's r-th block */
             int64_t rows = v->shape[0], cols = v->shape[1];
             for (int64_t r = 0; r < n; r++)
@@ -375,7 +391,7 @@ static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes
                     memcpy(out + row * cols * n + r * cols, all + r * v->numel + row * cols, sizeof(float) * (size_t)cols);
             src = out;
         }
-        s = mrl_st_stream_write(st, v->name, src, v->numel * n);
+        s = mrl_st_stream_write(st, v->name, src, v->numel * parts);
     }
     if (!s && !g && writer) s = mrl_st_stream_finish(st);
     mrl_st_stream_free(st);

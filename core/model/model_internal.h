@@ -120,6 +120,7 @@ struct mrl_model {
      * layer (which returns none) is kept in tp_failed for the forward or backward to return;
      * tp_gather brings the slices together for saving */
     int tp_rank, tp_size; /* 0 and 1 without */
+    int tp_kv_copies;     /* ranks that hold each K/V head (more ranks than K/V heads), else 1 */
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
     mrl_tp_allgather tp_gather;

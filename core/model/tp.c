@@ -7,6 +7,7 @@
  * the same on every rank. */
 #include <string.h>
 #include "base/error.h"
+#include "moonrl/mem.h"
 #include "model_internal.h"
 
 static int ends_with(const char *s, const char *suffix) {
@@ -27,6 +28,44 @@ int mrl_model_tp_split(const char *name) {
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++)
         if (ends_with(name, cols[i])) return 2;
     return 0;
+}
+
+static int is_kv(const char *name) {
+    return ends_with(name, "self_attn.k_proj.weight") || ends_with(name, "self_attn.v_proj.weight") ||
+           ends_with(name, "self_attn.k_proj.bias") || ends_with(name, "self_attn.v_proj.bias");
+}
+
+int mrl_model_tp_copies(const mrl_model *m, const char *name) {
+    return m && m->tp_size > 1 && m->tp_kv_copies > 1 && name && is_kv(name) ? m->tp_kv_copies : 1;
+}
+
+mrl_status mrl_model_tp_sync_grads(mrl_model *m) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_tp_sync_grads: NULL model");
+    if (m->tp_size <= 1 || m->tp_kv_copies <= 1) return MRL_OK;
+    if (!m->tp_sum) return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no allreduce for the group (mrl_model_set_tp_group)");
+    if (m->k->on_device) return mrl_set_error(MRL_ERR_UNSUPPORTED, "tensor parallel with shared K/V heads: CPU models only");
+    if (!m->grads) return MRL_OK; /* (no backward yet) */
+    /* each K/V head's row of a buffer of all of them: this rank's part in its head's row, zeros
+     * elsewhere, summed over the group: each row then holds its head's sum over its ranks */
+    int heads = m->tp_size / m->tp_kv_copies, slot = m->tp_rank / m->tp_kv_copies;
+    int64_t most = 0;
+    for (int i = 0; i < m->n_views; i++)
+        if (is_kv(m->views[i].name) && m->views[i].numel > most) most = m->views[i].numel;
+    float *buf = mrl_mem_alloc(sizeof(float) * (size_t)(most * heads), MRL_MEM_OTHER);
+    if (!buf) return mrl_wrap_error(MRL_ERR_NOMEM, "tensor parallel: a buffer for the K/V heads' gradients");
+    mrl_status st = MRL_OK;
+    for (int i = 0; i < m->n_views && !st; i++) {
+        const mrl_param_view *v = &m->views[i];
+        if (!is_kv(v->name)) continue;
+        memset(buf, 0, sizeof(float) * (size_t)(v->numel * heads));
+        memcpy(buf + slot * v->numel, m->grads + v->offset, sizeof(float) * (size_t)v->numel);
+        if ((st = m->tp_sum(m->tp_ctx, buf, v->numel * heads)))
+            st = mrl_wrap_error(st, "tensor parallel: the gradients of %s over the ranks that hold it", v->name);
+        else
+            memcpy(m->grads + v->offset, buf + slot * v->numel, sizeof(float) * (size_t)v->numel);
+    }
+    mrl_mem_free(buf);
+    return st;
 }
 
 mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx) {

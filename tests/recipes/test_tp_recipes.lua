@@ -1,6 +1,7 @@
 -- dist.tp: groups of consecutive ranks each holding every layer's tensor-parallel slices of the
 -- policy (and of a reference or a critic), data parallel over the groups. Against one process
--- on the same global batch: SFT on 2 ranks (tp=2) and on 4 (2 groups of 2), DPO, GRPO with a KL
+-- on the same global batch: SFT on 2 ranks (tp=2), on 4 (2 groups of 2) and on 4 with tp=4
+-- (the model's 2 K/V heads each held by 2 ranks), DPO, GRPO with a KL
 -- reference (the engine generating on the slices, every rank of a group stepping together) and
 -- PPO with its critic, each within 1e-5 of one process's final weights; a run stopped after a
 -- checkpoint and resumed ends with the bits of the run never stopped (each slot's optimizer
@@ -33,14 +34,16 @@ end
 
 local rel_diff = U.weights_diff
 
-t.test('sft (2 ranks, and 2 groups of 2), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
+t.test('sft (2 ranks, 2 groups of 2, and 4 ranks sharing the 2 K/V heads), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
   for _, case in ipairs({ { 'recipes/sft.lua', SFT, 'sft', 2 }, { 'recipes/sft.lua', SFT, 'sft', 4 },
+    { 'recipes/sft.lua', SFT, 'sft', 4, 4 },
     { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 } }) do
     local one = dir .. '/one_' .. case[3]
     if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
-    local tp = run(case[4], case[1], U.with(case[2], { 'dist.tp=2' }), string.format('tp_%s_%d', case[3], case[4]))
+    local K = case[5] or 2
+    local tp = run(case[4], case[1], U.with(case[2], { 'dist.tp=' .. K }), string.format('tp_%s_%d_%d', case[3], case[4], K))
     local d = rel_diff(tp .. '/model', one .. '/model')
-    print(string.format('  %s on %d ranks, dist.tp=2: %.3g from one process', case[3], case[4], d))
+    print(string.format('  %s on %d ranks, dist.tp=%d: %.3g from one process', case[3], case[4], K, d))
     t.truthy(d <= 1e-5, case[3] .. ': the weights of one process')
     if case[3] == 'ppo' then t.truthy(rel_diff(tp .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
     if case[3] == 'grpo' then -- the same samples: the engine on the slices draws what the whole model's draws
@@ -65,7 +68,7 @@ end)
 
 t.test('what tensor parallel cannot take: usage errors naming the key', function()
   for _, case in ipairs({ { 2, { 'dist.tp=3' }, 'dist.tp=3 does not divide the 2 ranks' },
-    { 4, { 'dist.tp=4' }, 'num_key_value_heads (2) is not a multiple of 4' },
+    { 3, { 'dist.tp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
     { 2, { 'dist.tp=2', 'dist.zero=1' }, 'dist.tp=2 with dist.zero=1' },
     { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' } }) do
     local recipe = case[2][2] and case[2][2]:find('async') and 'recipes/grpo.lua' or 'recipes/sft.lua'

@@ -318,6 +318,14 @@ mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);
 /* How tensor parallel splits the view named `name`: 0 whole on every rank, 1 by rows, 2 by columns. */
 int mrl_model_tp_split(const char *name);
+/* With more ranks than K/V heads (size a multiple of num_key_value_heads), each rank holds one
+ * K/V head, the one its query heads read, and size / num_key_value_heads ranks hold each:
+ * mrl_model_tp_copies gives that many for k and v (1 for any other view, or without it). Their
+ * gradients are then each rank's part: mrl_model_tp_sync_grads sums each K/V head's over the ranks
+ * that hold it, once the update's backwards are done (a collective of the group; nothing
+ * otherwise). */
+int mrl_model_tp_copies(const mrl_model *m, const char *name);
+mrl_status mrl_model_tp_sync_grads(mrl_model *m);
 /* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
 

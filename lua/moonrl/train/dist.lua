@@ -295,26 +295,37 @@ end
 
 -- Tensor parallel: opt (a moonrl.optim AdamW or M.data_parallel's, over model's slices) made to
 -- measure and clip the whole model's gradient norm: the squares of the split views summed over
--- the group tpw, the whole views' (the same on every rank of it) counted once.
+-- the group tpw (a K/V head several ranks hold counted once), the whole views' (the same on
+-- every rank of it) counted once. With shared K/V heads, their gradients are summed over the
+-- ranks that hold them (mrl_model_tp_sync_grads) once an update's backwards are done: before
+-- the norm, or the step without one.
 function M.tp_norm(opt, model, tpw)
   local split, whole = {}, {}
   for _, v in ipairs(model:views()) do
     local list = C.mrl_model_tp_split(v.name) ~= 0 and split or whole
+    local w = 1 / C.mrl_model_tp_copies(model.handle, v.name)
     local last = list[#list]
-    if last and last[1] + last[2] == v.offset then last[2] = last[2] + v.numel
-    else list[#list + 1] = { v.offset, v.numel } end
+    if last and last[1] + last[2] == v.offset and last[3] == w then last[2] = last[2] + v.numel
+    else list[#list + 1] = { v.offset, v.numel, w } end
   end
   local out = ffi.new('double[1]')
   local function squares(g, ranges)
     local s = 0
     for _, r in ipairs(ranges) do
       moonrl.check(C.mrl_grad_norm(g + r[1], r[2], out), 3)
-      s = s + out[0] * out[0]
+      s = s + r[3] * out[0] * out[0]
     end
     return s
   end
-  function opt.grad_norm(o)
+  local synced = false
+  local function sync(o)
+    if synced then return end
     if o.sync then o:sync() end
+    moonrl.check(C.mrl_model_tp_sync_grads(model.handle), 3)
+    synced = true
+  end
+  function opt.grad_norm(o)
+    sync(o)
     local g = o.grads or o:bind_grads()
     return math.sqrt(tpw:sum(squares(g, split)) + squares(g, whole))
   end
@@ -323,6 +334,21 @@ function M.tp_norm(opt, model, tpw)
     local coef = F(F(max_norm) / F(F(norm) + F(1e-6)))
     if not (coef >= 1) then o:scale_grad(coef) end
     return norm
+  end
+  local step, zero = opt.step, opt.zero_grad
+  function opt.step(o, ...)
+    sync(o)
+    synced = false
+    return step(o, ...)
+  end
+  function opt.zero_grad(o, ...) -- (an update dropped: the next one syncs again)
+    synced = false
+    return zero(o, ...)
+  end
+  local zero_model = model.zero_grad
+  model.zero_grad = function(m, ...)
+    synced = false
+    return zero_model(m, ...)
   end
   return opt
 end
