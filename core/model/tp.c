@@ -4,7 +4,9 @@
  * every rank. The layer (layer.c) sums the row-parallel outputs and the
  * column-parallel input gradients over the group with the model's
  * allreduce, so everything between them (norms, residual stream, head) is
- * the same on every rank. */
+ * the same on every rank. With more ranks than K/V heads, several ranks hold
+ * each K/V head (tp_kv_copies) and sum their gradients of it once an
+ * update's backwards are done (mrl_model_tp_sync_grads). */
 #include <string.h>
 #include "base/error.h"
 #include "moonrl/mem.h"
