@@ -2,7 +2,8 @@
 # `moonrl generate` end to end on a tiny random model saved in Hugging Face
 # format with a tokenizer fixture: the streamed greedy text equals the
 # engine's, seeds repeat, -n, --chat, --stop, usage errors (exit 2), a KV
-# cache larger than the machine (exit 2).
+# cache larger than the machine (exit 2); with --tp 2 (where mpirun is) the
+# same greedy text and seeded samples.
 # usage: test_generate_cli.sh PATH/TO/moonrl SOURCE_DIR
 set -u
 MOONRL=$1
@@ -40,4 +41,15 @@ same bad-path "$? $(echo "$out" | grep -c 'no-such')" "2 1"
 # a KV cache larger than the machine: refused before allocating, a usage error
 out=$("$MOONRL" generate --model "$tmp" --prompt x --kv-cache-mb 1e12 2>&1)
 same huge-kv-cache "$? $(echo "$out" | grep -c 'physical memory')" "2 1"
+# --tp 2: the command starts itself on 2 ranks, each with its slices of every layer: the greedy
+# text and seeded samples of one process; a degree the heads cannot take, a usage error naming it
+if command -v mpirun > /dev/null; then
+  got=$("$MOONRL" generate --tp 2 --model "$tmp" --prompt 'Hello world' --temperature 0 --max-tokens 20 2>/dev/null)
+  same tp-greedy-exit $? 0
+  same tp-greedy-text "$got" "$(cat "$tmp/expected.txt")"
+  b=$("$MOONRL" generate --tp 2 --model "$tmp" --prompt 'Hi' --seed 5 --max-tokens 12 --top-p 0.9 2>/dev/null)
+  same tp-same-seed "$b" "$a"
+  out=$("$MOONRL" generate --tp 3 --model "$tmp" --prompt x 2>&1)
+  same tp-bad-degree "$? $(echo "$out" | grep -c 'num_attention_heads (4) is not a multiple of 3')" "2 3"
+fi
 summary

@@ -19,12 +19,14 @@ usage: moonrl generate --model DIR --prompt TEXT [options]
   --seed S             default 0
   --stop TEXT          stop at this string (may be repeated)
   --tokenizer PATH     tokenizer.json or its directory (default: the model directory)
-  --kv-cache-mb MB     KV cache size (default 256)]]
+  --kv-cache-mb MB     KV cache size (default 256)
+  --tp N               tensor parallel over N ranks (started here with mpirun): each holds its
+                       slices of every layer, the ranks generate together, rank 0 prints]]
 
 local NUMBERS = {
   ['-n'] = { 'n', true, 1 }, ['--temperature'] = { 'temperature', false, 0 }, ['--top-p'] = { 'top_p', false, 0 },
   ['--top-k'] = { 'top_k', true, 0 }, ['--min-p'] = { 'min_p', false, 0 }, ['--max-tokens'] = { 'max_tokens', true, 1 },
-  ['--seed'] = { 'seed', true, 0 }, ['--kv-cache-mb'] = { 'kv_cache_mb', false, 0 },
+  ['--seed'] = { 'seed', true, 0 }, ['--kv-cache-mb'] = { 'kv_cache_mb', false, 0 }, ['--tp'] = { 'tp', true, 1 },
 }
 local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer' }
 
@@ -32,7 +34,7 @@ local function parse(args)
   local o = require('moonrl.cli.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
     strings = STRINGS, lists = { ['--stop'] = 'stop' }, flags = { ['--chat'] = 'chat' },
     defaults = { n = 1, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0, max_tokens = 128, seed = 0,
-      kv_cache_mb = 256 },
+      kv_cache_mb = 256, tp = 1 },
     required = { '--model', '--prompt' } })
   if not o then return nil end
   if o.top_p > 1 or o.top_p <= 0 then moonrl.usage_error('generate: --top-p must be in (0, 1]') end
@@ -40,11 +42,52 @@ local function parse(args)
   return o
 end
 
+-- --tp N from one process: the same command on N ranks under mpirun (moonrl launch's flags),
+-- waited for; its status.
+local function start_group(o, args)
+  local ffi = require('ffi')
+  local C = moonrl.C
+  local launcher, env = require('moonrl.cmd.launch').mpirun(o.tp)
+  if not launcher then moonrl.usage_error('generate: --tp ' .. o.tp .. ': ' .. env) end
+  local exe = rawget(_G, 'MOONRL_EXE')
+  if not exe then moonrl.usage_error('generate: --tp: cannot find the moonrl executable (/proc/self/exe)') end
+  local argv = {}
+  for _, a in ipairs(launcher) do argv[#argv + 1] = a end
+  argv[#argv + 1], argv[#argv + 2] = exe, 'generate'
+  for _, a in ipairs(args) do argv[#argv + 1] = a end
+  local cargv, cenv = ffi.new('const char *[?]', #argv + 1), ffi.new('const char *[?]', #env + 1)
+  for i, a in ipairs(argv) do cargv[i - 1] = a end
+  for i, e in ipairs(env) do cenv[i - 1] = e end
+  cargv[#argv], cenv[#env] = nil, nil
+  moonrl.check(C.mrl_signals_install()) -- a Ctrl-C reaches this process alone: handed to mpirun
+  C.mrl_signals_count_only()
+  local out = ffi.new('mrl_child *[1]')
+  moonrl.check(C.mrl_child_spawn(cargv, cenv, out))
+  local child = ffi.gc(out[0], C.mrl_child_free)
+  local forwarded = 0
+  while C.mrl_child_poll(child, 0.2) == 0 do
+    local got = tonumber(C.mrl_signals_received())
+    if got > forwarded then
+      C.mrl_child_signal(child, tonumber(C.mrl_signal_last()))
+      forwarded = got
+    end
+  end
+  local status = tonumber(C.mrl_child_status(child))
+  return status >= 0 and status or 128 - status
+end
+
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
+  local world = o.tp > 1 and require('moonrl.train.dist').world() or nil
+  if world and world.size == 1 then return start_group(o, args) end
+  if world and world.size ~= o.tp then
+    moonrl.usage_error(string.format('generate: --tp %d on a job of %d ranks (it starts its own: run it alone)', o.tp,
+      world.size))
+  end
+  local lead = not world or world.rank == 0 -- (the others generate with it, silently)
   local inference = require('moonrl.serve.inference')
-  local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = o.chat })
+  local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = o.chat, tp = world })
   if not m then moonrl.usage_error('generate: ' .. tostring(err)) end
   local model, tok = m.model, m.tokenizer
   local prompt_ids
@@ -69,12 +112,12 @@ function M.main(args)
   -- many samples: how many are done, on stderr, when stdout is not the terminal the first
   -- sample streams to (moonrl.io.progress)
   local progress = require('moonrl.io.progress')
-  local prog = o.n > 1 and not progress.isatty(1) and progress.new('generate', o.n, { unit = 'sample' }) or nil
+  local prog = lead and o.n > 1 and not progress.isatty(1) and progress.new('generate', o.n, { unit = 'sample' }) or nil
   local results = engine:generate({ { prompt_ids = prompt_ids, n = o.n } }, {
     temperature = o.temperature, top_p = o.top_p, top_k = o.top_k, min_p = o.min_p, max_tokens = max_tokens,
     eos_ids = inference.eos_ids(m.dir, model, tok), stop = #o.stop > 0 and o.stop or nil, tokenizer = tok,
     on_text = function(_, j, piece)
-      if j == 1 then
+      if j == 1 and lead then
         io.write(piece)
         io.flush()
       end
@@ -82,6 +125,7 @@ function M.main(args)
     end,
   })
   if prog then prog.done = o.n; prog:finish() end
+  if not lead then return 0 end
   local dt = moonrl.now() - t0
   io.write('\n')
   local generated = 0

@@ -25,6 +25,25 @@ local function which(name)
   end
 end
 
+-- The words that start n ranks on this machine before the program's own (mpirun with the flags
+-- above and extra's words), and the environment they add (each rank's share of the cores); nil
+-- and why when mpirun is not there.
+function M.mpirun(n, extra)
+  local mpirun = which('mpirun')
+  if not mpirun then return nil, 'mpirun not found on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev)' end
+  local launcher = { mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none' }
+  if ffi.C.getuid() == 0 then
+    launcher[#launcher + 1] = '--allow-run-as-root'
+  end
+  for _, w in ipairs(extra or {}) do launcher[#launcher + 1] = w end
+  local env = {}
+  if not os.getenv('MOONRL_THREADS') then
+    local threads = math.max(1, math.floor(tonumber(moonrl.C.mrl_parallel_threads()) / n))
+    env[1] = 'MOONRL_THREADS=' .. threads
+  end
+  return launcher, env
+end
+
 local USAGE = 'usage: moonrl launch -n N [--restarts K] [--backoff S] [--mpirun "ARGS"] [RECIPE] [--require FILE.lua] [key=value ...]'
 
 function M.main(args)
@@ -64,20 +83,10 @@ function M.main(args)
   if first > 1 and words[first] then table.insert(words, 1, table.remove(words, first)) end
   -- no recipe: the embedded default example, as `moonrl [key=value ...]` runs it
   local default_example = #words == 0 or words[1]:match('^[%w_%.%-]+=') ~= nil or words[1]:match('^%-%-require') ~= nil
-  local mpirun = which('mpirun')
-  if not mpirun then
-    eprint('mpirun not found on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev)')
+  local launcher, env = M.mpirun(n, extra)
+  if not launcher then
+    eprint(env)
     return 2
-  end
-  local launcher = { mpirun, '-n', tostring(n), '--oversubscribe', '--bind-to', 'none' }
-  if ffi.C.getuid() == 0 then
-    launcher[#launcher + 1] = '--allow-run-as-root'
-  end
-  for _, w in ipairs(extra) do launcher[#launcher + 1] = w end
-  local env = {}
-  if not os.getenv('MOONRL_THREADS') then
-    local threads = math.max(1, math.floor(tonumber(moonrl.C.mrl_parallel_threads()) / n))
-    env[1] = 'MOONRL_THREADS=' .. threads
   end
   local recipe = default_example and 'default' or words[1]
   local ok, status = pcall(require('moonrl.cli.supervisor').run, words, { restarts = sup.restarts, backoff = sup.backoff,

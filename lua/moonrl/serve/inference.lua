@@ -11,6 +11,8 @@ local M = {}
 -- MOONRL_CACHE: moonrl.io.gguf.resolve). Loads the model and its tokenizer (opts.tokenizer: a
 -- tokenizer.json or its directory, else the model's) and, with opts.template, the model's chat
 -- template (moonrl.chat.load; when it has none, m.template is nil and m.template_error says why).
+-- opts.tp: a World (moonrl.train.dist) whose ranks each load their tensor-parallel slices
+-- (moonrl.model.load_tp).
 -- Returns m = { dir, model, tokenizer, template, template_error }, or nil and the error of the
 -- step that failed, as raised.
 function M.load(path, opts)
@@ -18,7 +20,11 @@ function M.load(path, opts)
   local ok, dir = pcall(require('moonrl.io.gguf').resolve, path)
   if not ok then return nil, dir end
   local model
-  ok, model = pcall(moonrl.model.load, dir)
+  if opts.tp and opts.tp.size > 1 then -- tensor parallel: this rank's slices, its sums over the group
+    ok, model = pcall(moonrl.model.load_tp, dir, opts.tp)
+  else
+    ok, model = pcall(moonrl.model.load, dir)
+  end
   if not ok then return nil, model end
   local tok
   ok, tok = pcall(require('moonrl.tokenizer').load, opts.tokenizer or dir)
