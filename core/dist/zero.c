@@ -551,7 +551,8 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
         g->busy = 1;
         return MRL_OK;
     }
-    if (p->nc && mrl_device_of(params).kind != MRL_DEVICE_CPU) { /* a GPU's, by NCCL: done when it returns */
+    int on_gpu = mrl_device_of(params).kind != MRL_DEVICE_CPU;
+    if (p->nc && on_gpu) { /* a GPU's, by NCCL: done when it returns */
         int64_t *off = d->tmp, *bytes = off + d->size;
         for (int r = 0; r < d->size; r++) {
             int64_t o, c, at;
@@ -564,7 +565,7 @@ mrl_status mrl_dist_param_gather_start(void *vp, float *params, int64_t offset, 
         g->busy = 1;
         return MRL_OK;
     }
-    if (mrl_device_of(params).kind != MRL_DEVICE_CPU) { /* a GPU's: through host memory, this rank's piece first */
+    if (on_gpu) { /* a GPU's: through host memory, this rank's piece first */
         if (g->stage_n < count) {
             mrl_mem_free(g->stage);
             g->stage_n = 0;

@@ -42,6 +42,13 @@ static int may_be_missing(const mrl_model *m, const char *name) {
     return strcmp(name, "score.weight") == 0 || (strcmp(name, "lm_head.weight") == 0 && m->cfg.value_head);
 }
 
+/* The whole tensor's shape of view v (a tensor-parallel rank's: its slice's times the ranks). */
+static void whole_shape(const mrl_model *m, const mrl_param_view *v, int64_t shape[2]) {
+    shape[0] = v->shape[0], shape[1] = v->ndim > 1 ? v->shape[1] : 0;
+    int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
+    if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
+}
+
 /* Every view the config implies against the file's names and shapes, and
  * every tensor of the file against the views: before any parameter memory
  * is allocated, so that a config.json larger than its weights costs
@@ -56,9 +63,8 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
         mrl_st_tensor t;
         mrl_status s = mrl_st_find(st, v->name, &t);
         if (s) return s;
-        int64_t shape[2] = {v->shape[0], v->ndim > 1 ? v->shape[1] : 0}; /* the whole tensor's */
-        int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
-        if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
+        int64_t shape[2];
+        whole_shape(m, v, shape);
         int same = t.ndim == v->ndim && t.shape[0] == shape[0] && (v->ndim == 1 || t.shape[1] == shape[1]);
         if (!same) {
             char got[256], want[64];
@@ -291,13 +297,6 @@ static mrl_status host_view_buffer(mrl_model *m, const char *dir, float **host) 
     *host = mrl_mem_alloc(sizeof(float) * (size_t)(most ? most : 1), MRL_MEM_OTHER);
     if (!*host) return mrl_wrap_error(MRL_ERR_NOMEM, "%s: a host buffer for one tensor of the model", dir);
     return MRL_OK;
-}
-
-/* The whole tensor's shape of view v (a tensor-parallel rank's: its slice's times the ranks). */
-static void whole_shape(const mrl_model *m, const mrl_param_view *v, int64_t shape[2]) {
-    shape[0] = v->shape[0], shape[1] = v->ndim > 1 ? v->shape[1] : 0;
-    int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
-    if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
 }
 
 /* The safetensors stream of the model's views (whole tensors), declared in view order. */

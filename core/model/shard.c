@@ -218,8 +218,8 @@ mrl_status mrl_model_copy_create(mrl_model *m, int flags, mrl_model_copy **out) 
     int bf16 = m->dtype == MRL_MODEL_BF16 && !(flags & MRL_MODEL_COPY_FP32), panels = flags & MRL_MODEL_COPY_PANELS;
     mrl_model_copy *c = calloc(1, sizeof *c);
     int n_mat = 0, nv = mrl_model_num_views(m);
-    int64_t (*mat)[2] = bf16 ? bf16_matrices(m, &n_mat) : malloc(sizeof *mat); /* fp32: no matrix in bf16 */
-    if (!c || !mat || !(c->keep = malloc(sizeof *c->keep * (size_t)(nv > 0 ? nv : 1)))) {
+    int64_t (*mat)[2] = bf16 ? bf16_matrices(m, &n_mat) : NULL; /* fp32: no matrix in bf16 */
+    if (!c || (bf16 && !mat) || !(c->keep = malloc(sizeof *c->keep * (size_t)(nv > 0 ? nv : 1)))) {
         free(mat);
         mrl_model_copy_free(c);
         return mrl_set_error(MRL_ERR_NOMEM, "model copy: no memory for its tables");

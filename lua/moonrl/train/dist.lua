@@ -275,6 +275,15 @@ end
 local fbox = ffi.new('float[1]')
 local function F(x) fbox[0] = x; return tonumber(fbox[0]) end
 
+-- As torch.nn.utils.clip_grad_norm_ (and mrl_grad_clip_norm) over o's grad_norm and scale_grad:
+-- the pre-clip norm. DP's, and a tensor-parallel optimizer's (M.tp_norm).
+local function clip_grad_norm(o, max_norm)
+  local norm = o:grad_norm()
+  local coef = F(F(max_norm) / F(F(norm) + F(1e-6)))
+  if not (coef >= 1) then o:scale_grad(coef) end
+  return norm
+end
+
 -- Tensor parallel (dist.tp = K): w's ranks in groups of K consecutive ranks, each holding slices
 -- of every layer (moonrl.model.load_tp over the group), data parallel over the groups: rank r is
 -- slot r % K of group r // K. { tp = the World of its group, dp = the World of the ranks of its
@@ -329,12 +338,7 @@ function M.tp_norm(opt, model, tpw)
     local g = o.grads or o:bind_grads()
     return math.sqrt(tpw:sum(squares(g, split)) + squares(g, whole))
   end
-  function opt.clip_grad_norm(o, max_norm) -- (as torch.nn.utils.clip_grad_norm_: the pre-clip norm)
-    local norm = o:grad_norm()
-    local coef = F(F(max_norm) / F(F(norm) + F(1e-6)))
-    if not (coef >= 1) then o:scale_grad(coef) end
-    return norm
-  end
+  opt.clip_grad_norm = clip_grad_norm
   local step, zero = opt.step, opt.zero_grad
   function opt.step(o, ...)
     sync(o)
@@ -656,13 +660,7 @@ function DP:grad_norm()
   return math.sqrt(total)
 end
 
--- As torch.nn.utils.clip_grad_norm_ (and mrl_grad_clip_norm): the pre-clip norm.
-function DP:clip_grad_norm(max_norm)
-  local norm = self:grad_norm()
-  local coef = F(F(max_norm) / F(F(norm) + F(1e-6)))
-  if not (coef >= 1) then self:scale_grad(coef) end
-  return norm
-end
+DP.clip_grad_norm = clip_grad_norm -- (the gradients' sums waited for by grad_norm)
 
 -- The gradients this rank steps with: all of them, or its shard (ZeRO-1 and 2).
 function DP:scale_grad(s)

@@ -68,16 +68,21 @@ function M.copy_weights(src, dst)
   dst:write_params(dp)
 end
 
+-- A critic's value head (score.weight) to zero, through its host weights.
+local function zero_value_head(critic)
+  local p = critic:read_params()
+  for _, v in ipairs(critic:views()) do
+    if v.name == 'score.weight' then ffi.fill(p + v.offset, 4 * v.numel) end
+  end
+  critic:write_params(p)
+end
+
 -- A critic for PPO: the policy's weights with a scalar value head (score.weight) set to zero, so
 -- the first value estimates are 0.
 function M.critic_from(policy)
-  if policy.tp_world then -- tensor parallel: the critic's slices from the policy's files, its value head zero
+  if policy.tp_world then -- tensor parallel: the critic's slices from the policy's files
     local critic = M.load(policy.source_dir, { tp = policy.tp_world, value_head = true })
-    local p = critic:read_params()
-    for _, v in ipairs(critic:views()) do
-      if v.name == 'score.weight' then ffi.fill(p + v.offset, 4 * v.numel) end
-    end
-    critic:write_params(p)
+    zero_value_head(critic)
     critic:set_dtype(policy:dtype())
     return critic
   end
@@ -92,13 +97,7 @@ function M.critic_from(policy)
     critic:to_device(policy:device())
     return critic
   end
-  return M.clone(policy, { value_head = true, init = function(critic)
-    local p = critic:read_params()
-    for _, v in ipairs(critic:views()) do
-      if v.name == 'score.weight' then ffi.fill(p + v.offset, 4 * v.numel) end
-    end
-    critic:write_params(p)
-  end })
+  return M.clone(policy, { value_head = true, init = zero_value_head })
 end
 
 -- AdamW over a model's one parameter buffer, no decay on norms and biases. Deferred: its state is
