@@ -232,11 +232,14 @@ typedef struct mrl_kernels {
                      float scale);
 
     /* Head statistics of logits rows [rows, V] scaled by inv_temp: per row
-     * lse, entropy, and logprob of target (0 if target < 0). */
+     * lse, entropy, and logprob of target (0 if target < 0, or >= V: a
+     * target in another rank's slice of the vocabulary, tensor parallel). */
     void (*head_fwd)(const float *logits, int64_t rows, int V, float inv_temp,
                      const int32_t *targets, float *lse, float *entropy, float *logprob);
     /* In place: logits row -> d loss / d raw logits, given the row's lse and
-     * entropy and the upstream dlogprob / dentropy (NULL = 0). */
+     * entropy and the upstream dlogprob / dentropy (NULL = 0). A target >= V
+     * (a slice of the vocabulary whose row's lse and entropy are the whole
+     * row's): the -p terms of its dlogprob without the target's own. */
     void (*head_bwd)(float *logits, int64_t rows, int V, float inv_temp, const int32_t *targets,
                      const float *lse, const float *entropy, const float *dlogprob,
                      const float *dentropy);

@@ -77,6 +77,7 @@ struct mrl_engine {
     float *x;                /* [T,D] residual stream */
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
     float *logits;           /* [S,V] */
+    float *logits_part, *logits_all; /* vocabulary-parallel: this rank's [S,V/tp], the group's [tp,S,V/tp] */
     int64_t logit_rows;      /* S */
     mrl_buffer attn_ws; /* paged attention's workspace */
     /* on a GPU: the step's host arrays packed (stage_host) and their copy on the device
@@ -171,7 +172,7 @@ static int64_t layout(mrl_engine *e, char *base) {
     const mrl_model_config *c = e->mc;
     int64_t T = e->cfg.max_num_batched_tokens, S = e->logit_rows, D = c->hidden_size, F = c->intermediate_size,
             hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd,
-            V = c->vocab_size;
+            V = mrl_model_whole_vocab(e->m), Vp = mrl_model_tp_vocab(e->m, NULL);
     int64_t off = 0;
     layer_acts *a = &e->a;
 #define TAKE(ptr, count) MRL_LAYOUT_TAKE(base, off, ptr, float, count)
@@ -203,6 +204,10 @@ static int64_t layout(mrl_engine *e, char *base) {
     TAKE(e->rows_n, S * D);
     TAKE(e->rstd_n, S);
     TAKE(e->logits, S * V);
+    if (Vp) { /* (tensor parallel, tp.c) */
+        TAKE(e->logits_part, S * Vp);
+        TAKE(e->logits_all, S * V);
+    }
 #undef TAKE
     return off;
 }
@@ -315,7 +320,7 @@ static mrl_status new_sched(mrl_engine *e) {
     if (st) return st;
     mrl_sched_config sc = {.max_num_seqs = e->cfg.max_num_seqs,
                            .max_num_batched_tokens = e->cfg.max_num_batched_tokens,
-                           .max_model_len = e->cfg.max_model_len, .vocab_size = c->vocab_size};
+                           .max_model_len = e->cfg.max_model_len, .vocab_size = mrl_model_whole_vocab(e->m)};
     st = mrl_sched_create(&sc, e->kv, &e->sched);
     if (!st) mrl_sched_set_version(e->sched, e->version);
     return st;
@@ -496,7 +501,7 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
     if (!e || !r || !req_id) return mrl_set_error(MRL_ERR_INVALID, "engine add_request: NULL argument");
     mrl_status st = check_idle(e, "add_request");
     if (st) return st;
-    int V = e->mc->vocab_size;
+    int V = mrl_model_whole_vocab(e->m);
     for (int i = 0; i < r->n_eos; i++)
         if (r->eos_ids && (r->eos_ids[i] < 0 || r->eos_ids[i] >= V))
             return mrl_set_error(MRL_ERR_INVALID, "engine add_request: eos id %d is outside the vocabulary (%d)",
@@ -640,7 +645,9 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     int64_t T = hb->n_tokens, D = c->hidden_size, V = c->vocab_size, S = hb->n_logits;
     int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
     mrl_status st = MRL_OK;
-    k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
+    float *logits = e->logits_part ? e->logits_part : e->logits; /* vocabulary-parallel: this rank's slice */
+    if (e->logits_part) mrl_model_tp_embed(m, e->x, e->w.embed, b->token_ids, T); /* (tp.c) */
+    else k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
@@ -672,12 +679,13 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     k->gather_rows(e->rows, e->x, b->logits_indices, S, D); /* [S,D] */
     k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, e->w.final_norm, S, (int)D, (float)c->rms_norm_eps);
     if (e->w.lm_head_p16) /* bf16 panels and the plain copy: the table reads the faster */
-        k->gemm_bf16_panels(S, V, D, 1.0f, e->rows_n, D, e->w.lm_head_p16, e->w.lm_head16, D, 0.0f, e->logits, V);
+        k->gemm_bf16_panels(S, V, D, 1.0f, e->rows_n, D, e->w.lm_head_p16, e->w.lm_head16, D, 0.0f, logits, V);
     else if (e->w.lm_head16) /* bf16, as the trainer's head (forward.c) */
-        k->gemm_bf16(0, 1, S, V, D, 1.0f, e->rows_n, 0, D, e->w.lm_head16, 1, D, 0.0f, e->logits, V);
+        k->gemm_bf16(0, 1, S, V, D, 1.0f, e->rows_n, 0, D, e->w.lm_head16, 1, D, 0.0f, logits, V);
     else
-        k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, e->logits, V); /* [S,V] */
-    return MRL_OK;
+        k->gemm(0, 1, S, V, D, 1.0f, e->rows_n, D, e->w.lm_head, D, 0.0f, logits, V); /* [S,V] */
+    /* the sampler draws from the whole rows: the group's slices side by side, the same on every rank */
+    return e->logits_part ? mrl_model_tp_logits(m, logits, S, e->logits_all, e->logits) : MRL_OK;
 }
 
 /* ---- CUDA graphs of decode steps (a GPU, cfg.cuda_graphs) ----

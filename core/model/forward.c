@@ -92,6 +92,8 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(m->rstdf, float, T);
     TAKE(m->head_lse, float, T);
     TAKE(m->head_ent, float, T);
+    if (m->tp_vocab) TAKE(m->tp_stats, float, 3 * T * (1 + m->tp_size)); /* (tp.c) */
+    else if (base) m->tp_stats = NULL;
     /* default: HEAD_LOGITS_BYTES of logits, but at least 128 tokens (a
      * matrix product with fewer rows is slow and rereads the whole lm_head
      * gradient) */
@@ -203,7 +205,7 @@ static mrl_status check_batch(const mrl_model *m, const mrl_batch *b, int64_t *m
         }
         if (len > *max_len) *max_len = len;
     }
-    int V = m->cfg.vocab_size;
+    int V = mrl_model_whole_vocab(m);
     for (int64_t i = 0; i < b->n_tokens; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= V)
             return mrl_set_error(MRL_ERR_INVALID, "model forward: token %d at position %lld is outside the vocabulary (0..%d)",
@@ -251,6 +253,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) pos[i] = start + i - b->cu_seqlens[s];
     }
     for (int64_t i = 0; i < T; i++) targets[i] = b->targets ? b->targets[i] : -1;
+    if (m->tp_vocab) mrl_model_tp_targets(m, targets, targets, T); /* as this rank's slice reads them */
     m->op_tokens = b->tokens, m->op_cu_seqlens = b->cu_seqlens, m->op_prefix = b->prefix;
     if (dev) {
         int64_t ints = (int64_t)sizeof(int32_t);
@@ -276,7 +279,8 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->have_forward = 0; /* (no backward through a forward that did not run) */
         return st;
     }
-    k->gather_rows(m->xs[0], m->embed, m->op_tokens, T, D); /* [T,D] */
+    if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens, T); /* (tp.c) */
+    else k->gather_rows(m->xs[0], m->embed, m->op_tokens, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
         memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
@@ -314,14 +318,22 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     /* the outputs, in the table's memory (on a GPU: copied back at the end) */
     float *lp_out = logprobs && dev ? m->dev_io[0] : logprobs, *val_out = values && dev ? m->dev_io[2] : values;
+    /* vocabulary-parallel (tp.c): the statistics of this rank's slice, [lse | entropy | logprob] */
+    float *lse = m->tp_vocab ? m->tp_stats : m->head_lse, *ent = m->tp_vocab ? m->tp_stats + T : m->head_ent;
     int64_t rows = head_rows(m, T);
     for (int64_t t0 = 0; t0 < T; t0 += rows) {
         int64_t n = T - t0 < rows ? T - t0 : rows;
         head_logits(m, m->lnf + t0 * D, n); /* [n,V] */
         /* logprob goes to a scratch row when not wanted: dx is free during the forward */
-        float *lp = lp_out ? lp_out + t0 : m->gs.dx;
-        k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, m->head_lse + t0, m->head_ent + t0, lp);
+        float *lp = m->tp_vocab ? m->tp_stats + 2 * T + t0 : lp_out ? lp_out + t0 : m->gs.dx;
+        k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, lse + t0, ent + t0, lp);
     }
+    if (m->tp_vocab && (st = mrl_model_tp_head_stats(m, m->tp_stats, m->tp_stats + 3 * T, b->targets, T, m->head_lse,
+                                                     m->head_ent, b->targets ? lp_out : NULL))) {
+        m->have_forward = 0;
+        return st;
+    }
+    if (m->tp_vocab && lp_out && !b->targets) memset(lp_out, 0, sizeof(float) * (size_t)T);
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
     int64_t floats = (int64_t)sizeof(float) * T;
     st = k->sync(); /* a GPU's first failure since the last sync (nothing on the CPU) */
@@ -407,6 +419,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
             k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */
             k->gemm(0, 0, n, D, V, 1.0f, m->logits, V, m->lm_head, D, 1.0f, dlnf + t0 * D, D); /* dlnf [n,D] */
         }
+    if (m->tp_vocab && (dlogprobs || dentropy)) mrl_model_tp_sum(m, dlnf, T * D); /* each slice's part (tp.c) */
     if (dvalues) {
         k->gemm(1, 0, 1, D, T, 1.0f, dvalues, 1, m->lnf, D, 1.0f, m->g_score, D); /* dscore [1,D] */
         k->gemm(0, 0, T, D, 1, 1.0f, dvalues, 1, m->score, D, 1.0f, dlnf, D);     /* dlnf += dv score */
@@ -429,7 +442,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
     if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
-    k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens, T, D); /* embedding rows, in token order */
+    if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens, T); /* this rank's rows */
+    else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);
     return MRL_OK;

@@ -45,7 +45,7 @@ static int may_be_missing(const mrl_model *m, const char *name) {
 /* The whole tensor's shape of view v (a tensor-parallel rank's: its slice's times the ranks). */
 static void whole_shape(const mrl_model *m, const mrl_param_view *v, int64_t shape[2]) {
     shape[0] = v->shape[0], shape[1] = v->ndim > 1 ? v->shape[1] : 0;
-    int split = m->tp_size > 1 ? mrl_model_tp_split(v->name) : 0;
+    int split = mrl_model_tp_split(m, v->name);
     if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
 }
 
@@ -88,10 +88,11 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
     return MRL_OK;
 }
 
-/* A tensor-parallel rank's slice of view v (whole: its rows or columns of the file's tensor). */
-static mrl_status read_tp_slice(const mrl_model *m, mrl_st *st, const mrl_param_view *v, float *dst) {
-    if (mrl_model_tp_split(v->name) == 1) /* rows: one range (a K/V head held by several ranks: theirs) */
-        return mrl_st_read_f32_range(st, v->name, (int64_t)(m->tp_rank / mrl_model_tp_copies(m, v->name)) * v->numel,
+/* A tensor-parallel rank's slice of view v (whole: its rows or columns of the file's tensor
+ * `from`, v's own or the embedding in place of a value-head model's missing lm_head). */
+static mrl_status read_tp_slice(const mrl_model *m, mrl_st *st, const mrl_param_view *v, const char *from, float *dst) {
+    if (mrl_model_tp_split(m, v->name) == 1) /* rows: one range (a K/V head held by several ranks: theirs) */
+        return mrl_st_read_f32_range(st, from, (int64_t)(m->tp_rank / mrl_model_tp_copies(m, v->name)) * v->numel,
                                      v->numel, dst);
     int64_t rows = v->shape[0], cols = v->shape[1]; /* columns: a range of each row */
     for (int64_t i = 0; i < rows; i++) {
@@ -139,7 +140,7 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
                 from = "model.embed_tokens.weight"; /* lm_head.weight of a value-head model: the embedding */
             }
         }
-        if (from && m->tp_size > 1 && mrl_model_tp_split(v->name)) s = read_tp_slice(m, st, v, dst);
+        if (from && mrl_model_tp_split(m, v->name)) s = read_tp_slice(m, st, v, from, dst);
         else if (from) s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, dst);
         if (!s && dst == stage) s = m->k->to_device(m->params + a, stage, (int64_t)sizeof(float) * (b - a));
     }
@@ -149,8 +150,10 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
 
 /* A tensor-parallel rank's config (rank of size: the heads and the MLP divided) from the whole
  * model's; the sizes it cannot divide are errors naming the key. Fewer K/V heads than ranks (a
- * divisor of them): one K/V head a rank, held by *kv_copies ranks. */
-static mrl_status tp_config(const char *dir, int size, mrl_model_config *c, int *kv_copies) {
+ * divisor of them): one K/V head a rank, held by *kv_copies ranks. A vocabulary size divides
+ * is split (*vocab 1), else the embedding and head stay whole (Megatron pads the vocabulary
+ * instead: Hugging Face's are multiples of 64 or more, which the usual sizes divide). */
+static mrl_status tp_config(const char *dir, int size, mrl_model_config *c, int *kv_copies, int *vocab) {
     if (c->num_experts > 0)
         return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: a mixture-of-experts model "
                              "(num_experts %d) splits its experts with expert parallelism", dir, size, c->num_experts);
@@ -167,6 +170,8 @@ static mrl_status tp_config(const char *dir, int size, mrl_model_config *c, int 
                                  dir, size, keys[i], *values[i], size,
                                  i == 1 ? " (nor a divisor of it, which would share each K/V head)" : "");
     for (int i = 0; i < 3; i++) *values[i] /= size;
+    *vocab = c->vocab_size % size == 0;
+    if (*vocab) c->vocab_size /= size;
     return MRL_OK;
 }
 
@@ -181,12 +186,13 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
     if (s) return s;
     if (value_head) whole.value_head = 1;
     cfg = whole;
-    int kv_copies = 1;
-    if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg, &kv_copies))) return s;
+    int kv_copies = 1, vocab = 0;
+    if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg, &kv_copies, &vocab))) return s;
     if ((s = mrl_st_open(dir, st))) return s;
     s = mrl_model_alloc_layout(&cfg, out); /* views only: the sizes are the file's to confirm */
     if (!s && tp_size > 1)
-        (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole, (*out)->tp_kv_copies = kv_copies;
+        (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole, (*out)->tp_kv_copies = kv_copies,
+        (*out)->tp_vocab = vocab;
     if (!s) s = check_tensors(*out, *st, dir);
     if (s) {
         mrl_st_close(*st);
@@ -367,7 +373,7 @@ static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes
     if (!s && writer) s = open_stream(m, dir, max_shard_bytes, &st);
     for (int i = 0; !g && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
-        int split = mrl_model_tp_split(v->name);
+        int split = mrl_model_tp_split(m, v->name);
         if (!split) {
             if (!s && writer) s = write_view(m, dir, st, v, out);
             continue;

@@ -188,6 +188,16 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
  * call (the layers return none), then cleared; MRL_OK otherwise. A forward's (or an engine
  * step's) status after its layers. */
 mrl_status mrl_model_tp_status(mrl_model *m);
+/* Vocabulary-parallel embedding and head (tp.c; the model's when tensor parallel divides its
+ * vocabulary, its config's vocab_size then this rank's rows of them, else 0 and whole):
+ * mrl_model_tp_vocab gives the rows and the first one's id in *lo. tp_embed fills x [T,D]
+ * with the embedding rows of tokens, each from the rank that holds it (summed over the group:
+ * the others' rows are zeros); tp_logits puts the group's logits [S, rows] of S rows side by
+ * side into whole [S, V] (all: [size * S * rows] of scratch), for the sampler. */
+int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo);
+int mrl_model_whole_vocab(const mrl_model *m);
+void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T);
+mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S, float *all, float *whole);
 /* RoPE tables for positions < max_len (grown, never shrunk: a run_async
  * caller covers every position first, so that no other thread regrows them). */
 mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len);

@@ -549,6 +549,8 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
                                  "CPU only for now (its experts' outputs are combined, and its router's gradient "
                                  "taken, on the host)", what);
         if (m->ep) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: expert parallelism is CPU only", what);
+        if (m->tp_size > 1) /* (its sums and gathers take host buffers) */
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: tensor parallelism is CPU only for now", what);
         k = mrl_kernels_for(device);
         if (!k) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: moonrl was built without CUDA", what);
     } else if (device.kind != MRL_DEVICE_CPU) {

@@ -121,6 +121,8 @@ struct mrl_model {
      * tp_gather brings the slices together for saving */
     int tp_rank, tp_size; /* 0 and 1 without */
     int tp_kv_copies;     /* ranks that hold each K/V head (more ranks than K/V heads), else 1 */
+    int tp_vocab;         /* the embedding and head split by vocabulary (cfg.vocab_size: the rows here) */
+    float *tp_stats;      /* [3T (1 + tp_size)] with tp_vocab: the head's statistics, this rank's and the group's */
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
     mrl_tp_allgather tp_gather;
@@ -202,6 +204,15 @@ mrl_status mrl_moe_ep_status(const mrl_model *m);
 /* tp.c: buf (n floats) summed over the tensor-parallel group, in place (nothing without one);
  * a failure is kept for mrl_model_tp_status */
 void mrl_model_tp_sum(const mrl_model *m, float *buf, int64_t n);
+/* The vocabulary-parallel head and embedding (tp.c): a batch's targets as this rank's slice
+ * reads them (-1 none, rows: another rank's); the group's statistics of the slices' head_fwd
+ * (mine: [lse_r | H_r | logp_r] of T tokens; all: size times that) combined into the whole
+ * vocabulary's lse, entropy and (lp not NULL) log-probs of the whole targets; the embedding's
+ * gradient of this rank's rows from dx [T,D], in token order. */
+void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *local, int64_t T);
+mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
+                                   float *lse, float *ent, float *lp);
+void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T);
 void mrl_moe_ep_free(mrl_model *m);
 /* moe.c: the load-balancing statistics of one sparse layer's forward, added
  * to the model's (aux_picks, aux_n); then the loss from them */

@@ -4,9 +4,11 @@
  * every rank. The layer (layer.c) sums the row-parallel outputs and the
  * column-parallel input gradients over the group with the model's
  * allreduce, so everything between them (norms, residual stream, head) is
- * the same on every rank. With more ranks than K/V heads, several ranks hold
+ * the same on every rank; the embedding and head are split by vocabulary
+ * (below). With more ranks than K/V heads, several ranks hold
  * each K/V head (tp_kv_copies) and sum their gradients of it once an
  * update's backwards are done (mrl_model_tp_sync_grads). */
+#include <math.h>
 #include <string.h>
 #include "base/error.h"
 #include "moonrl/mem.h"
@@ -17,9 +19,13 @@ static int ends_with(const char *s, const char *suffix) {
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-/* 1 by rows: q, k, v, gate, up (weights and biases: column-parallel); 2 by columns: o_proj,
- * down_proj (row-parallel); 0: whole (norms, embedding, head). */
-int mrl_model_tp_split(const char *name) {
+/* 1 by rows: q, k, v, gate, up (weights and biases: column-parallel), and the embedding and
+ * head when split by vocabulary; 2 by columns: o_proj, down_proj (row-parallel); 0: whole
+ * (norms, a value head; the embedding and head of a vocabulary the ranks do not divide). */
+int mrl_model_tp_split(const mrl_model *m, const char *name) {
+    if (!m || m->tp_size <= 1 || !name) return 0;
+    if (m->tp_vocab && (strcmp(name, "model.embed_tokens.weight") == 0 || strcmp(name, "lm_head.weight") == 0))
+        return 1;
     static const char *const rows[] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                                        "self_attn.q_proj.bias",   "self_attn.k_proj.bias",   "self_attn.v_proj.bias",
                                        "mlp.gate_proj.weight",    "mlp.up_proj.weight"};
@@ -103,4 +109,94 @@ mrl_status mrl_model_tp_status(mrl_model *m) {
     mrl_status st = m->tp_failed;
     m->tp_failed = MRL_OK; /* the next forward starts clean */
     return st;
+}
+
+/* ---- the vocabulary-parallel embedding and head ----
+ * Rank r holds rows [r V/size, (r + 1) V/size) of the embedding and the
+ * head (tp_vocab). The embedding's rows come from the rank that holds each
+ * token's and are summed over the group, the others adding zeros (exact).
+ * The head's logits stay in slices: each rank's softmax statistics of its
+ * slice (head_fwd: lse_r, entropy H_r, the target's log-prob where it holds
+ * the target) are gathered, 3 floats a token, and every rank combines them
+ * alike, in double and in rank order:
+ *   lse = log sum_r exp(lse_r),  w_r = exp(lse_r - lse)
+ *   H   = sum_r w_r (H_r - log w_r)          (the mixture of the slices' softmaxes)
+ *   logp_t = (logp_t,r + lse_r) - lse        (r: the rank holding t)
+ * The backward's head_bwd needs only the row's lse and H and each slice's
+ * own targets (another slice's: the -p terms alone), so no [tokens, vocab]
+ * logits ever cross the group. The engine's sampler gathers its S rows'. */
+
+int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo) {
+    if (!m->tp_vocab) return 0;
+    if (lo) *lo = (int64_t)m->tp_rank * m->cfg.vocab_size;
+    return m->cfg.vocab_size;
+}
+
+int mrl_model_whole_vocab(const mrl_model *m) { return m->tp_size > 1 ? m->tp_cfg.vocab_size : m->cfg.vocab_size; }
+
+void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T) {
+    int64_t lo, D = m->cfg.hidden_size, rows = mrl_model_tp_vocab(m, &lo);
+    for (int64_t i = 0; i < T; i++) { /* (host memory: tensor parallel runs on the CPU) */
+        int64_t t = tokens[i] - lo;
+        if (t >= 0 && t < rows) memcpy(x + i * D, embed + t * D, sizeof(float) * (size_t)D);
+        else memset(x + i * D, 0, sizeof(float) * (size_t)D);
+    }
+    mrl_model_tp_sum(m, x, T * D);
+}
+
+void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T) {
+    int64_t lo, D = m->cfg.hidden_size, rows = mrl_model_tp_vocab(m, &lo);
+    for (int64_t i = 0; i < T; i++) { /* in token order, as scatter_add_rows */
+        int64_t t = tokens[i] - lo;
+        if (t < 0 || t >= rows) continue;
+        float *g = g_embed + t * D;
+        const float *d = dx + i * D;
+        for (int64_t j = 0; j < D; j++) g[j] += d[j];
+    }
+}
+
+void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *local, int64_t T) {
+    int64_t lo, rows = mrl_model_tp_vocab(m, &lo);
+    for (int64_t i = 0; i < T; i++) {
+        int64_t t = whole[i] - lo;
+        local[i] = whole[i] < 0 ? -1 : t >= 0 && t < rows ? (int32_t)t : (int32_t)rows; /* rows: elsewhere */
+    }
+}
+
+mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
+                                   float *lse, float *ent, float *lp) {
+    if (!m->tp_gather)
+        return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no all-gather for the group (mrl_model_set_tp_group)");
+    mrl_status st = m->tp_gather(m->tp_ctx, mine, 3 * T, all);
+    if (st) return mrl_wrap_error(st, "tensor parallel: gathering the head's statistics over the %d ranks", m->tp_size);
+    int n = m->tp_size, rows = m->cfg.vocab_size;
+    for (int64_t i = 0; i < T; i++) {
+        double top = -INFINITY, s = 0, h = 0;
+        for (int r = 0; r < n; r++) top = fmax(top, all[(int64_t)r * 3 * T + i]);
+        for (int r = 0; r < n; r++) s += exp(all[(int64_t)r * 3 * T + i] - top);
+        double l = top + log(s);
+        for (int r = 0; r < n; r++) {
+            double lw = all[(int64_t)r * 3 * T + i] - l;
+            h += exp(lw) * (all[(int64_t)r * 3 * T + T + i] - lw);
+        }
+        lse[i] = (float)l;
+        ent[i] = (float)h;
+        if (!lp) continue;
+        int owner = targets[i] >= 0 ? targets[i] / rows : -1;
+        lp[i] = owner < 0 ? 0.0f
+                          : (float)((double)all[(int64_t)owner * 3 * T + 2 * T + i] + all[(int64_t)owner * 3 * T + i] - l);
+    }
+    return MRL_OK;
+}
+
+mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S, float *all, float *whole) {
+    if (!m->tp_gather)
+        return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no all-gather for the group (mrl_model_set_tp_group)");
+    int64_t rows = m->cfg.vocab_size, n = m->tp_size;
+    mrl_status st = m->tp_gather(m->tp_ctx, part, S * rows, all);
+    if (st) return mrl_wrap_error(st, "tensor parallel: gathering the logits of %lld rows", (long long)S);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t r = 0; r < n; r++)
+            memcpy(whole + (s * n + r) * rows, all + (r * S + s) * rows, sizeof(float) * (size_t)rows);
+    return MRL_OK;
 }

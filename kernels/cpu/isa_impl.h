@@ -165,7 +165,7 @@ static void head_fwd_row(const float *z, int V, float inv_temp, int32_t target, 
     float l = m + logf(s);
     *lse = l;
     *entropy = l - sz / s;
-    *logprob = target >= 0 ? z[target] * inv_temp - l : 0.0f;
+    *logprob = target >= 0 && target < V ? z[target] * inv_temp - l : 0.0f;
 }
 
 static void head_bwd_row(float *z, int V, float inv_temp, int32_t target, float lse, float ent,
@@ -179,7 +179,7 @@ static void head_bwd_row(float *z, int V, float inv_temp, int32_t target, float 
         float lp = z[j] * inv_temp - lse, p = expf(lp);
         z[j] = (-glp * p - gh * p * (lp + ent)) * inv_temp;
     }
-    if (target >= 0) z[target] += glp * inv_temp;
+    if (target >= 0 && target < V) z[target] += glp * inv_temp; /* (>= V: another rank's slice) */
 }
 
 /* ---- attention: one sequence of L tokens at a time, in blocks of ATT_QB queries ----

@@ -262,7 +262,7 @@ static void ref_head_fwd(const float *logits, int64_t rows, int V, float inv_tem
         double l = m + log(s);
         lse[r] = (float)l;
         entropy[r] = (float)(l - sz / s);
-        logprob[r] = targets[r] >= 0 ? (float)((double)z[targets[r]] * inv_temp - l) : 0.0f;
+        logprob[r] = targets[r] >= 0 && targets[r] < V ? (float)((double)z[targets[r]] * inv_temp - l) : 0.0f;
     }
 }
 

@@ -33,7 +33,7 @@ head_fwd_kernel(const float *logits, int V, float inv_temp, const int32_t *targe
         int t = targets[blockIdx.x];
         lse[blockIdx.x] = (float)l;
         entropy[blockIdx.x] = (float)(l - sz / s);
-        logprob[blockIdx.x] = t >= 0 ? (float)((double)z[t] * inv_temp - l) : 0.0f;
+        logprob[blockIdx.x] = t >= 0 && t < V ? (float)((double)z[t] * inv_temp - l) : 0.0f;
     }
 }
 

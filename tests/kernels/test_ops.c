@@ -1040,7 +1040,8 @@ static void run_head_bwd(const mrl_kernels *k, void *const *p, const op_case *c)
 
 static int32_t *head_targets(int64_t rows, int V) {
     int32_t *tg = malloc(sizeof(int32_t) * rows);
-    for (int64_t r = 0; r < rows; r++) tg[r] = r % 4 == 3 ? -1 : (int32_t)((r * 97) % V);
+    /* none every fourth row, and every fifth one in another rank's slice of the vocabulary */
+    for (int64_t r = 0; r < rows; r++) tg[r] = r % 4 == 3 ? -1 : r % 5 == 2 ? V + (int32_t)r : (int32_t)((r * 97) % V);
     return tg;
 }
 
@@ -1053,7 +1054,7 @@ static void case_head(int64_t rows, int V, float inv_temp, int gpu) {
     op_case c;
     float *z = rnd(rows * V, 3), *lse = zeros(rows), *ent = zeros(rows), *lp = zeros(rows);
     int32_t *tg = head_targets(rows, V);
-    for (int64_t r = 0; gpu && r < rows; r++) tg[r] = r % 4 == 3 ? -1 : (int32_t)(urand() * V);
+    for (int64_t r = 0; gpu && r < rows; r++) tg[r] = r % 4 == 3 ? -1 : r % 5 == 2 ? V : (int32_t)(urand() * V);
     mrl_kernels_cpu_reference()->head_fwd(z, rows, V, inv_temp, tg, lse, ent, lp);
     new_case(&c, "head_fwd", run_head_fwd, "%lldx%d", (long long)rows, V);
     add(&c, "logits", F32, IN, rows * V, z, 0);

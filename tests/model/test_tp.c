@@ -7,7 +7,9 @@
  *   - each slice's shape, and its values the rows or columns of the whole
  *     tensor;
  *   - the log-probs, entropy and values of a packed batch (shared prompts
- *     included) on every rank, against the whole model's;
+ *     included) on every rank, against the whole model's: with the
+ *     embedding and head split by vocabulary (212 tokens over 2 and 4 ranks:
+ *     the head's statistics combined over the slices) and whole (211);
  *   - after a backward, each rank's gradients: a split view's the slice of
  *     the whole model's, the others' the whole view's;
  *   - saved by the group (each split tensor gathered, rank 0 writing): the
@@ -127,9 +129,11 @@ static int slice_of(const mrl_param_view *w, const mrl_param_view *v, const floa
     return 0;
 }
 
-/* kv_shared: with more ranks than K/V heads (each held by several), else one K/V head a rank */
-static void case_tp(int arch, int dtype, int size, int kv_shared, const char *dir) {
+/* kv_shared: with more ranks than K/V heads (each held by several), else one K/V head a rank;
+ * vocab: 212 splits the embedding and head by vocabulary over 2 and 4 ranks, 211 keeps them whole */
+static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, const char *dir) {
     mrl_model_config c = small_config(arch);
+    c.vocab_size = vocab;
     c.value_head = arch == MRL_ARCH_LLAMA;
     if (size > c.num_key_value_heads && !kv_shared) c.num_key_value_heads = size; /* (4 ranks: one K/V head each) */
     mrl_model *src = small_model(&c, 11 + (uint64_t)arch);
@@ -164,7 +168,8 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, const char *di
         const mrl_model_config *lc = mrl_model_get_config(ms[r].m);
         int kv = c.num_key_value_heads >= size ? c.num_key_value_heads / size : 1;
         CHECK(lc->num_attention_heads == c.num_attention_heads / size && lc->num_key_value_heads == kv &&
-              lc->intermediate_size == c.intermediate_size / size);
+              lc->intermediate_size == c.intermediate_size / size &&
+              lc->vocab_size == (vocab % size ? vocab : vocab / size) && all.vocab_size == vocab);
         CHECK(mrl_model_tp_copies(ms[r].m, "model.layers.0.self_attn.k_proj.weight") == (kv_shared ? size / c.num_key_value_heads : 1));
     }
     for (int r = 0; r < size; r++) pthread_create(&th[r], NULL, run_rank, &ms[r]);
@@ -200,11 +205,12 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, const char *di
             free(want);
         }
     }
-    printf("%s %s tp=%d%s: %lld split views, max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n",
+    printf("%s %s tp=%d%s, vocabulary %d (%s): %lld split views, max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n",
            mrl_model_arch_names(arch)->model_type, dtype ? "bf16" : "fp32", size, kv_shared ? " (K/V heads shared)" : "",
-           (long long)split_views, worst_lp,
-           worst_g, worst_name);
-    CHECK(split_views == (int64_t)size * c.num_hidden_layers * (c.attention_bias ? 10 : 7)); /* q k v o gate up down (+ 3 biases) */
+           vocab, vocab % size ? "whole head" : "split", (long long)split_views, worst_lp, worst_g, worst_name);
+    /* q k v o gate up down (+ 3 biases) a layer, and the embedding and an untied head split by vocabulary */
+    int vocab_views = vocab % size ? 0 : c.tie_word_embeddings ? 1 : 2;
+    CHECK(split_views == (int64_t)size * (c.num_hidden_layers * (c.attention_bias ? 10 : 7) + vocab_views));
     CHECK(worst_w == 0);
     CHECK(worst_lp <= lp_tol);
     CHECK(worst_g <= g_tol);
@@ -264,8 +270,9 @@ static void *generate(void *arg) {
 
 static void *generate_rank(void *arg) { return generate(arg); }
 
-static void case_engine(int dtype, const char *dir) {
+static void case_engine(int dtype, int vocab, const char *dir) {
     mrl_model_config c = small_config(MRL_ARCH_QWEN3);
+    c.vocab_size = vocab; /* 212: the logits in slices, gathered for the sampler */
     mrl_model *src = small_model(&c, 21);
     CHECK_OK(mrl_model_save_dir(src, dir));
     mrl_model_free(src);
@@ -306,8 +313,8 @@ static void case_engine(int dtype, const char *dir) {
             }
         mrl_model_free(ranks[r].m);
     }
-    printf("engine %s tp=2: %lld tokens (greedy, sampled), %lld differ from the whole model's, log-probs within %.3g\n",
-           dtype ? "bf16" : "fp32", (long long)tokens, (long long)differ, worst);
+    printf("engine %s tp=2, vocabulary %d: %lld tokens (greedy, sampled), %lld differ from the whole model's, log-probs within %.3g\n",
+           dtype ? "bf16" : "fp32", vocab, (long long)tokens, (long long)differ, worst);
     CHECK(tokens > 2 * PROMPTS * SAMPLES && differ == 0 && across == 0);
     CHECK(worst <= (dtype ? LP_TOL16 : LP_TOL));
     pthread_barrier_destroy(&g.bar);
@@ -357,10 +364,13 @@ int main(void) {
     CHECK(mkdtemp(dir) != NULL);
     static const int arches[3] = {MRL_ARCH_LLAMA, MRL_ARCH_QWEN2, MRL_ARCH_QWEN3};
     for (int a = 0; a < 3; a++)
-        for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, 0, dir);
-    case_tp(MRL_ARCH_QWEN2, 0, 4, 0, dir);
-    for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 4, 1, dir); /* 2 K/V heads over 4 ranks */
-    for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, dir);
+        for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, 0, 212, dir);
+    case_tp(MRL_ARCH_QWEN2, 0, 4, 0, 212, dir);
+    for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 4, 1, 212, dir); /* 2 K/V heads over 4 ranks */
+    case_tp(MRL_ARCH_QWEN2, 0, 2, 0, 211, dir); /* a vocabulary 2 does not divide: whole embedding and head */
+    case_tp(MRL_ARCH_LLAMA, 1, 4, 0, 211, dir);
+    for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, 212, dir);
+    case_engine(0, 211, dir);
     case_refusals(dir);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

@@ -13,9 +13,10 @@ local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
 local mpirun = U.which('mpirun')
 local dir = U.tmpdir('tp')
 
--- four query and four K/V heads (4 ranks: one each), an MLP of 48, a value-free Qwen2 with biases
+-- four query and four K/V heads (4 ranks: one each), an MLP of 48, a value-free Qwen2 with biases,
+-- a vocabulary of 16 (the embedding and head split by vocabulary)
 local model_dir = dir .. '/model'
-tiny.model('qwen2', { num_key_value_heads = 4, initializer_range = 0.2 }, { seed = 5 }):save(model_dir)
+tiny.model('qwen2', { num_key_value_heads = 4, initializer_range = 0.2, vocab_size = 16 }, { seed = 5 }):save(model_dir)
 local whole_dir = dir .. '/whole'
 moonrl.model.load(model_dir):save(whole_dir)
 

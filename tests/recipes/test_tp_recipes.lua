@@ -3,7 +3,9 @@
 -- on the same global batch: SFT on 2 ranks (tp=2), on 4 (2 groups of 2) and on 4 with tp=4
 -- (the model's 2 K/V heads each held by 2 ranks), DPO, GRPO with a KL
 -- reference (the engine generating on the slices, every rank of a group stepping together) and
--- PPO with its critic, each within 1e-5 of one process's final weights; a run stopped after a
+-- PPO with its critic, each within 1e-5 of one process's final weights (a vocabulary of 16 the
+-- ranks split, the embedding and head in slices; 2 groups of 2 on one of 15, both whole); a run
+-- stopped after a
 -- checkpoint and resumed ends with the bits of the run never stopped (each slot's optimizer
 -- state in its own file); the keys and configs tensor parallel cannot take are usage errors
 -- naming them. (tests/recipes/meson.build runs it where mpirun is.)
@@ -15,7 +17,9 @@ local U = dofile('tests/recipes/util.lua')
 local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
 
 local dir = U.tmpdir('tp_recipes')
-local model_dir, sft_data, pref_data, rl_data = U.ranks_setup(dir)
+local model15, sft_data, pref_data, rl_data = U.ranks_setup(dir)
+-- the digits' 15 tokens and one no text has: a vocabulary 2 and 4 divide
+local model_dir = U.tiny_model(dir .. '/init16', { layers = 2, vocab_size = 16 })
 local SFT = { 'model.dir=' .. model_dir, 'data.path=' .. sft_data, 'train.steps=4', 'train.batch=12', 'train.lr=1e-3',
   'run.threads=1' }
 local DPO = { 'model.dir=' .. model_dir, 'data.path=' .. pref_data, 'train.steps=4', 'train.pairs=6', 'train.lr=1e-3',
@@ -35,7 +39,9 @@ end
 local rel_diff = U.weights_diff
 
 t.test('sft (2 ranks, 2 groups of 2, and 4 ranks sharing the 2 K/V heads), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
-  for _, case in ipairs({ { 'recipes/sft.lua', SFT, 'sft', 2 }, { 'recipes/sft.lua', SFT, 'sft', 4 },
+  local SFT15 = {}
+  for i, w in ipairs(SFT) do SFT15[i] = w:find('^model%.dir=') and 'model.dir=' .. model15 or w end
+  for _, case in ipairs({ { 'recipes/sft.lua', SFT, 'sft', 2 }, { 'recipes/sft.lua', SFT15, 'sft15', 4 },
     { 'recipes/sft.lua', SFT, 'sft', 4, 4 },
     { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 } }) do
     local one = dir .. '/one_' .. case[3]

@@ -296,28 +296,32 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
 /* Tensor parallel (Megatron's, dist.tp): mrl_model_load_dir_tp loads rank `rank` of `size`'s
  * slices of every layer from a Hugging Face directory: its num_attention_heads / size query
  * heads and num_key_value_heads / size KV heads (the rows of q, k, v and their biases, the
- * columns of o_proj), and intermediate_size / size of the MLP (the rows of gate and up, the
- * columns of down); the norms, the embedding, the head and a value head whole on every rank.
- * Each slice is read by range from the files. The model's config (mrl_model_get_config) is
- * then the slices' (heads and intermediate size divided by size); the views keep their
- * Hugging Face names with the slices' shapes. The group's collectives are set before the first
- * forward (mrl_model_set_tp_group): allreduce sums n floats over the ranks in place, called by
- * every rank at the same points (after o_proj and down_proj in the forward, after the input
- * gradients of q, k, v and gate, up and Qwen3's per-head norm gradients in the backward), so
- * the outputs, log-probs and the gradients of the whole parts are the same on every rank and
- * each slice's gradient is the slice of the whole model's; allgather puts every rank's n
- * floats of mine into all (n * size, rank order): mrl_model_save_dir, which every rank of the
- * group calls, gathers each split tensor and rank 0 writes the whole model (the whole config
+ * columns of o_proj), intermediate_size / size of the MLP (the rows of gate and up, the
+ * columns of down), and vocab_size / size rows of the embedding and the head when size divides
+ * the vocabulary (else both whole); the norms and a value head whole on every rank. Each slice
+ * is read by range from the files. The model's config (mrl_model_get_config) is then the
+ * slices' (heads, intermediate size and a divided vocabulary divided by size); the views keep
+ * their Hugging Face names with the slices' shapes. The group's collectives are set before the
+ * first forward (mrl_model_set_tp_group): allreduce sums n floats over the ranks in place,
+ * called by every rank at the same points (the embedding's rows, after o_proj and down_proj in
+ * the forward, after the input gradients of q, k, v and gate, up, Qwen3's per-head norm
+ * gradients and the head's in the backward); allgather puts every rank's n floats of mine into
+ * all (n * size, rank order): the forward gathers the head's softmax statistics of each slice
+ * (3 floats a token, never the logits) and every rank combines them alike. So the log-probs,
+ * entropy, values and the gradients of the whole parts are the same on every rank and each
+ * slice's gradient is the slice of the whole model's. mrl_model_save_dir, which every rank of
+ * the group calls, gathers each split tensor and rank 0 writes the whole model (the whole config
  * too). Dense models (no experts); size must divide the heads, the KV heads and the
- * intermediate size (errors naming them). Host buffers (on a GPU the model copies through). */
+ * intermediate size (errors naming them). CPU models (the collectives take host buffers). */
 typedef mrl_status (*mrl_tp_allreduce)(void *ctx, float *buf, int64_t n);
 typedef mrl_status (*mrl_tp_allgather)(void *ctx, const float *mine, int64_t n, float *all);
 mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out);
 mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx);
 /* The tensor-parallel size (1 without), and this rank in *rank; the whole model's config in *whole. */
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);
-/* How tensor parallel splits the view named `name`: 0 whole on every rank, 1 by rows, 2 by columns. */
-int mrl_model_tp_split(const char *name);
+/* How tensor parallel splits m's view named `name`: 0 whole on every rank, 1 by rows, 2 by
+ * columns (0 for any view of a model that is not tensor parallel). */
+int mrl_model_tp_split(const mrl_model *m, const char *name);
 /* With more ranks than K/V heads (size a multiple of num_key_value_heads), each rank holds one
  * K/V head, the one its query heads read, and size / num_key_value_heads ranks hold each:
  * mrl_model_tp_copies gives that many for k and v (1 for any other view, or without it). Their

@@ -311,7 +311,7 @@ end
 function M.tp_norm(opt, model, tpw)
   local split, whole = {}, {}
   for _, v in ipairs(model:views()) do
-    local list = C.mrl_model_tp_split(v.name) ~= 0 and split or whole
+    local list = C.mrl_model_tp_split(model.handle, v.name) ~= 0 and split or whole
     local w = 1 / C.mrl_model_tp_copies(model.handle, v.name)
     local last = list[#list]
     if last and last[1] + last[2] == v.offset and last[3] == w then last[2] = last[2] + v.numel
