@@ -7,7 +7,7 @@
 #           engine on the whole model (1 process x 2 threads) against the engine on each rank's
 #           slices (dist.tp=2, 2 ranks x 1 thread), median tokens_per_s/generate
 #   memory  rank 0's training state (memory/params_mb + grads_mb + optim_mb): 1 process against
-#           dist.tp=2 (the norms, embedding and head stay whole on every rank)
+#           dist.tp=2 (only the norms stay whole on every rank)
 # The runs alternate for ROUNDS rounds; each keeps its best round.
 #
 #   bench/dist/tp.sh [build/moonrl]

@@ -124,6 +124,7 @@ Model.__index = Model
 local function wrap(handle)
   local m = setmetatable({ handle = ffi.gc(handle, C.mrl_model_free) }, Model)
   m.config = config_table(C.mrl_model_get_config(handle))
+  m.whole_config = m.config -- (a tensor-parallel rank's config is its slices': load_tp)
   m.n_params = tonumber(C.mrl_model_num_params(handle))
   return m
 end
@@ -178,6 +179,9 @@ function M.load_tp(dir, world, opts)
   if world.size == 1 then return m end -- (the whole model)
   moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, world.handle), 2)
   m.tp_world = world -- (its communicator outlives the model's use of it)
+  local whole = ffi.new('mrl_model_config')
+  C.mrl_model_tp(m.handle, nil, whole)
+  m.whole_config = config_table(whole)
   return m
 end
 

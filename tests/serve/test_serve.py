@@ -14,6 +14,8 @@ second-long deadlines: a 15 MB prompt refused before it is tokenised (the server
 barely moves), sockets trickling heads and bodies (cut at the deadline with 408, more of them than
 --max-connections: /health and new clients still answered), requests past --request-timeout (503,
 an error event on a stream, their samples stopped).
+--tp 2 (where mpirun is): the answers of one process from 2 tensor-parallel ranks, a drain on
+SIGTERM, exit 2 for a degree the heads do not take.
 Prints tokens/s with 1 and 8 concurrent clients.
 
 usage: test_serve.py PATH/TO/moonrl SOURCE_DIR
@@ -23,6 +25,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,6 +178,7 @@ def main():
         code = srv.stop()
     check("sigterm-idle-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
     check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
+    tp_checks(model, exp, gen_text, gen_chat)
     hardening_checks(model)
     cli_checks(model)
     print("%d failed" % failed)
@@ -588,6 +592,79 @@ def sigterm_check(model):
         check("sigterm-closed", False)
     except OSError:
         check("sigterm-closed", True)
+
+
+def tp_checks(model, exp, gen_text, gen_chat):
+    """--tp 2 (where mpirun is): the server starts itself on 2 ranks, each with its slices of every
+    layer, rank 0 answering HTTP: the greedy text, ids and log-probs, seeded samples, chat and a
+    stream of one process; concurrent requests; an idle pause longer than the ranks' sends (the
+    lead's ticks); SIGTERM while a stream runs drains it and exits 0. A degree the heads do not take,
+    a port in use: exit 2 naming them."""
+    if not shutil.which("mpirun"):
+        print("skip tp: no mpirun")
+        return
+    srv = Server(model, "--tp", "2", "--served-model-name", "tiny-test", "--shutdown-timeout", "30")
+    try:
+        g = exp["greedy"][0]
+        status, r = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 20, "temperature": 0,
+                                                 "logprobs": 1, "return_tokens_as_token_ids": True})
+        c = r["choices"][0] if status == 200 else {"text": None, "logprobs": {"tokens": [], "token_logprobs": []}}
+        check("tp-greedy-equals-generate", c["text"] == gen_text, "%r vs %r" % (c["text"], gen_text))
+        ids = [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]]
+        check("tp-greedy-token-ids", ids == g["ids"], "%s vs %s" % (ids, g["ids"]))
+        lps = c["logprobs"]["token_logprobs"]
+        check("tp-greedy-logprobs", len(lps) == len(g["logprobs"]) and
+              max(abs(a - b) for a, b in zip(lps, g["logprobs"])) < 1e-5, "%s vs %s" % (lps, g["logprobs"]))
+        status, r = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 12, "temperature": 1.0, "n": 3,
+                                                 "seed": 7})
+        texts = [x["text"] for x in sorted(r["choices"], key=lambda x: x["index"])] if status == 200 else None
+        check("tp-n3-seeded", texts == [s["text"] for s in exp["sampled"]], "%s vs %s" % (texts, exp["sampled"]))
+        status, r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                                      "temperature": 0})
+        check("tp-chat-equals-generate", status == 200 and r["choices"][0]["message"]["content"] == gen_chat, r)
+        status, _, events, done = srv.stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 20,
+                                                                 "temperature": 0})
+        check("tp-stream", done and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == gen_text)
+        got = [None] * 6
+
+        def one(i):
+            st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 20, "temperature": 0})
+            got[i] = b["choices"][0]["text"] if st == 200 else st
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        check("tp-concurrent", got == [gen_text] * 6, got)
+        time.sleep(2.5)  # idle: the lead's ticks keep the other rank in step
+        st, b = srv.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 5, "temperature": 0})
+        check("tp-after-idle", st == 200 and b["usage"]["completion_tokens"] == 5, b)
+        result = {}
+
+        def streamer():
+            result["r"] = srv.stream("/v1/completions", {"prompt": "Hello world", "max_tokens": 200, "n": 4})
+        t = threading.Thread(target=streamer)
+        t.start()
+        time.sleep(0.5)
+    finally:
+        code = srv.stop()
+    t.join(timeout=60)
+    r = result.get("r")
+    check("tp-sigterm-stream-completes", r is not None and r[3] and
+          sum(1 for e in r[2] if e["choices"][0]["finish_reason"]) == 4, r and r[2][-1:])
+    check("tp-sigterm-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
+    check("tp-no-traceback", "traceback" not in srv.log().lower(), srv.log()[-2000:])
+    p = subprocess.run([MOONRL, "serve", "--tp", "3", "--model", model, "--port", "0"], capture_output=True, timeout=120)
+    err = p.stderr.decode("utf-8", "replace")
+    check("tp-bad-degree", p.returncode == 2 and "num_attention_heads (4) is not a multiple of 3" in err, err)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    p = subprocess.run([MOONRL, "serve", "--tp", "2", "--model", model, "--port", str(busy.getsockname()[1])],
+                       capture_output=True, timeout=120)
+    busy.close()
+    err = p.stderr.decode("utf-8", "replace")
+    check("tp-port-in-use", p.returncode == 2 and "in use" in err, err)
 
 
 def hwm_mb(pid):

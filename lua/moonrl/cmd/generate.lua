@@ -42,45 +42,11 @@ local function parse(args)
   return o
 end
 
--- --tp N from one process: the same command on N ranks under mpirun (moonrl launch's flags),
--- waited for; its status.
-local function start_group(o, args)
-  local ffi = require('ffi')
-  local C = moonrl.C
-  local launcher, env = require('moonrl.cmd.launch').mpirun(o.tp)
-  if not launcher then moonrl.usage_error('generate: --tp ' .. o.tp .. ': ' .. env) end
-  local exe = rawget(_G, 'MOONRL_EXE')
-  if not exe then moonrl.usage_error('generate: --tp: cannot find the moonrl executable (/proc/self/exe)') end
-  local argv = {}
-  for _, a in ipairs(launcher) do argv[#argv + 1] = a end
-  argv[#argv + 1], argv[#argv + 2] = exe, 'generate'
-  for _, a in ipairs(args) do argv[#argv + 1] = a end
-  local cargv, cenv = ffi.new('const char *[?]', #argv + 1), ffi.new('const char *[?]', #env + 1)
-  for i, a in ipairs(argv) do cargv[i - 1] = a end
-  for i, e in ipairs(env) do cenv[i - 1] = e end
-  cargv[#argv], cenv[#env] = nil, nil
-  moonrl.check(C.mrl_signals_install()) -- a Ctrl-C reaches this process alone: handed to mpirun
-  C.mrl_signals_count_only()
-  local out = ffi.new('mrl_child *[1]')
-  moonrl.check(C.mrl_child_spawn(cargv, cenv, out))
-  local child = ffi.gc(out[0], C.mrl_child_free)
-  local forwarded = 0
-  while C.mrl_child_poll(child, 0.2) == 0 do
-    local got = tonumber(C.mrl_signals_received())
-    if got > forwarded then
-      C.mrl_child_signal(child, tonumber(C.mrl_signal_last()))
-      forwarded = got
-    end
-  end
-  local status = tonumber(C.mrl_child_status(child))
-  return status >= 0 and status or 128 - status
-end
-
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
   local world = o.tp > 1 and require('moonrl.train.dist').world() or nil
-  if world and world.size == 1 then return start_group(o, args) end
+  if world and world.size == 1 then return require('moonrl.cmd.launch').start_self('generate', o.tp, args) end
   if world and world.size ~= o.tp then
     moonrl.usage_error(string.format('generate: --tp %d on a job of %d ranks (it starts its own: run it alone)', o.tp,
       world.size))

@@ -12,6 +12,7 @@ local ffi = require('ffi')
 local moonrl = require('moonrl')
 local fs = require('moonrl.io.fs')
 pcall(ffi.cdef, 'unsigned int getuid(void);')
+pcall(ffi.cdef, 'int kill(int pid, int sig);')
 
 local M = {}
 
@@ -42,6 +43,42 @@ function M.mpirun(n, extra)
     env[1] = 'MOONRL_THREADS=' .. threads
   end
   return launcher, env
+end
+
+-- `moonrl COMMAND args` again on n ranks under mpirun (M.mpirun's flags), waited for: its exit
+-- status. (generate and serve --tp N started from one process.) A signal this process gets goes
+-- to mpirun: as it came (mpirun then ends the job), or with graceful as SIGUSR2, which mpirun hands
+-- to every rank as a stop (signals.c), a second one as it came.
+function M.start_self(command, n, args, graceful)
+  local C = moonrl.C
+  local launcher, env = M.mpirun(n)
+  if not launcher then moonrl.usage_error(command .. ': --tp ' .. n .. ': ' .. env) end
+  local exe = rawget(_G, 'MOONRL_EXE')
+  if not exe then moonrl.usage_error(command .. ': --tp: cannot find the moonrl executable (/proc/self/exe)') end
+  local argv = {}
+  for _, a in ipairs(launcher) do argv[#argv + 1] = a end
+  argv[#argv + 1], argv[#argv + 2] = exe, command
+  for _, a in ipairs(args) do argv[#argv + 1] = a end
+  local cargv, cenv = ffi.new('const char *[?]', #argv + 1), ffi.new('const char *[?]', #env + 1)
+  for i, a in ipairs(argv) do cargv[i - 1] = a end
+  for i, e in ipairs(env) do cenv[i - 1] = e end
+  cargv[#argv], cenv[#env] = nil, nil
+  moonrl.check(C.mrl_signals_install()) -- a Ctrl-C reaches this process alone: handed to mpirun
+  C.mrl_signals_count_only()
+  local out = ffi.new('mrl_child *[1]')
+  moonrl.check(C.mrl_child_spawn(cargv, cenv, out))
+  local child = ffi.gc(out[0], C.mrl_child_free)
+  local forwarded = 0
+  while C.mrl_child_poll(child, 0.2) == 0 do
+    local got = tonumber(C.mrl_signals_received())
+    if got > forwarded then
+      if graceful and forwarded == 0 then ffi.C.kill(tonumber(C.mrl_child_pid(child)), 12)
+      else C.mrl_child_signal(child, tonumber(C.mrl_signal_last())) end
+      forwarded = got
+    end
+  end
+  local status = tonumber(C.mrl_child_status(child))
+  return status >= 0 and status or 128 - status
 end
 
 local USAGE = 'usage: moonrl launch -n N [--restarts K] [--backoff S] [--mpirun "ARGS"] [RECIPE] [--require FILE.lua] [key=value ...]'

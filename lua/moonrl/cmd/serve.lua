@@ -27,7 +27,9 @@ usage: moonrl serve --model DIR|FILE.gguf [options]
   --body-timeout S       seconds to receive a request's whole body, from its head (default 60; then 408)
   --keep-alive-timeout S seconds an open connection waits for its next request (default 30)
   --request-timeout S    seconds a request may take, from received to answered (default 600; then 503)
-  --shutdown-timeout S   on SIGINT/SIGTERM, seconds to finish the requests in flight (default 10)]]
+  --shutdown-timeout S   on SIGINT/SIGTERM, seconds to finish the requests in flight (default 10)
+  --tp N                 tensor parallel over N ranks (started here with mpirun): each holds its
+                         slices of every layer, the engines step together, rank 0 serves HTTP]]
 
 local NUMBERS = {
   ['--port'] = { 'port', true, 0, 65535 }, ['--max-seqs'] = { 'max_seqs', true, 1 },
@@ -38,7 +40,7 @@ local NUMBERS = {
   ['--shutdown-timeout'] = { 'shutdown_timeout', false, 0 },
   ['--header-timeout'] = { 'header_timeout', false, 0.1 }, ['--body-timeout'] = { 'body_timeout', false, 0.1 },
   ['--keep-alive-timeout'] = { 'keep_alive_timeout', false, 0.1 },
-  ['--request-timeout'] = { 'request_timeout', false, 0.1 },
+  ['--request-timeout'] = { 'request_timeout', false, 0.1 }, ['--tp'] = { 'tp', true, 1 },
 }
 local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-name'] = 'served_model_name',
   ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
@@ -47,7 +49,7 @@ local function parse(args)
   return require('moonrl.cli.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
     defaults = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
       max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10, header_timeout = 60, body_timeout = 60,
-      keep_alive_timeout = 30, request_timeout = 600 },
+      keep_alive_timeout = 30, request_timeout = 600, tp = 1 },
     required = { '--model' } })
 end
 
@@ -59,8 +61,16 @@ end
 function M.main(args)
   local o = parse(args)
   if not o then return 0 end
+  -- --tp N: this command again on N ranks (graceful: a Ctrl-C drains the requests in flight)
+  local world = o.tp > 1 and require('moonrl.train.dist').world() or nil
+  if world and world.size == 1 then return require('moonrl.cmd.launch').start_self('serve', o.tp, args, true) end
+  if world and world.size ~= o.tp then
+    moonrl.usage_error(string.format('serve: --tp %d on a job of %d ranks (it starts its own: run it alone)', o.tp,
+      world.size))
+  end
+  local lead = not world or world.rank == 0
   local inference = require('moonrl.serve.inference')
-  local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = true })
+  local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = lead, tp = world })
   if not m then moonrl.usage_error('serve: ' .. moonrl.error_text(err)) end
   local dir, model, tok = m.dir, m.model, m.tokenizer
   local chat = require('moonrl.chat')
@@ -87,6 +97,12 @@ function M.main(args)
   local ok, engine = pcall(moonrl.engine.new, model, { kv_cache_bytes = math.floor(o.kv_cache_mb * 2 ^ 20),
     max_seqs = o.max_seqs, max_batch_tokens = o.max_batch_tokens, max_model_len = o.max_model_len, seed = o.seed })
   if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(engine)) end
+  local mirror = world and require('moonrl.serve.mirror')
+  if world and not lead then -- the lead's engine calls, applied here, until it closes
+    mirror.follow(engine, world)
+    return 0
+  end
+  if world then engine = mirror.lead(engine, world) end
   local serve = require('moonrl.serve.server')
   local srv
   ok, srv = pcall(serve.new, {
@@ -98,12 +114,16 @@ function M.main(args)
     header_timeout_s = o.header_timeout, body_timeout_s = o.body_timeout, idle_timeout_s = o.keep_alive_timeout,
     request_timeout = o.request_timeout,
   })
-  if not ok then moonrl.usage_error('serve: ' .. moonrl.error_text(srv)) end
+  if not ok then
+    if world then engine:close() end
+    moonrl.usage_error('serve: ' .. moonrl.error_text(srv))
+  end
   local host = o.host:find(':', 1, true) and ('[' .. o.host .. ']') or o.host
   log(string.format('listening on http://%s:%d (model %s, max_model_len %d%s)', host, srv.port,
     o.served_model_name or o.model, max_len, tpl and '' or ', no chat template'))
   local rok, err = pcall(srv.run, srv)
   srv:close()
+  if world then engine:close() end -- the other ranks' loops end
   if not rok then error(err, 0) end
   log('stopped')
   return 0

@@ -295,7 +295,7 @@ end
 function Server:token_list(v, param, max_tokens)
   self:check_context(param, #v, max_tokens) -- before looking at each id
   local vocab = self.tok.vocab_size
-  local model_vocab = self.engine.model.config.vocab_size
+  local model_vocab = self.engine.model.whole_config.vocab_size
   if model_vocab and model_vocab < vocab then vocab = model_vocab end
   for _, id in ipairs(v) do
     if type(id) ~= 'number' then
@@ -849,6 +849,7 @@ function Server:run(idle_ms)
     self:poll(busy and 0 or idle_ms)
     if #self.active > 0 then self:expire(moonrl.now()) end
     self:step()
+    if self.engine.tick then self.engine:tick() end -- (moonrl.serve.mirror: an idle lead's word to its ranks)
   end
   self:abort_all()
   -- the abandoned requests: finished by one more step, then released
