@@ -47,14 +47,22 @@ int mrl_model_tp_copies(const mrl_model *m, const char *name) {
     return m && m->tp_size > 1 && m->tp_kv_copies > 1 && name && is_kv(name) ? m->tp_kv_copies : 1;
 }
 
-mrl_status mrl_model_tp_sync_grads(mrl_model *m) {
+mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, int64_t count) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_tp_sync_grads: NULL model");
     if (m->tp_size <= 1 || m->tp_kv_copies <= 1) return MRL_OK;
     if (!m->tp_sum) return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no allreduce for the group (mrl_model_set_tp_group)");
     if (m->k->on_device) return mrl_set_error(MRL_ERR_UNSUPPORTED, "tensor parallel with shared K/V heads: CPU models only");
-    if (!m->grads) return MRL_OK; /* (no backward yet) */
+    if (!grads) { /* the model's own (none before a backward) */
+        if (!m->grads) return MRL_OK;
+        grads = m->grads, offset = 0, count = m->n_params;
+    }
+    if (offset < 0 || count < 0 || offset + count > m->n_params)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_tp_sync_grads: [%lld, %lld) is not within the %lld parameters",
+                             (long long)offset, (long long)(offset + count), (long long)m->n_params);
     /* each K/V head's row of a buffer of all of them: this rank's part in its head's row, zeros
-     * elsewhere, summed over the group: each row then holds its head's sum over its ranks */
+     * elsewhere, summed over the group: each row then holds its head's sum over its ranks. The
+     * part of each view within [offset, offset + count): the same on every rank of the group
+     * (their layouts are alike, and a ZeRO shard's range with them) */
     int heads = m->tp_size / m->tp_kv_copies, slot = m->tp_rank / m->tp_kv_copies;
     int64_t most = 0;
     for (int i = 0; i < m->n_views; i++)
@@ -64,13 +72,16 @@ mrl_status mrl_model_tp_sync_grads(mrl_model *m) {
     mrl_status st = MRL_OK;
     for (int i = 0; i < m->n_views && !st; i++) {
         const mrl_param_view *v = &m->views[i];
-        if (!is_kv(v->name)) continue;
-        memset(buf, 0, sizeof(float) * (size_t)(v->numel * heads));
-        memcpy(buf + slot * v->numel, m->grads + v->offset, sizeof(float) * (size_t)v->numel);
-        if ((st = m->tp_sum(m->tp_ctx, buf, v->numel * heads)))
+        int64_t a = v->offset > offset ? v->offset : offset;
+        int64_t b = v->offset + v->numel < offset + count ? v->offset + v->numel : offset + count;
+        if (!is_kv(v->name) || b <= a) continue;
+        int64_t n = b - a;
+        memset(buf, 0, sizeof(float) * (size_t)(n * heads));
+        memcpy(buf + slot * n, grads + (a - offset), sizeof(float) * (size_t)n);
+        if ((st = m->tp_sum(m->tp_ctx, buf, n * heads)))
             st = mrl_wrap_error(st, "tensor parallel: the gradients of %s over the ranks that hold it", v->name);
         else
-            memcpy(m->grads + v->offset, buf + slot * v->numel, sizeof(float) * (size_t)v->numel);
+            memcpy(grads + (a - offset), buf + slot * n, sizeof(float) * (size_t)n);
     }
     mrl_mem_free(buf);
     return st;

@@ -93,7 +93,12 @@ static void *run_rank(void *arg) {
     int vh = mrl_model_get_config(me->m)->value_head;
     me->fwd = mrl_model_forward(me->m, me->b, 1.0f, me->lp, me->ent, vh ? me->val : NULL);
     me->bwd = me->fwd ? me->fwd : mrl_model_backward(me->m, me->x->dlp, me->x->dent, vh ? me->x->dval : NULL);
-    if (!me->bwd) me->bwd = mrl_model_tp_sync_grads(me->m); /* (K/V heads held by several ranks) */
+    /* (K/V heads held by several ranks) in two ranges, as two ZeRO-2 shards would: a view
+     * crossing their border summed in its two parts */
+    int64_t n = mrl_model_num_params(me->m), half = n / 2 + 7;
+    float *g = mrl_model_grads(me->m);
+    if (!me->bwd) me->bwd = mrl_model_tp_sync_grads(me->m, g, 0, half);
+    if (!me->bwd) me->bwd = mrl_model_tp_sync_grads(me->m, g + half, half, n - half);
     me->saved = mrl_model_save_dir(me->m, me->save_to);
     return NULL;
 }

@@ -4,10 +4,11 @@
 -- (the model's 2 K/V heads each held by 2 ranks), DPO, GRPO with a KL
 -- reference (the engine generating on the slices, every rank of a group stepping together) and
 -- PPO with its critic, each within 1e-5 of one process's final weights (a vocabulary of 16 the
--- ranks split, the embedding and head in slices; 2 groups of 2 on one of 15, both whole); a run
--- stopped after a
+-- ranks split, the embedding and head in slices; 2 groups of 2 on one of 15, both whole); 2
+-- groups of 2 under ZeRO-1 and ZeRO-2 (a model of one K/V head too); a run stopped after a
 -- checkpoint and resumed ends with the bits of the run never stopped (each slot's optimizer
--- state in its own file); the keys and configs tensor parallel cannot take are usage errors
+-- state in its own file; under ZeRO-1 a file a shard, resumed by 2 ranks with ZeRO-1 and with
+-- plain data parallel); the keys and configs tensor parallel cannot take are usage errors
 -- naming them. (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -39,17 +40,28 @@ end
 local rel_diff = U.weights_diff
 
 t.test('sft (2 ranks, 2 groups of 2, and 4 ranks sharing the 2 K/V heads), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
-  local SFT15 = {}
-  for i, w in ipairs(SFT) do SFT15[i] = w:find('^model%.dir=') and 'model.dir=' .. model15 or w end
+  local function on(model, words)
+    local out = {}
+    for i, w in ipairs(words) do out[i] = w:find('^model%.dir=') and 'model.dir=' .. model or w end
+    return out
+  end
+  local SFT15 = on(model15, SFT)
+  -- one K/V head, which both ranks of a group hold, under ZeRO-2: its gradients summed in each shard
+  local SFT_KV1 = on(U.tiny_model(dir .. '/init_kv1', { layers = 2, vocab_size = 16, kv_heads = 1 }),
+    U.with(SFT, { 'dist.zero=2' }))
   for _, case in ipairs({ { 'recipes/sft.lua', SFT, 'sft', 2 }, { 'recipes/sft.lua', SFT15, 'sft15', 4 },
-    { 'recipes/sft.lua', SFT, 'sft', 4, 4 },
+    { 'recipes/sft.lua', SFT, 'sft', 4, 4 }, { 'recipes/sft.lua', U.with(SFT, { 'dist.zero=1' }), 'sft', 4, 2, 'zero1' },
+    { 'recipes/sft.lua', U.with(SFT, { 'dist.zero=2' }), 'sft', 4, 2, 'zero2' },
+    { 'recipes/sft.lua', SFT_KV1, 'sft_kv1', 4, 2, 'zero2' },
     { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 } }) do
     local one = dir .. '/one_' .. case[3]
     if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
     local K = case[5] or 2
-    local tp = run(case[4], case[1], U.with(case[2], { 'dist.tp=' .. K }), string.format('tp_%s_%d_%d', case[3], case[4], K))
+    local tp = run(case[4], case[1], U.with(case[2], { 'dist.tp=' .. K }),
+      string.format('tp_%s_%d_%d%s', case[3], case[4], K, case[6] or ''))
     local d = rel_diff(tp .. '/model', one .. '/model')
-    print(string.format('  %s on %d ranks, dist.tp=%d: %.3g from one process', case[3], case[4], K, d))
+    print(string.format('  %s on %d ranks, dist.tp=%d%s: %.3g from one process', case[3], case[4], K,
+      case[6] and ', ' .. case[6] or '', d))
     t.truthy(d <= 1e-5, case[3] .. ': the weights of one process')
     if case[3] == 'ppo' then t.truthy(rel_diff(tp .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
     if case[3] == 'grpo' then -- the same samples: the engine on the slices draws what the whole model's draws
@@ -72,10 +84,29 @@ t.test('a checkpoint of 2 tensor-parallel ranks resumes to the bits of the run n
     'resumed: the weights of the run never stopped, bit for bit')
 end)
 
+t.test('ZeRO-1 over 2 groups of 2: a file a shard of each slot; resumed to the bits, and by 2 ranks without ZeRO', function()
+  local words = U.with(SFT, { 'dist.tp=2', 'dist.zero=1', 'train.schedule=constant', 'run.checkpoint_every=1' })
+  local straight = run(4, 'recipes/sft.lua', words, 'z1_straight')
+  run(4, 'recipes/sft.lua', U.with(words, { 'train.steps=2' }), 'z1_part')
+  local ckpt = dir .. '/z1_part/checkpoints/step-000002'
+  for _, f in ipairs({ 'optimizer.tp-00000-of-00002.rank-00000-of-00002', 'optimizer.tp-00000-of-00002.rank-00001-of-00002',
+    'optimizer.tp-00001-of-00002.rank-00000-of-00002', 'optimizer.tp-00001-of-00002.rank-00001-of-00002' }) do
+    t.truthy(fs.exists(ckpt .. '/' .. f .. '.safetensors'), f)
+  end
+  run(4, 'recipes/sft.lua', U.with(words, { 'train.steps=2' }), 'z1_two')
+  local two = run(2, 'recipes/sft.lua', U.with(words, { 'dist.zero=0', 'run.resume=auto' }), 'z1_two')
+  local part = run(4, 'recipes/sft.lua', U.with(words, { 'run.resume=auto' }), 'z1_part')
+  t.eq(fs.read(part .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
+    'resumed: the weights of the run never stopped, bit for bit')
+  local d = rel_diff(two .. '/model', straight .. '/model')
+  print(string.format('  resumed by 2 ranks (tp=2, no ZeRO): %.3g from the run never stopped', d))
+  t.truthy(d <= 1e-5, 'resumed on another mesh: within 1e-5')
+end)
+
 t.test('what tensor parallel cannot take: usage errors naming the key', function()
   for _, case in ipairs({ { 2, { 'dist.tp=3' }, 'dist.tp=3 does not divide the 2 ranks' },
     { 3, { 'dist.tp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
-    { 2, { 'dist.tp=2', 'dist.zero=1' }, 'dist.tp=2 with dist.zero=1' },
+    { 2, { 'dist.tp=2', 'dist.zero=3' }, 'dist.tp=2 with dist.zero=3' },
     { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' } }) do
     local recipe = case[2][2] and case[2][2]:find('async') and 'recipes/grpo.lua' or 'recipes/sft.lua'
     local words = recipe == 'recipes/grpo.lua' and U.with(GRPO, case[2]) or U.with(SFT, case[2])

@@ -21,7 +21,8 @@ end
 function M.tiny_model(dir, opts)
   opts = opts or {}
   return tiny.save(dir, 'digits', { model_type = opts.model_type, hidden_size = opts.hidden_size,
-    intermediate_size = opts.intermediate_size, num_hidden_layers = opts.layers, vocab_size = opts.vocab_size },
+    intermediate_size = opts.intermediate_size, num_hidden_layers = opts.layers, vocab_size = opts.vocab_size,
+    num_key_value_heads = opts.kv_heads },
     { seed = opts.seed or 1 })
 end
 

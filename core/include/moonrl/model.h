@@ -327,9 +327,10 @@ int mrl_model_tp_split(const mrl_model *m, const char *name);
  * mrl_model_tp_copies gives that many for k and v (1 for any other view, or without it). Their
  * gradients are then each rank's part: mrl_model_tp_sync_grads sums each K/V head's over the ranks
  * that hold it, once the update's backwards are done (a collective of the group; nothing
- * otherwise). */
+ * otherwise), in grads holding [offset, offset + count) of the layout (a ZeRO-2 shard's, the
+ * same range on every rank of the group), or with grads NULL in the model's own gradients. */
 int mrl_model_tp_copies(const mrl_model *m, const char *name);
-mrl_status mrl_model_tp_sync_grads(mrl_model *m);
+mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, int64_t count);
 /* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
 

@@ -84,8 +84,9 @@ end
 
 -- The optimizer shard file of rank `rank` of `size`.
 function M.shard_file(rank, size) return string.format('optimizer.rank-%05d-of-%05d.safetensors', rank, size) end
--- The optimizer file of tensor-parallel slot `rank` of `size` (its slices' state).
-function M.tp_file(rank, size) return string.format('optimizer.tp-%05d-of-%05d.safetensors', rank, size) end
+-- The optimizer files of tensor-parallel slot `rank` of `size` (its slices' state): this prefix
+-- and .safetensors, or under ZeRO its shards', prefix.rank-RRRRR-of-NNNNN.safetensors.
+function M.tp_prefix(rank, size) return string.format('optimizer.tp-%05d-of-%05d', rank, size) end
 
 -- world: the ranks, when each opt:state() is this rank's shard (offset, total: where it lies).
 local function write_optimizers(path, optimizers, world)
@@ -180,10 +181,11 @@ end
 
 -- M.write's work; p: its progress on rank 0 (a part: each model, the optimizers and small files,
 -- the checksums).
--- parts.tp: tensor parallel, { world = the group, rank = this rank's slot }: every rank of the
--- group calls M.write (each its data-parallel group's rank 0); the slot-0 rank leads, each
--- writes its slices' optimizer state (M.tp_file), and the models are gathered and written by
--- slot 0 (mrl_model_save_dir, a collective of the group).
+-- parts.tp: tensor parallel, { world = the group, rank = this rank's slot, all = every rank }:
+-- with plain data parallel the ranks of the first group call M.write (each its data-parallel
+-- group's rank 0), with ZeRO-1 and 2 (parts.sharded) every rank; the first rank leads, the first
+-- group gathers and writes the models (mrl_model_save_dir, a collective of the group), and each
+-- rank writes its slot's optimizer state (M.tp_prefix: whole, or its ZeRO shard of it).
 function M.write_parts(root, name, parts, p)
   local world = parts.world
   local tp = parts.tp
@@ -191,27 +193,39 @@ function M.write_parts(root, name, parts, p)
   local final = root .. '/' .. name
   local tmp = root .. '/.tmp-' .. name
   local optimizers = parts.optimizers and #parts.optimizers > 0 and parts.optimizers
-  together(world, function()
+  local function make_tmp()
     if not lead then return end
     fs.mkdirs(root)
     fs.remove(tmp) -- the remains of a write that was interrupted
     fs.mkdirs(tmp)
-  end)
-  if tp then -- the group's models and each slot's optimizer state, once the lead has made tmp
-    together(tp.world, function() end)
+  end
+  if tp then -- once the lead has made tmp: the first group's models, each slot's optimizer state
+    local callers = parts.sharded and tp.all or tp.world
+    together(callers, make_tmp)
     together(tp.world, function()
-      for i, m in ipairs(parts.models or {}) do
-        M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), lead and m.tokenizer_dir or nil,
-          parts.max_shard_bytes)
-        if p then p:update(i) end
+      if not world or world.rank == 0 then
+        for i, m in ipairs(parts.models or {}) do
+          M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), lead and m.tokenizer_dir or nil,
+            parts.max_shard_bytes)
+          if p then p:update(i) end
+        end
       end
-      if optimizers then write_optimizers(tmp .. '/' .. M.tp_file(tp.rank, tp.world.size), optimizers) end
+      if not optimizers then return end
+      local prefix, o = tmp .. '/' .. M.tp_prefix(tp.rank, tp.world.size), optimizers[1].opt
+      if not parts.sharded then write_optimizers(prefix .. '.safetensors', optimizers)
+      elseif o.shard_writes ~= false then -- (hybrid sharding: the first group's ranks)
+        local index, count = o.shard_index or world.rank, o.shard_count or world.size
+        write_optimizers(prefix .. M.shard_file(index, count):sub(#'optimizer' + 1), optimizers,
+          { rank = index, size = count })
+      end
     end)
+    if parts.sharded then together(callers, function() end) end -- every file written before the checksums
     if not lead then return final, 0 end
     fs.write(tmp .. '/state.json', json.encode(parts.state or {}, { indent = 1 }) .. '\n')
     fs.write(tmp .. '/run.json', json.encode(parts.run or {}, { indent = 1 }) .. '\n')
     return final, finish(root, name, parts, p)
   end
+  together(world, make_tmp)
   -- a sharded model (dist.zero=3) is gathered by every rank, rank 0 writing it: a part of its
   -- own, so that every rank is in its gathers (a failed write on rank 0 still gathers to the end)
   together(world, function()
@@ -496,7 +510,7 @@ end
 -- elements [offset, offset + count) of the whole (n of them) m and v; and the step count. From
 -- optimizer.safetensors (one piece), or from the shard files of the ranks that wrote it, checked
 -- to be every rank's of one world size and to tile [0, n) in order.
-local function optimizer_pieces(dir, name, n, file)
+local function optimizer_pieces(dir, name, n, prefix)
   local safetensors = require('moonrl.io.safetensors')
   local key = name .. '.exp_avg'
   local function open(path)
@@ -506,10 +520,8 @@ local function optimizer_pieces(dir, name, n, file)
     if not step then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
     return st, step
   end
-  local whole = dir .. '/' .. (file or 'optimizer.safetensors')
-  if file and not fs.stat(whole) then -- (tensor parallel: this slot's own file)
-    error(string.format('%s: missing (a checkpoint of another dist.tp, or none of it)', whole), 0)
-  end
+  prefix = prefix or 'optimizer' -- (tensor parallel: this slot's files, M.tp_prefix)
+  local whole = dir .. '/' .. prefix .. '.safetensors'
   if fs.stat(whole) then
     local st, step = open(whole)
     local count = st:info(key).numel
@@ -517,18 +529,25 @@ local function optimizer_pieces(dir, name, n, file)
     return { { st = st, path = whole, offset = 0, count = n } }, step
   end
   local ranks, size = {}, nil
+  local pattern = '^' .. prefix:gsub('%p', '%%%0') .. '%.rank%-(%d+)%-of%-(%d+)%.safetensors$'
   for _, f in ipairs(fs.list(dir)) do
-    local r, of = f:match('^optimizer%.rank%-(%d+)%-of%-(%d+)%.safetensors$')
+    local r, of = f:match(pattern)
     if r then
       r, of = tonumber(r), tonumber(of)
       if size and of ~= size then error(string.format('%s/%s: a shard of %d ranks beside shards of %d', dir, f, of, size), 0) end
       size, ranks[r + 1] = of, f
     end
   end
+  if not size and prefix ~= 'optimizer' then
+    error(string.format('%s: missing, nor its shards (a checkpoint of another dist.tp, or none of it)', whole), 0)
+  end
   if not size then error(string.format('%s: no optimizer.safetensors nor optimizer shards (optimizer %s)', dir, name), 0) end
   local pieces, step, at = {}, nil, 0
   for r = 1, size do
-    if not ranks[r] then error(string.format('%s/%s: missing (the shards are of %d ranks)', dir, M.shard_file(r - 1, size), size), 0) end
+    if not ranks[r] then
+      error(string.format('%s/%s%s: missing (the shards are of %d ranks)', dir, prefix,
+        M.shard_file(r - 1, size):sub(#'optimizer' + 1), size), 0)
+    end
     local path = dir .. '/' .. ranks[r]
     local st, s = open(path)
     local offset, total = tonumber(st:metadata(name .. '.offset')), tonumber(st:metadata(name .. '.total'))
@@ -560,7 +579,7 @@ end
 
 function M.load_optimizer(dir, name, opt)
   local n = opt.n
-  local pieces, step = optimizer_pieces(dir, name, n, opt.tp_file)
+  local pieces, step = optimizer_pieces(dir, name, n, opt.tp_prefix)
   if opt.sharded then -- ZeRO-1 (moonrl.train.dist): this rank's range of m and v, nothing else of the files
     opt:load_range(function(first, count, m, v) read_pieces(pieces, name, first, count, m, v) end, step)
     return

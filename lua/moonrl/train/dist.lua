@@ -302,43 +302,53 @@ function M.tp_mesh(w, K)
   return mesh
 end
 
--- Tensor parallel: opt (a moonrl.optim AdamW or M.data_parallel's, over model's slices) made to
--- measure and clip the whole model's gradient norm: the squares of the split views summed over
--- the group tpw (a K/V head several ranks hold counted once), the whole views' (the same on
--- every rank of it) counted once. With shared K/V heads, their gradients are summed over the
--- ranks that hold them (mrl_model_tp_sync_grads) once an update's backwards are done: before
--- the norm, or the step without one.
+-- Tensor parallel: opt (a moonrl.optim AdamW over model's slices, or M.data_parallel's over the
+-- groups, ZeRO-1 and 2 included) made to measure and clip the whole model's gradient norm: each
+-- element of the whole model is counted by one rank of the group tpw (a split view's by every rank,
+-- a K/V head several ranks hold by the first of them, a whole view's, the same on every rank, by
+-- the group's first), the squares summed over the data-parallel ranks as they are without tensor
+-- parallel, then over the group. With shared K/V heads, their gradients are summed over the ranks
+-- that hold them (mrl_model_tp_sync_grads; ZeRO-1 and 2: in the rank's shard) once an update's
+-- backwards are done: before the norm, or the step without one.
 function M.tp_norm(opt, model, tpw)
-  local split, whole = {}, {}
+  local counted = {}
   for _, v in ipairs(model:views()) do
-    local list = C.mrl_model_tp_split(model.handle, v.name) ~= 0 and split or whole
-    local w = 1 / C.mrl_model_tp_copies(model.handle, v.name)
-    local last = list[#list]
-    if last and last[1] + last[2] == v.offset and last[3] == w then last[2] = last[2] + v.numel
-    else list[#list + 1] = { v.offset, v.numel, w } end
-  end
-  local out = ffi.new('double[1]')
-  local function squares(g, ranges)
-    local s = 0
-    for _, r in ipairs(ranges) do
-      moonrl.check(C.mrl_grad_norm(g + r[1], r[2], out), 3)
-      s = s + r[3] * out[0] * out[0]
+    local split = C.mrl_model_tp_split(model.handle, v.name) ~= 0
+    if split and tpw.rank % C.mrl_model_tp_copies(model.handle, v.name) == 0 or not split and tpw.rank == 0 then
+      local last = counted[#counted]
+      if last and last[1] + last[2] == v.offset then last[2] = last[2] + v.numel
+      else counted[#counted + 1] = { v.offset, v.numel } end
     end
-    return s
   end
   local synced = false
   local function sync(o)
     if synced then return end
     if o.sync then o:sync() end
-    moonrl.check(C.mrl_model_tp_sync_grads(model.handle), 3)
+    local sharded = (o.zero or 0) >= 1 -- (the shard's range is the one summed over the data-parallel ranks)
+    moonrl.check(C.mrl_model_tp_sync_grads(model.handle, sharded and o.shard_grads or nil, sharded and o.offset or 0,
+      sharded and o.count or 0), 3)
     synced = true
   end
-  function opt.grad_norm(o)
-    sync(o)
-    local g = o.grads or o:bind_grads()
-    return math.sqrt(tpw:sum(squares(g, split)) + squares(g, whole))
+  if opt.world then -- M.data_parallel's: its norm of the counted ranges, then summed over the group
+    opt.counted, opt.norm_group = counted, tpw
+    local norm = opt.grad_norm
+    function opt.grad_norm(o)
+      sync(o)
+      return norm(o)
+    end
+  else
+    local out = ffi.new('double[1]')
+    function opt.grad_norm(o)
+      sync(o)
+      local g, s = o.grads or o:bind_grads(), 0
+      for _, r in ipairs(counted) do
+        moonrl.check(C.mrl_grad_norm(g + r[1], r[2], out), 3)
+        s = s + out[0] * out[0]
+      end
+      return math.sqrt(tpw:sum(s))
+    end
+    opt.clip_grad_norm = clip_grad_norm
   end
-  opt.clip_grad_norm = clip_grad_norm
   local step, zero = opt.step, opt.zero_grad
   function opt.step(o, ...)
     sync(o)
@@ -639,8 +649,19 @@ function DP:grad_norm()
   local function part(s)
     if s.count <= 0 then return 0 end
     local g = self.zero >= 1 and self.shard_grads + (s.offset - self.offset) or self.grads + s.offset
-    moonrl.check(C.mrl_grad_norm(g, s.count, norm_out), 3)
-    return norm_out[0] * norm_out[0]
+    if not self.counted then
+      moonrl.check(C.mrl_grad_norm(g, s.count, norm_out), 3)
+      return norm_out[0] * norm_out[0]
+    end
+    local sum = 0 -- tensor parallel (M.tp_norm): the ranges this rank counts
+    for _, r in ipairs(self.counted) do
+      local a, b = math.max(r[1], s.offset), math.min(r[1] + r[2], s.offset + s.count)
+      if b > a then
+        moonrl.check(C.mrl_grad_norm(g + (a - s.offset), b - a, norm_out), 3)
+        sum = sum + norm_out[0] * norm_out[0]
+      end
+    end
+    return sum
   end
   if self.zero >= 1 then
     -- the pieces of this rank's shard (hybrid sharding: several, which the first group's ranks
@@ -657,6 +678,7 @@ function DP:grad_norm()
   end
   local total = 0
   for r = 0, w.size - 1 do total = total + parts[r] end
+  if self.norm_group then total = self.norm_group:sum(total) end -- (tensor parallel: over the group)
   return math.sqrt(total)
 end
 

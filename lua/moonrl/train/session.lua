@@ -215,7 +215,7 @@ function M.tp_world(cfg, device)
   local K = cfg.dist and cfg.dist.tp or 1
   if K <= 1 then return nil end
   local function no(what) moonrl.usage_error(string.format('dist.tp=%d with %s: not yet', K, what)) end
-  if (cfg.dist.zero or 0) > 0 then no('dist.zero=' .. cfg.dist.zero .. ' (the groups are plain data parallel)') end
+  if (cfg.dist.zero or 0) > 2 then no('dist.zero=3 (the groups shard their optimizer state and gradients: ZeRO-1 and 2)') end
   if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   if cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
@@ -451,7 +451,7 @@ function Session:optimizer(name, opt)
   end
   if opt.model and opt.model.tp_world then -- tensor parallel: the whole model's gradient norm; this slot's state file
     dist.tp_norm(opt, opt.model, opt.model.tp_world)
-    opt.tp_file = ckpt.tp_file(opt.model.tp_world.rank, opt.model.tp_world.size)
+    opt.tp_prefix = ckpt.tp_prefix(opt.model.tp_world.rank, opt.model.tp_world.size)
   end
   put(self.optimizers, name, { name = name, opt = opt })
   return opt
@@ -612,7 +612,7 @@ function Session:checkpoint(reason, small, step, phase_step)
     fault.arm_checkpoint(step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
       state = state, run = run_info, max_shard_bytes = self:max_shard_bytes(), world = sharded and w or nil,
-      sharded = sharded, tp = self.tp_world and { world = self.tp_world, rank = self.tp_world.rank } })
+      sharded = sharded, tp = self.tp_world and { world = self.tp_world, rank = self.tp_world.rank, all = dist.world() } })
     fault.disarm()
   end
   if w.size > 1 then -- every rank learns how it went
