@@ -81,7 +81,10 @@ void mrl_dist_buckets_free(mrl_dist_buckets *b) {
 int mrl_dist_buckets_overlapped(const mrl_dist_buckets *b) { return b->overlapped; }
 int mrl_dist_buckets_count(const mrl_dist_buckets *b) { return b->pipe.nseg; }
 
-void mrl_dist_buckets_arm(mrl_dist_buckets *b) { b->armed = 1; }
+void mrl_dist_buckets_arm(mrl_dist_buckets *b, int on) {
+    b->armed = on != 0;
+    if (!on && b->pipe.started == 0) b->n_ranges = 0; /* (nothing started: nothing found final yet either) */
+}
 
 /* Adds [lo, hi) to the final ranges, merging what it touches. */
 static int add_range(mrl_dist_buckets *b, int64_t lo, int64_t hi) {

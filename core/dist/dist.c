@@ -731,6 +731,11 @@ mrl_status mrl_dist_tp_allgather(void *d, const float *mine, int64_t n, float *a
     return mrl_dist_allgather(d, mine, (int64_t)sizeof(float) * n, all);
 }
 
+mrl_status mrl_dist_cp_alltoallv(void *d, const float *send, const int64_t *send_counts, float *recv,
+                                 const int64_t *recv_counts, int64_t unit) {
+    return mrl_dist_alltoallv(d, send, send_counts, recv, recv_counts, (int64_t)sizeof(float) * unit);
+}
+
 mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void *recv) {
     if (bytes < 0 || (bytes > 0 && (!send || !recv)))
         return mrl_set_error(MRL_ERR_INVALID, "dist: allgather: %lld bytes from %p to %p", (long long)bytes, send,

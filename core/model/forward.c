@@ -27,6 +27,10 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     int64_t D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
             Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd, V = c->vocab_size;
     int L = c->num_hidden_layers, qwen3 = mrl_arch_qk_norm(c->arch);
+    /* context parallel (cp.c): T is this rank's tokens; what attention reads and writes is every
+     * token's rows of Hq / cp and Hk / cp heads, Tw tokens at most (a rank has T / cp, floored) */
+    int cp = m->cp_size > 1 ? m->cp_size : 1;
+    int64_t Tw = cp > 1 ? cp * (T + 1) : T, Qh = Q / cp, Kh = K / cp;
     /* sparse layers: their MoE buffers in place of gate, up, act (recomputing:
      * the one shared set of buffers holds both kinds when the model has both) */
     int n_moe = 0;
@@ -51,11 +55,13 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
         } else if (base) {
             a->qraw = a->kraw = a->rstdq = a->rstdk = NULL;
         }
-        TAKE(a->q, float, T * Q);
-        TAKE(a->k, float, T * K);
-        TAKE(a->v, float, T * K);
+        TAKE(a->q, float, Tw * Qh);
+        TAKE(a->k, float, Tw * Kh);
+        TAKE(a->v, float, Tw * Kh);
         TAKE(a->att, float, T * Q);
-        TAKE(a->lse, float, T * Hq);
+        TAKE(a->lse, float, Tw * (Hq / cp));
+        if (cp > 1) TAKE(a->att_h, float, Tw * Qh);
+        else if (base) a->att_h = NULL;
         TAKE(a->h, float, T * D);
         TAKE(a->ln2, float, T * D);
         TAKE(a->rstd2, float, T);
@@ -88,6 +94,16 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(g->dv, float, T * K);
     if (qwen3) TAKE(g->dk2, float, T * K);
     if (qwen3 && m->tp_size > 1) TAKE(g->dnorm, float, 2 * c->head_dim);
+    if (cp > 1) {
+        TAKE(g->cp_datt, float, Tw * Qh);
+        TAKE(g->cp_dq, float, Tw * Qh);
+        TAKE(g->cp_dk, float, Tw * Kh);
+        TAKE(g->cp_dv, float, Tw * Kh);
+        TAKE(g->cp_pack, float, T * Q);
+        TAKE(m->cp_out, float, (1 + cp) * (T + 1));
+    } else if (base) {
+        g->cp_datt = g->cp_dq = g->cp_dk = g->cp_dv = g->cp_pack = m->cp_out = NULL;
+    }
     TAKE(m->lnf, float, T * D);
     TAKE(m->rstdf, float, T);
     TAKE(m->head_lse, float, T);
@@ -233,26 +249,37 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model forward: NULL model");
     if (!(temperature > 0)) return mrl_set_error(MRL_ERR_INVALID, "model forward: temperature %g must be > 0", temperature);
     if (values && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model forward: values asked of a model without value head");
-    int64_t max_len = 0;
+    int64_t max_len = 0, cp0 = 0; /* context parallel: this rank's tokens start at cp0 */
     mrl_status st = check_batch(m, b, &max_len);
+    int64_t T = b->n_tokens; /* this rank's tokens: all of them, or its share (cp.c) */
+    if (!st && m->cp_size > 1) {
+        if (b->n_tokens < m->cp_size)
+            st = mrl_set_error(MRL_ERR_INVALID, "model forward: context parallel over %d ranks: a batch of %lld tokens "
+                               "(at least one a rank)", m->cp_size, (long long)b->n_tokens);
+        T = mrl_model_cp_share(m->cp_rank, m->cp_size, b->n_tokens, &cp0);
+    }
     if (!st) st = mrl_moe_check_routing(m, b);
-    if (!st) st = ensure_acts(m, b->n_tokens > 0 ? b->n_tokens : 1);
+    if (!st) st = ensure_acts(m, T > 0 ? T : 1);
     if (!st) st = mrl_model_rope_prepare(m, max_len);
     if (!st) st = mrl_model_refresh_bf16(m); /* bf16: the copies of weights changed since the last use */
     if (st) return st;
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
-    int64_t T = b->n_tokens, D = c->hidden_size, V = c->vocab_size;
+    int64_t D = c->hidden_size, V = c->vocab_size;
+    int cp = m->cp_size > 1;
     m->batch = *b;
+    m->cp_t0 = cp0, m->cp_tl = T;
     m->logits_kept = 0;
     m->inv_temp = 1.0f / temperature;
     int dev = k->on_device; /* on a GPU: what the ops read goes over first */
     int32_t *pos = dev ? m->host_pos_targets : m->pos, *targets = dev ? m->host_pos_targets + T : m->targets;
-    for (int s = 0; s < b->n_seqs; s++) {
+    for (int s = 0; s < b->n_seqs; s++) { /* (this rank's tokens' positions: [cp0, cp0 + T)) */
         int32_t p = b->prefix ? b->prefix[s] : -1, start = p >= 0 ? b->cu_seqlens[p + 1] - b->cu_seqlens[p] : 0;
-        for (int32_t i = b->cu_seqlens[s]; i < b->cu_seqlens[s + 1]; i++) pos[i] = start + i - b->cu_seqlens[s];
+        int64_t lo = b->cu_seqlens[s] > cp0 ? b->cu_seqlens[s] : cp0;
+        int64_t hi = b->cu_seqlens[s + 1] < cp0 + T ? b->cu_seqlens[s + 1] : cp0 + T;
+        for (int64_t i = lo; i < hi; i++) pos[i - cp0] = (int32_t)(start + i - b->cu_seqlens[s]);
     }
-    for (int64_t i = 0; i < T; i++) targets[i] = b->targets ? b->targets[i] : -1;
+    for (int64_t i = 0; i < T; i++) targets[i] = b->targets ? b->targets[cp0 + i] : -1;
     if (m->tp_vocab) mrl_model_tp_targets(m, targets, targets, T); /* as this rank's slice reads them */
     m->op_tokens = b->tokens, m->op_cu_seqlens = b->cu_seqlens, m->op_prefix = b->prefix;
     if (dev) {
@@ -280,7 +307,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         return st;
     }
     if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens, T); /* (tp.c) */
-    else k->gather_rows(m->xs[0], m->embed, m->op_tokens, T, D); /* [T,D] */
+    else k->gather_rows(m->xs[0], m->embed, m->op_tokens + cp0, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
         memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
@@ -318,15 +345,17 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
     /* the outputs, in the table's memory (on a GPU: copied back at the end) */
     float *lp_out = logprobs && dev ? m->dev_io[0] : logprobs, *val_out = values && dev ? m->dev_io[2] : values;
+    if (cp) /* this rank's tokens' outputs, in dx (free in the forward), gathered at the end */
+        lp_out = logprobs ? m->gs.dx : NULL, val_out = values ? m->gs.dx + T : NULL;
     /* vocabulary-parallel (tp.c): the statistics of this rank's slice, [lse | entropy | logprob] */
     float *lse = m->tp_vocab ? m->tp_stats : m->head_lse, *ent = m->tp_vocab ? m->tp_stats + T : m->head_ent;
     int64_t rows = head_rows(m, T);
-    for (int64_t t0 = 0; t0 < T; t0 += rows) {
-        int64_t n = T - t0 < rows ? T - t0 : rows;
-        head_logits(m, m->lnf + t0 * D, n); /* [n,V] */
+    for (int64_t c0 = 0; c0 < T; c0 += rows) {
+        int64_t n = T - c0 < rows ? T - c0 : rows;
+        head_logits(m, m->lnf + c0 * D, n); /* [n,V] */
         /* logprob goes to a scratch row when not wanted: dx is free during the forward */
-        float *lp = m->tp_vocab ? m->tp_stats + 2 * T + t0 : lp_out ? lp_out + t0 : m->gs.dx;
-        k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + t0, lse + t0, ent + t0, lp);
+        float *lp = m->tp_vocab ? m->tp_stats + 2 * T + c0 : lp_out ? lp_out + c0 : m->gs.dx;
+        k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + c0, lse + c0, ent + c0, lp);
     }
     if (m->tp_vocab && (st = mrl_model_tp_head_stats(m, m->tp_stats, m->tp_stats + 3 * T, b->targets, T, m->head_lse,
                                                      m->head_ent, b->targets ? lp_out : NULL))) {
@@ -335,6 +364,16 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     }
     if (m->tp_vocab && lp_out && !b->targets) memset(lp_out, 0, sizeof(float) * (size_t)T);
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
+    if (cp) { /* every rank's tokens' outputs (cp.c) */
+        if (logprobs) mrl_model_cp_gather(m, lp_out, logprobs);
+        if (entropy) mrl_model_cp_gather(m, m->head_ent, entropy);
+        if (values) mrl_model_cp_gather(m, val_out, values);
+        if ((st = mrl_model_tp_status(m))) {
+            m->have_forward = 0;
+            return st;
+        }
+        entropy = logprobs = values = NULL; /* (gathered) */
+    }
     int64_t floats = (int64_t)sizeof(float) * T;
     st = k->sync(); /* a GPU's first failure since the last sync (nothing on the CPU) */
     if (!st && entropy) st = k->to_host(entropy, m->head_ent, floats);
@@ -372,6 +411,12 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     const mrl_kernels *k = m->k;
     int64_t T = m->batch.n_tokens, D = c->hidden_size, V = c->vocab_size;
     int L = c->num_hidden_layers;
+    if (m->cp_size > 1) { /* context parallel (cp.c): this rank's tokens' part of the upstream gradients */
+        T = m->cp_tl;
+        dlogprobs = dlogprobs ? dlogprobs + m->cp_t0 : NULL;
+        dentropy = dentropy ? dentropy + m->cp_t0 : NULL;
+        dvalues = dvalues ? dvalues + m->cp_t0 : NULL;
+    }
     /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
      * its backward is done (a tied lm_head is the embedding, final at the very end) */
     int64_t layers_end = m->final_norm - m->params, embed_end = m->lp[0].ln1 - m->params;
@@ -443,7 +488,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
     if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
     if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens, T); /* this rank's rows */
-    else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens, T, D); /* embedding rows, in token order */
+    else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);
     return MRL_OK;

@@ -7,7 +7,9 @@
  * Tensor parallel (tp.c): the config's heads and F are this rank's slices;
  * att Wo^T and act Wd^T are then partial sums, and so are the input
  * gradients dln1, dln2 of the sliced products: each is summed over the
- * group before the residual stream or the norm reads it. */
+ * group before the residual stream or the norm reads it. Context parallel
+ * (cp.c): T is this rank's share of the tokens, and attention runs on every
+ * token of this rank's share of the heads, between two all-to-alls. */
 #include <math.h>
 #include "model_internal.h"
 
@@ -153,10 +155,23 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
         mrl_moe_replay_at(m, a, l); /* the batch's routing, if any (mrl_batch.routing) */
         a->ep = mrl_moe_ep_layer(m, mrl_moe_ordinal(&m->cfg, l)); /* expert parallelism, if on */
     }
-    mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
-    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs,
-                   c->num_attention_heads, c->num_key_value_heads, c->head_dim,
-                   1.0f / sqrtf((float)c->head_dim));                   /* [T,Q] [T,Hq] */
+    int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, cp = m->cp_size > 1 ? m->cp_size : 1;
+    float scale = 1.0f / sqrtf((float)c->head_dim);
+    if (cp > 1) { /* context parallel (cp.c): this rank's heads of every token around attention */
+        layer_acts mine = *a; /* q, k, v of this rank's tokens in the backward's scratch (free now) */
+        mine.q = m->gs.dq, mine.k = m->gs.dk, mine.v = m->gs.dv;
+        mrl_layer_qkv(m, &m->lp[l], &mine, m->xs[l], m->pos, T);
+        mrl_model_cp_to_heads(m, mine.q, Hq, a->q);
+        mrl_model_cp_to_heads(m, mine.k, Hk, a->k);
+        mrl_model_cp_to_heads(m, mine.v, Hk, a->v);
+        m->k->attn_fwd(a->att_h, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs, Hq / cp,
+                       Hk / cp, c->head_dim, scale);
+        mrl_model_cp_to_tokens(m, a->att_h, Hq, a->att);
+    } else {
+        mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
+        m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs, Hq, Hk,
+                       c->head_dim, scale);                              /* [T,Q] [T,Hq] */
+    }
     mrl_layer_out(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
 }
 
@@ -187,8 +202,18 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
                           lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
     products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
-    k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
-                m->op_prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+    if (m->cp_size > 1) { /* context parallel (cp.c): in the attention's layout, and back */
+        int cp = m->cp_size;
+        mrl_model_cp_to_heads(m, s->datt, Hq, s->cp_datt);
+        k->attn_bwd(s->cp_dq, s->cp_dk, s->cp_dv, s->cp_datt, a->att_h, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
+                    m->op_prefix, m->batch.n_seqs, Hq / cp, Hk / cp, hd, 1.0f / sqrtf((float)hd));
+        mrl_model_cp_to_tokens(m, s->cp_dq, Hq, s->dq);
+        mrl_model_cp_to_tokens(m, s->cp_dk, Hk, s->dk);
+        mrl_model_cp_to_tokens(m, s->cp_dv, Hk, s->dv);
+    } else {
+        k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
+                    m->op_prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+    }
     k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
     k->rope(s->dk, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 1);
     float *dq = s->dq, *dk = s->dk;

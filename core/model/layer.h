@@ -91,6 +91,8 @@ typedef struct layer_acts {
     float *rstdq, *rstdk;      /* [T*Hq] [T*Hk] (qwen3) */
     float *q, *k, *v;          /* [T,Q] [T,K] [T,K], q and k after norm and RoPE */
     float *att, *lse;          /* [T,Q] attention output, [T,Hq] its log-sum-exp */
+    float *att_h;              /* context parallel (cp.c): the attention output as attention made it,
+                                * [T whole, Q / cp] (q, k, v, lse are then in that layout too) */
     float *h, *ln2, *rstd2;    /* [T,D] x + attention, [T,D], [T] */
     float *gate, *up, *act;    /* [T,F] each; act = silu(gate) * up */
     /* a sparse layer: A = T*k assignments, token t's j-th pick is t*k + j;

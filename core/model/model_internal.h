@@ -17,6 +17,9 @@ typedef struct grad_scratch {
     float *dk, *dv;   /* [T,K] */
     float *dk2;       /* [T,K] (qwen3 k norm) */
     float *dnorm;     /* [2*hd] (qwen3 under tensor parallel: this rank's heads' part of the per-head norms' gradients) */
+    /* context parallel (cp.c): the attention's gradients in its layout [T whole, Q or K / cp]
+     * (datt, dq, dk, dv are then this rank's tokens' [T, Q or K]), and a buffer to pack [T,Q] */
+    float *cp_datt, *cp_dq, *cp_dk, *cp_dv, *cp_pack;
     /* sparse layers (df1, df2 are then [A,Fe] when that is larger than [T,F]) */
     float *dye;       /* [A,D] d expert outputs, then d expert inputs */
     float *dlogit;    /* [T,E] d router logits */
@@ -127,7 +130,16 @@ struct mrl_model {
     mrl_tp_allreduce tp_sum;
     mrl_tp_allgather tp_gather;
     void *tp_ctx;
-    mrl_status tp_failed;
+    mrl_status tp_failed; /* (and context parallel's exchanges') */
+    /* context parallel (cp.c, Ulysses): this rank's tokens [cp_t0, cp_t0 + cp_tl) of the last
+     * forward's batch; the group's collectives; cp_out: [(1 + size) ceil(T / size)] floats to
+     * gather the per-token outputs */
+    int cp_rank, cp_size; /* 0 and 1 without */
+    mrl_tp_allgather cp_gather;
+    mrl_cp_alltoallv cp_a2a;
+    void *cp_ctx;
+    int64_t cp_t0, cp_tl;
+    float *cp_out;
 };
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
@@ -213,6 +225,13 @@ void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *loc
 mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
                                    float *lse, float *ent, float *lp);
 void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T);
+/* Context parallel (cp.c): rank r's tokens of a batch of T, [*t0, *t0 + return); local [Tl, H*hd]
+ * rows to the attention's layout [T, H/size*hd] (this rank's heads, every token) and back; the
+ * per-token outputs of every rank's tokens into whole[T]. Failures kept as tensor parallel's. */
+int64_t mrl_model_cp_share(int rank, int size, int64_t T, int64_t *t0);
+void mrl_model_cp_to_heads(const mrl_model *m, const float *local, int H, float *heads);
+void mrl_model_cp_to_tokens(const mrl_model *m, const float *heads, int H, float *local);
+void mrl_model_cp_gather(const mrl_model *m, const float *mine, float *whole);
 void mrl_moe_ep_free(mrl_model *m);
 /* moe.c: the load-balancing statistics of one sparse layer's forward, added
  * to the model's (aux_picks, aux_n); then the loss from them */

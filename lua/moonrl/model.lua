@@ -185,6 +185,16 @@ function M.load_tp(dir, world, opts)
   return m
 end
 
+-- Context parallel (model.h's mrl_model_set_cp_group, Ulysses): this model's forwards and
+-- backwards split each batch's tokens over world's ranks (moonrl.train.dist's World), with
+-- all-to-alls around attention; every rank of world runs the same ones, and each leaves its
+-- tokens' part of the gradients (summed over world with the data-parallel sums).
+function Model:set_cp(world)
+  moonrl.check(C.mrl_model_set_cp_group(self.handle, world.rank, world.size, C.mrl_dist_tp_allgather,
+    C.mrl_dist_cp_alltoallv, world.handle), 2)
+  self.cp_world = world.size > 1 and world or nil -- (its communicator outlives the model's use of it)
+end
+
 -- A tensor-parallel model's slices read again from a model directory (a checkpoint's).
 function Model:read_tp(dir) moonrl.check(C.mrl_model_read_tp(self.handle, dir), 2) end
 

@@ -446,7 +446,7 @@ static void test_buckets(void) {
                     fill(mine, n, MRL_DIST_F32, seed, R);
                     fill(ar, n, MRL_DIST_F32, seed, R);
                     CHECK_OK(mrl_dist_allreduce(D, ar, n, MRL_DIST_F32, MRL_DIST_SUM));
-                    if (round > 0) mrl_dist_buckets_arm(b);
+                    if (round > 0) mrl_dist_buckets_arm(b, 1);
                     /* the last rank never says anything; rank 1 says it out of order */
                     int how = N > 1 && R == N - 1 ? 0 : R == 1 ? 2 : 1;
                     if (how == 1) ready_backward(b, n, seed);

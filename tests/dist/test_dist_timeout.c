@@ -42,7 +42,7 @@ int main(int argc, char **argv) {
     if (!strcmp(op, "barrier")) {
         st = mrl_dist_barrier(d);
     } else if (!strcmp(op, "buckets")) {
-        mrl_dist_buckets_arm(b);
+        mrl_dist_buckets_arm(b, 1);
         mrl_dist_buckets_ready(b, 0, 1000); /* all buckets start in the backward */
         st = mrl_dist_buckets_finish(b);
         name = "buckets_finish";

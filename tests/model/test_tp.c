@@ -1,4 +1,5 @@
-/* Tensor parallel (mrl_model_load_dir_tp, moonrl/model.h) against the whole
+/* Tensor parallel (mrl_model_load_dir_tp, moonrl/model.h) and context parallel
+ * (mrl_model_set_cp_group) against the whole
  * model, for Llama with a value head, Qwen2's biases and Qwen3's per-head
  * norms, in fp32 and bf16 on 2 ranks (and Qwen2 on 4): the ranks' slices are loaded from the whole
  * model's directory and run on threads of their own, their sums going
@@ -18,6 +19,10 @@
  *     and seeded sampled tokens those of the engine on the whole model (a
  *     shared prompt, prefix caching, fp32 and bf16), their log-probs within
  *     the forward's bounds, and the same on every rank;
+ *   - context parallel (the whole model on each rank, the batch's tokens
+ *     split, all-to-alls around attention) on 2 and 4 ranks: the whole
+ *     batch's log-probs, entropy and values on every rank, and the ranks'
+ *     gradients summed the whole model's;
  *   - the refusals, naming the key: a size that does not divide the heads,
  *     the KV heads or the intermediate size; a mixture of experts; a
  *     forward or a save without the group's collectives.
@@ -88,6 +93,29 @@ static mrl_status group_gather(void *ctx, const float *mine, int64_t n, float *a
     return MRL_OK;
 }
 
+/* The group's all-to-all: each rank's send buffer and counts posted; each rank copies the block
+ * every rank sent it (after the blocks for the ranks before it) into its place in recv. */
+typedef struct a2a_post { const float *send; const int64_t *counts; } a2a_post;
+static a2a_post posts[MAX_TP];
+
+static mrl_status group_a2a(void *ctx, const float *send, const int64_t *send_counts, float *recv,
+                            const int64_t *recv_counts, int64_t unit) {
+    member *me = ctx;
+    group *g = me->g;
+    posts[me->rank] = (a2a_post){send, send_counts};
+    pthread_barrier_wait(&g->bar);
+    int64_t at = 0;
+    for (int r = 0; r < g->size; r++) {
+        int64_t from = 0;
+        for (int q = 0; q < me->rank; q++) from += posts[r].counts[q];
+        if (posts[r].counts[me->rank] != recv_counts[r]) abort(); /* (the counts must match) */
+        memcpy(recv + at * unit, posts[r].send + from * unit, sizeof(float) * (size_t)(recv_counts[r] * unit));
+        at += recv_counts[r];
+    }
+    pthread_barrier_wait(&g->bar);
+    return MRL_OK;
+}
+
 static void *run_rank(void *arg) {
     member *me = arg;
     int vh = mrl_model_get_config(me->m)->value_head;
@@ -134,6 +162,22 @@ static int slice_of(const mrl_param_view *w, const mrl_param_view *v, const floa
     return 0;
 }
 
+/* The whole model of c (seed's weights) saved to dir and loaded from it in dtype, and its forward
+ * and backward of a new batch x: its log-probs, entropy and values, its gradients kept. */
+static mrl_model *reference(const mrl_model_config *c, uint64_t seed, int dtype, const char *dir, batch *x, float *lp,
+                            float *ent, float *val) {
+    mrl_model *src = small_model(c, seed);
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    mrl_model *whole = NULL;
+    CHECK_OK(mrl_model_load_dir(dir, &whole));
+    CHECK_OK(mrl_model_set_dtype(whole, dtype));
+    make_batch(x, c->vocab_size);
+    CHECK_OK(mrl_model_forward(whole, &x->b, 1.0f, lp, ent, c->value_head ? val : NULL));
+    CHECK_OK(mrl_model_backward(whole, x->dlp, x->dent, c->value_head ? x->dval : NULL));
+    return whole;
+}
+
 /* kv_shared: with more ranks than K/V heads (each held by several), else one K/V head a rank;
  * vocab: 212 splits the embedding and head by vocabulary over 2 and 4 ranks, 211 keeps them whole */
 static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, const char *dir) {
@@ -141,17 +185,9 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, con
     c.vocab_size = vocab;
     c.value_head = arch == MRL_ARCH_LLAMA;
     if (size > c.num_key_value_heads && !kv_shared) c.num_key_value_heads = size; /* (4 ranks: one K/V head each) */
-    mrl_model *src = small_model(&c, 11 + (uint64_t)arch);
-    CHECK_OK(mrl_model_save_dir(src, dir));
-    mrl_model_free(src);
-    mrl_model *whole = NULL;
-    CHECK_OK(mrl_model_load_dir(dir, &whole));
-    CHECK_OK(mrl_model_set_dtype(whole, dtype));
     batch x;
-    make_batch(&x, c.vocab_size);
     float lp[96], ent[96], val[96];
-    CHECK_OK(mrl_model_forward(whole, &x.b, 1.0f, lp, ent, c.value_head ? val : NULL));
-    CHECK_OK(mrl_model_backward(whole, x.dlp, x.dent, c.value_head ? x.dval : NULL));
+    mrl_model *whole = reference(&c, 11 + (uint64_t)arch, dtype, dir, &x, lp, ent, val);
     const float *gw = mrl_model_grads(whole), *pw = mrl_model_params(whole);
 
     group g = {.size = size};
@@ -223,6 +259,57 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, con
     snprintf(cmd, sizeof cmd, "cmp -s '%s/model.safetensors' '%s/model.safetensors' && cmp -s '%s/config.json' "
              "'%s/config.json'", tp_dir, whole_dir, tp_dir, whole_dir);
     CHECK(system(cmd) == 0);
+    for (int r = 0; r < size; r++) mrl_model_free(ms[r].m);
+    pthread_barrier_destroy(&g.bar);
+    mrl_model_free(whole);
+}
+
+/* ---- context parallel ---- */
+
+/* Each rank the whole model, the batch's tokens split over size ranks: the log-probs, entropy and
+ * values of the whole batch on every rank, and the ranks' gradients summed the whole model's. */
+static void case_cp(int arch, int dtype, int size, const char *dir) {
+    mrl_model_config c = small_config(arch);
+    c.value_head = arch == MRL_ARCH_LLAMA;
+    c.num_key_value_heads = 4; /* (4 ranks: one K/V head each) */
+    batch x;
+    float lp[96], ent[96], val[96];
+    mrl_model *whole = reference(&c, 31 + (uint64_t)arch, dtype, dir, &x, lp, ent, val);
+    group g = {.size = size};
+    pthread_barrier_init(&g.bar, NULL, (unsigned)size);
+    member ms[MAX_TP];
+    pthread_t th[MAX_TP];
+    char out[300];
+    snprintf(out, sizeof out, "%s/cp_saved", dir); /* (a whole model saves as usual) */
+    for (int r = 0; r < size; r++) {
+        ms[r] = (member){.g = &g, .rank = r, .b = &x.b, .x = &x, .save_to = out};
+        CHECK_OK(mrl_model_load_dir(dir, &ms[r].m));
+        CHECK_OK(mrl_model_set_dtype(ms[r].m, dtype));
+        CHECK_OK(mrl_model_set_cp_group(ms[r].m, r, size, group_gather, group_a2a, &ms[r]));
+    }
+    for (int r = 0; r < size; r++) pthread_create(&th[r], NULL, run_rank, &ms[r]);
+    for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
+    int64_t n = mrl_model_num_params(whole);
+    float *sum = calloc((size_t)n, sizeof(float));
+    double worst_lp = 0;
+    for (int r = 0; r < size; r++) {
+        CHECK_OK(ms[r].fwd);
+        CHECK_OK(ms[r].bwd);
+        for (int64_t i = 0; i < x.b.n_tokens; i++) {
+            double d = fmax(fabs(ms[r].lp[i] - lp[i]), fabs(ms[r].ent[i] - ent[i]));
+            if (c.value_head) d = fmax(d, fabs(ms[r].val[i] - val[i]));
+            if (!(d <= worst_lp)) worst_lp = d;
+        }
+        const float *gr = mrl_model_grads(ms[r].m);
+        for (int64_t i = 0; i < n; i++) sum[i] += gr[i];
+    }
+    const char *which = "";
+    double worst_g = worst_view(whole, sum, mrl_model_grads(whole), &which);
+    printf("%s %s cp=%d: max |d lp, ent, value| %.3g, the ranks' gradients summed within %.3g (%s)\n",
+           mrl_model_arch_names(arch)->model_type, dtype ? "bf16" : "fp32", size, worst_lp, worst_g, which);
+    CHECK(worst_lp <= (dtype ? LP_TOL16 : LP_TOL));
+    CHECK(worst_g <= (dtype ? GRAD_TOL16 : GRAD_TOL));
+    free(sum);
     for (int r = 0; r < size; r++) mrl_model_free(ms[r].m);
     pthread_barrier_destroy(&g.bar);
     mrl_model_free(whole);
@@ -351,6 +438,16 @@ static void case_refusals(const char *dir) {
     mrl_model *whole = NULL;
     CHECK_OK(mrl_model_load_dir(dir, &whole));
     CHECK(mrl_model_set_tp_group(whole, group_sum, group_gather, NULL) == MRL_ERR_INVALID);
+    /* context parallel: heads it does not divide; a batch with fewer tokens than ranks */
+    CHECK(mrl_model_set_cp_group(whole, 0, 3, group_gather, group_a2a, NULL) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "num_attention_heads (4) is not a multiple of 3");
+    CHECK_OK(mrl_model_set_cp_group(whole, 0, 2, group_gather, group_a2a, NULL));
+    int32_t one = 3, cu1[2] = {0, 1};
+    mrl_batch tiny = {&one, NULL, cu1, 1, 1, NULL};
+    CHECK(mrl_model_forward(whole, &tiny, 1.0f, lp, NULL, NULL) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "a batch of 1 tokens");
+    CHECK_OK(mrl_model_set_cp_group(whole, 0, 1, NULL, NULL, NULL)); /* off again */
+    CHECK_OK(mrl_model_forward(whole, &tiny, 1.0f, lp, NULL, NULL));
     CHECK(mrl_model_tp(whole, NULL, NULL) == 1);
     mrl_model_free(whole);
     mrl_model_config e;
@@ -376,6 +473,9 @@ int main(void) {
     case_tp(MRL_ARCH_LLAMA, 1, 4, 0, 211, dir);
     for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, 212, dir);
     case_engine(0, 211, dir);
+    for (int a = 0; a < 3; a++) case_cp(arches[a], 0, 2, dir);
+    case_cp(MRL_ARCH_QWEN3, 1, 2, dir);
+    case_cp(MRL_ARCH_QWEN2, 0, 4, dir);
     case_refusals(dir);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

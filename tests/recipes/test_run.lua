@@ -12,6 +12,9 @@ t.test('a run writes its directory', function()
   for step = 1, 2 do
     run:phase('generate', function() moonrl.sleep(0.01) end)
     run:phase('train', function() end)
+    -- results with a nil among them (PPO's log-probs phase without a reference) come back as given
+    local a, b, c, d = run:phase('logprobs', function() return 1, nil, 3 end)
+    t.truthy(a == 1 and b == nil and c == 3 and d == nil, 'nil results kept in place')
     local flat = run:log(step, { reward = { mean = 0.25 * step, std = 0.5 }, kl = 1e-4, lr = 0.5 }, { quiet = true })
     t.truthy(flat['time/generate'] >= 0.01, 'phase time recorded')
   end

@@ -84,6 +84,33 @@ t.test('a checkpoint of 2 tensor-parallel ranks resumes to the bits of the run n
     'resumed: the weights of the run never stopped, bit for bit')
 end)
 
+t.test('dist.cp=2 (Ulysses): sft on 2 ranks and on 2 groups of 2 with ZeRO-1, dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
+  for _, case in ipairs({ { 'recipes/sft.lua', SFT, 'sft', 2 }, { 'recipes/sft.lua', U.with(SFT, { 'dist.zero=1' }), 'sft', 4, 'zero1' },
+    { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 } }) do
+    local one = dir .. '/one_' .. case[3]
+    if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
+    local cp = run(case[4], case[1], U.with(case[2], { 'dist.cp=2' }), string.format('cp_%s_%d%s', case[3], case[4], case[5] or ''))
+    local d = rel_diff(cp .. '/model', one .. '/model')
+    print(string.format('  %s on %d ranks, dist.cp=2%s: %.3g from one process', case[3], case[4], case[5] and ', ' .. case[5] or '', d))
+    t.truthy(d <= 1e-5, case[3] .. ': the weights of one process')
+    if case[3] == 'ppo' then t.truthy(rel_diff(cp .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
+    if case[3] == 'grpo' then
+      local a, b = U.records(cp), U.records(one)
+      for s = 1, #b do t.eq(a[s].tokens, b[s].tokens, 'grpo step ' .. s .. ': the same tokens') end
+    end
+  end
+end)
+
+t.test('plain data parallel, ppo on 2 ranks with several micro-batches a rank: the critic\'s loop does not start the policy\'s gradient sums early', function()
+  local one = dir .. '/one_ppo'
+  if not fs.exists(one .. '/model') then run(0, 'recipes/ppo.lua', PPO, 'one_ppo') end
+  local d = run(2, 'recipes/ppo.lua', U.with(PPO, { 'train.micro_batch_tokens=16' }), 'dp_ppo_mb16')
+  local e = rel_diff(d .. '/model', one .. '/model')
+  print(string.format('  ppo on 2 ranks, micro-batches of 16 tokens: %.3g from one process', e))
+  t.truthy(e <= 1e-5, 'the weights of one process')
+  t.truthy(rel_diff(d .. '/critic', one .. '/critic') <= 1e-5, 'the critic too')
+end)
+
 t.test('ZeRO-1 over 2 groups of 2: a file a shard of each slot; resumed to the bits, and by 2 ranks without ZeRO', function()
   local words = U.with(SFT, { 'dist.tp=2', 'dist.zero=1', 'train.schedule=constant', 'run.checkpoint_every=1' })
   local straight = run(4, 'recipes/sft.lua', words, 'z1_straight')
@@ -107,7 +134,9 @@ t.test('what tensor parallel cannot take: usage errors naming the key', function
   for _, case in ipairs({ { 2, { 'dist.tp=3' }, 'dist.tp=3 does not divide the 2 ranks' },
     { 3, { 'dist.tp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
     { 2, { 'dist.tp=2', 'dist.zero=3' }, 'dist.tp=2 with dist.zero=3' },
-    { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' } }) do
+    { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' },
+    { 3, { 'dist.cp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
+    { 2, { 'dist.cp=2', 'dist.tp=2' }, 'dist.cp=2 with dist.tp=2' } }) do
     local recipe = case[2][2] and case[2][2]:find('async') and 'recipes/grpo.lua' or 'recipes/sft.lua'
     local words = recipe == 'recipes/grpo.lua' and U.with(GRPO, case[2]) or U.with(SFT, case[2])
     local r = U.run_ranks(exe, case[1], recipe, U.with(words, { 'run.dir=' .. dir .. '/bad' }), { expect_fail = true })

@@ -119,6 +119,10 @@ mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void
  * floats summed in place (mrl_dist_allreduce's rank order), every rank's n floats into all. */
 mrl_status mrl_dist_tp_allreduce(void *d, float *buf, int64_t n);
 mrl_status mrl_dist_tp_allgather(void *d, const float *mine, int64_t n, float *all);
+/* A context-parallel model's all-to-all over d (mrl_model_set_cp_group's, ctx = d, with
+ * mrl_dist_tp_allgather): mrl_dist_alltoallv of rows of `unit` floats. */
+mrl_status mrl_dist_cp_alltoallv(void *d, const float *send, const int64_t *send_counts, float *recv,
+                                 const int64_t *recv_counts, int64_t unit);
 /* In place over buf[count]: this rank's shard receives the reduction of
  * every rank's values of that shard; the rest of buf is left as it was. */
 mrl_status mrl_dist_reduce_scatter(mrl_dist *d, void *buf, int64_t count, int dtype, int op);
@@ -171,9 +175,11 @@ typedef enum mrl_dist_bucket_mode {
 mrl_status mrl_dist_buckets_create(mrl_dist *d, float *grads, int64_t n, int64_t bucket_bytes, int mode,
                                    mrl_dist_buckets **out);
 void mrl_dist_buckets_free(mrl_dist_buckets *b);
-/* The next backward is the last before finish: its final ranges start their
- * reductions (earlier backwards of an accumulation must not). */
-void mrl_dist_buckets_arm(mrl_dist_buckets *b);
+/* on 1: the next backward is the last before finish: its final ranges start their
+ * reductions (earlier backwards of an accumulation must not). on 0: not (a new
+ * accumulation: an arm meant for another model's backward, which a session's
+ * micro-batches give every optimizer, must not start these buckets early). */
+void mrl_dist_buckets_arm(mrl_dist_buckets *b, int on);
 void mrl_dist_buckets_ready(void *b, int64_t offset, int64_t count);
 mrl_status mrl_dist_buckets_finish(mrl_dist_buckets *b);
 /* Buckets whose reduction started before finish in the last round (how

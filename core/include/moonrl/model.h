@@ -331,6 +331,21 @@ int mrl_model_tp_split(const mrl_model *m, const char *name);
  * same range on every rank of the group), or with grads NULL in the model's own gradients. */
 int mrl_model_tp_copies(const mrl_model *m, const char *name);
 mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, int64_t count);
+/* Context parallel (DeepSpeed-Ulysses, dist.cp): the `size` ranks of a group each hold the whole
+ * model and run each batch together, rank `rank` taking its contiguous share of the batch's
+ * tokens through every part of the model but attention; around attention, an all-to-all turns
+ * the tokens' q, k and v into every token's rows of this rank's num_attention_heads / size query
+ * heads and num_key_value_heads / size K/V heads (both must divide), and the attention's output
+ * back. The forward takes the whole batch on every rank and returns the whole batch's per-token
+ * outputs (gathered over the group); the backward takes the whole batch's upstream gradients and
+ * leaves this rank's tokens' part of the parameter gradients, to be summed over the group (with
+ * the data-parallel sums). alltoallv: `unit` floats a row, this rank sending send_counts[q] rows
+ * to rank q (in rank order in send) and receiving recv_counts[q] from each into recv; allgather
+ * as mrl_tp_allgather. size 1 turns it off. Dense CPU models, not tensor parallel ones. */
+typedef mrl_status (*mrl_cp_alltoallv)(void *ctx, const float *send, const int64_t *send_counts, float *recv,
+                                       const int64_t *recv_counts, int64_t unit);
+mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
+                                  void *ctx);
 /* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
 

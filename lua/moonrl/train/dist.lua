@@ -284,23 +284,27 @@ local function clip_grad_norm(o, max_norm)
   return norm
 end
 
--- Tensor parallel (dist.tp = K): w's ranks in groups of K consecutive ranks, each holding slices
--- of every layer (moonrl.model.load_tp over the group), data parallel over the groups: rank r is
--- slot r % K of group r // K. { tp = the World of its group, dp = the World of the ranks of its
--- slot (one a group), size = K, rank = r % K }. Every rank calls it (two splits); made once.
+-- Groups of K consecutive ranks of w, data parallel over the groups (key: 'tp' or 'cp', the
+-- config key dist.tp or dist.cp): rank r is slot r % K of group r // K. { [key] = the World of its
+-- group, dp = the World of the ranks of its slot (one a group), size = K, rank = r % K }. Every
+-- rank calls it (two splits); made once. Tensor parallel (dist.tp): each rank of a group holds
+-- slices of every layer (moonrl.model.load_tp over the group); context parallel (dist.cp): each
+-- holds the whole model and takes its share of each batch's tokens (model:set_cp).
 local meshes = {}
-function M.tp_mesh(w, K)
+local function group_mesh(w, K, key, name)
   if w.size % K ~= 0 then
-    moonrl.usage_error(string.format('dist.tp=%d does not divide the %d ranks that train', K, w.size))
+    moonrl.usage_error(string.format('dist.%s=%d does not divide the %d ranks that train', key, K, w.size))
   end
-  local key = tostring(w.handle) .. ':tp' .. K
-  if meshes[key] then return meshes[key] end
+  local id = tostring(w.handle) .. ':' .. key .. K
+  if meshes[id] then return meshes[id] end
   local mesh = { size = K, rank = w.rank % K }
-  mesh.tp = w:split(math.floor(w.rank / K), 'tensor parallel')
+  mesh[key] = w:split(math.floor(w.rank / K), name)
   mesh.dp = w:split(w.rank % K, 'data parallel')
-  meshes[key] = mesh
+  meshes[id] = mesh
   return mesh
 end
+function M.tp_mesh(w, K) return group_mesh(w, K, 'tp', 'tensor parallel') end
+function M.cp_mesh(w, K) return group_mesh(w, K, 'cp', 'context parallel') end
 
 -- Tensor parallel: opt (a moonrl.optim AdamW over model's slices, or M.data_parallel's over the
 -- groups, ZeRO-1 and 2 included) made to measure and clip the whole model's gradient norm: each
@@ -580,7 +584,12 @@ function M.data_parallel(w, opt, model, opts)
     if self.buckets then C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_buckets_ready, self.buckets) end
     -- a new accumulation starts at the model's zero_grad: the next update syncs again
     local zero_grad = model.zero_grad
-    model.zero_grad = function(m) zero_grad(m); self:zero_shard(); self.synced = false end
+    -- (and not armed: a session arms every optimizer's buckets at the last micro-batch of any
+    -- model's loop, e.g. a critic's, which must not start the policy's early in its next one)
+    model.zero_grad = function(m)
+      zero_grad(m); self:zero_shard(); self.synced = false
+      if self.buckets then C.mrl_dist_buckets_arm(self.buckets, 0) end
+    end
     if self.grad_shard then
       -- ZeRO-2: each backward's reduce-scatters are waited for before the next one adds to the
       -- shard (the accumulation then goes micro-batch by micro-batch, the same on every rank)
@@ -619,7 +628,7 @@ end
 
 -- The next backward is the last of this update: its buckets start as they become final.
 function DP:arm()
-  if self.buckets then C.mrl_dist_buckets_arm(self.buckets) end
+  if self.buckets then C.mrl_dist_buckets_arm(self.buckets, 1) end
 end
 
 -- Wait for the gradient sums (once per update; the first reader of the gradients calls it).
@@ -718,6 +727,7 @@ end
 -- A new accumulation: the gradients go to zero and the buckets wait for the next backward.
 function DP:zero_grad()
   if self.grad_shard then self:zero_shard() else moonrl.check(C.mrl_grad_zero(self.grads, self.n), 2) end
+  if self.buckets then C.mrl_dist_buckets_arm(self.buckets, 0) end
   self.synced = false
 end
 

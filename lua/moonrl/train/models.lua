@@ -51,6 +51,7 @@ function M.clone(model, opts)
   if opts.init then opts.init(copy) end
   copy:set_dtype(model:dtype()) -- a reference policy or critic computes as the policy does
   copy:to_device(model:device())
+  if model.cp_world then copy:set_cp(model.cp_world) end -- (context parallel: and splits batches so)
   return copy
 end
 

@@ -216,14 +216,14 @@ function Run:phase(name, fn, ...)
   supervise_beat('phase ' .. name .. ' step ' .. tostring(self.step or '?'))
   if self.on_phase then self.on_phase(name) end
   mem_begin(self)
-  local res = { pcall(trace.phase, name, fn, ...) }
+  -- (counted with select: fn's results may hold nils, which # does not see past)
+  local res = (function(...) return { n = select('#', ...), ... } end)(pcall(trace.phase, name, fn, ...))
   mem_end(self, name)
   if not res[1] then error(res[2], 0) end
-  table.remove(res, 1)
-  local secs = table.remove(res)
+  local secs = res[res.n]
   self.phases[name] = (self.phases[name] or 0) + secs
   supervise_beat('done ' .. name .. ' step ' .. tostring(self.step or '?'))
-  return unpack(res)
+  return unpack(res, 2, res.n - 1)
 end
 
 local function fmt(x)

@@ -101,6 +101,7 @@ function M.start(cfg, opts)
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   local shard = M.shard_world(cfg, device) -- dist.zero=3 over several ranks: each loads its shard
   local mesh = M.tp_world(cfg, device) -- dist.tp: each rank loads its slices
+  local cpm = M.cp_world(cfg, device) -- dist.cp: each rank takes its share of each batch's tokens
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
       shard = shard, tp = mesh and mesh.tp })
@@ -118,6 +119,7 @@ function M.start(cfg, opts)
   end
   if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
+  if policy and cpm then policy:set_cp(cpm.cp) end
   if policy and device and device ~= policy:device() then
     local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
     if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
@@ -159,7 +161,11 @@ function M.start(cfg, opts)
   local S = M.open(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
     free_keys = opts.free_keys })
   if mesh then -- tensor parallel: the data and the gradient sums go over the groups, the slices' sums within each
-    S.world, S.tp_world, S.tp_follower = mesh.dp, mesh.tp, mesh.rank > 0
+    S.world, S.tp_world, S.tp_follower, S.mesh_world = mesh.dp, mesh.tp, mesh.rank > 0, dist.world()
+  end
+  if cpm then -- context parallel: the data over the groups (a group's ranks share each sample's tokens); the
+    -- gradient sums, the optimizer state's shards, checkpoints and saves over every rank (S.all_world)
+    S.world, S.cp_world, S.all_world, S.mesh_world = cpm.dp, cpm.cp, dist.world(), dist.world()
   end
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   S.engine_copy = engine_copy
@@ -209,19 +215,23 @@ function M.shard_world(cfg, device)
   return dist.shard_layout(w, cfg.dist.shard_group)
 end
 
--- dist.tp over several ranks: the mesh (dist.tp_mesh) whose groups hold the policy's slices (nil:
--- whole). What tensor parallel does not do yet is a usage error naming the key.
-function M.tp_world(cfg, device)
-  local K = cfg.dist and cfg.dist.tp or 1
+-- dist.tp or dist.cp over several ranks (key 'tp' or 'cp'): the mesh (dist.tp_mesh: groups that
+-- hold the policy's slices; dist.cp_mesh: groups that split each batch's tokens), nil when off.
+-- What they do not do yet is a usage error naming the key.
+local function group_world(cfg, device, key)
+  local K = cfg.dist and cfg.dist[key] or 1
   if K <= 1 then return nil end
-  local function no(what) moonrl.usage_error(string.format('dist.tp=%d with %s: not yet', K, what)) end
+  local function no(what) moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, K, what)) end
+  if key == 'cp' and (cfg.dist.tp or 1) > 1 then no('dist.tp=' .. cfg.dist.tp) end
   if (cfg.dist.zero or 0) > 2 then no('dist.zero=3 (the groups shard their optimizer state and gradients: ZeRO-1 and 2)') end
   if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   if cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
   if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
-  return dist.tp_mesh(dist.world(cfg.dist.timeout), K)
+  return dist[key .. '_mesh'](dist.world(cfg.dist.timeout), K)
 end
+function M.tp_world(cfg, device) return group_world(cfg, device, 'tp') end
+function M.cp_world(cfg, device) return group_world(cfg, device, 'cp') end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
 local function check_dist(d)
@@ -435,16 +445,17 @@ function Session:optimizer(name, opt)
   if self.cfg.dist and self.cfg.dist.offload == 'optimizer' and opt.offload and opt.model and opt.model:device() ~= 'cpu' then
     opt:offload(self.cfg.dist.offload_chunk_mb * 2 ^ 20 / 4)
   end
-  if not (self.world.size > 1 and opt.model) and opt.create then opt:create() end
-  if self.world.size > 1 and opt.model then
-    opt = dist.data_parallel(self.world, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
+  local gw = self.all_world or self.world -- (context parallel: the sums over every rank)
+  if not (gw.size > 1 and opt.model) and opt.create then opt:create() end
+  if gw.size > 1 and opt.model then
+    opt = dist.data_parallel(gw, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
       gpu_transport = self.cfg.dist.gpu_transport, shard_group = self.cfg.dist.shard_group })
     if opt.model == self.policy and self.engine_copy then -- the engine's copy follows each update
       -- (in place: the engine reads it from its next round, each generate being one; an engine
       -- thread reads a weight store's copies of it)
       opt.after_step[#opt.after_step + 1] = self.engine_copy.refresh
     end
-    self:event('data_parallel', { optimizer = name, world_size = self.world.size, zero = self.cfg.dist.zero,
+    self:event('data_parallel', { optimizer = name, world_size = gw.size, zero = self.cfg.dist.zero,
       state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n, gpu_transport = opt.gpu or 'none',
       nccl_error = opt.gpu and self.world.nccl_error or nil,
       buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
@@ -602,7 +613,7 @@ function Session:checkpoint(reason, small, step, phase_step)
   local name = ckpt.dir_name(step)
   moonrl.C.mrl_heartbeat('checkpoint ' .. name)
   self.status:phase('checkpoint')
-  local w = self.world
+  local w = self.all_world or self.world -- (context parallel: every rank holds the whole model)
   -- ZeRO-1 (moonrl.train.dist): each rank's optimizer state is its shard, which it writes itself
   -- into the checkpoint (nothing is gathered); plain data parallel: rank 0 writes the whole state
   local sharded = #self.optimizers > 0 and self.optimizers[1].opt.sharded or false
@@ -764,7 +775,7 @@ function Session:end_step()
   fault.point(self.global_step, 'end')
   moonrl.C.mrl_heartbeat(string.format('step %d end', self.global_step))
   if self.pending_rollback then return end
-  local w = self.world
+  local w = self.mesh_world or self.world -- (tensor or context parallel: every rank of the mesh stops together)
   local stop = self.decided_stop -- made already, with the rollout ranks (moonrl.train.rollout)
   self.decided_stop = nil
   if stop == nil then
@@ -864,7 +875,7 @@ function Session:max_shard_bytes() return math.max(1, math.floor(self.cfg.run.ma
 -- RUN_DIR/<name>. A failure is an error: a run never ends well without its model.
 function Session:save_models()
   local out = {}
-  local w = self.world
+  local w = self.all_world or self.world
   if w.size > 1 then -- rank 0 saves; every rank learns how it went
     local ok, err = true, nil
     -- a sharded model: every rank gathers it with rank 0, which writes it (m:save)
@@ -878,7 +889,7 @@ function Session:save_models()
         end
       end
     end
-    if w.rank == 0 and ok then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO }, { __index = self })) end
+    if w.rank == 0 and ok then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO, all_world = false }, { __index = self })) end
     local msg = w:broadcast_string(ok and '' or ('error\n' .. moonrl.error_text(err)))
     if msg ~= '' then
       if w.rank == 0 then error(err, 0) end

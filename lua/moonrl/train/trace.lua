@@ -137,11 +137,13 @@ end
 function M.phase(name, fn, ...)
   C.mrl_trace_begin(name)
   local t0 = moonrl.now()
-  local res = { pcall(fn, ...) }
+  -- (counted with select: fn's results may hold nils, which # does not see past)
+  local res = (function(...) return { n = select('#', ...), ... } end)(pcall(fn, ...))
   C.mrl_trace_end(name)
   if not res[1] then error(res[2], 0) end
-  res[#res + 1] = moonrl.now() - t0
-  return unpack(res, 2, #res)
+  res.n = res.n + 1
+  res[res.n] = moonrl.now() - t0
+  return unpack(res, 2, res.n)
 end
 
 local TB = {}

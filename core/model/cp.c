@@ -1,0 +1,104 @@
+/* Context parallel (moonrl/model.h, DeepSpeed-Ulysses): the ranks of a group
+ * hold the whole model and split each batch's tokens, rank r taking the
+ * contiguous [T r / size, T (r + 1) / size). Everything but attention is per
+ * token and runs on a rank's own; attention needs every token of a sequence,
+ * so around it an all-to-all trades the tokens' rows of every head for every
+ * token's rows of this rank's heads (Hq / size query and Hk / size K/V heads,
+ * whose grouping is then the whole model's), attention runs on those, and a
+ * second all-to-all brings its output back to the tokens. Each rank's share
+ * of the attention is even whatever the causal mask does (all tokens, a
+ * slice of the heads), which is why Ulysses needs no zigzag ordering. The
+ * forward gathers the per-token outputs (a few floats a token), so the loss
+ * boundary is the whole batch on every rank; the backward reads its tokens'
+ * part of the upstream gradients and leaves their part of the parameter
+ * gradients, summed over the group with the data-parallel sums. */
+#include <string.h>
+#include "base/error.h"
+#include "model_internal.h"
+
+int64_t mrl_model_cp_share(int rank, int size, int64_t T, int64_t *t0) {
+    *t0 = T * rank / size;
+    return T * (rank + 1) / size - *t0;
+}
+
+mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
+                                  void *ctx) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: NULL model");
+    if (size < 1 || rank < 0 || rank >= size)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: rank %d of %d", rank, size);
+    const mrl_model_config *c = &m->cfg;
+    if (size > 1) {
+        if (!allgather || !alltoallv) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: NULL collective");
+        if (c->num_attention_heads % size || c->num_key_value_heads % size)
+            return mrl_set_error(MRL_ERR_INVALID, "context parallel over %d ranks: %s (%d) is not a multiple of %d", size,
+                                 c->num_attention_heads % size ? "num_attention_heads" : "num_key_value_heads",
+                                 c->num_attention_heads % size ? c->num_attention_heads : c->num_key_value_heads, size);
+        if (c->num_experts > 0)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: a mixture-of-experts model (num_experts %d): "
+                                 "not yet", c->num_experts);
+        if (m->tp_size > 1)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel with tensor parallel: not yet");
+        if (m->k->on_device)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: CPU models only for now");
+    }
+    mrl_model_release_activations(m); /* (the layout depends on it) */
+    m->cp_rank = size > 1 ? rank : 0;
+    m->cp_size = size > 1 ? size : 0;
+    m->cp_gather = allgather, m->cp_a2a = alltoallv, m->cp_ctx = ctx;
+    return MRL_OK;
+}
+
+/* The token counts of every rank for a batch of T (rows of the all-to-all). */
+static void counts(const mrl_model *m, int64_t *c) {
+    int64_t t0, T = m->batch.n_tokens;
+    for (int r = 0; r < m->cp_size; r++) c[r] = mrl_model_cp_share(r, m->cp_size, T, &t0);
+}
+
+static void fail(const mrl_model *cm, mrl_status st, const char *what) {
+    mrl_model *m = (mrl_model *)cm; /* (called from the layers, which take the model const) */
+    if (st && !m->tp_failed) m->tp_failed = mrl_wrap_error(st, "context parallel: %s over %d ranks", what, m->cp_size);
+}
+
+enum { MAX_CP = 256 };
+
+void mrl_model_cp_to_heads(const mrl_model *m, const float *local, int H, float *heads) {
+    if (m->tp_failed) return;
+    int n = m->cp_size, hd = m->cfg.head_dim;
+    int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, w = (int64_t)H / n * hd;
+    counts(m, theirs);
+    for (int r = 0; r < n; r++) mine[r] = Tl;
+    /* to rank r: this rank's tokens' columns of r's heads, as one block [Tl, w] */
+    for (int r = 0; r < n; r++)
+        for (int64_t t = 0; t < Tl; t++)
+            memcpy(m->gs.cp_pack + (r * Tl + t) * w, local + t * H * hd + r * w, sizeof(float) * (size_t)w);
+    /* from rank r: its tokens' rows of our heads, which follow each other in token order */
+    fail(m, m->cp_a2a(m->cp_ctx, m->gs.cp_pack, mine, heads, theirs, w), "the attention's inputs");
+}
+
+void mrl_model_cp_to_tokens(const mrl_model *m, const float *heads, int H, float *local) {
+    if (m->tp_failed) return;
+    int n = m->cp_size, hd = m->cfg.head_dim;
+    int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, w = (int64_t)H / n * hd;
+    counts(m, theirs);
+    for (int r = 0; r < n; r++) mine[r] = Tl;
+    /* to rank r: its tokens' rows (contiguous); from rank r: our tokens' rows of its heads */
+    fail(m, m->cp_a2a(m->cp_ctx, heads, theirs, m->gs.cp_pack, mine, w), "the attention's outputs");
+    if (m->tp_failed) return;
+    for (int r = 0; r < n; r++)
+        for (int64_t t = 0; t < Tl; t++)
+            memcpy(local + t * H * hd + r * w, m->gs.cp_pack + (r * Tl + t) * w, sizeof(float) * (size_t)w);
+}
+
+void mrl_model_cp_gather(const mrl_model *m, const float *mine, float *whole) {
+    if (m->tp_failed) return;
+    int n = m->cp_size;
+    int64_t T = m->batch.n_tokens, most = (T + n - 1) / n, t0;
+    float *buf = m->cp_out, *all = m->cp_out + most;
+    memcpy(buf, mine, sizeof(float) * (size_t)m->cp_tl);
+    fail(m, m->cp_gather(m->cp_ctx, buf, most, all), "the per-token outputs");
+    if (m->tp_failed) return;
+    for (int r = 0; r < n; r++) {
+        int64_t c = mrl_model_cp_share(r, n, T, &t0);
+        memcpy(whole + t0, all + r * most, sizeof(float) * (size_t)c);
+    }
+}
