@@ -27,7 +27,7 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
     if (size < 1 || rank < 0 || rank >= size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: rank %d of %d", rank, size);
     const mrl_model_config *c = &m->cfg;
-    if (size > 1) {
+    if (size > 1) { /* (a tensor-parallel model's heads are its slices': those are split further) */
         if (!allgather || !alltoallv) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: NULL collective");
         if (c->num_attention_heads % size || c->num_key_value_heads % size)
             return mrl_set_error(MRL_ERR_INVALID, "context parallel over %d ranks: %s (%d) is not a multiple of %d", size,
@@ -36,8 +36,6 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
         if (c->num_experts > 0)
             return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: a mixture-of-experts model (num_experts %d): "
                                  "not yet", c->num_experts);
-        if (m->tp_size > 1)
-            return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel with tensor parallel: not yet");
         if (m->k->on_device)
             return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: CPU models only for now");
     }

@@ -306,7 +306,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->have_forward = 0; /* (no backward through a forward that did not run) */
         return st;
     }
-    if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens, T); /* (tp.c) */
+    if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens + cp0, T); /* (tp.c) */
     else k->gather_rows(m->xs[0], m->embed, m->op_tokens + cp0, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
@@ -357,8 +357,8 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         float *lp = m->tp_vocab ? m->tp_stats + 2 * T + c0 : lp_out ? lp_out + c0 : m->gs.dx;
         k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + c0, lse + c0, ent + c0, lp);
     }
-    if (m->tp_vocab && (st = mrl_model_tp_head_stats(m, m->tp_stats, m->tp_stats + 3 * T, b->targets, T, m->head_lse,
-                                                     m->head_ent, b->targets ? lp_out : NULL))) {
+    if (m->tp_vocab && (st = mrl_model_tp_head_stats(m, m->tp_stats, m->tp_stats + 3 * T, b->targets ? b->targets + cp0 : NULL,
+                                                     T, m->head_lse, m->head_ent, b->targets ? lp_out : NULL))) {
         m->have_forward = 0;
         return st;
     }
@@ -487,7 +487,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
     if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
-    if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens, T); /* this rank's rows */
+    if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T); /* this rank's rows */
     else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);

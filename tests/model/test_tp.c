@@ -22,7 +22,9 @@
  *   - context parallel (the whole model on each rank, the batch's tokens
  *     split, all-to-alls around attention) on 2 and 4 ranks: the whole
  *     batch's log-probs, entropy and values on every rank, and the ranks'
- *     gradients summed the whole model's;
+ *     gradients summed the whole model's; with tensor parallel on 4 ranks
+ *     (tp 2 x cp 2): the outputs, and each slice's gradient summed over its
+ *     two token shares;
  *   - the refusals, naming the key: a size that does not divide the heads,
  *     the KV heads or the intermediate size; a mixture of experts; a
  *     forward or a save without the group's collectives.
@@ -52,9 +54,11 @@ enum { MAX_TP = 4 };
 
 /* The group's allreduce: each rank's buffer in the slot of its rank; rank 0 sums in rank order
  * into every buffer between two barriers. */
+typedef struct a2a_post { const float *send; const int64_t *counts; } a2a_post;
 typedef struct group {
     pthread_barrier_t bar;
     float *bufs[MAX_TP];
+    a2a_post posts[MAX_TP]; /* (group_a2a's) */
     int size;
 } group;
 typedef struct member {
@@ -95,21 +99,18 @@ static mrl_status group_gather(void *ctx, const float *mine, int64_t n, float *a
 
 /* The group's all-to-all: each rank's send buffer and counts posted; each rank copies the block
  * every rank sent it (after the blocks for the ranks before it) into its place in recv. */
-typedef struct a2a_post { const float *send; const int64_t *counts; } a2a_post;
-static a2a_post posts[MAX_TP];
-
 static mrl_status group_a2a(void *ctx, const float *send, const int64_t *send_counts, float *recv,
                             const int64_t *recv_counts, int64_t unit) {
     member *me = ctx;
     group *g = me->g;
-    posts[me->rank] = (a2a_post){send, send_counts};
+    g->posts[me->rank] = (a2a_post){send, send_counts};
     pthread_barrier_wait(&g->bar);
     int64_t at = 0;
     for (int r = 0; r < g->size; r++) {
         int64_t from = 0;
-        for (int q = 0; q < me->rank; q++) from += posts[r].counts[q];
-        if (posts[r].counts[me->rank] != recv_counts[r]) abort(); /* (the counts must match) */
-        memcpy(recv + at * unit, posts[r].send + from * unit, sizeof(float) * (size_t)(recv_counts[r] * unit));
+        for (int q = 0; q < me->rank; q++) from += g->posts[r].counts[q];
+        if (g->posts[r].counts[me->rank] != recv_counts[r]) abort(); /* (the counts must match) */
+        memcpy(recv + at * unit, g->posts[r].send + from * unit, sizeof(float) * (size_t)(recv_counts[r] * unit));
         at += recv_counts[r];
     }
     pthread_barrier_wait(&g->bar);
@@ -315,6 +316,68 @@ static void case_cp(int arch, int dtype, int size, const char *dir) {
     mrl_model_free(whole);
 }
 
+/* Tensor and context parallel together on 4 ranks (tp 2 x cp 2): rank r holds slice r % 2 and
+ * takes token share r / 2; its sums go over its tensor-parallel pair, its all-to-alls over its
+ * context-parallel pair. Every rank's outputs the whole model's; each slice's gradient, summed
+ * over the two ranks that hold it, the slice of the whole model's. */
+static void case_tp_cp(int arch, const char *dir) {
+    mrl_model_config c = small_config(arch);
+    c.vocab_size = 212;
+    c.value_head = arch == MRL_ARCH_LLAMA;
+    c.num_key_value_heads = 4; /* (2 a slice, split over the context-parallel pair) */
+    batch x;
+    float lp[96], ent[96], val[96];
+    mrl_model *whole = reference(&c, 41 + (uint64_t)arch, 0, dir, &x, lp, ent, val);
+    group tg[2] = {{.size = 2}, {.size = 2}}, cg[2] = {{.size = 2}, {.size = 2}};
+    for (int i = 0; i < 2; i++) pthread_barrier_init(&tg[i].bar, NULL, 2), pthread_barrier_init(&cg[i].bar, NULL, 2);
+    member ms[4], cps[4];
+    pthread_t th[4];
+    char out[2][300]; /* (each tensor-parallel pair saves, into its own directory) */
+    for (int i = 0; i < 2; i++) snprintf(out[i], sizeof out[i], "%s/tp_cp_saved%d", dir, i);
+    for (int r = 0; r < 4; r++) {
+        ms[r] = (member){.g = &tg[r / 2], .rank = r % 2, .b = &x.b, .x = &x, .save_to = out[r / 2]};
+        cps[r] = (member){.g = &cg[r % 2], .rank = r / 2};
+        CHECK_OK(mrl_model_load_dir_tp(dir, r % 2, 2, 0, &ms[r].m));
+        CHECK_OK(mrl_model_set_tp_group(ms[r].m, group_sum, group_gather, &ms[r]));
+        CHECK_OK(mrl_model_set_cp_group(ms[r].m, r / 2, 2, group_gather, group_a2a, &cps[r]));
+    }
+    for (int r = 0; r < 4; r++) pthread_create(&th[r], NULL, run_rank, &ms[r]);
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    double worst_lp = 0, worst_g = 0;
+    const char *worst_name = "";
+    const float *gw = mrl_model_grads(whole);
+    for (int r = 0; r < 4; r++) {
+        CHECK_OK(ms[r].fwd);
+        CHECK_OK(ms[r].bwd);
+        CHECK_OK(ms[r].saved);
+        for (int64_t i = 0; i < x.b.n_tokens; i++) {
+            double d = fmax(fabs(ms[r].lp[i] - lp[i]), fabs(ms[r].ent[i] - ent[i]));
+            if (c.value_head) d = fmax(d, fabs(ms[r].val[i] - val[i]));
+            if (!(d <= worst_lp)) worst_lp = d;
+        }
+        if (r >= 2) continue;
+        const float *g0 = mrl_model_grads(ms[r].m), *g1 = mrl_model_grads(ms[r + 2].m); /* the slice's two token shares */
+        for (int i = 0; i < mrl_model_num_views(ms[r].m); i++) {
+            mrl_param_view v, w;
+            mrl_model_view(ms[r].m, i, &v);
+            CHECK_OK(mrl_model_find_view(whole, v.name, &w));
+            float *want = malloc(sizeof(float) * (size_t)v.numel), *got = malloc(sizeof(float) * (size_t)v.numel);
+            slice_of(&w, &v, gw, r, want);
+            for (int64_t j = 0; j < v.numel; j++) got[j] = g0[v.offset + j] + g1[v.offset + j];
+            double e = rel(got, want, v.numel);
+            if (!(e <= worst_g)) worst_g = e, worst_name = v.name;
+            free(want), free(got);
+        }
+    }
+    printf("%s tp=2 x cp=2: max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n", mrl_model_arch_names(arch)->model_type,
+           worst_lp, worst_g, worst_name);
+    CHECK(worst_lp <= LP_TOL);
+    CHECK(worst_g <= GRAD_TOL);
+    for (int r = 0; r < 4; r++) mrl_model_free(ms[r].m);
+    for (int i = 0; i < 2; i++) pthread_barrier_destroy(&tg[i].bar), pthread_barrier_destroy(&cg[i].bar);
+    mrl_model_free(whole);
+}
+
 /* ---- the engine over slices ---- */
 
 enum { PROMPTS = 3, SAMPLES = 2, NEW = 12 };
@@ -476,6 +539,7 @@ int main(void) {
     for (int a = 0; a < 3; a++) case_cp(arches[a], 0, 2, dir);
     case_cp(MRL_ARCH_QWEN3, 1, 2, dir);
     case_cp(MRL_ARCH_QWEN2, 0, 4, dir);
+    for (int a = 0; a < 3; a++) case_tp_cp(arches[a], dir);
     case_refusals(dir);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

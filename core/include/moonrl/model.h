@@ -341,7 +341,8 @@ mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, i
  * leaves this rank's tokens' part of the parameter gradients, to be summed over the group (with
  * the data-parallel sums). alltoallv: `unit` floats a row, this rank sending send_counts[q] rows
  * to rank q (in rank order in send) and receiving recv_counts[q] from each into recv; allgather
- * as mrl_tp_allgather. size 1 turns it off. Dense CPU models, not tensor parallel ones. */
+ * as mrl_tp_allgather. size 1 turns it off. Dense CPU models; a tensor-parallel one splits its
+ * slices' heads (the ranks of a context-parallel group hold the same slices). */
 typedef mrl_status (*mrl_cp_alltoallv)(void *ctx, const float *send, const int64_t *send_counts, float *recv,
                                        const int64_t *recv_counts, int64_t unit);
 mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,

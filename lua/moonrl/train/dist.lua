@@ -284,27 +284,32 @@ local function clip_grad_norm(o, max_norm)
   return norm
 end
 
--- Groups of K consecutive ranks of w, data parallel over the groups (key: 'tp' or 'cp', the
--- config key dist.tp or dist.cp): rank r is slot r % K of group r // K. { [key] = the World of its
--- group, dp = the World of the ranks of its slot (one a group), size = K, rank = r % K }. Every
--- rank calls it (two splits); made once. Tensor parallel (dist.tp): each rank of a group holds
--- slices of every layer (moonrl.model.load_tp over the group); context parallel (dist.cp): each
--- holds the whole model and takes its share of each batch's tokens (model:set_cp).
+-- The mesh of w's ranks for dist.tp = TP and dist.cp = CP (each >= 1): rank r is slot r % TP of
+-- its tensor-parallel group (TP consecutive ranks, each holding slices of every layer:
+-- moonrl.model.load_tp), share (r // TP) % CP of its context-parallel group (CP ranks of the same
+-- slot, each taking its share of each batch's tokens: model:set_cp), data-parallel index
+-- r // (TP CP). { tp, cp = the Worlds of its groups (nil for a degree of 1), dp = the ranks of its
+-- slot and share (one a data-parallel index: what splits the data), grad = the ranks of its slot
+-- (what sums the gradients: dp, or with context parallel dp and cp), tp_rank, cp_rank }. Every
+-- rank calls it (its splits are collectives); made once.
 local meshes = {}
-local function group_mesh(w, K, key, name)
-  if w.size % K ~= 0 then
-    moonrl.usage_error(string.format('dist.%s=%d does not divide the %d ranks that train', key, K, w.size))
+function M.mesh(w, TP, CP)
+  if w.size % (TP * CP) ~= 0 then
+    moonrl.usage_error(TP > 1 and CP > 1 and string.format('dist.tp=%d x dist.cp=%d does not divide the %d ranks that '
+      .. 'train', TP, CP, w.size) or string.format('dist.%s=%d does not divide the %d ranks that train',
+      TP > 1 and 'tp' or 'cp', TP * CP, w.size))
   end
-  local id = tostring(w.handle) .. ':' .. key .. K
+  local id = string.format('%s:%d:%d', tostring(w.handle), TP, CP)
   if meshes[id] then return meshes[id] end
-  local mesh = { size = K, rank = w.rank % K }
-  mesh[key] = w:split(math.floor(w.rank / K), name)
-  mesh.dp = w:split(w.rank % K, 'data parallel')
+  local r = w.rank
+  local mesh = { tp_rank = r % TP, cp_rank = math.floor(r / TP) % CP }
+  if TP > 1 then mesh.tp = w:split(math.floor(r / TP), 'tensor parallel') end
+  if CP > 1 then mesh.cp = w:split(r % TP + TP * math.floor(r / (TP * CP)), 'context parallel') end
+  mesh.dp = w:split(r % (TP * CP), 'data parallel')
+  mesh.grad = CP > 1 and w:split(r % TP, 'gradient sums') or mesh.dp
   meshes[id] = mesh
   return mesh
 end
-function M.tp_mesh(w, K) return group_mesh(w, K, 'tp', 'tensor parallel') end
-function M.cp_mesh(w, K) return group_mesh(w, K, 'cp', 'context parallel') end
 
 -- Tensor parallel: opt (a moonrl.optim AdamW over model's slices, or M.data_parallel's over the
 -- groups, ZeRO-1 and 2 included) made to measure and clip the whole model's gradient norm: each

@@ -85,6 +85,7 @@ function M.critic_from(policy)
     local critic = M.load(policy.source_dir, { tp = policy.tp_world, value_head = true })
     zero_value_head(critic)
     critic:set_dtype(policy:dtype())
+    if policy.cp_world then critic:set_cp(policy.cp_world) end -- (and context parallel: its share of the tokens)
     return critic
   end
   if policy:shard() then -- sharded: each rank loads its shard of the critic from the policy's files

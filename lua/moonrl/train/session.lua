@@ -100,8 +100,7 @@ function M.start(cfg, opts)
   end
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
   local shard = M.shard_world(cfg, device) -- dist.zero=3 over several ranks: each loads its shard
-  local mesh = M.tp_world(cfg, device) -- dist.tp: each rank loads its slices
-  local cpm = M.cp_world(cfg, device) -- dist.cp: each rank takes its share of each batch's tokens
+  local mesh = M.mesh_of(cfg, device) -- dist.tp: each rank loads its slices; dist.cp: its share of the tokens
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
       shard = shard, tp = mesh and mesh.tp })
@@ -112,14 +111,17 @@ function M.start(cfg, opts)
       if fs.exists(dir .. '/metrics.jsonl') and fs.exists(dir .. '/model/config.json') then
         hint = string.format(' (%s is a run directory: its model is model.dir=%s/model)', dir, dir)
       end
-      moonrl.usage_error((mesh and moonrl.error_text(a):find('tensor parallel', 1, true) and
-        string.format('dist.tp=%d: ', mesh.size) or 'model.dir: ') .. moonrl.error_text(a) .. hint)
+      moonrl.usage_error((mesh and mesh.tp and moonrl.error_text(a):find('tensor parallel', 1, true) and
+        string.format('dist.tp=%d: ', mesh.tp.size) or 'model.dir: ') .. moonrl.error_text(a) .. hint)
     end
     policy, tok, tpl, tok_dir = a, b, c, d
   end
   if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
-  if policy and cpm then policy:set_cp(cpm.cp) end
+  if policy and mesh and mesh.cp then
+    local ok, err = pcall(policy.set_cp, policy, mesh.cp)
+    if not ok then moonrl.usage_error(string.format('dist.cp=%d: %s', mesh.cp.size, moonrl.error_text(err))) end
+  end
   if policy and device and device ~= policy:device() then
     local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
     if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
@@ -160,12 +162,13 @@ function M.start(cfg, opts)
   if cfg.model and cfg.model.dir then inputs.model = cfg.model.dir end
   local S = M.open(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
     free_keys = opts.free_keys })
-  if mesh then -- tensor parallel: the data and the gradient sums go over the groups, the slices' sums within each
-    S.world, S.tp_world, S.tp_follower, S.mesh_world = mesh.dp, mesh.tp, mesh.rank > 0, dist.world()
-  end
-  if cpm then -- context parallel: the data over the groups (a group's ranks share each sample's tokens); the
-    -- gradient sums, the optimizer state's shards, checkpoints and saves over every rank (S.all_world)
-    S.world, S.cp_world, S.all_world, S.mesh_world = cpm.dp, cpm.cp, dist.world(), dist.world()
+  if mesh then -- the data over the data-parallel groups (S.world); every rank of the mesh stops together
+    S.world, S.mesh_world = mesh.dp, dist.world()
+    -- tensor parallel: the slices' sums within each group
+    if mesh.tp then S.tp_world, S.tp_follower = mesh.tp, mesh.tp_rank > 0 end
+    -- context parallel: a group's ranks share each sample's tokens; the gradient sums, the optimizer
+    -- state's shards, checkpoints and saves over the data- and context-parallel ranks of a slot
+    if mesh.cp then S.cp_world, S.grad_world = mesh.cp, mesh.grad end
   end
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   S.engine_copy = engine_copy
@@ -215,23 +218,22 @@ function M.shard_world(cfg, device)
   return dist.shard_layout(w, cfg.dist.shard_group)
 end
 
--- dist.tp or dist.cp over several ranks (key 'tp' or 'cp'): the mesh (dist.tp_mesh: groups that
--- hold the policy's slices; dist.cp_mesh: groups that split each batch's tokens), nil when off.
--- What they do not do yet is a usage error naming the key.
-local function group_world(cfg, device, key)
-  local K = cfg.dist and cfg.dist[key] or 1
-  if K <= 1 then return nil end
-  local function no(what) moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, K, what)) end
-  if key == 'cp' and (cfg.dist.tp or 1) > 1 then no('dist.tp=' .. cfg.dist.tp) end
+-- dist.tp and dist.cp: the mesh (dist.mesh) of the ranks that train, nil when both are 1. What
+-- they do not do yet is a usage error naming the key.
+function M.mesh_of(cfg, device)
+  local TP, CP = cfg.dist and cfg.dist.tp or 1, cfg.dist and cfg.dist.cp or 1
+  if TP <= 1 and CP <= 1 then return nil end
+  local key = CP > 1 and TP <= 1 and 'cp' or 'tp'
+  local function no(what)
+    moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or TP, what))
+  end
   if (cfg.dist.zero or 0) > 2 then no('dist.zero=3 (the groups shard their optimizer state and gradients: ZeRO-1 and 2)') end
   if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   if cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
   if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
-  return dist[key .. '_mesh'](dist.world(cfg.dist.timeout), K)
+  return dist.mesh(dist.world(cfg.dist.timeout), TP, CP)
 end
-function M.tp_world(cfg, device) return group_world(cfg, device, 'tp') end
-function M.cp_world(cfg, device) return group_world(cfg, device, 'cp') end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
 local function check_dist(d)
@@ -445,7 +447,7 @@ function Session:optimizer(name, opt)
   if self.cfg.dist and self.cfg.dist.offload == 'optimizer' and opt.offload and opt.model and opt.model:device() ~= 'cpu' then
     opt:offload(self.cfg.dist.offload_chunk_mb * 2 ^ 20 / 4)
   end
-  local gw = self.all_world or self.world -- (context parallel: the sums over every rank)
+  local gw = self.grad_world or self.world -- (context parallel: the sums over the data- and context-parallel ranks)
   if not (gw.size > 1 and opt.model) and opt.create then opt:create() end
   if gw.size > 1 and opt.model then
     opt = dist.data_parallel(gw, opt, opt.model, { zero = self.cfg.dist.zero, bucket_mb = self.cfg.dist.bucket_mb,
@@ -613,7 +615,7 @@ function Session:checkpoint(reason, small, step, phase_step)
   local name = ckpt.dir_name(step)
   moonrl.C.mrl_heartbeat('checkpoint ' .. name)
   self.status:phase('checkpoint')
-  local w = self.all_world or self.world -- (context parallel: every rank holds the whole model)
+  local w = self.grad_world or self.world -- (context parallel: its ranks hold the same model)
   -- ZeRO-1 (moonrl.train.dist): each rank's optimizer state is its shard, which it writes itself
   -- into the checkpoint (nothing is gathered); plain data parallel: rank 0 writes the whole state
   local sharded = #self.optimizers > 0 and self.optimizers[1].opt.sharded or false
@@ -854,6 +856,7 @@ function Session:reference()
   if self.tp_world then -- tensor parallel: its slices of the initial model
     local ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
     ref:set_dtype(self.policy:dtype())
+    if self.cp_world then ref:set_cp(self.cp_world) end -- (and context parallel: its share of the tokens)
     return ref
   end
   if not self.policy:shard() then return models.clone(self.policy) end
@@ -875,7 +878,7 @@ function Session:max_shard_bytes() return math.max(1, math.floor(self.cfg.run.ma
 -- RUN_DIR/<name>. A failure is an error: a run never ends well without its model.
 function Session:save_models()
   local out = {}
-  local w = self.all_world or self.world
+  local w = self.grad_world or self.world
   if w.size > 1 then -- rank 0 saves; every rank learns how it went
     local ok, err = true, nil
     -- a sharded model: every rank gathers it with rank 0, which writes it (m:save)
@@ -889,7 +892,7 @@ function Session:save_models()
         end
       end
     end
-    if w.rank == 0 and ok then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO, all_world = false }, { __index = self })) end
+    if w.rank == 0 and ok then ok, err = pcall(self.save_models, setmetatable({ world = dist.SOLO, grad_world = false }, { __index = self })) end
     local msg = w:broadcast_string(ok and '' or ('error\n' .. moonrl.error_text(err)))
     if msg ~= '' then
       if w.rank == 0 then error(err, 0) end
