@@ -8,7 +8,8 @@
 -- groups of 2 under ZeRO-1 and ZeRO-2 (a model of one K/V head too); a run stopped after a
 -- checkpoint and resumed ends with the bits of the run never stopped (each slot's optimizer
 -- state in its own file; under ZeRO-1 a file a shard, resumed by 2 ranks with ZeRO-1 and with
--- plain data parallel); the keys and configs tensor parallel cannot take are usage errors
+-- plain data parallel); a rank of a group killed in a step and in its checkpoint write, restarted by
+-- moonrl launch, ends with the same bits; the keys and configs tensor parallel cannot take are usage errors
 -- naming them. (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -82,6 +83,33 @@ t.test('a checkpoint of 2 tensor-parallel ranks resumes to the bits of the run n
   t.truthy(moonrl.model.load(ckpt).n_params > 0, 'the checkpoint holds the whole model')
   t.eq(fs.read(part .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
     'resumed: the weights of the run never stopped, bit for bit')
+end)
+
+t.test('a killed rank of a tensor-parallel group: moonrl launch --restarts ends with the bits of the run never stopped', function()
+  -- the group's second rank killed in a step; and while it writes its slot's optimizer state into
+  -- step 2's checkpoint (after 1000 bytes): no manifest, so the restart resumes from step 1's
+  local words = U.with(SFT, { 'dist.tp=2', 'train.schedule=constant', 'run.checkpoint_every=1', 'dist.timeout=20' })
+  local straight = dir .. '/straight'
+  if not fs.exists(straight .. '/model') then
+    run(2, 'recipes/sft.lua', U.with(SFT, { 'dist.tp=2', 'train.schedule=constant', 'run.checkpoint_every=1' }), 'straight')
+  end
+  for _, case in ipairs({ { 'tp_killed', 'kill:step=3:phase=train:rank=1:attempt=0' },
+    { 'tp_killed_ckpt', 'kill:checkpoint=2:bytes=1000:rank=1:attempt=0' } }) do
+    local d = dir .. '/' .. case[1]
+    local argv = { '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=' .. case[2], 'MOONRL_THREADS=1', exe,
+      'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self', 'recipes/sft.lua',
+      'run.dir=' .. d }
+    for _, w in ipairs(words) do argv[#argv + 1] = w end
+    local r = require('moonrl.io.proc').run(argv, { timeout = 180 })
+    if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+    t.truthy(r.ok and (r.stderr or ''):find('restarting') ~= nil, case[1] .. ': finished after a restart')
+    t.eq(fs.read(d .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
+      case[1] .. ': the weights of the run never stopped, bit for bit')
+    t.eq(#U.records(d), 4, case[1] .. ': each step logged once')
+    if case[1] == 'tp_killed_ckpt' then
+      t.truthy(r.stderr:find('checkpoint write after 1000 bytes', 1, true), 'rank 1 was killed in the write')
+    end
+  end
 end)
 
 t.test('dist.cp=2 (Ulysses): sft on 2 ranks and on 2 groups of 2 with ZeRO-1, dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
