@@ -88,16 +88,20 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
     return MRL_OK;
 }
 
-/* A tensor-parallel rank's slice of view v (whole: its rows or columns of the file's tensor
- * `from`, v's own or the embedding in place of a value-head model's missing lm_head). */
-static mrl_status read_tp_slice(const mrl_model *m, mrl_st *st, const mrl_param_view *v, const char *from, float *dst) {
+/* Elements [a, b) of a tensor-parallel rank's slice of view v (its rows or columns of the file's
+ * tensor `from`, v's own or the embedding in place of a value-head model's missing lm_head): all
+ * of it, or the part a ZeRO-3 shard holds. */
+static mrl_status read_tp_slice(const mrl_model *m, mrl_st *st, const mrl_param_view *v, const char *from, int64_t a,
+                                int64_t b, float *dst) {
     if (mrl_model_tp_split(m, v->name) == 1) /* rows: one range (a K/V head held by several ranks: theirs) */
-        return mrl_st_read_f32_range(st, from, (int64_t)(m->tp_rank / mrl_model_tp_copies(m, v->name)) * v->numel,
-                                     v->numel, dst);
-    int64_t rows = v->shape[0], cols = v->shape[1]; /* columns: a range of each row */
-    for (int64_t i = 0; i < rows; i++) {
-        mrl_status s = mrl_st_read_f32_range(st, v->name, i * cols * m->tp_size + m->tp_rank * cols, cols, dst + i * cols);
+        return mrl_st_read_f32_range(st, from, (int64_t)(m->tp_rank / mrl_model_tp_copies(m, v->name)) * v->numel + a,
+                                     b - a, dst);
+    int64_t cols = v->shape[1]; /* columns: a range of each row, or of the rows [a, b) reaches */
+    for (int64_t e = a; e < b;) {
+        int64_t row = e / cols, c0 = e % cols, run = cols - c0 < b - e ? cols - c0 : b - e;
+        mrl_status s = mrl_st_read_f32_range(st, from, row * cols * m->tp_size + m->tp_rank * cols + c0, run, dst + (e - a));
         if (s) return s;
+        e += run;
     }
     return MRL_OK;
 }
@@ -140,7 +144,7 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
                 from = "model.embed_tokens.weight"; /* lm_head.weight of a value-head model: the embedding */
             }
         }
-        if (from && mrl_model_tp_split(m, v->name)) s = read_tp_slice(m, st, v, from, dst);
+        if (from && mrl_model_tp_split(m, v->name)) s = read_tp_slice(m, st, v, from, a - v->offset, b - v->offset, dst);
         else if (from) s = mrl_st_read_f32_range(st, from, a - v->offset, b - a, dst);
         if (!s && dst == stage) s = m->k->to_device(m->params + a, stage, (int64_t)sizeof(float) * (b - a));
     }
@@ -243,15 +247,26 @@ mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int 
 }
 
 mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out) {
+    return mrl_model_load_dir_tp_shard(dir, rank, size, 1, 1, 0, value_head, out);
+}
+
+mrl_status mrl_model_load_dir_tp_shard(const char *dir, int rank, int size, int world, int shards, int index,
+                                       int value_head, mrl_model **out) {
     if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp: NULL argument");
     *out = NULL;
     if (size < 1 || rank < 0 || rank >= size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp: rank %d of %d", rank, size);
+    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp_shard: shard %d of %d over %d ranks", index, shards,
+                             world);
     mrl_st *st = NULL;
     mrl_model *m = NULL;
     mrl_status s = open_dir(dir, value_head, rank, size, &m, &st);
     if (s) return s;
-    return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
+    if (world == 1) return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
+    int64_t offset, count; /* (the slices' layout is the same on every rank of the group: so are the shards) */
+    mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
+    return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
 }
 
 /* What m holds, [lo, hi) of its buffer, read again from dir's files. */
@@ -274,6 +289,7 @@ mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: NULL argument");
     if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: not a tensor-parallel model");
+    if (m->p_region) return read_again(m, dir, m->shard_off, m->shard_off + m->shard_count); /* (ZeRO-3: its shard) */
     return read_again(m, dir, 0, m->n_params);
 }
 
@@ -367,20 +383,22 @@ static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes
     float *all = mrl_mem_alloc(sizeof(float) * (size_t)(most * n), MRL_MEM_OTHER);
     float *out = mrl_mem_alloc(sizeof(float) * (size_t)(most * n), MRL_MEM_OTHER);
     mrl_st_stream *st = NULL;
-    int writer = m->tp_rank == 0;
+    int writer = m->tp_rank == 0 && (!m->p_region || m->shard_writer); /* (sharded: the first group's) */
     mrl_status s = mine && all && out ? MRL_OK : mrl_wrap_error(MRL_ERR_NOMEM, "%s: host buffers for one tensor", dir);
     mrl_status g = s;
     if (!s && writer) s = open_stream(m, dir, max_shard_bytes, &st);
     for (int i = 0; !g && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
         int split = mrl_model_tp_split(m, v->name);
+        if (m->p_region && (g = mrl_model_fetch(m, v->offset, v->numel))) break; /* ZeRO-3: the view whole here */
         if (!split) {
             if (!s && writer) s = write_view(m, dir, st, v, out);
+            if (m->p_region) mrl_model_drop(m, v->offset, v->numel);
             continue;
         }
-        if ((g = m->k->to_host(mine, m->params + v->offset, (int64_t)sizeof(float) * v->numel)) ||
-            (g = m->tp_gather(m->tp_ctx, mine, v->numel, all)))
-            break;
+        g = m->k->to_host(mine, m->params + v->offset, (int64_t)sizeof(float) * v->numel);
+        if (m->p_region) mrl_model_drop(m, v->offset, v->numel);
+        if (g || (g = m->tp_gather(m->tp_ctx, mine, v->numel, all))) break;
         if (s || !writer) continue;
         const float *src = all; /* rows: the ranks' slices one after the other already */
         int copies = mrl_model_tp_copies(m, v->name), parts = (int)n / copies;

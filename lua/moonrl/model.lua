@@ -172,9 +172,16 @@ end
 -- mrl_model_load_dir_tp: the heads and the MLP split Megatron's way, the rest whole), its sums
 -- and gathers over world (moonrl.train.dist's World): every rank of world runs the same forwards
 -- and backwards and calls m:save together. opts.value_head: a critic's.
+-- opts.shard = { world, shards, index }: its parameters sharded so too (ZeRO-3, model.h's
+-- mrl_model_load_dir_tp_shard; then dist.shard_model gathers them).
 function M.load_tp(dir, world, opts)
   local h = ffi.new('mrl_model *[1]')
-  moonrl.check(C.mrl_model_load_dir_tp(dir, world.rank, world.size, opts and opts.value_head and 1 or 0, h), 2)
+  local sh, vh = opts and opts.shard, opts and opts.value_head and 1 or 0
+  if sh then
+    moonrl.check(C.mrl_model_load_dir_tp_shard(dir, world.rank, world.size, sh.world, sh.shards, sh.index, vh, h), 2)
+  else
+    moonrl.check(C.mrl_model_load_dir_tp(dir, world.rank, world.size, vh, h), 2)
+  end
   local m = wrap(h[0])
   if world.size == 1 then return m end -- (the whole model)
   moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, world.handle), 2)

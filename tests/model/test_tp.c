@@ -19,6 +19,7 @@
  *     and seeded sampled tokens those of the engine on the whole model (a
  *     shared prompt, prefix caching, fp32 and bf16), their log-probs within
  *     the forward's bounds, and the same on every rank;
+ *   - ZeRO-3 shards of the slices, read by range, the slices' values;
  *   - context parallel (the whole model on each rank, the batch's tokens
  *     split, all-to-alls around attention) on 2 and 4 ranks: the whole
  *     batch's log-probs, entropy and values on every rank, and the ranks'
@@ -263,6 +264,40 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, con
     for (int r = 0; r < size; r++) mrl_model_free(ms[r].m);
     pthread_barrier_destroy(&g.bar);
     mrl_model_free(whole);
+}
+
+/* ZeRO-3 under tensor parallel (mrl_model_load_dir_tp_shard): each of 3 shards of each rank's
+ * slices, read by range (a shard's border inside a row of a column-split view too), holds the
+ * values of the whole slices at its offsets. */
+static void case_tp_shards(const char *dir) {
+    mrl_model_config c = small_config(MRL_ARCH_QWEN2); /* biases, its own head */
+    c.vocab_size = 212;
+    mrl_model *src = small_model(&c, 51);
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    int64_t checked = 0, differ = 0;
+    for (int r = 0; r < 2; r++) {
+        mrl_model *slices = NULL;
+        CHECK_OK(mrl_model_load_dir_tp(dir, r, 2, 0, &slices));
+        const float *want = mrl_model_params(slices);
+        for (int i = 0; i < 3; i++) {
+            mrl_model *m = NULL;
+            CHECK_OK(mrl_model_load_dir_tp_shard(dir, r, 2, 3, 3, i, 0, &m));
+            int64_t off = -1, cnt = -1;
+            CHECK(mrl_model_shard(m, &off, &cnt) == 1 && cnt > 0);
+            const float *got = mrl_model_params(m);
+            for (int64_t j = off; j < off + cnt; j++) differ += memcmp(&got[j], &want[j], sizeof(float)) != 0;
+            checked += cnt;
+            mrl_model_free(m);
+        }
+        CHECK(checked == (r + 1) * mrl_model_num_params(slices));
+        mrl_model_free(slices);
+    }
+    printf("tp=2, 3 shards a rank: %lld parameters read by range, %lld differ from the slices\n", (long long)checked,
+           (long long)differ);
+    CHECK(differ == 0);
+    mrl_model *m = NULL;
+    CHECK(mrl_model_load_dir_tp_shard(dir, 0, 2, 3, 2, 0, 0, &m) == MRL_ERR_INVALID && !m); /* 2 does not divide 3 */
 }
 
 /* ---- context parallel ---- */
@@ -540,6 +575,7 @@ int main(void) {
     case_cp(MRL_ARCH_QWEN3, 1, 2, dir);
     case_cp(MRL_ARCH_QWEN2, 0, 4, dir);
     for (int a = 0; a < 3; a++) case_tp_cp(arches[a], dir);
+    case_tp_shards(dir);
     case_refusals(dir);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

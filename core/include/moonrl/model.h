@@ -316,6 +316,12 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
 typedef mrl_status (*mrl_tp_allreduce)(void *ctx, float *buf, int64_t n);
 typedef mrl_status (*mrl_tp_allgather)(void *ctx, const float *mine, int64_t n, float *all);
 mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out);
+/* The same, its parameters sharded as mrl_model_load_dir_shard's (ZeRO-3 over the data-parallel
+ * ranks that hold the same slices: shard `index` of `shards` over `world` of them); saving
+ * (mrl_model_save_dir) then gathers each view over them and over the group, the first group's
+ * rank 0 writing. */
+mrl_status mrl_model_load_dir_tp_shard(const char *dir, int rank, int size, int world, int shards, int index,
+                                       int value_head, mrl_model **out);
 mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx);
 /* The tensor-parallel size (1 without), and this rank in *rank; the whole model's config in *whole. */
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);

@@ -183,9 +183,10 @@ end
 -- the checksums).
 -- parts.tp: tensor parallel, { world = the group, rank = this rank's slot, all = every rank }:
 -- with plain data parallel the ranks of the first group call M.write (each its data-parallel
--- group's rank 0), with ZeRO-1 and 2 (parts.sharded) every rank; the first rank leads, the first
--- group gathers and writes the models (mrl_model_save_dir, a collective of the group), and each
--- rank writes its slot's optimizer state (M.tp_prefix: whole, or its ZeRO shard of it).
+-- group's rank 0), with ZeRO (parts.sharded) every rank; the first rank leads, the first group
+-- gathers and writes the models (mrl_model_save_dir, a collective of the group; a ZeRO-3 model's
+-- gathers take every rank, the first group's rank 0 writing), and each rank writes its slot's
+-- optimizer state (M.tp_prefix: whole, or its ZeRO shard of it).
 function M.write_parts(root, name, parts, p)
   local world = parts.world
   local tp = parts.tp
@@ -203,8 +204,8 @@ function M.write_parts(root, name, parts, p)
     local callers = parts.sharded and tp.all or tp.world
     together(callers, make_tmp)
     together(tp.world, function()
-      if not world or world.rank == 0 then
-        for i, m in ipairs(parts.models or {}) do
+      for i, m in ipairs(parts.models or {}) do -- (sharded, ZeRO-3: every rank is in the gathers, the first group's rank 0 writes)
+        if m.model:shard() or not world or world.rank == 0 then
           M.save_model(m.model, i == 1 and tmp or (tmp .. '/' .. m.name), lead and m.tokenizer_dir or nil,
             parts.max_shard_bytes)
           if p then p:update(i) end

@@ -26,7 +26,10 @@ function M.load(dir, opts)
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
   if opts.tp and opts.tp.size > 1 then -- tensor parallel: this rank's slices, its sums over the group
-    model = model_mod.load_tp(dir, opts.tp, { value_head = opts.value_head })
+    local L = opts.shard -- (and ZeRO-3: its shard of them)
+    model = model_mod.load_tp(dir, opts.tp, { value_head = opts.value_head,
+      shard = L and { world = L.world.size, shards = L.shards, index = L.index } })
+    if L then require('moonrl.train.dist').shard_model(L, model) end
   elseif opts.shard then
     local L = opts.shard
     model = model_mod.load_shard(dir, L.world.size, L.shards, L.index, { value_head = opts.value_head })
@@ -69,34 +72,29 @@ function M.copy_weights(src, dst)
   dst:write_params(dp)
 end
 
--- A critic's value head (score.weight) to zero, through its host weights.
+-- A critic's value head (score.weight) to zero: through its host weights, or (sharded) its part
+-- in this rank's shard.
 local function zero_value_head(critic)
-  local p = critic:read_params()
+  local off, cnt = critic:shard()
+  local p = off and critic:param_buffer() or critic:read_params()
   for _, v in ipairs(critic:views()) do
-    if v.name == 'score.weight' then ffi.fill(p + v.offset, 4 * v.numel) end
+    local a, b = math.max(v.offset, off or 0), math.min(v.offset + v.numel, off and off + cnt or math.huge)
+    if v.name == 'score.weight' and b > a then ffi.fill(p + a, 4 * (b - a)) end
   end
-  critic:write_params(p)
+  if not off then critic:write_params(p) end
 end
 
 -- A critic for PPO: the policy's weights with a scalar value head (score.weight) set to zero, so
 -- the first value estimates are 0.
 function M.critic_from(policy)
-  if policy.tp_world then -- tensor parallel: the critic's slices from the policy's files
-    local critic = M.load(policy.source_dir, { tp = policy.tp_world, value_head = true })
+  if policy.tp_world or policy:shard() then
+    -- tensor parallel, sharded: each rank its slices, its shard of them, from the policy's files
+    local critic = M.load(policy.source_dir, { tp = policy.tp_world, shard = policy:shard() and policy.shard_layout,
+      value_head = true })
     zero_value_head(critic)
     critic:set_dtype(policy:dtype())
-    if policy.cp_world then critic:set_cp(policy.cp_world) end -- (and context parallel: its share of the tokens)
-    return critic
-  end
-  if policy:shard() then -- sharded: each rank loads its shard of the critic from the policy's files
-    local critic = M.load(policy.source_dir, { shard = policy.shard_layout, value_head = true })
-    local off, cnt = critic:shard()
-    for _, v in ipairs(critic:views()) do -- the value head starts at zero (its part in this shard)
-      local a, b = math.max(v.offset, off), math.min(v.offset + v.numel, off + cnt)
-      if v.name == 'score.weight' and b > a then ffi.fill(critic:param_buffer() + a, 4 * (b - a)) end
-    end
-    critic:set_dtype(policy:dtype())
     critic:to_device(policy:device())
+    if policy.cp_world then critic:set_cp(policy.cp_world) end -- (and context parallel: its share of the tokens)
     return critic
   end
   return M.clone(policy, { value_head = true, init = zero_value_head })

@@ -99,8 +99,8 @@ function M.start(cfg, opts)
     end
   end
   local policy, tok, tpl, tok_dir = opts.policy, opts.tokenizer, nil, opts.tokenizer_dir
-  local shard = M.shard_world(cfg, device) -- dist.zero=3 over several ranks: each loads its shard
   local mesh = M.mesh_of(cfg, device) -- dist.tp: each rank loads its slices; dist.cp: its share of the tokens
+  local shard = M.shard_world(cfg, device, mesh) -- dist.zero=3 over several ranks: each loads its shard
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
       shard = shard, tp = mesh and mesh.tp })
@@ -203,9 +203,10 @@ end
 
 -- dist.zero=3 on several ranks: the layout (dist.shard_layout) of the ranks that shard the
 -- policy's parameters (nil: whole). What sharded parameters do not do yet is a usage error naming the key.
-function M.shard_world(cfg, device)
+-- With a mesh (dist.tp, dist.cp): over the ranks that hold the same slices (its grad group).
+function M.shard_world(cfg, device, mesh)
   if not (cfg.dist and cfg.dist.zero == 3) then return nil end
-  local w = dist.world(cfg.dist.timeout)
+  local w = mesh and mesh.grad or dist.world(cfg.dist.timeout)
   if w.size == 1 then return nil end -- one process: nothing to shard
   if (cfg.dist.rollout_ranks or 0) > 0 then
     -- the trainers shard among themselves and write their shards into the rollout ranks' shared-
@@ -227,7 +228,6 @@ function M.mesh_of(cfg, device)
   local function no(what)
     moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or TP, what))
   end
-  if (cfg.dist.zero or 0) > 2 then no('dist.zero=3 (the groups shard their optimizer state and gradients: ZeRO-1 and 2)') end
   if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   if cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
@@ -863,6 +863,7 @@ function Session:reference()
   local ref = models.load(self.cfg.model.dir)
   ref:set_dtype(self.policy:dtype())
   ref:to_device(self.policy:device())
+  if self.cp_world then ref:set_cp(self.cp_world) end -- (context parallel: computed as the policy is)
   return ref
 end
 
