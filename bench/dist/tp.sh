@@ -7,7 +7,8 @@
 #           engine on the whole model (1 process x 2 threads) against the engine on each rank's
 #           slices (dist.tp=2, 2 ranks x 1 thread), median tokens_per_s/generate
 #   memory  rank 0's training state (memory/params_mb + grads_mb + optim_mb): 1 process against
-#           dist.tp=2 (only the norms stay whole on every rank)
+#           dist.tp=2 (only the norms stay whole on every rank), and against dist.tp=2 x
+#           dist.zero=3 on 4 ranks (2 groups of 2, the slices sharded over the groups; run once)
 # The runs alternate for ROUNDS rounds; each keeps its best round.
 #
 #   bench/dist/tp.sh [build/moonrl]
@@ -42,6 +43,7 @@ for r in $(seq "$ROUNDS"); do
   run "grpo tp=2" 2 "${grpo[@]}"
   echo "round $r done (load $(cut -d' ' -f1 /proc/loadavg))"
 done
+r=1 bench_run "sft tp=2 zero=3" 4 1 "${sft[@]}" dist.tp=2 dist.zero=3
 "$PYTHON" - "$dir" <<'PY'
 import sys
 sys.path.insert(0, "bench/dist")
@@ -64,4 +66,6 @@ print(f"| SFT step (median) | {s1:.3f} s | {s2:.3f} s | {s1 / s2:.2f}x | {', '.j
 print(f"| GRPO decode (median tokens/s) | {g1:.0f} | {g2:.0f} | {g2 / g1:.2f}x | {', '.join(f'{v:.0f}' for v in q1)} / {', '.join(f'{v:.0f}' for v in q2)} |")
 print(f"| rank 0's parameters | {p1:.1f} MiB | {p2:.1f} MiB | {p2 / p1:.2f}x | |")
 print(f"| rank 0's training state | {m1:.1f} MiB | {m2:.1f} MiB | {m2 / m1:.2f}x | |")
+m3 = state(runs["sft tp=2 zero=3"][0][-1])
+print(f"| rank 0's training state, dist.tp=2 x dist.zero=3 on 4 ranks | {m1:.1f} MiB | {m3:.1f} MiB | {m3 / m1:.2f}x | |")
 PY
