@@ -160,6 +160,11 @@ t.test('dist.tp=2 x dist.cp=2 on 4 ranks: sft, grpo with a reference and ppo wit
     t.truthy(#a == #b and worst <= 1e-5, case[3] .. ': the steps of one process')
     t.truthy(d <= (case[3] == 'sft' and 1e-4 or 1e-5), case[3] .. ': the weights of one process')
     if case[3] == 'ppo' then t.truthy(rel_diff(mixed .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
+    if case[3] == 'sft' then -- moonrl status: each rank's place in the mesh
+      local st = require('moonrl.io.proc').run({ exe, 'status', mixed }, { timeout = 60 })
+      t.truthy(st.ok and st.stdout:find('0 (tp 0/2 cp 0/2 dp 0/1)', 1, true) and st.stdout:find('3 (tp 1/2 cp 1/2 dp 0/1)', 1, true),
+        'status: the ranks\' places: ' .. tostring(st.stdout))
+    end
     if case[3] == 'grpo' then
       local a, b = U.records(mixed), U.records(one)
       for s = 1, #b do t.eq(a[s].tokens, b[s].tokens, 'grpo step ' .. s .. ': the same tokens') end

@@ -2,7 +2,7 @@
 -- terminal (it only reads files), and on a finished one.
 --   moonrl status RUN_DIR [--json] [--watch [SECONDS]]
 -- It reads RUN_DIR/status/rank-<R>.json (each rank's heartbeat, written by moonrl.train.session: the
--- loop, step, rate, ETA, phase in progress; see moonrl.io.progress), the tail of metrics.jsonl (the
+-- loop, step, rate, ETA, phase in progress, its place in a dist.tp / dist.cp mesh; see moonrl.io.progress), the tail of metrics.jsonl (the
 -- last logged step), the tail of events.jsonl (checkpoints, skips, rollbacks, restarts) and
 -- checkpoints/. A run whose heartbeat says running but whose process is gone (on this host) is
 -- shown as not running. Exit status 0, or 2 when RUN_DIR is missing or holds no moonrl run.
@@ -87,7 +87,8 @@ end
 local HEARTBEAT = { rank = 'count', pid = 'count', world_size = 'count', attempt = 'count', step = 'count',
   global_step = 'count', total = 'count', started = 'number', time = 'number', loop_since = 'number',
   phase_since = 'number', rate = 'number', eta = 'number', loss = 'number', host = 'string', state = 'string',
-  recipe = 'string', loop = 'string', phase = 'string', message = 'string', rss_mb = 'number', rss_peak_mb = 'number' }
+  recipe = 'string', loop = 'string', phase = 'string', message = 'string', rss_mb = 'number', rss_peak_mb = 'number',
+  mesh = 'string' }
 local WANT = { count = 'an integer >= 0', number = 'a finite number', string = 'a string' }
 
 local function finite(v) return type(v) == 'number' and v == v and math.abs(v) < math.huge end
@@ -248,8 +249,8 @@ function M.render(info)
   if #info.ranks > 1 or (lead and (lead.world_size or 1) > 1) then
     local parts = {}
     for _, r in ipairs(info.ranks) do
-      parts[#parts + 1] = string.format('%d: %s step %s%s, %s', r.rank or -1, r.state or '?', tostring(r.global_step or r.step or 0),
-        r.phase and (' ' .. r.phase) or '', ago(r.time, now))
+      parts[#parts + 1] = string.format('%d%s: %s step %s%s, %s', r.rank or -1, r.mesh and (' (' .. r.mesh .. ')') or '',
+        r.state or '?', tostring(r.global_step or r.step or 0), r.phase and (' ' .. r.phase) or '', ago(r.time, now))
     end
     line('ranks (%d of %d): %s', #info.ranks, lead and lead.world_size or #info.ranks, table.concat(parts, ' | '))
   end

@@ -169,6 +169,13 @@ function M.start(cfg, opts)
     -- context parallel: a group's ranks share each sample's tokens; the gradient sums, the optimizer
     -- state's shards, checkpoints and saves over the data- and context-parallel ranks of a slot
     if mesh.cp then S.cp_world, S.grad_world = mesh.cp, mesh.grad end
+    -- where this rank sits, in its heartbeat (moonrl status)
+    local at = {}
+    if mesh.tp then at[#at + 1] = string.format('tp %d/%d', mesh.tp_rank, mesh.tp.size) end
+    if mesh.cp then at[#at + 1] = string.format('cp %d/%d', mesh.cp_rank, mesh.cp.size) end
+    at[#at + 1] = string.format('dp %d/%d', mesh.dp.rank, mesh.dp.size)
+    S.status:set({ mesh = table.concat(at, ' ') })
+    S.status:write(true)
   end
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   S.engine_copy = engine_copy
