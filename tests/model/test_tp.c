@@ -17,8 +17,10 @@
  *     whole model's files byte for byte;
  *   - the engine on each rank's slices, the ranks stepping together: greedy
  *     and seeded sampled tokens those of the engine on the whole model (a
- *     shared prompt, prefix caching, fp32 and bf16), their log-probs within
- *     the forward's bounds, and the same on every rank;
+ *     shared prompt, prefix caching, fp32 and bf16; and with a cache so
+ *     small that sequences are pre-empted and 5 tokens a step, which
+ *     chunks the prompts), their log-probs within the forward's bounds, and
+ *     the same on every rank;
  *   - ZeRO-3 shards of the slices, read by range, the slices' values;
  *   - context parallel (the whole model on each rank, the batch's tokens
  *     split, all-to-alls around attention) on 2 and 4 ranks: the whole
@@ -422,6 +424,8 @@ typedef struct gen {
     int32_t tokens[2 * PROMPTS][SAMPLES][NEW]; /* greedy, then sampled */
     float lps[2 * PROMPTS][SAMPLES][NEW];
     int n[2 * PROMPTS][SAMPLES];
+    int64_t kv_bytes, batch_tokens; /* 0: 1 MiB and 64 */
+    int64_t preemptions;            /* the engine's, over both rounds */
     mrl_status st;
 } gen;
 
@@ -430,7 +434,8 @@ static void *generate(void *arg) {
     gen *g = arg;
     mrl_engine_config ec;
     mrl_engine_config_default(&ec);
-    ec.kv_cache_bytes = 1 << 20, ec.max_num_seqs = 8, ec.max_num_batched_tokens = 64, ec.block_size = 4;
+    ec.kv_cache_bytes = g->kv_bytes ? g->kv_bytes : 1 << 20, ec.max_num_seqs = 8, ec.block_size = 4;
+    ec.max_num_batched_tokens = g->batch_tokens ? (int)g->batch_tokens : 64;
     mrl_engine *e = NULL;
     if ((g->st = mrl_engine_create(g->m, &ec, &e))) return NULL;
     static const int32_t prompts[PROMPTS][6] = {{3, 9, 14, 2, 7, 5}, {3, 9, 14, 2, 11, 1}, {8, 4, 6, 19, 2, 12}};
@@ -454,19 +459,26 @@ static void *generate(void *arg) {
             }
         if (!g->st && round == 0) g->st = mrl_engine_reset(e);
     }
+    mrl_engine_stats es;
+    mrl_engine_get_stats(e, &es);
+    g->preemptions = es.preemptions;
     mrl_engine_free(e);
     return NULL;
 }
 
 static void *generate_rank(void *arg) { return generate(arg); }
 
-static void case_engine(int dtype, int vocab, const char *dir) {
+/* tight: a KV cache of 16 KiB (64 tokens of a rank's K/V heads, 32 of the whole model's) and 5
+ * tokens a step: sequences pre-empted and recomputed, prompts prefilled in chunks; the tokens
+ * must not change. */
+static void case_engine(int dtype, int vocab, int tight, const char *dir) {
     mrl_model_config c = small_config(MRL_ARCH_QWEN3);
     c.vocab_size = vocab; /* 212: the logits in slices, gathered for the sampler */
     mrl_model *src = small_model(&c, 21);
     CHECK_OK(mrl_model_save_dir(src, dir));
     mrl_model_free(src);
     gen whole = {0};
+    if (tight) whole.kv_bytes = 16 << 10, whole.batch_tokens = 5;
     CHECK_OK(mrl_model_load_dir(dir, &whole.m));
     CHECK_OK(mrl_model_set_dtype(whole.m, dtype));
     generate(&whole);
@@ -479,6 +491,7 @@ static void case_engine(int dtype, int vocab, const char *dir) {
     for (int r = 0; r < 2; r++) {
         ms[r] = (member){.g = &g, .rank = r};
         memset(&ranks[r], 0, sizeof ranks[r]);
+        ranks[r].kv_bytes = whole.kv_bytes, ranks[r].batch_tokens = whole.batch_tokens;
         CHECK_OK(mrl_model_load_dir_tp(dir, r, 2, 0, &ranks[r].m));
         CHECK_OK(mrl_model_set_dtype(ranks[r].m, dtype));
         CHECK_OK(mrl_model_set_tp_group(ranks[r].m, group_sum, group_gather, &ms[r]));
@@ -503,9 +516,12 @@ static void case_engine(int dtype, int vocab, const char *dir) {
             }
         mrl_model_free(ranks[r].m);
     }
-    printf("engine %s tp=2, vocabulary %d: %lld tokens (greedy, sampled), %lld differ from the whole model's, log-probs within %.3g\n",
-           dtype ? "bf16" : "fp32", vocab, (long long)tokens, (long long)differ, worst);
+    printf("engine %s tp=2, vocabulary %d%s: %lld tokens (greedy, sampled), %lld differ from the whole model's, "
+           "log-probs within %.3g; pre-emptions %lld (ranks), %lld (whole)\n", dtype ? "bf16" : "fp32", vocab,
+           tight ? ", a tight cache and 5 tokens a step" : "", (long long)tokens, (long long)differ, worst,
+           (long long)ranks[0].preemptions, (long long)whole.preemptions);
     CHECK(tokens > 2 * PROMPTS * SAMPLES && differ == 0 && across == 0);
+    CHECK(!tight || (ranks[0].preemptions > 0 && ranks[1].preemptions == ranks[0].preemptions));
     CHECK(worst <= (dtype ? LP_TOL16 : LP_TOL));
     pthread_barrier_destroy(&g.bar);
     mrl_model_free(whole.m);
@@ -569,8 +585,9 @@ int main(void) {
     for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 4, 1, 212, dir); /* 2 K/V heads over 4 ranks */
     case_tp(MRL_ARCH_QWEN2, 0, 2, 0, 211, dir); /* a vocabulary 2 does not divide: whole embedding and head */
     case_tp(MRL_ARCH_LLAMA, 1, 4, 0, 211, dir);
-    for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, 212, dir);
-    case_engine(0, 211, dir);
+    for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, 212, 0, dir);
+    case_engine(0, 211, 0, dir);
+    case_engine(0, 212, 1, dir);
     for (int a = 0; a < 3; a++) case_cp(arches[a], 0, 2, dir);
     case_cp(MRL_ARCH_QWEN3, 1, 2, dir);
     case_cp(MRL_ARCH_QWEN2, 0, 4, dir);
