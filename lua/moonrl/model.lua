@@ -461,17 +461,40 @@ end
 -- buffer order: { {name=, shape={...} (the whole tensor's), offset= (the slice's first element
 -- in the tensor, row-major), count=, at= (its first element in the range)}, ... }. A weight
 -- export of a shard carries this table, so a receiver of another layout takes exactly the slices
--- it needs (Model:slice_plan). Default range: the model's shard, else the whole buffer.
+-- it needs (Model:slice_plan). Default range: the model's shard, else the whole buffer. A
+-- tensor-parallel rank's views are its slices: in the whole tensors' coordinates, a row-split
+-- view's part is one slice, a column-split view's a slice a row (its columns of each).
 function Model:slices(offset, count)
   if not offset then
     offset, count = self:shard()
     if not offset then offset, count = 0, self.n_params end
   end
+  local size, rank = self:tp()
   local last, out = offset + count, {}
   for _, v in ipairs(self:views()) do
     local lo, hi = math.max(offset, v.offset), math.min(last, v.offset + v.numel)
     if lo < hi then
-      out[#out + 1] = { name = v.name, shape = v.shape, offset = lo - v.offset, count = hi - lo, at = lo - offset }
+      local split = size > 1 and C.mrl_model_tp_split(self.handle, v.name) or 0
+      if split == 0 then
+        out[#out + 1] = { name = v.name, shape = v.shape, offset = lo - v.offset, count = hi - lo, at = lo - offset }
+      else
+        local parts = size / C.mrl_model_tp_copies(self.handle, v.name) -- (a K/V head several ranks hold: theirs)
+        local shape = { v.shape[1], v.shape[2] }
+        shape[split] = shape[split] * parts
+        if split == 1 then -- rows: this slice's block of the tensor
+          local first = math.floor(rank * parts / size) * v.numel
+          out[#out + 1] = { name = v.name, shape = shape, offset = first + lo - v.offset, count = hi - lo, at = lo - offset }
+        else -- columns: each row's block
+          local cols, e = v.shape[2], lo - v.offset
+          while e < hi - v.offset do
+            local row, c0 = math.floor(e / cols), e % cols
+            local run = math.min(cols - c0, hi - v.offset - e)
+            out[#out + 1] = { name = v.name, shape = shape, offset = row * cols * size + rank * cols + c0, count = run,
+              at = v.offset + e - offset }
+            e = e + run
+          end
+        end
+      end
     end
   end
   return out

@@ -30,9 +30,11 @@ end
 local function results(r)
   local count, lp, g = 0, 0, 0
   for line in r.stdout:gmatch('[^\n]+') do
-    local a, b = line:match('^tp ok rank %d+ of %d+: %d+ split views, log%-probs (%S+), gradients (%S+)')
+    local a, b, placed, n, bad = line:match('^tp ok rank %d+ of %d+: %d+ split views, log%-probs (%S+), gradients (%S+), ' ..
+      'slices placed (%d+) of (%d+), (%d+) differ')
     if a then
       count, lp, g = count + 1, math.max(lp, tonumber(a)), math.max(g, tonumber(b))
+      if placed ~= n or bad ~= '0' then count = -1000 end -- (every element placed, at the whole model's value)
       print('  ' .. line)
     end
   end

@@ -2,7 +2,8 @@
 -- this rank's tensor-parallel slices over the world (moonrl.model.load_tp), a forward and a
 -- backward of the same batch on both: this rank's log-probs and entropy against the whole
 -- model's, and each slice's gradient against the slice of the whole gradient (a whole view's
--- against the whole); then the group saves the slices to out. Prints one "tp ok rank R" line.
+-- against the whole); this rank's slices as Model:slices exports them land where the whole
+-- model holds the same values; then the group saves the slices to out. Prints one "tp ok rank R" line.
 --   mpirun -n P moonrl run tests/model/tp_ranks.lua dir=DIR out=OUT [dtype=bf16]
 local moonrl = require('moonrl')
 local dist = require('moonrl.train.dist')
@@ -66,5 +67,15 @@ for _, v in ipairs(m:views()) do
 end
 m:save(opt.out)
 local size = m:tp()
-io.stdout:write(string.format('tp ok rank %d of %d: %d split views, log-probs %.3g, gradients %.3g\n', w.rank, size,
-  split, d_lp, worst)) -- (print is rank 0's alone)
+-- this rank's slices in the whole tensors' coordinates (Model:slices), placed in the whole model
+-- (Model:slice_plan): its values, bit for bit, and every element of each split view once
+local plan, placed, bad = whole:slice_plan(m:slices()), 0, 0
+local wp, mp = whole:params(), m:params()
+for _, c in ipairs(plan) do
+  for i = 0, c.count - 1 do
+    if wp[c.to + i] ~= mp[c.at + i] then bad = bad + 1 end
+  end
+  placed = placed + c.count
+end
+io.stdout:write(string.format('tp ok rank %d of %d: %d split views, log-probs %.3g, gradients %.3g, slices placed %d of %d, ' ..
+  '%d differ\n', w.rank, size, split, d_lp, worst, placed, m.n_params, bad)) -- (print is rank 0's alone)

@@ -9,7 +9,8 @@
 -- run stopped after a checkpoint and resumed ends with the bits of the run never stopped (each
 -- slot's optimizer state in its own file; under ZeRO-1 and 3 a file a shard, resumed by 4 ranks
 -- as written and by 2 with plain data parallel); a rank of a group killed in a step and in its checkpoint write, restarted by
--- moonrl launch, ends with the same bits; the keys and configs tensor parallel cannot take are usage errors
+-- moonrl launch, ends with the same bits; trainers in tensor parallel (and ZeRO-3) send their
+-- slices to a rollout rank, which generates what one trainer's does; the keys and configs tensor parallel cannot take are usage errors
 -- naming them. (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -170,6 +171,33 @@ t.test('dist.tp=2 x dist.cp=2 on 4 ranks: sft, grpo with a reference and ppo wit
       for s = 1, #b do t.eq(a[s].tokens, b[s].tokens, 'grpo step ' .. s .. ': the same tokens') end
     end
   end
+end)
+
+t.test('tensor-parallel trainers and a rollout rank: each trainer sends its slices (or its shard of them), the rollout rank assembles the whole model; the steps and weights of one trainer', function()
+  local words = U.with(GRPO, { 'async.mode=one_step_off', 'dist.rollout_ranks=1' })
+  local one = run(2, 'recipes/grpo.lua', words, 'rr_one') -- one trainer, one rollout rank
+  for _, case in ipairs({ { 3, {}, 'rr_tp' }, { 5, { 'dist.zero=3' }, 'rr_tp_zero3' } }) do
+    local d = run(case[1], 'recipes/grpo.lua', U.with(words, U.with({ 'dist.tp=2' }, case[2])), case[3])
+    local e = rel_diff(d .. '/model', one .. '/model')
+    local a, b = U.records(d), U.records(one)
+    local bytes = 0
+    for i = 1, #a do
+      t.eq(a[i].tokens, b[i].tokens, case[3] .. ' step ' .. i .. ': the same tokens')
+      bytes = math.max(bytes, a[i]['async/publish/bytes'] or 0)
+    end
+    local via
+    for line in io.lines(d .. '/events.jsonl') do
+      local ev = require('moonrl.io.json').decode(line)
+      if ev.event == 'rollout_weights' then via = ev.via end
+    end
+    print(string.format('  %s: %.3g from one trainer, %d bytes a version', case[3], e, bytes))
+    t.truthy(e <= 1e-5 and #a == #b, case[3] .. ': the weights of one trainer')
+    t.eq(via, 'trainer shards', case[3] .. ': the trainers\' slices by MPI')
+    t.truthy(bytes > 0, case[3] .. ': bytes a version reported')
+  end
+  local r = U.run_ranks(exe, 3, 'recipes/grpo.lua', U.with(words, { 'dist.tp=2', 'async.weights=shm', 'run.dir=' .. dir .. '/rr_shm' }),
+    { expect_fail = true })
+  t.truthy(not r.ok and (r.stderr .. r.stdout):find('dist.tp=2 with async.weights=shm', 1, true), 'shm: ' .. r.stderr)
 end)
 
 t.test('plain data parallel, ppo on 2 ranks with several micro-batches a rank: the critic\'s loop does not start the policy\'s gradient sums early', function()

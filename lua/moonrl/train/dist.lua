@@ -288,7 +288,7 @@ end
 -- its tensor-parallel group (TP consecutive ranks, each holding slices of every layer:
 -- moonrl.model.load_tp), share (r // TP) % CP of its context-parallel group (CP ranks of the same
 -- slot, each taking its share of each batch's tokens: model:set_cp), data-parallel index
--- r // (TP CP). { tp, cp = the Worlds of its groups (nil for a degree of 1), dp = the ranks of its
+-- r // (TP CP). { world = w, tp, cp = the Worlds of its groups (nil for a degree of 1), dp = the ranks of its
 -- slot and share (one a data-parallel index: what splits the data), grad = the ranks of its slot
 -- (what sums the gradients: dp, or with context parallel dp and cp), tp_rank, cp_rank }. Every
 -- rank calls it (its splits are collectives); made once.
@@ -302,7 +302,7 @@ function M.mesh(w, TP, CP)
   local id = string.format('%s:%d:%d', tostring(w.handle), TP, CP)
   if meshes[id] then return meshes[id] end
   local r = w.rank
-  local mesh = { tp_rank = r % TP, cp_rank = math.floor(r / TP) % CP }
+  local mesh = { world = w, tp_rank = r % TP, cp_rank = math.floor(r / TP) % CP }
   if TP > 1 then mesh.tp = w:split(math.floor(r / TP), 'tensor parallel') end
   if CP > 1 then mesh.cp = w:split(r % TP + TP * math.floor(r / (TP * CP)), 'context parallel') end
   mesh.dp = w:split(r % (TP * CP), 'data parallel')

@@ -191,7 +191,9 @@ function M.new(S, fn, opts)
   return setmetatable({ S = S, rollout_fn = fn, rollout_engine = opts and opts.engine or S.engine,
     -- trainers whose policy is sharded (dist.zero=3) send the rollout ranks their shards
     -- themselves (deliver_shards), every trainer in it: no rank holds the weights whole
-    shard_delivery = cfg.dist and cfg.dist.zero == 3 and (cfg.dist.rollout_ranks or 0) > 0 }, Rollouts)
+    -- ZeRO-3's shards or tensor parallel's slices: each trainer sends its own (deliver_shards)
+    shard_delivery = cfg.dist and (cfg.dist.zero == 3 or (cfg.dist.tp or 1) > 1) and (cfg.dist.rollout_ranks or 0) > 0 },
+    Rollouts)
 end
 
 -- The step's async metrics: staleness, queue, waits, the weight publication.
@@ -252,9 +254,11 @@ local function whole_weights(S)
   return S.policy:params()
 end
 
--- ZeRO-3 with rollout ranks: every trainer sends its shard of the weights to every rollout rank
--- (one all-to-all-v over the job's ranks: mrl_dist_send_pieces; under hybrid sharding the first
--- group's trainers). The export is in Hugging Face coordinates: at the first delivery each
+-- ZeRO-3 or tensor parallel with rollout ranks: every trainer sends its shard (or its slices, or
+-- its shard of them) of the weights to every rollout rank (one all-to-all-v over the job's ranks:
+-- mrl_dist_send_pieces; under hybrid sharding the first group's trainers, under tensor parallel
+-- the first data-parallel group's). Each byte goes once, but for the few a tensor-parallel group
+-- holds on several ranks (the norms, a K/V head shared by several). The export is in Hugging Face coordinates: at the first delivery each
 -- sending trainer's slice table (Model:slices of its shard) goes to every rank, and a rollout
 -- rank plans where each trainer's slices land in its own model (Model:slice_plan). When every
 -- shard lands whole at the offset it arrives at (the same layout) the pieces are received
@@ -262,7 +266,9 @@ end
 -- the plan. Every rank of the job calls it.
 local function shard_plans(self, job)
   local policy, T = self.S.policy, job.size - self.S.cfg.dist.rollout_ranks
-  local sends = job.rank < T and policy.shard_layout.replica == 0
+  -- (sharded: the first shard group's trainers; tensor parallel alone: the first data-parallel group's)
+  local sends = job.rank < T and (policy.shard_layout and policy.shard_layout.replica == 0 or
+    not policy.shard_layout and self.S.world.rank == 0)
   local tables = job:gather_strings(sends and json.encode(policy:slices()) or '')
   local p = { counts = ffi.new('int64_t[?]', job.size), to = ffi.new('uint8_t[?]', job.size), from = {},
     in_place = true, total = 0 }
@@ -298,6 +304,7 @@ local function deliver_shards(self)
   local send, count, recv = nil, 0, nil
   if p.counts[job.rank] > 0 then
     local o, c = policy:shard()
+    if not o then o, c = 0, policy.n_params end -- (tensor parallel: its slices, all of them)
     send, count = policy:param_buffer() + o, c
   elseif p.to[job.rank] == 1 then
     recv = p.in_place and policy:params() or p.staging
@@ -375,7 +382,7 @@ end
 -- MPI (async.weights=auto) or the run stops (shm, partial=continue).
 local function setup_shard_store(self)
   local a, job = self.S.cfg.async, dist.world()
-  if a.weights == 'mpi' then return end
+  if a.weights == 'mpi' or (self.S.cfg.dist.tp or 1) > 1 then return end -- (tensor parallel's slices: by MPI)
   local n, R = self.S.policy.n_params, self.S.cfg.dist.rollout_ranks
   local T = job.size - R
   local name = ''
@@ -528,7 +535,8 @@ end
 local function receive(self, j)
   local t0 = moonrl.now()
   local text = self.S.link and self.S.link:broadcast_string('', 1) or '' -- link rank 1: the first rollout rank
-  if self.S.world.size > 1 then text = self.S.world:broadcast_string(text, 0) end -- trainer 0 to the others
+  local trainers = self.S.mesh_world or self.S.world -- (a dist.tp mesh: all its groups')
+  if trainers.size > 1 then text = trainers:broadcast_string(text, 0) end -- trainer 0 to the others
   local waited = moonrl.now() - t0
   local samples, info = M.decode(text, 'rollout batch ' .. j)
   if info.step ~= j then
@@ -606,7 +614,8 @@ function Rollouts:after_update()
       if not self.pending[j] then self.pending[j] = receive(self, j) end
     end
     stop = moonrl.stop_requested() or self.rollout_stop or false
-    if self.S.world.size > 1 then stop = self.S.world:any(stop) end
+    local trainers = self.S.mesh_world or self.S.world
+    if trainers.size > 1 then stop = trainers:any(stop) end
     if stop and not moonrl.stop_requested() then moonrl.C.mrl_request_stop(-2, 'a stop requested by a rollout rank') end
     self:publish(s, { stop = stop, rollback = self.S.pending_rollback ~= nil, published = early })
   end

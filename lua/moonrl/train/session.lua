@@ -163,7 +163,7 @@ function M.start(cfg, opts)
   local S = M.open(cfg, { name = opts.name, total_steps = opts.steps, steps_key = opts.steps_key, inputs = inputs,
     free_keys = opts.free_keys })
   if mesh then -- the data over the data-parallel groups (S.world); every rank of the mesh stops together
-    S.world, S.mesh_world = mesh.dp, dist.world()
+    S.world, S.mesh_world = mesh.dp, mesh.world -- (with rollout ranks: the trainers)
     -- tensor parallel: the slices' sums within each group
     if mesh.tp then S.tp_world, S.tp_follower = mesh.tp, mesh.tp_rank > 0 end
     -- context parallel: a group's ranks share each sample's tokens; the gradient sums, the optimizer
@@ -215,7 +215,7 @@ function M.shard_world(cfg, device, mesh)
   if not (cfg.dist and cfg.dist.zero == 3) then return nil end
   local w = mesh and mesh.grad or dist.world(cfg.dist.timeout)
   if w.size == 1 then return nil end -- one process: nothing to shard
-  if (cfg.dist.rollout_ranks or 0) > 0 then
+  if not mesh and (cfg.dist.rollout_ranks or 0) > 0 then -- (a mesh is the trainers' already)
     -- the trainers shard among themselves and write their shards into the rollout ranks' shared-
     -- memory store, or send them over MPI (rollout.lua's deliver_shards); the rollout ranks hold
     -- the policy whole
@@ -235,11 +235,20 @@ function M.mesh_of(cfg, device)
   local function no(what)
     moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or TP, what))
   end
-  if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
+  local R = cfg.dist.rollout_ranks or 0
+  if R > 0 and CP > 1 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
-  if cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
+  -- (the engine thread of an asynchronous mode in one process would step the group from a second thread)
+  if R == 0 and cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
   if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
-  return dist.mesh(dist.world(cfg.dist.timeout), TP, CP)
+  local w = dist.world(cfg.dist.timeout)
+  if R > 0 then -- the trainers form the mesh; the rollout ranks hold the policy whole (their slices sent them)
+    if cfg.async and cfg.async.weights == 'shm' then no('async.weights=shm (the slices go to the rollout ranks by MPI)') end
+    local g = M.groups(w, cfg)
+    if g.role == 'rollout' then return nil end
+    w = g.world
+  end
+  return dist.mesh(w, TP, CP)
 end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
@@ -632,7 +641,7 @@ function Session:checkpoint(reason, small, step, phase_step)
     fault.arm_checkpoint(step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
       state = state, run = run_info, max_shard_bytes = self:max_shard_bytes(), world = sharded and w or nil,
-      sharded = sharded, tp = self.tp_world and { world = self.tp_world, rank = self.tp_world.rank, all = dist.world() } })
+      sharded = sharded, tp = self.tp_world and { world = self.tp_world, rank = self.tp_world.rank, all = self.mesh_world } })
     fault.disarm()
   end
   if w.size > 1 then -- every rank learns how it went
