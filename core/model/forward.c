@@ -252,12 +252,8 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     int64_t max_len = 0, cp0 = 0; /* context parallel: this rank's tokens start at cp0 */
     mrl_status st = check_batch(m, b, &max_len);
     int64_t T = b->n_tokens; /* this rank's tokens: all of them, or its share (cp.c) */
-    if (!st && m->cp_size > 1) {
-        if (b->n_tokens < m->cp_size)
-            st = mrl_set_error(MRL_ERR_INVALID, "model forward: context parallel over %d ranks: a batch of %lld tokens "
-                               "(at least one a rank)", m->cp_size, (long long)b->n_tokens);
+    if (!st && m->cp_size > 1) /* (fewer tokens than ranks: some have none, and still take part) */
         T = mrl_model_cp_share(m->cp_rank, m->cp_size, b->n_tokens, &cp0);
-    }
     if (!st) st = mrl_moe_check_routing(m, b);
     if (!st) st = ensure_acts(m, T > 0 ? T : 1);
     if (!st) st = mrl_model_rope_prepare(m, max_len);
