@@ -31,6 +31,8 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
      * token's rows of Hq / cp and Hk / cp heads, Tw tokens at most (a rank has T / cp, floored) */
     int cp = m->cp_size > 1 ? m->cp_size : 1;
     int64_t Tw = cp > 1 ? cp * (T + 1) : T, Qh = Q / cp, Kh = K / cp;
+    /* sequence parallel (tp.c): the residual stream and the norms on Ts rows at most */
+    int64_t Ts = m->tp_seq ? (T + m->tp_size - 1) / m->tp_size : T;
     /* sparse layers: their MoE buffers in place of gate, up, act (recomputing:
      * the one shared set of buffers holds both kinds when the model has both) */
     int n_moe = 0;
@@ -38,15 +40,15 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
     int64_t A = n_moe ? T * c->num_experts_per_tok : 0, Fe = c->moe_intermediate_size;
     int64_t off = 0;
 #define TAKE(ptr, type, count) MRL_LAYOUT_TAKE(base, off, ptr, type, count)
-    for (int l = 0; l <= L; l++) TAKE(m->xs[l], float, T * D);
+    for (int l = 0; l <= L; l++) TAKE(m->xs[l], float, Ts * D);
     for (int l = 0; l < L; l++) {
         layer_acts *a = &m->la[l];
         if (m->recompute && l > 0) {
             if (base) *a = m->la[0];
             continue;
         }
-        TAKE(a->ln1, float, T * D);
-        TAKE(a->rstd1, float, T);
+        TAKE(a->ln1, float, Ts * D);
+        TAKE(a->rstd1, float, Ts);
         if (qwen3) {
             TAKE(a->qraw, float, T * Q);
             TAKE(a->kraw, float, T * K);
@@ -62,9 +64,9 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
         TAKE(a->lse, float, Tw * (Hq / cp));
         if (cp > 1) TAKE(a->att_h, float, Tw * Qh);
         else if (base) a->att_h = NULL;
-        TAKE(a->h, float, T * D);
-        TAKE(a->ln2, float, T * D);
-        TAKE(a->rstd2, float, T);
+        TAKE(a->h, float, Ts * D);
+        TAKE(a->ln2, float, Ts * D);
+        TAKE(a->rstd2, float, Ts);
         int moe = m->recompute ? n_moe > 0 : mrl_model_layer_is_moe(c, l);
         int dense = m->recompute ? n_moe < L : !moe;
         if (dense) {
@@ -103,6 +105,14 @@ static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
         TAKE(m->cp_out, float, (1 + cp) * (T + 1));
     } else if (base) {
         g->cp_datt = g->cp_dq = g->cp_dk = g->cp_dv = g->cp_pack = m->cp_out = NULL;
+    }
+    if (m->tp_seq) {
+        TAKE(g->sp_full, float, T * D);
+        TAKE(g->sp_stage, float, (1 + m->tp_size) * Ts * D);
+        TAKE(g->sp_loc, float, Ts * D);
+        TAKE(g->sp_dw, float, D);
+    } else if (base) {
+        g->sp_full = g->sp_stage = g->sp_loc = g->sp_dw = NULL;
     }
     TAKE(m->lnf, float, T * D);
     TAKE(m->rstdf, float, T);
@@ -265,6 +275,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     int cp = m->cp_size > 1;
     m->batch = *b;
     m->cp_t0 = cp0, m->cp_tl = T;
+    if (m->tp_seq) m->sp_tl = mrl_model_cp_share(m->tp_rank, m->tp_size, T, &m->sp_t0); /* (tp.c) */
     m->logits_kept = 0;
     m->inv_temp = 1.0f / temperature;
     int dev = k->on_device; /* on a GPU: what the ops read goes over first */
@@ -302,7 +313,10 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->have_forward = 0; /* (no backward through a forward that did not run) */
         return st;
     }
-    if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens + cp0, T); /* (tp.c) */
+    if (m->tp_seq) { /* this rank's vocabulary rows, summed into each rank's token rows (tp.c) */
+        mrl_model_tp_embed_rows(m, m->gs.sp_full, m->embed, m->op_tokens, T);
+        mrl_model_sp_reduce_scatter(m, m->gs.sp_full, m->xs[0]);
+    } else if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens + cp0, T); /* (tp.c) */
     else k->gather_rows(m->xs[0], m->embed, m->op_tokens + cp0, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
@@ -338,7 +352,17 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     /* sharded: kept in use for the backward, which starts with it (FSDP's root module, not
      * resharded after its forward); the next forward lets it go if no backward came */
     m->head_kept = m->p_region != NULL;
-    k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[c->num_hidden_layers], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
+    if (m->tp_seq) { /* this rank's rows, gathered: the head reads every token (tp.c) */
+        k->rmsnorm_fwd(m->lnf + m->sp_t0 * D, m->rstdf, m->xs[L], m->final_norm, m->sp_tl, (int)D,
+                       (float)c->rms_norm_eps);
+        mrl_model_sp_gather(m, m->lnf + m->sp_t0 * D, m->lnf);
+        if ((st = mrl_model_tp_status(m))) {
+            m->have_forward = 0;
+            return st;
+        }
+    } else {
+        k->rmsnorm_fwd(m->lnf, m->rstdf, m->xs[L], m->final_norm, T, (int)D, (float)c->rms_norm_eps);
+    }
     /* the outputs, in the table's memory (on a GPU: copied back at the end) */
     float *lp_out = logprobs && dev ? m->dev_io[0] : logprobs, *val_out = values && dev ? m->dev_io[2] : values;
     if (cp) /* this rank's tokens' outputs, in dx (free in the forward), gathered at the end */
@@ -460,13 +484,27 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
             k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */
             k->gemm(0, 0, n, D, V, 1.0f, m->logits, V, m->lm_head, D, 1.0f, dlnf + t0 * D, D); /* dlnf [n,D] */
         }
-    if (m->tp_vocab && (dlogprobs || dentropy)) mrl_model_tp_sum(m, dlnf, T * D); /* each slice's part (tp.c) */
-    if (dvalues) {
-        k->gemm(1, 0, 1, D, T, 1.0f, dvalues, 1, m->lnf, D, 1.0f, m->g_score, D); /* dscore [1,D] */
-        k->gemm(0, 0, T, D, 1, 1.0f, dvalues, 1, m->score, D, 1.0f, dlnf, D);     /* dlnf += dv score */
+    /* sequence parallel: this rank's rows of it (each rank's vocabulary part summed) from here */
+    int64_t own = m->tp_seq ? m->sp_tl : T, r0 = m->tp_seq ? m->sp_t0 : 0;
+    if (m->tp_seq) {
+        if (dlogprobs || dentropy) mrl_model_sp_reduce_scatter(m, dlnf, m->gs.sp_loc);
+        else k->zero(m->gs.sp_loc, (int64_t)sizeof(float) * own * D);
+        dlnf = m->gs.sp_loc;
+    } else if (m->tp_vocab && (dlogprobs || dentropy)) {
+        mrl_model_tp_sum(m, dlnf, T * D); /* each slice's part (tp.c) */
     }
-    k->zero(m->gs.dx, (int64_t)sizeof(float) * T * D);
-    k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
+    if (dvalues) { /* (the value head's gradient from every token, the same on every rank) */
+        k->gemm(1, 0, 1, D, T, 1.0f, dvalues, 1, m->lnf, D, 1.0f, m->g_score, D);         /* dscore [1,D] */
+        k->gemm(0, 0, own, D, 1, 1.0f, dvalues + r0, 1, m->score, D, 1.0f, dlnf, D);     /* dlnf += dv score */
+    }
+    k->zero(m->gs.dx, (int64_t)sizeof(float) * own * D);
+    if (m->tp_seq) { /* the norm's weight gradient of this rank's rows, summed over the group */
+        k->zero(m->gs.sp_dw, (int64_t)sizeof(float) * D);
+        k->rmsnorm_bwd(m->gs.dx, m->gs.sp_dw, dlnf, m->xs[L], m->final_norm, m->rstdf, own, (int)D);
+        mrl_model_sp_norm_grad(m, m->g_final_norm, D);
+    } else {
+        k->rmsnorm_bwd(m->gs.dx, m->g_final_norm, dlnf, m->xs[L], m->final_norm, m->rstdf, T, (int)D);
+    }
     mrl_model_unuse(m, layers_end, m->n_params);
     if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
@@ -483,7 +521,11 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
     if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
-    if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T); /* this rank's rows */
+    if (m->tp_seq) { /* every token's rows, then this rank's vocabulary rows of them (tp.c) */
+        mrl_model_sp_gather(m, m->gs.dx, m->gs.sp_full);
+        if ((st = mrl_model_tp_status(m))) return st;
+        mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.sp_full, m->op_tokens, T);
+    } else if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T); /* this rank's rows */
     else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);

@@ -87,18 +87,18 @@ void mrl_layer_products(const mrl_model *m, const mrl_gemm_desc *d, const uint16
 /* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v
  * (+ biases, qwen3 per-head norms), RoPE on q and k. Fills a's ln1, rstd1,
  * (qraw, kraw, rstdq, rstdk,) q, k, v. Shared with the engine. */
-void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, const int32_t *pos,
-                   int64_t T) {
+/* q, k, v of T tokens from ln [T,D] (the norm's output; under sequence parallel, gathered) */
+static void qkv_proj(const mrl_model *m, const layer_params *p, layer_acts *a, const float *ln, const int32_t *pos,
+                     int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads,
         Q = Hq * hd, K = Hk * hd;
     float eps = (float)c->rms_norm_eps;
-    k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, T, D, eps);              /* [T,D] */
     float *q = a->qraw ? a->qraw : a->q, *kk = a->kraw ? a->kraw : a->k;
-    mrl_gemm_desc qkv[3] = {lin_p(q, a->ln1, p->wq, p->pq, T, Q, D, 0),     /* [T,Q] */
-                            lin_p(kk, a->ln1, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
-                            lin_p(a->v, a->ln1, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
+    mrl_gemm_desc qkv[3] = {lin_p(q, ln, p->wq, p->pq, T, Q, D, 0),     /* [T,Q] */
+                            lin_p(kk, ln, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
+                            lin_p(a->v, ln, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
     products(m, qkv, (const uint16_t *[]){p->hq, p->hk, p->hv}, 3);
     add_bias(k, q, p->bq, T, Q);
     add_bias(k, kk, p->bk, T, K);
@@ -109,6 +109,12 @@ void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, con
     }
     k->rope(a->q, pos, m->rope_cos, m->rope_sin, T, Hq, hd, 0);
     k->rope(a->k, pos, m->rope_cos, m->rope_sin, T, Hk, hd, 0);
+}
+
+void mrl_layer_qkv(const mrl_model *m, const layer_params *p, layer_acts *a, const float *x, const int32_t *pos,
+                   int64_t T) {
+    m->k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, T, m->cfg.hidden_size, (float)m->cfg.rms_norm_eps); /* [T,D] */
+    qkv_proj(m, p, a, a->ln1, pos, T);
 }
 
 /* The rest of the layer once a->att holds the attention output:
@@ -148,7 +154,41 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
 }
 
+/* Sequence parallel (tp.c): x and out are this rank's rows [tl,D] of the residual stream, and
+ * so are ln1, h, ln2 and their rstd; the norms' outputs are gathered into gs.sp_full for the
+ * column-parallel products (T rows), whose row-parallel partial sums are reduce-scattered. */
+static void sp_forward(mrl_model *m, int l, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    const layer_params *p = &m->lp[l];
+    layer_acts *a = &m->la[l];
+    int D = c->hidden_size, F = c->intermediate_size, Hq = c->num_attention_heads, Q = Hq * c->head_dim;
+    float eps = (float)c->rms_norm_eps, *full = m->gs.sp_full, *out = m->xs[l + 1];
+    const float *x = m->xs[l];
+    int64_t tl = m->sp_tl;
+    k->rmsnorm_fwd(a->ln1, a->rstd1, x, p->ln1, tl, D, eps);
+    mrl_model_sp_gather(m, a->ln1, full);                                      /* ln1 [T,D] */
+    qkv_proj(m, p, a, full, m->pos, T);
+    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs, Hq,
+                   c->num_key_value_heads, c->head_dim, 1.0f / sqrtf((float)c->head_dim));
+    run1(m, lin_p(full, a->att, p->wo, p->po, T, D, Q, 0), p->ho);           /* this rank's heads' part [T,D] */
+    mrl_model_sp_reduce_scatter(m, full, a->h);
+    k->add(a->h, x, tl * D);                                                  /* h = x + att Wo^T, [tl,D] */
+    k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, tl, D, eps);
+    mrl_model_sp_gather(m, a->ln2, full);                                      /* ln2 [T,D] */
+    mrl_gemm_desc gu[2] = {lin_p(a->gate, full, p->wg, p->pg, T, F, D, 0), lin_p(a->up, full, p->wu, p->pu, T, F, D, 0)};
+    products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
+    k->swiglu_fwd(a->act, a->gate, a->up, T * F);
+    run1(m, lin_p(full, a->act, p->wd, p->pd, T, D, F, 0), p->hd);           /* this rank's slice's part [T,D] */
+    mrl_model_sp_reduce_scatter(m, full, out);
+    k->add(out, a->h, tl * D);                                                /* out = h + act Wd^T, [tl,D] */
+}
+
 void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
+    if (m->tp_seq) {
+        sp_forward(m, l, T);
+        return;
+    }
     const mrl_model_config *c = &m->cfg;
     layer_acts *a = &m->la[l];
     if (m->lp[l].router) {
@@ -175,15 +215,100 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
     mrl_layer_out(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
 }
 
-/* In: gs.dx = dL/dx' [T,D]. Out: gs.dx = dL/dx; parameter gradients added. */
-void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
+/* Back through q, k, v of T tokens from datt (in s->datt, [T,Q], the attention output's
+ * gradient), ln [T,D] their input: the parameter gradients added, dln [T,D] = the input's
+ * gradient (under tensor parallel this rank's heads' part). Shared by both backwards. */
+static void qkv_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                         const grad_scratch *s, const float *ln, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    int D = c->hidden_size, hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads,
+        Q = Hq * hd, K = Hk * hd;
+    k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
+    k->rope(s->dk, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 1);
+    float *dq = s->dq, *dk = s->dk;
+    if (a->qraw) { /* back through the per-head norms: datt, dk2 are free now */
+        k->zero(s->datt, (int64_t)sizeof(float) * T * Q);
+        k->zero(s->dk2, (int64_t)sizeof(float) * T * K);
+        /* tensor parallel: each rank's heads give part of the shared norms' gradients, summed over the group */
+        float *gq = s->dnorm ? s->dnorm : g->q_norm, *gk = s->dnorm ? s->dnorm + hd : g->k_norm;
+        if (s->dnorm) k->zero(s->dnorm, (int64_t)sizeof(float) * 2 * hd);
+        k->rmsnorm_bwd(s->datt, gq, s->dq, a->qraw, p->q_norm, a->rstdq, T * Hq, hd);
+        k->rmsnorm_bwd(s->dk2, gk, s->dk, a->kraw, p->k_norm, a->rstdk, T * Hk, hd);
+        if (s->dnorm) {
+            mrl_model_tp_sum(m, s->dnorm, 2 * hd);
+            k->add(g->q_norm, gq, hd);
+            k->add(g->k_norm, gk, hd);
+        }
+        dq = s->datt;
+        dk = s->dk2;
+    }
+    bias_grad(k, g->bq, dq, T, Q);
+    bias_grad(k, g->bk, dk, T, K);
+    bias_grad(k, g->bv, s->dv, T, K);
+    mrl_gemm_desc qkv[4] = {lin_dw(g->wq, dq, ln, T, Q, D), lin_dw(g->wk, dk, ln, T, K, D),
+                            lin_dw(g->wv, s->dv, ln, T, K, D),
+                            lin_dx(s->dln, dq, p->wq, T, Q, D, 0)};     /* dln1 [T,D] = dq Wq ... */
+    products(m, qkv, (const uint16_t *[]){NULL, NULL, NULL, p->hq}, 4);
+    run1(m, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f), p->hk);            /* ... + dk Wk */
+    run1(m, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f), p->hv);         /* ... + dv Wv */
+}
+
+/* Sequence parallel (sp_forward): in s->dx this rank's rows [tl,D] of dL/dx', out dL/dx. The
+ * upstream rows are gathered for the products' backward (T rows), the norms' outputs gathered
+ * again for their weight gradients, and the input gradients' partial sums reduce-scattered to
+ * the rows before each norm's backward; the norms' weight gradients summed over the group. */
+static void sp_backward(mrl_model *m, int l, int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     const layer_params *p = &m->lp[l], *g = &m->lg[l];
     const layer_acts *a = &m->la[l];
     const grad_scratch *s = &m->gs;
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
-        Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd;
+        Hk = c->num_key_value_heads, Q = Hq * hd;
+    int64_t tl = m->sp_tl;
+    float *full = s->sp_full;
+    /* MLP: out = h + act Wd^T */
+    mrl_model_sp_gather(m, s->dx, full);                                      /* dL/dout [T,D] */
+    mrl_gemm_desc down[2] = {lin_dw(g->wd, full, a->act, T, D, F), lin_dx(s->df1, full, p->wd, T, D, F, 0)};
+    products(m, down, (const uint16_t *[]){NULL, p->hd}, 2);
+    k->swiglu_bwd(s->df1, s->df2, s->df1, a->gate, a->up, T * F);            /* dgate, dup [T,F] */
+    mrl_model_sp_gather(m, a->ln2, full);                                      /* ln2 [T,D] again */
+    mrl_gemm_desc gu[3] = {lin_dw(g->wg, s->df1, full, T, F, D), lin_dw(g->wu, s->df2, full, T, F, D),
+                           lin_dx(s->dln, s->df1, p->wg, T, F, D, 0)};
+    products(m, gu, (const uint16_t *[]){NULL, NULL, p->hg}, 3);
+    run1(m, lin_dx(s->dln, s->df2, p->wu, T, F, D, 1.0f), p->hu);           /* dln2, this rank's part [T,D] */
+    mrl_model_sp_reduce_scatter(m, s->dln, s->sp_loc);
+    k->zero(s->sp_dw, (int64_t)sizeof(float) * D);
+    k->rmsnorm_bwd(s->dx, s->sp_dw, s->sp_loc, a->h, p->ln2, a->rstd2, tl, D); /* dx = dL/dh [tl,D] */
+    mrl_model_sp_norm_grad(m, g->ln2, D);
+    /* attention: h = x + att Wo^T */
+    mrl_model_sp_gather(m, s->dx, full);                                      /* dL/dh [T,D] */
+    mrl_gemm_desc o[2] = {lin_dw(g->wo, full, a->att, T, D, Q), lin_dx(s->datt, full, p->wo, T, D, Q, 0)};
+    products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
+    k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix,
+                m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+    mrl_model_sp_gather(m, a->ln1, full);                                      /* ln1 [T,D] again */
+    qkv_backward(m, p, g, a, s, full, T);                                      /* dln1, this rank's part [T,D] */
+    mrl_model_sp_reduce_scatter(m, s->dln, s->sp_loc);
+    k->zero(s->sp_dw, (int64_t)sizeof(float) * D);
+    k->rmsnorm_bwd(s->dx, s->sp_dw, s->sp_loc, m->xs[l], p->ln1, a->rstd1, tl, D); /* dx = dL/dx [tl,D] */
+    mrl_model_sp_norm_grad(m, g->ln1, D);
+}
+
+/* In: gs.dx = dL/dx' [T,D]. Out: gs.dx = dL/dx; parameter gradients added. */
+void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
+    if (m->tp_seq) {
+        sp_backward(m, l, T);
+        return;
+    }
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    const layer_params *p = &m->lp[l], *g = &m->lg[l];
+    const layer_acts *a = &m->la[l];
+    const grad_scratch *s = &m->gs;
+    int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
+        Hk = c->num_key_value_heads, Q = Hq * hd;
     if (p->router) { /* a sparse layer's MLP: dln = dL/dln2 */
         mrl_moe_backward(m, p, g, a, s->dx, s->dln, T);
     } else { /* MLP: x' = h + act Wd^T */
@@ -214,34 +339,7 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
         k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
                     m->op_prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
     }
-    k->rope(s->dq, m->pos, m->rope_cos, m->rope_sin, T, Hq, hd, 1);
-    k->rope(s->dk, m->pos, m->rope_cos, m->rope_sin, T, Hk, hd, 1);
-    float *dq = s->dq, *dk = s->dk;
-    if (a->qraw) { /* back through the per-head norms: datt, dk2 are free now */
-        k->zero(s->datt, (int64_t)sizeof(float) * T * Q);
-        k->zero(s->dk2, (int64_t)sizeof(float) * T * K);
-        /* tensor parallel: each rank's heads give part of the shared norms' gradients, summed over the group */
-        float *gq = s->dnorm ? s->dnorm : g->q_norm, *gk = s->dnorm ? s->dnorm + hd : g->k_norm;
-        if (s->dnorm) k->zero(s->dnorm, (int64_t)sizeof(float) * 2 * hd);
-        k->rmsnorm_bwd(s->datt, gq, s->dq, a->qraw, p->q_norm, a->rstdq, T * Hq, hd);
-        k->rmsnorm_bwd(s->dk2, gk, s->dk, a->kraw, p->k_norm, a->rstdk, T * Hk, hd);
-        if (s->dnorm) {
-            mrl_model_tp_sum(m, s->dnorm, 2 * hd);
-            k->add(g->q_norm, gq, hd);
-            k->add(g->k_norm, gk, hd);
-        }
-        dq = s->datt;
-        dk = s->dk2;
-    }
-    bias_grad(k, g->bq, dq, T, Q);
-    bias_grad(k, g->bk, dk, T, K);
-    bias_grad(k, g->bv, s->dv, T, K);
-    mrl_gemm_desc qkv[4] = {lin_dw(g->wq, dq, a->ln1, T, Q, D), lin_dw(g->wk, dk, a->ln1, T, K, D),
-                            lin_dw(g->wv, s->dv, a->ln1, T, K, D),
-                            lin_dx(s->dln, dq, p->wq, T, Q, D, 0)};     /* dln1 [T,D] = dq Wq ... */
-    products(m, qkv, (const uint16_t *[]){NULL, NULL, NULL, p->hq}, 4);
-    run1(m, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f), p->hk);            /* ... + dk Wk */
-    run1(m, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f), p->hv);         /* ... + dv Wv */
+    qkv_backward(m, p, g, a, s, a->ln1, T);
     mrl_model_tp_sum(m, s->dln, T * D);                                  /* (tensor parallel) */
     k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
 }

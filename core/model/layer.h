@@ -199,6 +199,8 @@ mrl_status mrl_model_tp_status(mrl_model *m);
 int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo);
 int mrl_model_whole_vocab(const mrl_model *m);
 void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T);
+/* The same without the sum: this rank's rows, zeros for the others' tokens. */
+void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T);
 mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S, float *all, float *whole);
 /* RoPE tables for positions < max_len (grown, never shrunk: a run_async
  * caller covers every position first, so that no other thread regrows them). */

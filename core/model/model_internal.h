@@ -20,6 +20,10 @@ typedef struct grad_scratch {
     /* context parallel (cp.c): the attention's gradients in its layout [T whole, Q or K / cp]
      * (datt, dq, dk, dv are then this rank's tokens' [T, Q or K]), and a buffer to pack [T,Q] */
     float *cp_datt, *cp_dq, *cp_dk, *cp_dv, *cp_pack;
+    /* sequence parallel (tp.c): a whole [T,D] (a norm's output gathered, an upstream gradient, a
+     * partial sum), the staging of a gather [(1 + size) ceil(T / size) D], this rank's rows of a
+     * reduce-scatter [ceil(T / size) D], a norm's weight gradient of this backward [D] */
+    float *sp_full, *sp_stage, *sp_loc, *sp_dw;
     /* sparse layers (df1, df2 are then [A,Fe] when that is larger than [T,F]) */
     float *dye;       /* [A,D] d expert outputs, then d expert inputs */
     float *dlogit;    /* [T,E] d router logits */
@@ -125,6 +129,8 @@ struct mrl_model {
     int tp_rank, tp_size; /* 0 and 1 without */
     int tp_kv_copies;     /* ranks that hold each K/V head (more ranks than K/V heads), else 1 */
     int tp_vocab;         /* the embedding and head split by vocabulary (cfg.vocab_size: the rows here) */
+    int tp_seq;           /* sequence parallel: the residual stream and norms on this rank's tokens */
+    int64_t sp_t0, sp_tl; /* (the last forward's: rows [sp_t0, sp_t0 + sp_tl) of the batch) */
     float *tp_stats;      /* [3T (1 + tp_size)] with tp_vocab: the head's statistics, this rank's and the group's */
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
@@ -225,6 +231,12 @@ void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *loc
 mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
                                    float *lse, float *ent, float *lp);
 void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T);
+/* Sequence parallel (tp.c): every rank's rows [t0, t0 + tl) (mine: [tl, D]) into full [T, D];
+ * full [T, D], partial on each rank, summed over the group, this rank's rows into mine [tl, D];
+ * a norm's weight gradient of this rank's rows (sp_dw) summed over the group and added to g [n]. */
+void mrl_model_sp_gather(const mrl_model *m, const float *mine, float *full);
+void mrl_model_sp_reduce_scatter(const mrl_model *m, float *full, float *mine);
+void mrl_model_sp_norm_grad(const mrl_model *m, float *g, int64_t n);
 /* Context parallel (cp.c): rank r's tokens of a batch of T, [*t0, *t0 + return); local [Tl, H*hd]
  * rows to the attention's layout [T, H/size*hd] (this rank's heads, every token) and back; the
  * per-token outputs of every rank's tokens into whole[T]. Failures kept as tensor parallel's. */

@@ -145,14 +145,18 @@ int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo) {
 
 int mrl_model_whole_vocab(const mrl_model *m) { return m->tp_size > 1 ? m->tp_cfg.vocab_size : m->cfg.vocab_size; }
 
-void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T) {
+void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T) {
     int64_t lo, D = m->cfg.hidden_size, rows = mrl_model_tp_vocab(m, &lo);
     for (int64_t i = 0; i < T; i++) { /* (host memory: tensor parallel runs on the CPU) */
         int64_t t = tokens[i] - lo;
         if (t >= 0 && t < rows) memcpy(x + i * D, embed + t * D, sizeof(float) * (size_t)D);
         else memset(x + i * D, 0, sizeof(float) * (size_t)D);
     }
-    mrl_model_tp_sum(m, x, T * D);
+}
+
+void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T) {
+    mrl_model_tp_embed_rows(m, x, embed, tokens, T);
+    mrl_model_tp_sum(m, x, T * m->cfg.hidden_size);
 }
 
 void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T) {
@@ -209,5 +213,59 @@ mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S,
     for (int64_t s = 0; s < S; s++)
         for (int64_t r = 0; r < n; r++)
             memcpy(whole + (s * n + r) * rows, all + (r * S + s) * rows, sizeof(float) * (size_t)rows);
+    return MRL_OK;
+}
+
+/* ---- sequence parallel (Megatron's) ----
+ * The residual stream, the norms and their outputs are split by tokens over the group (rank r
+ * the rows [T r / size, T (r + 1) / size) of the batch, as context parallel splits them); a
+ * norm's output is all-gathered before the column-parallel products read it, and the
+ * row-parallel products' partial sums are reduce-scattered back to the rows (here an all-reduce
+ * whose rows a rank keeps: the memory of sequence parallel, not yet its traffic). A norm's
+ * weight gradient from a rank's rows is summed over the group within each backward. */
+
+void mrl_model_sp_gather(const mrl_model *cm, const float *mine, float *full) {
+    mrl_model *m = (mrl_model *)cm;
+    if (m->tp_failed) return;
+    if (!m->tp_gather) {
+        m->tp_failed = mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no all-gather for the group (mrl_model_set_tp_group)");
+        return;
+    }
+    int n = m->tp_size;
+    int64_t T = m->batch.n_tokens, D = m->cfg.hidden_size, most = (T + n - 1) / n, t0;
+    float *pad = m->gs.sp_stage, *all = pad + most * D;
+    memcpy(pad, mine, sizeof(float) * (size_t)(m->sp_tl * D));
+    mrl_status st = m->tp_gather(m->tp_ctx, pad, most * D, all);
+    if (st) {
+        m->tp_failed = mrl_wrap_error(st, "sequence parallel: gathering the rows over the %d ranks", n);
+        return;
+    }
+    for (int r = 0; r < n; r++) {
+        int64_t c = mrl_model_cp_share(r, n, T, &t0);
+        memcpy(full + t0 * D, all + r * most * D, sizeof(float) * (size_t)(c * D));
+    }
+}
+
+void mrl_model_sp_reduce_scatter(const mrl_model *m, float *full, float *mine) {
+    int64_t D = m->cfg.hidden_size;
+    mrl_model_tp_sum(m, full, m->batch.n_tokens * D);
+    memcpy(mine, full + m->sp_t0 * D, sizeof(float) * (size_t)(m->sp_tl * D));
+}
+
+void mrl_model_sp_norm_grad(const mrl_model *m, float *g, int64_t n) {
+    mrl_model_tp_sum(m, m->gs.sp_dw, n);
+    m->k->add(g, m->gs.sp_dw, n);
+}
+
+mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_sequence_parallel: NULL model");
+    if (on && m->tp_size <= 1)
+        return mrl_set_error(MRL_ERR_INVALID, "sequence parallel: the model is not tensor parallel (dist.tp)");
+    if (on && !m->tp_vocab)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel: the embedding and head must be split by vocabulary "
+                             "(vocab_size %d is not a multiple of the %d ranks)", m->tp_cfg.vocab_size, m->tp_size);
+    if (on && m->cp_size > 1) return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with context parallel: not yet");
+    mrl_model_release_activations(m); /* (the layout depends on it) */
+    m->tp_seq = on != 0;
     return MRL_OK;
 }

@@ -87,6 +87,7 @@ local function dist_section()
     offload_chunk_mb = M.number(64.0, { above = 0 }), -- dist.offload's pipeline: the gradients and weights copied in chunks of this size while the CPU steps the one before
     shard_group = M.integer(0, { min = 0 }), -- hybrid sharding (dist.zero=2, 3): the state sharded within groups of this many consecutive ranks, replicated across them (0: over all)
     tp = M.integer(1, { min = 1 }), -- tensor parallel: groups of this many consecutive ranks each hold slices of every layer (Megatron's split); data parallel over the groups
+    sequence_parallel = false, -- with dist.tp: the residual stream and the norms on each rank's share of the tokens (Megatron's sequence parallel)
     cp = M.integer(1, { min = 1 }), -- context parallel (Ulysses): groups of this many ranks (of one dist.tp slot) split each batch's tokens, all-to-alls around attention; data parallel over the groups
     zero = M.integer(0, { min = 0, max = 3 }), -- 1: ZeRO-1, the optimizer state sharded over the ranks; 2: ZeRO-2, the gradients too; 3: ZeRO-3, the parameters too
     bucket_mb = M.number(25.0, { above = 0 }), -- gradient all-reduce bucket size, started while the backward runs

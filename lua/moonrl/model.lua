@@ -202,6 +202,13 @@ function Model:set_cp(world)
   self.cp_world = world.size > 1 and world or nil -- (its communicator outlives the model's use of it)
 end
 
+-- Sequence parallel (model.h's mrl_model_set_sequence_parallel) for a tensor-parallel model whose
+-- vocabulary is split: the residual stream and norms on each rank's share of the tokens.
+function Model:set_sequence_parallel(on)
+  moonrl.check(C.mrl_model_set_sequence_parallel(self.handle, on and 1 or 0), 2)
+  self.sequence_parallel = on and true or nil
+end
+
 -- A tensor-parallel model's slices read again from a model directory (a checkpoint's).
 function Model:read_tp(dir) moonrl.check(C.mrl_model_read_tp(self.handle, dir), 2) end
 

@@ -21,6 +21,8 @@
  *     small that sequences are pre-empted and 5 tokens a step, which
  *     chunks the prompts), their log-probs within the forward's bounds, and
  *     the same on every rank;
+ *   - sequence parallel (the residual stream and norms on each rank's share
+ *     of the tokens) on 2 and 4 ranks, bf16 and shared K/V heads: the same;
  *   - ZeRO-3 shards of the slices, read by range, the slices' values;
  *   - context parallel (the whole model on each rank, the batch's tokens
  *     split, all-to-alls around attention) on 2 and 4 ranks: the whole
@@ -184,7 +186,7 @@ static mrl_model *reference(const mrl_model_config *c, uint64_t seed, int dtype,
 
 /* kv_shared: with more ranks than K/V heads (each held by several), else one K/V head a rank;
  * vocab: 212 splits the embedding and head by vocabulary over 2 and 4 ranks, 211 keeps them whole */
-static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, const char *dir) {
+static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, int sp, const char *dir) {
     mrl_model_config c = small_config(arch);
     c.vocab_size = vocab;
     c.value_head = arch == MRL_ARCH_LLAMA;
@@ -207,6 +209,7 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, con
         CHECK_OK(mrl_model_load_dir_tp(dir, r, size, 0, &ms[r].m));
         CHECK_OK(mrl_model_set_dtype(ms[r].m, dtype));
         CHECK_OK(mrl_model_set_tp_group(ms[r].m, group_sum, group_gather, &ms[r]));
+        if (sp) CHECK_OK(mrl_model_set_sequence_parallel(ms[r].m, 1));
         int rank = -1;
         mrl_model_config all;
         CHECK(mrl_model_tp(ms[r].m, &rank, &all) == size && rank == r && all.num_attention_heads == c.num_attention_heads);
@@ -250,13 +253,20 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, con
             free(want);
         }
     }
-    printf("%s %s tp=%d%s, vocabulary %d (%s): %lld split views, max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n",
+    printf("%s %s tp=%d%s%s, vocabulary %d (%s): %lld split views, max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n",
            mrl_model_arch_names(arch)->model_type, dtype ? "bf16" : "fp32", size, kv_shared ? " (K/V heads shared)" : "",
-           vocab, vocab % size ? "whole head" : "split", (long long)split_views, worst_lp, worst_g, worst_name);
+           sp ? ", sequence parallel" : "", vocab, vocab % size ? "whole head" : "split", (long long)split_views, worst_lp, worst_g, worst_name);
     /* q k v o gate up down (+ 3 biases) a layer, and the embedding and an untied head split by vocabulary */
     int vocab_views = vocab % size ? 0 : c.tie_word_embeddings ? 1 : 2;
     CHECK(split_views == (int64_t)size * (c.num_hidden_layers * (c.attention_bias ? 10 : 7) + vocab_views));
     CHECK(worst_w == 0);
+    if (sp) { /* a rank's activations for a long batch: less with the rows split */
+        int64_t with = mrl_model_activation_bytes(ms[0].m, 4096);
+        CHECK_OK(mrl_model_set_sequence_parallel(ms[0].m, 0));
+        int64_t without = mrl_model_activation_bytes(ms[0].m, 4096);
+        printf("  activations of 4096 tokens a rank: %.2fx of tensor parallel's alone\n", (double)with / (double)without);
+        CHECK(with < without);
+    }
     CHECK(worst_lp <= lp_tol);
     CHECK(worst_g <= g_tol);
     /* saved by the group (rank 0 writing the gathered tensors): the whole model's files, byte for byte */
@@ -575,6 +585,13 @@ static void case_refusals(const char *dir) {
     CHECK(mrl_model_set_cp_group(whole, 0, 3, group_gather, group_a2a, NULL) == MRL_ERR_INVALID);
     CHECK_STR_CONTAINS(mrl_last_error(), "num_attention_heads (4) is not a multiple of 3");
     CHECK_OK(mrl_model_set_cp_group(whole, 0, 1, NULL, NULL, NULL)); /* (size 1: off) */
+    CHECK(mrl_model_set_sequence_parallel(whole, 1) == MRL_ERR_INVALID); /* not tensor parallel */
+    CHECK_STR_CONTAINS(mrl_last_error(), "not tensor parallel");
+    mrl_model *odd = NULL; /* a vocabulary of 211 over 2 ranks: the head is whole, sequence parallel refused */
+    CHECK_OK(mrl_model_load_dir_tp(dir, 0, 2, 0, &odd));
+    CHECK(mrl_model_set_sequence_parallel(odd, 1) == MRL_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(mrl_last_error(), "split by vocabulary");
+    mrl_model_free(odd);
     CHECK(mrl_model_tp(whole, NULL, NULL) == 1);
     mrl_model_free(whole);
     mrl_model_config e;
@@ -593,11 +610,16 @@ int main(void) {
     CHECK(mkdtemp(dir) != NULL);
     static const int arches[3] = {MRL_ARCH_LLAMA, MRL_ARCH_QWEN2, MRL_ARCH_QWEN3};
     for (int a = 0; a < 3; a++)
-        for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, 0, 212, dir);
-    case_tp(MRL_ARCH_QWEN2, 0, 4, 0, 212, dir);
-    for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 4, 1, 212, dir); /* 2 K/V heads over 4 ranks */
-    case_tp(MRL_ARCH_QWEN2, 0, 2, 0, 211, dir); /* a vocabulary 2 does not divide: whole embedding and head */
-    case_tp(MRL_ARCH_LLAMA, 1, 4, 0, 211, dir);
+        for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, 0, 212, 0, dir);
+    case_tp(MRL_ARCH_QWEN2, 0, 4, 0, 212, 0, dir);
+    for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 4, 1, 212, 0, dir); /* 2 K/V heads over 4 ranks */
+    case_tp(MRL_ARCH_QWEN2, 0, 2, 0, 211, 0, dir); /* a vocabulary 2 does not divide: whole embedding and head */
+    case_tp(MRL_ARCH_LLAMA, 1, 4, 0, 211, 0, dir);
+    /* sequence parallel: 2 and 4 ranks, shared K/V heads, bf16 */
+    for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 2, 0, 212, 1, dir);
+    case_tp(MRL_ARCH_QWEN3, 1, 2, 0, 212, 1, dir);
+    case_tp(MRL_ARCH_QWEN2, 0, 4, 0, 212, 1, dir);
+    case_tp(MRL_ARCH_LLAMA, 0, 4, 1, 212, 1, dir);
     for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, 212, 0, dir);
     case_engine(0, 211, 0, dir);
     case_engine(0, 212, 1, dir);

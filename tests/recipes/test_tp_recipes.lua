@@ -5,7 +5,8 @@
 -- reference (the engine generating on the slices, every rank of a group stepping together) and
 -- PPO with its critic, each within 1e-5 of one process's final weights (a vocabulary of 16 the
 -- ranks split, the embedding and head in slices; 2 groups of 2 on one of 15, both whole); 2
--- groups of 2 under ZeRO-1, ZeRO-2 (a model of one K/V head too) and ZeRO-3 (SFT, GRPO, PPO); a
+-- groups of 2 under ZeRO-1, ZeRO-2 (a model of one K/V head too) and ZeRO-3 (SFT, GRPO, PPO), and
+-- SFT, GRPO and PPO with dist.sequence_parallel; a
 -- run stopped after a checkpoint and resumed ends with the bits of the run never stopped (each
 -- slot's optimizer state in its own file; under ZeRO-1 and 3 a file a shard, resumed by 4 ranks
 -- as written and by 2 with plain data parallel); a rank of a group killed in a step and in its checkpoint write, restarted by
@@ -41,7 +42,7 @@ end
 
 local rel_diff = U.weights_diff
 
-t.test('sft (2 ranks, 2 groups of 2, and 4 ranks sharing the 2 K/V heads), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
+t.test('sft (2 ranks, 2 groups of 2, and 4 ranks sharing the 2 K/V heads; ZeRO-1, 2, 3; sequence parallel), dpo, grpo with a reference, ppo with its critic: one process\'s weights within 1e-5', function()
   local function on(model, words)
     local out = {}
     for i, w in ipairs(words) do out[i] = w:find('^model%.dir=') and 'model.dir=' .. model or w end
@@ -58,7 +59,11 @@ t.test('sft (2 ranks, 2 groups of 2, and 4 ranks sharing the 2 K/V heads), dpo, 
     { 'recipes/sft.lua', U.with(SFT, { 'dist.zero=3' }), 'sft', 4, 2, 'zero3' },
     { 'recipes/grpo.lua', U.with(GRPO, { 'dist.zero=3' }), 'grpo', 4, 2, 'zero3' },
     { 'recipes/ppo.lua', U.with(PPO, { 'dist.zero=3' }), 'ppo', 4, 2, 'zero3' },
-    { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 } }) do
+    { 'recipes/dpo.lua', DPO, 'dpo', 2 }, { 'recipes/grpo.lua', GRPO, 'grpo', 2 }, { 'recipes/ppo.lua', PPO, 'ppo', 2 },
+    -- (after the cases whose runs are the baselines: one process takes no dist.sequence_parallel)
+    { 'recipes/sft.lua', U.with(SFT, { 'dist.sequence_parallel=true' }), 'sft', 2, 2, 'sp' },
+    { 'recipes/grpo.lua', U.with(GRPO, { 'dist.sequence_parallel=true' }), 'grpo', 2, 2, 'sp' },
+    { 'recipes/ppo.lua', U.with(PPO, { 'dist.sequence_parallel=true' }), 'ppo', 2, 2, 'sp' } }) do
     local one = dir .. '/one_' .. case[3]
     if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
     local K = case[5] or 2
@@ -238,7 +243,8 @@ t.test('what tensor parallel cannot take: usage errors naming the key', function
     { 3, { 'dist.tp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
     { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' },
     { 3, { 'dist.cp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
-    { 3, { 'dist.cp=2', 'dist.tp=2' }, 'dist.tp=2 x dist.cp=2 does not divide the 3 ranks' } }) do
+    { 3, { 'dist.cp=2', 'dist.tp=2' }, 'dist.tp=2 x dist.cp=2 does not divide the 3 ranks' },
+    { 2, { 'dist.sequence_parallel=true' }, 'dist.sequence_parallel splits the tensor-parallel groups' } }) do
     local recipe = case[2][2] and case[2][2]:find('async') and 'recipes/grpo.lua' or 'recipes/sft.lua'
     local words = recipe == 'recipes/grpo.lua' and U.with(GRPO, case[2]) or U.with(SFT, case[2])
     local r = U.run_ranks(exe, case[1], recipe, U.with(words, { 'run.dir=' .. dir .. '/bad' }), { expect_fail = true })

@@ -353,6 +353,12 @@ typedef mrl_status (*mrl_cp_alltoallv)(void *ctx, const float *send, const int64
                                        const int64_t *recv_counts, int64_t unit);
 mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
                                   void *ctx);
+/* Sequence parallel (Megatron's, dist.sequence_parallel) for a tensor-parallel model whose
+ * vocabulary is split: the residual stream, the norms and their outputs on this rank's share of
+ * the batch's tokens (all-gathered before the column-parallel products, the row-parallel ones'
+ * partial sums reduce-scattered), so the activations between the products are 1 / size a rank
+ * too. The outputs and the loss boundary are unchanged. on 0 turns it off. */
+mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on);
 /* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
 

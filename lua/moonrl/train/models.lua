@@ -95,6 +95,7 @@ function M.critic_from(policy)
     critic:set_dtype(policy:dtype())
     critic:to_device(policy:device())
     if policy.cp_world then critic:set_cp(policy.cp_world) end -- (and context parallel: its share of the tokens)
+    if policy.sequence_parallel then critic:set_sequence_parallel(true) end
     return critic
   end
   return M.clone(policy, { value_head = true, init = zero_value_head })

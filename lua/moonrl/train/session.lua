@@ -118,6 +118,13 @@ function M.start(cfg, opts)
   end
   if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
+  if cfg.dist and cfg.dist.sequence_parallel and (cfg.dist.tp or 1) <= 1 then
+    moonrl.usage_error('dist.sequence_parallel splits the tensor-parallel groups\' tokens: it needs dist.tp > 1')
+  end
+  if policy and mesh and mesh.tp and cfg.dist.sequence_parallel then
+    local ok, err = pcall(policy.set_sequence_parallel, policy, true)
+    if not ok then moonrl.usage_error('dist.sequence_parallel: ' .. moonrl.error_text(err)) end
+  end
   if policy and mesh and mesh.cp then
     local ok, err = pcall(policy.set_cp, policy, mesh.cp)
     if not ok then moonrl.usage_error(string.format('dist.cp=%d: %s', mesh.cp.size, moonrl.error_text(err))) end
@@ -872,6 +879,7 @@ function Session:reference()
   if self.tp_world then -- tensor parallel: its slices of the initial model
     local ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
     ref:set_dtype(self.policy:dtype())
+    if self.policy.sequence_parallel then ref:set_sequence_parallel(true) end
     if self.cp_world then ref:set_cp(self.cp_world) end -- (and context parallel: its share of the tokens)
     return ref
   end
