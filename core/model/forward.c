@@ -261,7 +261,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (values && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model forward: values asked of a model without value head");
     int64_t max_len = 0, cp0 = 0; /* context parallel: this rank's tokens start at cp0 */
     mrl_status st = check_batch(m, b, &max_len);
-    int64_t T = b->n_tokens; /* this rank's tokens: all of them, or its share (cp.c) */
+    int64_t T = st ? 0 : b->n_tokens; /* this rank's tokens: all of them, or its share (cp.c); (b may be NULL) */
     if (!st && m->cp_size > 1) /* (fewer tokens than ranks: some have none, and still take part) */
         T = mrl_model_cp_share(m->cp_rank, m->cp_size, b->n_tokens, &cp0);
     if (!st) st = mrl_moe_check_routing(m, b);
