@@ -21,6 +21,19 @@ int64_t mrl_model_cp_share(int rank, int size, int64_t T, int64_t *t0) {
     return T * (rank + 1) / size - *t0;
 }
 
+mrl_status mrl_model_gather_shares(mrl_tp_allgather gather, void *ctx, int size, int rank, int64_t T, int64_t unit,
+                                   const float *mine, float *stage, float *whole) {
+    int64_t most = (T + size - 1) / size, t0, c = mrl_model_cp_share(rank, size, T, &t0);
+    float *pad = stage, *all = stage + most * unit; /* (mine may lie in whole: copied out first) */
+    memcpy(pad, mine, sizeof(float) * (size_t)(c * unit));
+    mrl_status st = gather(ctx, pad, most * unit, all);
+    for (int r = 0; !st && r < size; r++) {
+        c = mrl_model_cp_share(r, size, T, &t0);
+        memcpy(whole + t0 * unit, all + r * most * unit, sizeof(float) * (size_t)(c * unit));
+    }
+    return st;
+}
+
 mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
                                   void *ctx) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: NULL model");
@@ -46,12 +59,6 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
     return MRL_OK;
 }
 
-/* The token counts of every rank for a batch of T (rows of the all-to-all). */
-static void counts(const mrl_model *m, int64_t *c) {
-    int64_t t0, T = m->batch.n_tokens;
-    for (int r = 0; r < m->cp_size; r++) c[r] = mrl_model_cp_share(r, m->cp_size, T, &t0);
-}
-
 static void fail(const mrl_model *cm, mrl_status st, const char *what) {
     mrl_model *m = (mrl_model *)cm; /* (called from the layers, which take the model const) */
     if (st && !m->tp_failed) m->tp_failed = mrl_wrap_error(st, "context parallel: %s over %d ranks", what, m->cp_size);
@@ -59,44 +66,40 @@ static void fail(const mrl_model *cm, mrl_status st, const char *what) {
 
 enum { MAX_CP = 256 };
 
+/* An all-to-all's row counts (tokens) and width (floats a row: H / size heads of hd): this rank
+ * sends or receives tl rows from each rank (mine), every rank its own share (theirs). */
+static int64_t exchange_rows(const mrl_model *m, int H, int64_t *mine, int64_t *theirs) {
+    int64_t t0, T = m->batch.n_tokens;
+    for (int r = 0; r < m->cp_size; r++) mine[r] = m->cp_tl, theirs[r] = mrl_model_cp_share(r, m->cp_size, T, &t0);
+    return (int64_t)H / m->cp_size * m->cfg.head_dim;
+}
+
 void mrl_model_cp_to_heads(const mrl_model *m, const float *local, int H, float *heads) {
     if (m->tp_failed) return;
-    int n = m->cp_size, hd = m->cfg.head_dim;
-    int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, w = (int64_t)H / n * hd;
-    counts(m, theirs);
-    for (int r = 0; r < n; r++) mine[r] = Tl;
+    int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, row = (int64_t)H * m->cfg.head_dim;
+    int64_t w = exchange_rows(m, H, mine, theirs);
     /* to rank r: this rank's tokens' columns of r's heads, as one block [Tl, w] */
-    for (int r = 0; r < n; r++)
+    for (int r = 0; r < m->cp_size; r++)
         for (int64_t t = 0; t < Tl; t++)
-            memcpy(m->gs.cp_pack + (r * Tl + t) * w, local + t * H * hd + r * w, sizeof(float) * (size_t)w);
+            memcpy(m->gs.cp_pack + (r * Tl + t) * w, local + t * row + r * w, sizeof(float) * (size_t)w);
     /* from rank r: its tokens' rows of our heads, which follow each other in token order */
     fail(m, m->cp_a2a(m->cp_ctx, m->gs.cp_pack, mine, heads, theirs, w), "the attention's inputs");
 }
 
 void mrl_model_cp_to_tokens(const mrl_model *m, const float *heads, int H, float *local) {
     if (m->tp_failed) return;
-    int n = m->cp_size, hd = m->cfg.head_dim;
-    int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, w = (int64_t)H / n * hd;
-    counts(m, theirs);
-    for (int r = 0; r < n; r++) mine[r] = Tl;
+    int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, row = (int64_t)H * m->cfg.head_dim;
+    int64_t w = exchange_rows(m, H, mine, theirs);
     /* to rank r: its tokens' rows (contiguous); from rank r: our tokens' rows of its heads */
     fail(m, m->cp_a2a(m->cp_ctx, heads, theirs, m->gs.cp_pack, mine, w), "the attention's outputs");
     if (m->tp_failed) return;
-    for (int r = 0; r < n; r++)
+    for (int r = 0; r < m->cp_size; r++)
         for (int64_t t = 0; t < Tl; t++)
-            memcpy(local + t * H * hd + r * w, m->gs.cp_pack + (r * Tl + t) * w, sizeof(float) * (size_t)w);
+            memcpy(local + t * row + r * w, m->gs.cp_pack + (r * Tl + t) * w, sizeof(float) * (size_t)w);
 }
 
 void mrl_model_cp_gather(const mrl_model *m, const float *mine, float *whole) {
     if (m->tp_failed) return;
-    int n = m->cp_size;
-    int64_t T = m->batch.n_tokens, most = (T + n - 1) / n, t0;
-    float *buf = m->cp_out, *all = m->cp_out + most;
-    memcpy(buf, mine, sizeof(float) * (size_t)m->cp_tl);
-    fail(m, m->cp_gather(m->cp_ctx, buf, most, all), "the per-token outputs");
-    if (m->tp_failed) return;
-    for (int r = 0; r < n; r++) {
-        int64_t c = mrl_model_cp_share(r, n, T, &t0);
-        memcpy(whole + t0, all + r * most, sizeof(float) * (size_t)c);
-    }
+    fail(m, mrl_model_gather_shares(m->cp_gather, m->cp_ctx, m->cp_size, m->cp_rank, m->batch.n_tokens, 1, mine,
+                                    m->cp_out, whole), "the per-token outputs");
 }

@@ -241,6 +241,11 @@ void mrl_model_sp_norm_grad(const mrl_model *m, float *g, int64_t n);
  * rows to the attention's layout [T, H/size*hd] (this rank's heads, every token) and back; the
  * per-token outputs of every rank's tokens into whole[T]. Failures kept as tensor parallel's. */
 int64_t mrl_model_cp_share(int rank, int size, int64_t T, int64_t *t0);
+/* Every rank's share of T rows of `unit` floats (mine: this rank's, rank of size) into whole
+ * [T, unit], through gather (an all-gather of equal pieces: each padded to ceil(T / size) rows in
+ * stage, [(1 + size) ceil(T / size) unit]). Context parallel's outputs, sequence parallel's rows. */
+mrl_status mrl_model_gather_shares(mrl_tp_allgather gather, void *ctx, int size, int rank, int64_t T, int64_t unit,
+                                   const float *mine, float *stage, float *whole);
 void mrl_model_cp_to_heads(const mrl_model *m, const float *local, int H, float *heads);
 void mrl_model_cp_to_tokens(const mrl_model *m, const float *heads, int H, float *local);
 void mrl_model_cp_gather(const mrl_model *m, const float *mine, float *whole);

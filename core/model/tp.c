@@ -178,11 +178,17 @@ void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *loc
     }
 }
 
-mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
-                                   float *lse, float *ent, float *lp) {
+/* The group's all-gather (an mrl_tp_allgather of ctx = the model), or the error that it has none. */
+static mrl_status group_gather(void *ctx, const float *mine, int64_t n, float *all) {
+    const mrl_model *m = ctx;
     if (!m->tp_gather)
         return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no all-gather for the group (mrl_model_set_tp_group)");
-    mrl_status st = m->tp_gather(m->tp_ctx, mine, 3 * T, all);
+    return m->tp_gather(m->tp_ctx, mine, n, all);
+}
+
+mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
+                                   float *lse, float *ent, float *lp) {
+    mrl_status st = group_gather(m, mine, 3 * T, all);
     if (st) return mrl_wrap_error(st, "tensor parallel: gathering the head's statistics over the %d ranks", m->tp_size);
     int n = m->tp_size, rows = m->cfg.vocab_size;
     for (int64_t i = 0; i < T; i++) {
@@ -205,10 +211,8 @@ mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const 
 }
 
 mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S, float *all, float *whole) {
-    if (!m->tp_gather)
-        return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no all-gather for the group (mrl_model_set_tp_group)");
     int64_t rows = m->cfg.vocab_size, n = m->tp_size;
-    mrl_status st = m->tp_gather(m->tp_ctx, part, S * rows, all);
+    mrl_status st = group_gather((void *)m, part, S * rows, all);
     if (st) return mrl_wrap_error(st, "tensor parallel: gathering the logits of %lld rows", (long long)S);
     for (int64_t s = 0; s < S; s++)
         for (int64_t r = 0; r < n; r++)
@@ -227,23 +231,9 @@ mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S,
 void mrl_model_sp_gather(const mrl_model *cm, const float *mine, float *full) {
     mrl_model *m = (mrl_model *)cm;
     if (m->tp_failed) return;
-    if (!m->tp_gather) {
-        m->tp_failed = mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no all-gather for the group (mrl_model_set_tp_group)");
-        return;
-    }
-    int n = m->tp_size;
-    int64_t T = m->batch.n_tokens, D = m->cfg.hidden_size, most = (T + n - 1) / n, t0;
-    float *pad = m->gs.sp_stage, *all = pad + most * D;
-    memcpy(pad, mine, sizeof(float) * (size_t)(m->sp_tl * D));
-    mrl_status st = m->tp_gather(m->tp_ctx, pad, most * D, all);
-    if (st) {
-        m->tp_failed = mrl_wrap_error(st, "sequence parallel: gathering the rows over the %d ranks", n);
-        return;
-    }
-    for (int r = 0; r < n; r++) {
-        int64_t c = mrl_model_cp_share(r, n, T, &t0);
-        memcpy(full + t0 * D, all + r * most * D, sizeof(float) * (size_t)(c * D));
-    }
+    mrl_status st = mrl_model_gather_shares(group_gather, m, m->tp_size, m->tp_rank, m->batch.n_tokens,
+                                            m->cfg.hidden_size, mine, m->gs.sp_stage, full);
+    if (st) m->tp_failed = mrl_wrap_error(st, "sequence parallel: gathering the rows over the %d ranks", m->tp_size);
 }
 
 void mrl_model_sp_reduce_scatter(const mrl_model *m, float *full, float *mine) {

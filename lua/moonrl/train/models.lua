@@ -45,6 +45,14 @@ function M.load(dir, opts)
   return model, tok, tpl, tok_dir
 end
 
+-- m computed as policy is: its batches' tokens split over the same context-parallel group, its
+-- rows sequence parallel as the policy's (a reference or a critic of the policy). Returns m.
+function M.split_like(m, policy)
+  if policy.cp_world then m:set_cp(policy.cp_world) end
+  if policy.sequence_parallel then m:set_sequence_parallel(true) end
+  return m
+end
+
 -- A new model with model's config and a copy of its weights (a frozen reference policy), on
 -- model's device. opts.init(copy): edits of the copy's host weights before it moves there.
 function M.clone(model, opts)
@@ -54,7 +62,7 @@ function M.clone(model, opts)
   if opts.init then opts.init(copy) end
   copy:set_dtype(model:dtype()) -- a reference policy or critic computes as the policy does
   copy:to_device(model:device())
-  if model.cp_world then copy:set_cp(model.cp_world) end -- (context parallel: and splits batches so)
+  M.split_like(copy, model)
   return copy
 end
 
@@ -94,9 +102,7 @@ function M.critic_from(policy)
     zero_value_head(critic)
     critic:set_dtype(policy:dtype())
     critic:to_device(policy:device())
-    if policy.cp_world then critic:set_cp(policy.cp_world) end -- (and context parallel: its share of the tokens)
-    if policy.sequence_parallel then critic:set_sequence_parallel(true) end
-    return critic
+    return M.split_like(critic, policy)
   end
   return M.clone(policy, { value_head = true, init = zero_value_head })
 end

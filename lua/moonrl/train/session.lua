@@ -879,16 +879,13 @@ function Session:reference()
   if self.tp_world then -- tensor parallel: its slices of the initial model
     local ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
     ref:set_dtype(self.policy:dtype())
-    if self.policy.sequence_parallel then ref:set_sequence_parallel(true) end
-    if self.cp_world then ref:set_cp(self.cp_world) end -- (and context parallel: its share of the tokens)
-    return ref
+    return models.split_like(ref, self.policy)
   end
   if not self.policy:shard() then return models.clone(self.policy) end
   local ref = models.load(self.cfg.model.dir)
   ref:set_dtype(self.policy:dtype())
   ref:to_device(self.policy:device())
-  if self.cp_world then ref:set_cp(self.cp_world) end -- (context parallel: computed as the policy is)
-  return ref
+  return models.split_like(ref, self.policy) -- (context parallel: computed as the policy is)
 end
 
 -- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).
