@@ -21,8 +21,8 @@
  * more peak memory (bench/RESULTS.md, "The head's logits budget"). */
 #define HEAD_LOGITS_BYTES ((int64_t)128 << 20)
 
-/* Carve the activation buffer (base NULL: only count). Returns bytes. */
-static int64_t layout_acts(mrl_model *m, int64_t T, char *base) {
+/* Carve the activation buffer (base NULL: only count). Returns bytes. (pp.c carves a slot's again.) */
+int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     const mrl_model_config *c = &m->cfg;
     int64_t D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
             Hk = c->num_key_value_heads, Q = Hq * hd, K = Hk * hd, V = c->vocab_size;
@@ -155,7 +155,7 @@ static int64_t head_rows(const mrl_model *m, int64_t T) {
 int64_t mrl_model_activation_bytes(const mrl_model *m, int64_t n_tokens) {
     if (!m || n_tokens <= 0) return 0;
     mrl_model tmp = *m; /* layout_acts writes head_chunk only with a base */
-    return layout_acts(&tmp, n_tokens, NULL);
+    return mrl_model_layout_acts(&tmp, n_tokens, NULL);
 }
 
 void mrl_model_set_head_chunk(mrl_model *m, int64_t tokens) {
@@ -184,7 +184,7 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
     int L = m->cfg.num_hidden_layers;
     m->xs = mrl_mem_alloc(sizeof(float *) * (L + 1), MRL_MEM_OTHER);
     m->la = mrl_mem_alloc(sizeof(layer_acts) * L, MRL_MEM_OTHER);
-    int64_t bytes = layout_acts(m, T, NULL);
+    int64_t bytes = mrl_model_layout_acts(m, T, NULL);
     if (m->xs && m->la && mrl_buffer_alloc(m->device, (size_t)bytes, MRL_MEM_ACTIVATIONS, &m->act_mem) == MRL_OK)
         m->act_buf = m->act_mem.data;
     if (m->act_buf && m->k->on_device) { /* positions and targets are computed on the host */
@@ -196,7 +196,7 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
         return mrl_wrap_error(MRL_ERR_NOMEM, "model: no memory for the activations of %lld tokens (%lld bytes)",
                              (long long)T, (long long)bytes);
     }
-    layout_acts(m, T, m->act_buf);
+    mrl_model_layout_acts(m, T, m->act_buf);
     m->act_tokens = T;
     return MRL_OK;
 }
@@ -303,7 +303,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     /* sharded parameters (shard.c): each part gathered into place just before it is read, the
      * next one's gather started meanwhile, and let go after (nothing happens otherwise) */
     int L = c->num_hidden_layers;
-    int64_t embed_end = m->lp[0].ln1 - m->params, layers_end = m->final_norm - m->params;
+    int64_t embed_end = m->lp[0].ln1 - m->params, layers_end = mrl_model_layers_end(m);
     if (m->head_kept) { /* a forward's that no backward took */
         mrl_model_unuse(m, layers_end, m->n_params);
         if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
@@ -313,7 +313,15 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->have_forward = 0; /* (no backward through a forward that did not run) */
         return st;
     }
-    if (m->tp_seq) { /* this rank's vocabulary rows, summed into each rank's token rows (tp.c) */
+    if (!mrl_model_has_embed(m)) { /* pipeline parallel: the stage before's output rows (pp.c) */
+        if (!m->pp_in) {
+            m->have_forward = 0;
+            return mrl_set_error(MRL_ERR_INVALID, "model forward: pipeline stage %d has no input (mrl_model_pp_set_input)",
+                                 m->pp_stage);
+        }
+        k->copy(m->xs[0], m->pp_in, (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D);
+        m->pp_in = NULL; /* (one forward's) */
+    } else if (m->tp_seq) { /* this rank's vocabulary rows, summed into each rank's token rows (tp.c) */
         mrl_model_tp_embed_rows(m, m->gs.sp_full, m->embed, m->op_tokens, T);
         mrl_model_sp_reduce_scatter(m, m->gs.sp_full, m->xs[0]);
     } else if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens + cp0, T); /* (tp.c) */
@@ -342,6 +350,11 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) { /* no backward through it */
         m->have_forward = 0;
         return st;
+    }
+    if (!mrl_model_has_head(m)) { /* pipeline parallel: the output is xs[L], for the next stage (pp.c) */
+        if ((st = k->sync())) return st;
+        m->have_forward = 1;
+        return MRL_OK;
     }
     /* the final norm and head (a tied head is the embedding) */
     if ((st = mrl_model_use(m, layers_end, m->n_params, 0, 0)) ||
@@ -419,40 +432,16 @@ static mrl_status lend(mrl_model *m, int l, int64_t lo, int64_t hi) {
     return MRL_OK;
 }
 
-mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy, const float *dvalues) {
-    if (!m) return mrl_set_error(MRL_ERR_INVALID, "model backward: NULL model");
-    if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model backward: no forward to go back through");
-    if (dvalues && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model backward: dvalues given to a model without value head");
-    mrl_status st = m->grad_acquire ? MRL_OK : mrl_model_ensure_grads(m);
-    if (st) return st;
-    if (m->grad_acquire && !m->grad_hook)
-        return mrl_set_error(MRL_ERR_INVALID, "model backward: gradient windows without a grad hook to return them");
+/* The backward of the final norm and the head (and the value head): from the per-token
+ * gradients into gs.dx [own rows, D], the head's gradients added, its range handed to the hook. */
+static mrl_status head_backward(mrl_model *m, const float *dlogprobs, const float *dentropy, const float *dvalues,
+                                int64_t T) {
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
-    int64_t T = m->batch.n_tokens, D = c->hidden_size, V = c->vocab_size;
+    int64_t D = c->hidden_size, V = c->vocab_size;
     int L = c->num_hidden_layers;
-    if (m->cp_size > 1) { /* context parallel (cp.c): this rank's tokens' part of the upstream gradients */
-        T = m->cp_tl;
-        dlogprobs = dlogprobs ? dlogprobs + m->cp_t0 : NULL;
-        dentropy = dentropy ? dentropy + m->cp_t0 : NULL;
-        dvalues = dvalues ? dvalues + m->cp_t0 : NULL;
-    }
-    /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
-     * its backward is done (a tied lm_head is the embedding, final at the very end) */
-    int64_t layers_end = m->final_norm - m->params, embed_end = m->lp[0].ln1 - m->params;
-    if (m->grad_acquire) { /* the head's range, and the embedding's now when the head is it */
-        if ((st = lend(m, -1, layers_end, m->n_params))) return st;
-        if (c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
-    }
-    if (k->on_device) { /* the per-token gradients go over first */
-        const float *host[3] = {dlogprobs, dentropy, dvalues};
-        for (int i = 0; i < 3 && !st; i++)
-            if (host[i]) st = k->to_device(m->dev_io[i], host[i], (int64_t)sizeof(float) * T);
-        if (st) return st;
-        dlogprobs = dlogprobs ? m->dev_io[0] : NULL;
-        dentropy = dentropy ? m->dev_io[1] : NULL;
-        dvalues = dvalues ? m->dev_io[2] : NULL;
-    }
+    int64_t layers_end = mrl_model_layers_end(m), embed_end = m->lp[0].ln1 - m->params;
+    mrl_status st = MRL_OK;
     /* sharded parameters: the head's part (and a tied head's embedding) still in use from the
      * forward, the last layer's gather started while the head's backward runs; each layer's as
      * its backward comes, the one before it started meanwhile */
@@ -508,6 +497,53 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     mrl_model_unuse(m, layers_end, m->n_params);
     if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
+    return MRL_OK;
+}
+
+mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy, const float *dvalues) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "model backward: NULL model");
+    if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model backward: no forward to go back through");
+    if (dvalues && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model backward: dvalues given to a model without value head");
+    mrl_status st = m->grad_acquire ? MRL_OK : mrl_model_ensure_grads(m);
+    if (st) return st;
+    if (m->grad_acquire && !m->grad_hook)
+        return mrl_set_error(MRL_ERR_INVALID, "model backward: gradient windows without a grad hook to return them");
+    const mrl_model_config *c = &m->cfg;
+    const mrl_kernels *k = m->k;
+    int64_t T = m->batch.n_tokens, D = c->hidden_size;
+    int L = c->num_hidden_layers;
+    if (m->cp_size > 1) { /* context parallel (cp.c): this rank's tokens' part of the upstream gradients */
+        T = m->cp_tl;
+        dlogprobs = dlogprobs ? dlogprobs + m->cp_t0 : NULL;
+        dentropy = dentropy ? dentropy + m->cp_t0 : NULL;
+        dvalues = dvalues ? dvalues + m->cp_t0 : NULL;
+    }
+    /* the buffer is embed, layer 0 .. L-1, final norm, [lm_head], [score]: each part is final once
+     * its backward is done (a tied lm_head is the embedding, final at the very end) */
+    int64_t layers_end = mrl_model_layers_end(m), embed_end = m->lp[0].ln1 - m->params;
+    int head = mrl_model_has_head(m); /* (pipeline parallel: else the next stage's gradient of the output) */
+    if (!head && !m->pp_dy)
+        return mrl_set_error(MRL_ERR_INVALID, "model backward: pipeline stage %d has no output gradient "
+                             "(mrl_model_pp_set_output_grad)", m->pp_stage);
+    if (m->grad_acquire && head) { /* the head's range, and the embedding's now when the head is it */
+        if ((st = lend(m, -1, layers_end, m->n_params))) return st;
+        if (c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
+    }
+    if (k->on_device) { /* the per-token gradients go over first */
+        const float *host[3] = {dlogprobs, dentropy, dvalues};
+        for (int i = 0; i < 3 && !st; i++)
+            if (host[i]) st = k->to_device(m->dev_io[i], host[i], (int64_t)sizeof(float) * T);
+        if (st) return st;
+        dlogprobs = dlogprobs ? m->dev_io[0] : NULL;
+        dentropy = dentropy ? m->dev_io[1] : NULL;
+        dvalues = dvalues ? m->dev_io[2] : NULL;
+    }
+    if (!head) { /* pipeline parallel: the next stage's gradient of this one's output rows */
+        k->copy(m->gs.dx, m->pp_dy, (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D);
+        m->pp_dy = NULL; /* (one backward's) */
+    } else if ((st = head_backward(m, dlogprobs, dentropy, dvalues, T))) {
+        return st;
+    }
     mrl_moe_ep_begin(m);
     for (int l = L - 1; l >= 0; l--) {
         int64_t begin = m->lp[l].ln1 - m->params, end = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
@@ -520,6 +556,11 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, begin, end - begin);
     }
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
+    if (!mrl_model_has_embed(m)) { /* pipeline parallel: gs.dx is the stage's input gradient (pp.c) */
+        if ((st = k->sync())) return st;
+        if (m->grad_hook && embed_end > 0) m->grad_hook(m->grad_hook_ctx, 0, embed_end); /* (a tied head's copy) */
+        return MRL_OK;
+    }
     if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
     if (m->tp_seq) { /* every token's rows, then this rank's vocabulary rows of them (tp.c) */
         mrl_model_sp_gather(m, m->gs.dx, m->gs.sp_full);

@@ -49,6 +49,15 @@ static void whole_shape(const mrl_model *m, const mrl_param_view *v, int64_t sha
     if (split) shape[split - 1] *= m->tp_size / mrl_model_tp_copies(m, v->name);
 }
 
+/* A pipeline stage: 1 when the file's tensor `name` is another stage's part. */
+static int other_stage(const mrl_model *m, const char *name) {
+    if (m->pp_stages <= 1) return 0;
+    int l;
+    if (sscanf(name, "model.layers.%d.", &l) == 1) return l < m->pp_l0 || l >= m->pp_l0 + m->cfg.num_hidden_layers;
+    if (strcmp(name, "model.embed_tokens.weight") == 0) return m->embed == NULL;
+    return !mrl_model_has_head(m); /* the final norm, the head, a value head */
+}
+
 /* Every view the config implies against the file's names and shapes, and
  * every tensor of the file against the views: before any parameter memory
  * is allocated, so that a config.json larger than its weights costs
@@ -79,6 +88,7 @@ static mrl_status check_tensors(const mrl_model *m, mrl_st *st, const char *dir)
         if (s) return s;
         if (ends_with(t.name, "rotary_emb.inv_freq")) continue;
         if (strcmp(t.name, "lm_head.weight") == 0 && m->cfg.tie_word_embeddings) continue;
+        if (other_stage(m, t.name)) continue;
         mrl_param_view v;
         if (mrl_model_find_view(m, t.name, &v) != MRL_OK)
             return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor '%s' has no place in a %s model with this config",
@@ -181,7 +191,8 @@ static mrl_status tp_config(const char *dir, int size, mrl_model_config *c, int 
 
 /* config.json, the files opened and checked against the layout (no parameter memory yet);
  * tp_size > 1: rank tp_rank's slices (mrl_model_load_dir_tp). */
-static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_size, mrl_model **out, mrl_st **st) {
+static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_size, const mrl_model_stage *stage,
+                           mrl_model **out, mrl_st **st) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
@@ -192,8 +203,21 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
     cfg = whole;
     int kv_copies = 1, vocab = 0;
     if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg, &kv_copies, &vocab))) return s;
+    int pp = stage && stage->stages > 1;
+    if (pp) { /* a pipeline stage: its run of layers */
+        if (whole.num_experts > 0)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: pipeline parallel: a mixture-of-experts model (num_experts "
+                                 "%d) is not split into stages yet", dir, whole.num_experts);
+        if (stage->stage < 0 || stage->stage >= stage->stages || stage->layers < 1 || stage->first_layer < 0 ||
+            stage->first_layer + stage->layers > whole.num_hidden_layers)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: pipeline stage %d of %d with layers [%d, %d) of the %d "
+                                 "(num_hidden_layers)", dir, stage->stage, stage->stages, stage->first_layer,
+                                 stage->first_layer + stage->layers, whole.num_hidden_layers);
+        cfg.num_hidden_layers = stage->layers;
+    }
     if ((s = mrl_st_open(dir, st))) return s;
-    s = mrl_model_alloc_layout(&cfg, out); /* views only: the sizes are the file's to confirm */
+    s = mrl_model_alloc_stage_layout(&cfg, stage, out); /* views only: the sizes are the file's to confirm */
+    if (!s && pp) (*out)->pp_L = whole.num_hidden_layers;
     if (!s && tp_size > 1)
         (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole, (*out)->tp_kv_copies = kv_copies,
         (*out)->tp_vocab = vocab;
@@ -225,7 +249,7 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, 0, 0, 1, &m, &st);
+    mrl_status s = open_dir(dir, 0, 0, 1, NULL, &m, &st);
     if (s) return s;
     return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
 }
@@ -239,7 +263,7 @@ mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int 
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, value_head, 0, 1, &m, &st);
+    mrl_status s = open_dir(dir, value_head, 0, 1, NULL, &m, &st);
     if (s) return s;
     int64_t offset, count;
     mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
@@ -261,12 +285,25 @@ mrl_status mrl_model_load_dir_tp_shard(const char *dir, int rank, int size, int 
                              world);
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, value_head, rank, size, &m, &st);
+    mrl_status s = open_dir(dir, value_head, rank, size, NULL, &m, &st);
     if (s) return s;
     if (world == 1) return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
     int64_t offset, count; /* (the slices' layout is the same on every rank of the group: so are the shards) */
     mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
     return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
+}
+
+mrl_status mrl_model_load_dir_stage(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
+                                    int value_head, mrl_model **out) {
+    if (!dir || !stage || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage: NULL argument");
+    *out = NULL;
+    if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage: tensor-parallel rank %d of %d", tp_rank, tp_size);
+    mrl_st *st = NULL;
+    mrl_model *m = NULL;
+    mrl_status s = open_dir(dir, value_head, tp_rank, tp_size, stage, &m, &st);
+    if (s) return s;
+    return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
 }
 
 /* What m holds, [lo, hi) of its buffer, read again from dir's files. */

@@ -57,47 +57,55 @@ static void build_layout(layout *lo) {
     const mrl_model_config *c = &m->cfg;
     int64_t V = c->vocab_size, D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim;
     int64_t Q = c->num_attention_heads * hd, K = c->num_key_value_heads * hd;
-    m->embed = add_view(lo, 1, V, D, "model.embed_tokens.weight", 0);
+    /* pipeline parallel: a stage's own parts (the last stage's tied head is its own copy of the
+     * embedding, whose gradient the caller sums with the first stage's) */
+    int first = mrl_model_has_embed(m), last = mrl_model_has_head(m);
+    m->embed = first || (last && c->tie_word_embeddings) ? add_view(lo, 1, V, D, "model.embed_tokens.weight", 0) : NULL;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         layer_params p = {0};
         const char *pre = "model.layers.%d.";
         char f[160];
 #define NAME(s) (snprintf(f, sizeof f, "%s%s", pre, s), f)
-        p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), l);
-        p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), l);
-        if (c->attention_bias) p.bq = add_view(lo, 0, Q, 0, NAME("self_attn.q_proj.bias"), l);
-        p.wk = add_view(lo, 1, K, D, NAME("self_attn.k_proj.weight"), l);
-        if (c->attention_bias) p.bk = add_view(lo, 0, K, 0, NAME("self_attn.k_proj.bias"), l);
-        p.wv = add_view(lo, 1, K, D, NAME("self_attn.v_proj.weight"), l);
-        if (c->attention_bias) p.bv = add_view(lo, 0, K, 0, NAME("self_attn.v_proj.bias"), l);
-        p.wo = add_view(lo, 1, D, Q, NAME("self_attn.o_proj.weight"), l);
+        int gl = l + m->pp_l0; /* (the whole model's layer number) */
+        p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), gl);
+        p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), gl);
+        if (c->attention_bias) p.bq = add_view(lo, 0, Q, 0, NAME("self_attn.q_proj.bias"), gl);
+        p.wk = add_view(lo, 1, K, D, NAME("self_attn.k_proj.weight"), gl);
+        if (c->attention_bias) p.bk = add_view(lo, 0, K, 0, NAME("self_attn.k_proj.bias"), gl);
+        p.wv = add_view(lo, 1, K, D, NAME("self_attn.v_proj.weight"), gl);
+        if (c->attention_bias) p.bv = add_view(lo, 0, K, 0, NAME("self_attn.v_proj.bias"), gl);
+        p.wo = add_view(lo, 1, D, Q, NAME("self_attn.o_proj.weight"), gl);
         if (mrl_arch_qk_norm(c->arch)) {
-            p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), l);
-            p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), l);
+            p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), gl);
+            p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), gl);
         }
-        p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), l);
+        p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), gl);
         if (mrl_model_layer_is_moe(c, l)) {
             /* the router, then each kind of expert matrix stacked over the
              * experts: expert e's gate_proj is ewg + e*Fe*D (one product per
              * expert reads it in place; a GGUF's [E, ...] tensor is one range) */
             int64_t E = c->num_experts, Fe = c->moe_intermediate_size;
-            p.router = add_view(lo, 1, E, D, NAME("mlp.gate.weight"), l);
+            p.router = add_view(lo, 1, E, D, NAME("mlp.gate.weight"), gl);
             static const char *kind[3] = {"gate_proj", "up_proj", "down_proj"};
             float **stack[3] = {&p.ewg, &p.ewu, &p.ewd};
             for (int w = 0; w < 3; w++)
                 for (int64_t e = 0; e < E; e++) {
                     char ef[96];
                     snprintf(ef, sizeof ef, "mlp.experts.%lld.%s.weight", (long long)e, kind[w]);
-                    float *v = add_view(lo, 1, w < 2 ? Fe : D, w < 2 ? D : Fe, NAME(ef), l);
+                    float *v = add_view(lo, 1, w < 2 ? Fe : D, w < 2 ? D : Fe, NAME(ef), gl);
                     if (e == 0) *stack[w] = v;
                 }
         } else {
-            p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), l);
-            p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), l);
-            p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), l);
+            p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), gl);
+            p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), gl);
+            p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), gl);
         }
 #undef NAME
         if (m->lp) m->lp[l] = p;
+    }
+    if (!last) {
+        m->final_norm = m->lm_head = m->score = NULL;
+        return;
     }
     m->final_norm = add_view(lo, 0, D, 0, "model.norm.weight", 0);
     m->lm_head = c->tie_word_embeddings ? m->embed : add_view(lo, 1, V, D, "lm_head.weight", 0);
@@ -126,6 +134,10 @@ mrl_status mrl_model_create(const mrl_model_config *cfg, uint64_t seed, mrl_mode
 }
 
 mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) {
+    return mrl_model_alloc_stage_layout(cfg, NULL, out);
+}
+
+mrl_status mrl_model_alloc_stage_layout(const mrl_model_config *cfg, const mrl_model_stage *stage, mrl_model **out) {
     if (!out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_create: NULL out");
     *out = NULL;
     mrl_status st = mrl_model_config_validate(cfg);
@@ -133,6 +145,10 @@ mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out) 
     mrl_model *m = mrl_mem_alloc(sizeof *m, MRL_MEM_OTHER);
     if (!m) return MRL_ERR_NOMEM;
     m->cfg = *cfg;
+    if (stage && stage->stages > 1) { /* (cfg: the stage's layers) */
+        m->pp_stage = stage->stage, m->pp_stages = stage->stages;
+        m->pp_l0 = stage->first_layer; /* (pp_L, the whole model's: the loader's) */
+    }
     m->k = mrl_kernels_cpu_fast();
     pthread_mutex_init(&m->w16_lock, NULL);
     layout lo = {.m = m};
@@ -237,6 +253,7 @@ mrl_status mrl_model_ensure_grads(mrl_model *m) {
 
 void mrl_model_free(mrl_model *m) {
     if (!m) return;
+    mrl_model_pp_free_slots(m);
     mrl_model_release_activations(m);
     mrl_moe_ep_free(m);
     mrl_buffer_free(&m->params_buf);
@@ -335,9 +352,9 @@ void mrl_model_weights_at(const mrl_model *m, const float *base, mrl_model_weigh
  * only gathered, in fp32). */
 static void bf16_ranges(const mrl_model *m, int64_t r[4]) {
     r[0] = m->cfg.num_hidden_layers > 0 ? m->lp[0].ln1 - m->params : 0;
-    r[1] = m->final_norm - m->params;
-    r[2] = m->lm_head - m->params;
-    r[3] = r[2] + (int64_t)m->cfg.vocab_size * m->cfg.hidden_size;
+    r[1] = mrl_model_layers_end(m);
+    r[2] = m->lm_head ? m->lm_head - m->params : m->n_params; /* (a pipeline stage without the head: none) */
+    r[3] = m->lm_head ? r[2] + (int64_t)m->cfg.vocab_size * m->cfg.hidden_size : r[2];
 }
 
 void mrl_model_bf16_convert(const mrl_model *m, const float *base, uint16_t *dst) {

@@ -146,7 +146,25 @@ struct mrl_model {
     void *cp_ctx;
     int64_t cp_t0, cp_tl;
     float *cp_out;
+    /* pipeline parallel (pp.c): this stage holds layers [pp_l0, pp_l0 + cfg.num_hidden_layers) of
+     * the whole model's pp_L; the first stage the embedding, the last the final norm and head (a
+     * tied head: its own copy of the embedding). A non-first stage's forward reads its input
+     * rows from pp_in, a non-last stage's backward its output's gradient from pp_dy (both
+     * borrowed, [pp_input_rows, D]). pp_slots: the activations of micro-batches in flight. */
+    int pp_stage, pp_stages; /* 0 and 1 without */
+    int pp_l0, pp_L;
+    const float *pp_in, *pp_dy;
+    struct pp_slot *pp_slots;
+    int pp_nslots, pp_slot;
 };
+
+/* pipeline parallel: this model holds the embedding (as the first stage), the head (the last) */
+static inline int mrl_model_has_embed(const mrl_model *m) { return m->pp_stage == 0; }
+static inline int mrl_model_has_head(const mrl_model *m) { return m->pp_stage >= m->pp_stages - 1; }
+/* where the layers' parameters end (the final norm's offset; all of them on a stage without head) */
+static inline int64_t mrl_model_layers_end(const mrl_model *m) {
+    return m->final_norm ? m->final_norm - m->params : m->n_params;
+}
 
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
 
@@ -161,6 +179,10 @@ void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi);
 void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi);
 /* shard.c: the bf16 copies of a sharded model as a region (mrl_model_set_dtype) */
 mrl_status mrl_model_shard_w16(mrl_model *m);
+/* forward.c: the activation buffer's layout for T tokens at base (NULL: only count); its bytes */
+int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base);
+/* pp.c: the activation slots' buffers freed (mrl_model_free) */
+void mrl_model_pp_free_slots(mrl_model *m);
 /* model.c: the bf16 copies of [lo, hi) of the parameters (where the products read them) */
 void mrl_model_bf16_convert_range(const mrl_model *m, const float *base, uint16_t *dst, int64_t lo, int64_t hi);
 /* model.c: a model with zeroed parameters (alloc = alloc_layout, then
@@ -170,6 +192,8 @@ void mrl_model_bf16_convert_range(const mrl_model *m, const float *base, uint16_
  * the documented init of one view, into dst (its numel floats) */
 mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out);
 mrl_status mrl_model_alloc_layout(const mrl_model_config *cfg, mrl_model **out);
+/* the same for a pipeline stage (NULL, or stages 1: the whole model) */
+mrl_status mrl_model_alloc_stage_layout(const mrl_model_config *cfg, const mrl_model_stage *stage, mrl_model **out);
 mrl_status mrl_model_alloc_params(mrl_model *m);
 /* model.c: the layout's pointers (views, layer tables) into the parameter buffer at base */
 mrl_status mrl_model_point_params(mrl_model *m, float *base);

@@ -361,6 +361,40 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
 mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on);
 /* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
+/* Pipeline parallel (dist.pp): stage `stage` of `stages` holds the whole model's layers
+ * [first_layer, first_layer + layers) (its config's num_hidden_layers is then `layers`, its views
+ * keep their Hugging Face names), stage 0 the embedding, the last stage the final norm, the head
+ * and a value head; a tied head is the last stage's own copy of model.embed_tokens.weight, whose
+ * gradient the caller sums with the first stage's before each update (so the copies stay equal).
+ * mrl_model_load_dir_stage loads one from a whole model's directory (tp_size > 1: this tensor-
+ * parallel rank's slices of it); the file's tensors of other stages are skipped. Dense models.
+ * A non-first stage's forward reads its input rows [mrl_model_pp_rows, hidden] from x
+ * (mrl_model_pp_set_input, borrowed until that forward) instead of the embedding; a non-last
+ * stage's forward takes no outputs (all NULL) and leaves its last layer's output rows at
+ * mrl_model_pp_output; its backward takes no per-token gradients (all NULL) but the next stage's
+ * gradient of that output (mrl_model_pp_set_output_grad), and a non-first stage's leaves the
+ * gradient of its input rows at mrl_model_pp_input_grad (both valid until the next forward or
+ * backward in the same slot). The rows are the batch's tokens, or this rank's share under
+ * context or sequence parallel. Activation slots (any model): mrl_model_pp_slots keeps n sets of
+ * activations, mrl_model_pp_use_slot(i) makes set i the one the next forward fills and the next
+ * backward reads, so that up to n micro-batches are between their forward and their backward
+ * (1F1B). mrl_model_pp returns the stage count (1 without) and the stage in *out. */
+typedef struct mrl_model_stage {
+    int stage, stages;
+    int first_layer, layers;
+} mrl_model_stage;
+mrl_status mrl_model_load_dir_stage(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
+                                    int value_head, mrl_model **out);
+int mrl_model_pp(const mrl_model *m, mrl_model_stage *out);
+/* the whole model's layer count (a stage's config has its own) */
+int mrl_model_pp_layers(const mrl_model *m);
+int64_t mrl_model_pp_rows(const mrl_model *m, const mrl_batch *b);
+mrl_status mrl_model_pp_set_input(mrl_model *m, const float *x);
+const float *mrl_model_pp_output(const mrl_model *m);
+mrl_status mrl_model_pp_set_output_grad(mrl_model *m, const float *dy);
+const float *mrl_model_pp_input_grad(const mrl_model *m);
+mrl_status mrl_model_pp_slots(mrl_model *m, int n);
+mrl_status mrl_model_pp_use_slot(mrl_model *m, int i);
 
 /* 1 and the shard when the parameters are sharded, else 0 */
 int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count);
