@@ -15,7 +15,6 @@
 -- split the evaluation's. The loop and its stages are moonrl.rl's supervised recipe.
 local rl = require('moonrl.rl')
 local config = require('moonrl.config')
-local batch = require('moonrl.batch')
 local prompts = require('moonrl.train.prompts')
 local train = require('moonrl.train.step')
 local E = require('moonrl.train.evaluation')
@@ -94,11 +93,8 @@ end
 -- mean response NLL of a list of samples: forward only
 function sft:nll(samples)
   local sum, n = 0, 0
-  for b in batch.micro_batches(samples, self.cfg.train.micro_batch_tokens) do
-    local lp = self.S.policy:forward(b)
-    for t = 0, b.n_tokens - 1 do
-      sum, n = sum - b.mask[t] * lp[t], n + b.mask[t]
-    end
+  for _, lps in ipairs(train.logprobs(self.S.policy, samples, self.cfg.train.micro_batch_tokens, { share_prompts = false })) do
+    for _, lp in ipairs(lps) do sum, n = sum - lp, n + 1 end
   end
   return n > 0 and sum / n or 0
 end

@@ -40,11 +40,10 @@ done
 "$PYTHON" - "$dir" <<'PY'
 import sys
 sys.path.insert(0, "bench/dist")
-from runs import median, load_runs
-runs = {name: [st for _, st in rs] for name, rs in load_runs(sys.argv[1]).items()}
+from runs import metrics_by_name, best as best_of
+runs = metrics_by_name(sys.argv[1])
 def best(name, key):
-    vals = [median([s[key] for s in st[1:]]) for st in runs[name]]
-    return min(vals), vals
+    return best_of(runs, name, key)
 s1, r1 = best("1 process", "time/step")
 s2, r2 = best("cp=2", "time/step")
 last1, last2 = runs["1 process"][0][-1], runs["cp=2"][0][-1]

@@ -1,4 +1,4 @@
-# Sourced by bench/dist/zero.sh and tp.sh: the inputs of their runs, the machine line, a run.
+# Sourced by bench/dist/zero.sh, tp.sh, cp.sh and pp.sh: the inputs of their runs, the machine line, a run.
 #   bench_inputs MOONRL SIZE DIR PYTHON   bench/models.json's SIZE model (random weights, the digit
 #                                         tokenizer) in DIR/model; 200 additions as SFT examples in
 #                                         DIR/data.jsonl and 100 as RL questions (with answers) in

@@ -1,4 +1,4 @@
-"""What bench/dist/zero.sh and tp.sh read back of their runs (bench_run's $dir/runs.jsonl)."""
+"""What bench/dist/zero.sh, tp.sh, cp.sh and pp.sh read back of their runs (bench_run's $dir/runs.jsonl)."""
 import json
 
 
@@ -15,3 +15,14 @@ def load_runs(d):
         x = json.loads(line)
         runs.setdefault(x["name"], []).append((x, [json.loads(l) for l in open(x["metrics"])]))
     return runs
+
+
+def metrics_by_name(d):
+    """{name: [[its metrics.jsonl records] of each round]}."""
+    return {name: [st for _, st in rs] for name, rs in load_runs(d).items()}
+
+
+def best(runs, name, key, low=True):
+    """The best round's median of key over each step but the first (lowest when low), and every round's."""
+    vals = [median([s[key] for s in st[1:]]) for st in runs[name]]
+    return (min if low else max)(vals), vals

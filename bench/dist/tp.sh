@@ -47,11 +47,10 @@ r=1 bench_run "sft tp=2 zero=3" 4 1 "${sft[@]}" dist.tp=2 dist.zero=3
 "$PYTHON" - "$dir" <<'PY'
 import sys
 sys.path.insert(0, "bench/dist")
-from runs import median, load_runs
-runs = {name: [st for _, st in rs] for name, rs in load_runs(sys.argv[1]).items()}
+from runs import metrics_by_name, best as best_of
+runs = metrics_by_name(sys.argv[1])
 def best(name, key, low):
-    vals = [median([s[key] for s in st[1:]]) for st in runs[name]]
-    return (min if low else max)(vals), vals
+    return best_of(runs, name, key, low)
 s1, r1 = best("sft 1 process", "time/step", True)
 s2, r2 = best("sft tp=2", "time/step", True)
 g1, q1 = best("grpo 1 process", "tokens_per_s/generate", False)

@@ -12,10 +12,18 @@
 #include "moonrl/loop.h"
 #include "base/error.h"
 
+/* one of mrl_dist_send's messages going out: its requests (a piece a GiB) and its copy of the data */
+typedef struct p2p_send {
+    void **reqs;
+    int n;
+    void *data;
+} p2p_send;
+
 enum {
     NOTE_MAGIC = 0x6d726c64, /* "mrld" */
     NOTE_TAG = 7001,
     EXCHANGE_TAG = 7002, /* the messages of mrl_dist_alltoallv and mrl_dist_send_pieces */
+    P2P_TAG = 8000,      /* mrl_dist_send and mrl_dist_recv: P2P_TAG + their tag */
 };
 
 /* All-reduces gathering at most this many bytes on each rank (size *
@@ -527,6 +535,8 @@ void mrl_dist_free(mrl_dist *d) {
         if (d->diag) d->be->comm_free(d->diag);
         d->be->comm_free(d->world);
     }
+    for (int i = 0; i < d->n_sends; i++) free(d->sends[i].data); /* (requests abandoned: the process ends) */
+    free(d->sends);
     free(d->notes);
     free(d->tmp);
     free(d->scratch);
@@ -557,6 +567,8 @@ void mrl_dist_finalize(mrl_dist *d) {
     }
     if (d->broken) mrl_dist_members_detach_all(d);
     /* the plugin stays loaded: libmpi may still have threads and handlers */
+    for (int i = 0; i < d->n_sends; i++) free(d->sends[i].data); /* (requests abandoned: the process ends) */
+    free(d->sends);
     free(d->notes);
     free(d->tmp);
     free(d->scratch);
@@ -921,4 +933,133 @@ mrl_status mrl_dist_allgather_blobs(mrl_dist *d, const void *data, int64_t bytes
     *out_data = d->blob;
     *out_offsets = off;
     return MRL_OK;
+}
+
+/* ---- point to point (pipeline parallel) ----
+ * A send copies its data and posts it; the message goes out while the rank goes on (its
+ * requests are tested by every wait that follows), so that a schedule of sends and receives
+ * never waits on a send: only a receive waits, for data the schedule guarantees is on its
+ * way. mrl_dist_flush_sends waits for them all (the end of a step). Messages of up to 1 GiB
+ * each (MPI's int counts). */
+enum { P2P_CHUNK = 1 << 30, P2P_TAGS = 1000 };
+
+/* test the sends going out; *left: how many are not done (their copies freed as they finish) */
+static mrl_status progress_sends(mrl_dist *d, int *left) {
+    int k = 0;
+    mrl_status st = MRL_OK;
+    for (int i = 0; i < d->n_sends; i++) {
+        p2p_send *s = &d->sends[i];
+        int busy = 0;
+        for (int j = 0; j < s->n && !st; j++) {
+            if (!s->reqs[j]) continue;
+            int fin = 0, e = d->be->test(s->reqs[j], &fin);
+            if (e) {
+                s->reqs[j] = NULL;
+                st = mrl_dist_fail(d, e, "MPI_Isend (pipeline)");
+            } else if (fin) {
+                s->reqs[j] = NULL;
+            } else {
+                busy = 1;
+            }
+        }
+        if (busy) {
+            d->sends[k++] = *s;
+        } else {
+            free(s->reqs);
+            free(s->data);
+        }
+    }
+    d->n_sends = k;
+    if (left) *left = k;
+    return st;
+}
+
+static mrl_status check_p2p(const mrl_dist *d, const char *op, const void *buf, int64_t bytes, int peer, int tag) {
+    if (bytes < 0 || (bytes > 0 && !buf))
+        return mrl_set_error(MRL_ERR_INVALID, "dist: %s: %lld bytes at %p", op, (long long)bytes, buf);
+    if (peer < 0 || peer >= d->size || peer == d->rank)
+        return mrl_set_error(MRL_ERR_INVALID, "dist: %s: rank %d of a world of %d (this rank is %d)", op, peer, d->size,
+                             d->rank);
+    if (tag < 0 || tag >= P2P_TAGS) return mrl_set_error(MRL_ERR_INVALID, "dist: %s: tag %d (0 .. %d)", op, tag, P2P_TAGS - 1);
+    return MRL_OK;
+}
+
+mrl_status mrl_dist_send(mrl_dist *d, const void *buf, int64_t bytes, int dest, int tag) {
+    mrl_status st = check_p2p(d, "send", buf, bytes, dest, tag);
+    if (!st) st = mrl_dist_begin(d, "send");
+    if (st) return st;
+    if (d->n_sends == d->cap_sends) {
+        int cap = d->cap_sends ? 2 * d->cap_sends : 8;
+        p2p_send *grown = realloc(d->sends, sizeof *grown * (size_t)cap);
+        if (!grown) return mrl_set_error(MRL_ERR_NOMEM, "dist: send: out of memory");
+        d->sends = grown, d->cap_sends = cap;
+    }
+    int n = (int)((bytes + P2P_CHUNK - 1) / P2P_CHUNK);
+    p2p_send s = {calloc((size_t)(n ? n : 1), sizeof(void *)), n, malloc((size_t)(bytes ? bytes : 1))};
+    if (!s.reqs || !s.data) {
+        free(s.reqs), free(s.data);
+        return mrl_set_error(MRL_ERR_NOMEM, "dist: send: no memory for a copy of %lld bytes", (long long)bytes);
+    }
+    memcpy(s.data, buf, (size_t)bytes);
+    int e = 0;
+    for (int j = 0; j < n && !e; j++) {
+        int64_t o = (int64_t)j * P2P_CHUNK;
+        e = d->be->isend(d->coll, (char *)s.data + o, bytes - o < P2P_CHUNK ? bytes - o : P2P_CHUNK, dest, P2P_TAG + tag,
+                         &s.reqs[j]);
+    }
+    d->sends[d->n_sends++] = s; /* (a failure leaves its posted pieces to the list) */
+    if (e) return mrl_dist_fail(d, e, "MPI_Isend (pipeline)");
+    return progress_sends(d, NULL);
+}
+
+typedef struct p2p_recv {
+    mrl_dist *d;
+    void **reqs;
+    int n;
+} p2p_recv;
+
+static mrl_status poll_recv(void *ctx, int *done) {
+    p2p_recv *q = ctx;
+    mrl_status st = progress_sends(q->d, NULL); /* (the sends go on meanwhile) */
+    req_set r = {q->d, q->reqs, q->n, "MPI_Irecv (pipeline)"};
+    return st ? st : poll_reqs(&r, done);
+}
+
+mrl_status mrl_dist_recv(mrl_dist *d, void *buf, int64_t bytes, int src, int tag) {
+    mrl_status st = check_p2p(d, "recv", buf, bytes, src, tag);
+    if (!st) st = mrl_dist_begin(d, "recv");
+    if (st || bytes == 0) return st;
+    int n = (int)((bytes + P2P_CHUNK - 1) / P2P_CHUNK), e = 0;
+    void **reqs = calloc((size_t)n, sizeof *reqs);
+    if (!reqs) return mrl_set_error(MRL_ERR_NOMEM, "dist: recv: out of memory");
+    for (int j = 0; j < n && !e; j++) {
+        int64_t o = (int64_t)j * P2P_CHUNK;
+        e = d->be->irecv(d->coll, (char *)buf + o, bytes - o < P2P_CHUNK ? bytes - o : P2P_CHUNK, src, P2P_TAG + tag,
+                         &reqs[j]);
+    }
+    p2p_recv q = {d, reqs, n};
+    st = e ? mrl_dist_fail(d, e, "MPI_Irecv (pipeline)") : mrl_dist_wait(d, poll_recv, &q);
+    free(reqs);
+    return st;
+}
+
+static mrl_status poll_sends(void *ctx, int *done) {
+    int left = 0;
+    mrl_status st = progress_sends(ctx, &left);
+    *done = left == 0;
+    return st;
+}
+
+mrl_status mrl_dist_flush_sends(mrl_dist *d) {
+    mrl_status st = mrl_dist_begin(d, "flush_sends");
+    if (st || d->n_sends == 0) return st;
+    return mrl_dist_wait(d, poll_sends, d);
+}
+
+mrl_status mrl_dist_pp_send(void *d, const float *buf, int64_t n, int peer, int tag) {
+    return mrl_dist_send(d, buf, (int64_t)sizeof(float) * n, peer, tag);
+}
+
+mrl_status mrl_dist_pp_recv(void *d, float *buf, int64_t n, int peer, int tag) {
+    return mrl_dist_recv(d, buf, (int64_t)sizeof(float) * n, peer, tag);
 }

@@ -65,6 +65,9 @@ struct mrl_dist {
     /* a communicator made by mrl_dist_split: its name, and the world rank of each of its ranks
      * (reports name world ranks); NULL for the world itself */
     char name[32];
+    /* mrl_dist_send's messages still going out: each one's requests and its copy of the data */
+    struct p2p_send *sends;
+    int n_sends, cap_sends;
     int *world_ranks;
     int world_rank, world_size;
     char mpi_version[160];

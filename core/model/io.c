@@ -325,15 +325,24 @@ mrl_status mrl_model_read_shard(mrl_model *m, const char *dir) {
 
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: NULL argument");
-    if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: not a tensor-parallel model");
+    if (m->tp_size <= 1 && m->pp_stages <= 1)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_tp: not a tensor-parallel model nor a pipeline stage");
     if (m->p_region) return read_again(m, dir, m->shard_off, m->shard_off + m->shard_count); /* (ZeRO-3: its shard) */
     return read_again(m, dir, 0, m->n_params);
+}
+
+/* The whole model's config of a pipeline stage (and a tensor-parallel rank): its layers all. */
+static mrl_model_config whole_config(const mrl_model *m) {
+    mrl_model_config c = m->tp_size > 1 ? m->tp_cfg : m->cfg;
+    if (m->pp_stages > 1) c.num_hidden_layers = m->pp_L;
+    return c;
 }
 
 static mrl_status write_config(mrl_model *m, const char *dir) {
     char json[16384], path[4096]; /* room for a long mlp_only_layers */
     size_t len = 0;
-    mrl_status s = mrl_model_config_to_json(m->tp_size > 1 ? &m->tp_cfg : &m->cfg, json, sizeof json, &len);
+    mrl_model_config c = whole_config(m);
+    mrl_status s = mrl_model_config_to_json(&c, json, sizeof json, &len);
     if (s) return s;
     snprintf(path, sizeof path, "%s/config.json", dir);
     return mrl_fs_write_file(path, json, len); /* temporary file, fsync, rename, fsync of dir */
@@ -405,53 +414,72 @@ static mrl_status save_gathered(mrl_model *m, const char *dir, int64_t max_shard
     return g ? g : s;
 }
 
+/* View v of a tensor-parallel rank as the whole tensor: its slices gathered over the group (a
+ * collective: every rank of it calls this for the same views) and put together, in *src (all:
+ * [numel size], out: as large, mine: [numel] host buffers); whole views are read through out.
+ * The ranks' rows one after the other, or each row's columns of the ranks side by side; a K/V
+ * head several ranks hold: the first of them. *n: the whole tensor's elements. */
+static mrl_status whole_view(mrl_model *m, const mrl_param_view *v, float *mine, float *all, float *out,
+                             const float **src, int64_t *n) {
+    int split = mrl_model_tp_split(m, v->name);
+    *n = v->numel;
+    if (!split) { /* (the same on every rank) */
+        *src = out;
+        return m->k->to_host(out, m->params + v->offset, (int64_t)sizeof(float) * v->numel);
+    }
+    int64_t size = m->tp_size;
+    mrl_status g = m->k->to_host(mine, m->params + v->offset, (int64_t)sizeof(float) * v->numel);
+    if (g || (g = m->tp_gather(m->tp_ctx, mine, v->numel, all))) return g;
+    *src = all; /* rows: the ranks' slices one after the other already */
+    int copies = mrl_model_tp_copies(m, v->name), parts = (int)size / copies;
+    if (copies > 1) { /* a K/V head held by several ranks: the first of each */
+        for (int h = 0; h < parts; h++)
+            memcpy(out + h * v->numel, all + (int64_t)h * copies * v->numel, sizeof(float) * (size_t)v->numel);
+        *src = out;
+    }
+    if (split == 2) { /* columns: row i of rank r's slice goes to row i's r-th block */
+        int64_t rows = v->shape[0], cols = v->shape[1];
+        for (int64_t r = 0; r < size; r++)
+            for (int64_t row = 0; row < rows; row++)
+                memcpy(out + row * cols * size + r * cols, all + r * v->numel + row * cols, sizeof(float) * (size_t)cols);
+        *src = out;
+    }
+    *n = v->numel * parts;
+    return MRL_OK;
+}
+
+/* Host buffers for whole_view of the model's largest view: mine, all and out (NULL: none). */
+static mrl_status view_buffers(const mrl_model *m, const char *dir, float **mine, float **all, float **out) {
+    int64_t most = 0, n = m->tp_size > 1 ? m->tp_size : 1;
+    for (int i = 0; i < m->n_views; i++)
+        if (m->views[i].numel > most) most = m->views[i].numel;
+    *mine = mrl_mem_alloc(sizeof(float) * (size_t)(most ? most : 1), MRL_MEM_OTHER);
+    *all = mrl_mem_alloc(sizeof(float) * (size_t)(most * n > 0 ? most * n : 1), MRL_MEM_OTHER);
+    *out = mrl_mem_alloc(sizeof(float) * (size_t)(most * n > 0 ? most * n : 1), MRL_MEM_OTHER);
+    return *mine && *all && *out ? MRL_OK : mrl_wrap_error(MRL_ERR_NOMEM, "%s: host buffers for one tensor", dir);
+}
+
 /* A tensor-parallel model: every rank of the group gathers each split view (the gathers are
- * collectives) and rank 0 writes the whole tensors: the rows of the ranks in rank order, or
- * each row's columns of the ranks side by side. A write error stops the writing, not the
- * gathers. */
+ * collectives) and rank 0 writes the whole tensors (whole_view). A write error stops the
+ * writing, not the gathers. */
 static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
     if (!m->tp_gather)
         return mrl_set_error(MRL_ERR_INVALID, "%s: a tensor-parallel model saves through its group's all-gather "
                              "(mrl_model_set_tp_group)", dir);
-    int64_t most = 0, n = m->tp_size;
-    for (int i = 0; i < m->n_views; i++)
-        if (m->views[i].numel > most) most = m->views[i].numel;
-    float *mine = mrl_mem_alloc(sizeof(float) * (size_t)most, MRL_MEM_OTHER);
-    float *all = mrl_mem_alloc(sizeof(float) * (size_t)(most * n), MRL_MEM_OTHER);
-    float *out = mrl_mem_alloc(sizeof(float) * (size_t)(most * n), MRL_MEM_OTHER);
+    float *mine = NULL, *all = NULL, *out = NULL;
     mrl_st_stream *st = NULL;
     int writer = m->tp_rank == 0 && (!m->p_region || m->shard_writer); /* (sharded: the first group's) */
-    mrl_status s = mine && all && out ? MRL_OK : mrl_wrap_error(MRL_ERR_NOMEM, "%s: host buffers for one tensor", dir);
+    mrl_status s = view_buffers(m, dir, &mine, &all, &out);
     mrl_status g = s;
     if (!s && writer) s = open_stream(m, dir, max_shard_bytes, &st);
     for (int i = 0; !g && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
-        int split = mrl_model_tp_split(m, v->name);
         if (m->p_region && (g = mrl_model_fetch(m, v->offset, v->numel))) break; /* ZeRO-3: the view whole here */
-        if (!split) {
-            if (!s && writer) s = write_view(m, dir, st, v, out);
-            if (m->p_region) mrl_model_drop(m, v->offset, v->numel);
-            continue;
-        }
-        g = m->k->to_host(mine, m->params + v->offset, (int64_t)sizeof(float) * v->numel);
+        const float *src = NULL;
+        int64_t n = 0;
+        g = whole_view(m, v, mine, all, out, &src, &n);
         if (m->p_region) mrl_model_drop(m, v->offset, v->numel);
-        if (g || (g = m->tp_gather(m->tp_ctx, mine, v->numel, all))) break;
-        if (s || !writer) continue;
-        const float *src = all; /* rows: the ranks' slices one after the other already */
-        int copies = mrl_model_tp_copies(m, v->name), parts = (int)n / copies;
-        if (copies > 1) { /* a K/V head held by several ranks: the first of each */
-            for (int h = 0; h < parts; h++)
-                memcpy(out + h * v->numel, all + (int64_t)h * copies * v->numel, sizeof(float) * (size_t)v->numel);
-            src = out;
-        }
-        if (split == 2) {       /* columns: row i of rank r's slice goes to row i's r-th block */
-            int64_t rows = v->shape[0], cols = v->shape[1];
-            for (int64_t r = 0; r < n; r++)
-                for (int64_t row = 0; row < rows; row++)
-                    memcpy(out + row * cols * n + r * cols, all + r * v->numel + row * cols, sizeof(float) * (size_t)cols);
-            src = out;
-        }
-        s = mrl_st_stream_write(st, v->name, src, v->numel * parts);
+        if (!g && !s && writer) s = mrl_st_stream_write(st, v->name, src, n);
     }
     if (!s && !g && writer) s = mrl_st_stream_finish(st);
     mrl_st_stream_free(st);
@@ -460,9 +488,98 @@ static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes
     return g ? mrl_wrap_error(g, "%s: gathering the tensor-parallel slices", dir) : s;
 }
 
+
+/* The stage that holds the whole model's view `name`. */
+static int owner_stage(const mrl_model *m, const char *name, const int *first) {
+    int l;
+    if (sscanf(name, "model.layers.%d.", &l) == 1) {
+        int s = 0;
+        while (s + 1 < m->pp_stages && first[s + 1] <= l) s++;
+        return s;
+    }
+    return strcmp(name, "model.embed_tokens.weight") == 0 ? 0 : m->pp_stages - 1;
+}
+
+enum { PP_SAVE_TAG = 999 };
+
+/* A pipeline stage: every rank of every stage calls it. The first stage's tensor-parallel rank 0
+ * writes the whole model, view by view in the whole model's order: its own views, and each other
+ * stage's as that stage's tensor-parallel rank 0 sends it (put together over its group first:
+ * whole_view), one tensor at a time. A tied head's copy on the last stage is not written (the
+ * first stage's embedding is the tensor). */
+static mrl_status save_pp(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
+    if (!m->pp_send || !m->pp_recv)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: a pipeline stage saves through its pipeline's transfers "
+                             "(mrl_model_set_pp_group)", dir);
+    if (m->tp_size > 1 && !m->tp_gather)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: a tensor-parallel model saves through its group's all-gather "
+                             "(mrl_model_set_tp_group)", dir);
+    mrl_model_config c = whole_config(m);
+    int writer = m->pp_stage == 0 && m->tp_rank == 0;
+    /* every stage's first layer (the stages send theirs around: each knows its own only) */
+    int first[256];
+    if (m->pp_stages > 256) return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: more than 256 pipeline stages", dir);
+    mrl_model *w = NULL; /* the whole model's views (no parameters) */
+    mrl_status s = mrl_model_alloc_layout(&c, &w);
+    float *mine = NULL, *all = NULL, *out = NULL, *recv = NULL;
+    if (!s) s = view_buffers(m, dir, &mine, &all, &out);
+    int64_t most = 0;
+    for (int i = 0; w && i < w->n_views; i++)
+        if (w->views[i].numel > most) most = w->views[i].numel;
+    if (!s && writer && !(recv = mrl_mem_alloc(sizeof(float) * (size_t)(most ? most : 1), MRL_MEM_OTHER)))
+        s = mrl_wrap_error(MRL_ERR_NOMEM, "%s: a host buffer for one tensor", dir);
+    mrl_status g = s;
+    for (int q = 0; !g && q < m->pp_stages; q++) { /* stage q's first layer, from stage q to everyone, in turn */
+        float f = (float)m->pp_l0;
+        if (q == m->pp_stage) {
+            for (int r = 0; !g && r < m->pp_stages; r++)
+                if (r != q) g = m->pp_send(m->pp_ctx, &f, 1, r, PP_SAVE_TAG);
+            first[q] = m->pp_l0;
+        } else {
+            g = m->pp_recv(m->pp_ctx, &f, 1, q, PP_SAVE_TAG);
+            first[q] = (int)f;
+        }
+    }
+    mrl_st_stream *st = NULL;
+    if (!s && !g && writer) {
+        s = mrl_st_stream_open(dir, max_shard_bytes, &st);
+        if (!s) s = mrl_st_stream_set_metadata(st, "format", "pt");
+        for (int i = 0; !s && i < w->n_views; i++) {
+            int64_t shape[2] = {w->views[i].shape[0], w->views[i].ndim > 1 ? w->views[i].shape[1] : 0};
+            s = mrl_st_stream_declare(st, w->views[i].name, MRL_DTYPE_F32, w->views[i].ndim, shape);
+        }
+    }
+    for (int i = 0; !g && w && i < w->n_views; i++) {
+        const mrl_param_view *wv = &w->views[i];
+        int o = owner_stage(m, wv->name, first);
+        if (o == m->pp_stage) { /* mine: put together over the group; to the writer */
+            mrl_param_view v;
+            if ((g = mrl_model_find_view(m, wv->name, &v))) break;
+            const float *src = NULL;
+            int64_t n = 0;
+            if ((g = whole_view(m, &v, mine, all, out, &src, &n))) break;
+            if (writer) {
+                if (!s) s = mrl_st_stream_write(st, wv->name, src, n);
+            } else if (m->tp_rank == 0) {
+                g = m->pp_send(m->pp_ctx, src, n, 0, PP_SAVE_TAG);
+            }
+        } else if (writer) { /* another stage's */
+            if ((g = m->pp_recv(m->pp_ctx, recv, wv->numel, o, PP_SAVE_TAG))) break;
+            if (!s) s = mrl_st_stream_write(st, wv->name, recv, wv->numel);
+        }
+    }
+    if (!s && !g && writer) s = mrl_st_stream_finish(st);
+    mrl_st_stream_free(st);
+    mrl_mem_free(mine), mrl_mem_free(all), mrl_mem_free(out), mrl_mem_free(recv);
+    if (!s && !g && writer) s = write_config(m, dir);
+    mrl_model_free(w);
+    return g ? mrl_wrap_error(g, "%s: sending the pipeline stages' tensors", dir) : s;
+}
+
 mrl_status mrl_model_save_dir_sharded(mrl_model *m, const char *dir, int64_t max_shard_bytes) {
     if (!m || !dir) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_save_dir_sharded: NULL argument");
     if (strlen(dir) > 4000) return mrl_set_error(MRL_ERR_INVALID, "model directory path too long");
+    if (m->pp_stages > 1) return save_pp(m, dir, max_shard_bytes);
     if (m->tp_size > 1) return save_tp(m, dir, max_shard_bytes);
     if (m->p_region) return save_gathered(m, dir, max_shard_bytes);
     float *host;

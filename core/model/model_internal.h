@@ -154,6 +154,9 @@ struct mrl_model {
     int pp_stage, pp_stages; /* 0 and 1 without */
     int pp_l0, pp_L;
     const float *pp_in, *pp_dy;
+    mrl_pp_send pp_send; /* the pipeline's transfers (saving: the stages' tensors to the first) */
+    mrl_pp_recv pp_recv;
+    void *pp_ctx;
     struct pp_slot *pp_slots;
     int pp_nslots, pp_slot;
 };

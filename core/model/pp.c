@@ -142,3 +142,10 @@ mrl_status mrl_model_pp_set_output_grad(mrl_model *m, const float *dy) {
 const float *mrl_model_pp_input_grad(const mrl_model *m) {
     return m && !mrl_model_has_embed(m) && m->act_buf ? m->gs.dx : NULL;
 }
+
+mrl_status mrl_model_set_pp_group(mrl_model *m, mrl_pp_send send, mrl_pp_recv recv, void *ctx) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_pp_group: NULL model");
+    if (m->pp_stages <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_pp_group: not a pipeline stage");
+    m->pp_send = send, m->pp_recv = recv, m->pp_ctx = ctx;
+    return MRL_OK;
+}

@@ -89,6 +89,8 @@ local function dist_section()
     tp = M.integer(1, { min = 1 }), -- tensor parallel: groups of this many consecutive ranks each hold slices of every layer (Megatron's split); data parallel over the groups
     sequence_parallel = false, -- with dist.tp: the residual stream and the norms on each rank's share of the tokens (Megatron's sequence parallel)
     cp = M.integer(1, { min = 1 }), -- context parallel (Ulysses): groups of this many ranks (of one dist.tp slot) split each batch's tokens, all-to-alls around attention; data parallel over the groups
+    pp = M.integer(1, { min = 1 }), -- pipeline parallel: the layers split into this many stages (ranks of one dist.tp slot and dist.cp share), micro-batches under 1F1B; data parallel over the pipelines
+    pp_layers = '', -- with dist.pp: each stage's layer count, e.g. '10,12,12,10' (empty: balanced by a layer's and the head's cost)
     zero = M.integer(0, { min = 0, max = 3 }), -- 1: ZeRO-1, the optimizer state sharded over the ranks; 2: ZeRO-2, the gradients too; 3: ZeRO-3, the parameters too
     bucket_mb = M.number(25.0, { above = 0 }), -- gradient all-reduce bucket size, started while the backward runs
     rollout_ranks = M.integer(0, { min = 0 }), -- the last R ranks only generate and score (moonrl.train.rollout); the others train

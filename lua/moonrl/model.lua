@@ -145,6 +145,13 @@ function M.new(cfg, opts)
   return wrap(h[0])
 end
 
+-- The config of the model in dir (its config.json) as a table, without loading it.
+function M.config_of(dir)
+  local c = ffi.new('mrl_model_config')
+  moonrl.check(C.mrl_model_config_load(dir .. '/config.json', c), 2)
+  return config_table(c)
+end
+
 function M.load(dir)
   local h = ffi.new('mrl_model *[1]')
   local status = require('moonrl.io.progress').task('loading model ' .. tostring(dir), function()
@@ -190,6 +197,58 @@ function M.load_tp(dir, world, opts)
   C.mrl_model_tp(m.handle, nil, whole)
   m.whole_config = config_table(whole)
   return m
+end
+
+-- Pipeline stage `stage.stage` of `stage.stages` of the model in dir (model.h's
+-- mrl_model_load_dir_stage): the whole model's layers [stage.first_layer, + stage.layers), the
+-- embedding on the first stage, the head on the last. world: the pipeline's ranks
+-- (moonrl.train.dist's World, rank = stage), over which its forwards and backwards send their
+-- rows: every stage runs the same micro-batches (moonrl.train.pipeline orders them), the last
+-- one's forward returns the outputs, the others' none. opts.tp: this rank's tensor-parallel
+-- group (its slices of the stage); opts.value_head: a critic's; opts.tag: the model's channel
+-- over world (two per model: its rows, their gradients), the same on every stage.
+function M.load_stage(dir, stage, world, opts)
+  opts = opts or {}
+  local h = ffi.new('mrl_model *[1]')
+  local spec = ffi.new('mrl_model_stage', { stage.stage, stage.stages, stage.first_layer, stage.layers })
+  local tp = opts.tp
+  moonrl.check(C.mrl_model_load_dir_stage(dir, spec, tp and tp.rank or 0, tp and tp.size or 1,
+    opts.value_head and 1 or 0, h), 2)
+  local m = wrap(h[0])
+  if tp and tp.size > 1 then
+    moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, tp.handle), 2)
+    m.tp_world = tp
+  end
+  local whole = ffi.new('mrl_model_config')
+  C.mrl_model_tp(m.handle, nil, whole)
+  whole.num_hidden_layers = C.mrl_model_pp_layers(m.handle)
+  m.whole_config = config_table(whole)
+  if stage.stages > 1 then
+    moonrl.check(C.mrl_model_set_pp_group(m.handle, C.mrl_dist_pp_send, C.mrl_dist_pp_recv, world.handle), 2)
+    m.pp = { world = world, stage = stage.stage, stages = stage.stages, first_layer = stage.first_layer,
+      layers = stage.layers, tag = 2 * (opts.tag or 0), hidden = m.config.hidden_size, wait = 0, batches = {},
+      slot = 0 }
+  end
+  return m
+end
+
+-- Pipeline parallel: n activation slots (model.h's mrl_model_pp_slots), and slot i for the next
+-- forward and the backward after it.
+function Model:pp_slots(n) moonrl.check(C.mrl_model_pp_slots(self.handle, n), 2) end
+function Model:use_slot(i)
+  local pp = self.pp
+  moonrl.check(C.mrl_model_pp_use_slot(self.handle, i), 2)
+  pp.batches[pp.slot] = self._batch -- (each slot's batch: its arrays stay borrowed until its backward)
+  pp.slot, self._batch = i, pp.batches[i]
+end
+
+-- A receive buffer of n floats (grown as needed), and the time spent waiting for the rows.
+local function pp_recv(pp, n, from, tag)
+  if (pp.cap or 0) < n then pp.buf, pp.cap = ffi.new('float[?]', n), n end
+  local t0 = moonrl.now()
+  pp.world:recv(pp.buf, 4 * n, from, tag)
+  pp.wait = pp.wait + (moonrl.now() - t0)
+  return pp.buf
 end
 
 -- Context parallel (model.h's mrl_model_set_cp_group, Ulysses): this model's forwards and
@@ -242,6 +301,19 @@ function Model:read_shard(dir) moonrl.check(C.mrl_model_read_shard(self.handle, 
 -- (routing replay: mrl_batch.routing in model.h; -1 rows keep the router's own picks).
 function Model:forward(batch, opts)
   opts = opts or {}
+  local pp = self.pp
+  if pp then -- a pipeline stage: its input rows from the stage before; a non-last stage's output to the next
+    local rows = tonumber(C.mrl_model_pp_rows(self.handle, batch.c))
+    if pp.stage > 0 then
+      moonrl.check(C.mrl_model_pp_set_input(self.handle, pp_recv(pp, rows * pp.hidden, pp.stage - 1, pp.tag)), 2)
+    end
+    if pp.stage < pp.stages - 1 then
+      moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, nil, nil, nil), 2)
+      self._batch = batch
+      pp.world:send(C.mrl_model_pp_output(self.handle), 4 * rows * pp.hidden, pp.stage + 1, pp.tag)
+      return nil
+    end
+  end
   local n = batch.n_tokens
   local lp, ent = ffi.new('float[?]', n), ffi.new('float[?]', n)
   local val = opts.values and ffi.new('float[?]', n) or nil
@@ -254,7 +326,20 @@ end
 -- Gradients of the loss with respect to each output (float arrays or nil);
 -- added to the gradient buffer.
 function Model:backward(dlogprobs, dentropy, dvalues)
+  local pp = self.pp
+  if not pp then
+    moonrl.check(C.mrl_model_backward(self.handle, dlogprobs, dentropy, dvalues), 2)
+    return
+  end
+  -- a pipeline stage: a non-last one starts from the next stage's gradient of its output rows, a
+  -- non-first one sends its input rows' gradient to the stage before
+  local rows = tonumber(C.mrl_model_pp_rows(self.handle, self._batch.c))
+  if pp.stage < pp.stages - 1 then
+    moonrl.check(C.mrl_model_pp_set_output_grad(self.handle, pp_recv(pp, rows * pp.hidden, pp.stage + 1, pp.tag + 1)), 2)
+    dlogprobs, dentropy, dvalues = nil, nil, nil
+  end
   moonrl.check(C.mrl_model_backward(self.handle, dlogprobs, dentropy, dvalues), 2)
+  if pp.stage > 0 then pp.world:send(C.mrl_model_pp_input_grad(self.handle), 4 * rows * pp.hidden, pp.stage - 1, pp.tag + 1) end
 end
 
 local function whole(self, what)

@@ -83,15 +83,8 @@ end)
 
 t.test('a checkpoint of 2 tensor-parallel ranks resumes to the bits of the run never stopped', function()
   local words = U.with(SFT, { 'dist.tp=2', 'train.schedule=constant', 'run.checkpoint_every=1' })
-  local straight = run(2, 'recipes/sft.lua', words, 'straight')
-  run(2, 'recipes/sft.lua', U.with(words, { 'train.steps=2' }), 'part')
-  local part = run(2, 'recipes/sft.lua', U.with(words, { 'run.resume=auto' }), 'part')
-  local ckpt = part .. '/checkpoints/step-000004'
-  t.truthy(fs.exists(ckpt .. '/optimizer.tp-00000-of-00002.safetensors') and
-    fs.exists(ckpt .. '/optimizer.tp-00001-of-00002.safetensors'), 'each slot\'s optimizer state in its file')
-  t.truthy(moonrl.model.load(ckpt).n_params > 0, 'the checkpoint holds the whole model')
-  t.eq(fs.read(part .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
-    'resumed: the weights of the run never stopped, bit for bit')
+  U.check_resume(t, function(w, tag) return run(2, 'recipes/sft.lua', w, tag) end, words, 2, 4,
+    { 'optimizer.tp-00000-of-00002.safetensors', 'optimizer.tp-00001-of-00002.safetensors' }) -- (each slot's state)
 end)
 
 t.test('a killed rank of a tensor-parallel group: moonrl launch --restarts ends with the bits of the run never stopped', function()
@@ -105,11 +98,7 @@ t.test('a killed rank of a tensor-parallel group: moonrl launch --restarts ends 
   for _, case in ipairs({ { 'tp_killed', 'kill:step=3:phase=train:rank=1:attempt=0' },
     { 'tp_killed_ckpt', 'kill:checkpoint=2:bytes=1000:rank=1:attempt=0' } }) do
     local d = dir .. '/' .. case[1]
-    local argv = { '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=' .. case[2], 'MOONRL_THREADS=1', exe,
-      'launch', '-n', '2', '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self', 'recipes/sft.lua',
-      'run.dir=' .. d }
-    for _, w in ipairs(words) do argv[#argv + 1] = w end
-    local r = require('moonrl.io.proc').run(argv, { timeout = 180 })
+    local r = require('moonrl.io.proc').run(U.launch_argv(exe, 2, case[2], 'recipes/sft.lua', d, words), { timeout = 180 })
     if not r.ok then io.stderr:write(r.stdout, r.stderr) end
     t.truthy(r.ok and (r.stderr or ''):find('restarting') ~= nil, case[1] .. ': finished after a restart')
     t.eq(fs.read(d .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),

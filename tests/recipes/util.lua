@@ -16,13 +16,13 @@ function M.tmpdir(tag)
   return d
 end
 
--- The tiny 'digits' model (opts: model_type, hidden_size, intermediate_size, layers, seed) saved
--- to dir; returns dir.
+-- The tiny 'digits' model (opts: model_type, hidden_size, intermediate_size, layers, vocab_size,
+-- kv_heads, tie (false: an lm_head of its own), seed) saved to dir; returns dir.
 function M.tiny_model(dir, opts)
   opts = opts or {}
   return tiny.save(dir, 'digits', { model_type = opts.model_type, hidden_size = opts.hidden_size,
     intermediate_size = opts.intermediate_size, num_hidden_layers = opts.layers, vocab_size = opts.vocab_size,
-    num_key_value_heads = opts.kv_heads },
+    num_key_value_heads = opts.kv_heads, tie_word_embeddings = opts.tie },
     { seed = opts.seed or 1 })
 end
 
@@ -65,6 +65,34 @@ function M.run_ranks(exe, n, recipe, words, opts)
     error(string.format('%s on %d ranks failed (status %s)', recipe, n, tostring(r.exit_status)), 2)
   end
   return r
+end
+
+-- A run stopped after step `stop` and resumed against the run never stopped (run(words, tag) ->
+-- its directory; words checkpoint every step): the resumed checkpoint of step `last` holds files
+-- (each name a file that must be there) and the whole model, and the final weights are the
+-- never-stopped run's bits. Returns the never-stopped run's directory.
+function M.check_resume(t, run, words, stop, last, files)
+  local fs = require('moonrl.io.fs')
+  local straight = run(words, 'straight')
+  run(M.with(words, { 'train.steps=' .. stop }), 'part')
+  local part = run(M.with(words, { 'run.resume=auto' }), 'part')
+  local ckpt = string.format('%s/checkpoints/step-%06d', part, last)
+  for _, f in ipairs(files) do t.truthy(fs.exists(ckpt .. '/' .. f), 'in the checkpoint: ' .. f) end
+  t.truthy(require('moonrl').model.load(ckpt).n_params > 0, 'the checkpoint holds the whole model')
+  t.eq(fs.read(part .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
+    'resumed: the weights of the run never stopped, bit for bit')
+  return straight
+end
+
+-- `moonrl launch -n n --restarts 2` of a recipe with fault (a MOONRL_FAULT spec) into run
+-- directory d (one thread a rank, Open MPI over shared memory), its words after; run it with
+-- moonrl.io.proc.
+function M.launch_argv(exe, n, fault, recipe, d, words)
+  local argv = { '/usr/bin/env', 'PATH=' .. os.getenv('PATH'), 'MOONRL_FAULT=' .. fault, 'MOONRL_THREADS=1', exe,
+    'launch', '-n', tostring(n), '--restarts', '2', '--backoff', '0.1', '--mpirun', '--mca btl vader,self', recipe,
+    'run.dir=' .. d }
+  for _, w in ipairs(words) do argv[#argv + 1] = w end
+  return argv
 end
 
 -- The data-parallel tests' inputs in dir: a 2-layer tiny model and 60 additions as SFT examples,

@@ -115,6 +115,17 @@ mrl_status mrl_dist_allreduce(mrl_dist *d, void *buf, int64_t count, int dtype, 
 mrl_status mrl_dist_broadcast(mrl_dist *d, void *buf, int64_t bytes, int root);
 /* Every rank's `bytes` bytes of send, in rank order, into recv (size * bytes). */
 mrl_status mrl_dist_allgather(mrl_dist *d, const void *send, int64_t bytes, void *recv);
+/* Point to point (pipeline parallel's activations and their gradients): send copies `bytes` of
+ * buf and posts them to rank dest, returning at once (buf is free again; the message goes out
+ * while this rank goes on, and mrl_dist_flush_sends waits until every one has); recv waits,
+ * within the deadline, for `bytes` from rank src into buf. tag (0 .. 999) is a channel: the
+ * messages of one channel between two ranks arrive in the order they were sent. */
+mrl_status mrl_dist_send(mrl_dist *d, const void *buf, int64_t bytes, int dest, int tag);
+mrl_status mrl_dist_recv(mrl_dist *d, void *buf, int64_t bytes, int src, int tag);
+mrl_status mrl_dist_flush_sends(mrl_dist *d);
+/* The same for n floats, peers by rank of d (model.h's mrl_pp_send and mrl_pp_recv; ctx: d). */
+mrl_status mrl_dist_pp_send(void *d, const float *buf, int64_t n, int peer, int tag);
+mrl_status mrl_dist_pp_recv(void *d, float *buf, int64_t n, int peer, int tag);
 /* A tensor-parallel model's group collectives over d (mrl_model_set_tp_group's, ctx = d): n
  * floats summed in place (mrl_dist_allreduce's rank order), every rank's n floats into all. */
 mrl_status mrl_dist_tp_allreduce(void *d, float *buf, int64_t n);

@@ -359,7 +359,8 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
  * partial sums reduce-scattered), so the activations between the products are 1 / size a rank
  * too. The outputs and the loss boundary are unchanged. on 0 turns it off. */
 mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on);
-/* A tensor-parallel rank's slices read again from a Hugging Face directory (a checkpoint's). */
+/* A tensor-parallel rank's slices (a pipeline stage's layers) read again from a Hugging Face
+ * directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
 /* Pipeline parallel (dist.pp): stage `stage` of `stages` holds the whole model's layers
  * [first_layer, first_layer + layers) (its config's num_hidden_layers is then `layers`, its views
@@ -393,6 +394,13 @@ mrl_status mrl_model_pp_set_input(mrl_model *m, const float *x);
 const float *mrl_model_pp_output(const mrl_model *m);
 mrl_status mrl_model_pp_set_output_grad(mrl_model *m, const float *dy);
 const float *mrl_model_pp_input_grad(const mrl_model *m);
+/* The pipeline's transfers, peers by stage (mrl_dist_pp_send and mrl_dist_pp_recv over its
+ * communicator): mrl_model_save_dir, which every rank of every stage calls, sends each stage's
+ * tensors (put together over its tensor-parallel group) to the first stage's rank 0, which writes
+ * the whole model. send returns at once (its data copied), recv waits. */
+typedef mrl_status (*mrl_pp_send)(void *ctx, const float *buf, int64_t n, int peer, int tag);
+typedef mrl_status (*mrl_pp_recv)(void *ctx, float *buf, int64_t n, int peer, int tag);
+mrl_status mrl_model_set_pp_group(mrl_model *m, mrl_pp_send send, mrl_pp_recv recv, void *ctx);
 mrl_status mrl_model_pp_slots(mrl_model *m, int n);
 mrl_status mrl_model_pp_use_slot(mrl_model *m, int i);
 

@@ -84,9 +84,13 @@ end
 
 -- The optimizer shard file of rank `rank` of `size`.
 function M.shard_file(rank, size) return string.format('optimizer.rank-%05d-of-%05d.safetensors', rank, size) end
--- The optimizer files of tensor-parallel slot `rank` of `size` (its slices' state): this prefix
--- and .safetensors, or under ZeRO its shards', prefix.rank-RRRRR-of-NNNNN.safetensors.
-function M.tp_prefix(rank, size) return string.format('optimizer.tp-%05d-of-%05d', rank, size) end
+-- The optimizer files of tensor-parallel slot `rank` of `size` (its slices' state) and pipeline
+-- stage `stage` of `stages` (its layers'; nil: none): this prefix and .safetensors, or under ZeRO
+-- its shards', prefix.rank-RRRRR-of-NNNNN.safetensors.
+function M.tp_prefix(rank, size, stage, stages)
+  local p = stage and string.format('optimizer.pp-%05d-of-%05d', stage, stages) or 'optimizer'
+  return size > 1 and string.format('%s.tp-%05d-of-%05d', p, rank, size) or p
+end
 
 -- world: the ranks, when each opt:state() is this rank's shard (offset, total: where it lies).
 local function write_optimizers(path, optimizers, world)
@@ -212,7 +216,8 @@ function M.write_parts(root, name, parts, p)
         end
       end
       if not optimizers then return end
-      local prefix, o = tmp .. '/' .. M.tp_prefix(tp.rank, tp.world.size), optimizers[1].opt
+      local o = optimizers[1].opt
+      local prefix = tmp .. '/' .. (o.tp_prefix or M.tp_prefix(tp.rank, tp.world.size))
       if not parts.sharded then write_optimizers(prefix .. '.safetensors', optimizers)
       elseif o.shard_writes ~= false then -- (hybrid sharding: the first group's ranks)
         local index, count = o.shard_index or world.rank, o.shard_count or world.size
@@ -492,7 +497,7 @@ end
 function M.load_model(dir, name, model, is_policy)
   local mdir = is_policy and dir or (dir .. '/' .. name)
   if model:shard() then return model:read_shard(mdir) end -- (sharded: this rank's range of each tensor)
-  if model:tp() > 1 then return model:read_tp(mdir) end -- (tensor parallel: this rank's slices)
+  if model:tp() > 1 or model.pp then return model:read_tp(mdir) end -- (tensor, pipeline parallel: this rank's slices, stage)
   local st = require('moonrl.io.safetensors').open(mdir)
   local p = model:read_params() -- host memory (a GPU model's: a copy, written back below)
   for _, v in ipairs(model:views()) do

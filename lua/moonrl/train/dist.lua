@@ -216,6 +216,15 @@ function World:any(flag)
   return self:reduce(flag and 1 or 0, 'max') > 0
 end
 
+-- Point to point (pipeline parallel's rows): send copies and returns at once (the message goes
+-- out meanwhile; flush_sends waits for all of them); recv waits for bytes from rank src. tag: a
+-- channel (0 .. 999), in order within each.
+function World:send(ptr, bytes, dest, tag) check(C.mrl_dist_send(self.handle, ptr, bytes, dest, tag or 0)) end
+function World:recv(ptr, bytes, src, tag) check(C.mrl_dist_recv(self.handle, ptr, bytes, src, tag or 0)) end
+function World:flush_sends()
+  if self.size > 1 then check(C.mrl_dist_flush_sends(self.handle)) end
+end
+
 function World:broadcast(ptr, bytes, root)
   if self.size > 1 and bytes > 0 then check(C.mrl_dist_broadcast(self.handle, ptr, bytes, root or 0)) end
 end
@@ -284,46 +293,68 @@ local function clip_grad_norm(o, max_norm)
   return norm
 end
 
--- The mesh of w's ranks for dist.tp = TP and dist.cp = CP (each >= 1): rank r is slot r % TP of
--- its tensor-parallel group (TP consecutive ranks, each holding slices of every layer:
--- moonrl.model.load_tp), share (r // TP) % CP of its context-parallel group (CP ranks of the same
--- slot, each taking its share of each batch's tokens: model:set_cp), data-parallel index
--- r // (TP CP). { world = w, tp, cp = the Worlds of its groups (nil for a degree of 1), dp = the ranks of its
--- slot and share (one a data-parallel index: what splits the data), grad = the ranks of its slot
--- (what sums the gradients: dp, or with context parallel dp and cp), tp_rank, cp_rank }. Every
--- rank calls it (its splits are collectives); made once.
+-- The mesh of w's ranks for dist.tp = TP, dist.cp = CP and dist.pp = PP (each >= 1): rank r is
+-- slot r % TP of its tensor-parallel group (TP consecutive ranks, each holding slices of every
+-- layer: moonrl.model.load_tp), share (r // TP) % CP of its context-parallel group (CP ranks of
+-- the same slot, each taking its share of each batch's tokens: model:set_cp), data-parallel index
+-- (r // (TP CP)) % DP and pipeline stage r // (TP CP DP) (the stages of one pipeline: the ranks of
+-- the same slot, share and index; moonrl.model.load_stage). { world = w, tp, cp, pp = the Worlds
+-- of its groups (nil for a degree of 1), dp = the ranks of its slot, share and stage (one a
+-- data-parallel index: what splits the data), grad = the ranks of its slot and stage (what sums
+-- the gradients: dp, or with context parallel dp and cp), and with pipeline parallel norm (its
+-- slot's tensor-parallel and pipeline ranks: the gradient norm's parts) and tied (the first and
+-- last stages' ranks of its pipeline: a tied head's two copies), tp_rank, cp_rank, dp_rank,
+-- pp_rank }. Every rank calls it (its splits are collectives); made once.
 local meshes = {}
-function M.mesh(w, TP, CP)
-  if w.size % (TP * CP) ~= 0 then
-    moonrl.usage_error(TP > 1 and CP > 1 and string.format('dist.tp=%d x dist.cp=%d does not divide the %d ranks that '
-      .. 'train', TP, CP, w.size) or string.format('dist.%s=%d does not divide the %d ranks that train',
-      TP > 1 and 'tp' or 'cp', TP * CP, w.size))
+function M.mesh(w, TP, CP, PP)
+  PP = PP or 1
+  if w.size % (TP * CP * PP) ~= 0 then
+    local named = {}
+    for _, d in ipairs({ { 'tp', TP }, { 'cp', CP }, { 'pp', PP } }) do
+      if d[2] > 1 then named[#named + 1] = string.format('dist.%s=%d', d[1], d[2]) end
+    end
+    moonrl.usage_error(string.format('%s does not divide the %d ranks that train', table.concat(named, ' x '), w.size))
   end
-  local id = string.format('%s:%d:%d', tostring(w.handle), TP, CP)
+  local id = string.format('%s:%d:%d:%d', tostring(w.handle), TP, CP, PP)
   if meshes[id] then return meshes[id] end
-  local r = w.rank
-  local mesh = { world = w, tp_rank = r % TP, cp_rank = math.floor(r / TP) % CP }
+  -- rank = tp + TP (cp + CP (dp + DP pp)): TP innermost (one node), the pipeline outermost (Megatron's order)
+  local r, DP = w.rank, w.size / (TP * CP * PP)
+  local tp, cp, dp, pp = r % TP, math.floor(r / TP) % CP, math.floor(r / (TP * CP)) % DP, math.floor(r / (TP * CP * DP))
+  local mesh = { world = w, tp_rank = tp, cp_rank = cp, dp_rank = dp, pp_rank = pp }
   if TP > 1 then mesh.tp = w:split(math.floor(r / TP), 'tensor parallel') end
-  if CP > 1 then mesh.cp = w:split(r % TP + TP * math.floor(r / (TP * CP)), 'context parallel') end
-  mesh.dp = w:split(r % (TP * CP), 'data parallel')
-  mesh.grad = CP > 1 and w:split(r % TP, 'gradient sums') or mesh.dp
+  if CP > 1 then mesh.cp = w:split(tp + TP * (dp + DP * pp), 'context parallel') end
+  mesh.dp = w:split(tp + TP * (cp + CP * pp), 'data parallel')
+  mesh.grad = CP > 1 and w:split(tp + TP * pp, 'gradient sums') or mesh.dp
+  if PP > 1 then
+    mesh.pp = w:split(tp + TP * (cp + CP * dp), 'pipeline')
+    -- the gradient norm's squares
+    mesh.norm = w:split(cp + CP * dp, 'gradient norm') -- (a stage's and a slice's parts: tensor x pipeline)
+    -- a tied head: the first and last stages' copies of the embedding (their gradients summed)
+    local ends = pp == 0 or pp == PP - 1
+    mesh.tied = w:split(ends and tp + TP * (cp + CP * dp) or -1, 'tied embedding')
+  end
   meshes[id] = mesh
   return mesh
 end
 
--- Tensor parallel: opt (a moonrl.optim AdamW over model's slices, or M.data_parallel's over the
--- groups, ZeRO-1 and 2 included) made to measure and clip the whole model's gradient norm: each
--- element of the whole model is counted by one rank of the group tpw (a split view's by every rank,
--- a K/V head several ranks hold by the first of them, a whole view's, the same on every rank, by
--- the group's first), the squares summed over the data-parallel ranks as they are without tensor
--- parallel, then over the group. With shared K/V heads, their gradients are summed over the ranks
--- that hold them (mrl_model_tp_sync_grads; ZeRO-1 and 2: in the rank's shard) once an update's
--- backwards are done: before the norm, or the step without one.
-function M.tp_norm(opt, model, tpw)
-  local counted = {}
+-- Tensor and pipeline parallel: opt (a moonrl.optim AdamW over model's slices or stage, or
+-- M.data_parallel's over the groups, ZeRO-1 and 2 included) made to measure and clip the whole
+-- model's gradient norm: each element of the whole model is counted by one rank of the group
+-- par.group (with tensor parallel par.tp: a split view's by every rank of it, a K/V head several
+-- ranks hold by the first of them, a whole view's, the same on every rank, by its first; with
+-- pipeline parallel each stage's own views, a tied head's copy of the embedding not at all: the
+-- first stage counts it), the squares summed over the data-parallel ranks as they are without
+-- model parallelism, then over par.group. With shared K/V heads, their gradients are summed over
+-- the ranks that hold them (mrl_model_tp_sync_grads; ZeRO-1 and 2: in the rank's shard) once an
+-- update's backwards are done: before the norm, or the step without one.
+function M.parallel_norm(opt, model, par)
+  local tpw, counted = par.tp, {}
+  local tied_copy = model.pp and model.pp.stage > 0 and model.config.tie_word_embeddings
   for _, v in ipairs(model:views()) do
-    local split = C.mrl_model_tp_split(model.handle, v.name) ~= 0
-    if split and tpw.rank % C.mrl_model_tp_copies(model.handle, v.name) == 0 or not split and tpw.rank == 0 then
+    local split = tpw and C.mrl_model_tp_split(model.handle, v.name) ~= 0
+    local mine = not tpw or (split and tpw.rank % C.mrl_model_tp_copies(model.handle, v.name) == 0) or
+      (not split and tpw.rank == 0)
+    if mine and not (tied_copy and v.name == 'model.embed_tokens.weight') then
       local last = counted[#counted]
       if last and last[1] + last[2] == v.offset then last[2] = last[2] + v.numel
       else counted[#counted + 1] = { v.offset, v.numel } end
@@ -334,12 +365,12 @@ function M.tp_norm(opt, model, tpw)
     if synced then return end
     if o.sync then o:sync() end
     local sharded = (o.zero or 0) >= 1 -- (the shard's range is the one summed over the data-parallel ranks)
-    moonrl.check(C.mrl_model_tp_sync_grads(model.handle, sharded and o.shard_grads or nil, sharded and o.offset or 0,
-      sharded and o.count or 0), 3)
+    if tpw then moonrl.check(C.mrl_model_tp_sync_grads(model.handle, sharded and o.shard_grads or nil, sharded and o.offset or 0,
+      sharded and o.count or 0), 3) end
     synced = true
   end
   if opt.world then -- M.data_parallel's: its norm of the counted ranges, then summed over the group
-    opt.counted, opt.norm_group = counted, tpw
+    opt.counted, opt.norm_group = counted, par.group
     local norm = opt.grad_norm
     function opt.grad_norm(o)
       sync(o)
@@ -354,7 +385,7 @@ function M.tp_norm(opt, model, tpw)
         moonrl.check(C.mrl_grad_norm(g + r[1], r[2], out), 3)
         s = s + out[0] * out[0]
       end
-      return math.sqrt(tpw:sum(s))
+      return math.sqrt(par.group:sum(s))
     end
     opt.clip_grad_norm = clip_grad_norm
   end

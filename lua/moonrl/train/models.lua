@@ -25,7 +25,11 @@ function M.load(dir, opts)
   opts = opts or {}
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
-  if opts.tp and opts.tp.size > 1 then -- tensor parallel: this rank's slices, its sums over the group
+  if opts.pp then -- pipeline parallel: this rank's stage (and tensor parallel: its slices of it)
+    local P = opts.pp
+    model = model_mod.load_stage(dir, P.stage, P.world, { tp = opts.tp, value_head = opts.value_head, tag = P.tag })
+    model.pp.tied, model.norm_group = P.tied, P.norm
+  elseif opts.tp and opts.tp.size > 1 then -- tensor parallel: this rank's slices, its sums over the group
     local L = opts.shard -- (and ZeRO-3: its shard of them)
     model = model_mod.load_tp(dir, opts.tp, { value_head = opts.value_head,
       shard = L and { world = L.world.size, shards = L.shards, index = L.index } })
@@ -57,6 +61,17 @@ end
 -- model's device. opts.init(copy): edits of the copy's host weights before it moves there.
 function M.clone(model, opts)
   opts = opts or {}
+  if model.pp then -- a pipeline stage: the same stage of the model's files, then its weights
+    local P = model.pp
+    local copy = M.load(model.source_dir, { tp = model.tp_world, value_head = opts.value_head, pp = { world = P.world,
+      tied = P.tied, tag = opts.tag or 1, stage = { stage = P.stage, stages = P.stages, first_layer = P.first_layer,
+      layers = P.layers } } })
+    if opts.value_head then error('models.clone: a value head of a pipeline stage comes from models.critic_from', 2) end
+    copy:write_params(model:read_params())
+    copy.norm_group = model.norm_group
+    copy:set_dtype(model:dtype())
+    return copy
+  end
   local copy = model_mod.new(model.config, { value_head = opts.value_head or model.config.value_head })
   M.copy_weights(model, copy)
   if opts.init then opts.init(copy) end

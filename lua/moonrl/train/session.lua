@@ -103,7 +103,7 @@ function M.start(cfg, opts)
   local shard = M.shard_world(cfg, device, mesh) -- dist.zero=3 over several ranks: each loads its shard
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
-      shard = shard, tp = mesh and mesh.tp })
+      shard = shard, tp = mesh and mesh.tp, pp = mesh and mesh.pp and M.stage_of(cfg, mesh) })
     if not ok then
       -- a run directory given for its model: say where the model is
       local dir = cfg.model.dir:gsub('/+$', '')
@@ -132,6 +132,10 @@ function M.start(cfg, opts)
   if policy and device and device ~= policy:device() then
     local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
     if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
+  end
+  if policy and policy.pp and cfg.engine and opts.engine ~= false then
+    moonrl.usage_error(string.format('dist.pp=%d: the engine (rollouts, evaluation) runs on the whole model, which a ' ..
+      'pipeline stage is not: not yet (eval.every=0 for a supervised recipe)', policy.pp.stages))
   end
   local engine
   if cfg.engine and opts.engine ~= false and policy then
@@ -173,13 +177,18 @@ function M.start(cfg, opts)
     S.world, S.mesh_world = mesh.dp, mesh.world -- (with rollout ranks: the trainers)
     -- tensor parallel: the slices' sums within each group
     if mesh.tp then S.tp_world, S.tp_follower = mesh.tp, mesh.tp_rank > 0 end
+    -- the model-parallel group (tensor x pipeline): the ranks that write a checkpoint's model together
+    S.mp_world = mesh.pp and mesh.norm or mesh.tp
+    if mesh.pp then S.tp_follower = mesh.tp_rank > 0 or mesh.pp_rank > 0 end
     -- context parallel: a group's ranks share each sample's tokens; the gradient sums, the optimizer
     -- state's shards, checkpoints and saves over the data- and context-parallel ranks of a slot
     if mesh.cp then S.cp_world, S.grad_world = mesh.cp, mesh.grad end
+    if mesh.pp then S.pp_world = mesh.pp end -- (pipeline parallel: a step's numbers are the last stage's)
     -- where this rank sits, in its heartbeat (moonrl status)
     local at = {}
     if mesh.tp then at[#at + 1] = string.format('tp %d/%d', mesh.tp_rank, mesh.tp.size) end
     if mesh.cp then at[#at + 1] = string.format('cp %d/%d', mesh.cp_rank, mesh.cp.size) end
+    if mesh.pp then at[#at + 1] = string.format('pp %d/%d', mesh.pp_rank, mesh.pp.size) end
     at[#at + 1] = string.format('dp %d/%d', mesh.dp.rank, mesh.dp.size)
     S.status:set({ mesh = table.concat(at, ' ') })
     S.status:write(true)
@@ -236,11 +245,18 @@ end
 -- dist.tp and dist.cp: the mesh (dist.mesh) of the ranks that train, nil when both are 1. What
 -- they do not do yet is a usage error naming the key.
 function M.mesh_of(cfg, device)
-  local TP, CP = cfg.dist and cfg.dist.tp or 1, cfg.dist and cfg.dist.cp or 1
-  if TP <= 1 and CP <= 1 then return nil end
-  local key = CP > 1 and TP <= 1 and 'cp' or 'tp'
+  local TP, CP, PP = cfg.dist and cfg.dist.tp or 1, cfg.dist and cfg.dist.cp or 1, cfg.dist and cfg.dist.pp or 1
+  if TP <= 1 and CP <= 1 and PP <= 1 then return nil end
+  local key = PP > 1 and 'pp' or CP > 1 and TP <= 1 and 'cp' or 'tp'
   local function no(what)
-    moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or TP, what))
+    moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or key == 'pp' and PP or TP,
+      what))
+  end
+  if PP > 1 then
+    if CP > 1 then no('dist.cp') end
+    if cfg.dist.sequence_parallel then no('dist.sequence_parallel') end
+    if cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
+    if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
   end
   local R = cfg.dist.rollout_ranks or 0
   if R > 0 and CP > 1 then no('dist.rollout_ranks') end
@@ -255,7 +271,34 @@ function M.mesh_of(cfg, device)
     if g.role == 'rollout' then return nil end
     w = g.world
   end
-  return dist.mesh(w, TP, CP)
+  return dist.mesh(w, TP, CP, PP)
+end
+
+-- Pipeline parallel: this rank's stage of the mesh, its layers (dist.pp_layers, else balanced by
+-- a layer's and the head's cost, pipeline.stages) as models.load takes it.
+function M.stage_of(cfg, mesh)
+  local pipeline = require('moonrl.train.pipeline')
+  local P, c = mesh.pp.size, model_mod.config_of(require('moonrl.io.gguf').resolve(cfg.model.dir))
+  local L, counts = c.num_hidden_layers, nil
+  if (cfg.dist.pp_layers or '') ~= '' then
+    counts = {}
+    for n in tostring(cfg.dist.pp_layers):gmatch('[^,%s]+') do counts[#counts + 1] = tonumber(n) or -1 end
+    local total, ok = 0, #counts == P
+    for _, n in ipairs(counts) do total, ok = total + n, ok and n >= 1 and n == math.floor(n) end
+    if not ok or total ~= L then
+      moonrl.usage_error(string.format('dist.pp_layers=%s: %d layer counts of at least 1 each, adding up to the %d ' ..
+        'layers (num_hidden_layers), one a stage of dist.pp=%d', cfg.dist.pp_layers, P, L, P))
+    end
+  else
+    counts = pipeline.stages(L, P, pipeline.costs(c))
+    if not counts then
+      moonrl.usage_error(string.format('dist.pp=%d: more stages than the model\'s %d layers (num_hidden_layers)', P, L))
+    end
+  end
+  local first = 0
+  for k = 1, mesh.pp_rank do first = first + counts[k] end
+  return { world = mesh.pp, tied = mesh.tied, norm = mesh.norm, tag = 0, counts = counts,
+    stage = { stage = mesh.pp_rank, stages = P, first_layer = first, layers = counts[mesh.pp_rank + 1] } }
 end
 
 -- (the numbers' ranges are the config schema's: moonrl.config checked them)
@@ -485,9 +528,11 @@ function Session:optimizer(name, opt)
       nccl_error = opt.gpu and self.world.nccl_error or nil,
       buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
   end
-  if opt.model and opt.model.tp_world then -- tensor parallel: the whole model's gradient norm; this slot's state file
-    dist.tp_norm(opt, opt.model, opt.model.tp_world)
-    opt.tp_prefix = ckpt.tp_prefix(opt.model.tp_world.rank, opt.model.tp_world.size)
+  local m = opt.model
+  if m and (m.tp_world or m.pp) then -- tensor, pipeline parallel: the whole model's gradient norm; this part's state file
+    dist.parallel_norm(opt, m, { tp = m.tp_world, group = m.pp and m.norm_group or m.tp_world })
+    opt.tp_prefix = ckpt.tp_prefix(m.tp_world and m.tp_world.rank or 0, m.tp_world and m.tp_world.size or 1,
+      m.pp and m.pp.stage, m.pp and m.pp.stages)
   end
   put(self.optimizers, name, { name = name, opt = opt })
   return opt
@@ -523,6 +568,7 @@ end
 -- The next backward is the step's last: every optimizer's gradient sums start during it
 -- (dist.data_parallel's buckets, mrl_dist_buckets_arm).
 function Session:arm_gradient_sums()
+  if self.pp_world then return end -- (pipeline parallel: the sums wait for the last stage's backwards, moonrl.train.pipeline)
   for _, o in ipairs(self.optimizers) do if o.opt.arm then o.opt:arm() end end
 end
 
@@ -648,7 +694,7 @@ function Session:checkpoint(reason, small, step, phase_step)
     fault.arm_checkpoint(step)
     ok, path, bytes = pcall(ckpt.write, self.ckpt_root, name, { models = self.models, optimizers = self.optimizers,
       state = state, run = run_info, max_shard_bytes = self:max_shard_bytes(), world = sharded and w or nil,
-      sharded = sharded, tp = self.tp_world and { world = self.tp_world, rank = self.tp_world.rank, all = self.mesh_world } })
+      sharded = sharded, tp = self.mp_world and { world = self.mp_world, rank = self.mp_world.rank, all = self.mesh_world } })
     fault.disarm()
   end
   if w.size > 1 then -- every rank learns how it went
@@ -876,6 +922,7 @@ end
 -- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
 -- (a sharded policy's: the initial model loaded whole from model.dir: no rank holds the policy whole)
 function Session:reference()
+  if self.policy.pp then return models.clone(self.policy, { tag = 1 }) end -- (pipeline parallel: its stage's copy)
   if self.tp_world then -- tensor parallel: its slices of the initial model
     local ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
     ref:set_dtype(self.policy:dtype())

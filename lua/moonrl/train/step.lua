@@ -20,6 +20,7 @@ local batch = require('moonrl.batch')
 local model_mod = require('moonrl.model')
 local metrics = require('moonrl.train.metrics')
 local sections = require('moonrl.train.sections')
+local pipeline = require('moonrl.train.pipeline')
 
 local M = {}
 
@@ -69,8 +70,22 @@ function M.logprobs(model, samples, max_tokens, opts)
   local lps, vals = {}, opts.values and {} or nil
   -- opts.routing_replay: the forward replays the samples' engine routing (policy_step's option)
   local width = opts.routing_replay and model:num_moe_layers() * (model.config.num_experts_per_tok or 0) or 0
-  for b, first in M.collective_batches(model, opts.world, batch.micro_batches(samples, max_tokens,
-      { share_prompts = opts.share_prompts ~= false, routing = width > 0 and width or nil })) do
+  local it = batch.micro_batches(samples, max_tokens, { share_prompts = opts.share_prompts ~= false,
+    routing = width > 0 and width or nil })
+  if model.pp then -- pipeline parallel: the stages' forwards, the last stage's outputs on every stage
+    local list = {}
+    for b, first in it do list[#list + 1] = { b, first } end
+    local outs = pipeline.forward_only(model, list, { temperature = opts.temperature, values = opts.values })
+    for i, e in ipairs(list) do
+      local o = outs[i]
+      if o[1] then batch.gather(e[1], o[1], lps, e[2]) end
+      if vals and o[3] then batch.gather(e[1], o[3], vals, e[2]) end
+    end
+    pipeline.broadcast_lists(model, lps, #samples)
+    if vals then pipeline.broadcast_lists(model, vals, #samples) end
+    return lps, vals
+  end
+  for b, first in M.collective_batches(model, opts.world, it) do
     local lp, _, v = model:forward(b, { temperature = opts.temperature, values = opts.values, routing = b.routing })
     if first then -- (an empty batch: expert parallelism, collective_batches)
       batch.gather(b, lp, lps, first)
@@ -199,11 +214,20 @@ function M.policy_step(o)
     sums.clip_frac = sums.clip_frac + pm.clipfrac * mtok
     sums.approx_kl = sums.approx_kl + pm.approx_kl * mtok
   end
-  for b, first, _, is_last in M.collective_batches(model, world, batch.micro_batches(samples, o.micro_batch_tokens or 4096,
-      share)) do
-    if is_last and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
-    if first then micro_step(b, first)
-    else M.serve_experts(model, b) end -- nothing left here: serve the experts to the other ranks (expert parallelism)
+  local it, pipe = batch.micro_batches(samples, o.micro_batch_tokens or 4096, share), nil
+  if model.pp then -- pipeline parallel: 1F1B over the stages, the loss on the last (moonrl.train.pipeline)
+    local list = {}
+    for b, first in it do list[#list + 1] = { b, first } end
+    pipe = M.pipeline_run(model, list, micro_step, { o.ref })
+    -- the last stage's numbers on every stage
+    local all = pipeline.share(model, { sums = sums, mm = mm, is = is_acc or false, behav = behav_acc or false })
+    sums, mm, is_acc, behav_acc = all.sums, all.mm, all.is or nil, all.behav or nil
+  else
+    for b, first, _, is_last in M.collective_batches(model, world, it) do
+      if is_last and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
+      if first then micro_step(b, first)
+      else M.serve_experts(model, b) end -- nothing left here: serve the experts to the other ranks (expert parallelism)
+    end
   end
   if world and world.size > 1 then -- the parts of every rank, added
     sums.mm_sum, sums.mm_mult, sums.mm_n = mm.sum, mm.mult, mm.n
@@ -214,7 +238,7 @@ function M.policy_step(o)
   local inv = tokens > 0 and 1 / tokens or 0
   local m = { loss = sums.loss, kl = o.ref and sums.kl or nil, entropy = sums.entropy * inv,
     clip_frac = sums.clip_frac * inv, approx_kl = sums.approx_kl * inv, grad_norm = gnorm,
-    lr = o.lr or o.opt.lr, tokens = tokens,
+    lr = o.lr or o.opt.lr, tokens = tokens, pipeline = pipe,
     mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
   if n_moe > 0 then
     m.moe = { aux_loss = sums.moe_aux / math.max(sums.moe_tokens, 1), aux_coef = model:router_aux_coef(),
@@ -227,6 +251,18 @@ function M.policy_step(o)
   end
   M.apply_update(o.session, o.opt, o.lr, m)
   return m
+end
+
+-- Pipeline parallel (model.pp): one update's micro-batches (list: { {b, first, ...}, ... }) under
+-- 1F1B, step(b, first, i) run by the last stage for the i-th (pipeline.run). Returns the bubble:
+-- each stage's share of the loop spent waiting for rows, { bubble = the mean over the stages,
+-- bubble_max, stages, micro_batches } (the same on every stage).
+function M.pipeline_run(model, list, step, refs)
+  local wait, took = pipeline.run(model, list, step, refs)
+  local pp = model.pp
+  local share = took > 0 and wait / took or 0
+  local t = pp.world:sum({ share = share })
+  return { bubble = t.share / pp.stages, bubble_max = pp.world:max(share), stages = pp.stages, micro_batches = #list }
 end
 
 -- Apply an update whose gradients are in opt's buffer: through the session's guards when there
@@ -253,22 +289,32 @@ end
 -- Returns the metrics: loss and the parts (summed over micro-batches and ranks), grad_norm, lr.
 function M.supervised_step(S, opt, o)
   local model = o.model or opt.model
-  local sums = { loss = 0 }
+  local sums, pipe = { loss = 0 }, nil
   model:zero_grad()
-  for b, first, last in o.batches do
-    if not first then -- an empty batch (expert parallelism, S:micro_batches): serve the experts
-      M.serve_experts(model, b)
-    else
-      local lp = model:forward(b)
-      local loss, grad, parts = o.loss(b, lp, first, last)
-      model:backward(grad)
-      sums.loss = sums.loss + loss
-      for k, v in pairs(parts or {}) do sums[k] = (sums[k] or 0) + v end
+  local function micro_step(b, first, last)
+    local lp = model:forward(b)
+    local loss, grad, parts = o.loss(b, lp, first, last)
+    model:backward(grad)
+    sums.loss = sums.loss + loss
+    for k, v in pairs(parts or {}) do sums[k] = (sums[k] or 0) + v end
+  end
+  if model.pp then -- pipeline parallel: 1F1B over the stages, the loss on the last (moonrl.train.pipeline)
+    local list = {}
+    for b, first, last in o.batches do list[#list + 1] = { b, first, last } end
+    pipe = M.pipeline_run(model, list, function(b, first, i) micro_step(b, first, list[i][3]) end)
+    sums = pipeline.share(model, sums) -- (the last stage's numbers on every stage)
+  else
+    for b, first, last in o.batches do
+      if not first then -- an empty batch (expert parallelism, S:micro_batches): serve the experts
+        M.serve_experts(model, b)
+      else
+        micro_step(b, first, last)
+      end
     end
   end
   local m = S and S:sum(sums) or sums
   m.grad_norm = opt:clip_grad_norm(o.max_grad_norm or 1.0)
-  m.lr = o.lr
+  m.lr, m.pipeline = o.lr, pipe
   M.apply_update(S, opt, o.lr, m)
   return m
 end

@@ -1,0 +1,106 @@
+-- dist.pp: the policy's layers split into stages (ranks), micro-batches under 1F1B, the loss on
+-- the last stage. Against one process on the same global batch: SFT with pp 2 and 4 (1, 2 and 8
+-- micro-batches a step, a tied head and an untied one), an uneven split (dist.pp_layers), 2
+-- pipelines of 2 (data parallel over them, and ZeRO-1), pp 2 x tp 2, DPO; each within 1e-5 of
+-- one process's final weights, and the steps' loss and gradient norm too; the bubble reported each
+-- step; a given mesh bit-identical run to run, across a stop and resume (each stage's optimizer
+-- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
+-- parallel cannot take are usage errors naming them. (tests/recipes/meson.build runs it where mpirun is.)
+local t = require('moonrl.testing')
+local fs = require('moonrl.io.fs')
+local U = dofile('tests/recipes/util.lua')
+
+local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
+
+local dir = U.tmpdir('pp_recipes')
+local _, sft_data, pref_data = U.ranks_setup(dir)
+local tied = U.tiny_model(dir .. '/init4', { layers = 4, vocab_size = 16 })
+local untied = U.tiny_model(dir .. '/init4u', { layers = 4, vocab_size = 16, tie = false })
+local SFT = { 'model.dir=' .. tied, 'data.path=' .. sft_data, 'train.steps=3', 'train.batch=12', 'train.lr=1e-3',
+  'run.threads=1' }
+local DPO = { 'model.dir=' .. tied, 'data.path=' .. pref_data, 'train.steps=3', 'train.pairs=6', 'train.lr=1e-3',
+  'train.micro_batch_tokens=60', 'run.threads=1' }
+
+local function run(n, recipe, words, tag)
+  local d = dir .. '/' .. tag
+  U.run_ranks(exe, n, recipe, U.with(words, { 'run.dir=' .. d }))
+  return d
+end
+
+-- the largest relative difference of the steps' loss and gradient norm
+local function steps_diff(a, b)
+  local worst = #a == #b and 0 or math.huge
+  for i = 1, math.min(#a, #b) do
+    for _, k in ipairs({ 'loss', 'grad_norm' }) do
+      worst = math.max(worst, math.abs(a[i][k] - b[i][k]) / math.max(math.abs(b[i][k]), 1e-3))
+    end
+  end
+  return worst
+end
+
+t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied and untied heads, an uneven split, 2 pipelines, ZeRO-1, pp2 x tp2): one process\'s steps and weights', function()
+  local cases = {
+    { 'recipes/sft.lua', SFT, 'sft', 2, { 'dist.pp=2' } },
+    { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=40' }), 'sft_mb', 2, { 'dist.pp=2' } },
+    { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=40' }), 'sft_mb', 4, { 'dist.pp=4' } },
+    { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=12' }), 'sft_mb8', 4, { 'dist.pp=4' } },
+    { 'recipes/sft.lua', U.with(SFT, { 'model.dir=' .. untied, 'train.micro_batch_tokens=40' }), 'sft_untied', 2, { 'dist.pp=2' } },
+    { 'recipes/sft.lua', SFT, 'sft', 2, { 'dist.pp=2', 'dist.pp_layers=1,3' }, 'uneven' },
+    { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2' }, 'dp2' },
+    { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.zero=1' }, 'zero1' },
+    { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.tp=2' }, 'tp2' },
+    { 'recipes/dpo.lua', DPO, 'dpo', 2, { 'dist.pp=2' } },
+  }
+  for _, case in ipairs(cases) do
+    local one = dir .. '/one_' .. case[3]
+    if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
+    local tag = string.format('pp_%s_%d%s', case[3], case[4], case[6] and '_' .. case[6] or '')
+    local d = run(case[4], case[1], U.with(case[2], case[5]), tag)
+    local w = U.weights_diff(d .. '/model', one .. '/model')
+    local a, b = U.records(d), U.records(one)
+    local sd = steps_diff(a, b)
+    local bubble = a[#a]['pipeline/bubble']
+    print(string.format('  %s on %d ranks, %s: weights %.3g, steps %.3g from one process; bubble %s', case[3], case[4],
+      table.concat(case[5], ' '), w, sd, tostring(bubble)))
+    t.truthy(w <= 1e-5, tag .. ': the weights of one process')
+    t.truthy(sd <= 1e-5, tag .. ': the steps of one process')
+    t.truthy(bubble and bubble >= 0 and bubble < 1, tag .. ': the bubble reported')
+  end
+end)
+
+t.test('a given mesh is bit-identical run to run', function()
+  local words = U.with(SFT, { 'dist.pp=2', 'train.micro_batch_tokens=40' })
+  local a, b = run(2, 'recipes/sft.lua', words, 'again_a'), run(2, 'recipes/sft.lua', words, 'again_b')
+  t.eq(fs.read(a .. '/model/model.safetensors'), fs.read(b .. '/model/model.safetensors'), 'the same bits')
+end)
+
+t.test('a checkpoint of 2 stages resumes to the bits of the run never stopped; a stage killed in a step, restarted by moonrl launch, too', function()
+  local words = U.with(SFT, { 'dist.pp=2', 'train.micro_batch_tokens=40', 'train.schedule=constant',
+    'run.checkpoint_every=1' })
+  local straight = U.check_resume(t, function(w, tag) return run(2, 'recipes/sft.lua', w, tag) end, words, 2, 3,
+    { 'optimizer.pp-00000-of-00002.safetensors', 'optimizer.pp-00001-of-00002.safetensors' }) -- (each stage's state)
+  local d = dir .. '/killed'
+  local r = require('moonrl.io.proc').run(U.launch_argv(exe, 2, 'kill:step=2:phase=train:rank=1:attempt=0',
+    'recipes/sft.lua', d, U.with(words, { 'dist.timeout=20' })), { timeout = 180 })
+  if not r.ok then io.stderr:write(r.stdout, r.stderr) end
+  t.truthy(r.ok and (r.stderr or ''):find('restarting') ~= nil, 'killed: finished after a restart')
+  t.eq(fs.read(d .. '/model/model.safetensors'), fs.read(straight .. '/model/model.safetensors'),
+    'killed: the weights of the run never stopped, bit for bit')
+  t.eq(#U.records(d), 3, 'killed: each step logged once')
+end)
+
+t.test('usage errors name the key', function()
+  for _, case in ipairs({
+    { 2, { 'dist.pp=3' }, 'dist.pp=3 does not divide the 2 ranks' },
+    { 2, { 'dist.pp=2', 'dist.pp_layers=2,1' }, 'dist.pp_layers=2,1' },
+    { 2, { 'dist.pp=2', 'dist.zero=2' }, 'dist.pp=2 with dist.zero=2' },
+    { 4, { 'dist.pp=4', 'model.dir=' .. U.tiny_model(dir .. '/init2', { layers = 2, vocab_size = 16 }) },
+      'more stages than the model\'s 2 layers' },
+  }) do
+    local r = U.run_ranks(exe, case[1], 'recipes/sft.lua', U.with(SFT, U.with(case[2], { 'run.dir=' .. dir .. '/bad' })),
+      { expect_fail = true })
+    t.truthy(not r.ok and (r.stderr .. r.stdout):find(case[3], 1, true), case[3] .. ': ' .. r.stderr)
+  end
+end)
+
+t.done()
