@@ -69,11 +69,11 @@ function ppo:critic_step(samples)
   local S, critic = self.S, self.critic
   local tokens = 0
   for _, s in ipairs(samples) do tokens = tokens + batch.loss_tokens(s) end
-  local loss, clipfrac = 0, 0
   critic:zero_grad()
   local mine = S:local_samples(samples)
-  for b, first in S:micro_batches(samples, self.cfg.train.micro_batch_tokens) do
-    if first then -- (an empty batch, first nil, serves the policy's experts: the critic has none)
+  -- (an empty batch serves the policy's experts: the critic has none; dist.pp: 1F1B, train.run_micro_batches)
+  local sums = train.run_micro_batches(critic, S:micro_batches(samples, self.cfg.train.micro_batch_tokens),
+    function(b, first, _, acc)
       local _, _, v = critic:forward(b, { values = true })
       local dv = ffi.new('float[?]', b.n_tokens)
       local l, m = algo.value_loss.clipped({ values = v, old_values = batch.scatter(b, batch.gather_field(mine, 'values'), first),
@@ -82,10 +82,9 @@ function ppo:critic_step(samples)
       critic:backward(nil, nil, dv)
       local mt = 0
       for _, n in ipairs(b.len) do mt = mt + n end
-      loss, clipfrac = loss + l, clipfrac + m.vf_clipfrac * mt / math.max(tokens, 1)
-    end
-  end
-  local m = S:sum({ loss = loss, clip_frac = clipfrac })
+      acc.loss, acc.clip_frac = acc.loss + l, acc.clip_frac + m.vf_clipfrac * mt / math.max(tokens, 1)
+    end, { loss = 0, clip_frac = 0 })
+  local m = S:sum(sums)
   m.grad_norm = self.critic_opt:clip_grad_norm(self.cfg.train.max_grad_norm)
   train.apply_update(S, self.critic_opt, self.cfg.train.critic_lr, m, { detectors = false })
   return m

@@ -4,8 +4,10 @@
 #   step    1 process x 2 threads against dist.pp=2 on 2 ranks x 1 thread (shared memory), the
 #           batch in one micro-batch and in M micro-batches (train.micro_batch_tokens), STEPS steps
 #           each (the first not counted), median time/step
-#   bubble  pipeline/bubble of the dist.pp=2 runs (the stages' mean share of the loop spent
-#           waiting for rows) against 1F1B's ideal (p - 1) / (m + p - 1)
+#   bubble  pipeline/bubble of the dist.pp=2 runs (the stages' mean share of the pipeline's span
+#           not computing) against 1F1B's ideal (p - 1) / (m + p - 1), which holds for stages of
+#           even cost: the SIZE model's head (8192 rows) makes its best split 5 + 3 layers, uneven;
+#           the same model with a vocabulary of 512 splits 4 + 4 (the 'even stages' run)
 #   memory  rank 0's parameters and training state (memory/params_mb + grads_mb + optim_mb)
 # The runs alternate for ROUNDS rounds; each keeps its best round.
 #
@@ -20,6 +22,7 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 . bench/dist/inputs.sh
 bench_inputs "$MOONRL" "$SIZE" "$dir" "$PYTHON"
+"$MOONRL" run bench/make_model.lua preset="$SIZE" out="$dir/even" vocab=512
 # the examples' tokens (data.jsonl: the same length each), a micro-batch of BATCH / M of them
 per=$("$PYTHON" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][0]; print(len(r['prompt']) + len(r['response']) + 2)" "$dir/data.jsonl")
 mb=$(( per * BATCH / M ))
@@ -32,6 +35,8 @@ for r in $(seq "$ROUNDS"); do
   bench_run "sft pp=2 m=1" 2 1 "${sft[@]}" train.micro_batch_tokens=8192 dist.pp=2
   bench_run "sft 1 process m" 1 2 "${sft[@]}" train.micro_batch_tokens="$mb"
   bench_run "sft pp=2 m" 2 1 "${sft[@]}" train.micro_batch_tokens="$mb" dist.pp=2
+  bench_run "even 1 process m" 1 2 "${sft[@]}" train.micro_batch_tokens="$mb" model.dir="$dir/even"
+  bench_run "even pp=2 m" 2 1 "${sft[@]}" train.micro_batch_tokens="$mb" dist.pp=2 model.dir="$dir/even"
   echo "round $r done (load $(cut -d' ' -f1 /proc/loadavg))"
 done
 "$PYTHON" - "$dir" <<'PY'
@@ -43,13 +48,14 @@ def best(name, key, low):
     return best_of(runs, name, key, low)
 print("| run | 1 process x 2 threads | dist.pp=2, 2 ranks x 1 thread | pp=2 against 1 process | bubble (ideal) |")
 print("|---|---|---|---|---|")
-for tag, one, pp in (("one micro-batch", "sft 1 process", "sft pp=2 m=1"), ("micro-batches", "sft 1 process m", "sft pp=2 m")):
+for tag, one, pp in (("one micro-batch", "sft 1 process", "sft pp=2 m=1"), ("micro-batches", "sft 1 process m", "sft pp=2 m"),
+                     ("micro-batches, even stages", "even 1 process m", "even pp=2 m")):
     s1, _ = best(one, "time/step", True)
     s2, _ = best(pp, "time/step", True)
     last = runs[pp][0][-1]
     m = last["pipeline/micro_batches"]
     b, _ = best(pp, "pipeline/bubble", True)
-    print(f"| SFT step, {tag} (m = {m:.0f}) | {s1:.3f} s | {s2:.3f} s | {s1 / s2:.2f}x | {b:.2f} ({1 / (m + 1):.2f}) |")
+    print(f"| SFT step, {tag} (m = {m:.0f}) | {s1:.3f} s | {s2:.3f} s | {s1 / s2:.2f}x | {b:.3f} ({1 / (m + 1):.3f}) |")
 def state(s):
     return s["memory/params_mb"] + s["memory/grads_mb"] + s["memory/optim_mb"]
 a, b = runs["sft 1 process"][0][-1], runs["sft pp=2 m=1"][0][-1]

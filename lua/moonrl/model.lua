@@ -555,7 +555,9 @@ end
 -- export of a shard carries this table, so a receiver of another layout takes exactly the slices
 -- it needs (Model:slice_plan). Default range: the model's shard, else the whole buffer. A
 -- tensor-parallel rank's views are its slices: in the whole tensors' coordinates, a row-split
--- view's part is one slice, a column-split view's a slice a row (its columns of each).
+-- view's part is one slice, a column-split view's its columns of each row: a slice with rows = R
+-- and stride = the whole row's length stands for R slices of count elements, the k-th at offset
+-- + k stride in the tensor and at + k count in the range.
 function Model:slices(offset, count)
   if not offset then
     offset, count = self:shard()
@@ -576,13 +578,19 @@ function Model:slices(offset, count)
         if split == 1 then -- rows: this slice's block of the tensor
           local first = math.floor(rank * parts / size) * v.numel
           out[#out + 1] = { name = v.name, shape = shape, offset = first + lo - v.offset, count = hi - lo, at = lo - offset }
-        else -- columns: each row's block
+        else -- columns: each row's block (whole rows' blocks one after the other: one slice of `rows` of them)
           local cols, e = v.shape[2], lo - v.offset
           while e < hi - v.offset do
             local row, c0 = math.floor(e / cols), e % cols
             local run = math.min(cols - c0, hi - v.offset - e)
-            out[#out + 1] = { name = v.name, shape = shape, offset = row * cols * size + rank * cols + c0, count = run,
-              at = v.offset + e - offset }
+            local s, prev = { name = v.name, shape = shape, offset = row * cols * size + rank * cols + c0, count = run,
+              at = v.offset + e - offset }, out[#out]
+            local k = prev and prev.name == v.name and prev.count == cols and run == cols and (prev.rows or 1)
+            if k and prev.offset + k * cols * size == s.offset and prev.at + k * cols == s.at then
+              prev.rows, prev.stride = k + 1, cols * size
+            else
+              out[#out + 1] = s
+            end
             e = e + run
           end
         end
@@ -592,33 +600,80 @@ function Model:slices(offset, count)
   return out
 end
 
+-- The range of the buffer this model exports as its weights (Model:slices of it: what a trainer
+-- sends a rollout rank): its shard when sharded; a pipeline stage's all but a tied head's copy of
+-- the embedding (the first stage sends the tensor); else the whole buffer. offset, count.
+function Model:export_range()
+  local o, c = self:shard()
+  if o then return o, c end
+  if self.pp and self.pp.stage > 0 and self.config.tie_word_embeddings then
+    local v = self:views()[1] -- (the copy comes first: model.embed_tokens.weight)
+    if v.name == 'model.embed_tokens.weight' then return v.numel, self.n_params - v.numel end
+  end
+  return 0, self.n_params
+end
+
 -- Where slices (Model:slices's, from a model of another process or layout) land in this model's
 -- buffer: a list of copies { {at=, to=, count=}, ... } (at: in the sender's range; to: in this
--- buffer), adjacent ones merged. want(name): take that tensor (default: all). A tensor this model
--- lacks, a shape that differs or a slice past its tensor's end is an error naming the tensor.
+-- buffer), adjacent ones merged. This model may hold a part of each tensor itself (a tensor-
+-- parallel rank's slices: a block of rows, or a block of each row's columns): of each slice, the
+-- elements this model holds are taken, the rest left. want(name): take that tensor (default:
+-- all). A tensor this model lacks, a shape that differs or a slice past its tensor's end is an
+-- error naming the tensor.
 function Model:slice_plan(slices, want)
+  local size, rank = self:tp()
   local by_name = {}
   for _, v in ipairs(self:views()) do by_name[v.name] = v end
   local plan = {}
-  for _, s in ipairs(slices) do
+  local function add(at, to, count)
+    local last = plan[#plan]
+    if last and last.at + last.count == at and last.to + last.count == to then last.count = last.count + count
+    elseif count > 0 then plan[#plan + 1] = { at = at, to = to, count = count } end
+  end
+  -- (a slice of rows: each row its own)
+  local flat = slices
+  for i, s in ipairs(slices) do
+    if s.rows and flat == slices then flat = {}; for j = 1, i - 1 do flat[j] = slices[j] end end
+    if flat ~= slices then
+      for k = 0, (s.rows or 1) - 1 do
+        flat[#flat + 1] = { name = s.name, shape = s.shape, offset = s.offset + k * (s.stride or 0), count = s.count,
+          at = s.at + k * s.count }
+      end
+    end
+  end
+  for _, s in ipairs(flat) do
     if not want or want(s.name) then
       local v = by_name[s.name]
       if not v then error(string.format('weight slices: this model has no tensor %s', tostring(s.name)), 2) end
+      -- the whole tensor's shape, and this model's part of it (Model:slices' split)
+      local split = size > 1 and C.mrl_model_tp_split(self.handle, v.name) or 0
+      local parts = split > 0 and size / C.mrl_model_tp_copies(self.handle, v.name) or 1
+      local whole = { v.shape[1], v.shape[2] }
+      if split > 0 then whole[split] = whole[split] * parts end
       local same = #v.shape == #s.shape
-      for d = 1, #v.shape do same = same and v.shape[d] == s.shape[d] end
+      for d = 1, #v.shape do same = same and whole[d] == s.shape[d] end
       if not same then
-        error(string.format('weight slices: %s is [%s] here, [%s] in the slices', s.name, table.concat(v.shape, ', '),
+        error(string.format('weight slices: %s is [%s] here, [%s] in the slices', s.name, table.concat(whole, ', '),
           table.concat(s.shape, ', ')), 2)
       end
-      if s.offset < 0 or s.count < 0 or s.offset + s.count > v.numel then
+      local a, b = s.offset, s.offset + s.count -- (in the whole tensor)
+      if a < 0 or s.count < 0 or b > v.numel * parts then
         error(string.format('weight slices: %s slice [%d, +%d) is past its %d elements', s.name, s.offset, s.count,
-          v.numel), 2)
+          v.numel * parts), 2)
       end
-      local last, to = plan[#plan], v.offset + s.offset
-      if last and last.at + last.count == s.at and last.to + last.count == to then
-        last.count = last.count + s.count
-      elseif s.count > 0 then
-        plan[#plan + 1] = { at = s.at, to = to, count = s.count }
+      if split == 0 then
+        add(s.at, v.offset + a, b - a)
+      elseif split == 1 then -- rows: this model's block of them, one range
+        local first = math.floor(rank * parts / size) * v.numel
+        local lo, hi = math.max(a, first), math.min(b, first + v.numel)
+        if lo < hi then add(s.at + lo - a, v.offset + lo - first, hi - lo) end
+      else -- columns: its block of each row's
+        local cols, W = v.shape[2], whole[2]
+        local c0 = rank * cols
+        for row = math.floor(a / W), math.floor((b - 1) / W) do
+          local lo, hi = math.max(a, row * W + c0), math.min(b, row * W + c0 + cols)
+          if lo < hi then add(s.at + lo - a, v.offset + row * cols + lo - row * W - c0, hi - lo) end
+        end
       end
     end
   end

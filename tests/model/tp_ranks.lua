@@ -3,7 +3,8 @@
 -- backward of the same batch on both: this rank's log-probs and entropy against the whole
 -- model's, and each slice's gradient against the slice of the whole gradient (a whole view's
 -- against the whole); this rank's slices as Model:slices exports them land where the whole
--- model holds the same values; then the group saves the slices to out. Prints one "tp ok rank R" line.
+-- model holds the same values, and the whole model's slices land where this rank holds the same
+-- values; then the group saves the slices to out. Prints one "tp ok rank R" line.
 --   mpirun -n P moonrl run tests/model/tp_ranks.lua dir=DIR out=OUT [dtype=bf16]
 local moonrl = require('moonrl')
 local dist = require('moonrl.train.dist')
@@ -68,7 +69,8 @@ end
 m:save(opt.out)
 local size = m:tp()
 -- this rank's slices in the whole tensors' coordinates (Model:slices), placed in the whole model
--- (Model:slice_plan): its values, bit for bit, and every element of each split view once
+-- (Model:slice_plan): its values, bit for bit, and every element of each split view once; and the
+-- whole model's slices placed in this rank's slices, each element of them once
 local plan, placed, bad = whole:slice_plan(m:slices()), 0, 0
 local wp, mp = whole:params(), m:params()
 for _, c in ipairs(plan) do
@@ -77,5 +79,13 @@ for _, c in ipairs(plan) do
   end
   placed = placed + c.count
 end
+-- the other way: the whole model's slices placed in this rank's (its part of each tensor taken)
+local got = 0
+for _, c in ipairs(m:slice_plan(whole:slices())) do
+  for i = 0, c.count - 1 do
+    if mp[c.to + i] ~= wp[c.at + i] then bad = bad + 1 end
+  end
+  got = got + c.count
+end
 io.stdout:write(string.format('tp ok rank %d of %d: %d split views, log-probs %.3g, gradients %.3g, slices placed %d of %d, ' ..
-  '%d differ\n', w.rank, size, split, d_lp, worst, placed, m.n_params, bad)) -- (print is rank 0's alone)
+  '%d differ\n', w.rank, size, split, d_lp, worst, placed + got, 2 * m.n_params, bad)) -- (print is rank 0's alone)

@@ -2,10 +2,13 @@
 -- the last stage. Against one process on the same global batch: SFT with pp 2 and 4 (1, 2 and 8
 -- micro-batches a step, a tied head and an untied one), an uneven split (dist.pp_layers), 2
 -- pipelines of 2 (data parallel over them, and ZeRO-1), pp 2 x tp 2, DPO; each within 1e-5 of
--- one process's final weights, and the steps' loss and gradient norm too; the bubble reported each
+-- one process's final weights, and the steps' loss and gradient norm too; trainers in stages (and
+-- pp 2 x tp 2) sending their tensors to a rollout rank: GRPO with a reference and PPO with its
+-- critic, the tokens, steps and weights of one trainer; the bubble reported each
 -- step; a given mesh bit-identical run to run, across a stop and resume (each stage's optimizer
 -- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
--- parallel cannot take are usage errors naming them. (tests/recipes/meson.build runs it where mpirun is.)
+-- parallel cannot take are usage errors naming them. A checkpoint resumes into another mesh (each
+-- optimizer file says which slices of which tensors it holds). (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
 local U = dofile('tests/recipes/util.lua')
@@ -13,7 +16,7 @@ local U = dofile('tests/recipes/util.lua')
 local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
 
 local dir = U.tmpdir('pp_recipes')
-local _, sft_data, pref_data = U.ranks_setup(dir)
+local _, sft_data, pref_data, rl_data = U.ranks_setup(dir)
 local tied = U.tiny_model(dir .. '/init4', { layers = 4, vocab_size = 16 })
 local untied = U.tiny_model(dir .. '/init4u', { layers = 4, vocab_size = 16, tie = false })
 local SFT = { 'model.dir=' .. tied, 'data.path=' .. sft_data, 'train.steps=3', 'train.batch=12', 'train.lr=1e-3',
@@ -68,6 +71,33 @@ t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied a
   end
 end)
 
+t.test('pipeline-parallel trainers and a rollout rank: each stage sends its tensors, the rollout rank assembles the whole model; grpo with a reference, ppo with its critic, and grpo with pp2 x tp2: the steps and weights of one trainer', function()
+  local RL = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+    'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'run.threads=1',
+    'async.mode=one_step_off', 'dist.rollout_ranks=1' }
+  local GRPO = U.with(RL, { 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' })
+  local PPO = U.with(RL, { 'ppo.prompts=6', 'ppo.samples=2', 'ppo.max_tokens=4', 'ppo.steps=2' })
+  for _, case in ipairs({ { 'recipes/grpo.lua', GRPO, 'grpo', 3, { 'dist.pp=2' } },
+    { 'recipes/ppo.lua', PPO, 'ppo', 3, { 'dist.pp=2' } },
+    { 'recipes/grpo.lua', GRPO, 'grpo', 5, { 'dist.pp=2', 'dist.tp=2' }, 'tp2' } }) do
+    local one = dir .. '/rr_one_' .. case[3]
+    if not fs.exists(one .. '/model') then run(2, case[1], case[2], 'rr_one_' .. case[3]) end -- one trainer, one rollout rank
+    local tag = string.format('rr_pp_%s%s', case[3], case[6] and '_' .. case[6] or '')
+    local d = run(case[4], case[1], U.with(case[2], case[5]), tag)
+    local a, b = U.records(d), U.records(one)
+    local bytes = 0
+    for i = 1, #b do
+      t.eq(a[i].tokens, b[i].tokens, tag .. ' step ' .. i .. ': the same tokens')
+      bytes = math.max(bytes, a[i]['async/publish/bytes'] or 0)
+    end
+    local w, sd = U.weights_diff(d .. '/model', one .. '/model'), steps_diff(a, b)
+    print(string.format('  %s: weights %.3g, steps %.3g from one trainer, %d bytes a version', tag, w, sd, bytes))
+    t.truthy(w <= 1e-5 and sd <= 1e-5, tag .. ': the steps and weights of one trainer')
+    if case[3] == 'grpo' then t.truthy(bytes > 0, tag .. ': bytes a version reported') end
+    if case[3] == 'ppo' then t.truthy(U.weights_diff(d .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
+  end
+end)
+
 t.test('a given mesh is bit-identical run to run', function()
   local words = U.with(SFT, { 'dist.pp=2', 'train.micro_batch_tokens=40' })
   local a, b = run(2, 'recipes/sft.lua', words, 'again_a'), run(2, 'recipes/sft.lua', words, 'again_b')
@@ -89,11 +119,27 @@ t.test('a checkpoint of 2 stages resumes to the bits of the run never stopped; a
   t.eq(#U.records(d), 3, 'killed: each step logged once')
 end)
 
+t.test('resume into a different mesh: tp 2 -> pp 2, pp 2 x tp 2 on 4 ranks -> one process, one process -> pp 2 with ZeRO-1 on 4 ranks: the run never stopped within 1e-5', function()
+  local words = U.with(SFT, { 'train.micro_batch_tokens=40', 'train.schedule=constant', 'run.checkpoint_every=1' })
+  local straight = run(0, 'recipes/sft.lua', words, 'mesh_straight')
+  for i, case in ipairs({ { 2, { 'dist.tp=2' }, 2, { 'dist.pp=2' } }, { 4, { 'dist.pp=2', 'dist.tp=2' }, 0, {} },
+    { 0, {}, 4, { 'dist.pp=2', 'dist.zero=1' } } }) do
+    local tag = 'mesh_' .. i
+    run(case[1], 'recipes/sft.lua', U.with(words, U.with(case[2], { 'train.steps=2' })), tag)
+    local d = run(case[3], 'recipes/sft.lua', U.with(words, U.with(case[4], { 'run.resume=auto' })), tag)
+    local w, sd = U.weights_diff(d .. '/model', straight .. '/model'), steps_diff(U.records(d), U.records(straight))
+    print(string.format('  %s -> %s: weights %.3g, steps %.3g from the run never stopped', table.concat(case[2], ' '),
+      table.concat(case[4], ' '), w, sd))
+    t.truthy(w <= 1e-5 and sd <= 1e-5, tag .. ': the run never stopped')
+  end
+end)
+
 t.test('usage errors name the key', function()
   for _, case in ipairs({
     { 2, { 'dist.pp=3' }, 'dist.pp=3 does not divide the 2 ranks' },
     { 2, { 'dist.pp=2', 'dist.pp_layers=2,1' }, 'dist.pp_layers=2,1' },
     { 2, { 'dist.pp=2', 'dist.zero=2' }, 'dist.pp=2 with dist.zero=2' },
+    { 2, { 'dist.pp=2', 'eval.every=1' }, 'dist.pp=2: the engine (rollouts, evaluation)' },
     { 4, { 'dist.pp=4', 'model.dir=' .. U.tiny_model(dir .. '/init2', { layers = 2, vocab_size = 16 }) },
       'more stages than the model\'s 2 layers' },
   }) do

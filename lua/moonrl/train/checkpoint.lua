@@ -100,6 +100,9 @@ local function write_optimizers(path, optimizers, world)
     w:add(o.name .. '.exp_avg', 'F32', { s.n }, s.m)
     w:add(o.name .. '.exp_avg_sq', 'F32', { s.n }, s.v)
     w:metadata(o.name .. '.step', tostring(s.step))
+    -- what the state is of, in Hugging Face coordinates (Model:slices of its range): a run of
+    -- another mesh reads its part of it (M.load_optimizer)
+    if o.opt.model then w:metadata(o.name .. '.slices', json.encode(o.opt.model:slices(s.offset or 0, s.n))) end
     if world then
       w:metadata(o.name .. '.offset', tostring(s.offset))
       w:metadata(o.name .. '.total', tostring(s.total))
@@ -583,8 +586,71 @@ local function read_pieces(pieces, name, first, count, m, v)
   end
 end
 
+-- The checkpoint's optimizer files that say what their state of optimizer `name` is of (their
+-- .slices): { {st, path, slices}, ... }, and the step count, checked to be the same in all.
+local function sliced_files(dir, name)
+  local safetensors = require('moonrl.io.safetensors')
+  local out, step = {}, nil
+  for _, f in ipairs(fs.list(dir)) do
+    if f:match('^optimizer.*%.safetensors$') then
+      local path = dir .. '/' .. f
+      local st = safetensors.open(path)
+      local text = st:metadata(name .. '.slices')
+      if text then
+        local s = tonumber(st:metadata(name .. '.step'))
+        if not s then error(string.format('%s: no step count for optimizer %s', path, name), 0) end
+        if step and s ~= step then error(string.format('%s: %s.step is %d, %s has %d', path, name, s, out[1].path, step), 0) end
+        out[#out + 1], step = { st = st, path = path, slices = json.decode(text, path .. ': ' .. name .. '.slices') }, s
+      end
+    end
+  end
+  return out, step
+end
+
+-- Elements [first, first + count) of model's m and v from the files (sliced_files): each file's
+-- slices placed in model's layout (Model:slice_plan: whatever the mesh that wrote them, a tensor-
+-- parallel rank or a pipeline stage taking its part), the parts in the range read. Every element
+-- must be found (a tied head's two copies give the same one twice).
+local function read_sliced(files, name, model, first, count, m, v)
+  local has, got = {}, ffi.new('uint8_t[?]', math.max(count, 1))
+  for _, view in ipairs(model:views()) do has[view.name] = true end
+  for _, f in ipairs(files) do
+    for _, c in ipairs(model:slice_plan(f.slices, function(n) return has[n] end)) do
+      local a, b = math.max(c.to, first), math.min(c.to + c.count, first + count)
+      if a < b then
+        f.st:read_f32_range(name .. '.exp_avg', c.at + a - c.to, b - a, m + (a - first))
+        f.st:read_f32_range(name .. '.exp_avg_sq', c.at + a - c.to, b - a, v + (a - first))
+        ffi.fill(got + (a - first), b - a, 1)
+      end
+    end
+  end
+  for i = 0, count - 1 do
+    if got[i] == 0 then
+      error(string.format('%s: the optimizer state of %s has no element %d of this rank\'s %d (the checkpoint\'s files ' ..
+        'do not cover this model)', files[1] and files[1].path or 'checkpoint', name, first + i, count), 0)
+    end
+  end
+end
+
+-- An optimizer's state from a checkpoint. Its files say what they hold (.slices): this rank takes
+-- its part of each, so a run resumes whatever its mesh (dist.tp, dist.pp, dist.cp, dist.zero and
+-- the ranks may differ from the run that wrote it); a checkpoint without them is read by range
+-- from this rank's prefix's files (the mesh that wrote it).
 function M.load_optimizer(dir, name, opt)
   local n = opt.n
+  local files, fstep = {}, nil
+  if opt.model then files, fstep = sliced_files(dir, name) end
+  if #files > 0 then
+    local model = opt.model
+    if opt.sharded then
+      opt:load_range(function(first, count, m, v) read_sliced(files, name, model, first, count, m, v) end, fstep)
+      return
+    end
+    local m, v = ffi.new('float[?]', n), ffi.new('float[?]', n)
+    read_sliced(files, name, model, 0, n, m, v)
+    opt:load_state({ m = m, v = v, n = n, step = fstep })
+    return
+  end
   local pieces, step = optimizer_pieces(dir, name, n, opt.tp_prefix)
   if opt.sharded then -- ZeRO-1 (moonrl.train.dist): this rank's range of m and v, nothing else of the files
     opt:load_range(function(first, count, m, v) read_pieces(pieces, name, first, count, m, v) end, step)

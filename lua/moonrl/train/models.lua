@@ -57,18 +57,22 @@ function M.split_like(m, policy)
   return m
 end
 
+-- A pipeline stage model's stage, as M.load's opts.pp takes it, for another model of the same
+-- stage on the channel `tag` (two a model: the policy 0, a reference 1, a critic 2).
+function M.stage_of(model, tag)
+  local P = model.pp
+  return { world = P.world, tied = P.tied, norm = model.norm_group, tag = tag,
+    stage = { stage = P.stage, stages = P.stages, first_layer = P.first_layer, layers = P.layers } }
+end
+
 -- A new model with model's config and a copy of its weights (a frozen reference policy), on
 -- model's device. opts.init(copy): edits of the copy's host weights before it moves there.
 function M.clone(model, opts)
   opts = opts or {}
   if model.pp then -- a pipeline stage: the same stage of the model's files, then its weights
-    local P = model.pp
-    local copy = M.load(model.source_dir, { tp = model.tp_world, value_head = opts.value_head, pp = { world = P.world,
-      tied = P.tied, tag = opts.tag or 1, stage = { stage = P.stage, stages = P.stages, first_layer = P.first_layer,
-      layers = P.layers } } })
     if opts.value_head then error('models.clone: a value head of a pipeline stage comes from models.critic_from', 2) end
+    local copy = M.load(model.source_dir, { tp = model.tp_world, pp = M.stage_of(model, opts.tag or 1) })
     copy:write_params(model:read_params())
-    copy.norm_group = model.norm_group
     copy:set_dtype(model:dtype())
     return copy
   end
@@ -110,6 +114,12 @@ end
 -- A critic for PPO: the policy's weights with a scalar value head (score.weight) set to zero, so
 -- the first value estimates are 0.
 function M.critic_from(policy)
+  if policy.pp then -- a pipeline stage: the same stage of the policy's files, with a value head on the last
+    local critic = M.load(policy.source_dir, { tp = policy.tp_world, pp = M.stage_of(policy, 2), value_head = true })
+    zero_value_head(critic)
+    critic:set_dtype(policy:dtype())
+    return critic
+  end
   if policy.tp_world or policy:shard() then
     -- tensor parallel, sharded: each rank its slices, its shard of them, from the policy's files
     local critic = M.load(policy.source_dir, { tp = policy.tp_world, shard = policy:shard() and policy.shard_layout,

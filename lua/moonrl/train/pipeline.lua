@@ -65,7 +65,8 @@ local function now() return moonrl.now() end
 -- micro-batch in activation slot (j - 1) % (p - s). refs: models (a frozen reference) whose
 -- forward of each micro-batch the step runs before the model's: the other stages run theirs
 -- there too. Ends with a tied head's gradient summed over its two copies (mesh.tied) and the
--- sends flushed. Returns the stage's time waiting for rows (seconds) and the time it took.
+-- sends flushed. Returns the stage's time waiting for rows (seconds) and the time its schedule
+-- took.
 function M.run(model, list, step, refs, opts)
   local pp = model.pp
   local s, p, K = pp.stage, pp.stages, #list
@@ -101,11 +102,11 @@ function M.run(model, list, step, refs, opts)
     for j = K - ahead + 1, K do B(j) end
     model:use_slot(0)
   end
+  local wait, took = pp.wait - wait0, now() - t0 -- (the schedule's: the tied head's sum waits for the first stage)
   M.sync_tied(model)
   pp.world:flush_sends()
   for _, r in ipairs(refs or {}) do r.pp.world:flush_sends() end
-  local wait, took = pp.wait - wait0, now() - t0
-  trace.counter('pipeline bubble', took > 0 and wait / took or 0)
+  trace.counter('pipeline wait', took > 0 and wait / took or 0) -- (the stage's share of its loop spent waiting)
   return wait, took
 end
 

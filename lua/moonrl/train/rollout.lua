@@ -191,8 +191,9 @@ function M.new(S, fn, opts)
   return setmetatable({ S = S, rollout_fn = fn, rollout_engine = opts and opts.engine or S.engine,
     -- trainers whose policy is sharded (dist.zero=3) send the rollout ranks their shards
     -- themselves (deliver_shards), every trainer in it: no rank holds the weights whole
-    -- ZeRO-3's shards or tensor parallel's slices: each trainer sends its own (deliver_shards)
-    shard_delivery = cfg.dist and (cfg.dist.zero == 3 or (cfg.dist.tp or 1) > 1) and (cfg.dist.rollout_ranks or 0) > 0 },
+    -- ZeRO-3's shards, tensor parallel's slices or pipeline stages: each trainer sends its own (deliver_shards)
+    shard_delivery = cfg.dist and (cfg.dist.zero == 3 or (cfg.dist.tp or 1) > 1 or (cfg.dist.pp or 1) > 1) and
+      (cfg.dist.rollout_ranks or 0) > 0 },
     Rollouts)
 end
 
@@ -254,10 +255,10 @@ local function whole_weights(S)
   return S.policy:params()
 end
 
--- ZeRO-3 or tensor parallel with rollout ranks: every trainer sends its shard (or its slices, or
--- its shard of them) of the weights to every rollout rank (one all-to-all-v over the job's ranks:
--- mrl_dist_send_pieces; under hybrid sharding the first group's trainers, under tensor parallel
--- the first data-parallel group's). Each byte goes once, but for the few a tensor-parallel group
+-- ZeRO-3, tensor or pipeline parallel with rollout ranks: every trainer sends its shard (or its
+-- slices, or its shard of them, or its stage's tensors) of the weights to every rollout rank (one
+-- all-to-all-v over the job's ranks: mrl_dist_send_pieces; under hybrid sharding the first
+-- group's trainers, under tensor or pipeline parallel the first data-parallel group's). Each byte goes once, but for the few a tensor-parallel group
 -- holds on several ranks (the norms, a K/V head shared by several). The export is in Hugging Face coordinates: at the first delivery each
 -- sending trainer's slice table (Model:slices of its shard) goes to every rank, and a rollout
 -- rank plans where each trainer's slices land in its own model (Model:slice_plan). When every
@@ -269,7 +270,7 @@ local function shard_plans(self, job)
   -- (sharded: the first shard group's trainers; tensor parallel alone: the first data-parallel group's)
   local sends = job.rank < T and (policy.shard_layout and policy.shard_layout.replica == 0 or
     not policy.shard_layout and self.S.world.rank == 0)
-  local tables = job:gather_strings(sends and json.encode(policy:slices()) or '')
+  local tables = job:gather_strings(sends and json.encode(policy:slices(policy:export_range())) or '')
   local p = { counts = ffi.new('int64_t[?]', job.size), to = ffi.new('uint8_t[?]', job.size), from = {},
     in_place = true, total = 0 }
   for q = 0, job.size - 1 do
@@ -277,7 +278,7 @@ local function shard_plans(self, job)
     if tables[q + 1] ~= '' then
       local slices = json.decode(tables[q + 1], string.format("trainer %d's weight slices", q))
       local count = 0
-      for _, s in ipairs(slices) do count = count + s.count end
+      for _, s in ipairs(slices) do count = count + s.count * (s.rows or 1) end
       p.counts[q] = count
       if job.rank >= T then
         local plan = policy:slice_plan(slices)
@@ -303,8 +304,7 @@ local function deliver_shards(self)
   local t0 = moonrl.now()
   local send, count, recv = nil, 0, nil
   if p.counts[job.rank] > 0 then
-    local o, c = policy:shard()
-    if not o then o, c = 0, policy.n_params end -- (tensor parallel: its slices, all of them)
+    local o, c = policy:export_range() -- (its shard; tensor parallel: its slices; pipeline: its stage's)
     send, count = policy:param_buffer() + o, c
   elseif p.to[job.rank] == 1 then
     recv = p.in_place and policy:params() or p.staging
@@ -382,7 +382,8 @@ end
 -- MPI (async.weights=auto) or the run stops (shm, partial=continue).
 local function setup_shard_store(self)
   local a, job = self.S.cfg.async, dist.world()
-  if a.weights == 'mpi' or (self.S.cfg.dist.tp or 1) > 1 then return end -- (tensor parallel's slices: by MPI)
+  local d = self.S.cfg.dist
+  if a.weights == 'mpi' or (d.tp or 1) > 1 or (d.pp or 1) > 1 then return end -- (slices and stages: by MPI)
   local n, R = self.S.policy.n_params, self.S.cfg.dist.rollout_ranks
   local T = job.size - R
   local name = ''

@@ -67,7 +67,9 @@ for k, f in pairs(guard_mod.session_methods) do Session[k] = f end
 M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'run.threads', 'run.checkpoint_every',
   'run.checkpoint_minutes', 'run.keep_checkpoints', 'run.checkpoint_errors', 'run.hang_seconds',
   'guard.max_rollbacks', 'quiet', 'save', 'dist.timeout', 'dist.zero', 'dist.shard_group', 'dist.offload', 'dist.offload_chunk_mb', 'dist.bucket_mb', 'run.progress',
-  'run.progress_seconds', 'run.memory_budget_mb', 'run.max_shard_gb' }
+  'run.progress_seconds', 'run.memory_budget_mb', 'run.max_shard_gb',
+  -- the mesh: a checkpoint's model is whole and its optimizer files say what they hold (checkpoint.load_optimizer)
+  'dist.tp', 'dist.cp', 'dist.pp', 'dist.pp_layers', 'dist.sequence_parallel' }
 
 -- ---- start --------------------------------------------------------------------------------
 
@@ -134,8 +136,14 @@ function M.start(cfg, opts)
     if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
   end
   if policy and policy.pp and cfg.engine and opts.engine ~= false then
-    moonrl.usage_error(string.format('dist.pp=%d: the engine (rollouts, evaluation) runs on the whole model, which a ' ..
-      'pipeline stage is not: not yet (eval.every=0 for a supervised recipe)', policy.pp.stages))
+    -- a stage has no engine: the rollout ranks (which hold the policy whole) generate
+    local remote = (cfg.dist.rollout_ranks or 0) > 0
+    if not remote or require('moonrl.train.evaluation').wanted(cfg) then
+      moonrl.usage_error(string.format('dist.pp=%d: the engine (%s) runs on the whole model, which a pipeline stage ' ..
+        'is not: not yet (%s)', policy.pp.stages, remote and 'evaluation' or 'rollouts, evaluation',
+        remote and 'eval.every=0' or 'dist.rollout_ranks generate for the stages; eval.every=0 for a supervised recipe'))
+    end
+    opts.engine = false
   end
   local engine
   if cfg.engine and opts.engine ~= false and policy then
@@ -256,7 +264,6 @@ function M.mesh_of(cfg, device)
     if CP > 1 then no('dist.cp') end
     if cfg.dist.sequence_parallel then no('dist.sequence_parallel') end
     if cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
-    if (cfg.dist.rollout_ranks or 0) > 0 then no('dist.rollout_ranks') end
   end
   local R = cfg.dist.rollout_ranks or 0
   if R > 0 and CP > 1 then no('dist.rollout_ranks') end

@@ -253,16 +253,36 @@ function M.policy_step(o)
   return m
 end
 
+-- One update's micro-batches (batches: an iterator of (b, first, last), as S:micro_batches gives)
+-- through model: step(b, first, last, acc) for each (a forward, a loss adding its numbers to acc,
+-- a backward), an empty batch (expert parallelism, first nil) serving the experts instead; under
+-- pipeline parallel in 1F1B over the stages, step running on the last stage only, whose acc then
+-- goes to every stage. Returns acc and the pipeline's bubble (M.pipeline_run; nil without).
+function M.run_micro_batches(model, batches, step, acc)
+  if not model.pp then
+    for b, first, last in batches do
+      if first then step(b, first, last, acc) else M.serve_experts(model, b) end
+    end
+    return acc
+  end
+  local list = {}
+  for b, first, last in batches do list[#list + 1] = { b, first, last } end
+  local pipe = M.pipeline_run(model, list, function(b, first, i) step(b, first, list[i][3], acc) end)
+  return pipeline.share(model, acc), pipe
+end
+
 -- Pipeline parallel (model.pp): one update's micro-batches (list: { {b, first, ...}, ... }) under
 -- 1F1B, step(b, first, i) run by the last stage for the i-th (pipeline.run). Returns the bubble:
--- each stage's share of the loop spent waiting for rows, { bubble = the mean over the stages,
--- bubble_max, stages, micro_batches } (the same on every stage).
+-- the share of the pipeline's span (its slowest stage's loop) a stage was not computing (waiting
+-- for rows, or done before the others), { bubble = the mean over the stages (1F1B's ideal:
+-- (p - 1) / (m + p - 1)), bubble_max, stages, micro_batches } (the same on every stage).
 function M.pipeline_run(model, list, step, refs)
   local wait, took = pipeline.run(model, list, step, refs)
   local pp = model.pp
-  local share = took > 0 and wait / took or 0
-  local t = pp.world:sum({ share = share })
-  return { bubble = t.share / pp.stages, bubble_max = pp.world:max(share), stages = pp.stages, micro_batches = #list }
+  local span = pp.world:max(took)
+  local idle = span > 0 and 1 - (took - wait) / span or 0
+  return { bubble = pp.world:sum(idle) / pp.stages, bubble_max = pp.world:max(idle), stages = pp.stages,
+    micro_batches = #list }
 end
 
 -- Apply an update whose gradients are in opt's buffer: through the session's guards when there
@@ -289,29 +309,14 @@ end
 -- Returns the metrics: loss and the parts (summed over micro-batches and ranks), grad_norm, lr.
 function M.supervised_step(S, opt, o)
   local model = o.model or opt.model
-  local sums, pipe = { loss = 0 }, nil
   model:zero_grad()
-  local function micro_step(b, first, last)
+  local sums, pipe = M.run_micro_batches(model, o.batches, function(b, first, last, acc)
     local lp = model:forward(b)
     local loss, grad, parts = o.loss(b, lp, first, last)
     model:backward(grad)
-    sums.loss = sums.loss + loss
-    for k, v in pairs(parts or {}) do sums[k] = (sums[k] or 0) + v end
-  end
-  if model.pp then -- pipeline parallel: 1F1B over the stages, the loss on the last (moonrl.train.pipeline)
-    local list = {}
-    for b, first, last in o.batches do list[#list + 1] = { b, first, last } end
-    pipe = M.pipeline_run(model, list, function(b, first, i) micro_step(b, first, list[i][3]) end)
-    sums = pipeline.share(model, sums) -- (the last stage's numbers on every stage)
-  else
-    for b, first, last in o.batches do
-      if not first then -- an empty batch (expert parallelism, S:micro_batches): serve the experts
-        M.serve_experts(model, b)
-      else
-        micro_step(b, first, last)
-      end
-    end
-  end
+    acc.loss = acc.loss + loss
+    for k, v in pairs(parts or {}) do acc[k] = (acc[k] or 0) + v end
+  end, { loss = 0 })
   local m = S and S:sum(sums) or sums
   m.grad_norm = opt:clip_grad_norm(o.max_grad_norm or 1.0)
   m.lr, m.pipeline = o.lr, pipe
