@@ -47,6 +47,7 @@
 #include "moonrl/loop.h"
 #include "base/mem.h"
 #include "base/parallel.h"
+#include "moonrl/dtype.h"
 #include "moonrl/weight_store.h"
 #include "base/error.h"
 
@@ -581,4 +582,38 @@ static mrl_status open_as(const char *name, int64_t n_floats, int reader, mrl_we
     mrl_mem_account(MRL_MEM_PARAMS, w->map_bytes);
     *out = w;
     return MRL_OK;
+}
+
+int64_t mrl_weights_bf16_delta(uint16_t *old16, const float *cur, int64_t n, int64_t cap, uint32_t *at, uint16_t *val) {
+    /* a chunk at a time through the vectorised conversion, then a compare (mostly equal: the
+     * chunk's words compared 4 at a time first) */
+    enum { CHUNK = 4096 };
+    uint16_t b[CHUNK];
+    int64_t k = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        mrl_convert_f32_to_bf16(cur + i0, b, m);
+        uint16_t *o = old16 + i0;
+        for (int64_t j = 0; j < m; j++) {
+            if (j + 4 <= m && memcmp(b + j, o + j, 8) == 0) {
+                j += 3;
+                continue;
+            }
+            if (b[j] == o[j]) continue;
+            if (k < cap) at[k] = (uint32_t)(i0 + j), val[k] = b[j];
+            o[j] = b[j];
+            k++;
+        }
+    }
+    return k;
+}
+
+void mrl_weights_bf16_apply(float *dst, const int64_t *start, const int64_t *to, const int64_t *count, int64_t n,
+                            const uint32_t *at, const uint16_t *val, int64_t k) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t pos = at[j];
+        while (c + 1 < n && start[c + 1] <= pos) c++;
+        if (c < n && pos >= start[c] && pos < start[c] + count[c]) dst[to[c] + pos - start[c]] = mrl_bf16_to_f32(val[j]);
+    }
 }

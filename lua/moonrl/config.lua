@@ -94,6 +94,7 @@ local function dist_section()
     zero = M.integer(0, { min = 0, max = 3 }), -- 1: ZeRO-1, the optimizer state sharded over the ranks; 2: ZeRO-2, the gradients too; 3: ZeRO-3, the parameters too
     bucket_mb = M.number(25.0, { above = 0 }), -- gradient all-reduce bucket size, started while the backward runs
     rollout_ranks = M.integer(0, { min = 0 }), -- the last R ranks only generate and score (moonrl.train.rollout); the others train
+    rollout_tp = M.integer(1, { min = 1 }), -- the rollout ranks in tensor-parallel groups of this many: each holds its slices, the engines of a group generate together
     gpu_transport = 'auto',   -- a GPU model's gradient sums: nccl, host (through host memory and MPI), auto (nccl where it starts)
   }
 end

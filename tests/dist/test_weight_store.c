@@ -22,6 +22,8 @@
 #include <time.h>
 #include <unistd.h>
 #include "check.h"
+#include "random.h"
+#include "moonrl/dtype.h"
 #include "moonrl/loop.h"
 #include "moonrl/parallel.h"
 #include "moonrl/weight_store.h"
@@ -559,7 +561,54 @@ static void test_killed_reader(void) {
     close(fds[1]);
 }
 
+/* mrl_weights_bf16_delta: a version whose few elements change their bf16 value (and many change
+ * only below it) gives exactly those, in order, with their new bf16 values; applying them to the
+ * last version's bf16 gives this version's; past cap, the count and old16 still this version's. */
+static void test_bf16_delta(void) {
+    enum { N = 5000 };
+    static float w[N];
+    static uint16_t old16[N], ref[N];
+    static uint32_t at[N];
+    static uint16_t val[N];
+    for (int i = 0; i < N; i++) w[i] = (float)((urand() - 0.5) * 0.1);
+    mrl_convert_f32_to_bf16(w, old16, N);
+    for (int i = 0; i < N; i++) w[i] *= 1.0f + 1e-5f; /* below a bf16 step for almost all */
+    for (int i = 0; i < N; i += 97) w[i] += 0.01f;   /* a real change */
+    mrl_convert_f32_to_bf16(w, ref, N);
+    int64_t want = 0;
+    for (int i = 0; i < N; i++) want += ref[i] != old16[i];
+    static uint16_t before[N];
+    memcpy(before, old16, sizeof before);
+    int64_t k = mrl_weights_bf16_delta(old16, w, N, N, at, val);
+    CHECK(k == want && k >= N / 97 && k < N / 10);
+    for (int64_t j = 0; j < k; j++) {
+        CHECK(j == 0 || at[j] > at[j - 1]);
+        before[at[j]] = val[j];
+    }
+    CHECK(memcmp(before, ref, sizeof ref) == 0 && memcmp(old16, ref, sizeof ref) == 0);
+    /* applied through copies that map the stream (two runs of it, swapped, one element skipped): the
+     * changed elements' bf16 values where the copies put them, nothing else touched */
+    static float dst[N];
+    int64_t start[2] = {0, N / 2}, to[2] = {N / 2, 0}, count[2] = {N / 2 - 1, N - N / 2};
+    for (int i = 0; i < N; i++) dst[i] = -7.0f;
+    mrl_weights_bf16_apply(dst, start, to, count, 2, at, val, k);
+    int ok = 1, skipped = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t pos = at[j];
+        if (pos == N / 2 - 1) skipped++; /* (no copy holds it) */
+        else ok = ok && dst[pos < N / 2 ? N / 2 + pos : pos - N / 2] == mrl_bf16_to_f32(val[j]);
+    }
+    int touched = 0;
+    for (int i = 0; i < N; i++) touched += dst[i] != -7.0f;
+    CHECK(ok && touched == k - skipped);
+    CHECK(mrl_weights_bf16_delta(old16, w, N, N, at, val) == 0); /* the same version again: nothing */
+    for (int i = 0; i < N; i++) w[i] += 0.01f;
+    mrl_convert_f32_to_bf16(w, ref, N);
+    CHECK(mrl_weights_bf16_delta(old16, w, N, 3, at, val) > 3 && memcmp(old16, ref, sizeof ref) == 0);
+}
+
 int main(void) {
+    test_bf16_delta();
     test_killed_writer();
     test_killed_reader();
     int k = 0;

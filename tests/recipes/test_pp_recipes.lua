@@ -4,7 +4,11 @@
 -- pipelines of 2 (data parallel over them, and ZeRO-1), pp 2 x tp 2, DPO; each within 1e-5 of
 -- one process's final weights, and the steps' loss and gradient norm too; trainers in stages (and
 -- pp 2 x tp 2) sending their tensors to a rollout rank: GRPO with a reference and PPO with its
--- critic, the tokens, steps and weights of one trainer; the bubble reported each
+-- critic, the tokens, steps and weights of one trainer; weight sync between layouts (ZeRO-3
+-- trainers to rollout ranks in tensor parallel 2, pp2 x tp2 to tp4): the tokens and weights of
+-- one trainer, each rollout rank sent its slices only, a version checksum that catches a wrong
+-- element; delta publication in bf16: the bits of whole versions, fewer bytes, a wrong element
+-- healed by a whole version; the bubble reported each
 -- step; a given mesh bit-identical run to run, across a stop and resume (each stage's optimizer
 -- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
 -- parallel cannot take are usage errors naming them. A checkpoint resumes into another mesh (each
@@ -96,6 +100,68 @@ t.test('pipeline-parallel trainers and a rollout rank: each stage sends its tens
     if case[3] == 'grpo' then t.truthy(bytes > 0, tag .. ': bytes a version reported') end
     if case[3] == 'ppo' then t.truthy(U.weights_diff(d .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
   end
+end)
+
+t.test('weight sync between layouts: ZeRO-3 trainers on 2 ranks -> rollout ranks in tensor parallel 2, pp2 x tp2 -> tp4: the tokens and weights of one trainer, each rollout rank sent exactly its slices, every version checked', function()
+  local RL = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+    'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'run.threads=1',
+    'async.mode=one_step_off', 'dist.rollout_ranks=1' }
+  local GRPO = U.with(RL, { 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' })
+  local one = dir .. '/rr_one_grpo'
+  if not fs.exists(one .. '/model') then run(2, 'recipes/grpo.lua', GRPO, 'rr_one_grpo') end
+  local b = U.records(one)
+  local whole = 0
+  for i = 1, #b do whole = math.max(whole, b[i]['async/publish/bytes'] or 0) end
+  for _, case in ipairs({ { 4, { 'dist.zero=3', 'dist.rollout_ranks=2', 'dist.rollout_tp=2' }, 'zero3_to_tp2' },
+    { 8, { 'dist.pp=2', 'dist.tp=2', 'dist.rollout_ranks=4', 'dist.rollout_tp=4' }, 'tp2pp2_to_tp4' } }) do
+    local d = run(case[1], 'recipes/grpo.lua', U.with(GRPO, case[2]), case[3])
+    local a, bytes = U.records(d), 0
+    for i = 1, #b do
+      t.eq(a[i].tokens, b[i].tokens, case[3] .. ' step ' .. i .. ': the same tokens')
+      bytes = math.max(bytes, a[i]['async/publish/bytes'] or 0)
+    end
+    local w = U.weights_diff(d .. '/model', one .. '/model')
+    print(string.format('  %s: weights %.3g from one trainer; %d bytes a version (the whole model: %d)', case[3], w, bytes,
+      whole))
+    t.truthy(w <= 1e-5 and #a == #b, case[3] .. ': the weights of one trainer')
+    -- each rollout rank its slices: the whole model once, but the norms (every slot holds them) and
+    -- the shared K/V heads (tp4 over 2 K/V heads: each held by 2 ranks)
+    t.truthy(bytes > whole and bytes < 1.5 * whole, case[3] .. ': about the model\'s bytes, not the ranks\' times it')
+  end
+  local r = U.run_ranks(exe, 3, 'recipes/grpo.lua', U.with(GRPO, { 'dist.rollout_ranks=2', 'dist.rollout_tp=2',
+    'run.dir=' .. dir .. '/corrupt' }), { expect_fail = true, env = { 'MOONRL_FAULT=sync_corrupt:rank=2' } })
+  t.truthy(not r.ok and (r.stderr .. r.stdout):find('weight sync: rollout rank 2', 1, true), 'a wrong element: ' .. r.stderr)
+end)
+
+t.test('delta publication (bf16): the bits of sending every version whole; fewer bytes; a wrong element found and healed by a whole version; zero3 trainers -> rollout ranks in tensor parallel 2 too', function()
+  local D = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+    'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-5', 'train.micro_batch_tokens=64', 'run.threads=1',
+    'async.mode=one_step_off', 'dist.rollout_ranks=1', 'model.dtype=bf16', 'async.weights_delta=true', 'grpo.prompts=6',
+    'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=6', 'grpo.kl_coef=0.1' }
+  local whole = run(2, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=1' }), 'delta_every1')
+  local delta = run(2, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=3' }), 'delta_every3')
+  local healed = U.run_ranks(exe, 2, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=3',
+    'run.dir=' .. dir .. '/delta_healed' }), { env = { 'MOONRL_FAULT=sync_corrupt:rank=1:times=1' } })
+  local bits = fs.read(whole .. '/model/model.safetensors')
+  t.eq(fs.read(delta .. '/model/model.safetensors'), bits, 'deltas: the bits of whole versions')
+  t.eq(fs.read(dir .. '/delta_healed/model/model.safetensors'), bits, 'a wrong element healed: the same bits')
+  t.truthy(fs.read(dir .. '/delta_healed/events.jsonl'):find('"weight_resync"', 1, true) and
+    healed.stderr:find('weight sync: rollout rank 1', 1, true), 'the wrong element found, a whole version sent again')
+  local full_bytes, delta_bytes, share = 0, math.huge, nil
+  for _, r in ipairs(U.records(delta)) do
+    if r['async/publish/full'] == 1 then full_bytes = math.max(full_bytes, r['async/publish/bytes'])
+    elseif r['async/publish/changed'] and r['async/publish/changed'] > 0 then
+      delta_bytes, share = math.min(delta_bytes, r['async/publish/bytes']), r['async/publish/changed']
+    end
+  end
+  print(string.format('  a whole version in bf16: %d bytes; a delta: %d bytes (%.1f%% of the elements changed)', full_bytes,
+    delta_bytes, 100 * (share or 0)))
+  t.truthy(full_bytes > 0 and delta_bytes < full_bytes, 'a delta costs less than a whole version')
+  local d = run(4, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=3', 'dist.zero=3', 'dist.rollout_ranks=2',
+    'dist.rollout_tp=2' }), 'delta_zero3_tp2')
+  local w = U.weights_diff(d .. '/model', whole .. '/model')
+  print(string.format('  zero3 -> rollout tp2 with deltas: %.3g from one trainer\'s', w))
+  t.truthy(w <= 1e-4 and #U.records(d) == 6, 'zero3 -> tp2 with deltas: the weights of one trainer')
 end)
 
 t.test('a given mesh is bit-identical run to run', function()

@@ -109,6 +109,20 @@ mrl_status mrl_weight_store_acquire(mrl_weight_store *w, int reader, int64_t min
 /* Reader: let go of the version held (its params are no longer valid). */
 void mrl_weight_store_release(mrl_weight_store *w, int reader);
 
+/* Delta publication (async.weights_delta, between trainers and rollout ranks that generate in
+ * bf16): the elements of a version whose bf16 value changed since the last one. old16 holds the
+ * last version's bf16 values of cur's n floats (n < 2^32) and is updated to this version's; the
+ * positions (ascending) and new bf16 values of the changed ones go to at[] and val[] (room for
+ * cap). Returns how many changed: more than cap means only cap were written, and the caller
+ * sends the whole version instead. A receiver that sets those elements to the bf16 values holds
+ * this version's bf16 values exactly where it held the last one's. */
+int64_t mrl_weights_bf16_delta(uint16_t *old16, const float *cur, int64_t n, int64_t cap, uint32_t *at, uint16_t *val);
+/* The receiver's side: k changes (positions ascending in the sender's stream, bf16 values) into
+ * dst, where n copies map the stream (copy i: positions [start[i], start[i] + count[i]) to
+ * dst + to[i], the starts ascending); a position no copy holds is skipped. */
+void mrl_weights_bf16_apply(float *dst, const int64_t *start, const int64_t *to, const int64_t *count, int64_t n,
+                            const uint32_t *at, const uint16_t *val, int64_t k);
+
 #ifdef __cplusplus
 }
 #endif

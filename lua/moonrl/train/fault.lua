@@ -18,19 +18,21 @@
 --                                (a straggling rollout worker; rank= and attempt= apply)
 --   no_shm:rank=2                this rank cannot open the shared-memory weight store (as a rank on
 --                                another host cannot; rank= and attempt= apply)
+--   sync_corrupt:rank=2:times=1  a rollout rank's copy of the trainers' weights gets one element
+--                                wrong after a delivery (the version checksum must catch it)
 --
 -- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
 -- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
 -- as generate, reward, train), attempt=K (only in the K-th start under a supervisor, 0 the
 -- first; MOONRL_ATTEMPT), rank=R (only in rank R of a job of several: the launcher's
--- OMPI_COMM_WORLD_RANK, PMIX_RANK or SLURM_PROCID), times=N (nan, spike, kl: at most N times in a process), checkpoint=N,
+-- OMPI_COMM_WORLD_RANK, PMIX_RANK or SLURM_PROCID), times=N (nan, spike, kl, sync_corrupt: at most N times in a process), checkpoint=N,
 -- bytes=B, factor=F, value=V, sig=S, seconds=T.
 local moonrl = require('moonrl')
 
 local M = {}
 
 local KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true, nan = true,
-  spike = true, kl = true, slow_engine = true, no_shm = true }
+  spike = true, kl = true, slow_engine = true, no_shm = true, sync_corrupt = true }
 local POINT_KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true }
 
 function M.parse(text)
@@ -117,10 +119,11 @@ function M.update_fault(step, kind)
   end
 end
 
--- Whether a fault of the process (no step or phase) of this kind applies: no_shm.
+-- Whether a fault of the process (no step or phase) of this kind applies: no_shm, sync_corrupt.
 function M.process_fault(kind)
   for _, f in ipairs(M.faults) do
-    if f.kind == kind and applies(f, nil, nil) then
+    if f.kind == kind and applies(f, nil, nil) and (f.fired or 0) < (f.times or math.huge) then
+      f.fired = (f.fired or 0) + 1
       announce(f, nil, nil)
       return true
     end

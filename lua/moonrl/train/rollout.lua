@@ -159,6 +159,14 @@ local function check_config(cfg)
     moonrl.usage_error('async.stream_unit=group regroups finished groups into batches on one rollout rank: it needs ' ..
       'async.stream=true and dist.rollout_ranks=1')
   end
+  if a.weights_delta then
+    local bf16 = cfg.model and (cfg.model.dtype == 'bf16' or cfg.model.dtype == 'bfloat16')
+    if not remote or a.weights == 'shm' or not bf16 or a.partial == 'continue' or a.stream then
+      moonrl.usage_error('async.weights_delta=true sends the rollout ranks the bf16 values that changed: it needs ' ..
+        'dist.rollout_ranks, model.dtype=bf16, async.weights auto or mpi, and neither async.stream nor ' ..
+        'async.partial=continue')
+    end
+  end
   if a.partial == 'continue' then
     if sections.lag(cfg) == 0 then moonrl.usage_error('async.partial=continue needs async.mode one_step_off or async') end
     if not remote and a.engine_threads == 0 then
@@ -192,8 +200,8 @@ function M.new(S, fn, opts)
     -- trainers whose policy is sharded (dist.zero=3) send the rollout ranks their shards
     -- themselves (deliver_shards), every trainer in it: no rank holds the weights whole
     -- ZeRO-3's shards, tensor parallel's slices or pipeline stages: each trainer sends its own (deliver_shards)
-    shard_delivery = cfg.dist and (cfg.dist.zero == 3 or (cfg.dist.tp or 1) > 1 or (cfg.dist.pp or 1) > 1) and
-      (cfg.dist.rollout_ranks or 0) > 0 },
+    shard_delivery = cfg.dist and (cfg.dist.zero == 3 or (cfg.dist.tp or 1) > 1 or (cfg.dist.pp or 1) > 1 or
+      (cfg.dist.rollout_tp or 1) > 1 or cfg.async.weights_delta) and (cfg.dist.rollout_ranks or 0) > 0 },
     Rollouts)
 end
 
@@ -256,71 +264,287 @@ local function whole_weights(S)
 end
 
 -- ZeRO-3, tensor or pipeline parallel with rollout ranks: every trainer sends its shard (or its
--- slices, or its shard of them, or its stage's tensors) of the weights to every rollout rank (one
--- all-to-all-v over the job's ranks: mrl_dist_send_pieces; under hybrid sharding the first
--- group's trainers, under tensor or pipeline parallel the first data-parallel group's). Each byte goes once, but for the few a tensor-parallel group
--- holds on several ranks (the norms, a K/V head shared by several). The export is in Hugging Face coordinates: at the first delivery each
--- sending trainer's slice table (Model:slices of its shard) goes to every rank, and a rollout
--- rank plans where each trainer's slices land in its own model (Model:slice_plan). When every
--- shard lands whole at the offset it arrives at (the same layout) the pieces are received
--- straight into the rollout rank's policy; otherwise into a staging buffer, copied from there by
--- the plan. Every rank of the job calls it.
+-- slices, or its shard of them, or its stage's tensors) of the weights to every rollout rank
+-- (under hybrid sharding the first group's trainers, under tensor or pipeline parallel the first
+-- data-parallel group's). The export is in Hugging Face coordinates: at the first delivery each
+-- sending trainer's slice table (Model:slices of its export) goes to every rank, and a rollout
+-- rank plans where each trainer's slices land in its own model (Model:slice_plan; a rollout rank
+-- of a tensor-parallel group, dist.rollout_tp, takes its part of each tensor). Rollout ranks that
+-- hold the policy whole take every trainer's whole export: one all-to-all-v of the same buffer
+-- (mrl_dist_send_pieces), received straight into the policy when each export lands whole where
+-- it arrives (the same layout), else into a staging buffer copied from by the plan. Rollout ranks
+-- that hold slices tell each trainer the ranges of its export they take, once; each version the
+-- trainers pack each one's ranges and one all-to-all-v (mrl_dist_alltoallv) sends each rank
+-- exactly those: no byte goes to a rank that does not hold it, and no rank gathers the whole
+-- model. Every rank of the job calls it.
 local function shard_plans(self, job)
   local policy, T = self.S.policy, job.size - self.S.cfg.dist.rollout_ranks
-  -- (sharded: the first shard group's trainers; tensor parallel alone: the first data-parallel group's)
+  -- (sharded: the first shard group's trainers; tensor or pipeline parallel: the first data-parallel group's)
   local sends = job.rank < T and (policy.shard_layout and policy.shard_layout.replica == 0 or
     not policy.shard_layout and self.S.world.rank == 0)
   local tables = job:gather_strings(sends and json.encode(policy:slices(policy:export_range())) or '')
   local p = { counts = ffi.new('int64_t[?]', job.size), to = ffi.new('uint8_t[?]', job.size), from = {},
-    in_place = true, total = 0 }
+    in_place = true, total = 0, recv_counts = ffi.new('int64_t[?]', job.size), send_counts = ffi.new('int64_t[?]', job.size) }
+  local wants, exact = {}, job.rank >= T and policy:tp() > 1 -- (a rollout rank of slices: its ranges of each)
   for q = 0, job.size - 1 do
     p.to[q] = q >= T and 1 or 0
     if tables[q + 1] ~= '' then
       local slices = json.decode(tables[q + 1], string.format("trainer %d's weight slices", q))
       local count = 0
-      for _, s in ipairs(slices) do count = count + s.count * (s.rows or 1) end
+      for _, sl in ipairs(slices) do count = count + sl.count * (sl.rows or 1) end
       p.counts[q] = count
       if job.rank >= T then
         local plan = policy:slice_plan(slices)
-        local c = plan[1]
-        if count > 0 and not (#plan == 1 and c.at == 0 and c.to == p.total and c.count == count) then p.in_place = false end
-        p.from[#p.from + 1] = { at = p.total, plan = plan }
+        if exact then -- the ranges of q's export this rank takes, in plan order: received one after the other
+          local mine, got = {}, 0
+          for _, c in ipairs(plan) do mine[#mine + 1], got = { c.at, c.count }, got + c.count end
+          wants[tostring(q)] = mine
+          p.from[#p.from + 1] = { at = p.total, plan = plan, q = q }
+          p.recv_counts[q], p.total = got, p.total + got
+        else
+          local c = plan[1]
+          if count > 0 and not (#plan == 1 and c.at == 0 and c.to == p.total and c.count == count) then p.in_place = false end
+          p.from[#p.from + 1] = { at = p.total, plan = plan, q = q }
+          p.total = p.total + count
+        end
+      elseif not exact then
+        p.total = p.total + count
       end
-      p.total = p.total + count
     end
   end
-  if job.rank >= T and not p.in_place then
-    local buf = C.mrl_mem_alloc(4 * math.max(p.total, 1), C.MRL_MEM_PARAMS)
+  -- whether any rollout rank takes a part only: then every rank goes the exact way
+  p.delta = self.S.cfg.async.weights_delta -- (async.weights_delta: the packed way, whatever the layouts)
+  p.exact, p.ranges = job:any(exact) or p.delta, exact
+  if p.exact then
+    local all = job:gather_strings(exact and json.encode(wants) or '')
+    p.packs, p.send_total = {}, 0
+    if sends then -- each rollout rank's ranges of this trainer's export
+      for r = T, job.size - 1 do
+        local w = all[r + 1] ~= '' and json.decode(all[r + 1], string.format("rollout rank %d's ranges", r))[tostring(job.rank)]
+        if all[r + 1] == '' then -- (a rollout rank that holds the policy whole: all of it)
+          w = { { 0, tonumber(p.counts[job.rank]) } }
+        end
+        local n = 0
+        for _, rg in ipairs(w or {}) do n = n + rg[2] end
+        p.packs[r], p.send_counts[r], p.send_total = w or {}, n, p.send_total + n
+      end
+      p.send_buf = ffi.new('float[?]', math.max(p.send_total, 1))
+      if p.delta then -- the last version's bf16 of each one's ranges, and room for the changes
+        p.prev16 = ffi.new('uint16_t[?]', math.max(p.send_total, 1))
+        p.at, p.val = ffi.new('uint32_t[?]', math.max(p.send_total, 1)), ffi.new('uint16_t[?]', math.max(p.send_total, 1))
+      end
+    end
+    if p.delta and job.rank >= T then -- where each trainer's stream lands: its plan's copies, by stream position
+      for _, f in ipairs(p.from) do
+        local n, at = #f.plan, 0
+        f.starts, f.tos, f.counts = ffi.new('int64_t[?]', n + 1), ffi.new('int64_t[?]', n + 1), ffi.new('int64_t[?]', n + 1)
+        for i, cp in ipairs(f.plan) do
+          f.starts[i - 1], f.tos[i - 1], f.counts[i - 1] = p.ranges and at or cp.at, cp.to, cp.count
+          at = at + cp.count
+        end
+      end
+      p.d_recv_counts = ffi.new('int64_t[?]', job.size)
+    end
+    p.d_send_counts, p.one = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
+    if job.rank >= T and not exact then -- (whole among rollout ranks of slices: its whole plans, received in full)
+      for q = 0, T - 1 do p.recv_counts[q] = p.counts[q] end
+    end
+    p.bytes = 4 * job:sum(p.send_total) -- (every trainer's to every rollout rank: what a version costs)
+  end
+  if job.rank >= T and (p.exact or not p.in_place) then -- (deltas: whole versions come in bf16)
+    local buf = C.mrl_mem_alloc((p.delta and 2 or 4) * math.max(p.total, 1), C.MRL_MEM_PARAMS)
     if buf == nil then moonrl.run_error('the staging buffer of the trainers\' shards: ' .. moonrl.last_error()) end
-    p.staging = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free)
+    if p.delta then p.staging16 = ffi.gc(ffi.cast('uint16_t *', buf), C.mrl_mem_free)
+    else p.staging = ffi.gc(ffi.cast('float *', buf), C.mrl_mem_free) end
   end
   return p
 end
 
-local function deliver_shards(self)
+-- A version's checksum: each sending trainer's CRC-32C of what each rollout rank should now hold
+-- of its export (its ranges' current values, in order; with deltas their bf16 values), and each
+-- rollout rank's of what it holds there (its policy's weights where the plan put them), compared
+-- on the rollout rank: the whole way, packing, transfer and placing, checked every version.
+-- Returns true on every rank when all rollout ranks agree.
+local crc_send, crc_recv, crc_counts_s, crc_counts_r, crc16
+local function check_version(self, job, p, mine, count)
+  local T = job.size - self.S.cfg.dist.rollout_ranks
+  if not crc_send or crc_send.n ~= job.size then
+    crc_send = { n = job.size, buf = ffi.new('uint32_t[?]', job.size) }
+    crc_recv = ffi.new('uint32_t[?]', job.size)
+    crc_counts_s, crc_counts_r = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
+  end
+  for q = 0, job.size - 1 do
+    crc_counts_s[q] = mine and q >= T and 1 or 0
+    crc_counts_r[q] = job.rank >= T and p.counts[q] > 0 and 1 or 0
+  end
+  if mine then
+    local k, off = 0, 0
+    for r = T, job.size - 1 do
+      local crc = 0
+      if p.delta then -- (the bf16 values: what a rollout rank holds after deltas)
+        crc = C.mrl_crc32c(0, p.prev16 + off, 2 * p.send_counts[r])
+        off = off + p.send_counts[r]
+      else
+        for _, rg in ipairs(p.exact and p.packs[r] or { { 0, count } }) do crc = C.mrl_crc32c(crc, mine + rg[1], 4 * rg[2]) end
+      end
+      crc_send.buf[k], k = crc, k + 1
+    end
+  end
+  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and crc_send.buf or nil, crc_counts_s,
+    job.rank >= T and crc_recv or nil, crc_counts_r, 4), 2)
+  local bad
+  if job.rank >= T then
+    local dst, k = self.S.policy:params(), 0
+    for _, f in ipairs(p.from) do
+      if p.counts[f.q] > 0 then
+        local crc = 0
+        for _, cp in ipairs(f.plan) do
+          if p.delta then
+            if not crc16 or crc16.n < cp.count then crc16 = { n = cp.count, buf = ffi.new('uint16_t[?]', cp.count) } end
+            C.mrl_convert_f32_to_bf16(dst + cp.to, crc16.buf, cp.count)
+            crc = C.mrl_crc32c(crc, crc16.buf, 2 * cp.count)
+          else
+            crc = C.mrl_crc32c(crc, dst + cp.to, 4 * cp.count)
+          end
+        end
+        if crc ~= crc_recv[k] and not bad then
+          bad = string.format('rollout rank %d\'s weights from trainer %d differ from what it sent (CRC-32C %08x, sent %08x)',
+            job.rank, f.q, crc, crc_recv[k])
+        end
+        k = k + 1
+      end
+    end
+  end
+  self.checked_versions = (self.checked_versions or 0) + 1
+  if not job:any(bad) then return true end
+  if bad then moonrl.log('warn', 'weight sync: %s', bad) end
+  return false, bad
+end
+
+-- A delta (async.weights_delta): each rollout rank's ranges of this trainer's export whose bf16
+-- value changed since the last version go out as (position, bf16 value), the positions in the
+-- stream the rank takes; counts first, then positions and values (two all-to-all-v). A rollout
+-- rank sets each such element of its policy to the value. Returns the changes this trainer sent.
+local function send_delta(job, p, mine, receiving, T)
+  local total, off = 0, 0
+  for r = 0, job.size - 1 do
+    local len = mine and r >= T and tonumber(p.send_counts[r]) or 0
+    p.d_send_counts[r] = 0
+    if len > 0 then
+      local k = tonumber(C.mrl_weights_bf16_delta(p.prev16 + off, p.send_buf + off, len, len, p.at + total, p.val + total))
+      p.d_send_counts[r], total, off = k, total + k, off + len
+    end
+  end
+  -- the counts: one to each rollout rank from each trainer that exports
+  local counts_out, ones_s, ones_r = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size), p.one
+  local k = 0
+  for q = 0, job.size - 1 do
+    ones_s[q] = mine and q >= T and 1 or 0
+    ones_r[q] = receiving and p.counts[q] > 0 and 1 or 0
+    if mine and q >= T then counts_out[k], k = p.d_send_counts[q], k + 1 end
+  end
+  local counts_in = ffi.new('int64_t[?]', job.size)
+  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and counts_out or nil, ones_s, receiving and counts_in or nil, ones_r, 8), 2)
+  local n_in = 0
+  k = 0
+  for q = 0, job.size - 1 do
+    p.d_recv_counts = p.d_recv_counts or ffi.new('int64_t[?]', job.size)
+    p.d_recv_counts[q] = 0
+    if receiving and p.counts[q] > 0 then p.d_recv_counts[q], n_in, k = counts_in[k], n_in + tonumber(counts_in[k]), k + 1 end
+  end
+  local at_in = receiving and ffi.new('uint32_t[?]', math.max(n_in, 1)) or nil
+  local val_in = receiving and ffi.new('uint16_t[?]', math.max(n_in, 1)) or nil
+  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and p.at or nil, p.d_send_counts, at_in, p.d_recv_counts, 4), 2)
+  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and p.val or nil, p.d_send_counts, val_in, p.d_recv_counts, 2), 2)
+  return total, at_in, val_in
+end
+
+-- A rollout rank: the changes from each trainer (in rank order) into its policy, each position
+-- found among the plan's copies by its stream start (both ascend).
+local function apply_delta(p, dst, at_in, val_in)
+  local j = 0
+  for _, f in ipairs(p.from) do
+    local n = tonumber(p.d_recv_counts[f.q])
+    C.mrl_weights_bf16_apply(dst, f.starts, f.tos, f.counts, #f.plan, at_in + j, val_in + j, n)
+    j = j + n
+  end
+end
+
+local function deliver_shards(self, force_full)
   local job = dist.world()
   self.shard_plans = self.shard_plans or shard_plans(self, job)
   local p, policy = self.shard_plans, self.S.policy
+  local T = job.size - self.S.cfg.dist.rollout_ranks
   local t0 = moonrl.now()
-  local send, count, recv = nil, 0, nil
-  if p.counts[job.rank] > 0 then
-    local o, c = policy:export_range() -- (its shard; tensor parallel: its slices; pipeline: its stage's)
-    send, count = policy:param_buffer() + o, c
-  elseif p.to[job.rank] == 1 then
-    recv = p.in_place and policy:params() or p.staging
+  local o, c = policy:export_range() -- (its shard; tensor parallel: its slices; pipeline: its stage's)
+  local mine = p.counts[job.rank] > 0 and policy:param_buffer() + o
+  local receiving = p.to[job.rank] == 1
+  local bytes, changed, full = p.bytes or 4 * p.total, nil, true
+  if p.delta then -- a whole version the first time, every full_sync_every, and after a checksum that differed
+    full = force_full or not p.synced or (self.since_full or 0) + 1 >= self.S.cfg.async.full_sync_every
   end
-  moonrl.check(C.mrl_dist_send_pieces(job.handle, send, count, p.to, recv, p.counts, 4), 2)
-  if recv ~= nil then
-    if not p.in_place then
+  if p.exact then -- each rollout rank its ranges of each trainer's export, packed
+    local at = 0
+    for r = 0, job.size - 1 do
+      for _, rg in ipairs(mine and p.packs[r] or {}) do
+        ffi.copy(p.send_buf + at, mine + rg[1], 4 * rg[2])
+        at = at + rg[2]
+      end
+    end
+    if not full then -- the changes; a whole version instead when they would cost more (6 bytes each, 2 a value)
+      local n, at_in, val_in = send_delta(job, p, mine, receiving, T)
+      local t = job:sum({ n = n, of = mine and p.send_total or 0, senders = mine and 1 or 0 })
+      changed = t.of > 0 and t.n / t.of or 0
+      if 6 * t.n > 2 * t.of then
+        full = true
+      else
+        if receiving then apply_delta(p, policy:params(), at_in, val_in) end
+        bytes = 6 * t.n + 8 * t.senders * (job.size - T) -- (and a count a pair)
+      end
+    end
+    if full and p.delta then -- in bf16: what the rollout ranks hold under deltas (the values rounded to bf16)
+      if mine then C.mrl_convert_f32_to_bf16(p.send_buf, p.prev16, p.send_total) end
+      moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and p.prev16 or nil, p.send_counts,
+        receiving and p.staging16 or nil, p.recv_counts, 2), 2)
+      bytes = p.bytes / 2
+    elseif full then
+      moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and p.send_buf or nil, p.send_counts,
+        receiving and p.staging or nil, p.recv_counts, 4), 2)
+    end
+  else
+    local recv = receiving and (p.in_place and policy:params() or p.staging) or nil
+    moonrl.check(C.mrl_dist_send_pieces(job.handle, mine or nil, mine and c or 0, p.to, recv, p.counts, 4), 2)
+  end
+  if receiving then
+    if full and (p.exact or not p.in_place) then
       local dst = policy:params()
       for _, f in ipairs(p.from) do
-        for _, c in ipairs(f.plan) do ffi.copy(dst + c.to, p.staging + f.at + c.at, 4 * c.count) end
+        local at = f.at
+        for _, cp in ipairs(f.plan) do
+          local from = p.ranges and at or f.at + cp.at
+          if p.delta then C.mrl_convert_bf16_to_f32(p.staging16 + from, dst + cp.to, cp.count)
+          else ffi.copy(dst + cp.to, p.staging + from, 4 * cp.count) end
+          at = at + cp.count
+        end
       end
+    end
+    if fault.process_fault('sync_corrupt') and p.from[1] and p.from[1].plan[1] then -- (a wrong element: the checksum's test)
+      local at = policy:params() + p.from[1].plan[1].to
+      at[0] = at[0] + 1
     end
     policy:weights_changed()
   end
+  local ok, why = check_version(self, job, p, mine, c)
+  if not ok then -- a whole version again, once
+    if force_full then moonrl.run_error('weight sync: ' .. (why or 'a rollout rank\'s weights differ from the trainers\' after a whole version')) end
+    if job.rank == 0 then self.S:event('weight_resync', { message = why or 'a rollout rank\'s checksum differed' }, { quiet = true }) end
+    self.resyncs = (self.resyncs or 0) + 1
+    return deliver_shards(self, true)
+  end
+  if p.delta then self.since_full, p.synced = full and 0 or (self.since_full or 0) + 1, true end
   local secs = moonrl.now() - t0
-  return { seconds = secs, gb_per_s = secs > 0 and 4 * p.total / secs / 1e9 or 0, bytes = 4 * p.total }
+  return { seconds = secs, gb_per_s = secs > 0 and bytes / secs / 1e9 or 0, bytes = bytes,
+    changed = changed, full = p.delta and (full and 1 or 0) or nil, resyncs = self.resyncs }
 end
 
 local function publish_store(self, st, v)
@@ -383,7 +607,9 @@ end
 local function setup_shard_store(self)
   local a, job = self.S.cfg.async, dist.world()
   local d = self.S.cfg.dist
-  if a.weights == 'mpi' or (d.tp or 1) > 1 or (d.pp or 1) > 1 then return end -- (slices and stages: by MPI)
+  if a.weights == 'mpi' or (d.tp or 1) > 1 or (d.pp or 1) > 1 or (d.rollout_tp or 1) > 1 or a.weights_delta then
+    return -- (slices, stages and deltas: by MPI)
+  end
   local n, R = self.S.policy.n_params, self.S.cfg.dist.rollout_ranks
   local T = job.size - R
   local name = ''

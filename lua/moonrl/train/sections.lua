@@ -143,6 +143,11 @@ function M.async_config()
     -- in a later batch, staler)
     stream_unit = 'batch',
     weights = 'auto',                   -- rollout ranks get weights: auto (shared memory on trainer 0's host, else MPI) | shm | mpi
+    -- rollout ranks in bf16 (model.dtype=bf16), by MPI: after a version, send only the elements
+    -- whose bf16 value changed (positions and values), a whole version every full_sync_every
+    -- versions and after a checksum that differs
+    weights_delta = false,
+    full_sync_every = config.integer(10, { min = 1 }),
     engine_threads = config.integer(0, { min = 0, max = 1024 }), -- one process: N >= 1 generates the next batch on an engine thread of N threads
                                         -- while this step trains (run.threads for training); 0: between steps
     behav_cap = config.number(0.0, { min = 0 }), -- decoupled: cap of the behaviour weight π_prox/μ (0: none)

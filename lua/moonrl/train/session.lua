@@ -254,6 +254,18 @@ end
 -- they do not do yet is a usage error naming the key.
 function M.mesh_of(cfg, device)
   local TP, CP, PP = cfg.dist and cfg.dist.tp or 1, cfg.dist and cfg.dist.cp or 1, cfg.dist and cfg.dist.pp or 1
+  local RTP = cfg.dist and cfg.dist.rollout_tp or 1
+  if RTP > 1 then -- the rollout ranks in tensor-parallel groups (their engines generate on slices)
+    local R, a = cfg.dist.rollout_ranks or 0, cfg.async or {}
+    local function no(what) moonrl.usage_error(string.format('dist.rollout_tp=%d %s', RTP, what)) end
+    if R == 0 then no('splits the rollout ranks into tensor-parallel groups: it needs dist.rollout_ranks') end
+    if R % RTP ~= 0 then no(string.format('does not divide the dist.rollout_ranks=%d', R)) end
+    if a.weights == 'shm' then no('with async.weights=shm: not yet (the slices go to the rollout ranks by MPI)') end
+    if a.stream or a.partial == 'continue' then no('with async.stream or async.partial=continue: not yet') end
+    if device and device ~= 'cpu' then no('with model.device=' .. tostring(cfg.model.device) .. ': not yet (CPU models only)') end
+    local g = M.groups(dist.world(cfg.dist.timeout), cfg)
+    if g.role == 'rollout' then return dist.mesh(g.world, RTP, 1, 1) end
+  end
   if TP <= 1 and CP <= 1 and PP <= 1 then return nil end
   local key = PP > 1 and 'pp' or CP > 1 and TP <= 1 and 'cp' or 'tp'
   local function no(what)
