@@ -739,6 +739,10 @@ mrl_status mrl_dist_tp_allreduce(void *d, float *buf, int64_t n) {
     return mrl_dist_allreduce(d, buf, n, MRL_DIST_F32, MRL_DIST_SUM);
 }
 
+mrl_status mrl_dist_tp_reduce_scatter(void *d, float *buf, int64_t n) {
+    return mrl_dist_reduce_scatter(d, buf, n, MRL_DIST_F32, MRL_DIST_SUM);
+}
+
 mrl_status mrl_dist_tp_allgather(void *d, const float *mine, int64_t n, float *all) {
     return mrl_dist_allgather(d, mine, (int64_t)sizeof(float) * n, all);
 }

@@ -134,6 +134,7 @@ struct mrl_model {
     float *tp_stats;      /* [3T (1 + tp_size)] with tp_vocab: the head's statistics, this rank's and the group's */
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
+    mrl_tp_reduce_scatter tp_rs; /* (sequence parallel's; NULL: the allreduce, its own rows kept) */
     mrl_tp_allgather tp_gather;
     void *tp_ctx;
     mrl_status tp_failed; /* (and context parallel's exchanges') */

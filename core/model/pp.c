@@ -53,6 +53,7 @@ static void slot_load(mrl_model *m, const pp_slot *s) {
 }
 
 void mrl_model_pp_free_slots(mrl_model *m) {
+    if (m->pp_nslots) slot_save(m, &m->pp_slots[m->pp_slot]); /* (the model's own: kept, the others freed) */
     for (int i = 0; i < m->pp_nslots; i++) {
         if (i == m->pp_slot) continue; /* (the model's own: mrl_model_release_activations) */
         slot_load(m, &m->pp_slots[i]);

@@ -236,10 +236,37 @@ void mrl_model_sp_gather(const mrl_model *cm, const float *mine, float *full) {
     if (st) m->tp_failed = mrl_wrap_error(st, "sequence parallel: gathering the rows over the %d ranks", m->tp_size);
 }
 
-void mrl_model_sp_reduce_scatter(const mrl_model *m, float *full, float *mine) {
-    int64_t D = m->cfg.hidden_size;
-    mrl_model_tp_sum(m, full, m->batch.n_tokens * D);
-    memcpy(mine, full + m->sp_t0 * D, sizeof(float) * (size_t)(m->sp_tl * D));
+void mrl_model_sp_reduce_scatter(const mrl_model *cm, float *full, float *mine) {
+    mrl_model *m = (mrl_model *)cm;
+    int64_t D = m->cfg.hidden_size, T = m->batch.n_tokens;
+    if (!m->tp_rs) { /* the allreduce: every row summed, its own kept */
+        mrl_model_tp_sum(m, full, T * D);
+        memcpy(mine, full + m->sp_t0 * D, sizeof(float) * (size_t)(m->sp_tl * D));
+        return;
+    }
+    /* a reduce-scatter of equal pieces: each rank's rows padded to ceil(T / size) (sp_stage) */
+    if (m->tp_failed) return;
+    int64_t C = (T + m->tp_size - 1) / m->tp_size;
+    float *stage = m->gs.sp_stage;
+    for (int r = 0; r < m->tp_size; r++) {
+        int64_t t0, tl = mrl_model_cp_share(r, m->tp_size, T, &t0);
+        memcpy(stage + r * C * D, full + t0 * D, sizeof(float) * (size_t)(tl * D));
+        memset(stage + (r * C + tl) * D, 0, sizeof(float) * (size_t)((C - tl) * D));
+    }
+    mrl_status st = m->k->sync();
+    if (!st) st = m->tp_rs(m->tp_ctx, stage, m->tp_size * C * D);
+    if (st) {
+        m->tp_failed = mrl_wrap_error(st, "sequence parallel: a reduce-scatter over the %d ranks", m->tp_size);
+        return;
+    }
+    memcpy(mine, stage + m->tp_rank * C * D, sizeof(float) * (size_t)(m->sp_tl * D));
+}
+
+mrl_status mrl_model_set_tp_reduce_scatter(mrl_model *m, mrl_tp_reduce_scatter rs) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_reduce_scatter: NULL model");
+    if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_reduce_scatter: not a tensor-parallel model");
+    m->tp_rs = rs;
+    return MRL_OK;
 }
 
 void mrl_model_sp_norm_grad(const mrl_model *m, float *g, int64_t n) {

@@ -192,6 +192,7 @@ function M.load_tp(dir, world, opts)
   local m = wrap(h[0])
   if world.size == 1 then return m end -- (the whole model)
   moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, world.handle), 2)
+  moonrl.check(C.mrl_model_set_tp_reduce_scatter(m.handle, C.mrl_dist_tp_reduce_scatter), 2)
   m.tp_world = world -- (its communicator outlives the model's use of it)
   local whole = ffi.new('mrl_model_config')
   C.mrl_model_tp(m.handle, nil, whole)
@@ -217,6 +218,7 @@ function M.load_stage(dir, stage, world, opts)
   local m = wrap(h[0])
   if tp and tp.size > 1 then
     moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, tp.handle), 2)
+    moonrl.check(C.mrl_model_set_tp_reduce_scatter(m.handle, C.mrl_dist_tp_reduce_scatter), 2)
     m.tp_world = tp
   end
   local whole = ffi.new('mrl_model_config')

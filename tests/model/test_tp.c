@@ -22,7 +22,9 @@
  *     chunks the prompts), their log-probs within the forward's bounds, and
  *     the same on every rank;
  *   - sequence parallel (the residual stream and norms on each rank's share
- *     of the tokens) on 2 and 4 ranks, bf16 and shared K/V heads: the same;
+ *     of the tokens) on 2 and 4 ranks, bf16 and shared K/V heads: the same,
+ *     the row-parallel sums reduce-scattered (each rank's piece alone: the
+ *     rest of its buffer NaN), or all-reduced where no reduce-scatter is set;
  *   - ZeRO-3 shards of the slices, read by range, the slices' values;
  *   - context parallel (the whole model on each rank, the batch's tokens
  *     split, all-to-alls around attention) on 2 and 4 ranks: the whole
@@ -88,6 +90,28 @@ static mrl_status group_sum(void *ctx, float *buf, int64_t n) {
             for (int r = 1; r < g->size; r++) s += g->bufs[r][i];
             for (int r = 0; r < g->size; r++) g->bufs[r][i] = s;
         }
+    pthread_barrier_wait(&g->bar);
+    return MRL_OK;
+}
+
+/* The group's reduce-scatter (sequence parallel's): each rank's piece of n / size summed over the
+ * ranks in rank order into its own buffer, the rest of its buffer NaN (a read of another piece
+ * would show). */
+static mrl_status group_rs(void *ctx, float *buf, int64_t n) {
+    member *me = ctx;
+    group *g = me->g;
+    int64_t piece = n / g->size, lo = me->rank * piece;
+    float *sum = malloc(sizeof(float) * (size_t)(piece ? piece : 1));
+    g->bufs[me->rank] = buf;
+    pthread_barrier_wait(&g->bar);
+    for (int64_t i = 0; i < piece; i++) {
+        float s = g->bufs[0][lo + i];
+        for (int r = 1; r < g->size; r++) s += g->bufs[r][lo + i];
+        sum[i] = s;
+    }
+    pthread_barrier_wait(&g->bar); /* (every rank has read every buffer) */
+    for (int64_t i = 0; i < n; i++) buf[i] = i >= lo && i < lo + piece ? sum[i - lo] : NAN;
+    free(sum);
     pthread_barrier_wait(&g->bar);
     return MRL_OK;
 }
@@ -210,6 +234,7 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, int
         CHECK_OK(mrl_model_set_dtype(ms[r].m, dtype));
         CHECK_OK(mrl_model_set_tp_group(ms[r].m, group_sum, group_gather, &ms[r]));
         if (sp) CHECK_OK(mrl_model_set_sequence_parallel(ms[r].m, 1));
+        if (sp && !kv_shared) CHECK_OK(mrl_model_set_tp_reduce_scatter(ms[r].m, group_rs)); /* (else the allreduce's) */
         int rank = -1;
         mrl_model_config all;
         CHECK(mrl_model_tp(ms[r].m, &rank, &all) == size && rank == r && all.num_attention_heads == c.num_attention_heads);

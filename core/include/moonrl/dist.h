@@ -130,6 +130,9 @@ mrl_status mrl_dist_pp_recv(void *d, float *buf, int64_t n, int peer, int tag);
  * floats summed in place (mrl_dist_allreduce's rank order), every rank's n floats into all. */
 mrl_status mrl_dist_tp_allreduce(void *d, float *buf, int64_t n);
 mrl_status mrl_dist_tp_allgather(void *d, const float *mine, int64_t n, float *all);
+/* Sequence parallel's reduce-scatter (model.h's mrl_tp_reduce_scatter, ctx = d): n floats in d's
+ * size equal pieces, mrl_dist_reduce_scatter's sum of this rank's. */
+mrl_status mrl_dist_tp_reduce_scatter(void *d, float *buf, int64_t n);
 /* A context-parallel model's all-to-all over d (mrl_model_set_cp_group's, ctx = d, with
  * mrl_dist_tp_allgather): mrl_dist_alltoallv of rows of `unit` floats. */
 mrl_status mrl_dist_cp_alltoallv(void *d, const float *send, const int64_t *send_counts, float *recv,

@@ -359,6 +359,12 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
  * partial sums reduce-scattered), so the activations between the products are 1 / size a rank
  * too. The outputs and the loss boundary are unchanged. on 0 turns it off. */
 mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on);
+/* The group's reduce-scatter for sequence parallel (ctx: mrl_model_set_tp_group's): buf holds
+ * `size` equal pieces of n / size floats; afterwards this rank's piece (piece `rank`) holds the
+ * sum over the ranks of theirs, in the allreduce's order (the others are left undefined). Without
+ * it, sequence parallel sums whole rows with the allreduce and keeps its own. */
+typedef mrl_status (*mrl_tp_reduce_scatter)(void *ctx, float *buf, int64_t n);
+mrl_status mrl_model_set_tp_reduce_scatter(mrl_model *m, mrl_tp_reduce_scatter rs);
 /* A tensor-parallel rank's slices (a pipeline stage's layers) read again from a Hugging Face
  * directory (a checkpoint's). */
 mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);

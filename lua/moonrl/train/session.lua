@@ -138,7 +138,7 @@ function M.start(cfg, opts)
   if policy and policy.pp and cfg.engine and opts.engine ~= false then
     -- a stage has no engine: the rollout ranks (which hold the policy whole) generate
     local remote = (cfg.dist.rollout_ranks or 0) > 0
-    if not remote or require('moonrl.train.evaluation').wanted(cfg) then
+    if not remote or (cfg.eval and cfg.eval.every > 0) then -- (evaluation by generation: train.evaluation's wanted)
       moonrl.usage_error(string.format('dist.pp=%d: the engine (%s) runs on the whole model, which a pipeline stage ' ..
         'is not: not yet (%s)', policy.pp.stages, remote and 'evaluation' or 'rollouts, evaluation',
         remote and 'eval.every=0' or 'dist.rollout_ranks generate for the stages; eval.every=0 for a supervised recipe'))
