@@ -1,7 +1,8 @@
 -- dist.pp: the policy's layers split into stages (ranks), micro-batches under 1F1B, the loss on
 -- the last stage. Against one process on the same global batch: SFT with pp 2 and 4 (1, 2 and 8
 -- micro-batches a step, a tied head and an untied one), an uneven split (dist.pp_layers), 2
--- pipelines of 2 (data parallel over them, and ZeRO-1), pp 2 x tp 2, DPO; each within 1e-5 of
+-- pipelines of 2 (data parallel over them, and ZeRO-1), pp 2 x tp 2 (and sequence parallel),
+-- pp 2 x cp 2, DPO; each within 1e-5 of
 -- one process's final weights, and the steps' loss and gradient norm too; trainers in stages (and
 -- pp 2 x tp 2) sending their tensors to a rollout rank: GRPO with a reference and PPO with its
 -- critic, the tokens, steps and weights of one trainer; weight sync between layouts (ZeRO-3
@@ -45,7 +46,7 @@ local function steps_diff(a, b)
   return worst
 end
 
-t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied and untied heads, an uneven split, 2 pipelines, ZeRO-1, pp2 x tp2): one process\'s steps and weights', function()
+t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied and untied heads, an uneven split, 2 pipelines, ZeRO-1, pp2 x tp2 with and without sequence parallel, pp2 x cp2): one process\'s steps and weights', function()
   local cases = {
     { 'recipes/sft.lua', SFT, 'sft', 2, { 'dist.pp=2' } },
     { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=40' }), 'sft_mb', 2, { 'dist.pp=2' } },
@@ -56,6 +57,8 @@ t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied a
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2' }, 'dp2' },
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.zero=1' }, 'zero1' },
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.tp=2' }, 'tp2' },
+    { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.tp=2', 'dist.sequence_parallel=true' }, 'tp2sp' },
+    { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=40' }), 'sft_mb', 4, { 'dist.pp=2', 'dist.cp=2' }, 'cp2' },
     { 'recipes/dpo.lua', DPO, 'dpo', 2, { 'dist.pp=2' } },
   }
   for _, case in ipairs(cases) do

@@ -74,7 +74,7 @@ function M.clone(model, opts)
     local copy = M.load(model.source_dir, { tp = model.tp_world, pp = M.stage_of(model, opts.tag or 1) })
     copy:write_params(model:read_params())
     copy:set_dtype(model:dtype())
-    return copy
+    return M.split_like(copy, model)
   end
   local copy = model_mod.new(model.config, { value_head = opts.value_head or model.config.value_head })
   M.copy_weights(model, copy)
@@ -118,7 +118,7 @@ function M.critic_from(policy)
     local critic = M.load(policy.source_dir, { tp = policy.tp_world, pp = M.stage_of(policy, 2), value_head = true })
     zero_value_head(critic)
     critic:set_dtype(policy:dtype())
-    return critic
+    return M.split_like(critic, policy)
   end
   if policy.tp_world or policy:shard() then
     -- tensor parallel, sharded: each rank its slices, its shard of them, from the policy's files

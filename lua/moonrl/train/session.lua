@@ -273,8 +273,6 @@ function M.mesh_of(cfg, device)
       what))
   end
   if PP > 1 then
-    if CP > 1 then no('dist.cp') end
-    if cfg.dist.sequence_parallel then no('dist.sequence_parallel') end
     if cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
   end
   local R = cfg.dist.rollout_ranks or 0
