@@ -602,16 +602,22 @@ function Model:slices(offset, count)
   return out
 end
 
+-- A later pipeline stage's copy of a tied head's embedding (its view; nil for any other model):
+-- the first stage holds the tensor itself, which the copy follows.
+function Model:tied_copy()
+  if not (self.pp and self.pp.stage > 0 and self.config.tie_word_embeddings) then return nil end
+  local v = self:views()[1] -- (the copy comes first)
+  return v.name == 'model.embed_tokens.weight' and v or nil
+end
+
 -- The range of the buffer this model exports as its weights (Model:slices of it: what a trainer
 -- sends a rollout rank): its shard when sharded; a pipeline stage's all but a tied head's copy of
 -- the embedding (the first stage sends the tensor); else the whole buffer. offset, count.
 function Model:export_range()
   local o, c = self:shard()
   if o then return o, c end
-  if self.pp and self.pp.stage > 0 and self.config.tie_word_embeddings then
-    local v = self:views()[1] -- (the copy comes first: model.embed_tokens.weight)
-    if v.name == 'model.embed_tokens.weight' then return v.numel, self.n_params - v.numel end
-  end
+  local copy = self:tied_copy()
+  if copy then return copy.numel, self.n_params - copy.numel end
   return 0, self.n_params
 end
 

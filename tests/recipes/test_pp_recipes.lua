@@ -26,6 +26,12 @@ local tied = U.tiny_model(dir .. '/init4', { layers = 4, vocab_size = 16 })
 local untied = U.tiny_model(dir .. '/init4u', { layers = 4, vocab_size = 16, tie = false })
 local SFT = { 'model.dir=' .. tied, 'data.path=' .. sft_data, 'train.steps=3', 'train.batch=12', 'train.lr=1e-3',
   'run.threads=1' }
+-- GRPO (and PPO) with one rollout rank, the trainers' layout added; R_BASE without the learning rate
+local R_BASE = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+  'reward=tests/recipes/partial_reward.lua:partial', 'train.micro_batch_tokens=64', 'run.threads=1',
+  'async.mode=one_step_off', 'dist.rollout_ranks=1' }
+local RL = U.with(R_BASE, { 'train.lr=1e-3' })
+local GRPO = U.with(RL, { 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' })
 local DPO = { 'model.dir=' .. tied, 'data.path=' .. pref_data, 'train.steps=3', 'train.pairs=6', 'train.lr=1e-3',
   'train.micro_batch_tokens=60', 'run.threads=1' }
 
@@ -79,10 +85,6 @@ t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied a
 end)
 
 t.test('pipeline-parallel trainers and a rollout rank: each stage sends its tensors, the rollout rank assembles the whole model; grpo with a reference, ppo with its critic, and grpo with pp2 x tp2: the steps and weights of one trainer', function()
-  local RL = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
-    'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'run.threads=1',
-    'async.mode=one_step_off', 'dist.rollout_ranks=1' }
-  local GRPO = U.with(RL, { 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' })
   local PPO = U.with(RL, { 'ppo.prompts=6', 'ppo.samples=2', 'ppo.max_tokens=4', 'ppo.steps=2' })
   for _, case in ipairs({ { 'recipes/grpo.lua', GRPO, 'grpo', 3, { 'dist.pp=2' } },
     { 'recipes/ppo.lua', PPO, 'ppo', 3, { 'dist.pp=2' } },
@@ -106,10 +108,6 @@ t.test('pipeline-parallel trainers and a rollout rank: each stage sends its tens
 end)
 
 t.test('weight sync between layouts: ZeRO-3 trainers on 2 ranks -> rollout ranks in tensor parallel 2, pp2 x tp2 -> tp4: the tokens and weights of one trainer, each rollout rank sent exactly its slices, every version checked', function()
-  local RL = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
-    'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'run.threads=1',
-    'async.mode=one_step_off', 'dist.rollout_ranks=1' }
-  local GRPO = U.with(RL, { 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' })
   local one = dir .. '/rr_one_grpo'
   if not fs.exists(one .. '/model') then run(2, 'recipes/grpo.lua', GRPO, 'rr_one_grpo') end
   local b = U.records(one)
@@ -137,10 +135,8 @@ t.test('weight sync between layouts: ZeRO-3 trainers on 2 ranks -> rollout ranks
 end)
 
 t.test('delta publication (bf16): the bits of sending every version whole; fewer bytes; a wrong element found and healed by a whole version; zero3 trainers -> rollout ranks in tensor parallel 2 too', function()
-  local D = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
-    'reward=tests/recipes/partial_reward.lua:partial', 'train.lr=1e-5', 'train.micro_batch_tokens=64', 'run.threads=1',
-    'async.mode=one_step_off', 'dist.rollout_ranks=1', 'model.dtype=bf16', 'async.weights_delta=true', 'grpo.prompts=6',
-    'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=6', 'grpo.kl_coef=0.1' }
+  local D = U.with(R_BASE, { 'train.lr=1e-5', 'model.dtype=bf16', 'async.weights_delta=true', 'grpo.prompts=6',
+    'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=6', 'grpo.kl_coef=0.1' })
   local whole = run(2, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=1' }), 'delta_every1')
   local delta = run(2, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=3' }), 'delta_every3')
   local healed = U.run_ranks(exe, 2, 'recipes/grpo.lua', U.with(D, { 'async.full_sync_every=3',

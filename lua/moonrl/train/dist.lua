@@ -348,13 +348,12 @@ end
 -- the ranks that hold them (mrl_model_tp_sync_grads; ZeRO-1 and 2: in the rank's shard) once an
 -- update's backwards are done: before the norm, or the step without one.
 function M.parallel_norm(opt, model, par)
-  local tpw, counted = par.tp, {}
-  local tied_copy = model.pp and model.pp.stage > 0 and model.config.tie_word_embeddings
+  local tpw, counted, copy = par.tp, {}, model:tied_copy()
   for _, v in ipairs(model:views()) do
     local split = tpw and C.mrl_model_tp_split(model.handle, v.name) ~= 0
     local mine = not tpw or (split and tpw.rank % C.mrl_model_tp_copies(model.handle, v.name) == 0) or
       (not split and tpw.rank == 0)
-    if mine and not (tied_copy and v.name == 'model.embed_tokens.weight') then
+    if mine and not (copy and v.offset == copy.offset) then
       local last = counted[#counted]
       if last and last[1] + last[2] == v.offset then last[2] = last[2] + v.numel
       else counted[#counted + 1] = { v.offset, v.numel } end

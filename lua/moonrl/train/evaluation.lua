@@ -20,7 +20,6 @@ local batch = require('moonrl.batch')
 local prompts = require('moonrl.train.prompts')
 local sections = require('moonrl.train.sections')
 local session = require('moonrl.train.session')
-local sections = require('moonrl.train.sections')
 
 
 local M = {}
@@ -41,7 +40,7 @@ function M.check(cfg, o)
 end
 
 -- Whether the run evaluates at all (the engine is made only then, by recipes that need none otherwise).
-function M.wanted(cfg) return cfg.eval ~= nil and cfg.eval.every > 0 end
+M.wanted = sections.eval_wanted
 
 -- Whether step is an evaluation step.
 function M.due(cfg, step)

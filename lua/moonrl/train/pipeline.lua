@@ -8,7 +8,7 @@
 -- activations of at most p - s micro-batches (its activation slots).
 --
 --   local pipeline = require('moonrl.train.pipeline')
---   pipeline.stages(cost, L, p)            -- balanced layer counts of the stages
+--   pipeline.stages(L, p, pipeline.costs(config))  -- balanced layer counts of p stages
 --   pipeline.run(model, list, step, refs)  -- list: { {b, first}, ... }; step(b, first, i) on the last stage
 --   pipeline.forward_only(model, list)     -- every stage's forwards, in order (log-probs without gradient)
 --   pipeline.broadcast_lists(model, lists, n)  -- the last stage's per-sample lists on every stage
@@ -57,8 +57,6 @@ function M.costs(c)
   return D * (2 * q + 2 * kv) + 3 * D * c.intermediate_size, D * c.vocab_size
 end
 
-local function now() return moonrl.now() end
-
 -- One update's micro-batches (list: { {b, first}, ... } in order, the same on every stage) on a
 -- stage model. The last stage calls step(b, first, i) for the i-th (the recipe's forward, loss
 -- and backward of it); the others run the model's forwards and backwards in 1F1B order, each
@@ -70,7 +68,7 @@ local function now() return moonrl.now() end
 function M.run(model, list, step, refs, opts)
   local pp = model.pp
   local s, p, K = pp.stage, pp.stages, #list
-  local t0, wait0 = now(), pp.wait
+  local t0, wait0 = moonrl.now(), pp.wait
   -- each op a span of the stage's track in the trace (a rank's: F3, B1, ... in 1F1B's order)
   local function span(name, j, fn)
     local label = string.format('%s%d', name, j)
@@ -82,7 +80,7 @@ function M.run(model, list, step, refs, opts)
     for i, e in ipairs(list) do span('FB', i, function() step(e[1], e[2], i) end) end
   else
     local slots = math.max(math.min(p - s, K), 1)
-    if slots ~= pp.slots then model:pp_slots(slots); pp.slots = slots end
+    model:pp_slots(slots) -- (the same count as before: nothing)
     local ahead = math.min(p - s - 1, K)
     local function F(j)
       span('F', j, function()
@@ -102,7 +100,7 @@ function M.run(model, list, step, refs, opts)
     for j = K - ahead + 1, K do B(j) end
     model:use_slot(0)
   end
-  local wait, took = pp.wait - wait0, now() - t0 -- (the schedule's: the tied head's sum waits for the first stage)
+  local wait, took = pp.wait - wait0, moonrl.now() - t0 -- (the schedule's: the tied head's sum waits for the first stage)
   M.sync_tied(model)
   pp.world:flush_sends()
   for _, r in ipairs(refs or {}) do r.pp.world:flush_sends() end

@@ -334,6 +334,10 @@ local function shard_plans(self, job)
         p.at, p.val = ffi.new('uint32_t[?]', math.max(p.send_total, 1)), ffi.new('uint16_t[?]', math.max(p.send_total, 1))
       end
     end
+    if p.delta then -- a delta's counts: one from each exporting trainer to each rollout rank (pair_*)
+      p.d_send_counts, p.d_recv_counts = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
+      p.counts_out, p.counts_in = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
+    end
     if p.delta and job.rank >= T then -- where each trainer's stream lands: its plan's copies, by stream position
       for _, f in ipairs(p.from) do
         local n, at = #f.plan, 0
@@ -343,14 +347,21 @@ local function shard_plans(self, job)
           at = at + cp.count
         end
       end
-      p.d_recv_counts = ffi.new('int64_t[?]', job.size)
     end
-    p.d_send_counts, p.one = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
     if job.rank >= T and not exact then -- (whole among rollout ranks of slices: its whole plans, received in full)
       for q = 0, T - 1 do p.recv_counts[q] = p.counts[q] end
     end
     p.bytes = 4 * job:sum(p.send_total) -- (every trainer's to every rollout rank: what a version costs)
   end
+  -- one number from each exporting trainer to each rollout rank (a version's checksum, a delta's
+  -- count): the pairs' counts, and the checksums' buffers
+  local exports, receives = p.counts[job.rank] > 0, job.rank >= T
+  p.pair_s, p.pair_r = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
+  for q = 0, job.size - 1 do
+    p.pair_s[q] = exports and q >= T and 1 or 0
+    p.pair_r[q] = receives and p.counts[q] > 0 and 1 or 0
+  end
+  p.crc_out, p.crc_in = ffi.new('uint32_t[?]', job.size), ffi.new('uint32_t[?]', job.size)
   if job.rank >= T and (p.exact or not p.in_place) then -- (deltas: whole versions come in bf16)
     local buf = C.mrl_mem_alloc((p.delta and 2 or 4) * math.max(p.total, 1), C.MRL_MEM_PARAMS)
     if buf == nil then moonrl.run_error('the staging buffer of the trainers\' shards: ' .. moonrl.last_error()) end
@@ -365,18 +376,9 @@ end
 -- rollout rank's of what it holds there (its policy's weights where the plan put them), compared
 -- on the rollout rank: the whole way, packing, transfer and placing, checked every version.
 -- Returns true on every rank when all rollout ranks agree.
-local crc_send, crc_recv, crc_counts_s, crc_counts_r, crc16
+local crc16 -- (a rollout rank's bf16 of a copy, under deltas)
 local function check_version(self, job, p, mine, count)
   local T = job.size - self.S.cfg.dist.rollout_ranks
-  if not crc_send or crc_send.n ~= job.size then
-    crc_send = { n = job.size, buf = ffi.new('uint32_t[?]', job.size) }
-    crc_recv = ffi.new('uint32_t[?]', job.size)
-    crc_counts_s, crc_counts_r = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size)
-  end
-  for q = 0, job.size - 1 do
-    crc_counts_s[q] = mine and q >= T and 1 or 0
-    crc_counts_r[q] = job.rank >= T and p.counts[q] > 0 and 1 or 0
-  end
   if mine then
     local k, off = 0, 0
     for r = T, job.size - 1 do
@@ -387,11 +389,11 @@ local function check_version(self, job, p, mine, count)
       else
         for _, rg in ipairs(p.exact and p.packs[r] or { { 0, count } }) do crc = C.mrl_crc32c(crc, mine + rg[1], 4 * rg[2]) end
       end
-      crc_send.buf[k], k = crc, k + 1
+      p.crc_out[k], k = crc, k + 1
     end
   end
-  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and crc_send.buf or nil, crc_counts_s,
-    job.rank >= T and crc_recv or nil, crc_counts_r, 4), 2)
+  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and p.crc_out or nil, p.pair_s,
+    job.rank >= T and p.crc_in or nil, p.pair_r, 4), 2)
   local bad
   if job.rank >= T then
     local dst, k = self.S.policy:params(), 0
@@ -407,15 +409,14 @@ local function check_version(self, job, p, mine, count)
             crc = C.mrl_crc32c(crc, dst + cp.to, 4 * cp.count)
           end
         end
-        if crc ~= crc_recv[k] and not bad then
+        if crc ~= p.crc_in[k] and not bad then
           bad = string.format('rollout rank %d\'s weights from trainer %d differ from what it sent (CRC-32C %08x, sent %08x)',
-            job.rank, f.q, crc, crc_recv[k])
+            job.rank, f.q, crc, p.crc_in[k])
         end
         k = k + 1
       end
     end
   end
-  self.checked_versions = (self.checked_versions or 0) + 1
   if not job:any(bad) then return true end
   if bad then moonrl.log('warn', 'weight sync: %s', bad) end
   return false, bad
@@ -436,21 +437,17 @@ local function send_delta(job, p, mine, receiving, T)
     end
   end
   -- the counts: one to each rollout rank from each trainer that exports
-  local counts_out, ones_s, ones_r = ffi.new('int64_t[?]', job.size), ffi.new('int64_t[?]', job.size), p.one
   local k = 0
-  for q = 0, job.size - 1 do
-    ones_s[q] = mine and q >= T and 1 or 0
-    ones_r[q] = receiving and p.counts[q] > 0 and 1 or 0
-    if mine and q >= T then counts_out[k], k = p.d_send_counts[q], k + 1 end
+  for q = T, job.size - 1 do
+    if mine then p.counts_out[k], k = p.d_send_counts[q], k + 1 end
   end
-  local counts_in = ffi.new('int64_t[?]', job.size)
-  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and counts_out or nil, ones_s, receiving and counts_in or nil, ones_r, 8), 2)
+  moonrl.check(C.mrl_dist_alltoallv(job.handle, mine and p.counts_out or nil, p.pair_s, receiving and p.counts_in or nil,
+    p.pair_r, 8), 2)
   local n_in = 0
   k = 0
   for q = 0, job.size - 1 do
-    p.d_recv_counts = p.d_recv_counts or ffi.new('int64_t[?]', job.size)
     p.d_recv_counts[q] = 0
-    if receiving and p.counts[q] > 0 then p.d_recv_counts[q], n_in, k = counts_in[k], n_in + tonumber(counts_in[k]), k + 1 end
+    if p.pair_r[q] > 0 then p.d_recv_counts[q], n_in, k = p.counts_in[k], n_in + tonumber(p.counts_in[k]), k + 1 end
   end
   local at_in = receiving and ffi.new('uint32_t[?]', math.max(n_in, 1)) or nil
   local val_in = receiving and ffi.new('uint16_t[?]', math.max(n_in, 1)) or nil

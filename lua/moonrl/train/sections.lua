@@ -171,6 +171,10 @@ function M.decoupled(cfg)
   return d == 'true' or d == true
 end
 
+-- Whether the config asks for held-out evaluations (eval.every > 0): moonrl.train.evaluation's
+-- wanted, and the session's check that a pipeline stage (no engine) is not asked for them.
+function M.eval_wanted(cfg) return cfg.eval ~= nil and cfg.eval.every > 0 end
+
 -- eval: held-out accuracy (moonrl.train.evaluation). every: steps between evaluations (0: off); data / task: the held-out set (see the top);
 -- prompts: at most this many (0: all); max_tokens: the answer's budget (0: the recipe's).
 function M.eval_config()

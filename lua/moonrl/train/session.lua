@@ -105,7 +105,7 @@ function M.start(cfg, opts)
   local shard = M.shard_world(cfg, device, mesh) -- dist.zero=3 over several ranks: each loads its shard
   if not policy and cfg.model and cfg.model.dir then
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
-      shard = shard, tp = mesh and mesh.tp, pp = mesh and mesh.pp and M.stage_of(cfg, mesh) })
+      shard = shard, tp = mesh and mesh.tp, pp = mesh and mesh.pp and M.pipeline_stage(cfg, mesh) })
     if not ok then
       -- a run directory given for its model: say where the model is
       local dir = cfg.model.dir:gsub('/+$', '')
@@ -138,7 +138,7 @@ function M.start(cfg, opts)
   if policy and policy.pp and cfg.engine and opts.engine ~= false then
     -- a stage has no engine: the rollout ranks (which hold the policy whole) generate
     local remote = (cfg.dist.rollout_ranks or 0) > 0
-    if not remote or (cfg.eval and cfg.eval.every > 0) then -- (evaluation by generation: train.evaluation's wanted)
+    if not remote or sections.eval_wanted(cfg) then -- (evaluation generates)
       moonrl.usage_error(string.format('dist.pp=%d: the engine (%s) runs on the whole model, which a pipeline stage ' ..
         'is not: not yet (%s)', policy.pp.stages, remote and 'evaluation' or 'rollouts, evaluation',
         remote and 'eval.every=0' or 'dist.rollout_ranks generate for the stages; eval.every=0 for a supervised recipe'))
@@ -272,9 +272,7 @@ function M.mesh_of(cfg, device)
     moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or key == 'pp' and PP or TP,
       what))
   end
-  if PP > 1 then
-    if cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
-  end
+  if PP > 1 and cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
   local R = cfg.dist.rollout_ranks or 0
   if R > 0 and CP > 1 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
@@ -293,7 +291,7 @@ end
 
 -- Pipeline parallel: this rank's stage of the mesh, its layers (dist.pp_layers, else balanced by
 -- a layer's and the head's cost, pipeline.stages) as models.load takes it.
-function M.stage_of(cfg, mesh)
+function M.pipeline_stage(cfg, mesh)
   local pipeline = require('moonrl.train.pipeline')
   local P, c = mesh.pp.size, model_mod.config_of(require('moonrl.io.gguf').resolve(cfg.model.dir))
   local L, counts = c.num_hidden_layers, nil

@@ -216,11 +216,9 @@ function M.policy_step(o)
   end
   local it, pipe = batch.micro_batches(samples, o.micro_batch_tokens or 4096, share), nil
   if model.pp then -- pipeline parallel: 1F1B over the stages, the loss on the last (moonrl.train.pipeline)
-    local list = {}
-    for b, first in it do list[#list + 1] = { b, first } end
-    pipe = M.pipeline_run(model, list, micro_step, { o.ref })
-    -- the last stage's numbers on every stage
-    local all = pipeline.share(model, { sums = sums, mm = mm, is = is_acc or false, behav = behav_acc or false })
+    local all -- (micro_step adds to these tables: the last stage's go to every stage)
+    all, pipe = M.run_micro_batches(model, it, function(b, first) micro_step(b, first) end,
+      { sums = sums, mm = mm, is = is_acc or false, behav = behav_acc or false }, { o.ref })
     sums, mm, is_acc, behav_acc = all.sums, all.mm, all.is or nil, all.behav or nil
   else
     for b, first, _, is_last in M.collective_batches(model, world, it) do
@@ -257,8 +255,9 @@ end
 -- through model: step(b, first, last, acc) for each (a forward, a loss adding its numbers to acc,
 -- a backward), an empty batch (expert parallelism, first nil) serving the experts instead; under
 -- pipeline parallel in 1F1B over the stages, step running on the last stage only, whose acc then
--- goes to every stage. Returns acc and the pipeline's bubble (M.pipeline_run; nil without).
-function M.run_micro_batches(model, batches, step, acc)
+-- goes to every stage (refs: models whose forwards step runs, pipeline.run's). Returns acc and
+-- the pipeline's bubble (M.pipeline_run; nil without).
+function M.run_micro_batches(model, batches, step, acc, refs)
   if not model.pp then
     for b, first, last in batches do
       if first then step(b, first, last, acc) else M.serve_experts(model, b) end
@@ -267,7 +266,7 @@ function M.run_micro_batches(model, batches, step, acc)
   end
   local list = {}
   for b, first, last in batches do list[#list + 1] = { b, first, last } end
-  local pipe = M.pipeline_run(model, list, function(b, first, i) step(b, first, list[i][3], acc) end)
+  local pipe = M.pipeline_run(model, list, function(b, first, i) step(b, first, list[i][3], acc) end, refs)
   return pipeline.share(model, acc), pipe
 end
 
