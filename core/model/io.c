@@ -168,22 +168,29 @@ static mrl_status read_weights(mrl_model *m, mrl_st *st, int64_t lo, int64_t hi)
  * is split (*vocab 1), else the embedding and head stay whole (Megatron pads the vocabulary
  * instead: Hugging Face's are multiples of 64 or more, which the usual sizes divide). */
 static mrl_status tp_config(const char *dir, int size, mrl_model_config *c, int *kv_copies, int *vocab) {
-    if (c->num_experts > 0)
-        return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: a mixture-of-experts model "
-                             "(num_experts %d) splits its experts with expert parallelism", dir, size, c->num_experts);
     *kv_copies = 1;
     if (c->num_key_value_heads < size && size % c->num_key_value_heads == 0) {
         *kv_copies = size / c->num_key_value_heads;
         c->num_key_value_heads = size; /* (divided below: one a rank) */
     }
-    const char *keys[3] = {"num_attention_heads", "num_key_value_heads", "intermediate_size"};
-    int *values[3] = {&c->num_attention_heads, &c->num_key_value_heads, &c->intermediate_size};
-    for (int i = 0; i < 3; i++)
-        if (*values[i] % size)
+    /* a mixture of experts: each expert's MLP split as the dense one is (moe.c), and the dense
+     * MLP's size only where some layer has one */
+    int dense = 0, sparse = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        int moe = mrl_model_layer_is_moe(c, l);
+        sparse |= moe, dense |= !moe;
+    }
+    const char *keys[4] = {"num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"};
+    int *values[4] = {&c->num_attention_heads, &c->num_key_value_heads, &c->intermediate_size,
+                      &c->moe_intermediate_size};
+    int used[4] = {1, 1, dense, sparse};
+    for (int i = 0; i < 4; i++)
+        if (used[i] && *values[i] % size)
             return mrl_set_error(MRL_ERR_INVALID, "%s: tensor parallel over %d ranks: %s (%d) is not a multiple of %d%s",
                                  dir, size, keys[i], *values[i], size,
                                  i == 1 ? " (nor a divisor of it, which would share each K/V head)" : "");
-    for (int i = 0; i < 3; i++) *values[i] /= size;
+    for (int i = 0; i < 4; i++)
+        if (used[i]) *values[i] /= size;
     *vocab = c->vocab_size % size == 0;
     if (*vocab) c->vocab_size /= size;
     return MRL_OK;

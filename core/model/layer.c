@@ -136,6 +136,13 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     }
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
+        if (m->tp_size > 1) { /* (each rank's slice of every expert: its part of the sum, moe.c) */
+            k->zero(out, (int64_t)sizeof(float) * TD);
+            mrl_moe_forward(m, p, a, out, T);
+            mrl_model_tp_sum(m, out, TD);
+            k->add(out, a->h, TD);
+            return;
+        }
         k->copy(out, a->h, (int64_t)sizeof(float) * T * D);
         mrl_moe_forward(m, p, a, out, T);
         return;

@@ -21,6 +21,10 @@
  *   d p[t,sel_j] = dw_j (norm: (dw_j - sum_i dw_i w_i) / sum_i p[t,sel_i])
  *     (+ the load-balancing loss's coef E picks_e / N^2 on every p[t,e])
  *   d logits = p (dp - sum_e p_e dp_e) ; dWr += dlogits^T x ; dx = dlogits Wr + sum over picks of dxe
+ * Tensor parallel (tp.c): each rank holds rows Fe/tp of every expert's gate
+ * and up and those columns of its down, so ye is its part of the outputs
+ * (summed over the group with out, layer.c); the router is whole, its picks
+ * the same on every rank, and the backward sums dw and the picks' dx.
  * The router's products stay fp32 in both precisions: a pick must not flip
  * because the weights were rounded, and they are E columns, cheap.
  * The products go through mrl_layer_products (fp32 grouped, bf16 one by one
@@ -177,13 +181,14 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
     int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
     /* the load-balancing loss: d(coef * aux)/dp[t,e] = coef E picks_e / N^2, the same for every token */
     double aux = m->aux_n > 0 && m->aux_coef > 0 ? m->aux_coef * (double)E / ((double)m->aux_n * m->aux_n) : 0;
+    /* dw [A] = dy . ye of each pick, and dye = w dy. Tensor parallel: ye is this rank's slice's
+     * part of the experts' outputs, so dw is summed over the group (dw is linear in ye), and the
+     * router's gradients below are then the same on every rank. (df2 is free until the experts'
+     * backward writes it.) */
+    float *dws = s->df2;
     for (int64_t t = 0; t < T; t++) {
-        const float *dyt = dy + t * D, *pt = a->rprob + t * E, *w = a->rw + t * K;
-        const int32_t *sel = a->sel + t * K;
-        float *dl = s->dlogit + t * E; /* dp first, then d logits in place */
-        memset(dl, 0, sizeof(float) * E);
-        float dw_w = 0, vsum = 0;
-        for (int64_t j = 0; j < K; j++) { /* dw, and dye = w dy */
+        const float *dyt = dy + t * D, *w = a->rw + t * K;
+        for (int64_t j = 0; j < K; j++) {
             int64_t r = a->row[t * K + j];
             const float *y = a->ey + r * D;
             float *dyr = s->dye + r * D, dw = 0;
@@ -191,6 +196,18 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
                 dw += dyt[i] * y[i];
                 dyr[i] = w[j] * dyt[i];
             }
+            dws[t * K + j] = dw;
+        }
+    }
+    if (m->tp_size > 1) mrl_model_tp_sum(m, dws, A);
+    for (int64_t t = 0; t < T; t++) {
+        const float *pt = a->rprob + t * E, *w = a->rw + t * K;
+        const int32_t *sel = a->sel + t * K;
+        float *dl = s->dlogit + t * E; /* dp first, then d logits in place */
+        memset(dl, 0, sizeof(float) * E);
+        float dw_w = 0, vsum = 0;
+        for (int64_t j = 0; j < K; j++) {
+            float dw = dws[t * K + j];
             dl[sel[j]] = dw; /* d w_j (the picks differ): d p without renormalisation */
             dw_w += dw * w[j];
             vsum += pt[sel[j]];
@@ -209,6 +226,13 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
         mrl_moe_experts_backward(m, p, g, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, s->dye, s->df1, s->df2);
     /* the router (fp32), then each pick's dxe back to its token, in grouped order */
     k->gemm(1, 0, E, D, T, 1.0f, s->dlogit, E, a->ln2, D, 1.0f, g->router, D); /* dWr [E,D] */
+    if (m->tp_size > 1) { /* the picks' dxe are this rank's slices' parts: summed, then the router's (whole) */
+        k->zero(dln, (int64_t)sizeof(float) * T * D);
+        k->scatter_add_rows(dln, s->dye, a->tok, A, D);
+        mrl_model_tp_sum(m, dln, T * D);
+        k->gemm(0, 0, T, D, E, 1.0f, s->dlogit, E, p->router, D, 1.0f, dln, D);
+        return;
+    }
     k->gemm(0, 0, T, D, E, 1.0f, s->dlogit, E, p->router, D, 0.0f, dln, D);    /* dln [T,D] */
     k->scatter_add_rows(dln, s->dye, a->tok, A, D);
 }

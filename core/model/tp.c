@@ -1,7 +1,7 @@
 /* Tensor parallel (moonrl/model.h, Megatron's split): a rank holds the rows
  * of the column-parallel products (q, k, v, gate, up) and the columns of the
- * row-parallel ones (o_proj, down_proj) of every layer; the rest is whole on
- * every rank. The layer (layer.c) sums the row-parallel outputs and the
+ * row-parallel ones (o_proj, down_proj) of every layer, and of each expert's
+ * MLP alike (moe.c); the rest (the router too) is whole on every rank. The layer (layer.c) sums the row-parallel outputs and the
  * column-parallel input gradients over the group with the model's
  * allreduce, so everything between them (norms, residual stream, head) is
  * the same on every rank; the embedding and head are split by vocabulary
@@ -31,6 +31,8 @@ int mrl_model_tp_split(const mrl_model *m, const char *name) {
                                        "mlp.gate_proj.weight",    "mlp.up_proj.weight"};
     static const char *const cols[] = {"self_attn.o_proj.weight", "mlp.down_proj.weight"};
     if (strncmp(name, "model.layers.", 13) != 0) return 0;
+    if (strstr(name, ".mlp.experts.")) /* each expert's MLP as the dense one (moe.c) */
+        return ends_with(name, ".down_proj.weight") ? 2 : 1;
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         if (ends_with(name, rows[i])) return 1;
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++)
@@ -282,6 +284,9 @@ mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on) {
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel: the embedding and head must be split by vocabulary "
                              "(vocab_size %d is not a multiple of the %d ranks)", m->tp_cfg.vocab_size, m->tp_size);
     if (on && m->cp_size > 1) return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with context parallel: not yet");
+    if (on && mrl_model_num_moe_layers(m) > 0)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with a mixture of experts (num_experts %d): not yet",
+                             m->cfg.num_experts);
     mrl_model_release_activations(m); /* (the layout depends on it) */
     m->tp_seq = on != 0;
     return MRL_OK;

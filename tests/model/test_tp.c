@@ -20,7 +20,7 @@
  *     shared prompt, prefix caching, fp32 and bf16; and with a cache so
  *     small that sequences are pre-empted and 5 tokens a step, which
  *     chunks the prompts), their log-probs within the forward's bounds, and
- *     the same on every rank;
+ *     the same on every rank; a mixture of experts too;
  *   - sequence parallel (the residual stream and norms on each rank's share
  *     of the tokens) on 2 and 4 ranks, bf16 and shared K/V heads: the same,
  *     the row-parallel sums reduce-scattered (each rank's piece alone: the
@@ -32,9 +32,13 @@
  *     gradients summed the whole model's; with tensor parallel on 4 ranks
  *     (tp 2 x cp 2): the outputs, and each slice's gradient summed over its
  *     two token shares;
+ *   - a mixture of experts (Qwen3-MoE, a dense layer and a sparse one) on 2
+ *     and 4 ranks, fp32 and bf16: each expert's MLP split as the dense one,
+ *     the router whole; the same outputs, gradients and saved files;
  *   - the refusals, naming the key: a size that does not divide the heads,
- *     the KV heads or the intermediate size; a mixture of experts; a
- *     forward or a save without the group's collectives.
+ *     the KV heads, the intermediate size or the experts'; sequence parallel
+ *     on a mixture of experts; a forward or a save without the group's
+ *     collectives.
  * Bounds: the ranks' partial products add in another order than the whole
  * model's single product (below). */
 #include <math.h>
@@ -215,6 +219,12 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, int
     c.vocab_size = vocab;
     c.value_head = arch == MRL_ARCH_LLAMA;
     if (size > c.num_key_value_heads && !kv_shared) c.num_key_value_heads = size; /* (4 ranks: one K/V head each) */
+    int moe = arch == MRL_ARCH_QWEN3_MOE;
+    if (moe) { /* a dense first layer, then experts (each expert's MLP split, the router whole) */
+        c.num_experts = 6, c.num_experts_per_tok = 2, c.moe_intermediate_size = 32, c.norm_topk_prob = 1;
+        c.decoder_sparse_step = 1;
+        c.mlp_only_layers[0] = 1;
+    }
     batch x;
     float lp[96], ent[96], val[96];
     mrl_model *whole = reference(&c, 11 + (uint64_t)arch, dtype, dir, &x, lp, ent, val);
@@ -242,6 +252,7 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, int
         int kv = c.num_key_value_heads >= size ? c.num_key_value_heads / size : 1;
         CHECK(lc->num_attention_heads == c.num_attention_heads / size && lc->num_key_value_heads == kv &&
               lc->intermediate_size == c.intermediate_size / size &&
+              lc->moe_intermediate_size == (moe ? c.moe_intermediate_size / size : c.moe_intermediate_size) &&
               lc->vocab_size == (vocab % size ? vocab : vocab / size) && all.vocab_size == vocab);
         CHECK(mrl_model_tp_copies(ms[r].m, "model.layers.0.self_attn.k_proj.weight") == (kv_shared ? size / c.num_key_value_heads : 1));
     }
@@ -281,9 +292,12 @@ static void case_tp(int arch, int dtype, int size, int kv_shared, int vocab, int
     printf("%s %s tp=%d%s%s, vocabulary %d (%s): %lld split views, max |d lp, ent, value| %.3g, worst gradient %.3g (%s)\n",
            mrl_model_arch_names(arch)->model_type, dtype ? "bf16" : "fp32", size, kv_shared ? " (K/V heads shared)" : "",
            sp ? ", sequence parallel" : "", vocab, vocab % size ? "whole head" : "split", (long long)split_views, worst_lp, worst_g, worst_name);
-    /* q k v o gate up down (+ 3 biases) a layer, and the embedding and an untied head split by vocabulary */
-    int vocab_views = vocab % size ? 0 : c.tie_word_embeddings ? 1 : 2;
-    CHECK(split_views == (int64_t)size * (c.num_hidden_layers * (c.attention_bias ? 10 : 7) + vocab_views));
+    /* q k v o gate up down (+ 3 biases) a layer (a sparse one: gate up down of each expert), and the
+     * embedding and an untied head split by vocabulary */
+    int vocab_views = vocab % size ? 0 : c.tie_word_embeddings ? 1 : 2, layer_views = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++)
+        layer_views += (c.attention_bias ? 7 : 4) + (mrl_model_layer_is_moe(&c, l) ? 3 * c.num_experts : 3);
+    CHECK(split_views == (int64_t)size * (layer_views + vocab_views));
     CHECK(worst_w == 0);
     if (sp) { /* a rank's activations for a long batch: less with the rows split */
         int64_t with = mrl_model_activation_bytes(ms[0].m, 4096);
@@ -525,9 +539,11 @@ static void *generate_rank(void *arg) { return generate(arg); }
 /* tight: a KV cache of 16 KiB (64 tokens of a rank's K/V heads, 32 of the whole model's) and 5
  * tokens a step: sequences pre-empted and recomputed, prompts prefilled in chunks; the tokens
  * must not change. */
-static void case_engine(int dtype, int vocab, int tight, const char *dir) {
-    mrl_model_config c = small_config(MRL_ARCH_QWEN3);
+static void case_engine(int arch, int dtype, int vocab, int tight, const char *dir) {
+    mrl_model_config c = small_config(arch);
     c.vocab_size = vocab; /* 212: the logits in slices, gathered for the sampler */
+    if (arch == MRL_ARCH_QWEN3_MOE) /* experts: each rank's slice of every one */
+        c.num_experts = 6, c.num_experts_per_tok = 2, c.moe_intermediate_size = 32, c.decoder_sparse_step = 1;
     mrl_model *src = small_model(&c, 21);
     CHECK_OK(mrl_model_save_dir(src, dir));
     mrl_model_free(src);
@@ -570,8 +586,9 @@ static void case_engine(int dtype, int vocab, int tight, const char *dir) {
             }
         mrl_model_free(ranks[r].m);
     }
-    printf("engine %s tp=2, vocabulary %d%s: %lld tokens (greedy, sampled), %lld differ from the whole model's, "
-           "log-probs within %.3g; pre-emptions %lld (ranks), %lld (whole)\n", dtype ? "bf16" : "fp32", vocab,
+    printf("engine %s %s tp=2, vocabulary %d%s: %lld tokens (greedy, sampled), %lld differ from the whole model's, "
+           "log-probs within %.3g; pre-emptions %lld (ranks), %lld (whole)\n", mrl_model_arch_names(arch)->model_type,
+           dtype ? "bf16" : "fp32", vocab,
            tight ? ", a tight cache and 5 tokens a step" : "", (long long)tokens, (long long)differ, worst,
            (long long)ranks[0].preemptions, (long long)whole.preemptions);
     CHECK(tokens > 2 * PROMPTS * SAMPLES && differ == 0 && across == 0);
@@ -625,8 +642,23 @@ static void case_refusals(const char *dir) {
     CHECK_OK(mrl_model_create(&e, 3, &src));
     CHECK_OK(mrl_model_save_dir(src, dir));
     mrl_model_free(src);
-    CHECK(mrl_model_load_dir_tp(dir, 0, 2, 0, &m) == MRL_ERR_INVALID);
-    CHECK_STR_CONTAINS(mrl_last_error(), "expert parallelism");
+    CHECK(mrl_model_load_dir_tp(dir, 0, 3, 0, &m) == MRL_ERR_INVALID); /* (4 heads) */
+    e.num_attention_heads = 6, e.num_key_value_heads = 3, e.head_dim = 8, e.num_hidden_layers = 1;
+    e.intermediate_size = 97; /* (no dense layer: not divided) */
+    CHECK_OK(mrl_model_create(&e, 3, &src));
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    CHECK(mrl_model_load_dir_tp(dir, 0, 3, 0, &m) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "moe_intermediate_size (32) is not a multiple of 3");
+    e.vocab_size = 66, e.moe_intermediate_size = 33;
+    CHECK_OK(mrl_model_create(&e, 3, &src));
+    CHECK_OK(mrl_model_save_dir(src, dir));
+    mrl_model_free(src);
+    CHECK_OK(mrl_model_load_dir_tp(dir, 1, 3, 0, &m));
+    CHECK(mrl_model_get_config(m)->moe_intermediate_size == 11 && mrl_model_get_config(m)->intermediate_size == 97);
+    CHECK(mrl_model_set_sequence_parallel(m, 1) == MRL_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(mrl_last_error(), "mixture of experts");
+    mrl_model_free(m);
 }
 
 int main(void) {
@@ -637,6 +669,8 @@ int main(void) {
     for (int a = 0; a < 3; a++)
         for (int dtype = 0; dtype < 2; dtype++) case_tp(arches[a], dtype, 2, 0, 212, 0, dir);
     case_tp(MRL_ARCH_QWEN2, 0, 4, 0, 212, 0, dir);
+    for (int dtype = 0; dtype < 2; dtype++) case_tp(MRL_ARCH_QWEN3_MOE, dtype, 2, 0, 212, 0, dir); /* experts split */
+    case_tp(MRL_ARCH_QWEN3_MOE, 0, 4, 1, 212, 0, dir);
     for (int a = 0; a < 3; a++) case_tp(arches[a], 0, 4, 1, 212, 0, dir); /* 2 K/V heads over 4 ranks */
     case_tp(MRL_ARCH_QWEN2, 0, 2, 0, 211, 0, dir); /* a vocabulary 2 does not divide: whole embedding and head */
     case_tp(MRL_ARCH_LLAMA, 1, 4, 0, 211, 0, dir);
@@ -645,9 +679,10 @@ int main(void) {
     case_tp(MRL_ARCH_QWEN3, 1, 2, 0, 212, 1, dir);
     case_tp(MRL_ARCH_QWEN2, 0, 4, 0, 212, 1, dir);
     case_tp(MRL_ARCH_LLAMA, 0, 4, 1, 212, 1, dir);
-    for (int dtype = 0; dtype < 2; dtype++) case_engine(dtype, 212, 0, dir);
-    case_engine(0, 211, 0, dir);
-    case_engine(0, 212, 1, dir);
+    for (int dtype = 0; dtype < 2; dtype++) case_engine(MRL_ARCH_QWEN3, dtype, 212, 0, dir);
+    case_engine(MRL_ARCH_QWEN3, 0, 211, 0, dir);
+    case_engine(MRL_ARCH_QWEN3, 0, 212, 1, dir);
+    case_engine(MRL_ARCH_QWEN3_MOE, 0, 212, 0, dir);
     for (int a = 0; a < 3; a++) case_cp(arches[a], 0, 2, dir);
     case_cp(MRL_ARCH_QWEN3, 1, 2, dir);
     case_cp(MRL_ARCH_QWEN2, 0, 4, dir);

@@ -297,8 +297,9 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
  * slices of every layer from a Hugging Face directory: its num_attention_heads / size query
  * heads and num_key_value_heads / size KV heads (the rows of q, k, v and their biases, the
  * columns of o_proj), intermediate_size / size of the MLP (the rows of gate and up, the
- * columns of down), and vocab_size / size rows of the embedding and the head when size divides
- * the vocabulary (else both whole); the norms and a value head whole on every rank. Each slice
+ * columns of down; of a sparse layer's every expert likewise, moe_intermediate_size / size),
+ * and vocab_size / size rows of the embedding and the head when size divides the vocabulary
+ * (else both whole); the norms, a router and a value head whole on every rank. Each slice
  * is read by range from the files. The model's config (mrl_model_get_config) is then the
  * slices' (heads, intermediate size and a divided vocabulary divided by size); the views keep
  * their Hugging Face names with the slices' shapes. The group's collectives are set before the
@@ -311,8 +312,10 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
  * entropy, values and the gradients of the whole parts are the same on every rank and each
  * slice's gradient is the slice of the whole model's. mrl_model_save_dir, which every rank of
  * the group calls, gathers each split tensor and rank 0 writes the whole model (the whole config
- * too). Dense models (no experts); size must divide the heads, the KV heads and the
- * intermediate size (errors naming them). CPU models (the collectives take host buffers). */
+ * too). A sparse layer sums each rank's part of the experts' outputs with the same allreduce,
+ * and in the backward the picks' weight gradients and the experts' input gradient. size must
+ * divide the heads, the KV heads and the intermediate sizes the layers use (errors naming
+ * them). CPU models (the collectives take host buffers). */
 typedef mrl_status (*mrl_tp_allreduce)(void *ctx, float *buf, int64_t n);
 typedef mrl_status (*mrl_tp_allgather)(void *ctx, const float *mine, int64_t n, float *all);
 mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out);

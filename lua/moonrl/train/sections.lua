@@ -245,9 +245,10 @@ end
 -- load-balancing loss's coefficient in the backward (default: the model config's
 -- router_aux_loss_coef when its output_router_logits is set, else 0, as Transformers; 0 turns it
 -- off). Both are logged every step under moe/ (aux_loss, aux_coef, replayed, routing_mismatch).
--- expert_parallel: the trainer ranks split every sparse layer's experts between them, each running
--- its block on all the ranks' tokens (model.h, mrl_model_set_expert_parallel; the weights stay
--- whole on every rank, so the engine, checkpoints and saving are as without; one rank: no-op).
+-- expert_parallel: the trainer ranks (under dist.tp: the data-parallel groups) split every sparse
+-- layer's experts between them, each running its block on all the ranks' tokens (model.h,
+-- mrl_model_set_expert_parallel; a rank keeps all its weights, so the engine, checkpoints and
+-- saving are as without; one rank: no-op).
 function M.moe_config()
   return { routing_replay = false, expert_parallel = false,
     aux_loss_coef = config.optional('number', 'load-balancing loss coefficient (default: the model config)', { min = 0 }) }

@@ -278,7 +278,7 @@ function M.mesh_of(cfg, device)
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   -- (the engine thread of an asynchronous mode in one process would step the group from a second thread)
   if R == 0 and cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
-  if cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
+  if PP > 1 and cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
   local w = dist.world(cfg.dist.timeout)
   if R > 0 then -- the trainers form the mesh; the rollout ranks hold the policy whole (their slices sent them)
     if cfg.async and cfg.async.weights == 'shm' then no('async.weights=shm (the slices go to the rollout ranks by MPI)') end
@@ -937,17 +937,25 @@ end
 -- its checkpoint when the loop starts, so the copy is of the initial weights, as in the first run.
 -- (a sharded policy's: the initial model loaded whole from model.dir: no rank holds the policy whole)
 function Session:reference()
+  local ref
   if self.policy.pp then return models.clone(self.policy, { tag = 1 }) end -- (pipeline parallel: its stage's copy)
   if self.tp_world then -- tensor parallel: its slices of the initial model
-    local ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
+    ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
     ref:set_dtype(self.policy:dtype())
-    return models.split_like(ref, self.policy)
+    ref = models.split_like(ref, self.policy)
+  elseif not self.policy:shard() then
+    ref = models.clone(self.policy)
+  else
+    ref = models.load(self.cfg.model.dir)
+    ref:set_dtype(self.policy:dtype())
+    ref:to_device(self.policy:device())
+    ref = models.split_like(ref, self.policy) -- (context parallel: computed as the policy is)
   end
-  if not self.policy:shard() then return models.clone(self.policy) end
-  local ref = models.load(self.cfg.model.dir)
-  ref:set_dtype(self.policy:dtype())
-  ref:to_device(self.policy:device())
-  return models.split_like(ref, self.policy) -- (context parallel: computed as the policy is)
+  -- expert parallelism: the reference's experts split as the policy's, so that its log-probs are
+  -- the policy's bits before an update (a KL of exactly 0, not rounding noise Adam would amplify);
+  -- its forwards are then collectives too (train.serve_experts' refs)
+  if self.policy.expert_range and select(3, self.policy:expert_range()) then ref:set_expert_parallel(self.world) end
+  return ref
 end
 
 -- The learning rate of this step (the schedule; the guards' rollback factor is applied by update).

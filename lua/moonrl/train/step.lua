@@ -54,10 +54,14 @@ function M.collective_batches(model, world, it)
   end
 end
 
--- An empty batch's forward and backward (see collective_batches).
+-- An empty batch's forward and backward (see collective_batches); refs: models whose forwards
+-- the step runs before the model's (a reference), each served too where its experts are split.
 local no_grad = ffi.new('float[1]')
 
-function M.serve_experts(model, b)
+function M.serve_experts(model, b, refs)
+  for _, r in ipairs(refs or {}) do
+    if r and r.expert_range and select(3, r:expert_range()) then r:forward(b) end
+  end
   model:forward(b)
   model:backward(no_grad)
 end
@@ -224,7 +228,7 @@ function M.policy_step(o)
     for b, first, _, is_last in M.collective_batches(model, world, it) do
       if is_last and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
       if first then micro_step(b, first)
-      else M.serve_experts(model, b) end -- nothing left here: serve the experts to the other ranks (expert parallelism)
+      else M.serve_experts(model, b, { o.ref }) end -- nothing left here: serve the experts to the other ranks (expert parallelism)
     end
   end
   if world and world.size > 1 then -- the parts of every rank, added
