@@ -13,7 +13,8 @@
 -- slot's optimizer state in its own file; under ZeRO-1 and 3 a file a shard, resumed by 4 ranks
 -- as written and by 2 with plain data parallel); a rank of a group killed in a step and in its checkpoint write, restarted by
 -- moonrl launch, ends with the same bits; trainers in tensor parallel (and ZeRO-3) send their
--- slices to a rollout rank, which generates what one trainer's does; the keys and configs tensor parallel cannot take are usage errors
+-- slices to a rollout rank, which generates what one trainer's does, and so do trainers in
+-- context parallel (and ZeRO-3); the keys and configs tensor parallel cannot take are usage errors
 -- naming them. (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -230,6 +231,21 @@ t.test('tensor-parallel trainers and a rollout rank: each trainer sends its slic
   local r = U.run_ranks(exe, 3, 'recipes/grpo.lua', U.with(words, { 'dist.tp=2', 'async.weights=shm', 'run.dir=' .. dir .. '/rr_shm' }),
     { expect_fail = true })
   t.truthy(not r.ok and (r.stderr .. r.stdout):find('dist.tp=2 with async.weights=shm', 1, true), 'shm: ' .. r.stderr)
+end)
+
+t.test('context-parallel trainers and rollout ranks: their first rank sends the weights (under ZeRO-3 every trainer its shard, into shared memory); the steps and weights of one trainer', function()
+  local words = U.with(GRPO, { 'async.mode=one_step_off' })
+  for _, case in ipairs({ { 1, {}, 'rr_cp' }, { 2, { 'dist.zero=3' }, 'rr_cp_zero3' } }) do
+    local R = { 'dist.rollout_ranks=' .. case[1] }
+    local one = dir .. '/rr_one_' .. case[1]
+    if not fs.exists(one .. '/model') then run(1 + case[1], 'recipes/grpo.lua', U.with(words, R), 'rr_one_' .. case[1]) end
+    local d = run(2 + case[1], 'recipes/grpo.lua', U.with(words, U.with(R, U.with({ 'dist.cp=2' }, case[2]))), case[3])
+    local e = rel_diff(d .. '/model', one .. '/model')
+    local a, b = U.records(d), U.records(one)
+    for i = 1, #b do t.eq(a[i].tokens, b[i].tokens, case[3] .. ' step ' .. i .. ': the same tokens') end
+    print(string.format('  %s: %.3g from one trainer', case[3], e))
+    t.truthy(e <= 1e-5 and #a == #b, case[3] .. ': the weights of one trainer')
+  end
 end)
 
 t.test('plain data parallel, ppo on 2 ranks with several micro-batches a rank: the critic\'s loop does not start the policy\'s gradient sums early', function()

@@ -279,9 +279,11 @@ end
 -- model. Every rank of the job calls it.
 local function shard_plans(self, job)
   local policy, T = self.S.policy, job.size - self.S.cfg.dist.rollout_ranks
-  -- (sharded: the first shard group's trainers; tensor or pipeline parallel: the first data-parallel group's)
+  -- (sharded: the first shard group's trainers; tensor or pipeline parallel: the first data-parallel
+  -- group's; context parallel, whose ranks hold the same weights: its first rank's)
+  local cp = self.S.cp_world
   local sends = job.rank < T and (policy.shard_layout and policy.shard_layout.replica == 0 or
-    not policy.shard_layout and self.S.world.rank == 0)
+    not policy.shard_layout and self.S.world.rank == 0 and (not cp or cp.rank == 0))
   local tables = job:gather_strings(sends and json.encode(policy:slices(policy:export_range())) or '')
   local p = { counts = ffi.new('int64_t[?]', job.size), to = ffi.new('uint8_t[?]', job.size), from = {},
     in_place = true, total = 0, recv_counts = ffi.new('int64_t[?]', job.size), send_counts = ffi.new('int64_t[?]', job.size) }
@@ -559,7 +561,7 @@ end
 local slot_out = ffi.new('int[1]')
 local function publish_shards(self, v)
   local t0 = moonrl.now()
-  local W, policy = self.S.world, self.S.policy
+  local W, policy = self.S.grad_world or self.S.world, self.S.policy -- (context parallel: the shards span its ranks too)
   local slot = 0
   if W.rank == 0 then
     moonrl.check(C.mrl_weight_store_begin(self.store, slot_out), 2)

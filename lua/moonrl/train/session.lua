@@ -274,7 +274,6 @@ function M.mesh_of(cfg, device)
   end
   if PP > 1 and cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
   local R = cfg.dist.rollout_ranks or 0
-  if R > 0 and CP > 1 then no('dist.rollout_ranks') end
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   -- (the engine thread of an asynchronous mode in one process would step the group from a second thread)
   if R == 0 and cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
