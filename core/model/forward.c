@@ -259,6 +259,9 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model forward: NULL model");
     if (!(temperature > 0)) return mrl_set_error(MRL_ERR_INVALID, "model forward: temperature %g must be > 0", temperature);
     if (values && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model forward: values asked of a model without value head");
+    if (m->pp_stages > 1 && m->aux_coef > 0) /* (its counts are over every sparse layer of the whole model) */
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model forward: the load-balancing loss (router aux coefficient %g) "
+                             "on a pipeline stage: not yet", m->aux_coef);
     int64_t max_len = 0, cp0 = 0; /* context parallel: this rank's tokens start at cp0 */
     mrl_status st = check_batch(m, b, &max_len);
     int64_t T = st ? 0 : b->n_tokens; /* this rank's tokens: all of them, or its share (cp.c); (b may be NULL) */

@@ -211,20 +211,32 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
     int kv_copies = 1, vocab = 0;
     if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg, &kv_copies, &vocab))) return s;
     int pp = stage && stage->stages > 1;
+    int moe0 = 0, moe_all = 0;
     if (pp) { /* a pipeline stage: its run of layers */
-        if (whole.num_experts > 0)
-            return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: pipeline parallel: a mixture-of-experts model (num_experts "
-                                 "%d) is not split into stages yet", dir, whole.num_experts);
         if (stage->stage < 0 || stage->stage >= stage->stages || stage->layers < 1 || stage->first_layer < 0 ||
             stage->first_layer + stage->layers > whole.num_hidden_layers)
             return mrl_set_error(MRL_ERR_INVALID, "%s: pipeline stage %d of %d with layers [%d, %d) of the %d "
                                  "(num_hidden_layers)", dir, stage->stage, stage->stages, stage->first_layer,
                                  stage->first_layer + stage->layers, whole.num_hidden_layers);
         cfg.num_hidden_layers = stage->layers;
+        if (whole.num_experts > 0) { /* which of its layers are sparse, in its own numbering */
+            memset(cfg.mlp_only_layers, 0, sizeof cfg.mlp_only_layers);
+            cfg.decoder_sparse_step = 1;
+            for (int l = 0; l < whole.num_hidden_layers; l++) {
+                int moe = mrl_model_layer_is_moe(&whole, l), local = l - stage->first_layer;
+                moe_all += moe;
+                moe0 += moe && local < 0;
+                if (!moe && local >= 0 && local < stage->layers)
+                    cfg.mlp_only_layers[local / 64] |= (uint64_t)1 << (local % 64);
+            }
+        }
     }
     if ((s = mrl_st_open(dir, st))) return s;
     s = mrl_model_alloc_stage_layout(&cfg, stage, out); /* views only: the sizes are the file's to confirm */
-    if (!s && pp) (*out)->pp_L = whole.num_hidden_layers;
+    if (!s && pp) {
+        (*out)->pp_L = whole.num_hidden_layers, (*out)->pp_whole = whole;
+        (*out)->pp_moe0 = moe0, (*out)->pp_moe_all = moe_all;
+    }
     if (!s && tp_size > 1)
         (*out)->tp_rank = tp_rank, (*out)->tp_size = tp_size, (*out)->tp_cfg = whole, (*out)->tp_kv_copies = kv_copies,
         (*out)->tp_vocab = vocab;
@@ -340,9 +352,7 @@ mrl_status mrl_model_read_tp(mrl_model *m, const char *dir) {
 
 /* The whole model's config of a pipeline stage (and a tensor-parallel rank): its layers all. */
 static mrl_model_config whole_config(const mrl_model *m) {
-    mrl_model_config c = m->tp_size > 1 ? m->tp_cfg : m->cfg;
-    if (m->pp_stages > 1) c.num_hidden_layers = m->pp_L;
-    return c;
+    return m->pp_stages > 1 ? m->pp_whole : m->tp_size > 1 ? m->tp_cfg : m->cfg;
 }
 
 static mrl_status write_config(mrl_model *m, const char *dir) {

@@ -154,6 +154,12 @@ struct mrl_model {
      * borrowed, [pp_input_rows, D]). pp_slots: the activations of micro-batches in flight. */
     int pp_stage, pp_stages; /* 0 and 1 without */
     int pp_l0, pp_L;
+    /* a stage of a mixture of experts: its cfg says which of its layers are sparse in its own
+     * numbering (mlp_only_layers, decoder_sparse_step 1); pp_whole is the whole model's config
+     * (saved), pp_moe0 the whole model's sparse layers before this stage and pp_moe_all all of
+     * them: a batch's routing rows are the whole model's (moe.c) */
+    mrl_model_config pp_whole;
+    int pp_moe0, pp_moe_all;
     const float *pp_in, *pp_dy;
     mrl_pp_send pp_send; /* the pipeline's transfers (saving: the stages' tensors to the first) */
     mrl_pp_recv pp_recv;

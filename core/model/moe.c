@@ -260,9 +260,16 @@ void mrl_moe_record(mrl_model *m, const layer_acts *a, int64_t T, int ord) {
     m->replay_differ += a->replay_differ;
 }
 
+/* A pipeline stage's sparse layers are a run of the whole model's (model_internal.h): the first's
+ * ordinal among them, and how many the whole model has (a batch's routing rows are its). */
+static int moe_first(const mrl_model *m) { return m->pp_stages > 1 ? m->pp_moe0 : 0; }
+static int moe_all(const mrl_model *m) {
+    return m->pp_stages > 1 ? m->pp_moe_all : mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers);
+}
+
 mrl_status mrl_moe_check_routing(const mrl_model *m, const mrl_batch *b) {
     if (!b->routing) return MRL_OK;
-    int n_moe = mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers);
+    int n_moe = moe_all(m);
     if (n_moe == 0)
         return mrl_set_error(MRL_ERR_INVALID, "model forward: batch routing given to a model without sparse layers");
     int64_t E = m->cfg.num_experts, K = m->cfg.num_experts_per_tok;
@@ -292,20 +299,28 @@ int mrl_moe_ordinal(const mrl_model_config *c, int l) {
 void mrl_moe_replay_at(const mrl_model *m, layer_acts *a, int l) {
     const mrl_model_config *c = &m->cfg;
     int64_t K = c->num_experts_per_tok;
-    a->replay = m->batch.routing ? m->batch.routing + mrl_moe_ordinal(c, l) * K : NULL;
-    a->replay_stride = mrl_moe_ordinal(c, c->num_hidden_layers) * K;
+    a->replay = m->batch.routing ? m->batch.routing + (moe_first(m) + mrl_moe_ordinal(c, l)) * K : NULL;
+    a->replay_stride = moe_all(m) * K;
 }
 
-int mrl_model_num_moe_layers(const mrl_model *m) { return m ? mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers) : 0; }
+int mrl_model_num_moe_layers(const mrl_model *m) { return m ? moe_all(m) : 0; }
 
 mrl_status mrl_model_get_routing(const mrl_model *m, int16_t *out, int64_t cap) {
     if (!m || !out) return mrl_set_error(MRL_ERR_INVALID, "model get_routing: NULL argument");
     if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model get_routing: no forward yet");
-    int64_t n = m->batch.n_tokens * mrl_model_num_moe_layers(m) * m->cfg.num_experts_per_tok;
+    /* (a pipeline stage: its own layers' columns, the others' -1) */
+    int64_t K = m->cfg.num_experts_per_tok, all = moe_all(m), mine = mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers);
+    int64_t T = m->batch.n_tokens, n = T * all * K;
     if (cap < n)
         return mrl_set_error(MRL_ERR_INVALID, "model get_routing: room for %lld entries, the last forward has %lld "
                              "(n_tokens x sparse layers x num_experts_per_tok)", (long long)cap, (long long)n);
-    if (n) memcpy(out, m->route_used, sizeof(int16_t) * n);
+    if (mine == all) {
+        if (n) memcpy(out, m->route_used, sizeof(int16_t) * n);
+        return MRL_OK;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = -1;
+    for (int64_t t = 0; t < T; t++)
+        memcpy(out + (t * all + moe_first(m)) * K, m->route_used + t * mine * K, sizeof(int16_t) * (size_t)(mine * K));
     return MRL_OK;
 }
 

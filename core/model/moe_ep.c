@@ -203,7 +203,7 @@ mrl_status mrl_model_set_expert_parallel(mrl_model *m, mrl_dist *d) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model set_expert_parallel: NULL model");
     mrl_moe_ep_free(m);
     if (!d) return MRL_OK;
-    int n_moe = mrl_model_num_moe_layers(m);
+    int n_moe = mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers); /* (this model's own) */
     if (n_moe == 0)
         return mrl_set_error(MRL_ERR_INVALID, "model set_expert_parallel: the model has no sparse layers "
                              "(expert parallelism is for a mixture of experts: qwen3_moe)");

@@ -303,6 +303,7 @@ function Model:read_shard(dir) moonrl.check(C.mrl_model_read_shard(self.handle, 
 -- (routing replay: mrl_batch.routing in model.h; -1 rows keep the router's own picks).
 function Model:forward(batch, opts)
   opts = opts or {}
+  batch.c.routing = opts.routing -- per call: a reference model given the same batch routes on its own
   local pp = self.pp
   if pp then -- a pipeline stage: its input rows from the stage before; a non-last stage's output to the next
     local rows = tonumber(C.mrl_model_pp_rows(self.handle, batch.c))
@@ -311,7 +312,7 @@ function Model:forward(batch, opts)
     end
     if pp.stage < pp.stages - 1 then
       moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, nil, nil, nil), 2)
-      self._batch = batch
+      self._batch, self._routing = batch, opts.routing -- (borrowed until the backward)
       pp.world:send(C.mrl_model_pp_output(self.handle), 4 * rows * pp.hidden, pp.stage + 1, pp.tag)
       return nil
     end
@@ -319,7 +320,6 @@ function Model:forward(batch, opts)
   local n = batch.n_tokens
   local lp, ent = ffi.new('float[?]', n), ffi.new('float[?]', n)
   local val = opts.values and ffi.new('float[?]', n) or nil
-  batch.c.routing = opts.routing -- per call: a reference model given the same batch routes on its own
   moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, lp, ent, val), 2)
   self._batch, self._routing = batch, opts.routing -- the C side borrows these arrays until the backward
   return lp, ent, val

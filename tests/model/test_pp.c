@@ -18,8 +18,13 @@
  *     whole model's bits, but a tied embedding's, whose two parts (the first
  *     stage's embedding rows, the last stage's head) add in another order;
  *     summed, within 1e-6 of the whole model's;
- *   - the refusals: a stage outside the layers, a mixture of experts, a
- *     forward without input, a backward without the output's gradient. */
+ *   - a mixture of experts (Qwen3-MoE, a dense layer between sparse ones: a
+ *     stage's own numbering of them differs from the whole model's), its
+ *     batches' routing replayed (rows of all the whole model's sparse
+ *     layers, picks that are not the router's): the same bits;
+ *   - the refusals: a stage outside the layers, a forward without input, a
+ *     backward without the output's gradient, the load-balancing loss on a
+ *     stage. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,6 +53,11 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
     mrl_model_config c = small_config(arch);
     c.num_hidden_layers = 4;
     c.value_head = arch == MRL_ARCH_LLAMA;
+    int moe = arch == MRL_ARCH_QWEN3_MOE;
+    if (moe) { /* layer 1 dense, the others sparse: a stage's own numbering differs from the whole's */
+        c.num_experts = 5, c.num_experts_per_tok = 2, c.moe_intermediate_size = 24, c.decoder_sparse_step = 1;
+        c.norm_topk_prob = 1, c.mlp_only_layers[0] = 2;
+    }
     mrl_model *src = small_model(&c, 21 + (uint64_t)arch);
     CHECK_OK(mrl_model_save_dir(src, dir));
     mrl_model_free(src);
@@ -56,10 +66,20 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
     CHECK_OK(mrl_model_set_dtype(whole, dtype));
     static batch xs[MAX_MB];
     static float lp[MAX_MB][96], ent[MAX_MB][96], val[MAX_MB][96];
+    static int16_t routes[MAX_MB][96 * 3 * 2];
     for (int j = 0; j < K; j++) {
         make_batch(&xs[j], c.vocab_size);
+        if (moe) { /* routing replay: other picks than the router's, the rows the whole model's (3 sparse layers) */
+            for (int64_t t = 0; t < xs[j].b.n_tokens; t++)
+                for (int o = 0; o < 3; o++)
+                    for (int k = 0; k < 2; k++) routes[j][(t * 3 + o) * 2 + k] = (int16_t)((t + 3 * o + k + j) % 5);
+            xs[j].b.routing = routes[j];
+        }
         CHECK_OK(mrl_model_forward(whole, &xs[j].b, 0.8f, lp[j], ent[j], c.value_head ? val[j] : NULL));
         CHECK_OK(mrl_model_backward(whole, xs[j].dlp, xs[j].dent, c.value_head ? xs[j].dval : NULL));
+        int64_t replayed = 0, differ = 0;
+        mrl_model_routing_replay_stats(whole, &replayed, &differ);
+        CHECK(!moe || (replayed == 3 * xs[j].b.n_tokens && differ > 0)); /* (other picks than its own) */
     }
     const float *gw = mrl_model_grads(whole), *pw = mrl_model_params(whole);
 
@@ -75,6 +95,7 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
         CHECK(mrl_model_pp(st[s].m, &got) == stages && got.stage == s && got.first_layer == first &&
               got.layers == layers[s] && mrl_model_pp_layers(st[s].m) == 4);
         CHECK(mrl_model_get_config(st[s].m)->num_hidden_layers == layers[s]);
+        CHECK(mrl_model_num_moe_layers(st[s].m) == (moe ? 3 : 0)); /* (the whole model's) */
         /* the views: this stage's parts, named as in the whole model, with its values */
         int64_t n = 0;
         for (int i = 0; i < mrl_model_num_views(st[s].m); i++) {
@@ -205,8 +226,11 @@ static void case_refusals(const char *dir) {
     CHECK_OK(mrl_model_save_dir(src, dir));
     mrl_model_free(src);
     mrl_model_stage moe = {0, 2, 0, 1};
-    CHECK(mrl_model_load_dir_stage(dir, &moe, 0, 1, 0, &m) == MRL_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(mrl_last_error(), "mixture-of-experts");
+    CHECK_OK(mrl_model_load_dir_stage(dir, &moe, 0, 1, 0, &m));
+    mrl_model_set_router_aux_coef(m, 0.01); /* the load-balancing loss counts every stage's layers */
+    CHECK(mrl_model_forward(m, &x.b, 1.0f, NULL, NULL, NULL) == MRL_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(mrl_last_error(), "load-balancing loss");
+    mrl_model_free(m);
 }
 
 int main(void) {
@@ -221,6 +245,10 @@ int main(void) {
     case_pp(MRL_ARCH_QWEN2, 0, 4, four, 8, dir);
     case_pp(MRL_ARCH_QWEN3, 1, 2, uneven, 8, dir);
     case_pp(MRL_ARCH_QWEN2, 0, 2, uneven, 1, dir);
+    /* a mixture of experts (a dense layer between sparse ones, routing replayed): 2 + 2, 1 + 3, 4 x 1 */
+    for (int dtype = 0; dtype < 2; dtype++) case_pp(MRL_ARCH_QWEN3_MOE, dtype, 2, two, 2, dir);
+    case_pp(MRL_ARCH_QWEN3_MOE, 0, 2, uneven, 8, dir);
+    case_pp(MRL_ARCH_QWEN3_MOE, 0, 4, four, 8, dir);
     case_refusals(dir);
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

@@ -12,7 +12,8 @@
 -- healed by a whole version; the bubble reported each
 -- step; a given mesh bit-identical run to run, across a stop and resume (each stage's optimizer
 -- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
--- parallel cannot take are usage errors naming them. A checkpoint resumes into another mesh (each
+-- parallel cannot take are usage errors naming them; a mixture of experts (SFT, GRPO with routing
+-- replay and a rollout rank) against one process. A checkpoint resumes into another mesh (each
 -- optimizer file says which slices of which tensors it holds). (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
@@ -105,6 +106,40 @@ t.test('pipeline-parallel trainers and a rollout rank: each stage sends its tens
     if case[3] == 'grpo' then t.truthy(bytes > 0, tag .. ': bytes a version reported') end
     if case[3] == 'ppo' then t.truthy(U.weights_diff(d .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
   end
+end)
+
+t.test('a mixture of experts in stages (a dense layer between sparse ones): sft on pp2 (and an uneven split); grpo with routing replay and a reference, trainers in stages and a rollout rank: one process\'s steps and weights, the replay\'s counts over every stage', function()
+  local json = require('moonrl.io.json')
+  local only = json.array()
+  only[1] = 1 -- layer 1 dense: a stage's own numbering of its sparse layers differs from the model's
+  local moe = dofile('tests/lib/models.lua').save(dir .. '/moe', 'qwen3_moe', { num_hidden_layers = 3, mlp_only_layers = only },
+    { seed = 4 })
+  local MSFT = U.with(SFT, { 'model.dir=' .. moe })
+  local MGRPO = U.with(GRPO, { 'model.dir=' .. moe, 'moe.routing_replay=true' })
+  for _, case in ipairs({ { 'recipes/sft.lua', MSFT, 'moe_sft', 0, 2, { 'dist.pp=2' } },
+    { 'recipes/sft.lua', MSFT, 'moe_sft', 0, 2, { 'dist.pp=2', 'dist.pp_layers=2,1' }, 'uneven' },
+    { 'recipes/grpo.lua', MGRPO, 'moe_grpo', 2, 3, { 'dist.pp=2' } } }) do
+    local one = dir .. '/one_' .. case[3]
+    if not fs.exists(one .. '/model') then run(case[4], case[1], case[2], 'one_' .. case[3]) end
+    local tag = string.format('pp_%s%s', case[3], case[7] and '_' .. case[7] or '')
+    local d = run(case[5], case[1], U.with(case[2], case[6]), tag)
+    local a, b = U.records(d), U.records(one)
+    local w, sd = U.weights_diff(d .. '/model', one .. '/model'), steps_diff(a, b)
+    print(string.format('  %s on %d ranks, %s: weights %.3g, steps %.3g from one process', case[3], case[5],
+      table.concat(case[6], ' '), w, sd))
+    t.truthy(w <= 1e-5 and sd <= 1e-5, tag .. ': the steps and weights of one process')
+    if case[3] == 'moe_grpo' then
+      for i = 1, #b do
+        t.eq(a[i].tokens, b[i].tokens, tag .. ' step ' .. i .. ': the same tokens')
+        t.truthy(a[i]['moe/replayed'] > 0 and a[i]['moe/replayed'] == b[i]['moe/replayed'] and
+          a[i]['moe/routing_mismatch'] == b[i]['moe/routing_mismatch'],
+          string.format('%s step %d: the replay over every stage (%s, %s)', tag, i, a[i]['moe/replayed'], b[i]['moe/replayed']))
+      end
+    end
+  end
+  local r = U.run_ranks(exe, 3, 'recipes/grpo.lua', U.with(MGRPO, { 'dist.pp=2', 'moe.aux_loss_coef=0.01',
+    'run.dir=' .. dir .. '/moe_aux' }), { expect_fail = true })
+  t.truthy(not r.ok and (r.stderr .. r.stdout):find('dist.pp=2 with moe.aux_loss_coef=0.01', 1, true), 'aux loss: ' .. r.stderr)
 end)
 
 t.test('weight sync between layouts: ZeRO-3 trainers on 2 ranks -> rollout ranks in tensor parallel 2, pp2 x tp2 -> tp4: the tokens and weights of one trainer, each rollout rank sent exactly its slices, every version checked', function()

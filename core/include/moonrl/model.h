@@ -377,7 +377,10 @@ mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
  * and a value head; a tied head is the last stage's own copy of model.embed_tokens.weight, whose
  * gradient the caller sums with the first stage's before each update (so the copies stay equal).
  * mrl_model_load_dir_stage loads one from a whole model's directory (tp_size > 1: this tensor-
- * parallel rank's slices of it); the file's tensors of other stages are skipped. Dense models.
+ * parallel rank's slices of it); the file's tensors of other stages are skipped. A mixture of
+ * experts: the stage's config numbers its own layers (mlp_only_layers in its numbering,
+ * decoder_sparse_step 1; saving writes the whole model's); its forward refuses the
+ * load-balancing loss (mrl_model_set_router_aux_coef > 0: it counts every stage's layers).
  * A non-first stage's forward reads its input rows [mrl_model_pp_rows, hidden] from x
  * (mrl_model_pp_set_input, borrowed until that forward) instead of the embedding; a non-last
  * stage's forward takes no outputs (all NULL) and leaves its last layer's output rows at
@@ -460,7 +463,9 @@ void mrl_model_zero_grad(mrl_model *m);
  * with an unscaled aux term would. Under routing replay (mrl_batch.routing) f_e counts the
  * replayed picks, the experts that ran. */
 double mrl_model_router_aux_loss(const mrl_model *m);
-/* The number of sparse layers (0 for a dense model): the middle dimension of mrl_batch.routing. */
+/* The number of sparse layers (0 for a dense model): the middle dimension of mrl_batch.routing.
+ * A pipeline stage's is the whole model's (a batch's routing rows are the whole model's; the
+ * stage reads and, in mrl_model_get_routing, writes only its own layers' columns, the others -1). */
 int mrl_model_num_moe_layers(const mrl_model *m);
 /* The experts the last forward sent each token to in each sparse layer, its own picks or the
  * replayed ones: [n_tokens, num_moe_layers, num_experts_per_tok] into out (cap entries at

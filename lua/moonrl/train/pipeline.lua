@@ -50,11 +50,15 @@ function M.stages(L, p, layer_cost, head_cost)
   return counts
 end
 
--- The per-token cost of a layer and of the head (multiply-adds) of a config table.
+-- The per-token cost of a layer and of the head (multiply-adds) of a config table. (A mixture of
+-- experts: a layer's MLP is its num_experts_per_tok experts' and the router, every layer counted
+-- as sparse.)
 function M.costs(c)
   local hd = c.head_dim or c.hidden_size / c.num_attention_heads
   local D, q, kv = c.hidden_size, c.num_attention_heads * hd, c.num_key_value_heads * hd
-  return D * (2 * q + 2 * kv) + 3 * D * c.intermediate_size, D * c.vocab_size
+  local mlp = (c.num_experts or 0) > 0 and 3 * D * c.num_experts_per_tok * c.moe_intermediate_size + D * c.num_experts
+    or 3 * D * c.intermediate_size
+  return D * (2 * q + 2 * kv) + mlp, D * c.vocab_size
 end
 
 -- One update's micro-batches (list: { {b, first}, ... } in order, the same on every stage) on a
@@ -76,9 +80,11 @@ function M.run(model, list, step, refs, opts)
     fn()
     trace.finish(label)
   end
+  pp.replayed, pp.replay_differ = 0, 0 -- (a mixture of experts: this stage's layers' routing replay, step's on the last)
   if s == p - 1 then
     for i, e in ipairs(list) do span('FB', i, function() step(e[1], e[2], i) end) end
   else
+    local moe = model:num_moe_layers() > 0
     local slots = math.max(math.min(p - s, K), 1)
     model:pp_slots(slots) -- (the same count as before: nothing)
     local ahead = math.min(p - s - 1, K)
@@ -86,7 +92,12 @@ function M.run(model, list, step, refs, opts)
       span('F', j, function()
         for _, r in ipairs(refs or {}) do r:forward(list[j][1]) end
         model:use_slot((j - 1) % slots)
-        model:forward(list[j][1], opts)
+        local b = list[j][1] -- (routing replay: every stage replays its own layers' picks of the rows)
+        model:forward(b, b.routing and setmetatable({ routing = b.routing }, { __index = opts }) or opts)
+        if moe then
+          local r, d = model:routing_replay_stats()
+          pp.replayed, pp.replay_differ = pp.replayed + r, pp.replay_differ + d
+        end
       end)
     end
     local function B(j)

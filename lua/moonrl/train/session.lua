@@ -278,6 +278,9 @@ function M.mesh_of(cfg, device)
   -- (the engine thread of an asynchronous mode in one process would step the group from a second thread)
   if R == 0 and cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
   if PP > 1 and cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
+  if PP > 1 and cfg.moe and (cfg.moe.aux_loss_coef or 0) > 0 then -- (its counts span every stage's layers)
+    no('moe.aux_loss_coef=' .. cfg.moe.aux_loss_coef)
+  end
   local w = dist.world(cfg.dist.timeout)
   if R > 0 then -- the trainers form the mesh; the rollout ranks hold the policy whole (their slices sent them)
     if cfg.async and cfg.async.weights == 'shm' then no('async.weights=shm (the slices go to the rollout ranks by MPI)') end

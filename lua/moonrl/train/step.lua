@@ -224,6 +224,10 @@ function M.policy_step(o)
     all, pipe = M.run_micro_batches(model, it, function(b, first) micro_step(b, first) end,
       { sums = sums, mm = mm, is = is_acc or false, behav = behav_acc or false }, { o.ref })
     sums, mm, is_acc, behav_acc = all.sums, all.mm, all.is or nil, all.behav or nil
+    if n_moe > 0 then -- (the other stages' layers' routing replay: pipeline.run counted it)
+      local c = model.pp.world:sum({ model.pp.replayed, model.pp.replay_differ })
+      sums.moe_replayed, sums.moe_differ = sums.moe_replayed + c[1], sums.moe_differ + c[2]
+    end
   else
     for b, first, _, is_last in M.collective_batches(model, world, it) do
       if is_last and o.opt.arm then o.opt:arm() end -- the gradient sums start during this backward
@@ -243,7 +247,8 @@ function M.policy_step(o)
     lr = o.lr or o.opt.lr, tokens = tokens, pipeline = pipe,
     mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
   if n_moe > 0 then
-    m.moe = { aux_loss = sums.moe_aux / math.max(sums.moe_tokens, 1), aux_coef = model:router_aux_coef(),
+    -- (a pipeline stage's aux loss would be its layers' alone: none, the loss itself is refused there)
+    m.moe = { aux_loss = not model.pp and sums.moe_aux / math.max(sums.moe_tokens, 1) or nil, aux_coef = model:router_aux_coef(),
       replayed = sums.moe_replayed / math.max(sums.moe_tokens * n_moe, 1),
       routing_mismatch = sums.moe_replayed > 0 and sums.moe_differ / sums.moe_replayed or 0 }
   end
