@@ -248,6 +248,26 @@ t.test('context-parallel trainers and rollout ranks: their first rank sends the 
   end
 end)
 
+t.test('the asynchronous modes in one process (each batch generated between steps, by the group together) under tensor and context parallel: one process\'s steps and weights', function()
+  for _, mode in ipairs({ 'one_step_off', 'async' }) do
+    local words = U.with(GRPO, { 'async.mode=' .. mode })
+    local one = run(0, 'recipes/grpo.lua', words, 'async_one_' .. mode)
+    for _, key in ipairs({ 'dist.tp=2', 'dist.cp=2' }) do
+      local tag = 'async_' .. mode .. '_' .. key:sub(6, 7)
+      local d = run(2, 'recipes/grpo.lua', U.with(words, { key }), tag)
+      local a, b = U.records(d), U.records(one)
+      local e = rel_diff(d .. '/model', one .. '/model')
+      for i = 1, #b do
+        t.eq(a[i].tokens, b[i].tokens, tag .. ' step ' .. i .. ': the same tokens')
+        t.truthy(math.abs(a[i].grad_norm - b[i].grad_norm) <= 1e-6 * math.max(b[i].grad_norm, 0.01),
+          string.format('%s step %d: the gradient norm of one process (%g, %g)', tag, i, a[i].grad_norm, b[i].grad_norm))
+      end
+      print(string.format('  %s: %.3g from one process', tag, e))
+      t.truthy(e <= 1e-5 and #a == #b, tag .. ': the weights of one process')
+    end
+  end
+end)
+
 t.test('plain data parallel, ppo on 2 ranks with several micro-batches a rank: the critic\'s loop does not start the policy\'s gradient sums early', function()
   local one = dir .. '/one_ppo'
   if not fs.exists(one .. '/model') then run(0, 'recipes/ppo.lua', PPO, 'one_ppo') end
@@ -284,7 +304,7 @@ end)
 t.test('what tensor parallel cannot take: usage errors naming the key', function()
   for _, case in ipairs({ { 2, { 'dist.tp=3' }, 'dist.tp=3 does not divide the 2 ranks' },
     { 3, { 'dist.tp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
-    { 2, { 'dist.tp=2', 'async.mode=one_step_off' }, 'dist.tp=2 with async.mode=one_step_off' },
+    { 2, { 'dist.tp=2', 'async.mode=one_step_off', 'async.engine_threads=1' }, 'dist.tp=2 with async.engine_threads=1' },
     { 3, { 'dist.cp=3' }, 'num_attention_heads (4) is not a multiple of 3' },
     { 3, { 'dist.cp=2', 'dist.tp=2' }, 'dist.tp=2 x dist.cp=2 does not divide the 3 ranks' },
     { 2, { 'dist.sequence_parallel=true' }, 'dist.sequence_parallel splits the tensor-parallel groups' } }) do

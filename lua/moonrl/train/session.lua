@@ -275,8 +275,11 @@ function M.mesh_of(cfg, device)
   if PP > 1 and cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
   local R = cfg.dist.rollout_ranks or 0
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
-  -- (the engine thread of an asynchronous mode in one process would step the group from a second thread)
-  if R == 0 and cfg.async and sections.lag(cfg) > 0 then no('async.mode=' .. tostring(cfg.async.mode)) end
+  -- (an engine thread would step the group from a second thread; without one, a batch of an
+  -- asynchronous mode in one process is generated between steps, by the group together)
+  if R == 0 and cfg.async and (cfg.async.engine_threads or 0) > 0 then
+    no('async.engine_threads=' .. cfg.async.engine_threads)
+  end
   if PP > 1 and cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
   if PP > 1 and cfg.moe and (cfg.moe.aux_loss_coef or 0) > 0 then -- (its counts span every stage's layers)
     no('moe.aux_loss_coef=' .. cfg.moe.aux_loss_coef)
