@@ -204,8 +204,11 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
 static mrl_status check_batch(const mrl_model *m, const mrl_batch *b, int64_t *max_len) {
     if (!b || !b->cu_seqlens || (!b->tokens && b->n_tokens > 0))
         return mrl_set_error(MRL_ERR_INVALID, "model forward: batch, tokens and cu_seqlens must not be NULL");
-    if (m->ep && b->n_tokens == 0 && b->n_seqs == 0 && b->cu_seqlens[0] == 0) {
-        *max_len = 0; /* no tokens here: this rank still serves its experts to the others (model.h) */
+    /* no tokens here: where the forward and backward are collectives of the ranks (expert
+     * parallelism, a sharded model's gathers, its gradients' reduce-scatters), this rank still
+     * takes its part in them for the others (model.h) */
+    if ((m->ep || m->gather_start || m->grad_acquire) && b->n_tokens == 0 && b->n_seqs == 0 && b->cu_seqlens[0] == 0) {
+        *max_len = 0;
         return MRL_OK;
     }
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->n_tokens > ((int64_t)1 << 31) - 1)

@@ -130,6 +130,27 @@ t.test('zero=2 with several micro-batches a rank: within 1e-5 of plain data para
   end
 end)
 
+t.test('zero=2 and 3 with ranks of different micro-batch counts (3 samples over 2 ranks, small micro-batches): the ranks with fewer pass empty ones through the collectives; within 1e-5 of plain data parallel and of one process', function()
+  -- (the held-out loss too: its forwards gather the shards under zero=3)
+  local words = U.with(SFT, { 'train.batch=3', 'train.micro_batch_tokens=12', 'eval.every=1', 'dist.timeout=30' })
+  local one, plain = dir .. '/uneven1', dir .. '/uneven_plain'
+  run(0, 'recipes/sft.lua', U.words(words, one))
+  run(2, 'recipes/sft.lua', U.words(words, plain))
+  for _, zero in ipairs({ 2, 3 }) do
+    local d = dir .. '/uneven_zero' .. zero
+    run(2, 'recipes/sft.lua', U.words(words, d, { 'dist.zero=' .. zero }))
+    local e_plain, e_one = rel_diff(weights(plain), weights(d)), rel_diff(weights(one), weights(d))
+    print(string.format('  zero=%d, 2 ranks of 2 and 1 samples, 12-token micro-batches: %.3g to zero=0, %.3g to 1 process',
+      zero, e_plain, e_one))
+    t.truthy(e_plain <= 1e-5 and e_one <= 1e-5, 'zero=' .. zero .. ': within 1e-5')
+    local pm, zm = U.records(plain), U.records(d)
+    for i = 1, #pm do
+      t.truthy(math.abs(pm[i].eval_loss - zm[i].eval_loss) <= 1e-5 * math.abs(pm[i].eval_loss),
+        'zero=' .. zero .. ' step ' .. i .. ': the held-out loss')
+    end
+  end
+end)
+
 t.test('zero=2 on 2 ranks: no whole gradient buffer; the shard, windows and scratch are what a rank holds', function()
   -- 16 layers, so that a layer's window is small against the whole, and 1 MB segments (the
   -- scratch: two segments' pieces from every rank); plain data parallel holds the whole

@@ -261,7 +261,13 @@ void mrl_model_set_grad_hook(mrl_model *m, mrl_grad_hook hook, void *ctx);
  * gradients there, and the grad hook, which must be set, says when the range
  * is final: the window is then the lender's again. A NULL window fails the
  * backward (MRL_ERR_NOMEM naming the range). mrl_model_grads then fails
- * naming the windows. NULL acquire: the one gradient buffer (the default). */
+ * naming the windows. NULL acquire: the one gradient buffer (the default).
+ * Where the windows' sums are collectives of the ranks (ZeRO-2), and likewise
+ * a sharded model's gathers (ZeRO-3, below), every rank runs the same number
+ * of forwards and backwards: a rank with no tokens left passes an empty
+ * batch (n_tokens = n_seqs = 0, cu_seqlens = {0}), whose backward adds
+ * nothing and still takes its part in the sums (as under expert
+ * parallelism). */
 typedef float *(*mrl_grad_acquire)(void *ctx, int64_t offset, int64_t count);
 void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ctx);
 

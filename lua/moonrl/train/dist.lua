@@ -563,6 +563,7 @@ function M.data_parallel(w, opt, model, opts)
     end
     self.shard_grads = C.mrl_dist_grad_shard_grads(out[0])
     C.mrl_model_set_grad_windows(model.handle, C.mrl_dist_grad_shard_acquire, out[0])
+    model.grad_windows = true -- (its backwards are collectives: moonrl.train.step's collective)
     C.mrl_model_set_grad_hook(model.handle, C.mrl_dist_grad_shard_ready, out[0])
   else
     self.grads = opt:bind_grads()

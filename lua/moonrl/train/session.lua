@@ -599,10 +599,10 @@ function Session:micro_batches(samples, max_tokens, opts)
   local mine = opts and opts.mine and samples or self:local_samples(samples)
   local it = batch.micro_batches(mine, max_tokens, opts)
   local policy = self.policy
-  if policy and policy.expert_range and select(3, policy:expert_range()) then
-    -- expert parallelism (step.collective_batches): every rank as many micro-batches, empty ones
-    -- serving the experts, and the gradient sums armed on the last of all (an empty batch's
-    -- backward still adds to this rank's experts)
+  if policy and self.world.size > 1 and train.collective(policy) then
+    -- expert parallelism, ZeRO-2 and 3 (step.collective_batches): every rank as many
+    -- micro-batches, empty ones serving the others' collectives, and the gradient sums armed on
+    -- the last of all (an empty batch's backward still adds to this rank's experts)
     local cit = train.collective_batches(policy, self.world, it)
     return function()
       local b, first, last, is_last = cit()

@@ -24,14 +24,21 @@ local pipeline = require('moonrl.train.pipeline')
 
 local M = {}
 
+-- Whether every forward and backward of model is a collective of the data-parallel ranks:
+-- expert parallelism (model:set_expert_parallel: its exchanges), ZeRO-3 (its parameter gathers)
+-- and ZeRO-2 (its gradient reduce-scatters, model.grad_windows: moonrl.train.dist).
+function M.collective(model)
+  return model._gather ~= nil or model.grad_windows or (model.expert_range and select(3, model:expert_range())) or false
+end
+
 -- The micro-batches of an iterator (batch.micro_batches) with, for each, whether it is the step's
--- last (the one whose backward arms the gradient sums). Under expert parallelism
--- (model:set_expert_parallel) every forward and backward of the model is a collective of its
--- ranks, so each rank runs as many as the rank with the most (world:max), the rest empty
--- batches (model.empty_batch, first = nil): through them a rank serves its experts to the others'
--- tokens. Returns an iterator of (b, first, last, is_last).
+-- last (the one whose backward arms the gradient sums). Where the model's forwards and backwards
+-- are collectives of its ranks (M.collective) each rank runs as many as the rank with the most
+-- (world:max), the rest empty batches (model.empty_batch, first = nil): through them a rank
+-- serves its experts to the others' tokens, gathers its shards for them, sums its gradients with
+-- theirs. Returns an iterator of (b, first, last, is_last).
 function M.collective_batches(model, world, it)
-  if not (world and world.size > 1 and model.expert_range and select(3, model:expert_range())) then
+  if not (world and world.size > 1 and M.collective(model)) then
     -- no expert parallelism: packed as they are used, one ahead to know the last
     local nb, nf, nl = it()
     return function()
@@ -55,12 +62,12 @@ function M.collective_batches(model, world, it)
 end
 
 -- An empty batch's forward and backward (see collective_batches); refs: models whose forwards
--- the step runs before the model's (a reference), each served too where its experts are split.
+-- the step runs before the model's (a reference), each run too where it is collective.
 local no_grad = ffi.new('float[1]')
 
 function M.serve_experts(model, b, refs)
   for _, r in ipairs(refs or {}) do
-    if r and r.expert_range and select(3, r:expert_range()) then r:forward(b) end
+    if r and M.collective(r) then r:forward(b) end
   end
   model:forward(b)
   model:backward(no_grad)
