@@ -1,7 +1,8 @@
 -- dist.pp: the policy's layers split into stages (ranks), micro-batches under 1F1B, the loss on
 -- the last stage. Against one process on the same global batch: SFT with pp 2 and 4 (1, 2 and 8
 -- micro-batches a step, a tied head and an untied one), an uneven split (dist.pp_layers), 2
--- pipelines of 2 (data parallel over them, and ZeRO-1), pp 2 x tp 2 (and sequence parallel),
+-- pipelines of 2 (data parallel over them, ZeRO-1, and ZeRO-2 with an untied head, also with
+-- pipelines of different micro-batch counts), pp 2 x tp 2 (and sequence parallel),
 -- pp 2 x cp 2, DPO; each within 1e-5 of
 -- one process's final weights, and the steps' loss and gradient norm too; trainers in stages (and
 -- pp 2 x tp 2) sending their tensors to a rollout rank: GRPO with a reference and PPO with its
@@ -53,7 +54,7 @@ local function steps_diff(a, b)
   return worst
 end
 
-t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied and untied heads, an uneven split, 2 pipelines, ZeRO-1, pp2 x tp2 with and without sequence parallel, pp2 x cp2): one process\'s steps and weights', function()
+t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied and untied heads, an uneven split, 2 pipelines, ZeRO-1 and 2, pp2 x tp2 with and without sequence parallel, pp2 x cp2): one process\'s steps and weights', function()
   local cases = {
     { 'recipes/sft.lua', SFT, 'sft', 2, { 'dist.pp=2' } },
     { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=40' }), 'sft_mb', 2, { 'dist.pp=2' } },
@@ -63,6 +64,11 @@ t.test('sft and dpo in pipeline stages (pp 2 and 4, 1 to 8 micro-batches, tied a
     { 'recipes/sft.lua', SFT, 'sft', 2, { 'dist.pp=2', 'dist.pp_layers=1,3' }, 'uneven' },
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2' }, 'dp2' },
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.zero=1' }, 'zero1' },
+    -- (ZeRO-2: an untied head; 5 samples over 2 pipelines, the one with fewer micro-batches passing empty ones)
+    { 'recipes/sft.lua', U.with(SFT, { 'model.dir=' .. untied, 'train.micro_batch_tokens=40' }), 'sft_untied', 4,
+      { 'dist.pp=2', 'dist.zero=2' }, 'zero2' },
+    { 'recipes/sft.lua', U.with(SFT, { 'model.dir=' .. untied, 'train.micro_batch_tokens=40', 'train.batch=5' }),
+      'sft_untied5', 4, { 'dist.pp=2', 'dist.zero=2' }, 'zero2' },
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.tp=2' }, 'tp2' },
     { 'recipes/sft.lua', SFT, 'sft', 4, { 'dist.pp=2', 'dist.tp=2', 'dist.sequence_parallel=true' }, 'tp2sp' },
     { 'recipes/sft.lua', U.with(SFT, { 'train.micro_batch_tokens=40' }), 'sft_mb', 4, { 'dist.pp=2', 'dist.cp=2' }, 'cp2' },
@@ -238,7 +244,8 @@ t.test('usage errors name the key', function()
   for _, case in ipairs({
     { 2, { 'dist.pp=3' }, 'dist.pp=3 does not divide the 2 ranks' },
     { 2, { 'dist.pp=2', 'dist.pp_layers=2,1' }, 'dist.pp_layers=2,1' },
-    { 2, { 'dist.pp=2', 'dist.zero=2' }, 'dist.pp=2 with dist.zero=2' },
+    { 2, { 'dist.pp=2', 'dist.zero=2' }, 'dist.pp=2 with dist.zero=2 on a model with a tied head' },
+    { 2, { 'dist.pp=2', 'dist.zero=3' }, 'dist.pp=2 with dist.zero=3' },
     { 2, { 'dist.pp=2', 'eval.every=1' }, 'dist.pp=2: the engine (rollouts, evaluation)' },
     { 4, { 'dist.pp=4', 'model.dir=' .. U.tiny_model(dir .. '/init2', { layers = 2, vocab_size = 16 }) },
       'more stages than the model\'s 2 layers' },

@@ -272,7 +272,11 @@ function M.mesh_of(cfg, device)
     moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or key == 'pp' and PP or TP,
       what))
   end
-  if PP > 1 and cfg.dist.zero >= 2 then no('dist.zero=' .. cfg.dist.zero .. ' (ZeRO-1 shards a stage\'s optimizer state)') end
+  if PP > 1 and cfg.dist.zero == 3 then no('dist.zero=3 (ZeRO-1 and 2 shard a stage\'s state)') end
+  if PP > 1 and cfg.dist.zero == 2 and model_mod.config_of(require('moonrl.io.gguf').resolve(cfg.model.dir)).tie_word_embeddings then
+    -- (the first and last stages' gradients of a tied embedding are summed whole: pipeline.sync_tied)
+    no('dist.zero=2 on a model with a tied head (tie_word_embeddings)')
+  end
   local R = cfg.dist.rollout_ranks or 0
   if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
   -- (an engine thread would step the group from a second thread; without one, a batch of an

@@ -228,7 +228,7 @@ function M.policy_step(o)
   local it, pipe = batch.micro_batches(samples, o.micro_batch_tokens or 4096, share), nil
   if model.pp then -- pipeline parallel: 1F1B over the stages, the loss on the last (moonrl.train.pipeline)
     local all -- (micro_step adds to these tables: the last stage's go to every stage)
-    all, pipe = M.run_micro_batches(model, it, function(b, first) micro_step(b, first) end,
+    all, pipe = M.run_micro_batches(model, M.collective_batches(model, world, it), function(b, first) micro_step(b, first) end,
       { sums = sums, mm = mm, is = is_acc or false, behav = behav_acc or false }, { o.ref })
     sums, mm, is_acc, behav_acc = all.sums, all.mm, all.is or nil, all.behav or nil
     if n_moe > 0 then -- (the other stages' layers' routing replay: pipeline.run counted it)
@@ -282,7 +282,9 @@ function M.run_micro_batches(model, batches, step, acc, refs)
   end
   local list = {}
   for b, first, last in batches do list[#list + 1] = { b, first, last } end
-  local pipe = M.pipeline_run(model, list, function(b, first, i) step(b, first, list[i][3], acc) end, refs)
+  local pipe = M.pipeline_run(model, list, function(b, first, i)
+    if first then step(b, first, list[i][3], acc) else M.serve_experts(model, b, refs) end -- (an empty batch: collective)
+  end, refs)
   return pipeline.share(model, acc), pipe
 end
 
