@@ -245,10 +245,13 @@ typedef struct mrl_kernels {
                      const float *dentropy);
 
     /* ---- rows, biases, weight panels ---- */
-    /* out[i] = src[idx[i]] for i < n, rows of D floats (the embedding). */
+    /* out[i] = src[idx[i]] for i < n, rows of D floats (the embedding); a
+     * negative idx[i]: a row of zeros (a token of another rank's slice of a
+     * vocabulary-parallel embedding). */
     void (*gather_rows)(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D);
     /* dst[idx[i]] += src[i] for i = 0 .. n-1 in that order (the embedding's
-     * gradient: a row named twice gets both, first one first). */
+     * gradient: a row named twice gets both, first one first); a negative
+     * idx[i] adds nothing. */
     void (*scatter_add_rows)(float *dst, const float *src, const int32_t *idx, int64_t n, int64_t D);
     /* y[t] += b for t < T, rows of N floats. */
     void (*bias_add)(float *y, const float *b, int64_t T, int64_t N);

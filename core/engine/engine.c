@@ -78,6 +78,7 @@ struct mrl_engine {
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
     float *logits;           /* [S,V] */
     float *logits_part, *logits_all; /* vocabulary-parallel: this rank's [S,V/tp], the group's [tp,S,V/tp] */
+    int32_t *tp_ids, *tp_ids_host;   /* and a step's tokens as rows of its slice (mrl_model_tp_ids; a GPU's staged) */
     int64_t logit_rows;      /* S */
     mrl_buffer attn_ws; /* paged attention's workspace */
     /* on a GPU: the step's host arrays packed (stage_host) and their copy on the device
@@ -207,6 +208,7 @@ static int64_t layout(mrl_engine *e, char *base) {
     if (Vp) { /* (tensor parallel, tp.c) */
         TAKE(e->logits_part, S * Vp);
         TAKE(e->logits_all, S * V);
+        MRL_LAYOUT_TAKE(base, off, e->tp_ids, int32_t, T);
     }
 #undef TAKE
     return off;
@@ -357,6 +359,7 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_buffer_free(&e->attn_ws);
     mrl_buffer_free(&e->stage_dev);
     mrl_mem_free(e->stage_host);
+    mrl_mem_free(e->tp_ids_host);
     mrl_mem_free(e->panels);
     mrl_buffer_free(&e->copy16);
     mrl_buffer_free(&e->copy_p16);
@@ -423,6 +426,10 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (!st) {
         layout(e, e->act_buf);
         rebase(e, mrl_model_params(model));
+    }
+    if (!st && e->tp_ids && on_device) { /* (tensor parallel: the step's slice rows, made on the host) */
+        e->tp_ids_host = mrl_mem_alloc(sizeof(int32_t) * (size_t)c.max_num_batched_tokens, MRL_MEM_ACTIVATIONS);
+        if (!e->tp_ids_host) st = mrl_wrap_error(MRL_ERR_NOMEM, "engine create: tensor parallel's token rows");
     }
     if (!st && c.pack_weights && mrl_model_dtype(model) != MRL_MODEL_BF16) { /* bf16 reads bf16 copies */
         int64_t floats = point_panels(e); /* no panels yet: only counts */
@@ -646,8 +653,14 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
     mrl_status st = MRL_OK;
     float *logits = e->logits_part ? e->logits_part : e->logits; /* vocabulary-parallel: this rank's slice */
-    if (e->logits_part) mrl_model_tp_embed(m, e->x, e->w.embed, b->token_ids, T); /* (tp.c) */
-    else k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
+    if (e->logits_part) { /* this rank's rows, summed over the group (tp.c; no graph captures a tensor-parallel step) */
+        int32_t *ids = e->on_device ? e->tp_ids_host : e->tp_ids;
+        mrl_model_tp_ids(m, hb->token_ids, ids, T);
+        if (e->on_device && (st = k->to_device(e->tp_ids, ids, (int64_t)sizeof(int32_t) * T))) return st;
+        mrl_model_tp_embed(m, e->x, e->w.embed, e->tp_ids, T);
+    } else {
+        k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
+    }
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
@@ -713,7 +726,8 @@ static void drop_graphs(mrl_engine *e) {
 }
 
 static int decode_only(const mrl_engine *e, const mrl_sched_batch *b) {
-    return e->on_device && e->cfg.cuda_graphs && b->n_prefill_tokens == 0 && b->n_tokens == b->n_seqs &&
+    return e->on_device && e->cfg.cuda_graphs && mrl_model_tp(e->m, NULL, NULL) == 1 && b->n_prefill_tokens == 0 &&
+           b->n_tokens == b->n_seqs &&
            b->n_logits == b->n_tokens;
 }
 

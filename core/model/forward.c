@@ -118,8 +118,12 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(m->rstdf, float, T);
     TAKE(m->head_lse, float, T);
     TAKE(m->head_ent, float, T);
-    if (m->tp_vocab) TAKE(m->tp_stats, float, 3 * T * (1 + m->tp_size)); /* (tp.c) */
-    else if (base) m->tp_stats = NULL;
+    if (m->tp_vocab) { /* (tp.c) */
+        TAKE(m->tp_stats, float, 3 * T * (1 + m->tp_size));
+        TAKE(m->tp_ids, int32_t, T);
+    } else if (base) {
+        m->tp_stats = NULL, m->tp_ids = NULL;
+    }
     /* default: HEAD_LOGITS_BYTES of logits, but at least 128 tokens (a
      * matrix product with fewer rows is slow and rereads the whole lm_head
      * gradient) */
@@ -187,8 +191,8 @@ static mrl_status ensure_acts(mrl_model *m, int64_t T) {
     int64_t bytes = mrl_model_layout_acts(m, T, NULL);
     if (m->xs && m->la && mrl_buffer_alloc(m->device, (size_t)bytes, MRL_MEM_ACTIVATIONS, &m->act_mem) == MRL_OK)
         m->act_buf = m->act_mem.data;
-    if (m->act_buf && m->k->on_device) { /* positions and targets are computed on the host */
-        m->host_pos_targets = mrl_mem_alloc(sizeof(int32_t) * 2 * T, MRL_MEM_ACTIVATIONS);
+    if (m->act_buf && m->k->on_device) { /* positions and targets (and tp_ids) are computed on the host */
+        m->host_pos_targets = mrl_mem_alloc(sizeof(int32_t) * (m->tp_vocab ? 3 : 2) * T, MRL_MEM_ACTIVATIONS);
         if (!m->host_pos_targets) m->act_buf = NULL;
     }
     if (!m->act_buf) {
@@ -293,12 +297,17 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         for (int64_t i = lo; i < hi; i++) pos[i - cp0] = (int32_t)(start + i - b->cu_seqlens[s]);
     }
     for (int64_t i = 0; i < T; i++) targets[i] = b->targets ? b->targets[cp0 + i] : -1;
-    if (m->tp_vocab) mrl_model_tp_targets(m, targets, targets, T); /* as this rank's slice reads them */
+    int32_t *ids = dev ? m->host_pos_targets + 2 * T : m->tp_ids;
+    if (m->tp_vocab) { /* as this rank's slice reads them (tp.c) */
+        mrl_model_tp_targets(m, targets, targets, T);
+        mrl_model_tp_ids(m, b->tokens + cp0, ids, T);
+    }
     m->op_tokens = b->tokens, m->op_cu_seqlens = b->cu_seqlens, m->op_prefix = b->prefix;
     if (dev) {
         int64_t ints = (int64_t)sizeof(int32_t);
         st = k->to_device(m->pos, pos, ints * T);
         if (!st) st = k->to_device(m->targets, targets, ints * T);
+        if (!st && m->tp_vocab) st = k->to_device(m->tp_ids, ids, ints * T);
         if (!st) st = k->to_device(m->dev_tokens, b->tokens, ints * T);
         if (!st) st = k->to_device(m->dev_cu_seqlens, b->cu_seqlens, ints * (b->n_seqs + 1));
         if (!st && b->prefix) st = k->to_device(m->dev_prefix, b->prefix, ints * b->n_seqs);
@@ -328,9 +337,9 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         k->copy(m->xs[0], m->pp_in, (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D);
         m->pp_in = NULL; /* (one forward's) */
     } else if (m->tp_seq) { /* this rank's vocabulary rows, summed into each rank's token rows (tp.c) */
-        mrl_model_tp_embed_rows(m, m->gs.sp_full, m->embed, m->op_tokens, T);
+        mrl_model_tp_embed_rows(m, m->gs.sp_full, m->embed, m->tp_ids, T);
         mrl_model_sp_reduce_scatter(m, m->gs.sp_full, m->xs[0]);
-    } else if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->op_tokens + cp0, T); /* (tp.c) */
+    } else if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->tp_ids, T); /* (tp.c) */
     else k->gather_rows(m->xs[0], m->embed, m->op_tokens + cp0, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
     if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
@@ -401,7 +410,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         m->have_forward = 0;
         return st;
     }
-    if (m->tp_vocab && lp_out && !b->targets) memset(lp_out, 0, sizeof(float) * (size_t)T);
+    if (m->tp_vocab && lp_out && !b->targets) k->zero(lp_out, (int64_t)sizeof(float) * T);
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
     if (cp) { /* every rank's tokens' outputs (cp.c) */
         if (logprobs) mrl_model_cp_gather(m, lp_out, logprobs);
@@ -571,8 +580,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     if (m->tp_seq) { /* every token's rows, then this rank's vocabulary rows of them (tp.c) */
         mrl_model_sp_gather(m, m->gs.dx, m->gs.sp_full);
         if ((st = mrl_model_tp_status(m))) return st;
-        mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.sp_full, m->op_tokens, T);
-    } else if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T); /* this rank's rows */
+        mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.sp_full, m->tp_ids, T);
+    } else if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->tp_ids, T); /* this rank's rows */
     else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T, D); /* embedding rows, in token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);

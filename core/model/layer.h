@@ -192,15 +192,19 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
 mrl_status mrl_model_tp_status(mrl_model *m);
 /* Vocabulary-parallel embedding and head (tp.c; the model's when tensor parallel divides its
  * vocabulary, its config's vocab_size then this rank's rows of them, else 0 and whole):
- * mrl_model_tp_vocab gives the rows and the first one's id in *lo. tp_embed fills x [T,D]
- * with the embedding rows of tokens, each from the rank that holds it (summed over the group:
- * the others' rows are zeros); tp_logits puts the group's logits [S, rows] of S rows side by
- * side into whole [S, V] (all: [size * S * rows] of scratch), for the sampler. */
+ * mrl_model_tp_vocab gives the rows and the first one's id in *lo. tp_ids turns T tokens
+ * (host memory) into rows of this rank's slice, -1 for the others' (ids: host memory; the
+ * embedding's ops read them where the model computes). tp_embed fills x [T,D] with the
+ * embedding rows of the tokens, each from the rank that holds it (summed over the group: the
+ * others' rows are zeros); tp_logits puts the group's logits [S, rows] of S rows side by side
+ * into whole [S, V] (all: [size * S * rows] of scratch), for the sampler. A GPU model's sums
+ * and gathers go through the host. */
 int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo);
 int mrl_model_whole_vocab(const mrl_model *m);
-void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T);
+void mrl_model_tp_ids(const mrl_model *m, const int32_t *tokens, int32_t *ids, int64_t T);
+void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *ids, int64_t T);
 /* The same without the sum: this rank's rows, zeros for the others' tokens. */
-void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T);
+void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *ids, int64_t T);
 mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S, float *all, float *whole);
 /* RoPE tables for positions < max_len (grown, never shrunk: a run_async
  * caller covers every position first, so that no other thread regrows them). */

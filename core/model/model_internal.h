@@ -132,6 +132,9 @@ struct mrl_model {
     int tp_seq;           /* sequence parallel: the residual stream and norms on this rank's tokens */
     int64_t sp_t0, sp_tl; /* (the last forward's: rows [sp_t0, sp_t0 + sp_tl) of the batch) */
     float *tp_stats;      /* [3T (1 + tp_size)] with tp_vocab: the head's statistics, this rank's and the group's */
+    int32_t *tp_ids;      /* [T] with tp_vocab: the batch's tokens as rows of this rank's slice, -1 others' */
+    float *tp_host;       /* a GPU model's collectives' host staging (tp.c), tp_host_n floats */
+    int64_t tp_host_n;
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
     mrl_tp_reduce_scatter tp_rs; /* (sequence parallel's; NULL: the allreduce, its own rows kept) */
@@ -260,11 +263,11 @@ void mrl_model_tp_sum(const mrl_model *m, float *buf, int64_t n);
  * reads them (-1 none, rows: another rank's); the group's statistics of the slices' head_fwd
  * (mine: [lse_r | H_r | logp_r] of T tokens; all: size times that) combined into the whole
  * vocabulary's lse, entropy and (lp not NULL) log-probs of the whole targets; the embedding's
- * gradient of this rank's rows from dx [T,D], in token order. */
+ * gradient of this rank's rows from dx [T,D], in token order (ids: mrl_model_tp_ids'). */
 void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *local, int64_t T);
 mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
                                    float *lse, float *ent, float *lp);
-void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T);
+void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *ids, int64_t T);
 /* Sequence parallel (tp.c): every rank's rows [t0, t0 + tl) (mine: [tl, D]) into full [T, D];
  * full [T, D], partial on each rank, summed over the group, this rank's rows into mine [tl, D];
  * a norm's weight gradient of this rank's rows (sp_dw) summed over the group and added to g [n]. */

@@ -105,6 +105,19 @@ int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole) {
     return m->tp_size > 1 ? m->tp_size : 1;
 }
 
+/* A GPU model's collectives go through the host (the group's are MPI's, on host buffers): room
+ * for n floats of host memory, kept with the model (NULL: none, the error set). */
+static float *tp_host(mrl_model *m, int64_t n) {
+    if (n > m->tp_host_n) {
+        mrl_mem_free(m->tp_host);
+        m->tp_host_n = 0;
+        m->tp_host = mrl_mem_alloc(sizeof(float) * (size_t)(n + n / 4), MRL_MEM_ACTIVATIONS);
+        if (!m->tp_host) return NULL;
+        m->tp_host_n = n + n / 4;
+    }
+    return m->tp_host;
+}
+
 void mrl_model_tp_sum(const mrl_model *cm, float *buf, int64_t n) {
     mrl_model *m = (mrl_model *)cm; /* (the layer's code takes the model const; a failure is state) */
     if (m->tp_size <= 1 || m->tp_failed) return;
@@ -113,8 +126,16 @@ void mrl_model_tp_sum(const mrl_model *cm, float *buf, int64_t n) {
                                      "(mrl_model_set_tp_group)");
         return;
     }
-    mrl_status st = m->k->sync(); /* the partial sums complete (a GPU's) */
-    if (!st) st = m->tp_sum(m->tp_ctx, buf, n);
+    const mrl_kernels *k = m->k;
+    mrl_status st = k->sync(); /* the partial sums complete (a GPU's) */
+    if (!st && k->on_device) { /* over to the host, summed, back */
+        float *h = tp_host(m, n);
+        st = h ? k->to_host(h, buf, (int64_t)sizeof(float) * n) : MRL_ERR_NOMEM;
+        if (!st) st = m->tp_sum(m->tp_ctx, h, n);
+        if (!st) st = k->to_device(buf, h, (int64_t)sizeof(float) * n);
+    } else if (!st) {
+        st = m->tp_sum(m->tp_ctx, buf, n);
+    }
     if (st) m->tp_failed = mrl_wrap_error(st, "tensor parallel: a sum over the %d ranks", m->tp_size);
 }
 
@@ -147,29 +168,25 @@ int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo) {
 
 int mrl_model_whole_vocab(const mrl_model *m) { return m->tp_size > 1 ? m->tp_cfg.vocab_size : m->cfg.vocab_size; }
 
-void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T) {
-    int64_t lo, D = m->cfg.hidden_size, rows = mrl_model_tp_vocab(m, &lo);
-    for (int64_t i = 0; i < T; i++) { /* (host memory: tensor parallel runs on the CPU) */
+void mrl_model_tp_ids(const mrl_model *m, const int32_t *tokens, int32_t *ids, int64_t T) {
+    int64_t lo, rows = mrl_model_tp_vocab(m, &lo);
+    for (int64_t i = 0; i < T; i++) {
         int64_t t = tokens[i] - lo;
-        if (t >= 0 && t < rows) memcpy(x + i * D, embed + t * D, sizeof(float) * (size_t)D);
-        else memset(x + i * D, 0, sizeof(float) * (size_t)D);
+        ids[i] = t >= 0 && t < rows ? (int32_t)t : -1; /* -1: another rank's row (gather_rows: zeros) */
     }
 }
 
-void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *tokens, int64_t T) {
-    mrl_model_tp_embed_rows(m, x, embed, tokens, T);
+void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *ids, int64_t T) {
+    m->k->gather_rows(x, embed, ids, T, m->cfg.hidden_size);
+}
+
+void mrl_model_tp_embed(const mrl_model *m, float *x, const float *embed, const int32_t *ids, int64_t T) {
+    mrl_model_tp_embed_rows(m, x, embed, ids, T);
     mrl_model_tp_sum(m, x, T * m->cfg.hidden_size);
 }
 
-void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *tokens, int64_t T) {
-    int64_t lo, D = m->cfg.hidden_size, rows = mrl_model_tp_vocab(m, &lo);
-    for (int64_t i = 0; i < T; i++) { /* in token order, as scatter_add_rows */
-        int64_t t = tokens[i] - lo;
-        if (t < 0 || t >= rows) continue;
-        float *g = g_embed + t * D;
-        const float *d = dx + i * D;
-        for (int64_t j = 0; j < D; j++) g[j] += d[j];
-    }
+void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx, const int32_t *ids, int64_t T) {
+    m->k->scatter_add_rows(g_embed, dx, ids, T, m->cfg.hidden_size); /* in token order; -1: not this rank's */
 }
 
 void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *local, int64_t T) {
@@ -190,9 +207,17 @@ static mrl_status group_gather(void *ctx, const float *mine, int64_t n, float *a
 
 mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const int32_t *targets, int64_t T,
                                    float *lse, float *ent, float *lp) {
-    mrl_status st = group_gather(m, mine, 3 * T, all);
-    if (st) return mrl_wrap_error(st, "tensor parallel: gathering the head's statistics over the %d ranks", m->tp_size);
+    const mrl_kernels *k = m->k;
     int n = m->tp_size, rows = m->cfg.vocab_size;
+    float *dev_lse = lse, *dev_ent = ent, *dev_lp = lp; /* a GPU's: [mine | all | lse ent lp] on the host */
+    mrl_status st = k->sync();
+    if (!st && k->on_device) {
+        float *h = tp_host(m, 3 * T * (n + 2));
+        st = h ? k->to_host(h, mine, (int64_t)sizeof(float) * 3 * T) : MRL_ERR_NOMEM;
+        mine = h, all = h + 3 * T, lse = all + 3 * T * n, ent = lse + T, lp = lp ? ent + T : NULL;
+    }
+    if (!st) st = group_gather(m, mine, 3 * T, all);
+    if (st) return mrl_wrap_error(st, "tensor parallel: gathering the head's statistics over the %d ranks", m->tp_size);
     for (int64_t i = 0; i < T; i++) {
         double top = -INFINITY, s = 0, h = 0;
         for (int r = 0; r < n; r++) top = fmax(top, all[(int64_t)r * 3 * T + i]);
@@ -209,17 +234,31 @@ mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const 
         lp[i] = owner < 0 ? 0.0f
                           : (float)((double)all[(int64_t)owner * 3 * T + 2 * T + i] + all[(int64_t)owner * 3 * T + i] - l);
     }
-    return MRL_OK;
+    if (!k->on_device) return MRL_OK;
+    int64_t bytes = (int64_t)sizeof(float) * T;
+    st = k->to_device(dev_lse, lse, bytes);
+    if (!st) st = k->to_device(dev_ent, ent, bytes);
+    if (!st && dev_lp) st = k->to_device(dev_lp, lp, bytes);
+    return st;
 }
 
-mrl_status mrl_model_tp_logits(const mrl_model *m, const float *part, int64_t S, float *all, float *whole) {
+mrl_status mrl_model_tp_logits(const mrl_model *cm, const float *part, int64_t S, float *all, float *whole) {
+    mrl_model *m = (mrl_model *)cm;
+    const mrl_kernels *k = m->k;
     int64_t rows = m->cfg.vocab_size, n = m->tp_size;
-    mrl_status st = group_gather((void *)m, part, S * rows, all);
+    float *dev_whole = whole; /* a GPU's: [part | all | whole] on the host */
+    mrl_status st = k->sync();
+    if (!st && k->on_device) {
+        float *h = tp_host(m, S * rows * (1 + 2 * n));
+        st = h ? k->to_host(h, part, (int64_t)sizeof(float) * S * rows) : MRL_ERR_NOMEM;
+        part = h, all = h + S * rows, whole = all + S * rows * n;
+    }
+    if (!st) st = group_gather(m, part, S * rows, all);
     if (st) return mrl_wrap_error(st, "tensor parallel: gathering the logits of %lld rows", (long long)S);
     for (int64_t s = 0; s < S; s++)
         for (int64_t r = 0; r < n; r++)
             memcpy(whole + (s * n + r) * rows, all + (r * S + s) * rows, sizeof(float) * (size_t)rows);
-    return MRL_OK;
+    return k->on_device ? k->to_device(dev_whole, whole, (int64_t)sizeof(float) * S * rows * n) : MRL_OK;
 }
 
 /* ---- sequence parallel (Megatron's) ----
@@ -284,6 +323,8 @@ mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on) {
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel: the embedding and head must be split by vocabulary "
                              "(vocab_size %d is not a multiple of the %d ranks)", m->tp_cfg.vocab_size, m->tp_size);
     if (on && m->cp_size > 1) return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with context parallel: not yet");
+    if (on && m->k->on_device)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel on a GPU model: not yet (CPU models only)");
     if (on && mrl_model_num_moe_layers(m) > 0)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with a mixture of experts (num_experts %d): not yet",
                              m->cfg.num_experts);

@@ -469,7 +469,9 @@ static int64_t row_grain(int64_t D) { return D >= COPY_GRAIN ? 1 : COPY_GRAIN / 
 
 static void gather_range(void *vc, int64_t i0, int64_t i1) {
     rows_ctx *c = vc;
-    for (int64_t i = i0; i < i1; i++) memcpy(c->out + i * c->D, c->src + (int64_t)c->idx[i] * c->D, sizeof(float) * c->D);
+    for (int64_t i = i0; i < i1; i++)
+        if (c->idx[i] < 0) memset(c->out + i * c->D, 0, sizeof(float) * c->D);
+        else memcpy(c->out + i * c->D, c->src + (int64_t)c->idx[i] * c->D, sizeof(float) * c->D);
 }
 
 static void fast_gather_rows(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
@@ -481,6 +483,7 @@ static void fast_gather_rows(float *out, const float *src, const int32_t *idx, i
 static void scatter_add_cols(void *vc, int64_t j0, int64_t j1) {
     rows_ctx *c = vc;
     for (int64_t i = 0; i < c->n; i++) {
+        if (c->idx[i] < 0) continue;
         float *d = c->out + (int64_t)c->idx[i] * c->D;
         const float *s = c->src + i * c->D;
         for (int64_t j = j0; j < j1; j++) d[j] += s[j];

@@ -80,11 +80,14 @@ static void ref_gemm_bf16_panels_group(int64_t M, int64_t K, const float *A, int
 }
 
 static void ref_gather_rows(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
-    for (int64_t i = 0; i < n; i++) memcpy(out + i * D, src + (int64_t)idx[i] * D, sizeof(float) * D);
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0) memset(out + i * D, 0, sizeof(float) * D);
+        else memcpy(out + i * D, src + (int64_t)idx[i] * D, sizeof(float) * D);
 }
 
 static void ref_scatter_add_rows(float *dst, const float *src, const int32_t *idx, int64_t n, int64_t D) {
     for (int64_t i = 0; i < n; i++) {
+        if (idx[i] < 0) continue;
         float *d = dst + (int64_t)idx[i] * D;
         for (int64_t j = 0; j < D; j++) d[j] += src[i * D + j];
     }

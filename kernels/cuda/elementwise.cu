@@ -74,7 +74,7 @@ void cuda_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *g
 __global__ static void gather_kernel(float *out, const float *src, const int32_t *idx, int64_t n, int64_t D) {
     GRID_STRIDE(e, n * D) {
         int64_t i = e / D, j = e % D;
-        out[e] = src[(int64_t)idx[i] * D + j];
+        out[e] = idx[i] < 0 ? 0.0f : src[(int64_t)idx[i] * D + j];
     }
 }
 
@@ -93,7 +93,7 @@ __global__ static void scatter_runs_kernel(float *dst, const float *src, const i
     GRID_STRIDE(e, n * D) {
         int64_t p = e / D, j = e % D;
         int32_t row = keys[p];
-        if (p > 0 && keys[p - 1] == row) continue;
+        if (row < 0 || (p > 0 && keys[p - 1] == row)) continue; // (a negative row: none)
         float *d = dst + (int64_t)row * D + j;
         float acc = *d;
         for (int64_t q = p; q < n && keys[q] == row; q++) acc = __fadd_rn(acc, src[(int64_t)order[q] * D + j]);

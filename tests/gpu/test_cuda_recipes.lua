@@ -5,6 +5,8 @@
 --     GPU), SFT with held-out evaluation (the engine on the GPU), DPO: the same tokens sampled,
 --     step metrics and final weights within fp32 rounding of the CPU run's;
 --   * data parallel over 2 ranks with GPU models (gradients through the host): the 2-rank CPU run;
+--     tensor parallel over 2 (the group's sums and gathers through the host): GRPO with a
+--     reference and SFT, the 2-rank CPU runs;
 --     ZeRO-1 (the optimizer state sharded over the GPUs) the bits of plain data parallel, and
 --     with its shards offloaded to host memory the same weights within rounding; ZeRO-2 (the
 --     gradients too, reduce-scattered from windows in the GPU's memory) the same, and resumed;
@@ -209,6 +211,29 @@ t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   t.truthy(io.open(part .. '/events.jsonl'):read('*a'):match('"event": "resume"[^\n]*step%-000001'),
     'zero=1 on GPUs: resumed from step 1\'s checkpoint')
   t.eq(weights_diff(part .. '/model', z1 .. '/model'), 0, 'zero=1 on GPUs resumed: the weights of the run never stopped')
+end)
+
+-- Tensor parallel on GPUs (dist.tp=2): each rank's slices on its GPU, the group's sums and
+-- gathers through the host (tp.c), a vocabulary the ranks split (16 ids): GRPO with a KL
+-- reference (the engine generating on the slices) and SFT, the 2-rank CPU runs within rounding.
+t.test('tensor parallel over 2 ranks on GPUs (the sums through the host): the 2-rank CPU run', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local m16 = U.tiny_model(dir .. '/init16', { hidden_size = 32, layers = 2, vocab_size = 16 })
+  local sft = { 'data.task=addition', 'train.steps=3', 'train.batch=8', 'train.lr=3e-3' }
+  for _, case in ipairs({ { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } }, { 'sft', 'recipes/sft.lua', sft, {} } }) do
+    local extra = U.with({ 'model.dir=' .. m16, 'dist.tp=2' }, case[4])
+    local c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3])
+    local g = ranks('cuda:0', 'tp_' .. case[1] .. '_gpu', extra, case[2], case[3])
+    local mc, mg = records(c), records(g)
+    t.eq(#mg, #mc, case[1] .. ': one record per step on both')
+    for s = 1, #mc do
+      if case[1] == 'grpo' then t.eq(mg[s].tokens, mc[s].tokens, 'tp grpo step ' .. s .. ': the same tokens') end
+      t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'tp ' .. case[1] .. ' step ' .. s .. ': loss')
+    end
+    local d = weights_diff(g .. '/model', c .. '/model')
+    print(string.format('tensor parallel %s on 2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', case[1], d))
+    t.truthy(d <= 1e-3, 'tp ' .. case[1] .. ': the final weights agree')
+  end
 end)
 
 -- ZeRO-2 on GPUs: each backward's ranges written into windows in the GPU's memory and

@@ -1126,7 +1126,7 @@ static void run_panels_pack(const mrl_kernels *k, void *const *p, const op_case 
 }
 
 /* Rows named several times (the same token twice in a batch; in order, as
- * the GPU's sorted runs must keep them), a table of rows (V) and the rows
+ * the GPU's sorted runs must keep them), rows named -1 (none), a table of rows (V) and the rows
  * taken (n) of several widths; biases over few and
  * many rows; panels ending inside a panel and on one. */
 static void cases_rows(void) {
@@ -1137,6 +1137,8 @@ static void cases_rows(void) {
         int64_t n = shapes[s][0], D = shapes[s][1], V = shapes[s][2];
         int32_t *idx = malloc(sizeof(int32_t) * n);
         for (int64_t i = 0; i < n; i++) idx[i] = s < 3 ? (int32_t)((i * 31 + i * i) % V) : (int32_t)(urand() * V);
+        if (s == 0 || s == 4) /* rows of another rank's vocabulary slice: zeros, and no gradient */
+            for (int64_t i = 1; i < n; i += 3) idx[i] = -1;
         new_case(&c, "gather_rows", run_gather_rows, "%lld of %lldx%lld", (long long)n, (long long)V, (long long)D);
         add(&c, "out", F32, OUT, n * D, NULL, TOL_BITS);
         in_rnd(&c, "src", V * D, 1);

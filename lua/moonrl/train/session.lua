@@ -278,7 +278,10 @@ function M.mesh_of(cfg, device)
     no('dist.zero=2 on a model with a tied head (tie_word_embeddings)')
   end
   local R = cfg.dist.rollout_ranks or 0
-  if device and device ~= 'cpu' then no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only)') end
+  if device and device ~= 'cpu' and (CP > 1 or PP > 1 or cfg.dist.sequence_parallel) then
+    -- (tensor parallel's sums and gathers go through the host: tp.c)
+    no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only; on GPUs, tensor parallel alone)')
+  end
   -- (an engine thread would step the group from a second thread; without one, a batch of an
   -- asynchronous mode in one process is generated between steps, by the group together)
   if R == 0 and cfg.async and (cfg.async.engine_threads or 0) > 0 then
