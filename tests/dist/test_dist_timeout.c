@@ -55,8 +55,10 @@ int main(int argc, char **argv) {
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", mrl_last_error());
     CHECK(st == MRL_ERR_TIMEOUT);
-    CHECK(waited >= 0.9 && waited < 5);
-    if (!(waited >= 0.9 && waited < 5)) fprintf(stderr, "rank %d: waited %.2f s\n", rank, waited);
+    /* (a rank that another's giving up reached first waited less than its own timeout) */
+    double least = strstr(msg, "abandoned after") ? 0.0 : 0.9;
+    CHECK(waited >= least && waited < 5);
+    if (!(waited >= least && waited < 5)) fprintf(stderr, "rank %d: waited %.2f s\n", rank, waited);
     CHECK(mrl_dist_broken(d));
     char want[128];
     snprintf(want, sizeof want, "moonrl [rank %d/%d] %s #", rank, size, name);
@@ -65,8 +67,11 @@ int main(int argc, char **argv) {
         CHECK_STR_CONTAINS(msg, "at step 7 abandoned after");
         CHECK_STR_CONTAINS(msg, "rank 0 gave up waiting");
         CHECK_STR_CONTAINS(msg, "rank 0: waiting in allreduce #4 at step 7 for 1.0");
-    } else {
-        CHECK_STR_CONTAINS(msg, "at step 7 timed out");
+    } else if (!strstr(msg, "at step 7 timed out")) {
+        /* the ranks' deadlines differ by when each began to wait: a loaded machine may let
+         * another waiting rank's pass first, whose giving up this one then reports */
+        CHECK_STR_CONTAINS(msg, "at step 7 abandoned after");
+        CHECK_STR_CONTAINS(msg, "gave up waiting");
     }
     CHECK_STR_CONTAINS(msg, "rank 1: no answer (dead or hung)");
     for (int r = 0; r < size; r++) {
