@@ -234,7 +234,7 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
     if ((s = mrl_st_open(dir, st))) return s;
     s = mrl_model_alloc_stage_layout(&cfg, stage, out); /* views only: the sizes are the file's to confirm */
     if (!s && pp) {
-        (*out)->pp_L = whole.num_hidden_layers, (*out)->pp_whole = whole;
+        (*out)->pp_whole = whole;
         (*out)->pp_moe0 = moe0, (*out)->pp_moe_all = moe_all;
     }
     if (!s && tp_size > 1)

@@ -147,7 +147,7 @@ mrl_status mrl_model_alloc_stage_layout(const mrl_model_config *cfg, const mrl_m
     m->cfg = *cfg;
     if (stage && stage->stages > 1) { /* (cfg: the stage's layers) */
         m->pp_stage = stage->stage, m->pp_stages = stage->stages;
-        m->pp_l0 = stage->first_layer; /* (pp_L, the whole model's: the loader's) */
+        m->pp_l0 = stage->first_layer; /* (pp_whole, the whole model's config: the loader's) */
     }
     m->k = mrl_kernels_cpu_fast();
     pthread_mutex_init(&m->w16_lock, NULL);

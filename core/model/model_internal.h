@@ -151,15 +151,15 @@ struct mrl_model {
     int64_t cp_t0, cp_tl;
     float *cp_out;
     /* pipeline parallel (pp.c): this stage holds layers [pp_l0, pp_l0 + cfg.num_hidden_layers) of
-     * the whole model's pp_L; the first stage the embedding, the last the final norm and head (a
+     * the whole model's (pp_whole); the first stage the embedding, the last the final norm and head (a
      * tied head: its own copy of the embedding). A non-first stage's forward reads its input
      * rows from pp_in, a non-last stage's backward its output's gradient from pp_dy (both
      * borrowed, [pp_input_rows, D]). pp_slots: the activations of micro-batches in flight. */
     int pp_stage, pp_stages; /* 0 and 1 without */
-    int pp_l0, pp_L;
-    /* a stage of a mixture of experts: its cfg says which of its layers are sparse in its own
-     * numbering (mlp_only_layers, decoder_sparse_step 1); pp_whole is the whole model's config
-     * (saved), pp_moe0 the whole model's sparse layers before this stage and pp_moe_all all of
+    int pp_l0;
+    /* pp_whole: the whole model's config (saved). A stage of a mixture of experts: its cfg says
+     * which of its layers are sparse in its own numbering (mlp_only_layers, decoder_sparse_step
+     * 1); pp_moe0 is the whole model's sparse layers before this stage and pp_moe_all all of
      * them: a batch's routing rows are the whole model's (moe.c) */
     mrl_model_config pp_whole;
     int pp_moe0, pp_moe_all;

@@ -314,12 +314,8 @@ mrl_status mrl_model_get_routing(const mrl_model *m, int16_t *out, int64_t cap) 
     if (cap < n)
         return mrl_set_error(MRL_ERR_INVALID, "model get_routing: room for %lld entries, the last forward has %lld "
                              "(n_tokens x sparse layers x num_experts_per_tok)", (long long)cap, (long long)n);
-    if (mine == all) {
-        if (n) memcpy(out, m->route_used, sizeof(int16_t) * n);
-        return MRL_OK;
-    }
-    for (int64_t i = 0; i < n; i++) out[i] = -1;
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < n && mine < all; i++) out[i] = -1;
+    for (int64_t t = 0; t < T && mine > 0; t++)
         memcpy(out + (t * all + moe_first(m)) * K, m->route_used + t * mine * K, sizeof(int16_t) * (size_t)(mine * K));
     return MRL_OK;
 }

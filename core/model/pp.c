@@ -108,7 +108,7 @@ int mrl_model_pp(const mrl_model *m, mrl_model_stage *out) {
 }
 
 int mrl_model_pp_layers(const mrl_model *m) {
-    return !m ? 0 : m->pp_stages > 1 ? m->pp_L : m->cfg.num_hidden_layers;
+    return !m ? 0 : m->pp_stages > 1 ? m->pp_whole.num_hidden_layers : m->cfg.num_hidden_layers;
 }
 
 int64_t mrl_model_pp_rows(const mrl_model *m, const mrl_batch *b) {

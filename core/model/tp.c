@@ -1,7 +1,8 @@
 /* Tensor parallel (moonrl/model.h, Megatron's split): a rank holds the rows
  * of the column-parallel products (q, k, v, gate, up) and the columns of the
  * row-parallel ones (o_proj, down_proj) of every layer, and of each expert's
- * MLP alike (moe.c); the rest (the router too) is whole on every rank. The layer (layer.c) sums the row-parallel outputs and the
+ * MLP alike (moe.c); the rest (the router too) is whole on every rank. The
+ * layer (layer.c) sums the row-parallel outputs and the
  * column-parallel input gradients over the group with the model's
  * allreduce, so everything between them (norms, residual stream, head) is
  * the same on every rank; the embedding and head are split by vocabulary
@@ -168,12 +169,18 @@ int mrl_model_tp_vocab(const mrl_model *m, int64_t *lo) {
 
 int mrl_model_whole_vocab(const mrl_model *m) { return m->tp_size > 1 ? m->tp_cfg.vocab_size : m->cfg.vocab_size; }
 
-void mrl_model_tp_ids(const mrl_model *m, const int32_t *tokens, int32_t *ids, int64_t T) {
+/* whole-vocabulary ids (negative: none, kept -1) as rows of this rank's slice, another rank's
+ * as `elsewhere` */
+static void slice_rows(const mrl_model *m, const int32_t *whole, int32_t *local, int64_t T, int32_t elsewhere) {
     int64_t lo, rows = mrl_model_tp_vocab(m, &lo);
     for (int64_t i = 0; i < T; i++) {
-        int64_t t = tokens[i] - lo;
-        ids[i] = t >= 0 && t < rows ? (int32_t)t : -1; /* -1: another rank's row (gather_rows: zeros) */
+        int64_t t = whole[i] - lo;
+        local[i] = whole[i] < 0 ? -1 : t >= 0 && t < rows ? (int32_t)t : elsewhere;
     }
+}
+
+void mrl_model_tp_ids(const mrl_model *m, const int32_t *tokens, int32_t *ids, int64_t T) {
+    slice_rows(m, tokens, ids, T, -1); /* -1: another rank's row (gather_rows: zeros) */
 }
 
 void mrl_model_tp_embed_rows(const mrl_model *m, float *x, const float *embed, const int32_t *ids, int64_t T) {
@@ -190,11 +197,7 @@ void mrl_model_tp_embed_bwd(const mrl_model *m, float *g_embed, const float *dx,
 }
 
 void mrl_model_tp_targets(const mrl_model *m, const int32_t *whole, int32_t *local, int64_t T) {
-    int64_t lo, rows = mrl_model_tp_vocab(m, &lo);
-    for (int64_t i = 0; i < T; i++) {
-        int64_t t = whole[i] - lo;
-        local[i] = whole[i] < 0 ? -1 : t >= 0 && t < rows ? (int32_t)t : (int32_t)rows; /* rows: elsewhere */
-    }
+    slice_rows(m, whole, local, T, (int32_t)m->cfg.vocab_size); /* rows: elsewhere (the head ops' convention) */
 }
 
 /* The group's all-gather (an mrl_tp_allgather of ctx = the model), or the error that it has none. */

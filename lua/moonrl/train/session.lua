@@ -250,6 +250,9 @@ function M.shard_world(cfg, device, mesh)
   return dist.shard_layout(w, cfg.dist.shard_group)
 end
 
+-- The config table of model.dir's whole model (read before it loads: the mesh's checks, the stages).
+local function model_config(cfg) return model_mod.config_of(require('moonrl.io.gguf').resolve(cfg.model.dir)) end
+
 -- dist.tp and dist.cp: the mesh (dist.mesh) of the ranks that train, nil when both are 1. What
 -- they do not do yet is a usage error naming the key.
 function M.mesh_of(cfg, device)
@@ -273,7 +276,7 @@ function M.mesh_of(cfg, device)
       what))
   end
   if PP > 1 and cfg.dist.zero == 3 then no('dist.zero=3 (ZeRO-1 and 2 shard a stage\'s state)') end
-  if PP > 1 and cfg.dist.zero == 2 and model_mod.config_of(require('moonrl.io.gguf').resolve(cfg.model.dir)).tie_word_embeddings then
+  if PP > 1 and cfg.dist.zero == 2 and model_config(cfg).tie_word_embeddings then
     -- (the first and last stages' gradients of a tied embedding are summed whole: pipeline.sync_tied)
     no('dist.zero=2 on a model with a tied head (tie_word_embeddings)')
   end
@@ -305,7 +308,7 @@ end
 -- a layer's and the head's cost, pipeline.stages) as models.load takes it.
 function M.pipeline_stage(cfg, mesh)
   local pipeline = require('moonrl.train.pipeline')
-  local P, c = mesh.pp.size, model_mod.config_of(require('moonrl.io.gguf').resolve(cfg.model.dir))
+  local P, c = mesh.pp.size, model_config(cfg)
   local L, counts = c.num_hidden_layers, nil
   if (cfg.dist.pp_layers or '') ~= '' then
     counts = {}

@@ -276,7 +276,7 @@ end
 function M.run_micro_batches(model, batches, step, acc, refs)
   if not model.pp then
     for b, first, last in batches do
-      if first then step(b, first, last, acc) else M.serve_experts(model, b) end
+      if first then step(b, first, last, acc) else M.serve_experts(model, b, refs) end
     end
     return acc
   end
