@@ -529,7 +529,17 @@ mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *
     return op_end(nc, &c, wait_done(nc, &c, r));
 }
 
-#else /* !MRL_HAVE_CUDA */
+#endif /* MRL_HAVE_CUDA */
+
+mrl_status mrl_nccl_tp_allreduce(void *nc, float *buf, int64_t n) {
+    return mrl_nccl_allreduce(nc, buf, n, MRL_DIST_F32, MRL_DIST_SUM);
+}
+
+mrl_status mrl_nccl_tp_allgather(void *nc, const float *mine, int64_t n, float *all) {
+    return mrl_nccl_allgather(nc, mine, (int64_t)sizeof(float) * n, all);
+}
+
+#ifndef MRL_HAVE_CUDA
 
 static mrl_status no_nccl(void) {
     return mrl_set_error(MRL_ERR_UNSUPPORTED, "moonrl was built without CUDA/NCCL");

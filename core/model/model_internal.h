@@ -140,6 +140,12 @@ struct mrl_model {
     mrl_tp_reduce_scatter tp_rs; /* (sequence parallel's; NULL: the allreduce, its own rows kept) */
     mrl_tp_allgather tp_gather;
     void *tp_ctx;
+    /* a GPU model's collectives on device memory (NCCL's; mrl_model_set_tp_device_group): the
+     * layers' sums, the head's statistics and the engine's logits use them instead of staging
+     * through tp_host; NULL: the host group's above */
+    mrl_tp_allreduce tp_dsum;
+    mrl_tp_allgather tp_dgather;
+    void *tp_dctx;
     mrl_status tp_failed; /* (and context parallel's exchanges') */
     /* context parallel (cp.c, Ulysses): this rank's tokens [cp_t0, cp_t0 + cp_tl) of the last
      * forward's batch; the group's collectives; cp_out: [(1 + size) ceil(T / size)] floats to

@@ -99,6 +99,21 @@ mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_
     return MRL_OK;
 }
 
+mrl_status mrl_model_set_tp_device_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather,
+                                         void *ctx) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_device_group: NULL model");
+    if (m->tp_size <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_device_group: not a tensor-parallel model");
+    if ((allreduce == NULL) != (allgather == NULL))
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_tp_device_group: an allreduce and an allgather, or neither");
+    m->tp_dsum = allreduce;
+    m->tp_dgather = allgather;
+    m->tp_dctx = ctx;
+    return MRL_OK;
+}
+
+/* The group's collectives take this model's buffers where they are (a GPU's, on device). */
+static int device_group(const mrl_model *m) { return m->k->on_device && m->tp_dsum; }
+
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole) {
     if (!m) return 1;
     if (rank) *rank = m->tp_rank;
@@ -106,8 +121,9 @@ int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole) {
     return m->tp_size > 1 ? m->tp_size : 1;
 }
 
-/* A GPU model's collectives go through the host (the group's are MPI's, on host buffers): room
- * for n floats of host memory, kept with the model (NULL: none, the error set). */
+/* A GPU model's collectives through the host (the host group's, MPI's; and the head's statistics
+ * combined there): room for n floats of host memory, kept with the model (NULL: none, the error
+ * set). */
 static float *tp_host(mrl_model *m, int64_t n) {
     if (n > m->tp_host_n) {
         mrl_mem_free(m->tp_host);
@@ -129,7 +145,9 @@ void mrl_model_tp_sum(const mrl_model *cm, float *buf, int64_t n) {
     }
     const mrl_kernels *k = m->k;
     mrl_status st = k->sync(); /* the partial sums complete (a GPU's) */
-    if (!st && k->on_device) { /* over to the host, summed, back */
+    if (!st && device_group(m)) {
+        st = m->tp_dsum(m->tp_dctx, buf, n);
+    } else if (!st && k->on_device) { /* over to the host, summed, back */
         float *h = tp_host(m, n);
         st = h ? k->to_host(h, buf, (int64_t)sizeof(float) * n) : MRL_ERR_NOMEM;
         if (!st) st = m->tp_sum(m->tp_ctx, h, n);
@@ -214,12 +232,19 @@ mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const 
     int n = m->tp_size, rows = m->cfg.vocab_size;
     float *dev_lse = lse, *dev_ent = ent, *dev_lp = lp; /* a GPU's: [mine | all | lse ent lp] on the host */
     mrl_status st = k->sync();
-    if (!st && k->on_device) {
+    if (!st && device_group(m)) { /* gathered on the GPU, combined on the host */
+        float *h = tp_host(m, 3 * T * (n + 2));
+        st = h ? m->tp_dgather(m->tp_dctx, mine, 3 * T, all) : MRL_ERR_NOMEM;
+        if (!st) st = k->to_host(h + 3 * T, all, (int64_t)sizeof(float) * 3 * T * n);
+        all = h + 3 * T, lse = all + 3 * T * n, ent = lse + T, lp = lp ? ent + T : NULL;
+    } else if (!st && k->on_device) {
         float *h = tp_host(m, 3 * T * (n + 2));
         st = h ? k->to_host(h, mine, (int64_t)sizeof(float) * 3 * T) : MRL_ERR_NOMEM;
         mine = h, all = h + 3 * T, lse = all + 3 * T * n, ent = lse + T, lp = lp ? ent + T : NULL;
+        if (!st) st = group_gather(m, mine, 3 * T, all);
+    } else if (!st) {
+        st = group_gather(m, mine, 3 * T, all);
     }
-    if (!st) st = group_gather(m, mine, 3 * T, all);
     if (st) return mrl_wrap_error(st, "tensor parallel: gathering the head's statistics over the %d ranks", m->tp_size);
     for (int64_t i = 0; i < T; i++) {
         double top = -INFINITY, s = 0, h = 0;
@@ -249,8 +274,16 @@ mrl_status mrl_model_tp_logits(const mrl_model *cm, const float *part, int64_t S
     mrl_model *m = (mrl_model *)cm;
     const mrl_kernels *k = m->k;
     int64_t rows = m->cfg.vocab_size, n = m->tp_size;
-    float *dev_whole = whole; /* a GPU's: [part | all | whole] on the host */
     mrl_status st = k->sync();
+    if (!st && device_group(m)) { /* gathered and put in order on the GPU */
+        if ((st = m->tp_dgather(m->tp_dctx, part, S * rows, all)))
+            return mrl_wrap_error(st, "tensor parallel: gathering the logits of %lld rows", (long long)S);
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t r = 0; r < n; r++)
+                k->copy(whole + (s * n + r) * rows, all + (r * S + s) * rows, (int64_t)sizeof(float) * rows);
+        return MRL_OK;
+    }
+    float *dev_whole = whole; /* a GPU's: [part | all | whole] on the host */
     if (!st && k->on_device) {
         float *h = tp_host(m, S * rows * (1 + 2 * n));
         st = h ? k->to_host(h, part, (int64_t)sizeof(float) * S * rows) : MRL_ERR_NOMEM;

@@ -423,6 +423,17 @@ function Model:to_device(name)
   moonrl.check(C.mrl_model_set_device(self.handle, d), 2)
   self.gpu = d.kind ~= C.MRL_DEVICE_CPU or nil
   self._host = nil
+  local tp = self.tp_world
+  if tp and tp.size > 1 and self.gpu then
+    -- tensor parallel: the group's sums and gathers on the GPUs over NCCL (tp.gpu_asked: auto, nccl
+    -- or host, moonrl.train.dist's World:gpu_transport, a collective of the group), else through
+    -- the host
+    if tp:gpu_transport(tp.gpu_asked or 'auto', d.index) == 'nccl' then
+      moonrl.check(C.mrl_model_set_tp_device_group(self.handle, C.mrl_nccl_tp_allreduce, C.mrl_nccl_tp_allgather,
+        tp.nccl), 2)
+    end
+    self.tp_transport = tp.gpu_via
+  end
   return dev
 end
 

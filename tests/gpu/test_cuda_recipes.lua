@@ -223,22 +223,33 @@ end)
 -- Tensor parallel on GPUs (dist.tp=2): each rank's slices on its GPU, the group's sums and
 -- gathers through the host (tp.c), a vocabulary the ranks split (16 ids): GRPO with a KL
 -- reference (the engine generating on the slices), the 2-rank CPU run within rounding.
-t.test('tensor parallel over 2 ranks on GPUs (the sums through the host): the 2-rank CPU run', function()
+-- The group's sums through the host (dist.gpu_transport=host), and over NCCL where it starts
+-- (auto: the emulated GPU's NCCL, tests/gpu/emu/nccl.cpp; two ranks sharing one real GPU fall
+-- back to the host, which the run's precision event says).
+t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NCCL): the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local m16 = U.tiny_model(dir .. '/init16', { hidden_size = 32, layers = 2, vocab_size = 16 })
-  for _, case in ipairs({ { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } } }) do
+  local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
+  for _, case in ipairs({ { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } },
+    { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' } }) do
     local extra = U.with({ 'model.dir=' .. m16, 'dist.tp=2' }, case[4])
     local c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3])
     local g = ranks('cuda:0', 'tp_' .. case[1] .. '_gpu', extra, case[2], case[3])
     local mc, mg = records(c), records(g)
     t.eq(#mg, #mc, case[1] .. ': one record per step on both')
     for s = 1, #mc do
-      if case[1] == 'grpo' then t.eq(mg[s].tokens, mc[s].tokens, 'tp grpo step ' .. s .. ': the same tokens') end
+      if case[1]:find('grpo') then t.eq(mg[s].tokens, mc[s].tokens, 'tp grpo step ' .. s .. ': the same tokens') end
       t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'tp ' .. case[1] .. ' step ' .. s .. ': loss')
     end
     local d = weights_diff(g .. '/model', c .. '/model')
     print(string.format('tensor parallel %s on 2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', case[1], d))
     t.truthy(d <= 1e-3, 'tp ' .. case[1] .. ': the final weights agree')
+    local ev = io.open(g .. '/events.jsonl'):read('*a')
+    local via = ev:match('"tp_transport": "(%a+)"')
+    print('  the group\'s sums: ' .. tostring(via))
+    if not case[5] then t.eq(via, 'host', 'tp ' .. case[1] .. ': dist.gpu_transport=host')
+    elseif emulated then t.eq(via, 'nccl', 'tp ' .. case[1] .. ': the emulated GPU\'s NCCL')
+    else t.truthy(via == 'nccl' or via == 'host', 'tp ' .. case[1] .. ': a transport') end
   end
 end)
 
@@ -312,6 +323,18 @@ t.test('zero=3 over 2 ranks on GPUs: the bits of zero=0 for grpo (fp32, bf16, a 
   local s0, s3 = ranks('cuda:0', 'z3ref_sft', {}, 'recipes/sft.lua', sft), ranks('cuda:0', 'z3_sft', { 'dist.zero=3' },
     'recipes/sft.lua', sft)
   same(s3, s0, 'sft: zero=3 on GPUs gives the weights of zero=0')
+  -- over NCCL where it starts (dist.gpu_transport=auto; the emulated GPU's NCCL sums in rank order,
+  -- as the host's: the same bits there; a real one's order differs: within rounding)
+  local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
+  for _, z in ipairs({ '2', '3' }) do
+    local n = ranks('cuda:0', 'z' .. z .. '_sft_nccl', { 'dist.zero=' .. z, 'dist.gpu_transport=auto' }, 'recipes/sft.lua', sft)
+    local via = io.open(n .. '/events.jsonl'):read('*a'):match('"event": "data_parallel"[^\n]*"gpu_transport": "(%a+)"')
+    local d = weights_diff(n .. '/model', s0 .. '/model')
+    print(string.format('sft zero=%s over %s against zero=0 through the host: worst ||d|| / ||w|| %.3g', z, tostring(via), d))
+    if emulated then t.eq(via, 'nccl', 'zero=' .. z .. ': the emulated GPU\'s NCCL') end
+    t.truthy(d <= (via == 'nccl' and not emulated and 1e-5 or 0), 'sft: zero=' .. z .. ' over ' .. tostring(via) ..
+      ' gives the weights of zero=0')
+  end
   local m0, m3 = records(s0), records(s3)
   local p0, p3 = m0[#m0]['memory/gpu/params_mb'], m3[#m3]['memory/gpu/params_mb']
   t.truthy(p3 > 0 and p3 <= 0.6 * p0, string.format('sft: a GPU holds about half the parameters (%s of %s MiB)',

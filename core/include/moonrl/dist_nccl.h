@@ -104,6 +104,13 @@ mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *
 mrl_status mrl_dist_grad_shard_set_nccl(mrl_dist_grad_shard *g, mrl_nccl *nc);
 mrl_status mrl_dist_param_gather_set_nccl(mrl_dist_param_gather *p, mrl_nccl *nc);
 
+/* A tensor-parallel GPU model's group collectives (moonrl/model.h's mrl_model_set_tp_device_group,
+ * as mrl_tp_allreduce and mrl_tp_allgather; ctx: an mrl_nccl over the group's ranks): the f32 sum
+ * of n floats in place, and every rank's n floats in rank order. NCCL gives every rank the same
+ * sum, so the ranks' residual streams stay alike. */
+mrl_status mrl_nccl_tp_allreduce(void *nc, float *buf, int64_t n);
+mrl_status mrl_nccl_tp_allgather(void *nc, const float *mine, int64_t n, float *all);
+
 #ifdef __cplusplus
 }
 #endif

@@ -321,7 +321,8 @@ mrl_status mrl_model_set_param_gather(mrl_model *m, mrl_param_gather start, mrl_
  * too). A sparse layer sums each rank's part of the experts' outputs with the same allreduce,
  * and in the backward the picks' weight gradients and the experts' input gradient. size must
  * divide the heads, the KV heads and the intermediate sizes the layers use (errors naming
- * them). CPU models (the collectives take host buffers). */
+ * them). The collectives take host buffers (a GPU model's also device ones:
+ * mrl_model_set_tp_device_group). */
 typedef mrl_status (*mrl_tp_allreduce)(void *ctx, float *buf, int64_t n);
 typedef mrl_status (*mrl_tp_allgather)(void *ctx, const float *mine, int64_t n, float *all);
 mrl_status mrl_model_load_dir_tp(const char *dir, int rank, int size, int value_head, mrl_model **out);
@@ -334,6 +335,15 @@ mrl_status mrl_model_load_dir_tp_shard(const char *dir, int rank, int size, int 
 mrl_status mrl_model_set_tp_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather, void *ctx);
 /* The tensor-parallel size (1 without), and this rank in *rank; the whole model's config in *whole. */
 int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole);
+/* A GPU model's group collectives on device memory (the same meanings as
+ * mrl_model_set_tp_group's, with device pointers: moonrl/dist_nccl.h's mrl_nccl_tp_allreduce
+ * and mrl_nccl_tp_allgather over an NCCL communicator of the group): the layers' sums and the
+ * embedding's, the gathers of the head's statistics and of the engine's logits then stay on
+ * the GPU (the statistics are combined on the host, 3 floats a token); without them (NULL) a GPU
+ * model copies each buffer to host memory for the host group's collectives and back. Saving
+ * uses the host group either way. A CPU model ignores them. */
+mrl_status mrl_model_set_tp_device_group(mrl_model *m, mrl_tp_allreduce allreduce, mrl_tp_allgather allgather,
+                                         void *ctx);
 /* How tensor parallel splits m's view named `name`: 0 whole on every rank, 1 by rows, 2 by
  * columns (0 for any view of a model that is not tensor parallel). */
 int mrl_model_tp_split(const mrl_model *m, const char *name);

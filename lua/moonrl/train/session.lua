@@ -213,7 +213,8 @@ function M.start(cfg, opts)
         'reference: no bf16 hardware, slow') or '', gpu and ', on ' .. policy:device_description() or ''))
     end
     S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32', device = policy:device(),
-      bf16_products = model_mod.bf16_products() or 'none' }, { quiet = true })
+      bf16_products = model_mod.bf16_products() or 'none', tp_transport = policy.tp_transport,
+      tp_nccl_error = policy.tp_transport == 'host' and policy.tp_world.nccl_error or nil }, { quiet = true })
   end
   if cfg.run.threads == 'auto' and policy then threads.auto_threads(S, policy) end
   if cfg.train and policy and S.role ~= 'rollout' then
@@ -282,7 +283,6 @@ function M.mesh_of(cfg, device)
   end
   local R = cfg.dist.rollout_ranks or 0
   if device and device ~= 'cpu' and (CP > 1 or PP > 1 or cfg.dist.sequence_parallel) then
-    -- (tensor parallel's sums and gathers go through the host: tp.c)
     no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only; on GPUs, tensor parallel alone)')
   end
   -- (an engine thread would step the group from a second thread; without one, a batch of an
@@ -301,7 +301,10 @@ function M.mesh_of(cfg, device)
     if g.role == 'rollout' then return nil end
     w = g.world
   end
-  return dist.mesh(w, TP, CP, PP)
+  local mesh = dist.mesh(w, TP, CP, PP)
+  -- a GPU model's tensor-parallel sums: over NCCL (dist.gpu_transport), else through the host
+  if mesh.tp then mesh.tp.gpu_asked = cfg.dist.gpu_transport end
+  return mesh
 end
 
 -- Pipeline parallel: this rank's stage of the mesh, its layers (dist.pp_layers, else balanced by

@@ -27,5 +27,6 @@ for f in "$root"/kernels/cuda/*.cu; do
   objs+=("$work/$b.o")
 done
 g++ -std=c++20 "${flags[@]}" -I"$here" -c "$here/emu.cpp" -o "$work/emu.o" &
+g++ -std=c++20 "${flags[@]}" -c "$here/nccl.cpp" -o "$work/nccl.o" &
 wait
-g++ "${flags[@]}" -shared -o "$out" "${objs[@]}" "$work/emu.o" -lpthread
+g++ "${flags[@]}" -shared -o "$out" "${objs[@]}" "$work/emu.o" "$work/nccl.o" -lpthread
