@@ -334,8 +334,14 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
             return mrl_set_error(MRL_ERR_INVALID, "model forward: pipeline stage %d has no input (mrl_model_pp_set_input)",
                                  m->pp_stage);
         }
-        k->copy(m->xs[0], m->pp_in, (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D);
+        int64_t bytes = (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D; /* (host rows: a GPU's copied over) */
+        if (k->on_device) st = k->to_device(m->xs[0], m->pp_in, bytes);
+        else k->copy(m->xs[0], m->pp_in, bytes);
         m->pp_in = NULL; /* (one forward's) */
+        if (st) {
+            m->have_forward = 0;
+            return st;
+        }
     } else if (m->tp_seq) { /* this rank's vocabulary rows, summed into each rank's token rows (tp.c) */
         mrl_model_tp_embed_rows(m, m->gs.sp_full, m->embed, m->tp_ids, T);
         mrl_model_sp_reduce_scatter(m, m->gs.sp_full, m->xs[0]);
@@ -554,8 +560,11 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         dvalues = dvalues ? m->dev_io[2] : NULL;
     }
     if (!head) { /* pipeline parallel: the next stage's gradient of this one's output rows */
-        k->copy(m->gs.dx, m->pp_dy, (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D);
+        int64_t bytes = (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D; /* (host rows: a GPU's copied over) */
+        if (k->on_device) st = k->to_device(m->gs.dx, m->pp_dy, bytes);
+        else k->copy(m->gs.dx, m->pp_dy, bytes);
         m->pp_dy = NULL; /* (one backward's) */
+        if (st) return st;
     } else if ((st = head_backward(m, dlogprobs, dentropy, dvalues, T))) {
         return st;
     }

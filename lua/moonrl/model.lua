@@ -253,6 +253,17 @@ local function pp_recv(pp, n, from, tag)
   return pp.buf
 end
 
+-- n floats of the stage's rows sent to rank `to` (a GPU stage's copied to a host buffer first:
+-- the sends go by MPI, which copies them).
+local function pp_send(self, pp, rows, n, to, tag)
+  if self.gpu then
+    if (pp.send_cap or 0) < n then pp.send_buf, pp.send_cap = ffi.new('float[?]', n), n end
+    moonrl.check(C.mrl_device_memcpy(pp.send_buf, rows, 4 * n), 3)
+    rows = pp.send_buf
+  end
+  pp.world:send(rows, 4 * n, to, tag)
+end
+
 -- Context parallel (model.h's mrl_model_set_cp_group, Ulysses): this model's forwards and
 -- backwards split each batch's tokens over world's ranks (moonrl.train.dist's World), with
 -- all-to-alls around attention; every rank of world runs the same ones, and each leaves its
@@ -313,7 +324,7 @@ function Model:forward(batch, opts)
     if pp.stage < pp.stages - 1 then
       moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, nil, nil, nil), 2)
       self._batch, self._routing = batch, opts.routing -- (borrowed until the backward)
-      pp.world:send(C.mrl_model_pp_output(self.handle), 4 * rows * pp.hidden, pp.stage + 1, pp.tag)
+      pp_send(self, pp, C.mrl_model_pp_output(self.handle), rows * pp.hidden, pp.stage + 1, pp.tag)
       return nil
     end
   end
@@ -341,7 +352,7 @@ function Model:backward(dlogprobs, dentropy, dvalues)
     dlogprobs, dentropy, dvalues = nil, nil, nil
   end
   moonrl.check(C.mrl_model_backward(self.handle, dlogprobs, dentropy, dvalues), 2)
-  if pp.stage > 0 then pp.world:send(C.mrl_model_pp_input_grad(self.handle), 4 * rows * pp.hidden, pp.stage - 1, pp.tag + 1) end
+  if pp.stage > 0 then pp_send(self, pp, C.mrl_model_pp_input_grad(self.handle), rows * pp.hidden, pp.stage - 1, pp.tag + 1) end
 end
 
 local function whole(self, what)

@@ -253,6 +253,31 @@ t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NC
   end
 end)
 
+-- Pipeline parallel on GPUs (dist.pp=2): each rank's stage on its GPU, the rows and their
+-- gradients sent by MPI through host buffers, a tied head's two copies' gradients summed between
+-- the pipeline's ends (over NCCL where it starts): SFT in micro-batches (1F1B) and DPO, the 2-rank
+-- CPU runs within rounding; the model saved by the stages the CPU's.
+t.test('pipeline parallel over 2 ranks on GPUs: the 2-rank CPU runs (sft in micro-batches, dpo; a tied head)', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local m4 = U.tiny_model(dir .. '/init_pp', { hidden_size = 32, layers = 4, vocab_size = 16 })
+  local sft = { 'data.task=addition', 'train.steps=2', 'train.batch=8', 'train.lr=3e-3', 'train.micro_batch_tokens=40' }
+  local dpo = { 'data.path=' .. prefs_path, 'train.steps=2', 'train.pairs=4', 'train.lr=1e-3', 'train.micro_batch_tokens=60' }
+  for _, case in ipairs({ { 'sft', 'recipes/sft.lua', sft }, { 'dpo', 'recipes/dpo.lua', dpo } }) do
+    local extra = { 'model.dir=' .. m4, 'dist.pp=2', 'dist.gpu_transport=auto' }
+    local c = ranks('cpu', 'pp_' .. case[1] .. '_cpu', extra, case[2], case[3])
+    local g = ranks('cuda:0', 'pp_' .. case[1] .. '_gpu', extra, case[2], case[3])
+    local mc, mg = records(c), records(g)
+    t.eq(#mg, #mc, case[1] .. ': one record per step on both')
+    for s = 1, #mc do
+      t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'pp ' .. case[1] .. ' step ' .. s .. ': loss')
+      t.truthy((mg[s]['memory/gpu/params_mb'] or 0) > 0, 'pp ' .. case[1] .. ': the stage on the GPU')
+    end
+    local d = weights_diff(g .. '/model', c .. '/model')
+    print(string.format('pipeline parallel %s on 2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', case[1], d))
+    t.truthy(d <= 1e-3, 'pp ' .. case[1] .. ': the final weights agree')
+  end
+end)
+
 -- ZeRO-2 on GPUs: each backward's ranges written into windows in the GPU's memory and
 -- reduce-scattered through the host; a rank keeps half of the gradients and of the optimizer
 -- state. With one micro-batch a rank the bits of zero=0 (the same rank-ordered sums); with the
@@ -367,7 +392,9 @@ end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()
   for _, case in ipairs({ { 'tpu', "expected cpu, cuda or cuda:N" }, { 'cuda:7', 'cuda:7 asked' },
-    { 'cuda', 'async.engine_threads', { 'async.mode=one_step_off', 'async.engine_threads=1' } } }) do
+    { 'cuda', 'async.engine_threads', { 'async.mode=one_step_off', 'async.engine_threads=1' } },
+    { 'cuda', 'dist.cp=2 with', { 'dist.cp=2' } },
+    { 'cuda', 'dist.sequence_parallel', { 'dist.tp=2', 'dist.sequence_parallel=true' } } }) do
     local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'reward=sevens',
       'grpo.steps=1' }
     for _, w in ipairs(case[3] or {}) do words[#words + 1] = w end

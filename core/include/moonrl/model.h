@@ -218,7 +218,9 @@ mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
  * memory: the forward copies the batch over and its outputs back (a few
  * floats a token, the loss boundary of docs/architecture.md). MRL_ERR_UNSUPPORTED for
  * a device not built or not present, and on a GPU for a mixture-of-experts
- * model or one with expert parallelism (they route on the host). */
+ * model or one with expert parallelism (they route on the host), tensor
+ * parallel over more ranks than K/V heads, sequence and context parallel
+ * (tensor-parallel slices and pipeline stages run there). */
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device);
 mrl_device mrl_model_get_device(const mrl_model *m);
 /* Tokens whose full-vocabulary logits the head holds at a time (0, the
@@ -404,7 +406,9 @@ mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
  * gradient of that output (mrl_model_pp_set_output_grad), and a non-first stage's leaves the
  * gradient of its input rows at mrl_model_pp_input_grad (both valid until the next forward or
  * backward in the same slot). The rows are the batch's tokens, or this rank's share under
- * context or sequence parallel. Activation slots (any model): mrl_model_pp_slots keeps n sets of
+ * context or sequence parallel. x and dy are host memory (a GPU stage copies them over); the
+ * output and input gradient are in the model's memory (a GPU's: mrl_device_memcpy them to the
+ * host). Activation slots (any model): mrl_model_pp_slots keeps n sets of
  * activations, mrl_model_pp_use_slot(i) makes set i the one the next forward fills and the next
  * backward reads, so that up to n micro-batches are between their forward and their backward
  * (1F1B). mrl_model_pp returns the stage count (1 without) and the stage in *out. */

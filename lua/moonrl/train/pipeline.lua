@@ -15,6 +15,7 @@
 --   pipeline.share(model, t)               -- the last stage's table (a step's numbers) on every stage
 local ffi = require('ffi')
 local moonrl = require('moonrl')
+local C = moonrl.C
 local trace = require('moonrl.train.trace')
 
 local M = {}
@@ -140,7 +141,12 @@ function M.sync_tied(model)
   if not (pp.tied and model.config.tie_word_embeddings) then return end
   for _, v in ipairs(model:views()) do
     if v.name == 'model.embed_tokens.weight' then
-      pp.tied:allreduce(model:grads() + v.offset, v.numel, 'f32', 'sum')
+      if model.gpu then -- (over NCCL, or through the host: dist.gpu_transport)
+        pp.tied:gpu_transport(pp.tied.gpu_asked or 'auto', C.mrl_model_get_device(model.handle).index)
+        pp.tied:gpu_allreduce(model:grads() + v.offset, v.numel)
+      else
+        pp.tied:allreduce(model:grads() + v.offset, v.numel, 'f32', 'sum')
+      end
       return
     end
   end

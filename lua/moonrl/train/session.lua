@@ -282,8 +282,8 @@ function M.mesh_of(cfg, device)
     no('dist.zero=2 on a model with a tied head (tie_word_embeddings)')
   end
   local R = cfg.dist.rollout_ranks or 0
-  if device and device ~= 'cpu' and (CP > 1 or PP > 1 or cfg.dist.sequence_parallel) then
-    no('model.device=' .. tostring(cfg.model.device) .. ' (CPU models only; on GPUs, tensor parallel alone)')
+  if device and device ~= 'cpu' and (CP > 1 or cfg.dist.sequence_parallel) then -- (on GPUs: tensor and pipeline parallel)
+    no('model.device=' .. tostring(cfg.model.device) .. (CP > 1 and '' or ' and dist.sequence_parallel'))
   end
   -- (an engine thread would step the group from a second thread; without one, a batch of an
   -- asynchronous mode in one process is generated between steps, by the group together)
@@ -302,8 +302,11 @@ function M.mesh_of(cfg, device)
     w = g.world
   end
   local mesh = dist.mesh(w, TP, CP, PP)
-  -- a GPU model's tensor-parallel sums: over NCCL (dist.gpu_transport), else through the host
-  if mesh.tp then mesh.tp.gpu_asked = cfg.dist.gpu_transport end
+  -- a GPU model's tensor-parallel sums and a tied embedding's gradient sum between the pipeline's
+  -- ends: over NCCL (dist.gpu_transport), else through the host
+  for _, g in ipairs({ mesh.tp or false, mesh.tied or false }) do
+    if g then g.gpu_asked = cfg.dist.gpu_transport end
+  end
   return mesh
 end
 
