@@ -255,20 +255,23 @@ end)
 
 -- Pipeline parallel on GPUs (dist.pp=2): each rank's stage on its GPU, the rows and their
 -- gradients sent by MPI through host buffers, a tied head's two copies' gradients summed between
--- the pipeline's ends (over NCCL where it starts): SFT in micro-batches (1F1B) and DPO, the 2-rank
--- CPU runs within rounding; the model saved by the stages the CPU's.
-t.test('pipeline parallel over 2 ranks on GPUs: the 2-rank CPU runs (sft in micro-batches, dpo; a tied head)', function()
+-- the pipeline's ends (over NCCL where it starts): SFT in micro-batches (1F1B), DPO and GRPO with a
+-- reference (the engine on slices over the 2 GPUs, refreshed from the stages), the 2-rank CPU runs
+-- within rounding; the model saved by the stages the CPU's.
+t.test('pipeline parallel over 2 ranks on GPUs: the 2-rank CPU runs (sft in micro-batches, dpo, grpo; a tied head)', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local m4 = U.tiny_model(dir .. '/init_pp', { hidden_size = 32, layers = 4, vocab_size = 16 })
   local sft = { 'data.task=addition', 'train.steps=2', 'train.batch=8', 'train.lr=3e-3', 'train.micro_batch_tokens=40' }
   local dpo = { 'data.path=' .. prefs_path, 'train.steps=2', 'train.pairs=4', 'train.lr=1e-3', 'train.micro_batch_tokens=60' }
-  for _, case in ipairs({ { 'sft', 'recipes/sft.lua', sft }, { 'dpo', 'recipes/dpo.lua', dpo } }) do
-    local extra = { 'model.dir=' .. m4, 'dist.pp=2', 'dist.gpu_transport=auto' }
+  for _, case in ipairs({ { 'sft', 'recipes/sft.lua', sft }, { 'dpo', 'recipes/dpo.lua', dpo },
+    { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } } }) do
+    local extra = U.with({ 'model.dir=' .. m4, 'dist.pp=2', 'dist.gpu_transport=auto' }, case[4] or {})
     local c = ranks('cpu', 'pp_' .. case[1] .. '_cpu', extra, case[2], case[3])
     local g = ranks('cuda:0', 'pp_' .. case[1] .. '_gpu', extra, case[2], case[3])
     local mc, mg = records(c), records(g)
     t.eq(#mg, #mc, case[1] .. ': one record per step on both')
     for s = 1, #mc do
+      if case[1] == 'grpo' then t.eq(mg[s].tokens, mc[s].tokens, 'pp grpo step ' .. s .. ': the same tokens') end
       t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'pp ' .. case[1] .. ' step ' .. s .. ': loss')
       t.truthy((mg[s]['memory/gpu/params_mb'] or 0) > 0, 'pp ' .. case[1] .. ': the stage on the GPU')
     end

@@ -14,7 +14,9 @@
 -- step; a given mesh bit-identical run to run, across a stop and resume (each stage's optimizer
 -- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
 -- parallel cannot take are usage errors naming them; a mixture of experts (SFT, GRPO with routing
--- replay and a rollout rank) against one process. A checkpoint resumes into another mesh (each
+-- replay and a rollout rank) against one process; a pipeline without rollout ranks generating on
+-- its engine's slices over its ranks (GRPO sync and one_step_off on pp2 and pp2 x tp2, SFT
+-- evaluated by generation, a resume) against one process. A checkpoint resumes into another mesh (each
 -- optimizer file says which slices of which tensors it holds). (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
@@ -112,6 +114,48 @@ t.test('pipeline-parallel trainers and a rollout rank: each stage sends its tens
     if case[3] == 'grpo' then t.truthy(bytes > 0, tag .. ': bytes a version reported') end
     if case[3] == 'ppo' then t.truthy(U.weights_diff(d .. '/critic', one .. '/critic') <= 1e-5, 'ppo: the critic too') end
   end
+end)
+
+-- Without rollout ranks a pipeline generates for itself: the engine runs on tensor-parallel
+-- slices over the pipeline's ranks (stages x slices), refreshed from the stages after each update
+-- (moonrl.train.reshard): GRPO with a reference (sync and one_step_off in one process) on pp2 and
+-- pp2 x tp2, and SFT evaluated by generation on pp2: one process's tokens, accuracy, steps and
+-- weights.
+t.test('generation on a pipeline (no rollout ranks: the engine on slices over its ranks, refreshed from the stages): grpo sync and one_step_off, pp2 and pp2 x tp2, sft evaluated by generation: one process\'s tokens, steps and weights', function()
+  local LOCAL = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
+    'reward=tests/recipes/partial_reward.lua:partial', 'train.micro_batch_tokens=64', 'run.threads=1', 'train.lr=1e-3',
+    'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' }
+  local OFF = U.with(LOCAL, { 'async.mode=one_step_off' })
+  local EVAL = U.with(SFT, { 'eval.every=3', 'eval.prompts=6', 'eval.max_tokens=4', 'data.task=addition' })
+  for _, case in ipairs({ { 'recipes/grpo.lua', LOCAL, 'gen_grpo', 2, { 'dist.pp=2' } },
+    { 'recipes/grpo.lua', OFF, 'gen_grpo_off', 2, { 'dist.pp=2' } },
+    { 'recipes/grpo.lua', LOCAL, 'gen_grpo', 4, { 'dist.pp=2', 'dist.tp=2' }, 'tp2' },
+    { 'recipes/sft.lua', EVAL, 'gen_sft_eval', 2, { 'dist.pp=2' } } }) do
+    local one = dir .. '/one_' .. case[3]
+    if not fs.exists(one .. '/model') then run(0, case[1], case[2], 'one_' .. case[3]) end
+    local tag = string.format('pp_%s%s', case[3], case[6] and '_' .. case[6] or '')
+    local d = run(case[4], case[1], U.with(case[2], case[5]), tag)
+    local a, b = U.records(d), U.records(one)
+    for i = 1, #b do
+      for _, k in ipairs({ 'tokens', 'eval/accuracy', 'eval/prompts' }) do
+        t.eq(a[i][k], b[i][k], tag .. ' step ' .. i .. ': the same ' .. k)
+      end
+    end
+    for i = 1, #b do -- (the engine's log-probs against the trainer's: its slices are the stages' weights)
+      local ma, mb = a[i]['mismatch/max_abs'], b[i]['mismatch/max_abs']
+      if mb then t.truthy(ma and math.abs(ma - mb) <= 1e-5, tag .. ' step ' .. i .. ': the engine\'s mismatch') end
+    end
+    local w, sd = U.weights_diff(d .. '/model', one .. '/model'), steps_diff(a, b)
+    print(string.format('  %s on %d ranks, %s: weights %.3g, steps %.3g from one process', case[3], case[4],
+      table.concat(case[5], ' '), w, sd))
+    t.truthy(w <= 1e-5 and sd <= 1e-5, tag .. ': the steps and weights of one process')
+  end
+  -- stopped after step 2 and resumed: the engine's slices come back from the checkpoint's stages
+  local words = U.with(LOCAL, { 'dist.pp=2', 'run.checkpoint_every=1' })
+  run(2, 'recipes/grpo.lua', U.with(words, { 'grpo.steps=2' }), 'gen_grpo_part')
+  local part = run(2, 'recipes/grpo.lua', U.with(words, { 'run.resume=auto' }), 'gen_grpo_part')
+  t.eq(#U.records(part), 3, 'resumed: three steps logged')
+  t.eq(U.weights_diff(part .. '/model', dir .. '/pp_gen_grpo/model'), 0, 'resumed: the weights of the run never stopped')
 end)
 
 t.test('a mixture of experts in stages (a dense layer between sparse ones): sft on pp2 (and an uneven split); grpo with routing replay and a reference, trainers in stages and a rollout rank: one process\'s steps and weights, the replay\'s counts over every stage', function()
@@ -246,7 +290,7 @@ t.test('usage errors name the key', function()
     { 2, { 'dist.pp=2', 'dist.pp_layers=2,1' }, 'dist.pp_layers=2,1' },
     { 2, { 'dist.pp=2', 'dist.zero=2' }, 'dist.pp=2 with dist.zero=2 on a model with a tied head' },
     { 2, { 'dist.pp=2', 'dist.zero=3' }, 'dist.pp=2 with dist.zero=3' },
-    { 2, { 'dist.pp=2', 'eval.every=1' }, 'dist.pp=2: the engine (rollouts, evaluation)' },
+    { 3, { 'dist.pp=3', 'eval.every=1' }, 'dist.pp=3: the engine generates on slices over the pipeline\'s 3 ranks' },
     { 4, { 'dist.pp=4', 'model.dir=' .. U.tiny_model(dir .. '/init2', { layers = 2, vocab_size = 16 }) },
       'more stages than the model\'s 2 layers' },
   }) do

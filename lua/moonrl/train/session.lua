@@ -135,21 +135,31 @@ function M.start(cfg, opts)
     local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
     if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
   end
+  local gen, gen_sync = policy, nil -- (the model the engine generates with, and its refresh)
   if policy and policy.pp and cfg.engine and opts.engine ~= false then
-    -- a stage has no engine: the rollout ranks (which hold the policy whole) generate
-    local remote = (cfg.dist.rollout_ranks or 0) > 0
-    if not remote or sections.eval_wanted(cfg) then -- (evaluation generates)
-      moonrl.usage_error(string.format('dist.pp=%d: the engine (%s) runs on the whole model, which a pipeline stage ' ..
-        'is not: not yet (%s)', policy.pp.stages, remote and 'evaluation' or 'rollouts, evaluation',
-        remote and 'eval.every=0' or 'dist.rollout_ranks generate for the stages; eval.every=0 for a supervised recipe'))
+    -- a stage is no whole model: the rollout ranks (which hold the policy whole) generate, and
+    -- where this process generates (rollouts without rollout ranks, evaluation) the engine runs
+    -- on tensor-parallel slices over the pipeline's ranks (its stages x its slices: mesh.norm),
+    -- refreshed from the stages after each update (moonrl.train.reshard)
+    if (cfg.dist.rollout_ranks or 0) > 0 and not sections.eval_wanted(cfg) then
+      opts.engine = false
+    else
+      local ok, made = pcall(models.load, cfg.model.dir, { tp = mesh.norm })
+      if not ok then
+        moonrl.usage_error(string.format('dist.pp=%d: the engine generates on slices over the pipeline\'s %d ranks ' ..
+          '(its stages x dist.tp): %s', policy.pp.stages, mesh.norm.size, moonrl.error_text(made)))
+      end
+      gen = made
+      if dtype then gen:set_dtype(dtype) end
+      if device and device ~= gen:device() then gen:to_device(device) end
+      gen_sync = require('moonrl.train.reshard').plan(mesh.norm, policy, gen)
     end
-    opts.engine = false
   end
   local engine
   if cfg.engine and opts.engine ~= false and policy then
     local e = cfg.engine
     sections.check_choice('engine.kv_cache_dtype', e.kv_cache_dtype or 'auto', { 'auto', 'fp32', 'bf16' })
-    local ok, made = pcall(moonrl.engine.new, policy, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
+    local ok, made = pcall(moonrl.engine.new, gen, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
       block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed,
       cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype })
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
@@ -203,6 +213,9 @@ function M.start(cfg, opts)
   end
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   S.engine_copy = engine_copy
+  if gen_sync then -- a pipeline's engine: its slices follow each update (and a restore)
+    S.engine_model, S.engine_sync = gen, function() require('moonrl.train.reshard').sync(gen_sync) end
+  end
   if policy then
     S:model('policy', policy, { tokenizer_dir = tok_dir })
     local bf16 = policy:dtype() == 'bf16'
@@ -304,7 +317,7 @@ function M.mesh_of(cfg, device)
   local mesh = dist.mesh(w, TP, CP, PP)
   -- a GPU model's tensor-parallel sums and a tied embedding's gradient sum between the pipeline's
   -- ends: over NCCL (dist.gpu_transport), else through the host
-  for _, g in ipairs({ mesh.tp or false, mesh.tied or false }) do
+  for _, g in ipairs({ mesh.tp or false, mesh.tied or false, mesh.norm or false }) do
     if g then g.gpu_asked = cfg.dist.gpu_transport end
   end
   return mesh
@@ -564,6 +577,14 @@ function Session:optimizer(name, opt)
       nccl_error = opt.gpu and self.world.nccl_error or nil,
       buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
   end
+  if opt.model == self.policy and self.engine_sync then -- a pipeline's engine: its slices follow each update
+    local step, sync = opt.step, self.engine_sync
+    opt.step = function(o, ...)
+      local a, b = step(o, ...)
+      sync()
+      return a, b
+    end
+  end
   local m = opt.model
   if m and (m.tp_world or m.pp) then -- tensor, pipeline parallel: the whole model's gradient norm; this part's state file
     dist.parallel_norm(opt, m, { tp = m.tp_world, group = m.pp and m.norm_group or m.tp_world })
@@ -769,6 +790,7 @@ function Session:restore(dir, state, opts)
   if why then moonrl.usage_error(string.format('cannot resume from %s: %s', dir, why)) end
   for i, m in ipairs(self.models) do ckpt.load_model(dir, m.name, m.model, i == 1) end
   if self.engine_copy then self.engine_copy.refresh() end -- (a sharded policy's: the engine's copy of it)
+  if self.engine_sync then self.engine_sync() end -- (a pipeline's: the engine's slices)
   if opts.models_only then return end
   if opts.optimizers ~= false then
     for _, o in ipairs(self.optimizers) do ckpt.load_optimizer(dir, o.name, o.opt) end
