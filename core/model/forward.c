@@ -585,7 +585,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         if (m->grad_hook && embed_end > 0) m->grad_hook(m->grad_hook_ctx, 0, embed_end); /* (a tied head's copy) */
         return MRL_OK;
     }
-    if (m->grad_acquire && !c->tie_word_embeddings && (st = lend(m, -1, 0, embed_end))) return st;
+    /* (a tied head lent the embedding's window already; a pipeline's first stage has no head) */
+    if (m->grad_acquire && !(c->tie_word_embeddings && head) && (st = lend(m, -1, 0, embed_end))) return st;
     if (m->tp_seq) { /* every token's rows, then this rank's vocabulary rows of them (tp.c) */
         mrl_model_sp_gather(m, m->gs.dx, m->gs.sp_full);
         if ((st = mrl_model_tp_status(m))) return st;

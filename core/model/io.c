@@ -314,15 +314,26 @@ mrl_status mrl_model_load_dir_tp_shard(const char *dir, int rank, int size, int 
 
 mrl_status mrl_model_load_dir_stage(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
                                     int value_head, mrl_model **out) {
+    return mrl_model_load_dir_stage_shard(dir, stage, tp_rank, tp_size, 1, 1, 0, value_head, out);
+}
+
+mrl_status mrl_model_load_dir_stage_shard(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
+                                          int world, int shards, int index, int value_head, mrl_model **out) {
     if (!dir || !stage || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage: NULL argument");
     *out = NULL;
     if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage: tensor-parallel rank %d of %d", tp_rank, tp_size);
+    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage_shard: shard %d of %d over %d ranks", index,
+                             shards, world);
     mrl_st *st = NULL;
     mrl_model *m = NULL;
     mrl_status s = open_dir(dir, value_head, tp_rank, tp_size, stage, &m, &st);
     if (s) return s;
-    return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
+    if (world == 1) return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
+    int64_t offset, count; /* (a stage's layout is the same on every rank that holds it: so are the shards) */
+    mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
+    return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
 }
 
 /* What m holds, [lo, hi) of its buffer, read again from dir's files. */
@@ -532,7 +543,9 @@ static mrl_status save_pp(mrl_model *m, const char *dir, int64_t max_shard_bytes
         return mrl_set_error(MRL_ERR_INVALID, "%s: a tensor-parallel model saves through its group's all-gather "
                              "(mrl_model_set_tp_group)", dir);
     mrl_model_config c = whole_config(m);
-    int writer = m->pp_stage == 0 && m->tp_rank == 0;
+    /* (sharded, ZeRO-3: every pipeline is in its stage's gathers, the first one's ranks write and send) */
+    int first_group = !m->p_region || m->shard_writer;
+    int writer = m->pp_stage == 0 && m->tp_rank == 0 && first_group;
     /* every stage's first layer (the stages send theirs around: each knows its own only) */
     int first[256];
     if (m->pp_stages > 256) return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: more than 256 pipeline stages", dir);
@@ -572,12 +585,15 @@ static mrl_status save_pp(mrl_model *m, const char *dir, int64_t max_shard_bytes
         if (o == m->pp_stage) { /* mine: put together over the group; to the writer */
             mrl_param_view v;
             if ((g = mrl_model_find_view(m, wv->name, &v))) break;
+            if (m->p_region && (g = mrl_model_fetch(m, v.offset, v.numel))) break; /* ZeRO-3: the view whole here */
             const float *src = NULL;
             int64_t n = 0;
-            if ((g = whole_view(m, &v, mine, all, out, &src, &n))) break;
+            g = whole_view(m, &v, mine, all, out, &src, &n);
+            if (m->p_region) mrl_model_drop(m, v.offset, v.numel);
+            if (g) break;
             if (writer) {
                 if (!s) s = mrl_st_stream_write(st, wv->name, src, n);
-            } else if (m->tp_rank == 0) {
+            } else if (m->tp_rank == 0 && first_group) {
                 g = m->pp_send(m->pp_ctx, src, n, 0, PP_SAVE_TAG);
             }
         } else if (writer) { /* another stage's */

@@ -206,15 +206,16 @@ end
 -- (moonrl.train.dist's World, rank = stage), over which its forwards and backwards send their
 -- rows: every stage runs the same micro-batches (moonrl.train.pipeline orders them), the last
 -- one's forward returns the outputs, the others' none. opts.tp: this rank's tensor-parallel
--- group (its slices of the stage); opts.value_head: a critic's; opts.tag: the model's channel
+-- group (its slices of the stage); opts.shard: its parameters sharded (ZeRO-3, as load_tp's; then
+-- dist.shard_model gathers them); opts.value_head: a critic's; opts.tag: the model's channel
 -- over world (two per model: its rows, their gradients), the same on every stage.
 function M.load_stage(dir, stage, world, opts)
   opts = opts or {}
   local h = ffi.new('mrl_model *[1]')
   local spec = ffi.new('mrl_model_stage', { stage.stage, stage.stages, stage.first_layer, stage.layers })
-  local tp = opts.tp
-  moonrl.check(C.mrl_model_load_dir_stage(dir, spec, tp and tp.rank or 0, tp and tp.size or 1,
-    opts.value_head and 1 or 0, h), 2)
+  local tp, sh = opts.tp, opts.shard -- (sh = { world, shards, index }: ZeRO-3, as load_tp's)
+  moonrl.check(C.mrl_model_load_dir_stage_shard(dir, spec, tp and tp.rank or 0, tp and tp.size or 1,
+    sh and sh.world or 1, sh and sh.shards or 1, sh and sh.index or 0, opts.value_head and 1 or 0, h), 2)
   local m = wrap(h[0])
   if tp and tp.size > 1 then
     moonrl.check(C.mrl_model_set_tp_group(m.handle, C.mrl_dist_tp_allreduce, C.mrl_dist_tp_allgather, tp.handle), 2)

@@ -418,6 +418,12 @@ typedef struct mrl_model_stage {
 } mrl_model_stage;
 mrl_status mrl_model_load_dir_stage(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
                                     int value_head, mrl_model **out);
+/* The same, its parameters sharded as mrl_model_load_dir_shard's (ZeRO-3 over the data-parallel
+ * ranks that hold the same stage and slices: shard `index` of `shards` over `world` of them);
+ * saving (mrl_model_save_dir, which every rank calls) gathers each view over them, the first
+ * pipeline's ranks sending and writing. */
+mrl_status mrl_model_load_dir_stage_shard(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
+                                          int world, int shards, int index, int value_head, mrl_model **out);
 int mrl_model_pp(const mrl_model *m, mrl_model_stage *out);
 /* the whole model's layer count (a stage's config has its own) */
 int mrl_model_pp_layers(const mrl_model *m);

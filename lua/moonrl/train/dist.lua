@@ -366,6 +366,7 @@ function M.parallel_norm(opt, model, par)
     local sharded = (o.zero or 0) >= 1 -- (the shard's range is the one summed over the data-parallel ranks)
     if tpw then moonrl.check(C.mrl_model_tp_sync_grads(model.handle, sharded and o.shard_grads or nil, sharded and o.offset or 0,
       sharded and o.count or 0), 3) end
+    if model.pp and (o.zero or 0) >= 2 then require('moonrl.train.pipeline').sync_tied_shard(model, o) end -- (a tied head's)
     synced = true
   end
   if opt.world then -- M.data_parallel's: its norm of the counted ranges, then summed over the group

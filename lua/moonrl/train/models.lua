@@ -25,10 +25,12 @@ function M.load(dir, opts)
   opts = opts or {}
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
-  if opts.pp then -- pipeline parallel: this rank's stage (and tensor parallel: its slices of it)
-    local P = opts.pp
-    model = model_mod.load_stage(dir, P.stage, P.world, { tp = opts.tp, value_head = opts.value_head, tag = P.tag })
+  if opts.pp then -- pipeline parallel: this rank's stage (and tensor parallel: its slices of it; ZeRO-3: its shard)
+    local P, L = opts.pp, opts.shard
+    model = model_mod.load_stage(dir, P.stage, P.world, { tp = opts.tp, value_head = opts.value_head, tag = P.tag,
+      shard = L and { world = L.world.size, shards = L.shards, index = L.index } })
     model.pp.tied, model.norm_group = P.tied, P.norm
+    if L then require('moonrl.train.dist').shard_model(L, model) end
   elseif opts.tp and opts.tp.size > 1 then -- tensor parallel: this rank's slices, its sums over the group
     local L = opts.shard -- (and ZeRO-3: its shard of them)
     model = model_mod.load_tp(dir, opts.tp, { value_head = opts.value_head,

@@ -138,7 +138,7 @@ end
 -- copies take the same update.
 function M.sync_tied(model)
   local pp = model.pp
-  if not (pp.tied and model.config.tie_word_embeddings) then return end
+  if not (pp.tied and model.config.tie_word_embeddings) or model.grad_windows then return end -- (ZeRO-2, 3: below)
   for _, v in ipairs(model:views()) do
     if v.name == 'model.embed_tokens.weight' then
       if model.gpu then -- (over NCCL, or through the host: dist.gpu_transport)
@@ -150,6 +150,23 @@ function M.sync_tied(model)
       return
     end
   end
+end
+
+-- The same under ZeRO-2 and 3, which keep no gradient buffer: each rank holds the sums of its
+-- shard (o.shard_grads, elements [o.offset, o.offset + o.count) of the stage's), final once the
+-- optimizer syncs (dist.parallel_norm calls this then). The embedding's (or its copy's: both
+-- first in their stage's buffer) gradient is put together over the shard group (each rank its
+-- part, zeros elsewhere, summed), summed between the ends, and each rank takes its part back.
+function M.sync_tied_shard(model, o)
+  local pp = model.pp
+  if not (pp and pp.tied and model.config.tie_word_embeddings) then return end
+  local v = model:views()[1] -- (model.embed_tokens.weight, at offset 0 on both ends)
+  local lo, hi = math.max(o.offset, v.offset), math.min(o.offset + o.count, v.offset + v.numel)
+  local buf = ffi.new('float[?]', v.numel) -- (zeros)
+  if hi > lo then moonrl.check(C.mrl_device_memcpy(buf + (lo - v.offset), o.shard_grads + (lo - o.offset), 4 * (hi - lo))) end
+  o.layout.group:allreduce(buf, v.numel, 'f32', 'sum')
+  pp.tied:allreduce(buf, v.numel, 'f32', 'sum')
+  if hi > lo then moonrl.check(C.mrl_device_memcpy(o.shard_grads + (lo - o.offset), buf + (lo - v.offset), 4 * (hi - lo))) end
 end
 
 -- The last stage's t (a table of numbers, strings, tables) on every stage: a step's numbers,

@@ -1,13 +1,14 @@
 -- Weights from one layout into another among the same ranks (a pipeline's stages into an
 -- engine's tensor-parallel slices over the same GPUs or processes: the colocated engine of
 -- NeMo-RL's refit and veRL's resharding). Every rank of `group` holds a part of the source model
--- (its export: Model:export_range, in Hugging Face coordinates by Model:slices) and a part of the
--- destination (its slices: Model:slice_plan). The plan is made once: each rank's slice table
+-- (its export: Model:export_range, in Hugging Face coordinates by Model:slices; opts.sends =
+-- false: none, a replica of another's) and a part of the destination (its slices:
+-- Model:slice_plan); together the exports hold each element once. The plan is made once: each rank's slice table
 -- goes to every rank, each rank works out the ranges of every other's export it takes and tells
 -- it. Each sync then packs, for each rank, exactly the ranges it takes, and one all-to-all-v
 -- (mrl_dist_alltoallv) moves them: no rank gathers the whole model, each byte is sent once, and
 -- each rank's checksum (CRC-32C) of what it sent is compared with what landed.
---   local p = reshard.plan(group, stage_model, engine_model)
+--   local p = reshard.plan(group, stage_model, engine_model, opts)
 --   reshard.sync(p)     -- after each update: the engine's slices are the stages' weights
 local ffi = require('ffi')
 local moonrl = require('moonrl')
@@ -21,16 +22,17 @@ local function copy(dst, src, bytes)
   if bytes > 0 then moonrl.check(C.mrl_device_memcpy(dst, src, bytes), 3) end
 end
 
-function M.plan(group, src, dst)
+function M.plan(group, src, dst, opts)
   local n = group.size
   local o, c = src:export_range()
-  local tables = group:gather_strings(json.encode(src:slices(o, c)))
+  local sends = not (opts and opts.sends == false) -- (false: this rank exports nothing, a replica's)
+  local tables = group:gather_strings(sends and json.encode(src:slices(o, c)) or '')
   local p = { group = group, src = src, dst = dst, offset = o, from = {}, packs = {},
     send_counts = ffi.new('int64_t[?]', n), recv_counts = ffi.new('int64_t[?]', n),
     crc_out = ffi.new('uint32_t[?]', n), crc_in = ffi.new('uint32_t[?]', n), ones = ffi.new('int64_t[?]', n) }
   local wants, total = {}, 0
   for q = 0, n - 1 do
-    local plan = dst:slice_plan(json.decode(tables[q + 1], string.format("rank %d's weight slices", q)))
+    local plan = tables[q + 1] == '' and {} or dst:slice_plan(json.decode(tables[q + 1], string.format("rank %d's weight slices", q)))
     local mine, got = {}, 0
     for _, cp in ipairs(plan) do mine[#mine + 1], got = { cp.at, cp.count }, got + cp.count end
     wants[tostring(q)] = mine

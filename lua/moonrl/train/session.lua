@@ -152,7 +152,11 @@ function M.start(cfg, opts)
       gen = made
       if dtype then gen:set_dtype(dtype) end
       if device and device ~= gen:device() then gen:to_device(device) end
-      gen_sync = require('moonrl.train.reshard').plan(mesh.norm, policy, gen)
+      -- (ZeRO-3: a stage's shards lie on the ranks of the other pipelines too: the plan spans the
+      -- trainers, each shard sent once, by its first replica)
+      local sharded = policy:shard() ~= nil
+      gen_sync = require('moonrl.train.reshard').plan(sharded and mesh.world or mesh.norm, policy, gen,
+        { sends = not sharded or policy.shard_layout.replica == 0 })
     end
   end
   local engine
@@ -166,7 +170,7 @@ function M.start(cfg, opts)
     engine = made
   end
   local engine_copy
-  if engine and policy:shard() then -- the engine generates alone: a copy of its own, refreshed after each update
+  if engine and policy:shard() and gen == policy then -- the engine generates alone: a copy of its own, refreshed after each update
     -- in bf16 its compute copy (no fp32 weights whole on the rank); a whole fp32 copy where the
     -- process publishes whole weights (async modes in one process: a weight store) or in fp32
     local remote = cfg.dist and (cfg.dist.rollout_ranks or 0) > 0
@@ -288,11 +292,6 @@ function M.mesh_of(cfg, device)
   local function no(what)
     moonrl.usage_error(string.format('dist.%s=%d with %s: not yet', key, key == 'cp' and CP or key == 'pp' and PP or TP,
       what))
-  end
-  if PP > 1 and cfg.dist.zero == 3 then no('dist.zero=3 (ZeRO-1 and 2 shard a stage\'s state)') end
-  if PP > 1 and cfg.dist.zero == 2 and model_config(cfg).tie_word_embeddings then
-    -- (the first and last stages' gradients of a tied embedding are summed whole: pipeline.sync_tied)
-    no('dist.zero=2 on a model with a tied head (tie_word_embeddings)')
   end
   local R = cfg.dist.rollout_ranks or 0
   if device and device ~= 'cpu' and (CP > 1 or cfg.dist.sequence_parallel) then -- (on GPUs: tensor and pipeline parallel)
@@ -981,7 +980,13 @@ end
 -- (a sharded policy's: the initial model loaded whole from model.dir: no rank holds the policy whole)
 function Session:reference()
   local ref
-  if self.policy.pp then return models.clone(self.policy, { tag = 1 }) end -- (pipeline parallel: its stage's copy)
+  if self.policy.pp and not self.policy:shard() then return models.clone(self.policy, { tag = 1 }) end -- (its stage's copy)
+  if self.policy.pp then -- a sharded stage (ZeRO-3): its stage of the initial model, whole
+    ref = models.load(self.cfg.model.dir, { tp = self.tp_world, pp = models.stage_of(self.policy, 1) })
+    ref:set_dtype(self.policy:dtype())
+    if self.policy:device() ~= 'cpu' then ref:to_device(self.policy:device()) end
+    return models.split_like(ref, self.policy)
+  end
   if self.tp_world then -- tensor parallel: its slices of the initial model
     ref = models.load(self.cfg.model.dir, { tp = self.tp_world })
     ref:set_dtype(self.policy:dtype())
