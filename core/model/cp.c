@@ -49,14 +49,30 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
         if (c->num_experts > 0)
             return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: a mixture-of-experts model (num_experts %d): "
                                  "not yet", c->num_experts);
-        if (m->k->on_device)
-            return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: CPU models only for now");
     }
     mrl_model_release_activations(m); /* (the layout depends on it) */
     m->cp_rank = size > 1 ? rank : 0;
     m->cp_size = size > 1 ? size : 0;
     m->cp_gather = allgather, m->cp_a2a = alltoallv, m->cp_ctx = ctx;
     return MRL_OK;
+}
+
+/* The group's all-to-all of rows of w floats; a GPU model's through host memory (the group's
+ * collectives are MPI's): the rows it sends copied over, exchanged, the rows it gets copied back. */
+static mrl_status exchange(const mrl_model *cm, const float *send, const int64_t *sc, float *recv, const int64_t *rc,
+                           int64_t w) {
+    mrl_model *m = (mrl_model *)cm;
+    const mrl_kernels *k = m->k;
+    if (!k->on_device) return m->cp_a2a(m->cp_ctx, send, sc, recv, rc, w);
+    int64_t ns = 0, nr = 0;
+    for (int r = 0; r < m->cp_size; r++) ns += sc[r], nr += rc[r];
+    float *h = mrl_model_host_stage(m, (ns + nr) * w);
+    if (!h) return mrl_set_error(MRL_ERR_NOMEM, "context parallel: a host buffer of %lld floats", (long long)((ns + nr) * w));
+    mrl_status st = k->sync();
+    if (!st) st = k->to_host(h, send, (int64_t)sizeof(float) * ns * w);
+    if (!st) st = m->cp_a2a(m->cp_ctx, h, sc, h + ns * w, rc, w);
+    if (!st) st = k->to_device(recv, h + ns * w, (int64_t)sizeof(float) * nr * w);
+    return st;
 }
 
 static void fail(const mrl_model *cm, mrl_status st, const char *what) {
@@ -78,12 +94,13 @@ void mrl_model_cp_to_heads(const mrl_model *m, const float *local, int H, float 
     if (m->tp_failed) return;
     int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, row = (int64_t)H * m->cfg.head_dim;
     int64_t w = exchange_rows(m, H, mine, theirs);
-    /* to rank r: this rank's tokens' columns of r's heads, as one block [Tl, w] */
+    /* to rank r: this rank's tokens' columns of r's heads, as one block [Tl, w] (the op table's
+     * copies: a GPU's in its memory) */
     for (int r = 0; r < m->cp_size; r++)
         for (int64_t t = 0; t < Tl; t++)
-            memcpy(m->gs.cp_pack + (r * Tl + t) * w, local + t * row + r * w, sizeof(float) * (size_t)w);
+            m->k->copy(m->gs.cp_pack + (r * Tl + t) * w, local + t * row + r * w, (int64_t)sizeof(float) * w);
     /* from rank r: its tokens' rows of our heads, which follow each other in token order */
-    fail(m, m->cp_a2a(m->cp_ctx, m->gs.cp_pack, mine, heads, theirs, w), "the attention's inputs");
+    fail(m, exchange(m, m->gs.cp_pack, mine, heads, theirs, w), "the attention's inputs");
 }
 
 void mrl_model_cp_to_tokens(const mrl_model *m, const float *heads, int H, float *local) {
@@ -91,15 +108,30 @@ void mrl_model_cp_to_tokens(const mrl_model *m, const float *heads, int H, float
     int64_t mine[MAX_CP], theirs[MAX_CP], Tl = m->cp_tl, row = (int64_t)H * m->cfg.head_dim;
     int64_t w = exchange_rows(m, H, mine, theirs);
     /* to rank r: its tokens' rows (contiguous); from rank r: our tokens' rows of its heads */
-    fail(m, m->cp_a2a(m->cp_ctx, heads, theirs, m->gs.cp_pack, mine, w), "the attention's outputs");
+    fail(m, exchange(m, heads, theirs, m->gs.cp_pack, mine, w), "the attention's outputs");
     if (m->tp_failed) return;
     for (int r = 0; r < m->cp_size; r++)
         for (int64_t t = 0; t < Tl; t++)
-            memcpy(local + t * row + r * w, m->gs.cp_pack + (r * Tl + t) * w, sizeof(float) * (size_t)w);
+            m->k->copy(local + t * row + r * w, m->gs.cp_pack + (r * Tl + t) * w, (int64_t)sizeof(float) * w);
 }
 
-void mrl_model_cp_gather(const mrl_model *m, const float *mine, float *whole) {
+/* whole: host memory (the forward's per-token outputs); a GPU model's rows copied over first, and
+ * gathered in host memory */
+void mrl_model_cp_gather(const mrl_model *cm, const float *mine, float *whole) {
+    mrl_model *m = (mrl_model *)cm;
     if (m->tp_failed) return;
+    float *stage = m->cp_out;
+    if (m->k->on_device) {
+        int64_t T = m->batch.n_tokens, most = (T + m->cp_size - 1) / m->cp_size;
+        float *h = mrl_model_host_stage(m, m->cp_tl + (1 + m->cp_size) * most);
+        mrl_status st = h ? m->k->sync() : MRL_ERR_NOMEM;
+        if (!st) st = m->k->to_host(h, mine, (int64_t)sizeof(float) * m->cp_tl);
+        if (st) {
+            fail(m, st, "the per-token outputs");
+            return;
+        }
+        mine = h, stage = h + m->cp_tl;
+    }
     fail(m, mrl_model_gather_shares(m->cp_gather, m->cp_ctx, m->cp_size, m->cp_rank, m->batch.n_tokens, 1, mine,
-                                    m->cp_out, whole), "the per-token outputs");
+                                    stage, whole), "the per-token outputs");
 }

@@ -136,10 +136,11 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     else if (base) m->logits16 = NULL;
     TAKE(m->pos, int32_t, T);
     TAKE(m->targets, int32_t, T);
-    if (m->k->on_device) { /* the batch's copies and the per-token values to and from the host */
-        TAKE(m->dev_tokens, int32_t, T);
-        TAKE(m->dev_cu_seqlens, int32_t, T + 1);
-        TAKE(m->dev_prefix, int32_t, T);
+    if (m->k->on_device) { /* the batch's copies (context parallel: every token's, Tw at most) and the
+                            * per-token values to and from the host */
+        TAKE(m->dev_tokens, int32_t, Tw);
+        TAKE(m->dev_cu_seqlens, int32_t, Tw + 1);
+        TAKE(m->dev_prefix, int32_t, Tw);
         for (int i = 0; i < 3; i++) TAKE(m->dev_io[i], float, T);
     }
     if (n_moe) TAKE(m->route_used, int16_t, T * n_moe * c->num_experts_per_tok); /* mrl_model_get_routing */
@@ -308,7 +309,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         st = k->to_device(m->pos, pos, ints * T);
         if (!st) st = k->to_device(m->targets, targets, ints * T);
         if (!st && m->tp_vocab) st = k->to_device(m->tp_ids, ids, ints * T);
-        if (!st) st = k->to_device(m->dev_tokens, b->tokens, ints * T);
+        if (!st) st = k->to_device(m->dev_tokens, b->tokens, ints * b->n_tokens); /* (every token: op_tokens + cp0) */
         if (!st) st = k->to_device(m->dev_cu_seqlens, b->cu_seqlens, ints * (b->n_seqs + 1));
         if (!st && b->prefix) st = k->to_device(m->dev_prefix, b->prefix, ints * b->n_seqs);
         if (st) return st;

@@ -133,7 +133,7 @@ struct mrl_model {
     int64_t sp_t0, sp_tl; /* (the last forward's: rows [sp_t0, sp_t0 + sp_tl) of the batch) */
     float *tp_stats;      /* [3T (1 + tp_size)] with tp_vocab: the head's statistics, this rank's and the group's */
     int32_t *tp_ids;      /* [T] with tp_vocab: the batch's tokens as rows of this rank's slice, -1 others' */
-    float *tp_host;       /* a GPU model's collectives' host staging (tp.c), tp_host_n floats */
+    float *tp_host;       /* a GPU model's collectives' host staging (mrl_model_host_stage), tp_host_n floats */
     int64_t tp_host_n;
     mrl_model_config tp_cfg;
     mrl_tp_allreduce tp_sum;
@@ -262,6 +262,9 @@ struct moe_ep_layer *mrl_moe_ep_layer(const mrl_model *m, int ord);
 /* the first failure of the exchanges since mrl_moe_ep_begin (MRL_OK: none, or no EP) */
 void mrl_moe_ep_begin(const mrl_model *m);
 mrl_status mrl_moe_ep_status(const mrl_model *m);
+/* tp.c: room for n floats of host memory, kept with the model, for a GPU model's collectives
+ * through the host (tensor and context parallel's); NULL when out of memory */
+float *mrl_model_host_stage(mrl_model *m, int64_t n);
 /* tp.c: buf (n floats) summed over the tensor-parallel group, in place (nothing without one);
  * a failure is kept for mrl_model_tp_status */
 void mrl_model_tp_sum(const mrl_model *m, float *buf, int64_t n);

@@ -121,10 +121,10 @@ int mrl_model_tp(const mrl_model *m, int *rank, mrl_model_config *whole) {
     return m->tp_size > 1 ? m->tp_size : 1;
 }
 
-/* A GPU model's collectives through the host (the host group's, MPI's; and the head's statistics
- * combined there): room for n floats of host memory, kept with the model (NULL: none, the error
- * set). */
-static float *tp_host(mrl_model *m, int64_t n) {
+/* A GPU model's collectives through the host (the host group's, MPI's; the head's statistics
+ * combined there; context parallel's exchanges, cp.c): room for n floats of host memory, kept
+ * with the model (NULL: none). */
+float *mrl_model_host_stage(mrl_model *m, int64_t n) {
     if (n > m->tp_host_n) {
         mrl_mem_free(m->tp_host);
         m->tp_host_n = 0;
@@ -148,7 +148,7 @@ void mrl_model_tp_sum(const mrl_model *cm, float *buf, int64_t n) {
     if (!st && device_group(m)) {
         st = m->tp_dsum(m->tp_dctx, buf, n);
     } else if (!st && k->on_device) { /* over to the host, summed, back */
-        float *h = tp_host(m, n);
+        float *h = mrl_model_host_stage(m, n);
         st = h ? k->to_host(h, buf, (int64_t)sizeof(float) * n) : MRL_ERR_NOMEM;
         if (!st) st = m->tp_sum(m->tp_ctx, h, n);
         if (!st) st = k->to_device(buf, h, (int64_t)sizeof(float) * n);
@@ -233,12 +233,12 @@ mrl_status mrl_model_tp_head_stats(mrl_model *m, float *mine, float *all, const 
     float *dev_lse = lse, *dev_ent = ent, *dev_lp = lp; /* a GPU's: [mine | all | lse ent lp] on the host */
     mrl_status st = k->sync();
     if (!st && device_group(m)) { /* gathered on the GPU, combined on the host */
-        float *h = tp_host(m, 3 * T * (n + 2));
+        float *h = mrl_model_host_stage(m, 3 * T * (n + 2));
         st = h ? m->tp_dgather(m->tp_dctx, mine, 3 * T, all) : MRL_ERR_NOMEM;
         if (!st) st = k->to_host(h + 3 * T, all, (int64_t)sizeof(float) * 3 * T * n);
         all = h + 3 * T, lse = all + 3 * T * n, ent = lse + T, lp = lp ? ent + T : NULL;
     } else if (!st && k->on_device) {
-        float *h = tp_host(m, 3 * T * (n + 2));
+        float *h = mrl_model_host_stage(m, 3 * T * (n + 2));
         st = h ? k->to_host(h, mine, (int64_t)sizeof(float) * 3 * T) : MRL_ERR_NOMEM;
         mine = h, all = h + 3 * T, lse = all + 3 * T * n, ent = lse + T, lp = lp ? ent + T : NULL;
         if (!st) st = group_gather(m, mine, 3 * T, all);
@@ -285,7 +285,7 @@ mrl_status mrl_model_tp_logits(const mrl_model *cm, const float *part, int64_t S
     }
     float *dev_whole = whole; /* a GPU's: [part | all | whole] on the host */
     if (!st && k->on_device) {
-        float *h = tp_host(m, S * rows * (1 + 2 * n));
+        float *h = mrl_model_host_stage(m, S * rows * (1 + 2 * n));
         st = h ? k->to_host(h, part, (int64_t)sizeof(float) * S * rows) : MRL_ERR_NOMEM;
         part = h, all = h + S * rows, whole = all + S * rows * n;
     }

@@ -59,10 +59,10 @@ local function run(recipe, words, tag, device)
   return dir .. '/' .. tag .. '_' .. device
 end
 
--- the same run on both: metrics step by step (exact: what counts tokens; near: the floats), weights
--- (rl: the engine's log-probs against the trainer's on the GPU, mismatch/max_abs, within fp32 noise)
-local function compare(recipe, words, tag, exact, near, rl)
-  local c, g = run(recipe, words, tag, 'cpu'), run(recipe, words, tag, 'cuda')
+-- A GPU run directory g against the same run c on the CPU: one record a step, each step's exact
+-- metrics (what counts tokens) equal and near ones (the floats) within 1e-4, each(m, s) on each
+-- of the GPU's records, and the final weights within 1e-3. Returns both runs' records.
+local function agree(g, c, tag, exact, near, each)
   local mc, mg = records(c), records(g)
   t.eq(#mg, #mc, tag .. ': one record per step on both')
   for s = 1, #mc do
@@ -72,13 +72,23 @@ local function compare(recipe, words, tag, exact, near, rl)
       t.truthy(a ~= nil and b ~= nil, tag .. ': metric ' .. k)
       if a and b then t.near(a, b, 1e-4 * math.max(1, math.abs(b)), string.format('%s step %d: %s', tag, s, k)) end
     end
-    if rl then t.truthy(mg[s]['mismatch/max_abs'] <= 1e-4, tag .. ': engine and trainer agree on the GPU') end
-    t.truthy((mg[s]['memory/gpu/params_mb'] or 0) > 0 and (mg[s]['memory/gpu/optim_mb'] or 0) > 0,
-      tag .. ': the GPU memory by category in metrics.jsonl')
+    if each then each(mg[s], s) end
   end
   local d = weights_diff(g .. '/model', c .. '/model')
   print(string.format('%s: final weights, GPU vs CPU: worst ||d|| / ||w|| %.3g', tag, d))
   t.truthy(d <= 1e-3, tag .. ': the final weights agree')
+  return mg, mc
+end
+
+-- the same run on both, in this process (rl: the engine's log-probs against the trainer's on the
+-- GPU, mismatch/max_abs, within fp32 noise)
+local function compare(recipe, words, tag, exact, near, rl)
+  local c, g = run(recipe, words, tag, 'cpu'), run(recipe, words, tag, 'cuda')
+  agree(g, c, tag, exact, near, function(m)
+    if rl then t.truthy(m['mismatch/max_abs'] <= 1e-4, tag .. ': engine and trainer agree on the GPU') end
+    t.truthy((m['memory/gpu/params_mb'] or 0) > 0 and (m['memory/gpu/optim_mb'] or 0) > 0,
+      tag .. ': the GPU memory by category in metrics.jsonl')
+  end)
   return c, g
 end
 
@@ -182,14 +192,7 @@ end
 t.test('data parallel over 2 ranks on GPUs: the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local c, g = ranks('cpu', 'cpu'), ranks('cuda:0', 'gpu')
-  local mc, mg = records(c), records(g)
-  for s = 1, #mc do
-    t.eq(mg[s].tokens, mc[s].tokens, 'step ' .. s .. ': the same tokens')
-    t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'step ' .. s .. ': loss')
-  end
-  local d = weights_diff(g .. '/model', c .. '/model')
-  print(string.format('2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', d))
-  t.truthy(d <= 1e-3, 'the final weights agree')
+  local mg = agree(g, c, '2 ranks', { 'tokens' }, { 'loss' })
   local ev = io.open(g .. '/events.jsonl'):read('*a')
   t.truthy(ev:find('"gpu_transport": "host"', 1, true), 'the data-parallel event names the transport')
   -- ZeRO-1 on GPUs: each rank steps its shard of the optimizer state on its GPU (half of it here),
@@ -237,15 +240,7 @@ t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NC
     local c = dir .. '/dp_tp_grpo_cpu'
     if case[1] == 'grpo' then c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3]) end
     local g = ranks('cuda:0', 'tp_' .. case[1] .. '_gpu', extra, case[2], case[3])
-    local mc, mg = records(c), records(g)
-    t.eq(#mg, #mc, case[1] .. ': one record per step on both')
-    for s = 1, #mc do
-      if case[1]:find('grpo') then t.eq(mg[s].tokens, mc[s].tokens, 'tp grpo step ' .. s .. ': the same tokens') end
-      t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'tp ' .. case[1] .. ' step ' .. s .. ': loss')
-    end
-    local d = weights_diff(g .. '/model', c .. '/model')
-    print(string.format('tensor parallel %s on 2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', case[1], d))
-    t.truthy(d <= 1e-3, 'tp ' .. case[1] .. ': the final weights agree')
+    agree(g, c, 'tensor parallel ' .. case[1] .. ' on 2 ranks', { 'tokens' }, { 'loss' })
     local ev = io.open(g .. '/events.jsonl'):read('*a')
     local via = ev:match('"tp_transport": "(%a+)"')
     print('  the group\'s sums: ' .. tostring(via))
@@ -253,6 +248,16 @@ t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NC
     elseif emulated then t.eq(via, 'nccl', 'tp ' .. case[1] .. ': the emulated GPU\'s NCCL')
     else t.truthy(via == 'nccl' or via == 'host', 'tp ' .. case[1] .. ': a transport') end
   end
+end)
+
+-- Context parallel on GPUs (dist.cp=2, Ulysses): each rank's share of the tokens on its GPU, the
+-- all-to-alls around attention and the per-token outputs' gather through host memory: GRPO with a
+-- reference, the 2-rank CPU run's tokens and losses, the weights within rounding.
+t.test('context parallel over 2 ranks on GPUs (the exchanges through the host): the 2-rank CPU run', function()
+  if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
+  local extra = { 'dist.cp=2', 'grpo.kl_coef=0.1' }
+  agree(ranks('cuda:0', 'cp_grpo_gpu', extra), ranks('cpu', 'cp_grpo_cpu', extra), 'context parallel grpo on 2 ranks',
+    { 'tokens' }, { 'loss' })
 end)
 
 -- Pipeline parallel on GPUs (dist.pp=2): each rank's stage on its GPU, the rows and their
@@ -268,16 +273,9 @@ t.test('pipeline parallel over 2 ranks on GPUs: the 2-rank CPU runs (sft in micr
     local extra = U.with({ 'model.dir=' .. m4, 'dist.pp=2', 'dist.gpu_transport=auto' }, case[4] or {})
     local c = ranks('cpu', 'pp_' .. case[1] .. '_cpu', extra, case[2], case[3])
     local g = ranks('cuda:0', 'pp_' .. case[1] .. '_gpu', extra, case[2], case[3])
-    local mc, mg = records(c), records(g)
-    t.eq(#mg, #mc, case[1] .. ': one record per step on both')
-    for s = 1, #mc do
-      if case[1] == 'grpo' then t.eq(mg[s].tokens, mc[s].tokens, 'pp grpo step ' .. s .. ': the same tokens') end
-      t.near(mg[s].loss, mc[s].loss, 1e-4 * math.max(1, math.abs(mc[s].loss)), 'pp ' .. case[1] .. ' step ' .. s .. ': loss')
-      t.truthy((mg[s]['memory/gpu/params_mb'] or 0) > 0, 'pp ' .. case[1] .. ': the stage on the GPU')
-    end
-    local d = weights_diff(g .. '/model', c .. '/model')
-    print(string.format('pipeline parallel %s on 2 ranks, GPU vs CPU: worst ||d|| / ||w|| %.3g', case[1], d))
-    t.truthy(d <= 1e-3, 'pp ' .. case[1] .. ': the final weights agree')
+    local mg = agree(g, c, 'pipeline parallel ' .. case[1] .. ' on 2 ranks', case[1] == 'grpo' and { 'tokens' } or {},
+      { 'loss' })
+    t.truthy((mg[#mg]['memory/gpu/params_mb'] or 0) > 0, 'pp ' .. case[1] .. ': the stage on the GPU')
   end
 end)
 
@@ -396,7 +394,6 @@ end)
 t.test('model.device values that cannot run: usage errors naming the key', function()
   for _, case in ipairs({ { 'tpu', "expected cpu, cuda or cuda:N" }, { 'cuda:7', 'cuda:7 asked' },
     { 'cuda', 'async.engine_threads', { 'async.mode=one_step_off', 'async.engine_threads=1' } },
-    { 'cuda', 'dist.cp=2 with', { 'dist.cp=2' } },
     { 'cuda', 'dist.sequence_parallel', { 'dist.tp=2', 'dist.sequence_parallel=true' } } }) do
     local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'reward=sevens',
       'grpo.steps=1' }

@@ -219,8 +219,8 @@ mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
  * floats a token, the loss boundary of docs/architecture.md). MRL_ERR_UNSUPPORTED for
  * a device not built or not present, and on a GPU for a mixture-of-experts
  * model or one with expert parallelism (they route on the host), tensor
- * parallel over more ranks than K/V heads, sequence and context parallel
- * (tensor-parallel slices and pipeline stages run there). */
+ * parallel over more ranks than K/V heads and sequence parallel
+ * (tensor-parallel slices, context parallel and pipeline stages run there). */
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device);
 mrl_device mrl_model_get_device(const mrl_model *m);
 /* Tokens whose full-vocabulary logits the head holds at a time (0, the
@@ -368,7 +368,8 @@ mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, i
  * leaves this rank's tokens' part of the parameter gradients, to be summed over the group (with
  * the data-parallel sums). alltoallv: `unit` floats a row, this rank sending send_counts[q] rows
  * to rank q (in rank order in send) and receiving recv_counts[q] from each into recv; allgather
- * as mrl_tp_allgather. size 1 turns it off. Dense CPU models; a tensor-parallel one splits its
+ * as mrl_tp_allgather, on host memory (a GPU model's rows go through it). size 1 turns it off.
+ * Dense models; a tensor-parallel one splits its
  * slices' heads (the ranks of a context-parallel group hold the same slices). */
 typedef mrl_status (*mrl_cp_alltoallv)(void *ctx, const float *send, const int64_t *send_counts, float *recv,
                                        const int64_t *recv_counts, int64_t unit);
