@@ -529,7 +529,57 @@ mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *
     return op_end(nc, &c, wait_done(nc, &c, r));
 }
 
+mrl_status mrl_nccl_alltoallv(mrl_nccl *nc, const void *send, const int64_t *send_counts, void *recv,
+                              const int64_t *recv_counts, int64_t unit) {
+    static const char name[] = "alltoallv";
+    NC_CHECK(nc, name);
+    if (!send_counts || !recv_counts || unit <= 0)
+        return mrl_set_error(MRL_ERR_INVALID, "NCCL %s: NULL counts or a unit of %lld bytes", name, (long long)unit);
+    int64_t ns = 0, nr = 0;
+    for (int q = 0; q < nc->size; q++) {
+        if (send_counts[q] < 0 || recv_counts[q] < 0)
+            return mrl_set_error(MRL_ERR_INVALID, "NCCL %s: rank %d's counts %lld, %lld", name, q,
+                                 (long long)send_counts[q], (long long)recv_counts[q]);
+        ns += send_counts[q], nr += recv_counts[q];
+    }
+    if (send_counts[nc->rank] != recv_counts[nc->rank])
+        return mrl_set_error(MRL_ERR_INVALID, "NCCL %s: this rank sends itself %lld rows and receives %lld", name,
+                             (long long)send_counts[nc->rank], (long long)recv_counts[nc->rank]);
+    mrl_status st = MRL_OK;
+    if (ns > 0 && (st = check_ptr(nc, name, "send", send)) != MRL_OK) return st;
+    if (nr > 0 && (st = check_ptr(nc, name, "recv", recv)) != MRL_OK) return st;
+    op_ctx c;
+    if ((st = op_begin(nc, name, &c)) != MRL_OK) return st;
+    if (ns + nr == 0) return op_end(nc, &c, MRL_OK);
+    if ((st = wait_inputs(nc, &c)) != MRL_OK) return op_end(nc, &c, st);
+    const char *s8 = send;
+    char *r8 = recv;
+    int64_t so = 0, ro = 0;
+    ncclResult_t r = ncclGroupStart();
+    for (int q = 0; q < nc->size && (r == ncclSuccess || r == ncclInProgress); q++) {
+        size_t sb = (size_t)(send_counts[q] * unit), rb = (size_t)(recv_counts[q] * unit);
+        if (q == nc->rank) {
+            if (sb) {
+                cudaError_t e = cudaMemcpyAsync(r8 + ro, s8 + so, sb, cudaMemcpyDeviceToDevice, nc->stream);
+                if (e != cudaSuccess) r = ncclUnhandledCudaError;
+            }
+        } else {
+            if (sb) r = ncclSend(s8 + so, sb, ncclUint8, q, nc->comm, nc->stream);
+            if (rb && (r == ncclSuccess || r == ncclInProgress)) r = ncclRecv(r8 + ro, rb, ncclUint8, q, nc->comm, nc->stream);
+        }
+        so += (int64_t)sb, ro += (int64_t)rb;
+    }
+    ncclResult_t e = ncclGroupEnd();
+    if (r == ncclSuccess || r == ncclInProgress) r = e;
+    return op_end(nc, &c, wait_done(nc, &c, r));
+}
+
 #endif /* MRL_HAVE_CUDA */
+
+mrl_status mrl_nccl_cp_alltoallv(void *nc, const float *send, const int64_t *send_counts, float *recv,
+                                 const int64_t *recv_counts, int64_t unit) {
+    return mrl_nccl_alltoallv(nc, send, send_counts, recv, recv_counts, (int64_t)sizeof(float) * unit);
+}
 
 mrl_status mrl_nccl_tp_allreduce(void *nc, float *buf, int64_t n) {
     return mrl_nccl_allreduce(nc, buf, n, MRL_DIST_F32, MRL_DIST_SUM);
@@ -570,6 +620,10 @@ mrl_status mrl_nccl_allgather_pieces(mrl_nccl *nc, void *dev_buf, const int64_t 
 }
 mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *recv, const int64_t *offset,
                                           const int64_t *count, int dtype, int op) {
+    return no_nccl();
+}
+mrl_status mrl_nccl_alltoallv(mrl_nccl *nc, const void *send, const int64_t *send_counts, void *recv,
+                              const int64_t *recv_counts, int64_t unit) {
     return no_nccl();
 }
 

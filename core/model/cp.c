@@ -64,15 +64,26 @@ static mrl_status exchange(const mrl_model *cm, const float *send, const int64_t
     mrl_model *m = (mrl_model *)cm;
     const mrl_kernels *k = m->k;
     if (!k->on_device) return m->cp_a2a(m->cp_ctx, send, sc, recv, rc, w);
+    mrl_status st = k->sync(); /* (the blocks packed) */
+    if (!st && m->cp_da2a) st = m->cp_da2a(m->cp_dctx, send, sc, recv, rc, w);
+    if (st || m->cp_da2a) return st;
     int64_t ns = 0, nr = 0;
     for (int r = 0; r < m->cp_size; r++) ns += sc[r], nr += rc[r];
     float *h = mrl_model_host_stage(m, (ns + nr) * w);
     if (!h) return mrl_set_error(MRL_ERR_NOMEM, "context parallel: a host buffer of %lld floats", (long long)((ns + nr) * w));
-    mrl_status st = k->sync();
-    if (!st) st = k->to_host(h, send, (int64_t)sizeof(float) * ns * w);
+    st = k->to_host(h, send, (int64_t)sizeof(float) * ns * w);
     if (!st) st = m->cp_a2a(m->cp_ctx, h, sc, h + ns * w, rc, w);
     if (!st) st = k->to_device(recv, h + ns * w, (int64_t)sizeof(float) * nr * w);
     return st;
+}
+
+mrl_status mrl_model_set_cp_device_group(mrl_model *m, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
+                                         void *ctx) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_device_group: NULL model");
+    if ((allgather == NULL) != (alltoallv == NULL))
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_device_group: an allgather and an alltoallv, or neither");
+    m->cp_dgather = allgather, m->cp_da2a = alltoallv, m->cp_dctx = ctx;
+    return MRL_OK;
 }
 
 static void fail(const mrl_model *cm, mrl_status st, const char *what) {
@@ -121,6 +132,23 @@ void mrl_model_cp_gather(const mrl_model *cm, const float *mine, float *whole) {
     mrl_model *m = (mrl_model *)cm;
     if (m->tp_failed) return;
     float *stage = m->cp_out;
+    if (m->k->on_device && m->cp_dgather) { /* gathered on the GPUs, each rank's rows padded to most */
+        int64_t T = m->batch.n_tokens, size = m->cp_size, most = (T + size - 1) / size, t0;
+        float *h = mrl_model_host_stage(m, size * most);
+        mrl_status st = h ? MRL_OK : mrl_set_error(MRL_ERR_NOMEM, "a host buffer of %lld floats", (long long)(size * most));
+        if (!st) {
+            m->k->copy(stage, mine, (int64_t)sizeof(float) * m->cp_tl);
+            st = m->k->sync();
+        }
+        if (!st) st = m->cp_dgather(m->cp_dctx, stage, most, stage + most);
+        if (!st) st = m->k->to_host(h, stage + most, (int64_t)sizeof(float) * size * most);
+        for (int r = 0; !st && r < size; r++) {
+            int64_t c = mrl_model_cp_share(r, (int)size, T, &t0);
+            memcpy(whole + t0, h + r * most, sizeof(float) * (size_t)c);
+        }
+        fail(m, st, "the per-token outputs");
+        return;
+    }
     if (m->k->on_device) {
         int64_t T = m->batch.n_tokens, most = (T + m->cp_size - 1) / m->cp_size;
         float *h = mrl_model_host_stage(m, m->cp_tl + (1 + m->cp_size) * most);

@@ -154,6 +154,9 @@ struct mrl_model {
     mrl_tp_allgather cp_gather;
     mrl_cp_alltoallv cp_a2a;
     void *cp_ctx;
+    mrl_tp_allgather cp_dgather; /* a GPU model's on device memory (NCCL's; NULL: through the host) */
+    mrl_cp_alltoallv cp_da2a;
+    void *cp_dctx;
     int64_t cp_t0, cp_tl;
     float *cp_out;
     /* pipeline parallel (pp.c): this stage holds layers [pp_l0, pp_l0 + cfg.num_hidden_layers) of

@@ -269,10 +269,24 @@ end
 -- backwards split each batch's tokens over world's ranks (moonrl.train.dist's World), with
 -- all-to-alls around attention; every rank of world runs the same ones, and each leaves its
 -- tokens' part of the gradients (summed over world with the data-parallel sums).
+-- On a GPU the all-to-alls and the gather run over an NCCL communicator of the group where it
+-- starts (world.gpu_asked: auto, nccl or host, World:gpu_transport), else through the host.
+local function cp_on_device(self)
+  local cp = self.cp_world
+  if not (cp and self.gpu) then return end
+  local index = C.mrl_model_get_device(self.handle).index
+  if cp:gpu_transport(cp.gpu_asked or 'auto', index) == 'nccl' then
+    moonrl.check(C.mrl_model_set_cp_device_group(self.handle, C.mrl_nccl_tp_allgather, C.mrl_nccl_cp_alltoallv,
+      cp.nccl), 3)
+  end
+  self.cp_transport = cp.gpu_via
+end
+
 function Model:set_cp(world)
   moonrl.check(C.mrl_model_set_cp_group(self.handle, world.rank, world.size, C.mrl_dist_tp_allgather,
     C.mrl_dist_cp_alltoallv, world.handle), 2)
   self.cp_world = world.size > 1 and world or nil -- (its communicator outlives the model's use of it)
+  cp_on_device(self)
 end
 
 -- Sequence parallel (model.h's mrl_model_set_sequence_parallel) for a tensor-parallel model whose
@@ -446,6 +460,7 @@ function Model:to_device(name)
     end
     self.tp_transport = tp.gpu_via
   end
+  cp_on_device(self)
   return dev
 end
 

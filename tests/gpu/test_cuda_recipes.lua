@@ -251,13 +251,22 @@ t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NC
 end)
 
 -- Context parallel on GPUs (dist.cp=2, Ulysses): each rank's share of the tokens on its GPU, the
--- all-to-alls around attention and the per-token outputs' gather through host memory: GRPO with a
+-- all-to-alls around attention and the per-token outputs' gather through host memory
+-- (dist.gpu_transport=host) and over NCCL where it starts (auto: the emulated GPU's): GRPO with a
 -- reference, the 2-rank CPU run's tokens and losses, the weights within rounding.
-t.test('context parallel over 2 ranks on GPUs (the exchanges through the host): the 2-rank CPU run', function()
+t.test('context parallel over 2 ranks on GPUs (the exchanges through the host, over NCCL): the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local extra = { 'dist.cp=2', 'grpo.kl_coef=0.1' }
-  agree(ranks('cuda:0', 'cp_grpo_gpu', extra), ranks('cpu', 'cp_grpo_cpu', extra), 'context parallel grpo on 2 ranks',
-    { 'tokens' }, { 'loss' })
+  local c = ranks('cpu', 'cp_grpo_cpu', extra)
+  local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
+  for _, via in ipairs({ 'host', 'auto' }) do
+    local g = ranks('cuda:0', 'cp_grpo_gpu_' .. via, U.with(extra, { 'dist.gpu_transport=' .. via }))
+    agree(g, c, 'context parallel grpo on 2 ranks (' .. via .. ')', { 'tokens' }, { 'loss' })
+    local got = io.open(g .. '/events.jsonl'):read('*a'):match('"cp_transport": "(%a+)"')
+    if via == 'host' then t.eq(got, 'host', 'cp: dist.gpu_transport=host')
+    elseif emulated then t.eq(got, 'nccl', 'cp: the emulated GPU\'s NCCL')
+    else t.truthy(got == 'nccl' or got == 'host', 'cp: a transport') end
+  end
 end)
 
 -- Pipeline parallel on GPUs (dist.pp=2): each rank's stage on its GPU, the rows and their

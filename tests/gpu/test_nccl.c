@@ -2,7 +2,7 @@
  * (sum, mean, max, min over f32; bf16, f64, i64, u8), broadcast, all-gather,
  * reduce-scatter on fresh random buffers of several sizes, and over uneven
  * pieces (each rank's mrl_dist_shard of a buffer, the sharded training
- * state's); bad arguments;
+ * state's); an all-to-all-v (context parallel's); bad arguments;
  * the wait stream; a deadline that passes (abort, broken, later calls fail
  * at once). Written for any world size (each rank's inputs derive from the
  * seed and its rank, so every rank computes the expected result alone);
@@ -158,6 +158,36 @@ static void test_allgather(mrl_nccl *nc, int device, int64_t bytes, int in_place
     CHECK(ok);
     if (!in_place) mrl_cuda_free(send);
     mrl_cuda_free(recv);
+    free(h), free(want), free(got);
+}
+
+/* rows of `unit` bytes from every rank to every rank: (r + q) % 3 rows (0: none) from rank r to
+ * rank q, its bytes derived from the seed and the pair */
+static void test_alltoallv(mrl_nccl *nc, int device, int64_t unit, uint32_t seed) {
+    int64_t sc[64], rc[64], ns = 0, nr = 0;
+    for (int q = 0; q < g_size; q++) {
+        sc[q] = (g_rank + q) % 3, rc[q] = (q + g_rank) % 3;
+        ns += sc[q], nr += rc[q];
+    }
+    uint8_t *h = malloc((size_t)(ns * unit + 1)), *want = malloc((size_t)(nr * unit + 1)), *got = malloc((size_t)(nr * unit + 1));
+    int64_t so = 0, ro = 0;
+    for (int q = 0; q < g_size; q++) {
+        fill_bytes(h + so, sc[q] * unit, seed, g_rank * 64 + q); /* (this rank's block for q) */
+        fill_bytes(want + ro, rc[q] * unit, seed, q * 64 + g_rank); /* (q's block for this rank) */
+        so += sc[q] * unit, ro += rc[q] * unit;
+    }
+    uint8_t *send = dev_alloc(device, ns * unit + 1), *recv = dev_alloc(device, nr * unit + 1);
+    to_dev(send, h, ns * unit);
+    CHECK_OK(mrl_nccl_alltoallv(nc, send, sc, recv, rc, unit));
+    to_host(got, recv, nr * unit);
+    int ok = memcmp(got, want, (size_t)(nr * unit)) == 0;
+    printf("alltoallv unit=%-6lld %lld rows out, %lld in: %s\n", (long long)unit, (long long)ns, (long long)nr,
+           ok ? "ok" : "WRONG");
+    CHECK(ok);
+    int64_t bad[64];
+    for (int q = 0; q < g_size; q++) bad[q] = q == g_rank ? rc[q] + 1 : rc[q];
+    CHECK(mrl_nccl_alltoallv(nc, send, sc, recv, bad, unit) == MRL_ERR_INVALID); /* (its own block: both ways) */
+    mrl_cuda_free(send), mrl_cuda_free(recv);
     free(h), free(want), free(got);
 }
 
@@ -428,6 +458,10 @@ int main(int argc, char **argv) {
         const int64_t psizes[] = {1, 1001, (1 << 20) + 7};
         for (int s = 0; s < 3; s++)
             if (psizes[s] >= g_size && g_size <= 64) test_pieces(nc, device, psizes[s], seed++);
+        if (g_size <= 64) {
+            test_alltoallv(nc, device, 4, seed++);
+            test_alltoallv(nc, device, 4096 + 12, seed++);
+        }
         test_bad_arguments(nc, device);
         test_wait_stream(nc, device);
         test_timeout(d, device, strstr(desc, "emulation") != NULL);

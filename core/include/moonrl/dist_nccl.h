@@ -96,6 +96,13 @@ mrl_status mrl_nccl_allgather_pieces(mrl_nccl *nc, void *dev_buf, const int64_t 
 mrl_status mrl_nccl_reduce_scatter_pieces(mrl_nccl *nc, const void *send, void *recv, const int64_t *offset,
                                           const int64_t *count, int dtype, int op);
 
+/* Every rank's rows to every rank (a context-parallel model's all-to-all): this rank sends
+ * send_counts[q] rows of `unit` bytes to rank q, one block after another in rank order in send,
+ * and receives recv_counts[q] rows from each into recv, in rank order; as one group of NCCL
+ * sends and receives (NCCL has no all-to-all-v). Its own block is copied on the GPU. */
+mrl_status mrl_nccl_alltoallv(mrl_nccl *nc, const void *send, const int64_t *send_counts, void *recv,
+                              const int64_t *recv_counts, int64_t unit);
+
 /* The sharded training state's collectives on GPUs through this communicator (moonrl/dist.h,
  * over the same ranks): a GPU model's gradient ranges reduce-scattered by
  * mrl_nccl_reduce_scatter_pieces and added to the shard on the GPU (after
@@ -110,6 +117,10 @@ mrl_status mrl_dist_param_gather_set_nccl(mrl_dist_param_gather *p, mrl_nccl *nc
  * sum, so the ranks' residual streams stay alike. */
 mrl_status mrl_nccl_tp_allreduce(void *nc, float *buf, int64_t n);
 mrl_status mrl_nccl_tp_allgather(void *nc, const float *mine, int64_t n, float *all);
+/* A context-parallel GPU model's all-to-all (moonrl/model.h's mrl_model_set_cp_device_group, as
+ * mrl_cp_alltoallv: rows of `unit` floats; ctx: an mrl_nccl over the group's ranks). */
+mrl_status mrl_nccl_cp_alltoallv(void *nc, const float *send, const int64_t *send_counts, float *recv,
+                                 const int64_t *recv_counts, int64_t unit);
 
 #ifdef __cplusplus
 }

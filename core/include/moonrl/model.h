@@ -375,6 +375,13 @@ typedef mrl_status (*mrl_cp_alltoallv)(void *ctx, const float *send, const int64
                                        const int64_t *recv_counts, int64_t unit);
 mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
                                   void *ctx);
+/* A GPU model's group collectives on device memory (the same meanings, device pointers:
+ * moonrl/dist_nccl.h's mrl_nccl_tp_allgather and mrl_nccl_cp_alltoallv over an NCCL communicator
+ * of the group): the all-to-alls around attention and the per-token outputs' gather then stay on
+ * the GPUs (the outputs come to the host once gathered); NULL: through the host. A CPU model
+ * ignores them. */
+mrl_status mrl_model_set_cp_device_group(mrl_model *m, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
+                                         void *ctx);
 /* Sequence parallel (Megatron's, dist.sequence_parallel) for a tensor-parallel model whose
  * vocabulary is split: the residual stream, the norms and their outputs on this rank's share of
  * the batch's tokens (all-gathered before the column-parallel products, the row-parallel ones'

@@ -231,6 +231,7 @@ function M.start(cfg, opts)
     end
     S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32', device = policy:device(),
       bf16_products = model_mod.bf16_products() or 'none', tp_transport = policy.tp_transport,
+      cp_transport = policy.cp_transport,
       tp_nccl_error = policy.tp_transport == 'host' and policy.tp_world.nccl_error or nil }, { quiet = true })
   end
   if cfg.run.threads == 'auto' and policy then threads.auto_threads(S, policy) end
@@ -316,7 +317,7 @@ function M.mesh_of(cfg, device)
   local mesh = dist.mesh(w, TP, CP, PP)
   -- a GPU model's tensor-parallel sums and a tied embedding's gradient sum between the pipeline's
   -- ends: over NCCL (dist.gpu_transport), else through the host
-  for _, g in ipairs({ mesh.tp or false, mesh.tied or false, mesh.norm or false }) do
+  for _, g in ipairs({ mesh.tp or false, mesh.cp or false, mesh.tied or false, mesh.norm or false }) do
     if g then g.gpu_asked = cfg.dist.gpu_transport end
   end
   return mesh
