@@ -301,24 +301,49 @@ mrl_status mrl_model_tp_logits(const mrl_model *cm, const float *part, int64_t S
  * The residual stream, the norms and their outputs are split by tokens over the group (rank r
  * the rows [T r / size, T (r + 1) / size) of the batch, as context parallel splits them); a
  * norm's output is all-gathered before the column-parallel products read it, and the
- * row-parallel products' partial sums are reduce-scattered back to the rows (here an all-reduce
- * whose rows a rank keeps: the memory of sequence parallel, not yet its traffic). A norm's
+ * row-parallel products' partial sums are reduce-scattered back to the rows (the group's
+ * reduce-scatter; without one, and on a GPU, an all-reduce whose rows a rank keeps: the memory of
+ * sequence parallel, not its traffic). A norm's
  * weight gradient from a rank's rows is summed over the group within each backward. */
+
+/* A GPU model's gather: this rank's rows padded to most in sp_stage, gathered after them (over
+ * the device group, or through the host), each rank's rows copied into place. */
+static mrl_status sp_gather_device(mrl_model *m, const float *mine, float *full) {
+    const mrl_kernels *k = m->k;
+    int64_t T = m->batch.n_tokens, D = m->cfg.hidden_size, size = m->tp_size, most = (T + size - 1) / size, t0;
+    float *pad = m->gs.sp_stage, *all = pad + most * D; /* (mine may lie in full: copied out first) */
+    k->copy(pad, mine, (int64_t)sizeof(float) * m->sp_tl * D);
+    mrl_status st = k->sync();
+    if (!st && device_group(m)) {
+        st = m->tp_dgather(m->tp_dctx, pad, most * D, all);
+    } else if (!st) {
+        float *h = mrl_model_host_stage(m, (1 + size) * most * D);
+        st = h ? k->to_host(h, pad, (int64_t)sizeof(float) * most * D) : MRL_ERR_NOMEM;
+        if (!st) st = group_gather(m, h, most * D, h + most * D);
+        if (!st) st = k->to_device(all, h + most * D, (int64_t)sizeof(float) * size * most * D);
+    }
+    for (int r = 0; !st && r < size; r++) {
+        int64_t c = mrl_model_cp_share(r, (int)size, T, &t0);
+        k->copy(full + t0 * D, all + r * most * D, (int64_t)sizeof(float) * c * D);
+    }
+    return st;
+}
 
 void mrl_model_sp_gather(const mrl_model *cm, const float *mine, float *full) {
     mrl_model *m = (mrl_model *)cm;
     if (m->tp_failed) return;
-    mrl_status st = mrl_model_gather_shares(group_gather, m, m->tp_size, m->tp_rank, m->batch.n_tokens,
-                                            m->cfg.hidden_size, mine, m->gs.sp_stage, full);
+    mrl_status st = m->k->on_device ? sp_gather_device(m, mine, full)
+                                    : mrl_model_gather_shares(group_gather, m, m->tp_size, m->tp_rank, m->batch.n_tokens,
+                                                              m->cfg.hidden_size, mine, m->gs.sp_stage, full);
     if (st) m->tp_failed = mrl_wrap_error(st, "sequence parallel: gathering the rows over the %d ranks", m->tp_size);
 }
 
 void mrl_model_sp_reduce_scatter(const mrl_model *cm, float *full, float *mine) {
     mrl_model *m = (mrl_model *)cm;
     int64_t D = m->cfg.hidden_size, T = m->batch.n_tokens;
-    if (!m->tp_rs) { /* the allreduce: every row summed, its own kept */
+    if (!m->tp_rs || m->k->on_device) { /* the allreduce: every row summed, its own kept (a GPU's too) */
         mrl_model_tp_sum(m, full, T * D);
-        memcpy(mine, full + m->sp_t0 * D, sizeof(float) * (size_t)(m->sp_tl * D));
+        m->k->copy(mine, full + m->sp_t0 * D, (int64_t)sizeof(float) * m->sp_tl * D);
         return;
     }
     /* a reduce-scatter of equal pieces: each rank's rows padded to ceil(T / size) (sp_stage) */
@@ -359,8 +384,6 @@ mrl_status mrl_model_set_sequence_parallel(mrl_model *m, int on) {
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel: the embedding and head must be split by vocabulary "
                              "(vocab_size %d is not a multiple of the %d ranks)", m->tp_cfg.vocab_size, m->tp_size);
     if (on && m->cp_size > 1) return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with context parallel: not yet");
-    if (on && m->k->on_device)
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel on a GPU model: not yet (CPU models only)");
     if (on && mrl_model_num_moe_layers(m) > 0)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "sequence parallel with a mixture of experts (num_experts %d): not yet",
                              m->cfg.num_experts);

@@ -234,7 +234,9 @@ t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NC
   local m16 = U.tiny_model(dir .. '/init16', { hidden_size = 32, layers = 2, vocab_size = 16 })
   local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
   for _, case in ipairs({ { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } },
-    { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' } }) do
+    { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' },
+    -- sequence parallel: the rows split over the group between the products (the same CPU run)
+    { 'grpo_sp', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto', 'dist.sequence_parallel=true' }, 'nccl' } }) do
     local extra = U.with({ 'model.dir=' .. m16, 'dist.tp=2' }, case[4])
     -- (the CPU run: the first case's, which the transport does not change)
     local c = dir .. '/dp_tp_grpo_cpu'
@@ -402,8 +404,7 @@ end)
 
 t.test('model.device values that cannot run: usage errors naming the key', function()
   for _, case in ipairs({ { 'tpu', "expected cpu, cuda or cuda:N" }, { 'cuda:7', 'cuda:7 asked' },
-    { 'cuda', 'async.engine_threads', { 'async.mode=one_step_off', 'async.engine_threads=1' } },
-    { 'cuda', 'dist.sequence_parallel', { 'dist.tp=2', 'dist.sequence_parallel=true' } } }) do
+    { 'cuda', 'async.engine_threads', { 'async.mode=one_step_off', 'async.engine_threads=1' } } }) do
     local words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'reward=sevens',
       'grpo.steps=1' }
     for _, w in ipairs(case[3] or {}) do words[#words + 1] = w end

@@ -295,9 +295,6 @@ function M.mesh_of(cfg, device)
       what))
   end
   local R = cfg.dist.rollout_ranks or 0
-  if device and device ~= 'cpu' and cfg.dist.sequence_parallel then -- (on GPUs: tensor, context and pipeline parallel)
-    no('model.device=' .. tostring(cfg.model.device) .. ' and dist.sequence_parallel')
-  end
   -- (an engine thread would step the group from a second thread; without one, a batch of an
   -- asynchronous mode in one process is generated between steps, by the group together)
   if R == 0 and cfg.async and (cfg.async.engine_threads or 0) > 0 then
