@@ -567,11 +567,6 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
                                  "CPU only for now (its experts' outputs are combined, and its router's gradient "
                                  "taken, on the host)", what);
         if (m->ep) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: expert parallelism is CPU only", what);
-        /* tensor and sequence parallel (tp.c), context parallel (cp.c) and a pipeline stage (pp.c)
-         * run there; not yet the shared K/V heads */
-        if (m->tp_kv_copies > 1)
-            return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: tensor parallel over more ranks than K/V heads is "
-                                 "CPU only for now", what);
         k = mrl_kernels_for(device);
         if (!k) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model on %s: moonrl was built without CUDA", what);
     } else if (device.kind != MRL_DEVICE_CPU) {

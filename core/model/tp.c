@@ -54,7 +54,7 @@ mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, i
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_tp_sync_grads: NULL model");
     if (m->tp_size <= 1 || m->tp_kv_copies <= 1) return MRL_OK;
     if (!m->tp_sum) return mrl_set_error(MRL_ERR_INVALID, "tensor parallel: no allreduce for the group (mrl_model_set_tp_group)");
-    if (m->k->on_device) return mrl_set_error(MRL_ERR_UNSUPPORTED, "tensor parallel with shared K/V heads: CPU models only");
+    const mrl_kernels *k = m->k; /* (a GPU's gradients: each range over to the host and back) */
     if (!grads) { /* the model's own (none before a backward) */
         if (!m->grads) return MRL_OK;
         grads = m->grads, offset = 0, count = m->n_params;
@@ -72,19 +72,22 @@ mrl_status mrl_model_tp_sync_grads(mrl_model *m, float *grads, int64_t offset, i
         if (is_kv(m->views[i].name) && m->views[i].numel > most) most = m->views[i].numel;
     float *buf = mrl_mem_alloc(sizeof(float) * (size_t)(most * heads), MRL_MEM_OTHER);
     if (!buf) return mrl_wrap_error(MRL_ERR_NOMEM, "tensor parallel: a buffer for the K/V heads' gradients");
-    mrl_status st = MRL_OK;
+    mrl_status st = k->sync(); /* (a GPU's gradients complete) */
     for (int i = 0; i < m->n_views && !st; i++) {
         const mrl_param_view *v = &m->views[i];
         int64_t a = v->offset > offset ? v->offset : offset;
         int64_t b = v->offset + v->numel < offset + count ? v->offset + v->numel : offset + count;
         if (!is_kv(v->name) || b <= a) continue;
-        int64_t n = b - a;
+        int64_t n = b - a, bytes = (int64_t)sizeof(float) * n;
         memset(buf, 0, sizeof(float) * (size_t)(n * heads));
-        memcpy(buf + slot * n, grads + (a - offset), sizeof(float) * (size_t)n);
-        if ((st = m->tp_sum(m->tp_ctx, buf, n * heads)))
+        if (k->on_device) st = k->to_host(buf + slot * n, grads + (a - offset), bytes);
+        else memcpy(buf + slot * n, grads + (a - offset), (size_t)bytes);
+        if (!st && (st = m->tp_sum(m->tp_ctx, buf, n * heads)))
             st = mrl_wrap_error(st, "tensor parallel: the gradients of %s over the ranks that hold it", v->name);
-        else
-            memcpy(grads + (a - offset), buf + slot * n, sizeof(float) * (size_t)n);
+        else if (!st && k->on_device)
+            st = k->to_device(grads + (a - offset), buf + slot * n, bytes);
+        else if (!st)
+            memcpy(grads + (a - offset), buf + slot * n, (size_t)bytes);
     }
     mrl_mem_free(buf);
     return st;

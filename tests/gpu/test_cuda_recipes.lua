@@ -232,15 +232,18 @@ end)
 t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NCCL): the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local m16 = U.tiny_model(dir .. '/init16', { hidden_size = 32, layers = 2, vocab_size = 16 })
+  local kv1 = U.tiny_model(dir .. '/init16kv1', { hidden_size = 32, layers = 2, vocab_size = 16, kv_heads = 1 })
   local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
   for _, case in ipairs({ { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } },
     { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' },
     -- sequence parallel: the rows split over the group between the products (the same CPU run)
-    { 'grpo_sp', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto', 'dist.sequence_parallel=true' }, 'nccl' } }) do
+    { 'grpo_sp', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto', 'dist.sequence_parallel=true' }, 'nccl' },
+    -- one K/V head, held by both ranks: its gradients summed over them after the backwards
+    { 'grpo_kv1', nil, nil, { 'grpo.kl_coef=0.1', 'model.dir=' .. kv1 }, nil, true } }) do
     local extra = U.with({ 'model.dir=' .. m16, 'dist.tp=2' }, case[4])
-    -- (the CPU run: the first case's, which the transport does not change)
+    -- (the CPU run: the first case's, which the transport does not change; a model of its own its own)
     local c = dir .. '/dp_tp_grpo_cpu'
-    if case[1] == 'grpo' then c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3]) end
+    if case[1] == 'grpo' or case[6] then c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3]) end
     local g = ranks('cuda:0', 'tp_' .. case[1] .. '_gpu', extra, case[2], case[3])
     agree(g, c, 'tensor parallel ' .. case[1] .. ' on 2 ranks', { 'tokens' }, { 'loss' })
     local ev = io.open(g .. '/events.jsonl'):read('*a')

@@ -218,9 +218,7 @@ mrl_status mrl_model_set_kernels(mrl_model *m, int backend);
  * memory: the forward copies the batch over and its outputs back (a few
  * floats a token, the loss boundary of docs/architecture.md). MRL_ERR_UNSUPPORTED for
  * a device not built or not present, and on a GPU for a mixture-of-experts
- * model or one with expert parallelism (they route on the host) and tensor
- * parallel over more ranks than K/V heads (tensor-parallel slices, sequence
- * and context parallel and pipeline stages run there). */
+ * model or one with expert parallelism (they route on the host). */
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device);
 mrl_device mrl_model_get_device(const mrl_model *m);
 /* Tokens whose full-vocabulary logits the head holds at a time (0, the
