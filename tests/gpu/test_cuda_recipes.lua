@@ -6,13 +6,16 @@
 --     step metrics and final weights within fp32 rounding of the CPU run's;
 --   (MOONRL_TEST_LONG=1, which the GPU suite sets, adds the runs marked "long" below)
 --   * data parallel over 2 ranks with GPU models (gradients through the host): the 2-rank CPU run;
---     tensor parallel over 2 (the group's sums and gathers through the host): GRPO with a
---     reference, the 2-rank CPU run;
+--     tensor parallel over 2 (the group's sums and gathers over NCCL, also with sequence
+--     parallel; through the host with one K/V head both ranks hold, and GRPO itself, long): GRPO
+--     with a reference, the 2-rank CPU run; context parallel over 2 (through the host and over
+--     NCCL) and pipeline parallel over 2 stages (GRPO, its engine on slices over the stages;
+--     SFT, long): the 2-rank CPU runs;
 --     ZeRO-1 (the optimizer state sharded over the GPUs) the bits of plain data parallel, and
 --     with its shards offloaded to host memory (long) the same weights within rounding; ZeRO-2
 --     (the gradients too, reduce-scattered from windows in the GPU's memory) the same, and
 --     resumed; ZeRO-3 (the parameters too, in CUDA virtual memory) the same for GRPO with a
---     reference in fp32 (and bf16, long), PPO (long) and SFT, with half the parameters a GPU,
+--     reference in fp32 (and bf16, long), PPO (long) and SFT (also over NCCL), with half the parameters a GPU,
 --     offloaded (long), resumed; and in shard groups of 2 over 4 GPUs (hybrid sharding, long);
 --   * a GPU run resumed from its checkpoint ends with the weights of the run never stopped
 --     (the optimizer state comes back from the host to the GPU);
@@ -234,16 +237,18 @@ t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NC
   local m16 = U.tiny_model(dir .. '/init16', { hidden_size = 32, layers = 2, vocab_size = 16 })
   local kv1 = U.tiny_model(dir .. '/init16kv1', { hidden_size = 32, layers = 2, vocab_size = 16, kv_heads = 1 })
   local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
-  for _, case in ipairs({ { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } },
-    { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' },
-    -- sequence parallel: the rows split over the group between the products (the same CPU run)
+  -- (the CPU run, which neither the transport nor sequence parallel changes; through the host on
+  -- the GPUs: the one-K/V-head case, and GRPO itself where MOONRL_TEST_LONG=1 asks)
+  local c = ranks('cpu', 'tp_grpo_cpu', { 'model.dir=' .. m16, 'dist.tp=2', 'grpo.kl_coef=0.1' })
+  local cases = { { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' },
+    -- sequence parallel: the rows split over the group between the products
     { 'grpo_sp', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto', 'dist.sequence_parallel=true' }, 'nccl' },
     -- one K/V head, held by both ranks: its gradients summed over them after the backwards
-    { 'grpo_kv1', nil, nil, { 'grpo.kl_coef=0.1', 'model.dir=' .. kv1 }, nil, true } }) do
+    { 'grpo_kv1', nil, nil, { 'grpo.kl_coef=0.1', 'model.dir=' .. kv1 }, nil, true } }
+  if long then table.insert(cases, 1, { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } }) end
+  for _, case in ipairs(cases) do
     local extra = U.with({ 'model.dir=' .. m16, 'dist.tp=2' }, case[4])
-    -- (the CPU run: the first case's, which the transport does not change; a model of its own its own)
-    local c = dir .. '/dp_tp_grpo_cpu'
-    if case[1] == 'grpo' or case[6] then c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3]) end
+    if case[6] then c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3]) end -- (a model of its own)
     local g = ranks('cuda:0', 'tp_' .. case[1] .. '_gpu', extra, case[2], case[3])
     agree(g, c, 'tensor parallel ' .. case[1] .. ' on 2 ranks', { 'tokens' }, { 'loss' })
     local ev = io.open(g .. '/events.jsonl'):read('*a')
@@ -276,14 +281,16 @@ end)
 
 -- Pipeline parallel on GPUs (dist.pp=2): each rank's stage on its GPU, the rows and their
 -- gradients sent by MPI through host buffers, a tied head's two copies' gradients summed between
--- the pipeline's ends (over NCCL where it starts): SFT in micro-batches (1F1B) and GRPO with a
--- reference (the engine on slices over the 2 GPUs, refreshed from the stages), the 2-rank CPU runs
--- within rounding; the model saved by the stages the CPU's.
-t.test('pipeline parallel over 2 ranks on GPUs: the 2-rank CPU runs (sft in micro-batches, grpo; a tied head)', function()
+-- the pipeline's ends (over NCCL where it starts): GRPO with a reference in micro-batches (1F1B;
+-- the engine on slices over the 2 GPUs, refreshed from the stages) and, with MOONRL_TEST_LONG=1,
+-- SFT, the 2-rank CPU runs within rounding; the model saved by the stages the CPU's.
+t.test('pipeline parallel over 2 ranks on GPUs: the 2-rank CPU runs (grpo in micro-batches, sft long; a tied head)', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local m4 = U.tiny_model(dir .. '/init_pp', { hidden_size = 32, layers = 4, vocab_size = 16 })
   local sft = { 'data.task=addition', 'train.steps=2', 'train.batch=8', 'train.lr=3e-3', 'train.micro_batch_tokens=40' }
-  for _, case in ipairs({ { 'sft', 'recipes/sft.lua', sft }, { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } } }) do
+  local cases = { { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } } } -- (its micro-batches: 1F1B too)
+  if long then cases[2] = { 'sft', 'recipes/sft.lua', sft } end
+  for _, case in ipairs(cases) do
     local extra = U.with({ 'model.dir=' .. m4, 'dist.pp=2', 'dist.gpu_transport=auto' }, case[4] or {})
     local c = ranks('cpu', 'pp_' .. case[1] .. '_cpu', extra, case[2], case[3])
     local g = ranks('cuda:0', 'pp_' .. case[1] .. '_gpu', extra, case[2], case[3])

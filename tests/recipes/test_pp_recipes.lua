@@ -15,8 +15,8 @@
 -- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
 -- parallel cannot take are usage errors naming them; a mixture of experts (SFT, GRPO with routing
 -- replay and a rollout rank) against one process; a pipeline without rollout ranks generating on
--- its engine's slices over its ranks (GRPO sync and one_step_off on pp2 and pp2 x tp2, SFT
--- evaluated by generation, a resume) against one process; ZeRO-3 over 2 pipelines of 2 stages
+-- its engine's slices over its ranks (GRPO on pp2 and pp2 x tp2, SFT evaluated by generation, a
+-- resume) against one process; ZeRO-3 over 2 pipelines of 2 stages
 -- (SFT, GRPO on the pipelines' engines, a resume) against one process. A checkpoint resumes into another mesh (each
 -- optimizer file says which slices of which tensors it holds). (tests/recipes/meson.build runs it where mpirun is.)
 local t = require('moonrl.testing')
@@ -119,17 +119,14 @@ end)
 
 -- Without rollout ranks a pipeline generates for itself: the engine runs on tensor-parallel
 -- slices over the pipeline's ranks (stages x slices), refreshed from the stages after each update
--- (moonrl.train.reshard): GRPO with a reference (sync and one_step_off in one process) on pp2 and
--- pp2 x tp2, and SFT evaluated by generation on pp2: one process's tokens, accuracy, steps and
--- weights.
-t.test('generation on a pipeline (no rollout ranks: the engine on slices over its ranks, refreshed from the stages): grpo sync and one_step_off, pp2 and pp2 x tp2, sft evaluated by generation: one process\'s tokens, steps and weights', function()
+-- (moonrl.train.reshard): GRPO with a reference on pp2 and pp2 x tp2, and SFT evaluated by
+-- generation on pp2: one process's tokens, accuracy, steps and weights.
+t.test('generation on a pipeline (no rollout ranks: the engine on slices over its ranks, refreshed from the stages): grpo on pp2 and pp2 x tp2, sft evaluated by generation, a resume: one process\'s tokens, steps and weights', function()
   local LOCAL = { 'model.dir=' .. tied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
     'reward=tests/recipes/partial_reward.lua:partial', 'train.micro_batch_tokens=64', 'run.threads=1', 'train.lr=1e-3',
     'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=4', 'grpo.steps=3', 'grpo.kl_coef=0.1' }
-  local OFF = U.with(LOCAL, { 'async.mode=one_step_off' })
   local EVAL = U.with(SFT, { 'eval.every=3', 'eval.prompts=6', 'eval.max_tokens=4', 'data.task=addition' })
   for _, case in ipairs({ { 'recipes/grpo.lua', LOCAL, 'gen_grpo', 2, { 'dist.pp=2' } },
-    { 'recipes/grpo.lua', OFF, 'gen_grpo_off', 2, { 'dist.pp=2' } },
     { 'recipes/grpo.lua', LOCAL, 'gen_grpo', 4, { 'dist.pp=2', 'dist.tp=2' }, 'tp2' },
     { 'recipes/sft.lua', EVAL, 'gen_sft_eval', 2, { 'dist.pp=2' } } }) do
     local one = dir .. '/one_' .. case[3]
@@ -162,7 +159,7 @@ end)
 -- ZeRO-3 over pipelines (an untied head): each stage's parameters sharded over the ranks that hold
 -- that stage, gathered part by part in its forwards and backwards; the model saved (and resumed)
 -- by the stages' shards; the engine of a pipeline generating from its shards (moonrl.train.reshard)
-t.test('zero=3 over 2 pipelines of 2 stages: sft (untied and tied heads, 5 samples over the pipelines too), grpo generating on the pipelines\' engines, a resume: one process\'s steps and weights', function()
+t.test('zero=3 over 2 pipelines of 2 stages: sft (untied and tied heads), grpo generating on the pipelines\' engines, a resume: one process\'s steps and weights', function()
   local USFT = U.with(SFT, { 'model.dir=' .. untied, 'train.micro_batch_tokens=40' })
   local UGRPO = { 'model.dir=' .. untied, 'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false',
     'reward=tests/recipes/partial_reward.lua:partial', 'train.micro_batch_tokens=64', 'run.threads=1', 'train.lr=1e-3',
@@ -170,10 +167,9 @@ t.test('zero=3 over 2 pipelines of 2 stages: sft (untied and tied heads, 5 sampl
   local Z3 = { 'dist.pp=2', 'dist.zero=3' }
   -- (a tied head: its two copies' gradients, each rank holding a shard of them, put together and
   -- summed between the ends: pipeline.sync_tied_shard)
-  -- (the one-process runs of the first test where they are the same: sft_untied, sft_untied5, sft_mb)
+  -- (the one-process runs of the first test where they are the same: sft_untied, sft_mb)
   local TSFT = U.with(SFT, { 'train.micro_batch_tokens=40' })
   for _, case in ipairs({ { 'recipes/sft.lua', USFT, 'sft_untied', Z3 },
-    { 'recipes/sft.lua', U.with(USFT, { 'train.batch=5' }), 'sft_untied5', Z3 },
     { 'recipes/grpo.lua', UGRPO, 'z3_grpo_untied', Z3 },
     { 'recipes/sft.lua', TSFT, 'sft_mb', Z3, '_tied' } }) do
     local one = dir .. '/one_' .. case[3]
