@@ -263,6 +263,22 @@ static mrl_status finish_load(mrl_model *m, mrl_st *st, mrl_status s, int64_t lo
     return MRL_OK;
 }
 
+/* shard `index` of `shards` over `world` ranks (mrl_model_load_dir_shard's arguments) */
+static mrl_status check_shard(const char *fn, int world, int shards, int index) {
+    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: shard %d of %d over %d ranks", fn, index, shards, world);
+    return MRL_OK;
+}
+
+/* finish_load of the whole buffer (world 1), or of this rank's shard of it: the layout is the same
+ * on every rank that holds it (the slices, the stage), so are the shards */
+static mrl_status finish_shard_load(mrl_model *m, mrl_st *st, int world, int shards, int index, mrl_model **out) {
+    if (world == 1) return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
+    int64_t offset, count;
+    mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
+    return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
+}
+
 mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
     if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir: NULL argument");
     *out = NULL;
@@ -276,15 +292,13 @@ mrl_status mrl_model_load_dir(const char *dir, mrl_model **out) {
 mrl_status mrl_model_load_dir_shard(const char *dir, int world, int shards, int index, int value_head,
                                     mrl_model **out) {
     if (!dir || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: NULL argument");
-    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
-        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_shard: shard %d of %d over %d ranks", index, shards,
-                             world);
+    mrl_status s = check_shard("mrl_model_load_dir_shard", world, shards, index);
+    if (s) return s;
     *out = NULL;
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, value_head, 0, 1, NULL, &m, &st);
-    if (s) return s;
-    int64_t offset, count;
+    if ((s = open_dir(dir, value_head, 0, 1, NULL, &m, &st))) return s;
+    int64_t offset, count; /* (sharded even over one rank: the caller's layout) */
     mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
     return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
 }
@@ -299,17 +313,11 @@ mrl_status mrl_model_load_dir_tp_shard(const char *dir, int rank, int size, int 
     *out = NULL;
     if (size < 1 || rank < 0 || rank >= size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp: rank %d of %d", rank, size);
-    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
-        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_tp_shard: shard %d of %d over %d ranks", index, shards,
-                             world);
+    mrl_status s = check_shard("mrl_model_load_dir_tp_shard", world, shards, index);
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, value_head, rank, size, NULL, &m, &st);
-    if (s) return s;
-    if (world == 1) return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
-    int64_t offset, count; /* (the slices' layout is the same on every rank of the group: so are the shards) */
-    mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
-    return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
+    if (s || (s = open_dir(dir, value_head, rank, size, NULL, &m, &st))) return s;
+    return finish_shard_load(m, st, world, shards, index, out);
 }
 
 mrl_status mrl_model_load_dir_stage(const char *dir, const mrl_model_stage *stage, int tp_rank, int tp_size,
@@ -323,17 +331,11 @@ mrl_status mrl_model_load_dir_stage_shard(const char *dir, const mrl_model_stage
     *out = NULL;
     if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage: tensor-parallel rank %d of %d", tp_rank, tp_size);
-    if (world < 1 || shards < 1 || world % shards || index < 0 || index >= shards)
-        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_load_dir_stage_shard: shard %d of %d over %d ranks", index,
-                             shards, world);
+    mrl_status s = check_shard("mrl_model_load_dir_stage_shard", world, shards, index);
     mrl_st *st = NULL;
     mrl_model *m = NULL;
-    mrl_status s = open_dir(dir, value_head, tp_rank, tp_size, stage, &m, &st);
-    if (s) return s;
-    if (world == 1) return finish_load(m, st, mrl_model_alloc_params(m), 0, m->n_params, out);
-    int64_t offset, count; /* (a stage's layout is the same on every rank that holds it: so are the shards) */
-    mrl_dist_group_shard(m->n_params, world, shards, index, &offset, &count);
-    return finish_load(m, st, mrl_model_alloc_shard(m, offset, count), offset, offset + count, out);
+    if (s || (s = open_dir(dir, value_head, tp_rank, tp_size, stage, &m, &st))) return s;
+    return finish_shard_load(m, st, world, shards, index, out);
 }
 
 /* What m holds, [lo, hi) of its buffer, read again from dir's files. */
@@ -447,8 +449,22 @@ static mrl_status save_gathered(mrl_model *m, const char *dir, int64_t max_shard
  * [numel size], out: as large, mine: [numel] host buffers); whole views are read through out.
  * The ranks' rows one after the other, or each row's columns of the ranks side by side; a K/V
  * head several ranks hold: the first of them. *n: the whole tensor's elements. */
+static mrl_status gather_view(mrl_model *m, const mrl_param_view *v, float *mine, float *all, float *out,
+                              const float **src, int64_t *n);
+
+/* (sharded, ZeRO-3: the view gathered into place first and let go after: a collective of the
+ * shard group too) */
 static mrl_status whole_view(mrl_model *m, const mrl_param_view *v, float *mine, float *all, float *out,
                              const float **src, int64_t *n) {
+    mrl_status g = m->p_region ? mrl_model_fetch(m, v->offset, v->numel) : MRL_OK;
+    if (g) return g;
+    g = gather_view(m, v, mine, all, out, src, n);
+    if (m->p_region) mrl_model_drop(m, v->offset, v->numel);
+    return g;
+}
+
+static mrl_status gather_view(mrl_model *m, const mrl_param_view *v, float *mine, float *all, float *out,
+                              const float **src, int64_t *n) {
     int split = mrl_model_tp_split(m, v->name);
     *n = v->numel;
     if (!split) { /* (the same on every rank) */
@@ -502,11 +518,9 @@ static mrl_status save_tp(mrl_model *m, const char *dir, int64_t max_shard_bytes
     if (!s && writer) s = open_stream(m, dir, max_shard_bytes, &st);
     for (int i = 0; !g && i < m->n_views; i++) {
         const mrl_param_view *v = &m->views[i];
-        if (m->p_region && (g = mrl_model_fetch(m, v->offset, v->numel))) break; /* ZeRO-3: the view whole here */
         const float *src = NULL;
         int64_t n = 0;
         g = whole_view(m, v, mine, all, out, &src, &n);
-        if (m->p_region) mrl_model_drop(m, v->offset, v->numel);
         if (!g && !s && writer) s = mrl_st_stream_write(st, v->name, src, n);
     }
     if (!s && !g && writer) s = mrl_st_stream_finish(st);
@@ -585,12 +599,9 @@ static mrl_status save_pp(mrl_model *m, const char *dir, int64_t max_shard_bytes
         if (o == m->pp_stage) { /* mine: put together over the group; to the writer */
             mrl_param_view v;
             if ((g = mrl_model_find_view(m, wv->name, &v))) break;
-            if (m->p_region && (g = mrl_model_fetch(m, v.offset, v.numel))) break; /* ZeRO-3: the view whole here */
             const float *src = NULL;
             int64_t n = 0;
-            g = whole_view(m, &v, mine, all, out, &src, &n);
-            if (m->p_region) mrl_model_drop(m, v.offset, v.numel);
-            if (g) break;
+            if ((g = whole_view(m, &v, mine, all, out, &src, &n))) break;
             if (writer) {
                 if (!s) s = mrl_st_stream_write(st, wv->name, src, n);
             } else if (m->tp_rank == 0 && first_group) {
