@@ -267,9 +267,6 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model forward: NULL model");
     if (!(temperature > 0)) return mrl_set_error(MRL_ERR_INVALID, "model forward: temperature %g must be > 0", temperature);
     if (values && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model forward: values asked of a model without value head");
-    if (m->pp_stages > 1 && m->aux_coef > 0) /* (its counts are over every sparse layer of the whole model) */
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model forward: the load-balancing loss (router aux coefficient %g) "
-                             "on a pipeline stage: not yet", m->aux_coef);
     int64_t max_len = 0, cp0 = 0; /* context parallel: this rank's tokens start at cp0 */
     mrl_status st = check_batch(m, b, &max_len);
     int64_t T = st ? 0 : b->n_tokens; /* this rank's tokens: all of them, or its share (cp.c); (b may be NULL) */
@@ -349,9 +346,12 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     } else if (m->tp_vocab) mrl_model_tp_embed(m, m->xs[0], m->embed, m->tp_ids, T); /* (tp.c) */
     else k->gather_rows(m->xs[0], m->embed, m->op_tokens + cp0, T, D); /* [T,D] */
     mrl_model_unuse(m, 0, embed_end);
-    if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers */
-        memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
-        m->aux_n = 0;
+    if (m->aux_picks) { /* the load-balancing statistics, summed over the sparse layers (a pipeline
+                         * stage's continuing the stages before's sums: one process's order) */
+        if (m->aux_in_set) memcpy(m->aux_picks, m->aux_in, sizeof(double) * 2 * c->num_experts);
+        else memset(m->aux_picks, 0, sizeof(double) * 2 * c->num_experts);
+        m->aux_n = m->aux_in_set ? (int64_t)m->aux_in[2 * c->num_experts] : 0;
+        m->aux_in_set = 0;
     }
     m->replayed = m->replay_differ = 0;
     mrl_moe_ep_begin(m);
@@ -559,6 +559,11 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         dlogprobs = dlogprobs ? m->dev_io[0] : NULL;
         dentropy = dentropy ? m->dev_io[1] : NULL;
         dvalues = dvalues ? m->dev_io[2] : NULL;
+    }
+    if (m->aux_in_set) { /* a pipeline stage: the whole model's load-balancing counts (pp.c) */
+        memcpy(m->aux_picks, m->aux_in, sizeof(double) * 2 * c->num_experts);
+        m->aux_n = (int64_t)m->aux_in[2 * c->num_experts];
+        m->aux_in_set = 0;
     }
     if (!head) { /* pipeline parallel: the next stage's gradient of this one's output rows */
         int64_t bytes = (int64_t)sizeof(float) * (m->tp_seq ? m->sp_tl : T) * D; /* (host rows: a GPU's copied over) */

@@ -160,8 +160,8 @@ mrl_status mrl_model_alloc_stage_layout(const mrl_model_config *cfg, const mrl_m
     m->lp = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
     m->lg = mrl_mem_alloc(sizeof(layer_params) * cfg->num_hidden_layers, MRL_MEM_OTHER);
     if (cfg->num_experts > 0) {
-        m->aux_picks = mrl_mem_alloc(sizeof(double) * 2 * cfg->num_experts, MRL_MEM_OTHER);
-        if (m->aux_picks) m->aux_psum = m->aux_picks + cfg->num_experts;
+        m->aux_picks = mrl_mem_alloc(sizeof(double) * (4 * cfg->num_experts + 1), MRL_MEM_OTHER);
+        if (m->aux_picks) m->aux_psum = m->aux_picks + cfg->num_experts, m->aux_in = m->aux_psum + cfg->num_experts;
         m->aux_coef = cfg->output_router_logits ? cfg->router_aux_loss_coef : 0;
     }
     if (!m->views || !m->names || !m->lp || !m->lg || (cfg->num_experts > 0 && !m->aux_picks)) {

@@ -66,6 +66,10 @@ struct mrl_model {
     double aux_loss, aux_coef;
     double *aux_picks, *aux_psum; /* [E] each (a qwen3_moe model only) */
     int64_t aux_n;
+    /* a pipeline stage's (pp.c): the statistics its next forward starts from (the stages
+     * before's) or its next backward uses (the whole model's), [picks E, psum E, n] */
+    double *aux_in;
+    int aux_in_set;
     /* the experts each token went to in the last forward [T, n_moe, k] (mrl_model_get_routing),
      * and the replay counts (mrl_model_routing_replay_stats) */
     int16_t *route_used;

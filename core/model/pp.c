@@ -144,6 +144,31 @@ const float *mrl_model_pp_input_grad(const mrl_model *m) {
     return m && !mrl_model_has_embed(m) && m->act_buf ? m->gs.dx : NULL;
 }
 
+/* The load-balancing statistics cross the stages with the rows (model.h): a non-first stage's
+ * forward continues the sums of the stages before (so the last stage's are one process's, added
+ * in the same order), and every stage's backward takes the last stage's. */
+int64_t mrl_model_pp_aux_size(const mrl_model *m) {
+    return m && m->pp_stages > 1 && m->aux_picks ? 2 * m->cfg.num_experts + 1 : 0;
+}
+
+mrl_status mrl_model_pp_aux_get(const mrl_model *m, double *out) {
+    int64_t n = mrl_model_pp_aux_size(m);
+    if (!n || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_pp_aux_get: not a mixture of experts' pipeline stage");
+    memcpy(out, m->aux_picks, sizeof(double) * (size_t)(n - 1));
+    out[n - 1] = (double)m->aux_n;
+    return MRL_OK;
+}
+
+mrl_status mrl_model_pp_aux_set(mrl_model *m, const double *in) {
+    int64_t n = mrl_model_pp_aux_size(m);
+    if (!n || !in) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_pp_aux_set: not a mixture of experts' pipeline stage");
+    if (!(in[n - 1] >= 0 && in[n - 1] <= (double)INT64_MAX / 2))
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_pp_aux_set: a token count of %g", in[n - 1]);
+    memcpy(m->aux_in, in, sizeof(double) * (size_t)n);
+    m->aux_in_set = 1;
+    return MRL_OK;
+}
+
 mrl_status mrl_model_set_pp_group(mrl_model *m, mrl_pp_send send, mrl_pp_recv recv, void *ctx) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_pp_group: NULL model");
     if (m->pp_stages <= 1) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_pp_group: not a pipeline stage");

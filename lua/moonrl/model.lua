@@ -231,6 +231,9 @@ function M.load_stage(dir, stage, world, opts)
     m.pp = { world = world, stage = stage.stage, stages = stage.stages, first_layer = stage.first_layer,
       layers = stage.layers, tag = 2 * (opts.tag or 0), hidden = m.config.hidden_size, wait = 0, batches = {},
       slot = 0 }
+    -- a mixture of experts: the load-balancing statistics go with the rows (model.h)
+    local n = tonumber(C.mrl_model_pp_aux_size(m.handle))
+    if n > 0 then m.pp.aux_n, m.pp.aux = n, ffi.new('double[?]', n) end
   end
   return m
 end
@@ -263,6 +266,20 @@ local function pp_send(self, pp, rows, n, to, tag)
     rows = pp.send_buf
   end
   pp.world:send(rows, 4 * n, to, tag)
+end
+
+-- A mixture of experts' load-balancing statistics (model.h's mrl_model_pp_aux_get / _set): after
+-- the rows, on the same channel, so the receiving stage reads them in the same order.
+local function aux_send(self, pp, to, tag)
+  if not pp.aux then return end
+  moonrl.check(C.mrl_model_pp_aux_get(self.handle, pp.aux), 3)
+  pp.world:send(pp.aux, 8 * pp.aux_n, to, tag)
+end
+
+local function aux_recv(self, pp, from, tag)
+  if not pp.aux then return end
+  pp.world:recv(pp.aux, 8 * pp.aux_n, from, tag)
+  moonrl.check(C.mrl_model_pp_aux_set(self.handle, pp.aux), 3)
 end
 
 -- Context parallel (model.h's mrl_model_set_cp_group, Ulysses): this model's forwards and
@@ -335,11 +352,13 @@ function Model:forward(batch, opts)
     local rows = tonumber(C.mrl_model_pp_rows(self.handle, batch.c))
     if pp.stage > 0 then
       moonrl.check(C.mrl_model_pp_set_input(self.handle, pp_recv(pp, rows * pp.hidden, pp.stage - 1, pp.tag)), 2)
+      aux_recv(self, pp, pp.stage - 1, pp.tag)
     end
     if pp.stage < pp.stages - 1 then
       moonrl.check(C.mrl_model_forward(self.handle, batch.c, opts.temperature or 1.0, nil, nil, nil), 2)
       self._batch, self._routing = batch, opts.routing -- (borrowed until the backward)
       pp_send(self, pp, C.mrl_model_pp_output(self.handle), rows * pp.hidden, pp.stage + 1, pp.tag)
+      aux_send(self, pp, pp.stage + 1, pp.tag)
       return nil
     end
   end
@@ -364,10 +383,14 @@ function Model:backward(dlogprobs, dentropy, dvalues)
   local rows = tonumber(C.mrl_model_pp_rows(self.handle, self._batch.c))
   if pp.stage < pp.stages - 1 then
     moonrl.check(C.mrl_model_pp_set_output_grad(self.handle, pp_recv(pp, rows * pp.hidden, pp.stage + 1, pp.tag + 1)), 2)
+    aux_recv(self, pp, pp.stage + 1, pp.tag + 1) -- (the whole model's counts, which the loss's gradient needs)
     dlogprobs, dentropy, dvalues = nil, nil, nil
   end
   moonrl.check(C.mrl_model_backward(self.handle, dlogprobs, dentropy, dvalues), 2)
-  if pp.stage > 0 then pp_send(self, pp, C.mrl_model_pp_input_grad(self.handle), rows * pp.hidden, pp.stage - 1, pp.tag + 1) end
+  if pp.stage > 0 then
+    pp_send(self, pp, C.mrl_model_pp_input_grad(self.handle), rows * pp.hidden, pp.stage - 1, pp.tag + 1)
+    aux_send(self, pp, pp.stage - 1, pp.tag + 1)
+  end
 end
 
 local function whole(self, what)

@@ -21,10 +21,13 @@
  *   - a mixture of experts (Qwen3-MoE, a dense layer between sparse ones: a
  *     stage's own numbering of them differs from the whole model's), its
  *     batches' routing replayed (rows of all the whole model's sparse
- *     layers, picks that are not the router's): the same bits;
+ *     layers, picks that are not the router's), with the load-balancing loss
+ *     (its statistics sent on with the rows, the totals back with their
+ *     gradients): the same bits, and the last stage's aux loss the whole
+ *     model's;
  *   - the refusals: a stage outside the layers, a forward without input, a
- *     backward without the output's gradient, the load-balancing loss on a
- *     stage. */
+ *     backward without the output's gradient, load-balancing statistics
+ *     given to a model that is not a sparse stage or with a bad count. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,6 +67,8 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
     mrl_model *whole = NULL;
     CHECK_OK(mrl_model_load_dir(dir, &whole));
     CHECK_OK(mrl_model_set_dtype(whole, dtype));
+    if (moe) mrl_model_set_router_aux_coef(whole, 0.01);
+    static double aux_loss[MAX_MB], auxf[MAX_PP][MAX_MB][11], auxb[MAX_PP][MAX_MB][11]; /* 2 E + 1 */
     static batch xs[MAX_MB];
     static float lp[MAX_MB][96], ent[MAX_MB][96], val[MAX_MB][96];
     static int16_t routes[MAX_MB][96 * 3 * 2];
@@ -76,6 +81,8 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
             xs[j].b.routing = routes[j];
         }
         CHECK_OK(mrl_model_forward(whole, &xs[j].b, 0.8f, lp[j], ent[j], c.value_head ? val[j] : NULL));
+        aux_loss[j] = mrl_model_router_aux_loss(whole);
+        CHECK(!moe || aux_loss[j] > 0);
         CHECK_OK(mrl_model_backward(whole, xs[j].dlp, xs[j].dent, c.value_head ? xs[j].dval : NULL));
         int64_t replayed = 0, differ = 0;
         mrl_model_routing_replay_stats(whole, &replayed, &differ);
@@ -91,6 +98,8 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
         if (!st[s].m) exit(1);
         CHECK_OK(mrl_model_set_dtype(st[s].m, dtype));
         CHECK_OK(mrl_model_pp_slots(st[s].m, stages - s));
+        CHECK(mrl_model_pp_aux_size(st[s].m) == (moe ? 11 : 0));
+        if (moe) mrl_model_set_router_aux_coef(st[s].m, 0.01);
         mrl_model_stage got;
         CHECK(mrl_model_pp(st[s].m, &got) == stages && got.stage == s && got.first_layer == first &&
               got.layers == layers[s] && mrl_model_pp_layers(st[s].m) == 4);
@@ -135,10 +144,13 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
             CHECK(rows == xs[j].b.n_tokens);
             if (op >= 0) {
                 if (s > 0) CHECK_OK(mrl_model_pp_set_input(r->m, out[s - 1][j]));
+                if (s > 0 && moe) CHECK_OK(mrl_model_pp_aux_set(r->m, auxf[s - 1][j]));
                 CHECK_OK(mrl_model_forward(r->m, &xs[j].b, 0.8f, last ? got_lp : NULL, last ? got_ent : NULL,
                                            last && c.value_head ? got_val : NULL));
+                if (moe) CHECK_OK(mrl_model_pp_aux_get(r->m, auxf[s][j]));
                 if (last) { /* the whole model's bits */
                     CHECK(memcmp(got_lp, lp[j], 4 * (size_t)rows) == 0 && memcmp(got_ent, ent[j], 4 * (size_t)rows) == 0);
+                    CHECK(mrl_model_router_aux_loss(r->m) == aux_loss[j]);
                     if (c.value_head) CHECK(memcmp(got_val, val[j], 4 * (size_t)rows) == 0);
                 } else {
                     const float *y = mrl_model_pp_output(r->m);
@@ -148,8 +160,10 @@ static void case_pp(int arch, int dtype, int stages, const int *layers, int K, c
                 }
             } else {
                 if (!last) CHECK_OK(mrl_model_pp_set_output_grad(r->m, grad[s + 1][j]));
+                if (!last && moe) CHECK_OK(mrl_model_pp_aux_set(r->m, auxb[s + 1][j]));
                 CHECK_OK(mrl_model_backward(r->m, last ? xs[j].dlp : NULL, last ? xs[j].dent : NULL,
                                             last && c.value_head ? xs[j].dval : NULL));
+                if (moe) CHECK_OK(mrl_model_pp_aux_get(r->m, auxb[s][j])); /* (the totals, for the stage before) */
                 if (s > 0) {
                     const float *dx = mrl_model_pp_input_grad(r->m);
                     CHECK(dx != NULL);
@@ -218,6 +232,8 @@ static void case_refusals(const char *dir) {
     CHECK_STR_CONTAINS(mrl_last_error(), "mrl_model_pp_set_output_grad");
     CHECK(mrl_model_pp_set_input(m, x.dlp) == MRL_ERR_INVALID); /* the first stage reads tokens */
     CHECK(mrl_model_pp_use_slot(m, 1) == MRL_ERR_INVALID);     /* one slot */
+    double stats[9] = {0};
+    CHECK(mrl_model_pp_aux_size(m) == 0 && mrl_model_pp_aux_set(m, stats) == MRL_ERR_INVALID); /* dense */
     mrl_model_free(m);
     mrl_model_config e = small_config(MRL_ARCH_QWEN3);
     e.arch = MRL_ARCH_QWEN3_MOE, e.num_experts = 4, e.num_experts_per_tok = 2, e.moe_intermediate_size = 32,
@@ -227,9 +243,10 @@ static void case_refusals(const char *dir) {
     mrl_model_free(src);
     mrl_model_stage moe = {0, 2, 0, 1};
     CHECK_OK(mrl_model_load_dir_stage(dir, &moe, 0, 1, 0, &m));
-    mrl_model_set_router_aux_coef(m, 0.01); /* the load-balancing loss counts every stage's layers */
-    CHECK(mrl_model_forward(m, &x.b, 1.0f, NULL, NULL, NULL) == MRL_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(mrl_last_error(), "load-balancing loss");
+    CHECK(mrl_model_pp_aux_size(m) == 9);
+    stats[8] = -1; /* a negative token count */
+    CHECK(mrl_model_pp_aux_set(m, stats) == MRL_ERR_INVALID);
+    CHECK_STR_CONTAINS(mrl_last_error(), "token count");
     mrl_model_free(m);
 }
 

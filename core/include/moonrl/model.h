@@ -403,8 +403,14 @@ mrl_status mrl_model_read_tp(mrl_model *m, const char *dir);
  * mrl_model_load_dir_stage loads one from a whole model's directory (tp_size > 1: this tensor-
  * parallel rank's slices of it); the file's tensors of other stages are skipped. A mixture of
  * experts: the stage's config numbers its own layers (mlp_only_layers in its numbering,
- * decoder_sparse_step 1; saving writes the whole model's); its forward refuses the
- * load-balancing loss (mrl_model_set_router_aux_coef > 0: it counts every stage's layers).
+ * decoder_sparse_step 1; saving writes the whole model's); its load-balancing statistics
+ * (mrl_model_pp_aux_size doubles: each expert's picks, its summed router probabilities, the
+ * token count) go with the rows: a non-first stage's forward starts from the stage before's
+ * (mrl_model_pp_aux_set before it, mrl_model_pp_aux_get after the stage before's), so the last
+ * stage's sums are the whole model's, one process's to the bit, and so is its
+ * mrl_model_router_aux_loss; a non-last stage's backward takes the last stage's
+ * (mrl_model_pp_aux_set before it; after a backward mrl_model_pp_aux_get gives them back, for
+ * the stage before), whose counts the loss's gradient needs.
  * A non-first stage's forward reads its input rows [mrl_model_pp_rows, hidden] from x
  * (mrl_model_pp_set_input, borrowed until that forward) instead of the embedding; a non-last
  * stage's forward takes no outputs (all NULL) and leaves its last layer's output rows at
@@ -438,6 +444,9 @@ mrl_status mrl_model_pp_set_input(mrl_model *m, const float *x);
 const float *mrl_model_pp_output(const mrl_model *m);
 mrl_status mrl_model_pp_set_output_grad(mrl_model *m, const float *dy);
 const float *mrl_model_pp_input_grad(const mrl_model *m);
+int64_t mrl_model_pp_aux_size(const mrl_model *m); /* 0: not a mixture of experts' stage */
+mrl_status mrl_model_pp_aux_get(const mrl_model *m, double *out);
+mrl_status mrl_model_pp_aux_set(mrl_model *m, const double *in);
 /* The pipeline's transfers, peers by stage (mrl_dist_pp_send and mrl_dist_pp_recv over its
  * communicator): mrl_model_save_dir, which every rank of every stage calls, sends each stage's
  * tensors (put together over its tensor-parallel group) to the first stage's rank 0, which writes

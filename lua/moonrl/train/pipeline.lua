@@ -121,12 +121,14 @@ function M.run(model, list, step, refs, opts)
 end
 
 -- Every stage's forwards of the micro-batches in order (no backward): the stages work on
--- successive micro-batches at once. Returns the outputs of each on the last stage (a list of
--- { lp, ent, val }), nothing on the others.
+-- successive micro-batches at once (each replaying its batch's routing, b.routing, where it has
+-- one). Returns the outputs of each on the last stage (a list of { lp, ent, val }), nothing on
+-- the others.
 function M.forward_only(model, list, opts)
   local out = {}
   for i, e in ipairs(list) do
-    local lp, ent, val = model:forward(e[1], opts)
+    local b = e[1]
+    local lp, ent, val = model:forward(b, b.routing and setmetatable({ routing = b.routing }, { __index = opts }) or opts)
     out[i] = { lp, ent, val }
   end
   model.pp.world:flush_sends()

@@ -300,10 +300,6 @@ function M.mesh_of(cfg, device)
   if R == 0 and cfg.async and (cfg.async.engine_threads or 0) > 0 then
     no('async.engine_threads=' .. cfg.async.engine_threads)
   end
-  if PP > 1 and cfg.moe and cfg.moe.expert_parallel then no('moe.expert_parallel') end
-  if PP > 1 and cfg.moe and (cfg.moe.aux_loss_coef or 0) > 0 then -- (its counts span every stage's layers)
-    no('moe.aux_loss_coef=' .. cfg.moe.aux_loss_coef)
-  end
   local w = dist.world(cfg.dist.timeout)
   if R > 0 then -- the trainers form the mesh; the rollout ranks hold the policy whole (their slices sent them)
     if cfg.async and cfg.async.weights == 'shm' then no('async.weights=shm (the slices go to the rollout ranks by MPI)') end

@@ -34,10 +34,12 @@ end
 -- The micro-batches of an iterator (batch.micro_batches) with, for each, whether it is the step's
 -- last (the one whose backward arms the gradient sums). Where the model's forwards and backwards
 -- are collectives of its ranks (M.collective) each rank runs as many as the rank with the most
--- (world:max), the rest empty batches (model.empty_batch, first = nil): through them a rank
--- serves its experts to the others' tokens, gathers its shards for them, sums its gradients with
--- theirs. Returns an iterator of (b, first, last, is_last).
+-- (world:max; world nil: the model's expert-parallel group, if any), the rest empty batches
+-- (model.empty_batch, first = nil): through them a rank serves its experts to the others'
+-- tokens, gathers its shards for them, sums its gradients with theirs. Returns an iterator of
+-- (b, first, last, is_last).
 function M.collective_batches(model, world, it)
+  world = world or model._ep_group -- (expert parallelism's group: a caller that named no world)
   if not (world and world.size > 1 and M.collective(model)) then
     -- no expert parallelism: packed as they are used, one ahead to know the last
     local nb, nf, nl = it()
@@ -84,13 +86,13 @@ function M.logprobs(model, samples, max_tokens, opts)
   local it = batch.micro_batches(samples, max_tokens, { share_prompts = opts.share_prompts ~= false,
     routing = width > 0 and width or nil })
   if model.pp then -- pipeline parallel: the stages' forwards, the last stage's outputs on every stage
-    local list = {}
-    for b, first in it do list[#list + 1] = { b, first } end
+    local list = {} -- (expert parallelism, ZeRO-3: as many on every pipeline, empty ones passed through)
+    for b, first in M.collective_batches(model, opts.world, it) do list[#list + 1] = { b, first } end
     local outs = pipeline.forward_only(model, list, { temperature = opts.temperature, values = opts.values })
     for i, e in ipairs(list) do
       local o = outs[i]
-      if o[1] then batch.gather(e[1], o[1], lps, e[2]) end
-      if vals and o[3] then batch.gather(e[1], o[3], vals, e[2]) end
+      if o[1] and e[2] then batch.gather(e[1], o[1], lps, e[2]) end
+      if vals and o[3] and e[2] then batch.gather(e[1], o[3], vals, e[2]) end
     end
     pipeline.broadcast_lists(model, lps, #samples)
     if vals then pipeline.broadcast_lists(model, vals, #samples) end
@@ -254,8 +256,8 @@ function M.policy_step(o)
     lr = o.lr or o.opt.lr, tokens = tokens, pipeline = pipe,
     mismatch = mm.n > 0 and { mean_abs = mm.sum / mm.n, max_abs = mm.max, token_mult_prob_error = mm.mult / mm.n } or nil }
   if n_moe > 0 then
-    -- (a pipeline stage's aux loss would be its layers' alone: none, the loss itself is refused there)
-    m.moe = { aux_loss = not model.pp and sums.moe_aux / math.max(sums.moe_tokens, 1) or nil, aux_coef = model:router_aux_coef(),
+    -- (under pipeline parallel the last stage's: its statistics are every stage's, model.h)
+    m.moe = { aux_loss = sums.moe_aux / math.max(sums.moe_tokens, 1), aux_coef = model:router_aux_coef(),
       replayed = sums.moe_replayed / math.max(sums.moe_tokens * n_moe, 1),
       routing_mismatch = sums.moe_replayed > 0 and sums.moe_differ / sums.moe_replayed or 0 }
   end
