@@ -74,6 +74,17 @@ if "$MOONRL" version | grep -q "amx_bf16"; then # a CPU with AMX: MOONRL_AMX=0 t
 fi
 expect "doctor: a missing run directory fails" 1 "FAIL  disk" -- "$MOONRL" doctor --dir "$tmp/nonexistent"
 expect "doctor: bad argument" 2 "unknown argument --bogus" -- "$MOONRL" doctor --bogus
+expect "doctor: the sandbox" 0 "sandbox    namespaces" -- "$MOONRL" doctor --dir "$tmp"
+# moonrl sandbox: stdin in, stdout out, the program's exit status, a limit said, the JSON record
+expect "sandbox: stdin, stdout, exit status" 3 "HELLO" -- sh -c "echo hello | '$MOONRL' sandbox -- sh -c 'tr a-z A-Z; exit 3'"
+expect "sandbox: a limit hit" 137 "limit hit: wall" -- "$MOONRL" sandbox --time 0.3 -- sleep 5
+expect "sandbox: its own /tmp, a file put there" 0 "model = { name = 'tiny' }" -- "$MOONRL" sandbox --put "$tmp/recipe.lua" -- cat /tmp/recipe.lua
+expect "sandbox: --json" 0 "" -- "$MOONRL" sandbox --json "$tmp/sb.json" --memory 64 -- true
+if grep -q '"limit": "none"' "$tmp/sb.json" && grep -q '"ok": true' "$tmp/sb.json"; then ok "sandbox: the JSON record"
+else bad "sandbox: the JSON record: $(cat "$tmp/sb.json")"; fi
+expect "sandbox: a bad option" 2 "unknown option '--bogus'" -- "$MOONRL" sandbox --bogus -- true
+expect "sandbox: a bad limit" 2 "--memory 'lots' is not a number" -- "$MOONRL" sandbox --memory lots -- true
+expect "sandbox: no program" 2 "no program (after --)" -- "$MOONRL" sandbox --time 1
 expect "convert: usage" 2 "usage: moonrl convert FILE.gguf DIR" -- "$MOONRL" convert
 expect "a missing model directory is a usage error" 2 "model.dir: $tmp/nomodel/config.json: cannot open" -- "$MOONRL" run grpo model.dir="$tmp/nomodel" data.path=x
 expect "a missing .gguf model is a usage error" 2 "model.dir: $tmp/nomodel.gguf: no such file" -- "$MOONRL" run grpo model.dir="$tmp/nomodel.gguf" data.path=x

@@ -13,10 +13,10 @@ local fs = require('moonrl.io.fs')
 local LAYERS = {
   -- 0: the FFI and the helpers every module uses (errors, logging, stop requests)
   { 'moonrl', 'moonrl.cdef' },
-  -- 1: no model or text in sight: files, JSON, processes, progress, safetensors; the config (every
-  -- section's defaults), the registries (they load user files and plugins), the Lua generator, the
-  -- test harness
-  { 'moonrl.io.*', 'moonrl.config', 'moonrl.registry', 'moonrl.rng', 'moonrl.testing' },
+  -- 1: no model or text in sight: files, JSON, processes (and the sandbox's), progress,
+  -- safetensors; the config (every section's defaults), the registries (they load user files and
+  -- plugins), the Lua generator, the test harness
+  { 'moonrl.io.*', 'moonrl.sandbox', 'moonrl.config', 'moonrl.registry', 'moonrl.rng', 'moonrl.testing' },
   -- 2: the pieces a recipe puts together, each on its own: text, tokenizer and chat templates, model,
   -- optimizer, engine, data, samples and the packed batch (which the algorithms' estimators and
   -- the evaluation read), the algorithms' math, rewards and tasks. GGUF files are read in io/ but

@@ -12,7 +12,8 @@ local M = {}
 local USAGE = [[
 usage: moonrl doctor [--dir DIR]
   checks the CPU and the kernels chosen, threads, BLAS, oneDNN, MPI and the launcher, CUDA and
-  NCCL, free memory, and free disk where runs will write (DIR, default the current directory)]]
+  NCCL, the sandbox (namespaces, seccomp, cgroups), free memory, and free disk where runs will
+  write (DIR, default the current directory)]]
 
 local read = fs.read -- the text of a file, or nil
 
@@ -125,6 +126,14 @@ function M.main(args)
   else
     line('ok', 'cuda', 'not built (CPU only)')
   end
+
+  -- the sandbox (model-written code: reward=code, tools): namespaces, seccomp, and cgroup limits
+  -- or rlimits (never a silent fallback: a run that needs the sandbox stops where it has no
+  -- namespaces)
+  local sb = require('moonrl.sandbox').probe()
+  line(not sb.namespaces and 'warn' or (sb.seccomp and sb.cgroup > 0) and 'ok' or 'warn', 'sandbox',
+    (sb.namespaces and '' or 'unavailable (code rewards and tools will not run): ') .. sb.detail ..
+    ((sb.namespaces and sb.cgroup == 0) and ' (weaker: memory as address space, processes counted per user)' or ''))
 
   -- memory and disk
   local meminfo = read('/proc/meminfo') or ''

@@ -1,0 +1,114 @@
+/* The sandbox: untrusted programs (model-written code, its tests) run contained, on Linux's own
+ * isolation (docs/sandbox.md says what that protects against and what not).
+ *
+ * Each execution starts in fresh user, PID, mount, network, IPC and UTS namespaces. Its file
+ * system is a new root: the host's runtime (/usr, /lib, /bin, ... and the caller's ro_paths)
+ * bound read-only, a fresh /proc, /dev with null, zero, random and urandom only, and a private
+ * tmpfs /tmp (size-capped, the working directory, HOME) holding the caller's files; files marked
+ * read-only go to /box instead, a tmpfs that is read-only once they are written. No network (an
+ * empty network namespace; MRL_SANDBOX_NET_LOOPBACK brings its own loopback up, never the
+ * host's). The environment is PATH, HOME, LANG and the caller's env only. The program runs
+ * without capabilities, with no_new_privs and a seccomp filter that refuses (EPERM) what
+ * untrusted code never needs: ptrace, mount, namespaces, kernel modules, keyctl, bpf, perf,
+ * io_uring, reboot, clock setting, ... .
+ *
+ * Limits: wall time (the caller's deadline), CPU time of the whole process tree, memory, number
+ * of processes, open files, file size, the work directory's size, and each of stdout and
+ * stderr. Memory and processes are cgroup limits where the machine offers cgroups (v2, or the
+ * v1 memory, pids and cpuacct controllers), else rlimits (RLIMIT_AS, RLIMIT_NPROC):
+ * mrl_sandbox_probe says which. When the program ends, or a limit is hit, the namespace's first
+ * process ends and the kernel kills every process left in it: a setsid or double-forked child
+ * does not survive its run. */
+#pragma once
+#include <stdint.h>
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mrl_sandbox_net {
+    MRL_SANDBOX_NET_NONE = 0,    /* an empty network namespace */
+    MRL_SANDBOX_NET_LOOPBACK = 1 /* its own loopback interface, up */
+} mrl_sandbox_net;
+
+/* Which limit ended (or constrained) a run: NONE for a run that ended by itself. */
+typedef enum mrl_sandbox_limit {
+    MRL_SANDBOX_LIMIT_NONE = 0,
+    MRL_SANDBOX_LIMIT_WALL = 1,   /* killed at the wall-clock deadline */
+    MRL_SANDBOX_LIMIT_CPU = 2,    /* killed at the CPU time (of all its processes) */
+    MRL_SANDBOX_LIMIT_MEMORY = 3, /* killed by the memory limit (the cgroup's OOM kill) */
+    MRL_SANDBOX_LIMIT_PROCS = 4,  /* a fork or clone refused at the process limit */
+    MRL_SANDBOX_LIMIT_OUTPUT = 5, /* killed when stdout or stderr passed output_bytes */
+    MRL_SANDBOX_LIMIT_FILE = 6,   /* a write past file_bytes (SIGXFSZ) */
+    MRL_SANDBOX_LIMIT_DISK = 7    /* the work directory's tmpfs filled */
+} mrl_sandbox_limit;
+
+/* 0 in a field takes its default (in brackets). */
+typedef struct mrl_sandbox_limits {
+    double wall_s;         /* [10] */
+    double cpu_s;          /* [wall_s] */
+    int64_t memory_bytes;  /* [512 MiB] */
+    int procs;             /* processes and threads at once [64] */
+    int files;             /* open files a process [256] */
+    int64_t file_bytes;    /* the largest file a process writes [64 MiB] */
+    int64_t tmpfs_bytes;   /* /tmp's size [64 MiB] */
+    int64_t output_bytes;  /* each of stdout and stderr kept [1 MiB]; past it the run is killed */
+} mrl_sandbox_limits;
+
+/* A file put in the sandbox before the program starts: /tmp/name, or /box/name when read_only
+ * (which the program cannot change: a test harness). name is one path component. */
+typedef struct mrl_sandbox_file {
+    const char *name;
+    const void *data;
+    int64_t size;
+    int executable;
+    int read_only;
+} mrl_sandbox_file;
+
+typedef struct mrl_sandbox_spec {
+    const char *const *argv;   /* NULL-terminated; argv[0] without a '/' looked up in the sandbox's PATH */
+    const char *const *env;    /* NULL-terminated "KEY=VALUE" added to the clean environment, or NULL */
+    const void *stdin_data;    /* written to the program's standard input, then closed */
+    int64_t stdin_len;
+    const mrl_sandbox_file *files;
+    int n_files;
+    const char *const *ro_paths; /* NULL-terminated host paths also bound read-only, or NULL */
+    mrl_sandbox_limits limits;
+    int network;                 /* mrl_sandbox_net */
+} mrl_sandbox_spec;
+
+typedef struct mrl_sandbox_result {
+    int exited;            /* 1: the program exited with status; 0: killed by signal status */
+    int status;
+    int limit;             /* mrl_sandbox_limit */
+    char *out, *err;       /* stdout and stderr (NUL-terminated, out_len / err_len bytes) */
+    int64_t out_len, err_len;
+    int out_truncated, err_truncated; /* more was written than output_bytes */
+    double wall_s;         /* start to end of the run */
+    double cpu_s;          /* user + system of its processes */
+    int64_t peak_memory_bytes; /* the cgroup's peak, else the largest process's resident peak */
+} mrl_sandbox_result;
+
+/* Runs spec's program to its end or its first limit (the call waits; it is thread-safe, so a
+ * batch runs in threads). A result that is not MRL_OK is the sandbox's own failure (namespaces
+ * refused, a mount, the program not found: "sandbox: ..."), never the program's. Free the
+ * result with mrl_sandbox_result_free. */
+mrl_status mrl_sandbox_run(const mrl_sandbox_spec *spec, mrl_sandbox_result *result);
+void mrl_sandbox_result_free(mrl_sandbox_result *result);
+/* The name of a limit: "none", "wall", "cpu", "memory", "procs", "output", "file", "disk". */
+const char *mrl_sandbox_limit_name(int limit);
+
+/* What this machine gives the sandbox: namespaces (one run of `true` in them), seccomp, and
+ * which cgroup version holds the limits (2, 1, or 0: rlimits only), in words in detail. */
+typedef struct mrl_sandbox_caps {
+    int namespaces;
+    int seccomp;
+    int cgroup;
+    char detail[512];
+} mrl_sandbox_caps;
+mrl_status mrl_sandbox_probe(mrl_sandbox_caps *caps);
+
+#ifdef __cplusplus
+}
+#endif

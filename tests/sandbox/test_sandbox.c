@@ -1,0 +1,83 @@
+/* The sandbox's C interface (moonrl/sandbox.h), also under the sanitizers: a program's streams
+ * (stdin written while it reads, stdout and stderr both larger than a pipe's buffer), files in
+ * /tmp and /box, the result's fields, the output limit's truncation, runs from several threads
+ * at once, and the spec's errors naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
+ * Skipped (77) where the machine gives no namespaces. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include "check.h"
+#include "moonrl/runtime.h"
+#include "moonrl/sandbox.h"
+
+static void *run_one(void *arg) {
+    int i = (int)(intptr_t)arg;
+    char code[64];
+    snprintf(code, sizeof code, "echo run %d", i);
+    const char *argv[] = {"sh", "-c", code, NULL};
+    mrl_sandbox_spec s = {.argv = argv};
+    mrl_sandbox_result r;
+    char want[32];
+    snprintf(want, sizeof want, "run %d\n", i);
+    if (mrl_sandbox_run(&s, &r)) {
+        fprintf(stderr, "run %d: %s\n", i, mrl_last_error());
+        return (void *)1;
+    }
+    int bad = !(r.exited && r.status == 0 && strcmp(r.out, want) == 0);
+    if (bad) fprintf(stderr, "run %d: exited %d status %d out '%s' err '%s'\n", i, r.exited, r.status, r.out, r.err);
+    mrl_sandbox_result_free(&r);
+    return (void *)(intptr_t)bad;
+}
+
+int main(void) {
+    mrl_sandbox_caps caps;
+    CHECK_OK(mrl_sandbox_probe(&caps));
+    printf("%s\n", caps.detail);
+    if (!caps.namespaces) return 77;
+    /* 1 MiB through stdin, echoed on stdout and (reversed case) stderr: the streams at once */
+    int64_t n = 1 << 20;
+    char *in = malloc((size_t)n);
+    for (int64_t i = 0; i < n; i++) in[i] = (char)('a' + i % 26);
+    const char *argv[] = {"sh", "-c", "tee /dev/stderr | tr a-z A-Z > /dev/null; cat /tmp/f.txt /box/g.txt; exit 5", NULL};
+    mrl_sandbox_file files[2] = {{"f.txt", "in tmp\n", 7, 0, 0}, {"g.txt", "in box\n", 7, 0, 1}};
+    mrl_sandbox_spec s = {.argv = argv, .stdin_data = in, .stdin_len = n, .files = files, .n_files = 2,
+                          .limits = {.output_bytes = 4 << 20}};
+    mrl_sandbox_result r;
+    CHECK_OK(mrl_sandbox_run(&s, &r));
+    CHECK(r.exited == 1 && r.status == 5 && r.limit == MRL_SANDBOX_LIMIT_NONE);
+    CHECK(r.out_len == 14 && strcmp(r.out, "in tmp\nin box\n") == 0 && !r.out_truncated);
+    CHECK(r.err_len == n && memcmp(r.err, in, (size_t)n) == 0 && r.err[n] == 0);
+    if (r.err_len != n) fprintf(stderr, "stderr: %lld bytes (%.200s)\n", (long long)r.err_len, r.err);
+    CHECK(r.wall_s > 0 && r.cpu_s >= 0 && r.peak_memory_bytes > 0);
+    mrl_sandbox_result_free(&r);
+    /* the output limit: the run killed, the output cut at the limit and marked */
+    const char *yes[] = {"yes", NULL};
+    mrl_sandbox_spec y = {.argv = yes, .limits = {.output_bytes = 10000}};
+    CHECK_OK(mrl_sandbox_run(&y, &r));
+    CHECK(r.limit == MRL_SANDBOX_LIMIT_OUTPUT && r.out_len == 10000 && r.out_truncated && !r.exited && r.status == 9);
+    CHECK(strcmp(mrl_sandbox_limit_name(r.limit), "output") == 0);
+    mrl_sandbox_result_free(&r);
+    /* several threads at once */
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, run_one, (void *)(intptr_t)i);
+    for (int i = 0; i < 4; i++) {
+        void *bad;
+        pthread_join(th[i], &bad);
+        CHECK(bad == NULL);
+    }
+    /* errors naming the field */
+    mrl_sandbox_file dup[2] = {{"a", "x", 1, 0, 0}, {"a", "y", 1, 0, 0}};
+    mrl_sandbox_spec e = {.argv = yes, .files = dup, .n_files = 2};
+    CHECK(mrl_sandbox_run(&e, &r) == MRL_ERR_INVALID && strstr(mrl_last_error(), "files[1].name 'a' given twice"));
+    e = (mrl_sandbox_spec){.argv = yes, .limits = {.wall_s = -1}};
+    CHECK(mrl_sandbox_run(&e, &r) == MRL_ERR_INVALID && strstr(mrl_last_error(), "limits.wall_s"));
+    const char *none[] = {NULL};
+    e = (mrl_sandbox_spec){.argv = none};
+    CHECK(mrl_sandbox_run(&e, &r) == MRL_ERR_INVALID && strstr(mrl_last_error(), "argv is empty"));
+    const char *envs[] = {"NOEQUALS", NULL};
+    e = (mrl_sandbox_spec){.argv = yes, .env = envs};
+    CHECK(mrl_sandbox_run(&e, &r) == MRL_ERR_INVALID && strstr(mrl_last_error(), "env[0] 'NOEQUALS'"));
+    free(in);
+    mrl_shutdown();
+    CHECK_DONE();
+}
