@@ -155,7 +155,7 @@ end
 local PLUGINS = {
   reward = {
     math = 'rewards.math', gsm8k = 'rewards.math', format = 'rewards.format', countdown = 'rewards.countdown',
-    exact = 'rewards.exact',
+    exact = 'rewards.exact', code = 'rewards.code',
     reward_model = 'rewards.reward_model', -- .register(name, dir, opts): a learned reward (recipe's reward_model.dir)
   },
 }

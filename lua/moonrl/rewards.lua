@@ -19,8 +19,9 @@
 --
 -- Built-ins (plugins/rewards/*.lua, loaded on first use): math (\boxed{} or GSM8K "####" answers
 -- compared by value), gsm8k (the same), format (<think>...</think><answer>...</answer>), countdown
--- (arithmetic expression over given numbers), exact (the stripped response equals the answer). Each plugin module also has new{...} for configured
--- variants; register those under a name of your own.
+-- (arithmetic expression over given numbers), exact (the stripped response equals the answer),
+-- code (the response's program run against its tests in the sandbox). Each plugin module also
+-- has new{...} for configured variants; register those under a name of your own.
 --
 -- The library does not require the plugins (they sit above it): get(name) of a built-in asks
 -- moonrl.registry.plugin('reward', name) for its module, and the module, loading, registers its
@@ -35,6 +36,7 @@ local M = {}
 local registry = {}
 local builtins = {} -- name -> fn, as the plugins register them; get() moves one into registry at first use
 local in_process = setmetatable({}, { __mode = 'k' }) -- fn -> true: scored in the trainer, never in a worker
+local batched = setmetatable({}, { __mode = 'k' }) -- fn -> true: fn(samples) scores them all at once
 
 local function callable(fn)
   if type(fn) == 'function' then return true end
@@ -49,6 +51,7 @@ local BUILTIN = {
   format = '<think>...</think><answer>...</answer>',
   countdown = 'an arithmetic expression over the given numbers reaching the target',
   exact = 'the stripped response equals the answer',
+  code = 'the response\'s program passes its tests in the sandbox (stdin/stdout or assertions)',
 }
 local docs = {}
 for name, doc in pairs(BUILTIN) do docs[name] = doc end
@@ -58,6 +61,9 @@ for name, doc in pairs(BUILTIN) do docs[name] = doc end
 -- (what get(name) gives unless a registration replaced it). { in_process = true }: a reward that
 -- must run in the trainer's own process (a learned reward on the GPU: a forked worker cannot use
 -- the device), one sample after another, rather than in forked workers under reward.timeout.
+-- { batch = true }: fn(samples) scores the whole list at once and returns a list of numbers (and,
+-- second, a table of numbers for the step's metrics, reward/<name>/...): a reward that runs
+-- programs in the sandbox in parallel and keeps its own deadlines (reward.timeout does not apply).
 function M.register(name, fn, opts)
   if type(opts) == 'string' then opts = { doc = opts } end
   if type(name) ~= 'string' or name == '' then
@@ -67,6 +73,7 @@ function M.register(name, fn, opts)
     error(string.format("rewards.register: reward '%s' must be a function, got %s", name, type(fn)), 2)
   end
   if opts and opts.in_process then in_process[fn] = true end
+  if opts and opts.batch then batched[fn] = true end
   if opts and opts.builtin then
     if not BUILTIN[name] then error(string.format("rewards.register: '%s' is not a built-in reward", name), 2) end
     builtins[name] = fn
@@ -153,6 +160,15 @@ end
 -- registered in_process runs here, one sample after another.
 local function outcomes(fn, samples, opts)
   local n, seconds, got = #samples, opts.timeout, {}
+  if batched[fn] then -- (one call for them all; its own deadlines)
+    local ok, values, stats = pcall(fn, samples)
+    for i = 1, n do
+      if not ok then got[i] = { false, values }
+      elseif type(values) ~= 'table' then got[i] = { false, 'a batch reward returned ' .. type(values) .. ', not a list' }
+      else got[i] = { true, values[i] } end
+    end
+    return got, ok and type(stats) == 'table' and stats or nil
+  end
   if seconds and seconds > 0 and not in_process[fn] then
     local results = require('moonrl.io.workers').map(n, function(i) return fn(samples[i]) end,
       { workers = opts.workers, timeout = seconds })
@@ -174,7 +190,7 @@ end
 -- number, fails that sample: opts.on_error = 'stop' (the default) makes it an error naming the
 -- reward and the sample; 'zero' scores it 0; 'drop' scores it 0 too and leaves the caller to drop
 -- it (its failures list says which). opts.timeout: seconds each sample may take (0: no limit);
--- opts.workers: samples scored at once under it (16).
+-- opts.workers: samples scored at once under it (16). A batch reward's metrics table comes fourth.
 function M.score_batch(reward, samples, out, opts)
   local fn, name = resolve(reward, 2)
   opts = opts or {}
@@ -182,7 +198,7 @@ function M.score_batch(reward, samples, out, opts)
   local n = #samples
   out = out or ffi.new('double[?]', math.max(n, 1))
   local sum, failures = 0, {}
-  local got = outcomes(fn, samples, opts)
+  local got, stats = outcomes(fn, samples, opts)
   for i = 1, n do
     local ok, v = got[i][1], got[i][2]
     local msg
@@ -198,7 +214,7 @@ function M.score_batch(reward, samples, out, opts)
     out[i - 1] = v
     sum = sum + v
   end
-  return out, n > 0 and sum / n or 0, failures
+  return out, n > 0 and sum / n or 0, failures, stats
 end
 
 -- A weighted sum of rewards: spec = { {reward = name|fn, weight = w}, ... } (weight 1 when absent).

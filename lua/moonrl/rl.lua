@@ -416,6 +416,7 @@ function Recipe:metrics(m, samples, info)
   local S, rm = self.S, info.reward or {}
   m.reward, m.accuracy = metrics.reward_metrics(batch.scores(samples), #samples)
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
+  if rm.stats then m.reward[tostring(self.cfg.reward.name):gsub('%W', '_')] = rm.stats end -- (reward/code/executions, ...)
   m.response_length = metrics.length_metrics(samples)
   m.data = S:data_metrics()
   m.async = S.rollouts:metrics(info)

@@ -8,6 +8,8 @@
 --     files = { ['main.py'] = src, ['tests.py'] = { data = tests, read_only = true } },  -- /tmp, /box
 --     stdin = '1 2\n', limits = { wall_s = 5, memory_mb = 256 }, network = 'none' })
 --   r.ok, r.exited, r.status, r.signal, r.limit, r.stdout, r.stderr, r.wall_s, r.cpu_s, r.peak_memory_bytes
+--   local rs = sandbox.run_batch({ { argv, opts }, ... }, { concurrency = 8 })  -- on threads, in order
+--   local b = sandbox.start_batch(runs); ...; b:done(); local rs = b:wait()     -- the caller goes on meanwhile
 --   sandbox.probe()  -- { namespaces, seccomp, cgroup, detail }: what this machine gives it
 --
 -- limits (each optional; the defaults are the C ones): wall_s (10), cpu_s (wall_s), memory_mb
@@ -113,6 +115,45 @@ function M.run(argv, opts)
   local _ = keep -- (alive until here)
   return result_of(r)
 end
+
+-- A batch: runs = { { argv, opts }, ... } on threads of the C core, at most opts.concurrency at
+-- once (0 or nil: 2 a CPU), started at once; the handle's done() never waits, wait() returns the
+-- results in order: each a run's table, or { error = message } where the sandbox itself failed
+-- for that run (a program not found).
+local Batch = {}
+Batch.__index = Batch
+
+function M.start_batch(runs, opts)
+  if type(runs) ~= 'table' then error('sandbox.start_batch: runs is a list of { argv, opts }', 2) end
+  local n = #runs
+  local specs = ffi.new('mrl_sandbox_spec[?]', math.max(n, 1))
+  local keep = {}
+  for i, r in ipairs(runs) do
+    local s, k = spec_of(r[1] or r.argv, r[2] or r.opts)
+    specs[i - 1] = s
+    keep[i] = k
+  end
+  local h = ffi.new('mrl_sandbox_batch *[1]')
+  moonrl.check(C.mrl_sandbox_batch_start(specs, n, (opts or {}).concurrency or 0, h), 2)
+  return setmetatable({ handle = ffi.gc(h[0], C.mrl_sandbox_batch_free), n = n, specs = specs, keep = keep }, Batch)
+end
+
+function Batch:done() return C.mrl_sandbox_batch_done(self.handle) ~= 0 end
+
+function Batch:wait()
+  if self.results then return self.results end
+  local out, r = {}, ffi.new('mrl_sandbox_result')
+  for i = 1, self.n do
+    if C.mrl_sandbox_batch_take(self.handle, i - 1, r) == 0 then out[i] = result_of(r)
+    else out[i] = { error = ffi.string(C.mrl_last_error()), ok = false } end
+  end
+  C.mrl_sandbox_batch_free(ffi.gc(self.handle, nil))
+  self.handle, self.specs, self.keep, self.results = nil, nil, nil, out
+  return out
+end
+
+-- The same, waited for: the results in order.
+function M.run_batch(runs, opts) return M.start_batch(runs, opts):wait() end
 
 -- What this machine gives the sandbox (mrl_sandbox_probe): namespaces and seccomp (booleans),
 -- cgroup (2, 1, or 0: rlimits), detail (in words).

@@ -1,7 +1,8 @@
 /* The sandbox's C interface (moonrl/sandbox.h), also under the sanitizers: a program's streams
  * (stdin written while it reads, stdout and stderr both larger than a pipe's buffer), files in
  * /tmp and /box, the result's fields, the output limit's truncation, runs from several threads
- * at once, and the spec's errors naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
+ * at once, a batch (in order, a failed run in its place, freed untaken), and the spec's errors
+ * naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
  * Skipped (77) where the machine gives no namespaces. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -65,6 +66,32 @@ int main(void) {
         pthread_join(th[i], &bad);
         CHECK(bad == NULL);
     }
+    /* a batch: in order, on 2 threads, a run the sandbox fails in its place */
+    enum { NB = 6 };
+    mrl_sandbox_spec specs[NB];
+    const char *argvs[NB][4];
+    char codes[NB][32];
+    for (int i = 0; i < NB; i++) {
+        snprintf(codes[i], sizeof codes[i], "echo batch %d", i);
+        argvs[i][0] = i == 3 ? "no-such-program" : "sh", argvs[i][1] = "-c", argvs[i][2] = codes[i], argvs[i][3] = NULL;
+        specs[i] = (mrl_sandbox_spec){.argv = argvs[i]};
+    }
+    mrl_sandbox_batch *b = NULL;
+    CHECK_OK(mrl_sandbox_batch_start(specs, NB, 2, &b));
+    mrl_sandbox_batch_wait(b);
+    CHECK(mrl_sandbox_batch_done(b));
+    for (int i = 0; i < NB; i++) {
+        char want[32];
+        snprintf(want, sizeof want, "batch %d\n", i);
+        mrl_status st = mrl_sandbox_batch_take(b, i, &r);
+        if (i == 3) CHECK(st == MRL_ERR_INVALID && strstr(mrl_last_error(), "no-such-program"));
+        else CHECK(st == MRL_OK && r.exited && strcmp(r.out, want) == 0);
+        mrl_sandbox_result_free(&r);
+    }
+    CHECK(mrl_sandbox_batch_take(b, 0, &r) == MRL_ERR_INVALID); /* (taken) */
+    mrl_sandbox_batch_free(b);
+    CHECK_OK(mrl_sandbox_batch_start(specs, NB, 0, &b)); /* freed without taking: its results freed */
+    mrl_sandbox_batch_free(b);
     /* errors naming the field */
     mrl_sandbox_file dup[2] = {{"a", "x", 1, 0, 0}, {"a", "y", 1, 0, 0}};
     mrl_sandbox_spec e = {.argv = yes, .files = dup, .n_files = 2};

@@ -99,6 +99,19 @@ void mrl_sandbox_result_free(mrl_sandbox_result *result);
 /* The name of a limit: "none", "wall", "cpu", "memory", "procs", "output", "file", "disk". */
 const char *mrl_sandbox_limit_name(int limit);
 
+/* A batch: n runs (specs[i], which stay the caller's until the batch is waited for) on threads of
+ * its own, at most `concurrency` at once (0: 2 a CPU), so that the caller goes on meanwhile
+ * (generation, another batch). _done says whether every run has ended (it never waits); _wait
+ * waits for them all; _take moves run i's result out (the caller frees it) and returns its
+ * status: MRL_OK, or the sandbox's own failure of that run (its message is the thread's last
+ * error, "sandbox: ..."). _free waits for the runs first, and frees what was not taken. */
+typedef struct mrl_sandbox_batch mrl_sandbox_batch;
+mrl_status mrl_sandbox_batch_start(const mrl_sandbox_spec *specs, int n, int concurrency, mrl_sandbox_batch **out);
+int mrl_sandbox_batch_done(const mrl_sandbox_batch *batch);
+void mrl_sandbox_batch_wait(mrl_sandbox_batch *batch);
+mrl_status mrl_sandbox_batch_take(mrl_sandbox_batch *batch, int i, mrl_sandbox_result *result);
+void mrl_sandbox_batch_free(mrl_sandbox_batch *batch);
+
 /* What this machine gives the sandbox: namespaces (one run of `true` in them), seccomp, and
  * which cgroup version holds the limits (2, 1, or 0: rlimits only), in words in detail. */
 typedef struct mrl_sandbox_caps {

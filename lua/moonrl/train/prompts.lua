@@ -155,9 +155,9 @@ end
 -- would be wrong), scores 0 with 'zero', is an error with 'stop'.
 function P:score(samples, group)
   local rc = self.cfg.reward
-  local scores, _, failures = require('moonrl.rewards').score_batch(rc.name, samples, nil,
+  local scores, _, failures, stats = require('moonrl.rewards').score_batch(rc.name, samples, nil,
     { on_error = rc.on_error, timeout = rc.timeout, workers = rc.workers })
-  local m = { errors = #failures, dropped_groups = 0 }
+  local m = { errors = #failures, dropped_groups = 0, stats = stats } -- (stats: a batch reward's, this rank's)
   if #failures == 0 or rc.on_error ~= 'drop' then return self:gather_scored(scores, samples, m) end
   for i, f in ipairs(failures) do
     if i <= 3 then self:event('reward_error', { message = f.message }) end
