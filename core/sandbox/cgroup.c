@@ -9,6 +9,8 @@
  * them, then a trial directory in each. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -211,6 +213,37 @@ int64_t sb_cgroup_cpu_ns(const sb_cgroup *cg) {
         return us < 0 ? -1 : us * 1000;
     }
     return cg->version == 1 && cg->cpu[0] ? read_key(cg->cpu, "cpuacct.usage", NULL) : -1;
+}
+
+void sb_cgroup_kill(const sb_cgroup *cg) {
+    if (!cg->version) return;
+    if (cg->version == 2 && put_file(cg->mem, "cgroup.kill", "1") == 0) return;
+    char path[640], line[64];
+    snprintf(path, sizeof path, "%s/cgroup.procs", cg->mem);
+    FILE *f = fopen(path, "re");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        long pid = strtol(line, NULL, 10);
+        if (pid > 0) kill((pid_t)pid, SIGKILL);
+    }
+    fclose(f);
+}
+
+int sb_cgroup_procs_fds(const sb_cgroup *cg, int fds[3]) {
+    const char *dirs[3] = {cg->mem, cg->version == 1 ? cg->pids : "", cg->version == 1 ? cg->cpu : ""};
+    int n = 0;
+    for (int i = 0; i < 3; i++) {
+        if (!dirs[i][0]) continue;
+        char path[640];
+        snprintf(path, sizeof path, "%s/cgroup.procs", dirs[i]);
+        int fd = open(path, O_WRONLY | O_CLOEXEC);
+        if (fd < 0) {
+            for (int j = 0; j < n; j++) close(fds[j]);
+            return -1;
+        }
+        fds[n++] = fd;
+    }
+    return n;
 }
 
 /* the run's numbers, then its directories removed (their last processes may still be leaving:

@@ -139,15 +139,28 @@ static void loopback_up(const sb_plan *p) {
 /* the program's process: its streams, limits, no capabilities (uid 0 of the namespace gains
  * none at execve: SECBIT_NOROOT), no_new_privs, the filter, execve */
 static _Noreturn void program(const sb_plan *p) {
-    if (dup2(p->fd_in, 0) < 0 || dup2(p->fd_out, 1) < 0 || dup2(p->fd_err, 2) < 0) fail(p, SB_STAGE_STDIO, -1);
-    sb_plan q = *p; /* (the report's descriptor moves to 3, closed by a successful execve) */
-    if (p->fd_report != 3 && dup3(p->fd_report, 3, O_CLOEXEC) < 0) fail(p, SB_STAGE_STDIO, -1);
+    /* the streams to 0, 1, 2, the report's descriptor to 3 (closed by a successful execve), a
+     * pool's control socket to 4: each first copied above 10, so that no move overwrites another */
+    int src[5] = {p->fd_in, p->fd_out, p->fd_err, p->fd_report, p->keep_fd}, high[5];
+    for (int i = 0; i < 5; i++)
+        if ((high[i] = src[i] >= 0 ? fcntl(src[i], F_DUPFD_CLOEXEC, 10) : -1) < 0 && src[i] >= 0)
+            fail(p, SB_STAGE_STDIO, -1);
+    sb_plan q = *p;
+    q.fd_report = high[3];
+    if (dup2(high[0], 0) < 0 || dup2(high[1], 1) < 0 || dup2(high[2], 2) < 0 || dup3(high[3], 3, O_CLOEXEC) < 0)
+        fail(&q, SB_STAGE_STDIO, -1);
     q.fd_report = 3;
-    if (syscall(SYS_close_range, 4u, ~0u, 0u)) /* (whatever else the parent had open) */
-        for (int fd = 4; fd < 65536; fd++) close(fd);
+    if (high[4] >= 0 && dup2(high[4], 4) < 0) fail(&q, SB_STAGE_STDIO, -1);
+    unsigned first = p->keep_fd >= 0 ? 5u : 4u;
+    if (syscall(SYS_close_range, first, ~0u, 0u)) /* (whatever else the parent had open) */
+        for (int fd = (int)first; fd < 65536; fd++) close(fd);
     if (chdir("/tmp")) fail(&q, SB_STAGE_STDIO, -1);
-    for (int i = 0; i < q.n_rlimits; i++)
+    for (int i = 0; i < q.n_rlimits && !q.privileged; i++) /* (a zygote's runs set their own, up to its) */
         if (setrlimit((__rlimit_resource_t)q.rlimit_res[i], &q.rlimits[i])) fail(&q, SB_STAGE_LIMITS, i);
+    if (q.privileged) { /* a pool's zygote: its runs drop what it keeps */
+        execve(q.exe, q.argv, q.envp);
+        fail(&q, SB_STAGE_EXEC, -1);
+    }
     if (prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP |
               SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
               SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED, 0, 0, 0))
@@ -168,7 +181,8 @@ void sb_child(const sb_plan *p) {
     /* not dumpable: its memory is a copy of the parent's (its environment too), which the
      * program may not read through /proc/1 (execve makes the program dumpable again) */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    for (int i = 0; i < 5; i++) close(p->parent_fds[i]);
+    for (int i = 0; i < 6; i++)
+        if (p->parent_fds[i] >= 0) close(p->parent_fds[i]);
     char c;
     if (read(p->fd_sync, &c, 1) != 1) fail(p, SB_STAGE_SYNC, -1);
     close(p->fd_sync);

@@ -46,13 +46,6 @@ static double now_s(void) {
 
 /* ---- the plan ---- */
 
-typedef struct builder {
-    sb_op *ops;
-    int n, cap;
-    char **owned; /* every string made for the plan */
-    int n_owned, cap_owned;
-    int failed;
-} builder;
 
 static char *own(builder *b, char *s) {
     if (!s) return b->failed = 1, NULL;
@@ -136,7 +129,7 @@ static int under(const char *path, const char *dir) {
     return strncmp(path, dir, n) == 0 && (path[n] == '/' || path[n] == 0);
 }
 
-static mrl_status check_spec(const mrl_sandbox_spec *s, mrl_sandbox_limits *lim) {
+mrl_status sb_check_spec(const mrl_sandbox_spec *s, mrl_sandbox_limits *lim) {
     if (!s->argv || !s->argv[0] || !s->argv[0][0])
         return mrl_set_error(MRL_ERR_INVALID, "sandbox: argv is empty (the program to run)");
     const struct { const char *name; double v; } nums[] = {
@@ -182,9 +175,10 @@ static mrl_status check_spec(const mrl_sandbox_spec *s, mrl_sandbox_limits *lim)
     return MRL_OK;
 }
 
-static mrl_status build_plan(const mrl_sandbox_spec *s, const mrl_sandbox_limits *lim, int cgroup, builder *b,
-                             sb_plan *p) {
+mrl_status sb_build_plan(const mrl_sandbox_spec *s, const mrl_sandbox_limits *lim, int cgroup, builder *b,
+                         sb_plan *p) {
     memset(p, 0, sizeof *p);
+    p->keep_fd = -1;
     for (int i = 0; runtime_paths[i]; i++) bind_path(b, runtime_paths[i], 0);
     add(b, (sb_op){.kind = SB_MKDIR, .path = "/newroot/etc", .mode = 0755});
     add(b, (sb_op){.kind = SB_WRITE, .path = "/newroot/etc/passwd", .data = passwd, .size = sizeof passwd - 1, .mode = 0644});
@@ -259,7 +253,7 @@ static mrl_status build_plan(const mrl_sandbox_spec *s, const mrl_sandbox_limits
     return MRL_OK;
 }
 
-static void free_builder(builder *b) {
+void sb_free_builder(builder *b) {
     for (int i = 0; i < b->n_owned; i++) free(b->owned[i]);
     free(b->owned);
     free(b->ops);
@@ -327,30 +321,45 @@ static void close_fd(int *fd) {
     *fd = -1;
 }
 
-static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim, sb_plan *p, sb_cgroup *cg,
-                      mrl_sandbox_result *r) {
+/* The pipes of a run: the child's ends in the plan, the parent's in s (the program's streams may
+ * be opened again by path, /dev/stdout being /proc/self/fd/1, which checks the pipe's owner: ours,
+ * not the program's; the path needs access to a process holding the pipe, the program's own). */
+static mrl_status make_pipes(sb_plan *p, int *sync_fd, sb_streams *s) {
     int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, rep[2] = {-1, -1}, sync[2] = {-1, -1};
     if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(rep, O_CLOEXEC) ||
-        pipe2(sync, O_CLOEXEC)) {
+        (sync_fd && pipe2(sync, O_CLOEXEC))) {
         mrl_status st = mrl_set_error(MRL_ERR_IO, "sandbox: pipes: %s", strerror(errno));
         int *all[] = {in, out, err, rep, sync};
         for (int i = 0; i < 5; i++) close_fd(&all[i][0]), close_fd(&all[i][1]);
         return st;
     }
-    /* the program's streams may be opened again by path (/dev/stdout is /proc/self/fd/1), which
-     * checks the pipe's owner: ours, not the program's. (The path needs access to a process
-     * holding the pipe: only the program's own.) */
     fchmod(in[0], 0666), fchmod(out[1], 0666), fchmod(err[1], 0666);
     p->fd_in = in[0], p->fd_out = out[1], p->fd_err = err[1], p->fd_report = rep[1], p->fd_sync = sync[0];
-    int parent_fds[5] = {in[1], out[0], err[0], rep[0], sync[1]};
+    int extra = p->parent_fds[5]; /* (a pool's socket end, set by the caller; 0 in a fresh plan: none) */
+    int parent_fds[6] = {in[1], out[0], err[0], rep[0], sync[1], extra > 0 ? extra : -1};
     memcpy(p->parent_fds, parent_fds, sizeof parent_fds);
-    double t0 = now_s();
+    *s = (sb_streams){in[1], out[0], err[0], rep[0]};
+    if (sync_fd) *sync_fd = sync[1];
+    return MRL_OK;
+}
+
+static void close_child_ends(sb_plan *p) {
+    close_fd(&p->fd_in), close_fd(&p->fd_out), close_fd(&p->fd_err), close_fd(&p->fd_report), close_fd(&p->fd_sync);
+}
+
+void sb_streams_close(sb_streams *s) { close_fd(&s->in), close_fd(&s->out), close_fd(&s->err), close_fd(&s->rep); }
+
+/* The child in its namespaces: cloned, its user map written, added to its cgroup, then released
+ * (it waits for that on its sync pipe). */
+mrl_status sb_spawn(sb_plan *p, sb_cgroup *cg, long *pid_out, sb_streams *s) {
+    int sync = -1;
+    mrl_status st = make_pipes(p, &sync, s);
+    if (st) return st;
     long pid = syscall(SYS_clone, (unsigned long)(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET |
                                                   CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD), 0, 0, 0, 0);
     if (pid == 0) sb_child(p); /* (never returns) */
     int clone_errno = errno;
-    close_fd(&in[0]), close_fd(&out[1]), close_fd(&err[1]), close_fd(&rep[1]), close_fd(&sync[0]);
-    mrl_status st = MRL_OK;
+    close_child_ends(p);
     if (pid < 0) {
         st = mrl_set_error(MRL_ERR_UNSUPPORTED, "sandbox: clone into new user, PID, mount, network, IPC and UTS "
                            "namespaces: %s (moonrl doctor tells what this machine allows)", strerror(clone_errno));
@@ -358,51 +367,73 @@ static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *li
         st = mrl_set_error(MRL_ERR_UNSUPPORTED, "sandbox: writing the user namespace's map: %s", strerror(errno));
     } else if (cg->version && sb_cgroup_attach(cg, (int)pid)) {
         st = mrl_set_error(MRL_ERR_IO, "sandbox: adding the run to its cgroup %s: %s", cg->mem, strerror(errno));
-    } else if (write(sync[1], "g", 1) != 1) {
+    } else if (write(sync, "g", 1) != 1) {
         st = mrl_set_error(MRL_ERR_IO, "sandbox: starting the child: %s", strerror(errno));
     }
-    close_fd(&sync[1]);
+    close_fd(&sync);
     if (st) {
         if (pid > 0) kill((pid_t)pid, SIGKILL), waitpid((pid_t)pid, NULL, 0);
-        close_fd(&in[1]), close_fd(&out[0]), close_fd(&err[0]), close_fd(&rep[0]);
+        sb_streams_close(s);
         return st;
     }
-    /* the streams; a write to a program that closed its stdin must not raise SIGPIPE here */
+    *pid_out = pid;
+    return MRL_OK;
+}
+
+static void kill_run(long pid, sb_cgroup *cg) {
+    if (pid > 0) kill((pid_t)pid, SIGKILL); /* the namespace's first process: the kernel takes the rest with it */
+    else sb_cgroup_kill(cg);                /* (a pool's run: every process of its cgroup) */
+}
+
+/* The run's streams, deadline and CPU time until its end, then its result. pid > 0: the
+ * namespace's first process (killed at a limit, then waited for); 0: a pool's run, whose
+ * processes are its cgroup's. plan (NULL for a pool's run) names what a failure report means. */
+mrl_status sb_watch(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim, long pid, sb_streams *s,
+                    sb_cgroup *cg, const sb_plan *plan, double t0, mrl_sandbox_result *r) {
+    /* a write to a program that closed its stdin must not raise SIGPIPE here */
     sigset_t pipe_set, old_set;
     sigemptyset(&pipe_set);
     sigaddset(&pipe_set, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
-    stream so = {.fd = out[0], .max = lim->output_bytes}, se = {.fd = err[0], .max = lim->output_bytes};
+    stream so = {.fd = s->out, .max = lim->output_bytes}, se = {.fd = s->err, .max = lim->output_bytes};
+    s->out = s->err = -1;
     sb_report got[2], report = {0}, fail = {0}; /* a failure of the program's setup, or the end */
     int64_t rep_got = 0, fed = 0;
     int killed = 0, limit = 0;
-    for (int i = 0; i < 4; i++) fcntl(i == 0 ? in[1] : i == 1 ? out[0] : i == 2 ? err[0] : rep[0], F_SETFL, O_NONBLOCK);
-    if (spec->stdin_len <= 0) close_fd(&in[1]);
+    double killed_at = 0;
+    int fds4[4] = {s->in, so.fd, se.fd, s->rep};
+    for (int i = 0; i < 4; i++)
+        if (fds4[i] >= 0) fcntl(fds4[i], F_SETFL, O_NONBLOCK);
+    if (spec->stdin_len <= 0) close_fd(&s->in);
     double deadline = t0 + lim->wall_s;
     int64_t cpu_ns_max = (int64_t)(lim->cpu_s * 1e9);
-    while (so.fd >= 0 || se.fd >= 0 || rep[0] >= 0) {
-        struct pollfd fds[4] = {{so.fd, POLLIN, 0}, {se.fd, POLLIN, 0}, {rep[0], POLLIN, 0}, {in[1], POLLOUT, 0}};
+    while (so.fd >= 0 || se.fd >= 0 || s->rep >= 0) {
+        struct pollfd fds[4] = {{so.fd, POLLIN, 0}, {se.fd, POLLIN, 0}, {s->rep, POLLIN, 0}, {s->in, POLLOUT, 0}};
         double left = deadline - now_s();
         int wait_ms = killed ? 1000 : left <= 0 ? 0 : (int)ceil(left * 1000);
         if (!killed && sb_cgroup_cpu_ns(cg) >= 0 && wait_ms > 20) wait_ms = 20; /* (the tree's CPU time, read often) */
         int n = poll(fds, 4, wait_ms);
         if (n < 0 && errno != EINTR) break;
+        if (n == 0 && killed && pid <= 0) { /* a pool's run: one may have forked meanwhile */
+            sb_cgroup_kill(cg);
+            if (now_s() > killed_at + 5) break; /* (a run its zygote never started holds no process to kill) */
+        }
         int over = 0;
         if (so.fd >= 0 && fds[0].revents && pump(&so, &over)) close_fd(&so.fd);
         if (se.fd >= 0 && fds[1].revents && pump(&se, &over)) close_fd(&se.fd);
-        while (rep[0] >= 0 && fds[2].revents) {
-            ssize_t k = read(rep[0], (char *)got + rep_got, sizeof got - (size_t)rep_got);
+        while (s->rep >= 0 && fds[2].revents) {
+            ssize_t k = read(s->rep, (char *)got + rep_got, sizeof got - (size_t)rep_got);
             if (k < 0 && errno == EINTR) continue;
             if (k < 0 && errno == EAGAIN) break;
-            if (k <= 0) close_fd(&rep[0]);
+            if (k <= 0) close_fd(&s->rep);
             else rep_got += k;
         }
-        if (in[1] >= 0 && fds[3].revents) {
-            if (fds[3].revents & (POLLERR | POLLHUP)) close_fd(&in[1]);
+        if (s->in >= 0 && fds[3].revents) {
+            if (fds[3].revents & (POLLERR | POLLHUP)) close_fd(&s->in);
             else {
-                ssize_t k = write(in[1], (const char *)spec->stdin_data + fed, (size_t)(spec->stdin_len - fed));
+                ssize_t k = write(s->in, (const char *)spec->stdin_data + fed, (size_t)(spec->stdin_len - fed));
                 if (k > 0) fed += k;
-                if ((k < 0 && errno != EAGAIN && errno != EINTR) || fed >= spec->stdin_len) close_fd(&in[1]);
+                if ((k < 0 && errno != EAGAIN && errno != EINTR) || fed >= spec->stdin_len) close_fd(&s->in);
             }
         }
         if (killed) continue;
@@ -410,23 +441,24 @@ static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *li
         if (over) limit = MRL_SANDBOX_LIMIT_OUTPUT;
         else if (now_s() >= deadline) limit = MRL_SANDBOX_LIMIT_WALL;
         else if (cpu >= cpu_ns_max) limit = MRL_SANDBOX_LIMIT_CPU;
-        if (limit) { /* the namespace's first process: the kernel takes the rest with it */
-            kill((pid_t)pid, SIGKILL);
-            killed = 1;
-            close_fd(&in[1]);
+        if (limit) {
+            kill_run(pid, cg);
+            killed = 1, killed_at = now_s();
+            close_fd(&s->in);
         }
     }
-    close_fd(&in[1]), close_fd(&so.fd), close_fd(&se.fd), close_fd(&rep[0]);
-    for (int i = 0; i < (int)(rep_got / (int64_t)sizeof(sb_report)); i++) {
-        if (got[i].kind == SB_REPORT_FAIL) fail = got[i];
-        if (got[i].kind == SB_REPORT_DONE) report = got[i];
-    }
+    close_fd(&so.fd), close_fd(&se.fd);
+    sb_streams_close(s);
     int wst = 0;
-    while (waitpid((pid_t)pid, &wst, 0) < 0 && errno == EINTR) {}
+    while (pid > 0 && waitpid((pid_t)pid, &wst, 0) < 0 && errno == EINTR) {}
     sigset_t pending;
     sigpending(&pending);
     if (sigismember(&pending, SIGPIPE)) sigwaitinfo(&pipe_set, NULL);
     pthread_sigmask(SIG_SETMASK, &old_set, NULL);
+    for (int i = 0; i < (int)(rep_got / (int64_t)sizeof(sb_report)); i++) {
+        if (got[i].kind == SB_REPORT_FAIL) fail = got[i];
+        if (got[i].kind == SB_REPORT_DONE) report = got[i];
+    }
     r->wall_s = now_s() - t0;
     r->out = so.buf ? so.buf : calloc(1, 1), r->out_len = so.len, r->out_truncated = so.truncated;
     r->err = se.buf ? se.buf : calloc(1, 1), r->err_len = se.len, r->err_truncated = se.truncated;
@@ -434,17 +466,20 @@ static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *li
     r->out[r->out_len] = 0, r->err[r->err_len] = 0;
     if (fail.kind == SB_REPORT_FAIL && !killed) { /* the sandbox's own failure, not the program's */
         const char *what = sb_stage_name(fail.stage);
-        if (fail.stage == SB_STAGE_OP && fail.op >= 0 && fail.op < p->n_ops)
-            return mrl_set_error(MRL_ERR_IO, "sandbox: %s (%s): %s", what, p->ops[fail.op].path, strerror(fail.err));
+        if (plan && fail.stage == SB_STAGE_OP && fail.op >= 0 && fail.op < plan->n_ops)
+            return mrl_set_error(MRL_ERR_IO, "sandbox: %s (%s): %s", what, plan->ops[fail.op].path, strerror(fail.err));
         if (fail.stage == SB_STAGE_EXEC)
-            return mrl_set_error(MRL_ERR_INVALID, "sandbox: execve %s: %s", p->exe, strerror(fail.err));
+            return mrl_set_error(MRL_ERR_INVALID, "sandbox: execve %s: %s", plan ? plan->exe : spec->argv[1] ? spec->argv[1] :
+                                 spec->argv[0], strerror(fail.err));
         return mrl_set_error(MRL_ERR_IO, "sandbox: %s: %s", what, strerror(fail.err));
     }
+    if (pid <= 0 && report.kind != SB_REPORT_DONE && !killed) /* (a pool's run: its first process never reported) */
+        return mrl_set_error(MRL_ERR_IO, "sandbox pool: the run ended without its report (the pool's zygote gone?)");
     int64_t peak = -1, ooms = 0, refused = 0, cg_cpu = sb_cgroup_cpu_ns(cg); /* (every process's, the killed too) */
     sb_cgroup_finish(cg, &peak, &ooms, &refused);
     if (report.kind == SB_REPORT_DONE) {
-        int s = report.status;
-        r->exited = WIFEXITED(s), r->status = WIFEXITED(s) ? WEXITSTATUS(s) : WTERMSIG(s);
+        int st = report.status;
+        r->exited = WIFEXITED(st), r->status = WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st);
         r->cpu_s = 1e-6 * (double)(report.utime_us + report.stime_us);
         r->peak_memory_bytes = report.maxrss_kb * 1024;
     } else { /* killed before its end */
@@ -464,21 +499,31 @@ static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *li
     return MRL_OK;
 }
 
+static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim, sb_plan *p, sb_cgroup *cg,
+                      mrl_sandbox_result *r) {
+    long pid = 0;
+    sb_streams s;
+    double t0 = now_s();
+    mrl_status st = sb_spawn(p, cg, &pid, &s);
+    return st ? st : sb_watch(spec, lim, pid, &s, cg, p, t0, r);
+}
+
 mrl_status mrl_sandbox_run(const mrl_sandbox_spec *spec, mrl_sandbox_result *result) {
     if (!spec || !result) return mrl_set_error(MRL_ERR_INVALID, "mrl_sandbox_run: NULL argument");
     memset(result, 0, sizeof *result);
+    if (spec->pool) return sb_pool_run(spec->pool, spec, result);
     mrl_sandbox_limits lim = {0};
-    mrl_status st = check_spec(spec, &lim);
+    mrl_status st = sb_check_spec(spec, &lim);
     if (st) return st;
     sb_cgroup cg;
     int have_cg = sb_cgroup_create(&cg, lim.memory_bytes, lim.procs);
     builder b = {0};
     sb_plan plan;
-    st = build_plan(spec, &lim, have_cg, &b, &plan);
+    st = sb_build_plan(spec, &lim, have_cg, &b, &plan);
     if (!st) st = run(spec, &lim, &plan, &cg, result);
     if (have_cg) sb_cgroup_finish(&cg, NULL, NULL, NULL); /* (where the run failed before its own) */
     free(plan.filter.filter);
-    free_builder(&b);
+    sb_free_builder(&b);
     if (st) mrl_sandbox_result_free(result);
     return st;
 }

@@ -51,9 +51,35 @@ typedef struct sb_plan {
     struct rlimit rlimits[SB_RLIMITS];
     struct sock_fprog filter;
     int loopback;
+    int privileged; /* a pool's zygote (ours): keeps its capabilities, no filter (its runs drop them) */
+    int keep_fd;    /* a descriptor the program keeps, as 4 (a pool's control socket), or -1 */
     int fd_in, fd_out, fd_err, fd_report, fd_sync; /* the child's ends */
-    int parent_fds[5];                             /* the parent's, closed in the child */
+    int parent_fds[6];                             /* the parent's, closed in the child (-1: none) */
 } sb_plan;
+
+/* the parent's side (sandbox.c): the spec checked (lim: its limits with the defaults), the plan
+ * built (its strings owned by b), the child spawned (s: the parent's ends of its pipes), its run
+ * watched to the end (pid 0: a pool's run, whose processes are its cgroup's) */
+typedef struct builder {
+    sb_op *ops;
+    int n, cap;
+    char **owned; /* every string made for the plan */
+    int n_owned, cap_owned;
+    int failed;
+} builder;
+typedef struct sb_streams {
+    int in, out, err, rep;
+} sb_streams;
+typedef struct sb_cgroup sb_cgroup;
+mrl_status sb_check_spec(const mrl_sandbox_spec *s, mrl_sandbox_limits *lim);
+mrl_status sb_build_plan(const mrl_sandbox_spec *s, const mrl_sandbox_limits *lim, int cgroup, builder *b, sb_plan *p);
+void sb_free_builder(builder *b);
+mrl_status sb_spawn(sb_plan *p, sb_cgroup *cg, long *pid, sb_streams *s);
+mrl_status sb_watch(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim, long pid, sb_streams *s,
+                    sb_cgroup *cg, const sb_plan *plan, double t0, mrl_sandbox_result *r);
+void sb_streams_close(sb_streams *s);
+/* a run on a pool (pool.c) */
+mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl_sandbox_result *r);
 
 /* the child: never returns */
 void sb_child(const sb_plan *p);
@@ -62,13 +88,16 @@ const char *sb_stage_name(int stage);
 int sb_seccomp_filter(struct sock_fprog *filter);
 
 /* cgroups (cgroup.c): version 2, 1, or 0 (none usable: rlimits) */
-typedef struct sb_cgroup {
+struct sb_cgroup {
     int version;
     char mem[448], pids[448], cpu[448]; /* this run's directories (v2: all three the same) */
-} sb_cgroup;
+};
 int sb_cgroup_version(char *detail, int cap);
 /* this run's cgroup with its limits; 0 when there is none (version 0, or creating it failed) */
 int sb_cgroup_create(sb_cgroup *cg, int64_t memory_bytes, int procs);
 int sb_cgroup_attach(const sb_cgroup *cg, int pid);
 int64_t sb_cgroup_cpu_ns(const sb_cgroup *cg); /* -1 where it cannot tell */
+void sb_cgroup_kill(const sb_cgroup *cg);     /* every process in it */
+/* descriptors of its cgroup.procs files, to write "0" into (a pool's run moves itself in): n of them */
+int sb_cgroup_procs_fds(const sb_cgroup *cg, int fds[3]);
 void sb_cgroup_finish(sb_cgroup *cg, int64_t *peak_bytes, int64_t *oom_kills, int64_t *pids_refused);

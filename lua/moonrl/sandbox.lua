@@ -10,6 +10,7 @@
 --   r.ok, r.exited, r.status, r.signal, r.limit, r.stdout, r.stderr, r.wall_s, r.cpu_s, r.peak_memory_bytes
 --   local rs = sandbox.run_batch({ { argv, opts }, ... }, { concurrency = 8 })  -- on threads, in order
 --   local b = sandbox.start_batch(runs); ...; b:done(); local rs = b:wait()     -- the caller goes on meanwhile
+--   local pool = sandbox.pool('python')    -- a warm interpreter: sandbox.run(argv, { pool = pool, ... })
 --   sandbox.probe()  -- { namespaces, seccomp, cgroup, detail }: what this machine gives it
 --
 -- limits (each optional; the defaults are the C ones): wall_s (10), cpu_s (wall_s), memory_mb
@@ -52,7 +53,12 @@ local function spec_of(argv, opts)
     if type(v) ~= 'number' or not (v > 0) then error(string.format('sandbox: limits.%s is %s, not a number > 0', k, tostring(v)), 3) end
     s.limits[FIELD[k]] = v * LIMITS[k]
   end
-  local net = NETWORK[opts.network or 'none']
+  if opts.pool then
+    if type(opts.pool) ~= 'table' or not opts.pool.handle then error('sandbox: opts.pool is a sandbox.pool(...)', 3) end
+    keep[#keep + 1] = opts.pool
+    s.pool = opts.pool.handle
+  end
+  local net = NETWORK[opts.network or (opts.pool and opts.pool.network) or 'none']
   if not net then error(string.format("sandbox: network '%s' (none or loopback)", tostring(opts.network)), 3) end
   s.network = net
   if opts.stdin then
@@ -154,6 +160,30 @@ end
 
 -- The same, waited for: the results in order.
 function M.run_batch(runs, opts) return M.start_batch(runs, opts):wait() end
+
+-- A warm pool (mrl_sandbox_pool_open): a Python interpreter started once in a sandbox, which
+-- forks each run given opts.pool = the pool (`python3 FILE ARGS` or `python3 -c CODE ARGS`); a run
+-- costs a fork, not an interpreter's start, and keeps its own namespaces, cgroup, limits and
+-- filter. opts: network ('none' or 'loopback', for all its runs), ro_paths. Closed by close() or
+-- when collected.
+local Pool = {}
+Pool.__index = Pool
+
+function M.pool(language, opts)
+  opts = opts or {}
+  local net = NETWORK[opts.network or 'none']
+  if not net then error(string.format("sandbox.pool: network '%s' (none or loopback)", tostring(opts.network)), 2) end
+  local ro = opts.ro_paths and strings(opts.ro_paths, 'ro_paths') or nil
+  local h = ffi.new('mrl_sandbox_pool *[1]')
+  moonrl.check(C.mrl_sandbox_pool_open(language or 'python', net, ro, h), 2)
+  return setmetatable({ handle = ffi.gc(h[0], C.mrl_sandbox_pool_close), language = language or 'python',
+    network = opts.network or 'none' }, Pool)
+end
+
+function Pool:close()
+  if self.handle then C.mrl_sandbox_pool_close(ffi.gc(self.handle, nil)) end
+  self.handle = nil
+end
 
 -- What this machine gives the sandbox (mrl_sandbox_probe): namespaces and seccomp (booleans),
 -- cgroup (2, 1, or 0: rlimits), detail (in words).

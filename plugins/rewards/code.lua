@@ -23,8 +23,9 @@
 -- Python is run by the interpreter of the sandbox; C (```c) is compiled there with gcc -O2 and
 -- run per case (standard input and output only).
 --
--- Each case runs in its own process, forked by a driver (code_driver.py, read-only in the
--- sandbox) that alone judges it: a case that runs past timeout_s (2) fails, one that exits
+-- The runs go to a warm pool (sandbox.pool: one started Python interpreter forks each run), else a
+-- sandbox each. Each case runs in its own process, forked by a driver (code_driver.py, read-only in
+-- the sandbox) that alone judges it: a case that runs past timeout_s (2) fails, one that exits
 -- non-zero fails. A program cannot change its tests (read-only), reach the driver, or leave a
 -- process behind. For assert tests the program and the assertions share a process, so a program
 -- written to subvert its own process (exiting 0 before the assertions run, patching builtins)
@@ -111,8 +112,22 @@ function M.tests_of(sample)
   error('reward code: tests of an unknown shape (inputs/outputs, tests, or a list)', 0)
 end
 
+-- The warm pool the runs go to (sandbox.pool: a started interpreter forks each driver), opened at
+-- the first batch; where it cannot open (no cgroups) each run is a sandbox of its own, said once.
+local pool, pool_tried
+local function warm_pool()
+  if not pool_tried then
+    pool_tried = true
+    local ok, p = pcall(sandbox.pool, 'python')
+    if ok then pool = p
+    else moonrl.log('warn', 'reward code: no warm pool (%s): a sandbox a run', tostring(p)) end
+  end
+  return pool
+end
+
 -- opts: partial (false: all or nothing), block ('last'), whole (false), timeout_s (2, a case),
--- limits (the sandbox's, memory_mb 512 ...), concurrency (runs at once: 0, 2 a CPU).
+-- limits (the sandbox's, memory_mb 512 ...), concurrency (runs at once: 0, 2 a CPU), pool (true:
+-- the warm pool; false: a sandbox a run).
 function M.new(opts)
   opts = opts or {}
   local timeout = opts.timeout_s or 2
@@ -130,7 +145,7 @@ function M.new(opts)
       else
         local limits = { wall_s = #tests.cases * (timeout + 0.5) + (lang == 'c' and 15 or 5) }
         for k, v in pairs(opts.limits or {}) do limits[k] = v end
-        runs[#runs + 1] = { { 'python3', '/box/driver.py' }, { limits = limits, files = {
+        runs[#runs + 1] = { { 'python3', '/box/driver.py' }, { limits = limits, pool = opts.pool ~= false and warm_pool() or nil, files = {
           ['driver.py'] = { data = driver(), read_only = true },
           [lang == 'c' and 'solution.c' or 'solution.py'] = { data = src, read_only = true },
           ['cases.json'] = { data = json.encode({ mode = tests.mode, cases = tests.cases, timeout_s = timeout }),

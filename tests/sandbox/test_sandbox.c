@@ -1,8 +1,8 @@
 /* The sandbox's C interface (moonrl/sandbox.h), also under the sanitizers: a program's streams
  * (stdin written while it reads, stdout and stderr both larger than a pipe's buffer), files in
  * /tmp and /box, the result's fields, the output limit's truncation, runs from several threads
- * at once, a batch (in order, a failed run in its place, freed untaken), and the spec's errors
- * naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
+ * at once, a batch (in order, a failed run in its place, freed untaken), the warm pool (a run, a
+ * batch on it, what it refuses), and the spec's errors naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
  * Skipped (77) where the machine gives no namespaces. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -92,6 +92,26 @@ int main(void) {
     mrl_sandbox_batch_free(b);
     CHECK_OK(mrl_sandbox_batch_start(specs, NB, 0, &b)); /* freed without taking: its results freed */
     mrl_sandbox_batch_free(b);
+    /* the warm pool: runs forked by its zygote, one alone and a batch of them */
+    mrl_sandbox_pool *pool = NULL;
+    CHECK_OK(mrl_sandbox_pool_open("python", MRL_SANDBOX_NET_NONE, NULL, &pool));
+    const char *pyargv[] = {"python3", "-c", "import sys; print(sys.stdin.read()[::-1]); sys.exit(4)", NULL};
+    mrl_sandbox_spec ps = {.argv = pyargv, .stdin_data = "abc", .stdin_len = 3, .pool = pool};
+    CHECK_OK(mrl_sandbox_run(&ps, &r));
+    CHECK(r.exited && r.status == 4 && strcmp(r.out, "cba\n") == 0);
+    mrl_sandbox_result_free(&r);
+    mrl_sandbox_spec pspecs[4];
+    for (int i = 0; i < 4; i++) pspecs[i] = ps;
+    CHECK_OK(mrl_sandbox_batch_start(pspecs, 4, 2, &b));
+    for (int i = 0; i < 4; i++) {
+        CHECK(mrl_sandbox_batch_take(b, i, &r) == MRL_OK && r.status == 4 && strcmp(r.out, "cba\n") == 0);
+        mrl_sandbox_result_free(&r);
+    }
+    mrl_sandbox_batch_free(b);
+    ps.argv = yes; /* (not python: the pool's error) */
+    CHECK(mrl_sandbox_run(&ps, &r) == MRL_ERR_INVALID && strstr(mrl_last_error(), "python3 FILE ARGS"));
+    mrl_sandbox_pool_close(pool);
+    CHECK(mrl_sandbox_pool_open("ruby", 0, NULL, &pool) == MRL_ERR_INVALID && strstr(mrl_last_error(), "'ruby'"));
     /* errors naming the field */
     mrl_sandbox_file dup[2] = {{"a", "x", 1, 0, 0}, {"a", "y", 1, 0, 0}};
     mrl_sandbox_spec e = {.argv = yes, .files = dup, .n_files = 2};

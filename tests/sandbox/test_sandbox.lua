@@ -5,8 +5,8 @@
 -- planted secret), a TCP connection to a listener on the host's 127.0.0.1, a full tmpfs, a file
 -- past its size, gigabytes on stdout, kill -9 -1, a test harness the program tries to change,
 -- the calls the seccomp filter refuses; and what a program needs still works (stdin, files,
--- env, exit status, signals, its own loopback). Skipped (77) where the machine gives no
--- namespaces, which `moonrl doctor` reports.
+-- env, exit status, signals, its own loopback); the warm pool's runs under the same attacks.
+-- Skipped (77) where the machine gives no namespaces, which `moonrl doctor` reports.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
@@ -187,6 +187,50 @@ t.test('bad input is an error naming the field; a missing program the sandbox\'s
   t.raises(function() sandbox.run({}) end, 'argv')
   t.raises(function() sandbox.run({ 'no-such-program-xyz' }) end, "program 'no-such-program-xyz' is not in the sandbox's PATH")
   t.raises(function() sandbox.run({ '/tmp/absent' }) end, 'execve /tmp/absent: No such file')
+end)
+
+t.test('the warm pool: a run forked from a started interpreter, contained as a cold run is', function()
+  local pool = sandbox.pool('python')
+  local function run(code, opts)
+    opts = opts or {}
+    opts.pool = pool
+    return sandbox.run({ 'python3', '-c', code }, opts)
+  end
+  local r = run('import sys, os\nprint(sys.stdin.read().upper(), open("data.txt").read(), open("/box/h.py").read(), ' ..
+    'os.getcwd(), sorted(os.environ), sys.argv)\nsys.exit(3)', { stdin = 'abc', env = { EXTRA = 1 },
+    files = { ['data.txt'] = 'xyz', ['h.py'] = { data = 'ro', read_only = true } } })
+  t.eq(r.stdout, "ABC xyz ro /tmp ['EXTRA', 'HOME', 'LANG', 'PATH', 'TMPDIR'] ['-c']\n", r.stderr)
+  t.eq(r.status, 3)
+  -- its own namespaces: only its own processes in /proc, nothing of the zygote or another run
+  local ps = run('import os\nprint(sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))')
+  t.eq(ps.stdout, '[1, 2]\n', 'its first process and itself')
+  local file = sandbox.run({ 'python3', 'main.py', 'x' }, { pool = pool, files = { ['main.py'] = 'import sys\nprint(sys.argv)' } })
+  t.eq(file.stdout, "['main.py', 'x']\n")
+  -- the limits, each its own run's
+  t.eq(run('def b():\n    import os\n    while True: os.fork()\nb()', { limits = { procs = 16, wall_s = 5 } }).limit, 'procs')
+  local m = run('a = []\nwhile True: a.append(bytearray(1 << 20))', { limits = { memory_mb = 64 } })
+  t.eq(m.limit, 'memory')
+  t.eq(run('while True: pass', { limits = { cpu_s = 0.3, wall_s = 10 } }).limit, 'cpu')
+  t.eq(run('import time\ntime.sleep(30)', { limits = { wall_s = 0.3 } }).limit, 'wall')
+  t.eq(run('import sys\nwhile True: sys.stdout.write("y" * 4096)', { limits = { output_kb = 64 } }).limit, 'output')
+  local left = run('import os, subprocess\nsubprocess.Popen(["setsid", "sleep", "7395"])\n' ..
+    'os.system("(sleep 7396 &)")\nos.kill(-1, 9)\nprint("survived")')
+  t.eq(left.stdout, 'survived\n', left.stderr)
+  t.eq(alive('sleep 739[56]'), '', 'nothing of it left on the host')
+  -- no capabilities, the filter, no_new_privs; the environment clean of the parent's
+  local caps = run('import ctypes\nprint(ctypes.CDLL(None, use_errno=True).unshare(0x20000), ' ..
+    '[l for l in open("/proc/self/status").read().splitlines() if l.startswith(("CapEff", "NoNewPrivs", "Seccomp:"))])')
+  t.eq(caps.stdout, "-1 ['CapEff:\\t0000000000000000', 'NoNewPrivs:\\t1', 'Seccomp:\\t2']\n", caps.stderr)
+  -- runs side by side on the pool (a batch), each its own
+  local runs = {}
+  for i = 1, 8 do runs[i] = { { 'python3', '-c', 'print(' .. i .. ' * 3)' }, { pool = pool } } end
+  for i, x in ipairs(sandbox.run_batch(runs, { concurrency = 4 })) do t.eq(x.stdout, (i * 3) .. '\n') end
+  -- what a pool does not run: an error naming it
+  t.raises(function() sandbox.run({ 'sh', '-c', 'true' }, { pool = pool }) end, 'a run is `python3 FILE ARGS`')
+  t.raises(function() sandbox.run({ 'python3', '-c', '1' }, { pool = pool, network = 'loopback' }) end,
+    'the run asks network 1, the pool has 0')
+  t.raises(function() sandbox.run({ 'python3', 'absent.py' }, { pool = pool }) end, 'absent.py')
+  pool:close()
 end)
 
 t.test('the host unaffected: no cgroup of a run is left', function()

@@ -66,6 +66,8 @@ typedef struct mrl_sandbox_file {
     int read_only;
 } mrl_sandbox_file;
 
+typedef struct mrl_sandbox_pool mrl_sandbox_pool;
+
 typedef struct mrl_sandbox_spec {
     const char *const *argv;   /* NULL-terminated; argv[0] without a '/' looked up in the sandbox's PATH */
     const char *const *env;    /* NULL-terminated "KEY=VALUE" added to the clean environment, or NULL */
@@ -76,6 +78,7 @@ typedef struct mrl_sandbox_spec {
     const char *const *ro_paths; /* NULL-terminated host paths also bound read-only, or NULL */
     mrl_sandbox_limits limits;
     int network;                 /* mrl_sandbox_net */
+    mrl_sandbox_pool *pool;      /* run on this warm pool (below), or NULL: a sandbox of its own */
 } mrl_sandbox_spec;
 
 typedef struct mrl_sandbox_result {
@@ -111,6 +114,20 @@ int mrl_sandbox_batch_done(const mrl_sandbox_batch *batch);
 void mrl_sandbox_batch_wait(mrl_sandbox_batch *batch);
 mrl_status mrl_sandbox_batch_take(mrl_sandbox_batch *batch, int i, mrl_sandbox_result *result);
 void mrl_sandbox_batch_free(mrl_sandbox_batch *batch);
+
+/* A warm pool (the zygote approach) for "python": one sandbox whose program is a Python
+ * interpreter started once, its common modules imported, that forks each run (a spec whose pool
+ * is this one): a run costs a fork, not an interpreter's start. Each run still has its own PID,
+ * mount and IPC namespaces (its processes die with it, its /tmp, /box and /dev/shm are fresh
+ * tmpfs), its own cgroup (memory, processes, CPU time), its own rlimits, and drops every
+ * capability and installs the seccomp filter before the program's first line; the runs of a
+ * pool share its user and network namespaces (network: the pool's, for all its runs) and its
+ * read-only runtime (ro_paths: the pool's). A run's argv is `python3 FILE ARGS...` (FILE in /tmp
+ * or /box) or `python3 -c CODE ARGS...`. Runs are thread-safe and may overlap (a batch); a zygote
+ * that died is started again at the next run. Needs cgroups (mrl_sandbox_probe). */
+mrl_status mrl_sandbox_pool_open(const char *language, int network, const char *const *ro_paths,
+                                 mrl_sandbox_pool **out);
+void mrl_sandbox_pool_close(mrl_sandbox_pool *pool);
 
 /* What this machine gives the sandbox: namespaces (one run of `true` in them), seccomp, and
  * which cgroup version holds the limits (2, 1, or 0: rlimits only), in words in detail. */
