@@ -115,23 +115,43 @@ end
 -- The warm pool the runs go to (sandbox.pool: a started interpreter forks each driver), opened at
 -- the first batch; where it cannot open (no cgroups) each run is a sandbox of its own, said once.
 local pool, pool_tried
-local function warm_pool()
+local function warm_pool(network)
   if not pool_tried then
     pool_tried = true
-    local ok, p = pcall(sandbox.pool, 'python')
+    local ok, p = pcall(sandbox.pool, 'python', { network = network })
     if ok then pool = p
     else moonrl.log('warn', 'reward code: no warm pool (%s): a sandbox a run', tostring(p)) end
   end
   return pool
 end
 
+-- The options of a run: opts over the run's sandbox section (sections.sandbox_config: sandbox.*),
+-- read when a batch is scored.
+local function options(opts)
+  local c = require('moonrl.config').current
+  local sb = type(c) == 'table' and type(c.sandbox) == 'table' and c.sandbox or {}
+  local o = { limits = {} }
+  for k, v in pairs(opts) do o[k] = v end
+  if o.partial == nil then o.partial = sb.partial end
+  if o.pool == nil then o.pool = sb.pool end
+  o.concurrency = o.concurrency or sb.concurrency
+  o.timeout_s = o.timeout_s or sb.case_timeout_s or 2
+  o.network = o.network or sb.network
+  for _, k in ipairs({ 'memory_mb', 'procs', 'tmpfs_mb', 'output_kb' }) do o.limits[k] = sb[k] end
+  if (sb.wall_s or 0) > 0 then o.limits.wall_s = sb.wall_s end
+  for k, v in pairs(opts.limits or {}) do o.limits[k] = v end
+  return o
+end
+
 -- opts: partial (false: all or nothing), block ('last'), whole (false), timeout_s (2, a case),
 -- limits (the sandbox's, memory_mb 512 ...), concurrency (runs at once: 0, 2 a CPU), pool (true:
--- the warm pool; false: a sandbox a run).
-function M.new(opts)
-  opts = opts or {}
-  local timeout = opts.timeout_s or 2
+-- the warm pool; false: a sandbox a run), network ('none'); what opts leaves out comes from the
+-- run's sandbox.* keys where it has them.
+function M.new(given)
+  given = given or {}
   return function(samples)
+    local opts = options(given)
+    local timeout = opts.timeout_s
     local t0 = moonrl.now()
     local stats = { executions = 0, cases = 0, cases_passed = 0, pass_rate = 0, no_code = 0, timeouts = 0,
       memory_kills = 0, compile_errors = 0, sandbox_errors = 0 }
@@ -144,8 +164,9 @@ function M.new(opts)
         stats.no_code = stats.no_code + 1
       else
         local limits = { wall_s = #tests.cases * (timeout + 0.5) + (lang == 'c' and 15 or 5) }
-        for k, v in pairs(opts.limits or {}) do limits[k] = v end
-        runs[#runs + 1] = { { 'python3', '/box/driver.py' }, { limits = limits, pool = opts.pool ~= false and warm_pool() or nil, files = {
+        for k, v in pairs(opts.limits) do limits[k] = v end
+        local p = opts.pool ~= false and warm_pool(opts.network) or nil
+        runs[#runs + 1] = { { 'python3', '/box/driver.py' }, { limits = limits, pool = p, network = not p and opts.network or nil, files = {
           ['driver.py'] = { data = driver(), read_only = true },
           [lang == 'c' and 'solution.c' or 'solution.py'] = { data = src, read_only = true },
           ['cases.json'] = { data = json.encode({ mode = tests.mode, cases = tests.cases, timeout_s = timeout }),

@@ -104,6 +104,24 @@ t.test('data.task=code: the reference solutions pass in the sandbox, wrong progr
   for i = 1, 32 do t.eq(scores[i - 1], i <= 24 and 1 or 0, samples[i].prompt) end
 end)
 
+t.test('the sandbox.* keys: read when a batch is scored (partial credit, a sandbox a run); a bad network is a usage error naming it', function()
+  local config = require('moonrl.config')
+  local saved = config.current
+  config.current = { sandbox = { partial = true, pool = false, case_timeout_s = 1, memory_mb = 256 } }
+  local ok, scores, stats = pcall(code.reward, samples_of({ CASES[2], CASES[12] }))
+  config.current = saved
+  t.truthy(ok, tostring(scores))
+  t.eq(scores[1], 0.5, 'partial credit from sandbox.partial')
+  t.eq(scores[2], 0)
+  t.truthy(stats.timeouts >= 1, 'sandbox.case_timeout_s')
+  local exe = assert(rawget(_G, 'MOONRL_EXE'), 'needs the moonrl executable')
+  local r = proc.run({ exe, 'run', 'grpo', 'model.dir=/nonexistent', 'data.task=code', 'reward=code', 'sandbox.network=host' },
+    { timeout = 60 })
+  t.eq(r.exit_status, 2)
+  t.truthy((r.stderr .. r.stdout):find("config key 'sandbox.network' must be one of none, loopback, got 'host'", 1, true),
+    r.stderr)
+end)
+
 t.test('bad tests are an error naming them', function()
   t.raises(function() code.tests_of({ answer = 42 }) end, 'the sample has no tests')
   t.raises(function() code.tests_of({ answer = { inputs = { 'a' }, outputs = {} } }) end, 'inputs and outputs of the same length')

@@ -71,6 +71,20 @@ function M.reward_config(name)
     workers = config.integer(16, { min = 1 }) }
 end
 
+-- The sandbox section: how rewards that run code (reward=code) use the sandbox (docs/sandbox.md):
+-- the warm pool (pool: one started Python interpreter forks each run; false: a sandbox a run),
+-- runs at once (concurrency; 0: 2 a CPU), each test case's seconds (case_timeout_s), each run's
+-- limits (wall_s, 0: its cases' times and 5 s; memory_mb, procs, tmpfs_mb, output_kb), network
+-- (none or loopback: its own) and partial credit (the fraction of tests passed, else all or
+-- nothing).
+function M.sandbox_config()
+  return { pool = true, concurrency = config.integer(0, { min = 0, max = 4096 }),
+    case_timeout_s = config.number(2.0, { min = 0.01, max = 3600 }), wall_s = config.number(0.0, { min = 0, max = 86400 }),
+    memory_mb = config.integer(512, { min = 4 }), procs = config.integer(64, { min = 1, max = 65536 }),
+    tmpfs_mb = config.integer(64, { min = 1 }), output_kb = config.integer(1024, { min = 1 }), network = 'none',
+    partial = false }
+end
+
 function M.check_choice(key, value, choices)
   for _, c in ipairs(choices) do if value == c then return end end
   moonrl.usage_error(string.format("config key '%s' must be one of %s, got '%s'", key, table.concat(choices, ', '),
@@ -212,6 +226,7 @@ function M.rl_config()
     model = M.model_config(),
     data = M.task_data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
     reward = M.reward_config('math'), -- a name in the reward registry (moonrl.rewards), or FILE.lua:NAME
+    sandbox = M.sandbox_config(), -- (reward=code's runs)
     reward_model = { dir = config.optional('string', 'a ...ForSequenceClassification checkpoint (reward=reward_model)') },
     train = M.train_config { lr = 1e-6 },
     engine = M.engine_config(),
@@ -232,6 +247,7 @@ function M.supervised_config()
     train = M.train_config { steps = config.integer(100, { min = 0 }), lr = 1e-5, max_length = config.integer(1024, { min = 2 }) },
     eval = M.eval_config(),
     reward = M.reward_config('exact'),
+    sandbox = M.sandbox_config(), -- (the evaluation's reward=code)
     engine = M.engine_config { kv_cache_mb = 128 },
     moe = { expert_parallel = false },
     save = true,

@@ -89,6 +89,7 @@ function M.start(cfg, opts)
   -- missing model leaves nothing behind
   if cfg.data and cfg.data.on_error then sections.check_choice('data.on_error', cfg.data.on_error, { 'stop', 'skip' }) end
   if type(cfg.reward) == 'table' then sections.check_choice('reward.on_error', cfg.reward.on_error, { 'drop', 'zero', 'stop' }) end
+  if type(cfg.sandbox) == 'table' then sections.check_choice('sandbox.network', cfg.sandbox.network, { 'none', 'loopback' }) end
   sections.check_choice('run.checkpoint_errors', cfg.run.checkpoint_errors, { 'stop', 'warn' })
   rollout.check_config(cfg)
   if not (cfg.reward_model and cfg.reward_model.dir) then sections.check_reward(cfg) end -- (a reward model: once registered)
