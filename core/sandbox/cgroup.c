@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include "base/log.h"
 #include "sandbox_internal.h"
 
 static struct {
@@ -161,6 +162,9 @@ static void find_root(void) {
     snprintf(cg_root.detail, sizeof cg_root.detail, "no usable cgroup (v2 without delegated memory and pids "
              "controllers%s, v1 memory and pids not writable): rlimits (RLIMIT_AS, RLIMIT_NPROC)",
              sub[0] ? "" : " here");
+    /* (weaker isolation, said once: never a silent fallback) */
+    mrl_logf(MRL_LOG_WARN, "sandbox: %s, weaker: memory as address space, processes counted per user; "
+             "moonrl doctor says more", cg_root.detail);
 }
 
 int sb_cgroup_version(char *detail, int cap) {

@@ -178,14 +178,16 @@ static _Noreturn void program(const sb_plan *p) {
 
 void sb_child(const sb_plan *p) {
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0); /* (the parent gone: so is the sandbox) */
-    /* not dumpable: its memory is a copy of the parent's (its environment too), which the
-     * program may not read through /proc/1 (execve makes the program dumpable again) */
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     for (int i = 0; i < 6; i++)
         if (p->parent_fds[i] >= 0) close(p->parent_fds[i]);
     char c;
     if (read(p->fd_sync, &c, 1) != 1) fail(p, SB_STAGE_SYNC, -1);
     close(p->fd_sync);
+    /* not dumpable: its memory is a copy of the parent's (its environment too), which the
+     * program may not read through /proc/1 (execve makes the program dumpable again). Only now:
+     * an unprivileged parent writes the user map through this process's /proc, which a process
+     * that is not dumpable closes to it. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* the raw calls: glibc's set*id would make every thread of the parent (which this copy does
      * not have) take the change too, and wait for them forever. No supplementary groups (where
      * the map allows setgroups: the parent's, root's, would stay otherwise). */

@@ -39,6 +39,7 @@ local rewards = require('moonrl.rewards')
 local sandbox = require('moonrl.sandbox')
 local json = require('moonrl.io.json')
 local moonrl = require('moonrl')
+local trace = require('moonrl.train.trace')
 
 local M = {}
 
@@ -174,7 +175,9 @@ function M.new(given)
         which[#runs] = i
       end
     end
+    trace.begin('sandbox runs') -- (a span of the run's timeline: the batch's programs)
     local results = sandbox.run_batch(runs, { concurrency = opts.concurrency })
+    trace.finish('sandbox runs')
     stats.executions = #runs
     for k, r in ipairs(results) do
       local i = which[k]

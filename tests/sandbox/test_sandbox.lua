@@ -5,7 +5,8 @@
 -- planted secret), a TCP connection to a listener on the host's 127.0.0.1, a full tmpfs, a file
 -- past its size, gigabytes on stdout, kill -9 -1, a test harness the program tries to change,
 -- the calls the seccomp filter refuses; and what a program needs still works (stdin, files,
--- env, exit status, signals, its own loopback); the warm pool's runs under the same attacks.
+-- env, exit status, signals, its own loopback); the warm pool's runs under the same attacks; an
+-- unprivileged user's sandbox (rlimits, said aloud).
 -- Skipped (77) where the machine gives no namespaces, which `moonrl doctor` reports.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -231,6 +232,22 @@ t.test('the warm pool: a run forked from a started interpreter, contained as a c
     'the run asks network 1, the pool has 0')
   t.raises(function() sandbox.run({ 'python3', 'absent.py' }, { pool = pool }) end, 'absent.py')
   pool:close()
+end)
+
+t.test('an unprivileged user: its own id mapped, rlimits where no cgroup is writable, said aloud', function()
+  local exe = rawget(_G, 'MOONRL_EXE')
+  ffi.cdef('unsigned int geteuid(void);')
+  if not exe or ffi.C.geteuid() ~= 0 or proc.run({ 'sh', '-c', 'command -v setpriv' }, { timeout = 10 }).stdout == '' then
+    print('  (skipped: needs root to become nobody, and setpriv)')
+    return
+  end
+  local r = proc.run({ 'setpriv', '--reuid=65534', '--regid=65534', '--clear-groups', exe, 'sandbox', '--memory', '64', '--',
+    'python3', '-c', 'import os\nprint(os.getuid(), open("/etc/passwd").read().count(":"))\na = bytearray(200 << 20)' },
+    { timeout = 60 })
+  t.eq(r.exit_status, 1)
+  t.truthy(r.stdout:find('^0 '), 'uid 0 inside: ' .. r.stdout .. r.stderr)
+  t.truthy(r.stderr:find('MemoryError', 1, true), 'the memory limit as address space: ' .. r.stderr)
+  t.truthy(r.stderr:find('sandbox: no usable cgroup', 1, true) and r.stderr:find('weaker', 1, true), 'said aloud')
 end)
 
 t.test('the host unaffected: no cgroup of a run is left', function()
