@@ -239,7 +239,9 @@ static int is_python(const char *a) {
     return strcmp(base, "python3") == 0 || strcmp(base, "python") == 0;
 }
 
-mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl_sandbox_result *r) {
+/* A run started on the pool: its cgroup (cg), the parent's ends of its pipes (s). */
+mrl_status sb_pool_start(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim,
+                         sb_cgroup *cg, sb_streams *s) {
     const char *const *a = spec->argv;
     if (!a || !a[0] || !is_python(a[0]) || !a[1] || (strcmp(a[1], "-c") == 0 && !a[2]))
         return mrl_set_error(MRL_ERR_INVALID, "sandbox pool: a run is `python3 FILE ARGS` or `python3 -c CODE ARGS` "
@@ -249,17 +251,14 @@ mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl
                              pool->network);
     if (spec->ro_paths && spec->ro_paths[0])
         return mrl_set_error(MRL_ERR_INVALID, "sandbox pool: a run's ro_paths are its pool's (given when it opens)");
-    mrl_sandbox_limits lim = {0};
-    mrl_status st = sb_check_spec(spec, &lim);
-    if (st) return st;
-    sb_cgroup cg;
-    if (!sb_cgroup_create(&cg, lim.memory_bytes, lim.procs))
+    if (!sb_cgroup_create(cg, lim->memory_bytes, lim->procs))
         return mrl_set_error(MRL_ERR_IO, "sandbox pool: the run's cgroup: %s", strerror(errno));
-    int fds[7], n_cg = sb_cgroup_procs_fds(&cg, fds + 4);
+    int fds[7], n_cg = sb_cgroup_procs_fds(cg, fds + 4);
     int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, rep[2] = {-1, -1};
     buf b = {0};
+    mrl_status st = MRL_OK;
     if (n_cg < 0 || pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(rep, O_CLOEXEC) ||
-        request(&b, spec, &lim)) {
+        request(&b, spec, lim)) {
         st = mrl_set_error(MRL_ERR_IO, "sandbox pool: the run's pipes, cgroup files or request: %s", strerror(errno));
     } else {
         fchmod(in[0], 0666), fchmod(out[1], 0666), fchmod(err[1], 0666); /* (as a cold run's: sandbox.c) */
@@ -279,15 +278,21 @@ mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl
     int child_ends[4] = {in[0], out[1], err[1], rep[1]};
     for (int i = 0; i < 4; i++)
         if (child_ends[i] >= 0) close(child_ends[i]);
-    sb_streams s = {in[1], out[0], err[0], rep[0]};
+    *s = (sb_streams){in[1], out[0], err[0], rep[0]};
     if (st) {
-        sb_streams_close(&s);
-        sb_cgroup_finish(&cg, NULL, NULL, NULL);
-        return st;
+        sb_streams_close(s);
+        sb_cgroup_finish(cg, NULL, NULL, NULL);
     }
-    st = sb_watch(spec, &lim, 0, &s, &cg, NULL, now_s(), r);
-    sb_cgroup_kill(&cg);                    /* (a run that failed before its end: what it started) */
-    sb_cgroup_finish(&cg, NULL, NULL, NULL); /* (the same: its numbers were read where it ended) */
+    return st;
+}
+
+/* The end of a pool's run watched (sb_watch), its cgroup emptied and removed, and what the zygote
+ * said of a run that failed. */
+mrl_status sb_pool_watch(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim,
+                         sb_cgroup *cg, sb_streams *s, double t0, int killed, mrl_sandbox_result *r) {
+    mrl_status st = sb_watch(spec, lim, 0, s, cg, NULL, t0, killed, r);
+    sb_cgroup_kill(cg);                    /* (a run that failed before its end: what it started) */
+    sb_cgroup_finish(cg, NULL, NULL, NULL); /* (the same: its numbers were read where it ended) */
     if (st == MRL_ERR_IO) { /* what the zygote said about it, if anything */
         char said[2048] = "";
         pthread_mutex_lock(&pool->lock);
@@ -304,4 +309,13 @@ mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl
         }
     }
     return st;
+}
+
+mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl_sandbox_result *r) {
+    mrl_sandbox_limits lim = {0};
+    mrl_status st = sb_check_spec(spec, &lim);
+    sb_cgroup cg;
+    sb_streams s;
+    if (!st) st = sb_pool_start(pool, spec, &lim, &cg, &s);
+    return st ? st : sb_pool_watch(pool, spec, &lim, &cg, &s, now_s(), 0, r);
 }

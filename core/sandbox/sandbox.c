@@ -44,6 +44,8 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+double sb_now(void) { return now_s(); }
+
 /* ---- the plan ---- */
 
 
@@ -387,9 +389,10 @@ static void kill_run(long pid, sb_cgroup *cg) {
 
 /* The run's streams, deadline and CPU time until its end, then its result. pid > 0: the
  * namespace's first process (killed at a limit, then waited for); 0: a pool's run, whose
- * processes are its cgroup's. plan (NULL for a pool's run) names what a failure report means. */
+ * processes are its cgroup's. plan (NULL for a pool's run) names what a failure report means;
+ * killed: the caller has killed the run already. */
 mrl_status sb_watch(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim, long pid, sb_streams *s,
-                    sb_cgroup *cg, const sb_plan *plan, double t0, mrl_sandbox_result *r) {
+                    sb_cgroup *cg, const sb_plan *plan, double t0, int killed, mrl_sandbox_result *r) {
     /* a write to a program that closed its stdin must not raise SIGPIPE here */
     sigset_t pipe_set, old_set;
     sigemptyset(&pipe_set);
@@ -399,8 +402,8 @@ mrl_status sb_watch(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim,
     s->out = s->err = -1;
     sb_report got[2], report = {0}, fail = {0}; /* a failure of the program's setup, or the end */
     int64_t rep_got = 0, fed = 0;
-    int killed = 0, limit = 0;
-    double killed_at = 0;
+    int limit = 0;
+    double killed_at = sb_now(); /* (killed: the caller killed it already, a session's close) */
     int fds4[4] = {s->in, so.fd, se.fd, s->rep};
     for (int i = 0; i < 4; i++)
         if (fds4[i] >= 0) fcntl(fds4[i], F_SETFL, O_NONBLOCK);
@@ -505,7 +508,7 @@ static mrl_status run(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *li
     sb_streams s;
     double t0 = now_s();
     mrl_status st = sb_spawn(p, cg, &pid, &s);
-    return st ? st : sb_watch(spec, lim, pid, &s, cg, p, t0, r);
+    return st ? st : sb_watch(spec, lim, pid, &s, cg, p, t0, 0, r);
 }
 
 mrl_status mrl_sandbox_run(const mrl_sandbox_spec *spec, mrl_sandbox_result *result) {

@@ -76,10 +76,15 @@ mrl_status sb_build_plan(const mrl_sandbox_spec *s, const mrl_sandbox_limits *li
 void sb_free_builder(builder *b);
 mrl_status sb_spawn(sb_plan *p, sb_cgroup *cg, long *pid, sb_streams *s);
 mrl_status sb_watch(const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim, long pid, sb_streams *s,
-                    sb_cgroup *cg, const sb_plan *plan, double t0, mrl_sandbox_result *r);
+                    sb_cgroup *cg, const sb_plan *plan, double t0, int killed, mrl_sandbox_result *r);
 void sb_streams_close(sb_streams *s);
-/* a run on a pool (pool.c) */
+/* a run on a pool (pool.c): started (its cgroup and the parent's ends of its pipes), watched */
 mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl_sandbox_result *r);
+mrl_status sb_pool_start(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim,
+                         sb_cgroup *cg, sb_streams *s);
+mrl_status sb_pool_watch(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, const mrl_sandbox_limits *lim,
+                         sb_cgroup *cg, sb_streams *s, double t0, int killed, mrl_sandbox_result *r);
+double sb_now(void);
 
 /* the child: never returns */
 void sb_child(const sb_plan *p);

@@ -11,6 +11,7 @@
 --   local rs = sandbox.run_batch({ { argv, opts }, ... }, { concurrency = 8 })  -- on threads, in order
 --   local b = sandbox.start_batch(runs); ...; b:done(); local rs = b:wait()     -- the caller goes on meanwhile
 --   local pool = sandbox.pool('python')    -- a warm interpreter: sandbox.run(argv, { pool = pool, ... })
+--   local s = sandbox.session(argv, opts)  -- a run to talk to: s:send(data), s:recv(delim), s:close()
 --   sandbox.probe()  -- { namespaces, seccomp, cgroup, detail }: what this machine gives it
 --
 -- limits (each optional; the defaults are the C ones): wall_s (10), cpu_s (wall_s), memory_mb
@@ -183,6 +184,51 @@ end
 function Pool:close()
   if self.handle then C.mrl_sandbox_pool_close(ffi.gc(self.handle, nil)) end
   self.handle = nil
+end
+
+-- A session: a run the caller talks to while it goes on (mrl_sandbox_session_*: a tool's
+-- interpreter across an episode's turns), started as run() starts one (opts as run's, opts.stdin
+-- aside), under the same limits (wall_s from its start).
+--   local s = sandbox.session({ 'python3', '-i' }, { limits = { wall_s = 600 } })
+--   s:send('print(1)\n', 5)          -- waits at most 5 s
+--   local text, ended = s:recv('\n', 5)   -- up to and with the delimiter (nil delimiter: what came);
+--                                       -- nil, 'timeout' when none came in time
+--   local r = s:close(kill)             -- the run's result (run's table: what recv did not take)
+local Session = {}
+Session.__index = Session
+pcall(ffi.cdef, 'void free(void *p);') -- (what _recv allocates)
+
+function M.session(argv, opts)
+  local s, keep = spec_of(argv, opts)
+  local h = ffi.new('mrl_sandbox_session *[1]')
+  moonrl.check(C.mrl_sandbox_session_start(s, h), 2)
+  return setmetatable({ handle = h[0], keep = keep }, Session)
+end
+
+function Session:send(data, timeout_s)
+  if not self.handle then error('sandbox session: closed', 2) end
+  moonrl.check(C.mrl_sandbox_session_send(self.handle, data, #data, timeout_s or 10), 2)
+end
+
+local recv_out, recv_len, recv_ended = ffi.new('char *[1]'), ffi.new('int64_t[1]'), ffi.new('int[1]')
+function Session:recv(delim, timeout_s)
+  if not self.handle then error('sandbox session: closed', 2) end
+  local st = C.mrl_sandbox_session_recv(self.handle, delim, timeout_s or 10, recv_out, recv_len, recv_ended)
+  if st == C.MRL_ERR_TIMEOUT then return nil, 'timeout', recv_ended[0] == 1 end
+  moonrl.check(st, 2)
+  local text = ffi.string(recv_out[0], recv_len[0])
+  ffi.C.free(recv_out[0])
+  return text, recv_ended[0] == 1
+end
+
+function Session:close(kill)
+  if not self.handle then return self.result end
+  local r = ffi.new('mrl_sandbox_result')
+  local st = C.mrl_sandbox_session_close(self.handle, kill and 1 or 0, r)
+  self.handle, self.keep = nil, nil
+  moonrl.check(st, 2)
+  self.result = result_of(r)
+  return self.result
 end
 
 -- What this machine gives the sandbox (mrl_sandbox_probe): namespaces and seccomp (booleans),

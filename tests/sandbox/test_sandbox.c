@@ -2,7 +2,8 @@
  * (stdin written while it reads, stdout and stderr both larger than a pipe's buffer), files in
  * /tmp and /box, the result's fields, the output limit's truncation, runs from several threads
  * at once, a batch (in order, a failed run in its place, freed untaken), the warm pool (a run, a
- * batch on it, what it refuses), and the spec's errors naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
+ * batch on it, a session, what it refuses), a cold session killed at its close, and the spec's
+ * errors naming their field. The attacks are tests/sandbox/test_sandbox.lua's.
  * Skipped (77) where the machine gives no namespaces. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -108,6 +109,30 @@ int main(void) {
         mrl_sandbox_result_free(&r);
     }
     mrl_sandbox_batch_free(b);
+    /* a session on the pool: a line in, a line out, the rest at its close */
+    const char *echo[] = {"python3", "-c", "import sys\nfor l in sys.stdin: print('got', l.strip(), flush=True)\nprint('end')",
+                          NULL};
+    mrl_sandbox_spec ss = {.argv = echo, .pool = pool};
+    mrl_sandbox_session *sess = NULL;
+    CHECK_OK(mrl_sandbox_session_start(&ss, &sess));
+    CHECK_OK(mrl_sandbox_session_send(sess, "a\nb\n", 4, 5));
+    char *line = NULL;
+    int64_t len = 0;
+    int ended = 0;
+    CHECK_OK(mrl_sandbox_session_recv(sess, "\n", 10, &line, &len, &ended));
+    CHECK(line && strcmp(line, "got a\n") == 0 && len == 6 && !ended);
+    free(line);
+    CHECK_OK(mrl_sandbox_session_close(sess, 0, &r));
+    CHECK(r.exited && r.status == 0 && strcmp(r.out, "got b\nend\n") == 0);
+    mrl_sandbox_result_free(&r);
+    /* a cold one that never answers: the receive's time passes, the close kills it */
+    const char *sleeper[] = {"sleep", "30", NULL};
+    ss = (mrl_sandbox_spec){.argv = sleeper};
+    CHECK_OK(mrl_sandbox_session_start(&ss, &sess));
+    CHECK(mrl_sandbox_session_recv(sess, "\n", 0.2, &line, &len, &ended) == MRL_ERR_TIMEOUT && !line);
+    CHECK_OK(mrl_sandbox_session_close(sess, 1, &r));
+    CHECK(!r.exited && r.status == 9);
+    mrl_sandbox_result_free(&r);
     ps.argv = yes; /* (not python: the pool's error) */
     CHECK(mrl_sandbox_run(&ps, &r) == MRL_ERR_INVALID && strstr(mrl_last_error(), "python3 FILE ARGS"));
     mrl_sandbox_pool_close(pool);

@@ -129,6 +129,24 @@ mrl_status mrl_sandbox_pool_open(const char *language, int network, const char *
                                  mrl_sandbox_pool **out);
 void mrl_sandbox_pool_close(mrl_sandbox_pool *pool);
 
+/* A session: a run the caller talks to while it goes on (a tool's interpreter kept across an
+ * episode's turns). Started as mrl_sandbox_run starts one (cold, or on spec->pool; spec's
+ * stdin_data is ignored: its standard input stays open), under the same limits, the wall limit
+ * counting from its start. _send writes to its standard input (waiting at most timeout_s);
+ * _recv reads its standard output until `delim` (or, NULL, any bytes) has come, timeout_s has
+ * passed, or the run has ended: *out (malloc'd, NUL-terminated, the caller frees it) holds what
+ * came up to and with the delimiter, *ended says the run's standard output is closed (the rest
+ * waits for the next _recv), and MRL_ERR_TIMEOUT says the time passed first. Its standard error
+ * is kept (up to output_bytes) for the result. _close ends its standard input, waits for its end
+ * within its wall limit (kill: at once), and gives its result as mrl_sandbox_run does (out: what
+ * no _recv took); result may be NULL. A session is one caller's (no locking). */
+typedef struct mrl_sandbox_session mrl_sandbox_session;
+mrl_status mrl_sandbox_session_start(const mrl_sandbox_spec *spec, mrl_sandbox_session **out);
+mrl_status mrl_sandbox_session_send(mrl_sandbox_session *s, const void *data, int64_t n, double timeout_s);
+mrl_status mrl_sandbox_session_recv(mrl_sandbox_session *s, const char *delim, double timeout_s, char **out,
+                                    int64_t *len, int *ended);
+mrl_status mrl_sandbox_session_close(mrl_sandbox_session *s, int kill, mrl_sandbox_result *result);
+
 /* What this machine gives the sandbox: namespaces (one run of `true` in them), seccomp, and
  * which cgroup version holds the limits (2, 1, or 0: rlimits only), in words in detail. */
 typedef struct mrl_sandbox_caps {
