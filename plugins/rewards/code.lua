@@ -45,12 +45,7 @@ local M = {}
 
 local driver_source
 local function driver()
-  if not driver_source then
-    local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
-    local f = assert(io.open(here .. '/code_driver.py', 'rb'), 'reward code: ' .. here .. '/code_driver.py is missing')
-    driver_source = f:read('*a')
-    f:close()
-  end
+  driver_source = driver_source or require('moonrl.io.fs').read_beside('code_driver.py')
   return driver_source
 end
 

@@ -22,12 +22,7 @@ local M = {}
 
 local source
 local function repl()
-  if not source then
-    local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
-    local f = assert(io.open(here .. '/python_repl.py', 'rb'), 'tool python: ' .. here .. '/python_repl.py is missing')
-    source = f:read('*a')
-    f:close()
-  end
+  source = source or require('moonrl.io.fs').read_beside('python_repl.py')
   return source
 end
 

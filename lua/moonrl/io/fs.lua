@@ -13,6 +13,8 @@
 --   fs.open_append(path)   -> a file open for appending ('a'), or nil and a message: what is there
 --                            already must be a regular file, as fs.open says
 --   fs.read(path)          -> the whole file, or nil and a message (as fs.open refuses)
+--   fs.read_beside(name)   -> a file in the directory of the Lua file that calls it (a plugin's own
+--                            data), or an error naming it
 --   fs.copy(a, b)          atomically, as write
 --   fs.list(path)          -> sorted names (no . and ..)
 --   fs.truncate(path, n), fs.sync_dir(path), fs.free_bytes(path)
@@ -81,6 +83,13 @@ function M.read(path)
   local text, rerr = f:read('*a')
   f:close()
   if not text then return nil, path .. ': ' .. tostring(rerr) end
+  return text
+end
+
+function M.read_beside(name)
+  local here = debug.getinfo(2, 'S').source:match('^@(.*)/[^/]*$') or '.'
+  local text, err = M.read(here .. '/' .. name)
+  if not text then error(err, 2) end
   return text
 end
 
