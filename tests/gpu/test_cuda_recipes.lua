@@ -232,20 +232,22 @@ end)
 -- The group's sums through the host (dist.gpu_transport=host), and over NCCL where it starts
 -- (auto: the emulated GPU's NCCL, tests/gpu/emu/nccl.cpp; two ranks sharing one real GPU fall
 -- back to the host, which the run's precision event says).
-t.test('tensor parallel over 2 ranks on GPUs (the sums through the host, over NCCL): the 2-rank CPU run', function()
+t.test('tensor parallel over 2 ranks on GPUs (the sums over NCCL; with MOONRL_TEST_LONG=1 also through the host): the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local m16 = U.tiny_model(dir .. '/init16', { hidden_size = 32, layers = 2, vocab_size = 16 })
   local kv1 = U.tiny_model(dir .. '/init16kv1', { hidden_size = 32, layers = 2, vocab_size = 16, kv_heads = 1 })
   local emulated = (os.getenv('LD_PRELOAD') or ''):find('moonrl_cuda_emu', 1, true) ~= nil
   -- (the CPU run, which neither the transport nor sequence parallel changes; through the host on
-  -- the GPUs: the one-K/V-head case, and GRPO itself where MOONRL_TEST_LONG=1 asks)
+  -- the GPUs, where MOONRL_TEST_LONG=1 asks: GRPO itself and the one-K/V-head case)
   local c = ranks('cpu', 'tp_grpo_cpu', { 'model.dir=' .. m16, 'dist.tp=2', 'grpo.kl_coef=0.1' })
   local cases = { { 'grpo_nccl', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto' }, 'nccl' },
     -- sequence parallel: the rows split over the group between the products
-    { 'grpo_sp', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto', 'dist.sequence_parallel=true' }, 'nccl' },
+    { 'grpo_sp', nil, nil, { 'grpo.kl_coef=0.1', 'dist.gpu_transport=auto', 'dist.sequence_parallel=true' }, 'nccl' } }
+  if long then
+    table.insert(cases, 1, { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } })
     -- one K/V head, held by both ranks: its gradients summed over them after the backwards
-    { 'grpo_kv1', nil, nil, { 'grpo.kl_coef=0.1', 'model.dir=' .. kv1 }, nil, true } }
-  if long then table.insert(cases, 1, { 'grpo', nil, nil, { 'grpo.kl_coef=0.1' } }) end
+    cases[#cases + 1] = { 'grpo_kv1', nil, nil, { 'grpo.kl_coef=0.1', 'model.dir=' .. kv1 }, nil, true }
+  end
   for _, case in ipairs(cases) do
     local extra = U.with({ 'model.dir=' .. m16, 'dist.tp=2' }, case[4])
     if case[6] then c = ranks('cpu', 'tp_' .. case[1] .. '_cpu', extra, case[2], case[3]) end -- (a model of its own)
@@ -264,7 +266,7 @@ end)
 -- all-to-alls around attention and the per-token outputs' gather through host memory
 -- (dist.gpu_transport=host) and over NCCL where it starts (auto: the emulated GPU's): GRPO with a
 -- reference, the 2-rank CPU run's tokens and losses, the weights within rounding.
-t.test('context parallel over 2 ranks on GPUs (the exchanges through the host, over NCCL): the 2-rank CPU run', function()
+t.test('context parallel over 2 ranks on GPUs (the exchanges over NCCL; with MOONRL_TEST_LONG=1 also through the host): the 2-rank CPU run', function()
   if not (exe and mpirun) then return print('  (no mpirun: skipped)') end
   local extra = { 'dist.cp=2', 'grpo.kl_coef=0.1' }
   local c = ranks('cpu', 'cp_grpo_cpu', extra)
