@@ -11,7 +11,7 @@
 --   estimators.describe()                  -- "name  doc" lines, for --help texts
 --
 -- The registries: moonrl.algo.estimators (advantages), moonrl.algo.losses (policy losses),
--- moonrl.algo.kl_estimators, moonrl.rewards, moonrl.tasks. A name registered twice is an
+-- moonrl.algo.kl_estimators, moonrl.rewards, moonrl.tasks, moonrl.tools. A name registered twice is an
 -- error unless { replace = true }.
 --
 --   registry.require_file('my_rewards.lua')   -- what `moonrl run R --require FILE.lua` does:
@@ -158,6 +158,7 @@ local PLUGINS = {
     exact = 'rewards.exact', code = 'rewards.code',
     reward_model = 'rewards.reward_model', -- .register(name, dir, opts): a learned reward (recipe's reward_model.dir)
   },
+  tool = { calculator = 'tools.calculator', python = 'tools.python' },
 }
 
 -- The plugin `name` of `kind` (see the top): loads its module once and returns it; its file joins

@@ -72,4 +72,27 @@ function Python:close()
   end
 end
 
+-- The python tool of moonrl.tools: one interpreter an episode (kept in its state table), closed
+-- with the episode (tools.close).
+M.tool = {
+  description = 'Run Python code in a sandboxed interpreter kept across this conversation\'s turns; returns what it '
+    .. 'printed and the value of its last expression.',
+  parameters = { type = 'object', properties = { code = { type = 'string', description = 'the Python code to run' } },
+    required = { 'code' } },
+  call = function(args, episode)
+    if type(args.code) ~= 'string' then error('the argument "code" must be a string', 0) end
+    episode.python = episode.python or M.new(episode.python_opts)
+    local r = episode.python:run(args.code)
+    local out = r.output or ''
+    if r.error then out = out .. (out ~= '' and '\n' or '') .. r.error end
+    return out
+  end,
+  close = function(episode)
+    if episode.python then episode.python:close() end
+    episode.python = nil
+  end,
+}
+
+require('moonrl.tools').register('python', M.tool, { doc = 'a sandboxed Python interpreter an episode' })
+
 return M

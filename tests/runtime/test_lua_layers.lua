@@ -22,7 +22,8 @@ local LAYERS = {
   -- the evaluation read), the algorithms' math, rewards and tasks. GGUF files are read in io/ but
   -- G:model() builds a moonrl.model from one, so moonrl.io.gguf sits with the model.
   { 'moonrl.text.*', 'moonrl.tokenizer', 'moonrl.chat', 'moonrl.model', 'moonrl.optim', 'moonrl.engine',
-    'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.io.gguf' },
+    'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.tools',
+    'moonrl.io.gguf' },
   -- 3: the training stack every recipe shares: config sections, the update step, the session with
   -- its rollouts, checkpoints, guards, ranks, traces
   { 'moonrl.train.*' },
