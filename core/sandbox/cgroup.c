@@ -62,6 +62,13 @@ static int64_t read_key(const char *dir, const char *name, const char *key) {
     return v;
 }
 
+/* whether the comma-separated list (changed in place) holds word */
+static int in_list(char *list, const char *word) {
+    for (char *sv, *t = strtok_r(list, ",", &sv); t; t = strtok_r(NULL, ",", &sv))
+        if (strcmp(t, word) == 0) return 1;
+    return 0;
+}
+
 /* this process's path in the hierarchy whose /proc/self/cgroup line names `ctrl` (v2: "") */
 static int own_path(const char *ctrl, char *out, size_t cap) {
     FILE *f = fopen("/proc/self/cgroup", "re");
@@ -72,13 +79,9 @@ static int own_path(const char *ctrl, char *out, size_t cap) {
         char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
         if (!b) continue;
         *b = 0;
-        line[strcspn(line, "\n")] = 0;
         char *path = b + 1;
         path[strcspn(path, "\n")] = 0;
-        int match = 0;
-        if (!*ctrl) match = strcmp(a + 1, "") == 0 && strncmp(line, "0", 1) == 0;
-        else
-            for (char *sv, *t = strtok_r(a + 1, ",", &sv); t; t = strtok_r(NULL, ",", &sv)) match |= strcmp(t, ctrl) == 0;
+        int match = !*ctrl ? a[1] == 0 && line[0] == '0' : in_list(a + 1, ctrl);
         if (match) {
             snprintf(out, cap, "%s", path);
             found = 0;
@@ -104,9 +107,7 @@ static int mount_of(const char *ctrl, char *out, size_t cap) {
             if (strcmp(fstype, "cgroup2") == 0) found = snprintf(out, cap, "%s", mnt) < (int)cap ? 0 : -1;
             continue;
         }
-        if (strcmp(fstype, "cgroup") != 0) continue;
-        for (char *sv, *t = strtok_r(opts, ",", &sv); t; t = strtok_r(NULL, ",", &sv))
-            if (strcmp(t, ctrl) == 0) found = snprintf(out, cap, "%s", mnt) < (int)cap ? 0 : -1;
+        if (strcmp(fstype, "cgroup") == 0 && in_list(opts, ctrl)) found = snprintf(out, cap, "%s", mnt) < (int)cap ? 0 : -1;
     }
     fclose(f);
     return found;

@@ -17,7 +17,6 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 #include "base/error.h"
 #include "sandbox_internal.h"
@@ -34,12 +33,6 @@ struct mrl_sandbox_pool {
     int network;
     char **ro_paths; /* (a copy, NULL-terminated) */
 };
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void stop_zygote(mrl_sandbox_pool *p) {
     if (p->ctl >= 0) close(p->ctl);
@@ -92,8 +85,8 @@ static mrl_status start_zygote(mrl_sandbox_pool *p) {
     /* its "ready": the interpreter up, its modules imported */
     char line[256] = "";
     size_t got = 0;
-    double deadline = now_s() + 30;
-    while (got < 6 && now_s() < deadline) {
+    double deadline = sb_now() + 30;
+    while (got < 6 && sb_now() < deadline) {
         struct pollfd f = {p->s.out, POLLIN, 0};
         if (poll(&f, 1, 100) <= 0) continue;
         ssize_t n = read(p->s.out, line + got, sizeof line - 1 - got);
@@ -317,5 +310,5 @@ mrl_status sb_pool_run(mrl_sandbox_pool *pool, const mrl_sandbox_spec *spec, mrl
     sb_cgroup cg;
     sb_streams s;
     if (!st) st = sb_pool_start(pool, spec, &lim, &cg, &s);
-    return st ? st : sb_pool_watch(pool, spec, &lim, &cg, &s, now_s(), 0, r);
+    return st ? st : sb_pool_watch(pool, spec, &lim, &cg, &s, sb_now(), 0, r);
 }

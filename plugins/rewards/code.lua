@@ -151,7 +151,7 @@ function M.new(given)
     local t0 = moonrl.now()
     local stats = { executions = 0, cases = 0, cases_passed = 0, pass_rate = 0, no_code = 0, timeouts = 0,
       memory_kills = 0, compile_errors = 0, sandbox_errors = 0 }
-    local scores, runs, which = {}, {}, {}
+    local scores, runs, which, n_cases = {}, {}, {}, {} -- (n_cases: each run's, for its score)
     for i, s in ipairs(samples) do
       scores[i] = 0
       local src, lang = M.extract(rewards.response_of(s, 'reward code'), opts)
@@ -167,7 +167,7 @@ function M.new(given)
           [lang == 'c' and 'solution.c' or 'solution.py'] = { data = src, read_only = true },
           ['cases.json'] = { data = json.encode({ mode = tests.mode, cases = tests.cases, timeout_s = timeout }),
             read_only = true } } } }
-        which[#runs] = i
+        which[#runs], n_cases[#runs] = i, #tests.cases
       end
     end
     trace.begin('sandbox runs') -- (a span of the run's timeline: the batch's programs)
@@ -190,7 +190,7 @@ function M.new(given)
           if p then passed = passed + 1 end
           if verdict.reasons[j] == 'timeout' then stats.timeouts = stats.timeouts + 1 end
         end
-        local total = math.max(n, #M.tests_of(samples[i]).cases)
+        local total = math.max(n, n_cases[k])
         stats.cases, stats.cases_passed = stats.cases + total, stats.cases_passed + passed
         scores[i] = opts.partial and passed / total or (passed == total and total > 0 and 1 or 0)
         if passed == total and total > 0 then stats.pass_rate = stats.pass_rate + 1 end
