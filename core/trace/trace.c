@@ -27,7 +27,7 @@
 #include "base/error.h"
 
 typedef struct trace_event {
-    char phase;     /* 'B' begin, 'E' end, 'C' counter */
+    char phase;     /* 'B' begin, 'E' end, 'C' counter, 'X' complete (value: its duration in us) */
     int tid;
     double ts_us;
     double value;
@@ -147,9 +147,7 @@ void mrl_trace_disable(void) {
     pthread_mutex_unlock(&lock);
 }
 
-static void record(char phase, const char *name, double value) {
-    if (!atomic_load(&enabled) || !name) return;
-    double ts = (mrl_time_now() - t0) * 1e6;
+static void record_at(char phase, const char *name, double value, double ts) {
     int tid = current_tid();
     char *copy = strdup(name);
     if (!copy) return; /* out of memory: drop the event rather than fail the run */
@@ -175,6 +173,16 @@ static void record(char phase, const char *name, double value) {
 }
 
 /* NVTX ranges are per thread and nest, as the begin/end pairs of one track do. */
+static void record(char phase, const char *name, double value) {
+    if (!atomic_load(&enabled) || !name) return;
+    record_at(phase, name, value, (mrl_time_now() - t0) * 1e6);
+}
+
+void mrl_trace_complete(const char *name, double start_s, double dur_s) {
+    if (!atomic_load(&enabled) || !name) return;
+    record_at('X', name, dur_s > 0 ? dur_s * 1e6 : 0, (start_s - t0) * 1e6);
+}
+
 void mrl_trace_begin(const char *name) {
 #ifdef MRL_HAVE_CUDA
     if (name && atomic_load(&enabled)) nvtxRangePushA(name);
@@ -244,6 +252,7 @@ static void put_event(text *t, const trace_event *e) {
     put(t, ",\n{\"name\":", 10);
     put_json_string(t, e->name);
     putf(t, ",\"ph\":\"%c\",\"ts\":%.3f,\"pid\":%d,\"tid\":%d", e->phase, e->ts_us, trace_rank, e->tid);
+    if (e->phase == 'X') putf(t, ",\"dur\":%.3f", e->value);
     if (e->phase == 'C') {
         put(t, ",\"args\":{", 9);
         put_json_string(t, e->name);

@@ -435,7 +435,10 @@ end
 -- next step), their count and finish reason ('length', 'stop', nil while it runs);
 -- engine:stop_sample(id, j) finishes a sample at the next step; engine:done(id) is true once
 -- every sample of the request has finished; engine:release(id) frees a finished request's
--- outputs (a server that runs for days does not grow). moonrl serve drives an engine so.
+-- outputs (a server that runs for days does not grow); engine:versions(id, j, n) its tokens'
+-- weight versions (with use_weights). moonrl serve and the multi-turn episodes
+-- (moonrl.train.episodes) drive an engine so: a request's K/V stays cached after release, so the
+-- next turn's request, whose prompt extends it, computes only the new tokens.
 -- M.new_watch(tok) / M.watch_step(w, toks, n, stops, max_stop): the stop-string watcher of
 -- generate (a sample's streaming decoder and its text; true when a stop string appeared).
 M.new_watch, M.watch_step = new_watch, watch_step
@@ -500,6 +503,17 @@ end
 function Engine:stop_sample(id, j) moonrl.check(C.mrl_engine_stop_sample(self.handle, id, j), 2) end
 
 function Engine:done(id) return C.mrl_engine_request_done(self.handle, id) == 1 end
+
+-- Sample j's weight versions (with engine:use_weights): its first token's, and the switches of the
+-- later ones ({ {k, v}, ... }, as generate's results carry them); nil without a weight store.
+function Engine:versions(id, j, n)
+  if not self.weights then return nil end
+  return versions(self, id, j, n)
+end
+
+-- Every request dropped and every cached prefix forgotten (what generate does first): the weights
+-- changed, or a long-running caller starts over.
+function Engine:reset() moonrl.check(C.mrl_engine_reset(self.handle), 2) end
 
 function Engine:release(id) moonrl.check(C.mrl_engine_release(self.handle, id), 2) end
 

@@ -8,6 +8,7 @@
 --   estimators.check('rloo', 'grpo.advantage')  -- the same as a usage error naming the config key
 --                                          -- (one line, exit 2): what recipes call at start-up
 --   estimators.names(), estimators.doc(name), estimators.entry(name) -> { fn, doc, needs, name }
+--   registry.names_with(R, builtin)      -- R's names and the built-ins' (a set: plugins loaded on first use)
 --   estimators.describe()                  -- "name  doc" lines, for --help texts
 --
 -- The registries: moonrl.algo.estimators (advantages), moonrl.algo.losses (policy losses),
@@ -159,6 +160,7 @@ local PLUGINS = {
     reward_model = 'rewards.reward_model', -- .register(name, dir, opts): a learned reward (recipe's reward_model.dir)
   },
   tool = { calculator = 'tools.calculator', python = 'tools.python' },
+  env = { tools = 'envs.tools', guess = 'envs.guess' },
 }
 
 -- The plugin `name` of `kind` (see the top): loads its module once and returns it; its file joins
@@ -174,6 +176,16 @@ function M.plugin(kind, name)
   local value = require(mod)
   record_code(package.searchpath(mod, package.path))
   return value
+end
+
+-- The sorted names of registry R and of the built-ins (a set of names whose plugins load on first use).
+function M.names_with(R, builtin)
+  local seen, out = {}, {}
+  for _, n in ipairs(R.names()) do seen[n] = true end
+  for n in pairs(builtin) do seen[n] = true end
+  for n in pairs(seen) do out[#out + 1] = n end
+  table.sort(out)
+  return out
 end
 
 -- A name of the form FILE.lua:NAME: the file and the name (nil when it is not one).

@@ -55,6 +55,8 @@ local session = require('moonrl.train.session')
 local train = require('moonrl.train.step')
 local E = require('moonrl.train.evaluation')
 local models = require('moonrl.train.models')
+local episodes = require('moonrl.train.episodes')
+local trace = require('moonrl.train.trace')
 
 local M = {}
 -- Two kinds of recipe on one base: RL recipes (rl.recipe: rollouts, advantages, a policy update)
@@ -275,6 +277,7 @@ function Recipe:check()
       table.concat(modes, ', ')))
   end
   self:check_sections(self.own_heldout)
+  self.env = sections.check_env(self.cfg) -- (nil: single-turn rollouts)
 end
 
 function Recipe:start_options()
@@ -323,19 +326,42 @@ function Recipe:rollout(step)
   return samples, { reward = rm }
 end
 
+-- Multi-turn episodes (env.name: moonrl.train.episodes) in place of single completions: one
+-- sample an episode, self.group episodes a record, with the episodes' counts second.
+function Recipe:episodes(records, seed_step, o)
+  local S, e = self.S, self.cfg.env
+  o = o or {}
+  local names
+  if e.tools then
+    names = {}
+    for n in e.tools:gmatch('[^,%s]+') do names[#names + 1] = n end
+  end
+  local sampling = o.sampling or self.sampling
+  sampling.step = seed_step
+  return episodes.run({ engine = S.engine, tok = S.tok,
+    tpl = e.template == 'chat' and S.tpl or nil, env = self.env, records = records, group = o.group or self.group,
+    sampling = sampling, step = seed_step, seed = self.cfg.run.seed, concurrency = e.concurrency,
+    limits = { max_turns = e.max_turns, max_tokens = e.max_tokens, max_seconds = e.max_seconds,
+      max_step_seconds = e.max_step_seconds },
+    extension = e.extension, tools = names, tool_format = e.tool_format, system = self.cfg.data and self.cfg.data.system,
+    span = trace.complete })
+end
+
 function Recipe:prompts(step) return self.S:prompts(self.c.prompts) end
 
 -- seed_step: what the samples' seeds derive from (with the prompt and sample index).
 function Recipe:generate(records, seed_step)
   local S = self.S
+  if self.env then return S:phase('generate', self.episodes, self, records, seed_step) end
   self.sampling.step = seed_step
   local results = S:phase('generate', function() return S.engine:generate(batch.requests(records, self.group), self.sampling) end)
   return batch.flatten(records, results)
 end
 
-function Recipe:score(samples)
+-- env_stats: the episodes' counts (Recipe:episodes), reported with the rewards (env/...).
+function Recipe:score(samples, env_stats)
   local S = self.S
-  local scores, kept, rm = S:phase('reward', S.score, S, samples, self.group)
+  local scores, kept, rm = S:phase('reward', S.score, S, samples, self.group, env_stats)
   for i, s in ipairs(kept) do s.score = scores[i - 1] end
   return kept, rm
 end
@@ -344,10 +370,35 @@ end
 
 function Recipe:train_step(step, samples, info)
   self:advantages(samples, info)
+  samples = M.expand_pieces(samples)
   local m = self:update(samples, info)
   self:metrics(m, samples, info)
   m.eval = self:evaluate(step)
   return self:log(m)
+end
+
+-- An episode split where the template's rendering left its tokens (env.extension=split) trains
+-- as its pieces then itself, every piece with the episode's advantage and origin.
+function M.expand_pieces(samples)
+  local any = false
+  for _, s in ipairs(samples) do if s.pieces then any = true; break end end
+  if not any then return samples end
+  local out = {}
+  for _, s in ipairs(samples) do
+    for _, p in ipairs(s.pieces or {}) do
+      if s.adv_tokens then
+        error('env.extension=split: an episode split in pieces needs one advantage a sample (grpo, rloo, reinforce...), ' ..
+          'not one a token', 0)
+      end
+      local piece = {}
+      for k, v in pairs(s) do piece[k] = v end
+      for k, v in pairs(p) do piece[k] = v end
+      piece.pieces, piece.old_logprobs = nil, nil
+      out[#out + 1] = piece
+    end
+    out[#out + 1] = s
+  end
+  return out
 end
 
 -- What an advantage estimator is given besides the samples (moonrl.algo.estimators).
@@ -417,6 +468,7 @@ function Recipe:metrics(m, samples, info)
   m.reward, m.accuracy = metrics.reward_metrics(batch.scores(samples), #samples)
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
   if rm.stats then m.reward[tostring(self.cfg.reward.name):gsub('%W', '_')] = rm.stats end -- (reward/code/executions, ...)
+  m.env = episodes.metrics(rm.env)
   m.response_length = metrics.length_metrics(samples)
   m.data = S:data_metrics()
   m.async = S.rollouts:metrics(info)
@@ -434,7 +486,10 @@ end
 
 -- Greedy answers to the held-out prompts judged by the reward (moonrl.train.evaluation.accuracy).
 function Recipe:heldout_metrics()
-  return E.accuracy(self.S, self.cfg, self:eval_records(), { max_tokens = self.c.max_tokens, eos_ids = self.sampling.eos_ids })
+  return E.accuracy(self.S, self.cfg, self:eval_records(), { max_tokens = self.c.max_tokens, eos_ids = self.sampling.eos_ids,
+    episodes = self.env and function(records, sampling)
+      return (self:episodes(records, 0, { group = 1, sampling = sampling }))
+    end or nil })
 end
 
 function Recipe:evaluate(step)

@@ -22,6 +22,7 @@
 --              record also has rejected, the answer with the default example's flaw ("85="),
 --              for preference recipes (`moonrl run dpo data.task=addition`).
 --   code       short Python programs with their tests (below), for reward=code.
+--   guess      secret numbers for the number game of env=guess.
 local M = require('moonrl.registry').new('task')
 
 M.register('addition', function(o)
@@ -157,6 +158,19 @@ M.register('code', function(o)
   return { train = train, heldout = heldout }
 end, 'short Python programs with their tests (functions and stdin/stdout), judged by reward=code in the sandbox: ' ..
   '1,600 problems, 100 held out')
+
+-- guess: the number game of env=guess (plugins/envs/guess.lua): each record's answer is a secret
+-- in 1..100, its prompt the rules; 2,000 records drawn from the seed, o.heldout (100) held out.
+M.register('guess', function(o)
+  local rng = o.rng or require('moonrl.rng').new(o.seed or 1)
+  local n_heldout = o.heldout or 100
+  local train, heldout = {}, {}
+  for i = 1, 2000 do
+    local r = { prompt = 'Guess my number between 1 and 100. Answer with a number.', answer = tostring(1 + rng:int(100)) }
+    if i <= n_heldout then heldout[#heldout + 1] = r else train[#train + 1] = r end
+  end
+  return { train = train, heldout = heldout }
+end, 'a secret number in 1..100 to guess with higher/lower answers (env=guess): 2,000 records, 100 held out')
 
 local cache = {}
 

@@ -50,14 +50,7 @@ function M.get(name)
   return R.get(name)
 end
 
-function M.names()
-  local seen, out = {}, {}
-  for _, n in ipairs(R.names()) do seen[n] = true end
-  for n in pairs(BUILTIN) do seen[n] = true end
-  for n in pairs(seen) do out[#out + 1] = n end
-  table.sort(out)
-  return out
-end
+function M.names() return registry.names_with(R, BUILTIN) end
 
 -- The declarations of the named tools, as the chat templates' `tools` variable takes them.
 function M.schemas(names)

@@ -15,6 +15,8 @@
 -- session: the result says `restarted`, and the next cell starts a new interpreter, its state
 -- gone. Output past 64 KiB a cell is cut (`truncated`). What a cell writes to the interpreter's
 -- own channel can only garble its own result.
+local moonrl = require('moonrl')
+local env = require('moonrl.env')
 local sandbox = require('moonrl.sandbox')
 local json = require('moonrl.io.json')
 
@@ -28,6 +30,20 @@ end
 
 local Python = {}
 Python.__index = Python
+
+-- The interpreter's answer line. Inside a multi-turn episode (moonrl.env.in_episode) it is polled,
+-- the episode giving way between polls (env.pause), so that the engine goes on with the others;
+-- elsewhere one blocking wait.
+local function recv_line(session, timeout)
+  if not env.in_episode() then return session:recv('\n', timeout) end
+  local deadline = moonrl.now() + timeout
+  while true do
+    local line, a, b = session:recv('\n', 0.001)
+    if line then return line, a end
+    if b or moonrl.now() > deadline then return nil, b and true or 'timeout' end
+    env.pause()
+  end
+end
 
 function M.new(opts)
   opts = opts or {}
@@ -49,7 +65,7 @@ function Python:run(code, opts)
   self.cells = self.cells + 1
   local ok, err = pcall(self.session.send, self.session, string.format('MRLCELL %d %g\n', #code, timeout) .. code, timeout)
   local line, ended
-  if ok then line, ended = self.session:recv('\n', timeout + 2) end
+  if ok then line, ended = recv_line(self.session, timeout + 2) end
   local r = line and select(2, pcall(json.decode, line))
   if type(r) == 'table' then
     if r.error == json.null then r.error = nil end

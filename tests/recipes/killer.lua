@@ -34,12 +34,14 @@ function K.run(recipe, words, opts)
   return proc.run(argv, { timeout = opts.timeout or 300 })
 end
 
--- The metrics of a run directory without the keys that measure time, or the process's memory
+-- The metrics of a run directory without the keys that measure time (the episodes' env/*_seconds
+-- and env/env_share too), or the process's memory
 -- (its resident set: the allocator's and the OS's, not the run's math): a list, one per line.
 local function timeless(rec)
   local out = json.object()
   for _, k in ipairs(json.keys(rec)) do
-    if k ~= 'time' and not k:match('^time/') and not k:match('^tokens_per_s/') and not k:match('^memory/') then
+    if k ~= 'time' and not k:match('^time/') and not k:match('^tokens_per_s/') and not k:match('^memory/')
+      and not k:match('^env/.*_seconds$') and k ~= 'env/env_share' then
       out[k] = rec[k]
     end
   end

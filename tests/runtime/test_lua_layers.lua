@@ -19,10 +19,10 @@ local LAYERS = {
   { 'moonrl.io.*', 'moonrl.sandbox', 'moonrl.config', 'moonrl.registry', 'moonrl.rng', 'moonrl.testing' },
   -- 2: the pieces a recipe puts together, each on its own: text, tokenizer and chat templates, model,
   -- optimizer, engine, data, samples and the packed batch (which the algorithms' estimators and
-  -- the evaluation read), the algorithms' math, rewards and tasks. GGUF files are read in io/ but
+  -- the evaluation read), the algorithms' math, rewards, tasks, tools and environments. GGUF files are read in io/ but
   -- G:model() builds a moonrl.model from one, so moonrl.io.gguf sits with the model.
   { 'moonrl.text.*', 'moonrl.tokenizer', 'moonrl.chat', 'moonrl.model', 'moonrl.optim', 'moonrl.engine',
-    'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.tools',
+    'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.tools', 'moonrl.env',
     'moonrl.io.gguf' },
   -- 3: the training stack every recipe shares: config sections, the update step, the session with
   -- its rollouts, checkpoints, guards, ranks, traces

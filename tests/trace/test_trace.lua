@@ -22,6 +22,24 @@ t.test('phases nest and survive errors', function()
   trace.disable()
 end)
 
+t.test('complete events: spans already over, at their own start and duration', function()
+  trace.enable(0)
+  local t0 = moonrl.now()
+  trace.complete('env step', t0 + 0.5, 0.25)
+  trace.complete('tool calculator', t0 + 0.6, 0.01)
+  local path = os.tmpname()
+  trace.write(path)
+  local ev = trace.read_events(io.open(path):read('*a')).events
+  os.remove(path)
+  local x = {}
+  for _, e in ipairs(ev) do if e.ph == 'X' then x[#x + 1] = e end end
+  t.eq(#x, 2)
+  t.eq(x[1].name, 'env step')
+  t.near(x[1].dur, 250000, 1e-6, 'duration in microseconds')
+  t.near(x[2].ts - x[1].ts, 100000, 1e-3, 'each at its own start')
+  trace.disable()
+end)
+
 t.test('tensorboard scalars from a nested table', function()
   local dir = os.tmpname()
   os.remove(dir)

@@ -19,6 +19,10 @@ void mrl_trace_disable(void);
  * copied. Cheap no-ops when recording is off. */
 void mrl_trace_begin(const char *name);
 void mrl_trace_end(const char *name);
+/* A span already over, from start_s (mrl_time_now's clock) for dur_s seconds:
+ * a "complete" event on the calling thread's track. For spans that overlap
+ * rather than nest (the environment steps of concurrent episodes). */
+void mrl_trace_complete(const char *name, double start_s, double dur_s);
 /* A counter value at this instant (a separate counter track per name). */
 void mrl_trace_counter(const char *name, double value);
 /* Name the calling thread's track ("trainer", "engine", ...). */

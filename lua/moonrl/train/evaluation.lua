@@ -89,25 +89,52 @@ end
 
 -- Greedy answers to records (this rank's share), judged by cfg.reward: { accuracy, reward,
 -- prompts } over the whole set. o.max_tokens: the recipe's budget (eval.max_tokens > 0 wins;
--- neither: M.answer_budget); o.eos_ids: the ids that end an answer (default the policy's).
+-- neither: M.answer_budget); o.eos_ids: the ids that end an answer (default the policy's);
+-- o.episodes(records, sampling) -> samples: greedy multi-turn episodes in place of single answers
+-- (env.name: scored by their environments' rewards where given), and turns (their mean) too.
 function M.accuracy(S, cfg, records, o)
   o = o or {}
   local mine = S.world.size > 1 and S:shard(records) or records
-  local right, sum = 0, 0
+  local right, sum, turns = 0, 0, 0
   if #mine > 0 then
     local max_tokens = cfg.eval.max_tokens > 0 and cfg.eval.max_tokens or o.max_tokens or M.answer_budget(S, records)
-    local results = S.engine:generate(batch.requests(mine, 1), { temperature = 0, max_tokens = max_tokens,
-      eos_ids = o.eos_ids or prompts.eos_ids(S.tok, S.policy), tokenizer = S.tok })
-    local samples = batch.flatten(mine, results)
-    local scores = require('moonrl.rewards').score_batch(cfg.reward.name, samples, nil,
-      { on_error = 'zero', timeout = cfg.reward.timeout, workers = cfg.reward.workers })
-    for i = 1, #samples do
-      sum = sum + scores[i - 1]
-      if scores[i - 1] >= 1 then right = right + 1 end
+    local sampling = { temperature = 0, max_tokens = max_tokens, eos_ids = o.eos_ids or prompts.eos_ids(S.tok, S.policy),
+      tokenizer = S.tok }
+    local samples
+    if o.episodes then
+      samples = o.episodes(mine, sampling)
+    else
+      samples = batch.flatten(mine, S.engine:generate(batch.requests(mine, 1), sampling))
+    end
+    local scores = M.scores(cfg, samples)
+    for i, s in ipairs(samples) do
+      sum = sum + scores[i]
+      if scores[i] >= 1 then right = right + 1 end
+      turns = turns + (s.episode and s.episode.turns or 0)
     end
   end
-  local t = S.world.size > 1 and S:sum({ right = right, sum = sum }) or { right = right, sum = sum }
-  return { accuracy = t.right / math.max(#records, 1), reward = t.sum / math.max(#records, 1), prompts = #records }
+  local t = { right = right, sum = sum, turns = turns }
+  if S.world.size > 1 then t = S:sum(t) end
+  local n = math.max(#records, 1)
+  return { accuracy = t.right / n, reward = t.sum / n, prompts = #records, turns = o.episodes and t.turns / n or nil }
+end
+
+-- The held-out samples' scores (a Lua list): an episode's reward from its environment where it got
+-- one (0 where the environment failed), else the reward function's (0 where it fails).
+function M.scores(cfg, samples)
+  local out, need, sub = {}, {}, {}
+  for i, s in ipairs(samples) do
+    local ep = s.episode
+    if ep and ep.reason == 'env_error' then out[i] = 0
+    elseif ep and ep.reward ~= nil then out[i] = ep.reward
+    else need[#need + 1] = i; sub[#sub + 1] = s end
+  end
+  if #sub > 0 then
+    local sc = require('moonrl.rewards').score_batch(cfg.reward.name, sub, nil,
+      { on_error = 'zero', timeout = cfg.reward.timeout, workers = cfg.reward.workers })
+    for k, i in ipairs(need) do out[i] = sc[k - 1] end
+  end
+  return out
 end
 
 return M

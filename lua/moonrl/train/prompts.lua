@@ -153,11 +153,35 @@ end
 -- reward (reward.name): the scores (double array), the samples kept, and metrics. A sample whose
 -- reward fails drops its whole group with reward.on_error = 'drop' (its group's advantages
 -- would be wrong), scores 0 with 'zero', is an error with 'stop'.
-function P:score(samples, group)
+-- Episodes (moonrl.train.episodes: s.episode) that got rewards from their environment keep them
+-- (the reward function scores the others); one that ended on an error of its environment is a
+-- failure as a failing reward is. env_stats: the episodes' counts, summed over the ranks with m.
+function P:score(samples, group, env_stats)
   local rc = self.cfg.reward
-  local scores, _, failures, stats = require('moonrl.rewards').score_batch(rc.name, samples, nil,
-    { on_error = rc.on_error, timeout = rc.timeout, workers = rc.workers })
-  local m = { errors = #failures, dropped_groups = 0, stats = stats } -- (stats: a batch reward's, this rank's)
+  local scores, failures, stats = ffi.new('double[?]', math.max(#samples, 1)), {}, nil
+  local need = {} -- the samples the reward function scores
+  for i, s in ipairs(samples) do
+    local ep = s.episode
+    if ep and ep.reason == 'env_error' then
+      failures[#failures + 1] = { index = i, message = 'the environment: ' .. tostring(ep.error) }
+    elseif ep and ep.reward ~= nil then
+      scores[i - 1] = ep.reward
+    else
+      need[#need + 1] = i
+    end
+  end
+  if #need > 0 then
+    local sub = {}
+    for k, i in ipairs(need) do sub[k] = samples[i] end
+    local sc, _, fails, st = require('moonrl.rewards').score_batch(rc.name, sub, nil,
+      { on_error = rc.on_error, timeout = rc.timeout, workers = rc.workers })
+    for k, i in ipairs(need) do scores[i - 1] = sc[k - 1] end
+    for _, f in ipairs(fails) do failures[#failures + 1] = { index = need[f.index], message = f.message } end
+    table.sort(failures, function(a, b) return a.index < b.index end)
+    stats = st
+  end
+  if rc.on_error == 'stop' and #failures > 0 then error(failures[1].message, 0) end
+  local m = { errors = #failures, dropped_groups = 0, stats = stats, env = env_stats } -- (stats: a batch reward's, this rank's)
   if #failures == 0 or rc.on_error ~= 'drop' then return self:gather_scored(scores, samples, m) end
   for i, f in ipairs(failures) do
     if i <= 3 then self:event('reward_error', { message = f.message }) end
@@ -191,7 +215,8 @@ function P:gather_scored(scores, samples, m)
     s.rank = w.rank
     mine[i] = json.object({ 'p', s.record and s.record.prompt_index or json.null, 'ids', json.array(s.ids),
       'lp', s.rollout_logprobs and json.array(s.rollout_logprobs) or json.null, 'f', s.finish_reason or json.null,
-      't', s.response or '', 's', scores[i - 1] })
+      't', s.response or '', 's', scores[i - 1], 'm', s.loss_mask or json.null, 'e', s.episode or json.null,
+      'pc', s.pieces or json.null })
   end
   local blobs = w:gather_strings(json.encode(json.array(mine)))
   local all, values = {}, {}
@@ -203,7 +228,8 @@ function P:gather_scored(scores, samples, m)
         local rec = self.batch_records[e.p + 1]
         all[#all + 1] = { prompt_ids = rec.prompt_ids, ids = e.ids, rollout_logprobs = e.lp ~= json.null and e.lp or nil,
           response = e.t, finish_reason = e.f ~= json.null and e.f or nil, prompt = rec.prompt, answer = rec.answer,
-          meta = rec.meta, group = e.p + 1, record = rec, rank = r - 1 }
+          meta = rec.meta, group = e.p + 1, record = rec, rank = r - 1, loss_mask = e.m ~= json.null and e.m or nil,
+          episode = e.e ~= json.null and e.e or nil, pieces = e.pc ~= json.null and e.pc or nil }
         values[#all] = e.s
       end
     end

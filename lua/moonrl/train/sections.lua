@@ -227,6 +227,7 @@ function M.rl_config()
     data = M.task_data_config { prompt = 'prompt', answer = 'answer', chat = true, system = '' },
     reward = M.reward_config('math'), -- a name in the reward registry (moonrl.rewards), or FILE.lua:NAME
     sandbox = M.sandbox_config(), -- (reward=code's runs)
+    env = M.env_config(), -- multi-turn episodes (env=NAME)
     reward_model = { dir = config.optional('string', 'a ...ForSequenceClassification checkpoint (reward=reward_model)') },
     train = M.train_config { lr = 1e-6 },
     engine = M.engine_config(),
@@ -253,6 +254,53 @@ function M.supervised_config()
     save = true,
     quiet = false, -- no step lines
   }
+end
+
+-- env: multi-turn episodes (moonrl.env, moonrl.train.episodes). name: the environment (env=NAME, or
+-- FILE.lua:NAME; unset: single-turn rollouts); tools: the tools offered (comma-separated; default the
+-- environment's own); the limits of an episode: max_turns (model turns), max_tokens (its tokens after
+-- the first prompt, the model's and the environment's), max_seconds (its clock, 0: none),
+-- max_step_seconds (an environment step that pauses past it ends the episode, 0: none);
+-- concurrency: environment calls in flight at once; extension: keep | split (when the template's
+-- rendering of the conversation is not the episode's tokens: go on with the exact tokens, or
+-- start a new sample from the rendering); tool_format: auto | hermes | llama3 (how tool calls are
+-- written); template: chat (the model's chat template, with data.chat) | plain (the messages'
+-- contents one after another: tokenizers without a template).
+function M.env_config()
+  return { name = config.optional('string', 'an environment (moonrl.env) or FILE.lua:NAME: multi-turn episodes'),
+    tools = config.optional('string', 'the tools offered, comma-separated (default: the environment\'s)'),
+    max_turns = config.integer(8, { min = 1 }), max_tokens = config.integer(1024, { min = 1 }),
+    max_seconds = config.number(0, { min = 0 }), max_step_seconds = config.number(60, { min = 0 }),
+    concurrency = config.integer(64, { min = 1 }), extension = 'keep', tool_format = 'auto', template = 'chat' }
+end
+
+-- The env section checked at start-up (names, choices): nil when no environment is asked for.
+function M.check_env(cfg)
+  local e = cfg.env
+  if not (e and e.name) then return nil end
+  local def = require('moonrl.env').check(e.name, 'env.name')
+  local choices = { extension = { keep = true, split = true }, tool_format = { auto = true, hermes = true, llama3 = true },
+    template = { chat = true, plain = true } }
+  for key, ok in pairs(choices) do
+    if not ok[e[key]] then
+      local list = {}
+      for k in pairs(ok) do list[#list + 1] = k end
+      table.sort(list)
+      moonrl.usage_error(string.format("config key 'env.%s': '%s' is not one of %s", key, tostring(e[key]),
+        table.concat(list, ', ')))
+    end
+  end
+  if e.tools then
+    local tools = require('moonrl.tools')
+    for name in e.tools:gmatch('[^,%s]+') do
+      local ok, err = pcall(tools.get, name)
+      if not ok then moonrl.usage_error("config key 'env.tools': " .. moonrl.error_text(err)) end
+    end
+  end
+  if cfg.async and cfg.async.stream then
+    moonrl.usage_error("config key 'async.stream': multi-turn episodes (env.name) run turn by turn on their own engine loop, not in a stream")
+  end
+  return def
 end
 
 -- moe (a qwen3_moe policy): routing_replay: the engine records the experts each token went to

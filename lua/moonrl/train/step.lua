@@ -177,11 +177,13 @@ function M.policy_step(o)
     ffi.copy(old, lp, 4 * n)
     for i = 1, #b.len do
       local s, t0 = samples[first + i - 1], b.first[i]
+      local lm = s.loss_mask -- (an episode's environment tokens: no engine log-prob to hold against)
       for k = 1, b.len[i] do
         adv[t0 + k - 1] = s.adv_tokens and s.adv_tokens[k] or s.adv
         if s.old_logprobs then old[t0 + k - 1] = s.old_logprobs[k] end
-        if behav then behav[t0 + k - 1] = s.rollout_logprobs and s.rollout_logprobs[k] or old[t0 + k - 1] end
-        local rollout = measure and s.rollout_logprobs and s.rollout_logprobs[k]
+        local engine_lp = s.rollout_logprobs and not (lm and lm[k] == 0) and s.rollout_logprobs[k]
+        if behav then behav[t0 + k - 1] = engine_lp or old[t0 + k - 1] end
+        local rollout = measure and engine_lp
         if rollout then
           local d = math.abs(lp[t0 + k - 1] - rollout)
           mm.sum, mm.mult, mm.n = mm.sum + d, mm.mult + math.exp(d), mm.n + 1

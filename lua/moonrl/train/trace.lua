@@ -20,6 +20,8 @@ function M.disable() C.mrl_trace_disable() end
 function M.begin(name) C.mrl_trace_begin(name) end
 function M.finish(name) C.mrl_trace_end(name) end
 function M.counter(name, value) C.mrl_trace_counter(name, value) end
+-- A span already over (start: moonrl.now()'s clock, dur seconds), for spans that overlap.
+function M.complete(name, start, dur) C.mrl_trace_complete(name, start, dur) end
 function M.thread_name(name) C.mrl_trace_thread_name(name) end
 function M.count() return tonumber(C.mrl_trace_event_count()) end
 function M.write(path) moonrl.check(C.mrl_trace_write(path), 2) end
