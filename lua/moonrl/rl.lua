@@ -343,7 +343,8 @@ function Recipe:episodes(records, seed_step, o)
     sampling = sampling, step = seed_step, seed = self.cfg.run.seed, concurrency = e.concurrency,
     limits = { max_turns = e.max_turns, max_tokens = e.max_tokens, max_seconds = e.max_seconds,
       max_step_seconds = e.max_step_seconds },
-    extension = e.extension, tools = names, tool_format = e.tool_format, system = self.cfg.data and self.cfg.data.system,
+    extension = e.extension, tools = names, tool_format = e.tool_format,
+    template_vars = e.enable_thinking ~= nil and { enable_thinking = e.enable_thinking } or nil, system = self.cfg.data and self.cfg.data.system,
     span = trace.complete })
 end
 

@@ -82,6 +82,7 @@ env.register('script', {
 
 local function run(o)
   local opts = { engine = o.engine or new_engine(o.model), tok = tok, tpl = o.tpl, env = env.get(o.env or 'script'),
+    template_vars = o.template_vars,
     records = o.records or records, group = o.group or 2, sampling = o.sampling or sampling, step = 1, seed = 3,
     limits = o.limits or { max_turns = 8, max_tokens = 200 }, extension = o.extension, concurrency = o.concurrency,
     tools = o.tools }
@@ -221,6 +222,49 @@ t.test('extension failures: a template that rewrites earlier turns, kept or spli
   local flat = require('moonrl.rl').expand_pieces(split)
   t.eq(#flat, #split + st2.splits)
   for _, s in ipairs(flat) do t.eq(s.adv, s.episode.turns) end
+end)
+
+t.test('Qwen3\'s own template without thinking: its rendering drops the empty think blocks of earlier turns', function()
+  -- with enable_thinking=false the generation prompt ends "<think>\n\n</think>\n\n", which the
+  -- template leaves out of an assistant message once a user message follows it: the conversation
+  -- rendered again is not the episode's tokens (veRL #6854, prime-rl #1334)
+  local tpl = template(io.open('tests/chat/templates/Qwen-Qwen3-0.6B.jinja'):read('*a'))
+  local samples, stats = run({ tpl = tpl, template_vars = { enable_thinking = false } })
+  t.truthy(stats.extension_failures > 0, 'failures counted: ' .. stats.extension_failures)
+  for _, s in ipairs(samples) do
+    -- the tokens hold every generation prompt as it was, the empty think block included
+    local all = {}
+    for _, id in ipairs(s.prompt_ids) do all[#all + 1] = id end
+    for _, id in ipairs(s.ids) do all[#all + 1] = id end
+    local _, blocks = tok:decode(all, { skip_special = false }):gsub('<|im_start|>assistant\n<think>\n\n</think>\n\n', '')
+    t.eq(blocks, s.episode.turns, 'one empty think block a turn, as generated')
+    local k, turns = 0, {}
+    for _, m in ipairs(s.messages) do if m.role == 'assistant' then turns[#turns + 1] = m.content end end
+    for _, r in ipairs(runs_of(s)) do
+      if r[1] == 1 then
+        k = k + 1
+        local ids = sub(s.ids, r[2], r[3])
+        if ids[#ids] == EOS then ids[#ids] = nil end
+        t.eq(tok:decode(ids, { skip_special = false }), turns[k])
+      end
+    end
+  end
+  check_logprobs(samples, 'Qwen3, keep')
+  local split, st2 = run({ tpl = tpl, template_vars = { enable_thinking = false }, extension = 'split' })
+  t.eq(st2.splits, st2.extension_failures)
+  local all = {}
+  for _, s in ipairs(split) do
+    for _, p in ipairs(s.pieces or {}) do all[#all + 1] = p end
+    all[#all + 1] = s
+    -- every observation splits (each earlier turn loses its empty think block): the last sample's prompt is
+    -- the rendering of the conversation before the last turn
+    t.eq(#(s.pieces or {}), s.episode.turns - 1, 'a split after each observation')
+    if s.pieces then
+      t.eq(tok:decode(s.prompt_ids, { skip_special = false }), tpl:render(sub(s.messages, 1, #s.messages - 1),
+        { add_generation_prompt = true, enable_thinking = false }), 'the new sample\'s prompt is the rendering')
+    end
+  end
+  check_logprobs(all, 'Qwen3, split')
 end)
 
 t.test('limits end episodes with their reason', function()

@@ -12,9 +12,9 @@
 -- are never decoded and encoded again (what veRL found breaks PPO): the observation's tokens are
 -- the template's text after the turn (the end of the assistant's message the model did not
 -- write, then the observation's messages and the next generation prompt), encoded alone. That
--- text is the difference of two renderings of a fixed stand-in conversation, with and without
--- the observations, so a template that rewrites earlier turns (Qwen3's strip of <think>) does not
--- change it.
+-- text is read off a fixed stand-in conversation rendered with the observations, after the
+-- stand-in answer's content, so a template that rewrites earlier turns (Qwen3's strip of <think>)
+-- does not change it.
 --
 -- Extension: after each observation the whole conversation is rendered again, as a server that
 -- re-applies the template to the messages would; when that text is not the decoded sequence
@@ -87,23 +87,17 @@ local function renderer(o)
   end, false
 end
 
--- What the template puts after an assistant's content (its end token and separator), and the text
--- of observations after such a message (with the next generation prompt): both from the stand-in.
-local function assistant_suffix(render)
-  local a = render(STAND_IN, false)
-  local at = a:find('A\1', 1, true)
-  if not at then error('the chat template does not render an assistant message\'s content as it is', 0) end
-  return a:sub(at + 2), a
-end
-
-local function observation_text(render, base, obs)
+-- What the template writes after an assistant's content when observations follow it: the end of
+-- the message (its end token, a separator), the observations, the next generation prompt. Read off
+-- the stand-in conversation rendered with them, after the stand-in answer's content (the messages
+-- before it may render otherwise once a new user message follows: Qwen3's drops think blocks).
+local function observation_text(render, obs)
   local msgs = copy_list(STAND_IN)
   for _, m in ipairs(obs) do msgs[#msgs + 1] = m end
   local full = render(msgs, true)
-  if full:sub(1, #base) ~= base then
-    error('the chat template renders earlier messages differently once observations follow them', 0)
-  end
-  return full:sub(#base + 1)
+  local at = full:find('A\1', 1, true)
+  if not at then error('the chat template does not render an assistant message\'s content as it is', 0) end
+  return full:sub(at + 2)
 end
 
 -- ---- checks of what an environment returns --------------------------------------------------
@@ -138,8 +132,6 @@ function M.run(o)
   for _, n in ipairs(tool_names) do known[n] = true end
   o.tool_schemas = #tool_names > 0 and tools.schemas(tool_names) or nil
   local render, plain = renderer(o)
-  local suffix, base = '', ''
-  if not plain then suffix, base = assistant_suffix(render) end
   local now = moonrl.now
   local t_start = now()
 
@@ -232,13 +224,12 @@ function M.run(o)
       for i, m in ipairs(obs) do parts[i] = m.content end
       text = table.concat(parts)
     else
-      local bridge = suffix
-      local last = e.ids[#e.ids]
+      text = observation_text(render, obs)
+      local last = e.ids[#e.ids] -- the model wrote the message's end token: the text goes on after it
       if last and eos[last] then
         local end_text = tok:decode({ last }, { skip_special = false })
-        if bridge:sub(1, #end_text) == end_text then bridge = bridge:sub(#end_text + 1) end
+        if text:sub(1, #end_text) == end_text then text = text:sub(#end_text + 1) end
       end
-      text = bridge .. observation_text(render, base, obs)
     end
     local delta = tok:encode(text, { add_special = false })
     if e.total + #delta >= max_tokens or #e.prompt_ids + #e.ids + #delta >= positions then

@@ -265,13 +265,15 @@ end
 -- rendering of the conversation is not the episode's tokens: go on with the exact tokens, or
 -- start a new sample from the rendering); tool_format: auto | hermes | llama3 (how tool calls are
 -- written); template: chat (the model's chat template, with data.chat) | plain (the messages'
--- contents one after another: tokenizers without a template).
+-- contents one after another: tokenizers without a template); enable_thinking: the template
+-- variable of that name (Qwen3's), when set.
 function M.env_config()
   return { name = config.optional('string', 'an environment (moonrl.env) or FILE.lua:NAME: multi-turn episodes'),
     tools = config.optional('string', 'the tools offered, comma-separated (default: the environment\'s)'),
     max_turns = config.integer(8, { min = 1 }), max_tokens = config.integer(1024, { min = 1 }),
     max_seconds = config.number(0, { min = 0 }), max_step_seconds = config.number(60, { min = 0 }),
-    concurrency = config.integer(64, { min = 1 }), extension = 'keep', tool_format = 'auto', template = 'chat' }
+    concurrency = config.integer(64, { min = 1 }), extension = 'keep', tool_format = 'auto', template = 'chat',
+    enable_thinking = config.optional('boolean', 'the chat template\'s enable_thinking (Qwen3): unset, the template\'s default') }
 end
 
 -- The env section checked at start-up (names, choices): nil when no environment is asked for.
