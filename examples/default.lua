@@ -51,15 +51,17 @@ local default = rl.recipe {
               ['grpo.eval_every'] = 'eval.every' },
 }
 
--- The model: Llama-style with tied embeddings, initialised from the seed, and its tokenizer.
+-- The model: Llama-style with tied embeddings, initialised from the seed, and its tokenizer (the
+-- recipes extending this one set their own, and the positions their sequences need).
+default.tokenizer_dir, default.positions = TOKENIZER, 32
 function default:start_options()
   local cfg, o = self.cfg, rl.Recipe.start_options(self)
-  local tok = moonrl.tokenizer.load(TOKENIZER)
-  o.tokenizer, o.tokenizer_dir = tok, TOKENIZER
+  local tok = moonrl.tokenizer.load(self.tokenizer_dir)
+  o.tokenizer, o.tokenizer_dir = tok, self.tokenizer_dir
   o.policy = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_size,
     hidden_size = cfg.model.hidden_size, intermediate_size = cfg.model.intermediate_size,
     num_hidden_layers = cfg.model.layers, num_attention_heads = cfg.model.heads,
-    max_position_embeddings = 32, tie_word_embeddings = true,
+    max_position_embeddings = self.positions, tie_word_embeddings = true,
     bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = cfg.run.seed })
   o.optimizer = false -- the warm-up's AdamW first, then GRPO's (setup)
   return o
@@ -71,6 +73,20 @@ function default:setup()
   rl.Recipe.setup(self)
   local S, cfg = self.S, self.cfg
   self.rng = S:rng('draw', cfg.run.seed)
+  self.train, self.heldout = self:problems()
+  for i, p in ipairs(self.heldout) do p.prompt_index = i - 1 end
+  -- 2. the warm-up, and the held-out accuracy it leaves
+  self:warmup()
+  local f = self.figure
+  self.before = S:memo('before', function() return f.of(self:heldout_metrics()) end)
+  print(string.format('held-out %s after the SFT warm-up (%d steps): %s', f.name, cfg.sft.steps, f.text(self.before)))
+  -- 3. GRPO (moonrl.rl's loop) with a fresh AdamW: its state is what the GRPO phase checkpoints
+  S.opt = S:optimizer('policy', models.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+end
+
+-- The problems, training and held out, with their token ids.
+function default:problems()
+  local S, cfg = self.S, self.cfg
   local task = require('moonrl.tasks').get('addition')({ seed = cfg.run.seed, rng = self.rng, heldout = cfg.heldout })
   for _, set in ipairs({ task.heldout, task.train }) do
     for _, p in ipairs(set) do
@@ -79,15 +95,19 @@ function default:setup()
       p.flawed_ids = prompts.completion_ids(S.tok, p.answer .. '=')      -- 8 5 = <|eos|>
     end
   end
-  for i, p in ipairs(task.heldout) do p.prompt_index = i - 1 end
-  self.train, self.heldout = task.train, task.heldout
-  -- 2. the warm-up, and the held-out accuracy it leaves
-  self:warmup()
-  self.before = S:memo('before', function() return self:heldout_metrics().accuracy end)
-  print(string.format('held-out accuracy after the SFT warm-up (%d steps): %.1f%%', cfg.sft.steps, 100 * self.before))
-  -- 3. GRPO (moonrl.rl's loop) with a fresh AdamW: its state is what the GRPO phase checkpoints
-  S.opt = S:optimizer('policy', models.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+  return task.train, task.heldout
 end
+
+-- One warm-up example of problem p: its answer, flawed (a stray '=') with probability sft.flawed.
+function default:warmup_sample(p)
+  local flawed = self.rng:int(1000) < 1000 * self.cfg.sft.flawed
+  return { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
+end
+
+-- The held-out figure printed before and after GRPO: the greedy accuracy (an example extending this
+-- one may print another: examples/agent_guess.lua, the turns to win).
+default.figure = { name = 'accuracy', of = function(m) return m.accuracy end,
+  text = function(v) return string.format('%.1f%%', 100 * v) end }
 
 -- n training problems at random (with replacement)
 function default:draw(n)
@@ -104,10 +124,7 @@ function default:warmup()
   train.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
     batch = function()
       local samples = {}
-      for i, p in ipairs(self:draw(c.batch)) do
-        local flawed = self.rng:int(1000) < 1000 * c.flawed
-        samples[i] = { prompt_ids = p.prompt_ids, ids = flawed and p.flawed_ids or p.answer_ids }
-      end
+      for i, p in ipairs(self:draw(c.batch)) do samples[i] = self:warmup_sample(p) end
       return samples
     end,
     update = function(samples, step)
@@ -135,10 +152,11 @@ end
 -- 4. The held-out accuracy after GRPO, and the model in Hugging Face format.
 function default:finish()
   local S = self.S
-  local after = self:heldout_metrics().accuracy
-  print(string.format('held-out accuracy (greedy, %d problems): %.1f%% before GRPO -> %.1f%% after',
-    #self:eval_records(), 100 * self.before, 100 * after))
-  S:event('heldout_accuracy', { before = self.before, after = after }, { quiet = true })
+  local f = self.figure
+  local after = f.of(self:heldout_metrics())
+  print(string.format('held-out %s (greedy, %d problems): %s before GRPO -> %s after', f.name, #self:eval_records(),
+    f.text(self.before), f.text(after)))
+  S:event('heldout_' .. f.name:gsub(' ', '_'), { before = self.before, after = after }, { quiet = true })
   local out = rl.Recipe.finish(self)
   out.before, out.after = self.before, after
   return out

@@ -1,6 +1,7 @@
 -- The real-model examples (examples/grpo_gsm8k.lua, examples/dpo_preferences.lua) end to end for a
 -- few steps on a tiny random Qwen2 saved in Hugging Face format, with a small byte-level BPE
--- tokenizer fixture (tests/tok/fixtures/qwen2_split) and a ChatML chat template.
+-- tokenizer fixture (tests/tok/fixtures/qwen2_split) and a ChatML chat template; the agent
+-- examples on their own tiny models for a few steps.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
@@ -51,6 +52,31 @@ t.test('examples/dpo_preferences.lua: DPO on prompt/chosen/rejected with the cha
     'train.steps=3', 'train.pairs=2', 'train.lr=1e-3', 'run.dir=' .. dir .. '/dpo' })
   t.eq(lines(out.dir .. '/metrics.jsonl'), 3)
   t.eq(moonrl.model.load(out.dir .. '/model').config.model_type, 'qwen2')
+end)
+
+t.test('examples/agent_calculator.lua: the warm-up on transcripts, GRPO on two-turn episodes, held-out episodes', function()
+  local out = U.run_recipe('examples/agent_calculator.lua', { 'sft.steps=30', 'sft.calls=0.5', 'grpo.steps=2',
+    'grpo.prompts=4', 'heldout=10', 'run.threads=1', 'run.dir=' .. dir .. '/calc' })
+  t.truthy(out.before and out.after, 'the held-out accuracy before and after')
+  local recs = U.records(out.dir)
+  t.eq(#recs, 2)
+  for _, r in ipairs(recs) do
+    t.eq(r['env/episodes'], 32)
+    t.truthy(r['env/turns'] >= 1 and r['env/turns'] <= 2, 'two turns an episode that calls, one else')
+    t.eq(r['env/ended/done'], 32, 'every episode ends with its answer (no third turn)')
+    t.truthy(r['mismatch/max_abs'] < 1e-4)
+  end
+end)
+
+t.test('examples/agent_guess.lua: the warm-up on games, GRPO on games of several turns, the held-out mean turns', function()
+  local out = U.run_recipe('examples/agent_guess.lua', { 'sft.steps=30', 'grpo.steps=2', 'grpo.prompts=4', 'heldout=10',
+    'run.threads=1', 'run.dir=' .. dir .. '/guess' })
+  t.truthy(out.before >= 1 and out.before <= 10 and out.after >= 1 and out.after <= 10, 'mean turns before and after')
+  for _, r in ipairs(U.records(out.dir)) do
+    t.eq(r['env/episodes'], 32)
+    t.eq(r['env/ended/done'] + r['env/ended/max_turns'] + r['env/ended/max_tokens'], 32)
+    t.truthy(r['mismatch/max_abs'] < 1e-4)
+  end
 end)
 
 require('moonrl.io.fs').remove(dir)
