@@ -56,6 +56,7 @@ local train = require('moonrl.train.step')
 local E = require('moonrl.train.evaluation')
 local models = require('moonrl.train.models')
 local episodes = require('moonrl.train.episodes')
+local agents = require('moonrl.train.agents')
 local trace = require('moonrl.train.trace')
 
 local M = {}
@@ -351,9 +352,22 @@ end
 function Recipe:prompts(step) return self.S:prompts(self.c.prompts) end
 
 -- seed_step: what the samples' seeds derive from (with the prompt and sample index).
+-- Episodes played by agent programs (agent.command: moonrl.train.agents) against this process's
+-- engine, with the episodes' counts second.
+function Recipe:agent_episodes(records, seed_step, o)
+  local S, a = self.S, self.cfg.agent
+  o = o or {}
+  local sampling = o.sampling or self.sampling
+  sampling.step = seed_step
+  return agents.run({ engine = S.engine, tok = S.tok, tpl = S.tpl, records = records, group = o.group or self.group,
+    sampling = sampling, step = seed_step, seed = self.cfg.run.seed, command = a.command, concurrency = a.concurrency,
+    max_seconds = a.max_seconds, model_name = self.name })
+end
+
 function Recipe:generate(records, seed_step)
   local S = self.S
   if self.env then return S:phase('generate', self.episodes, self, records, seed_step) end
+  if self.cfg.agent and self.cfg.agent.command then return S:phase('generate', self.agent_episodes, self, records, seed_step) end
   self.sampling.step = seed_step
   local results = S:phase('generate', function() return S.engine:generate(batch.requests(records, self.group), self.sampling) end)
   return batch.flatten(records, results)
@@ -490,6 +504,8 @@ function Recipe:heldout_metrics()
   return E.accuracy(self.S, self.cfg, self:eval_records(), { max_tokens = self.c.max_tokens, eos_ids = self.sampling.eos_ids,
     episodes = self.env and function(records, sampling)
       return (self:episodes(records, 0, { group = 1, sampling = sampling }))
+    end or self.cfg.agent and self.cfg.agent.command and function(records, sampling)
+      return (self:agent_episodes(records, 0, { group = 1, sampling = sampling }))
     end or nil })
 end
 

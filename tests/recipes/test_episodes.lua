@@ -405,11 +405,8 @@ t.test('grpo on episodes: env=guess, data.task=guess, with the held-out episodes
   local U = dofile('tests/recipes/util.lua')
   local json = require('moonrl.io.json')
   local dir = U.tmpdir('episodes')
-  local mdir = dir .. '/model'
-  model:save(mdir)
   local fs = require('moonrl.io.fs')
-  fs.write(mdir .. '/tokenizer.json', fs.read(TOK .. '/tokenizer.json'))
-  fs.write(mdir .. '/tokenizer_config.json', json.encode(json.object({ 'eos_token', '<|im_end|>', 'chat_template', CHATML })))
+  local mdir = U.save_model(dir .. '/model', model, TOK, json.encode(json.object({ 'eos_token', '<|im_end|>', 'chat_template', CHATML })))
   local out = U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. mdir, 'data.task=guess', 'env=guess', 'env.max_turns=3',
     'grpo.steps=2', 'grpo.prompts=2', 'grpo.samples=3', 'grpo.max_tokens=4', 'train.lr=1e-3', 'eval.every=2',
     'eval.prompts=3', 'run.dir=' .. dir .. '/run' })

@@ -79,5 +79,18 @@ t.test('examples/agent_guess.lua: the warm-up on games, GRPO on games of several
   end
 end)
 
+t.test('examples/agent_openai.lua: the calculator episodes played by a Python program with the openai client', function()
+  if not require('moonrl.io.proc').run({ '/bin/sh', '-c', 'python3 -c "import openai"' }).ok then
+    return print('  (skipped: no openai package for python3)')
+  end
+  local out = U.run_recipe('examples/agent_openai.lua', { 'sft.steps=30', 'sft.calls=0.5', 'grpo.steps=1',
+    'grpo.prompts=2', 'grpo.samples=2', 'heldout=2', 'run.threads=1', 'run.dir=' .. dir .. '/openai' })
+  local r = U.records(out.dir)[1]
+  t.eq(r['env/episodes'], 4)
+  t.eq(r['env/ended/done'], 4, 'every program exited cleanly')
+  t.truthy(r['env/turns'] >= 1 and r['env/turns'] <= 2)
+  t.truthy(r['mismatch/max_abs'] < 1e-4)
+end)
+
 require('moonrl.io.fs').remove(dir)
 t.done()

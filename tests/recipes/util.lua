@@ -26,6 +26,16 @@ function M.tiny_model(dir, opts)
     { seed = opts.seed or 1 })
 end
 
+-- model saved to dir with the tokenizer.json of tok_dir, and its tokenizer_config.json (or
+-- config_text in its place: a chat template of the test's own); returns dir.
+function M.save_model(dir, model, tok_dir, config_text)
+  local fs = require('moonrl.io.fs')
+  model:save(dir)
+  fs.write(dir .. '/tokenizer.json', fs.read(tok_dir .. '/tokenizer.json'))
+  fs.write(dir .. '/tokenizer_config.json', config_text or fs.read(tok_dir .. '/tokenizer_config.json'))
+  return dir
+end
+
 -- The path of a program on PATH (nil when absent).
 function M.which(name)
   for d in (os.getenv('PATH') or ''):gmatch('[^:]+') do

@@ -20,10 +20,12 @@ local LAYERS = {
   -- 2: the pieces a recipe puts together, each on its own: text, tokenizer and chat templates, model,
   -- optimizer, engine, data, samples and the packed batch (which the algorithms' estimators and
   -- the evaluation read), the algorithms' math, rewards, tasks, tools and environments. GGUF files are read in io/ but
-  -- G:model() builds a moonrl.model from one, so moonrl.io.gguf sits with the model.
+  -- G:model() builds a moonrl.model from one, so moonrl.io.gguf sits with the model. The
+  -- OpenAI-compatible server over an engine is a piece too: `moonrl serve` runs it, and the RL
+  -- loop starts it for agent programs (moonrl.train.agents).
   { 'moonrl.text.*', 'moonrl.tokenizer', 'moonrl.chat', 'moonrl.model', 'moonrl.optim', 'moonrl.engine',
     'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.tools', 'moonrl.env',
-    'moonrl.io.gguf' },
+    'moonrl.io.gguf', 'moonrl.serve.server' },
   -- 3: the training stack every recipe shares: config sections, the update step, the session with
   -- its rollouts, checkpoints, guards, ranks, traces
   { 'moonrl.train.*' },

@@ -6,6 +6,18 @@
 --   POST /v1/completions         prompt (string, list of strings, token ids, list of token-id lists)
 --   POST /v1/chat/completions    messages rendered with the model's chat template
 --   GET  /metrics                Prometheus text: requests, tokens, the engine's counters
+--   POST /v1/episodes/reward     training mode: {"episode_id": ..., "reward": x} (below)
+--
+-- Training mode (o.record: what moonrl.train.agents gives, for an RL loop that trains on the
+-- requests of agent programs): a request that names an episode (the request's `user`, its
+-- `metadata.episode_id`, or the API key: `Authorization: Bearer <episode id>`, so that an agent
+-- given only base_url and api_key needs no change) must name one record.known(id) knows and ask
+-- for one sample, and is sampled as record.sampling(id) says ({ temperature, top_p, top_k, min_p,
+-- max_tokens (a cap), seed, step, prompt_index, first_sample }: the trainer's temperature, and a
+-- random stream of the episode's own, whatever the agent asked); once done it goes to
+-- record.turn(id, { prompt_ids, ids, logprobs, text,
+-- finish_reason, version, version_switches }), its exact tokens; /v1/episodes/reward hands the
+-- episode's reward to record.reward(id, x). Requests naming no episode are served as always.
 --
 -- One loop on one thread: poll the HTTP server (core/serve/http.c; 0 ms while the engine has work,
 -- longer when idle), turn new requests into engine requests, run one engine step, push the new
@@ -209,7 +221,7 @@ function M.new(o)
     name = o.model_name, path = o.model_path, max_len = o.max_model_len, eos = o.eos_ids or {},
     seed = o.seed or 0, max_n = o.max_n or 128, default_max_tokens = o.default_max_tokens,
     shutdown_timeout = o.shutdown_timeout or 10, request_timeout = o.request_timeout or 600,
-    log = o.log or function() end,
+    log = o.log or function() end, record = o.record,
     jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(),
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
       active_peak = 0, gone = 0, timed_out = 0 },
@@ -236,8 +248,9 @@ function M.new(o)
   return self
 end
 
+-- true when the answer went out (it fails only for a client gone)
 function Server:respond(hid, status, body, ctype)
-  C.mrl_http_respond(self.http, hid, status, ctype or 'application/json', body, #body) -- fails only for a client gone
+  return C.mrl_http_respond(self.http, hid, status, ctype or 'application/json', body, #body) == 0
 end
 
 function Server:respond_error(hid, status, message, param, etype)
@@ -405,7 +418,7 @@ end
 
 -- A request's job: validated, tokenised and queued in the engine (or an HttpError raised with
 -- nothing left queued).
-function Server:new_job(hid, body, chat)
+function Server:new_job(hid, body, chat, episode)
   if not json.is_object(body) then bad('the body must be a JSON object') end
   self:check_model(body)
   unsupported(body, { 'presence_penalty', 'frequency_penalty', 'logit_bias', 'suffix', 'echo', 'repetition_penalty' })
@@ -456,16 +469,25 @@ function Server:new_job(hid, body, chat)
     eos_ids = ignore_eos and {} or self.eos,
     stop_ids = stop_ids, seed = seed or self.seed, step = seed and 0 or self.serial,
     top_logprobs = (chat and top_logprobs or (not chat and logprobs)) or 0 }
+  local q = {} -- (an episode's request: the sampling and the random stream its recorder sets)
+  if episode then
+    q = self.record.sampling(episode)
+    for _, k in ipairs({ 'temperature', 'top_p', 'top_k', 'min_p', 'seed', 'step' }) do
+      if q[k] ~= nil then opts[k] = q[k] end
+    end
+    job.episode = episode
+  end
   for i, ids in ipairs(prompts) do
     local mt = max_tokens or (chat and self.default_max_tokens or 16)
+    if q.max_tokens then mt = math.min(mt, q.max_tokens) end
     mt = math.min(mt, self.max_len - #ids)
     local ok, eid = pcall(self.engine.add, self.engine, { prompt_ids = ids, n = n, max_tokens = mt,
-      prompt_index = i - 1 }, opts)
+      prompt_index = q.prompt_index or (i - 1), first_sample = q.first_sample }, opts)
     if not ok then
       self:abandon(job) -- the prompts queued before this one
       bad(moonrl.error_text(eid), chat and 'messages' or 'prompt')
     end
-    job.reqs[i] = { eid = eid, n = n, prompt_len = #ids }
+    job.reqs[i] = { eid = eid, n = n, prompt_len = #ids, prompt_ids = ids }
     job.prompt_tokens = job.prompt_tokens + #ids
     for j = 1, n do
       job.samples[#job.samples + 1] = { eid = eid, j = j - 1, index = (i - 1) * n + (j - 1),
@@ -585,6 +607,7 @@ function Server:finish_job(job)
     end
     self:send(job, 'data: [DONE]\n\n')
     C.mrl_http_stream_end(self.http, job.hid)
+    if job.episode then self:record_turn(job) end
   else
     local choices = arr({})
     for _, s in ipairs(job.samples) do
@@ -597,8 +620,10 @@ function Server:finish_job(job)
         choices[#choices + 1] = obj({ 'index', s.index, 'text', text, 'logprobs', lp, 'finish_reason', s.finish })
       end
     end
-    self:respond(job.hid, 200, json.encode(obj({ 'id', job.id, 'object', job.chat and 'chat.completion' or 'text_completion',
-      'created', job.created, 'model', self.name, 'choices', choices, 'usage', self:usage(job) })))
+    local sent = self:respond(job.hid, 200, json.encode(obj({ 'id', job.id, 'object', job.chat and 'chat.completion' or
+      'text_completion', 'created', job.created, 'model', self.name, 'choices', choices, 'usage', self:usage(job) })))
+    -- (a turn whose agent is known to be gone is not its episode's: it never saw it)
+    if job.episode and sent then self:record_turn(job) end
   end
   for _, q in ipairs(job.reqs) do self.to_release[#self.to_release + 1] = q.eid end
 end
@@ -701,10 +726,54 @@ end
 
 local ROUTES = {
   ['/health'] = 'GET', ['/v1/models'] = 'GET', ['/metrics'] = 'GET', ['/version'] = 'GET',
-  ['/v1/completions'] = 'POST', ['/v1/chat/completions'] = 'POST',
+  ['/v1/completions'] = 'POST', ['/v1/chat/completions'] = 'POST', ['/v1/episodes/reward'] = 'POST',
 }
 
-function Server:handle(hid, method, path, body)
+-- Training mode: the episode a request names (see the top), or nil; one the recorder does not know
+-- is refused.
+function Server:episode_of(body, auth)
+  if not self.record then return nil end
+  local id = field(body, 'user')
+  local meta = field(body, 'metadata')
+  if id == nil and json.is_object(meta) then id = field(meta, 'episode_id') end
+  if id == nil and auth then id = auth:match('^[Bb]earer%s+(%S+)') end
+  if id == nil then return nil end
+  if type(id) ~= 'string' then bad("the episode id ('user', 'metadata.episode_id') must be a string", 'user') end
+  if not self.record.known(id) then fail(404, string.format("no episode '%s' in flight", utf8_clean(id:sub(1, 80))), 'user',
+    'NotFoundError') end
+  return id
+end
+
+-- POST /v1/episodes/reward: { "episode_id" (or the API key), "reward": a finite number }.
+function Server:episode_reward(hid, body, auth)
+  if not self.record then fail(404, 'no route POST /v1/episodes/reward (the server is not in training mode)', nil,
+    'NotFoundError') end
+  if not json.is_object(body) then bad('the body must be a JSON object') end
+  local id = field(body, 'episode_id')
+  if id == nil and auth then id = auth:match('^[Bb]earer%s+(%S+)') end
+  if type(id) ~= 'string' then bad("'episode_id' (a string) is required", 'episode_id') end
+  if not self.record.known(id) then fail(404, string.format("no episode '%s' in flight", utf8_clean(id:sub(1, 80))),
+    'episode_id', 'NotFoundError') end
+  local r = field(body, 'reward')
+  if type(r) ~= 'number' or r ~= r or r == math.huge or r == -math.huge then
+    bad("'reward' must be a finite number", 'reward')
+  end
+  self.record.reward(id, r)
+  self:respond(hid, 200, json.encode(obj({ 'episode_id', id, 'reward', r })))
+end
+
+-- Training mode: a finished request's turn to its recorder, its tokens as the engine sampled them.
+function Server:record_turn(job)
+  local s = job.samples[1]
+  local toks, lps = self.engine:output(s.eid, s.j)
+  local ids, lp = {}, {}
+  for k = 0, s.n_tokens - 1 do ids[k + 1], lp[k + 1] = toks[k], lps[k] end
+  local v, sw = self.engine:versions(s.eid, s.j, s.n_tokens)
+  self.record.turn(job.episode, { prompt_ids = job.reqs[1].prompt_ids, ids = ids, logprobs = lp, text = s.watch.text,
+    finish_reason = s.finish, version = v, version_switches = sw })
+end
+
+function Server:handle(hid, method, path, body, auth)
   local want = ROUTES[path]
   if not want then fail(404, string.format('no route %s %s', method, path), nil, 'NotFoundError') end
   if method ~= want then fail(405, string.format('%s takes %s, not %s', path, want, method), nil, 'MethodNotAllowed') end
@@ -717,7 +786,10 @@ function Server:handle(hid, method, path, body)
   if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
   local ok, req = pcall(json.decode, body, 'request body')
   if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
-  local job = self:new_job(hid, req, path == '/v1/chat/completions')
+  if path == '/v1/episodes/reward' then return self:episode_reward(hid, req, auth) end
+  local episode = json.is_object(req) and self:episode_of(req, auth)
+  if episode and (field(req, 'n') or 1) ~= 1 then bad("a request of an episode asks for one sample ('n': 1)", 'n') end
+  local job = self:new_job(hid, req, path == '/v1/chat/completions', episode or nil)
   job.key = tonumber(hid)
   self.jobs[job.key] = job
   self.active[#self.active + 1] = job
@@ -728,7 +800,8 @@ end
 function Server:on_request(r)
   self.counters.requests = self.counters.requests + 1
   local hid = r.id
-  local ok, err = pcall(self.handle, self, hid, ffi.string(r.method), ffi.string(r.path), ffi.string(r.body, r.body_len))
+  local ok, err = pcall(self.handle, self, hid, ffi.string(r.method), ffi.string(r.path), ffi.string(r.body, r.body_len),
+    r.authorization ~= nil and ffi.string(r.authorization) or nil)
   if not ok then
     if getmetatable(err) == HttpError then
       self:respond_error(hid, err.status, err.message, err.param, err.type)

@@ -44,8 +44,8 @@
 -- turn's text, what a reward judges), finish_reason (the last turn's), messages (the conversation:
 -- data.system, reset's, then the turns and observations, the last observation kept only when a
 -- turn followed it), the record's fields, and
--- s.episode = { turns, reason, reward (the steps' sum, or nil: none given), tool_calls, tool_errors,
--- extension_failures }. stats: the batch's counts (M.metrics).
+-- s.episode = { turns, reason, reward (the steps' sum, or nil: none given), error, failed (true on
+-- env_error: scored as a failing reward), tool_calls, tool_errors, extension_failures }. stats: the batch's counts (M.metrics).
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local envs = require('moonrl.env')
@@ -388,6 +388,7 @@ function M.run(o)
       response = e.last_text or '', finish_reason = e.finish_reason or 'stop', prompt = rec.prompt, answer = rec.answer,
       meta = rec.meta, group = e.i, record = rec, version = e.version, version_switches = e.switches, messages = e.messages,
       episode = { turns = e.ep.turns, reason = e.reason, reward = e.reward, error = e.error,
+        failed = e.reason == 'env_error' or nil,
         extension_failures = e.ext_fail, tool_calls = st.tool_calls, tool_errors = st.tool_errors } }
     if #e.pieces > 0 then s.pieces = e.pieces end
     samples[#samples + 1] = s

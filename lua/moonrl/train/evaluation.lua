@@ -120,12 +120,12 @@ function M.accuracy(S, cfg, records, o)
 end
 
 -- The held-out samples' scores (a Lua list): an episode's reward from its environment where it got
--- one (0 where the environment failed), else the reward function's (0 where it fails).
+-- one (0 where the episode failed), else the reward function's (0 where it fails).
 function M.scores(cfg, samples)
   local out, need, sub = {}, {}, {}
   for i, s in ipairs(samples) do
     local ep = s.episode
-    if ep and ep.reason == 'env_error' then out[i] = 0
+    if ep and ep.failed then out[i] = 0
     elseif ep and ep.reward ~= nil then out[i] = ep.reward
     else need[#need + 1] = i; sub[#sub + 1] = s end
   end

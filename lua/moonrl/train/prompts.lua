@@ -153,17 +153,17 @@ end
 -- reward (reward.name): the scores (double array), the samples kept, and metrics. A sample whose
 -- reward fails drops its whole group with reward.on_error = 'drop' (its group's advantages
 -- would be wrong), scores 0 with 'zero', is an error with 'stop'.
--- Episodes (moonrl.train.episodes: s.episode) that got rewards from their environment keep them
--- (the reward function scores the others); one that ended on an error of its environment is a
--- failure as a failing reward is. env_stats: the episodes' counts, summed over the ranks with m.
+-- Episodes (moonrl.train.episodes, moonrl.train.agents: s.episode) that got rewards from their
+-- environment or agent keep them (the reward function scores the others); one that failed (its
+-- environment's error, its agent's) is a failure as a failing reward is. env_stats: the episodes' counts, summed over the ranks with m.
 function P:score(samples, group, env_stats)
   local rc = self.cfg.reward
   local scores, failures, stats = ffi.new('double[?]', math.max(#samples, 1)), {}, nil
   local need = {} -- the samples the reward function scores
   for i, s in ipairs(samples) do
     local ep = s.episode
-    if ep and ep.reason == 'env_error' then
-      failures[#failures + 1] = { index = i, message = 'the environment: ' .. tostring(ep.error) }
+    if ep and ep.failed then
+      failures[#failures + 1] = { index = i, message = 'the episode failed: ' .. tostring(ep.error) }
     elseif ep and ep.reward ~= nil then
       scores[i - 1] = ep.reward
     else

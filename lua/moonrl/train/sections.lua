@@ -228,6 +228,7 @@ function M.rl_config()
     reward = M.reward_config('math'), -- a name in the reward registry (moonrl.rewards), or FILE.lua:NAME
     sandbox = M.sandbox_config(), -- (reward=code's runs)
     env = M.env_config(), -- multi-turn episodes (env=NAME)
+    agent = M.agent_config(), -- episodes played by agent programs (agent.command)
     reward_model = { dir = config.optional('string', 'a ...ForSequenceClassification checkpoint (reward=reward_model)') },
     train = M.train_config { lr = 1e-6 },
     engine = M.engine_config(),
@@ -276,9 +277,24 @@ function M.env_config()
     enable_thinking = config.optional('boolean', 'the chat template\'s enable_thinking (Qwen3): unset, the template\'s default') }
 end
 
+-- agent: episodes played by agent programs in any language through an OpenAI-compatible server
+-- in training mode (moonrl.train.agents). command: run by /bin/sh once an episode (unset: none);
+-- concurrency: agents at once; max_seconds: an agent's time (killed past it, its episode failed).
+function M.agent_config()
+  return { command = config.optional('string', 'an agent program run once an episode (OPENAI_BASE_URL, OPENAI_API_KEY set)'),
+    concurrency = config.integer(16, { min = 1 }), max_seconds = config.number(300, { above = 0 }) }
+end
+
 -- The env section checked at start-up (names, choices): nil when no environment is asked for.
 function M.check_env(cfg)
   local e = cfg.env
+  if cfg.agent and cfg.agent.command then
+    if e and e.name then moonrl.usage_error("config keys 'env.name' and 'agent.command': one of them (an environment in Lua, or agent programs)") end
+    if cfg.async and cfg.async.stream then
+      moonrl.usage_error("config key 'async.stream': agent programs (agent.command) run on their own server loop, not in a stream")
+    end
+    return nil
+  end
   if not (e and e.name) then return nil end
   local def = require('moonrl.env').check(e.name, 'env.name')
   local choices = { extension = { keep = true, split = true }, tool_format = { auto = true, hermes = true, llama3 = true },
