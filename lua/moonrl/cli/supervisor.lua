@@ -8,7 +8,7 @@
 --     but 2 (a usage error: the same command would fail again), 3 (the guards gave up), and the
 --     clean stops 124 / 130 / 143. After N restarts the last status is returned.
 --   * A hang: no heartbeat (the child beats at every phase of its loop) for run.hang_seconds
---     (0: no watchdog). The supervisor asks the child for its stacks (SIGUSR1), writes what it
+--     (0: no watchdog); before its first heartbeat, ten times that and at least 60 s (start-up). The supervisor asks the child for its stacks (SIGUSR1), writes what it
 --     knows to RUN_DIR/hang-<attempt>.txt (the step and phase in progress, the last heartbeats,
 --     the stacks), sends SIGTERM, then SIGKILL after `--kill-grace` seconds, and restarts it.
 --   * Backoff between restarts: `--backoff` seconds (default 1), doubled each time, at most 60.
@@ -77,6 +77,14 @@ local function hang_report(dir, attempt, child, hang_seconds, stacks_path)
   return path, last
 end
 
+-- The silence after which a child counts as hung: run.hang_seconds once it has beaten; before its
+-- first heartbeat (loading a model, reading a checkpoint, a loaded machine) ten times that, at
+-- least 60 s.
+local function startup_allowance(child, o)
+  if ffi.string(C.mrl_child_recent(child, 1)) ~= '' then return o.hang_seconds end
+  return math.max(10 * o.hang_seconds, 60)
+end
+
 -- Wait for the child while watching for hangs and the supervisor's own signals. Returns
 -- status, cause ('exit', 'hang', 'stopped').
 local function watch(child, o)
@@ -97,7 +105,7 @@ local function watch(child, o)
         C.mrl_child_signal(child, sig)
       end
       forwarded = got
-    elseif not hung and forwarded == 0 and o.hang_seconds > 0 and C.mrl_child_idle_seconds(child) > o.hang_seconds then
+    elseif not hung and forwarded == 0 and o.hang_seconds > 0 and C.mrl_child_idle_seconds(child) > startup_allowance(child, o) then
       hung = true
       C.mrl_child_signal(child, 10) -- SIGUSR1: the stacks
       C.mrl_child_poll(child, 1.0)
