@@ -118,7 +118,7 @@ PY
 
 tests() {
   build || { echo "0 passed, 1 failed"; return 1; }
-  run_suite build
+  run_suite build --no-suite long
   # the C unit tests again, under AddressSanitizer and UndefinedBehaviorSanitizer
   if [ ! -f build-sanitize/build.ninja ]; then
     step "$LOG_DIR/build-sanitize.log" "configuring build-sanitize/ (ASan + UBSan)" meson setup build-sanitize \
