@@ -441,8 +441,64 @@ function M.set_advantages(samples, adv, extra)
 end
 
 function Recipe:advantages(samples, info)
+  if self.env and self.cfg.env.credit == 'turn' then
+    return M.set_advantages(samples, M.turn_advantages(samples, self.group, self.cfg.env.discount))
+  end
   local estimate = algo.estimators.get(self.c.advantage or 'grpo')
   M.set_advantages(samples, estimate(samples, self:advantage_context(samples, info)))
+end
+
+-- env.credit=turn: per-turn credit over episodes. Turn k of an episode gets the discounted return
+-- from it, G_k = sum over m >= k of discount^(m-k) r_m (r_m: turn m's step reward; the score of an
+-- episode judged by the reward function counts at its last turn), normalised against the same turn
+-- of the group's other episodes that reached it: A_k = (G_k - mean) / (std + 1e-6), as GRPO does
+-- with whole episodes (0 where one episode alone reached turn k). Every token of the turn gets A_k;
+-- the environment's tokens are masked anyway. Returns per-token lists (samples' order).
+function M.turn_advantages(samples, group, discount)
+  discount = discount or 1
+  local returns = {}
+  for i, s in ipairs(samples) do
+    local ep = s.episode or {}
+    local r = {}
+    for k = 1, ep.turns or 0 do r[k] = (ep.turn_rewards or {})[k] or 0 end
+    if ep.reward == nil and #r > 0 then r[#r] = r[#r] + (s.score or 0) end
+    local g, acc = {}, 0
+    for k = #r, 1, -1 do acc = r[k] + discount * acc; g[k] = acc end
+    returns[i] = g
+  end
+  local out = {}
+  for first = 1, #samples, group do
+    local last = math.min(first + group - 1, #samples)
+    local stats = {} -- turn k -> { sum, sum of squares, n }
+    for i = first, last do
+      for k, g in ipairs(returns[i]) do
+        local st = stats[k] or { 0, 0, 0 }
+        st[1], st[2], st[3] = st[1] + g, st[2] + g * g, st[3] + 1
+        stats[k] = st
+      end
+    end
+    for i = first, last do
+      local s, adv_turn = samples[i], {}
+      for k, g in ipairs(returns[i]) do
+        local st = stats[k]
+        local mean = st[1] / st[3]
+        local std = math.sqrt(math.max(st[2] / st[3] - mean * mean, 0))
+        adv_turn[k] = st[3] > 1 and (g - mean) / (std + 1e-6) or 0
+      end
+      -- the turn of each token: the episode's turn_ends (its turns' last tokens), the first turn of
+      -- this sample being the episode's (#returns - #ends + 1)-th (an episode split in pieces: its last)
+      local ends = (s.episode or {}).turn_ends or { #s.ids }
+      local list, k = {}, #returns[i] - #ends + 1
+      local j = 1
+      for t = 1, #s.ids do
+        while ends[j] and t > ends[j] do j, k = j + 1, k + 1 end
+        local m = s.loss_mask and s.loss_mask[t] or 1
+        list[t] = m == 1 and (adv_turn[k] or 0) or 0
+      end
+      out[i] = list
+    end
+  end
+  return out
 end
 
 -- One epoch's step.policy_step options (the recipe's section: loss, clips, agg, KL, entropy; the

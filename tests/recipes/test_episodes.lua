@@ -144,6 +144,10 @@ local function check_spelling(samples, tpl)
       end
     end
     t.eq(k, #turns, 'one run of ones a turn')
+    t.eq(#s.episode.turn_ends, #turns, 'where each turn ends')
+    for _, at in ipairs(s.episode.turn_ends) do
+      t.truthy(s.loss_mask[at] == 1 and (s.loss_mask[at + 1] or 0) == 0, 'a turn\'s last token')
+    end
     -- the episode's text is the template's rendering of its conversation (up to the end the model wrote)
     local all = {}
     for _, id in ipairs(s.prompt_ids) do all[#all + 1] = id end
@@ -265,6 +269,43 @@ t.test('Qwen3\'s own template without thinking: its rendering drops the empty th
     end
   end
   check_logprobs(all, 'Qwen3, split')
+end)
+
+t.test('turn-level credit: each turn its discounted return, against the same turn of the group', function()
+  local rl = require('moonrl.rl')
+  -- a group of three episodes: turns' step rewards {1, 0, 2}, {0, 1}, {2} (the last judged by the
+  -- reward function: score 0.5 at its last turn); the mask's ones are the turns
+  local function sample(rewards, reward, score, lens)
+    local ids, mask, ends = {}, {}, {}
+    for k, n in ipairs(lens) do
+      for _ = 1, n do ids[#ids + 1], mask[#mask + 1] = 5, 1 end
+      ends[k] = #ids
+      if k < #lens then ids[#ids + 1], mask[#mask + 1] = 6, 0 end
+    end
+    return { ids = ids, loss_mask = mask, score = score,
+      episode = { turns = #lens, turn_rewards = rewards, reward = reward, turn_ends = ends } }
+  end
+  local s = { sample({ 1, 0, 2 }, 3, 3, { 2, 1, 2 }), sample({ 0, 1 }, 1, 1, { 1, 3 }), sample({ 0 }, nil, 0.5, { 2 }) }
+  local gamma = 0.5
+  local adv = rl.turn_advantages(s, 3, gamma)
+  -- returns: {1 + 0.5*(0 + 0.5*2), 0 + 0.5*2, 2} = {1.5, 1, 2}; {0 + 0.5*1, 1} = {0.5, 1}; {0.5}
+  local function z(g, list)
+    local m, v = 0, 0
+    for _, x in ipairs(list) do m = m + x end
+    m = m / #list
+    for _, x in ipairs(list) do v = v + (x - m) ^ 2 end
+    return (g - m) / (math.sqrt(v / #list) + 1e-6)
+  end
+  local t1 = { 1.5, 0.5, 0.5 }
+  t.near(adv[1][1], z(1.5, t1), 1e-9, 'turn 1 against the group\'s turn 1')
+  t.near(adv[1][2], z(1.5, t1), 1e-9)
+  t.eq(adv[1][3], 0, 'the environment\'s token')
+  t.near(adv[1][4], z(1, { 1, 1 }), 1e-9, 'turn 2 against the two episodes that reached it')
+  t.eq(adv[1][6], 0, 'turn 3: reached by one episode alone')
+  t.near(adv[2][1], z(0.5, t1), 1e-9)
+  t.near(adv[2][3], z(1, { 1, 1 }), 1e-9)
+  t.near(adv[3][2], z(0.5, t1), 1e-9, 'the reward function\'s score at the last turn')
+  t.eq(#adv[1], #s[1].ids)
 end)
 
 t.test('limits end episodes with their reason', function()
@@ -446,6 +487,11 @@ return { vowels = {
   t.eq(#rep.metrics, 5)
   for i = 1, 5 do t.eq(rep.metrics[i], rep.metrics_ref[i], 'metrics of step ' .. i) end
   t.truthy(rep.metrics_ref[1]:find('"reward/std":0[,}]') == nil, 'the rewards differ: the weights move')
+  -- turn-level credit (env.credit=turn) trains too
+  local out2 = U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. mdir, 'data.task=guess',
+    'env=' .. dir .. '/vowels.lua:vowels', 'env.credit=turn', 'env.discount=0.9', 'grpo.steps=2', 'grpo.prompts=2',
+    'grpo.samples=3', 'grpo.max_tokens=6', 'train.lr=1e-2', 'run.dir=' .. dir .. '/turn_credit' })
+  for _, r in ipairs(U.records(out2.dir)) do t.truthy(r.grad_norm > 0, 'a gradient from the turns\' advantages') end
 end)
 
 t.done()

@@ -63,6 +63,8 @@ local function merge(turns)
     end
     local first = #cur.ids + 1
     add(cur, t.ids, 1, t.logprobs)
+    cur.turn_ends = cur.turn_ends or {}
+    cur.turn_ends[#cur.turn_ends + 1] = #cur.ids
     if t.version and cur.version and t.version ~= cur.version then
       cur.switches = cur.switches or {}
       cur.switches[#cur.switches + 1] = { first, t.version }
@@ -184,6 +186,7 @@ function M.run(o)
       response = last and last.text or '', finish_reason = last and last.finish_reason or 'stop', prompt = rec.prompt,
       answer = rec.answer, meta = rec.meta, group = e.i, record = rec, version = cur.version, version_switches = cur.switches,
       episode = { turns = #e.turns, reason = e.reason, reward = e.reward, error = e.error, failed = failed or nil,
+        turn_ends = cur.turn_ends,
         extension_failures = splits } }
     if #pieces > 0 then s.pieces = pieces end
     samples[#samples + 1] = s

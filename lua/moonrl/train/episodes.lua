@@ -44,8 +44,9 @@
 -- turn's text, what a reward judges), finish_reason (the last turn's), messages (the conversation:
 -- data.system, reset's, then the turns and observations, the last observation kept only when a
 -- turn followed it), the record's fields, and
--- s.episode = { turns, reason, reward (the steps' sum, or nil: none given), error, failed (true on
--- env_error: scored as a failing reward), tool_calls, tool_errors, extension_failures }. stats: the batch's counts (M.metrics).
+-- s.episode = { turns, reason, reward (the steps' sum, or nil: none given), turn_rewards (each model
+-- turn's step reward, 0 where none), turn_ends (where each turn of the sample ends in ids), error, failed (true on env_error: scored as a failing reward),
+-- tool_calls, tool_errors, extension_failures }. stats: the batch's counts (M.metrics).
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local envs = require('moonrl.env')
@@ -156,7 +157,7 @@ function M.run(o)
         max_turns = max_turns, system = o.system,
         rng = rng.new(seed * 1000003 + (o.step or 0) * 7919 + (rec.prompt_index or (i - 1)) * 131 + j) }
       E[#E + 1] = { ep = ep, rec = rec, i = i, j = j, state = 'reset', t0 = now(), messages = {}, ids = {}, mask = {},
-        lps = {}, pieces = {}, reward = nil, ext_fail = 0 }
+        lps = {}, pieces = {}, reward = nil, ext_fail = 0, turn_rewards = {}, turn_ends = {} }
     end
   end
 
@@ -255,6 +256,7 @@ function M.run(o)
           local p = e.pieces[#e.pieces]
           for _ = 1, #delta do table.remove(p.ids); table.remove(p.loss_mask); table.remove(p.rollout_logprobs) end
           e.prompt_ids, e.ids, e.mask, e.lps, e.version, e.switches = tok:encode(full, { add_special = false }), {}, {}, {}, nil, nil
+          e.turn_ends = {}
         end
       end
     end
@@ -276,6 +278,7 @@ function M.run(o)
     engine:release(e.req)
     e.req = nil
     e.total = e.total + n
+    e.turn_ends[#e.turn_ends + 1] = #e.ids
     stats.model_tokens = stats.model_tokens + n
     e.ep.turns = e.ep.turns + 1
     stats.turns = stats.turns + 1
@@ -330,6 +333,7 @@ function M.run(o)
       end
       e.reward = (e.reward or 0) + reward
     end
+    e.turn_rewards[e.ep.turns] = reward or 0
     if done then return finish(e, 'done') end
     if e.ep.turns >= max_turns then return finish(e, 'max_turns') end
     if max_seconds > 0 and now() - e.t0 > max_seconds then return finish(e, 'max_seconds') end
@@ -387,7 +391,8 @@ function M.run(o)
     local s = { prompt_ids = e.prompt_ids or {}, ids = e.ids, loss_mask = e.mask, rollout_logprobs = e.lps,
       response = e.last_text or '', finish_reason = e.finish_reason or 'stop', prompt = rec.prompt, answer = rec.answer,
       meta = rec.meta, group = e.i, record = rec, version = e.version, version_switches = e.switches, messages = e.messages,
-      episode = { turns = e.ep.turns, reason = e.reason, reward = e.reward, error = e.error,
+      episode = { turns = e.ep.turns, reason = e.reason, reward = e.reward, error = e.error, turn_rewards = e.turn_rewards,
+        turn_ends = e.turn_ends,
         failed = e.reason == 'env_error' or nil,
         extension_failures = e.ext_fail, tool_calls = st.tool_calls, tool_errors = st.tool_errors } }
     if #e.pieces > 0 then s.pieces = e.pieces end

@@ -267,14 +267,18 @@ end
 -- start a new sample from the rendering); tool_format: auto | hermes | llama3 (how tool calls are
 -- written); template: chat (the model's chat template, with data.chat) | plain (the messages'
 -- contents one after another: tokenizers without a template); enable_thinking: the template
--- variable of that name (Qwen3's), when set.
+-- variable of that name (Qwen3's), when set; credit: episode (one advantage an episode, the
+-- section's estimator over the episodes' scores) | turn (each turn its discounted return from it,
+-- normalised against the same turn of the group: moonrl.rl's turn_advantages); discount: the
+-- per-turn discount of credit=turn.
 function M.env_config()
   return { name = config.optional('string', 'an environment (moonrl.env) or FILE.lua:NAME: multi-turn episodes'),
     tools = config.optional('string', 'the tools offered, comma-separated (default: the environment\'s)'),
     max_turns = config.integer(8, { min = 1 }), max_tokens = config.integer(1024, { min = 1 }),
     max_seconds = config.number(0, { min = 0 }), max_step_seconds = config.number(60, { min = 0 }),
     concurrency = config.integer(64, { min = 1 }), extension = 'keep', tool_format = 'auto', template = 'chat',
-    enable_thinking = config.optional('boolean', 'the chat template\'s enable_thinking (Qwen3): unset, the template\'s default') }
+    enable_thinking = config.optional('boolean', 'the chat template\'s enable_thinking (Qwen3): unset, the template\'s default'),
+    credit = 'episode', discount = config.number(1.0, { min = 0, max = 1 }) }
 end
 
 -- agent: episodes played by agent programs in any language through an OpenAI-compatible server
@@ -298,7 +302,7 @@ function M.check_env(cfg)
   if not (e and e.name) then return nil end
   local def = require('moonrl.env').check(e.name, 'env.name')
   local choices = { extension = { keep = true, split = true }, tool_format = { auto = true, hermes = true, llama3 = true },
-    template = { chat = true, plain = true } }
+    template = { chat = true, plain = true }, credit = { episode = true, turn = true } }
   for key, ok in pairs(choices) do
     if not ok[e[key]] then
       local list = {}
