@@ -24,12 +24,12 @@ local PHASE_COLORS = { '#4e79a7', '#f28e2b', '#59a14f', '#e15759', '#76b7b2', '#
 
 -- Groups of metrics (the prefix before the first '/'; '' for the keys without one) in the order
 -- shown; the rest follow alphabetically.
-local GROUP_ORDER = { 'reward', '', 'response_length', 'tokens_per_s', 'mismatch', 'time', 'memory', 'guard', 'async' }
-local GROUP_TITLE = { [''] = 'training', time = 'time (seconds)' }
+local GROUP_ORDER = { 'reward', '', 'env', 'response_length', 'tokens_per_s', 'mismatch', 'time', 'memory', 'guard', 'async' }
+local GROUP_TITLE = { [''] = 'training', time = 'time (seconds)', env = 'episodes (env/: turns, tools, limits)' }
 -- Keys shown first within their group.
 local KEY_ORDER = { 'reward/mean', 'reward/std', 'accuracy', 'loss', 'kl', 'approx_kl', 'entropy', 'clip_frac',
   'grad_norm', 'lr', 'response_length/mean', 'response_length/max', 'tokens_per_s/generate', 'tokens_per_s/train',
-  'time/step', 'time' }
+  'time/step', 'time', 'env/turns', 'env/masked_share', 'env/env_share' }
 -- The headline metrics of the summary table (those present).
 local SUMMARY = { 'reward/mean', 'accuracy', 'loss', 'kl', 'approx_kl', 'entropy', 'clip_frac', 'grad_norm', 'lr',
   'response_length/mean', 'tokens_per_s/generate', 'tokens_per_s/train', 'time/step' }
@@ -42,7 +42,9 @@ local BAD_EVENTS = { skip = true, rollback = true, restart = true, hang = true, 
 -- Counters in the metrics that the events section sums.
 local COUNTERS = { { 'guard/skipped', 'updates skipped by the guards' }, { 'guard/rollback', 'rollbacks' },
   { 'async/dropped_stale', 'stale samples dropped' }, { 'reward/dropped_groups', 'reward groups dropped' },
-  { 'data/skipped', 'data records skipped' } }
+  { 'data/skipped', 'data records skipped' }, { 'env/extension_failures', 'episodes whose rendering left their tokens' },
+  { 'env/ended/env_error', 'episodes ended by their environment\'s error' },
+  { 'env/ended/agent_error', 'episodes ended by their agent\'s error' } }
 local MAX_EVENT_ROWS = 2000
 
 local function rank_of(list)
