@@ -178,6 +178,7 @@ def main():
         code = srv.stop()
     check("sigterm-idle-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
     check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
+    record_checks(model, tmp)
     tp_checks(model, exp, gen_text, gen_chat)
     hardening_checks(model)
     cli_checks(model)
@@ -592,6 +593,39 @@ def sigterm_check(model):
         check("sigterm-closed", False)
     except OSError:
         check("sigterm-closed", True)
+
+
+def record_checks(model, tmp):
+    """--record FILE (training mode): the requests that name an episode are recorded with their exact
+    token ids and log-probs (a second turn's prompt extends the first's tokens), rewards appended;
+    requests naming none are served and not recorded; n > 1 in an episode and a bad reward refused."""
+    path = os.path.join(tmp, "episodes.jsonl")
+    srv = Server(model, "--record", path)
+    try:
+        def post(body, key=None):
+            headers = {"Content-Type": "application/json"}
+            if key:
+                headers["Authorization"] = "Bearer " + key
+            status, raw, _ = srv.request("POST", "/v1/completions", body, headers)
+            return status, json.loads(raw)
+        s1, r1 = post({"prompt": "Hello", "max_tokens": 5, "logprobs": 1, "return_tokens_as_token_ids": True}, "ep-a")
+        first = [int(t.split(":")[1]) for t in r1["choices"][0]["logprobs"]["tokens"]]
+        s2, _ = post({"prompt": "Hello", "max_tokens": 3}, None)
+        s3, _ = post({"prompt": "Hello", "max_tokens": 3, "user": "ep-b"}, None)
+        s4, _ = post({"prompt": "Hello", "max_tokens": 3, "n": 2}, "ep-a")
+        status, raw, _ = srv.request("POST", "/v1/episodes/reward", {"reward": 0.75},
+                                     {"Authorization": "Bearer ep-a", "Content-Type": "application/json"})
+        bad, _, _ = srv.request("POST", "/v1/episodes/reward", {"episode_id": "ep-b", "reward": None})
+        check("record-served", (s1, s2, s3, s4, status, bad) == (200, 200, 200, 400, 200, 400), (s1, s2, s3, s4, status, bad))
+    finally:
+        code = srv.stop()
+    check("record-exit-0", code == 0, srv.log()[-1000:])
+    lines = [json.loads(l) for l in open(path)]
+    check("record-lines", [(l["episode_id"], "reward" in l) for l in lines] == [("ep-a", False), ("ep-b", False), ("ep-a", True)],
+          lines)
+    a = lines[0]
+    check("record-exact-ids", a["ids"] == first and len(a["logprobs"]) == len(first) and a["turn"] == 1, a)
+    check("record-reward", lines[2]["reward"] == 0.75, lines[2])
 
 
 def tp_checks(model, exp, gen_text, gen_chat):

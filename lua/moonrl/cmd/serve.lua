@@ -29,7 +29,11 @@ usage: moonrl serve --model DIR|FILE.gguf [options]
   --request-timeout S    seconds a request may take, from received to answered (default 600; then 503)
   --shutdown-timeout S   on SIGINT/SIGTERM, seconds to finish the requests in flight (default 10)
   --tp N                 tensor parallel over N ranks (started here with mpirun): each holds its
-                         slices of every layer, the engines step together, rank 0 serves HTTP]]
+                         slices of every layer, the engines step together, rank 0 serves HTTP
+  --record FILE.jsonl    training mode: the requests that name an episode (the API key, `user` or
+                         metadata.episode_id; one sample each) are appended to FILE with their exact
+                         prompt and completion token ids and log-probs, and POST /v1/episodes/reward
+                         appends the episode's reward (docs/serving.md, "Training mode")]]
 
 local NUMBERS = {
   ['--port'] = { 'port', true, 0, 65535 }, ['--max-seqs'] = { 'max_seqs', true, 1 },
@@ -43,7 +47,7 @@ local NUMBERS = {
   ['--request-timeout'] = { 'request_timeout', false, 0.1 }, ['--tp'] = { 'tp', true, 1 },
 }
 local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-name'] = 'served_model_name',
-  ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template' }
+  ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template', ['--record'] = 'record' }
 
 local function parse(args)
   return require('moonrl.cli.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
@@ -51,6 +55,31 @@ local function parse(args)
       max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10, header_timeout = 60, body_timeout = 60,
       keep_alive_timeout = 30, request_timeout = 600, tp = 1 },
     required = { '--model' } })
+end
+
+-- --record FILE: a recorder (moonrl.serve.server's training mode) that appends every turn and
+-- reward to FILE as a JSON line; any episode id is taken (up to 200 bytes), the request's own
+-- sampling kept.
+local function file_recorder(path)
+  local json = require('moonrl.io.json')
+  local f, err = io.open(path, 'a')
+  if not f then moonrl.usage_error('serve: --record: ' .. tostring(err)) end
+  local turns = {}
+  local function put(o)
+    f:write(json.encode(o), '\n')
+    f:flush()
+  end
+  return {
+    known = function(id) return #id <= 200 end,
+    sampling = function() return {} end,
+    turn = function(id, t)
+      turns[id] = (turns[id] or 0) + 1
+      put(json.object({ 'episode_id', id, 'turn', turns[id], 'prompt_ids', json.array(t.prompt_ids), 'ids', json.array(t.ids),
+        'logprobs', json.array(t.logprobs), 'text', t.text, 'finish_reason', t.finish_reason }))
+    end,
+    reward = function(id, r) put(json.object({ 'episode_id', id, 'reward', r })) end,
+    close = function() f:close() end,
+  }
 end
 
 local function log(msg)
@@ -112,17 +141,19 @@ function M.main(args)
     host = o.host, port = o.port, max_body_bytes = math.floor(o.max_body_mb * 2 ^ 20),
     max_connections = o.max_connections, shutdown_timeout = o.shutdown_timeout, log = log,
     header_timeout_s = o.header_timeout, body_timeout_s = o.body_timeout, idle_timeout_s = o.keep_alive_timeout,
-    request_timeout = o.request_timeout,
+    request_timeout = o.request_timeout, record = o.record and file_recorder(o.record) or nil,
   })
   if not ok then
     if world then engine:close() end
     moonrl.usage_error('serve: ' .. moonrl.error_text(srv))
   end
   local host = o.host:find(':', 1, true) and ('[' .. o.host .. ']') or o.host
-  log(string.format('listening on http://%s:%d (model %s, max_model_len %d%s)', host, srv.port,
-    o.served_model_name or o.model, max_len, tpl and '' or ', no chat template'))
+  log(string.format('listening on http://%s:%d (model %s, max_model_len %d%s%s)', host, srv.port,
+    o.served_model_name or o.model, max_len, tpl and '' or ', no chat template',
+    o.record and ', recording episodes to ' .. o.record or ''))
   local rok, err = pcall(srv.run, srv)
   srv:close()
+  if srv.record and srv.record.close then srv.record.close() end
   if world then engine:close() end -- the other ranks' loops end
   if not rok then error(err, 0) end
   log('stopped')

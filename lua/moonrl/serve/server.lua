@@ -769,7 +769,7 @@ function Server:record_turn(job)
   local ids, lp = {}, {}
   for k = 0, s.n_tokens - 1 do ids[k + 1], lp[k + 1] = toks[k], lps[k] end
   local v, sw = self.engine:versions(s.eid, s.j, s.n_tokens)
-  self.record.turn(job.episode, { prompt_ids = job.reqs[1].prompt_ids, ids = ids, logprobs = lp, text = s.watch.text,
+  self.record.turn(job.episode, { prompt_ids = job.reqs[1].prompt_ids, ids = ids, logprobs = lp, text = utf8_clean(s.watch.text),
     finish_reason = s.finish, version = v, version_switches = sw })
 end
 
