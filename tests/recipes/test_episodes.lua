@@ -195,6 +195,38 @@ t.test('episodes: exact tokens, the mask on the model\'s turns only, the text th
   check_logprobs(ended, 'ended turns', eos_model)
 end)
 
+t.test('transcripts: a conversation as the tokens an episode of it has (SFT on multi-turn transcripts)', function()
+  local tpl = template(CHATML)
+  -- the runner's episodes on the model that ends its turns with <|im_end|>: those whose every turn
+  -- ended so, and whose sampled tokens are the ones its text encodes to (sampling can pick others:
+  -- what a transcript, made from text, cannot know), are their conversation's transcript
+  local samples = run({ tpl = tpl, model = eos_model, sampling = { temperature = 1.0, max_tokens = 3, eos_ids = { EOS } } })
+  local compared = 0
+  for _, s in ipairs(samples) do
+    local all_ended, k = true, 0
+    for _, r in ipairs(runs_of(s)) do
+      if r[1] == 1 then
+        k = k + 1
+        local ids = sub(s.ids, r[2], r[3])
+        if ids[#ids] ~= EOS then all_ended = false else ids[#ids] = nil end
+        local content
+        for _, m in ipairs(s.messages) do if m.role == 'assistant' then content = content or {}; content[#content + 1] = m.content end end
+        if table.concat(tok:encode(content[k], { add_special = false }), ',') ~= table.concat(ids, ',') then all_ended = false end
+      end
+    end
+    if all_ended then
+      local tr = episodes.transcript({ tok = tok, tpl = tpl, messages = s.messages, eos = EOS })
+      t.eq(table.concat(tr.prompt_ids, ','), table.concat(s.prompt_ids, ','), 'the prompt')
+      t.eq(table.concat(tr.ids, ','), table.concat(s.ids, ','), 'the tokens')
+      t.eq(table.concat(tr.loss_mask, ','), table.concat(s.loss_mask, ','), 'the mask')
+      compared = compared + 1
+    end
+  end
+  t.truthy(compared > 0, 'episodes compared: ' .. compared)
+  local ok = pcall(episodes.transcript, { tok = tok, tpl = tpl, messages = { { role = 'user', content = 'x' } } })
+  t.eq(ok, false, 'no assistant turn: an error')
+end)
+
 t.test('extension failures: a template that rewrites earlier turns, kept or split', function()
   local tpl = template(STRIP)
   -- the model's turns must hold an 'e' for the strip to bite: greedy at a fixed seed does not decide

@@ -113,6 +113,47 @@ local function check_messages(v, what)
   return v
 end
 
+-- A conversation as the tokens an episode of it would have (for SFT on multi-turn transcripts: the
+-- same layout the runner samples): o = { tok, tpl (nil: plain), messages (system/user/tool ...,
+-- assistant turns among them), eos (the id each assistant turn ends with), tools (names: their
+-- declarations to the template), template_vars }. The prompt is the messages before the first
+-- assistant turn, rendered with the generation prompt; each assistant turn is its content's tokens
+-- and eos (loss mask 1); the messages after it are their observation text (mask 0). Returns
+-- { prompt_ids, ids, loss_mask }.
+function M.transcript(o)
+  local tok, msgs = o.tok, o.messages
+  o.tool_schemas = o.tools and #o.tools > 0 and tools.schemas(o.tools) or nil
+  local render, plain = renderer(o)
+  local first = 1
+  while msgs[first] and msgs[first].role ~= 'assistant' do first = first + 1 end
+  if first == 1 or not msgs[first] then error('episodes.transcript: the messages need an opening and an assistant turn', 2) end
+  local text = render({ unpack(msgs, 1, first - 1) }, true)
+  local out = { prompt_ids = plain and tok:encode(text) or tok:encode(text, { add_special = false }), ids = {}, loss_mask = {} }
+  local end_text = o.eos and tok:decode({ o.eos }, { skip_special = false }) or ''
+  local function put(ids, m) for _, id in ipairs(ids) do out.ids[#out.ids + 1], out.loss_mask[#out.loss_mask + 1] = id, m end end
+  local i = first
+  while msgs[i] do
+    put(tok:encode(msgs[i].content, { add_special = false }), 1)
+    if o.eos then put({ o.eos }, 1) end
+    local obs = {}
+    i = i + 1
+    while msgs[i] and msgs[i].role ~= 'assistant' do obs[#obs + 1] = msgs[i]; i = i + 1 end
+    if #obs > 0 then
+      local t
+      if plain then
+        local parts = {}
+        for k, m in ipairs(obs) do parts[k] = m.content end
+        t = table.concat(parts)
+      else
+        t = observation_text(render, obs)
+        if o.eos and t:sub(1, #end_text) == end_text then t = t:sub(#end_text + 1) end
+      end
+      put(tok:encode(t, { add_special = false }), 0)
+    end
+  end
+  return out
+end
+
 -- ---- the runner ------------------------------------------------------------------------------
 
 local function add_count(t, k, n) t[k] = (t[k] or 0) + (n or 1) end
