@@ -39,7 +39,8 @@ env.register('calculator_copy', {
     end
     return {}, nil, true
   end,
-}, 'examples/agent_calculator.lua: "a*b?" calls the calculator, any other turn is the answer')
+}, { doc = 'examples/agent_calculator.lua: "a*b?" calls the calculator, any other turn is the answer',
+  replace = true }) -- (replace: the file may load twice in a process, as examples/agent_openai.lua extends it)
 
 local ex = rl.extend(moonrl.home .. '/examples/default.lua', { name = 'agent_calculator', config = {
   sft = { flawed = rl.NONE, calls = config.number(0.15, { min = 0, max = 1 }), -- warm-up episodes that call

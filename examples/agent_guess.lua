@@ -26,7 +26,7 @@ local guess = require('envs.guess')
 
 local LO, HI = 1, 50
 env.register('guess_symbols', guess.new({ higher = '>', lower = '<', retry = '?', lo = LO, hi = HI }),
-  'examples/agent_guess.lua: the number game in 1..50, answered with < and >')
+  { doc = 'examples/agent_guess.lua: the number game in 1..50, answered with < and >', replace = true }) -- (loaded twice: the same)
 
 local ex = rl.extend(moonrl.home .. '/examples/default.lua', { name = 'agent_guess', config = {
   heldout = config.integer(HI - LO + 1, { min = 1 }), -- every secret once

@@ -85,7 +85,8 @@ tasks.register('word_arith', function(o)
     if i <= c.heldout then heldout[#heldout + 1] = r else train[#train + 1] = r end
   end
   return { train = train, heldout = heldout }
-end, 'arithmetic word problems ("Mia has 18 apples and gets 9 more..."), answer in \\boxed{} (task.max, task.heldout)')
+end, { doc = 'arithmetic word problems ("Mia has 18 apples and gets 9 more..."), answer in \\boxed{} (task.max, task.heldout)',
+  replace = true }) -- (replace: the file loads twice in a process that runs it and a recipe extending it)
 
 -- ---- the recipe: GRPO's, with the task's defaults, a warm-up and the before/after figures -------
 
