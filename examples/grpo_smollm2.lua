@@ -112,7 +112,7 @@ end
 
 function ex:check()
   check_model(self.cfg)
-  return self.parent.check(self)
+  return ex.parent.check(self)
 end
 
 function ex:accuracy()
@@ -156,7 +156,7 @@ function ex:warmup()
 end
 
 function ex:setup()
-  self.parent.setup(self)
+  ex.parent.setup(self)
   local S, cfg = self.S, self.cfg
   local n = #self:eval_records()
   self.base = S:memo('base', function() return self:accuracy() end)
@@ -171,7 +171,7 @@ end
 
 -- eval.every's held-out accuracy, kept: the last step's is the "after" figure
 function ex:evaluate(step)
-  local m = self.parent.evaluate(self, step)
+  local m = ex.parent.evaluate(self, step)
   if m then self.last_eval = { step = self.S.global_step, accuracy = m.accuracy } end
   return m
 end
@@ -184,7 +184,7 @@ function ex:finish()
     '(GRPO %d steps, %.0f s)', #self:eval_records(), 100 * self.base, 100 * self.before, 100 * after, S.step,
     moonrl.now() - self.t_grpo))
   S:event('heldout_accuracy', { base = self.base, before = self.before, after = after }, { quiet = true })
-  local out = self.parent.finish(self)
+  local out = ex.parent.finish(self)
   out.base, out.before, out.after = self.base, self.before, after
   return out
 end

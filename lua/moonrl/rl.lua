@@ -171,7 +171,8 @@ function M.load(name)
 end
 
 -- A recipe that extends parent (a recipe, or a recipe's name or path: 'grpo'): it has the
--- parent's stages (override any; self.parent is the parent, to call its version) and its config
+-- parent's stages (override any; R.parent is the parent, to call its version: R the recipe the
+-- stage belongs to, never self, whose parent is R itself when a recipe extends R) and its config
 -- with def.config merged over it; def.name (default the parent's), def.section likewise.
 function M.extend(parent, def)
   if type(parent) == 'string' then parent = M.load(parent) end
