@@ -9,7 +9,7 @@ local U = dofile('tests/recipes/util.lua')
 t.test('default run: GRPO raises held-out accuracy by a clear margin', function()
   local dir = U.tmpdir('default')
   local out = U.run_recipe('examples/default.lua', { 'sft.steps=1000', 'grpo.steps=20', 'quiet=true',
-    'run.seed=1', 'run.dir=' .. dir })
+    'run.seed=1', 'run.threads=1', 'run.dir=' .. dir })
   print(string.format('held-out accuracy %.1f%% -> %.1f%%', 100 * out.before, 100 * out.after))
   t.truthy(out.before < 0.3, 'the warm-up leaves the accuracy low')
   t.truthy(out.after >= out.before + 0.5, 'GRPO raises it by at least 50 points')
@@ -25,7 +25,7 @@ t.test('default run in bf16: GRPO raises held-out accuracy by a clear margin', f
   if not moonrl.model.bf16_products() then print('skipped: no fast bf16 products on this CPU'); return end
   local dir = U.tmpdir('default_bf16')
   local out = U.run_recipe('examples/default.lua', { 'sft.steps=1000', 'grpo.steps=20', 'quiet=true',
-    'run.seed=1', 'run.dir=' .. dir, 'model.dtype=bf16' })
+    'run.seed=1', 'run.threads=1', 'run.dir=' .. dir, 'model.dtype=bf16' })
   print(string.format('bf16: held-out accuracy %.1f%% -> %.1f%%', 100 * out.before, 100 * out.after))
   t.truthy(out.before < 0.3, 'the warm-up leaves the accuracy low')
   t.truthy(out.after >= out.before + 0.5, 'GRPO raises it by at least 50 points')
