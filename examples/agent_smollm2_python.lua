@@ -23,12 +23,8 @@ local moonrl = require('moonrl')
 local config = require('moonrl.config')
 local env = require('moonrl.env')
 local tasks = require('moonrl.tasks')
-local tools = require('moonrl.tools')
 local rl = require('moonrl.rl')
 local episodes = require('moonrl.train.episodes')
-local models = require('moonrl.train.models')
-local prompts = require('moonrl.train.prompts')
-local step = require('moonrl.train.step')
 
 local SYSTEM = 'You are a helpful assistant. You can run Python: write code in a ```python block and you will be ' ..
   'given its output. Give the final answer in \\boxed{}.'
@@ -53,10 +49,8 @@ env.register('python_blocks', {
   reset = function(_, record) return { { role = 'user', content = record.prompt } } end,
   step = function(ep, turn)
     local code = turn.text:match('```python\n(.-)```')
-    if code and turn.n == 1 then
-      local out = tools.call({ name = 'python', arguments = { code = code } }, ep)
-      ep.stats.tool_calls = ep.stats.tool_calls or {}
-      ep.stats.tool_calls.python = (ep.stats.tool_calls.python or 0) + 1
+    if code and turn.n == 1 then -- (run_tools counts the call, its errors and seconds)
+      local out = env.run_tools(ep, { tool_calls = { { name = 'python', arguments = { code = code } } } })[1].content
       return { { role = 'user', content = 'Output: ' .. out:gsub('%s+$', '') } }, nil, false
     end
     return {}, nil, true
@@ -71,35 +65,18 @@ local ex = rl.extend(moonrl.home .. '/examples/grpo_smollm2.lua', { name = 'agen
   grpo = { steps = config.integer(30), max_tokens = config.integer(40) },
 } })
 
--- The SFT warm-up: sft.batch transcripts a step, sft.tool of them through the interpreter.
-function ex:warmup()
-  local S, cfg = self.S, self.cfg
-  local c = cfg.sft
-  local train = tasks.load(cfg.data.task, cfg.run.seed).train
-  local rng = S:rng('sft', cfg.run.seed + 1)
-  local opt = S:optimizer('policy', models.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
-  local eos = prompts.eos_ids(S.tok, S.policy)[1]
-  local total = S.run.total
-  step.train_loop(S, { steps = c.steps, phase = 'sft', log = false,
-    batch = function()
-      local samples = {}
-      for i = 1, c.batch do
-        local r = train[rng:int(#train) + 1]
-        local msgs = { { role = 'system', content = SYSTEM }, { role = 'user', content = r.prompt } }
-        if rng:int(1000) < 1000 * c.tool then
-          msgs[3] = { role = 'assistant', content = string.format('```python\nprint(%d * %d)\n```', r.meta.a, r.meta.b) }
-          msgs[4] = { role = 'user', content = 'Output: ' .. r.answer }
-        end
-        msgs[#msgs + 1] = { role = 'assistant', content = 'The answer is \\boxed{' .. r.answer .. '}.' }
-        samples[i] = episodes.transcript({ tok = S.tok, tpl = S.tpl, messages = msgs, eos = eos })
-      end
-      return samples
-    end,
-    update = function(samples)
-      return step.sft_step(S, opt, samples, { lr = c.lr, micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = 1.0 })
-    end })
-  S.run.total = total
-  S.opt = S:optimizer('policy', models.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
+-- The warm-up draws from every training problem (its loop, line and optimizer are grpo_smollm2's).
+function ex:warmup_problems() return tasks.load(self.cfg.data.task, self.cfg.run.seed).train end
+
+-- One warm-up transcript of problem r: the answer at once, or (sft.tool) the code, its output, the answer.
+function ex:warmup_sample(r, rng, eos)
+  local msgs = { { role = 'system', content = SYSTEM }, { role = 'user', content = r.prompt } }
+  if rng:int(1000) < 1000 * self.cfg.sft.tool then
+    msgs[3] = { role = 'assistant', content = string.format('```python\nprint(%d * %d)\n```', r.meta.a, r.meta.b) }
+    msgs[4] = { role = 'user', content = 'Output: ' .. r.answer }
+  end
+  msgs[#msgs + 1] = { role = 'assistant', content = 'The answer is \\boxed{' .. r.answer .. '}.' }
+  return episodes.transcript({ tok = self.S.tok, tpl = self.S.tpl, messages = msgs, eos = eos })
 end
 
 return ex:main()

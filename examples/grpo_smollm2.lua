@@ -119,15 +119,30 @@ function ex:accuracy()
   return self.S:phase('eval', self.heldout_metrics, self).accuracy
 end
 
--- The SFT warm-up: cross-entropy on the worked answers of sft.batch training problems a step.
+-- The training problems the warm-up draws from: those of the operations sft.ops names.
+function ex:warmup_problems()
+  local cfg = self.cfg
+  local train = {}
+  for _, r in ipairs(tasks.load(cfg.data.task, cfg.run.seed).train) do
+    if (',' .. cfg.sft.ops .. ','):find(',' .. r.meta.op .. ',', 1, true) then train[#train + 1] = r end
+  end
+  if #train == 0 then moonrl.usage_error("config key 'sft.ops': no training problem has these operations (add, sub)") end
+  return train
+end
+
+-- One warm-up example of problem r (rng: the warm-up's generator; eos: the end token): its worked
+-- answer. (Recipes extending this one give their own: examples/agent_smollm2_python.lua's transcripts.)
+function ex:warmup_sample(r, rng, eos)
+  local S = self.S
+  return { prompt_ids = prompts.prompt_ids(S.tok, S.tpl, r.prompt, self.cfg.data.system),
+    ids = prompts.completion_ids(S.tok, r.meta.worked, eos) }
+end
+
+-- The SFT warm-up: cross-entropy on sft.batch examples of training problems a step.
 function ex:warmup()
   local S, cfg = self.S, self.cfg
   local c = cfg.sft
-  local train = {}
-  for _, r in ipairs(tasks.load(cfg.data.task, cfg.run.seed).train) do
-    if (',' .. c.ops .. ','):find(',' .. r.meta.op .. ',', 1, true) then train[#train + 1] = r end
-  end
-  if #train == 0 then moonrl.usage_error("config key 'sft.ops': no training problem has these operations (add, sub)") end
+  local train = self:warmup_problems()
   local rng = S:rng('sft', cfg.run.seed + 1)
   local opt = S:optimizer('policy', models.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
   local eos = prompts.eos_ids(S.tok, S.policy)[1]
@@ -137,9 +152,7 @@ function ex:warmup()
     batch = function()
       local samples = {}
       for i = 1, c.batch do
-        local r = train[rng:int(#train) + 1]
-        samples[i] = { prompt_ids = prompts.prompt_ids(S.tok, S.tpl, r.prompt, cfg.data.system),
-          ids = prompts.completion_ids(S.tok, r.meta.worked, eos) }
+        samples[i] = self:warmup_sample(train[rng:int(#train) + 1], rng, eos)
       end
       return samples
     end,

@@ -92,13 +92,22 @@ end
 -- the message (its end token, a separator), the observations, the next generation prompt. Read off
 -- the stand-in conversation rendered with them, after the stand-in answer's content (the messages
 -- before it may render otherwise once a new user message follows: Qwen3's drops think blocks).
-local function observation_text(render, obs)
+-- (plain: the observations' contents; end_text: the text of the end token the model wrote, '' for
+-- none, which the template's text goes on after)
+local function observation_text(render, plain, obs, end_text)
+  if plain then
+    local parts = {}
+    for i, m in ipairs(obs) do parts[i] = m.content end
+    return table.concat(parts)
+  end
   local msgs = copy_list(STAND_IN)
   for _, m in ipairs(obs) do msgs[#msgs + 1] = m end
   local full = render(msgs, true)
   local at = full:find('A\1', 1, true)
   if not at then error('the chat template does not render an assistant message\'s content as it is', 0) end
-  return full:sub(at + 2)
+  local text = full:sub(at + 2)
+  if end_text ~= '' and text:sub(1, #end_text) == end_text then text = text:sub(#end_text + 1) end
+  return text
 end
 
 -- ---- checks of what an environment returns --------------------------------------------------
@@ -138,18 +147,7 @@ function M.transcript(o)
     local obs = {}
     i = i + 1
     while msgs[i] and msgs[i].role ~= 'assistant' do obs[#obs + 1] = msgs[i]; i = i + 1 end
-    if #obs > 0 then
-      local t
-      if plain then
-        local parts = {}
-        for k, m in ipairs(obs) do parts[k] = m.content end
-        t = table.concat(parts)
-      else
-        t = observation_text(render, obs)
-        if o.eos and t:sub(1, #end_text) == end_text then t = t:sub(#end_text + 1) end
-      end
-      put(tok:encode(t, { add_special = false }), 0)
-    end
+    if #obs > 0 then put(tok:encode(observation_text(render, plain, obs, end_text), { add_special = false }), 0) end
   end
   return out
 end
@@ -251,29 +249,17 @@ function M.run(o)
         if same then ids = p; break end
       end
     end
-    if ids ~= shared[#shared] and not shared[ids] then shared[#shared + 1] = ids; shared[ids] = true end
+    if not shared[ids] then shared[#shared + 1] = ids; shared[ids] = true end
     e.prompt_ids, e.total = ids, 0
-    e.first_prompt = ids
     if #ids >= positions then return finish(e, 'max_tokens') end
     submit(e)
   end
 
   -- the observations after the model's turn, as tokens (mask 0); the extension check
   local function observe(e, obs)
-    local text
-    if plain then
-      local parts = {}
-      for i, m in ipairs(obs) do parts[i] = m.content end
-      text = table.concat(parts)
-    else
-      text = observation_text(render, obs)
-      local last = e.ids[#e.ids] -- the model wrote the message's end token: the text goes on after it
-      if last and eos[last] then
-        local end_text = tok:decode({ last }, { skip_special = false })
-        if text:sub(1, #end_text) == end_text then text = text:sub(#end_text + 1) end
-      end
-    end
-    local delta = tok:encode(text, { add_special = false })
+    local last = e.ids[#e.ids] -- the model wrote the message's end token: the text goes on after it
+    local end_text = last and eos[last] and tok:decode({ last }, { skip_special = false }) or ''
+    local delta = tok:encode(observation_text(render, plain, obs, end_text), { add_special = false })
     if e.total + #delta >= max_tokens or #e.prompt_ids + #e.ids + #delta >= positions then
       return finish(e, 'max_tokens') -- (no room for another turn: the observation is not kept)
     end
