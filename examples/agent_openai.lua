@@ -12,7 +12,7 @@ local rl = require('moonrl.rl')
 
 local ex = rl.extend(moonrl.home .. '/examples/agent_calculator.lua', { name = 'agent_openai', config = {
   env = { name = rl.NONE },
-  agent = { command = 'python3 ' .. moonrl.home .. '/examples/agent_openai.py', concurrency = 32 },
+  agent = { command = 'python3 ' .. moonrl.home .. '/examples/agent_openai.py', concurrency = 32, workers = 4 },
 } })
 
 return ex:main()

@@ -7,7 +7,8 @@
 --      rollouts without overlap run), on the same engine with its prefix cache, the same tool
 --      times (drawn from the seed) and the same tokens (no end token: every turn max_tokens long).
 --   2. the same episodes without tool time, in-process (an environment in Lua) against agent
---      programs (moonrl.train.agents: a `python3` of the standard library an episode, its turns
+--      programs (moonrl.train.agents: a `python3` of the standard library an episode, or two
+--      such programs as workers (agent.workers=2) playing every episode on threads, its turns
 --      over HTTP to the training server), the same turns and tokens.
 --   MOONRL_THREADS=1 build/moonrl run bench/agents/overlap.lua [episodes=32] [turns=4] [tokens=32] [rounds=2]
 -- The figures: seconds, and generated tokens a second, of each side in each round, and the ratios.
@@ -103,21 +104,35 @@ end
 -- the agent program: the same turns over HTTP, its prompts the token ids so far
 local dir = 'build/bench_agents_' .. tostring(os.time())
 fs.mkdirs(dir)
-fs.write(dir .. '/agent.py', string.format([[
-import json, os, urllib.request
+fs.write(dir .. '/agent.py', string.format([==[
+import json, os, threading, urllib.request
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-ids = json.loads(os.environ["MOONRL_RECORD"])["prompt_ids"]
-for turn in range(%d):
-    body = json.dumps({"prompt": ids, "max_tokens": %d, "logprobs": 1, "return_tokens_as_token_ids": True}).encode()
-    req = urllib.request.Request(base + "/completions", data=body, headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
-    out = json.load(urllib.request.urlopen(req))["choices"][0]["logprobs"]["tokens"]
-    ids = ids + [int(t.split(":")[1]) for t in out] + %s
-]], TURNS, TOK, '[' .. table.concat(tok:encode('7=', { add_special = false }), ', ') .. ']'))
+def post(path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req))
+def play(ids, named):
+    for turn in range(%d):
+        out = post("/completions", dict(named, prompt=ids, max_tokens=%d, logprobs=1, return_tokens_as_token_ids=True))
+        ids = ids + [int(t.split(":")[1]) for t in out["choices"][0]["logprobs"]["tokens"]] + %s
+def worker():
+    while True:
+        got = post("/episodes/next", {})
+        if got["episode_id"] is None: return
+        play(got["record"]["prompt_ids"], {"user": got["episode_id"]})
+        post("/episodes/done", {"episode_id": got["episode_id"]})
+if os.environ.get("MOONRL_WORKER_ID"):
+    ts = [threading.Thread(target=worker) for _ in range(int(os.environ["MOONRL_AGENT_CONCURRENCY"]))]
+    for t in ts: t.start()
+    for t in ts: t.join()
+else:
+    play(json.loads(os.environ["MOONRL_RECORD"])["prompt_ids"], {})
+]==], TURNS, TOK, '[' .. table.concat(tok:encode('7=', { add_special = false }), ', ') .. ']'))
 
-local function through_agents()
+-- workers = 0: a program an episode; else that many programs, each playing many episodes on threads
+local function through_agents(workers)
   local t0 = moonrl.now()
   local samples = agents.run({ engine = engine, tok = tok, records = records, group = G, sampling = sampling, step = 1,
-    seed = 1, command = '/usr/bin/python3 ' .. dir .. '/agent.py', concurrency = 64, max_seconds = 600 })
+    seed = 1, command = '/usr/bin/python3 ' .. dir .. '/agent.py', concurrency = 64, workers = workers, max_seconds = 600 })
   local n = 0
   for _, s in ipairs(samples) do
     assert(s.episode.reason == 'done', s.episode.error)
@@ -139,9 +154,12 @@ for round = 1, cfg.rounds do
   row(round, 'tools 0.1-1 s, overlapped', overlapped('bench_tool'))
   row(round, 'tools 0.1-1 s, lockstep', lockstep())
   row(round, 'no tool time, in-process', overlapped('bench_no_tool'))
-  row(round, 'no tool time, agent programs', through_agents())
+  row(round, 'no tool time, agent programs', through_agents(0))
+  row(round, 'no tool time, 2 agent workers', through_agents(2))
 end
-print(string.format('lockstep / overlapped: %.2fx the time; agent programs / in-process: %.2fx the time',
+print(string.format('lockstep / overlapped: %.2fx the time; agent programs / in-process: %.2fx the time; '
+  .. '2 agent workers / in-process: %.2fx the time',
   sums['tools 0.1-1 s, lockstep'] / sums['tools 0.1-1 s, overlapped'],
-  sums['no tool time, agent programs'] / sums['no tool time, in-process']))
+  sums['no tool time, agent programs'] / sums['no tool time, in-process'],
+  sums['no tool time, 2 agent workers'] / sums['no tool time, in-process']))
 fs.remove(dir)

@@ -362,7 +362,7 @@ function Recipe:agent_episodes(records, seed_step, o)
   sampling.step = seed_step
   return agents.run({ engine = S.engine, tok = S.tok, tpl = S.tpl, records = records, group = o.group or self.group,
     sampling = sampling, step = seed_step, seed = self.cfg.run.seed, command = a.command, concurrency = a.concurrency,
-    max_seconds = a.max_seconds, model_name = self.name })
+    workers = a.workers, max_seconds = a.max_seconds, model_name = self.name })
 end
 
 function Recipe:generate(records, seed_step)

@@ -33,7 +33,7 @@ local function run(faults, o)
   local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 21, block_size = 4, seed = 7 })
   return agents.run({ engine = engine, tok = tok, records = records(faults), group = o.group or 2,
     sampling = { temperature = 1.0, max_tokens = 4, eos_ids = { 2 } }, step = 1, seed = 3, command = o.command or AGENT,
-    concurrency = 4, max_seconds = o.max_seconds or 20 })
+    concurrency = o.concurrency or 4, workers = o.workers, max_seconds = o.max_seconds or 20 })
 end
 
 local function check_logprobs(samples, what)
@@ -70,6 +70,15 @@ t.test('agents\' turns: exact tokens merged into one sample, the trainer\'s temp
   -- every episode draws from a stream of its own: the same tokens whatever the agents' timing
   local again = run({ '', '' })
   for i, s in ipairs(samples) do t.eq(table.concat(again[i].ids, ','), table.concat(s.ids, ','), 'deterministic') end
+  -- played by two workers of two threads each (agent.workers): the same episodes, the same tokens
+  local by_workers, wstats = run({ '', '' }, { workers = 2 })
+  for i, s in ipairs(samples) do
+    t.eq(by_workers[i].episode.reason, 'done', tostring(by_workers[i].episode.error))
+    t.eq(table.concat(by_workers[i].ids, ','), table.concat(s.ids, ','), 'workers: the tokens of one process an episode')
+    t.eq(table.concat(by_workers[i].loss_mask, ','), table.concat(s.loss_mask, ','))
+    t.eq(by_workers[i].episode.reward, s.episode.reward, 'the reward its worker reported with done')
+  end
+  t.eq(wstats.agent_failures, 0)
 end)
 
 t.test('agents\' faults: dies, hangs, reports nothing, drops a request, rewrites its history', function()
@@ -92,8 +101,37 @@ t.test('agents\' faults: dies, hangs, reports nothing, drops a request, rewrites
   local all = { samples[5], p }
   check_logprobs(all, 'pieces')
   -- an agent that is no program at all
-  local bad = run({ '' }, { group = 1, command = 'exit 7' })
+  local bad, bstats = run({ '' }, { group = 1, command = 'exit 7' })
   t.eq(bad[1].episode.reason, 'agent_error')
+  t.eq(bstats.agent_failures, 1)
+end)
+
+t.test('agent workers\' faults: an episode that hangs, fails or reports nothing; a worker that dies or never works', function()
+  -- one worker playing five episodes at once
+  local samples, stats = run({ 'hang', 'no_reward', 'fail', 'rewrite', 'disconnect' },
+    { group = 1, workers = 1, concurrency = 5, max_seconds = 4 })
+  t.eq(samples[1].episode.reason, 'max_seconds', 'a hanging episode ends at agent.max_seconds; its worker goes on')
+  t.eq(samples[2].episode.reason, 'done')
+  t.eq(samples[2].episode.reward, nil)
+  t.eq(samples[3].episode.reason, 'agent_error')
+  t.truthy(samples[3].episode.error:find('the tool broke', 1, true), samples[3].episode.error)
+  t.eq(samples[4].episode.reason, 'done')
+  t.eq(#(samples[4].pieces or {}), 1, 'rewritten history: a new piece')
+  t.eq(samples[5].episode.reason, 'done', 'a dropped request does not end the episode')
+  t.eq(stats.agent_failures, 0)
+  -- a worker that dies in its first episode: that episode fails, a new worker plays the rest
+  local died, dstats = run({ 'die', '', '', '' }, { group = 1, workers = 1, concurrency = 1 })
+  t.eq(died[1].episode.reason, 'agent_error')
+  t.truthy(died[1].episode.error:find('its worker exited (status 3)', 1, true), died[1].episode.error)
+  for i = 2, 4 do t.eq(died[i].episode.reason, 'done', tostring(died[i].episode.error)) end
+  t.eq(dstats.agent_failures, 1)
+  -- workers that exit at once: replaced agent.workers + 3 times, then the episodes fail
+  local dead, xstats = run({ '', '' }, { group = 1, workers = 2, command = 'exit 7' })
+  for i = 1, 2 do
+    t.eq(dead[i].episode.reason, 'agent_error')
+    t.truthy(dead[i].episode.error:find('keep failing: a worker exited with status 7', 1, true), dead[i].episode.error)
+  end
+  t.eq(xstats.agent_failures, 6)
 end)
 
 t.test('the server in training mode: unknown episodes and bad rewards refused, others served as always', function()
@@ -109,12 +147,17 @@ c $OPENAI_API_KEY '{"reward": "much"}' episodes/reward
 c $OPENAI_API_KEY '{"episode_id": "ep-nope", "reward": 1}' episodes/reward
 c $OPENAI_API_KEY '{"prompt": [1, 5], "max_tokens": 2}' completions
 c $OPENAI_API_KEY '{"reward": 2.5}' episodes/reward
+c $OPENAI_API_KEY '{}' episodes/next
+c $OPENAI_API_KEY '{"error": 5}' episodes/done
+c $OPENAI_API_KEY '{}' episodes/done
+c $OPENAI_API_KEY '{"prompt": [1, 5], "max_tokens": 2}' completions
 curl -s -o /dev/null -w '%{http_code}' -d '{"prompt": [1, 5], "max_tokens": 2}' -H 'Content-Type: application/json' "$u/completions"
 ]])
   if not require('moonrl.io.fs').exists('/usr/bin/curl') then return print('  (skipped: no curl)') end
   local samples = run({ '' }, { group = 1, command = 'sh ' .. dir .. '/probe.sh > ' .. dir .. '/codes' })
-  t.eq(fs.read(dir .. '/codes'), '404 400 400 404 200 200 200',
-    'unknown episode, n > 1, a reward not a number, an unknown episode\'s reward, then served; no episode: served')
+  t.eq(fs.read(dir .. '/codes'), '404 400 400 404 200 200 404 400 200 404 200',
+    'unknown episode, n > 1, a reward not a number, an unknown episode\'s reward, then served; next without workers, '
+    .. 'an error not a string, done, then its episode unknown; no episode: served')
   t.eq(samples[1].episode.turns, 1, 'only the request of its episode recorded')
   t.eq(samples[1].episode.reward, 2.5)
   fs.remove(dir)
@@ -137,6 +180,7 @@ t.test('grpo on agents\' episodes: agent.command, the env/ metrics, the held-out
     t.eq(r['env/episodes'], 6)
     t.eq(r['env/turns'], 2)
     t.eq(r['env/ended/done'], 6)
+    t.eq(r['env/agent_failures'], 0)
     t.truthy(r['mismatch/max_abs'] < 1e-4, 'engine vs trainer: ' .. r['mismatch/max_abs'])
   end
   t.eq(recs[2]['eval/turns'], 2, 'the held-out episodes played by the agent')

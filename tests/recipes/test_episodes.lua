@@ -474,6 +474,18 @@ t.test('the python tool in an episode: its cell polled, the other episodes gener
   t.eq(samples[1].episode.reason, 'done')
 end)
 
+-- An environment whose reward is the vowels of each turn, three turns: rewards that differ from the
+-- first step on, for runs whose weights must move.
+local VOWELS = [==[
+local env = require('moonrl.env')
+return { vowels = {
+  reset = function(_, r) return { { role = 'user', content = r.prompt } } end,
+  step = function(ep, turn)
+    local _, n = turn.text:gsub('[aeiou]', '')
+    return { { role = 'user', content = 'again' } }, n, turn.n >= 2
+  end } }
+]==]
+
 t.test('grpo on episodes: env=guess, data.task=guess, with the held-out episodes and the env/ metrics', function()
   local U = dofile('tests/recipes/util.lua')
   local json = require('moonrl.io.json')
@@ -498,15 +510,7 @@ t.test('grpo on episodes: env=guess, data.task=guess, with the held-out episodes
   -- killed again and again in multi-turn async training (one_step_off: a batch of episodes generated
   -- ahead, in each checkpoint) and resumed: the final weights and every step's metrics are those of
   -- the run never killed (no episode lost, none trained twice)
-  fs.write(dir .. '/vowels.lua', [==[
-local env = require('moonrl.env')
-return { vowels = {
-  reset = function(_, r) return { { role = 'user', content = r.prompt } } end,
-  step = function(ep, turn)
-    local _, n = turn.text:gsub('[aeiou]', '')
-    return { { role = 'user', content = 'again' } }, n, turn.n >= 2
-  end } }
-]==])
+  fs.write(dir .. '/vowels.lua', VOWELS)
   local K = dofile('tests/recipes/killer.lua')
   local rep = K.campaign({ recipe = 'recipes/grpo.lua', steps = 5, kills = 4, seed = 21, dir = dir .. '/kills',
     words = { 'model.dir=' .. mdir, 'data.task=guess', 'env=' .. dir .. '/vowels.lua:vowels', 'grpo.steps=5',
@@ -524,6 +528,40 @@ return { vowels = {
     'env=' .. dir .. '/vowels.lua:vowels', 'env.credit=turn', 'env.discount=0.9', 'grpo.steps=2', 'grpo.prompts=2',
     'grpo.samples=3', 'grpo.max_tokens=6', 'train.lr=1e-2', 'run.dir=' .. dir .. '/turn_credit' })
   for _, r in ipairs(U.records(out2.dir)) do t.truthy(r.grad_norm > 0, 'a gradient from the turns\' advantages') end
+end)
+
+t.test('episodes over ranks: a rollout rank gives one process\'s bits; two data-parallel ranks share the episodes', function()
+  local U = dofile('tests/recipes/util.lua')
+  local json = require('moonrl.io.json')
+  local fs = require('moonrl.io.fs')
+  local exe, mpirun = rawget(_G, 'MOONRL_EXE'), U.which('mpirun')
+  if not (exe and mpirun) then return print('  (skipped: needs the moonrl executable and mpirun)') end
+  local dir = U.tmpdir('episodes_ranks')
+  local mdir = U.save_model(dir .. '/model', model, TOK, json.encode(json.object({ 'eos_token', '<|im_end|>', 'chat_template', CHATML })))
+  fs.write(dir .. '/vowels.lua', VOWELS)
+  local function grpo(ranks, d, ...)
+    local w = { 'model.dir=' .. mdir, 'data.task=guess', 'env=' .. dir .. '/vowels.lua:vowels', 'grpo.steps=3',
+      'grpo.prompts=4', 'grpo.samples=3', 'grpo.max_tokens=6', 'train.lr=1e-2', 'run.threads=1',
+      'run.dir=' .. dir .. '/' .. d, ... }
+    U.run_ranks(exe, ranks, 'recipes/grpo.lua', w, { timeout = 180 })
+    return dir .. '/' .. d
+  end
+  local function bytes(d) return fs.read(d .. '/model/model.safetensors') end
+  local one = grpo(0, 'one', 'async.mode=one_step_off')
+  local two = grpo(2, 'rollout', 'async.mode=one_step_off', 'dist.rollout_ranks=1')
+  t.truthy(bytes(one) == bytes(two), '1 trainer + 1 rollout rank: the bits of one process')
+  local a, b = U.records(one), U.records(two)
+  for i = 1, 3 do t.eq(b[i]['env/turns'], a[i]['env/turns'], 'the same episodes at step ' .. i) end
+  t.truthy(a[1]['reward/std'] > 0 and a[1].grad_norm > 0, 'the rewards differ: the weights move')
+  -- data parallel: each rank plays its half of the prompts' episodes; the counts are summed
+  local sync, dp = U.records(grpo(0, 'sync')), U.records(grpo(2, 'dp'))
+  for i = 1, 3 do
+    t.eq(dp[i]['env/episodes'], 12, 'every episode counted once at step ' .. i)
+    t.eq(dp[i]['env/turns'], sync[i]['env/turns'], 'the same episodes as one process at step ' .. i)
+    t.eq(dp[i]['reward/mean'], sync[i]['reward/mean'])
+    t.truthy(math.abs(dp[i].loss - sync[i].loss) <= 1e-4 * math.max(1, math.abs(sync[i].loss)), 'the same loss at step ' .. i)
+  end
+  fs.remove(dir)
 end)
 
 t.done()

@@ -616,13 +616,17 @@ def record_checks(model, tmp):
         status, raw, _ = srv.request("POST", "/v1/episodes/reward", {"reward": 0.75},
                                      {"Authorization": "Bearer ep-a", "Content-Type": "application/json"})
         bad, _, _ = srv.request("POST", "/v1/episodes/reward", {"episode_id": "ep-b", "reward": None})
-        check("record-served", (s1, s2, s3, s4, status, bad) == (200, 200, 200, 400, 200, 400), (s1, s2, s3, s4, status, bad))
+        done, _, _ = srv.request("POST", "/v1/episodes/done", {"episode_id": "ep-b", "error": "gave up"})
+        nxt, _, _ = srv.request("POST", "/v1/episodes/next", {})
+        check("record-served", (s1, s2, s3, s4, status, bad, done, nxt) == (200, 200, 200, 400, 200, 400, 200, 404),
+              (s1, s2, s3, s4, status, bad, done, nxt))
     finally:
         code = srv.stop()
     check("record-exit-0", code == 0, srv.log()[-1000:])
     lines = [json.loads(l) for l in open(path)]
-    check("record-lines", [(l["episode_id"], "reward" in l) for l in lines] == [("ep-a", False), ("ep-b", False), ("ep-a", True)],
-          lines)
+    check("record-lines", [(l["episode_id"], "reward" in l) for l in lines] == [("ep-a", False), ("ep-b", False), ("ep-a", True),
+                                                                       ("ep-b", True)], lines)
+    check("record-done", lines[3] == {"episode_id": "ep-b", "done": True, "reward": None, "error": "gave up"}, lines[3])
     a = lines[0]
     check("record-exact-ids", a["ids"] == first and len(a["logprobs"]) == len(first) and a["turn"] == 1, a)
     check("record-reward", lines[2]["reward"] == 0.75, lines[2])

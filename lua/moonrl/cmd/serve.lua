@@ -78,6 +78,9 @@ local function file_recorder(path)
         'logprobs', json.array(t.logprobs), 'text', t.text, 'finish_reason', t.finish_reason }))
     end,
     reward = function(id, r) put(json.object({ 'episode_id', id, 'reward', r })) end,
+    done = function(id, r, err)
+      put(json.object({ 'episode_id', id, 'done', true, 'reward', r or json.null, 'error', err or json.null }))
+    end,
     close = function() f:close() end,
   }
 end

@@ -7,6 +7,8 @@
 --   POST /v1/chat/completions    messages rendered with the model's chat template
 --   GET  /metrics                Prometheus text: requests, tokens, the engine's counters
 --   POST /v1/episodes/reward     training mode: {"episode_id": ..., "reward": x} (below)
+--   POST /v1/episodes/next       training mode, agent workers: the next episode to play
+--   POST /v1/episodes/done       training mode: {"episode_id": ..., "reward"?: x, "error"?: text}
 --
 -- Training mode (o.record: what moonrl.train.agents gives, for an RL loop that trains on the
 -- requests of agent programs): a request that names an episode (the request's `user`, its
@@ -17,7 +19,14 @@
 -- random stream of the episode's own, whatever the agent asked); once done it goes to
 -- record.turn(id, { prompt_ids, ids, logprobs, text,
 -- finish_reason, version, version_switches }), its exact tokens; /v1/episodes/reward hands the
--- episode's reward to record.reward(id, x). Requests naming no episode are served as always.
+-- episode's reward to record.reward(id, x), /v1/episodes/done ends it (record.done(id, reward,
+-- error)). Requests naming no episode are served as always.
+--
+-- Agent workers (a program that plays many episodes, record.next given): POST /v1/episodes/next,
+-- the worker's id as its API key, answers {"episode_id", "record"} with the next episode
+-- record.next(worker) hands out (claimed by record.claim(id, worker) once the answer went out),
+-- {"episode_id": null} once none is left (record.next gives false), and is held while
+-- record.next gives nil (episodes enough in flight) until hand_out finds one.
 --
 -- One loop on one thread: poll the HTTP server (core/serve/http.c; 0 ms while the engine has work,
 -- longer when idle), turn new requests into engine requests, run one engine step, push the new
@@ -222,7 +231,7 @@ function M.new(o)
     seed = o.seed or 0, max_n = o.max_n or 128, default_max_tokens = o.default_max_tokens,
     shutdown_timeout = o.shutdown_timeout or 10, request_timeout = o.request_timeout or 600,
     log = o.log or function() end, record = o.record,
-    jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(),
+    jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(), next_waiting = {},
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
       active_peak = 0, gone = 0, timed_out = 0 },
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
@@ -727,6 +736,7 @@ end
 local ROUTES = {
   ['/health'] = 'GET', ['/v1/models'] = 'GET', ['/metrics'] = 'GET', ['/version'] = 'GET',
   ['/v1/completions'] = 'POST', ['/v1/chat/completions'] = 'POST', ['/v1/episodes/reward'] = 'POST',
+  ['/v1/episodes/next'] = 'POST', ['/v1/episodes/done'] = 'POST',
 }
 
 -- Training mode: the episode a request names (see the top), or nil; one the recorder does not know
@@ -744,22 +754,76 @@ function Server:episode_of(body, auth)
   return id
 end
 
--- POST /v1/episodes/reward: { "episode_id" (or the API key), "reward": a finite number }.
-function Server:episode_reward(hid, body, auth)
-  if not self.record then fail(404, 'no route POST /v1/episodes/reward (the server is not in training mode)', nil,
-    'NotFoundError') end
+local function bearer(auth) return auth and auth:match('^[Bb]earer%s+(%S+)') end
+
+local function not_training(path)
+  fail(404, string.format('no route POST %s (the server is not in training mode)', path), nil, 'NotFoundError')
+end
+
+-- The episode a /v1/episodes/* body names ("episode_id", else the API key), known to the recorder.
+function Server:named_episode(body, auth)
   if not json.is_object(body) then bad('the body must be a JSON object') end
   local id = field(body, 'episode_id')
-  if id == nil and auth then id = auth:match('^[Bb]earer%s+(%S+)') end
+  if id == nil then id = bearer(auth) end
   if type(id) ~= 'string' then bad("'episode_id' (a string) is required", 'episode_id') end
   if not self.record.known(id) then fail(404, string.format("no episode '%s' in flight", utf8_clean(id:sub(1, 80))),
     'episode_id', 'NotFoundError') end
+  return id
+end
+
+local function reward_field(body, required)
   local r = field(body, 'reward')
+  if r == nil and not required then return nil end
   if type(r) ~= 'number' or r ~= r or r == math.huge or r == -math.huge then
     bad("'reward' must be a finite number", 'reward')
   end
+  return r
+end
+
+-- POST /v1/episodes/reward: { "episode_id" (or the API key), "reward": a finite number }.
+function Server:episode_reward(hid, body, auth)
+  if not self.record then not_training('/v1/episodes/reward') end
+  local id = self:named_episode(body, auth)
+  local r = reward_field(body, true)
   self.record.reward(id, r)
   self:respond(hid, 200, json.encode(obj({ 'episode_id', id, 'reward', r })))
+end
+
+-- POST /v1/episodes/done: { "episode_id" (or the API key), "reward"?: x, "error"?: a string (the
+-- agent failed the episode) }. The episode's later requests are refused.
+function Server:episode_done(hid, body, auth)
+  if not self.record then not_training('/v1/episodes/done') end
+  local id = self:named_episode(body, auth)
+  local r = reward_field(body, false)
+  local e = field(body, 'error')
+  if e ~= nil and type(e) ~= 'string' then bad("'error' must be a string", 'error') end
+  self.record.done(id, r, e and utf8_clean(e:sub(1, 300)))
+  self:respond(hid, 200, json.encode(obj({ 'episode_id', id, 'done', true })))
+end
+
+-- POST /v1/episodes/next: held in next_waiting until hand_out answers it.
+function Server:episode_next(hid, auth)
+  if not (self.record and self.record.next) then not_training('/v1/episodes/next') end
+  self.next_waiting[#self.next_waiting + 1] = { hid = hid, worker = bearer(auth) }
+  self:hand_out()
+end
+
+-- Answer the held /v1/episodes/next requests that record.next has an episode (or its end) for. An
+-- answer that did not go out (the worker is gone) leaves its episode to the next worker.
+function Server:hand_out()
+  if #self.next_waiting == 0 then return end
+  local still = {}
+  for _, w in ipairs(self.next_waiting) do
+    local e = self.record.next(w.worker)
+    if e == false then
+      self:respond(w.hid, 200, '{"episode_id":null}')
+    elseif e == nil then
+      still[#still + 1] = w
+    elseif self:respond(w.hid, 200, json.encode(obj({ 'episode_id', e.id, 'record', e.record }))) then
+      self.record.claim(e.id, w.worker)
+    end
+  end
+  self.next_waiting = still
 end
 
 -- Training mode: a finished request's turn to its recorder, its tokens as the engine sampled them.
@@ -782,11 +846,13 @@ function Server:handle(hid, method, path, body, auth)
   if path == '/metrics' then return self:respond(hid, 200, self:metrics(), 'text/plain; version=0.0.4') end
   if path == '/version' then return self:respond(hid, 200, json.encode(obj({ 'version', moonrl.version().version }))) end
   if self.draining then fail(503, 'the server is shutting down', nil, 'ServiceUnavailable') end
+  if path == '/v1/episodes/next' then return self:episode_next(hid, auth) end -- (its body, if any, unread)
   local at = utf8_error(body) -- JSON is UTF-8 (RFC 8259); the decoder would pass other bytes on
   if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
   local ok, req = pcall(json.decode, body, 'request body')
   if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
   if path == '/v1/episodes/reward' then return self:episode_reward(hid, req, auth) end
+  if path == '/v1/episodes/done' then return self:episode_done(hid, req, auth) end
   local episode = json.is_object(req) and self:episode_of(req, auth)
   if episode and (field(req, 'n') or 1) ~= 1 then bad("a request of an episode asks for one sample ('n': 1)", 'n') end
   local job = self:new_job(hid, req, path == '/v1/chat/completions', episode or nil)

@@ -22,10 +22,22 @@
 -- as its pieces (s.pieces, as an environment's split: moonrl.train.episodes). An agent that
 -- exits with an error, is killed at agent.max_seconds, or asks for nothing ends its episode as a
 -- failure (the reward's on_error decides: its group dropped by default), counted; the run goes on.
+-- An agent may end its episode before it exits (POST /v1/episodes/done).
+--
+-- Workers (agent.workers=N > 0): N processes of the command play all the episodes, so that an
+-- interpreter's start (a second of CPU for Python with `openai`) is paid N times a rollout, not
+-- once an episode. A worker has OPENAI_BASE_URL, MOONRL_MODEL, OPENAI_API_KEY and
+-- MOONRL_WORKER_ID (its own id) and MOONRL_AGENT_CONCURRENCY (the episodes it should play at
+-- once); it asks for an episode with POST /v1/episodes/next under its key ({"episode_id",
+-- "record"}; {"episode_id": null} once none is left: then it exits), names the episode in its
+-- requests (`user` or `metadata.episode_id`), and ends it with POST /v1/episodes/done
+-- {"episode_id", "reward"?, "error"?}. agent.concurrency bounds the episodes in flight (a
+-- /next is held until one ends); agent.max_seconds is each episode's time from its hand-out.
 --
 --   local samples, stats = agents.run { engine, tok, tpl, records, group, sampling, step, seed,
---     command = 'python3 agent.py', concurrency = 16, max_seconds = 300, model_name = 'policy' }
--- samples and stats as moonrl.train.episodes.run's (stats.reasons: done, agent_error, max_seconds).
+--     command = 'python3 agent.py', concurrency = 16, workers = 0, max_seconds = 300, model_name = 'policy' }
+-- samples and stats as moonrl.train.episodes.run's (stats.reasons: done, agent_error, max_seconds;
+-- stats.agent_failures: agent processes that failed).
 local moonrl = require('moonrl')
 local json = require('moonrl.io.json')
 local proc = require('moonrl.io.proc')
@@ -78,22 +90,42 @@ local function merge(turns)
 end
 M.merge = merge
 
+local function record_json(rec)
+  return json.object({ 'prompt', rec.prompt or json.null, 'answer', rec.answer or json.null, 'meta', rec.meta or json.null,
+    'prompt_ids', rec.prompt_ids and json.array(rec.prompt_ids) or json.null })
+end
+
+-- The stderr's last line, for an error message.
+local function last_line(r) return ((r.stderr or ''):match('([^\n]+)\n?$') or ''):sub(1, 300) end
+
+local function exit_text(r)
+  return r.signal ~= 0 and ('signal ' .. r.signal) or ('status ' .. tostring(r.exit_status))
+end
+
 function M.run(o)
   local engine, group, sampling = o.engine, o.group or 1, o.sampling or {}
-  local concurrency, max_seconds = o.concurrency or 16, o.max_seconds or 300
+  local concurrency, max_seconds, workers = o.concurrency or 16, o.max_seconds or 300, o.workers or 0
   local now = moonrl.now
   local t_start = now()
   if engine.streaming then error('agent.command: agents do not run in an engine stream (async.stream)', 0) end
   if engine:running() and engine.on_busy then engine.on_busy() end
   engine:reset()
 
-  local E, by_id = {}, {}
+  local E, by_id, queue, in_flight = {}, {}, {}, 0
   for i, rec in ipairs(o.records) do
     for j = 0, group - 1 do
       local id = string.format('ep-%d-%d-%d-%x', o.step or 0, rec.prompt_index or (i - 1), j, math.random(0, 0xffffff))
       local e = { id = id, rec = rec, i = i, j = j, turns = {}, reward = nil, state = 'waiting' }
-      E[#E + 1], by_id[id] = e, e
+      E[#E + 1], by_id[id], queue[#queue + 1] = e, e, e
     end
+  end
+  local function claim(e, worker)
+    for k, q in ipairs(queue) do if q == e then table.remove(queue, k) break end end
+    e.state, e.t0, e.worker, in_flight = 'running', now(), worker, in_flight + 1
+  end
+  local function finish(e, reason, err)
+    if e.state ~= 'running' then return end
+    e.state, e.reason, e.error, e.seconds, in_flight = 'done', reason, err, now() - e.t0, in_flight - 1
   end
   local record = {
     known = function(id) local e = by_id[id]; return e ~= nil and e.state == 'running' end,
@@ -105,7 +137,23 @@ function M.run(o)
     end,
     turn = function(id, t) local e = by_id[id]; e.turns[#e.turns + 1] = t end,
     reward = function(id, r) by_id[id].reward = r end,
+    done = function(id, r, err)
+      local e = by_id[id]
+      if r ~= nil then e.reward = r end
+      if err then finish(e, 'agent_error', 'the agent failed its episode: ' .. err)
+      elseif #e.turns == 0 then finish(e, 'agent_error', 'the agent asked for no completion')
+      else finish(e, 'done') end
+    end,
   }
+  if workers > 0 then
+    -- (hand_out calls next, answers, then claim: nothing runs between them)
+    record.next = function()
+      if #queue == 0 then return false end
+      if in_flight >= concurrency then return nil end
+      return { id = queue[1].id, record = record_json(queue[1].rec) }
+    end
+    record.claim = function(id, worker) claim(by_id[id], worker) end
+  end
   local model_len = engine.model.config.max_position_embeddings or 4096
   local srv = server_mod.new({ engine = engine, tokenizer = o.tok, template = o.tpl,
     template_error = 'the model has no chat template (the completions endpoint takes text)',
@@ -113,48 +161,118 @@ function M.run(o)
     eos_ids = sampling.eos_ids, seed = o.seed, port = 0, host = '127.0.0.1', record = record,
     request_timeout = max_seconds, default_max_tokens = sampling.max_tokens })
   local base = string.format('http://127.0.0.1:%d/v1', srv.port)
+  local common = { '/usr/bin/env', 'OPENAI_BASE_URL=' .. base, 'MOONRL_MODEL=' .. (o.model_name or 'policy') }
+  local function spawn(vars, timeout)
+    local argv = {}
+    for _, x in ipairs(common) do argv[#argv + 1] = x end
+    for _, x in ipairs(vars) do argv[#argv + 1] = x end
+    for _, x in ipairs({ '/bin/sh', '-c', o.command }) do argv[#argv + 1] = x end
+    return proc.spawn(argv, { timeout = timeout, max_output = 2 ^ 20 })
+  end
 
-  local queue, running = {}, {}
-  for _, e in ipairs(E) do queue[#queue + 1] = e end
-  local ok, err = pcall(function()
-    while #queue > 0 or #running > 0 do
-      moonrl.check_stop()
-      while #queue > 0 and #running < concurrency do
-        local e = table.remove(queue, 1)
-        e.state, e.t0 = 'running', now()
-        e.proc = proc.spawn({ '/usr/bin/env', 'OPENAI_BASE_URL=' .. base, 'OPENAI_API_KEY=' .. e.id,
-          'MOONRL_EPISODE_ID=' .. e.id, 'MOONRL_MODEL=' .. (o.model_name or 'policy'),
-          'MOONRL_RECORD=' .. json.encode(json.object({ 'prompt', e.rec.prompt or json.null, 'answer',
-            e.rec.answer or json.null, 'meta', e.rec.meta or json.null,
-            'prompt_ids', e.rec.prompt_ids and json.array(e.rec.prompt_ids) or json.null })),
-          '/bin/sh', '-c', o.command }, { timeout = max_seconds, max_output = 2 ^ 20 })
-        running[#running + 1] = e
+  local running, procs, failures, started, last_failure = {}, {}, 0, 0, nil
+  local function serve_once()
+    local busy = engine:num_unfinished() > 0 or #srv.active > 0
+    srv:poll(busy and 0 or 2)
+    if #srv.active > 0 then srv:expire(now()) end
+    srv:step()
+    srv:hand_out()
+  end
+  -- One process an episode: started agent.concurrency at a time, its exit the episode's end.
+  local function step_processes()
+    while #queue > 0 and #running < concurrency do
+      local e = queue[1]
+      claim(e)
+      e.proc = spawn({ 'OPENAI_API_KEY=' .. e.id, 'MOONRL_EPISODE_ID=' .. e.id,
+        'MOONRL_RECORD=' .. json.encode(record_json(e.rec)) }, max_seconds)
+      running[#running + 1] = e
+    end
+    serve_once()
+    local still = {}
+    for _, e in ipairs(running) do
+      if e.proc:done() then
+        local r = e.proc:wait()
+        e.proc = nil
+        if not r.ok then failures = failures + 1 end
+        if r.timed_out then finish(e, 'max_seconds', string.format('the agent ran past agent.max_seconds (%g s)', max_seconds))
+        elseif not r.ok then
+          finish(e, 'agent_error', string.format('the agent exited with %s: %s', exit_text(r), last_line(r)))
+        elseif #e.turns == 0 then finish(e, 'agent_error', 'the agent asked for no completion')
+        else finish(e, 'done') end
+      else
+        still[#still + 1] = e
       end
-      local busy = engine:num_unfinished() > 0 or #srv.active > 0
-      srv:poll(busy and 0 or 2)
-      if #srv.active > 0 then srv:expire(now()) end
-      srv:step()
-      local still = {}
-      for _, e in ipairs(running) do
-        if e.proc:done() then
-          local r = e.proc:wait()
-          e.proc, e.seconds = nil, now() - e.t0
-          if r.timed_out then e.reason, e.error = 'max_seconds', string.format('the agent ran past agent.max_seconds (%g s)', max_seconds)
-          elseif not r.ok then
-            e.reason = 'agent_error'
-            e.error = string.format('the agent exited with %s: %s', r.signal ~= 0 and ('signal ' .. r.signal) or
-              ('status ' .. tostring(r.exit_status)), (r.stderr:match('([^\n]+)\n?$') or ''):sub(1, 300))
-          elseif #e.turns == 0 then e.reason, e.error = 'agent_error', 'the agent asked for no completion'
-          else e.reason = 'done' end
-          e.state = 'done'
-        else
-          still[#still + 1] = e
+    end
+    running = still
+  end
+  -- Workers (agent.workers): each plays the episodes it asks for (/v1/episodes/next) and ends them
+  -- (/v1/episodes/done); one that exits while episodes wait is replaced, up to agent.workers + 3
+  -- failures (exits with an error or having taken no episode), then the waiting episodes fail.
+  local function start_worker()
+    started = started + 1
+    local wid = string.format('wk-%d-%d-%x', o.step or 0, started, math.random(0, 0xffffff))
+    procs[#procs + 1] = { id = wid, taken = 0, p = spawn({ 'OPENAI_API_KEY=' .. wid, 'MOONRL_WORKER_ID=' .. wid,
+      'MOONRL_AGENT_CONCURRENCY=' .. math.ceil(concurrency / workers) }, 0) }
+  end
+  local function step_workers()
+    serve_once()
+    local t = now()
+    for _, e in ipairs(E) do
+      if e.state == 'running' and t - e.t0 > max_seconds then
+        finish(e, 'max_seconds', string.format('the episode ran past agent.max_seconds (%g s)', max_seconds))
+      end
+    end
+    local still = {}
+    for _, w in ipairs(procs) do
+      if w.p:done() then
+        local r = w.p:wait()
+        local taken, open = 0, 0
+        for _, e in ipairs(E) do
+          if e.worker == w.id then
+            taken = taken + 1
+            if e.state == 'running' then
+              open = open + 1
+              finish(e, 'agent_error', string.format('its worker exited (%s) with the episode unfinished: %s', exit_text(r), last_line(r)))
+            end
+          end
         end
+        if not r.ok or taken == 0 or open > 0 then
+          failures = failures + 1
+          last_failure = string.format('a worker exited with %s%s: %s', exit_text(r), taken == 0 and ', having taken no episode' or '',
+            last_line(r))
+        end
+      else
+        still[#still + 1] = w
       end
-      running = still
+    end
+    procs = still
+    if #queue > 0 and failures > workers + 3 then
+      for _, e in ipairs(queue) do
+        e.state, e.t0 = 'running', now()
+        in_flight = in_flight + 1
+        finish(e, 'agent_error', 'the agent workers keep failing: ' .. (last_failure or ''))
+      end
+      queue = {}
+    end
+    while #procs < math.min(workers, #queue) do start_worker() end
+  end
+
+  local ok, err = pcall(function()
+    while #queue > 0 or in_flight > 0 or #running > 0 do
+      moonrl.check_stop()
+      if workers > 0 then step_workers() else step_processes() end
+    end
+    -- the workers asked for more get {"episode_id": null}; given a second to exit
+    local t_end = now() + 1
+    while #procs > 0 and now() < t_end do
+      serve_once()
+      local still = {}
+      for _, w in ipairs(procs) do if w.p:done() then w.p:wait() else still[#still + 1] = w end end
+      procs = still
     end
   end)
   for _, e in ipairs(running) do if e.proc then e.proc:kill() end end
+  for _, w in ipairs(procs) do w.p:kill() end
   srv:abort_all()
   if engine:num_unfinished() > 0 then engine:step() end
   srv:release_finished()
@@ -163,7 +281,7 @@ function M.run(o)
 
   local stats = { episodes = 0, turns = 0, tool_calls = {}, tool_errors = {}, env_seconds = 0, tool_seconds = 0,
     extension_failures = 0, splits = 0, env_tokens = 0, model_tokens = 0,
-    reasons = { done = 0, agent_error = 0, max_seconds = 0 } }
+    reasons = { done = 0, agent_error = 0, max_seconds = 0 }, agent_failures = failures }
   local samples = {}
   for _, e in ipairs(E) do
     stats.episodes = stats.episodes + 1

@@ -441,7 +441,7 @@ function M.metrics(stats)
     tool_errors = stats.tool_errors, env_seconds = stats.env_seconds, tool_seconds = stats.tool_seconds,
     env_share = stats.seconds > 0 and math.min(1, stats.env_seconds / stats.seconds) or 0,
     masked_share = resp > 0 and stats.env_tokens / resp or 0, extension_failures = stats.extension_failures,
-    splits = stats.splits, ended = stats.reasons }
+    splits = stats.splits, ended = stats.reasons, agent_failures = stats.agent_failures }
   return m
 end
 

@@ -282,11 +282,13 @@ function M.env_config()
 end
 
 -- agent: episodes played by agent programs in any language through an OpenAI-compatible server
--- in training mode (moonrl.train.agents). command: run by /bin/sh once an episode (unset: none);
--- concurrency: agents at once; max_seconds: an agent's time (killed past it, its episode failed).
+-- in training mode (moonrl.train.agents). command: run by /bin/sh once an episode (unset: none),
+-- or workers (> 0) times a rollout, each playing the episodes it asks for; concurrency: episodes
+-- at once; max_seconds: an episode's time (its agent killed past it, the episode failed).
 function M.agent_config()
   return { command = config.optional('string', 'an agent program run once an episode (OPENAI_BASE_URL, OPENAI_API_KEY set)'),
-    concurrency = config.integer(16, { min = 1 }), max_seconds = config.number(300, { above = 0 }) }
+    concurrency = config.integer(16, { min = 1 }), workers = config.integer(0, { min = 0 }),
+    max_seconds = config.number(300, { above = 0 }) }
 end
 
 -- The env section checked at start-up (names, choices): nil when no environment is asked for.
