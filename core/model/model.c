@@ -418,7 +418,13 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
 int mrl_model_dtype(const mrl_model *m) { return m ? m->dtype : MRL_MODEL_FP32; }
 
 void mrl_model_weights_changed(mrl_model *m) {
-    if (m) atomic_store(&m->w16_stale, 1);
+    if (!m) return;
+    atomic_store(&m->w16_stale, 1);
+    atomic_fetch_add(&m->weights_gen, 1);
+}
+
+int64_t mrl_model_weights_generation(const mrl_model *m) {
+    return m ? atomic_load(&((mrl_model *)m)->weights_gen) : 0;
 }
 
 mrl_status mrl_model_refresh_bf16(mrl_model *m) {

@@ -55,6 +55,7 @@ struct mrl_model {
     uint16_t *w16;
     const uint16_t *lm_head16;
     _Atomic int w16_stale;
+    _Atomic int64_t weights_gen; /* mrl_model_weights_changed calls: what a remote engine's sync compares */
     pthread_mutex_t w16_lock;
     /* from the first mrl_model_bf16_panels (the engine's): the same matrices
      * as bf16 weight panels, written by the same refresh as w16 */

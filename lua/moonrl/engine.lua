@@ -504,10 +504,10 @@ function Engine:stop_sample(id, j) moonrl.check(C.mrl_engine_stop_sample(self.ha
 
 function Engine:done(id) return C.mrl_engine_request_done(self.handle, id) == 1 end
 
--- Sample j's weight versions (with engine:use_weights): its first token's, and the switches of the
--- later ones ({ {k, v}, ... }, as generate's results carry them); nil without a weight store.
+-- Sample j's weight versions (with engine:use_weights or set_version): its first token's, and the
+-- switches of the later ones ({ {k, v}, ... }, as generate's results carry them); nil else.
 function Engine:versions(id, j, n)
-  if not self.weights then return nil end
+  if not (self.weights or self.versioned) then return nil end
   return versions(self, id, j, n)
 end
 
@@ -549,6 +549,12 @@ end
 function Engine:swap_params(buf, n)
   moonrl.check(C.mrl_engine_swap_params(self.handle, buf, buf and (n or self.model.n_params) or 0), 2)
   self.swapped = buf
+end
+
+-- The version recorded with the tokens sampled from now on (engine.h: mrl_engine_set_version).
+function Engine:set_version(v)
+  moonrl.check(C.mrl_engine_set_version(self.handle, v), 2)
+  self.versioned = true
 end
 
 -- Where the weights come from (see the top of the file).

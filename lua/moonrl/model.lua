@@ -539,6 +539,30 @@ end
 function Model:dtype() return C.mrl_model_dtype(self.handle) == C.MRL_MODEL_BF16 and 'bf16' or 'fp32' end
 -- The parameter buffer was written: the bf16 copies are converted again before their next use.
 function Model:weights_changed() C.mrl_model_weights_changed(self.handle) end
+-- How many times the weights were written (mrl_model_weights_generation): a copy taken at g is current while this is g.
+function Model:weights_generation() return tonumber(C.mrl_model_weights_generation(self.handle)) end
+
+-- The weights read again from a Hugging Face directory (a checkpoint's, a save's) into this model
+-- of the same config, checked tensor by tensor: its whole parameters, or its part (a ZeRO-3
+-- shard's range of each tensor, a tensor-parallel rank's slices, a stage's layers). what names the
+-- model in errors.
+function Model:read_dir(dir, what)
+  what = what or 'the model'
+  if self:shard() then return self:read_shard(dir) end
+  if self:tp() > 1 or self.pp then return self:read_tp(dir) end
+  local st = require('moonrl.io.safetensors').open(dir)
+  local p = self:read_params() -- host memory (a GPU model's: a copy, written back below)
+  for _, v in ipairs(self:views()) do
+    if not st:has(v.name) then error(string.format('%s: no tensor %s for %s', dir, v.name, what), 0) end
+    local info = st:info(v.name)
+    if info.numel ~= v.numel then
+      error(string.format('%s: tensor %s has %d elements, %s has %d (a different model config)', dir, v.name,
+        info.numel, what, v.numel), 0)
+    end
+    st:read_f32(v.name, p + v.offset)
+  end
+  self:write_params(p)
+end
 -- The gradient buffer: created (zeroed) on the first call or the first backward, never for a model
 -- that only runs forwards or the engine.
 function Model:grads()

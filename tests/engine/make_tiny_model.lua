@@ -1,14 +1,14 @@
 -- A tiny random Llama saved in Hugging Face format with a tokenizer fixture,
 -- for the `moonrl generate` end-to-end test (test_generate_cli.sh), and the
 -- greedy text the engine gives for PROMPT (OUT/expected.txt).
--- env: OUT (the directory to write), TOK (a tokenizer fixture directory), PROMPT.
+-- env: OUT (the directory to write), TOK (a tokenizer fixture directory), PROMPT, SEED (3).
 local moonrl = require('moonrl')
 local out, tokdir, prompt = os.getenv('OUT'), os.getenv('TOK'), os.getenv('PROMPT')
 assert(out and tokdir and prompt, 'OUT, TOK and PROMPT must be set')
 local tok = moonrl.tokenizer.load(tokdir)
 local model = moonrl.model.new({ model_type = 'llama', vocab_size = tok.vocab_size, hidden_size = 64,
   intermediate_size = 128, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
-  max_position_embeddings = 512, initializer_range = 0.1 }, { seed = 3 })
+  max_position_embeddings = 512, initializer_range = 0.1 }, { seed = tonumber(os.getenv('SEED') or '3') })
 model:save(out)
 local function copy(from, to)
   local f = assert(io.open(from, 'rb'))

@@ -179,6 +179,7 @@ def main():
     check("sigterm-idle-exit-0", code == 0, "exit %s\n%s" % (code, srv.log()[-2000:]))
     check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
     record_checks(model, tmp)
+    control_checks(model, tmp, env)
     tp_checks(model, exp, gen_text, gen_chat)
     hardening_checks(model)
     cli_checks(model)
@@ -630,6 +631,103 @@ def record_checks(model, tmp):
     a = lines[0]
     check("record-exact-ids", a["ids"] == first and len(a["logprobs"]) == len(first) and a["turn"] == 1, a)
     check("record-reward", lines[2]["reward"] == 0.75, lines[2])
+
+
+def control_checks(model, tmp, env):
+    """The control protocol of vLLM's RL API: pause (wait, keep, abort) holds new requests until
+    resume; reload_weights reads another model's weights in (the greedy text then that model's),
+    update_weight_version labels them, and return_token_ids reports the ids and the version spans;
+    a request paused with mode=keep across an update has two spans; moonrl_stream pins a sample's
+    random stream; bad calls are 400s that leave the weights alone."""
+    other = os.path.join(tmp, "tiny_other")
+    subprocess.run([MOONRL, "run", os.path.join(SRC, "tests/engine/make_tiny_model.lua")],
+                   env=dict(env, OUT=other, SEED="11"), check=True)
+    other_text = open(os.path.join(other, "expected.txt")).read()[:-1]
+    mine_text = open(os.path.join(model, "expected.txt")).read()[:-1]
+    srv = Server(model)
+    try:
+        greedy = {"prompt": "Hello world", "max_tokens": 20, "temperature": 0}
+
+        def text():
+            return srv.post("/v1/completions", greedy)[1]["choices"][0]["text"]
+
+        def ctl(path, body=None):
+            status, raw, _ = srv.request("POST" if body is not None else "GET", path, body)
+            return status, (json.loads(raw) if raw else None)
+
+        check("control-weight-info", ctl("/weight_info") == (200, {"weight_version": "default"}))
+        st, r = srv.post("/v1/completions", dict(greedy, return_token_ids=True))
+        c = r["choices"][0]
+        check("control-token-ids", len(c["token_ids"]) > 0 and len(c["prompt_token_ids"]) > 0 and
+              c["weight_versions"] == [{"version": "default", "start": 0, "end": len(c["token_ids"])}], c)
+        check("control-text-before", text() == mine_text, text())
+        check("control-pause", ctl("/pause", {}) == (200, {"status": "paused"}) and
+              ctl("/is_paused") == (200, {"is_paused": True}))
+        held = {}
+
+        def later():
+            held["r"] = srv.post("/v1/completions", dict(greedy, return_token_ids=True))
+        t = threading.Thread(target=later)
+        t.start()
+        time.sleep(0.5)
+        check("control-held-while-paused", "r" not in held)
+        bad = [ctl("/collective_rpc", {"method": "sleep"})[0],
+               ctl("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": os.path.join(tmp, "none")}})[0],
+               ctl("/update_weight_version", {})[0], srv.request("POST", "/pause?mode=later", "")[0]]
+        check("control-bad-calls", bad == [400, 400, 400, 400], bad)
+        check("control-reload", ctl("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": other}}) ==
+              (200, {"results": [None]}))
+        check("control-version", ctl("/update_weight_version", {"new_version": "7"}) == (200, {"success": True, "new_version": "7"})
+              and ctl("/weight_info") == (200, {"weight_version": "7"}))
+        check("control-resume", ctl("/resume", {}) == (200, {"status": "resumed"}))
+        t.join(60)
+        c = held.get("r", (0, {"choices": [{}]}))[1]["choices"][0]
+        check("control-held-served-new", c.get("text") == other_text and c.get("weight_versions") ==
+              [{"version": "7", "start": 0, "end": len(c.get("token_ids", []))}], c)
+        check("control-text-after", text() == other_text, text())
+        # paused with keep while a request runs: its later tokens under the next weights, two spans
+        longer = {"prompt": "Hello world", "max_tokens": 480, "n": 64, "temperature": 0, "ignore_eos": True,
+                  "return_token_ids": True}
+        out = {}
+
+        def long_req():
+            out["r"] = srv.post("/v1/completions", longer)
+        t = threading.Thread(target=long_req)
+        t.start()
+        time.sleep(0.2)
+        kept = ctl("/pause?mode=keep", {})
+        ctl("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model}})
+        ctl("/update_weight_version", {"new_version": "8"})
+        ctl("/resume", {})
+        t.join(60)
+        spans = out.get("r", (0, {"choices": [{}]}))[1]["choices"][0].get("weight_versions")
+        check("control-keep-two-spans", kept == (200, {"status": "paused"}) and spans is not None and len(spans) == 2 and
+              [x["version"] for x in spans] == ["7", "8"] and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 480,
+              spans)
+        check("control-text-back", text() == mine_text, text())
+        # abort: what the requests in flight have, finish_reason "abort"
+        def long_req2():
+            out["a"] = srv.post("/v1/completions", dict(longer, return_token_ids=False))
+        t = threading.Thread(target=long_req2)
+        t.start()
+        time.sleep(0.2)
+        ctl("/pause?mode=abort", {})
+        t.join(60)
+        ctl("/resume", {})
+        ch = out.get("a", (0, {"choices": [{}]}))[1]["choices"][0]
+        check("control-abort", ch.get("finish_reason") == "abort" and len(ch.get("text", "")) > 0, ch.get("finish_reason"))
+        # a pinned random stream: the same sample whatever else the server did meanwhile
+        pinned = {"prompt": "Hello", "max_tokens": 12, "temperature": 1.0, "seed": 5, "moonrl_stream": [3, 2, 1],
+                  "return_token_ids": True}
+        a = srv.post("/v1/completions", pinned)[1]["choices"][0]["token_ids"]
+        srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 5})
+        b = srv.post("/v1/completions", pinned)[1]["choices"][0]["token_ids"]
+        c2 = srv.post("/v1/completions", dict(pinned, moonrl_stream=[3, 2, 2]))[1]["choices"][0]["token_ids"]
+        check("control-pinned-stream", a == b and a != c2, (a, b, c2))
+        check("control-pinned-bad", srv.post("/v1/completions", dict(pinned, moonrl_stream=[1, 2]))[0] == 400)
+    finally:
+        code = srv.stop()
+    check("control-exit-0", code == 0, srv.log()[-1000:])
 
 
 def tp_checks(model, exp, gen_text, gen_chat):

@@ -565,6 +565,9 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype);
 int mrl_model_dtype(const mrl_model *m);
 /* The parameter buffer was written: the bf16 copy is stale (nothing to do in fp32). */
 void mrl_model_weights_changed(mrl_model *m);
+/* How many times mrl_model_weights_changed was called: a copy of the weights elsewhere (a remote
+ * engine's) taken at generation g is current while this is still g. */
+int64_t mrl_model_weights_generation(const mrl_model *m);
 /* Convert now if stale (the forward and the engine call it themselves). */
 mrl_status mrl_model_refresh_bf16(mrl_model *m);
 

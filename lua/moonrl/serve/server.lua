@@ -9,6 +9,9 @@
 --   POST /v1/episodes/reward     training mode: {"episode_id": ..., "reward": x} (below)
 --   POST /v1/episodes/next       training mode, agent workers: the next episode to play
 --   POST /v1/episodes/done       training mode: {"episode_id": ..., "reward"?: x, "error"?: text}
+--   the control protocol of vLLM's RL API (what a trainer drives a rollout fleet with; below):
+--   POST /pause?mode=wait|keep|abort, POST /resume, GET /is_paused, POST /collective_rpc
+--   (method reload_weights), POST /update_weight_version, GET /weight_info, POST /reset_prefix_cache
 --
 -- Training mode (o.record: what moonrl.train.agents gives, for an RL loop that trains on the
 -- requests of agent programs): a request that names an episode (the request's `user`, its
@@ -27,6 +30,19 @@
 -- record.next(worker) hands out (claimed by record.claim(id, worker) once the answer went out),
 -- {"episode_id": null} once none is left (record.next gives false), and is held while
 -- record.next gives nil (episodes enough in flight) until hand_out finds one.
+--
+-- The control protocol (vLLM's, served without its VLLM_SERVER_DEV_MODE gate): /pause stops
+-- generation: mode=wait (the default) answers once the requests in flight are done, keep freezes
+-- them where they are, abort ends them (finish_reason "abort"); requests that arrive while paused
+-- wait, unread, until /resume. /collective_rpc {"method": "reload_weights", "kwargs":
+-- {"weights_path": DIR}} reads new weights (a Hugging Face directory) into the served model: the
+-- requests kept in flight go on with them from their next token; cached prefixes are dropped when
+-- none is. /update_weight_version {"new_version": label} names the weights; each sample records
+-- the version of each of its tokens, and a request with return_token_ids gets, besides token_ids
+-- and prompt_token_ids (vLLM's), weight_versions: [{version, start, end}] spans of its tokens (as
+-- vLLM's token API gives them). A request may also pin its random stream to the one moonrl's
+-- engine gives a rollout's sample (moonrl_stream: [step, prompt_index, first_sample], with seed),
+-- so a fleet of servers samples what the trainer's own engine would.
 --
 -- One loop on one thread: poll the HTTP server (core/serve/http.c; 0 ms while the engine has work,
 -- longer when idle), turn new requests into engine requests, run one engine step, push the new
@@ -232,6 +248,7 @@ function M.new(o)
     shutdown_timeout = o.shutdown_timeout or 10, request_timeout = o.request_timeout or 600,
     log = o.log or function() end, record = o.record,
     jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(), next_waiting = {},
+    held = {}, pause_waiters = {}, version_label = o.weight_version or 'default',
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
       active_peak = 0, gone = 0, timed_out = 0 },
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
@@ -239,6 +256,7 @@ function M.new(o)
   }, Server)
   -- a prompt of more bytes than max_len tokens can stand for cannot fit the context: refused before
   -- it is encoded (a tokenizer that can drop text has no such bound: its prompts are encoded)
+  self.version_labels = { [0] = self.version_label } -- (the engine's version -> its label)
   self.max_token_bytes = tonumber(C.mrl_tok_max_text_bytes(self.tok.handle))
   self.max_prompt_bytes = self.max_token_bytes > 0 and self.max_len * self.max_token_bytes or math.huge
   local cfg = ffi.new('mrl_http_config')
@@ -452,6 +470,18 @@ function Server:new_job(hid, body, chat, episode)
     logprobs = number_field(body, 'logprobs', 0, 20, true, nil)
   end
   local token_ids = bool_field(body, 'return_tokens_as_token_ids', false) -- vLLM's: "token_id:123"
+  local return_ids = bool_field(body, 'return_token_ids', false) -- vLLM's: choices[].token_ids, prompt_token_ids
+  local pinned = field(body, 'moonrl_stream')
+  if pinned ~= nil then
+    if type(pinned) ~= 'table' or json.is_object(pinned) or #pinned ~= 3 or seed == nil then
+      bad("'moonrl_stream' must be [step, prompt_index, first_sample], with a 'seed'", 'moonrl_stream')
+    end
+    for _, x in ipairs(pinned) do
+      if type(x) ~= 'number' or x ~= math.floor(x) or x < 0 or x > 2 ^ 53 then
+        bad("'moonrl_stream' must hold three integers >= 0", 'moonrl_stream')
+      end
+    end
+  end
   local stops = stop_strings(body)
   local stop_ids = stop_token_ids(body, self.tok.vocab_size)
   local include_usage = false
@@ -471,6 +501,7 @@ function Server:new_job(hid, body, chat, episode)
     hid = hid, chat = chat, stream = stream, n = n, serial = self.serial, deadline = moonrl.now() + self.request_timeout,
     id = new_id(chat and 'chatcmpl' or 'cmpl', self.serial), created = os.time(),
     logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
+    return_ids = return_ids,
     stops = stops, max_stop = max_stop, reqs = {}, samples = {}, remaining = 0, prompt_tokens = 0,
   }
   local ignore_eos = bool_field(body, 'ignore_eos', false) -- vLLM's: generate max_tokens whatever comes
@@ -479,6 +510,10 @@ function Server:new_job(hid, body, chat, episode)
     stop_ids = stop_ids, seed = seed or self.seed, step = seed and 0 or self.serial,
     top_logprobs = (chat and top_logprobs or (not chat and logprobs)) or 0 }
   local q = {} -- (an episode's request: the sampling and the random stream its recorder sets)
+  if pinned then
+    if #prompts ~= 1 then bad("'moonrl_stream' takes one prompt", 'moonrl_stream') end
+    opts.step, q.prompt_index, q.first_sample = pinned[1], pinned[2], pinned[3]
+  end
   if episode then
     q = self.record.sampling(episode)
     for _, k in ipairs({ 'temperature', 'top_p', 'top_k', 'min_p', 'seed', 'step' }) do
@@ -622,12 +657,15 @@ function Server:finish_job(job)
     for _, s in ipairs(job.samples) do
       local text = utf8_clean(s.watch.text)
       local lp = job.logprobs ~= nil and self:logprobs_of(job, s, 0, s.n_tokens) or null
+      local c
       if job.chat then
-        choices[#choices + 1] = obj({ 'index', s.index, 'message', obj({ 'role', 'assistant', 'content', text }),
+        c = obj({ 'index', s.index, 'message', obj({ 'role', 'assistant', 'content', text }),
           'logprobs', lp, 'finish_reason', s.finish })
       else
-        choices[#choices + 1] = obj({ 'index', s.index, 'text', text, 'logprobs', lp, 'finish_reason', s.finish })
+        c = obj({ 'index', s.index, 'text', text, 'logprobs', lp, 'finish_reason', s.finish })
       end
+      if job.return_ids then self:token_ids_of(job, s, c) end
+      choices[#choices + 1] = c
     end
     local sent = self:respond(job.hid, 200, json.encode(obj({ 'id', job.id, 'object', job.chat and 'chat.completion' or
       'text_completion', 'created', job.created, 'model', self.name, 'choices', choices, 'usage', self:usage(job) })))
@@ -637,6 +675,27 @@ function Server:finish_job(job)
   for _, q in ipairs(job.reqs) do self.to_release[#self.to_release + 1] = q.eid end
 end
 
+-- vLLM's return_token_ids: the sample's token ids and its prompt's, into choice c; and the
+-- weight versions of its tokens as spans [start, end) (moonrl's, as vLLM's token API).
+function Server:token_ids_of(job, s, c)
+  local toks = self.engine:output(s.eid, s.j)
+  local ids = arr({})
+  for k = 0, s.n_tokens - 1 do ids[k + 1] = toks[k] end
+  local prompt
+  for _, q in ipairs(job.reqs) do if q.eid == s.eid then prompt = q.prompt_ids end end
+  c.token_ids, c.prompt_token_ids = ids, arr(prompt or {})
+  local first, switches = self.engine:versions(s.eid, s.j, s.n_tokens)
+  local spans, start, v = arr({}), 0, first or 0
+  for _, sw in ipairs(switches or {}) do
+    if sw[1] - 1 > start then spans[#spans + 1] = obj({ 'version', self:label_of(v), 'start', start, 'end', sw[1] - 1 }) end
+    start, v = sw[1] - 1, sw[2]
+  end
+  spans[#spans + 1] = obj({ 'version', self:label_of(v), 'start', start, 'end', s.n_tokens })
+  c.weight_versions = spans
+end
+
+function Server:label_of(v) return self.version_labels[tonumber(v)] or self.version_label end
+
 -- After a step: one job's samples read, stop strings watched, text streamed; true once done.
 function Server:advance_job(job)
   local eng = self.engine
@@ -644,7 +703,11 @@ function Server:advance_job(job)
     if not s.done then
       local toks, _, n, reason = eng:output(s.eid, s.j)
       local w = s.watch
-      if engine_mod.watch_step(w, toks, n, job.stops, job.max_stop) then
+      if job.aborted and not reason then -- (/pause?mode=abort: what it has, finish_reason "abort")
+        engine_mod.watch_step(w, toks, n, {}, 0)
+        s.done, s.finish = true, 'abort'
+        eng:stop_sample(s.eid, s.j)
+      elseif engine_mod.watch_step(w, toks, n, job.stops, job.max_stop) then
         s.done, s.finish = true, 'stop'
         eng:stop_sample(s.eid, s.j)
       elseif reason then
@@ -737,7 +800,11 @@ local ROUTES = {
   ['/health'] = 'GET', ['/v1/models'] = 'GET', ['/metrics'] = 'GET', ['/version'] = 'GET',
   ['/v1/completions'] = 'POST', ['/v1/chat/completions'] = 'POST', ['/v1/episodes/reward'] = 'POST',
   ['/v1/episodes/next'] = 'POST', ['/v1/episodes/done'] = 'POST',
+  ['/pause'] = 'POST', ['/resume'] = 'POST', ['/is_paused'] = 'GET', ['/collective_rpc'] = 'POST',
+  ['/update_weight_version'] = 'POST', ['/weight_info'] = 'GET', ['/reset_prefix_cache'] = 'POST',
 }
+local CONTROL = { ['/pause'] = true, ['/resume'] = true, ['/is_paused'] = true, ['/collective_rpc'] = true,
+  ['/update_weight_version'] = true, ['/weight_info'] = true, ['/reset_prefix_cache'] = true }
 
 -- Training mode: the episode a request names (see the top), or nil; one the recorder does not know
 -- is refused.
@@ -826,6 +893,100 @@ function Server:hand_out()
   self.next_waiting = still
 end
 
+-- ---- the control protocol (vLLM's RL API; see the top) ---------------------------------------
+
+local function query_field(query, key)
+  for k, v in query:gmatch('([^&=]+)=([^&]*)') do if k == key then return v end end
+  return nil
+end
+
+local function json_body(body)
+  if body == '' then return obj() end
+  local at = utf8_error(body)
+  if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
+  local ok, req = pcall(json.decode, body, 'request body')
+  if not ok or not json.is_object(req) then bad('the body must be a JSON object') end
+  return req
+end
+
+-- Cached prefixes dropped (they came from other weights), when nothing is in flight: false else.
+function Server:drop_prefixes()
+  if self.engine:num_unfinished() > 0 then return false end
+  self:release_finished()
+  if #self.to_release > 0 then return false end
+  self.engine:reset()
+  return true
+end
+
+-- The weights of a Hugging Face directory read into the served model, as the next version.
+function Server:reload_weights(kwargs)
+  if not json.is_object(kwargs) then bad("'kwargs' must be an object", 'kwargs') end
+  local path = field(kwargs, 'weights_path')
+  if type(path) ~= 'string' or path == '' then bad("'kwargs.weights_path' (a directory) is required", 'kwargs') end
+  if self.engine.tick then fail(400, 'reload_weights: not with --tp (the ranks would need the weights too)', 'method') end
+  local t0 = moonrl.now()
+  local ok, err = pcall(self.engine.model.read_dir, self.engine.model, path, 'the served model')
+  if not ok then fail(400, 'reload_weights: ' .. tostring(moonrl.error_text(err)), 'kwargs') end
+  -- the requests kept in flight read the new weights from their next token (their panels packed
+  -- again); with none, the cached prefixes go
+  if not self:drop_prefixes() then self.engine:swap_params(nil) end
+  self.weights_version = (self.weights_version or 0) + 1
+  self.engine:set_version(self.weights_version)
+  self.version_labels[self.weights_version] = self.version_label
+  self.counters.weight_updates = (self.counters.weight_updates or 0) + 1
+  self.log(string.format('weights reloaded from %s in %.2f s', path, moonrl.now() - t0))
+end
+
+function Server:control(hid, path, body, query)
+  local function ok(o) return self:respond(hid, 200, json.encode(o)) end
+  if path == '/is_paused' then return ok(obj({ 'is_paused', self.paused ~= nil })) end
+  if path == '/weight_info' then return ok(obj({ 'weight_version', self.version_label })) end
+  if path == '/pause' then
+    local mode = query_field(query, 'mode') or 'wait'
+    if mode ~= 'wait' and mode ~= 'keep' and mode ~= 'abort' then
+      bad(string.format("mode '%s': wait, keep or abort", utf8_clean(mode:sub(1, 20))), 'mode')
+    end
+    self.paused = self.paused or mode
+    if mode == 'abort' then
+      for _, job in ipairs(self.active) do job.aborted = true end
+      self:advance()
+    end
+    if query_field(query, 'clear_cache') == 'true' then self:drop_prefixes() end
+    if mode == 'wait' and #self.active > 0 then -- answered once they are done (step)
+      self.pause_waiters[#self.pause_waiters + 1] = hid
+      return
+    end
+    return ok(obj({ 'status', 'paused' }))
+  end
+  if path == '/resume' then
+    self.paused = nil
+    for _, w in ipairs(self.pause_waiters) do self:respond(w, 200, '{"status":"paused"}') end
+    self.pause_waiters = {}
+    local held = self.held
+    self.held = {}
+    for _, r in ipairs(held) do self:dispatch(r.hid, r.method, r.path, r.body, r.auth, r.query) end
+    return ok(obj({ 'status', 'resumed' }))
+  end
+  local req = json_body(body)
+  if path == '/update_weight_version' then
+    local v = field(req, 'new_version')
+    if type(v) == 'number' then v = json.number(v) end
+    if type(v) ~= 'string' or v == '' or #v > 200 then bad("'new_version' (a string) is required", 'new_version') end
+    self.version_label = v
+    if self.weights_version then self.version_labels[self.weights_version] = v end
+    return ok(obj({ 'success', true, 'new_version', v }))
+  end
+  if path == '/reset_prefix_cache' then return ok(obj({ 'success', self:drop_prefixes() })) end
+  -- /collective_rpc: the one method a trainer needs of it
+  local method = field(req, 'method')
+  if method ~= 'reload_weights' then
+    bad(string.format("collective_rpc: method '%s' is not served (reload_weights is)", utf8_clean(tostring(method):sub(1, 40))),
+      'method')
+  end
+  self:reload_weights(field(req, 'kwargs') or obj())
+  return ok(obj({ 'results', arr({ null }) }))
+end
+
 -- Training mode: a finished request's turn to its recorder, its tokens as the engine sampled them.
 function Server:record_turn(job)
   local s = job.samples[1]
@@ -837,7 +998,7 @@ function Server:record_turn(job)
     finish_reason = s.finish, version = v, version_switches = sw })
 end
 
-function Server:handle(hid, method, path, body, auth)
+function Server:handle(hid, method, path, body, auth, query)
   local want = ROUTES[path]
   if not want then fail(404, string.format('no route %s %s', method, path), nil, 'NotFoundError') end
   if method ~= want then fail(405, string.format('%s takes %s, not %s', path, want, method), nil, 'MethodNotAllowed') end
@@ -846,6 +1007,11 @@ function Server:handle(hid, method, path, body, auth)
   if path == '/metrics' then return self:respond(hid, 200, self:metrics(), 'text/plain; version=0.0.4') end
   if path == '/version' then return self:respond(hid, 200, json.encode(obj({ 'version', moonrl.version().version }))) end
   if self.draining then fail(503, 'the server is shutting down', nil, 'ServiceUnavailable') end
+  if CONTROL[path] then return self:control(hid, path, body, query or '') end
+  if self.paused then -- (read at /resume, in order)
+    self.held[#self.held + 1] = { hid = hid, method = method, path = path, body = body, auth = auth, query = query }
+    return
+  end
   if path == '/v1/episodes/next' then return self:episode_next(hid, auth) end -- (its body, if any, unread)
   local at = utf8_error(body) -- JSON is UTF-8 (RFC 8259); the decoder would pass other bytes on
   if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
@@ -866,8 +1032,12 @@ end
 function Server:on_request(r)
   self.counters.requests = self.counters.requests + 1
   local hid = r.id
-  local ok, err = pcall(self.handle, self, hid, ffi.string(r.method), ffi.string(r.path), ffi.string(r.body, r.body_len),
-    r.authorization ~= nil and ffi.string(r.authorization) or nil)
+  self:dispatch(hid, ffi.string(r.method), ffi.string(r.path), ffi.string(r.body, r.body_len),
+    r.authorization ~= nil and ffi.string(r.authorization) or nil, ffi.string(r.query))
+end
+
+function Server:dispatch(hid, method, path, body, auth, query)
+  local ok, err = pcall(self.handle, self, hid, method, path, body, auth, query)
   if not ok then
     if getmetatable(err) == HttpError then
       self:respond_error(hid, err.status, err.message, err.param, err.type)
@@ -917,6 +1087,15 @@ end
 
 function Server:step()
   local eng = self.engine
+  if #self.pause_waiters > 0 and #self.active == 0 then -- (/pause?mode=wait: drained)
+    for _, w in ipairs(self.pause_waiters) do self:respond(w, 200, '{"status":"paused"}') end
+    self.pause_waiters = {}
+  end
+  -- paused: nothing steps, but requests draining for a /pause?mode=wait
+  if self.paused and not (self.paused == 'wait' and #self.pause_waiters > 0) then
+    self:release_finished()
+    return
+  end
   if eng:num_unfinished() > 0 then
     local ok, err = pcall(eng.step, eng)
     if not ok then
@@ -984,7 +1163,7 @@ function Server:run(idle_ms)
         ffi.string(C.mrl_stop_reason()) or 'stop', #self.active))
     end
     if self.draining and (#self.active == 0 or moonrl.now() > deadline) then break end
-    local busy = self.engine:num_unfinished() > 0 or #self.active > 0
+    local busy = (self.engine:num_unfinished() > 0 or #self.active > 0) and (not self.paused or #self.pause_waiters > 0)
     self:poll(busy and 0 or idle_ms)
     if #self.active > 0 then self:expire(moonrl.now()) end
     self:step()

@@ -498,21 +498,7 @@ end
 
 -- Copy a checkpoint's weights into an existing model (same config, checked tensor by tensor).
 function M.load_model(dir, name, model, is_policy)
-  local mdir = is_policy and dir or (dir .. '/' .. name)
-  if model:shard() then return model:read_shard(mdir) end -- (sharded: this rank's range of each tensor)
-  if model:tp() > 1 or model.pp then return model:read_tp(mdir) end -- (tensor, pipeline parallel: this rank's slices, stage)
-  local st = require('moonrl.io.safetensors').open(mdir)
-  local p = model:read_params() -- host memory (a GPU model's: a copy, written back below)
-  for _, v in ipairs(model:views()) do
-    if not st:has(v.name) then error(string.format('%s: checkpoint has no tensor %s for model %s', mdir, v.name, name), 0) end
-    local info = st:info(v.name)
-    if info.numel ~= v.numel then
-      error(string.format('%s: tensor %s has %d elements, model %s has %d (a different model config)', mdir, v.name,
-        info.numel, name, v.numel), 0)
-    end
-    st:read_f32(v.name, p + v.offset)
-  end
-  model:write_params(p)
+  model:read_dir(is_policy and dir or (dir .. '/' .. name), name)
 end
 
 -- The pieces of an optimizer's saved state, in order: { st, path, offset, count } each holding
