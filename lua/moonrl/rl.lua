@@ -541,6 +541,7 @@ function Recipe:metrics(m, samples, info)
   m.reward.errors, m.reward.dropped_groups = rm.errors, rm.dropped_groups
   if rm.stats then m.reward[tostring(self.cfg.reward.name):gsub('%W', '_')] = rm.stats end -- (reward/code/executions, ...)
   m.env = episodes.metrics(rm.env)
+  if S.engine and S.engine.remote then m.engine = S.engine:metrics() end
   m.response_length = metrics.length_metrics(samples)
   m.data = S:data_metrics()
   m.async = S.rollouts:metrics(info)

@@ -43,14 +43,7 @@ local function run(ranks, w, opts)
 end
 
 local function model_bytes(d) return fs.read(d .. '/model/model.safetensors') end
-local function events(d, kind)
-  local out = {}
-  for line in io.lines(d .. '/events.jsonl') do
-    local e = json.decode(line)
-    if e.event == kind then out[#out + 1] = e end
-  end
-  return out
-end
+local events = U.events
 
 -- Run d killed by `fault` (an expected failure), then the same command again (a resume): d's
 -- final weights.

@@ -140,6 +140,17 @@ function M.records(run_dir)
   return out
 end
 
+-- A run directory's events of one kind (events.jsonl), in order.
+function M.events(run_dir, kind)
+  local json = require('moonrl.io.json')
+  local out = {}
+  for line in io.lines(run_dir .. '/events.jsonl') do
+    local e = json.decode(line)
+    if e.event == kind then out[#out + 1] = e end
+  end
+  return out
+end
+
 function M.write_jsonl(path, records)
   local json = require('moonrl.io.json')
   local f = assert(io.open(path, 'w'))

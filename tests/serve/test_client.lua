@@ -1,10 +1,10 @@
--- moonrl.serve.client (the C client of moonrl/http_client.h) against the server of moonrl serve
+-- moonrl.io.http (the C client of moonrl/http_client.h) against the server of moonrl serve
 -- (moonrl/http.h) in the same process: each poll of the client goes with one of the server, which
 -- answers /echo with "<method> <content type> <authorization> <body>", /hold never.
 local t = require('moonrl.testing')
 local ffi = require('ffi')
 local moonrl = require('moonrl')
-local client = require('moonrl.serve.client')
+local client = require('moonrl.io.http')
 local C = moonrl.C
 
 local Server = {}

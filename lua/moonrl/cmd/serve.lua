@@ -154,6 +154,20 @@ function M.main(args)
   log(string.format('listening on http://%s:%d (model %s, max_model_len %d%s%s)', host, srv.port,
     o.served_model_name or o.model, max_len, tpl and '' or ', no chat template',
     o.record and ', recording episodes to ' .. o.record or ''))
+  local f = require('moonrl.train.fault').find('serve_kill') -- (fault injection: a server lost mid-run)
+  if f then
+    local handle, seen = srv.handle, 0
+    srv.handle = function(self, hid, method, path, ...)
+      if path:sub(1, 4) == '/v1/' and method == 'POST' then
+        seen = seen + 1
+        if seen > (f.requests or 0) then
+          log('fault injection: serve_kill')
+          moonrl.C.mrl_fault_kill()
+        end
+      end
+      return handle(self, hid, method, path, ...)
+    end
+  end
   local rok, err = pcall(srv.run, srv)
   srv:close()
   if srv.record and srv.record.close then srv.record.close() end

@@ -24,8 +24,10 @@ local PHASE_COLORS = { '#4e79a7', '#f28e2b', '#59a14f', '#e15759', '#76b7b2', '#
 
 -- Groups of metrics (the prefix before the first '/'; '' for the keys without one) in the order
 -- shown; the rest follow alphabetically.
-local GROUP_ORDER = { 'reward', '', 'env', 'response_length', 'tokens_per_s', 'mismatch', 'time', 'memory', 'guard', 'async' }
-local GROUP_TITLE = { [''] = 'training', time = 'time (seconds)', env = 'episodes (env/: turns, tools, limits)' }
+local GROUP_ORDER = { 'reward', '', 'env', 'response_length', 'tokens_per_s', 'mismatch', 'engine', 'time', 'memory',
+  'guard', 'async' }
+local GROUP_TITLE = { [''] = 'training', time = 'time (seconds)', env = 'episodes (env/: turns, tools, limits)',
+  engine = 'rollout servers (engine/: requests, weight syncs, failures; counted from the start)' }
 -- Keys shown first within their group.
 local KEY_ORDER = { 'reward/mean', 'reward/std', 'accuracy', 'loss', 'kl', 'approx_kl', 'entropy', 'clip_frac',
   'grad_norm', 'lr', 'response_length/mean', 'response_length/max', 'tokens_per_s/generate', 'tokens_per_s/train',
@@ -38,7 +40,7 @@ local MARK_EVENTS = { skip = '#ff7f0e', rollback = '#d62728', resume = '#1f77b4'
   guard_stop = '#d62728' }
 local BAD_EVENTS = { skip = true, rollback = true, restart = true, hang = true, exit = true, error = true,
   guard_stop = true, stop = true, unsaved = true, checkpoint_failed = true, checkpoint_skipped = true,
-  data_skipped = true, reward_error = true }
+  data_skipped = true, reward_error = true, engine_server = true }
 -- Counters in the metrics that the events section sums.
 local COUNTERS = { { 'guard/skipped', 'updates skipped by the guards' }, { 'guard/rollback', 'rollbacks' },
   { 'async/dropped_stale', 'stale samples dropped' }, { 'reward/dropped_groups', 'reward groups dropped' },

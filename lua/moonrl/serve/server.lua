@@ -67,6 +67,7 @@ local moonrl = require('moonrl')
 local ffi = require('ffi')
 local json = require('moonrl.io.json')
 local engine_mod = require('moonrl.engine')
+local fs = require('moonrl.io.fs')
 local C = moonrl.C
 
 local M = {}
@@ -925,6 +926,14 @@ function Server:reload_weights(kwargs)
   if type(path) ~= 'string' or path == '' then bad("'kwargs.weights_path' (a directory) is required", 'kwargs') end
   if self.engine.tick then fail(400, 'reload_weights: not with --tp (the ranks would need the weights too)', 'method') end
   local t0 = moonrl.now()
+  local want = field(kwargs, 'crc32c') -- (moonrl's: the CRC-32C of model.safetensors as its writer computed it, hex)
+  if want ~= nil then
+    local okc, crc = pcall(fs.crc32c_file, path .. '/model.safetensors')
+    if not okc or string.format('%08x', crc) ~= tostring(want):lower() then
+      fail(400, string.format('reload_weights: %s/model.safetensors: %s', path, okc and string.format(
+        'CRC-32C %08x, the writer\'s %s', crc, tostring(want)) or moonrl.error_text(crc)), 'kwargs')
+    end
+  end
   local ok, err = pcall(self.engine.model.read_dir, self.engine.model, path, 'the served model')
   if not ok then fail(400, 'reload_weights: ' .. tostring(moonrl.error_text(err)), 'kwargs') end
   -- the requests kept in flight read the new weights from their next token (their panels packed

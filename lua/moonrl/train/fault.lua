@@ -20,6 +20,8 @@
 --                                another host cannot; rank= and attempt= apply)
 --   sync_corrupt:rank=2:times=1  a rollout rank's copy of the trainers' weights gets one element
 --                                wrong after a delivery (the version checksum must catch it)
+--   serve_kill:requests=3        `moonrl serve` dies (SIGKILL) when its 4th generation request comes
+--                                (a rollout server lost mid-run)
 --
 -- Conditions: step=N (the session's global step, counted over all phases), phase=NAME (a
 -- phase of the recipe loop: 'step' at its start, 'end' after its log, or a run:phase name such
@@ -32,7 +34,7 @@ local moonrl = require('moonrl')
 local M = {}
 
 local KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true, nan = true,
-  spike = true, kl = true, slow_engine = true, no_shm = true, sync_corrupt = true }
+  spike = true, kl = true, slow_engine = true, no_shm = true, sync_corrupt = true, serve_kill = true }
 local POINT_KINDS = { kill = true, crash = true, hang = true, exit = true, error = true, signal = true, sleep = true }
 
 function M.parse(text)
@@ -129,6 +131,13 @@ function M.process_fault(kind)
     end
   end
   return false
+end
+
+-- The fault of the process of this kind that applies (no step or phase), or nil.
+function M.find(kind)
+  for _, f in ipairs(M.faults) do
+    if f.kind == kind and applies(f, nil, nil) then return f end
+  end
 end
 
 -- The faults of the whole process, set once at start-up.

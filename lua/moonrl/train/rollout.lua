@@ -686,6 +686,8 @@ end
 -- may switch to newer weights while they are generated (s.version_switches).
 local function make_local(self, j)
   local t0 = moonrl.now()
+  local e = self.rollout_engine
+  if e and e.remote and not coroutine.running() then e:sync(self.S.step - 1) end -- (servers elsewhere: version step - 1)
   local samples, info = self.rollout_fn(j)
   info = info or {}
   local version = self.S.step - 1
@@ -720,6 +722,18 @@ end
 
 local function start_background(self, j)
   local a, e = self.S.cfg.async, self.rollout_engine
+  if e.remote then -- servers in other processes (moonrl.train.remote): they hold version step - 1, then generate
+    e:sync(self.S.step - 1)
+    e.background = true
+    e.on_busy = function() finish_background(self, false) end
+    local co = coroutine.create(make_local)
+    local t0 = moonrl.now()
+    local ok, b = coroutine.resume(co, self, j)
+    if not ok then e.background, e.on_busy = nil, nil; error(b, 0) end
+    self.inflight = { co = co, j = j, main_seconds = moonrl.now() - t0 }
+    if coroutine.status(co) == 'dead' then self.inflight, e.background, e.on_busy, self.pending[j] = nil, nil, nil, b end
+    return
+  end
   if not self.thread_store then self.thread_store = new_store(nil, self.S.policy.n_params, 1) end
   local v = store_version(self, self.S.step - 1)
   if C.mrl_weight_store_latest(self.thread_store, nil) < v then -- (partial=continue published it after the update)
@@ -783,7 +797,8 @@ function Rollouts:next_batch()
   if self.S.remote then
     if not self.pending[s] then self.pending[s] = receive(self, s) end
   else
-    local threaded = self.S.cfg.async and self.S.cfg.async.engine_threads > 0 and self.rollout_engine
+    local threaded = self.rollout_engine and (self.rollout_engine.remote or
+      (self.S.cfg.async and self.S.cfg.async.engine_threads > 0))
     for j = s, math.min(s + L, self.S.run.total or s) do
       if not self.pending[j] then
         if threaded and j == s + L and j > s then start_background(self, j) else self.pending[j] = make_local(self, j) end

@@ -59,7 +59,13 @@ end
 function M.engine_config(over)
   return with({ kv_cache_mb = config.integer(512, { min = 1 }),
     max_batch_tokens = config.integer(2048, { min = 1, max = 2 ^ 24 }), max_seqs = config.integer(256, { min = 1, max = 2 ^ 20 }),
-    block_size = config.integer(16, { min = 1, max = 4096 }), cuda_graphs = true, kv_cache_dtype = 'auto' }, over)
+    block_size = config.integer(16, { min = 1, max = 4096 }), cuda_graphs = true, kv_cache_dtype = 'auto',
+    -- rollouts on servers in other processes (moonrl.train.remote): vllm, or moonrl with urls or launch
+    backend = 'moonrl', urls = config.optional('string', 'servers to generate on: http://host:port, comma-separated'),
+    launch = config.optional('string', 'a server command with {port} ({model}, {name}) started engine.servers times; auto: the backend\'s'),
+    servers = config.integer(1, { min = 1, max = 1024 }), request_timeout = config.number(600, { above = 0 }),
+    retries = config.integer(2, { min = 0 }), launch_timeout = config.number(300, { above = 0 }),
+    sync_dir = '/dev/shm' }, over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward

@@ -73,6 +73,33 @@ M.FREE_KEYS = { 'run.max_seconds', 'run.log_level', 'run.resume', 'run.dir', 'ru
 
 -- ---- start --------------------------------------------------------------------------------
 
+-- Whether the rollouts go to servers in other processes (moonrl.train.remote): engine.backend
+-- other than moonrl, or engine.urls / engine.launch.
+function M.remote_wanted(cfg)
+  local e = cfg.engine
+  return e ~= nil and (e.backend ~= 'moonrl' or e.urls ~= nil or e.launch ~= nil)
+end
+
+-- What an engine in other processes does not do (yet), refused at start-up naming the keys.
+function M.check_remote(cfg, policy)
+  local e = cfg.engine
+  sections.check_choice('engine.backend', e.backend, { 'moonrl', 'vllm' })
+  if not e.urls and not e.launch then
+    moonrl.usage_error(string.format('engine.backend=%s: give its servers (engine.urls) or a command to start them ' ..
+      '(engine.launch, or engine.launch=auto)', e.backend))
+  end
+  if e.urls and e.launch then moonrl.usage_error("config keys 'engine.urls' and 'engine.launch': one of them") end
+  local function no(what) moonrl.usage_error(what .. ': not with an engine in other processes (engine.urls, engine.launch) yet') end
+  if cfg.dist and ((cfg.dist.rollout_ranks or 0) > 0) then no('dist.rollout_ranks') end
+  if dist.current() and dist.current().size > 1 then no('more than one process') end
+  if cfg.env and cfg.env.name then no('env.name (multi-turn episodes)') end
+  if cfg.agent and cfg.agent.command then no('agent.command') end
+  if cfg.async and (cfg.async.stream or cfg.async.partial == 'continue' or (cfg.async.engine_threads or 0) > 0) then
+    no('async.stream, async.partial=continue and async.engine_threads')
+  end
+  if policy:shard() or policy:tp() > 1 or policy.pp then no('a sharded or model-parallel policy') end
+end
+
 -- The session of a run: its policy, tokenizer, engine and data loaded from the config's sections,
 -- then its run state (M.open). cfg: the merged config; opts: name, steps (the step count), steps_key (its config key),
 -- chat (use the chat template), fields / optional (the dataset's record fields, when the
@@ -161,7 +188,9 @@ function M.start(cfg, opts)
     end
   end
   local engine
-  if cfg.engine and opts.engine ~= false and policy then
+  local remote_engine = cfg.engine and opts.engine ~= false and policy and M.remote_wanted(cfg)
+  if remote_engine then M.check_remote(cfg, policy) end
+  if cfg.engine and opts.engine ~= false and policy and not remote_engine then
     local e = cfg.engine
     sections.check_choice('engine.kv_cache_dtype', e.kv_cache_dtype or 'auto', { 'auto', 'fp32', 'bf16' })
     local ok, made = pcall(moonrl.engine.new, gen, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
@@ -215,6 +244,19 @@ function M.start(cfg, opts)
     at[#at + 1] = string.format('dp %d/%d', mesh.dp.rank, mesh.dp.size)
     S.status:set({ mesh = table.concat(at, ' ') })
     S.status:write(true)
+  end
+  if remote_engine then -- (after the run directory: the servers' logs go there)
+    local e = cfg.engine
+    local urls = {}
+    for u in (e.urls or ''):gmatch('[^,%s]+') do urls[#urls + 1] = u end
+    fs.mkdirs(S.dir .. '/engine')
+    engine = require('moonrl.train.remote').new({ backend = e.backend, urls = urls, launch = e.launch,
+      servers = e.servers, model_dir = cfg.model.dir, model_name = 'policy', policy = policy, tok = tok,
+      seed = cfg.run.seed, request_timeout = e.request_timeout, retries = e.retries, launch_timeout = e.launch_timeout,
+      sync_dir = e.sync_dir, log_dir = S.dir .. '/engine',
+      eos_ids = (policy.config.eos_token_id or -1) >= 0 and { policy.config.eos_token_id } or {},
+      event = function(kind, fields) S:event(kind, fields, { quiet = true }) end })
+    S:event('engine', { backend = e.backend, servers = engine:where() }, { quiet = true })
   end
   S.total, S.policy, S.tok, S.tpl, S.tok_dir, S.engine = opts.steps, policy, tok, tpl, tok_dir, engine
   S.engine_copy = engine_copy
@@ -1059,6 +1101,7 @@ end
 -- communicator when every rank closes together (a clean end: one timeline, Run:finish).
 function Session:close(state, message, opts)
   self.closed = true
+  if self.engine and self.engine.remote then pcall(self.engine.close, self.engine) end -- (its launched servers stop)
   if self.progress then self.progress:cancel() end
   self.status:set({ state = state or 'finished', message = message or false, phase = false, eta = false })
   self.status:write(true)

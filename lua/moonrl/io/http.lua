@@ -1,8 +1,8 @@
--- moonrl.serve.client: many HTTP requests in flight to a few servers, their answers taken by
+-- moonrl.io.http: many HTTP requests in flight to a few servers, their answers taken by
 -- polling from one thread (the C client of moonrl/http_client.h: a keep-alive pool per host,
 -- deadlines, the keep-alive race retried once; plain HTTP only).
 --
---   local client = require('moonrl.serve.client')
+--   local client = require('moonrl.io.http')
 --   local c = client.open({ max_connections_per_host = 16 })
 --   local id = c:post('http://127.0.0.1:8000/v1/completions', json_text, { timeout = 60 })
 --   local id2 = c:request({ host = '10.0.0.2', port = 30000, method = 'POST', path = '/generate',

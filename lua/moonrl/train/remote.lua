@@ -1,0 +1,476 @@
+-- moonrl.train.remote: rollouts on inference servers in other processes, as an engine the recipe
+-- generates with like its own (engine.backend, engine.urls, engine.launch; docs/engines.md).
+--
+--   local e = remote.new { backend = 'moonrl' | 'vllm', urls = { 'http://h:8000', ... } | launch = 'CMD {port} {model}',
+--     servers = N, model_dir, model_name = 'policy', policy = model, tok, seed, request_timeout = 600,
+--     retries = 2, launch_timeout = 300, sync_dir = '/dev/shm', log_dir, event = function(kind, fields) }
+--   e:generate(requests, sampling)   -- as moonrl.engine's: results[i][j] = { ids, logprobs, finish_reason, text,
+--                                    -- version, version_switches }
+--   e:sync(label)                    -- the servers hold the policy's weights now, labelled `label` (a version)
+--   e:metrics()  e:close()
+--
+-- Generation is tokens in, tokens out: each request's prompt goes as token ids to POST
+-- /v1/completions with n samples, return_token_ids and the sampled tokens' log-probs, and comes back
+-- as token ids; nothing is tokenized again. A request goes to the server with the fewest samples in
+-- flight. Sampling maps to the server's: temperature, top_p, top_k (-1 for none), min_p, the stop
+-- token ids (the recipe's end tokens, with ignore_eos: the server's own end token does not stop
+-- it), stop strings, a seed a request. `moonrl serve` is also given the rollout sample's random
+-- stream (moonrl_stream), so its samples are those moonrl's own engine draws.
+--
+-- Weights: the policy's are written as a Hugging Face directory under sync_dir (a fresh one a
+-- version, /dev/shm by default: no disk), and each server is driven through vLLM's control
+-- protocol: POST /pause?mode=wait, /collective_rpc reload_weights {weights_path}, /update_weight_version,
+-- /reset_prefix_cache, /resume; then GET /weight_info must give the label. `moonrl serve` checks
+-- the file's CRC-32C too. A sync happens when the policy's weights changed since the last one
+-- (mrl_model_weights_generation) or the label differs (then only the label is sent).
+--
+-- Faults: a request whose server fails (refused, reset, timed out, a 5xx) is sent again to
+-- another, up to `retries` times. A launched server that died is started again, synced to the
+-- current weights, and then gets work again; a server of engine.urls that fails is left out until
+-- its /health answers. Each event is logged (event kind 'engine_server').
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
+local fs = require('moonrl.io.fs')
+local client_mod = require('moonrl.io.http')
+local C = moonrl.C
+
+local M = {}
+
+local Remote = {}
+Remote.__index = Remote
+
+M.BACKENDS = { moonrl = true, vllm = true }
+
+-- engine.launch=auto: each backend's server, {port}, {model} and {name} filled in at start.
+M.LAUNCH = {
+  moonrl = function() return (rawget(_G, 'MOONRL_EXE') or 'moonrl') ..
+    ' serve --model {model} --port {port} --host 127.0.0.1 --served-model-name {name}' end,
+  vllm = function() return 'env VLLM_SERVER_DEV_MODE=1 vllm serve {model} --port {port} --host 127.0.0.1 ' ..
+    '--served-model-name {name} --logprobs-mode processed_logprobs' end,
+}
+
+-- A port no one listens on now (the kernel's choice for port 0, released at once).
+local function free_port()
+  local cfg = ffi.new('mrl_http_config')
+  C.mrl_http_config_default(cfg)
+  local h = ffi.new('mrl_http *[1]')
+  moonrl.check(C.mrl_http_open('127.0.0.1', 0, cfg, h))
+  local port = tonumber(C.mrl_http_port(h[0]))
+  C.mrl_http_close(h[0], 0)
+  return port
+end
+
+local function tail(path, n)
+  local text = fs.exists(path) and fs.read(path) or ''
+  return text:sub(-(n or 1500))
+end
+
+function M.new(o)
+  if not M.BACKENDS[o.backend] then
+    moonrl.usage_error(string.format("engine.backend=%s: moonrl or vllm", tostring(o.backend)))
+  end
+  local self = setmetatable({ backend = o.backend, remote = true, name = o.model_name or 'policy', policy = o.policy,
+    tok = o.tok, seed = o.seed or 0, request_timeout = o.request_timeout or 600, retries = o.retries or 2,
+    launch_timeout = o.launch_timeout or 300, model_dir = o.model_dir, event = o.event or function() end,
+    log_dir = o.log_dir, servers = {}, client = client_mod.open({ max_connections_per_host = 256 }), deferred = {},
+    jobs = {},
+    counters = { requests = 0, retries = 0, restarts = 0, failures = 0, syncs = 0, sync_seconds = 0, sync_bytes = 0,
+      tokens = 0, relabels = 0 }, syncs = 0 }, Remote)
+  self.eos_ids = o.eos_ids
+  self.sync_root = string.format('%s/moonrl-sync-%d-%x', o.sync_dir or '/dev/shm', tonumber(C.mrl_process_id()),
+    math.random(0, 0xffffff))
+  if o.launch == 'auto' then o.launch = M.LAUNCH[o.backend]() end
+  if o.launch then
+    if not o.launch:find('{port}', 1, true) then
+      moonrl.usage_error("engine.launch: the command must hold {port} (where the server listens; {model}: the model's directory)")
+    end
+    for k = 1, o.servers or 1 do self.servers[k] = { k = k, launch = o.launch } end
+    local ok, err = pcall(function()
+      for _, s in ipairs(self.servers) do self:start(s) end
+      for _, s in ipairs(self.servers) do self:wait_healthy(s) end
+    end)
+    if not ok then self:close(); error(err, 0) end
+  else
+    for k, url in ipairs(o.urls or {}) do
+      local host, port = client_mod.parse_url(url)
+      self.servers[k] = { k = k, url = url:gsub('/+$', ''):gsub('/v1$', ''), host = host, port = port }
+    end
+    if #self.servers == 0 then moonrl.usage_error('engine.urls: no server (a list of http://host:port)') end
+    -- (one that does not answer is left out until it does; none answering is the end)
+    local up, last = 0, nil
+    for _, s in ipairs(self.servers) do
+      local ok, err = pcall(self.wait_healthy, self, s)
+      if ok then up = up + 1 else
+        last = err
+        self.event('engine_server', { server = s.url, what = 'down', message = moonrl.error_text(err) })
+      end
+    end
+    if up == 0 then error(last, 0) end
+  end
+  return self
+end
+
+-- ---- the servers ---------------------------------------------------------------------------
+
+-- Start launched server s: its command with {port}, {model} and {name} filled in, its output in
+-- log_dir, killed with this process (setpriv's parent-death signal, where there is setpriv).
+function Remote:start(s)
+  s.port = free_port()
+  s.host, s.url = '127.0.0.1', 'http://127.0.0.1:' .. s.port
+  local cmd = s.launch:gsub('{port}', tostring(s.port)):gsub('{model}', self.model_dir or ''):gsub('{name}', self.name)
+  s.log = self.log_dir and string.format('%s/server-%d.log', self.log_dir, s.k) or '/dev/null'
+  local guard = fs.exists('/usr/bin/setpriv') and 'setpriv --pdeathsig KILL ' or ''
+  s.proc = proc.spawn({ '/bin/sh', '-c', string.format('exec %s%s >> %s 2>&1', guard, cmd, s.log) }, { max_output = 4096 })
+  s.healthy, s.version, s.gen, s.inflight = false, nil, nil, 0
+  s.epoch = (s.epoch or 0) + 1 -- (a request sent to an earlier run of it fails nothing of this one)
+end
+
+-- Wait for s's GET /health to answer 200 (launch_timeout); a launched one that exits meanwhile is an error.
+function Remote:wait_healthy(s)
+  local deadline = moonrl.now() + self.launch_timeout
+  while moonrl.now() < deadline do
+    moonrl.check_stop()
+    if s.proc and s.proc:done() then
+      local r = s.proc:wait()
+      s.proc = nil
+      moonrl.run_error(string.format('engine server %d (%s) exited with status %s before it was healthy:\n%s', s.k,
+        s.url, tostring(r.exit_status), tail(s.log)))
+    end
+    local r = self.client:fetch({ url = s.url .. '/health', timeout = 5 })
+    if r and r.status == 200 then
+      s.healthy, s.inflight = true, 0
+      return true
+    end
+    moonrl.sleep(0.2)
+  end
+  moonrl.run_error(string.format('engine server %d (%s): no healthy /health within engine.launch_timeout (%g s)%s', s.k,
+    s.url, self.launch_timeout, s.log and ':\n' .. tail(s.log) or ''))
+end
+
+-- A server that failed: a launched one that has exited is started again and synced; one of
+-- engine.urls is left out until its /health answers.
+function Remote:server_failed(s, why)
+  self.counters.failures = self.counters.failures + 1
+  s.healthy = false
+  self.event('engine_server', { server = s.url, what = 'failed', message = why })
+  if s.proc then
+    if not s.proc:done() then
+      -- (a launched server that answers 5xx or hangs: killed and started again)
+      s.proc:kill()
+    else
+      s.proc:wait()
+    end
+    s.proc = nil
+    self.counters.restarts = self.counters.restarts + 1
+    self:start(s)
+    self:wait_healthy(s)
+    self.event('engine_server', { server = s.url, what = 'restarted' })
+    if self.gen then self:push({ s }, self.label) end
+  end
+end
+
+-- Servers that are down but answer /health again are synced and back.
+function Remote:revive()
+  for _, s in ipairs(self.servers) do
+    if not s.healthy and not s.proc and (not s.next_probe or moonrl.now() >= s.next_probe) then
+      s.next_probe = moonrl.now() + 2
+      local r = self.client:fetch({ url = s.url .. '/health', timeout = 2 })
+      if r and r.status == 200 then
+        s.healthy, s.inflight = true, 0
+        if self.gen then self:push({ s }, self.label) end
+        self.event('engine_server', { server = s.url, what = 'back' })
+      end
+    end
+  end
+end
+
+-- ---- weights -------------------------------------------------------------------------------
+
+-- Each of the servers' answer to path (a POST of body, or a GET), all at once; a failure raises,
+-- naming the server, unless soft (then the failures are returned).
+function Remote:all(servers, path, body, soft)
+  local ids = {}
+  for _, s in ipairs(servers) do
+    ids[self.client:request({ url = s.url .. path, method = body and 'POST' or 'GET', body = body and json.encode(body) or nil,
+      timeout = self.request_timeout })] = s
+  end
+  local out, failed = {}, {}
+  local left = #servers
+  while left > 0 do
+    local r = self.client:poll(50)
+    if r and ids[r.id] then
+      local s = ids[r.id]
+      left = left - 1
+      if r.status ~= 200 then
+        failed[#failed + 1] = { s = s, why = string.format('%s %s: %s', path, r.status == 0 and 'failed' or ('answered ' .. r.status),
+          r.error or r.body:sub(1, 500)) }
+      else
+        local ok, v = pcall(json.decode, r.body ~= '' and r.body or 'null', s.url .. path)
+        out[s] = ok and v or r.body
+      end
+    elseif r then
+      self.deferred[#self.deferred + 1] = r -- (a generation request's: for generate's loop)
+    end
+  end
+  if #failed > 0 and not soft then
+    moonrl.run_error(string.format('engine server %d (%s): %s', failed[1].s.k, failed[1].s.url, failed[1].why))
+  end
+  return out, failed
+end
+
+-- The policy's weights into servers, labelled: written once a version (a fresh directory), then
+-- each server paused, reloaded, labelled, its cache dropped, resumed, and its label checked.
+function Remote:push(servers, label)
+  local t0 = moonrl.now()
+  local gen = self.policy:weights_generation()
+  if self.written_gen ~= gen then
+    self.syncs = self.syncs + 1
+    local dir = string.format('%s/v%d', self.sync_root, self.syncs)
+    fs.mkdirs(dir)
+    self.policy:save(dir)
+    local crc, bytes = fs.crc32c_file(dir .. '/model.safetensors')
+    if self.written_dir then pcall(fs.remove, self.written_dir) end
+    self.written_dir, self.written_gen, self.written_crc = dir, gen, crc
+    self.counters.sync_bytes = self.counters.sync_bytes + (bytes or 0)
+  end
+  local kwargs = json.object({ 'weights_path', self.written_dir, 'is_checkpoint_format', true })
+  if self.backend == 'moonrl' then kwargs.crc32c = string.format('%08x', self.written_crc) end
+  self:all(servers, '/pause?mode=wait', json.object())
+  self:all(servers, '/collective_rpc', json.object({ 'method', 'reload_weights', 'kwargs', kwargs }))
+  self:all(servers, '/update_weight_version', { new_version = tostring(label) })
+  self:all(servers, '/reset_prefix_cache', json.object())
+  self:all(servers, '/resume', json.object())
+  local info = self:all(servers, '/weight_info')
+  for _, s in ipairs(servers) do
+    local got = type(info[s]) == 'table' and info[s].weight_version
+    if got ~= tostring(label) then
+      moonrl.run_error(string.format("engine server %d (%s) holds weights '%s' after the update to '%s'", s.k, s.url,
+        tostring(got), tostring(label)))
+    end
+    s.version, s.gen = tostring(label), gen
+  end
+  self.counters.syncs = self.counters.syncs + 1
+  self.counters.sync_seconds = self.counters.sync_seconds + (moonrl.now() - t0)
+end
+
+-- The servers hold the policy's weights as they are now, labelled `label` (the rollout's version:
+-- the updates before the batch). Only the label goes when the weights are those of the last sync.
+function Remote:sync(label)
+  label = tostring(label)
+  self:revive()
+  local up = {}
+  for _, s in ipairs(self.servers) do if s.healthy then up[#up + 1] = s end end
+  if #up == 0 then moonrl.run_error('engine: no server is up (' .. self:where() .. ')') end
+  local gen = self.policy:weights_generation()
+  if self.gen == gen then
+    if self.label ~= label then
+      self:all(up, '/update_weight_version', { new_version = label })
+      for _, s in ipairs(up) do s.version = label end
+      self.counters.relabels = self.counters.relabels + 1
+    end
+  else
+    self:push(up, label)
+  end
+  self.gen, self.label = gen, label
+end
+
+function Remote:where()
+  local w = {}
+  for _, s in ipairs(self.servers) do w[#w + 1] = s.url .. (s.healthy and '' or ' (down)') end
+  return table.concat(w, ', ')
+end
+
+-- ---- generation ----------------------------------------------------------------------------
+
+local function num(x) return type(x) == 'number' and x or nil end
+
+-- The completions body of request q (see the top).
+function Remote:body(q, o)
+  local eos = o.eos_ids or self.eos_ids or {}
+  local stop_ids = {}
+  for _, id in ipairs(eos) do stop_ids[#stop_ids + 1] = id end
+  for _, id in ipairs(o.stop_ids or {}) do stop_ids[#stop_ids + 1] = id end
+  local greedy = (o.temperature or 1) == 0
+  local b = json.object({ 'model', self.name, 'prompt', json.array(q.prompt_ids), 'n', q.n or 1,
+    'max_tokens', q.max_tokens or o.max_tokens or 16, 'temperature', o.temperature or 1.0, 'top_p', o.top_p or 1.0,
+    'top_k', (o.top_k or 0) > 0 and o.top_k or -1, 'min_p', o.min_p or 0, 'logprobs', o.top_logprobs or 0,
+    'return_token_ids', true, 'ignore_eos', true, 'stop_token_ids', json.array(stop_ids), 'skip_special_tokens', false })
+  if o.stop and #o.stop > 0 then b.stop = json.array(o.stop) end
+  local pi = q.prompt_index or (q.i - 1)
+  if self.backend == 'moonrl' then
+    b.seed, b.moonrl_stream = self.seed, json.array({ o.step or 0, pi, q.first_sample or 0 })
+  elseif not greedy then
+    -- (one seed a request: the same samples whichever server draws them)
+    b.seed = (self.seed * 1000003 + (o.step or 0) * 7919 + pi * 131 + (q.first_sample or 0)) % 2 ^ 31
+  end
+  return json.encode(b)
+end
+
+-- The server that takes the next request: the fewest samples in flight among the healthy ones.
+function Remote:pick()
+  local best
+  for _, s in ipairs(self.servers) do
+    if s.healthy and (not best or s.inflight < best.inflight) then best = s end
+  end
+  return best
+end
+
+function Remote:send(job)
+  local s = self:pick()
+  while not s do
+    self:revive()
+    s = self:pick()
+    if not s then
+      if moonrl.now() > job.deadline then moonrl.run_error('engine: no server is up (' .. self:where() .. ')') end
+      moonrl.check_stop()
+      moonrl.sleep(0.5)
+    end
+  end
+  if s.version ~= self.label then self:push({ s }, self.label) end -- (one that came back meanwhile)
+  job.server, job.epoch, job.tries, job.label = s, s.epoch, job.tries + 1, self.label
+  s.inflight = s.inflight + job.n
+  local id = self.client:request({ url = s.url .. '/v1/completions', method = 'POST', body = job.body,
+    timeout = self.request_timeout })
+  self.jobs[id] = job
+  self.counters.requests = self.counters.requests + 1
+end
+
+-- A generation response: its samples, or the request sent again elsewhere.
+function Remote:on_response(r)
+  local job = self.jobs[r.id]
+  if not job then return end
+  self.jobs[r.id] = nil
+  local s = job.server
+  local current = job.epoch == s.epoch
+  if current then s.inflight = s.inflight - job.n end
+  local why
+  if r.status == 200 then
+    local ok, body = pcall(json.decode, r.body, s.url .. ' completion')
+    if ok and type(body) == 'table' and type(body.choices) == 'table' then
+      local ok2, err = pcall(self.take, self, job, body)
+      if ok2 then return end
+      why = moonrl.error_text(err)
+    else
+      why = 'an answer that is not a completion: ' .. r.body:sub(1, 200)
+    end
+  elseif r.status == 0 or r.status >= 500 or r.status == 429 or r.status == 408 then
+    why = r.error or string.format('%d: %s', r.status, r.body:sub(1, 300))
+    if current and s.healthy then self:server_failed(s, why) end
+  else -- the request itself: no other server will take it either
+    moonrl.run_error(string.format('engine server %d (%s) refused a request (%d): %s', s.k, s.url, r.status, r.body:sub(1, 500)))
+  end
+  if job.tries > self.retries then
+    moonrl.run_error(string.format('engine: a request failed %d times; the last, on %s: %s', job.tries, s.url, why))
+  end
+  self.counters.retries = self.counters.retries + 1
+  self:send(job)
+end
+
+-- A completion's choices into job.results (one list of samples, by choice index).
+function Remote:take(job, body)
+  local list = {}
+  for _, c in ipairs(body.choices) do
+    local ids, lp = c.token_ids, c.logprobs and c.logprobs.token_logprobs
+    if type(ids) ~= 'table' then error('no token_ids in a choice (the server must take return_token_ids)', 0) end
+    if type(lp) ~= 'table' or #lp ~= #ids then error(string.format('%s log-probs for %d tokens', type(lp) == 'table' and #lp or 'no', #ids), 0) end
+    local smp = { ids = {}, logprobs = {}, finish_reason = c.finish_reason == 'length' and 'length' or 'stop' }
+    for k = 1, #ids do smp.ids[k], smp.logprobs[k] = ids[k], num(lp[k]) or -9999 end
+    local spans = c.weight_versions
+    local label = type(spans) == 'table' and spans[1] and spans[1].version or job.server.version
+    if label ~= job.label then
+      error(string.format("a sample of weights '%s' where '%s' was expected", tostring(label), tostring(job.label)), 0)
+    end
+    smp.version = tonumber(label)
+    if type(spans) == 'table' and #spans > 1 then
+      error(string.format('a sample across %d weight versions (the servers were updated during a batch)', #spans), 0)
+    end
+    if job.o.tokenizer then smp.text = job.o.tokenizer:decode(smp.ids, { skip_special = true }) end
+    if job.o.top_logprobs and job.o.top_logprobs > 0 then smp.top_logprobs = self:top_of(c, job.o.top_logprobs) end
+    self.counters.tokens = self.counters.tokens + #ids
+    list[(num(c.index) or #list) + 1] = smp
+  end
+  if #list ~= job.n then error(string.format('%d samples where %d were asked', #list, job.n), 0) end
+  job.results = list
+end
+
+-- The top_logprobs of a completions choice (keys "token_id:N" with return_tokens_as_token_ids, or
+-- token texts), as moonrl.engine gives them: { { {id, logprob}, ... k }, ... a token }.
+function Remote:top_of(c, k)
+  local out = {}
+  for i, t in ipairs(c.logprobs.top_logprobs or {}) do
+    local alts = {}
+    for key, v in pairs(t) do
+      local id = tonumber(tostring(key):match('^token_id:(%d+)$')) or (self.tok and self.tok:token_to_id(key))
+      if id then alts[#alts + 1] = { id, v } end
+    end
+    table.sort(alts, function(a, b) return a[2] > b[2] end)
+    while #alts > k do alts[#alts] = nil end
+    out[i] = alts
+  end
+  return out
+end
+
+-- requests, opts as moonrl.engine's generate. Inside a coroutine with e.background set, the
+-- requests go out and the coroutine yields (the servers generate while the caller trains); the
+-- results are collected once it is resumed.
+function Remote:generate(requests, opts)
+  opts = opts or {}
+  if self:running() and self.on_busy then self.on_busy() end -- (a batch in the background: collected first)
+  local gen = self.policy:weights_generation()
+  if self.gen ~= gen then self:sync(self.label and tonumber(self.label) and self.label or 'g' .. gen) end
+  local jobs = {}
+  local deadline = moonrl.now() + self.request_timeout * (self.retries + 1)
+  for i, q in ipairs(requests) do
+    q.i = i
+    if type(q.prompt_ids) ~= 'table' then error('engine (remote): request ' .. i .. ' needs prompt_ids', 2) end
+    jobs[i] = { n = q.n or 1, body = self:body(q, opts), tries = 0, o = opts, deadline = deadline }
+    self:send(jobs[i])
+  end
+  if self.background and coroutine.running() then coroutine.yield() end
+  local function done()
+    for _, j in ipairs(jobs) do if not j.results then return false end end
+    return true
+  end
+  while not done() do
+    moonrl.check_stop()
+    local r = table.remove(self.deferred, 1) or self.client:poll(50)
+    if r then self:on_response(r) end
+    if moonrl.now() > deadline then moonrl.run_error('engine: requests not answered within engine.request_timeout') end
+  end
+  local results = {}
+  for i, j in ipairs(jobs) do results[i] = j.results end
+  return results
+end
+
+-- (what moonrl.engine has that rollouts call: nothing to do for servers elsewhere)
+function Remote:reset() end
+function Remote:running() return next(self.jobs) ~= nil end
+function Remote:num_unfinished() return 0 end
+function Remote:use_weights() end
+function Remote:record_routing(on)
+  if on then moonrl.usage_error('moe.routing_replay: not with an engine in other processes (engine.backend, engine.urls)') end
+end
+
+-- The step's engine metrics (cumulative counters and the servers' state).
+function Remote:metrics()
+  local c = self.counters
+  local up = 0
+  for _, s in ipairs(self.servers) do if s.healthy then up = up + 1 end end
+  return { servers = #self.servers, servers_up = up, requests = c.requests, retries = c.retries, restarts = c.restarts,
+    failures = c.failures, syncs = c.syncs, sync_seconds = c.sync_seconds, sync_bytes = c.sync_bytes, tokens = c.tokens }
+end
+
+function Remote:close()
+  for _, s in ipairs(self.servers) do
+    if s.proc then
+      s.proc:kill()
+      s.proc = nil
+    end
+  end
+  if self.client then self.client:close() end
+  if self.sync_root and fs.exists(self.sync_root) then pcall(fs.remove, self.sync_root) end
+end
+
+return M

@@ -1,0 +1,124 @@
+-- Rollouts on servers in other processes (engine.launch / engine.urls: moonrl.train.remote): GRPO
+-- through two `moonrl serve` processes gives the bits of one process (their samples drawn from the
+-- trainer engine's own random streams, the weights pushed through vLLM's control protocol every
+-- step), every sample of the version the schedule says; one_step_off overlaps the next batch with
+-- training on them; a server killed mid-run is started again and synced, and one of engine.urls
+-- that is down is left out, with the same result; bad engine keys are usage errors naming them.
+local t = require('moonrl.testing')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local proc = require('moonrl.io.proc')
+local U = dofile('tests/recipes/util.lua')
+
+local exe = rawget(_G, 'MOONRL_EXE')
+assert(exe, 'needs the moonrl executable')
+local dir = U.tmpdir('remote')
+local model_dir = U.tiny_model(dir .. '/tiny')
+local recs = {}
+for i, p in ipairs(U.additions(40, 3)) do recs[i] = { question = p.prompt, answer = p.answer } end
+local data = U.write_jsonl(dir .. '/rl.jsonl', recs)
+local SERVE = exe .. ' serve --model {model} --port {port} --served-model-name {name}'
+
+local function grpo(d, ...)
+  local w = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+    'reward=sevens', 'train.lr=1e-3', 'grpo.steps=5', 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=8',
+    'run.threads=1', 'run.dir=' .. dir .. '/' .. d, ... }
+  U.run_ranks(exe, 0, 'tests/recipes/grpo_sevens.lua', w, { timeout = 120 })
+  return dir .. '/' .. d
+end
+local function bytes(d) return fs.read(d .. '/model/model.safetensors') end
+local events = U.events
+
+local EVAL = { 'eval.every=2', 'eval.data=' .. data, 'eval.prompts=4' }
+
+t.test('grpo through two moonrl serve processes: the bits of one process, every sample of its version', function()
+  local here = grpo('local', unpack(EVAL))
+  local there = grpo('remote', 'engine.launch=auto', 'engine.servers=2', unpack(EVAL))
+  t.truthy(bytes(here) == bytes(there), 'the final weights equal byte for byte')
+  local a, b = U.records(here), U.records(there)
+  t.truthy(a[1]['reward/std'] > 0 and a[1].grad_norm > 0, 'the rewards differ: the weights move')
+  for i = 1, 5 do
+    t.eq(b[i]['reward/mean'], a[i]['reward/mean'], 'the same samples at step ' .. i)
+    t.eq(b[i]['async/staleness/0'], 24, 'every sample of version step - 1 at step ' .. i)
+    t.truthy(b[i]['mismatch/max_abs'] < 1e-5, 'the servers\' log-probs are the trainer\'s: ' .. b[i]['mismatch/max_abs'])
+    t.eq(b[i]['engine/servers_up'], 2)
+  end
+  t.eq(b[2]['eval/accuracy'], a[2]['eval/accuracy'], 'the held-out evaluation through the servers too')
+  t.truthy(b[5]['engine/syncs'] >= 5 and b[5]['engine/sync_bytes'] > 0 and b[5]['engine/requests'] >= 30)
+  t.eq(b[5]['engine/failures'], 0)
+  t.truthy(fs.exists(there .. '/engine/server-1.log') and fs.exists(there .. '/engine/server-2.log'), 'the servers\' logs')
+  local pid = events(there, 'engine')[1].pid
+  for _, name in ipairs(fs.list('/dev/shm')) do
+    t.truthy(not name:find('moonrl-sync-' .. pid .. '-', 1, true), 'nothing of the run left in /dev/shm: ' .. name)
+  end
+end)
+
+t.test('one_step_off on the servers: the next batch generated while this one trains, its version one behind', function()
+  local here = grpo('off_local', 'async.mode=one_step_off')
+  local there = grpo('off_remote', 'async.mode=one_step_off', 'engine.launch=auto', 'engine.servers=2')
+  local a, b = U.records(here), U.records(there)
+  for i = 1, 5 do
+    t.eq(b[i]['reward/mean'], a[i]['reward/mean'], 'the same samples at step ' .. i)
+    if i > 1 then t.eq(b[i]['async/staleness/1'], 24, 'staleness exactly 1 at step ' .. i) end
+    t.truthy(math.abs(b[i]['mismatch/max_abs'] - a[i]['mismatch/max_abs']) < 1e-5, 'the engine\'s log-probs at step ' .. i)
+    t.truthy(math.abs(b[i].loss - a[i].loss) < 1e-5, 'the loss at step ' .. i)
+  end
+end)
+
+t.test('a server killed mid-run is started again and synced; one of engine.urls down is left out', function()
+  local wrap = dir .. '/flaky.sh'
+  fs.write(wrap, '#!/bin/sh\n# the first server started dies at its 4th generation request\n' ..
+    'if mkdir ' .. dir .. '/flaky.mark 2>/dev/null; then export MOONRL_FAULT=serve_kill:requests=3; fi\nexec "$@"\n')
+  local ref = grpo('sync_ref')
+  local killed = grpo('killed', 'engine.launch=sh ' .. wrap .. ' ' .. SERVE, 'engine.servers=2')
+  t.truthy(bytes(killed) == bytes(ref), 'the weights of the run without the fault')
+  local ev = events(killed, 'engine_server')
+  t.truthy(#ev >= 2 and ev[1].what == 'failed' and ev[2].what == 'restarted', 'the failure and the restart, logged')
+  local r = U.records(killed)
+  t.truthy(r[5]['engine/restarts'] >= 1 and r[5]['engine/retries'] >= 1)
+  -- two servers of the test's own; one of them gone before the run
+  local function serve()
+    local log = os.tmpname()
+    local p = proc.spawn({ '/bin/sh', '-c', 'exec ' .. exe .. ' serve --model ' .. model_dir ..
+      ' --port 0 --served-model-name policy 2> ' .. log })
+    local port
+    for _ = 1, 600 do
+      port = (fs.read(log) or ''):match('listening on http://[^ ]*:(%d+)')
+      if port then break end
+      require('moonrl').sleep(0.05)
+    end
+    return p, 'http://127.0.0.1:' .. port
+  end
+  local p1, u1 = serve()
+  local p2, u2 = serve()
+  local ok, err = pcall(function()
+    local up = grpo('urls', 'engine.urls=' .. u1 .. ',' .. u2)
+    t.truthy(bytes(up) == bytes(ref), 'engine.urls: the same weights')
+    p2:kill()
+    local one = grpo('urls_one_down', 'engine.urls=' .. u1 .. ',' .. u2, 'engine.launch_timeout=2')
+    t.truthy(bytes(one) == bytes(ref), 'one server down: the same weights from the other')
+    t.eq(events(one, 'engine_server')[1].what, 'down', 'the server down, logged')
+  end)
+  p1:kill()
+  pcall(p2.kill, p2)
+  if not ok then error(err, 0) end
+end)
+
+t.test('bad engine keys are usage errors naming the key', function()
+  local function fails(...)
+    local argv = U.rank_argv(0, exe)
+    for _, x in ipairs({ 'run', 'tests/recipes/grpo_sevens.lua', 'model.dir=' .. model_dir, 'data.path=' .. data,
+      'data.prompt=question', 'data.chat=false', 'reward=sevens', 'run.dir=' .. dir .. '/bad', ... }) do argv[#argv + 1] = x end
+    local r = proc.run(argv, { timeout = 60 })
+    t.eq(r.exit_status, 2, 'a usage error: ' .. r.stderr)
+    return r.stderr
+  end
+  t.truthy(fails('engine.backend=sglang', 'engine.launch=auto'):find('engine.backend', 1, true))
+  t.truthy(fails('engine.backend=vllm'):find('engine.urls', 1, true))
+  t.truthy(fails('engine.launch=' .. exe .. ' serve --model {model}'):find('{port}', 1, true))
+  t.truthy(fails('engine.launch=auto', 'engine.urls=http://127.0.0.1:1'):find('one of them', 1, true))
+  t.truthy(fails('engine.launch=auto', 'async.mode=one_step_off', 'async.engine_threads=1'):find('async.engine_threads', 1, true))
+end)
+
+fs.remove(dir)
+t.done()
