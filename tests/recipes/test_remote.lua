@@ -6,7 +6,6 @@
 -- that is down is left out, with the same result; bad engine keys are usage errors naming them.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
-local json = require('moonrl.io.json')
 local proc = require('moonrl.io.proc')
 local U = dofile('tests/recipes/util.lua')
 
