@@ -2,8 +2,9 @@
 -- through two `moonrl serve` processes gives the bits of one process (their samples drawn from the
 -- trainer engine's own random streams, the weights pushed through vLLM's control protocol every
 -- step), every sample of the version the schedule says; one_step_off overlaps the next batch with
--- training on them; a server killed mid-run is started again and synced, and one of engine.urls
--- that is down is left out, with the same result; bad engine keys are usage errors naming them.
+-- training on them; a server killed mid-run is started again and synced, one of engine.urls that
+-- is down is left out, and a trainer killed again and again resumes on new servers, each with the
+-- same result; bad engine keys are usage errors naming them.
 local t = require('moonrl.testing')
 local fs = require('moonrl.io.fs')
 local proc = require('moonrl.io.proc')
@@ -64,7 +65,7 @@ t.test('one_step_off on the servers: the next batch generated while this one tra
   end
 end)
 
-t.test('a server killed mid-run is started again and synced; one of engine.urls down is left out', function()
+t.test('a server killed mid-run is started again and synced; one of engine.urls down is left out; the trainer killed', function()
   local wrap = dir .. '/flaky.sh'
   fs.write(wrap, '#!/bin/sh\n# the first server started dies at its 4th generation request\n' ..
     'if mkdir ' .. dir .. '/flaky.mark 2>/dev/null; then export MOONRL_FAULT=serve_kill:requests=3; fi\nexec "$@"\n')
@@ -101,6 +102,17 @@ t.test('a server killed mid-run is started again and synced; one of engine.urls 
   p1:kill()
   pcall(p2.kill, p2)
   if not ok then error(err, 0) end
+  -- the trainer killed again and again (its servers die with it) and resumed on new ones: every
+  -- step once, the weights of the run never killed. (In sync mode: one_step_off trains on the
+  -- servers' log-probs, whose last bits follow how their batches formed, which timing decides.)
+  local K = dofile('tests/recipes/killer.lua')
+  local rep = K.campaign({ recipe = 'tests/recipes/grpo_sevens.lua', steps = 5, kills = 3, seed = 31, dir = dir .. '/kills',
+    words = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+      'reward=sevens', 'train.lr=1e-3', 'grpo.steps=5', 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=8',
+      'run.threads=1', 'engine.launch=auto', 'engine.servers=2' } })
+  t.truthy(rep.kills >= 3, 'kills: ' .. rep.kills)
+  for m, same in pairs(rep.same) do t.truthy(same, m .. '/model.safetensors equal byte for byte') end
+  t.eq(#rep.metrics, 5)
 end)
 
 t.test('bad engine keys are usage errors naming the key', function()

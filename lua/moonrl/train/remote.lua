@@ -79,6 +79,11 @@ function M.new(o)
     counters = { requests = 0, retries = 0, restarts = 0, failures = 0, syncs = 0, sync_seconds = 0, sync_bytes = 0,
       tokens = 0, relabels = 0 }, syncs = 0 }, Remote)
   self.eos_ids = o.eos_ids
+  -- the versions a run killed before its end left behind (its process gone) go first
+  for _, name in ipairs(fs.is_dir(o.sync_dir or '/dev/shm') and fs.list(o.sync_dir or '/dev/shm') or {}) do
+    local pid = name:match('^moonrl%-sync%-(%d+)%-')
+    if pid and not fs.exists('/proc/' .. pid) then pcall(fs.remove, (o.sync_dir or '/dev/shm') .. '/' .. name) end
+  end
   self.sync_root = string.format('%s/moonrl-sync-%d-%x', o.sync_dir or '/dev/shm', tonumber(C.mrl_process_id()),
     math.random(0, 0xffffff))
   if o.launch == 'auto' then o.launch = M.LAUNCH[o.backend]() end
