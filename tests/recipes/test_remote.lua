@@ -80,7 +80,7 @@ t.test('a server killed mid-run is started again and synced; one of engine.urls 
   local function serve()
     local log = os.tmpname()
     local p = proc.spawn({ '/bin/sh', '-c', 'exec ' .. exe .. ' serve --model ' .. model_dir ..
-      ' --port 0 --served-model-name policy 2> ' .. log })
+      ' --port 0 2> ' .. log }) -- (served under its path's name: the run reads it off /v1/models)
     local port
     for _ = 1, 600 do
       port = (fs.read(log) or ''):match('listening on http://[^ ]*:(%d+)')

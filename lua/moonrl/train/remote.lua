@@ -113,6 +113,13 @@ function M.new(o)
       end
     end
     if up == 0 then error(last, 0) end
+    -- the name they serve the model under (GET /v1/models): theirs, whatever it is
+    for _, s in ipairs(self.servers) do
+      local r = s.healthy and self.client:fetch({ url = s.url .. '/v1/models', timeout = 10 })
+      local ok, body = pcall(json.decode, r and r.status == 200 and r.body or 'null', s.url .. '/v1/models')
+      local id = ok and type(body) == 'table' and type(body.data) == 'table' and body.data[1] and body.data[1].id
+      if type(id) == 'string' then self.name = id break end
+    end
   end
   return self
 end
