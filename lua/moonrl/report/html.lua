@@ -27,7 +27,7 @@ local PHASE_COLORS = { '#4e79a7', '#f28e2b', '#59a14f', '#e15759', '#76b7b2', '#
 local GROUP_ORDER = { 'reward', '', 'env', 'response_length', 'tokens_per_s', 'mismatch', 'engine', 'time', 'memory',
   'guard', 'async' }
 local GROUP_TITLE = { [''] = 'training', time = 'time (seconds)', env = 'episodes (env/: turns, tools, limits)',
-  engine = 'rollout servers (engine/: requests, weight syncs, failures; counted from the start)' }
+  engine = 'rollout servers (engine/: requests, weight syncs, failures, by server)' }
 -- Keys shown first within their group.
 local KEY_ORDER = { 'reward/mean', 'reward/std', 'accuracy', 'loss', 'kl', 'approx_kl', 'entropy', 'clip_frac',
   'grad_norm', 'lr', 'response_length/mean', 'response_length/max', 'tokens_per_s/generate', 'tokens_per_s/train',

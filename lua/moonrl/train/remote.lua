@@ -346,7 +346,9 @@ function Remote:send(job)
   local id = self.client:request({ url = s.url .. '/v1/completions', method = 'POST', body = job.body,
     timeout = self.request_timeout })
   self.jobs[id] = job
+  job.t0 = moonrl.now()
   self.counters.requests = self.counters.requests + 1
+  s.requests = (s.requests or 0) + 1
 end
 
 -- A generation response: its samples, or the request sent again elsewhere.
@@ -401,10 +403,12 @@ function Remote:take(job, body)
     if job.o.tokenizer then smp.text = job.o.tokenizer:decode(smp.ids, { skip_special = true }) end
     if job.o.top_logprobs and job.o.top_logprobs > 0 then smp.top_logprobs = self:top_of(c, job.o.top_logprobs) end
     self.counters.tokens = self.counters.tokens + #ids
+    job.server.tokens = (job.server.tokens or 0) + #ids
     list[(num(c.index) or #list) + 1] = smp
   end
   if #list ~= job.n then error(string.format('%d samples where %d were asked', #list, job.n), 0) end
   job.results = list
+  job.server.seconds = (job.server.seconds or 0) + (moonrl.now() - job.t0)
 end
 
 -- The top_logprobs of a completions choice (keys "token_id:N" with return_tokens_as_token_ids, or
@@ -465,13 +469,27 @@ function Remote:record_routing(on)
   if on then moonrl.usage_error('moe.routing_replay: not with an engine in other processes (engine.backend, engine.urls)') end
 end
 
--- The step's engine metrics (cumulative counters and the servers' state).
+-- The engine's metrics since the last call (a step's): requests, tokens, retries, failures,
+-- restarts, weight syncs and their seconds and bytes, the servers up; and by server (server<k>/):
+-- requests, tokens, and the mean seconds a request took.
 function Remote:metrics()
-  local c = self.counters
+  local c, last = self.counters, self.last or {}
+  local m = {}
+  for k, v in pairs(c) do m[k] = v - (last[k] or 0) end
+  m.relabels = nil
+  self.last = {}
+  for k, v in pairs(c) do self.last[k] = v end
   local up = 0
-  for _, s in ipairs(self.servers) do if s.healthy then up = up + 1 end end
-  return { servers = #self.servers, servers_up = up, requests = c.requests, retries = c.retries, restarts = c.restarts,
-    failures = c.failures, syncs = c.syncs, sync_seconds = c.sync_seconds, sync_bytes = c.sync_bytes, tokens = c.tokens }
+  for _, s in ipairs(self.servers) do
+    if s.healthy then up = up + 1 end
+    local r, t, sec = s.requests or 0, s.tokens or 0, s.seconds or 0
+    local pr = s.last or { 0, 0, 0 }
+    m['server' .. s.k] = { requests = r - pr[1], tokens = t - pr[2],
+      request_seconds = r > pr[1] and (sec - pr[3]) / (r - pr[1]) or 0 }
+    s.last = { r, t, sec }
+  end
+  m.servers, m.servers_up = #self.servers, up
+  return m
 end
 
 function Remote:close()
