@@ -8,6 +8,7 @@
  * the buffer from the forward (a batch of one chunk: none). With
  * dtype bf16 (moonrl/model.h) the products read the weights' bf16 copies,
  * refreshed here first when stale; the value head stays fp32 (one column). */
+#include <math.h>
 #include <string.h>
 #include "moonrl/mem.h"
 #include "model_internal.h"
@@ -411,6 +412,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         /* logprob goes to a scratch row when not wanted: dx is free during the forward */
         float *lp = m->tp_vocab ? m->tp_stats + 2 * T + c0 : lp_out ? lp_out + c0 : m->gs.dx;
         k->head_fwd(m->logits, n, (int)V, m->inv_temp, m->targets + c0, lse + c0, ent + c0, lp);
+        if (m->head_tap) m->head_tap(m->head_tap_ctx, m->logits, lse + c0, c0, n, V);
     }
     if (m->tp_vocab && (st = mrl_model_tp_head_stats(m, m->tp_stats, m->tp_stats + 3 * T, b->targets ? b->targets + cp0 : NULL,
                                                      T, m->head_lse, m->head_ent, b->targets ? lp_out : NULL))) {
@@ -602,4 +604,60 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
     if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);
     return MRL_OK;
+}
+
+/* ---- the k most likely tokens of every position (mrl_model_forward_top) ---- */
+
+typedef struct top_ctx {
+    int k;
+    float inv_temp;
+    int32_t *ids;
+    float *lps;
+    const int32_t *targets; /* the batch's (host), with ranks */
+    int32_t *ranks;
+} top_ctx;
+
+/* Each row's k largest logits, best first (ties: the lower id), as log-probs under the chunk's lse. */
+static void top_tap(void *vc, const float *logits, const float *lse, int64_t row0, int64_t n, int64_t V) {
+    top_ctx *c = vc;
+    for (int64_t r = 0; r < n; r++) {
+        const float *z = logits + r * V;
+        int32_t *ids = c->ids + (row0 + r) * c->k;
+        float *lps = c->lps + (row0 + r) * c->k;
+        int have = 0;
+        for (int64_t v = 0; v < V; v++) {
+            if (have == c->k && !(z[v] > z[ids[have - 1]])) continue;
+            int at = have < c->k ? have++ : c->k - 1; /* the slot it takes, moved up past the smaller ones */
+            while (at > 0 && z[v] > z[ids[at - 1]]) {
+                ids[at] = ids[at - 1];
+                at--;
+            }
+            ids[at] = (int32_t)v;
+        }
+        for (int j = 0; j < c->k; j++) lps[j] = j < have ? z[ids[j]] * c->inv_temp - lse[r] : -INFINITY;
+        if (c->ranks) { /* 1 + the tokens more likely than the target (0: no target) */
+            int32_t t = c->targets[row0 + r], above = 0;
+            if (t >= 0 && t < V)
+                for (int64_t v = 0; v < V; v++) above += z[v] > z[t];
+            c->ranks[row0 + r] = t >= 0 && t < V ? above + 1 : 0;
+        }
+    }
+}
+
+mrl_status mrl_model_forward_top(mrl_model *m, const mrl_batch *b, float temperature, int k, float *logprobs,
+                                 int32_t *top_ids, float *top_lps, int32_t *target_ranks) {
+    if (!m || !b || !top_ids || !top_lps) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_forward_top: NULL argument");
+    if (k < 1 || k > 20) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_forward_top: k must be in 1..20, got %d", k);
+    if (m->device.kind != MRL_DEVICE_CPU || m->tp_size > 1 || m->cp_size > 1 || m->pp_stages > 1)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_forward_top: a whole model on the CPU only");
+    if (!(temperature > 0)) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_forward_top: temperature must be > 0");
+    if (target_ranks && !b->targets)
+        return mrl_set_error(MRL_ERR_INVALID, "mrl_model_forward_top: target ranks need the batch's targets");
+    top_ctx c = { k, 1.0f / temperature, top_ids, top_lps, b->targets, target_ranks };
+    m->head_tap = top_tap;
+    m->head_tap_ctx = &c;
+    mrl_status st = mrl_model_forward(m, b, temperature, logprobs, NULL, NULL);
+    m->head_tap = NULL;
+    m->head_tap_ctx = NULL;
+    return st;
 }

@@ -125,6 +125,9 @@ struct mrl_model {
     void *gather_ctx;
     int64_t ahead_lo, ahead_hi;
     int head_kept; /* the head's part (a tied head's embedding too) still in use after the forward: its backward's */
+    /* mrl_model_forward_top: called with each head chunk's logits [n, V] (host) and their lse */
+    void (*head_tap)(void *ctx, const float *logits, const float *lse, int64_t row0, int64_t n, int64_t V);
+    void *head_tap_ctx;
     int64_t gathered_peak; /* the most bytes of the regions beyond the shard's pages (mrl_model_gathered_bytes) */
     int shard_writer; /* this rank writes the files of mrl_model_save_dir_sharded */
     /* tensor parallel (tp.c): this rank's slices of each layer (cfg: the slices' config,

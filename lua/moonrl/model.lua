@@ -370,6 +370,20 @@ function Model:forward(batch, opts)
   return lp, ent, val
 end
 
+-- The forward's log-probs of the targets, the k (1..20) most likely tokens at every position
+-- under softmax(logits / temperature): ids, lps (cdata [n_tokens * k], best first), and each
+-- target's rank (1: the most likely). A whole model on the CPU (mrl_model_forward_top: what
+-- moonrl serve scores prompts with).
+function Model:forward_top(batch, k, temperature)
+  local n = batch.n_tokens
+  local lp, ids, lps = ffi.new('float[?]', n), ffi.new('int32_t[?]', n * k), ffi.new('float[?]', n * k)
+  local ranks = ffi.new('int32_t[?]', n)
+  batch.c.routing = nil
+  moonrl.check(C.mrl_model_forward_top(self.handle, batch.c, temperature or 1.0, k, lp, ids, lps, ranks), 2)
+  self._batch, self._routing = batch, nil
+  return lp, ids, lps, ranks
+end
+
 -- Gradients of the loss with respect to each output (float arrays or nil);
 -- added to the gradient buffer.
 function Model:backward(dlogprobs, dentropy, dvalues)

@@ -176,4 +176,39 @@ t.test('precision: set_dtype, auto, and the copies following writes through para
   t.raises(function() m:set_dtype('fp16') end, "model dtype must be one of fp32, bf16, auto (got 'fp16')")
 end)
 
+t.test('forward_top: the k most likely tokens of every position, against each token\'s log-prob', function()
+  local m = moonrl.model.new({ model_type = 'llama', vocab_size = 40, hidden_size = 32, intermediate_size = 64,
+    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64,
+    initializer_range = 0.5 }, { seed = 9 })
+  local seq = { 3, 17, 5, 22, 9, 1, 30 }
+  for _, temp in ipairs({ 1.0, 0.7 }) do
+    local k = 5
+    local lp, ids, lps, ranks = m:forward_top(moonrl.model.batch({ seq }), k, temp)
+    -- every token's log-prob at every position: the vocabulary as targets, one forward each
+    local all = {}
+    for v = 0, 39 do
+      local targets = {}
+      for p = 1, #seq do targets[p] = v end
+      all[v] = m:forward(moonrl.model.batch({ seq }, { targets = { targets } }), { temperature = temp })
+    end
+    local plain = m:forward(moonrl.model.batch({ seq }), { temperature = temp })
+    for p = 0, #seq - 2 do
+      t.near(lp[p], plain[p], 1e-6, 'the targets\' log-probs as forward gives them')
+      local order = {}
+      for v = 0, 39 do order[#order + 1] = { v, all[v][p] } end
+      table.sort(order, function(a, b) return a[2] > b[2] or (a[2] == b[2] and a[1] < b[1]) end)
+      for r, o in ipairs(order) do
+        if o[1] == seq[p + 2] then t.eq(ranks[p], r, 'the target\'s rank at position ' .. p) end
+      end
+      for j = 1, k do
+        t.eq(ids[p * k + j - 1], order[j][1], string.format('position %d, rank %d: the token', p, j))
+        t.near(lps[p * k + j - 1], order[j][2], 1e-5, string.format('position %d, rank %d: its log-prob', p, j))
+      end
+    end
+  end
+  t.raises(function() m:forward_top(moonrl.model.batch({ seq }), 21) end, 'k must be in 1..20')
+  local _, _, _, r = m:forward_top(moonrl.model.batch({ seq }), 1)
+  t.eq(r[#seq - 1], 0, 'no target at the last position: rank 0')
+end)
+
 t.done()

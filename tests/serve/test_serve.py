@@ -180,6 +180,7 @@ def main():
     check("no-traceback", "traceback" not in srv.log().lower() and "internal error" not in srv.log(), srv.log()[-2000:])
     record_checks(model, tmp)
     control_checks(model, tmp, env)
+    echo_checks(model)
     tp_checks(model, exp, gen_text, gen_chat)
     hardening_checks(model)
     cli_checks(model)
@@ -728,6 +729,49 @@ def control_checks(model, tmp, env):
     finally:
         code = srv.stop()
     check("control-exit-0", code == 0, srv.log()[-1000:])
+
+
+def echo_checks(model):
+    """echo (and vLLM's prompt_logprobs) score the prompt with the served model: with max_tokens 0
+    (lm-evaluation-harness's log-likelihood requests) the prompt's tokens and log-probs, the
+    first null; the log-probs of a greedy continuation scored as a prompt are those the engine
+    gave as it generated it, each the largest of its position (is_greedy); ranks; the refusals."""
+    srv = Server(model)
+    try:
+        def post(body, path="/v1/completions"):
+            return srv.post(path, body)
+        st, r = post({"prompt": "Hello world", "max_tokens": 6, "temperature": 0, "logprobs": 1,
+                      "return_token_ids": True})
+        c = r["choices"][0]
+        prompt, gen, gen_lps = c["prompt_token_ids"], c["token_ids"], c["logprobs"]["token_logprobs"]
+        st, r = post({"prompt": prompt + gen, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0})
+        e = r["choices"][0]
+        lps, tops = e["logprobs"]["token_logprobs"], e["logprobs"]["top_logprobs"]
+        check("echo-shape", st == 200 and len(lps) == len(prompt) + len(gen) and lps[0] is None and tops[0] is None and
+              e["text"] == "".join(e["logprobs"]["tokens"]) and r["usage"]["completion_tokens"] == 0, r)
+        scored = lps[len(prompt):]
+        check("echo-equals-generation", all(abs(a - b) < 1e-4 for a, b in zip(scored, gen_lps)), (scored, gen_lps))
+        greedy = [abs(lp - max(t.values())) < 1e-6 for lp, t in zip(lps[len(prompt):], tops[len(prompt):])]
+        check("echo-greedy-continuation", all(greedy), greedy)
+        # lm-evaluation-harness's request: the continuation's log-likelihood and whether it is greedy
+        st, r = post({"prompt": prompt + gen, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0, "seed": 1234})
+        e = r["choices"][0]["logprobs"]
+        check("echo-lm-eval", st == 200 and len(e["token_logprobs"]) == len(prompt) + len(gen) + 1, r)
+        st, r = post({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0})
+        pl = r["choices"][0]["prompt_logprobs"]
+        ok = pl[0] is None and len(pl) == len(prompt)
+        for i, pos in enumerate(pl[1:], 1):
+            mine = pos.get(str(prompt[i]))
+            ok = ok and mine is not None and mine["rank"] >= 1 and any(v["rank"] == 1 for v in pos.values())
+        check("prompt-logprobs", ok, pl)
+        refused = [post({"prompt": "Hi", "echo": True, "stream": True})[0],
+                   post({"prompt": "Hi", "prompt_logprobs": 21})[0],
+                   post({"messages": [{"role": "user", "content": "Hi"}], "echo": True}, "/v1/chat/completions")[0],
+                   post({"prompt": "Hi", "max_tokens": 0})[0]]
+        check("echo-refused", refused == [400, 400, 400, 400], refused)
+    finally:
+        code = srv.stop()
+    check("echo-exit-0", code == 0, srv.log()[-1000:])
 
 
 def tp_checks(model, exp, gen_text, gen_chat):

@@ -238,6 +238,14 @@ void mrl_model_release_activations(mrl_model *m);
  * [n_tokens, vocab] logits are never stored: the head works in token chunks. */
 mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *batch, float temperature,
                              float *logprobs, float *entropy, float *values);
+/* mrl_model_forward (logprobs of the targets, may be NULL) that also gives the k (1..20) most
+ * likely tokens at every position under softmax(logits / temperature): top_ids and top_lps
+ * [n_tokens * k], best first (ties: the lower id); and, when target_ranks is given, each
+ * target's rank in its position's distribution (1 + the tokens more likely; 0 where the target is
+ * -1). A whole model on the CPU (what `moonrl serve` scores prompts with: echo and
+ * prompt_logprobs). */
+mrl_status mrl_model_forward_top(mrl_model *m, const mrl_batch *batch, float temperature, int k, float *logprobs,
+                                 int32_t *top_ids, float *top_lps, int32_t *target_ranks);
 /* Backward of the last forward, from dL/dlogprob, dL/dentropy, dL/dvalue per
  * token (each may be NULL: zero). Gradients are ADDED to the gradient buffer. */
 mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float *dentropy,

@@ -449,8 +449,18 @@ end
 function Server:new_job(hid, body, chat, episode)
   if not json.is_object(body) then bad('the body must be a JSON object') end
   self:check_model(body)
-  unsupported(body, { 'presence_penalty', 'frequency_penalty', 'logit_bias', 'suffix', 'echo', 'repetition_penalty' })
+  unsupported(body, { 'presence_penalty', 'frequency_penalty', 'logit_bias', 'suffix', 'repetition_penalty' })
+  if chat then unsupported(body, { 'echo', 'prompt_logprobs' }) end
   local stream = bool_field(body, 'stream', false)
+  -- the prompt scored (completions): echo (its tokens and log-probs before the completion's; with
+  -- max_tokens 0, nothing generated: lm-evaluation-harness's log-likelihoods) and vLLM's prompt_logprobs
+  local echo = not chat and bool_field(body, 'echo', false)
+  local prompt_lps = not chat and number_field(body, 'prompt_logprobs', 0, 20, true, nil) or nil
+  if stream and (echo or prompt_lps) then bad("'echo' and 'prompt_logprobs' are not served on a stream", 'stream') end
+  if (echo or prompt_lps) and (self.engine.tick or self.engine.model:device() ~= 'cpu') then
+    bad("'echo' and 'prompt_logprobs' score prompts with a whole model on the CPU (not --tp, not a GPU yet)",
+      echo and 'echo' or 'prompt_logprobs')
+  end
   local n = number_field(body, 'n', 1, self.max_n, true, 1)
   local best_of = number_field(body, 'best_of', 1, self.max_n, true, n)
   if best_of ~= n then bad("'best_of' other than n is not supported", 'best_of') end
@@ -460,7 +470,7 @@ function Server:new_job(hid, body, chat, episode)
   local top_k = number_field(body, 'top_k', -1, 2 ^ 31 - 1, true, 0)
   local min_p = number_field(body, 'min_p', 0, 1, false, 0)
   local seed = number_field(body, 'seed', -2 ^ 53, 2 ^ 53, true, nil)
-  local max_tokens = number_field(body, chat and 'max_completion_tokens' or 'max_tokens', 1, nil, true, nil)
+  local max_tokens = number_field(body, chat and 'max_completion_tokens' or 'max_tokens', echo and 0 or 1, nil, true, nil)
   if chat and max_tokens == nil then max_tokens = number_field(body, 'max_tokens', 1, nil, true, nil) end
   local logprobs, top_logprobs = nil, nil
   if chat then
@@ -502,7 +512,7 @@ function Server:new_job(hid, body, chat, episode)
     hid = hid, chat = chat, stream = stream, n = n, serial = self.serial, deadline = moonrl.now() + self.request_timeout,
     id = new_id(chat and 'chatcmpl' or 'cmpl', self.serial), created = os.time(),
     logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
-    return_ids = return_ids,
+    return_ids = return_ids, echo = echo, prompt_lps = prompt_lps, temperature = temperature,
     stops = stops, max_stop = max_stop, reqs = {}, samples = {}, remaining = 0, prompt_tokens = 0,
   }
   local ignore_eos = bool_field(body, 'ignore_eos', false) -- vLLM's: generate max_tokens whatever comes
@@ -510,6 +520,17 @@ function Server:new_job(hid, body, chat, episode)
     eos_ids = ignore_eos and {} or self.eos,
     stop_ids = stop_ids, seed = seed or self.seed, step = seed and 0 or self.serial,
     top_logprobs = (chat and top_logprobs or (not chat and logprobs)) or 0 }
+  if max_tokens == 0 then -- (echo alone: the prompts scored, no sample generated)
+    for i, ids in ipairs(prompts) do
+      job.reqs[i] = { n = n, prompt_len = #ids, prompt_ids = ids }
+      job.prompt_tokens = job.prompt_tokens + #ids
+      for j = 1, n do
+        job.samples[#job.samples + 1] = { q = job.reqs[i], j = j - 1, index = (i - 1) * n + (j - 1), n_tokens = 0,
+          watch = { text = '' }, finish = 'length', empty = true }
+      end
+    end
+    return job
+  end
   local q = {} -- (an episode's request: the sampling and the random stream its recorder sets)
   if pinned then
     if #prompts ~= 1 then bad("'moonrl_stream' takes one prompt", 'moonrl_stream') end
@@ -535,7 +556,7 @@ function Server:new_job(hid, body, chat, episode)
     job.reqs[i] = { eid = eid, n = n, prompt_len = #ids, prompt_ids = ids }
     job.prompt_tokens = job.prompt_tokens + #ids
     for j = 1, n do
-      job.samples[#job.samples + 1] = { eid = eid, j = j - 1, index = (i - 1) * n + (j - 1),
+      job.samples[#job.samples + 1] = { eid = eid, q = job.reqs[i], j = j - 1, index = (i - 1) * n + (j - 1),
         watch = engine_mod.new_watch(self.tok), sent = 0, lp_sent = 0 }
       job.remaining = job.remaining + 1
     end
@@ -657,7 +678,14 @@ function Server:finish_job(job)
     local choices = arr({})
     for _, s in ipairs(job.samples) do
       local text = utf8_clean(s.watch.text)
-      local lp = job.logprobs ~= nil and self:logprobs_of(job, s, 0, s.n_tokens) or null
+      local lp = null
+      if job.echo then
+        local pt = self:prompt_scores(job, s.q)
+        text = pt.text .. text
+        if job.logprobs ~= nil then lp = self:echo_logprobs(job, s, pt) end
+      elseif job.logprobs ~= nil then
+        lp = self:logprobs_of(job, s, 0, s.n_tokens)
+      end
       local c
       if job.chat then
         c = obj({ 'index', s.index, 'message', obj({ 'role', 'assistant', 'content', text }),
@@ -666,6 +694,7 @@ function Server:finish_job(job)
         c = obj({ 'index', s.index, 'text', text, 'logprobs', lp, 'finish_reason', s.finish })
       end
       if job.return_ids then self:token_ids_of(job, s, c) end
+      if job.prompt_lps then c.prompt_logprobs = self:prompt_scores(job, s.q).vllm end
       choices[#choices + 1] = c
     end
     local sent = self:respond(job.hid, 200, json.encode(obj({ 'id', job.id, 'object', job.chat and 'chat.completion' or
@@ -673,12 +702,90 @@ function Server:finish_job(job)
     -- (a turn whose agent is known to be gone is not its episode's: it never saw it)
     if job.episode and sent then self:record_turn(job) end
   end
-  for _, q in ipairs(job.reqs) do self.to_release[#self.to_release + 1] = q.eid end
+  for _, q in ipairs(job.reqs) do if q.eid then self.to_release[#self.to_release + 1] = q.eid end end
+end
+
+-- A prompt scored once for all its samples (echo, prompt_logprobs): each token's text, and from
+-- the second on its log-prob under the request's temperature (1 when greedy), the k most likely
+-- tokens there and its rank (the served model's forward: mrl_model_forward_top).
+function Server:prompt_scores(job, q)
+  if q.scores then return q.scores end
+  local k = math.max(job.logprobs or 0, job.prompt_lps or 0, 1)
+  local ids = q.prompt_ids
+  local ok, lp, top, tlp, ranks = pcall(self.engine.model.forward_top, self.engine.model, require('moonrl.model').batch({ ids }),
+    k, job.temperature > 0 and job.temperature or 1.0)
+  if not ok then fail(400, 'echo, prompt_logprobs: ' .. tostring(moonrl.error_text(lp)), job.echo and 'echo' or 'prompt_logprobs') end
+  local sc = { texts = {}, lps = {}, tops = {}, ranks = {} }
+  local parts = {}
+  for i, id in ipairs(ids) do
+    sc.texts[i] = self:token_text(job, id)
+    parts[i] = sc.texts[i]
+    if i > 1 then -- (position i - 2 of the forward predicts token i)
+      local p = i - 2
+      sc.lps[i], sc.ranks[i] = lp[p], ranks[p]
+      local alts = {}
+      for j = 0, k - 1 do alts[#alts + 1] = { top[p * k + j], tlp[p * k + j] } end
+      sc.tops[i] = alts
+    end
+  end
+  sc.text = table.concat(parts)
+  if job.prompt_lps then -- vLLM's: null, then { "<id>": { logprob, rank, decoded_token } } a position
+    local v = arr({ null })
+    for i = 2, #ids do
+      local pairs_ = { tostring(ids[i]), obj({ 'logprob', sc.lps[i], 'rank', sc.ranks[i], 'decoded_token', sc.texts[i] }) }
+      for j = 1, job.prompt_lps do
+        local a = sc.tops[i][j]
+        if a[1] ~= ids[i] then
+          pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = tostring(a[1]), obj({ 'logprob', a[2], 'rank', j,
+            'decoded_token', self:token_text(job, a[1]) })
+        end
+      end
+      v[#v + 1] = obj(pairs_)
+    end
+    sc.vllm = v
+  end
+  q.scores = sc
+  return sc
+end
+
+-- A completion's logprobs with the prompt's before them (echo): the first prompt token's null,
+-- the offsets running on into the completion.
+function Server:echo_logprobs(job, s, pt)
+  local tokens, token_lps, top, offsets = arr({}), arr({}), arr({}), arr({})
+  local off = 0
+  for i, t in ipairs(pt.texts) do
+    tokens[i], offsets[i] = t, off
+    off = off + #t
+    token_lps[i] = pt.lps[i] or null
+    if i > 1 and job.logprobs > 0 then
+      local pairs_ = { t, pt.lps[i] }
+      for j = 1, job.logprobs do
+        local a = pt.tops[i][j]
+        local at = self:token_text(job, a[1])
+        if at ~= t then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = at, a[2] end
+      end
+      top[i] = obj(pairs_)
+    else
+      top[i] = null
+    end
+  end
+  if s.n_tokens > 0 then
+    local c = self:logprobs_of(job, s, 0, s.n_tokens, off)
+    for k = 1, #c.tokens do
+      tokens[#tokens + 1], token_lps[#token_lps + 1] = c.tokens[k], c.token_logprobs[k]
+      top[#top + 1], offsets[#offsets + 1] = c.top_logprobs[k], c.text_offset[k]
+    end
+  end
+  return obj({ 'tokens', tokens, 'token_logprobs', token_lps, 'top_logprobs', top, 'text_offset', offsets })
 end
 
 -- vLLM's return_token_ids: the sample's token ids and its prompt's, into choice c; and the
 -- weight versions of its tokens as spans [start, end) (moonrl's, as vLLM's token API).
 function Server:token_ids_of(job, s, c)
+  if s.empty then
+    c.token_ids, c.prompt_token_ids, c.weight_versions = arr({}), arr(s.q.prompt_ids), arr({})
+    return
+  end
   local toks = self.engine:output(s.eid, s.j)
   local ids = arr({})
   for k = 0, s.n_tokens - 1 do ids[k + 1] = toks[k] end
@@ -1031,6 +1138,7 @@ function Server:handle(hid, method, path, body, auth, query)
   local episode = json.is_object(req) and self:episode_of(req, auth)
   if episode and (field(req, 'n') or 1) ~= 1 then bad("a request of an episode asks for one sample ('n': 1)", 'n') end
   local job = self:new_job(hid, req, path == '/v1/chat/completions', episode or nil)
+  if job.remaining == 0 then return self:finish_job(job) end -- (echo alone: nothing to generate)
   job.key = tonumber(hid)
   self.jobs[job.key] = job
   self.active[#self.active + 1] = job
