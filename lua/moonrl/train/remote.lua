@@ -43,12 +43,22 @@ Remote.__index = Remote
 
 M.BACKENDS = { moonrl = true, vllm = true }
 
--- engine.launch=auto: each backend's server, {port}, {model} and {name} filled in at start.
+-- engine.launch=auto: each backend's server, {port}, {model}, {name}, {dtype} (float32 or
+-- bfloat16, the policy's) and {max_len} filled in at start. vLLM: its RL routes (dev mode), the
+-- log-probs under the temperature (processed_logprobs, as the trainer's), no chunked prefill (a
+-- seeded request split over prefill steps fails on its CPU build), eager (no compile at each
+-- start); the interop virtualenv's (./dev.sh vllm) where there is one, else vllm on the PATH.
 M.LAUNCH = {
   moonrl = function() return (rawget(_G, 'MOONRL_EXE') or 'moonrl') ..
     ' serve --model {model} --port {port} --host 127.0.0.1 --served-model-name {name}' end,
-  vllm = function() return 'env VLLM_SERVER_DEV_MODE=1 vllm serve {model} --port {port} --host 127.0.0.1 ' ..
-    '--served-model-name {name} --logprobs-mode processed_logprobs' end,
+  vllm = function()
+    local venv = (moonrl.home or '.') .. '/.venv-interop/bin/vllm'
+    local cpu = require('moonrl.model').resolve_device('auto') == 'cpu'
+    return 'env VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 ' ..
+      (cpu and 'VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 ' or '') .. (fs.exists(venv) and venv or 'vllm') ..
+      ' serve {model} --served-model-name {name} --host 127.0.0.1 --port {port} --dtype {dtype} --max-model-len {max_len}' ..
+      ' --enforce-eager --no-enable-chunked-prefill --logprobs-mode processed_logprobs'
+  end,
 }
 
 -- A port no one listens on now (the kernel's choice for port 0, released at once).
@@ -87,6 +97,17 @@ function M.new(o)
   self.sync_root = string.format('%s/moonrl-sync-%d-%x', o.sync_dir or '/dev/shm', tonumber(C.mrl_process_id()),
     math.random(0, 0xffffff))
   if o.launch == 'auto' then o.launch = M.LAUNCH[o.backend]() end
+  -- vLLM's reload_weights keeps a tied model's old output layer (it reloads the embedding only):
+  -- it is served, and sent, an untied copy with lm_head.weight written out (moonrl serve reads either)
+  self.untie = o.backend == 'vllm' and self.policy.config.tie_word_embeddings and true or false
+  if o.launch and self.untie then
+    self.serve_dir = self.sync_root .. '/v0'
+    self:write_version(self.serve_dir)
+    for _, f in ipairs({ 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'generation_config.json',
+      'tokenizer.model', 'vocab.json', 'merges.txt' }) do
+      if self.model_dir and fs.exists(self.model_dir .. '/' .. f) then fs.copy(self.model_dir .. '/' .. f, self.serve_dir .. '/' .. f) end
+    end
+  end
   if o.launch then
     if not o.launch:find('{port}', 1, true) then
       moonrl.usage_error("engine.launch: the command must hold {port} (where the server listens; {model}: the model's directory)")
@@ -131,7 +152,9 @@ end
 function Remote:start(s)
   s.port = free_port()
   s.host, s.url = '127.0.0.1', 'http://127.0.0.1:' .. s.port
-  local cmd = s.launch:gsub('{port}', tostring(s.port)):gsub('{model}', self.model_dir or ''):gsub('{name}', self.name)
+  local cmd = s.launch:gsub('{port}', tostring(s.port)):gsub('{model}', self.serve_dir or self.model_dir or '')
+    :gsub('{name}', self.name):gsub('{dtype}', self.policy:dtype() == 'bf16' and 'bfloat16' or 'float32')
+    :gsub('{max_len}', tostring(self.policy.config.max_position_embeddings or 2048))
   s.log = self.log_dir and string.format('%s/server-%d.log', self.log_dir, s.k) or '/dev/null'
   local guard = fs.exists('/usr/bin/setpriv') and 'setpriv --pdeathsig KILL ' or ''
   s.proc = proc.spawn({ '/bin/sh', '-c', string.format('exec %s%s >> %s 2>&1', guard, cmd, s.log) }, { max_output = 4096 })
@@ -232,6 +255,26 @@ function Remote:all(servers, path, body, soft)
   return out, failed
 end
 
+-- The policy's weights as a Hugging Face directory; untied (self.untie): its config says so and
+-- lm_head.safetensors holds the output layer (the embedding's copy).
+function Remote:write_version(dir)
+  fs.mkdirs(dir)
+  self.policy:save(dir)
+  if not self.untie then return end
+  local cfg = json.decode(fs.read(dir .. '/config.json'), dir .. '/config.json')
+  cfg.tie_word_embeddings = false
+  fs.write(dir .. '/config.json', json.encode(cfg))
+  local p = self.policy:read_params()
+  for _, v in ipairs(self.policy:views()) do
+    if v.name == 'model.embed_tokens.weight' then
+      local w = require('moonrl.io.safetensors').writer()
+      w:add('lm_head.weight', 'F32', v.shape, p + v.offset)
+      w:metadata('format', 'pt')
+      w:write(dir .. '/lm_head.safetensors')
+    end
+  end
+end
+
 -- The policy's weights into servers, labelled: written once a version (a fresh directory), then
 -- each server paused, reloaded, labelled, its cache dropped, resumed, and its label checked.
 function Remote:push(servers, label)
@@ -240,8 +283,7 @@ function Remote:push(servers, label)
   if self.written_gen ~= gen then
     self.syncs = self.syncs + 1
     local dir = string.format('%s/v%d', self.sync_root, self.syncs)
-    fs.mkdirs(dir)
-    self.policy:save(dir)
+    self:write_version(dir)
     local crc, bytes = fs.crc32c_file(dir .. '/model.safetensors')
     if self.written_dir then pcall(fs.remove, self.written_dir) end
     self.written_dir, self.written_gen, self.written_crc = dir, gen, crc
