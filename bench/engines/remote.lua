@@ -4,14 +4,16 @@
 --      the control protocol, against a memcpy of the same bytes (what sharing the buffer in one
 --      process would cost at most);
 --   2. rollout tokens/s: the same requests (prompts x samples x tokens, no end token) on moonrl's
---      engine in this process and on `servers` moonrl serve processes (each with `threads`).
---   build/moonrl run bench/engines/remote.lua [servers=1] [prompts=16] [samples=4] [tokens=64] [syncs=3]
+--      engine in this process and on `servers` servers (each with `threads`), and whether they
+--      draw the same tokens (moonrl serve: every sample; vLLM: greedy, its random streams its own).
+--   build/moonrl run bench/engines/remote.lua [backend=moonrl|vllm] [servers=1] [prompts=16] [samples=4]
+--     [tokens=64] [syncs=3]
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local fs = require('moonrl.io.fs')
 local remote = require('moonrl.train.remote')
 
-local cfg = moonrl.config { servers = moonrl.config.integer(1, { min = 1 }), prompts = moonrl.config.integer(16, { min = 1 }),
+local cfg = moonrl.config { backend = 'moonrl', servers = moonrl.config.integer(1, { min = 1 }), prompts = moonrl.config.integer(16, { min = 1 }),
   samples = moonrl.config.integer(4, { min = 1 }), tokens = moonrl.config.integer(64, { min = 1 }),
   syncs = moonrl.config.integer(3, { min = 1 }), threads = moonrl.config.integer(0, { min = 0 }) }
 
@@ -26,12 +28,12 @@ for _, f in ipairs({ 'tokenizer.json', 'tokenizer_config.json' }) do
   if fs.exists('examples/agent/' .. f) then fs.copy('examples/agent/' .. f, dir .. '/model/' .. f) end
 end
 local env = cfg.threads > 0 and ('env MOONRL_THREADS=' .. cfg.threads .. ' ') or ''
-local e = remote.new({ backend = 'moonrl', servers = cfg.servers, model_dir = dir .. '/model', policy = model, tok = tok,
-  launch = env .. remote.LAUNCH.moonrl(), log_dir = dir, seed = 1, eos_ids = {} })
+local e = remote.new({ backend = cfg.backend, servers = cfg.servers, model_dir = dir .. '/model', policy = model, tok = tok,
+  launch = env .. remote.LAUNCH[cfg.backend](), log_dir = dir, seed = 1, eos_ids = {}, launch_timeout = 900 })
 
 local cpu = (fs.read('/proc/cpuinfo') or ''):match('model name%s*:%s*([^\n]+)') or '?'
-print(string.format('CPU: %s; a model of %.1f M parameters (%.0f MB in fp32); %d server(s)', cpu, model.n_params / 1e6,
-  4 * model.n_params / 2 ^ 20, cfg.servers))
+print(string.format('CPU: %s; a model of %.1f M parameters (%.0f MB in fp32); %d %s server(s)', cpu, model.n_params / 1e6,
+  4 * model.n_params / 2 ^ 20, cfg.servers, cfg.backend))
 
 -- 1. syncs
 local ok, err = pcall(function()
@@ -67,13 +69,23 @@ local ok, err = pcall(function()
   run(e)
   local t_in, n_in, r_in = run(engine)
   local t_out, n_out, r_out = run(e)
-  local same = 0
-  for i, r in ipairs(r_in) do
-    for j, s in ipairs(r) do if table.concat(s.ids, ',') == table.concat(r_out[i][j].ids, ',') then same = same + 1 end end
+  local function same(a, b)
+    local n = 0
+    for i, r in ipairs(a) do
+      for j, smp in ipairs(r) do if table.concat(smp.ids, ',') == table.concat(b[i][j].ids, ',') then n = n + 1 end end
+    end
+    return n
   end
-  print(string.format('rollout: in-process %.2f s (%.0f tokens/s); %d server(s) %.2f s (%.0f tokens/s): %.2fx the time; ' ..
-    '%d of %d samples the same tokens', t_in, n_in / t_in, cfg.servers, t_out, n_out / t_out, t_out / t_in, same,
-    cfg.prompts * cfg.samples))
+  local what
+  if cfg.backend == 'moonrl' then
+    what = string.format('%d of %d samples the same tokens', same(r_in, r_out), cfg.prompts * cfg.samples)
+  else -- (its own random streams: greedy samples compared)
+    local g = { temperature = 0, max_tokens = cfg.tokens, eos_ids = {} }
+    what = string.format('greedy: %d of %d samples the same tokens', same(engine:generate(reqs, g), e:generate(reqs, g)),
+      cfg.prompts * cfg.samples)
+  end
+  print(string.format('rollout: in-process %.2f s (%.0f tokens/s); %d server(s) %.2f s (%.0f tokens/s): %.2fx the time; %s',
+    t_in, n_in / t_in, cfg.servers, t_out, n_out / t_out, t_out / t_in, what))
 end)
 e:close()
 fs.remove(dir)

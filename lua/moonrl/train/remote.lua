@@ -347,7 +347,9 @@ function Remote:body(q, o)
   for _, id in ipairs(eos) do stop_ids[#stop_ids + 1] = id end
   for _, id in ipairs(o.stop_ids or {}) do stop_ids[#stop_ids + 1] = id end
   local greedy = (o.temperature or 1) == 0
-  local b = json.object({ 'model', self.name, 'prompt', json.array(q.prompt_ids), 'n', q.n or 1,
+  -- (vLLM takes one greedy sample a request: the others are its copies, as moonrl's engine's are)
+  local n = (greedy and self.backend == 'vllm') and 1 or (q.n or 1)
+  local b = json.object({ 'model', self.name, 'prompt', json.array(q.prompt_ids), 'n', n,
     'max_tokens', q.max_tokens or o.max_tokens or 16, 'temperature', o.temperature or 1.0, 'top_p', o.top_p or 1.0,
     'top_k', (o.top_k or 0) > 0 and o.top_k or -1, 'min_p', o.min_p or 0, 'logprobs', o.top_logprobs or 0,
     'return_token_ids', true, 'ignore_eos', true, 'stop_token_ids', json.array(stop_ids), 'skip_special_tokens', false })
@@ -448,6 +450,13 @@ function Remote:take(job, body)
     job.server.tokens = (job.server.tokens or 0) + #ids
     list[(num(c.index) or #list) + 1] = smp
   end
+  if #list == 1 and job.n > 1 and job.copies then
+    for j = 2, job.n do
+      local c = {}
+      for k, v in pairs(list[1]) do c[k] = type(v) == 'table' and { unpack(v) } or v end
+      list[j] = c
+    end
+  end
   if #list ~= job.n then error(string.format('%d samples where %d were asked', #list, job.n), 0) end
   job.results = list
   job.server.seconds = (job.server.seconds or 0) + (moonrl.now() - job.t0)
@@ -483,7 +492,8 @@ function Remote:generate(requests, opts)
   for i, q in ipairs(requests) do
     q.i = i
     if type(q.prompt_ids) ~= 'table' then error('engine (remote): request ' .. i .. ' needs prompt_ids', 2) end
-    jobs[i] = { n = q.n or 1, body = self:body(q, opts), tries = 0, o = opts, deadline = deadline }
+    jobs[i] = { n = q.n or 1, body = self:body(q, opts), tries = 0, o = opts, deadline = deadline,
+      copies = (opts.temperature or 1) == 0 and self.backend == 'vllm' }
     self:send(jobs[i])
   end
   if self.background and coroutine.running() then coroutine.yield() end
