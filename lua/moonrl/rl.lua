@@ -568,8 +568,19 @@ function Recipe:heldout_metrics()
 end
 
 function Recipe:evaluate(step)
-  if not E.due(self.cfg, step) then return nil end
-  return self.S:phase('eval', self.heldout_metrics, self)
+  local m = E.due(self.cfg, step) and self.S:phase('eval', self.heldout_metrics, self) or nil
+  return self:harness(step, m)
+end
+
+-- lm-evaluation-harness's scores (eval.harness) into the evaluation's metrics (eval/harness/<task>/<metric>).
+function Base:harness(step, m)
+  if not E.harness_due(self.cfg, step) then return m end
+  local S = self.S
+  local h = S:phase('harness', E.harness, S, self.cfg, string.format('%s/harness/step-%d', S.dir, S.global_step))
+  if not h then return m end
+  m = m or {}
+  m.harness = h
+  return m
 end
 
 function Recipe:finish()
@@ -627,7 +638,7 @@ function Supervised:open_data() end
 function Supervised:start_options()
   local cfg = self.cfg
   return { name = self.name, steps = self.c.steps, steps_key = self.section .. '.steps', chat = cfg.data.chat,
-    engine = E.wanted(cfg), free_keys = self:free_keys(),
+    engine = E.wanted(cfg) or (cfg.eval ~= nil and cfg.eval.harness ~= nil), free_keys = self:free_keys(),
     check_policy = function(p) models.check_expert_parallel(p, cfg.moe and cfg.moe.expert_parallel) end }
 end
 
@@ -650,8 +661,9 @@ function Supervised:metrics(m, step) end
 
 -- Every eval.every steps: greedy answers to the held-out prompts judged by the reward.
 function Supervised:evaluate(step)
-  if #self.heldout == 0 or not E.due(self.cfg, step) then return nil end
-  return self.S:phase('eval', E.accuracy, self.S, self.cfg, self.heldout)
+  local m = #self.heldout > 0 and E.due(self.cfg, step) and self.S:phase('eval', E.accuracy, self.S, self.cfg, self.heldout)
+    or nil
+  return self:harness(step, m)
 end
 
 -- history: the step lines' records by step; first, last: the steps this process ran (nil: none,

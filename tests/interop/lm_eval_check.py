@@ -116,6 +116,27 @@ same = [same_text(hf_s["moonrl_gen"][d]["resps"][0][0], mr_s["moonrl_gen"][d]["r
 check("gen-texts", all(same), [(hf_s["moonrl_gen"][d]["resps"], mr_s["moonrl_gen"][d]["resps"]) for d in hf_s["moonrl_gen"]][:3])
 check("gen-nonempty", any(hf_s["moonrl_gen"][d]["resps"][0][0] for d in hf_s["moonrl_gen"]), "every generation empty")
 check("gen-exact-match", hf_res["moonrl_gen"]["exact_match,none"] == mr_res["moonrl_gen"]["exact_match,none"])
+# eval.harness: the same task run by a training run against its policy at its last step, then by
+# lm-eval's hf backend on the model the run saved
+with open(os.path.join(tmp, "sft.jsonl"), "w") as f:
+    for line in open(os.path.join(tmp, "mc.jsonl")):
+        d = json.loads(line)
+        f.write(json.dumps({"prompt": d["question"], "response": d["choices"][d["answer"]]}) + "\n")
+run = os.path.join(tmp, "run")
+r = subprocess.run([MOONRL, "run", "sft", "model.dir=" + model, "data.path=" + os.path.join(tmp, "sft.jsonl"),
+                    "data.chat=false", "train.steps=4", "train.batch=4", "train.lr=1e-2", "run.threads=1",
+                    "eval.harness=moonrl_mc", "eval.harness_every=4", "eval.harness_include=" + tmp,
+                    "eval.harness_command=" + LM_EVAL, "run.dir=" + run], capture_output=True, text=True, timeout=900)
+if r.returncode != 0:
+    print(r.stdout[-2000:], r.stderr[-2000:])
+last = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))][-1]
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(model, f), os.path.join(run, "model", f))
+after, _ = lm_eval("hf_after", "hf", "pretrained=%s,dtype=float32" % os.path.join(run, "model"))
+check("harness-in-run", last.get("eval/harness/moonrl_mc/acc") == after["moonrl_mc"]["acc,none"],
+      (last.get("eval/harness/moonrl_mc/acc"), after["moonrl_mc"]))
+print("     eval.harness at the run's last step: acc %s; hf on the saved model: %s" %
+      (last.get("eval/harness/moonrl_mc/acc"), after["moonrl_mc"]["acc,none"]))
 shutil.rmtree(tmp, ignore_errors=True)
 print("%d passed, %d failed" % (passed, failed))
 sys.exit(1 if failed else 0)

@@ -48,6 +48,100 @@ function M.due(cfg, step)
   return e ~= nil and e.every > 0 and step % e.every == 0
 end
 
+-- Whether lm-evaluation-harness runs at this step: eval.harness set, every eval.harness_every
+-- steps (0: eval.every).
+function M.harness_due(cfg, step)
+  local e = cfg.eval
+  if not (e and e.harness) then return false end
+  local every = e.harness_every > 0 and e.harness_every or e.every
+  return every > 0 and step % every == 0
+end
+
+-- lm-evaluation-harness's tasks (eval.harness) run against the policy as it is now: its
+-- local-completions model talks to an OpenAI-compatible server on this process's engine
+-- (moonrl.serve.server, a free port of 127.0.0.1; echo for log-likelihoods), or to the first
+-- server of an engine elsewhere, synced first. The scores come back as { task = { metric = x } }
+-- (each results file's "<metric>,<filter>" without ",none"; no stderr). A harness that fails is an
+-- event and a warning; the run goes on. out_dir: where lm_eval writes.
+function M.harness(S, cfg, out_dir)
+  local e = cfg.eval
+  local json = require('moonrl.io.json')
+  local fs = require('moonrl.io.fs')
+  local proc = require('moonrl.io.proc')
+  local cmd = e.harness_command
+  if not cmd then
+    local venv = (moonrl.home or '.') .. '/.venv-interop/bin/lm_eval'
+    cmd = fs.exists(venv) and venv or 'lm_eval'
+  end
+  local engine, srv, base = S.engine, nil, nil
+  if engine.remote then
+    engine:sync('g' .. S.policy:weights_generation()) -- (the weights as they are now; the next rollout labels them)
+    base = engine.servers[1].url
+  else
+    if engine:running() and engine.on_busy then engine.on_busy() end
+    engine:reset() -- (cached prefixes of other weights)
+    srv = require('moonrl.serve.server').new({ engine = engine, tokenizer = S.tok, template = S.tpl,
+      model_name = 'policy', model_path = 'policy', max_model_len = S.policy.config.max_position_embeddings,
+      port = 0, host = '127.0.0.1', request_timeout = e.harness_timeout })
+    base = string.format('http://127.0.0.1:%d', srv.port)
+  end
+  local name = engine.remote and engine.name or 'policy'
+  fs.mkdirs(out_dir)
+  local argv = { '/bin/sh', '-c', string.format('exec %s --model local-completions --model_args ' ..
+    'base_url=%s/v1/completions,model=%s,tokenizer=%s,tokenized_requests=True,max_length=%d,num_concurrent=8,max_retries=1' ..
+    ' --tasks %s --output_path %s%s%s', cmd, base, name, S.tok_dir, S.policy.config.max_position_embeddings, e.harness,
+    out_dir, e.harness_include and (' --include_path ' .. e.harness_include) or '',
+    e.harness_limit > 0 and (' --limit ' .. e.harness_limit) or '') }
+  local p = proc.spawn(argv, { timeout = e.harness_timeout, max_output = 2 ^ 20 })
+  local ok, err = pcall(function()
+    while not p:done() do
+      moonrl.check_stop()
+      if srv then
+        local busy = engine:num_unfinished() > 0 or #srv.active > 0
+        srv:poll(busy and 0 or 20)
+        if #srv.active > 0 then srv:expire(moonrl.now()) end
+        srv:step()
+      else
+        moonrl.sleep(0.05)
+      end
+    end
+  end)
+  if not ok then p:kill() end
+  if srv then
+    srv:abort_all()
+    if engine:num_unfinished() > 0 then engine:step() end
+    srv:release_finished()
+    srv:close()
+    engine:reset()
+  end
+  if not ok then error(err, 0) end
+  local r = p:wait()
+  local results
+  for _, f in ipairs(fs.is_dir(out_dir) and fs.list(out_dir) or {}) do -- (lm_eval writes <out>/<model>/results_*.json)
+    local sub = out_dir .. '/' .. f
+    for _, g in ipairs(fs.is_dir(sub) and fs.list(sub) or {}) do
+      if g:match('^results_.*%.json$') then results = sub .. '/' .. g end
+    end
+  end
+  if not r.ok or not results then
+    local why = string.format('lm_eval %s: %s', r.timed_out and 'ran past eval.harness_timeout' or
+      ('exited with status ' .. tostring(r.exit_status)), ((r.stderr or '') .. (r.stdout or '')):sub(-800))
+    S:event('harness_error', { message = why })
+    return nil
+  end
+  local doc = json.decode(fs.read(results), results)
+  local out = {}
+  for task, metrics in pairs(doc.results or {}) do
+    local t = {}
+    for k, v in pairs(metrics) do
+      local metric = k:match('^(.-),none$') or k
+      if type(v) == 'number' and not metric:find('stderr') then t[metric] = v end
+    end
+    out[task] = t
+  end
+  return out
+end
+
 -- The held-out records { prompt, answer, meta, prompt_ids, prompt_index, ... }: eval.data, eval.task,
 -- data.task's held-out split, else own (a list of { prompt, answer }; nil: none). o.answer: the
 -- data section's key of eval.data's reference answer (default data.answer or 'answer').

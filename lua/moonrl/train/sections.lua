@@ -200,7 +200,13 @@ function M.eval_wanted(cfg) return cfg.eval ~= nil and cfg.eval.every > 0 end
 function M.eval_config()
   return { every = config.integer(0, { min = 0 }), data = config.optional('string', 'held-out JSONL (data.* fields)'),
     task = config.optional('string', 'a task whose held-out split is evaluated'), prompts = config.integer(0, { min = 0 }),
-    max_tokens = config.integer(0, { min = 0 }) }
+    max_tokens = config.integer(0, { min = 0 }),
+    -- lm-evaluation-harness against the policy as it trains (moonrl.train.evaluation.harness)
+    harness = config.optional('string', 'lm-evaluation-harness tasks (comma-separated) run against the policy'),
+    harness_every = config.integer(0, { min = 0 }),
+    harness_command = config.optional('string', 'the lm_eval program (default: the interop virtualenv\'s, else lm_eval)'),
+    harness_include = config.optional('string', 'a directory of task files (lm_eval --include_path)'),
+    harness_limit = config.integer(0, { min = 0 }), harness_timeout = config.number(3600, { above = 0 }) }
 end
 
 -- The keys an RL recipe's own section (grpo.*, ppo.*, rlvr.*, the default example's grpo.*) may
