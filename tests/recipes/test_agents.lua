@@ -131,7 +131,8 @@ t.test('agent workers\' faults: an episode that hangs, fails or reports nothing;
     t.eq(dead[i].episode.reason, 'agent_error')
     t.truthy(dead[i].episode.error:find('keep failing: a worker exited with status 7', 1, true), dead[i].episode.error)
   end
-  t.eq(xstats.agent_failures, 6)
+  -- (past agent.workers + 3 = 5: 6, or 7 when the last two die in the same poll)
+  t.truthy(xstats.agent_failures == 6 or xstats.agent_failures == 7, 'failures: ' .. xstats.agent_failures)
 end)
 
 t.test('the server in training mode: unknown episodes and bad rewards refused, others served as always', function()
