@@ -608,13 +608,8 @@ function Server:logprobs_of(job, s, from, to, text_base)
     local t = self:token_text(job, toks[k])
     tokens[#tokens + 1] = t
     token_lps[#token_lps + 1] = lps[k]
-    if job.logprobs > 0 then -- { token: logprob } of the k most likely (the chosen one added when not among them, as OpenAI)
-      local pairs_ = { t, lps[k] }
-      for _, a in ipairs(alts and alts[k + 1] or {}) do
-        local at = self:token_text(job, a[1])
-        if at ~= t then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = at, a[2] end
-      end
-      top[#top + 1] = obj(pairs_)
+    if job.logprobs > 0 then
+      top[#top + 1] = self:top_entry(job, t, lps[k], alts and alts[k + 1] or {}, job.logprobs)
     else
       top[#top + 1] = null
     end
@@ -622,6 +617,17 @@ function Server:logprobs_of(job, s, from, to, text_base)
     off = off + #t
   end
   return obj({ 'tokens', tokens, 'token_logprobs', token_lps, 'top_logprobs', top, 'text_offset', offsets })
+end
+
+-- A completions top_logprobs entry: { token: logprob } of the k most likely (alts: { {id, lp}, ...
+-- } best first), the chosen token t first (added when not among them, as OpenAI's).
+function Server:top_entry(job, t, lp, alts, k)
+  local pairs_ = { t, lp }
+  for j = 1, math.min(k, #alts) do
+    local at = self:token_text(job, alts[j][1])
+    if at ~= t then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = at, alts[j][2] end
+  end
+  return obj(pairs_)
 end
 
 function Server:usage(job)
@@ -758,13 +764,7 @@ function Server:echo_logprobs(job, s, pt)
     off = off + #t
     token_lps[i] = pt.lps[i] or null
     if i > 1 and job.logprobs > 0 then
-      local pairs_ = { t, pt.lps[i] }
-      for j = 1, job.logprobs do
-        local a = pt.tops[i][j]
-        local at = self:token_text(job, a[1])
-        if at ~= t then pairs_[#pairs_ + 1], pairs_[#pairs_ + 2] = at, a[2] end
-      end
-      top[i] = obj(pairs_)
+      top[i] = self:top_entry(job, t, pt.lps[i], pt.tops[i], job.logprobs)
     else
       top[i] = null
     end
@@ -789,9 +789,7 @@ function Server:token_ids_of(job, s, c)
   local toks = self.engine:output(s.eid, s.j)
   local ids = arr({})
   for k = 0, s.n_tokens - 1 do ids[k + 1] = toks[k] end
-  local prompt
-  for _, q in ipairs(job.reqs) do if q.eid == s.eid then prompt = q.prompt_ids end end
-  c.token_ids, c.prompt_token_ids = ids, arr(prompt or {})
+  c.token_ids, c.prompt_token_ids = ids, arr(s.q.prompt_ids)
   local first, switches = self.engine:versions(s.eid, s.j, s.n_tokens)
   local spans, start, v = arr({}), 0, first or 0
   for _, sw in ipairs(switches or {}) do
@@ -914,6 +912,8 @@ local ROUTES = {
 local CONTROL = { ['/pause'] = true, ['/resume'] = true, ['/is_paused'] = true, ['/collective_rpc'] = true,
   ['/update_weight_version'] = true, ['/weight_info'] = true, ['/reset_prefix_cache'] = true }
 
+local function bearer(auth) return auth and auth:match('^[Bb]earer%s+(%S+)') end
+
 -- Training mode: the episode a request names (see the top), or nil; one the recorder does not know
 -- is refused.
 function Server:episode_of(body, auth)
@@ -921,15 +921,13 @@ function Server:episode_of(body, auth)
   local id = field(body, 'user')
   local meta = field(body, 'metadata')
   if id == nil and json.is_object(meta) then id = field(meta, 'episode_id') end
-  if id == nil and auth then id = auth:match('^[Bb]earer%s+(%S+)') end
+  if id == nil then id = bearer(auth) end
   if id == nil then return nil end
   if type(id) ~= 'string' then bad("the episode id ('user', 'metadata.episode_id') must be a string", 'user') end
   if not self.record.known(id) then fail(404, string.format("no episode '%s' in flight", utf8_clean(id:sub(1, 80))), 'user',
     'NotFoundError') end
   return id
 end
-
-local function bearer(auth) return auth and auth:match('^[Bb]earer%s+(%S+)') end
 
 local function not_training(path)
   fail(404, string.format('no route POST %s (the server is not in training mode)', path), nil, 'NotFoundError')
@@ -1008,12 +1006,20 @@ local function query_field(query, key)
   return nil
 end
 
-local function json_body(body)
-  if body == '' then return obj() end
-  local at = utf8_error(body)
+-- A request's body as JSON (a 400 for bytes that are not UTF-8, or not JSON).
+local function decode_body(body)
+  local at = utf8_error(body) -- JSON is UTF-8 (RFC 8259); the decoder would pass other bytes on
   if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
   local ok, req = pcall(json.decode, body, 'request body')
-  if not ok or not json.is_object(req) then bad('the body must be a JSON object') end
+  if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
+  return req
+end
+
+-- A control route's body: a JSON object, none being {}.
+local function json_body(body)
+  if body == '' then return obj() end
+  local req = decode_body(body)
+  if not json.is_object(req) then bad('the body must be a JSON object') end
   return req
 end
 
@@ -1053,6 +1059,12 @@ function Server:reload_weights(kwargs)
   self.log(string.format('weights reloaded from %s in %.2f s', path, moonrl.now() - t0))
 end
 
+-- The /pause?mode=wait requests held while the requests in flight drained.
+function Server:answer_pause_waiters()
+  for _, w in ipairs(self.pause_waiters) do self:respond(w, 200, '{"status":"paused"}') end
+  self.pause_waiters = {}
+end
+
 function Server:control(hid, path, body, query)
   local function ok(o) return self:respond(hid, 200, json.encode(o)) end
   if path == '/is_paused' then return ok(obj({ 'is_paused', self.paused ~= nil })) end
@@ -1076,8 +1088,7 @@ function Server:control(hid, path, body, query)
   end
   if path == '/resume' then
     self.paused = nil
-    for _, w in ipairs(self.pause_waiters) do self:respond(w, 200, '{"status":"paused"}') end
-    self.pause_waiters = {}
+    self:answer_pause_waiters()
     local held = self.held
     self.held = {}
     for _, r in ipairs(held) do self:dispatch(r.hid, r.method, r.path, r.body, r.auth, r.query) end
@@ -1129,10 +1140,7 @@ function Server:handle(hid, method, path, body, auth, query)
     return
   end
   if path == '/v1/episodes/next' then return self:episode_next(hid, auth) end -- (its body, if any, unread)
-  local at = utf8_error(body) -- JSON is UTF-8 (RFC 8259); the decoder would pass other bytes on
-  if at then bad(string.format('the request body is not valid UTF-8 (byte %d)', at - 1)) end
-  local ok, req = pcall(json.decode, body, 'request body')
-  if not ok then bad('invalid JSON in the request body: ' .. moonrl.error_text(req)) end
+  local req = decode_body(body)
   if path == '/v1/episodes/reward' then return self:episode_reward(hid, req, auth) end
   if path == '/v1/episodes/done' then return self:episode_done(hid, req, auth) end
   local episode = json.is_object(req) and self:episode_of(req, auth)
@@ -1204,10 +1212,7 @@ end
 
 function Server:step()
   local eng = self.engine
-  if #self.pause_waiters > 0 and #self.active == 0 then -- (/pause?mode=wait: drained)
-    for _, w in ipairs(self.pause_waiters) do self:respond(w, 200, '{"status":"paused"}') end
-    self.pause_waiters = {}
-  end
+  if #self.active == 0 then self:answer_pause_waiters() end -- (/pause?mode=wait: drained)
   -- paused: nothing steps, but requests draining for a /pause?mode=wait
   if self.paused and not (self.paused == 'wait' and #self.pause_waiters > 0) then
     self:release_finished()
@@ -1266,6 +1271,16 @@ function Server:abort_all()
   self.active = {}
 end
 
+-- One turn of the loop: poll HTTP (0 ms while there is work, up to idle_ms when idle), end the
+-- requests past their deadline, step the engine, answer the held /v1/episodes/next.
+function Server:turn(idle_ms)
+  local busy = (self.engine:num_unfinished() > 0 or #self.active > 0) and (not self.paused or #self.pause_waiters > 0)
+  self:poll(busy and 0 or idle_ms)
+  if #self.active > 0 then self:expire(moonrl.now()) end
+  self:step()
+  self:hand_out()
+end
+
 -- Serve until SIGINT / SIGTERM (or self.stop = true): then stop listening, finish the requests in
 -- flight for up to shutdown_timeout seconds, answer the rest with 503, and return.
 function Server:run(idle_ms)
@@ -1280,10 +1295,7 @@ function Server:run(idle_ms)
         ffi.string(C.mrl_stop_reason()) or 'stop', #self.active))
     end
     if self.draining and (#self.active == 0 or moonrl.now() > deadline) then break end
-    local busy = (self.engine:num_unfinished() > 0 or #self.active > 0) and (not self.paused or #self.pause_waiters > 0)
-    self:poll(busy and 0 or idle_ms)
-    if #self.active > 0 then self:expire(moonrl.now()) end
-    self:step()
+    self:turn(idle_ms)
     if self.engine.tick then self.engine:tick() end -- (moonrl.serve.mirror: an idle lead's word to its ranks)
   end
   self:abort_all()

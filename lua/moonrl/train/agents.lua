@@ -171,13 +171,7 @@ function M.run(o)
   end
 
   local running, procs, failures, started, last_failure = {}, {}, 0, 0, nil
-  local function serve_once()
-    local busy = engine:num_unfinished() > 0 or #srv.active > 0
-    srv:poll(busy and 0 or 2)
-    if #srv.active > 0 then srv:expire(now()) end
-    srv:step()
-    srv:hand_out()
-  end
+  local function serve_once() srv:turn(2) end
   -- One process an episode: started agent.concurrency at a time, its exit the episode's end.
   local function step_processes()
     while #queue > 0 and #running < concurrency do
@@ -211,7 +205,7 @@ function M.run(o)
   local function start_worker()
     started = started + 1
     local wid = string.format('wk-%d-%d-%x', o.step or 0, started, math.random(0, 0xffffff))
-    procs[#procs + 1] = { id = wid, taken = 0, p = spawn({ 'OPENAI_API_KEY=' .. wid, 'MOONRL_WORKER_ID=' .. wid,
+    procs[#procs + 1] = { id = wid, p = spawn({ 'OPENAI_API_KEY=' .. wid, 'MOONRL_WORKER_ID=' .. wid,
       'MOONRL_AGENT_CONCURRENCY=' .. math.ceil(concurrency / workers) }, 0) }
   end
   local function step_workers()

@@ -75,7 +75,7 @@ function M.harness(S, cfg, out_dir)
   end
   local engine, srv, base = S.engine, nil, nil
   if engine.remote then
-    engine:sync('g' .. S.policy:weights_generation()) -- (the weights as they are now; the next rollout labels them)
+    engine:sync_current()
     base = engine.servers[1].url
   else
     if engine:running() and engine.on_busy then engine.on_busy() end
@@ -97,10 +97,7 @@ function M.harness(S, cfg, out_dir)
     while not p:done() do
       moonrl.check_stop()
       if srv then
-        local busy = engine:num_unfinished() > 0 or #srv.active > 0
-        srv:poll(busy and 0 or 20)
-        if #srv.active > 0 then srv:expire(moonrl.now()) end
-        srv:step()
+        srv:turn(20)
       else
         moonrl.sleep(0.05)
       end

@@ -87,7 +87,7 @@ function M.new(o)
     log_dir = o.log_dir, servers = {}, client = client_mod.open({ max_connections_per_host = 256 }), deferred = {},
     jobs = {},
     counters = { requests = 0, retries = 0, restarts = 0, failures = 0, syncs = 0, sync_seconds = 0, sync_bytes = 0,
-      tokens = 0, relabels = 0 }, syncs = 0 }, Remote)
+      tokens = 0 }, syncs = 0 }, Remote)
   self.eos_ids = o.eos_ids
   -- the versions a run killed before its end left behind (its process gone) go first
   for _, name in ipairs(fs.is_dir(o.sync_dir or '/dev/shm') and fs.list(o.sync_dir or '/dev/shm') or {}) do
@@ -120,8 +120,8 @@ function M.new(o)
     if not ok then self:close(); error(err, 0) end
   else
     for k, url in ipairs(o.urls or {}) do
-      local host, port = client_mod.parse_url(url)
-      self.servers[k] = { k = k, url = url:gsub('/+$', ''):gsub('/v1$', ''), host = host, port = port }
+      client_mod.parse_url(url) -- (an http:// URL, or an error naming it)
+      self.servers[k] = { k = k, url = url:gsub('/+$', ''):gsub('/v1$', '') }
     end
     if #self.servers == 0 then moonrl.usage_error('engine.urls: no server (a list of http://host:port)') end
     -- (one that does not answer is left out until it does; none answering is the end)
@@ -151,7 +151,7 @@ end
 -- log_dir, killed with this process (setpriv's parent-death signal, where there is setpriv).
 function Remote:start(s)
   s.port = free_port()
-  s.host, s.url = '127.0.0.1', 'http://127.0.0.1:' .. s.port
+  s.url = 'http://127.0.0.1:' .. s.port
   local cmd = s.launch:gsub('{port}', tostring(s.port)):gsub('{model}', self.serve_dir or self.model_dir or '')
     :gsub('{name}', self.name):gsub('{dtype}', self.policy:dtype() == 'bf16' and 'bfloat16' or 'float32')
     :gsub('{max_len}', tostring(self.policy.config.max_position_embeddings or 2048))
@@ -160,6 +160,14 @@ function Remote:start(s)
   s.proc = proc.spawn({ '/bin/sh', '-c', string.format('exec %s%s >> %s 2>&1', guard, cmd, s.log) }, { max_output = 4096 })
   s.healthy, s.version, s.gen, s.inflight = false, nil, nil, 0
   s.epoch = (s.epoch or 0) + 1 -- (a request sent to an earlier run of it fails nothing of this one)
+end
+
+-- Whether s's GET /health answers 200 within timeout seconds; then it is healthy, nothing in flight.
+function Remote:probe(s, timeout)
+  local r = self.client:fetch({ url = s.url .. '/health', timeout = timeout })
+  if not (r and r.status == 200) then return false end
+  s.healthy, s.inflight = true, 0
+  return true
 end
 
 -- Wait for s's GET /health to answer 200 (launch_timeout); a launched one that exits meanwhile is an error.
@@ -173,11 +181,7 @@ function Remote:wait_healthy(s)
       moonrl.run_error(string.format('engine server %d (%s) exited with status %s before it was healthy:\n%s', s.k,
         s.url, tostring(r.exit_status), tail(s.log)))
     end
-    local r = self.client:fetch({ url = s.url .. '/health', timeout = 5 })
-    if r and r.status == 200 then
-      s.healthy, s.inflight = true, 0
-      return true
-    end
+    if self:probe(s, 5) then return true end
     moonrl.sleep(0.2)
   end
   moonrl.run_error(string.format('engine server %d (%s): no healthy /health within engine.launch_timeout (%g s)%s', s.k,
@@ -211,9 +215,7 @@ function Remote:revive()
   for _, s in ipairs(self.servers) do
     if not s.healthy and not s.proc and (not s.next_probe or moonrl.now() >= s.next_probe) then
       s.next_probe = moonrl.now() + 2
-      local r = self.client:fetch({ url = s.url .. '/health', timeout = 2 })
-      if r and r.status == 200 then
-        s.healthy, s.inflight = true, 0
+      if self:probe(s, 2) then
         if self.gen then self:push({ s }, self.label) end
         self.event('engine_server', { server = s.url, what = 'back' })
       end
@@ -224,8 +226,8 @@ end
 -- ---- weights -------------------------------------------------------------------------------
 
 -- Each of the servers' answer to path (a POST of body, or a GET), all at once; a failure raises,
--- naming the server, unless soft (then the failures are returned).
-function Remote:all(servers, path, body, soft)
+-- naming the server.
+function Remote:all(servers, path, body)
   local ids = {}
   for _, s in ipairs(servers) do
     ids[self.client:request({ url = s.url .. path, method = body and 'POST' or 'GET', body = body and json.encode(body) or nil,
@@ -249,10 +251,10 @@ function Remote:all(servers, path, body, soft)
       self.deferred[#self.deferred + 1] = r -- (a generation request's: for generate's loop)
     end
   end
-  if #failed > 0 and not soft then
+  if #failed > 0 then
     moonrl.run_error(string.format('engine server %d (%s): %s', failed[1].s.k, failed[1].s.url, failed[1].why))
   end
-  return out, failed
+  return out
 end
 
 -- The policy's weights as a Hugging Face directory; untied (self.untie): its config says so and
@@ -322,12 +324,19 @@ function Remote:sync(label)
     if self.label ~= label then
       self:all(up, '/update_weight_version', { new_version = label })
       for _, s in ipairs(up) do s.version = label end
-      self.counters.relabels = self.counters.relabels + 1
     end
   else
     self:push(up, label)
   end
   self.gen, self.label = gen, label
+end
+
+-- The servers hold the policy's weights as they are now: for callers other than the rollouts, which
+-- label what they sync (an evaluation after an update, lm-evaluation-harness). The label 'g<N>'
+-- names the weights' generation; the next rollout's sync gives them its version.
+function Remote:sync_current()
+  local gen = self.policy:weights_generation()
+  if self.gen ~= gen then self:sync('g' .. gen) end
 end
 
 function Remote:where()
@@ -485,8 +494,7 @@ end
 function Remote:generate(requests, opts)
   opts = opts or {}
   if self:running() and self.on_busy then self.on_busy() end -- (a batch in the background: collected first)
-  local gen = self.policy:weights_generation()
-  if self.gen ~= gen then self:sync(self.label and tonumber(self.label) and self.label or 'g' .. gen) end
+  self:sync_current()
   local jobs = {}
   local deadline = moonrl.now() + self.request_timeout * (self.retries + 1)
   for i, q in ipairs(requests) do
@@ -528,7 +536,6 @@ function Remote:metrics()
   local c, last = self.counters, self.last or {}
   local m = {}
   for k, v in pairs(c) do m[k] = v - (last[k] or 0) end
-  m.relabels = nil
   self.last = {}
   for k, v in pairs(c) do self.last[k] = v end
   local up = 0
