@@ -121,6 +121,14 @@ t.test('a server killed mid-run is started again and synced; one of engine.urls 
       'reward=sevens', 'train.lr=1e-3', 'grpo.steps=5', 'grpo.prompts=6', 'grpo.samples=4', 'grpo.max_tokens=8',
       'run.threads=1', 'engine.launch=auto', 'engine.servers=2' } })
   t.truthy(rep.kills >= 3, 'kills: ' .. rep.kills)
+  -- the servers of the killed trainers died with them (the parent-death signal): none is left
+  require('moonrl').sleep(0.5)
+  local left = {}
+  for _, pid in ipairs(fs.list('/proc')) do
+    local cmd = pid:match('^%d+$') and fs.exists('/proc/' .. pid .. '/cmdline') and (fs.read('/proc/' .. pid .. '/cmdline') or '')
+    if cmd and cmd:find('serve', 1, true) and cmd:find(model_dir, 1, true) then left[#left + 1] = pid end
+  end
+  t.eq(#left, 0, 'servers left by the killed trainers: ' .. table.concat(left, ' '))
   for m, same in pairs(rep.same) do t.truthy(same, m .. '/model.safetensors equal byte for byte') end
   t.eq(#rep.metrics, 5)
 end)
