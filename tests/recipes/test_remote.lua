@@ -61,6 +61,60 @@ t.test('grpo through two moonrl serve processes: the bits of one process, every 
   end
 end)
 
+t.test('weights by transfer: buckets of the tensors that changed; reload gives the same bits', function()
+  local here = fs.exists(dir .. '/local/model/model.safetensors') and dir .. '/local' or grpo('local', unpack(EVAL))
+  local small = grpo('buckets', 'engine.launch=auto', 'engine.bucket_mb=0.01', unpack(EVAL))
+  local reload = grpo('reload', 'engine.launch=auto', 'engine.weight_sync=reload', unpack(EVAL))
+  t.truthy(bytes(small) == bytes(here) and bytes(reload) == bytes(here), 'both give the weights of one process')
+  local r = U.records(small)
+  local views = #require('moonrl.model').load(model_dir):views()
+  t.eq(r[2]['engine/sync_tensors'], views, 'every tensor changed in a step: all sent')
+  local log = fs.read(small .. '/engine/server-1.log')
+  local n = 0
+  for tensors in log:gmatch('weights updated: (%d+) tensors') do n = n + 1; t.eq(tonumber(tensors), views) end
+  t.truthy(n >= 5, 'an update a step, by the transfer routes: ' .. n)
+  t.truthy(not fs.read(reload .. '/engine/server-1.log'):find('weights updated', 1, true), 'reload: none')
+  -- only what changed goes: one tensor changed, one sent; the servers' log-probs are then the
+  -- changed model's, exactly for fp32 buckets (also of a bf16 model, whose norms and embeddings
+  -- are read in fp32), within bf16's rounding for bf16 buckets (half the bytes)
+  local model = require('moonrl.model')
+  for _, case in ipairs({ { 'fp32', 'float32', 1e-5 }, { 'bf16', 'float32', 1e-5 }, { 'bf16', 'bfloat16', 0.05 } }) do
+    local dtype, sync, tol = unpack(case)
+    local policy = model.load(model_dir)
+    if dtype == 'bf16' then policy:set_dtype('bf16') end
+    local e = require('moonrl.train.remote').new({ backend = 'moonrl', launch = 'auto', servers = 1, model_dir = model_dir,
+      policy = policy, launch_timeout = 60, sync_dir = dir, log_dir = dir, bucket_mb = 0.001, sync_dtype = sync })
+    dtype = dtype .. ' (' .. sync .. ' buckets)'
+    local ok, err = pcall(function()
+      local function check(label, what)
+        e:sync(label)
+        local got = e:generate({ { prompt_ids = { 1, 2, 3, 4 }, n = 1 } }, { temperature = 0, max_tokens = 6 })[1][1]
+        local local_e = require('moonrl.engine').new(policy, { max_model_len = 64 })
+        local want = local_e:generate({ { prompt_ids = { 1, 2, 3, 4 }, n = 1 } }, { temperature = 0, max_tokens = 6 })[1][1]
+        t.eq(table.concat(got.ids, ','), table.concat(want.ids, ','), what .. ': the same tokens')
+        for k = 1, #want.ids do
+          local d = math.abs(got.logprobs[k] - want.logprobs[k])
+          t.truthy(d < tol, string.format('%s: the log-probs within %g: %g', what, tol, d))
+        end
+        return e:metrics()
+      end
+      local m = check('1', dtype .. ' first sync')
+      t.eq(m.sync_tensors, views, 'the first sync sends every tensor')
+      local size = sync == 'bfloat16' and 2 or 4
+      t.truthy(m.sync_bytes > size * policy.n_params and m.sync_bytes < size * policy.n_params + 65536, 'its bytes: ' .. m.sync_bytes)
+      local p = policy:read_params()
+      local v = policy:views()[#policy:views()] -- (the final norm)
+      for i = 0, v.numel - 1 do p[v.offset + i] = p[v.offset + i] * 1.5 + 0.25 end
+      policy:write_params(p)
+      m = check('2', dtype .. ' one tensor changed')
+      t.eq(m.sync_tensors, 1, 'only it is sent')
+      t.truthy(m.sync_bytes < size * v.numel + 4096, 'its bytes: ' .. m.sync_bytes)
+    end)
+    e:close()
+    if not ok then error(err, 0) end
+  end
+end)
+
 t.test('one_step_off on the servers: the next batch generated while this one trains, its version one behind', function()
   local here = grpo('off_local', 'async.mode=one_step_off')
   local there = grpo('off_remote', 'async.mode=one_step_off', 'engine.launch=auto', 'engine.servers=2')
@@ -147,6 +201,10 @@ t.test('bad engine keys are usage errors naming the key', function()
   t.truthy(fails('engine.launch=' .. exe .. ' serve --model {model}'):find('{port}', 1, true))
   t.truthy(fails('engine.launch=auto', 'engine.urls=http://127.0.0.1:1'):find('one of them', 1, true))
   t.truthy(fails('engine.launch=auto', 'async.mode=one_step_off', 'async.engine_threads=1'):find('async.engine_threads', 1, true))
+  t.truthy(fails('engine.launch=auto', 'engine.weight_sync=fast'):find('engine.weight_sync', 1, true))
+  t.truthy(fails('engine.backend=vllm', 'engine.urls=http://127.0.0.1:1', 'engine.weight_sync=transfer'):find('NCCL', 1, true))
+  t.truthy(fails('engine.launch=auto', 'engine.sync_dtype=int8'):find('engine.sync_dtype', 1, true))
+  t.truthy(fails('engine.launch=auto', 'engine.weight_sync=reload', 'engine.sync_dtype=bfloat16'):find('engine.sync_dtype', 1, true))
 end)
 
 fs.remove(dir)

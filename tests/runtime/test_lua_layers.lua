@@ -25,7 +25,7 @@ local LAYERS = {
   -- loop starts it for agent programs (moonrl.train.agents).
   { 'moonrl.text.*', 'moonrl.tokenizer', 'moonrl.chat', 'moonrl.model', 'moonrl.optim', 'moonrl.engine',
     'moonrl.data', 'moonrl.batch', 'moonrl.algo', 'moonrl.algo.*', 'moonrl.rewards', 'moonrl.tasks', 'moonrl.tools', 'moonrl.env',
-    'moonrl.io.gguf', 'moonrl.serve.server' },
+    'moonrl.io.gguf', 'moonrl.serve.server', 'moonrl.serve.transfer' },
   -- 3: the training stack every recipe shares: config sections, the update step, the session with
   -- its rollouts, checkpoints, guards, ranks, traces
   { 'moonrl.train.*' },

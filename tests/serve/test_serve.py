@@ -28,6 +28,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -726,9 +727,82 @@ def control_checks(model, tmp, env):
         c2 = srv.post("/v1/completions", dict(pinned, moonrl_stream=[3, 2, 2]))[1]["choices"][0]["token_ids"]
         check("control-pinned-stream", a == b and a != c2, (a, b, c2))
         check("control-pinned-bad", srv.post("/v1/completions", dict(pinned, moonrl_stream=[1, 2]))[0] == 400)
+        transfer_checks(ctl, text, model, other, other_text, mine_text, tmp)
     finally:
         code = srv.stop()
     check("control-exit-0", code == 0, srv.log()[-1000:])
+
+
+def st_read(path):
+    """A safetensors file's tensors: name -> (dtype, shape, bytes), in file order."""
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    head.pop("__metadata__", None)
+    order = sorted(head.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    return [(k, v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]) for k, v in order]
+
+
+def st_write(path, tensors):
+    head, off = {}, 0
+    for name, dtype, shape, data in tensors:
+        head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    h = json.dumps(head).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(t[3] for t in tensors))
+
+
+def transfer_checks(ctl, text, model, other, other_text, mine_text, tmp):
+    """The weight-transfer routes (buckets as safetensors files): out of order and hostile calls are
+    400s that change nothing; another model's tensors in two buckets, then the update finished
+    with a label, serve its text; a bucket refused after another of its update landed leaves the
+    weights labelled 'mixed' until an update finishes."""
+    theirs, mine = st_read(os.path.join(other, "model.safetensors")), st_read(os.path.join(model, "model.safetensors"))
+    half = len(theirs) // 2
+
+    def bucket(name, tensors, **extra):
+        path = os.path.join(tmp, name)
+        st_write(path, tensors)
+        info = {"names": [t[0] for t in tensors], "dtype_names": ["float32" for _ in tensors],
+                "shapes": [t[2] for t in tensors], "path": path}
+        info.update(extra)
+        return {"update_info": info}
+    a, b = bucket("b1.safetensors", theirs[:half]), bucket("b2.safetensors", theirs[half:])
+    early = [ctl("/start_weight_update", {})[0], ctl("/update_weights", a)[0], ctl("/finish_weight_update", {})[0],
+             ctl("/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})[0]]
+    check("transfer-out-of-order", early == [400, 400, 400, 400], early)
+    check("transfer-init", ctl("/init_weight_transfer_engine", {"init_info": {"backend": "shm"}})[0] == 200 and
+          ctl("/start_weight_update", {})[0] == 200 and ctl("/start_weight_update", {})[0] == 400)
+    shape = [list(t[2]) for t in theirs[:half]]
+    shape[0] = shape[0] + [1]
+    wrong = dict(a["update_info"], shapes=shape)
+    hostile = [ctl("/update_weights", {"update_info": wrong})[0],
+               ctl("/update_weights", {"update_info": dict(a["update_info"], crc32c="00000000")})[0],
+               ctl("/update_weights", {"update_info": dict(a["update_info"], path=os.path.join(tmp, "none"))})[0],
+               ctl("/update_weights", {"update_info": dict(a["update_info"], names=["nope"] + a["update_info"]["names"][1:])})[0],
+               ctl("/update_weights", {"update_info": dict(a["update_info"], dtype_names=["int8"] * half)})[0],
+               ctl("/update_weights", {"update_info": dict(a["update_info"], names=a["update_info"]["names"][:1],
+                                                          dtype_names=["float32"], shapes=shape[:1])})[0],
+               ctl("/update_weights", {"update_info": "x"})[0]]
+    check("transfer-hostile-400", hostile == [400] * 7, hostile)
+    check("transfer-refused-changed-nothing", ctl("/finish_weight_update", {"weight_version": "t0"})[0] == 200 and
+          ctl("/weight_info") == (200, {"weight_version": "t0"}) and text() == mine_text, text())
+    ok = [ctl("/start_weight_update", {})[0], ctl("/update_weights", a)[0], ctl("/update_weights", b)[0],
+          ctl("/finish_weight_update", {"weight_version": "t1"})[0]]
+    check("transfer-two-buckets", ok == [200] * 4 and ctl("/weight_info") == (200, {"weight_version": "t1"}) and
+          text() == other_text, (ok, text()))
+    # half of mine lands, the other half is refused: no version until an update finishes
+    m1, m2 = bucket("m1.safetensors", mine[:half]), bucket("m2.safetensors", mine[half:])
+    st = [ctl("/start_weight_update", {})[0], ctl("/update_weights", m1)[0],
+          ctl("/update_weights", {"update_info": dict(m2["update_info"], crc32c="00000000")})[0],
+          ctl("/update_weights", m2)[0], ctl("/finish_weight_update", {"weight_version": "t2"})[0]]
+    check("transfer-failed-is-mixed", st == [200, 200, 400, 400, 400] and
+          ctl("/weight_info") == (200, {"weight_version": "mixed"}), (st, ctl("/weight_info")))
+    st = [ctl("/start_weight_update", {})[0], ctl("/update_weights", m2)[0], ctl("/finish_weight_update", {"weight_version": "t3"})[0]]
+    check("transfer-partial-update", st == [200] * 3 and ctl("/weight_info") == (200, {"weight_version": "t3"}) and
+          text() == mine_text, (st, text()))
 
 
 def echo_checks(model):

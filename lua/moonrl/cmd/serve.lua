@@ -17,6 +17,7 @@ usage: moonrl serve --model DIR|FILE.gguf [options]
   --max-batch-tokens N   tokens per engine step (default 2048)
   --max-model-len N      prompt + completion tokens at most (default: the model's max_position_embeddings)
   --kv-cache-mb MB       KV cache size (default 256)
+  --dtype D              float32 (default) or bfloat16 (bf16 weight copies and KV cache, as model.dtype=bf16)
   --max-n N              samples of one request at most (n x prompts; default 128)
   --default-max-tokens N chat completions without max_tokens stop here (default: the context left)
   --seed S               the streams of requests that give no seed (default 0)
@@ -47,7 +48,7 @@ local NUMBERS = {
   ['--request-timeout'] = { 'request_timeout', false, 0.1 }, ['--tp'] = { 'tp', true, 1 },
 }
 local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-name'] = 'served_model_name',
-  ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template', ['--record'] = 'record' }
+  ['--tokenizer'] = 'tokenizer', ['--chat-template'] = 'chat_template', ['--record'] = 'record', ['--dtype'] = 'dtype' }
 
 local function parse(args)
   return require('moonrl.cli.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
@@ -105,6 +106,9 @@ function M.main(args)
   local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = lead, tp = world })
   if not m then moonrl.usage_error('serve: ' .. moonrl.error_text(err)) end
   local dir, model, tok = m.dir, m.model, m.tokenizer
+  local dtypes = { float32 = 'fp32', fp32 = 'fp32', auto = 'fp32', bfloat16 = 'bf16', bf16 = 'bf16' }
+  if o.dtype and not dtypes[o.dtype] then moonrl.usage_error(string.format('serve: --dtype %s: float32 or bfloat16', o.dtype)) end
+  if o.dtype then model:set_dtype(dtypes[o.dtype]) end
   local chat = require('moonrl.chat')
   -- the chat template: the model's, or --chat-template's (with the model's bos/eos tokens)
   local tpl, tpl_err = m.template, m.template_error and moonrl.error_text(m.template_error)

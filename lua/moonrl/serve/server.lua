@@ -11,7 +11,10 @@
 --   POST /v1/episodes/done       training mode: {"episode_id": ..., "reward"?: x, "error"?: text}
 --   the control protocol of vLLM's RL API (what a trainer drives a rollout fleet with; below):
 --   POST /pause?mode=wait|keep|abort, POST /resume, GET /is_paused, POST /collective_rpc
---   (method reload_weights), POST /update_weight_version, GET /weight_info, POST /reset_prefix_cache
+--   (method reload_weights), POST /update_weight_version, GET /weight_info, POST /reset_prefix_cache,
+--   and its weight transfer: POST /init_weight_transfer_engine, /start_weight_update, /update_weights,
+--   /finish_weight_update, /shutdown_weight_transfer_engine (moonrl.serve.transfer: buckets as
+--   safetensors files, any subset of the tensors)
 --
 -- Training mode (o.record: what moonrl.train.agents gives, for an RL loop that trains on the
 -- requests of agent programs): a request that names an episode (the request's `user`, its
@@ -909,8 +912,11 @@ local ROUTES = {
   ['/pause'] = 'POST', ['/resume'] = 'POST', ['/is_paused'] = 'GET', ['/collective_rpc'] = 'POST',
   ['/update_weight_version'] = 'POST', ['/weight_info'] = 'GET', ['/reset_prefix_cache'] = 'POST',
 }
+local TRANSFER = { ['/init_weight_transfer_engine'] = true, ['/start_weight_update'] = true, ['/update_weights'] = true,
+  ['/finish_weight_update'] = true, ['/shutdown_weight_transfer_engine'] = true }
 local CONTROL = { ['/pause'] = true, ['/resume'] = true, ['/is_paused'] = true, ['/collective_rpc'] = true,
   ['/update_weight_version'] = true, ['/weight_info'] = true, ['/reset_prefix_cache'] = true }
+for path in pairs(TRANSFER) do ROUTES[path], CONTROL[path] = 'POST', true end
 
 local function bearer(auth) return auth and auth:match('^[Bb]earer%s+(%S+)') end
 
@@ -1049,14 +1055,60 @@ function Server:reload_weights(kwargs)
   end
   local ok, err = pcall(self.engine.model.read_dir, self.engine.model, path, 'the served model')
   if not ok then fail(400, 'reload_weights: ' .. tostring(moonrl.error_text(err)), 'kwargs') end
-  -- the requests kept in flight read the new weights from their next token (their panels packed
-  -- again); with none, the cached prefixes go
+  self:weights_changed()
+  self.log(string.format('weights reloaded from %s in %.2f s', path, moonrl.now() - t0))
+end
+
+-- The served model's weights changed: the next version. The requests kept in flight read the new
+-- weights from their next token (their panels packed again); with none, the cached prefixes go.
+function Server:weights_changed()
   if not self:drop_prefixes() then self.engine:swap_params(nil) end
   self.weights_version = (self.weights_version or 0) + 1
   self.engine:set_version(self.weights_version)
   self.version_labels[self.weights_version] = self.version_label
   self.counters.weight_updates = (self.counters.weight_updates or 0) + 1
-  self.log(string.format('weights reloaded from %s in %.2f s', path, moonrl.now() - t0))
+end
+
+-- The weight-transfer routes (moonrl.serve.transfer: buckets as safetensors files). A failed call
+-- is a 400 naming what; an update that failed after some of its bytes landed leaves the weights
+-- labelled 'mixed' (of no version) until an update finishes.
+function Server:transfer_route(path, req)
+  if self.engine.tick then fail(400, path:sub(2) .. ': not with --tp (the ranks would need the weights too)') end
+  self.transfer = self.transfer or require('moonrl.serve.transfer').new(self.engine.model)
+  local t = self.transfer
+  local param = { ['/init_weight_transfer_engine'] = 'init_info', ['/update_weights'] = 'update_info',
+    ['/finish_weight_update'] = 'weight_version' }
+  local ok, a, b = pcall(function()
+    if path == '/init_weight_transfer_engine' then return t:init(field(req, 'init_info') or obj()) end
+    if path == '/start_weight_update' then return t:start() end
+    if path == '/update_weights' then return t:update(field(req, 'update_info')) end
+    if path == '/shutdown_weight_transfer_engine' then return t:shutdown() end
+    local v = field(req, 'weight_version')
+    if v ~= nil and (type(v) ~= 'string' or v == '' or #v > 200) then
+      error("'weight_version' must be a non-empty string", 0)
+    end
+    return t:finish()
+  end)
+  if not ok then
+    if t.failed and self.version_label ~= 'mixed' then
+      self.version_label = 'mixed'
+      self:weights_changed()
+    end
+    bad(moonrl.error_text(a), param[path])
+  end
+  if path == '/finish_weight_update' then
+    local v = field(req, 'weight_version')
+    if v then self.version_label = v end
+    if a > 0 then
+      self:weights_changed()
+      self.log(string.format('weights updated: %d tensors, %d bytes', a, b))
+    elseif self.weights_version then
+      self.version_labels[self.weights_version] = self.version_label
+    end
+  end
+  return ({ ['/init_weight_transfer_engine'] = 'Weight transfer initialized', ['/start_weight_update'] = 'Weight update started',
+    ['/update_weights'] = 'Weights updated', ['/finish_weight_update'] = 'Weight update finished',
+    ['/shutdown_weight_transfer_engine'] = 'Weight transfer shut down' })[path]
 end
 
 -- The /pause?mode=wait requests held while the requests in flight drained.
@@ -1104,6 +1156,7 @@ function Server:control(hid, path, body, query)
     return ok(obj({ 'success', true, 'new_version', v }))
   end
   if path == '/reset_prefix_cache' then return ok(obj({ 'success', self:drop_prefixes() })) end
+  if TRANSFER[path] then return ok(obj({ 'message', self:transfer_route(path, req) })) end
   -- /collective_rpc: the one method a trainer needs of it
   local method = field(req, 'method')
   if method ~= 'reload_weights' then

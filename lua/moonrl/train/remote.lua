@@ -50,7 +50,7 @@ M.BACKENDS = { moonrl = true, vllm = true }
 -- start); the interop virtualenv's (./dev.sh vllm) where there is one, else vllm on the PATH.
 M.LAUNCH = {
   moonrl = function() return (rawget(_G, 'MOONRL_EXE') or 'moonrl') ..
-    ' serve --model {model} --port {port} --host 127.0.0.1 --served-model-name {name}' end,
+    ' serve --model {model} --port {port} --host 127.0.0.1 --served-model-name {name} --dtype {dtype}' end,
   vllm = function()
     local venv = (moonrl.home or '.') .. '/.venv-interop/bin/vllm'
     local cpu = require('moonrl.model').resolve_device('auto') == 'cpu'
@@ -87,8 +87,24 @@ function M.new(o)
     log_dir = o.log_dir, servers = {}, client = client_mod.open({ max_connections_per_host = 256 }), deferred = {},
     jobs = {},
     counters = { requests = 0, retries = 0, restarts = 0, failures = 0, syncs = 0, sync_seconds = 0, sync_bytes = 0,
-      tokens = 0 }, syncs = 0 }, Remote)
+      sync_tensors = 0, tokens = 0 }, syncs = 0 }, Remote)
   self.eos_ids = o.eos_ids
+  -- how weights go: transfer (buckets through the weight-transfer routes, only the tensors that
+  -- changed) where the server takes files there (moonrl serve), else reload_weights of a directory
+  local ws = o.weight_sync or 'auto'
+  if ws == 'auto' then ws = o.backend == 'moonrl' and 'transfer' or 'reload' end
+  if ws ~= 'transfer' and ws ~= 'reload' then moonrl.usage_error(string.format('engine.weight_sync=%s: auto, transfer or reload', ws)) end
+  if ws == 'transfer' and o.backend == 'vllm' then
+    moonrl.usage_error("engine.weight_sync=transfer: vLLM's weight-transfer backends move the bytes over NCCL or CUDA IPC, " ..
+      'which the trainer does not drive; with vLLM the weights go by reload_weights (engine.weight_sync=reload)')
+  end
+  local sd = o.sync_dtype or 'auto'
+  if sd == 'auto' then sd = 'float32' end -- (exact: a bf16 model's norms and embeddings are read in fp32)
+  if sd ~= 'float32' and sd ~= 'bfloat16' then moonrl.usage_error(string.format('engine.sync_dtype=%s: auto, float32 or bfloat16', sd)) end
+  if ws == 'reload' and o.sync_dtype and o.sync_dtype ~= 'auto' then
+    moonrl.usage_error('engine.sync_dtype: the buckets of engine.weight_sync=transfer only (reload sends the saved model)')
+  end
+  self.weight_sync, self.sync_dtype, self.bucket_bytes = ws, sd, math.max(1, math.floor((o.bucket_mb or 512) * 2 ^ 20))
   -- the versions a run killed before its end left behind (its process gone) go first
   for _, name in ipairs(fs.is_dir(o.sync_dir or '/dev/shm') and fs.list(o.sync_dir or '/dev/shm') or {}) do
     local pid = name:match('^moonrl%-sync%-(%d+)%-')
@@ -158,7 +174,7 @@ function Remote:start(s)
   s.log = self.log_dir and string.format('%s/server-%d.log', self.log_dir, s.k) or '/dev/null'
   local guard = fs.exists('/usr/bin/setpriv') and 'setpriv --pdeathsig KILL ' or ''
   s.proc = proc.spawn({ '/bin/sh', '-c', string.format('exec %s%s >> %s 2>&1', guard, cmd, s.log) }, { max_output = 4096 })
-  s.healthy, s.version, s.gen, s.inflight = false, nil, nil, 0
+  s.healthy, s.version, s.gen, s.inflight, s.held, s.transfer = false, nil, nil, 0, nil, nil
   s.epoch = (s.epoch or 0) + 1 -- (a request sent to an earlier run of it fails nothing of this one)
 end
 
@@ -192,7 +208,7 @@ end
 -- engine.urls is left out until its /health answers.
 function Remote:server_failed(s, why)
   self.counters.failures = self.counters.failures + 1
-  s.healthy = false
+  s.healthy, s.held, s.transfer = false, nil, nil -- (what it holds is not known any more)
   self.event('engine_server', { server = s.url, what = 'failed', message = why })
   if s.proc then
     if not s.proc:done() then
@@ -281,6 +297,22 @@ end
 -- each server paused, reloaded, labelled, its cache dropped, resumed, and its label checked.
 function Remote:push(servers, label)
   local t0 = moonrl.now()
+  local gen
+  if self.weight_sync == 'transfer' then gen = self:push_transfer(servers, label) else gen = self:push_reload(servers, label) end
+  local info = self:all(servers, '/weight_info')
+  for _, s in ipairs(servers) do
+    local got = type(info[s]) == 'table' and info[s].weight_version
+    if got ~= tostring(label) then
+      moonrl.run_error(string.format("engine server %d (%s) holds weights '%s' after the update to '%s'", s.k, s.url,
+        tostring(got), tostring(label)))
+    end
+    s.version, s.gen, s.held = tostring(label), gen, self.crcs
+  end
+  self.counters.syncs = self.counters.syncs + 1
+  self.counters.sync_seconds = self.counters.sync_seconds + (moonrl.now() - t0)
+end
+
+function Remote:push_reload(servers, label)
   local gen = self.policy:weights_generation()
   if self.written_gen ~= gen then
     self.syncs = self.syncs + 1
@@ -298,17 +330,101 @@ function Remote:push(servers, label)
   self:all(servers, '/update_weight_version', { new_version = tostring(label) })
   self:all(servers, '/reset_prefix_cache', json.object())
   self:all(servers, '/resume', json.object())
-  local info = self:all(servers, '/weight_info')
-  for _, s in ipairs(servers) do
-    local got = type(info[s]) == 'table' and info[s].weight_version
-    if got ~= tostring(label) then
-      moonrl.run_error(string.format("engine server %d (%s) holds weights '%s' after the update to '%s'", s.k, s.url,
-        tostring(got), tostring(label)))
-    end
-    s.version, s.gen = tostring(label), gen
+  return gen
+end
+
+-- ---- weights by transfer: buckets of the tensors that changed ----------------------------------
+
+-- Each tensor's CRC-32C over its fp32 values: what changed since the last version sent.
+function Remote:tensor_crcs()
+  local p = self.policy:read_params()
+  local out = {}
+  for _, v in ipairs(self.policy:views()) do out[v.name] = tonumber(C.mrl_crc32c(0, p + v.offset, 4 * v.numel)) end
+  return out
+end
+
+-- The tensors of views as safetensors files of about bucket_bytes each under dir, in buffer order,
+-- as sync_dtype: { {path, crc, bytes, names, dtype_names, shapes}, ... }.
+function Remote:write_buckets(dir, views)
+  fs.mkdirs(dir)
+  local p = self.policy:read_params()
+  local st_dtype, size = self.sync_dtype == 'bfloat16' and 'BF16' or 'F32', self.sync_dtype == 'bfloat16' and 2 or 4
+  local out, cur = {}, nil
+  local function flush()
+    local path = string.format('%s/bucket-%d.safetensors', dir, #out + 1)
+    cur.w:metadata('format', 'pt')
+    cur.w:write(path)
+    local crc, bytes = fs.crc32c_file(path)
+    out[#out + 1] = { path = path, crc = crc, bytes = bytes, names = cur.names, dtype_names = cur.dtypes, shapes = cur.shapes }
+    cur = nil
   end
-  self.counters.syncs = self.counters.syncs + 1
-  self.counters.sync_seconds = self.counters.sync_seconds + (moonrl.now() - t0)
+  for _, v in ipairs(views) do
+    cur = cur or { w = require('moonrl.io.safetensors').writer(), names = {}, dtypes = {}, shapes = {}, bytes = 0 }
+    cur.w:add(v.name, st_dtype, v.shape, p + v.offset)
+    local k = #cur.names + 1
+    cur.names[k], cur.dtypes[k], cur.shapes[k] = v.name, self.sync_dtype, v.shape
+    cur.bytes = cur.bytes + size * v.numel
+    if cur.bytes >= self.bucket_bytes then flush() end
+  end
+  if cur then flush() end
+  return out
+end
+
+-- The policy's weights into servers by the weight-transfer routes, labelled. A version is written
+-- once: the tensors that changed since the last version (self.crcs) in buckets; those that did
+-- not, only when a server needs them (one that does not hold the last version: started again,
+-- back from down). Each server: paused, its update started, the buckets it needs, finished with
+-- the label, its cache dropped, resumed, its label checked.
+function Remote:push_transfer(servers, label)
+  local gen = self.policy:weights_generation()
+  if self.written_gen ~= gen then
+    local crcs = self:tensor_crcs()
+    local changed, same = {}, {}
+    for _, v in ipairs(self.policy:views()) do
+      local list = (self.crcs and self.crcs[v.name] == crcs[v.name]) and same or changed
+      list[#list + 1] = v
+    end
+    self.syncs = self.syncs + 1
+    local dir = string.format('%s/v%d', self.sync_root, self.syncs)
+    local buckets = self:write_buckets(dir .. '/changed', changed)
+    if self.written_dir then pcall(fs.remove, self.written_dir) end
+    self.written_dir, self.written_gen = dir, gen
+    self.prev_crcs, self.crcs = self.crcs, crcs
+    self.changed, self.same_views, self.same = buckets, same, nil
+    for _, b in ipairs(buckets) do self.counters.sync_bytes = self.counters.sync_bytes + b.bytes end
+    self.counters.sync_tensors = self.counters.sync_tensors + #changed
+  end
+  local fresh, partial, all = {}, {}, {}
+  for _, s in ipairs(servers) do
+    if s.held ~= self.crcs then
+      local full = not (s.held and s.held == self.prev_crcs)
+      local list = full and fresh or partial
+      list[#list + 1], all[#all + 1] = s, s
+    end
+    s.held = nil -- (until its label is checked)
+  end
+  if #fresh > 0 and not self.same then
+    self.same = self:write_buckets(self.written_dir .. '/same', self.same_views)
+  end
+  local function bucket(b)
+    return { update_info = { names = b.names, dtype_names = b.dtype_names, shapes = b.shapes, path = b.path,
+      crc32c = string.format('%08x', b.crc) } }
+  end
+  self:all(servers, '/pause?mode=wait', json.object())
+  local new = {}
+  for _, s in ipairs(all) do if not s.transfer then new[#new + 1] = s end end
+  if #new > 0 then self:all(new, '/init_weight_transfer_engine', { init_info = { backend = 'shm' } }) end
+  if #all > 0 then
+    self:all(all, '/start_weight_update', json.object())
+    for _, b in ipairs(self.changed) do self:all(all, '/update_weights', bucket(b)) end
+    for _, b in ipairs(#fresh > 0 and self.same or {}) do self:all(fresh, '/update_weights', bucket(b)) end
+    self:all(all, '/finish_weight_update', { weight_version = label })
+  end
+  for _, s in ipairs(new) do s.transfer = true end
+  self:all(servers, '/update_weight_version', { new_version = label })
+  self:all(servers, '/reset_prefix_cache', json.object())
+  self:all(servers, '/resume', json.object())
+  return gen
 end
 
 -- The servers hold the policy's weights as they are now, labelled `label` (the rollout's version:

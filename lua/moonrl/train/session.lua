@@ -253,7 +253,8 @@ function M.start(cfg, opts)
     engine = require('moonrl.train.remote').new({ backend = e.backend, urls = urls, launch = e.launch,
       servers = e.servers, model_dir = cfg.model.dir, model_name = 'policy', policy = policy, tok = tok,
       seed = cfg.run.seed, request_timeout = e.request_timeout, retries = e.retries, launch_timeout = e.launch_timeout,
-      sync_dir = e.sync_dir, log_dir = S.dir .. '/engine',
+      sync_dir = e.sync_dir, weight_sync = e.weight_sync, sync_dtype = e.sync_dtype, bucket_mb = e.bucket_mb,
+      log_dir = S.dir .. '/engine',
       eos_ids = (policy.config.eos_token_id or -1) >= 0 and { policy.config.eos_token_id } or {},
       event = function(kind, fields) S:event(kind, fields, { quiet = true }) end })
     S:event('engine', { backend = e.backend, servers = engine:where() }, { quiet = true })
