@@ -84,6 +84,8 @@ t.test('grpo with engine.backend=vllm engine.launch=auto: every sample of its ve
   for i, r in ipairs(recs_) do
     t.eq(r['async/staleness/0'], 16, 'every sample of version step - 1 at step ' .. i)
     t.truthy(r['mismatch/max_abs'] < 1e-3, 'the mismatch at step ' .. i .. ': ' .. r['mismatch/max_abs'])
+    t.truthy(r['engine/ttft'] > 0 and r['engine/sync_share'] > 0, "vLLM's time to first token, read off its /metrics: " ..
+      r['engine/ttft'])
   end
 end)
 

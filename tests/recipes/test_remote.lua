@@ -54,6 +54,12 @@ t.test('grpo through two moonrl serve processes: the bits of one process, every 
   t.eq(sum(b, 'engine/server1/requests') + sum(b, 'engine/server2/requests'), 38, 'by server')
   t.truthy(b[3]['engine/server1/requests'] > 0 and b[3]['engine/server2/requests'] > 0, 'both servers take requests')
   t.eq(sum(b, 'engine/failures'), 0)
+  for i = 1, 5 do -- (the servers' own figures: time to first token, queue; the sync's share of the step)
+    t.truthy(b[i]['engine/ttft'] > 0 and b[i]['engine/ttft'] < b[i]['time/step'], 'a time to first token: ' .. b[i]['engine/ttft'])
+    t.truthy(b[i]['engine/server1/ttft'] > 0 and b[i]['engine/server2/ttft'] > 0, 'by server')
+    t.truthy(b[i]['engine/queue_peak'] >= 0 and b[i]['engine/server1/running_peak'] >= 0, 'the queue')
+    t.truthy(b[i]['engine/sync_share'] > 0 and b[i]['engine/sync_share'] < 1, 'the sync share: ' .. b[i]['engine/sync_share'])
+  end
   t.truthy(fs.exists(there .. '/engine/server-1.log') and fs.exists(there .. '/engine/server-2.log'), 'the servers\' logs')
   local pid = events(there, 'engine')[1].pid
   for _, name in ipairs(fs.list('/dev/shm')) do
@@ -185,6 +191,17 @@ t.test('a server killed mid-run is started again and synced; one of engine.urls 
   t.eq(#left, 0, 'servers left by the killed trainers: ' .. table.concat(left, ' '))
   for m, same in pairs(rep.same) do t.truthy(same, m .. '/model.safetensors equal byte for byte') end
   t.eq(#rep.metrics, 5)
+end)
+
+t.test("a server's figures read off its Prometheus text, vLLM's too", function()
+  local p = require('moonrl.train.remote').prometheus(table.concat({
+    '# HELP vllm:num_requests_waiting Number of requests waiting.', '# TYPE vllm:num_requests_waiting gauge',
+    'vllm:num_requests_waiting{engine="0",model_name="a b"} 3.0', 'vllm:num_requests_waiting{engine="1",model_name="a b"} 2',
+    'vllm:time_to_first_token_seconds_sum{engine="0"} 1.5', 'moonrl_engine_waiting 4', 'garbage', '' }, '\n'))
+  t.eq(p['vllm:num_requests_waiting'], 5, 'summed over label sets')
+  t.eq(p['vllm:time_to_first_token_seconds_sum'], 1.5)
+  t.eq(p['moonrl_engine_waiting'], 4)
+  t.eq(p.garbage, nil)
 end)
 
 t.test('bad engine keys are usage errors naming the key', function()

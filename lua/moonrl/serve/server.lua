@@ -254,7 +254,7 @@ function M.new(o)
     jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(), next_waiting = {},
     held = {}, pause_waiters = {}, version_label = o.weight_version or 'default',
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
-      active_peak = 0, gone = 0, timed_out = 0 },
+      active_peak = 0, gone = 0, timed_out = 0, ttft_sum = 0, ttft_count = 0 },
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
     gone_ids = ffi.new('int64_t[64]'),
   }, Server)
@@ -512,7 +512,7 @@ function Server:new_job(hid, body, chat, episode)
   local max_stop = 0
   for _, s in ipairs(stops) do max_stop = math.max(max_stop, #s) end
   local job = {
-    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial, deadline = moonrl.now() + self.request_timeout,
+    hid = hid, chat = chat, stream = stream, n = n, serial = self.serial, t0 = moonrl.now(), deadline = moonrl.now() + self.request_timeout,
     id = new_id(chat and 'chatcmpl' or 'cmpl', self.serial), created = os.time(),
     logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
     return_ids = return_ids, echo = echo, prompt_lps = prompt_lps, temperature = temperature,
@@ -812,6 +812,11 @@ function Server:advance_job(job)
     if not s.done then
       local toks, _, n, reason = eng:output(s.eid, s.j)
       local w = s.watch
+      if n > 0 and not job.first_token then -- (time to first token: from the request's dispatch)
+        job.first_token = moonrl.now()
+        self.counters.ttft_sum = self.counters.ttft_sum + (job.first_token - job.t0)
+        self.counters.ttft_count = self.counters.ttft_count + 1
+      end
       if job.aborted and not reason then -- (/pause?mode=abort: what it has, finish_reason "abort")
         engine_mod.watch_step(w, toks, n, {}, 0)
         s.done, s.finish = true, 'abort'
@@ -886,6 +891,8 @@ function Server:metrics()
   put('prompt_tokens_total', c.prompt_tokens)
   put('generation_tokens_total', c.generation_tokens)
   put('requests_running', #self.active)
+  put('time_to_first_token_seconds_sum', c.ttft_sum)
+  put('time_to_first_token_seconds_count', c.ttft_count)
   put('requests_running_peak', c.active_peak)
   put('engine_sequences_running_peak', c.running_peak)
   for _, k in ipairs({ 'steps', 'prefill_tokens', 'decode_tokens', 'generated_tokens', 'prefix_hit_tokens', 'preemptions',

@@ -85,7 +85,7 @@ function M.new(o)
     tok = o.tok, seed = o.seed or 0, request_timeout = o.request_timeout or 600, retries = o.retries or 2,
     launch_timeout = o.launch_timeout or 300, model_dir = o.model_dir, event = o.event or function() end,
     log_dir = o.log_dir, servers = {}, client = client_mod.open({ max_connections_per_host = 256 }), deferred = {},
-    jobs = {},
+    jobs = {}, probes = {},
     counters = { requests = 0, retries = 0, restarts = 0, failures = 0, syncs = 0, sync_seconds = 0, sync_bytes = 0,
       sync_tensors = 0, tokens = 0 }, syncs = 0 }, Remote)
   self.eos_ids = o.eos_ids
@@ -243,11 +243,11 @@ end
 
 -- Each of the servers' answer to path (a POST of body, or a GET), all at once; a failure raises,
 -- naming the server.
-function Remote:all(servers, path, body)
+function Remote:all(servers, path, body, timeout)
   local ids = {}
   for _, s in ipairs(servers) do
     ids[self.client:request({ url = s.url .. path, method = body and 'POST' or 'GET', body = body and json.encode(body) or nil,
-      timeout = self.request_timeout })] = s
+      timeout = timeout or self.request_timeout })] = s
   end
   local out, failed = {}, {}
   local left = #servers
@@ -520,8 +520,62 @@ function Remote:send(job)
   s.requests = (s.requests or 0) + 1
 end
 
+-- ---- the servers' own figures (GET /metrics) ------------------------------------------------
+
+-- The series read off a server's Prometheus text, moonrl serve's or vLLM's: time to first token
+-- (cumulative sum and count), sequences waiting for the engine and running (gauges).
+local SERIES = {
+  ttft_sum = { 'moonrl_time_to_first_token_seconds_sum', 'vllm:time_to_first_token_seconds_sum' },
+  ttft_count = { 'moonrl_time_to_first_token_seconds_count', 'vllm:time_to_first_token_seconds_count' },
+  waiting = { 'moonrl_engine_waiting', 'vllm:num_requests_waiting' },
+  running = { 'moonrl_engine_running', 'vllm:num_requests_running' },
+}
+
+-- Prometheus text: each series' value, summed over its label sets, by name.
+function M.prometheus(text)
+  local out = {}
+  for line in text:gmatch('[^\n]+') do
+    if line:sub(1, 1) ~= '#' then
+      local name, v = line:gsub('%b{}', ''):match('^([%w_:]+)%s+(%S+)')
+      v = tonumber(v)
+      if name and v then out[name] = (out[name] or 0) + v end
+    end
+  end
+  return out
+end
+
+-- Server s's figures: its queue's and batch's peaks since the last metrics(), its TTFT counters.
+function Remote:read_figures(s, text)
+  local p = M.prometheus(text)
+  local function get(key)
+    for _, name in ipairs(SERIES[key]) do if p[name] then return p[name] end end
+  end
+  s.queue_peak = math.max(s.queue_peak or 0, get('waiting') or 0)
+  s.running_peak = math.max(s.running_peak or 0, get('running') or 0)
+  s.ttft_sum, s.ttft_count = get('ttft_sum') or s.ttft_sum, get('ttft_count') or s.ttft_count
+end
+
+-- While a batch generates: each healthy server's /metrics read every 0.25 s (one at a time each).
+function Remote:watch()
+  local now = moonrl.now()
+  if now < (self.next_watch or 0) then return end
+  self.next_watch = now + 0.25
+  for _, s in ipairs(self.servers) do
+    if s.healthy and not s.probe then
+      s.probe = self.client:request({ url = s.url .. '/metrics', timeout = 5 })
+      self.probes[s.probe] = s
+    end
+  end
+end
+
 -- A generation response: its samples, or the request sent again elsewhere.
 function Remote:on_response(r)
+  local probed = self.probes[r.id]
+  if probed then
+    self.probes[r.id], probed.probe = nil, nil
+    if r.status == 200 then self:read_figures(probed, r.body) end
+    return
+  end
   local job = self.jobs[r.id]
   if not job then return end
   self.jobs[r.id] = nil
@@ -629,6 +683,7 @@ function Remote:generate(requests, opts)
     moonrl.check_stop()
     local r = table.remove(self.deferred, 1) or self.client:poll(50)
     if r then self:on_response(r) end
+    self:watch()
     if moonrl.now() > deadline then moonrl.run_error('engine: requests not answered within engine.request_timeout') end
   end
   local results = {}
@@ -646,24 +701,37 @@ function Remote:record_routing(on)
 end
 
 -- The engine's metrics since the last call (a step's): requests, tokens, retries, failures,
--- restarts, weight syncs and their seconds and bytes, the servers up; and by server (server<k>/):
--- requests, tokens, and the mean seconds a request took.
+-- restarts, weight syncs and their seconds, bytes and tensors, the servers up, the mean time to
+-- first token and the peak queue (sequences waiting in a server's engine while the batch ran);
+-- and by server (server<k>/): requests, tokens, the mean seconds a request took, ttft,
+-- queue_peak, running_peak. The servers' own figures come from their GET /metrics.
 function Remote:metrics()
   local c, last = self.counters, self.last or {}
   local m = {}
   for k, v in pairs(c) do m[k] = v - (last[k] or 0) end
   self.last = {}
   for k, v in pairs(c) do self.last[k] = v end
-  local up = 0
+  local healthy = {}
+  for _, s in ipairs(self.servers) do if s.healthy then healthy[#healthy + 1] = s end end
+  local ok, figures = pcall(self.all, self, healthy, '/metrics', nil, 5) -- (their counters as the step ends)
+  if ok then for s, text in pairs(figures) do if type(text) == 'string' then self:read_figures(s, text) end end end
+  local up, tsum, tcount, qpeak = 0, 0, 0, 0
   for _, s in ipairs(self.servers) do
     if s.healthy then up = up + 1 end
     local r, t, sec = s.requests or 0, s.tokens or 0, s.seconds or 0
-    local pr = s.last or { 0, 0, 0 }
+    local pr = s.last or { 0, 0, 0, 0, 0 }
+    -- (a server started again counts from 0)
+    local dsum, dcount = (s.ttft_sum or 0) - pr[4], (s.ttft_count or 0) - pr[5]
+    if dcount < 0 then dsum, dcount = s.ttft_sum or 0, s.ttft_count or 0 end
     m['server' .. s.k] = { requests = r - pr[1], tokens = t - pr[2],
-      request_seconds = r > pr[1] and (sec - pr[3]) / (r - pr[1]) or 0 }
-    s.last = { r, t, sec }
+      request_seconds = r > pr[1] and (sec - pr[3]) / (r - pr[1]) or 0, ttft = dcount > 0 and dsum / dcount or 0,
+      queue_peak = s.queue_peak or 0, running_peak = s.running_peak or 0 }
+    tsum, tcount, qpeak = tsum + dsum, tcount + dcount, math.max(qpeak, s.queue_peak or 0)
+    s.last = { r, t, sec, s.ttft_sum or 0, s.ttft_count or 0 }
+    s.queue_peak, s.running_peak = 0, 0
   end
   m.servers, m.servers_up = #self.servers, up
+  m.ttft, m.queue_peak = tcount > 0 and tsum / tcount or 0, qpeak
   return m
 end
 

@@ -284,6 +284,8 @@ function Run:log(step, metrics, opts)
   local flat = flatten(metrics or {}, nil, {})
   for n, s in pairs(self.phases) do flat['time/' .. n] = s end
   flat['time/step'] = seconds
+  -- (rollouts on servers: the share of the step their weight sync took)
+  if flat['engine/sync_seconds'] and seconds > 0 then flat['engine/sync_share'] = flat['engine/sync_seconds'] / seconds end
   mem_metrics(self, flat)
   -- the largest resident peak of the step over the ranks: opts.rank_max is the job's max-reduction,
   -- which every rank takes here, the silent ones too (moonrl.train.session); alone, this process's
