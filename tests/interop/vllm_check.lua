@@ -5,6 +5,9 @@
 -- vLLM's reload would keep the old output layer); its sampled tokens' log-probs, at temperature 1
 -- and 0.7, are the trainer's within the mismatch bound; GRPO runs through it with every sample of
 -- its version. Skipped (77) without the virtualenv.
+--
+-- MODEL=DIR|FILE.gguf: the first two on that model instead (fp32; tests/interop/vllm.sh runs them
+-- on SmolLM2-135M-Instruct), without the GRPO run.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local fs = require('moonrl.io.fs')
@@ -17,7 +20,9 @@ if not fs.exists((moonrl.home or '.') .. '/.venv-interop/bin/vllm') then
   os.exit(77)
 end
 local dir = U.tmpdir('vllm')
-local mdir = U.tiny_model(dir .. '/tiny', { hidden_size = 128, intermediate_size = 256, layers = 2, tie = true })
+local given = os.getenv('MODEL')
+local mdir = given and require('moonrl.io.gguf').resolve(given) or
+  U.tiny_model(dir .. '/tiny', { hidden_size = 128, intermediate_size = 256, layers = 2, tie = true })
 local model = moonrl.model.load(mdir)
 local tok = moonrl.tokenizer.load(mdir)
 local engine = moonrl.engine.new(model, { kv_cache_bytes = 2 ^ 24, seed = 1 })
@@ -34,7 +39,8 @@ local ok, err = pcall(function()
     local rng = moonrl.rng.new(5)
     for v = 0, 3 do
       if v > 0 then -- (another version: every weight moved)
-        for i = 0, model.n_params - 1 do p[i] = p[i] + 0.05 * (rng:int(2001) - 1000) / 1000 end
+        local eps = given and 0.002 or 0.05 -- (a real model: a step's worth, not noise that drowns it)
+        for i = 0, model.n_params - 1 do p[i] = p[i] + eps * (rng:int(2001) - 1000) / 1000 end
         model:write_params(p)
       end
       e:sync(v)
@@ -70,6 +76,8 @@ local ok, err = pcall(function()
 end)
 e:close()
 if not ok then error(err, 0) end
+
+if given then fs.remove(dir); t.done(); return end
 
 t.test('grpo with engine.backend=vllm engine.launch=auto: every sample of its version, the mismatch within bound', function()
   local recs = {}

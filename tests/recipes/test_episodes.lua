@@ -530,6 +530,43 @@ t.test('grpo on episodes: env=guess, data.task=guess, with the held-out episodes
   for _, r in ipairs(U.records(out2.dir)) do t.truthy(r.grad_norm > 0, 'a gradient from the turns\' advantages') end
 end)
 
+t.test('episodes on servers in other processes: one process\'s bits, each episode\'s turns on one server', function()
+  local U = dofile('tests/recipes/util.lua')
+  local json = require('moonrl.io.json')
+  local fs = require('moonrl.io.fs')
+  local exe = rawget(_G, 'MOONRL_EXE')
+  if not exe then return print('  (skipped: needs the moonrl executable)') end
+  local dir = U.tmpdir('episodes_remote')
+  local mdir = U.save_model(dir .. '/model', model, TOK, json.encode(json.object({ 'eos_token', '<|im_end|>', 'chat_template', CHATML })))
+  fs.write(dir .. '/vowels.lua', VOWELS)
+  local function grpo(d, ...)
+    local w = { 'model.dir=' .. mdir, 'data.task=guess', 'env=' .. dir .. '/vowels.lua:vowels', 'grpo.steps=3',
+      'grpo.prompts=4', 'grpo.samples=3', 'grpo.max_tokens=6', 'train.lr=1e-2', 'run.threads=1',
+      'run.dir=' .. dir .. '/' .. d, ... }
+    U.run_ranks(exe, 0, 'recipes/grpo.lua', w, { timeout = 180 })
+    return dir .. '/' .. d
+  end
+  local here, there = grpo('local'), grpo('remote', 'engine.launch=auto', 'engine.servers=2')
+  t.truthy(fs.read(here .. '/model/model.safetensors') == fs.read(there .. '/model/model.safetensors'),
+    'two moonrl serve processes: the final weights of one process, byte for byte')
+  local a, b = U.records(here), U.records(there)
+  t.truthy(a[1]['reward/std'] > 0 and a[1].grad_norm > 0, 'the rewards differ: the weights move')
+  for i = 1, 3 do
+    t.eq(b[i]['env/turns'], a[i]['env/turns'], 'the same episodes at step ' .. i)
+    t.eq(b[i]['engine/requests'], math.floor(b[i]['env/turns'] * 12 + 0.5), 'a request a turn (12 episodes) at step ' .. i)
+    t.eq(b[i]['engine/affine'], b[i]['engine/requests'] - 12, 'every later turn on its episode\'s server at step ' .. i)
+    t.eq(b[i]['engine/affine_moved'], 0)
+    t.truthy(b[i]['engine/server1/requests'] > 0 and b[i]['engine/server2/requests'] > 0, 'both servers play')
+  end
+  local off_here = grpo('off_local', 'async.mode=one_step_off')
+  local off_there = grpo('off_remote', 'async.mode=one_step_off', 'engine.launch=auto', 'engine.servers=2')
+  a, b = U.records(off_here), U.records(off_there)
+  for i = 1, 3 do
+    t.eq(b[i]['env/turns'], a[i]['env/turns'], 'one_step_off: the same episodes at step ' .. i)
+    t.truthy(math.abs(b[i].loss - a[i].loss) < 1e-5, 'one_step_off: the loss at step ' .. i)
+  end
+end)
+
 t.test('episodes over ranks: a rollout rank gives one process\'s bits; two data-parallel ranks share the episodes', function()
   local U = dofile('tests/recipes/util.lua')
   local json = require('moonrl.io.json')

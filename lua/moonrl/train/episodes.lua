@@ -221,7 +221,7 @@ function M.run(o)
     e.turn_budget = budget
     e.stopped = nil
     e.req = engine:add({ prompt_ids = all_tokens(e), n = 1, max_tokens = budget, prompt_index = e.rec.prompt_index or (e.i - 1),
-      first_sample = e.ep.turns * group + e.j }, sampling)
+      first_sample = e.ep.turns * group + e.j, affinity = e }, sampling) -- (servers elsewhere: its turns on one)
     e.state = 'gen'
   end
 

@@ -85,9 +85,9 @@ function M.new(o)
     tok = o.tok, seed = o.seed or 0, request_timeout = o.request_timeout or 600, retries = o.retries or 2,
     launch_timeout = o.launch_timeout or 300, model_dir = o.model_dir, event = o.event or function() end,
     log_dir = o.log_dir, servers = {}, client = client_mod.open({ max_connections_per_host = 256 }), deferred = {},
-    jobs = {}, probes = {},
+    jobs = {}, probes = {}, affine = setmetatable({}, { __mode = 'k' }), model = o.policy,
     counters = { requests = 0, retries = 0, restarts = 0, failures = 0, syncs = 0, sync_seconds = 0, sync_bytes = 0,
-      sync_tensors = 0, tokens = 0 }, syncs = 0 }, Remote)
+      sync_tensors = 0, tokens = 0, affine = 0, affine_moved = 0 }, syncs = 0 }, Remote)
   self.eos_ids = o.eos_ids
   -- how weights go: transfer (buckets through the weight-transfer routes, only the tensors that
   -- changed) where the server takes files there (moonrl serve), else reload_weights of a directory
@@ -489,8 +489,11 @@ function Remote:body(q, o)
   return json.encode(b)
 end
 
--- The server that takes the next request: the fewest samples in flight among the healthy ones.
-function Remote:pick()
+-- The server that takes the next request: the one its episode's last turn went to while it is up
+-- (its prefix is in that server's cache), else the fewest samples in flight among the healthy ones.
+function Remote:pick(job)
+  local home = job and job.affinity and self.affine[job.affinity]
+  if home and home.healthy then return home end
   local best
   for _, s in ipairs(self.servers) do
     if s.healthy and (not best or s.inflight < best.inflight) then best = s end
@@ -499,10 +502,10 @@ function Remote:pick()
 end
 
 function Remote:send(job)
-  local s = self:pick()
+  local s = self:pick(job)
   while not s do
     self:revive()
-    s = self:pick()
+    s = self:pick(job)
     if not s then
       if moonrl.now() > job.deadline then moonrl.run_error('engine: no server is up (' .. self:where() .. ')') end
       moonrl.check_stop()
@@ -511,6 +514,12 @@ function Remote:send(job)
   end
   if s.version ~= self.label then self:push({ s }, self.label) end -- (one that came back meanwhile)
   job.server, job.epoch, job.tries, job.label = s, s.epoch, job.tries + 1, self.label
+  if job.affinity then -- (an episode's turn: on the server of its last one, else counted as moved)
+    local home = self.affine[job.affinity]
+    if home == s then self.counters.affine = self.counters.affine + 1
+    elseif home then self.counters.affine_moved = self.counters.affine_moved + 1 end
+    self.affine[job.affinity] = s
+  end
   s.inflight = s.inflight + job.n
   local id = self.client:request({ url = s.url .. '/v1/completions', method = 'POST', body = job.body,
     timeout = self.request_timeout })
@@ -690,6 +699,49 @@ function Remote:generate(requests, opts)
   for i, j in ipairs(jobs) do results[i] = j.results end
   return results
 end
+
+-- ---- a request at a time (moonrl.train.episodes: a turn a request) ---------------------------
+
+-- A request of one sample sent now ({prompt_ids, max_tokens?, prompt_index, first_sample,
+-- affinity?}: affinity keeps the requests that give it, an episode's turns, on one server); its
+-- handle for output, versions and release. step() takes the answers in.
+function Remote:add(q, sampling)
+  if type(q.prompt_ids) ~= 'table' then error('engine (remote): add needs prompt_ids', 2) end
+  if not self:running() then self:sync_current() end
+  local job = { n = 1, body = self:body(q, sampling or {}), tries = 0, o = sampling or {}, affinity = q.affinity,
+    deadline = moonrl.now() + self.request_timeout * (self.retries + 1) }
+  self:send(job)
+  return job
+end
+
+-- The answers that came (waiting up to 20 ms for one), and the servers' figures.
+function Remote:step()
+  local r = table.remove(self.deferred, 1) or self.client:poll(20)
+  if r then self:on_response(r) end
+  self:watch()
+  local now = moonrl.now()
+  for _, job in pairs(self.jobs) do
+    if now > job.deadline then moonrl.run_error('engine: a request not answered within engine.request_timeout') end
+  end
+end
+
+-- A request's sample once answered: tokens and log-probs (0-based, as moonrl.engine's), their
+-- count and the finish reason; before: nil, nil, 0, nil.
+function Remote:output(job, _)
+  local smp = job.results and job.results[1]
+  if not smp then return nil, nil, 0, nil end
+  if not job.out then
+    local toks, lps = {}, {}
+    for k = 1, #smp.ids do toks[k - 1], lps[k - 1] = smp.ids[k], smp.logprobs[k] end
+    job.out = { toks, lps }
+  end
+  return job.out[1], job.out[2], #smp.ids, smp.finish_reason
+end
+
+function Remote:versions(job, _, _) return job.results and job.results[1].version, nil end
+function Remote:release(_) end
+-- (a request on a server runs to its end: an episode past env.max_seconds ends when its turn comes back)
+function Remote:stop_sample(_, _) end
 
 -- (what moonrl.engine has that rollouts call: nothing to do for servers elsewhere)
 function Remote:reset() end

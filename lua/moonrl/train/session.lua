@@ -92,7 +92,6 @@ function M.check_remote(cfg, policy)
   local function no(what) moonrl.usage_error(what .. ': not with an engine in other processes (engine.urls, engine.launch) yet') end
   if cfg.dist and ((cfg.dist.rollout_ranks or 0) > 0) then no('dist.rollout_ranks') end
   if dist.current() and dist.current().size > 1 then no('more than one process') end
-  if cfg.env and cfg.env.name then no('env.name (multi-turn episodes)') end
   if cfg.agent and cfg.agent.command then no('agent.command') end
   if cfg.async and (cfg.async.stream or cfg.async.partial == 'continue' or (cfg.async.engine_threads or 0) > 0) then
     no('async.stream, async.partial=continue and async.engine_threads')
@@ -251,7 +250,7 @@ function M.start(cfg, opts)
     for u in (e.urls or ''):gmatch('[^,%s]+') do urls[#urls + 1] = u end
     fs.mkdirs(S.dir .. '/engine')
     engine = require('moonrl.train.remote').new({ backend = e.backend, urls = urls, launch = e.launch,
-      servers = e.servers, model_dir = cfg.model.dir, model_name = 'policy', policy = policy, tok = tok,
+      servers = e.servers, model_dir = require('moonrl.io.gguf').resolve(cfg.model.dir), model_name = 'policy', policy = policy, tok = tok,
       seed = cfg.run.seed, request_timeout = e.request_timeout, retries = e.retries, launch_timeout = e.launch_timeout,
       sync_dir = e.sync_dir, weight_sync = e.weight_sync, sync_dtype = e.sync_dtype, bucket_mb = e.bucket_mb,
       log_dir = S.dir .. '/engine',
