@@ -1,13 +1,14 @@
 -- Servers in other processes as the rollout engine (moonrl.train.remote, docs/engines.md), on a
 -- model of SmolLM2-135M's shape (random weights, the examples/agent tokenizer):
---   1. a weight sync: the policy written to /dev/shm and reloaded by one `moonrl serve` through
---      the control protocol, against a memcpy of the same bytes (what sharing the buffer in one
---      process would cost at most);
+--   1. a weight sync: every tensor of the policy changed, written to /dev/shm and read by the
+--      server through the control protocol (weight_sync: transfer, buckets through the
+--      weight-transfer calls, moonrl serve's default; reload, a directory through reload_weights),
+--      against a memcpy of the same bytes (what sharing the buffer in one process would cost at most);
 --   2. rollout tokens/s: the same requests (prompts x samples x tokens, no end token) on moonrl's
 --      engine in this process and on `servers` servers (each with `threads`), and whether they
 --      draw the same tokens (moonrl serve: every sample; vLLM: greedy, its random streams its own).
 --   build/moonrl run bench/engines/remote.lua [backend=moonrl|vllm] [servers=1] [prompts=16] [samples=4]
---     [tokens=64] [syncs=3]
+--     [tokens=64] [syncs=3] [weight_sync=auto|transfer|reload] [sync_dtype=auto|float32|bfloat16]
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local fs = require('moonrl.io.fs')
@@ -15,7 +16,8 @@ local remote = require('moonrl.train.remote')
 
 local cfg = moonrl.config { backend = 'moonrl', servers = moonrl.config.integer(1, { min = 1 }), prompts = moonrl.config.integer(16, { min = 1 }),
   samples = moonrl.config.integer(4, { min = 1 }), tokens = moonrl.config.integer(64, { min = 1 }),
-  syncs = moonrl.config.integer(3, { min = 1 }), threads = moonrl.config.integer(0, { min = 0 }) }
+  syncs = moonrl.config.integer(3, { min = 1 }), threads = moonrl.config.integer(0, { min = 0 }), weight_sync = 'auto',
+  sync_dtype = 'auto' }
 
 local dir = 'build/bench_engines_' .. tostring(os.time())
 fs.mkdirs(dir)
@@ -29,7 +31,8 @@ for _, f in ipairs({ 'tokenizer.json', 'tokenizer_config.json' }) do
 end
 local env = cfg.threads > 0 and ('env MOONRL_THREADS=' .. cfg.threads .. ' ') or ''
 local e = remote.new({ backend = cfg.backend, servers = cfg.servers, model_dir = dir .. '/model', policy = model, tok = tok,
-  launch = env .. remote.LAUNCH[cfg.backend](), log_dir = dir, seed = 1, eos_ids = {}, launch_timeout = 900 })
+  launch = env .. remote.LAUNCH[cfg.backend](), log_dir = dir, seed = 1, eos_ids = {}, launch_timeout = 900,
+  weight_sync = cfg.weight_sync, sync_dtype = cfg.sync_dtype })
 
 local cpu = (fs.read('/proc/cpuinfo') or ''):match('model name%s*:%s*([^\n]+)') or '?'
 print(string.format('CPU: %s; a model of %.1f M parameters (%.0f MB in fp32); %d %s server(s)', cpu, model.n_params / 1e6,
@@ -42,6 +45,7 @@ local ok, err = pcall(function()
   local spare = ffi.new('float[?]', model.n_params)
   local sync_s, copy_s = 0, 0
   for v = 1, cfg.syncs do
+    for _, view in ipairs(model:views()) do p[view.offset] = p[view.offset] + 1e-6 end -- (every tensor changed)
     model:write_params(p) -- (a write: the weights' generation moves, as after an update)
     local t0 = moonrl.now()
     e:sync(v)
@@ -50,8 +54,10 @@ local ok, err = pcall(function()
     ffi.copy(spare, p, 4 * model.n_params)
     copy_s = copy_s + (moonrl.now() - t0)
   end
-  print(string.format('weight sync: %.3f s a version (write %.0f MB to /dev/shm, reload, label, check); memcpy of the ' ..
-    'same bytes %.4f s: %.0fx', sync_s / cfg.syncs, 4 * model.n_params / 2 ^ 20, copy_s / cfg.syncs, sync_s / copy_s))
+  local m = e:metrics()
+  print(string.format('weight sync by %s: %.3f s a version (%.0f MB to /dev/shm and into the server, labelled, checked); ' ..
+    'memcpy of the fp32 weights %.4f s: %.0fx', e.weight_sync, sync_s / cfg.syncs, m.sync_bytes / (cfg.syncs + 1) / 2 ^ 20,
+    copy_s / cfg.syncs, sync_s / copy_s))
 
   -- 2. rollout tokens/s
   local reqs = {}
