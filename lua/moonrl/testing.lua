@@ -15,13 +15,15 @@ local only = os.getenv('MOONRL_TEST_ONLY')
 
 function M.test(name, fn)
   if only and only ~= '' and not name:find(only, 1, true) then return end
+  local t0 = require('moonrl').now()
   local ok, err = xpcall(fn, debug.traceback)
+  local took = string.format(' (%.1f s)', require('moonrl').now() - t0) -- (where a suite's time goes)
   if ok then
     M.passed = M.passed + 1
-    io.stdout:write('ok   ', name, '\n')
+    io.stdout:write('ok   ', name, took, '\n')
   else
     M.failed = M.failed + 1
-    io.stdout:write('FAIL ', name, '\n', tostring(err), '\n')
+    io.stdout:write('FAIL ', name, took, '\n', tostring(err), '\n')
   end
 end
 

@@ -19,10 +19,12 @@ void *emu_dyn_smem;
 std::mutex emu_atomic;
 int emu_gemm_calls[2];
 enum { RUN, AT_BLOCK, AT_WARP, DONE };
-// A fiber starts through its ucontext (makecontext, once per block) and
-// switches with _setjmp / _longjmp after that: swapcontext saves and restores
-// the signal mask, a system call at every shuffle.
-struct fiber { ucontext_t ctx; jmp_buf jb; int state, started; char *stack; };
+// A fiber starts once through its ucontext (makecontext, the first block it
+// runs) and switches with _setjmp / _longjmp after that: getcontext and
+// swapcontext save and restore the signal mask, a system call each. Its entry
+// never returns, so a later block's thread starts by a _longjmp to `start`,
+// the top of that same frame.
+struct fiber { ucontext_t ctx; jmp_buf jb, start; int state, started, made; char *stack; };
 static std::vector<fiber> fibers;
 static ucontext_t sched_ctx;
 static jmp_buf sched_jb;
@@ -279,6 +281,7 @@ void emu_check_pointer(const char *kernel, int arg, const void *p) {
   }
 }
 static void entry() {
+  _setjmp(fibers[cur].start);  // (each block's thread starts here: cur is its index)
   (*kernel_fn)();
   fibers[cur].state = DONE;
   _longjmp(sched_jb, 1);
@@ -303,9 +306,11 @@ static void run_grid(std::function<void()> &f, dim3 g, dim3 b, size_t smem) {
     blockIdx = dim3(x, y, z);
     memset(warp_buf, 0, sizeof warp_buf);
     for (unsigned t = 0; t < nt; t++) {
-      getcontext(&fibers[t].ctx);
-      fibers[t].ctx.uc_stack.ss_sp = fibers[t].stack; fibers[t].ctx.uc_stack.ss_size = SS; fibers[t].ctx.uc_link = NULL;
-      makecontext(&fibers[t].ctx, entry, 0);
+      if (!fibers[t].made) {
+        getcontext(&fibers[t].ctx);
+        fibers[t].ctx.uc_stack.ss_sp = fibers[t].stack; fibers[t].ctx.uc_stack.ss_size = SS; fibers[t].ctx.uc_link = NULL;
+        makecontext(&fibers[t].ctx, entry, 0);
+      }
       fibers[t].state = RUN;
       fibers[t].started = 0;
     }
@@ -316,6 +321,8 @@ static void run_grid(std::function<void()> &f, dim3 g, dim3 b, size_t smem) {
         if (!_setjmp(sched_jb)) {
           if (!fibers[t].started) {
             fibers[t].started = 1;
+            if (fibers[t].made) _longjmp(fibers[t].start, 1);  // (its entry's frame, from an earlier block)
+            fibers[t].made = 1;
             swapcontext(&sched_ctx, &fibers[t].ctx);  // never returns here: the fiber longjmps back
           }
           _longjmp(fibers[t].jb, 1);
