@@ -25,7 +25,7 @@ local function run(name, ...)
   local d = dir .. '/' .. name
   local t0 = moonrl.now()
   U.run_ranks(exe, 0, 'examples/grpo_smollm2.lua', { 'model.dir=' .. model, 'grpo.steps=' .. steps,
-    'eval.every=' .. math.max(1, steps // 2), 'run.dir=' .. d, ... }, { timeout = 3600 })
+    'eval.every=' .. math.max(1, math.floor(steps / 2)), 'run.dir=' .. d, ... }, { timeout = 3600 })
   local acc = U.events(d, 'heldout_accuracy')[1]
   local recs = U.records(d)
   local sum = 0

@@ -12,9 +12,12 @@ cd "$(dirname "$0")/../.."
 exe=${1:-build/moonrl}
 gguf=${MODEL:-${MOONRL_CACHE:-$HOME/.cache/moonrl}/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 passed=0 failed=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 part() { # a Lua test file: its own "N passed, N failed" added to the totals
   local out
-  out=$("$@" 2>&1 | tee /dev/stderr | tail -1)
+  "$@" 2>&1 | tee "$log"
+  out=$(tail -1 "$log")
   if [[ $out =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed ]]; then
     passed=$((passed + BASH_REMATCH[1])); failed=$((failed + BASH_REMATCH[2]))
   elif [[ $out == skipped* ]]; then
