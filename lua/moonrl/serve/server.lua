@@ -919,8 +919,14 @@ local ROUTES = {
   ['/pause'] = 'POST', ['/resume'] = 'POST', ['/is_paused'] = 'GET', ['/collective_rpc'] = 'POST',
   ['/update_weight_version'] = 'POST', ['/weight_info'] = 'GET', ['/reset_prefix_cache'] = 'POST',
 }
-local TRANSFER = { ['/init_weight_transfer_engine'] = true, ['/start_weight_update'] = true, ['/update_weights'] = true,
-  ['/finish_weight_update'] = true, ['/shutdown_weight_transfer_engine'] = true }
+-- (the weight-transfer routes: the answer's message, the body's field named in a refusal)
+local TRANSFER = {
+  ['/init_weight_transfer_engine'] = { 'Weight transfer initialized', 'init_info' },
+  ['/start_weight_update'] = { 'Weight update started' },
+  ['/update_weights'] = { 'Weights updated', 'update_info' },
+  ['/finish_weight_update'] = { 'Weight update finished', 'weight_version' },
+  ['/shutdown_weight_transfer_engine'] = { 'Weight transfer shut down' },
+}
 local CONTROL = { ['/pause'] = true, ['/resume'] = true, ['/is_paused'] = true, ['/collective_rpc'] = true,
   ['/update_weight_version'] = true, ['/weight_info'] = true, ['/reset_prefix_cache'] = true }
 for path in pairs(TRANSFER) do ROUTES[path], CONTROL[path] = 'POST', true end
@@ -1083,8 +1089,6 @@ function Server:transfer_route(path, req)
   if self.engine.tick then fail(400, path:sub(2) .. ': not with --tp (the ranks would need the weights too)') end
   self.transfer = self.transfer or require('moonrl.serve.transfer').new(self.engine.model)
   local t = self.transfer
-  local param = { ['/init_weight_transfer_engine'] = 'init_info', ['/update_weights'] = 'update_info',
-    ['/finish_weight_update'] = 'weight_version' }
   local ok, a, b = pcall(function()
     if path == '/init_weight_transfer_engine' then return t:init(field(req, 'init_info') or obj()) end
     if path == '/start_weight_update' then return t:start() end
@@ -1101,7 +1105,7 @@ function Server:transfer_route(path, req)
       self.version_label = 'mixed'
       self:weights_changed()
     end
-    bad(moonrl.error_text(a), param[path])
+    bad(moonrl.error_text(a), TRANSFER[path][2])
   end
   if path == '/finish_weight_update' then
     local v = field(req, 'weight_version')
@@ -1113,9 +1117,7 @@ function Server:transfer_route(path, req)
       self.version_labels[self.weights_version] = self.version_label
     end
   end
-  return ({ ['/init_weight_transfer_engine'] = 'Weight transfer initialized', ['/start_weight_update'] = 'Weight update started',
-    ['/update_weights'] = 'Weights updated', ['/finish_weight_update'] = 'Weight update finished',
-    ['/shutdown_weight_transfer_engine'] = 'Weight transfer shut down' })[path]
+  return TRANSFER[path][1]
 end
 
 -- The /pause?mode=wait requests held while the requests in flight drained.
