@@ -16,7 +16,7 @@ root=$(cd "$here/../../.." && pwd)
 out=${1:?usage: build.sh OUT.so}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-flags=(-O1 -g -ffp-contract=off -fPIC -U_FORTIFY_SOURCE)  # fibers longjmp between stacks (emu.cpp)
+flags=(-O2 -g -ffp-contract=off -fPIC -U_FORTIFY_SOURCE)  # fibers longjmp between stacks (emu.cpp)
 [ "${ASAN:-0}" = 1 ] && flags+=(-fsanitize=address -fno-omit-frame-pointer)
 inc=(-I"$here" -I"$root/kernels/cuda" -I"$root/kernels" -I"$root/core" -I"$root/core/include" -I"$root")
 objs=()
