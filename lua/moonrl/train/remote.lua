@@ -34,6 +34,7 @@ local json = require('moonrl.io.json')
 local proc = require('moonrl.io.proc')
 local fs = require('moonrl.io.fs')
 local client_mod = require('moonrl.io.http')
+local safetensors = require('moonrl.io.safetensors')
 local C = moonrl.C
 
 local M = {}
@@ -335,19 +336,18 @@ end
 
 -- ---- weights by transfer: buckets of the tensors that changed ----------------------------------
 
--- Each tensor's CRC-32C over its fp32 values: what changed since the last version sent.
-function Remote:tensor_crcs()
-  local p = self.policy:read_params()
+-- Each tensor's CRC-32C over its fp32 values p (read_params'): what changed since the last version sent.
+function Remote:tensor_crcs(p)
   local out = {}
   for _, v in ipairs(self.policy:views()) do out[v.name] = tonumber(C.mrl_crc32c(0, p + v.offset, 4 * v.numel)) end
   return out
 end
 
--- The tensors of views as safetensors files of about bucket_bytes each under dir, in buffer order,
--- as sync_dtype: { {path, crc, bytes, names, dtype_names, shapes}, ... }.
-function Remote:write_buckets(dir, views)
+-- The tensors of views (their values in p, read_params') as safetensors files of about
+-- bucket_bytes each under dir, in buffer order, as sync_dtype: { {path, crc, bytes, names,
+-- dtype_names, shapes}, ... }.
+function Remote:write_buckets(dir, views, p)
   fs.mkdirs(dir)
-  local p = self.policy:read_params()
   local st_dtype, size = self.sync_dtype == 'bfloat16' and 'BF16' or 'F32', self.sync_dtype == 'bfloat16' and 2 or 4
   local out, cur = {}, nil
   local function flush()
@@ -359,7 +359,7 @@ function Remote:write_buckets(dir, views)
     cur = nil
   end
   for _, v in ipairs(views) do
-    cur = cur or { w = require('moonrl.io.safetensors').writer(), names = {}, dtypes = {}, shapes = {}, bytes = 0 }
+    cur = cur or { w = safetensors.writer(), names = {}, dtypes = {}, shapes = {}, bytes = 0 }
     cur.w:add(v.name, st_dtype, v.shape, p + v.offset)
     local k = #cur.names + 1
     cur.names[k], cur.dtypes[k], cur.shapes[k] = v.name, self.sync_dtype, v.shape
@@ -377,8 +377,10 @@ end
 -- the label, its cache dropped, resumed, its label checked.
 function Remote:push_transfer(servers, label)
   local gen = self.policy:weights_generation()
+  local p -- (a GPU policy's read_params is a copy to the host: one a sync)
   if self.written_gen ~= gen then
-    local crcs = self:tensor_crcs()
+    p = self.policy:read_params()
+    local crcs = self:tensor_crcs(p)
     local changed, same = {}, {}
     for _, v in ipairs(self.policy:views()) do
       local list = (self.crcs and self.crcs[v.name] == crcs[v.name]) and same or changed
@@ -386,7 +388,7 @@ function Remote:push_transfer(servers, label)
     end
     self.syncs = self.syncs + 1
     local dir = string.format('%s/v%d', self.sync_root, self.syncs)
-    local buckets = self:write_buckets(dir .. '/changed', changed)
+    local buckets = self:write_buckets(dir .. '/changed', changed, p)
     if self.written_dir then pcall(fs.remove, self.written_dir) end
     self.written_dir, self.written_gen = dir, gen
     self.prev_crcs, self.crcs = self.crcs, crcs
@@ -394,17 +396,17 @@ function Remote:push_transfer(servers, label)
     for _, b in ipairs(buckets) do self.counters.sync_bytes = self.counters.sync_bytes + b.bytes end
     self.counters.sync_tensors = self.counters.sync_tensors + #changed
   end
-  local fresh, partial, all = {}, {}, {}
+  -- the servers that need this version (all), and of them those that need every tensor (fresh)
+  local fresh, all = {}, {}
   for _, s in ipairs(servers) do
     if s.held ~= self.crcs then
-      local full = not (s.held and s.held == self.prev_crcs)
-      local list = full and fresh or partial
-      list[#list + 1], all[#all + 1] = s, s
+      all[#all + 1] = s
+      if not (s.held and s.held == self.prev_crcs) then fresh[#fresh + 1] = s end
     end
     s.held = nil -- (until its label is checked)
   end
   if #fresh > 0 and not self.same then
-    self.same = self:write_buckets(self.written_dir .. '/same', self.same_views)
+    self.same = self:write_buckets(self.written_dir .. '/same', self.same_views, p or self.policy:read_params())
   end
   local function bucket(b)
     return { update_info = { names = b.names, dtype_names = b.dtype_names, shapes = b.shapes, path = b.path,
@@ -690,10 +692,7 @@ function Remote:generate(requests, opts)
   end
   while not done() do
     moonrl.check_stop()
-    local r = table.remove(self.deferred, 1) or self.client:poll(50)
-    if r then self:on_response(r) end
-    self:watch()
-    if moonrl.now() > deadline then moonrl.run_error('engine: requests not answered within engine.request_timeout') end
+    self:step()
   end
   local results = {}
   for i, j in ipairs(jobs) do results[i] = j.results end
@@ -714,7 +713,8 @@ function Remote:add(q, sampling)
   return job
 end
 
--- The answers that came (waiting up to 20 ms for one), and the servers' figures.
+-- The answers that came (waiting up to 20 ms for one), and the servers' figures; a request past
+-- its deadline (engine.request_timeout for each of its tries) is an error.
 function Remote:step()
   local r = table.remove(self.deferred, 1) or self.client:poll(20)
   if r then self:on_response(r) end
