@@ -1097,6 +1097,8 @@ def cli_checks(model):
     for flag in ("--header-timeout", "--body-timeout", "--keep-alive-timeout", "--request-timeout"):
         code, err = run("--model", model, flag, "0")
         check("cli-bad %s" % flag, code == 2 and flag in err, err)
+    code, err = run("--model", model, "--dtype", "int8")
+    check("cli-bad-dtype", code == 2 and "--dtype int8" in err, err)
     code, err = run("--help")
     check("cli-help", code == 0)
 
