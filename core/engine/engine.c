@@ -74,6 +74,7 @@ struct mrl_engine {
     mrl_buffer act_mem;
     void *act_buf;
     layer_acts a;
+    int64_t lora_scratch; /* the floats of a.lora_u (LoRA's scratch; 0: none) */
     float *x;                /* [T,D] residual stream */
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
     float *logits;           /* [S,V] */
@@ -201,6 +202,9 @@ static int64_t layout(mrl_engine *e, char *base) {
         TAKE(a->act, T * F);
     }
     if (n_moe) off += mrl_moe_acts_layout(c, a, T, base ? base + off : NULL);
+    e->lora_scratch = mrl_model_lora_scratch(e->m, T); /* the adapters' (lora.c), if the model has them now */
+    if (e->lora_scratch) TAKE(a->lora_u, e->lora_scratch);
+    else if (base) a->lora_u = NULL;
     TAKE(e->rows, S * D);
     TAKE(e->rows_n, S * D);
     TAKE(e->rstd_n, S);
@@ -265,6 +269,11 @@ static void pack_panels(mrl_engine *e) {
  * round); another buffer (attach_params, a weight store): copies and
  * panels of our own, converted when stale as the fp32 panels are. */
 static mrl_status prepare_weights(mrl_engine *e) {
+    /* LoRA: the model's adapters as they are now (on, off), read in place */
+    if (mrl_model_lora_scratch(e->m, e->cfg.max_num_batched_tokens) > e->lora_scratch)
+        return mrl_set_error(MRL_ERR_INVALID, "engine step: the model got LoRA adapters after the engine was made "
+                             "(make the engine after mrl_model_set_lora)");
+    mrl_model_lora_layers(e->m, e->lp);
     if (mrl_model_dtype(e->m) != MRL_MODEL_BF16) {
         if (e->w.lm_head16) { /* switched back to fp32 (its fp32 panels were dropped then) */
             mrl_model_weights16_at(e->m, NULL, &e->w, e->lp);

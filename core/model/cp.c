@@ -37,6 +37,7 @@ mrl_status mrl_model_gather_shares(mrl_tp_allgather gather, void *ctx, int size,
 mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allgather allgather, mrl_cp_alltoallv alltoallv,
                                   void *ctx) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: NULL model");
+    if (m->lora && size > 1) return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: not yet with LoRA adapters");
     if (size < 1 || rank < 0 || rank >= size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: rank %d of %d", rank, size);
     const mrl_model_config *c = &m->cfg;

@@ -107,6 +107,17 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     } else if (base) {
         g->cp_datt = g->cp_dq = g->cp_dk = g->cp_dv = g->cp_pack = m->cp_out = NULL;
     }
+    /* LoRA (lora.c): one scratch for every layer's forward (u) and the backward's du beside it */
+    int64_t lora = mrl_model_lora_scratch(m, T);
+    if (lora) {
+        float *u = NULL;
+        TAKE(u, float, lora);
+        TAKE(g->lora_du, float, lora);
+        for (int l = 0; base && l < L; l++) m->la[l].lora_u = u;
+    } else if (base) {
+        g->lora_du = NULL;
+        for (int l = 0; l < L; l++) m->la[l].lora_u = NULL;
+    }
     if (m->tp_seq) {
         TAKE(g->sp_full, float, T * D);
         TAKE(g->sp_stage, float, (1 + m->tp_size) * Ts * D);
@@ -490,11 +501,12 @@ static mrl_status head_backward(mrl_model *m, const float *dlogprobs, const floa
                         dlogprobs ? dlogprobs + t0 : NULL, dentropy ? dentropy + t0 : NULL); /* dlogits [n,V] */
             if (m->dtype == MRL_MODEL_BF16) { /* the same two products, in bf16 (head_logits) */
                 k->f32_to_bf16(m->logits, m->logits16, n * V); /* once for both */
-                k->gemm_bf16(1, 0, V, D, n, 1.0f, m->logits16, 1, V, x, 0, D, 1.0f, m->g_lm_head, D);
+                if (m->g_lm_head) /* (frozen: LoRA) */
+                    k->gemm_bf16(1, 0, V, D, n, 1.0f, m->logits16, 1, V, x, 0, D, 1.0f, m->g_lm_head, D);
                 k->gemm_bf16(0, 0, n, D, V, 1.0f, m->logits16, 1, V, m->lm_head16, 1, D, 1.0f, dlnf + t0 * D, D);
                 continue;
             }
-            k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D);        /* dW [V,D] */
+            if (m->g_lm_head) k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D); /* dW [V,D] */
             k->gemm(0, 0, n, D, V, 1.0f, m->logits, V, m->lm_head, D, 1.0f, dlnf + t0 * D, D); /* dlnf [n,D] */
         }
     /* sequence parallel: this rank's rows of it (each rank's vocabulary part summed) from here */
@@ -520,7 +532,7 @@ static mrl_status head_backward(mrl_model *m, const float *dlogprobs, const floa
     }
     mrl_model_unuse(m, layers_end, m->n_params);
     if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
-    if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
+    if (m->grad_hook && !m->lora) m->grad_hook(m->grad_hook_ctx, layers_end, m->n_params - layers_end);
     return MRL_OK;
 }
 
@@ -528,8 +540,12 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model backward: NULL model");
     if (!m->have_forward) return mrl_set_error(MRL_ERR_INVALID, "model backward: no forward to go back through");
     if (dvalues && !m->score) return mrl_set_error(MRL_ERR_INVALID, "model backward: dvalues given to a model without value head");
-    mrl_status st = m->grad_acquire ? MRL_OK : mrl_model_ensure_grads(m);
+    if (m->lora && m->grad_acquire)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "model backward: gradient windows (ZeRO-2) not yet with LoRA");
+    mrl_status st = m->grad_acquire || m->lora ? MRL_OK : mrl_model_ensure_grads(m);
     if (st) return st;
+    if (m->lora) /* the frozen norms' weight gradients, written beside their dx, go there (lora.c) */
+        memset(m->lora->sink, 0, sizeof(float) * (size_t)m->lora->sink_n);
     if (m->grad_acquire && !m->grad_hook)
         return mrl_set_error(MRL_ERR_INVALID, "model backward: gradient windows without a grad hook to return them");
     const mrl_model_config *c = &m->cfg;
@@ -585,6 +601,11 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         if (m->recompute) mrl_layer_forward(m, l, T);
         mrl_layer_backward(m, l, T);
         mrl_model_unuse(m, begin, end);
+        if (m->lora) { /* the hook names the adapters' ranges (moonrl/model.h) */
+            int64_t lo = m->lora->layer_off[l], n = m->lora->layer_off[l + 1] - lo;
+            if (m->grad_hook && n > 0) m->grad_hook(m->grad_hook_ctx, lo, n);
+            continue;
+        }
         if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, begin, end - begin);
     }
     if ((st = mrl_moe_ep_status(m)) || (st = mrl_model_tp_status(m))) return st; /* the gradients are then meaningless */
@@ -600,9 +621,9 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
         if ((st = mrl_model_tp_status(m))) return st;
         mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.sp_full, m->tp_ids, T);
     } else if (m->tp_vocab) mrl_model_tp_embed_bwd(m, m->g_embed, m->gs.dx, m->tp_ids, T); /* this rank's rows */
-    else k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T, D); /* embedding rows, in token order */
+    else if (m->g_embed) k->scatter_add_rows(m->g_embed, m->gs.dx, m->op_tokens + m->cp_t0, T, D); /* rows, token order */
     if ((st = k->sync())) return st; /* before the hook: the gradients are final on a GPU too */
-    if (m->grad_hook) m->grad_hook(m->grad_hook_ctx, 0, embed_end);
+    if (m->grad_hook && !m->lora) m->grad_hook(m->grad_hook_ctx, 0, embed_end);
     return MRL_OK;
 }
 

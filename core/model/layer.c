@@ -50,6 +50,16 @@ static mrl_gemm_desc lin_dx(float *dx, const float *dy, const float *W, int64_t 
  * bf16, read with (or instead of) the plain copy by gemm_bf16_panels. */
 static void products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t *const *w16, int n) {
     const mrl_kernels *k = m->k;
+    mrl_gemm_desc kept[8];
+    const uint16_t *kept16[8];
+    int drop = 0;
+    for (int i = 0; i < n; i++) drop += d[i].C == NULL;
+    if (drop && n <= 8) { /* a frozen weight's gradient (LoRA: lora.c) has no destination: not computed */
+        int j = 0;
+        for (int i = 0; i < n; i++)
+            if (d[i].C) kept[j] = d[i], kept16[j++] = w16 ? w16[i] : NULL;
+        d = kept, w16 = kept16, n = j;
+    }
     if (m->dtype != MRL_MODEL_BF16) {
         k->gemm_group(d, n);
         return;
@@ -100,6 +110,11 @@ static void qkv_proj(const mrl_model *m, const layer_params *p, layer_acts *a, c
                             lin_p(kk, ln, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
                             lin_p(a->v, ln, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
     products(m, qkv, (const uint16_t *[]){p->hq, p->hk, p->hv}, 3);
+    if (p->lora) { /* (lora.c) */
+        mrl_lora_fwd(m, p->lora->A[0], p->lora->B[0], ln, q, T, Q, D, a->lora_u);
+        mrl_lora_fwd(m, p->lora->A[1], p->lora->B[1], ln, kk, T, K, D, a->lora_u);
+        mrl_lora_fwd(m, p->lora->A[2], p->lora->B[2], ln, a->v, T, K, D, a->lora_u);
+    }
     add_bias(k, q, p->bq, T, Q);
     add_bias(k, kk, p->bk, T, K);
     add_bias(k, a->v, p->bv, T, K);
@@ -133,6 +148,7 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     } else {
         k->copy(a->h, x, (int64_t)sizeof(float) * TD);
         run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
+        if (p->lora) mrl_lora_fwd(m, p->lora->A[3], p->lora->B[3], a->att, a->h, T, D, Q, a->lora_u);
     }
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
@@ -150,6 +166,10 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     mrl_gemm_desc gu[2] = {lin_p(a->gate, a->ln2, p->wg, p->pg, T, F, D, 0), /* [T,F] */
                            lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
     products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
+    if (p->lora) {
+        mrl_lora_fwd(m, p->lora->A[4], p->lora->B[4], a->ln2, a->gate, T, F, D, a->lora_u);
+        mrl_lora_fwd(m, p->lora->A[5], p->lora->B[5], a->ln2, a->up, T, F, D, a->lora_u);
+    }
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
     if (m->tp_size > 1) { /* out = h + the sum over the group of each rank's slice's part */
         run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 0), p->hd);
@@ -159,6 +179,7 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     }
     k->copy(out, a->h, (int64_t)sizeof(float) * TD);
     run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
+    if (p->lora) mrl_lora_fwd(m, p->lora->A[6], p->lora->B[6], a->act, out, T, D, F, a->lora_u);
 }
 
 /* Sequence parallel (tp.c): x and out are this rank's rows [tl,D] of the residual stream, and
@@ -259,6 +280,12 @@ static void qkv_backward(mrl_model *m, const layer_params *p, const layer_params
     products(m, qkv, (const uint16_t *[]){NULL, NULL, NULL, p->hq}, 4);
     run1(m, lin_dx(s->dln, dk, p->wk, T, K, D, 1.0f), p->hk);            /* ... + dk Wk */
     run1(m, lin_dx(s->dln, s->dv, p->wv, T, K, D, 1.0f), p->hv);         /* ... + dv Wv */
+    if (p->lora) { /* (lora.c) */
+        const lora_layer *A = p->lora, *G = g->lora;
+        mrl_lora_bwd(m, A->A[0], A->B[0], G->A[0], G->B[0], ln, dq, s->dln, T, Q, D, a->lora_u, s->lora_du);
+        mrl_lora_bwd(m, A->A[1], A->B[1], G->A[1], G->B[1], ln, dk, s->dln, T, K, D, a->lora_u, s->lora_du);
+        mrl_lora_bwd(m, A->A[2], A->B[2], G->A[2], G->B[2], ln, s->dv, s->dln, T, K, D, a->lora_u, s->lora_du);
+    }
 }
 
 /* Sequence parallel (sp_forward): in s->dx this rank's rows [tl,D] of dL/dx', out dL/dx. The
@@ -322,11 +349,17 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
         mrl_gemm_desc down[2] = {lin_dw(g->wd, s->dx, a->act, T, D, F),     /* dWd [D,F] */
                                  lin_dx(s->df1, s->dx, p->wd, T, D, F, 0)}; /* dact [T,F] */
         products(m, down, (const uint16_t *[]){NULL, p->hd}, 2);
+        const lora_layer *A = p->lora, *G = g->lora;
+        if (A) mrl_lora_bwd(m, A->A[6], A->B[6], G->A[6], G->B[6], a->act, s->dx, s->df1, T, D, F, a->lora_u, s->lora_du);
         k->swiglu_bwd(s->df1, s->df2, s->df1, a->gate, a->up, T * F);        /* dgate, dup [T,F] */
         mrl_gemm_desc gu[3] = {lin_dw(g->wg, s->df1, a->ln2, T, F, D), lin_dw(g->wu, s->df2, a->ln2, T, F, D),
                                lin_dx(s->dln, s->df1, p->wg, T, F, D, 0)};  /* dln2 [T,D] = dgate Wg ... */
         products(m, gu, (const uint16_t *[]){NULL, NULL, p->hg}, 3);
         run1(m, lin_dx(s->dln, s->df2, p->wu, T, F, D, 1.0f), p->hu);        /* ... + dup Wu */
+        if (A) {
+            mrl_lora_bwd(m, A->A[4], A->B[4], G->A[4], G->B[4], a->ln2, s->df1, s->dln, T, F, D, a->lora_u, s->lora_du);
+            mrl_lora_bwd(m, A->A[5], A->B[5], G->A[5], G->B[5], a->ln2, s->df2, s->dln, T, F, D, a->lora_u, s->lora_du);
+        }
         mrl_model_tp_sum(m, s->dln, T * D);                                  /* (tensor parallel) */
     }
     k->rmsnorm_bwd(s->dx, g->ln2, s->dln, a->h, p->ln2, a->rstd2, T, D); /* dx = dL/dh */
@@ -334,6 +367,9 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
                           lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
     products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
+    if (p->lora)
+        mrl_lora_bwd(m, p->lora->A[3], p->lora->B[3], g->lora->A[3], g->lora->B[3], a->att, s->dx, s->datt, T, D, Q,
+                     a->lora_u, s->lora_du);
     if (m->cp_size > 1) { /* context parallel (cp.c): in the attention's layout, and back */
         int cp = m->cp_size;
         mrl_model_cp_to_heads(m, s->datt, Hq, s->cp_datt);

@@ -50,7 +50,34 @@ typedef struct layer_params {
      * NULL: what the products read then (layer.c) */
     const uint16_t *hq, *hk, *hv, *ho, *hg, *hu, *hd;
     const uint16_t *heg, *heu, *hed; /* the experts' (the router stays fp32) */
+    /* LoRA (moonrl/model.h, mrl_model_set_lora): this layer's adapters (their gradients in the
+     * gradients' table), or NULL: none, or switched off */
+    const struct lora_layer *lora;
 } layer_params;
+
+/* One layer's adapters (or their gradients): A [r, in] and B [out, r] of each of the seven
+ * matrices in mrl_layer_matrices' order (NULL: not targeted), and a sparse layer's experts'
+ * gate, up, down as blocks [E, r, in] and [E, out, r]. */
+typedef struct lora_layer {
+    float *A[7], *B[7];
+    float *eA[3], *eB[3];
+} lora_layer;
+
+/* LoRA's part of the products (lora.c), with the model's rank and scale s = alpha / rank:
+ *   mrl_lora_fwd   y [T,N] += s (x A^T) B^T     (u [T,r] scratch)
+ *   mrl_lora_bwd   gB += s dy^T u, gA += du^T x, dx [T,K] += du A with du = s dy B, u = x A^T
+ *                  (dx NULL: not wanted; u, du [T,r] scratch)
+ * Plain fp32 products of the op table (the adapters are small; fp32 in a bf16 model too). */
+void mrl_lora_fwd(const mrl_model *m, const float *A, const float *B, const float *x, float *y, int64_t T,
+                  int64_t N, int64_t K, float *u);
+void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA, float *gB, const float *x,
+                  const float *dy, float *dx, int64_t T, int64_t N, int64_t K, float *u, float *du);
+/* The rank of the model's adapters (0: none); the floats of LoRA scratch a layer needs for T
+ * tokens (mrl_layer_qkv / _out's a->lora_u: the engine's layout carves it too). */
+int mrl_model_lora_rank(const mrl_model *m);
+/* Each layer's lora pointer of `layers` set to the model's adapters as they are (on or off). */
+void mrl_model_lora_layers(const mrl_model *m, layer_params *layers);
+int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T);
 
 /* The seven matrices of a layer (q, k, v, o, gate, up, down), the ones
  * weight panels hold: their weights in p (NULL: a sparse layer's MLP, whose
@@ -115,6 +142,8 @@ typedef struct layer_acts {
     /* expert parallelism (the trainer's forward only; NULL: every expert here): this sparse
      * layer's state of the exchange with the other ranks (moe_ep.c) */
     struct moe_ep_layer *ep;
+    /* LoRA's scratch, mrl_model_lora_scratch(T) floats (NULL: the model has no adapters) */
+    float *lora_u;
 } layer_acts;
 
 /* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */

@@ -185,6 +185,7 @@ mrl_status mrl_model_point_params(mrl_model *m, float *base) {
     m->params = base;
     layout lo = {.m = m, .names = m->names};
     build_layout(&lo); /* point at the parameters (the views come out the same) */
+    mrl_lora_point(m); /* (the layer tables were rebuilt) */
     return MRL_OK;
 }
 
@@ -239,6 +240,9 @@ void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ct
 }
 
 mrl_status mrl_model_ensure_grads(mrl_model *m) {
+    if (m->lora)
+        return mrl_set_error(MRL_ERR_INVALID, "model: its parameters are frozen under LoRA (no gradient buffer): "
+                             "the gradients are the adapters' (mrl_model_lora_grads)");
     if (m->grad_acquire)
         return mrl_set_error(MRL_ERR_INVALID, "model: the gradients are lent range by range (gradient windows: "
                              "dist.zero=2 shards them over the ranks); there is no whole gradient buffer");
@@ -256,6 +260,7 @@ void mrl_model_free(mrl_model *m) {
     mrl_model_pp_free_slots(m);
     mrl_model_release_activations(m);
     mrl_moe_ep_free(m);
+    mrl_lora_free(m);
     mrl_mem_free(m->tp_host);
     mrl_buffer_free(&m->params_buf);
     mrl_buffer_free(&m->w16_buf);
@@ -304,6 +309,7 @@ void mrl_model_set_router_aux_coef(mrl_model *m, double coef) {
 }
 
 void mrl_model_zero_grad(mrl_model *m) {
+    if (m && m->lora) memset(m->lora->grads, 0, sizeof(float) * m->lora->n);
     if (m && m->grads) m->k->zero(m->grads, (int64_t)sizeof(float) * m->n_params); /* none yet: zero when created */
 }
 
@@ -340,6 +346,7 @@ void mrl_model_weights_at(const mrl_model *m, const float *base, mrl_model_weigh
         layers[l] = (layer_params){0};
         float **d = (float **)&layers[l];
         for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) d[i] = AT(s[i]);
+        layers[l].lora = m->lp[l].lora; /* the model's adapters, read in place */
     }
     *out = (mrl_model_weights){AT(m->embed), AT(m->final_norm), AT(m->lm_head)};
 #undef AT
@@ -563,6 +570,7 @@ static mrl_status move_buffer(mrl_buffer *buf, size_t bytes, mrl_device to) {
 mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_device: NULL model");
     if (device.kind == m->device.kind && device.index == m->device.index) return MRL_OK;
+    if (m->lora) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model with LoRA adapters: on the CPU only for now");
     const mrl_kernels *k = mrl_kernels_cpu_fast();
     if (device.kind == MRL_DEVICE_CUDA) {
         char what[160];

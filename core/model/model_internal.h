@@ -27,7 +27,27 @@ typedef struct grad_scratch {
     /* sparse layers (df1, df2 are then [A,Fe] when that is larger than [T,F]) */
     float *dye;       /* [A,D] d expert outputs, then d expert inputs */
     float *dlogit;    /* [T,E] d router logits */
+    float *lora_du;   /* LoRA's backward: [rows, r] beside the layer's lora_u (lora.c) */
 } grad_scratch;
+
+/* The adapters (lora.c; moonrl/model.h's mrl_model_set_lora): their config, scale, buffers
+ * and views (PEFT's names), each layer's table of pointers into the parameters (lp) and the
+ * gradients (lg), a sink for the frozen norms' weight gradients (which the norms' backward
+ * ops write; nothing reads them), on while `on`. */
+typedef struct mrl_lora {
+    mrl_lora_config cfg;
+    float scale;
+    int on;
+    int64_t n;
+    float *params, *grads; /* grads: NULL until first used */
+    mrl_param_view *views;
+    int n_views;
+    char *names;
+    lora_layer *lp, *lg;
+    int64_t *layer_off; /* [L + 1]: layer l's adapters are [layer_off[l], layer_off[l + 1]) */
+    float *sink;
+    int64_t sink_n;
+} mrl_lora;
 
 struct mrl_model {
     mrl_model_config cfg;
@@ -61,6 +81,7 @@ struct mrl_model {
      * as bf16 weight panels, written by the same refresh as w16 */
     mrl_buffer p16_buf;
     int recompute;
+    mrl_lora *lora; /* adapters (lora.c), or NULL */
     /* mixture of experts: the load-balancing loss of the last forward (moonrl/model.h):
      * over all sparse layers and tokens: picks of expert e, the sum of its
      * router probabilities, and aux_n = tokens * sparse layers */
@@ -188,6 +209,12 @@ struct mrl_model {
     int pp_nslots, pp_slot;
 };
 
+/* lora.c: the adapters' pointers into each layer's tables (again after the layout's pointers
+ * were rebuilt: mrl_model_point_params), the frozen parameters' gradient pointers (NULL, the
+ * norms' at the sink); their free */
+void mrl_lora_point(mrl_model *m);
+void mrl_lora_free(mrl_model *m);
+
 /* pipeline parallel: this model holds the embedding (as the first stage), the head (the last) */
 static inline int mrl_model_has_embed(const mrl_model *m) { return m->pp_stage == 0; }
 static inline int mrl_model_has_head(const mrl_model *m) { return m->pp_stage >= m->pp_stages - 1; }
@@ -258,10 +285,11 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
  * backward, y [rows,D] out. The backward: dy [rows,D] in, overwritten by dx; df1, df2
  * [rows,Fe] scratch; the experts' gradients added to g. */
 void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
-                             const float *x, float *gate, float *up, float *act, float *y);
+                             const float *x, float *gate, float *up, float *act, float *y, float *lora_u);
 void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const layer_params *g, int64_t e0, int64_t ne,
                               const int32_t *eoff, const float *x, const float *gate, const float *up,
-                              const float *act, float *dy, float *df1, float *df2);
+                              const float *act, float *dy, float *df1, float *df2, float *lora_u,
+                              float *lora_du);
 /* moe_ep.c: expert parallelism. forward: a->xe's rows to the ranks of their experts, their
  * outputs back into a->ey; backward: dye [A,D] (d ey) to the same ranks, d xe back into it.
  * A failure is kept in the model's EP state (mrl_moe_ep_status) and the layer's outputs are

@@ -103,8 +103,31 @@ static void route(const mrl_kernels *k, const mrl_model_config *c, layer_acts *a
     }
 }
 
+/* Expert e's adapter of target j (gate, up, down: lora.c), A [r, in] and B [out, r], or NULL. */
+static const float *lora_at(const float *blk, int64_t e, int64_t size) { return blk ? blk + e * size : NULL; }
+
+/* LoRA's part of target j (0 gate, 1 up, 2 down) for experts e0 .. e0 + ne, rows grouped by
+ * eoff: forward (y += s (x A_e^T) B_e^T) or, with G, backward (dx: NULL or += du A_e). */
+static void experts_lora(const mrl_model *m, const lora_layer *P, const lora_layer *G, int j, int64_t e0, int64_t ne,
+                         const int32_t *eoff, const float *x, float *y, const float *dy, float *dx, float *u,
+                         float *du) {
+    if (!P || !P->eA[j]) return;
+    int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size, r = mrl_model_lora_rank(m);
+    int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D;
+    for (int64_t i = 0; i < ne; i++) {
+        int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
+        const float *A = lora_at(P->eA[j], e, r * K), *B = lora_at(P->eB[j], e, N * r);
+        if (!G) {
+            mrl_lora_fwd(m, A, B, x + r0 * K, y + r0 * N, n, N, K, u);
+            continue;
+        }
+        mrl_lora_bwd(m, A, B, G->eA[j] + e * r * K, G->eB[j] + e * N * r, x + r0 * K, dy + r0 * N,
+                     dx ? dx + r0 * K : NULL, n, N, K, u, du);
+    }
+}
+
 void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
-                             const float *x, float *gate, float *up, float *act, float *y) {
+                             const float *x, float *gate, float *up, float *act, float *y, float *u) {
     int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size;
     prod_batch b = {.m = m};
     for (int64_t i = 0; i < ne; i++) {
@@ -114,12 +137,15 @@ void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t 
         push(&b, fwd(up + r0 * Fe, x + r0 * D, p->ewu + e * Fe * D, n, Fe, D), at16(p->heu, e * Fe * D));
     }
     flush(&b);
+    experts_lora(m, p->lora, NULL, 0, e0, ne, eoff, x, gate, NULL, NULL, u, NULL);
+    experts_lora(m, p->lora, NULL, 1, e0, ne, eoff, x, up, NULL, NULL, u, NULL);
     m->k->swiglu_fwd(act, gate, up, (int64_t)eoff[ne] * Fe); /* [rows,Fe] */
     for (int64_t i = 0; i < ne; i++) {
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         if (n) push(&b, fwd(y + r0 * D, act + r0 * Fe, p->ewd + e * D * Fe, n, D, Fe), at16(p->hed, e * D * Fe));
     }
     flush(&b);
+    experts_lora(m, p->lora, NULL, 2, e0, ne, eoff, act, y, NULL, NULL, u, NULL);
 }
 
 void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, float *out, int64_t T) {
@@ -132,7 +158,7 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
     if (a->ep) /* the rows to the ranks of their experts, the outputs back into ey (moe_ep.c) */
         mrl_moe_ep_forward(m, p, a);
     else
-        mrl_moe_experts_forward(m, p, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, a->ey);
+        mrl_moe_experts_forward(m, p, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, a->ey, a->lora_u);
     for (int64_t t = 0; t < T; t++) { /* out[t] += sum_j w ye, picks in order */
         float *o = out + t * D;
         for (int64_t j = 0; j < K; j++) {
@@ -145,24 +171,25 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
 
 void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const layer_params *g, int64_t e0, int64_t ne,
                               const int32_t *eoff, const float *x, const float *gate, const float *up,
-                              const float *act, float *dy, float *df1, float *df2) {
+                              const float *act, float *dy, float *df1, float *df2, float *u, float *du) {
     int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size;
-    /* back from y = act Wd_e^T: dWd_e, dact (df1) */
+    /* back from y = act Wd_e^T: dWd_e (none when frozen: LoRA), dact (df1) */
     prod_batch b = {.m = m};
     for (int64_t i = 0; i < ne; i++) {
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         if (!n) continue;
-        push(&b, dweight(g->ewd + e * D * Fe, dy + r0 * D, act + r0 * Fe, n, D, Fe), NULL);
+        if (g->ewd) push(&b, dweight(g->ewd + e * D * Fe, dy + r0 * D, act + r0 * Fe, n, D, Fe), NULL);
         push(&b, dinput(df1 + r0 * Fe, dy + r0 * D, p->ewd + e * D * Fe, n, D, Fe, 0), at16(p->hed, e * D * Fe));
     }
     flush(&b);
+    experts_lora(m, p->lora, g->lora, 2, e0, ne, eoff, act, NULL, dy, df1, u, du);
     m->k->swiglu_bwd(df1, df2, df1, gate, up, (int64_t)eoff[ne] * Fe); /* dgate, dup [rows,Fe] */
     /* dWg_e, dWu_e, and dx = dgate Wg_e + dup Wu_e written over dy (read by nothing after the stage above) */
     for (int64_t i = 0; i < ne; i++) {
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         if (!n) continue;
-        push(&b, dweight(g->ewg + e * Fe * D, df1 + r0 * Fe, x + r0 * D, n, Fe, D), NULL);
-        push(&b, dweight(g->ewu + e * Fe * D, df2 + r0 * Fe, x + r0 * D, n, Fe, D), NULL);
+        if (g->ewg) push(&b, dweight(g->ewg + e * Fe * D, df1 + r0 * Fe, x + r0 * D, n, Fe, D), NULL);
+        if (g->ewu) push(&b, dweight(g->ewu + e * Fe * D, df2 + r0 * Fe, x + r0 * D, n, Fe, D), NULL);
         push(&b, dinput(dy + r0 * D, df1 + r0 * Fe, p->ewg + e * Fe * D, n, Fe, D, 0), at16(p->heg, e * Fe * D));
     }
     flush(&b);
@@ -171,6 +198,8 @@ void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const l
         if (n) push(&b, dinput(dy + r0 * D, df2 + r0 * Fe, p->ewu + e * Fe * D, n, Fe, D, 1.0f), at16(p->heu, e * Fe * D));
     }
     flush(&b);
+    experts_lora(m, p->lora, g->lora, 0, e0, ne, eoff, x, NULL, df1, dy, u, du);
+    experts_lora(m, p->lora, g->lora, 1, e0, ne, eoff, x, NULL, df2, dy, u, du);
 }
 
 void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
@@ -223,9 +252,10 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
     if (a->ep) /* d ey to the ranks of the experts, d xe back (moe_ep.c) */
         mrl_moe_ep_backward(m, p, g, a, s->dye);
     else
-        mrl_moe_experts_backward(m, p, g, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, s->dye, s->df1, s->df2);
-    /* the router (fp32), then each pick's dxe back to its token, in grouped order */
-    k->gemm(1, 0, E, D, T, 1.0f, s->dlogit, E, a->ln2, D, 1.0f, g->router, D); /* dWr [E,D] */
+        mrl_moe_experts_backward(m, p, g, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, s->dye, s->df1, s->df2,
+                                 a->lora_u, s->lora_du);
+    /* the router (fp32; frozen under LoRA), then each pick's dxe back to its token, in grouped order */
+    if (g->router) k->gemm(1, 0, E, D, T, 1.0f, s->dlogit, E, a->ln2, D, 1.0f, g->router, D); /* dWr [E,D] */
     if (m->tp_size > 1) { /* the picks' dxe are this rank's slices' parts: summed, then the router's (whole) */
         k->zero(dln, (int64_t)sizeof(float) * T * D);
         k->scatter_add_rows(dln, s->dye, a->tok, A, D);

@@ -139,7 +139,7 @@ void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a
     }
     L->eoff[ne] = (int32_t)j;
     permute_rows(L->x, ep->arrive, L->perm, rows, D, 0);
-    mrl_moe_experts_forward(m, p, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work);
+    mrl_moe_experts_forward(m, p, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work, NULL);
     permute_rows(ep->arrive, ep->work, L->perm, rows, D, 1);
     failed(ep, mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, a->ey, L->scount, (int64_t)sizeof(float) * D));
 }
@@ -154,7 +154,8 @@ void mrl_moe_ep_backward(const mrl_model *m, const layer_params *p, const layer_
     if (failed(ep, mrl_dist_alltoallv(ep->d, dye, L->scount, ep->arrive, L->rcount, (int64_t)sizeof(float) * D)))
         return;
     permute_rows(ep->work, ep->arrive, L->perm, L->rows, D, 0);
-    mrl_moe_experts_backward(m, p, g, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work, ep->df1, ep->df2);
+    mrl_moe_experts_backward(m, p, g, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work, ep->df1, ep->df2, NULL,
+                             NULL); /* (no LoRA under EP yet) */
     permute_rows(ep->arrive, ep->work, L->perm, L->rows, D, 1);
     failed(ep, mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, dye, L->scount, (int64_t)sizeof(float) * D));
 }
@@ -203,6 +204,7 @@ mrl_status mrl_model_set_expert_parallel(mrl_model *m, mrl_dist *d) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "model set_expert_parallel: NULL model");
     mrl_moe_ep_free(m);
     if (!d) return MRL_OK;
+    if (m->lora) return mrl_set_error(MRL_ERR_UNSUPPORTED, "model set_expert_parallel: not yet with LoRA adapters");
     int n_moe = mrl_moe_ordinal(&m->cfg, m->cfg.num_hidden_layers); /* (this model's own) */
     if (n_moe == 0)
         return mrl_set_error(MRL_ERR_INVALID, "model set_expert_parallel: the model has no sparse layers "

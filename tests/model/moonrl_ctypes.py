@@ -72,6 +72,30 @@ class Moonrl:
         check(lib.mrl_model_backward(self.h, ptr(a), ptr(b), ptr(c)))
 
 
+def randomize(m, rng):
+    """Random weights written into m's buffer: norms near 1, biases and matrices small, a router's
+    rows large enough that its picks stay far from ties."""
+    for n, off, shape, _ in m.views:
+        size = int(np.prod(shape))
+        if "norm" in n:
+            m.params[off:off + size] = 1 + 0.2 * rng.standard_normal(size)
+        elif n.endswith("mlp.gate.weight"):
+            m.params[off:off + size] = 0.5 * rng.standard_normal(size)
+        else:
+            m.params[off:off + size] = (0.1 if n.endswith("bias") else 0.08) * rng.standard_normal(size)
+
+
+def batch(cfg, lens, rng):
+    """A packed batch of random tokens of the given lengths: (tokens, targets: the next token, -1
+    last, cu_seqlens)."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    tokens = rng.integers(0, cfg["vocab_size"], cu[-1]).astype(np.int32)
+    targets = np.full(cu[-1], -1, np.int32)
+    for s in range(len(lens)):
+        targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
+    return tokens, targets, cu
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = np.abs(b).max()

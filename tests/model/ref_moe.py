@@ -37,32 +37,12 @@ import torch
 torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moonrl_ctypes  # noqa: E402
-from moonrl_ctypes import Moonrl, rel  # noqa: E402
+from moonrl_ctypes import Moonrl, batch, randomize, rel  # noqa: E402
 from torch_ref_moe import is_sparse, reference  # noqa: E402
 
 lib = moonrl_ctypes.load(sys.argv[1])
 
 failures = []
-
-
-def randomize(m, rng):
-    for n, off, shape, _ in m.views:
-        size = int(np.prod(shape))
-        if "norm" in n:
-            m.params[off:off + size] = 1 + 0.2 * rng.standard_normal(size)
-        elif n.endswith("mlp.gate.weight"):  # decisive routing: picks far from ties
-            m.params[off:off + size] = 0.5 * rng.standard_normal(size)
-        else:
-            m.params[off:off + size] = 0.08 * rng.standard_normal(size)
-
-
-def batch(cfg, lens, rng):
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    tokens = rng.integers(0, cfg["vocab_size"], cu[-1]).astype(np.int32)
-    targets = np.full(cu[-1], -1, np.int32)
-    for s in range(len(lens)):
-        targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
-    return tokens, targets, cu
 
 
 def forced_routing(cfg, m, T, rng):

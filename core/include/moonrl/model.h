@@ -204,6 +204,45 @@ mrl_status mrl_model_view(const mrl_model *m, int i, mrl_param_view *out);
 /* The view with this name; MRL_ERR_INVALID naming it when absent. */
 mrl_status mrl_model_find_view(const mrl_model *m, const char *name, mrl_param_view *out);
 
+/* LoRA (Hu et al. 2021, as PEFT computes it): each targeted projection y = x W^T becomes
+ *   y = x W^T + (alpha / rank) (x A^T) B^T,   A [rank, in] and B [out, rank]
+ * without W + BA ever formed. The adapters' parameters are one buffer of their own (in
+ * layer order, each layer's targets in the order of the bits below, A then B; a sparse
+ * layer's experts as blocks [E, rank, in] and [E, out, rank] per target), and so are their
+ * gradients: with adapters on, the backward adds only to the adapters' gradients (the model's
+ * own parameters are frozen: no gradient buffer, none computed), and the grad hook and
+ * gradient windows name ranges of the adapters' buffer. Init as PEFT: A ~ U(-1/sqrt(in),
+ * 1/sqrt(in)) from `seed`, B = 0 (the adapted model starts equal to the base). The views are
+ * named as PEFT saves them ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight").
+ * Targets: the seven projections of every layer (the experts' gate, up and down follow the
+ * MLP's bits; the router is never adapted). */
+enum {
+    MRL_LORA_Q = 1, MRL_LORA_K = 2, MRL_LORA_V = 4, MRL_LORA_O = 8,
+    MRL_LORA_GATE = 16, MRL_LORA_UP = 32, MRL_LORA_DOWN = 64, MRL_LORA_ALL = 127
+};
+typedef struct mrl_lora_config {
+    int rank;        /* >= 1 */
+    double alpha;    /* the scale is alpha / rank */
+    unsigned targets; /* MRL_LORA_* bits, at least one */
+    uint64_t seed;   /* A's init */
+} mrl_lora_config;
+/* Adapters on (a whole model on the CPU, none yet: MRL_ERR_UNSUPPORTED otherwise, naming why). */
+mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg);
+/* The adapters' config (NULL: none), parameter count, parameters and gradients (host memory;
+ * the gradients allocated zeroed by the first call), views (0 <= i < count). */
+const mrl_lora_config *mrl_model_lora(const mrl_model *m);
+int64_t mrl_model_lora_num_params(const mrl_model *m);
+float *mrl_model_lora_params(mrl_model *m);
+float *mrl_model_lora_grads(mrl_model *m);
+int mrl_model_lora_num_views(const mrl_model *m);
+mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out);
+/* Off (0) or back on (1) without freeing them: off, the model computes as its base (a
+ * reference policy that shares the policy's weights). */
+void mrl_model_lora_enable(mrl_model *m, int on);
+/* The adapters' parameters were written (an optimizer step, a load): the weights' generation
+ * moves on (mrl_model_weights_generation) and nothing of the base is converted again. */
+void mrl_model_lora_changed(mrl_model *m);
+
 /* Keep only each layer's input in the forward and recompute the rest of
  * the layer in the backward (less activation memory, ~1/3 more compute). */
 void mrl_model_set_recompute(mrl_model *m, int on);

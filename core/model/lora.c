@@ -1,0 +1,244 @@
+/* LoRA adapters (moonrl/model.h, mrl_model_set_lora): their buffers and PEFT-named views,
+ * their init, and their part of the layers' products, forward and backward side by side.
+ *
+ * The base stays as it is: each targeted product keeps reading W (fp32, its bf16 copy or the
+ * engine's panels), and the adapter adds s (x A^T) B^T to its output, s = alpha / rank, so
+ * W + s BA is never formed and an adapter update never touches the base's copies. With
+ * adapters on, the backward writes no gradient of the base: the products of dW are skipped
+ * (layer.c drops a product without destination), the embedding's and head's too (forward.c),
+ * and the norms' weight gradients, which their ops write beside dx, go to a sink. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include "model_internal.h"
+#include "base/error.h"
+#include "base/mem.h"
+#include "base/rng.h"
+
+/* The seven matrices' module names (mrl_layer_matrices' order) and the experts' three. */
+static const char *const MOD[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                   "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+static const char *const EXPERT[3] = {"gate_proj", "up_proj", "down_proj"};
+
+typedef struct lora_layout {
+    mrl_lora *lo;
+    int64_t off;
+    int n;
+    size_t names_len;
+} lora_layout;
+
+/* A view of shape [d0, d1] at the layout's offset (filled when lo->views exists), or only its
+ * name counted; returns where it lives in the parameters (NULL while not allocated). */
+static void add(lora_layout *ly, const char *name, int64_t d0, int64_t d1, int64_t at) {
+    mrl_lora *lo = ly->lo;
+    size_t nlen = strlen(name) + 1;
+    if (lo->views) {
+        memcpy(lo->names + ly->names_len, name, nlen);
+        lo->views[ly->n] = (mrl_param_view){lo->names + ly->names_len, at, d0 * d1, 2, {d0, d1}, 1};
+    }
+    ly->names_len += nlen;
+    ly->n++;
+}
+
+/* The one place that defines the adapters' layout: layer by layer, a dense layer's targets A
+ * then B, a sparse layer's experts' targets as [E, r, in] then [E, out, r] blocks (views per
+ * expert). Run to count, then to fill the views and the layer tables (lo->params set). */
+static void build(mrl_model *m, lora_layout *ly) {
+    mrl_lora *lo = ly->lo;
+    const mrl_model_config *c = &m->cfg;
+    int64_t r = lo->cfg.rank, D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
+    char name[160];
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        if (lo->layer_off) lo->layer_off[l] = ly->off;
+        mrl_layer_matrix mats[7];
+        mrl_layer_matrices(c, &m->lp[l], mats);
+        lora_layer *P = lo->params ? &lo->lp[l] : NULL, *G = lo->params ? &lo->lg[l] : NULL;
+        for (int i = 0; i < 7; i++) {
+            if (!(lo->cfg.targets & (1u << i)) || !mats[i].w) continue;
+            int64_t N = mats[i].N, K = mats[i].K;
+            snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, MOD[i]);
+            add(ly, name, r, K, ly->off);
+            if (P) P->A[i] = lo->params + ly->off, G->A[i] = lo->grads + ly->off;
+            ly->off += r * K;
+            snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, MOD[i]);
+            add(ly, name, N, r, ly->off);
+            if (P) P->B[i] = lo->params + ly->off, G->B[i] = lo->grads + ly->off;
+            ly->off += N * r;
+        }
+        if (!m->lp[l].router) continue;
+        for (int j = 0; j < 3; j++) { /* gate, up [Fe, D]; down [D, Fe] */
+            if (!(lo->cfg.targets & (MRL_LORA_GATE << j))) continue;
+            int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D, a0 = ly->off, b0 = a0 + E * r * K;
+            for (int64_t e = 0; e < E; e++) {
+                snprintf(name, sizeof name, "base_model.model.model.layers.%d.mlp.experts.%lld.%s.lora_A.weight", l,
+                         (long long)e, EXPERT[j]);
+                add(ly, name, r, K, a0 + e * r * K);
+                snprintf(name, sizeof name, "base_model.model.model.layers.%d.mlp.experts.%lld.%s.lora_B.weight", l,
+                         (long long)e, EXPERT[j]);
+                add(ly, name, N, r, b0 + e * N * r);
+            }
+            if (P) P->eA[j] = lo->params + a0, P->eB[j] = lo->params + b0, G->eA[j] = lo->grads + a0, G->eB[j] = lo->grads + b0;
+            ly->off = b0 + E * N * r;
+        }
+    }
+    if (lo->layer_off) lo->layer_off[c->num_hidden_layers] = ly->off;
+}
+
+void mrl_lora_free(mrl_model *m) {
+    mrl_lora *lo = m ? m->lora : NULL;
+    if (!lo) return;
+    mrl_mem_free(lo->params);
+    mrl_mem_free(lo->grads);
+    mrl_mem_free(lo->views);
+    mrl_mem_free(lo->names);
+    mrl_mem_free(lo->lp);
+    mrl_mem_free(lo->lg);
+    mrl_mem_free(lo->layer_off);
+    mrl_mem_free(lo->sink);
+    mrl_mem_free(lo);
+    m->lora = NULL;
+}
+
+void mrl_lora_point(mrl_model *m) {
+    mrl_lora *lo = m->lora;
+    if (!lo) return;
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        m->lp[l].lora = lo->on ? &lo->lp[l] : NULL;
+        /* the frozen parameters: no gradients but the norms', which go to the sink */
+        layer_params *g = &m->lg[l];
+        float **f = (float **)g;
+        for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) f[i] = NULL;
+        g->ln1 = g->ln2 = lo->sink;
+        if (m->lp[l].q_norm) g->q_norm = g->k_norm = lo->sink;
+        g->lora = &lo->lg[l];
+    }
+    m->g_embed = m->g_lm_head = m->g_score = NULL;
+    m->g_final_norm = lo->sink;
+}
+
+mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
+    if (!m || !cfg) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_lora: NULL argument");
+    if (m->lora) return mrl_set_error(MRL_ERR_INVALID, "LoRA: the model has adapters already");
+    if (cfg->rank < 1 || cfg->rank > 4096)
+        return mrl_set_error(MRL_ERR_INVALID, "LoRA: rank must be in 1..4096, got %d", cfg->rank);
+    if (!(cfg->alpha > 0) || !isfinite(cfg->alpha))
+        return mrl_set_error(MRL_ERR_INVALID, "LoRA: alpha must be a positive number, got %g", cfg->alpha);
+    if (!(cfg->targets & MRL_LORA_ALL) || (cfg->targets & ~(unsigned)MRL_LORA_ALL))
+        return mrl_set_error(MRL_ERR_INVALID, "LoRA: targets 0x%x name none of the seven projections", cfg->targets);
+    const char *why = m->device.kind != MRL_DEVICE_CPU ? "a model on a GPU"
+                      : m->tp_size > 1                 ? "tensor parallel"
+                      : m->cp_size > 1                 ? "context parallel"
+                      : m->pp_stages > 1               ? "pipeline parallel"
+                      : m->p_region                    ? "sharded parameters (ZeRO-3)"
+                      : m->ep                          ? "expert parallel"
+                      : m->grad_acquire                ? "gradient windows (ZeRO-2)"
+                      : m->score                       ? "a value head (a critic trains whole)"
+                                                       : NULL;
+    if (why) return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: not yet with %s", why);
+    mrl_lora *lo = mrl_mem_alloc(sizeof *lo, MRL_MEM_OTHER);
+    if (!lo) return MRL_ERR_NOMEM;
+    memset(lo, 0, sizeof *lo);
+    lo->cfg = *cfg;
+    lo->scale = (float)(cfg->alpha / cfg->rank);
+    lo->on = 1;
+    lora_layout ly = {lo};
+    build(m, &ly); /* count */
+    int L = m->cfg.num_hidden_layers;
+    int64_t D = m->cfg.hidden_size, hd = m->cfg.head_dim;
+    lo->n = ly.off;
+    lo->n_views = ly.n;
+    m->lora = lo; /* (freed by mrl_lora_free from here) */
+    lo->views = mrl_mem_alloc(sizeof(mrl_param_view) * (ly.n ? ly.n : 1), MRL_MEM_OTHER);
+    lo->names = mrl_mem_alloc(ly.names_len + 1, MRL_MEM_OTHER);
+    lo->lp = mrl_mem_alloc(sizeof(lora_layer) * (L ? L : 1), MRL_MEM_OTHER);
+    lo->lg = mrl_mem_alloc(sizeof(lora_layer) * (L ? L : 1), MRL_MEM_OTHER);
+    lo->layer_off = mrl_mem_alloc(sizeof(int64_t) * (L + 1), MRL_MEM_OTHER);
+    lo->sink_n = D > hd ? D : hd;
+    lo->sink = mrl_mem_alloc(sizeof(float) * lo->sink_n, MRL_MEM_OTHER);
+    lo->params = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_PARAMS);
+    lo->grads = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_GRADS);
+    if (!lo->views || !lo->names || !lo->lp || !lo->lg || !lo->layer_off || !lo->sink || !lo->params || !lo->grads) {
+        mrl_lora_free(m);
+        return mrl_wrap_error(MRL_ERR_NOMEM, "LoRA: no memory for %lld adapter parameters", (long long)ly.off);
+    }
+    memset(lo->lp, 0, sizeof(lora_layer) * (L ? L : 1));
+    memset(lo->lg, 0, sizeof(lora_layer) * (L ? L : 1));
+    memset(lo->grads, 0, sizeof(float) * (lo->n ? lo->n : 1));
+    ly = (lora_layout){lo};
+    build(m, &ly); /* the views, the tables */
+    /* init as PEFT's (kaiming_uniform_ with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), in view order */
+    uint64_t s = cfg->seed;
+    for (int i = 0; i < lo->n_views; i++) {
+        const mrl_param_view *v = &lo->views[i];
+        float *p = lo->params + v->offset;
+        if (strstr(v->name, ".lora_B.")) {
+            memset(p, 0, sizeof(float) * v->numel);
+            continue;
+        }
+        double bound = 1.0 / sqrt((double)v->shape[1]);
+        for (int64_t j = 0; j < v->numel; j++) p[j] = (float)((2 * mrl_unit53(mrl_splitmix64(&s)) - 1) * bound);
+    }
+    /* the base is frozen: its gradient buffer (if any) goes, and the layouts are the adapters' */
+    mrl_buffer_free(&m->grads_buf);
+    m->grads = NULL;
+    mrl_model_release_activations(m); /* (the scratch below joins the layout) */
+    mrl_lora_point(m);
+    return MRL_OK;
+}
+
+const mrl_lora_config *mrl_model_lora(const mrl_model *m) { return m && m->lora ? &m->lora->cfg : NULL; }
+int mrl_model_lora_rank(const mrl_model *m) { return m && m->lora ? m->lora->cfg.rank : 0; }
+int64_t mrl_model_lora_num_params(const mrl_model *m) { return m && m->lora ? m->lora->n : 0; }
+float *mrl_model_lora_params(mrl_model *m) { return m && m->lora ? m->lora->params : NULL; }
+float *mrl_model_lora_grads(mrl_model *m) { return m && m->lora ? m->lora->grads : NULL; }
+int mrl_model_lora_num_views(const mrl_model *m) { return m && m->lora ? m->lora->n_views : 0; }
+
+mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out) {
+    int n = mrl_model_lora_num_views(m);
+    if (!out || i < 0 || i >= n) return mrl_set_error(MRL_ERR_INVALID, "LoRA view %d out of range (0..%d)", i, n - 1);
+    *out = m->lora->views[i];
+    return MRL_OK;
+}
+
+void mrl_model_lora_changed(mrl_model *m) {
+    if (m) atomic_fetch_add(&m->weights_gen, 1); /* (the base's bf16 copies stay as they are) */
+}
+
+void mrl_model_lora_enable(mrl_model *m, int on) {
+    if (!m || !m->lora) return;
+    m->lora->on = on != 0;
+    mrl_lora_point(m);
+    atomic_fetch_add(&m->weights_gen, 1); /* (what the model computes changed) */
+}
+
+void mrl_model_lora_layers(const mrl_model *m, layer_params *layers) {
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) layers[l].lora = m->lp[l].lora;
+}
+
+int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T) {
+    if (!m->lora) return 0;
+    int64_t rows = T * (m->cfg.num_experts > 0 ? (m->cfg.num_experts_per_tok > 1 ? m->cfg.num_experts_per_tok : 1) : 1);
+    return rows * m->lora->cfg.rank;
+}
+
+void mrl_lora_fwd(const mrl_model *m, const float *A, const float *B, const float *x, float *y, int64_t T,
+                  int64_t N, int64_t K, float *u) {
+    if (!A || T <= 0) return;
+    const mrl_kernels *k = m->k;
+    int64_t r = m->lora->cfg.rank;
+    k->gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);               /* u = x A^T [T,r] */
+    k->gemm(0, 1, T, N, r, m->lora->scale, u, r, B, r, 1.0f, y, N);     /* y += s u B^T */
+}
+
+void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA, float *gB, const float *x,
+                  const float *dy, float *dx, int64_t T, int64_t N, int64_t K, float *u, float *du) {
+    if (!A || T <= 0) return;
+    const mrl_kernels *k = m->k;
+    int64_t r = m->lora->cfg.rank;
+    float s = m->lora->scale;
+    k->gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);               /* u = x A^T (again: [T,r] is cheap) */
+    k->gemm(1, 0, N, r, T, s, dy, N, u, r, 1.0f, gB, r);                /* dB += s dy^T u [N,r] */
+    k->gemm(0, 0, T, r, N, s, dy, N, B, r, 0.0f, du, r);                /* du = s dy B [T,r] */
+    k->gemm(1, 0, r, K, T, 1.0f, du, r, x, K, 1.0f, gA, K);             /* dA += du^T x [r,K] */
+    if (dx) k->gemm(0, 0, T, K, r, 1.0f, du, r, A, K, 1.0f, dx, K);     /* dx += du A */
+}
