@@ -64,6 +64,7 @@ function default:start_options()
     max_position_embeddings = self.positions, tie_word_embeddings = true,
     bos_token_id = tok.bos_id, eos_token_id = tok.eos_id }, { seed = cfg.run.seed })
   o.optimizer = false -- the warm-up's AdamW first, then GRPO's (setup)
+  o.lora = false -- model.lora: adapters for GRPO only, over the warmed-up model (setup)
   return o
 end
 
@@ -81,6 +82,8 @@ function default:setup()
   self.before = S:memo('before', function() return f.of(self:heldout_metrics()) end)
   print(string.format('held-out %s after the SFT warm-up (%d steps): %s', f.name, cfg.sft.steps, f.text(self.before)))
   -- 3. GRPO (moonrl.rl's loop) with a fresh AdamW: its state is what the GRPO phase checkpoints
+  -- (model.lora.rank > 0: of LoRA adapters over the warmed-up model)
+  S:start_lora()
   S.opt = S:optimizer('policy', models.adamw(S.policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
 end
 

@@ -269,10 +269,19 @@ static void pack_panels(mrl_engine *e) {
  * round); another buffer (attach_params, a weight store): copies and
  * panels of our own, converted when stale as the fp32 panels are. */
 static mrl_status prepare_weights(mrl_engine *e) {
-    /* LoRA: the model's adapters as they are now (on, off), read in place */
-    if (mrl_model_lora_scratch(e->m, e->cfg.max_num_batched_tokens) > e->lora_scratch)
-        return mrl_set_error(MRL_ERR_INVALID, "engine step: the model got LoRA adapters after the engine was made "
-                             "(make the engine after mrl_model_set_lora)");
+    /* LoRA: the model's adapters as they are now (on, off), read in place; adapters made after the
+     * engine (a run that trains them after a full warm-up) need their scratch: the activations
+     * are laid out again (the graphs, which hold their addresses, are dropped with them) */
+    if (mrl_model_lora_scratch(e->m, e->cfg.max_num_batched_tokens) > e->lora_scratch) {
+        mrl_buffer_free(&e->act_mem);
+        e->act_buf = NULL;
+        int64_t bytes = layout(e, NULL);
+        if (mrl_buffer_alloc(mrl_model_get_device(e->m), (size_t)bytes, MRL_MEM_ACTIVATIONS, &e->act_mem))
+            return mrl_wrap_error(MRL_ERR_NOMEM, "engine step: no memory for the activations with LoRA's scratch "
+                                  "(%lld bytes)", (long long)bytes);
+        e->act_buf = e->act_mem.data;
+        layout(e, e->act_buf);
+    }
     mrl_model_lora_layers(e->m, e->lp);
     if (mrl_model_dtype(e->m) != MRL_MODEL_BF16) {
         if (e->w.lm_head16) { /* switched back to fp32 (its fp32 panels were dropped then) */

@@ -200,6 +200,34 @@ mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out) {
     return MRL_OK;
 }
 
+mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
+    if (!m || !dst) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_lora_merged: NULL argument");
+    if (!m->lora) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_lora_merged: the model has no LoRA adapters");
+    const mrl_model_config *c = &m->cfg;
+    const mrl_kernels *k = m->k;
+    int64_t r = m->lora->cfg.rank, D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
+    float s = m->lora->scale;
+    memcpy(dst, m->params, sizeof(float) * m->n_params);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        const lora_layer *P = &m->lora->lp[l];
+        mrl_layer_matrix mats[7];
+        mrl_layer_matrices(c, &m->lp[l], mats);
+        for (int i = 0; i < 7; i++) /* W [N,K] += s B [N,r] A [r,K] */
+            if (P->A[i])
+                k->gemm(0, 0, mats[i].N, mats[i].K, r, s, P->B[i], r, P->A[i], mats[i].K, 1.0f,
+                        dst + (mats[i].w - m->params), mats[i].K);
+        const float *ew[3] = {m->lp[l].ewg, m->lp[l].ewu, m->lp[l].ewd};
+        for (int j = 0; j < 3; j++) {
+            if (!P->eA[j]) continue;
+            int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D;
+            for (int64_t e = 0; e < E; e++)
+                k->gemm(0, 0, N, K, r, s, P->eB[j] + e * N * r, r, P->eA[j] + e * r * K, K, 1.0f,
+                        dst + (ew[j] - m->params) + e * N * K, K);
+        }
+    }
+    return MRL_OK;
+}
+
 void mrl_model_lora_changed(mrl_model *m) {
     if (m) atomic_fetch_add(&m->weights_gen, 1); /* (the base's bf16 copies stay as they are) */
 }

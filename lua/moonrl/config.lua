@@ -423,7 +423,7 @@ function M.merge(declared, overrides)
     local v = get_path(cfg, k)
     if type(v) == 'number' then check_number(k, flat[k], v) end
   end
-  return cfg, flat
+  return cfg, flat, given
 end
 
 -- Text listing of every key, its default and type.
@@ -456,8 +456,8 @@ setmetatable(M, {
       io.stdout:write(M.format(declared), '\n')
       error(setmetatable({ show_config = true }, { __tostring = function() return 'config shown' end }), 0)
     end
-    local cfg = M.merge(declared, M.overrides)
-    M.current = cfg
+    local cfg, _, given = M.merge(declared, M.overrides)
+    M.current, M.given = cfg, given -- (given: the keys set on the command line, by name)
     M.apply_run(cfg.run)
     return cfg
   end,

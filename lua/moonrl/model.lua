@@ -553,6 +553,12 @@ end
 function Model:dtype() return C.mrl_model_dtype(self.handle) == C.MRL_MODEL_BF16 and 'bf16' or 'fp32' end
 -- The parameter buffer was written: the bf16 copies are converted again before their next use.
 function Model:weights_changed() C.mrl_model_weights_changed(self.handle) end
+-- What the optimizer calls after a step: the buffer it trains changed (Model:trainable's: with
+-- LoRA only the adapters, which the products read as they are, so the base's bf16 copies stay).
+function Model:trained()
+  if C.mrl_model_lora(self.handle) ~= nil then C.mrl_model_lora_changed(self.handle)
+  else C.mrl_model_weights_changed(self.handle) end
+end
 -- How many times the weights were written (mrl_model_weights_generation): a copy taken at g is current while this is g.
 function Model:weights_generation() return tonumber(C.mrl_model_weights_generation(self.handle)) end
 
@@ -562,6 +568,8 @@ function Model:weights_generation() return tonumber(C.mrl_model_weights_generati
 -- model in errors.
 function Model:read_dir(dir, what)
   what = what or 'the model'
+  -- a checkpoint of LoRA training holds the adapters (PEFT's files)
+  if self:lora() or require('moonrl.io.fs').exists(dir .. '/adapter_config.json') then return self:load_lora(dir) end
   if self:shard() then return self:read_shard(dir) end
   if self:tp() > 1 or self.pp then return self:read_tp(dir) end
   local st = require('moonrl.io.safetensors').open(dir)
@@ -794,6 +802,173 @@ function Model:no_decay_ranges()
     if not v.weight_decay then r[#r + 1] = { v.offset, v.numel } end
   end
   return r
+end
+
+-- ---- LoRA adapters (model.h, mrl_model_set_lora) ----
+-- The seven projections' module names, in the order of the C bits (MRL_LORA_Q << i); the experts'
+-- gate, up and down of a qwen3_moe model follow the last three.
+M.lora_modules = { 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj' }
+
+-- targets ('all-linear', nil, or a list of module names) as the C bits; nil and the reason for a
+-- name that is none of M.lora_modules.
+function M.lora_bits(targets)
+  if targets == nil or targets == 'all-linear' then return C.MRL_LORA_ALL end
+  if type(targets) == 'string' then targets = { targets } end
+  if type(targets) ~= 'table' or #targets == 0 then return nil, "expected 'all-linear' or a list of module names" end
+  local bits = 0
+  for _, t in ipairs(targets) do
+    local found
+    for i, name in ipairs(M.lora_modules) do
+      if t == name then found = i end
+    end
+    if not found then
+      return nil, string.format("'%s' is not a projection (one of %s, or 'all-linear')", tostring(t),
+        table.concat(M.lora_modules, ', '))
+    end
+    bits = bit.bor(bits, bit.lshift(1, found - 1))
+  end
+  return bits
+end
+
+-- Adapters on: o.rank, o.alpha (default 32: docs/lora.md), o.targets (as lora_bits takes), o.seed. The base is frozen from then on (its gradients are never computed).
+function Model:set_lora(o)
+  local bits, why = M.lora_bits(o.targets)
+  if not bits then error('set_lora: targets: ' .. why, 2) end
+  local cfg = ffi.new('mrl_lora_config', { rank = o.rank, alpha = o.alpha or 32, targets = bits, seed = o.seed or 0 })
+  moonrl.check(C.mrl_model_set_lora(self.handle, cfg), 2)
+  self._lora_views = nil
+end
+
+-- The adapters as { rank, alpha, targets = {names}, n = parameters }, or nil when none.
+function Model:lora()
+  local c = C.mrl_model_lora(self.handle)
+  if c == nil then return nil end
+  local t = {}
+  for i, name in ipairs(M.lora_modules) do
+    if bit.band(c.targets, bit.lshift(1, i - 1)) ~= 0 then t[#t + 1] = name end
+  end
+  return { rank = tonumber(c.rank), alpha = tonumber(c.alpha), targets = t,
+    n = tonumber(C.mrl_model_lora_num_params(self.handle)) }
+end
+
+-- The adapters' parameter buffer (host memory) and length; their gradients; on (true) or off.
+function Model:lora_buffer() return C.mrl_model_lora_params(self.handle), tonumber(C.mrl_model_lora_num_params(self.handle)) end
+function Model:lora_grads() return C.mrl_model_lora_grads(self.handle), tonumber(C.mrl_model_lora_num_params(self.handle)) end
+function Model:lora_enable(on) C.mrl_model_lora_enable(self.handle, on and 1 or 0) end
+
+-- The adapters' views, as Model:views gives the model's (PEFT's names).
+function Model:lora_views()
+  if not self._lora_views then
+    local v, list = ffi.new('mrl_param_view'), {}
+    for i = 0, C.mrl_model_lora_num_views(self.handle) - 1 do
+      moonrl.check(C.mrl_model_lora_view(self.handle, i, v))
+      list[#list + 1] = { name = ffi.string(v.name), offset = tonumber(v.offset), numel = tonumber(v.numel),
+        shape = { tonumber(v.shape[0]), tonumber(v.shape[1]) }, weight_decay = true }
+    end
+    self._lora_views = list
+  end
+  return self._lora_views
+end
+
+-- What the optimizer trains: the adapters with LoRA, else the whole parameter buffer. Returns
+-- the buffer, its length, a function giving the gradient buffer, the views and the ranges
+-- without weight decay.
+function Model:trainable()
+  if self:lora() then
+    local p, n = self:lora_buffer()
+    return p, n, function() return (self:lora_grads()) end, self:lora_views(), {}
+  end
+  local p, n = self:param_buffer()
+  return p, n, function() return (self:grads()) end, self:views(), self:no_decay_ranges()
+end
+
+-- The adapters as a PEFT directory (adapter_config.json, adapter_model.safetensors), dtype
+-- 'F32' (default) or 'BF16'; base: the base model's path for base_model_name_or_path.
+function Model:save_lora(dir, o)
+  o = o or {}
+  local info = self:lora()
+  if not info then error('save_lora: the model has no LoRA adapters', 2) end
+  local fs = require('moonrl.io.fs')
+  fs.mkdirs(dir)
+  local w = require('moonrl.io.safetensors').writer()
+  local p = self:lora_buffer()
+  for _, v in ipairs(self:lora_views()) do w:add(v.name, o.dtype or 'F32', v.shape, p + v.offset) end
+  w:metadata('format', 'pt')
+  w:write(dir .. '/adapter_model.safetensors')
+  local cfg = json.object()
+  for k, v in pairs({ peft_type = 'LORA', task_type = 'CAUSAL_LM', r = info.rank, lora_alpha = info.alpha,
+    lora_dropout = 0.0, target_modules = info.targets, bias = 'none', fan_in_fan_out = false, inference_mode = true,
+    use_rslora = false, use_dora = false, init_lora_weights = true, base_model_name_or_path = o.base or json.null,
+    modules_to_save = json.null, layers_to_transform = json.null, rank_pattern = json.object(),
+    alpha_pattern = json.object() }) do cfg[k] = v end
+  local tmp = dir .. '/adapter_config.json.tmp'
+  fs.write(tmp, json.encode(cfg, { indent = 2 }) .. '\n')
+  fs.rename(tmp, dir .. '/adapter_config.json')
+  return dir
+end
+
+-- A PEFT adapter directory's config, checked: { rank, alpha, targets } as set_lora takes them;
+-- an error naming the file and key for what moonrl does not compute the same way.
+function M.lora_config(dir)
+  local path = dir .. '/adapter_config.json'
+  local text = require('moonrl.io.fs').read(path)
+  if not text then error(string.format('LoRA adapter %s: no adapter_config.json', dir), 2) end
+  local ok, c = pcall(json.decode, text)
+  if not ok or type(c) ~= 'table' then error(string.format('%s: not JSON (%s)', path, tostring(c)), 2) end
+  local function bad(key, why) error(string.format('%s: %s: %s', path, key, why), 3) end
+  if c.peft_type ~= nil and c.peft_type ~= 'LORA' then bad('peft_type', "'" .. tostring(c.peft_type) .. "' (LORA only)") end
+  if type(c.r) ~= 'number' or c.r < 1 or c.r % 1 ~= 0 then bad('r', 'expected a positive integer') end
+  if c.lora_alpha ~= nil and (type(c.lora_alpha) ~= 'number' or not (c.lora_alpha > 0)) then bad('lora_alpha', 'expected a positive number') end
+  for _, k in ipairs({ 'use_rslora', 'use_dora', 'fan_in_fan_out' }) do
+    if c[k] == true then bad(k, 'not supported (plain LoRA only)') end
+  end
+  if c.bias ~= nil and c.bias ~= 'none' and c.bias ~= json.null then bad('bias', "'" .. tostring(c.bias) .. "' (only 'none')") end
+  for _, k in ipairs({ 'rank_pattern', 'alpha_pattern' }) do
+    if type(c[k]) == 'table' and next(c[k]) ~= nil then bad(k, 'per-module ranks are not supported') end
+  end
+  if c.layers_to_transform ~= nil and c.layers_to_transform ~= json.null then
+    bad('layers_to_transform', 'not supported: every layer is adapted')
+  end
+  if type(c.modules_to_save) == 'table' and #c.modules_to_save > 0 then bad('modules_to_save', 'not supported') end
+  local targets = c.target_modules
+  if targets == 'all-linear' then targets = nil end
+  if targets ~= nil and M.lora_bits(targets) == nil then bad('target_modules', select(2, M.lora_bits(targets))) end
+  return { rank = c.r, alpha = c.lora_alpha or 8, targets = targets }
+end
+
+-- The weights of a PEFT adapter directory into the model's adapters (made from its config when the
+-- model has none; else they must agree). Every tensor is checked by name and shape first; a tensor
+-- the model does not have, or one it misses, is an error naming it.
+function Model:load_lora(dir)
+  local c = M.lora_config(dir)
+  local have = self:lora()
+  if not have then
+    self:set_lora(c)
+  elseif have.rank ~= c.rank or have.alpha ~= c.alpha or M.lora_bits(have.targets) ~= M.lora_bits(c.targets) then
+    error(string.format('load_lora %s: rank %d alpha %g targets %s, the model\'s adapters are rank %d alpha %g targets %s',
+      dir, c.rank, c.alpha, type(c.targets) == 'table' and table.concat(c.targets, ',') or 'all-linear',
+      have.rank, have.alpha, table.concat(have.targets, ',')), 2)
+  end
+  local st = require('moonrl.io.safetensors').open(dir .. '/adapter_model.safetensors')
+  local by = {}
+  for _, v in ipairs(self:lora_views()) do by[v.name] = v end
+  for _, name in ipairs(st:names()) do
+    local v = by[name]
+    if not v then error(string.format('load_lora %s: tensor %s is not one of the model\'s adapters', dir, name), 2) end
+    local sh = st:info(name).shape
+    if #sh ~= 2 or sh[1] ~= v.shape[1] or sh[2] ~= v.shape[2] then
+      error(string.format('load_lora %s: %s has shape [%s], the model\'s is [%d, %d]', dir, name,
+        table.concat(sh, ', '), v.shape[1], v.shape[2]), 2)
+    end
+    v.seen = true
+  end
+  for _, v in ipairs(self:lora_views()) do
+    if not v.seen then error(string.format('load_lora %s: no tensor %s in adapter_model.safetensors', dir, v.name), 2) end
+    v.seen = nil
+  end
+  local p = self:lora_buffer()
+  for _, v in ipairs(self:lora_views()) do st:read_f32(v.name, p + v.offset) end
+  C.mrl_model_lora_changed(self.handle)
 end
 
 return M

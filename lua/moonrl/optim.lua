@@ -128,11 +128,11 @@ function AdamW:step(lr)
   self:create()
   if self.offloaded then -- the gradients over, the update on the host, the weights back: overlapped
     moonrl.check(C.mrl_offload_step(self.offload_handle, lr or -1), 2)
-    if self.model then self.model:weights_changed() end
+    if self.model then self.model:trained() end
     return
   end
   moonrl.check(C.mrl_adamw_step(self.handle, lr or -1), 2)
-  if self.model then self.model:weights_changed() end -- a bf16 model converts its copies before their next use
+  if self.model then self.model:trained() end -- a bf16 model converts its copies before their next use
 end
 
 local norm_out = ffi.new('double[1]')

@@ -66,7 +66,8 @@ local function random(state, n)
 end
 
 -- opts: recipe, words (without run.dir), steps (the run's total of global steps), kills, seed,
--- dir (scratch), models (model directories to compare: default {'model'}), phases (kill phases),
+-- dir (scratch), models (model directories to compare: default {'model'}), file (the weights file
+-- in each: default model.safetensors; a LoRA run's adapter_model.safetensors), phases (kill phases),
 -- max_attempts, timer_seconds (upper bound of the timed kills, scaled by the share of steps
 -- left), log (print progress).
 function K.campaign(o)
@@ -134,8 +135,8 @@ function K.campaign(o)
   end
   local same = {}
   for _, m in ipairs(models) do
-    local a = fs.read(ref_dir .. '/' .. m .. '/model.safetensors')
-    local b = fs.read(dir .. '/' .. m .. '/model.safetensors')
+    local a = fs.read(ref_dir .. '/' .. m .. '/' .. (o.file or 'model.safetensors'))
+    local b = fs.read(dir .. '/' .. m .. '/' .. (o.file or 'model.safetensors'))
     same[m] = a ~= nil and a == b
   end
   return { kills = kills, attempts = attempts, kinds = kinds, same = same, log = log,

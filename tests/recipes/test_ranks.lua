@@ -174,6 +174,26 @@ t.test('a checkpoint of 2 ranks resumes on 3', function()
   t.eq(#metrics(d), 4, 'four steps logged, once each')
 end)
 
+t.test('LoRA: sft on 2 ranks within 1e-5 of 1 process, zero=1 the bits of plain data parallel, resumed on 1', function()
+  local L = with(SFT, 'model.lora.rank=4', 'train.lr=1e-2')
+  local function adapters(d) return U.weights(d .. '/model/adapter_model.safetensors') end
+  run(0, 'recipes/sft.lua', with(L, 'run.dir=' .. dir .. '/lora1'))
+  run(2, 'recipes/sft.lua', with(L, 'run.dir=' .. dir .. '/lora2'))
+  local e = rel_diff(adapters(dir .. '/lora1'), adapters(dir .. '/lora2'))
+  print(string.format('  LoRA sft on 2 ranks against 1 process: relative adapter difference %.3g', e))
+  t.truthy(e <= 1e-5, 'the adapters\' gradients summed over the ranks')
+  run(2, 'recipes/sft.lua', with(L, 'run.dir=' .. dir .. '/lora2z', 'dist.zero=1'))
+  t.truthy(bytes(dir .. '/lora2z/model/adapter_model.safetensors') == bytes(dir .. '/lora2/model/adapter_model.safetensors'),
+    'zero=1 (the adapters\' state sharded) equals plain data parallel bit for bit')
+  local d = dir .. '/lora_resume'
+  local r = run(2, 'recipes/sft.lua', with(L, 'run.dir=' .. d, 'run.checkpoint_every=1', 'dist.zero=1'),
+    { env = { 'MOONRL_FAULT=exit:step=3:phase=step' }, expect_fail = true })
+  t.truthy(not r.ok, 'the 2-rank job died at step 3')
+  run(0, 'recipes/sft.lua', with(L, 'run.dir=' .. d))
+  e = rel_diff(adapters(dir .. '/lora1'), adapters(d))
+  t.truthy(e <= 1e-5, 'a zero=1 LoRA checkpoint of 2 ranks resumed by 1 process: ' .. e)
+end)
+
 -- A checkpoint as moonrl wrote it before the shard files (format version 1): its optimizer
 -- state in one optimizer.safetensors, as plain data parallel still writes it, and version 1 in
 -- the manifest and state.json (its entry in the manifest updated).

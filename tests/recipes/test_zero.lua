@@ -35,12 +35,7 @@ local function model_bytes(d) return fs.read(d .. '/model/model.safetensors') en
 local rel_diff = U.rel_diff
 local function weights(d) return U.weights(d .. '/model') end -- (one file or shards with an index)
 
-local function event(d, name)
-  for line in io.lines(d .. '/events.jsonl') do
-    local e = json.decode(line)
-    if e.event == name then return e end
-  end
-end
+local event = U.event
 
 -- one micro-batch a rank (micro_batch_tokens past the local batch) and several (40 tokens)
 local BASE = { 'model.dir=' .. model_dir, 'run.threads=1', 'train.lr=1e-3' }

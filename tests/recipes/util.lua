@@ -132,6 +132,15 @@ function M.rel_diff(a, b)
   return math.sqrt(num / math.max(den, 1e-30))
 end
 
+-- The first event of this kind in a run's events.jsonl (nil: none).
+function M.event(run_dir, kind)
+  local json = require('moonrl.io.json')
+  for line in io.lines(run_dir .. '/events.jsonl') do
+    local e = json.decode(line)
+    if e.event == kind then return e end
+  end
+end
+
 -- The records of a run's metrics.jsonl, one table a step.
 function M.records(run_dir)
   local json = require('moonrl.io.json')

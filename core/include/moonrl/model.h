@@ -239,6 +239,9 @@ mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out);
 /* Off (0) or back on (1) without freeing them: off, the model computes as its base (a
  * reference policy that shares the policy's weights). */
 void mrl_model_lora_enable(mrl_model *m, int on);
+/* The parameters with the adapters merged into dst (host memory, mrl_model_num_params floats):
+ * each adapted matrix W + (alpha / rank) B A, the rest copied (a merged model to save or serve). */
+mrl_status mrl_model_lora_merged(mrl_model *m, float *dst);
 /* The adapters' parameters were written (an optimizer step, a load): the weights' generation
  * moves on (mrl_model_weights_generation) and nothing of the base is converted again. */
 void mrl_model_lora_changed(mrl_model *m);

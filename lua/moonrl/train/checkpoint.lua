@@ -73,13 +73,50 @@ function M.dir_name(step) return string.format('step-%06d', step) end
 -- 5 GB; Model:save). Shared with the final save of a run (moonrl.train.models.save).
 function M.save_model(model, dir, tokenizer_dir, max_shard_bytes)
   fs.mkdirs(dir)
-  model:save(dir, max_shard_bytes)
+  if model:lora() then -- LoRA: the adapters (PEFT's files), and the base they apply to by path and checksums
+    model:save_lora(dir, { base = model.source_dir })
+    fs.write(dir .. '/' .. M.LORA_BASE, json.encode(M.base_identity(model), { indent = 1 }) .. '\n')
+  else
+    model:save(dir, max_shard_bytes)
+  end
   if tokenizer_dir then
     for _, name in ipairs(TOKENIZER_FILES) do
       local from = tokenizer_dir .. '/' .. name
       if fs.stat(from) then fs.copy(from, dir .. '/' .. name) end
     end
   end
+end
+
+-- A LoRA model's base, beside its adapters: { path, files = { name = crc32c } } of the base's
+-- config and weight files (their checksums taken once a model).
+M.LORA_BASE = 'lora_base.json'
+function M.base_identity(model)
+  if not model._base_identity then
+    local dir, files = model.source_dir, json.object()
+    if not dir then error('LoRA: the model has no base directory (source_dir) to name in its checkpoint', 0) end
+    for _, name in ipairs(fs.list(dir)) do
+      if name == 'config.json' or name:match('%.safetensors$') or name == 'model.safetensors.index.json' then
+        files[name] = fs.crc32c_file(dir .. '/' .. name)
+      end
+    end
+    model._base_identity = json.object({ 'path', dir, 'files', files })
+  end
+  return model._base_identity
+end
+
+-- The base a LoRA checkpoint (dir) names, checked against its checksums: its path; an error
+-- naming the file that is missing or changed.
+function M.lora_base(dir)
+  local id = json.read_file(dir .. '/' .. M.LORA_BASE)
+  for name, crc in pairs(id.files) do
+    local path = id.path .. '/' .. name
+    if not fs.exists(path) then error(string.format('%s: the base model\'s %s is missing', dir, path), 0) end
+    if fs.crc32c_file(path) ~= crc then
+      error(string.format('%s: the base model\'s %s changed since the checkpoint (CRC-32C %08x, was %08x)', dir, path,
+        fs.crc32c_file(path), crc), 0)
+    end
+  end
+  return id.path
 end
 
 -- The optimizer shard file of rank `rank` of `size`.
@@ -102,7 +139,8 @@ local function write_optimizers(path, optimizers, world)
     w:metadata(o.name .. '.step', tostring(s.step))
     -- what the state is of, in Hugging Face coordinates (Model:slices of its range): a run of
     -- another mesh reads its part of it (M.load_optimizer)
-    if o.opt.model then w:metadata(o.name .. '.slices', json.encode(o.opt.model:slices(s.offset or 0, s.n))) end
+    -- (LoRA: the adapters' state, read by range: no mesh slices an adapter)
+    if o.opt.model and not o.opt.lora then w:metadata(o.name .. '.slices', json.encode(o.opt.model:slices(s.offset or 0, s.n))) end
     if world then
       w:metadata(o.name .. '.offset', tostring(s.offset))
       w:metadata(o.name .. '.total', tostring(s.total))
@@ -498,7 +536,15 @@ end
 
 -- Copy a checkpoint's weights into an existing model (same config, checked tensor by tensor).
 function M.load_model(dir, name, model, is_policy)
-  model:read_dir(is_policy and dir or (dir .. '/' .. name), name)
+  local at = is_policy and dir or (dir .. '/' .. name)
+  if not model:lora() and fs.exists(at .. '/' .. M.LORA_BASE) then
+    -- adapters over a base (a run that went on to train LoRA after training the whole model): the
+    -- base first, then the adapters made as the checkpoint's
+    local base = M.lora_base(at)
+    model:read_dir(base, name .. ' (LoRA base)')
+    model.source_dir = base
+  end
+  model:read_dir(at, name)
 end
 
 -- The pieces of an optimizer's saved state, in order: { st, path, offset, count } each holding
@@ -625,7 +671,7 @@ end
 function M.load_optimizer(dir, name, opt)
   local n = opt.n
   local files, fstep = {}, nil
-  if opt.model then files, fstep = sliced_files(dir, name) end
+  if opt.model and not opt.lora then files, fstep = sliced_files(dir, name) end
   if #files > 0 then
     local model = opt.model
     if opt.sharded then

@@ -609,7 +609,7 @@ function M.data_parallel(w, opt, model, opts)
   else
     -- the shard's own AdamW: its state is 1/N of the whole (opt, deferred, never gets one)
     local ranges = {}
-    for _, r in ipairs(model:no_decay_ranges()) do
+    for _, r in ipairs(opt.no_decay or model:no_decay_ranges()) do
       local a, b = math.max(r[1], mine.offset), math.min(r[1] + r[2], mine.offset + mine.count)
       if b > a then ranges[#ranges + 1] = { a - mine.offset, b - a } end
     end
@@ -749,7 +749,7 @@ function DP:step(lr)
   else
     self.full:step(lr)
   end
-  if self.model then self.model:weights_changed() end -- the gathered shards too (a bf16 model's copies)
+  if self.model then self.model:trained() end -- the gathered shards too (a bf16 model's copies)
   for _, f in ipairs(self.after_step) do f() end
   self.synced = false
 end

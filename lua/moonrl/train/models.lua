@@ -9,6 +9,7 @@
 --   local opt = models.adamw(model, { lr = 1e-5 })
 --   models.save(run, model, tok_dir[, dir, max_shard_bytes])  -- run.dir/model in HF format, tokenizer files copied
 local ffi = require('ffi')
+local bit = require('bit')
 local moonrl = require('moonrl')
 local C = moonrl.C
 local model_mod = require('moonrl.model')
@@ -134,17 +135,88 @@ function M.critic_from(policy)
   return M.clone(policy, { value_head = true, init = zero_value_head })
 end
 
--- AdamW over a model's one parameter buffer, no decay on norms and biases. Deferred: its state is
--- allocated by the session's S:optimizer (or its first use), which under dist.zero=1 allocates
--- only each rank's shard of it.
+-- AdamW over what the model trains (Model:trainable): its one parameter buffer, no decay on norms
+-- and biases; with LoRA its adapters' buffer. Deferred: its state is allocated by the session's
+-- S:optimizer (or its first use), which under dist.zero=1 allocates only each rank's shard of it.
 function M.adamw(model, o)
-  local p, n = model:param_buffer() -- (on a GPU: the optimizer's state and steps are there too)
-  -- the gradient buffer when first used: never under dist.zero=2, which lends the backward windows
-  local g = function() return (model:grads()) end
+  -- (on a GPU: the optimizer's state and steps are there too) the gradient buffer when first
+  -- used: never under dist.zero=2, which lends the backward windows
+  local p, n, g, _, no_decay = model:trainable()
   local opt = require('moonrl.optim').adamw({ params = p, grads = g, n = n, lr = o.lr, betas = o.betas,
-    eps = o.eps, weight_decay = o.weight_decay, no_decay = model:no_decay_ranges(), model = model, defer = true })
+    eps = o.eps, weight_decay = o.weight_decay, no_decay = no_decay, model = model, defer = true })
   opt.model = model -- what a session's data-parallel wrapper hooks its gradient buckets into
+  opt.no_decay, opt.lora = no_decay, model:lora() ~= nil -- (a ZeRO shard's ranges; LoRA: the adapters' state)
   return opt
+end
+
+-- model.lora (sections.lora_config) asks for adapters: rank > 0, or a PEFT directory to start from.
+function M.lora_wanted(cfg)
+  local l = type(cfg.model) == 'table' and cfg.model.lora
+  return type(l) == 'table' and ((l.rank or 0) > 0 or l.dir ~= nil) and l or nil
+end
+
+-- LoRA's LR rule ("LoRA Without Regret": ~10x the full-parameter LR): a train.lr not given on the
+-- command line (the recipe's default, a full-parameter one) is multiplied by 10. Returns the lr.
+M.LORA_LR_SCALE = 10
+function M.lora_lr(cfg)
+  local config = require('moonrl.config')
+  if config.current == cfg and config.given and not config.given['train.lr'] and cfg.train and cfg.train.lr then
+    cfg.train.lr = cfg.train.lr * M.LORA_LR_SCALE
+    return cfg.train.lr, true
+  end
+  return cfg.train and cfg.train.lr, false
+end
+
+-- The policy's adapters from model.lora: a usage error naming the key for what LoRA does not do yet
+-- (checked before any work), then the adapters made (seeded from run.seed) or read from
+-- model.lora.dir. Returns a line describing them (the trainable share).
+function M.apply_lora(cfg, policy)
+  local l = M.lora_wanted(cfg)
+  if not l then return nil end
+  local d, a = cfg.dist or {}, cfg.async or {}
+  local why = (d.tp or 1) > 1 and 'dist.tp' or (d.cp or 1) > 1 and 'dist.cp' or (d.pp or 1) > 1 and 'dist.pp'
+    or (d.zero or 0) >= 2 and 'dist.zero=' .. d.zero or (d.rollout_ranks or 0) > 0 and 'dist.rollout_ranks'
+    or (a.engine_threads or 0) > 0 and 'async.engine_threads'
+    or (type(cfg.engine) == 'table' and (cfg.engine.backend ~= 'moonrl' or cfg.engine.urls or cfg.engine.launch))
+      and 'rollout servers (engine.backend, engine.urls, engine.launch)'
+    or (type(cfg.model) == 'table' and cfg.model.device ~= nil and cfg.model.device ~= 'cpu') and 'model.device'
+    or (type(cfg.moe) == 'table' and cfg.moe.expert_parallel) and 'moe.expert_parallel' or nil
+  if why then moonrl.usage_error(string.format('model.lora: not yet with %s (docs/lora.md says what LoRA runs with)', why)) end
+  local names = {} -- 'all-linear', or module names separated by commas
+  for s in tostring(l.targets):gmatch('[^,%s]+') do names[#names + 1] = s end
+  local bits, bad = model_mod.lora_bits(#names == 1 and names[1] == 'all-linear' and 'all-linear' or names)
+  if not bits then moonrl.usage_error('model.lora.targets: ' .. bad) end
+  local targets = {}
+  for i, name in ipairs(model_mod.lora_modules) do
+    if bit.band(bits, bit.lshift(1, i - 1)) ~= 0 then targets[#targets + 1] = name end
+  end
+  if l.dir then
+    local ok, err = pcall(function()
+      if (l.rank or 0) > 0 then -- (the directory's own config decides; a rank given must agree)
+        local c = model_mod.lora_config(l.dir)
+        if c.rank ~= l.rank then error(string.format('rank %d, model.lora.rank=%d', c.rank, l.rank), 0) end
+      end
+      policy:load_lora(l.dir)
+    end)
+    if not ok then moonrl.usage_error('model.lora.dir=' .. l.dir .. ': ' .. moonrl.error_text(err)) end
+  else
+    local ok, err = pcall(policy.set_lora, policy, { rank = l.rank, alpha = l.alpha, targets = targets,
+      seed = cfg.run and cfg.run.seed or 0 })
+    if not ok then moonrl.usage_error('model.lora: ' .. moonrl.error_text(err)) end
+  end
+  local info = policy:lora()
+  return info, string.format('LoRA: rank %d, alpha %g, %s: %d trainable parameters (%.2f%% of %d)', info.rank,
+    info.alpha, table.concat(info.targets, ','), info.n, 100 * info.n / policy.n_params, policy.n_params)
+end
+
+-- A new model (no adapters) whose weights are model's with its LoRA adapters merged in
+-- (W + alpha/rank B A: mrl_model_lora_merged).
+function M.merged(model)
+  local copy = model_mod.new(model.config)
+  local p = copy:params()
+  moonrl.check(C.mrl_model_lora_merged(model.handle, p), 2)
+  copy:set_dtype(model:dtype())
+  return copy
 end
 
 -- Save model to dir (default run.dir/model) in Hugging Face format with the tokenizer files of

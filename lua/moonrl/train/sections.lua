@@ -21,10 +21,18 @@ end
 
 -- model.dtype: fp32 | bf16 | auto (moonrl.model, "precision"); model.device: cpu | cuda | cuda:N |
 -- auto (moonrl.model, "the device"). session.start applies both to the policy.
+-- model.lora: LoRA adapters trained instead of the whole model (rank 0: off; docs/lora.md).
 function M.model_config()
   return { dir = config.required('string', 'Hugging Face model directory'),
            tokenizer = config.optional('string', 'tokenizer directory (default model.dir)'),
-           dtype = 'fp32', device = 'cpu' }
+           dtype = 'fp32', device = 'cpu', lora = M.lora_config() }
+end
+
+function M.lora_config()
+  return { rank = config.integer(0, { min = 0, max = 4096 }), alpha = config.number(32, { above = 0 }),
+    targets = 'all-linear',
+    dir = config.optional('string', 'a PEFT adapter directory to start from (its rank, alpha and targets)'),
+    save_merged = false }
 end
 
 -- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad

@@ -147,6 +147,11 @@ function M.start(cfg, opts)
   end
   if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
+  local lora_line -- model.lora: the adapters (before the engine; a recipe may make them later: opts.lora = false)
+  if policy and opts.lora ~= false and models.lora_wanted(cfg) then
+    models.lora_lr(cfg)
+    lora_line = select(2, models.apply_lora(cfg, policy))
+  end
   if cfg.dist and cfg.dist.sequence_parallel and (cfg.dist.tp or 1) <= 1 then
     moonrl.usage_error('dist.sequence_parallel splits the tensor-parallel groups\' tokens: it needs dist.tp > 1')
   end
@@ -272,6 +277,7 @@ function M.start(cfg, opts)
         ' (fp32 master weights; bf16 products: %s)', gpu and 'cuBLASLt' or model_mod.bf16_products() or
         'reference: no bf16 hardware, slow') or '', gpu and ', on ' .. policy:device_description() or ''))
     end
+    if lora_line then M.announce_lora(S, policy, lora_line) end
     S:event('precision', { dtype = policy:dtype(), asked = dtype or 'fp32', device = policy:device(),
       bf16_products = model_mod.bf16_products() or 'none', tp_transport = policy.tp_transport,
       cp_transport = policy.cp_transport,
@@ -282,8 +288,7 @@ function M.start(cfg, opts)
     if opts.optimizer ~= false then -- (false: the recipe makes it later, e.g. after a warm-up)
       S.opt = S:optimizer('policy', models.adamw(policy, { lr = cfg.train.lr, weight_decay = cfg.train.weight_decay }))
     end
-    S.lr_at = moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
-      total = opts.steps, lr = cfg.train.lr })
+    S.lr_at = M.lr_schedule(cfg, opts.steps)
   end
   if engine then S.max_prompt_tokens = policy.config.max_position_embeddings - 1 end
   if data then
@@ -293,6 +298,46 @@ function M.start(cfg, opts)
   return S
 end
 
+
+function M.lr_schedule(cfg, steps)
+  return moonrl.optim.schedule({ kind = cfg.train.schedule or 'constant', warmup = cfg.train.warmup or 0,
+    total = steps, lr = cfg.train.lr })
+end
+
+-- model.lora for a recipe that trains the whole policy first (session.start's opts.lora = false):
+-- from here the policy trains adapters over its weights as they are now, saved once as the run's
+-- lora_base (what its checkpoints name as the adapters' base). A resumed run whose checkpoint held
+-- the adapters has them already. train.lr (not given) follows LoRA's rule (models.lora_lr).
+function Session:start_lora()
+  if not models.lora_wanted(self.cfg) then return end
+  local policy, line = self.policy, nil
+  models.lora_lr(self.cfg)
+  self.lr_at = M.lr_schedule(self.cfg, self.total)
+  if not policy:lora() then
+    local base = self.dir .. '/lora_base'
+    if self.world.rank == 0 and not fs.exists(base .. '/config.json') then
+      fs.remove(base .. '.tmp')
+      ckpt.save_model(policy, base .. '.tmp')
+      fs.rename(base .. '.tmp', base)
+    end
+    self.world:barrier()
+    policy.source_dir = base
+    line = select(2, models.apply_lora(self.cfg, policy))
+    if self.world.size > 1 then self.world:broadcast(policy:lora_buffer(), 4 * policy:lora().n, 0) end
+  else
+    local info = policy:lora()
+    line = string.format('LoRA: rank %d, alpha %g (from the checkpoint)', info.rank, info.alpha)
+  end
+  M.announce_lora(self, policy, line)
+end
+
+-- The adapters' line (rank 0, not quiet) and event: their config and the trainable share.
+function M.announce_lora(S, policy, line)
+  if S.world.rank == 0 and S.cfg.quiet ~= true then print(line) end
+  local info = policy:lora()
+  S:event('lora', { rank = info.rank, alpha = info.alpha, targets = info.targets, trainable = info.n,
+    params = policy.n_params, share = info.n / policy.n_params, lr = S.cfg.train and S.cfg.train.lr }, { quiet = true })
+end
 
 -- dist.zero=3 on several ranks: the layout (dist.shard_layout) of the ranks that shard the
 -- policy's parameters (nil: whole). What sharded parameters do not do yet is a usage error naming the key.
@@ -583,6 +628,7 @@ function Session:model(name, model, opts)
       self.world:gpu_broadcast(p, 4 * n, 0)
     else
       self.world:broadcast(p, 4 * n, 0)
+      if model:lora() then self.world:broadcast(model:lora_buffer(), 4 * select(2, model:lora_buffer()), 0) end
     end
     model:weights_changed()
   end
@@ -1081,13 +1127,18 @@ function Session:save_models()
   for i, m in ipairs(self.models) do
     local dir = self.dir .. '/' .. (i == 1 and 'model' or m.name)
     if not m.model:shard() then -- (a sharded one: saved by every rank above)
-      local p, n = m.model:param_buffer() -- (summed where it lives: ops.sum works on a GPU's too)
+      local p, n = m.model:trainable() -- (summed where it lives: ops.sum works on a GPU's too)
       if not guard_mod.finite(require('moonrl.train.ops').sum(p, n)) then
         error(string.format('the %s has parameters that are not finite: not saving it to %s', m.name, dir), 0)
       end
       local ok, err = pcall(progress.task, 'saving the ' .. m.name .. ' to ' .. dir, function()
         -- (tensor parallel: every slot gathers, slot 0 writes; the tokenizer's files are its)
         ckpt.save_model(m.model, dir, not self.tp_follower and m.tokenizer_dir or nil, self:max_shard_bytes())
+        if i == 1 and m.model:lora() and self.cfg.model.lora.save_merged then -- and the adapters merged in
+          models.save({ dir = self.dir }, models.merged(m.model), m.tokenizer_dir, self.dir .. '/model_merged',
+            self:max_shard_bytes())
+          out.merged = self.dir .. '/model_merged'
+        end
       end)
       if not ok then moonrl.run_error(string.format('cannot save the %s to %s: %s', m.name, dir, moonrl.error_text(err))) end
     end

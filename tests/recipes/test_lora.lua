@@ -1,0 +1,115 @@
+-- LoRA in the recipes (model.lora.*) on the tiny random model: GRPO trains only the adapters (the
+-- base bit for bit as loaded), the engine generates with them unmerged (its log-probs are the
+-- trainer's), the run's model is a PEFT directory that loads back (and continues training from
+-- model.lora.dir), the merged save equals the adapted model; SFT and DPO train adapters too;
+-- a LoRA run resumes bit for bit; what LoRA does not do yet is a usage error naming the key.
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+local fs = require('moonrl.io.fs')
+local json = require('moonrl.io.json')
+local U = dofile('tests/recipes/util.lua')
+
+local dir = U.tmpdir('lora')
+local model_dir, sft_data, pref_data, data = U.ranks_setup(dir)
+
+local RL = { 'model.dir=' .. model_dir, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+  'reward=tests/recipes/partial_reward.lua:partial', 'train.micro_batch_tokens=64', 'run.threads=1',
+  'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=4' }
+local function with(extra) return U.with(RL, extra) end
+
+-- the log-probs of a few sequences under model m
+local SEQS = { { 1, 5, 9, 2, 3 }, { 4, 7, 7, 1 } }
+local function logprobs(m)
+  local lp = m:forward(moonrl.model.batch(SEQS))
+  local out = {}
+  for i = 0, 8 do out[#out + 1] = lp[i] end
+  return out
+end
+
+local grpo -- (the first test's run: the later ones start from its adapters)
+t.test('grpo with LoRA: adapters trained, base frozen, engine = trainer, a PEFT directory saved', function()
+  local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=4', 'model.lora.rank=4', 'model.lora.alpha=8',
+    'grpo.kl_coef=0.01', 'model.lora.save_merged=true', 'run.dir=' .. dir .. '/grpo' }))
+  grpo = out
+  local recs_out = U.records(out.dir)
+  t.eq(#recs_out, 4)
+  local moved = 0
+  for _, r in ipairs(recs_out) do
+    -- the engine generates with the adapters unmerged; the trainer's first forward reads the same weights
+    t.truthy(r['mismatch/max_abs'] < 1e-4, 'engine vs trainer log-probs: max |diff| ' .. r['mismatch/max_abs'])
+    moved = moved + (r.grad_norm > 0 and 1 or 0)
+  end
+  t.truthy(moved > 0, 'the adapters got gradients')
+  local e = U.event(out.dir, 'lora')
+  t.eq(e.rank, 4)
+  t.near(e.lr, 1e-5, 1e-12, 'train.lr not given: 10x the recipe\'s full-parameter default (1e-6)')
+  t.truthy(e.trainable < e.params, 'the trainable share is the adapters\'')
+  -- the base is the loaded model's, bit for bit; the policy differs from it by the adapters
+  local base = moonrl.model.load(model_dir)
+  local pp, n = out.model:param_buffer()
+  local bp = base:param_buffer()
+  t.eq(ffi.string(pp, 4 * n), ffi.string(bp, 4 * n), 'the base weights are unchanged')
+  local want = logprobs(out.model)
+  local differ = 0
+  for i, v in ipairs(logprobs(base)) do differ = math.max(differ, math.abs(v - want[i])) end
+  t.truthy(differ > 1e-4, 'the adapters changed the model')
+  -- the saved PEFT directory over the base is the trained policy
+  local m = out.dir .. '/model'
+  t.truthy(fs.exists(m .. '/adapter_model.safetensors') and fs.exists(m .. '/adapter_config.json'), 'PEFT files')
+  local cfg = json.read_file(m .. '/adapter_config.json')
+  t.eq(cfg.r, 4)
+  t.eq(cfg.lora_alpha, 8)
+  t.eq(cfg.peft_type, 'LORA')
+  base:load_lora(m)
+  for i, v in ipairs(logprobs(base)) do t.near(v, want[i], 1e-6, 'the saved adapters give the trained log-probs') end
+  -- and merged into a whole model (model.lora.save_merged), within fp32 rounding of the unmerged
+  local merged = moonrl.model.load(out.dir .. '/model_merged')
+  for i, v in ipairs(logprobs(merged)) do t.near(v, want[i], 1e-5, 'merged = unmerged') end
+  -- checkpoints hold the adapters, their optimizer state and the base's identity
+  local ck = require('moonrl.train.checkpoint').latest(out.dir .. '/checkpoints')
+  t.truthy(fs.exists(ck .. '/adapter_model.safetensors') and not fs.exists(ck .. '/model.safetensors'), 'adapters only')
+  local id = json.read_file(ck .. '/lora_base.json')
+  t.eq(id.path, model_dir)
+  t.truthy(id.files['model.safetensors'] ~= nil, 'the base weights\' checksum')
+  local st = require('moonrl.io.safetensors').open(ck .. '/optimizer.safetensors')
+  t.eq(st:info('policy.exp_avg').numel, out.model:lora().n, 'the optimizer state is the adapters\'')
+end)
+
+t.test('model.lora.dir continues from a saved adapter', function()
+  local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=1', 'model.lora.dir=' .. grpo.dir .. '/model',
+    'train.lr=0', 'run.dir=' .. dir .. '/grpo2' }))
+  local a, b = logprobs(out.model), logprobs(grpo.model)
+  for i = 1, #a do t.near(a[i], b[i], 1e-6, 'the adapters read back (lr 0: unchanged)') end
+  t.eq(out.model:lora().rank, 4)
+end)
+
+t.test('sft and dpo train adapters', function()
+  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. sft_data,
+    'train.steps=6', 'train.batch=8', 'train.lr=1e-2', 'model.lora.rank=2', 'model.lora.targets=q_proj,v_proj',
+    'run.threads=1', 'run.dir=' .. dir .. '/sft' })
+  local r = U.records(out.dir)
+  t.truthy(r[#r].loss < r[1].loss, string.format('SFT loss falls: %.4f -> %.4f', r[1].loss, r[#r].loss))
+  t.eq(table.concat(out.model:lora().targets, ','), 'q_proj,v_proj')
+  t.eq(#out.model:lora_views(), 2 * 2 * out.model.config.num_hidden_layers, 'A and B of q and v in each layer')
+  local d = U.run_recipe('recipes/dpo.lua', { 'model.dir=' .. model_dir, 'data.path=' .. pref_data,
+    'train.steps=4', 'train.pairs=4', 'train.lr=1e-2', 'model.lora.rank=2', 'run.threads=1', 'run.dir=' .. dir .. '/dpo' })
+  local dr = U.records(d.dir)
+  t.truthy(dr[#dr].loss < dr[1].loss, string.format('DPO loss falls: %.4f -> %.4f', dr[1].loss, dr[#dr].loss))
+end)
+
+t.test('what LoRA does not do yet, and bad keys, are usage errors naming the key', function()
+  for _, c in ipairs({
+    { { 'model.lora.rank=4', 'dist.zero=2' }, 'dist.zero=2' },
+    { { 'model.lora.rank=4', 'model.lora.targets=q_proj,lm_head' }, "model.lora.targets: 'lm_head'" },
+    { { 'model.lora.rank=4', 'async.engine_threads=1', 'async.mode=one_step_off' }, 'async.engine_threads' },
+    { { 'model.lora.dir=' .. dir .. '/none' }, 'model.lora.dir=' },
+  }) do
+    local ok, err = pcall(U.run_recipe, 'recipes/grpo.lua', with(U.with(c[1], { 'grpo.steps=1',
+      'run.dir=' .. dir .. '/bad' })))
+    t.truthy(not ok, table.concat(c[1], ' ') .. ' is refused')
+    t.truthy(tostring(moonrl.error_text(err)):find(c[2], 1, true), 'names ' .. c[2] .. ': ' .. moonrl.error_text(err))
+  end
+end)
+
+fs.remove(dir)
