@@ -50,6 +50,7 @@
 #include "moonrl/trace.h"
 #include "moonrl/weight_store.h"
 #include "base/error.h"
+#include "base/rng.h"
 #include "runtime/device_internal.h"
 
 /* A captured decode step (CUDA graphs, below forward_step's staging). */
@@ -75,6 +76,12 @@ struct mrl_engine {
     void *act_buf;
     layer_acts a;
     int64_t lora_scratch; /* the floats of a.lora_u (LoRA's scratch; 0: none) */
+    /* LoRA adapters served beside the weights (mrl_engine_set_adapter), the largest rank among
+     * them, and a step's segments of rows by adapter ([max_num_seqs], a step's sequences) */
+    const mrl_lora *adapters[MRL_ENGINE_MAX_ADAPTERS + 1];
+    uint64_t adapter_gen[MRL_ENGINE_MAX_ADAPTERS + 1]; /* set_adapter calls of each slot: in its K/V's salt */
+    int adapter_rank;
+    lora_seg *segs;
     float *x;                /* [T,D] residual stream */
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
     float *logits;           /* [S,V] */
@@ -202,7 +209,9 @@ static int64_t layout(mrl_engine *e, char *base) {
         TAKE(a->act, T * F);
     }
     if (n_moe) off += mrl_moe_acts_layout(c, a, T, base ? base + off : NULL);
-    e->lora_scratch = mrl_model_lora_scratch(e->m, T); /* the adapters' (lora.c), if the model has them now */
+    /* the adapters' (lora.c): the model's, if it has them now, or the largest served */
+    e->lora_scratch = mrl_model_lora_scratch(e->m, T);
+    if (e->lora_scratch < T * e->adapter_rank) e->lora_scratch = T * e->adapter_rank;
     if (e->lora_scratch) TAKE(a->lora_u, e->lora_scratch);
     else if (base) a->lora_u = NULL;
     TAKE(e->rows, S * D);
@@ -272,7 +281,10 @@ static mrl_status prepare_weights(mrl_engine *e) {
     /* LoRA: the model's adapters as they are now (on, off), read in place; adapters made after the
      * engine (a run that trains them after a full warm-up) need their scratch: the activations
      * are laid out again (the graphs, which hold their addresses, are dropped with them) */
-    if (mrl_model_lora_scratch(e->m, e->cfg.max_num_batched_tokens) > e->lora_scratch) {
+    int64_t need = mrl_model_lora_scratch(e->m, e->cfg.max_num_batched_tokens);
+    if (need < (int64_t)e->cfg.max_num_batched_tokens * e->adapter_rank)
+        need = (int64_t)e->cfg.max_num_batched_tokens * e->adapter_rank;
+    if (need > e->lora_scratch) {
         mrl_buffer_free(&e->act_mem);
         e->act_buf = NULL;
         int64_t bytes = layout(e, NULL);
@@ -374,6 +386,7 @@ void mrl_engine_free(mrl_engine *e) {
     drop_graphs(e);
     mrl_stream_destroy(e->stream);
     mrl_buffer_free(&e->act_mem);
+    mrl_mem_free(e->segs);
     mrl_buffer_free(&e->attn_ws);
     mrl_buffer_free(&e->stage_dev);
     mrl_mem_free(e->stage_host);
@@ -522,10 +535,35 @@ mrl_status mrl_engine_swap_params(mrl_engine *e, const float *params, int64_t n_
     return use_params(e, params, n_params, "swap_params"); /* requests, sequences and cache stay */
 }
 
+mrl_status mrl_engine_set_adapter(mrl_engine *e, int slot, const mrl_lora *ad) {
+    if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine set_adapter: NULL engine");
+    mrl_status st = check_idle(e, "set_adapter");
+    if (st) return st;
+    if (slot < 1 || slot > MRL_ENGINE_MAX_ADAPTERS)
+        return mrl_set_error(MRL_ERR_INVALID, "engine set_adapter: slot %d is outside 1..%d", slot, MRL_ENGINE_MAX_ADAPTERS);
+    if (ad && e->mc->num_experts > 0)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine set_adapter: a mixture-of-experts model serves its own "
+                             "adapters only (its experts see their rows grouped by expert, not by request)");
+    if (ad && (e->on_device || mrl_model_tp_vocab(e->m, NULL) || mrl_model_whole_vocab(e->m) != e->mc->vocab_size))
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine set_adapter: a whole model on the CPU only for now");
+    if (!e->segs) {
+        e->segs = mrl_mem_alloc(sizeof(lora_seg) * (size_t)e->cfg.max_num_seqs, MRL_MEM_OTHER);
+        if (!e->segs) return mrl_wrap_error(MRL_ERR_NOMEM, "engine set_adapter");
+    }
+    e->adapters[slot] = ad;
+    e->adapter_rank = 0;
+    for (int i = 1; i <= MRL_ENGINE_MAX_ADAPTERS; i++)
+        if (e->adapters[i] && mrl_lora_rank(e->adapters[i]) > e->adapter_rank) e->adapter_rank = mrl_lora_rank(e->adapters[i]);
+    e->adapter_gen[slot]++; /* (a slot's cached blocks were another adapter's K/V) */
+    return MRL_OK;
+}
+
 mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, int *req_id) {
     if (!e || !r || !req_id) return mrl_set_error(MRL_ERR_INVALID, "engine add_request: NULL argument");
     mrl_status st = check_idle(e, "add_request");
     if (st) return st;
+    if (r->adapter < 0 || r->adapter > MRL_ENGINE_MAX_ADAPTERS || (r->adapter && !e->adapters[r->adapter]))
+        return mrl_set_error(MRL_ERR_INVALID, "engine add_request: no LoRA adapter in slot %d", r->adapter);
     int V = mrl_model_whole_vocab(e->m);
     for (int i = 0; i < r->n_eos; i++)
         if (r->eos_ids && (r->eos_ids[i] < 0 || r->eos_ids[i] >= V))
@@ -540,7 +578,9 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
                            .max_new_tokens = r->max_new_tokens, .eos_ids = r->eos_ids, .n_eos = r->n_eos,
                            .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,
                            .step = r->step, .prompt_index = r->prompt_index,
-                           .first_sample = r->first_sample, .top_logprobs = r->top_logprobs};
+                           .first_sample = r->first_sample, .top_logprobs = r->top_logprobs,
+                           .adapter = r->adapter,
+                           .kv_salt = r->adapter ? mrl_mix64(((uint64_t)r->adapter << 32) ^ e->adapter_gen[r->adapter]) : 0};
     if (!e->record_routing || e->route_width == 0 || r->prompt_len < 1 || r->n < 1 || r->max_new_tokens < 1) {
         st = mrl_sched_add(e->sched, &q, req_id); /* (bad sizes: the scheduler's error) */
         if (!st) e->next_req = *req_id + 1;
@@ -660,6 +700,26 @@ static mrl_status stage_batch(mrl_engine *e, const mrl_sched_batch *b, mrl_sched
     return mrl_model_kernels(e->m)->to_device(e->stage_dev.data, e->stage_host, off * (int64_t)sizeof(int32_t));
 }
 
+/* LoRA: the step's rows in segments by adapter (mrl_engine_set_adapter), each sequence's rows
+ * with its request's slot (0: the model's own adapters, or none); the count, or 0 when no request
+ * of the step names a slot (the layers then read the model's own, p->lora). */
+static int step_segments(mrl_engine *e, const mrl_sched_batch *hb) {
+    if (!e->segs || !e->adapter_rank) return 0;
+    int n = 0, any = 0;
+    for (int i = 0; i < hb->n_seqs; i++) {
+        int slot = mrl_sched_request_adapter(e->sched, hb->seq_req[i]);
+        const mrl_lora *ad = slot ? e->adapters[slot] : mrl_model_lora_on(e->m);
+        int64_t r0 = hb->query_start[i], rows = hb->query_start[i + 1] - r0;
+        any |= slot != 0;
+        if (n > 0 && e->segs[n - 1].ad == ad) { /* (the sequences' rows are contiguous, in order) */
+            e->segs[n - 1].rows += rows;
+            continue;
+        }
+        e->segs[n++] = (lora_seg){r0, rows, ad, NULL};
+    }
+    return any ? n : 0;
+}
+
 /* The kernels of one step: hb the scheduler's batch, b what the ops read
  * (hb, or its copy on the GPU); logits of b's logits_indices rows. Nothing
  * here waits for the device or allocates on it (a decode graph captures it). */
@@ -679,8 +739,12 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     } else {
         k->gather_rows(e->x, e->w.embed, b->token_ids, T, D); /* [T,D] */
     }
+    int n_segs = step_segments(e, hb);
+    e->a.lora_segs = n_segs ? e->segs : NULL;
+    e->a.n_lora_segs = n_segs;
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
+        for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
         if (mrl_kv_cache_get_config(e->kv)->bf16)
             k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping,

@@ -15,6 +15,7 @@ typedef struct kv_seq {
     int len;         /* tokens with slots */
     int n_hashed;    /* leading blocks whose chain hash is known */
     uint64_t last_hash;
+    uint64_t salt;   /* the chain's start (mrl_kv_cache_seq_salt): 0, or what else the K/V depend on */
 } kv_seq;
 
 struct mrl_kv_cache {
@@ -291,7 +292,7 @@ mrl_status mrl_kv_cache_seq_new(mrl_kv_cache *c, int *seq) {
     kv_seq *s = &c->seqs[id];
     s->live = 1;
     s->n_blocks = s->len = s->n_hashed = 0;
-    s->last_hash = 0;
+    s->last_hash = s->salt = 0;
     c->n_live++;
     *seq = id;
     return MRL_OK;
@@ -314,6 +315,7 @@ mrl_status mrl_kv_cache_fork(mrl_kv_cache *c, int parent, int *child) {
     s->len = p->len;
     s->n_hashed = p->n_hashed;
     s->last_hash = p->last_hash;
+    s->salt = p->salt;
     *child = id;
     return MRL_OK;
 }
@@ -326,6 +328,15 @@ mrl_status mrl_kv_cache_seq_free(mrl_kv_cache *c, int seq) {
     s->n_blocks = s->len = s->n_hashed = 0;
     s->live = 0;
     c->n_live--;
+    return MRL_OK;
+}
+
+mrl_status mrl_kv_cache_seq_salt(mrl_kv_cache *c, int seq, uint64_t salt) {
+    kv_seq *s = get_seq(c, seq);
+    if (!s) return bad_seq("kv_cache_seq_salt", seq);
+    if (s->n_blocks || s->len)
+        return mrl_set_error(MRL_ERR_INVALID, "kv_cache_seq_salt: sequence %d is not empty", seq);
+    s->salt = s->last_hash = salt;
     return MRL_OK;
 }
 
@@ -343,7 +354,7 @@ mrl_status mrl_kv_cache_match_prefix(mrl_kv_cache *c, int seq, const int32_t *to
     if (max_blocks < full) full = max_blocks < 0 ? 0 : max_blocks;
     mrl_status st = seq_reserve(s, full);
     if (st) return st;
-    uint64_t h = 0;
+    uint64_t h = s->salt;
     int i = 0;
     for (; i < full; i++) {
         uint64_t hi = block_hash(h, tokens + (int64_t)i * bs, bs);

@@ -94,6 +94,10 @@ mrl_status mrl_kv_cache_fork(mrl_kv_cache *c, int parent, int *child);
  * count reaches 0 become evictable, the others return to the free list. */
 mrl_status mrl_kv_cache_seq_free(mrl_kv_cache *c, int seq);
 
+/* For an EMPTY sequence: what else than its tokens its K/V depend on (the LoRA adapter it is
+ * computed with), as the start of its blocks' hash chain: blocks are shared only between
+ * sequences of the same salt. 0 at mrl_kv_cache_seq_new; a fork keeps its parent's. */
+mrl_status mrl_kv_cache_seq_salt(mrl_kv_cache *c, int seq, uint64_t salt);
 /* For an EMPTY sequence: attach the longest run of cached full blocks
  * matching tokens[0..n), at most max_blocks of them; *n_cached = tokens
  * covered (a multiple of block_size). Looks only, allocates nothing. */

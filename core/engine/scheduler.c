@@ -5,6 +5,7 @@
 #include "engine/scheduler.h"
 #include "engine/sample.h"
 #include "base/error.h"
+#include "base/rng.h"
 
 enum { SEQ_UNFORKED = 0, SEQ_WAITING = 1, SEQ_RUNNING = 2, SEQ_FINISHED = 3 };
 
@@ -17,6 +18,8 @@ typedef struct sched_req {
     int first_seq; /* samples are seqs first_seq .. first_seq + n - 1 */
     int released;  /* mrl_sched_release: its outputs freed */
     int top;       /* top_logprobs kept per generated token */
+    int adapter;   /* (mrl_sched_request.adapter, .kv_salt) */
+    uint64_t salt;
 } sched_req;
 
 typedef struct sched_seq {
@@ -219,6 +222,8 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
     q->n = r->n;
     q->first_seq = s->n_seqs;
     q->top = r->top_logprobs;
+    q->adapter = r->adapter;
+    q->salt = r->kv_salt;
     int fail = !q->eos || !q->stop;
     for (int j = 0; j < r->n; j++) {
         sched_seq *x = &s->seqs[s->n_seqs + j];
@@ -407,6 +412,7 @@ mrl_status mrl_sched_schedule(mrl_sched *s, const mrl_sched_batch **batch) {
         if (s->seat_count + 1 + x->pending > s->cfg.max_num_seqs) break;
         int bs = mrl_kv_cache_block_size(s->kv), cached = 0;
         if ((st = mrl_kv_cache_seq_new(s->kv, &x->kv))) return st;
+        if (s->reqs[x->req].salt && (st = mrl_kv_cache_seq_salt(s->kv, x->kv, s->reqs[x->req].salt))) return st;
         /* keep at least one token to compute: its logits are needed */
         if ((st = mrl_kv_cache_match_prefix(s->kv, x->kv, x->tokens, x->n_tokens, (x->n_tokens - 1) / bs, &cached)))
             return st;
@@ -503,6 +509,10 @@ static mrl_status build_batch(mrl_sched *s) {
 }
 
 /* ---- update ---- */
+
+int mrl_sched_request_adapter(const mrl_sched *s, int req_id) {
+    return s && req_id >= 0 && req_id < s->n_reqs ? s->reqs[req_id].adapter : 0;
+}
 
 /* Fork the unforked children of group parent `id` (after its prompt). */
 static mrl_status fork_children(mrl_sched *s, int id) {

@@ -75,6 +75,9 @@ typedef struct mrl_sched_request {
     int64_t prompt_index;
     int64_t first_sample;       /* sample j's stream index is first_sample + j */
     int top_logprobs;           /* 0..MRL_TOP_LOGPROBS_MAX most likely tokens kept per generated token */
+    int adapter;                /* the LoRA adapter it is computed with (mrl_engine_request) */
+    uint64_t kv_salt;           /* what else its K/V depend on (the adapter): 0, or its prefix-cache
+                                 * blocks are shared only with requests of the same salt */
 } mrl_sched_request;
 
 /* One step's flat batch; the arrays belong to the scheduler and stay valid
@@ -117,6 +120,8 @@ void mrl_sched_destroy(mrl_sched *s);
 /* Queue a request; *req_id numbers requests from 0. Fails (nothing queued)
  * on bad input or a request that could never fit the cache alone. */
 mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id);
+/* The adapter request req_id was added with (mrl_sched_request.adapter). */
+int mrl_sched_request_adapter(const mrl_sched *s, int req_id);
 /* Ask sample j of a request to finish (MRL_FINISH_CALLER) at the next step. */
 mrl_status mrl_sched_stop(mrl_sched *s, int req_id, int sample);
 int mrl_sched_has_unfinished(const mrl_sched *s);

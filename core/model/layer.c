@@ -94,6 +94,24 @@ void mrl_layer_products(const mrl_model *m, const mrl_gemm_desc *d, const uint16
     products(m, d, w16, n);
 }
 
+/* LoRA's part of product i (mrl_layer_matrices' order) of x [T,K] into y [T,N] (lora.c): the
+ * model's adapters (p->lora), or the engine's segments of rows, each with an adapter of its own
+ * (a->lora_segs: several adapters in one batch; a segment without adapters is the base). */
+static void lora_fwd(const mrl_model *m, const layer_params *p, const layer_acts *a, int i, const float *x, float *y,
+                     int64_t T, int64_t N, int64_t K) {
+    if (a->lora_segs) {
+        for (int s = 0; s < a->n_lora_segs; s++) {
+            const lora_seg *g = &a->lora_segs[s];
+            if (g->L && g->L->A[i])
+                mrl_lora_fwd(m->k, g->ad, g->L->A[i], g->L->B[i], x + g->row0 * K, y + g->row0 * N, g->rows, N, K,
+                             a->lora_u);
+        }
+        return;
+    }
+    if (p->lora && p->lora->A[i])
+        mrl_lora_fwd(m->k, m->lora, p->lora->A[i], p->lora->B[i], x, y, T, N, K, a->lora_u);
+}
+
 /* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v
  * (+ biases, qwen3 per-head norms), RoPE on q and k. Fills a's ln1, rstd1,
  * (qraw, kraw, rstdq, rstdk,) q, k, v. Shared with the engine. */
@@ -110,11 +128,9 @@ static void qkv_proj(const mrl_model *m, const layer_params *p, layer_acts *a, c
                             lin_p(kk, ln, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
                             lin_p(a->v, ln, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
     products(m, qkv, (const uint16_t *[]){p->hq, p->hk, p->hv}, 3);
-    if (p->lora) { /* (lora.c) */
-        mrl_lora_fwd(m, p->lora->A[0], p->lora->B[0], ln, q, T, Q, D, a->lora_u);
-        mrl_lora_fwd(m, p->lora->A[1], p->lora->B[1], ln, kk, T, K, D, a->lora_u);
-        mrl_lora_fwd(m, p->lora->A[2], p->lora->B[2], ln, a->v, T, K, D, a->lora_u);
-    }
+    lora_fwd(m, p, a, 0, ln, q, T, Q, D);
+    lora_fwd(m, p, a, 1, ln, kk, T, K, D);
+    lora_fwd(m, p, a, 2, ln, a->v, T, K, D);
     add_bias(k, q, p->bq, T, Q);
     add_bias(k, kk, p->bk, T, K);
     add_bias(k, a->v, p->bv, T, K);
@@ -148,7 +164,7 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     } else {
         k->copy(a->h, x, (int64_t)sizeof(float) * TD);
         run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
-        if (p->lora) mrl_lora_fwd(m, p->lora->A[3], p->lora->B[3], a->att, a->h, T, D, Q, a->lora_u);
+        lora_fwd(m, p, a, 3, a->att, a->h, T, D, Q);
     }
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
@@ -166,10 +182,8 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     mrl_gemm_desc gu[2] = {lin_p(a->gate, a->ln2, p->wg, p->pg, T, F, D, 0), /* [T,F] */
                            lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
     products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
-    if (p->lora) {
-        mrl_lora_fwd(m, p->lora->A[4], p->lora->B[4], a->ln2, a->gate, T, F, D, a->lora_u);
-        mrl_lora_fwd(m, p->lora->A[5], p->lora->B[5], a->ln2, a->up, T, F, D, a->lora_u);
-    }
+    lora_fwd(m, p, a, 4, a->ln2, a->gate, T, F, D);
+    lora_fwd(m, p, a, 5, a->ln2, a->up, T, F, D);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
     if (m->tp_size > 1) { /* out = h + the sum over the group of each rank's slice's part */
         run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 0), p->hd);
@@ -179,7 +193,7 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     }
     k->copy(out, a->h, (int64_t)sizeof(float) * TD);
     run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
-    if (p->lora) mrl_lora_fwd(m, p->lora->A[6], p->lora->B[6], a->act, out, T, D, F, a->lora_u);
+    lora_fwd(m, p, a, 6, a->act, out, T, D, F);
 }
 
 /* Sequence parallel (tp.c): x and out are this rank's rows [tl,D] of the residual stream, and

@@ -63,18 +63,24 @@ typedef struct lora_layer {
     float *eA[3], *eB[3];
 } lora_layer;
 
-/* LoRA's part of the products (lora.c), with the model's rank and scale s = alpha / rank:
+/* LoRA's part of the products (lora.c), with an adapter set's rank r and scale s = alpha / r
+ * (mrl_lora_fwd: ad's; mrl_lora_bwd: the model's own adapters'):
  *   mrl_lora_fwd   y [T,N] += s (x A^T) B^T     (u [T,r] scratch)
  *   mrl_lora_bwd   gB += s dy^T u, gA += du^T x, dx [T,K] += du A with du = s dy B, u = x A^T
  *                  (dx NULL: not wanted; u, du [T,r] scratch)
  * Plain fp32 products of the op table (the adapters are small; fp32 in a bf16 model too). */
-void mrl_lora_fwd(const mrl_model *m, const float *A, const float *B, const float *x, float *y, int64_t T,
-                  int64_t N, int64_t K, float *u);
+void mrl_lora_fwd(const mrl_kernels *k, const mrl_lora *ad, const float *A, const float *B, const float *x, float *y,
+                  int64_t T, int64_t N, int64_t K, float *u);
 void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA, float *gB, const float *x,
                   const float *dy, float *dx, int64_t T, int64_t N, int64_t K, float *u, float *du);
 /* The rank of the model's adapters (0: none); the floats of LoRA scratch a layer needs for T
  * tokens (mrl_layer_qkv / _out's a->lora_u: the engine's layout carves it too). */
 int mrl_model_lora_rank(const mrl_model *m);
+/* An adapter set's rank, and its layer l's table (lora.c). */
+int mrl_lora_rank(const mrl_lora *ad);
+const lora_layer *mrl_lora_layer(const mrl_lora *ad, int l);
+/* The model's own adapters when on (what the layers read through lp[l].lora), else NULL. */
+const mrl_lora *mrl_model_lora_on(const mrl_model *m);
 /* Each layer's lora pointer of `layers` set to the model's adapters as they are (on or off). */
 void mrl_model_lora_layers(const mrl_model *m, layer_params *layers);
 int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T);
@@ -142,9 +148,20 @@ typedef struct layer_acts {
     /* expert parallelism (the trainer's forward only; NULL: every expert here): this sparse
      * layer's state of the exchange with the other ranks (moe_ep.c) */
     struct moe_ep_layer *ep;
-    /* LoRA's scratch, mrl_model_lora_scratch(T) floats (NULL: the model has no adapters) */
+    /* LoRA's scratch, mrl_model_lora_scratch(T) floats (NULL: the model has no adapters), and
+     * the engine's segments of rows with adapters of their own (NULL: the model's, p->lora) */
     float *lora_u;
+    const struct lora_seg *lora_segs;
+    int n_lora_segs;
 } layer_acts;
+
+/* Rows [row0, row0 + rows) of a batch computed with adapter set ad (layer table L), or with
+ * none (L NULL: the base). */
+typedef struct lora_seg {
+    int64_t row0, rows;
+    const mrl_lora *ad;
+    const lora_layer *L;
+} lora_seg;
 
 /* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */
 static inline int mrl_arch_qk_norm(int arch) { return arch == MRL_ARCH_QWEN3 || arch == MRL_ARCH_QWEN3_MOE; }

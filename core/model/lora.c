@@ -43,7 +43,7 @@ static void add(lora_layout *ly, const char *name, int64_t d0, int64_t d1, int64
 /* The one place that defines the adapters' layout: layer by layer, a dense layer's targets A
  * then B, a sparse layer's experts' targets as [E, r, in] then [E, out, r] blocks (views per
  * expert). Run to count, then to fill the views and the layer tables (lo->params set). */
-static void build(mrl_model *m, lora_layout *ly) {
+static void build(const mrl_model *m, lora_layout *ly) {
     mrl_lora *lo = ly->lo;
     const mrl_model_config *c = &m->cfg;
     int64_t r = lo->cfg.rank, D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
@@ -51,18 +51,20 @@ static void build(mrl_model *m, lora_layout *ly) {
     for (int l = 0; l < c->num_hidden_layers; l++) {
         if (lo->layer_off) lo->layer_off[l] = ly->off;
         mrl_layer_matrix mats[7];
-        mrl_layer_matrices(c, &m->lp[l], mats);
-        lora_layer *P = lo->params ? &lo->lp[l] : NULL, *G = lo->params ? &lo->lg[l] : NULL;
+        mrl_layer_matrices(c, (layer_params *)&m->lp[l], mats); /* (reads only) */
+        lora_layer *P = lo->params ? &lo->lp[l] : NULL, *G = lo->grads ? &lo->lg[l] : NULL;
         for (int i = 0; i < 7; i++) {
             if (!(lo->cfg.targets & (1u << i)) || !mats[i].w) continue;
             int64_t N = mats[i].N, K = mats[i].K;
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, MOD[i]);
             add(ly, name, r, K, ly->off);
-            if (P) P->A[i] = lo->params + ly->off, G->A[i] = lo->grads + ly->off;
+            if (P) P->A[i] = lo->params + ly->off;
+            if (G) G->A[i] = lo->grads + ly->off;
             ly->off += r * K;
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_B.weight", l, MOD[i]);
             add(ly, name, N, r, ly->off);
-            if (P) P->B[i] = lo->params + ly->off, G->B[i] = lo->grads + ly->off;
+            if (P) P->B[i] = lo->params + ly->off;
+            if (G) G->B[i] = lo->grads + ly->off;
             ly->off += N * r;
         }
         if (!m->lp[l].router) continue;
@@ -77,15 +79,15 @@ static void build(mrl_model *m, lora_layout *ly) {
                          (long long)e, EXPERT[j]);
                 add(ly, name, N, r, b0 + e * N * r);
             }
-            if (P) P->eA[j] = lo->params + a0, P->eB[j] = lo->params + b0, G->eA[j] = lo->grads + a0, G->eB[j] = lo->grads + b0;
+            if (P) P->eA[j] = lo->params + a0, P->eB[j] = lo->params + b0;
+            if (G) G->eA[j] = lo->grads + a0, G->eB[j] = lo->grads + b0;
             ly->off = b0 + E * N * r;
         }
     }
     if (lo->layer_off) lo->layer_off[c->num_hidden_layers] = ly->off;
 }
 
-void mrl_lora_free(mrl_model *m) {
-    mrl_lora *lo = m ? m->lora : NULL;
+void mrl_lora_free(mrl_lora *lo) {
     if (!lo) return;
     mrl_mem_free(lo->params);
     mrl_mem_free(lo->grads);
@@ -96,7 +98,6 @@ void mrl_lora_free(mrl_model *m) {
     mrl_mem_free(lo->layer_off);
     mrl_mem_free(lo->sink);
     mrl_mem_free(lo);
-    m->lora = NULL;
 }
 
 void mrl_lora_point(mrl_model *m) {
@@ -116,57 +117,50 @@ void mrl_lora_point(mrl_model *m) {
     m->g_final_norm = lo->sink;
 }
 
-mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
-    if (!m || !cfg) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_lora: NULL argument");
-    if (m->lora) return mrl_set_error(MRL_ERR_INVALID, "LoRA: the model has adapters already");
+static mrl_status check_config(const mrl_lora_config *cfg) {
     if (cfg->rank < 1 || cfg->rank > 4096)
         return mrl_set_error(MRL_ERR_INVALID, "LoRA: rank must be in 1..4096, got %d", cfg->rank);
     if (!(cfg->alpha > 0) || !isfinite(cfg->alpha))
         return mrl_set_error(MRL_ERR_INVALID, "LoRA: alpha must be a positive number, got %g", cfg->alpha);
     if (!(cfg->targets & MRL_LORA_ALL) || (cfg->targets & ~(unsigned)MRL_LORA_ALL))
         return mrl_set_error(MRL_ERR_INVALID, "LoRA: targets 0x%x name none of the seven projections", cfg->targets);
-    const char *why = m->device.kind != MRL_DEVICE_CPU ? "a model on a GPU"
-                      : m->tp_size > 1                 ? "tensor parallel"
-                      : m->cp_size > 1                 ? "context parallel"
-                      : m->pp_stages > 1               ? "pipeline parallel"
-                      : m->p_region                    ? "sharded parameters (ZeRO-3)"
-                      : m->ep                          ? "expert parallel"
-                      : m->grad_acquire                ? "gradient windows (ZeRO-2)"
-                      : m->score                       ? "a value head (a critic trains whole)"
-                                                       : NULL;
-    if (why) return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: not yet with %s", why);
+    return MRL_OK;
+}
+
+/* An adapter set for m's layout: views, tables, parameters (initialised as PEFT's:
+ * kaiming_uniform_ with a = sqrt(5), U(-1/sqrt(in), 1/sqrt(in)), B = 0, in view order from
+ * cfg->seed) and, when trained, zeroed gradients. */
+static mrl_status lora_new(const mrl_model *m, const mrl_lora_config *cfg, int trained, mrl_lora **out) {
+    mrl_status st = check_config(cfg);
+    if (st) return st;
     mrl_lora *lo = mrl_mem_alloc(sizeof *lo, MRL_MEM_OTHER);
     if (!lo) return MRL_ERR_NOMEM;
     memset(lo, 0, sizeof *lo);
+    lo->m = m;
     lo->cfg = *cfg;
     lo->scale = (float)(cfg->alpha / cfg->rank);
     lo->on = 1;
     lora_layout ly = {lo};
     build(m, &ly); /* count */
     int L = m->cfg.num_hidden_layers;
-    int64_t D = m->cfg.hidden_size, hd = m->cfg.head_dim;
     lo->n = ly.off;
     lo->n_views = ly.n;
-    m->lora = lo; /* (freed by mrl_lora_free from here) */
     lo->views = mrl_mem_alloc(sizeof(mrl_param_view) * (ly.n ? ly.n : 1), MRL_MEM_OTHER);
     lo->names = mrl_mem_alloc(ly.names_len + 1, MRL_MEM_OTHER);
     lo->lp = mrl_mem_alloc(sizeof(lora_layer) * (L ? L : 1), MRL_MEM_OTHER);
     lo->lg = mrl_mem_alloc(sizeof(lora_layer) * (L ? L : 1), MRL_MEM_OTHER);
     lo->layer_off = mrl_mem_alloc(sizeof(int64_t) * (L + 1), MRL_MEM_OTHER);
-    lo->sink_n = D > hd ? D : hd;
-    lo->sink = mrl_mem_alloc(sizeof(float) * lo->sink_n, MRL_MEM_OTHER);
     lo->params = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_PARAMS);
-    lo->grads = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_GRADS);
-    if (!lo->views || !lo->names || !lo->lp || !lo->lg || !lo->layer_off || !lo->sink || !lo->params || !lo->grads) {
-        mrl_lora_free(m);
+    if (trained) lo->grads = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_GRADS);
+    if (!lo->views || !lo->names || !lo->lp || !lo->lg || !lo->layer_off || !lo->params || (trained && !lo->grads)) {
+        mrl_lora_free(lo);
         return mrl_wrap_error(MRL_ERR_NOMEM, "LoRA: no memory for %lld adapter parameters", (long long)ly.off);
     }
     memset(lo->lp, 0, sizeof(lora_layer) * (L ? L : 1));
     memset(lo->lg, 0, sizeof(lora_layer) * (L ? L : 1));
-    memset(lo->grads, 0, sizeof(float) * (lo->n ? lo->n : 1));
+    if (lo->grads) memset(lo->grads, 0, sizeof(float) * (lo->n ? lo->n : 1));
     ly = (lora_layout){lo};
     build(m, &ly); /* the views, the tables */
-    /* init as PEFT's (kaiming_uniform_ with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), in view order */
     uint64_t s = cfg->seed;
     for (int i = 0; i < lo->n_views; i++) {
         const mrl_param_view *v = &lo->views[i];
@@ -178,11 +172,62 @@ mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
         double bound = 1.0 / sqrt((double)v->shape[1]);
         for (int64_t j = 0; j < v->numel; j++) p[j] = (float)((2 * mrl_unit53(mrl_splitmix64(&s)) - 1) * bound);
     }
+    *out = lo;
+    return MRL_OK;
+}
+
+mrl_status mrl_lora_create(const mrl_model *m, const mrl_lora_config *cfg, mrl_lora **out) {
+    if (!m || !cfg || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_lora_create: NULL argument");
+    if (m->tp_size > 1 || m->pp_stages > 1 || m->p_region)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA adapters of their own: a whole model only for now");
+    return lora_new(m, cfg, 0, out);
+}
+
+mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
+    if (!m || !cfg) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_lora: NULL argument");
+    if (m->lora) return mrl_set_error(MRL_ERR_INVALID, "LoRA: the model has adapters already");
+    const char *why = m->device.kind != MRL_DEVICE_CPU ? "a model on a GPU"
+                      : m->tp_size > 1                 ? "tensor parallel"
+                      : m->cp_size > 1                 ? "context parallel"
+                      : m->pp_stages > 1               ? "pipeline parallel"
+                      : m->p_region                    ? "sharded parameters (ZeRO-3)"
+                      : m->ep                          ? "expert parallel"
+                      : m->grad_acquire                ? "gradient windows (ZeRO-2)"
+                      : m->score                       ? "a value head (a critic trains whole)"
+                                                       : NULL;
+    mrl_status st = check_config(cfg);
+    if (st) return st;
+    if (why) return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: not yet with %s", why);
+    mrl_lora *lo;
+    if ((st = lora_new(m, cfg, 1, &lo))) return st;
+    int64_t D = m->cfg.hidden_size, hd = m->cfg.head_dim;
+    lo->sink_n = D > hd ? D : hd;
+    lo->sink = mrl_mem_alloc(sizeof(float) * lo->sink_n, MRL_MEM_OTHER);
+    if (!lo->sink) {
+        mrl_lora_free(lo);
+        return MRL_ERR_NOMEM;
+    }
+    m->lora = lo;
     /* the base is frozen: its gradient buffer (if any) goes, and the layouts are the adapters' */
     mrl_buffer_free(&m->grads_buf);
     m->grads = NULL;
-    mrl_model_release_activations(m); /* (the scratch below joins the layout) */
+    mrl_model_release_activations(m); /* (the scratch joins the layout) */
     mrl_lora_point(m);
+    return MRL_OK;
+}
+
+const mrl_lora_config *mrl_lora_get_config(const mrl_lora *ad) { return ad ? &ad->cfg : NULL; }
+int mrl_lora_rank(const mrl_lora *ad) { return ad ? ad->cfg.rank : 0; }
+int64_t mrl_lora_num_params(const mrl_lora *ad) { return ad ? ad->n : 0; }
+float *mrl_lora_params(mrl_lora *ad) { return ad ? ad->params : NULL; }
+int mrl_lora_num_views(const mrl_lora *ad) { return ad ? ad->n_views : 0; }
+const lora_layer *mrl_lora_layer(const mrl_lora *ad, int l) { return &ad->lp[l]; }
+const mrl_lora *mrl_model_lora_on(const mrl_model *m) { return m->lora && m->lora->on ? m->lora : NULL; }
+
+mrl_status mrl_lora_view(const mrl_lora *ad, int i, mrl_param_view *out) {
+    int n = mrl_lora_num_views(ad);
+    if (!out || i < 0 || i >= n) return mrl_set_error(MRL_ERR_INVALID, "LoRA view %d out of range (0..%d)", i, n - 1);
+    *out = ad->views[i];
     return MRL_OK;
 }
 
@@ -194,10 +239,7 @@ float *mrl_model_lora_grads(mrl_model *m) { return m && m->lora ? m->lora->grads
 int mrl_model_lora_num_views(const mrl_model *m) { return m && m->lora ? m->lora->n_views : 0; }
 
 mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out) {
-    int n = mrl_model_lora_num_views(m);
-    if (!out || i < 0 || i >= n) return mrl_set_error(MRL_ERR_INVALID, "LoRA view %d out of range (0..%d)", i, n - 1);
-    *out = m->lora->views[i];
-    return MRL_OK;
+    return mrl_lora_view(m ? m->lora : NULL, i, out);
 }
 
 mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
@@ -249,13 +291,12 @@ int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T) {
     return rows * m->lora->cfg.rank;
 }
 
-void mrl_lora_fwd(const mrl_model *m, const float *A, const float *B, const float *x, float *y, int64_t T,
-                  int64_t N, int64_t K, float *u) {
+void mrl_lora_fwd(const mrl_kernels *k, const mrl_lora *ad, const float *A, const float *B, const float *x, float *y,
+                  int64_t T, int64_t N, int64_t K, float *u) {
     if (!A || T <= 0) return;
-    const mrl_kernels *k = m->k;
-    int64_t r = m->lora->cfg.rank;
+    int64_t r = ad->cfg.rank;
     k->gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);               /* u = x A^T [T,r] */
-    k->gemm(0, 1, T, N, r, m->lora->scale, u, r, B, r, 1.0f, y, N);     /* y += s u B^T */
+    k->gemm(0, 1, T, N, r, ad->scale, u, r, B, r, 1.0f, y, N);          /* y += s u B^T */
 }
 
 void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA, float *gB, const float *x,

@@ -260,7 +260,7 @@ void mrl_model_free(mrl_model *m) {
     mrl_model_pp_free_slots(m);
     mrl_model_release_activations(m);
     mrl_moe_ep_free(m);
-    mrl_lora_free(m);
+    mrl_lora_free(m->lora);
     mrl_mem_free(m->tp_host);
     mrl_buffer_free(&m->params_buf);
     mrl_buffer_free(&m->w16_buf);

@@ -34,7 +34,8 @@ typedef struct grad_scratch {
  * and views (PEFT's names), each layer's table of pointers into the parameters (lp) and the
  * gradients (lg), a sink for the frozen norms' weight gradients (which the norms' backward
  * ops write; nothing reads them), on while `on`. */
-typedef struct mrl_lora {
+struct mrl_lora {
+    const mrl_model *m; /* whose architecture */
     mrl_lora_config cfg;
     float scale;
     int on;
@@ -45,9 +46,9 @@ typedef struct mrl_lora {
     char *names;
     lora_layer *lp, *lg;
     int64_t *layer_off; /* [L + 1]: layer l's adapters are [layer_off[l], layer_off[l + 1]) */
-    float *sink;
+    float *sink; /* (the model's own: nothing else trains) */
     int64_t sink_n;
-} mrl_lora;
+};
 
 struct mrl_model {
     mrl_model_config cfg;
@@ -213,7 +214,6 @@ struct mrl_model {
  * were rebuilt: mrl_model_point_params), the frozen parameters' gradient pointers (NULL, the
  * norms' at the sink); their free */
 void mrl_lora_point(mrl_model *m);
-void mrl_lora_free(mrl_model *m);
 
 /* pipeline parallel: this model holds the embedding (as the first stage), the head (the last) */
 static inline int mrl_model_has_embed(const mrl_model *m) { return m->pp_stage == 0; }

@@ -118,7 +118,7 @@ static void experts_lora(const mrl_model *m, const lora_layer *P, const lora_lay
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         const float *A = lora_at(P->eA[j], e, r * K), *B = lora_at(P->eB[j], e, N * r);
         if (!G) {
-            mrl_lora_fwd(m, A, B, x + r0 * K, y + r0 * N, n, N, K, u);
+            mrl_lora_fwd(m->k, m->lora, A, B, x + r0 * K, y + r0 * N, n, N, K, u);
             continue;
         }
         mrl_lora_bwd(m, A, B, G->eA[j] + e * r * K, G->eB[j] + e * N * r, x + r0 * K, dy + r0 * N,

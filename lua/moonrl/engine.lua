@@ -10,6 +10,7 @@
 --   results[i][j] = { ids = {...}, logprobs = {...}, finish_reason = 'stop' | 'length', text = '...' }
 --   (opts.top_logprobs = k, at most 20: also top_logprobs = { { {id, logprob}, ... k }, ... } a token)
 --   engine:stats()  -- steps, prefill/decode tokens, preemptions, prefix hits, KV blocks
+--   engine:set_adapter(k, ad)  -- LoRA adapter set ad served in slot k: requests with adapter = k use it
 --
 -- Asynchronous RL (engine.h):
 --   engine:swap_params(buf, n)  -- read the weights from buf (float cdata of model.n_params; nil: the
@@ -248,6 +249,7 @@ local function submit(self, requests, opts, o)
     r.prompt_index = q.prompt_index or (i - 1)
     r.first_sample = q.first_sample or 0
     r.top_logprobs = opts.top_logprobs or 0
+    r.adapter = q.adapter or opts.adapter or 0
     local st = C.mrl_engine_add_request(self.handle, r, id_out)
     if st ~= 0 then
       local msg = moonrl.last_error()
@@ -466,9 +468,19 @@ function Engine:add(q, opts)
   r.prompt_index = q.prompt_index or 0
   r.first_sample = q.first_sample or 0
   r.top_logprobs = opts.top_logprobs or 0
+  r.adapter = q.adapter or opts.adapter or 0
   local id_out = ffi.new('int[1]')
   moonrl.check(C.mrl_engine_add_request(self.handle, r, id_out), 2)
   return id_out[0]
+end
+
+-- LoRA adapters served beside the weights (engine.h, mrl_engine_set_adapter): slot k (1 .. 64)
+-- holds ad (moonrl.model's Model:new_adapter / load_adapter; nil empties it); a request with
+-- adapter = k (a generate or add request's field, or opts.adapter for all) is computed with it.
+function Engine:set_adapter(slot, ad)
+  moonrl.check(C.mrl_engine_set_adapter(self.handle, slot, ad and ad.handle or nil), 2)
+  self._adapters = self._adapters or {}
+  self._adapters[slot] = ad -- (kept alive while served)
 end
 
 local step_unf = ffi.new('int[1]')

@@ -830,12 +830,35 @@ function M.lora_bits(targets)
   return bits
 end
 
+-- An adapter set's views (PEFT's names), as Model:views gives the model's.
+local function adapter_views(count, view, handle)
+  local v, list = ffi.new('mrl_param_view'), {}
+  for i = 0, count(handle) - 1 do
+    moonrl.check(view(handle, i, v))
+    list[#list + 1] = { name = ffi.string(v.name), offset = tonumber(v.offset), numel = tonumber(v.numel),
+      shape = { tonumber(v.shape[0]), tonumber(v.shape[1]) }, weight_decay = true }
+  end
+  return list
+end
+
+-- A config (mrl_lora_config) as { rank, alpha, targets = {names} }.
+local function lora_info(c)
+  local t = {}
+  for i, name in ipairs(M.lora_modules) do
+    if bit.band(c.targets, bit.lshift(1, i - 1)) ~= 0 then t[#t + 1] = name end
+  end
+  return { rank = tonumber(c.rank), alpha = tonumber(c.alpha), targets = t }
+end
+
+local function lora_cfg(o, where)
+  local bits, why = M.lora_bits(o.targets)
+  if not bits then error(where .. ': targets: ' .. why, 3) end
+  return ffi.new('mrl_lora_config', { rank = o.rank, alpha = o.alpha or 32, targets = bits, seed = o.seed or 0 })
+end
+
 -- Adapters on: o.rank, o.alpha (default 32: docs/lora.md), o.targets (as lora_bits takes), o.seed. The base is frozen from then on (its gradients are never computed).
 function Model:set_lora(o)
-  local bits, why = M.lora_bits(o.targets)
-  if not bits then error('set_lora: targets: ' .. why, 2) end
-  local cfg = ffi.new('mrl_lora_config', { rank = o.rank, alpha = o.alpha or 32, targets = bits, seed = o.seed or 0 })
-  moonrl.check(C.mrl_model_set_lora(self.handle, cfg), 2)
+  moonrl.check(C.mrl_model_set_lora(self.handle, lora_cfg(o, 'set_lora')), 2)
   self._lora_views = nil
 end
 
@@ -843,12 +866,9 @@ end
 function Model:lora()
   local c = C.mrl_model_lora(self.handle)
   if c == nil then return nil end
-  local t = {}
-  for i, name in ipairs(M.lora_modules) do
-    if bit.band(c.targets, bit.lshift(1, i - 1)) ~= 0 then t[#t + 1] = name end
-  end
-  return { rank = tonumber(c.rank), alpha = tonumber(c.alpha), targets = t,
-    n = tonumber(C.mrl_model_lora_num_params(self.handle)) }
+  local info = lora_info(c)
+  info.n = tonumber(C.mrl_model_lora_num_params(self.handle))
+  return info
 end
 
 -- The adapters' parameter buffer (host memory) and length; their gradients; on (true) or off.
@@ -858,15 +878,7 @@ function Model:lora_enable(on) C.mrl_model_lora_enable(self.handle, on and 1 or 
 
 -- The adapters' views, as Model:views gives the model's (PEFT's names).
 function Model:lora_views()
-  if not self._lora_views then
-    local v, list = ffi.new('mrl_param_view'), {}
-    for i = 0, C.mrl_model_lora_num_views(self.handle) - 1 do
-      moonrl.check(C.mrl_model_lora_view(self.handle, i, v))
-      list[#list + 1] = { name = ffi.string(v.name), offset = tonumber(v.offset), numel = tonumber(v.numel),
-        shape = { tonumber(v.shape[0]), tonumber(v.shape[1]) }, weight_decay = true }
-    end
-    self._lora_views = list
-  end
+  self._lora_views = self._lora_views or adapter_views(C.mrl_model_lora_num_views, C.mrl_model_lora_view, self.handle)
   return self._lora_views
 end
 
@@ -882,17 +894,13 @@ function Model:trainable()
   return p, n, function() return (self:grads()) end, self:views(), self:no_decay_ranges()
 end
 
--- The adapters as a PEFT directory (adapter_config.json, adapter_model.safetensors), dtype
--- 'F32' (default) or 'BF16'; base: the base model's path for base_model_name_or_path.
-function Model:save_lora(dir, o)
-  o = o or {}
-  local info = self:lora()
-  if not info then error('save_lora: the model has no LoRA adapters', 2) end
+-- Adapters (views, their values at p, info as Model:lora gives) as a PEFT directory: adapter_config.json
+-- and adapter_model.safetensors (dtype o.dtype, default 'F32'); o.base: base_model_name_or_path.
+local function write_peft(dir, views, p, info, o)
   local fs = require('moonrl.io.fs')
   fs.mkdirs(dir)
   local w = require('moonrl.io.safetensors').writer()
-  local p = self:lora_buffer()
-  for _, v in ipairs(self:lora_views()) do w:add(v.name, o.dtype or 'F32', v.shape, p + v.offset) end
+  for _, v in ipairs(views) do w:add(v.name, o.dtype or 'F32', v.shape, p + v.offset) end
   w:metadata('format', 'pt')
   w:write(dir .. '/adapter_model.safetensors')
   local cfg = json.object()
@@ -905,6 +913,13 @@ function Model:save_lora(dir, o)
   fs.write(tmp, json.encode(cfg, { indent = 2 }) .. '\n')
   fs.rename(tmp, dir .. '/adapter_config.json')
   return dir
+end
+
+-- The adapters as a PEFT directory (write_peft; o.dtype, o.base).
+function Model:save_lora(dir, o)
+  local info = self:lora()
+  if not info then error('save_lora: the model has no LoRA adapters', 2) end
+  return write_peft(dir, self:lora_views(), self:lora_buffer(), info, o or {})
 end
 
 -- A PEFT adapter directory's config, checked: { rank, alpha, targets } as set_lora takes them;
@@ -936,9 +951,31 @@ function M.lora_config(dir)
   return { rank = c.r, alpha = c.lora_alpha or 8, targets = targets }
 end
 
+-- The tensors of a PEFT adapter directory into an adapter set (views, its buffer p): every tensor
+-- checked by name and shape first; a tensor the set does not have, or one it misses, is an error
+-- naming it.
+local function read_peft(dir, views, p)
+  local st = require('moonrl.io.safetensors').open(dir .. '/adapter_model.safetensors')
+  local by, seen = {}, {}
+  for _, v in ipairs(views) do by[v.name] = v end
+  for _, name in ipairs(st:names()) do
+    local v = by[name]
+    if not v then error(string.format('LoRA adapter %s: tensor %s is not one of the model\'s adapters', dir, name), 3) end
+    local sh = st:info(name).shape
+    if #sh ~= 2 or sh[1] ~= v.shape[1] or sh[2] ~= v.shape[2] then
+      error(string.format('LoRA adapter %s: %s has shape [%s], the model\'s is [%d, %d]', dir, name,
+        table.concat(sh, ', '), v.shape[1], v.shape[2]), 3)
+    end
+    seen[name] = true
+  end
+  for _, v in ipairs(views) do
+    if not seen[v.name] then error(string.format('LoRA adapter %s: no tensor %s in adapter_model.safetensors', dir, v.name), 3) end
+  end
+  for _, v in ipairs(views) do st:read_f32(v.name, p + v.offset) end
+end
+
 -- The weights of a PEFT adapter directory into the model's adapters (made from its config when the
--- model has none; else they must agree). Every tensor is checked by name and shape first; a tensor
--- the model does not have, or one it misses, is an error naming it.
+-- model has none; else they must agree).
 function Model:load_lora(dir)
   local c = M.lora_config(dir)
   local have = self:lora()
@@ -949,26 +986,37 @@ function Model:load_lora(dir)
       dir, c.rank, c.alpha, type(c.targets) == 'table' and table.concat(c.targets, ',') or 'all-linear',
       have.rank, have.alpha, table.concat(have.targets, ',')), 2)
   end
-  local st = require('moonrl.io.safetensors').open(dir .. '/adapter_model.safetensors')
-  local by = {}
-  for _, v in ipairs(self:lora_views()) do by[v.name] = v end
-  for _, name in ipairs(st:names()) do
-    local v = by[name]
-    if not v then error(string.format('load_lora %s: tensor %s is not one of the model\'s adapters', dir, name), 2) end
-    local sh = st:info(name).shape
-    if #sh ~= 2 or sh[1] ~= v.shape[1] or sh[2] ~= v.shape[2] then
-      error(string.format('load_lora %s: %s has shape [%s], the model\'s is [%d, %d]', dir, name,
-        table.concat(sh, ', '), v.shape[1], v.shape[2]), 2)
-    end
-    v.seen = true
-  end
-  for _, v in ipairs(self:lora_views()) do
-    if not v.seen then error(string.format('load_lora %s: no tensor %s in adapter_model.safetensors', dir, v.name), 2) end
-    v.seen = nil
-  end
-  local p = self:lora_buffer()
-  for _, v in ipairs(self:lora_views()) do st:read_f32(v.name, p + v.offset) end
+  read_peft(dir, self:lora_views(), (self:lora_buffer()))
   C.mrl_model_lora_changed(self.handle)
 end
+
+-- ---- adapter sets of their own (mrl_lora_create): what an engine serves beside the weights ----
+--   local ad = model:new_adapter{ rank = 8, alpha = 16, targets = 'all-linear' }  -- or M.load_adapter(model, dir)
+--   ad:views(), ad:buffer() (p, n), ad:info() ({ rank, alpha, targets }), ad:save(dir, o)
+--   engine:set_adapter(slot, ad); engine:generate(reqs, { adapter = slot })
+local Adapter = {}
+Adapter.__index = Adapter
+
+function Model:new_adapter(o)
+  local out = ffi.new('mrl_lora *[1]')
+  moonrl.check(C.mrl_lora_create(self.handle, lora_cfg(o, 'new_adapter'), out), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.mrl_lora_free), model = self }, Adapter)
+end
+
+-- A PEFT adapter directory (M.lora_config's checks) as an adapter set for model.
+function M.load_adapter(model, dir)
+  local ad = model:new_adapter(M.lora_config(dir))
+  read_peft(dir, ad:views(), (ad:buffer()))
+  ad.dir = dir
+  return ad
+end
+
+function Adapter:views()
+  self._views = self._views or adapter_views(C.mrl_lora_num_views, C.mrl_lora_view, self.handle)
+  return self._views
+end
+function Adapter:buffer() return C.mrl_lora_params(self.handle), tonumber(C.mrl_lora_num_params(self.handle)) end
+function Adapter:info() return lora_info(C.mrl_lora_get_config(self.handle)) end
+function Adapter:save(dir, o) return write_peft(dir, self:views(), (self:buffer()), self:info(), o or {}) end
 
 return M

@@ -183,6 +183,7 @@ def main():
     control_checks(model, tmp, env)
     echo_checks(model)
     tp_checks(model, exp, gen_text, gen_chat)
+    lora_checks(model, tmp, gen_text)
     hardening_checks(model)
     cli_checks(model)
     print("%d failed" % failed)
@@ -919,6 +920,72 @@ def tp_checks(model, exp, gen_text, gen_chat):
     busy.close()
     err = p.stderr.decode("utf-8", "replace")
     check("tp-port-in-use", p.returncode == 2 and "in use" in err, err)
+
+
+def lora_checks(model, tmp, gen_text):
+    """--lora NAME=DIR (multi-LoRA): requests naming an adapter get what `moonrl generate --lora`
+    gives, batched with the base's and each other's; /v1/models lists them; adapters loaded and
+    unloaded at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter); bad ones refused."""
+    a, b = os.path.join(tmp, "lora_a"), os.path.join(tmp, "lora_b")
+    subprocess.run([MOONRL, "run", os.path.join(SRC, "tests/serve/make_adapters.lua")],
+                   env=dict(os.environ, DIR=model, OUT1=a, OUT2=b), check=True)
+
+    def generate(lora):
+        return subprocess.run([MOONRL, "generate", "--model", model, "--lora", lora, "--prompt", "Hello world",
+                               "--temperature", "0", "--max-tokens", "12"], capture_output=True,
+                              check=True).stdout.decode("utf-8", "replace")[:-1]
+    want = {"lora-a": generate(a), "lora-b": generate(b)}
+    check("lora-generate-differs", want["lora-a"] != want["lora-b"] and want["lora-a"] != gen_text[:len(want["lora-a"])],
+          repr(want))
+    srv = Server(model, "--lora", "lora-a=" + a, "--lora", "lora-b=" + b, "--served-model-name", "tiny")
+    try:
+        models = json.loads(srv.request("GET", "/v1/models")[1])
+        ids = [(m["id"], m.get("parent")) for m in models["data"]]
+        check("lora-models", ids == [("tiny", None), ("lora-a", "tiny"), ("lora-b", "tiny")], repr(ids))
+        # the three at once: one batch of the base's rows and each adapter's
+        results = {}
+
+        def ask(name):
+            results[name] = srv.post("/v1/completions", {"model": name, "prompt": "Hello world", "max_tokens": 12,
+                                                         "temperature": 0})
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ("lora-a", "lora-b", "tiny", "lora-a")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for name in ("lora-a", "lora-b"):
+            st, body = results[name]
+            check("lora-completion-" + name, st == 200 and body["choices"][0]["text"] == want[name] and body["model"] == name,
+                  "%s %r want %r" % (st, body, want[name]))
+        st, body = results["tiny"]
+        check("lora-base-unchanged", st == 200 and gen_text.startswith(body["choices"][0]["text"]), repr(body))
+        st, body = srv.post("/v1/completions", {"model": "lora-c", "prompt": "Hi", "max_tokens": 2})
+        check("lora-unknown-404", st == 404, repr(body))
+        st, body = srv.post("/v1/completions", {"model": "lora-a", "prompt": "Hi", "max_tokens": 0, "echo": True})
+        check("lora-echo-refused", error_ok(st, body, 400, "echo"), repr(body))
+        st, body = srv.post("/v1/load_lora_adapter", {"lora_name": "lora-c", "lora_path": b})
+        check("lora-load", st == 200 and b"added successfully" in body, repr(body))
+        st, body = srv.post("/v1/completions", {"model": "lora-c", "prompt": "Hello world", "max_tokens": 12,
+                                                "temperature": 0})
+        check("lora-loaded-serves", st == 200 and body["choices"][0]["text"] == want["lora-b"], repr(body))
+        st, body = srv.post("/v1/load_lora_adapter", {"lora_name": "lora-c", "lora_path": a})  # the same name: replaced
+        st2, body2 = srv.post("/v1/completions", {"model": "lora-c", "prompt": "Hello world", "max_tokens": 12,
+                                                  "temperature": 0})
+        check("lora-replaced", st == 200 and st2 == 200 and body2["choices"][0]["text"] == want["lora-a"], repr(body2))
+        st, body = srv.post("/v1/unload_lora_adapter", {"lora_name": "lora-c"})
+        check("lora-unload", st == 200, repr(body))
+        st, body = srv.post("/v1/completions", {"model": "lora-c", "prompt": "Hi", "max_tokens": 2})
+        check("lora-unloaded-404", st == 404, repr(body))
+        st, body = srv.post("/v1/unload_lora_adapter", {"lora_name": "lora-c"})
+        check("lora-unload-twice-404", st == 404, repr(body))
+        st, body = srv.post("/v1/load_lora_adapter", {"lora_name": "lora-d", "lora_path": os.path.join(tmp, "nothing")})
+        check("lora-load-bad-path", error_ok(st, body, 400, "lora_path"), repr(body))
+    finally:
+        code = srv.stop()
+    check("lora-exit-0", code == 0, srv.log()[-2000:])
+    r = subprocess.run([MOONRL, "serve", "--model", model, "--port", "0", "--lora", "x=" + os.path.join(tmp, "nothing")],
+                       capture_output=True, timeout=60)
+    check("lora-bad-dir-usage-error", r.returncode == 2 and b"--lora x=" in r.stderr, r.stderr.decode()[-500:])
 
 
 def hwm_mb(pid):

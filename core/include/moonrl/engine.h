@@ -63,6 +63,7 @@ extern "C" {
 
 typedef struct mrl_engine mrl_engine;
 typedef struct mrl_model mrl_model;
+typedef struct mrl_lora mrl_lora;
 typedef struct mrl_model_copy mrl_model_copy;
 
 typedef struct mrl_engine_config {
@@ -110,6 +111,8 @@ typedef struct mrl_engine_request {
     int64_t first_sample;    /* 0 normally; k when a group's samples k.. come as their own request */
     int top_logprobs;        /* 0..MRL_TOP_LOGPROBS_MAX: keep that many most likely tokens a generated
                               * token (mrl_engine_get_output_top_logprobs); 0: none */
+    int adapter;             /* 0: the model as it is (its own LoRA adapters, if on); k >= 1: the LoRA
+                              * adapter set in slot k (mrl_engine_set_adapter) over the base instead */
 } mrl_engine_request;
 
 /* The most top_logprobs a request may ask for (OpenAI's limit). */
@@ -207,6 +210,17 @@ mrl_status mrl_engine_get_output_versions(mrl_engine *e, int req_id, int sample,
  * cached prefix: call it when the weights have changed (e.g. after an
  * optimizer step) if prefix caching is on. Request ids restart at 0. */
 mrl_status mrl_engine_reset(mrl_engine *e);
+
+/* LoRA adapters served beside the model's weights (multi-LoRA, as vLLM's LoRA serving): slot k
+ * (1 .. MRL_ENGINE_MAX_ADAPTERS) holds an adapter set of the model's architecture
+ * (mrl_lora_create), read in place on every step (written between rounds like weights); NULL
+ * empties the slot. A request naming slot k (mrl_engine_request.adapter) is computed with the base
+ * weights and that adapter; one batch mixes requests of any slots (each adapter's two thin
+ * products run on its own requests' rows) and their prefix-cache blocks are kept apart by slot.
+ * A mixture-of-experts model serves its own adapters only (MRL_ERR_UNSUPPORTED). Not while a
+ * background run is in progress; a slot must not be emptied while requests naming it are unfinished. */
+#define MRL_ENGINE_MAX_ADAPTERS 64
+mrl_status mrl_engine_set_adapter(mrl_engine *e, int slot, const mrl_lora *ad);
 
 /* Queue a request; *req_id identifies it. Bad input (ids outside the
  * vocabulary, bad sampling params, a prompt + max_new_tokens longer than

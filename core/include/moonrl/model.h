@@ -228,6 +228,18 @@ typedef struct mrl_lora_config {
 } mrl_lora_config;
 /* Adapters on (a whole model on the CPU, none yet: MRL_ERR_UNSUPPORTED otherwise, naming why). */
 mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg);
+/* An adapter set of its own for model m's architecture, not the model's (no gradients): what an
+ * engine serves beside the model's weights (mrl_engine_set_adapter), several of them in one
+ * batch. Its parameters are laid out as the model's adapters are (the same views); it must not
+ * outlive the model, nor be freed while an engine holds it. */
+typedef struct mrl_lora mrl_lora;
+mrl_status mrl_lora_create(const mrl_model *m, const mrl_lora_config *cfg, mrl_lora **out);
+void mrl_lora_free(mrl_lora *ad);
+const mrl_lora_config *mrl_lora_get_config(const mrl_lora *ad);
+int64_t mrl_lora_num_params(const mrl_lora *ad);
+float *mrl_lora_params(mrl_lora *ad);
+int mrl_lora_num_views(const mrl_lora *ad);
+mrl_status mrl_lora_view(const mrl_lora *ad, int i, mrl_param_view *out);
 /* The adapters' config (NULL: none), parameter count, parameters and gradients (host memory;
  * the gradients allocated zeroed by the first call), views (0 <= i < count). */
 const mrl_lora_config *mrl_model_lora(const mrl_model *m);

@@ -19,6 +19,7 @@ usage: moonrl generate --model DIR --prompt TEXT [options]
   --seed S             default 0
   --stop TEXT          stop at this string (may be repeated)
   --tokenizer PATH     tokenizer.json or its directory (default: the model directory)
+  --lora DIR           a PEFT LoRA adapter over the model (its adapter_config.json, adapter_model.safetensors)
   --kv-cache-mb MB     KV cache size (default 256)
   --tp N               tensor parallel over N ranks (started here with mpirun): each holds its
                        slices of every layer, the ranks generate together, rank 0 prints]]
@@ -28,7 +29,7 @@ local NUMBERS = {
   ['--top-k'] = { 'top_k', true, 0 }, ['--min-p'] = { 'min_p', false, 0 }, ['--max-tokens'] = { 'max_tokens', true, 1 },
   ['--seed'] = { 'seed', true, 0 }, ['--kv-cache-mb'] = { 'kv_cache_mb', false, 0 }, ['--tp'] = { 'tp', true, 1 },
 }
-local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer' }
+local STRINGS = { ['--model'] = 'model', ['--prompt'] = 'prompt', ['--tokenizer'] = 'tokenizer', ['--lora'] = 'lora' }
 
 local function parse(args)
   local o = require('moonrl.cli.cmdline').parse(args, { command = 'generate', usage = USAGE, numbers = NUMBERS,
@@ -56,6 +57,11 @@ function M.main(args)
   local m, err = inference.load(o.model, { tokenizer = o.tokenizer, template = o.chat, tp = world })
   if not m then moonrl.usage_error('generate: ' .. tostring(err)) end
   local model, tok = m.model, m.tokenizer
+  if o.lora then
+    if world then moonrl.usage_error('generate: --lora is not served with --tp yet') end
+    local ok, lerr = pcall(model.load_lora, model, o.lora)
+    if not ok then moonrl.usage_error('generate: --lora ' .. o.lora .. ': ' .. moonrl.error_text(lerr)) end
+  end
   local prompt_ids
   if o.chat then
     local tpl = m.template

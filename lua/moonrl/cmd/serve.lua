@@ -18,6 +18,8 @@ usage: moonrl serve --model DIR|FILE.gguf [options]
   --max-model-len N      prompt + completion tokens at most (default: the model's max_position_embeddings)
   --kv-cache-mb MB       KV cache size (default 256)
   --dtype D              float32 (default) or bfloat16 (bf16 weight copies and KV cache, as model.dtype=bf16)
+  --lora NAME=DIR        a PEFT LoRA adapter served beside the model: requests with "model": NAME use it
+                         (repeatable; several in one batch; POST /v1/load_lora_adapter adds one later)
   --max-n N              samples of one request at most (n x prompts; default 128)
   --default-max-tokens N chat completions without max_tokens stop here (default: the context left)
   --seed S               the streams of requests that give no seed (default 0)
@@ -52,6 +54,7 @@ local STRINGS = { ['--model'] = 'model', ['--host'] = 'host', ['--served-model-n
 
 local function parse(args)
   return require('moonrl.cli.cmdline').parse(args, { command = 'serve', usage = USAGE, numbers = NUMBERS, strings = STRINGS,
+    lists = { ['--lora'] = 'lora' },
     defaults = { host = '127.0.0.1', port = 8000, max_seqs = 64, kv_cache_mb = 256, seed = 0, max_n = 128,
       max_body_mb = 16, max_connections = 1024, shutdown_timeout = 10, header_timeout = 60, body_timeout = 60,
       keep_alive_timeout = 30, request_timeout = 600, tp = 1 },
@@ -153,6 +156,14 @@ function M.main(args)
   if not ok then
     if world then engine:close() end
     moonrl.usage_error('serve: ' .. moonrl.error_text(srv))
+  end
+  for _, spec in ipairs(o.lora) do -- --lora NAME=DIR
+    local name, ldir = spec:match('^([^=]+)=(.+)$')
+    if not name then moonrl.usage_error(string.format("serve: --lora '%s': expected NAME=DIR", spec)) end
+    local lok, lerr = pcall(srv.load_adapter, srv, name, ldir)
+    if not lok then
+      moonrl.usage_error(string.format('serve: --lora %s: %s', spec, moonrl.error_text(type(lerr) == 'table' and lerr.message or lerr)))
+    end
   end
   local host = o.host:find(':', 1, true) and ('[' .. o.host .. ']') or o.host
   log(string.format('listening on http://%s:%d (model %s, max_model_len %d%s%s)', host, srv.port,

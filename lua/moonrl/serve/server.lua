@@ -252,7 +252,7 @@ function M.new(o)
     shutdown_timeout = o.shutdown_timeout or 10, request_timeout = o.request_timeout or 600,
     log = o.log or function() end, record = o.record,
     jobs = {}, active = {}, to_release = {}, serial = 0, created = os.time(), next_waiting = {},
-    held = {}, pause_waiters = {}, version_label = o.weight_version or 'default',
+    held = {}, pause_waiters = {}, version_label = o.weight_version or 'default', adapters = {},
     counters = { requests = 0, errors = 0, prompt_tokens = 0, generation_tokens = 0, running_peak = 0,
       active_peak = 0, gone = 0, timed_out = 0, ttft_sum = 0, ttft_count = 0 },
     stats = ffi.new('mrl_engine_stats'), req = ffi.new('mrl_http_request'), got = ffi.new('int[1]'),
@@ -297,13 +297,51 @@ function Server:send_event(job, o) self:send(job, 'data: ' .. json.encode(o) .. 
 
 -- ---- building jobs -------------------------------------------------------------------------
 
+-- The model a request names: the served model (slot 0), or a LoRA adapter by its name (its
+-- engine slot); a 404 for another. Returns the slot and the name answers carry.
 function Server:check_model(body)
   local m = field(body, 'model')
-  if m == nil then return end
+  if m == nil then return 0, self.name end
   if type(m) ~= 'string' then bad("'model' must be a string", 'model') end
+  if self.adapters[m] then return self.adapters[m].slot, m end
   if m ~= self.name and m ~= self.path then
     fail(404, string.format('The model `%s` does not exist.', m), 'model', 'NotFoundError')
   end
+  return 0, self.name
+end
+
+-- LoRA adapters served beside the model (vLLM's LoRA serving): a PEFT directory under a name,
+-- in an engine slot of its own (moonrl.engine's set_adapter); the same name again replaces it
+-- (requests in flight go on with the new one from the next step: an in-flight update).
+function Server:load_adapter(name, dir)
+  if type(name) ~= 'string' or name == '' or #name > 200 then bad("'lora_name' (a string) is required", 'lora_name') end
+  if type(dir) ~= 'string' or dir == '' then bad("'lora_path' (a directory) is required", 'lora_path') end
+  if name == self.name then bad(string.format("'%s' is the served model's name", name), 'lora_name') end
+  if self.engine.tick then bad('LoRA adapters are not served with --tp yet', 'lora_name') end
+  local ok, ad = pcall(require('moonrl.model').load_adapter, self.engine.model, dir)
+  if not ok then bad(moonrl.error_text(ad), 'lora_path') end
+  local slot = self.adapters[name] and self.adapters[name].slot
+  if not slot then
+    local used = {}
+    for _, a in pairs(self.adapters) do used[a.slot] = true end
+    slot = 1
+    while used[slot] do slot = slot + 1 end
+    if slot > 64 then bad('64 LoRA adapters are served already: unload one first', 'lora_name') end
+  end
+  local set_ok, err = pcall(self.engine.set_adapter, self.engine, slot, ad)
+  if not set_ok then bad(moonrl.error_text(err), 'lora_name') end
+  self.adapters[name] = { slot = slot, dir = dir, ad = ad }
+  self.log(string.format('LoRA adapter %s from %s (rank %d) in slot %d', name, dir, ad:info().rank, slot))
+end
+
+function Server:unload_adapter(name)
+  local a = type(name) == 'string' and self.adapters[name]
+  if not a then fail(404, string.format('The LoRA adapter `%s` is not loaded.', tostring(name)), 'lora_name', 'NotFoundError') end
+  for _, job in ipairs(self.active) do
+    if job.adapter == a.slot then fail(409, string.format("LoRA adapter '%s' has requests in flight", name), 'lora_name') end
+  end
+  self.engine:set_adapter(a.slot, nil)
+  self.adapters[name] = nil
 end
 
 -- The 400 of a prompt too long for the context (n_prompt: its tokens, or nil with n_bytes: its
@@ -451,7 +489,7 @@ end
 -- nothing left queued).
 function Server:new_job(hid, body, chat, episode)
   if not json.is_object(body) then bad('the body must be a JSON object') end
-  self:check_model(body)
+  local adapter, model_name = self:check_model(body)
   unsupported(body, { 'presence_penalty', 'frequency_penalty', 'logit_bias', 'suffix', 'repetition_penalty' })
   if chat then unsupported(body, { 'echo', 'prompt_logprobs' }) end
   local stream = bool_field(body, 'stream', false)
@@ -460,6 +498,9 @@ function Server:new_job(hid, body, chat, episode)
   local echo = not chat and bool_field(body, 'echo', false)
   local prompt_lps = not chat and number_field(body, 'prompt_logprobs', 0, 20, true, nil) or nil
   if stream and (echo or prompt_lps) then bad("'echo' and 'prompt_logprobs' are not served on a stream", 'stream') end
+  if (echo or prompt_lps) and adapter > 0 then
+    bad("'echo' and 'prompt_logprobs' score prompts with the served model, not a LoRA adapter yet", echo and 'echo' or 'prompt_logprobs')
+  end
   if (echo or prompt_lps) and (self.engine.tick or self.engine.model:device() ~= 'cpu') then
     bad("'echo' and 'prompt_logprobs' score prompts with a whole model on the CPU (not --tp, not a GPU yet)",
       echo and 'echo' or 'prompt_logprobs')
@@ -517,6 +558,7 @@ function Server:new_job(hid, body, chat, episode)
     logprobs = logprobs, top_logprobs = top_logprobs, include_usage = include_usage, token_ids = token_ids,
     return_ids = return_ids, echo = echo, prompt_lps = prompt_lps, temperature = temperature,
     stops = stops, max_stop = max_stop, reqs = {}, samples = {}, remaining = 0, prompt_tokens = 0,
+    adapter = adapter, model_name = model_name,
   }
   local ignore_eos = bool_field(body, 'ignore_eos', false) -- vLLM's: generate max_tokens whatever comes
   local opts = { temperature = temperature, top_p = top_p, top_k = top_k, min_p = min_p,
@@ -551,7 +593,7 @@ function Server:new_job(hid, body, chat, episode)
     if q.max_tokens then mt = math.min(mt, q.max_tokens) end
     mt = math.min(mt, self.max_len - #ids)
     local ok, eid = pcall(self.engine.add, self.engine, { prompt_ids = ids, n = n, max_tokens = mt,
-      prompt_index = q.prompt_index or (i - 1), first_sample = q.first_sample }, opts)
+      prompt_index = q.prompt_index or (i - 1), first_sample = q.first_sample, adapter = adapter }, opts)
     if not ok then
       self:abandon(job) -- the prompts queued before this one
       bad(moonrl.error_text(eid), chat and 'messages' or 'prompt')
@@ -640,7 +682,7 @@ end
 
 function Server:chunk(job, choices)
   return obj({ 'id', job.id, 'object', job.chat and 'chat.completion.chunk' or 'text_completion', 'created', job.created,
-    'model', self.name, 'choices', choices })
+    'model', job.model_name, 'choices', choices })
 end
 
 -- New text (and finish) of a streaming sample.
@@ -707,7 +749,7 @@ function Server:finish_job(job)
       choices[#choices + 1] = c
     end
     local sent = self:respond(job.hid, 200, json.encode(obj({ 'id', job.id, 'object', job.chat and 'chat.completion' or
-      'text_completion', 'created', job.created, 'model', self.name, 'choices', choices, 'usage', self:usage(job) })))
+      'text_completion', 'created', job.created, 'model', job.model_name, 'choices', choices, 'usage', self:usage(job) })))
     -- (a turn whose agent is known to be gone is not its episode's: it never saw it)
     if job.episode and sent then self:record_turn(job) end
   end
@@ -908,8 +950,16 @@ function Server:metrics()
 end
 
 function Server:models()
-  return json.encode(obj({ 'object', 'list', 'data', arr({ obj({ 'id', self.name, 'object', 'model',
-    'created', self.created, 'owned_by', 'moonrl', 'root', self.path, 'parent', null, 'max_model_len', self.max_len }) }) }))
+  local list = { obj({ 'id', self.name, 'object', 'model', 'created', self.created, 'owned_by', 'moonrl', 'root', self.path,
+    'parent', null, 'max_model_len', self.max_len }) }
+  local names = {}
+  for name in pairs(self.adapters) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do -- (as vLLM lists its LoRA modules: the base as parent)
+    list[#list + 1] = obj({ 'id', name, 'object', 'model', 'created', self.created, 'owned_by', 'moonrl',
+      'root', self.adapters[name].dir, 'parent', self.name, 'max_model_len', self.max_len })
+  end
+  return json.encode(obj({ 'object', 'list', 'data', arr(list) }))
 end
 
 local ROUTES = {
@@ -918,6 +968,7 @@ local ROUTES = {
   ['/v1/episodes/next'] = 'POST', ['/v1/episodes/done'] = 'POST',
   ['/pause'] = 'POST', ['/resume'] = 'POST', ['/is_paused'] = 'GET', ['/collective_rpc'] = 'POST',
   ['/update_weight_version'] = 'POST', ['/weight_info'] = 'GET', ['/reset_prefix_cache'] = 'POST',
+  ['/v1/load_lora_adapter'] = 'POST', ['/v1/unload_lora_adapter'] = 'POST',
 }
 -- (the weight-transfer routes: the answer's message, the body's field named in a refusal)
 local TRANSFER = {
@@ -928,7 +979,8 @@ local TRANSFER = {
   ['/shutdown_weight_transfer_engine'] = { 'Weight transfer shut down' },
 }
 local CONTROL = { ['/pause'] = true, ['/resume'] = true, ['/is_paused'] = true, ['/collective_rpc'] = true,
-  ['/update_weight_version'] = true, ['/weight_info'] = true, ['/reset_prefix_cache'] = true }
+  ['/update_weight_version'] = true, ['/weight_info'] = true, ['/reset_prefix_cache'] = true,
+  ['/v1/load_lora_adapter'] = true, ['/v1/unload_lora_adapter'] = true }
 for path in pairs(TRANSFER) do ROUTES[path], CONTROL[path] = 'POST', true end
 
 local function bearer(auth) return auth and auth:match('^[Bb]earer%s+(%S+)') end
@@ -1165,6 +1217,16 @@ function Server:control(hid, path, body, query)
     return ok(obj({ 'success', true, 'new_version', v }))
   end
   if path == '/reset_prefix_cache' then return ok(obj({ 'success', self:drop_prefixes() })) end
+  if path == '/v1/load_lora_adapter' then -- (vLLM answers these two in plain text)
+    local name = field(req, 'lora_name')
+    self:load_adapter(name, field(req, 'lora_path'))
+    return self:respond(hid, 200, string.format("Success: LoRA adapter '%s' added successfully.", name), 'text/plain')
+  end
+  if path == '/v1/unload_lora_adapter' then
+    local name = field(req, 'lora_name')
+    self:unload_adapter(name)
+    return self:respond(hid, 200, string.format("Success: LoRA adapter '%s' removed successfully.", name), 'text/plain')
+  end
   if TRANSFER[path] then return ok(obj({ 'message', self:transfer_route(path, req) })) end
   -- /collective_rpc: the one method a trainer needs of it
   local method = field(req, 'method')
