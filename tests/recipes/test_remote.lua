@@ -67,6 +67,24 @@ t.test('grpo through two moonrl serve processes: the bits of one process, every 
   end
 end)
 
+t.test('LoRA through moonrl serve: only the adapters go, as a PEFT directory a version; the bits of one process', function()
+  local here = grpo('lora_local', 'model.lora.rank=4')
+  local there = grpo('lora_remote', 'model.lora.rank=4', 'engine.launch=auto', 'engine.servers=2')
+  local function adapters(d) return fs.read(d .. '/model/adapter_model.safetensors') end
+  t.truthy(adapters(here) and adapters(here) == adapters(there), 'the final adapters equal byte for byte')
+  local a, b = U.records(here), U.records(there)
+  local model_bytes = fs.stat(dir .. '/tiny/model.safetensors').size
+  for i = 1, 5 do
+    t.eq(b[i]['reward/mean'], a[i]['reward/mean'], 'the same samples at step ' .. i)
+    t.truthy(b[i]['mismatch/max_abs'] < 1e-5, 'the servers\' log-probs (base + adapters) are the trainer\'s: ' .. b[i]['mismatch/max_abs'])
+    if (b[i]['engine/syncs'] or 0) > 0 then
+      local per = b[i]['engine/sync_bytes'] / b[i]['engine/syncs'] * 2 -- (two servers, one file a version)
+      t.truthy(per < model_bytes / 2, string.format('a version is the adapters\' file: %d bytes, the model %d', per, model_bytes))
+    end
+  end
+  t.truthy(a[2].grad_norm > 0, 'the adapters move')
+end)
+
 t.test('weights by transfer: buckets of the tensors that changed; reload gives the same bits', function()
   local here = fs.exists(dir .. '/local/model/model.safetensors') and dir .. '/local' or grpo('local', unpack(EVAL))
   local small = grpo('buckets', 'engine.launch=auto', 'engine.bucket_mb=0.01', unpack(EVAL))

@@ -331,6 +331,7 @@ function Server:load_adapter(name, dir)
   local set_ok, err = pcall(self.engine.set_adapter, self.engine, slot, ad)
   if not set_ok then bad(moonrl.error_text(err), 'lora_name') end
   self.adapters[name] = { slot = slot, dir = dir, ad = ad }
+  self:new_version() -- (what a request of this name computes changed: its samples' version with it)
   self.log(string.format('LoRA adapter %s from %s (rank %d) in slot %d', name, dir, ad:info().rank, slot))
 end
 
@@ -1128,6 +1129,11 @@ end
 -- weights from their next token (their panels packed again); with none, the cached prefixes go.
 function Server:weights_changed()
   if not self:drop_prefixes() then self.engine:swap_params(nil) end
+  self:new_version()
+end
+
+-- The engine's samples from now on are of a new version, labelled as the weights are now.
+function Server:new_version()
   self.weights_version = (self.weights_version or 0) + 1
   self.engine:set_version(self.weights_version)
   self.version_labels[self.weights_version] = self.version_label

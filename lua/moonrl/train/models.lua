@@ -177,8 +177,6 @@ function M.apply_lora(cfg, policy)
   local why = (d.tp or 1) > 1 and 'dist.tp' or (d.cp or 1) > 1 and 'dist.cp' or (d.pp or 1) > 1 and 'dist.pp'
     or (d.zero or 0) >= 2 and 'dist.zero=' .. d.zero or (d.rollout_ranks or 0) > 0 and 'dist.rollout_ranks'
     or (a.engine_threads or 0) > 0 and 'async.engine_threads'
-    or (type(cfg.engine) == 'table' and (cfg.engine.backend ~= 'moonrl' or cfg.engine.urls or cfg.engine.launch))
-      and 'rollout servers (engine.backend, engine.urls, engine.launch)'
     or (type(cfg.model) == 'table' and cfg.model.device ~= nil and cfg.model.device ~= 'cpu') and 'model.device'
     or (type(cfg.moe) == 'table' and cfg.moe.expert_parallel) and 'moe.expert_parallel' or nil
   if why then moonrl.usage_error(string.format('model.lora: not yet with %s (docs/lora.md says what LoRA runs with)', why)) end

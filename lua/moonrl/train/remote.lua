@@ -114,6 +114,18 @@ function M.new(o)
   self.sync_root = string.format('%s/moonrl-sync-%d-%x', o.sync_dir or '/dev/shm', tonumber(C.mrl_process_id()),
     math.random(0, 0xffffff))
   if o.launch == 'auto' then o.launch = M.LAUNCH[o.backend]() end
+  -- LoRA: the servers hold the base (model_dir, never reloaded) and the policy's adapters, sent as a
+  -- PEFT directory each version (/v1/load_lora_adapter, replaced in place) and named by requests
+  local lora = self.policy:lora()
+  if lora then
+    self.lora_name = self.name .. '-lora'
+    if self.untie then moonrl.usage_error('model.lora with engine.backend=vllm: a tied model is served untied by vLLM, ' ..
+      'which the adapters of the tied base do not match yet') end
+    if o.backend == 'vllm' and o.launch then -- (vLLM serves adapters when asked at launch)
+      o.launch = o.launch:gsub('^env ', 'env VLLM_ALLOW_RUNTIME_LORA_UPDATING=True ') ..
+        string.format(' --enable-lora --max-loras 1 --max-lora-rank %d', lora.rank)
+    end
+  end
   -- vLLM's reload_weights keeps a tied model's old output layer (it reloads the embedding only):
   -- it is served, and sent, an untied copy with lm_head.weight written out (moonrl serve reads either)
   self.untie = o.backend == 'vllm' and self.policy.config.tie_word_embeddings and true or false
@@ -299,7 +311,9 @@ end
 function Remote:push(servers, label)
   local t0 = moonrl.now()
   local gen
-  if self.weight_sync == 'transfer' then gen = self:push_transfer(servers, label) else gen = self:push_reload(servers, label) end
+  if self.lora_name then gen = self:push_lora(servers, label)
+  elseif self.weight_sync == 'transfer' then gen = self:push_transfer(servers, label)
+  else gen = self:push_reload(servers, label) end
   local info = self:all(servers, '/weight_info')
   for _, s in ipairs(servers) do
     local got = type(info[s]) == 'table' and info[s].weight_version
@@ -328,6 +342,29 @@ function Remote:push_reload(servers, label)
   if self.backend == 'moonrl' then kwargs.crc32c = string.format('%08x', self.written_crc) end
   self:all(servers, '/pause?mode=wait', json.object())
   self:all(servers, '/collective_rpc', json.object({ 'method', 'reload_weights', 'kwargs', kwargs }))
+  self:all(servers, '/update_weight_version', { new_version = tostring(label) })
+  self:all(servers, '/reset_prefix_cache', json.object())
+  self:all(servers, '/resume', json.object())
+  return gen
+end
+
+-- LoRA: the adapters as a PEFT directory (once a version, a fresh one), loaded into each server in
+-- place of the last (/v1/load_lora_adapter, vLLM's and moonrl serve's), between a pause and a resume.
+function Remote:push_lora(servers, label)
+  local gen = self.policy:weights_generation()
+  if self.written_gen ~= gen then
+    self.syncs = self.syncs + 1
+    local dir = string.format('%s/v%d', self.sync_root, self.syncs)
+    self.policy:save_lora(dir, { base = self.model_dir })
+    if self.written_dir then pcall(fs.remove, self.written_dir) end
+    self.written_dir, self.written_gen = dir, gen
+    local st = fs.stat(dir .. '/adapter_model.safetensors')
+    self.counters.sync_bytes = self.counters.sync_bytes + (st and st.size or 0)
+    self.counters.sync_tensors = self.counters.sync_tensors + #self.policy:lora_views()
+  end
+  self:all(servers, '/pause?mode=wait', json.object())
+  self:all(servers, '/v1/load_lora_adapter', json.object({ 'lora_name', self.lora_name, 'lora_path', self.written_dir,
+    'load_inplace', true }))
   self:all(servers, '/update_weight_version', { new_version = tostring(label) })
   self:all(servers, '/reset_prefix_cache', json.object())
   self:all(servers, '/resume', json.object())
@@ -476,7 +513,7 @@ function Remote:body(q, o)
   local greedy = (o.temperature or 1) == 0
   -- (vLLM takes one greedy sample a request: the others are its copies, as moonrl's engine's are)
   local n = (greedy and self.backend == 'vllm') and 1 or (q.n or 1)
-  local b = json.object({ 'model', self.name, 'prompt', json.array(q.prompt_ids), 'n', n,
+  local b = json.object({ 'model', self.lora_name or self.name, 'prompt', json.array(q.prompt_ids), 'n', n,
     'max_tokens', q.max_tokens or o.max_tokens or 16, 'temperature', o.temperature or 1.0, 'top_p', o.top_p or 1.0,
     'top_k', (o.top_k or 0) > 0 and o.top_k or -1, 'min_p', o.min_p or 0, 'logprobs', o.top_logprobs or 0,
     'return_token_ids', true, 'ignore_eos', true, 'stop_token_ids', json.array(stop_ids), 'skip_special_tokens', false })
