@@ -257,6 +257,11 @@ typedef struct mrl_kernels {
     void (*bias_add)(float *y, const float *b, int64_t T, int64_t N);
     /* db[N] += sum over t < T of dy[t], added in t order. */
     void (*bias_bwd)(float *db, const float *dy, int64_t T, int64_t N);
+    /* LoRA's part of a product (core/model/lora.c): u [T,r] = x [T,K] A [r,K]^T, then
+     * y [T,N] += s u B [N,r]^T. A decode step's few rows run it once per adapted matrix per
+     * layer: one call, where two library products would each pay their set-up. */
+    void (*lora_fwd)(float *y, float *u, const float *x, const float *A, const float *B, int64_t T, int64_t N,
+                     int64_t K, int64_t r, float s);
     /* P[mrl_panels_floats(N, K)] = W [N,K] as weight panels (above). */
     void (*panels_pack)(float *P, const float *W, int64_t N, int64_t K);
     /* P[mrl_panels16_dwords(N, K)] = W [N,K] (bf16) as bf16 weight panels (above). */

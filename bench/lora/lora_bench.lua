@@ -21,6 +21,7 @@ local cfg = moonrl.config {
   reps = moonrl.config.integer(3, { min = 1 }),
   prompts = moonrl.config.integer(16, { min = 1 }), decode = moonrl.config.integer(32, { min = 1 }),
   adapters = moonrl.config.integer(4, { min = 1, max = 64 }),
+  train = true, -- false: decode only
 }
 local mcfg = dofile(moonrl.home .. '/bench/models.lua')(cfg.size, { max_position_embeddings = math.max(cfg.seq, 512) })
 local dtype = moonrl.model.resolve_dtype(cfg.dtype, mcfg)
@@ -80,13 +81,13 @@ local lora_n = sides.lora.model:lora().n
 print(string.format('%s; model %s (%.1fM parameters), %s, %d x %d tokens; LoRA rank %d on all projections: %.2fM trainable (%.2f%%)',
   cpu, cfg.size, n_params / 1e6, dtype, cfg.seqs, cfg.seq, cfg.rank, lora_n / 1e6, 100 * lora_n / n_params))
 
-for _ = 1, cfg.reps do
+for _ = 1, cfg.train and cfg.reps or 0 do
   for _, name in ipairs({ 'full', 'lora' }) do
     local s = sides[name]
     s.times[#s.times + 1] = s.step()
   end
 end
-for _, name in ipairs({ 'full', 'lora' }) do
+for _, name in ipairs(cfg.train and { 'full', 'lora' } or {}) do
   local s = sides[name]
   s.time = median(s.times)
   print(string.format('train %-4s: %.3f s/step (median of %d), %.0f tokens/s; holds parameters %.0f MiB, gradients %.0f MiB, optimizer %.0f MiB',
@@ -142,5 +143,5 @@ for k, v in pairs(rates) do best[k] = math.max(unpack(v)) end
 print(string.format('decode, %d requests x %d tokens: base %.0f tok/s; the model\'s own adapters %.0f tok/s (%.2fx the base\'s time); %d adapter sets in one batch %.0f tok/s (%.2fx)',
   cfg.prompts, cfg.decode, best.base, best.own, best.base / best.own, cfg.adapters, best.multi, best.base / best.multi))
 print(string.format('LoRA step / full step: %.2fx the time; holds %.0f MiB against %.0f MiB (parameters, gradients, optimizer)',
-  sides.lora.time / sides.full.time, mib(sides.lora.held.params + sides.lora.held.grads + sides.lora.held.optim),
+  (sides.lora.time or 0 / 0) / (sides.full.time or 0 / 0), mib(sides.lora.held.params + sides.lora.held.grads + sides.lora.held.optim),
   mib(sides.full.held.params + sides.full.held.grads + sides.full.held.optim)))

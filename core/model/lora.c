@@ -294,9 +294,7 @@ int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T) {
 void mrl_lora_fwd(const mrl_kernels *k, const mrl_lora *ad, const float *A, const float *B, const float *x, float *y,
                   int64_t T, int64_t N, int64_t K, float *u) {
     if (!A || T <= 0) return;
-    int64_t r = ad->cfg.rank;
-    k->gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);               /* u = x A^T [T,r] */
-    k->gemm(0, 1, T, N, r, ad->scale, u, r, B, r, 1.0f, y, N);          /* y += s u B^T */
+    k->lora_fwd(y, u, x, A, B, T, N, K, ad->cfg.rank, ad->scale); /* u = x A^T [T,r]; y += s u B^T */
 }
 
 void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA, float *gB, const float *x,

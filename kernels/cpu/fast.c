@@ -517,6 +517,24 @@ static void fast_bias_bwd(float *db, const float *dy, int64_t T, int64_t N) {
     mrl_parallel_for(N, T >= COPY_GRAIN ? 16 : (COPY_GRAIN / (T > 0 ? T : 1) + 15) / 16 * 16, bias_bwd_cols, &c);
 }
 
+/* A decode step's rows (up to LORA_FEW) on this thread: x A^T through the few-rows kernel (r
+ * outputs a row over K), u B^T through lora_up (N outputs over r terms): no parallel region, no
+ * packing, one call a matrix of the layer. More rows, or ranks past 64: the two products of the
+ * group's path (shared, packed). */
+#define LORA_FEW 64
+static void fast_lora_fwd(float *y, float *u, const float *x, const float *A, const float *B, int64_t T, int64_t N,
+                          int64_t K, int64_t r, float s) {
+    if (T <= 0) return;
+    if (T <= LORA_FEW && r <= 64) {
+        const mrl_cpu_isa *isa = mrl_cpu_isa_get();
+        isa->gemm_nt_rows(T, 0, r, K, 1.0f, x, K, A, K, 0.0f, u, r);
+        isa->lora_up(T, N, r, s, u, B, y);
+        return;
+    }
+    fast_gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);
+    fast_gemm(0, 1, T, N, r, s, u, r, B, r, 1.0f, y, N);
+}
+
 typedef struct pack_ctx {
     float *P;
     const float *W;
@@ -560,6 +578,7 @@ static const mrl_kernels fast_table = {
     .scatter_add_rows = fast_scatter_add_rows,
     .bias_add = fast_bias_add,
     .bias_bwd = fast_bias_bwd,
+    .lora_fwd = fast_lora_fwd,
     .panels_pack = fast_panels_pack,
     .panels16_pack = mrl_cpu_panels16_pack,
     .paged_kv_write = mrl_cpu_fast_paged_kv_write,

@@ -43,6 +43,9 @@ typedef struct mrl_cpu_isa {
     /* C[m, n0..n1) = alpha * A[m] . B[n] (+ beta C) for m < M: few rows, B [N,K] streamed once */
     void (*gemm_nt_rows)(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float *A, int64_t lda,
                          const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+    /* y[t, n] += s * u[t,:] . B[n,:] for t < T, n < N over r <= 64 terms (LoRA's second product:
+     * its rank is the short side) */
+    void (*lora_up)(int64_t T, int64_t N, int64_t r, float s, const float *u, const float *B, float *y);
     /* C[m, 32 p0 .. min(32 p1, N)) = alpha * A[m] W^T (+ beta C) for m < M, W [N,K] given as
      * panels P (kernels.h, panels_pack) */
     void (*gemm_panels)(int64_t M, int64_t p0, int64_t p1, int64_t N, int64_t K, float alpha, const float *A,

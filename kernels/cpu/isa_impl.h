@@ -402,6 +402,31 @@ static inline void hsum4(const vf *v, float *out) {
 #endif
 }
 
+/* y[t, n] += s * u[t,:] . B[n,:] (r <= 64 terms: LoRA's second product, its rank the short side):
+ * blocks of VW outputs n, B's block [VW, r] turned once into r vectors of VW lanes, each used by
+ * every row t (a dot product of r terms per output would end in a horizontal sum each). */
+static void lora_up(int64_t T, int64_t N, int64_t r, float s, const float *u, const float *B, float *y) {
+    float bt[64 * VW];
+    int64_t n = 0;
+    for (; n + VW <= N; n += VW) {
+        for (int64_t j = 0; j < r; j++)
+            for (int i = 0; i < VW; i++) bt[j * VW + i] = B[(n + i) * r + j];
+        for (int64_t t = 0; t < T; t++) {
+            const float *ut = u + t * r;
+            vf acc = splat(0);
+            for (int64_t j = 0; j < r; j++) acc += splat(ut[j]) * ld(bt + j * VW);
+            float *yt = y + t * N + n;
+            st(yt, ld(yt) + splat(s) * acc);
+        }
+    }
+    for (; n < N; n++)
+        for (int64_t t = 0; t < T; t++) {
+            float acc = 0;
+            for (int64_t j = 0; j < r; j++) acc += u[t * r + j] * B[n * r + j];
+            y[t * N + n] += s * acc;
+        }
+}
+
 /* C[m, n] = alpha * A[m,:] . B[n,:] (+ beta * C[m, n]; beta 0: C is not read) for m < M, n0 <= n < n1:
  * the product with few rows (decode steps), streaming each row of B once for all M rows of A.
  * Blocks of 4 rows of B x 4 rows of A in 16 vector accumulators. */
@@ -536,6 +561,7 @@ const mrl_cpu_isa ISA_TABLE = {
     .attn_fwd_head = attn_fwd_head,
     .attn_bwd_group = attn_bwd_group,
     .gemm_nt_rows = gemm_nt_rows,
+    .lora_up = lora_up,
     .gemm_panels = gemm_panels,
     .adamw = adamw,
     .bf16_to_f32 = ISA_LOOP(mrl_cpu_bf16_to_f32),

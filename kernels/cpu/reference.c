@@ -104,6 +104,22 @@ static void ref_bias_bwd(float *db, const float *dy, int64_t T, int64_t N) {
         for (int64_t i = 0; i < N; i++) db[i] += dy[t * N + i];
 }
 
+static void ref_lora_fwd(float *y, float *u, const float *x, const float *A, const float *B, int64_t T, int64_t N,
+                         int64_t K, int64_t r, float s) {
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t j = 0; j < r; j++) {
+            double acc = 0;
+            for (int64_t k = 0; k < K; k++) acc += (double)x[t * K + k] * A[j * K + k];
+            u[t * r + j] = (float)acc;
+        }
+        for (int64_t n = 0; n < N; n++) {
+            double acc = 0;
+            for (int64_t j = 0; j < r; j++) acc += (double)u[t * r + j] * B[n * r + j];
+            y[t * N + n] = (float)(y[t * N + n] + s * acc);
+        }
+    }
+}
+
 static void ref_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D,
                             float eps) {
     for (int64_t t = 0; t < T; t++) {
@@ -312,6 +328,7 @@ static const mrl_kernels reference_table = {
     .scatter_add_rows = ref_scatter_add_rows,
     .bias_add = ref_bias_add,
     .bias_bwd = ref_bias_bwd,
+    .lora_fwd = ref_lora_fwd,
     .panels_pack = ref_panels_pack,
     .panels16_pack = ref_panels16_pack,
     .paged_kv_write = mrl_cpu_ref_paged_kv_write,

@@ -311,3 +311,12 @@ void cuda_gemm_bf16_panels(int64_t M, int64_t N, int64_t K, float alpha, const f
     if (cuda_ops_launched("gemm_bf16_panels (unpacking)")) return;
     rowmajor(0, 1, M, N, K, alpha, s, CUDA_R_16BF, ld, s + a_elems, CUDA_R_16BF, ld, beta, C, ldc);
 }
+
+/* LoRA's part of a product (kernels.h): two cuBLASLt products on the ops stream, u = x A^T then
+ * y += s u B^T (the rank is small: each is a thin product the library tiles well enough). */
+void cuda_lora_fwd(float *y, float *u, const float *x, const float *A, const float *B, int64_t T, int64_t N, int64_t K,
+                   int64_t r, float s) {
+    if (T <= 0) return;
+    cuda_gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);
+    cuda_gemm(0, 1, T, N, r, s, u, r, B, r, 1.0f, y, N);
+}

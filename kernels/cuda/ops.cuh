@@ -63,6 +63,8 @@ void cuda_gather_rows(float *out, const float *src, const int32_t *idx, int64_t 
 void cuda_scatter_add_rows(float *dst, const float *src, const int32_t *idx, int64_t n, int64_t D);
 void cuda_bias_add(float *y, const float *b, int64_t T, int64_t N);
 void cuda_bias_bwd(float *db, const float *dy, int64_t T, int64_t N);
+void cuda_lora_fwd(float *y, float *u, const float *x, const float *A, const float *B, int64_t T, int64_t N, int64_t K,
+                   int64_t r, float s);
 void cuda_bf16_to_f32(const uint16_t *src, float *dst, int64_t n);
 void cuda_f32_to_bf16(const float *src, uint16_t *dst, int64_t n);
 void cuda_f16_to_f32(const uint16_t *src, float *dst, int64_t n);

@@ -194,6 +194,7 @@ static const mrl_kernels cuda_table = {
     .scatter_add_rows = cuda_scatter_add_rows,
     .bias_add = cuda_bias_add,
     .bias_bwd = cuda_bias_bwd,
+    .lora_fwd = cuda_lora_fwd,
     .panels_pack = cuda_panels_pack,
     .panels16_pack = cuda_panels16_pack,
     .paged_kv_write = cuda_paged_kv_write,

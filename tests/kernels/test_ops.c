@@ -471,6 +471,32 @@ static void cases_gemm(void) {
         }
 }
 
+/* p: y, u, x, A, B; i: T, N, K, r; f[0]: the scale */
+static void run_lora_fwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->lora_fwd(p[0], p[1], p[2], p[3], p[4], c->i[0], c->i[1], c->i[2], c->i[3], c->f[0]);
+}
+
+/* LoRA's two thin products: one row, a decode step's rows (the few-rows kernel, up to 64), more
+ * (the library's products), ranks 1 to 64, SmolLM2's q and down shapes, odd edges. */
+static void cases_lora(void) {
+    static const int64_t shapes[][4] = {{1, 33, 31, 1},    {16, 576, 576, 16}, {5, 576, 1536, 8},
+                                        {64, 96, 200, 64}, {65, 257, 130, 4},  {300, 40, 33, 2}}; /* T, N, K, r */
+    op_case c;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t T = shapes[s][0], N = shapes[s][1], K = shapes[s][2], r = shapes[s][3];
+        new_case(&c, "lora_fwd", run_lora_fwd, "%lldx%lld <- %lld, rank %lld", (long long)T, (long long)N, (long long)K,
+                 (long long)r);
+        inout_rnd(&c, "y", T * N, 1, TOL_DOT);
+        add(&c, "u", F32, OUT, T * r, NULL, TOL_DOT);
+        in_rnd(&c, "x", T * K, 1);
+        in_rnd(&c, "A", r * K, 0.3f);
+        in_rnd(&c, "B", N * r, 0.3f);
+        c.i[0] = T, c.i[1] = N, c.i[2] = K, c.i[3] = r;
+        c.f[0] = 2.0f;
+        check_case(&c);
+    }
+}
+
 /* p: A, B, C; i[8], i[9]: A, B given as bf16 (else fp32, rounded on the way in) */
 static void run_gemm_bf16(const mrl_kernels *k, void *const *p, const op_case *c) {
     const int64_t *i = c->i;
@@ -2330,6 +2356,7 @@ int main(int argc, char **argv) {
     cases_attention();
     cases_head();
     cases_rows();
+    cases_lora();
     cases_paged();
     cases_sample();
     cases_top_logprobs();
