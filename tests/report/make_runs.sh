@@ -1,6 +1,7 @@
 # Run directories for the report tests (sourced): make_runs DIR writes
-#   DIR/a, DIR/b   two short real runs of the default example (b another seed; a with a skipped
-#                  update from fault injection: a "skip" event and guard/skipped = 1)
+#   DIR/a, DIR/b   two short real runs of the default example (b another seed, its GRPO on LoRA
+#                  adapters of rank 4; a with a skipped update from fault injection: a "skip" event
+#                  and guard/skipped = 1)
 #   DIR/syn        a synthetic run: nested objects, NaN / +-inf, missing values, a metric logged at
 #                  one step only, booleans and strings, events of every kind, a manifest.json, and
 #                  memory metrics of known peaks (resident 1536 MiB at step 3, KV cache 300 MiB at
@@ -12,7 +13,7 @@ make_runs() {
   local dir=$1
   MOONRL_FAULT='nan:step=3' "$MOONRL" sft.steps=20 grpo.steps=4 grpo.prompts=4 heldout=8 quiet=true \
     run.dir="$dir/a" > "$dir/a.log" 2>&1 || { echo "FAIL: the real run a did not finish:"; cat "$dir/a.log"; exit 1; }
-  "$MOONRL" sft.steps=20 grpo.steps=4 grpo.prompts=4 heldout=8 quiet=true run.seed=2 \
+  "$MOONRL" sft.steps=20 grpo.steps=4 grpo.prompts=4 heldout=8 quiet=true run.seed=2 model.lora.rank=4 \
     run.dir="$dir/b" > "$dir/b.log" 2>&1 || { echo "FAIL: the real run b did not finish:"; cat "$dir/b.log"; exit 1; }
   mkdir -p "$dir/syn" "$dir/empty"
   cat > "$dir/syn/config.json" <<'JSON'

@@ -97,6 +97,8 @@ check "and has no memory section" bash -c "! grep -q 'id=\"memory\"' '$tmp/empty
 
 # ---- a comparison of two runs on the same axes
 expect "comparison of two runs" 0 "report: $tmp/cmp.html (2 runs, 8 steps," -- "$MOONRL" report "$tmp/a" "$tmp/b" -o "$tmp/cmp.html"
+check "what each run trained: the whole model, LoRA adapters and their share" \
+  bash -c "grep -qF '<td>the whole model</td>' '$tmp/cmp.html' && grep -qE '<td>LoRA rank 4: [0-9]+ parameters \([0-9.]+%\)</td>' '$tmp/cmp.html'"
 page=$tmp/cmp.html
 check "both runs in the legend" bash -c "grep -q 'data-run=\"run-1\"' '$page' && grep -q 'data-run=\"run-2\"' '$page'"
 check "both runs on one plot" bash -c "awk '/aria-label=\"reward\\/mean\"/,/<\\/svg>/' '$page' | grep -q 'class=\"series run-1\"' && \

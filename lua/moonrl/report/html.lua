@@ -206,18 +206,31 @@ local function flat_config(t, prefix, out)
   return out
 end
 
+-- What a run trained: LoRA adapters (its 'lora' event: the rank and the trainable share) or the whole model.
+local function trained(r)
+  for _, e in ipairs(r.events) do
+    if e.event == 'lora' then
+      local f = {}
+      for _, kv in ipairs(e.fields) do f[kv[1]] = kv[2] end
+      local share = tonumber(f.share)
+      if share then return format('LoRA rank %s: %s parameters (%.2f%%)', f.rank or '?', f.trainable or '?', 100 * share) end
+    end
+  end
+  return 'the whole model'
+end
+
 local function section_runs(o, runs)
   o[#o + 1] = '<h2 id="runs">Runs</h2><table><tr><th>run</th><th>directory</th><th>recipe</th><th>moonrl</th>' ..
-    '<th>git</th><th>backends</th><th>ranks</th><th>steps</th><th>wall time</th><th>events</th></tr>'
+    '<th>git</th><th>backends</th><th>ranks</th><th>trained</th><th>steps</th><th>wall time</th><th>events</th></tr>'
   for _, r in ipairs(runs) do
     local steps = #r.steps == 0 and 'none' or
       format('%d (%s-%s)', #r.steps, fmt(r.steps[1]), fmt(r.steps[#r.steps]))
     local t = r.series.time and r.steps[#r.steps] and r.series.time[r.steps[#r.steps]]
     o[#o + 1] = format('<tr><td><i style="display:inline-block;width:10px;height:10px;background:%s"></i> %s</td>' ..
       '<td class="mono">%s</td><td>%s</td><td>%s</td><td class="mono">%s</td><td>%s</td><td class="num">%s</td>' ..
-      '<td>%s</td><td class="num">%s</td><td class="num">%d</td></tr>', r.color, esc(r.name), esc(r.dir),
+      '<td>%s</td><td>%s</td><td class="num">%s</td><td class="num">%d</td></tr>', r.color, esc(r.name), esc(r.dir),
       esc(meta_field(r, 'recipe')), esc(meta_field(r, 'moonrl')), esc(meta_field(r, 'git')), esc(meta_field(r, 'backends')),
-      esc(meta_field(r, 'world_size')), steps, t and finite(t) and format('%.1f s', t) or '', #r.events)
+      esc(meta_field(r, 'world_size')), esc(trained(r)), steps, t and finite(t) and format('%.1f s', t) or '', #r.events)
   end
   o[#o + 1] = '</table>'
   for _, r in ipairs(runs) do
