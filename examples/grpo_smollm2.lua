@@ -144,7 +144,8 @@ function ex:warmup()
   local c = cfg.sft
   local train = self:warmup_problems()
   local rng = S:rng('sft', cfg.run.seed + 1)
-  local opt = S:optimizer('policy', models.adamw(S.policy, { lr = c.lr, weight_decay = 0.0 }))
+  local lr = models.lora_scaled(cfg, 'sft.lr', c.lr) -- (LoRA adapters: 10x, docs/lora.md)
+  local opt = S:optimizer('policy', models.adamw(S.policy, { lr = lr, weight_decay = 0.0 }))
   local eos = prompts.eos_ids(S.tok, S.policy)[1]
   local total = S.run.total -- the GRPO loop's step count (S:steps() below reads it)
   local t0 = moonrl.now()
@@ -157,7 +158,7 @@ function ex:warmup()
       return samples
     end,
     update = function(samples)
-      return step.sft_step(S, opt, samples, { lr = c.lr, micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = 1.0 })
+      return step.sft_step(S, opt, samples, { lr = lr, micro_batch_tokens = cfg.train.micro_batch_tokens, max_grad_norm = 1.0 })
     end })
   S.run.total = total
   if first and self.cfg.quiet ~= true then

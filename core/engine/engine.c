@@ -294,7 +294,11 @@ static mrl_status prepare_weights(mrl_engine *e) {
         e->act_buf = e->act_mem.data;
         layout(e, e->act_buf);
     }
-    mrl_model_lora_layers(e->m, e->lp);
+    /* (the model's own adapters apply to its own buffer: another one holds whole weights of its own,
+     * e.g. a copy with the adapters merged in) */
+    if (e->reads_own) mrl_model_lora_layers(e->m, e->lp);
+    else
+        for (int l = 0; l < e->mc->num_hidden_layers; l++) e->lp[l].lora = NULL;
     if (mrl_model_dtype(e->m) != MRL_MODEL_BF16) {
         if (e->w.lm_head16) { /* switched back to fp32 (its fp32 panels were dropped then) */
             mrl_model_weights16_at(e->m, NULL, &e->w, e->lp);
@@ -708,7 +712,7 @@ static int step_segments(mrl_engine *e, const mrl_sched_batch *hb) {
     int n = 0, any = 0;
     for (int i = 0; i < hb->n_seqs; i++) {
         int slot = mrl_sched_request_adapter(e->sched, hb->seq_req[i]);
-        const mrl_lora *ad = slot ? e->adapters[slot] : mrl_model_lora_on(e->m);
+        const mrl_lora *ad = slot ? e->adapters[slot] : e->reads_own ? mrl_model_lora_on(e->m) : NULL;
         int64_t r0 = hb->query_start[i], rows = hb->query_start[i + 1] - r0;
         any |= slot != 0;
         if (n > 0 && e->segs[n - 1].ad == ad) { /* (the sequences' rows are contiguous, in order) */

@@ -76,6 +76,21 @@ t.test('grpo with LoRA: adapters trained, base frozen, engine = trainer, a PEFT 
   t.eq(st:info('policy.exp_avg').numel, out.model:lora().n, 'the optimizer state is the adapters\'')
 end)
 
+t.test('engine.lora_merged: rollouts from a merged copy, made again after each update', function()
+  local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=3', 'model.lora.rank=4', 'model.lora.alpha=8',
+    'train.lr=1e-2', 'engine.lora_merged=true', 'run.dir=' .. dir .. '/merged' }))
+  local r = U.records(out.dir)
+  t.truthy(r[1].grad_norm > 0, 'the adapters move')
+  for i = 1, 3 do
+    -- the engine reads W + s BA (merged after each update), the trainer W and the adapters apart
+    t.truthy(r[i]['mismatch/max_abs'] < 1e-4, 'merged engine vs unmerged trainer: ' .. r[i]['mismatch/max_abs'])
+    t.truthy(r[i]['memory/engine_copy_mb'] > 0, 'the merged copy is the engine\'s')
+  end
+  local ok, err = pcall(U.run_recipe, 'recipes/grpo.lua', with({ 'grpo.steps=1', 'model.lora.rank=4',
+    'engine.lora_merged=true', 'engine.launch=auto', 'run.dir=' .. dir .. '/merged_bad' }))
+  t.truthy(not ok and moonrl.error_text(err):find('engine.lora_merged', 1, true), moonrl.error_text(err))
+end)
+
 t.test('model.lora.dir continues from a saved adapter', function()
   local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=1', 'model.lora.dir=' .. grpo.dir .. '/model',
     'train.lr=0', 'run.dir=' .. dir .. '/grpo2' }))

@@ -169,8 +169,9 @@ void mrl_engine_free(mrl_engine *e);
 
 /* Read the weights from another buffer with the model's layout (n_params
  * floats, view offsets as in mrl_model_view): e.g. one that receives a
- * trainer's weights by broadcast in a separate engine process. NULL goes
- * back to the model's own buffer. Resets the engine (mrl_engine_reset):
+ * trainer's weights by broadcast in a separate engine process, or a copy
+ * with the model's LoRA adapters merged in (whole weights: the model's own
+ * adapters apply only to its own buffer). NULL goes back to the model's own buffer. Resets the engine (mrl_engine_reset):
  * cached prefixes came from other weights. */
 mrl_status mrl_engine_attach_params(mrl_engine *e, const float *params, int64_t n_params);
 /* Read a sharded bf16 model's compute copy (mrl_model_copy_create): its bf16

@@ -159,12 +159,18 @@ end
 -- command line (the recipe's default, a full-parameter one) is multiplied by 10. Returns the lr.
 M.LORA_LR_SCALE = 10
 function M.lora_lr(cfg)
+  if cfg.train and cfg.train.lr then cfg.train.lr = M.lora_scaled(cfg, 'train.lr', cfg.train.lr) end
+  return cfg.train and cfg.train.lr
+end
+
+-- A learning rate of a recipe's own (key: its config key, e.g. an example's warm-up 'sft.lr') under
+-- the same rule: lr x 10 when the run trains LoRA adapters (model.lora) and key was not given.
+function M.lora_scaled(cfg, key, lr)
   local config = require('moonrl.config')
-  if config.current == cfg and config.given and not config.given['train.lr'] and cfg.train and cfg.train.lr then
-    cfg.train.lr = cfg.train.lr * M.LORA_LR_SCALE
-    return cfg.train.lr, true
+  if M.lora_wanted(cfg) and config.current == cfg and config.given and not config.given[key] then
+    return lr * M.LORA_LR_SCALE
   end
-  return cfg.train and cfg.train.lr, false
+  return lr
 end
 
 -- The policy's adapters from model.lora: a usage error naming the key for what LoRA does not do yet

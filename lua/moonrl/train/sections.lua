@@ -73,7 +73,9 @@ function M.engine_config(over)
     launch = config.optional('string', 'a server command with {port} ({model}, {name}) started engine.servers times; auto: the backend\'s'),
     servers = config.integer(1, { min = 1, max = 1024 }), request_timeout = config.number(600, { above = 0 }),
     retries = config.integer(2, { min = 0 }), launch_timeout = config.number(300, { above = 0 }),
-    sync_dir = '/dev/shm', weight_sync = 'auto', sync_dtype = 'auto', bucket_mb = config.number(512, { above = 0 }) }, over)
+    sync_dir = '/dev/shm', weight_sync = 'auto', sync_dtype = 'auto', bucket_mb = config.number(512, { above = 0 }),
+    lora_merged = false, -- model.lora: generate from a copy with the adapters merged in (docs/lora.md)
+  }, over)
 end
 
 -- The reward section: its name in the registry (`reward=math` sets it), what a failing reward

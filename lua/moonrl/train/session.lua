@@ -283,6 +283,7 @@ function M.start(cfg, opts)
       cp_transport = policy.cp_transport,
       tp_nccl_error = policy.tp_transport == 'host' and policy.tp_world.nccl_error or nil }, { quiet = true })
   end
+  if lora_line then S:merge_engine() end -- (engine.lora_merged)
   if cfg.run.threads == 'auto' and policy then threads.auto_threads(S, policy) end
   if cfg.train and policy and S.role ~= 'rollout' then
     if opts.optimizer ~= false then -- (false: the recipe makes it later, e.g. after a warm-up)
@@ -324,11 +325,32 @@ function Session:start_lora()
     policy.source_dir = base
     line = select(2, models.apply_lora(self.cfg, policy))
     if self.world.size > 1 then self.world:broadcast(policy:lora_buffer(), 4 * policy:lora().n, 0) end
+    self:merge_engine()
   else
     local info = policy:lora()
     line = string.format('LoRA: rank %d, alpha %g (from the checkpoint)', info.rank, info.alpha)
+    self:merge_engine()
   end
   M.announce_lora(self, policy, line)
+end
+
+-- engine.lora_merged: the engine generates from a copy of the policy's weights with its adapters
+-- merged in (W + alpha/rank B A: mrl_model_lora_merged), made again after each update (and a
+-- restore): the base's speed for one more copy of the weights. The copy is the session's engine
+-- copy (S.engine_copy), which the optimizer's steps refresh.
+function Session:merge_engine()
+  local e = self.cfg.engine
+  if not (type(e) == 'table' and e.lora_merged and self.engine and self.policy and self.policy:lora()) then return end
+  if self.engine.remote then
+    moonrl.usage_error('engine.lora_merged: the rollout servers get the adapters (engine.urls, engine.launch), not merged weights')
+  end
+  local policy, n = self.policy, self.policy.n_params
+  local buf = ffi.new('float[?]', n)
+  local copy = { buf = buf, n = n, bytes = function() return 4 * n end }
+  function copy.refresh() moonrl.check(C.mrl_model_lora_merged(policy.handle, buf), 2) end
+  copy.refresh()
+  self.engine:set_home(buf, n)
+  self.engine_copy = copy
 end
 
 -- The adapters' line (rank 0, not quiet) and event: their config and the trainable share.
@@ -658,6 +680,14 @@ function Session:optimizer(name, opt)
       state_bytes_per_rank = opt:state_bytes(), state_bytes = 8 * opt.n, gpu_transport = opt.gpu or 'none',
       nccl_error = opt.gpu and self.world.nccl_error or nil,
       buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
+  end
+  if opt.model == self.policy and self.engine_copy and not opt.after_step then -- (one process: LoRA's merged copy)
+    local step, refresh = opt.step, self.engine_copy.refresh
+    opt.step = function(o, ...)
+      local a, b = step(o, ...)
+      refresh()
+      return a, b
+    end
   end
   if opt.model == self.policy and self.engine_sync then -- a pipeline's engine: its slices follow each update
     local step, sync = opt.step, self.engine_sync
@@ -1031,7 +1061,10 @@ function Session:log(m, opts)
     m.memory = m.memory or {}
     m.memory.params_shard_mb = 4 * cnt / 2 ^ 20
     m.memory.params_gathered_peak_mb = tonumber(peak[0]) / 2 ^ 20
-    if self.engine_copy then m.memory.engine_copy_mb = self.engine_copy.bytes() / 2 ^ 20 end
+  end
+  if self.engine_copy then -- (a sharded policy's whole copy, or LoRA's merged one)
+    m.memory = m.memory or {}
+    m.memory.engine_copy_mb = self.engine_copy.bytes() / 2 ^ 20
   end
   local p = self.progress
   if p and not (opts and opts.quiet) then p:clear() end -- the step line prints above the live line
