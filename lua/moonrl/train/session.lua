@@ -681,22 +681,18 @@ function Session:optimizer(name, opt)
       nccl_error = opt.gpu and self.world.nccl_error or nil,
       buckets = opt.buckets and tonumber(moonrl.C.mrl_dist_buckets_count(opt.buckets)) or 0 }, { quiet = true })
   end
-  if opt.model == self.policy and self.engine_copy and not opt.after_step then -- (one process: LoRA's merged copy)
-    local step, refresh = opt.step, self.engine_copy.refresh
+  local function after_each_step(fn)
+    local step = opt.step
     opt.step = function(o, ...)
       local a, b = step(o, ...)
-      refresh()
+      fn()
       return a, b
     end
   end
-  if opt.model == self.policy and self.engine_sync then -- a pipeline's engine: its slices follow each update
-    local step, sync = opt.step, self.engine_sync
-    opt.step = function(o, ...)
-      local a, b = step(o, ...)
-      sync()
-      return a, b
-    end
-  end
+  -- (one process: LoRA's merged copy follows each update; a data-parallel one's after_step does it)
+  if opt.model == self.policy and self.engine_copy and not opt.after_step then after_each_step(self.engine_copy.refresh) end
+  -- a pipeline's engine: its slices follow each update
+  if opt.model == self.policy and self.engine_sync then after_each_step(self.engine_sync) end
   local m = opt.model
   if m and (m.tp_world or m.pp) then -- tensor, pipeline parallel: the whole model's gradient norm; this part's state file
     dist.parallel_norm(opt, m, { tp = m.tp_world, group = m.pp and m.norm_group or m.tp_world })
