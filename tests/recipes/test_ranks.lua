@@ -194,6 +194,22 @@ t.test('LoRA: sft on 2 ranks within 1e-5 of 1 process, zero=1 the bits of plain 
   t.truthy(e <= 1e-5, 'a zero=1 LoRA checkpoint of 2 ranks resumed by 1 process: ' .. e)
 end)
 
+t.test('LoRA with a rollout rank: each version sends only the adapters; the bits of one process', function()
+  local L = with(GRPO, 'model.lora.rank=4', 'async.mode=one_step_off', 'reward=tests/recipes/partial_reward.lua:partial')
+  run(0, 'recipes/grpo.lua', with(L, 'run.dir=' .. dir .. '/lora_off1'))
+  run(2, 'recipes/grpo.lua', with(L, 'run.dir=' .. dir .. '/lora_off2', 'dist.rollout_ranks=1'))
+  local a = bytes(dir .. '/lora_off1/model/adapter_model.safetensors')
+  t.truthy(a and a == bytes(dir .. '/lora_off2/model/adapter_model.safetensors'), 'the same adapters, byte for byte')
+  local sent, trainable = 0, U.event(dir .. '/lora_off2', 'lora').trainable
+  for _, r in ipairs(metrics(dir .. '/lora_off2')) do
+    if r['async/publish/bytes'] then
+      sent = sent + 1
+      t.eq(r['async/publish/bytes'], 4 * trainable, 'a version is the adapters\' floats')
+    end
+  end
+  t.truthy(sent > 0, 'versions published')
+end)
+
 -- A checkpoint as moonrl wrote it before the shard files (format version 1): its optimizer
 -- state in one optimizer.safetensors, as plain data parallel still writes it, and version 1 in
 -- the manifest and state.json (its entry in the manifest updated).

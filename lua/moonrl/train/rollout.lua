@@ -254,6 +254,18 @@ end
 
 -- The whole weights this process has: the policy's buffer, or a sharded policy's whole copy
 -- (the engine's, all-gathered after each update).
+-- What a version sends to the rollout ranks by MPI: the policy's LoRA adapters when it trains
+-- them (the rollout ranks hold the same base: it went at the phase's start), else its weights.
+local function version_weights(S)
+  if S.policy:lora() then return S.policy:lora_buffer() end
+  return S.policy:params()
+end
+
+-- A version received into version_weights' buffer: the model's generation moves on.
+local function received(S)
+  if S.policy:lora() then S.policy:trained() end
+end
+
 local function whole_weights(S)
   if S.engine_copy then
     -- (a bf16 compute copy is not whole fp32: a session makes one only where nothing publishes)
@@ -653,6 +665,7 @@ local function setup_store(self)
   self.store_checked = true
   if self.shard_delivery then return setup_shard_store(self) end
   if a.weights == 'mpi' or not self.rollout_engine then return end -- (no engine to read it)
+  if self.S.policy:lora() then return end -- (LoRA: each version is the adapters, by MPI)
   local n, name = self.S.policy.n_params, ''
   if self.S.role ~= 'rollout' then
     store_count = store_count + 1
@@ -890,7 +903,7 @@ function Rollouts:publish(v, flags)
     self.publish_info = deliver_shards(self)
     return
   end
-  local p, n = self.S.policy:params()
+  local p, n = version_weights(self.S)
   self.S.link:broadcast(p, 4 * n, 0)
   local secs = moonrl.now() - t0
   self.publish_info = { seconds = secs, gb_per_s = secs > 0 and 4 * n / secs / 1e9 or 0, bytes = 4 * n }
@@ -944,6 +957,11 @@ function Rollouts:sync_weights(opts)
   else
     local p, n = self.S.policy:params()
     self.S.link:broadcast(p, 4 * n, 0)
+    if self.S.policy:lora() then -- (and its adapters: the versions after send only them)
+      p, n = self.S.policy:lora_buffer()
+      self.S.link:broadcast(p, 4 * n, 0)
+      received(self.S)
+    end
   end
   if not rollout then return nil end
   head = json.decode(head, 'phase start')
@@ -975,8 +993,9 @@ local function receive_header(self)
     elseif self.shard_delivery then
       deliver_shards(self)
     else
-      local p, n = self.S.policy:params()
+      local p, n = version_weights(self.S)
       self.S.link:broadcast(p, 4 * n, 0)
+      received(self.S)
     end
     self.version = head.version
   end
