@@ -545,7 +545,7 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     mrl_status st = m->grad_acquire || m->lora ? MRL_OK : mrl_model_ensure_grads(m);
     if (st) return st;
     if (m->lora) /* the frozen norms' weight gradients, written beside their dx, go there (lora.c) */
-        memset(m->lora->sink, 0, sizeof(float) * (size_t)m->lora->sink_n);
+        m->k->zero(m->lora->sink, (int64_t)sizeof(float) * m->lora->sink_n);
     if (m->grad_acquire && !m->grad_hook)
         return mrl_set_error(MRL_ERR_INVALID, "model backward: gradient windows without a grad hook to return them");
     const mrl_model_config *c = &m->cfg;

@@ -89,14 +89,14 @@ static void build(const mrl_model *m, lora_layout *ly) {
 
 void mrl_lora_free(mrl_lora *lo) {
     if (!lo) return;
-    mrl_mem_free(lo->params);
-    mrl_mem_free(lo->grads);
+    mrl_buffer_free(&lo->params_buf);
+    mrl_buffer_free(&lo->grads_buf);
+    mrl_buffer_free(&lo->sink_buf);
     mrl_mem_free(lo->views);
     mrl_mem_free(lo->names);
     mrl_mem_free(lo->lp);
     mrl_mem_free(lo->lg);
     mrl_mem_free(lo->layer_off);
-    mrl_mem_free(lo->sink);
     mrl_mem_free(lo);
 }
 
@@ -129,8 +129,9 @@ static mrl_status check_config(const mrl_lora_config *cfg) {
 
 /* An adapter set for m's layout: views, tables, parameters (initialised as PEFT's:
  * kaiming_uniform_ with a = sqrt(5), U(-1/sqrt(in), 1/sqrt(in)), B = 0, in view order from
- * cfg->seed) and, when trained, zeroed gradients. */
-static mrl_status lora_new(const mrl_model *m, const mrl_lora_config *cfg, int trained, mrl_lora **out) {
+ * cfg->seed; made on the host, then copied to `device`) and, when trained, zeroed gradients. */
+static mrl_status lora_new(const mrl_model *m, const mrl_lora_config *cfg, int trained, mrl_device device,
+                           mrl_lora **out) {
     mrl_status st = check_config(cfg);
     if (st) return st;
     mrl_lora *lo = mrl_mem_alloc(sizeof *lo, MRL_MEM_OTHER);
@@ -150,27 +151,36 @@ static mrl_status lora_new(const mrl_model *m, const mrl_lora_config *cfg, int t
     lo->lp = mrl_mem_alloc(sizeof(lora_layer) * (L ? L : 1), MRL_MEM_OTHER);
     lo->lg = mrl_mem_alloc(sizeof(lora_layer) * (L ? L : 1), MRL_MEM_OTHER);
     lo->layer_off = mrl_mem_alloc(sizeof(int64_t) * (L + 1), MRL_MEM_OTHER);
-    lo->params = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_PARAMS);
-    if (trained) lo->grads = mrl_mem_alloc(sizeof(float) * (lo->n ? lo->n : 1), MRL_MEM_GRADS);
-    if (!lo->views || !lo->names || !lo->lp || !lo->lg || !lo->layer_off || !lo->params || (trained && !lo->grads)) {
+    size_t bytes = sizeof(float) * (size_t)(lo->n ? lo->n : 1);
+    float *init = mrl_mem_alloc(bytes, MRL_MEM_OTHER); /* (the init, made on the host) */
+    int ok = lo->views && lo->names && lo->lp && lo->lg && lo->layer_off && init &&
+             mrl_buffer_alloc(device, bytes, MRL_MEM_PARAMS, &lo->params_buf) == MRL_OK &&
+             (!trained || mrl_buffer_alloc(device, bytes, MRL_MEM_GRADS, &lo->grads_buf) == MRL_OK); /* (zeroed) */
+    if (!ok) {
+        mrl_mem_free(init);
         mrl_lora_free(lo);
         return mrl_wrap_error(MRL_ERR_NOMEM, "LoRA: no memory for %lld adapter parameters", (long long)ly.off);
     }
+    lo->params = lo->params_buf.data;
+    lo->grads = trained ? lo->grads_buf.data : NULL;
     memset(lo->lp, 0, sizeof(lora_layer) * (L ? L : 1));
     memset(lo->lg, 0, sizeof(lora_layer) * (L ? L : 1));
-    if (lo->grads) memset(lo->grads, 0, sizeof(float) * (lo->n ? lo->n : 1));
     ly = (lora_layout){lo};
     build(m, &ly); /* the views, the tables */
     uint64_t s = cfg->seed;
+    memset(init, 0, bytes); /* (B = 0) */
     for (int i = 0; i < lo->n_views; i++) {
         const mrl_param_view *v = &lo->views[i];
-        float *p = lo->params + v->offset;
-        if (strstr(v->name, ".lora_B.")) {
-            memset(p, 0, sizeof(float) * v->numel);
-            continue;
-        }
+        if (strstr(v->name, ".lora_B.")) continue;
+        float *p = init + v->offset;
         double bound = 1.0 / sqrt((double)v->shape[1]);
         for (int64_t j = 0; j < v->numel; j++) p[j] = (float)((2 * mrl_unit53(mrl_splitmix64(&s)) - 1) * bound);
+    }
+    st = mrl_device_memcpy(lo->params, init, bytes);
+    mrl_mem_free(init);
+    if (st) {
+        mrl_lora_free(lo);
+        return st;
     }
     *out = lo;
     return MRL_OK;
@@ -180,14 +190,13 @@ mrl_status mrl_lora_create(const mrl_model *m, const mrl_lora_config *cfg, mrl_l
     if (!m || !cfg || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_lora_create: NULL argument");
     if (m->tp_size > 1 || m->pp_stages > 1 || m->p_region)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA adapters of their own: a whole model only for now");
-    return lora_new(m, cfg, 0, out);
+    return lora_new(m, cfg, 0, (mrl_device){MRL_DEVICE_CPU, 0}, out); /* (what an engine on the CPU serves) */
 }
 
 mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
     if (!m || !cfg) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_lora: NULL argument");
     if (m->lora) return mrl_set_error(MRL_ERR_INVALID, "LoRA: the model has adapters already");
-    const char *why = m->device.kind != MRL_DEVICE_CPU ? "a model on a GPU"
-                      : m->tp_size > 1                 ? "tensor parallel"
+    const char *why = m->tp_size > 1                   ? "tensor parallel"
                       : m->cp_size > 1                 ? "context parallel"
                       : m->pp_stages > 1               ? "pipeline parallel"
                       : m->p_region                    ? "sharded parameters (ZeRO-3)"
@@ -199,14 +208,14 @@ mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
     if (st) return st;
     if (why) return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: not yet with %s", why);
     mrl_lora *lo;
-    if ((st = lora_new(m, cfg, 1, &lo))) return st;
+    if ((st = lora_new(m, cfg, 1, m->device, &lo))) return st;
     int64_t D = m->cfg.hidden_size, hd = m->cfg.head_dim;
     lo->sink_n = D > hd ? D : hd;
-    lo->sink = mrl_mem_alloc(sizeof(float) * lo->sink_n, MRL_MEM_OTHER);
-    if (!lo->sink) {
+    if (mrl_buffer_alloc(m->device, sizeof(float) * (size_t)lo->sink_n, MRL_MEM_OTHER, &lo->sink_buf)) {
         mrl_lora_free(lo);
         return MRL_ERR_NOMEM;
     }
+    lo->sink = lo->sink_buf.data;
     m->lora = lo;
     /* the base is frozen: its gradient buffer (if any) goes, and the layouts are the adapters' */
     mrl_buffer_free(&m->grads_buf);
@@ -245,6 +254,8 @@ mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out) {
 mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
     if (!m || !dst) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_lora_merged: NULL argument");
     if (!m->lora) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_lora_merged: the model has no LoRA adapters");
+    if (m->device.kind != MRL_DEVICE_CPU)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: merged weights of a model on the CPU only for now");
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
     int64_t r = m->lora->cfg.rank, D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;

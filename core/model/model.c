@@ -309,7 +309,7 @@ void mrl_model_set_router_aux_coef(mrl_model *m, double coef) {
 }
 
 void mrl_model_zero_grad(mrl_model *m) {
-    if (m && m->lora) memset(m->lora->grads, 0, sizeof(float) * m->lora->n);
+    if (m && m->lora) m->k->zero(m->lora->grads, (int64_t)sizeof(float) * m->lora->n);
     if (m && m->grads) m->k->zero(m->grads, (int64_t)sizeof(float) * m->n_params); /* none yet: zero when created */
 }
 

@@ -40,7 +40,10 @@ struct mrl_lora {
     float scale;
     int on;
     int64_t n;
-    float *params, *grads; /* grads: NULL until first used */
+    /* params, grads (NULL: an adapter set of its own, not trained) and sink: the data of these
+     * buffers, on the model's device */
+    mrl_buffer params_buf, grads_buf, sink_buf;
+    float *params, *grads;
     mrl_param_view *views;
     int n_views;
     char *names;

@@ -871,8 +871,24 @@ function Model:lora()
   return info
 end
 
--- The adapters' parameter buffer (host memory) and length; their gradients; on (true) or off.
+-- The adapters' parameter buffer where it lives (device memory on a GPU: for the C calls that take
+-- either, never for Lua to index) and length; their gradients; on (true) or off.
 function Model:lora_buffer() return C.mrl_model_lora_params(self.handle), tonumber(C.mrl_model_lora_num_params(self.handle)) end
+
+-- The adapters' parameters as host floats (the buffer itself on the CPU; on a GPU a copy, refreshed
+-- by each call), and back (all of them, from host floats; the adapters changed).
+function Model:read_lora()
+  local p, n = self:lora_buffer()
+  if not self.gpu then return p, n end
+  self._lora_host = self._lora_host or ffi.new('float[?]', n)
+  moonrl.check(C.mrl_device_memcpy(self._lora_host, p, 4 * n), 2)
+  return self._lora_host, n
+end
+function Model:write_lora(src)
+  local p, n = self:lora_buffer()
+  if src ~= p then moonrl.check(C.mrl_device_memcpy(p, src, 4 * n), 2) end
+  C.mrl_model_lora_changed(self.handle)
+end
 function Model:lora_grads() return C.mrl_model_lora_grads(self.handle), tonumber(C.mrl_model_lora_num_params(self.handle)) end
 function Model:lora_enable(on) C.mrl_model_lora_enable(self.handle, on and 1 or 0) end
 
@@ -919,7 +935,7 @@ end
 function Model:save_lora(dir, o)
   local info = self:lora()
   if not info then error('save_lora: the model has no LoRA adapters', 2) end
-  return write_peft(dir, self:lora_views(), self:lora_buffer(), info, o or {})
+  return write_peft(dir, self:lora_views(), (self:read_lora()), info, o or {})
 end
 
 -- A PEFT adapter directory's config, checked: { rank, alpha, targets } as set_lora takes them;
@@ -986,8 +1002,9 @@ function Model:load_lora(dir)
       dir, c.rank, c.alpha, type(c.targets) == 'table' and table.concat(c.targets, ',') or 'all-linear',
       have.rank, have.alpha, table.concat(have.targets, ',')), 2)
   end
-  read_peft(dir, self:lora_views(), (self:lora_buffer()))
-  C.mrl_model_lora_changed(self.handle)
+  local p = self:read_lora()
+  read_peft(dir, self:lora_views(), p)
+  self:write_lora(p)
 end
 
 -- ---- adapter sets of their own (mrl_lora_create): what an engine serves beside the weights ----

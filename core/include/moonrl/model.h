@@ -226,7 +226,8 @@ typedef struct mrl_lora_config {
     unsigned targets; /* MRL_LORA_* bits, at least one */
     uint64_t seed;   /* A's init */
 } mrl_lora_config;
-/* Adapters on (a whole model on the CPU, none yet: MRL_ERR_UNSUPPORTED otherwise, naming why). */
+/* Adapters on (a whole model, on the CPU or a GPU: its buffers on the model's device, so set the
+ * device first; MRL_ERR_UNSUPPORTED otherwise, naming why). */
 mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg);
 /* An adapter set of its own for model m's architecture, not the model's (no gradients): what an
  * engine serves beside the model's weights (mrl_engine_set_adapter), several of them in one
@@ -240,8 +241,8 @@ int64_t mrl_lora_num_params(const mrl_lora *ad);
 float *mrl_lora_params(mrl_lora *ad);
 int mrl_lora_num_views(const mrl_lora *ad);
 mrl_status mrl_lora_view(const mrl_lora *ad, int i, mrl_param_view *out);
-/* The adapters' config (NULL: none), parameter count, parameters and gradients (host memory;
- * the gradients allocated zeroed by the first call), views (0 <= i < count). */
+/* The adapters' config (NULL: none), parameter count, parameters and gradients (in the memory
+ * of the model's device: mrl_device_memcpy reads a GPU's), views (0 <= i < count). */
 const mrl_lora_config *mrl_model_lora(const mrl_model *m);
 int64_t mrl_model_lora_num_params(const mrl_model *m);
 float *mrl_model_lora_params(mrl_model *m);

@@ -184,7 +184,6 @@ function M.apply_lora(cfg, policy)
     or (d.zero or 0) >= 2 and 'dist.zero=' .. d.zero or (a.engine_threads or 0) > 0 and 'async.engine_threads'
     or a.weights_delta and 'async.weights_delta' or a.stream and 'async.stream'
     or (a.partial == 'continue' and (d.rollout_ranks or 0) > 0) and 'async.partial=continue with dist.rollout_ranks'
-    or (type(cfg.model) == 'table' and cfg.model.device ~= nil and cfg.model.device ~= 'cpu') and 'model.device'
     or (type(cfg.moe) == 'table' and cfg.moe.expert_parallel) and 'moe.expert_parallel' or nil
   if why then moonrl.usage_error(string.format('model.lora: not yet with %s (docs/lora.md says what LoRA runs with)', why)) end
   local names = {} -- 'all-linear', or module names separated by commas

@@ -147,11 +147,7 @@ function M.start(cfg, opts)
   end
   if opts.check_policy then opts.check_policy(policy) end -- the recipe's checks of the model (usage errors)
   if policy and dtype then policy:set_dtype(dtype) end -- before the engine: it reads the same copies
-  local lora_line -- model.lora: the adapters (before the engine; a recipe may make them later: opts.lora = false)
-  if policy and opts.lora ~= false and models.lora_wanted(cfg) then
-    models.lora_lr(cfg)
-    lora_line = select(2, models.apply_lora(cfg, policy))
-  end
+
   if cfg.dist and cfg.dist.sequence_parallel and (cfg.dist.tp or 1) <= 1 then
     moonrl.usage_error('dist.sequence_parallel splits the tensor-parallel groups\' tokens: it needs dist.tp > 1')
   end
@@ -166,6 +162,11 @@ function M.start(cfg, opts)
   if policy and device and device ~= policy:device() then
     local ok, err = pcall(policy.to_device, policy, device) -- before the engine too: it works where the model is
     if not ok then moonrl.usage_error('model.device=' .. tostring(cfg.model.device) .. ': ' .. moonrl.error_text(err)) end
+  end
+  local lora_line -- model.lora: the adapters, where the model is (before the engine; a recipe may make them later: opts.lora = false)
+  if policy and opts.lora ~= false and models.lora_wanted(cfg) then
+    models.lora_lr(cfg)
+    lora_line = select(2, models.apply_lora(cfg, policy))
   end
   local gen, gen_sync = policy, nil -- (the model the engine generates with, and its refresh)
   if policy and policy.pp and cfg.engine and opts.engine ~= false then
@@ -324,7 +325,7 @@ function Session:start_lora()
     self.world:barrier()
     policy.source_dir = base
     line = select(2, models.apply_lora(self.cfg, policy))
-    if self.world.size > 1 then self.world:broadcast(policy:lora_buffer(), 4 * policy:lora().n, 0) end
+    if self.world.size > 1 then M.broadcast_lora(self, policy) end
     self:merge_engine()
   else
     local info = policy:lora()
@@ -332,6 +333,13 @@ function Session:start_lora()
     self:merge_engine()
   end
   M.announce_lora(self, policy, line)
+end
+
+-- Rank 0's adapters to every rank (as a model's weights go: on a GPU over its transport).
+function M.broadcast_lora(S, model)
+  local p, n = model:lora_buffer()
+  if model:device() ~= 'cpu' then S.world:gpu_broadcast(p, 4 * n, 0) else S.world:broadcast(p, 4 * n, 0) end
+  model:trained()
 end
 
 -- engine.lora_merged: the engine generates from a copy of the policy's weights with its adapters
@@ -650,8 +658,8 @@ function Session:model(name, model, opts)
       self.world:gpu_broadcast(p, 4 * n, 0)
     else
       self.world:broadcast(p, 4 * n, 0)
-      if model:lora() then self.world:broadcast(model:lora_buffer(), 4 * select(2, model:lora_buffer()), 0) end
     end
+    if model:lora() then M.broadcast_lora(self, model) end
     model:weights_changed()
   end
   return model
