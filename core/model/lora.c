@@ -50,11 +50,12 @@ static void build(const mrl_model *m, lora_layout *ly) {
     char name[160];
     for (int l = 0; l < c->num_hidden_layers; l++) {
         if (lo->layer_off) lo->layer_off[l] = ly->off;
-        mrl_layer_matrix mats[7];
+        mrl_layer_matrix mats[7]; /* (their shapes; which exist, by the config: a layout-only model has no pointers) */
         mrl_layer_matrices(c, (layer_params *)&m->lp[l], mats); /* (reads only) */
+        int sparse = mrl_model_layer_is_moe(c, l);
         lora_layer *P = lo->params ? &lo->lp[l] : NULL, *G = lo->grads ? &lo->lg[l] : NULL;
         for (int i = 0; i < 7; i++) {
-            if (!(lo->cfg.targets & (1u << i)) || !mats[i].w) continue;
+            if (!(lo->cfg.targets & (1u << i)) || (i >= 4 && sparse)) continue;
             int64_t N = mats[i].N, K = mats[i].K;
             snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.lora_A.weight", l, MOD[i]);
             add(ly, name, r, K, ly->off);
@@ -67,7 +68,7 @@ static void build(const mrl_model *m, lora_layout *ly) {
             if (G) G->B[i] = lo->grads + ly->off;
             ly->off += N * r;
         }
-        if (!m->lp[l].router) continue;
+        if (!sparse) continue;
         for (int j = 0; j < 3; j++) { /* gate, up [Fe, D]; down [D, Fe] */
             if (!(lo->cfg.targets & (MRL_LORA_GATE << j))) continue;
             int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D, a0 = ly->off, b0 = a0 + E * r * K;
@@ -183,6 +184,20 @@ static mrl_status lora_new(const mrl_model *m, const mrl_lora_config *cfg, int t
         return st;
     }
     *out = lo;
+    return MRL_OK;
+}
+
+mrl_status mrl_lora_count(const mrl_model_config *mc, const mrl_lora_config *cfg, int64_t *model_params,
+                          int64_t *lora_params) {
+    if (!mc || !cfg || !model_params || !lora_params) return mrl_set_error(MRL_ERR_INVALID, "mrl_lora_count: NULL argument");
+    mrl_status st = check_config(cfg);
+    mrl_model *m = NULL;
+    if (st || (st = mrl_model_alloc_layout(mc, &m))) return st; /* (views and tables, no buffer) */
+    mrl_lora lo = {.cfg = *cfg};
+    lora_layout ly = {&lo};
+    build(m, &ly);
+    *model_params = m->n_params, *lora_params = ly.off;
+    mrl_model_free(m);
     return MRL_OK;
 }
 

@@ -454,7 +454,8 @@ setmetatable(M, {
     M.consumed = true
     if M.show_only then -- before the merge: a recipe with required keys can be shown without them
       io.stdout:write(M.format(declared), '\n')
-      error(setmetatable({ show_config = true }, { __tostring = function() return 'config shown' end }), 0)
+      -- (declared: what `moonrl run` shows more of, e.g. the trainable share of model.lora)
+      error(setmetatable({ show_config = true, declared = declared }, { __tostring = function() return 'config shown' end }), 0)
     end
     local cfg, _, given = M.merge(declared, M.overrides)
     M.current, M.given = cfg, given -- (given: the keys set on the command line, by name)

@@ -856,6 +856,20 @@ local function lora_cfg(o, where)
   return ffi.new('mrl_lora_config', { rank = o.rank, alpha = o.alpha or 32, targets = bits, seed = o.seed or 0 })
 end
 
+-- The trainable share of adapters o (as set_lora takes them) on the model of dir (a Hugging Face
+-- directory, or a .gguf file: its converted one), counted from its config alone, as a line.
+function M.lora_share(dir, o)
+  dir = require('moonrl.io.gguf').resolve(dir)
+  local c = ffi.new('mrl_model_config')
+  moonrl.check(C.mrl_model_config_load(dir .. '/config.json', c), 2)
+  local total, n = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  local cfg = lora_cfg(o, 'lora_share')
+  moonrl.check(C.mrl_lora_count(c, cfg, total, n), 2)
+  local info = lora_info(cfg)
+  return string.format('LoRA: rank %d, alpha %g, %s: %d trainable parameters (%.2f%% of %d)', info.rank, info.alpha,
+    table.concat(info.targets, ','), tonumber(n[0]), 100 * tonumber(n[0]) / tonumber(total[0]), tonumber(total[0]))
+end
+
 -- Adapters on: o.rank, o.alpha (default 32: docs/lora.md), o.targets (as lora_bits takes), o.seed. The base is frozen from then on (its gradients are never computed).
 function Model:set_lora(o)
   moonrl.check(C.mrl_model_set_lora(self.handle, lora_cfg(o, 'set_lora')), 2)

@@ -60,6 +60,13 @@ expect "lua error has file and line" 1 "broken.lua:3: attempt to index local 'x'
 expect "syntax error has file and line" 2 "syntax.lua:1:" -- "$MOONRL" run "$tmp/syntax.lua"
 expect "no config declared" 2 "declares no config" -- "$MOONRL" run "$tmp/noconfig.lua" a=1
 expect "show config" 0 "model.name" -- "$MOONRL" run "$tmp/recipe.lua" --show-config
+# model.lora: the trainable share, from the model's config.json alone (no weights needed): rank 4 on
+# every projection of 2 layers of hidden 32 (q, o 4 x 64; k, v 4 x 48; gate, up, down 4 x 96) = 4096
+mkdir -p "$tmp/cfgonly"
+echo '{"model_type": "llama", "vocab_size": 15, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": true}' > "$tmp/cfgonly/config.json"
+expect "show config: LoRA's trainable share" 0 "LoRA: rank 4, alpha 32, q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj: 4096 trainable parameters (21.48% of 19072)" \
+  -- "$MOONRL" run grpo model.dir="$tmp/cfgonly" model.lora.rank=4 --show-config
 expect "unknown command" 2 "unknown command 'frobnicate'" -- "$MOONRL" frobnicate
 expect "deadline stops cleanly" 124 "stopped (deadline of 0.3 s passed) at a safe point" -- "$MOONRL" run "$tmp/loop.lua" run.max_seconds=0.3
 expect "default example (shortened)" 0 "held-out accuracy (greedy, 20 problems)" -- "$MOONRL" sft.steps=20 grpo.steps=1 grpo.prompts=4 heldout=20 quiet=true run.dir="$tmp/default_run"

@@ -255,6 +255,10 @@ void mrl_model_lora_enable(mrl_model *m, int on);
 /* The parameters with the adapters merged into dst (host memory, mrl_model_num_params floats):
  * each adapted matrix W + (alpha / rank) B A, the rest copied (a merged model to save or serve). */
 mrl_status mrl_model_lora_merged(mrl_model *m, float *dst);
+/* The parameters of a model of config mc and of adapters cfg on it, counted without allocating
+ * either (what `moonrl run ... --show-config` says of model.lora). */
+mrl_status mrl_lora_count(const mrl_model_config *mc, const mrl_lora_config *cfg, int64_t *model_params,
+                          int64_t *lora_params);
 /* The adapters' parameters were written (an optimizer step, a load): the weights' generation
  * moves on (mrl_model_weights_generation) and nothing of the base is converted again. */
 void mrl_model_lora_changed(mrl_model *m);

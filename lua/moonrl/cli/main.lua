@@ -102,6 +102,19 @@ end
 -- status and one clear message.
 -- requires: the files of --require FILE.lua, run first (moonrl.registry.require_file: their
 -- directory on package.path; a missing file or an error in one is a usage error naming it).
+-- --show-config with model.dir and model.lora.rank given: the adapters' trainable share (from the
+-- model's config alone), or why it cannot be counted.
+local function show_lora(config, declared)
+  local ok, cfg = pcall(config.merge, declared or {}, config.overrides or {})
+  local l = ok and type(cfg.model) == 'table' and cfg.model.lora
+  if type(l) ~= 'table' or (l.rank or 0) <= 0 or not cfg.model.dir then return end
+  local targets = {}
+  for s in tostring(l.targets):gmatch('[^,%s]+') do targets[#targets + 1] = s end
+  if #targets == 1 and targets[1] == 'all-linear' then targets = 'all-linear' end
+  local lok, line = pcall(require('moonrl.model').lora_share, cfg.model.dir, { rank = l.rank, alpha = l.alpha, targets = targets })
+  print(lok and line or ('model.lora: ' .. moonrl.error_text(line)))
+end
+
 local function run_chunk(chunk, label, overrides, show_config, requires)
   if requires and #requires > 0 then
     local recipe = chunk
@@ -132,7 +145,10 @@ local function run_chunk(chunk, label, overrides, show_config, requires)
     end
     return type(err) == 'number' and err or 0 -- a command's main may return its exit status
   end
-  if type(err) == 'table' and err.show_config then return 0 end
+  if type(err) == 'table' and err.show_config then
+    show_lora(config, err.declared)
+    return 0
+  end
   if moonrl.is_usage_error(err) then
     eprint('error: ' .. err.message)
     return 2
