@@ -9,6 +9,8 @@
 --
 --   moonrl run bench/lora/lora_bench.lua                          -- SmolLM2's shape (135M), bf16 where fast
 --   moonrl run bench/lora/lora_bench.lua size=100m rank=8 dtype=fp32
+--   moonrl run bench/lora/lora_bench.lua side=lora decode=0   -- one side alone: its peak memory (the
+--                                                              process's resident peak, moonrl's accounted peak)
 local moonrl = require('moonrl')
 local ffi = require('ffi')
 local models_mod = require('moonrl.train.models')
@@ -22,6 +24,7 @@ local cfg = moonrl.config {
   prompts = moonrl.config.integer(16, { min = 1 }), decode = moonrl.config.integer(32, { min = 1 }),
   adapters = moonrl.config.integer(4, { min = 1, max = 64 }),
   train = true, -- false: decode only
+  side = 'both', -- full | lora: that side alone (its peak memory), no decode
 }
 local mcfg = dofile(moonrl.home .. '/bench/models.lua')(cfg.size, { max_position_embeddings = math.max(cfg.seq, 512) })
 local dtype = moonrl.model.resolve_dtype(cfg.dtype, mcfg)
@@ -54,7 +57,8 @@ local function held()
   return { params = m.params, grads = m.grads, optim = m.optim }
 end
 local sides = {}
-for _, name in ipairs({ 'full', 'lora' }) do
+local names = cfg.side == 'both' and { 'full', 'lora' } or { cfg.side }
+for _, name in ipairs(names) do
   local before = held()
   local m = moonrl.model.new(mcfg, { seed = 1 })
   m:set_dtype(dtype)
@@ -75,6 +79,15 @@ for _, name in ipairs({ 'full', 'lora' }) do
   side.held = {}
   for k, v in pairs(after) do side.held[k] = v - before[k] end
   sides[name] = side
+end
+if cfg.side ~= 'both' then -- one side: a few steps, then its peaks
+  local s = sides[cfg.side]
+  for _ = 1, cfg.reps do s.step() end
+  local rss = io.open('/proc/self/status'):read('*a'):match('VmHWM:%s*(%d+) kB')
+  print(string.format('%s; model %s, %s, %d x %d tokens, %s%s: peak resident %.0f MiB, moonrl\'s accounted peak %.0f MiB',
+    cpu, cfg.size, dtype, cfg.seqs, cfg.seq, cfg.side, cfg.side == 'lora' and ' rank ' .. cfg.rank or '',
+    tonumber(rss) / 1024, mib(moonrl.memory().total_peak)))
+  return
 end
 local n_params = sides.full.model.n_params
 local lora_n = sides.lora.model:lora().n
