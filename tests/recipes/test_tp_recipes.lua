@@ -192,12 +192,14 @@ t.test('a mixture of experts under tensor parallel (each expert\'s MLP split, th
       #case[5] > 0 and ', ' .. table.concat(case[5], ', ') or '', e))
     -- (the router's rows of experts no token picked have a gradient of rounding noise: with
     -- norm_topk_prob it is 0 in exact arithmetic, and Adam turns noise into steps of about lr, as in
-    -- the tp x cp test below: the weights within 1e-4, every step's loss and gradient norm 1e-6, relative or of 0.01)
+    -- the tp x cp test below: the weights within 1e-4, every step's loss and gradient norm 3e-6, relative or of 0.01:
+    -- the sums of the split products go in another order, a CPU's kernels picking their own blocking; a
+    -- gradient norm 1.16e-6 off one process's on a Zen 5 with OpenBLAS's Haswell kernels)
     t.truthy(e <= 1e-4 and #a == #b, tag .. ': the weights of one process')
     for s = 1, #b do
       local function d(x, y) return math.abs(x - y) / math.max(math.abs(y), 0.01) end
       local dl, dg = d(a[s].loss, b[s].loss), d(a[s].grad_norm, b[s].grad_norm)
-      t.truthy(dl <= 1e-6 and dg <= 1e-6, string.format('%s step %d: the loss and gradient norm of one process (%.3g, %.3g)', tag, s, dl, dg))
+      t.truthy(dl <= 3e-6 and dg <= 3e-6, string.format('%s step %d: the loss and gradient norm of one process (%.3g, %.3g)', tag, s, dl, dg))
     end
     if case[3]:find('^grpo') then
       t.truthy(math.abs(a[1]['moe/aux_loss'] - b[1]['moe/aux_loss']) <= 1e-5 or case[4] > 2, tag .. ': the aux loss of one process')
