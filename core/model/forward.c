@@ -109,14 +109,22 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     }
     /* LoRA (lora.c): one scratch for every layer's forward (u) and the backward's du beside it */
     int64_t lora = mrl_model_lora_scratch(m, T);
+    /* (and with dropout a masked input: the widest of the adapted products' inputs, rows of the
+     * experts' too) */
+    int64_t widest = D > Q ? D : Q, xd_n = 0;
+    if (F > widest) widest = F;
+    if (lora && m->lora->cfg.dropout > 0) xd_n = T * widest > A * (D > Fe ? D : Fe) ? T * widest : A * (D > Fe ? D : Fe);
     if (lora) {
         float *u = NULL;
         TAKE(u, float, lora);
         TAKE(g->lora_du, float, lora);
-        for (int l = 0; base && l < L; l++) m->la[l].lora_u = u;
+        if (xd_n) TAKE(m->lora_xd, float, xd_n);
+        else if (base) m->lora_xd = NULL;
+        for (int l = 0; base && l < L; l++) m->la[l].lora_u = u, m->la[l].lora_xd = m->lora_xd;
     } else if (base) {
         g->lora_du = NULL;
-        for (int l = 0; l < L; l++) m->la[l].lora_u = NULL;
+        m->lora_xd = NULL;
+        for (int l = 0; l < L; l++) m->la[l].lora_u = NULL, m->la[l].lora_xd = NULL;
     }
     if (m->tp_seq) {
         TAKE(g->sp_full, float, T * D);
@@ -287,6 +295,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     if (!st) st = mrl_moe_check_routing(m, b);
     if (!st) st = ensure_acts(m, T > 0 ? T : 1);
     if (!st) st = mrl_model_rope_prepare(m, max_len);
+    if (!st) mrl_lora_begin_forward(m); /* (a training forward: LoRA's dropout, its masks) */
     if (!st) st = mrl_model_refresh_bf16(m); /* bf16: the copies of weights changed since the last use */
     if (st) return st;
     const mrl_model_config *c = &m->cfg;

@@ -108,8 +108,9 @@ static void lora_fwd(const mrl_model *m, const layer_params *p, const layer_acts
         }
         return;
     }
-    if (p->lora && p->lora->A[i])
-        mrl_lora_fwd(m->k, m->lora, p->lora->A[i], p->lora->B[i], x, y, T, N, K, a->lora_u);
+    if (p->lora && p->lora->A[i]) /* (a training forward of the trainer's: dropout, a->lora_xd) */
+        mrl_lora_fwd(m->k, m->lora, p->lora->A[i], p->lora->B[i], mrl_lora_drop(m, p->lora->A[i], x, a->lora_xd, T, K),
+                     y, T, N, K, a->lora_u);
 }
 
 /* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v

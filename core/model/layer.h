@@ -73,6 +73,10 @@ void mrl_lora_fwd(const mrl_kernels *k, const mrl_lora *ad, const float *A, cons
                   int64_t T, int64_t N, int64_t K, float *u);
 void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA, float *gB, const float *x,
                   const float *dy, float *dx, int64_t T, int64_t N, int64_t K, float *u, float *du);
+/* Dropout (the model's own adapters in a training forward: mrl_lora_dropping): x [T,K] masked and
+ * scaled into xd, the mask drawn for the adapter matrix A; NULL xd, or no dropout: x itself. */
+int mrl_lora_dropping(const mrl_model *m);
+const float *mrl_lora_drop(const mrl_model *m, const float *A, const float *x, float *xd, int64_t T, int64_t K);
 /* The rank of the model's adapters (0: none); the floats of LoRA scratch a layer needs for T
  * tokens (mrl_layer_qkv / _out's a->lora_u: the engine's layout carves it too). */
 int mrl_model_lora_rank(const mrl_model *m);
@@ -151,6 +155,7 @@ typedef struct layer_acts {
     /* LoRA's scratch, mrl_model_lora_scratch(T) floats (NULL: the model has no adapters), and
      * the engine's segments of rows with adapters of their own (NULL: the model's, p->lora) */
     float *lora_u;
+    float *lora_xd; /* the trainer's: an adapter's input under dropout (NULL: none, the engine's) */
     const struct lora_seg *lora_segs;
     int n_lora_segs;
 } layer_acts;

@@ -13,6 +13,7 @@
 #include "model_internal.h"
 #include "base/error.h"
 #include "base/mem.h"
+#include "base/parallel.h"
 #include "base/rng.h"
 
 /* The seven matrices' module names (mrl_layer_matrices' order) and the experts' three. */
@@ -119,6 +120,8 @@ void mrl_lora_point(mrl_model *m) {
 }
 
 static mrl_status check_config(const mrl_lora_config *cfg) {
+    if (!(cfg->dropout >= 0 && cfg->dropout < 1))
+        return mrl_set_error(MRL_ERR_INVALID, "LoRA: dropout must be in [0, 1), got %g", cfg->dropout);
     if (cfg->rank < 1 || cfg->rank > 4096)
         return mrl_set_error(MRL_ERR_INVALID, "LoRA: rank must be in 1..4096, got %d", cfg->rank);
     if (!(cfg->alpha > 0) || !isfinite(cfg->alpha))
@@ -222,6 +225,8 @@ mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
     mrl_status st = check_config(cfg);
     if (st) return st;
     if (why) return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: not yet with %s", why);
+    if (cfg->dropout > 0 && m->device.kind != MRL_DEVICE_CPU)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: dropout on a GPU not yet (its masks are drawn on the host)");
     mrl_lora *lo;
     if ((st = lora_new(m, cfg, 1, m->device, &lo))) return st;
     int64_t D = m->cfg.hidden_size, hd = m->cfg.head_dim;
@@ -296,6 +301,46 @@ mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
     return MRL_OK;
 }
 
+void mrl_model_set_training(mrl_model *m, int on, uint64_t key) {
+    if (!m) return;
+    m->training = on != 0;
+    if (m->lora) m->lora->drop_base = key, m->lora->drop_count = 0;
+}
+
+void mrl_lora_begin_forward(mrl_model *m) {
+    mrl_lora *lo = m->lora;
+    if (!lo) return;
+    lo->dropping = m->training && lo->cfg.dropout > 0;
+    if (lo->dropping) lo->drop_key = mrl_mix64(lo->cfg.seed ^ mrl_mix64(lo->drop_base + ++lo->drop_count));
+}
+
+int mrl_lora_dropping(const mrl_model *m) { return m->lora && m->lora->dropping; }
+
+typedef struct drop_ctx {
+    const float *x;
+    float *xd;
+    uint64_t key, cut;
+    float scale;
+} drop_ctx;
+
+static void drop_range(void *vc, int64_t i0, int64_t i1) {
+    const drop_ctx *c = vc;
+    for (int64_t i = i0; i < i1; i++)
+        c->xd[i] = (mrl_mix64(c->key ^ (uint64_t)i) >> 11) >= c->cut ? c->x[i] * c->scale : 0.0f;
+}
+
+/* Element i of a matrix's input is kept when the 53 bits of mix64(key ^ i) are at least p 2^53,
+ * key = mix64(the forward's key ^ A's offset in the adapters): a mask of its own for every matrix
+ * (every expert's too) and forward, the same in the backward (and in a recomputed forward). */
+const float *mrl_lora_drop(const mrl_model *m, const float *A, const float *x, float *xd, int64_t T, int64_t K) {
+    if (!xd || !mrl_lora_dropping(m) || T <= 0) return x;
+    const mrl_lora *lo = m->lora;
+    drop_ctx c = {x, xd, mrl_mix64(lo->drop_key ^ (uint64_t)(A - lo->params)),
+                  (uint64_t)(lo->cfg.dropout * 9007199254740992.0), (float)(1.0 / (1.0 - lo->cfg.dropout))};
+    mrl_parallel_for(T * K, 1 << 15, drop_range, &c);
+    return xd;
+}
+
 void mrl_model_lora_changed(mrl_model *m) {
     if (m) atomic_fetch_add(&m->weights_gen, 1); /* (the base's bf16 copies stay as they are) */
 }
@@ -329,9 +374,17 @@ void mrl_lora_bwd(const mrl_model *m, const float *A, const float *B, float *gA,
     const mrl_kernels *k = m->k;
     int64_t r = m->lora->cfg.rank;
     float s = m->lora->scale;
-    k->gemm(0, 1, T, r, K, 1.0f, x, K, A, K, 0.0f, u, r);               /* u = x A^T (again: [T,r] is cheap) */
+    const float *xd = mrl_lora_drop(m, A, x, m->lora_xd, T, K);       /* (dropout: the forward's mask again) */
+    k->gemm(0, 1, T, r, K, 1.0f, xd, K, A, K, 0.0f, u, r);              /* u = xd A^T (again: [T,r] is cheap) */
     k->gemm(1, 0, N, r, T, s, dy, N, u, r, 1.0f, gB, r);                /* dB += s dy^T u [N,r] */
     k->gemm(0, 0, T, r, N, s, dy, N, B, r, 0.0f, du, r);                /* du = s dy B [T,r] */
-    k->gemm(1, 0, r, K, T, 1.0f, du, r, x, K, 1.0f, gA, K);             /* dA += du^T x [r,K] */
-    if (dx) k->gemm(0, 0, T, K, r, 1.0f, du, r, A, K, 1.0f, dx, K);     /* dx += du A */
+    k->gemm(1, 0, r, K, T, 1.0f, du, r, xd, K, 1.0f, gA, K);            /* dA += du^T xd [r,K] */
+    if (!dx) return;
+    if (xd == x) {
+        k->gemm(0, 0, T, K, r, 1.0f, du, r, A, K, 1.0f, dx, K);         /* dx += du A */
+        return;
+    }
+    k->gemm(0, 0, T, K, r, 1.0f, du, r, A, K, 0.0f, m->lora_xd, K);     /* dx += mask (du A) / (1 - p) */
+    mrl_lora_drop(m, A, m->lora_xd, m->lora_xd, T, K);
+    k->add(dx, m->lora_xd, T * K);
 }

@@ -51,6 +51,10 @@ struct mrl_lora {
     int64_t *layer_off; /* [L + 1]: layer l's adapters are [layer_off[l], layer_off[l + 1]) */
     float *sink; /* (the model's own: nothing else trains) */
     int64_t sink_n;
+    /* dropout (cfg.dropout > 0): on in the last forward (a training one), its masks' key, the
+     * caller's key and the training forwards since it was given (mrl_model_set_training) */
+    int dropping;
+    uint64_t drop_key, drop_base, drop_count;
 };
 
 struct mrl_model {
@@ -86,6 +90,8 @@ struct mrl_model {
     mrl_buffer p16_buf;
     int recompute;
     mrl_lora *lora; /* adapters (lora.c), or NULL */
+    int training;   /* mrl_model_set_training */
+    float *lora_xd; /* LoRA's dropout: an adapter's masked input (the trainer's activations; NULL: none) */
     /* mixture of experts: the load-balancing loss of the last forward (moonrl/model.h):
      * over all sparse layers and tokens: picks of expert e, the sum of its
      * router probabilities, and aux_n = tokens * sparse layers */
@@ -217,6 +223,8 @@ struct mrl_model {
  * were rebuilt: mrl_model_point_params), the frozen parameters' gradient pointers (NULL, the
  * norms' at the sink); their free */
 void mrl_lora_point(mrl_model *m);
+/* lora.c: a forward starts: dropout on for a training one, with new masks */
+void mrl_lora_begin_forward(mrl_model *m);
 
 /* pipeline parallel: this model holds the embedding (as the first stage), the head (the last) */
 static inline int mrl_model_has_embed(const mrl_model *m) { return m->pp_stage == 0; }
@@ -288,7 +296,8 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
  * backward, y [rows,D] out. The backward: dy [rows,D] in, overwritten by dx; df1, df2
  * [rows,Fe] scratch; the experts' gradients added to g. */
 void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
-                             const float *x, float *gate, float *up, float *act, float *y, float *lora_u);
+                             const float *x, float *gate, float *up, float *act, float *y, float *lora_u,
+                             float *lora_xd);
 void mrl_moe_experts_backward(const mrl_model *m, const layer_params *p, const layer_params *g, int64_t e0, int64_t ne,
                               const int32_t *eoff, const float *x, const float *gate, const float *up,
                               const float *act, float *dy, float *df1, float *df2, float *lora_u,

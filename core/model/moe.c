@@ -107,7 +107,8 @@ static void route(const mrl_kernels *k, const mrl_model_config *c, layer_acts *a
 static const float *lora_at(const float *blk, int64_t e, int64_t size) { return blk ? blk + e * size : NULL; }
 
 /* LoRA's part of target j (0 gate, 1 up, 2 down) for experts e0 .. e0 + ne, rows grouped by
- * eoff: forward (y += s (x A_e^T) B_e^T) or, with G, backward (dx: NULL or += du A_e). */
+ * eoff: forward (y += s (x A_e^T) B_e^T; du: the trainer's dropout scratch, or NULL) or, with G,
+ * backward (dx: NULL or += du A_e). */
 static void experts_lora(const mrl_model *m, const lora_layer *P, const lora_layer *G, int j, int64_t e0, int64_t ne,
                          const int32_t *eoff, const float *x, float *y, const float *dy, float *dx, float *u,
                          float *du) {
@@ -118,7 +119,8 @@ static void experts_lora(const mrl_model *m, const lora_layer *P, const lora_lay
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         const float *A = lora_at(P->eA[j], e, r * K), *B = lora_at(P->eB[j], e, N * r);
         if (!G) {
-            mrl_lora_fwd(m->k, m->lora, A, B, x + r0 * K, y + r0 * N, n, N, K, u);
+            const float *xe = mrl_lora_drop(m, A, x + r0 * K, du, n, K); /* (du: the forward's xd, dropout) */
+            mrl_lora_fwd(m->k, m->lora, A, B, xe, y + r0 * N, n, N, K, u);
             continue;
         }
         mrl_lora_bwd(m, A, B, G->eA[j] + e * r * K, G->eB[j] + e * N * r, x + r0 * K, dy + r0 * N,
@@ -127,7 +129,7 @@ static void experts_lora(const mrl_model *m, const lora_layer *P, const lora_lay
 }
 
 void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t e0, int64_t ne, const int32_t *eoff,
-                             const float *x, float *gate, float *up, float *act, float *y, float *u) {
+                             const float *x, float *gate, float *up, float *act, float *y, float *u, float *xd) {
     int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size;
     prod_batch b = {.m = m};
     for (int64_t i = 0; i < ne; i++) {
@@ -137,15 +139,15 @@ void mrl_moe_experts_forward(const mrl_model *m, const layer_params *p, int64_t 
         push(&b, fwd(up + r0 * Fe, x + r0 * D, p->ewu + e * Fe * D, n, Fe, D), at16(p->heu, e * Fe * D));
     }
     flush(&b);
-    experts_lora(m, p->lora, NULL, 0, e0, ne, eoff, x, gate, NULL, NULL, u, NULL);
-    experts_lora(m, p->lora, NULL, 1, e0, ne, eoff, x, up, NULL, NULL, u, NULL);
+    experts_lora(m, p->lora, NULL, 0, e0, ne, eoff, x, gate, NULL, NULL, u, xd);
+    experts_lora(m, p->lora, NULL, 1, e0, ne, eoff, x, up, NULL, NULL, u, xd);
     m->k->swiglu_fwd(act, gate, up, (int64_t)eoff[ne] * Fe); /* [rows,Fe] */
     for (int64_t i = 0; i < ne; i++) {
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         if (n) push(&b, fwd(y + r0 * D, act + r0 * Fe, p->ewd + e * D * Fe, n, D, Fe), at16(p->hed, e * D * Fe));
     }
     flush(&b);
-    experts_lora(m, p->lora, NULL, 2, e0, ne, eoff, act, y, NULL, NULL, u, NULL);
+    experts_lora(m, p->lora, NULL, 2, e0, ne, eoff, act, y, NULL, NULL, u, xd);
 }
 
 void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, float *out, int64_t T) {
@@ -158,7 +160,7 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
     if (a->ep) /* the rows to the ranks of their experts, the outputs back into ey (moe_ep.c) */
         mrl_moe_ep_forward(m, p, a);
     else
-        mrl_moe_experts_forward(m, p, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, a->ey, a->lora_u);
+        mrl_moe_experts_forward(m, p, 0, E, a->eoff, a->xe, a->egate, a->eup, a->eact, a->ey, a->lora_u, a->lora_xd);
     for (int64_t t = 0; t < T; t++) { /* out[t] += sum_j w ye, picks in order */
         float *o = out + t * D;
         for (int64_t j = 0; j < K; j++) {

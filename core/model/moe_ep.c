@@ -139,7 +139,7 @@ void mrl_moe_ep_forward(const mrl_model *m, const layer_params *p, layer_acts *a
     }
     L->eoff[ne] = (int32_t)j;
     permute_rows(L->x, ep->arrive, L->perm, rows, D, 0);
-    mrl_moe_experts_forward(m, p, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work, NULL);
+    mrl_moe_experts_forward(m, p, e0, ne, L->eoff, L->x, L->gate, L->up, L->act, ep->work, NULL, NULL);
     permute_rows(ep->arrive, ep->work, L->perm, rows, D, 1);
     failed(ep, mrl_dist_alltoallv(ep->d, ep->arrive, L->rcount, a->ey, L->scount, (int64_t)sizeof(float) * D));
 }

@@ -847,13 +847,14 @@ local function lora_info(c)
   for i, name in ipairs(M.lora_modules) do
     if bit.band(c.targets, bit.lshift(1, i - 1)) ~= 0 then t[#t + 1] = name end
   end
-  return { rank = tonumber(c.rank), alpha = tonumber(c.alpha), targets = t }
+  return { rank = tonumber(c.rank), alpha = tonumber(c.alpha), targets = t, dropout = tonumber(c.dropout) }
 end
 
 local function lora_cfg(o, where)
   local bits, why = M.lora_bits(o.targets)
   if not bits then error(where .. ': targets: ' .. why, 3) end
-  return ffi.new('mrl_lora_config', { rank = o.rank, alpha = o.alpha or 32, targets = bits, seed = o.seed or 0 })
+  return ffi.new('mrl_lora_config', { rank = o.rank, alpha = o.alpha or 32, targets = bits, seed = o.seed or 0,
+    dropout = o.dropout or 0 })
 end
 
 -- The trainable share of adapters o (as set_lora takes them) on the model of dir (a Hugging Face
@@ -870,7 +871,13 @@ function M.lora_share(dir, o)
     table.concat(info.targets, ','), tonumber(n[0]), 100 * tonumber(n[0]) / tonumber(total[0]), tonumber(total[0]))
 end
 
--- Adapters on: o.rank, o.alpha (default 32: docs/lora.md), o.targets (as lora_bits takes), o.seed. The base is frozen from then on (its gradients are never computed).
+-- The forwards from now on are training forwards (each followed by its backward: LoRA's dropout
+-- applies in them, its masks drawn from key: a number the caller gives the same in a resumed run),
+-- or not (the default: log-probs, evaluation).
+function Model:set_training(on, key) C.mrl_model_set_training(self.handle, on and 1 or 0, key or 0) end
+
+-- Adapters on: o.rank, o.alpha (default 32: docs/lora.md), o.targets (as lora_bits takes), o.seed,
+-- o.dropout (0 <= p < 1, in training forwards). The base is frozen from then on (its gradients are never computed).
 function Model:set_lora(o)
   moonrl.check(C.mrl_model_set_lora(self.handle, lora_cfg(o, 'set_lora')), 2)
   self._lora_views = nil
@@ -935,7 +942,7 @@ local function write_peft(dir, views, p, info, o)
   w:write(dir .. '/adapter_model.safetensors')
   local cfg = json.object()
   for k, v in pairs({ peft_type = 'LORA', task_type = 'CAUSAL_LM', r = info.rank, lora_alpha = info.alpha,
-    lora_dropout = 0.0, target_modules = info.targets, bias = 'none', fan_in_fan_out = false, inference_mode = true,
+    lora_dropout = info.dropout or 0.0, target_modules = info.targets, bias = 'none', fan_in_fan_out = false, inference_mode = true,
     use_rslora = false, use_dora = false, init_lora_weights = true, base_model_name_or_path = o.base or json.null,
     modules_to_save = json.null, layers_to_transform = json.null, rank_pattern = json.object(),
     alpha_pattern = json.object() }) do cfg[k] = v end
@@ -978,7 +985,10 @@ function M.lora_config(dir)
   local targets = c.target_modules
   if targets == 'all-linear' then targets = nil end
   if targets ~= nil and M.lora_bits(targets) == nil then bad('target_modules', select(2, M.lora_bits(targets))) end
-  return { rank = c.r, alpha = c.lora_alpha or 8, targets = targets }
+  if c.lora_dropout ~= nil and (type(c.lora_dropout) ~= 'number' or c.lora_dropout < 0 or c.lora_dropout >= 1) then
+    bad('lora_dropout', 'expected a number in [0, 1)')
+  end
+  return { rank = c.r, alpha = c.lora_alpha or 8, targets = targets, dropout = c.lora_dropout or 0 }
 end
 
 -- The tensors of a PEFT adapter directory into an adapter set (views, its buffer p): every tensor
@@ -1005,13 +1015,15 @@ local function read_peft(dir, views, p)
 end
 
 -- The weights of a PEFT adapter directory into the model's adapters (made from its config when the
--- model has none; else they must agree).
-function Model:load_lora(dir)
+-- model has none; else they must agree). o.dropout: the training's dropout (default the file's).
+function Model:load_lora(dir, o)
   local c = M.lora_config(dir)
+  if o and o.dropout then c.dropout = o.dropout end
   local have = self:lora()
   if not have then
     self:set_lora(c)
   elseif have.rank ~= c.rank or have.alpha ~= c.alpha or M.lora_bits(have.targets) ~= M.lora_bits(c.targets) then
+    -- (the dropout is the run's: model.lora.dropout, a training setting, not the adapters')
     error(string.format('load_lora %s: rank %d alpha %g targets %s, the model\'s adapters are rank %d alpha %g targets %s',
       dir, c.rank, c.alpha, type(c.targets) == 'table' and table.concat(c.targets, ',') or 'all-linear',
       have.rank, have.alpha, table.concat(have.targets, ',')), 2)

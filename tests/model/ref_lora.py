@@ -34,9 +34,9 @@ MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 BOUNDS = {"fp32": dict(logprob=1e-5, entropy=1e-5, grad=1e-4), "bf16": dict(logprob=1e-2, entropy=1e-2, grad=1e-1)}
 
 
-def set_lora(m, rank, alpha, targets, seed=7):
+def set_lora(m, rank, alpha, targets, seed=7, dropout=0.0):
     bits = sum(1 << MODULES.index(t) for t in targets)
-    cfg = api.mrl_lora_config(rank, alpha, bits, seed)
+    cfg = api.mrl_lora_config(rank, alpha, bits, seed, dropout)
     check(lib.mrl_model_set_lora(m.h, C.byref(cfg)))
     n = lib.mrl_model_lora_num_params(m.h)
     m.lparams = np.ctypeslib.as_array(lib.mrl_model_lora_params(m.h), (n,))
@@ -150,11 +150,90 @@ moe = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_
 run_case("qwen3_moe experts + a dense layer, rank 4", moe, lens, 4, 8.0, MODULES, seed=5)
 run_case("bf16: llama rank 8, all-linear", llama, lens, 8, 16.0, MODULES, dtype="bf16", seed=6)
 
+# ---- dropout: the masks as lora.c draws them (splitmix64's finaliser), the reference computing each
+# adapted product unmerged with the same masks
+M64 = (1 << 64) - 1
+
+
+def mix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def drop_mask(forward_key, a_offset, T, K, p):
+    key = mix64(forward_key ^ a_offset)
+    cut = int(p * 9007199254740992.0)
+    keep = [(mix64(key ^ i) >> 11) >= cut for i in range(T * K)]
+    return torch.tensor(keep, dtype=torch.float64).reshape(T, K) / (1 - p)
+
+
+def dropout_case(name, cfg, lens, rank, alpha, p, seed=8):
+    rng = np.random.default_rng(seed)
+    m = Moonrl(cfg)
+    randomize(m, rng)
+    tokens, targets_, cu = batch(cfg, lens, rng)
+    set_lora(m, rank, alpha, MODULES, seed=11, dropout=p)
+    for n, off, shape in m.lviews:
+        m.lparams[off:off + shape[0] * shape[1]] = 0.3 * rng.standard_normal(shape[0] * shape[1])
+    eval_lp, _, _ = m.forward(tokens, targets_, cu)
+    lib.mrl_model_set_training(m.h, 1, 5)
+    lp, ent, _ = m.forward(tokens, targets_, cu)  # the first training forward since key 5
+    fkey = mix64(11 ^ mix64(5 + 1))
+    s = alpha / rank
+    P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64)) for n, _, _, _ in m.views}
+    L = {n: torch.tensor(m.lparams[off:off + sh[0] * sh[1]].reshape(sh).astype(np.float64), requires_grad=True)
+         for n, off, sh in m.lviews}
+    offsets = {n: off for n, off, _ in m.lviews}
+    T = int(cu[-1])
+    masks, row0 = {}, [0]
+
+    def lin(l, mod, x):
+        a = "base_model.model.model.layers.%d.%s.lora_A.weight" % (l, mod)
+        y = x @ P["model.layers.%d.%s.weight" % (l, mod)].T
+        if a not in masks:  # [T, K] over the whole packed batch, as moonrl draws it
+            masks[a] = drop_mask(fkey, offsets[a], T, x.shape[1], p)
+        xd = x * masks[a][row0[0]:row0[0] + x.shape[0]]
+        return y + s * (xd @ L[a].T) @ L[a.replace("lora_A", "lora_B")].T
+    P["__linear__"] = lin
+    lm = torch_ref.head_weight(cfg, P)
+    rlps, rents = [], []
+    for q in range(len(cu) - 1):
+        row0[0] = int(cu[q])
+        tok = torch.tensor(tokens[cu[q]:cu[q + 1]].astype(np.int64))
+        h = torch_ref.final_hidden(cfg, P, tok)
+        logp = torch.log_softmax(h @ lm.T, -1)
+        tg = torch.tensor(targets_[cu[q]:cu[q + 1]].astype(np.int64))
+        rlps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(len(tok))))
+        rents.append(-(logp.exp() * logp).sum(-1))
+    rlp, rent = torch.cat(rlps), torch.cat(rents)
+    a_, b_ = rng.standard_normal(T).astype(np.float32), rng.standard_normal(T).astype(np.float32)
+    lib.mrl_model_zero_grad(m.h)
+    m.backward(a_, b_, None)
+    ((torch.tensor(a_, dtype=torch.float64) * rlp).sum() + (torch.tensor(b_, dtype=torch.float64) * rent).sum()).backward()
+    worst = max(rel(m.lgrads[off:off + sh[0] * sh[1]].reshape(sh), L[n].grad.numpy()) for n, off, sh in m.lviews)
+    errs = (rel(lp, rlp.detach()), rel(ent, rent.detach()), worst)
+    differ = not np.array_equal(lp, eval_lp)
+    lp2, _, _ = m.forward(tokens, targets_, cu)  # a second training forward: new masks
+    lib.mrl_model_set_training(m.h, 0, 0)
+    lp3, _, _ = m.forward(tokens, targets_, cu)
+    ok = errs[0] <= 1e-5 and errs[1] <= 1e-5 and errs[2] <= 1e-4 and differ and not np.array_equal(lp2, lp) and \
+        np.array_equal(lp3, eval_lp)
+    print("%-44s T=%3d  dropout %.1f  logprob %.1e  entropy %.1e  grad %.1e  masks new each training forward, "
+          "none outside them  %s" % (name, T, p, errs[0], errs[1], errs[2], "ok" if ok else "FAIL"))
+    if not ok:
+        failures.append(name)
+    lib.mrl_model_free(m.h)
+
+
+dropout_case("llama rank 4, dropout 0.3 (training forwards)", llama, [7, 1, 12, 20], 4, 8.0, 0.3)
+
 # bad configs are errors naming what is wrong
 m = Moonrl(llama)
-for cfg, want in [((0, 8.0, 127), b"rank"), ((4, 0.0, 127), b"alpha"), ((4, 8.0, 0), b"targets"),
-                  ((4, 8.0, 1 << 9), b"targets")]:
-    st = lib.mrl_model_set_lora(m.h, C.byref(api.mrl_lora_config(cfg[0], cfg[1], cfg[2], 0)))
+for cfg, want in [((0, 8.0, 127, 0.0), b"rank"), ((4, 0.0, 127, 0.0), b"alpha"), ((4, 8.0, 0, 0.0), b"targets"),
+                  ((4, 8.0, 1 << 9, 0.0), b"targets"), ((4, 8.0, 127, 1.0), b"dropout")]:
+    st = lib.mrl_model_set_lora(m.h, C.byref(api.mrl_lora_config(cfg[0], cfg[1], cfg[2], 0, cfg[3])))
     if st == 0 or want not in lib.mrl_last_error():
         failures.append("bad config %r" % (cfg,))
         print("  bad config %r: %s" % (cfg, lib.mrl_last_error()))

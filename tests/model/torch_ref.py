@@ -36,8 +36,19 @@ def rope(x, inv_freq, L):  # x [L, H, hd], rotate_half convention
     return x * emb.cos() + rot * emb.sin()
 
 
-def dense_mlp(l, p, h):
+def linear(P, l, name, x):
+    """x @ W^T of layer l's matrix `name` ("self_attn.q_proj"), or P["__linear__"](l, name, x) where the
+    caller computes it (ref_lora.py: LoRA with dropout, which no merged weight expresses)."""
+    if "__linear__" in P:
+        return P["__linear__"](l, name, x)
+    return x @ P["model.layers.%d.%s.weight" % (l, name)].T
+
+
+def dense_mlp(l, p, h, P=None):
     """The SwiGLU MLP of layer l (p: its parameters by name) on h [L, D]."""
+    if P is not None and "__linear__" in P:
+        g, u = linear(P, l, "mlp.gate_proj", h), linear(P, l, "mlp.up_proj", h)
+        return linear(P, l, "mlp.down_proj", torch.nn.functional.silu(g) * u)
     return (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
 
 
@@ -55,7 +66,8 @@ def final_hidden(cfg, P, tok, mlp=dense_mlp):
     for l in range(cfg["num_hidden_layers"]):
         p = lambda n: P["model.layers.%d.%s" % (l, n)]
         h = rmsnorm(x, p("input_layernorm.weight"), eps)
-        q, k, v = h @ p("self_attn.q_proj.weight").T, h @ p("self_attn.k_proj.weight").T, h @ p("self_attn.v_proj.weight").T
+        q, k, v = (linear(P, l, "self_attn.q_proj", h), linear(P, l, "self_attn.k_proj", h),
+                   linear(P, l, "self_attn.v_proj", h))
         if qwen2:
             q, k, v = q + p("self_attn.q_proj.bias"), k + p("self_attn.k_proj.bias"), v + p("self_attn.v_proj.bias")
         q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
@@ -66,9 +78,9 @@ def final_hidden(cfg, P, tok, mlp=dense_mlp):
         sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
         sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
         att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, Hq * hd)
-        x = x + att @ p("self_attn.o_proj.weight").T
+        x = x + linear(P, l, "self_attn.o_proj", att)
         h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
-        x = x + mlp(l, p, h)
+        x = x + (mlp(l, p, h, P) if mlp is dense_mlp else mlp(l, p, h))
     return rmsnorm(x, P["model.norm.weight"], eps)
 
 

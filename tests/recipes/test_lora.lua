@@ -99,6 +99,21 @@ t.test('model.lora.dir continues from a saved adapter', function()
   t.eq(out.model:lora().rank, 4)
 end)
 
+t.test('model.lora.dropout: sft with dropout trains, the masks the training forwards\' only; saved as lora_dropout', function()
+  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. sft_data, 'train.steps=6',
+    'train.batch=8', 'train.lr=1e-2', 'model.lora.rank=4', 'model.lora.dropout=0.2', 'run.threads=1',
+    'run.dir=' .. dir .. '/sft_dropout' })
+  local r = U.records(out.dir)
+  t.truthy(r[#r].loss < r[1].loss, string.format('the loss falls with dropout: %.4f -> %.4f', r[1].loss, r[#r].loss))
+  t.eq(json.read_file(out.dir .. '/model/adapter_config.json').lora_dropout, 0.2)
+  -- a forward outside training: no dropout (the same log-probs twice)
+  local a, b = logprobs(out.model), logprobs(out.model)
+  for i = 1, #a do t.eq(a[i], b[i]) end
+  local ok, err = pcall(U.run_recipe, 'recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. sft_data,
+    'model.lora.rank=4', 'model.lora.dropout=1', 'run.dir=' .. dir .. '/bad_dropout' })
+  t.truthy(not ok and moonrl.error_text(err):find('model.lora.dropout', 1, true), moonrl.error_text(err))
+end)
+
 t.test('sft and dpo train adapters', function()
   local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. model_dir, 'data.path=' .. sft_data,
     'train.steps=6', 'train.batch=8', 'train.lr=1e-2', 'model.lora.rank=2', 'model.lora.targets=q_proj,v_proj',

@@ -224,7 +224,10 @@ typedef struct mrl_lora_config {
     int rank;        /* >= 1 */
     double alpha;    /* the scale is alpha / rank */
     unsigned targets; /* MRL_LORA_* bits, at least one */
-    uint64_t seed;   /* A's init */
+    uint64_t seed;   /* A's init, and the dropout masks' stream */
+    double dropout;  /* 0 <= p < 1: in training forwards (mrl_model_set_training) each element of an
+                      * adapter's input is zeroed with probability p, the rest scaled by 1 / (1 - p),
+                      * as PEFT's lora_dropout; the backward sees the same masks */
 } mrl_lora_config;
 /* Adapters on (a whole model, on the CPU or a GPU: its buffers on the model's device, so set the
  * device first; MRL_ERR_UNSUPPORTED otherwise, naming why). */
@@ -249,6 +252,11 @@ float *mrl_model_lora_params(mrl_model *m);
 float *mrl_model_lora_grads(mrl_model *m);
 int mrl_model_lora_num_views(const mrl_model *m);
 mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out);
+/* The forwards from now on are training forwards (1: each followed by its backward; 0, the
+ * default: evaluation, log-probs) — what LoRA's dropout applies in. The masks are drawn from the
+ * adapters' seed, `key` and the training forwards since this call (1, 2, ...): a caller that gives
+ * each micro-batch's key from its step (and rank) draws the same masks in a resumed run. */
+void mrl_model_set_training(mrl_model *m, int on, uint64_t key);
 /* Off (0) or back on (1) without freeing them: off, the model computes as its base (a
  * reference policy that shares the policy's weights). */
 void mrl_model_lora_enable(mrl_model *m, int on);

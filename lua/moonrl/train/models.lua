@@ -200,12 +200,12 @@ function M.apply_lora(cfg, policy)
         local c = model_mod.lora_config(l.dir)
         if c.rank ~= l.rank then error(string.format('rank %d, model.lora.rank=%d', c.rank, l.rank), 0) end
       end
-      policy:load_lora(l.dir)
+      policy:load_lora(l.dir, { dropout = l.dropout })
     end)
     if not ok then moonrl.usage_error('model.lora.dir=' .. l.dir .. ': ' .. moonrl.error_text(err)) end
   else
     local ok, err = pcall(policy.set_lora, policy, { rank = l.rank, alpha = l.alpha, targets = targets,
-      seed = cfg.run and cfg.run.seed or 0 })
+      seed = cfg.run and cfg.run.seed or 0, dropout = l.dropout })
     if not ok then moonrl.usage_error('model.lora: ' .. moonrl.error_text(err)) end
   end
   local info = policy:lora()

@@ -30,7 +30,7 @@ end
 
 function M.lora_config()
   return { rank = config.integer(0, { min = 0, max = 4096 }), alpha = config.number(32, { above = 0 }),
-    targets = 'all-linear',
+    targets = 'all-linear', dropout = config.number(0, { min = 0, below = 1 }),
     dir = config.optional('string', 'a PEFT adapter directory to start from (its rank, alpha and targets)'),
     save_merged = false }
 end

@@ -166,7 +166,9 @@ function M.policy_step(o)
   local function micro_step(b, first)
     local n = b.n_tokens
     local ref_lp = o.ref and o.ref:forward(b, { temperature = temp })
+    model:set_training(true, M.training_key(S)) -- (LoRA's dropout: this forward and its backward)
     local lp, ent = model:forward(b, { temperature = temp, routing = b.routing })
+    model:set_training(false)
     if n_moe > 0 then
       local replayed, differ = model:routing_replay_stats()
       sums.moe_aux, sums.moe_tokens = sums.moe_aux + model:router_aux_loss() * n, sums.moe_tokens + n
@@ -318,6 +320,15 @@ function M.apply_update(S, opt, lr, m, opts)
   return true
 end
 
+-- A training forward's key (LoRA's dropout masks, model:set_training): the global step, the
+-- forwards of this step so far and the rank, so that a resumed run draws the same masks.
+function M.training_key(S)
+  if not S then return 0 end
+  if S._key_step ~= S.global_step then S._key_step, S._key_n = S.global_step, 0 end
+  S._key_n = S._key_n + 1
+  return (S.global_step * 4096 + S._key_n) * 1024 + ((S.world and S.world.rank or 0) % 1024)
+end
+
 -- One optimizer step of a supervised loss: the gradient accumulated over micro-batches whose
 -- losses take the denominators of the WHOLE batch (so the step equals one step on the whole
 -- batch), the parts summed over the ranks, the gradient norm clipped, the update applied through
@@ -332,7 +343,9 @@ function M.supervised_step(S, opt, o)
   local model = o.model or opt.model
   model:zero_grad()
   local sums, pipe = M.run_micro_batches(model, o.batches, function(b, first, last, acc)
+    model:set_training(true, M.training_key(S)) -- (LoRA's dropout: this forward and its backward)
     local lp = model:forward(b)
+    model:set_training(false)
     local loss, grad, parts = o.loss(b, lp, first, last)
     model:backward(grad)
     acc.loss = acc.loss + loss
