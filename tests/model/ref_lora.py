@@ -9,7 +9,10 @@ Random base weights, random A and non-zero random B (so the adapters matter), a 
     Qwen3-MoE (the experts' adapters; the router frozen); bf16 within bf16's bounds;
   - the base is frozen: no gradient buffer (mrl_model_grads fails naming LoRA), its weights unchanged;
   - the init (B = 0) gives the base model's log-probs bit for bit; adapters off likewise;
-  - recomputation bit-identical; a second backward accumulates.
+  - recomputation bit-identical; a second backward accumulates;
+  - dropout: a training forward's log-probs and every adapter gradient against a reference that
+    computes each adapted product unmerged with the masks lora.c draws (its hash, replayed here);
+    new masks each training forward, none outside them.
 
 usage: ref_lora.py path/to/libmoonrl.so
 """

@@ -1,8 +1,9 @@
 -- LoRA in the recipes (model.lora.*) on the tiny random model: GRPO trains only the adapters (the
 -- base bit for bit as loaded), the engine generates with them unmerged (its log-probs are the
 -- trainer's), the run's model is a PEFT directory that loads back (and continues training from
--- model.lora.dir), the merged save equals the adapted model; SFT and DPO train adapters too;
--- a LoRA run resumes bit for bit; what LoRA does not do yet is a usage error naming the key.
+-- model.lora.dir), the merged save equals the adapted model, engine.lora_merged generates from a
+-- merged copy; SFT (with dropout) and DPO train adapters too, a mixture of experts every expert's;
+-- what LoRA does not do yet is a usage error naming the key.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
 local ffi = require('ffi')
