@@ -348,8 +348,7 @@ void mrl_model_lora_changed(mrl_model *m) {
 void mrl_model_lora_enable(mrl_model *m, int on) {
     if (!m || !m->lora) return;
     m->lora->on = on != 0;
-    mrl_lora_point(m);
-    atomic_fetch_add(&m->weights_gen, 1); /* (what the model computes changed) */
+    mrl_lora_point(m); /* (the weights' generation stays: a reference's forward turns them off for itself) */
 }
 
 void mrl_model_lora_layers(const mrl_model *m, layer_params *layers) {

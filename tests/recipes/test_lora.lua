@@ -75,6 +75,12 @@ t.test('grpo with LoRA: adapters trained, base frozen, engine = trainer, a PEFT 
   t.truthy(id.files['model.safetensors'] ~= nil, 'the base weights\' checksum')
   local st = require('moonrl.io.safetensors').open(ck .. '/optimizer.safetensors')
   t.eq(st:info('policy.exp_avg').numel, out.model:lora().n, 'the optimizer state is the adapters\'')
+  -- the KL reference is the policy's base (its adapters off), no copy: at step 1 the policy is the
+  -- base (B = 0), so the KL is 0 exactly, and after updates it is not
+  local r = U.records(out.dir)
+  t.eq(r[1].kl, 0, 'the KL against the base at step 1')
+  t.truthy(r[#r].kl > 0, 'and a KL once the adapters moved: ' .. r[#r].kl)
+  t.truthy(U.event(out.dir, 'reference').what:find('no copy', 1, true), 'the reference is the policy\'s base, no copy')
 end)
 
 t.test('engine.lora_merged: rollouts from a merged copy, made again after each update', function()

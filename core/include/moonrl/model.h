@@ -257,8 +257,9 @@ mrl_status mrl_model_lora_view(const mrl_model *m, int i, mrl_param_view *out);
  * adapters' seed, `key` and the training forwards since this call (1, 2, ...): a caller that gives
  * each micro-batch's key from its step (and rank) draws the same masks in a resumed run. */
 void mrl_model_set_training(mrl_model *m, int on, uint64_t key);
-/* Off (0) or back on (1) without freeing them: off, the model computes as its base (a
- * reference policy that shares the policy's weights). */
+/* Off (0) or back on (1) without freeing them: off, the model (and an engine's next step on it)
+ * computes as its base: a reference policy that shares the policy's weights. The weights'
+ * generation (mrl_model_weights_generation) stays as it is. */
 void mrl_model_lora_enable(mrl_model *m, int on);
 /* The parameters with the adapters merged into dst (host memory, mrl_model_num_params floats):
  * each adapted matrix W + (alpha / rank) B A, the rest copied (a merged model to save or serve). */

@@ -213,6 +213,21 @@ function M.apply_lora(cfg, policy)
     info.alpha, table.concat(info.targets, ','), info.n, 100 * info.n / policy.n_params, policy.n_params)
 end
 
+-- The base of a model with LoRA adapters, as a model: its forwards are the model's with the adapters
+-- off (the same weights and buffers: no copy; a forward clobbers the model's own last forward, so
+-- it goes before the model's, as a reference's does); everything else is the model's.
+function M.base_view(model)
+  local view = setmetatable({ base_of = model }, { __index = model })
+  function view.forward(_, batch, opts)
+    model:lora_enable(false)
+    local ok, lp, ent, val = pcall(model.forward, model, batch, opts)
+    model:lora_enable(true)
+    if not ok then error(lp, 0) end
+    return lp, ent, val
+  end
+  return view
+end
+
 -- A new model (no adapters) whose weights are model's with its LoRA adapters merged in
 -- (W + alpha/rank B A: mrl_model_lora_merged).
 function M.merged(model)

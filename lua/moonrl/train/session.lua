@@ -1100,6 +1100,12 @@ end
 -- (a sharded policy's: the initial model loaded whole from model.dir: no rank holds the policy whole)
 function Session:reference()
   local ref
+  -- LoRA: the policy's base is the initial policy (its adapters start at B = 0): the reference is
+  -- the policy with its adapters off for the forward, no copy of the weights
+  if self.policy:lora() then
+    self:event('reference', { what = 'the policy with its LoRA adapters off (no copy)' }, { quiet = true })
+    return models.base_view(self.policy)
+  end
   if self.policy.pp and not self.policy:shard() then return models.clone(self.policy, { tag = 1 }) end -- (its stage's copy)
   if self.policy.pp then -- a sharded stage (ZeRO-3): its stage of the initial model, whole
     ref = models.load(self.cfg.model.dir, { tp = self.tp_world, pp = models.stage_of(self.policy, 1) })
