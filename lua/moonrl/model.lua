@@ -858,9 +858,8 @@ local function lora_cfg(o, where)
 end
 
 -- The trainable share of adapters o (as set_lora takes them) on the model of dir (a Hugging Face
--- directory, or a .gguf file: its converted one), counted from its config alone, as a line.
+-- directory), counted from its config alone, as a line.
 function M.lora_share(dir, o)
-  dir = require('moonrl.io.gguf').resolve(dir)
   local c = ffi.new('mrl_model_config')
   moonrl.check(C.mrl_model_config_load(dir .. '/config.json', c), 2)
   local total, n = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')

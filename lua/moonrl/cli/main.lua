@@ -111,7 +111,10 @@ local function show_lora(config, declared)
   local targets = {}
   for s in tostring(l.targets):gmatch('[^,%s]+') do targets[#targets + 1] = s end
   if #targets == 1 and targets[1] == 'all-linear' then targets = 'all-linear' end
-  local lok, line = pcall(require('moonrl.model').lora_share, cfg.model.dir, { rank = l.rank, alpha = l.alpha, targets = targets })
+  local lok, line = pcall(function() -- (a .gguf file: its converted directory)
+    return require('moonrl.model').lora_share(require('moonrl.io.gguf').resolve(cfg.model.dir),
+      { rank = l.rank, alpha = l.alpha, targets = targets })
+  end)
   print(lok and line or ('model.lora: ' .. moonrl.error_text(line)))
 end
 
