@@ -12,7 +12,6 @@
 -- 6 x layers x seq x hidden (QK^T and PV forward, x3 with the backward, over seq / 2 keys on
 -- average). Prints one JSON line.
 local moonrl = require('moonrl')
-local ffi = require('ffi')
 
 local cfg = moonrl.config {
   size = 'qwen0.5b',                       -- qwen0.5b | tiny
@@ -41,19 +40,8 @@ model:to_device(cfg.device)
 if cfg.recompute then moonrl.C.mrl_model_set_recompute(model.handle, 1) end
 local opt = require('moonrl.train.models').adamw(model, { lr = 1e-5, weight_decay = 0.01 })
 
-local seqs, rng = {}, 12345
-for s = 1, cfg.seqs do
-  local t = {}
-  for i = 1, cfg.seq do
-    rng = (rng * 1103515245 + 12345) % 2147483648
-    t[i] = rng % shape.vocab_size
-  end
-  seqs[s] = t
-end
-local batch = moonrl.model.batch(seqs)
+local batch, grad = dofile(moonrl.home .. '/bench/train_batch.lua')(shape.vocab_size, cfg.seqs, cfg.seq)
 local T = batch.n_tokens
-local grad = ffi.new('float[?]', T)
-for i = 0, T - 1 do grad[i] = -1 / T end
 
 local p, n = model:param_buffer()
 local function step()

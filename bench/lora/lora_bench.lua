@@ -12,7 +12,6 @@
 --   moonrl run bench/lora/lora_bench.lua side=lora decode=0   -- one side alone: its peak memory (the
 --                                                              process's resident peak, moonrl's accounted peak)
 local moonrl = require('moonrl')
-local ffi = require('ffi')
 local models_mod = require('moonrl.train.models')
 
 local cfg = moonrl.config {
@@ -38,18 +37,7 @@ end
 local function mib(b) return b / 2 ^ 20 end
 
 -- one batch, -1/T per token of the log-probs (the loss's gradient)
-local seqs, rng = {}, 12345
-for s = 1, cfg.seqs do
-  local t = {}
-  for i = 1, cfg.seq do
-    rng = (rng * 1103515245 + 12345) % 2147483648
-    t[i] = rng % mcfg.vocab_size
-  end
-  seqs[s] = t
-end
-local batch = moonrl.model.batch(seqs)
-local grad = ffi.new('float[?]', batch.n_tokens)
-for i = 0, batch.n_tokens - 1 do grad[i] = -1 / batch.n_tokens end
+local batch, grad = dofile(moonrl.home .. '/bench/train_batch.lua')(mcfg.vocab_size, cfg.seqs, cfg.seq)
 
 -- a side: its model (same seed: the same base), optimizer and what it held after its first step
 local function held()

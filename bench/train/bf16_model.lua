@@ -9,7 +9,6 @@
 --
 -- Prints one line per measurement and the ratios.
 local moonrl = require('moonrl')
-local ffi = require('ffi')
 
 local cfg = moonrl.config {
   size = '30m',                      -- 30m | default
@@ -51,18 +50,7 @@ print(string.format('model: %s, %.1fM parameters; bf16 products: %s; threads %d'
 -- ---- training step ----
 local seq = 256
 local n_seqs = math.max(1, math.floor(cfg.tokens / seq))
-local seqs, rng = {}, 12345
-for s = 1, n_seqs do
-  local t = {}
-  for i = 1, seq do
-    rng = (rng * 1103515245 + 12345) % 2147483648
-    t[i] = rng % mcfg.vocab_size
-  end
-  seqs[s] = t
-end
-local batch = moonrl.model.batch(seqs)
-local grad = ffi.new('float[?]', batch.n_tokens)
-for i = 0, batch.n_tokens - 1 do grad[i] = -1 / batch.n_tokens end
+local batch, grad = dofile(moonrl.home .. '/bench/train_batch.lua')(mcfg.vocab_size, n_seqs, seq)
 local opts = {}
 for d, m in pairs(models) do opts[d] = require('moonrl.train.models').adamw(m, { lr = 1e-4, weight_decay = 0.0 }) end
 

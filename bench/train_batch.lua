@@ -1,0 +1,22 @@
+-- The training benchmarks' batch: n_seqs sequences of `seq` random tokens below `vocab` (a fixed
+-- linear congruential stream from 12345: the same tokens every run, on every machine), packed, and
+-- the loss's gradient -1/T for each of its T log-probs.
+--   local batch, grad = dofile(moonrl.home .. '/bench/train_batch.lua')(vocab, n_seqs, seq)
+local moonrl = require('moonrl')
+local ffi = require('ffi')
+
+return function(vocab, n_seqs, seq)
+  local seqs, rng = {}, 12345
+  for s = 1, n_seqs do
+    local t = {}
+    for i = 1, seq do
+      rng = (rng * 1103515245 + 12345) % 2147483648
+      t[i] = rng % vocab
+    end
+    seqs[s] = t
+  end
+  local batch = moonrl.model.batch(seqs)
+  local grad = ffi.new('float[?]', batch.n_tokens)
+  for i = 0, batch.n_tokens - 1 do grad[i] = -1 / batch.n_tokens end
+  return batch, grad
+end
