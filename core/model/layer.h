@@ -111,6 +111,13 @@ static inline void mrl_layer_matrices(const mrl_model_config *c, layer_params *p
     out[6] = (mrl_layer_matrix){p->wd, &p->pd, D, F};
 }
 
+/* A sparse layer's expert matrix j (0 gate_proj, 1 up_proj: [Fe, D]; 2 down_proj: [D, Fe]) as
+ * [N, K]: what an expert's LoRA adapter of that matrix is shaped by. */
+static inline void mrl_expert_matrix(const mrl_model_config *c, int j, int64_t *N, int64_t *K) {
+    *N = j == 2 ? c->hidden_size : c->moe_intermediate_size;
+    *K = j == 2 ? c->moe_intermediate_size : c->hidden_size;
+}
+
 /* Carving buffers (activations, gradients) out of one allocation: `ptr`
  * gets `count` elements of `type` at byte offset `off` of `base`, and `off`
  * moves on, 64-byte aligned. base NULL: only `off` moves (a first pass that

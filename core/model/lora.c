@@ -28,8 +28,8 @@ typedef struct lora_layout {
     size_t names_len;
 } lora_layout;
 
-/* A view of shape [d0, d1] at the layout's offset (filled when lo->views exists), or only its
- * name counted; returns where it lives in the parameters (NULL while not allocated). */
+/* A view of shape [d0, d1] at offset `at` of the adapters (filled when lo->views exists), or
+ * only its name counted. */
 static void add(lora_layout *ly, const char *name, int64_t d0, int64_t d1, int64_t at) {
     mrl_lora *lo = ly->lo;
     size_t nlen = strlen(name) + 1;
@@ -47,7 +47,7 @@ static void add(lora_layout *ly, const char *name, int64_t d0, int64_t d1, int64
 static void build(const mrl_model *m, lora_layout *ly) {
     mrl_lora *lo = ly->lo;
     const mrl_model_config *c = &m->cfg;
-    int64_t r = lo->cfg.rank, D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
+    int64_t r = lo->cfg.rank, E = c->num_experts;
     char name[160];
     for (int l = 0; l < c->num_hidden_layers; l++) {
         if (lo->layer_off) lo->layer_off[l] = ly->off;
@@ -70,9 +70,11 @@ static void build(const mrl_model *m, lora_layout *ly) {
             ly->off += N * r;
         }
         if (!sparse) continue;
-        for (int j = 0; j < 3; j++) { /* gate, up [Fe, D]; down [D, Fe] */
+        for (int j = 0; j < 3; j++) { /* gate, up, down */
             if (!(lo->cfg.targets & (MRL_LORA_GATE << j))) continue;
-            int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D, a0 = ly->off, b0 = a0 + E * r * K;
+            int64_t N, K;
+            mrl_expert_matrix(c, j, &N, &K);
+            int64_t a0 = ly->off, b0 = a0 + E * r * K;
             for (int64_t e = 0; e < E; e++) {
                 snprintf(name, sizeof name, "base_model.model.model.layers.%d.mlp.experts.%lld.%s.lora_A.weight", l,
                          (long long)e, EXPERT[j]);
@@ -278,7 +280,7 @@ mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA: merged weights of a model on the CPU only for now");
     const mrl_model_config *c = &m->cfg;
     const mrl_kernels *k = m->k;
-    int64_t r = m->lora->cfg.rank, D = c->hidden_size, E = c->num_experts, Fe = c->moe_intermediate_size;
+    int64_t r = m->lora->cfg.rank, E = c->num_experts;
     float s = m->lora->scale;
     memcpy(dst, m->params, sizeof(float) * m->n_params);
     for (int l = 0; l < c->num_hidden_layers; l++) {
@@ -292,7 +294,8 @@ mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
         const float *ew[3] = {m->lp[l].ewg, m->lp[l].ewu, m->lp[l].ewd};
         for (int j = 0; j < 3; j++) {
             if (!P->eA[j]) continue;
-            int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D;
+            int64_t N, K;
+            mrl_expert_matrix(c, j, &N, &K);
             for (int64_t e = 0; e < E; e++)
                 k->gemm(0, 0, N, K, r, s, P->eB[j] + e * N * r, r, P->eA[j] + e * r * K, K, 1.0f,
                         dst + (ew[j] - m->params) + e * N * K, K);

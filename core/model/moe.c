@@ -113,8 +113,8 @@ static void experts_lora(const mrl_model *m, const lora_layer *P, const lora_lay
                          const int32_t *eoff, const float *x, float *y, const float *dy, float *dx, float *u,
                          float *du) {
     if (!P || !P->eA[j]) return;
-    int64_t D = m->cfg.hidden_size, Fe = m->cfg.moe_intermediate_size, r = mrl_model_lora_rank(m);
-    int64_t N = j == 2 ? D : Fe, K = j == 2 ? Fe : D;
+    int64_t r = mrl_model_lora_rank(m), N, K;
+    mrl_expert_matrix(&m->cfg, j, &N, &K);
     for (int64_t i = 0; i < ne; i++) {
         int64_t e = e0 + i, r0 = eoff[i], n = eoff[i + 1] - r0;
         const float *A = lora_at(P->eA[j], e, r * K), *B = lora_at(P->eB[j], e, N * r);
