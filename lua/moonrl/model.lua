@@ -809,11 +809,16 @@ end
 -- gate, up and down of a qwen3_moe model follow the last three.
 M.lora_modules = { 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj' }
 
--- targets ('all-linear', nil, or a list of module names) as the C bits; nil and the reason for a
--- name that is none of M.lora_modules.
+-- targets ('all-linear', nil, a list of module names, or their names separated by commas, as
+-- model.lora.targets gives them) as the C bits; nil and the reason for a name that is none of
+-- M.lora_modules.
 function M.lora_bits(targets)
   if targets == nil or targets == 'all-linear' then return C.MRL_LORA_ALL end
-  if type(targets) == 'string' then targets = { targets } end
+  if type(targets) == 'string' then
+    local names = {}
+    for s in targets:gmatch('[^,%s]+') do names[#names + 1] = s end
+    targets = names
+  end
   if type(targets) ~= 'table' or #targets == 0 then return nil, "expected 'all-linear' or a list of module names" end
   local bits = 0
   for _, t in ipairs(targets) do
@@ -857,17 +862,21 @@ local function lora_cfg(o, where)
     dropout = o.dropout or 0 })
 end
 
+-- The line that says what adapters (info: { rank, alpha, targets }) train: n of total parameters.
+function M.lora_text(info, n, total)
+  return string.format('LoRA: rank %d, alpha %g, %s: %d trainable parameters (%.2f%% of %d)', info.rank, info.alpha,
+    table.concat(info.targets, ','), n, 100 * n / total, total)
+end
+
 -- The trainable share of adapters o (as set_lora takes them) on the model of dir (a Hugging Face
--- directory), counted from its config alone, as a line.
+-- directory), counted from its config alone, as M.lora_text's line.
 function M.lora_share(dir, o)
   local c = ffi.new('mrl_model_config')
   moonrl.check(C.mrl_model_config_load(dir .. '/config.json', c), 2)
   local total, n = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
   local cfg = lora_cfg(o, 'lora_share')
   moonrl.check(C.mrl_lora_count(c, cfg, total, n), 2)
-  local info = lora_info(cfg)
-  return string.format('LoRA: rank %d, alpha %g, %s: %d trainable parameters (%.2f%% of %d)', info.rank, info.alpha,
-    table.concat(info.targets, ','), tonumber(n[0]), 100 * tonumber(n[0]) / tonumber(total[0]), tonumber(total[0]))
+  return M.lora_text(lora_info(cfg), tonumber(n[0]), tonumber(total[0]))
 end
 
 -- The forwards from now on are training forwards (each followed by its backward: LoRA's dropout

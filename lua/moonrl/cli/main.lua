@@ -108,12 +108,9 @@ local function show_lora(config, declared)
   local ok, cfg = pcall(config.merge, declared or {}, config.overrides or {})
   local l = ok and type(cfg.model) == 'table' and cfg.model.lora
   if type(l) ~= 'table' or (l.rank or 0) <= 0 or not cfg.model.dir then return end
-  local targets = {}
-  for s in tostring(l.targets):gmatch('[^,%s]+') do targets[#targets + 1] = s end
-  if #targets == 1 and targets[1] == 'all-linear' then targets = 'all-linear' end
   local lok, line = pcall(function() -- (a .gguf file: its converted directory)
     return require('moonrl.model').lora_share(require('moonrl.io.gguf').resolve(cfg.model.dir),
-      { rank = l.rank, alpha = l.alpha, targets = targets })
+      { rank = l.rank, alpha = l.alpha, targets = l.targets })
   end)
   print(lok and line or ('model.lora: ' .. moonrl.error_text(line)))
 end

@@ -9,7 +9,6 @@
 --   local opt = models.adamw(model, { lr = 1e-5 })
 --   models.save(run, model, tok_dir[, dir, max_shard_bytes])  -- run.dir/model in HF format, tokenizer files copied
 local ffi = require('ffi')
-local bit = require('bit')
 local moonrl = require('moonrl')
 local C = moonrl.C
 local model_mod = require('moonrl.model')
@@ -186,14 +185,8 @@ function M.apply_lora(cfg, policy)
     or (a.partial == 'continue' and (d.rollout_ranks or 0) > 0) and 'async.partial=continue with dist.rollout_ranks'
     or (type(cfg.moe) == 'table' and cfg.moe.expert_parallel) and 'moe.expert_parallel' or nil
   if why then moonrl.usage_error(string.format('model.lora: not yet with %s (docs/lora.md says what LoRA runs with)', why)) end
-  local names = {} -- 'all-linear', or module names separated by commas
-  for s in tostring(l.targets):gmatch('[^,%s]+') do names[#names + 1] = s end
-  local bits, bad = model_mod.lora_bits(#names == 1 and names[1] == 'all-linear' and 'all-linear' or names)
+  local bits, bad = model_mod.lora_bits(l.targets) -- ('all-linear', or module names separated by commas)
   if not bits then moonrl.usage_error('model.lora.targets: ' .. bad) end
-  local targets = {}
-  for i, name in ipairs(model_mod.lora_modules) do
-    if bit.band(bits, bit.lshift(1, i - 1)) ~= 0 then targets[#targets + 1] = name end
-  end
   if l.dir then
     local ok, err = pcall(function()
       if (l.rank or 0) > 0 then -- (the directory's own config decides; a rank given must agree)
@@ -204,13 +197,12 @@ function M.apply_lora(cfg, policy)
     end)
     if not ok then moonrl.usage_error('model.lora.dir=' .. l.dir .. ': ' .. moonrl.error_text(err)) end
   else
-    local ok, err = pcall(policy.set_lora, policy, { rank = l.rank, alpha = l.alpha, targets = targets,
+    local ok, err = pcall(policy.set_lora, policy, { rank = l.rank, alpha = l.alpha, targets = l.targets,
       seed = cfg.run and cfg.run.seed or 0, dropout = l.dropout })
     if not ok then moonrl.usage_error('model.lora: ' .. moonrl.error_text(err)) end
   end
   local info = policy:lora()
-  return info, string.format('LoRA: rank %d, alpha %g, %s: %d trainable parameters (%.2f%% of %d)', info.rank,
-    info.alpha, table.concat(info.targets, ','), info.n, 100 * info.n / policy.n_params, policy.n_params)
+  return info, model_mod.lora_text(info, info.n, policy.n_params)
 end
 
 -- The base of a model with LoRA adapters, as a model: its forwards are the model's with the adapters
