@@ -327,47 +327,55 @@ function Remote:push(servers, label)
   self.counters.sync_seconds = self.counters.sync_seconds + (moonrl.now() - t0)
 end
 
-function Remote:push_reload(servers, label)
+-- The policy's weights as they are now in a directory of their own, written once a version by
+-- write(dir), which returns the bytes it wrote (the last version's directory removed). Returns
+-- the weights' generation.
+function Remote:write_once(write)
   local gen = self.policy:weights_generation()
   if self.written_gen ~= gen then
     self.syncs = self.syncs + 1
     local dir = string.format('%s/v%d', self.sync_root, self.syncs)
-    self:write_version(dir)
-    local crc, bytes = fs.crc32c_file(dir .. '/model.safetensors')
+    local bytes = write(dir)
     if self.written_dir then pcall(fs.remove, self.written_dir) end
-    self.written_dir, self.written_gen, self.written_crc = dir, gen, crc
+    self.written_dir, self.written_gen = dir, gen
     self.counters.sync_bytes = self.counters.sync_bytes + (bytes or 0)
   end
-  local kwargs = json.object({ 'weights_path', self.written_dir, 'is_checkpoint_format', true })
-  if self.backend == 'moonrl' then kwargs.crc32c = string.format('%08x', self.written_crc) end
+  return gen
+end
+
+-- path with body on every server between a pause and a resume, then the label and a dropped cache.
+function Remote:update_paused(servers, label, path, body)
   self:all(servers, '/pause?mode=wait', json.object())
-  self:all(servers, '/collective_rpc', json.object({ 'method', 'reload_weights', 'kwargs', kwargs }))
+  self:all(servers, path, body)
   self:all(servers, '/update_weight_version', { new_version = tostring(label) })
   self:all(servers, '/reset_prefix_cache', json.object())
   self:all(servers, '/resume', json.object())
+end
+
+function Remote:push_reload(servers, label)
+  local gen = self:write_once(function(dir)
+    self:write_version(dir)
+    local crc, bytes = fs.crc32c_file(dir .. '/model.safetensors')
+    self.written_crc = crc
+    return bytes
+  end)
+  local kwargs = json.object({ 'weights_path', self.written_dir, 'is_checkpoint_format', true })
+  if self.backend == 'moonrl' then kwargs.crc32c = string.format('%08x', self.written_crc) end
+  self:update_paused(servers, label, '/collective_rpc', json.object({ 'method', 'reload_weights', 'kwargs', kwargs }))
   return gen
 end
 
 -- LoRA: the adapters as a PEFT directory (once a version, a fresh one), loaded into each server in
 -- place of the last (/v1/load_lora_adapter, vLLM's and moonrl serve's), between a pause and a resume.
 function Remote:push_lora(servers, label)
-  local gen = self.policy:weights_generation()
-  if self.written_gen ~= gen then
-    self.syncs = self.syncs + 1
-    local dir = string.format('%s/v%d', self.sync_root, self.syncs)
+  local gen = self:write_once(function(dir)
     self.policy:save_lora(dir, { base = self.model_dir })
-    if self.written_dir then pcall(fs.remove, self.written_dir) end
-    self.written_dir, self.written_gen = dir, gen
-    local st = fs.stat(dir .. '/adapter_model.safetensors')
-    self.counters.sync_bytes = self.counters.sync_bytes + (st and st.size or 0)
     self.counters.sync_tensors = self.counters.sync_tensors + #self.policy:lora_views()
-  end
-  self:all(servers, '/pause?mode=wait', json.object())
-  self:all(servers, '/v1/load_lora_adapter', json.object({ 'lora_name', self.lora_name, 'lora_path', self.written_dir,
-    'load_inplace', true }))
-  self:all(servers, '/update_weight_version', { new_version = tostring(label) })
-  self:all(servers, '/reset_prefix_cache', json.object())
-  self:all(servers, '/resume', json.object())
+    local st = fs.stat(dir .. '/adapter_model.safetensors')
+    return st and st.size
+  end)
+  self:update_paused(servers, label, '/v1/load_lora_adapter', json.object({ 'lora_name', self.lora_name,
+    'lora_path', self.written_dir, 'load_inplace', true }))
   return gen
 end
 
