@@ -93,15 +93,10 @@ def run_case(name, cfg_cls, cfg, rank, alpha, targets, seed):
     check(lib.mrl_model_load_dir(base_dir.encode(), C.byref(h)))
     bits = sum(1 << MODULES.index(t) for t in targets)
     check(lib.mrl_model_set_lora(h, C.byref(api.mrl_lora_config(rank, alpha, bits, 0))))
-    n = lib.mrl_model_lora_num_params(h)
-    lp_params = np.ctypeslib.as_array(lib.mrl_model_lora_params(h), (n,))
-    lp_grads = np.ctypeslib.as_array(lib.mrl_model_lora_grads(h), (n,))
+    lp_params, lp_grads, ours = moonrl_ctypes.lora(h)
     theirs = {k.replace(".default", ""): v for k, v in pm.named_parameters() if "lora_" in k}
     views = []
-    for i in range(lib.mrl_model_lora_num_views(h)):
-        v = api.mrl_param_view()
-        check(lib.mrl_model_lora_view(h, i, C.byref(v)))
-        nm, off, shape = v.name.decode(), v.offset, (v.shape[0], v.shape[1])
+    for nm, off, shape, _ in ours:
         if nm not in theirs:
             failures.append("%s: PEFT has no %s" % (name, nm))
             continue

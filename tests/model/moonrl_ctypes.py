@@ -43,12 +43,7 @@ class Moonrl:
         n = lib.mrl_model_num_params(self.h)
         self.params = np.ctypeslib.as_array(lib.mrl_model_params(self.h), (n,))
         self.grads = np.ctypeslib.as_array(lib.mrl_model_grads(self.h), (n,))
-        self.views = []
-        for i in range(lib.mrl_model_num_views(self.h)):
-            v = api.mrl_param_view()
-            check(lib.mrl_model_view(self.h, i, C.byref(v)))
-            shape = tuple(v.shape[: v.ndim])
-            self.views.append((v.name.decode(), v.offset, shape, v.weight_decay))
+        self.views = views(self.h, lib.mrl_model_num_views, lib.mrl_model_view)
 
     def tensor(self, buf, name):
         for n, off, shape, _ in self.views:
@@ -94,6 +89,25 @@ def batch(cfg, lens, rng):
     for s in range(len(lens)):
         targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
     return tokens, targets, cu
+
+
+def views(h, count, view):
+    """[(name, offset, shape, weight_decay)] of model h's parameters (count, view: mrl_model_num_views,
+    mrl_model_view) or of its LoRA adapters' (mrl_model_lora_num_views, mrl_model_lora_view)."""
+    out = []
+    for i in range(count(h)):
+        v = api.mrl_param_view()
+        check(view(h, i, C.byref(v)))
+        out.append((v.name.decode(), v.offset, tuple(v.shape[: v.ndim]), v.weight_decay))
+    return out
+
+
+def lora(h):
+    """Model h's LoRA adapters (mrl_model_set_lora): their parameters and gradients as numpy arrays
+    over moonrl's buffers, and their views."""
+    n = lib.mrl_model_lora_num_params(h)
+    return (np.ctypeslib.as_array(lib.mrl_model_lora_params(h), (n,)), np.ctypeslib.as_array(lib.mrl_model_lora_grads(h), (n,)),
+            views(h, lib.mrl_model_lora_num_views, lib.mrl_model_lora_view))
 
 
 def rel(a, b):

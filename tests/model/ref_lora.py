@@ -41,14 +41,7 @@ def set_lora(m, rank, alpha, targets, seed=7, dropout=0.0):
     bits = sum(1 << MODULES.index(t) for t in targets)
     cfg = api.mrl_lora_config(rank, alpha, bits, seed, dropout)
     check(lib.mrl_model_set_lora(m.h, C.byref(cfg)))
-    n = lib.mrl_model_lora_num_params(m.h)
-    m.lparams = np.ctypeslib.as_array(lib.mrl_model_lora_params(m.h), (n,))
-    m.lgrads = np.ctypeslib.as_array(lib.mrl_model_lora_grads(m.h), (n,))
-    m.lviews = []
-    for i in range(lib.mrl_model_lora_num_views(m.h)):
-        v = api.mrl_param_view()
-        check(lib.mrl_model_lora_view(m.h, i, C.byref(v)))
-        m.lviews.append((v.name.decode(), v.offset, tuple(v.shape[:2])))
+    m.lparams, m.lgrads, m.lviews = moonrl_ctypes.lora(m.h)
     m.grads = None  # (the base's gradient buffer is gone)
 
 
@@ -67,7 +60,7 @@ def run_case(name, cfg, lens, rank, alpha, targets, dtype="fp32", recompute=Fals
         failures.append(name + " (init B = 0 is not the base)")
         print("  the adapters' init changes the model")
     # random A and non-zero B
-    for n, off, shape in m.lviews:
+    for n, off, shape, _ in m.lviews:
         size = shape[0] * shape[1]
         m.lparams[off:off + size] = (0.3 if ".lora_A." in n else 0.2) * rng.standard_normal(size)
     lib.mrl_model_lora_changed(m.h)
@@ -76,7 +69,7 @@ def run_case(name, cfg, lens, rank, alpha, targets, dtype="fp32", recompute=Fals
     # the reference: every adapted weight merged, A and B the leaves
     P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64)) for n, _, _, _ in m.views}
     L = {}
-    for n, off, shape in m.lviews:
+    for n, off, shape, _ in m.lviews:
         L[n] = torch.tensor(m.lparams[off:off + shape[0] * shape[1]].reshape(shape).astype(np.float64),
                             requires_grad=True)
     for n in list(L):
@@ -96,7 +89,7 @@ def run_case(name, cfg, lens, rank, alpha, targets, dtype="fp32", recompute=Fals
     loss = (torch.tensor(a, dtype=torch.float64) * rlp).sum() + (torch.tensor(b, dtype=torch.float64) * rent).sum()
     loss.backward()
     worst, worst_name = 0.0, ""
-    for n, off, shape in m.lviews:
+    for n, off, shape, _ in m.lviews:
         e = rel(m.lgrads[off:off + shape[0] * shape[1]].reshape(shape), L[n].grad.numpy())
         if e > worst:
             worst, worst_name = e, n
@@ -178,7 +171,7 @@ def dropout_case(name, cfg, lens, rank, alpha, p, seed=8):
     randomize(m, rng)
     tokens, targets_, cu = batch(cfg, lens, rng)
     set_lora(m, rank, alpha, MODULES, seed=11, dropout=p)
-    for n, off, shape in m.lviews:
+    for n, off, shape, _ in m.lviews:
         m.lparams[off:off + shape[0] * shape[1]] = 0.3 * rng.standard_normal(shape[0] * shape[1])
     eval_lp, _, _ = m.forward(tokens, targets_, cu)
     lib.mrl_model_set_training(m.h, 1, 5)
@@ -187,8 +180,8 @@ def dropout_case(name, cfg, lens, rank, alpha, p, seed=8):
     s = alpha / rank
     P = {n: torch.tensor(m.tensor(m.params, n).astype(np.float64)) for n, _, _, _ in m.views}
     L = {n: torch.tensor(m.lparams[off:off + sh[0] * sh[1]].reshape(sh).astype(np.float64), requires_grad=True)
-         for n, off, sh in m.lviews}
-    offsets = {n: off for n, off, _ in m.lviews}
+         for n, off, sh, _ in m.lviews}
+    offsets = {n: off for n, off, _, _ in m.lviews}
     T = int(cu[-1])
     masks, row0 = {}, [0]
 
@@ -215,7 +208,7 @@ def dropout_case(name, cfg, lens, rank, alpha, p, seed=8):
     lib.mrl_model_zero_grad(m.h)
     m.backward(a_, b_, None)
     ((torch.tensor(a_, dtype=torch.float64) * rlp).sum() + (torch.tensor(b_, dtype=torch.float64) * rent).sum()).backward()
-    worst = max(rel(m.lgrads[off:off + sh[0] * sh[1]].reshape(sh), L[n].grad.numpy()) for n, off, sh in m.lviews)
+    worst = max(rel(m.lgrads[off:off + sh[0] * sh[1]].reshape(sh), L[n].grad.numpy()) for n, off, sh, _ in m.lviews)
     errs = (rel(lp, rlp.detach()), rel(ent, rent.detach()), worst)
     differ = not np.array_equal(lp, eval_lp)
     lp2, _, _ = m.forward(tokens, targets_, cu)  # a second training forward: new masks
