@@ -438,12 +438,18 @@ function Model:param_buffer() return C.mrl_model_params(self.handle), self.n_par
 -- The parameters as host floats to read (or edit, then write_params): the buffer itself on the
 -- CPU; on a GPU a copy in a host buffer of the model's own, refreshed by each call.
 
+-- n floats at p (the model's device) as host floats: p itself on the CPU, else a copy into the
+-- model's host buffer self[key] (made once, refreshed by each call).
+local function host_floats(self, p, n, key)
+  if not self.gpu then return p, n end
+  self[key] = self[key] or ffi.new('float[?]', n)
+  moonrl.check(C.mrl_device_memcpy(self[key], p, 4 * n), 3)
+  return self[key], n
+end
+
 function Model:read_params()
   whole(self, 'read_params')
-  if not self.gpu then return C.mrl_model_params(self.handle), self.n_params end
-  self._host = self._host or ffi.new('float[?]', self.n_params)
-  moonrl.check(C.mrl_device_memcpy(self._host, C.mrl_model_params(self.handle), 4 * self.n_params), 2)
-  return self._host, self.n_params
+  return host_floats(self, C.mrl_model_params(self.handle), self.n_params, '_host')
 end
 
 -- All n_params floats of the host array src into the parameter buffer (src may be what
@@ -908,10 +914,7 @@ function Model:lora_buffer() return C.mrl_model_lora_params(self.handle), tonumb
 -- by each call), and back (all of them, from host floats; the adapters changed).
 function Model:read_lora()
   local p, n = self:lora_buffer()
-  if not self.gpu then return p, n end
-  self._lora_host = self._lora_host or ffi.new('float[?]', n)
-  moonrl.check(C.mrl_device_memcpy(self._lora_host, p, 4 * n), 2)
-  return self._lora_host, n
+  return host_floats(self, p, n, '_lora_host')
 end
 function Model:write_lora(src)
   local p, n = self:lora_buffer()
