@@ -98,12 +98,32 @@ t.test('engine.lora_merged: rollouts from a merged copy, made again after each u
   t.truthy(not ok and moonrl.error_text(err):find('engine.lora_merged', 1, true), moonrl.error_text(err))
 end)
 
-t.test('model.lora.dir continues from a saved adapter', function()
+t.test('model.lora.dir continues from a saved adapter; a PEFT directory moonrl cannot compute is an error naming why', function()
   local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=1', 'model.lora.dir=' .. grpo.dir .. '/model',
     'train.lr=0', 'run.dir=' .. dir .. '/grpo2' }))
   local a, b = logprobs(out.model), logprobs(grpo.model)
   for i = 1, #a do t.near(a[i], b[i], 1e-6, 'the adapters read back (lr 0: unchanged)') end
   t.eq(out.model:lora().rank, 4)
+  -- hostile directories: a config that does not match the tensors, settings computed otherwise, not JSON
+  local function bad_dir(tag, edit_config, text)
+    local d = dir .. '/bad_' .. tag
+    fs.mkdirs(d)
+    fs.copy(grpo.dir .. '/model/adapter_model.safetensors', d .. '/adapter_model.safetensors')
+    local c = json.read_file(grpo.dir .. '/model/adapter_config.json')
+    if edit_config then edit_config(c) end
+    fs.write(d .. '/adapter_config.json', text or json.encode(c))
+    return d
+  end
+  for _, case in ipairs({
+    { bad_dir('rank', function(c) c.r = 8 end), 'has shape [4, ' },
+    { bad_dir('dora', function(c) c.use_dora = true end), 'use_dora' },
+    { bad_dir('targets', function(c) c.target_modules = { 'q_proj', 'lm_head' } end), 'target_modules' },
+    { bad_dir('json', nil, '{"r": 4,'), 'not JSON' },
+  }) do
+    local m = dofile('tests/lib/models.lua').model('digits', { num_hidden_layers = 2 }, { seed = 1 })
+    local ok, err = pcall(m.load_lora, m, case[1])
+    t.truthy(not ok and tostring(err):find(case[2], 1, true), case[1] .. ': ' .. tostring(err))
+  end
 end)
 
 t.test('model.lora.dropout: sft with dropout trains, the masks the training forwards\' only; saved as lora_dropout', function()
