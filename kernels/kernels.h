@@ -344,7 +344,20 @@ typedef struct mrl_kernels {
     void (*f32_to_bf16)(const float *src, uint16_t *dst, int64_t n);
     void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
     void (*f32_to_f16)(const float *src, uint16_t *dst, int64_t n);
+    /* dst[n] = the weights of n / 32 GGML blocks of `type` (MRL_QUANT_Q4_0, Q4_1, Q8_0: ggml's
+     * numbers, moonrl/gguf.h), n a multiple of 32: a quantized base's matrices made whole where
+     * they are used (core/model/quant.c). Each weight is the block's d * q (+ m) in fp32, with no
+     * fused multiply-add: gguf-py's dequantization, the same bits on every table. */
+    void (*dequant)(int type, const void *blocks, float *dst, int64_t n);
 } mrl_kernels;
+
+/* The GGML block types the dequant op reads (ggml's numbers): 32 weights a block, each a 4- or
+ * 8-bit integer q and the block's fp16 scale d (and minimum m): d (q - 8), d q + m, d q. */
+enum { MRL_QUANT_Q4_0 = 2, MRL_QUANT_Q4_1 = 3, MRL_QUANT_Q8_0 = 8 };
+/* Bytes of one block of type (0: not a type the dequant op reads). */
+static inline int mrl_quant_block_bytes(int type) {
+    return type == MRL_QUANT_Q4_0 ? 18 : type == MRL_QUANT_Q4_1 ? 20 : type == MRL_QUANT_Q8_0 ? 34 : 0;
+}
 
 const mrl_kernels *mrl_kernels_cpu_reference(void);
 const mrl_kernels *mrl_kernels_cpu_fast(void);

@@ -418,6 +418,8 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     mrl_device device = mrl_model_get_device(model);
     int on_device = mrl_model_kernels(model)->on_device;
     if (on_device) c.pack_weights = 0; /* panels are the CPU's layout */
+    if (mrl_model_quantized_bytes(model) > 0) /* a quantized base: its matrices are whole a layer at a time */
+        c.pack_weights = 0, c.cuda_graphs = 0;    /* (no copy of them all; a layer's pages change each step) */
     const mrl_model_config *mc = mrl_model_get_config(model);
     if (c.max_model_len <= 0) c.max_model_len = mc->max_position_embeddings;
     /* every size is checked before anything is allocated from it */
@@ -746,9 +748,11 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     int n_segs = step_segments(e, hb);
     e->a.lora_segs = n_segs ? e->segs : NULL;
     e->a.n_lora_segs = n_segs;
+    int quant = e->reads_own && mrl_model_quantized_bytes(m) > 0; /* its layers made whole one at a time */
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         const layer_params *p = &e->lp[l];
         for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
+        if (quant && (st = mrl_model_layer_use(e->m, l))) break;
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
         if (mrl_kv_cache_get_config(e->kv)->bf16)
             k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping,
@@ -758,7 +762,10 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
                               Hk, hd, e->cfg.block_size);
         mrl_paged_attn args;
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
-        if (st) break;
+        if (st) {
+            if (quant) mrl_model_layer_unuse(e->m, l);
+            break;
+        }
         int64_t need = k->paged_attn_workspace(&args); /* (the CUDA kernel needs none) */
         if (need > (int64_t)e->attn_ws.bytes) {
             mrl_buffer_free(&e->attn_ws);
@@ -769,8 +776,12 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
             args.workspace_bytes = (int64_t)e->attn_ws.bytes;
         }
         st = k->paged_attn(&args);
-        if (st) break;
+        if (st) {
+            if (quant) mrl_model_layer_unuse(e->m, l);
+            break;
+        }
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
+        if (quant) mrl_model_layer_unuse(e->m, l);
         if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
     }
     if (!st) st = mrl_model_tp_status(e->m); /* tensor parallel: a sum over the group that failed */

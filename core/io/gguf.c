@@ -21,6 +21,7 @@
 #include <unistd.h>
 #include "moonrl/dtype.h"
 #include "moonrl/gguf.h"
+#include "kernels.h"
 #include "base/parallel.h"
 #include "io/write.h"
 #include "base/error.h"
@@ -506,30 +507,6 @@ static float h2f(const uint8_t *p) {
     return mrl_f16_to_f32(h);
 }
 
-DEQ static void deq_q4_0(const uint8_t *b, float *y) {
-    float d = h2f(b);
-    const uint8_t *qs = b + 2;
-    for (int j = 0; j < 16; j++) {
-        y[j] = (float)((qs[j] & 0x0F) - 8) * d;
-        y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
-    }
-}
-
-DEQ static void deq_q4_1(const uint8_t *b, float *y) {
-    float d = h2f(b), m = h2f(b + 2);
-    const uint8_t *qs = b + 4;
-    for (int j = 0; j < 16; j++) {
-        y[j] = (float)(qs[j] & 0x0F) * d + m;
-        y[j + 16] = (float)(qs[j] >> 4) * d + m;
-    }
-}
-
-DEQ static void deq_q8_0(const uint8_t *b, float *y) {
-    float d = h2f(b);
-    const int8_t *qs = (const int8_t *)(b + 2);
-    for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
-}
-
 /* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (ggml's get_scale_min_k4). */
 static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
@@ -602,9 +579,6 @@ static void deq_range(void *ctx, int64_t first, int64_t last) {
         const uint8_t *b = j->src + i * j->bytes;
         float *y = j->dst + i * j->block;
         switch (j->type) {
-        case MRL_GGML_Q4_0: deq_q4_0(b, y); break;
-        case MRL_GGML_Q4_1: deq_q4_1(b, y); break;
-        case MRL_GGML_Q8_0: deq_q8_0(b, y); break;
         case MRL_GGML_Q4_K: deq_q4_k(b, y); break;
         case MRL_GGML_Q5_K: deq_q5_k(b, y); break;
         case MRL_GGML_Q6_K: deq_q6_k(b, y); break;
@@ -621,6 +595,7 @@ mrl_status mrl_ggml_dequantize(int type, const void *src, int64_t src_bytes, flo
     if (type == MRL_GGML_F32) memcpy(dst, src, (size_t)n * 4);
     else if (type == MRL_GGML_F16) mrl_convert_f16_to_f32(src, dst, n);
     else if (type == MRL_GGML_BF16) mrl_convert_bf16_to_f32(src, dst, n);
+    else if (mrl_quant_block_bytes(type)) mrl_kernels_cpu_fast()->dequant(type, src, dst, n); /* (kernels.h's) */
     else {
         deq_job j = {type, src, dst, ti->block, ti->bytes};
         mrl_parallel_for(n / ti->block, 64, deq_range, &j);
@@ -655,4 +630,28 @@ mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t n
                                "be finite (a corrupt file?)", g->path, t->name, t->type_name,
                                isnan(dst[k]) ? "a NaN" : "an infinity", (long long)k, (long long)t->numel);
     return st;
+}
+
+mrl_status mrl_gguf_read_raw(const mrl_gguf *g, int64_t i, void *dst, int64_t bytes) {
+    if (!g || i < 0 || i >= g->n_tensors || !dst) return mrl_set_error(MRL_ERR_INVALID, "gguf read: no tensor %lld", (long long)i);
+    const mrl_gguf_tensor *t = &g->tensors[i];
+    if (bytes != t->bytes)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' has %lld bytes, the buffer %lld", g->path, t->name,
+                             (long long)t->bytes, (long long)bytes);
+    int err;
+    if (mrl_io_pread_all(g->fd, dst, t->bytes, t->offset, &err) < t->bytes)
+        return mrl_set_error(MRL_ERR_IO, "%s: reading tensor '%s' came back short (the file was cut short?)", g->path,
+                             t->name);
+    int block = mrl_quant_block_bytes(t->type), halves = t->type == MRL_GGML_Q4_1 ? 2 : 1;
+    const uint8_t *b = dst;
+    for (int64_t k = 0; block && k < t->bytes / block; k++) /* (the weights of a block are finite when its scales are) */
+        for (int h = 0; h < halves; h++) {
+            uint16_t f;
+            memcpy(&f, b + k * block + 2 * h, 2);
+            if ((f & 0x7c00u) == 0x7c00u)
+                return mrl_set_error(MRL_ERR_FORMAT, "%s: tensor '%s' (%s): block %lld's %s is %s: a weight must be "
+                                     "finite (a corrupt file?)", g->path, t->name, t->type_name, (long long)k,
+                                     h ? "minimum" : "scale", f & 0x3ffu ? "a NaN" : "an infinity");
+        }
+    return MRL_OK;
 }

@@ -338,11 +338,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
      * next one's gather started meanwhile, and let go after (nothing happens otherwise) */
     int L = c->num_hidden_layers;
     int64_t embed_end = m->lp[0].ln1 - m->params, layers_end = mrl_model_layers_end(m);
-    if (m->head_kept) { /* a forward's that no backward took */
-        mrl_model_unuse(m, layers_end, m->n_params);
-        if (c->tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
-        m->head_kept = 0;
-    }
+    mrl_model_head_unkeep(m); /* (a forward's that no backward took) */
     if ((st = mrl_model_use(m, 0, embed_end, embed_end, L > 1 ? m->lp[1].ln1 - m->params : layers_end))) {
         m->have_forward = 0; /* (no backward through a forward that did not run) */
         return st;

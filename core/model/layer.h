@@ -89,6 +89,12 @@ const mrl_lora *mrl_model_lora_on(const mrl_model *m);
 void mrl_model_lora_layers(const mrl_model *m, layer_params *layers);
 int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T);
 
+/* A quantized base (quant.c): layer l's parameters made whole for an engine step that reads the
+ * model's own buffer (its matrices dequantized into place), and let go after it; nothing for
+ * other models, whose parameters are whole. mrl_model_quantized_bytes (moonrl/model.h) says which. */
+mrl_status mrl_model_layer_use(mrl_model *m, int l);
+void mrl_model_layer_unuse(mrl_model *m, int l);
+
 /* The seven matrices of a layer (q, k, v, o, gate, up, down), the ones
  * weight panels hold: their weights in p (NULL: a sparse layer's MLP, whose
  * experts are read in place), p's panel pointer for each, shape [N,K]. One

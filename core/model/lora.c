@@ -208,7 +208,7 @@ mrl_status mrl_lora_count(const mrl_model_config *mc, const mrl_lora_config *cfg
 
 mrl_status mrl_lora_create(const mrl_model *m, const mrl_lora_config *cfg, mrl_lora **out) {
     if (!m || !cfg || !out) return mrl_set_error(MRL_ERR_INVALID, "mrl_lora_create: NULL argument");
-    if (m->tp_size > 1 || m->pp_stages > 1 || m->p_region)
+    if (m->tp_size > 1 || m->pp_stages > 1 || (m->p_region && !m->quant))
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "LoRA adapters of their own: a whole model only for now");
     return lora_new(m, cfg, 0, (mrl_device){MRL_DEVICE_CPU, 0}, out); /* (what an engine on the CPU serves) */
 }
@@ -219,7 +219,7 @@ mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
     const char *why = m->tp_size > 1                   ? "tensor parallel"
                       : m->cp_size > 1                 ? "context parallel"
                       : m->pp_stages > 1               ? "pipeline parallel"
-                      : m->p_region                    ? "sharded parameters (ZeRO-3)"
+                      : m->p_region && !m->quant       ? "sharded parameters (ZeRO-3)"
                       : m->ep                          ? "expert parallel"
                       : m->grad_acquire                ? "gradient windows (ZeRO-2)"
                       : m->score                       ? "a value head (a critic trains whole)"
@@ -282,7 +282,12 @@ mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
     const mrl_kernels *k = m->k;
     int64_t r = m->lora->cfg.rank, E = c->num_experts;
     float s = m->lora->scale;
-    memcpy(dst, m->params, sizeof(float) * m->n_params);
+    if (m->quant) { /* a quantized base: its weights dequantized (quant.c) */
+        mrl_status st = mrl_model_quant_read(m, dst);
+        if (st) return st;
+    } else {
+        memcpy(dst, m->params, sizeof(float) * m->n_params);
+    }
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const lora_layer *P = &m->lora->lp[l];
         mrl_layer_matrix mats[7];

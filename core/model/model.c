@@ -240,6 +240,9 @@ void mrl_model_set_grad_windows(mrl_model *m, mrl_grad_acquire acquire, void *ct
 }
 
 mrl_status mrl_model_ensure_grads(mrl_model *m) {
+    if (m->quant && !m->lora)
+        return mrl_set_error(MRL_ERR_INVALID, "model: its base is quantized (GGML blocks) and frozen: LoRA's adapters "
+                             "are what trains (mrl_model_set_lora)");
     if (m->lora)
         return mrl_set_error(MRL_ERR_INVALID, "model: its parameters are frozen under LoRA (no gradient buffer): "
                              "the gradients are the adapters' (mrl_model_lora_grads)");
@@ -268,6 +271,7 @@ void mrl_model_free(mrl_model *m) {
     pthread_mutex_destroy(&m->w16_lock);
     mrl_buffer_free(&m->grads_buf);
     mrl_mem_region_free(m->p_region);
+    mrl_model_quant_free(m);
     mrl_mem_region_free(m->w16_region);
     mrl_mem_free(m->views);
     mrl_mem_free(m->names);
@@ -399,8 +403,10 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     if (dtype != MRL_MODEL_FP32 && dtype != MRL_MODEL_BF16)
         return mrl_set_error(MRL_ERR_INVALID, "model dtype %d (0 fp32, 1 bf16)", dtype);
     if (dtype == m->dtype) return MRL_OK;
+    mrl_model_head_unkeep(m); /* (its bf16 pins, or none, are the dtype's it was kept in) */
+    m->have_forward = 0;
     if (dtype == MRL_MODEL_BF16 && m->p_region) { /* sharded: copies of the parts in use only (shard.c) */
-        mrl_status st = mrl_model_shard_w16(m);
+        mrl_status st = m->quant ? mrl_model_quant_w16(m) : mrl_model_shard_w16(m);
         if (st) return st;
     } else if (dtype == MRL_MODEL_BF16) {
         if (mrl_buffer_alloc(m->device, sizeof(uint16_t) * m->n_params, MRL_MEM_PARAMS, &m->w16_buf))
@@ -523,7 +529,7 @@ int64_t mrl_model_panels16_bytes(const mrl_model *m) {
 }
 
 const uint32_t *mrl_model_bf16_panels(mrl_model *m) {
-    if (!m || !m->w16 || m->device.kind != MRL_DEVICE_CPU) return NULL;
+    if (!m || !m->w16 || m->device.kind != MRL_DEVICE_CPU || m->p_region) return NULL; /* (a region: none whole) */
     if (!m->p16_buf.data) {
         pthread_mutex_lock(&m->w16_lock);
         if (!m->p16_buf.data &&
@@ -586,13 +592,18 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     } else if (device.kind != MRL_DEVICE_CPU) {
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_device: unknown device kind %d", (int)device.kind);
     }
+    mrl_model_head_unkeep(m); /* (its pins are the old regions') */
+    m->have_forward = 0;
     mrl_model_release_activations(m);
     mrl_buffer_free(&m->rope_mem); /* made again on the new device at the next forward */
     m->rope_cos = m->rope_sin = NULL;
     m->rope_len = 0;
     size_t n = (size_t)m->n_params;
     mrl_status st = MRL_OK;
-    if (m->p_region) { /* sharded: the shard's pages, and regions for the parts (and copies) it gathers */
+    if (m->quant) { /* its blocks, and the region with its other tensors */
+        st = mrl_model_quant_move(m, device);
+        if (st) return st;
+    } else if (m->p_region) { /* sharded: the shard's pages, and regions for the parts (and copies) it gathers */
         st = mrl_model_move_shard(m, device);
         if (st) return st;
     } else {
@@ -617,6 +628,11 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
     m->device = device;
     m->k = k;
+    if (!st && m->quant && m->dtype == MRL_MODEL_BF16) { /* its copies made again there */
+        st = mrl_model_quant_w16(m);
+        mrl_model_weights16_at(m, m->w16, NULL, m->lp);
+        m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
+    }
     return st;
 }
 

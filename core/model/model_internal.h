@@ -90,6 +90,7 @@ struct mrl_model {
     mrl_buffer p16_buf;
     int recompute;
     mrl_lora *lora; /* adapters (lora.c), or NULL */
+    struct mrl_quant *quant; /* a quantized base (quant.c; its params a region, p_region), or NULL */
     int training;   /* mrl_model_set_training */
     float *lora_xd; /* LoRA's dropout: an adapter's masked input (the trainer's activations; NULL: none) */
     /* mixture of experts: the load-balancing loss of the last forward (moonrl/model.h):
@@ -242,9 +243,23 @@ static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p 
  * (the pages outside the shard and other ranges in use are given back). Without sharding: nothing. */
 mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, int64_t next_hi);
 void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi);
+/* shard.c: the head's part a forward kept in use for its backward let go (the next forward's
+ * start; a change of dtype or device, whose copies and regions the part's pins would outlive) */
+void mrl_model_head_unkeep(mrl_model *m);
 /* shard.c: start the gather of [lo, hi) ahead of its use, when none is ahead (a failure is the
  * use's to report) */
 void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi);
+/* quant.c: a quantized base's blocks let go (mrl_model_free); moved with the region to another
+ * device (mrl_model_set_device); the whole dequantized parameters into dst [n_params] (on the
+ * model's device) */
+void mrl_model_quant_free(mrl_model *m);
+mrl_status mrl_model_quant_move(mrl_model *m, mrl_device to);
+mrl_status mrl_model_quant_read(mrl_model *m, float *dst);
+/* quant.c: a bf16 quantized base's copies: the region, the other tensors' pinned and converted for
+ * the model's life (mrl_model_set_dtype, mrl_model_set_device); the matrices' of [lo, hi) made
+ * from their dequantized weights (mrl_model_use) */
+mrl_status mrl_model_quant_w16(mrl_model *m);
+void mrl_model_quant_bf16(mrl_model *m, int64_t lo, int64_t hi);
 /* shard.c: the bf16 copies of a sharded model as a region (mrl_model_set_dtype) */
 mrl_status mrl_model_shard_w16(mrl_model *m);
 /* forward.c: the activation buffer's layout for T tokens at base (NULL: only count); its bytes */

@@ -12,7 +12,7 @@
 #include "runtime/device_internal.h"
 
 int mrl_model_shard(const mrl_model *m, int64_t *offset, int64_t *count) {
-    if (!m || !m->p_region) return 0;
+    if (!m || !m->p_region || m->quant) return 0; /* (a quantized base's region is no shard: quant.c) */
     if (offset) *offset = m->shard_off;
     if (count) *count = m->shard_count;
     return 1;
@@ -66,6 +66,7 @@ mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, 
     if (!m->gather_start)
         return mrl_set_error(MRL_ERR_INVALID, "model: the parameters are sharded and nothing gathers them "
                              "(mrl_model_set_param_gather)");
+    if (m->quant) next_lo = next_hi = 0; /* (a quantized base's gather is the dequantization itself: none ahead) */
     int ahead = m->ahead_hi > m->ahead_lo && m->ahead_lo == lo && m->ahead_hi == hi;
     mrl_status st = MRL_OK;
     if (!ahead && m->ahead_hi > m->ahead_lo) { /* started ahead for another use: finished and let go */
@@ -94,14 +95,15 @@ mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, 
             mrl_mem_region_unpin(m->p_region, 4 * lo, 4 * hi);
             return mrl_wrap_error(st, "model: bf16 copies of parameters [%lld, %lld)", (long long)lo, (long long)hi);
         }
-        mrl_model_bf16_convert_range(m, m->params, m->w16, lo, hi);
+        if (m->quant) mrl_model_quant_bf16(m, lo, hi); /* (the other tensors' copies are there already) */
+        else mrl_model_bf16_convert_range(m, m->params, m->w16, lo, hi);
         note_gathered(m);
     }
     return MRL_OK;
 }
 
 void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi) {
-    if (!m->p_region || hi <= lo || !m->gather_start || m->ahead_hi > m->ahead_lo) return;
+    if (!m->p_region || m->quant || hi <= lo || !m->gather_start || m->ahead_hi > m->ahead_lo) return;
     if (begin(m, lo, hi) == MRL_OK) m->ahead_lo = lo, m->ahead_hi = hi;
 }
 
@@ -109,6 +111,14 @@ void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi) {
     if (!m->p_region || hi <= lo) return;
     mrl_mem_region_unpin(m->p_region, 4 * lo, 4 * hi);
     if (m->w16_region) mrl_mem_region_unpin(m->w16_region, 2 * lo, 2 * hi);
+}
+
+void mrl_model_head_unkeep(mrl_model *m) {
+    if (!m->head_kept) return;
+    int64_t embed_end = m->lp[0].ln1 - m->params;
+    mrl_model_unuse(m, mrl_model_layers_end(m), m->n_params);
+    if (m->cfg.tie_word_embeddings) mrl_model_unuse(m, 0, embed_end);
+    m->head_kept = 0;
 }
 
 mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count) {

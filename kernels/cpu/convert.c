@@ -90,6 +90,51 @@ void mrl_cpu_f32_to_f16_scalar(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mrl_f32_to_f16(src[i]);
 }
 
+/* GGML blocks (kernels.h's dequant): the block's fp16 scale, then its weights' low nibbles
+ * (the first 16) and high nibbles (the last 16), or 32 signed bytes. No fused multiply-add
+ * (gguf-py computes d * q + m in two roundings): the same bits as gguf-py and the GPU's kernel. */
+#define DEQ __attribute__((optimize("fp-contract=off")))
+
+static float block_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return mrl_f16_to_f32(h);
+}
+
+DEQ static void deq_q4_0(const uint8_t *b, float *y) {
+    float d = block_f16(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = (float)((qs[j] & 0x0F) - 8) * d;
+        y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+    }
+}
+
+DEQ static void deq_q4_1(const uint8_t *b, float *y) {
+    float d = block_f16(b), m = block_f16(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        y[j] = (float)(qs[j] & 0x0F) * d + m;
+        y[j + 16] = (float)(qs[j] >> 4) * d + m;
+    }
+}
+
+DEQ static void deq_q8_0(const uint8_t *b, float *y) {
+    float d = block_f16(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+}
+
+void mrl_cpu_dequant_scalar(int type, const void *blocks, float *dst, int64_t n) {
+    int bytes = mrl_quant_block_bytes(type);
+    const uint8_t *b = blocks;
+    for (int64_t i = 0; i < n / 32; i++, b += bytes, dst += 32) {
+        if (type == MRL_QUANT_Q4_0) deq_q4_0(b, dst);
+        else if (type == MRL_QUANT_Q4_1) deq_q4_1(b, dst);
+        else if (type == MRL_QUANT_Q8_0) deq_q8_0(b, dst);
+    }
+}
+
 /* --- AVX2 + F16C -------------------------------------------------------- */
 #define AVX2 __attribute__((target("avx2,f16c,fma")))
 
@@ -229,6 +274,23 @@ void mrl_cpu_fast_f32_to_bf16(const float *src, uint16_t *dst, int64_t n) {
 }
 void mrl_cpu_fast_f32_to_f16(const float *src, uint16_t *dst, int64_t n) {
     run_from_f32(src, dst, n, mrl_cpu_isa_get()->f32_to_f16);
+}
+
+typedef struct dequant_ctx {
+    int type;
+    const uint8_t *blocks;
+    float *dst;
+} dequant_ctx;
+
+static void dequant_range(void *vctx, int64_t begin, int64_t end) { /* (blocks begin .. end) */
+    const dequant_ctx *c = vctx;
+    mrl_cpu_dequant_scalar(c->type, c->blocks + begin * mrl_quant_block_bytes(c->type), c->dst + 32 * begin,
+                           32 * (end - begin));
+}
+
+void mrl_cpu_fast_dequant(int type, const void *blocks, float *dst, int64_t n) {
+    dequant_ctx c = {type, blocks, dst};
+    mrl_parallel_for(n / 32, CONVERT_GRAIN / 32, dequant_range, &c);
 }
 
 /* --- moonrl/dtype.h's array conversions: the fast table's ----------------- */

@@ -8,3 +8,4 @@ void mrl_cpu_fast_bf16_to_f32(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_fast_f32_to_bf16(const float *src, uint16_t *dst, int64_t n);
 void mrl_cpu_fast_f16_to_f32(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_fast_f32_to_f16(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_fast_dequant(int type, const void *blocks, float *dst, int64_t n);

@@ -597,6 +597,7 @@ static const mrl_kernels fast_table = {
     .f32_to_bf16 = mrl_cpu_fast_f32_to_bf16,
     .f16_to_f32 = mrl_cpu_fast_f16_to_f32,
     .f32_to_f16 = mrl_cpu_fast_f32_to_f16,
+    .dequant = mrl_cpu_fast_dequant,
 };
 
 const mrl_kernels *mrl_kernels_cpu_fast(void) {

@@ -102,6 +102,9 @@ void mrl_cpu_bf16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_f32_to_bf16_scalar(const float *src, uint16_t *dst, int64_t n);
 void mrl_cpu_f16_to_f32_scalar(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_f32_to_f16_scalar(const float *src, uint16_t *dst, int64_t n);
+/* The GGML blocks' loop (convert.c: the reference table's dequant; the fast table runs it over
+ * slices of the blocks on the cores). */
+void mrl_cpu_dequant_scalar(int type, const void *blocks, float *dst, int64_t n);
 void mrl_cpu_bf16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_f32_to_bf16_avx2(const float *src, uint16_t *dst, int64_t n);
 void mrl_cpu_f16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n);

@@ -347,6 +347,7 @@ static const mrl_kernels reference_table = {
     .f32_to_bf16 = mrl_cpu_f32_to_bf16_scalar,
     .f16_to_f32 = mrl_cpu_f16_to_f32_scalar,
     .f32_to_f16 = mrl_cpu_f32_to_f16_scalar,
+    .dequant = mrl_cpu_dequant_scalar,
 };
 
 const mrl_kernels *mrl_kernels_cpu_reference(void) { return &reference_table; }

@@ -206,3 +206,38 @@ CONVERT(bf16_to_f32, uint16_t, float)
 CONVERT(f32_to_bf16, float, uint16_t)
 CONVERT(f16_to_f32, uint16_t, float)
 CONVERT(f32_to_f16, float, uint16_t)
+
+// ---- GGML blocks (kernels.h's dequant): kernels/cpu/convert.c's bits, d * q (+ m) rounded twice ----
+
+__device__ static float block_f16(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
+             mant = h & 0x3ffu;
+    if (exp == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)mant, 0x1p-24f)));
+    if (exp == 31) return __uint_as_float(sign | 0x7f800000u | ((mant ? mant | 0x200u : 0) << 13));
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+__global__ static void dequant_kernel(int type, const uint8_t *blocks, float *dst, int64_t n) {
+    GRID_STRIDE(i, n) {
+        int64_t blk = i / 32;
+        int j = (int)(i % 32);
+        float y;
+        if (type == MRL_QUANT_Q8_0) {
+            const uint8_t *b = blocks + blk * 34;
+            y = __fmul_rn((float)(int8_t)b[2 + j], block_f16(b));
+        } else {
+            const uint8_t *b = blocks + blk * (type == MRL_QUANT_Q4_1 ? 20 : 18);
+            const uint8_t *qs = b + (type == MRL_QUANT_Q4_1 ? 4 : 2);
+            int q = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+            if (type == MRL_QUANT_Q4_1) y = __fadd_rn(__fmul_rn((float)q, block_f16(b)), block_f16(b + 2));
+            else y = __fmul_rn((float)(q - 8), block_f16(b));
+        }
+        dst[i] = y;
+    }
+}
+
+void cuda_dequant(int type, const void *blocks, float *dst, int64_t n) {
+    if (n <= 0 || !mrl_quant_block_bytes(type)) return;
+    dequant_kernel<<<grid_for(n, THREADS), THREADS, 0, cuda_ops_stream()>>>(type, (const uint8_t *)blocks, dst, n);
+    cuda_ops_launched("dequant");
+}

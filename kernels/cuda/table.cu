@@ -213,6 +213,7 @@ static const mrl_kernels cuda_table = {
     .f32_to_bf16 = cuda_f32_to_bf16,
     .f16_to_f32 = cuda_f16_to_f32,
     .f32_to_f16 = cuda_f32_to_f16,
+    .dequant = cuda_dequant,
 };
 
 extern "C" const mrl_kernels *mrl_kernels_cuda(void) { return &cuda_table; }

@@ -131,18 +131,44 @@ end
 
 -- cfg: a table with the keys of a config.json (model_type, vocab_size, ...).
 -- opts.seed (default 0): the random init; opts.value_head: add score.weight.
-function M.new(cfg, opts)
-  opts = opts or {}
-  if type(cfg) ~= 'table' then error('model.new: expected a config table', 2) end
+local function parse_config(cfg, opts)
+  if type(cfg) ~= 'table' then error('model.new: expected a config table', 3) end
   local t = {}
   for k, v in pairs(cfg) do t[k] = v end
   if opts.value_head then t.moonrl_value_head = true end
   local text = json.encode(t)
   local c = ffi.new('mrl_model_config')
-  moonrl.check(C.mrl_model_config_parse(text, #text, 'model config table', c), 2)
+  moonrl.check(C.mrl_model_config_parse(text, #text, 'model config table', c), 3)
+  return c
+end
+
+function M.new(cfg, opts)
+  opts = opts or {}
+  local c = parse_config(cfg, opts)
   local h = ffi.new('mrl_model *[1]')
   moonrl.check(C.mrl_model_create(c, opts.seed or 0, h), 2)
   return wrap(h[0])
+end
+
+-- A quantized base (QLoRA, model.h's mrl_model_create_quantized; moonrl.io.gguf's model{quantized}
+-- makes one from a GGUF file): tensors = { { name = a view's name (a layer's experts: the first
+-- expert's), numel, type = ggml's type number (Q4_0 2, Q4_1 3, Q8_0 8), blocks = the bytes }, ... }
+-- keep their GGML blocks, dequantized a layer at a time where used; the other views are the
+-- caller's to write (m:param_buffer() + view.offset) before the model moves to a GPU. Frozen:
+-- adapters train.
+function M.new_quantized(cfg, tensors)
+  local c = parse_config(cfg, {})
+  local list = ffi.new('mrl_quant_tensor[?]', math.max(#tensors, 1))
+  for i, t in ipairs(tensors) do
+    list[i - 1].name, list[i - 1].numel, list[i - 1].type, list[i - 1].blocks = t.name, t.numel, t.type, t.blocks
+  end
+  local h = ffi.new('mrl_model *[1]')
+  moonrl.check(C.mrl_model_create_quantized(c, list, #tensors, h), 2)
+  local m = wrap(h[0])
+  m.quantized = tonumber(C.mrl_model_quantized_bytes(h[0]))
+  m.quantized_params = 0 -- (the weights its blocks hold)
+  for _, t in ipairs(tensors) do m.quantized_params = m.quantized_params + t.numel end
+  return m
 end
 
 -- The config of the model in dir (its config.json) as a table, without loading it.
@@ -408,6 +434,10 @@ function Model:backward(dlogprobs, dentropy, dvalues)
 end
 
 local function whole(self, what)
+  if self.quantized then
+    error(string.format('model:%s(): the base is quantized (model.lora.quantized_base: its matrices are GGML blocks, ' ..
+      'made whole a layer at a time); m:save(dir) writes it dequantized', what), 3)
+  end
   if self:shard() then
     error(string.format('model:%s(): the parameters are sharded over the ranks (dist.zero=3): no rank holds them ' ..
       'whole', what), 3)

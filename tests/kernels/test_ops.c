@@ -1750,6 +1750,37 @@ static void run_f16_to_f32(const mrl_kernels *k, void *const *p, const op_case *
 static void run_f32_to_bf16(const mrl_kernels *k, void *const *p, const op_case *c) { k->f32_to_bf16(p[0], p[1], c->i[0]); }
 static void run_f32_to_f16(const mrl_kernels *k, void *const *p, const op_case *c) { k->f32_to_f16(p[0], p[1], c->i[0]); }
 
+static void run_dequant(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->dequant((int)c->i[1], p[0], p[1], c->i[0]);
+}
+
+/* GGML blocks of random bytes, each scale (and minimum) a finite fp16 of any size, subnormals
+ * included: every table gives the reference's bits. */
+static void cases_dequant(void) {
+    static const int types[] = {MRL_QUANT_Q4_0, MRL_QUANT_Q4_1, MRL_QUANT_Q8_0};
+    static const int64_t sizes[] = {32, 32 * 7, 32 * 4099};
+    op_case c;
+    for (int t = 0; t < 3; t++)
+        for (int z = 0; z < 3; z++) {
+            int64_t n = sizes[z], bytes = mrl_quant_block_bytes(types[t]), nb = n / 32;
+            uint16_t *b = malloc((size_t)(nb * bytes));
+            uint8_t *u = (uint8_t *)b;
+            for (int64_t i = 0; i < nb * bytes; i++) u[i] = (uint8_t)(urand() * 256);
+            for (int64_t i = 0; i < nb; i++) /* the scale, and Q4_1's minimum: finite */
+                for (int h = 0; h < (types[t] == MRL_QUANT_Q4_1 ? 2 : 1); h++) {
+                    uint16_t f = (uint16_t)(urand() * 65536);
+                    if (((f >> 10) & 0x1f) == 31) f &= 0xbfffu;
+                    memcpy(u + i * bytes + 2 * h, &f, 2);
+                }
+            new_case(&c, "dequant", run_dequant, "type %d, %lld weights", types[t], (long long)n);
+            add(&c, "blocks", U16, IN, nb * bytes / 2, b, 0);
+            add(&c, "dst", F32, OUT, n, NULL, TOL_BITS);
+            c.i[0] = n, c.i[1] = types[t];
+            check_case(&c);
+            free(b);
+        }
+}
+
 /* From 16 bits: every pattern (with NaNs, infinities, subnormals). From fp32:
  * random bit patterns, rounding ties of both formats, the f16 subnormal
  * range, infinities and NaNs; n leaves a vector tail and spans slices. */
@@ -2364,6 +2395,7 @@ int main(int argc, char **argv) {
     cases_adamw();
     cases_sum_scale();
     cases_convert();
+    cases_dequant();
     backward_checks();
     if (!only_table || !strncmp(only_table, "fast", 4)) { /* the fast CPU table's own rules */
         onednn32_repeat();

@@ -80,6 +80,11 @@ mrl_status mrl_gguf_tensor_info(const mrl_gguf *g, int64_t i, mrl_gguf_tensor *o
  * MRL_ERR_FORMAT naming the tensor when a value comes out NaN or infinite. */
 mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t numel);
 
+/* Tensor i's bytes as the file holds them into dst (bytes, which must be its size): a Q4_0,
+ * Q4_1 or Q8_0 tensor's blocks (a quantized base keeps them, mrl_model_create_quantized).
+ * MRL_ERR_FORMAT naming the tensor when a block's scale (or minimum) is a NaN or an infinity. */
+mrl_status mrl_gguf_read_raw(const mrl_gguf *g, int64_t i, void *dst, int64_t bytes);
+
 /* Dequantize n elements (a multiple of the block size) of `type` from
  * src_bytes bytes (which must be exactly n / block size blocks). */
 mrl_status mrl_ggml_dequantize(int type, const void *src, int64_t src_bytes, float *dst, int64_t n);

@@ -542,6 +542,28 @@ mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count);
 int64_t mrl_model_gathered_bytes(mrl_model *m, int64_t *peak);
 void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count);
 
+/* A quantized base (QLoRA): a model whose matrices stay in the GGML blocks of a GGUF file
+ * (Q4_0, Q4_1, Q8_0: ggml's type numbers, moonrl/gguf.h), tensors[i] numel parameters from
+ * the view it names (the view, or a layer's stacked experts) and its numel / 32
+ * blocks in the file's order (host memory, copied; llama's q/k rows in Hugging Face's order).
+ * The parameters are a region as a sharded model's: the other tensors have memory for the
+ * model's life (the caller writes them, on the CPU, before mrl_model_set_device), a matrix only
+ * while a forward, a backward or an engine step uses its layer, its weights dequantized into
+ * place then by the kernels' dequant op (bf16: its copies made too). They are the bits of the
+ * dequantized fp32 model: the model computes what that one does, holding its blocks, the other
+ * tensors and a layer. The base is frozen (mrl_model_set_lora trains adapters over it); reading
+ * a matrix outside its use faults: mrl_model_fetch / mrl_model_drop a range to read it.
+ * mrl_model_quantized_bytes: the blocks' bytes (0: not a quantized base). */
+typedef struct mrl_quant_tensor {
+    const char *name; /* the view where it starts (mrl_model_view's names) */
+    int64_t numel;    /* the view's, or a layer's experts' (one after the other from the first's) */
+    int type;
+    const void *blocks;
+} mrl_quant_tensor;
+mrl_status mrl_model_create_quantized(const mrl_model_config *cfg, const mrl_quant_tensor *tensors, int n,
+                                      mrl_model **out);
+int64_t mrl_model_quantized_bytes(const mrl_model *m);
+
 /* The compute copy of a sharded model, for an engine that generates alone
  * (mrl_engine_attach_copy), on the model's device. Of a bf16 model: the bf16
  * copies of the layers' matrices and the head (and with MRL_MODEL_COPY_PANELS

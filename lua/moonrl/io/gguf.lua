@@ -248,25 +248,73 @@ end
 
 -- llama.cpp's converter reorders the rows of each head of a llama model's q_proj and k_proj
 -- (from the halves that rotate_half pairs to interleaved pairs, its RoPE): put them back.
--- rows = heads * hd rows of `cols` floats; GGUF row h*hd + 2i + j is HF row h*hd + j*hd/2 + i.
-local function unpermute(buf, rows, cols, heads)
-  local hd = rows / heads
-  local tmp = ffi.new('float[?]', rows * cols)
-  ffi.copy(tmp, buf, 4 * rows * cols)
+-- rows = heads * hd rows of row_bytes (floats, or a quantized row's blocks); GGUF row
+-- h*hd + 2i + j is HF row h*hd + j*hd/2 + i.
+local function unpermute(ptr, rows, row_bytes, heads)
+  local hd, buf = rows / heads, ffi.cast('uint8_t *', ptr)
+  local tmp = ffi.new('uint8_t[?]', rows * row_bytes)
+  ffi.copy(tmp, buf, rows * row_bytes)
   for h = 0, heads - 1 do
     for i = 0, hd / 2 - 1 do
       for j = 0, 1 do
-        ffi.copy(buf + (h * hd + j * hd / 2 + i) * cols, tmp + (h * hd + 2 * i + j) * cols, 4 * cols)
+        ffi.copy(buf + (h * hd + j * hd / 2 + i) * row_bytes, tmp + (h * hd + 2 * i + j) * row_bytes, row_bytes)
       end
     end
   end
 end
 
--- A moonrl model with this file's weights (dequantized to fp32).
-function G:model()
+-- the heads whose rows a llama model's tensor `hf` (q_proj, k_proj) has reordered, else nil
+local function permuted_heads(cfg, hf)
+  if cfg.model_type ~= 'llama' then return nil end
+  if hf:find('q_proj.weight', 1, true) then return cfg.num_attention_heads end
+  if hf:find('k_proj.weight', 1, true) then return cfg.num_key_value_heads end
+end
+
+-- The GGML blocks a quantized base keeps (kernels.h's dequant op reads them), by type name.
+local BLOCKS = { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }
+
+-- The quantized base's tensors (moonrl.model's new_quantized): each layer matrix (and stacked
+-- experts) of a type in BLOCKS, its blocks as the file holds them (llama's q/k rows put back);
+-- kept[hf name] = true for the views they cover.
+local function quantized_tensors(self, cfg)
+  local list, kept = {}, {}
+  for _, t in ipairs(self.tensors) do
+    local n = hf_name(t.name)
+    local l, kind = t.name:match('^blk%.(%d+)%.([%w_]+)%.weight$')
+    local first = n and n:match('^model%.layers%.%d+%.[%w_]+%.[%w_]+_proj%.weight$') and n
+      or l and EXPERTS[kind] and string.format('model.layers.%s.mlp.experts.0.%s.weight', l, EXPERTS[kind])
+    if first and BLOCKS[t.type] then
+      local blocks = ffi.new('uint8_t[?]', t.bytes)
+      moonrl.check(C.mrl_gguf_read_raw(self.handle, t.index, blocks, t.bytes), 3)
+      local heads = permuted_heads(cfg, first)
+      if heads then unpermute(blocks, t.shape[2], t.bytes / t.shape[2], heads) end
+      list[#list + 1] = { name = first, numel = t.numel, type = BLOCKS[t.type], blocks = blocks }
+      if first:find('.experts.0.', 1, true) then
+        for e = 0, cfg.num_experts - 1 do kept[first:gsub('%.experts%.0%.', '.experts.' .. e .. '.')] = true end
+      else
+        kept[first] = true
+      end
+    end
+  end
+  return list, kept
+end
+
+-- A moonrl model with this file's weights, dequantized to fp32; opts.quantized: a quantized base
+-- (QLoRA): the layers' matrices stored as Q4_0, Q4_1 or Q8_0 keep their blocks (moonrl.model's
+-- new_quantized), the other tensors are dequantized. Returns the model and its config.
+function G:model(opts)
   local cfg = self:hf_config()
-  local model = require('moonrl.model').new(cfg)
-  local p = model:params()
+  local model_mod = require('moonrl.model')
+  local model, kept
+  if opts and opts.quantized then
+    local list
+    list, kept = quantized_tensors(self, cfg)
+    model = model_mod.new_quantized(cfg, list)
+  else
+    model, kept = model_mod.new(cfg), {}
+  end
+  local base = model.quantized and model:param_buffer() or model:params() -- (a quantized base: the views outside its blocks)
+  local function at(v) return base + v.offset end
   local src, expert = {}, {} -- expert[hf name] = { tensor, e }: a slice of a stacked [E, ...] tensor
   for _, t in ipairs(self.tensors) do
     local n = hf_name(t.name)
@@ -279,8 +327,10 @@ function G:model()
     end
   end
   local stacked, stacked_t -- the stacked tensor read last (its experts are read one after the other)
-  local views, total = model:views(), 0
-  for _, v in ipairs(views) do total = total + 4 * v.numel end
+  local views, total = {}, 0
+  for _, v in ipairs(model:views()) do
+    if not kept[v.name] then views[#views + 1], total = v, total + 4 * v.numel end
+  end
   local prog = require('moonrl.io.progress').new('dequantize ' .. self.path:match('[^/]*$'), total, { unit = 'B' })
   local done = 0
   local function read(v)
@@ -296,7 +346,7 @@ function G:model()
         moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, stacked, t.numel), 2)
         stacked_t = t
       end
-      ffi.copy(p + v.offset, stacked + e * v.numel, 4 * v.numel)
+      ffi.copy(at(v), stacked + e * v.numel, 4 * v.numel)
       done = done + 4 * v.numel
       prog:update(done)
       return
@@ -306,11 +356,10 @@ function G:model()
     if t.numel ~= v.numel then
       error(string.format('%s: tensor %s has %d elements, %s needs %d', self.path, t.name, t.numel, v.name, v.numel), 0)
     end
-    moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, p + v.offset, v.numel), 2)
-    if cfg.model_type == 'llama' and (v.name:find('q_proj.weight', 1, true) or v.name:find('k_proj.weight', 1, true)) then
-      local heads = v.name:find('q_proj', 1, true) and cfg.num_attention_heads or cfg.num_key_value_heads
-      unpermute(p + v.offset, v.shape[1], v.shape[2], heads)
-    end
+    local p = at(v)
+    moonrl.check(C.mrl_gguf_read_f32(self.handle, t.index, p, v.numel), 2)
+    local heads = permuted_heads(cfg, v.name)
+    if heads then unpermute(p, v.shape[1], 4 * v.shape[2], heads) end
     done = done + 4 * v.numel
     prog:update(done)
   end

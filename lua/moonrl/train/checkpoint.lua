@@ -74,7 +74,7 @@ function M.dir_name(step) return string.format('step-%06d', step) end
 function M.save_model(model, dir, tokenizer_dir, max_shard_bytes)
   fs.mkdirs(dir)
   if model:lora() then -- LoRA: the adapters (PEFT's files), and the base they apply to by path and checksums
-    model:save_lora(dir, { base = model.source_dir })
+    model:save_lora(dir, { base = model.source_file or model.source_dir })
     fs.write(dir .. '/' .. M.LORA_BASE, json.encode(M.base_identity(model), { indent = 1 }) .. '\n')
   else
     model:save(dir, max_shard_bytes)
@@ -94,7 +94,11 @@ function M.base_identity(model)
   if not model._base_identity then
     local dir, files = model.source_dir, json.object()
     if not dir then error('LoRA: the model has no base directory (source_dir) to name in its checkpoint', 0) end
-    for _, name in ipairs(fs.list(dir)) do
+    if model.source_file then -- a quantized base: the .gguf file it was read from
+      dir = model.source_file:match('^(.*)/[^/]*$') or '.'
+      files[model.source_file:match('[^/]*$')] = fs.crc32c_file(model.source_file)
+    end
+    for _, name in ipairs(model.source_file and {} or fs.list(dir)) do
       if name == 'config.json' or name:match('%.safetensors$') or name == 'model.safetensors.index.json' then
         files[name] = fs.crc32c_file(dir .. '/' .. name)
       end

@@ -21,11 +21,26 @@ local M = {}
 -- opts.shard: a layout (moonrl.train.dist's shard_layout) of the ranks that shard the parameters
 -- (dist.zero=3): each loads its own shard and gathers the rest into place part by part
 -- (dist.shard_model).
+-- opts.quantized: dir is a .gguf file whose layer matrices stored as Q4_0, Q4_1 or Q8_0 keep their
+-- blocks (a quantized base, QLoRA: moonrl.io.gguf's model{quantized}); its tokenizer and config are
+-- its converted directory's.
 function M.load(dir, opts)
   opts = opts or {}
+  local file = dir
   dir = require('moonrl.io.gguf').resolve(dir) -- a .gguf file: its converted directory
   local model
-  if opts.pp then -- pipeline parallel: this rank's stage (and tensor parallel: its slices of it; ZeRO-3: its shard)
+  if opts.quantized then
+    if file == dir then error(string.format('%s: a quantized base is read from a .gguf file', file), 0) end
+    if opts.pp or opts.tp or opts.shard or opts.value_head then
+      error('a quantized base is a whole model (not with dist.tp, dist.pp, dist.zero=3 or a value head)', 0)
+    end
+    local g = require('moonrl.io.gguf').open(file)
+    local ok, made = pcall(g.model, g, { quantized = true })
+    g:close()
+    if not ok then error(made, 0) end
+    model = made
+    model.source_file = file
+  elseif opts.pp then -- pipeline parallel: this rank's stage (and tensor parallel: its slices of it; ZeRO-3: its shard)
     local P, L = opts.pp, opts.shard
     model = model_mod.load_stage(dir, P.stage, P.world, { tp = opts.tp, value_head = opts.value_head, tag = P.tag,
       shard = L and { world = L.world.size, shards = L.shards, index = L.index } })
@@ -122,8 +137,9 @@ function M.critic_from(policy)
     critic:set_dtype(policy:dtype())
     return M.split_like(critic, policy)
   end
-  if policy.tp_world or policy:shard() then
+  if policy.tp_world or policy:shard() or policy.quantized then
     -- tensor parallel, sharded: each rank its slices, its shard of them, from the policy's files
+    -- (a quantized base: its dequantized weights, the converted directory's: the critic trains whole)
     local critic = M.load(policy.source_dir, { tp = policy.tp_world, shard = policy:shard() and policy.shard_layout,
       value_head = true })
     zero_value_head(critic)
@@ -152,6 +168,25 @@ end
 function M.lora_wanted(cfg)
   local l = type(cfg.model) == 'table' and cfg.model.lora
   return type(l) == 'table' and ((l.rank or 0) > 0 or l.dir ~= nil) and l or nil
+end
+
+-- model.lora.quantized_base: whether the policy is loaded as a quantized base (QLoRA; opts: the
+-- session's, whose opts.lora = false trains the whole policy first). Usage errors where it cannot be.
+function M.quantized_base(cfg, opts)
+  local l = type(cfg.model) == 'table' and cfg.model.lora
+  if not (type(l) == 'table' and l.quantized_base) then return false end
+  if not M.lora_wanted(cfg) then
+    moonrl.usage_error('model.lora.quantized_base: the quantized base is frozen: it needs adapters to train ' ..
+      '(model.lora.rank or model.lora.dir)')
+  end
+  if opts and opts.lora == false then
+    moonrl.usage_error('model.lora.quantized_base: this recipe trains the whole model before its adapters')
+  end
+  if type(cfg.model.dir) ~= 'string' or not cfg.model.dir:match('%.gguf$') then
+    moonrl.usage_error('model.lora.quantized_base: model.dir must be a .gguf file (its blocks are the base); got ' ..
+      tostring(cfg.model.dir))
+  end
+  return true
 end
 
 -- LoRA's LR rule ("LoRA Without Regret": ~10x the full-parameter LR): a train.lr not given on the
@@ -185,6 +220,12 @@ function M.apply_lora(cfg, policy)
     or (a.partial == 'continue' and (d.rollout_ranks or 0) > 0) and 'async.partial=continue with dist.rollout_ranks'
     or (type(cfg.moe) == 'table' and cfg.moe.expert_parallel) and 'moe.expert_parallel' or nil
   if why then moonrl.usage_error(string.format('model.lora: not yet with %s (docs/lora.md says what LoRA runs with)', why)) end
+  if policy.quantized then -- (the base is read from its file on every rank; a copy of it whole is what these send)
+    local e = type(cfg.engine) == 'table' and cfg.engine or {}
+    why = (d.rollout_ranks or 0) > 0 and 'dist.rollout_ranks' or e.launch and 'engine.launch'
+      or e.urls and 'engine.urls' or nil
+    if why then moonrl.usage_error('model.lora.quantized_base: not with ' .. why .. ' (docs/lora.md)') end
+  end
   local bits, bad = model_mod.lora_bits(l.targets) -- ('all-linear', or module names separated by commas)
   if not bits then moonrl.usage_error('model.lora.targets: ' .. bad) end
   if l.dir then

@@ -32,7 +32,8 @@ function M.lora_config()
   return { rank = config.integer(0, { min = 0, max = 4096 }), alpha = config.number(32, { above = 0 }),
     targets = 'all-linear', dropout = config.number(0, { min = 0, below = 1 }),
     dir = config.optional('string', 'a PEFT adapter directory to start from (its rank, alpha and targets)'),
-    save_merged = false }
+    save_merged = false,
+    quantized_base = false } -- a .gguf model.dir's Q4_0/Q4_1/Q8_0 matrices kept as blocks (QLoRA)
 end
 
 -- The data section: path, the record fields (JSON keys) given, and on_error: 'stop' (a bad
@@ -68,6 +69,7 @@ function M.engine_config(over)
   return with({ kv_cache_mb = config.integer(512, { min = 1 }),
     max_batch_tokens = config.integer(2048, { min = 1, max = 2 ^ 24 }), max_seqs = config.integer(256, { min = 1, max = 2 ^ 20 }),
     block_size = config.integer(16, { min = 1, max = 4096 }), cuda_graphs = true, kv_cache_dtype = 'auto',
+    pack_weights = true, -- the CPU's weight panels, a copy of the matrices (false: read in place; a quantized base never packs)
     -- rollouts on servers in other processes (moonrl.train.remote): vllm, or moonrl with urls or launch
     backend = 'moonrl', urls = config.optional('string', 'servers to generate on: http://host:port, comma-separated'),
     launch = config.optional('string', 'a server command with {port} ({model}, {name}) started engine.servers times; auto: the backend\'s'),

@@ -131,8 +131,9 @@ function M.start(cfg, opts)
   local mesh = M.mesh_of(cfg, device) -- dist.tp: each rank loads its slices; dist.cp: its share of the tokens
   local shard = M.shard_world(cfg, device, mesh) -- dist.zero=3 over several ranks: each loads its shard
   if not policy and cfg.model and cfg.model.dir then
+    local quantized = models.quantized_base(cfg, opts)
     local ok, a, b, c, d = pcall(models.load, cfg.model.dir, { tokenizer = cfg.model.tokenizer, chat = opts.chat,
-      shard = shard, tp = mesh and mesh.tp, pp = mesh and mesh.pp and M.pipeline_stage(cfg, mesh) })
+      shard = shard, tp = mesh and mesh.tp, pp = mesh and mesh.pp and M.pipeline_stage(cfg, mesh), quantized = quantized })
     if not ok then
       -- a run directory given for its model: say where the model is
       local dir = cfg.model.dir:gsub('/+$', '')
@@ -141,7 +142,8 @@ function M.start(cfg, opts)
         hint = string.format(' (%s is a run directory: its model is model.dir=%s/model)', dir, dir)
       end
       moonrl.usage_error((mesh and mesh.tp and moonrl.error_text(a):find('tensor parallel', 1, true) and
-        string.format('dist.tp=%d: ', mesh.tp.size) or 'model.dir: ') .. moonrl.error_text(a) .. hint)
+        string.format('dist.tp=%d: ', mesh.tp.size) or quantized and 'model.lora.quantized_base: ' or 'model.dir: ')
+        .. moonrl.error_text(a) .. hint)
     end
     policy, tok, tpl, tok_dir = a, b, c, d
   end
@@ -200,7 +202,7 @@ function M.start(cfg, opts)
     sections.check_choice('engine.kv_cache_dtype', e.kv_cache_dtype or 'auto', { 'auto', 'fp32', 'bf16' })
     local ok, made = pcall(moonrl.engine.new, gen, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
       block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed,
-      cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype })
+      cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype, pack_weights = e.pack_weights ~= false })
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
     engine = made
   end
@@ -363,10 +365,15 @@ end
 
 -- The adapters' line (rank 0, not quiet) and event: their config and the trainable share.
 function M.announce_lora(S, policy, line)
+  if policy.quantized then -- (model.lora.quantized_base: what its blocks hold, and would in fp32)
+    line = line .. string.format('; the base\'s matrices as blocks: %.1f MiB (%.1f MiB in fp32)',
+      policy.quantized / 2 ^ 20, 4 * policy.quantized_params / 2 ^ 20)
+  end
   if S.world.rank == 0 and S.cfg.quiet ~= true then print(line) end
   local info = policy:lora()
   S:event('lora', { rank = info.rank, alpha = info.alpha, targets = info.targets, trainable = info.n,
-    params = policy.n_params, share = info.n / policy.n_params, lr = S.cfg.train and S.cfg.train.lr }, { quiet = true })
+    params = policy.n_params, share = info.n / policy.n_params, lr = S.cfg.train and S.cfg.train.lr,
+    quantized_base = policy.quantized, quantized_params = policy.quantized_params }, { quiet = true })
 end
 
 -- dist.zero=3 on several ranks: the layout (dist.shard_layout) of the ranks that shard the
@@ -652,7 +659,8 @@ function Session:model(name, model, opts)
   put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
   if self.world.size > 1 and not model:shard() then -- (a sharded model's ranks each loaded their own shard)
     local p, n = model:param_buffer()
-    if model:device() ~= 'cpu' then
+    if model.quantized then -- (a quantized base: every rank read the same file; its adapters below)
+    elseif model:device() ~= 'cpu' then
       local device = C.mrl_model_get_device(model.handle).index
       self.world:gpu_transport(self.cfg.dist and self.cfg.dist.gpu_transport or 'auto', device)
       self.world:gpu_broadcast(p, 4 * n, 0)
