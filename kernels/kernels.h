@@ -92,6 +92,7 @@ typedef struct mrl_gemm_desc {
     float *C;
     int64_t ldc;
     int b_panels;
+    int b_quant; /* B is W [N,K] as GGML blocks of this type (qgemm's; trans_b, ldb = K), else 0 */
 } mrl_gemm_desc;
 
 /* Paged attention: attention of a batch of new query tokens (prefill
@@ -176,6 +177,11 @@ typedef struct mrl_kernels {
     /* n independent products at once (one parallel region); no output may
      * overlap another product's output or inputs. */
     void (*gemm_group)(const mrl_gemm_desc *g, int n);
+    /* C[M,N] = alpha * A W^T + beta * C (beta 0: C is not read), A fp32 [M,K] (lda), W [N,K] read
+     * from its GGML blocks of `type` (dequant's), K a multiple of 32: an engine step's products
+     * over a quantized base, reading its blocks instead of a dequantized copy (few rows: decode). */
+    void (*qgemm)(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                  const void *W, float beta, float *C, int64_t ldc);
 
     /* The same product in bf16 with fp32 accumulation (the mixed precision
      * of docs/architecture.md, "Precision"; kernels/cpu/gemm_bf16.h): each of A and B is

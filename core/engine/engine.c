@@ -81,6 +81,8 @@ struct mrl_engine {
     const mrl_lora *adapters[MRL_ENGINE_MAX_ADAPTERS + 1];
     uint64_t adapter_gen[MRL_ENGINE_MAX_ADAPTERS + 1]; /* set_adapter calls of each slot: in its K/V's salt */
     int adapter_rank;
+    quant_layer *qlayers; /* a quantized base's layers as blocks (a dense model's; NULL: none): steps of
+                           * few rows read them in place of making each layer whole */
     lora_seg *segs;
     float *x;                /* [T,D] residual stream */
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
@@ -396,6 +398,7 @@ void mrl_engine_free(mrl_engine *e) {
     mrl_mem_free(e->stage_host);
     mrl_mem_free(e->tp_ids_host);
     mrl_mem_free(e->panels);
+    mrl_mem_free(e->qlayers);
     mrl_buffer_free(&e->copy16);
     mrl_buffer_free(&e->copy_p16);
     mrl_mem_free(e->lp);
@@ -418,8 +421,8 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     mrl_device device = mrl_model_get_device(model);
     int on_device = mrl_model_kernels(model)->on_device;
     if (on_device) c.pack_weights = 0; /* panels are the CPU's layout */
-    if (mrl_model_quantized_bytes(model) > 0) /* a quantized base: its matrices are whole a layer at a time */
-        c.pack_weights = 0, c.cuda_graphs = 0;    /* (no copy of them all; a layer's pages change each step) */
+    if (mrl_model_quantized_bytes(model) > 0) /* a quantized base: its blocks read, or a layer made whole at a */
+        c.pack_weights = 0, c.cuda_graphs = 0;    /* time (no copy of them all; a layer's pages change each step) */
     const mrl_model_config *mc = mrl_model_get_config(model);
     if (c.max_model_len <= 0) c.max_model_len = mc->max_position_embeddings;
     /* every size is checked before anything is allocated from it */
@@ -463,6 +466,11 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     if (!st) {
         layout(e, e->act_buf);
         rebase(e, mrl_model_params(model));
+    }
+    if (!st && mrl_model_quantized_bytes(model) > 0 && mc->num_experts == 0) {
+        e->qlayers = mrl_mem_alloc(sizeof(quant_layer) * (size_t)mc->num_hidden_layers, MRL_MEM_OTHER);
+        if (!e->qlayers) st = mrl_wrap_error(MRL_ERR_NOMEM, "engine create: a quantized base's layer tables");
+        for (int l = 0; !st && l < mc->num_hidden_layers; l++) mrl_model_quant_layer(model, l, &e->qlayers[l]);
     }
     if (!st && e->tp_ids && on_device) { /* (tensor parallel: the step's slice rows, made on the host) */
         e->tp_ids_host = mrl_mem_alloc(sizeof(int32_t) * (size_t)c.max_num_batched_tokens, MRL_MEM_ACTIVATIONS);
@@ -726,6 +734,11 @@ static int step_segments(mrl_engine *e, const mrl_sched_batch *hb) {
     return any ? n : 0;
 }
 
+/* A quantized base's steps of at most this many rows read its blocks (qgemm), longer ones make
+ * each layer whole: reading the blocks costs its dequantization once per row of W, which few rows
+ * share, where the library's product of a whole layer is faster for many. */
+#define QGEMM_ROWS 64
+
 /* The kernels of one step: hb the scheduler's batch, b what the ops read
  * (hb, or its copy on the GPU); logits of b's logits_indices rows. Nothing
  * here waits for the device or allocates on it (a decode graph captures it). */
@@ -748,9 +761,14 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     int n_segs = step_segments(e, hb);
     e->a.lora_segs = n_segs ? e->segs : NULL;
     e->a.n_lora_segs = n_segs;
-    int quant = e->reads_own && mrl_model_quantized_bytes(m) > 0; /* its layers made whole one at a time */
+    /* a quantized base: a step of few rows (decode) reads its blocks (the qgemm op), a longer one
+     * makes each layer whole (its products are then the trainer's) */
+    int quant = e->reads_own && mrl_model_quantized_bytes(m) > 0;
+    int blocks = quant && e->qlayers && T <= QGEMM_ROWS;
+    if (blocks) quant = 0;
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
-        const layer_params *p = &e->lp[l];
+        layer_params *p = &e->lp[l];
+        p->quant = blocks ? &e->qlayers[l] : NULL;
         for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
         if (quant && (st = mrl_model_layer_use(e->m, l))) break;
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);

@@ -30,6 +30,16 @@ static mrl_gemm_desc lin_p(float *y, const float *x, const float *W, const void 
     return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, W, K, beta, y, N};
 }
 
+/* product i of the seven (mrl_layer_matrices' order): lin_p's, or read from a quantized base's
+ * blocks (p->quant: the engine's steps of few rows) */
+static mrl_gemm_desc lin_w(const layer_params *p, int i, float *y, const float *x, const float *W, const void *Wp,
+                           int64_t T, int N, int K, float beta) {
+    if (p->quant && p->quant->w[i])
+        return (mrl_gemm_desc){0, 1, T, N, K, 1.0f, x, K, (const float *)p->quant->w[i], K, beta, y, N,
+                               .b_quant = p->quant->type[i]};
+    return lin_p(y, x, W, Wp, T, N, K, beta);
+}
+
 /* dW[N,K] += dy[T,N]^T x[T,K] */
 static mrl_gemm_desc lin_dw(float *dW, const float *dy, const float *x, int64_t T, int N, int K) {
     return (mrl_gemm_desc){1, 0, N, K, T, 1.0f, dy, N, x, K, 1.0f, dW, K};
@@ -53,11 +63,16 @@ static void products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t 
     mrl_gemm_desc kept[8];
     const uint16_t *kept16[8];
     int drop = 0;
-    for (int i = 0; i < n; i++) drop += d[i].C == NULL;
+    for (int i = 0; i < n; i++) { /* (a quantized base's blocks: their own product, done here) */
+        if (d[i].b_quant && d[i].C)
+            k->qgemm(d[i].b_quant, d[i].M, d[i].N, d[i].K, d[i].alpha, d[i].A, d[i].lda, d[i].B, d[i].beta, d[i].C,
+                     d[i].ldc);
+        drop += d[i].C == NULL || d[i].b_quant;
+    }
     if (drop && n <= 8) { /* a frozen weight's gradient (LoRA: lora.c) has no destination: not computed */
         int j = 0;
         for (int i = 0; i < n; i++)
-            if (d[i].C) kept[j] = d[i], kept16[j++] = w16 ? w16[i] : NULL;
+            if (d[i].C && !d[i].b_quant) kept[j] = d[i], kept16[j++] = w16 ? w16[i] : NULL;
         d = kept, w16 = kept16, n = j;
     }
     if (m->dtype != MRL_MODEL_BF16) {
@@ -125,9 +140,9 @@ static void qkv_proj(const mrl_model *m, const layer_params *p, layer_acts *a, c
         Q = Hq * hd, K = Hk * hd;
     float eps = (float)c->rms_norm_eps;
     float *q = a->qraw ? a->qraw : a->q, *kk = a->kraw ? a->kraw : a->k;
-    mrl_gemm_desc qkv[3] = {lin_p(q, ln, p->wq, p->pq, T, Q, D, 0),     /* [T,Q] */
-                            lin_p(kk, ln, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
-                            lin_p(a->v, ln, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
+    mrl_gemm_desc qkv[3] = {lin_w(p, 0, q, ln, p->wq, p->pq, T, Q, D, 0),     /* [T,Q] */
+                            lin_w(p, 1, kk, ln, p->wk, p->pk, T, K, D, 0),    /* [T,K] */
+                            lin_w(p, 2, a->v, ln, p->wv, p->pv, T, K, D, 0)}; /* [T,K] */
     products(m, qkv, (const uint16_t *[]){p->hq, p->hk, p->hv}, 3);
     lora_fwd(m, p, a, 0, ln, q, T, Q, D);
     lora_fwd(m, p, a, 1, ln, kk, T, K, D);
@@ -159,12 +174,12 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     int64_t TD = T * D;
     if (m->tp_size > 1) { /* h = x + the sum over the group of each rank's heads' part */
-        run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 0), p->ho);
+        run1(m, lin_w(p, 3, a->h, a->att, p->wo, p->po, T, D, Q, 0), p->ho);
         mrl_model_tp_sum(m, a->h, TD);
         k->add(a->h, x, TD);
     } else {
         k->copy(a->h, x, (int64_t)sizeof(float) * TD);
-        run1(m, lin_p(a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
+        run1(m, lin_w(p, 3, a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
         lora_fwd(m, p, a, 3, a->att, a->h, T, D, Q);
     }
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
@@ -180,20 +195,20 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
         mrl_moe_forward(m, p, a, out, T);
         return;
     }
-    mrl_gemm_desc gu[2] = {lin_p(a->gate, a->ln2, p->wg, p->pg, T, F, D, 0), /* [T,F] */
-                           lin_p(a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
+    mrl_gemm_desc gu[2] = {lin_w(p, 4, a->gate, a->ln2, p->wg, p->pg, T, F, D, 0), /* [T,F] */
+                           lin_w(p, 5, a->up, a->ln2, p->wu, p->pu, T, F, D, 0)};  /* [T,F] */
     products(m, gu, (const uint16_t *[]){p->hg, p->hu}, 2);
     lora_fwd(m, p, a, 4, a->ln2, a->gate, T, F, D);
     lora_fwd(m, p, a, 5, a->ln2, a->up, T, F, D);
     k->swiglu_fwd(a->act, a->gate, a->up, T * F);
     if (m->tp_size > 1) { /* out = h + the sum over the group of each rank's slice's part */
-        run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 0), p->hd);
+        run1(m, lin_w(p, 6, out, a->act, p->wd, p->pd, T, D, F, 0), p->hd);
         mrl_model_tp_sum(m, out, TD);
         k->add(out, a->h, TD);
         return;
     }
     k->copy(out, a->h, (int64_t)sizeof(float) * TD);
-    run1(m, lin_p(out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
+    run1(m, lin_w(p, 6, out, a->act, p->wd, p->pd, T, D, F, 1.0f), p->hd);     /* out = h + act Wd^T */
     lora_fwd(m, p, a, 6, a->act, out, T, D, F);
 }
 

@@ -53,7 +53,17 @@ typedef struct layer_params {
     /* LoRA (moonrl/model.h, mrl_model_set_lora): this layer's adapters (their gradients in the
      * gradients' table), or NULL: none, or switched off */
     const struct lora_layer *lora;
+    /* a quantized base's seven matrices read from their GGML blocks (the engine's steps of few
+     * rows: the qgemm op), or NULL: the above */
+    const struct quant_layer *quant;
 } layer_params;
+
+/* A quantized base's layer (quant.c, mrl_model_quant_layer): the seven matrices' blocks in
+ * mrl_layer_matrices' order and their types (NULL and 0: a matrix not kept as blocks). */
+typedef struct quant_layer {
+    const void *w[7];
+    int type[7];
+} quant_layer;
 
 /* One layer's adapters (or their gradients): A [r, in] and B [out, r] of each of the seven
  * matrices in mrl_layer_matrices' order (NULL: not targeted), and a sparse layer's experts'
@@ -94,6 +104,9 @@ int64_t mrl_model_lora_scratch(const mrl_model *m, int64_t T);
  * other models, whose parameters are whole. mrl_model_quantized_bytes (moonrl/model.h) says which. */
 mrl_status mrl_model_layer_use(mrl_model *m, int l);
 void mrl_model_layer_unuse(mrl_model *m, int l);
+/* Layer l's matrices as blocks (a quantized base's, on its device; what an engine step of few
+ * rows reads in place of making the layer whole); 0 for other models. */
+int mrl_model_quant_layer(const mrl_model *m, int l, quant_layer *out);
 
 /* The seven matrices of a layer (q, k, v, o, gate, up, down), the ones
  * weight panels hold: their weights in p (NULL: a sparse layer's MLP, whose

@@ -247,3 +247,19 @@ void mrl_model_layer_unuse(mrl_model *m, int l) {
     layer_range(m, l, &lo, &hi);
     mrl_model_unuse(m, lo, hi);
 }
+
+int mrl_model_quant_layer(const mrl_model *m, int l, quant_layer *out) {
+    *out = (quant_layer){{0}};
+    if (!m->quant) return 0;
+    mrl_layer_matrix mats[7];
+    mrl_layer_matrices(&m->cfg, (layer_params *)&m->lp[l], mats);
+    int any = 0;
+    for (int i = 0; i < 7; i++)
+        for (int j = 0; mats[i].w && j < m->quant->n; j++)
+            if (m->quant->t[j].offset == mats[i].w - m->params) {
+                out->w[i] = (const char *)m->quant->blocks.data + m->quant->t[j].at;
+                out->type[i] = m->quant->t[j].type;
+                any = 1;
+            }
+    return any;
+}

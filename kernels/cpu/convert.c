@@ -232,6 +232,68 @@ AVX512 void mrl_cpu_f32_to_f16_avx512(const float *src, uint16_t *dst, int64_t n
     mrl_cpu_f32_to_f16_scalar(src + i, dst + i, n - i);
 }
 
+/* --- GGML blocks in vector lanes: d * q (+ m) rounded apart, as the scalar loop -------------- */
+#define DEQ_AVX2 __attribute__((target("avx2,f16c,fma"), optimize("fp-contract=off")))
+#define DEQ_AVX512 __attribute__((target("avx512f,avx2,f16c,fma"), optimize("fp-contract=off")))
+
+__attribute__((target("f16c"))) static inline float f16_at(const uint8_t *p) { /* (F16C: the scalar conversion's bits, a NaN quieted as it does) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+DEQ_AVX512 void mrl_cpu_dequant_avx512(int type, const void *blocks, float *dst, int64_t n) {
+    int bytes = mrl_quant_block_bytes(type);
+    const uint8_t *b = blocks;
+    for (int64_t i = 0; i < n / 32; i++, b += bytes, dst += 32) {
+        __m512 d = _mm512_set1_ps(f16_at(b)), lo, hi;
+        if (type == MRL_QUANT_Q8_0) {
+            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
+            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
+            lo = _mm512_mul_ps(lo, d), hi = _mm512_mul_ps(hi, d);
+        } else {
+            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == MRL_QUANT_Q4_1 ? 4 : 2))));
+            __m512i ql = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), qh = _mm512_srli_epi32(q, 4);
+            if (type == MRL_QUANT_Q4_0)
+                ql = _mm512_sub_epi32(ql, _mm512_set1_epi32(8)), qh = _mm512_sub_epi32(qh, _mm512_set1_epi32(8));
+            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), d), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), d);
+            if (type == MRL_QUANT_Q4_1) {
+                __m512 m = _mm512_set1_ps(f16_at(b + 2));
+                lo = _mm512_add_ps(lo, m), hi = _mm512_add_ps(hi, m);
+            }
+        }
+        _mm512_storeu_ps(dst, lo);
+        _mm512_storeu_ps(dst + 16, hi);
+    }
+}
+
+DEQ_AVX2 void mrl_cpu_dequant_avx2(int type, const void *blocks, float *dst, int64_t n) {
+    int bytes = mrl_quant_block_bytes(type);
+    const uint8_t *b = blocks;
+    for (int64_t i = 0; i < n / 32; i++, b += bytes, dst += 32) {
+        __m256 d = _mm256_set1_ps(f16_at(b)), m = _mm256_set1_ps(type == MRL_QUANT_Q4_1 ? f16_at(b + 2) : 0.0f);
+        for (int h = 0; h < 2; h++) { /* weights 8h .. 8h + 8 and 16 + 8h .. (Q8_0: 16h ..) */
+            __m256 lo, hi;
+            if (type == MRL_QUANT_Q8_0) {
+                lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 16 * h))));
+                hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 10 + 16 * h))));
+                _mm256_storeu_ps(dst + 16 * h, _mm256_mul_ps(lo, d));
+                _mm256_storeu_ps(dst + 16 * h + 8, _mm256_mul_ps(hi, d));
+                continue;
+            }
+            __m256i q = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const __m128i *)(b + (type == MRL_QUANT_Q4_1 ? 4 : 2) + 8 * h)));
+            __m256i ql = _mm256_and_si256(q, _mm256_set1_epi32(0x0F)), qh = _mm256_srli_epi32(q, 4);
+            if (type == MRL_QUANT_Q4_0)
+                ql = _mm256_sub_epi32(ql, _mm256_set1_epi32(8)), qh = _mm256_sub_epi32(qh, _mm256_set1_epi32(8));
+            lo = _mm256_mul_ps(_mm256_cvtepi32_ps(ql), d), hi = _mm256_mul_ps(_mm256_cvtepi32_ps(qh), d);
+            if (type == MRL_QUANT_Q4_1) lo = _mm256_add_ps(lo, m), hi = _mm256_add_ps(hi, m);
+            _mm256_storeu_ps(dst + 8 * h, lo);
+            _mm256_storeu_ps(dst + 16 + 8 * h, hi);
+        }
+    }
+}
+
 /* --- the fast table's ops: the ISA set's loop over slices of the array ---- */
 typedef void (*to_f32_fn)(const uint16_t *, float *, int64_t);
 typedef void (*from_f32_fn)(const float *, uint16_t *, int64_t);
@@ -284,7 +346,7 @@ typedef struct dequant_ctx {
 
 static void dequant_range(void *vctx, int64_t begin, int64_t end) { /* (blocks begin .. end) */
     const dequant_ctx *c = vctx;
-    mrl_cpu_dequant_scalar(c->type, c->blocks + begin * mrl_quant_block_bytes(c->type), c->dst + 32 * begin,
+    mrl_cpu_isa_get()->dequant(c->type, c->blocks + begin * mrl_quant_block_bytes(c->type), c->dst + 32 * begin,
                            32 * (end - begin));
 }
 

@@ -10,6 +10,7 @@
  * gathered into the table here. */
 #include <cblas.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include "kernels.h"
@@ -535,6 +536,51 @@ static void fast_lora_fwd(float *y, float *u, const float *x, const float *A, co
     fast_gemm(0, 1, T, N, r, s, u, r, B, r, 1.0f, y, N);
 }
 
+/* qgemm: slices of W's rows, each dequantized into this thread's buffer a chunk of rows at a
+ * time (the chunk in L2), then the few-rows kernel over the chunk: the blocks are read once,
+ * no dequantized copy of W is made. */
+#define QGEMM_CHUNK_FLOATS (1 << 15)
+typedef struct qgemm_ctx {
+    int type;
+    int64_t M, N, K, lda, ldc, rows; /* rows: a chunk's */
+    float alpha, beta;
+    const float *A;
+    const char *W;
+    float *C;
+} qgemm_ctx;
+
+static void qgemm_range(void *vc, int64_t c0, int64_t c1) { /* (chunks c0 .. c1) */
+    const qgemm_ctx *c = vc;
+    static _Thread_local float w[QGEMM_CHUNK_FLOATS]; /* (128 KiB: a thread's, not its stack's) */
+    int64_t row_bytes = c->K / 32 * mrl_quant_block_bytes(c->type);
+    for (int64_t ch = c0; ch < c1; ch++) {
+        int64_t n0 = ch * c->rows, n = c->N - n0 < c->rows ? c->N - n0 : c->rows;
+        mrl_cpu_isa_get()->dequant(c->type, c->W + n0 * row_bytes, w, n * c->K);
+        mrl_cpu_isa_get()->gemm_nt_rows(c->M, 0, n, c->K, c->alpha, c->A, c->lda, w, c->K, c->beta, c->C + n0, c->ldc);
+    }
+}
+
+static void fast_qgemm(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                       const void *W, float beta, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    int64_t rows = K <= QGEMM_CHUNK_FLOATS ? QGEMM_CHUNK_FLOATS / K : 0;
+    if (rows == 0) { /* (a row longer than the buffer: whole rows one at a time, through the heap) */
+        float *w = malloc(sizeof(float) * (size_t)K);
+        if (!w) return;
+        for (int64_t j = 0; j < N; j++) {
+            mrl_cpu_isa_get()->dequant(type, (const char *)W + j * (K / 32) * mrl_quant_block_bytes(type), w, K);
+            mrl_cpu_isa_get()->gemm_nt_rows(M, 0, 1, K, alpha, A, lda, w, K, beta, C + j, ldc);
+        }
+        free(w);
+        return;
+    }
+    if (rows > 16) rows = rows / 16 * 16; /* (whole vector blocks of the few-rows kernel) */
+    qgemm_ctx c = {type, M, N, K, lda, ldc, rows, alpha, beta, A, W, C};
+    int64_t chunks = (N + rows - 1) / rows;
+    if (M * N * K < PARALLEL_MACS) qgemm_range(&c, 0, chunks);
+    else mrl_parallel_for(chunks, 1, qgemm_range, &c);
+}
+
 typedef struct pack_ctx {
     float *P;
     const float *W;
@@ -562,6 +608,7 @@ static const mrl_kernels fast_table = {
     .sync = mrl_cpu_sync,
     .gemm = fast_gemm,
     .gemm_group = fast_gemm_group,
+    .qgemm = fast_qgemm,
     .gemm_bf16 = mrl_cpu_gemm_bf16,
     .gemm_bf16_panels = mrl_cpu_gemm_bf16_panels,
     .gemm_bf16_panels_group = mrl_cpu_gemm_bf16_panels_group,

@@ -61,6 +61,8 @@ typedef struct mrl_cpu_isa {
     void (*f32_to_bf16)(const float *src, uint16_t *dst, int64_t n);
     void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
     void (*f32_to_f16)(const float *src, uint16_t *dst, int64_t n);
+    /* kernels.h's dequant of n / 32 GGML blocks (convert.c; the scalar loop's bits) */
+    void (*dequant)(int type, const void *blocks, float *dst, int64_t n);
 } mrl_cpu_isa;
 
 #define ATT_QB 64 /* queries per attention block */
@@ -113,3 +115,5 @@ void mrl_cpu_bf16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_f32_to_bf16_avx512(const float *src, uint16_t *dst, int64_t n);
 void mrl_cpu_f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n);
 void mrl_cpu_f32_to_f16_avx512(const float *src, uint16_t *dst, int64_t n);
+void mrl_cpu_dequant_avx2(int type, const void *blocks, float *dst, int64_t n);
+void mrl_cpu_dequant_avx512(int type, const void *blocks, float *dst, int64_t n);

@@ -568,4 +568,5 @@ const mrl_cpu_isa ISA_TABLE = {
     .f32_to_bf16 = ISA_LOOP(mrl_cpu_f32_to_bf16),
     .f16_to_f32 = ISA_LOOP(mrl_cpu_f16_to_f32),
     .f32_to_f16 = ISA_LOOP(mrl_cpu_f32_to_f16),
+    .dequant = ISA_LOOP(mrl_cpu_dequant),
 };

@@ -5,6 +5,7 @@
  * sample.c, moe.c, adamw.c, reduce.c, convert.c) and are gathered here. */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
 #include "cpu/memory.h"
@@ -29,6 +30,20 @@ static void ref_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alph
             float c = beta == 0 ? 0.0f : beta * C[i * ldc + j];
             C[i * ldc + j] = (float)(alpha * acc) + c;
         }
+}
+
+/* C = alpha A W^T + beta C with W given as GGML blocks: each row of W dequantized (the
+ * reference's dequant), then the reference's product of it */
+static void ref_qgemm(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                      const void *W, float beta, float *C, int64_t ldc) {
+    float *w = malloc(sizeof(float) * (size_t)K);
+    if (!w) return;
+    int64_t row_bytes = K / 32 * mrl_quant_block_bytes(type);
+    for (int64_t j = 0; j < N; j++) {
+        mrl_cpu_dequant_scalar(type, (const char *)W + j * row_bytes, w, K);
+        ref_gemm(0, 1, M, 1, K, alpha, A, lda, w, K, beta, C + j, ldc);
+    }
+    free(w);
 }
 
 /* C = alpha op(A) W^T + beta C with W given as panels (kernels.h) */
@@ -312,6 +327,7 @@ static const mrl_kernels reference_table = {
     .sync = mrl_cpu_sync,
     .gemm = ref_gemm,
     .gemm_group = ref_gemm_group,
+    .qgemm = ref_qgemm,
     .gemm_bf16 = mrl_cpu_gemm_bf16_reference,
     .gemm_bf16_panels = ref_gemm_bf16_panels,
     .gemm_bf16_panels_group = ref_gemm_bf16_panels_group,

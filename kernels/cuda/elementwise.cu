@@ -236,6 +236,43 @@ __global__ static void dequant_kernel(int type, const uint8_t *blocks, float *ds
     }
 }
 
+// C[m, n] = alpha * A[m] . W[n] (+ beta C): a warp an output, its lanes the weights of a block
+// (each lane one of the 32), the block's sum reduced over the warp; decode's few rows.
+__global__ static void qgemm_kernel(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                                    int64_t lda, const uint8_t *W, float beta, float *C, int64_t ldc) {
+    int64_t out = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (out >= M * N) return;
+    int64_t m = out % M, n = out / M;
+    int bytes = type == MRL_QUANT_Q8_0 ? 34 : type == MRL_QUANT_Q4_1 ? 20 : 18;
+    const uint8_t *row = W + n * (K / 32) * bytes;
+    float acc = 0.0f;
+    for (int64_t kb = 0; kb < K / 32; kb++) {
+        const uint8_t *b = row + kb * bytes;
+        float w;
+        if (type == MRL_QUANT_Q8_0) {
+            w = __fmul_rn((float)(int8_t)b[2 + lane], block_f16(b));
+        } else {
+            const uint8_t *qs = b + (type == MRL_QUANT_Q4_1 ? 4 : 2);
+            int q = lane < 16 ? qs[lane] & 0x0F : qs[lane - 16] >> 4;
+            if (type == MRL_QUANT_Q4_1) w = __fadd_rn(__fmul_rn((float)q, block_f16(b)), block_f16(b + 2));
+            else w = __fmul_rn((float)(q - 8), block_f16(b));
+        }
+        acc += A[m * lda + kb * 32 + lane] * w;
+    }
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) C[m * ldc + n] = alpha * acc + (beta == 0.0f ? 0.0f : beta * C[m * ldc + n]);
+}
+
+void cuda_qgemm(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const void *W,
+                float beta, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0 || !mrl_quant_block_bytes(type)) return;
+    int64_t threads = 32 * M * N;
+    qgemm_kernel<<<(unsigned)((threads + THREADS - 1) / THREADS), THREADS, 0, cuda_ops_stream()>>>(
+        type, M, N, K, alpha, A, lda, (const uint8_t *)W, beta, C, ldc);
+    cuda_ops_launched("qgemm");
+}
+
 void cuda_dequant(int type, const void *blocks, float *dst, int64_t n) {
     if (n <= 0 || !mrl_quant_block_bytes(type)) return;
     dequant_kernel<<<grid_for(n, THREADS), THREADS, 0, cuda_ops_stream()>>>(type, (const uint8_t *)blocks, dst, n);

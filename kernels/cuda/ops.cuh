@@ -70,6 +70,8 @@ void cuda_f32_to_bf16(const float *src, uint16_t *dst, int64_t n);
 void cuda_f16_to_f32(const uint16_t *src, float *dst, int64_t n);
 void cuda_f32_to_f16(const float *src, uint16_t *dst, int64_t n);
 void cuda_dequant(int type, const void *blocks, float *dst, int64_t n);
+void cuda_qgemm(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const void *W,
+                float beta, float *C, int64_t ldc);
 // optim.cu
 void cuda_adamw(const mrl_adamw_args *a);
 mrl_status cuda_sum(const float *x, int64_t n, int squares, double *out);

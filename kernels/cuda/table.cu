@@ -178,6 +178,7 @@ static const mrl_kernels cuda_table = {
     .sync = mrl_cuda_ops_check,
     .gemm = cuda_gemm,
     .gemm_group = cuda_gemm_group,
+    .qgemm = cuda_qgemm,
     .gemm_bf16 = cuda_gemm_bf16,
     .gemm_bf16_panels = cuda_gemm_bf16_panels,
     .gemm_bf16_panels_group = cuda_gemm_bf16_panels_group,

@@ -1781,6 +1781,41 @@ static void cases_dequant(void) {
         }
 }
 
+static void run_qgemm(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const int64_t *i = c->i;
+    k->qgemm((int)i[3], i[0], i[1], i[2], c->f[0], p[0], i[4], p[1], c->f[1], p[2], i[5]);
+}
+
+/* GGML blocks of random weights (gguf-py's layout: finite scales), rows of A past K (lda), C a
+ * slice of a wider matrix (ldc) kept or added to (beta): decode's few rows, a prefill's many. */
+static void cases_qgemm(void) {
+    static const int types[] = {MRL_QUANT_Q4_0, MRL_QUANT_Q4_1, MRL_QUANT_Q8_0};
+    static const int64_t shapes[][3] = {{1, 33, 64}, {16, 576, 576}, {5, 1536, 576}, {70, 96, 1536}, {3, 40, 32}};
+    op_case c;
+    for (int t = 0; t < 3; t++)
+        for (size_t z = 0; z < sizeof shapes / sizeof shapes[0]; z++) {
+            int64_t M = shapes[z][0], N = shapes[z][1], K = shapes[z][2], bytes = mrl_quant_block_bytes(types[t]);
+            int64_t nb = N * K / 32, lda = K + 3, ldc = N + 5;
+            uint8_t *b = malloc((size_t)(nb * bytes));
+            for (int64_t i = 0; i < nb * bytes; i++) b[i] = (uint8_t)(urand() * 256);
+            for (int64_t i = 0; i < nb; i++) /* scales of 2^-7 .. 2^-4, a Q4_1 minimum of either sign */
+                for (int h = 0; h < (types[t] == MRL_QUANT_Q4_1 ? 2 : 1); h++) {
+                    uint16_t f = (uint16_t)((0x2000u + (uint16_t)(urand() * 0xc00)) | (h && urand() < 0.5 ? 0x8000u : 0));
+                    memcpy(b + i * bytes + 2 * h, &f, 2);
+                }
+            float beta = z % 2 ? 1.0f : 0.0f;
+            new_case(&c, "qgemm", run_qgemm, "type %d, %lldx%lld <- %lld, beta %g", types[t], (long long)M, (long long)N,
+                     (long long)K, beta);
+            in_rnd(&c, "A", M * lda, 1);
+            add(&c, "W", U16, IN, nb * bytes / 2, (uint16_t *)b, 0);
+            inout_rnd(&c, "C", M * ldc, 1, TOL_DOT);
+            c.i[0] = M, c.i[1] = N, c.i[2] = K, c.i[3] = types[t], c.i[4] = lda, c.i[5] = ldc;
+            c.f[0] = 0.5f, c.f[1] = beta;
+            check_case(&c);
+            free(b);
+        }
+}
+
 /* From 16 bits: every pattern (with NaNs, infinities, subnormals). From fp32:
  * random bit patterns, rounding ties of both formats, the f16 subnormal
  * range, infinities and NaNs; n leaves a vector tail and spans slices. */
@@ -2396,6 +2431,7 @@ int main(int argc, char **argv) {
     cases_sum_scale();
     cases_convert();
     cases_dequant();
+    cases_qgemm();
     backward_checks();
     if (!only_table || !strncmp(only_table, "fast", 4)) { /* the fast CPU table's own rules */
         onednn32_repeat();
