@@ -50,7 +50,10 @@ for _, name in ipairs(names) do
   local before = held()
   local m = moonrl.model.new(mcfg, { seed = 1 })
   m:set_dtype(dtype)
-  if name == 'lora' then m:set_lora({ rank = cfg.rank, alpha = 32, seed = 2 }) end
+  if name == 'lora' then -- (in bf16 the frozen base is stored in bf16 alone, as a run does: models.freeze_base)
+    m:set_lora({ rank = cfg.rank, alpha = 32, seed = 2 })
+    if dtype == 'bf16' then m:freeze_base_bf16() end
+  end
   local opt = models_mod.adamw(m, { lr = 1e-4, weight_decay = 0 })
   opt:create()
   local side = { name = name, model = m, opt = opt, times = {} }

@@ -1,5 +1,5 @@
 -- LoRA over a quantized base (model.lora.quantized_base) against LoRA over the same GGUF model
--- dequantized to fp32, on the real SmolLM2-135M-Instruct Q4_1 file: each side in a process of its
+-- dequantized (fp32, or in bf16 stored in bf16 as a run stores it: models.freeze_base), on the real SmolLM2-135M-Instruct Q4_1 file: each side in a process of its
 -- own (its peak resident memory is its own), the sides alternating `rounds` times:
 --   1. memory: moonrl's accounted parameter bytes after a training step (the quantized side's
 --      blocks, the other tensors and what is in use then), the process's peak resident memory;
@@ -40,6 +40,7 @@ if cfg.side ~= 'both' then
   local dtype = moonrl.model.resolve_dtype(cfg.dtype, model.config)
   model:set_dtype(dtype)
   model:set_lora({ rank = cfg.rank, alpha = 32, seed = 2 })
+  models.freeze_base({}, model) -- (the dequantized base in bf16: stored in bf16 alone, as a run's)
   local p, n = model:lora_buffer()
   for i = 0, n - 1 do p[i] = 0.01 * math.sin(i) end -- (B too: the adapters change the log-probs)
   model:trained()

@@ -403,6 +403,9 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
     if (dtype != MRL_MODEL_FP32 && dtype != MRL_MODEL_BF16)
         return mrl_set_error(MRL_ERR_INVALID, "model dtype %d (0 fp32, 1 bf16)", dtype);
     if (dtype == m->dtype) return MRL_OK;
+    if (mrl_model_frozen_bf16(m))
+        return mrl_set_error(MRL_ERR_INVALID, "model: its frozen base is stored in bf16 (mrl_model_freeze_bf16): its "
+                             "dtype stays bf16");
     mrl_model_head_unkeep(m); /* (its bf16 pins, or none, are the dtype's it was kept in) */
     m->have_forward = 0;
     if (dtype == MRL_MODEL_BF16 && m->p_region) { /* sharded: copies of the parts in use only (shard.c) */
@@ -529,12 +532,15 @@ int64_t mrl_model_panels16_bytes(const mrl_model *m) {
 }
 
 const uint32_t *mrl_model_bf16_panels(mrl_model *m) {
-    if (!m || !m->w16 || m->device.kind != MRL_DEVICE_CPU || m->p_region) return NULL; /* (a region: none whole) */
+    int frozen = mrl_model_frozen_bf16(m); /* (its copies are whole and final: packed once) */
+    if (!m || !m->w16 || m->device.kind != MRL_DEVICE_CPU || (m->p_region && !frozen)) return NULL; /* (a region: none whole) */
     if (!m->p16_buf.data) {
         pthread_mutex_lock(&m->w16_lock);
         if (!m->p16_buf.data &&
-            !mrl_buffer_alloc(m->device, (size_t)mrl_model_panels16_bytes(m), MRL_MEM_PARAMS, &m->p16_buf))
+            !mrl_buffer_alloc(m->device, (size_t)mrl_model_panels16_bytes(m), MRL_MEM_PARAMS, &m->p16_buf)) {
             atomic_store(&m->w16_stale, 1); /* the refresh below writes both */
+            if (frozen) mrl_model_bf16_pack_panels(m, m->w16, m->p16_buf.data);
+        }
         pthread_mutex_unlock(&m->w16_lock);
         if (!m->p16_buf.data) return NULL;
     }

@@ -260,6 +260,10 @@ mrl_status mrl_model_quant_read(mrl_model *m, float *dst);
  * from their dequantized weights (mrl_model_use) */
 mrl_status mrl_model_quant_w16(mrl_model *m);
 void mrl_model_quant_bf16(mrl_model *m, int64_t lo, int64_t hi);
+/* quant.c: a base stored in bf16 that no computation needs whole (its products read the copies):
+ * mrl_model_use is then nothing, but for reads of the parameters (mrl_model_fetch, fetching) */
+int mrl_model_quant_lazy(const mrl_model *m);
+void mrl_model_quant_fetching(mrl_model *m, int on);
 /* shard.c: the bf16 copies of a sharded model as a region (mrl_model_set_dtype) */
 mrl_status mrl_model_shard_w16(mrl_model *m);
 /* forward.c: the activation buffer's layout for T tokens at base (NULL: only count); its bytes */

@@ -16,6 +16,8 @@
 #include "model_internal.h"
 #include "runtime/device_internal.h"
 
+#define MRL_QUANT_BF16 30 /* (ggml's BF16) a base stored as the model's bf16 copies, mrl_model_freeze_bf16 */
+
 typedef struct mrl_quant {
     int n;
     struct quant_tensor {
@@ -24,6 +26,10 @@ typedef struct mrl_quant {
     } *t;
     mrl_buffer blocks; /* on the model's device */
     int64_t bytes;
+    /* a base stored in bf16 (mrl_model_freeze_bf16): its tensors' source is the model's bf16
+     * copies (type MRL_QUANT_BF16), which the products read: made whole in fp32 only for a read
+     * of the parameters (mrl_model_fetch, fetching), never for a computation */
+    int bf16, fetching;
 } mrl_quant;
 
 static int by_offset(const void *a, const void *b) {
@@ -77,6 +83,10 @@ static mrl_status dequantize_into(void *ctx, float *params, int64_t lo, int64_t 
         if ((a - t->offset) % 32 || (b - t->offset) % 32)
             return mrl_set_error(MRL_ERR_INTERNAL, "quantized base: parameters [%lld, %lld) cut a block of a matrix",
                                  (long long)lo, (long long)hi);
+        if (t->type == MRL_QUANT_BF16) { /* (a bf16 base: its copies, exact in fp32) */
+            m->k->bf16_to_f32(m->w16 + a, params + a, b - a);
+            continue;
+        }
         const char *blocks = (const char *)q->blocks.data + t->at + (a - t->offset) / 32 * mrl_quant_block_bytes(t->type);
         m->k->dequant(t->type, blocks, params + a, b - a);
     }
@@ -224,7 +234,7 @@ void mrl_model_quant_bf16(mrl_model *m, int64_t lo, int64_t hi) {
     for (int i = 0; i < q->n; i++) {
         const struct quant_tensor *t = &q->t[i];
         int64_t a = t->offset > lo ? t->offset : lo, b = t->offset + t->numel < hi ? t->offset + t->numel : hi;
-        if (a < b) m->k->f32_to_bf16(m->params + a, m->w16 + a, b - a);
+        if (a < b && t->type != MRL_QUANT_BF16) m->k->f32_to_bf16(m->params + a, m->w16 + a, b - a);
     }
 }
 
@@ -262,4 +272,86 @@ int mrl_model_quant_layer(const mrl_model *m, int l, quant_layer *out) {
                 any = 1;
             }
     return any;
+}
+
+/* ---- a frozen base stored in bf16 (moonrl/model.h, mrl_model_freeze_bf16) ---- */
+
+mrl_status mrl_model_freeze_bf16(mrl_model *m) {
+    if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_freeze_bf16: NULL model");
+    if (m->quant) return m->quant->bf16 ? MRL_OK : mrl_set_error(MRL_ERR_INVALID, "a quantized base: already frozen");
+    const char *why = !m->lora                         ? "the model trains no LoRA adapters (its base is not frozen)"
+                      : m->dtype != MRL_MODEL_BF16     ? "the model is not in bf16"
+                      : m->p_region                    ? "its parameters are sharded"
+                      : m->tp_size > 1 || m->pp_stages > 1 ? "it is split over ranks"
+                      : !m->w16_buf.data               ? "it has no bf16 copies"
+                                                       : NULL;
+    if (why) return mrl_set_error(MRL_ERR_INVALID, "freezing the base in bf16: %s", why);
+    mrl_status st = mrl_model_refresh_bf16(m); /* (the copies are the weights from here on) */
+    if (st) return st;
+    const mrl_model_config *c = &m->cfg;
+    mrl_quant *q = calloc(1, sizeof *q);
+    if (!q || !(q->t = malloc(sizeof *q->t * (size_t)(10 * c->num_hidden_layers + 1)))) {
+        free(q);
+        return MRL_ERR_NOMEM;
+    }
+    q->bf16 = 1;
+    int64_t E = c->num_experts, Fe = c->moe_intermediate_size, D = c->hidden_size;
+    for (int l = 0; l < c->num_hidden_layers; l++) { /* what the products read as bf16 copies */
+        mrl_layer_matrix mats[7];
+        mrl_layer_matrices(c, &m->lp[l], mats);
+        for (int i = 0; i < 7; i++)
+            if (mats[i].w) q->t[q->n++] = (struct quant_tensor){mats[i].w - m->params, mats[i].N * mats[i].K, 0, MRL_QUANT_BF16};
+        const float *experts[3] = {m->lp[l].ewg, m->lp[l].ewu, m->lp[l].ewd};
+        for (int i = 0; i < 3; i++)
+            if (experts[i]) q->t[q->n++] = (struct quant_tensor){experts[i] - m->params, E * Fe * D, 0, MRL_QUANT_BF16};
+    }
+    if (!c->tie_word_embeddings && m->lm_head) /* (a tied head is the embedding, which the lookup reads in fp32) */
+        q->t[q->n++] = (struct quant_tensor){m->lm_head - m->params, (int64_t)c->vocab_size * D, 0, MRL_QUANT_BF16};
+    qsort(q->t, (size_t)q->n, sizeof *q->t, by_offset);
+    m->quant = q;
+    mrl_mem_region *r = NULL;
+    int n;
+    int64_t (*d)[2] = dense_ranges(m, &n);
+    st = d ? pinned_region(m, m->device, &r) : MRL_ERR_NOMEM;
+    float *base = r ? mrl_mem_region_base(r) : NULL;
+    for (int i = 0; !st && i < n; i++)
+        st = mrl_device_memcpy(base + d[i][0], m->params + d[i][0], (size_t)(4 * (d[i][1] - d[i][0])));
+    free(d);
+    if (st) {
+        mrl_mem_region_free(r);
+        mrl_model_quant_free(m);
+        return mrl_wrap_error(st, "freezing the base in bf16");
+    }
+    mrl_buffer_free(&m->params_buf); /* the fp32 matrices go */
+    mrl_buffer_free(&m->p16_buf);    /* (panels: packed again from the copies, mrl_model_bf16_panels) */
+    m->p_region = r;
+    m->gather_start = dequantize_into, m->gather_wait = nothing_to_wait, m->gather_ctx = m;
+    m->shard_writer = 1;
+    mrl_model_release_activations(m);
+    mrl_model_point_params(m, base);
+    mrl_model_weights16_at(m, m->w16, NULL, m->lp);
+    m->lm_head16 = m->w16 + (m->lm_head - m->params);
+    return MRL_OK;
+}
+
+int mrl_model_frozen_bf16(const mrl_model *m) { return m && m->quant && m->quant->bf16; }
+
+int mrl_model_quant_lazy(const mrl_model *m) { return m->quant && m->quant->bf16 && !m->quant->fetching; }
+
+void mrl_model_quant_fetching(mrl_model *m, int on) {
+    if (m->quant) m->quant->fetching = on;
+}
+
+mrl_status mrl_model_read_params(mrl_model *m, float *host) {
+    if (!m || !host) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_params: NULL argument");
+    if (!m->p_region) return mrl_device_memcpy(host, m->params, sizeof(float) * (size_t)m->n_params);
+    if (!m->quant) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_read_params: the parameters are sharded");
+    mrl_status st = MRL_OK;
+    for (int i = 0; !st && i < m->n_views; i++) { /* each view made whole where it is, copied, let go */
+        const mrl_param_view *v = &m->views[i];
+        if ((st = mrl_model_fetch(m, v->offset, v->numel))) break;
+        st = mrl_device_memcpy(host + v->offset, m->params + v->offset, sizeof(float) * (size_t)v->numel);
+        mrl_model_drop(m, v->offset, v->numel);
+    }
+    return st;
 }

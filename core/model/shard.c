@@ -62,7 +62,7 @@ static mrl_status begin(mrl_model *m, int64_t lo, int64_t hi) {
 }
 
 mrl_status mrl_model_use(mrl_model *m, int64_t lo, int64_t hi, int64_t next_lo, int64_t next_hi) {
-    if (!m->p_region || hi <= lo) return MRL_OK;
+    if (!m->p_region || hi <= lo || mrl_model_quant_lazy(m)) return MRL_OK;
     if (!m->gather_start)
         return mrl_set_error(MRL_ERR_INVALID, "model: the parameters are sharded and nothing gathers them "
                              "(mrl_model_set_param_gather)");
@@ -108,7 +108,7 @@ void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi) {
 }
 
 void mrl_model_unuse(mrl_model *m, int64_t lo, int64_t hi) {
-    if (!m->p_region || hi <= lo) return;
+    if (!m->p_region || hi <= lo || mrl_model_quant_lazy(m)) return;
     mrl_mem_region_unpin(m->p_region, 4 * lo, 4 * hi);
     if (m->w16_region) mrl_mem_region_unpin(m->w16_region, 2 * lo, 2 * hi);
 }
@@ -126,11 +126,17 @@ mrl_status mrl_model_fetch(mrl_model *m, int64_t offset, int64_t count) {
     if (offset < 0 || count < 0 || offset + count > m->n_params)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_fetch: [%lld, %lld) outside the %lld parameters",
                              (long long)offset, (long long)(offset + count), (long long)m->n_params);
-    return mrl_model_use(m, offset, offset + count, 0, 0);
+    mrl_model_quant_fetching(m, 1); /* (a bf16-stored base: made whole for the read) */
+    mrl_status st = mrl_model_use(m, offset, offset + count, 0, 0);
+    mrl_model_quant_fetching(m, 0);
+    return st;
 }
 
 void mrl_model_drop(mrl_model *m, int64_t offset, int64_t count) {
-    if (m && offset >= 0 && count > 0 && offset + count <= m->n_params) mrl_model_unuse(m, offset, offset + count);
+    if (!m || offset < 0 || count <= 0 || offset + count > m->n_params) return;
+    mrl_model_quant_fetching(m, 1);
+    mrl_model_unuse(m, offset, offset + count);
+    mrl_model_quant_fetching(m, 0);
 }
 
 mrl_status mrl_model_shard_w16(mrl_model *m) {

@@ -434,9 +434,10 @@ function Model:backward(dlogprobs, dentropy, dvalues)
 end
 
 local function whole(self, what)
-  if self.quantized then
-    error(string.format('model:%s(): the base is quantized (model.lora.quantized_base: its matrices are GGML blocks, ' ..
-      'made whole a layer at a time); m:save(dir) writes it dequantized', what), 3)
+  if self.quantized or self.frozen16 then
+    error(string.format('model:%s(): the base is %s; read_params() gives a whole copy', what, self.quantized and
+      'quantized (model.lora.quantized_base: its matrices are GGML blocks, made whole a layer at a time)' or
+      'stored in bf16 (frozen under LoRA: its matrices are their bf16 copies)'), 3)
   end
   if self:shard() then
     error(string.format('model:%s(): the parameters are sharded over the ranks (dist.zero=3): no rank holds them ' ..
@@ -478,8 +479,23 @@ local function host_floats(self, p, n, key)
 end
 
 function Model:read_params()
+  if self.quantized or self.frozen16 then -- (a frozen base: made whole tensor by tensor into a copy)
+    self._host = self._host or ffi.new('float[?]', self.n_params)
+    moonrl.check(C.mrl_model_read_params(self.handle, self._host), 2)
+    return self._host, self.n_params
+  end
   whole(self, 'read_params')
   return host_floats(self, C.mrl_model_params(self.handle), self.n_params, '_host')
+end
+
+-- LoRA in bf16: the frozen base kept only as the bf16 copies its products read, its fp32
+-- matrices freed (model.h's mrl_model_freeze_bf16; the model computes as before). Returns the
+-- bytes freed.
+function Model:freeze_base_bf16()
+  local before = moonrl.memory().params
+  moonrl.check(C.mrl_model_freeze_bf16(self.handle), 2)
+  self.frozen16 = true
+  return before - moonrl.memory().params
 end
 
 -- All n_params floats of the host array src into the parameter buffer (src may be what

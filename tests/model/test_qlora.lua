@@ -11,7 +11,8 @@
 --   * the memory: its blocks, the other tensors, and at most a layer (and the head's) beyond;
 --   * GRPO over it: the run over the dequantized base's metrics, adapters and merged save, bit
 --     for bit; killed and resumed, the run never stopped; what it cannot be, usage errors;
---   * refusals naming why: a NaN block scale, a base without adapters, a read of the whole buffer;
+--   * refusals naming why: a NaN block scale, a base without adapters, the buffer itself (params());
+--     read_params() makes it whole, the dequantized model's;
 --   * (MOONRL_QLORA_GPU=1, the emulated GPU's run) the same on the GPU against the CPU.
 local t = require('moonrl.testing')
 local moonrl = require('moonrl')
@@ -189,7 +190,7 @@ if not GPU then
     t.truthy(long > few + 4 * 4096, 'a prompt of 100 (past 64 rows): its layers made whole (' .. long .. ' bytes)')
   end)
 
-  t.test('refusals: a NaN block scale, no adapters, the whole buffer, a wrong tensor', function()
+  t.test('refusals: a NaN block scale, no adapters, the buffer itself, a wrong tensor; read_params made whole', function()
     local g = gguf.open(DIR .. '/bad.gguf')
     t.raises(function() g:model({ quantized = true }) end, "blk.1.attn_output.weight' (Q4_0): block 0's scale is a NaN",
       'a NaN scale names the tensor and block')
@@ -199,7 +200,9 @@ if not GPU then
     q:forward(b)
     t.raises(function() q:backward(ffi.new('float[?]', b.n_tokens, 1)) end, 'base is quantized', 'no adapters: frozen')
     t.raises(function() q:params() end, 'quantized_base', 'params() of a quantized base')
-    t.raises(function() q:read_params() end, 'quantized_base', 'read_params() of a quantized base')
+    local full = load('qwen3', false)
+    local pq, pf = q:read_params(), full:read_params()
+    t.eq(ffi.string(pq, 4 * q.n_params), ffi.string(pf, 4 * full.n_params), 'read_params(): the dequantized model\'s')
     local blocks = ffi.new('uint8_t[?]', 18 * 128)
     local cfg = q.config
     t.raises(function()

@@ -171,6 +171,58 @@ t.test('a mixture of experts: every expert\'s adapters train, the engine\'s log-
   t.eq(experts, 2 * 3 * c.num_experts * out.model:num_moe_layers(), 'A and B of each expert\'s three projections')
 end)
 
+t.test('model.dtype=bf16: the frozen base stored in bf16 alone computes as the base kept in fp32 too', function()
+  local tiny = dofile('tests/lib/models.lua')
+  local function adapted(freeze)
+    local m = tiny.model('digits', { hidden_size = 128, intermediate_size = 256 }, { seed = 3 })
+    m:set_dtype('bf16')
+    m:set_lora({ rank = 4, alpha = 8, seed = 1 })
+    local p, n = m:lora_buffer()
+    for i = 0, n - 1 do p[i] = 0.1 * math.sin(i) end
+    m:trained()
+    return m, freeze and m:freeze_base_bf16() or 0
+  end
+  local kept, frozen, freed = adapted(false), adapted(true)
+  local matrices = 0
+  for _, v in ipairs(kept:views()) do matrices = matrices + (v.name:match('_proj%.weight$') and v.numel or 0) end
+  t.truthy(freed >= 0.7 * 4 * matrices and freed <= 4 * matrices, string.format('the fp32 matrices freed: %d of ' ..
+    '%d bytes (whole pages)', freed, 4 * matrices))
+  local b = moonrl.model.batch(SEQS)
+  local la = logprobs(kept)
+  for i, v in ipairs(logprobs(frozen)) do t.eq(v, la[i], 'log-prob ' .. i .. ', bit for bit') end
+  local dl = ffi.new('float[9]', -1)
+  kept:forward(b)
+  kept:backward(dl)
+  frozen:forward(b)
+  frozen:backward(dl)
+  local ga, n = kept:lora_grads()
+  local gb = frozen:lora_grads()
+  t.eq(ffi.string(gb, 4 * n), ffi.string(ga, 4 * n), 'the adapters\' gradients, bit for bit')
+  -- reading the parameters: the matrices are their bf16 copies widened
+  local pa, pb = kept:read_params(), frozen:read_params()
+  local far = 0
+  for i = 0, kept.n_params - 1 do far = math.max(far, math.abs(pa[i] - pb[i]) / math.max(math.abs(pa[i]), 1e-3)) end
+  t.truthy(far <= 2 ^ -8, 'read_params: within bf16 rounding of the fp32 base (' .. far .. ')')
+  t.raises(function() frozen:params() end, 'stored in bf16', 'params() of a bf16-stored base')
+  t.raises(function() frozen:set_dtype('fp32') end, 'its dtype stays bf16', 'back to fp32')
+  -- the engine over it (its bf16 panels packed from the copies): the kept base's tokens and log-probs
+  local outs = {}
+  for i, m in ipairs({ kept, frozen }) do
+    outs[i] = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 22, max_batch_tokens = 128, max_seqs = 8, seed = 1 }):generate(
+      { { prompt_ids = { 1, 2, 3 }, n = 2 } }, { temperature = 1, max_tokens = 6, seed = 2 })
+  end
+  for j = 1, 2 do
+    t.eq(table.concat(outs[2][1][j].ids, ' '), table.concat(outs[1][1][j].ids, ' '), 'sample ' .. j .. ' tokens')
+    t.eq(table.concat(outs[2][1][j].logprobs, ' '), table.concat(outs[1][1][j].logprobs, ' '), 'sample ' .. j .. ' log-probs')
+  end
+  -- a run in bf16 freezes its base so, and trains
+  local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=2', 'model.lora.rank=4', 'model.dtype=bf16',
+    'train.lr=1e-2', 'model.lora.save_merged=true', 'run.dir=' .. dir .. '/bf16' }))
+  t.eq(U.event(out.dir, 'lora').base_bf16, true, 'the lora event says the base is stored in bf16')
+  t.truthy(out.model.frozen16, 'the policy\'s base is stored in bf16')
+  t.truthy(fs.exists(out.dir .. '/model_merged/model.safetensors'), 'the merged save reads the copies')
+end)
+
 t.test('what LoRA does not do yet, and bad keys, are usage errors naming the key', function()
   for _, c in ipairs({
     { { 'model.lora.rank=4', 'dist.zero=2' }, 'dist.zero=2' },

@@ -563,6 +563,17 @@ typedef struct mrl_quant_tensor {
 mrl_status mrl_model_create_quantized(const mrl_model_config *cfg, const mrl_quant_tensor *tensors, int n,
                                       mrl_model **out);
 int64_t mrl_model_quantized_bytes(const mrl_model *m);
+/* A frozen base stored in bf16 ("stored in bf16 where model.dtype allows"): a bf16 model with LoRA
+ * adapters keeps its layers' matrices (and an untied head) only as the bf16 copies its products
+ * read; their fp32 weights are freed, the parameters becoming a region as a quantized base's (the
+ * embedding, norms and biases stay fp32). The model computes as before, bit for bit. Its fp32
+ * matrices are then its bf16 copies widened (mrl_model_fetch, saving, a merged copy). The dtype
+ * stays bf16 and the model on its device from here on. mrl_model_frozen_bf16: 1 when so. */
+mrl_status mrl_model_freeze_bf16(mrl_model *m);
+int mrl_model_frozen_bf16(const mrl_model *m);
+/* Every parameter into host (mrl_model_num_params floats): a copy of the buffer, or a quantized
+ * or bf16-frozen base's made whole view by view where it is (mrl_model_fetch), copied and let go. */
+mrl_status mrl_model_read_params(mrl_model *m, float *host);
 
 /* The compute copy of a sharded model, for an engine that generates alone
  * (mrl_engine_attach_copy), on the model's device. Of a bf16 model: the bf16

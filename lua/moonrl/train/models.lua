@@ -246,6 +246,18 @@ function M.apply_lora(cfg, policy)
   return info, model_mod.lora_text(info, info.n, policy.n_params)
 end
 
+-- LoRA in bf16: the frozen base stored in bf16 alone ("stored in bf16 where model.dtype allows":
+-- its fp32 matrices freed, Model:freeze_base_bf16; it computes as before), except where the whole
+-- fp32 weights are sent each phase (dist.rollout_ranks). engine: one made before, which reads the
+-- policy's buffer (attached again). Returns the bytes freed, or nil.
+function M.freeze_base(cfg, policy, engine)
+  if not policy:lora() or policy:dtype() ~= 'bf16' or policy.quantized or policy.frozen16 then return nil end
+  if ((type(cfg.dist) == 'table' and cfg.dist.rollout_ranks) or 0) > 0 then return nil end
+  local freed = policy:freeze_base_bf16()
+  if engine and engine.attach_params then engine:attach_params(nil) end
+  return freed
+end
+
 -- The base of a model with LoRA adapters, as a model: its forwards are the model's with the adapters
 -- off (the same weights and buffers: no copy; a forward clobbers the model's own last forward, so
 -- it goes before the model's, as a reference's does); everything else is the model's.

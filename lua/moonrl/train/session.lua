@@ -169,6 +169,7 @@ function M.start(cfg, opts)
   if policy and opts.lora ~= false and models.lora_wanted(cfg) then
     models.lora_lr(cfg)
     lora_line = select(2, models.apply_lora(cfg, policy))
+    models.freeze_base(cfg, policy)
   end
   local gen, gen_sync = policy, nil -- (the model the engine generates with, and its refresh)
   if policy and policy.pp and cfg.engine and opts.engine ~= false then
@@ -328,12 +329,12 @@ function Session:start_lora()
     policy.source_dir = base
     line = select(2, models.apply_lora(self.cfg, policy))
     if self.world.size > 1 then M.broadcast_lora(self, policy) end
-    self:merge_engine()
   else
     local info = policy:lora()
     line = string.format('LoRA: rank %d, alpha %g (from the checkpoint)', info.rank, info.alpha)
-    self:merge_engine()
   end
+  models.freeze_base(self.cfg, policy, self.engine)
+  self:merge_engine()
   M.announce_lora(self, policy, line)
 end
 
@@ -368,12 +369,15 @@ function M.announce_lora(S, policy, line)
   if policy.quantized then -- (model.lora.quantized_base: what its blocks hold, and would in fp32)
     line = line .. string.format('; the base\'s matrices as blocks: %.1f MiB (%.1f MiB in fp32)',
       policy.quantized / 2 ^ 20, 4 * policy.quantized_params / 2 ^ 20)
+  elseif policy.frozen16 then
+    line = line .. '; the base stored in bf16 (its fp32 matrices freed)'
   end
   if S.world.rank == 0 and S.cfg.quiet ~= true then print(line) end
   local info = policy:lora()
   S:event('lora', { rank = info.rank, alpha = info.alpha, targets = info.targets, trainable = info.n,
     params = policy.n_params, share = info.n / policy.n_params, lr = S.cfg.train and S.cfg.train.lr,
-    quantized_base = policy.quantized, quantized_params = policy.quantized_params }, { quiet = true })
+    quantized_base = policy.quantized, quantized_params = policy.quantized_params, base_bf16 = policy.frozen16 },
+    { quiet = true })
 end
 
 -- dist.zero=3 on several ranks: the layout (dist.shard_layout) of the ranks that shard the
@@ -659,7 +663,7 @@ function Session:model(name, model, opts)
   put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
   if self.world.size > 1 and not model:shard() then -- (a sharded model's ranks each loaded their own shard)
     local p, n = model:param_buffer()
-    if model.quantized then -- (a quantized base: every rank read the same file; its adapters below)
+    if model.quantized or model.frozen16 then -- (a frozen base: every rank read the same files; its adapters below)
     elseif model:device() ~= 'cpu' then
       local device = C.mrl_model_get_device(model.handle).index
       self.world:gpu_transport(self.cfg.dist and self.cfg.dist.gpu_transport or 'auto', device)
