@@ -10,7 +10,8 @@
 --     own adapters and an adapter set of its own in a slot;
 --   * the memory: its blocks, the other tensors, and at most a layer (and the head's) beyond;
 --   * GRPO over it: the run over the dequantized base's metrics, adapters and merged save, bit
---     for bit; killed and resumed, the run never stopped; what it cannot be, usage errors;
+--     for bit; killed and resumed, the run never stopped; SFT on 2 ranks, one process's adapters;
+--     what it cannot be, usage errors;
 --   * refusals naming why: a NaN block scale, a base without adapters, the buffer itself (params());
 --     read_params() makes it whole, the dequantized model's;
 --   * (MOONRL_QLORA_GPU=1, the emulated GPU's run) the same on the GPU against the CPU.
@@ -263,6 +264,26 @@ if not GPU then
     for m, same in pairs(rep.same) do t.truthy(same, m .. ': adapters equal byte for byte') end
     t.eq(#rep.metrics, 5, 'one metrics line per step')
     for i = 1, 5 do t.eq(rep.metrics[i], rep.metrics_ref[i], 'metrics of step ' .. i) end
+  end)
+
+  t.test('sft over the quantized base on 2 ranks: each rank reads the file, the adapters of one process', function()
+    if not U.which('mpirun') then print('  no mpirun: skipped') return end
+    local sft = {}
+    for i, p in ipairs(U.additions(32, 4)) do sft[i] = { prompt = p.prompt, response = p.answer } end
+    local words = { 'model.dir=' .. DIR .. '/qwen3.gguf', 'data.path=' .. U.write_jsonl(dir .. '/sft.jsonl', sft),
+      'train.steps=3', 'train.batch=8', 'train.lr=1e-2', 'model.lora.rank=4', 'model.lora.quantized_base=true',
+      'run.threads=1' }
+    local exe = rawget(_G, 'MOONRL_EXE')
+    U.run_ranks(exe, 0, 'recipes/sft.lua', U.with(words, { 'run.dir=' .. dir .. '/sft1' }))
+    U.run_ranks(exe, 2, 'recipes/sft.lua', U.with(words, { 'run.dir=' .. dir .. '/sft2' }))
+    local e = U.rel_diff(U.weights(dir .. '/sft1/model/adapter_model.safetensors'),
+      U.weights(dir .. '/sft2/model/adapter_model.safetensors'))
+    t.truthy(e <= 1e-5, 'the adapters of 2 ranks within 1e-5 of one process: ' .. e)
+    local moved = 0
+    for name, w in pairs(U.weights(dir .. '/sft2/model/adapter_model.safetensors')) do
+      if name:find('lora_B', 1, true) then for i = 0, w.n - 1 do moved = moved + (w.buf[i] ~= 0 and 1 or 0) end end
+    end
+    t.truthy(moved > 0, 'and trained: ' .. moved .. ' B values moved from 0')
   end)
 
   t.test('what a quantized base cannot be is a usage error naming the key', function()
