@@ -130,6 +130,14 @@ static int get_bool(const mrl_json *o, const char *key, int *out) {
         }                                                                                                   \
     } while (0)
 
+/* yarn's attention factor when config.json gives none, as Transformers infers it */
+static double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * log(scale) + 1.0; }
+static double yarn_attention_factor(const mrl_model_config *c) {
+    if (c->rope_mscale != 0 && c->rope_mscale_all_dim != 0)
+        return yarn_mscale(c->rope_factor, c->rope_mscale) / yarn_mscale(c->rope_factor, c->rope_mscale_all_dim);
+    return yarn_mscale(c->rope_factor, 1);
+}
+
 static mrl_status parse_rope_scaling(const mrl_json *rs, const char *source, mrl_model_config *c) {
     if (!rs || rs->type == MRL_JSON_NULL) return MRL_OK;
     if (rs->type != MRL_JSON_OBJECT) return mrl_set_error(MRL_ERR_FORMAT, "%s: \"rope_scaling\" must be an object", source);
@@ -137,11 +145,36 @@ static mrl_status parse_rope_scaling(const mrl_json *rs, const char *source, mrl
     if (!type) type = mrl_json_get_string(rs, "type");
     if (!type) return mrl_set_error(MRL_ERR_FORMAT, "%s: rope_scaling has no \"rope_type\"", source);
     if (strcmp(type, "default") == 0) return MRL_OK;
-    if (strcmp(type, "llama3") != 0)
-        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: rope_scaling type '%s' is not supported (only 'llama3')", source, type);
-    c->rope_scaling = MRL_ROPE_LLAMA3;
     const mrl_json *root = rs;
     mrl_status st = MRL_OK;
+    if (strcmp(type, "yarn") == 0) { /* Transformers' _compute_yarn_parameters */
+        c->rope_scaling = MRL_ROPE_YARN;
+        c->rope_factor = 0, c->rope_beta_fast = 32, c->rope_beta_slow = 1, c->rope_truncate = 1;
+        c->rope_mscale = c->rope_mscale_all_dim = 0;
+        WANT(int, "original_max_position_embeddings", &c->rope_original_max_position_embeddings, 1);
+        WANT(num, "factor", &c->rope_factor, 0);
+        WANT(num, "beta_fast", &c->rope_beta_fast, 0);
+        WANT(num, "beta_slow", &c->rope_beta_slow, 0);
+        WANT(num, "mscale", &c->rope_mscale, 0);
+        WANT(num, "mscale_all_dim", &c->rope_mscale_all_dim, 0);
+        WANT(bool, "truncate", &c->rope_truncate, 0);
+        double af = 0;
+        WANT(num, "attention_factor", &af, 0);
+        if (c->rope_original_max_position_embeddings <= 0)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: rope_scaling yarn needs original_max_position_embeddings > 0", source);
+        if (c->rope_factor == 0) /* (DeepSeek-V3's way: the ratio of the lengths) */
+            c->rope_factor = (double)c->max_position_embeddings / c->rope_original_max_position_embeddings;
+        if (!(c->rope_factor > 0) || !(c->rope_beta_fast > 0) || !(c->rope_beta_slow > 0) || !(af >= 0))
+            return mrl_set_error(MRL_ERR_INVALID, "%s: rope_scaling yarn needs factor, beta_fast, beta_slow > 0 and "
+                                 "attention_factor >= 0", source);
+        c->rope_attention_factor_given = af > 0;
+        c->rope_attention_factor = af > 0 ? af : yarn_attention_factor(c);
+        return MRL_OK;
+    }
+    if (strcmp(type, "llama3") != 0)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: rope_scaling type '%s' is not supported (llama3 or yarn)", source,
+                             type);
+    c->rope_scaling = MRL_ROPE_LLAMA3;
     WANT(num, "factor", &c->rope_factor, 1);
     WANT(num, "low_freq_factor", &c->rope_low_freq_factor, 1);
     WANT(num, "high_freq_factor", &c->rope_high_freq_factor, 1);
@@ -348,14 +381,22 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
     const struct { const char *name; double v; } reals[] = {
         {"rms_norm_eps", c->rms_norm_eps}, {"rope_theta", c->rope_theta}, {"initializer_range", c->initializer_range},
         {"rope_scaling.factor", c->rope_factor}, {"rope_scaling.low_freq_factor", c->rope_low_freq_factor},
-        {"rope_scaling.high_freq_factor", c->rope_high_freq_factor}, {"router_aux_loss_coef", c->router_aux_loss_coef}};
+        {"rope_scaling.high_freq_factor", c->rope_high_freq_factor}, {"router_aux_loss_coef", c->router_aux_loss_coef},
+        {"rope_scaling.beta_fast", c->rope_beta_fast}, {"rope_scaling.beta_slow", c->rope_beta_slow},
+        {"rope_scaling.attention_factor", c->rope_attention_factor}, {"rope_scaling.mscale", c->rope_mscale},
+        {"rope_scaling.mscale_all_dim", c->rope_mscale_all_dim}};
     for (size_t i = 0; i < sizeof reals / sizeof *reals; i++)
         if (!isfinite(reals[i].v))
             return mrl_set_error(MRL_ERR_INVALID, "model config: %s = %g (must be a finite number)", reals[i].name, reals[i].v);
     if (!(c->rms_norm_eps > 0) || !(c->rope_theta > 0) || !(c->initializer_range >= 0))
         return mrl_set_error(MRL_ERR_INVALID, "model config: rms_norm_eps, rope_theta must be > 0 and initializer_range >= 0");
-    if (c->rope_scaling != MRL_ROPE_NONE && c->rope_scaling != MRL_ROPE_LLAMA3)
+    if (c->rope_scaling != MRL_ROPE_NONE && c->rope_scaling != MRL_ROPE_LLAMA3 && c->rope_scaling != MRL_ROPE_YARN)
         return mrl_set_error(MRL_ERR_UNSUPPORTED, "model config: rope_scaling = %d", c->rope_scaling);
+    if (c->rope_scaling == MRL_ROPE_YARN && (!(c->rope_factor > 0) || !(c->rope_beta_fast > 0) ||
+                                             !(c->rope_beta_slow > 0) || !(c->rope_attention_factor > 0) ||
+                                             c->rope_original_max_position_embeddings <= 0))
+        return mrl_set_error(MRL_ERR_INVALID, "model config: rope_scaling yarn needs factor, beta_fast, beta_slow, "
+                             "attention_factor and original_max_position_embeddings > 0");
     return MRL_OK;
 }
 
@@ -392,7 +433,16 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
         put(&o, "  \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": %.17g, \"low_freq_factor\": %.17g, "
                 "\"high_freq_factor\": %.17g, \"original_max_position_embeddings\": %d},\n",
             c->rope_factor, c->rope_low_freq_factor, c->rope_high_freq_factor, c->rope_original_max_position_embeddings);
-    else
+    else if (c->rope_scaling == MRL_ROPE_YARN) {
+        put(&o, "  \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": %.17g, \"original_max_position_embeddings\": %d, "
+                "\"beta_fast\": %.17g, \"beta_slow\": %.17g, \"truncate\": %s", c->rope_factor,
+            c->rope_original_max_position_embeddings, c->rope_beta_fast, c->rope_beta_slow,
+            c->rope_truncate ? "true" : "false");
+        if (c->rope_mscale != 0) put(&o, ", \"mscale\": %.17g", c->rope_mscale);
+        if (c->rope_mscale_all_dim != 0) put(&o, ", \"mscale_all_dim\": %.17g", c->rope_mscale_all_dim);
+        if (c->rope_attention_factor_given) put(&o, ", \"attention_factor\": %.17g", c->rope_attention_factor);
+        put(&o, "},\n");
+    } else
         put(&o, "  \"rope_scaling\": null,\n");
     put(&o, "  \"initializer_range\": %.17g,\n  \"tie_word_embeddings\": %s,\n", c->initializer_range,
         c->tie_word_embeddings ? "true" : "false");

@@ -37,6 +37,13 @@ local function config_table(c)
     t.rope_scaling = { rope_type = 'llama3', factor = tonumber(c.rope_factor),
       low_freq_factor = tonumber(c.rope_low_freq_factor), high_freq_factor = tonumber(c.rope_high_freq_factor),
       original_max_position_embeddings = tonumber(c.rope_original_max_position_embeddings) }
+  elseif c.rope_scaling == C.MRL_ROPE_YARN then
+    t.rope_scaling = { rope_type = 'yarn', factor = tonumber(c.rope_factor),
+      original_max_position_embeddings = tonumber(c.rope_original_max_position_embeddings),
+      beta_fast = tonumber(c.rope_beta_fast), beta_slow = tonumber(c.rope_beta_slow), truncate = c.rope_truncate ~= 0,
+      mscale = c.rope_mscale ~= 0 and tonumber(c.rope_mscale) or nil,
+      mscale_all_dim = c.rope_mscale_all_dim ~= 0 and tonumber(c.rope_mscale_all_dim) or nil,
+      attention_factor = c.rope_attention_factor_given ~= 0 and tonumber(c.rope_attention_factor) or nil }
   end
   if t.model_type == 'qwen3_moe' then -- the experts (model.h), so that M.new(m.config) makes the same model
     for _, k in ipairs({ 'num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'decoder_sparse_step',

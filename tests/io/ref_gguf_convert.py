@@ -92,8 +92,9 @@ def llama3_divisors(theta, hd, factor, low=1.0, high=4.0, old=8192):
     return np.array(out, dtype=np.float32)
 
 
-def make(arch, path, tied, pre, rng, rope_freqs=None, quant=None):
-    """A tiny model of arch written to path; quant: GGUF tensor name -> a ggml type to store it as."""
+def make(arch, path, tied, pre, rng, rope_freqs=None, quant=None, meta=None):
+    """A tiny model of arch written to path; quant: GGUF tensor name -> a ggml type to store it as;
+    meta(w): more metadata written."""
     D, F, L, Hq, Hk = 32, 48, 2, 4, 2
     hd = 16 if arch == "qwen3" else D // Hq
     alphabet = byte_alphabet()
@@ -130,6 +131,8 @@ def make(arch, path, tied, pre, rng, rope_freqs=None, quant=None):
         w.add_value_length(hd)
     add_bpe_tokenizer(w, pre, tokens, types, merges)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    if meta:
+        meta(w)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
@@ -170,6 +173,16 @@ def make(arch, path, tied, pre, rng, rope_freqs=None, quant=None):
     return hf, tk, dict(D=D, F=F, L=L, Hq=Hq, Hk=Hk, hd=hd, V=V)
 
 
+def converted(tmp, tag, arch, pre, rng, **kw):
+    """A tied model of arch made (make's kw) and run through moonrl convert: the result, its config.json
+    (empty when it failed) and that config's rope_scaling."""
+    path, out = os.path.join(tmp, tag + ".gguf"), os.path.join(tmp, "hf-" + tag)
+    make(arch, path, True, pre, rng, **kw)
+    r = subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
+    cfg = json.load(open(os.path.join(out, "config.json"))) if r.returncode == 0 else {}
+    return r, cfg, cfg.get("rope_scaling") or {}
+
+
 TEXTS = ["the cat in the hat", "12 123 1234", "<|im_start|>hi<|endoftext|>", "naïve — 東京\n\n  x"]
 
 
@@ -207,13 +220,8 @@ def main():
         # Llama 3.1+: RoPE scaling as the rope_freqs tensor -> the config's rope_scaling (head_dim 8:
         # one frequency in each regime: unscaled, blended, scaled); other divisors: an error
         for divs, ok in ((llama3_divisors(500000.0, 8, 32.0), True), (np.array([1, 2, 3, 4], np.float32), False)):
-            path = os.path.join(tmp, "llama3-%s.gguf" % ok)
-            make("llama", path, True, "gpt2", rng, rope_freqs=divs)
-            out = os.path.join(tmp, "hf-llama3-%s" % ok)
-            r = subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
+            r, cfg, rs = converted(tmp, "llama3-%s" % ok, "llama", "gpt2", rng, rope_freqs=divs)
             if ok:
-                cfg = json.load(open(os.path.join(out, "config.json"))) if r.returncode == 0 else {}
-                rs = cfg.get("rope_scaling") or {}
                 check(r.returncode == 0 and rs.get("rope_type") == "llama3" and rs.get("factor") == 32 and
                       rs.get("low_freq_factor") == 1 and rs.get("high_freq_factor") == 4 and
                       rs.get("original_max_position_embeddings") == 8192 and cfg.get("rope_theta") == 500000,
@@ -221,6 +229,22 @@ def main():
             else:
                 check(r.returncode == 2 and "is not Llama 3 RoPE scaling" in r.stderr,
                       "other rope_freqs: a usage error naming them: " + r.stderr.strip()[-200:])
+        # a Qwen config's yarn (llama.cpp's converter: rope.scaling.type, .factor, .original_context_length)
+        # -> the config's rope_scaling; without its factor: an error naming the key
+        for ok in (True, False):
+            def yarn(w, ok=ok):
+                w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+                w.add_rope_scaling_orig_ctx_len(32)
+                if ok:
+                    w.add_rope_scaling_factor(4.0)
+            r, cfg, rs = converted(tmp, "yarn-%s" % ok, "qwen2", "qwen2", rng, meta=yarn)
+            if ok:
+                check(r.returncode == 0 and rs.get("rope_type") == "yarn" and rs.get("factor") == 4 and
+                      rs.get("original_max_position_embeddings") == 32,
+                      "yarn metadata -> rope_scaling yarn (factor 4 from 32): %s %s" % (rs, r.stderr.strip()[-200:]))
+            else:
+                check(r.returncode == 2 and "rope.scaling.factor" in r.stderr,
+                      "yarn without its factor: a usage error naming the key: " + r.stderr.strip()[-200:])
         bad = os.path.join(tmp, "bad.gguf")
         with open(bad, "wb") as f:
             f.write(b"not a gguf file at all")

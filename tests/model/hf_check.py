@@ -124,6 +124,12 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 43):  #
     case("llama3 rope scaling", dict(base, model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0,
          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position_embeddings=8)))
+    # yarn (Qwen's long-context configs; DeepSeek-V3's form: its factor from the lengths, mscale over mscale_all_dim)
+    case("qwen2 yarn rope scaling", dict(base, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+         max_position_embeddings=64, rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)))
+    case("llama yarn as DeepSeek-V3 gives it", dict(base, model_type="llama", architectures=["LlamaForCausalLM"],
+         max_position_embeddings=64, rope_scaling=dict(type="yarn", original_max_position_embeddings=16, beta_fast=32,
+                                                       beta_slow=1, mscale=1.0, mscale_all_dim=0.707)))
 case("llama, saved in shards of 40 KB", dict(base, model_type="llama", architectures=["LlamaForCausalLM"]),
      shard_bytes=40000)
 case("qwen2 biases, tied", dict(base, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True))

@@ -110,6 +110,12 @@ run_case("llama tied, temperature 0.7", dict(llama, tie_word_embeddings=True, nu
 run_case("llama3 rope scaling, theta 5e5", dict(llama, rope_theta=500000.0, rope_scaling=dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)),
     [30, 9], seed=3)
+run_case("yarn rope scaling (Qwen's long context: factor 4 from 16)", dict(llama, max_position_embeddings=64,
+         rope_theta=1000000.0, rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+         [30, 9], seed=4)
+run_case("yarn as DeepSeek-V3 gives it (factor from the lengths, mscale / mscale_all_dim, beta 32/1)",
+         dict(llama, max_position_embeddings=80, rope_scaling=dict(type="yarn", original_max_position_embeddings=20,
+              beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)), [41, 3], seed=5)
 run_case("qwen2 biases, GQA 6/2", dict(llama, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=48,
                                       num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True), lens,
          value_head=True)

@@ -133,9 +133,43 @@ t.test('save and load', function()
   os.execute("rm -rf '" .. dir .. "'")
 end)
 
+t.test('yarn rope scaling: the config table, a copy and a saved model compute the same (the float64 check: model_ref.py)', function()
+  local c = { model_type = 'qwen3', vocab_size = 50, hidden_size = 32, intermediate_size = 48, num_hidden_layers = 1,
+    num_attention_heads = 2, num_key_value_heads = 1, head_dim = 16, max_position_embeddings = 64,
+    rope_scaling = { type = 'yarn', original_max_position_embeddings = 16, mscale = 1.0, mscale_all_dim = 0.707, beta_fast = 16 } }
+  local m = moonrl.model.new(c, { seed = 1 })
+  t.eq(m.config.rope_scaling.rope_type, 'yarn')
+  t.eq(m.config.rope_scaling.factor, 4, 'factor: max_position_embeddings / original_max_position_embeddings')
+  local dir = os.tmpname()
+  os.remove(dir)
+  m:save(dir)
+  local ids = {}
+  for i = 1, 40 do ids[i] = i end -- (past the original 16 positions)
+  local b = moonrl.model.batch({ ids })
+  local want = {}
+  local lp = m:forward(b)
+  for i = 0, 38 do want[i] = lp[i] end
+  local plain = moonrl.model.new({ model_type = 'qwen3', vocab_size = 50, hidden_size = 32,
+    intermediate_size = 48, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1, head_dim = 16,
+    max_position_embeddings = 64 }, { seed = 1 })
+  for _, other in ipairs({ moonrl.model.new(m.config, { seed = 1 }), moonrl.model.load(dir) }) do
+    lp = other:forward(b)
+    for i = 0, 38 do t.eq(lp[i], want[i], 'log-prob ' .. i) end
+  end
+  lp = plain:forward(b)
+  local differ = 0
+  for i = 0, 38 do differ = math.max(differ, math.abs(lp[i] - want[i])) end
+  t.truthy(differ > 1e-4, 'and not the model without it: ' .. differ)
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
 t.test('errors name the problem', function()
-  t.raises(function() moonrl.model.new({ model_type = 'llama', vocab_size = 10, hidden_size = 8, intermediate_size = 8,
-    num_hidden_layers = 1, num_attention_heads = 2, rope_scaling = { rope_type = 'yarn', factor = 2 } }) end, 'yarn')
+  local function rope(rs) return { model_type = 'llama', vocab_size = 10, hidden_size = 8, intermediate_size = 8,
+    num_hidden_layers = 1, num_attention_heads = 2, rope_scaling = rs } end
+  t.raises(function() moonrl.model.new(rope({ rope_type = 'yarn', factor = 2 })) end, 'original_max_position_embeddings')
+  t.raises(function() moonrl.model.new(rope({ rope_type = 'dynamic', factor = 2 })) end, "type 'dynamic'")
+  t.raises(function() moonrl.model.new(rope({ rope_type = 'yarn', factor = -2, original_max_position_embeddings = 4 })) end,
+    'rope_scaling yarn needs factor')
   t.raises(function() moonrl.model.new({ model_type = 'gpt2' }) end, 'gpt2')
   local m = moonrl.model.new(cfg)
   t.raises(function() m:forward(moonrl.model.batch({ { 1, 99 } })) end, 'outside')

@@ -21,19 +21,52 @@ def inv_freq_of(cfg, hd):
         smoothed = (1 - smooth) * out / f + smooth * out
         medium = ~(wl < old / hi) * ~(wl > old / lo)
         inv = torch.where(medium, smoothed, out)
+    if rs and (rs.get("rope_type") or rs.get("type")) == "yarn":  # the YaRN paper's ramp between interpolation and extrapolation
+        base, old = cfg.get("rope_theta", 10000.0), rs["original_max_position_embeddings"]
+        f = rs.get("factor") or cfg["max_position_embeddings"] / old
+
+        def dim_of(rot):  # the dimension whose frequency makes `rot` turns over the original context
+            return hd * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = dim_of(rs.get("beta_fast") or 32), dim_of(rs.get("beta_slow") or 1)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, hd - 1)
+        if lo == hi:
+            hi += 0.001
+        pos = base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)
+        keep = 1 - torch.clamp((torch.arange(hd // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+        inv = 1.0 / (f * pos) * (1 - keep) + 1.0 / pos * keep
     return inv.float()
+
+
+def attention_factor_of(cfg):
+    """What YaRN multiplies cos and sin by (1 otherwise): given, or 0.1 ln(factor) + 1 (DeepSeek's
+    mscale / mscale_all_dim ratio when both are given)."""
+    rs = cfg.get("rope_scaling")
+    if not rs or (rs.get("rope_type") or rs.get("type")) != "yarn":  # (old configs: "type")
+        return 1.0
+    if rs.get("attention_factor"):
+        return rs["attention_factor"]
+    f = rs.get("factor") or cfg["max_position_embeddings"] / rs["original_max_position_embeddings"]
+
+    def m(scale, ms):
+        return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return m(f, rs["mscale"]) / m(f, rs["mscale_all_dim"])
+    return m(f, 1.0)
 
 
 def rmsnorm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x, inv_freq, L):  # x [L, H, hd], rotate_half convention
+def rope(x, inv_freq, L, af=1.0):  # x [L, H, hd], rotate_half convention; af: YaRN's factor on cos and sin
     ang = (torch.arange(L, dtype=torch.int64).float()[:, None] * inv_freq[None, :]).double()
     emb = torch.cat([ang, ang], -1)[:, None, :]
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * emb.cos() + rot * emb.sin()
+    return x * (emb.cos() * af) + rot * (emb.sin() * af)
 
 
 def linear(P, l, name, x):
@@ -60,7 +93,7 @@ def final_hidden(cfg, P, tok, mlp=dense_mlp):
     hd = cfg.get("head_dim") or D // Hq
     eps = cfg.get("rms_norm_eps", 1e-6)
     qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] in ("qwen3", "qwen3_moe")
-    inv = inv_freq_of(cfg, hd)
+    inv, af = inv_freq_of(cfg, hd), attention_factor_of(cfg)
     L = len(tok)
     x = P["model.embed_tokens.weight"][tok]
     for l in range(cfg["num_hidden_layers"]):
@@ -73,7 +106,7 @@ def final_hidden(cfg, P, tok, mlp=dense_mlp):
         q, k, v = q.view(L, Hq, hd), k.view(L, Hk, hd), v.view(L, Hk, hd)
         if qwen3:
             q, k = rmsnorm(q, p("self_attn.q_norm.weight"), eps), rmsnorm(k, p("self_attn.k_norm.weight"), eps)
-        q, k = rope(q, inv, L), rope(k, inv, L)
+        q, k = rope(q, inv, L, af), rope(k, inv, L, af)
         k, v = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
         sc = torch.einsum("ihe,jhe->hij", q, k) / math.sqrt(hd)
         sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))

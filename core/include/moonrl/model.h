@@ -60,7 +60,8 @@ const mrl_arch_names *mrl_model_arch_names(int arch);
 
 typedef enum mrl_rope_scaling {
     MRL_ROPE_NONE = 0,
-    MRL_ROPE_LLAMA3 = 1 /* rope_scaling {"rope_type": "llama3", ...} */
+    MRL_ROPE_LLAMA3 = 1, /* rope_scaling {"rope_type": "llama3", ...} */
+    MRL_ROPE_YARN = 2    /* rope_scaling {"rope_type": "yarn", ...} (Qwen's long context, DeepSeek-V3) */
 } mrl_rope_scaling;
 
 typedef enum mrl_kernel_backend {
@@ -91,6 +92,13 @@ typedef struct mrl_model_config {
     double rope_factor;
     double rope_low_freq_factor;
     double rope_high_freq_factor;
+    /* yarn (Transformers' _compute_yarn_parameters): the ramp's bounds in rotations (beta_fast,
+     * beta_slow: 32, 1), whether the correction range is rounded outward (truncate: 1), and
+     * what cos and sin are multiplied by (attention_factor: given, or from factor, mscale and
+     * mscale_all_dim as Transformers infers it; mscale, mscale_all_dim: 0 when absent) */
+    double rope_beta_fast, rope_beta_slow, rope_attention_factor, rope_mscale, rope_mscale_all_dim;
+    int rope_truncate;
+    int rope_attention_factor_given; /* (written back only when config.json gave it) */
     double initializer_range;
     /* mixture of experts (qwen3_moe; all 0 for the dense families). A layer
      * l is sparse (mrl_model_layer_is_moe) when num_experts > 0, l is not in

@@ -189,8 +189,9 @@ function G:hf_config()
   local vocab = count(self, p .. 'vocab_size', type(tokens) == 'table' and #tokens > 0 and #tokens or nil)
   local has = {}
   for _, t in ipairs(self.tensors) do has[t.name] = true end
-  if m[p .. 'rope.scaling.type'] and m[p .. 'rope.scaling.type'] ~= 'none' then
-    error(string.format('%s: rope scaling %s is not supported yet', self.path, tostring(m[p .. 'rope.scaling.type'])), 2)
+  local scaling = m[p .. 'rope.scaling.type']
+  if scaling and scaling ~= 'none' and scaling ~= 'yarn' then
+    error(string.format('%s: rope scaling %s is not supported yet (yarn is)', self.path, tostring(scaling)), 2)
   end
   local cfg = {
     architectures = { ARCH[arch] }, model_type = MODEL_TYPE[arch],
@@ -206,6 +207,14 @@ function G:hf_config()
     eos_token_id = self:token_id('tokenizer.ggml.eos_token_id', vocab),
     torch_dtype = 'float32',
   }
+  if scaling == 'yarn' then -- (llama.cpp's converter: a Qwen config's long-context yarn)
+    local factor, old = m[p .. 'rope.scaling.factor'], m[p .. 'rope.scaling.original_context_length']
+    if type(factor) ~= 'number' or type(old) ~= 'number' then
+      error(string.format('%s: GGUF metadata %srope.scaling.type yarn needs %srope.scaling.factor and ' ..
+        '%srope.scaling.original_context_length', self.path, p, p, p), 2)
+    end
+    cfg.rope_scaling = { rope_type = 'yarn', factor = factor, original_max_position_embeddings = old }
+  end
   if arch == 'qwen2' then cfg.attention_bias = has['blk.0.attn_q.bias'] or false end
   for _, t in ipairs(self.tensors) do
     if t.name == 'rope_freqs.weight' then cfg.rope_scaling = llama3_rope(self, t, cfg.rope_theta, cfg.head_dim, p) end
