@@ -5,6 +5,7 @@
  * gradient buffer created on first use, gradient windows and sharded
  * parameters (ZeRO-2 and 3: the same numbers as the whole model). The
  * numbers themselves are checked against PyTorch in model_ref.py. */
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <sys/wait.h>
@@ -57,8 +58,14 @@ static void test_config(void) {
     CHECK_OK(parse("{\"architectures\": [\"LlamaForSequenceClassification\"], \"model_type\": \"llama\", " BASE "}", &c));
     CHECK(c.value_head == 1);
 
-    CHECK(parse("{\"model_type\": \"llama\", " BASE ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}}", &c) == MRL_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(mrl_last_error(), "yarn");
+    CHECK(parse("{\"model_type\": \"llama\", " BASE ", \"rope_scaling\": {\"rope_type\": \"dynamic\", \"factor\": 4.0}}", &c) == MRL_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(mrl_last_error(), "'dynamic'");
+    CHECK(parse("{\"model_type\": \"llama\", " BASE ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}}", &c) == MRL_ERR_FORMAT);
+    CHECK_STR_CONTAINS(mrl_last_error(), "original_max_position_embeddings");
+    CHECK_OK(parse("{\"model_type\": \"llama\", " BASE ", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0, "
+                   "\"original_max_position_embeddings\": 8}}", &c));
+    CHECK(c.rope_scaling == MRL_ROPE_YARN && c.rope_factor == 4.0 && c.rope_beta_fast == 32 && c.rope_beta_slow == 1 &&
+          c.rope_truncate == 1 && fabs(c.rope_attention_factor - (0.1 * log(4.0) + 1)) < 1e-15);
     CHECK(parse("{\"model_type\": \"qwen2\", " BASE ", \"use_sliding_window\": true}", &c) == MRL_ERR_UNSUPPORTED);
     CHECK_STR_CONTAINS(mrl_last_error(), "sliding");
     CHECK(parse("{\"model_type\": \"qwen3\", " BASE ", \"layer_types\": [\"full_attention\", \"sliding_attention\"]}", &c) ==
