@@ -763,14 +763,13 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     e->a.n_lora_segs = n_segs;
     /* a quantized base: a step of few rows (decode) reads its blocks (the qgemm op), a longer one
      * makes each layer whole (its products are then the trainer's) */
-    int quant = e->reads_own && mrl_model_quantized_bytes(m) > 0;
-    int blocks = quant && e->qlayers && T <= QGEMM_ROWS;
-    if (blocks) quant = 0;
+    int quantized = e->reads_own && mrl_model_quantized_bytes(m) > 0;
+    int blocks = quantized && e->qlayers && T <= QGEMM_ROWS, whole = quantized && !blocks;
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         layer_params *p = &e->lp[l];
         p->quant = blocks ? &e->qlayers[l] : NULL;
         for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
-        if (quant && (st = mrl_model_layer_use(e->m, l))) break;
+        if (whole && (st = mrl_model_layer_use(e->m, l))) break;
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
         if (mrl_kv_cache_get_config(e->kv)->bf16)
             k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping,
@@ -781,7 +780,7 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
         mrl_paged_attn args;
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
         if (st) {
-            if (quant) mrl_model_layer_unuse(e->m, l);
+            if (whole) mrl_model_layer_unuse(e->m, l);
             break;
         }
         int64_t need = k->paged_attn_workspace(&args); /* (the CUDA kernel needs none) */
@@ -795,11 +794,11 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
         }
         st = k->paged_attn(&args);
         if (st) {
-            if (quant) mrl_model_layer_unuse(e->m, l);
+            if (whole) mrl_model_layer_unuse(e->m, l);
             break;
         }
         mrl_layer_out(m, p, &e->a, e->x, e->x, T);
-        if (quant) mrl_model_layer_unuse(e->m, l);
+        if (whole) mrl_model_layer_unuse(e->m, l);
         if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
     }
     if (!st) st = mrl_model_tp_status(e->m); /* tensor parallel: a sum over the group that failed */

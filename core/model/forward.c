@@ -373,7 +373,8 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     m->replayed = m->replay_differ = 0;
     mrl_moe_ep_begin(m);
     for (int l = 0, ord = 0; l < c->num_hidden_layers; l++) {
-        int64_t lo = m->lp[l].ln1 - m->params, hi = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
+        int64_t lo, hi;
+        mrl_model_layer_range(m, l, &lo, &hi);
         int64_t next_hi = l + 2 < L ? m->lp[l + 2].ln1 - m->params : l + 1 < L ? layers_end : m->n_params;
         if ((st = mrl_model_use(m, lo, hi, hi, next_hi))) { /* (the one after it: the head's last) */
             m->have_forward = 0;
@@ -599,7 +600,8 @@ mrl_status mrl_model_backward(mrl_model *m, const float *dlogprobs, const float 
     }
     mrl_moe_ep_begin(m);
     for (int l = L - 1; l >= 0; l--) {
-        int64_t begin = m->lp[l].ln1 - m->params, end = l + 1 < L ? m->lp[l + 1].ln1 - m->params : layers_end;
+        int64_t begin, end;
+        mrl_model_layer_range(m, l, &begin, &end);
         if (m->grad_acquire && (st = lend(m, l, begin, end))) return st;
         if ((st = mrl_model_use(m, begin, end, l > 0 ? m->lp[l - 1].ln1 - m->params : 0, l > 0 ? begin : 0)))
             return st;

@@ -282,12 +282,8 @@ mrl_status mrl_model_lora_merged(mrl_model *m, float *dst) {
     const mrl_kernels *k = m->k;
     int64_t r = m->lora->cfg.rank, E = c->num_experts;
     float s = m->lora->scale;
-    if (m->quant) { /* a quantized base: its weights dequantized (quant.c) */
-        mrl_status st = mrl_model_quant_read(m, dst);
-        if (st) return st;
-    } else {
-        memcpy(dst, m->params, sizeof(float) * m->n_params);
-    }
+    mrl_status st = mrl_model_read_params(m, dst); /* (a frozen base's made whole: quant.c) */
+    if (st) return st;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const lora_layer *P = &m->lora->lp[l];
         mrl_layer_matrix mats[7];

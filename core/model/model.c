@@ -186,7 +186,13 @@ mrl_status mrl_model_point_params(mrl_model *m, float *base) {
     layout lo = {.m = m, .names = m->names};
     build_layout(&lo); /* point at the parameters (the views come out the same) */
     mrl_lora_point(m); /* (the layer tables were rebuilt) */
+    mrl_model_point_w16(m);
     return MRL_OK;
+}
+
+void mrl_model_point_w16(mrl_model *m) {
+    mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
+    m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
 }
 
 mrl_status mrl_model_alloc(const mrl_model_config *cfg, mrl_model **out) {
@@ -424,8 +430,7 @@ mrl_status mrl_model_set_dtype(mrl_model *m, int dtype) {
         m->w16_region = NULL;
         m->w16 = NULL;
     }
-    mrl_model_weights16_at(m, m->w16, NULL, m->lp); /* the trainer's layers read them (NULL: none) */
-    m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
+    mrl_model_point_w16(m);
     mrl_model_release_activations(m); /* laid out again for the dtype (the head's bf16 buffer) */
     m->dtype = dtype;
     return MRL_OK;
@@ -624,20 +629,15 @@ mrl_status mrl_model_set_device(mrl_model *m, mrl_device device) {
     }
     /* point everything at where the buffers are now (a failure above leaves a part behind:
      * the model is then only fit for mrl_model_free) */
-    m->params = m->p_region ? mrl_mem_region_base(m->p_region) : m->params_buf.data;
     m->grads = m->grads_buf.data;
     if (!m->w16_region) m->w16 = m->w16_buf.data;
-    layout lo = {.m = m, .names = m->names};
-    build_layout(&lo);
+    mrl_model_point_params(m, m->p_region ? mrl_mem_region_base(m->p_region) : m->params_buf.data);
     if (m->grads) point_grads(m);
-    mrl_model_weights16_at(m, m->w16, NULL, m->lp);
-    m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
     m->device = device;
     m->k = k;
     if (!st && m->quant && m->dtype == MRL_MODEL_BF16) { /* its copies made again there */
         st = mrl_model_quant_w16(m);
-        mrl_model_weights16_at(m, m->w16, NULL, m->lp);
-        m->lm_head16 = m->w16 ? m->w16 + (m->lm_head - m->params) : NULL;
+        mrl_model_point_w16(m);
     }
     return st;
 }

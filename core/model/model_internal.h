@@ -235,6 +235,13 @@ static inline int64_t mrl_model_layers_end(const mrl_model *m) {
     return m->final_norm ? m->final_norm - m->params : m->n_params;
 }
 
+/* layer l's range of the parameters [*lo, *hi): from its first norm to the next layer's (the last:
+ * to where the layers end) */
+static inline void mrl_model_layer_range(const mrl_model *m, int l, int64_t *lo, int64_t *hi) {
+    *lo = m->lp[l].ln1 - m->params;
+    *hi = l + 1 < m->cfg.num_hidden_layers ? m->lp[l + 1].ln1 - m->params : mrl_model_layers_end(m);
+}
+
 static inline float *grad_of(mrl_model *m, float *p) { return p ? m->grads + (p - m->params) : NULL; }
 
 /* shard.c: with sharded parameters, make [lo, hi) of the parameters whole (pinned, gathered
@@ -249,12 +256,13 @@ void mrl_model_head_unkeep(mrl_model *m);
 /* shard.c: start the gather of [lo, hi) ahead of its use, when none is ahead (a failure is the
  * use's to report) */
 void mrl_model_prefetch(mrl_model *m, int64_t lo, int64_t hi);
+/* model.c: the layer tables' and the head's bf16 pointers at m->w16 (NULL: none), after the
+ * parameters or their copies moved (mrl_model_point_params does it too) */
+void mrl_model_point_w16(mrl_model *m);
 /* quant.c: a quantized base's blocks let go (mrl_model_free); moved with the region to another
- * device (mrl_model_set_device); the whole dequantized parameters into dst [n_params] (on the
- * model's device) */
+ * device (mrl_model_set_device) */
 void mrl_model_quant_free(mrl_model *m);
 mrl_status mrl_model_quant_move(mrl_model *m, mrl_device to);
-mrl_status mrl_model_quant_read(mrl_model *m, float *dst);
 /* quant.c: a bf16 quantized base's copies: the region, the other tensors' pinned and converted for
  * the model's life (mrl_model_set_dtype, mrl_model_set_device); the matrices' of [lo, hi) made
  * from their dequantized weights (mrl_model_use) */

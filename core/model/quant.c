@@ -70,6 +70,18 @@ static mrl_status pinned_region(const mrl_model *m, mrl_device device, mrl_mem_r
     return MRL_OK;
 }
 
+/* The dense ranges' floats from src into dst (each the parameters' layout, either device). */
+static mrl_status copy_dense(const mrl_model *m, float *dst, const float *src) {
+    int n;
+    int64_t (*r)[2] = dense_ranges(m, &n);
+    if (!r) return MRL_ERR_NOMEM;
+    mrl_status st = MRL_OK;
+    for (int i = 0; !st && i < n; i++)
+        st = mrl_device_memcpy(dst + r[i][0], src + r[i][0], (size_t)(4 * (r[i][1] - r[i][0])));
+    free(r);
+    return st;
+}
+
 /* The dequantized weights of [lo, lo + count) into params (mrl_model_use's gather): each
  * quantized tensor there, whole blocks (the ranges used are whole tensors or layers). */
 static mrl_status dequantize_into(void *ctx, float *params, int64_t lo, int64_t count) {
@@ -170,30 +182,12 @@ void mrl_model_quant_free(mrl_model *m) {
     m->quant = NULL;
 }
 
-mrl_status mrl_model_quant_read(mrl_model *m, float *dst) {
-    int n;
-    int64_t (*r)[2] = dense_ranges(m, &n);
-    if (!r) return MRL_ERR_NOMEM;
-    mrl_status st = MRL_OK;
-    for (int i = 0; !st && i < n; i++)
-        st = mrl_device_memcpy(dst + r[i][0], m->params + r[i][0], (size_t)(4 * (r[i][1] - r[i][0])));
-    free(r);
-    if (!st) st = dequantize_into(m, dst, 0, m->n_params);
-    return st;
-}
-
 mrl_status mrl_model_quant_move(mrl_model *m, mrl_device to) {
     mrl_quant *q = m->quant;
     mrl_mem_region *r = NULL;
     mrl_buffer blocks;
-    int n;
-    int64_t (*d)[2] = dense_ranges(m, &n);
-    if (!d) return MRL_ERR_NOMEM;
     mrl_status st = pinned_region(m, to, &r);
-    float *base = r ? mrl_mem_region_base(r) : NULL;
-    for (int i = 0; !st && i < n; i++)
-        st = mrl_device_memcpy(base + d[i][0], m->params + d[i][0], (size_t)(4 * (d[i][1] - d[i][0])));
-    free(d);
+    if (!st) st = copy_dense(m, mrl_mem_region_base(r), m->params);
     if (!st && (st = mrl_buffer_alloc(to, (size_t)(q->bytes ? q->bytes : 1), MRL_MEM_PARAMS, &blocks)) == MRL_OK) {
         st = mrl_buffer_copy(&blocks, 0, &q->blocks, 0, (size_t)q->bytes, NULL);
         if (st) mrl_buffer_free(&blocks);
@@ -238,23 +232,17 @@ void mrl_model_quant_bf16(mrl_model *m, int64_t lo, int64_t hi) {
     }
 }
 
-/* layer l's range of the parameters (forward.c's) */
-static void layer_range(const mrl_model *m, int l, int64_t *lo, int64_t *hi) {
-    *lo = m->lp[l].ln1 - m->params;
-    *hi = l + 1 < m->cfg.num_hidden_layers ? m->lp[l + 1].ln1 - m->params : mrl_model_layers_end(m);
-}
-
 mrl_status mrl_model_layer_use(mrl_model *m, int l) {
     if (!m->quant) return MRL_OK;
     int64_t lo, hi;
-    layer_range(m, l, &lo, &hi);
+    mrl_model_layer_range(m, l, &lo, &hi);
     return mrl_model_use(m, lo, hi, 0, 0);
 }
 
 void mrl_model_layer_unuse(mrl_model *m, int l) {
     if (!m->quant) return;
     int64_t lo, hi;
-    layer_range(m, l, &lo, &hi);
+    mrl_model_layer_range(m, l, &lo, &hi);
     mrl_model_unuse(m, lo, hi);
 }
 
@@ -310,13 +298,9 @@ mrl_status mrl_model_freeze_bf16(mrl_model *m) {
     qsort(q->t, (size_t)q->n, sizeof *q->t, by_offset);
     m->quant = q;
     mrl_mem_region *r = NULL;
-    int n;
-    int64_t (*d)[2] = dense_ranges(m, &n);
-    st = d ? pinned_region(m, m->device, &r) : MRL_ERR_NOMEM;
+    st = pinned_region(m, m->device, &r);
     float *base = r ? mrl_mem_region_base(r) : NULL;
-    for (int i = 0; !st && i < n; i++)
-        st = mrl_device_memcpy(base + d[i][0], m->params + d[i][0], (size_t)(4 * (d[i][1] - d[i][0])));
-    free(d);
+    if (!st) st = copy_dense(m, base, m->params);
     if (st) {
         mrl_mem_region_free(r);
         mrl_model_quant_free(m);
@@ -328,9 +312,7 @@ mrl_status mrl_model_freeze_bf16(mrl_model *m) {
     m->gather_start = dequantize_into, m->gather_wait = nothing_to_wait, m->gather_ctx = m;
     m->shard_writer = 1;
     mrl_model_release_activations(m);
-    mrl_model_point_params(m, base);
-    mrl_model_weights16_at(m, m->w16, NULL, m->lp);
-    m->lm_head16 = m->w16 + (m->lm_head - m->params);
+    mrl_model_point_params(m, base); /* (and the bf16 pointers: the copies stay where they are) */
     return MRL_OK;
 }
 

@@ -551,29 +551,23 @@ typedef struct qgemm_ctx {
 
 static void qgemm_range(void *vc, int64_t c0, int64_t c1) { /* (chunks c0 .. c1) */
     const qgemm_ctx *c = vc;
-    static _Thread_local float w[QGEMM_CHUNK_FLOATS]; /* (128 KiB: a thread's, not its stack's) */
+    static _Thread_local float chunk[QGEMM_CHUNK_FLOATS]; /* (128 KiB: a thread's, not its stack's) */
+    /* (a row longer than the buffer: one row at a time, through the heap) */
+    float *w = c->rows * c->K <= QGEMM_CHUNK_FLOATS ? chunk : malloc(sizeof(float) * (size_t)c->K);
+    if (!w) return;
     int64_t row_bytes = c->K / 32 * mrl_quant_block_bytes(c->type);
     for (int64_t ch = c0; ch < c1; ch++) {
         int64_t n0 = ch * c->rows, n = c->N - n0 < c->rows ? c->N - n0 : c->rows;
         mrl_cpu_isa_get()->dequant(c->type, c->W + n0 * row_bytes, w, n * c->K);
         mrl_cpu_isa_get()->gemm_nt_rows(c->M, 0, n, c->K, c->alpha, c->A, c->lda, w, c->K, c->beta, c->C + n0, c->ldc);
     }
+    if (w != chunk) free(w);
 }
 
 static void fast_qgemm(int type, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                        const void *W, float beta, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return;
-    int64_t rows = K <= QGEMM_CHUNK_FLOATS ? QGEMM_CHUNK_FLOATS / K : 0;
-    if (rows == 0) { /* (a row longer than the buffer: whole rows one at a time, through the heap) */
-        float *w = malloc(sizeof(float) * (size_t)K);
-        if (!w) return;
-        for (int64_t j = 0; j < N; j++) {
-            mrl_cpu_isa_get()->dequant(type, (const char *)W + j * (K / 32) * mrl_quant_block_bytes(type), w, K);
-            mrl_cpu_isa_get()->gemm_nt_rows(M, 0, 1, K, alpha, A, lda, w, K, beta, C + j, ldc);
-        }
-        free(w);
-        return;
-    }
+    int64_t rows = K <= QGEMM_CHUNK_FLOATS ? QGEMM_CHUNK_FLOATS / K : 1;
     if (rows > 16) rows = rows / 16 * 16; /* (whole vector blocks of the few-rows kernel) */
     qgemm_ctx c = {type, M, N, K, lda, ldc, rows, alpha, beta, A, W, C};
     int64_t chunks = (N + rows - 1) / rows;

@@ -171,15 +171,16 @@ __global__ static void f32_to_bf16_kernel(const float *src, uint16_t *dst, int64
     GRID_STRIDE(i, n) dst[i] = f32_to_bf16_bits(src[i]);
 }
 
+__device__ static float f16_to_f32(uint32_t h) {
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0) bits = sign | __float_as_uint(__fmul_rn((float)mant, 0x1p-24f));  // zero, subnormal: exact
+    else if (exp == 31) bits = sign | 0x7f800000u | ((mant ? mant | 0x200u : 0) << 13);  // inf, quiet NaN
+    else bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    return __uint_as_float(bits);
+}
+
 __global__ static void f16_to_f32_kernel(const uint16_t *src, float *dst, int64_t n) {
-    GRID_STRIDE(i, n) {
-        uint32_t h = src[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-        uint32_t bits;
-        if (exp == 0) bits = sign | __float_as_uint(__fmul_rn((float)mant, 0x1p-24f));  // zero, subnormal: exact
-        else if (exp == 31) bits = sign | 0x7f800000u | ((mant ? mant | 0x200u : 0) << 13);  // inf, quiet NaN
-        else bits = sign | ((exp + 112u) << 23) | (mant << 13);
-        dst[i] = __uint_as_float(bits);
-    }
+    GRID_STRIDE(i, n) dst[i] = f16_to_f32(src[i]);
 }
 
 __global__ static void f32_to_f16_kernel(const float *src, uint16_t *dst, int64_t n) {
@@ -209,31 +210,20 @@ CONVERT(f32_to_f16, float, uint16_t)
 
 // ---- GGML blocks (kernels.h's dequant): kernels/cpu/convert.c's bits, d * q (+ m) rounded twice ----
 
-__device__ static float block_f16(const uint8_t *p) {
-    uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
-             mant = h & 0x3ffu;
-    if (exp == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)mant, 0x1p-24f)));
-    if (exp == 31) return __uint_as_float(sign | 0x7f800000u | ((mant ? mant | 0x200u : 0) << 13));
-    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+__device__ static float block_f16(const uint8_t *p) { return f16_to_f32((uint32_t)p[0] | (uint32_t)p[1] << 8); }
+
+// a block's bytes; weight j of the block at b
+__device__ static int block_bytes(int type) { return type == MRL_QUANT_Q8_0 ? 34 : type == MRL_QUANT_Q4_1 ? 20 : 18; }
+__device__ static float block_weight(int type, const uint8_t *b, int j) {
+    if (type == MRL_QUANT_Q8_0) return __fmul_rn((float)(int8_t)b[2 + j], block_f16(b));
+    const uint8_t *qs = b + (type == MRL_QUANT_Q4_1 ? 4 : 2);
+    int q = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+    if (type == MRL_QUANT_Q4_1) return __fadd_rn(__fmul_rn((float)q, block_f16(b)), block_f16(b + 2));
+    return __fmul_rn((float)(q - 8), block_f16(b));
 }
 
 __global__ static void dequant_kernel(int type, const uint8_t *blocks, float *dst, int64_t n) {
-    GRID_STRIDE(i, n) {
-        int64_t blk = i / 32;
-        int j = (int)(i % 32);
-        float y;
-        if (type == MRL_QUANT_Q8_0) {
-            const uint8_t *b = blocks + blk * 34;
-            y = __fmul_rn((float)(int8_t)b[2 + j], block_f16(b));
-        } else {
-            const uint8_t *b = blocks + blk * (type == MRL_QUANT_Q4_1 ? 20 : 18);
-            const uint8_t *qs = b + (type == MRL_QUANT_Q4_1 ? 4 : 2);
-            int q = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
-            if (type == MRL_QUANT_Q4_1) y = __fadd_rn(__fmul_rn((float)q, block_f16(b)), block_f16(b + 2));
-            else y = __fmul_rn((float)(q - 8), block_f16(b));
-        }
-        dst[i] = y;
-    }
+    GRID_STRIDE(i, n) dst[i] = block_weight(type, blocks + i / 32 * block_bytes(type), (int)(i % 32));
 }
 
 // C[m, n] = alpha * A[m] . W[n] (+ beta C): a warp an output, its lanes the weights of a block
@@ -244,22 +234,11 @@ __global__ static void qgemm_kernel(int type, int64_t M, int64_t N, int64_t K, f
     int lane = threadIdx.x % 32;
     if (out >= M * N) return;
     int64_t m = out % M, n = out / M;
-    int bytes = type == MRL_QUANT_Q8_0 ? 34 : type == MRL_QUANT_Q4_1 ? 20 : 18;
+    int bytes = block_bytes(type);
     const uint8_t *row = W + n * (K / 32) * bytes;
     float acc = 0.0f;
-    for (int64_t kb = 0; kb < K / 32; kb++) {
-        const uint8_t *b = row + kb * bytes;
-        float w;
-        if (type == MRL_QUANT_Q8_0) {
-            w = __fmul_rn((float)(int8_t)b[2 + lane], block_f16(b));
-        } else {
-            const uint8_t *qs = b + (type == MRL_QUANT_Q4_1 ? 4 : 2);
-            int q = lane < 16 ? qs[lane] & 0x0F : qs[lane - 16] >> 4;
-            if (type == MRL_QUANT_Q4_1) w = __fadd_rn(__fmul_rn((float)q, block_f16(b)), block_f16(b + 2));
-            else w = __fmul_rn((float)(q - 8), block_f16(b));
-        }
-        acc += A[m * lda + kb * 32 + lane] * w;
-    }
+    for (int64_t kb = 0; kb < K / 32; kb++)
+        acc += A[m * lda + kb * 32 + lane] * block_weight(type, row + kb * bytes, lane);
     for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) C[m * ldc + n] = alpha * acc + (beta == 0.0f ? 0.0f : beta * C[m * ldc + n]);
 }

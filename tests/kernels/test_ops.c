@@ -1790,7 +1790,8 @@ static void run_qgemm(const mrl_kernels *k, void *const *p, const op_case *c) {
  * slice of a wider matrix (ldc) kept or added to (beta): decode's few rows, a prefill's many. */
 static void cases_qgemm(void) {
     static const int types[] = {MRL_QUANT_Q4_0, MRL_QUANT_Q4_1, MRL_QUANT_Q8_0};
-    static const int64_t shapes[][3] = {{1, 33, 64}, {16, 576, 576}, {5, 1536, 576}, {70, 96, 1536}, {3, 40, 32}};
+    static const int64_t shapes[][3] = {{1, 33, 64}, {16, 576, 576}, {5, 1536, 576}, {70, 96, 1536}, {3, 40, 32},
+                                        {2, 3, 32800}}; /* (the last: a row longer than the fast table's chunk) */
     op_case c;
     for (int t = 0; t < 3; t++)
         for (size_t z = 0; z < sizeof shapes / sizeof shapes[0]; z++) {
