@@ -37,7 +37,7 @@ end
 local function mib(b) return b / 2 ^ 20 end
 
 -- one batch, -1/T per token of the log-probs (the loss's gradient)
-local batch, grad = dofile(moonrl.home .. '/bench/train_batch.lua')(mcfg.vocab_size, cfg.seqs, cfg.seq)
+local batch, _, train_step = dofile(moonrl.home .. '/bench/train_batch.lua')(mcfg.vocab_size, cfg.seqs, cfg.seq)
 
 -- a side: its model (same seed: the same base), optimizer and what it held after its first step
 local function held()
@@ -52,19 +52,12 @@ for _, name in ipairs(names) do
   m:set_dtype(dtype)
   if name == 'lora' then -- (in bf16 the frozen base is stored in bf16 alone, as a run does: models.freeze_base)
     m:set_lora({ rank = cfg.rank, alpha = 32, seed = 2 })
-    if dtype == 'bf16' then m:freeze_base_bf16() end
+    models_mod.freeze_base({}, m)
   end
   local opt = models_mod.adamw(m, { lr = 1e-4, weight_decay = 0 })
   opt:create()
   local side = { name = name, model = m, opt = opt, times = {} }
-  function side.step()
-    local t0 = moonrl.now()
-    m:zero_grad()
-    m:forward(batch)
-    m:backward(grad)
-    opt:step()
-    return moonrl.now() - t0
-  end
+  function side.step() return train_step(m, opt) end
   side.step() -- (warm-up: activations, bf16 copies, the kernels' own)
   local after = held()
   side.held = {}

@@ -1,6 +1,7 @@
 -- LoRA over a quantized base (model.lora.quantized_base) against LoRA over the same GGUF model
--- dequantized (fp32, or in bf16 stored in bf16 as a run stores it: models.freeze_base), on the real SmolLM2-135M-Instruct Q4_1 file: each side in a process of its
--- own (its peak resident memory is its own), the sides alternating `rounds` times:
+-- dequantized (fp32, or in bf16 stored in bf16 as a run stores it: models.freeze_base), on the
+-- real SmolLM2-135M-Instruct Q4_1 file: each side in a process of its own (its peak resident memory
+-- is its own), the sides alternating `rounds` times:
 --   1. memory: moonrl's accounted parameter bytes after a training step (the quantized side's
 --      blocks, the other tensors and what is in use then), the process's peak resident memory;
 --   2. the log-probs of one batch under the adapters (rank `rank`, random non-zero B): the
@@ -46,19 +47,13 @@ if cfg.side ~= 'both' then
   model:trained()
   local opt = models.adamw(model, { lr = 1e-4, weight_decay = 0 })
   opt:create()
-  local batch, grad = dofile(moonrl.home .. '/bench/train_batch.lua')(model.config.vocab_size, cfg.seqs, cfg.seq)
+  local batch, _, train_step = dofile(moonrl.home .. '/bench/train_batch.lua')(model.config.vocab_size, cfg.seqs,
+    cfg.seq)
   local lp = model:forward(batch)
   local f = assert(io.open(cfg.out, 'wb'))
   f:write(ffi.string(lp, 4 * batch.n_tokens))
   f:close()
-  local function step()
-    local t0 = moonrl.now()
-    model:zero_grad()
-    model:forward(batch)
-    model:backward(grad)
-    opt:step()
-    return moonrl.now() - t0
-  end
+  local function step() return train_step(model, opt) end
   step() -- (warm-up)
   local params = moonrl.memory().params
   local times = {}
@@ -113,7 +108,7 @@ print(string.format('%s; %s (%.1fM parameters), %s, LoRA rank %d; %d x %d tokens
   cpu, cfg.gguf:match('[^/]*$'), q.n_params / 1e6, q.dtype, cfg.rank, cfg.seqs, cfg.seq, cfg.rounds))
 print(string.format('the blocks: %.1f MiB for %.1fM weights (%.1f MiB in fp32)', mib(q.blocks), q.blocks_params / 1e6,
   mib(4 * q.blocks_params)))
-print(string.format('| | dequantized fp32 base | quantized base | ratio |\n|---|---|---|---|'))
+print('| | dequantized base | quantized base | ratio |\n|---|---|---|---|')
 local rows = { { 'parameters held (accounted, after a step)', 'params', false, mib, 'MiB' },
   { 'peak resident memory', 'rss', false, mib, 'MiB' }, { 'training step', 'step', false, nil, 's' },
   { 'decode, the model\'s own adapters', 'decode', true, nil, 'tok/s' } }

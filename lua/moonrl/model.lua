@@ -441,7 +441,7 @@ function Model:backward(dlogprobs, dentropy, dvalues)
 end
 
 local function whole(self, what)
-  if self.quantized or self.frozen16 then
+  if self:frozen_base() then
     error(string.format('model:%s(): the base is %s; read_params() gives a whole copy', what, self.quantized and
       'quantized (model.lora.quantized_base: its matrices are GGML blocks, made whole a layer at a time)' or
       'stored in bf16 (frozen under LoRA: its matrices are their bf16 copies)'), 3)
@@ -486,7 +486,7 @@ local function host_floats(self, p, n, key)
 end
 
 function Model:read_params()
-  if self.quantized or self.frozen16 then -- (a frozen base: made whole tensor by tensor into a copy)
+  if self:frozen_base() then -- (made whole tensor by tensor into a copy)
     self._host = self._host or ffi.new('float[?]', self.n_params)
     moonrl.check(C.mrl_model_read_params(self.handle, self._host), 2)
     return self._host, self.n_params
@@ -501,9 +501,14 @@ end
 function Model:freeze_base_bf16()
   local before = moonrl.memory().params
   moonrl.check(C.mrl_model_freeze_bf16(self.handle), 2)
-  self.frozen16 = true
   return before - moonrl.memory().params
 end
+
+-- Whether the base is stored in bf16 alone (freeze_base_bf16 made it so).
+function Model:base_bf16() return C.mrl_model_frozen_bf16(self.handle) ~= 0 end
+-- Whether the parameters are a frozen base whose buffer is not whole (a quantized base, or one
+-- stored in bf16): params() and write_params() are errors, read_params() makes a whole copy.
+function Model:frozen_base() return self.quantized ~= nil or self:base_bf16() end
 
 -- All n_params floats of the host array src into the parameter buffer (src may be what
 -- read_params gave); the bf16 copies are converted again before their next use.

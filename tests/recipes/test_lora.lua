@@ -219,7 +219,7 @@ t.test('model.dtype=bf16: the frozen base stored in bf16 alone computes as the b
   local out = U.run_recipe('recipes/grpo.lua', with({ 'grpo.steps=2', 'model.lora.rank=4', 'model.dtype=bf16',
     'train.lr=1e-2', 'model.lora.save_merged=true', 'run.dir=' .. dir .. '/bf16' }))
   t.eq(U.event(out.dir, 'lora').base_bf16, true, 'the lora event says the base is stored in bf16')
-  t.truthy(out.model.frozen16, 'the policy\'s base is stored in bf16')
+  t.truthy(out.model:base_bf16(), 'the policy\'s base is stored in bf16')
   t.truthy(fs.exists(out.dir .. '/model_merged/model.safetensors'), 'the merged save reads the copies')
 end)
 

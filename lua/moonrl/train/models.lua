@@ -171,7 +171,8 @@ function M.lora_wanted(cfg)
 end
 
 -- model.lora.quantized_base: whether the policy is loaded as a quantized base (QLoRA; opts: the
--- session's, whose opts.lora = false trains the whole policy first). Usage errors where it cannot be.
+-- session's, whose opts.lora = false trains the whole policy first). Usage errors, before the
+-- model loads, where it cannot be.
 function M.quantized_base(cfg, opts)
   local l = type(cfg.model) == 'table' and cfg.model.lora
   if not (type(l) == 'table' and l.quantized_base) then return false end
@@ -186,6 +187,11 @@ function M.quantized_base(cfg, opts)
     moonrl.usage_error('model.lora.quantized_base: model.dir must be a .gguf file (its blocks are the base); got ' ..
       tostring(cfg.model.dir))
   end
+  -- (the base is read from its file on every rank; a copy of it whole is what these send)
+  local d, e = type(cfg.dist) == 'table' and cfg.dist or {}, type(cfg.engine) == 'table' and cfg.engine or {}
+  local why = (d.rollout_ranks or 0) > 0 and 'dist.rollout_ranks' or e.launch and 'engine.launch'
+    or e.urls and 'engine.urls' or nil
+  if why then moonrl.usage_error('model.lora.quantized_base: not with ' .. why .. ' (docs/lora.md)') end
   return true
 end
 
@@ -220,12 +226,6 @@ function M.apply_lora(cfg, policy)
     or (a.partial == 'continue' and (d.rollout_ranks or 0) > 0) and 'async.partial=continue with dist.rollout_ranks'
     or (type(cfg.moe) == 'table' and cfg.moe.expert_parallel) and 'moe.expert_parallel' or nil
   if why then moonrl.usage_error(string.format('model.lora: not yet with %s (docs/lora.md says what LoRA runs with)', why)) end
-  if policy.quantized then -- (the base is read from its file on every rank; a copy of it whole is what these send)
-    local e = type(cfg.engine) == 'table' and cfg.engine or {}
-    why = (d.rollout_ranks or 0) > 0 and 'dist.rollout_ranks' or e.launch and 'engine.launch'
-      or e.urls and 'engine.urls' or nil
-    if why then moonrl.usage_error('model.lora.quantized_base: not with ' .. why .. ' (docs/lora.md)') end
-  end
   local bits, bad = model_mod.lora_bits(l.targets) -- ('all-linear', or module names separated by commas)
   if not bits then moonrl.usage_error('model.lora.targets: ' .. bad) end
   if l.dir then
@@ -251,7 +251,7 @@ end
 -- fp32 weights are sent each phase (dist.rollout_ranks). engine: one made before, which reads the
 -- policy's buffer (attached again). Returns the bytes freed, or nil.
 function M.freeze_base(cfg, policy, engine)
-  if not policy:lora() or policy:dtype() ~= 'bf16' or policy.quantized or policy.frozen16 then return nil end
+  if not policy:lora() or policy:dtype() ~= 'bf16' or policy:frozen_base() then return nil end
   if ((type(cfg.dist) == 'table' and cfg.dist.rollout_ranks) or 0) > 0 then return nil end
   local freed = policy:freeze_base_bf16()
   if engine and engine.attach_params then engine:attach_params(nil) end

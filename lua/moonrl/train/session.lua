@@ -369,14 +369,14 @@ function M.announce_lora(S, policy, line)
   if policy.quantized then -- (model.lora.quantized_base: what its blocks hold, and would in fp32)
     line = line .. string.format('; the base\'s matrices as blocks: %.1f MiB (%.1f MiB in fp32)',
       policy.quantized / 2 ^ 20, 4 * policy.quantized_params / 2 ^ 20)
-  elseif policy.frozen16 then
+  elseif policy:base_bf16() then
     line = line .. '; the base stored in bf16 (its fp32 matrices freed)'
   end
   if S.world.rank == 0 and S.cfg.quiet ~= true then print(line) end
   local info = policy:lora()
   S:event('lora', { rank = info.rank, alpha = info.alpha, targets = info.targets, trainable = info.n,
     params = policy.n_params, share = info.n / policy.n_params, lr = S.cfg.train and S.cfg.train.lr,
-    quantized_base = policy.quantized, quantized_params = policy.quantized_params, base_bf16 = policy.frozen16 },
+    quantized_base = policy.quantized, quantized_params = policy.quantized_params, base_bf16 = policy:base_bf16() or nil },
     { quiet = true })
 end
 
@@ -663,7 +663,7 @@ function Session:model(name, model, opts)
   put(self.models, name, { name = name, model = model, tokenizer_dir = opts and opts.tokenizer_dir })
   if self.world.size > 1 and not model:shard() then -- (a sharded model's ranks each loaded their own shard)
     local p, n = model:param_buffer()
-    if model.quantized or model.frozen16 then -- (a frozen base: every rank read the same files; its adapters below)
+    if model:frozen_base() then -- (every rank read the same files; its adapters below)
     elseif model:device() ~= 'cpu' then
       local device = C.mrl_model_get_device(model.handle).index
       self.world:gpu_transport(self.cfg.dist and self.cfg.dist.gpu_transport or 'auto', device)
