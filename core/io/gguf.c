@@ -603,6 +603,16 @@ mrl_status mrl_ggml_dequantize(int type, const void *src, int64_t src_bytes, flo
     return MRL_OK;
 }
 
+/* Tensor t's bytes as the file holds them into dst; a short read is an error naming it. */
+static mrl_status read_bytes(const mrl_gguf *g, const mrl_gguf_tensor *t, void *dst) {
+    int err;
+    int64_t done = mrl_io_pread_all(g->fd, dst, t->bytes, t->offset, &err);
+    if (done < t->bytes)
+        return mrl_set_error(MRL_ERR_IO, "%s: reading tensor '%s' came back short at byte %lld of %lld (the file was "
+                             "cut short?)", g->path, t->name, (long long)done, (long long)t->bytes);
+    return MRL_OK;
+}
+
 mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t numel) {
     if (!g || i < 0 || i >= g->n_tensors || !dst) return mrl_set_error(MRL_ERR_INVALID, "gguf read: no tensor %lld", (long long)i);
     const mrl_gguf_tensor *t = &g->tensors[i];
@@ -613,14 +623,8 @@ mrl_status mrl_gguf_read_f32(const mrl_gguf *g, int64_t i, float *dst, int64_t n
     uint8_t *raw = t->type == MRL_GGML_F32 ? (uint8_t *)dst : malloc((size_t)t->bytes);
     if (!raw) return mrl_set_error(MRL_ERR_NOMEM, "%s: no memory to read tensor '%s' (%lld bytes)", g->path, t->name,
                                    (long long)t->bytes);
-    int err;
-    int64_t done = mrl_io_pread_all(g->fd, raw, t->bytes, t->offset, &err);
-    mrl_status st = MRL_OK;
-    if (done < t->bytes)
-        st = mrl_set_error(MRL_ERR_IO, "%s: reading tensor '%s' came back short at byte %lld of %lld (the file was "
-                           "cut short?)", g->path, t->name, (long long)done, (long long)t->bytes);
-    else if (t->type != MRL_GGML_F32)
-        st = mrl_ggml_dequantize(t->type, raw, t->bytes, dst, t->numel);
+    mrl_status st = read_bytes(g, t, raw);
+    if (!st && t->type != MRL_GGML_F32) st = mrl_ggml_dequantize(t->type, raw, t->bytes, dst, t->numel);
     if (raw != (uint8_t *)dst) free(raw);
     /* a NaN or an infinity (in an F32 / F16 value or a block's scale) is a corrupt weight: said
      * here, naming the tensor, not as a NaN in the sampler at the first generation */
@@ -638,10 +642,8 @@ mrl_status mrl_gguf_read_raw(const mrl_gguf *g, int64_t i, void *dst, int64_t by
     if (bytes != t->bytes)
         return mrl_set_error(MRL_ERR_INVALID, "%s: tensor '%s' has %lld bytes, the buffer %lld", g->path, t->name,
                              (long long)t->bytes, (long long)bytes);
-    int err;
-    if (mrl_io_pread_all(g->fd, dst, t->bytes, t->offset, &err) < t->bytes)
-        return mrl_set_error(MRL_ERR_IO, "%s: reading tensor '%s' came back short (the file was cut short?)", g->path,
-                             t->name);
+    mrl_status st = read_bytes(g, t, dst);
+    if (st) return st;
     int block = mrl_quant_block_bytes(t->type), halves = t->type == MRL_GGML_Q4_1 ? 2 : 1;
     const uint8_t *b = dst;
     for (int64_t k = 0; block && k < t->bytes / block; k++) /* (the weights of a block are finite when its scales are) */
