@@ -167,6 +167,9 @@ typedef struct mrl_kernels {
     mrl_status (*to_device)(void *dst, const void *host_src, int64_t bytes);
     mrl_status (*to_host)(void *host_dst, const void *src, int64_t bytes);
     mrl_status (*sync)(void);
+    /* dst[r, 0..cols) = src[r, 0..cols) for r < rows, rows ldd and lds floats apart (a part of
+     * each row of a matrix: MLA's latent and rope key, its heads' values without padding). */
+    void (*copy_rows)(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
 
     /* C[M,N] = alpha * op(A) op(B) + beta * C, op(X) = X or X^T
      * (trans_a: A is stored [K,M]; trans_b: B is stored [N,K]). */
@@ -215,6 +218,25 @@ typedef struct mrl_kernels {
      * using cos/sin tables [max_pos, hd/2]; inverse = 1 rotates back (the backward). */
     void (*rope)(float *x, const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T,
                  int H, int hd, int inverse);
+
+    /* MLA (DeepSeek-V2/V3's multi-head latent attention, core/model/layer.c): the attention
+     * inputs of T tokens in the layout attn_fwd and the paged cache take, H heads of hd:
+     *   q[t,h] = [qf[t,h,:dn], rope(qf[t,h,dn:]), 0 ..]   qf [T,H,dn+dr] (q_proj's output)
+     *   k[t,h] = [kv[t,h,:dn], rope(kr[t]),       0 ..]   kv [T,H,dn+dv] (kv_b_proj's), kr [T,dr]
+     *   v[t,h] = [kv[t,h,dn:],                    0 ..]   (the rope key: one for every head)
+     * hd >= dn+dr and >= dv: the padding is zeros, which change no score and no output that is
+     * read. rope rotates by pos[t] * inv_freq[i] (tables [max_pos, dr/2], as rope's) the pairs
+     * (2i, 2i+1) when interleave (DeepSeek's checkpoints: Transformers' rope_interleave, which
+     * writes pair i's two outputs at i and i + dr/2), else (i, i + dr/2). */
+    void (*mla_qkv)(float *q, float *k, float *v, const float *qf, const float *kv, const float *kr,
+                    const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H, int dn, int dr,
+                    int dv, int hd, int interleave);
+    /* Its backward (the map is linear): dqf [T,H,dn+dr], dkv [T,H,dn+dv], dkr [T,dr] (all
+     * overwritten; dkr the sum over the heads, in head order) from dq, dk, dv [T,H,hd], whose
+     * padding is not read. */
+    void (*mla_qkv_bwd)(float *dqf, float *dkv, float *dkr, const float *dq, const float *dk, const float *dv,
+                        const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H, int dn, int dr,
+                        int dvd, int hd, int interleave);
 
     /* out = silu(gate) * up, n elements. */
     void (*swiglu_fwd)(float *out, const float *gate, const float *up, int64_t n);

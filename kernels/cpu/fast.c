@@ -20,6 +20,7 @@
 #include "cpu/gemm_bf16.h"
 #include "cpu/convert.h"
 #include "cpu/isa.h"
+#include "cpu/mla.h"
 #include "cpu/moe.h"
 #include "cpu/paged_attention.h"
 #include "cpu/reduce.h"
@@ -600,6 +601,7 @@ static const mrl_kernels fast_table = {
     .to_device = mrl_cpu_transfer,
     .to_host = mrl_cpu_transfer,
     .sync = mrl_cpu_sync,
+    .copy_rows = mrl_cpu_copy_rows,
     .gemm = fast_gemm,
     .gemm_group = fast_gemm_group,
     .qgemm = fast_qgemm,
@@ -609,6 +611,8 @@ static const mrl_kernels fast_table = {
     .rmsnorm_fwd = fast_rmsnorm_fwd,
     .rmsnorm_bwd = fast_rmsnorm_bwd,
     .rope = fast_rope,
+    .mla_qkv = mrl_cpu_fast_mla_qkv,
+    .mla_qkv_bwd = mrl_cpu_fast_mla_qkv_bwd,
     .swiglu_fwd = fast_swiglu_fwd,
     .swiglu_bwd = fast_swiglu_bwd,
     .attn_fwd = fast_attn_fwd,

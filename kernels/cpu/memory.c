@@ -17,3 +17,7 @@ mrl_status mrl_cpu_transfer(void *dst, const void *src, int64_t bytes) {
 }
 
 mrl_status mrl_cpu_sync(void) { return MRL_OK; }
+
+void mrl_cpu_copy_rows(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows && cols > 0; r++) memmove(dst + r * ldd, src + r * lds, sizeof(float) * (size_t)cols);
+}

@@ -12,6 +12,7 @@
 #include "cpu/adamw.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/isa.h"
+#include "cpu/mla.h"
 #include "cpu/moe.h"
 #include "cpu/paged_attention.h"
 #include "cpu/reduce.h"
@@ -325,6 +326,7 @@ static const mrl_kernels reference_table = {
     .to_device = mrl_cpu_transfer,
     .to_host = mrl_cpu_transfer,
     .sync = mrl_cpu_sync,
+    .copy_rows = mrl_cpu_copy_rows,
     .gemm = ref_gemm,
     .gemm_group = ref_gemm_group,
     .qgemm = ref_qgemm,
@@ -334,6 +336,8 @@ static const mrl_kernels reference_table = {
     .rmsnorm_fwd = ref_rmsnorm_fwd,
     .rmsnorm_bwd = ref_rmsnorm_bwd,
     .rope = ref_rope,
+    .mla_qkv = mrl_cpu_ref_mla_qkv,
+    .mla_qkv_bwd = mrl_cpu_ref_mla_qkv_bwd,
     .swiglu_fwd = ref_swiglu_fwd,
     .swiglu_bwd = ref_swiglu_bwd,
     .attn_fwd = ref_attn_fwd,

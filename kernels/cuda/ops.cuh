@@ -54,6 +54,14 @@ void cuda_gemm_release(void);
 void cuda_rmsnorm_fwd(float *out, float *rstd, const float *x, const float *w, int64_t T, int D, float eps);
 void cuda_rmsnorm_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
                       int64_t T, int D);
+// mla.cu
+void cuda_copy_rows(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
+void cuda_mla_qkv(float *q, float *k, float *v, const float *qf, const float *kv, const float *kr, const int32_t *pos,
+                  const float *cos_t, const float *sin_t, int64_t T, int H, int dn, int dr, int dv, int hd,
+                  int interleave);
+void cuda_mla_qkv_bwd(float *dqf, float *dkv, float *dkr, const float *dq, const float *dk, const float *dv,
+                      const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H, int dn, int dr,
+                      int dvd, int hd, int interleave);
 // elementwise.cu
 void cuda_rope(float *x, const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H, int hd,
                int inverse);

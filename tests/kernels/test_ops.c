@@ -936,6 +936,83 @@ static void cases_rope(void) {
         }
 }
 
+/* ---- MLA's attention inputs (mla_qkv, its backward) and copy_rows ---- */
+
+static void run_mla_qkv(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->mla_qkv(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], c->i[0], (int)c->i[1], (int)c->i[2], (int)c->i[3],
+               (int)c->i[4], (int)c->i[5], (int)c->i[6]);
+}
+
+static void run_mla_qkv_bwd(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->mla_qkv_bwd(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], c->i[0], (int)c->i[1], (int)c->i[2],
+                   (int)c->i[3], (int)c->i[4], (int)c->i[5], (int)c->i[6]);
+}
+
+/* T tokens, H heads: nope dn, rope dr, values dv, padded to hd; tables of P positions */
+static void case_mla(int T, int H, int dn, int dr, int dv, int hd, int il, int P, int gpu_only) {
+    if (gpu_only && !gpu_here()) return;
+    int half = dr / 2;
+    int32_t *pos = malloc(sizeof(int32_t) * T);
+    for (int t = 0; t < T; t++) pos[t] = (int32_t)(urand() * P);
+    float *cs = rnd((int64_t)P * half, 1), *sn = rnd((int64_t)P * half, 1);
+    int64_t n = (int64_t)T * H * hd;
+    op_case c;
+    new_case(&c, "mla_qkv", run_mla_qkv, "%dx%d nope %d rope %d v %d hd %d%s", T, H, dn, dr, dv, hd,
+             il ? " interleaved" : "");
+    add(&c, "q", F32, OUT, n, NULL, TOL_ULPS);      /* copies and rope's rotation: the same arithmetic */
+    add(&c, "k", F32, OUT, n, NULL, TOL_ULPS);
+    add(&c, "v", F32, OUT, n, NULL, TOL_BITS);
+    in_rnd(&c, "qf", (int64_t)T * H * (dn + dr), 1);
+    in_rnd(&c, "kv", (int64_t)T * H * (dn + dv), 1);
+    in_rnd(&c, "kr", (int64_t)T * dr, 1);
+    add(&c, "pos", I32, IN, T, pos, 0);
+    add(&c, "cos", F32, IN, (int64_t)P * half, cs, 0);
+    add(&c, "sin", F32, IN, (int64_t)P * half, sn, 0);
+    c.i[0] = T, c.i[1] = H, c.i[2] = dn, c.i[3] = dr, c.i[4] = dv, c.i[5] = hd, c.i[6] = il, c.gpu_only = gpu_only;
+    check_case(&c);
+    new_case(&c, "mla_qkv_bwd", run_mla_qkv_bwd, "%dx%d nope %d rope %d v %d hd %d%s", T, H, dn, dr, dv, hd,
+             il ? " interleaved" : "");
+    add(&c, "dqf", F32, OUT, (int64_t)T * H * (dn + dr), NULL, TOL_ULPS);
+    add(&c, "dkv", F32, OUT, (int64_t)T * H * (dn + dv), NULL, TOL_BITS);
+    add(&c, "dkr", F32, OUT, (int64_t)T * dr, NULL, TOL_ULPS); /* the heads' sum in head order */
+    in_rnd(&c, "dq", n, 1);
+    in_rnd(&c, "dk", n, 1);
+    in_rnd(&c, "dv", n, 1);
+    add(&c, "pos", I32, IN, T, pos, 0);
+    add(&c, "cos", F32, IN, (int64_t)P * half, cs, 0);
+    add(&c, "sin", F32, IN, (int64_t)P * half, sn, 0);
+    c.i[0] = T, c.i[1] = H, c.i[2] = dn, c.i[3] = dr, c.i[4] = dv, c.i[5] = hd, c.i[6] = il, c.gpu_only = gpu_only;
+    check_case(&c);
+    free(pos), free(cs), free(sn);
+}
+
+static void run_copy_rows(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->copy_rows(p[0], c->i[0], p[1], c->i[1], c->i[2], c->i[3]);
+}
+
+/* A tiny MLA; values wider than the queries (padded to dv); no nope part; a model's heads (DeepSeek-V3:
+ * 128 + 64, values 128) on the GPU. copy_rows: a part of each row into a narrower and a wider one. */
+static void cases_mla(void) {
+    static const int shapes[][6] = {{3, 2, 4, 2, 3, 6}, {5, 3, 6, 4, 12, 12}, {7, 2, 0, 4, 6, 6}, {40, 4, 16, 8, 16, 24}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int il = 0; il < 2; il++) {
+            const int *x = shapes[s];
+            case_mla(x[0], x[1], x[2], x[3], x[4], x[5], il, 40, 0);
+        }
+    for (int il = 0; il < 2; il++) case_mla(64, 16, 128, 64, 128, 192, il, 4096, 1);
+    static const int64_t rows[][4] = {{1, 5, 3, 3}, {7, 9, 4, 9}, {20, 6, 10, 6}, {300, 576, 512, 512}};
+    for (size_t s = 0; s < sizeof rows / sizeof rows[0]; s++) {
+        int64_t R = rows[s][0], lds = rows[s][1], cols = rows[s][2], ldd = rows[s][3];
+        op_case c;
+        new_case(&c, "copy_rows", run_copy_rows, "%lld rows of %lld from %lld into %lld", (long long)R, (long long)cols,
+                 (long long)lds, (long long)ldd);
+        inout_rnd(&c, "dst", (R - 1) * ldd + cols + 2, 1, TOL_BITS); /* what lies between the rows stays */
+        in_rnd(&c, "src", (R - 1) * lds + cols, 1);
+        c.i[0] = ldd, c.i[1] = lds, c.i[2] = R, c.i[3] = cols;
+        check_case(&c);
+    }
+}
+
 static void run_swiglu_fwd(const mrl_kernels *k, void *const *p, const op_case *c) {
     k->swiglu_fwd(p[0], p[1], p[2], c->i[0]);
 }
@@ -1996,6 +2073,47 @@ static void fd_rope_(int t, const mrl_kernels *k) {
     free(f.x), free(f.y), free(f.r), free(f.cs), free(f.sn), free(num[0]);
 }
 
+/* mla_qkv is linear; its backward must be its transpose (padding of dq, dk, dv unread: the
+ * loss weights it too, and its derivative does not depend on them). */
+typedef struct fd_mla { float *qf, *kv, *kr, *q, *k, *v, *rq, *rk, *rv; int32_t pos[4]; float *cs, *sn; int il; } fd_mla;
+enum { MLA_T = 4, MLA_H = 2, MLA_DN = 3, MLA_DR = 4, MLA_DV = 5, MLA_HD = 8 };
+static double loss_mla(void *vc) {
+    fd_mla *c = vc;
+    mrl_kernels_cpu_reference()->mla_qkv(c->q, c->k, c->v, c->qf, c->kv, c->kr, c->pos, c->cs, c->sn, MLA_T, MLA_H,
+                                         MLA_DN, MLA_DR, MLA_DV, MLA_HD, c->il);
+    int64_t n = MLA_T * MLA_H * MLA_HD;
+    return weighted(c->q, c->rq, n) + weighted(c->k, c->rk, n) + weighted(c->v, c->rv, n);
+}
+
+static void fd_mla_(int t, const mrl_kernels *k) {
+    int64_t n = MLA_T * MLA_H * MLA_HD, nq = MLA_T * MLA_H * (MLA_DN + MLA_DR), nkv = MLA_T * MLA_H * (MLA_DN + MLA_DV),
+            nr = MLA_T * MLA_DR;
+    for (int il = 0; il < 2; il++) {
+        fd_mla f = {rnd(nq, 1), rnd(nkv, 1), rnd(nr, 1), zeros(n), zeros(n), zeros(n), rnd(n, 1), rnd(n, 1), rnd(n, 1),
+                    {0, 1, 2, 1}, zeros(6), zeros(6), il};
+        for (int p = 0; p < 3; p++)
+            for (int i = 0; i < 2; i++) f.cs[p * 2 + i] = cosf(p * (i + 1) * 0.7f), f.sn[p * 2 + i] = sinf(p * (i + 1) * 0.7f);
+        float *num[3] = {numeric_grad(loss_mla, &f, f.qf, nq, 1e-3f), numeric_grad(loss_mla, &f, f.kv, nkv, 1e-3f),
+                         numeric_grad(loss_mla, &f, f.kr, nr, 1e-3f)};
+        op_case c;
+        new_case(&c, "mla_qkv_bwd", run_mla_qkv_bwd, "4x2 nope 3 rope 4 v 5 hd 8%s", il ? " interleaved" : "");
+        add(&c, "qf", F32, OUT, nq, NULL, TOL_FD);
+        add(&c, "kv", F32, OUT, nkv, NULL, TOL_FD);
+        add(&c, "kr", F32, OUT, nr, NULL, TOL_FD);
+        add(&c, "dq", F32, IN, n, f.rq, 0);
+        add(&c, "dk", F32, IN, n, f.rk, 0);
+        add(&c, "dv", F32, IN, n, f.rv, 0);
+        add(&c, "pos", I32, IN, 4, f.pos, 0);
+        add(&c, "cos", F32, IN, 6, f.cs, 0);
+        add(&c, "sin", F32, IN, 6, f.sn, 0);
+        c.i[0] = MLA_T, c.i[1] = MLA_H, c.i[2] = MLA_DN, c.i[3] = MLA_DR, c.i[4] = MLA_DV, c.i[5] = MLA_HD, c.i[6] = il;
+        fd_compare(t, k, &c, (int[]){0, 1, 2}, num, 3);
+        free_case(&c);
+        float *bufs[] = {f.qf, f.kv, f.kr, f.q, f.k, f.v, f.rq, f.rk, f.rv, f.cs, f.sn, num[0], num[1], num[2]};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    }
+}
+
 /* attention: small layouts without and with a prefix */
 typedef struct fd_attn { float *q, *k, *v, *out, *lse, *r; const attn_layout *L; } fd_attn;
 static double loss_attn(void *vc) {
@@ -2149,7 +2267,7 @@ static void backward_checks(void) {
     struct { const char *op; void (*check)(int t, const mrl_kernels *k); } fds[] = {
         {"rmsnorm_bwd", fd_rmsnorm},  {"swiglu_bwd", fd_swiglu_},        {"rope", fd_rope_},
         {"attn_bwd", fd_attention},   {"head_bwd", fd_head_},            {"scatter_add_rows", fd_scatter},
-        {"bias_bwd", fd_bias},        {"gemm", fd_gemm},
+        {"bias_bwd", fd_bias},        {"gemm", fd_gemm},                 {"mla_qkv_bwd", fd_mla_},
     };
     for (size_t f = 0; f < sizeof fds / sizeof fds[0]; f++) {
         if (!wanted(fds[f].op)) continue;
@@ -2419,6 +2537,7 @@ int main(int argc, char **argv) {
     cases_gemm_bf16_panels_group();
     cases_rmsnorm();
     cases_rope();
+    cases_mla();
     cases_swiglu();
     cases_attention();
     cases_head();
