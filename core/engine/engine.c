@@ -200,6 +200,7 @@ static int64_t layout(mrl_engine *e, char *base) {
     TAKE(a->k, T * K);
     TAKE(a->v, T * K);
     TAKE(a->att, T * Q);
+    off += mrl_mla_acts_layout(c, a, T, base ? base + off : NULL, 3); /* (multi-head latent attention's) */
     TAKE(a->h, T * D);
     TAKE(a->ln2, T * D);
     TAKE(a->rstd2, T);
@@ -779,6 +780,7 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
                               Hk, hd, e->cfg.block_size);
         mrl_paged_attn args;
         st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
+        args.scale = mrl_model_attn_scale(c); /* (the cache's scale is 1/sqrt(head_dim); MLA's is not) */
         if (st) {
             if (whole) mrl_model_layer_unuse(e->m, l);
             break;

@@ -9,6 +9,7 @@
 #include "io/write.h"
 #include "moonrl/model.h"
 #include "base/error.h"
+#include "layer.h"
 
 void mrl_model_config_default(mrl_model_config *c) {
     memset(c, 0, sizeof *c);
@@ -38,6 +39,7 @@ static const mrl_arch_names arch_table[MRL_ARCH_COUNT] = {
     {"qwen2", "Qwen2", "qwen2"},
     {"qwen3", "Qwen3", "qwen3"},
     {"qwen3_moe", "Qwen3Moe", "qwen3moe"},
+    {"deepseek_v3", "DeepseekV3", "deepseek2"},
 };
 
 const mrl_arch_names *mrl_model_arch_names(int arch) {
@@ -136,6 +138,16 @@ static double yarn_attention_factor(const mrl_model_config *c) {
     if (c->rope_mscale != 0 && c->rope_mscale_all_dim != 0)
         return yarn_mscale(c->rope_factor, c->rope_mscale) / yarn_mscale(c->rope_factor, c->rope_mscale_all_dim);
     return yarn_mscale(c->rope_factor, 1);
+}
+
+float mrl_model_attn_scale(const mrl_model_config *c) {
+    if (!mrl_model_is_mla(c)) return 1.0f / sqrtf((float)c->head_dim);
+    double s = 1.0 / sqrt((double)(c->qk_nope_head_dim + c->qk_rope_head_dim));
+    if (c->rope_scaling == MRL_ROPE_YARN && c->rope_mscale_all_dim != 0) {
+        double m = yarn_mscale(c->rope_factor, c->rope_mscale_all_dim);
+        s = s * m * m;
+    }
+    return (float)s;
 }
 
 static mrl_status parse_rope_scaling(const mrl_json *rs, const char *source, mrl_model_config *c) {
@@ -280,6 +292,36 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
             c->mlp_only_layers[v->integer / 64] |= (uint64_t)1 << (v->integer % 64);
         }
     }
+    if (mrl_model_is_mla(c)) { /* Transformers' DeepseekV3Config defaults where a key is absent */
+        c->q_lora_rank = 1536, c->kv_lora_rank = 512, c->qk_nope_head_dim = 128, c->qk_rope_head_dim = 64;
+        c->v_head_dim = 128, c->rope_interleave = 1;
+        const mrl_json *qr = mrl_json_get(root, "q_lora_rank");
+        if (qr && qr->type == MRL_JSON_NULL) c->q_lora_rank = 0; /* (null: q_proj, no low-rank queries) */
+        else WANT(int, "q_lora_rank", &c->q_lora_rank, 0);
+        WANT(int, "kv_lora_rank", &c->kv_lora_rank, 0);
+        WANT(int, "qk_nope_head_dim", &c->qk_nope_head_dim, 0);
+        WANT(int, "qk_rope_head_dim", &c->qk_rope_head_dim, 0);
+        WANT(int, "v_head_dim", &c->v_head_dim, 0);
+        WANT(bool, "rope_interleave", &c->rope_interleave, 0);
+        if (c->num_key_value_heads != c->num_attention_heads) {
+            st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: num_key_value_heads %d differs from num_attention_heads %d (MLA "
+                               "makes every head's keys and values: they must be equal)", source,
+                               c->num_key_value_heads, c->num_attention_heads);
+            goto done;
+        }
+        int qk = c->qk_nope_head_dim + c->qk_rope_head_dim;
+        c->head_dim = qk > c->v_head_dim ? qk : c->v_head_dim; /* (the attention's padded head; "head_dim" unread) */
+        int dense = c->num_hidden_layers; /* the mixture of experts: not yet */
+        WANT(int, "first_k_dense_replace", &dense, 0);
+        int routed = 0;
+        WANT(int, "n_routed_experts", &routed, 0);
+        if (routed > 0 && dense < c->num_hidden_layers) {
+            st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: n_routed_experts %d with first_k_dense_replace %d < "
+                               "num_hidden_layers %d: DeepSeek-V3's mixture-of-experts layers are not supported yet",
+                               source, routed, dense, c->num_hidden_layers);
+            goto done;
+        }
+    }
     int flag = 0;
     WANT(bool, "attention_bias", &flag, 0);
     if (flag && c->arch != MRL_ARCH_QWEN2) {
@@ -371,6 +413,23 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
         return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts = %d for a dense architecture (experts are qwen3_moe's)",
                              c->num_experts);
     }
+    if (mrl_model_is_mla(c)) {
+        int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+        if (c->kv_lora_rank <= 0 || c->kv_lora_rank > (1 << 16) || c->q_lora_rank < 0 || c->q_lora_rank > (1 << 16))
+            return mrl_set_error(MRL_ERR_INVALID, "model config: kv_lora_rank = %d, q_lora_rank = %d (must be in 1..65536 "
+                                 "and 0..65536, 0: no low-rank queries)", c->kv_lora_rank, c->q_lora_rank);
+        if (dn < 0 || dn > 1024 || dr <= 0 || dr > 1024 || dr % 2 || dv <= 0 || dv > 1024)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: qk_nope_head_dim = %d, qk_rope_head_dim = %d, v_head_dim "
+                                 "= %d (must be in 0..1024, an even 2..1024 and 1..1024)", dn, dr, dv);
+        int hd = dn + dr > dv ? dn + dr : dv;
+        if (c->head_dim != hd || c->num_key_value_heads != c->num_attention_heads || c->attention_bias)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: deepseek_v3 needs head_dim = max(qk_nope_head_dim + "
+                                 "qk_rope_head_dim, v_head_dim) = %d (has %d), num_key_value_heads = "
+                                 "num_attention_heads and no attention_bias", hd, c->head_dim);
+    } else if (c->q_lora_rank || c->kv_lora_rank || c->qk_nope_head_dim || c->qk_rope_head_dim || c->v_head_dim) {
+        return mrl_set_error(MRL_ERR_INVALID, "model config: q_lora_rank, kv_lora_rank, qk_*_head_dim and v_head_dim "
+                             "are deepseek_v3's (multi-head latent attention): 0 for %s", arch_table[c->arch].model_type);
+    }
     if (c->num_attention_heads % c->num_key_value_heads)
         return mrl_set_error(MRL_ERR_INVALID, "model config: num_attention_heads %d is not a multiple of num_key_value_heads %d",
                              c->num_attention_heads, c->num_key_value_heads);
@@ -426,7 +485,8 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
         c->hidden_size, c->intermediate_size);
     put(&o, "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n",
         c->num_hidden_layers, c->num_attention_heads, c->num_key_value_heads);
-    put(&o, "  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n", c->head_dim, c->max_position_embeddings);
+    put(&o, "  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n", mrl_model_rope_dim(c), /* (MLA: Transformers') */
+        c->max_position_embeddings);
     put(&o, "  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": %.17g,\n  \"rope_theta\": %.17g,\n", c->rms_norm_eps,
         c->rope_theta);
     if (c->rope_scaling == MRL_ROPE_LLAMA3)
@@ -458,7 +518,18 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
         put(&o, "],\n  \"router_aux_loss_coef\": %.17g,\n  \"output_router_logits\": %s,\n", c->router_aux_loss_coef,
             c->output_router_logits ? "true" : "false");
     }
-    if (c->arch != MRL_ARCH_LLAMA) put(&o, "  \"use_sliding_window\": false,\n  \"max_window_layers\": %d,\n", c->num_hidden_layers);
+    if (mrl_model_is_mla(c)) { /* (every layer dense: first_k_dense_replace covers them all) */
+        if (c->q_lora_rank) put(&o, "  \"q_lora_rank\": %d,\n", c->q_lora_rank);
+        else put(&o, "  \"q_lora_rank\": null,\n");
+        put(&o, "  \"kv_lora_rank\": %d,\n  \"qk_nope_head_dim\": %d,\n  \"qk_rope_head_dim\": %d,\n  \"v_head_dim\": %d,\n",
+            c->kv_lora_rank, c->qk_nope_head_dim, c->qk_rope_head_dim, c->v_head_dim);
+        put(&o, "  \"rope_interleave\": %s,\n  \"attention_bias\": false,\n  \"first_k_dense_replace\": %d,\n",
+            c->rope_interleave ? "true" : "false", c->num_hidden_layers);
+        put(&o, "  \"n_routed_experts\": 1,\n  \"n_shared_experts\": 1,\n  \"num_experts_per_tok\": 1,\n  "
+                "\"n_group\": 1,\n  \"topk_group\": 1,\n  \"moe_intermediate_size\": %d,\n", c->intermediate_size);
+    }
+    if (c->arch != MRL_ARCH_LLAMA && !mrl_model_is_mla(c))
+        put(&o, "  \"use_sliding_window\": false,\n  \"max_window_layers\": %d,\n", c->num_hidden_layers);
     if (c->value_head) put(&o, "  \"num_labels\": 1,\n  \"id2label\": {\"0\": \"LABEL_0\"},\n  \"label2id\": {\"LABEL_0\": 0},\n");
     if (c->bos_token_id >= 0) put(&o, "  \"bos_token_id\": %d,\n", c->bos_token_id);
     if (c->eos_token_id >= 0) put(&o, "  \"eos_token_id\": %d,\n", c->eos_token_id);

@@ -38,6 +38,8 @@ mrl_status mrl_model_set_cp_group(mrl_model *m, int rank, int size, mrl_tp_allga
                                   void *ctx) {
     if (!m) return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: NULL model");
     if (m->lora && size > 1) return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: not yet with LoRA adapters");
+    if (mrl_model_is_mla(&m->cfg) && size > 1)
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "context parallel: not yet with multi-head latent attention (deepseek_v3)");
     if (size < 1 || rank < 0 || rank >= size)
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_set_cp_group: rank %d of %d", rank, size);
     const mrl_model_config *c = &m->cfg;

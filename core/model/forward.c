@@ -42,12 +42,16 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     int64_t off = 0;
 #define TAKE(ptr, type, count) MRL_LAYOUT_TAKE(base, off, ptr, type, count)
     for (int l = 0; l <= L; l++) TAKE(m->xs[l], float, Ts * D);
+    layer_acts mla = {0}; /* multi-head latent attention's scratch, one for every layer (layer.c) */
+    off += mrl_mla_acts_layout(c, &mla, T, base ? base + off : NULL, 2);
     for (int l = 0; l < L; l++) {
         layer_acts *a = &m->la[l];
         if (m->recompute && l > 0) {
             if (base) *a = m->la[0];
             continue;
         }
+        off += mrl_mla_acts_layout(c, a, T, base ? base + off : NULL, 1);
+        if (base) a->qf = mla.qf, a->kva = mla.kva, a->kr = mla.kr, a->kvb = mla.kvb;
         TAKE(a->ln1, float, Ts * D);
         TAKE(a->rstd1, float, Ts);
         if (qwen3) {
@@ -96,6 +100,19 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(g->dk, float, T * K);
     TAKE(g->dv, float, T * K);
     if (qwen3) TAKE(g->dk2, float, T * K);
+    if (mrl_model_is_mla(c)) { /* (layer.c's mla_backward) */
+        int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim, rq = c->q_lora_rank,
+                rkv = c->kv_lora_rank;
+        TAKE(g->mla_datt, float, T * Hq * dv);
+        TAKE(g->mla_dqf, float, T * Hq * (dn + dr));
+        TAKE(g->mla_dkvb, float, T * Hq * (dn + dv));
+        TAKE(g->mla_dkr, float, T * dr);
+        TAKE(g->mla_dcn, float, T * rkv);
+        TAKE(g->mla_dc, float, T * rkv);
+        TAKE(g->mla_dkva, float, T * (rkv + dr));
+        TAKE(g->mla_dqan, float, T * rq);
+        TAKE(g->mla_dqa, float, T * rq);
+    }
     if (qwen3 && m->tp_size > 1) TAKE(g->dnorm, float, 2 * c->head_dim);
     if (cp > 1) {
         TAKE(g->cp_datt, float, Tw * Qh);

@@ -209,6 +209,9 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
     if (value_head) whole.value_head = 1;
     cfg = whole;
     int kv_copies = 1, vocab = 0;
+    if (tp_size > 1 && mrl_model_is_mla(&whole))
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: tensor parallel is not yet supported for deepseek_v3 (multi-head "
+                             "latent attention)", dir);
     if (tp_size > 1 && (s = tp_config(dir, tp_size, &cfg, &kv_copies, &vocab))) return s;
     int pp = stage && stage->stages > 1;
     int moe0 = 0, moe_all = 0;

@@ -128,12 +128,76 @@ static void lora_fwd(const mrl_model *m, const layer_params *p, const layer_acts
                      y, T, N, K, a->lora_u);
 }
 
+/* Multi-head latent attention's inputs (moonrl/model.h) of T tokens from ln [T,D]: the queries
+ * (through q_a_proj, its norm and q_b_proj when q_lora_rank > 0), the latent and the rope key
+ * (kv_a_proj_with_mqa's output, split), the latent normed, kv_b_proj's keys and values of every
+ * head; then mla_qkv turns the rope parts and pads q, k, v to the attention's head. */
+static void mla_proj(const mrl_model *m, const layer_params *p, layer_acts *a, const float *ln, const int32_t *pos,
+                     int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    int D = c->hidden_size, H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+        dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
+    float eps = (float)c->rms_norm_eps;
+    const float *qin = ln;
+    if (rq) { /* q = q_b_proj(q_a_layernorm(q_a_proj(x))) */
+        run1(m, lin_p(a->qa, ln, p->wqa, NULL, T, rq, D, 0), p->hqa);
+        k->rmsnorm_fwd(a->qan, a->rstdqa, a->qa, p->q_a_norm, T, rq, eps);
+        qin = a->qan;
+    }
+    mrl_gemm_desc d[2] = {lin_w(p, 0, a->qf, qin, p->wq, p->pq, T, H * (dn + dr), rq ? rq : D, 0),
+                          lin_w(p, 1, a->kva, ln, p->wk, p->pk, T, rkv + dr, D, 0)};
+    products(m, d, (const uint16_t *[]){p->hq, p->hk}, 2);
+    k->copy_rows(a->ckv, rkv, a->kva, rkv + dr, T, rkv); /* [c | kr] apart */
+    k->copy_rows(a->kr, dr, a->kva + rkv, rkv + dr, T, dr);
+    k->rmsnorm_fwd(a->cn, a->rstdc, a->ckv, p->kv_a_norm, T, rkv, eps);
+    run1(m, lin_w(p, 2, a->kvb, a->cn, p->wv, p->pv, T, H * (dn + dv), rkv, 0), p->hv);
+    k->mla_qkv(a->q, a->k, a->v, a->qf, a->kvb, a->kr, pos, m->rope_cos, m->rope_sin, T, H, dn, dr, dv, c->head_dim,
+               c->rope_interleave);
+}
+
+int64_t mrl_mla_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base, int what) {
+    int64_t off = 0;
+    if (!mrl_model_is_mla(c)) {
+        if (base) a->qa = a->qan = a->rstdqa = a->ckv = a->cn = a->rstdc = a->att_v = a->qf = a->kva = a->kr = a->kvb = NULL;
+        return 0;
+    }
+    int64_t H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim,
+            rq = c->q_lora_rank, rkv = c->kv_lora_rank;
+#define TAKE(ptr, count) MRL_LAYOUT_TAKE(base, off, ptr, float, count)
+    if (what & 1) {
+        if (rq) {
+            TAKE(a->qa, T * rq);
+            TAKE(a->qan, T * rq);
+            TAKE(a->rstdqa, T);
+        } else if (base) {
+            a->qa = a->qan = a->rstdqa = NULL;
+        }
+        TAKE(a->ckv, T * rkv);
+        TAKE(a->cn, T * rkv);
+        TAKE(a->rstdc, T);
+        TAKE(a->att_v, T * H * dv);
+    }
+    if (what & 2) {
+        TAKE(a->qf, T * H * (dn + dr));
+        TAKE(a->kva, T * (rkv + dr));
+        TAKE(a->kr, T * dr);
+        TAKE(a->kvb, T * H * (dn + dv));
+    }
+#undef TAKE
+    return off;
+}
+
 /* The attention inputs of T tokens at positions pos: ln1 = rmsnorm(x), q, k, v
  * (+ biases, qwen3 per-head norms), RoPE on q and k. Fills a's ln1, rstd1,
  * (qraw, kraw, rstdq, rstdk,) q, k, v. Shared with the engine. */
 /* q, k, v of T tokens from ln [T,D] (the norm's output; under sequence parallel, gathered) */
 static void qkv_proj(const mrl_model *m, const layer_params *p, layer_acts *a, const float *ln, const int32_t *pos,
                      int64_t T) {
+    if (mrl_model_is_mla(&m->cfg)) {
+        mla_proj(m, p, a, ln, pos, T);
+        return;
+    }
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, hd = c->head_dim, Hq = c->num_attention_heads, Hk = c->num_key_value_heads,
@@ -173,14 +237,20 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const mrl_model_config *c = &m->cfg;
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     int64_t TD = T * D;
+    const float *att = a->att;
+    if (mrl_model_is_mla(c)) { /* each head's dv values of its padded head: o_proj's input */
+        int H = c->num_attention_heads, dv = c->v_head_dim;
+        k->copy_rows(a->att_v, dv, a->att, c->head_dim, T * H, dv);
+        att = a->att_v, Q = H * dv;
+    }
     if (m->tp_size > 1) { /* h = x + the sum over the group of each rank's heads' part */
-        run1(m, lin_w(p, 3, a->h, a->att, p->wo, p->po, T, D, Q, 0), p->ho);
+        run1(m, lin_w(p, 3, a->h, att, p->wo, p->po, T, D, Q, 0), p->ho);
         mrl_model_tp_sum(m, a->h, TD);
         k->add(a->h, x, TD);
     } else {
         k->copy(a->h, x, (int64_t)sizeof(float) * TD);
-        run1(m, lin_w(p, 3, a->h, a->att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
-        lora_fwd(m, p, a, 3, a->att, a->h, T, D, Q);
+        run1(m, lin_w(p, 3, a->h, att, p->wo, p->po, T, D, Q, 1.0f), p->ho); /* h = x + att Wo^T */
+        lora_fwd(m, p, a, 3, att, a->h, T, D, Q);
     }
     k->rmsnorm_fwd(a->ln2, a->rstd2, a->h, p->ln2, T, D, (float)c->rms_norm_eps);
     if (p->router) { /* a sparse layer: out = h + the experts' weighted sum */
@@ -228,7 +298,7 @@ static void sp_forward(mrl_model *m, int l, int64_t T) {
     mrl_model_sp_gather(m, a->ln1, full);                                      /* ln1 [T,D] */
     qkv_proj(m, p, a, full, m->pos, T);
     m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs, Hq,
-                   c->num_key_value_heads, c->head_dim, 1.0f / sqrtf((float)c->head_dim));
+                   c->num_key_value_heads, c->head_dim, mrl_model_attn_scale(c));
     run1(m, lin_p(full, a->att, p->wo, p->po, T, D, Q, 0), p->ho);           /* this rank's heads' part [T,D] */
     mrl_model_sp_reduce_scatter(m, full, a->h);
     k->add(a->h, x, tl * D);                                                  /* h = x + att Wo^T, [tl,D] */
@@ -254,7 +324,7 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
         a->ep = mrl_moe_ep_layer(m, mrl_moe_ordinal(&m->cfg, l)); /* expert parallelism, if on */
     }
     int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, cp = m->cp_size > 1 ? m->cp_size : 1;
-    float scale = 1.0f / sqrtf((float)c->head_dim);
+    float scale = mrl_model_attn_scale(c);
     if (cp > 1) { /* context parallel (cp.c): this rank's heads of every token around attention */
         layer_acts mine = *a; /* q, k, v of this rank's tokens in the backward's scratch (free now) */
         mine.q = m->gs.dq, mine.k = m->gs.dk, mine.v = m->gs.dv;
@@ -318,6 +388,41 @@ static void qkv_backward(mrl_model *m, const layer_params *p, const layer_params
     }
 }
 
+/* MLA's back through mla_proj from dq, dk, dv (s, [T,H,hd]): the parameter gradients added,
+ * dln [T,D] = the gradient of ln, its input. */
+static void mla_backward(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                         const grad_scratch *s, const float *ln, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    int D = c->hidden_size, H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+        dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank, Nq = H * (dn + dr), Nkv = H * (dn + dv);
+    k->mla_qkv_bwd(s->mla_dqf, s->mla_dkvb, s->mla_dkr, s->dq, s->dk, s->dv, m->pos, m->rope_cos, m->rope_sin, T, H,
+                   dn, dr, dv, c->head_dim, c->rope_interleave);
+    /* kv_b_proj, then the latent's norm: dc = its input's gradient */
+    mrl_gemm_desc kvb[2] = {lin_dw(g->wv, s->mla_dkvb, a->cn, T, Nkv, rkv), lin_dx(s->mla_dcn, s->mla_dkvb, p->wv, T, Nkv, rkv, 0)};
+    products(m, kvb, (const uint16_t *[]){NULL, p->hv}, 2);
+    k->zero(s->mla_dc, (int64_t)sizeof(float) * T * rkv);
+    k->rmsnorm_bwd(s->mla_dc, g->kv_a_norm, s->mla_dcn, a->ckv, p->kv_a_norm, a->rstdc, T, rkv);
+    k->copy_rows(s->mla_dkva, rkv + dr, s->mla_dc, rkv, T, rkv); /* kv_a_proj_with_mqa's output [dc | dkr] */
+    k->copy_rows(s->mla_dkva + rkv, rkv + dr, s->mla_dkr, dr, T, dr);
+    /* the queries: through q_b_proj and q_a_proj's norm to q_a_proj's output, or q_proj's */
+    const float *dqin = s->mla_dqf, *Wqin = p->wq;
+    const uint16_t *hqin = p->hq;
+    float *gWqin = g->wq;
+    int Nqin = Nq;
+    if (rq) {
+        mrl_gemm_desc qb[2] = {lin_dw(g->wq, s->mla_dqf, a->qan, T, Nq, rq), lin_dx(s->mla_dqan, s->mla_dqf, p->wq, T, Nq, rq, 0)};
+        products(m, qb, (const uint16_t *[]){NULL, p->hq}, 2);
+        k->zero(s->mla_dqa, (int64_t)sizeof(float) * T * rq);
+        k->rmsnorm_bwd(s->mla_dqa, g->q_a_norm, s->mla_dqan, a->qa, p->q_a_norm, a->rstdqa, T, rq);
+        dqin = s->mla_dqa, Wqin = p->wqa, hqin = p->hqa, gWqin = g->wqa, Nqin = rq;
+    }
+    mrl_gemm_desc in[3] = {lin_dw(gWqin, dqin, ln, T, Nqin, D), lin_dw(g->wk, s->mla_dkva, ln, T, rkv + dr, D),
+                           lin_dx(s->dln, dqin, Wqin, T, Nqin, D, 0)}; /* dln = dq_in Wq_in ... */
+    products(m, in, (const uint16_t *[]){NULL, NULL, hqin}, 3);
+    run1(m, lin_dx(s->dln, s->mla_dkva, p->wk, T, rkv + dr, D, 1.0f), p->hk); /* ... + dkva Wkv_a */
+}
+
 /* Sequence parallel (sp_forward): in s->dx this rank's rows [tl,D] of dL/dx', out dL/dx. The
  * upstream rows are gathered for the products' backward (T rows), the norms' outputs gathered
  * again for their weight gradients, and the input gradients' partial sums reduce-scattered to
@@ -351,7 +456,7 @@ static void sp_backward(mrl_model *m, int l, int64_t T) {
     mrl_gemm_desc o[2] = {lin_dw(g->wo, full, a->att, T, D, Q), lin_dx(s->datt, full, p->wo, T, D, Q, 0)};
     products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
     k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix,
-                m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+                m->batch.n_seqs, Hq, Hk, hd, mrl_model_attn_scale(c));
     mrl_model_sp_gather(m, a->ln1, full);                                      /* ln1 [T,D] again */
     qkv_backward(m, p, g, a, s, full, T);                                      /* dln1, this rank's part [T,D] */
     mrl_model_sp_reduce_scatter(m, s->dln, s->sp_loc);
@@ -394,6 +499,18 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     }
     k->rmsnorm_bwd(s->dx, g->ln2, s->dln, a->h, p->ln2, a->rstd2, T, D); /* dx = dL/dh */
     /* attention: h = x + att Wo^T */
+    if (mrl_model_is_mla(c)) { /* o_proj read the heads' values without padding: datt padded with zeros */
+        int dv = c->v_head_dim;
+        mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att_v, T, D, Hq * dv), lin_dx(s->mla_datt, s->dx, p->wo, T, D, Hq * dv, 0)};
+        products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
+        k->zero(s->datt, (int64_t)sizeof(float) * T * Q);
+        k->copy_rows(s->datt, hd, s->mla_datt, dv, T * Hq, dv);
+        k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix,
+                    m->batch.n_seqs, Hq, Hk, hd, mrl_model_attn_scale(c));
+        mla_backward(m, p, g, a, s, a->ln1, T);
+        k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
+        return;
+    }
     mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
                           lin_dx(s->datt, s->dx, p->wo, T, D, Q, 0)};   /* datt [T,Q] */
     products(m, o, (const uint16_t *[]){NULL, p->ho}, 2);
@@ -404,13 +521,13 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
         int cp = m->cp_size;
         mrl_model_cp_to_heads(m, s->datt, Hq, s->cp_datt);
         k->attn_bwd(s->cp_dq, s->cp_dk, s->cp_dv, s->cp_datt, a->att_h, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
-                    m->op_prefix, m->batch.n_seqs, Hq / cp, Hk / cp, hd, 1.0f / sqrtf((float)hd));
+                    m->op_prefix, m->batch.n_seqs, Hq / cp, Hk / cp, hd, mrl_model_attn_scale(c));
         mrl_model_cp_to_tokens(m, s->cp_dq, Hq, s->dq);
         mrl_model_cp_to_tokens(m, s->cp_dk, Hk, s->dk);
         mrl_model_cp_to_tokens(m, s->cp_dv, Hk, s->dv);
     } else {
         k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens,
-                    m->op_prefix, m->batch.n_seqs, Hq, Hk, hd, 1.0f / sqrtf((float)hd));
+                    m->op_prefix, m->batch.n_seqs, Hq, Hk, hd, mrl_model_attn_scale(c));
     }
     qkv_backward(m, p, g, a, s, a->ln1, T);
     mrl_model_tp_sum(m, s->dln, T * D);                                  /* (tensor parallel) */

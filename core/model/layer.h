@@ -41,6 +41,12 @@ typedef struct layer_params {
     float *router;      /* [E,D]    mlp.gate.weight */
     float *ewg, *ewu;   /* [E,Fe,D] mlp.experts.{e}.gate_proj, up_proj */
     float *ewd;         /* [E,D,Fe] mlp.experts.{e}.down_proj */
+    /* multi-head latent attention (deepseek_v3, moonrl/model.h; NULL otherwise): there wq is
+     * q_proj or q_b_proj [H*(dn+dr), rq or D], wk kv_a_proj_with_mqa [rkv+dr, D], wv kv_b_proj
+     * [H*(dn+dv), rkv] and wo [D, H*dv] (mrl_layer_matrices has their shapes), and */
+    float *wqa;         /* [rq,D] q_a_proj (q_lora_rank > 0) */
+    float *q_a_norm;    /* [rq]   q_a_layernorm */
+    float *kv_a_norm;   /* [rkv]  kv_a_layernorm */
     /* the same seven matrices as weight panels, or NULL: the engine's
      * packed copies, read by the forward in place of the above. Their
      * layout is the model's dtype's: fp32 panels (float, MRL_PANEL) in
@@ -50,6 +56,7 @@ typedef struct layer_params {
      * NULL: what the products read then (layer.c) */
     const uint16_t *hq, *hk, *hv, *ho, *hg, *hu, *hd;
     const uint16_t *heg, *heu, *hed; /* the experts' (the router stays fp32) */
+    const uint16_t *hqa;             /* MLA's q_a_proj (not one of the seven: no panels, blocks or adapters) */
     /* LoRA (moonrl/model.h, mrl_model_set_lora): this layer's adapters (their gradients in the
      * gradients' table), or NULL: none, or switched off */
     const struct lora_layer *lora;
@@ -119,12 +126,20 @@ typedef struct mrl_layer_matrix {
 } mrl_layer_matrix;
 
 static inline void mrl_layer_matrices(const mrl_model_config *c, layer_params *p, mrl_layer_matrix out[7]) {
-    int64_t D = c->hidden_size, F = c->intermediate_size, Q = (int64_t)c->num_attention_heads * c->head_dim,
+    int64_t D = c->hidden_size, F = c->intermediate_size, H = c->num_attention_heads, Q = H * c->head_dim,
             Kv = (int64_t)c->num_key_value_heads * c->head_dim;
-    out[0] = (mrl_layer_matrix){p->wq, &p->pq, Q, D};
-    out[1] = (mrl_layer_matrix){p->wk, &p->pk, Kv, D};
-    out[2] = (mrl_layer_matrix){p->wv, &p->pv, Kv, D};
-    out[3] = (mrl_layer_matrix){p->wo, &p->po, D, Q};
+    if (c->arch == MRL_ARCH_DEEPSEEK_V3) { /* MLA: q (or q_b), kv_a_proj_with_mqa, kv_b_proj, o */
+        int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, rkv = c->kv_lora_rank;
+        out[0] = (mrl_layer_matrix){p->wq, &p->pq, H * (dn + dr), c->q_lora_rank ? c->q_lora_rank : D};
+        out[1] = (mrl_layer_matrix){p->wk, &p->pk, rkv + dr, D};
+        out[2] = (mrl_layer_matrix){p->wv, &p->pv, H * (dn + c->v_head_dim), rkv};
+        out[3] = (mrl_layer_matrix){p->wo, &p->po, D, H * c->v_head_dim};
+    } else {
+        out[0] = (mrl_layer_matrix){p->wq, &p->pq, Q, D};
+        out[1] = (mrl_layer_matrix){p->wk, &p->pk, Kv, D};
+        out[2] = (mrl_layer_matrix){p->wv, &p->pv, Kv, D};
+        out[3] = (mrl_layer_matrix){p->wo, &p->po, D, Q};
+    }
     out[4] = (mrl_layer_matrix){p->wg, &p->pg, F, D};
     out[5] = (mrl_layer_matrix){p->wu, &p->pu, F, D};
     out[6] = (mrl_layer_matrix){p->wd, &p->pd, D, F};
@@ -156,6 +171,13 @@ typedef struct layer_acts {
     float *att, *lse;          /* [T,Q] attention output, [T,Hq] its log-sum-exp */
     float *att_h;              /* context parallel (cp.c): the attention output as attention made it,
                                 * [T whole, Q / cp] (q, k, v, lse are then in that layout too) */
+    /* multi-head latent attention (deepseek_v3; NULL otherwise), kept for the backward: */
+    float *qa, *qan, *rstdqa;  /* [T,rq] q_a_proj's output, normed; [T] (q_lora_rank > 0) */
+    float *ckv, *cn, *rstdc;   /* [T,rkv] the latent, normed (kv_a_layernorm); [T] */
+    float *att_v;              /* [T,H*dv] the attention output without its padding (o_proj's input) */
+    /* and its forward's scratch (one for every layer): queries before RoPE, kv_a_proj_with_mqa's
+     * output, the rope key, kv_b_proj's output */
+    float *qf, *kva, *kr, *kvb; /* [T,H*(dn+dr)] [T,rkv+dr] [T,dr] [T,H*(dn+dv)] */
     float *h, *ln2, *rstd2;    /* [T,D] x + attention, [T,D], [T] */
     float *gate, *up, *act;    /* [T,F] each; act = silu(gate) * up */
     /* a sparse layer: A = T*k assignments, token t's j-th pick is t*k + j;
@@ -194,6 +216,16 @@ typedef struct lora_seg {
     const lora_layer *L;
 } lora_seg;
 
+/* Multi-head latent attention (deepseek_v3; moonrl/model.h): its widths, and the attention's
+ * scale, (dn + dr)^-1/2 times yarn's mscale(factor, mscale_all_dim)^2 (Transformers'
+ * yarn_apply_mscale), 1/sqrt(head_dim) for the other architectures. rope_dim: the dimensions
+ * RoPE turns (its tables' width: qk_rope_head_dim, else head_dim). */
+static inline int mrl_model_is_mla(const mrl_model_config *c) { return c->arch == MRL_ARCH_DEEPSEEK_V3; }
+static inline int mrl_model_rope_dim(const mrl_model_config *c) {
+    return mrl_model_is_mla(c) ? c->qk_rope_head_dim : c->head_dim;
+}
+float mrl_model_attn_scale(const mrl_model_config *c);
+
 /* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */
 static inline int mrl_arch_qk_norm(int arch) { return arch == MRL_ARCH_QWEN3 || arch == MRL_ARCH_QWEN3_MOE; }
 
@@ -201,6 +233,12 @@ static inline int mrl_arch_qk_norm(int arch) { return arch == MRL_ARCH_QWEN3 || 
  * (NULL: only counted), each 64-byte aligned; returns the bytes (moe.c).
  * The trainer's and the engine's activation layouts both call it. */
 int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base);
+
+/* MLA's fields of a for T tokens carved from base (NULL: only counted; a model without MLA:
+ * none, and with a base they are set NULL): what & 1 those kept for the backward (qa .. att_v),
+ * what & 2 the scratch (qf .. kvb). Returns the bytes (layer.c); the trainer's and the engine's
+ * activation layouts both call it. */
+int64_t mrl_mla_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base, int what);
 
 /* The model's weights read from `base` (mrl_model_num_params floats in the
  * model's layout). */

@@ -223,6 +223,7 @@ mrl_status mrl_model_set_lora(mrl_model *m, const mrl_lora_config *cfg) {
                       : m->ep                          ? "expert parallel"
                       : m->grad_acquire                ? "gradient windows (ZeRO-2)"
                       : m->score                       ? "a value head (a critic trains whole)"
+                      : mrl_model_is_mla(&m->cfg)      ? "multi-head latent attention (deepseek_v3)"
                                                        : NULL;
     mrl_status st = check_config(cfg);
     if (st) return st;

@@ -68,6 +68,22 @@ static void build_layout(layout *lo) {
 #define NAME(s) (snprintf(f, sizeof f, "%s%s", pre, s), f)
         int gl = l + m->pp_l0; /* (the whole model's layer number) */
         p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), gl);
+        if (mrl_model_is_mla(c)) { /* multi-head latent attention (moonrl/model.h) */
+            int64_t H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+                    dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
+            if (rq) {
+                p.wqa = add_view(lo, 1, rq, D, NAME("self_attn.q_a_proj.weight"), gl);
+                p.q_a_norm = add_view(lo, 0, rq, 0, NAME("self_attn.q_a_layernorm.weight"), gl);
+                p.wq = add_view(lo, 1, H * (dn + dr), rq, NAME("self_attn.q_b_proj.weight"), gl);
+            } else {
+                p.wq = add_view(lo, 1, H * (dn + dr), D, NAME("self_attn.q_proj.weight"), gl);
+            }
+            p.wk = add_view(lo, 1, rkv + dr, D, NAME("self_attn.kv_a_proj_with_mqa.weight"), gl);
+            p.kv_a_norm = add_view(lo, 0, rkv, 0, NAME("self_attn.kv_a_layernorm.weight"), gl);
+            p.wv = add_view(lo, 1, H * (dn + dv), rkv, NAME("self_attn.kv_b_proj.weight"), gl);
+            p.wo = add_view(lo, 1, D, H * dv, NAME("self_attn.o_proj.weight"), gl);
+            goto mlp;
+        }
         p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), gl);
         if (c->attention_bias) p.bq = add_view(lo, 0, Q, 0, NAME("self_attn.q_proj.bias"), gl);
         p.wk = add_view(lo, 1, K, D, NAME("self_attn.k_proj.weight"), gl);
@@ -79,6 +95,7 @@ static void build_layout(layout *lo) {
             p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), gl);
             p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), gl);
         }
+    mlp:
         p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), gl);
         if (mrl_model_layer_is_moe(c, l)) {
             /* the router, then each kind of expert matrix stacked over the
@@ -399,6 +416,7 @@ void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_mode
         d->hq = AT16(s->wq), d->hk = AT16(s->wk), d->hv = AT16(s->wv), d->ho = AT16(s->wo);
         d->hg = AT16(s->wg), d->hu = AT16(s->wu), d->hd = AT16(s->wd);
         d->heg = AT16(s->ewg), d->heu = AT16(s->ewu), d->hed = AT16(s->ewd);
+        d->hqa = AT16(s->wqa);
     }
     if (out) out->lm_head16 = AT16(m->lm_head);
 #undef AT16

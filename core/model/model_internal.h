@@ -28,6 +28,11 @@ typedef struct grad_scratch {
     float *dye;       /* [A,D] d expert outputs, then d expert inputs */
     float *dlogit;    /* [T,E] d router logits */
     float *lora_du;   /* LoRA's backward: [rows, r] beside the layer's lora_u (lora.c) */
+    /* multi-head latent attention (layer.c): the gradients of the attention output without its
+     * padding [T,H*dv], of the queries before RoPE [T,H*(dn+dr)], of kv_b_proj's output
+     * [T,H*(dn+dv)], of the rope key [T,dr], of the normed latent and the latent [T,rkv] each, of
+     * kv_a_proj_with_mqa's output [T,rkv+dr], of q_a_proj's output normed and not [T,rq] each */
+    float *mla_datt, *mla_dqf, *mla_dkvb, *mla_dkr, *mla_dcn, *mla_dc, *mla_dkva, *mla_dqan, *mla_dqa;
 } grad_scratch;
 
 /* The adapters (lora.c; moonrl/model.h's mrl_model_set_lora): their config, scale, buffers

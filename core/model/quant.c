@@ -115,6 +115,8 @@ mrl_status mrl_model_create_quantized(const mrl_model_config *cfg, const mrl_qua
     if (!cfg || !out || n < 0 || (n > 0 && !tensors))
         return mrl_set_error(MRL_ERR_INVALID, "mrl_model_create_quantized: NULL argument");
     *out = NULL;
+    if (mrl_model_is_mla(cfg))
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "a quantized base: not yet for deepseek_v3 (multi-head latent attention)");
     mrl_model *m;
     mrl_status st = mrl_model_alloc_layout(cfg, &m);
     if (st) return st;

@@ -1,4 +1,4 @@
-/* RoPE tables. inv_freq[i] = theta^(-2i/hd) (float32, as Transformers
+/* RoPE tables. inv_freq[i] = theta^(-2i/hd) (hd: mrl_model_rope_dim, MLA's rope part) (float32, as Transformers
  * computes it), rescaled for rope_scaling 'llama3' or 'yarn'; cos/sin of
  * pos * inv_freq[i] for pos < rope_len (yarn: times its attention factor),
  * grown when a longer sequence comes. */
@@ -16,7 +16,7 @@ static double yarn_dim(double rotations, int dim, double base, double len) {
     return (dim * log(len / (rotations * 2 * M_PI))) / (2 * log(base));
 }
 NO_FMA static void yarn_inv_freq(const mrl_model_config *c, float *inv_freq) {
-    int dim = c->head_dim, half = dim / 2;
+    int dim = mrl_model_rope_dim(c), half = dim / 2;
     double base = c->rope_theta, len = c->rope_original_max_position_embeddings;
     double low = yarn_dim(c->rope_beta_fast, dim, base, len), high = yarn_dim(c->rope_beta_slow, dim, base, len);
     if (c->rope_truncate) low = floor(low), high = ceil(high);
@@ -35,13 +35,13 @@ NO_FMA static void yarn_inv_freq(const mrl_model_config *c, float *inv_freq) {
 }
 
 static void compute_inv_freq(const mrl_model_config *c, float *inv_freq) {
-    int half = c->head_dim / 2;
+    int dim = mrl_model_rope_dim(c), half = dim / 2;
     if (c->rope_scaling == MRL_ROPE_YARN) {
         yarn_inv_freq(c, inv_freq);
         return;
     }
     for (int i = 0; i < half; i++) {
-        float f = (float)(1.0 / (double)powf((float)c->rope_theta, (float)(2 * i) / (float)c->head_dim));
+        float f = (float)(1.0 / (double)powf((float)c->rope_theta, (float)(2 * i) / (float)dim));
         if (c->rope_scaling == MRL_ROPE_LLAMA3) {
             double old_len = c->rope_original_max_position_embeddings;
             double low_wl = old_len / c->rope_low_freq_factor, high_wl = old_len / c->rope_high_freq_factor;
@@ -60,7 +60,7 @@ static void compute_inv_freq(const mrl_model_config *c, float *inv_freq) {
 }
 
 mrl_status mrl_model_rope_prepare(mrl_model *m, int64_t max_len) {
-    int half = m->cfg.head_dim / 2;
+    int half = mrl_model_rope_dim(&m->cfg) / 2;
     if (!m->inv_freq) {
         m->inv_freq = mrl_mem_alloc(sizeof(float) * half, MRL_MEM_OTHER);
         if (!m->inv_freq) return MRL_ERR_NOMEM;

@@ -45,6 +45,13 @@ local function config_table(c)
       mscale_all_dim = c.rope_mscale_all_dim ~= 0 and tonumber(c.rope_mscale_all_dim) or nil,
       attention_factor = c.rope_attention_factor_given ~= 0 and tonumber(c.rope_attention_factor) or nil }
   end
+  if t.model_type == 'deepseek_v3' then -- multi-head latent attention (model.h); head_dim is the padded head
+    for _, k in ipairs({ 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim' }) do
+      t[k] = tonumber(c[k])
+    end
+    t.q_lora_rank = c.q_lora_rank ~= 0 and tonumber(c.q_lora_rank) or json.null
+    t.rope_interleave = c.rope_interleave ~= 0
+  end
   if t.model_type == 'qwen3_moe' then -- the experts (model.h), so that M.new(m.config) makes the same model
     for _, k in ipairs({ 'num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'decoder_sparse_step',
       'router_aux_loss_coef' }) do

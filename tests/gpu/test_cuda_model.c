@@ -318,8 +318,8 @@ int main(void) {
     char what[160];
     CHECK_OK(mrl_device_describe(GPU, what, sizeof what));
     printf("%s\n", what);
-    static const int arches[3] = {MRL_ARCH_LLAMA, MRL_ARCH_QWEN2, MRL_ARCH_QWEN3};
-    for (int a = 0; a < 3; a++)
+    static const int arches[4] = {MRL_ARCH_LLAMA, MRL_ARCH_QWEN2, MRL_ARCH_QWEN3, MRL_ARCH_DEEPSEEK_V3};
+    for (int a = 0; a < 4; a++)
         for (int bf16 = 0; bf16 < 2; bf16++) case_model(arches[a], bf16, 0);
     case_model(MRL_ARCH_QWEN3, 0, 1);
     case_model(MRL_ARCH_LLAMA, 1, 1);

@@ -38,6 +38,11 @@ static inline mrl_model_config small_config(int arch) {
     c.max_position_embeddings = 128;
     c.tie_word_embeddings = arch != MRL_ARCH_QWEN2; /* both head layouts */
     if (arch == MRL_ARCH_QWEN2) c.attention_bias = 1;
+    if (arch == MRL_ARCH_DEEPSEEK_V3) { /* MLA: low-rank queries, values narrower than the query heads */
+        c.num_key_value_heads = c.num_attention_heads;
+        c.q_lora_rank = 24, c.kv_lora_rank = 32, c.qk_nope_head_dim = 12, c.qk_rope_head_dim = 8, c.v_head_dim = 16;
+        c.rope_interleave = 1, c.head_dim = 20;
+    }
     return c;
 }
 

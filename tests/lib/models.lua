@@ -31,6 +31,12 @@ M.presets = {
     num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, max_position_embeddings = 64,
     tie_word_embeddings = true, bos_token_id = 1, eos_token_id = 2, initializer_range = 0.1, num_experts = 5,
     num_experts_per_tok = 2, moe_intermediate_size = 16, norm_topk_prob = true },
+  -- multi-head latent attention (low-rank queries, a latent of 12, values narrower than the query heads),
+  -- two dense layers, the digit ids
+  deepseek_v3 = { model_type = 'deepseek_v3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
+    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 4, q_lora_rank = 16, kv_lora_rank = 12,
+    qk_nope_head_dim = 6, qk_rope_head_dim = 4, v_head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true,
+    bos_token_id = 1, eos_token_id = 2, initializer_range = 0.1, first_k_dense_replace = 2 },
 }
 
 function M.config(name, over)

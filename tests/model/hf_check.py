@@ -130,6 +130,14 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 43):  #
     case("llama yarn as DeepSeek-V3 gives it", dict(base, model_type="llama", architectures=["LlamaForCausalLM"],
          max_position_embeddings=64, rope_scaling=dict(type="yarn", original_max_position_embeddings=16, beta_fast=32,
                                                        beta_slow=1, mscale=1.0, mscale_all_dim=0.707)))
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 57):  # (DeepseekV3 with rope_interleave)
+    mla = dict(base, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
+               q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+               first_k_dense_replace=2, n_routed_experts=4)
+    case("deepseek_v3 MLA, low-rank queries", mla)
+    case("deepseek_v3 MLA, q_proj, yarn mscale", dict(mla, q_lora_rank=None, v_head_dim=20, max_position_embeddings=64,
+         rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
+                           mscale=1.0, mscale_all_dim=1.0)))
 case("llama, saved in shards of 40 KB", dict(base, model_type="llama", architectures=["LlamaForCausalLM"]),
      shard_bytes=40000)
 case("qwen2 biases, tied", dict(base, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True))

@@ -123,6 +123,25 @@ q3 = dict(llama, model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_
           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
 run_case("qwen3 q/k norm, head_dim 16 != 48/4", q3, lens)
 run_case("qwen3 reference kernels", q3, [5, 9], kernels=1)
+# DeepSeek-V3's multi-head latent attention: low-rank queries or q_proj, values narrower or wider than
+# the query heads (padded), DeepSeek's interleaved RoPE pairs or the half-split ones, yarn's softmax mscale
+ds = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=97, hidden_size=64,
+          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, rms_norm_eps=1e-6,
+          rope_theta=10000.0, tie_word_embeddings=False, first_k_dense_replace=2, n_routed_experts=4)
+run_case("deepseek_v3 MLA, q_lora_rank 24, v 10 < 14", ds, lens, value_head=True)
+run_case("deepseek_v3 MLA, q_proj, v 20 > 14, half-split RoPE", dict(ds, q_lora_rank=None, v_head_dim=20,
+         rope_interleave=False, tie_word_embeddings=True), lens, seed=8)
+run_case("deepseek_v3 MLA, yarn with mscale_all_dim (the softmax scale)", dict(ds, max_position_embeddings=80,
+         rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=20, beta_fast=32, beta_slow=1,
+                           mscale=1.0, mscale_all_dim=1.0)), [41, 3], seed=9)
+run_case("deepseek_v3 MLA reference kernels", ds, [5, 9], kernels=1)
+mla_a = run_case("deepseek_v3 MLA recompute=off", ds, lens, seed=10)
+mla_b = run_case("deepseek_v3 MLA recompute=on", ds, lens, seed=10, recompute=True)
+if not all(np.array_equal(x, y) for x, y in zip(mla_a, mla_b)):
+    failures.append("deepseek_v3 recompute not bit-identical")
+    print("  recompute: results differ from the plain run")
+run_case("bf16: deepseek_v3 MLA", ds, lens, seed=11, dtype="bf16")
 # recomputation and the thread count change nothing (bit-identical); head chunking only the order of sums
 base = run_case("llama recompute=off", llama, lens, seed=5)
 other = run_case("llama recompute=on", llama, lens, seed=5, recompute=True)
@@ -202,6 +221,7 @@ def run_shared_case(name, cfg, seed=7):
 run_shared_case("llama shared prompts (prefix)", llama)
 run_shared_case("qwen2 shared prompts, GQA 6/2", dict(llama, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
                                                      hidden_size=48, num_attention_heads=6, num_key_value_heads=2), seed=8)
+run_shared_case("deepseek_v3 MLA shared prompts", ds, seed=9)
 
 if failures:
     print("FAILED:", ", ".join(failures))

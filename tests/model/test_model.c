@@ -78,7 +78,7 @@ static void test_config(void) {
     CHECK_STR_CONTAINS(mrl_last_error(), "attention_bias");
     CHECK(parse("{\"model_type\": \"mistral\", " BASE "}", &c) == MRL_ERR_UNSUPPORTED);
     CHECK_STR_CONTAINS(mrl_last_error(), "mistral");
-    CHECK_STR_CONTAINS(mrl_last_error(), "is not supported (llama, qwen2, qwen3, qwen3_moe)");
+    CHECK_STR_CONTAINS(mrl_last_error(), "is not supported (llama, qwen2, qwen3, qwen3_moe, deepseek_v3)");
     /* the architecture from the class alone: the longest stem (Qwen3Moe, not Qwen3) */
     CHECK(parse("{\"architectures\": [\"Qwen3MoeForCausalLM\"], " BASE ", \"num_experts\": 4, \"num_experts_per_tok\": 2, "
                 "\"moe_intermediate_size\": 16}", &c) == MRL_OK && c.arch == MRL_ARCH_QWEN3_MOE);
@@ -91,7 +91,7 @@ static void test_config(void) {
     mrl_model_config bad_arch = c; /* the qwen3 config just parsed */
     bad_arch.arch = 7;
     CHECK(mrl_model_config_validate(&bad_arch) == MRL_ERR_INVALID);
-    CHECK_STR_CONTAINS(mrl_last_error(), "arch = 7 (0 llama, 1 qwen2, 2 qwen3, 3 qwen3_moe)");
+    CHECK_STR_CONTAINS(mrl_last_error(), "arch = 7 (0 llama, 1 qwen2, 2 qwen3, 3 qwen3_moe, 4 deepseek_v3)");
     CHECK(parse("{\"model_type\": \"llama\", " BASE ", \"hidden_act\": \"gelu\"}", &c) == MRL_ERR_UNSUPPORTED);
     CHECK(parse("{\"model_type\": \"llama\", \"vocab_size\": 50}", &c) == MRL_ERR_FORMAT);
     CHECK_STR_CONTAINS(mrl_last_error(), "hidden_size");

@@ -85,6 +85,48 @@ def dense_mlp(l, p, h, P=None):
     return (torch.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
 
 
+def mla_scale(cfg):
+    """DeepSeek-V3's attention scale: (dn + dr)^-1/2, times yarn's mscale(factor, mscale_all_dim)^2."""
+    s = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
+    rs = cfg.get("rope_scaling")
+    if rs and (rs.get("rope_type") or rs.get("type")) == "yarn" and rs.get("mscale_all_dim"):
+        f = rs.get("factor") or cfg["max_position_embeddings"] / rs["original_max_position_embeddings"]
+        m = 0.1 * rs["mscale_all_dim"] * math.log(f) + 1.0 if f > 1 else 1.0
+        s = s * m * m
+    return s
+
+
+def mla_attention(cfg, P, l, h, L):
+    """Multi-head latent attention (DeepSeek-V2/V3) of layer l on h [L, D], written from the paper's equations:
+    low-rank queries (q_lora_rank) or q_proj, the latent and the decoupled rope key from kv_a_proj_with_mqa,
+    kv_b_proj's per-head keys and values; RoPE on the rope parts (pairs (2i, 2i+1) when rope_interleave)."""
+    p = lambda n: P["model.layers.%d.%s" % (l, n)]
+    H, dn, dr, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    rkv, eps = cfg["kv_lora_rank"], cfg.get("rms_norm_eps", 1e-6)
+    if cfg.get("q_lora_rank"):
+        q = rmsnorm(linear(P, l, "self_attn.q_a_proj", h), p("self_attn.q_a_layernorm.weight"), eps)
+        q = linear(P, l, "self_attn.q_b_proj", q)
+    else:
+        q = linear(P, l, "self_attn.q_proj", h)
+    q = q.view(L, H, dn + dr)
+    ckv = linear(P, l, "self_attn.kv_a_proj_with_mqa", h)
+    c, kr = ckv[:, :rkv], ckv[:, rkv:]
+    kv = linear(P, l, "self_attn.kv_b_proj", rmsnorm(c, p("self_attn.kv_a_layernorm.weight"), eps)).view(L, H, dn + dv)
+    inv, af = inv_freq_of(cfg, dr), attention_factor_of(cfg)
+    qr, kr = q[..., dn:], kr.view(L, 1, dr)
+    if cfg.get("rope_interleave", True):  # the pairs (2i, 2i+1): put them at (i, i + dr/2), then rotate_half
+        qr = torch.cat([qr[..., 0::2], qr[..., 1::2]], -1)
+        kr = torch.cat([kr[..., 0::2], kr[..., 1::2]], -1)
+    qr, kr = rope(qr, inv, L, af), rope(kr, inv, L, af)
+    q = torch.cat([q[..., :dn], qr], -1)
+    k = torch.cat([kv[..., :dn], kr.expand(L, H, dr)], -1)
+    v = kv[..., dn:]
+    sc = torch.einsum("ihe,jhe->hij", q, k) * mla_scale(cfg)
+    sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    att = torch.einsum("hij,jhe->ihe", sc.softmax(-1), v).reshape(L, H * dv)
+    return linear(P, l, "self_attn.o_proj", att)
+
+
 def final_hidden(cfg, P, tok, mlp=dense_mlp):
     """The final normed hidden states [L, D] of one sequence (tok: int64 tensor [L]); mlp(l, p, h): layer l's
     MLP on h (p: the layer's parameters by name), the dense one unless told (torch_ref_moe.py: experts)."""
@@ -99,6 +141,11 @@ def final_hidden(cfg, P, tok, mlp=dense_mlp):
     for l in range(cfg["num_hidden_layers"]):
         p = lambda n: P["model.layers.%d.%s" % (l, n)]
         h = rmsnorm(x, p("input_layernorm.weight"), eps)
+        if cfg["model_type"] == "deepseek_v3":
+            x = x + mla_attention(cfg, P, l, h, L)
+            h = rmsnorm(x, p("post_attention_layernorm.weight"), eps)
+            x = x + (mlp(l, p, h, P) if mlp is dense_mlp else mlp(l, p, h))
+            continue
         q, k, v = (linear(P, l, "self_attn.q_proj", h), linear(P, l, "self_attn.k_proj", h),
                    linear(P, l, "self_attn.v_proj", h))
         if qwen2:

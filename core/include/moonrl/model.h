@@ -42,7 +42,8 @@ typedef enum mrl_model_arch {
     MRL_ARCH_QWEN2 = 1, /* Qwen2ForCausalLM: q/k/v biases */
     MRL_ARCH_QWEN3 = 2, /* Qwen3ForCausalLM: q_norm / k_norm per head */
     MRL_ARCH_QWEN3_MOE = 3, /* Qwen3MoeForCausalLM: qwen3 attention, mixture-of-experts MLPs (below) */
-    MRL_ARCH_COUNT = 4
+    MRL_ARCH_DEEPSEEK_V3 = 4, /* DeepseekV3ForCausalLM: multi-head latent attention (below) */
+    MRL_ARCH_COUNT = 5
 } mrl_model_arch;
 
 /* The names of an architecture in the formats moonrl reads and writes. */
@@ -120,6 +121,17 @@ typedef struct mrl_model_config {
     int output_router_logits;
     double router_aux_loss_coef;
     uint64_t mlp_only_layers[16]; /* bit l: layer l keeps the dense MLP (layers < 1024) */
+    /* multi-head latent attention (deepseek_v3; all 0 for the others), per layer and head:
+     *   q   = q_b_proj(q_a_layernorm(q_a_proj(x))) when q_lora_rank > 0, else q_proj(x): [dn + dr]
+     *   kv_a_proj_with_mqa(x) = [c (kv_lora_rank), kr (dr)], one for every head; c' = kv_a_layernorm(c)
+     *   kv_b_proj(c') = [k_nope (dn), v (dv)]; k = [k_nope, rope(kr)], q = [q_nope, rope(q_rope)]
+     * dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim. RoPE turns the dr part only
+     * (its tables of dr dimensions), its pairs interleaved when rope_interleave (DeepSeek's
+     * checkpoints); the scores are scaled by (dn + dr)^-1/2, times yarn's mscale(factor,
+     * mscale_all_dim)^2 when given. head_dim is the attention's head, max(dn + dr, dv), q, k and
+     * v padded with zeros to it (the parser sets it; config.json's head_dim, qk_rope_head_dim in
+     * Transformers, is not read), and num_key_value_heads = num_attention_heads. */
+    int q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave;
 } mrl_model_config;
 
 /* 1 when layer l of this config has a mixture-of-experts MLP (above). */

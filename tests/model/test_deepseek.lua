@@ -1,0 +1,134 @@
+-- DeepSeek-V3 from Lua: multi-head latent attention's config round trip and parameter count; the
+-- engine's greedy tokens are the trainer's argmax and its log-probs the trainer's; SFT and GRPO
+-- train a tiny deepseek_v3 through the recipes, and the saved model loads back. (Its numbers
+-- against PyTorch and Transformers: tests/model/model_ref.py, hf_deepseek.py.)
+local t = require('moonrl.testing')
+local moonrl = require('moonrl')
+local json = require('moonrl.io.json')
+local U = dofile('tests/recipes/util.lua')
+local tiny = dofile('tests/lib/models.lua')
+local models = require('moonrl.train.models')
+local ffi = require('ffi')
+
+local cfg = tiny.config('deepseek_v3')
+
+t.test('a deepseek_v3 model: views, parameter count, config round trip', function()
+  local m = moonrl.model.new(cfg, { seed = 4 })
+  local c = m.config
+  t.eq(c.model_type, 'deepseek_v3')
+  t.eq(c.head_dim, 10, 'the attention head: max(6 + 4, 8)')
+  t.eq(c.q_lora_rank, 16)
+  t.eq(c.kv_lora_rank, 12)
+  t.eq(c.rope_interleave, true, "DeepSeek's default")
+  local names = {}
+  for _, v in ipairs(m:views()) do names[v.name] = v end
+  for _, n in ipairs({ 'q_a_proj', 'q_a_layernorm', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_a_layernorm', 'kv_b_proj',
+    'o_proj' }) do
+    t.truthy(names['model.layers.1.self_attn.' .. n .. '.weight'], n)
+  end
+  t.truthy(not names['model.layers.0.self_attn.q_proj.weight'], 'no q_proj with low-rank queries')
+  local D, H, rq, rkv, dn, dr, dv, F, V = 32, 4, 16, 12, 6, 4, 8, 48, 15
+  local attn = rq * D + rq + H * (dn + dr) * rq + (rkv + dr) * D + rkv + H * (dn + dv) * rkv + D * H * dv
+  t.eq(m.n_params, V * D + 2 * (2 * D + attn + 3 * F * D) + D, 'parameter count')
+  local copy = moonrl.model.new(m.config, { seed = 4 })
+  t.eq(copy.n_params, m.n_params)
+  local b = moonrl.model.batch({ { 1, 5, 9, 2, 7 }, { 3, 4, 11 } })
+  local lp, lp2 = m:forward(b), copy:forward(b)
+  for i = 0, b.n_tokens - 1 do t.eq(lp[i], lp2[i], 'same log-prob ' .. i) end
+  local nq = moonrl.model.new(tiny.config('deepseek_v3', { q_lora_rank = json.null }))
+  t.eq(nq.config.q_lora_rank, json.null, 'q_proj: null written back')
+  t.truthy(nq:views()[3].name:find('q_proj', 1, true), nq:views()[3].name)
+end)
+
+t.test('config errors name the key', function()
+  t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { qk_rope_head_dim = 5 })) end, 'qk_rope_head_dim')
+  t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { num_key_value_heads = 2 })) end,
+    'num_key_value_heads 2 differs')
+  t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { kv_lora_rank = 0 })) end, 'kv_lora_rank')
+  t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { first_k_dense_replace = 1, n_routed_experts = 4 })) end,
+    'mixture-of-experts layers are not supported yet')
+  local m = moonrl.model.new(cfg)
+  t.raises(function() m:set_lora({ rank = 4 }) end, 'multi-head latent attention')
+end)
+
+-- The trainer's log-prob of every token of the vocabulary after each position of seq (1-based
+-- rows of V): the vocabulary's copies of seq, each with that token as every target.
+local function all_logprobs(m, seq, V)
+  local seqs, targets = {}, {}
+  for v = 0, V - 1 do
+    seqs[v + 1] = seq
+    local tg = {}
+    for i = 1, #seq do tg[i] = v end
+    targets[v + 1] = tg
+  end
+  local lp = m:forward(moonrl.model.batch(seqs, { targets = targets }))
+  local rows = {}
+  for i = 1, #seq do
+    rows[i] = {}
+    for v = 0, V - 1 do rows[i][v] = lp[v * #seq + i - 1] end
+  end
+  return rows
+end
+
+t.test("the engine: greedy tokens are the trainer's argmax, its log-probs the trainer's", function()
+  for _, dtype in ipairs({ 'fp32', 'bf16' }) do
+    local m = moonrl.model.new(cfg, { seed = 11 })
+    if dtype == 'bf16' then m:set_dtype('bf16') end
+    local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16 })
+    local prompts = { { 1, 5, 9, 3, 7, 4, 8, 6, 3, 2, 9, 5, 7, 1, 4, 6, 8, 3 }, { 3, 4 } } -- a prefill of two steps
+    local res = e:generate({ { prompt_ids = prompts[1] }, { prompt_ids = prompts[2] } },
+      { temperature = 0, max_tokens = 10, eos_ids = {} })
+    for i, p in ipairs(prompts) do
+      local s = res[i][1]
+      t.eq(#s.ids, 10)
+      local seq = {}
+      for _, x in ipairs(p) do seq[#seq + 1] = x end
+      for _, x in ipairs(s.ids) do seq[#seq + 1] = x end
+      local rows = all_logprobs(m, seq, 15)
+      for j = 1, #s.ids do
+        local at, best = #p + j - 1, 0
+        for v = 1, 14 do if rows[at][v] > rows[at][best] then best = v end end
+        t.eq(s.ids[j], best, dtype .. ': token ' .. j .. ' of request ' .. i .. ' is the argmax')
+        local diff = math.abs(s.logprobs[j] - rows[at][best])
+        t.truthy(diff < (dtype == 'fp32' and 1e-5 or 2e-2), dtype .. ': log-prob ' .. j .. ' differs by ' .. diff)
+      end
+    end
+  end
+end)
+
+t.test('sft and grpo train a tiny deepseek_v3; the saved model loads back', function()
+  local dir = U.tmpdir('deepseek')
+  local init = dir .. '/init'
+  models.save({ dir = init }, moonrl.model.new(cfg, { seed = 1 }), U.TOKENIZER, init)
+  local sft, rl = {}, {}
+  for i, p in ipairs(U.additions(40, 5)) do
+    sft[i] = { prompt = p.prompt, response = p.answer }
+    rl[i] = { question = p.prompt, answer = p.answer }
+  end
+  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. init, 'data.path=' .. U.write_jsonl(dir .. '/sft.jsonl', sft),
+    'train.steps=8', 'train.batch=8', 'train.lr=3e-3', 'run.threads=1', 'run.dir=' .. dir .. '/sft' })
+  local r = U.records(out.dir)
+  t.truthy(r[#r].loss < r[1].loss, string.format('the SFT loss falls: %.4f -> %.4f', r[1].loss, r[#r].loss))
+  out = U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. out.dir .. '/model',
+    'data.path=' .. U.write_jsonl(dir .. '/rl.jsonl', rl), 'data.prompt=question', 'data.chat=false', 'reward=exact',
+    'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.steps=3', 'grpo.prompts=4', 'grpo.samples=4',
+    'grpo.max_tokens=4', 'grpo.kl_coef=0.01', 'run.threads=1', 'run.dir=' .. dir .. '/grpo' })
+  r = U.records(out.dir)
+  t.eq(#r, 3, 'one metrics record per step')
+  local moved = 0
+  for _, x in ipairs(r) do
+    t.truthy(x['mismatch/max_abs'] < 1e-4, 'engine vs trainer log-probs: max |diff| ' .. x['mismatch/max_abs'])
+    t.truthy(x.grad_norm == x.grad_norm and x.grad_norm < math.huge, 'a finite gradient norm')
+    if x.grad_norm > 0 then moved = moved + 1 end
+  end
+  t.truthy(moved > 0, 'a step with rewards that differ trained') -- (a group of equal rewards has none)
+  local trained = moonrl.model.load(out.dir .. '/model')
+  t.eq(trained.config.model_type, 'deepseek_v3')
+  t.eq(trained.config.kv_lora_rank, 12)
+  local saved = json.read_file(out.dir .. '/model/config.json')
+  t.eq(saved.head_dim, 4, "config.json's head_dim is Transformers' (qk_rope_head_dim)")
+  t.eq(saved.first_k_dense_replace, 2, 'every layer dense')
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
+t.done()
