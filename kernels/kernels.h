@@ -350,6 +350,16 @@ typedef struct mrl_kernels {
      *   within an ulp of each other. */
     void (*moe_route)(float *prob, int32_t *sel, float *w, int32_t *how, const float *logits, const int16_t *replay,
                       int64_t replay_stride, int64_t T, int E, int k, int norm);
+    /* DeepSeek-V3's router (moonrl/model.h), the same outputs as moe_route's but:
+     *   prob [T,E] = sigmoid(logits) in fp32, 1 / (1 + exp(-x)) (may be logits: in place)
+     *   sel        = of the experts of the topk_group best of G groups of E / G (a group scored by
+     *                the sum of its two best prob + bias, bias [E]), the k largest prob + bias,
+     *                largest first (ties: the lower group, the lower expert); or the replay
+     *   w          = prob[t, sel], divided by (their sum + 1e-20) when norm, times scale
+     * (the choice, prob + bias and the groups' sums, in fp32 on every table, as the weights) */
+    void (*moe_route_grouped)(float *prob, int32_t *sel, float *w, int32_t *how, const float *logits,
+                              const float *bias, const int16_t *replay, int64_t replay_stride, int64_t T, int E, int k,
+                              int groups, int topk_group, int norm, float scale);
     /* The A = T*k picks sel [A] (pick i is token i / k's) grouped by expert,
      * each expert's in pick order (a stable counting sort): eoff [E+1],
      * expert e's rows eoff[e] .. eoff[e+1]; row [A], the grouped row of pick

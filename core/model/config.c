@@ -62,6 +62,7 @@ static const char *arch_list(char list[ARCH_LIST], int numbered) {
 int mrl_model_layer_is_moe(const mrl_model_config *c, int l) {
     if (!c || c->num_experts <= 0 || l < 0 || l >= 1024) return 0;
     if (c->mlp_only_layers[l / 64] >> (l % 64) & 1) return 0;
+    if (c->arch == MRL_ARCH_DEEPSEEK_V3) return l >= c->first_k_dense_replace;
     int step = c->decoder_sparse_step > 0 ? c->decoder_sparse_step : 1;
     return (l + 1) % step == 0;
 }
@@ -311,16 +312,30 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
         }
         int qk = c->qk_nope_head_dim + c->qk_rope_head_dim;
         c->head_dim = qk > c->v_head_dim ? qk : c->v_head_dim; /* (the attention's padded head; "head_dim" unread) */
-        int dense = c->num_hidden_layers; /* the mixture of experts: not yet */
-        WANT(int, "first_k_dense_replace", &dense, 0);
-        int routed = 0;
-        WANT(int, "n_routed_experts", &routed, 0);
-        if (routed > 0 && dense < c->num_hidden_layers) {
-            st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: n_routed_experts %d with first_k_dense_replace %d < "
-                               "num_hidden_layers %d: DeepSeek-V3's mixture-of-experts layers are not supported yet",
-                               source, routed, dense, c->num_hidden_layers);
+        /* the mixture of experts: none when first_k_dense_replace covers every layer */
+        c->num_experts = 256, c->num_experts_per_tok = 8, c->moe_intermediate_size = 2048, c->n_shared_experts = 1;
+        c->n_group = 8, c->topk_group = 4, c->routed_scaling_factor = 2.5, c->norm_topk_prob = 1;
+        c->first_k_dense_replace = 3, c->decoder_sparse_step = 1;
+        WANT(int, "n_routed_experts", &c->num_experts, 0);
+        WANT(int, "num_experts_per_tok", &c->num_experts_per_tok, 0);
+        WANT(int, "moe_intermediate_size", &c->moe_intermediate_size, 0);
+        WANT(int, "n_shared_experts", &c->n_shared_experts, 0);
+        WANT(int, "n_group", &c->n_group, 0);
+        WANT(int, "topk_group", &c->topk_group, 0);
+        WANT(num, "routed_scaling_factor", &c->routed_scaling_factor, 0);
+        WANT(bool, "norm_topk_prob", &c->norm_topk_prob, 0);
+        WANT(int, "first_k_dense_replace", &c->first_k_dense_replace, 0);
+        const char *scoring = mrl_json_get_string(root, "scoring_func"), *method = mrl_json_get_string(root, "topk_method");
+        if ((scoring && strcmp(scoring, "sigmoid")) || (method && strcmp(method, "noaux_tc"))) {
+            st = mrl_set_error(MRL_ERR_UNSUPPORTED, "%s: %s '%s' is not supported (DeepSeek-V3's: scoring_func "
+                               "'sigmoid', topk_method 'noaux_tc')", source, scoring && strcmp(scoring, "sigmoid")
+                               ? "scoring_func" : "topk_method", scoring && strcmp(scoring, "sigmoid") ? scoring : method);
             goto done;
         }
+        if (c->first_k_dense_replace >= c->num_hidden_layers) /* every layer dense: no experts */
+            c->num_experts = c->num_experts_per_tok = c->moe_intermediate_size = c->n_shared_experts = 0,
+            c->n_group = c->topk_group = 0, c->routed_scaling_factor = 0, c->norm_topk_prob = 0,
+            c->first_k_dense_replace = 0;
     }
     int flag = 0;
     WANT(bool, "attention_bias", &flag, 0);
@@ -409,9 +424,25 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
             return mrl_set_error(MRL_ERR_INVALID, "model config: decoder_sparse_step = %d (must be >= 1)", c->decoder_sparse_step);
         if (!(c->router_aux_loss_coef >= 0))
             return mrl_set_error(MRL_ERR_INVALID, "model config: router_aux_loss_coef must be >= 0");
+    } else if (c->arch == MRL_ARCH_DEEPSEEK_V3 && c->num_experts != 0) {
+        int E = c->num_experts, G = c->n_group;
+        if (E < 0 || E > 4096 || G < 1 || E % G || E / G < 2 || c->topk_group < 1 || c->topk_group > G)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: n_routed_experts = %d in n_group = %d groups, topk_group "
+                                 "= %d (at most 4096 experts, at least 2 a group, 1 <= topk_group <= n_group)", E, G,
+                                 c->topk_group);
+        if (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->topk_group * (E / G))
+            return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts_per_tok = %d (must be in 1..%d, the experts "
+                                 "of topk_group groups)", c->num_experts_per_tok, c->topk_group * (E / G));
+        if (c->moe_intermediate_size <= 0 || c->moe_intermediate_size > (1 << 18) || c->n_shared_experts < 0 ||
+            c->n_shared_experts > 64)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: moe_intermediate_size = %d, n_shared_experts = %d (must "
+                                 "be in 1..%d and 0..64)", c->moe_intermediate_size, c->n_shared_experts, 1 << 18);
+        if (!(c->routed_scaling_factor > 0) || !isfinite(c->routed_scaling_factor) || c->first_k_dense_replace < 0)
+            return mrl_set_error(MRL_ERR_INVALID, "model config: routed_scaling_factor must be a finite number > 0 and "
+                                 "first_k_dense_replace >= 0");
     } else if (c->num_experts != 0) {
-        return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts = %d for a dense architecture (experts are qwen3_moe's)",
-                             c->num_experts);
+        return mrl_set_error(MRL_ERR_INVALID, "model config: num_experts = %d for a dense architecture (experts are "
+                             "qwen3_moe's and deepseek_v3's)", c->num_experts);
     }
     if (mrl_model_is_mla(c)) {
         int dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
@@ -523,10 +554,20 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
         else put(&o, "  \"q_lora_rank\": null,\n");
         put(&o, "  \"kv_lora_rank\": %d,\n  \"qk_nope_head_dim\": %d,\n  \"qk_rope_head_dim\": %d,\n  \"v_head_dim\": %d,\n",
             c->kv_lora_rank, c->qk_nope_head_dim, c->qk_rope_head_dim, c->v_head_dim);
-        put(&o, "  \"rope_interleave\": %s,\n  \"attention_bias\": false,\n  \"first_k_dense_replace\": %d,\n",
-            c->rope_interleave ? "true" : "false", c->num_hidden_layers);
-        put(&o, "  \"n_routed_experts\": 1,\n  \"n_shared_experts\": 1,\n  \"num_experts_per_tok\": 1,\n  "
-                "\"n_group\": 1,\n  \"topk_group\": 1,\n  \"moe_intermediate_size\": %d,\n", c->intermediate_size);
+        put(&o, "  \"rope_interleave\": %s,\n  \"attention_bias\": false,\n", c->rope_interleave ? "true" : "false");
+        if (c->num_experts) {
+            put(&o, "  \"first_k_dense_replace\": %d,\n  \"n_routed_experts\": %d,\n  \"n_shared_experts\": %d,\n",
+                c->first_k_dense_replace, c->num_experts, c->n_shared_experts);
+            put(&o, "  \"num_experts_per_tok\": %d,\n  \"n_group\": %d,\n  \"topk_group\": %d,\n  "
+                    "\"moe_intermediate_size\": %d,\n", c->num_experts_per_tok, c->n_group, c->topk_group,
+                c->moe_intermediate_size);
+            put(&o, "  \"routed_scaling_factor\": %.17g,\n  \"norm_topk_prob\": %s,\n  \"scoring_func\": \"sigmoid\",\n"
+                    "  \"topk_method\": \"noaux_tc\",\n", c->routed_scaling_factor, c->norm_topk_prob ? "true" : "false");
+        } else { /* (every layer dense: first_k_dense_replace covers them all) */
+            put(&o, "  \"first_k_dense_replace\": %d,\n  \"n_routed_experts\": 2,\n  \"n_shared_experts\": 1,\n  "
+                    "\"num_experts_per_tok\": 1,\n  \"n_group\": 1,\n  \"topk_group\": 1,\n  "
+                    "\"moe_intermediate_size\": %d,\n", c->num_hidden_layers, c->intermediate_size);
+        }
     }
     if (c->arch != MRL_ARCH_LLAMA && !mrl_model_is_mla(c))
         put(&o, "  \"use_sliding_window\": false,\n  \"max_window_layers\": %d,\n", c->num_hidden_layers);

@@ -89,6 +89,7 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
     TAKE(g->dln, float, T * D);
     int64_t Fmax = n_moe < L ? T * F : 0; /* df1, df2: the larger of [T,F] and [A,Fe] */
     if (A * Fe > Fmax) Fmax = A * Fe;
+    if (n_moe && T * c->n_shared_experts * Fe > Fmax) Fmax = T * c->n_shared_experts * Fe; /* (DeepSeek's shared experts) */
     TAKE(g->df1, float, Fmax);
     TAKE(g->df2, float, Fmax);
     if (n_moe) {
@@ -400,7 +401,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
         mrl_layer_forward(m, l, T);
         mrl_model_unuse(m, lo, hi);
         if (!m->lp[l].router) continue;
-        mrl_moe_aux_add(m, &m->la[l], T);
+        if (c->arch != MRL_ARCH_DEEPSEEK_V3) mrl_moe_aux_add(m, &m->la[l], T); /* (a softmax router's statistics) */
         mrl_moe_record(m, &m->la[l], T, ord++); /* what the layer used, before recompute reuses la */
     }
     if (m->aux_picks) mrl_moe_aux_finish(m);

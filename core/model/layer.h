@@ -41,6 +41,11 @@ typedef struct layer_params {
     float *router;      /* [E,D]    mlp.gate.weight */
     float *ewg, *ewu;   /* [E,Fe,D] mlp.experts.{e}.gate_proj, up_proj */
     float *ewd;         /* [E,D,Fe] mlp.experts.{e}.down_proj */
+    /* DeepSeek-V3's (moonrl/model.h; NULL otherwise): the router's choice bias and the shared
+     * experts, one SwiGLU MLP of Fs = n_shared_experts * Fe */
+    float *rbias;       /* [E]      mlp.gate.e_score_correction_bias (frozen: no gradient) */
+    float *swg, *swu;   /* [Fs,D]   mlp.shared_experts.gate_proj, up_proj */
+    float *swd;         /* [D,Fs]   mlp.shared_experts.down_proj */
     /* multi-head latent attention (deepseek_v3, moonrl/model.h; NULL otherwise): there wq is
      * q_proj or q_b_proj [H*(dn+dr), rq or D], wk kv_a_proj_with_mqa [rkv+dr, D], wv kv_b_proj
      * [H*(dn+dv), rkv] and wo [D, H*dv] (mrl_layer_matrices has their shapes), and */
@@ -57,6 +62,7 @@ typedef struct layer_params {
     const uint16_t *hq, *hk, *hv, *ho, *hg, *hu, *hd;
     const uint16_t *heg, *heu, *hed; /* the experts' (the router stays fp32) */
     const uint16_t *hqa;             /* MLA's q_a_proj (not one of the seven: no panels, blocks or adapters) */
+    const uint16_t *hsg, *hsu, *hsd; /* the shared experts' */
     /* LoRA (moonrl/model.h, mrl_model_set_lora): this layer's adapters (their gradients in the
      * gradients' table), or NULL: none, or switched off */
     const struct lora_layer *lora;
@@ -192,6 +198,7 @@ typedef struct layer_acts {
     float *xe;                 /* [A,D] ln2 of each grouped row */
     float *egate, *eup, *eact; /* [A,Fe] */
     float *ey;                 /* [A,D] each row's expert output, before weighting */
+    float *sgate, *sup, *sact; /* [T,Fs] the shared experts' (DeepSeek-V3; NULL without them) */
     /* routing replay (the trainer's forward only; NULL: the router's own top-k): token t's
      * picks are replay[t * replay_stride .. + k) unless the first is -1 (mrl_batch.routing);
      * replay_differ counts the tokens whose replayed set differs from the own top-k */

@@ -103,6 +103,8 @@ static void build_layout(layout *lo) {
              * expert reads it in place; a GGUF's [E, ...] tensor is one range) */
             int64_t E = c->num_experts, Fe = c->moe_intermediate_size;
             p.router = add_view(lo, 1, E, D, NAME("mlp.gate.weight"), gl);
+            if (c->arch == MRL_ARCH_DEEPSEEK_V3) /* (frozen: its gradient stays 0, no decay) */
+                p.rbias = add_view(lo, 0, E, 0, NAME("mlp.gate.e_score_correction_bias"), gl);
             static const char *kind[3] = {"gate_proj", "up_proj", "down_proj"};
             float **stack[3] = {&p.ewg, &p.ewu, &p.ewd};
             for (int w = 0; w < 3; w++)
@@ -112,6 +114,12 @@ static void build_layout(layout *lo) {
                     float *v = add_view(lo, 1, w < 2 ? Fe : D, w < 2 ? D : Fe, NAME(ef), gl);
                     if (e == 0) *stack[w] = v;
                 }
+            int64_t Fs = (int64_t)c->n_shared_experts * Fe;
+            if (Fs) {
+                p.swg = add_view(lo, 1, Fs, D, NAME("mlp.shared_experts.gate_proj.weight"), gl);
+                p.swu = add_view(lo, 1, Fs, D, NAME("mlp.shared_experts.up_proj.weight"), gl);
+                p.swd = add_view(lo, 1, D, Fs, NAME("mlp.shared_experts.down_proj.weight"), gl);
+            }
         } else {
             p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), gl);
             p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), gl);
@@ -417,6 +425,7 @@ void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_mode
         d->hg = AT16(s->wg), d->hu = AT16(s->wu), d->hd = AT16(s->wd);
         d->heg = AT16(s->ewg), d->heu = AT16(s->ewu), d->hed = AT16(s->ewd);
         d->hqa = AT16(s->wqa);
+        d->hsg = AT16(s->swg), d->hsu = AT16(s->swu), d->hsd = AT16(s->swd);
     }
     if (out) out->lm_head16 = AT16(m->lm_head);
 #undef AT16

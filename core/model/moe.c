@@ -50,6 +50,14 @@ int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T,
     TAKE(a->eup, float, A * Fe);
     TAKE(a->eact, float, A * Fe);
     TAKE(a->ey, float, A * D);
+    int64_t Fs = (int64_t)c->n_shared_experts * Fe;
+    if (Fs) {
+        TAKE(a->sgate, float, T * Fs);
+        TAKE(a->sup, float, T * Fs);
+        TAKE(a->sact, float, T * Fs);
+    } else if (base) {
+        a->sgate = a->sup = a->sact = NULL;
+    }
 #undef TAKE
     return off;
 }
@@ -91,10 +99,15 @@ static const uint16_t *at16(const uint16_t *base, int64_t off) { return base ? b
  * the replay), then their grouping (moe_group: eoff, row, tok). Replay (a->replay): sel is
  * the given picks in their order, rw their own probabilities (renormalised likewise), so
  * replaying the model's own picks gives the same bits as not replaying. */
-static void route(const mrl_kernels *k, const mrl_model_config *c, layer_acts *a, int64_t T) {
+static void route(const mrl_kernels *k, const mrl_model_config *c, const layer_params *p, layer_acts *a, int64_t T) {
     int E = c->num_experts, K = c->num_experts_per_tok;
-    k->moe_route(a->rprob, a->sel, a->rw, a->replay ? a->rhow : NULL, a->rprob, a->replay, a->replay_stride, T, E,
-                 K, c->norm_topk_prob); /* [T,E] in place, [T,k] x2 */
+    if (c->arch == MRL_ARCH_DEEPSEEK_V3) /* sigmoid scores, the bias and the groups choose */
+        k->moe_route_grouped(a->rprob, a->sel, a->rw, a->replay ? a->rhow : NULL, a->rprob, p->rbias, a->replay,
+                             a->replay_stride, T, E, K, c->n_group, c->topk_group, c->norm_topk_prob,
+                             (float)c->routed_scaling_factor);
+    else
+        k->moe_route(a->rprob, a->sel, a->rw, a->replay ? a->rhow : NULL, a->rprob, a->replay, a->replay_stride, T, E,
+                     K, c->norm_topk_prob); /* [T,E] in place, [T,k] x2 */
     k->moe_group(a->eoff, a->row, a->tok, a->sel, T * K, E, K);
     a->replay_differ = a->replay_count = 0;
     for (int64_t t = 0; a->replay && t < T; t++) {
@@ -155,7 +168,7 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
     const mrl_model_config *c = &m->cfg;
     int64_t D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, A = T * K;
     k->gemm(0, 1, T, E, D, 1.0f, a->ln2, D, p->router, D, 0.0f, a->rprob, E); /* router logits [T,E] */
-    route(k, c, a, T);
+    route(k, c, p, a, T);
     k->gather_rows(a->xe, a->ln2, a->tok, A, D); /* [A,D] */
     if (a->ep) /* the rows to the ranks of their experts, the outputs back into ey (moe_ep.c) */
         mrl_moe_ep_forward(m, p, a);
@@ -168,6 +181,15 @@ void mrl_moe_forward(const mrl_model *m, const layer_params *p, layer_acts *a, f
             const float *y = a->ey + (int64_t)a->row[t * K + j] * D;
             for (int64_t i = 0; i < D; i++) o[i] += w * y[i];
         }
+    }
+    if (p->swg) { /* DeepSeek's shared experts, on every token: out += SwiGLU(ln2) */
+        int64_t Fs = (int64_t)c->n_shared_experts * c->moe_intermediate_size;
+        mrl_gemm_desc gu[2] = {fwd(a->sgate, a->ln2, p->swg, T, Fs, D), fwd(a->sup, a->ln2, p->swu, T, Fs, D)};
+        mrl_layer_products(m, gu, (const uint16_t *[]){p->hsg, p->hsu}, 2);
+        k->swiglu_fwd(a->sact, a->sgate, a->sup, T * Fs);
+        mrl_gemm_desc down = fwd(out, a->sact, p->swd, T, D, Fs);
+        down.beta = 1.0f;
+        mrl_layer_products(m, &down, (const uint16_t *[]){p->hsd}, 1);
     }
 }
 
@@ -231,6 +253,8 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
         }
     }
     if (m->tp_size > 1) mrl_model_tp_sum(m, dws, A);
+    int grouped = c->arch == MRL_ARCH_DEEPSEEK_V3; /* (sigmoid scores, no load-balancing loss) */
+    float rsf = (float)c->routed_scaling_factor;
     for (int64_t t = 0; t < T; t++) {
         const float *pt = a->rprob + t * E, *w = a->rw + t * K;
         const int32_t *sel = a->sel + t * K;
@@ -242,6 +266,12 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
             dl[sel[j]] = dw; /* d w_j (the picks differ): d p without renormalisation */
             dw_w += dw * w[j];
             vsum += pt[sel[j]];
+        }
+        if (grouped) { /* w_j = c s_j (/ S): ds_j = (c dw_j - sum_i dw_i w_i) / S, or c dw_j; then sigmoid's */
+            for (int64_t j = 0; j < K; j++)
+                dl[sel[j]] = c->norm_topk_prob ? (rsf * dl[sel[j]] - dw_w) / (vsum + 1e-20f) : rsf * dl[sel[j]];
+            for (int64_t e = 0; e < E; e++) dl[e] *= pt[e] * (1 - pt[e]);
+            continue;
         }
         if (c->norm_topk_prob) /* w_j = v_j / S: dv_j = (dw_j - sum_i dw_i w_i) / S */
             for (int64_t j = 0; j < K; j++) dl[sel[j]] = (dl[sel[j]] - dw_w) / vsum;
@@ -267,6 +297,17 @@ void mrl_moe_backward(mrl_model *m, const layer_params *p, const layer_params *g
     }
     k->gemm(0, 0, T, D, E, 1.0f, s->dlogit, E, p->router, D, 0.0f, dln, D);    /* dln [T,D] */
     k->scatter_add_rows(dln, s->dye, a->tok, A, D);
+    if (p->swg) { /* the shared experts (df1, df2 free again): their gradients, and theirs of dln */
+        int64_t Fs = (int64_t)c->n_shared_experts * c->moe_intermediate_size;
+        mrl_gemm_desc down[2] = {dweight(g->swd, dy, a->sact, T, D, Fs), dinput(s->df1, dy, p->swd, T, D, Fs, 0)};
+        mrl_layer_products(m, down, (const uint16_t *[]){NULL, p->hsd}, 2);
+        k->swiglu_bwd(s->df1, s->df2, s->df1, a->sgate, a->sup, T * Fs);
+        mrl_gemm_desc gu[3] = {dweight(g->swg, s->df1, a->ln2, T, Fs, D), dweight(g->swu, s->df2, a->ln2, T, Fs, D),
+                               dinput(dln, s->df1, p->swg, T, Fs, D, 1.0f)};
+        mrl_layer_products(m, gu, (const uint16_t *[]){NULL, NULL, p->hsg}, 3);
+        mrl_gemm_desc up = dinput(dln, s->df2, p->swu, T, Fs, D, 1.0f);
+        mrl_layer_products(m, &up, (const uint16_t *[]){p->hsu}, 1);
+    }
 }
 
 void mrl_moe_aux_add(mrl_model *m, const layer_acts *a, int64_t T) {

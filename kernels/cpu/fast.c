@@ -633,6 +633,7 @@ static const mrl_kernels fast_table = {
     .sample = mrl_cpu_fast_sample,
     .top_logprobs = mrl_cpu_fast_top_logprobs,
     .moe_route = mrl_cpu_fast_moe_route,
+    .moe_route_grouped = mrl_cpu_fast_moe_route_grouped,
     .moe_group = mrl_cpu_moe_group,
     .adamw = mrl_cpu_fast_adamw,
     .sum = mrl_cpu_fast_sum,

@@ -358,6 +358,7 @@ static const mrl_kernels reference_table = {
     .sample = mrl_cpu_ref_sample,
     .top_logprobs = mrl_cpu_ref_top_logprobs,
     .moe_route = mrl_cpu_ref_moe_route,
+    .moe_route_grouped = mrl_cpu_ref_moe_route_grouped,
     .moe_group = mrl_cpu_moe_group,
     .adamw = mrl_cpu_ref_adamw,
     .sum = mrl_cpu_ref_sum,

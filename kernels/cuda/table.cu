@@ -208,6 +208,7 @@ static const mrl_kernels cuda_table = {
     .sample = cuda_sample,
     .top_logprobs = cuda_top_logprobs,
     .moe_route = cuda_moe_route,
+    .moe_route_grouped = cuda_moe_route_grouped,
     .moe_group = cuda_moe_group,
     .adamw = cuda_adamw,
     .sum = cuda_sum,

@@ -51,6 +51,16 @@ local function config_table(c)
     end
     t.q_lora_rank = c.q_lora_rank ~= 0 and tonumber(c.q_lora_rank) or json.null
     t.rope_interleave = c.rope_interleave ~= 0
+    if c.num_experts > 0 then -- DeepSeek-V3's experts (model.h)
+      t.n_routed_experts = tonumber(c.num_experts)
+      for _, k in ipairs({ 'num_experts_per_tok', 'moe_intermediate_size', 'n_shared_experts', 'n_group', 'topk_group',
+        'first_k_dense_replace', 'routed_scaling_factor' }) do
+        t[k] = tonumber(c[k])
+      end
+      t.norm_topk_prob = c.norm_topk_prob ~= 0
+    else
+      t.first_k_dense_replace = t.num_hidden_layers -- (every layer dense)
+    end
   end
   if t.model_type == 'qwen3_moe' then -- the experts (model.h), so that M.new(m.config) makes the same model
     for _, k in ipairs({ 'num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'decoder_sparse_step',

@@ -303,6 +303,10 @@ function Recipe:check_moe(policy)
     moonrl.usage_error(string.format("config key 'moe.%s': the model (%s) has no mixture-of-experts layers", asked,
       policy and policy.config.model_type or 'none'))
   end
+  if moe.aux_loss_coef and moe.aux_loss_coef > 0 and policy and policy.config.model_type == 'deepseek_v3' then
+    moonrl.usage_error("config key 'moe.aux_loss_coef': DeepSeek-V3's router (sigmoid scores, balanced by its "
+      .. 'e_score_correction_bias) has no load-balancing loss')
+  end
 end
 
 function Recipe:setup_moe()

@@ -1642,6 +1642,32 @@ static float *router_logits(int64_t T, int E) {
  * layers' columns: a third of the tokens their own picks (-1), a third their own set reordered,
  * a third another set. Then the grouping of such picks, experts without any included, and of
  * none. */
+/* Replay rows of three layers' picks [T, stride = 3k] whose middle layer's are, token by token:
+ * none (-1), the own picks sel [T,k] backwards, k distinct others. */
+static void replay_rows(int16_t *rp, const int32_t *sel, int64_t T, int E, int k, int64_t stride) {
+    for (int64_t t = 0; t < T; t++)
+        for (int j = 0; j < stride; j++) {
+            int at = j - k;
+            int16_t v = (int16_t)((t + j) % E);
+            if (at >= 0 && at < k)
+                v = t % 3 == 0 ? -1 : t % 3 == 1 ? (int16_t)sel[t * k + (k - 1 - at)] : (int16_t)((t + at) % E);
+            rp[t * stride + j] = v;
+        }
+}
+
+/* A router case's arrays 0..5 (run_moe_route's): the logits (or prob in place), prob, sel, w,
+ * how (replayed: an output), the replay rows */
+static void route_arrays(op_case *c, const float *x, const int32_t *sel, const int16_t *rp, int64_t T, int E, int k,
+                         int64_t stride, int replay, int in_place) {
+    if (in_place) gpu_tol(c, add(c, "prob (in place)", F32, INOUT, T * E, x, TOL_BITS), TOL_ROUTE);
+    else add(c, "logits", F32, IN, T * E, x, 0);
+    gpu_tol(c, add(c, "prob", F32, in_place ? IN : OUT, T * E, in_place ? x : NULL, TOL_BITS), TOL_ROUTE);
+    add(c, "sel", I32, OUT, T * k, NULL, 0);
+    gpu_tol(c, add(c, "w", F32, OUT, T * k, NULL, TOL_BITS), TOL_ROUTE);
+    add(c, "how", I32, replay ? OUT : IN, T, replay ? NULL : sel, 0);
+    add(c, "replay", U16, IN, T * stride, rp, 0);
+}
+
 static void cases_moe(void) {
     static const int shape[][3] = {{1, 4, 1}, {37, 8, 2}, {300, 64, 6}, {130, 128, 8}, {513, 60, 4}}; /* T, E, k */
     const mrl_kernels *R = mrl_kernels_cpu_reference();
@@ -1654,24 +1680,11 @@ static void cases_moe(void) {
             int32_t *sel = malloc(sizeof(int32_t) * T * k);
             int16_t *rp = malloc(sizeof(int16_t) * T * stride);
             R->moe_route(prob, sel, w, NULL, x, NULL, 0, T, E, k, norm); /* the own picks, for the replay */
-            for (int64_t t = 0; t < T; t++)
-                for (int j = 0; j < stride; j++) {
-                    int at = j - k; /* the middle layer's picks */
-                    int16_t v = (int16_t)((t + j) % E);
-                    if (at >= 0 && at < k) /* none, the own set backwards, k distinct others */
-                        v = t % 3 == 0 ? -1 : t % 3 == 1 ? (int16_t)sel[t * k + (k - 1 - at)] : (int16_t)((t + at) % E);
-                    rp[t * stride + j] = v;
-                }
+            replay_rows(rp, sel, T, E, k, stride);
             op_case c;
             new_case(&c, "moe_route", run_moe_route, "%lld tokens, %d experts, %d picks%s%s", (long long)T, E, k,
                      norm ? ", normalised" : "", in_place ? ", in place" : replay ? ", replayed" : "");
-            if (in_place) gpu_tol(&c, add(&c, "prob (in place)", F32, INOUT, T * E, x, TOL_BITS), TOL_ROUTE);
-            else add(&c, "logits", F32, IN, T * E, x, 0);
-            gpu_tol(&c, add(&c, "prob", F32, in_place ? IN : OUT, T * E, in_place ? x : NULL, TOL_BITS), TOL_ROUTE);
-            add(&c, "sel", I32, OUT, T * k, NULL, 0);
-            gpu_tol(&c, add(&c, "w", F32, OUT, T * k, NULL, TOL_BITS), TOL_ROUTE);
-            add(&c, "how", I32, replay ? OUT : IN, T, replay ? NULL : sel, 0);
-            add(&c, "replay", U16, IN, T * stride, rp, 0);
+            route_arrays(&c, x, sel, rp, T, E, k, stride, replay, in_place);
             int64_t i[7] = {T, E, k, norm, stride, replay, in_place};
             memcpy(c.i, i, sizeof i);
             check_case(&c);
@@ -1711,6 +1724,46 @@ static void cases_moe(void) {
         check_case(&c);
         free(picks);
     }
+}
+
+static void run_moe_route_grouped(const mrl_kernels *k, void *const *p, const op_case *c) {
+    const int64_t *i = c->i;
+    float *prob = i[6] ? p[0] : p[1];
+    k->moe_route_grouped(prob, p[2], p[3], i[5] ? p[4] : NULL, p[0], p[6], i[5] ? (const int16_t *)p[5] + i[2] : NULL,
+                         i[4], i[0], (int)i[1], (int)i[2], (int)i[7], (int)i[8], (int)i[3], c->f[0]);
+}
+
+/* DeepSeek-V3's router: the groups of a tiny model, a one-group router, DeepSeek-V3's own shape
+ * (256 experts in 8 groups, 4 taken, 8 picks); a bias of multiples of 1/64 (choices that no
+ * table's rounding reorders); plain, in place, replayed as moe_route's. */
+static void cases_moe_grouped(void) {
+    static const int shape[][5] = {{1, 4, 1, 2, 1}, {37, 8, 2, 4, 2}, {300, 64, 6, 8, 4}, {130, 256, 8, 8, 4},
+                                   {50, 16, 4, 1, 1}}; /* T, E, k, groups, taken */
+    const mrl_kernels *R = mrl_kernels_cpu_reference();
+    for (int s = 0; s < 5; s++)
+        for (int mode = 0; mode < 3; mode++) {
+            int64_t T = shape[s][0];
+            int E = shape[s][1], k = shape[s][2], G = shape[s][3], tg = shape[s][4], norm = (s + mode) % 2;
+            int replay = mode == 2, in_place = mode == 1;
+            int64_t stride = 3 * k;
+            float *x = router_logits(T, E), *prob = malloc(sizeof(float) * T * E), *w = malloc(sizeof(float) * T * k);
+            float *bias = malloc(sizeof(float) * E);
+            for (int e = 0; e < E; e++) bias[e] = (float)((int)(urand() * 16) - 8) / 64.0f;
+            int32_t *sel = malloc(sizeof(int32_t) * T * k);
+            int16_t *rp = malloc(sizeof(int16_t) * T * stride);
+            R->moe_route_grouped(prob, sel, w, NULL, x, bias, NULL, 0, T, E, k, G, tg, norm, 2.5f);
+            replay_rows(rp, sel, T, E, k, stride);
+            op_case c;
+            new_case(&c, "moe_route_grouped", run_moe_route_grouped, "%lld tokens, %d experts in %d groups (%d), %d picks%s%s",
+                     (long long)T, E, G, tg, k, norm ? ", normalised" : "", in_place ? ", in place" : replay ? ", replayed" : "");
+            route_arrays(&c, x, sel, rp, T, E, k, stride, replay, in_place);
+            add(&c, "bias", F32, IN, E, bias, 0);
+            int64_t i[9] = {T, E, k, norm, stride, replay, in_place, G, tg};
+            memcpy(c.i, i, sizeof i);
+            c.f[0] = 2.5f;
+            check_case(&c);
+            free(x), free(prob), free(w), free(sel), free(rp), free(bias);
+        }
 }
 
 /* ---- the optimizer, sums, scaling, conversions ---- */
@@ -2547,6 +2600,7 @@ int main(int argc, char **argv) {
     cases_sample();
     cases_top_logprobs();
     cases_moe();
+    cases_moe_grouped();
     cases_adamw();
     cases_sum_scale();
     cases_convert();

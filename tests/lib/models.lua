@@ -37,6 +37,14 @@ M.presets = {
     num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 4, q_lora_rank = 16, kv_lora_rank = 12,
     qk_nope_head_dim = 6, qk_rope_head_dim = 4, v_head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true,
     bos_token_id = 1, eos_token_id = 2, initializer_range = 0.1, first_k_dense_replace = 2 },
+  -- the same attention with DeepSeek-V3's experts: a dense first layer, then 6 experts in 3 groups (2 taken), top 2,
+  -- one shared expert (uneven blocks over 2 ranks: 3, 3; over 4: 2, 2, 1, 1)
+  deepseek_v3_moe = { model_type = 'deepseek_v3', vocab_size = 15, hidden_size = 32, intermediate_size = 48,
+    num_hidden_layers = 3, num_attention_heads = 4, num_key_value_heads = 4, q_lora_rank = 16, kv_lora_rank = 12,
+    qk_nope_head_dim = 6, qk_rope_head_dim = 4, v_head_dim = 8, max_position_embeddings = 64, tie_word_embeddings = true,
+    bos_token_id = 1, eos_token_id = 2, initializer_range = 0.1, first_k_dense_replace = 1, n_routed_experts = 6,
+    num_experts_per_tok = 2, n_group = 3, topk_group = 2, moe_intermediate_size = 16, n_shared_experts = 1,
+    routed_scaling_factor = 2.5, norm_topk_prob = true },
 }
 
 function M.config(name, over)

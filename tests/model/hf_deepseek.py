@@ -31,11 +31,31 @@ from moonrl_ctypes import Moonrl, check, rel  # noqa: E402
 
 lib = moonrl_ctypes.load(sys.argv[1])
 failures = []
+# Transformers 5 runs experts through grouped_mm by default, which takes no float64: the per-expert loop
+MOE_IMPL = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 0)
 
 
 def hf_grads(hf):
-    """The gradients of hf's parameters by moonrl's names."""
-    return {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    """The gradients of hf's parameters by moonrl's (the checkpoint's) names: Transformers 5 stacks a layer's
+    experts (mlp.experts.gate_up_proj [E, 2 Fe, D], down_proj [E, D, Fe]); the router's choice bias is a buffer
+    (no gradient: 0, as moonrl's)."""
+    out = {}
+    for n, p in hf.named_parameters():
+        g = p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape))
+        if n.endswith("mlp.experts.gate_up_proj") or n.endswith("mlp.experts.down_proj"):
+            pre, fe = n.rsplit(".", 1)[0], g.shape[1] // 2
+            for e in range(g.shape[0]):
+                if n.endswith("gate_up_proj"):
+                    out["%s.%d.gate_proj.weight" % (pre, e)] = g[e, :fe]
+                    out["%s.%d.up_proj.weight" % (pre, e)] = g[e, fe:]
+                else:
+                    out["%s.%d.down_proj.weight" % (pre, e)] = g[e]
+        else:
+            out[n] = g
+    for n, b in hf.named_buffers():
+        if n.endswith("e_score_correction_bias"):
+            out[n] = np.zeros(tuple(b.shape))
+    return out
 
 
 def case(name, cfg, seed=0):
@@ -57,7 +77,8 @@ def case(name, cfg, seed=0):
     m.backward(a, b, None)
     with tempfile.TemporaryDirectory() as d:
         check(lib.mrl_model_save_dir(m.h, d.encode()))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager",
+                                                          **({"experts_implementation": "eager"} if MOE_IMPL else {}))
     rlp, rent = [], []
     for i, s in enumerate(seqs):
         logp = torch.log_softmax(hf(torch.tensor([s])).logits[0], -1)
@@ -95,6 +116,12 @@ case("MLA, q_proj, v 20 > 14, yarn with mscale", dict(base, q_lora_rank=None, v_
      rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
                        mscale=1.0, mscale_all_dim=1.0)), seed=1)
 case("MLA, half-split RoPE, tied", dict(base, rope_interleave=False, tie_word_embeddings=True), seed=2)
+# the mixture of experts: a dense first layer, then 8 experts in 4 groups (2 taken), top-3, a shared expert
+moe = dict(base, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+           topk_group=2, moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+case("MoE: groups, shared expert, dense first layer", moe, seed=3)
+case("MoE: 16 experts top-4, 2 shared, not renormalised, q_proj", dict(moe, n_routed_experts=16, num_experts_per_tok=4,
+     n_shared_experts=2, norm_topk_prob=False, q_lora_rank=None), seed=4)
 if failures:
     print("FAILED:", ", ".join(failures))
     sys.exit(1)

@@ -5,6 +5,7 @@
 -- own expert gradients are the whole (the others' are zero before the sum). Prints one
 -- "ep ok" line a rank.
 --   mpirun -n P moonrl run tests/model/moe_ep_ranks.lua [dtype=bf16] [recompute=true] [replay=true]
+--                                                        [arch=deepseek_v3] (DeepSeek-V3's router and shared expert)
 -- idle=true: the last rank has no sequences (an empty batch) and serves its experts all the same.
 -- hang=true: the last rank never runs its forward; the others' forward fails after the
 -- communicator's timeout (2 s) with its report, and they print "ep timeout ok".
@@ -13,13 +14,18 @@ local dist = require('moonrl.train.dist')
 local ffi = require('ffi')
 local tiny = dofile('tests/lib/models.lua')
 
-local opt = moonrl.config { dtype = 'fp32', recompute = false, replay = false, hang = false, idle = false }
+local opt = moonrl.config { dtype = 'fp32', recompute = false, replay = false, hang = false, idle = false,
+  arch = 'qwen3_moe' }
 local w = dist.world(opt.hang and 2 or nil)
 local P, me = w.size, w.rank
 
 -- 5 experts: uneven blocks over 2 ranks (3, 2) and 3 ranks (2, 2, 1); two sparse layers and a dense one
 local cfg = tiny.config('qwen3_moe', { vocab_size = 23, num_hidden_layers = 3, tie_word_embeddings = false,
   initializer_range = 0.2, mlp_only_layers = { 1 }, router_aux_loss_coef = 0, output_router_logits = false })
+if opt.arch == 'deepseek_v3' then -- 6 experts (3, 3 over 2 ranks; 2, 2, 2 over 3), a dense first layer, a shared one
+  cfg = tiny.config('deepseek_v3_moe', { vocab_size = 23, tie_word_embeddings = false, initializer_range = 0.2 })
+end
+local E = cfg.num_experts or cfg.n_routed_experts
 
 -- the global batch: 7 sequences of 3..15 tokens
 local seqs, s = {}, 12345
@@ -55,7 +61,7 @@ local function replay_for(m, n, first)
     for l = 0, L - 1 do
       for j = 0, K - 1 do
         local tok = first + t
-        r[(t * L + l) * K + j] = tok % 2 == 0 and (tok + l + 2 * j) % cfg.num_experts or -1
+        r[(t * L + l) * K + j] = tok % 2 == 0 and (tok + l + 2 * j) % E or -1
       end
     end
   end

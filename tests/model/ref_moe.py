@@ -328,7 +328,34 @@ def save_load(name, cfg, lens, seed=31):
 save_load("save -> load (HF directory)", dict(moe, num_hidden_layers=3, mlp_only_layers=[1], output_router_logits=True),
           lens)
 
+# DeepSeek-V3's mixture of experts (torch_ref_moe.deepseek_block): MLA attention, a dense first layer, sigmoid
+# scores with the choice bias, 8 experts in 4 groups (2 taken), top-3, the shared expert, the scaling factor
+ds = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=97, hidden_size=48,
+          intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+          kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8, rms_norm_eps=1e-6,
+          tie_word_embeddings=False, first_k_dense_replace=1, n_routed_experts=8, num_experts=8, num_experts_per_tok=3,
+          n_group=4, topk_group=2, moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5,
+          norm_topk_prob=True)
+m, base, _ = run_case("deepseek_v3 8 experts in 4 groups, top-3, shared", ds, lens, seed=61)
+lib.mrl_model_free(m.h)
+m, other, _ = run_case("  the same, recomputing", ds, lens, seed=61, recompute=True)
+lib.mrl_model_free(m.h)
+if not all(np.array_equal(x, y) for x, y in zip(base, other)):
+    failures.append("deepseek_v3 recompute not bit-identical")
+for name, cfg, kw in (
+        ("deepseek_v3 not renormalised, no shared, one group", dict(ds, norm_topk_prob=False, n_shared_experts=0, n_group=1,
+                                                                    topk_group=1, routed_scaling_factor=1.0), dict(seed=62)),
+        ("deepseek_v3 16 experts top-4, 2 shared, reference kernels", dict(ds, n_routed_experts=16, num_experts=16,
+         num_experts_per_tok=4, n_shared_experts=2, first_k_dense_replace=0), dict(seed=63, kernels=1)),
+        ("deepseek_v3 forced routing", ds, dict(seed=64, forced=True))):
+    m, _, _ = run_case(name, cfg, lens, **kw)
+    lib.mrl_model_free(m.h)
+finite_differences("deepseek_v3 router finite differences", ds, [9, 14], coef=0.0, seed=65)
+finite_differences("deepseek_v3 router fd, not renormalised", dict(ds, norm_topk_prob=False), [9, 14], coef=0.0, seed=66)
+replay_own("deepseek_v3 replay of the own routing", ds, lens, seed=67)
+bf16_case("deepseek_v3 bf16", ds, lens, seed=68)
+
 if failures:
     print("FAILED:", ", ".join(failures))
     sys.exit(1)
-print("all qwen3_moe reference checks passed")
+print("all qwen3_moe and deepseek_v3 mixture-of-experts reference checks passed")

@@ -45,8 +45,12 @@ t.test('config errors name the key', function()
   t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { num_key_value_heads = 2 })) end,
     'num_key_value_heads 2 differs')
   t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { kv_lora_rank = 0 })) end, 'kv_lora_rank')
-  t.raises(function() moonrl.model.new(tiny.config('deepseek_v3', { first_k_dense_replace = 1, n_routed_experts = 4 })) end,
-    'mixture-of-experts layers are not supported yet')
+  local function moe(over) return moonrl.model.new(tiny.config('deepseek_v3_moe', over)) end
+  t.raises(function() moe({ n_group = 4 }) end, 'n_routed_experts = 6 in n_group = 4 groups')
+  t.raises(function() moe({ topk_group = 4 }) end, 'topk_group = 4')
+  t.raises(function() moe({ num_experts_per_tok = 5 }) end, 'num_experts_per_tok = 5')
+  t.raises(function() moe({ routed_scaling_factor = 0 }) end, 'routed_scaling_factor')
+  t.raises(function() moe({ scoring_func = 'softmax' }) end, "scoring_func 'softmax'")
   local m = moonrl.model.new(cfg)
   t.raises(function() m:set_lora({ rank = 4 }) end, 'multi-head latent attention')
 end)
@@ -70,9 +74,37 @@ local function all_logprobs(m, seq, V)
   return rows
 end
 
+t.test('deepseek_v3 with experts: views, parameter count, config round trip', function()
+  local mc = tiny.config('deepseek_v3_moe')
+  local m = moonrl.model.new(mc, { seed = 5 })
+  t.eq(m:num_moe_layers(), 2, 'layers 1 and 2 (first_k_dense_replace 1)')
+  local c = m.config
+  for _, k in ipairs({ 'n_routed_experts', 'num_experts_per_tok', 'n_group', 'topk_group', 'moe_intermediate_size',
+    'n_shared_experts', 'first_k_dense_replace' }) do
+    t.eq(c[k], mc[k], k)
+  end
+  t.near(c.routed_scaling_factor, 2.5, 0)
+  local names = {}
+  for _, v in ipairs(m:views()) do names[v.name] = v end
+  t.truthy(names['model.layers.0.mlp.gate_proj.weight'], 'layer 0 dense')
+  t.truthy(names['model.layers.1.mlp.gate.e_score_correction_bias'], "the router's choice bias")
+  t.truthy(names['model.layers.2.mlp.shared_experts.down_proj.weight'], 'the shared expert')
+  t.truthy(names['model.layers.2.mlp.experts.5.up_proj.weight'], 'expert 5')
+  local D, H, rq, rkv, dn, dr, dv, F, V, E, Fe = 32, 4, 16, 12, 6, 4, 8, 48, 15, 6, 16
+  local attn = 2 * D + rq * D + rq + H * (dn + dr) * rq + (rkv + dr) * D + rkv + H * (dn + dv) * rkv + D * H * dv
+  local sparse = E * D + E + 3 * E * Fe * D + 3 * Fe * D -- router, its bias, the experts, the shared one
+  t.eq(m.n_params, V * D + 3 * attn + 3 * F * D + 2 * sparse + D, 'parameter count')
+  local copy = moonrl.model.new(m.config, { seed = 5 })
+  local b = moonrl.model.batch({ { 1, 5, 9, 2, 7 }, { 3, 4, 11 } })
+  local lp, lp2 = m:forward(b), copy:forward(b)
+  for i = 0, b.n_tokens - 1 do t.eq(lp[i], lp2[i], 'same log-prob ' .. i) end
+  t.eq(m:router_aux_loss(), 0, "DeepSeek's router has no load-balancing loss")
+end)
+
 t.test("the engine: greedy tokens are the trainer's argmax, its log-probs the trainer's", function()
-  for _, dtype in ipairs({ 'fp32', 'bf16' }) do
-    local m = moonrl.model.new(cfg, { seed = 11 })
+  for _, case in ipairs({ { 'fp32', cfg }, { 'bf16', cfg }, { 'fp32', tiny.config('deepseek_v3_moe') } }) do
+    local dtype = case[1]
+    local m = moonrl.model.new(case[2], { seed = 11 })
     if dtype == 'bf16' then m:set_dtype('bf16') end
     local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16 })
     local prompts = { { 1, 5, 9, 3, 7, 4, 8, 6, 3, 2, 9, 5, 7, 1, 4, 6, 8, 3 }, { 3, 4 } } -- a prefill of two steps
@@ -128,6 +160,30 @@ t.test('sft and grpo train a tiny deepseek_v3; the saved model loads back', func
   local saved = json.read_file(out.dir .. '/model/config.json')
   t.eq(saved.head_dim, 4, "config.json's head_dim is Transformers' (qk_rope_head_dim)")
   t.eq(saved.first_k_dense_replace, 2, 'every layer dense')
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
+t.test('grpo on a tiny deepseek_v3 with experts: routing replay logged; moe.aux_loss_coef refused', function()
+  local dir = U.tmpdir('deepseek_moe')
+  local init = dir .. '/init'
+  models.save({ dir = init }, moonrl.model.new(tiny.config('deepseek_v3_moe'), { seed = 2 }), U.TOKENIZER, init)
+  local rl = {}
+  for i, p in ipairs(U.additions(40, 5)) do rl[i] = { question = p.prompt, answer = p.answer } end
+  local data = U.write_jsonl(dir .. '/rl.jsonl', rl)
+  local words = { 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
+    'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4',
+    'grpo.max_tokens=4', 'moe.routing_replay=true', 'run.threads=1' }
+  local out = U.run_recipe('recipes/grpo.lua', U.with(words, { 'run.dir=' .. dir .. '/grpo' }))
+  local r = U.records(out.dir)
+  t.eq(#r, 2)
+  for _, x in ipairs(r) do
+    t.truthy(x['moe/replayed'] > 0, 'replayed picks: ' .. tostring(x['moe/replayed']))
+    t.eq(x['moe/routing_mismatch'], 0, "the trainer's own picks are the engine's on the same weights")
+    t.truthy(x['mismatch/max_abs'] < 1e-4, 'engine vs trainer log-probs: max |diff| ' .. x['mismatch/max_abs'])
+  end
+  local ok, err = pcall(U.run_recipe, 'recipes/grpo.lua', U.with(words, { 'moe.aux_loss_coef=0.01',
+    'run.dir=' .. dir .. '/aux' }))
+  t.truthy(not ok and tostring(err):find('has no load-balancing loss', 1, true), tostring(err))
   os.execute("rm -rf '" .. dir .. "'")
 end)
 

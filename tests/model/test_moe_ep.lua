@@ -62,7 +62,8 @@ if not mpirun then
 end
 
 for _, c in ipairs({ { 2, 'vader' }, { 3, 'tcp' } }) do
-  for _, words in ipairs({ {}, { 'dtype=bf16' }, { 'recompute=true', 'replay=true' }, { 'idle=true', 'recompute=true' } }) do
+  for _, words in ipairs({ {}, { 'dtype=bf16' }, { 'recompute=true', 'replay=true' }, { 'idle=true', 'recompute=true' },
+    { 'arch=deepseek_v3', 'replay=true' } }) do
     local name = string.format('%d ranks (%s) %s: the single-process log-probs and gradients', c[1], c[2],
       #words > 0 and table.concat(words, ' ') or 'fp32')
     t.test(name, function()

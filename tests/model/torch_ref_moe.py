@@ -8,9 +8,56 @@ from torch_ref import dense_mlp, final_hidden
 
 
 def is_sparse(cfg, l):
-    """Transformers' Qwen3MoeDecoderLayer: experts unless l is in mlp_only_layers."""
+    """Transformers' Qwen3MoeDecoderLayer: experts unless l is in mlp_only_layers; DeepseekV3DecoderLayer: from
+    first_k_dense_replace on."""
+    if cfg["model_type"] == "deepseek_v3":
+        return cfg.get("n_routed_experts", 0) > 0 and l >= cfg["first_k_dense_replace"]
     return (l not in cfg.get("mlp_only_layers", [])) and cfg["num_experts"] > 0 and \
         (l + 1) % cfg.get("decoder_sparse_step", 1) == 0
+
+
+def deepseek_block(cfg, p, h, forced=None):
+    """DeepseekV3MoE on h [L, D], written after Transformers' DeepseekV3TopkRouter (noaux_tc): sigmoid scores, the
+    choice scores with e_score_correction_bias, n_group groups scored by their two best choices, the topk_group best
+    groups, the top-k choices among their experts, weights = the scores there (/ their sum + 1e-20 when
+    norm_topk_prob) * routed_scaling_factor; plus the shared experts. (output, router logits, picks); forced as
+    moe_block's."""
+    E, K, G, TG = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"]
+    logits = h @ p("mlp.gate.weight").T
+    scores = logits.sigmoid()
+    choice = scores + p("mlp.gate.e_score_correction_bias")
+    group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+    gidx = torch.topk(group, k=TG, dim=-1)[1]
+    gmask = torch.zeros_like(group).scatter_(1, gidx, 1)
+    emask = gmask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+    sel = torch.topk(choice.detach().masked_fill(~emask.bool(), float("-inf")), K, dim=-1)[1]
+    if forced is not None:
+        f = torch.tensor(forced.astype(np.int64))
+        sel = torch.where(f[:, :1] >= 0, f.clamp(min=0), sel)
+    w = scores.gather(1, sel)
+    if cfg.get("norm_topk_prob", True):
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * cfg.get("routed_scaling_factor", 1.0)
+    out = experts_sum(p, h, sel, w, E)
+    if cfg.get("n_shared_experts", 1):
+        ps = lambda n: p("mlp.shared_experts.%s.weight" % n)
+        out = out + (torch.nn.functional.silu(h @ ps("gate_proj").T) * (h @ ps("up_proj").T)) @ ps("down_proj").T
+    return out, logits, sel
+
+
+def experts_sum(p, h, sel, w, E):
+    """The picked experts' SwiGLU MLPs of h [L, D], weighted by w [L, k] at sel [L, k], summed (index_add_ per
+    expert, as Transformers)."""
+    out = torch.zeros_like(h)
+    for e in range(E):
+        tok, j = torch.where(sel == e)
+        if len(tok) == 0:
+            continue
+        x = h[tok]
+        pe = lambda n: p("mlp.experts.%d.%s.weight" % (e, n))
+        y = (torch.nn.functional.silu(x @ pe("gate_proj").T) * (x @ pe("up_proj").T)) @ pe("down_proj").T
+        out = out.index_add(0, tok, y * w[tok, j, None])
+    return out
 
 
 def moe_block(cfg, p, h, forced=None):
@@ -28,15 +75,7 @@ def moe_block(cfg, p, h, forced=None):
         w = probs.gather(1, sel)
     if cfg.get("norm_topk_prob"):
         w = w / w.sum(-1, keepdim=True)
-    out = torch.zeros_like(h)
-    for e in range(E):
-        tok, j = torch.where(sel == e)
-        if len(tok) == 0:
-            continue
-        x = h[tok]
-        pe = lambda n: p("mlp.experts.%d.%s.weight" % (e, n))
-        y = (torch.nn.functional.silu(x @ pe("gate_proj").T) * (x @ pe("up_proj").T)) @ pe("down_proj").T
-        out = out.index_add(0, tok, y * w[tok, j, None])
+    out = experts_sum(p, h, sel, w, E)
     return out, logits, sel
 
 
@@ -50,7 +89,8 @@ def forward_seq(cfg, P, tok, router_logits, routing=None, picks=None):
         if not is_sparse(cfg, l):
             return dense_mlp(l, p, h)
         forced = routing[:, order.index(l)] if routing is not None else None
-        y, logits, sel = moe_block(cfg, p, h, forced)
+        block = deepseek_block if cfg["model_type"] == "deepseek_v3" else moe_block
+        y, logits, sel = block(cfg, p, h, forced)
         router_logits.append(logits)
         if picks is not None:
             picks.append(sel)
@@ -84,5 +124,6 @@ def reference(cfg, P, tokens, targets, cu, temperature=1.0, routing=None):
         tg = torch.tensor(targets[cu[s]:cu[s + 1]].astype(np.int64))
         lps.append(torch.where(tg >= 0, logp.gather(1, tg.clamp(min=0)[:, None])[:, 0], torch.zeros(len(tok))))
         ents.append(-(logp.exp() * logp).sum(-1))
-    aux = load_balancing_loss(cfg, logits, picks if routing is not None else None) if logits else torch.zeros(())
+    aux = load_balancing_loss(cfg, logits, picks if routing is not None else None) \
+        if logits and cfg["model_type"] != "deepseek_v3" else torch.zeros(())  # (DeepSeek's router has none)
     return torch.cat(lps), torch.cat(ents), aux

@@ -132,6 +132,17 @@ typedef struct mrl_model_config {
      * v padded with zeros to it (the parser sets it; config.json's head_dim, qk_rope_head_dim in
      * Transformers, is not read), and num_key_value_heads = num_attention_heads. */
     int q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave;
+    /* DeepSeek-V3's mixture of experts (deepseek_v3 with num_experts = n_routed_experts > 0): the
+     * layers from first_k_dense_replace on are sparse (and not in mlp_only_layers), each with
+     *   s = sigmoid(x Wr^T) [E] (fp32); the choice scores s + e_score_correction_bias (a frozen
+     *   [E] of the checkpoint's: it picks, it does not weigh); the E experts in n_group groups,
+     *   each scored by the sum of its two best choices; the topk_group best groups; of their
+     *   experts the num_experts_per_tok best choices (ties: the lower group, the lower expert);
+     *   weights s at the picks, divided by their sum (+ 1e-20) when norm_topk_prob, times
+     *   routed_scaling_factor; and out = the picks' weighted sum + the shared experts' output,
+     *   one SwiGLU MLP of n_shared_experts * moe_intermediate_size (mlp.shared_experts.*). */
+    int first_k_dense_replace, n_group, topk_group, n_shared_experts;
+    double routed_scaling_factor;
 } mrl_model_config;
 
 /* 1 when layer l of this config has a mixture-of-experts MLP (above). */
