@@ -225,6 +225,7 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
         if (whole.num_experts > 0) { /* which of its layers are sparse, in its own numbering */
             memset(cfg.mlp_only_layers, 0, sizeof cfg.mlp_only_layers);
             cfg.decoder_sparse_step = 1;
+            cfg.first_k_dense_replace = 0; /* (DeepSeek's dense first layers: in mlp_only_layers below) */
             for (int l = 0; l < whole.num_hidden_layers; l++) {
                 int moe = mrl_model_layer_is_moe(&whole, l), local = l - stage->first_layer;
                 moe_all += moe;

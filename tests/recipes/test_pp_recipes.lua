@@ -15,7 +15,7 @@
 -- state in its own file) and across a stage killed and restarted; the keys and configs pipeline
 -- parallel cannot take are usage errors naming them; a mixture of experts (SFT, also with expert
 -- parallelism over 2 pipelines, GRPO with routing replay, the load-balancing loss and a rollout
--- rank) against one process; a pipeline without rollout ranks generating on
+-- rank; DeepSeek-V3's, SFT) against one process; a pipeline without rollout ranks generating on
 -- its engine's slices over its ranks (GRPO on pp2 and pp2 x tp2, SFT evaluated by generation, a
 -- resume) against one process; ZeRO-3 over 2 pipelines of 2 stages
 -- (SFT, GRPO on the pipelines' engines, a resume) against one process. A checkpoint resumes into another mesh (each
@@ -209,7 +209,10 @@ t.test('a mixture of experts in stages (a dense layer between sparse ones): sft 
     -- (5 samples over 2 pipelines: the one with fewer micro-batches passes empty ones, serving its experts)
     { 'recipes/sft.lua', U.with(MSFT, { 'train.batch=5', 'train.micro_batch_tokens=40' }), 'moe_sft5', 0, 4,
       { 'dist.pp=2', 'moe.expert_parallel=true' }, 'ep' },
-    { 'recipes/grpo.lua', MGRPO, 'moe_grpo', 2, 3, { 'dist.pp=2' } } }) do
+    { 'recipes/grpo.lua', MGRPO, 'moe_grpo', 2, 3, { 'dist.pp=2' } },
+    -- DeepSeek-V3's (a dense first layer: first_k_dense_replace in a stage's own numbering; MLA, shared experts)
+    { 'recipes/sft.lua', U.with(SFT, { 'model.dir=' .. dofile('tests/lib/models.lua').save(dir .. '/dsmoe',
+      'deepseek_v3_moe', { vocab_size = 16 }, { seed = 4 }) }), 'ds_sft', 0, 2, { 'dist.pp=2', 'dist.pp_layers=1,2' } } }) do
     local one = dir .. '/one_' .. case[3]
     if not fs.exists(one .. '/model') then run(case[4], case[1], case[2], 'one_' .. case[3]) end
     local tag = string.format('pp_%s%s', case[3], case[7] and '_' .. case[7] or '')
