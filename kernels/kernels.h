@@ -117,6 +117,8 @@ typedef struct mrl_paged_attn {
      * 64-byte aligned; NULL: the kernel allocates and frees its own. */
     void *workspace;
     int64_t workspace_bytes;
+    /* mla_paged_attn's: the values a head's output holds, each key row's first hv (0: hd) */
+    int hv;
     /* 0: the cache holds fp32; 1: bf16 (uint16_t), the same layout, and the
      * two products may take bf16 operands as the bf16 model's others do (q
      * and the softmax weights rounded to bf16, fp32 sums: the CPU's
@@ -225,7 +227,8 @@ typedef struct mrl_kernels {
      *   k[t,h] = [kv[t,h,:dn], rope(kr[t]),       0 ..]   kv [T,H,dn+dv] (kv_b_proj's), kr [T,dr]
      *   v[t,h] = [kv[t,h,dn:],                    0 ..]   (the rope key: one for every head)
      * hd >= dn+dr and >= dv: the padding is zeros, which change no score and no output that is
-     * read. rope rotates by pos[t] * inv_freq[i] (tables [max_pos, dr/2], as rope's) the pairs
+     * read. q, k or v NULL: not made (and qf, kv or kr not read where nothing reads them: the
+     * engine's absorbed form makes q alone, or one head's k, the latent cache's row). rope rotates by pos[t] * inv_freq[i] (tables [max_pos, dr/2], as rope's) the pairs
      * (2i, 2i+1) when interleave (DeepSeek's checkpoints: Transformers' rope_interleave, which
      * writes pair i's two outputs at i and i + dr/2), else (i, i + dr/2). */
     void (*mla_qkv)(float *q, float *k, float *v, const float *qf, const float *kv, const float *kr,
@@ -312,6 +315,17 @@ typedef struct mrl_kernels {
      * hd <= 1024, each sequence's queries <= its length <= its blocks'
      * capacity): MRL_ERR_INVALID; MRL_ERR_NOMEM for its scratch. */
     mrl_status (*paged_attn)(const mrl_paged_attn *a);
+    /* Multi-head latent attention's absorbed form over a latent cache (core/engine/kv_cache.h,
+     * latent): one array a layer of rows [slots, hd] (a->k_cache; v_cache unread; Hk = 1), each
+     * token's normed latent then its turned rope key. Query head h of token t (q [T,Hq,hd]: its
+     * nope part taken through kv_b_proj's key rows, its rope part turned) scores every row of its
+     * sequence up to its position (paged_attn's batch and causality), scaled by a->scale, and
+     * out[t,h,0..hv) is the softmax-weighted sum of those rows' first hv values (the latent;
+     * out [T,Hq,hv]). Checks the shapes as paged_attn does (Hk 1, hv <= hd <= 1024). */
+    mrl_status (*mla_paged_attn)(const mrl_paged_attn *a);
+    /* Rows [T, W] into their slots of one layer's latent cache ([slots, W]; bf16: each value
+     * rounded to nearest even); a negative slot skips its row. */
+    void (*latent_kv_write)(void *cache, const float *rows, const int32_t *slot_mapping, int64_t T, int W, int bf16);
     /* One token from each of n rows of V logits (rows[r]; rows may repeat)
      * with params[r] (already checked) and the uniform u[r] in [0, 1) of
      * the row's random stream, in the order of moonrl/engine.h: tokens[r],

@@ -65,6 +65,7 @@ struct mrl_engine {
     mrl_model *m;
     const mrl_model_config *mc; /* the model's */
     mrl_engine_config cfg;
+    int latent;              /* multi-head latent attention over a latent cache (cfg.mla_cache, engine.h) */
     const float *base;       /* the parameter buffer read */
     layer_params *lp;        /* [L] pointing into base */
     mrl_model_weights w;     /* embedding, final norm, lm_head in base */
@@ -85,6 +86,7 @@ struct mrl_engine {
                            * few rows read them in place of making each layer whole */
     lora_seg *segs;
     float *x;                /* [T,D] residual stream */
+    float *mla_lse;          /* [T,Hq] a latent cache's prefill in the expanded form: attn_fwd's log-sum-exps */
     float *rows, *rows_n, *rstd_n; /* [S,D] [S,D] [S] the rows that need logits */
     float *logits;           /* [S,V] */
     float *logits_part, *logits_all; /* vocabulary-parallel: this rank's [S,V/tp], the group's [tp,S,V/tp] */
@@ -201,6 +203,14 @@ static int64_t layout(mrl_engine *e, char *base) {
     TAKE(a->v, T * K);
     TAKE(a->att, T * Q);
     off += mrl_mla_acts_layout(c, a, T, base ? base + off : NULL, 3); /* (multi-head latent attention's) */
+    if (e->latent) { /* its absorbed form (layer.c, mla_absorb) */
+        int64_t W = c->kv_lora_rank + c->qk_rope_head_dim;
+        TAKE(a->mla_qcat, T * Hq * W);
+        TAKE(a->mla_qabs, T * Hq * W);
+        TAKE(a->mla_lat, T * W);
+        TAKE(a->mla_olat, T * Hq * c->kv_lora_rank);
+        TAKE(e->mla_lse, T * Hq);
+    }
     TAKE(a->h, T * D);
     TAKE(a->ln2, T * D);
     TAKE(a->rstd2, T);
@@ -350,11 +360,12 @@ static mrl_status prepare_weights(mrl_engine *e) {
 static mrl_status new_sched(mrl_engine *e) {
     const mrl_model_config *c = e->mc;
     mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
-                              .head_dim = c->head_dim, .block_size = e->cfg.block_size,
+                              .head_dim = c->head_dim, .block_size = e->cfg.block_size, .latent = e->latent,
                               .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching,
                               .bf16 = e->cfg.kv_cache_dtype == MRL_KV_BF16 ||
                                       (e->cfg.kv_cache_dtype == MRL_KV_AUTO && mrl_model_dtype(e->m) == MRL_MODEL_BF16),
                               .k = mrl_model_kernels(e->m), .device = mrl_model_get_device(e->m)};
+    if (e->latent) kc.n_kv_heads = 1, kc.head_dim = c->kv_lora_rank + c->qk_rope_head_dim; /* a row a token */
     mrl_status st = e->kv ? mrl_kv_cache_clear(e->kv) : mrl_kv_cache_create(&kc, &e->kv);
     if (st) return st;
     mrl_sched_config sc = {.max_num_seqs = e->cfg.max_num_seqs,
@@ -436,6 +447,7 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     BOUND(max_num_batched_tokens, 1, 1 << 24)
     BOUND(max_model_len, 2, INT32_MAX)
     BOUND(kv_cache_dtype, MRL_KV_AUTO, MRL_KV_BF16)
+    BOUND(mla_cache, MRL_MLA_LATENT, MRL_MLA_EXPANDED)
 #undef BOUND
     int64_t phys = on_device ? 0 : physical_memory(); /* a GPU's own allocator says when it has too little */
     if (c.kv_cache_bytes <= 0 || (phys > 0 && c.kv_cache_bytes > phys))
@@ -443,7 +455,8 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
                              "and at most this machine's physical memory (%lld bytes, %.1f GiB)", (long long)c.kv_cache_bytes,
                              c.kv_cache_bytes / 1073741824.0, (long long)phys, phys / 1073741824.0);
     /* rows needing logits in one step: at most one per running sequence */
-    mrl_engine probe = {.m = model, .mc = mc, .cfg = c, .on_device = on_device};
+    mrl_engine probe = {.m = model, .mc = mc, .cfg = c, .on_device = on_device,
+                        .latent = mrl_model_is_mla(mc) && c.mla_cache == MRL_MLA_LATENT};
     probe.logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
     int64_t bytes = layout(&probe, NULL);
     if (phys > 0 && bytes > phys)
@@ -740,6 +753,44 @@ static int step_segments(mrl_engine *e, const mrl_sched_batch *hb) {
  * share, where the library's product of a whole layer is faster for many. */
 #define QGEMM_ROWS 64
 
+/* Layer l of a step over the latent cache (engine.h, MRL_MLA_LATENT). A step of whole prompts
+ * (fresh: no row attends to a cached one) runs the expanded form, the trainer's (layer.c: every
+ * head's K and V from the latent, attention over the step's rows), and caches each token's latent
+ * row; any other step (decodes, a prompt's later chunk, a cached prefix) the absorbed form: the
+ * absorbed queries and this step's latent rows, the rows into their slots, the attention over
+ * each sequence's rows, the output taken back through kv_b_proj's value rows. */
+static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *b, int l, int64_t T, int fresh) {
+    const mrl_model *m = e->m;
+    const mrl_model_config *c = e->mc;
+    const mrl_kernels *k = mrl_model_kernels(m);
+    int W = c->kv_lora_rank + c->qk_rope_head_dim, H = c->num_attention_heads;
+    if (fresh) {
+        layer_acts *a = &e->a;
+        a->mla_absorbed = 0;
+        mrl_layer_qkv(m, p, a, e->x, b->positions, T);
+        k->copy_rows(a->mla_lat, W, a->cn, c->kv_lora_rank, T, c->kv_lora_rank); /* [c' | rope(kr)]: the turned */
+        k->copy_rows(a->mla_lat + c->kv_lora_rank, W, a->k + c->qk_nope_head_dim, (int64_t)H * c->head_dim, T,
+                     c->qk_rope_head_dim); /* rope key is every head's; head 0's */
+        k->latent_kv_write(mrl_kv_cache_k(e->kv, l), a->mla_lat, b->slot_mapping, T, W,
+                           mrl_kv_cache_get_config(e->kv)->bf16);
+        k->attn_fwd(a->att, e->mla_lse, a->q, a->k, a->v, b->query_start, NULL, b->n_seqs, H, H, c->head_dim,
+                    mrl_model_attn_scale(c));
+        mrl_layer_out(m, p, a, e->x, e->x, T);
+        return MRL_OK;
+    }
+    e->a.mla_absorbed = 1;
+    mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
+    k->latent_kv_write(mrl_kv_cache_k(e->kv, l), e->a.mla_lat, b->slot_mapping, T, W,
+                       mrl_kv_cache_get_config(e->kv)->bf16);
+    mrl_paged_attn args;
+    mrl_status st = mrl_sched_attn_args(b, e->kv, l, c->num_attention_heads, e->a.mla_qabs, e->a.mla_olat, &args);
+    if (st) return st;
+    args.hv = c->kv_lora_rank, args.scale = mrl_model_attn_scale(c);
+    if ((st = k->mla_paged_attn(&args))) return st;
+    mrl_layer_out(m, p, &e->a, e->x, e->x, T);
+    return MRL_OK;
+}
+
 /* The kernels of one step: hb the scheduler's batch, b what the ops read
  * (hb, or its copy on the GPU); logits of b's logits_indices rows. Nothing
  * here waits for the device or allocates on it (a decode graph captures it). */
@@ -765,12 +816,21 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     /* a quantized base: a step of few rows (decode) reads its blocks (the qgemm op), a longer one
      * makes each layer whole (its products are then the trainer's) */
     int quantized = e->reads_own && mrl_model_quantized_bytes(m) > 0;
+    int fresh = e->latent && hb->n_decode_tokens == 0; /* (a latent cache: a step of whole prompts alone) */
+    for (int i = 0; fresh && i < hb->n_seqs; i++) fresh = hb->query_start[i + 1] - hb->query_start[i] == hb->seq_lens[i];
     int blocks = quantized && e->qlayers && T <= QGEMM_ROWS, whole = quantized && !blocks;
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         layer_params *p = &e->lp[l];
         p->quant = blocks ? &e->qlayers[l] : NULL;
         for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
         if (whole && (st = mrl_model_layer_use(e->m, l))) break;
+        if (e->latent) { /* multi-head latent attention over the latent cache */
+            st = latent_layer(e, p, b, l, T, fresh);
+            if (whole) mrl_model_layer_unuse(e->m, l);
+            if (st) break;
+            if (p->router && e->routes) record_routing(e, hb, ord++);
+            continue;
+        }
         mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
         if (mrl_kv_cache_get_config(e->kv)->bf16)
             k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping,
@@ -1187,6 +1247,7 @@ static void read_stats(const mrl_engine *e, mrl_engine_stats *out) {
     out->kv_blocks_used = k.used_blocks;
     out->kv_blocks_free = k.free_blocks;
     out->kv_block_size = e->cfg.block_size;
+    out->kv_bytes_per_token = mrl_kv_cache_block_bytes(e->kv) / e->cfg.block_size;
     out->running = s.running;
     out->waiting = s.waiting;
     out->finished = s.finished;

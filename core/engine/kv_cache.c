@@ -121,10 +121,13 @@ static void block_release(mrl_kv_cache *c, int b) {
     else c->free_stack[c->free_top++] = b;
 }
 
+/* The arrays a layer has: K and V, or a latent cache's one. */
+static int arrays(const mrl_kv_cache *c) { return c->cfg.latent ? 1 : 2; }
+
 static void block_copy(mrl_kv_cache *c, int dst, int src) {
     int64_t bb = c->block_floats * c->elem; /* bytes of one block, one layer, K or V */
     const mrl_kernels *k = c->cfg.k ? c->cfg.k : mrl_kernels_cpu_fast();
-    for (int kv = 0; kv < 2 * c->cfg.n_layers; kv++) {
+    for (int kv = 0; kv < arrays(c) * c->cfg.n_layers; kv++) {
         char *base = c->pool + (int64_t)kv * c->num_blocks * bb;
         k->copy(base + dst * bb, base + src * bb, bb);
     }
@@ -157,7 +160,7 @@ mrl_status mrl_kv_cache_create(const mrl_kv_cache_config *cfg, mrl_kv_cache **ou
                              "kv_cache_create: bad geometry (n_layers=%d n_kv_heads=%d head_dim=%d block_size=%d)",
                              cfg->n_layers, cfg->n_kv_heads, cfg->head_dim, cfg->block_size);
     int64_t block_floats = (int64_t)cfg->n_kv_heads * cfg->block_size * cfg->head_dim;
-    int64_t elem = cfg->bf16 ? 2 : 4, block_bytes = block_floats * 2 * cfg->n_layers * elem;
+    int64_t elem = cfg->bf16 ? 2 : 4, block_bytes = block_floats * (cfg->latent ? 1 : 2) * cfg->n_layers * elem;
     int64_t nb = cfg->budget_bytes > 0 ? cfg->budget_bytes / block_bytes : 0;
     if (nb < 1)
         return mrl_set_error(MRL_ERR_INVALID,
@@ -232,16 +235,16 @@ const mrl_kv_cache_config *mrl_kv_cache_get_config(const mrl_kv_cache *c) { retu
 int mrl_kv_cache_block_size(const mrl_kv_cache *c) { return c->cfg.block_size; }
 int mrl_kv_cache_num_blocks(const mrl_kv_cache *c) { return c->num_blocks; }
 int64_t mrl_kv_cache_block_bytes(const mrl_kv_cache *c) {
-    return c->block_floats * 2 * c->cfg.n_layers * c->elem;
+    return c->block_floats * arrays(c) * c->cfg.n_layers * c->elem;
 }
 
 void *mrl_kv_cache_k(mrl_kv_cache *c, int layer) {
     if (!c || layer < 0 || layer >= c->cfg.n_layers) return NULL;
-    return c->pool + (int64_t)(2 * layer) * c->num_blocks * c->block_floats * c->elem;
+    return c->pool + (int64_t)(arrays(c) * layer) * c->num_blocks * c->block_floats * c->elem;
 }
 
 void *mrl_kv_cache_v(mrl_kv_cache *c, int layer) {
-    if (!c || layer < 0 || layer >= c->cfg.n_layers) return NULL;
+    if (!c || layer < 0 || layer >= c->cfg.n_layers || c->cfg.latent) return NULL;
     return c->pool + (int64_t)(2 * layer + 1) * c->num_blocks * c->block_floats * c->elem;
 }
 

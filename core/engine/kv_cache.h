@@ -11,6 +11,7 @@
  *   K: [b][h][d][t]   (transposed inside the block: the attention kernel
  *                      scores 16 keys with one vector per d)
  *   V: [b][h][t][d]
+ * (a latent cache: one array a layer, laid out as V.)
  * block_floats = n_kv_heads * block_size * head_dim, so one block holds
  * block_size tokens of every layer and kv head (kernels/cpu/paged_attention.h
  * reads and writes it).
@@ -50,6 +51,9 @@ typedef struct mrl_kv_cache_config {
     int64_t budget_bytes;    /* the pool gets floor(budget / block_bytes) blocks */
     int prefix_caching;      /* 1: register full blocks for reuse across requests */
     int bf16;                /* 1: the pool holds bf16 (uint16_t) instead of fp32 */
+    int latent;              /* 1: one array a layer, not K and V (mrl_kv_cache_v NULL): rows of head_dim
+                              * a token, [b][t][d] (n_kv_heads 1): multi-head latent attention's cache,
+                              * the normed latent and the turned rope key (kernels.h, mla_paged_attn) */
     /* the table whose memory holds the pool (NULL: the CPU's): a GPU's
      * (k->on_device) puts it in device memory, and copy-on-write copies
      * blocks with its copy slot; the block tables stay on the host */

@@ -128,6 +128,56 @@ static void lora_fwd(const mrl_model *m, const layer_params *p, const layer_acts
                      y, T, N, K, a->lora_u);
 }
 
+/* The absorbed form's inputs (the engine over a latent cache, engine.h MRL_MLA_LATENT), once
+ * mla_proj has the queries (a->qf) and the normed latent and rope key (a->cn, a->kr):
+ *   qcat[t,h] = [q_nope[t,h] Wuk_h, q_rope[t,h]]   Wuk_h = kv_b_proj's key rows of head h [dn, rkv]
+ *   qabs = qcat with its rope part turned; lat[t] = [c'[t], rope(kr[t])]   (W = rkv + dr values)
+ * so that qabs[t,h] . lat[j] = q_nope k_nope + q_rope k_rope of the expanded form. */
+static void mla_absorb(const mrl_model *m, const layer_params *p, layer_acts *a, const int32_t *pos, int64_t T) {
+    const mrl_kernels *k = m->k;
+    const mrl_model_config *c = &m->cfg;
+    int H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim,
+        rkv = c->kv_lora_rank, W = rkv + dr;
+    enum { BATCH = 64 };
+    mrl_gemm_desc d[BATCH];
+    const uint16_t *w16[BATCH];
+    for (int h0 = 0; h0 < H; h0 += BATCH) { /* q_nope[t,h] [dn] times Wuk_h [dn, rkv], a product a head */
+        int n = H - h0 < BATCH ? H - h0 : BATCH;
+        for (int i = 0; i < n; i++) {
+            int64_t off = (int64_t)(h0 + i) * (dn + dv) * rkv;
+            d[i] = (mrl_gemm_desc){0, 0, T, rkv, dn, 1.0f, a->qf + (int64_t)(h0 + i) * (dn + dr), (int64_t)H * (dn + dr),
+                                   p->wv + off, rkv, 0.0f, a->mla_qcat + (int64_t)(h0 + i) * W, (int64_t)H * W};
+            w16[i] = p->hv ? p->hv + off : NULL;
+        }
+        products(m, d, w16, n);
+    }
+    k->copy_rows(a->mla_qcat + rkv, W, a->qf + dn, dn + dr, T * H, dr); /* each head's rope part */
+    k->mla_qkv(a->mla_qabs, NULL, NULL, a->mla_qcat, NULL, NULL, pos, m->rope_cos, m->rope_sin, T, H, rkv, dr, 0, W,
+               c->rope_interleave);
+    k->mla_qkv(NULL, a->mla_lat, NULL, NULL, a->cn, a->kr, pos, m->rope_cos, m->rope_sin, T, 1, rkv, dr, 0, W,
+               c->rope_interleave);
+}
+
+/* The absorbed form's output: att_v[t,h] = olat[t,h] Wuv_h^T, Wuv_h = kv_b_proj's value rows of
+ * head h [dv, rkv]: the attention's output in the values' space, o_proj's input. */
+static void mla_unabsorb(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T) {
+    const mrl_model_config *c = &m->cfg;
+    int H = c->num_attention_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim, rkv = c->kv_lora_rank;
+    enum { BATCH = 64 };
+    mrl_gemm_desc d[BATCH];
+    const uint16_t *w16[BATCH];
+    for (int h0 = 0; h0 < H; h0 += BATCH) {
+        int n = H - h0 < BATCH ? H - h0 : BATCH;
+        for (int i = 0; i < n; i++) {
+            int64_t off = ((int64_t)(h0 + i) * (dn + dv) + dn) * rkv;
+            d[i] = (mrl_gemm_desc){0, 1, T, dv, rkv, 1.0f, a->mla_olat + (int64_t)(h0 + i) * rkv, (int64_t)H * rkv,
+                                   p->wv + off, rkv, 0.0f, a->att_v + (int64_t)(h0 + i) * dv, (int64_t)H * dv};
+            w16[i] = p->hv ? p->hv + off : NULL;
+        }
+        products(m, d, w16, n);
+    }
+}
+
 /* Multi-head latent attention's inputs (moonrl/model.h) of T tokens from ln [T,D]: the queries
  * (through q_a_proj, its norm and q_b_proj when q_lora_rank > 0), the latent and the rope key
  * (kv_a_proj_with_mqa's output, split), the latent normed, kv_b_proj's keys and values of every
@@ -151,6 +201,10 @@ static void mla_proj(const mrl_model *m, const layer_params *p, layer_acts *a, c
     k->copy_rows(a->ckv, rkv, a->kva, rkv + dr, T, rkv); /* [c | kr] apart */
     k->copy_rows(a->kr, dr, a->kva + rkv, rkv + dr, T, dr);
     k->rmsnorm_fwd(a->cn, a->rstdc, a->ckv, p->kv_a_norm, T, rkv, eps);
+    if (a->mla_absorbed) { /* the engine's latent cache (engine.h): no per-head keys and values */
+        mla_absorb(m, p, a, pos, T);
+        return;
+    }
     run1(m, lin_w(p, 2, a->kvb, a->cn, p->wv, p->pv, T, H * (dn + dv), rkv, 0), p->hv);
     k->mla_qkv(a->q, a->k, a->v, a->qf, a->kvb, a->kr, pos, m->rope_cos, m->rope_sin, T, H, dn, dr, dv, c->head_dim,
                c->rope_interleave);
@@ -158,6 +212,7 @@ static void mla_proj(const mrl_model *m, const layer_params *p, layer_acts *a, c
 
 int64_t mrl_mla_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base, int what) {
     int64_t off = 0;
+    if (base) a->mla_absorbed = 0, a->mla_qcat = a->mla_qabs = a->mla_lat = a->mla_olat = NULL; /* (the engine's) */
     if (!mrl_model_is_mla(c)) {
         if (base) a->qa = a->qan = a->rstdqa = a->ckv = a->cn = a->rstdc = a->att_v = a->qf = a->kva = a->kr = a->kvb = NULL;
         return 0;
@@ -238,9 +293,10 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     int D = c->hidden_size, F = c->intermediate_size, Q = c->num_attention_heads * c->head_dim;
     int64_t TD = T * D;
     const float *att = a->att;
-    if (mrl_model_is_mla(c)) { /* each head's dv values of its padded head: o_proj's input */
+    if (mrl_model_is_mla(c)) { /* each head's dv values (of its padded head, or of the latent's): o_proj's input */
         int H = c->num_attention_heads, dv = c->v_head_dim;
-        k->copy_rows(a->att_v, dv, a->att, c->head_dim, T * H, dv);
+        if (a->mla_absorbed) mla_unabsorb(m, p, a, T);
+        else k->copy_rows(a->att_v, dv, a->att, c->head_dim, T * H, dv);
         att = a->att_v, Q = H * dv;
     }
     if (m->tp_size > 1) { /* h = x + the sum over the group of each rank's heads' part */

@@ -184,6 +184,11 @@ typedef struct layer_acts {
     /* and its forward's scratch (one for every layer): queries before RoPE, kv_a_proj_with_mqa's
      * output, the rope key, kv_b_proj's output */
     float *qf, *kva, *kr, *kvb; /* [T,H*(dn+dr)] [T,rkv+dr] [T,dr] [T,H*(dn+dv)] */
+    /* the engine's absorbed form over a latent cache (engine.h, MRL_MLA_LATENT) when mla_absorbed:
+     * qcat each head's [q_nope Wuk_h, q_rope] before RoPE, qabs after, lat each token's cache row
+     * [c', rope(kr)], olat the attention's output in the latent's space (W = rkv + dr) */
+    int mla_absorbed;
+    float *mla_qcat, *mla_qabs, *mla_lat, *mla_olat; /* [T,H,W] [T,H,W] [T,W] [T,H,rkv] */
     float *h, *ln2, *rstd2;    /* [T,D] x + attention, [T,D], [T] */
     float *gate, *up, *act;    /* [T,F] each; act = silu(gate) * up */
     /* a sparse layer: A = T*k assignments, token t's j-th pick is t*k + j;

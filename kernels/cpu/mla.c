@@ -2,9 +2,13 @@
  * token by token. The fast table runs the reference's rows over the threads: each token's
  * outputs are its own, so both give the same bits. The rotation's products and sums are fp32 with
  * no fused multiply-add (rope's arithmetic, and the CUDA table's __fmul_rn). */
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include "cpu/mla.h"
+#include "base/error.h"
 #include "base/parallel.h"
+#include "moonrl/dtype.h"
 
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 
@@ -46,14 +50,25 @@ static void fwd_rows(void *vc, int64_t t0, int64_t t1) {
         const float *c = a->cos_t + (int64_t)a->pos[t] * half, *s = a->sin_t + (int64_t)a->pos[t] * half;
         for (int h = 0; h < H; h++) {
             int64_t th = t * H + h;
-            float *q = a->o0 + th * hd, *k = a->o1 + th * hd, *v = a->o2 + th * hd;
-            const float *qf = a->i0 + th * (dn + dr), *kv = a->i1 + th * (dn + dv);
-            memset(q, 0, sizeof(float) * hd), memset(k, 0, sizeof(float) * hd), memset(v, 0, sizeof(float) * hd);
-            memcpy(q, qf, sizeof(float) * dn);
-            rotate(q + dn, qf + dn, c, s, dr, a->interleave);
-            memcpy(k, kv, sizeof(float) * dn);
-            rotate(k + dn, a->i2 + t * dr, c, s, dr, a->interleave);
-            memcpy(v, kv + dn, sizeof(float) * dv);
+            if (a->o0) { /* (the absorbed form asks for q alone, or for k alone: NULL outputs) */
+                float *q = a->o0 + th * hd;
+                const float *qf = a->i0 + th * (dn + dr);
+                memset(q, 0, sizeof(float) * hd);
+                memcpy(q, qf, sizeof(float) * dn);
+                rotate(q + dn, qf + dn, c, s, dr, a->interleave);
+            }
+            const float *kv = a->i1 ? a->i1 + th * (dn + dv) : NULL;
+            if (a->o1) {
+                float *k = a->o1 + th * hd;
+                memset(k, 0, sizeof(float) * hd);
+                memcpy(k, kv, sizeof(float) * dn);
+                rotate(k + dn, a->i2 + t * dr, c, s, dr, a->interleave);
+            }
+            if (a->o2) {
+                float *v = a->o2 + th * hd;
+                memset(v, 0, sizeof(float) * hd);
+                memcpy(v, kv + dn, sizeof(float) * dv);
+            }
         }
     }
 }
@@ -111,4 +126,183 @@ void mrl_cpu_fast_mla_qkv_bwd(float *dqf, float *dkv, float *dkr, const float *d
                               int dr, int dvd, int hd, int interleave) {
     BWD_ARGS
     mrl_parallel_for(T, 16, bwd_rows, &a);
+}
+
+/* ---- the latent cache: its write and the absorbed attention ---- */
+
+typedef struct latent_write {
+    void *cache;
+    const float *rows;
+    const int32_t *slots;
+    int W, bf16;
+} latent_write;
+
+static void write_rows(void *vc, int64_t t0, int64_t t1) {
+    const latent_write *w = vc;
+    for (int64_t t = t0; t < t1; t++) {
+        if (w->slots[t] < 0) continue;
+        int64_t at = (int64_t)w->slots[t] * w->W;
+        const float *r = w->rows + t * w->W;
+        if (w->bf16)
+            for (int d = 0; d < w->W; d++) ((uint16_t *)w->cache)[at + d] = mrl_f32_to_bf16(r[d]);
+        else
+            memcpy((float *)w->cache + at, r, sizeof(float) * (size_t)w->W);
+    }
+}
+
+void mrl_cpu_ref_latent_kv_write(void *cache, const float *rows, const int32_t *slot_mapping, int64_t T, int W,
+                                 int bf16) {
+    latent_write w = {cache, rows, slot_mapping, W, bf16};
+    write_rows(&w, 0, T);
+}
+
+void mrl_cpu_fast_latent_kv_write(void *cache, const float *rows, const int32_t *slot_mapping, int64_t T, int W,
+                                  int bf16) {
+    latent_write w = {cache, rows, slot_mapping, W, bf16};
+    mrl_parallel_for(T, 64, write_rows, &w);
+}
+
+static mrl_status check_latent(const mrl_paged_attn *a, const char *who) {
+    int hv = a->hv ? a->hv : a->hd;
+    if (a->Hk != 1 || a->Hq < 1 || a->hd < 1 || a->hd > 1024 || hv > a->hd || a->block_size < 1 || a->n_seqs < 0)
+        return mrl_set_error(MRL_ERR_INVALID, "%s: Hq %d, Hk %d (must be 1), hd %d, hv %d, block_size %d", who, a->Hq,
+                             a->Hk, a->hd, hv, a->block_size);
+    for (int i = 0; i < a->n_seqs; i++) {
+        int n_q = a->query_start[i + 1] - a->query_start[i], len = a->seq_lens[i];
+        if (n_q < 0 || n_q > len || len > a->max_blocks_per_seq * a->block_size)
+            return mrl_set_error(MRL_ERR_INVALID, "%s: sequence %d: %d queries, length %d, %d blocks of %d", who, i, n_q,
+                                 len, a->max_blocks_per_seq, a->block_size);
+    }
+    return MRL_OK;
+}
+
+/* Row c of sequence `table`'s context as fp32 (bf16: widened into buf) */
+static const float *latent_row(const mrl_paged_attn *a, const int32_t *table, int c, float *buf) {
+    int64_t at = ((int64_t)table[c / a->block_size] * a->block_size + c % a->block_size) * a->hd;
+    if (!a->kv_bf16) return (const float *)a->k_cache + at;
+    const uint16_t *h = (const uint16_t *)a->k_cache + at;
+    for (int d = 0; d < a->hd; d++) buf[d] = mrl_bf16_to_f32(h[d]);
+    return buf;
+}
+
+/* The reference: plain loops in double, a query head at a time (what the tests trust). */
+mrl_status mrl_cpu_ref_mla_paged_attn(const mrl_paged_attn *a) {
+    mrl_status st = check_latent(a, "mla_paged_attn_ref");
+    if (st) return st;
+    int hd = a->hd, hv = a->hv ? a->hv : hd;
+    float buf[1024];
+    double acc[1024];
+    for (int i = 0; i < a->n_seqs; i++) {
+        const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
+        int n_q = a->query_start[i + 1] - a->query_start[i], len = a->seq_lens[i];
+        for (int j = 0; j < n_q; j++) {
+            int64_t t = a->query_start[i] + j;
+            int pos = len - n_q + j;
+            for (int h = 0; h < a->Hq; h++) {
+                const float *q = a->q + (t * a->Hq + h) * hd;
+                double m = -INFINITY, sum = 0;
+                for (int c = 0; c <= pos; c++) {
+                    const float *r = latent_row(a, table, c, buf);
+                    double s = 0;
+                    for (int d = 0; d < hd; d++) s += (double)q[d] * r[d];
+                    s *= a->scale;
+                    if (s > m) m = s;
+                }
+                for (int d = 0; d < hv; d++) acc[d] = 0;
+                for (int c = 0; c <= pos; c++) {
+                    const float *r = latent_row(a, table, c, buf);
+                    double s = 0;
+                    for (int d = 0; d < hd; d++) s += (double)q[d] * r[d];
+                    double p = exp(s * a->scale - m);
+                    sum += p;
+                    for (int d = 0; d < hv; d++) acc[d] += p * r[d];
+                }
+                float *o = a->out + (t * a->Hq + h) * hv;
+                for (int d = 0; d < hv; d++) o[d] = (float)(acc[d] / sum);
+            }
+        }
+    }
+    return MRL_OK;
+}
+
+/* The fast table's: the batch's query tokens over the threads; each reads its context's rows once
+ * for all its heads (the heads share the one latent row: multi-query attention over it), scores
+ * and sums in fp32. */
+/* x . y over n values in 16 lanes of fp32 sums (the compiler's vectors), then the lanes and the
+ * tail added in order: the same bits on every CPU this build runs on. */
+static float dot_lanes(const float *x, const float *y, int n) {
+    float lane[16] = {0};
+    int d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int j = 0; j < 16; j++) lane[j] += x[d + j] * y[d + j];
+    float sum = 0;
+    for (int j = 0; j < 16; j++) sum += lane[j];
+    for (; d < n; d++) sum += x[d] * y[d];
+    return sum;
+}
+
+typedef struct latent_job {
+    const mrl_paged_attn *a;
+    const int32_t *seq_of; /* [T] each query token's sequence */
+    int max_ctx;
+    mrl_status st;
+} latent_job;
+
+static void attend_rows(void *vc, int64_t t0, int64_t t1) {
+    latent_job *job = vc;
+    const mrl_paged_attn *a = job->a;
+    int H = a->Hq, hd = a->hd, hv = a->hv ? a->hv : hd;
+    float *s = malloc(sizeof(float) * ((size_t)H * job->max_ctx + hd + H));
+    if (!s) {
+        job->st = MRL_ERR_NOMEM;
+        return;
+    }
+    float *buf = s + (size_t)H * job->max_ctx, *inv = buf + hd;
+    for (int64_t t = t0; t < t1; t++) {
+        int i = job->seq_of[t], n_q = a->query_start[i + 1] - a->query_start[i];
+        int pos = a->seq_lens[i] - n_q + (int)(t - a->query_start[i]), n = pos + 1;
+        const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
+        const float *q = a->q + t * H * hd;
+        for (int c = 0; c < n; c++) {
+            const float *r = latent_row(a, table, c, buf);
+            for (int h = 0; h < H; h++) s[(int64_t)h * n + c] = dot_lanes(q + (int64_t)h * hd, r, hd) * a->scale;
+        }
+        for (int h = 0; h < H; h++) { /* the softmax's weights, unnormalised; inv[h] = 1 / their sum */
+            float *sh = s + (int64_t)h * n, m = sh[0], sum = 0;
+            for (int c = 1; c < n; c++) m = sh[c] > m ? sh[c] : m;
+            for (int c = 0; c < n; c++) sum += sh[c] = expf(sh[c] - m);
+            inv[h] = 1.0f / sum;
+        }
+        float *o = a->out + t * H * hv;
+        memset(o, 0, sizeof(float) * (size_t)H * hv);
+        for (int c = 0; c < n; c++) {
+            const float *r = latent_row(a, table, c, buf);
+            for (int h = 0; h < H; h++) {
+                float p = s[(int64_t)h * n + c], *oh = o + (int64_t)h * hv;
+                for (int d = 0; d < hv; d++) oh[d] += p * r[d];
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            float *oh = o + (int64_t)h * hv;
+            for (int d = 0; d < hv; d++) oh[d] *= inv[h];
+        }
+    }
+    free(s);
+}
+
+mrl_status mrl_cpu_fast_mla_paged_attn(const mrl_paged_attn *a) {
+    mrl_status st = check_latent(a, "mla_paged_attn");
+    if (st) return st;
+    int64_t T = a->n_seqs ? a->query_start[a->n_seqs] : 0;
+    int32_t *seq_of = malloc(sizeof(int32_t) * (size_t)(T ? T : 1));
+    if (!seq_of) return mrl_set_error(MRL_ERR_NOMEM, "mla_paged_attn: no memory for %lld rows", (long long)T);
+    int max_ctx = 1;
+    for (int i = 0; i < a->n_seqs; i++) {
+        for (int t = a->query_start[i]; t < a->query_start[i + 1]; t++) seq_of[t] = i;
+        if (a->seq_lens[i] > max_ctx) max_ctx = a->seq_lens[i];
+    }
+    latent_job job = {a, seq_of, max_ctx, MRL_OK};
+    mrl_parallel_for(T, 1, attend_rows, &job);
+    free(seq_of);
+    return job.st ? mrl_set_error(job.st, "mla_paged_attn: no memory for the scores of %d keys", max_ctx) : MRL_OK;
 }

@@ -50,10 +50,10 @@ __global__ static void mla_qkv_kernel(float *q, float *k, float *v, const float 
         int j = (int)(e % hd);
         int64_t th = e / hd, t = th / H;
         const float *c = cos_t + (int64_t)pos[t] * (dr / 2), *s = sin_t + (int64_t)pos[t] * (dr / 2);
-        const float *qr = qf + th * (dn + dr), *kvr = kv + th * (dn + dv);
-        q[e] = j < dn ? qr[j] : j < dn + dr ? rotated(qr + dn, c, s, dr, j - dn, interleave) : 0.0f;
-        k[e] = j < dn ? kvr[j] : j < dn + dr ? rotated(kr + t * dr, c, s, dr, j - dn, interleave) : 0.0f;
-        v[e] = j < dv ? kvr[dn + j] : 0.0f;
+        const float *qr = qf ? qf + th * (dn + dr) : NULL, *kvr = kv ? kv + th * (dn + dv) : NULL;
+        if (q) q[e] = j < dn ? qr[j] : j < dn + dr ? rotated(qr + dn, c, s, dr, j - dn, interleave) : 0.0f;
+        if (k) k[e] = j < dn ? kvr[j] : j < dn + dr ? rotated(kr + t * dr, c, s, dr, j - dn, interleave) : 0.0f;
+        if (v) v[e] = j < dv ? kvr[dn + j] : 0.0f;
     }
 }
 
@@ -107,4 +107,107 @@ void cuda_mla_qkv_bwd(float *dqf, float *dkv, float *dkr, const float *dq, const
                                                                                 sin_t, T, H, dn, dr, dvd, hd,
                                                                                 interleave);
     cuda_ops_launched("mla_qkv_bwd");
+}
+
+// ---- the latent cache ----
+
+__global__ static void latent_write_kernel(void *cache, const float *rows, const int32_t *slots, int64_t T, int W,
+                                           int bf16) {
+    GRID_STRIDE(e, T * W) {
+        int64_t t = e / W;
+        int d = (int)(e % W);
+        if (slots[t] < 0) continue;
+        int64_t at = (int64_t)slots[t] * W + d;
+        if (bf16) ((uint16_t *)cache)[at] = f32_to_bf16_bits(rows[e]);
+        else ((float *)cache)[at] = rows[e];
+    }
+}
+
+void cuda_latent_kv_write(void *cache, const float *rows, const int32_t *slot_mapping, int64_t T, int W, int bf16) {
+    if (T <= 0 || W <= 0) return;
+    latent_write_kernel<<<grid_for(T * W, THREADS), THREADS, 0, cuda_ops_stream()>>>(cache, rows, slot_mapping, T, W,
+                                                                                     bf16);
+    cuda_ops_launched("latent_kv_write");
+}
+
+// Blocks over (query tokens, heads): block (x, h) takes tokens x, x + gridDim.x, ... (their count is
+// the device's query_start[n_seqs]) of head h: the token's sequence found in query_start, the
+// scores of its context's rows into the block's scratch (threads over the keys), their max and sum
+// reduced in the block, then the output's values (threads over them) summed over the keys in
+// key order.
+#define ATT_THREADS 128
+__device__ static float latent_value(const mrl_paged_attn &a, const int32_t *table, int c, int d) {
+    int64_t at = ((int64_t)table[c / a.block_size] * a.block_size + c % a.block_size) * a.hd + d;
+    return a.kv_bf16 ? load_f32((const uint16_t *)a.k_cache + at) : ((const float *)a.k_cache)[at];
+}
+
+__global__ static void __launch_bounds__(ATT_THREADS) mla_attn_kernel(const mrl_paged_attn a, float *scratch, int max_ctx,
+                                                                      int *bad_seq) {
+    __shared__ float red[ATT_THREADS];
+    const int h = blockIdx.y, hv = a.hv ? a.hv : a.hd;
+    const int64_t T = a.query_start[a.n_seqs];
+    float *s = scratch + ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * max_ctx;
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        int i = 0;
+        while (i + 1 < a.n_seqs && a.query_start[i + 1] <= t) i++;
+        int n_q = a.query_start[i + 1] - a.query_start[i], len = a.seq_lens[i];
+        float *o = a.out + (t * a.Hq + h) * hv;
+        __syncthreads(); // (the previous token's readers of red and s are done)
+        if (n_q > len || len > max_ctx) {
+            if (threadIdx.x == 0) atomicMin(bad_seq, i);
+            for (int d = threadIdx.x; d < hv; d += blockDim.x) o[d] = __int_as_float(0x7fc00000);
+            continue;
+        }
+        const int n = len - n_q + (int)(t - a.query_start[i]) + 1;
+        const int32_t *table = a.block_tables + (int64_t)i * a.max_blocks_per_seq;
+        const float *q = a.q + (t * a.Hq + h) * a.hd;
+        float m = -INFINITY;
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            float dot = 0;
+            for (int d = 0; d < a.hd; d++) dot += q[d] * latent_value(a, table, c, d);
+            s[c] = dot * a.scale;
+            m = fmaxf(m, s[c]);
+        }
+        red[threadIdx.x] = m;
+        __syncthreads();
+        for (int w = blockDim.x / 2; w > 0; w /= 2) {
+            if ((int)threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+            __syncthreads();
+        }
+        m = red[0];
+        __syncthreads();
+        float sum = 0;
+        for (int c = threadIdx.x; c < n; c += blockDim.x) sum += s[c] = expf(s[c] - m);
+        red[threadIdx.x] = sum;
+        __syncthreads();
+        for (int w = blockDim.x / 2; w > 0; w /= 2) {
+            if ((int)threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+            __syncthreads();
+        }
+        float inv = 1.0f / red[0];
+        for (int d = threadIdx.x; d < hv; d += blockDim.x) {
+            float acc = 0;
+            for (int c = 0; c < n; c++) acc += s[c] * latent_value(a, table, c, d);
+            o[d] = acc * inv;
+        }
+    }
+}
+
+mrl_status cuda_mla_paged_attn(const mrl_paged_attn *a) {
+    int hv = a->hv ? a->hv : a->hd;
+    if (!a->out || !a->q || !a->k_cache || !a->seq_lens || !a->query_start || (a->n_seqs > 0 && !a->block_tables))
+        return cuda_ops_fail(MRL_ERR_INVALID, "mla_paged_attn: NULL argument");
+    if (a->Hk != 1 || a->Hq < 1 || a->Hq > 65535 || a->hd < 1 || a->hd > 1024 || hv > a->hd || a->block_size < 1 ||
+        a->n_seqs < 0 || a->max_blocks_per_seq < 0)
+        return cuda_ops_fail(MRL_ERR_INVALID, "mla_paged_attn: Hq %d, Hk %d (must be 1), hd %d, hv %d, block_size %d",
+                             a->Hq, a->Hk, a->hd, hv, a->block_size);
+    if (a->n_seqs == 0) return MRL_OK;
+    int *flag = cuda_ops_device_flag();
+    if (!flag) return MRL_ERR_NOMEM;
+    int max_ctx = a->max_blocks_per_seq * a->block_size > 0 ? a->max_blocks_per_seq * a->block_size : 1;
+    dim3 grid(4 * cuda_ops_sm_count(), a->Hq);
+    float *scratch = (float *)cuda_ops_scratch(sizeof(float) * (size_t)grid.x * grid.y * max_ctx);
+    if (!scratch) return MRL_ERR_NOMEM;
+    mla_attn_kernel<<<grid, ATT_THREADS, 0, cuda_ops_stream()>>>(*a, scratch, max_ctx, flag);
+    return cuda_ops_launched("mla_paged_attn");
 }

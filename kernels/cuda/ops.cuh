@@ -62,6 +62,8 @@ void cuda_mla_qkv(float *q, float *k, float *v, const float *qf, const float *kv
 void cuda_mla_qkv_bwd(float *dqf, float *dkv, float *dkr, const float *dq, const float *dk, const float *dv,
                       const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H, int dn, int dr,
                       int dvd, int hd, int interleave);
+mrl_status cuda_mla_paged_attn(const mrl_paged_attn *a);
+void cuda_latent_kv_write(void *cache, const float *rows, const int32_t *slot_mapping, int64_t T, int W, int bf16);
 // elementwise.cu
 void cuda_rope(float *x, const int32_t *pos, const float *cos_t, const float *sin_t, int64_t T, int H, int hd,
                int inverse);

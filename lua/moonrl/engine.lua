@@ -73,7 +73,8 @@ end
 -- (default true), pack_weights (default true: the layers' matrices copied as weight panels at the
 -- start of each generate call, see engine.h; false reads them in place), cuda_graphs (default true:
 -- a GPU engine replays its decode steps as CUDA graphs), kv_cache_dtype ('auto' (default): bf16
--- when the model is bf16, else fp32; 'fp32'; 'bf16': see engine.h), seed (default 0).
+-- when the model is bf16, else fp32; 'fp32'; 'bf16': see engine.h), mla_cache (a deepseek_v3 model:
+-- 'latent' (default), the latent cache and the absorbed form, or 'expanded': engine.h), seed (default 0).
 function M.new(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.handle == nil then error('engine.new: expected a moonrl.model object', 2) end
@@ -91,6 +92,11 @@ function M.new(model, opts)
       error(string.format('%s: %s must be true or false (got %s)', w, key, tostring(v)), 2)
     end
     if v ~= nil then cfg[key] = v and 1 or 0 end
+  end
+  local mla = { latent = C.MRL_MLA_LATENT, expanded = C.MRL_MLA_EXPANDED }
+  if opts.mla_cache ~= nil then
+    cfg.mla_cache = mla[opts.mla_cache] or error(string.format(
+      "%s: mla_cache must be 'latent' or 'expanded' (got %s)", w, tostring(opts.mla_cache)), 2)
   end
   local kv_dtypes = { auto = C.MRL_KV_AUTO, fp32 = C.MRL_KV_FP32, bf16 = C.MRL_KV_BF16 }
   if opts.kv_cache_dtype ~= nil then
@@ -612,7 +618,7 @@ function Engine:stats()
   C.mrl_engine_get_stats(self.handle, s)
   local t = {}
   for _, k in ipairs({ 'steps', 'prefill_tokens', 'decode_tokens', 'generated_tokens', 'prefix_hit_tokens',
-    'preemptions', 'forks', 'kv_blocks_total', 'kv_blocks_used', 'kv_blocks_free', 'kv_block_size', 'running',
+    'preemptions', 'forks', 'kv_blocks_total', 'kv_blocks_used', 'kv_blocks_free', 'kv_block_size', 'kv_bytes_per_token', 'running',
     'waiting', 'finished' }) do
     t[k] = tonumber(s[k])
   end

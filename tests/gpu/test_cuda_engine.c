@@ -203,6 +203,9 @@ static void case_engine(int arch, int bf16) {
     mrl_engine_config small = ec;
     small.kv_cache_bytes = 12 * mrl_model_get_config(g)->num_hidden_layers * 2 * 8 * cfg.num_key_value_heads *
                            cfg.head_dim * (int64_t)sizeof(float);
+    if (arch == MRL_ARCH_DEEPSEEK_V3) /* (the latent cache: a row of kv_lora_rank + qk_rope_head_dim a token) */
+        small.kv_cache_bytes = 12 * cfg.num_hidden_layers * 8 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) *
+                               (int64_t)sizeof(float);
     mrl_engine *te = NULL;
     CHECK_OK(mrl_engine_create(g, &small, &te));
     if (te) {
@@ -286,6 +289,7 @@ int main(void) {
         for (int i = 0; i < 24; i++) prompts[p][i] = (int32_t)(urand() * 211);
     case_engine(MRL_ARCH_LLAMA, 0);
     case_engine(MRL_ARCH_QWEN3, 1);
+    case_engine(MRL_ARCH_DEEPSEEK_V3, 0); /* multi-head latent attention over the latent cache */
     mrl_shutdown();
     CHECK_DONE();
 }

@@ -1473,6 +1473,84 @@ static void cases_paged(void) {
     }
 }
 
+/* ---- the latent cache (multi-head latent attention's absorbed form) ---- */
+
+static void run_latent_write(const mrl_kernels *k, void *const *p, const op_case *c) {
+    k->latent_kv_write(p[0], p[1], p[2], c->i[0], (int)c->i[1], (int)c->i[2]);
+}
+
+static void run_mla_paged_attn(const mrl_kernels *k, void *const *p, const op_case *c) {
+    mrl_paged_attn a = {.out = p[0], .q = p[1], .k_cache = p[2], .block_tables = p[3], .seq_lens = p[4],
+                        .query_start = p[5], .n_seqs = (int)c->i[0], .max_blocks_per_seq = (int)c->i[1],
+                        .block_size = (int)c->i[2], .Hq = (int)c->i[3], .Hk = 1, .hd = (int)c->i[4],
+                        .hv = (int)c->i[5], .scale = c->f[0], .kv_bf16 = (int)c->i[6]};
+    CHECK_OK(k->mla_paged_attn(&a));
+}
+
+/* One step over a latent cache of nb blocks (case_paged's batch): rows of W, values hv, H heads.
+ * The write (every fifth row skipped), fp32 and bf16; the attention over an fp32 and a bf16 cache. */
+static void case_latent(int n_seqs, const int32_t *lens, const int32_t *qs, const int32_t *tables_, int max_blocks,
+                        int nb, int H, int W, int hv, int bs, int gpu_only) {
+    int64_t cache = (int64_t)nb * bs * W, T = qs[n_seqs];
+    int32_t *slots = malloc(sizeof(int32_t) * (T ? T : 1));
+    for (int i = 0; i < n_seqs; i++)
+        for (int32_t t = qs[i]; t < qs[i + 1]; t++) {
+            int pos = lens[i] - (qs[i + 1] - qs[i]) + (t - qs[i]);
+            slots[t] = t % 5 == 4 ? -1 : tables_[i * max_blocks + pos / bs] * bs + pos % bs;
+        }
+    uint16_t *c16 = rnd_bf16(cache);
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        op_case c;
+        new_case(&c, "latent_kv_write", run_latent_write, "%lld rows of %d, blocks of %d%s", (long long)T, W, bs,
+                 bf16 ? ", bf16" : "");
+        if (bf16) add(&c, "cache", U16, INOUT, cache, c16, TOL_BITS);
+        else inout_rnd(&c, "cache", cache, 1, TOL_BITS);
+        in_rnd(&c, "rows", T * W, 1);
+        add(&c, "slots", I32, IN, T, slots, 0);
+        c.i[0] = T, c.i[1] = W, c.i[2] = bf16, c.gpu_only = gpu_only;
+        check_case(&c);
+        new_case(&c, "mla_paged_attn", run_mla_paged_attn, "%d heads, rows of %d, values %d, blocks of %d%s", H, W, hv,
+                 bs, bf16 ? ", bf16 cache" : "");
+        gpu_tol(&c, add(&c, "out", F32, OUT, T * H * hv, NULL, TOL_PAGED), TOL_GPU_ATTN);
+        in_rnd(&c, "q", T * H * W, 0.3f);
+        if (bf16) add(&c, "cache", U16, IN, cache, c16, 0);
+        else in_rnd(&c, "cache", cache, 1);
+        add(&c, "block_tables", I32, IN, (int64_t)n_seqs * max_blocks, tables_, 0);
+        add(&c, "seq_lens", I32, IN, n_seqs, lens, 0);
+        add(&c, "query_start", I32, IN, n_seqs + 1, qs, 0);
+        c.i[0] = n_seqs, c.i[1] = max_blocks, c.i[2] = bs, c.i[3] = H, c.i[4] = W, c.i[5] = hv, c.i[6] = bf16;
+        c.gpu_only = gpu_only;
+        c.f[0] = 1.0f / sqrtf((float)W);
+        check_case(&c);
+    }
+    free(slots), free(c16);
+}
+
+/* Decodes and prefill chunks of 5 sequences up to 300 tokens: a tiny latent (12 + 4, heads of 4),
+ * one of 36 + 8 in blocks of 5, values all of the row; DeepSeek-V3's (512 + 64, 16 heads of its
+ * 128) on the GPU. */
+static void cases_latent(void) {
+    static const int shapes[][4] = {{4, 16, 12, 16}, {3, 44, 36, 5}, {2, 24, 24, 16}}; /* H, W, hv, block_size */
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int H = shapes[s][0], W = shapes[s][1], hv = shapes[s][2], bs = shapes[s][3], n_seqs = 5, max_len = 300;
+        int max_blocks = (max_len + bs - 1) / bs, nb = n_seqs * max_blocks + 3;
+        int32_t lens[5], qs[6] = {0}, *tables_ = malloc(sizeof(int32_t) * n_seqs * max_blocks), *perm = permutation(nb);
+        for (int i = 0; i < n_seqs; i++) {
+            lens[i] = i == 0 ? max_len : 1 + (int)(urand() * max_len);
+            int n_q = i % 2 ? 1 : 1 + (int)(urand() * (lens[i] < 48 ? lens[i] : 48));
+            qs[i + 1] = qs[i] + n_q;
+            for (int b = 0; b < max_blocks; b++) tables_[i * max_blocks + b] = perm[i * max_blocks + b];
+        }
+        case_latent(n_seqs, lens, qs, tables_, max_blocks, nb, H, W, hv, bs, 0);
+        free(tables_), free(perm);
+    }
+    if (!gpu_here()) return;
+    int32_t lens[2] = {200, 37}, qs[3] = {0, 1, 6}, tables_[2 * 13], *perm = permutation(30);
+    for (int i = 0; i < 26; i++) tables_[i] = perm[i];
+    case_latent(2, lens, qs, tables_, 13, 30, 16, 576, 512, 16, 1);
+    free(perm);
+}
+
 /* ---- sampling ---- */
 
 /* p: logits [n_logits, V], which row each sample reads, u; then tokens,
@@ -2597,6 +2675,7 @@ int main(int argc, char **argv) {
     cases_rows();
     cases_lora();
     cases_paged();
+    cases_latent();
     cases_sample();
     cases_top_logprobs();
     cases_moe();

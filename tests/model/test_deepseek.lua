@@ -101,29 +101,65 @@ t.test('deepseek_v3 with experts: views, parameter count, config round trip', fu
   t.eq(m:router_aux_loss(), 0, "DeepSeek's router has no load-balancing loss")
 end)
 
-t.test("the engine: greedy tokens are the trainer's argmax, its log-probs the trainer's", function()
-  for _, case in ipairs({ { 'fp32', cfg }, { 'bf16', cfg }, { 'fp32', tiny.config('deepseek_v3_moe') } }) do
-    local dtype = case[1]
-    local m = moonrl.model.new(case[2], { seed = 11 })
-    if dtype == 'bf16' then m:set_dtype('bf16') end
-    local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16 })
-    local prompts = { { 1, 5, 9, 3, 7, 4, 8, 6, 3, 2, 9, 5, 7, 1, 4, 6, 8, 3 }, { 3, 4 } } -- a prefill of two steps
-    local res = e:generate({ { prompt_ids = prompts[1] }, { prompt_ids = prompts[2] } },
-      { temperature = 0, max_tokens = 10, eos_ids = {} })
-    for i, p in ipairs(prompts) do
-      local s = res[i][1]
-      t.eq(#s.ids, 10)
-      local seq = {}
-      for _, x in ipairs(p) do seq[#seq + 1] = x end
-      for _, x in ipairs(s.ids) do seq[#seq + 1] = x end
-      local rows = all_logprobs(m, seq, 15)
-      for j = 1, #s.ids do
-        local at, best = #p + j - 1, 0
-        for v = 1, 14 do if rows[at][v] > rows[at][best] then best = v end end
-        t.eq(s.ids[j], best, dtype .. ': token ' .. j .. ' of request ' .. i .. ' is the argmax')
-        local diff = math.abs(s.logprobs[j] - rows[at][best])
-        t.truthy(diff < (dtype == 'fp32' and 1e-5 or 2e-2), dtype .. ': log-prob ' .. j .. ' differs by ' .. diff)
+t.test("the engine, latent and expanded caches: greedy tokens are the trainer's argmax, its log-probs the trainer's", function()
+  local prompts = { { 1, 5, 9, 3, 7, 4, 8, 6, 3, 2, 9, 5, 7, 1, 4, 6, 8, 3 }, { 3, 4 } } -- a prefill of two steps
+  for _, case in ipairs({ { 'fp32', cfg }, { 'bf16', cfg }, { 'fp32', tiny.config('deepseek_v3_moe') },
+    { 'fp32', tiny.config('deepseek_v3', { q_lora_rank = json.null, v_head_dim = 12, rope_interleave = false }) } }) do
+    local dtype, tokens = case[1], {}
+    for _, cache in ipairs({ 'latent', 'expanded' }) do
+      local m = moonrl.model.new(case[2], { seed = 11 })
+      if dtype == 'bf16' then m:set_dtype('bf16') end
+      local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16, mla_cache = cache })
+      local res = e:generate({ { prompt_ids = prompts[1] }, { prompt_ids = prompts[2] } },
+        { temperature = 0, max_tokens = 10, eos_ids = {} })
+      local what = dtype .. ' ' .. cache
+      tokens[cache] = {}
+      for i, p in ipairs(prompts) do
+        local s = res[i][1]
+        t.eq(#s.ids, 10)
+        local seq = {}
+        for _, x in ipairs(p) do seq[#seq + 1] = x end
+        for _, x in ipairs(s.ids) do seq[#seq + 1] = x end
+        local rows = all_logprobs(m, seq, 15)
+        for j = 1, #s.ids do
+          local at, best = #p + j - 1, 0
+          for v = 1, 14 do if rows[at][v] > rows[at][best] then best = v end end
+          t.eq(s.ids[j], best, what .. ': token ' .. j .. ' of request ' .. i .. ' is the argmax')
+          local diff = math.abs(s.logprobs[j] - rows[at][best])
+          t.truthy(diff < (dtype == 'fp32' and 1e-5 or 2e-2), what .. ': log-prob ' .. j .. ' differs by ' .. diff)
+          tokens[cache][#tokens[cache] + 1] = s.ids[j]
+        end
       end
+    end
+    for i = 1, #tokens.latent do t.eq(tokens.latent[i], tokens.expanded[i], dtype .. ': the same tokens from both caches') end
+  end
+end)
+
+t.test('the latent cache: bytes per token, prefix sharing, forks and pre-emption as the expanded one', function()
+  local c = cfg -- W = 12 + 4 a layer, against 2 * 4 heads * 10 (the padded head)
+  local runs = {}
+  for _, cache in ipairs({ 'latent', 'expanded' }) do
+    local m = moonrl.model.new(c, { seed = 3 })
+    -- a cache of few blocks: 6 samples of 40 tokens over a prompt of 9 cannot all stay (pre-emption)
+    local e = moonrl.engine.new(m, { kv_cache_bytes = cache == 'latent' and 2 * 16 * 4 * 16 * 4 * 4 or
+      2 * 16 * 4 * 80 * 4 * 4, block_size = 4, max_batch_tokens = 32, mla_cache = cache })
+    local prompt = { 1, 5, 9, 3, 7, 4, 8, 6, 3 }
+    local res = e:generate({ { prompt_ids = prompt, n = 6 }, { prompt_ids = prompt } },
+      { temperature = 1.0, max_tokens = 40, eos_ids = {} })
+    local st = e:stats()
+    runs[cache] = { res = res, stats = st }
+  end
+  local l, x = runs.latent.stats, runs.expanded.stats
+  t.eq(l.kv_bytes_per_token, 2 * (12 + 4) * 4, 'a latent row of 16 floats a layer, 2 layers')
+  t.eq(x.kv_bytes_per_token, 2 * 2 * 4 * 10 * 4, 'K and V of 4 heads of 10, 2 layers')
+  t.eq(x.kv_bytes_per_token / l.kv_bytes_per_token, 5, 'the expected ratio: 2 * heads * head_dim / (kv_lora_rank + qk_rope_head_dim)')
+  t.eq(l.kv_blocks_total, x.kv_blocks_total, 'the same blocks from budgets in that ratio')
+  t.truthy(l.preemptions > 0 and l.forks > 0 and l.prefix_hit_tokens > 0,
+    string.format('pre-empted %d, forked %d, prefix hits %d', l.preemptions, l.forks, l.prefix_hit_tokens))
+  for i, list in ipairs(runs.latent.res) do
+    for j, s in ipairs(list) do
+      local o = runs.expanded.res[i][j]
+      for k = 1, #s.ids do t.eq(s.ids[k], o.ids[k], 'sample ' .. i .. '.' .. j .. ' token ' .. k) end
     end
   end
 end)

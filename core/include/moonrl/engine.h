@@ -78,7 +78,19 @@ typedef struct mrl_engine_config {
                                  * (sequences, block-table width), captured at the second step of each */
     int kv_cache_dtype;         /* MRL_KV_AUTO (default): bf16 when the model's dtype is bf16 as the cache is
                                  * made (at the first request), fp32 otherwise; MRL_KV_FP32; MRL_KV_BF16 */
+    int mla_cache;              /* a model with multi-head latent attention (deepseek_v3): MRL_MLA_LATENT
+                                 * (default) or MRL_MLA_EXPANDED (below); other models: not read */
 } mrl_engine_config;
+
+/* The KV cache of multi-head latent attention (deepseek_v3; docs/models.md):
+ *   MRL_MLA_LATENT    each token's normed latent and turned rope key, kv_lora_rank +
+ *                     qk_rope_head_dim values a layer (one array, no V); the steps attend in the
+ *                     absorbed form: each query head's nope part taken through kv_b_proj's key
+ *                     rows into the latent's space, the attention over the latent rows
+ *                     (mla_paged_attn), the output through kv_b_proj's value rows
+ *   MRL_MLA_EXPANDED  every head's key and value, padded to the attention's head (2 * heads *
+ *                     head_dim values a layer): the trainer's form, as the other models' cache */
+enum { MRL_MLA_LATENT = 0, MRL_MLA_EXPANDED = 1 };
 
 /* The KV cache's element: a bf16 cache holds each K and V value rounded to
  * bf16 (to nearest even), half the bytes a token (kv_cache_bytes then holds
@@ -133,6 +145,7 @@ typedef struct mrl_engine_stats {
     int kv_blocks_used;
     int kv_blocks_free;
     int kv_block_size;
+    int64_t kv_bytes_per_token; /* the cache's bytes a token holds, every layer's (a latent cache's: its rows) */
     int running, waiting, finished;
 } mrl_engine_stats;
 

@@ -201,9 +201,11 @@ function M.start(cfg, opts)
   if cfg.engine and opts.engine ~= false and policy and not remote_engine then
     local e = cfg.engine
     sections.check_choice('engine.kv_cache_dtype', e.kv_cache_dtype or 'auto', { 'auto', 'fp32', 'bf16' })
+    sections.check_choice('engine.mla_cache', e.mla_cache or 'latent', { 'latent', 'expanded' })
     local ok, made = pcall(moonrl.engine.new, gen, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
       block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed,
-      cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype, pack_weights = e.pack_weights ~= false })
+      cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype, pack_weights = e.pack_weights ~= false,
+      mla_cache = e.mla_cache })
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
     engine = made
   end
