@@ -73,7 +73,7 @@ end
 -- config.json, model.safetensors (F32: the dequantized weights), tokenizer.json,
 -- tokenizer_config.json (with the chat template) and generation_config.json; what moonrl and
 -- Transformers load. Architectures llama, qwen2, qwen3, qwen3moe (Qwen3-MoE: its stacked [E, ...] expert
--- tensors split into mlp.experts.{e}.*); tokenizers of model 'gpt2' (byte-level BPE) with the
+-- tensors split into mlp.experts.{e}.*), deepseek2 (DeepSeek-V3: below); tokenizers of model 'gpt2' (byte-level BPE) with the
 -- pre-tokenizers gpt2, smollm, qwen2 and llama-bpe, and of model 'llama'
 -- (SentencePiece BPE with byte fallback, as Llama 2, Mistral and TinyLlama have).
 
@@ -163,6 +163,53 @@ function G:token_id(key, vocab)
   return id
 end
 
+-- DeepSeek-V3 (llama.cpp's deepseek2, its converter's layout): multi-head latent attention written as
+-- multi-query attention over the latent (head_count_kv 1, key_length kv_lora_rank + rope, value_length
+-- kv_lora_rank) with the per-head sizes in key_length_mla / value_length_mla (older files: key_length
+-- and value_length themselves, and attn_kv_b whole instead of attn_k_b / attn_v_b); RoPE on
+-- rope.dimension_count dimensions, its pairs interleaved (DeepSeek's checkpoints); the experts with
+-- expert_gating_func 2 (sigmoid), their groups, shared experts, scaling and leading dense layers;
+-- yarn's mscale_all_dim from yarn_log_multiplier (0.1 * mscale_all_dim), mscale taken equal to it
+-- (DeepSeek-V3's configs: their ratio, cos and sin's factor, 1).
+local function deepseek2_config(self, cfg, p, has)
+  local m = self.metadata
+  local dr = count(self, p .. 'rope.dimension_count')
+  local mla = m[p .. 'attention.key_length_mla'] ~= nil
+  local qk = count(self, p .. (mla and 'attention.key_length_mla' or 'attention.key_length'))
+  cfg.num_key_value_heads = cfg.num_attention_heads
+  cfg.kv_lora_rank = count(self, p .. 'attention.kv_lora_rank')
+  cfg.q_lora_rank = m[p .. 'attention.q_lora_rank'] and count(self, p .. 'attention.q_lora_rank')
+    or require('moonrl.io.json').null
+  cfg.qk_rope_head_dim, cfg.qk_nope_head_dim = dr, qk - dr
+  cfg.v_head_dim = count(self, p .. (mla and 'attention.value_length_mla' or 'attention.value_length'))
+  cfg.rope_interleave = true
+  cfg.head_dim = nil
+  if qk <= dr then
+    error(string.format('%s: GGUF metadata %sattention.key_length%s %d leaves no room past rope.dimension_count %d',
+      self.path, p, mla and '_mla' or '', qk, dr), 3)
+  end
+  cfg.first_k_dense_replace = count(self, p .. 'leading_dense_block_count', cfg.num_hidden_layers)
+  if m[p .. 'expert_count'] and cfg.first_k_dense_replace < cfg.num_hidden_layers then
+    local gating = m[p .. 'expert_gating_func']
+    if gating ~= 2 then
+      error(string.format('%s: GGUF metadata %sexpert_gating_func is %s: only 2 (sigmoid, DeepSeek-V3\'s router) is ' ..
+        'supported', self.path, p, shown(gating)), 3)
+    end
+    cfg.n_routed_experts = count(self, p .. 'expert_count')
+    cfg.num_experts_per_tok = count(self, p .. 'expert_used_count')
+    cfg.moe_intermediate_size = count(self, p .. 'expert_feed_forward_length')
+    cfg.n_shared_experts = m[p .. 'expert_shared_count'] or 0
+    cfg.n_group = count(self, p .. 'expert_group_count', 1)
+    cfg.topk_group = count(self, p .. 'expert_group_used_count', 1)
+    cfg.routed_scaling_factor = m[p .. 'expert_weights_scale'] or 1.0
+    cfg.norm_topk_prob = m[p .. 'expert_weights_norm'] == true
+  end
+  local mul = m[p .. 'rope.scaling.yarn_log_multiplier']
+  if cfg.rope_scaling and type(mul) == 'number' and mul > 0 then
+    cfg.rope_scaling.mscale_all_dim, cfg.rope_scaling.mscale = mul / 0.1, mul / 0.1
+  end
+end
+
 function G:hf_config()
   local arch = need(self, 'general.architecture')
   if not ARCH[arch] then
@@ -219,6 +266,7 @@ function G:hf_config()
   for _, t in ipairs(self.tensors) do
     if t.name == 'rope_freqs.weight' then cfg.rope_scaling = llama3_rope(self, t, cfg.rope_theta, cfg.head_dim, p) end
   end
+  if arch == 'deepseek2' then deepseek2_config(self, cfg, p, has) end
   if arch == 'qwen3moe' then
     -- the experts: llama.cpp's qwen3moe always renormalises the picked weights (norm_topk_prob, as
     -- every Qwen3-MoE checkpoint has it) unless expert_weights_norm says otherwise; a layer
@@ -242,7 +290,12 @@ end
 local LAYER = { attn_norm = 'input_layernorm', ffn_norm = 'post_attention_layernorm', attn_q = 'self_attn.q_proj',
   attn_k = 'self_attn.k_proj', attn_v = 'self_attn.v_proj', attn_output = 'self_attn.o_proj',
   attn_q_norm = 'self_attn.q_norm', attn_k_norm = 'self_attn.k_norm', ffn_gate = 'mlp.gate_proj',
-  ffn_up = 'mlp.up_proj', ffn_down = 'mlp.down_proj', ffn_gate_inp = 'mlp.gate' }
+  ffn_up = 'mlp.up_proj', ffn_down = 'mlp.down_proj', ffn_gate_inp = 'mlp.gate',
+  -- deepseek2's (multi-head latent attention, the shared experts, the router's choice bias)
+  attn_q_a = 'self_attn.q_a_proj', attn_q_a_norm = 'self_attn.q_a_layernorm', attn_q_b = 'self_attn.q_b_proj',
+  attn_kv_a_mqa = 'self_attn.kv_a_proj_with_mqa', attn_kv_a_norm = 'self_attn.kv_a_layernorm',
+  attn_kv_b = 'self_attn.kv_b_proj', ffn_gate_shexp = 'mlp.shared_experts.gate_proj',
+  ffn_up_shexp = 'mlp.shared_experts.up_proj', ffn_down_shexp = 'mlp.shared_experts.down_proj' }
 -- the experts of a qwen3moe layer, each kind one tensor [E, rows, cols] (ne0 = cols fastest)
 local EXPERTS = { ffn_gate_exps = 'gate_proj', ffn_up_exps = 'up_proj', ffn_down_exps = 'down_proj' }
 local TOP = { ['token_embd.weight'] = 'model.embed_tokens.weight', ['output_norm.weight'] = 'model.norm.weight',
@@ -250,6 +303,8 @@ local TOP = { ['token_embd.weight'] = 'model.embed_tokens.weight', ['output_norm
 
 local function hf_name(name)
   if TOP[name] then return TOP[name] end
+  local b = name:match('^blk%.(%d+)%.exp_probs_b%.bias$')
+  if b then return string.format('model.layers.%s.mlp.gate.e_score_correction_bias', b) end
   local l, part, kind = name:match('^blk%.(%d+)%.([%w_]+)%.(%a+)$')
   if l and LAYER[part] then return string.format('model.layers.%s.%s.%s', l, LAYER[part], kind) end
   return nil
@@ -299,7 +354,7 @@ local function quantized_tensors(self, cfg)
       if heads then unpermute(blocks, t.shape[2], t.bytes / t.shape[2], heads) end
       list[#list + 1] = { name = first, numel = t.numel, type = BLOCKS[t.type], blocks = blocks }
       if first:find('.experts.0.', 1, true) then
-        for e = 0, cfg.num_experts - 1 do kept[first:gsub('%.experts%.0%.', '.experts.' .. e .. '.')] = true end
+        for e = 0, (cfg.num_experts or cfg.n_routed_experts) - 1 do kept[first:gsub('%.experts%.0%.', '.experts.' .. e .. '.')] = true end
       else
         kept[first] = true
       end
@@ -330,7 +385,7 @@ function G:model(opts)
     if n then src[n] = t end
     local l, kind = t.name:match('^blk%.(%d+)%.([%w_]+)%.weight$')
     if l and EXPERTS[kind] then
-      for e = 0, (cfg.num_experts or 0) - 1 do
+      for e = 0, (cfg.num_experts or cfg.n_routed_experts or 0) - 1 do
         expert[string.format('model.layers.%s.mlp.experts.%d.%s.weight', l, e, EXPERTS[kind])] = { t, e }
       end
     end
@@ -342,13 +397,42 @@ function G:model(opts)
   end
   local prog = require('moonrl.io.progress').new('dequantize ' .. self.path:match('[^/]*$'), total, { unit = 'B' })
   local done = 0
+  -- deepseek2's kv_b_proj as llama.cpp's converter splits it: attn_k_b [H, rkv, dn] (each head's key
+  -- rows transposed) and attn_v_b [H, dv, rkv]; put back as each head's dn key rows then dv value rows
+  local byname = {}
+  for _, t in ipairs(self.tensors) do byname[t.name] = t end
+  local function kv_b(v)
+    local l = v.name:match('^model%.layers%.(%d+)%.')
+    local kb, vb = byname['blk.' .. l .. '.attn_k_b.weight'], byname['blk.' .. l .. '.attn_v_b.weight']
+    local H, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if not kb or not vb then error(string.format('%s: no GGUF tensor for %s (attn_kv_b, or attn_k_b and attn_v_b)',
+      self.path, v.name), 0) end
+    if kb.numel ~= H * r * dn or vb.numel ~= H * dv * r then
+      error(string.format('%s: tensors %s and %s have %d and %d elements, %s needs %d and %d', self.path, kb.name,
+        vb.name, kb.numel, vb.numel, v.name, H * r * dn, H * dv * r), 0)
+    end
+    local k, x = ffi.new('float[?]', kb.numel), ffi.new('float[?]', vb.numel)
+    moonrl.check(C.mrl_gguf_read_f32(self.handle, kb.index, k, kb.numel), 2)
+    moonrl.check(C.mrl_gguf_read_f32(self.handle, vb.index, x, vb.numel), 2)
+    local out = at(v)
+    for h = 0, H - 1 do
+      local row0 = h * (dn + dv)
+      for j = 0, dn - 1 do
+        for c = 0, r - 1 do out[(row0 + j) * r + c] = k[(h * r + c) * dn + j] end
+      end
+      ffi.copy(out + (row0 + dn) * r, x + h * dv * r, 4 * dv * r)
+    end
+    done = done + 4 * v.numel
+    prog:update(done)
+  end
   local function read(v)
     local x = expert[v.name]
     if x then
       local t, e = x[1], x[2]
-      if t.numel ~= cfg.num_experts * v.numel then
+      local E = cfg.num_experts or cfg.n_routed_experts -- (qwen3_moe's key, deepseek_v3's)
+      if t.numel ~= E * v.numel then
         error(string.format('%s: tensor %s has %d elements, %d experts of %s need %d', self.path, t.name, t.numel,
-          cfg.num_experts, v.name:gsub('%.experts%.%d+%.', '.experts.*.'), cfg.num_experts * v.numel), 0)
+          E, v.name:gsub('%.experts%.%d+%.', '.experts.*.'), E * v.numel), 0)
       end
       if stacked_t ~= t then
         stacked = ffi.new('float[?]', t.numel)
@@ -361,6 +445,7 @@ function G:model(opts)
       return
     end
     local t = src[v.name]
+    if not t and v.name:find('kv_b_proj.weight', 1, true) then return kv_b(v) end
     if not t then error(string.format('%s: no GGUF tensor for %s', self.path, v.name), 0) end
     if t.numel ~= v.numel then
       error(string.format('%s: tensor %s has %d elements, %s needs %d', self.path, t.name, t.numel, v.name, v.numel), 0)
