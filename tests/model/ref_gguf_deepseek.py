@@ -25,24 +25,19 @@ import os
 import subprocess
 import sys
 import tempfile
-import ctypes as C
 
 import numpy as np
-import torch
 
 import gguf
-from safetensors.numpy import load_file
 
-torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "io"))  # ref_gguf_convert
 import moonrl_ctypes  # noqa: E402
-from moonrl_ctypes import rel  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import checks  # noqa: E402
 from checks import check  # noqa: E402
 from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, gguf_writer  # noqa: E402
-from torch_ref_moe import reference  # noqa: E402
+from gguf_moe_checks import against_reference, convert, same_tensors  # noqa: E402
 
 MOONRL = sys.argv[1]
 lib = moonrl_ctypes.load(sys.argv[2])
@@ -147,27 +142,6 @@ def make(path, rng, split_kv=True, low_rank_q=True, gating=2):
     return hf, cfg
 
 
-def forward(out, cfg, hf, rng):
-    """The converted directory's log-probs and entropies against the float64 reference on the original weights."""
-    h = C.c_void_p()
-    moonrl_ctypes.check(lib.mrl_model_load_dir(out.encode(), C.byref(h)))
-    lens = [9, 17, 40]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    tokens = rng.integers(0, cfg["vocab_size"], cu[-1]).astype(np.int32)
-    targets = np.full(cu[-1], -1, np.int32)
-    for s in range(len(lens)):
-        targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
-    b = moonrl_ctypes.Batch(tokens.ctypes.data_as(C.POINTER(C.c_int32)), targets.ctypes.data_as(C.POINTER(C.c_int32)),
-                            cu.ctypes.data_as(C.POINTER(C.c_int32)), int(cu[-1]), len(lens), None)
-    lp, ent = np.zeros(cu[-1], np.float32), np.zeros(cu[-1], np.float32)
-    moonrl_ctypes.check(lib.mrl_model_forward(h, C.byref(b), C.c_float(1.0), moonrl_ctypes.ptr(lp),
-                                              moonrl_ctypes.ptr(ent), None))
-    lib.mrl_model_free(h)
-    P = {k: torch.tensor(v.astype(np.float64)) for k, v in hf.items()}
-    rlp, rent, _ = reference(cfg, P, tokens, targets, cu)
-    return rel(lp, rlp.numpy()), rel(ent, rent.numpy())
-
-
 def main():
     rng = np.random.default_rng(11)
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,18 +149,9 @@ def main():
                         ("an older file (attn_kv_b whole, key_length per head; q_proj)", dict(split_kv=False, low_rank_q=False))):
             path, out = os.path.join(tmp, "ds.gguf"), os.path.join(tmp, "hf-%d" % len(kw))
             hf, cfg = make(path, rng, **kw)
-            r = subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
-            check(r.returncode == 0, "%s: moonrl convert: %s" % (tag, r.stderr.strip()[-300:]))
-            if r.returncode:
+            if not convert(MOONRL, path, out, tag):
                 continue
-            got = load_file(os.path.join(out, "model.safetensors"))
-            same = set(got) == set(hf) and all(got[k].shape == hf[k].shape and
-                                               np.array_equal(got[k].view(np.uint32), hf[k].view(np.uint32)) for k in hf)
-            check(same, "%s: every tensor bit-identical to the original (%d tensors)" % (tag, len(hf)))
-            if not same:
-                for k in sorted(set(hf) | set(got)):
-                    if k not in got or k not in hf or not np.array_equal(got[k], hf[k]):
-                        print("   differs:", k)
+            same_tensors(out, hf, "%s: every tensor bit-identical to the original" % tag)
             saved = json.load(open(os.path.join(out, "config.json")))
             keys = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "num_key_value_heads", "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok", "n_group",
@@ -197,9 +162,7 @@ def main():
             rs = saved.get("rope_scaling") or {}
             check(rs.get("factor") == 4 and abs(rs.get("mscale_all_dim", 0) - 0.8) < 1e-6,  # (the file's float32)
                   "%s: yarn, mscale_all_dim from the log multiplier: %s" % (tag, rs))
-            e_lp, e_ent = forward(out, cfg, hf, rng)
-            check(e_lp < 1e-5 and e_ent < 1e-5, "%s: the converted model against the float64 reference on the original "
-                  "weights: log-prob %.1e, entropy %.1e" % (tag, e_lp, e_ent))
+            against_reference(lib, out, cfg, hf, rng, [9, 17, 40], tag)
         path = os.path.join(tmp, "softmax.gguf")
         make(path, rng, gating=1)
         r = subprocess.run([MOONRL, "convert", path, os.path.join(tmp, "o")], capture_output=True, text=True, timeout=120)

@@ -18,27 +18,21 @@ Then `moonrl convert FILE.gguf DIR` and checks:
 usage: ref_gguf_moe.py path/to/moonrl path/to/libmoonrl.so"""
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import ctypes as C
 
 import numpy as np
-import torch
 
 import gguf
-from safetensors.numpy import load_file
 
-torch.set_default_dtype(torch.float64)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "io"))  # ref_gguf_convert
 import moonrl_ctypes  # noqa: E402
-from moonrl_ctypes import rel  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import checks  # noqa: E402
 from checks import check  # noqa: E402
 from ref_gguf_convert import add_bpe_tokenizer, byte_alphabet, gguf_writer  # noqa: E402
-from torch_ref_moe import reference  # noqa: E402
+from gguf_moe_checks import against_reference, convert, same_tensors  # noqa: E402
 
 MOONRL = sys.argv[1]
 lib = moonrl_ctypes.load(sys.argv[2])
@@ -113,43 +107,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path, out = os.path.join(tmp, "tiny-qwen3moe.gguf"), os.path.join(tmp, "hf")
         hf, V = make(path, rng)
-        r = subprocess.run([MOONRL, "convert", path, out], capture_output=True, text=True, timeout=120)
-        check(r.returncode == 0, "moonrl convert: %s" % r.stderr.strip()[-300:])
-        if r.returncode:
+        if not convert(MOONRL, path, out, "qwen3moe"):
             return
-        got = load_file(os.path.join(out, "model.safetensors"))
-        same = set(got) == set(hf) and all(got[k].shape == hf[k].shape and
-                                           np.array_equal(got[k].view(np.uint32), hf[k].view(np.uint32)) for k in hf)
-        check(same, "every tensor bit-identical to the original (%d tensors; %s from Q8_0)" % (len(hf), Q8))
-        if not same:
-            for k in sorted(set(hf) | set(got)):
-                if k not in got or k not in hf or not np.array_equal(got[k], hf[k]):
-                    print("   differs:", k)
+        same_tensors(out, hf, "every tensor bit-identical to the original (%s from Q8_0)" % Q8)
         cfg = json.load(open(os.path.join(out, "config.json")))
         want = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": E,
                 "num_experts_per_tok": K, "moe_intermediate_size": Fe, "intermediate_size": F, "norm_topk_prob": True,
                 "mlp_only_layers": [DENSE], "num_hidden_layers": L, "head_dim": hd, "vocab_size": V}
         check(all(cfg.get(k) == v for k, v in want.items()), "config.json %s" % {k: cfg.get(k) for k in want})
-        # the converted model against the float64 reference on the original weights
-        h = C.c_void_p()
-        moonrl_ctypes.check(lib.mrl_model_load_dir(out.encode(), C.byref(h)))
-        lens = [9, 17, 4]
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        tokens = rng.integers(0, V, cu[-1]).astype(np.int32)
-        targets = np.full(cu[-1], -1, np.int32)
-        for s in range(len(lens)):
-            targets[cu[s]:cu[s + 1] - 1] = tokens[cu[s] + 1:cu[s + 1]]
-        b = moonrl_ctypes.Batch(tokens.ctypes.data_as(C.POINTER(C.c_int32)), targets.ctypes.data_as(C.POINTER(C.c_int32)),
-                                cu.ctypes.data_as(C.POINTER(C.c_int32)), int(cu[-1]), len(lens), None)
-        lp, ent = np.zeros(cu[-1], np.float32), np.zeros(cu[-1], np.float32)
-        moonrl_ctypes.check(lib.mrl_model_forward(h, C.byref(b), C.c_float(1.0), moonrl_ctypes.ptr(lp),
-                                                  moonrl_ctypes.ptr(ent), None))
-        lib.mrl_model_free(h)
-        P = {k: torch.tensor(v.astype(np.float64)) for k, v in hf.items()}
-        rlp, rent, _ = reference(cfg, P, tokens, targets, cu)
-        e_lp, e_ent = rel(lp, rlp.numpy()), rel(ent, rent.numpy())
-        check(e_lp < 1e-5 and e_ent < 1e-5, "converted model vs float64 reference on the original weights: "
-              "log-prob %.1e, entropy %.1e" % (e_lp, e_ent))
+        against_reference(lib, out, cfg, hf, rng, [9, 17, 4], "qwen3moe")
 
 
 main()
