@@ -227,6 +227,7 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
             goto done;
         }
     }
+    if (strcmp(mt, "kimi_k2") == 0) mt = "deepseek_v3"; /* (Kimi K2: DeepseekV3ForCausalLM, written back as such) */
     int found = 0;
     for (int i = 0; i < MRL_ARCH_COUNT; i++)
         if (strcmp(mt, arch_table[i].model_type) == 0) c->arch = i, found = 1;

@@ -99,6 +99,12 @@ t.test('deepseek_v3 with experts: views, parameter count, config round trip', fu
   local lp, lp2 = m:forward(b), copy:forward(b)
   for i = 0, b.n_tokens - 1 do t.eq(lp[i], lp2[i], 'same log-prob ' .. i) end
   t.eq(m:router_aux_loss(), 0, "DeepSeek's router has no load-balancing loss")
+  -- Kimi K2's config: the same architecture under model_type kimi_k2 (one group), written back as deepseek_v3
+  local kimi = moonrl.model.new(tiny.config('deepseek_v3_moe', { model_type = 'kimi_k2',
+    architectures = { 'DeepseekV3ForCausalLM' }, n_group = 1, topk_group = 1, routed_scaling_factor = 2.827 }))
+  t.eq(kimi.config.model_type, 'deepseek_v3')
+  t.eq(kimi.config.n_group, 1)
+  t.eq(kimi.n_params, m.n_params)
 end)
 
 t.test("the engine, latent and expanded caches: greedy tokens are the trainer's argmax, its log-probs the trainer's", function()
