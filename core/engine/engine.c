@@ -66,9 +66,12 @@ struct mrl_engine {
     const mrl_model_config *mc; /* the model's */
     mrl_engine_config cfg;
     int latent;              /* multi-head latent attention over a latent cache (cfg.mla_cache, engine.h) */
+    int mtp;                 /* speculative decoding with the MTP layer (cfg.mtp): its buffers below */
+    float *mtp_h, *mtp_e, *mtp_n, *mtp_cat, *mtp_x, *mtp_rstd; /* [T,D] x3, [T,2D], [T,D], [T] */
     const float *base;       /* the parameter buffer read */
     layer_params *lp;        /* [L] pointing into base */
     mrl_model_weights w;     /* embedding, final norm, lm_head in base */
+    mtp_params mtpw;         /* the MTP layer in base (cfg.mtp) */
     mrl_kv_cache *kv;
     mrl_sched *sched;
     mrl_sched_stats done;    /* totals of the schedulers dropped by reset */
@@ -214,9 +217,20 @@ static int64_t layout(mrl_engine *e, char *base) {
     TAKE(a->h, T * D);
     TAKE(a->ln2, T * D);
     TAKE(a->rstd2, T);
-    int n_moe = 0; /* one set of buffers for all layers: the dense MLP's and the experts' as the layers need */
-    for (int l = 0; l < c->num_hidden_layers; l++) n_moe += mrl_model_layer_is_moe(c, l);
-    if (n_moe < c->num_hidden_layers) {
+    int n_moe = 0, n_dense = 0; /* one set of buffers for all layers: the dense MLP's and the experts' as needed */
+    for (int l = 0; l < c->num_hidden_layers + e->mtp; l++) { /* (the MTP layer's too) */
+        int moe = mrl_model_layer_is_moe(c, l);
+        n_moe += moe, n_dense += !moe;
+    }
+    if (e->mtp) { /* (engine.h, mtp) */
+        TAKE(e->mtp_h, T * D);
+        TAKE(e->mtp_e, T * D);
+        TAKE(e->mtp_n, T * D);
+        TAKE(e->mtp_cat, T * 2 * D);
+        TAKE(e->mtp_x, T * D);
+        TAKE(e->mtp_rstd, T);
+    }
+    if (n_dense) {
         TAKE(a->gate, T * F);
         TAKE(a->up, T * F);
         TAKE(a->act, T * F);
@@ -243,6 +257,7 @@ static int64_t layout(mrl_engine *e, char *base) {
 /* Point the layer / embedding / head pointers at `base` (model layout). */
 static void rebase(mrl_engine *e, const float *base) {
     mrl_model_weights_at(e->m, base, &e->w, e->lp);
+    mrl_model_mtp_at(e->m, base, &e->mtpw);
     e->base = base;
     e->reads_own = base == mrl_model_params(e->m);
 }
@@ -359,7 +374,7 @@ static mrl_status prepare_weights(mrl_engine *e) {
 /* A new scheduler over the cache (created on first use, else cleared). */
 static mrl_status new_sched(mrl_engine *e) {
     const mrl_model_config *c = e->mc;
-    mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
+    mrl_kv_cache_config kc = {.n_layers = c->num_hidden_layers + e->mtp, .n_kv_heads = c->num_key_value_heads,
                               .head_dim = c->head_dim, .block_size = e->cfg.block_size, .latent = e->latent,
                               .budget_bytes = e->cfg.kv_cache_bytes, .prefix_caching = e->cfg.prefix_caching,
                               .bf16 = e->cfg.kv_cache_dtype == MRL_KV_BF16 ||
@@ -373,6 +388,7 @@ static mrl_status new_sched(mrl_engine *e) {
                            .max_model_len = e->cfg.max_model_len, .vocab_size = mrl_model_whole_vocab(e->m)};
     st = mrl_sched_create(&sc, e->kv, &e->sched);
     if (!st) mrl_sched_set_version(e->sched, e->version);
+    if (!st) mrl_sched_set_mtp(e->sched, e->mtp);
     return st;
 }
 
@@ -387,6 +403,8 @@ static void drop_sched(mrl_engine *e) {
         e->done.preemptions += s.preemptions;
         e->done.forks += s.forks;
         e->done.generated_tokens += s.generated_tokens;
+        e->done.spec_drafts += s.spec_drafts;
+        e->done.spec_accepted += s.spec_accepted;
     }
     mrl_sched_destroy(e->sched);
     e->sched = NULL;
@@ -448,7 +466,14 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     BOUND(max_model_len, 2, INT32_MAX)
     BOUND(kv_cache_dtype, MRL_KV_AUTO, MRL_KV_BF16)
     BOUND(mla_cache, MRL_MLA_LATENT, MRL_MLA_EXPANDED)
+    BOUND(mtp, 0, 1)
 #undef BOUND
+    if (c.mtp && mc->num_nextn_predict_layers != 1)
+        return mrl_set_error(MRL_ERR_INVALID, "engine create: mtp = 1 needs a model with a multi-token prediction layer "
+                             "(num_nextn_predict_layers 1; the model has %d)", mc->num_nextn_predict_layers);
+    if (c.mtp && (on_device || mrl_model_tp(model, NULL, NULL) > 1))
+        return mrl_set_error(MRL_ERR_UNSUPPORTED, "engine create: speculative decoding with the MTP layer (mtp = 1) is "
+                             "not yet on a GPU or under tensor parallel");
     int64_t phys = on_device ? 0 : physical_memory(); /* a GPU's own allocator says when it has too little */
     if (c.kv_cache_bytes <= 0 || (phys > 0 && c.kv_cache_bytes > phys))
         return mrl_set_error(MRL_ERR_INVALID, "engine create: kv_cache_bytes = %lld (%.1f GiB): the KV cache must be > 0 "
@@ -457,7 +482,9 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     /* rows needing logits in one step: at most one per running sequence */
     mrl_engine probe = {.m = model, .mc = mc, .cfg = c, .on_device = on_device,
                         .latent = mrl_model_is_mla(mc) && c.mla_cache == MRL_MLA_LATENT};
-    probe.logit_rows = c.max_num_seqs < c.max_num_batched_tokens ? c.max_num_seqs : c.max_num_batched_tokens;
+    probe.mtp = c.mtp;
+    int64_t seq_rows = (int64_t)c.max_num_seqs * (c.mtp ? 2 : 1); /* (a draft's sample: two rows of logits) */
+    probe.logit_rows = seq_rows < c.max_num_batched_tokens ? seq_rows : c.max_num_batched_tokens;
     int64_t bytes = layout(&probe, NULL);
     if (phys > 0 && bytes > phys)
         return mrl_set_error(MRL_ERR_INVALID, "engine create: the activations of max_num_batched_tokens = %d tokens "
@@ -753,13 +780,46 @@ static int step_segments(mrl_engine *e, const mrl_sched_batch *hb) {
  * share, where the library's product of a whole layer is faster for many. */
 #define QGEMM_ROWS 64
 
+/* Layer l of a step over the paged K/V cache (the residual stream x [T,D], in place): q, k, v, the
+ * new K/V into their slots, paged attention over each sequence's, the rest of the layer. */
+static mrl_status paged_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *b, int l, int64_t T, float *x) {
+    const mrl_model *m = e->m;
+    const mrl_model_config *c = e->mc;
+    const mrl_kernels *k = mrl_model_kernels(m);
+    int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
+    mrl_layer_qkv(m, p, &e->a, x, b->positions, T);
+    if (mrl_kv_cache_get_config(e->kv)->bf16)
+        k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T,
+                               Hk, hd, e->cfg.block_size);
+    else
+        k->paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T, Hk,
+                          hd, e->cfg.block_size);
+    mrl_paged_attn args;
+    mrl_status st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
+    if (st) return st;
+    args.scale = mrl_model_attn_scale(c); /* (the cache's scale is 1/sqrt(head_dim); MLA's is not) */
+    int64_t need = k->paged_attn_workspace(&args); /* (the CUDA kernel needs none) */
+    if (need > (int64_t)e->attn_ws.bytes) {
+        mrl_buffer_free(&e->attn_ws);
+        mrl_buffer_alloc(mrl_model_get_device(m), (size_t)(need + need / 2), MRL_MEM_ACTIVATIONS, &e->attn_ws);
+    }
+    if (e->attn_ws.data) {
+        args.workspace = e->attn_ws.data;
+        args.workspace_bytes = (int64_t)e->attn_ws.bytes;
+    }
+    if ((st = k->paged_attn(&args))) return st;
+    mrl_layer_out(m, p, &e->a, x, x, T);
+    return MRL_OK;
+}
+
 /* Layer l of a step over the latent cache (engine.h, MRL_MLA_LATENT). A step of whole prompts
  * (fresh: no row attends to a cached one) runs the expanded form, the trainer's (layer.c: every
  * head's K and V from the latent, attention over the step's rows), and caches each token's latent
  * row; any other step (decodes, a prompt's later chunk, a cached prefix) the absorbed form: the
  * absorbed queries and this step's latent rows, the rows into their slots, the attention over
  * each sequence's rows, the output taken back through kv_b_proj's value rows. */
-static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *b, int l, int64_t T, int fresh) {
+static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *b, int l, int64_t T, int fresh,
+                               float *x) {
     const mrl_model *m = e->m;
     const mrl_model_config *c = e->mc;
     const mrl_kernels *k = mrl_model_kernels(m);
@@ -767,7 +827,7 @@ static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_b
     if (fresh) {
         layer_acts *a = &e->a;
         a->mla_absorbed = 0;
-        mrl_layer_qkv(m, p, a, e->x, b->positions, T);
+        mrl_layer_qkv(m, p, a, x, b->positions, T);
         k->copy_rows(a->mla_lat, W, a->cn, c->kv_lora_rank, T, c->kv_lora_rank); /* [c' | rope(kr)]: the turned */
         k->copy_rows(a->mla_lat + c->kv_lora_rank, W, a->k + c->qk_nope_head_dim, (int64_t)H * c->head_dim, T,
                      c->qk_rope_head_dim); /* rope key is every head's; head 0's */
@@ -775,11 +835,11 @@ static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_b
                            mrl_kv_cache_get_config(e->kv)->bf16);
         k->attn_fwd(a->att, e->mla_lse, a->q, a->k, a->v, b->query_start, NULL, b->n_seqs, H, H, c->head_dim,
                     mrl_model_attn_scale(c));
-        mrl_layer_out(m, p, a, e->x, e->x, T);
+        mrl_layer_out(m, p, a, x, x, T);
         return MRL_OK;
     }
     e->a.mla_absorbed = 1;
-    mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
+    mrl_layer_qkv(m, p, &e->a, x, b->positions, T);
     k->latent_kv_write(mrl_kv_cache_k(e->kv, l), e->a.mla_lat, b->slot_mapping, T, W,
                        mrl_kv_cache_get_config(e->kv)->bf16);
     mrl_paged_attn args;
@@ -787,7 +847,7 @@ static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_b
     if (st) return st;
     args.hv = c->kv_lora_rank, args.scale = mrl_model_attn_scale(c);
     if ((st = k->mla_paged_attn(&args))) return st;
-    mrl_layer_out(m, p, &e->a, e->x, e->x, T);
+    mrl_layer_out(m, p, &e->a, x, x, T);
     return MRL_OK;
 }
 
@@ -799,7 +859,6 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     const mrl_model_config *c = e->mc;
     const mrl_kernels *k = mrl_model_kernels(m);
     int64_t T = hb->n_tokens, D = c->hidden_size, V = c->vocab_size, S = hb->n_logits;
-    int Hq = c->num_attention_heads, Hk = c->num_key_value_heads, hd = c->head_dim;
     mrl_status st = MRL_OK;
     float *logits = e->logits_part ? e->logits_part : e->logits; /* vocabulary-parallel: this rank's slice */
     if (e->logits_part) { /* this rank's rows, summed over the group (tp.c; no graph captures a tensor-parallel step) */
@@ -824,43 +883,9 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
         p->quant = blocks ? &e->qlayers[l] : NULL;
         for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
         if (whole && (st = mrl_model_layer_use(e->m, l))) break;
-        if (e->latent) { /* multi-head latent attention over the latent cache */
-            st = latent_layer(e, p, b, l, T, fresh);
-            if (whole) mrl_model_layer_unuse(e->m, l);
-            if (st) break;
-            if (p->router && e->routes) record_routing(e, hb, ord++);
-            continue;
-        }
-        mrl_layer_qkv(m, p, &e->a, e->x, b->positions, T);
-        if (mrl_kv_cache_get_config(e->kv)->bf16)
-            k->paged_kv_write_bf16(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping,
-                                   T, Hk, hd, e->cfg.block_size);
-        else
-            k->paged_kv_write(mrl_kv_cache_k(e->kv, l), mrl_kv_cache_v(e->kv, l), e->a.k, e->a.v, b->slot_mapping, T,
-                              Hk, hd, e->cfg.block_size);
-        mrl_paged_attn args;
-        st = mrl_sched_attn_args(b, e->kv, l, Hq, e->a.q, e->a.att, &args);
-        args.scale = mrl_model_attn_scale(c); /* (the cache's scale is 1/sqrt(head_dim); MLA's is not) */
-        if (st) {
-            if (whole) mrl_model_layer_unuse(e->m, l);
-            break;
-        }
-        int64_t need = k->paged_attn_workspace(&args); /* (the CUDA kernel needs none) */
-        if (need > (int64_t)e->attn_ws.bytes) {
-            mrl_buffer_free(&e->attn_ws);
-            mrl_buffer_alloc(mrl_model_get_device(m), (size_t)(need + need / 2), MRL_MEM_ACTIVATIONS, &e->attn_ws);
-        }
-        if (e->attn_ws.data) {
-            args.workspace = e->attn_ws.data;
-            args.workspace_bytes = (int64_t)e->attn_ws.bytes;
-        }
-        st = k->paged_attn(&args);
-        if (st) {
-            if (whole) mrl_model_layer_unuse(e->m, l);
-            break;
-        }
-        mrl_layer_out(m, p, &e->a, e->x, e->x, T);
+        st = e->latent ? latent_layer(e, p, b, l, T, fresh, e->x) : paged_layer(e, p, b, l, T, e->x);
         if (whole) mrl_model_layer_unuse(e->m, l);
+        if (st) break;
         if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
     }
     if (!st) st = mrl_model_tp_status(e->m); /* tensor parallel: a sum over the group that failed */
@@ -988,6 +1013,49 @@ static mrl_status take_newer_weights(mrl_engine *e) {
     return MRL_OK;
 }
 
+/* Speculative decoding's draft pass (engine.h, mtp), after a step's update: the MTP layer over
+ * the step's rows the scheduler planned (mrl_sched_mtp: those computed whose next token is
+ * known), from the step's final hidden states (normed, as the head reads them) and the next
+ * tokens' embeddings (zero at position 0, as vLLM's), writing its own layer of the cache; then,
+ * from each planned draft row, the MTP head's most likely token, the sample's draft. */
+static mrl_status mtp_pass(mrl_engine *e) {
+    const mrl_sched_mtp *plan = mrl_sched_mtp_plan(e->sched);
+    if (!plan || plan->batch.n_tokens == 0) return MRL_OK;
+    const mrl_model *m = e->m;
+    const mrl_model_config *c = e->mc;
+    const mrl_kernels *k = mrl_model_kernels(m);
+    const mtp_params *w = &e->mtpw;
+    const mrl_sched_batch *b = &plan->batch;
+    int64_t M = b->n_tokens, D = c->hidden_size, V = c->vocab_size;
+    float eps = (float)c->rms_norm_eps;
+    k->gather_rows(e->mtp_h, e->x, plan->src_rows, M, D); /* the main model's last layer out, these rows */
+    k->rmsnorm_fwd(e->mtp_n, e->mtp_rstd, e->mtp_h, e->w.final_norm, M, (int)D, eps);
+    k->rmsnorm_fwd(e->mtp_h, e->mtp_rstd, e->mtp_n, w->hnorm, M, (int)D, eps);
+    k->gather_rows(e->mtp_e, w->embed, b->token_ids, M, D);
+    for (int64_t t = 0; t < M; t++)
+        if (b->positions[t] == 0) k->zero(e->mtp_e + t * D, (int64_t)sizeof(float) * D);
+    k->rmsnorm_fwd(e->mtp_n, e->mtp_rstd, e->mtp_e, w->enorm, M, (int)D, eps);
+    k->copy_rows(e->mtp_cat, 2 * D, e->mtp_n, D, M, D); /* [embedding, hidden] */
+    k->copy_rows(e->mtp_cat + D, 2 * D, e->mtp_h, D, M, D);
+    k->gemm(0, 1, M, D, 2 * D, 1.0f, e->mtp_cat, 2 * D, w->eh_proj, 2 * D, 0.0f, e->mtp_x, D);
+    layer_params lp = w->layer;
+    int L = c->num_hidden_layers;
+    mrl_status st = e->latent ? latent_layer(e, &lp, b, L, M, 0, e->mtp_x) : paged_layer(e, &lp, b, L, M, e->mtp_x);
+    if (st || plan->n_drafts == 0) return st;
+    int64_t nd = plan->n_drafts;
+    k->gather_rows(e->rows, e->mtp_x, plan->draft_rows, nd, D);
+    k->rmsnorm_fwd(e->rows_n, e->rstd_n, e->rows, w->head_norm, nd, (int)D, eps);
+    k->gemm(0, 1, nd, V, D, 1.0f, e->rows_n, D, w->head, D, 0.0f, e->logits, V);
+    for (int64_t i = 0; i < nd; i++) { /* the most likely token (the first of equals) */
+        const float *r = e->logits + i * V;
+        int32_t best = 0;
+        for (int32_t v = 1; v < V; v++)
+            if (r[v] > r[best]) best = v;
+        mrl_sched_set_draft(e->sched, plan->draft_seqs[i], best);
+    }
+    return MRL_OK;
+}
+
 /* One step, on whichever thread owns the engine (the caller's or the background run's). */
 static mrl_status step(mrl_engine *e) {
     const mrl_sched_batch *b;
@@ -1011,6 +1079,7 @@ static mrl_status step(mrl_engine *e) {
     if (mrl_fault_engine_delay() > 0) mrl_fault_busy(mrl_fault_engine_delay()); /* MOONRL_FAULT slow_engine */
     mrl_sched_set_kernels(e->sched, mrl_model_kernels(e->m)); /* sampling with the model's table too */
     if (!st) st = mrl_sched_update(e->sched, e->logits); /* (on a GPU: waits for its stream, tokens back) */
+    if (!st && e->mtp && b->n_tokens > 0) st = mtp_pass(e); /* (the drafts of the next step) */
     if (e->stream) mrl_stream_set_current(device, NULL);
     return st;
 }
@@ -1248,6 +1317,8 @@ static void read_stats(const mrl_engine *e, mrl_engine_stats *out) {
     out->kv_blocks_free = k.free_blocks;
     out->kv_block_size = e->cfg.block_size;
     out->kv_bytes_per_token = mrl_kv_cache_block_bytes(e->kv) / e->cfg.block_size;
+    out->spec_drafts = e->done.spec_drafts + s.spec_drafts;
+    out->spec_accepted = e->done.spec_accepted + s.spec_accepted;
     out->running = s.running;
     out->waiting = s.waiting;
     out->finished = s.finished;

@@ -421,6 +421,16 @@ mrl_status mrl_kv_cache_append(mrl_kv_cache *c, int seq, int n, int32_t *slots) 
     return MRL_OK;
 }
 
+mrl_status mrl_kv_cache_truncate(mrl_kv_cache *c, int seq, int n) {
+    kv_seq *s = get_seq(c, seq);
+    if (!s) return bad_seq("kv_cache_truncate", seq);
+    if (n < 0 || n > s->len) return mrl_set_error(MRL_ERR_INVALID, "kv_cache_truncate: %d tokens of %d", n, s->len);
+    int bs = c->cfg.block_size, keep = (n + bs - 1) / bs;
+    while (s->n_blocks > keep) block_release(c, s->blocks[--s->n_blocks]);
+    s->len = n;
+    return MRL_OK;
+}
+
 int mrl_kv_cache_seq_len(const mrl_kv_cache *c, int seq) {
     const kv_seq *s = get_seq(c, seq);
     return s ? s->len : -1;

@@ -115,6 +115,10 @@ int mrl_kv_cache_blocks_needed(const mrl_kv_cache *c, int seq, int n);
  * allocates blocks, copies a shared partial last block first. */
 mrl_status mrl_kv_cache_append(mrl_kv_cache *c, int seq, int n, int32_t *slots);
 
+/* Give back the slots of seq past its first n tokens (a rejected draft's, engine.c): blocks
+ * wholly past them return to the pool. n at most the tokens with slots. */
+mrl_status mrl_kv_cache_truncate(mrl_kv_cache *c, int seq, int n);
+
 /* Tokens of seq with slots, its block count and its block table (valid
  * until the next call that changes the sequence). */
 int mrl_kv_cache_seq_len(const mrl_kv_cache *c, int seq);

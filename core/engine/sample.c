@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include "engine/sample.h"
 #include "base/rng.h"
 #include "base/error.h"
@@ -95,4 +96,36 @@ mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const m
     free(rp);
     free(pp);
     return st;
+}
+
+mrl_status mrl_sample_verify(const mrl_kernels *k, const float *logits, int V, const mrl_sampling_params *p, double u,
+                             int32_t d, float *scratch, int32_t *token, float *logprob, float *lp_processed,
+                             int *accepted) {
+    if (d < 0 || d >= V) return mrl_set_error(MRL_ERR_INVALID, "sample_verify: draft %d outside the vocabulary (%d)", d, V);
+    *accepted = 0;
+    if (p->temperature < 1e-5f) { /* greedy: the row's own token */
+        mrl_status st = mrl_sample_row(k, logits, V, p, u, token, logprob, lp_processed);
+        *accepted = !st && *token == d;
+        return st;
+    }
+    if (p->top_k > 0 || p->top_p < 1 || p->min_p > 0)
+        return mrl_set_error(MRL_ERR_INVALID, "sample_verify: only greedy or plain-temperature sampling verifies a draft");
+    double inv_t = 1.0 / p->temperature, m = -INFINITY, z = 0;
+    for (int i = 0; i < V; i++) m = logits[i] * inv_t > m ? logits[i] * inv_t : m;
+    for (int i = 0; i < V; i++) z += exp(logits[i] * inv_t - m);
+    double lse = m + log(z), pd = exp(logits[d] * inv_t - lse);
+    if (u < pd) {
+        *token = d, *accepted = 1;
+    } else { /* the residual: p without d, renormalised */
+        memcpy(scratch, logits, sizeof(float) * (size_t)V);
+        scratch[d] = -INFINITY;
+        double u2 = pd < 1 ? (u - pd) / (1 - pd) : 0;
+        if (u2 >= 1) u2 = nextafter(1.0, 0.0);
+        float lp2, lpp2;
+        mrl_status st = mrl_sample_row(k, scratch, V, p, u2, token, &lp2, &lpp2);
+        if (st) return st;
+    }
+    *logprob = (float)(logits[*token] * inv_t - lse);
+    if (lp_processed) *lp_processed = *logprob;
+    return MRL_OK;
 }

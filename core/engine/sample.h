@@ -24,6 +24,15 @@ mrl_status mrl_sample_rows(const float *logits, int64_t rows, int vocab, const m
  * lp_processed may be NULL. */
 mrl_status mrl_sample_row(const mrl_kernels *k, const float *logits, int V, const mrl_sampling_params *p, double u,
                           int32_t *token, float *logprob, float *lp_processed);
+/* Speculative decoding's verification of a draft token d (engine.c) against the row logits[V]
+ * for params p, greedy or plain temperature (no top-k, top-p, min-p), with the position's uniform
+ * u: greedy, the row's own token (mrl_sample_row's), accepted when it is d; temperature, d
+ * accepted with its probability p(d), else a token of p without d, drawn with (u - p(d)) /
+ * (1 - p(d)) (the standard rule's residual for a draft that is a point mass: every token has
+ * probability p). token, logprob (under p) and lp_processed as mrl_sample_row's; scratch [V]. */
+mrl_status mrl_sample_verify(const mrl_kernels *k, const float *logits, int V, const mrl_sampling_params *p, double u,
+                             int32_t d, float *scratch, int32_t *token, float *logprob, float *lp_processed,
+                             int *accepted);
 /* Check params (a message naming the bad field on failure). */
 mrl_status mrl_sampling_params_check(const mrl_sampling_params *p);
 /* Sample n rows given by pointers (rows[r], params[r] may repeat: the

@@ -35,10 +35,12 @@ typedef struct sched_seq {
     int pending;     /* of those, children not forked yet */
     int finish, stop_flag;
     uint64_t key;
+    int32_t draft;   /* a draft of its next token to verify at the next step (-1: none) */
 } sched_seq;
 
 typedef struct step_entry {
     int seq, start, take, logits_row;
+    int spec; /* its last token and its draft: two rows, two logits */
 } step_entry;
 
 struct mrl_sched {
@@ -63,6 +65,12 @@ struct mrl_sched {
     mrl_sched_stats st;
     int64_t version; /* of the weights now: recorded with each token sampled */
     const mrl_kernels *k; /* the sample and top_logprobs ops' table (NULL: the fast CPU one) */
+    /* speculative decoding (mrl_sched_set_mtp): the MTP layer's plan of the last update, its arrays */
+    int mtp_on;
+    mrl_sched_mtp mtp;
+    int32_t *m_tokens, *m_pos, *m_slots, *m_src, *m_qs, *m_lens, *m_tables, *m_drow, *m_dseq;
+    int m_rows_cap, m_seqs_cap, m_tables_cap;
+    float *verify_row; /* [vocab]: a row with the draft masked (mrl_sample_verify) */
 };
 
 /* ---- small helpers ---- */
@@ -161,6 +169,8 @@ void mrl_sched_destroy(mrl_sched *s) {
     free(s->waiting);
     free(s->running);
     free(s->step);
+    free(s->m_tokens), free(s->m_pos), free(s->m_slots), free(s->m_src), free(s->m_qs), free(s->m_lens);
+    free(s->m_tables), free(s->m_drow), free(s->m_dseq), free(s->verify_row);
     free(s->b_tokens);
     free(s->b_pos);
     free(s->b_seq);
@@ -234,6 +244,7 @@ mrl_status mrl_sched_add(mrl_sched *s, const mrl_sched_request *r, int *req_id) 
         int leader = j % s->cfg.max_num_seqs == 0;
         x->state = leader ? SEQ_WAITING : SEQ_UNFORKED;
         x->kv = -1;
+        x->draft = -1;
         x->n_prompt = r->prompt_len;
         x->group_n = leader ? (r->n - j < s->cfg.max_num_seqs ? r->n - j : s->cfg.max_num_seqs) : 1;
         x->pending = x->group_n - 1;
@@ -352,6 +363,7 @@ static mrl_status preempt(mrl_sched *s, int id) {
     mrl_kv_cache_seq_free(s->kv, x->kv);
     x->kv = -1;
     x->n_computed = 0;
+    x->draft = -1;
     x->state = SEQ_WAITING;
     s->st.preemptions++;
     return waiting_push(s, id, 1);
@@ -359,10 +371,10 @@ static mrl_status preempt(mrl_sched *s, int id) {
 
 /* ---- schedule ---- */
 
-static mrl_status add_step(mrl_sched *s, int id, int take) {
+static mrl_status add_step(mrl_sched *s, int id, int take, int spec) {
     if (grow((void **)&s->step, &s->step_cap, s->n_step + 1, sizeof(step_entry))) return oom("step");
     sched_seq *x = &s->seqs[id];
-    s->step[s->n_step++] = (step_entry){id, x->n_computed, take, -1};
+    s->step[s->n_step++] = (step_entry){id, x->n_computed, take, -1, spec};
     return MRL_OK;
 }
 
@@ -389,6 +401,8 @@ mrl_status mrl_sched_schedule(mrl_sched *s, const mrl_sched_batch **batch) {
         int id = s->running[i];
         sched_seq *x = &s->seqs[id];
         int take = x->n_tokens - x->n_computed;
+        int spec = take == 1 && x->draft >= 0 && budget >= 2; /* its draft too (the token after the last) */
+        if (spec) take = 2, x->tokens[x->n_tokens] = x->draft;
         if (take > budget) take = budget;
         int self_preempted = 0;
         while (mrl_kv_cache_blocks_needed(s->kv, x->kv, take) > mrl_kv_cache_num_free(s->kv)) {
@@ -401,7 +415,7 @@ mrl_status mrl_sched_schedule(mrl_sched *s, const mrl_sched_batch **batch) {
             }
         }
         if (self_preempted) break;
-        if ((st = give_slots(s, id, take, used)) || (st = add_step(s, id, take))) return st;
+        if ((st = give_slots(s, id, take, used)) || (st = add_step(s, id, take, spec))) return st;
         used += take;
         budget -= take;
     }
@@ -429,7 +443,7 @@ mrl_status mrl_sched_schedule(mrl_sched *s, const mrl_sched_batch **batch) {
         memmove(s->waiting, s->waiting + 1, (size_t)(--s->n_waiting) * sizeof(int));
         x->state = SEQ_RUNNING;
         s->seat_count += 1 + x->pending;
-        if ((st = running_push(s, id)) || (st = give_slots(s, id, take, used)) || (st = add_step(s, id, take)))
+        if ((st = running_push(s, id)) || (st = give_slots(s, id, take, used)) || (st = add_step(s, id, take, 0)))
             return st;
         used += take;
         budget -= take;
@@ -448,17 +462,17 @@ static mrl_status build_batch(mrl_sched *s) {
         if (nb > max_blocks) max_blocks = nb;
     }
     if (grow((void **)&s->b_tables, &s->tables_cap, n * max_blocks, sizeof(int32_t))) return oom("block tables");
-    /* per-sequence arrays, n + 1 entries */
+    /* per-sequence arrays, n + 1 entries (logits: two rows a sequence with a draft, 2n + 1 for all) */
     int cap = s->seq_arrays_cap;
-    if (grow((void **)&s->b_qs, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    if (grow((void **)&s->b_qs, &cap, 2 * n + 1, sizeof(int32_t))) return oom("batch");
     cap = s->seq_arrays_cap;
-    if (grow((void **)&s->b_lens, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    if (grow((void **)&s->b_lens, &cap, 2 * n + 1, sizeof(int32_t))) return oom("batch");
     cap = s->seq_arrays_cap;
-    if (grow((void **)&s->b_logits, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    if (grow((void **)&s->b_logits, &cap, 2 * n + 1, sizeof(int32_t))) return oom("batch");
     cap = s->seq_arrays_cap;
-    if (grow((void **)&s->b_req, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    if (grow((void **)&s->b_req, &cap, 2 * n + 1, sizeof(int32_t))) return oom("batch");
     cap = s->seq_arrays_cap;
-    if (grow((void **)&s->b_sample, &cap, n + 1, sizeof(int32_t))) return oom("batch");
+    if (grow((void **)&s->b_sample, &cap, 2 * n + 1, sizeof(int32_t))) return oom("batch");
     s->seq_arrays_cap = cap;
     memset(s->b_tables, 0, (size_t)n * max_blocks * sizeof(int32_t));
     int t = 0, n_logits = 0, n_prefill = 0, n_decode = 0;
@@ -473,14 +487,18 @@ static mrl_status build_batch(mrl_sched *s) {
             s->b_tokens[t] = x->tokens[pos];
             s->b_pos[t] = pos;
             s->b_seq[t] = i;
-            if (pos < x->n_tokens - 1 || e->take > 1 || pos < x->n_prompt) n_prefill++;
+            if (!e->spec && (pos < x->n_tokens - 1 || e->take > 1 || pos < x->n_prompt)) n_prefill++;
             else n_decode++;
         }
         s->b_lens[i] = e->start + e->take;
         const int32_t *table;
         int nb = mrl_kv_cache_seq_blocks(s->kv, x->kv, &table);
         memcpy(s->b_tables + (int64_t)i * max_blocks, table, (size_t)nb * sizeof(int32_t));
-        if (e->start + e->take == x->n_tokens) {
+        if (e->spec) { /* the last token's row, then the draft's */
+            e->logits_row = n_logits;
+            s->b_logits[n_logits++] = t - 2;
+            s->b_logits[n_logits++] = t - 1;
+        } else if (e->start + e->take == x->n_tokens) {
             e->logits_row = n_logits;
             s->b_logits[n_logits++] = t - 1;
         }
@@ -569,6 +587,136 @@ static mrl_status step_top_logprobs(mrl_sched *s, const float *const *rows, cons
     return st;
 }
 
+/* Append token tok to sample id with its log-probs and apply the stop conditions. */
+static void emit(mrl_sched *s, int id, int32_t tok, float lp, float lpp) {
+    sched_seq *x = &s->seqs[id];
+    sched_req *q = &s->reqs[x->req];
+    int n_out = x->n_tokens - x->n_prompt;
+    x->tokens[x->n_tokens++] = tok;
+    x->lp[n_out] = lp;
+    x->lpp[n_out] = lpp;
+    x->ver[n_out] = s->version;
+    s->st.generated_tokens++;
+    if (in_list(q->eos, q->n_eos, tok)) finish_seq(s, id, MRL_FINISH_EOS);
+    else if (in_list(q->stop, q->n_stop, tok)) finish_seq(s, id, MRL_FINISH_STOP);
+    else if (n_out + 1 >= q->max_new) finish_seq(s, id, MRL_FINISH_LENGTH);
+}
+
+/* A step entry with a draft (rows: its last token's logits, the draft's): the draft verified
+ * against the first row with the position's uniform (mrl_sample_verify), the token emitted; when
+ * the draft stands, a token from the second row with the next position's uniform. Its K/V then
+ * counts the last token's and the accepted draft's; a rejected draft's slot is given back. */
+static mrl_status verify(mrl_sched *s, step_entry *e, const float *rows, int V) {
+    sched_seq *x = &s->seqs[e->seq];
+    sched_req *q = &s->reqs[x->req];
+    int32_t d = x->draft, tok;
+    float lp, lpp;
+    int accepted = 0, n_out = x->n_tokens - x->n_prompt;
+    x->draft = -1;
+    if (!s->verify_row && !(s->verify_row = malloc(sizeof(float) * (size_t)V))) return oom("verification");
+    mrl_status st = mrl_sample_verify(s->k, rows, V, &q->params, mrl_sample_uniform(x->key, n_out), d, s->verify_row,
+                                      &tok, &lp, &lpp, &accepted);
+    if (st) return st;
+    s->st.spec_drafts++;
+    s->st.spec_accepted += accepted;
+    emit(s, e->seq, tok, lp, lpp);
+    int computed = e->start + 1 + (accepted && x->state == SEQ_RUNNING);
+    if (computed == e->start + 2) { /* the draft stood: a token from its row */
+        int64_t ctr = n_out + 1;
+        const float *row1 = rows + V;
+        const mrl_sampling_params *pp = &q->params;
+        st = mrl_sample_gather(s->k, &row1, 1, V, &pp, &x->key, &ctr, &tok, &lp, &lpp);
+        if (st) return st;
+        emit(s, e->seq, tok, lp, lpp);
+    }
+    x->n_computed = computed;
+    if (x->kv < 0) return MRL_OK; /* (finished) */
+    if ((st = mrl_kv_cache_truncate(s->kv, x->kv, computed))) return st;
+    return mrl_kv_cache_commit(s->kv, x->kv, x->tokens, computed);
+}
+
+/* Whether sample x may take a draft of its next token: running with its last token to compute,
+ * greedy or plain-temperature sampling (the rule's residual is then the model's own distribution
+ * without the draft), no top_logprobs, room for the draft. */
+static int draft_wanted(const mrl_sched *s, const sched_seq *x) {
+    const sched_req *q = &s->reqs[x->req];
+    const mrl_sampling_params *p = &q->params;
+    int plain = p->temperature < 1e-5f || (p->top_k <= 0 && p->top_p >= 1 && p->min_p <= 0);
+    return x->state == SEQ_RUNNING && x->kv >= 0 && plain && q->top == 0 && x->n_computed == x->n_tokens - 1 &&
+           x->n_tokens - x->n_prompt < q->max_new;
+}
+
+/* The MTP layer's rows of this step (mrl_sched_mtp): each computed row whose next token is known. */
+static mrl_status plan_mtp(mrl_sched *s) {
+    int rows = 0, seqs = 0, max_blocks = 1;
+    for (int i = 0; i < s->n_step; i++) {
+        step_entry *e = &s->step[i];
+        sched_seq *x = &s->seqs[e->seq];
+        if (x->state != SEQ_RUNNING || x->kv < 0) continue;
+        rows += e->take, seqs++;
+        int nb = mrl_kv_cache_seq_blocks(s->kv, x->kv, NULL);
+        if (nb > max_blocks) max_blocks = nb;
+    }
+    int cap = s->m_rows_cap;
+    if (grow((void **)&s->m_tokens, &cap, rows + 1, sizeof(int32_t))) return oom("mtp");
+    cap = s->m_rows_cap;
+    if (grow((void **)&s->m_pos, &cap, rows + 1, sizeof(int32_t))) return oom("mtp");
+    cap = s->m_rows_cap;
+    if (grow((void **)&s->m_slots, &cap, rows + 1, sizeof(int32_t))) return oom("mtp");
+    cap = s->m_rows_cap;
+    if (grow((void **)&s->m_src, &cap, rows + 1, sizeof(int32_t))) return oom("mtp");
+    s->m_rows_cap = cap;
+    cap = s->m_seqs_cap;
+    if (grow((void **)&s->m_qs, &cap, seqs + 1, sizeof(int32_t))) return oom("mtp");
+    cap = s->m_seqs_cap;
+    if (grow((void **)&s->m_lens, &cap, seqs + 1, sizeof(int32_t))) return oom("mtp");
+    cap = s->m_seqs_cap;
+    if (grow((void **)&s->m_drow, &cap, seqs + 1, sizeof(int32_t))) return oom("mtp");
+    cap = s->m_seqs_cap;
+    if (grow((void **)&s->m_dseq, &cap, seqs + 1, sizeof(int32_t))) return oom("mtp");
+    s->m_seqs_cap = cap;
+    if (grow((void **)&s->m_tables, &s->m_tables_cap, seqs * max_blocks + 1, sizeof(int32_t))) return oom("mtp");
+    int t = 0, n = 0, nd = 0;
+    for (int i = 0; i < s->n_step; i++) {
+        step_entry *e = &s->step[i];
+        sched_seq *x = &s->seqs[e->seq];
+        if (x->state != SEQ_RUNNING || x->kv < 0) continue;
+        int hi = e->start + e->take < x->n_computed ? e->start + e->take : x->n_computed, t0 = t;
+        for (int p = e->start; p < hi && p + 1 < x->n_tokens; p++, t++) {
+            int row = s->b_qs[i] + (p - e->start);
+            s->m_tokens[t] = x->tokens[p + 1], s->m_pos[t] = p, s->m_slots[t] = s->b_slots[row], s->m_src[t] = row;
+        }
+        if (t == t0) continue;
+        s->m_qs[n] = t0;
+        s->m_lens[n] = s->m_pos[t - 1] + 1;
+        const int32_t *table;
+        int nb = mrl_kv_cache_seq_blocks(s->kv, x->kv, &table);
+        memset(s->m_tables + (int64_t)n * max_blocks, 0, sizeof(int32_t) * (size_t)max_blocks);
+        memcpy(s->m_tables + (int64_t)n * max_blocks, table, sizeof(int32_t) * (size_t)nb);
+        n++;
+        if (draft_wanted(s, x) && s->m_pos[t - 1] == x->n_tokens - 2) s->m_drow[nd] = t - 1, s->m_dseq[nd++] = e->seq;
+    }
+    s->m_qs[n] = t;
+    mrl_sched_mtp *m = &s->mtp;
+    memset(m, 0, sizeof *m);
+    m->batch = (mrl_sched_batch){.n_tokens = t, .n_seqs = n, .token_ids = s->m_tokens, .positions = s->m_pos,
+                                 .slot_mapping = s->m_slots, .query_start = s->m_qs, .seq_lens = s->m_lens,
+                                 .block_tables = s->m_tables, .max_blocks_per_seq = max_blocks};
+    m->src_rows = s->m_src;
+    m->n_drafts = nd;
+    m->draft_rows = s->m_drow;
+    m->draft_seqs = s->m_dseq;
+    return MRL_OK;
+}
+
+void mrl_sched_set_mtp(mrl_sched *s, int on) { s->mtp_on = on; }
+
+const mrl_sched_mtp *mrl_sched_mtp_plan(const mrl_sched *s) { return s->mtp_on ? &s->mtp : NULL; }
+
+void mrl_sched_set_draft(mrl_sched *s, int seq, int32_t token) {
+    if (s && seq >= 0 && seq < s->n_seqs && token >= 0 && token < s->cfg.vocab_size) s->seqs[seq].draft = token;
+}
+
 mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     if (!s) return mrl_set_error(MRL_ERR_INVALID, "sched_update: NULL scheduler");
     if (!s->planned) return mrl_set_error(MRL_ERR_INVALID, "sched_update: no step was scheduled");
@@ -580,6 +728,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     for (int i = 0; i < s->n_step; i++) {
         step_entry *e = &s->step[i];
         sched_seq *x = &s->seqs[e->seq];
+        if (e->spec) continue; /* (its K/V counted once its draft is verified, below) */
         x->n_computed = e->start + e->take;
         if ((st = mrl_kv_cache_commit(s->kv, x->kv, x->tokens, x->n_computed))) break;
         if (e->logits_row >= 0) {
@@ -609,7 +758,7 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     int k = 0;
     for (int i = 0; !st && i < s->n_step; i++) {
         step_entry *e = &s->step[i];
-        if (e->logits_row < 0) continue;
+        if (e->logits_row < 0 || e->spec) continue;
         sched_seq *x = &s->seqs[e->seq];
         sched_req *q = &s->reqs[x->req];
         /* a group leader's first token: the whole (just forked) group samples */
@@ -626,19 +775,10 @@ mrl_status mrl_sched_update(mrl_sched *s, const float *logits) {
     }
     if (!st && k > 0) st = mrl_sample_gather(s->k, rows, k, V, params, keys, ctr, tok, lp, lpp);
     if (!st && k > 0) st = step_top_logprobs(s, rows, params, who, k, V);
-    for (int i = 0; !st && i < k; i++) {
-        sched_seq *x = &s->seqs[who[i]];
-        sched_req *q = &s->reqs[x->req];
-        int n_out = x->n_tokens - x->n_prompt;
-        x->tokens[x->n_tokens++] = tok[i];
-        x->lp[n_out] = lp[i];
-        x->lpp[n_out] = lpp[i];
-        x->ver[n_out] = s->version;
-        s->st.generated_tokens++;
-        if (in_list(q->eos, q->n_eos, tok[i])) finish_seq(s, who[i], MRL_FINISH_EOS);
-        else if (in_list(q->stop, q->n_stop, tok[i])) finish_seq(s, who[i], MRL_FINISH_STOP);
-        else if (n_out + 1 >= q->max_new) finish_seq(s, who[i], MRL_FINISH_LENGTH);
-    }
+    for (int i = 0; !st && i < k; i++) emit(s, who[i], tok[i], lp[i], lpp[i]);
+    for (int i = 0; !st && i < s->n_step; i++)
+        if (s->step[i].spec) st = verify(s, &s->step[i], logits + (int64_t)s->step[i].logits_row * V, V);
+    if (!st && s->mtp_on) st = plan_mtp(s);
     free(rows);
     free(params);
     free(keys);

@@ -110,6 +110,8 @@ typedef struct mrl_sched_stats {
     int64_t preemptions;
     int64_t forks;
     int64_t generated_tokens;
+    int64_t spec_drafts;        /* speculative decoding: draft tokens verified, and accepted */
+    int64_t spec_accepted;
     int running, waiting, finished;
 } mrl_sched_stats;
 
@@ -171,3 +173,27 @@ mrl_status mrl_sched_release(mrl_sched *s, int req_id);
  * the fast CPU table. */
 void mrl_sched_set_kernels(mrl_sched *s, const mrl_kernels *k);
 void mrl_sched_get_stats(const mrl_sched *s, mrl_sched_stats *out);
+
+/* ---- speculative decoding with a draft token (the multi-token prediction layer, engine.c) ----
+ * With mrl_sched_set_mtp on, each update also plans the MTP layer's rows (mrl_sched_mtp_plan):
+ * every row of the step whose K/V is now computed and whose next token is known, that token
+ * as its input; and, for each running sample that may take a draft (greedy or plain-temperature
+ * sampling, no top_logprobs, room for the token), the row whose output drafts its next token.
+ * mrl_sched_set_draft gives it; the next step then runs that sample's last token and the
+ * draft together (two rows, two logits) and its update verifies the draft: greedy, accepted
+ * when it is the row's own token; sampling, accepted with the probability the model gives it,
+ * else a token of the rest of the distribution drawn (the draft's distribution is a point
+ * mass: the standard rule's residual, so every token has the model's distribution), then a
+ * token from the second row when it was accepted. The rejected draft's slot is given back. */
+typedef struct mrl_sched_mtp {
+    mrl_sched_batch batch;     /* token_ids: each row's next token; positions, slot_mapping, query_start,
+                                * seq_lens, block_tables of its sample (no logits) */
+    const int32_t *src_rows;   /* [batch.n_tokens] each row's row in the step's batch (its hidden state) */
+    int n_drafts;
+    const int32_t *draft_rows; /* [n_drafts] rows of batch whose output drafts a token */
+    const int32_t *draft_seqs; /* [n_drafts] for mrl_sched_set_draft */
+} mrl_sched_mtp;
+void mrl_sched_set_mtp(mrl_sched *s, int on);
+/* The last update's plan (valid until the next schedule). */
+const mrl_sched_mtp *mrl_sched_mtp_plan(const mrl_sched *s);
+void mrl_sched_set_draft(mrl_sched *s, int seq, int32_t token);

@@ -333,6 +333,7 @@ mrl_status mrl_model_config_parse(const char *json, size_t len, const char *sour
                                ? "scoring_func" : "topk_method", scoring && strcmp(scoring, "sigmoid") ? scoring : method);
             goto done;
         }
+        WANT(int, "num_nextn_predict_layers", &c->num_nextn_predict_layers, 0);
         if (c->first_k_dense_replace >= c->num_hidden_layers) /* every layer dense: no experts */
             c->num_experts = c->num_experts_per_tok = c->moe_intermediate_size = c->n_shared_experts = 0,
             c->n_group = c->topk_group = 0, c->routed_scaling_factor = 0, c->norm_topk_prob = 0,
@@ -458,9 +459,13 @@ mrl_status mrl_model_config_validate(const mrl_model_config *c) {
             return mrl_set_error(MRL_ERR_INVALID, "model config: deepseek_v3 needs head_dim = max(qk_nope_head_dim + "
                                  "qk_rope_head_dim, v_head_dim) = %d (has %d), num_key_value_heads = "
                                  "num_attention_heads and no attention_bias", hd, c->head_dim);
-    } else if (c->q_lora_rank || c->kv_lora_rank || c->qk_nope_head_dim || c->qk_rope_head_dim || c->v_head_dim) {
-        return mrl_set_error(MRL_ERR_INVALID, "model config: q_lora_rank, kv_lora_rank, qk_*_head_dim and v_head_dim "
-                             "are deepseek_v3's (multi-head latent attention): 0 for %s", arch_table[c->arch].model_type);
+        if (c->num_nextn_predict_layers < 0 || c->num_nextn_predict_layers > 1)
+            return mrl_set_error(MRL_ERR_UNSUPPORTED, "model config: num_nextn_predict_layers = %d (0 or 1 multi-token "
+                                 "prediction layer)", c->num_nextn_predict_layers);
+    } else if (c->q_lora_rank || c->kv_lora_rank || c->qk_nope_head_dim || c->qk_rope_head_dim || c->v_head_dim ||
+               c->num_nextn_predict_layers) {
+        return mrl_set_error(MRL_ERR_INVALID, "model config: q_lora_rank, kv_lora_rank, qk_*_head_dim, v_head_dim "
+                             "and num_nextn_predict_layers are deepseek_v3's: 0 for %s", arch_table[c->arch].model_type);
     }
     if (c->num_attention_heads % c->num_key_value_heads)
         return mrl_set_error(MRL_ERR_INVALID, "model config: num_attention_heads %d is not a multiple of num_key_value_heads %d",
@@ -555,7 +560,8 @@ mrl_status mrl_model_config_to_json(const mrl_model_config *c, char *buf, size_t
         else put(&o, "  \"q_lora_rank\": null,\n");
         put(&o, "  \"kv_lora_rank\": %d,\n  \"qk_nope_head_dim\": %d,\n  \"qk_rope_head_dim\": %d,\n  \"v_head_dim\": %d,\n",
             c->kv_lora_rank, c->qk_nope_head_dim, c->qk_rope_head_dim, c->v_head_dim);
-        put(&o, "  \"rope_interleave\": %s,\n  \"attention_bias\": false,\n", c->rope_interleave ? "true" : "false");
+        put(&o, "  \"rope_interleave\": %s,\n  \"attention_bias\": false,\n  \"num_nextn_predict_layers\": %d,\n",
+            c->rope_interleave ? "true" : "false", c->num_nextn_predict_layers);
         if (c->num_experts) {
             put(&o, "  \"first_k_dense_replace\": %d,\n  \"n_routed_experts\": %d,\n  \"n_shared_experts\": %d,\n",
                 c->first_k_dense_replace, c->num_experts, c->n_shared_experts);

@@ -236,6 +236,12 @@ static mrl_status open_dir(const char *dir, int value_head, int tp_rank, int tp_
         }
     }
     if ((s = mrl_st_open(dir, st))) return s;
+    if (cfg.num_nextn_predict_layers) { /* a config that names the MTP layer without its weights (Transformers
+                                         * saves none): the model without it */
+        char name[96];
+        snprintf(name, sizeof name, "model.layers.%d.eh_proj.weight", whole.num_hidden_layers);
+        if (!mrl_st_has(*st, name)) cfg.num_nextn_predict_layers = whole.num_nextn_predict_layers = 0;
+    }
     s = mrl_model_alloc_stage_layout(&cfg, stage, out); /* views only: the sizes are the file's to confirm */
     if (!s && pp) {
         (*out)->pp_whole = whole;

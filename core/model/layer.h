@@ -252,6 +252,17 @@ int64_t mrl_moe_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T,
  * activation layouts both call it. */
 int64_t mrl_mla_acts_layout(const mrl_model_config *c, layer_acts *a, int64_t T, char *base, int what);
 
+/* DeepSeek-V3's multi-token prediction layer (moonrl/model.h's num_nextn_predict_layers): the
+ * previous position's final hidden state and the next token's embedding, each normed, through
+ * eh_proj [D, 2D] (the embedding first), a decoder layer of its own, and a head of its own. */
+typedef struct mtp_params {
+    float *enorm, *hnorm, *eh_proj, *embed, *head_norm, *head; /* [D] [D] [D,2D] [V,D] [D] [V,D] */
+    layer_params layer;
+} mtp_params;
+/* The model's MTP layer read from `base` (the model's layout; its fp32 weights, no copies or panels);
+ * 0 (and *out zeroed) for a model without one. */
+int mrl_model_mtp_at(const mrl_model *m, const float *base, mtp_params *out);
+
 /* The model's weights read from `base` (mrl_model_num_params floats in the
  * model's layout). */
 typedef struct mrl_model_weights {

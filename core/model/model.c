@@ -21,6 +21,7 @@ typedef struct layout {
     int n;
     char *names;
     size_t names_len;
+    int frozen; /* views that never train (the multi-token prediction layer's): no weight decay */
 } layout;
 
 /* Add a view (when m->views is allocated) and return where it lives (NULL
@@ -41,7 +42,7 @@ static float *add_view(layout *lo, int decay, int64_t d0, int64_t d1, const char
         v->ndim = d1 ? 2 : 1;
         v->shape[0] = d0;
         v->shape[1] = d1;
-        v->weight_decay = decay;
+        v->weight_decay = decay && !lo->frozen;
     }
     if (m->params) p = m->params + lo->offset;
     lo->names_len += nlen;
@@ -50,82 +51,91 @@ static float *add_view(layout *lo, int decay, int64_t d0, int64_t d1, const char
     return p;
 }
 
+/* Layer l's views (l: the model's own numbering, which says whether it is sparse; gl: the whole
+ * model's, which names it) and its parameter table. */
+static layer_params layer_views(layout *lo, int l, int gl) {
+    mrl_model *m = lo->m;
+    const mrl_model_config *c = &m->cfg;
+    int64_t D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim;
+    int64_t Q = c->num_attention_heads * hd, K = c->num_key_value_heads * hd;
+    layer_params p = {0};
+    const char *pre = "model.layers.%d.";
+    char f[160];
+#define NAME(s) (snprintf(f, sizeof f, "%s%s", pre, s), f)
+    p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), gl);
+    if (mrl_model_is_mla(c)) { /* multi-head latent attention (moonrl/model.h) */
+        int64_t H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+                dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
+        if (rq) {
+            p.wqa = add_view(lo, 1, rq, D, NAME("self_attn.q_a_proj.weight"), gl);
+            p.q_a_norm = add_view(lo, 0, rq, 0, NAME("self_attn.q_a_layernorm.weight"), gl);
+            p.wq = add_view(lo, 1, H * (dn + dr), rq, NAME("self_attn.q_b_proj.weight"), gl);
+        } else {
+            p.wq = add_view(lo, 1, H * (dn + dr), D, NAME("self_attn.q_proj.weight"), gl);
+        }
+        p.wk = add_view(lo, 1, rkv + dr, D, NAME("self_attn.kv_a_proj_with_mqa.weight"), gl);
+        p.kv_a_norm = add_view(lo, 0, rkv, 0, NAME("self_attn.kv_a_layernorm.weight"), gl);
+        p.wv = add_view(lo, 1, H * (dn + dv), rkv, NAME("self_attn.kv_b_proj.weight"), gl);
+        p.wo = add_view(lo, 1, D, H * dv, NAME("self_attn.o_proj.weight"), gl);
+        goto mlp;
+    }
+    p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), gl);
+    if (c->attention_bias) p.bq = add_view(lo, 0, Q, 0, NAME("self_attn.q_proj.bias"), gl);
+    p.wk = add_view(lo, 1, K, D, NAME("self_attn.k_proj.weight"), gl);
+    if (c->attention_bias) p.bk = add_view(lo, 0, K, 0, NAME("self_attn.k_proj.bias"), gl);
+    p.wv = add_view(lo, 1, K, D, NAME("self_attn.v_proj.weight"), gl);
+    if (c->attention_bias) p.bv = add_view(lo, 0, K, 0, NAME("self_attn.v_proj.bias"), gl);
+    p.wo = add_view(lo, 1, D, Q, NAME("self_attn.o_proj.weight"), gl);
+    if (mrl_arch_qk_norm(c->arch)) {
+        p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), gl);
+        p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), gl);
+    }
+mlp:
+    p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), gl);
+    if (mrl_model_layer_is_moe(c, l)) {
+        /* the router, then each kind of expert matrix stacked over the
+         * experts: expert e's gate_proj is ewg + e*Fe*D (one product per
+         * expert reads it in place; a GGUF's [E, ...] tensor is one range) */
+        int64_t E = c->num_experts, Fe = c->moe_intermediate_size;
+        p.router = add_view(lo, 1, E, D, NAME("mlp.gate.weight"), gl);
+        if (c->arch == MRL_ARCH_DEEPSEEK_V3) /* (frozen: its gradient stays 0, no decay) */
+            p.rbias = add_view(lo, 0, E, 0, NAME("mlp.gate.e_score_correction_bias"), gl);
+        static const char *kind[3] = {"gate_proj", "up_proj", "down_proj"};
+        float **stack[3] = {&p.ewg, &p.ewu, &p.ewd};
+        for (int w = 0; w < 3; w++)
+            for (int64_t e = 0; e < E; e++) {
+                char ef[96];
+                snprintf(ef, sizeof ef, "mlp.experts.%lld.%s.weight", (long long)e, kind[w]);
+                float *v = add_view(lo, 1, w < 2 ? Fe : D, w < 2 ? D : Fe, NAME(ef), gl);
+                if (e == 0) *stack[w] = v;
+            }
+        int64_t Fs = (int64_t)c->n_shared_experts * Fe;
+        if (Fs) {
+            p.swg = add_view(lo, 1, Fs, D, NAME("mlp.shared_experts.gate_proj.weight"), gl);
+            p.swu = add_view(lo, 1, Fs, D, NAME("mlp.shared_experts.up_proj.weight"), gl);
+            p.swd = add_view(lo, 1, D, Fs, NAME("mlp.shared_experts.down_proj.weight"), gl);
+        }
+    } else {
+        p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), gl);
+        p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), gl);
+        p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), gl);
+    }
+#undef NAME
+    return p;
+}
+
 /* The one place that defines the parameter layout. Run once to count, once
  * to fill the views, once more to point at the parameters. */
 static void build_layout(layout *lo) {
     mrl_model *m = lo->m;
     const mrl_model_config *c = &m->cfg;
-    int64_t V = c->vocab_size, D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim;
-    int64_t Q = c->num_attention_heads * hd, K = c->num_key_value_heads * hd;
+    int64_t V = c->vocab_size, D = c->hidden_size;
     /* pipeline parallel: a stage's own parts (the last stage's tied head is its own copy of the
      * embedding, whose gradient the caller sums with the first stage's) */
     int first = mrl_model_has_embed(m), last = mrl_model_has_head(m);
     m->embed = first || (last && c->tie_word_embeddings) ? add_view(lo, 1, V, D, "model.embed_tokens.weight", 0) : NULL;
     for (int l = 0; l < c->num_hidden_layers; l++) {
-        layer_params p = {0};
-        const char *pre = "model.layers.%d.";
-        char f[160];
-#define NAME(s) (snprintf(f, sizeof f, "%s%s", pre, s), f)
-        int gl = l + m->pp_l0; /* (the whole model's layer number) */
-        p.ln1 = add_view(lo, 0, D, 0, NAME("input_layernorm.weight"), gl);
-        if (mrl_model_is_mla(c)) { /* multi-head latent attention (moonrl/model.h) */
-            int64_t H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
-                    dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
-            if (rq) {
-                p.wqa = add_view(lo, 1, rq, D, NAME("self_attn.q_a_proj.weight"), gl);
-                p.q_a_norm = add_view(lo, 0, rq, 0, NAME("self_attn.q_a_layernorm.weight"), gl);
-                p.wq = add_view(lo, 1, H * (dn + dr), rq, NAME("self_attn.q_b_proj.weight"), gl);
-            } else {
-                p.wq = add_view(lo, 1, H * (dn + dr), D, NAME("self_attn.q_proj.weight"), gl);
-            }
-            p.wk = add_view(lo, 1, rkv + dr, D, NAME("self_attn.kv_a_proj_with_mqa.weight"), gl);
-            p.kv_a_norm = add_view(lo, 0, rkv, 0, NAME("self_attn.kv_a_layernorm.weight"), gl);
-            p.wv = add_view(lo, 1, H * (dn + dv), rkv, NAME("self_attn.kv_b_proj.weight"), gl);
-            p.wo = add_view(lo, 1, D, H * dv, NAME("self_attn.o_proj.weight"), gl);
-            goto mlp;
-        }
-        p.wq = add_view(lo, 1, Q, D, NAME("self_attn.q_proj.weight"), gl);
-        if (c->attention_bias) p.bq = add_view(lo, 0, Q, 0, NAME("self_attn.q_proj.bias"), gl);
-        p.wk = add_view(lo, 1, K, D, NAME("self_attn.k_proj.weight"), gl);
-        if (c->attention_bias) p.bk = add_view(lo, 0, K, 0, NAME("self_attn.k_proj.bias"), gl);
-        p.wv = add_view(lo, 1, K, D, NAME("self_attn.v_proj.weight"), gl);
-        if (c->attention_bias) p.bv = add_view(lo, 0, K, 0, NAME("self_attn.v_proj.bias"), gl);
-        p.wo = add_view(lo, 1, D, Q, NAME("self_attn.o_proj.weight"), gl);
-        if (mrl_arch_qk_norm(c->arch)) {
-            p.q_norm = add_view(lo, 0, hd, 0, NAME("self_attn.q_norm.weight"), gl);
-            p.k_norm = add_view(lo, 0, hd, 0, NAME("self_attn.k_norm.weight"), gl);
-        }
-    mlp:
-        p.ln2 = add_view(lo, 0, D, 0, NAME("post_attention_layernorm.weight"), gl);
-        if (mrl_model_layer_is_moe(c, l)) {
-            /* the router, then each kind of expert matrix stacked over the
-             * experts: expert e's gate_proj is ewg + e*Fe*D (one product per
-             * expert reads it in place; a GGUF's [E, ...] tensor is one range) */
-            int64_t E = c->num_experts, Fe = c->moe_intermediate_size;
-            p.router = add_view(lo, 1, E, D, NAME("mlp.gate.weight"), gl);
-            if (c->arch == MRL_ARCH_DEEPSEEK_V3) /* (frozen: its gradient stays 0, no decay) */
-                p.rbias = add_view(lo, 0, E, 0, NAME("mlp.gate.e_score_correction_bias"), gl);
-            static const char *kind[3] = {"gate_proj", "up_proj", "down_proj"};
-            float **stack[3] = {&p.ewg, &p.ewu, &p.ewd};
-            for (int w = 0; w < 3; w++)
-                for (int64_t e = 0; e < E; e++) {
-                    char ef[96];
-                    snprintf(ef, sizeof ef, "mlp.experts.%lld.%s.weight", (long long)e, kind[w]);
-                    float *v = add_view(lo, 1, w < 2 ? Fe : D, w < 2 ? D : Fe, NAME(ef), gl);
-                    if (e == 0) *stack[w] = v;
-                }
-            int64_t Fs = (int64_t)c->n_shared_experts * Fe;
-            if (Fs) {
-                p.swg = add_view(lo, 1, Fs, D, NAME("mlp.shared_experts.gate_proj.weight"), gl);
-                p.swu = add_view(lo, 1, Fs, D, NAME("mlp.shared_experts.up_proj.weight"), gl);
-                p.swd = add_view(lo, 1, D, Fs, NAME("mlp.shared_experts.down_proj.weight"), gl);
-            }
-        } else {
-            p.wg = add_view(lo, 1, F, D, NAME("mlp.gate_proj.weight"), gl);
-            p.wu = add_view(lo, 1, F, D, NAME("mlp.up_proj.weight"), gl);
-            p.wd = add_view(lo, 1, D, F, NAME("mlp.down_proj.weight"), gl);
-        }
-#undef NAME
+        layer_params p = layer_views(lo, l, l + m->pp_l0); /* (the whole model's layer number) */
         if (m->lp) m->lp[l] = p;
     }
     if (!last) {
@@ -135,6 +145,21 @@ static void build_layout(layout *lo) {
     m->final_norm = add_view(lo, 0, D, 0, "model.norm.weight", 0);
     m->lm_head = c->tie_word_embeddings ? m->embed : add_view(lo, 1, V, D, "lm_head.weight", 0);
     m->score = c->value_head ? add_view(lo, 1, 1, D, "score.weight", 0) : NULL;
+    /* DeepSeek-V3's multi-token prediction layer (moonrl/model.h), named as the layer after the last:
+     * the engine's draft (its weights do not train: no decay, no gradient) */
+    m->mtp = (mtp_params){0};
+    if (c->num_nextn_predict_layers && last) {
+        int L = c->num_hidden_layers, gl = L + m->pp_l0;
+        lo->frozen = 1;
+        m->mtp.enorm = add_view(lo, 0, D, 0, "model.layers.%d.enorm.weight", gl);
+        m->mtp.hnorm = add_view(lo, 0, D, 0, "model.layers.%d.hnorm.weight", gl);
+        m->mtp.eh_proj = add_view(lo, 0, D, 2 * D, "model.layers.%d.eh_proj.weight", gl);
+        m->mtp.embed = add_view(lo, 0, V, D, "model.layers.%d.embed_tokens.weight", gl);
+        m->mtp.layer = layer_views(lo, L, gl);
+        m->mtp.head_norm = add_view(lo, 0, D, 0, "model.layers.%d.shared_head.norm.weight", gl);
+        m->mtp.head = add_view(lo, 0, V, D, "model.layers.%d.shared_head.head.weight", gl);
+        lo->frozen = 0;
+    }
 }
 
 /* 2-D weights ~ normal(0, initializer_range), norm weights 1, biases 0;
@@ -413,6 +438,19 @@ void mrl_model_bf16_convert_range(const mrl_model *m, const float *base, uint16_
         int64_t a = r[i] > lo ? r[i] : lo, b = r[i + 1] < hi ? r[i + 1] : hi;
         if (b > a) m->k->f32_to_bf16(base + a, dst + a, b - a);
     }
+}
+
+int mrl_model_mtp_at(const mrl_model *m, const float *base, mtp_params *out) {
+    *out = (mtp_params){0};
+    if (!m->mtp.eh_proj) return 0;
+#define AT(p) ((p) ? (float *)base + ((p) - m->params) : NULL)
+    const mtp_params *s = &m->mtp;
+    *out = (mtp_params){AT(s->enorm), AT(s->hnorm), AT(s->eh_proj), AT(s->embed), AT(s->head_norm), AT(s->head)};
+    float *const *src = (float *const *)&s->layer;
+    float **dst = (float **)&out->layer;
+    for (size_t i = 0; i < offsetof(layer_params, pq) / sizeof(float *); i++) dst[i] = AT(src[i]);
+#undef AT
+    return 1;
 }
 
 void mrl_model_weights16_at(const mrl_model *m, const uint16_t *base16, mrl_model_weights *out,

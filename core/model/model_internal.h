@@ -79,6 +79,7 @@ struct mrl_model {
     float *embed, *final_norm, *lm_head, *score;
     float *g_embed, *g_final_norm, *g_lm_head, *g_score;
     layer_params *lp, *lg;
+    mtp_params mtp; /* (all NULL without num_nextn_predict_layers) */
     const mrl_kernels *k;
     /* precision (moonrl/model.h): in bf16, w16 holds the bf16 copies the
      * products read (the parameters' layout; lp[l].hq .. hd and lm_head16

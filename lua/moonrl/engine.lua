@@ -74,7 +74,8 @@ end
 -- start of each generate call, see engine.h; false reads them in place), cuda_graphs (default true:
 -- a GPU engine replays its decode steps as CUDA graphs), kv_cache_dtype ('auto' (default): bf16
 -- when the model is bf16, else fp32; 'fp32'; 'bf16': see engine.h), mla_cache (a deepseek_v3 model:
--- 'latent' (default), the latent cache and the absorbed form, or 'expanded': engine.h), seed (default 0).
+-- 'latent' (default), the latent cache and the absorbed form, or 'expanded': engine.h), mtp (default false:
+-- speculative decoding with the model's multi-token prediction layer as the draft, engine.h), seed (default 0).
 function M.new(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.handle == nil then error('engine.new: expected a moonrl.model object', 2) end
@@ -86,7 +87,7 @@ function M.new(model, opts)
   cfg.max_num_batched_tokens = opt_int(opts, 'max_batch_tokens', 1, w) or cfg.max_num_batched_tokens
   cfg.max_num_seqs = opt_int(opts, 'max_seqs', 1, w) or cfg.max_num_seqs
   cfg.max_model_len = opt_int(opts, 'max_model_len', 2, w) or cfg.max_model_len
-  for _, key in ipairs({ 'prefix_caching', 'pack_weights', 'cuda_graphs' }) do
+  for _, key in ipairs({ 'prefix_caching', 'pack_weights', 'cuda_graphs', 'mtp' }) do
     local v = opts[key]
     if v ~= nil and type(v) ~= 'boolean' then
       error(string.format('%s: %s must be true or false (got %s)', w, key, tostring(v)), 2)
@@ -107,7 +108,7 @@ function M.new(model, opts)
   moonrl.check(C.mrl_engine_create(model.handle, cfg, h), 2)
   -- the engine borrows the model: keep it alive with the engine
   local e = setmetatable({ handle = ffi.gc(h[0], C.mrl_engine_free), model = model, seed = opts.seed or 0,
-    pack_weights = cfg.pack_weights ~= 0 }, Engine)
+    pack_weights = cfg.pack_weights ~= 0, mtp = cfg.mtp ~= 0 }, Engine)
   if opts.record_routing then e:record_routing(true) end
   return e
 end
@@ -618,7 +619,8 @@ function Engine:stats()
   C.mrl_engine_get_stats(self.handle, s)
   local t = {}
   for _, k in ipairs({ 'steps', 'prefill_tokens', 'decode_tokens', 'generated_tokens', 'prefix_hit_tokens',
-    'preemptions', 'forks', 'kv_blocks_total', 'kv_blocks_used', 'kv_blocks_free', 'kv_block_size', 'kv_bytes_per_token', 'running',
+    'preemptions', 'forks', 'kv_blocks_total', 'kv_blocks_used', 'kv_blocks_free', 'kv_block_size', 'kv_bytes_per_token',
+    'spec_drafts', 'spec_accepted', 'running',
     'waiting', 'finished' }) do
     t[k] = tonumber(s[k])
   end

@@ -51,6 +51,7 @@ local function config_table(c)
     end
     t.q_lora_rank = c.q_lora_rank ~= 0 and tonumber(c.q_lora_rank) or json.null
     t.rope_interleave = c.rope_interleave ~= 0
+    t.num_nextn_predict_layers = tonumber(c.num_nextn_predict_layers)
     if c.num_experts > 0 then -- DeepSeek-V3's experts (model.h)
       t.n_routed_experts = tonumber(c.num_experts)
       for _, k in ipairs({ 'num_experts_per_tok', 'moe_intermediate_size', 'n_shared_experts', 'n_group', 'topk_group',

@@ -546,6 +546,12 @@ function Recipe:metrics(m, samples, info)
   if rm.stats then m.reward[tostring(self.cfg.reward.name):gsub('%W', '_')] = rm.stats end -- (reward/code/executions, ...)
   m.env = episodes.metrics(rm.env)
   if S.engine and S.engine.remote then m.engine = S.engine:metrics() end
+  if S.engine and S.engine.mtp then -- speculative decoding (engine.mtp): this step's drafts kept, tokens a step
+    local st, last = S.engine:stats(), self.spec_last or { d = 0, a = 0, g = 0, s = 0 }
+    local d, a, g, n = st.spec_drafts - last.d, st.spec_accepted - last.a, st.generated_tokens - last.g, st.steps - last.s
+    self.spec_last = { d = st.spec_drafts, a = st.spec_accepted, g = st.generated_tokens, s = st.steps }
+    m.engine = { spec_acceptance = d > 0 and a / d or 0, tokens_per_step = n > 0 and g / n or 0 }
+  end
   m.response_length = metrics.length_metrics(samples)
   m.data = S:data_metrics()
   m.async = S.rollouts:metrics(info)

@@ -170,21 +170,28 @@ t.test('the latent cache: bytes per token, prefix sharing, forks and pre-emption
   end
 end)
 
-t.test('sft and grpo train a tiny deepseek_v3; the saved model loads back', function()
-  local dir = U.tmpdir('deepseek')
+-- A run directory with config c's model (seed) saved as dir/init and 40 addition problems: dir, the
+-- model's directory, the RL data's path and the SFT data's.
+local function run_setup(tag, c, seed)
+  local dir = U.tmpdir(tag)
   local init = dir .. '/init'
-  models.save({ dir = init }, moonrl.model.new(cfg, { seed = 1 }), U.TOKENIZER, init)
+  models.save({ dir = init }, moonrl.model.new(c, { seed = seed }), U.TOKENIZER, init)
   local sft, rl = {}, {}
   for i, p in ipairs(U.additions(40, 5)) do
     sft[i] = { prompt = p.prompt, response = p.answer }
     rl[i] = { question = p.prompt, answer = p.answer }
   end
-  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. init, 'data.path=' .. U.write_jsonl(dir .. '/sft.jsonl', sft),
+  return dir, init, U.write_jsonl(dir .. '/rl.jsonl', rl), U.write_jsonl(dir .. '/sft.jsonl', sft)
+end
+
+t.test('sft and grpo train a tiny deepseek_v3; the saved model loads back', function()
+  local dir, init, rl_data, sft_data = run_setup('deepseek', cfg, 1)
+  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. init, 'data.path=' .. sft_data,
     'train.steps=8', 'train.batch=8', 'train.lr=3e-3', 'run.threads=1', 'run.dir=' .. dir .. '/sft' })
   local r = U.records(out.dir)
   t.truthy(r[#r].loss < r[1].loss, string.format('the SFT loss falls: %.4f -> %.4f', r[1].loss, r[#r].loss))
   out = U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. out.dir .. '/model',
-    'data.path=' .. U.write_jsonl(dir .. '/rl.jsonl', rl), 'data.prompt=question', 'data.chat=false', 'reward=exact',
+    'data.path=' .. rl_data, 'data.prompt=question', 'data.chat=false', 'reward=exact',
     'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.steps=3', 'grpo.prompts=4', 'grpo.samples=4',
     'grpo.max_tokens=4', 'grpo.kl_coef=0.01', 'run.threads=1', 'run.dir=' .. dir .. '/grpo' })
   r = U.records(out.dir)
@@ -206,12 +213,7 @@ t.test('sft and grpo train a tiny deepseek_v3; the saved model loads back', func
 end)
 
 t.test('grpo on a tiny deepseek_v3 with experts: routing replay logged; moe.aux_loss_coef refused', function()
-  local dir = U.tmpdir('deepseek_moe')
-  local init = dir .. '/init'
-  models.save({ dir = init }, moonrl.model.new(tiny.config('deepseek_v3_moe'), { seed = 2 }), U.TOKENIZER, init)
-  local rl = {}
-  for i, p in ipairs(U.additions(40, 5)) do rl[i] = { question = p.prompt, answer = p.answer } end
-  local data = U.write_jsonl(dir .. '/rl.jsonl', rl)
+  local dir, init, data = run_setup('deepseek_moe', tiny.config('deepseek_v3_moe'), 2)
   local words = { 'model.dir=' .. init, 'data.path=' .. data, 'data.prompt=question', 'data.chat=false',
     'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64', 'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4',
     'grpo.max_tokens=4', 'moe.routing_replay=true', 'run.threads=1' }
@@ -226,6 +228,115 @@ t.test('grpo on a tiny deepseek_v3 with experts: routing replay logged; moe.aux_
   local ok, err = pcall(U.run_recipe, 'recipes/grpo.lua', U.with(words, { 'moe.aux_loss_coef=0.01',
     'run.dir=' .. dir .. '/aux' }))
   t.truthy(not ok and tostring(err):find('has no load-balancing loss', 1, true), tostring(err))
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
+t.test('the multi-token prediction layer: its weights saved and loaded; a config naming it without them loads without it', function()
+  local dir = U.tmpdir('deepseek_mtp')
+  local m = moonrl.model.new(tiny.config('deepseek_v3_moe', { num_nextn_predict_layers = 1 }), { seed = 3 })
+  local names = {}
+  for _, v in ipairs(m:views()) do names[v.name] = v end
+  for _, n in ipairs({ 'enorm', 'hnorm', 'eh_proj', 'embed_tokens', 'shared_head.norm', 'shared_head.head',
+    'self_attn.kv_b_proj', 'mlp.shared_experts.up_proj', 'mlp.experts.5.down_proj' }) do
+    t.truthy(names['model.layers.3.' .. n .. '.weight'], n)
+  end
+  t.eq(names['model.layers.3.eh_proj.weight'].weight_decay, false, 'it does not train: no decay')
+  models.save({ dir = dir .. '/a' }, m, U.TOKENIZER, dir .. '/a')
+  local back = moonrl.model.load(dir .. '/a')
+  t.eq(back.config.num_nextn_predict_layers, 1)
+  t.eq(back.n_params, m.n_params)
+  local a, b = m:params(), back:params()
+  local v = names['model.layers.3.shared_head.head.weight']
+  for i = v.offset, v.offset + v.numel - 1 do t.eq(a[i], b[i]) end
+  -- (Transformers saves none: a config that names it, with no weights)
+  local plain = moonrl.model.new(tiny.config('deepseek_v3_moe'), { seed = 3 })
+  models.save({ dir = dir .. '/b' }, plain, U.TOKENIZER, dir .. '/b')
+  local cj = json.read_file(dir .. '/b/config.json')
+  cj.num_nextn_predict_layers = 1
+  local f = assert(io.open(dir .. '/b/config.json', 'w'))
+  f:write(json.encode(cj))
+  f:close()
+  local loaded = moonrl.model.load(dir .. '/b')
+  t.eq(loaded.config.num_nextn_predict_layers, 0)
+  t.eq(loaded.n_params, plain.n_params)
+  t.raises(function() moonrl.engine.new(plain, { mtp = true }) end, 'needs a model with a multi-token prediction layer')
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
+t.test('speculative decoding with the MTP layer: greedy outputs and log-probs as without it', function()
+  local prompts = { { 1, 5, 9, 3, 7, 4, 8, 6, 3, 2, 9, 5, 7, 1, 4, 6, 8, 3 }, { 3, 4 }, { 6, 6, 7 } }
+  for _, case in ipairs({ { 'fp32', 'deepseek_v3', 'latent' }, { 'fp32', 'deepseek_v3', 'expanded' },
+    { 'bf16', 'deepseek_v3', 'latent' }, { 'fp32', 'deepseek_v3_moe', 'latent' } }) do
+    local m = moonrl.model.new(tiny.config(case[2], { num_nextn_predict_layers = 1 }), { seed = 5 })
+    if case[1] == 'bf16' then m:set_dtype('bf16') end
+    local out, stats = {}, {}
+    for _, mtp in ipairs({ false, true }) do
+      local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 20, block_size = 4, max_batch_tokens = 16, mtp = mtp,
+        mla_cache = case[3] })
+      local reqs = {}
+      for i, p in ipairs(prompts) do reqs[i] = { prompt_ids = p } end
+      out[mtp] = e:generate(reqs, { temperature = 0, max_tokens = 24, eos_ids = {} })
+      stats[mtp] = e:stats()
+    end
+    local what = table.concat(case, ' ')
+    t.truthy(stats[true].spec_drafts > 20 and stats[false].spec_drafts == 0, what .. ': drafts ' .. stats[true].spec_drafts)
+    for i = 1, #prompts do
+      local a, b = out[true][i][1], out[false][i][1]
+      for j = 1, 24 do
+        t.eq(a.ids[j], b.ids[j], what .. ': token ' .. j .. ' of request ' .. i)
+        t.truthy(math.abs(a.logprobs[j] - b.logprobs[j]) < (case[1] == 'bf16' and 2e-2 or 1e-5), what .. ': log-prob')
+      end
+    end
+  end
+end)
+
+t.test('speculative decoding with the MTP layer: the sampled distribution is the model\'s (chi-square)', function()
+  local m = moonrl.model.new(tiny.config('deepseek_v3', { num_nextn_predict_layers = 1, initializer_range = 0.3 }),
+    { seed = 9 })
+  local prompt, V, N = { 1, 5, 9, 3 }, 15, 1500
+  -- the exact distribution of the second new token: sum over the first of p(t1) p(t2 | t1)
+  local first = all_logprobs(m, prompt, V)[#prompt]
+  local second = {}
+  for v = 0, V - 1 do second[v] = 0 end
+  for t1 = 0, V - 1 do
+    local seq = { unpack(prompt) }
+    seq[#seq + 1] = t1
+    local row = all_logprobs(m, seq, V)[#seq]
+    for v = 0, V - 1 do second[v] = second[v] + math.exp(first[t1] + row[v]) end
+  end
+  for _, mtp in ipairs({ false, true }) do
+    local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 22, block_size = 4, max_batch_tokens = 512, mtp = mtp })
+    local reqs = {}
+    for i = 1, N do reqs[i] = { prompt_ids = prompt, prompt_index = i } end
+    local res = e:generate(reqs, { temperature = 1.0, max_tokens = 2, eos_ids = {}, seed = 17 })
+    local count = {}
+    for v = 0, V - 1 do count[v] = 0 end
+    for i = 1, N do count[res[i][1].ids[2]] = count[res[i][1].ids[2]] + 1 end
+    local chi2 = 0
+    for v = 0, V - 1 do chi2 = chi2 + (count[v] - N * second[v]) ^ 2 / (N * second[v]) end
+    local st = e:stats()
+    print(string.format('  mtp %s: chi-square %.1f over %d tokens (14 degrees of freedom, 36.1 at p = 0.001); drafts %d, ' ..
+      'accepted %d', tostring(mtp), chi2, V, st.spec_drafts, st.spec_accepted))
+    t.truthy(chi2 < 36.1, 'the second token\'s distribution is the model\'s: chi-square ' .. chi2)
+    if mtp then
+      t.truthy(st.spec_drafts >= N and st.spec_accepted > 20 and st.spec_accepted < st.spec_drafts,
+        'drafts of every sample, some kept and some not')
+    end
+  end
+end)
+
+t.test('grpo with engine.mtp: the drafts\' acceptance and tokens a step logged', function()
+  local dir, init, data = run_setup('deepseek_mtp_grpo', tiny.config('deepseek_v3', { num_nextn_predict_layers = 1 }), 2)
+  local out = U.run_recipe('recipes/grpo.lua', { 'model.dir=' .. init, 'data.path=' .. data,
+    'data.prompt=question', 'data.chat=false', 'reward=exact', 'train.lr=1e-3', 'train.micro_batch_tokens=64',
+    'grpo.steps=2', 'grpo.prompts=4', 'grpo.samples=4', 'grpo.max_tokens=6', 'engine.mtp=true', 'run.threads=1',
+    'run.dir=' .. dir .. '/grpo' })
+  for _, x in ipairs(U.records(out.dir)) do
+    local acc, tps = x['engine/spec_acceptance'], x['engine/tokens_per_step']
+    t.truthy(acc and acc >= 0 and acc <= 1 and tps and tps > 0, string.format('acceptance %s, tokens a step %s',
+      tostring(acc), tostring(tps)))
+    t.truthy(x['mismatch/max_abs'] < 1e-4, 'engine vs trainer log-probs: max |diff| ' .. x['mismatch/max_abs'])
+  end
   os.execute("rm -rf '" .. dir .. "'")
 end)
 

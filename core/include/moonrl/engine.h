@@ -80,7 +80,21 @@ typedef struct mrl_engine_config {
                                  * made (at the first request), fp32 otherwise; MRL_KV_FP32; MRL_KV_BF16 */
     int mla_cache;              /* a model with multi-head latent attention (deepseek_v3): MRL_MLA_LATENT
                                  * (default) or MRL_MLA_EXPANDED (below); other models: not read */
+    int mtp;                    /* 1: speculative decoding with the model's multi-token prediction layer as
+                                 * the draft (below); 0 (default): none */
 } mrl_engine_config;
+
+/* Speculative decoding (cfg.mtp; a model with num_nextn_predict_layers 1, moonrl/model.h; the CPU):
+ * after each step the MTP layer runs over the step's rows whose next token is known (filling its
+ * own layer of the KV cache) and drafts, from the last one, the token after a sample's next one
+ * (its most likely); the next step runs that sample's last token and the draft together, and
+ * verifies the draft against the model's own distribution: greedy, kept when it is the model's
+ * token; sampling (temperature alone: the samples with top-k, top-p, min-p or top_logprobs take
+ * no draft), kept with the probability the model gives it, else a token of the rest of the
+ * model's distribution drawn, then one more token from the draft's row when it was kept. Every
+ * token has the model's distribution and the model's log-prob; greedy outputs are the same tokens
+ * as without it. One draft token a step (DeepSeek-V3's one MTP layer). mrl_engine_stats counts
+ * the drafts and the accepted ones. */
 
 /* The KV cache of multi-head latent attention (deepseek_v3; docs/models.md):
  *   MRL_MLA_LATENT    each token's normed latent and turned rope key, kv_lora_rank +
@@ -146,6 +160,8 @@ typedef struct mrl_engine_stats {
     int kv_blocks_free;
     int kv_block_size;
     int64_t kv_bytes_per_token; /* the cache's bytes a token holds, every layer's (a latent cache's: its rows) */
+    int64_t spec_drafts;        /* speculative decoding (cfg.mtp): draft tokens verified, and accepted */
+    int64_t spec_accepted;
     int running, waiting, finished;
 } mrl_engine_stats;
 

@@ -143,6 +143,13 @@ typedef struct mrl_model_config {
      *   one SwiGLU MLP of n_shared_experts * moe_intermediate_size (mlp.shared_experts.*). */
     int first_k_dense_replace, n_group, topk_group, n_shared_experts;
     double routed_scaling_factor;
+    /* DeepSeek-V3's multi-token prediction (0 or 1 layer): model.layers.{num_hidden_layers}.*, the
+     * previous position's final hidden state (normed, hnorm) and the next token's embedding
+     * (embed_tokens of its own, normed, enorm) through eh_proj, a decoder layer and a head of
+     * its own (shared_head.norm, shared_head.head): the next-but-one token. The generation engine
+     * drafts with it (engine.h, mtp); the trainer's forward does not run it. A directory whose
+     * config names it without its weights (Transformers drops them) loads without it. */
+    int num_nextn_predict_layers;
 } mrl_model_config;
 
 /* 1 when layer l of this config has a mixture-of-experts MLP (above). */

@@ -70,6 +70,7 @@ function M.engine_config(over)
     max_batch_tokens = config.integer(2048, { min = 1, max = 2 ^ 24 }), max_seqs = config.integer(256, { min = 1, max = 2 ^ 20 }),
     block_size = config.integer(16, { min = 1, max = 4096 }), cuda_graphs = true, kv_cache_dtype = 'auto',
     mla_cache = 'latent', -- a deepseek_v3 model's cache: latent (the absorbed form) or expanded (moonrl.engine)
+    mtp = false, -- speculative decoding with the model's multi-token prediction layer as the draft (moonrl.engine)
     pack_weights = true, -- the CPU's weight panels, a copy of the matrices (false: read in place; a quantized base never packs)
     -- rollouts on servers in other processes (moonrl.train.remote): vllm, or moonrl with urls or launch
     backend = 'moonrl', urls = config.optional('string', 'servers to generate on: http://host:port, comma-separated'),

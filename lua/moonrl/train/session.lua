@@ -205,7 +205,7 @@ function M.start(cfg, opts)
     local ok, made = pcall(moonrl.engine.new, gen, { kv_cache_bytes = e.kv_cache_mb * 2 ^ 20,
       block_size = e.block_size, max_batch_tokens = e.max_batch_tokens, max_seqs = e.max_seqs, seed = cfg.run.seed,
       cuda_graphs = e.cuda_graphs ~= false, kv_cache_dtype = e.kv_cache_dtype, pack_weights = e.pack_weights ~= false,
-      mla_cache = e.mla_cache })
+      mla_cache = e.mla_cache, mtp = e.mtp == true })
     if not ok then moonrl.usage_error('engine.*: ' .. moonrl.error_text(made)) end
     engine = made
   end
