@@ -8,6 +8,8 @@
 --   for each micro-batch of this rank's share: forward -> log πθ of every token; loss =
 --     token-mean(−log πθ) over the response tokens of the WHOLE batch (global denominator); backward
 --   clip the gradient norm; AdamW step with the scheduled learning rate (train.sft_step)
+-- train.mtp_weight > 0 (a deepseek_v3 model with its MTP layer): the loss adds that weight times the
+-- MTP layer's mean -log πθ of the next-but-one response tokens (DeepSeek-V3's MTP objective)
 -- every eval.every steps: the eval loss on the held-out split, and greedy answers to its prompts
 -- judged by the reward (default exact) against the reference responses: eval/accuracy
 -- The model is saved in Hugging Face format (with the tokenizer files) to <run dir>/model.
@@ -25,7 +27,8 @@ local sft = rl.supervised {
     data = { prompt = 'prompt', response = 'response', -- JSON keys of the fields
              eval_fraction = config.number(0.05, { min = 0, below = 1 }), -- held out (data.path; a task has its own),
              eval_max = config.integer(1000, { min = 0 }) },                -- at most this many records
-    train = { batch = config.integer(16, { min = 1 }), schedule = 'cosine' },
+    train = { batch = config.integer(16, { min = 1 }), schedule = 'cosine',
+              mtp_weight = config.number(0, { min = 0 }) }, -- the MTP layer's loss weight (deepseek_v3; 0: not trained)
   },
   aliases = { eval_every = 'eval.every' },
 }
@@ -64,6 +67,7 @@ end
 -- response fields), eval.task, else the split's
 function sft:setup()
   local S, cfg = self.S, self.cfg
+  if cfg.train.mtp_weight > 0 then S.policy:set_mtp_loss(cfg.train.mtp_weight) end -- (DeepSeek-V3's MTP objective)
   self.batches = S:dataset('train', self.train_set:shuffled(cfg.run.seed)):batches(cfg.train.batch, { epochs = math.huge })
   self.eval_samples = {}
   local own = {}
@@ -102,6 +106,7 @@ end
 function sft:metrics(m, step)
   local cfg = self.cfg
   m.ppl = math.exp(math.min(m.loss, 50))
+  if cfg.train.mtp_weight > 0 then m.mtp_loss = self.S.policy:mtp_loss() end -- (the step's last micro-batch's)
   m.data = { skipped = self.all:stats().skipped }
   if #self.eval_samples > 0 and (E.due(cfg, step) or step == cfg.train.steps) then
     m.eval_loss = self.S:phase('eval', self.nll, self, self.eval_samples)

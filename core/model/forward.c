@@ -182,6 +182,7 @@ int64_t mrl_model_layout_acts(mrl_model *m, int64_t T, char *base) {
         for (int i = 0; i < 3; i++) TAKE(m->dev_io[i], float, T);
     }
     if (n_moe) TAKE(m->route_used, int16_t, T * n_moe * c->num_experts_per_tok); /* mrl_model_get_routing */
+    if (m->mtp_weight > 0) off += mrl_mtp_acts_layout(m, T, base ? base + off : NULL); /* (mtp.c) */
 #undef TAKE
     return off;
 }
@@ -456,6 +457,10 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     }
     if (m->tp_vocab && lp_out && !b->targets) k->zero(lp_out, (int64_t)sizeof(float) * T);
     if (values) k->gemm(0, 1, T, 1, D, 1.0f, m->lnf, D, m->score, D, 0.0f, val_out, 1); /* [T,1] */
+    if (m->mtp_weight > 0 && (st = mrl_mtp_forward(m, T))) { /* the multi-token prediction layer (mtp.c) */
+        m->have_forward = 0;
+        return st;
+    }
     if (cp) { /* every rank's tokens' outputs (cp.c) */
         if (logprobs) mrl_model_cp_gather(m, lp_out, logprobs);
         if (entropy) mrl_model_cp_gather(m, m->head_ent, entropy);
@@ -475,7 +480,7 @@ mrl_status mrl_model_forward(mrl_model *m, const mrl_batch *b, float temperature
     /* the last head chunk's logits are still in the buffer (a batch that fits
      * one chunk: all of them): the backward, which takes the chunks last
      * first, starts from them instead of recomputing that product */
-    m->logits_kept = T > 0;
+    m->logits_kept = T > 0 && m->mtp_weight <= 0; /* (the MTP's head used the buffer after) */
     m->have_forward = 1;
     return MRL_OK;
 }
@@ -512,6 +517,8 @@ static mrl_status head_backward(mrl_model *m, const float *dlogprobs, const floa
                (st = mrl_model_use(m, layers_end, m->n_params, last_lo, layers_end))) {
         return st;
     }
+    int mtp = m->mtp_weight > 0 && dlogprobs; /* the MTP layer's part of dlnf first (mtp.c: it uses the scratch) */
+    if (mtp) mrl_mtp_backward(m, dlogprobs, T);
     float *dlnf = m->gs.dln; /* [T,D] */
     k->zero(dlnf, (int64_t)sizeof(float) * T * D);
     int64_t rows = head_rows(m, T);
@@ -533,6 +540,7 @@ static mrl_status head_backward(mrl_model *m, const float *dlogprobs, const floa
             if (m->g_lm_head) k->gemm(1, 0, V, D, n, 1.0f, m->logits, V, x, D, 1.0f, m->g_lm_head, D); /* dW [V,D] */
             k->gemm(0, 0, n, D, V, 1.0f, m->logits, V, m->lm_head, D, 1.0f, dlnf + t0 * D, D); /* dlnf [n,D] */
         }
+    if (mtp) k->add(dlnf, m->mtp_dlnf, T * D);
     /* sequence parallel: this rank's rows of it (each rank's vocabulary part summed) from here */
     int64_t own = m->tp_seq ? m->sp_tl : T, r0 = m->tp_seq ? m->sp_t0 : 0;
     if (m->tp_seq) {

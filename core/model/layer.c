@@ -392,11 +392,18 @@ void mrl_layer_forward(mrl_model *m, int l, int64_t T) {
                        Hk / cp, c->head_dim, scale);
         mrl_model_cp_to_tokens(m, a->att_h, Hq, a->att);
     } else {
-        mrl_layer_qkv(m, &m->lp[l], a, m->xs[l], m->pos, T);
-        m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs, Hq, Hk,
-                       c->head_dim, scale);                              /* [T,Q] [T,Hq] */
+        mrl_layer_forward_io(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
+        return;
     }
     mrl_layer_out(m, &m->lp[l], a, m->xs[l], m->xs[l + 1], T);
+}
+
+void mrl_layer_forward_io(mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out, int64_t T) {
+    const mrl_model_config *c = &m->cfg;
+    mrl_layer_qkv(m, p, a, x, m->pos, T);
+    m->k->attn_fwd(a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix, m->batch.n_seqs,
+                   c->num_attention_heads, c->num_key_value_heads, c->head_dim, mrl_model_attn_scale(c)); /* [T,Q] */
+    mrl_layer_out(m, p, a, x, out, T);
 }
 
 /* Back through q, k, v of T tokens from datt (in s->datt, [T,Q], the attention output's
@@ -527,10 +534,13 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
         sp_backward(m, l, T);
         return;
     }
+    mrl_layer_backward_io(m, &m->lp[l], &m->lg[l], &m->la[l], m->xs[l], T);
+}
+
+void mrl_layer_backward_io(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                           const float *x, int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
-    const layer_params *p = &m->lp[l], *g = &m->lg[l];
-    const layer_acts *a = &m->la[l];
     const grad_scratch *s = &m->gs;
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, Hq = c->num_attention_heads,
         Hk = c->num_key_value_heads, Q = Hq * hd;
@@ -564,7 +574,7 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
         k->attn_bwd(s->dq, s->dk, s->dv, s->datt, a->att, a->lse, a->q, a->k, a->v, m->op_cu_seqlens, m->op_prefix,
                     m->batch.n_seqs, Hq, Hk, hd, mrl_model_attn_scale(c));
         mla_backward(m, p, g, a, s, a->ln1, T);
-        k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
+        k->rmsnorm_bwd(s->dx, g->ln1, s->dln, x, p->ln1, a->rstd1, T, D); /* dx = dL/dx */
         return;
     }
     mrl_gemm_desc o[2] = {lin_dw(g->wo, s->dx, a->att, T, D, Q),        /* dWo [D,Q] */
@@ -587,5 +597,5 @@ void mrl_layer_backward(mrl_model *m, int l, int64_t T) {
     }
     qkv_backward(m, p, g, a, s, a->ln1, T);
     mrl_model_tp_sum(m, s->dln, T * D);                                  /* (tensor parallel) */
-    k->rmsnorm_bwd(s->dx, g->ln1, s->dln, m->xs[l], p->ln1, a->rstd1, T, D); /* dx = dL/dx */
+    k->rmsnorm_bwd(s->dx, g->ln1, s->dln, x, p->ln1, a->rstd1, T, D); /* dx = dL/dx */
 }

@@ -265,6 +265,7 @@ static void point_grads(mrl_model *m) {
     m->g_final_norm = grad_of(m, m->final_norm);
     m->g_lm_head = grad_of(m, m->lm_head);
     m->g_score = grad_of(m, m->score);
+    if (m->grads) mrl_model_mtp_at(m, m->grads, &m->g_mtp);
 }
 
 /* g = where p's gradient lies in window w of [lo, hi) (NULL: p is not there) */

@@ -80,6 +80,14 @@ struct mrl_model {
     float *g_embed, *g_final_norm, *g_lm_head, *g_score;
     layer_params *lp, *lg;
     mtp_params mtp; /* (all NULL without num_nextn_predict_layers) */
+    /* training it (mtp.c, mrl_model_set_mtp_loss): its weight, the last forward's loss, its
+     * gradients' pointers, its layer's activations and its buffers (carved with the activations) */
+    double mtp_weight, mtp_loss;
+    mtp_params g_mtp;
+    layer_acts mtp_a;
+    float *mtp_e, *mtp_en, *mtp_hn, *mtp_cat, *mtp_x0, *mtp_out, *mtp_on, *mtp_rstd; /* [T,D].. [T,2D] [T,D]x3 [3T] */
+    float *mtp_lp, *mtp_lse, *mtp_ent, *mtp_dlp, *mtp_dlnf;                        /* [T] x4, [T,D] */
+    int32_t *mtp_next, *mtp_tgt;                                                   /* [T] x2 */
     const mrl_kernels *k;
     /* precision (moonrl/model.h): in bf16, w16 holds the bf16 copies the
      * products read (the parameters' layout; lp[l].hq .. hd and lm_head16
@@ -315,6 +323,19 @@ const float *mrl_model_host_params(mrl_model *m, float **tmp);
 /* layer.c (and, in layer.h, the two halves the engine shares) */
 void mrl_layer_forward(mrl_model *m, int l, int64_t T);
 void mrl_layer_backward(mrl_model *m, int l, int64_t T);
+/* The same for a layer of the caller's (the multi-token prediction layer's, mtp.c): parameters p,
+ * gradients g, activations a, input x, output out; the plain path (no sequence or context
+ * parallel, no routing replay or expert parallelism: a->replay and a->ep NULL). */
+/* mtp.c: the multi-token prediction layer's training (mrl_model_set_mtp_loss): its buffers for
+ * T tokens (base NULL: counted), its forward after the head's (m->lnf), and its backward from the
+ * caller's dlogprobs into m->mtp_dlnf (the gradient of m->lnf through it), its weights' gradients
+ * added. */
+int64_t mrl_mtp_acts_layout(mrl_model *m, int64_t T, char *base);
+mrl_status mrl_mtp_forward(mrl_model *m, int64_t T);
+void mrl_mtp_backward(mrl_model *m, const float *dlogprobs, int64_t T);
+void mrl_layer_forward_io(mrl_model *m, const layer_params *p, layer_acts *a, const float *x, float *out, int64_t T);
+void mrl_layer_backward_io(mrl_model *m, const layer_params *p, const layer_params *g, const layer_acts *a,
+                           const float *x, int64_t T);
 /* layer.c: the products of one stage, fp32 together or bf16 one by one
  * (w16[i]: product i's weight as a bf16 copy, or NULL) */
 void mrl_layer_products(const mrl_model *m, const mrl_gemm_desc *d, const uint16_t *const *w16, int n);

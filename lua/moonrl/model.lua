@@ -683,6 +683,14 @@ function Model:set_router_aux_coef(coef)
   C.mrl_model_set_router_aux_coef(self.handle, coef)
 end
 function Model:router_aux_coef() return tonumber(C.mrl_model_router_aux_coef(self.handle)) end
+-- Training the multi-token prediction layer (deepseek_v3 with num_nextn_predict_layers 1; model.h's
+-- mrl_model_set_mtp_loss): weight w > 0 adds w times the main loss's weights on its log-probs of the
+-- next-but-one tokens; mtp_loss(): the last forward's mean -log-prob of them.
+function Model:set_mtp_loss(w)
+  if type(w) ~= 'number' or not (w >= 0) then error('set_mtp_loss: expected a number >= 0', 2) end
+  moonrl.check(C.mrl_model_set_mtp_loss(self.handle, w), 2)
+end
+function Model:mtp_loss() return tonumber(C.mrl_model_mtp_loss(self.handle)) end
 -- Routing replay (model.h, mrl_batch.routing): the sparse layers (0 for a dense model); the experts
 -- the last forward sent each token to (int16_t[n_tokens * num_moe_layers * num_experts_per_tok]);
 -- and of its (token, sparse layer) pairs, how many were replayed and how many of those differ

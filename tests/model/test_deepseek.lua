@@ -340,4 +340,27 @@ t.test('grpo with engine.mtp: the drafts\' acceptance and tokens a step logged',
   os.execute("rm -rf '" .. dir .. "'")
 end)
 
+t.test('sft with train.mtp_weight teaches the MTP layer: its loss falls, the engine\'s drafts are kept more often', function()
+  local c = tiny.config('deepseek_v3', { num_nextn_predict_layers = 1 })
+  local dir, init, _, sft_data = run_setup('deepseek_mtp_sft', c, 4)
+  local function acceptance(model_dir)
+    local m = moonrl.model.load(model_dir)
+    local e = moonrl.engine.new(m, { kv_cache_bytes = 2 ^ 22, block_size = 4, max_batch_tokens = 256, mtp = true })
+    local reqs = {}
+    for i, p in ipairs(U.additions(24, 9)) do reqs[i] = { prompt = p.prompt } end
+    e:generate(reqs, { temperature = 0, max_tokens = 8, eos_ids = {}, tokenizer = moonrl.tokenizer.load(U.TOKENIZER) })
+    local st = e:stats()
+    return st.spec_accepted / math.max(st.spec_drafts, 1)
+  end
+  local before = acceptance(init)
+  local out = U.run_recipe('recipes/sft.lua', { 'model.dir=' .. init, 'data.path=' .. sft_data, 'train.steps=40',
+    'train.batch=8', 'train.lr=1e-2', 'train.mtp_weight=0.5', 'run.threads=1', 'run.dir=' .. dir .. '/sft' })
+  local r = U.records(out.dir)
+  t.truthy(r[#r].mtp_loss < r[1].mtp_loss, string.format('the MTP loss falls: %.3f -> %.3f', r[1].mtp_loss, r[#r].mtp_loss))
+  local after = acceptance(out.dir .. '/model')
+  print(string.format('  greedy drafts kept: %.2f before, %.2f after', before, after))
+  t.truthy(after > before, 'the trained MTP layer drafts better')
+  os.execute("rm -rf '" .. dir .. "'")
+end)
+
 t.done()

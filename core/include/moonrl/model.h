@@ -665,6 +665,17 @@ mrl_status mrl_model_get_routing(const mrl_model *m, int16_t *out, int64_t cap);
 void mrl_model_routing_replay_stats(const mrl_model *m, int64_t *replayed, int64_t *differ);
 void mrl_model_set_router_aux_coef(mrl_model *m, double coef);
 double mrl_model_router_aux_coef(const mrl_model *m);
+/* Training the multi-token prediction layer (a model with num_nextn_predict_layers 1; weight 0,
+ * the default: off, its weights untouched). With weight w > 0 each forward also runs the MTP layer
+ * on every token t of a sequence (the final hidden state of t, the embedding of token t + 1) and
+ * takes its log-prob of token t + 2; the backward then adds w times the main loss's own weight of
+ * position t + 1 (the caller's dlogprobs[t + 1]) on that log-prob, through the MTP layer and into
+ * the model (DeepSeek-V3's MTP objective, weighted as the main one: in SFT, w times the mean
+ * cross-entropy of the next-but-one tokens). mrl_model_mtp_loss: the mean -log-prob of those
+ * tokens, of the last backward's (over the tokens its loss weighs), or of a forward's after (all). The CPU, without tensor, context, pipeline or sequence parallel,
+ * sharded parameters, gradient windows, LoRA or shared prompts (MRL_ERR_UNSUPPORTED naming it). */
+mrl_status mrl_model_set_mtp_loss(mrl_model *m, double weight);
+double mrl_model_mtp_loss(const mrl_model *m);
 /* Expert parallelism over the ranks of d (a qwen3_moe model; d NULL: off, every expert here).
  * The experts of every sparse layer are cut over d's ranks in contiguous blocks
  * (mrl_dist_shard of num_experts: mrl_model_expert_range), and the forward and backward of
