@@ -2,6 +2,7 @@
  * token by token. The fast table runs the reference's rows over the threads: each token's
  * outputs are its own, so both give the same bits. The rotation's products and sums are fp32 with
  * no fused multiply-add (rope's arithmetic, and the CUDA table's __fmul_rn). */
+#include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,19 +229,11 @@ mrl_status mrl_cpu_ref_mla_paged_attn(const mrl_paged_attn *a) {
 /* The fast table's: the batch's query tokens over the threads; each reads its context's rows once
  * for all its heads (the heads share the one latent row: multi-query attention over it), scores
  * and sums in fp32. */
-/* x . y over n values in 16 lanes of fp32 sums (the compiler's vectors), then the lanes and the
- * tail added in order: the same bits on every CPU this build runs on. */
-static float dot_lanes(const float *x, const float *y, int n) {
-    float lane[16] = {0};
-    int d = 0;
-    for (; d + 16 <= n; d += 16)
-        for (int j = 0; j < 16; j++) lane[j] += x[d + j] * y[d + j];
-    float sum = 0;
-    for (int j = 0; j < 16; j++) sum += lane[j];
-    for (; d < n; d++) sum += x[d] * y[d];
-    return sum;
-}
-
+/* The fast table's: the batch's query tokens over the threads; each takes its context a block at a
+ * time as two products (OpenBLAS, fp32): the scores of every head against the block's rows
+ * [H, W] x [rows, W]^T, then, with the softmax's weights, the rows' first hv values summed
+ * [H, rows] x [rows, hv] (the heads share the one latent row: multi-query attention over it). A
+ * bf16 cache's block is widened first. */
 typedef struct latent_job {
     const mrl_paged_attn *a;
     const int32_t *seq_of; /* [T] each query token's sequence */
@@ -248,24 +241,36 @@ typedef struct latent_job {
     mrl_status st;
 } latent_job;
 
+/* block b's rows [rows, hd] of the cache as fp32: in place, or widened into buf */
+static const float *latent_block(const mrl_paged_attn *a, int32_t b, int rows, float *buf) {
+    int64_t at = (int64_t)b * a->block_size * a->hd;
+    if (!a->kv_bf16) return (const float *)a->k_cache + at;
+    const uint16_t *h = (const uint16_t *)a->k_cache + at;
+    int64_t n = (int64_t)rows * a->hd;
+    uint32_t *u = (uint32_t *)buf;
+    for (int64_t i = 0; i < n; i++) u[i] = (uint32_t)h[i] << 16; /* (bf16's widening: exact) */
+    return buf;
+}
+
 static void attend_rows(void *vc, int64_t t0, int64_t t1) {
     latent_job *job = vc;
     const mrl_paged_attn *a = job->a;
-    int H = a->Hq, hd = a->hd, hv = a->hv ? a->hv : hd;
-    float *s = malloc(sizeof(float) * ((size_t)H * job->max_ctx + hd + H));
+    int H = a->Hq, hd = a->hd, hv = a->hv ? a->hv : hd, bs = a->block_size;
+    float *s = malloc(sizeof(float) * ((size_t)H * job->max_ctx + (size_t)bs * hd + H));
     if (!s) {
         job->st = MRL_ERR_NOMEM;
         return;
     }
-    float *buf = s + (size_t)H * job->max_ctx, *inv = buf + hd;
+    float *buf = s + (size_t)H * job->max_ctx, *inv = buf + (size_t)bs * hd;
     for (int64_t t = t0; t < t1; t++) {
         int i = job->seq_of[t], n_q = a->query_start[i + 1] - a->query_start[i];
-        int pos = a->seq_lens[i] - n_q + (int)(t - a->query_start[i]), n = pos + 1;
+        int n = a->seq_lens[i] - n_q + (int)(t - a->query_start[i]) + 1;
         const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
         const float *q = a->q + t * H * hd;
-        for (int c = 0; c < n; c++) {
-            const float *r = latent_row(a, table, c, buf);
-            for (int h = 0; h < H; h++) s[(int64_t)h * n + c] = dot_lanes(q + (int64_t)h * hd, r, hd) * a->scale;
+        for (int c0 = 0; c0 < n; c0 += bs) {
+            int rows = n - c0 < bs ? n - c0 : bs;
+            const float *k = latent_block(a, table[c0 / bs], rows, buf);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, H, rows, hd, a->scale, q, hd, k, hd, 0.0f, s + c0, n);
         }
         for (int h = 0; h < H; h++) { /* the softmax's weights, unnormalised; inv[h] = 1 / their sum */
             float *sh = s + (int64_t)h * n, m = sh[0], sum = 0;
@@ -274,13 +279,11 @@ static void attend_rows(void *vc, int64_t t0, int64_t t1) {
             inv[h] = 1.0f / sum;
         }
         float *o = a->out + t * H * hv;
-        memset(o, 0, sizeof(float) * (size_t)H * hv);
-        for (int c = 0; c < n; c++) {
-            const float *r = latent_row(a, table, c, buf);
-            for (int h = 0; h < H; h++) {
-                float p = s[(int64_t)h * n + c], *oh = o + (int64_t)h * hv;
-                for (int d = 0; d < hv; d++) oh[d] += p * r[d];
-            }
+        for (int c0 = 0; c0 < n; c0 += bs) {
+            int rows = n - c0 < bs ? n - c0 : bs;
+            const float *k = latent_block(a, table[c0 / bs], rows, buf);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, H, hv, rows, 1.0f, s + c0, n, k, hd, c0 ? 1.0f : 0.0f,
+                        o, hv);
         }
         for (int h = 0; h < H; h++) {
             float *oh = o + (int64_t)h * hv;
