@@ -13,6 +13,7 @@ local cfg = moonrl.config {
   steps = moonrl.config.integer(300, { min = 1 }), hidden = moonrl.config.integer(384, { min = 64 }),
   layers = moonrl.config.integer(4, { min = 1 }), prompts = moonrl.config.integer(64, { min = 1 }),
   rounds = moonrl.config.integer(3, { min = 1 }), dir = '/tmp/moonrl_mtp_bench',
+  tokens = moonrl.config.integer(12, { min = 1 }), -- new tokens a prompt (the answers' 12; the pattern goes on past them)
   trained = false, -- true: the model dir's sft/model from an earlier run (no training again)
 }
 local exe = rawget(_G, 'MOONRL_EXE') or 'moonrl'
@@ -66,7 +67,7 @@ for _, temp in ipairs({ 0, 1 }) do
       local e = engines[mtp]
       local before = e:stats()
       local t1 = moonrl.now()
-      local out = e:generate(reqs, { temperature = temp, max_tokens = 12, eos_ids = {}, seed = 3 })
+      local out = e:generate(reqs, { temperature = temp, max_tokens = cfg.tokens, eos_ids = {}, seed = 3 })
       local dt = moonrl.now() - t1
       local after = e:stats()
       local n = 0
@@ -87,8 +88,8 @@ for i = 1, #reqs do
   for j = 1, #a do total, same = total + 1, same + (a[j] == b[j] and 1 or 0) end
 end
 print(string.format('%s; deepseek_v3 shapes (%d layers, hidden %d, 8 heads, a latent of %d, one MTP layer), fp32; ' ..
-  'SFT %d steps with train.mtp_weight 0.5 (%.0f s; loss %.3f, mtp_loss %.3f); %d prompts x 12 tokens; best of %d rounds',
-  cpu, cfg.layers, cfg.hidden, cfg.hidden / 4, cfg.steps, train_s, last.loss, last.mtp_loss or 0, cfg.prompts, cfg.rounds))
+  'SFT %d steps with train.mtp_weight 0.5 (%.0f s; loss %.3f, mtp_loss %.3f); %d prompts x %d tokens; best of %d rounds',
+  cpu, cfg.layers, cfg.hidden, cfg.hidden / 4, cfg.steps, train_s, last.loss, last.mtp_loss or 0, cfg.prompts, cfg.tokens, cfg.rounds))
 print('| sampling | without MTP, tokens/s | with MTP, tokens/s | speed-up | drafts kept | tokens a sample\'s decode step |')
 print('|---|---|---|---|---|---|')
 for _, temp in ipairs({ 0, 1 }) do

@@ -262,13 +262,18 @@ static void rebase(mrl_engine *e, const float *base) {
     e->reads_own = base == mrl_model_params(e->m);
 }
 
+/* Layer l's parameters, the MTP layer's after the last (cfg.mtp: its panels packed too). */
+static layer_params *panel_layer(mrl_engine *e, int l) {
+    return l < e->mc->num_hidden_layers ? &e->lp[l] : &e->mtpw.layer;
+}
+
 /* The panels' floats; with e->panels, also point each layer's matrices at
  * their place in it (one walk gives both, so they cannot disagree). */
 static int64_t point_panels(mrl_engine *e) {
     mrl_layer_matrix mats[7];
     int64_t off = 0;
-    for (int l = 0; l < e->mc->num_hidden_layers; l++) {
-        mrl_layer_matrices(e->mc, &e->lp[l], mats);
+    for (int l = 0; l < e->mc->num_hidden_layers + e->mtp; l++) {
+        mrl_layer_matrices(e->mc, panel_layer(e, l), mats);
         for (int i = 0; i < 7; i++) {
             if (!mats[i].w) continue; /* a sparse layer's MLP: its experts are read in place */
             if (e->panels) *mats[i].panels = e->panels + off;
@@ -284,7 +289,7 @@ static void pack_range(void *ctx, int64_t first, int64_t last) {
     const mrl_kernels *k = mrl_model_kernels(e->m);
     mrl_layer_matrix mats[7];
     for (int64_t index = first; index < last; index++) {
-        mrl_layer_matrices(e->mc, &e->lp[index / 7], mats);
+        mrl_layer_matrices(e->mc, panel_layer(e, (int)(index / 7)), mats);
         const mrl_layer_matrix *mat = &mats[index % 7];
         if (!mat->w) continue;
         k->panels_pack((float *)*mat->panels, mat->w, mat->N, mat->K); /* e->panels, ours to write */
@@ -294,7 +299,7 @@ static void pack_range(void *ctx, int64_t first, int64_t last) {
 /* Copy the weights read (base) into the panels, the matrices spread over the threads. */
 static void pack_panels(mrl_engine *e) {
     point_panels(e); /* rebase (attach_params) leaves the layers without panel pointers */
-    mrl_parallel_for((int64_t)e->mc->num_hidden_layers * 7, 1, pack_range, e);
+    mrl_parallel_for((int64_t)(e->mc->num_hidden_layers + e->mtp) * 7, 1, pack_range, e);
     e->panels_stale = 0;
 }
 
@@ -812,18 +817,64 @@ static mrl_status paged_layer(mrl_engine *e, layer_params *p, const mrl_sched_ba
     return MRL_OK;
 }
 
+/* A step over the latent cache with whole prompts and other rows (decodes, later chunks) together:
+ * the whole prompts' sequences in the expanded form (attention over their own rows), the others'
+ * in the absorbed form over the cache; runs of sequences of one form each one call. Every row's
+ * latent row is cached; att_v is each form's output (mrl_layer_out reads it as it is). */
+static mrl_status mixed_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *hb, const mrl_sched_batch *b,
+                              int l, int64_t T, float *x) {
+    const mrl_model *m = e->m;
+    const mrl_model_config *c = e->mc;
+    const mrl_kernels *k = mrl_model_kernels(m);
+    layer_acts *a = &e->a;
+    int W = c->kv_lora_rank + c->qk_rope_head_dim, H = c->num_attention_heads, dv = c->v_head_dim;
+    a->mla_absorbed = 0;
+    mrl_layer_qkv(m, p, a, x, b->positions, T);          /* q, k, v of every row (and qf, cn, kr) */
+    mrl_layer_mla_absorb(m, p, a, b->positions, T);      /* qabs and the latent rows of every row */
+    k->latent_kv_write(mrl_kv_cache_k(e->kv, l), a->mla_lat, b->slot_mapping, T, W, mrl_kv_cache_get_config(e->kv)->bf16);
+    mrl_paged_attn args;
+    mrl_status st = mrl_sched_attn_args(b, e->kv, l, H, a->mla_qabs, a->mla_olat, &args);
+    if (st) return st;
+    args.hv = c->kv_lora_rank, args.scale = mrl_model_attn_scale(c);
+    for (int i0 = 0, i1; i0 < hb->n_seqs; i0 = i1) {
+        int whole = hb->query_start[i0 + 1] - hb->query_start[i0] == hb->seq_lens[i0];
+        for (i1 = i0 + 1; i1 < hb->n_seqs && (hb->query_start[i1 + 1] - hb->query_start[i1] == hb->seq_lens[i1]) == whole;)
+            i1++;
+        if (whole) { /* (the rows' offsets are the batch's own: query_start from i0) */
+            k->attn_fwd(a->att, e->mla_lse, a->q, a->k, a->v, b->query_start + i0, NULL, i1 - i0, H, H, c->head_dim,
+                        args.scale);
+            continue;
+        }
+        mrl_paged_attn run = args;
+        run.query_start = b->query_start + i0, run.seq_lens = b->seq_lens + i0, run.n_seqs = i1 - i0;
+        run.block_tables = b->block_tables + (int64_t)i0 * b->max_blocks_per_seq;
+        if ((st = k->mla_paged_attn(&run))) return st;
+    }
+    mrl_layer_mla_unabsorb(m, p, a, T); /* att_v of every row from olat, then the whole prompts' own */
+    for (int i = 0; i < hb->n_seqs; i++) {
+        int64_t q0 = hb->query_start[i], n = hb->query_start[i + 1] - q0;
+        if (n == hb->seq_lens[i])
+            k->copy_rows(a->att_v + q0 * H * dv, dv, a->att + q0 * H * c->head_dim, c->head_dim, n * H, dv);
+    }
+    a->mla_absorbed = 2;
+    mrl_layer_out(m, p, a, x, x, T);
+    a->mla_absorbed = 0;
+    return MRL_OK;
+}
+
 /* Layer l of a step over the latent cache (engine.h, MRL_MLA_LATENT). A step of whole prompts
  * (fresh: no row attends to a cached one) runs the expanded form, the trainer's (layer.c: every
  * head's K and V from the latent, attention over the step's rows), and caches each token's latent
  * row; any other step (decodes, a prompt's later chunk, a cached prefix) the absorbed form: the
  * absorbed queries and this step's latent rows, the rows into their slots, the attention over
  * each sequence's rows, the output taken back through kv_b_proj's value rows. */
-static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *b, int l, int64_t T, int fresh,
-                               float *x) {
+static mrl_status latent_layer(mrl_engine *e, layer_params *p, const mrl_sched_batch *hb, const mrl_sched_batch *b,
+                               int l, int64_t T, int fresh, float *x) {
     const mrl_model *m = e->m;
     const mrl_model_config *c = e->mc;
     const mrl_kernels *k = mrl_model_kernels(m);
     int W = c->kv_lora_rank + c->qk_rope_head_dim, H = c->num_attention_heads;
+    if (fresh == 2) return mixed_layer(e, p, hb, b, l, T, x);
     if (fresh) {
         layer_acts *a = &e->a;
         a->mla_absorbed = 0;
@@ -875,15 +926,16 @@ static mrl_status run_model(mrl_engine *e, const mrl_sched_batch *hb, const mrl_
     /* a quantized base: a step of few rows (decode) reads its blocks (the qgemm op), a longer one
      * makes each layer whole (its products are then the trainer's) */
     int quantized = e->reads_own && mrl_model_quantized_bytes(m) > 0;
-    int fresh = e->latent && hb->n_decode_tokens == 0; /* (a latent cache: a step of whole prompts alone) */
-    for (int i = 0; fresh && i < hb->n_seqs; i++) fresh = hb->query_start[i + 1] - hb->query_start[i] == hb->seq_lens[i];
+    int prompts = 0; /* a latent cache: its sequences whose whole prompts run now (fresh: all 1, some 2, none 0) */
+    for (int i = 0; e->latent && i < hb->n_seqs; i++) prompts += hb->query_start[i + 1] - hb->query_start[i] == hb->seq_lens[i];
+    int fresh = prompts == 0 ? 0 : prompts == hb->n_seqs ? 1 : 2;
     int blocks = quantized && e->qlayers && T <= QGEMM_ROWS, whole = quantized && !blocks;
     for (int l = 0, ord = 0; l < c->num_hidden_layers && !st; l++) {
         layer_params *p = &e->lp[l];
         p->quant = blocks ? &e->qlayers[l] : NULL;
         for (int i = 0; i < n_segs; i++) e->segs[i].L = e->segs[i].ad ? mrl_lora_layer(e->segs[i].ad, l) : NULL;
         if (whole && (st = mrl_model_layer_use(e->m, l))) break;
-        st = e->latent ? latent_layer(e, p, b, l, T, fresh, e->x) : paged_layer(e, p, b, l, T, e->x);
+        st = e->latent ? latent_layer(e, p, hb, b, l, T, fresh, e->x) : paged_layer(e, p, b, l, T, e->x);
         if (whole) mrl_model_layer_unuse(e->m, l);
         if (st) break;
         if (p->router && e->routes) record_routing(e, hb, ord++); /* mrl_engine_record_routing */
@@ -1040,7 +1092,7 @@ static mrl_status mtp_pass(mrl_engine *e) {
     k->gemm(0, 1, M, D, 2 * D, 1.0f, e->mtp_cat, 2 * D, w->eh_proj, 2 * D, 0.0f, e->mtp_x, D);
     layer_params lp = w->layer;
     int L = c->num_hidden_layers;
-    mrl_status st = e->latent ? latent_layer(e, &lp, b, L, M, 0, e->mtp_x) : paged_layer(e, &lp, b, L, M, e->mtp_x);
+    mrl_status st = e->latent ? latent_layer(e, &lp, b, b, L, M, 0, e->mtp_x) : paged_layer(e, &lp, b, L, M, e->mtp_x);
     if (st || plan->n_drafts == 0) return st;
     int64_t nd = plan->n_drafts;
     k->gather_rows(e->rows, e->mtp_x, plan->draft_rows, nd, D);

@@ -133,7 +133,7 @@ static void lora_fwd(const mrl_model *m, const layer_params *p, const layer_acts
  *   qcat[t,h] = [q_nope[t,h] Wuk_h, q_rope[t,h]]   Wuk_h = kv_b_proj's key rows of head h [dn, rkv]
  *   qabs = qcat with its rope part turned; lat[t] = [c'[t], rope(kr[t])]   (W = rkv + dr values)
  * so that qabs[t,h] . lat[j] = q_nope k_nope + q_rope k_rope of the expanded form. */
-static void mla_absorb(const mrl_model *m, const layer_params *p, layer_acts *a, const int32_t *pos, int64_t T) {
+void mrl_layer_mla_absorb(const mrl_model *m, const layer_params *p, layer_acts *a, const int32_t *pos, int64_t T) {
     const mrl_kernels *k = m->k;
     const mrl_model_config *c = &m->cfg;
     int H = c->num_attention_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim,
@@ -160,7 +160,7 @@ static void mla_absorb(const mrl_model *m, const layer_params *p, layer_acts *a,
 
 /* The absorbed form's output: att_v[t,h] = olat[t,h] Wuv_h^T, Wuv_h = kv_b_proj's value rows of
  * head h [dv, rkv]: the attention's output in the values' space, o_proj's input. */
-static void mla_unabsorb(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T) {
+void mrl_layer_mla_unabsorb(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T) {
     const mrl_model_config *c = &m->cfg;
     int H = c->num_attention_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim, rkv = c->kv_lora_rank;
     enum { BATCH = 64 };
@@ -201,8 +201,8 @@ static void mla_proj(const mrl_model *m, const layer_params *p, layer_acts *a, c
     k->copy_rows(a->ckv, rkv, a->kva, rkv + dr, T, rkv); /* [c | kr] apart */
     k->copy_rows(a->kr, dr, a->kva + rkv, rkv + dr, T, dr);
     k->rmsnorm_fwd(a->cn, a->rstdc, a->ckv, p->kv_a_norm, T, rkv, eps);
-    if (a->mla_absorbed) { /* the engine's latent cache (engine.h): no per-head keys and values */
-        mla_absorb(m, p, a, pos, T);
+    if (a->mla_absorbed == 1) { /* the engine's latent cache (engine.h): no per-head keys and values */
+        mrl_layer_mla_absorb(m, p, a, pos, T);
         return;
     }
     run1(m, lin_w(p, 2, a->kvb, a->cn, p->wv, p->pv, T, H * (dn + dv), rkv, 0), p->hv);
@@ -295,8 +295,9 @@ void mrl_layer_out(const mrl_model *m, const layer_params *p, layer_acts *a, con
     const float *att = a->att;
     if (mrl_model_is_mla(c)) { /* each head's dv values (of its padded head, or of the latent's): o_proj's input */
         int H = c->num_attention_heads, dv = c->v_head_dim;
-        if (a->mla_absorbed) mla_unabsorb(m, p, a, T);
-        else k->copy_rows(a->att_v, dv, a->att, c->head_dim, T * H, dv);
+        if (a->mla_absorbed == 1) mrl_layer_mla_unabsorb(m, p, a, T);
+        else if (a->mla_absorbed == 0) k->copy_rows(a->att_v, dv, a->att, c->head_dim, T * H, dv);
+        /* (2: the engine filled att_v itself, some rows each way) */
         att = a->att_v, Q = H * dv;
     }
     if (m->tp_size > 1) { /* h = x + the sum over the group of each rank's heads' part */

@@ -184,9 +184,10 @@ typedef struct layer_acts {
     /* and its forward's scratch (one for every layer): queries before RoPE, kv_a_proj_with_mqa's
      * output, the rope key, kv_b_proj's output */
     float *qf, *kva, *kr, *kvb; /* [T,H*(dn+dr)] [T,rkv+dr] [T,dr] [T,H*(dn+dv)] */
-    /* the engine's absorbed form over a latent cache (engine.h, MRL_MLA_LATENT) when mla_absorbed:
-     * qcat each head's [q_nope Wuk_h, q_rope] before RoPE, qabs after, lat each token's cache row
-     * [c', rope(kr)], olat the attention's output in the latent's space (W = rkv + dr) */
+    /* the engine's absorbed form over a latent cache (engine.h, MRL_MLA_LATENT) when mla_absorbed
+     * is 1 (2: att_v given, mrl_layer_out reads it as it is): qcat each head's [q_nope Wuk_h,
+     * q_rope] before RoPE, qabs after, lat each token's cache row [c', rope(kr)], olat the
+     * attention's output in the latent's space (W = rkv + dr) */
     int mla_absorbed;
     float *mla_qcat, *mla_qabs, *mla_lat, *mla_olat; /* [T,H,W] [T,H,W] [T,W] [T,H,rkv] */
     float *h, *ln2, *rstd2;    /* [T,D] x + attention, [T,D], [T] */
@@ -237,6 +238,11 @@ static inline int mrl_model_rope_dim(const mrl_model_config *c) {
     return mrl_model_is_mla(c) ? c->qk_rope_head_dim : c->head_dim;
 }
 float mrl_model_attn_scale(const mrl_model_config *c);
+
+/* The absorbed form's two ends (layer.c), for an engine step that mixes forms: qabs and lat of T
+ * tokens from mla_proj's qf, cn and kr; att_v from olat. */
+void mrl_layer_mla_absorb(const mrl_model *m, const layer_params *p, layer_acts *a, const int32_t *pos, int64_t T);
+void mrl_layer_mla_unabsorb(const mrl_model *m, const layer_params *p, layer_acts *a, int64_t T);
 
 /* Qwen3's per-head q/k norms (qwen3 and qwen3_moe) */
 static inline int mrl_arch_qk_norm(int arch) { return arch == MRL_ARCH_QWEN3 || arch == MRL_ARCH_QWEN3_MOE; }

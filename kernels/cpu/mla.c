@@ -238,6 +238,7 @@ typedef struct latent_job {
     const mrl_paged_attn *a;
     const int32_t *seq_of; /* [T] each query token's sequence */
     int max_ctx;
+    int64_t t0; /* the first row (parallel_for's 0) */
     mrl_status st;
 } latent_job;
 
@@ -262,7 +263,7 @@ static void attend_rows(void *vc, int64_t t0, int64_t t1) {
         return;
     }
     float *buf = s + (size_t)H * job->max_ctx, *inv = buf + (size_t)bs * hd;
-    for (int64_t t = t0; t < t1; t++) {
+    for (int64_t t = job->t0 + t0; t < job->t0 + t1; t++) {
         int i = job->seq_of[t], n_q = a->query_start[i + 1] - a->query_start[i];
         int n = a->seq_lens[i] - n_q + (int)(t - a->query_start[i]) + 1;
         const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
@@ -296,7 +297,8 @@ static void attend_rows(void *vc, int64_t t0, int64_t t1) {
 mrl_status mrl_cpu_fast_mla_paged_attn(const mrl_paged_attn *a) {
     mrl_status st = check_latent(a, "mla_paged_attn");
     if (st) return st;
-    int64_t T = a->n_seqs ? a->query_start[a->n_seqs] : 0;
+    /* (the rows are query_start[0] .. query_start[n_seqs]: a run of a batch's sequences starts past 0) */
+    int64_t T0 = a->n_seqs ? a->query_start[0] : 0, T = a->n_seqs ? a->query_start[a->n_seqs] : 0;
     int32_t *seq_of = malloc(sizeof(int32_t) * (size_t)(T ? T : 1));
     if (!seq_of) return mrl_set_error(MRL_ERR_NOMEM, "mla_paged_attn: no memory for %lld rows", (long long)T);
     int max_ctx = 1;
@@ -304,8 +306,8 @@ mrl_status mrl_cpu_fast_mla_paged_attn(const mrl_paged_attn *a) {
         for (int t = a->query_start[i]; t < a->query_start[i + 1]; t++) seq_of[t] = i;
         if (a->seq_lens[i] > max_ctx) max_ctx = a->seq_lens[i];
     }
-    latent_job job = {a, seq_of, max_ctx, MRL_OK};
-    mrl_parallel_for(T, 1, attend_rows, &job);
+    latent_job job = {a, seq_of, max_ctx, T0, MRL_OK};
+    mrl_parallel_for(T - T0, 1, attend_rows, &job);
     free(seq_of);
     return job.st ? mrl_set_error(job.st, "mla_paged_attn: no memory for the scores of %d keys", max_ctx) : MRL_OK;
 }

@@ -145,9 +145,9 @@ __global__ static void __launch_bounds__(ATT_THREADS) mla_attn_kernel(const mrl_
                                                                       int *bad_seq) {
     __shared__ float red[ATT_THREADS];
     const int h = blockIdx.y, hv = a.hv ? a.hv : a.hd;
-    const int64_t T = a.query_start[a.n_seqs];
+    const int64_t T0 = a.query_start[0], T = a.query_start[a.n_seqs]; // (a run of a batch's sequences: past 0)
     float *s = scratch + ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * max_ctx;
-    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    for (int64_t t = T0 + blockIdx.x; t < T; t += gridDim.x) {
         int i = 0;
         while (i + 1 < a.n_seqs && a.query_start[i + 1] <= t) i++;
         int n_q = a.query_start[i + 1] - a.query_start[i], len = a.seq_lens[i];

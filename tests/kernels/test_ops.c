@@ -1484,7 +1484,17 @@ static void run_mla_paged_attn(const mrl_kernels *k, void *const *p, const op_ca
                         .query_start = p[5], .n_seqs = (int)c->i[0], .max_blocks_per_seq = (int)c->i[1],
                         .block_size = (int)c->i[2], .Hq = (int)c->i[3], .Hk = 1, .hd = (int)c->i[4],
                         .hv = (int)c->i[5], .scale = c->f[0], .kv_bf16 = (int)c->i[6]};
-    CHECK_OK(k->mla_paged_attn(&a));
+    if (!c->i[7] || a.n_seqs < 2) {
+        CHECK_OK(k->mla_paged_attn(&a));
+        return;
+    }
+    /* (in two runs, the engine's mixed steps: the first sequence alone, then the rest from its end) */
+    mrl_paged_attn first = a, rest = a;
+    first.n_seqs = 1;
+    rest.n_seqs = a.n_seqs - 1, rest.query_start = a.query_start + 1, rest.seq_lens = a.seq_lens + 1;
+    rest.block_tables = a.block_tables + a.max_blocks_per_seq;
+    CHECK_OK(k->mla_paged_attn(&rest));
+    CHECK_OK(k->mla_paged_attn(&first));
 }
 
 /* One step over a latent cache of nb blocks (case_paged's batch): rows of W, values hv, H heads.
@@ -1499,18 +1509,21 @@ static void case_latent(int n_seqs, const int32_t *lens, const int32_t *qs, cons
             slots[t] = t % 5 == 4 ? -1 : tables_[i * max_blocks + pos / bs] * bs + pos % bs;
         }
     uint16_t *c16 = rnd_bf16(cache);
-    for (int bf16 = 0; bf16 < 2; bf16++) {
+    for (int run = 0; run < 3; run++) {
+        int bf16 = run == 1, split = run == 2;
         op_case c;
-        new_case(&c, "latent_kv_write", run_latent_write, "%lld rows of %d, blocks of %d%s", (long long)T, W, bs,
-                 bf16 ? ", bf16" : "");
-        if (bf16) add(&c, "cache", U16, INOUT, cache, c16, TOL_BITS);
-        else inout_rnd(&c, "cache", cache, 1, TOL_BITS);
-        in_rnd(&c, "rows", T * W, 1);
-        add(&c, "slots", I32, IN, T, slots, 0);
-        c.i[0] = T, c.i[1] = W, c.i[2] = bf16, c.gpu_only = gpu_only;
-        check_case(&c);
+        if (!split) {
+            new_case(&c, "latent_kv_write", run_latent_write, "%lld rows of %d, blocks of %d%s", (long long)T, W, bs,
+                     bf16 ? ", bf16" : "");
+            if (bf16) add(&c, "cache", U16, INOUT, cache, c16, TOL_BITS);
+            else inout_rnd(&c, "cache", cache, 1, TOL_BITS);
+            in_rnd(&c, "rows", T * W, 1);
+            add(&c, "slots", I32, IN, T, slots, 0);
+            c.i[0] = T, c.i[1] = W, c.i[2] = bf16, c.gpu_only = gpu_only;
+            check_case(&c);
+        }
         new_case(&c, "mla_paged_attn", run_mla_paged_attn, "%d heads, rows of %d, values %d, blocks of %d%s", H, W, hv,
-                 bs, bf16 ? ", bf16 cache" : "");
+                 bs, bf16 ? ", bf16 cache" : split ? ", in two runs (the second past row 0)" : "");
         gpu_tol(&c, add(&c, "out", F32, OUT, T * H * hv, NULL, TOL_PAGED), TOL_GPU_ATTN);
         in_rnd(&c, "q", T * H * W, 0.3f);
         if (bf16) add(&c, "cache", U16, IN, cache, c16, 0);
@@ -1519,7 +1532,7 @@ static void case_latent(int n_seqs, const int32_t *lens, const int32_t *qs, cons
         add(&c, "seq_lens", I32, IN, n_seqs, lens, 0);
         add(&c, "query_start", I32, IN, n_seqs + 1, qs, 0);
         c.i[0] = n_seqs, c.i[1] = max_blocks, c.i[2] = bs, c.i[3] = H, c.i[4] = W, c.i[5] = hv, c.i[6] = bf16;
-        c.gpu_only = gpu_only;
+        c.i[7] = split, c.gpu_only = gpu_only;
         c.f[0] = 1.0f / sqrtf((float)W);
         check_case(&c);
     }

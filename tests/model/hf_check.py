@@ -138,6 +138,7 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 57):  #
     case("deepseek_v3 MLA, q_proj, yarn mscale", dict(mla, q_lora_rank=None, v_head_dim=20, max_position_embeddings=64,
          rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
                            mscale=1.0, mscale_all_dim=1.0)))
+    case("deepseek_v3 with its MTP layer (Transformers drops it)", dict(mla, num_nextn_predict_layers=1))
     case("deepseek_v3 MoE: groups, shared expert, dense first layer", dict(mla, num_hidden_layers=3,
          first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
          moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5))
