@@ -6,7 +6,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <immintrin.h>
 #include "cpu/mla.h"
+#include "cpu/gemm_bf16.h"
+#include "cpu/isa.h"
+#include "cpu/paged_attention.h"
 #include "base/error.h"
 #include "base/parallel.h"
 #include "moonrl/dtype.h"
@@ -226,19 +230,27 @@ mrl_status mrl_cpu_ref_mla_paged_attn(const mrl_paged_attn *a) {
     return MRL_OK;
 }
 
-/* The fast table's: the batch's query tokens over the threads; each reads its context's rows once
- * for all its heads (the heads share the one latent row: multi-query attention over it), scores
- * and sums in fp32. */
-/* The fast table's: the batch's query tokens over the threads; each takes its context a block at a
- * time as two products (OpenBLAS, fp32): the scores of every head against the block's rows
- * [H, W] x [rows, W]^T, then, with the softmax's weights, the rows' first hv values summed
- * [H, rows] x [rows, hv] (the heads share the one latent row: multi-query attention over it). A
- * bf16 cache's block is widened first. */
+/* The fast table's: the batch's query rows, each with a run of its heads (all of them; with fewer
+ * rows than twice the threads, a share of them, so that one sequence's decode still spreads), over
+ * the threads. Each item reads its context's rows once for all its heads (the heads share the one
+ * latent row: multi-query attention over it); the softmax in fp32 (mrl_vexp_sum). Its products:
+ *  - fp32: a block at a time as two OpenBLAS products, the scores [h, W] x [rows, W]^T, then,
+ *    with the softmax's weights, the rows' first hv values summed [h, rows] x [rows, hv] (a bf16
+ *    cache's block widened first);
+ *  - bf16 (a bf16 cache on a CPU with AVX512-BF16, W and hv multiples of 32; off with
+ *    mrl_cpu_paged_attn_bf16_products(0)), as the expanded cache's paged_attn takes them: q and
+ *    the normalised weights rounded to bf16, vdpbf16ps, fp32 sums. The scores: 4 heads x 4 rows
+ *    of accumulators over the row (pairs along it, as the row lies), each summed across its lanes
+ *    at the end. The values: rows c and c+1 interleaved (vpunpck{l,h}wd within 128-bit lanes)
+ *    meet the weight pair (p[c], p[c+1]) of 4 heads, 64 values at a time, the outputs in lane
+ *    order (d 0-3, 8-11, 16-19, 24-27 and 4-7, 12-15, ... of each 32) put back in order at the
+ *    end; the context a run of 32 rows at a time, so that the run stays in cache across the heads. */
 typedef struct latent_job {
     const mrl_paged_attn *a;
     const int32_t *seq_of; /* [T] each query token's sequence */
-    int max_ctx;
-    int64_t t0; /* the first row (parallel_for's 0) */
+    int max_ctx, hc, n_hc; /* heads an item (hc), items a row (n_hc) */
+    int dp;                /* the bf16 products */
+    int64_t t0;            /* the first row (parallel_for's 0) */
     mrl_status st;
 } latent_job;
 
@@ -253,43 +265,145 @@ static const float *latent_block(const mrl_paged_attn *a, int32_t b, int rows, f
     return buf;
 }
 
-static void attend_rows(void *vc, int64_t t0, int64_t t1) {
+/* fp32 products: s [nh, n] the scores of the nh heads of q, then out [nh, hv]. */
+static void attend_fp32(const mrl_paged_attn *a, const int32_t *table, const float *q, int nh, int n, float *s,
+                        float *buf, float *out) {
+    int hd = a->hd, hv = a->hv ? a->hv : hd, bs = a->block_size;
+    for (int c0 = 0; c0 < n; c0 += bs) {
+        int rows = n - c0 < bs ? n - c0 : bs;
+        const float *k = latent_block(a, table[c0 / bs], rows, buf);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nh, rows, hd, a->scale, q, hd, k, hd, 0.0f, s + c0, n);
+    }
+    for (int h = 0; h < nh; h++) { /* the softmax's weights */
+        float *sh = s + (int64_t)h * n, m = sh[0];
+        for (int c = 1; c < n; c++) m = sh[c] > m ? sh[c] : m;
+        float inv = (float)(1.0 / mrl_vexp_sum(sh, sh, m, n));
+        for (int c = 0; c < n; c++) sh[c] *= inv;
+    }
+    for (int c0 = 0; c0 < n; c0 += bs) {
+        int rows = n - c0 < bs ? n - c0 : bs;
+        const float *k = latent_block(a, table[c0 / bs], rows, buf);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nh, hv, rows, 1.0f, s + c0, n, k, hd, c0 ? 1.0f : 0.0f,
+                    out, hv);
+    }
+}
+
+#define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* context row c of a sequence's block table, bf16 */
+static inline const uint16_t *row16(const mrl_paged_attn *a, const int32_t *table, int c) {
+    return (const uint16_t *)a->k_cache + ((int64_t)table[c / a->block_size] * a->block_size + c % a->block_size) * a->hd;
+}
+
+/* s [nh, n] = scale * q . row, q the nh heads as bf16 (qb [nh, hd]) */
+DP_TARGET static void scores_dp(const mrl_paged_attn *a, const int32_t *table, const uint16_t *qb, int nh, int n,
+                                float *s) {
+    int hd = a->hd;
+    for (int c0 = 0; c0 < n; c0 += 4) {
+        const uint16_t *r[4];
+        for (int j = 0; j < 4; j++) r[j] = row16(a, table, c0 + j < n ? c0 + j : c0); /* (past the end: not stored) */
+        for (int h0 = 0; h0 < nh; h0 += 4) {
+            const uint16_t *qh[4];
+            for (int i = 0; i < 4; i++) qh[i] = qb + (int64_t)(h0 + i < nh ? h0 + i : h0) * hd;
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d += 32) {
+                __m512bh rv[4], qv[4];
+                for (int j = 0; j < 4; j++) rv[j] = (__m512bh)_mm512_loadu_si512(r[j] + d);
+                for (int i = 0; i < 4; i++) qv[i] = (__m512bh)_mm512_loadu_si512(qh[i] + d);
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] = _mm512_dpbf16_ps(acc[4 * i + j], qv[i], rv[j]);
+            }
+            for (int i = 0; i < 4 && h0 + i < nh; i++)
+                for (int j = 0; j < 4 && c0 + j < n; j++)
+                    s[(int64_t)(h0 + i) * n + c0 + j] = _mm512_reduce_add_ps(acc[4 * i + j]) * a->scale;
+        }
+    }
+}
+
+/* out [nh, hv] (lane order, see above) = the weight pairs of the nh heads (each at the front of
+ * its row of s, [nh, n]) times the context's first hv values */
+DP_TARGET static void values_dp(const mrl_paged_attn *a, const int32_t *table, const float *s, int nh, int n,
+                                float *out, int hv) {
+    int np = (n + 1) / 2;
+    for (int p0 = 0; p0 < np; p0 += 16) { /* runs of 32 rows */
+        int p1 = p0 + 16 < np ? p0 + 16 : np;
+        for (int h0 = 0; h0 < nh; h0 += 4) {
+            const uint32_t *pp[4];
+            for (int i = 0; i < 4; i++) pp[i] = (const uint32_t *)(s + (int64_t)(h0 + i < nh ? h0 + i : h0) * n);
+            for (int d0 = 0; d0 < hv; d0 += 64) {
+                const int two = hv - d0 >= 64; /* 64 values, or the last 32 */
+                __m512 acc[16];
+                for (int i = 0; i < 4; i++)
+                    for (int k = 0; k < 4; k++)
+                        acc[4 * i + k] = p0 && (two || k < 2) ? _mm512_loadu_ps(out + (int64_t)(h0 + i < nh ? h0 + i : h0) * hv + d0 + 16 * k)
+                                                              : _mm512_setzero_ps();
+                for (int p = p0; p < p1; p++) {
+                    const uint16_t *r0 = row16(a, table, 2 * p), *r1 = 2 * p + 1 < n ? row16(a, table, 2 * p + 1) : r0;
+                    __m512i x0 = _mm512_loadu_si512(r0 + d0), x1 = _mm512_loadu_si512(r1 + d0), y0 = x0, y1 = x1;
+                    if (two) y0 = _mm512_loadu_si512(r0 + d0 + 32), y1 = _mm512_loadu_si512(r1 + d0 + 32);
+                    __m512bh v[4] = {(__m512bh)_mm512_unpacklo_epi16(x0, x1), (__m512bh)_mm512_unpackhi_epi16(x0, x1),
+                                     (__m512bh)_mm512_unpacklo_epi16(y0, y1), (__m512bh)_mm512_unpackhi_epi16(y0, y1)};
+                    for (int i = 0; i < 4; i++) {
+                        __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[i][p]);
+                        for (int k = 0; k < 4; k++) acc[4 * i + k] = _mm512_dpbf16_ps(acc[4 * i + k], w, v[k]);
+                    }
+                }
+                for (int i = 0; i < 4 && h0 + i < nh; i++)
+                    for (int k = 0; k < (two ? 4 : 2); k++) _mm512_storeu_ps(out + (int64_t)(h0 + i) * hv + d0 + 16 * k, acc[4 * i + k]);
+            }
+        }
+    }
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int h = 0; h < nh; h++) /* lane order (lo, hi of each 32 values) back to the values' */
+        for (int d = 0; d < hv; d += 32) {
+            float *o = out + (int64_t)h * hv + d;
+            __m512 lo = _mm512_loadu_ps(o), hi = _mm512_loadu_ps(o + 16);
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
+}
+
+/* bf16 products: the nh heads of q rounded to bf16 (qb), the scores, the weights, out [nh, hv] */
+DP_TARGET static void attend_dp(const mrl_paged_attn *a, const int32_t *table, const float *q, int nh, int n, float *s,
+                                uint16_t *qb, float *out) {
+    int hd = a->hd, hv = a->hv ? a->hv : hd;
+    for (int64_t i = 0; i < (int64_t)nh * hd; i += 32)
+        _mm512_storeu_si512(qb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(q + i)));
+    scores_dp(a, table, qb, nh, n, s);
+    for (int h = 0; h < nh; h++) {
+        float *sh = s + (int64_t)h * n, m = sh[0];
+        for (int c = 1; c < n; c++) m = sh[c] > m ? sh[c] : m;
+        float inv = (float)(1.0 / mrl_vexp_sum(sh, sh, m, n));
+        for (int c = 0; c < n; c++) sh[c] *= inv;
+        mrl_cpu_bf16_pairs_in_place(sh, n); /* (over the front of its own row) */
+    }
+    values_dp(a, table, s, nh, n, out, hv);
+}
+
+static void attend_items(void *vc, int64_t i0, int64_t i1) {
     latent_job *job = vc;
     const mrl_paged_attn *a = job->a;
-    int H = a->Hq, hd = a->hd, hv = a->hv ? a->hv : hd, bs = a->block_size;
-    float *s = malloc(sizeof(float) * ((size_t)H * job->max_ctx + (size_t)bs * hd + H));
+    int H = a->Hq, hd = a->hd, hv = a->hv ? a->hv : hd, hc = job->hc;
+    size_t n_s = (size_t)hc * job->max_ctx, n_buf = (size_t)a->block_size * hd, n_qb = ((size_t)hc * hd + 1) / 2;
+    float *s = malloc(sizeof(float) * (n_s + n_buf + n_qb));
     if (!s) {
         job->st = MRL_ERR_NOMEM;
         return;
     }
-    float *buf = s + (size_t)H * job->max_ctx, *inv = buf + (size_t)bs * hd;
-    for (int64_t t = job->t0 + t0; t < job->t0 + t1; t++) {
+    float *buf = s + n_s;
+    uint16_t *qb = (uint16_t *)(buf + n_buf);
+    for (int64_t it = i0; it < i1; it++) {
+        int64_t t = job->t0 + it / job->n_hc;
+        int h0 = (int)(it % job->n_hc) * hc, nh = H - h0 < hc ? H - h0 : hc;
         int i = job->seq_of[t], n_q = a->query_start[i + 1] - a->query_start[i];
         int n = a->seq_lens[i] - n_q + (int)(t - a->query_start[i]) + 1;
         const int32_t *table = a->block_tables + (int64_t)i * a->max_blocks_per_seq;
-        const float *q = a->q + t * H * hd;
-        for (int c0 = 0; c0 < n; c0 += bs) {
-            int rows = n - c0 < bs ? n - c0 : bs;
-            const float *k = latent_block(a, table[c0 / bs], rows, buf);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, H, rows, hd, a->scale, q, hd, k, hd, 0.0f, s + c0, n);
-        }
-        for (int h = 0; h < H; h++) { /* the softmax's weights, unnormalised; inv[h] = 1 / their sum */
-            float *sh = s + (int64_t)h * n, m = sh[0], sum = 0;
-            for (int c = 1; c < n; c++) m = sh[c] > m ? sh[c] : m;
-            for (int c = 0; c < n; c++) sum += sh[c] = expf(sh[c] - m);
-            inv[h] = 1.0f / sum;
-        }
-        float *o = a->out + t * H * hv;
-        for (int c0 = 0; c0 < n; c0 += bs) {
-            int rows = n - c0 < bs ? n - c0 : bs;
-            const float *k = latent_block(a, table[c0 / bs], rows, buf);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, H, hv, rows, 1.0f, s + c0, n, k, hd, c0 ? 1.0f : 0.0f,
-                        o, hv);
-        }
-        for (int h = 0; h < H; h++) {
-            float *oh = o + (int64_t)h * hv;
-            for (int d = 0; d < hv; d++) oh[d] *= inv[h];
-        }
+        const float *q = a->q + (t * H + h0) * hd;
+        float *o = a->out + (t * H + h0) * hv;
+        if (job->dp) attend_dp(a, table, q, nh, n, s, qb, o);
+        else attend_fp32(a, table, q, nh, n, s, buf, o);
     }
     free(s);
 }
@@ -306,8 +420,17 @@ mrl_status mrl_cpu_fast_mla_paged_attn(const mrl_paged_attn *a) {
         for (int t = a->query_start[i]; t < a->query_start[i + 1]; t++) seq_of[t] = i;
         if (a->seq_lens[i] > max_ctx) max_ctx = a->seq_lens[i];
     }
-    latent_job job = {a, seq_of, max_ctx, T0, MRL_OK};
-    mrl_parallel_for(T - T0, 1, attend_rows, &job);
+    int hv = a->hv ? a->hv : a->hd, threads = mrl_parallel_threads(), hc = a->Hq;
+    if (T - T0 > 0 && T - T0 < 2 * threads) { /* a share of the heads an item, in fours */
+        int split = (int)((2 * threads + (T - T0) - 1) / (T - T0));
+        hc = (a->Hq + split - 1) / split;
+        hc = (hc + 3) / 4 * 4;
+        if (hc > a->Hq) hc = a->Hq;
+    }
+    latent_job job = {a, seq_of, max_ctx, hc, (a->Hq + hc - 1) / hc, 0, T0, MRL_OK};
+    job.dp = a->kv_bf16 && a->hd % 32 == 0 && hv % 32 == 0 && mrl_cpu_isa_level() == 2 &&
+             mrl_cpu_paged_attn_bf16_products_on() && mrl_cpu_has_avx512_bf16();
+    mrl_parallel_for((T - T0) * job.n_hc, 1, attend_items, &job);
     free(seq_of);
     return job.st ? mrl_set_error(job.st, "mla_paged_attn: no memory for the scores of %d keys", max_ctx) : MRL_OK;
 }

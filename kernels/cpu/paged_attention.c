@@ -391,13 +391,11 @@ DP_TARGET static inline __attribute__((always_inline)) void scores_dp(const item
 #undef CHUNK_PTR
 }
 
-/* The weights of head r as bf16 pairs, written over the front of its own
- * score row (pp[c/2] holds keys c, c+1; the pair past an odd count padded
- * with 0). */
-DP_TARGET static inline uint32_t *weight_pairs(const item_view *v, int r) {
-    float *s = v->scores + (int64_t)r * v->n_ctx;
+/* n fp32 weights (s) as bf16 pairs written over their own front (pp[c/2] holds keys c, c+1; the
+ * pair past an odd count padded with 0); mla.c's too. */
+DP_TARGET uint32_t *mrl_cpu_bf16_pairs_in_place(float *s, int n) {
     uint32_t *pp = (uint32_t *)s;
-    int n = v->n_ctx, i = 0;
+    int i = 0;
     for (; i + 32 <= n; i += 32) /* writes [i/2, i/2+16) after reading [i, i+32): never ahead of the reads */
         _mm512_storeu_si512(pp + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i)));
     if (i < n) {
@@ -407,6 +405,11 @@ DP_TARGET static inline uint32_t *weight_pairs(const item_view *v, int r) {
         _mm512_mask_storeu_epi32(pp + i / 2, (__mmask16)((1u << ((n - i + 1) / 2)) - 1), w);
     }
     return pp;
+}
+
+/* The weights of head r as bf16 pairs, over the front of its own score row. */
+DP_TARGET static inline uint32_t *weight_pairs(const item_view *v, int r) {
+    return mrl_cpu_bf16_pairs_in_place(v->scores + (int64_t)r * v->n_ctx, v->n_ctx);
 }
 
 /* out[r0 .. r0+RN)[d0 .. d0 + 32 DC) += the keys k0..k1 (k0 even) of V
@@ -469,6 +472,7 @@ DP_TARGET static void values_avx512_bf16(const item_view *v) { HEAD_RUNS(values_
 static int bf16_products = 1; /* tests turn the path off to reach the fp32 loops on this CPU */
 
 void mrl_cpu_paged_attn_bf16_products(int on) { bf16_products = on; }
+int mrl_cpu_paged_attn_bf16_products_on(void) { return bf16_products; }
 
 /* Whether this batch takes the bf16 products. */
 static int use_dp(const mrl_paged_attn *a, int level) {

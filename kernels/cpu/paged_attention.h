@@ -35,9 +35,14 @@ int64_t mrl_cpu_fast_paged_attn_workspace(const mrl_paged_attn *a);
 
 /* With a bf16 cache on a CPU with AVX512-BF16 (block_size 16, hd a
  * multiple of 32) the fast version's two products take bf16 operands: q and
- * the softmax weights rounded to bf16, fp32 sums (paged_attention.c). 0
- * turns that off (the fp32 loops over the widened cache), for the tests. */
+ * the softmax weights rounded to bf16, fp32 sums (paged_attention.c; the
+ * latent cache's mla_paged_attn too, mla.c). 0 turns that off (the fp32
+ * loops over the widened cache), for the tests; _on: whether it is on. */
 void mrl_cpu_paged_attn_bf16_products(int on);
+int mrl_cpu_paged_attn_bf16_products_on(void);
+/* n fp32 values (s) rounded to bf16 pairs over their own front, (s[2i], s[2i+1]) a uint32_t each
+ * (the last pair of an odd n padded with 0), as vdpbf16ps takes them; AVX512-BF16 only. */
+uint32_t *mrl_cpu_bf16_pairs_in_place(float *s, int n);
 /* Whether the fast version takes the bf16 products for this batch. */
 int mrl_cpu_paged_attn_takes_bf16_products(const mrl_paged_attn *a);
 

@@ -1485,7 +1485,9 @@ static void run_mla_paged_attn(const mrl_kernels *k, void *const *p, const op_ca
                         .block_size = (int)c->i[2], .Hq = (int)c->i[3], .Hk = 1, .hd = (int)c->i[4],
                         .hv = (int)c->i[5], .scale = c->f[0], .kv_bf16 = (int)c->i[6]};
     if (!c->i[7] || a.n_seqs < 2) {
+        if (c->i[8]) mrl_cpu_paged_attn_bf16_products(0); /* the fp32 products over the bf16 cache */
         CHECK_OK(k->mla_paged_attn(&a));
+        mrl_cpu_paged_attn_bf16_products(1);
         return;
     }
     /* (in two runs, the engine's mixed steps: the first sequence alone, then the rest from its end) */
@@ -1509,10 +1511,10 @@ static void case_latent(int n_seqs, const int32_t *lens, const int32_t *qs, cons
             slots[t] = t % 5 == 4 ? -1 : tables_[i * max_blocks + pos / bs] * bs + pos % bs;
         }
     uint16_t *c16 = rnd_bf16(cache);
-    for (int run = 0; run < 3; run++) {
-        int bf16 = run == 1, split = run == 2;
+    for (int run = 0; run < 4; run++) {
+        int bf16 = run == 1 || run == 3, split = run == 2, fp32_products = run == 3;
         op_case c;
-        if (!split) {
+        if (!split && !fp32_products) {
             new_case(&c, "latent_kv_write", run_latent_write, "%lld rows of %d, blocks of %d%s", (long long)T, W, bs,
                      bf16 ? ", bf16" : "");
             if (bf16) add(&c, "cache", U16, INOUT, cache, c16, TOL_BITS);
@@ -1523,16 +1525,20 @@ static void case_latent(int n_seqs, const int32_t *lens, const int32_t *qs, cons
             check_case(&c);
         }
         new_case(&c, "mla_paged_attn", run_mla_paged_attn, "%d heads, rows of %d, values %d, blocks of %d%s", H, W, hv,
-                 bs, bf16 ? ", bf16 cache" : split ? ", in two runs (the second past row 0)" : "");
-        gpu_tol(&c, add(&c, "out", F32, OUT, T * H * hv, NULL, TOL_PAGED), TOL_GPU_ATTN);
-        in_rnd(&c, "q", T * H * W, 0.3f);
+                 bs, fp32_products ? ", bf16 cache, fp32 products" : bf16 ? ", bf16 cache" : split ? ", in two runs (the second past row 0)" : "");
+        if (bf16 && !fp32_products) gpu_tol(&c, add(&c, "out (bf16 cache)", F32, OUT, T * H * hv, NULL, TOL_PAGED_BF16), TOL_GPU_ATTN);
+        else gpu_tol(&c, add(&c, "out", F32, OUT, T * H * hv, NULL, TOL_PAGED), TOL_GPU_ATTN);
+        float *q = rnd(T * H * W, 0.3f);
+        for (int64_t j = 0; bf16 && j < T * H * W; j++) q[j] = mrl_bf16_to_f32(mrl_f32_to_bf16(q[j])); /* (bf16-exact) */
+        add(&c, "q", F32, IN, T * H * W, q, 0);
+        free(q);
         if (bf16) add(&c, "cache", U16, IN, cache, c16, 0);
         else in_rnd(&c, "cache", cache, 1);
         add(&c, "block_tables", I32, IN, (int64_t)n_seqs * max_blocks, tables_, 0);
         add(&c, "seq_lens", I32, IN, n_seqs, lens, 0);
         add(&c, "query_start", I32, IN, n_seqs + 1, qs, 0);
         c.i[0] = n_seqs, c.i[1] = max_blocks, c.i[2] = bs, c.i[3] = H, c.i[4] = W, c.i[5] = hv, c.i[6] = bf16;
-        c.i[7] = split, c.gpu_only = gpu_only;
+        c.i[7] = split, c.i[8] = fp32_products, c.gpu_only = gpu_only, c.cpu_only = fp32_products;
         c.f[0] = 1.0f / sqrtf((float)W);
         check_case(&c);
     }
@@ -1540,10 +1546,13 @@ static void case_latent(int n_seqs, const int32_t *lens, const int32_t *qs, cons
 }
 
 /* Decodes and prefill chunks of 5 sequences up to 300 tokens: a tiny latent (12 + 4, heads of 4),
- * one of 36 + 8 in blocks of 5, values all of the row; DeepSeek-V3's (512 + 64, 16 heads of its
- * 128) on the GPU. */
+ * one of 36 + 8 in blocks of 5, values all of the row; two whose rows and values the bf16
+ * products take (heads of 8 and 7, blocks of 16 and of 5, odd: row pairs across blocks) and
+ * DeepSeek-V3's (512 + 64, values 512, 16 heads); on the GPU DeepSeek-V3's. */
 static void cases_latent(void) {
-    static const int shapes[][4] = {{4, 16, 12, 16}, {3, 44, 36, 5}, {2, 24, 24, 16}}; /* H, W, hv, block_size */
+    static const int shapes[][4] = {{4, 16, 12, 16}, {3, 44, 36, 5}, {2, 24, 24, 16},  /* H, W, hv, block_size */
+                                    {8, 64, 32, 16}, {7, 96, 64, 5}, /* (the bf16 products: W, hv multiples of 32) */
+                                    {16, 576, 512, 16}}; /* (DeepSeek-V3's) */
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int H = shapes[s][0], W = shapes[s][1], hv = shapes[s][2], bs = shapes[s][3], n_seqs = 5, max_len = 300;
         int max_blocks = (max_len + bs - 1) / bs, nb = n_seqs * max_blocks + 3;

@@ -110,7 +110,9 @@ end)
 t.test("the engine, latent and expanded caches: greedy tokens are the trainer's argmax, its log-probs the trainer's", function()
   local prompts = { { 1, 5, 9, 3, 7, 4, 8, 6, 3, 2, 9, 5, 7, 1, 4, 6, 8, 3 }, { 3, 4 } } -- a prefill of two steps
   for _, case in ipairs({ { 'fp32', cfg }, { 'bf16', cfg }, { 'fp32', tiny.config('deepseek_v3_moe') },
-    { 'fp32', tiny.config('deepseek_v3', { q_lora_rank = json.null, v_head_dim = 12, rope_interleave = false }) } }) do
+    { 'fp32', tiny.config('deepseek_v3', { q_lora_rank = json.null, v_head_dim = 12, rope_interleave = false }) },
+    -- rows of 32 + 32: the bf16 products of mla_paged_attn where the CPU has AVX512-BF16
+    { 'bf16', tiny.config('deepseek_v3', { kv_lora_rank = 32, qk_rope_head_dim = 32 }) } }) do
     local dtype, tokens = case[1], {}
     for _, cache in ipairs({ 'latent', 'expanded' }) do
       local m = moonrl.model.new(case[2], { seed = 11 })
