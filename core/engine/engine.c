@@ -109,6 +109,7 @@ struct mrl_engine {
     int64_t graph_captures, graph_launches, graph_failures;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
+    int64_t packed_gen;      /* the model's weights generation the fp32 panels were packed at (-1: none) */
     mrl_buffer copy16;       /* bf16: the copies of a buffer not the model's (prepare_weights), */
     mrl_buffer copy_p16;     /* and their bf16 weight panels (pack_weights) */
     const uint16_t *ext16;   /* bf16 copies and panels kept by a model copy (attach_copy): */
@@ -301,6 +302,7 @@ static void pack_panels(mrl_engine *e) {
     point_panels(e); /* rebase (attach_params) leaves the layers without panel pointers */
     mrl_parallel_for((int64_t)(e->mc->num_hidden_layers + e->mtp) * 7, 1, pack_range, e);
     e->panels_stale = 0;
+    e->packed_gen = e->reads_own ? mrl_model_weights_generation(e->m) : -1;
 }
 
 /* The weights this step's products read. fp32: the panels, repacked when
@@ -544,6 +546,13 @@ mrl_status mrl_engine_create(mrl_model *model, const mrl_engine_config *cfg, mrl
     return MRL_OK;
 }
 
+/* A new round (a reset, a request added to an engine with none unfinished): the weights may have
+ * moved. The model's own buffer says so (its weights generation, mrl_model_weights_changed, as its
+ * bf16 copies are refreshed): its fp32 panels are packed again only then; another buffer's always. */
+static void new_round(mrl_engine *e) {
+    if (!e->reads_own || e->packed_gen != mrl_model_weights_generation(e->m)) e->panels_stale = 1;
+}
+
 mrl_status mrl_engine_reset(mrl_engine *e) {
     if (!e) return mrl_set_error(MRL_ERR_INVALID, "engine reset: NULL engine");
     mrl_status st = check_idle(e, "reset");
@@ -551,7 +560,7 @@ mrl_status mrl_engine_reset(mrl_engine *e) {
     drop_sched(e); /* frees the sequences of unfinished requests too */
     routes_clear(e); /* request ids restart at 0 */
     e->next_req = 0;
-    e->panels_stale = 1;
+    new_round(e);
     return new_sched(e);
 }
 
@@ -633,7 +642,7 @@ mrl_status mrl_engine_add_request(mrl_engine *e, const mrl_engine_request *r, in
         if (r->stop_ids && (r->stop_ids[i] < 0 || r->stop_ids[i] >= V))
             return mrl_set_error(MRL_ERR_INVALID, "engine add_request: stop id %d is outside the vocabulary (%d)",
                                  r->stop_ids[i], V);
-    if (mrl_sched_num_unfinished(e->sched) == 0) e->panels_stale = 1; /* a new round: the weights may have moved */
+    if (mrl_sched_num_unfinished(e->sched) == 0) new_round(e);
     mrl_sched_request q = {.prompt = r->prompt, .prompt_len = r->prompt_len, .n = r->n,
                            .max_new_tokens = r->max_new_tokens, .eos_ids = r->eos_ids, .n_eos = r->n_eos,
                            .stop_ids = r->stop_ids, .n_stop = r->n_stop, .params = r->params, .seed = r->seed,

@@ -183,8 +183,11 @@ void mrl_engine_free(mrl_engine *e);
  * copied once per generation round into the layout the decode products
  * read best (kernels.h, MRL_PANEL): a decode step multiplies a few dozen rows
  * by each matrix, and packing the matrix on every step (what OpenBLAS does)
- * costs as much as the arithmetic. A round starts when a request is added to
- * an engine with none unfinished, and at mrl_engine_reset /
+ * costs as much as the arithmetic. They are packed again when a round starts
+ * (a request added to an engine with none unfinished) after the model's own
+ * weights changed (mrl_model_weights_changed: the contract of its bf16
+ * copies, which optimizer steps, loads and Lua's Model:params() keep), every
+ * round for another buffer's, and at mrl_engine_reset /
  * mrl_engine_attach_params / mrl_engine_swap_params: weights changed in
  * place while requests are running are not seen before the next round. The
  * copy is one pass over the weights and as much memory again as the layers'
