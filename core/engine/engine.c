@@ -109,7 +109,7 @@ struct mrl_engine {
     int64_t graph_captures, graph_launches, graph_failures;
     float *panels;           /* the layers' matrices as weight panels (cfg.pack_weights; fp32 only) */
     int panels_stale;        /* repack before the next step (a new round, new weights) */
-    int64_t packed_gen;      /* the model's weights generation the fp32 panels were packed at (-1: none) */
+    int64_t packed_gen;      /* the model's weights generation the fp32 panels were packed at (-1: another buffer's) */
     mrl_buffer copy16;       /* bf16: the copies of a buffer not the model's (prepare_weights), */
     mrl_buffer copy_p16;     /* and their bf16 weight panels (pack_weights) */
     const uint16_t *ext16;   /* bf16 copies and panels kept by a model copy (attach_copy): */

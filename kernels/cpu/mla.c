@@ -181,9 +181,14 @@ static mrl_status check_latent(const mrl_paged_attn *a, const char *who) {
     return MRL_OK;
 }
 
+/* Where row c of sequence `table`'s context starts in the cache (elements) */
+static inline int64_t row_at(const mrl_paged_attn *a, const int32_t *table, int c) {
+    return ((int64_t)table[c / a->block_size] * a->block_size + c % a->block_size) * a->hd;
+}
+
 /* Row c of sequence `table`'s context as fp32 (bf16: widened into buf) */
 static const float *latent_row(const mrl_paged_attn *a, const int32_t *table, int c, float *buf) {
-    int64_t at = ((int64_t)table[c / a->block_size] * a->block_size + c % a->block_size) * a->hd;
+    int64_t at = row_at(a, table, c);
     if (!a->kv_bf16) return (const float *)a->k_cache + at;
     const uint16_t *h = (const uint16_t *)a->k_cache + at;
     for (int d = 0; d < a->hd; d++) buf[d] = mrl_bf16_to_f32(h[d]);
@@ -274,12 +279,7 @@ static void attend_fp32(const mrl_paged_attn *a, const int32_t *table, const flo
         const float *k = latent_block(a, table[c0 / bs], rows, buf);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nh, rows, hd, a->scale, q, hd, k, hd, 0.0f, s + c0, n);
     }
-    for (int h = 0; h < nh; h++) { /* the softmax's weights */
-        float *sh = s + (int64_t)h * n, m = sh[0];
-        for (int c = 1; c < n; c++) m = sh[c] > m ? sh[c] : m;
-        float inv = (float)(1.0 / mrl_vexp_sum(sh, sh, m, n));
-        for (int c = 0; c < n; c++) sh[c] *= inv;
-    }
+    mrl_cpu_softmax_rows(s, nh, n);
     for (int c0 = 0; c0 < n; c0 += bs) {
         int rows = n - c0 < bs ? n - c0 : bs;
         const float *k = latent_block(a, table[c0 / bs], rows, buf);
@@ -292,7 +292,7 @@ static void attend_fp32(const mrl_paged_attn *a, const int32_t *table, const flo
 
 /* context row c of a sequence's block table, bf16 */
 static inline const uint16_t *row16(const mrl_paged_attn *a, const int32_t *table, int c) {
-    return (const uint16_t *)a->k_cache + ((int64_t)table[c / a->block_size] * a->block_size + c % a->block_size) * a->hd;
+    return (const uint16_t *)a->k_cache + row_at(a, table, c);
 }
 
 /* s [nh, n] = scale * q . row, q the nh heads as bf16 (qb [nh, hd]) */
@@ -372,13 +372,8 @@ DP_TARGET static void attend_dp(const mrl_paged_attn *a, const int32_t *table, c
     for (int64_t i = 0; i < (int64_t)nh * hd; i += 32)
         _mm512_storeu_si512(qb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(q + i)));
     scores_dp(a, table, qb, nh, n, s);
-    for (int h = 0; h < nh; h++) {
-        float *sh = s + (int64_t)h * n, m = sh[0];
-        for (int c = 1; c < n; c++) m = sh[c] > m ? sh[c] : m;
-        float inv = (float)(1.0 / mrl_vexp_sum(sh, sh, m, n));
-        for (int c = 0; c < n; c++) sh[c] *= inv;
-        mrl_cpu_bf16_pairs_in_place(sh, n); /* (over the front of its own row) */
-    }
+    mrl_cpu_softmax_rows(s, nh, n);
+    for (int h = 0; h < nh; h++) mrl_cpu_bf16_pairs_in_place(s + (int64_t)h * n, n); /* (over the front of its row) */
     values_dp(a, table, s, nh, n, out, hv);
 }
 

@@ -488,6 +488,15 @@ __attribute__((target("avx2,fma"))) static void values_avx2(const item_view *v) 
 static void scores_scalar(const item_view *v) { PLAIN(scores, v); }
 static void values_scalar(const item_view *v) { PLAIN(values, v); }
 
+void mrl_cpu_softmax_rows(float *s, int rows, int n) {
+    for (int r = 0; r < rows; r++) {
+        float *sr = s + (int64_t)r * n, m = -INFINITY;
+        for (int c = 0; c < n; c++) m = sr[c] > m ? sr[c] : m;
+        float inv = (float)(1.0 / mrl_vexp_sum(sr, sr, m, n));
+        for (int c = 0; c < n; c++) sr[c] *= inv;
+    }
+}
+
 static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *scores, int level, int dp) {
     int G = a->Hq / a->Hk, hd = a->hd;
     int len = a->seq_lens[it->seq], q0 = a->query_start[it->seq];
@@ -501,12 +510,7 @@ static void attend_item(const mrl_paged_attn *a, const attn_item *it, float *sco
         else if (level == 2) scores_avx512(&v);
         else if (level == 1) scores_avx2(&v);
         else scores_scalar(&v);
-        for (int r = 0; r < G; r++) {
-            float *s = scores + (int64_t)r * v.n_ctx, m = -INFINITY;
-            for (int c = 0; c < v.n_ctx; c++) m = s[c] > m ? s[c] : m;
-            float inv = (float)(1.0 / mrl_vexp_sum(s, s, m, v.n_ctx));
-            for (int c = 0; c < v.n_ctx; c++) s[c] *= inv;
-        }
+        mrl_cpu_softmax_rows(scores, G, v.n_ctx);
         if (dp) values_avx512_bf16(&v);
         else if (level == 2) values_avx512(&v);
         else if (level == 1) values_avx2(&v);

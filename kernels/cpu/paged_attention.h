@@ -43,6 +43,9 @@ int mrl_cpu_paged_attn_bf16_products_on(void);
 /* n fp32 values (s) rounded to bf16 pairs over their own front, (s[2i], s[2i+1]) a uint32_t each
  * (the last pair of an odd n padded with 0), as vdpbf16ps takes them; AVX512-BF16 only. */
 uint32_t *mrl_cpu_bf16_pairs_in_place(float *s, int n);
+/* Each of `rows` rows of n scores (s [rows, n]) as the softmax's weights, in place (fp32,
+ * mrl_vexp_sum): the fast paged attentions' (paged_attn's and mla.c's). */
+void mrl_cpu_softmax_rows(float *s, int rows, int n);
 /* Whether the fast version takes the bf16 products for this batch. */
 int mrl_cpu_paged_attn_takes_bf16_products(const mrl_paged_attn *a);
 
